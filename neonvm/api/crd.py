@@ -1,0 +1,68 @@
+"""The VirtualMachine CustomResourceDefinition, generated from :mod:`neonvm.api.types`.
+
+``neonvm manifests crd`` prints it; the chart's copy under ``charts/`` is written by
+``neonvm manifests write`` and a test fails if it ever differs from this output.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from neonvm.api import types
+from neonvm.api.schema import openapi_schema
+
+PRINTER_COLUMNS = [
+    {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+    {"name": "Pod", "type": "string", "jsonPath": ".status.podName"},
+    {"name": "Pending", "type": "string", "jsonPath": ".status.pendingPod.name",
+     "priority": 1},
+    {"name": "Restarts", "type": "integer", "jsonPath": ".status.restartCount"},
+    {"name": "Node", "type": "string", "jsonPath": ".status.node", "priority": 1},
+    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+]
+
+
+def virtualmachine_crd() -> dict[str, Any]:
+    """The CRD object, ready to create or to dump as YAML."""
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {
+            "name": f"{types.PLURAL}.{types.GROUP}",
+            "labels": {"app.kubernetes.io/part-of": "neonvm"},
+        },
+        "spec": {
+            "group": types.GROUP,
+            "scope": "Namespaced",
+            "names": {
+                "kind": types.KIND,
+                "listKind": f"{types.KIND}List",
+                "plural": types.PLURAL,
+                "singular": types.SINGULAR,
+                "shortNames": types.SHORT_NAMES,
+            },
+            "versions": [
+                {
+                    "name": types.VERSION,
+                    "served": True,
+                    "storage": True,
+                    "subresources": {"status": {}},
+                    "additionalPrinterColumns": PRINTER_COLUMNS,
+                    "schema": {
+                        "openAPIV3Schema": {
+                            "type": "object",
+                            "description": "A virtual machine run by exactly one runner pod.",
+                            "properties": {
+                                "apiVersion": {"type": "string"},
+                                "kind": {"type": "string"},
+                                "metadata": {"type": "object"},
+                                "spec": openapi_schema(types.VirtualMachineSpec),
+                                "status": openapi_schema(types.VirtualMachineStatus),
+                            },
+                            "required": ["spec"],
+                        }
+                    },
+                }
+            ],
+        },
+    }

@@ -1,0 +1,218 @@
+"""Dataclasses as the single source of the VirtualMachine API: schema and codec.
+
+An API type is a dataclass whose fields carry :func:`api_field` metadata (JSON name,
+description, bounds). From that one description this module derives
+
+* the OpenAPI v3 schema the CRD ships (:func:`openapi_schema`), and
+* the codec between Kubernetes JSON and the dataclasses (:func:`decode`, :func:`encode`).
+
+So the schema the API server enforces and the shape the controller reads cannot drift.
+Cross-field rules (``min <= max``) are CEL expressions declared on the class in
+``__validations__`` and end up as ``x-kubernetes-validations``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
+
+T = TypeVar("T")
+
+FREE_FORM = "free_form"
+"""Metadata flag: the field is an arbitrary JSON object kept as a dict (e.g. affinity)."""
+
+QUANTITY = "quantity"
+"""Metadata flag: the field is a Kubernetes resource quantity ("1Gi", 512, "250m")."""
+
+
+def api_field(
+    description: str,
+    *,
+    json: str | None = None,
+    default: Any = None,
+    default_factory: Any = dataclasses.MISSING,
+    minimum: float | None = None,
+    maximum: float | None = None,
+    exclusive_minimum: bool = False,
+    pattern: str | None = None,
+    min_length: int | None = None,
+    free_form: bool = False,
+    quantity: bool = False,
+    required: bool = False,
+) -> Any:
+    """A dataclass field with the metadata the schema and codec need."""
+    meta = {
+        "description": description,
+        "json": json,
+        "minimum": minimum,
+        "maximum": maximum,
+        "exclusive_minimum": exclusive_minimum,
+        "pattern": pattern,
+        "min_length": min_length,
+        FREE_FORM: free_form,
+        QUANTITY: quantity,
+        "required": required,
+    }
+    if default_factory is not dataclasses.MISSING:
+        return dataclasses.field(default_factory=default_factory, metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def json_name(f: dataclasses.Field[Any]) -> str:
+    name: str | None = f.metadata.get("json")
+    if name:
+        return name
+    head, *rest = f.name.split("_")
+    return head + "".join(p.title() for p in rest)
+
+
+def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
+    origin = get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0], True
+    return tp, False
+
+
+# ---- schema ------------------------------------------------------------------------------
+
+
+def openapi_schema(cls: type) -> dict[str, Any]:
+    """The structural OpenAPI v3 schema of dataclass ``cls``."""
+    hints = get_type_hints(cls)
+    props: dict[str, Any] = {}
+    required = []
+    for f in dataclasses.fields(cls):
+        name = json_name(f)
+        props[name] = _field_schema(hints[f.name], f.metadata)
+        if f.metadata.get("required"):
+            required.append(name)
+    schema: dict[str, Any] = {"type": "object", "properties": props}
+    if cls.__doc__:
+        schema["description"] = " ".join(cls.__doc__.split())
+    if required:
+        schema["required"] = required
+    rules = getattr(cls, "__validations__", ())
+    if rules:
+        schema["x-kubernetes-validations"] = [{"rule": r, "message": m} for r, m in rules]
+    return schema
+
+
+def _field_schema(tp: Any, meta: typing.Mapping[str, Any]) -> dict[str, Any]:
+    tp, _ = _unwrap_optional(tp)
+    if meta.get(FREE_FORM):
+        s: dict[str, Any] = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+        if get_origin(tp) is list:
+            s = {"type": "array", "items": s}
+    elif meta.get(QUANTITY):
+        s = {
+            "anyOf": [{"type": "integer"}, {"type": "string"}],
+            "x-kubernetes-int-or-string": True,
+            "pattern": r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$",
+        }
+    else:
+        s = _type_schema(tp)
+    if meta.get("description"):
+        s["description"] = meta["description"]
+    if meta.get("minimum") is not None:
+        s["minimum"] = meta["minimum"]
+        if meta.get("exclusive_minimum"):
+            s["exclusiveMinimum"] = True
+    if meta.get("maximum") is not None:
+        s["maximum"] = meta["maximum"]
+    if meta.get("pattern"):
+        s["pattern"] = meta["pattern"]
+    if meta.get("min_length") is not None:
+        s["minLength"] = meta["min_length"]
+    return s
+
+
+def _type_schema(tp: Any) -> dict[str, Any]:
+    tp, _ = _unwrap_optional(tp)
+    origin = get_origin(tp)
+    if tp is bool:
+        return {"type": "boolean"}
+    if tp is int:
+        return {"type": "integer", "format": "int64"}
+    if tp is float:
+        return {"type": "number"}
+    if tp is str:
+        return {"type": "string"}
+    if origin is Literal:
+        return {"type": "string", "enum": list(get_args(tp))}
+    if origin is list:
+        return {"type": "array", "items": _type_schema(get_args(tp)[0])}
+    if origin is dict:
+        return {"type": "object", "additionalProperties": _type_schema(get_args(tp)[1])}
+    if dataclasses.is_dataclass(tp):
+        return openapi_schema(typing.cast(type, tp))
+    raise TypeError(f"no schema for {tp!r}")
+
+
+# ---- codec -------------------------------------------------------------------------------
+
+
+class DecodeError(ValueError):
+    """The object does not have the shape of the API type; the message names the field."""
+
+
+def decode(cls: type[T], data: Any, path: str = "") -> T:
+    """Build dataclass ``cls`` from Kubernetes JSON (unknown keys are ignored)."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise DecodeError(f"{path or '.'}: expected an object, got {type(data).__name__}")
+    hints = get_type_hints(cls)
+    kwargs = {}
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        name = json_name(f)
+        if name in data and data[name] is not None:
+            kwargs[f.name] = _decode_value(hints[f.name], f.metadata, data[name], f"{path}.{name}")
+    return cls(**kwargs)
+
+
+def _decode_value(tp: Any, meta: typing.Mapping[str, Any], value: Any, path: str) -> Any:
+    tp, _ = _unwrap_optional(tp)
+    if meta.get(FREE_FORM) or meta.get(QUANTITY):
+        return value
+    origin = get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return decode(typing.cast(type, tp), value, path)
+    if origin is list:
+        if not isinstance(value, list):
+            raise DecodeError(f"{path}: expected a list")
+        (item,) = get_args(tp)
+        return [_decode_value(item, {}, v, f"{path}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise DecodeError(f"{path}: expected an object")
+        return {k: _decode_value(get_args(tp)[1], {}, v, f"{path}.{k}") for k, v in value.items()}
+    if origin is Literal:
+        if value not in get_args(tp):
+            raise DecodeError(f"{path}: {value!r} is not one of {', '.join(get_args(tp))}")
+        return value
+    if tp is float and isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    if tp in (int, str, bool) and not isinstance(value, tp):
+        raise DecodeError(f"{path}: expected {tp.__name__}, got {value!r}")
+    return value
+
+
+def encode(obj: Any) -> Any:
+    """Dataclass to Kubernetes JSON; None fields are omitted."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        out = {}
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            if value is None:
+                continue
+            out[json_name(f)] = encode(value)
+        return out
+    if isinstance(obj, list):
+        return [encode(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: encode(v) for k, v in obj.items()}
+    return obj

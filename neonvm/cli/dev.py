@@ -1,0 +1,105 @@
+"""``neonvm dev``: a real local control plane (etcd, kube-apiserver, and optionally a
+scheduler, controller-manager and simulated nodes) on loopback."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import click
+
+from neonvm.cli.output import OUTPUT_OPTION, emit
+from neonvm.dev import binaries
+from neonvm.dev.cluster import ClusterSpec, LocalCluster, default_state_dir
+
+STATE_DIR_OPTION = click.option(
+    "--state-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+    help=f"Where the cluster keeps its state [default: {default_state_dir()}]",
+)
+
+
+def _progress(msg: str) -> None:
+    click.echo(f"  {msg}", err=True)
+
+
+@click.group()
+def dev() -> None:
+    """Run a local control plane for demos, drills and tests."""
+
+
+@dev.command()
+@click.option("--nodes", type=click.IntRange(0, 100), default=None,
+              help="Simulated nodes (adds kube-scheduler, kube-controller-manager, kwok).")
+def install(nodes: int | None) -> None:
+    """Build (or find) the control-plane binaries; cached outside the repository."""
+    install_binaries(with_nodes=nodes is None or nodes > 0)
+
+
+def install_binaries(with_nodes: bool) -> None:
+    wanted = ["etcd", "kubernetes", "helm"] + (["kwok"] if with_nodes else [])
+    for group_name in wanted:
+        group = binaries.GROUPS[group_name]
+        if all(binaries.find(b) for b in group.binaries):
+            continue
+        click.echo(f"building {group.key} from the Go module proxy (cached in "
+                   f"{binaries.cache_root()}; a cold build takes minutes)", err=True)
+        seconds = binaries.build(group, progress=_progress)
+        click.echo(f"built {group.key} in {seconds:.0f}s", err=True)
+
+
+@dev.command()
+@STATE_DIR_OPTION
+@click.option("--nodes", type=click.IntRange(0, 100), default=None,
+              help="Simulated nodes; 0 runs only etcd and the API server. "
+                   "[default: as last time, else 3]")
+@click.option("--ports", type=click.Choice(["default", "free"]), default="default",
+              show_default=True, help="'free' picks unused ports (several clusters at once).")
+def up(state_dir: Path | None, nodes: int | None, ports: str) -> None:
+    """Start the local control plane (idempotent) and print how to use it."""
+    existing = LocalCluster(state_dir)
+    spec = existing.spec if (existing.state_dir / "cluster.json").exists() else None
+    if spec is None or ports == "free":
+        spec = ClusterSpec.with_free_ports() if ports == "free" else ClusterSpec()
+        spec.nodes = 3
+    if nodes is not None:
+        spec.nodes = nodes
+    install_binaries(with_nodes=spec.nodes > 0)
+    cluster = LocalCluster(state_dir, spec)
+    started = time.monotonic()
+    click.echo(f"starting local control plane in {cluster.state_dir}", err=True)
+    cluster.up(progress=_progress)
+    click.echo(f"ready in {time.monotonic() - started:.1f}s; to use it:", err=True)
+    for key, value in cluster.env().items():
+        click.echo(f"export {key}={value}")
+
+
+@dev.command()
+@STATE_DIR_OPTION
+def down(state_dir: Path | None) -> None:
+    """Stop every process of the local control plane."""
+    stopped = LocalCluster(state_dir).down()
+    click.echo(f"stopped: {', '.join(stopped)}" if stopped else "nothing was running")
+
+
+@dev.command()
+@STATE_DIR_OPTION
+@OUTPUT_OPTION
+def status(state_dir: Path | None, output: str) -> None:
+    """Health of each component; exits 1 unless all are healthy."""
+    cluster = LocalCluster(state_dir)
+    rows = [
+        {"component": s.name, "pid": s.pid, "running": s.running, "healthy": s.healthy,
+         "detail": s.detail[:60]}
+        for s in cluster.status()
+    ]
+    emit(rows, output)
+    if not all(r["healthy"] for r in rows):
+        raise SystemExit(1)
+
+
+@dev.command()
+@STATE_DIR_OPTION
+def env(state_dir: Path | None) -> None:
+    """Print shell exports for the local cluster (eval "$(neonvm dev env)")."""
+    for key, value in LocalCluster(state_dir).env().items():
+        click.echo(f"export {key}={value}")

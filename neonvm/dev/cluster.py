@@ -1,0 +1,456 @@
+"""A real local control plane on loopback, started and stopped as plain processes.
+
+Components, in start order:
+
+* ``etcd``: storage for the API server.
+* ``locks-etcd``: a separate etcd for the controller's per-VM locks (in production the
+  locks' etcd is not the API server's etcd, so the local cluster keeps them apart too).
+* ``kube-apiserver``: TLS on 127.0.0.1, client-certificate authentication, RBAC.
+* with ``nodes > 0``: ``kube-scheduler``, ``kube-controller-manager`` and ``kwok``
+  (simulated nodes that run pods and finish their graceful deletion).
+
+Everything a cluster needs lives in one state directory: ``cluster.json`` (ports, node
+count), PKI, kubeconfigs, data directories, logs and pid files. ``up`` is idempotent: a
+component whose recorded process is alive and healthy is left alone. ``down`` stops every
+recorded process and waits until each is gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import ssl
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import yaml
+
+from neonvm.dev import binaries
+from neonvm.dev.pki import CertPair, LocalPKI
+
+DEFAULT_PORTS = {
+    "etcd": 2379,
+    "etcd-peer": 2380,
+    "locks-etcd": 2479,
+    "locks-etcd-peer": 2480,
+    "kube-apiserver": 6443,
+    "kube-scheduler": 10259,
+    "kube-controller-manager": 10257,
+    "kwok": 10247,
+}
+
+CONTROLLER_USER = "neonvm-controller"
+"""The identity controller replicas use locally (the admission fence names it)."""
+
+
+class ClusterError(RuntimeError):
+    """Something the user can act on; the CLI prints it as one line."""
+
+
+def default_state_dir() -> Path:
+    base = os.environ.get("NEONVM_STATE_DIR")
+    if base:
+        return Path(base)
+    return Path(os.environ.get("XDG_STATE_HOME", Path.home() / ".local" / "state")) / "neonvm" / "dev"
+
+
+@dataclass
+class ClusterSpec:
+    """What ``up`` was asked for; persisted so that ``status`` and ``down`` agree with it."""
+
+    nodes: int = 0
+    ports: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_PORTS))
+
+    @classmethod
+    def with_free_ports(cls, nodes: int = 0) -> ClusterSpec:
+        return cls(nodes=nodes, ports={k: _free_port() for k in DEFAULT_PORTS})
+
+
+@dataclass(frozen=True)
+class ComponentStatus:
+    name: str
+    pid: int | None
+    running: bool
+    healthy: bool
+    detail: str
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _port_in_use(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
+
+
+def _pid_alive(pid: int, binary_name: str) -> bool:
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    if stat.rsplit(")", 1)[1].split()[0] == "Z":
+        return False
+    return binary_name.encode() in cmdline
+
+
+class LocalCluster:
+    """One local control plane rooted at ``state_dir``."""
+
+    def __init__(self, state_dir: Path | None = None, spec: ClusterSpec | None = None) -> None:
+        self.state_dir = (state_dir or default_state_dir()).resolve()
+        saved = self.state_dir / "cluster.json"
+        if spec is None and saved.exists():
+            data = json.loads(saved.read_text())
+            spec = ClusterSpec(nodes=data["nodes"], ports={**DEFAULT_PORTS, **data["ports"]})
+        self.spec = spec or ClusterSpec()
+
+    # ---- paths -------------------------------------------------------------------------
+
+    @property
+    def kubeconfig(self) -> Path:
+        return self.state_dir / "kubeconfig"
+
+    def kubeconfig_for(self, user: str) -> Path:
+        return self.state_dir / f"{user}.kubeconfig"
+
+    @property
+    def api_url(self) -> str:
+        return f"https://127.0.0.1:{self.spec.ports['kube-apiserver']}"
+
+    @property
+    def etcd_url(self) -> str:
+        return f"http://127.0.0.1:{self.spec.ports['etcd']}"
+
+    @property
+    def locks_etcd_url(self) -> str:
+        return f"http://127.0.0.1:{self.spec.ports['locks-etcd']}"
+
+    def components(self) -> list[str]:
+        names = ["etcd", "locks-etcd", "kube-apiserver"]
+        if self.spec.nodes > 0:
+            names += ["kube-scheduler", "kube-controller-manager", "kwok"]
+        return names
+
+    def env(self) -> dict[str, str]:
+        """Environment variables that point tools at this cluster."""
+        return {
+            "KUBECONFIG": str(self.kubeconfig),
+            "NEONVM_ETCD_ENDPOINTS": self.locks_etcd_url,
+        }
+
+    # ---- lifecycle ---------------------------------------------------------------------
+
+    def up(self, progress: Callable[[str], None] = lambda _m: None, timeout: float = 90.0) -> None:
+        """Start whatever is not running and healthy; wait until all of it is."""
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        (self.state_dir / "cluster.json").write_text(json.dumps(asdict(self.spec), indent=2))
+        for name in self.components():
+            binaries.require(_binary_of(name))
+        pki = self._pki()
+        for name in self.components():
+            status = self.component_status(name)
+            if status.running and status.healthy:
+                progress(f"{name}: already running (pid {status.pid})")
+                continue
+            if status.running:
+                progress(f"{name}: running but unhealthy ({status.detail}), restarting")
+                self._stop(name)
+            self._start(name, pki)
+            progress(f"{name}: starting")
+            self._wait_healthy(name, timeout)
+            progress(f"{name}: healthy")
+            if name == "kube-apiserver":
+                from neonvm.dev import bootstrap
+
+                bootstrap.apply_cluster_objects(self, progress)
+
+    def down(self, timeout: float = 20.0) -> list[str]:
+        """Stop every component this state directory recorded; return what was stopped."""
+        stopped = []
+        for name in reversed(list(DEFAULT_PORTS)):
+            if self._pid(name) is not None:
+                self._stop(name, timeout)
+                stopped.append(name)
+        return stopped
+
+    def stop_component(self, name: str, sig: int = signal.SIGTERM) -> None:
+        """Stop one component (used by failure tests: etcd restart, API server restart)."""
+        self._stop(name, sig=sig)
+
+    def start_component(self, name: str, timeout: float = 60.0) -> None:
+        self._start(name, self._pki())
+        self._wait_healthy(name, timeout)
+
+    def status(self) -> list[ComponentStatus]:
+        return [self.component_status(n) for n in self.components()]
+
+    def component_status(self, name: str) -> ComponentStatus:
+        pid = self._pid(name)
+        if pid is None:
+            return ComponentStatus(name, None, False, False, "not running")
+        if not _pid_alive(pid, _binary_of(name)):
+            return ComponentStatus(name, pid, False, False, "exited")
+        ok, detail = self._health(name)
+        return ComponentStatus(name, pid, True, ok, detail)
+
+    # ---- internals ---------------------------------------------------------------------
+
+    def _pki(self) -> LocalPKI:
+        pki = LocalPKI(self.state_dir / "pki")
+        pki.issue("apiserver", "kube-apiserver", server=True)
+        admin = pki.issue("admin", "neonvm-dev-admin", orgs=("system:masters",))
+        self._write_kubeconfig(self.kubeconfig, admin, pki)
+        controller = pki.issue("controller", CONTROLLER_USER, orgs=("neonvm:controllers",))
+        self._write_kubeconfig(self.kubeconfig_for("controller"), controller, pki)
+        sched = pki.issue("scheduler", "system:kube-scheduler")
+        self._write_kubeconfig(self.kubeconfig_for("scheduler"), sched, pki)
+        kcm = pki.issue("controller-manager", "system:kube-controller-manager")
+        self._write_kubeconfig(self.kubeconfig_for("controller-manager"), kcm, pki)
+        pki.service_account_key()
+        return pki
+
+    def _write_kubeconfig(self, path: Path, client: CertPair, pki: LocalPKI) -> None:
+        config = {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [
+                {
+                    "name": "neonvm-dev",
+                    "cluster": {
+                        "server": self.api_url,
+                        "certificate-authority": str(pki.ca.cert),
+                    },
+                }
+            ],
+            "users": [
+                {
+                    "name": path.stem,
+                    "user": {
+                        "client-certificate": str(client.cert),
+                        "client-key": str(client.key),
+                    },
+                }
+            ],
+            "contexts": [
+                {"name": "neonvm-dev", "context": {"cluster": "neonvm-dev", "user": path.stem}}
+            ],
+            "current-context": "neonvm-dev",
+        }
+        path.write_text(yaml.safe_dump(config))
+
+    def _pid_file(self, name: str) -> Path:
+        return self.state_dir / "run" / f"{name}.pid"
+
+    def _pid(self, name: str) -> int | None:
+        try:
+            return int(self._pid_file(name).read_text())
+        except (OSError, ValueError):
+            return None
+
+    def log_file(self, name: str) -> Path:
+        return self.state_dir / "logs" / f"{name}.log"
+
+    def _argv(self, name: str, pki: LocalPKI) -> list[str]:
+        p = self.spec.ports
+        d = self.state_dir
+        binary = str(binaries.require(_binary_of(name)))
+        if name in ("etcd", "locks-etcd"):
+            client, peer = p[name], p[f"{name}-peer"]
+            return [
+                binary,
+                f"--name={name}",
+                f"--data-dir={d / 'data' / name}",
+                f"--listen-client-urls=http://127.0.0.1:{client}",
+                f"--advertise-client-urls=http://127.0.0.1:{client}",
+                f"--listen-peer-urls=http://127.0.0.1:{peer}",
+                f"--initial-advertise-peer-urls=http://127.0.0.1:{peer}",
+                f"--initial-cluster={name}=http://127.0.0.1:{peer}",
+                "--unsafe-no-fsync",
+                "--log-level=warn",
+            ]
+        if name == "kube-apiserver":
+            serving = pki.issue("apiserver", "kube-apiserver", server=True)
+            sa_key = pki.service_account_key()
+            return [
+                binary,
+                f"--etcd-servers={self.etcd_url}",
+                "--bind-address=127.0.0.1",
+                "--advertise-address=127.0.0.1",
+                f"--secure-port={p['kube-apiserver']}",
+                f"--cert-dir={d / 'pki'}",
+                f"--tls-cert-file={serving.cert}",
+                f"--tls-private-key-file={serving.key}",
+                f"--client-ca-file={pki.ca.cert}",
+                "--authorization-mode=RBAC",
+                "--service-cluster-ip-range=10.96.0.0/24",
+                "--allow-privileged=true",
+                "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+                f"--service-account-key-file={sa_key}",
+                f"--service-account-signing-key-file={sa_key}",
+                "--disable-admission-plugins=ServiceAccount",
+                "--enable-priority-and-fairness=false",
+                "--profiling=false",
+                "--v=1",
+            ]
+        if name == "kube-scheduler":
+            kc = self.kubeconfig_for("scheduler")
+            return [
+                binary,
+                f"--kubeconfig={kc}",
+                f"--authentication-kubeconfig={kc}",
+                f"--authorization-kubeconfig={kc}",
+                "--leader-elect=false",
+                "--bind-address=127.0.0.1",
+                f"--secure-port={p['kube-scheduler']}",
+                f"--cert-dir={d / 'pki' / 'scheduler-serving'}",
+                "--v=1",
+            ]
+        if name == "kube-controller-manager":
+            kc = self.kubeconfig_for("controller-manager")
+            return [
+                binary,
+                f"--kubeconfig={kc}",
+                f"--authentication-kubeconfig={kc}",
+                f"--authorization-kubeconfig={kc}",
+                "--leader-elect=false",
+                "--bind-address=127.0.0.1",
+                f"--secure-port={p['kube-controller-manager']}",
+                f"--cert-dir={d / 'pki' / 'kcm-serving'}",
+                f"--service-account-private-key-file={pki.service_account_key()}",
+                f"--root-ca-file={pki.ca.cert}",
+                "--use-service-account-credentials=false",
+                "--controllers=*,-bootstrapsigner,-tokencleaner,-nodeipam",
+                "--node-monitor-grace-period=20s",
+                "--v=1",
+            ]
+        if name == "kwok":
+            from neonvm.dev import nodes
+
+            return nodes.kwok_argv(self, binary)
+        raise ClusterError(f"unknown component {name}")
+
+    def _start(self, name: str, pki: LocalPKI) -> None:
+        for port_name in (name, f"{name}-peer"):
+            port = self.spec.ports.get(port_name)
+            if port is not None and _port_in_use(port):
+                raise ClusterError(
+                    f"{name}: port {port} on 127.0.0.1 is already in use "
+                    f"(another cluster running? try 'neonvm dev down' or pick other ports)"
+                )
+        argv = self._argv(name, pki)
+        log = self.log_file(name)
+        log.parent.mkdir(parents=True, exist_ok=True)
+        self._pid_file(name).parent.mkdir(parents=True, exist_ok=True)
+        with log.open("ab") as out:
+            proc = subprocess.Popen(
+                argv,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                cwd=self.state_dir,
+            )
+        self._pid_file(name).write_text(str(proc.pid))
+
+    def _wait_healthy(self, name: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        detail = ""
+        while time.monotonic() < deadline:
+            status = self.component_status(name)
+            if status.healthy:
+                return
+            if not status.running:
+                tail = _tail(self.log_file(name), 8)
+                raise ClusterError(f"{name} exited during start-up; last log lines:\n{tail}")
+            detail = status.detail
+            time.sleep(0.2)
+        raise ClusterError(f"{name} not healthy after {timeout:.0f}s: {detail}")
+
+    def _stop(self, name: str, timeout: float = 20.0, sig: int = signal.SIGTERM) -> None:
+        pid = self._pid(name)
+        if pid is None:
+            return
+        binary = _binary_of(name)
+        if _pid_alive(pid, binary):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+            deadline = time.monotonic() + timeout
+            while _pid_alive(pid, binary) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if _pid_alive(pid, binary):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                while _pid_alive(pid, binary):
+                    time.sleep(0.05)
+        with contextlib.suppress(ChildProcessError, OSError):
+            os.waitpid(pid, os.WNOHANG)
+        self._pid_file(name).unlink(missing_ok=True)
+
+    def _health(self, name: str) -> tuple[bool, str]:
+        p = self.spec.ports
+        if name in ("etcd", "locks-etcd"):
+            return _http_ok(f"http://127.0.0.1:{p[name]}/health", None)
+        pki_dir = self.state_dir / "pki"
+        if name == "kube-apiserver":
+            ctx = ssl.create_default_context(cafile=str(pki_dir / "ca.crt"))
+            ctx.load_cert_chain(str(pki_dir / "admin.crt"), str(pki_dir / "admin.key"))
+            return _http_ok(f"{self.api_url}/readyz", ctx)
+        insecure = ssl.create_default_context()
+        insecure.check_hostname = False
+        insecure.verify_mode = ssl.CERT_NONE
+        if name in ("kube-scheduler", "kube-controller-manager"):
+            return _http_ok(f"https://127.0.0.1:{p[name]}/healthz", insecure)
+        if name == "kwok":
+            return _http_ok(f"http://127.0.0.1:{p[name]}/healthz", None)
+        return False, "unknown component"
+
+
+def _binary_of(component: str) -> str:
+    return "etcd" if component == "locks-etcd" else component
+
+
+def _http_ok(url: str, ctx: ssl.SSLContext | None) -> tuple[bool, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=2, context=ctx) as resp:
+            body = resp.read(200).decode(errors="replace").strip()
+            return resp.status == 200, body or "ok"
+    except urllib.error.HTTPError as e:
+        return False, f"HTTP {e.code}"
+    except (OSError, ssl.SSLError) as e:
+        return False, str(getattr(e, "reason", e))
+
+
+def _tail(path: Path, lines: int) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+@contextlib.contextmanager
+def running(state_dir: Path, spec: ClusterSpec) -> Iterator[LocalCluster]:
+    """A cluster for the duration of a ``with`` block (tests), always torn down."""
+    cluster = LocalCluster(state_dir, spec)
+    try:
+        cluster.up()
+        yield cluster
+    finally:
+        cluster.down()

@@ -1,0 +1,74 @@
+"""Thin helpers over the official ``kubernetes`` client: clients from kubeconfig, apply.
+
+Everything that talks to the API server builds its client here, so timeouts and error
+wording are the same across the CLI, the controller and the tests.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from kubernetes import client, config
+from kubernetes.client.exceptions import ApiException
+
+FIELD_MANAGER = "neonvm"
+
+# Cluster-scoped kinds the project applies, and where they live in the REST API.
+_CLUSTER_PATHS = {
+    ("apiextensions.k8s.io/v1", "CustomResourceDefinition"):
+        "/apis/apiextensions.k8s.io/v1/customresourcedefinitions",
+    ("rbac.authorization.k8s.io/v1", "ClusterRole"):
+        "/apis/rbac.authorization.k8s.io/v1/clusterroles",
+    ("rbac.authorization.k8s.io/v1", "ClusterRoleBinding"):
+        "/apis/rbac.authorization.k8s.io/v1/clusterrolebindings",
+    ("admissionregistration.k8s.io/v1", "ValidatingAdmissionPolicy"):
+        "/apis/admissionregistration.k8s.io/v1/validatingadmissionpolicies",
+    ("admissionregistration.k8s.io/v1", "ValidatingAdmissionPolicyBinding"):
+        "/apis/admissionregistration.k8s.io/v1/validatingadmissionpolicybindings",
+    ("v1", "Namespace"): "/api/v1/namespaces",
+    ("v1", "Node"): "/api/v1/nodes",
+}
+
+
+def api_client(kubeconfig: Path | str | None = None) -> client.ApiClient:
+    """An ApiClient for ``kubeconfig`` (default: $KUBECONFIG, then in-cluster)."""
+    if kubeconfig is None:
+        import os
+
+        kubeconfig = os.environ.get("KUBECONFIG")
+    if kubeconfig:
+        return config.new_client_from_config(config_file=str(kubeconfig))
+    cfg = client.Configuration()
+    config.load_incluster_config(client_configuration=cfg)
+    return client.ApiClient(cfg)
+
+
+def apply(api: client.ApiClient, obj: dict[str, Any], force: bool = True) -> dict[str, Any]:
+    """Server-side apply of a cluster-scoped object (idempotent)."""
+    key = (obj["apiVersion"], obj["kind"])
+    if key not in _CLUSTER_PATHS:
+        raise ValueError(f"apply: unsupported kind {key}")
+    path = f"{_CLUSTER_PATHS[key]}/{obj['metadata']['name']}"
+    resp = api.call_api(
+        path,
+        "PATCH",
+        query_params=[("fieldManager", FIELD_MANAGER), ("force", "true" if force else "false")],
+        header_params={"Content-Type": "application/apply-patch+yaml", "Accept": "application/json"},
+        body=obj,
+        auth_settings=["BearerToken"],
+        _preload_content=False,
+        _return_http_data_only=True,
+    )
+    result: dict[str, Any] = json.loads(resp.data)
+    return result
+
+
+def api_error_message(err: ApiException) -> str:
+    """The API server's own message for a failed call (e.g. a validation error)."""
+    try:
+        body = json.loads(err.body or "{}")
+        return str(body.get("message") or err.reason)
+    except (ValueError, TypeError):
+        return f"{err.status} {err.reason}"

@@ -1,0 +1,188 @@
+"""Cluster objects generated from code: CRD, the controller's RBAC, the admission fence.
+
+One source for the local cluster (``neonvm dev up`` applies them) and the Helm chart
+(``neonvm manifests write`` renders the chart's generated files from here; a test fails
+when the chart's copies drift).
+
+The admission fence (a ValidatingAdmissionPolicy, evaluated inside the API server):
+
+* a pod labelled for a VM must be created carrying the runner scheduling gate;
+* only the controller's identity may remove that gate;
+* a runner pod's VM label and owner references are immutable (the garbage collector,
+  which strips owner references when orphaning, is exempt).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from neonvm.api import crd as crd_module
+from neonvm.api import types
+
+POLICY_NAME = "neonvm-runner-pod-fence"
+CLUSTER_ROLE = "neonvm-controller"
+GC_USER = "system:kube-controller-manager"
+GC_SA = "system:serviceaccount:kube-system:generic-garbage-collector"
+
+
+def crd() -> dict[str, Any]:
+    return crd_module.virtualmachine_crd()
+
+
+def controller_rules() -> list[dict[str, Any]]:
+    """Exactly the verbs the controller uses."""
+    return [
+        {"apiGroups": [types.GROUP], "resources": [types.PLURAL],
+         "verbs": ["get", "list", "watch", "update", "patch"]},
+        {"apiGroups": [types.GROUP], "resources": [f"{types.PLURAL}/status"],
+         "verbs": ["get", "update", "patch"]},
+        {"apiGroups": [types.GROUP], "resources": [f"{types.PLURAL}/finalizers"],
+         "verbs": ["update"]},
+        {"apiGroups": [""], "resources": ["pods"],
+         "verbs": ["get", "list", "watch", "create", "delete", "patch"]},
+        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+         "verbs": ["get", "create", "update"]},
+        {"apiGroups": ["", "events.k8s.io"], "resources": ["events"],
+         "verbs": ["create", "patch"]},
+    ]
+
+
+def cluster_role() -> dict[str, Any]:
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "ClusterRole",
+        "metadata": {"name": CLUSTER_ROLE},
+        "rules": controller_rules(),
+    }
+
+
+def cluster_role_binding(user: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "ClusterRoleBinding",
+        "metadata": {"name": CLUSTER_ROLE},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                    "name": CLUSTER_ROLE},
+        "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": user}],
+    }
+
+
+def _cel_string(s: str) -> str:
+    return "'" + s.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def admission_policy(controller_users: list[str]) -> dict[str, Any]:
+    """The runner-pod fence; ``controller_users`` may remove the gate."""
+    label = _cel_string(types.LABEL_VM_NAME)
+    gate = _cel_string(types.SCHEDULING_GATE)
+    allowed = "[" + ", ".join(_cel_string(u) for u in controller_users) + "]"
+    gc_users = "[" + ", ".join(_cel_string(u) for u in (GC_USER, GC_SA)) + "]"
+    return {
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": "ValidatingAdmissionPolicy",
+        "metadata": {"name": POLICY_NAME},
+        "spec": {
+            "failurePolicy": "Fail",
+            "matchConstraints": {
+                "resourceRules": [
+                    {"apiGroups": [""], "apiVersions": ["v1"],
+                     "operations": ["CREATE", "UPDATE"], "resources": ["pods"]}
+                ]
+            },
+            "variables": [
+                {"name": "isRunner",
+                 "expression": f"has(object.metadata.labels) && {label} in object.metadata.labels"},
+                {"name": "wasRunner",
+                 "expression": f"oldObject != null && has(oldObject.metadata.labels) && "
+                               f"{label} in oldObject.metadata.labels"},
+                {"name": "hasGate",
+                 "expression": f"has(object.spec.schedulingGates) && "
+                               f"object.spec.schedulingGates.exists(g, g.name == {gate})"},
+                {"name": "hadGate",
+                 "expression": f"oldObject != null && has(oldObject.spec.schedulingGates) && "
+                               f"oldObject.spec.schedulingGates.exists(g, g.name == {gate})"},
+            ],
+            "validations": [
+                {
+                    "expression": "request.operation != 'CREATE' || !variables.isRunner "
+                                  "|| variables.hasGate",
+                    "message": f"a runner pod (labelled {types.LABEL_VM_NAME}) must be created "
+                               f"with the scheduling gate {types.SCHEDULING_GATE}",
+                    "reason": "Forbidden",
+                },
+                {
+                    "expression": "request.operation != 'UPDATE' || !variables.hadGate "
+                                  f"|| variables.hasGate || request.userInfo.username in {allowed}",
+                    "message": f"only the neonvm controller may remove the scheduling gate "
+                               f"{types.SCHEDULING_GATE}",
+                    "reason": "Forbidden",
+                },
+                {
+                    "expression": "request.operation != 'UPDATE' || !variables.wasRunner || "
+                                  f"(variables.isRunner && object.metadata.labels[{label}] == "
+                                  f"oldObject.metadata.labels[{label}])",
+                    "message": f"the {types.LABEL_VM_NAME} label of a runner pod is immutable",
+                    "reason": "Forbidden",
+                },
+                {
+                    "expression": "request.operation != 'UPDATE' || !variables.wasRunner || "
+                                  f"request.userInfo.username in {gc_users} || "
+                                  "(has(object.metadata.ownerReferences) == "
+                                  "has(oldObject.metadata.ownerReferences) && "
+                                  "(!has(object.metadata.ownerReferences) || "
+                                  "object.metadata.ownerReferences == "
+                                  "oldObject.metadata.ownerReferences))",
+                    "message": "the owner references of a runner pod are immutable",
+                    "reason": "Forbidden",
+                },
+            ],
+        },
+    }
+
+
+def admission_policy_binding() -> dict[str, Any]:
+    return {
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": "ValidatingAdmissionPolicyBinding",
+        "metadata": {"name": POLICY_NAME},
+        "spec": {"policyName": POLICY_NAME, "validationActions": ["Deny"]},
+    }
+
+
+def cluster_objects(controller_user: str) -> list[dict[str, Any]]:
+    """Everything ``neonvm dev up`` applies, in order."""
+    return [
+        crd(),
+        cluster_role(),
+        cluster_role_binding(controller_user),
+        admission_policy([controller_user]),
+        admission_policy_binding(),
+    ]
+
+
+CHART_DIR = Path(__file__).resolve().parent.parent / "charts" / "neonvm-controller"
+CHART_SA_PLACEHOLDER = "__CONTROLLER_SERVICE_ACCOUNT__"
+
+
+def chart_files() -> dict[str, str]:
+    """Generated chart files (relative path -> content)."""
+    header = "# Generated by `neonvm manifests write` from neonvm/manifests.py; do not edit.\n"
+    return {
+        "crds/virtualmachines.vm.neon.tech.yaml": header + yaml.safe_dump(crd(), sort_keys=False),
+        "files/controller-rules.yaml": header + yaml.safe_dump(controller_rules(), sort_keys=False),
+        "files/admission-policy.yaml": header
+        + yaml.safe_dump(admission_policy([CHART_SA_PLACEHOLDER]), sort_keys=False),
+    }
+
+
+def write_chart_files(chart_dir: Path = CHART_DIR) -> list[Path]:
+    written = []
+    for rel, content in chart_files().items():
+        path = chart_dir / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(content)
+        written.append(path)
+    return written
