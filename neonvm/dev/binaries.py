@@ -138,9 +138,12 @@ BINARY_GROUP: dict[str, BinaryGroup] = {b: g for g in GROUPS.values() for b in g
 
 def find(name: str) -> Path | None:
     """Where binary ``name`` is, by the lookup order in the module docstring; None if absent."""
-    env = os.environ.get("NEONVM_BIN_" + name.upper().replace("-", "_"))
+    var = "NEONVM_BIN_" + name.upper().replace("-", "_")
+    env = os.environ.get(var)
     if env:
-        return Path(env) if Path(env).is_file() else None
+        if not Path(env).is_file():
+            raise BinaryError(f"${var} points at {env}, which is not a file")
+        return Path(env)
     assets = os.environ.get("KUBEBUILDER_ASSETS")
     if assets and (Path(assets) / name).is_file():
         return Path(assets) / name

@@ -1,0 +1,5 @@
+"""``python -m neonvm`` is the ``neonvm`` command."""
+
+from neonvm.cli import main
+
+main()

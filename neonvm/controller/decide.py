@@ -1,0 +1,358 @@
+"""The reconcile decision: what was observed in, the next single action out.
+
+This is the whole state machine of DESIGN.md in one pure function, :func:`decide`. The
+controller's driver (``neonvm.controller.reconciler``) performs the action it returns
+against the real servers, observes again and asks again, until the answer is
+:class:`Done` or :class:`Wait`. The interleaving explorer calls the very same function;
+the code that is checked is the code that ships.
+
+Every action is idempotent and every write it implies is conditional, so a crash between
+any two actions, a stale read before any of them, or a conflict on any write leads to a
+retry that *resumes the recorded plan* (``status.pendingPod``) instead of starting a new
+one.
+
+Reads. ``Observation.direct`` says whether the observation was a quorum read, taken in
+the order "list the VM's pods, then read the VM" (so the VM read is newer than the pod
+list). Decisions may start from a cached observation, but the three dangerous actions
+(restart after a pod is gone, ungate, delete a pod) and dropping the finalizer are only
+returned for a direct observation; from a cached one the answer is :class:`ObserveDirect`.
+
+What this function guarantees, given observations that are truthful snapshots:
+
+* it never asks to ungate a pod unless that pod is ``status.podName`` and the direct
+  pod list shows it as the VM's only pod, not terminating;
+* it never asks to create a pod whose name is not the recorded ``status.pendingPod``;
+* it never asks to delete the committed or the planned pod of a live VM.
+
+What it does not do: it does not perform writes or check preconditions; the driver's
+conditional writes (resourceVersion, uid preconditions, fence) do. Safety of the whole
+rests on those writes plus the ungate rule above, not on leadership.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from neonvm.api.types import FINALIZER, PendingPod, VirtualMachine
+
+# ---- observation -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PodView:
+    """What the decision needs to know of one pod labelled for the VM."""
+
+    name: str
+    uid: str
+    owner_uid: str | None
+    """UID of the controlling owner reference (the VM that created it), if any."""
+    gated: bool
+    """Still carries the runner scheduling gate."""
+    terminating: bool
+    """Has a deletionTimestamp (it may still be running until it is gone)."""
+    phase: str = "Pending"
+    """Pod phase: Pending, Running, Succeeded, Failed, Unknown."""
+    node: str | None = None
+    ip: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.phase in ("Succeeded", "Failed")
+
+
+@dataclass(frozen=True)
+class Lease:
+    """The caller's authority: leader epoch and the VM lock's fencing token."""
+
+    epoch: int
+    token: int
+
+
+@dataclass(frozen=True)
+class Observation:
+    """One snapshot: the VM (None when it does not exist) and the pods labelled for it."""
+
+    vm: VirtualMachine | None
+    pods: tuple[PodView, ...]
+    lease: Lease
+    direct: bool
+    """Pods listed, then the VM read, both from etcd (quorum), in that order."""
+    create_failed_generation: int | None = None
+    """Generation whose pod create was refused (422, admission); do not retry it."""
+
+    def pod(self, name: str | None) -> PodView | None:
+        if not name:
+            return None
+        return next((p for p in self.pods if p.name == name), None)
+
+
+# ---- actions -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Action:
+    """Base of every decision; ``reason`` is for logs and events."""
+
+    reason: str = field(default="", kw_only=True)
+
+
+@dataclass(frozen=True)
+class Done(Action):
+    """Nothing to do until something changes."""
+
+
+@dataclass(frozen=True)
+class Wait(Action):
+    """Nothing to do now; look again after ``seconds`` (also sets a condition)."""
+
+    seconds: float = 2.0
+    condition: str | None = None
+    """Condition type to report while waiting (e.g. WaitingForOldPod)."""
+
+
+@dataclass(frozen=True)
+class ObserveDirect(Action):
+    """The next step is dangerous; observe again with quorum reads first."""
+
+
+@dataclass(frozen=True)
+class Fenced(Action):
+    """A writer with a higher epoch has touched this VM: stop, we are stale."""
+
+    seen_epoch: int = 0
+
+
+@dataclass(frozen=True)
+class AddFinalizer(Action):
+    """Conditional update of the main resource adding our finalizer."""
+
+
+@dataclass(frozen=True)
+class RemoveFinalizer(Action):
+    """All pods are gone (direct list): let the VM go, then release its lock."""
+
+
+@dataclass(frozen=True)
+class RecordPlan(Action):
+    """CAS ``status.pendingPod`` = this plan, if ``planSeq`` is still ``observed_seq``."""
+
+    plan: PendingPod = field(default_factory=PendingPod)
+    observed_seq: int = 0
+
+
+@dataclass(frozen=True)
+class CreatePod(Action):
+    """Create the runner pod with exactly the recorded name, gated."""
+
+    plan: PendingPod = field(default_factory=PendingPod)
+
+
+@dataclass(frozen=True)
+class Commit(Action):
+    """CAS {podName, podUID, pendingPod: none} if pendingPod is still ``name``."""
+
+    name: str = ""
+    uid: str = ""
+
+
+@dataclass(frozen=True)
+class DropPlan(Action):
+    """CAS pendingPod: none if it is still ``name`` (the name is taken or dying)."""
+
+    name: str = ""
+
+
+@dataclass(frozen=True)
+class Ungate(Action):
+    """Remove our scheduling gate from the committed pod (uid precondition)."""
+
+    name: str = ""
+    uid: str = ""
+
+
+@dataclass(frozen=True)
+class DeletePod(Action):
+    """Delete a pod with a uid precondition."""
+
+    name: str = ""
+    uid: str = ""
+
+
+@dataclass(frozen=True)
+class Restart(Action):
+    """The committed pod is gone or finished: apply the restart policy by CAS.
+
+    ``terminal_phase`` None: {podName: "", podUID: "", pendingPod: none,
+    restartCount+1, phase Pending}. Otherwise set that terminal phase and keep podName.
+    The mutation checks podName/podUID are still ``name``/``uid``.
+    """
+
+    name: str = ""
+    uid: str = ""
+    terminal_phase: str | None = None
+
+
+@dataclass(frozen=True)
+class SyncStatus(Action):
+    """Mirror the committed pod into status (phase, IP, node)."""
+
+    phase: str = "Pending"
+    node: str | None = None
+    ip: str | None = None
+
+
+# ---- the decision ------------------------------------------------------------------------
+
+TERMINAL_PHASES = ("Succeeded", "Failed")
+
+
+def plan_name(vm: VirtualMachine, seq: int) -> str:
+    """Pod name for plan ``seq``: unique forever (VM uid prefix + ever-increasing seq)."""
+    return f"{vm.name}-{vm.uid[:8]}-{seq}"
+
+
+def decide(obs: Observation) -> Action:
+    """The next action for one VM, given one observation. Pure: no I/O, no clock."""
+    vm = obs.vm
+    if vm is None:
+        return Done(reason="VM does not exist")
+    if vm.status.fence is not None and vm.status.fence.epoch > obs.lease.epoch:
+        return Fenced(seen_epoch=vm.status.fence.epoch, reason="VM fenced by a newer leader")
+    pending = vm.status.pending_pod
+    if pending is not None and pending.epoch > obs.lease.epoch:
+        return Fenced(seen_epoch=pending.epoch, reason="plan recorded by a newer leader")
+
+    if vm.deletion_timestamp is not None:
+        return _decide_deletion(obs, vm)
+    if FINALIZER not in vm.finalizers:
+        return AddFinalizer(reason="VM has no finalizer yet")
+
+    if vm.status.pod_name:
+        action = _decide_committed(obs, vm)
+    elif pending is not None:
+        action = _decide_pending(obs, vm, pending)
+    elif vm.status.phase in TERMINAL_PHASES:
+        action = Done(reason=f"VM is {vm.status.phase}; never planned again")
+    else:
+        seq = vm.status.plan_seq + 1
+        return RecordPlan(
+            plan=PendingPod(
+                name=plan_name(vm, seq),
+                plan_seq=seq,
+                token=obs.lease.token,
+                epoch=obs.lease.epoch,
+                generation=vm.generation,
+            ),
+            observed_seq=vm.status.plan_seq,
+            reason=f"no runner pod and no plan: plan #{seq}",
+        )
+    if isinstance(action, Done | Wait):
+        # Nothing to do for the plan itself: clean up pods nobody references.
+        return _cleanup(obs, vm) or action
+    return action
+
+
+def _decide_deletion(obs: Observation, vm: VirtualMachine) -> Action:
+    if FINALIZER not in vm.finalizers:
+        return Done(reason="VM is being deleted and is no longer ours")
+    if not obs.direct:
+        return ObserveDirect(reason="VM deleted: confirm its pods from a quorum read")
+    for pod in obs.pods:
+        if not pod.terminating:
+            return DeletePod(name=pod.name, uid=pod.uid, reason="VM is being deleted")
+    if obs.pods:
+        return Wait(seconds=1.0, reason=f"VM is being deleted: {len(obs.pods)} pod(s) terminating")
+    return RemoveFinalizer(reason="VM is being deleted and all its pods are gone")
+
+
+def _decide_committed(obs: Observation, vm: VirtualMachine) -> Action:
+    name = vm.status.pod_name
+    pod = obs.pod(name)
+    if vm.status.phase in TERMINAL_PHASES:
+        return Done(reason=f"VM is {vm.status.phase}; never planned again")
+    gone = pod is None or (bool(vm.status.pod_uid) and pod.uid != vm.status.pod_uid)
+    if gone or (pod is not None and (pod.finished or pod.terminating)):
+        if not obs.direct:
+            return ObserveDirect(reason=f"pod {name} looks gone or finished: confirm")
+        assert name is not None
+        uid = vm.status.pod_uid or (pod.uid if pod else "")
+        terminal = _terminal_phase(vm, pod if not gone else None)
+        if gone or pod is None:
+            what = "gone"
+        else:
+            what = "terminating" if pod.terminating else pod.phase
+        return Restart(name=name, uid=uid, terminal_phase=terminal,
+                       reason=f"runner pod {name} is {what}")
+    assert pod is not None
+    if pod.gated:
+        others = [p for p in obs.pods if p.name != pod.name]
+        if others:
+            if not obs.direct:
+                return ObserveDirect(reason="other pods exist: confirm before cleaning up")
+            live = [p for p in others if not p.terminating]
+            if live:
+                stray = live[0]
+                return DeletePod(name=stray.name, uid=stray.uid,
+                                 reason=f"pod {stray.name} is not the committed pod")
+            return Wait(seconds=1.0, condition="WaitingForOldPod",
+                        reason=f"waiting for {', '.join(p.name for p in others)} to go "
+                               f"before starting {pod.name}")
+        if not obs.direct:
+            return ObserveDirect(reason=f"ungate {pod.name}: needs a quorum pod list")
+        return Ungate(name=pod.name, uid=pod.uid,
+                      reason=f"{pod.name} is the VM's only pod: let it start")
+    phase = "Running" if pod.phase == "Running" else "Pending"
+    if (vm.status.phase, vm.status.node, vm.status.pod_ip) != (phase, pod.node, pod.ip):
+        return SyncStatus(phase=phase, node=pod.node, ip=pod.ip,
+                          reason=f"runner pod {pod.name} is {pod.phase}")
+    return Done(reason=f"runner pod {pod.name} is {pod.phase}")
+
+
+def _terminal_phase(vm: VirtualMachine, pod: PodView | None) -> str | None:
+    """Restart policy: None means restart; otherwise the terminal phase to record.
+
+    A pod that vanished or is being deleted did not finish by itself: it counts as a
+    failure (so ``Never`` ends Failed, ``OnFailure`` and ``Always`` restart).
+    """
+    finished = pod is not None and pod.finished and not pod.terminating
+    outcome = pod.phase if finished and pod is not None else "Failed"
+    policy = vm.spec.restart_policy
+    if policy == "Always":
+        return None
+    if policy == "OnFailure":
+        return "Succeeded" if outcome == "Succeeded" else None
+    return outcome  # Never
+
+
+def _decide_pending(obs: Observation, vm: VirtualMachine, pending: PendingPod) -> Action:
+    pod = obs.pod(pending.name)
+    if pod is None:
+        if obs.create_failed_generation is not None and (
+            obs.create_failed_generation >= vm.generation
+        ):
+            return Wait(seconds=30.0, condition="Degraded",
+                        reason=f"creating {pending.name} was refused; waiting for a spec change")
+        return CreatePod(plan=pending, reason=f"plan #{pending.plan_seq} recorded: create it")
+    if pod.owner_uid == vm.uid and not pod.terminating and not pod.gated:
+        # Created without our gate (stripped by a webhook?): it must not run uncommitted.
+        if not obs.direct:
+            return ObserveDirect(reason=f"pod {pod.name} has no gate: confirm")
+        return DeletePod(name=pod.name, uid=pod.uid,
+                         reason=f"pod {pod.name} was created without the scheduling gate")
+    if pod.owner_uid != vm.uid or pod.terminating:
+        return DropPlan(name=pending.name,
+                        reason=f"pod {pending.name} exists but is "
+                               f"{'terminating' if pod.terminating else 'not ours'}")
+    return Commit(name=pod.name, uid=pod.uid, reason=f"pod {pod.name} created: commit it")
+
+
+def _cleanup(obs: Observation, vm: VirtualMachine) -> Action | None:
+    """Delete every pod that is neither the committed nor the planned pod."""
+    keep = {vm.status.pod_name, vm.status.pending_pod.name if vm.status.pending_pod else None}
+    strays = [p for p in obs.pods if p.name not in keep and not p.terminating]
+    if not strays:
+        return None
+    if not obs.direct:
+        return ObserveDirect(reason=f"{len(strays)} unreferenced pod(s): confirm")
+    return DeletePod(name=strays[0].name, uid=strays[0].uid,
+                     reason=f"pod {strays[0].name} is not referenced by the VM")

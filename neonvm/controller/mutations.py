@@ -1,0 +1,136 @@
+"""Status mutations: what each decided write changes, re-checked on the fresh copy.
+
+The conditional-update helper calls a mutation with the freshest VM it has; on 409 it
+re-reads and calls it *again* on the new copy. A mutation returns the new status, or
+None when the fresh copy shows there is nothing left to do (someone else already did
+it, or the world moved on). It never writes back what it read: it re-derives the change
+from its *intent* (the action) and refuses when what it is about to change is no longer
+what the decision saw. That is the fix for the seed bug.
+
+Every status write also carries the writer's fence (epoch, lock token); a mutation
+raises :class:`FencedOut` when the fresh copy carries a higher fence.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+from neonvm.api.types import FINALIZER, Fence, VirtualMachine, VirtualMachineStatus
+from neonvm.controller import decide as d
+
+StatusMutation = Callable[[VirtualMachine], VirtualMachineStatus | None]
+
+
+class FencedOut(Exception):
+    """A writer with a higher (epoch, token) has written this VM: we are stale."""
+
+
+def _fresh_status(vm: VirtualMachine, lease: d.Lease) -> VirtualMachineStatus:
+    fence = vm.status.fence
+    if fence is not None and (fence.epoch, fence.token) > (lease.epoch, lease.token):
+        raise FencedOut(
+            f"{vm.key}: status fenced at epoch {fence.epoch} token {fence.token}, "
+            f"we are epoch {lease.epoch} token {lease.token}"
+        )
+    status = copy.deepcopy(vm.status)
+    status.fence = Fence(epoch=lease.epoch, token=lease.token)
+    status.observed_generation = vm.generation
+    return status
+
+
+def status_mutation(action: d.Action, lease: d.Lease) -> StatusMutation:
+    """The status write for ``action`` (RecordPlan, Commit, DropPlan, Restart, SyncStatus)."""
+
+    def record_plan(vm: VirtualMachine) -> VirtualMachineStatus | None:
+        assert isinstance(action, d.RecordPlan)
+        s = vm.status
+        if s.pod_name or s.pending_pod is not None or s.plan_seq != action.observed_seq:
+            return None
+        if s.phase in d.TERMINAL_PHASES or vm.deletion_timestamp is not None:
+            return None
+        new = _fresh_status(vm, lease)
+        new.pending_pod = copy.deepcopy(action.plan)
+        new.plan_seq = action.plan.plan_seq
+        new.phase = "Pending"
+        return new
+
+    def commit(vm: VirtualMachine) -> VirtualMachineStatus | None:
+        assert isinstance(action, d.Commit)
+        s = vm.status
+        if s.pod_name or s.pending_pod is None or s.pending_pod.name != action.name:
+            return None
+        new = _fresh_status(vm, lease)
+        new.pod_name, new.pod_uid, new.pending_pod = action.name, action.uid, None
+        new.phase = "Pending"
+        return new
+
+    def drop_plan(vm: VirtualMachine) -> VirtualMachineStatus | None:
+        assert isinstance(action, d.DropPlan)
+        s = vm.status
+        if s.pending_pod is None or s.pending_pod.name != action.name:
+            return None
+        new = _fresh_status(vm, lease)
+        new.pending_pod = None
+        return new
+
+    def restart(vm: VirtualMachine) -> VirtualMachineStatus | None:
+        assert isinstance(action, d.Restart)
+        s = vm.status
+        if s.pod_name != action.name or (s.pod_uid and action.uid and s.pod_uid != action.uid):
+            return None
+        if s.phase in d.TERMINAL_PHASES:
+            return None
+        new = _fresh_status(vm, lease)
+        if action.terminal_phase is not None:
+            new.phase = action.terminal_phase  # type: ignore[assignment]
+            return new
+        new.pod_name, new.pod_uid, new.pending_pod = "", "", None
+        new.pod_ip, new.node = None, None
+        new.restart_count = s.restart_count + 1
+        new.phase = "Pending"
+        return new
+
+    def sync(vm: VirtualMachine) -> VirtualMachineStatus | None:
+        assert isinstance(action, d.SyncStatus)
+        s = vm.status
+        if not s.pod_name or s.phase in d.TERMINAL_PHASES:
+            return None
+        if (s.phase, s.node, s.pod_ip) == (action.phase, action.node, action.ip):
+            return None
+        new = _fresh_status(vm, lease)
+        new.phase = action.phase  # type: ignore[assignment]
+        new.node, new.pod_ip = action.node, action.ip
+        return new
+
+    table: dict[type[d.Action], StatusMutation] = {
+        d.RecordPlan: record_plan,
+        d.Commit: commit,
+        d.DropPlan: drop_plan,
+        d.Restart: restart,
+        d.SyncStatus: sync,
+    }
+    try:
+        return table[type(action)]
+    except KeyError:
+        raise ValueError(f"{type(action).__name__} is not a status write") from None
+
+
+def finalizers_mutation(action: d.Action) -> Callable[[VirtualMachine], list[str] | None]:
+    """Main-resource write for AddFinalizer / RemoveFinalizer (``/status`` cannot do it)."""
+
+    def add(vm: VirtualMachine) -> list[str] | None:
+        if FINALIZER in vm.finalizers or vm.deletion_timestamp is not None:
+            return None
+        return [*vm.finalizers, FINALIZER]
+
+    def remove(vm: VirtualMachine) -> list[str] | None:
+        if FINALIZER not in vm.finalizers or vm.deletion_timestamp is None:
+            return None
+        return [f for f in vm.finalizers if f != FINALIZER]
+
+    if isinstance(action, d.AddFinalizer):
+        return add
+    if isinstance(action, d.RemoveFinalizer):
+        return remove
+    raise ValueError(f"{type(action).__name__} is not a finalizer write")
