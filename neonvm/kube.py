@@ -55,7 +55,10 @@ def apply(api: client.ApiClient, obj: dict[str, Any], force: bool = True) -> dic
         path,
         "PATCH",
         query_params=[("fieldManager", FIELD_MANAGER), ("force", "true" if force else "false")],
-        header_params={"Content-Type": "application/apply-patch+yaml", "Accept": "application/json"},
+        header_params={
+            "Content-Type": "application/apply-patch+yaml",
+            "Accept": "application/json",
+        },
         body=obj,
         auth_settings=["BearerToken"],
         _preload_content=False,

@@ -23,4 +23,6 @@ def wait_for(
         if last:
             return last
         time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what or condition!r}; last={last!r}")
+    raise AssertionError(
+        f"timed out after {timeout}s waiting for {what or condition!r}; last={last!r}"
+    )

@@ -24,6 +24,10 @@ FREE_FORM = "free_form"
 """Metadata flag: the field is an arbitrary JSON object kept as a dict (e.g. affinity)."""
 
 QUANTITY = "quantity"
+QUANTITY_PATTERN = (
+    r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
+    r"(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
+)
 """Metadata flag: the field is a Kubernetes resource quantity ("1Gi", 512, "250m")."""
 
 
@@ -111,7 +115,7 @@ def _field_schema(tp: Any, meta: typing.Mapping[str, Any]) -> dict[str, Any]:
         s = {
             "anyOf": [{"type": "integer"}, {"type": "string"}],
             "x-kubernetes-int-or-string": True,
-            "pattern": r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$",
+            "pattern": QUANTITY_PATTERN,
         }
     else:
         s = _type_schema(tp)

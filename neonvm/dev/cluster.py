@@ -59,7 +59,8 @@ def default_state_dir() -> Path:
     base = os.environ.get("NEONVM_STATE_DIR")
     if base:
         return Path(base)
-    return Path(os.environ.get("XDG_STATE_HOME", Path.home() / ".local" / "state")) / "neonvm" / "dev"
+    state_home = Path(os.environ.get("XDG_STATE_HOME", Path.home() / ".local" / "state"))
+    return state_home / "neonvm" / "dev"
 
 
 @dataclass
@@ -185,11 +186,26 @@ class LocalCluster:
     def down(self, timeout: float = 20.0) -> list[str]:
         """Stop every component this state directory recorded; return what was stopped."""
         stopped = []
-        for name in reversed(list(DEFAULT_PORTS)):
+        extra = sorted(p.stem for p in (self.state_dir / "run").glob("*.pid")
+                       if p.stem not in DEFAULT_PORTS)
+        for name in [*extra, *reversed(list(DEFAULT_PORTS))]:
             if self._pid(name) is not None:
                 self._stop(name, timeout)
                 stopped.append(name)
         return stopped
+
+    def start_process(self, name: str, argv: list[str], env: dict[str, str]) -> int:
+        """Run an extra process (e.g. a controller replica) that ``down`` also stops."""
+        if name in DEFAULT_PORTS:
+            raise ClusterError(f"{name} is a control-plane component")
+        pid = self._pid(name)
+        if pid is not None and _pid_alive(pid, argv[0].rsplit("/", 1)[-1]):
+            return pid
+        return self._spawn(name, argv, env)
+
+    def process_alive(self, name: str, binary_name: str) -> bool:
+        pid = self._pid(name)
+        return pid is not None and _pid_alive(pid, binary_name)
 
     def stop_component(self, name: str, sig: int = signal.SIGTERM) -> None:
         """Stop one component (used by failure tests: etcd restart, API server restart)."""
@@ -355,7 +371,9 @@ class LocalCluster:
                     f"{name}: port {port} on 127.0.0.1 is already in use "
                     f"(another cluster running? try 'neonvm dev down' or pick other ports)"
                 )
-        argv = self._argv(name, pki)
+        self._spawn(name, self._argv(name, pki), dict(os.environ))
+
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str]) -> int:
         log = self.log_file(name)
         log.parent.mkdir(parents=True, exist_ok=True)
         self._pid_file(name).parent.mkdir(parents=True, exist_ok=True)
@@ -367,8 +385,10 @@ class LocalCluster:
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
                 cwd=self.state_dir,
+                env=env,
             )
         self._pid_file(name).write_text(str(proc.pid))
+        return proc.pid
 
     def _wait_healthy(self, name: str, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -388,7 +408,7 @@ class LocalCluster:
         pid = self._pid(name)
         if pid is None:
             return
-        binary = _binary_of(name)
+        binary = _binary_of(name) if name in DEFAULT_PORTS else ""
         if _pid_alive(pid, binary):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)
