@@ -23,11 +23,11 @@ def user_facing_message(exc: BaseException) -> str | None:
     if isinstance(exc, Urllib3Error | ConnectionError | socket.timeout):
         return f"API server unreachable: {exc}"
     try:
-        from neonvm.leader.etcd import EtcdUnavailable
+        from neonvm.leader.etcd import EtcdError
     except ImportError:
         pass
     else:
-        if isinstance(exc, EtcdUnavailable):
+        if isinstance(exc, EtcdError):  # EtcdUnavailable, EtcdRequestFailed, config
             return str(exc)
     if isinstance(exc, FileNotFoundError):
         return str(exc)

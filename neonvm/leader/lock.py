@@ -1,0 +1,600 @@
+"""Per-VM locks in etcd, with fencing tokens (etcd's ``concurrency.Mutex``, reshaped).
+
+Key layout: ``<prefix>/locks/<namespace>/<name>``; the value is JSON naming the holder,
+its leader epoch, the VM's uid and when it was taken (:class:`LockRecord`). The key is
+bound to the holder's session lease.
+
+What is guaranteed:
+
+* **One holder per key at a time.** A lock is created by a transaction that succeeds
+  only if the key does not exist (``create_revision == 0``), and taken over only by a
+  transaction that compares the ``mod_revision`` it read. Uncontended, an acquisition is
+  one round trip.
+* **Fencing token.** ``guard.token`` is the revision of the transaction that wrote the
+  key (create or takeover). The key is never rewritten in place by anything else, so
+  "the key's ``mod_revision`` equals my token" is true exactly while the lock is mine.
+  :meth:`LockGuard.owner_compare` is that condition, for callers' own transactions, and
+  :meth:`LockGuard.fenced_txn` runs a transaction guarded by it. Tokens only grow.
+* **Takeover.** A holder with a higher leader epoch takes a lock held under a lower one
+  at once (no wait for the old lease). A lock whose value names another VM uid (left by
+  a deleted VM of the same name) is taken over by a holder of an equal or higher epoch.
+  A lock we ourselves wrote from an earlier session is taken back. A malformed value
+  (not written by this code) is taken over.
+* **Loss is told.** ``guard.lost`` is set when the guard no longer holds the lock, as far
+  as this process can know: released, its session lost (every guard of that session at
+  once), replaced by a newer acquisition of ours, or found taken over by a fenced write
+  or :meth:`LockGuard.check`.
+* **Release** deletes the key only if it is still ours (compares the token).
+
+What is not guaranteed:
+
+* A holder whose lock was taken over learns it at its next fenced write or ``check()``,
+  not at once (nothing watches each key). That is why every write that matters is
+  fenced: a stale holder can do no harm, it can only be refused.
+* Mutual exclusion between processes whose clocks run at very different rates: lease
+  expiry is measured by etcd, loss by us. Fencing covers this too.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Collection, Iterator, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+from loguru import logger
+
+from neonvm.leader.etcd import (
+    DEFAULT_PREFIX,
+    Compare,
+    Delete,
+    Etcd,
+    EtcdRequestFailed,
+    Get,
+    KeyValue,
+    Op,
+    Put,
+    TxnResult,
+)
+from neonvm.leader.session import Session
+
+_TAKEOVER_ATTEMPTS = 5
+
+
+class LockError(Exception):
+    """Base of the lock's own failures (etcd's are :class:`~neonvm.leader.etcd.EtcdError`)."""
+
+
+class LockHeld(LockError):
+    """Someone else holds the lock under an epoch at least ours."""
+
+    def __init__(self, info: LockInfo) -> None:
+        self.info = info
+        r = info.record
+        who = (f"{r.holder} (epoch {r.epoch}, vm uid {r.vm_uid})" if r
+               else f"a malformed value ({info.malformed})")
+        super().__init__(f"lock {info.namespace}/{info.name} is held by {who}, "
+                         f"token {info.token}")
+
+
+class LockLost(LockError):
+    """The guard no longer holds its lock; nothing was written."""
+
+
+class SessionLost(LockError):
+    """The session to acquire through is lost; start a new session and a new manager."""
+
+
+# ---- what is stored -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LockRecord:
+    """The lock key's value."""
+
+    holder: str
+    epoch: int
+    vm_uid: str
+    acquired_at: float
+    """Unix seconds, the holder's clock: for display only, never for decisions."""
+
+    def encode(self) -> bytes:
+        return json.dumps({
+            "holder": self.holder,
+            "epoch": self.epoch,
+            "vmUID": self.vm_uid,
+            "acquiredAt": datetime.fromtimestamp(self.acquired_at, UTC).isoformat(),
+        }, separators=(",", ":")).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes) -> LockRecord:
+        """Parse a value; raise ValueError saying what is wrong with it."""
+        try:
+            data = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"not JSON ({exc.msg if hasattr(exc, 'msg') else exc})") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"not a JSON object but {type(data).__name__}")
+        holder, epoch, uid, at = (data.get(k) for k in ("holder", "epoch", "vmUID",
+                                                        "acquiredAt"))
+        if not isinstance(holder, str) or not holder:
+            raise ValueError("no holder")
+        if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
+            raise ValueError(f"bad epoch {epoch!r}")
+        if not isinstance(uid, str) or not uid:
+            raise ValueError("no vmUID")
+        try:
+            acquired = datetime.fromisoformat(at).timestamp() if isinstance(at, str) else None
+        except ValueError:
+            acquired = None
+        if acquired is None:
+            raise ValueError(f"bad acquiredAt {at!r}")
+        return cls(holder, epoch, uid, acquired)
+
+
+@dataclass(frozen=True)
+class LockInfo:
+    """A lock key as read from etcd: its record, or why the value is malformed."""
+
+    namespace: str
+    name: str
+    key: str
+    token: int
+    """The key's mod revision: the fencing token of whoever holds it."""
+    create_revision: int
+    lease: int
+    record: LockRecord | None
+    malformed: str | None
+    raw: bytes
+
+    @classmethod
+    def from_kv(cls, kv: KeyValue, prefix: str) -> LockInfo:
+        namespace, name = split_key(kv.key, prefix)
+        try:
+            record: LockRecord | None = LockRecord.decode(kv.value)
+            malformed = None
+        except ValueError as exc:
+            record, malformed = None, str(exc)
+        return cls(namespace, name, kv.key, kv.mod_revision, kv.create_revision, kv.lease,
+                   record, malformed, kv.value)
+
+    def as_dict(self, now: float | None = None, lease_ttl: int | None = None
+                ) -> dict[str, Any]:
+        """For ``-o json|yaml|table``: everything an operator needs about one lock."""
+        now = time.time() if now is None else now
+        r = self.record
+        return {
+            "namespace": self.namespace,
+            "name": self.name,
+            "status": "held" if r else "malformed",
+            "holder": r.holder if r else None,
+            "epoch": r.epoch if r else None,
+            "token": self.token,
+            "vmUID": r.vm_uid if r else None,
+            "lease": f"{self.lease:x}" if self.lease else None,
+            "ttl": lease_ttl if self.lease else None,
+            "age": round(now - r.acquired_at, 1) if r else None,
+            "acquiredAt": (datetime.fromtimestamp(r.acquired_at, UTC).isoformat()
+                           if r else None),
+            "createRevision": self.create_revision,
+            "key": self.key,
+            "problem": self.malformed,
+            "raw": None if r else self.raw[:200].decode(errors="replace"),
+        }
+
+
+def lock_key(prefix: str, namespace: str, name: str) -> str:
+    for what, part in (("namespace", namespace), ("name", name)):
+        if not part or "/" in part:
+            raise ValueError(f"bad VM {what} {part!r}")
+    return f"{prefix}/locks/{namespace}/{name}"
+
+
+def locks_prefix(prefix: str, namespace: str | None = None) -> str:
+    return f"{prefix}/locks/{namespace}/" if namespace else f"{prefix}/locks/"
+
+
+def split_key(key: str, prefix: str) -> tuple[str, str]:
+    rest = key[len(locks_prefix(prefix)):] if key.startswith(locks_prefix(prefix)) else key
+    namespace, _, name = rest.partition("/")
+    return namespace, name
+
+
+# ---- the pure decision ----------------------------------------------------------------
+
+Decision = Literal["adopt", "takeover", "held"]
+
+
+def decide(current: LockInfo, *, identity: str, lease: int, epoch: int, vm_uid: str
+           ) -> Decision:
+    """What an acquirer does about a lock key that already exists.
+
+    * ``adopt``: the key is exactly what we would have written (our identity, lease,
+      epoch and VM uid): an earlier attempt of ours succeeded but its answer was lost.
+      The token is the key's mod revision.
+    * ``takeover``: rewrite it with a transaction comparing its mod revision.
+    * ``held``: someone with an epoch at least ours holds it for this VM.
+    """
+    r = current.record
+    if r is None:
+        return "takeover"  # nobody running this code wrote it
+    if r.holder == identity:
+        if current.lease == lease and r.epoch == epoch and r.vm_uid == vm_uid:
+            return "adopt"
+        # Ours from an earlier session, or under another epoch/uid: take it back,
+        # unless that would lower the epoch recorded.
+        return "takeover" if epoch >= r.epoch else "held"
+    if epoch > r.epoch:
+        return "takeover"
+    if r.vm_uid != vm_uid and epoch >= r.epoch:
+        return "takeover"  # left by a deleted VM of the same name
+    return "held"
+
+
+# ---- the guard ------------------------------------------------------------------------
+
+
+class LockGuard:
+    """Proof of ownership handed out by :meth:`LockManager.acquire` (etcd's ``IsOwner``).
+
+    ``token`` and ``epoch`` go into the writes the holder makes (``status.fence``);
+    ``lost`` tells it to stop.
+    """
+
+    def __init__(self, manager: LockManager, namespace: str, name: str, key: str,
+                 record: LockRecord, token: int) -> None:
+        self.namespace = namespace
+        self.name = name
+        self.key = key
+        self.record = record
+        self.token = token
+        self.lost = threading.Event()
+        self.lost_reason: str | None = None
+        self._manager = manager
+
+    @property
+    def epoch(self) -> int:
+        return self.record.epoch
+
+    @property
+    def vm_uid(self) -> str:
+        return self.record.vm_uid
+
+    @property
+    def held(self) -> bool:
+        return not self.lost.is_set()
+
+    def owner_compare(self) -> Compare:
+        """The condition "this lock is still mine", for the caller's own transactions."""
+        return Compare(self.key, "mod", "==", self.token)
+
+    def fenced_txn(self, compare: Sequence[Compare] = (), success: Sequence[Op] = (),
+                   failure: Sequence[Op] = ()) -> TxnResult:
+        """Run a transaction that applies ``success`` only if the lock is still ours and
+        ``compare`` holds. Raises :class:`LockLost` (and sets ``lost``) when the lock was
+        not ours; returns the result otherwise (``succeeded`` False: ``compare`` failed).
+        """
+        if self.lost.is_set():
+            raise LockLost(f"lock {self.namespace}/{self.name} lost: {self.lost_reason}")
+        result = self._manager.etcd.txn([self.owner_compare(), *compare], success,
+                                        [*failure, Get(self.key)])
+        if result.succeeded:
+            return result
+        now = result.results[-1].kvs
+        if not now or now[0].mod_revision != self.token:
+            reason = _why_not_ours(now[0] if now else None, self._manager.prefix)
+            self._lose(reason)
+            raise LockLost(f"lock {self.namespace}/{self.name} lost: {reason}")
+        return TxnResult(False, result.revision, result.results[:-1])
+
+    def fenced_put(self, key: str, value: bytes) -> int:
+        """Put ``key`` only if the lock is still ours; return the write's revision."""
+        return self.fenced_txn(success=[Put(key, value)]).revision
+
+    def check(self) -> bool:
+        """Read the key: is the lock still ours? Sets ``lost`` if not."""
+        if self.lost.is_set():
+            return False
+        kv = self._manager.etcd.get(self.key)
+        if kv is None or kv.mod_revision != self.token:
+            self._lose(_why_not_ours(kv, self._manager.prefix))
+            return False
+        return True
+
+    def release(self) -> bool:
+        """Give the lock up: delete the key if it is still ours (True), else False.
+
+        The guard counts as released even if etcd cannot be reached (the error is
+        raised); the key then goes with the session's lease.
+        """
+        self._lose("released")
+        self._manager._forget(self)
+        result = self._manager.etcd.txn([self.owner_compare()], [Delete(self.key)])
+        return result.succeeded
+
+    def _lose(self, reason: str) -> None:
+        if self.lost.is_set():
+            return
+        self.lost_reason = reason
+        self.lost.set()
+        if reason != "released":
+            logger.bind(vm=f"{self.namespace}/{self.name}", token=self.token).warning(
+                "lock lost: {}", reason)
+
+    def __enter__(self) -> LockGuard:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.held:
+            self.release()
+
+    def __repr__(self) -> str:
+        state = "held" if self.held else f"lost: {self.lost_reason}"
+        return (f"LockGuard({self.namespace}/{self.name}, token={self.token}, "
+                f"epoch={self.epoch}, {state})")
+
+
+def _why_not_ours(kv: KeyValue | None, prefix: str) -> str:
+    if kv is None:
+        return "the lock key is gone (released, broken, swept or its lease expired)"
+    info = LockInfo.from_kv(kv, prefix)
+    if info.record is None:
+        return f"the lock key was overwritten with a malformed value (token {info.token})"
+    return (f"taken over by {info.record.holder} (epoch {info.record.epoch}, "
+            f"token {info.token})")
+
+
+# ---- reading and administering locks (no session needed) ------------------------------
+
+
+@dataclass(frozen=True)
+class LockEvent:
+    kind: Literal["existing", "put", "delete"]
+    info: LockInfo
+    revision: int
+
+
+class LockTable:
+    """All locks under a prefix, for inspection and administration (CLI, sweeps)."""
+
+    def __init__(self, etcd: Etcd, prefix: str = DEFAULT_PREFIX) -> None:
+        self.etcd = etcd
+        self.prefix = prefix
+
+    def list(self, namespace: str | None = None) -> list[LockInfo]:
+        return self.snapshot(namespace)[0]
+
+    def snapshot(self, namespace: str | None = None) -> tuple[list[LockInfo], int]:
+        """The locks and the etcd revision they were read at."""
+        result = self.etcd.get_prefix(locks_prefix(self.prefix, namespace))
+        return [LockInfo.from_kv(kv, self.prefix) for kv in result.kvs], result.revision
+
+    def get(self, namespace: str, name: str) -> LockInfo | None:
+        kv = self.etcd.get(lock_key(self.prefix, namespace, name))
+        return LockInfo.from_kv(kv, self.prefix) if kv else None
+
+    def lease_ttls(self, infos: Collection[LockInfo]) -> dict[int, int]:
+        """Seconds left on each distinct lease of ``infos`` (-1: lease gone)."""
+        return {lease: self.etcd.lease_ttl(lease) for lease in {i.lease for i in infos if i.lease}}
+
+    def remove(self, info: LockInfo) -> bool:
+        """Delete the lock if it is still exactly what ``info`` saw (same token)."""
+        return self.etcd.txn([Compare(info.key, "mod", "==", info.token)],
+                             [Delete(info.key)]).succeeded
+
+    def break_lock(self, namespace: str, name: str) -> LockInfo | None:
+        """Delete a lock whoever holds it; return what was deleted (None: no lock).
+
+        Safe because every write a holder makes is fenced by its token: a holder whose
+        lock was broken is refused at its next write, and a new acquisition gets a higher
+        token.
+        """
+        for _ in range(_TAKEOVER_ATTEMPTS):
+            info = self.get(namespace, name)
+            if info is None:
+                return None
+            if self.remove(info):
+                return info
+        raise LockError(f"lock {namespace}/{name} keeps changing; try again")
+
+    def sweep(self, existing_vm_uids: Collection[str] | Callable[[], Collection[str]],
+              keep: Callable[[LockInfo], bool] = lambda _i: False) -> list[LockInfo]:
+        """Delete the locks of VMs that no longer exist; return what was deleted.
+
+        Pass a *function* that lists the live VMs' uids: it is called after the locks are
+        read, so a VM created (and locked) after the VM list cannot be swept by mistake.
+        Malformed locks are left for an operator (``neonvm locks break``); they block
+        nothing, since an acquirer takes them over.
+        """
+        locks = self.list()
+        uids = set(existing_vm_uids() if callable(existing_vm_uids) else existing_vm_uids)
+        removed = []
+        for info in locks:
+            if info.record is None or info.record.vm_uid in uids or keep(info):
+                continue
+            if self.remove(info):
+                logger.bind(vm=f"{info.namespace}/{info.name}").info(
+                    "swept the lock of a VM that no longer exists", vm_uid=info.record.vm_uid,
+                    holder=info.record.holder, token=info.token)
+                removed.append(info)
+        return removed
+
+    def watch(self, namespace: str | None = None, *, existing: bool = True
+              ) -> Iterator[LockEvent]:
+        """The current locks (as ``existing`` events), then every change, until the
+        caller stops iterating or etcd goes away (EtcdUnavailable)."""
+        infos, revision = self.snapshot(namespace)
+        if existing:
+            for info in infos:
+                yield LockEvent("existing", info, revision)
+        stream = self.etcd.watch(locks_prefix(self.prefix, namespace), prefix=True,
+                                 start_revision=revision + 1)
+        try:
+            for event in stream:
+                # A delete event's own kv is empty; prev_kv has the lock that went.
+                kv = event.kv if event.kind == "put" else (event.prev or event.kv)
+                yield LockEvent(event.kind, LockInfo.from_kv(kv, self.prefix), event.revision)
+        finally:
+            stream.close()
+
+
+# ---- acquiring ------------------------------------------------------------------------
+
+
+class LockManager:
+    """Takes per-VM locks for one holder (one replica process) through one session.
+
+    ``identity`` must be unique per process start (host plus a random id): a lock whose
+    value names our identity is treated as ours. When the session is lost, every guard
+    is told; make a new session and a new manager to go on.
+    """
+
+    def __init__(self, etcd: Etcd, session: Session, identity: str,
+                 prefix: str = DEFAULT_PREFIX) -> None:
+        self.etcd = etcd
+        self.session = session
+        self.identity = identity
+        self.prefix = prefix
+        self.table = LockTable(etcd, prefix)
+        self._guards: dict[str, LockGuard] = {}
+        self._mutex = threading.Lock()
+        self._key_mutexes: dict[str, threading.Lock] = {}
+        self._unregister = session.on_lost(self._session_lost)
+
+    def acquire(self, namespace: str, name: str, vm_uid: str, epoch: int, *,
+                wait: float = 0.0) -> LockGuard:
+        """Take the VM's lock, or raise :class:`LockHeld` (after up to ``wait`` seconds
+        of waiting for the holder to let go).
+
+        Re-acquiring a lock this manager holds (same uid and epoch) returns the same
+        guard without a round trip. May raise :class:`SessionLost` and
+        :class:`~neonvm.leader.etcd.EtcdError`.
+        """
+        key = lock_key(self.prefix, namespace, name)
+        with self._mutex:
+            key_mutex = self._key_mutexes.setdefault(key, threading.Lock())
+        with key_mutex:
+            existing = self._guards.get(key)
+            if (existing is not None and existing.held and existing.vm_uid == vm_uid
+                    and existing.epoch == epoch):
+                return existing
+            guard = self._acquire(namespace, name, key, vm_uid, epoch, wait)
+            with self._mutex:
+                previous = self._guards.get(key)
+                self._guards[key] = guard
+            if previous is not None and previous is not guard:
+                previous._lose(f"replaced by a new acquisition (token {guard.token})")
+            if self.session.lost.is_set():
+                guard._lose(f"session lost: {self.session.lost_reason}")
+            return guard
+
+    def held(self) -> list[LockGuard]:
+        with self._mutex:
+            return [g for g in self._guards.values() if g.held]
+
+    def list(self, namespace: str | None = None) -> list[LockInfo]:
+        return self.table.list(namespace)
+
+    def get(self, namespace: str, name: str) -> LockInfo | None:
+        return self.table.get(namespace, name)
+
+    def sweep(self, existing_vm_uids: Collection[str] | Callable[[], Collection[str]]
+              ) -> list[LockInfo]:
+        """:meth:`LockTable.sweep`, sparing the locks this manager holds."""
+        def ours(info: LockInfo) -> bool:
+            with self._mutex:
+                guard = self._guards.get(info.key)
+            return guard is not None and guard.held and guard.token == info.token
+
+        return self.table.sweep(existing_vm_uids, keep=ours)
+
+    def close(self) -> None:
+        """Release every held lock (best effort) and stop listening to the session."""
+        self._unregister()
+        for guard in self.held():
+            try:
+                guard.release()
+            except Exception as exc:
+                logger.bind(vm=f"{guard.namespace}/{guard.name}").warning(
+                    "could not release lock on close: {}", exc)
+
+    # ---- internals ----
+
+    def _acquire(self, namespace: str, name: str, key: str, vm_uid: str, epoch: int,
+                 wait: float) -> LockGuard:
+        if self.session.lost.is_set():
+            raise SessionLost(f"etcd session lost: {self.session.lost_reason}")
+        lease = self.session.lease_id
+        record = LockRecord(self.identity, epoch, vm_uid, time.time())
+        value = record.encode()
+        log = logger.bind(vm=f"{namespace}/{name}", epoch=epoch)
+        deadline = time.monotonic() + wait
+        # The common case: the key does not exist. One round trip.
+        result = self._txn([Compare(key, "create", "==", 0)], [Put(key, value, lease)],
+                           [Get(key)])
+        attempts = 0
+        while True:
+            if result.succeeded:
+                return LockGuard(self, namespace, name, key, record, result.revision)
+            kvs = result.results[-1].kvs
+            if not kvs:  # deleted between our read and now (only after a wait)
+                result = self._txn([Compare(key, "create", "==", 0)],
+                                   [Put(key, value, lease)], [Get(key)])
+                continue
+            current = LockInfo.from_kv(kvs[0], self.prefix)
+            decision = decide(current, identity=self.identity, lease=lease, epoch=epoch,
+                              vm_uid=vm_uid)
+            if decision == "adopt":
+                log.debug("adopting the lock our own earlier attempt wrote")
+                return LockGuard(self, namespace, name, key, record_of(current),
+                                 current.token)
+            if decision == "takeover":
+                attempts += 1
+                if attempts > _TAKEOVER_ATTEMPTS:
+                    raise LockHeld(current)
+                result = self._txn([Compare(key, "mod", "==", current.token)],
+                                   [Put(key, value, lease)], [Get(key)])
+                if result.succeeded:
+                    log.info("lock taken over", previous=_describe(current),
+                             token=result.revision)
+                continue
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise LockHeld(current)
+            self.etcd.wait_for_change(key, current.token, remaining)
+            result = self._txn([Compare(key, "create", "==", 0)], [Put(key, value, lease)],
+                               [Get(key)])
+
+    def _txn(self, compare: Sequence[Compare], success: Sequence[Op],
+             failure: Sequence[Op]) -> TxnResult:
+        try:
+            return self.etcd.txn(compare, success, failure)
+        except EtcdRequestFailed as exc:
+            if "lease not found" in str(exc):
+                raise SessionLost(f"etcd session lost: its lease is gone ({exc})") from None
+            raise
+
+    def _forget(self, guard: LockGuard) -> None:
+        with self._mutex:
+            if self._guards.get(guard.key) is guard:
+                del self._guards[guard.key]
+
+    def _session_lost(self, reason: str) -> None:
+        with self._mutex:
+            guards = list(self._guards.values())
+        for guard in guards:
+            guard._lose(f"session lost: {reason}")
+
+
+def record_of(info: LockInfo) -> LockRecord:
+    if info.record is None:
+        raise ValueError(f"lock {info.key} is malformed: {info.malformed}")
+    return info.record
+
+
+def _describe(info: LockInfo) -> str:
+    r = info.record
+    return f"{r.holder} epoch {r.epoch} token {info.token}" if r else f"malformed ({info.malformed})"
