@@ -109,6 +109,10 @@ def _pid_alive(pid: int, binary_name: str) -> bool:
         return False
     if stat.rsplit(")", 1)[1].split()[0] == "Z":
         return False
+    if not cmdline:
+        # Right after exec the kernel may not show the new argv yet; the command name
+        # (at most 15 characters) in stat is already the binary's.
+        return f"({binary_name[:15]})" in stat
     return binary_name.encode() in cmdline
 
 
