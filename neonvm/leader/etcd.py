@@ -22,12 +22,13 @@ What is guaranteed:
 * Every failure to get an answer raises :class:`EtcdUnavailable` with a one-line message
   naming the endpoints; every request etcd refused raises :class:`EtcdRequestFailed`.
   No ``grpc`` or ``pyetcd`` exception escapes this module.
-* Reads and lease calls (idempotent) are retried across endpoints until the deadline.
+* Reads and lease calls (idempotent) are retried across endpoints until the deadline;
+  so is any call that gRPC failed before sending it (no connection to that endpoint).
 
 What is not guaranteed:
 
-* Transactions are never retried here: a transaction that timed out may or may not have
-  been applied. Callers make their writes safe to repeat (the lock adopts a key its own
+* A transaction that was sent is never retried here: one that timed out may or may not
+  have been applied. Callers make their writes safe to repeat (the lock adopts a key its own
   lease wrote; fenced writes compare revisions).
 * No client-side caching: every read is a quorum read (``serializable=False``).
 """
@@ -551,7 +552,9 @@ class Etcd:
         """Run ``fn`` against an endpoint within the deadline, mapping errors.
 
         Idempotent calls move on to the next endpoint when one does not answer and keep
-        trying until the deadline; others fail at once (moving the next call along).
+        trying until the deadline. Others do so only while the request provably never
+        left this process (no connection); otherwise they fail at once, since the
+        outcome is unknown, and the next call goes to the next endpoint.
         """
         if self._closed:
             raise EtcdError("etcd client used after close")
@@ -582,7 +585,7 @@ class Etcd:
                     raise EtcdRequestFailed(
                         f"etcd at {ep.url} refused to {what}: {_detail(exc)}") from None
                 self._advance(index)
-                if not idempotent or code not in _RETRYABLE:
+                if code not in _RETRYABLE or not (idempotent or _never_sent(exc)):
                     break
             # Every endpoint refused the connection: back off a little, then go again.
             time.sleep(min(backoff, max(0.0, deadline - time.monotonic())))
@@ -590,7 +593,7 @@ class Etcd:
         detail = _detail(last) if last is not None else "no time left"
         raise EtcdUnavailable(
             f"etcd unreachable at {self.describe()}: could not {what} within "
-            f"{budget:g}s ({detail})"
+            f"{budget:.1f}s ({detail})"
         )
 
     def _advance(self, failed_index: int) -> None:
@@ -657,6 +660,14 @@ class WatchStream:
 
 
 # ---- conversions --------------------------------------------------------------------------
+
+
+def _never_sent(exc: grpc.RpcError) -> bool:
+    """gRPC fails a call fast, before sending anything, while it has no connection."""
+    try:
+        return "failed to connect" in (exc.details() or "")
+    except Exception:  # pragma: no cover - an RpcError that is not a Call
+        return False
 
 
 def _detail(exc: grpc.RpcError) -> str:

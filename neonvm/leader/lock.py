@@ -37,6 +37,7 @@ What is not guaranteed:
 
 from __future__ import annotations
 
+import builtins
 import json
 import threading
 import time
@@ -320,7 +321,7 @@ class LockGuard:
             return
         self.lost_reason = reason
         self.lost.set()
-        if reason != "released":
+        if not reason.startswith("released"):
             logger.bind(vm=f"{self.namespace}/{self.name}", token=self.token).warning(
                 "lock lost: {}", reason)
 
@@ -367,7 +368,7 @@ class LockTable:
     def list(self, namespace: str | None = None) -> list[LockInfo]:
         return self.snapshot(namespace)[0]
 
-    def snapshot(self, namespace: str | None = None) -> tuple[list[LockInfo], int]:
+    def snapshot(self, namespace: str | None = None) -> tuple[builtins.list[LockInfo], int]:
         """The locks and the etcd revision they were read at."""
         result = self.etcd.get_prefix(locks_prefix(self.prefix, namespace))
         return [LockInfo.from_kv(kv, self.prefix) for kv in result.kvs], result.revision
@@ -401,7 +402,8 @@ class LockTable:
         raise LockError(f"lock {namespace}/{name} keeps changing; try again")
 
     def sweep(self, existing_vm_uids: Collection[str] | Callable[[], Collection[str]],
-              keep: Callable[[LockInfo], bool] = lambda _i: False) -> list[LockInfo]:
+              keep: Callable[[LockInfo], bool] = lambda _i: False
+              ) -> builtins.list[LockInfo]:
         """Delete the locks of VMs that no longer exist; return what was deleted.
 
         Pass a *function* that lists the live VMs' uids: it is called after the locks are
@@ -487,7 +489,7 @@ class LockManager:
                 self._guards[key] = guard
             if previous is not None and previous is not guard:
                 previous._lose(f"replaced by a new acquisition (token {guard.token})")
-            if self.session.lost.is_set():
+            if self.session.is_lost():
                 guard._lose(f"session lost: {self.session.lost_reason}")
             return guard
 
@@ -502,7 +504,7 @@ class LockManager:
         return self.table.get(namespace, name)
 
     def sweep(self, existing_vm_uids: Collection[str] | Callable[[], Collection[str]]
-              ) -> list[LockInfo]:
+              ) -> builtins.list[LockInfo]:
         """:meth:`LockTable.sweep`, sparing the locks this manager holds."""
         def ours(info: LockInfo) -> bool:
             with self._mutex:
@@ -525,7 +527,7 @@ class LockManager:
 
     def _acquire(self, namespace: str, name: str, key: str, vm_uid: str, epoch: int,
                  wait: float) -> LockGuard:
-        if self.session.lost.is_set():
+        if self.session.is_lost():
             raise SessionLost(f"etcd session lost: {self.session.lost_reason}")
         lease = self.session.lease_id
         record = LockRecord(self.identity, epoch, vm_uid, time.time())
@@ -585,8 +587,10 @@ class LockManager:
     def _session_lost(self, reason: str) -> None:
         with self._mutex:
             guards = list(self._guards.values())
+        closed = reason == "session closed"
+        why = "released: session closed" if closed else f"session lost: {reason}"
         for guard in guards:
-            guard._lose(f"session lost: {reason}")
+            guard._lose(why)
 
 
 def record_of(info: LockInfo) -> LockRecord:
@@ -597,4 +601,6 @@ def record_of(info: LockInfo) -> LockRecord:
 
 def _describe(info: LockInfo) -> str:
     r = info.record
-    return f"{r.holder} epoch {r.epoch} token {info.token}" if r else f"malformed ({info.malformed})"
+    if r is None:
+        return f"malformed ({info.malformed})"
+    return f"{r.holder} epoch {r.epoch} token {info.token}"

@@ -80,7 +80,7 @@ class Session:
         """Call ``callback(reason)`` once when the session is lost; returns an unregister
         function. Runs at once if the session is already lost."""
         with self._mutex:
-            if not self.lost.is_set():
+            if self.lost_reason is None:
                 self._callbacks.append(callback)
 
                 def unregister() -> None:
@@ -92,9 +92,14 @@ class Session:
         callback(self.lost_reason or "session lost")
         return lambda: None
 
+    def is_lost(self) -> bool:
+        """True from the moment the loss is decided, already while callbacks run (``lost``
+        is set after they ran, so that whoever waits on it finds every guard told)."""
+        return self.lost_reason is not None
+
     def remaining(self) -> float:
         """Seconds until the lease may have expired, as far as this process can tell."""
-        if self.lost.is_set():
+        if self.is_lost():
             return 0.0
         return max(0.0, self._expires_at - self._margin - time.monotonic())
 
@@ -107,7 +112,7 @@ class Session:
             return
         self._closed.set()
         self._thread.join()
-        if not self.lost.is_set():
+        if not self.is_lost():
             try:
                 self.etcd.revoke_lease(self.lease_id, timeout=timeout)
             except EtcdError as exc:
@@ -163,10 +168,9 @@ class Session:
 
     def _lose(self, reason: str) -> None:
         with self._mutex:
-            if self.lost.is_set():
+            if self.lost_reason is not None:
                 return
             self.lost_reason = reason
-            self.lost.set()
             callbacks, self._callbacks = self._callbacks, []
         if reason != "session closed":
             self._log.warning("etcd session lost: {}", reason)
@@ -175,3 +179,4 @@ class Session:
                 callback(reason)
             except Exception:
                 self._log.exception("session-lost callback failed")
+        self.lost.set()

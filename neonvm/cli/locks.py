@@ -1,0 +1,177 @@
+"""``neonvm locks``: inspect, watch and break the per-VM locks in etcd.
+
+Connection settings come from ``NEONVM_ETCD_*`` (``neonvm dev env`` prints them for the
+local cluster) and can be overridden by the group's flags. Every command gives up with a
+one-line error after ``--timeout`` seconds when etcd does not answer.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from typing import Any
+
+import click
+import yaml
+
+from neonvm.cli.output import OUTPUT_OPTION, emit
+from neonvm.leader.etcd import DEFAULT_TIMEOUT, Etcd, EtcdConfig
+from neonvm.leader.lock import LockEvent, LockInfo, LockTable
+
+LIST_COLUMNS = ["namespace", "name", "status", "holder", "epoch", "token", "vmUID", "ttl",
+                "age"]
+
+
+@click.group("locks")
+@click.option("--endpoints", metavar="URLS",
+              help="Comma-separated http(s)://host:port [env: NEONVM_ETCD_ENDPOINTS].")
+@click.option("--prefix", help="Key prefix [env: NEONVM_ETCD_PREFIX; default /neonvm].")
+@click.option("--ca", type=click.Path(dir_okay=False), help="CA bundle [env: NEONVM_ETCD_CA].")
+@click.option("--cert", type=click.Path(dir_okay=False),
+              help="Client certificate [env: NEONVM_ETCD_CERT].")
+@click.option("--key", type=click.Path(dir_okay=False),
+              help="Client key [env: NEONVM_ETCD_KEY].")
+@click.option("--user", help="etcd user [env: NEONVM_ETCD_USER].")
+@click.option("--password", help="etcd password [env: NEONVM_ETCD_PASSWORD].")
+@click.option("--timeout", type=float, default=DEFAULT_TIMEOUT, show_default=True,
+              help="Seconds to wait for etcd before giving up.")
+@click.pass_context
+def locks(ctx: click.Context, endpoints: str | None, prefix: str | None, ca: str | None,
+          cert: str | None, key: str | None, user: str | None, password: str | None,
+          timeout: float) -> None:
+    """Per-VM locks: who holds which VM, under which epoch and fencing token."""
+    ctx.obj = EtcdConfig.from_env().with_overrides(
+        endpoints=endpoints, prefix=prefix, ca=ca, cert=cert, key=key, user=user,
+        password=password, timeout=timeout,
+    )
+
+
+@contextmanager
+def _table(ctx: click.Context) -> Iterator[LockTable]:
+    config: EtcdConfig = ctx.obj
+    etcd = Etcd(config)
+    try:
+        yield LockTable(etcd, config.prefix)
+    finally:
+        etcd.close()
+
+
+def _parse_ref(ref: str) -> tuple[str, str]:
+    namespace, sep, name = ref.partition("/")
+    if not sep or not namespace or not name or "/" in name:
+        raise click.BadParameter(f"want NAMESPACE/NAME, got {ref!r}", param_hint="LOCK")
+    return namespace, name
+
+
+def _rows(table: LockTable, infos: list[LockInfo]) -> list[dict[str, Any]]:
+    ttls = table.lease_ttls(infos)
+    now = time.time()
+    return [i.as_dict(now, ttls.get(i.lease)) for i in infos]
+
+
+@locks.command("list")
+@click.option("-n", "--namespace", help="Only this namespace.")
+@OUTPUT_OPTION
+@click.pass_context
+def list_(ctx: click.Context, namespace: str | None, output: str) -> None:
+    """List locks: holder, epoch, token (fencing), lease seconds left, age."""
+    with _table(ctx) as table:
+        rows = _rows(table, table.list(namespace))
+    emit(rows, output, None if output != "table" else LIST_COLUMNS)
+
+
+@locks.command("show")
+@click.argument("lock", metavar="NAMESPACE/NAME")
+@OUTPUT_OPTION
+@click.pass_context
+def show(ctx: click.Context, lock: str, output: str) -> None:
+    """Show one lock in full (a malformed value is shown as such, with its raw text)."""
+    namespace, name = _parse_ref(lock)
+    with _table(ctx) as table:
+        info = table.get(namespace, name)
+        if info is None:
+            raise click.ClickException(f"no lock for {namespace}/{name}")
+        row = _rows(table, [info])[0]
+    if output == "table":
+        width = max(len(k) for k in row)
+        for k, v in row.items():
+            click.echo(f"{k + ':':<{width + 1}} {'-' if v is None else v}")
+        return
+    emit(row, output)
+
+
+@locks.command("watch")
+@click.option("-n", "--namespace", help="Only this namespace.")
+@click.option("--no-existing", is_flag=True, help="Skip the locks that exist at the start.")
+@OUTPUT_OPTION
+@click.pass_context
+def watch(ctx: click.Context, namespace: str | None, no_existing: bool, output: str) -> None:
+    """Stream lock changes (taken, taken over, released, expired) until Ctrl-C.
+
+    First prints the current locks as EXISTING, then every change as it happens. json
+    prints one object per line; yaml one document per change.
+    """
+    with _table(ctx) as table:
+        try:
+            for event in table.watch(namespace, existing=not no_existing):
+                _print_event(event, output)
+        except KeyboardInterrupt:
+            pass
+
+
+def _print_event(event: LockEvent, fmt: str) -> None:
+    row = {"event": event.kind.upper(), "revision": event.revision,
+           **event.info.as_dict()}
+    if fmt == "json":
+        click.echo(json.dumps(row, default=str))
+    elif fmt == "yaml":
+        click.echo("---\n" + yaml.safe_dump(row, sort_keys=False).rstrip())
+    else:
+        stamp = datetime.now(UTC).strftime("%H:%M:%S")
+        if event.info.record is None and event.kind != "delete":
+            what = f"malformed: {event.info.malformed}"
+        else:
+            r = event.info.record
+            what = (f"holder={r.holder} epoch={r.epoch} vm-uid={r.vm_uid}" if r
+                    else "(malformed)")
+        click.echo(f"{stamp} {event.kind.upper():<8} {event.info.namespace}/"
+                   f"{event.info.name} token={event.info.token} {what}", nl=True)
+    click.get_text_stream("stdout").flush()
+
+
+@locks.command("break")
+@click.argument("lock", metavar="NAMESPACE/NAME")
+@click.option("--force", is_flag=True, help="Required: confirms you mean it.")
+@OUTPUT_OPTION
+@click.pass_context
+def break_(ctx: click.Context, lock: str, force: bool, output: str) -> None:
+    """Delete a VM's lock, whoever holds it.
+
+    Use it for a lock left behind (say, by a holder whose lease was revoked by hand but
+    whose key was not, or a malformed value), or to make a stuck holder let go at once.
+
+    It is safe: every write a holder makes is fenced by its token (the lock key's
+    revision must still be the token it was given) and by its epoch, so a holder whose
+    lock was broken is refused at its next write and can do no harm; the next holder gets
+    a higher token. Breaking a lock costs progress, never safety. The current leader
+    simply takes the lock again on its next reconcile.
+    """
+    namespace, name = _parse_ref(lock)
+    if not force:
+        raise click.UsageError(
+            f"refusing to break {namespace}/{name} without --force (see --help: safe, "
+            "because holders' writes are fenced by token and epoch)")
+    with _table(ctx) as table:
+        info = table.break_lock(namespace, name)
+    if info is None:
+        raise click.ClickException(f"no lock for {namespace}/{name}")
+    if output == "table":
+        r = info.record
+        who = f"{r.holder} (epoch {r.epoch})" if r else "a malformed value"
+        click.echo(f"broke lock {namespace}/{name}: was held by {who}, token {info.token}")
+        return
+    emit(info.as_dict(), output)
+
