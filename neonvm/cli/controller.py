@@ -1,0 +1,136 @@
+"""``neonvm controller run``: one controller replica.
+
+Run several (as separate processes, or pods of the chart's Deployment): they campaign
+for one Lease, and only the leader reconciles. SIGTERM or SIGINT stops the workers,
+releases the per-VM locks and then the Lease, so a standby takes over at once.
+
+Every flag has an environment variable (``NEONVM_CONTROLLER_RUN_<FLAG>``); the etcd
+connection also reads ``NEONVM_ETCD_*`` (see ``neonvm locks --help``).
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from pathlib import Path
+from types import FrameType
+
+import click
+from loguru import logger
+
+from neonvm.controller.faults import FaultConfig, FaultConfigError, Faults
+from neonvm.controller.manager import ControllerConfig, ControllerProcess
+from neonvm.controller.metrics import ControllerMetrics
+from neonvm.controller.podspec import DEFAULT_RUNNER_IMAGE, PodDefaults
+from neonvm.controller.reconciler import ReconcilerConfig
+from neonvm.leader.election import (
+    DEFAULT_LEASE_NAME,
+    DEFAULT_NAMESPACE,
+    ElectionConfig,
+    new_identity,
+)
+from neonvm.leader.etcd import DEFAULT_TIMEOUT, EtcdConfig
+from neonvm.leader.health import HealthServer
+
+
+@click.group("controller", context_settings={"auto_envvar_prefix": "NEONVM_CONTROLLER"})
+def controller() -> None:
+    """The VirtualMachine controller."""
+
+
+@controller.command("run")
+@click.option("--kubeconfig", type=click.Path(dir_okay=False, path_type=Path),
+              envvar="KUBECONFIG", help="Kubeconfig (default: $KUBECONFIG, then in-cluster).")
+@click.option("--lease-namespace", default=DEFAULT_NAMESPACE, show_default=True,
+              help="Namespace of the leader-election Lease.")
+@click.option("--lease-name", default=DEFAULT_LEASE_NAME, show_default=True,
+              help="Name of the leader-election Lease.")
+@click.option("--identity", default=None,
+              help="Leader identity (default: <hostname>_<random>, unique per start).")
+@click.option("--lease-duration", type=float, default=15.0, show_default=True)
+@click.option("--renew-deadline", type=float, default=10.0, show_default=True)
+@click.option("--retry-period", type=float, default=2.0, show_default=True)
+@click.option("--etcd-endpoints", metavar="URLS",
+              help="Locks' etcd, comma-separated [env: NEONVM_ETCD_ENDPOINTS].")
+@click.option("--etcd-prefix", help="Key prefix [env: NEONVM_ETCD_PREFIX; default /neonvm].")
+@click.option("--etcd-ca", type=click.Path(dir_okay=False), help="[env: NEONVM_ETCD_CA]")
+@click.option("--etcd-cert", type=click.Path(dir_okay=False), help="[env: NEONVM_ETCD_CERT]")
+@click.option("--etcd-key", type=click.Path(dir_okay=False), help="[env: NEONVM_ETCD_KEY]")
+@click.option("--etcd-timeout", type=float, default=DEFAULT_TIMEOUT, show_default=True)
+@click.option("--session-ttl", type=click.IntRange(min=2), default=10, show_default=True,
+              help="TTL (s) of the etcd lease the per-VM locks are bound to.")
+@click.option("--watch-namespace", default=None,
+              help="Reconcile only VMs of this namespace (default: all).")
+@click.option("--workers", type=click.IntRange(min=1), default=4, show_default=True)
+@click.option("--resync", type=click.FloatRange(min=1), default=30.0, show_default=True,
+              help="Seconds between direct re-reads of every VM.")
+@click.option("--plan-requeue", type=click.FloatRange(min=0.1), default=2.0,
+              show_default=True, help="Seconds between direct re-reads of VMs mid-plan.")
+@click.option("--sweep", type=click.FloatRange(min=1), default=30.0, show_default=True,
+              help="Seconds between sweeps of locks and pods of deleted VMs.")
+@click.option("--runner-image", default=DEFAULT_RUNNER_IMAGE, show_default=True,
+              help="Runner image for VMs without spec.runnerImage.")
+@click.option("--health-port", type=click.IntRange(min=0, max=65535), default=8081,
+              show_default=True, help="/healthz, /readyz, /metrics (0: a free port).")
+@click.option("--health-host", default="0.0.0.0", show_default=True)
+@click.option("--fault", "faults", multiple=True, metavar="K=V[,K=V]",
+              help="Fault injection (testing only; also $NEONVM_FAULTS): crash_after=STEP[@N],"
+                   " stale_reads=P, drop_watch_events=P, conflict=P, seed=N.")
+def run(kubeconfig: Path | None, lease_namespace: str, lease_name: str, identity: str | None,
+        lease_duration: float, renew_deadline: float, retry_period: float,
+        etcd_endpoints: str | None, etcd_prefix: str | None, etcd_ca: str | None,
+        etcd_cert: str | None, etcd_key: str | None, etcd_timeout: float, session_ttl: int,
+        watch_namespace: str | None, workers: int, resync: float, plan_requeue: float,
+        sweep: float, runner_image: str, health_port: int, health_host: str,
+        faults: tuple[str, ...]) -> None:
+    """Run one replica: campaign, and while leading keep exactly one runner pod per VM."""
+    from neonvm import kube
+
+    try:
+        fault_config = FaultConfig.from_env(faults)
+    except FaultConfigError as exc:
+        raise click.BadParameter(str(exc), param_hint="--fault") from None
+    try:
+        election = ElectionConfig(
+            namespace=lease_namespace, name=lease_name, identity=identity or new_identity(),
+            lease_duration=lease_duration, renew_deadline=renew_deadline,
+            retry_period=retry_period)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    etcd_config = EtcdConfig.from_env().with_overrides(
+        endpoints=etcd_endpoints, prefix=etcd_prefix, ca=etcd_ca, cert=etcd_cert,
+        key=etcd_key, timeout=etcd_timeout)
+    etcd_config.validate()
+    config = ControllerConfig(
+        workers=workers, watch_namespace=watch_namespace, resync_seconds=resync,
+        plan_requeue_seconds=plan_requeue, sweep_seconds=sweep, session_ttl=session_ttl,
+        reconciler=ReconcilerConfig(resync_seconds=resync,
+                                    pod_defaults=PodDefaults(runner_image=runner_image)),
+    )
+    log = logger.bind(identity=election.identity)
+    if fault_config.enabled:
+        log.warning("FAULT INJECTION ENABLED: {faults}", faults=fault_config)
+    api = kube.api_client(kubeconfig)
+    metrics = ControllerMetrics()
+    process = ControllerProcess(api, etcd_config, election, config,
+                                faults=Faults(fault_config), metrics=metrics)
+    health = HealthServer(health_port, metrics.registry, host=health_host)
+    health.add_check("controller", process.health_check, readiness=False)
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        log.info("received {sig}: stopping", sig=signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    health.start()
+    log.info("controller replica starting: lease {ns}/{name}, etcd {etcd}, {w} workers",
+             ns=lease_namespace, name=lease_name, etcd=",".join(etcd_config.endpoints),
+             w=workers)
+    try:
+        process.run(stop)
+    finally:
+        health.stop()
+        api.close()
+    log.info("controller replica stopped")

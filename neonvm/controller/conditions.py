@@ -1,0 +1,153 @@
+"""VM conditions (Ready, Degraded, WaitingForOldPod): what they should say, and the write.
+
+:func:`desired_conditions` is pure: from a snapshot and the reconcile's final decision it
+derives what the conditions should say. :func:`conditions_mutation` is a status mutation
+in the sense of :mod:`neonvm.controller.mutations`: it is applied to the fresh copy on
+every conflict retry, keeps ``lastTransitionTime`` when a condition's status does not
+change, refuses (:class:`~neonvm.controller.mutations.FencedOut`) when the fresh copy
+carries a higher fence, and returns None when nothing would change, so an idle VM is
+never written.
+
+``WaitingForOldPod``'s ``lastTransitionTime`` is the "since" the design asks for: when the
+replacement pod started waiting for its predecessor to be gone.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime as dt
+from dataclasses import dataclass
+
+from neonvm.api.types import Condition, Fence, VirtualMachine, VirtualMachineStatus
+from neonvm.controller import decide as d
+from neonvm.controller.mutations import FencedOut, StatusMutation
+from neonvm.controller.observe import CREATE_REFUSED, Snapshot
+
+READY = "Ready"
+DEGRADED = "Degraded"
+WAITING_FOR_OLD_POD = "WaitingForOldPod"
+
+NODE_FAILURE_HINT = (
+    "If the old pod's node has failed, the pod goes away only when Kubernetes deletes it "
+    "(for example after the node is confirmed off and tainted "
+    "node.kubernetes.io/out-of-service). Do not force-delete a pod whose node may still "
+    "be running: that can run two guests."
+)
+
+
+@dataclass(frozen=True)
+class ConditionUpdate:
+    """The value one condition should have."""
+
+    type: str
+    status: str
+    reason: str
+    message: str
+    generation: int | None = None
+    """Generation to record; None: the fresh copy's generation."""
+    only_if_present: bool = False
+    """Do not add the condition just to say False."""
+
+
+def now_rfc3339() -> str:
+    return dt.datetime.now(dt.UTC).replace(microsecond=0).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def desired_conditions(snap: Snapshot, final: d.Action) -> list[ConditionUpdate]:
+    """Conditions implied by an observation and the decision that ended the reconcile."""
+    vm = snap.obs.vm
+    if vm is None or vm.deletion_timestamp is not None:
+        return []
+    status = vm.status
+    pod = snap.obs.pod(status.pod_name)
+    updates: list[ConditionUpdate] = []
+    if status.phase in d.TERMINAL_PHASES:
+        updates.append(ConditionUpdate(READY, "False", f"VM{status.phase}",
+                                       f"the VM is {status.phase} and is not restarted "
+                                       f"(restartPolicy {vm.spec.restart_policy})"))
+    elif (pod is not None and status.phase == "Running" and pod.phase == "Running"
+          and not pod.gated and not pod.terminating):
+        updates.append(ConditionUpdate(READY, "True", "RunnerRunning",
+                                       f"runner pod {pod.name} is running on {pod.node}"))
+    elif pod is not None and pod.gated:
+        updates.append(ConditionUpdate(READY, "False", "RunnerGated",
+                                       f"runner pod {pod.name} is created and waits to start"))
+    elif pod is not None:
+        updates.append(ConditionUpdate(READY, "False", "RunnerStarting",
+                                       f"runner pod {pod.name} is {pod.phase}"))
+    else:
+        updates.append(ConditionUpdate(READY, "False", "NoRunner",
+                                       "no runner pod is committed yet"))
+
+    if isinstance(final, d.Wait) and final.condition == WAITING_FOR_OLD_POD:
+        updates.append(ConditionUpdate(WAITING_FOR_OLD_POD, "True", "OldPodNotGone",
+                                       f"{final.reason}. {NODE_FAILURE_HINT}"))
+    else:
+        updates.append(ConditionUpdate(WAITING_FOR_OLD_POD, "False", "NoOldPod",
+                                       "no other pod of this VM is left",
+                                       only_if_present=True))
+
+    refused = snap.obs.create_failed_generation
+    if refused is None or refused < vm.generation:
+        # Not (or no longer) refused for this generation: once a pod is committed, say so.
+        degraded = _find(status.conditions, DEGRADED)
+        if degraded is not None and degraded.status == "True" and status.pod_name:
+            updates.append(ConditionUpdate(DEGRADED, "False", "RunnerCreated",
+                                           f"runner pod {status.pod_name} was created"))
+    return updates
+
+
+def refused_condition(message: str, generation: int) -> ConditionUpdate:
+    """Degraded: the API server refused to create the runner pod for ``generation``."""
+    return ConditionUpdate(DEGRADED, "True", CREATE_REFUSED,
+                           f"{message} (waiting for a spec change)", generation=generation)
+
+
+def _find(conditions: list[Condition], type_: str) -> Condition | None:
+    return next((c for c in conditions if c.type == type_), None)
+
+
+def conditions_mutation(updates: list[ConditionUpdate], lease: d.Lease,
+                        now: str | None = None) -> StatusMutation:
+    """The status write that makes the conditions say ``updates`` (None: already so)."""
+
+    def mutate(vm: VirtualMachine) -> VirtualMachineStatus | None:
+        stamp = now or now_rfc3339()
+        conditions = copy.deepcopy(vm.status.conditions)
+        changed = vm.status.observed_generation != vm.generation
+        for update in updates:
+            existing = _find(conditions, update.type)
+            generation = update.generation if update.generation is not None else vm.generation
+            if existing is None:
+                if update.only_if_present:
+                    continue
+                conditions.append(Condition(
+                    type=update.type, status=update.status,  # type: ignore[arg-type]
+                    reason=update.reason, message=update.message,
+                    last_transition_time=stamp, observed_generation=generation))
+                changed = True
+                continue
+            same = (existing.status, existing.reason, existing.message,
+                    existing.observed_generation) == (
+                        update.status, update.reason, update.message, generation)
+            if same:
+                continue
+            if existing.status != update.status:
+                existing.last_transition_time = stamp
+            existing.status = update.status  # type: ignore[assignment]
+            existing.reason, existing.message = update.reason, update.message
+            existing.observed_generation = generation
+            changed = True
+        if not changed:
+            return None
+        fence = vm.status.fence
+        if fence is not None and (fence.epoch, fence.token) > (lease.epoch, lease.token):
+            raise FencedOut(f"{vm.key}: status fenced at epoch {fence.epoch} token "
+                            f"{fence.token}, we are epoch {lease.epoch} token {lease.token}")
+        status = copy.deepcopy(vm.status)
+        status.conditions = conditions
+        status.observed_generation = vm.generation
+        status.fence = Fence(epoch=lease.epoch, token=lease.token)
+        return status
+
+    return mutate

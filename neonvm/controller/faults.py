@@ -1,0 +1,168 @@
+"""Fault injection for the controller: crash after a step, stale reads, lost events, conflicts.
+
+Off by default. Turned on by ``--fault`` flags or the ``NEONVM_FAULTS`` environment
+variable, e.g.::
+
+    NEONVM_FAULTS="crash_after=commit"                  # os._exit(137) after the 1st commit
+    NEONVM_FAULTS="crash_after=ungate@2"                # ... after the 2nd ungate
+    NEONVM_FAULTS="stale_reads=0.3,drop_watch_events=0.2,conflict=0.2,seed=7"
+
+Knobs:
+
+* ``crash_after=<step>[@n]``: end the process with ``os._exit(137)`` (what SIGKILL looks
+  like to a supervisor) right after the n-th successful ``<step>`` (default the first).
+  Steps: ``plan``, ``create``, ``commit``, ``ungate``, ``cleanup`` (a pod deleted),
+  ``restart``, ``drop_plan``, ``sync``, ``add_finalizer``, ``finalize``.
+* ``stale_reads=p``: with probability p the cache answers with an older version of the
+  VM or of its pod list than it holds.
+* ``drop_watch_events=p``: with probability p a watch event is ignored entirely.
+* ``conflict=p``: with probability p another writer bumps the VM's resourceVersion just
+  before a status or finalizer write, so the write gets 409.
+* ``seed=n``: seed of the random choices (default: random).
+
+Guarantee: a :class:`Faults` built from an empty config never changes behaviour. The
+random source is per instance (seeded), never global.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from loguru import logger
+
+STEPS = ("plan", "create", "commit", "ungate", "cleanup", "restart", "drop_plan", "sync",
+         "add_finalizer", "finalize")
+
+ENV_VAR = "NEONVM_FAULTS"
+CRASH_EXIT_CODE = 137
+
+
+class FaultConfigError(ValueError):
+    """A fault specification that cannot be parsed; the message names the bad part."""
+
+
+@dataclass(frozen=True)
+class FaultConfig:
+    """Parsed fault knobs (all off by default)."""
+
+    crash_after: str | None = None
+    crash_occurrence: int = 1
+    stale_reads: float = 0.0
+    drop_watch_events: float = 0.0
+    conflict: float = 0.0
+    seed: int | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.crash_after or self.stale_reads or self.drop_watch_events
+                    or self.conflict)
+
+    @classmethod
+    def parse(cls, specs: str | list[str] | tuple[str, ...] | None) -> FaultConfig:
+        """Parse ``"k=v,k=v"`` (or several such strings); empty or None means no faults."""
+        if specs is None:
+            return cls()
+        parts: list[str] = []
+        for spec in [specs] if isinstance(specs, str) else list(specs):
+            parts += [p.strip() for p in spec.replace(";", ",").split(",") if p.strip()]
+        values: dict[str, object] = {}
+        for part in parts:
+            key, sep, value = part.partition("=")
+            key, value = key.strip(), value.strip()
+            if not sep:
+                raise FaultConfigError(f"fault {part!r}: expected key=value")
+            if key == "crash_after":
+                step, _, nth = value.partition("@")
+                if step not in STEPS:
+                    raise FaultConfigError(
+                        f"crash_after={value}: step must be one of {', '.join(STEPS)}")
+                values["crash_after"] = step
+                values["crash_occurrence"] = _positive_int(nth or "1", part)
+            elif key in ("stale_reads", "drop_watch_events", "conflict"):
+                values[key] = _probability(value, part)
+            elif key == "seed":
+                values["seed"] = _positive_int(value, part, allow_zero=True)
+            else:
+                raise FaultConfigError(
+                    f"unknown fault {key!r} (known: crash_after, stale_reads, "
+                    f"drop_watch_events, conflict, seed)")
+        return cls(**values)  # type: ignore[arg-type]
+
+    @classmethod
+    def from_env(cls, extra: list[str] | tuple[str, ...] = ()) -> FaultConfig:
+        """``$NEONVM_FAULTS`` plus any ``--fault`` values (flags win on the same key)."""
+        return cls.parse([os.environ.get(ENV_VAR, ""), *extra])
+
+
+def _probability(value: str, part: str) -> float:
+    try:
+        p = float(value)
+    except ValueError:
+        raise FaultConfigError(f"fault {part!r}: {value!r} is not a number") from None
+    if not 0.0 <= p < 1.0:
+        raise FaultConfigError(f"fault {part!r}: probability must be in [0, 1)")
+    return p
+
+
+def _positive_int(value: str, part: str, allow_zero: bool = False) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise FaultConfigError(f"fault {part!r}: {value!r} is not an integer") from None
+    if n < (0 if allow_zero else 1):
+        raise FaultConfigError(f"fault {part!r}: must be {'>= 0' if allow_zero else '>= 1'}")
+    return n
+
+
+@dataclass
+class Faults:
+    """The live fault injector of one controller process (thread-safe)."""
+
+    config: FaultConfig = field(default_factory=FaultConfig)
+    exit: Callable[[int], object] = os._exit
+    """How to die; tests of this module pass a recorder instead of ``os._exit``."""
+
+    def __post_init__(self) -> None:
+        self._rng = random.Random(self.config.seed)
+        self._lock = threading.Lock()
+        self._occurrences: dict[str, int] = {}
+
+    def _roll(self, p: float) -> bool:
+        if p <= 0.0:
+            return False
+        with self._lock:
+            return self._rng.random() < p
+
+    def after(self, step: str, vm: str = "") -> None:
+        """Called right after ``step`` succeeded; crashes here when configured to."""
+        if self.config.crash_after != step:
+            return
+        with self._lock:
+            n = self._occurrences.get(step, 0) + 1
+            self._occurrences[step] = n
+        if n == self.config.crash_occurrence:
+            logger.bind(vm=vm, step=step).error(
+                "fault injection: crashing right after {step} (exit {code})",
+                step=step, code=CRASH_EXIT_CODE)
+            self.exit(CRASH_EXIT_CODE)
+
+    def serve_stale(self) -> bool:
+        """Should this cache read answer with an older version?"""
+        return self._roll(self.config.stale_reads)
+
+    def drop_event(self) -> bool:
+        """Should this watch event be ignored?"""
+        return self._roll(self.config.drop_watch_events)
+
+    def inject_conflict(self) -> bool:
+        """Should another writer bump the object's resourceVersion before this write?"""
+        return self._roll(self.config.conflict)
+
+    def pick(self, n: int) -> int:
+        """A seeded index in ``range(n)`` (which stale version to serve)."""
+        with self._lock:
+            return self._rng.randrange(n)

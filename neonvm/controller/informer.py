@@ -1,0 +1,263 @@
+"""List+watch caches of VirtualMachines and runner pods.
+
+An :class:`Informer` lists a resource, then watches it from the list's resourceVersion,
+keeping a :class:`Store` up to date and calling a handler for every change. It
+reconnects after errors from the last resourceVersion it saw, and re-lists (diffing
+against the store, so deletions missed meanwhile are reported) when the server answers
+410 Gone. Bookmarks are requested so that quiet watches still advance.
+
+What the cache guarantees: nothing about freshness. It may lag the server arbitrarily,
+and with fault injection it may answer with older versions or miss updates entirely.
+The controller therefore uses it only to *start* decisions and to notice changes; the
+reads that guard dangerous actions are direct (see :mod:`neonvm.controller.observe`),
+and VMs in the middle of a plan are requeued and re-read directly on a timer, so a lost
+event never stalls one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from kubernetes.client.exceptions import ApiException
+from kubernetes.watch.watch import iter_resp_lines
+from loguru import logger
+
+from neonvm.controller.faults import Faults
+
+Obj = dict[str, Any]
+Handler = Callable[[str, Obj | None, Obj | None], None]
+"""Called with (key, old, new) for each change; new is None for a deletion."""
+Lister = Callable[..., Any]
+"""A kubernetes list function accepting watch/resource_version/_preload_content kwargs."""
+
+
+def object_key(obj: Obj) -> str:
+    meta = obj.get("metadata") or {}
+    return f"{meta.get('namespace', '')}/{meta.get('name', '')}"
+
+
+class Gone(Exception):
+    """The watch's resourceVersion is too old (410): re-list."""
+
+
+class Store:
+    """Objects by ``namespace/name``, an optional secondary index, and recent history.
+
+    History (the last few versions of each object, and the last few member lists of each
+    index value) exists only to serve stale reads under fault injection.
+    """
+
+    def __init__(self, index: Callable[[Obj], str | None] | None = None,
+                 history: int = 5) -> None:
+        self._lock = threading.Lock()
+        self._items: dict[str, Obj] = {}
+        self._index_fn = index
+        self._index: dict[str, set[str]] = {}
+        self._history: dict[str, deque[Obj | None]] = {}
+        self._index_history: dict[str, deque[list[Obj]]] = {}
+        self._depth = history
+
+    def get(self, key: str) -> Obj | None:
+        with self._lock:
+            return self._items.get(key)
+
+    def all_keys(self) -> list[str]:
+        with self._lock:
+            return list(self._items)
+
+    def values(self) -> list[Obj]:
+        with self._lock:
+            return list(self._items.values())
+
+    def by_index(self, value: str) -> list[Obj]:
+        with self._lock:
+            return [self._items[k] for k in sorted(self._index.get(value, ()))]
+
+    def older(self, key: str) -> list[Obj | None]:
+        """Earlier versions of ``key`` (None: it did not exist then), oldest first."""
+        with self._lock:
+            return list(self._history.get(key, ()))
+
+    def older_index(self, value: str) -> list[list[Obj]]:
+        with self._lock:
+            return [list(v) for v in self._index_history.get(value, ())]
+
+    def _index_of(self, obj: Obj | None) -> str | None:
+        return self._index_fn(obj) if (self._index_fn and obj is not None) else None
+
+    def _set_locked(self, key: str, new: Obj | None) -> tuple[str, Obj | None, Obj | None]:
+        old = self._items.get(key)
+        self._history.setdefault(key, deque(maxlen=self._depth)).append(old)
+        touched = {i for i in (self._index_of(old), self._index_of(new)) if i is not None}
+        for value in touched:
+            members = [self._items[k] for k in sorted(self._index.get(value, ()))]
+            self._index_history.setdefault(value, deque(maxlen=self._depth)).append(members)
+        old_index = self._index_of(old)
+        if old_index is not None:
+            self._index.get(old_index, set()).discard(key)
+        if new is None:
+            self._items.pop(key, None)
+        else:
+            self._items[key] = new
+            new_index = self._index_of(new)
+            if new_index is not None:
+                self._index.setdefault(new_index, set()).add(key)
+        return key, old, new
+
+    def apply(self, event_type: str, obj: Obj) -> tuple[str, Obj | None, Obj | None]:
+        with self._lock:
+            key = object_key(obj)
+            return self._set_locked(key, None if event_type == "DELETED" else obj)
+
+    def replace(self, objs: list[Obj]) -> list[tuple[str, Obj | None, Obj | None]]:
+        """Replace everything with a fresh list; return the changes (deletions included)."""
+        fresh = {object_key(o): o for o in objs}
+        changes = []
+        with self._lock:
+            for key in list(self._items):
+                if key not in fresh:
+                    changes.append(self._set_locked(key, None))
+            for key, obj in fresh.items():
+                old = self._items.get(key)
+                if old is None or _rv(old) != _rv(obj):
+                    changes.append(self._set_locked(key, obj))
+        return changes
+
+
+def _rv(obj: Obj) -> str:
+    return str((obj.get("metadata") or {}).get("resourceVersion", ""))
+
+
+class Informer:
+    """Keeps a :class:`Store` in step with the API server by list+watch, in a thread."""
+
+    def __init__(self, name: str, lister: Lister, store: Store, handler: Handler,
+                 faults: Faults | None = None, *, watch_timeout: int = 60,
+                 retry_backoff: float = 0.5, max_backoff: float = 10.0,
+                 on_relist: Callable[[str], None] | None = None) -> None:
+        self.name = name
+        self.store = store
+        self._lister = lister
+        self._handler = handler
+        self._faults = faults or Faults()
+        self._watch_timeout = watch_timeout
+        self._retry_backoff = retry_backoff
+        self._max_backoff = max_backoff
+        self._on_relist = on_relist
+        self._stop = threading.Event()
+        self.synced = threading.Event()
+        """Set after the first successful list."""
+        self._thread: threading.Thread | None = None
+        self._response: Any = None
+        self._log = logger.bind(informer=name)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name=f"informer-{self.name}",
+                                        daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        resp = self._response
+        if resp is not None:
+            # Best effort: otherwise the thread ends at the watch's server-side timeout.
+            with contextlib.suppress(Exception):
+                resp.shutdown()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # ---- the loop ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        rv: str | None = None
+        failures = 0
+        while not self._stop.is_set():
+            try:
+                if rv is None:
+                    rv = self._relist()
+                    self.synced.set()
+                rv = self._watch(rv)
+                failures = 0
+            except Gone:
+                self._log.info("watch expired (410 Gone): re-listing")
+                rv = None
+            except Exception as exc:  # reconnect after any failure
+                if self._stop.is_set():
+                    break
+                failures += 1
+                delay = min(self._max_backoff, self._retry_backoff * 2 ** min(failures, 6))
+                self._log.warning("list/watch failed ({err}); retrying in {delay:.1f}s",
+                                  err=_short(exc), delay=delay)
+                self._stop.wait(delay)
+
+    def _relist(self) -> str:
+        resp = self._lister(_preload_content=False, _request_timeout=30)
+        try:
+            body = json.loads(resp.data)
+        finally:
+            resp.release_conn()
+        items: list[Obj] = body.get("items") or []
+        for item in items:
+            item.setdefault("metadata", {})
+        changes = self.store.replace(items)
+        rv = str((body.get("metadata") or {}).get("resourceVersion", ""))
+        self._log.debug("listed {n} objects at resourceVersion {rv}", n=len(items), rv=rv)
+        if self._on_relist is not None:
+            self._on_relist(self.name)
+        for change in changes:
+            self._handler(*change)
+        return rv
+
+    def _watch(self, rv: str) -> str:
+        resp = self._lister(
+            watch=True, resource_version=rv, allow_watch_bookmarks=True,
+            timeout_seconds=self._watch_timeout, _preload_content=False,
+            _request_timeout=(10, self._watch_timeout + 15),
+        )
+        self._response = resp
+        try:
+            for event in _events(resp):
+                if self._stop.is_set():
+                    break
+                kind = event.get("type")
+                obj = event.get("object") or {}
+                if kind == "ERROR":
+                    if obj.get("code") == 410:
+                        raise Gone()
+                    raise ApiException(status=obj.get("code") or 500,
+                                       reason=str(obj.get("message")))
+                new_rv = (obj.get("metadata") or {}).get("resourceVersion")
+                if new_rv:
+                    rv = str(new_rv)
+                if kind == "BOOKMARK":
+                    continue
+                if self._faults.drop_event():
+                    self._log.debug("fault injection: dropped {kind} of {key}", kind=kind,
+                                    key=object_key(obj))
+                    continue
+                self._handler(*self.store.apply(str(kind), obj))
+        except ApiException as exc:
+            if exc.status == 410:
+                raise Gone() from exc
+            raise
+        finally:
+            self._response = None
+            resp.release_conn()
+        return rv
+
+
+def _events(resp: Any) -> Iterator[dict[str, Any]]:
+    for line in iter_resp_lines(resp):
+        if line:
+            yield json.loads(line)
+
+
+def _short(exc: BaseException) -> str:
+    if isinstance(exc, ApiException):
+        return f"{exc.status} {exc.reason}"
+    return f"{type(exc).__name__}: {exc}"

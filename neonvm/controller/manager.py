@@ -1,0 +1,505 @@
+"""One controller replica: campaign, and while leading, reconcile every VM under its lock.
+
+Structure (each piece small and replaceable):
+
+* :class:`ControllerProcess` owns what lives as long as the process: the API client, the
+  metrics, the fault injector, and the :class:`~neonvm.leader.election.LeaderElector`.
+* Each time the elector hands over a term, a :class:`LeaderTerm` runs in the elector's
+  ``on_started`` thread until that term is lost. It owns everything that must not
+  outlive the term: the VM and pod informers, the work queue, the workers, the etcd
+  session with its :class:`~neonvm.leader.lock.LockManager`, and the sweeps.
+
+What a term guarantees:
+
+* every reconcile runs under the VM's etcd lock (fencing token T) and the term's epoch E,
+  and stops at its next check once either is lost; a worker never outlives its term's
+  epoch (:class:`WorkerAuthority`);
+* keys are deduplicated and a key is processed by one worker at a time
+  (:class:`~neonvm.controller.workqueue.WorkQueue`); failures are retried with per-key
+  exponential backoff;
+* progress does not depend on watch events: a VM whose reconcile ended in Wait is
+  requeued after the wait, every cached VM that looks mid-plan is requeued every
+  ``plan_requeue_seconds``, and every VM every ``resync_seconds``; all of those requeues
+  start with a direct (quorum) read instead of the cache;
+* on the way out (SIGTERM, lost leadership, a fenced VM) the queue is shut, workers are
+  joined, locks are released and the session revoked, and only then does ``on_started``
+  return, after which the elector releases the Lease.
+
+What it does not guarantee: that a paused process stops acting before anyone else
+starts. That is what the pod fence and the conditional writes are for (see
+``docs/reconciler.md``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+from loguru import logger
+from urllib3.exceptions import HTTPError
+
+from neonvm.api import types
+from neonvm.controller import decide as d
+from neonvm.controller.events import EventRecorder
+from neonvm.controller.faults import Faults
+from neonvm.controller.informer import Informer, Obj, Store
+from neonvm.controller.metrics import ControllerMetrics
+from neonvm.controller.mutations import FencedOut
+from neonvm.controller.observe import CacheReader, pod_index, split_key
+from neonvm.controller.reconciler import (
+    AuthorityLost,
+    Reconciler,
+    ReconcilerConfig,
+    RetryableError,
+    WrongVM,
+)
+from neonvm.controller.update import ConflictRetriesExhausted
+from neonvm.controller.workqueue import Backoff, WorkQueue
+from neonvm.leader.election import ElectionConfig, LeaderElector, Leadership, LeadershipLost
+from neonvm.leader.epoch import EpochFloor
+from neonvm.leader.etcd import Etcd, EtcdConfig, EtcdError
+from neonvm.leader.lock import LockGuard, LockHeld, LockLost, LockManager, SessionLost
+from neonvm.leader.session import Session
+
+
+@dataclass(frozen=True)
+class ControllerConfig:
+    """Knobs of one replica (the CLI fills these from flags and environment)."""
+
+    workers: int = 4
+    watch_namespace: str | None = None
+    """Reconcile VMs of this namespace only (None: all namespaces)."""
+    resync_seconds: float = 30.0
+    plan_requeue_seconds: float = 2.0
+    sweep_seconds: float = 30.0
+    orphan_grace_seconds: float = 30.0
+    """A pod whose VM is gone is deleted by the sweep only after this long (the garbage
+    collector normally removes it first)."""
+    session_ttl: int = 10
+    reconciler: ReconcilerConfig = field(default_factory=ReconcilerConfig)
+    backoff: Backoff = field(default_factory=Backoff)
+
+
+# ---- authority --------------------------------------------------------------------------
+
+
+class WorkerAuthority:
+    """A reconcile's authority: the term's leadership (epoch E) and the VM lock (token T).
+
+    Remembers the epoch it was created under; :meth:`check` fails as soon as the term is
+    lost, its epoch changed, the term is stopping, or the lock is gone (a local flag
+    check plus one etcd read of the lock key).
+    """
+
+    def __init__(self, term: LeaderTerm, guard: LockGuard) -> None:
+        self._term = term
+        self._guard = guard
+        self._epoch = term.leadership.epoch
+        self._lease = d.Lease(epoch=self._epoch, token=guard.token)
+
+    @property
+    def lease(self) -> d.Lease:
+        return self._lease
+
+    @property
+    def vm_uid(self) -> str | None:
+        return self._guard.vm_uid
+
+    def check(self) -> None:
+        if self._term.stopping.is_set():
+            raise AuthorityLost("the term is ending")
+        try:
+            self._term.leadership.check()
+        except LeadershipLost as exc:
+            raise AuthorityLost(str(exc)) from exc
+        if self._term.leadership.epoch != self._epoch:
+            raise AuthorityLost(f"epoch changed from {self._epoch}")
+        if self._guard.lost.is_set() or not self._guard.check():
+            raise AuthorityLost(f"lock lost: {self._guard.lost_reason}")
+
+
+# ---- one term ---------------------------------------------------------------------------
+
+
+class LeaderTerm:
+    """Everything done while holding one leadership term (see module doc)."""
+
+    def __init__(self, process: ControllerProcess, leadership: Leadership) -> None:
+        self.process = process
+        self.leadership = leadership
+        self.stopping = threading.Event()
+        self.config = process.config
+        self.metrics = process.metrics
+        self.queue = WorkQueue(self.config.backoff)
+        self._direct: set[str] = set()
+        self._direct_lock = threading.Lock()
+        self._orphans_seen: dict[str, float] = {}
+        self._locks: LockManager | None = None
+        self._session: Session | None = None
+        self._locks_mutex = threading.Lock()
+        self.log = logger.bind(epoch=leadership.epoch, identity=leadership.identity)
+        api = process.api
+        ns = self.config.watch_namespace
+        custom = client.CustomObjectsApi(api)
+        core = client.CoreV1Api(api)
+        self.vm_store = Store()
+        self.pod_store = Store(index=pod_index)
+        if ns:
+            def list_vms(**kw: Any) -> Any:
+                return custom.list_namespaced_custom_object(
+                    types.GROUP, types.VERSION, ns, types.PLURAL, **kw)
+
+            def list_pods(**kw: Any) -> Any:
+                return core.list_namespaced_pod(ns, label_selector=types.LABEL_VM_NAME, **kw)
+        else:
+            def list_vms(**kw: Any) -> Any:
+                return custom.list_cluster_custom_object(
+                    types.GROUP, types.VERSION, types.PLURAL, **kw)
+
+            def list_pods(**kw: Any) -> Any:
+                return core.list_pod_for_all_namespaces(label_selector=types.LABEL_VM_NAME,
+                                                        **kw)
+        self._list_vms, self._list_pods = list_vms, list_pods
+        self.informers = [
+            Informer("virtualmachines", list_vms, self.vm_store, self._on_vm, process.faults),
+            Informer("pods", list_pods, self.pod_store, self._on_pod, process.faults),
+        ]
+        self.reconciler = Reconciler(
+            api, cache=CacheReader(self.vm_store, self.pod_store, process.faults),
+            faults=process.faults, metrics=self.metrics, events=process.events,
+            config=self.config.reconciler, on_finalized=self._release_lock,
+        )
+
+    # ---- event handlers (informer threads) ---------------------------------------------
+
+    def _on_vm(self, key: str, old: Obj | None, new: Obj | None) -> None:
+        self.queue.add(key)
+
+    def _on_pod(self, key: str, old: Obj | None, new: Obj | None) -> None:
+        for obj in (old, new):
+            vm_key = pod_index(obj) if obj is not None else None
+            if vm_key:
+                self.queue.add(vm_key)
+
+    def enqueue_direct(self, key: str, delay: float = 0.0) -> None:
+        """Queue ``key`` so that its next reconcile starts with a quorum read."""
+        with self._direct_lock:
+            self._direct.add(key)
+        self.queue.add_after(key, delay)
+
+    # ---- locks -------------------------------------------------------------------------
+
+    def locks(self) -> LockManager:
+        """The current lock manager; a new session (and manager) after a session loss."""
+        with self._locks_mutex:
+            if self._locks is not None and self._session is not None \
+                    and not self._session.lost.is_set():
+                return self._locks
+            if self._locks is not None:
+                self._locks.close()
+            self._session = Session(self.process.etcd, ttl=self.config.session_ttl,
+                                    name=f"controller-{self.leadership.epoch}")
+            self._locks = LockManager(self.process.etcd, self._session,
+                                      self.leadership.identity, self.process.etcd_config.prefix)
+            self.log.info("etcd session started for per-VM locks",
+                          lease=f"{self._session.lease_id:x}")
+            return self._locks
+
+    def _release_lock(self, key: str) -> None:
+        """The VM is finalized (or gone): give its lock up."""
+        namespace, name = split_key(key)
+        with self._locks_mutex:
+            locks = self._locks
+        if locks is None:
+            return
+        for guard in locks.held():
+            if (guard.namespace, guard.name) == (namespace, name):
+                with contextlib.suppress(EtcdError, LockLost):
+                    guard.release()
+                    self.log.bind(vm=key).info("released the lock of a finalized VM")
+
+    # ---- the term ----------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Until the term is lost or the process stops; returns after cleaning up."""
+        self.metrics.leading.set(1)
+        self.log.info("leading: starting informers and {n} workers", n=self.config.workers)
+        workers: list[threading.Thread] = []
+        try:
+            for informer in self.informers:
+                informer.start()
+            while not all(i.synced.is_set() for i in self.informers):
+                if self.leadership.lost.wait(0.1):
+                    return
+            self.log.info("caches synced: {vms} VMs, {pods} runner pods",
+                          vms=len(self.vm_store.all_keys()), pods=len(self.pod_store.all_keys()))
+            for key in self.vm_store.all_keys():
+                self.enqueue_direct(key)
+            for i in range(self.config.workers):
+                t = threading.Thread(target=self._worker, name=f"worker-{i}", daemon=True)
+                t.start()
+                workers.append(t)
+            self._housekeeping()
+        finally:
+            self._shutdown(workers)
+
+    def _housekeeping(self) -> None:
+        """Periodic requeues, sweeps and metrics, until the term ends."""
+        now = time.monotonic()
+        next_plan_scan = now + self.config.plan_requeue_seconds
+        next_resync = now + self.config.resync_seconds
+        next_sweep = now + min(5.0, self.config.sweep_seconds)
+        while not self.leadership.lost.wait(0.5) and not self.stopping.is_set():
+            try:
+                self.leadership.check()
+            except LeadershipLost:
+                break
+            self.metrics.queue_depth.set(len(self.queue))
+            locks = self._locks
+            self.metrics.locks_held.set(len(locks.held()) if locks is not None else 0)
+            now = time.monotonic()
+            if now >= next_plan_scan:
+                next_plan_scan = now + self.config.plan_requeue_seconds
+                for key in self._mid_plan_keys():
+                    self.enqueue_direct(key)
+            if now >= next_resync:
+                next_resync = now + self.config.resync_seconds
+                for key in self.vm_store.all_keys():
+                    self.enqueue_direct(key)
+            if now >= next_sweep:
+                next_sweep = now + self.config.sweep_seconds
+                self._sweep()
+
+    def _mid_plan_keys(self) -> list[str]:
+        """Cached VMs that look in the middle of something (plan, deletion, gated pod)."""
+        keys = []
+        for raw in self.vm_store.values():
+            meta = raw.get("metadata") or {}
+            status = raw.get("status") or {}
+            key = f"{meta.get('namespace', '')}/{meta.get('name', '')}"
+            terminal = status.get("phase") in d.TERMINAL_PHASES
+            pods = self.pod_store.by_index(key)
+            gated = any((p.get("spec") or {}).get("schedulingGates") for p in pods)
+            if (status.get("pendingPod") or meta.get("deletionTimestamp") or gated
+                    or len(pods) > 1 or (not status.get("podName") and not terminal)):
+                keys.append(key)
+        return keys
+
+    def _shutdown(self, workers: list[threading.Thread]) -> None:
+        self.stopping.set()
+        self.queue.shut_down()
+        deadline = time.monotonic() + 8.0
+        for t in workers:
+            t.join(max(0.1, deadline - time.monotonic()))
+        for informer in self.informers:
+            informer.stop(timeout=0.5)
+        with self._locks_mutex:
+            locks, session = self._locks, self._session
+            self._locks = self._session = None
+        if locks is not None:
+            held = len(locks.held())
+            locks.close()
+            self.log.info("released {n} VM lock(s)", n=held)
+        if session is not None:
+            with contextlib.suppress(Exception):
+                session.close()
+        self.metrics.leading.set(0)
+        self.metrics.locks_held.set(0)
+        self.log.info("stopped leading work")
+
+    # ---- workers -----------------------------------------------------------------------
+
+    def _worker(self) -> None:
+        while True:
+            key = self.queue.get(timeout=0.5)
+            if key is None:
+                if self.queue.shutting_down or self.stopping.is_set():
+                    return
+                continue
+            try:
+                self._process(key)
+            finally:
+                self.queue.done(key)
+
+    def _vm_uid(self, key: str, direct: bool) -> str | None:
+        raw = None if direct else self.vm_store.get(key)
+        if raw is None:
+            namespace, name = split_key(key)
+            raw = self.reconciler.reader.get_vm_raw(namespace, name)
+        if raw is None:
+            return None
+        return str((raw.get("metadata") or {}).get("uid") or "") or None
+
+    def _process(self, key: str) -> None:
+        with self._direct_lock:
+            direct = key in self._direct
+            self._direct.discard(key)
+        log = self.log.bind(vm=key)
+        try:
+            uid = self._vm_uid(key, direct)
+            if uid is None:
+                self._release_lock(key)
+                self.queue.forget(key)
+                return
+            namespace, name = split_key(key)
+            guard = self.locks().acquire(namespace, name, uid, self.leadership.epoch)
+            authority = WorkerAuthority(self, guard)
+            result = self.reconciler.reconcile(key, authority, direct_first=direct)
+            self.queue.forget(key)
+            self.enqueue_direct(key, result.requeue_after)
+        except (AuthorityLost, LeadershipLost, LockLost, SessionLost) as exc:
+            if self.stopping.is_set() or self.leadership.lost.is_set():
+                return
+            log.warning("reconcile stopped: {err}", err=exc)
+            self.enqueue_direct(key, self.queue.add_rate_limited(key))
+        except WrongVM as exc:
+            log.info("{err}: taking the lock for the new VM", err=exc)
+            self.enqueue_direct(key)
+        except LockHeld as exc:
+            delay = self.queue.add_rate_limited(key)
+            log.warning("{err}; retrying in {delay:.1f}s", err=exc, delay=delay)
+        except FencedOut as exc:
+            log.error("fenced out: {err}; a newer leader exists, ending this term", err=exc)
+            self.leadership.lost.set()
+        except Exception as exc:
+            delay = self.queue.add_rate_limited(key)
+            with self._direct_lock:
+                self._direct.add(key)
+            message = _short(exc)
+            if isinstance(exc, ApiException | EtcdError | OSError | HTTPError | RetryableError
+                          | ConflictRetriesExhausted):
+                log.warning("reconcile failed ({err}); retrying in {delay:.2f}s",
+                            err=message, delay=delay)
+            else:
+                log.exception("reconcile failed ({err}); retrying in {delay:.2f}s",
+                              err=message, delay=delay)
+
+    # ---- sweeps ------------------------------------------------------------------------
+
+    def _live_vm_uids(self) -> set[str]:
+        resp = self._list_vms(_preload_content=False, _request_timeout=30)
+        try:
+            items = json.loads(resp.data).get("items") or []
+        finally:
+            resp.release_conn()
+        return {str((i.get("metadata") or {}).get("uid")) for i in items}
+
+    def _sweep(self) -> None:
+        """Remove locks of VMs that no longer exist, and pods no VM owns any more."""
+        try:
+            swept = self.locks().sweep(self._live_vm_uids)
+            if swept:
+                self.metrics.swept.labels(kind="lock").inc(len(swept))
+            self._sweep_orphan_pods()
+        except Exception as exc:
+            self.log.warning("sweep failed: {err}", err=_short(exc))
+
+    def _sweep_orphan_pods(self) -> None:
+        # Pods first, then VMs: a pod whose VM exists is never missed by the later list.
+        resp = self._list_pods(_preload_content=False, _request_timeout=30)
+        try:
+            pods = json.loads(resp.data).get("items") or []
+        finally:
+            resp.release_conn()
+        uids = self._live_vm_uids()
+        now = time.monotonic()
+        seen: dict[str, float] = {}
+        core = client.CoreV1Api(self.process.api)
+        for pod in pods:
+            meta = pod.get("metadata") or {}
+            owner = (meta.get("labels") or {}).get(types.LABEL_VM_UID) or next(
+                (r.get("uid") for r in meta.get("ownerReferences") or []
+                 if r.get("kind") == types.KIND), None)
+            if owner is None or owner in uids or meta.get("deletionTimestamp"):
+                continue
+            pod_uid = str(meta.get("uid"))
+            first = self._orphans_seen.get(pod_uid, now)
+            seen[pod_uid] = first
+            if now - first < self.config.orphan_grace_seconds:
+                continue
+            try:
+                core.delete_namespaced_pod(
+                    meta["name"], meta["namespace"],
+                    body=client.V1DeleteOptions(
+                        preconditions=client.V1Preconditions(uid=pod_uid)))
+            except ApiException as exc:
+                if exc.status not in (404, 409):
+                    raise
+                continue
+            self.metrics.swept.labels(kind="pod").inc()
+            self.log.bind(vm=f"{meta['namespace']}/{owner}").info(
+                "deleted runner pod {pod}: its VM no longer exists", pod=meta["name"])
+        self._orphans_seen = seen
+
+
+# ---- the process ------------------------------------------------------------------------
+
+
+class ControllerProcess:
+    """A replica: campaigns for the Lease and runs a :class:`LeaderTerm` while leading."""
+
+    def __init__(self, api: client.ApiClient, etcd_config: EtcdConfig,
+                 election: ElectionConfig, config: ControllerConfig, *,
+                 faults: Faults | None = None, metrics: ControllerMetrics | None = None,
+                 events: EventRecorder | None = None) -> None:
+        self.api = api
+        self.etcd_config = etcd_config
+        self.etcd = Etcd(etcd_config)
+        self.election = election
+        self.config = config
+        self.faults = faults or Faults()
+        self.metrics = metrics or ControllerMetrics()
+        self.events = events or EventRecorder(api, election.identity)
+        self._term: LeaderTerm | None = None
+        self.elector = LeaderElector(
+            api, election, on_started=self._lead, on_stopped=self._stopped,
+            epoch_floor=EpochFloor(self.etcd, etcd_config.prefix),
+            registry=self.metrics.registry,
+        )
+
+    @property
+    def term(self) -> LeaderTerm | None:
+        return self._term
+
+    def _lead(self, leadership: Leadership) -> None:
+        term = LeaderTerm(self, leadership)
+        self._term = term
+        try:
+            term.run()
+        finally:
+            self._term = None
+
+    def _stopped(self) -> None:
+        term = self._term
+        if term is not None:
+            term.stopping.set()
+
+    def health_check(self) -> None:
+        """Liveness: the elector loop turns, and a leading term's caches are synced."""
+        self.elector.health_check()
+        term = self._term
+        if term is not None and not term.stopping.is_set():
+            stuck = [i.name for i in term.informers if not i.synced.is_set()]
+            if stuck:
+                raise RuntimeError(f"leading, but caches not synced yet: {', '.join(stuck)}")
+
+    def run(self, stop: threading.Event) -> None:
+        try:
+            self.elector.run(stop)
+        finally:
+            self.etcd.close()
+
+
+def _short(exc: BaseException) -> str:
+    if isinstance(exc, ApiException):
+        from neonvm.kube import api_error_message
+
+        return f"{exc.status}: {api_error_message(exc)}"
+    return f"{type(exc).__name__}: {exc}"[:300]
+

@@ -1,0 +1,195 @@
+"""Building an :class:`~neonvm.controller.decide.Observation`, from the cache or directly.
+
+Two sources:
+
+* :class:`DirectReader` reads from the API server with ``resourceVersion`` unset, which
+  the API server answers from etcd with a quorum read. :meth:`DirectReader.observe` lists
+  the VM's pods (label ``vm.neon.tech/name=<vm>``) *first* and reads the VM *second*, so
+  the VM read is at least as new as the pod list. That order is what makes the clean-up
+  rule sound: a pod in the list that the (newer) VM does not reference is not referenced
+  by any later version either, because pod names are never reused.
+* :class:`CacheReader` answers from the informers' stores. It may be arbitrarily stale
+  (and is made stale on purpose under fault injection); its observations say
+  ``direct=False`` and :func:`~neonvm.controller.decide.decide` never bases a dangerous
+  action on them.
+
+A :class:`Snapshot` keeps the raw objects next to the observation: the driver's writes
+need the exact resourceVersions of what the decision saw (the VM's for status and
+finalizer writes, the pod's for the ungate patch).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from neonvm.api import types
+from neonvm.api.types import VirtualMachine
+from neonvm.controller.decide import Lease, Observation, PodView
+from neonvm.controller.faults import Faults
+from neonvm.controller.informer import Store
+
+CREATE_REFUSED = "CreateRefused"
+"""Reason of the Degraded condition recorded when the API server refuses a pod create."""
+
+
+@dataclass(frozen=True)
+class VMRecord:
+    """A decoded VM together with the raw object it was decoded from."""
+
+    vm: VirtualMachine
+    raw: dict[str, Any]
+
+    @classmethod
+    def from_raw(cls, raw: dict[str, Any]) -> VMRecord:
+        return cls(vm=VirtualMachine.from_object(raw), raw=raw)
+
+    @property
+    def resource_version(self) -> str:
+        return self.vm.resource_version
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """One observation plus the raw objects behind it."""
+
+    obs: Observation
+    record: VMRecord | None
+    pods: Mapping[str, dict[str, Any]] = field(default_factory=dict)
+    """Raw pods by name, as listed."""
+
+
+def pod_view(pod: dict[str, Any]) -> PodView:
+    """What :func:`decide` needs to know of a raw pod."""
+    meta = pod.get("metadata") or {}
+    spec = pod.get("spec") or {}
+    status = pod.get("status") or {}
+    owner = next(
+        (ref.get("uid") for ref in meta.get("ownerReferences") or []
+         if ref.get("controller") and ref.get("kind") == types.KIND),
+        None,
+    )
+    gates = spec.get("schedulingGates") or []
+    return PodView(
+        name=meta.get("name", ""),
+        uid=meta.get("uid", ""),
+        owner_uid=owner,
+        gated=any(g.get("name") == types.SCHEDULING_GATE for g in gates),
+        terminating=meta.get("deletionTimestamp") is not None,
+        phase=status.get("phase") or "Pending",
+        node=spec.get("nodeName"),
+        ip=status.get("podIP"),
+    )
+
+
+def create_failed_generation(vm: VirtualMachine) -> int | None:
+    """The generation whose pod create was refused, as recorded in the Degraded condition."""
+    for cond in vm.status.conditions:
+        if cond.type == "Degraded" and cond.status == "True" and cond.reason == CREATE_REFUSED:
+            return cond.observed_generation
+    return None
+
+
+def make_snapshot(record: VMRecord | None, pods: list[dict[str, Any]], lease: Lease,
+                  direct: bool) -> Snapshot:
+    vm = record.vm if record is not None else None
+    views = tuple(sorted((pod_view(p) for p in pods), key=lambda v: v.name))
+    obs = Observation(
+        vm=vm,
+        pods=views,
+        lease=lease,
+        direct=direct,
+        create_failed_generation=create_failed_generation(vm) if vm is not None else None,
+    )
+    return Snapshot(obs=obs, record=record,
+                    pods={(p.get("metadata") or {}).get("name", ""): p for p in pods})
+
+
+def split_key(key: str) -> tuple[str, str]:
+    namespace, _, name = key.partition("/")
+    return namespace, name
+
+
+class DirectReader:
+    """Quorum reads (``resourceVersion`` unset) of VMs and their pods."""
+
+    def __init__(self, api: client.ApiClient) -> None:
+        self._core = client.CoreV1Api(api)
+        self._custom = client.CustomObjectsApi(api)
+
+    def list_pods(self, namespace: str, vm_name: str) -> list[dict[str, Any]]:
+        resp = self._core.list_namespaced_pod(
+            namespace, label_selector=f"{types.LABEL_VM_NAME}={vm_name}",
+            _preload_content=False, _request_timeout=30,
+        )
+        try:
+            items: list[dict[str, Any]] = json.loads(resp.data).get("items") or []
+        finally:
+            resp.release_conn()
+        return items
+
+    def get_vm_raw(self, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            obj: dict[str, Any] = self._custom.get_namespaced_custom_object(
+                types.GROUP, types.VERSION, namespace, types.PLURAL, name,
+                _request_timeout=30)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return obj
+
+    def get_vm(self, namespace: str, name: str) -> VMRecord | None:
+        raw = self.get_vm_raw(namespace, name)
+        return VMRecord.from_raw(raw) if raw is not None else None
+
+    def observe(self, key: str, lease: Lease) -> Snapshot:
+        """List the VM's pods, *then* read the VM: both quorum reads, in that order."""
+        namespace, name = split_key(key)
+        pods = self.list_pods(namespace, name)
+        record = self.get_vm(namespace, name)
+        return make_snapshot(record, pods, lease, direct=True)
+
+
+def pod_index(pod: dict[str, Any]) -> str | None:
+    """Index a runner pod by the ``namespace/vm`` it is labelled for."""
+    meta = pod.get("metadata") or {}
+    vm_name = (meta.get("labels") or {}).get(types.LABEL_VM_NAME)
+    if not vm_name:
+        return None
+    return f"{meta.get('namespace', '')}/{vm_name}"
+
+
+class CacheReader:
+    """Observations from the informers' stores (``direct=False``)."""
+
+    def __init__(self, vms: Store, pods: Store, faults: Faults | None = None) -> None:
+        self._vms = vms
+        self._pods = pods
+        self._faults = faults or Faults()
+
+    def vm_raw(self, key: str) -> dict[str, Any] | None:
+        raw = self._vms.get(key)
+        if self._faults.serve_stale():
+            older = self._vms.older(key)
+            if older:
+                raw = older[self._faults.pick(len(older))]
+        return raw
+
+    def pods_raw(self, key: str) -> list[dict[str, Any]]:
+        pods = self._pods.by_index(key)
+        if self._faults.serve_stale():
+            older = self._pods.older_index(key)
+            if older:
+                pods = older[self._faults.pick(len(older))]
+        return pods
+
+    def observe(self, key: str, lease: Lease) -> Snapshot:
+        raw = self.vm_raw(key)
+        record = VMRecord.from_raw(raw) if raw is not None else None
+        return make_snapshot(record, self.pods_raw(key), lease, direct=False)

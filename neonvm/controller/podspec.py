@@ -1,0 +1,214 @@
+"""The runner pod for a VM plan: a pure function from (VM, plan) to a pod manifest.
+
+What every runner pod carries, whatever the spec says (the fence depends on it):
+
+* exactly the planned name (``status.pendingPod.name``);
+* the scheduling gate ``vm.neon.tech/runner-fence``, so it cannot start until the
+  controller has committed it and seen it as the VM's only pod;
+* a controlling owner reference to the VM (``controller: true``,
+  ``blockOwnerDeletion: true``), so the garbage collector removes it with the VM;
+* labels ``vm.neon.tech/name`` and ``vm.neon.tech/uid`` (how the controller lists a VM's
+  pods), annotations with the fencing token, leader epoch and plan sequence number;
+* ``restartPolicy: Never``: the controller applies the VM's restart policy itself, by a
+  new plan, so a pod never comes back to life under the same name.
+
+From the spec: image (``spec.runnerImage`` or the controller's default), resources
+(``spec.podResources`` or derived from the guest's CPUs and memory), node selector,
+tolerations, affinity, scheduler, service account, pull secrets, grace period, extra
+disks as volumes, and the runner contract (command ``neonvm-runner``, the spec as JSON
+in ``NEONVM_VM_SPEC``, probes on the runner port).
+
+Not checked here: whether the API server will accept the result. A spec that passes the
+CRD schema but cannot be realised (say, requests above limits) is refused at create, and
+the driver turns that refusal into a Degraded condition.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
+from typing import Any
+
+from kubernetes.utils import parse_quantity
+
+from neonvm.api import types
+from neonvm.api.schema import encode
+from neonvm.api.types import PendingPod, VirtualMachine
+
+RUNNER_PORT = 25183
+RUNNER_COMMAND = "neonvm-runner"
+RUNNER_CONTAINER = "neonvm-runner"
+DEFAULT_RUNNER_IMAGE = "ghcr.io/neonvm/neonvm-runner:latest"
+DISKS_DIR = "/vm/disks"
+MEMORY_OVERHEAD = 256 * 1024 * 1024
+"""Memory for QEMU and the runner itself, on top of the guest's memory."""
+ANNOTATION_GENERATION = "vm.neon.tech/generation"
+
+
+class PodSpecError(ValueError):
+    """The VM spec passed the schema but no pod can be built from it."""
+
+
+@dataclass(frozen=True)
+class PodDefaults:
+    """Controller-wide defaults for runner pods."""
+
+    runner_image: str = DEFAULT_RUNNER_IMAGE
+    image_pull_policy: str = "IfNotPresent"
+
+
+def runner_pod(vm: VirtualMachine, plan: PendingPod,
+               defaults: PodDefaults | None = None) -> dict[str, Any]:
+    """The pod manifest for ``plan`` (raises :class:`PodSpecError` for unbuildable specs)."""
+    defaults = defaults or PodDefaults()
+    spec = vm.spec
+    port = spec.runner_port or RUNNER_PORT
+    labels = {k: v for k, v in vm.labels.items() if not k.startswith(f"{types.GROUP}/")}
+    labels.update({types.LABEL_VM_NAME: vm.name, types.LABEL_VM_UID: vm.uid})
+    container: dict[str, Any] = {
+        "name": RUNNER_CONTAINER,
+        "image": spec.runner_image or defaults.runner_image,
+        "imagePullPolicy": defaults.image_pull_policy,
+        "command": [RUNNER_COMMAND],
+        "env": [
+            {"name": "NEONVM_VM_SPEC", "value": json.dumps(encode(spec), sort_keys=True)},
+            {"name": "NEONVM_VM_NAME", "value": vm.name},
+            {"name": "NEONVM_VM_NAMESPACE", "value": vm.namespace},
+            {"name": "NEONVM_VM_UID", "value": vm.uid},
+            {"name": "NEONVM_POD_NAME", "value": plan.name},
+            {"name": "NEONVM_RUNNER_PORT", "value": str(port)},
+            {"name": "NEONVM_DISKS_DIR", "value": DISKS_DIR},
+        ],
+        "ports": [{"name": "runner", "containerPort": port, "protocol": "TCP"}],
+        "livenessProbe": _probe("/healthz", port, period=10, failures=3),
+        "readinessProbe": _probe("/ready", port, period=5, failures=1),
+        "resources": _resources(vm),
+    }
+    for guest_port in spec.guest.ports or []:
+        entry: dict[str, Any] = {"containerPort": guest_port.port,
+                                 "protocol": guest_port.protocol or "TCP"}
+        if guest_port.name:
+            entry["name"] = guest_port.name
+        container["ports"].append(entry)
+    volumes, mounts = _disks(vm)
+    if mounts:
+        container["volumeMounts"] = mounts
+    pod_spec: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "schedulingGates": [{"name": types.SCHEDULING_GATE}],
+        "enableServiceLinks": False,
+        "containers": [container],
+    }
+    optional = {
+        "volumes": volumes or None,
+        "nodeSelector": spec.node_selector,
+        "tolerations": spec.tolerations,
+        "affinity": spec.affinity,
+        "schedulerName": spec.scheduler_name,
+        "serviceAccountName": spec.service_account_name,
+        "imagePullSecrets": spec.image_pull_secrets,
+        "terminationGracePeriodSeconds": spec.termination_grace_period_seconds,
+    }
+    pod_spec.update({k: v for k, v in optional.items() if v is not None})
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": plan.name,
+            "namespace": vm.namespace,
+            "labels": labels,
+            "annotations": {
+                types.ANNOTATION_TOKEN: str(plan.token),
+                types.ANNOTATION_EPOCH: str(plan.epoch),
+                types.ANNOTATION_PLAN_SEQ: str(plan.plan_seq),
+                ANNOTATION_GENERATION: str(vm.generation),
+            },
+            "ownerReferences": [{
+                "apiVersion": types.API_VERSION,
+                "kind": types.KIND,
+                "name": vm.name,
+                "uid": vm.uid,
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }],
+        },
+        "spec": pod_spec,
+    }
+
+
+def has_our_gate(pod: dict[str, Any]) -> bool:
+    gates = (pod.get("spec") or {}).get("schedulingGates") or []
+    return any(g.get("name") == types.SCHEDULING_GATE for g in gates)
+
+
+def _probe(path: str, port: int, period: int, failures: int) -> dict[str, Any]:
+    return {
+        "httpGet": {"path": path, "port": port},
+        "periodSeconds": period,
+        "failureThreshold": failures,
+        "timeoutSeconds": 2,
+    }
+
+
+def _quantity(value: object, what: str) -> Decimal:
+    try:
+        q = parse_quantity(value)
+    except (ValueError, InvalidOperation, TypeError):
+        raise PodSpecError(f"{what}: {value!r} is not a resource quantity") from None
+    if not isinstance(q, Decimal):
+        q = Decimal(q)
+    return q
+
+
+def _resources(vm: VirtualMachine) -> dict[str, Any]:
+    """``spec.podResources`` as given, or requests/limits derived from the guest's size."""
+    if vm.spec.pod_resources is not None:
+        return dict(vm.spec.pod_resources)
+    guest = vm.spec.guest
+    slot = _quantity(guest.memory_slot_size, "guest.memorySlotSize")
+    if slot <= 0:
+        raise PodSpecError("guest.memorySlotSize must be positive")
+    memory = int(slot * guest.memory_slots.max) + MEMORY_OVERHEAD
+    cpu_request = _millicores(guest.cpus.current)
+    cpu_limit = _millicores(guest.cpus.max)
+    return {
+        "requests": {"cpu": cpu_request, "memory": str(memory)},
+        "limits": {"cpu": cpu_limit, "memory": str(memory)},
+    }
+
+
+def _millicores(cores: float) -> str:
+    milli = max(1, round(cores * 1000))
+    return f"{milli}m"
+
+
+def _disks(vm: VirtualMachine) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    volumes: list[dict[str, Any]] = []
+    mounts: list[dict[str, Any]] = []
+    for disk in vm.spec.disks or []:
+        sources = [s for s in ("empty_disk", "config_map", "secret", "tmpfs")
+                   if getattr(disk, s) is not None]
+        if len(sources) != 1:
+            raise PodSpecError(
+                f"disk {disk.name!r}: exactly one of emptyDisk, configMap, secret, tmpfs "
+                f"is expected, got {len(sources)}")
+        volume: dict[str, Any] = {"name": f"disk-{disk.name}"}
+        if disk.config_map is not None:
+            volume["configMap"] = dict(disk.config_map)
+        elif disk.secret is not None:
+            volume["secret"] = dict(disk.secret)
+        else:
+            source = disk.empty_disk if disk.empty_disk is not None else disk.tmpfs
+            assert source is not None
+            empty: dict[str, Any] = {}
+            if disk.tmpfs is not None:
+                empty["medium"] = "Memory"
+            if source.get("size") is not None:
+                _quantity(source["size"], f"disk {disk.name} size")
+                empty["sizeLimit"] = source["size"]
+            volume["emptyDir"] = empty
+        volumes.append(volume)
+        mounts.append({"name": volume["name"], "mountPath": f"{DISKS_DIR}/{disk.name}",
+                       "readOnly": bool(disk.read_only)})
+    return volumes, mounts

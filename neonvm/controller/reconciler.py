@@ -1,0 +1,518 @@
+"""The driver: observe, decide, act, until the decision is Done or Wait.
+
+:meth:`Reconciler.reconcile` runs one VM's reconcile under an :class:`Authority` (the
+leader epoch E and the VM lock's fencing token T). Each round it observes, asks the pure
+:func:`~neonvm.controller.decide.decide` for the next single action, performs exactly that
+action with a conditional write, and observes again (directly: after a write the cache
+is behind by definition). The first observation may come from the cache; everything
+after a write, and everything that guards a dangerous action, is a quorum read.
+
+How each action is performed (the precondition is in brackets):
+
+* status writes (RecordPlan, Commit, DropPlan, Restart, SyncStatus, conditions): PUT to
+  ``/status`` [``metadata.resourceVersion`` of the VM the decision saw], through
+  :func:`~neonvm.controller.update.conditional_update`, which on 409 re-reads and re-runs
+  the mutation on the fresh copy;
+* AddFinalizer / RemoveFinalizer: PUT of the main resource [resourceVersion], same helper;
+* CreatePod: create with exactly the recorded name, gated [the name itself: AlreadyExists
+  means observe again]; a response without our gate is deleted at once and raises an
+  alarm; a refusal by validation or admission becomes a Degraded condition for that
+  generation (no retry until the spec changes); ``exceeded quota`` is retried;
+* Ungate: a *new* direct list of the VM's pods, taken after the commit was seen, must hold
+  exactly this pod (uid), not terminating; then a JSON patch [``test`` of uid,
+  resourceVersion and the gate at that index] removes our gate and nothing else;
+* DeletePod: delete [``preconditions.uid``].
+
+Authority is checked before every action and inside every conflict retry: a lost lease,
+a lost lock or a changed epoch raises :class:`AuthorityLost` and the reconcile stops at
+once. A fresh copy fenced by a newer epoch raises
+:class:`~neonvm.controller.mutations.FencedOut`.
+
+What this module does not do: queueing, locking, leader election (see
+:mod:`neonvm.controller.manager`). Safety does not rest on those: it rests on the
+conditional writes above and on the ungate rule.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+from loguru import logger
+
+from neonvm.api import types
+from neonvm.api.schema import encode
+from neonvm.api.types import VirtualMachineStatus
+from neonvm.controller import decide as d
+from neonvm.controller import podspec
+from neonvm.controller.conditions import (
+    ConditionUpdate,
+    conditions_mutation,
+    desired_conditions,
+    refused_condition,
+)
+from neonvm.controller.events import EventRecorder
+from neonvm.controller.faults import Faults
+from neonvm.controller.metrics import ControllerMetrics
+from neonvm.controller.mutations import FencedOut, finalizers_mutation, status_mutation
+from neonvm.controller.observe import (
+    CacheReader,
+    DirectReader,
+    Snapshot,
+    VMRecord,
+    split_key,
+)
+from neonvm.controller.update import (
+    RetryPolicy,
+    UpdateFunction,
+    UpdateOutcome,
+    conditional_update,
+)
+from neonvm.kube import api_error_message
+
+FAULT_BUMP_ANNOTATION = "vm.neon.tech/fault-bump"
+"""Annotation the conflict fault writes to bump a VM's resourceVersion."""
+
+STEP_NAMES: dict[type[d.Action], str] = {
+    d.RecordPlan: "plan",
+    d.CreatePod: "create",
+    d.Commit: "commit",
+    d.Ungate: "ungate",
+    d.DeletePod: "cleanup",
+    d.Restart: "restart",
+    d.DropPlan: "drop_plan",
+    d.SyncStatus: "sync",
+    d.AddFinalizer: "add_finalizer",
+    d.RemoveFinalizer: "finalize",
+}
+
+
+class AuthorityLost(Exception):
+    """Leadership or the VM's lock is gone, or the epoch changed: stop at once."""
+
+
+class RetryableError(Exception):
+    """A transient failure (quota, RBAC being set up): retry later with backoff."""
+
+
+class WrongVM(Exception):
+    """The VM was re-created under the same name: the lock we hold names the old uid."""
+
+
+class Authority(Protocol):
+    """What a reconcile runs under: E and T, and a way to learn they no longer hold."""
+
+    @property
+    def lease(self) -> d.Lease: ...
+
+    @property
+    def vm_uid(self) -> str | None:
+        """UID of the VM the lock was taken for (None: not bound to one)."""
+        ...
+
+    def check(self) -> None:
+        """Raise :class:`AuthorityLost` if the reconcile must stop."""
+        ...
+
+
+@dataclass(frozen=True)
+class StaticAuthority:
+    """A fixed (epoch, token), never lost: for tests and ``neonvm vm plan``."""
+
+    epoch: int = 1
+    token: int = 1
+    vm_uid: str | None = None
+
+    @property
+    def lease(self) -> d.Lease:
+        return d.Lease(epoch=self.epoch, token=self.token)
+
+    def check(self) -> None:
+        return None
+
+
+@dataclass(frozen=True)
+class ReconcilerConfig:
+    max_steps: int = 30
+    """Actions per reconcile before yielding the worker (requeued at once)."""
+    resync_seconds: float = 30.0
+    """Requeue (with a direct read) of a VM with nothing to do."""
+    pod_defaults: podspec.PodDefaults = field(default_factory=podspec.PodDefaults)
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+
+
+@dataclass(frozen=True)
+class ReconcileResult:
+    """How a reconcile ended: its last decision and when to look again."""
+
+    action: d.Action
+    requeue_after: float
+    steps: int
+    """Actions performed."""
+
+
+class Reconciler:
+    """Performs :func:`decide`'s actions against the API server, one VM at a time."""
+
+    def __init__(
+        self,
+        api: client.ApiClient,
+        *,
+        cache: CacheReader | None = None,
+        faults: Faults | None = None,
+        metrics: ControllerMetrics | None = None,
+        events: EventRecorder | None = None,
+        config: ReconcilerConfig | None = None,
+        update: UpdateFunction[VMRecord] = conditional_update,
+        on_finalized: Callable[[str], None] | None = None,
+    ) -> None:
+        self._core = client.CoreV1Api(api)
+        self._custom = client.CustomObjectsApi(api)
+        self.reader = DirectReader(api)
+        self._cache = cache
+        self._faults = faults or Faults()
+        self._metrics = metrics
+        self._events = events or EventRecorder(None)
+        self._config = config or ReconcilerConfig()
+        self._update = update
+        self._on_finalized = on_finalized
+
+    # ---- the loop ----------------------------------------------------------------------
+
+    def observe(self, key: str, authority: Authority, direct: bool) -> Snapshot:
+        if direct or self._cache is None:
+            return self.reader.observe(key, authority.lease)
+        return self._cache.observe(key, authority.lease)
+
+    def reconcile(self, key: str, authority: Authority, *,
+                  direct_first: bool = False) -> ReconcileResult:
+        """Reconcile ``key`` (``namespace/name``) until Done or Wait (or ``max_steps``)."""
+        log = logger.bind(vm=key, epoch=authority.lease.epoch, token=authority.lease.token)
+        started = time.monotonic()
+        result = "error"
+        try:
+            out = self._loop(key, authority, direct_first, log)
+            result = type(out.action).__name__.lower()
+            return out
+        except FencedOut:
+            result = "fenced"
+            if self._metrics:
+                self._metrics.fenced.inc()
+            raise
+        except AuthorityLost:
+            result = "authority_lost"
+            raise
+        finally:
+            if self._metrics:
+                self._metrics.reconciles.labels(result=result).inc()
+                self._metrics.reconcile_seconds.observe(time.monotonic() - started)
+
+    def _loop(self, key: str, authority: Authority, direct_first: bool,
+              log: Any) -> ReconcileResult:
+        snap = self.observe(key, authority, direct_first)
+        steps = 0
+        resumed_counted = False
+        while steps < self._config.max_steps:
+            authority.check()
+            self._check_uid(snap, authority)
+            action = d.decide(snap.obs)
+            if isinstance(action, d.ObserveDirect) or (
+                    isinstance(action, d.CreatePod) and not snap.obs.direct):
+                if snap.obs.direct:
+                    raise RuntimeError(f"decide asked for a direct read of a direct "
+                                       f"observation: {action}")
+                log.debug("observing directly: {why}", why=action.reason or "create")
+                snap = self.observe(key, authority, direct=True)
+                continue
+            if isinstance(action, d.Fenced):
+                raise FencedOut(f"{key}: {action.reason} (epoch {action.seen_epoch} > "
+                                f"{authority.lease.epoch})")
+            if isinstance(action, d.Done | d.Wait):
+                updates = desired_conditions(snap, action)
+                mutation = conditions_mutation(updates, authority.lease)
+                assert snap.record is not None or not updates
+                if updates and snap.record is not None and mutation(snap.record.vm) is not None:
+                    if not snap.obs.direct:
+                        snap = self.observe(key, authority, direct=True)
+                        continue
+                    self._write_status(key, snap, mutation, authority, log)
+                requeue = (action.seconds if isinstance(action, d.Wait)
+                           else self._config.resync_seconds)
+                log.debug("reconciled: {action} ({reason})", action=type(action).__name__,
+                          reason=action.reason)
+                return ReconcileResult(action=action, requeue_after=requeue, steps=steps)
+            if not resumed_counted:
+                resumed_counted = True
+                if isinstance(action, d.CreatePod | d.Commit | d.DropPlan) and self._metrics:
+                    self._metrics.plans_resumed.inc()
+            log.info("{action}: {reason}", action=type(action).__name__, reason=action.reason)
+            outcome = self._perform(key, action, snap, authority, log)
+            steps += 1
+            if self._metrics:
+                self._metrics.actions.labels(action=type(action).__name__,
+                                             outcome=outcome).inc()
+            if outcome == "done":
+                self._faults.after(STEP_NAMES[type(action)], key)
+            snap = self.observe(key, authority, direct=True)
+        return ReconcileResult(action=d.Wait(seconds=0.0, reason="step budget used"),
+                               requeue_after=0.0, steps=steps)
+
+    def _check_uid(self, snap: Snapshot, authority: Authority) -> None:
+        vm = snap.obs.vm
+        if vm is not None and authority.vm_uid is not None and vm.uid != authority.vm_uid:
+            raise WrongVM(f"{vm.key}: lock taken for uid {authority.vm_uid}, VM is {vm.uid}")
+
+    # ---- actions -----------------------------------------------------------------------
+
+    def _perform(self, key: str, action: d.Action, snap: Snapshot, authority: Authority,
+                 log: Any) -> str:
+        """Perform one action; returns "done" when it took effect, else why not."""
+        if isinstance(action, d.RecordPlan | d.Commit | d.DropPlan | d.Restart
+                      | d.SyncStatus):
+            written = self._write_status(key, snap, status_mutation(action, authority.lease),
+                                         authority, log)
+            if written is not None:
+                self._event_for(action, written.vm)
+                return "done"
+            return "declined"
+        if isinstance(action, d.AddFinalizer | d.RemoveFinalizer):
+            return self._write_finalizers(key, action, snap, authority, log)
+        if isinstance(action, d.CreatePod):
+            return self._create_pod(key, action, snap, authority, log)
+        if isinstance(action, d.Ungate):
+            return self._ungate(key, action, snap, log)
+        if isinstance(action, d.DeletePod):
+            return self._delete_pod(key, action, snap, log)
+        raise RuntimeError(f"no driver for {action!r}")
+
+    def _update_vm(self, key: str, snap: Snapshot,
+                   mutate: Callable[[VMRecord], Any],
+                   write: Callable[[VMRecord, Any], VMRecord],
+                   authority: Authority) -> UpdateOutcome[VMRecord]:
+        assert snap.record is not None
+        namespace, name = split_key(key)
+
+        def guarded(record: VMRecord) -> Any:
+            authority.check()
+            return mutate(record)
+
+        def on_conflict(_n: int) -> None:
+            if self._metrics:
+                self._metrics.conflicts.inc()
+
+        return self._update(
+            snap.record, guarded, write, lambda: self.reader.get_vm(namespace, name),
+            policy=self._config.retry, on_conflict=on_conflict,
+        )
+
+    def _write_status(self, key: str, snap: Snapshot,
+                      mutation: Callable[[Any], VirtualMachineStatus | None],
+                      authority: Authority, log: Any) -> VMRecord | None:
+        outcome = self._update_vm(key, snap, lambda rec: mutation(rec.vm), self._put_status,
+                                  authority)
+        if outcome.conflicts:
+            log.info("status write absorbed {n} conflict(s); written={w}",
+                     n=outcome.conflicts, w=outcome.written)
+        return outcome.obj if outcome.written else None
+
+    def _maybe_bump(self, record: VMRecord) -> None:
+        """Fault injection: another writer changes the VM just before our write."""
+        if not self._faults.inject_conflict():
+            return
+        vm = record.vm
+        self._custom.patch_namespaced_custom_object(
+            types.GROUP, types.VERSION, vm.namespace, types.PLURAL, vm.name,
+            {"metadata": {"annotations": {FAULT_BUMP_ANNOTATION: uuid.uuid4().hex[:8]}}},
+        )
+        logger.bind(vm=vm.key).debug("fault injection: bumped resourceVersion before a write")
+
+    def _put_status(self, record: VMRecord, status: VirtualMachineStatus) -> VMRecord:
+        """PUT /status carrying the resourceVersion of ``record`` (never a blind patch)."""
+        self._maybe_bump(record)
+        vm = record.vm
+        body = {
+            "apiVersion": types.API_VERSION,
+            "kind": types.KIND,
+            "metadata": {"name": vm.name, "namespace": vm.namespace,
+                         "resourceVersion": record.resource_version},
+            "status": encode(status),
+        }
+        raw = self._custom.replace_namespaced_custom_object_status(
+            types.GROUP, types.VERSION, vm.namespace, types.PLURAL, vm.name, body,
+            _request_timeout=30)
+        return VMRecord.from_raw(raw)
+
+    def _put_main(self, record: VMRecord, finalizers: list[str]) -> VMRecord:
+        """PUT of the main resource with new finalizers, carrying the resourceVersion."""
+        self._maybe_bump(record)
+        body = copy.deepcopy(record.raw)
+        body["metadata"]["finalizers"] = finalizers
+        vm = record.vm
+        raw = self._custom.replace_namespaced_custom_object(
+            types.GROUP, types.VERSION, vm.namespace, types.PLURAL, vm.name, body,
+            _request_timeout=30)
+        return VMRecord.from_raw(raw)
+
+    def _write_finalizers(self, key: str, action: d.Action, snap: Snapshot,
+                          authority: Authority, log: Any) -> str:
+        mutation = finalizers_mutation(action)
+        outcome = self._update_vm(key, snap, lambda rec: mutation(rec.vm), self._put_main,
+                                  authority)
+        if not outcome.written:
+            return "declined"
+        if isinstance(action, d.RemoveFinalizer):
+            assert snap.record is not None
+            self._events.record(snap.record.vm, "Finalized",
+                                "all runner pods are gone; finalizer removed")
+            if self._on_finalized is not None:
+                self._on_finalized(key)
+        return "done"
+
+    def _event_for(self, action: d.Action, vm: types.VirtualMachine) -> None:
+        if isinstance(action, d.RecordPlan):
+            p = action.plan
+            self._events.record(vm, "Planned",
+                                f"plan #{p.plan_seq}: runner pod {p.name} "
+                                f"(epoch {p.epoch}, token {p.token})")
+        elif isinstance(action, d.Commit):
+            self._events.record(vm, "Committed", f"runner pod {action.name} committed")
+        elif isinstance(action, d.DropPlan):
+            self._events.record(vm, "PlanDropped", action.reason, warning=True)
+        elif isinstance(action, d.Restart):
+            if action.terminal_phase is None:
+                self._events.record(vm, "Restarting",
+                                    f"{action.reason}; restart #{vm.status.restart_count} "
+                                    f"(restartPolicy {vm.spec.restart_policy})")
+            else:
+                self._events.record(vm, vm.status.phase or "Stopped",
+                                    f"{action.reason}; not restarted (restartPolicy "
+                                    f"{vm.spec.restart_policy})")
+
+    def _create_pod(self, key: str, action: d.CreatePod, snap: Snapshot,
+                    authority: Authority, log: Any) -> str:
+        assert snap.record is not None
+        vm = snap.record.vm
+        try:
+            manifest = podspec.runner_pod(vm, action.plan, self._config.pod_defaults)
+        except podspec.PodSpecError as exc:
+            self._refuse(key, snap, str(exc), authority, log)
+            return "refused"
+        try:
+            created = self._core.api_client.sanitize_for_serialization(
+                self._core.create_namespaced_pod(vm.namespace, manifest, _request_timeout=30))
+        except ApiException as exc:
+            message = api_error_message(exc)
+            if exc.status == 409:
+                log.info("pod {pod} already exists: observing again", pod=action.plan.name)
+                return "exists"
+            if exc.status == 403 and ("exceeded quota" in message
+                                      or "cannot create resource" in message):
+                raise RetryableError(f"create {action.plan.name}: {message}") from exc
+            if exc.status in (400, 403, 422):
+                self._refuse(key, snap, f"creating runner pod {action.plan.name} was refused: "
+                                        f"{message}", authority, log)
+                return "refused"
+            raise
+        meta = created.get("metadata") or {}
+        if not podspec.has_our_gate(created):
+            self._gate_stripped(key, snap, meta, authority, log)
+            return "gate_stripped"
+        self._events.record(vm, "Created", f"runner pod {action.plan.name} created (gated)")
+        return "done"
+
+    def _gate_stripped(self, key: str, snap: Snapshot, meta: dict[str, Any],
+                       authority: Authority, log: Any) -> None:
+        """ALARM: the create response lacks our gate. Delete the pod before it can run."""
+        assert snap.record is not None
+        name, uid = meta.get("name", ""), meta.get("uid", "")
+        if self._metrics:
+            self._metrics.gate_stripped.inc()
+        log.error("ALARM: runner pod {pod} was created without the scheduling gate "
+                  "{gate}; deleting it", pod=name, gate=types.SCHEDULING_GATE)
+        self._events.record(snap.record.vm, "GateStripped",
+                            f"runner pod {name} came back without the scheduling gate "
+                            f"{types.SCHEDULING_GATE} (a webhook or feature gate removed "
+                            f"it); deleted", warning=True)
+        self._delete(snap.record.vm.namespace, name, uid, log)
+        self._refuse(key, snap, f"runner pod {name} was created without the scheduling gate "
+                                f"{types.SCHEDULING_GATE}; something strips it",
+                     authority, log, event=False)
+
+    def _refuse(self, key: str, snap: Snapshot, message: str, authority: Authority,
+                log: Any, event: bool = True) -> None:
+        """Record the refusal as Degraded for this generation: no retry until it changes."""
+        assert snap.record is not None
+        vm = snap.record.vm
+        if self._metrics:
+            self._metrics.create_refused.inc()
+        if event:
+            self._events.record(vm, "CreateRefused", message, warning=True)
+        update: ConditionUpdate = refused_condition(message, vm.generation)
+        self._write_status(key, snap, conditions_mutation([update], authority.lease),
+                           authority, log)
+
+    def _ungate(self, key: str, action: d.Ungate, snap: Snapshot, log: Any) -> str:
+        """Remove our gate, guarded by a fresh direct list and a test-and-remove patch."""
+        assert snap.record is not None
+        vm = snap.record.vm
+        pods = self.reader.list_pods(vm.namespace, vm.name)  # after the commit was seen
+        if len(pods) != 1:
+            log.info("not ungating {pod}: the VM has {n} pods", pod=action.name, n=len(pods))
+            return "precondition"
+        pod = pods[0]
+        meta = pod.get("metadata") or {}
+        gates = (pod.get("spec") or {}).get("schedulingGates") or []
+        index = next((i for i, g in enumerate(gates) if g.get("name") == types.SCHEDULING_GATE),
+                     None)
+        if (meta.get("name") != action.name or meta.get("uid") != action.uid
+                or meta.get("deletionTimestamp") is not None or index is None):
+            log.info("not ungating {pod}: it is no longer the VM's only gated pod",
+                     pod=action.name)
+            return "precondition"
+        patch = [
+            {"op": "test", "path": "/metadata/uid", "value": action.uid},
+            {"op": "test", "path": "/metadata/resourceVersion",
+             "value": meta.get("resourceVersion")},
+            {"op": "test", "path": f"/spec/schedulingGates/{index}/name",
+             "value": types.SCHEDULING_GATE},
+            {"op": "remove", "path": f"/spec/schedulingGates/{index}"},
+        ]
+        try:
+            self._core.patch_namespaced_pod(action.name, vm.namespace, patch,
+                                            _request_timeout=30)
+        except ApiException as exc:
+            if exc.status in (404, 409, 422):
+                log.info("ungate of {pod} refused ({status}: {msg}): observing again",
+                         pod=action.name, status=exc.status, msg=api_error_message(exc))
+                return "precondition"
+            raise
+        self._events.record(vm, "Started", f"runner pod {action.name} ungated: it is the "
+                                           f"VM's only pod")
+        return "done"
+
+    def _delete(self, namespace: str, name: str, uid: str, log: Any) -> bool:
+        try:
+            self._core.delete_namespaced_pod(
+                name, namespace,
+                body=client.V1DeleteOptions(preconditions=client.V1Preconditions(uid=uid)),
+                _request_timeout=30)
+        except ApiException as exc:
+            if exc.status in (404, 409):
+                log.info("pod {pod} ({uid}) already gone or replaced", pod=name, uid=uid)
+                return False
+            raise
+        return True
+
+    def _delete_pod(self, key: str, action: d.DeletePod, snap: Snapshot, log: Any) -> str:
+        assert snap.record is not None
+        vm = snap.record.vm
+        if not self._delete(vm.namespace, action.name, action.uid, log):
+            return "gone"
+        self._events.record(vm, "Deleted", f"runner pod {action.name}: {action.reason}")
+        return "done"

@@ -1,0 +1,175 @@
+"""A work queue of VM keys with client-go's guarantees: deduplicated, one worker per key.
+
+Semantics (the same as client-go's ``workqueue``):
+
+* ``add(key)``: a key already waiting is not queued twice;
+* a key is handed to at most one worker at a time: adding a key that is being processed
+  marks it *dirty*, and it is queued again only when that worker calls ``done(key)``;
+* ``add_after(key, delay)`` queues the key later (the earliest pending time wins);
+* ``add_rate_limited(key)`` queues it after a per-key exponential backoff that grows with
+  each call until ``forget(key)`` resets it;
+* ``shut_down()`` wakes every waiting ``get`` (which then returns None) and drops
+  everything still queued.
+
+Not guaranteed: ordering between different keys beyond first-in first-out, and
+persistence (the queue is memory only; the controller re-lists on start).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """Per-key exponential backoff: ``base * 2**failures``, capped at ``cap`` seconds."""
+
+    base: float = 0.05
+    cap: float = 30.0
+
+    def delay(self, failures: int) -> float:
+        return float(min(self.cap, self.base * (2 ** max(0, failures))))
+
+
+class WorkQueue:
+    """Deduplicating, delaying, rate-limiting queue of string keys (thread-safe)."""
+
+    def __init__(self, backoff: Backoff | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._backoff = backoff or Backoff()
+        self._clock = clock
+        self._cond = threading.Condition()
+        self._queue: deque[str] = deque()
+        self._dirty: set[str] = set()
+        self._processing: set[str] = set()
+        self._waiting: list[tuple[float, int, str]] = []  # heap of (due, seq, key)
+        self._due: dict[str, float] = {}  # earliest due time per delayed key
+        self._seq = itertools.count()
+        self._failures: dict[str, int] = {}
+        self._shutting_down = False
+
+    # ---- adding ----------------------------------------------------------------------
+
+    def add(self, key: str) -> None:
+        with self._cond:
+            self._add_locked(key)
+
+    def _add_locked(self, key: str) -> None:
+        if self._shutting_down or key in self._dirty:
+            return
+        self._dirty.add(key)
+        if key not in self._processing:
+            self._queue.append(key)
+            self._cond.notify()
+
+    def add_after(self, key: str, delay: float) -> None:
+        if delay <= 0:
+            self.add(key)
+            return
+        with self._cond:
+            if self._shutting_down:
+                return
+            due = self._clock() + delay
+            if key in self._due and self._due[key] <= due:
+                return
+            self._due[key] = due
+            heapq.heappush(self._waiting, (due, next(self._seq), key))
+            self._cond.notify()
+
+    def add_rate_limited(self, key: str) -> float:
+        """Queue ``key`` after its backoff; returns the delay chosen."""
+        with self._cond:
+            failures = self._failures.get(key, 0)
+            self._failures[key] = failures + 1
+        delay = self._backoff.delay(failures)
+        self.add_after(key, delay)
+        return delay
+
+    def forget(self, key: str) -> None:
+        """The key succeeded: reset its backoff."""
+        with self._cond:
+            self._failures.pop(key, None)
+
+    def failures(self, key: str) -> int:
+        with self._cond:
+            return self._failures.get(key, 0)
+
+    # ---- taking ----------------------------------------------------------------------
+
+    def _promote_due_locked(self) -> float | None:
+        """Move due delayed keys into the queue; return seconds until the next one."""
+        now = self._clock()
+        while self._waiting:
+            due, _, key = self._waiting[0]
+            if self._due.get(key) != due:
+                heapq.heappop(self._waiting)  # superseded by an earlier add_after
+                continue
+            if due > now:
+                return due - now
+            heapq.heappop(self._waiting)
+            del self._due[key]
+            self._add_locked(key)
+        return None
+
+    def get(self, timeout: float | None = None) -> str | None:
+        """The next key to process (the caller must call ``done``); None on shutdown/timeout."""
+        deadline = None if timeout is None else self._clock() + timeout
+        with self._cond:
+            while True:
+                if self._shutting_down:
+                    return None
+                wait = self._promote_due_locked()
+                if self._queue:
+                    key = self._queue.popleft()
+                    self._processing.add(key)
+                    self._dirty.discard(key)
+                    return key
+                if deadline is not None:
+                    left = deadline - self._clock()
+                    if left <= 0:
+                        return None
+                    wait = left if wait is None else min(wait, left)
+                self._cond.wait(wait)
+
+    def done(self, key: str) -> None:
+        """Processing of ``key`` finished; if it was added meanwhile, queue it again."""
+        with self._cond:
+            self._processing.discard(key)
+            if key in self._dirty and not self._shutting_down:
+                self._queue.append(key)
+                self._cond.notify()
+
+    # ---- lifecycle and introspection --------------------------------------------------
+
+    def shut_down(self) -> None:
+        with self._cond:
+            self._shutting_down = True
+            self._queue.clear()
+            self._dirty.clear()
+            self._waiting.clear()
+            self._due.clear()
+            self._cond.notify_all()
+
+    @property
+    def shutting_down(self) -> bool:
+        with self._cond:
+            return self._shutting_down
+
+    def __len__(self) -> int:
+        """Keys ready to be processed now (the queue depth metric)."""
+        with self._cond:
+            return len(self._queue)
+
+    def delayed(self) -> int:
+        with self._cond:
+            return len(self._due)
+
+    def processing(self) -> set[str]:
+        with self._cond:
+            return set(self._processing)
