@@ -1,0 +1,756 @@
+"""Leader election on a ``coordination.k8s.io/v1`` Lease, with epochs and release on stop.
+
+Replicas of the controller campaign for one Lease (default ``neonvm-system/neonvm-controller``).
+The record is the one client-go keeps, so ``kubectl get lease -o yaml`` and other tools read
+it as usual: ``holderIdentity``, ``leaseDurationSeconds``, ``acquireTime``, ``renewTime``
+(MicroTime, ``2006-01-02T15:04:05.000000Z``) and ``leaseTransitions``. Every write is a
+``replace`` carrying the ``resourceVersion`` that the decision was made from, so two
+candidates can never both succeed in writing themselves as holder over the same version.
+
+What is guaranteed
+------------------
+* **One holder per epoch.** A term starts with a compare-and-swap that sets
+  ``leaseTransitions`` to one more than the value it replaced, so every term has its own
+  epoch and a later term has a higher one. The epoch handed to ``on_started`` is that
+  ``leaseTransitions``. Identities are ``<hostname>_<random hex>``, unique per process
+  start, and a candidate that lost its term and wins again also bumps the counter, so an
+  epoch never names two terms.
+* **Epochs survive deletion of the Lease** when an :class:`EpochFloor` is given: before
+  ``on_started`` the elector claims its epoch in the floor (an atomic "store if greater")
+  and, while the floor refuses, raises ``leaseTransitions`` on its own Lease by CAS
+  (galloping: +1, +2, +4, ...) and claims again. Work only starts under an epoch the floor
+  accepted, so epochs increase across the Lease's whole history, not just its life.
+* **Expiry uses local monotonic time only.** A follower considers the Lease expired
+  ``leaseDurationSeconds`` after *it* last saw the object change (its ``resourceVersion``),
+  measured on ``time.monotonic()``. Remote ``renewTime`` values are written for other tools
+  and never read for decisions, so wall-clock skew or jumps cannot shorten a term.
+* **The leader stops before its Lease can expire.** ``renew_deadline`` after the *send time*
+  of its last successful renewal (which is before the server wrote it, so before any
+  follower saw it), the leader gives up. :meth:`Leadership.check` enforces this deadline
+  by itself, from any thread, without waiting for the elector thread to notice: a
+  process that was paused (SIGSTOP, a long GC, an overloaded node) fails ``check()`` the
+  instant it resumes. Because ``renew_deadline < lease_duration`` and one machine's
+  monotonic clocks advance at (nearly) the same rate everywhere, the leader's belief ends
+  before any follower may take over; the gap is the margin for clock-rate drift.
+* **Graceful handover.** When ``stop`` is set (SIGTERM) or a step-down request names the
+  current term, the elector sets ``lost``, calls ``on_stopped``, waits for the leader work
+  to return, and only *then* releases the Lease like client-go's ``ReleaseOnCancel``:
+  empty ``holderIdentity``, ``leaseDurationSeconds: 1``. Standbys take an empty Lease at
+  once, so handover takes about one retry period instead of a lease duration.
+* **Step-down is addressed.** ``neonvm leader step-down`` writes the annotation
+  :data:`STEP_DOWN_ANNOTATION` = ``{"holder": H, "epoch": E}`` by CAS on the version whose
+  holder it read. The holder acts only on a request naming its own identity *and* epoch;
+  a request for an earlier holder or term is ignored and removed by the next acquisition.
+
+What is not guaranteed
+----------------------
+* The election does **not** stop a paused or partitioned process from *acting*: a thread
+  that passed ``check()`` and is then paused can still send a request afterwards.
+  Safety comes from fencing downstream: the per-VM lock's token and every conditional
+  write that carries the epoch and is refused when a higher epoch was recorded. The
+  election gives progress and keeps two live leaders from fighting; fencing gives safety.
+* Work that ignores ``lost`` and never calls ``check()`` is not stopped: Python threads
+  cannot be killed. ``on_stopped`` is where the owner stops its workers; the elector waits
+  for the ``on_started`` thread before it releases, and does not release while it runs.
+* A SIGKILLed leader cannot release: the standbys wait for the lease to expire (about
+  ``lease_duration`` plus one retry period after its last renewal).
+* Liveness needs the API server: with it down nobody leads, by design.
+
+Why not ``kubernetes.leaderelection``
+-------------------------------------
+The official Python client has a port of client-go's elector, and we keep its shape
+(observed record + local observation time, try-acquire-or-renew, validation rule
+``renew_deadline > retry_period * 1.2``). We do not use it because it measures the renew
+deadline and lease expiry with ``time.time()`` (the wall clock: an NTP step can extend or
+cut a term), never increments ``leaseTransitions`` (so there is no epoch), has no release
+on shutdown, keeps running ``onstarted_leading`` after renewal failed (it only calls
+``onstopped_leading`` afterwards, with nothing telling the work to stop), reads and
+writes through the global default client, rejects retry periods under one second (our
+tests use 0.5 s), and calls ``sys.exit`` on bad configuration.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from enum import Enum
+from typing import Any, Protocol
+
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+from loguru import logger
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+JITTER_FACTOR = 1.2
+"""Campaign retries wait between ``retry_period`` and ``retry_period * JITTER_FACTOR``;
+``renew_deadline`` must exceed the longest such wait (client-go's rule)."""
+
+STEP_DOWN_ANNOTATION = "leader.vm.neon.tech/step-down"
+"""Annotation on the Lease asking one term (holder identity and epoch) to release."""
+
+MICROTIME_FORMAT = "%Y-%m-%dT%H:%M:%S.%fZ"
+"""How Kubernetes writes ``metav1.MicroTime`` (RFC 3339, microseconds, UTC)."""
+
+DEFAULT_NAMESPACE = "neonvm-system"
+DEFAULT_LEASE_NAME = "neonvm-controller"
+
+
+def new_identity() -> str:
+    """``<hostname>_<random hex>``: unique per process start, so each takeover is a new term."""
+    return f"{socket.gethostname()}_{secrets.token_hex(6)}"
+
+
+def format_microtime(moment: datetime) -> str:
+    return moment.astimezone(UTC).strftime(MICROTIME_FORMAT)
+
+
+def parse_microtime(value: str | None) -> datetime | None:
+    """Parse a MicroTime or Time string as the API server returns it (for display only)."""
+    if not value:
+        return None
+    return datetime.fromisoformat(value.replace("Z", "+00:00"))
+
+
+class LeadershipLost(RuntimeError):
+    """Raised by :meth:`Leadership.check` once this term is over or in doubt."""
+
+
+@dataclass(frozen=True)
+class ElectionConfig:
+    """Where to campaign and how fast. Times are seconds; validated on construction.
+
+    ``lease_duration``: how long followers wait, after last seeing the Lease change,
+    before taking it. ``renew_deadline``: how long the leader keeps trying to renew before
+    it stops leading; must be below ``lease_duration`` (the difference is the safety
+    margin). ``retry_period``: time between renewals and between campaign attempts.
+    """
+
+    namespace: str = DEFAULT_NAMESPACE
+    name: str = DEFAULT_LEASE_NAME
+    identity: str = field(default_factory=new_identity)
+    lease_duration: float = 15.0
+    renew_deadline: float = 10.0
+    retry_period: float = 2.0
+
+    def __post_init__(self) -> None:
+        problems: list[str] = []
+        if not self.namespace:
+            problems.append("namespace must not be empty")
+        if not self.name:
+            problems.append("name must not be empty")
+        if not self.identity:
+            problems.append("identity must not be empty")
+        for label, value in (("lease_duration", self.lease_duration),
+                             ("renew_deadline", self.renew_deadline),
+                             ("retry_period", self.retry_period)):
+            if not math.isfinite(value) or value <= 0:
+                problems.append(f"{label} must be a positive number of seconds, got {value!r}")
+        if not problems:
+            if self.lease_duration <= self.renew_deadline:
+                problems.append(
+                    f"lease_duration ({self.lease_duration}s) must be greater than "
+                    f"renew_deadline ({self.renew_deadline}s): the leader must stop before "
+                    "followers may take over")
+            if self.renew_deadline <= self.retry_period * JITTER_FACTOR:
+                problems.append(
+                    f"renew_deadline ({self.renew_deadline}s) must be greater than "
+                    f"retry_period * {JITTER_FACTOR} ({self.retry_period * JITTER_FACTOR:g}s): "
+                    "at least one retry must fit before the deadline")
+        if problems:
+            raise ValueError("invalid election config: " + "; ".join(problems))
+
+    @property
+    def lease_duration_seconds(self) -> int:
+        """What the Lease advertises: whole seconds, rounded up (never shorter than ours)."""
+        return max(1, math.ceil(self.lease_duration))
+
+
+@dataclass(frozen=True)
+class LeaseRecord:
+    """The parts of a Lease the election reads, plus the object to write back."""
+
+    holder: str
+    lease_duration_seconds: int | None
+    acquire_time: str | None
+    renew_time: str | None
+    transitions: int
+    resource_version: str
+    step_down: StepDownRequest | None
+    raw: dict[str, Any]
+
+    @classmethod
+    def from_object(cls, obj: dict[str, Any]) -> LeaseRecord:
+        spec = obj.get("spec") or {}
+        meta = obj.get("metadata") or {}
+        return cls(
+            holder=spec.get("holderIdentity") or "",
+            lease_duration_seconds=spec.get("leaseDurationSeconds"),
+            acquire_time=spec.get("acquireTime"),
+            renew_time=spec.get("renewTime"),
+            transitions=int(spec.get("leaseTransitions") or 0),
+            resource_version=str(meta.get("resourceVersion") or ""),
+            step_down=StepDownRequest.parse((meta.get("annotations") or {}).get(
+                STEP_DOWN_ANNOTATION)),
+            raw=obj,
+        )
+
+
+@dataclass(frozen=True)
+class StepDownRequest:
+    """A request that the term (``holder``, ``epoch``) release the Lease."""
+
+    holder: str
+    epoch: int | None
+    requested_at: str | None = None
+
+    def names(self, identity: str, epoch: int) -> bool:
+        return self.holder == identity and (self.epoch is None or self.epoch == epoch)
+
+    def to_annotation(self) -> str:
+        return json.dumps({"holder": self.holder, "epoch": self.epoch,
+                           "requestedAt": self.requested_at})
+
+    @classmethod
+    def parse(cls, value: str | None) -> StepDownRequest | None:
+        if not value:
+            return None
+        try:
+            data = json.loads(value)
+            epoch = data.get("epoch")
+            return cls(holder=str(data["holder"]),
+                       epoch=None if epoch is None else int(epoch),
+                       requested_at=data.get("requestedAt"))
+        except (ValueError, TypeError, KeyError, AttributeError):
+            return None  # a malformed request names nobody
+
+
+class LeaseClient:
+    """Get, create and compare-and-swap one Lease; objects are plain JSON dicts.
+
+    Plain dicts (``_preload_content=False``) keep the times exactly as the server wrote
+    them and let us send MicroTime strings in the canonical format.
+    """
+
+    def __init__(self, api: client.ApiClient, namespace: str, name: str) -> None:
+        # Any: we pass dict bodies and read raw responses, which the typed stubs do not model.
+        self._api: Any = client.CoordinationV1Api(api)
+        self.namespace = namespace
+        self.name = name
+
+    def get(self, timeout: float) -> LeaseRecord | None:
+        """A direct (quorum) read; None when the Lease does not exist."""
+        try:
+            resp = self._api.read_namespaced_lease(
+                self.name, self.namespace, _preload_content=False, _request_timeout=timeout)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return LeaseRecord.from_object(json.loads(resp.data))
+
+    def create(self, spec: dict[str, Any], timeout: float) -> LeaseRecord:
+        body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                "metadata": {"name": self.name, "namespace": self.namespace}, "spec": spec}
+        resp = self._api.create_namespaced_lease(
+            self.namespace, body, _preload_content=False, _request_timeout=timeout)
+        return LeaseRecord.from_object(json.loads(resp.data))
+
+    def replace(self, base: LeaseRecord, spec: dict[str, Any], timeout: float,
+                drop_step_down: bool = False,
+                step_down: StepDownRequest | None = None) -> LeaseRecord:
+        """Write ``spec`` over ``base``; 409 Conflict if the Lease changed since ``base``."""
+        obj = json.loads(json.dumps(base.raw))  # deep copy, keeps unknown fields
+        obj["spec"] = {**(obj.get("spec") or {}), **spec}
+        meta = obj.setdefault("metadata", {})
+        meta["resourceVersion"] = base.resource_version
+        annotations = dict(meta.get("annotations") or {})
+        if drop_step_down:
+            annotations.pop(STEP_DOWN_ANNOTATION, None)
+        if step_down is not None:
+            annotations[STEP_DOWN_ANNOTATION] = step_down.to_annotation()
+        meta["annotations"] = annotations or None
+        resp = self._api.replace_namespaced_lease(
+            self.name, self.namespace, obj, _preload_content=False, _request_timeout=timeout)
+        return LeaseRecord.from_object(json.loads(resp.data))
+
+
+class EpochFloor(Protocol):
+    """A store, outside the Lease, of the lowest epoch a new term may use.
+
+    Deleting the Lease resets ``leaseTransitions`` to 0; the floor keeps epochs increasing
+    anyway. ``claim`` must be atomic: record ``epoch`` as the new minimum and return True
+    iff ``epoch`` is greater than the stored one (any epoch when nothing is stored).
+    Raising is treated like a refusal that may be retried with the same epoch.
+    """
+
+    def claim(self, epoch: int, identity: str) -> bool: ...
+
+
+class Leadership:
+    """One term, as handed to ``on_started``: its epoch, and how to know it is over.
+
+    ``lost`` is set the moment the term is over or in doubt (renewals failing past the
+    deadline, deposed, step-down, stop). :meth:`check` also enforces the renew deadline
+    on its own, from the caller's thread and clock, so leader work that checks before
+    acting never acts after the deadline even if the elector thread has not run.
+    """
+
+    def __init__(self, epoch: int, identity: str, valid_until: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._epoch = epoch
+        self._identity = identity
+        self._clock = clock
+        self._valid_until = valid_until
+        self._lock = threading.Lock()
+        self.lost = threading.Event()
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    @property
+    def identity(self) -> str:
+        return self._identity
+
+    @property
+    def valid_until(self) -> float:
+        """Monotonic instant at which this process stops believing it leads."""
+        with self._lock:
+            return self._valid_until
+
+    def remaining(self) -> float:
+        """Seconds of belief left (0 once lost): bound blocking calls by this."""
+        if self.lost.is_set():
+            return 0.0
+        return max(0.0, self.valid_until - self._clock())
+
+    def check(self) -> None:
+        """Raise :class:`LeadershipLost` if this term is over or its deadline has passed."""
+        if not self.lost.is_set() and self._clock() >= self.valid_until:
+            self.lost.set()
+        if self.lost.is_set():
+            raise LeadershipLost(f"leadership of epoch {self._epoch} lost ({self._identity})")
+
+    def _extend(self, valid_until: float) -> None:
+        with self._lock:
+            self._valid_until = max(self._valid_until, valid_until)
+
+    def __repr__(self) -> str:
+        return (f"Leadership(epoch={self._epoch}, identity={self._identity!r}, "
+                f"lost={self.lost.is_set()})")
+
+
+@dataclass(frozen=True)
+class ElectionMetrics:
+    """Prometheus metrics of one elector, registered in a caller-owned registry."""
+
+    is_leader: Gauge
+    epoch: Gauge
+    leader_changes: Counter
+    renew_seconds: Histogram
+    renew_failures: Counter
+
+    @classmethod
+    def register(cls, registry: CollectorRegistry) -> ElectionMetrics:
+        return cls(
+            is_leader=Gauge("neonvm_leader_is_leader",
+                            "1 while this replica leads (its term is not lost)",
+                            registry=registry),
+            epoch=Gauge("neonvm_leader_epoch",
+                        "Epoch (leaseTransitions) of this replica's current or last term",
+                        registry=registry),
+            leader_changes=Counter("neonvm_leader_changes_observed",
+                                   "Changes of the Lease holder this replica has seen",
+                                   registry=registry),
+            renew_seconds=Histogram("neonvm_leader_renew_duration_seconds",
+                                    "Latency of successful Lease renewals",
+                                    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5,
+                                             5, 10),
+                                    registry=registry),
+            renew_failures=Counter("neonvm_leader_renew_failures",
+                                   "Lease renewals that failed (errors, timeouts, conflicts)",
+                                   registry=registry),
+        )
+
+
+class EndReason(Enum):
+    """Why a term ended; decides whether the Lease is released."""
+
+    STOP = "stop"                  # shutdown requested: release
+    STEP_DOWN = "step-down"        # asked to step down: release, then sit out
+    DEPOSED = "deposed"            # someone else holds the Lease (or a newer term of ours)
+    DEADLINE = "renew-deadline"    # renewals failed until the renew deadline
+    WORK_LOST = "work-lost"        # lost was set from outside (check() saw the deadline,
+    #                                or the leader work ended)
+
+
+@dataclass
+class _Observation:
+    """The last Lease version seen, and when (local monotonic clock) it was first seen."""
+
+    record: LeaseRecord | None = None
+    seen_at: float = 0.0
+
+
+class LeaderElector:
+    """Campaign for the Lease, lead while it is held, hand over on stop. See module doc."""
+
+    def __init__(
+        self,
+        api: client.ApiClient,
+        config: ElectionConfig,
+        on_started: Callable[[Leadership], None],
+        on_stopped: Callable[[], None],
+        epoch_floor: EpochFloor | None = None,
+        registry: CollectorRegistry | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self._lease = LeaseClient(api, config.namespace, config.name)
+        self._on_started = on_started
+        self._on_stopped = on_stopped
+        self._epoch_floor = epoch_floor
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.metrics = ElectionMetrics.register(self.registry)
+        self._clock = clock
+        self._observed = _Observation()
+        self._last_tick = clock()
+        self._finished = False
+        self._leadership: Leadership | None = None
+        self._log = logger.bind(lease=f"{config.namespace}/{config.name}",
+                                identity=config.identity)
+
+    # ---- introspection -----------------------------------------------------------------
+
+    @property
+    def leadership(self) -> Leadership | None:
+        """The current term, if this replica leads (and has not lost it)."""
+        term = self._leadership
+        return term if term is not None and not term.lost.is_set() else None
+
+    def is_leader(self) -> bool:
+        term = self.leadership
+        if term is None:
+            return False
+        try:
+            term.check()
+        except LeadershipLost:
+            return False
+        return True
+
+    def health_check(self) -> None:
+        """Fails when the elector is wedged: running, yet its loop has not turned for a
+        whole lease duration (it is neither renewing nor campaigning nor exiting)."""
+        if self._finished:
+            return
+        idle = self._clock() - self._last_tick
+        if idle > self.config.lease_duration:
+            raise RuntimeError(
+                f"leader election loop has not run for {idle:.1f}s "
+                f"(> lease duration {self.config.lease_duration:g}s)")
+
+    # ---- the loop ----------------------------------------------------------------------
+
+    def run(self, stop: threading.Event) -> None:
+        """Campaign, lead, renew, until ``stop`` is set; then release if leading."""
+        self._finished = False
+        try:
+            while not stop.is_set():
+                term = self._campaign(stop)
+                if term is None:
+                    break
+                reason = self._lead(term, stop)
+                if reason is EndReason.STEP_DOWN:
+                    # Sit out so that a standby (which takes a released Lease at once)
+                    # wins; with no standby we campaign again after a lease duration.
+                    self._tick_wait(stop, self.config.lease_duration)
+        finally:
+            self._finished = True
+            self._log.info("leader election stopped")
+
+    def _tick_wait(self, stop: threading.Event, seconds: float) -> bool:
+        """Wait up to ``seconds`` (returns True if stopped), keeping the health tick fresh."""
+        deadline = self._clock() + seconds
+        while True:
+            self._last_tick = self._clock()
+            left = deadline - self._clock()
+            if left <= 0:
+                return stop.is_set()
+            if stop.wait(min(left, self.config.retry_period)):
+                return True
+
+    def _observe(self, record: LeaseRecord | None) -> None:
+        """Remember a Lease version; restart the expiry clock only when it changed."""
+        old = self._observed.record
+        if old is None or record is None or old.resource_version != record.resource_version:
+            if old is not None and record is not None and old.holder != record.holder:
+                self.metrics.leader_changes.inc()
+                self._log.info("leader is now {holder} (epoch {epoch})",
+                               holder=record.holder or "<none>", epoch=record.transitions)
+            self._observed = _Observation(record, self._clock())
+
+    def _expired(self) -> bool:
+        record = self._observed.record
+        if record is None or not record.holder:
+            return True
+        duration = record.lease_duration_seconds or self.config.lease_duration
+        return self._clock() - self._observed.seen_at >= duration
+
+    # ---- campaign ----------------------------------------------------------------------
+
+    def _campaign(self, stop: threading.Event) -> _Term | None:
+        """Try to acquire every retry period (jittered); return the acquired term."""
+        self._log.info("campaigning")
+        while not stop.is_set():
+            self._last_tick = self._clock()
+            acquired = self._try_acquire()
+            if acquired is not None:
+                return acquired
+            wait = self.config.retry_period * random.uniform(1.0, JITTER_FACTOR)
+            if stop.wait(wait):
+                break
+        return None
+
+    def _try_acquire(self) -> _Term | None:
+        timeout = self.config.renew_deadline
+        try:
+            current = self._lease.get(timeout)
+        except Exception as exc:  # network, 5xx, timeout: try again next period
+            self._log.warning("reading the Lease failed: {err}", err=_short(exc))
+            return None
+        self._observe(current)
+        now = datetime.now(UTC)
+        me = self.config.identity
+        spec = {
+            "holderIdentity": me,
+            "leaseDurationSeconds": self.config.lease_duration_seconds,
+            "acquireTime": format_microtime(now),
+            "renewTime": format_microtime(now),
+        }
+        sent_at = self._clock()
+        try:
+            if current is None:
+                acquired = self._lease.create({**spec, "leaseTransitions": 0}, timeout)
+            else:
+                # Our own identity may still hold it from a term we abandoned; its work
+                # was stopped before we got here, so we may take it at once.
+                if current.holder not in ("", me) and not self._expired():
+                    return None
+                acquired = self._lease.replace(
+                    current, {**spec, "leaseTransitions": current.transitions + 1}, timeout,
+                    drop_step_down=True)
+        except ApiException as exc:
+            if exc.status in (409, 422):  # someone else won this round (or created it)
+                return None
+            self._log.warning("acquiring the Lease failed: {err}", err=_short(exc))
+            return None
+        except Exception as exc:
+            self._log.warning("acquiring the Lease failed: {err}", err=_short(exc))
+            return None
+        self._observe(acquired)
+        self._log.info("acquired the Lease (leaseTransitions {n})", n=acquired.transitions)
+        return _Term(record=acquired, renewed_at=sent_at)
+
+    # ---- leading -----------------------------------------------------------------------
+
+    def _lead(self, term: _Term, stop: threading.Event) -> EndReason:
+        """From acquisition to the end of the term (always leaves the term ended)."""
+        reason = self._claim_epoch(term, stop)
+        if reason is not None:
+            self._log.info("gave up the Lease before starting work: {r}", r=reason.value)
+            if reason in (EndReason.STOP, EndReason.STEP_DOWN):
+                self._release(term)
+            return reason
+        leadership = Leadership(term.record.transitions, self.config.identity,
+                                term.renewed_at + self.config.renew_deadline, self._clock)
+        self._leadership = leadership
+        self.metrics.is_leader.set(1)
+        self.metrics.epoch.set(leadership.epoch)
+        self._log.info("started leading, epoch {epoch}", epoch=leadership.epoch)
+        worker = threading.Thread(target=self._run_started, args=(leadership,),
+                                  name=f"leader-work-{leadership.epoch}", daemon=True)
+        worker.start()
+        reason = self._renew_loop(term, leadership, stop)
+        self._end_term(leadership, reason, worker)
+        if reason in (EndReason.STOP, EndReason.STEP_DOWN):
+            if worker.is_alive():
+                self._log.error("leader work of epoch {epoch} is still running; not releasing "
+                                "the Lease (it will expire instead)", epoch=leadership.epoch)
+            else:
+                self._release(term)
+        return reason
+
+    def _run_started(self, leadership: Leadership) -> None:
+        """``on_started`` may block until ``lost`` or start workers and return; if it
+        raises, the work is broken and the term ends rather than guard nothing."""
+        try:
+            self._on_started(leadership)
+        except Exception:
+            self._log.exception("on_started raised; ending the term")
+            leadership.lost.set()
+
+    def _claim_epoch(self, term: _Term, stop: threading.Event) -> EndReason | None:
+        """Raise our own leaseTransitions until the epoch floor accepts it."""
+        if self._epoch_floor is None:
+            return None
+        step = 1
+        while True:
+            self._last_tick = self._clock()
+            if stop.is_set():
+                return EndReason.STOP
+            epoch = term.record.transitions
+            try:
+                accepted = self._epoch_floor.claim(epoch, self.config.identity)
+                refused = not accepted
+            except Exception as exc:
+                self._log.warning("claiming epoch {epoch} failed: {err}", epoch=epoch,
+                                  err=_short(exc))
+                accepted, refused = False, False
+            if accepted:
+                return None
+            if refused:
+                self._log.info("epoch floor refused epoch {epoch}; raising it by {step}",
+                               epoch=epoch, step=step)
+                new_transitions, step = epoch + step, step * 2
+            else:
+                new_transitions = epoch  # keep the Lease fresh while the floor is away
+                if stop.wait(self.config.retry_period):
+                    return EndReason.STOP
+            ended = self._renew(term, stop, transitions=new_transitions)
+            if ended is not None:
+                return ended
+
+    def _renew_loop(self, term: _Term, leadership: Leadership,
+                    stop: threading.Event) -> EndReason:
+        while True:
+            self._last_tick = self._clock()
+            if stop.wait(self.config.retry_period):
+                return EndReason.STOP
+            self._last_tick = self._clock()
+            if leadership.lost.is_set():
+                return EndReason.WORK_LOST
+            ended = self._renew(term, stop)
+            if ended is not None:
+                return ended
+            leadership._extend(term.renewed_at + self.config.renew_deadline)
+
+    def _renew(self, term: _Term, stop: threading.Event,
+               transitions: int | None = None) -> EndReason | None:
+        """Renew (optionally with new leaseTransitions), retrying until the renew deadline.
+
+        Returns None on success (``term`` updated) or why the term ended. The deadline is
+        measured from the *send* time of the last successful renewal.
+        """
+        me = self.config.identity
+        while True:
+            deadline = term.renewed_at + self.config.renew_deadline
+            left = deadline - self._clock()
+            if left <= 0:
+                self._log.warning("could not renew the Lease within the renew deadline")
+                return EndReason.DEADLINE
+            sent_at = self._clock()
+            spec: dict[str, Any] = {"renewTime": format_microtime(datetime.now(UTC))}
+            if transitions is not None:
+                spec["leaseTransitions"] = transitions
+            try:
+                # Our last write's version is what we compare against: if nobody wrote
+                # since, we still hold the Lease and nobody asked us to step down.
+                updated = self._lease.replace(term.record, spec, timeout=left)
+            except ApiException as exc:
+                self.metrics.renew_failures.inc()
+                if exc.status != 409:
+                    self._log.warning("renewing the Lease failed: {err}", err=_short(exc))
+                    if stop.wait(min(self.config.retry_period, max(0.0, left))):
+                        return EndReason.STOP
+                    continue
+                ended = self._reread_after_conflict(term, left)
+                if ended is not None:
+                    return ended
+                continue
+            except Exception as exc:
+                self.metrics.renew_failures.inc()
+                self._log.warning("renewing the Lease failed: {err}", err=_short(exc))
+                if stop.wait(min(self.config.retry_period, max(0.0, deadline - self._clock()))):
+                    return EndReason.STOP
+                continue
+            self.metrics.renew_seconds.observe(self._clock() - sent_at)
+            if updated.holder != me:  # cannot happen with a CAS on our own version
+                return EndReason.DEPOSED
+            term.record = updated
+            term.renewed_at = sent_at
+            self._observe(updated)
+            return None
+
+    def _reread_after_conflict(self, term: _Term, timeout: float) -> EndReason | None:
+        """Someone wrote the Lease: still ours (annotation, label)? asked to step down?"""
+        try:
+            fresh = self._lease.get(timeout)
+        except Exception as exc:
+            self._log.warning("re-reading the Lease failed: {err}", err=_short(exc))
+            return None  # the caller retries until the deadline
+        self._observe(fresh)
+        if fresh is None or fresh.holder != self.config.identity or \
+                fresh.transitions != term.record.transitions:
+            self._log.warning("deposed: the Lease now names {holder} (epoch {epoch})",
+                              holder=fresh.holder if fresh else "<deleted>",
+                              epoch=fresh.transitions if fresh else "-")
+            return EndReason.DEPOSED
+        term.record = fresh
+        if fresh.step_down is not None and fresh.step_down.names(
+                self.config.identity, fresh.transitions):
+            self._log.info("step-down requested for epoch {epoch}", epoch=fresh.transitions)
+            return EndReason.STEP_DOWN
+        return None
+
+    def _end_term(self, leadership: Leadership, reason: EndReason,
+                  worker: threading.Thread) -> None:
+        leadership.lost.set()
+        self.metrics.is_leader.set(0)
+        self._log.info("stopped leading, epoch {epoch}: {reason}", epoch=leadership.epoch,
+                       reason=reason.value)
+        try:
+            self._on_stopped()
+        except Exception:
+            self._log.exception("on_stopped raised")
+        self._last_tick = self._clock()
+        worker.join(timeout=self.config.renew_deadline)
+        self._last_tick = self._clock()
+        self._leadership = None
+
+    def _release(self, term: _Term) -> None:
+        """Hand the Lease over at once (client-go's ReleaseOnCancel), by CAS."""
+        now = format_microtime(datetime.now(UTC))
+        spec = {"holderIdentity": "", "leaseDurationSeconds": 1,
+                "acquireTime": now, "renewTime": now}
+        try:
+            released = self._lease.replace(term.record, spec, timeout=self.config.renew_deadline,
+                                           drop_step_down=True)
+        except Exception as exc:
+            self._log.warning("could not release the Lease ({err}); standbys will wait for "
+                              "it to expire", err=_short(exc))
+            return
+        self._observe(released)
+        self._log.info("released the Lease")
+
+
+@dataclass
+class _Term:
+    """The leader's own view of its term: its last written version and when it was sent."""
+
+    record: LeaseRecord
+    renewed_at: float
+
+
+def _short(exc: BaseException) -> str:
+    if isinstance(exc, ApiException):
+        return f"{exc.status} {exc.reason}"
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}: {text}"[:300]
