@@ -45,27 +45,46 @@ def api_client(kubeconfig: Path | str | None = None) -> client.ApiClient:
     return client.ApiClient(cfg)
 
 
+def request(
+    api: client.ApiClient,
+    method: str,
+    path: str,
+    body: Any = None,
+    query: list[tuple[str, str]] | None = None,
+    content_type: str = "application/json",
+    timeout: float = 30.0,
+) -> dict[str, Any]:
+    """A raw REST call (for content types the generated API lacks); raises ApiException."""
+    method, url, headers, payload, _ = api.param_serialize(
+        method,
+        path,
+        query_params=query or [],
+        header_params={"Content-Type": content_type, "Accept": "application/json"},
+        body=body,
+        auth_settings=["BearerToken"],
+    )
+    resp = api.call_api(method, url, header_params=headers, body=payload,
+                        _request_timeout=timeout)
+    resp.read()
+    if not 200 <= resp.status <= 299:
+        raise ApiException(http_resp=resp)
+    result: dict[str, Any] = json.loads(resp.data or b"{}")
+    return result
+
+
 def apply(api: client.ApiClient, obj: dict[str, Any], force: bool = True) -> dict[str, Any]:
     """Server-side apply of a cluster-scoped object (idempotent)."""
     key = (obj["apiVersion"], obj["kind"])
     if key not in _CLUSTER_PATHS:
         raise ValueError(f"apply: unsupported kind {key}")
-    path = f"{_CLUSTER_PATHS[key]}/{obj['metadata']['name']}"
-    resp = api.call_api(
-        path,
+    return request(
+        api,
         "PATCH",
-        query_params=[("fieldManager", FIELD_MANAGER), ("force", "true" if force else "false")],
-        header_params={
-            "Content-Type": "application/apply-patch+yaml",
-            "Accept": "application/json",
-        },
+        f"{_CLUSTER_PATHS[key]}/{obj['metadata']['name']}",
         body=obj,
-        auth_settings=["BearerToken"],
-        _preload_content=False,
-        _return_http_data_only=True,
+        query=[("fieldManager", FIELD_MANAGER), ("force", "true" if force else "false")],
+        content_type="application/apply-patch+yaml",
     )
-    result: dict[str, Any] = json.loads(resp.data)
-    return result
 
 
 def api_error_message(err: ApiException) -> str:

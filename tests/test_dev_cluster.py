@@ -84,7 +84,7 @@ def test_a_missing_binary_is_a_one_line_error(tmp_path: Path) -> None:
 def test_an_unknown_flag_is_rejected_with_usage() -> None:
     result = neonvm("dev", "up", "--bogus")
     assert result.returncode == 2
-    assert "No such option: --bogus" in result.stderr
+    assert "No such option '--bogus'" in result.stderr
 
 
 def test_status_reports_a_dead_etcd_and_exits_non_zero(tmp_path: Path) -> None:

@@ -32,11 +32,12 @@ def dev() -> None:
               help="Simulated nodes (adds kube-scheduler, kube-controller-manager, kwok).")
 def install(nodes: int | None) -> None:
     """Build (or find) the control-plane binaries; cached outside the repository."""
-    install_binaries(with_nodes=nodes is None or nodes > 0)
+    install_binaries(with_nodes=nodes is None or nodes > 0, with_helm=True)
 
 
-def install_binaries(with_nodes: bool) -> None:
-    wanted = ["etcd", "kubernetes", "helm"] + (["kwok"] if with_nodes else [])
+def install_binaries(with_nodes: bool, with_helm: bool = False) -> None:
+    wanted = ["etcd", "kubernetes"] + (["kwok"] if with_nodes else [])
+    wanted += ["helm"] if with_helm else []
     for group_name in wanted:
         group = binaries.GROUPS[group_name]
         if all(binaries.find(b) for b in group.binaries):

@@ -16,6 +16,7 @@ a rebuild after a cache wipe cheap.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
@@ -163,9 +164,23 @@ def require(name: str) -> Path:
 
 
 def build(group: BinaryGroup, progress: Callable[[str], None] = lambda _msg: None) -> float:
-    """Build every binary of ``group`` into the cache; return seconds spent (0 if cached)."""
+    """Build every binary of ``group`` into the cache; return seconds spent (0 if cached).
+
+    Concurrent callers (several test sessions, a demo) serialise on a lock file, and the
+    later ones find the binaries built.
+    """
     if all(find(b) for b in group.binaries):
         return 0.0
+    lock_path = cache_root() / "bin" / f".{group.key}.lock"
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with lock_path.open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if all(find(b) for b in group.binaries):
+            return 0.0
+        return _build_locked(group, progress)
+
+
+def _build_locked(group: BinaryGroup, progress: Callable[[str], None]) -> float:
     if shutil.which("go") is None:
         raise BinaryError("'go' is not on PATH; install Go 1.26 to build the control plane")
     out_dir = cache_root() / "bin" / group.key

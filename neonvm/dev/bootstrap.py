@@ -23,7 +23,7 @@ def apply_cluster_objects(cluster: LocalCluster, progress: Callable[[str], None]
 def _wait_crd_established(api: object, name: str, timeout: float = 30.0) -> None:
     from kubernetes import client
 
-    ext = client.ApiextensionsV1Api(api)  # type: ignore[arg-type]
+    ext = client.ApiextensionsV1Api(api)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         crd = ext.read_custom_resource_definition(name)
