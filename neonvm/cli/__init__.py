@@ -55,6 +55,7 @@ def _register() -> None:
         ("neonvm.cli.drill", "drill"),
         ("neonvm.cli.runner", "runner"),
         ("neonvm.cli.demo", "demo"),
+        ("neonvm.cli.status", "status"),
     ):
         try:
             module = __import__(module_name, fromlist=[attr])

@@ -1,0 +1,168 @@
+"""``neonvm demo``: the whole system on one machine, with a live status view.
+
+It starts (or reuses) the local control plane with simulated nodes, runs several
+controller replicas as separate processes, applies the sample VM from the original bug
+report, and shows leader, VMs, runner pods and locks while an independent checker counts
+duplicate live pods. Everything keeps running afterwards for you to poke at (``neonvm
+dev down`` stops it), unless ``--down`` is given.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+import yaml
+from kubernetes import client
+
+from neonvm import kube, overview
+from neonvm.api import types
+from neonvm.cli.dev import STATE_DIR_OPTION, install_binaries
+from neonvm.dev.cluster import ClusterSpec, LocalCluster
+from neonvm.invariant import InvariantChecker
+
+SAMPLE_VM = Path(__file__).resolve().parents[2] / "examples" / "vm-deploy.yaml"
+LEASE_NAMESPACE = "neonvm-system"
+
+
+def _progress(msg: str) -> None:
+    click.echo(f"  {msg}", err=True)
+
+
+def replica_argv(cluster: LocalCluster, index: int) -> list[str]:
+    """How the demo (and drills) run one controller replica against the local cluster."""
+    return [
+        sys.executable, "-m", "neonvm", "--log-format", "json", "controller", "run",
+        "--kubeconfig", str(cluster.kubeconfig_for("controller")),
+        "--etcd-endpoints", cluster.locks_etcd_url,
+        "--identity", f"replica-{index}-{int(time.time() * 1000) % 100000}",
+        "--health-port", "0",
+        "--lease-duration", "6", "--renew-deadline", "4", "--retry-period", "1",
+        "--session-ttl", "6",
+        "--runner-image", "neonvm-runner:dev",
+    ]
+
+
+def start_replicas(cluster: LocalCluster, count: int) -> None:
+    api = kube.api_client(cluster.kubeconfig)
+    with contextlib.suppress(client.ApiException):
+        client.CoreV1Api(api).create_namespace(
+            client.V1Namespace(metadata=client.V1ObjectMeta(name=LEASE_NAMESPACE))
+        )
+    api.close()
+    for i in range(count):
+        pid = cluster.start_process(f"controller-{i}", replica_argv(cluster, i), {})
+        _progress(f"controller-{i}: pid {pid}, log {cluster.log_file(f'controller-{i}')}")
+
+
+def apply_sample_vm(api: client.ApiClient, namespace: str = "default") -> str:
+    obj: dict[str, Any] = yaml.safe_load(SAMPLE_VM.read_text())
+    custom = client.CustomObjectsApi(api)
+    try:
+        custom.create_namespaced_custom_object(
+            types.GROUP, types.VERSION, namespace, types.PLURAL, obj
+        )
+    except client.ApiException as e:
+        if e.status != 409:
+            raise
+    return f"{namespace}/{obj['metadata']['name']}"
+
+
+def _locks_reader(cluster: LocalCluster) -> Any:
+    try:
+        from neonvm.leader.etcd import Etcd, EtcdConfig
+        from neonvm.leader.lock import LockTable
+    except ImportError:
+        return None
+    config = EtcdConfig.from_env({"NEONVM_ETCD_ENDPOINTS": cluster.locks_etcd_url})
+
+    def read() -> list[dict[str, Any]]:
+        etcd = Etcd(config)
+        try:
+            rows = []
+            for info in LockTable(etcd, config.prefix).list():
+                row = info.as_dict()
+                rows.append({"key": f"{row.get('namespace')}/{row.get('name')}",
+                             "holder": row.get("holder"), "epoch": row.get("epoch"),
+                             "token": row.get("token")})
+            return rows
+        finally:
+            etcd.close()
+
+    return read
+
+
+@click.group(invoke_without_command=True)
+@STATE_DIR_OPTION
+@click.option("--replicas", type=click.IntRange(1, 9), default=3, show_default=True)
+@click.option("--nodes", type=click.IntRange(1, 50), default=3, show_default=True)
+@click.option("--duration", type=click.FloatRange(1), default=None,
+              help="Seconds to show the status view (default: until Ctrl-C).")
+@click.option("--down", "stop_after", is_flag=True, help="Stop everything afterwards.")
+@click.pass_context
+def demo(ctx: click.Context, state_dir: Path | None, replicas: int, nodes: int,
+         duration: float | None, stop_after: bool) -> None:
+    """Local control plane + controller replicas + a sample VM + a live status view."""
+    if ctx.invoked_subcommand is not None:
+        return
+    cluster = LocalCluster(state_dir)
+    if not (cluster.state_dir / "cluster.json").exists() or cluster.spec.nodes != nodes:
+        spec = cluster.spec if (cluster.state_dir / "cluster.json").exists() else ClusterSpec()
+        spec.nodes = nodes
+        cluster = LocalCluster(state_dir, spec)
+    install_binaries(with_nodes=True)
+    click.echo(f"1/4 local control plane in {cluster.state_dir}", err=True)
+    cluster.up(progress=_progress)
+    click.echo(f"2/4 {replicas} controller replicas", err=True)
+    start_replicas(cluster, replicas)
+    api = kube.api_client(cluster.kubeconfig)
+    click.echo("3/4 sample VM", err=True)
+    vm = apply_sample_vm(api)
+    _progress(f"applied {vm} from {SAMPLE_VM.name}")
+    click.echo("4/4 status (Ctrl-C to leave; everything keeps running)", err=True)
+    locks = _locks_reader(cluster)
+    interactive = sys.stdout.isatty() and duration is None
+    started = time.monotonic()
+    checker = InvariantChecker(api, interval=0.2)
+    with checker:
+        try:
+            while duration is None or time.monotonic() - started < duration:
+                ov = overview.collect(api, LEASE_NAMESPACE, locks=locks)
+                text = overview.render(ov)
+                if interactive:
+                    click.clear()
+                    click.echo(f"neonvm demo — {time.strftime('%H:%M:%S')}  "
+                               f"(checker: {checker.report.samples} samples, "
+                               f"{len(checker.report.strict)} violations)\n")
+                    click.echo(text)
+                    time.sleep(1.0)
+                else:
+                    click.echo(f"--- t={time.monotonic() - started:.0f}s")
+                    click.echo(text)
+                    time.sleep(5.0)
+        except KeyboardInterrupt:
+            pass
+    report = checker.report
+    click.echo(f"\ninvariant checker: {report.samples} pod lists, "
+               f"{len(report.strict)} strict and {len(report.loose)} loose violations")
+    api.close()
+    if stop_after:
+        click.echo(f"stopped: {', '.join(cluster.down())}")
+    else:
+        for key, value in cluster.env().items():
+            click.echo(f"export {key}={value}")
+        click.echo("stop everything with: neonvm dev down")
+    if not report.ok:
+        raise SystemExit(1)
+
+
+@demo.command("down")
+@STATE_DIR_OPTION
+def down(state_dir: Path | None) -> None:
+    """Stop the demo: replicas and the local control plane."""
+    stopped = LocalCluster(state_dir).down()
+    click.echo(f"stopped: {', '.join(stopped)}" if stopped else "nothing was running")
