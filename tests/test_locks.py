@@ -10,11 +10,13 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -22,13 +24,17 @@ import pytest
 from click.testing import CliRunner
 
 from neonvm.cli import main as cli_main
+from neonvm.dev import binaries
 from neonvm.dev.cluster import LocalCluster
+from neonvm.dev.pki import LocalPKI
 from neonvm.leader.epoch import EpochFloor, EpochFloorCorrupt
 from neonvm.leader.etcd import (
     Compare,
     Etcd,
     EtcdConfig,
     EtcdConfigError,
+    EtcdError,
+    EtcdRequestFailed,
     EtcdUnavailable,
     Put,
     TxnResult,
@@ -560,6 +566,103 @@ def test_an_unreachable_etcd_gives_a_clear_error_naming_it() -> None:
     assert "etcd unreachable at http://127.0.0.1:1" in message and "\n" not in message
 
 
+# ---- TLS and authentication (private etcd processes) ---------------------------------
+
+
+@contextmanager
+def private_etcd(state: Path, tls: bool) -> Iterator[tuple[str, LocalPKI]]:
+    """An etcd of this test's own: TLS with client certificates, or plain http."""
+    pki = LocalPKI(state / "pki")
+    server = pki.issue("etcd-server", "etcd", server=True)
+    client, peer = _free_port(), _free_port()
+    scheme = "https" if tls else "http"
+    url = f"{scheme}://127.0.0.1:{client}"
+    argv = [str(binaries.require("etcd")), "--name=private", f"--data-dir={state / 'data'}",
+            f"--listen-client-urls={url}", f"--advertise-client-urls={url}",
+            f"--listen-peer-urls=http://127.0.0.1:{peer}",
+            f"--initial-advertise-peer-urls=http://127.0.0.1:{peer}",
+            f"--initial-cluster=private=http://127.0.0.1:{peer}",
+            "--unsafe-no-fsync", "--log-level=warn"]
+    if tls:
+        argv += [f"--cert-file={server.cert}", f"--key-file={server.key}",
+                 "--client-cert-auth", f"--trusted-ca-file={pki.ca.cert}"]
+    with (state / "etcd.log").open("wb") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        yield url, pki
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _answers(config: EtcdConfig) -> bool:
+    try:
+        with Etcd(config) as client:
+            client.get(f"{config.prefix}/probe", timeout=2)
+    except EtcdError:
+        return False
+    return True
+
+
+@pytest.mark.cluster
+def test_locks_work_over_tls_with_a_client_certificate_and_not_without(
+    tmp_path: Path, prefix: str
+) -> None:
+    with private_etcd(tmp_path, tls=True) as (url, pki):
+        holder = pki.issue("etcd-client", "neonvm")
+        config = EtcdConfig(endpoints=(url,), prefix=prefix, ca=pki.ca.cert,
+                            cert=holder.cert, key=holder.key)
+        wait_for(lambda: _answers(config), 60, what="TLS etcd answering")
+        with Etcd(config) as client, Session(client, ttl=5) as session:
+            guard = LockManager(client, session, "replica-a", prefix).acquire(
+                "default", "vm-1", "uid-1", epoch=1)
+            assert guard.fenced_put(f"{prefix}/data", b"over TLS") > guard.token
+        without_cert = EtcdConfig(endpoints=(url,), prefix=prefix, ca=pki.ca.cert,
+                                  timeout=2)
+        with Etcd(without_cert) as client, pytest.raises(EtcdError):
+            client.get(f"{prefix}/data")
+
+
+@pytest.mark.cluster
+def test_locks_work_with_etcd_authentication_confined_to_the_prefix(
+    tmp_path: Path, prefix: str
+) -> None:
+    with private_etcd(tmp_path, tls=False) as (url, _pki):
+        admin = EtcdConfig(endpoints=(url,), prefix=prefix)
+        wait_for(lambda: _answers(admin), 60, what="etcd answering")
+        with Etcd(admin) as client:
+            client.enable_auth("root-secret", "neonvm", "s3cret", prefix)
+        with Etcd(admin) as anonymous, pytest.raises(EtcdRequestFailed):
+            anonymous.get(f"{prefix}/x")
+        wrong = admin.with_overrides(user="neonvm", password="wrong")
+        with Etcd(wrong) as client, pytest.raises(EtcdRequestFailed, match="authentication"):
+            client.get(f"{prefix}/x")
+
+        config = admin.with_overrides(user="neonvm", password="s3cret")
+        with Etcd(config) as client, Session(client, ttl=5) as session:
+            guard = LockManager(client, session, "replica-a", prefix).acquire(
+                "default", "vm-1", "uid-1", epoch=2)
+            assert EpochFloor(client, prefix).claim(2, "replica-a")
+            with pytest.raises(EtcdRequestFailed, match="permission denied"):
+                client.get("/elsewhere")
+            listed = CliRunner().invoke(cli_main, [
+                "locks", "--endpoints", url, "--prefix", prefix, "--user", "neonvm",
+                "--password", "s3cret", "list", "-o", "json"])
+            assert listed.exit_code == 0, listed.output
+            assert json.loads(listed.output)[0]["token"] == guard.token
+
+
 # ---- the epoch floor ----------------------------------------------------------------------
 
 
@@ -570,7 +673,7 @@ def test_the_epoch_floor_accepts_only_epochs_above_it(etcd: Etcd, prefix: str) -
     assert floor.claim(3, "leader-1")
     assert not floor.claim(3, "leader-2")
     assert not floor.claim(2, "leader-2")
-    assert floor.claim(3, "leader-1")  # the same term, claimed again after a lost answer
+    assert not floor.claim(3, "leader-1")  # never granted twice, not even to its winner
     assert floor.claim(4, "leader-2")
     assert floor.current().epoch == 4  # type: ignore[union-attr]
 

@@ -12,8 +12,10 @@ What is guaranteed:
   transaction that compared the floor it read (its mod revision), and the floor it read
   was below ``epoch``. Two claimants of epochs ``a < b`` can never both see their claim
   after the other's: the floor only grows.
-* A claim repeated by the same identity for the same epoch (say, after a lost answer)
-  returns True again: it is the same leadership term, not a second one.
+* A claim is never granted twice for one epoch, not even to the same identity: a claim
+  whose answer was lost and is repeated gets False, and the elector moves to a higher
+  epoch. (Granting it again would let two terms of one process share an epoch, and a
+  worker of the first term would not notice the second began.)
 
 What is not guaranteed:
 
@@ -74,11 +76,9 @@ class EpochFloor:
         while True:
             stored = self._parse(kv)
             if stored is not None and epoch <= stored.epoch:
-                again = stored.epoch == epoch and stored.identity == identity
-                if not again:
-                    logger.bind(epoch=epoch, floor=stored.epoch, floor_holder=stored.identity
-                                ).warning("epoch claim refused: not above the floor")
-                return again
+                logger.bind(epoch=epoch, floor=stored.epoch, floor_holder=stored.identity
+                            ).warning("epoch claim refused: not above the floor")
+                return False
             revision = kv.mod_revision if kv else 0
             result = self.etcd.txn([Compare(self.key, "mod", "==", revision)],
                                    [Put(self.key, value)], [Get(self.key)])

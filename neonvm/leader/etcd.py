@@ -487,11 +487,38 @@ class Etcd:
             stream.close()
         return False
 
-    # ---- misc ----
+    # ---- administration ----
 
-    def revision(self, *, timeout: float | None = None) -> int:
-        """The store's current revision (a cheap quorum read)."""
-        return self.range("\0", timeout=timeout).revision
+    def enable_auth(self, root_password: str, user: str, password: str, prefix: str) -> None:
+        """Turn on etcd authentication: a ``root`` user, and ``user`` allowed to read and
+        write under ``prefix`` only (all that neonvm needs). What an operator does with
+        etcdctl; here for development clusters and tests. Run once, before auth is on."""
+        perm = etcdrpc.Permission(permType=etcdrpc.Permission.READWRITE,
+                                  key=prefix.encode(), range_end=prefix_end(prefix))
+        role = f"{user}-role"
+        steps: list[tuple[str, str, Any]] = [
+            ("add the root role", "RoleAdd", etcdrpc.AuthRoleAddRequest(name="root")),
+            ("add the root user", "UserAdd",
+             etcdrpc.AuthUserAddRequest(name="root", password=root_password)),
+            ("grant root", "UserGrantRole",
+             etcdrpc.AuthUserGrantRoleRequest(user="root", role="root")),
+            (f"add role {role}", "RoleAdd", etcdrpc.AuthRoleAddRequest(name=role)),
+            (f"grant {prefix} to {role}", "RoleGrantPermission",
+             etcdrpc.AuthRoleGrantPermissionRequest(name=role, perm=perm)),
+            (f"add user {user}", "UserAdd",
+             etcdrpc.AuthUserAddRequest(name=user, password=password)),
+            (f"grant {role} to {user}", "UserGrantRole",
+             etcdrpc.AuthUserGrantRoleRequest(user=user, role=role)),
+            ("enable authentication", "AuthEnable", etcdrpc.AuthEnableRequest()),
+        ]
+        for what, method, request in steps:
+            def step(ep: _Endpoint, t: float, md: Any, m: str = method, r: Any = request
+                     ) -> Any:
+                return getattr(ep.auth, m)(r, timeout=t, metadata=md)
+
+            self._call(what, step, timeout=None, idempotent=False)
+
+    # ---- misc ----
 
     def describe(self) -> str:
         return ", ".join(self.config.endpoints)
