@@ -515,16 +515,32 @@ def test_etcd_restart_holders_notice_and_recover_and_nothing_is_held_twice(
     b = manager(etcd, b_session, "replica-b", prefix)
     a_guard = a.acquire("default", "vm-a", "uid-a", epoch=1)
     b_guard = b.acquire("default", "vm-b", "uid-b", epoch=1)
-
-    cluster.stop_component("locks-etcd")
+    watcher = subprocess.Popen(
+        ["neonvm", "locks", "watch", "-o", "json"], stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "NEONVM_ETCD_ENDPOINTS": cluster.locks_etcd_url,
+             "NEONVM_ETCD_PREFIX": prefix})
     try:
-        wait_for(lambda: a_guard.lost.is_set() and b_guard.lost.is_set(), 60,
-                 what="holders told their locks are lost")
-        assert a_session.lost.is_set() and b_session.lost.is_set()
-        with pytest.raises(SessionLost):
-            a.acquire("default", "vm-a", "uid-a", epoch=1)
+        assert _read_event(watcher)["event"] == "EXISTING"  # the watch is up
+
+        cluster.stop_component("locks-etcd")
+        try:
+            wait_for(lambda: a_guard.lost.is_set() and b_guard.lost.is_set(), 60,
+                     what="holders told their locks are lost")
+            assert a_session.lost.is_set() and b_session.lost.is_set()
+            with pytest.raises(SessionLost):
+                a.acquire("default", "vm-a", "uid-a", epoch=1)
+            # A watch whose etcd went away ends with one line and a non-zero exit.
+            assert watcher.wait(60) == 1
+            assert watcher.stderr is not None
+            errors = watcher.stderr.read().strip().splitlines()
+            assert len(errors) == 1 and errors[0].startswith("error: etcd"), errors
+        finally:
+            cluster.start_component("locks-etcd")
     finally:
-        cluster.start_component("locks-etcd")
+        if watcher.poll() is None:
+            watcher.kill()
+            watcher.wait()
 
     # Recover: a new session and manager per replica; each gets its VM back.
     a2 = manager(etcd, new_session(ttl=3, name="a2"), "replica-a", prefix)
