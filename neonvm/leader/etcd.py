@@ -385,16 +385,17 @@ class Etcd:
 
     def put(self, key: str, value: bytes, *, lease: int = 0,
             timeout: float | None = None) -> int:
-        """Unconditional put; returns its revision. Not retried."""
+        """Unconditional put; returns its revision. Sent at most once, like :meth:`txn`."""
         return self.txn((), [Put(key, value, lease)], timeout=timeout).revision
 
     def delete(self, key: str, *, timeout: float | None = None) -> int:
-        """Unconditional delete; returns how many keys went (0 or 1). Not retried."""
+        """Unconditional delete; returns how many keys went (0 or 1). Sent at most once."""
         return self.txn((), [Delete(key)], timeout=timeout).results[0].deleted
 
     def txn(self, compare: Sequence[Compare], success: Sequence[Op] = (),
             failure: Sequence[Op] = (), *, timeout: float | None = None) -> TxnResult:
-        """One transaction. Not retried: on EtcdUnavailable its outcome is unknown."""
+        """One transaction. Sent at most once (tried on another endpoint only if it could
+        not be sent at all): on EtcdUnavailable its outcome is unknown."""
         request = etcdrpc.TxnRequest(
             compare=[_compare(c) for c in compare],
             success=[_request_op(op) for op in success],
@@ -408,8 +409,8 @@ class Etcd:
     # ---- leases ----
 
     def grant_lease(self, ttl: int, *, timeout: float | None = None) -> LeaseGrant:
-        # Not retried: a retry after a lost answer would leak a lease (harmless: it
-        # expires after ttl with nothing attached).
+        # Sent at most once: a retry after a lost answer would leak a lease (harmless:
+        # it expires after ttl with nothing attached), so the caller decides.
         request = etcdrpc.LeaseGrantRequest(TTL=ttl, ID=0)
         response = self._call("grant a lease", lambda ep, t, md: ep.lease.LeaseGrant(
             request, timeout=t, metadata=md), timeout=timeout, idempotent=False)
