@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from itertools import pairwise
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 import yaml
@@ -42,6 +42,7 @@ from neonvm.cli.leader import describe
 from neonvm.dev.cluster import LocalCluster
 from neonvm.leader.election import (
     ElectionConfig,
+    EpochFloor,
     LeaderElector,
     Leadership,
     LeadershipLost,
@@ -57,12 +58,28 @@ from tests.support import wait_for
 CANDIDATE = Path(__file__).parent / "programs" / "candidate.py"
 LEASE = "neonvm-controller"
 FENCE = "fence"
-FAST = {"lease_duration": 3.0, "renew_deadline": 2.0, "retry_period": 0.5}
+LEASE_DURATION, RENEW_DEADLINE, RETRY_PERIOD = 3.0, 2.0, 0.5  # short, to keep tests quick
 MICROTIME = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z$")
 STARTUP = 180.0  # a candidate imports the kubernetes client: slow on a loaded machine
 
 
 # ---- helpers ----------------------------------------------------------------------------
+
+T = TypeVar("T")
+
+
+def fast_config(**overrides: Any) -> ElectionConfig:
+    settings: dict[str, Any] = {"lease_duration": LEASE_DURATION,
+                                "renew_deadline": RENEW_DEADLINE,
+                                "retry_period": RETRY_PERIOD, **overrides}
+    return ElectionConfig(**settings)
+
+
+def wait_until(condition: Callable[[], T | None], timeout: float, what: str) -> T:
+    """``wait_for`` for conditions that return the thing waited for, or None."""
+    found = wait_for(condition, timeout, what=what)
+    assert found is not None
+    return found
 
 
 class InMemoryEpochFloor:
@@ -114,7 +131,7 @@ class Candidate:
 
     @property
     def identity(self) -> str:
-        ready = wait_for(lambda: self.first("ready"), STARTUP, what=f"{self.label} ready")
+        ready = wait_until(lambda: self.first("ready"), STARTUP, what=f"{self.label} ready")
         return str(ready["identity"])
 
     def send(self, sig: int) -> None:
@@ -276,9 +293,9 @@ def start_candidate(cluster: LocalCluster, namespace: str, fence_configmap: str,
             "--kubeconfig", str(cluster.kubeconfig_for("controller")),
             "--fence-kubeconfig", str(cluster.kubeconfig),
             "--namespace", namespace, "--name", LEASE,
-            "--lease-duration", str(FAST["lease_duration"]),
-            "--renew-deadline", str(FAST["renew_deadline"]),
-            "--retry-period", str(FAST["retry_period"]),
+            "--lease-duration", str(LEASE_DURATION),
+            "--renew-deadline", str(RENEW_DEADLINE),
+            "--retry-period", str(RETRY_PERIOD),
             "--fence-configmap", fence_configmap,
             "--floor-file", str(floor), "--log-file", str(log), *extra,
         ]
@@ -327,7 +344,7 @@ class InProcess:
             t = self.elector.leadership
             return t if t is not None and t.epoch > above else None
 
-        return wait_for(current, timeout, what="in-process elector leading")
+        return wait_until(current, timeout, what="in-process elector leading")
 
     def shutdown(self) -> None:
         self.stop.set()
@@ -355,7 +372,7 @@ def run_elector(api: client.ApiClient) -> Iterator[Callable[..., InProcess]]:
             if extra_stopped is not None:
                 extra_stopped()
 
-        config = ElectionConfig(namespace=namespace, name=name, **FAST)
+        config = fast_config(namespace=namespace, name=name)
         elector = LeaderElector(api, config, started, stopped, epoch_floor=floor)
         stop = threading.Event()
         thread = threading.Thread(target=elector.run, args=(stop,), daemon=True)
@@ -397,7 +414,7 @@ def test_defaults_are_valid_and_the_lease_never_advertises_less_than_configured(
     config = ElectionConfig()
     assert (config.namespace, config.name) == ("neonvm-system", "neonvm-controller")
     assert config.lease_duration > config.renew_deadline > config.retry_period
-    assert ElectionConfig(**{**FAST, "lease_duration": 2.5}).lease_duration_seconds == 3
+    assert fast_config(lease_duration=2.5).lease_duration_seconds == 3
 
 
 @pytest.mark.unit
@@ -476,7 +493,7 @@ def test_healthz_fails_when_the_elector_loop_is_wedged_and_metrics_are_per_regis
     now = [1000.0]
     registry = CollectorRegistry()
     unused = client.ApiClient()  # never called: the loop is not run
-    elector = LeaderElector(unused, ElectionConfig(**FAST), lambda _t: None,
+    elector = LeaderElector(unused, fast_config(), lambda _t: None,
                             lambda: None, registry=registry, clock=lambda: now[0])
     server = HealthServer(0, registry, host="127.0.0.1")
     server.add_check("leader-election", elector.health_check)
@@ -488,7 +505,7 @@ def test_healthz_fails_when_the_elector_loop_is_wedged_and_metrics_are_per_regis
         assert _get(f"{base}/healthz") == (200, "ok\n")
         status, body = _get(f"{base}/readyz?verbose")
         assert status == 200 and "[+]cache-synced ok" in body
-        now[0] += FAST["lease_duration"] + 1  # the loop has not turned for a lease duration
+        now[0] += LEASE_DURATION + 1  # the loop has not turned for a lease duration
         status, body = _get(f"{base}/healthz")
         assert status == 500
         assert "[-]leader-election failed: leader election loop has not run" in body
@@ -533,28 +550,61 @@ def test_the_lease_reads_normally_for_other_tools_and_is_released_after_work_sto
     assert run.elector.registry.get_sample_value("neonvm_leader_is_leader") == 0.0
 
 
+class CountingFloor:
+    """Wraps an EpochFloor and records every epoch claimed through it."""
+
+    def __init__(self, inner: EpochFloor) -> None:
+        self.inner = inner
+        self.claims: list[int] = []
+
+    def claim(self, epoch: int, identity: str) -> bool:
+        self.claims.append(epoch)
+        return self.inner.claim(epoch, identity)
+
+
+@pytest.fixture(params=["in-memory", "etcd"])
+def epoch_floor(request: pytest.FixtureRequest, cluster: LocalCluster,
+                namespace: str) -> Iterator[CountingFloor]:
+    """The in-memory floor above, and the real one in the locks' etcd."""
+    if request.param == "in-memory":
+        yield CountingFloor(InMemoryEpochFloor())
+        return
+    from neonvm.leader.epoch import EpochFloor as EtcdEpochFloor
+    from neonvm.leader.etcd import Etcd, EtcdConfig
+
+    etcd = Etcd(EtcdConfig(endpoints=(cluster.locks_etcd_url,)))
+    try:
+        yield CountingFloor(EtcdEpochFloor(etcd, prefix=f"/neonvm-test/{namespace}"))
+    finally:
+        etcd.close()
+
+
 @pytest.mark.cluster
 def test_epochs_keep_increasing_when_the_lease_is_deleted(
-        api: client.ApiClient, namespace: str, run_elector: Callable[..., InProcess]) -> None:
-    floor = InMemoryEpochFloor()
-    first = run_elector(namespace, floor=floor)
+        api: client.ApiClient, namespace: str, run_elector: Callable[..., InProcess],
+        epoch_floor: CountingFloor) -> None:
+    leases = client.CoordinationV1Api(api)
+    first = run_elector(namespace, floor=epoch_floor)
     first_epoch = first.wait_leading().epoch
     first.shutdown()
-    client.CoordinationV1Api(api).delete_namespaced_lease(LEASE, namespace)
+    leases.delete_namespaced_lease(LEASE, namespace)
 
-    second = run_elector(namespace, floor=floor)
+    second = run_elector(namespace, floor=epoch_floor)
     term = second.wait_leading()
     assert term.epoch > first_epoch  # the re-created Lease started again at 0
     assert read_lease(api, namespace).transitions == term.epoch
     second.shutdown()
 
-    client.CoordinationV1Api(api).delete_namespaced_lease(LEASE, namespace)
-    high = InMemoryEpochFloor(floor=1000)
-    third = run_elector(namespace, floor=high)
+    # An epoch far ahead (a Lease deleted after a long history): reached by galloping.
+    assert epoch_floor.claim(1000, "earlier-history")
+    leases.delete_namespaced_lease(LEASE, namespace)
+    epoch_floor.claims.clear()
+    third = run_elector(namespace, floor=epoch_floor)
     term = third.wait_leading()
     assert term.epoch > 1000
     assert read_lease(api, namespace).transitions == term.epoch
-    assert len(high.claims) <= 12, f"galloping, not one step at a time: {high.claims}"
+    assert len(epoch_floor.claims) <= 12, f"one step at a time: {epoch_floor.claims}"
+    assert epoch_floor.claims[-1] == term.epoch
 
 
 @pytest.mark.cluster
@@ -615,12 +665,12 @@ def test_leader_show_in_all_formats_and_errors_in_one_line(
 def test_three_candidates_one_leader_at_a_time_through_kill_and_graceful_stop(
         api: client.ApiClient, cluster: LocalCluster, namespace: str,
         start_candidate: Callable[..., Candidate]) -> None:
-    lease_duration, retry = FAST["lease_duration"], FAST["retry_period"]
+    lease_duration, retry = LEASE_DURATION, RETRY_PERIOD
     with Checker(cluster.kubeconfig, namespace) as checker:
         everyone = [start_candidate(label) for label in ("a", "b", "c")]
         for c in everyone:
             assert c.identity
-        first = wait_for(lambda: leader_among(everyone), STARTUP, what="a first leader")
+        first = wait_until(lambda: leader_among(everyone), STARTUP, what="a first leader")
         first_epoch = first.leading_epoch()
         assert first_epoch is not None
         wait_for(lambda: first.first("write", result="accepted"), 30, what="leader work")
@@ -628,7 +678,7 @@ def test_three_candidates_one_leader_at_a_time_through_kill_and_graceful_stop(
         first.send(signal.SIGKILL)
         assert first.killed_at is not None
         others = [c for c in everyone if c is not first]
-        second = wait_for(lambda: leader_among(others, above=first_epoch), 60,
+        second = wait_until(lambda: leader_among(others, above=first_epoch), 60,
                           what="a leader after SIGKILL")
         second_epoch = second.leading_epoch()
         assert second_epoch is not None
@@ -640,10 +690,10 @@ def test_three_candidates_one_leader_at_a_time_through_kill_and_graceful_stop(
         term_sent = time.monotonic()
         second.send(signal.SIGTERM)
         last = next(c for c in others if c is not second)
-        third = wait_for(lambda: leader_among([last], above=second_epoch), 60,
+        third = wait_until(lambda: leader_among([last], above=second_epoch), 60,
                          what="a leader after SIGTERM")
         third_epoch = third.leading_epoch()
-        stepped_down = wait_for(lambda: second.first("stopped", epoch=second_epoch), 30,
+        stepped_down = wait_until(lambda: second.first("stopped", epoch=second_epoch), 30,
                                 what="the stopped leader's report")
         handed_to = third.first("started", epoch=third_epoch)
         assert handed_to is not None
@@ -685,7 +735,7 @@ def test_a_paused_leader_stops_on_waking_and_its_late_write_is_refused(
         pair = [start_candidate("a", "--late-write"), start_candidate("b", "--late-write")]
         for c in pair:
             assert c.identity
-        old = wait_for(lambda: leader_among(pair), STARTUP, what="a first leader")
+        old = wait_until(lambda: leader_among(pair), STARTUP, what="a first leader")
         old_epoch = old.leading_epoch()
         assert old_epoch is not None
         wait_for(lambda: old.first("write", result="accepted"), 30, what="leader work")
@@ -693,7 +743,7 @@ def test_a_paused_leader_stops_on_waking_and_its_late_write_is_refused(
 
         paused_at = time.monotonic()
         os.killpg(old.proc.pid, signal.SIGSTOP)
-        new = wait_for(lambda: leader_among([other], above=old_epoch), 60,
+        new = wait_until(lambda: leader_among([other], above=old_epoch), 60,
                        what="a new leader while the old one is paused")
         new_epoch = new.leading_epoch()
         assert new_epoch is not None
@@ -702,9 +752,9 @@ def test_a_paused_leader_stops_on_waking_and_its_late_write_is_refused(
         resumed_at = time.monotonic()
         os.killpg(old.proc.pid, signal.SIGCONT)
 
-        stopped = wait_for(lambda: old.first("stopped", epoch=old_epoch), 60,
+        stopped = wait_until(lambda: old.first("stopped", epoch=old_epoch), 60,
                            what="the woken leader to notice")
-        late = wait_for(lambda: old.first("late_write", epoch=old_epoch), 60,
+        late = wait_until(lambda: old.first("late_write", epoch=old_epoch), 60,
                         what="the late write")
         new_start = new.first("started", epoch=new_epoch)
         assert new_start is not None
@@ -735,7 +785,7 @@ def test_step_down_hands_over_and_a_request_for_an_old_term_is_ignored(
     pair = [start_candidate("a"), start_candidate("b")]
     for c in pair:
         assert c.identity
-    old = wait_for(lambda: leader_among(pair), STARTUP, what="a first leader")
+    old = wait_until(lambda: leader_among(pair), STARTUP, what="a first leader")
     old_epoch = old.leading_epoch()
     other = next(c for c in pair if c is not old)
 
@@ -768,7 +818,7 @@ def test_step_down_hands_over_and_a_request_for_an_old_term_is_ignored(
                 return None  # the leader renewed in between: try again
             raise
 
-    written = wait_for(write_stale_request, 30, what="writing a stale step-down request")
+    written = wait_until(write_stale_request, 30, what="writing a stale step-down request")
     renewals_seen: set[str] = set()
 
     def renewed_three_times_since() -> bool:
@@ -810,11 +860,11 @@ def test_a_leader_that_cannot_renew_stops_its_work_before_the_lease_can_expire(
         wait_for(lambda: term.lost.is_set(), 60, what="leadership to be given up")
         lost_seen = time.monotonic()
         wait_for(lambda: run.stopped_calls, 30, what="on_stopped")
-        last_renewal_sent = term.valid_until - FAST["renew_deadline"]
+        last_renewal_sent = term.valid_until - RENEW_DEADLINE
         print(f"\nAPI server stopped; leadership given up {lost_seen - down_at:.2f}s later, "
               f"{run.stopped_calls[0] - last_renewal_sent:.2f}s after the last successful "
-              f"renewal was sent (renew deadline {FAST['renew_deadline']:g}s, "
-              f"lease {FAST['lease_duration']:g}s)")
+              f"renewal was sent (renew deadline {RENEW_DEADLINE:g}s, "
+              f"lease {LEASE_DURATION:g}s)")
         # check() refused from the renew deadline on, which is before the Lease's expiry
         # for any follower (renew_deadline < lease_duration, both from the send time).
         assert last_passed_check[-1] < term.valid_until
