@@ -10,6 +10,7 @@ dev down`` stops it), unless ``--down`` is given.
 from __future__ import annotations
 
 import contextlib
+import signal
 import sys
 import time
 from pathlib import Path
@@ -96,6 +97,68 @@ def _locks_reader(cluster: LocalCluster) -> Any:
     return read
 
 
+class Scenario:
+    """The demo's story: the seed's pod deletion, then a leader kill, narrated as it goes.
+
+    Each step waits for the system to settle before the next fault, so what the viewer
+    sees is cause and effect. Steps advance from the status loop (no extra thread).
+    """
+
+    def __init__(self, cluster: LocalCluster, api: client.ApiClient, vm: str) -> None:
+        self.cluster, self.api = cluster, api
+        self.namespace, self.name = vm.split("/")
+        self.log: list[str] = []
+        self.step = 0
+        self.mark = time.monotonic()
+        self.old_pod: str | None = None
+        self.old_leader: str | None = None
+
+    def say(self, msg: str) -> None:
+        self.log.append(f"{time.strftime('%H:%M:%S')} {msg}")
+
+    def advance(self, ov: overview.Overview) -> None:
+        vm = next((v for v in ov.vms if (v.namespace, v.name) == (self.namespace, self.name)),
+                  None)
+        running = vm is not None and vm.phase == "Running" and vm.live_pods == 1
+        elapsed = time.monotonic() - self.mark
+        if self.step == 0 and running and elapsed > 5 and vm is not None:
+            self.old_pod = vm.pod
+            self.say(f"deleting runner pod {vm.pod} (the bug report's scenario)")
+            client.CoreV1Api(self.api).delete_namespaced_pod(vm.pod, self.namespace)
+            self.step, self.mark = 1, time.monotonic()
+        elif self.step == 1 and running and vm is not None and vm.pod != self.old_pod:
+            self.say(f"exactly one replacement, {vm.pod}, running after {elapsed:.1f}s "
+                     f"(restarts {vm.restarts})")
+            self.step, self.mark = 2, time.monotonic()
+        elif self.step == 2 and elapsed > 5 and ov.leader is not None and ov.leader.holder:
+            self.old_leader = ov.leader.holder
+            victim = self._process_of(ov.leader.holder)
+            if victim is None:
+                self.say(f"leader {ov.leader.holder} is not one of the demo's replicas")
+                self.step = 4
+                return
+            self.say(f"SIGKILL to the leader {ov.leader.holder} ({victim})")
+            self.cluster.stop_component(victim, sig=signal.SIGKILL)
+            self.step, self.mark = 3, time.monotonic()
+        elif (self.step == 3 and ov.leader is not None and ov.leader.holder
+              and ov.leader.holder != self.old_leader):
+            self.say(f"new leader {ov.leader.holder} (epoch {ov.leader.epoch}) after "
+                     f"{elapsed:.1f}s; restarting the killed replica as a standby")
+            self.step = 4
+            start_replicas(self.cluster, len(list((self.cluster.state_dir / "run")
+                                                  .glob("controller-*.pid"))) + 1)
+
+    def _process_of(self, identity: str) -> str | None:
+        for pid_file in (self.cluster.state_dir / "run").glob("controller-*.pid"):
+            try:
+                cmdline = Path(f"/proc/{int(pid_file.read_text())}/cmdline").read_bytes()
+            except (OSError, ValueError):
+                continue
+            if identity.encode() in cmdline:
+                return pid_file.stem
+        return None
+
+
 @click.group(invoke_without_command=True)
 @STATE_DIR_OPTION
 @click.option("--replicas", type=click.IntRange(1, 9), default=3, show_default=True)
@@ -103,9 +166,11 @@ def _locks_reader(cluster: LocalCluster) -> Any:
 @click.option("--duration", type=click.FloatRange(1), default=None,
               help="Seconds to show the status view (default: until Ctrl-C).")
 @click.option("--down", "stop_after", is_flag=True, help="Stop everything afterwards.")
+@click.option("--scenario/--no-scenario", default=True, show_default=True,
+              help="Delete the runner pod, then kill the leader, narrating what happens.")
 @click.pass_context
 def demo(ctx: click.Context, state_dir: Path | None, replicas: int, nodes: int,
-         duration: float | None, stop_after: bool) -> None:
+         duration: float | None, stop_after: bool, scenario: bool) -> None:
     """Local control plane + controller replicas + a sample VM + a live status view."""
     if ctx.invoked_subcommand is not None:
         return
@@ -128,11 +193,15 @@ def demo(ctx: click.Context, state_dir: Path | None, replicas: int, nodes: int,
     interactive = sys.stdout.isatty() and duration is None
     started = time.monotonic()
     checker = InvariantChecker(api, interval=0.2)
+    story = Scenario(cluster, api, vm) if scenario else None
     with checker:
         try:
             while duration is None or time.monotonic() - started < duration:
                 ov = overview.collect(api, LEASE_NAMESPACE, locks=locks)
                 text = overview.render(ov)
+                if story is not None:
+                    story.advance(ov)
+                    text += "\n\n" + "\n".join(story.log[-8:])
                 if interactive:
                     click.clear()
                     click.echo(f"neonvm demo — {time.strftime('%H:%M:%S')}  "
@@ -143,7 +212,7 @@ def demo(ctx: click.Context, state_dir: Path | None, replicas: int, nodes: int,
                 else:
                     click.echo(f"--- t={time.monotonic() - started:.0f}s")
                     click.echo(text)
-                    time.sleep(5.0)
+                    time.sleep(3.0)
         except KeyboardInterrupt:
             pass
     report = checker.report
