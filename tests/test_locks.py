@@ -56,6 +56,7 @@ from neonvm.leader.session import Session
 from tests.support import wait_for
 
 PROGRAMS = Path(__file__).parent / "programs"
+NEONVM = [sys.executable, "-m", "neonvm"]
 
 
 # ---- fixtures ---------------------------------------------------------------------------
@@ -516,7 +517,7 @@ def test_etcd_restart_holders_notice_and_recover_and_nothing_is_held_twice(
     a_guard = a.acquire("default", "vm-a", "uid-a", epoch=1)
     b_guard = b.acquire("default", "vm-b", "uid-b", epoch=1)
     watcher = subprocess.Popen(
-        ["neonvm", "locks", "watch", "-o", "json"], stdout=subprocess.PIPE,
+        [*NEONVM, "locks", "watch", "-o", "json"], stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True,
         env={**os.environ, "NEONVM_ETCD_ENDPOINTS": cluster.locks_etcd_url,
              "NEONVM_ETCD_PREFIX": prefix})
@@ -790,7 +791,7 @@ def test_cli_watch_streams_lock_changes_until_interrupted(
     m.acquire("default", "before", "uid-0", epoch=1)
     env = {**os.environ, "NEONVM_ETCD_ENDPOINTS": config.endpoints[0],
            "NEONVM_ETCD_PREFIX": prefix}
-    watcher = subprocess.Popen(["neonvm", "locks", "watch", "-o", "json"], env=env,
+    watcher = subprocess.Popen([*NEONVM, "locks", "watch", "-o", "json"], env=env,
                                stdout=subprocess.PIPE, text=True)
     try:
         first = _read_event(watcher)
@@ -813,7 +814,7 @@ def test_cli_watch_streams_lock_changes_until_interrupted(
 def test_cli_fails_with_one_line_and_nonzero_exit_when_etcd_is_unreachable() -> None:
     # The subprocess timeout is the bound: the command must give up on its own well before.
     result = subprocess.run(
-        ["neonvm", "locks", "--endpoints", "http://127.0.0.1:1", "--timeout", "2", "list"],
+        [*NEONVM, "locks", "--endpoints", "http://127.0.0.1:1", "--timeout", "2", "list"],
         capture_output=True, text=True, timeout=60,
     )
     assert result.returncode == 1
