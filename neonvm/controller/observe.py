@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
@@ -108,6 +108,12 @@ def make_snapshot(record: VMRecord | None, pods: list[dict[str, Any]], lease: Le
     )
     return Snapshot(obs=obs, record=record,
                     pods={(p.get("metadata") or {}).get("name", ""): p for p in pods})
+
+
+class Observer(Protocol):
+    """Anything that can observe one VM (``namespace/name``) for a decision."""
+
+    def observe(self, key: str, lease: Lease) -> Snapshot: ...
 
 
 def split_key(key: str) -> tuple[str, str]:

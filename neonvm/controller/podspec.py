@@ -173,14 +173,22 @@ def _resources(vm: VirtualMachine) -> dict[str, Any]:
     cpu_request = _millicores(guest.cpus.current)
     cpu_limit = _millicores(guest.cpus.max)
     return {
-        "requests": {"cpu": cpu_request, "memory": str(memory)},
-        "limits": {"cpu": cpu_limit, "memory": str(memory)},
+        "requests": {"cpu": cpu_request, "memory": _bytes(memory)},
+        "limits": {"cpu": cpu_limit, "memory": _bytes(memory)},
     }
+
+
+def _bytes(n: int) -> str:
+    """``n`` bytes in the largest binary unit that divides it (what kubectl shows)."""
+    for suffix, size in (("Gi", 1 << 30), ("Mi", 1 << 20), ("Ki", 1 << 10)):
+        if n % size == 0:
+            return f"{n // size}{suffix}"
+    return str(n)
 
 
 def _millicores(cores: float) -> str:
     milli = max(1, round(cores * 1000))
-    return f"{milli}m"
+    return str(milli // 1000) if milli % 1000 == 0 else f"{milli}m"
 
 
 def _disks(vm: VirtualMachine) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:

@@ -62,8 +62,8 @@ from neonvm.controller.faults import Faults
 from neonvm.controller.metrics import ControllerMetrics
 from neonvm.controller.mutations import FencedOut, finalizers_mutation, status_mutation
 from neonvm.controller.observe import (
-    CacheReader,
     DirectReader,
+    Observer,
     Snapshot,
     VMRecord,
     split_key,
@@ -157,6 +157,60 @@ class ReconcileResult:
     """Actions performed."""
 
 
+class VMWriter:
+    """The two conditional writes of a VM: PUT ``/status`` and PUT of the main resource.
+
+    Both carry ``metadata.resourceVersion`` of the record they are given, so the API
+    server refuses them (409) if the VM changed since that version: never a blind write.
+    Under the ``conflict`` fault another writer bumps the VM just before each write.
+    """
+
+    def __init__(self, api: client.ApiClient, faults: Faults | None = None) -> None:
+        self._custom = client.CustomObjectsApi(api)
+        self._faults = faults or Faults()
+
+    def bump(self, record: VMRecord) -> None:
+        """Change the VM's resourceVersion without touching spec or status (annotation)."""
+        vm = record.vm
+        self._custom.patch_namespaced_custom_object(
+            types.GROUP, types.VERSION, vm.namespace, types.PLURAL, vm.name,
+            {"metadata": {"annotations": {FAULT_BUMP_ANNOTATION: uuid.uuid4().hex[:8]}}},
+        )
+
+    def _maybe_bump(self, record: VMRecord) -> None:
+        if self._faults.inject_conflict():
+            self.bump(record)
+            logger.bind(vm=record.vm.key).debug(
+                "fault injection: bumped resourceVersion before a write")
+
+    def put_status(self, record: VMRecord, status: VirtualMachineStatus) -> VMRecord:
+        """PUT /status carrying the resourceVersion of ``record`` (never a blind patch)."""
+        self._maybe_bump(record)
+        vm = record.vm
+        body = {
+            "apiVersion": types.API_VERSION,
+            "kind": types.KIND,
+            "metadata": {"name": vm.name, "namespace": vm.namespace,
+                         "resourceVersion": record.resource_version},
+            "status": encode(status),
+        }
+        raw = self._custom.replace_namespaced_custom_object_status(
+            types.GROUP, types.VERSION, vm.namespace, types.PLURAL, vm.name, body,
+            _request_timeout=30)
+        return VMRecord.from_raw(raw)
+
+    def put_main(self, record: VMRecord, finalizers: list[str]) -> VMRecord:
+        """PUT of the main resource with new finalizers, carrying the resourceVersion."""
+        self._maybe_bump(record)
+        body = copy.deepcopy(record.raw)
+        body["metadata"]["finalizers"] = finalizers
+        vm = record.vm
+        raw = self._custom.replace_namespaced_custom_object(
+            types.GROUP, types.VERSION, vm.namespace, types.PLURAL, vm.name, body,
+            _request_timeout=30)
+        return VMRecord.from_raw(raw)
+
+
 class Reconciler:
     """Performs :func:`decide`'s actions against the API server, one VM at a time."""
 
@@ -164,7 +218,7 @@ class Reconciler:
         self,
         api: client.ApiClient,
         *,
-        cache: CacheReader | None = None,
+        cache: Observer | None = None,
         faults: Faults | None = None,
         metrics: ControllerMetrics | None = None,
         events: EventRecorder | None = None,
@@ -173,8 +227,8 @@ class Reconciler:
         on_finalized: Callable[[str], None] | None = None,
     ) -> None:
         self._core = client.CoreV1Api(api)
-        self._custom = client.CustomObjectsApi(api)
         self.reader = DirectReader(api)
+        self.writer = VMWriter(api, faults)
         self._cache = cache
         self._faults = faults or Faults()
         self._metrics = metrics
@@ -314,55 +368,17 @@ class Reconciler:
     def _write_status(self, key: str, snap: Snapshot,
                       mutation: Callable[[Any], VirtualMachineStatus | None],
                       authority: Authority, log: Any) -> VMRecord | None:
-        outcome = self._update_vm(key, snap, lambda rec: mutation(rec.vm), self._put_status,
+        outcome = self._update_vm(key, snap, lambda rec: mutation(rec.vm), self.writer.put_status,
                                   authority)
         if outcome.conflicts:
             log.info("status write absorbed {n} conflict(s); written={w}",
                      n=outcome.conflicts, w=outcome.written)
         return outcome.obj if outcome.written else None
 
-    def _maybe_bump(self, record: VMRecord) -> None:
-        """Fault injection: another writer changes the VM just before our write."""
-        if not self._faults.inject_conflict():
-            return
-        vm = record.vm
-        self._custom.patch_namespaced_custom_object(
-            types.GROUP, types.VERSION, vm.namespace, types.PLURAL, vm.name,
-            {"metadata": {"annotations": {FAULT_BUMP_ANNOTATION: uuid.uuid4().hex[:8]}}},
-        )
-        logger.bind(vm=vm.key).debug("fault injection: bumped resourceVersion before a write")
-
-    def _put_status(self, record: VMRecord, status: VirtualMachineStatus) -> VMRecord:
-        """PUT /status carrying the resourceVersion of ``record`` (never a blind patch)."""
-        self._maybe_bump(record)
-        vm = record.vm
-        body = {
-            "apiVersion": types.API_VERSION,
-            "kind": types.KIND,
-            "metadata": {"name": vm.name, "namespace": vm.namespace,
-                         "resourceVersion": record.resource_version},
-            "status": encode(status),
-        }
-        raw = self._custom.replace_namespaced_custom_object_status(
-            types.GROUP, types.VERSION, vm.namespace, types.PLURAL, vm.name, body,
-            _request_timeout=30)
-        return VMRecord.from_raw(raw)
-
-    def _put_main(self, record: VMRecord, finalizers: list[str]) -> VMRecord:
-        """PUT of the main resource with new finalizers, carrying the resourceVersion."""
-        self._maybe_bump(record)
-        body = copy.deepcopy(record.raw)
-        body["metadata"]["finalizers"] = finalizers
-        vm = record.vm
-        raw = self._custom.replace_namespaced_custom_object(
-            types.GROUP, types.VERSION, vm.namespace, types.PLURAL, vm.name, body,
-            _request_timeout=30)
-        return VMRecord.from_raw(raw)
-
     def _write_finalizers(self, key: str, action: d.Action, snap: Snapshot,
                           authority: Authority, log: Any) -> str:
         mutation = finalizers_mutation(action)
-        outcome = self._update_vm(key, snap, lambda rec: mutation(rec.vm), self._put_main,
+        outcome = self._update_vm(key, snap, lambda rec: mutation(rec.vm), self.writer.put_main,
                                   authority)
         if not outcome.written:
             return "declined"

@@ -1,0 +1,305 @@
+"""The pure decision: given one observation, the next single action of the state machine.
+
+These are specifications of :func:`neonvm.controller.decide.decide` with hand-built
+observations (no servers). The last tests are properties over generated observations:
+the three promises in decide's module docstring hold for *every* observation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from neonvm.api.types import (
+    FINALIZER,
+    Fence,
+    PendingPod,
+    VirtualMachine,
+    VirtualMachineSpec,
+    VirtualMachineStatus,
+)
+from neonvm.controller import decide as d
+
+pytestmark = pytest.mark.unit
+
+UID = "0123456789abcdef"
+LEASE = d.Lease(epoch=3, token=40)
+
+
+def vm(*, finalizers: tuple[str, ...] = (FINALIZER,), deleting: bool = False,
+       generation: int = 1, restart_policy: str = "Always", **status: object) -> VirtualMachine:
+    return VirtualMachine(
+        name="vm", namespace="ns", uid=UID, resource_version="100", generation=generation,
+        spec=VirtualMachineSpec(restart_policy=restart_policy),  # type: ignore[arg-type]
+        status=VirtualMachineStatus(**status),  # type: ignore[arg-type]
+        deletion_timestamp="2026-01-01T00:00:00Z" if deleting else None,
+        finalizers=list(finalizers),
+    )
+
+
+def pod(name: str, *, uid: str | None = None, owner: str | None = UID, gated: bool = True,
+        terminating: bool = False, phase: str = "Pending", node: str | None = None,
+        ip: str | None = None) -> d.PodView:
+    return d.PodView(name=name, uid=uid or f"uid-{name}", owner_uid=owner, gated=gated,
+                     terminating=terminating, phase=phase, node=node, ip=ip)
+
+
+def obs(v: VirtualMachine | None, *pods: d.PodView, direct: bool = True,
+        create_failed_generation: int | None = None) -> d.Observation:
+    return d.Observation(vm=v, pods=tuple(pods), lease=LEASE, direct=direct,
+                         create_failed_generation=create_failed_generation)
+
+
+def plan(seq: int = 1, epoch: int = 3, token: int = 40) -> PendingPod:
+    return PendingPod(name=f"vm-{UID[:8]}-{seq}", plan_seq=seq, token=token, epoch=epoch,
+                      generation=1)
+
+
+POD1 = f"vm-{UID[:8]}-1"
+POD2 = f"vm-{UID[:8]}-2"
+
+
+# ---- lifecycle of a fresh VM ------------------------------------------------------------
+
+
+def test_a_vm_without_our_finalizer_gets_it_first() -> None:
+    assert isinstance(d.decide(obs(vm(finalizers=()))), d.AddFinalizer)
+
+
+def test_a_fresh_vm_is_planned_with_a_name_unique_forever_and_the_callers_fence() -> None:
+    action = d.decide(obs(vm(plan_seq=4), direct=False))
+    assert action == d.RecordPlan(
+        plan=PendingPod(name=f"vm-{UID[:8]}-5", plan_seq=5, token=40, epoch=3, generation=1),
+        observed_seq=4, reason=action.reason)
+
+
+def test_a_recorded_plan_is_created_with_exactly_its_name() -> None:
+    action = d.decide(obs(vm(pending_pod=plan(), plan_seq=1)))
+    assert isinstance(action, d.CreatePod) and action.plan.name == POD1
+
+
+def test_our_created_pod_is_committed_with_its_uid() -> None:
+    action = d.decide(obs(vm(pending_pod=plan(), plan_seq=1), pod(POD1), direct=False))
+    assert action == d.Commit(name=POD1, uid=f"uid-{POD1}", reason=action.reason)
+
+
+@pytest.mark.parametrize("the_pod", [pod(POD1, owner="someone-else"),
+                                     pod(POD1, terminating=True)],
+                         ids=["not ours", "terminating"])
+def test_a_planned_name_that_is_taken_or_dying_drops_the_plan(the_pod: d.PodView) -> None:
+    action = d.decide(obs(vm(pending_pod=plan(), plan_seq=1), the_pod))
+    assert action == d.DropPlan(name=POD1, reason=action.reason)
+
+
+def test_an_uncommitted_pod_without_the_gate_is_deleted_but_only_after_a_quorum_read() -> None:
+    v = vm(pending_pod=plan(), plan_seq=1)
+    assert isinstance(d.decide(obs(v, pod(POD1, gated=False), direct=False)), d.ObserveDirect)
+    assert d.decide(obs(v, pod(POD1, gated=False))) == d.DeletePod(
+        name=POD1, uid=f"uid-{POD1}", reason=d.decide(obs(v, pod(POD1, gated=False))).reason)
+
+
+def test_the_committed_pod_is_ungated_only_from_a_direct_list_showing_it_alone() -> None:
+    v = vm(pod_name=POD1, pod_uid=f"uid-{POD1}", plan_seq=1)
+    assert isinstance(d.decide(obs(v, pod(POD1), direct=False)), d.ObserveDirect)
+    action = d.decide(obs(v, pod(POD1)))
+    assert action == d.Ungate(name=POD1, uid=f"uid-{POD1}", reason=action.reason)
+
+
+def test_the_replacement_waits_gated_while_the_old_pod_terminates() -> None:
+    v = vm(pod_name=POD2, pod_uid=f"uid-{POD2}", plan_seq=2)
+    action = d.decide(obs(v, pod(POD1, gated=False, terminating=True), pod(POD2)))
+    assert isinstance(action, d.Wait) and action.condition == "WaitingForOldPod"
+
+
+def test_a_live_stray_beside_a_gated_committed_pod_is_deleted_first() -> None:
+    v = vm(pod_name=POD2, pod_uid=f"uid-{POD2}", plan_seq=2)
+    action = d.decide(obs(v, pod(POD1, gated=False, phase="Running"), pod(POD2)))
+    assert action == d.DeletePod(name=POD1, uid=f"uid-{POD1}", reason=action.reason)
+
+
+def test_a_running_pod_is_mirrored_into_status_then_nothing_is_left_to_do() -> None:
+    running = pod(POD1, gated=False, phase="Running", node="n1", ip="10.0.0.1")
+    v = vm(pod_name=POD1, pod_uid=f"uid-{POD1}", plan_seq=1, phase="Pending")
+    assert d.decide(obs(v, running, direct=False)) == d.SyncStatus(
+        phase="Running", node="n1", ip="10.0.0.1",
+        reason=d.decide(obs(v, running, direct=False)).reason)
+    synced = dataclasses.replace(v, status=dataclasses.replace(
+        v.status, phase="Running", node="n1", pod_ip="10.0.0.1"))
+    assert isinstance(d.decide(obs(synced, running, direct=False)), d.Done)
+
+
+# ---- the committed pod goes away ----------------------------------------------------------
+
+
+def test_a_cache_miss_does_not_prove_the_pod_gone() -> None:
+    v = vm(pod_name=POD1, pod_uid=f"uid-{POD1}", plan_seq=1, phase="Running")
+    assert isinstance(d.decide(obs(v, direct=False)), d.ObserveDirect)
+
+
+def test_a_pod_gone_in_a_direct_read_is_restarted_naming_what_was_observed() -> None:
+    v = vm(pod_name=POD1, pod_uid=f"uid-{POD1}", plan_seq=1, phase="Running")
+    action = d.decide(obs(v))
+    assert action == d.Restart(name=POD1, uid=f"uid-{POD1}", terminal_phase=None,
+                               reason=action.reason)
+
+
+def test_a_pod_with_the_committed_name_but_another_uid_counts_as_gone() -> None:
+    v = vm(pod_name=POD1, pod_uid="the-old-uid", plan_seq=1, phase="Running")
+    action = d.decide(obs(v, pod(POD1, uid="a-new-uid", gated=False)))
+    assert isinstance(action, d.Restart) and action.uid == "the-old-uid"
+
+
+@pytest.mark.parametrize(("policy", "pod_phase", "terminal"), [
+    ("Always", "Succeeded", None),
+    ("Always", "Failed", None),
+    ("OnFailure", "Failed", None),
+    ("OnFailure", "Succeeded", "Succeeded"),
+    ("Never", "Succeeded", "Succeeded"),
+    ("Never", "Failed", "Failed"),
+])
+def test_the_restart_policy_decides_between_a_new_plan_and_a_terminal_phase(
+        policy: str, pod_phase: str, terminal: str | None) -> None:
+    v = vm(pod_name=POD1, pod_uid=f"uid-{POD1}", plan_seq=1, phase="Running",
+           restart_policy=policy)
+    action = d.decide(obs(v, pod(POD1, gated=False, phase=pod_phase)))
+    assert isinstance(action, d.Restart) and action.terminal_phase == terminal
+
+
+def test_a_deleted_pod_counts_as_a_failure_for_restart_policy_never() -> None:
+    v = vm(pod_name=POD1, pod_uid=f"uid-{POD1}", plan_seq=1, phase="Running",
+           restart_policy="Never")
+    action = d.decide(obs(v))
+    assert isinstance(action, d.Restart) and action.terminal_phase == "Failed"
+
+
+@pytest.mark.parametrize("phase", ["Succeeded", "Failed"])
+def test_a_terminal_vm_is_never_planned_again(phase: str) -> None:
+    assert isinstance(d.decide(obs(vm(phase=phase, plan_seq=1))), d.Done)
+    assert isinstance(d.decide(obs(vm(phase=phase, plan_seq=1, pod_name=POD1))), d.Done)
+
+
+# ---- refusals, fencing, clean-up, deletion --------------------------------------------------
+
+
+def test_a_refused_create_waits_for_a_spec_change_then_is_tried_again() -> None:
+    refused = vm(pending_pod=plan(), plan_seq=1, generation=2)
+    waiting = d.decide(obs(refused, create_failed_generation=2))
+    assert isinstance(waiting, d.Wait) and waiting.condition == "Degraded"
+    assert isinstance(d.decide(obs(refused, create_failed_generation=1)), d.CreatePod)
+
+
+def test_a_vm_written_by_a_newer_epoch_fences_us_out() -> None:
+    action = d.decide(obs(vm(fence=Fence(epoch=4, token=1))))
+    assert action == d.Fenced(seen_epoch=4, reason=action.reason)
+    assert isinstance(d.decide(obs(vm(pending_pod=plan(epoch=9), plan_seq=1))), d.Fenced)
+
+
+def test_an_older_fence_does_not_stop_us() -> None:
+    assert isinstance(d.decide(obs(vm(fence=Fence(epoch=2, token=99)))), d.RecordPlan)
+
+
+def test_unreferenced_pods_are_cleaned_up_only_from_a_direct_observation() -> None:
+    running = pod(POD2, gated=False, phase="Running", node="n", ip="1.2.3.4")
+    v = vm(pod_name=POD2, pod_uid=f"uid-{POD2}", plan_seq=2, phase="Running", node="n",
+           pod_ip="1.2.3.4")
+    stray = pod(POD1, gated=False)
+    assert isinstance(d.decide(obs(v, stray, running, direct=False)), d.ObserveDirect)
+    action = d.decide(obs(v, stray, running))
+    assert action == d.DeletePod(name=POD1, uid=f"uid-{POD1}", reason=action.reason)
+
+
+def test_a_deleted_vm_deletes_its_pods_waits_for_them_then_drops_the_finalizer() -> None:
+    deleting = vm(deleting=True, pod_name=POD1, pod_uid=f"uid-{POD1}", plan_seq=1)
+    assert isinstance(d.decide(obs(deleting, pod(POD1), direct=False)), d.ObserveDirect)
+    assert isinstance(d.decide(obs(deleting, pod(POD1))), d.DeletePod)
+    assert isinstance(d.decide(obs(deleting, pod(POD1, terminating=True))), d.Wait)
+    assert isinstance(d.decide(obs(deleting)), d.RemoveFinalizer)
+    assert isinstance(d.decide(obs(vm(deleting=True, finalizers=()))), d.Done)
+
+
+def test_a_vm_that_does_not_exist_needs_nothing() -> None:
+    assert isinstance(d.decide(obs(None, pod(POD1))), d.Done)
+
+
+# ---- properties over every observation ------------------------------------------------------
+
+NAMES = [POD1, POD2, f"vm-{UID[:8]}-3", "vm-ffffffff-1"]
+
+pods_strategy = st.lists(
+    st.builds(
+        pod,
+        st.sampled_from(NAMES),
+        uid=st.sampled_from([None, "other-uid"]),
+        owner=st.sampled_from([UID, "another-vm", None]),
+        gated=st.booleans(),
+        terminating=st.booleans(),
+        phase=st.sampled_from(["Pending", "Running", "Succeeded", "Failed"]),
+    ),
+    max_size=4,
+    unique_by=lambda p: p.name,
+)
+
+
+@st.composite
+def observations(draw: st.DrawFn) -> d.Observation:
+    seq = draw(st.integers(min_value=0, max_value=3))
+    pending = draw(st.sampled_from([None, *NAMES]))
+    committed = draw(st.sampled_from([None, "", *NAMES]))
+    v = vm(
+        finalizers=draw(st.sampled_from([(FINALIZER,), ()])),
+        deleting=draw(st.booleans()),
+        generation=draw(st.integers(min_value=1, max_value=3)),
+        restart_policy=draw(st.sampled_from(["Always", "OnFailure", "Never"])),
+        plan_seq=seq,
+        pending_pod=(PendingPod(name=pending, plan_seq=seq, epoch=draw(st.integers(2, 4)))
+                     if pending else None),
+        pod_name=committed,
+        pod_uid=draw(st.sampled_from([None, f"uid-{committed}", "other-uid"])),
+        phase=draw(st.sampled_from([None, "Pending", "Running", "Succeeded", "Failed"])),
+        fence=draw(st.sampled_from([None, Fence(2, 1), Fence(3, 40), Fence(4, 1)])),
+    )
+    return obs(v, *draw(pods_strategy), direct=draw(st.booleans()),
+               create_failed_generation=draw(st.sampled_from([None, 1, 2, 3])))
+
+
+@settings(max_examples=800, deadline=None)
+@given(observations())
+def test_every_decision_keeps_the_three_promises(o: d.Observation) -> None:
+    action = d.decide(o)
+    v = o.vm
+    assert v is not None
+    if isinstance(action, d.Ungate):
+        # Only the committed pod, only from a quorum list in which it is the only pod.
+        assert o.direct
+        assert action.name == v.status.pod_name
+        assert [p.name for p in o.pods] == [action.name]
+        assert not o.pods[0].terminating
+    if isinstance(action, d.CreatePod):
+        assert v.status.pending_pod is not None
+        assert action.plan.name == v.status.pending_pod.name
+    if isinstance(action, d.DeletePod | d.Restart | d.RemoveFinalizer):
+        assert o.direct, f"{action} from a cached observation"
+    if isinstance(action, d.DeletePod) and v.deletion_timestamp is None:
+        assert action.name != v.status.pod_name or (
+            # The committed name held by a different uid is not the committed pod.
+            bool(v.status.pod_uid) and action.uid != v.status.pod_uid)
+        pending = v.status.pending_pod
+        if pending is not None and action.name == pending.name:
+            # Only an uncommitted pod that escaped the gate is ever deleted by its plan.
+            p = o.pod(action.name)
+            assert p is not None and not p.gated
+
+
+@settings(max_examples=300, deadline=None)
+@given(observations())
+def test_a_fenced_or_terminal_vm_is_never_planned(o: d.Observation) -> None:
+    action = d.decide(o)
+    v = o.vm
+    assert v is not None
+    if v.status.fence is not None and v.status.fence.epoch > LEASE.epoch:
+        assert isinstance(action, d.Fenced)
+    if v.status.phase in d.TERMINAL_PHASES:
+        assert not isinstance(action, d.RecordPlan)
