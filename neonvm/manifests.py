@@ -8,8 +8,13 @@ The admission fence (a ValidatingAdmissionPolicy, evaluated inside the API serve
 
 * a pod labelled for a VM must be created carrying the runner scheduling gate;
 * only the controller's identity may remove that gate;
-* a runner pod's VM label and owner references are immutable (the garbage collector,
-  which strips owner references when orphaning, is exempt).
+* a pod's VM labels (name and uid) are immutable, so a pod is a runner pod from its
+  creation or never, and a runner pod's owner references are immutable (the garbage
+  collector, which strips owner references when orphaning, is exempt).
+
+What it does not cover: deletes (anyone allowed to delete pods may delete a runner pod;
+deleting is always safe for the invariant), and identities it names (whoever holds the
+controller's credentials may ungate).
 """
 
 from __future__ import annotations
@@ -75,11 +80,25 @@ def _cel_string(s: str) -> str:
 
 
 def admission_policy(controller_users: list[str]) -> dict[str, Any]:
-    """The runner-pod fence; ``controller_users`` may remove the gate."""
+    """The runner-pod fence; ``controller_users`` may remove the gate.
+
+    It matches ``pods/status`` as well as ``pods``: a status write keeps the spec and the
+    owner references but not the labels, so without it the VM labels could be changed
+    there. Every expression is total (no error on any pod), because ``failurePolicy:
+    Fail`` would otherwise block unrelated pod writes, kubelets' status updates included.
+    """
     label = _cel_string(types.LABEL_VM_NAME)
+    vm_labels = "[" + ", ".join(
+        _cel_string(k) for k in (types.LABEL_VM_NAME, types.LABEL_VM_UID)
+    ) + "]"
     gate = _cel_string(types.SCHEDULING_GATE)
     allowed = "[" + ", ".join(_cel_string(u) for u in controller_users) + "]"
     gc_users = "[" + ", ".join(_cel_string(u) for u in (GC_USER, GC_SA)) + "]"
+
+    def label_of(obj: str) -> str:
+        return (f"(has({obj}.metadata.labels) && k in {obj}.metadata.labels ? "
+                f"{obj}.metadata.labels[k] : '')")
+
     return {
         "apiVersion": "admissionregistration.k8s.io/v1",
         "kind": "ValidatingAdmissionPolicy",
@@ -89,7 +108,7 @@ def admission_policy(controller_users: list[str]) -> dict[str, Any]:
             "matchConstraints": {
                 "resourceRules": [
                     {"apiGroups": [""], "apiVersions": ["v1"],
-                     "operations": ["CREATE", "UPDATE"], "resources": ["pods"]}
+                     "operations": ["CREATE", "UPDATE"], "resources": ["pods", "pods/status"]}
                 ]
             },
             "variables": [
@@ -121,10 +140,14 @@ def admission_policy(controller_users: list[str]) -> dict[str, Any]:
                     "reason": "Forbidden",
                 },
                 {
-                    "expression": "request.operation != 'UPDATE' || !variables.wasRunner || "
-                                  f"(variables.isRunner && object.metadata.labels[{label}] == "
-                                  f"oldObject.metadata.labels[{label}])",
-                    "message": f"the {types.LABEL_VM_NAME} label of a runner pod is immutable",
+                    # Also forbids adding the label to an existing pod: a pod can only
+                    # become a runner pod at creation, where the first rule applies.
+                    "expression": "request.operation != 'UPDATE' || "
+                                  f"{vm_labels}.all(k, {label_of('object')} == "
+                                  f"{label_of('oldObject')})",
+                    "message": f"the {types.LABEL_VM_NAME} and {types.LABEL_VM_UID} labels of "
+                               "a pod are immutable (a pod is a runner pod from creation or "
+                               "never)",
                     "reason": "Forbidden",
                 },
                 {

@@ -104,3 +104,11 @@ def env(state_dir: Path | None) -> None:
     """Print shell exports for the local cluster (eval "$(neonvm dev env)")."""
     for key, value in LocalCluster(state_dir).env().items():
         click.echo(f"export {key}={value}")
+
+
+# Fault knobs of the simulated nodes (neonvm/cli/nodes.py): ``neonvm dev node|pod ...``.
+from neonvm.cli.nodes import node as _node_group  # noqa: E402
+from neonvm.cli.nodes import pod as _pod_group  # noqa: E402
+
+dev.add_command(_node_group)
+dev.add_command(_pod_group)

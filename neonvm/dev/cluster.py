@@ -50,6 +50,9 @@ DEFAULT_PORTS = {
 CONTROLLER_USER = "neonvm-controller"
 """The identity controller replicas use locally (the admission fence names it)."""
 
+KWOK_USER = "neonvm-dev-kwok"
+"""kwok's identity: the kubelets of every simulated node (RBAC in neonvm.dev.nodes)."""
+
 
 class ClusterError(RuntimeError):
     """Something the user can act on; the CLI prints it as one line."""
@@ -171,6 +174,10 @@ class LocalCluster:
             binaries.require(_binary_of(name))
         pki = self._pki()
         for name in self.components():
+            if name == "kwok":
+                from neonvm.dev import nodes
+
+                nodes.ensure_nodes(self, progress)
             status = self.component_status(name)
             if status.running and status.healthy:
                 progress(f"{name}: already running (pid {status.pid})")
@@ -186,6 +193,11 @@ class LocalCluster:
                 from neonvm.dev import bootstrap
 
                 bootstrap.apply_cluster_objects(self, progress)
+        if self.spec.nodes > 0:
+            from neonvm.dev import nodes
+
+            nodes.wait_nodes_schedulable(self, timeout)
+            progress(f"{self.spec.nodes} simulated nodes ready")
 
     def down(self, timeout: float = 20.0) -> list[str]:
         """Stop every component this state directory recorded; return what was stopped."""
@@ -244,6 +256,8 @@ class LocalCluster:
         self._write_kubeconfig(self.kubeconfig_for("scheduler"), sched, pki)
         kcm = pki.issue("controller-manager", "system:kube-controller-manager")
         self._write_kubeconfig(self.kubeconfig_for("controller-manager"), kcm, pki)
+        kwok = pki.issue("kwok", KWOK_USER)
+        self._write_kubeconfig(self.kubeconfig_for("kwok"), kwok, pki)
         pki.service_account_key()
         return pki
 
@@ -356,7 +370,10 @@ class LocalCluster:
                 f"--cert-dir={d / 'pki' / 'kcm-serving'}",
                 f"--service-account-private-key-file={pki.service_account_key()}",
                 f"--root-ca-file={pki.ca.cert}",
-                "--use-service-account-credentials=false",
+                # Each controller acts as its own service account (as kubeadm runs it):
+                # the garbage collector, pod GC and node lifecycle controllers need the
+                # verbs of their bootstrap roles; the KCM user's own role only reads.
+                "--use-service-account-credentials=true",
                 "--controllers=*,-bootstrapsigner,-tokencleaner,-nodeipam",
                 "--node-monitor-grace-period=20s",
                 "--v=1",
