@@ -124,7 +124,7 @@ def test_a_running_pod_is_mirrored_into_status_then_nothing_is_left_to_do() -> N
     running = pod(POD1, gated=False, phase="Running", node="n1", ip="10.0.0.1")
     v = vm(pod_name=POD1, pod_uid=f"uid-{POD1}", plan_seq=1, phase="Pending")
     assert d.decide(obs(v, running, direct=False)) == d.SyncStatus(
-        phase="Running", node="n1", ip="10.0.0.1",
+        phase="Running", node="n1", ip="10.0.0.1", name=POD1, uid=f"uid-{POD1}",
         reason=d.decide(obs(v, running, direct=False)).reason)
     synced = dataclasses.replace(v, status=dataclasses.replace(
         v.status, phase="Running", node="n1", pod_ip="10.0.0.1"))

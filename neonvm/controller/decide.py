@@ -194,11 +194,18 @@ class Restart(Action):
 
 @dataclass(frozen=True)
 class SyncStatus(Action):
-    """Mirror the committed pod into status (phase, IP, node)."""
+    """Mirror the committed pod into status (phase, IP, node).
+
+    ``name``/``uid`` say which pod was observed: the mutation refuses a status that names
+    another pod by then (a late sync must not describe the replacement with the old
+    pod's node and IP).
+    """
 
     phase: str = "Pending"
     node: str | None = None
     ip: str | None = None
+    name: str = ""
+    uid: str = ""
 
 
 # ---- the decision ------------------------------------------------------------------------
@@ -303,7 +310,7 @@ def _decide_committed(obs: Observation, vm: VirtualMachine) -> Action:
                       reason=f"{pod.name} is the VM's only pod: let it start")
     phase = "Running" if pod.phase == "Running" else "Pending"
     if (vm.status.phase, vm.status.node, vm.status.pod_ip) != (phase, pod.node, pod.ip):
-        return SyncStatus(phase=phase, node=pod.node, ip=pod.ip,
+        return SyncStatus(phase=phase, node=pod.node, ip=pod.ip, name=pod.name, uid=pod.uid,
                           reason=f"runner pod {pod.name} is {pod.phase}")
     return Done(reason=f"runner pod {pod.name} is {pod.phase}")
 

@@ -96,6 +96,8 @@ def status_mutation(action: d.Action, lease: d.Lease) -> StatusMutation:
         s = vm.status
         if not s.pod_name or s.phase in d.TERMINAL_PHASES:
             return None
+        if s.pod_name != action.name or (s.pod_uid and action.uid and s.pod_uid != action.uid):
+            return None  # the status names another pod now: this sync describes the old one
         if (s.phase, s.node, s.pod_ip) == (action.phase, action.node, action.ip):
             return None
         new = _fresh_status(vm, lease)
