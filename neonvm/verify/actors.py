@@ -1,0 +1,571 @@
+"""The actors of the model: controller workers (a model driver around the shipped code),
+the pod lifecycle, the user, and the faults. :meth:`Actors.successors` is every step any
+of them can take from a state; the explorer takes all of them.
+
+The **model driver** is what DESIGN.md prescribes for the real driver, one server call
+per step so that anything may happen between two calls:
+
+* observe: from the cache (any version the cache may hold, see :mod:`.model`), or
+  directly: a quorum LIST of the VM's pods, then (next step) a quorum GET of the VM;
+  then ask the shipped :func:`~neonvm.controller.decide.decide` for the next action;
+* status writes: PUT ``/status`` with the ``resourceVersion`` the decision was made from;
+  on 409 re-read directly and call the shipped mutation again on the fresh copy;
+* finalizer writes: the same on the main resource;
+* create: exactly the recorded name, gated, owner-referenced; AlreadyExists means
+  observe again, directly;
+* ungate: first a direct LIST that must show exactly this pod (same uid, not
+  terminating); then a patch with uid + resourceVersion preconditions;
+* delete: with a uid precondition;
+* the lock: before observing, a worker that does not hold the VM's lock takes it (or
+  takes it over from a lower epoch) and stops if a higher epoch holds it; a worker that
+  sees the VM gone (directly) deletes the lock and halts; the leader sweeps a lock left
+  behind for the gone VM.
+
+A worker checks its lock only between actions: a write already decided is performed
+whenever the worker is scheduled again, which is how a paused leader that wakes up after
+losing its lease behaves. Deposed leaders (zombies) run the full loop with their old
+epoch and lock token until a higher epoch stops them, which they may postpone forever.
+
+**Breakages** (:data:`BREAKAGES`) are deliberate bugs in the model driver, switchable by
+name, to prove that the checker catches them. They live here only; nothing shipped has a
+switch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from neonvm.verify.model import (
+    FENCED_OUT,
+    LEADER,
+    NODE,
+    STANDBY,
+    VM,
+    ZOMBIE,
+    Budget,
+    Lock,
+    Pod,
+    ShippedCode,
+    Status,
+    Worker,
+    World,
+    deleted,
+    describe_action,
+    pod_by_name,
+    pod_by_uid,
+    replace_pod,
+    write_pods,
+    write_vm,
+)
+
+BREAKAGES: dict[str, str] = {
+    "blind_retry": "on 409 the retry re-reads only to get the fresh resourceVersion and "
+                   "writes the result computed from the object it first read (the seed's "
+                   "retry: writes back what it read, over someone else's write)",
+    "noop_retry": "on 409 the retry re-reads and writes back exactly what it read, "
+                  "reporting success (the seed's retry taken literally: the intent is lost)",
+    "create_before_record": "on RecordPlan, create the pod first and record the plan after",
+    "cached_ungate": "ungate from a cached pod list, without the direct list check",
+    "ungate_without_precondition": "the ungate patch names the pod but carries no uid or "
+                                   "resourceVersion precondition",
+    "delete_without_uid": "delete pods by name, without the uid precondition",
+}
+
+STATUS_WRITES = frozenset({"RecordPlan", "Commit", "DropPlan", "Restart", "SyncStatus"})
+FINALIZER_WRITES = frozenset({"AddFinalizer", "RemoveFinalizer"})
+
+
+@dataclass(frozen=True)
+class Config:
+    """What the model does (not how far the search goes: see :class:`~.explore.Bounds`)."""
+
+    history: int = 2
+    """Past versions a cache may lag behind (per object kind)."""
+    locks: bool = True
+    """Lease and per-VM lock on. Off: every worker acts as leader with the same epoch and
+    no lock (safety must hold even then)."""
+    breakages: frozenset[str] = frozenset()
+
+    def broken(self, name: str) -> bool:
+        return name in self.breakages
+
+
+class Step(NamedTuple):
+    """One atomic step: who did what (``args`` for replay), and what came of it."""
+
+    actor: str
+    kind: str
+    args: tuple[Any, ...]
+    text: str
+
+
+def _idle(x: Worker, need_direct: bool = False) -> Worker:
+    return x._replace(pc="idle", need_direct=need_direct, listed=None, action=None,
+                      base_fresh=False, obs_vm=None, target=None, blind=False)
+
+
+def _set(w: World, i: int, x: Worker) -> World:
+    return w._replace(workers=(*w.workers[:i], x, *w.workers[i + 1:]))
+
+
+def _spend(w: World, **kw: int) -> World:
+    b = w.budget._asdict()
+    for k, v in kw.items():
+        b[k] -= v
+    return w._replace(budget=Budget(**b))
+
+
+def _fresh_worker(role: str, epoch: int, lag_vm: int, lag_pods: int) -> Worker:
+    return Worker(role=role, epoch=epoch, token=0, pc="idle", lag_vm=lag_vm, lag_pods=lag_pods)
+
+
+def calm(w: World) -> World:
+    """The state with every fault and adversary switched off, for the liveness check.
+
+    Deposed leaders never run again (their in-flight writes are dropped), no more faults
+    or user actions, caches are caught up. In lock-off mode the first worker is the
+    leader and the others stop.
+    """
+    leader_seen = False
+    workers = []
+    for x in w.workers:
+        if x.role == LEADER and not leader_seen:
+            leader_seen = True
+            workers.append(x._replace(lag_vm=0, lag_pods=0))
+        else:
+            workers.append(Worker(role=STANDBY, epoch=0, token=0, pc="idle"))
+    return w._replace(vm_hist=(), pod_hist=(), workers=tuple(workers), budget=Budget())
+
+
+class Actors:
+    """Every step from a state: workers, pod lifecycle, user, faults."""
+
+    def __init__(self, cfg: Config, code: ShippedCode | None = None) -> None:
+        self.cfg = cfg
+        self.code = code or ShippedCode()
+        for name in cfg.breakages:
+            if name not in BREAKAGES:
+                raise ValueError(f"unknown breakage {name!r}; known: {', '.join(BREAKAGES)}")
+
+    # ---- all steps ---------------------------------------------------------------------
+
+    def successors(self, w: World) -> list[tuple[Step, World]]:
+        out: list[tuple[Step, World]] = []
+        for i, x in enumerate(w.workers):
+            if x.role != STANDBY:
+                out.extend(self.worker_steps(w, i, latest_only=False))
+        out.extend(self.environment_steps(w))
+        out.extend(self.adversary_steps(w))
+        return out
+
+    def calm_leader_step(self, w: World) -> tuple[Step, World] | None:
+        """The fair leader's next step in a calm state (caches current: deterministic)."""
+        for i, x in enumerate(w.workers):
+            if x.role == LEADER:
+                steps = list(self.worker_steps(w, i, latest_only=True))
+                return steps[0] if steps else None
+        return None
+
+    # ---- the controller worker (model driver) -------------------------------------------
+
+    def worker_steps(self, w: World, i: int, latest_only: bool) -> Iterator[tuple[Step, World]]:
+        x = w.workers[i]
+        me = f"c{i}({x.role} e{x.epoch})"
+        pc = x.pc
+        if pc == "stopped":
+            return
+        if pc == "halt":
+            if x.role == LEADER and w.lock is not None:
+                yield (Step(me, "sweep", (), f"{me}: sweep the lock of the deleted VM"),
+                       w._replace(lock=None))
+            return
+        if pc == "idle":
+            if self.cfg.locks and not (x.token and w.lock == Lock(x.epoch, x.token)):
+                yield self._acquire(w, i, me)
+                return
+            if latest_only:
+                if x.need_direct:
+                    yield self._list(w, i, me)
+                else:
+                    yield self._observe_cached(w, i, me, 0, 0, None)
+                return
+            yield self._list(w, i, me)
+            if not x.need_direct:
+                yield from self._observe_cached_all(w, i, me)
+            return
+        if pc == "get":
+            yield self._get(w, i, me)
+        elif pc == "act":
+            yield self._act(w, i, me)
+        elif pc == "retry":
+            yield self._retry(w, i, me)
+        elif pc == "precreate":
+            yield self._precreate(w, i, me)
+        elif pc == "prelist":
+            yield self._prelist(w, i, me)
+        elif pc == "patch":
+            yield self._patch(w, i, me)
+        elif pc == "sweep":
+            yield (Step(me, "sweep", (), f"{me}: VM gone: delete its lock"),
+                   _set(w._replace(lock=None), i, _idle(x)._replace(pc="halt")))
+        else:  # pragma: no cover - a model bug
+            raise AssertionError(f"unknown pc {pc}")
+
+    def _acquire(self, w: World, i: int, me: str) -> tuple[Step, World]:
+        x = w.workers[i]
+        lock = w.lock
+        if lock is None or lock.epoch < x.epoch:
+            rev = w.lock_rev + 1
+            what = "take over" if lock else "take"
+            return (Step(me, "lock", (rev,), f"{me}: {what} the VM lock, token {rev}"),
+                    _set(w._replace(lock=Lock(x.epoch, rev), lock_rev=rev), i,
+                         x._replace(token=rev)))
+        if lock.epoch == x.epoch:
+            return (Step(me, "lock", (lock.token,), f"{me}: the lock is ours (token {lock.token})"),
+                    _set(w, i, x._replace(token=lock.token)))
+        return (Step(me, "lock", (), f"{me}: lock held by epoch {lock.epoch}: stop"),
+                _set(w, i, _idle(x)._replace(pc="stopped")))
+
+    def _list(self, w: World, i: int, me: str) -> tuple[Step, World]:
+        x = w.workers[i]
+        return (Step(me, "list", (), f"{me}: LIST pods directly ({len(w.pods)})"),
+                _set(w, i, x._replace(pc="get", listed=w.pods, lag_pods=0)))
+
+    def _get(self, w: World, i: int, me: str) -> tuple[Step, World]:
+        x = w.workers[i]
+        assert x.listed is not None
+        return self._decided(w, i, me, x._replace(lag_vm=0), w.vm, x.listed, True, True,
+                             "GET VM directly")
+
+    def _observe_cached_all(self, w: World, i: int, me: str) -> Iterator[tuple[Step, World]]:
+        x = w.workers[i]
+        for j in range(x.lag_vm + 1):
+            for k in range(x.lag_pods + 1):
+                yield self._observe_cached(w, i, me, j, k, None)
+                if w.budget.dropped_event > 0:
+                    pods = w.pods if k == 0 else w.pod_hist[-k]
+                    for p in pods:
+                        yield self._observe_cached(w, i, me, j, k, p)
+
+    def _observe_cached(self, w: World, i: int, me: str, j: int, k: int,
+                        dropped: Pod | None) -> tuple[Step, World]:
+        x = w.workers[i]
+        vm = w.vm if j == 0 else w.vm_hist[-j]
+        pods = w.pods if k == 0 else w.pod_hist[-k]
+        what = "read the cache" + (f" (VM {j} versions old)" if j else "") + (
+            f" (pods {k} versions old)" if k else "")
+        if dropped is not None:
+            pods = tuple(p for p in pods if p is not dropped)
+            what += f" (missing {dropped.name}: lost event)"
+            w = _spend(w, dropped_event=1)
+        return self._decided(w, i, me, x._replace(lag_vm=j, lag_pods=k), vm, pods, False,
+                             j == 0, what, (j, k, dropped.uid if dropped else None))
+
+    def _decided(self, w: World, i: int, me: str, x: Worker, vm: Any, pods: tuple[Pod, ...],
+                 direct: bool, base_fresh: bool, what: str,
+                 read: tuple[Any, ...] = ()) -> tuple[Step, World]:
+        """Observation made: ask the shipped decide() and set up the action."""
+        kind = "get" if direct else "observe"
+        if vm is None:
+            if direct:
+                pc = "sweep" if w.lock is not None else "halt"
+                return (Step(me, kind, (None, *read), f"{me}: {what}: VM gone"),
+                        _set(w, i, _idle(x)._replace(pc=pc)))
+            return (Step(me, kind, (None, *read), f"{me}: {what}: VM not in cache"),
+                    _set(w, i, _idle(x, need_direct=True)))
+        lease = (x.epoch, x.token)
+        a = self.code.decide(vm, pods, lease, direct)
+        name = a[0]
+        text = f"{me}: {what} → decide: {describe_action(a)}"
+        step = Step(me, kind, (a, *read), text)
+        if name in ("Done", "Wait"):
+            return step, _set(w, i, _idle(x))
+        if name == "ObserveDirect" or (name == "CreatePod" and not direct):
+            # The driver creates only from a direct observation (reconciler._loop).
+            if not direct and self.cfg.broken("cached_ungate"):
+                b = self.code.decide(vm, pods, lease, True)
+                if b[0] == "Ungate":
+                    target = pod_by_uid(pods, b[2])
+                    return (Step(me, kind, (b, *read),
+                                 f"{text}; BROKEN: ungate {b[1]} from the cached list"),
+                            _set(w, i, x._replace(pc="patch", action=b, target=target)))
+            return step, _set(w, i, _idle(x, need_direct=True))
+        if name == "Fenced":
+            return step, _set(w, i, _idle(x)._replace(pc="stopped"))
+        x = x._replace(action=a, lease=lease, base_fresh=base_fresh, obs_vm=vm, listed=None,
+                       need_direct=False)
+        if name == "Ungate":
+            return step, _set(w, i, x._replace(pc="prelist"))
+        if name == "RecordPlan" and self.cfg.broken("create_before_record"):
+            return step, _set(w, i, x._replace(pc="precreate"))
+        return step, _set(w, i, x._replace(pc="act"))
+
+    # ---- writes ------------------------------------------------------------------------
+
+    def _act(self, w: World, i: int, me: str) -> tuple[Step, World]:
+        x = w.workers[i]
+        assert x.action is not None
+        name = x.action[0]
+        desc = describe_action(x.action)
+        if name in STATUS_WRITES or name in FINALIZER_WRITES:
+            return self._vm_write(w, i, me, desc)
+        if name == "CreatePod":
+            return self._create(w, i, me, x.action[1].name, desc, then=_idle(x))
+        if name == "DeletePod":
+            return self._delete(w, i, me, x.action[1], x.action[2], desc)
+        raise AssertionError(f"no write for {name}")  # pragma: no cover
+
+    def _vm_write(self, w: World, i: int, me: str, desc: str) -> tuple[Step, World]:
+        x = w.workers[i]
+        assert x.action is not None
+        vm = w.vm
+        target = "/status" if x.action[0] in STATUS_WRITES else "VM"
+        if vm is None:
+            return (Step(me, "write", (x.action, "404"), f"{me}: PUT {target} {desc} → 404"),
+                    _set(w, i, _idle(x)))
+        if not x.base_fresh:
+            # The helper computes the change from the copy the decision saw before it
+            # writes; a change that is already moot is never sent.
+            assert x.obs_vm is not None
+            early = self._change(x, x.obs_vm)
+            if early is None or early == FENCED_OUT:
+                return self._declined(w, i, me, target, desc, early)
+            return (Step(me, "write", (x.action, "409"),
+                         f"{me}: PUT {target} {desc} → 409 Conflict"),
+                    _set(w, i, x._replace(pc="retry")))
+        source = x.obs_vm if x.blind and x.obs_vm is not None else vm
+        change = self._change(x, source)
+        if change is None or change == FENCED_OUT:
+            return self._declined(w, i, me, target, desc, change)
+        if isinstance(change, Status):
+            new = vm._replace(status=change)
+        else:
+            fin = bool(change)
+            new = vm._replace(finalizer=fin)
+            if not fin and new.deleting:
+                w2 = write_vm(_set(w, i, _idle(x)), None, self.cfg.history, i)
+                return (Step(me, "write", (x.action, "ok", None),
+                             f"{me}: PUT VM {desc} → ok: last finalizer gone, VM removed"), w2)
+        blind = " (BROKEN: blind retry)" if x.blind else ""
+        if new == vm:
+            return (Step(me, "write", (x.action, "ok", new), f"{me}: PUT {target} {desc} → "
+                         f"ok, unchanged{blind}"), _set(w, i, _idle(x)))
+        w2 = write_vm(_set(w, i, _idle(x)), new, self.cfg.history, i)
+        return (Step(me, "write", (x.action, "ok", new),
+                     f"{me}: PUT {target} {desc} → ok{blind}"), w2)
+
+    def _change(self, x: Worker, source: VM) -> Status | bool | str | None:
+        """The shipped mutation's answer for ``x``'s action on ``source``."""
+        assert x.action is not None
+        if x.action[0] in STATUS_WRITES:
+            return self.code.status_write(x.action, x.lease, source)
+        return self.code.finalizer_write(x.action, source)
+
+    def _declined(self, w: World, i: int, me: str, target: str, desc: str,
+                  change: object) -> tuple[Step, World]:
+        x = w.workers[i]
+        assert x.action is not None
+        if change == FENCED_OUT:
+            return (Step(me, "write", (x.action, "fenced"),
+                         f"{me}: PUT {target} {desc}: mutation says FencedOut: stop"),
+                    _set(w, i, _idle(x)._replace(pc="stopped")))
+        return (Step(me, "write", (x.action, "noop"),
+                     f"{me}: PUT {target} {desc}: mutation: nothing to do"),
+                _set(w, i, _idle(x)))
+
+    def _retry(self, w: World, i: int, me: str) -> tuple[Step, World]:
+        x = w.workers[i]
+        assert x.action is not None
+        if w.vm is None:
+            return (Step(me, "reread", (None,), f"{me}: conflict retry: GET VM → 404"),
+                    _set(w, i, _idle(x)))
+        if self.cfg.broken("noop_retry"):
+            return (Step(me, "reread", ("noop",), f"{me}: conflict retry: GET VM and write it "
+                         f"back unchanged (BROKEN: intent lost)"), _set(w, i, _idle(x)))
+        blind = self.cfg.broken("blind_retry")
+        return (Step(me, "reread", (w.vm,), f"{me}: conflict retry: GET VM directly"),
+                _set(w, i, x._replace(pc="act", base_fresh=True, lag_vm=0, blind=blind,
+                                      obs_vm=x.obs_vm if blind else w.vm)))
+
+    def _create(self, w: World, i: int, me: str, name: str, desc: str,
+                then: Worker) -> tuple[Step, World]:
+        x = w.workers[i]
+        if pod_by_name(w.pods, name) is not None:
+            nxt = then if then.pc != "idle" else _idle(x, need_direct=True)
+            return (Step(me, "create", (name, "exists"), f"{me}: POST pod {name} → AlreadyExists"),
+                    _set(w, i, nxt))
+        assert x.obs_vm is not None
+        uid = f"u{w.uid_next}"
+        pod = Pod(name=name, uid=uid, owner=x.obs_vm.uid, gated=True, node=None,
+                  phase="Pending", terminating=False)
+        w2 = write_pods(_set(w, i, then), (*w.pods, pod), self.cfg.history, i)
+        return (Step(me, "create", (name, "ok", uid),
+                     f"{me}: POST pod {name} (gated) → ok, uid {uid} [{desc}]"),
+                w2._replace(uid_next=w.uid_next + 1))
+
+    def _precreate(self, w: World, i: int, me: str) -> tuple[Step, World]:
+        x = w.workers[i]
+        assert x.action is not None
+        return self._create(w, i, me, x.action[1].name,
+                            "BROKEN: created before the plan is recorded",
+                            then=x._replace(pc="act"))
+
+    def _delete(self, w: World, i: int, me: str, name: str, uid: str,
+                desc: str) -> tuple[Step, World]:
+        x = w.workers[i]
+        pod = pod_by_name(w.pods, name)
+        if pod is None:
+            return (Step(me, "delete", (name, uid, "404"), f"{me}: DELETE pod {name} → 404"),
+                    _set(w, i, _idle(x, need_direct=True)))
+        if pod.uid != uid and not self.cfg.broken("delete_without_uid"):
+            return (Step(me, "delete", (name, uid, "409"),
+                         f"{me}: DELETE pod {name} (uid {uid}) → 409: uid is {pod.uid}"),
+                    _set(w, i, _idle(x, need_direct=True)))
+        if pod.terminating:
+            return (Step(me, "delete", (name, uid, "ok"), f"{me}: DELETE pod {name} → already "
+                         "terminating"), _set(w, i, _idle(x)))
+        w2 = write_pods(_set(w, i, _idle(x)), replace_pod(w.pods, pod, deleted(pod)),
+                        self.cfg.history, i)
+        return (Step(me, "delete", (name, pod.uid, "ok"),
+                     f"{me}: DELETE pod {name} uid {pod.uid} → ok [{desc}]"), w2)
+
+    def _prelist(self, w: World, i: int, me: str) -> tuple[Step, World]:
+        x = w.workers[i]
+        assert x.action is not None
+        _, name, uid = x.action
+        pods = w.pods
+        only = pods[0] if len(pods) == 1 else None
+        if (only is not None and only.uid == uid and only.name == name
+                and not only.terminating and only.gated):
+            return (Step(me, "prelist", ("ok",), f"{me}: LIST pods directly: only {name}"),
+                    _set(w, i, x._replace(pc="patch", target=only, lag_pods=0)))
+        return (Step(me, "prelist", ("refused",),
+                     f"{me}: LIST pods directly: {len(pods)} pod(s): do not ungate {name}"),
+                _set(w, i, _idle(x, need_direct=True)._replace(lag_pods=0)))
+
+    def _patch(self, w: World, i: int, me: str) -> tuple[Step, World]:
+        x = w.workers[i]
+        assert x.action is not None and x.target is not None
+        _, name, uid = x.action
+        if self.cfg.broken("ungate_without_precondition"):
+            pod = pod_by_name(w.pods, name)
+            ok = pod is not None and pod.gated
+        else:
+            pod = pod_by_uid(w.pods, x.target.uid)
+            ok = pod is not None and pod == x.target
+        if not ok or pod is None:
+            return (Step(me, "ungate", (name, uid, "409"),
+                         f"{me}: PATCH pod {name} remove gate (uid {uid}) → 409/404"),
+                    _set(w, i, _idle(x, need_direct=True)))
+        w2 = write_pods(_set(w, i, _idle(x)), replace_pod(w.pods, pod, pod._replace(gated=False)),
+                        self.cfg.history, i)
+        return (Step(me, "ungate", (name, pod.uid, "ok"),
+                     f"{me}: PATCH pod {name} remove gate (uid {pod.uid}) → ok"), w2)
+
+    # ---- environment: scheduler + kubelet, garbage collector ------------------------------
+
+    def environment_steps(self, w: World) -> list[tuple[Step, World]]:
+        """What the cluster does by itself; these keep happening when faults stop."""
+        out: list[tuple[Step, World]] = []
+        h = self.cfg.history
+        owner = w.vm.uid if w.vm is not None else None
+        for p in w.pods:
+            if not p.gated and p.node is None and not p.terminating:
+                out.append((Step("kubelet", "run", (p.name, p.uid),
+                                 f"scheduler+kubelet: {p.name} bound to {NODE}, Running"),
+                            write_pods(w, replace_pod(w.pods, p, p._replace(
+                                node=NODE, phase="Running")), h, None)))
+            if p.terminating:
+                out.append((Step("kubelet", "gone", (p.name, p.uid),
+                                 f"kubelet: {p.name} finished terminating: gone"),
+                            write_pods(w, replace_pod(w.pods, p, None), h, None)))
+            elif p.owner != owner:
+                out.append((Step("gc", "delete", (p.name, p.uid),
+                                 f"garbage collector: delete {p.name} (owner VM gone)"),
+                            write_pods(w, replace_pod(w.pods, p, deleted(p)), h, None)))
+        return out
+
+    # ---- adversaries: the user, the guest, faults -----------------------------------------
+
+    def adversary_steps(self, w: World) -> list[tuple[Step, World]]:
+        out: list[tuple[Step, World]] = []
+        b = w.budget
+        h = self.cfg.history
+        vm = w.vm
+        if b.pod_delete:
+            for p in w.pods:
+                if not p.terminating:
+                    out.append((Step("user", "delete-pod", (p.name, p.uid),
+                                     f"user: kubectl delete pod {p.name}"),
+                                write_pods(_spend(w, pod_delete=1),
+                                           replace_pod(w.pods, p, deleted(p)), h, None)))
+        if b.pod_finish:
+            for p in w.pods:
+                if p.phase == "Running" and not p.terminating:
+                    for phase in ("Succeeded", "Failed"):
+                        if phase == "Succeeded" and vm is not None and \
+                                vm.restart_policy == "Always":
+                            continue
+                        out.append((Step("guest", "finish", (p.name, phase),
+                                         f"guest in {p.name} exits: pod {phase}"),
+                                    write_pods(_spend(w, pod_finish=1), replace_pod(
+                                        w.pods, p, p._replace(phase=phase)), h, None)))
+        if vm is not None and b.vm_delete and not vm.deleting:
+            new = vm._replace(deleting=True) if vm.finalizer else None
+            out.append((Step("user", "delete-vm", (),
+                             "user: kubectl delete vm" + ("" if vm.finalizer else
+                                                          " (no finalizer: removed)")),
+                        write_vm(_spend(w, vm_delete=1), new, h, None)))
+        if vm is not None and b.spec_edit and not vm.deleting:
+            out.append((Step("user", "edit-spec", (), "user: edit the VM spec"),
+                        write_vm(_spend(w, spec_edit=1), vm._replace(
+                            spec_v=vm.spec_v + 1, generation=vm.generation + 1), h, None)))
+        if vm is not None and b.conflict:
+            out.append((Step("fault", "conflict", (),
+                             "fault: another writer updates the VM (new resourceVersion)"),
+                        write_vm(_spend(w, conflict=1), vm, h, None)))
+        if b.lock_expiry and w.lock is not None:
+            out.append((Step("fault", "lock-expiry", (),
+                             "fault: the lock's etcd lease expires: key deleted"),
+                        _spend(w, lock_expiry=1)._replace(lock=None)))
+        if b.crash:
+            for i, x in enumerate(w.workers):
+                if x.role != STANDBY and x.pc != "stopped":
+                    out.append(self._crash(w, i))
+        if b.failover and self.cfg.locks:
+            out.extend(self._failovers(w))
+        return out
+
+    def _crash(self, w: World, i: int) -> tuple[Step, World]:
+        """Crash (SIGKILL) a worker: its in-memory state is lost."""
+        x = w.workers[i]
+        w = _spend(w, crash=1)
+        lags = (len(w.vm_hist), len(w.pod_hist))
+        if not self.cfg.locks:
+            return (Step("fault", "crash", (i,), f"fault: c{i} crashes and restarts"),
+                    _set(w, i, _fresh_worker(LEADER, x.epoch, *lags)))
+        if x.role == LEADER:
+            epoch = w.epoch + 1
+            return (Step("fault", "crash", (i,), f"fault: leader c{i} crashes; its new process "
+                         f"is elected, epoch {epoch}"),
+                    _set(w._replace(epoch=epoch), i, _fresh_worker(LEADER, epoch, *lags)))
+        return (Step("fault", "crash", (i,), f"fault: deposed c{i} crashes (a standby now)"),
+                _set(w, i, Worker(role=STANDBY, epoch=0, token=0, pc="idle")))
+
+    def _failovers(self, w: World) -> Iterator[tuple[Step, World]]:
+        """Lease loss: the leader is deposed (and does not notice); another replica leads."""
+        lead = next((i for i, x in enumerate(w.workers) if x.role == LEADER), None)
+        if lead is None:
+            return
+        epoch = w.epoch + 1
+        lags = (len(w.vm_hist), len(w.pod_hist))
+        for j in range(len(w.workers)):
+            if j == lead:
+                continue
+            w2 = _spend(w, failover=1)._replace(epoch=epoch)
+            w2 = _set(w2, lead, w2.workers[lead]._replace(role=ZOMBIE))
+            w2 = _set(w2, j, _fresh_worker(LEADER, epoch, *lags))
+            yield (Step("fault", "failover", (lead, j), f"fault: c{lead} loses its lease; "
+                        f"c{j} is elected, epoch {epoch}"), w2)
