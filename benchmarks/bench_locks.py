@@ -209,8 +209,8 @@ def write_docs(text: str) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--endpoints", help="Use this etcd instead of starting one.")
-    p.add_argument("--ops", type=int, default=400, help="Operations per scenario.")
-    p.add_argument("--rounds", type=int, default=8,
+    p.add_argument("--ops", type=int, default=800, help="Operations per scenario.")
+    p.add_argument("--rounds", type=int, default=16,
                    help="Interleaved rounds the operations are split into.")
     p.add_argument("--holders", type=int, default=4, help="Threads in the contended runs.")
     p.add_argument("--write-docs", action="store_true", help=f"Update {DOC.name}.")

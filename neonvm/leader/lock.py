@@ -566,7 +566,10 @@ class LockManager:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise LockHeld(current)
-            self.etcd.wait_for_change(key, current.token, remaining)
+            # Watch from the revision of the read, not the key's own: a watch that starts
+            # in the past is caught up by etcd's background sync (every 100 ms), one that
+            # starts at the head is live at once. Nothing after the read is missed.
+            self.etcd.wait_for_change(key, result.revision, remaining)
             result = self._txn([Compare(key, "create", "==", 0)], [Put(key, value, lease)],
                                [Get(key)])
 
