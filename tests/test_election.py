@@ -232,12 +232,14 @@ class Checker:
             except Exception:
                 self.errors += 1
             else:
-                if record is not None:
-                    data = cm.data or {}
+                data = cm.data or {}
+                fenced = int(data["epoch"]) if "epoch" in data else None
+                if record is None:  # not created yet: an "earlier version" all the same
+                    self.samples.append(Sample(before, time.monotonic(), "", -1, "", fenced))
+                else:
                     self.samples.append(Sample(
                         before, time.monotonic(), record.holder, record.transitions,
-                        record.resource_version,
-                        int(data["epoch"]) if "epoch" in data else None))
+                        record.resource_version, fenced))
             self._stop.wait(self.interval)
 
     def rate(self) -> float:
@@ -255,6 +257,9 @@ class Checker:
                 assert cur.transitions > prev.transitions, (prev, cur)
             if prev.fence_epoch is not None and cur.fence_epoch is not None:
                 assert cur.fence_epoch >= prev.fence_epoch, (prev, cur)
+
+    def versions_held_by(self, identity: str) -> int:
+        return len({s.resource_version for s in self.samples if s.holder == identity})
 
     def saw_term(self, identity: str, epoch: int) -> bool:
         return any(s.holder == identity and s.transitions == epoch for s in self.samples)
@@ -674,6 +679,8 @@ def test_three_candidates_one_leader_at_a_time_through_kill_and_graceful_stop(
         first_epoch = first.leading_epoch()
         assert first_epoch is not None
         wait_for(lambda: first.first("write", result="accepted"), 30, what="leader work")
+        wait_for(lambda: checker.versions_held_by(first.identity) >= 3, 30,
+                 what="the leader renewing")
 
         first.send(signal.SIGKILL)
         assert first.killed_at is not None

@@ -401,7 +401,15 @@ class _Observation:
 
 
 class LeaderElector:
-    """Campaign for the Lease, lead while it is held, hand over on stop. See module doc."""
+    """Campaign for the Lease, lead while it is held, hand over on stop. See module doc.
+
+    Callbacks: ``on_started(leadership)`` runs in its own thread at the start of each
+    term. It may block until ``leadership.lost`` is set, or start workers and return;
+    if it raises, the term ends. ``on_stopped()`` runs in the elector's thread after
+    ``lost`` is set, at the end of every term that started: it must make the leader work
+    stop (the elector then waits up to ``renew_deadline`` for the ``on_started`` thread,
+    and releases the Lease only once that thread has returned).
+    """
 
     def __init__(
         self,
