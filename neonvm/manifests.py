@@ -38,7 +38,10 @@ def crd() -> dict[str, Any]:
 
 
 def controller_rules() -> list[dict[str, Any]]:
-    """Exactly the verbs the controller uses."""
+    """Exactly the verbs the controller uses on VMs, pods and events, in every namespace.
+
+    The Lease is not here: see :func:`leader_election_rules`.
+    """
     return [
         {"apiGroups": [types.GROUP], "resources": [types.PLURAL],
          "verbs": ["get", "list", "watch", "update", "patch"]},
@@ -48,10 +51,21 @@ def controller_rules() -> list[dict[str, Any]]:
          "verbs": ["update"]},
         {"apiGroups": [""], "resources": ["pods"],
          "verbs": ["get", "list", "watch", "create", "delete", "patch"]},
-        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
-         "verbs": ["get", "create", "update"]},
         {"apiGroups": ["", "events.k8s.io"], "resources": ["events"],
          "verbs": ["create", "patch"]},
+    ]
+
+
+def leader_election_rules() -> list[dict[str, Any]]:
+    """What the election needs on its Lease (read, create, replace by resourceVersion).
+
+    Kept apart from :func:`controller_rules` because the Lease lives in one namespace: the
+    chart grants these through a Role there, not cluster-wide. The local cluster's
+    controller identity gets them cluster-wide, since tests campaign in fresh namespaces.
+    """
+    return [
+        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+         "verbs": ["get", "create", "update"]},
     ]
 
 
@@ -60,7 +74,7 @@ def cluster_role() -> dict[str, Any]:
         "apiVersion": "rbac.authorization.k8s.io/v1",
         "kind": "ClusterRole",
         "metadata": {"name": CLUSTER_ROLE},
-        "rules": controller_rules(),
+        "rules": controller_rules() + leader_election_rules(),
     }
 
 
@@ -196,6 +210,8 @@ def chart_files() -> dict[str, str]:
     return {
         "crds/virtualmachines.vm.neon.tech.yaml": header + yaml.safe_dump(crd(), sort_keys=False),
         "files/controller-rules.yaml": header + yaml.safe_dump(controller_rules(), sort_keys=False),
+        "files/leader-election-rules.yaml": header
+        + yaml.safe_dump(leader_election_rules(), sort_keys=False),
         "files/admission-policy.yaml": header
         + yaml.safe_dump(admission_policy([CHART_SA_PLACEHOLDER]), sort_keys=False),
     }

@@ -1,0 +1,96 @@
+{{/*
+Names, labels and derived settings shared by the templates.
+*/}}
+
+{{- define "neonvm-controller.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+The release's full name; cluster-scoped objects (ClusterRole, ClusterRoleBinding, the
+admission policy and its binding) carry it, so two releases never share one.
+*/}}
+{{- define "neonvm-controller.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "neonvm-controller.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "neonvm-controller.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "neonvm-controller.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "neonvm-controller.labels" -}}
+helm.sh/chart: {{ include "neonvm-controller.chart" . }}
+{{ include "neonvm-controller.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Values.image.tag | default .Chart.AppVersion | quote }}
+app.kubernetes.io/component: controller
+app.kubernetes.io/part-of: neonvm
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
+{{- define "neonvm-controller.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "neonvm-controller.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- required "serviceAccount.name is required when serviceAccount.create is false" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/*
+The user name the API server gives the controller's ServiceAccount: the admission
+fence names it as the only identity that may ungate runner pods.
+*/}}
+{{- define "neonvm-controller.serviceAccountUser" -}}
+{{- printf "system:serviceaccount:%s:%s" .Release.Namespace (include "neonvm-controller.serviceAccountName" .) }}
+{{- end }}
+
+{{- define "neonvm-controller.leaseNamespace" -}}
+{{- default .Release.Namespace .Values.leaderElection.namespace }}
+{{- end }}
+
+{{- define "neonvm-controller.leaseName" -}}
+{{- default (include "neonvm-controller.fullname" .) .Values.leaderElection.leaseName }}
+{{- end }}
+
+{{- define "neonvm-controller.image" -}}
+{{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion) }}
+{{- end }}
+
+{{/*
+Where the etcd TLS Secret is mounted; the NEONVM_ETCD_CA/_CERT/_KEY paths point into it.
+*/}}
+{{- define "neonvm-controller.etcdTLSDir" -}}
+/etc/neonvm/etcd-tls
+{{- end }}
+
+{{/*
+Settings JSON Schema cannot express (relations between values); fails the render.
+*/}}
+{{- define "neonvm-controller.validate" -}}
+{{- $le := .Values.leaderElection }}
+{{- if le (float64 $le.leaseDurationSeconds) (float64 $le.renewDeadlineSeconds) }}
+{{- fail (printf "leaderElection.renewDeadlineSeconds (%v) must be below leaseDurationSeconds (%v): the leader must stop before standbys may take over" $le.renewDeadlineSeconds $le.leaseDurationSeconds) }}
+{{- end }}
+{{- if le (float64 $le.renewDeadlineSeconds) (mulf $le.retryPeriodSeconds 1.2) }}
+{{- fail (printf "leaderElection.renewDeadlineSeconds (%v) must exceed 1.2 x retryPeriodSeconds (%v): a renewal retry must fit in the deadline" $le.renewDeadlineSeconds $le.retryPeriodSeconds) }}
+{{- end }}
+{{- $tls := .Values.etcd.tls }}
+{{- if $tls.enabled }}
+{{- if ne (empty $tls.certKey) (empty $tls.keyKey) }}
+{{- fail "etcd.tls.certKey and etcd.tls.keyKey go together: set both (client certificate) or neither" }}
+{{- end }}
+{{- end }}
+{{- end }}

@@ -1,0 +1,916 @@
+"""The HA Helm chart, checked with the real helm binary and the real local API server.
+
+What is shown here:
+
+* ``helm lint`` and ``helm template`` pass for the default values and for the HA-with-TLS
+  values (``ci/ha-tls-values.yaml``); values that break ``values.schema.json`` (or a rule
+  between values) are refused with helm's own message.
+* The rendered objects have the HA shape (replicas, spread, budget, probes, restricted
+  security context, etcd TLS and auth wiring) and carry the standard labels.
+* The RBAC rules and the admission fence are exactly the generator's output
+  (``neonvm/manifests.py``), the fence naming the release's ServiceAccount.
+* The real API server accepts every rendered object (server-side dry run, strict field
+  validation), and a pod made from the Deployment's template passes the ``restricted``
+  Pod Security Standard.
+* The chart's ServiceAccount (impersonated) may make every call the controller makes for
+  a VM's lifecycle, and is refused what the controller must not do.
+* When ``neonvm controller run`` exists: the real controller, started with the command
+  line the chart renders and the ServiceAccount's own token, takes a VM through its
+  lifecycle with the chart's fence in force.
+
+What is not: the ServiceMonitor reaches no API server here (the prometheus-operator CRD
+is not installed in the local cluster); its wiring to the metrics Service is checked on
+the rendered objects only. No image is pulled and no Deployment pod runs (the local
+cluster has no kubelet that runs containers).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from kubernetes import client, dynamic
+from kubernetes.client.exceptions import ApiException
+
+from neonvm import kube, manifests
+from neonvm.api import types
+from neonvm.dev import binaries
+from neonvm.dev.cluster import LocalCluster
+from tests.support import wait_for
+
+CHART = manifests.CHART_DIR
+HA_TLS_VALUES = CHART / "ci" / "ha-tls-values.yaml"
+SCHEMA_ERROR = "values don't meet the specifications of the schema"
+STANDARD_LABELS = (
+    "app.kubernetes.io/name",
+    "app.kubernetes.io/instance",
+    "app.kubernetes.io/version",
+    "app.kubernetes.io/component",
+    "app.kubernetes.io/part-of",
+    "app.kubernetes.io/managed-by",
+    "helm.sh/chart",
+)
+VALUE_SETS = {"default": None, "ha-tls": HA_TLS_VALUES}
+
+
+# ---- helm ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Helm:
+    """The real helm binary, with its config, cache and data kept in a temp directory."""
+
+    binary: Path
+    home: Path
+
+    def run(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        env = {
+            **os.environ,
+            "HELM_CACHE_HOME": str(self.home / "cache"),
+            "HELM_CONFIG_HOME": str(self.home / "config"),
+            "HELM_DATA_HOME": str(self.home / "data"),
+            "KUBECONFIG": str(self.home / "no-cluster.kubeconfig"),
+        }
+        proc = subprocess.run(
+            [str(self.binary), *args], env=env, capture_output=True, text=True, timeout=120
+        )
+        if check and proc.returncode != 0:
+            raise AssertionError(
+                f"helm {' '.join(args)} exited {proc.returncode}:\n{proc.stderr}{proc.stdout}"
+            )
+        return proc
+
+    def template(self, release: str, namespace: str, values: Path | None = None,
+                 sets: tuple[str, ...] = (), crds: bool = False) -> Rendered:
+        args = ["template", release, str(CHART), "--namespace", namespace]
+        if values is not None:
+            args += ["--values", str(values)]
+        for s in sets:
+            args += ["--set", s]
+        if crds:
+            args.append("--include-crds")
+        out = self.run(*args).stdout
+        return Rendered(release, namespace,
+                        [d for d in yaml.safe_load_all(out) if d])
+
+    def template_fails(self, *args: str) -> str:
+        """Render with ``args`` expecting refusal; returns helm's error output."""
+        proc = self.run("template", "probe", str(CHART), "--namespace", "probe", *args,
+                        check=False)
+        assert proc.returncode != 0, f"helm accepted {args}:\n{proc.stdout[:2000]}"
+        return proc.stderr
+
+
+@dataclass
+class Rendered:
+    """The objects ``helm template`` printed, with lookups by kind."""
+
+    release: str
+    namespace: str
+    objects: list[dict[str, Any]] = field(default_factory=list)
+
+    def all(self, kind: str) -> list[dict[str, Any]]:
+        return [o for o in self.objects if o["kind"] == kind]
+
+    def one(self, kind: str) -> dict[str, Any]:
+        found = self.all(kind)
+        assert len(found) == 1, f"expected one {kind}, got {len(found)}"
+        return found[0]
+
+    @property
+    def pod_spec(self) -> dict[str, Any]:
+        spec: dict[str, Any] = self.one("Deployment")["spec"]["template"]["spec"]
+        return spec
+
+    @property
+    def container(self) -> dict[str, Any]:
+        (c,) = self.pod_spec["containers"]
+        assert isinstance(c, dict)
+        return c
+
+    def env(self) -> dict[str, dict[str, Any]]:
+        return {e["name"]: e for e in self.container["env"]}
+
+    def service_account_user(self) -> str:
+        sa = self.one("ServiceAccount")["metadata"]
+        return f"system:serviceaccount:{sa['namespace']}:{sa['name']}"
+
+
+@pytest.fixture(scope="session")
+def helm(tmp_path_factory: pytest.TempPathFactory) -> Helm:
+    return Helm(binaries.require("helm"), tmp_path_factory.mktemp("helm-home"))
+
+
+def _release() -> str:
+    return f"r{uuid.uuid4().hex[:8]}"
+
+
+# ---- lint, template, schema ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("values", list(VALUE_SETS), ids=list(VALUE_SETS))
+def test_helm_lint_passes_strictly(helm: Helm, values: str) -> None:
+    args = ["lint", str(CHART), "--strict", "--namespace", "neonvm-system"]
+    if VALUE_SETS[values] is not None:
+        args += ["--values", str(VALUE_SETS[values])]
+    out = helm.run(*args).stdout
+    assert "1 chart(s) linted, 0 chart(s) failed" in out
+
+
+@pytest.mark.parametrize("values", list(VALUE_SETS), ids=list(VALUE_SETS))
+def test_every_templated_object_carries_the_standard_labels(helm: Helm, values: str) -> None:
+    rendered = helm.template("neonvm-controller", "neonvm-system", VALUE_SETS[values])
+    kinds = sorted(o["kind"] for o in rendered.objects)
+    expected = ["ClusterRole", "ClusterRoleBinding", "Deployment", "PodDisruptionBudget",
+                "Role", "RoleBinding", "Service", "ServiceAccount",
+                "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"]
+    if values == "ha-tls":
+        expected.append("ServiceMonitor")
+    assert kinds == sorted(expected)
+    pod_labels = rendered.one("Deployment")["spec"]["template"]["metadata"]["labels"]
+    for obj in [*rendered.objects, {"kind": "pod template", "metadata": {"labels": pod_labels}}]:
+        labels = obj["metadata"].get("labels", {})
+        missing = [k for k in STANDARD_LABELS if k not in labels]
+        assert not missing, f"{obj['kind']} lacks {missing}"
+        assert labels["app.kubernetes.io/instance"] == "neonvm-controller"
+        assert labels["app.kubernetes.io/managed-by"] == "Helm"
+
+
+def test_the_deployment_runs_three_replicas_spread_over_nodes_and_zones(helm: Helm) -> None:
+    rendered = helm.template("neonvm-controller", "neonvm-system")
+    deploy = rendered.one("Deployment")
+    pod_labels = deploy["spec"]["template"]["metadata"]["labels"]
+    selector = deploy["spec"]["selector"]["matchLabels"]
+    assert deploy["spec"]["replicas"] == 3
+    assert selector.items() <= pod_labels.items()
+
+    spread = {c["topologyKey"]: c for c in rendered.pod_spec["topologySpreadConstraints"]}
+    assert spread["kubernetes.io/hostname"]["whenUnsatisfiable"] == "DoNotSchedule"
+    assert spread["topology.kubernetes.io/zone"]["whenUnsatisfiable"] == "ScheduleAnyway"
+    for c in spread.values():
+        assert c["maxSkew"] == 1
+        assert c["labelSelector"]["matchLabels"].items() <= pod_labels.items()
+        assert c["matchLabelKeys"] == ["pod-template-hash"]
+
+    pdb = rendered.one("PodDisruptionBudget")["spec"]
+    assert pdb["maxUnavailable"] == 1
+    assert pdb["selector"]["matchLabels"] == selector
+    assert pdb["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
+
+
+def test_the_controller_gets_the_lease_settings_and_probes_on_its_health_port(
+    helm: Helm,
+) -> None:
+    rendered = helm.template("neonvm-controller", "neonvm-system", HA_TLS_VALUES)
+    c = rendered.container
+    args = c["args"]
+    assert args[args.index("controller"):args.index("controller") + 2] == ["controller", "run"]
+    assert "--lease-namespace=neonvm-system" in args
+    assert "--lease-name=neonvm-controller" in args
+    assert "--lease-duration=20" in args
+    assert "--renew-deadline=15" in args
+    assert "--retry-period=3" in args
+    assert "--workers=8" in args
+    assert "--health-port=8081" in args
+    assert "--session-ttl=15" in args
+    assert "--runner-image=registry.example.com/neonvm/neonvm-runner:0.1.0" in args
+    assert "--log-format=json" in args
+    (port,) = c["ports"]
+    assert port == {"name": "http", "containerPort": 8081, "protocol": "TCP"}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
+    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
+
+    service = rendered.one("Service")
+    assert service["spec"]["ports"][0]["targetPort"] == "http"
+    assert service["spec"]["selector"].items() <= (
+        rendered.one("Deployment")["spec"]["template"]["metadata"]["labels"].items())
+
+
+def test_the_pod_runs_with_a_restricted_security_context(helm: Helm) -> None:
+    rendered = helm.template("neonvm-controller", "neonvm-system")
+    pod_sc = rendered.pod_spec["securityContext"]
+    sc = rendered.container["securityContext"]
+    assert pod_sc["runAsNonRoot"] is True and pod_sc["runAsUser"] != 0
+    assert pod_sc["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert sc["runAsNonRoot"] is True
+    assert sc["readOnlyRootFilesystem"] is True
+    assert sc["allowPrivilegeEscalation"] is False
+    assert sc["capabilities"] == {"drop": ["ALL"]}
+    assert sc["seccompProfile"] == {"type": "RuntimeDefault"}
+
+
+def test_etcd_endpoints_tls_files_and_credentials_reach_the_controller(helm: Helm) -> None:
+    values = yaml.safe_load(HA_TLS_VALUES.read_text())["etcd"]
+    rendered = helm.template("neonvm-controller", "neonvm-system", HA_TLS_VALUES)
+    env = rendered.env()
+    assert env["NEONVM_ETCD_ENDPOINTS"]["value"] == ",".join(values["endpoints"])
+    assert env["NEONVM_ETCD_PREFIX"]["value"] == values["prefix"]
+
+    (mount,) = [m for m in rendered.container["volumeMounts"] if m["name"] == "etcd-tls"]
+    assert mount["readOnly"] is True
+    (volume,) = [v for v in rendered.pod_spec["volumes"] if v["name"] == "etcd-tls"]
+    assert volume["secret"]["secretName"] == values["tls"]["secretName"]
+    files = {item["path"]: item["key"] for item in volume["secret"]["items"]}
+    assert files == {"ca.crt": "ca.crt", "tls.crt": "tls.crt", "tls.key": "tls.key"}
+    for var, file in (("NEONVM_ETCD_CA", "ca.crt"), ("NEONVM_ETCD_CERT", "tls.crt"),
+                      ("NEONVM_ETCD_KEY", "tls.key")):
+        assert env[var]["value"] == f"{mount['mountPath']}/{file}"
+
+    for var, key in (("NEONVM_ETCD_USER", "username"), ("NEONVM_ETCD_PASSWORD", "password")):
+        ref = env[var]["valueFrom"]["secretKeyRef"]
+        assert ref == {"name": values["auth"]["secretName"], "key": key}
+        assert "value" not in env[var]
+
+    plain = helm.template("neonvm-controller", "neonvm-system").env()
+    assert not {"NEONVM_ETCD_CA", "NEONVM_ETCD_CERT", "NEONVM_ETCD_USER"} & plain.keys()
+
+
+def test_a_ca_only_tls_setup_passes_no_client_certificate(helm: Helm) -> None:
+    rendered = helm.template(
+        "neonvm-controller", "neonvm-system", HA_TLS_VALUES,
+        sets=("etcd.tls.certKey=", "etcd.tls.keyKey=", "etcd.tls.caKey=root.pem"),
+    )
+    env = rendered.env()
+    assert env["NEONVM_ETCD_CA"]["value"].endswith("/ca.crt")
+    assert "NEONVM_ETCD_CERT" not in env and "NEONVM_ETCD_KEY" not in env
+    (volume,) = [v for v in rendered.pod_spec["volumes"] if v["name"] == "etcd-tls"]
+    assert volume["secret"]["items"] == [{"key": "root.pem", "path": "ca.crt"}]
+
+
+def test_the_rbac_rules_are_the_generated_ones_and_the_lease_is_namespaced(helm: Helm) -> None:
+    rendered = helm.template("nvm", "ops", sets=("leaderElection.namespace=leases",))
+    sa = rendered.one("ServiceAccount")["metadata"]
+    subject = {"kind": "ServiceAccount", "name": sa["name"], "namespace": "ops"}
+
+    cluster_role = rendered.one("ClusterRole")
+    assert cluster_role["rules"] == manifests.controller_rules()
+    assert not any("leases" in r["resources"] for r in cluster_role["rules"])
+    crb = rendered.one("ClusterRoleBinding")
+    assert crb["roleRef"]["name"] == cluster_role["metadata"]["name"]
+    assert crb["subjects"] == [subject]
+
+    role = rendered.one("Role")
+    assert role["metadata"]["namespace"] == "leases"
+    assert role["rules"] == manifests.leader_election_rules()
+    rb = rendered.one("RoleBinding")
+    assert rb["metadata"]["namespace"] == "leases"
+    assert rb["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                             "name": role["metadata"]["name"]}
+    assert rb["subjects"] == [subject]
+    assert "--lease-namespace=leases" in rendered.container["args"]
+    assert rendered.pod_spec["serviceAccountName"] == sa["name"]
+
+
+def test_the_admission_fence_names_the_release_service_account(helm: Helm) -> None:
+    rendered = helm.template("nvm", "ops", sets=("serviceAccount.name=vm-operator",))
+    user = "system:serviceaccount:ops:vm-operator"
+    assert rendered.service_account_user() == user
+    policy = rendered.one("ValidatingAdmissionPolicy")
+    assert policy["spec"] == manifests.admission_policy([user])["spec"]
+    assert manifests.CHART_SA_PLACEHOLDER not in json.dumps(rendered.objects)
+    binding = rendered.one("ValidatingAdmissionPolicyBinding")
+    assert binding["spec"] == {"policyName": policy["metadata"]["name"],
+                               "validationActions": ["Deny"]}
+
+    disabled = helm.template("nvm", "ops", sets=("admissionPolicy.enabled=false",))
+    assert not disabled.all("ValidatingAdmissionPolicy")
+    assert not disabled.all("ValidatingAdmissionPolicyBinding")
+
+
+def test_the_service_monitor_is_opt_in_and_scrapes_the_metrics_service(helm: Helm) -> None:
+    assert not helm.template("nvm", "ops").all("ServiceMonitor")
+    rendered = helm.template("nvm", "ops", sets=("metrics.serviceMonitor.enabled=true",
+                                                 "metrics.serviceMonitor.labels.release=prom"))
+    monitor = rendered.one("ServiceMonitor")
+    service = rendered.one("Service")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["metadata"]["labels"]["release"] == "prom"
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= (
+        service["metadata"]["labels"].items())
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": ["ops"]}
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["port"] == service["spec"]["ports"][0]["name"]
+    assert endpoint["path"] == "/metrics"
+
+
+SCHEMA_VIOLATIONS = [
+    pytest.param(["--set", "replicaCount=three"],
+                 "at '/replicaCount': got string, want integer", id="replicas-not-a-number"),
+    pytest.param(["--set-string", "controller.healthPort=8080"],
+                 "at '/controller/healthPort': got string, want integer", id="port-as-string"),
+    pytest.param(["--set", "etcd.endpoints=null"],
+                 "at '/etcd': missing property 'endpoints'", id="etcd-endpoints-missing"),
+    pytest.param(["--values", "EMPTY_ENDPOINTS"],
+                 "at '/etcd/endpoints': minItems: got 0, want 1", id="etcd-endpoints-empty"),
+    pytest.param(["--set", "etcd.endpoints={etcd:2379}"],
+                 "at '/etcd/endpoints/0': 'etcd:2379' does not match pattern",
+                 id="etcd-endpoint-without-scheme"),
+    pytest.param(["--set", "etcd.endpoints={https://e:2379}", "--set", "etcd.tls.enabled=true"],
+                 "at '/etcd/tls/secretName': minLength: got 0, want 1",
+                 id="tls-without-secret"),
+    pytest.param(["--set", "etcd.tls.enabled=true", "--set", "etcd.tls.secretName=s"],
+                 "at '/etcd/endpoints/0': 'http://neonvm-etcd:2379' does not match pattern "
+                 "'^https://'", id="tls-with-http-endpoints"),
+    pytest.param(["--set", "etcd.endpoints={https://e:2379}"],
+                 "at '/etcd/endpoints/0': 'https://e:2379' does not match pattern '^http://'",
+                 id="https-without-tls"),
+    pytest.param(["--set", "etcd.auth.enabled=true"],
+                 "at '/etcd/auth/secretName': minLength: got 0, want 1",
+                 id="auth-without-secret"),
+    pytest.param(["--set", "replicas=3"], "additional properties 'replicas' not allowed",
+                 id="unknown-top-level-key"),
+    pytest.param(["--set", "admissionPolicy.validationActions={Deny,Warn}"],
+                 "at '/admissionPolicy/validationActions': 'not' failed", id="deny-with-warn"),
+]
+
+
+@pytest.mark.parametrize(("args", "reason"), SCHEMA_VIOLATIONS)
+def test_values_that_break_the_schema_are_refused_with_helms_message(
+    helm: Helm, tmp_path: Path, args: list[str], reason: str,
+) -> None:
+    empty = tmp_path / "empty-endpoints.yaml"
+    empty.write_text("etcd:\n  endpoints: []\n")
+    args = [str(empty) if a == "EMPTY_ENDPOINTS" else a for a in args]
+    message = helm.template_fails(*args)
+    assert SCHEMA_ERROR in message
+    assert reason in message
+    lint = helm.run("lint", str(CHART), *args, check=False)
+    assert lint.returncode != 0
+    assert "[ERROR] values.yaml" in lint.stdout and reason in lint.stdout
+
+
+@pytest.mark.parametrize(("sets", "message"), [
+    pytest.param(("leaderElection.renewDeadlineSeconds=15",),
+                 "renewDeadlineSeconds (15) must be below leaseDurationSeconds (15)",
+                 id="renew-deadline-not-below-lease-duration"),
+    pytest.param(("leaderElection.retryPeriodSeconds=9",),
+                 "must exceed 1.2 x retryPeriodSeconds (9)", id="retry-period-too-long"),
+    pytest.param(("etcd.endpoints={https://e:2379}", "etcd.tls.enabled=true",
+                  "etcd.tls.secretName=s", "etcd.tls.keyKey="),
+                 "certKey and etcd.tls.keyKey go together", id="cert-without-key"),
+    pytest.param(("serviceAccount.create=false",), "serviceAccount.name is required",
+                 id="no-service-account"),
+])
+def test_inconsistent_values_fail_the_render_with_a_reason(
+    helm: Helm, sets: tuple[str, ...], message: str,
+) -> None:
+    args = [a for s in sets for a in ("--set", s)]
+    assert message in helm.template_fails(*args)
+
+
+# ---- the real API server ------------------------------------------------------------------
+
+
+def _dry_run_create(dyn: dynamic.DynamicClient, obj: dict[str, Any],
+                    namespace: str) -> dict[str, Any]:
+    resource = dyn.resources.get(api_version=obj["apiVersion"], kind=obj["kind"])
+    kwargs: dict[str, Any] = {}
+    if resource.namespaced:
+        kwargs["namespace"] = obj["metadata"].get("namespace", namespace)
+    result = resource.create(body=obj, dry_run="All", field_validation="Strict", **kwargs)
+    out: dict[str, Any] = result.to_dict()
+    return out
+
+
+def _apply_crds(api: client.ApiClient, rendered: Rendered) -> None:
+    ext = client.ApiextensionsV1Api(api)
+    for crd in rendered.all("CustomResourceDefinition"):
+        kube.apply(api, crd)
+        name = crd["metadata"]["name"]
+        wait_for(lambda name=name: any(  # type: ignore[misc]
+            c.type == "Established" and c.status == "True"
+            for c in ext.read_custom_resource_definition(name).status.conditions or []),
+            what=f"CRD {name} established")
+
+
+def _restricted_namespace(api: client.ApiClient) -> Iterator[str]:
+    """A fresh namespace enforcing the ``restricted`` Pod Security Standard."""
+    core = client.CoreV1Api(api)
+    name = f"chart-{uuid.uuid4().hex[:8]}"
+    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(
+        name=name, labels={"pod-security.kubernetes.io/enforce": "restricted",
+                           "pod-security.kubernetes.io/enforce-version": "latest"})))
+    try:
+        yield name
+    finally:
+        with contextlib.suppress(ApiException):
+            core.delete_namespace(name)
+
+
+@pytest.fixture
+def release_namespace(api: client.ApiClient) -> Iterator[str]:
+    yield from _restricted_namespace(api)
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("values", list(VALUE_SETS), ids=list(VALUE_SETS))
+def test_the_api_server_accepts_every_rendered_object(
+    helm: Helm, api: client.ApiClient, release_namespace: str, values: str,
+) -> None:
+    rendered = helm.template(_release(), release_namespace, VALUE_SETS[values], crds=True)
+    (crd,) = rendered.all("CustomResourceDefinition")
+    assert crd == manifests.crd()
+    _apply_crds(api, rendered)
+
+    dyn = dynamic.DynamicClient(api)
+    checked = []
+    for obj in rendered.objects:
+        if obj["kind"] in ("CustomResourceDefinition", "ServiceMonitor"):
+            continue
+        accepted = _dry_run_create(dyn, obj, release_namespace)
+        assert accepted["metadata"]["name"] == obj["metadata"]["name"]
+        checked.append(obj["kind"])
+    assert len(checked) >= 10, checked
+
+    # The restricted Pod Security Standard is enforced on pods, not on Deployments: make
+    # the pod the ReplicaSet would make, and let the real PodSecurity admission judge it.
+    template = rendered.one("Deployment")["spec"]["template"]
+    pod = {"apiVersion": "v1", "kind": "Pod",
+           "metadata": {**template["metadata"], "name": "pss-probe"}, "spec": template["spec"]}
+    _dry_run_create(dyn, pod, release_namespace)
+
+
+@pytest.mark.cluster
+def test_a_pod_that_breaks_the_restricted_standard_is_refused_there(
+    helm: Helm, api: client.ApiClient, release_namespace: str,
+) -> None:
+    """The check above can fail: the same pod with privilege escalation is refused."""
+    rendered = helm.template(_release(), release_namespace,
+                             sets=("securityContext.allowPrivilegeEscalation=true",))
+    template = rendered.one("Deployment")["spec"]["template"]
+    pod = {"apiVersion": "v1", "kind": "Pod",
+           "metadata": {**template["metadata"], "name": "pss-probe"}, "spec": template["spec"]}
+    with pytest.raises(ApiException) as refused:
+        _dry_run_create(dynamic.DynamicClient(api), pod, release_namespace)
+    assert refused.value.status == 403
+    assert "allowPrivilegeEscalation" in kube.api_error_message(refused.value)
+
+
+# ---- RBAC and the fence, for real ---------------------------------------------------------
+
+
+DEV_FENCE = manifests.POLICY_NAME
+"""The local cluster's own fence (for the ``neonvm-controller`` user). While a test installs
+the chart's fence (for the chart's ServiceAccount), the local one's binding is suspended:
+in a cluster installed by the chart, the chart's fence is the only one."""
+
+
+@dataclass
+class Installed:
+    """The chart's identity, RBAC and fence, created for real; removed on exit."""
+
+    rendered: Rendered
+    admin_kubeconfig: Path
+    created: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def fence_name(self) -> str:
+        name: str = self.rendered.one("ValidatingAdmissionPolicy")["metadata"]["name"]
+        return name
+
+    def as_service_account(self) -> client.ApiClient:
+        """The admin kubeconfig, impersonating the chart's ServiceAccount."""
+        sa_api = kube.api_client(self.admin_kubeconfig)
+        sa_api.set_default_header("Impersonate-User", self.rendered.service_account_user())
+        return sa_api
+
+
+IDENTITY_KINDS = ("ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding",
+                  "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding")
+
+
+@contextlib.contextmanager
+def _install_identity(cluster: LocalCluster, api: client.ApiClient, rendered: Rendered,
+                      ) -> Iterator[Installed]:
+    """Create the chart's ServiceAccount, RBAC and fence, and make its fence the only one."""
+    dyn = dynamic.DynamicClient(api)
+    installed = Installed(rendered, cluster.kubeconfig)
+    admission = client.AdmissionregistrationV1Api(api)
+    try:
+        for obj in rendered.objects:
+            if obj["kind"] in IDENTITY_KINDS:
+                resource = dyn.resources.get(api_version=obj["apiVersion"], kind=obj["kind"])
+                ns = obj["metadata"].get("namespace") if resource.namespaced else None
+                resource.create(body=obj, namespace=ns)
+                installed.created.append(obj)
+        with contextlib.suppress(ApiException):
+            admission.delete_validating_admission_policy_binding(DEV_FENCE)
+        yield installed
+    finally:
+        kube.apply(api, manifests.admission_policy_binding())
+        for obj in reversed(installed.created):
+            resource = dyn.resources.get(api_version=obj["apiVersion"], kind=obj["kind"])
+            ns = obj["metadata"].get("namespace") if resource.namespaced else None
+            with contextlib.suppress(ApiException):
+                resource.delete(name=obj["metadata"]["name"], namespace=ns)
+
+
+def _runner_pod(vm: dict[str, Any], name: str, gated: bool = True) -> dict[str, Any]:
+    """A runner pod as the controller creates it: gated, labelled and owned by the VM."""
+    meta = vm["metadata"]
+    return {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "labels": {types.LABEL_VM_NAME: meta["name"], types.LABEL_VM_UID: meta["uid"]},
+            "ownerReferences": [{"apiVersion": types.API_VERSION, "kind": types.KIND,
+                                 "name": meta["name"], "uid": meta["uid"],
+                                 "controller": True, "blockOwnerDeletion": True}],
+        },
+        "spec": {
+            "schedulingGates": [{"name": types.SCHEDULING_GATE}] if gated else [],
+            "restartPolicy": "Never",
+            "containers": [{"name": "runner", "image": "neonvm-runner:test"}],
+        },
+    }
+
+
+def _ungate_patch(pod: dict[str, Any]) -> list[dict[str, Any]]:
+    """The controller's ungate: only our gate goes, only from the pod it observed."""
+    gates = pod["spec"]["schedulingGates"]
+    index = next(i for i, g in enumerate(gates) if g["name"] == types.SCHEDULING_GATE)
+    return [
+        {"op": "test", "path": "/metadata/uid", "value": pod["metadata"]["uid"]},
+        {"op": "test", "path": "/metadata/resourceVersion",
+         "value": pod["metadata"]["resourceVersion"]},
+        {"op": "test", "path": f"/spec/schedulingGates/{index}/name",
+         "value": types.SCHEDULING_GATE},
+        {"op": "remove", "path": f"/spec/schedulingGates/{index}"},
+    ]
+
+
+def _refused(call: Callable[[], object]) -> ApiException:
+    with pytest.raises(ApiException) as err:
+        call()
+    return err.value
+
+
+def _forbidden(call: Callable[[], object]) -> None:
+    err = _refused(call)
+    assert err.status == 403, f"expected 403, got {err.status}: {kube.api_error_message(err)}"
+
+
+def _fence_denies(err: ApiException, fence: str) -> bool:
+    return err.status in (403, 422) and f"'{fence}'" in kube.api_error_message(err)
+
+
+@pytest.fixture
+def lease_namespace(api: client.ApiClient) -> Iterator[str]:
+    yield from _restricted_namespace(api)
+
+
+@pytest.mark.cluster
+def test_the_service_account_may_do_what_the_controller_does_and_nothing_more(
+    helm: Helm, cluster: LocalCluster, api: client.ApiClient, namespace: str,
+    lease_namespace: str,
+) -> None:
+    rendered = helm.template(_release(), lease_namespace)
+    custom = client.CustomObjectsApi(api)
+    vm = custom.create_namespaced_custom_object(
+        types.GROUP, types.VERSION, namespace, types.PLURAL, _sample_vm("lifecycle"))
+    name = vm["metadata"]["name"]
+
+    with _install_identity(cluster, api, rendered) as installed:
+        sa_api = installed.as_service_account()
+        sa_custom = client.CustomObjectsApi(sa_api)
+        sa_core = client.CoreV1Api(sa_api)
+        admin_core = client.CoreV1Api(api)
+        fence = installed.fence_name
+
+        # Watch and read VMs, everywhere and directly.
+        listed = sa_custom.list_cluster_custom_object(types.GROUP, types.VERSION, types.PLURAL)
+        assert name in [v["metadata"]["name"] for v in listed["items"]]
+        _drain_watch(sa_custom.list_cluster_custom_object(
+            types.GROUP, types.VERSION, types.PLURAL, watch=True, timeout_seconds=1,
+            resource_version=listed["metadata"]["resourceVersion"], _preload_content=False))
+        vm = sa_custom.get_namespaced_custom_object(
+            types.GROUP, types.VERSION, namespace, types.PLURAL, name)
+
+        # Add the finalizer (a PUT carrying resourceVersion) and write status both ways.
+        vm["metadata"]["finalizers"] = [types.FINALIZER]
+        vm = sa_custom.replace_namespaced_custom_object(
+            types.GROUP, types.VERSION, namespace, types.PLURAL, name, vm)
+        vm["status"] = {"phase": "Pending"}
+        vm = sa_custom.replace_namespaced_custom_object_status(
+            types.GROUP, types.VERSION, namespace, types.PLURAL, name, vm)
+        vm = sa_custom.patch_namespaced_custom_object_status(
+            types.GROUP, types.VERSION, namespace, types.PLURAL, name,
+            {"metadata": {"resourceVersion": vm["metadata"]["resourceVersion"]},
+             "status": {"phase": "Pending", "restartCount": 0}})
+
+        # Create the gated runner pod; list, watch and read pods directly.
+        pod_name = f"{name}-{vm['metadata']['uid'][:8]}-1"
+        pod = sa_core.create_namespaced_pod(namespace, _runner_pod(vm, pod_name)).to_dict()
+        pod = api.sanitize_for_serialization(sa_core.read_namespaced_pod(pod_name, namespace))
+        selector = f"{types.LABEL_VM_NAME}={name}"
+        assert [p.metadata.name for p in sa_core.list_namespaced_pod(
+            namespace, label_selector=selector).items] == [pod_name]
+        _drain_watch(sa_core.list_pod_for_all_namespaces(
+            watch=True, timeout_seconds=1, label_selector=selector, _preload_content=False))
+
+        # Only the chart's ServiceAccount may ungate: the admin is refused by the chart's
+        # fence (wait until the API server has loaded it), the ServiceAccount is not
+        # (wait until the suspended local fence has let go).
+        wait_for(lambda: _fence_denies(_refused(lambda: admin_core.patch_namespaced_pod(
+            pod_name, namespace, _ungate_patch(pod), dry_run="All")), fence),
+            what="the chart's fence refusing the admin's ungate")
+        wait_for(lambda: _try(lambda: sa_core.patch_namespaced_pod(
+            pod_name, namespace, _ungate_patch(pod), dry_run="All")),
+            what="the chart's ServiceAccount allowed to ungate")
+        err = _refused(lambda: sa_core.create_namespaced_pod(
+            namespace, _runner_pod(vm, f"{name}-ungated", gated=False)))
+        assert _fence_denies(err, fence), kube.api_error_message(err)
+        ungated = sa_core.patch_namespaced_pod(pod_name, namespace, _ungate_patch(pod))
+        assert not ungated.spec.scheduling_gates
+
+        # Events about the VM, in its namespace, in both event APIs.
+        sa_core.create_namespaced_event(namespace, client.CoreV1Event(
+            metadata=client.V1ObjectMeta(name=f"{name}.{uuid.uuid4().hex[:16]}"),
+            involved_object=client.V1ObjectReference(
+                api_version=types.API_VERSION, kind=types.KIND, name=name,
+                namespace=namespace, uid=vm["metadata"]["uid"]),
+            reason="PodCreated", message="runner pod created", type="Normal"))
+        client.EventsV1Api(sa_api).create_namespaced_event(namespace, client.EventsV1Event(
+            metadata=client.V1ObjectMeta(name=f"{name}.{uuid.uuid4().hex[:16]}"),
+            event_time=_micro_now(), action="Ungate", reason="PodUngated",
+            reporting_controller="neonvm.dev/controller", reporting_instance="test",
+            regarding=client.V1ObjectReference(
+                api_version=types.API_VERSION, kind=types.KIND, name=name,
+                namespace=namespace, uid=vm["metadata"]["uid"]),
+            note="runner pod ungated", type="Normal"))
+
+        # The Lease: read, create, replace, in the lease namespace only.
+        _lease_lifecycle(sa_api, lease_namespace)
+        sa_leases = client.CoordinationV1Api(sa_api)
+        _forbidden(lambda: sa_leases.create_namespaced_lease(namespace, _lease("elsewhere")))
+        _forbidden(lambda: sa_leases.list_namespaced_lease(lease_namespace))
+        _forbidden(lambda: sa_leases.delete_namespaced_lease("neonvm", lease_namespace))
+
+        # VM deleted: delete its pods with a uid precondition, then drop the finalizer.
+        custom.delete_namespaced_custom_object(types.GROUP, types.VERSION, namespace,
+                                               types.PLURAL, name)
+        sa_core.delete_namespaced_pod(pod_name, namespace, body=client.V1DeleteOptions(
+            preconditions=client.V1Preconditions(uid=pod["metadata"]["uid"])))
+        vm = sa_custom.get_namespaced_custom_object(
+            types.GROUP, types.VERSION, namespace, types.PLURAL, name)
+        assert vm["metadata"].get("deletionTimestamp")
+        vm["metadata"]["finalizers"] = []
+        sa_custom.replace_namespaced_custom_object(
+            types.GROUP, types.VERSION, namespace, types.PLURAL, name, vm)
+        wait_for(lambda: _gone(lambda: custom.get_namespaced_custom_object(
+            types.GROUP, types.VERSION, namespace, types.PLURAL, name)), what="VM gone")
+
+        # What the controller must never do.
+        other = custom.create_namespaced_custom_object(
+            types.GROUP, types.VERSION, namespace, types.PLURAL, _sample_vm("other"))
+        _forbidden(lambda: sa_custom.delete_namespaced_custom_object(
+            types.GROUP, types.VERSION, namespace, types.PLURAL, other["metadata"]["name"]))
+        _forbidden(lambda: sa_custom.create_namespaced_custom_object(
+            types.GROUP, types.VERSION, namespace, types.PLURAL, _sample_vm("mine")))
+        _forbidden(lambda: sa_core.list_namespaced_secret(namespace))
+        _forbidden(lambda: sa_core.read_namespaced_secret("any", lease_namespace))
+        _forbidden(lambda: sa_core.list_namespaced_config_map(namespace))
+        _forbidden(lambda: sa_core.create_namespaced_pod_eviction(
+            pod_name, namespace, client.V1Eviction(metadata=client.V1ObjectMeta(
+                name=pod_name, namespace=namespace))))
+        _forbidden(lambda: client.RbacAuthorizationV1Api(sa_api).list_cluster_role())
+        sa_api.close()
+
+
+def _try(call: Callable[[], object]) -> bool:
+    try:
+        call()
+    except ApiException:
+        return False
+    return True
+
+
+def _gone(call: Callable[[], object]) -> bool:
+    try:
+        call()
+    except ApiException as err:
+        if err.status == 404:
+            return True
+        raise
+    return False
+
+
+def _drain_watch(resp: Any) -> None:
+    """A watch the server accepted: read it to its (short) end and close it."""
+    try:
+        resp.read()
+    finally:
+        resp.release_conn()
+
+
+def _micro_now() -> str:
+    from datetime import UTC, datetime
+
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def _lease(name: str) -> client.V1Lease:
+    return client.V1Lease(metadata=client.V1ObjectMeta(name=name),
+                          spec=client.V1LeaseSpec(holder_identity="test_0",
+                                                  lease_duration_seconds=15,
+                                                  lease_transitions=0))
+
+
+def _lease_lifecycle(sa_api: client.ApiClient, namespace: str) -> None:
+    """The election's calls: GET (absent), create, GET, replace by resourceVersion."""
+    leases = client.CoordinationV1Api(sa_api)
+    assert _gone(lambda: leases.read_namespaced_lease("neonvm", namespace))
+    leases.create_namespaced_lease(namespace, _lease("neonvm"))
+    lease = leases.read_namespaced_lease("neonvm", namespace)
+    lease.spec.holder_identity = "test_1"
+    lease.spec.lease_transitions = 1
+    replaced = leases.replace_namespaced_lease("neonvm", namespace, lease)
+    assert replaced.spec.lease_transitions == 1
+
+
+def _sample_vm(prefix: str) -> dict[str, Any]:
+    path = Path(__file__).resolve().parent.parent / "examples" / "vm-deploy.yaml"
+    obj: dict[str, Any] = yaml.safe_load(path.read_text())
+    obj["metadata"] = {"name": f"{prefix}-{uuid.uuid4().hex[:6]}"}
+    obj.pop("status", None)
+    return obj
+
+
+# ---- the real controller, as the chart runs it --------------------------------------------
+
+
+def _controller_cli_exists() -> bool:
+    try:
+        import neonvm.cli.controller  # noqa: F401
+    except ModuleNotFoundError:
+        return False
+    return True
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _service_account_kubeconfig(api: client.ApiClient, cluster: LocalCluster,
+                                namespace: str, name: str, path: Path) -> Path:
+    """A kubeconfig holding a real token of the ServiceAccount (TokenRequest API)."""
+    token = client.CoreV1Api(api).create_namespaced_service_account_token(
+        name, namespace, client.AuthenticationV1TokenRequest(
+            spec=client.V1TokenRequestSpec(audiences=[], expiration_seconds=3600)))
+    admin = yaml.safe_load(cluster.kubeconfig.read_text())
+    admin["users"] = [{"name": "sa", "user": {"token": token.status.token}}]
+    admin["contexts"] = [{"name": "sa", "context": {"cluster": admin["clusters"][0]["name"],
+                                                    "user": "sa"}}]
+    admin["current-context"] = "sa"
+    path.write_text(yaml.safe_dump(admin))
+    return path
+
+
+@contextlib.contextmanager
+def _running(argv: list[str], env: dict[str, str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
+    with log.open("wb") as out:
+        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.mark.cluster
+@pytest.mark.skipif(not _controller_cli_exists(), reason="neonvm controller run not written yet")
+def test_the_controller_runs_a_vm_lifecycle_with_the_charts_command_line_and_identity(
+    helm: Helm, cluster: LocalCluster, api: client.ApiClient, namespace: str,
+    lease_namespace: str, tmp_path: Path,
+) -> None:
+    health_port = _free_port()
+    rendered = helm.template(_release(), lease_namespace, sets=(
+        f"controller.healthPort={health_port}",
+        f"etcd.endpoints={{{cluster.locks_etcd_url}}}",
+        f"etcd.prefix=/chart-test-{uuid.uuid4().hex[:8]}",
+        "controller.logFormat=text",
+        "leaderElection.leaseDurationSeconds=6", "leaderElection.renewDeadlineSeconds=4",
+        "leaderElection.retryPeriodSeconds=1",
+    ))
+    custom = client.CustomObjectsApi(api)
+    core = client.CoreV1Api(api)
+    with _install_identity(cluster, api, rendered) as installed:
+        sa = rendered.one("ServiceAccount")["metadata"]["name"]
+        kubeconfig = _service_account_kubeconfig(api, cluster, lease_namespace, sa,
+                                                  tmp_path / "sa.kubeconfig")
+        container = rendered.container
+        neonvm_cli = shutil.which("neonvm") or f"{sys.executable} -m neonvm"
+        argv = [*neonvm_cli.split(), *container["args"]]
+        argv.insert(argv.index("run") + 1, f"--kubeconfig={kubeconfig}")
+        env = {**os.environ, **{e["name"]: e["value"] for e in container["env"] if "value" in e},
+               "POD_NAME": "chart-test", "POD_NAMESPACE": lease_namespace}
+        env.pop("KUBECONFIG", None)
+        log = tmp_path / "controller.log"
+        with _running(argv, env, log) as proc:
+            wait_for(lambda: proc.poll() is not None or _lease_held(api, rendered),
+                     timeout=60, what="the controller leading")
+            assert proc.poll() is None, log.read_text()[-3000:]
+
+            vm = custom.create_namespaced_custom_object(
+                types.GROUP, types.VERSION, namespace, types.PLURAL, _sample_vm("chart"))
+            name = vm["metadata"]["name"]
+
+            def committed() -> str | None:
+                fresh = custom.get_namespaced_custom_object(
+                    types.GROUP, types.VERSION, namespace, types.PLURAL, name)
+                pod_name = (fresh.get("status") or {}).get("podName")
+                if not pod_name:
+                    return None
+                pod = core.read_namespaced_pod(pod_name, namespace)
+                return None if pod.spec.scheduling_gates else str(pod_name)
+
+            pod_name = wait_for(committed, timeout=90,
+                                what="a committed, ungated runner pod")
+            pods = core.list_namespaced_pod(namespace,
+                                            label_selector=f"{types.LABEL_VM_NAME}={name}")
+            assert [p.metadata.name for p in pods.items] == [pod_name]
+
+            custom.delete_namespaced_custom_object(types.GROUP, types.VERSION, namespace,
+                                                   types.PLURAL, name)
+            wait_for(lambda: _gone(lambda: custom.get_namespaced_custom_object(
+                types.GROUP, types.VERSION, namespace, types.PLURAL, name)),
+                timeout=90, what="the VM's finalizer dropped and the VM gone")
+            assert not core.list_namespaced_pod(
+                namespace, label_selector=f"{types.LABEL_VM_NAME}={name}").items
+            assert proc.poll() is None, log.read_text()[-3000:]
+        assert installed.fence_name
+
+
+def _lease_held(api: client.ApiClient, rendered: Rendered) -> bool:
+    args = rendered.container["args"]
+    ns = next(a.split("=", 1)[1] for a in args if a.startswith("--lease-namespace="))
+    name = next(a.split("=", 1)[1] for a in args if a.startswith("--lease-name="))
+    try:
+        lease = client.CoordinationV1Api(api).read_namespaced_lease(name, ns)
+    except ApiException as err:
+        if err.status == 404:
+            return False
+        raise
+    return bool(lease.spec.holder_identity)
