@@ -803,11 +803,11 @@ def test_step_down_hands_over_and_a_request_for_an_old_term_is_ignored(
     assert f"asked {old.identity} (epoch {old_epoch}) to step down" in result.output
     assert f"{other.identity} leads now" in result.output
 
-    new_epoch = other.leading_epoch()
-    assert new_epoch is not None and old_epoch is not None and new_epoch > old_epoch
-    stopped = old.first("stopped", epoch=old_epoch)
-    new_start = other.first("started", epoch=new_epoch)
-    assert stopped is not None and new_start is not None
+    new_start = wait_until(lambda: other.first("started"), 30, what="the new leader's report")
+    new_epoch = new_start["epoch"]
+    assert old_epoch is not None and new_epoch > old_epoch
+    stopped = wait_until(lambda: old.first("stopped", epoch=old_epoch), 30,
+                         what="the old leader's report")
     print(f"\nstep-down handover: {new_start['mono'] - stopped['mono']:.2f}s from the old "
           "leader stopping to the new one starting")
     assert_one_leader_at_a_time(terms_of(pair))

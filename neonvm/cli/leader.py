@@ -137,17 +137,7 @@ def step_down(namespace: str, lease_name: str, kubeconfig: Path | None, holder: 
                 f"the Lease is held by {record.holder}, not {holder}: nothing requested")
         request = StepDownRequest(record.holder, record.transitions,
                                   format_microtime(datetime.now(UTC)))
-        try:
-            leases.replace(record, {}, REQUEST_TIMEOUT, step_down=request)
-        except ApiException as exc:
-            if exc.status != 409:
-                raise
-            fresh = leases.get(REQUEST_TIMEOUT)
-            now_holder = fresh.holder if fresh is not None else "<deleted>"
-            raise click.ClickException(
-                f"the Lease changed while requesting (holder now {now_holder or '<none>'}); "
-                "not retrying against a different term, run step-down again if still wanted"
-            ) from exc
+        _request_step_down(leases, record, request)
         click.echo(f"asked {record.holder} (epoch {record.transitions}) to step down")
         if not wait:
             return
@@ -167,3 +157,27 @@ def step_down(namespace: str, lease_name: str, kubeconfig: Path | None, holder: 
         raise click.ClickException(
             f"{record.holder} has not handed over within {timeout:g}s "
             "(is it running, and does it support step-down?)")
+
+
+def _request_step_down(leases: LeaseClient, record: LeaseRecord,
+                       request: StepDownRequest) -> None:
+    """Write ``request`` by CAS. A conflict from a renewal of the same term (same holder,
+    same epoch) is retried on the fresh version: the request names that term, so the
+    intent is unchanged. Any other change means the term is over: never re-target."""
+    current = record
+    for _ in range(10):
+        try:
+            leases.replace(current, {}, REQUEST_TIMEOUT, step_down=request)
+            return
+        except ApiException as exc:
+            if exc.status != 409:
+                raise
+        fresh = leases.get(REQUEST_TIMEOUT)
+        if fresh is None or fresh.holder != request.holder or \
+                fresh.transitions != request.epoch:
+            now_holder = "<deleted>" if fresh is None else (fresh.holder or "<none>")
+            raise click.ClickException(
+                f"leadership changed while requesting (holder now {now_holder}); not asking "
+                "a different term to step down: run step-down again if still wanted")
+        current = fresh
+    raise click.ClickException("the Lease kept changing; step-down not requested")
