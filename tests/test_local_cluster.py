@@ -30,8 +30,11 @@ from kubernetes.client.exceptions import ApiException
 from neonvm import kube
 from neonvm.api import types
 from neonvm.cli import main
+from neonvm.controller.conditions import WAITING_FOR_OLD_POD
+from neonvm.controller.harness import Replicas, converged, create_vm, get_vm, is_gated
 from neonvm.dev import nodes
 from neonvm.dev.cluster import LocalCluster
+from neonvm.invariant import InvariantChecker
 from tests.support import wait_for
 
 pytestmark = pytest.mark.nodes
@@ -80,7 +83,7 @@ def pod_manifest(
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": spec}
 
 
-def create_vm(api: client.ApiClient, namespace: str) -> dict[str, Any]:
+def create_sample_vm(api: client.ApiClient, namespace: str) -> dict[str, Any]:
     vm: dict[str, Any] = yaml.safe_load(SAMPLE_VM.read_text())
     vm["metadata"] = {"name": f"vm-{uuid.uuid4().hex[:6]}"}
     created: dict[str, Any] = client.CustomObjectsApi(api).create_namespaced_custom_object(
@@ -125,7 +128,7 @@ def test_a_gated_pod_stays_unscheduled_while_an_ungated_one_runs(
     api: client.ApiClient, namespace: str
 ) -> None:
     core = client.CoreV1Api(api)
-    vm = create_vm(api, namespace)
+    vm = create_sample_vm(api, namespace)
     core.create_namespaced_pod(namespace, pod_manifest("gated", runner_of=vm))
     core.create_namespaced_pod(namespace, pod_manifest("control"))
 
@@ -142,7 +145,7 @@ def test_an_ungated_runner_pod_is_scheduled_and_becomes_running_and_ready(
     api: client.ApiClient, controller_api: client.ApiClient, namespace: str
 ) -> None:
     core = client.CoreV1Api(api)
-    vm = create_vm(api, namespace)
+    vm = create_sample_vm(api, namespace)
     core.create_namespaced_pod(namespace, pod_manifest("runner", runner_of=vm))
     ungate(controller_api, namespace, "runner")
 
@@ -221,7 +224,7 @@ def test_runner_pods_whose_vm_is_deleted_are_garbage_collected(
     api: client.ApiClient, controller_api: client.ApiClient, namespace: str
 ) -> None:
     core = client.CoreV1Api(api)
-    vm = create_vm(api, namespace)
+    vm = create_sample_vm(api, namespace)
     core.create_namespaced_pod(namespace, pod_manifest("runner", runner_of=vm, grace=3))
     ungate(controller_api, namespace, "runner")
     running(core, namespace, "runner")
@@ -236,13 +239,21 @@ def test_runner_pods_whose_vm_is_deleted_are_garbage_collected(
 
 
 @pytest.fixture
-def lost_node(cluster: LocalCluster, api: client.ApiClient) -> Iterator[str]:
-    """A simulated node, restored (on, no out-of-service taint, schedulable) afterwards."""
+def restore_nodes(api: client.ApiClient) -> Iterator[list[str]]:
+    """Nodes a test breaks; restored (on, no out-of-service taint, schedulable) afterwards."""
+    broken: list[str] = []
+    yield broken
+    for name in broken:
+        nodes.set_out_of_service(api, name, present=False)
+        nodes.power_on(api, name)
+        nodes.wait_for_node(api, name, lambda n: n.schedulable, 120, "schedulable again")
+
+
+@pytest.fixture
+def lost_node(cluster: LocalCluster, restore_nodes: list[str]) -> str:
     name = nodes.node_name(cluster.spec.nodes - 1)
-    yield name
-    nodes.set_out_of_service(api, name, present=False)
-    nodes.power_on(api, name)
-    nodes.wait_for_node(api, name, lambda n: n.schedulable, 120, "schedulable again")
+    restore_nodes.append(name)
+    return name
 
 
 def test_a_deleted_pod_on_a_not_ready_node_stays_terminating_until_out_of_service(
@@ -286,3 +297,111 @@ def test_the_node_commands_report_and_refuse_in_one_line(cluster: LocalCluster) 
     )
     assert refused.exit_code == 1
     assert refused.output.strip().splitlines() == ["error: no node 'no-such-node'"]
+
+
+# ---- with the controller -------------------------------------------------------------------
+
+FAST = ["--lease-duration", "4", "--renew-deadline", "3", "--retry-period", "0.5",
+        "--session-ttl", "4", "--plan-requeue", "1", "--resync", "10", "--sweep", "3"]
+
+
+@pytest.fixture
+def controller(
+    cluster: LocalCluster, api: client.ApiClient, namespace: str, tmp_path: Path
+) -> Iterator[Replicas]:
+    """One ``neonvm controller run`` replica for this namespace, killed afterwards."""
+    group = Replicas(
+        api=api, kubeconfig=cluster.kubeconfig_for("controller"),
+        etcd_endpoints=cluster.locks_etcd_url, lease_namespace=namespace,
+        log_dir=tmp_path / "replicas",
+        extra_args=[*FAST, "--watch-namespace", namespace,
+                    "--etcd-prefix", f"/t-{uuid.uuid4().hex[:8]}"],
+    )
+    with group:
+        group.start("a")
+        yield group
+        for r in group:  # shown by pytest only when the test failed
+            print(f"---- {r.name} (exit {r.exit_code()}) ----\n{r.log()[-20000:]}")
+
+
+@pytest.fixture
+def checker(api: client.ApiClient, namespace: str) -> Iterator[InvariantChecker]:
+    """Fails the test if any pod list ever showed two live runner pods for one VM."""
+    with InvariantChecker(api, namespace, interval=0.02) as c:
+        yield c
+    assert c.report.samples > 0
+    assert c.report.strict == [], f"two live runner pods at once: {c.report.strict}"
+
+
+def running_runner(api: client.ApiClient, namespace: str, vm: str) -> str:
+    """Wait until the VM has converged on one Running runner pod; return its name."""
+    core = client.CoreV1Api(api)
+
+    def check() -> str | None:
+        if not converged(api, namespace, [vm]):
+            return None
+        name = str((get_vm(api, namespace, vm) or {})["status"]["podName"])
+        pod = read(core, namespace, name)
+        return name if pod is not None and pod.status.phase == "Running" else None
+
+    name: str = wait_for(check, timeout=120, what=f"VM {vm} to run one runner pod")
+    return name
+
+
+def waiting_replacement(api: client.ApiClient, namespace: str, vm: str, old: str) -> str:
+    """Wait until a replacement is committed and the VM says it waits for ``old``."""
+
+    def check() -> str | None:
+        status = (get_vm(api, namespace, vm) or {}).get("status") or {}
+        waiting = any(c.get("type") == WAITING_FOR_OLD_POD and c.get("status") == "True"
+                      for c in status.get("conditions") or [])
+        name = status.get("podName")
+        return str(name) if waiting and name and name != old else None
+
+    name: str = wait_for(check, timeout=120, what=f"VM {vm} to wait for {old} to go")
+    return name
+
+
+@pytest.mark.usefixtures("controller", "checker")
+def test_the_controllers_replacement_stays_gated_until_the_old_pod_is_gone(
+    api: client.ApiClient, namespace: str
+) -> None:
+    core = client.CoreV1Api(api)
+    create_vm(api, namespace, "vm", restart_policy="Always")
+    old = running_runner(api, namespace, "vm")
+
+    nodes.delay_termination(api, namespace, old, 3600)  # a guest slow to power down
+    core.delete_namespaced_pod(old, namespace)
+    new = waiting_replacement(api, namespace, "vm", old)
+
+    # The controller has seen the old pod and decided to wait: the replacement is
+    # created and committed, but gated, while the old pod is still there.
+    assert is_gated(core.read_namespaced_pod(new, namespace))
+    assert core.read_namespaced_pod(old, namespace).metadata.deletion_timestamp is not None
+
+    nodes.delay_termination(api, namespace, old, None)  # the guest is finally off
+    gone(core, namespace, old)
+    assert running_runner(api, namespace, "vm") == new
+
+
+@pytest.mark.usefixtures("controller", "checker")
+def test_after_a_node_failure_the_replacement_starts_only_once_the_node_is_out_of_service(
+    api: client.ApiClient, namespace: str, restore_nodes: list[str]
+) -> None:
+    core = client.CoreV1Api(api)
+    create_vm(api, namespace, "vm", restart_policy="Always")
+    old = running_runner(api, namespace, "vm")
+    lost_node = core.read_namespaced_pod(old, namespace).spec.node_name
+    restore_nodes.append(lost_node)
+
+    nodes.power_off(api, lost_node)
+    nodes.wait_for_node(api, lost_node, lambda n: n.ready not in ("True", ""), 120, "NotReady")
+    core.delete_namespaced_pod(old, namespace)  # an eviction, or an operator
+    new = waiting_replacement(api, namespace, "vm", old)
+    assert is_gated(core.read_namespaced_pod(new, namespace))
+    assert core.read_namespaced_pod(old, namespace).metadata.deletion_timestamp is not None
+
+    assert nodes.set_out_of_service(api, lost_node, present=True)  # confirmed off
+    gone(core, namespace, old, timeout=120)
+    assert running_runner(api, namespace, "vm") == new
+    assert core.read_namespaced_pod(new, namespace).spec.node_name != lost_node
