@@ -662,6 +662,33 @@ def test_leader_show_in_all_formats_and_errors_in_one_line(
     assert no_file.exit_code != 0 and no_file.output.strip().count("\n") == 0
 
 
+@pytest.mark.cluster
+def test_step_down_refuses_a_wrong_holder_and_a_lone_leader_returns_under_a_new_epoch(
+        api: client.ApiClient, cluster: LocalCluster, namespace: str,
+        run_elector: Callable[..., InProcess]) -> None:
+    runner = CliRunner()
+    base = ["leader", "step-down", "-n", namespace, "--name", LEASE,
+            "--kubeconfig", str(cluster.kubeconfig)]
+    run = run_elector(namespace)
+    term = run.wait_leading()
+
+    wrong = runner.invoke(main, [*base, "--holder", "someone-else"])
+    assert wrong.exit_code == 1 and wrong.output.strip().count("\n") == 0
+    assert "not someone-else" in wrong.output
+    assert read_lease(api, namespace).step_down is None
+
+    alone = runner.invoke(main, [*base, "--timeout", "60"])
+    assert alone.exit_code == 0, alone.output
+    assert "no other candidate took over" in alone.output
+    again = run.wait_leading(above=term.epoch)
+    assert term.lost.is_set() and run.stopped_calls
+    assert read_lease(api, namespace).transitions == again.epoch
+
+    run.shutdown()
+    released = runner.invoke(main, base)
+    assert released.exit_code == 1 and "there is no leader" in released.output
+
+
 # ---- separate processes -----------------------------------------------------------------
 
 
