@@ -115,6 +115,7 @@ class Replica:
     """One ``neonvm controller run`` process."""
 
     name: str
+    identity: str
     argv: list[str]
     env: dict[str, str]
     log_path: Path
@@ -169,29 +170,46 @@ class Replica:
 class Replicas:
     """Controller replicas as separate processes; every one is stopped on exit."""
 
+    api: client.ApiClient
+    """Admin client, to read the Lease."""
     kubeconfig: Path
     etcd_endpoints: str
     lease_namespace: str
     log_dir: Path
+    lease_name: str = "neonvm-controller"
     extra_args: Sequence[str] = ()
     members: list[Replica] = field(default_factory=list)
 
     def start(self, name: str, *, faults: str = "", args: Sequence[str] = (),
               env: dict[str, str] | None = None) -> Replica:
+        identity = f"{name}_{os.urandom(3).hex()}"
         argv = [sys.executable, "-m", "neonvm", "--log-format", "json", "controller", "run",
                 "--kubeconfig", str(self.kubeconfig),
                 "--etcd-endpoints", self.etcd_endpoints,
                 "--lease-namespace", self.lease_namespace,
                 "--health-port", "0", "--health-host", "127.0.0.1",
-                "--identity", f"{name}_{os.urandom(3).hex()}",
+                "--identity", identity,
                 *self.extra_args, *args]
         full_env = {k: v for k, v in os.environ.items() if not k.startswith("NEONVM_FAULTS")}
         full_env.update(env or {})
         if faults:
             full_env["NEONVM_FAULTS"] = faults
-        replica = Replica(name, argv, full_env, self.log_dir / f"{name}.log").start()
+        replica = Replica(name, identity, argv, full_env,
+                          self.log_dir / f"{name}.log").start()
         self.members.append(replica)
         return replica
+
+    def leader(self) -> Replica | None:
+        """The member whose identity the Lease names (None: nobody, or not one of ours)."""
+        try:
+            lease = client.CoordinationV1Api(self.api).read_namespaced_lease(
+                self.lease_name, self.lease_namespace)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+        holder = lease.spec.holder_identity
+        return next((r for r in self.members if r.identity == holder and r.running()), None)
 
     def stop_all(self) -> None:
         for r in self.members:

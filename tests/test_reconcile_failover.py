@@ -1,0 +1,293 @@
+"""Replicas of ``neonvm controller run`` as separate processes: crashes, failovers, faults.
+
+Every test runs real processes against the real API server and the locks' etcd, with an
+independent checker listing the namespace's pods continuously; the ``checker`` fixture
+fails the test if any sample ever showed two live runner pods for one VM (strict form:
+not gated and not fully gone). Leaders are killed with SIGKILL, or kill themselves with
+``os._exit(137)`` right after a given step (fault injection), so nothing is cleaned up:
+the next leader must resume from what is recorded in the API server.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kubernetes import client
+
+from neonvm.api import types
+from neonvm.controller.faults import CRASH_EXIT_CODE
+from neonvm.controller.harness import (
+    Replica,
+    Replicas,
+    converged,
+    create_vm,
+    delete_vm,
+    get_vm,
+    is_gated,
+    list_vms,
+    runner_pods,
+)
+from neonvm.dev.cluster import LocalCluster
+from neonvm.invariant import InvariantChecker
+from neonvm.leader.etcd import Etcd, EtcdConfig
+from neonvm.leader.lock import LockTable
+from tests.support import wait_for
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+FAST = ["--lease-duration", "4", "--renew-deadline", "3", "--retry-period", "0.5",
+        "--session-ttl", "4", "--plan-requeue", "1", "--resync", "10", "--sweep", "3"]
+HOLD = "test.neon.tech/hold"
+
+
+@pytest.fixture
+def checker(api: client.ApiClient, namespace: str) -> Iterator[InvariantChecker]:
+    with InvariantChecker(api, namespace, interval=0.02) as c:
+        yield c
+    assert c.report.samples > 0
+    assert c.report.strict == [], f"two live runner pods at once: {c.report.strict}"
+
+
+@pytest.fixture
+def prefix() -> str:
+    """A fresh key prefix in the locks' etcd per test (its own locks and epoch floor)."""
+    return f"/t-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def replicas(cluster: LocalCluster, api: client.ApiClient, namespace: str, prefix: str,
+             tmp_path: Path) -> Iterator[Replicas]:
+    group = Replicas(
+        api=api, kubeconfig=cluster.kubeconfig_for("controller"),
+        etcd_endpoints=cluster.locks_etcd_url, lease_namespace=namespace,
+        log_dir=tmp_path / "replicas",
+        extra_args=[*FAST, "--watch-namespace", namespace, "--etcd-prefix", prefix,
+                    "--workers", "4"],
+    )
+    with group:
+        yield group
+        for r in group:  # shown by pytest only when the test failed
+            print(f"---- {r.name} (exit {r.exit_code()}) ----\n{r.log()[-20000:]}")
+
+
+def leader_of(replicas: Replicas) -> Replica:
+    found = wait_for(replicas.leader, 60, what="a leader")
+    assert found is not None
+    return found
+
+
+def vm_status(api: client.ApiClient, namespace: str, name: str) -> dict[str, Any]:
+    vm = get_vm(api, namespace, name)
+    assert vm is not None
+    status: dict[str, Any] = vm.get("status") or {}
+    return status
+
+
+def only_pod(api: client.ApiClient, namespace: str, name: str) -> str:
+    (pod,) = runner_pods(api, namespace, name)
+    return str(pod.metadata.name)
+
+
+def locks_of(cluster: LocalCluster, prefix: str, namespace: str) -> list[Any]:
+    etcd = Etcd(EtcdConfig(endpoints=(cluster.locks_etcd_url,), prefix=prefix))
+    try:
+        return LockTable(etcd, prefix).list(namespace)
+    finally:
+        etcd.close()
+
+
+def grace(cluster: LocalCluster) -> dict[str, Any]:
+    """With simulated nodes, a short graceful shutdown keeps the old pod around briefly."""
+    return {"terminationGracePeriodSeconds": 3} if cluster.spec.nodes else {}
+
+
+# ---- crash right after each step ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("step", ["plan", "create", "commit", "ungate"])
+def test_the_next_leader_resumes_the_plan_of_a_leader_killed_right_after(
+        step: str, cluster: LocalCluster, api: client.ApiClient, namespace: str,
+        replicas: Replicas, checker: InvariantChecker) -> None:
+    doomed = replicas.start("doomed", faults=f"crash_after={step}")
+    assert leader_of(replicas) is doomed
+    replicas.start("standby")
+    created = create_vm(api, namespace, "vm", spec=grace(cluster))
+
+    wait_for(lambda: doomed.exit_code() is not None, 60, what=f"crash after {step}")
+    assert doomed.exit_code() == CRASH_EXIT_CODE
+    wait_for(lambda: converged(api, namespace, ["vm"]), 90, what="convergence")
+
+    status = vm_status(api, namespace, "vm")
+    assert status["planSeq"] == 1, "the recorded plan was resumed, not replaced"
+    assert status["podName"] == f"vm-{created['metadata']['uid'][:8]}-1"
+    assert status["restartCount"] == 0
+    wait_for(lambda: vm_status(api, namespace, "vm")["fence"]["epoch"] >= 1, 30,
+             what="the next leader's fence on the VM")
+
+
+def test_a_leader_killed_right_after_the_restart_write_is_resumed_once(
+        cluster: LocalCluster, api: client.ApiClient, namespace: str, replicas: Replicas,
+        checker: InvariantChecker) -> None:
+    doomed = replicas.start("doomed", faults="crash_after=restart")
+    assert leader_of(replicas) is doomed
+    replicas.start("standby")
+    create_vm(api, namespace, "vm", spec=grace(cluster))
+    wait_for(lambda: converged(api, namespace, ["vm"]), 60)
+    first = only_pod(api, namespace, "vm")
+
+    client.CoreV1Api(api).delete_namespaced_pod(first, namespace)
+    wait_for(lambda: doomed.exit_code() is not None, 60, what="crash after restart")
+    assert doomed.exit_code() == CRASH_EXIT_CODE
+    wait_for(lambda: converged(api, namespace, ["vm"])
+             and only_pod(api, namespace, "vm") != first, 90)
+    status = vm_status(api, namespace, "vm")
+    assert (status["restartCount"], status["planSeq"]) == (1, 2)
+
+
+def test_a_leader_killed_while_cleaning_up_a_deleted_vm_leaves_nothing_behind(
+        cluster: LocalCluster, api: client.ApiClient, namespace: str, prefix: str,
+        replicas: Replicas, checker: InvariantChecker) -> None:
+    doomed = replicas.start("doomed", faults="crash_after=cleanup")
+    assert leader_of(replicas) is doomed
+    replicas.start("standby")
+    create_vm(api, namespace, "vm", spec=grace(cluster))
+    create_vm(api, namespace, "stays", spec=grace(cluster))
+    wait_for(lambda: converged(api, namespace, ["vm", "stays"]), 60)
+    assert {lock.name for lock in locks_of(cluster, prefix, namespace)} == {"vm", "stays"}
+
+    delete_vm(api, namespace, "vm")
+    wait_for(lambda: doomed.exit_code() is not None, 60, what="crash after cleanup")
+    assert doomed.exit_code() == CRASH_EXIT_CODE
+    wait_for(lambda: get_vm(api, namespace, "vm") is None, 90, what="VM finalized")
+    assert runner_pods(api, namespace, "vm") == []
+    wait_for(lambda: {lock.name for lock in locks_of(cluster, prefix, namespace)}
+             == {"stays"}, 60, what="the deleted VM's lock released or swept")
+    assert converged(api, namespace, ["stays"])
+
+
+# ---- the seed's scenario, with processes --------------------------------------------------------
+
+
+def test_a_deleted_runner_pod_gets_exactly_one_replacement_started_after_the_old_is_gone(
+        cluster: LocalCluster, api: client.ApiClient, namespace: str, replicas: Replicas,
+        checker: InvariantChecker) -> None:
+    replicas.start("a")
+    replicas.start("b")
+    create_vm(api, namespace, "seed", spec={"terminationGracePeriodSeconds": 5})
+    wait_for(lambda: converged(api, namespace, ["seed"]), 60)
+    old = only_pod(api, namespace, "seed")
+    core = client.CoreV1Api(api)
+    if not cluster.spec.nodes:
+        # Without a kubelet, hold the pod in Terminating as a slow guest shutdown would.
+        core.patch_namespaced_pod(old, namespace, {"metadata": {"finalizers": [HOLD]}})
+    core.delete_namespaced_pod(old, namespace)
+
+    def replacement_waiting() -> str | None:
+        pods = {p.metadata.name: p for p in runner_pods(api, namespace, "seed")}
+        new = vm_status(api, namespace, "seed").get("podName")
+        if old in pods and new in pods and new != old:
+            assert is_gated(pods[new]), "the replacement runs beside the old pod"
+            return str(new)
+        return None
+
+    new = wait_for(replacement_waiting, 60, what="a gated replacement beside the old pod")
+    if not cluster.spec.nodes:
+        core.patch_namespaced_pod(old, namespace, {"metadata": {"finalizers": None}})
+    wait_for(lambda: converged(api, namespace, ["seed"]), 90)
+    assert only_pod(api, namespace, "seed") == new
+    assert vm_status(api, namespace, "seed")["restartCount"] == 1
+
+
+# ---- many VMs, three replicas, the leader killed ------------------------------------------------
+
+
+def test_three_replicas_and_many_vms_converge_with_no_duplicates_when_the_leader_dies(
+        cluster: LocalCluster, api: client.ApiClient, namespace: str, replicas: Replicas,
+        checker: InvariantChecker) -> None:
+    for name in ("r1", "r2", "r3"):
+        replicas.start(name)
+    first = leader_of(replicas)
+    names = [f"vm-{i:02d}" for i in range(24)]
+    for name in names:
+        create_vm(api, namespace, name, spec=grace(cluster))
+
+    def some_progress() -> bool:
+        done = [v for v in list_vms(api, namespace) if (v.get("status") or {}).get("podName")]
+        return len(done) >= 6
+
+    wait_for(some_progress, 120, what="the first leader at work")
+    first.kill()
+    second = wait_for(lambda: (lambda r: r if r is not None and r is not first else None)(
+        replicas.leader()), 60, what="a new leader")
+    assert second is not first
+    wait_for(lambda: converged(api, namespace, names), 240, what="all VMs converge")
+
+    # The seed's scenario on a handful of VMs, under the new leader.
+    victims = names[:5]
+    before = {n: only_pod(api, namespace, n) for n in victims}
+    for n in victims:
+        client.CoreV1Api(api).delete_namespaced_pod(before[n], namespace)
+    wait_for(lambda: converged(api, namespace, names)
+             and all(only_pod(api, namespace, n) != before[n] for n in victims), 180)
+    for vm in list_vms(api, namespace):
+        status = vm["status"]
+        expected = 1 if vm["metadata"]["name"] in victims else 0
+        assert status["restartCount"] == expected
+        assert status["planSeq"] == expected + 1, "no VM was ever planned twice"
+
+
+# ---- stale reads, dropped events, conflicts ------------------------------------------------------
+
+
+def test_stale_reads_dropped_events_and_conflicts_never_produce_a_second_pod(
+        cluster: LocalCluster, api: client.ApiClient, namespace: str, replicas: Replicas,
+        checker: InvariantChecker) -> None:
+    replica = replicas.start(
+        "faulty", faults="stale_reads=0.3,drop_watch_events=0.3,conflict=0.3,seed=5")
+    names = [f"vm-{i}" for i in range(5)]
+    for name in names:
+        create_vm(api, namespace, name, spec=grace(cluster))
+    wait_for(lambda: converged(api, namespace, names), 120)
+    for round_ in range(2):
+        before = {n: only_pod(api, namespace, n) for n in names}
+        for n in names:
+            client.CoreV1Api(api).delete_namespaced_pod(before[n], namespace)
+        wait_for(lambda before=before: converged(api, namespace, names)  # type: ignore[misc]
+                 and all(only_pod(api, namespace, n) != before[n] for n in names),
+                 180, what=f"round {round_}")
+    for name in names:
+        status = vm_status(api, namespace, name)
+        assert (status["restartCount"], status["planSeq"]) == (2, 3)
+    assert replica.running()
+    log = replica.log()
+    assert "fault injection" in log or "conflict" in log
+
+
+# ---- graceful handover -----------------------------------------------------------------------------
+
+
+def test_sigterm_releases_locks_and_lease_and_a_standby_carries_on(
+        cluster: LocalCluster, api: client.ApiClient, namespace: str, prefix: str,
+        replicas: Replicas, checker: InvariantChecker) -> None:
+    first = replicas.start("first")
+    assert leader_of(replicas) is first
+    standby = replicas.start("standby")
+    create_vm(api, namespace, "vm", spec=grace(cluster))
+    wait_for(lambda: converged(api, namespace, ["vm"]), 60)
+    (lock,) = locks_of(cluster, prefix, namespace)
+    assert lock.record.holder == first.identity
+
+    assert first.terminate() == 0
+    assert "released the Lease" in first.log()
+    assert wait_for(replicas.leader, 30) is standby
+    wait_for(lambda: [lk.record.holder for lk in locks_of(cluster, prefix, namespace)]
+             == [standby.identity], 30, what="the standby takes the VM's lock")
+    pod = only_pod(api, namespace, "vm")
+    client.CoreV1Api(api).delete_namespaced_pod(pod, namespace)
+    wait_for(lambda: converged(api, namespace, ["vm"])
+             and only_pod(api, namespace, "vm") != pod, 60)
+    assert types.FINALIZER in (get_vm(api, namespace, "vm") or {})["metadata"]["finalizers"]
