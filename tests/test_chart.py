@@ -76,13 +76,15 @@ class Helm:
     binary: Path
     home: Path
 
-    def run(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    def run(self, *args: str, check: bool = True,
+            kubeconfig: Path | None = None) -> subprocess.CompletedProcess[str]:
+        """Run helm; it reaches a cluster only when given ``kubeconfig``."""
         env = {
             **os.environ,
             "HELM_CACHE_HOME": str(self.home / "cache"),
             "HELM_CONFIG_HOME": str(self.home / "config"),
             "HELM_DATA_HOME": str(self.home / "data"),
-            "KUBECONFIG": str(self.home / "no-cluster.kubeconfig"),
+            "KUBECONFIG": str(kubeconfig or self.home / "no-cluster.kubeconfig"),
         }
         proc = subprocess.run(
             [str(self.binary), *args], env=env, capture_output=True, text=True, timeout=120
@@ -497,6 +499,44 @@ def test_a_pod_that_breaks_the_restricted_standard_is_refused_there(
         _dry_run_create(dynamic.DynamicClient(api), pod, release_namespace)
     assert refused.value.status == 403
     assert "allowPrivilegeEscalation" in kube.api_error_message(refused.value)
+
+
+@pytest.mark.cluster
+def test_helm_installs_upgrades_and_uninstalls_the_release_on_the_real_api_server(
+    helm: Helm, cluster: LocalCluster, api: client.ApiClient, release_namespace: str,
+) -> None:
+    release = _release()
+    fullname = f"{release}-neonvm-controller"
+    apps = client.AppsV1Api(api)
+    rbac = client.RbacAuthorizationV1Api(api)
+    admission = client.AdmissionregistrationV1Api(api)
+
+    def run(*args: str) -> str:
+        return helm.run(*args, "--namespace", release_namespace,
+                        kubeconfig=cluster.kubeconfig).stdout
+
+    try:
+        run("install", release, str(CHART))
+        assert apps.read_namespaced_deployment(fullname, release_namespace).spec.replicas == 3
+        assert rbac.read_cluster_role(fullname).rules
+        policy = admission.read_validating_admission_policy(f"{fullname}-runner-pod-fence")
+        assert f"system:serviceaccount:{release_namespace}:{fullname}" in json.dumps(
+            api.sanitize_for_serialization(policy.spec))
+
+        run("upgrade", release, str(CHART), "--reuse-values", "--set", "replicaCount=5")
+        assert apps.read_namespaced_deployment(fullname, release_namespace).spec.replicas == 5
+        history = json.loads(run("history", release, "--output", "json"))
+        assert [h["revision"] for h in history] == [1, 2]
+        assert history[-1]["status"] == "deployed"
+    finally:
+        helm.run("uninstall", release, "--namespace", release_namespace,
+                 kubeconfig=cluster.kubeconfig, check=False)
+    assert _gone(lambda: apps.read_namespaced_deployment(fullname, release_namespace))
+    assert _gone(lambda: rbac.read_cluster_role(fullname))
+    assert _gone(lambda: admission.read_validating_admission_policy(
+        f"{fullname}-runner-pod-fence"))
+    # Helm never deletes what it installed from crds/: VMs outlive the controller.
+    client.ApiextensionsV1Api(api).read_custom_resource_definition(manifests.crd()["metadata"]["name"])
 
 
 # ---- RBAC and the fence, for real ---------------------------------------------------------
