@@ -56,6 +56,7 @@ def _register() -> None:
         ("neonvm.cli.runner", "runner"),
         ("neonvm.cli.demo", "demo"),
         ("neonvm.cli.status", "status"),
+        ("neonvm.cli.check", "check"),
     ):
         try:
             module = __import__(module_name, fromlist=[attr])

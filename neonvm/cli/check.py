@@ -1,0 +1,66 @@
+"""``neonvm check``: judge any cluster against the invariant; exit 1 on a violation.
+
+What it checks, and why each judgement is sound, is in :mod:`neonvm.drills.check`:
+at most one live runner pod per VM (strict and loose), ``status.podName`` names an
+existing pod, no orphan pods, no orphan locks (when the locks' etcd is configured with
+``NEONVM_ETCD_*`` or ``--etcd-endpoints``), nothing pending longer than
+``--max-pending-seconds``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+import yaml
+
+from neonvm import kube
+from neonvm.cli.output import OUTPUT_OPTION, emit
+from neonvm.drills.check import check as run_check
+from neonvm.drills.check import etcd_lock_reader
+
+
+@click.command("check")
+@click.option("--kubeconfig", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Kubeconfig [default: $KUBECONFIG, else in-cluster].")
+@click.option("-n", "--namespace", default=None, help="Only this namespace.")
+@click.option("--max-pending-seconds", type=click.FloatRange(0), default=120.0,
+              show_default=True,
+              help="A plan, an unplanned VM or a deletion provably older than this is stuck.")
+@click.option("--settle", type=click.FloatRange(0), default=0.0, show_default=True,
+              help="Re-check after this many seconds; report only findings that persist "
+                   "(duplicates are always reported).")
+@click.option("--etcd-endpoints", metavar="URLS", default=None,
+              help="Locks' etcd [env: NEONVM_ETCD_ENDPOINTS]; without it locks are skipped.")
+@OUTPUT_OPTION
+def check(kubeconfig: Path | None, namespace: str | None, max_pending_seconds: float,
+          settle: float, etcd_endpoints: str | None, output: str) -> None:
+    """Check the invariant now; exit 1 with details on any violation."""
+    locks = etcd_lock_reader(etcd_endpoints)
+    api = kube.api_client(kubeconfig)
+    try:
+        report = run_check(api, namespace=namespace, locks=locks,
+                           max_pending_seconds=max_pending_seconds, settle=settle)
+    finally:
+        api.close()
+    if output == "json":
+        click.echo(json.dumps(report.as_dict(), indent=2, default=str))
+    elif output == "yaml":
+        click.echo(yaml.safe_dump(report.as_dict(), sort_keys=False).rstrip())
+    else:
+        scope = f"namespace {namespace}" if namespace else "all namespaces"
+        locks_text = "not checked" if report.locks is None else str(report.locks)
+        click.echo(f"{scope}: {report.vms} VMs, {report.pods} runner pods, locks "
+                   f"{locks_text}; {report.passes} pass(es)")
+        if report.findings:
+            emit([{"kind": f.kind, "vm": f.vm, "objects": ", ".join(f.objects),
+                   "detail": f.detail} for f in report.findings], "table",
+                 ["kind", "vm", "objects", "detail"])
+        for note in report.notes:
+            click.echo(f"note: {note}")
+        click.echo("OK: the invariant holds" if report.ok else
+                   f"VIOLATED: {len(report.findings)} finding(s)")
+    if not report.ok:
+        sys.exit(1)

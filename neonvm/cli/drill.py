@@ -1,0 +1,248 @@
+"""``neonvm drill``: failover drills with a verdict, and the fault-injection campaign.
+
+Each drill creates ``--vms`` VMs in a fresh drill namespace, injects one fault while an
+independent checker watches every pod revision, and prints a verdict: failover time,
+convergence time and duplicates seen (must be 0). It exits 1 on any violation.
+
+Target: the local control plane of ``--state-dir`` (default the ``neonvm dev`` one; the
+drill starts it, and ``--replicas`` controller replicas, if they are not running), or,
+with ``--kubeconfig``, a cluster where the chart runs the controller. Against a real
+cluster every drill is destructive and refuses to run without ``--yes``; ``stale-read``,
+``etcd-restart`` and ``apiserver-restart`` run only locally.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+import yaml
+
+from neonvm.cli.dev import STATE_DIR_OPTION
+from neonvm.cli.output import OUTPUT_OPTION
+from neonvm.drills.drills import DRILLS, LOCAL_ONLY, DrillOptions, Verdict, run_drill
+from neonvm.drills.target import DrillError, KubeTarget, LocalTarget, Target
+
+
+def _progress(msg: str) -> None:
+    click.echo(f"  {msg}", err=True)
+
+
+def _common(f: Callable[..., Any]) -> Callable[..., Any]:
+    options = [
+        STATE_DIR_OPTION,
+        click.option("--kubeconfig", type=click.Path(dir_okay=False, path_type=Path),
+                     default=None, help="Drill a real cluster instead of the local one."),
+        click.option("--yes", is_flag=True,
+                     help="Confirm a destructive drill against a real cluster."),
+        click.option("--vms", type=click.IntRange(1, 5000), default=10, show_default=True,
+                     help="VMs created in the drill namespace."),
+        click.option("--replicas", type=click.IntRange(1, 9), default=3, show_default=True,
+                     help="Controller replicas (local: started if fewer are running)."),
+        click.option("--disturb", type=click.FloatRange(0, 1), default=0.2,
+                     show_default=True,
+                     help="Share of VMs whose pods are deleted to keep the leader busy."),
+        click.option("--timeout", type=click.FloatRange(10), default=300.0,
+                     show_default=True, help="Seconds allowed to converge."),
+        click.option("--seed", type=int, default=None, help="Seed of the drill's choices."),
+        click.option("--lease-namespace", default="neonvm-system", show_default=True),
+        click.option("--lease-name", default="neonvm-controller", show_default=True),
+        click.option("--keep", is_flag=True, help="Leave the drill namespace and VMs."),
+        OUTPUT_OPTION,
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+def _target(name: str, state_dir: Path | None, kubeconfig: Path | None, yes: bool,
+            replicas: int, lease_namespace: str, lease_name: str) -> Target:
+    if kubeconfig is None:
+        return LocalTarget.prepare(state_dir, replicas, _progress)
+    from neonvm.dev.cluster import LocalCluster
+
+    local = LocalCluster(state_dir)
+    if local.kubeconfig.resolve() == kubeconfig.resolve():
+        return LocalTarget.prepare(state_dir, replicas, _progress)
+    if name in LOCAL_ONLY:
+        raise click.UsageError(f"{name} runs only against the local control plane "
+                               f"(drop --kubeconfig)")
+    if not yes:
+        raise click.UsageError(f"{name} is destructive (it kills, pauses or deletes things "
+                               f"in {kubeconfig}); add --yes to run it there")
+    from neonvm import kube
+
+    return KubeTarget(kube.api_client(kubeconfig), kubeconfig, lease_namespace, lease_name)
+
+
+def _emit(verdict: Verdict, output: str) -> None:
+    if output == "json":
+        click.echo(json.dumps(verdict.as_dict(), indent=2, default=str))
+    elif output == "yaml":
+        click.echo(yaml.safe_dump(verdict.as_dict(), sort_keys=False).rstrip())
+    else:
+        rows = verdict.rows()
+        width = max(len(k) for k, _ in rows)
+        for k, v in rows:
+            click.echo(f"{k + ':':<{width + 1}} {v}")
+
+
+def _run(name: str, output: str, state_dir: Path | None, kubeconfig: Path | None,
+         yes: bool, replicas: int, lease_namespace: str, lease_name: str,
+         **opts: Any) -> None:
+    target = _target(name, state_dir, kubeconfig, yes, replicas, lease_namespace, lease_name)
+    try:
+        verdict = run_drill(name, target, DrillOptions(**opts), _progress)
+    except DrillError as exc:
+        raise click.ClickException(str(exc)) from None
+    finally:
+        target.close()
+    _emit(verdict, output)
+    if not verdict.ok:
+        sys.exit(1)
+
+
+@click.group("drill")
+def drill() -> None:
+    """Failover drills (verdict: failover, convergence, duplicates) and the campaign."""
+
+
+def _command(name: str, help_text: str, extra: list[Callable[..., Any]] | None = None
+             ) -> None:
+    def body(**kwargs: Any) -> None:
+        _run(name, **kwargs)
+
+    cmd = _common(body)
+    for option in extra or []:
+        cmd = option(cmd)
+    drill.command(name, help=help_text)(cmd)
+
+
+_command("kill-leader", "Kill the leader while it re-plans; a standby must take over.",
+         [click.option("--signal", type=click.Choice(["KILL", "TERM"], case_sensitive=False),
+                       default="KILL", show_default=True,
+                       help="KILL: no clean-up; TERM: graceful release.")])
+_command("pause-leader", "SIGSTOP the leader past its lease, then SIGCONT: it must do no harm.",
+         [click.option("--pause-seconds", type=click.FloatRange(0), default=None,
+                       help="How long to keep it stopped [default: until another leads, "
+                            "+3s].")])
+_command("pod-storm", "Delete runner pods as fast as possible; replacements must never overlap.",
+         [click.option("--storm-seconds", type=click.FloatRange(1), default=15.0,
+                       show_default=True)])
+_command("break-lock", "Break the VMs' locks (locks break --force) while the leader works.",
+         [click.option("--rounds", type=click.IntRange(1, 100), default=3, show_default=True)])
+_command("stale-read", "Local: restart replicas with stale reads, lost events and conflicts.",
+         [click.option("--faults", default="stale_reads=0.5,drop_watch_events=0.3,conflict=0.2",
+                       show_default=True, help="Fault spec (seed added from --seed).")])
+_command("etcd-restart", "Local: restart the locks' etcd, then the API server's etcd.")
+_command("apiserver-restart", "Local: restart kube-apiserver while the leader works.")
+
+
+@drill.command("all")
+@STATE_DIR_OPTION
+@click.option("--vms", type=click.IntRange(1, 5000), default=10, show_default=True)
+@click.option("--replicas", type=click.IntRange(1, 9), default=3, show_default=True)
+@click.option("--timeout", type=click.FloatRange(10), default=300.0, show_default=True)
+@OUTPUT_OPTION
+def all_(state_dir: Path | None, vms: int, replicas: int, timeout: float, output: str) -> None:
+    """Every drill in turn against the local control plane; a summary table at the end."""
+    verdicts: list[Verdict] = []
+    runs: list[tuple[str, dict[str, Any]]] = [
+        ("kill-leader", {"signal": "KILL"}), ("kill-leader", {"signal": "TERM"}),
+        ("pause-leader", {}), ("pod-storm", {}), ("break-lock", {}), ("stale-read", {}),
+        ("etcd-restart", {}), ("apiserver-restart", {}),
+    ]
+    for name, extra in runs:
+        click.echo(f"== {name} {extra or ''}", err=True)
+        target = LocalTarget.prepare(state_dir, replicas, _progress)
+        try:
+            verdicts.append(run_drill(name, target, DrillOptions(vms=vms, timeout=timeout,
+                                                                 **extra), _progress))
+        finally:
+            target.close()
+    if output != "table":
+        data = [v.as_dict() for v in verdicts]
+        click.echo(json.dumps(data, indent=2, default=str) if output == "json"
+                   else yaml.safe_dump(data, sort_keys=False).rstrip())
+    else:
+        click.echo(summary_table(verdicts))
+    if not all(v.ok for v in verdicts):
+        sys.exit(1)
+
+
+def summary_table(verdicts: list[Verdict]) -> str:
+    """A markdown table of verdicts (what docs/drills.md records)."""
+
+    def sec(v: float | None) -> str:
+        return "-" if v is None else f"{v:.1f}"
+
+    lines = ["| drill | VMs | verdict | failover s | convergence s | duplicates "
+             "(strict/loose) | pod events watched | fault |",
+             "|---|---:|---|---:|---:|---:|---:|---|"]
+    for v in verdicts:
+        fault = "; ".join(f"{k} {val}" for k, val in v.fault.items() if k != "failover_s")
+        lines.append(f"| {v.drill} | {v.vms} | {'PASS' if v.ok else 'FAIL'} | "
+                     f"{sec(v.failover_seconds)} | {sec(v.convergence_seconds)} | "
+                     f"{v.duplicates}/{v.duplicates_loose} | {v.watch.get('pod_events', 0)} | "
+                     f"{fault} |")
+    return "\n".join(lines)
+
+
+@drill.command("list")
+def list_() -> None:
+    """The drills, and which run only locally."""
+    for name in DRILLS:
+        click.echo(f"{name}{'  (local only)' if name in LOCAL_ONLY else ''}")
+
+
+@drill.command("campaign")
+@STATE_DIR_OPTION
+@click.option("--seed", type=int, default=None,
+              help="Campaign seed [default: $NEONVM_CAMPAIGN_SEED, else random].")
+@click.option("--schedule", "only", type=int, multiple=True,
+              help="Run only this schedule index (repeatable): replays a failure.")
+@click.option("--schedules", type=click.IntRange(1), default=20, show_default=True,
+              help="How many schedules (indexes 0..N-1) when --schedule is not given.")
+@click.option("--budget", type=click.FloatRange(1), default=None,
+              help="Stop starting schedules after this many seconds.")
+@click.option("--keep-going", is_flag=True, help="Do not stop at the first failure.")
+@click.option("--show", is_flag=True, help="Only print the schedules; run nothing.")
+@OUTPUT_OPTION
+def campaign(state_dir: Path | None, seed: int | None, only: tuple[int, ...], schedules: int,
+             budget: float | None, keep_going: bool, show: bool, output: str) -> None:
+    """Run seeded fault schedules against the local control plane (the tests' campaign).
+
+    Each schedule runs its own controller replicas (own Lease, own namespace, own lock
+    prefix) with the schedule's faults, creates a few VMs, disrupts, waits for
+    convergence, deletes the VMs and checks that nothing is left. Any failure prints the
+    command that replays it.
+    """
+    from neonvm.drills import campaign as c
+
+    seed = c.campaign_seed(seed)
+    indexes = list(only) if only else list(range(schedules))
+    plans = [c.generate(seed, i) for i in indexes]
+    if show:
+        for plan in plans:
+            click.echo(plan.describe())
+        return
+    target = LocalTarget.prepare(state_dir, 0, _progress)
+    started = time.monotonic()
+    try:
+        result = c.run_campaign(target.cluster, plans, progress=_progress, budget=budget,
+                                stop_at_first_failure=not keep_going)
+    finally:
+        target.close()
+    if output == "table":
+        click.echo(result.summary(time.monotonic() - started))
+    else:
+        data = result.as_dict()
+        click.echo(json.dumps(data, indent=2, default=str) if output == "json"
+                   else yaml.safe_dump(data, sort_keys=False).rstrip())
+    if not result.ok:
+        sys.exit(1)

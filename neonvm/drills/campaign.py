@@ -1,0 +1,579 @@
+"""The fault-injection campaign: seeded schedules of faults against one control plane.
+
+Sieve (OSDI '22) sorts the bugs of cluster controllers into three classes; every schedule
+exercises at least one, and most all three:
+
+* **intermediate states**: the leader crashes right after one reconcile step
+  (``crash_after=<step>@<n>``; the step cycles with the schedule index, so any run of
+  ``len(CRASH_STEPS)`` consecutive schedules crashes after every step), or is SIGKILLed /
+  SIGTERMed at a random moment;
+* **unobserved states**: watch events dropped (``drop_watch_events``), VMs deleted and
+  re-created under the same name;
+* **stale states**: the cache answers with older versions (``stale_reads``), another
+  writer bumps the VM between read and write (``conflict``), locks are broken, and etcd,
+  the locks' etcd or the API server restart.
+
+A :class:`Schedule` is a pure function of ``(seed, index)`` (:func:`generate`), so a
+failure is replayed with ``neonvm drill campaign --seed S --schedule N``.
+
+Running one schedule (:func:`run_schedule`) on a shared control plane:
+
+1. its own namespace, Lease (in that namespace) and etcd lock prefix, and two controller
+   replicas that watch only that namespace: schedules never see each other's VMs;
+2. replica 0 starts with the crash and the schedule's leader faults and takes the Lease;
+   replica 1 stands by with its own faults. A supervisor restarts any replica that dies,
+   without the crash fault (as a kubelet restarts a container);
+3. the :class:`~neonvm.drills.observer.Watchdog` watches every pod revision from before
+   the first VM exists; the VMs are created, the disruptions fire at their offsets;
+4. the VMs must converge, first with the faults still on; if they do not within
+   ``converge_timeout``, faults stop (replicas restarted clean) and they must converge
+   then (the invariant's "once faults stop"); the first case is only a note;
+5. the VMs are deleted: every pod and every lock of the schedule must go, and a final
+   :func:`~neonvm.drills.check.check` must find nothing.
+
+A schedule fails on any duplicate (strict or loose) at any revision, on no convergence
+once faults stopped, and on anything left behind. Nothing is judged by elapsed time
+except those generous bounds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import signal
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from neonvm import kube
+from neonvm.controller.faults import STEPS, FaultConfig
+from neonvm.drills import fleet
+from neonvm.drills.check import LockView, check
+from neonvm.drills.observer import Watchdog
+from neonvm.leader.election import LeaseClient
+
+Progress = Callable[[str], None]
+
+SEED_ENV = "NEONVM_CAMPAIGN_SEED"
+SCHEDULES_ENV = "NEONVM_CAMPAIGN_SCHEDULES"
+
+CRASH_STEPS: tuple[str, ...] = ("plan", "create", "commit", "ungate", "cleanup", "restart",
+                                "add_finalizer", "sync", "finalize", "drop_plan")
+assert set(CRASH_STEPS) == set(STEPS), "every controller step is a crash point"
+
+CLUSTER_WIDE = ("restart-locks-etcd", "restart-etcd", "restart-apiserver")
+DISRUPTIONS: dict[str, int] = {
+    # kind -> weight in the random draw
+    "delete-pods": 6,
+    "kill-leader": 3,
+    "term-leader": 2,
+    "break-locks": 2,
+    "recreate-vm": 2,
+    "restart-locks-etcd": 1,
+    "restart-etcd": 1,
+    "restart-apiserver": 1,
+}
+
+LEASE_ARGS = ["--lease-duration", "4", "--renew-deadline", "3", "--retry-period", "0.5",
+              "--session-ttl", "4", "--plan-requeue", "1", "--resync", "10", "--sweep", "3"]
+
+
+def campaign_seed(given: int | None = None) -> int:
+    """``given``, else ``$NEONVM_CAMPAIGN_SEED``, else a fresh random seed."""
+    if given is not None:
+        return given
+    env = os.environ.get(SEED_ENV, "").strip()
+    return int(env) if env else random.SystemRandom().randrange(1, 1 << 31)
+
+
+@dataclass(frozen=True)
+class Disruption:
+    at: float
+    """Seconds after the VMs were created."""
+    kind: str
+    count: int = 1
+
+
+@dataclass(frozen=True)
+class Schedule:
+    seed: int
+    index: int
+    vms: int
+    crash_step: str
+    leader_faults: str
+    standby_faults: str
+    disruptions: tuple[Disruption, ...]
+
+    @property
+    def classes(self) -> tuple[str, ...]:
+        """Which of Sieve's classes this schedule exercises."""
+        leader, standby = FaultConfig.parse(self.leader_faults), FaultConfig.parse(
+            self.standby_faults)
+        kinds = {d.kind for d in self.disruptions}
+        out = ["intermediate"]  # every schedule crashes after a step
+        if leader.drop_watch_events or standby.drop_watch_events or "recreate-vm" in kinds:
+            out.append("unobserved")
+        if (leader.stale_reads or standby.stale_reads or leader.conflict or standby.conflict
+                or kinds & {"break-locks", *CLUSTER_WIDE}):
+            out.append("stale")
+        return tuple(out)
+
+    def replay(self) -> str:
+        return f"neonvm drill campaign --seed {self.seed} --schedule {self.index}"
+
+    def replay_pytest(self) -> str:
+        return (f"{SEED_ENV}={self.seed} NEONVM_CAMPAIGN_ONLY={self.index} "
+                f"pytest tests/test_campaign.py -k campaign")
+
+    def describe(self) -> str:
+        events = ", ".join(f"{d.kind}{'x' + str(d.count) if d.count > 1 else ''}@{d.at:.1f}s"
+                           for d in self.disruptions)
+        return (f"schedule {self.index} (seed {self.seed}): {self.vms} VMs; leader "
+                f"[{self.leader_faults}]; standby [{self.standby_faults}]; {events}; "
+                f"classes {'+'.join(self.classes)}")
+
+
+def generate(seed: int, index: int) -> Schedule:
+    """Schedule ``index`` of campaign ``seed`` (deterministic)."""
+    rng = random.Random(f"neonvm-campaign:{seed}:{index}")
+    vms = rng.randint(2, 4)
+    step = CRASH_STEPS[index % len(CRASH_STEPS)]
+    frequent = step in ("plan", "create", "commit", "ungate", "add_finalizer", "sync")
+    nth = rng.randint(1, vms + 1) if frequent else rng.randint(1, 2)
+
+    def knobs() -> list[str]:
+        return [f"stale_reads={rng.choice([0, 0, 0.2, 0.5])}",
+                f"drop_watch_events={rng.choice([0, 0, 0.1, 0.3])}",
+                f"conflict={rng.choice([0, 0.2, 0.4])}",
+                f"seed={rng.randrange(1 << 20)}"]
+
+    leader = ",".join([f"crash_after={step}@{nth}", *knobs()])
+    standby = ",".join(knobs())
+    kinds = list(DISRUPTIONS)
+    weights = [DISRUPTIONS[k] for k in kinds]
+    disruptions = [Disruption(round(rng.uniform(0.5, 3.0), 1), "delete-pods",
+                              rng.randint(1, vms))]
+    for _ in range(rng.randint(1, 3)):
+        kind = rng.choices(kinds, weights)[0]
+        count = rng.randint(1, vms) if kind in ("delete-pods", "recreate-vm") else 1
+        disruptions.append(Disruption(round(rng.uniform(0.0, 10.0), 1), kind, count))
+    return Schedule(seed, index, vms, step, leader, standby,
+                    tuple(sorted(disruptions, key=lambda d: d.at)))
+
+
+# ---- running ------------------------------------------------------------------------------
+
+
+@dataclass
+class ScheduleResult:
+    schedule: Schedule
+    ok: bool = False
+    failures: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    crashes: int = 0
+    """Replica exits the supervisor saw (the crash fault, kills)."""
+    crash_fired: bool = False
+    """The scheduled crash_after fault actually fired."""
+    leader_changes: int = 0
+    pod_events: int = 0
+    duplicates: int = 0
+    converged_under_faults: bool = True
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["schedule"] = {**asdict(self.schedule), "classes": list(self.schedule.classes),
+                           "replay": self.schedule.replay()}
+        return out
+
+    def failure_report(self) -> str:
+        s = self.schedule
+        lines = [f"FAILED {s.describe()}"]
+        lines += [f"  - {f}" for f in self.failures]
+        lines += [f"  note: {n}" for n in self.notes]
+        lines.append(f"  replay: {s.replay()}")
+        lines.append(f"     or: {s.replay_pytest()}")
+        return "\n".join(lines)
+
+
+@dataclass
+class CampaignResult:
+    results: list[ScheduleResult] = field(default_factory=list)
+    skipped: int = 0
+    """Schedules not started because the budget ran out."""
+
+    @property
+    def ok(self) -> bool:
+        return all(r.ok for r in self.results)
+
+    @property
+    def failed(self) -> list[ScheduleResult]:
+        return [r for r in self.results if not r.ok]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"ok": self.ok, "ran": len(self.results), "skipped": self.skipped,
+                "failed": len(self.failed), "results": [r.as_dict() for r in self.results]}
+
+    def summary(self, seconds: float) -> str:
+        ran = len(self.results)
+        fired: dict[str, int] = {}
+        for r in self.results:
+            if r.crash_fired:
+                fired[r.schedule.crash_step] = fired.get(r.schedule.crash_step, 0) + 1
+        classes: dict[str, int] = {}
+        for r in self.results:
+            for c in r.schedule.classes:
+                classes[c] = classes.get(c, 0) + 1
+        kinds: dict[str, int] = {}
+        for r in self.results:
+            for d in r.schedule.disruptions:
+                kinds[d.kind] = kinds.get(d.kind, 0) + 1
+        lines = [
+            f"campaign: {ran} schedule(s) in {seconds:.0f}s "
+            f"({seconds / ran if ran else 0:.1f}s each), {len(self.failed)} failed, "
+            f"{self.skipped} not started (budget)",
+            f"  pod events watched: {sum(r.pod_events for r in self.results)}; "
+            f"duplicates: {sum(r.duplicates for r in self.results)}; replica exits: "
+            f"{sum(r.crashes for r in self.results)}; leader changes: "
+            f"{sum(r.leader_changes for r in self.results)}",
+            "  crash fired after: " + (", ".join(f"{k} x{v}" for k, v in sorted(fired.items()))
+                                       or "-"),
+            "  classes: " + ", ".join(f"{k} x{v}" for k, v in sorted(classes.items())),
+            "  disruptions: " + ", ".join(f"{k} x{v}" for k, v in sorted(kinds.items())),
+            f"  converged only after faults stopped: "
+            f"{sum(1 for r in self.results if not r.converged_under_faults)}",
+        ]
+        for r in self.failed:
+            lines.append(r.failure_report())
+        return "\n".join(lines)
+
+
+@dataclass
+class _Slot:
+    """One replica position; the supervisor keeps a process in it."""
+
+    name: str
+    faults: str
+    identity: str = ""
+    starts: int = 0
+    stopped: bool = False
+    """Stopped on purpose: not restarted."""
+
+
+class ScheduleRun:
+    """The live state of one schedule (see the module docstring)."""
+
+    def __init__(self, cluster: Any, schedule: Schedule, progress: Progress,
+                 restart_lock: threading.Lock, converge_timeout: float = 60.0) -> None:
+        self.cluster = cluster
+        self.schedule = schedule
+        self.progress = progress
+        self.restart_lock = restart_lock
+        self.converge_timeout = converge_timeout
+        tag = f"{schedule.seed % 100000}-{schedule.index}-{uuid.uuid4().hex[:4]}"
+        self.namespace = f"campaign-{tag}"
+        self.prefix = f"/neonvm-campaign/{tag}"
+        self.api = kube.api_client(cluster.kubeconfig)
+        self.result = ScheduleResult(schedule)
+        self.rng = random.Random(f"run:{schedule.seed}:{schedule.index}")
+        self.slots = [_Slot(f"campaign-{tag}-r0", schedule.leader_faults),
+                      _Slot(f"campaign-{tag}-r1", schedule.standby_faults)]
+        self.names = [f"vm-{i}" for i in range(schedule.vms)]
+        self._stop = threading.Event()
+        self._slots_lock = threading.Lock()
+        self._started = time.monotonic()
+        self._leaders: list[str] = []
+
+    def say(self, msg: str) -> None:
+        self.progress(f"[{self.schedule.index}:{time.monotonic() - self._started:5.1f}s] {msg}")
+
+    # ---- replicas ----------------------------------------------------------------------
+
+    def _argv(self, slot: _Slot) -> list[str]:
+        argv = [sys.executable, "-m", "neonvm", "--log-format", "json", "controller", "run",
+                "--kubeconfig", str(self.cluster.kubeconfig_for("controller")),
+                "--etcd-endpoints", self.cluster.locks_etcd_url, "--etcd-prefix", self.prefix,
+                "--identity", slot.identity, "--health-port", "0",
+                "--health-host", "127.0.0.1", "--lease-namespace", self.namespace,
+                "--watch-namespace", self.namespace, "--runner-image", "neonvm-runner:dev",
+                *LEASE_ARGS]
+        return argv + (["--fault", slot.faults] if slot.faults else [])
+
+    def _start(self, slot: _Slot) -> None:
+        slot.starts += 1
+        slot.identity = f"{slot.name}-{slot.starts}-{uuid.uuid4().hex[:4]}"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("NEONVM_")}
+        self.cluster.start_process(slot.name, self._argv(slot), env)
+
+    def _alive(self, slot: _Slot) -> bool:
+        alive: bool = self.cluster.process_alive(slot.name, Path(sys.executable).name)
+        return alive
+
+    def _supervise(self) -> None:
+        while not self._stop.wait(0.2):
+            with self._slots_lock:
+                for slot in self.slots:
+                    if slot.stopped or self._alive(slot):
+                        continue
+                    self.result.crashes += 1
+                    if "crash_after" in slot.faults:
+                        if self._crash_fired(slot):
+                            self.result.crash_fired = True
+                        slot.faults = _without_crash(slot.faults)
+                    self.say(f"{slot.identity} exited; restarting it")
+                    self._start(slot)
+
+    def _crash_fired(self, slot: _Slot) -> bool:
+        try:
+            text = self.cluster.log_file(slot.name).read_text(errors="replace")
+        except OSError:
+            return False
+        return f'"fault injection: crashing right after {self.schedule.crash_step}' in text \
+            or "fault injection: crashing" in text
+
+    def _slot_of(self, identity: str) -> _Slot | None:
+        return next((s for s in self.slots if s.identity == identity), None)
+
+    def _leader(self) -> str | None:
+        try:
+            record = LeaseClient(self.api, self.namespace, "neonvm-controller").get(5.0)
+        except (ApiException, OSError):
+            return None
+        who = record.holder if record is not None else None
+        if who and (not self._leaders or self._leaders[-1] != who):
+            self._leaders.append(who)
+        return who or None
+
+    def _signal_leader(self, sig: signal.Signals) -> str:
+        who = self._leader()
+        slot = self._slot_of(who) if who else None
+        if slot is None:
+            return "no leader to signal"
+        pid_file = self.cluster.state_dir / "run" / f"{slot.name}.pid"
+        try:
+            os.kill(int(pid_file.read_text()), sig)
+        except (OSError, ValueError) as exc:
+            return f"could not signal {who}: {exc}"
+        return f"{sig.name} {who}"
+
+    def _stop_replicas(self) -> None:
+        with self._slots_lock:
+            for slot in self.slots:
+                slot.stopped = True
+        for slot in self.slots:
+            self.cluster.stop_component(slot.name, signal.SIGKILL)
+
+    def _restart_clean(self) -> None:
+        with self._slots_lock:
+            for slot in self.slots:
+                slot.stopped = True
+            for slot in self.slots:
+                self.cluster.stop_component(slot.name, signal.SIGKILL)
+                slot.faults = ""
+                slot.stopped = False
+                self._start(slot)
+
+    # ---- disruptions -------------------------------------------------------------------
+
+    def _disrupt(self, d: Disruption) -> str:
+        core = client.CoreV1Api(self.api)
+        if d.kind == "delete-pods":
+            chosen = set(self.rng.sample(self.names, min(d.count, len(self.names))))
+            pods = [p for p in fleet.list_runner_pods(self.api, self.namespace)
+                    if (p.metadata.labels or {}).get("vm.neon.tech/name") in chosen
+                    and p.metadata.deletion_timestamp is None]
+            for p in pods:
+                with contextlib.suppress(ApiException):
+                    core.delete_namespaced_pod(p.metadata.name, self.namespace)
+            return f"deleted {len(pods)} pod(s)"
+        if d.kind == "kill-leader":
+            return self._signal_leader(signal.SIGKILL)
+        if d.kind == "term-leader":
+            return self._signal_leader(signal.SIGTERM)
+        if d.kind == "break-locks":
+            return f"broke {len(self._break_locks())} lock(s)"
+        if d.kind == "recreate-vm":
+            name = self.rng.choice(self.names)
+            fleet.delete_vms(self.api, self.namespace, [name])
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                try:
+                    fleet.create_vms(self.api, self.namespace, [name], 1)
+                except ApiException:
+                    time.sleep(0.3)
+                    continue
+                vm = client.CustomObjectsApi(self.api).get_namespaced_custom_object(
+                    "vm.neon.tech", "v1", self.namespace, "virtualmachines", name)
+                if not (vm.get("metadata") or {}).get("deletionTimestamp"):
+                    return f"re-created {name}"
+                time.sleep(0.3)
+            return f"could not re-create {name} within 60s"
+        if d.kind in CLUSTER_WIDE:
+            component = {"restart-locks-etcd": "locks-etcd", "restart-etcd": "etcd",
+                         "restart-apiserver": "kube-apiserver"}[d.kind]
+            with self.restart_lock:
+                self.cluster.stop_component(component)
+                self.cluster.start_component(component, timeout=120)
+            return f"restarted {component}"
+        raise ValueError(f"unknown disruption {d.kind}")
+
+    def _etcd(self) -> Any:
+        from neonvm.leader.etcd import Etcd, EtcdConfig
+
+        config = EtcdConfig.from_env({}).with_overrides(endpoints=self.cluster.locks_etcd_url,
+                                                        prefix=self.prefix)
+        return Etcd(config), config
+
+    def _locks(self) -> list[LockView]:
+        from neonvm.leader.lock import LockTable
+
+        etcd, config = self._etcd()
+        with etcd:
+            return [LockView(i.namespace, i.name, i.record.vm_uid if i.record else None,
+                             i.record.holder if i.record else None, i.token)
+                    for i in LockTable(etcd, config.prefix).list()]
+
+    def _break_locks(self) -> list[str]:
+        from neonvm.leader.lock import LockTable
+
+        etcd, config = self._etcd()
+        with etcd:
+            table = LockTable(etcd, config.prefix)
+            return [f"{i.namespace}/{i.name}" for i in table.list()
+                    if table.break_lock(i.namespace, i.name) is not None]
+
+    # ---- the run -----------------------------------------------------------------------
+
+    def run(self) -> ScheduleResult:
+        self.say(self.schedule.describe())
+        fleet.ensure_namespace(self.api, self.namespace)
+        supervisor = threading.Thread(target=self._supervise, daemon=True)
+        try:
+            with Watchdog(self.api, self.namespace, poll_interval=0.3) as dog:
+                self._start(self.slots[0])
+                deadline = time.monotonic() + 60
+                while self._leader() != self.slots[0].identity and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                self._start(self.slots[1])
+                supervisor.start()
+                self._phases()
+                report = dog.stop()
+            self.result.pod_events = report.watch.events
+            self.result.duplicates = len(report.strict)
+            for v in report.strict + report.loose:
+                self.result.failures.append(
+                    f"{'strict' if v.strict else 'loose'} duplicate: {v.vm} had "
+                    f"{', '.join(v.pods)} live at resourceVersion {v.resource_version}")
+            if report.watch.gaps:
+                self.result.notes.append(f"pod watch re-listed {report.watch.gaps} time(s)")
+        except Exception as exc:
+            self.result.failures.append(f"the schedule could not run: "
+                                        f"{type(exc).__name__}: {exc}")
+        finally:
+            self._stop.set()
+            if supervisor.is_alive():
+                supervisor.join(timeout=5)
+            self._stop_replicas()
+            self._teardown()
+        self.result.leader_changes = max(0, len(self._leaders) - 1)
+        self.result.seconds = round(time.monotonic() - self._started, 1)
+        self.result.ok = not self.result.failures
+        return self.result
+
+    def _phases(self) -> None:
+        fleet.create_vms(self.api, self.namespace, self.names, 1)
+        t0 = time.monotonic()
+        for d in self.schedule.disruptions:
+            delay = t0 + d.at - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+            self._leader()
+            try:
+                self.say(f"{d.kind}: {self._disrupt(d)}")
+            except (ApiException, OSError) as exc:
+                self.result.notes.append(f"{d.kind} failed: {exc}")
+        ok, seconds, state = fleet.wait_converged(self.api, self.namespace, self.names,
+                                                  self.converge_timeout)
+        if not ok:
+            self.result.converged_under_faults = False
+            self.result.notes.append(
+                f"not converged {seconds:.0f}s after the disruptions with faults on "
+                f"({dict(list(state.waiting.items())[:3])}); stopping the faults")
+            self._restart_clean()
+            ok, seconds, state = fleet.wait_converged(self.api, self.namespace, self.names,
+                                                      self.converge_timeout * 2)
+            if not ok:
+                self.result.failures.append(
+                    f"not converged {seconds:.0f}s after the faults stopped: "
+                    f"{dict(list(state.waiting.items())[:5])}")
+                return
+        self._leader()
+        fleet.delete_vms(self.api, self.namespace)
+        gone, seconds, left = fleet.wait_gone(self.api, self.namespace, 90)
+        if not gone:
+            self.result.failures.append(f"VMs deleted, but after {seconds:.0f}s: {left}")
+            return
+        deadline = time.monotonic() + 30
+        locks = self._locks()
+        while locks and time.monotonic() < deadline:
+            time.sleep(0.5)
+            locks = self._locks()
+        if locks:
+            self.result.failures.append(
+                f"locks left 30s after their VMs were deleted: "
+                f"{[f'{lk.namespace}/{lk.name} ({lk.holder})' for lk in locks]}")
+        report = check(self.api, namespace=self.namespace, locks=self._locks)
+        for f in report.findings:
+            self.result.failures.append(f"check: {f.kind} {f.vm}: {f.detail}")
+
+    def _teardown(self) -> None:
+        with contextlib.suppress(Exception):
+            fleet.drop_namespace(self.api, self.namespace)
+        with contextlib.suppress(Exception):
+            etcd, _config = self._etcd()
+            with etcd:
+                for kv in etcd.get_prefix(self.prefix + "/").kvs:
+                    etcd.delete(kv.key)
+        self.api.close()
+
+
+def _without_crash(spec: str) -> str:
+    return ",".join(p for p in spec.split(",") if not p.strip().startswith("crash_after"))
+
+
+def run_schedule(cluster: Any, schedule: Schedule, progress: Progress,
+                 restart_lock: threading.Lock | None = None) -> ScheduleResult:
+    return ScheduleRun(cluster, schedule, progress, restart_lock or threading.Lock()).run()
+
+
+def run_campaign(cluster: Any, schedules: Sequence[Schedule], progress: Progress,
+                 budget: float | None = None, stop_at_first_failure: bool = False
+                 ) -> CampaignResult:
+    """Run ``schedules`` one after another on one control plane (module docstring)."""
+    result = CampaignResult()
+    started = time.monotonic()
+    restart_lock = threading.Lock()
+    for i, schedule in enumerate(schedules):
+        if budget is not None and time.monotonic() - started > budget:
+            result.skipped = len(schedules) - i
+            progress(f"budget of {budget:.0f}s used: {result.skipped} schedule(s) not started")
+            break
+        outcome = run_schedule(cluster, schedule, progress, restart_lock)
+        result.results.append(outcome)
+        progress(f"schedule {schedule.index}: {'ok' if outcome.ok else 'FAILED'} in "
+                 f"{outcome.seconds:.0f}s ({len(result.results)}/{len(schedules)} done, "
+                 f"{time.monotonic() - started:.0f}s total)")
+        if not outcome.ok:
+            progress(outcome.failure_report())
+            if stop_at_first_failure:
+                break
+    return result
