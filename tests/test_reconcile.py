@@ -21,7 +21,8 @@ from neonvm import kube
 from neonvm.api import types
 from neonvm.controller import decide as d
 from neonvm.controller.faults import FaultConfig, Faults
-from neonvm.controller.harness import create_vm, get_vm, is_gated, runner_pods
+from neonvm.controller.harness import create_vm as harness_create_vm
+from neonvm.controller.harness import get_vm, is_gated, runner_pods
 from neonvm.controller.informer import Informer, Store
 from neonvm.controller.metrics import ControllerMetrics
 from neonvm.controller.observe import CacheReader, Snapshot, VMRecord, make_snapshot, pod_index
@@ -40,6 +41,15 @@ pytestmark = pytest.mark.cluster
 
 AUTHORITY = StaticAuthority(epoch=1, token=10)
 HOLD = "test.neon.tech/hold"
+NOWHERE = {"neonvm.test/unschedulable": "true"}
+"""Runner pods here are never bound to a node, with or without simulated nodes: their
+lifecycle (terminating, finished) is played by the test itself."""
+
+
+def create_vm(api: client.ApiClient, namespace: str, name: str,
+              spec: dict[str, Any] | None = None, **kwargs: Any) -> dict[str, Any]:
+    return harness_create_vm(api, namespace, name,
+                             spec={"nodeSelector": NOWHERE, **(spec or {})}, **kwargs)
 
 
 @pytest.fixture

@@ -1,0 +1,262 @@
+"""Pure pieces of the controller: work queue, fault knobs, runner pod spec, cache store,
+conditions. No servers (``-m unit``)."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+
+from neonvm.api import types
+from neonvm.api.schema import decode
+from neonvm.api.types import (
+    Condition,
+    Fence,
+    PendingPod,
+    VirtualMachine,
+    VirtualMachineSpec,
+    VirtualMachineStatus,
+)
+from neonvm.controller import decide as d
+from neonvm.controller.conditions import (
+    WAITING_FOR_OLD_POD,
+    ConditionUpdate,
+    conditions_mutation,
+    desired_conditions,
+)
+from neonvm.controller.faults import FaultConfig, FaultConfigError, Faults
+from neonvm.controller.informer import Store
+from neonvm.controller.mutations import FencedOut
+from neonvm.controller.observe import Snapshot, pod_index, pod_view
+from neonvm.controller.podspec import PodDefaults, PodSpecError, has_our_gate, runner_pod
+from neonvm.controller.workqueue import Backoff, WorkQueue
+
+pytestmark = pytest.mark.unit
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+# ---- work queue ---------------------------------------------------------------------------
+
+
+def test_a_key_added_twice_is_queued_once() -> None:
+    q = WorkQueue()
+    q.add("a")
+    q.add("a")
+    q.add("b")
+    assert len(q) == 2
+    assert [q.get(0), q.get(0), q.get(0)] == ["a", "b", None]
+
+
+def test_a_key_being_processed_is_not_handed_to_a_second_worker() -> None:
+    q = WorkQueue()
+    q.add("a")
+    assert q.get(0) == "a"
+    q.add("a")  # an event while a worker holds it
+    assert q.get(0) is None, "no second worker for the same key"
+    q.done("a")
+    assert q.get(0) == "a", "re-queued once the first worker is done"
+
+
+def test_delayed_keys_wait_and_the_earliest_request_wins() -> None:
+    clock = FakeClock()
+    q = WorkQueue(clock=clock)
+    q.add_after("a", 10)
+    q.add_after("a", 2)
+    assert q.get(0) is None
+    clock.now = 2.5
+    assert q.get(0) == "a"
+    q.done("a")
+    clock.now = 11
+    assert q.get(0) is None, "the superseded later request does not fire again"
+
+
+def test_rate_limited_retries_back_off_exponentially_until_forgotten() -> None:
+    q = WorkQueue(Backoff(base=1.0, cap=5.0), clock=FakeClock())
+    assert [q.add_rate_limited("a") for _ in range(5)] == [1.0, 2.0, 4.0, 5.0, 5.0]
+    q.forget("a")
+    assert q.add_rate_limited("a") == 1.0
+
+
+def test_shutdown_wakes_waiting_workers() -> None:
+    q = WorkQueue()
+    got: list[str | None] = []
+    t = threading.Thread(target=lambda: got.append(q.get()))
+    t.start()
+    q.shut_down()
+    t.join(5)
+    assert got == [None] and not t.is_alive()
+
+
+# ---- faults -------------------------------------------------------------------------------
+
+
+def test_fault_specs_parse_and_say_what_is_wrong() -> None:
+    config = FaultConfig.parse(["crash_after=commit@2", "stale_reads=0.3,conflict=0.2;seed=7"])
+    assert config == FaultConfig(crash_after="commit", crash_occurrence=2, stale_reads=0.3,
+                                 conflict=0.2, seed=7)
+    assert not FaultConfig.parse("").enabled
+    for bad, message in (("crash_after=lunch", "step must be one of"),
+                         ("stale_reads=2", "probability"), ("nonsense", "key=value"),
+                         ("jitter=1", "unknown fault")):
+        with pytest.raises(FaultConfigError, match=message):
+            FaultConfig.parse(bad)
+
+
+def test_crash_after_fires_exactly_at_the_chosen_occurrence_of_the_step() -> None:
+    exits: list[int] = []
+    faults = Faults(FaultConfig(crash_after="commit", crash_occurrence=2), exit=exits.append)
+    faults.after("plan")
+    faults.after("commit")
+    assert exits == []
+    faults.after("commit")
+    assert exits == [137]
+
+
+def test_seeded_faults_are_reproducible_and_off_by_default() -> None:
+    a = Faults(FaultConfig(conflict=0.5, seed=3))
+    b = Faults(FaultConfig(conflict=0.5, seed=3))
+    assert [a.inject_conflict() for _ in range(50)] == [b.inject_conflict() for _ in range(50)]
+    off = Faults()
+    assert not any(off.serve_stale() or off.drop_event() or off.inject_conflict()
+                   for _ in range(100))
+
+
+# ---- runner pod spec ------------------------------------------------------------------------
+
+
+def a_vm(spec: dict[str, object] | None = None) -> VirtualMachine:
+    return VirtualMachine(
+        name="db", namespace="ns", uid="abcdef0123", resource_version="1", generation=3,
+        spec=decode(VirtualMachineSpec, {"guest": {"rootDisk": {"image": "img"}}, **(spec or {})}),
+        status=VirtualMachineStatus(), labels={"team": "x", "vm.neon.tech/name": "evil"})
+
+
+PLAN = PendingPod(name="db-abcdef01-4", plan_seq=4, token=77, epoch=5, generation=3)
+
+
+def test_the_runner_pod_is_gated_owned_labelled_and_never_restarts_itself() -> None:
+    pod = runner_pod(a_vm(), PLAN)
+    meta = pod["metadata"]
+    assert meta["name"] == PLAN.name
+    assert has_our_gate(pod) and pod["spec"]["restartPolicy"] == "Never"
+    assert meta["labels"] == {"team": "x", types.LABEL_VM_NAME: "db",
+                              types.LABEL_VM_UID: "abcdef0123"}
+    assert meta["ownerReferences"][0]["controller"] is True
+    assert meta["annotations"][types.ANNOTATION_TOKEN] == "77"
+    assert meta["annotations"][types.ANNOTATION_EPOCH] == "5"
+    assert meta["annotations"][types.ANNOTATION_PLAN_SEQ] == "4"
+    env = {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"]}
+    assert json.loads(env["NEONVM_VM_SPEC"])["guest"]["rootDisk"]["image"] == "img"
+
+
+def test_resources_come_from_pod_resources_or_the_guest_size() -> None:
+    derived = runner_pod(a_vm({"guest": {"rootDisk": {"image": "i"}, "cpus": {
+        "min": 0.5, "max": 3, "use": 1.5}, "memorySlots": {"min": 1, "max": 4},
+        "memorySlotSize": "1Gi"}}), PLAN)["spec"]["containers"][0]["resources"]
+    assert derived == {"requests": {"cpu": "1500m", "memory": "4352Mi"},
+                       "limits": {"cpu": "3", "memory": "4352Mi"}}
+    given = {"requests": {"cpu": "1"}}
+    assert runner_pod(a_vm({"podResources": given}), PLAN)["spec"]["containers"][0][
+        "resources"] == given
+
+
+def test_the_default_image_disks_and_scheduling_fields_reach_the_pod() -> None:
+    pod = runner_pod(a_vm({
+        "disks": [{"name": "cache", "tmpfs": {"size": "1Gi"}},
+                  {"name": "cfg", "configMap": {"name": "c"}}],
+        "affinity": {"nodeAffinity": {}}, "schedulerName": "s",
+        "imagePullSecrets": [{"name": "reg"}]}), PLAN, PodDefaults(runner_image="r:1"))
+    spec = pod["spec"]
+    assert spec["containers"][0]["image"] == "r:1"
+    assert spec["volumes"] == [
+        {"name": "disk-cache", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}},
+        {"name": "disk-cfg", "configMap": {"name": "c"}}]
+    assert (spec["schedulerName"], spec["imagePullSecrets"]) == ("s", [{"name": "reg"}])
+
+
+def test_a_spec_no_pod_can_be_built_from_is_an_error_not_a_crash() -> None:
+    with pytest.raises(PodSpecError, match="exactly one"):
+        runner_pod(a_vm({"disks": [{"name": "d"}]}), PLAN)
+    with pytest.raises(PodSpecError, match="not a resource quantity"):
+        runner_pod(a_vm({"guest": {"rootDisk": {"image": "i"}, "memorySlotSize": "lots"}}),
+                   PLAN)
+
+
+# ---- cache store ------------------------------------------------------------------------------
+
+
+def raw_pod(name: str, vm: str, rv: str, gated: bool = True) -> dict[str, object]:
+    return {"metadata": {"name": name, "namespace": "ns", "resourceVersion": rv,
+                         "uid": f"u-{name}", "labels": {types.LABEL_VM_NAME: vm},
+                         "ownerReferences": [{"kind": "VirtualMachine", "uid": "vmuid",
+                                              "controller": True}]},
+            "spec": {"schedulingGates": [{"name": types.SCHEDULING_GATE}] if gated else []},
+            "status": {"phase": "Pending"}}
+
+
+def test_the_store_indexes_pods_by_vm_and_keeps_older_lists_for_stale_reads() -> None:
+    store = Store(index=pod_index)
+    store.apply("ADDED", raw_pod("p1", "a", "1"))
+    store.apply("ADDED", raw_pod("p2", "a", "2"))
+    store.apply("DELETED", raw_pod("p1", "a", "3"))
+    assert [p["metadata"]["name"] for p in store.by_index("ns/a")] == ["p2"]
+    assert [[p["metadata"]["name"] for p in older] for older in store.older_index("ns/a")] \
+        == [[], ["p1"], ["p1", "p2"]]
+
+
+def test_a_relist_reports_what_changed_including_missed_deletions() -> None:
+    store = Store()
+    store.replace([raw_pod("p1", "a", "1"), raw_pod("p2", "a", "1")])
+    changes = store.replace([raw_pod("p2", "a", "1"), raw_pod("p3", "a", "5")])
+    assert sorted((k, new is None) for k, _old, new in changes) == [
+        ("ns/p1", True), ("ns/p3", False)]
+
+
+def test_a_pod_view_reads_gate_owner_and_termination() -> None:
+    view = pod_view(raw_pod("p", "a", "1"))
+    assert (view.gated, view.owner_uid, view.terminating) == (True, "vmuid", False)
+    assert not pod_view(raw_pod("p", "a", "1", gated=False)).gated
+
+
+# ---- conditions ---------------------------------------------------------------------------------
+
+
+def test_waiting_for_the_old_pod_keeps_its_since_and_is_written_only_on_change() -> None:
+    vm = a_vm()
+    lease = d.Lease(epoch=5, token=1)
+    wait = d.Wait(condition=WAITING_FOR_OLD_POD, reason="waiting for old to go")
+    snap = Snapshot(obs=d.Observation(vm=vm, pods=(), lease=lease, direct=True), record=None)
+    updates = desired_conditions(snap, wait)
+    first = conditions_mutation(updates, lease, now="2026-01-01T00:00:00Z")(vm)
+    assert first is not None
+    (waiting,) = [c for c in first.conditions if c.type == WAITING_FOR_OLD_POD]
+    assert waiting.status == "True" and waiting.last_transition_time == "2026-01-01T00:00:00Z"
+    assert "out-of-service" in (waiting.message or "")
+    vm.status = first
+    assert conditions_mutation(updates, lease, now="2026-01-01T00:05:00Z")(vm) is None
+
+
+def test_a_condition_write_is_fenced_out_by_a_newer_epoch() -> None:
+    vm = a_vm()
+    vm.status.fence = Fence(epoch=9, token=1)
+    update = ConditionUpdate("Ready", "False", "x", "y")
+    with pytest.raises(FencedOut):
+        conditions_mutation([update], d.Lease(epoch=5, token=1))(vm)
+
+
+def test_a_false_condition_is_not_added_just_to_say_false() -> None:
+    vm = a_vm()
+    vm.status.observed_generation = vm.generation
+    vm.status.conditions = [Condition(type="Ready", status="False", reason="x", message="y",
+                                      observed_generation=vm.generation)]
+    update = ConditionUpdate(WAITING_FOR_OLD_POD, "False", "NoOldPod", "-",
+                             only_if_present=True)
+    assert conditions_mutation([update], d.Lease(epoch=5, token=1))(vm) is None
