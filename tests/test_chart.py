@@ -588,14 +588,34 @@ def _install_identity(cluster: LocalCluster, api: client.ApiClient, rendered: Re
                 installed.created.append(obj)
         with contextlib.suppress(ApiException):
             admission.delete_validating_admission_policy_binding(DEV_FENCE)
+        if any(o["kind"] == "ValidatingAdmissionPolicyBinding" for o in installed.created):
+            _wait_until_fenced_by(api, installed.fence_name)
         yield installed
     finally:
-        kube.apply(api, manifests.admission_policy_binding())
         for obj in reversed(installed.created):
             resource = dyn.resources.get(api_version=obj["apiVersion"], kind=obj["kind"])
             ns = obj["metadata"].get("namespace") if resource.namespaced else None
             with contextlib.suppress(ApiException):
                 resource.delete(name=obj["metadata"]["name"], namespace=ns)
+        kube.apply(api, manifests.admission_policy_binding())
+        _wait_until_fenced_by(api, DEV_FENCE)
+
+
+def _wait_until_fenced_by(api: client.ApiClient, fence: str) -> None:
+    """Wait until ``fence`` refuses an ungated runner pod (policies load asynchronously)."""
+    core = client.CoreV1Api(api)
+    probe = _runner_pod({"metadata": {"name": "probe", "uid": str(uuid.uuid4())}},
+                        "fence-probe", gated=False)
+    wait_for(lambda: _fence_denies(_refused_or_none(lambda: core.create_namespaced_pod(
+        "default", probe, dry_run="All")), fence), what=f"{fence} in force")
+
+
+def _refused_or_none(call: Callable[[], object]) -> ApiException | None:
+    try:
+        call()
+    except ApiException as err:
+        return err
+    return None
 
 
 def _runner_pod(vm: dict[str, Any], name: str, gated: bool = True) -> dict[str, Any]:
@@ -643,8 +663,9 @@ def _forbidden(call: Callable[[], object]) -> None:
     assert err.status == 403, f"expected 403, got {err.status}: {kube.api_error_message(err)}"
 
 
-def _fence_denies(err: ApiException, fence: str) -> bool:
-    return err.status in (403, 422) and f"'{fence}'" in kube.api_error_message(err)
+def _fence_denies(err: ApiException | None, fence: str) -> bool:
+    return (err is not None and err.status in (403, 422)
+            and f"'{fence}'" in kube.api_error_message(err))
 
 
 @pytest.fixture
@@ -704,7 +725,7 @@ def test_the_service_account_may_do_what_the_controller_does_and_nothing_more(
         # Only the chart's ServiceAccount may ungate: the admin is refused by the chart's
         # fence (wait until the API server has loaded it), the ServiceAccount is not
         # (wait until the suspended local fence has let go).
-        wait_for(lambda: _fence_denies(_refused(lambda: admin_core.patch_namespaced_pod(
+        wait_for(lambda: _fence_denies(_refused_or_none(lambda: admin_core.patch_namespaced_pod(
             pod_name, namespace, _ungate_patch(pod), dry_run="All")), fence),
             what="the chart's fence refusing the admin's ungate")
         wait_for(lambda: _try(lambda: sa_core.patch_namespaced_pod(
