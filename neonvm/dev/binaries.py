@@ -50,6 +50,23 @@ class BinaryGroup:
     def key(self) -> str:
         return f"{self.name}-{self.version}"
 
+    def version_ldflags(self) -> list[str]:
+        """Stamp the release into Kubernetes binaries, as the release build does.
+
+        Without it kube-apiserver reports ``v0.0.0-master``, and tools that check the
+        server version (helm's ``kubeVersion``, clients' discovery) misjudge it.
+        """
+        if self.name != "kubernetes":
+            return []
+        major, minor = self.version.removeprefix("v").split(".")[:2]
+        values = {"gitVersion": self.version, "gitMajor": major, "gitMinor": minor,
+                  "gitTreeState": "clean"}
+        return [
+            f"-X {pkg}.{k}={v}"
+            for pkg in ("k8s.io/component-base/version", "k8s.io/client-go/pkg/version")
+            for k, v in values.items()
+        ]
+
 
 def cache_root() -> Path:
     return Path(os.environ.get("NEONVM_CACHE_DIR", Path.home() / ".cache" / "neonvm"))
@@ -189,7 +206,7 @@ def _build_locked(group: BinaryGroup, progress: Callable[[str], None]) -> float:
     tmp_dir.mkdir(parents=True)
     started = time.monotonic()
     env = {**os.environ, "CGO_ENABLED": "0", "GOFLAGS": "-buildvcs=false"}
-    flags = ["-trimpath", "-ldflags=-s -w"]
+    flags = ["-trimpath", "-ldflags=" + " ".join(["-s", "-w", *group.version_ldflags()])]
     if group.go_mod is not None:
         build_dir = cache_root() / "build" / group.key
         build_dir.mkdir(parents=True, exist_ok=True)
