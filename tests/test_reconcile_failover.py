@@ -105,7 +105,7 @@ def grace(cluster: LocalCluster) -> dict[str, Any]:
     return {"terminationGracePeriodSeconds": 3} if cluster.spec.nodes else {}
 
 
-# ---- crash right after each step ------------------------------------------------------------
+# ---- crash right after each step -------------------------------------------------------------
 
 
 @pytest.mark.parametrize("step", ["plan", "create", "commit", "ungate"])
@@ -169,7 +169,7 @@ def test_a_leader_killed_while_cleaning_up_a_deleted_vm_leaves_nothing_behind(
     assert converged(api, namespace, ["stays"])
 
 
-# ---- the seed's scenario, with processes --------------------------------------------------------
+# ---- the seed's scenario, with processes -----------------------------------------------------
 
 
 def test_a_deleted_runner_pod_gets_exactly_one_replacement_started_after_the_old_is_gone(
@@ -202,7 +202,7 @@ def test_a_deleted_runner_pod_gets_exactly_one_replacement_started_after_the_old
     assert vm_status(api, namespace, "seed")["restartCount"] == 1
 
 
-# ---- many VMs, three replicas, the leader killed ------------------------------------------------
+# ---- many VMs, three replicas, the leader killed ---------------------------------------------
 
 
 def test_three_replicas_and_many_vms_converge_with_no_duplicates_when_the_leader_dies(
@@ -240,7 +240,7 @@ def test_three_replicas_and_many_vms_converge_with_no_duplicates_when_the_leader
         assert status["planSeq"] == expected + 1, "no VM was ever planned twice"
 
 
-# ---- stale reads, dropped events, conflicts ------------------------------------------------------
+# ---- stale reads, dropped events, conflicts --------------------------------------------------
 
 
 def test_stale_reads_dropped_events_and_conflicts_never_produce_a_second_pod(
@@ -267,7 +267,7 @@ def test_stale_reads_dropped_events_and_conflicts_never_produce_a_second_pod(
     assert "fault injection" in log or "conflict" in log
 
 
-# ---- graceful handover -----------------------------------------------------------------------------
+# ---- graceful handover -----------------------------------------------------------------------
 
 
 def test_sigterm_releases_locks_and_lease_and_a_standby_carries_on(
@@ -291,3 +291,54 @@ def test_sigterm_releases_locks_and_lease_and_a_standby_carries_on(
     wait_for(lambda: converged(api, namespace, ["vm"])
              and only_pod(api, namespace, "vm") != pod, 60)
     assert types.FINALIZER in (get_vm(api, namespace, "vm") or {})["metadata"]["finalizers"]
+
+
+# ---- orphans and quota -----------------------------------------------------------------------
+
+
+def test_a_pod_whose_vm_vanished_without_the_controller_is_swept(
+        cluster: LocalCluster, api: client.ApiClient, namespace: str, replicas: Replicas,
+        checker: InvariantChecker) -> None:
+    first = replicas.start("first")
+    create_vm(api, namespace, "gone", spec=grace(cluster))
+    create_vm(api, namespace, "kept", spec=grace(cluster))
+    wait_for(lambda: converged(api, namespace, ["gone", "kept"]), 60)
+    orphan = only_pod(api, namespace, "gone")
+    assert first.terminate() == 0
+
+    # Someone strips the finalizer and deletes the VM while no controller runs.
+    custom = client.CustomObjectsApi(api)
+    custom.patch_namespaced_custom_object(types.GROUP, types.VERSION, namespace, types.PLURAL,
+                                          "gone", {"metadata": {"finalizers": None}})
+    delete_vm(api, namespace, "gone")
+    wait_for(lambda: get_vm(api, namespace, "gone") is None, 30)
+
+    second = replicas.start("second", args=["--orphan-grace", "0", "--sweep", "1"])
+    wait_for(lambda: not runner_pods(api, namespace, "gone"), 60, what=f"{orphan} removed")
+    if not cluster.spec.nodes:  # no garbage collector: it was the controller's sweep
+        wait_for(lambda: "its VM no longer exists" in second.log(), 30)
+    assert converged(api, namespace, ["kept"])
+
+
+@pytest.mark.nodes
+def test_a_replacement_refused_for_quota_while_the_old_pod_terminates_is_retried(
+        cluster: LocalCluster, api: client.ApiClient, namespace: str, replicas: Replicas,
+        checker: InvariantChecker) -> None:
+    if not cluster.spec.nodes:
+        pytest.skip("needs simulated nodes: a terminating pod counts against quota only "
+                    "while its kubelet shuts it down")
+    client.CoreV1Api(api).create_namespaced_resource_quota(
+        namespace, {"metadata": {"name": "one-pod"}, "spec": {"hard": {"pods": "1"}}})
+    replica = replicas.start("only")
+    create_vm(api, namespace, "vm", spec={"terminationGracePeriodSeconds": 5})
+    wait_for(lambda: converged(api, namespace, ["vm"]), 60)
+    old = only_pod(api, namespace, "vm")
+    client.CoreV1Api(api).delete_namespaced_pod(old, namespace)
+
+    wait_for(lambda: "exceeded quota" in replica.log(), 60, what="the create refused by quota")
+    wait_for(lambda: converged(api, namespace, ["vm"])
+             and only_pod(api, namespace, "vm") != old, 90)
+    status = vm_status(api, namespace, "vm")
+    assert (status["restartCount"], status["planSeq"]) == (1, 2)
+    degraded = next((c for c in status.get("conditions") or [] if c["type"] == "Degraded"), None)
+    assert degraded is None, "quota is transient: retried, not Degraded"

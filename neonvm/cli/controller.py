@@ -68,6 +68,9 @@ def controller() -> None:
               show_default=True, help="Seconds between direct re-reads of VMs mid-plan.")
 @click.option("--sweep", type=click.FloatRange(min=1), default=30.0, show_default=True,
               help="Seconds between sweeps of locks and pods of deleted VMs.")
+@click.option("--orphan-grace", type=click.FloatRange(min=0), default=30.0, show_default=True,
+              help="Seconds a pod whose VM is gone may stay before the sweep deletes it (the "
+                   "garbage collector normally removes it first).")
 @click.option("--runner-image", default=DEFAULT_RUNNER_IMAGE, show_default=True,
               help="Runner image for VMs without spec.runnerImage.")
 @click.option("--health-port", type=click.IntRange(min=0, max=65535), default=8081,
@@ -81,7 +84,7 @@ def run(kubeconfig: Path | None, lease_namespace: str, lease_name: str, identity
         etcd_endpoints: str | None, etcd_prefix: str | None, etcd_ca: str | None,
         etcd_cert: str | None, etcd_key: str | None, etcd_timeout: float, session_ttl: int,
         watch_namespace: str | None, workers: int, resync: float, plan_requeue: float,
-        sweep: float, runner_image: str, health_port: int, health_host: str,
+        sweep: float, orphan_grace: float, runner_image: str, health_port: int, health_host: str,
         faults: tuple[str, ...]) -> None:
     """Run one replica: campaign, and while leading keep exactly one runner pod per VM."""
     from neonvm import kube
@@ -104,6 +107,7 @@ def run(kubeconfig: Path | None, lease_namespace: str, lease_name: str, identity
     config = ControllerConfig(
         workers=workers, watch_namespace=watch_namespace, resync_seconds=resync,
         plan_requeue_seconds=plan_requeue, sweep_seconds=sweep, session_ttl=session_ttl,
+        orphan_grace_seconds=orphan_grace,
         reconciler=ReconcilerConfig(resync_seconds=resync,
                                     pod_defaults=PodDefaults(runner_image=runner_image)),
     )
