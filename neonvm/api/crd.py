@@ -11,6 +11,9 @@ from typing import Any
 from neonvm.api import types
 from neonvm.api.schema import openapi_schema
 
+MAX_NAME = 63
+"""VM names are label values (``vm.neon.tech/name``) on runner pods, which allow 63."""
+
 PRINTER_COLUMNS = [
     {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
     {"name": "Pod", "type": "string", "jsonPath": ".status.podName"},
@@ -60,6 +63,13 @@ def virtualmachine_crd() -> dict[str, Any]:
                                 "status": openapi_schema(types.VirtualMachineStatus),
                             },
                             "required": ["spec"],
+                            "x-kubernetes-validations": [
+                                {
+                                    "rule": f"self.metadata.name.size() <= {MAX_NAME}",
+                                    "message": f"a VirtualMachine name is at most {MAX_NAME} "
+                                    "characters: it is a label value on its runner pods",
+                                }
+                            ],
                         }
                     },
                 }

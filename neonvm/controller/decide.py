@@ -277,6 +277,12 @@ def _decide_committed(obs: Observation, vm: VirtualMachine) -> Action:
     pod = obs.pod(name)
     if vm.status.phase in TERMINAL_PHASES:
         return Done(reason=f"VM is {vm.status.phase}; never planned again")
+    if vm.status.pending_pod is not None:
+        # Not produced by our writes (Commit and Restart clear the plan), but if a status
+        # ever carries both, the committed pod wins and the stray plan is dropped first,
+        # so that its pod becomes an unreferenced pod for the clean-up.
+        return DropPlan(name=vm.status.pending_pod.name,
+                        reason="a committed pod and a plan at once: drop the plan")
     gone = pod is None or (bool(vm.status.pod_uid) and pod.uid != vm.status.pod_uid)
     if gone or (pod is not None and (pod.finished or pod.terminating)):
         if not obs.direct:
