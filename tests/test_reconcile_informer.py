@@ -1,0 +1,117 @@
+"""The list+watch cache against the real API server: events, 410 Gone, reconnects."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from kubernetes import client
+
+from neonvm.api import types
+from neonvm.controller.harness import create_vm, delete_vm
+from neonvm.controller.informer import Informer, Obj, Store
+from neonvm.dev.cluster import LocalCluster
+from tests.support import wait_for
+
+pytestmark = pytest.mark.cluster
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.events: list[tuple[str, bool]] = []
+        self.relists = 0
+        self._lock = threading.Lock()
+
+    def handler(self, key: str, old: Obj | None, new: Obj | None) -> None:
+        with self._lock:
+            self.events.append((key, new is None))
+
+    def relisted(self, _name: str) -> None:
+        self.relists += 1
+
+    def saw(self, key: str, deleted: bool = False) -> bool:
+        with self._lock:
+            return (key, deleted) in self.events
+
+
+@pytest.fixture
+def vm_lister(api: client.ApiClient, namespace: str) -> Any:
+    custom = client.CustomObjectsApi(api)
+
+    def lister(**kw: Any) -> Any:
+        return custom.list_namespaced_custom_object(types.GROUP, types.VERSION, namespace,
+                                                    types.PLURAL, **kw)
+    return lister
+
+
+@pytest.fixture
+def recorder() -> Recorder:
+    return Recorder()
+
+
+@pytest.fixture
+def informer(vm_lister: Any, recorder: Recorder) -> Iterator[Informer]:
+    inf = Informer("vms", vm_lister, Store(), recorder.handler, on_relist=recorder.relisted,
+                   watch_timeout=5, retry_backoff=0.2)
+    yield inf
+    inf.stop()
+
+
+def test_the_cache_follows_creates_updates_and_deletes(
+        api: client.ApiClient, namespace: str, informer: Informer, recorder: Recorder) -> None:
+    create_vm(api, namespace, "before")
+    informer.start()
+    wait_for(informer.synced.is_set, 30)
+    assert recorder.saw(f"{namespace}/before")
+    create_vm(api, namespace, "after")
+    wait_for(lambda: recorder.saw(f"{namespace}/after"), 30)
+    delete_vm(api, namespace, "after")
+    wait_for(lambda: recorder.saw(f"{namespace}/after", deleted=True), 30)
+    assert informer.store.get(f"{namespace}/after") is None
+    assert informer.store.get(f"{namespace}/before") is not None
+    # A quiet watch times out (5 s here) and resumes without a relist.
+    create_vm(api, namespace, "later")
+    wait_for(lambda: recorder.saw(f"{namespace}/later"), 30)
+    assert recorder.relists == 1
+
+
+def test_a_watch_from_an_expired_version_relists_and_reports_what_it_missed(
+        api: client.ApiClient, namespace: str, vm_lister: Any, recorder: Recorder) -> None:
+    expired = {"first": True}
+
+    def lister(**kw: Any) -> Any:
+        if kw.get("watch") and expired["first"]:
+            expired["first"] = False
+            create_vm(api, namespace, "missed")  # happens while we are "disconnected"
+            kw["resource_version"] = "1"  # long compacted out of the watch cache
+        return vm_lister(**kw)
+
+    inf = Informer("vms", lister, Store(), recorder.handler, on_relist=recorder.relisted,
+                   watch_timeout=5, retry_backoff=0.2)
+    inf.start()
+    try:
+        wait_for(lambda: recorder.saw(f"{namespace}/missed"), 30, what="relist after 410")
+        assert recorder.relists >= 2
+    finally:
+        inf.stop()
+
+
+def test_the_cache_reconnects_after_an_api_server_restart(
+        cluster: LocalCluster, api: client.ApiClient, namespace: str, informer: Informer,
+        recorder: Recorder) -> None:
+    informer.start()
+    wait_for(informer.synced.is_set, 30)
+    cluster.stop_component("kube-apiserver")
+    cluster.start_component("kube-apiserver")
+    wait_for(lambda: _try_create(api, namespace, "after-restart"), 60)
+    wait_for(lambda: recorder.saw(f"{namespace}/after-restart"), 60)
+
+
+def _try_create(api: client.ApiClient, namespace: str, name: str) -> bool:
+    try:
+        create_vm(api, namespace, name)
+    except Exception:
+        return False
+    return True
