@@ -1,0 +1,86 @@
+"""``neonvm vm list|get|plan`` and ``neonvm controller run``'s argument handling."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+from kubernetes import client
+
+from neonvm import kube
+from neonvm.cli import main
+from neonvm.controller.harness import create_vm
+from neonvm.controller.reconciler import Reconciler, StaticAuthority
+from neonvm.dev.cluster import LocalCluster
+
+
+def run(*args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(main, list(args))
+    return result.exit_code, result.output
+
+
+@pytest.mark.cluster
+def test_vm_plan_list_and_get_show_the_plan_the_pod_and_the_fence(
+        cluster: LocalCluster, api: client.ApiClient, namespace: str) -> None:
+    kc = str(cluster.kubeconfig)
+    created = create_vm(api, namespace, "shown", spec={"nodeSelector": {"none": "x"}})
+    code, out = run("vm", "plan", "shown", "-n", namespace, "--kubeconfig", kc, "-o", "json")
+    assert code == 0 and json.loads(out)["action"] == "AddFinalizer"
+
+    controller = kube.api_client(cluster.kubeconfig_for("controller"))
+    try:
+        Reconciler(controller).reconcile(f"{namespace}/shown", StaticAuthority(epoch=2, token=9),
+                                         direct_first=True)
+    finally:
+        controller.close()
+    pod = f"shown-{created['metadata']['uid'][:8]}-1"
+
+    code, out = run("vm", "list", "-n", namespace, "--kubeconfig", kc, "-o", "json")
+    assert code == 0
+    (row,) = json.loads(out)
+    assert (row["name"], row["podName"], row["pendingPod"], row["restarts"], row["fence"]) \
+        == ("shown", pod, None, 0, "2/9")
+
+    code, out = run("vm", "get", "shown", "-n", namespace, "--kubeconfig", kc, "-o", "yaml")
+    info = yaml.safe_load(out)
+    assert code == 0 and [p["name"] for p in info["pods"]] == [pod]
+    assert info["pods"][0]["gated"] is False and info["pods"][0]["fence"] == "2/9"
+    assert {c["type"] for c in info["conditions"]} >= {"Ready"}
+
+    code, out = run("vm", "list", "-n", namespace, "--kubeconfig", kc)
+    assert code == 0 and "PODNAME" in out and pod in out
+
+    code, out = run("vm", "plan", "shown", "-n", namespace, "--kubeconfig", kc, "-o", "json")
+    assert code == 0 and json.loads(out)["action"] == "Done"
+
+
+@pytest.mark.cluster
+def test_vm_get_of_a_missing_vm_is_a_one_line_error(
+        cluster: LocalCluster, namespace: str) -> None:
+    code, out = run("vm", "get", "nope", "-n", namespace, "--kubeconfig", str(cluster.kubeconfig))
+    assert code != 0 and out.strip().splitlines() == [f"Error: VirtualMachine {namespace}/nope "
+                                                      f"not found"]
+
+
+@pytest.mark.unit
+def test_an_unreachable_api_server_is_a_one_line_error(tmp_path: Path) -> None:
+    kubeconfig = tmp_path / "kc"
+    kubeconfig.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "c",
+        "clusters": [{"name": "c", "cluster": {"server": "http://127.0.0.1:9"}}],
+        "users": [{"name": "u", "user": {}}],
+        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}]}))
+    code, out = run("vm", "list", "--kubeconfig", str(kubeconfig))
+    assert code == 1
+    assert len(out.strip().splitlines()) == 1 and "unreachable" in out
+
+
+@pytest.mark.unit
+def test_controller_run_refuses_bad_fault_specs_and_election_timings() -> None:
+    code, out = run("controller", "run", "--fault", "crash_after=lunch")
+    assert code == 2 and "step must be one of" in out
+    code, out = run("controller", "run", "--lease-duration", "2", "--renew-deadline", "3")
+    assert code == 2 and "must be greater than renew_deadline" in out
