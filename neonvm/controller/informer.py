@@ -4,7 +4,9 @@ An :class:`Informer` lists a resource, then watches it from the list's resourceV
 keeping a :class:`Store` up to date and calling a handler for every change. It
 reconnects after errors from the last resourceVersion it saw, and re-lists (diffing
 against the store, so deletions missed meanwhile are reported) when the server answers
-410 Gone. Bookmarks are requested so that quiet watches still advance.
+410 Gone, and also every ``relist_seconds`` if asked to (a watch that silently missed
+events is healed by the next re-list). Bookmarks are requested so that quiet watches
+still advance.
 
 What the cache guarantees: nothing about freshness. It may lag the server arbitrarily,
 and with fault injection it may answer with older versions or miss updates entirely.
@@ -19,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -139,7 +142,8 @@ class Informer:
     def __init__(self, name: str, lister: Lister, store: Store, handler: Handler,
                  faults: Faults | None = None, *, watch_timeout: int = 60,
                  retry_backoff: float = 0.5, max_backoff: float = 10.0,
-                 on_relist: Callable[[str], None] | None = None) -> None:
+                 on_relist: Callable[[str], None] | None = None,
+                 relist_seconds: float | None = None) -> None:
         self.name = name
         self.store = store
         self._lister = lister
@@ -149,6 +153,7 @@ class Informer:
         self._retry_backoff = retry_backoff
         self._max_backoff = max_backoff
         self._on_relist = on_relist
+        self._relist_seconds = relist_seconds
         self._stop = threading.Event()
         self.synced = threading.Event()
         """Set after the first successful list."""
@@ -176,13 +181,18 @@ class Informer:
     def _run(self) -> None:
         rv: str | None = None
         failures = 0
+        listed_at = 0.0
         while not self._stop.is_set():
             try:
                 if rv is None:
                     rv = self._relist()
+                    listed_at = time.monotonic()
                     self.synced.set()
                 rv = self._watch(rv)
                 failures = 0
+                if (self._relist_seconds is not None
+                        and time.monotonic() - listed_at >= self._relist_seconds):
+                    rv = None  # periodic re-list: heals missed (or dropped) events
             except Gone:
                 self._log.info("watch expired (410 Gone): re-listing")
                 rv = None

@@ -19,8 +19,10 @@ What a term guarantees:
   exponential backoff;
 * progress does not depend on watch events: a VM whose reconcile ended in Wait is
   requeued after the wait, every cached VM that looks mid-plan is requeued every
-  ``plan_requeue_seconds``, and every VM every ``resync_seconds``; all of those requeues
-  start with a direct (quorum) read instead of the cache;
+  ``plan_requeue_seconds``, and every VM every ``resync_seconds`` (taken from a direct
+  list, not only from the cache, so a VM whose ADDED event was lost is found too); all
+  of those requeues start with a direct (quorum) read instead of the cache; the caches
+  themselves re-list every ``relist_seconds``;
 * on the way out (SIGTERM, lost leadership, a fenced VM) the queue is shut, workers are
   joined, locks are released and the session revoked, and only then does ``on_started``
   return, after which the elector releases the Lease.
@@ -82,6 +84,8 @@ class ControllerConfig:
     """A pod whose VM is gone is deleted by the sweep only after this long (the garbage
     collector normally removes it first)."""
     session_ttl: int = 10
+    relist_seconds: float = 300.0
+    """The informers re-list this often, healing a cache that missed watch events."""
     reconciler: ReconcilerConfig = field(default_factory=ReconcilerConfig)
     backoff: Backoff = field(default_factory=Backoff)
 
@@ -167,8 +171,10 @@ class LeaderTerm:
                                                         **kw)
         self._list_vms, self._list_pods = list_vms, list_pods
         self.informers = [
-            Informer("virtualmachines", list_vms, self.vm_store, self._on_vm, process.faults),
-            Informer("pods", list_pods, self.pod_store, self._on_pod, process.faults),
+            Informer("virtualmachines", list_vms, self.vm_store, self._on_vm, process.faults,
+                     relist_seconds=self.config.relist_seconds),
+            Informer("pods", list_pods, self.pod_store, self._on_pod, process.faults,
+                     relist_seconds=self.config.relist_seconds),
         ]
         self.reconciler = Reconciler(
             api, cache=CacheReader(self.vm_store, self.pod_store, process.faults),
@@ -270,11 +276,29 @@ class LeaderTerm:
                     self.enqueue_direct(key)
             if now >= next_resync:
                 next_resync = now + self.config.resync_seconds
-                for key in self.vm_store.all_keys():
+                for key in self._resync_keys():
                     self.enqueue_direct(key)
             if now >= next_sweep:
                 next_sweep = now + self.config.sweep_seconds
                 self._sweep()
+
+    def _resync_keys(self) -> set[str]:
+        """Every VM, from a direct list (the cache may have missed an ADDED event) and
+        from the cache (if the list fails, the cache is still worth a look)."""
+        keys = set(self.vm_store.all_keys())
+        try:
+            resp = self._list_vms(_preload_content=False, _request_timeout=30)
+            try:
+                items = json.loads(resp.data).get("items") or []
+            finally:
+                resp.release_conn()
+        except Exception as exc:
+            self.log.warning("resync list failed: {err}", err=_short(exc))
+            return keys
+        for item in items:
+            meta = item.get("metadata") or {}
+            keys.add(f"{meta.get('namespace', '')}/{meta.get('name', '')}")
+        return keys
 
     def _mid_plan_keys(self) -> list[str]:
         """Cached VMs that look in the middle of something (plan, deletion, gated pod)."""

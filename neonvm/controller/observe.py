@@ -154,11 +154,39 @@ class DirectReader:
         raw = self.get_vm_raw(namespace, name)
         return VMRecord.from_raw(raw) if raw is not None else None
 
+    def get_pod(self, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            resp = self._core.read_namespaced_pod(name, namespace, _preload_content=False,
+                                                  _request_timeout=30)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+        try:
+            pod: dict[str, Any] = json.loads(resp.data)
+        finally:
+            resp.release_conn()
+        return pod
+
     def observe(self, key: str, lease: Lease) -> Snapshot:
-        """List the VM's pods, *then* read the VM: both quorum reads, in that order."""
+        """List the VM's pods, *then* read the VM: both quorum reads, in that order.
+
+        The committed pod (``status.podName``) may have been created and committed between
+        the list and the VM read, so its absence from the list proves nothing. When it is
+        missing, it is read by name *after* the VM read: only that GET's 404 (or a pod of
+        another uid) lets the decision call it gone (DESIGN step 4). A pod found that way
+        joins the observation only if it is the committed one (same uid).
+        """
         namespace, name = split_key(key)
         pods = self.list_pods(namespace, name)
         record = self.get_vm(namespace, name)
+        if record is not None:
+            committed, uid = record.vm.status.pod_name, record.vm.status.pod_uid
+            listed = {(p.get("metadata") or {}).get("name") for p in pods}
+            if committed and committed not in listed:
+                pod = self.get_pod(namespace, committed)
+                if pod is not None and uid and (pod.get("metadata") or {}).get("uid") == uid:
+                    pods = [*pods, pod]
         return make_snapshot(record, pods, lease, direct=True)
 
 

@@ -425,8 +425,7 @@ class Reconciler:
         except ApiException as exc:
             message = api_error_message(exc)
             if exc.status == 409:
-                log.info("pod {pod} already exists: observing again", pod=action.plan.name)
-                return "exists"
+                return self._name_taken(key, action, snap, authority, log)
             if exc.status == 403 and ("exceeded quota" in message
                                       or "cannot create resource" in message):
                 raise RetryableError(f"create {action.plan.name}: {message}") from exc
@@ -441,6 +440,30 @@ class Reconciler:
             return "gate_stripped"
         self._events.record(vm, "Created", f"runner pod {action.plan.name} created (gated)")
         return "done"
+
+    def _name_taken(self, key: str, action: d.CreatePod, snap: Snapshot,
+                    authority: Authority, log: Any) -> str:
+        """AlreadyExists. A pod labelled for this VM shows up in the next observation and
+        :func:`decide` adopts or drops the plan. A pod *not* labelled for it never does
+        (observations list by label), so the driver drops the plan itself, as decide
+        would on seeing a pod that is not ours: a new plan gets a new name."""
+        assert snap.record is not None
+        vm = snap.record.vm
+        name = action.plan.name
+        pod = self.reader.get_pod(vm.namespace, name)
+        labels = ((pod or {}).get("metadata") or {}).get("labels") or {}
+        if pod is None or labels.get(types.LABEL_VM_NAME) == vm.name:
+            log.info("pod {pod} already exists: observing again", pod=name)
+            return "exists"
+        drop = d.DropPlan(name=name, reason=f"the name {name} is taken by a pod that is not "
+                                            f"labelled for this VM")
+        log.warning("{reason}: dropping plan #{seq}", reason=drop.reason,
+                    seq=action.plan.plan_seq)
+        written = self._write_status(key, snap, status_mutation(drop, authority.lease),
+                                     authority, log)
+        if written is not None:
+            self._event_for(drop, written.vm)
+        return "name_taken"
 
     def _gate_stripped(self, key: str, snap: Snapshot, meta: dict[str, Any],
                        authority: Authority, log: Any) -> None:
