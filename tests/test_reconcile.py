@@ -20,6 +20,7 @@ from kubernetes import client
 from neonvm import kube
 from neonvm.api import types
 from neonvm.controller import decide as d
+from neonvm.controller.events import EventRecorder
 from neonvm.controller.faults import FaultConfig, Faults
 from neonvm.controller.harness import create_vm as harness_create_vm
 from neonvm.controller.harness import get_vm, is_gated, runner_pods
@@ -115,7 +116,8 @@ def test_a_vm_converges_to_exactly_one_ungated_runner_pod_named_in_status(
         api: client.ApiClient, controller_api: client.ApiClient, namespace: str,
         checker: InvariantChecker) -> None:
     created = create_vm(api, namespace, "one")
-    result = settle(Reconciler(controller_api), f"{namespace}/one")
+    events = EventRecorder(controller_api, "test")
+    result = settle(Reconciler(controller_api, events=events), f"{namespace}/one")
 
     assert isinstance(result.action, d.Done)
     pod = converged_one(api, namespace, "one")
@@ -124,6 +126,9 @@ def test_a_vm_converges_to_exactly_one_ungated_runner_pod_named_in_status(
     assert status["planSeq"] == 1 and status["fence"] == {"epoch": 1, "token": 10}
     assert status["observedGeneration"] == 1
     assert condition(status, "Ready") is not None
+    recorded = client.CoreV1Api(api).list_namespaced_event(
+        namespace, field_selector="involvedObject.name=one").items
+    assert {e.reason for e in recorded} >= {"Planned", "Created", "Committed", "Started"}
 
 
 def test_the_runner_pod_is_fenced_owned_labelled_and_built_from_the_spec(

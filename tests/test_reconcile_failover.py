@@ -10,6 +10,8 @@ the next leader must resume from what is recorded in the API server.
 
 from __future__ import annotations
 
+import json
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -342,3 +344,41 @@ def test_a_replacement_refused_for_quota_while_the_old_pod_terminates_is_retried
     assert (status["restartCount"], status["planSeq"]) == (1, 2)
     degraded = next((c for c in status.get("conditions") or [] if c["type"] == "Degraded"), None)
     assert degraded is None, "quota is transient: retried, not Degraded"
+
+
+# ---- health and metrics ------------------------------------------------------------------
+
+
+def _health_port(replica: Replica) -> int | None:
+    for line in replica.log().splitlines():
+        if "serving /healthz" in line:
+            return int(json.loads(line)["port"])
+    return None
+
+
+def test_the_leader_serves_health_and_reconcile_metrics(
+        cluster: LocalCluster, api: client.ApiClient, namespace: str, replicas: Replicas,
+        checker: InvariantChecker) -> None:
+    leader = replicas.start("leader")
+    assert leader_of(replicas) is leader
+    create_vm(api, namespace, "vm", spec=grace(cluster))
+    wait_for(lambda: converged(api, namespace, ["vm"]), 60)
+    port = wait_for(lambda: _health_port(leader), 30)
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as resp:
+        assert resp.status == 200
+    metrics: dict[str, float] = {}
+
+    def scrape() -> bool:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+            for line in resp.read().decode().splitlines():
+                if line.startswith("neonvm_") and " " in line:
+                    name, value = line.rsplit(" ", 1)
+                    metrics[name] = float(value)
+        return metrics.get("neonvm_controller_locks_held", 0) >= 1
+
+    wait_for(scrape, 30)
+    assert metrics["neonvm_controller_leading"] == 1
+    assert metrics['neonvm_controller_actions_total{action="Ungate",outcome="done"}'] >= 1
+    assert metrics['neonvm_controller_reconciles_total{result="done"}'] >= 1
+    assert "neonvm_controller_queue_depth" in metrics
+    assert metrics["neonvm_leader_is_leader"] == 1
