@@ -1,0 +1,270 @@
+"""``neonvm-runner``: the program inside a runner pod. Runs one VM and exits with its fate.
+
+Order of work, each step failing with one line and exit code 1 before anything runs:
+load and decode the spec, find QEMU, choose KVM or TCG, build the QEMU command line,
+check that every file and tool it needs exists. Then: serve HTTP (``/healthz``,
+``/ready``, ``/status``, ``/metrics``), create the disks, start QEMU and supervise it
+until it exits (see :mod:`neonvm.runner.supervisor` for SIGTERM). The exit code says how
+the VM ended (:class:`~neonvm.runner.state.ExitCode`), and the one-line reason also goes
+to ``/dev/termination-log``, where Kubernetes shows it as the container's message.
+
+Every flag has an environment variable (``NEONVM_...``), so the controller can configure
+the runner through the pod's env alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import sys
+import tempfile
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import click
+from loguru import logger
+
+from neonvm import logs
+from neonvm.runner.disks import DiskTools, check_prerequisites, prepare
+from neonvm.runner.errors import HostError, RunnerError
+from neonvm.runner.host import (
+    Accel,
+    AccelChoice,
+    choose_accel,
+    find_binary,
+    optional_binary,
+    probe_kvm,
+)
+from neonvm.runner.metrics import runner_registry
+from neonvm.runner.qemu import LaunchContext, LaunchPlan, build_launch_plan
+from neonvm.runner.server import RunnerHTTPServer
+from neonvm.runner.spec import LoadedSpec, load_spec
+from neonvm.runner.state import ExitCode, Outcome, RunnerState, Sizing
+from neonvm.runner.supervisor import ShutdownPolicy, Supervisor, shutdown_budget
+
+DEFAULT_PORT = 25183
+DEFAULT_READY_MARKER = "NEONVM_GUEST_READY"
+
+
+@dataclass(frozen=True)
+class RunnerOptions:
+    """The runner's settings (flags or ``NEONVM_*`` variables)."""
+
+    spec_file: Path | None = None
+    port: int | None = None
+    listen_address: str = "0.0.0.0"
+    work_dir: Path | None = None
+    disks_dir: Path = Path("/vm/disks")
+    qemu: str = "qemu-system-x86_64"
+    accel: AccelChoice = "auto"
+    ready_marker: str = DEFAULT_READY_MARKER
+    grace_margin: float = 3.0
+    shutdown_timeout: float | None = None
+    powerdown_interval: float = 5.0
+    root_disk: Path | None = None
+    termination_log: Path | None = Path("/dev/termination-log")
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Everything decided before anything is started."""
+
+    loaded: LoadedSpec
+    plan: LaunchPlan
+    accel: Accel
+    port: int
+    tools: DiskTools
+
+
+def plan_launch(options: RunnerOptions, env: Mapping[str, str], work_dir: Path,
+                accel: Accel | None = None) -> Launch:
+    """Decode the spec and build the QEMU plan (raises :class:`RunnerError`). Starts nothing."""
+    loaded = load_spec(options.spec_file, env)
+    spec = loaded.spec
+    port = options.port or spec.runner_port or DEFAULT_PORT
+    qemu = find_binary(options.qemu, "qemu binary")
+    if accel is None:
+        probe = probe_kvm()
+        accel = choose_accel(options.accel, probe)
+        logger.bind(vm=loaded.key).info("accelerator {} ({})", accel, probe.reason)
+    writable = frozenset(
+        d.name for d in spec.disks or []
+        if d.empty_disk is not None and (options.disks_dir / d.name).is_dir()
+        and os.access(options.disks_dir / d.name, os.W_OK))
+    ctx = LaunchContext(
+        qemu_binary=qemu, accel=accel, work_dir=work_dir, runner_port=port,
+        disks_dir=options.disks_dir, writable_disk_dirs=writable,
+        listen_address=options.listen_address, root_disk_override=options.root_disk,
+        vm_name=loaded.name, vm_namespace=loaded.namespace, ready_marker=options.ready_marker)
+    plan = build_launch_plan(spec, ctx)
+    tools = DiskTools(qemu_img=optional_binary("qemu-img"),
+                      mkfs_ext4=optional_binary("mkfs.ext4"))
+    return Launch(loaded=loaded, plan=plan, accel=accel, port=port, tools=tools)
+
+
+def run_runner(options: RunnerOptions, env: Mapping[str, str], console: BinaryIO) -> int:
+    """Run the VM to its end; returns the exit code. Raises RunnerError before QEMU starts."""
+    early_stop: list[str] = []
+    previous = _record_signals(early_stop.append)
+    created_work_dir = options.work_dir is None
+    work_dir = options.work_dir or Path(tempfile.mkdtemp(prefix="neonvm-runner-"))
+    http: RunnerHTTPServer | None = None
+    try:
+        try:
+            work_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise HostError(f"cannot create work dir {work_dir}: {exc.strerror or exc}") from None
+        launch = plan_launch(options, env, work_dir)
+        check_prerequisites(launch.plan, launch.tools)
+        log = logger.bind(vm=launch.loaded.key)
+        plan = launch.plan
+        state = RunnerState(
+            vm=launch.loaded.key, accel=launch.accel, ready_marker=options.ready_marker,
+            sizing=Sizing(vcpus=plan.cpus.vcpus, max_vcpus=plan.cpus.max_vcpus,
+                          memory_bytes=plan.memory.current_bytes,
+                          max_memory_bytes=plan.memory.max_bytes))
+        http = RunnerHTTPServer(state, runner_registry(state), options.listen_address,
+                                launch.port)
+        http.start()
+        log.info("serving /healthz /ready /status /metrics on {}:{}", options.listen_address,
+                 http.port)
+        prepare(plan, launch.tools)
+        policy = ShutdownPolicy(
+            budget_seconds=shutdown_budget(
+                launch.loaded.spec.termination_grace_period_seconds, options.grace_margin,
+                options.shutdown_timeout),
+            powerdown_interval_seconds=options.powerdown_interval)
+        supervisor = Supervisor(plan, state, policy, console, options.ready_marker,
+                                launch.loaded.key, pdeathsig_wrapper=optional_binary("setpriv"))
+        outcome = asyncio.run(_supervise(supervisor, early_stop))
+        _write_termination_log(options.termination_log, outcome)
+        return int(outcome.exit_code)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        if http is not None:
+            http.stop()
+        if created_work_dir:
+            shutil.rmtree(work_dir, ignore_errors=True)
+
+
+def _record_signals(record: Callable[[str], None]) -> dict[int, Any]:
+    """Until the supervisor runs, SIGTERM/SIGINT are remembered rather than fatal."""
+    previous: dict[int, Any] = {}
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        previous[signum] = signal.getsignal(signum)
+        signal.signal(signum, lambda n, _frame: record(signal.Signals(n).name))
+    return previous
+
+
+async def _supervise(supervisor: Supervisor, early_stop: list[str]) -> Outcome:
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, supervisor.request_stop, signal.Signals(signum).name)
+    for name in early_stop:
+        supervisor.request_stop(name)
+    try:
+        return await supervisor.run()
+    finally:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(signum)
+
+
+def _write_termination_log(path: Path | None, outcome: Outcome) -> None:
+    """Kubernetes shows this file's content as the container's termination message."""
+    if path is None or not path.exists():
+        return
+    try:
+        path.write_text(f"{outcome.reason} (exit {int(outcome.exit_code)})\n")
+    except OSError as exc:
+        logger.debug("cannot write {}: {}", path, exc)
+
+
+# ---- the command ---------------------------------------------------------------------------
+
+
+def runner_options(command: Callable[..., None]) -> Callable[..., None]:
+    """The runner's flags, shared by ``neonvm-runner`` and ``neonvm runner run``."""
+    options = [
+        click.option("--spec-file", type=click.Path(dir_okay=False, path_type=Path),
+                     envvar="NEONVM_SPEC_FILE",
+                     help="VM spec (JSON or YAML; a spec or a whole VirtualMachine). "
+                          "Default: $NEONVM_VM_SPEC."),
+        click.option("--port", type=click.IntRange(1, 65535), envvar="NEONVM_RUNNER_PORT",
+                     help=f"HTTP port [default: spec.runnerPort, else {DEFAULT_PORT}]"),
+        click.option("--listen-address", default="0.0.0.0", show_default=True,
+                     envvar="NEONVM_LISTEN_ADDRESS",
+                     help="Address for HTTP, guest port forwards and the QMP TCP port."),
+        click.option("--work-dir", type=click.Path(file_okay=False, path_type=Path),
+                     envvar="NEONVM_WORK_DIR",
+                     help="QMP socket, root overlay, disk images [default: a temp dir, "
+                          "removed at exit]"),
+        click.option("--disks-dir", type=click.Path(file_okay=False, path_type=Path),
+                     default=Path("/vm/disks"), show_default=True, envvar="NEONVM_DISKS_DIR",
+                     help="Where the pod mounts each extra disk's volume (<dir>/<name>)."),
+        click.option("--qemu", default="qemu-system-x86_64", show_default=True,
+                     envvar="NEONVM_QEMU", help="QEMU binary (name on PATH or a path)."),
+        click.option("--accel", type=click.Choice(["auto", "kvm", "tcg"]), default="auto",
+                     show_default=True, envvar="NEONVM_ACCEL",
+                     help="auto: KVM when usable, else TCG."),
+        click.option("--ready-marker", default=DEFAULT_READY_MARKER, show_default=True,
+                     envvar="NEONVM_READY_MARKER",
+                     help="Serial-console line that means the guest has booted; '' for "
+                          "QMP 'running' alone."),
+        click.option("--grace-margin", type=click.FloatRange(0), default=3.0,
+                     show_default=True, envvar="NEONVM_GRACE_MARGIN",
+                     help="Seconds kept back from terminationGracePeriodSeconds to kill "
+                          "QEMU and exit before the kubelet does."),
+        click.option("--shutdown-timeout", type=click.FloatRange(0), default=None,
+                     envvar="NEONVM_SHUTDOWN_TIMEOUT",
+                     help="Seconds the guest gets to power off [default: grace period "
+                          "minus margin]"),
+        click.option("--powerdown-interval", type=click.FloatRange(0.1), default=5.0,
+                     show_default=True, envvar="NEONVM_POWERDOWN_INTERVAL",
+                     help="Seconds between repeated ACPI power-button presses."),
+        click.option("--root-disk", type=click.Path(dir_okay=False, path_type=Path),
+                     envvar="NEONVM_ROOT_DISK",
+                     help="Root disk image file, overriding spec.guest.rootDisk.image."),
+        click.option("--termination-log", type=click.Path(dir_okay=False, path_type=Path),
+                     default=Path("/dev/termination-log"), show_default=True,
+                     envvar="NEONVM_TERMINATION_LOG",
+                     help="Where the exit reason is written, if the file exists."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def options_from_click(**kwargs: object) -> RunnerOptions:
+    return RunnerOptions(**kwargs)  # type: ignore[arg-type]
+
+
+def execute(options: RunnerOptions) -> None:
+    """Run and exit with the runner's code; expected failures are one line on stderr."""
+    try:
+        code = run_runner(options, os.environ, sys.stdout.buffer)
+    except RunnerError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(int(ExitCode.RUNNER_ERROR))
+    sys.exit(code)
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@runner_options
+@click.option("--log-level", default="INFO", show_default=True, envvar="NEONVM_LOG_LEVEL",
+              type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
+@click.option("--log-format", default="text", show_default=True, envvar="NEONVM_LOG_FORMAT",
+              type=click.Choice(["text", "json"]), help="json: one JSON object per line.")
+def main(log_level: str, log_format: str, **kwargs: object) -> None:
+    """Run one NeonVM VirtualMachine in QEMU: the program inside a runner pod.
+
+    The guest's serial console goes to stdout, the runner's logs to stderr. Exit codes:
+    0 guest powered off, 1 cannot start (bad spec, missing file or tool), 2 bad flags,
+    3 guest killed after the grace period, 4 QEMU failed, 5 guest rebooted or crashed.
+    """
+    logs.configure(log_level, log_format)
+    execute(options_from_click(**kwargs))

@@ -1,0 +1,408 @@
+"""The QEMU command line for a VM spec: a pure function, so every mapping is unit-tested.
+
+:func:`build_launch_plan` turns a :class:`VirtualMachineSpec` plus a :class:`LaunchContext`
+(what the host decided: binary, accelerator, directories) into a :class:`LaunchPlan`: the
+argv, the disk files to create before launch, the files that must exist, and the JSON
+handed to the guest. It reads no file and starts nothing; :mod:`neonvm.runner.disks`
+performs the plan's side effects.
+
+Guaranteed for every plan: a QMP unix socket in the work dir, the serial console on
+QEMU's stdout, ``-nodefaults -display none -no-reboot`` (so a guest reboot ends QEMU,
+and the restart policy decides what happens next), and a :class:`SpecError` with the
+offending field for any spec that cannot be run (min > max, nothing to boot, a disk with
+no or two sources, a port clash). Not guaranteed: that the guest kernel has the drivers
+for the devices (virtio-blk, virtio-net, ACPI button); that is the image's business.
+
+The mapping (docs/runner.md has the full table):
+
+* CPUs: ``-smp cpus=ceil(use),maxcpus=ceil(max)``; fractions of a core are the pod's
+  cgroup limit, not QEMU's.
+* Memory: ``min`` slots are boot memory; ``max > min`` adds ``slots=max-min`` DIMM slots
+  and ``maxmem=max * slotSize``; ``use > min`` plugs ``use - min`` DIMMs at start.
+* Root disk: a qcow2 overlay in the work dir backed by the image (the image stays
+  untouched; ``rootDisk.size`` grows the overlay).
+* Extra disks: ``emptyDisk`` → a fresh ext4 raw image; ``configMap``/``secret`` → a
+  read-only ext4 image of the files the pod mounts at ``<disks dir>/<name>``; ``tmpfs``
+  → no device, the guest mounts a tmpfs (described in the guest config).
+* Guest config (command, args, env, ports, disks, ready marker) → fw_cfg
+  ``opt/vm.neon.tech/config`` as JSON.
+* Ports → user-mode networking with one ``hostfwd`` per port.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from neonvm.api.types import CPURange, Disk, IntRange, VirtualMachineSpec
+from neonvm.runner.errors import SpecError
+from neonvm.runner.host import Accel
+from neonvm.runner.quantity import QuantityError, format_bytes, parse_bytes
+
+MIB = 1 << 20
+QMP_SOCKET_NAME = "qmp.sock"
+GUEST_CONFIG_NAME = "guest-config.json"
+FW_CFG_NAME = "opt/vm.neon.tech/config"
+ROOT_OVERLAY_NAME = "rootdisk.qcow2"
+MAX_UNIX_SOCKET_PATH = 107
+"""sun_path holds 108 bytes including the terminating NUL."""
+VIRTIO_SERIAL_MAX = 20
+"""virtio-blk serial numbers are at most 20 bytes."""
+
+
+@dataclass(frozen=True)
+class LaunchContext:
+    """What the host decided; everything :func:`build_launch_plan` needs besides the spec."""
+
+    qemu_binary: str
+    accel: Accel
+    work_dir: Path
+    runner_port: int
+    disks_dir: Path = Path("/vm/disks")
+    writable_disk_dirs: frozenset[str] = frozenset()
+    """Names of disks whose ``<disks dir>/<name>`` exists and is writable: an emptyDisk
+    image goes there (the pod's emptyDir, sized for it), else into the work dir."""
+    listen_address: str = "0.0.0.0"
+    """Host address for guest port forwards and the optional QMP TCP port."""
+    root_disk_override: Path | None = None
+    vm_name: str = "vm"
+    vm_namespace: str = ""
+    ready_marker: str = ""
+
+
+@dataclass(frozen=True)
+class CpuLayout:
+    vcpus: int
+    max_vcpus: int
+
+
+@dataclass(frozen=True)
+class MemoryLayout:
+    slot_bytes: int
+    min_slots: int
+    max_slots: int
+    use_slots: int
+
+    @property
+    def boot_bytes(self) -> int:
+        return self.slot_bytes * self.min_slots
+
+    @property
+    def current_bytes(self) -> int:
+        return self.slot_bytes * self.use_slots
+
+    @property
+    def max_bytes(self) -> int:
+        return self.slot_bytes * self.max_slots
+
+    @property
+    def hotplug_slots(self) -> int:
+        return self.max_slots - self.min_slots
+
+
+DiskKind = Literal["root-overlay", "empty", "content"]
+
+
+@dataclass(frozen=True)
+class DiskImage:
+    """A disk file the runner creates before QEMU starts."""
+
+    name: str
+    kind: DiskKind
+    path: Path
+    size_bytes: int | None = None
+    """Virtual size; None for an overlay of the backing image's size, or for a content
+    image sized from its files at preparation."""
+    backing_file: Path | None = None
+    """root-overlay: the image it is layered on (format detected at preparation)."""
+    source_dir: Path | None = None
+    """content: the directory whose files the image holds."""
+    label: str | None = None
+    """ext4 volume label (at most 16 bytes)."""
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """Everything needed to start QEMU for one spec."""
+
+    argv: tuple[str, ...]
+    qmp_socket: Path
+    disk_images: tuple[DiskImage, ...]
+    required_files: tuple[tuple[str, Path], ...]
+    """(what, path) pairs that must exist before launch: kernel, initrd, root image."""
+    required_dirs: tuple[tuple[str, Path], ...]
+    """(what, path) pairs: the configMap/secret contents the pod mounts."""
+    guest_config: Mapping[str, Any]
+    guest_config_path: Path
+    cpus: CpuLayout
+    memory: MemoryLayout
+    kernel_cmdline: str | None = None
+    forwarded_ports: tuple[int, ...] = field(default_factory=tuple)
+
+
+def cpu_layout(cpus: CPURange) -> CpuLayout:
+    """vCPUs at boot and at most; ``SpecError`` unless 0 < min <= use <= max."""
+    if cpus.min <= 0 or cpus.max <= 0:
+        raise SpecError("guest.cpus: min and max must be positive")
+    if cpus.min > cpus.max:
+        raise SpecError(f"guest.cpus: min {cpus.min:g} exceeds max {cpus.max:g}")
+    use = cpus.current
+    if not cpus.min <= use <= cpus.max:
+        raise SpecError(f"guest.cpus: use {use:g} is outside [{cpus.min:g}, {cpus.max:g}]")
+    return CpuLayout(vcpus=math.ceil(use), max_vcpus=math.ceil(cpus.max))
+
+
+def memory_layout(slots: IntRange, slot_size: object) -> MemoryLayout:
+    """Memory slots; ``SpecError`` unless 0 < min <= use <= max and the slot size is whole MiB."""
+    try:
+        slot_bytes = parse_bytes(slot_size)
+    except QuantityError as exc:
+        raise SpecError(f"guest.memorySlotSize: {exc}") from None
+    if slot_bytes <= 0 or slot_bytes % MIB:
+        raise SpecError(f"guest.memorySlotSize: {slot_size!r} must be a positive whole "
+                        "number of MiB")
+    if slots.min <= 0:
+        raise SpecError("guest.memorySlots: min must be positive")
+    if slots.min > slots.max:
+        raise SpecError(f"guest.memorySlots: min {slots.min} exceeds max {slots.max}")
+    use = slots.current
+    if not slots.min <= use <= slots.max:
+        raise SpecError(f"guest.memorySlots: use {use} is outside [{slots.min}, {slots.max}]")
+    return MemoryLayout(slot_bytes=slot_bytes, min_slots=slots.min, max_slots=slots.max,
+                        use_slots=use)
+
+
+def qemu_value(value: str | Path) -> str:
+    """``value`` safe inside a QEMU ``key=value,...`` option: commas are doubled."""
+    return str(value).replace(",", ",,")
+
+
+def _mib(n: int) -> str:
+    return f"{n // MIB}M"
+
+
+def _disk_source(disk: Disk) -> str:
+    sources = [name for name, value in (("emptyDisk", disk.empty_disk),
+                                        ("configMap", disk.config_map),
+                                        ("secret", disk.secret),
+                                        ("tmpfs", disk.tmpfs)) if value is not None]
+    if len(sources) != 1:
+        got = ", ".join(sources) if sources else "none"
+        raise SpecError(f"disks[{disk.name}]: exactly one of emptyDisk, configMap, secret, "
+                        f"tmpfs is expected, got {got}")
+    return sources[0]
+
+
+def _optional_size(disk: Disk, source: Mapping[str, Any], required: bool) -> int | None:
+    raw = source.get("size")
+    if raw is None:
+        if required:
+            raise SpecError(f"disks[{disk.name}]: emptyDisk.size is required")
+        return None
+    try:
+        size = parse_bytes(raw)
+    except QuantityError as exc:
+        raise SpecError(f"disks[{disk.name}]: size: {exc}") from None
+    if size < MIB:
+        raise SpecError(f"disks[{disk.name}]: size {raw!r} is below 1Mi")
+    return size
+
+
+def kernel_cmdline(has_root_disk: bool, memory: MemoryLayout, append: str | None) -> str:
+    """The kernel command line: console on the serial port, then the user's additions.
+
+    ``panic=-1`` turns a guest panic into a reboot, which ``-no-reboot`` turns into QEMU
+    exiting, so a crash ends the runner with a non-zero code instead of a hung guest.
+    The user's ``appendKernelCmdline`` comes last, so it can override any of these.
+    """
+    parts = ["console=ttyS0", "panic=-1"]
+    if has_root_disk:
+        parts += ["root=/dev/vda", "rw"]
+    if memory.max_slots > memory.min_slots:
+        parts.append("memhp_default_state=online")
+    if append:
+        parts.append(append.strip())
+    return " ".join(p for p in parts if p)
+
+
+def build_launch_plan(spec: VirtualMachineSpec, ctx: LaunchContext) -> LaunchPlan:
+    """The QEMU invocation for ``spec``; raises :class:`SpecError` if it cannot be run."""
+    guest = spec.guest
+    cpus = cpu_layout(guest.cpus)
+    memory = memory_layout(guest.memory_slots, guest.memory_slot_size)
+
+    root_image: Path | None = ctx.root_disk_override
+    if root_image is None and guest.root_disk.image:
+        root_image = Path(guest.root_disk.image)
+    kernel = Path(guest.kernel_image) if guest.kernel_image else None
+    if root_image is None and kernel is None:
+        raise SpecError("nothing to boot: guest.rootDisk.image is empty and "
+                        "guest.kernelImage is not set")
+    if kernel is None and guest.initrd_image:
+        raise SpecError("guest.initrdImage needs guest.kernelImage")
+    if kernel is None and guest.append_kernel_cmdline:
+        raise SpecError("guest.appendKernelCmdline needs guest.kernelImage")
+
+    qmp_socket = ctx.work_dir / QMP_SOCKET_NAME
+    if len(str(qmp_socket).encode()) > MAX_UNIX_SOCKET_PATH:
+        raise SpecError(f"work dir {ctx.work_dir} is too long for a unix socket path "
+                        f"(at most {MAX_UNIX_SOCKET_PATH - len(QMP_SOCKET_NAME) - 1} bytes)")
+
+    argv: list[str] = [
+        ctx.qemu_binary,
+        "-name", f"guest={qemu_value(ctx.vm_name)}",
+        "-nodefaults", "-display", "none", "-no-reboot",
+        "-machine", "q35",
+        "-accel", ctx.accel,
+        "-cpu", "host" if ctx.accel == "kvm" else "max",
+        "-smp", f"cpus={cpus.vcpus},maxcpus={cpus.max_vcpus}",
+    ]
+    if memory.hotplug_slots:
+        argv += ["-m", f"size={_mib(memory.boot_bytes)},slots={memory.hotplug_slots},"
+                       f"maxmem={_mib(memory.max_bytes)}"]
+    else:
+        argv += ["-m", f"size={_mib(memory.boot_bytes)}"]
+    for slot in range(memory.min_slots, memory.use_slots):
+        argv += ["-object", f"memory-backend-ram,id=mem-slot{slot},size={_mib(memory.slot_bytes)}",
+                 "-device", f"pc-dimm,id=dimm-slot{slot},memdev=mem-slot{slot}"]
+
+    # Serial console → QEMU's stdout, which the runner forwards to its own stdout.
+    argv += ["-chardev", "stdio,id=console,signal=off", "-serial", "chardev:console"]
+    # The runner's private QMP channel.
+    argv += ["-chardev", f"socket,id=qmp,path={qemu_value(qmp_socket)},server=on,wait=off",
+             "-mon", "chardev=qmp,mode=control"]
+    if spec.qmp is not None:
+        if spec.qmp == ctx.runner_port:
+            raise SpecError(f"qmp port {spec.qmp} is the runner's own port")
+        argv += ["-chardev", f"socket,id=qmp-tcp,host={ctx.listen_address},port={spec.qmp},"
+                             "server=on,wait=off",
+                 "-mon", "chardev=qmp-tcp,mode=control"]
+    argv += ["-object", "rng-random,id=rng0,filename=/dev/urandom",
+             "-device", "virtio-rng-pci,rng=rng0"]
+
+    required_files: list[tuple[str, Path]] = []
+    disk_images: list[DiskImage] = []
+    if root_image is not None:
+        required_files.append(("root disk image", root_image))
+        root_size = None
+        if guest.root_disk.size is not None:
+            try:
+                root_size = parse_bytes(guest.root_disk.size)
+            except QuantityError as exc:
+                raise SpecError(f"guest.rootDisk.size: {exc}") from None
+        overlay = ctx.work_dir / ROOT_OVERLAY_NAME
+        disk_images.append(DiskImage(name="rootdisk", kind="root-overlay", path=overlay,
+                                     size_bytes=root_size, backing_file=root_image))
+        # Firmware boots it only without -kernel (the kernel loader claims bootindex 0).
+        boot = "" if kernel is not None else ",bootindex=0"
+        argv += ["-drive", f"if=none,id=rootdisk,file={qemu_value(overlay)},format=qcow2",
+                 "-device", f"virtio-blk-pci,drive=rootdisk,serial=rootdisk{boot}"]
+
+    cmdline: str | None = None
+    if kernel is not None:
+        required_files.append(("kernel", kernel))
+        cmdline = kernel_cmdline(root_image is not None, memory, guest.append_kernel_cmdline)
+        argv += ["-kernel", str(kernel), "-append", cmdline]
+        if guest.initrd_image:
+            initrd = Path(guest.initrd_image)
+            required_files.append(("initrd", initrd))
+            argv += ["-initrd", str(initrd)]
+
+    required_dirs: list[tuple[str, Path]] = []
+    guest_disks: list[dict[str, Any]] = []
+    seen: set[str] = set()
+    for disk in spec.disks or []:
+        if disk.name in seen:
+            raise SpecError(f"disks: name {disk.name!r} appears twice")
+        seen.add(disk.name)
+        source = _disk_source(disk)
+        entry: dict[str, Any] = {"name": disk.name, "source": source,
+                                 "mountPath": disk.mount_path,
+                                 "readOnly": bool(disk.read_only)}
+        drive_id = f"disk-{disk.name}"
+        serial = disk.name[:VIRTIO_SERIAL_MAX]
+        read_only = bool(disk.read_only)
+        if source == "tmpfs":
+            assert disk.tmpfs is not None
+            size = _optional_size(disk, disk.tmpfs, required=False)
+            entry.update(filesystem="tmpfs", size=size)
+            guest_disks.append(entry)
+            continue
+        if source == "emptyDisk":
+            assert disk.empty_disk is not None
+            size = _optional_size(disk, disk.empty_disk, required=True)
+            if disk.name in ctx.writable_disk_dirs:
+                path = ctx.disks_dir / disk.name / "disk.raw"
+            else:
+                path = ctx.work_dir / "disks" / f"{disk.name}.raw"
+            disk_images.append(DiskImage(name=disk.name, kind="empty", path=path,
+                                         size_bytes=size, label=disk.name[:16]))
+        else:  # configMap or secret: the pod mounts the files, the guest gets an image
+            source_dir = ctx.disks_dir / disk.name
+            required_dirs.append((f"{source} of disk {disk.name}", source_dir))
+            path = ctx.work_dir / "disks" / f"{disk.name}.raw"
+            disk_images.append(DiskImage(name=disk.name, kind="content", path=path,
+                                         source_dir=source_dir, label=disk.name[:16]))
+            read_only = True
+            entry["readOnly"] = True
+        entry.update(filesystem="ext4", serial=serial, label=disk.name[:16])
+        guest_disks.append(entry)
+        readonly = ",readonly=on" if read_only else ""
+        argv += ["-drive", f"if=none,id={drive_id},file={qemu_value(path)},format=raw{readonly}",
+                 "-device", f"virtio-blk-pci,drive={drive_id},serial={qemu_value(serial)}"]
+
+    forwards: list[str] = []
+    ports: list[int] = []
+    for port in guest.ports or []:
+        if port.port == ctx.runner_port:
+            raise SpecError(f"guest.ports: {port.port} is the runner's own port")
+        if port.port == spec.qmp:
+            raise SpecError(f"guest.ports: {port.port} is the QMP port")
+        if port.port in ports:
+            raise SpecError(f"guest.ports: {port.port} appears twice")
+        ports.append(port.port)
+        proto = (port.protocol or "TCP").lower()
+        forwards.append(f"hostfwd={proto}:{ctx.listen_address}:{port.port}-:{port.port}")
+    argv += ["-netdev", ",".join(["user,id=net0", *forwards]),
+             "-device", "virtio-net-pci,netdev=net0,romfile="]  # no PXE option ROM
+
+    config_path = ctx.work_dir / GUEST_CONFIG_NAME
+    guest_config: dict[str, Any] = {
+        "name": ctx.vm_name,
+        "namespace": ctx.vm_namespace,
+        "command": guest.command,
+        "args": guest.args,
+        "env": [{"name": e.name, "value": e.value or ""} for e in guest.env or []],
+        "ports": [{"port": p.port, "protocol": p.protocol or "TCP", "name": p.name}
+                  for p in guest.ports or []],
+        "disks": guest_disks,
+        "settings": guest.settings,
+        "cpus": {"use": cpus.vcpus, "max": cpus.max_vcpus},
+        "memory": {"slotSize": format_bytes(memory.slot_bytes), "use": memory.use_slots,
+                   "min": memory.min_slots, "max": memory.max_slots},
+        "readyMarker": ctx.ready_marker,
+    }
+    argv += ["-fw_cfg", f"name={FW_CFG_NAME},file={qemu_value(config_path)}"]
+
+    return LaunchPlan(
+        argv=tuple(argv),
+        qmp_socket=qmp_socket,
+        disk_images=tuple(disk_images),
+        required_files=tuple(required_files),
+        required_dirs=tuple(required_dirs),
+        guest_config=guest_config,
+        guest_config_path=config_path,
+        cpus=cpus,
+        memory=memory,
+        kernel_cmdline=cmdline,
+        forwarded_ports=tuple(ports),
+    )
+
+
+def guest_config_json(plan: LaunchPlan) -> str:
+    """The guest config as the guest reads it from fw_cfg."""
+    return json.dumps(plan.guest_config, indent=2, sort_keys=True) + "\n"
