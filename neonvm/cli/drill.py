@@ -210,11 +210,14 @@ def list_() -> None:
               help="How many schedules (indexes 0..N-1) when --schedule is not given.")
 @click.option("--budget", type=click.FloatRange(1), default=None,
               help="Stop starting schedules after this many seconds.")
+@click.option("--workers", type=click.IntRange(1, 8), default=1, show_default=True,
+              help="Schedules run at the same time (each isolated; restarts serialised).")
 @click.option("--keep-going", is_flag=True, help="Do not stop at the first failure.")
 @click.option("--show", is_flag=True, help="Only print the schedules; run nothing.")
 @OUTPUT_OPTION
 def campaign(state_dir: Path | None, seed: int | None, only: tuple[int, ...], schedules: int,
-             budget: float | None, keep_going: bool, show: bool, output: str) -> None:
+             budget: float | None, workers: int, keep_going: bool, show: bool,
+             output: str) -> None:
     """Run seeded fault schedules against the local control plane (the tests' campaign).
 
     Each schedule runs its own controller replicas (own Lease, own namespace, own lock
@@ -232,10 +235,17 @@ def campaign(state_dir: Path | None, seed: int | None, only: tuple[int, ...], sc
             click.echo(plan.describe())
         return
     target = LocalTarget.prepare(state_dir, 0, _progress)
+    running = [i for i in range(9) if target.replica_alive(i)]
+    if running:
+        # They watch every namespace and would reconcile the schedules' VMs too.
+        _progress(f"stopping the cluster's own controller replicas ({len(running)}) for "
+                  f"the campaign; the next drill or demo starts them again")
+        for i in running:
+            target.cluster.stop_component(target.replica_name(i))
     started = time.monotonic()
     try:
         result = c.run_campaign(target.cluster, plans, progress=_progress, budget=budget,
-                                stop_at_first_failure=not keep_going)
+                                stop_at_first_failure=not keep_going, workers=workers)
     finally:
         target.close()
     if output == "table":

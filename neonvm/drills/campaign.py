@@ -59,6 +59,7 @@ from neonvm.controller.faults import STEPS, FaultConfig
 from neonvm.drills import fleet
 from neonvm.drills.check import LockView, check
 from neonvm.drills.observer import Watchdog
+from neonvm.drills.target import restart_component
 from neonvm.leader.election import LeaseClient
 
 Progress = Callable[[str], None]
@@ -292,6 +293,7 @@ class ScheduleRun:
         self._slots_lock = threading.Lock()
         self._started = time.monotonic()
         self._leaders: list[str] = []
+        self._dog: Watchdog | None = None
 
     def say(self, msg: str) -> None:
         self.progress(f"[{self.schedule.index}:{time.monotonic() - self._started:5.1f}s] {msg}")
@@ -320,6 +322,7 @@ class ScheduleRun:
 
     def _supervise(self) -> None:
         while not self._stop.wait(0.2):
+            self._track_leader()
             with self._slots_lock:
                 for slot in self.slots:
                     if slot.stopped or self._alive(slot):
@@ -344,14 +347,17 @@ class ScheduleRun:
         return next((s for s in self.slots if s.identity == identity), None)
 
     def _leader(self) -> str | None:
+        """The Lease holder now (None: none, or the API server is away)."""
         try:
             record = LeaseClient(self.api, self.namespace, "neonvm-controller").get(5.0)
-        except (ApiException, OSError):
+        except Exception:  # the API server may be restarting: no answer, no leader
             return None
-        who = record.holder if record is not None else None
+        return (record.holder if record is not None else None) or None
+
+    def _track_leader(self) -> None:
+        who = self._leader()
         if who and (not self._leaders or self._leaders[-1] != who):
             self._leaders.append(who)
-        return who or None
 
     def _signal_leader(self, sig: signal.Signals) -> str:
         who = self._leader()
@@ -392,6 +398,7 @@ class ScheduleRun:
                     if (p.metadata.labels or {}).get("vm.neon.tech/name") in chosen
                     and p.metadata.deletion_timestamp is None]
             for p in pods:
+                self._expect_pod(p.metadata.name)
                 with contextlib.suppress(ApiException):
                     core.delete_namespaced_pod(p.metadata.name, self.namespace)
             return f"deleted {len(pods)} pod(s)"
@@ -403,28 +410,40 @@ class ScheduleRun:
             return f"broke {len(self._break_locks())} lock(s)"
         if d.kind == "recreate-vm":
             name = self.rng.choice(self.names)
+            self._expect_vms([name])
             fleet.delete_vms(self.api, self.namespace, [name])
+            custom = client.CustomObjectsApi(self.api)
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline:
                 try:
-                    fleet.create_vms(self.api, self.namespace, [name], 1)
-                except ApiException:
-                    time.sleep(0.3)
-                    continue
-                vm = client.CustomObjectsApi(self.api).get_namespaced_custom_object(
-                    "vm.neon.tech", "v1", self.namespace, "virtualmachines", name)
-                if not (vm.get("metadata") or {}).get("deletionTimestamp"):
+                    custom.create_namespaced_custom_object(
+                        "vm.neon.tech", "v1", self.namespace, "virtualmachines",
+                        fleet.vm_body(name, 1), _request_timeout=30)
                     return f"re-created {name}"
-                time.sleep(0.3)
-            return f"could not re-create {name} within 60s"
+                except ApiException as exc:
+                    if exc.status != 409:  # the old one is still being finalized
+                        raise
+                time.sleep(0.2)
+            return f"could not re-create {name} within 60s (the old VM is still there)"
         if d.kind in CLUSTER_WIDE:
             component = {"restart-locks-etcd": "locks-etcd", "restart-etcd": "etcd",
                          "restart-apiserver": "kube-apiserver"}[d.kind]
             with self.restart_lock:
-                self.cluster.stop_component(component)
-                self.cluster.start_component(component, timeout=120)
-            return f"restarted {component}"
+                down = restart_component(self.cluster, component, signal.SIGKILL)
+            return f"crashed and restarted {component} ({down:.1f}s down)"
         raise ValueError(f"unknown disruption {d.kind}")
+
+    def _expect_pod(self, name: str) -> None:
+        if self._dog is not None:
+            self._dog.watcher.expect_pod_deletion(name)
+
+    def _expect_vms(self, names: Sequence[str]) -> None:
+        """Announce to the checker that these VMs (by uid) are about to be deleted."""
+        if self._dog is None:
+            return
+        for vm in fleet.list_vms(self.api, self.namespace):
+            if vm["metadata"]["name"] in names:
+                self._dog.watcher.expect_vm_deletion(str(vm["metadata"].get("uid")))
 
     def _etcd(self) -> Any:
         from neonvm.leader.etcd import Etcd, EtcdConfig
@@ -459,6 +478,7 @@ class ScheduleRun:
         supervisor = threading.Thread(target=self._supervise, daemon=True)
         try:
             with Watchdog(self.api, self.namespace, poll_interval=0.3) as dog:
+                self._dog = dog
                 self._start(self.slots[0])
                 deadline = time.monotonic() + 60
                 while self._leader() != self.slots[0].identity and time.monotonic() < deadline:
@@ -473,6 +493,11 @@ class ScheduleRun:
                 self.result.failures.append(
                     f"{'strict' if v.strict else 'loose'} duplicate: {v.vm} had "
                     f"{', '.join(v.pods)} live at resourceVersion {v.resource_version}")
+            for u in report.watch.unexpected_deletions:
+                self.result.failures.append(
+                    f"lost work: live runner pod {u.pod} of {u.vm} was deleted at "
+                    f"resourceVersion {u.resource_version}, though its VM lives and the "
+                    f"schedule did not delete it")
             if report.watch.gaps:
                 self.result.notes.append(f"pod watch re-listed {report.watch.gaps} time(s)")
         except Exception as exc:
@@ -496,7 +521,6 @@ class ScheduleRun:
             delay = t0 + d.at - time.monotonic()
             if delay > 0:
                 time.sleep(delay)
-            self._leader()
             try:
                 self.say(f"{d.kind}: {self._disrupt(d)}")
             except (ApiException, OSError) as exc:
@@ -516,7 +540,7 @@ class ScheduleRun:
                     f"not converged {seconds:.0f}s after the faults stopped: "
                     f"{dict(list(state.waiting.items())[:5])}")
                 return
-        self._leader()
+        self._expect_vms(self.names)
         fleet.delete_vms(self.api, self.namespace)
         gone, seconds, left = fleet.wait_gone(self.api, self.namespace, 90)
         if not gone:
@@ -556,24 +580,50 @@ def run_schedule(cluster: Any, schedule: Schedule, progress: Progress,
 
 
 def run_campaign(cluster: Any, schedules: Sequence[Schedule], progress: Progress,
-                 budget: float | None = None, stop_at_first_failure: bool = False
-                 ) -> CampaignResult:
-    """Run ``schedules`` one after another on one control plane (module docstring)."""
+                 budget: float | None = None, stop_at_first_failure: bool = False,
+                 workers: int = 1) -> CampaignResult:
+    """Run ``schedules`` on one control plane, ``workers`` at a time (module docstring).
+
+    Schedules are isolated by namespace, Lease and lock prefix, so several can share the
+    control plane; only the restarts of etcd, the locks' etcd and the API server are
+    serialised, and a concurrent schedule lives through them as an extra fault. No new
+    schedule starts once ``budget`` seconds have passed.
+    """
     result = CampaignResult()
     started = time.monotonic()
     restart_lock = threading.Lock()
-    for i, schedule in enumerate(schedules):
-        if budget is not None and time.monotonic() - started > budget:
-            result.skipped = len(schedules) - i
-            progress(f"budget of {budget:.0f}s used: {result.skipped} schedule(s) not started")
-            break
-        outcome = run_schedule(cluster, schedule, progress, restart_lock)
-        result.results.append(outcome)
-        progress(f"schedule {schedule.index}: {'ok' if outcome.ok else 'FAILED'} in "
-                 f"{outcome.seconds:.0f}s ({len(result.results)}/{len(schedules)} done, "
-                 f"{time.monotonic() - started:.0f}s total)")
-        if not outcome.ok:
-            progress(outcome.failure_report())
-            if stop_at_first_failure:
-                break
+    pending = list(schedules)
+    stop = threading.Event()
+    lock = threading.Lock()
+
+    def worker() -> None:
+        while not stop.is_set():
+            with lock:
+                if not pending:
+                    return
+                if budget is not None and time.monotonic() - started > budget:
+                    return
+                schedule = pending.pop(0)
+            outcome = run_schedule(cluster, schedule, progress, restart_lock)
+            with lock:
+                result.results.append(outcome)
+                done = len(result.results)
+            progress(f"schedule {schedule.index}: {'ok' if outcome.ok else 'FAILED'} in "
+                     f"{outcome.seconds:.0f}s ({done}/{len(schedules)} done, "
+                     f"{time.monotonic() - started:.0f}s total)")
+            if not outcome.ok:
+                progress(outcome.failure_report())
+                if stop_at_first_failure:
+                    stop.set()
+
+    threads = [threading.Thread(target=worker, name=f"campaign-{i}", daemon=True)
+               for i in range(max(1, workers))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    result.skipped = len(pending)
+    if result.skipped:
+        progress(f"{result.skipped} schedule(s) not started (budget {budget}s or a failure)")
+    result.results.sort(key=lambda r: r.schedule.index)
     return result

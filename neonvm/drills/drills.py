@@ -146,6 +146,7 @@ class Drill:
     namespace: str = ""
     names: list[str] = field(default_factory=list)
     rng: random.Random = field(default_factory=random.Random)
+    dog: Watchdog | None = None
     fault: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     started: float = field(default_factory=time.monotonic)
@@ -179,6 +180,11 @@ class Drill:
             time.sleep(0.05)
         return None
 
+    def expect(self, pod_name: str) -> None:
+        """Tell the checker the drill itself deletes this pod (not lost work)."""
+        if self.dog is not None:
+            self.dog.watcher.expect_pod_deletion(pod_name)
+
     def disturb(self, share: float | None = None) -> list[str]:
         """Delete the committed runner pods of a share of the VMs (at least one)."""
         share = self.options.disturb if share is None else share
@@ -192,6 +198,7 @@ class Drill:
         core = client.CoreV1Api(self.api)
 
         def delete(pod: Any) -> str:
+            self.expect(pod.metadata.name)
             with contextlib.suppress(ApiException):
                 core.delete_namespaced_pod(pod.metadata.name, self.namespace,
                                            _request_timeout=30)
@@ -272,6 +279,7 @@ def _pod_storm(d: Drill, log: LeaderLog) -> float:
                 if stop.is_set():
                     return
                 try:
+                    d.expect(pod.metadata.name)
                     core.delete_namespaced_pod(pod.metadata.name, d.namespace,
                                                _request_timeout=30)
                     with lock:
@@ -426,6 +434,7 @@ def _run(d: Drill, verdict: Verdict) -> None:
     d.say(f"{options.vms} VM(s) converged in {verdict.setup_seconds:.1f}s; the checkers are "
           f"watching")
     with leader_tracker(d.target) as log, Watchdog(api, d.namespace) as dog:
+        d.dog = dog
         before = d.wait_leader()
         verdict.leader_before, verdict.epoch_before = before
         ticker_stop = threading.Event()
@@ -465,6 +474,10 @@ def _run(d: Drill, verdict: Verdict) -> None:
         verdict.failures.append(f"{'strict' if v.strict else 'loose'} duplicate: {v.vm} had "
                                 f"{', '.join(v.pods)} live at resourceVersion "
                                 f"{v.resource_version}")
+    for u in report.watch.unexpected_deletions:
+        verdict.failures.append(f"lost work: live runner pod {u.pod} of {u.vm} deleted at "
+                                f"resourceVersion {u.resource_version}, though its VM lives "
+                                f"and the drill did not delete it")
     if report.watch.gaps:
         d.notes.append(f"the pod watch broke {report.watch.gaps} time(s) (API server "
                        f"restart?): revisions in those gaps were seen only by polling")

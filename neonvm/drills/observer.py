@@ -115,6 +115,15 @@ class ReplacementClock:
         }
 
 
+@dataclass(frozen=True)
+class UnexpectedDeletion:
+    """A live runner pod (ungated, not terminating) whose deletion nobody announced."""
+
+    vm: str
+    pod: str
+    resource_version: str
+
+
 @dataclass
 class WatchReport:
     events: int = 0
@@ -124,6 +133,8 @@ class WatchReport:
     errors: int = 0
     strict: list[Violation] = field(default_factory=list)
     loose: list[Violation] = field(default_factory=list)
+    unexpected_deletions: list[UnexpectedDeletion] = field(default_factory=list)
+    """Lost work: a running guest killed though its VM lives and no driver asked."""
 
 
 class PodWatchChecker:
@@ -145,6 +156,18 @@ class PodWatchChecker:
         self.clock = clock or ReplacementClock()
         self.report = WatchReport()
         self._on_event = on_event
+        self._expected_pods: set[str] = set()
+        self._expected_vm_uids: set[str] = set()
+
+    def expect_pod_deletion(self, name: str) -> None:
+        """The driver is about to delete pod ``name``: not lost work."""
+        with self._lock:
+            self._expected_pods.add(name)
+
+    def expect_vm_deletion(self, vm_uid: str) -> None:
+        """The driver is about to delete the VM with ``vm_uid``: its pods may go."""
+        with self._lock:
+            self._expected_vm_uids.add(vm_uid)
 
     def start(self) -> PodWatchChecker:
         self._thread.start()
@@ -230,6 +253,7 @@ class PodWatchChecker:
         now = time.monotonic()
         with self._lock:
             old = self._pods.get(name)
+            self._judge_deletion(kind, old, pod, rv)
             if kind == "DELETED":
                 self._pods.pop(name, None)
             else:
@@ -242,6 +266,22 @@ class PodWatchChecker:
         if self._on_event is not None:
             self._on_event(kind, pod)
         return rv
+
+    def _judge_deletion(self, kind: str, old: Pod | None, new: Pod, rv: str) -> None:
+        """Record the deletion of a live pod that neither the driver nor a VM deletion
+        explains (caller holds the lock)."""
+        if old is None or not is_live(old, strict=False):
+            return  # gated, finished or already terminating before this event
+        now_deleting = kind == "DELETED" or (new.get("metadata") or {}).get(
+            "deletionTimestamp") is not None
+        if not now_deleting:
+            return
+        meta = new.get("metadata") or {}
+        uid = (meta.get("labels") or {}).get(types.LABEL_VM_UID, "")
+        if meta.get("name") in self._expected_pods or uid in self._expected_vm_uids:
+            return
+        self.report.unexpected_deletions.append(
+            UnexpectedDeletion(vm_of(new) or "", str(meta.get("name")), rv))
 
     def _run(self) -> None:
         rv: str | None = None
@@ -285,12 +325,15 @@ class WatchdogReport:
 
     @property
     def ok(self) -> bool:
-        return not self.strict and not self.loose
+        return not self.strict and not self.loose and not self.watch.unexpected_deletions
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "duplicates": len(self.strict),
             "duplicates_loose": len(self.loose),
+            "unexpected_deletions": [f"{u.vm}: {u.pod} at resourceVersion "
+                                     f"{u.resource_version}"
+                                     for u in self.watch.unexpected_deletions],
             "violations": [{"vm": v.vm, "pods": list(v.pods), "strict": v.strict,
                             "resourceVersion": v.resource_version}
                            for v in self.strict + self.loose],

@@ -25,6 +25,7 @@ import contextlib
 import itertools
 import os
 import signal
+import socket
 import sys
 import time
 import uuid
@@ -109,6 +110,35 @@ def _break_locks(endpoints: str | None, prefix: str | None, namespace: str) -> l
                                        gone.record.vm_uid if gone.record else None,
                                        gone.record.holder if gone.record else None, gone.token))
     return broken
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def restart_component(cluster: Any, name: str, sig: signal.Signals = signal.SIGTERM,
+                      timeout: float = 120.0) -> float:
+    """Stop a local control-plane component with ``sig`` and start it again.
+
+    SIGTERM is an operator's restart (kube-apiserver drains for up to 20 s before it is
+    killed), SIGKILL a crash. Waits for the ports to be released (a killed process's
+    sockets outlive its pid for a moment) and for the component to be healthy. Returns
+    the seconds it was unavailable.
+    """
+    started = time.monotonic()
+    cluster.stop_component(name, sig)
+    ports = [cluster.spec.ports[k] for k in (name, f"{name}-peer") if k in cluster.spec.ports]
+    deadline = time.monotonic() + 30
+    while not all(_port_free(p) for p in ports) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    cluster.start_component(name, timeout=timeout)
+    return time.monotonic() - started
 
 
 # ---- the local control plane ---------------------------------------------------------------
@@ -234,14 +264,9 @@ class LocalTarget:
                              f"leader a replica of another cluster or test?)")
         os.kill(pid, sig)
 
-    def restart_component(self, name: str, down_seconds: float = 0.0) -> float:
+    def restart_component(self, name: str, sig: signal.Signals = signal.SIGTERM) -> float:
         """Stop and start one control-plane component; seconds until it is healthy."""
-        started = time.monotonic()
-        self.cluster.stop_component(name)
-        if down_seconds:
-            time.sleep(down_seconds)
-        self.cluster.start_component(name, timeout=120)
-        return time.monotonic() - started
+        return restart_component(self.cluster, name, sig)
 
     def lock_reader(self) -> LockReader | None:
         return etcd_lock_reader(self.cluster.locks_etcd_url)
