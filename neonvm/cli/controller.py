@@ -41,7 +41,8 @@ def controller() -> None:
 @controller.command("run")
 @click.option("--kubeconfig", type=click.Path(dir_okay=False, path_type=Path),
               envvar="KUBECONFIG", help="Kubeconfig (default: $KUBECONFIG, then in-cluster).")
-@click.option("--lease-namespace", default=DEFAULT_NAMESPACE, show_default=True,
+@click.option("--lease-namespace", "--namespace", "lease_namespace",
+              default=DEFAULT_NAMESPACE, show_default=True,
               help="Namespace of the leader-election Lease.")
 @click.option("--lease-name", default=DEFAULT_LEASE_NAME, show_default=True,
               help="Name of the leader-election Lease.")
