@@ -76,6 +76,7 @@ class Launch:
     loaded: LoadedSpec
     plan: LaunchPlan
     accel: Accel
+    accel_reason: str
     port: int
     tools: DiskTools
 
@@ -87,10 +88,11 @@ def plan_launch(options: RunnerOptions, env: Mapping[str, str], work_dir: Path,
     spec = loaded.spec
     port = options.port or spec.runner_port or DEFAULT_PORT
     qemu = find_binary(options.qemu, "qemu binary")
+    reason = "chosen by the caller"
     if accel is None:
         probe = probe_kvm()
         accel = choose_accel(options.accel, probe)
-        logger.bind(vm=loaded.key).info("accelerator {} ({})", accel, probe.reason)
+        reason = "forced by --accel" if options.accel != "auto" else probe.reason
     writable = frozenset(
         d.name for d in spec.disks or []
         if d.empty_disk is not None and (options.disks_dir / d.name).is_dir()
@@ -103,7 +105,8 @@ def plan_launch(options: RunnerOptions, env: Mapping[str, str], work_dir: Path,
     plan = build_launch_plan(spec, ctx)
     tools = DiskTools(qemu_img=optional_binary("qemu-img"),
                       mkfs_ext4=optional_binary("mkfs.ext4"))
-    return Launch(loaded=loaded, plan=plan, accel=accel, port=port, tools=tools)
+    return Launch(loaded=loaded, plan=plan, accel=accel, accel_reason=reason, port=port,
+                  tools=tools)
 
 
 def run_runner(options: RunnerOptions, env: Mapping[str, str], console: BinaryIO) -> int:
@@ -121,6 +124,7 @@ def run_runner(options: RunnerOptions, env: Mapping[str, str], console: BinaryIO
         launch = plan_launch(options, env, work_dir)
         check_prerequisites(launch.plan, launch.tools)
         log = logger.bind(vm=launch.loaded.key)
+        log.info("accelerator {} ({})", launch.accel, launch.accel_reason)
         plan = launch.plan
         state = RunnerState(
             vm=launch.loaded.key, accel=launch.accel, ready_marker=options.ready_marker,
@@ -268,3 +272,7 @@ def main(log_level: str, log_format: str, **kwargs: object) -> None:
     """
     logs.configure(log_level, log_format)
     execute(options_from_click(**kwargs))
+
+
+if __name__ == "__main__":
+    main()

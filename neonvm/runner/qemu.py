@@ -146,6 +146,11 @@ class LaunchPlan:
 
 def cpu_layout(cpus: CPURange) -> CpuLayout:
     """vCPUs at boot and at most; ``SpecError`` unless 0 < min <= use <= max."""
+    for name in ("min", "max", "use"):
+        value = getattr(cpus, name)
+        # The shared decoder does not type-check float fields: "two" would get this far.
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+            raise SpecError(f"guest.cpus.{name}: expected a number, got {value!r}")
     if cpus.min <= 0 or cpus.max <= 0:
         raise SpecError("guest.cpus: min and max must be positive")
     if cpus.min > cpus.max:

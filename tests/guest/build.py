@@ -25,7 +25,7 @@ MODULES = ("virtio", "virtio_ring", "virtio_pci_legacy_dev", "virtio_pci_modern_
 
 
 @dataclass(frozen=True)
-class TestGuest:
+class GuestImage:
     kernel: Path
     initrd: Path
     kernel_version: str
@@ -54,7 +54,7 @@ def missing() -> list[str]:
     return absent
 
 
-def build_guest(dest: Path) -> TestGuest:
+def build_guest(dest: Path) -> GuestImage:
     """Build the initramfs into ``dest``; raises RuntimeError if something is missing."""
     absent = missing()
     if absent:
@@ -82,7 +82,7 @@ def build_guest(dest: Path) -> TestGuest:
         subprocess.run(["cpio", "--quiet", "-o", "-H", "newc", "-R", "0:0"], cwd=root,
                        input="\n".join([".", *entries]).encode() + b"\n", stdout=out,
                        check=True)
-    return TestGuest(kernel=kernel, initrd=initrd, kernel_version=version)
+    return GuestImage(kernel=kernel, initrd=initrd, kernel_version=version)
 
 
 if __name__ == "__main__":
