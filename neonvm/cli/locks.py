@@ -8,6 +8,7 @@ one-line error after ``--timeout`` seconds when etcd does not answer.
 from __future__ import annotations
 
 import json
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -139,7 +140,7 @@ def _print_event(event: LockEvent, fmt: str) -> None:
                     else "(malformed)")
         click.echo(f"{stamp} {event.kind.upper():<8} {event.info.namespace}/"
                    f"{event.info.name} token={event.info.token} {what}", nl=True)
-    click.get_text_stream("stdout").flush()
+    sys.stdout.flush()
 
 
 @locks.command("break")
