@@ -8,6 +8,7 @@ the three promises in decide's module docstring hold for *every* observation.
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 
 import pytest
 from hypothesis import given, settings
@@ -22,6 +23,7 @@ from neonvm.api.types import (
     VirtualMachineStatus,
 )
 from neonvm.controller import decide as d
+from neonvm.controller.mutations import status_mutation
 
 pytestmark = pytest.mark.unit
 
@@ -303,3 +305,91 @@ def test_a_fenced_or_terminal_vm_is_never_planned(o: d.Observation) -> None:
         assert isinstance(action, d.Fenced)
     if v.status.phase in d.TERMINAL_PHASES:
         assert not isinstance(action, d.RecordPlan)
+
+
+# ---- restart backoff ------------------------------------------------------------------------
+
+T0 = dt.datetime(2026, 3, 1, 12, 0, 0, tzinfo=dt.UTC)
+
+
+def at(seconds: float) -> dt.datetime:
+    return T0 + dt.timedelta(seconds=seconds)
+
+
+def restarted(count: int, when: dt.datetime = T0) -> VirtualMachine:
+    """A VM right after restart number ``count`` (no pod, no plan), recorded at ``when``."""
+    return vm(restart_count=count, plan_seq=count, last_restart_time=d.format_rfc3339(when))
+
+
+def test_the_backoff_is_zero_for_the_first_restart_then_doubles_up_to_a_minute() -> None:
+    assert [d.restart_backoff(n) for n in range(10)] == [0, 0, 1, 2, 4, 8, 16, 32, 60, 60]
+    assert d.restart_backoff(10_000) == d.RESTART_BACKOFF_MAX
+
+
+def test_a_restart_decided_with_a_clock_records_when_it_happened() -> None:
+    v = vm(pod_name=POD1, pod_uid=f"uid-{POD1}", plan_seq=1, phase="Running", restart_count=4)
+    action = d.decide(dataclasses.replace(obs(v), now=at(7.5)))
+    assert isinstance(action, d.Restart) and action.at == "2026-03-01T12:00:07.500000Z"
+    new = status_mutation(action, LEASE)(v)
+    assert new is not None
+    assert (new.restart_count, new.last_restart_time) == (5, action.at)
+    assert d.parse_rfc3339(new.last_restart_time) == at(7.5)
+
+
+def test_a_restart_to_a_terminal_phase_records_no_restart_time() -> None:
+    v = vm(pod_name=POD1, pod_uid=f"uid-{POD1}", plan_seq=1, phase="Running",
+           restart_policy="Never")
+    action = d.decide(dataclasses.replace(obs(v), now=T0))
+    new = status_mutation(action, LEASE)(v)
+    assert new is not None and new.phase == "Failed"
+    assert (new.restart_count, new.last_restart_time) == (0, None)
+
+
+def test_the_first_replacement_of_a_deleted_pod_is_planned_at_once() -> None:
+    action = d.decide(dataclasses.replace(obs(restarted(1)), now=T0))
+    assert isinstance(action, d.RecordPlan)
+
+
+def test_a_runner_that_keeps_exiting_waits_out_the_backoff_before_the_next_plan() -> None:
+    v = restarted(4)  # backoff 4 s
+    waiting = d.decide(dataclasses.replace(obs(v), now=at(1.5)))
+    assert waiting == d.Wait(seconds=2.5, condition="RestartBackoff", reason=waiting.reason)
+    assert isinstance(d.decide(dataclasses.replace(obs(v), now=at(4))), d.RecordPlan)
+    assert isinstance(d.decide(dataclasses.replace(obs(v), now=at(3600))), d.RecordPlan)
+
+
+def test_without_a_clock_there_is_no_backoff() -> None:
+    """The explorer and other callers that build observations without ``now``."""
+    assert isinstance(d.decide(obs(restarted(9))), d.RecordPlan)
+
+
+def test_a_clock_behind_the_recorders_waits_at_most_the_backoff_per_decision() -> None:
+    action = d.decide(dataclasses.replace(obs(restarted(3)), now=at(-600)))
+    assert isinstance(action, d.Wait) and action.seconds == d.restart_backoff(3)
+
+
+def test_a_malformed_restart_time_never_holds_a_vm_back() -> None:
+    v = dataclasses.replace(restarted(5), status=dataclasses.replace(
+        restarted(5).status, last_restart_time="yesterday"))
+    assert isinstance(d.decide(dataclasses.replace(obs(v), now=T0)), d.RecordPlan)
+
+
+def test_unreferenced_pods_are_still_cleaned_up_during_the_backoff() -> None:
+    stray = pod(POD1, gated=False, phase="Failed")
+    action = d.decide(dataclasses.replace(obs(restarted(5), stray), now=at(1)))
+    assert action == d.DeletePod(name=POD1, uid=f"uid-{POD1}", reason=action.reason)
+
+
+@settings(max_examples=300, deadline=None)
+@given(count=st.integers(min_value=0, max_value=40),
+       elapsed_ms=st.integers(min_value=-120_000, max_value=120_000))
+def test_a_plan_is_recorded_only_once_the_backoff_since_the_last_restart_has_passed(
+        count: int, elapsed_ms: int) -> None:
+    elapsed = elapsed_ms / 1000
+    action = d.decide(dataclasses.replace(obs(restarted(count)), now=at(elapsed)))
+    backoff = d.restart_backoff(count)
+    if backoff == 0 or elapsed >= backoff:
+        assert isinstance(action, d.RecordPlan)
+    else:
+        assert isinstance(action, d.Wait) and action.condition == "RestartBackoff"
+        assert 0 < action.seconds <= backoff

@@ -205,6 +205,9 @@ class VirtualMachineStatus:
     pod_ip: str | None = api_field("Runner pod IP.", json="podIP")
     node: str | None = api_field("Node of the runner pod.")
     restart_count: int = api_field("Times the runner pod was replaced.", default=0)
+    last_restart_time: str | None = api_field(
+        "When the last restart was recorded (RFC 3339); the next plan waits out the "
+        "restart backoff from here.")
     conditions: list[Condition] = api_field("Conditions (Ready, Degraded, ...).",
                                             default_factory=list)
     observed_generation: int | None = api_field("Generation last acted on.")

@@ -27,10 +27,24 @@ What this function guarantees, given observations that are truthful snapshots:
 What it does not do: it does not perform writes or check preconditions; the driver's
 conditional writes (resourceVersion, uid preconditions, fence) do. Safety of the whole
 rests on those writes plus the ungate rule above, not on leadership.
+
+Restart backoff. A runner that exits at once under ``restartPolicy: Always`` would churn
+pods without limit (each attempt is a new pod, under a new name). So the Restart write
+records ``status.lastRestartTime``, and a new plan after restart number *n* is made only
+once :func:`restart_backoff` (*n*) has passed since then: 0 s for the first restart (a
+deleted pod is replaced at once), then 1, 2, 4 ... seconds, capped at 60. Until then the
+answer is ``Wait(condition="RestartBackoff")`` for the time left. The clock comes in as
+``Observation.now``; without it (None: the explorer, hand-built observations) there is
+no backoff and the function stays a function of the snapshot alone. The backoff is a
+bound on churn, not a safety property: nothing about "at most one live pod" depends on
+it. Not guaranteed: the elapsed time is this replica's clock minus the recording
+replica's, so a replica whose clock is behind by S waits up to S longer (never shorter
+than the backoff because of skew, never longer than the backoff per decision).
 """
 
 from __future__ import annotations
 
+import datetime as dt
 from dataclasses import dataclass, field
 
 from neonvm.api.types import FINALIZER, PendingPod, VirtualMachine
@@ -79,6 +93,8 @@ class Observation:
     """Pods listed, then the VM read, both from etcd (quorum), in that order."""
     create_failed_generation: int | None = None
     """Generation whose pod create was refused (422, admission); do not retry it."""
+    now: dt.datetime | None = None
+    """When the observation was taken (timezone-aware). None: no restart backoff."""
 
     def pod(self, name: str | None) -> PodView | None:
         if not name:
@@ -190,6 +206,9 @@ class Restart(Action):
     name: str = ""
     uid: str = ""
     terminal_phase: str | None = None
+    at: str | None = None
+    """``status.lastRestartTime`` to record (RFC 3339; the observation's ``now``). None:
+    leave it as it is (a caller without a clock)."""
 
 
 @dataclass(frozen=True)
@@ -208,6 +227,57 @@ class SyncStatus(Action):
     uid: str = ""
 
 
+# ---- restart backoff ---------------------------------------------------------------------
+
+RESTART_BACKOFF_BASE = 1.0
+"""Seconds of backoff after the second restart; doubled for each further one."""
+RESTART_BACKOFF_MAX = 60.0
+"""Cap of the restart backoff."""
+RESTART_BACKOFF_CONDITION = "RestartBackoff"
+
+
+def restart_backoff(restart_count: int) -> float:
+    """Seconds a new plan waits after restart number ``restart_count`` was recorded.
+
+    0 for the first restart, so a deleted pod is replaced at once; then 1, 2, 4, ...
+    seconds, at most :data:`RESTART_BACKOFF_MAX`.
+    """
+    if restart_count <= 1:
+        return 0.0
+    return min(RESTART_BACKOFF_BASE * 2.0 ** min(restart_count - 2, 32), RESTART_BACKOFF_MAX)
+
+
+def format_rfc3339(at: dt.datetime) -> str:
+    """UTC, microseconds: ``2026-01-02T03:04:05.123456Z``."""
+    return _utc(at).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def parse_rfc3339(text: str | None) -> dt.datetime | None:
+    """The instant ``text`` names, or None when it is missing or malformed (no backoff:
+    a bad value must never hold a VM back)."""
+    if not text:
+        return None
+    try:
+        return _utc(dt.datetime.fromisoformat(text))
+    except ValueError:
+        return None
+
+
+def _utc(at: dt.datetime) -> dt.datetime:
+    return at.replace(tzinfo=dt.UTC) if at.tzinfo is None else at.astimezone(dt.UTC)
+
+
+def backoff_remaining(obs: Observation, vm: VirtualMachine) -> float:
+    """Seconds before ``vm`` may be planned again after its last restart (0: now)."""
+    last = parse_rfc3339(vm.status.last_restart_time)
+    if obs.now is None or last is None:
+        return 0.0
+    delay = restart_backoff(vm.status.restart_count)
+    elapsed = (_utc(obs.now) - last).total_seconds()
+    # A clock behind the recorder's (elapsed < 0) waits at most ``delay`` per decision.
+    return max(0.0, min(delay, delay - elapsed))
+
+
 # ---- the decision ------------------------------------------------------------------------
 
 TERMINAL_PHASES = ("Succeeded", "Failed")
@@ -219,7 +289,8 @@ def plan_name(vm: VirtualMachine, seq: int) -> str:
 
 
 def decide(obs: Observation) -> Action:
-    """The next action for one VM, given one observation. Pure: no I/O, no clock."""
+    """The next action for one VM, given one observation. Pure: no I/O, and no clock but
+    ``obs.now``."""
     vm = obs.vm
     if vm is None:
         return Done(reason="VM does not exist")
@@ -240,6 +311,11 @@ def decide(obs: Observation) -> Action:
         action = _decide_pending(obs, vm, pending)
     elif vm.status.phase in TERMINAL_PHASES:
         action = Done(reason=f"VM is {vm.status.phase}; never planned again")
+    elif (remaining := backoff_remaining(obs, vm)) > 0:
+        action = Wait(seconds=remaining, condition=RESTART_BACKOFF_CONDITION,
+                      reason=f"restart #{vm.status.restart_count} backoff: "
+                             f"{remaining:.1f}s left of "
+                             f"{restart_backoff(vm.status.restart_count):.0f}s")
     else:
         seq = vm.status.plan_seq + 1
         return RecordPlan(
@@ -295,6 +371,7 @@ def _decide_committed(obs: Observation, vm: VirtualMachine) -> Action:
         else:
             what = "terminating" if pod.terminating else pod.phase
         return Restart(name=name, uid=uid, terminal_phase=terminal,
+                       at=format_rfc3339(obs.now) if obs.now is not None else None,
                        reason=f"runner pod {name} is {what}")
     assert pod is not None
     if pod.gated:

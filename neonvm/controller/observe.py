@@ -16,12 +16,17 @@ Two sources:
 A :class:`Snapshot` keeps the raw objects next to the observation: the driver's writes
 need the exact resourceVersions of what the decision saw (the VM's for status and
 finalizer writes, the pod's for the ungate patch).
+
+Both readers stamp the observation with their clock (``Observation.now``, wall-clock UTC
+unless a test passes another), which is all the restart backoff needs; a snapshot built
+without one carries ``now=None`` and has no backoff.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -33,6 +38,14 @@ from neonvm.api.types import VirtualMachine
 from neonvm.controller.decide import Lease, Observation, PodView
 from neonvm.controller.faults import Faults
 from neonvm.controller.informer import Store
+
+Clock = Callable[[], dt.datetime]
+"""Returns the current time, timezone-aware."""
+
+
+def utc_now() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
 
 CREATE_REFUSED = "CreateRefused"
 """Reason of the Degraded condition recorded when the API server refuses a pod create."""
@@ -96,7 +109,7 @@ def create_failed_generation(vm: VirtualMachine) -> int | None:
 
 
 def make_snapshot(record: VMRecord | None, pods: list[dict[str, Any]], lease: Lease,
-                  direct: bool) -> Snapshot:
+                  direct: bool, now: dt.datetime | None = None) -> Snapshot:
     vm = record.vm if record is not None else None
     views = tuple(sorted((pod_view(p) for p in pods), key=lambda v: v.name))
     obs = Observation(
@@ -105,6 +118,7 @@ def make_snapshot(record: VMRecord | None, pods: list[dict[str, Any]], lease: Le
         lease=lease,
         direct=direct,
         create_failed_generation=create_failed_generation(vm) if vm is not None else None,
+        now=now,
     )
     return Snapshot(obs=obs, record=record,
                     pods={(p.get("metadata") or {}).get("name", ""): p for p in pods})
@@ -124,9 +138,10 @@ def split_key(key: str) -> tuple[str, str]:
 class DirectReader:
     """Quorum reads (``resourceVersion`` unset) of VMs and their pods."""
 
-    def __init__(self, api: client.ApiClient) -> None:
+    def __init__(self, api: client.ApiClient, clock: Clock = utc_now) -> None:
         self._core = client.CoreV1Api(api)
         self._custom = client.CustomObjectsApi(api)
+        self._clock = clock
 
     def list_pods(self, namespace: str, vm_name: str) -> list[dict[str, Any]]:
         resp = self._core.list_namespaced_pod(
@@ -187,7 +202,7 @@ class DirectReader:
                 pod = self.get_pod(namespace, committed)
                 if pod is not None and uid and (pod.get("metadata") or {}).get("uid") == uid:
                     pods = [*pods, pod]
-        return make_snapshot(record, pods, lease, direct=True)
+        return make_snapshot(record, pods, lease, direct=True, now=self._clock())
 
 
 def pod_index(pod: dict[str, Any]) -> str | None:
@@ -202,10 +217,12 @@ def pod_index(pod: dict[str, Any]) -> str | None:
 class CacheReader:
     """Observations from the informers' stores (``direct=False``)."""
 
-    def __init__(self, vms: Store, pods: Store, faults: Faults | None = None) -> None:
+    def __init__(self, vms: Store, pods: Store, faults: Faults | None = None,
+                 clock: Clock = utc_now) -> None:
         self._vms = vms
         self._pods = pods
         self._faults = faults or Faults()
+        self._clock = clock
 
     def vm_raw(self, key: str) -> dict[str, Any] | None:
         raw = self._vms.get(key)
@@ -226,4 +243,5 @@ class CacheReader:
     def observe(self, key: str, lease: Lease) -> Snapshot:
         raw = self.vm_raw(key)
         record = VMRecord.from_raw(raw) if raw is not None else None
-        return make_snapshot(record, self.pods_raw(key), lease, direct=False)
+        return make_snapshot(record, self.pods_raw(key), lease, direct=False,
+                             now=self._clock())
