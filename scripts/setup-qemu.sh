@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what the runner's QEMU tests need: QEMU, a distribution kernel to boot, and
 # busybox + cpio to build a tiny initramfs guest. Idempotent and non-interactive; returns
-# at once when everything is already installed. Needs root (or sudo) on Debian/Ubuntu.
+# at once when everything is already installed. Installs as root (or with password-less
+# sudo) through apt-get; elsewhere it explains what is missing and exits 0.
 #
 # Packages: qemu-system-x86 (the emulator), qemu-utils (qemu-img, for empty disks),
 # linux-image-cloud-amd64 (a small kernel in /boot), busybox-static and cpio (the guest).
@@ -18,17 +19,19 @@ if [[ ${#missing[@]} -eq 0 ]]; then
     exit 0
 fi
 
+# Where nothing can be installed, say so and succeed: the test command goes on, and the
+# QEMU tests skip with this message as their reason. A failing apt-get is an error.
 if ! command -v apt-get >/dev/null 2>&1; then
-    echo "setup-qemu: apt-get not found; install ${missing[*]} by hand" >&2
-    exit 1
+    echo "setup-qemu: cannot install ${missing[*]}: apt-get not found; install them by hand" >&2
+    exit 0
 fi
 sudo=()
 if [[ $(id -u) -ne 0 ]]; then
-    if command -v sudo >/dev/null 2>&1; then
+    if command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then
         sudo=(sudo -n)
     else
-        echo "setup-qemu: not root and no sudo; install ${missing[*]} by hand" >&2
-        exit 1
+        echo "setup-qemu: cannot install ${missing[*]}: not root and no password-less sudo" >&2
+        exit 0
     fi
 fi
 

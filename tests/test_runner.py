@@ -577,17 +577,19 @@ def test_guest(tmp_path_factory: pytest.TempPathFactory) -> GuestImage:
     """The tiny guest; installs QEMU & co. via scripts/setup-qemu.sh when they are missing."""
     from neonvm.runner.host import optional_binary
 
+    said = ""
     if optional_binary("qemu-system-x86_64") is None or missing():
         setup = subprocess.run(["bash", str(REPO / "scripts" / "setup-qemu.sh")],
                                capture_output=True, text=True, timeout=900, check=False)
+        said = (setup.stderr.strip().splitlines() or [""])[-1]
         if setup.returncode != 0:
-            pytest.skip("QEMU is not installable here: scripts/setup-qemu.sh said: "
-                        + (setup.stderr.strip().splitlines() or ["(nothing)"])[-1])
+            pytest.skip(f"QEMU is not installable here: scripts/setup-qemu.sh failed: {said}")
     if optional_binary("qemu-system-x86_64") is None:
-        pytest.skip("qemu-system-x86_64 still missing after scripts/setup-qemu.sh")
+        pytest.skip(f"qemu-system-x86_64 is not installed; scripts/setup-qemu.sh: {said}")
     absent = missing()
     if absent:
-        pytest.skip("cannot build the test guest, missing: " + ", ".join(absent))
+        pytest.skip(f"cannot build the test guest, missing: {', '.join(absent)}; "
+                    f"scripts/setup-qemu.sh: {said}")
     return build_guest(tmp_path_factory.mktemp("guest"))
 
 

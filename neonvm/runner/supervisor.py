@@ -273,9 +273,9 @@ class Supervisor:
         elif event == "RESUME":
             self._state.qmp_status("running")
         elif event in ("POWERDOWN", "RESET", "GUEST_PANICKED"):
-            self._log.info("QMP: {} {}", event, data or "")
+            self._log.info("QMP: {}{}", event, f" {data}" if data else "")
         else:
-            self._log.debug("QMP: {} {}", event, data or "")
+            self._log.debug("QMP: {}{}", event, f" {data}" if data else "")
 
 
 def signal_name(signum: int) -> str:
