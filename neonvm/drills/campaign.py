@@ -84,8 +84,10 @@ DISRUPTIONS: dict[str, int] = {
     "restart-apiserver": 1,
 }
 
+RESYNC_SECONDS = 10
 LEASE_ARGS = ["--lease-duration", "4", "--renew-deadline", "3", "--retry-period", "0.5",
-              "--session-ttl", "4", "--plan-requeue", "1", "--resync", "10", "--sweep", "3"]
+              "--session-ttl", "4", "--plan-requeue", "1", "--resync", str(RESYNC_SECONDS),
+              "--sweep", "3"]
 
 
 def campaign_seed(given: int | None = None) -> int:
@@ -455,11 +457,14 @@ class ScheduleRun:
     def _locks(self) -> list[LockView]:
         from neonvm.leader.lock import LockTable
 
-        etcd, config = self._etcd()
-        with etcd:
-            return [LockView(i.namespace, i.name, i.record.vm_uid if i.record else None,
-                             i.record.holder if i.record else None, i.token)
-                    for i in LockTable(etcd, config.prefix).list()]
+        def read() -> list[LockView]:
+            etcd, config = self._etcd()
+            with etcd:
+                return [LockView(i.namespace, i.name, i.record.vm_uid if i.record else None,
+                                 i.record.holder if i.record else None, i.token)
+                        for i in LockTable(etcd, config.prefix).list()]
+
+        return fleet.retrying(read)
 
     def _break_locks(self) -> list[str]:
         from neonvm.leader.lock import LockTable
@@ -474,9 +479,9 @@ class ScheduleRun:
 
     def run(self) -> ScheduleResult:
         self.say(self.schedule.describe())
-        fleet.ensure_namespace(self.api, self.namespace)
         supervisor = threading.Thread(target=self._supervise, daemon=True)
         try:
+            fleet.ensure_namespace(self.api, self.namespace)
             with Watchdog(self.api, self.namespace, poll_interval=0.3) as dog:
                 self._dog = dog
                 self._start(self.slots[0])
@@ -501,8 +506,7 @@ class ScheduleRun:
             if report.watch.gaps:
                 self.result.notes.append(f"pod watch re-listed {report.watch.gaps} time(s)")
         except Exception as exc:
-            self.result.failures.append(f"the schedule could not run: "
-                                        f"{type(exc).__name__}: {exc}")
+            self.result.failures.append(f"the schedule could not run: {_short(exc)}")
         finally:
             self._stop.set()
             if supervisor.is_alive():
@@ -523,8 +527,10 @@ class ScheduleRun:
                 time.sleep(delay)
             try:
                 self.say(f"{d.kind}: {self._disrupt(d)}")
-            except (ApiException, OSError) as exc:
-                self.result.notes.append(f"{d.kind} failed: {exc}")
+            except Exception as exc:
+                if not fleet.transient(exc):
+                    raise
+                self.result.notes.append(f"{d.kind} skipped: {_short(exc)}")
         ok, seconds, state = fleet.wait_converged(self.api, self.namespace, self.names,
                                                   self.converge_timeout)
         if not ok:
@@ -555,7 +561,14 @@ class ScheduleRun:
             self.result.failures.append(
                 f"locks left 30s after their VMs were deleted: "
                 f"{[f'{lk.namespace}/{lk.name} ({lk.holder})' for lk in locks]}")
-        report = check(self.api, namespace=self.namespace, locks=self._locks)
+        # A lock can be re-taken for a VM that is already gone, by a reconcile that
+        # started from a cache still holding it (its DELETED event dropped); the leader
+        # gives it up at its next direct re-read (--resync) or sweep. So findings must
+        # persist across a resync to count.
+        report = fleet.retrying(lambda: check(self.api, namespace=self.namespace,
+                                              locks=self._locks, settle=RESYNC_SECONDS + 5))
+        for note in report.notes:
+            self.result.notes.append(f"final check: {note}")
         for f in report.findings:
             self.result.failures.append(f"check: {f.kind} {f.vm}: {f.detail}")
 
@@ -568,6 +581,12 @@ class ScheduleRun:
                 for kv in etcd.get_prefix(self.prefix + "/").kvs:
                     etcd.delete(kv.key)
         self.api.close()
+
+
+def _short(exc: BaseException) -> str:
+    if isinstance(exc, ApiException):
+        return f"API {exc.status} {exc.reason}"
+    return f"{type(exc).__name__}: {str(exc)[:200]}"
 
 
 def _without_crash(spec: str) -> str:
@@ -604,7 +623,11 @@ def run_campaign(cluster: Any, schedules: Sequence[Schedule], progress: Progress
                 if budget is not None and time.monotonic() - started > budget:
                     return
                 schedule = pending.pop(0)
-            outcome = run_schedule(cluster, schedule, progress, restart_lock)
+            try:
+                outcome = run_schedule(cluster, schedule, progress, restart_lock)
+            except Exception as exc:  # a driver bug must fail the campaign, not vanish
+                outcome = ScheduleResult(schedule, failures=[
+                    f"the driver failed: {_short(exc)}"])
             with lock:
                 result.results.append(outcome)
                 done = len(result.results)

@@ -481,8 +481,9 @@ def _run(d: Drill, verdict: Verdict) -> None:
     if report.watch.gaps:
         d.notes.append(f"the pod watch broke {report.watch.gaps} time(s) (API server "
                        f"restart?): revisions in those gaps were seen only by polling")
-    result = check(api, namespace=d.namespace, locks=_lock_reader(d), settle=5.0,
-                   max_pending_seconds=options.timeout)
+    locks = _lock_reader(d)
+    result = fleet.retrying(lambda: check(api, namespace=d.namespace, locks=locks, settle=5.0,
+                                          max_pending_seconds=options.timeout))
     verdict.check = result.as_dict()
     for f in result.findings:
         verdict.failures.append(f"check: {f.kind} {f.vm}: {f.detail}")

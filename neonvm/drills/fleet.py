@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
@@ -21,6 +21,34 @@ from kubernetes.client.exceptions import ApiException
 from neonvm.api import types
 
 Progress = Callable[[str], None]
+T = TypeVar("T")
+
+TRANSIENT_STATUS = (0, 429, 500, 502, 503, 504)
+
+
+def transient(exc: BaseException) -> bool:
+    """A failure that a restart of the API server or of an etcd explains."""
+    from urllib3.exceptions import HTTPError
+
+    from neonvm.leader.etcd import EtcdUnavailable
+
+    if isinstance(exc, ApiException):
+        return exc.status in TRANSIENT_STATUS
+    return isinstance(exc, OSError | HTTPError | EtcdUnavailable)
+
+
+def retrying(fn: Callable[[], T], timeout: float = 120.0) -> T:
+    """``fn()``, retried while it fails transiently (drills restart the API server)."""
+    deadline = time.monotonic() + timeout
+    delay = 0.2
+    while True:
+        try:
+            return fn()
+        except Exception as exc:
+            if not transient(exc) or time.monotonic() + delay > deadline:
+                raise
+        time.sleep(delay)
+        delay = min(2.0, delay * 2)
 
 
 def _quiet(_msg: str) -> None:
@@ -49,9 +77,9 @@ def vm_body(name: str, grace_seconds: int | None = 1,
 
 def ensure_namespace(api: client.ApiClient, name: str) -> None:
     with contextlib.suppress(ApiException):
-        client.CoreV1Api(api).create_namespace(
+        retrying(lambda: client.CoreV1Api(api).create_namespace(
             client.V1Namespace(metadata=client.V1ObjectMeta(
-                name=name, labels={"drill.vm.neon.tech/namespace": "true"})))
+                name=name, labels={"drill.vm.neon.tech/namespace": "true"}))))
 
 
 def create_vms(api: client.ApiClient, namespace: str, names: Sequence[str],
@@ -60,9 +88,9 @@ def create_vms(api: client.ApiClient, namespace: str, names: Sequence[str],
 
     def one(name: str) -> None:
         try:
-            custom.create_namespaced_custom_object(
+            retrying(lambda: custom.create_namespaced_custom_object(
                 types.GROUP, types.VERSION, namespace, types.PLURAL,
-                vm_body(name, grace_seconds), _request_timeout=30)
+                vm_body(name, grace_seconds), _request_timeout=30))
         except ApiException as exc:
             if exc.status != 409:
                 raise
@@ -72,15 +100,16 @@ def create_vms(api: client.ApiClient, namespace: str, names: Sequence[str],
 
 
 def list_vms(api: client.ApiClient, namespace: str) -> list[dict[str, Any]]:
-    items: list[dict[str, Any]] = client.CustomObjectsApi(api).list_namespaced_custom_object(
-        types.GROUP, types.VERSION, namespace, types.PLURAL, _request_timeout=30
+    items: list[dict[str, Any]] = retrying(
+        lambda: client.CustomObjectsApi(api).list_namespaced_custom_object(
+            types.GROUP, types.VERSION, namespace, types.PLURAL, _request_timeout=30)
     ).get("items") or []
     return items
 
 
 def list_runner_pods(api: client.ApiClient, namespace: str) -> list[Any]:
-    items: list[Any] = client.CoreV1Api(api).list_namespaced_pod(
-        namespace, label_selector=types.LABEL_VM_NAME, _request_timeout=30).items
+    items: list[Any] = retrying(lambda: client.CoreV1Api(api).list_namespaced_pod(
+        namespace, label_selector=types.LABEL_VM_NAME, _request_timeout=30)).items
     return items
 
 
@@ -147,7 +176,9 @@ def wait_converged(api: client.ApiClient, namespace: str, names: Sequence[str] |
     while True:
         try:
             state = convergence(api, namespace, names)
-        except (ApiException, OSError) as exc:  # API server restarting
+        except Exception as exc:
+            if not transient(exc):
+                raise
             state.waiting = {"(api)": str(exc)[:80]}
         elapsed = time.monotonic() - started
         if state.done:
@@ -170,8 +201,9 @@ def delete_vms(api: client.ApiClient, namespace: str, names: Sequence[str] | Non
 
     def one(name: str) -> None:
         with contextlib.suppress(ApiException):
-            custom.delete_namespaced_custom_object(
-                types.GROUP, types.VERSION, namespace, types.PLURAL, name, _request_timeout=30)
+            retrying(lambda: custom.delete_namespaced_custom_object(
+                types.GROUP, types.VERSION, namespace, types.PLURAL, name,
+                _request_timeout=30))
 
     if targets:
         with ThreadPoolExecutor(max_workers=max(1, min(threads, len(targets)))) as pool:
@@ -187,7 +219,9 @@ def wait_gone(api: client.ApiClient, namespace: str, timeout: float,
         try:
             vms = list_vms(api, namespace)
             pods = list_runner_pods(api, namespace)
-        except (ApiException, OSError) as exc:
+        except Exception as exc:
+            if not transient(exc):
+                raise
             left = str(exc)[:80]
             time.sleep(0.5)
             continue

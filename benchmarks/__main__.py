@@ -1,0 +1,211 @@
+"""Run every benchmark and write ``docs/benchmarks.md``: ``python -m benchmarks``.
+
+    python -m benchmarks                  # 100 VMs; a private control plane, torn down after
+    python -m benchmarks --large          # also 1,000 VMs
+    python -m benchmarks --state-dir D    # use a running local cluster (neonvm dev up)
+    python -m benchmarks --no-docs        # print the table only
+
+It starts a private local control plane with simulated nodes (free ports, temporary
+state directory) unless ``--state-dir`` names a running one, runs the controller
+benchmarks (``benchmarks/controller_bench.py``) and the locks benchmark
+(``benchmarks/bench_locks.py``, against the same locks' etcd), prints one table and writes
+it into ``docs/benchmarks.md``. Each figure sits next to a baseline measured in the same
+run; no figure is hard-coded anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import controller_bench as cb  # noqa: E402
+from neonvm.drills.observer import percentile  # noqa: E402
+
+DOC = ROOT / "docs" / "benchmarks.md"
+
+
+def say(msg: str) -> None:
+    print(f"  {msg}", file=sys.stderr, flush=True)
+
+
+@contextmanager
+def local_cluster(state_dir: Path | None, nodes: int) -> Iterator[Any]:
+    from neonvm.cli.dev import install_binaries
+    from neonvm.dev.cluster import ClusterSpec, LocalCluster
+
+    if state_dir is not None:
+        cluster = LocalCluster(state_dir)
+        if not all(s.healthy for s in cluster.status()):
+            raise SystemExit(f"the cluster in {state_dir} is not running (neonvm dev up)")
+        yield cluster
+        return
+    install_binaries(with_nodes=True)
+    tmp = Path(tempfile.mkdtemp(prefix="neonvm-bench-"))
+    cluster = LocalCluster(tmp, ClusterSpec.with_free_ports(nodes=nodes))
+    try:
+        say(f"starting a private control plane in {tmp}")
+        cluster.up(progress=say)
+        yield cluster
+    finally:
+        cluster.down()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def fmt_s(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f} s"
+
+
+def pct(values: list[float], q: float) -> float | None:
+    return percentile(values, q)
+
+
+def controller_rows(conv: list[dict[str, Any]], rep: dict[str, Any], fo: dict[str, Any]
+                    ) -> list[tuple[str, str, str]]:
+    """(measure, value, baseline measured in the same run)."""
+    rows = []
+    for c in conv:
+        raw = c["raw"]
+        writes = c["writes_per_vm"]
+        rows.append((
+            f"converge {c['vms']} VMs (3 replicas, {cb.WORKERS} workers)",
+            f"{c['seconds']:.1f} s = **{c['vms_per_s']:.1f} VMs/s**"
+            + (f"; {writes:.1f} writes/VM" if writes else ""),
+            f"raw API: {raw['writes_per_s']:.0f} writes/s with {raw['threads']} threads = "
+            f"{raw['vms_per_s']:.1f} VMs/s at the 3-write floor "
+            f"(controller at {100 * c['vms_per_s'] / raw['vms_per_s']:.0f}% of it)"))
+        rows.append((f"controller RSS at {c['vms']} VMs", f"leader {c['leader_rss_mib']:.0f} MiB",
+                     f"standby (no VMs cached) {c['standby_rss_mib']:.0f} MiB"))
+    rows.append((
+        f"pod deleted -> replacement created (gated), {rep['deletions']} deletions",
+        f"p50 {fmt_s(pct(rep['created'], 0.5))}, p99 {fmt_s(pct(rep['created'], 0.99))}",
+        "-"))
+    rows.append((
+        "old pod gone -> replacement ungated",
+        f"p50 {fmt_s(pct(rep['started'], 0.5))}, p99 {fmt_s(pct(rep['started'], 0.99))}",
+        "VM's terminationGracePeriodSeconds = 1 s (kwok ends the old pod then)"))
+    rows.append((
+        "pod deleted -> VM converged again",
+        f"p50 {fmt_s(pct(rep['converged'], 0.5))}, p99 {fmt_s(pct(rep['converged'], 0.99))}",
+        "grace period 1 s + the two above"))
+    for sig in ("SIGKILL", "SIGTERM"):
+        values = fo[sig]
+        rows.append((
+            f"leader failover after {sig} ({len(values)} runs)",
+            f"p50 {fmt_s(pct(values, 0.5))}, max {fmt_s(max(values) if values else None)}",
+            f"lease duration {fo['lease_duration_s']:.0f} s (renew deadline "
+            f"{fo['renew_deadline_s']:.0f} s, retry period {fo['retry_period_s']:.0f} s)"))
+    return rows
+
+
+def markdown_table(rows: list[tuple[str, str, str]]) -> str:
+    lines = ["| measure | value | baseline in the same run |", "|---|---|---|"]
+    lines += [f"| {a} | {b} | {c} |" for a, b, c in rows]
+    return "\n".join(lines)
+
+
+def run_locks(endpoints: str, ops: int) -> str:
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_locks.py"), "--endpoints",
+           endpoints, "--ops", str(ops)]
+    say("locks: " + " ".join(cmd[1:]))
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=1800,
+                         check=False)
+    if out.returncode != 0:
+        return f"(the locks benchmark failed: {out.stderr.strip().splitlines()[-1:]})"
+    return out.stdout.strip()
+
+
+DOC_HEAD = """# Benchmarks
+
+Generated by `python -m benchmarks` (or `bash benchmarks/run.sh`); `--large` adds 1,000
+VMs. Every figure is measured in the run below, next to a baseline measured in the same
+run on the same machine; nothing here is typed in by hand. Re-run it to get your own.
+
+What each row means:
+
+* **converge N VMs**: N VMs created at once, until every one has exactly one runner pod,
+  ungated, named `status.podName`. The baseline is a bare client doing the three writes
+  a VM needs at the least (status PUT recording the plan, pod create, status PUT
+  committing it) with as many threads as the controller has workers, on VMs that no
+  controller watches. The controller also adds the finalizer, ungates the pod and syncs
+  the phase, so it cannot reach the floor; *writes/VM* is what it actually wrote (its
+  `neonvm_controller_actions_total` that took effect).
+* **controller RSS**: resident memory of the leader, with N VMs and their pods cached,
+  next to a standby replica of the same run (which caches nothing).
+* **pod deleted -> replacement created**: a runner pod is deleted; the replacement is
+  planned and created gated at once, while the old pod shuts down. **Old pod gone ->
+  replacement ungated**: the replacement starts only once the old pod is gone (a direct
+  list must show it as the VM's only pod). Single deletions, one after another.
+* **leader failover**: the leader process is killed (SIGKILL: no clean-up, the standby
+  waits for the Lease to expire) or stopped (SIGTERM: it releases the Lease and a standby
+  takes it within about one retry period); time until another replica holds the Lease.
+* **locks**: `benchmarks/bench_locks.py` (see `docs/locks.md`) against the same locks'
+  etcd, with raw etcd transactions as its baseline.
+
+Figures from a shared 2-core machine are noisy: the load average is printed with them.
+"""
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--state-dir", type=Path, default=None,
+                   help="Use this running local cluster instead of a private one.")
+    p.add_argument("--vms", type=int, default=100, help="VMs of the convergence run.")
+    p.add_argument("--large", action="store_true", help="Also converge 1,000 VMs.")
+    p.add_argument("--deletions", type=int, default=30, help="Pod deletions timed.")
+    p.add_argument("--kills", type=int, default=3, help="Leader kills per signal.")
+    p.add_argument("--lock-ops", type=int, default=400, help="Operations per lock scenario.")
+    p.add_argument("--nodes", type=int, default=3, help="Simulated nodes (private cluster).")
+    p.add_argument("--no-docs", action="store_true", help=f"Do not write {DOC.name}.")
+    args = p.parse_args()
+    from loguru import logger
+
+    logger.remove()
+    logger.add(sys.stderr, level="WARNING")
+    load_before = os.getloadavg()[0]
+    started = time.monotonic()
+    with local_cluster(args.state_dir, args.nodes) as cluster:
+        sizes = [args.vms] + ([1000] if args.large else [])
+        conv = []
+        for n in sizes:
+            say(f"== convergence of {n} VMs")
+            conv.append(cb.convergence(cluster, n, say))
+        say(f"== replacement latency ({args.deletions} deletions)")
+        rep = cb.replacement(cluster, 10, args.deletions, say)
+        say(f"== failover ({args.kills} x SIGKILL, {args.kills} x SIGTERM)")
+        fo = cb.failover(cluster, args.kills, say)
+        say("== locks")
+        locks = run_locks(cluster.locks_etcd_url, args.lock_ops)
+    rows = controller_rows(conv, rep, fo)
+    env = (f"Run {time.strftime('%Y-%m-%d %H:%M')} on {platform.node() or 'a machine'}: "
+           f"Python {platform.python_version()}, {os.cpu_count()} CPUs shared with other "
+           f"work (load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after), a "
+           f"local control plane (etcd, kube-apiserver, scheduler, controller-manager, "
+           f"kwok nodes) on the same machine; {time.monotonic() - started:.0f} s in all.")
+    text = (f"## Controller\n\n{markdown_table(rows)}\n\n{env}\n\n"
+            f"## Locks\n\n{locks}\n")
+    print(markdown_table(rows))
+    print()
+    print(env)
+    print()
+    print(locks)
+    if not args.no_docs:
+        DOC.write_text(DOC_HEAD + "\n" + text)
+        print(f"\nwrote {DOC.relative_to(ROOT)}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

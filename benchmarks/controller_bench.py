@@ -1,0 +1,338 @@
+"""Controller benchmarks, each figure next to a baseline measured in the same run.
+
+* **convergence**: N VMs created at once until every one has converged (one runner pod,
+  ungated, named ``status.podName``), as VMs/s; next to the *raw API write rate* of a bare
+  client doing the three writes a VM needs at the least (status PUT to record the plan,
+  pod create, status PUT to commit) with as many threads as the controller has workers,
+  on VMs no controller watches. The controller's own writes per VM are read from its
+  ``/metrics`` (``neonvm_controller_actions_total`` that took effect).
+* **replacement**: a runner pod deleted -> its replacement created (gated), and the old
+  pod gone -> the replacement ungated, p50/p99, over a sequence of single deletions.
+* **failover**: SIGKILL and SIGTERM of the leader -> another replica holds the Lease,
+  next to the Lease duration.
+* **memory**: the leader's RSS with N VMs, next to a standby's RSS in the same run.
+
+Every replica is a real ``neonvm controller run`` process with its own Lease and lock
+prefix, watching only the benchmark's namespace.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import signal
+import sys
+import threading
+import time
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from neonvm import kube
+from neonvm.api import types
+from neonvm.drills import fleet
+from neonvm.drills.observer import PodWatchChecker, percentile
+from neonvm.leader.election import LeaseClient
+
+Progress = Callable[[str], None]
+
+LEASE = {"duration": 6.0, "renew": 4.0, "retry": 1.0}
+WORKERS = 4
+
+
+@dataclass
+class Replica:
+    name: str
+    identity: str
+
+
+@dataclass
+class ReplicaSet:
+    """Controller replicas on ``cluster`` watching ``namespace`` only (own Lease, prefix)."""
+
+    cluster: Any
+    namespace: str
+    count: int = 3
+    members: list[Replica] = field(default_factory=list)
+    tag: str = field(default_factory=lambda: uuid.uuid4().hex[:6])
+
+    def _argv(self, identity: str) -> list[str]:
+        return [sys.executable, "-m", "neonvm", "--log-format", "json", "controller", "run",
+                "--kubeconfig", str(self.cluster.kubeconfig_for("controller")),
+                "--etcd-endpoints", self.cluster.locks_etcd_url,
+                "--etcd-prefix", f"/neonvm-bench/{self.tag}",
+                "--identity", identity, "--health-port", "0", "--health-host", "127.0.0.1",
+                "--lease-namespace", self.namespace, "--watch-namespace", self.namespace,
+                "--lease-duration", str(LEASE["duration"]),
+                "--renew-deadline", str(LEASE["renew"]),
+                "--retry-period", str(LEASE["retry"]), "--workers", str(WORKERS),
+                "--runner-image", "neonvm-runner:dev"]
+
+    def start(self, index: int) -> Replica:
+        name = f"bench-{self.tag}-{index}"
+        identity = f"{name}-{uuid.uuid4().hex[:4]}"
+        import os
+
+        env = {k: v for k, v in os.environ.items() if not k.startswith("NEONVM_")}
+        self.cluster.start_process(name, self._argv(identity), env)
+        replica = Replica(name, identity)
+        self.members = [m for m in self.members if m.name != name] + [replica]
+        return replica
+
+    def start_all(self) -> None:
+        for i in range(self.count):
+            self.start(i)
+
+    def stop_all(self) -> None:
+        for m in self.members:
+            self.cluster.stop_component(m.name, signal.SIGKILL)
+
+    def pid(self, replica: Replica) -> int:
+        return int((self.cluster.state_dir / "run" / f"{replica.name}.pid").read_text())
+
+    def by_identity(self, identity: str) -> Replica | None:
+        return next((m for m in self.members if m.identity == identity), None)
+
+    def metrics_port(self, replica: Replica) -> int | None:
+        try:
+            text = self.cluster.log_file(replica.name).read_text(errors="replace")
+        except OSError:
+            return None
+        ports = re.findall(r"/metrics on 127\.0\.0\.1:(\d+)", text)
+        return int(ports[-1]) if ports else None
+
+    def __enter__(self) -> ReplicaSet:
+        self.start_all()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop_all()
+
+
+def leader_of(api: client.ApiClient, namespace: str) -> str | None:
+    try:
+        record = LeaseClient(api, namespace, "neonvm-controller").get(5.0)
+    except Exception:
+        return None
+    return (record.holder if record else None) or None
+
+
+def wait_for_leader(api: client.ApiClient, namespace: str, timeout: float = 120.0,
+                    other_than: str | None = None) -> tuple[str, float]:
+    started = time.monotonic()
+    while time.monotonic() - started < timeout:
+        who = leader_of(api, namespace)
+        if who and who != other_than:
+            return who, time.monotonic() - started
+        time.sleep(0.05)
+    raise RuntimeError(f"no leader in {namespace} after {timeout:.0f}s")
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def scrape_actions(port: int) -> dict[str, float]:
+    """``neonvm_controller_actions_total{outcome="done"}`` by action."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    out: dict[str, float] = {}
+    for m in re.finditer(r'neonvm_controller_actions_total\{action="(\w+)",outcome="done"\} '
+                         r'([0-9.e+]+)', text):
+        out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
+    return out
+
+
+# ---- baseline: raw API writes ------------------------------------------------------------
+
+
+def raw_write_rate(api: client.ApiClient, namespace: str, vms: int, threads: int = WORKERS,
+                   progress: Progress = print) -> dict[str, Any]:
+    """The floor a controller can reach: 3 writes per VM by a bare client, no logic."""
+    custom = client.CustomObjectsApi(api)
+    core = client.CoreV1Api(api)
+    fleet.ensure_namespace(api, namespace)
+    names = [f"raw-{i:04d}" for i in range(vms)]
+    fleet.create_vms(api, namespace, names, 1)
+    progress(f"baseline: {vms} VMs created in {namespace} (no controller watches it)")
+    latencies: list[float] = []
+    lock = threading.Lock()
+
+    def three_writes(name: str) -> None:
+        t = time.perf_counter()
+        vm = custom.get_namespaced_custom_object(types.GROUP, types.VERSION, namespace,
+                                                 types.PLURAL, name)
+        vm["status"] = {"pendingPod": {"name": f"{name}-1", "planSeq": 1}, "planSeq": 1}
+        vm = custom.replace_namespaced_custom_object_status(
+            types.GROUP, types.VERSION, namespace, types.PLURAL, name, vm)
+        core.create_namespaced_pod(namespace, {
+            "apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"{name}-1"},
+            "spec": {"schedulingGates": [{"name": "bench.vm.neon.tech/never"}],
+                     "containers": [{"name": "runner", "image": "neonvm-runner:dev"}]}})
+        vm["status"] = {"podName": f"{name}-1", "planSeq": 1}
+        custom.replace_namespaced_custom_object_status(
+            types.GROUP, types.VERSION, namespace, types.PLURAL, name, vm)
+        with lock:
+            latencies.append(time.perf_counter() - t)
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        list(pool.map(three_writes, names))
+    seconds = time.perf_counter() - started
+    return {"vms": vms, "threads": threads, "seconds": seconds,
+            "writes_per_s": 3 * vms / seconds, "vms_per_s": vms / seconds,
+            "p50_ms": (percentile(latencies, 0.5) or 0) * 1000}
+
+
+# ---- scenarios ---------------------------------------------------------------------------
+
+
+def convergence(cluster: Any, vms: int, progress: Progress) -> dict[str, Any]:
+    """N VMs at once, 3 replicas; VMs/s, writes per VM, RSS of leader and a standby."""
+    api = kube.api_client(cluster.kubeconfig)
+    namespace = f"bench-converge-{uuid.uuid4().hex[:5]}"
+    raw_ns = f"bench-raw-{uuid.uuid4().hex[:5]}"
+    fleet.ensure_namespace(api, namespace)
+    try:
+        raw = raw_write_rate(api, raw_ns, vms, progress=progress)
+        progress(f"baseline: {raw['writes_per_s']:.0f} writes/s with {WORKERS} threads "
+                 f"({raw['vms_per_s']:.1f} VMs/s at 3 writes per VM)")
+        with ReplicaSet(cluster, namespace) as replicas:
+            leader, _ = wait_for_leader(api, namespace)
+            standby = next(m for m in replicas.members if m.identity != leader)
+            lead = replicas.by_identity(leader)
+            assert lead is not None
+            wait_metrics(replicas, lead)
+            names = [f"vm-{i:04d}" for i in range(vms)]
+            started = time.monotonic()
+            fleet.create_vms(api, namespace, names, 1, threads=WORKERS)
+            created = time.monotonic() - started
+            ok, seconds, state = fleet.wait_converged(api, namespace, names, 60 + vms * 3.0,
+                                                      progress, interval=0.5)
+            if not ok:
+                raise RuntimeError(f"{vms} VMs did not converge: {len(state.converged)} did")
+            port = replicas.metrics_port(lead)
+            actions = scrape_actions(port) if port else {}
+            leader_rss = rss_mib(replicas.pid(lead))
+            standby_rss = rss_mib(replicas.pid(standby))
+            progress(f"{vms} VMs converged in {seconds:.1f}s ({vms / seconds:.1f} VMs/s)")
+            fleet.delete_vms(api, namespace)
+            fleet.wait_gone(api, namespace, 60 + vms * 2.0)
+        writes = sum(actions.values())
+        return {"vms": vms, "seconds": seconds, "create_seconds": created,
+                "vms_per_s": vms / seconds, "writes_per_vm": writes / vms if writes else None,
+                "actions": actions, "raw": raw, "leader_rss_mib": leader_rss,
+                "standby_rss_mib": standby_rss}
+    finally:
+        fleet.drop_namespace(api, namespace)
+        fleet.drop_namespace(api, raw_ns)
+        api.close()
+
+
+def wait_metrics(replicas: ReplicaSet, replica: Replica, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and replicas.metrics_port(replica) is None:
+        time.sleep(0.2)
+
+
+def replacement(cluster: Any, vms: int, deletions: int, progress: Progress) -> dict[str, Any]:
+    """Delete one runner pod at a time; time the replacement's creation and start."""
+    api = kube.api_client(cluster.kubeconfig)
+    namespace = f"bench-replace-{uuid.uuid4().hex[:5]}"
+    fleet.ensure_namespace(api, namespace)
+    core = client.CoreV1Api(api)
+    try:
+        with ReplicaSet(cluster, namespace):
+            wait_for_leader(api, namespace)
+            names = [f"vm-{i:04d}" for i in range(vms)]
+            fleet.create_vms(api, namespace, names, 1)
+            ok, _, _ = fleet.wait_converged(api, namespace, names, 60 + vms * 3.0, progress)
+            if not ok:
+                raise RuntimeError("fleet did not converge")
+            watcher = PodWatchChecker(api, namespace).start()
+            watcher.synced.wait(30)
+            running: list[float] = []
+            try:
+                for i in range(deletions):
+                    name = names[i % len(names)]
+                    pod = next(p for p in fleet.list_runner_pods(api, namespace)
+                               if p.metadata.labels[types.LABEL_VM_NAME] == name
+                               and p.metadata.deletion_timestamp is None)
+                    t0 = time.monotonic()
+                    core.delete_namespaced_pod(pod.metadata.name, namespace)
+                    ok, _, _ = fleet.wait_converged(api, namespace, [name], 120,
+                                                          interval=0.1)
+                    if ok:
+                        running.append(time.monotonic() - t0)
+                    if (i + 1) % 10 == 0:
+                        progress(f"replacement: {i + 1}/{deletions} deletions")
+            finally:
+                report = watcher.stop()
+            created, started = watcher.clock.created, watcher.clock.started
+            if report.strict:
+                raise RuntimeError(f"duplicates during the benchmark: {report.strict}")
+            fleet.delete_vms(api, namespace)
+            fleet.wait_gone(api, namespace, 120)
+        return {"deletions": deletions, "created": created, "started": started,
+                "converged": running}
+    finally:
+        fleet.drop_namespace(api, namespace)
+        api.close()
+
+
+def failover(cluster: Any, kills: int, progress: Progress) -> dict[str, Any]:
+    """Kill (SIGKILL) and stop (SIGTERM) the leader; time until another one holds the Lease."""
+    api = kube.api_client(cluster.kubeconfig)
+    namespace = f"bench-failover-{uuid.uuid4().hex[:5]}"
+    fleet.ensure_namespace(api, namespace)
+    results: dict[str, list[float]] = {"SIGKILL": [], "SIGTERM": []}
+    try:
+        with ReplicaSet(cluster, namespace) as replicas:
+            fleet.create_vms(api, namespace, [f"vm-{i}" for i in range(5)], 1)
+            for sig in (signal.SIGKILL, signal.SIGTERM) * kills:
+                leader, _ = wait_for_leader(api, namespace)
+                # Let every standby be up and campaigning before the next kill.
+                time.sleep(LEASE["duration"])
+                member = replicas.by_identity(leader)
+                if member is None:
+                    raise RuntimeError(f"leader {leader} is not one of the benchmark's")
+                t0 = time.monotonic()
+                import os
+
+                os.kill(replicas.pid(member), sig)
+                _, seconds = wait_for_leader(api, namespace, other_than=leader)
+                results[sig.name].append(time.monotonic() - t0)
+                progress(f"failover after {sig.name}: {seconds:.2f}s")
+                with contextlib.suppress(Exception):
+                    replicas.cluster.stop_component(member.name, signal.SIGKILL)
+                replicas.start(int(member.name.rsplit("-", 1)[1]))
+            fleet.delete_vms(api, namespace)
+            fleet.wait_gone(api, namespace, 60)
+        return {"lease_duration_s": LEASE["duration"], "renew_deadline_s": LEASE["renew"],
+                "retry_period_s": LEASE["retry"], **results}
+    finally:
+        fleet.drop_namespace(api, namespace)
+        api.close()
+
+
+@contextlib.contextmanager
+def quiet_kube_errors() -> Iterator[None]:
+    try:
+        yield
+    except ApiException as exc:
+        raise RuntimeError(f"API server said {exc.status}: {exc.reason}") from None
+
+
+def as_json(data: Any) -> str:
+    return json.dumps(data, indent=2, default=str)
