@@ -41,10 +41,23 @@ export DEBIAN_FRONTEND=noninteractive
 export INITRD=No
 
 echo "setup-qemu: installing ${missing[*]}" >&2
-# A fresh machine has empty package lists: apt-cache then knows no candidate.
-if ! apt-cache policy "${missing[0]}" 2>/dev/null | grep -q 'Candidate: [0-9]'; then
+install() {
+    "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive INITRD=No \
+        apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+}
+# A fresh machine has empty package lists (apt-cache knows no candidate), and old lists
+# may name versions the mirror no longer has: update first, or once after a failure.
+updated=0
+for p in "${missing[@]}"; do
+    if ! apt-cache policy "$p" 2>/dev/null | grep -q 'Candidate: [0-9]'; then
+        "${sudo[@]}" apt-get update -qq
+        updated=1
+        break
+    fi
+done
+if ! install; then
+    [[ $updated -eq 0 ]] || exit 1
     "${sudo[@]}" apt-get update -qq
+    install
 fi
-"${sudo[@]}" env DEBIAN_FRONTEND=noninteractive INITRD=No \
-    apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 echo "setup-qemu: done" >&2

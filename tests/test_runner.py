@@ -553,6 +553,30 @@ def test_a_missing_qemu_binary_exits_non_zero_with_one_line(tmp_path: Path) -> N
     assert result.stderr == "error: qemu binary not found: /nonexistent/qemu-system-x86_64\n"
 
 
+def test_a_runner_port_in_use_exits_non_zero_with_one_line(tmp_path: Path) -> None:
+    kernel = tmp_path / "vmlinuz"
+    kernel.write_bytes(b"")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run_runner_command(
+            ["--qemu", "/bin/true", "--port", str(port), "--listen-address", "127.0.0.1",
+             "--log-level", "ERROR", "--work-dir", str(tmp_path / "w")],
+            {"NEONVM_VM_SPEC": json.dumps(kernel_spec(kernelImage=str(kernel)))})
+    assert result.returncode == ExitCode.RUNNER_ERROR
+    assert result.stderr == f"error: cannot listen on 127.0.0.1:{port}: Address already in use\n"
+
+
+def test_neonvm_runner_run_is_the_same_command(tmp_path: Path) -> None:
+    from neonvm.cli import main
+
+    result = CliRunner().invoke(main, ["runner", "run", "--qemu", "/bin/true"], env={
+        k: "" for k in os.environ if k.startswith("NEONVM_")})
+    assert result.exit_code == ExitCode.RUNNER_ERROR
+    assert result.output == "error: no VM spec: set NEONVM_VM_SPEC or pass --spec-file\n"
+
+
 def test_qemu_command_shows_the_command_line_without_starting_anything(tmp_path: Path) -> None:
     from neonvm.cli import main
 
