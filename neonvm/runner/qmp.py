@@ -48,13 +48,21 @@ class QMPClient:
         """Connect, read the greeting and negotiate capabilities (raises OSError, QMPError)."""
         reader, writer = await asyncio.open_unix_connection(str(path), limit=1 << 20)
         client = cls(reader, writer, on_event)
-        line = await reader.readline()
-        if not line:
-            writer.close()
-            raise QMPError("QMP socket closed before the greeting")
-        client.greeting = json.loads(line)
-        client._reader_task = asyncio.create_task(client._read_loop(), name="qmp-reader")
-        await client.execute("qmp_capabilities")
+        try:
+            line = await reader.readline()
+            if not line:
+                raise QMPError("QMP socket closed before the greeting")
+            try:
+                client.greeting = json.loads(line)
+            except json.JSONDecodeError:
+                raise QMPError(f"not a QMP greeting: {line[:80]!r}") from None
+            client._reader_task = asyncio.create_task(client._read_loop(), name="qmp-reader")
+            await client.execute("qmp_capabilities")
+        except BaseException:
+            # QEMU serves one QMP client at a time: a half-open session would block the
+            # next attempt, so close it before giving up.
+            await client.close()
+            raise
         return client
 
     async def execute(self, command: str, arguments: dict[str, Any] | None = None,
