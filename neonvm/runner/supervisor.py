@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import signal
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
@@ -276,7 +275,3 @@ class Supervisor:
             self._log.info("QMP: {}{}", event, f" {data}" if data else "")
         else:
             self._log.debug("QMP: {}{}", event, f" {data}" if data else "")
-
-
-def signal_name(signum: int) -> str:
-    return signal.Signals(signum).name
