@@ -64,8 +64,8 @@ def test_the_first_hundred_schedules_cover_all_three_classes_and_every_disruptio
     classes = {c for s in schedules for c in s.classes}
     assert classes == {"intermediate", "unobserved", "stale"}
     kinds = {d.kind for s in schedules for d in s.disruptions}
-    assert kinds == {"delete-pods", "kill-leader", "term-leader", "break-locks", "recreate-vm",
-                     "restart-locks-etcd", "restart-etcd", "restart-apiserver"}
+    assert kinds == {"delete-pods", "kill-leader", "pause-leader", "term-leader", "break-locks",
+                     "recreate-vm", "restart-locks-etcd", "restart-etcd", "restart-apiserver"}
 
 
 @pytest.mark.unit

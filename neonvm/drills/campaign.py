@@ -5,8 +5,9 @@ exercises at least one, and most all three:
 
 * **intermediate states**: the leader crashes right after one reconcile step
   (``crash_after=<step>@<n>``; the step cycles with the schedule index, so any run of
-  ``len(CRASH_STEPS)`` consecutive schedules crashes after every step), or is SIGKILLed /
-  SIGTERMed at a random moment;
+  ``len(CRASH_STEPS)`` consecutive schedules crashes after every step), is SIGKILLed /
+  SIGTERMed at a random moment, or is paused (SIGSTOP) in the middle of re-plans until
+  another replica leads, then woken with its stale snapshots and pending writes;
 * **unobserved states**: watch events dropped (``drop_watch_events``), VMs deleted and
   re-created under the same name;
 * **stale states**: the cache answers with older versions (``stale_reads``), another
@@ -76,6 +77,7 @@ DISRUPTIONS: dict[str, int] = {
     # kind -> weight in the random draw
     "delete-pods": 6,
     "kill-leader": 3,
+    "pause-leader": 3,
     "term-leader": 2,
     "break-locks": 2,
     "recreate-vm": 2,
@@ -167,7 +169,8 @@ def generate(seed: int, index: int) -> Schedule:
                               rng.randint(1, vms))]
     for _ in range(rng.randint(1, 3)):
         kind = rng.choices(kinds, weights)[0]
-        count = rng.randint(1, vms) if kind in ("delete-pods", "recreate-vm") else 1
+        count = (rng.randint(1, vms) if kind in ("delete-pods", "recreate-vm", "pause-leader")
+                 else 1)
         disruptions.append(Disruption(round(rng.uniform(0.0, 10.0), 1), kind, count))
     return Schedule(seed, index, vms, step, leader, standby,
                     tuple(sorted(disruptions, key=lambda d: d.at)))
@@ -373,6 +376,33 @@ class ScheduleRun:
             return f"could not signal {who}: {exc}"
         return f"{sig.name} {who}"
 
+    def _pause_leader(self, d: Disruption) -> str:
+        """Stop the leader in the middle of re-plans, let another lead, then wake it.
+
+        The woken process still holds the snapshots it read and the writes it was about
+        to make: every one of them must be refused or harmless.
+        """
+        busy = self._disrupt(Disruption(d.at, "delete-pods", d.count))
+        time.sleep(self.rng.uniform(0.0, 0.3))
+        who = self._leader()
+        slot = self._slot_of(who) if who else None
+        if slot is None:
+            return f"{busy}; no leader to pause"
+        pid = int((self.cluster.state_dir / "run" / f"{slot.name}.pid").read_text())
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                now = self._leader()
+                if now and now != who:
+                    break
+                time.sleep(0.1)
+            again = self._disrupt(Disruption(d.at, "delete-pods", d.count))
+            time.sleep(self.rng.uniform(0.5, 3.0))
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        return f"{busy}; paused {who} until {self._leader()} led; {again}; resumed it"
+
     def _stop_replicas(self) -> None:
         with self._slots_lock:
             for slot in self.slots:
@@ -404,6 +434,8 @@ class ScheduleRun:
                 with contextlib.suppress(ApiException):
                     core.delete_namespaced_pod(p.metadata.name, self.namespace)
             return f"deleted {len(pods)} pod(s)"
+        if d.kind == "pause-leader":
+            return self._pause_leader(d)
         if d.kind == "kill-leader":
             return self._signal_leader(signal.SIGKILL)
         if d.kind == "term-leader":
@@ -418,9 +450,9 @@ class ScheduleRun:
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline:
                 try:
-                    custom.create_namespaced_custom_object(
+                    fleet.retrying(lambda: custom.create_namespaced_custom_object(
                         "vm.neon.tech", "v1", self.namespace, "virtualmachines",
-                        fleet.vm_body(name, 1), _request_timeout=30)
+                        fleet.vm_body(name, 1), _request_timeout=30))
                     return f"re-created {name}"
                 except ApiException as exc:
                     if exc.status != 409:  # the old one is still being finalized
