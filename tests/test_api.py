@@ -92,3 +92,11 @@ def test_the_api_server_rejects_a_malformed_spec_with_its_validation_message(
         )
     assert err.value.status == 422
     assert message in err.value.body
+
+
+@pytest.mark.unit
+def test_a_number_field_given_a_string_is_a_decode_error() -> None:
+    spec = sample_vm()["spec"]
+    spec["guest"]["cpus"]["min"] = "two"
+    with pytest.raises(DecodeError, match=r"\.guest\.cpus\.min: expected a number"):
+        decode(types.VirtualMachineSpec, spec, ".spec")

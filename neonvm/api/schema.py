@@ -198,7 +198,9 @@ def _decode_value(tp: Any, meta: typing.Mapping[str, Any], value: Any, path: str
         if value not in get_args(tp):
             raise DecodeError(f"{path}: {value!r} is not one of {', '.join(get_args(tp))}")
         return value
-    if tp is float and isinstance(value, int | float) and not isinstance(value, bool):
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise DecodeError(f"{path}: expected a number, got {value!r}")
         return float(value)
     if tp in (int, str, bool) and not isinstance(value, tp):
         raise DecodeError(f"{path}: expected {tp.__name__}, got {value!r}")
