@@ -178,8 +178,25 @@ def test_the_default_image_disks_and_scheduling_fields_reach_the_pod() -> None:
     assert spec["containers"][0]["image"] == "r:1"
     assert spec["volumes"] == [
         {"name": "disk-cache", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}},
-        {"name": "disk-cfg", "configMap": {"name": "c"}}]
+        {"name": "disk-cfg", "configMap": {"name": "c"}},
+        {"name": "vm-images", "emptyDir": {}}]
     assert (spec["schedulerName"], spec["imagePullSecrets"]) == ("s", [{"name": "reg"}])
+
+
+def test_a_root_disk_in_a_container_image_is_copied_in_by_an_init_container() -> None:
+    pod = runner_pod(a_vm({"guest": {"rootDisk": {"image": "reg/pg14:dev"}}}), PLAN)
+    (init,) = pod["spec"]["initContainers"]
+    assert init["image"] == "reg/pg14:dev"
+    assert init["command"] == ["cp", "/disk.qcow2", "/vm/images/rootdisk.qcow2"]
+    env = {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"]}
+    assert env["NEONVM_ROOT_DISK"] == "/vm/images/rootdisk.qcow2"
+
+
+def test_a_root_disk_given_as_a_node_path_is_used_as_it_is() -> None:
+    pod = runner_pod(a_vm({"guest": {"rootDisk": {"image": "/srv/disk.qcow2"}}}), PLAN)
+    assert "initContainers" not in pod["spec"]
+    env = {e["name"] for e in pod["spec"]["containers"][0]["env"]}
+    assert "NEONVM_ROOT_DISK" not in env
 
 
 def test_a_spec_no_pod_can_be_built_from_is_an_error_not_a_crash() -> None:

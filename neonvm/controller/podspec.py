@@ -41,6 +41,8 @@ RUNNER_COMMAND = "neonvm-runner"
 RUNNER_CONTAINER = "neonvm-runner"
 DEFAULT_RUNNER_IMAGE = "ghcr.io/neonvm/neonvm-runner:latest"
 DISKS_DIR = "/vm/disks"
+ROOT_DISK_DIR = "/vm/images"
+ROOT_DISK_VOLUME = "vm-images"
 MEMORY_OVERHEAD = 256 * 1024 * 1024
 """Memory for QEMU and the runner itself, on top of the guest's memory."""
 ANNOTATION_GENERATION = "vm.neon.tech/generation"
@@ -92,6 +94,24 @@ def runner_pod(vm: VirtualMachine, plan: PendingPod,
             entry["name"] = guest_port.name
         container["ports"].append(entry)
     volumes, mounts = _disks(vm)
+    init_containers = []
+    image = spec.guest.root_disk.image
+    if image and not image.startswith("/"):
+        # A container image carries the disk (NeonVM's convention: /disk.qcow2); an init
+        # container copies it into a volume the runner boots from. An absolute path is
+        # a file already on the node (local runner tests), used as it is.
+        volumes.append({"name": ROOT_DISK_VOLUME, "emptyDir": {}})
+        mounts.append({"name": ROOT_DISK_VOLUME, "mountPath": ROOT_DISK_DIR})
+        init_containers.append({
+            "name": "init-rootdisk",
+            "image": image,
+            "imagePullPolicy": spec.guest.root_disk.image_pull_policy
+            or defaults.image_pull_policy,
+            "command": ["cp", "/disk.qcow2", f"{ROOT_DISK_DIR}/rootdisk.qcow2"],
+            "volumeMounts": [{"name": ROOT_DISK_VOLUME, "mountPath": ROOT_DISK_DIR}],
+        })
+        container["env"].append(
+            {"name": "NEONVM_ROOT_DISK", "value": f"{ROOT_DISK_DIR}/rootdisk.qcow2"})
     if mounts:
         container["volumeMounts"] = mounts
     pod_spec: dict[str, Any] = {
@@ -100,6 +120,8 @@ def runner_pod(vm: VirtualMachine, plan: PendingPod,
         "enableServiceLinks": False,
         "containers": [container],
     }
+    if init_containers:
+        pod_spec["initContainers"] = init_containers
     optional = {
         "volumes": volumes or None,
         "nodeSelector": spec.node_selector,
