@@ -382,6 +382,10 @@ class ScheduleRun:
         The woken process still holds the snapshots it read and the writes it was about
         to make: every one of them must be refused or harmless.
         """
+        deadline = time.monotonic() + 20
+        while (self._slot_of(self._leader() or "") is None
+               and time.monotonic() < deadline):
+            time.sleep(0.1)  # a crash or kill just before: wait for the next leader
         busy = self._disrupt(Disruption(d.at, "delete-pods", d.count))
         time.sleep(self.rng.uniform(0.0, 0.3))
         who = self._leader()
