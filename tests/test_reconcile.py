@@ -244,7 +244,9 @@ def _stale_after_first_restart(api: client.ApiClient, controller_api: client.Api
         for _ in range(2):
             client.CoreV1Api(api).delete_namespaced_pod(converged_one(api, namespace, name),
                                                         namespace)
-            settle(reconciler, key)
+            # Restart #2 waits out its restart backoff (1 s) before the next plan.
+            wait_for(lambda: isinstance(settle(reconciler, key).action, d.Done), 30,
+                     what="the replacement converged")
         final = get_vm(api, namespace, name)
         assert final is not None
         wait_for(lambda: (versions.get(key) or {}).get("metadata", {}).get(
