@@ -55,6 +55,7 @@ def _register() -> None:
         ("neonvm.cli.drill", "drill"),
         ("neonvm.cli.runner", "runner"),
         ("neonvm.cli.demo", "demo"),
+        ("neonvm.cli.verify", "verify"),
         ("neonvm.cli.status", "status"),
         ("neonvm.cli.check", "check"),
     ):

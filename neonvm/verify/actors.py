@@ -56,6 +56,7 @@ from neonvm.verify.model import (
     pod_by_name,
     pod_by_uid,
     replace_pod,
+    set_worker,
     write_pods,
     write_vm,
 )
@@ -86,6 +87,10 @@ class Config:
     locks: bool = True
     """Lease and per-VM lock on. Off: every worker acts as leader with the same epoch and
     no lock (safety must hold even then)."""
+    confirm_committed_pod: bool = False
+    """A direct observation whose pod list lacks ``status.podName`` GETs that pod
+    directly after the VM read (DESIGN step 4: only a direct GET proves a pod gone).
+    False models the driver as shipped: the list, taken before the VM read, is all."""
     breakages: frozenset[str] = frozenset()
 
     def broken(self, name: str) -> bool:
@@ -106,8 +111,12 @@ def _idle(x: Worker, need_direct: bool = False) -> Worker:
                       base_fresh=False, obs_vm=None, target=None, blind=False)
 
 
-def _set(w: World, i: int, x: Worker) -> World:
-    return w._replace(workers=(*w.workers[:i], x, *w.workers[i + 1:]))
+_set = set_worker
+
+
+def _parked(x: Worker, pc: str) -> Worker:
+    """A worker that will not read again (stopped, halted): only who it was remains."""
+    return Worker(role=x.role, epoch=x.epoch, token=x.token, pc=pc)
 
 
 def _spend(w: World, **kw: int) -> World:
@@ -197,6 +206,8 @@ class Actors:
             return
         if pc == "get":
             yield self._get(w, i, me)
+        elif pc == "getpod":
+            yield self._get_pod(w, i, me)
         elif pc == "act":
             yield self._act(w, i, me)
         elif pc == "retry":
@@ -209,24 +220,31 @@ class Actors:
             yield self._patch(w, i, me)
         elif pc == "sweep":
             yield (Step(me, "sweep", (), f"{me}: VM gone: delete its lock"),
-                   _set(w._replace(lock=None), i, _idle(x)._replace(pc="halt")))
+                   _set(w._replace(lock=None), i, _parked(x, "halt")))
         else:  # pragma: no cover - a model bug
             raise AssertionError(f"unknown pc {pc}")
 
     def _acquire(self, w: World, i: int, me: str) -> tuple[Step, World]:
         x = w.workers[i]
         lock = w.lock
+        if x.role == ZOMBIE and x.token and (lock is not None or x.retook):
+            # Lost lock means stop at once. A deposed leader that finds the key gone
+            # (expired) may take it once more with its old epoch: it still believes it
+            # leads. Twice would only repeat the same states with a higher token.
+            return (Step(me, "lock", (), f"{me}: lost the lock: stop"),
+                    _set(w, i, _parked(x, "stopped")))
         if lock is None or lock.epoch < x.epoch:
             rev = w.lock_rev + 1
             what = "take over" if lock else "take"
+            retook = x.retook or (x.role == ZOMBIE and x.token != 0)
             return (Step(me, "lock", (rev,), f"{me}: {what} the VM lock, token {rev}"),
                     _set(w._replace(lock=Lock(x.epoch, rev), lock_rev=rev), i,
-                         x._replace(token=rev)))
+                         x._replace(token=rev, retook=retook)))
         if lock.epoch == x.epoch:
             return (Step(me, "lock", (lock.token,), f"{me}: the lock is ours (token {lock.token})"),
                     _set(w, i, x._replace(token=lock.token)))
         return (Step(me, "lock", (), f"{me}: lock held by epoch {lock.epoch}: stop"),
-                _set(w, i, _idle(x)._replace(pc="stopped")))
+                _set(w, i, _parked(x, "stopped")))
 
     def _list(self, w: World, i: int, me: str) -> tuple[Step, World]:
         x = w.workers[i]
@@ -236,8 +254,26 @@ class Actors:
     def _get(self, w: World, i: int, me: str) -> tuple[Step, World]:
         x = w.workers[i]
         assert x.listed is not None
-        return self._decided(w, i, me, x._replace(lag_vm=0), w.vm, x.listed, True, True,
+        vm = w.vm
+        if (self.cfg.confirm_committed_pod and vm is not None and vm.status.pod_name
+                and pod_by_name(x.listed, vm.status.pod_name) is None):
+            return (Step(me, "get", ("getpod",), f"{me}: GET VM directly: "
+                         f"{vm.status.pod_name} not in the list: read it"),
+                    _set(w, i, x._replace(pc="getpod", obs_vm=vm, lag_vm=0, base_fresh=True)))
+        return self._decided(w, i, me, x._replace(lag_vm=0), vm, x.listed, True, True,
                              "GET VM directly")
+
+    def _get_pod(self, w: World, i: int, me: str) -> tuple[Step, World]:
+        """GET the committed pod directly (after the VM read): present means not gone."""
+        x = w.workers[i]
+        assert x.listed is not None and x.obs_vm is not None
+        name = x.obs_vm.status.pod_name
+        assert name is not None
+        pod = pod_by_name(w.pods, name)
+        listed = tuple(sorted((*x.listed, pod))) if pod is not None else x.listed
+        what = f"GET pod {name} directly: " + (f"uid {pod.uid}" if pod else "404")
+        return self._decided(w, i, me, x._replace(listed=None), x.obs_vm, listed, True,
+                             x.base_fresh, what)
 
     def _observe_cached_all(self, w: World, i: int, me: str) -> Iterator[tuple[Step, World]]:
         x = w.workers[i]
@@ -272,7 +308,7 @@ class Actors:
             if direct:
                 pc = "sweep" if w.lock is not None else "halt"
                 return (Step(me, kind, (None, *read), f"{me}: {what}: VM gone"),
-                        _set(w, i, _idle(x)._replace(pc=pc)))
+                        _set(w, i, _parked(x, pc) if pc == "halt" else _idle(x)._replace(pc=pc)))
             return (Step(me, kind, (None, *read), f"{me}: {what}: VM not in cache"),
                     _set(w, i, _idle(x, need_direct=True)))
         lease = (x.epoch, x.token)
@@ -293,7 +329,7 @@ class Actors:
                             _set(w, i, x._replace(pc="patch", action=b, target=target)))
             return step, _set(w, i, _idle(x, need_direct=True))
         if name == "Fenced":
-            return step, _set(w, i, _idle(x)._replace(pc="stopped"))
+            return step, _set(w, i, _parked(x, "stopped"))
         x = x._replace(action=a, lease=lease, base_fresh=base_fresh, obs_vm=vm, listed=None,
                        need_direct=False)
         if name == "Ungate":
@@ -370,7 +406,7 @@ class Actors:
         if change == FENCED_OUT:
             return (Step(me, "write", (x.action, "fenced"),
                          f"{me}: PUT {target} {desc}: mutation says FencedOut: stop"),
-                    _set(w, i, _idle(x)._replace(pc="stopped")))
+                    _set(w, i, _parked(x, "stopped")))
         return (Step(me, "write", (x.action, "noop"),
                      f"{me}: PUT {target} {desc}: mutation: nothing to do"),
                 _set(w, i, _idle(x)))

@@ -32,8 +32,8 @@ Pods (labelled for the VM; any number):
   another uid, 404 if gone); the ungate patch carries ``uid`` and ``resourceVersion``.
   Pod contents only ever move forward (gate removed, bound, phase, deletion), so an
   unchanged pod tuple is an unchanged ``resourceVersion``.
-* **Graceful deletion.** Deleting a pod that is not bound to a node removes it at once
-  (the API server sets grace period 0 for unscheduled pods). Deleting a bound pod marks it
+* **Graceful deletion.** Deleting a pod that is not bound to a node, or has finished,
+  removes it at once (the API server sets grace period 0 for those). Deleting a bound pod marks it
   terminating; it stays (and its guest may run) until the kubelet finishes, at any later
   step. Owner references: the garbage collector deletes pods whose owner VM is gone.
 * **Phases.** Pending → Running → Succeeded/Failed (the guest exits by itself).
@@ -194,6 +194,8 @@ class Worker(NamedTuple):
     """The pod as the ungate's direct list showed it (uid + version precondition)."""
     blind: bool = False
     """Breakage ``blind_retry``: the retry writes the stale object's result."""
+    retook: bool = False
+    """A deposed worker that took the lock again after losing it."""
 
 
 class Budget(NamedTuple):
@@ -232,24 +234,45 @@ class World(NamedTuple):
 # ---- the API server's writes -------------------------------------------------------------
 
 
+_new = tuple.__new__
+# The fast paths below build tuples positionally.
+assert World._fields.index("workers") == 7 and Worker._fields.index("base_fresh") == 10
+assert Worker._fields.index("lag_vm") == 5 and Worker._fields.index("lag_pods") == 6
+
+
+def _lags_move(x: Worker) -> bool:
+    """Whether a worker's cache window matters (it may still read)."""
+    return x.role != STANDBY and x.pc not in ("stopped", "halt")
+
+
 def write_vm(w: World, new: VM | None, history: int, writer: int | None) -> World:
     """Store a new version of the VM (or remove it): every CAS base goes stale."""
     hist = (*w.vm_hist, w.vm)[-history:] if history else ()
+    n = len(hist)
     workers = tuple(
-        x._replace(base_fresh=False, lag_vm=0 if i == writer else min(x.lag_vm + 1, len(hist)))
+        _new(Worker, (*x[:5], 0 if i == writer else min(x[5] + 1, n), *x[6:10], False,
+                      *x[11:])) if _lags_move(x) else x
         for i, x in enumerate(w.workers)
     )
-    return w._replace(vm=new, vm_hist=hist, workers=workers)
+    return _new(World, (new, w.pods, hist, *w[3:7], workers, *w[8:]))
 
 
 def write_pods(w: World, pods: tuple[Pod, ...], history: int, writer: int | None) -> World:
     """Store a new pod list version (one pod created, changed or removed)."""
     hist = (*w.pod_hist, w.pods)[-history:] if history else ()
+    n = len(hist)
     workers = tuple(
-        x._replace(lag_pods=0 if i == writer else min(x.lag_pods + 1, len(hist)))
+        _new(Worker, (*x[:6], 0 if i == writer else min(x[6] + 1, n), *x[7:]))
+        if _lags_move(x) else x
         for i, x in enumerate(w.workers)
     )
-    return w._replace(pods=tuple(sorted(pods)), pod_hist=hist, workers=workers)
+    return _new(World, (w.vm, tuple(sorted(pods)), w.vm_hist, hist, *w[4:7], workers, *w[8:]))
+
+
+def set_worker(w: World, i: int, x: Worker) -> World:
+    """``w`` with worker ``i`` replaced."""
+    ws = w.workers
+    return _new(World, (*w[:7], (*ws[:i], x, *ws[i + 1:]), *w[8:]))
 
 
 def replace_pod(pods: tuple[Pod, ...], old: Pod, new: Pod | None) -> tuple[Pod, ...]:
@@ -266,8 +289,9 @@ def pod_by_uid(pods: tuple[Pod, ...], uid: str) -> Pod | None:
 
 
 def deleted(pod: Pod) -> Pod | None:
-    """A pod after a successful delete: gone if never bound, else terminating."""
-    if pod.node is None:
+    """A pod after a successful delete: gone if never bound or already finished (the
+    API server then sets grace period 0), else terminating."""
+    if pod.node is None or pod.finished:
         return None
     return pod._replace(terminating=True)
 

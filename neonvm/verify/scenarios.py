@@ -8,6 +8,9 @@ stale reads can return the versions before the plan, before the commit, and so o
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
+
 from neonvm.verify.actors import Actors, Config
 from neonvm.verify.explore import Scenario
 from neonvm.verify.invariants import converged
@@ -87,84 +90,184 @@ def _fresh(cfg: Config, controllers: int) -> World:
     return w
 
 
-def ci_scenarios(breakages: frozenset[str] = frozenset()) -> list[Scenario]:
-    """The CI set: a few minutes on two shared cores for the shipped code."""
-    locked = Config(history=2, locks=True, breakages=breakages)
-    lockless = Config(history=2, locks=False, breakages=breakages)
+def paused_writers(cfg: Config) -> World:
+    """Two deposed leaders, each paused on one write, beside a new leader.
+
+    Reached by the model's own transitions (so reachable): c2 leads (epoch 1), records
+    plan #1 and decides to create its pod from a direct read; it loses its lease with
+    that create in flight. c0 leads (epoch 2), creates and commits the pod, decides to
+    ungate it and takes the direct list that allows it; it loses its lease with the
+    ungate patch in flight. c1 leads (epoch 3). The paused create can re-create the
+    committed name after the pod is gone, and the paused patch can then land on it,
+    which is what the ungate's uid/resourceVersion precondition is for.
+    """
+    assert cfg.locks, "the paused writers are deposed leaders: lock mode only"
+    actors = Actors(cfg)
+    w = fresh_world(3)
+    w = w._replace(
+        workers=(Worker(role=STANDBY, epoch=0, token=0, pc="idle"), w.workers[1],
+                 Worker(role=LEADER, epoch=1, token=0, pc="idle")),
+        budget=Budget(failover=2))
+
+    def run(i: int, done: Callable[[World], bool]) -> None:
+        nonlocal w
+        for _ in range(50):
+            if done(w):
+                return
+            w = next(iter(actors.worker_steps(w, i, latest_only=True)))[1]
+        raise AssertionError("paused_writers: setup did not reach its goal")
+
+    def failover(to: int) -> None:
+        nonlocal w
+        w = next(t for s, t in actors.adversary_steps(w)
+                 if s.kind == "failover" and s.args[1] == to)
+
+    run(2, lambda w: w.workers[2].pc == "act" and w.workers[2].action is not None
+        and w.workers[2].action[0] == "CreatePod")
+    failover(0)
+    run(0, lambda w: w.workers[0].pc == "patch")
+    failover(1)
+    return w._replace(budget=Budget())
+
+
+def ci_scenarios(base: Config | None = None) -> list[Scenario]:
+    """The CI set: about half a million states, a few minutes on two shared cores.
+
+    ``base`` carries the model switches (breakages, driver variants); each scenario sets
+    its own cache history and lock mode on top.
+    """
+    base = base or Config()
+    locked = dataclasses.replace(base, history=2, locks=True)
     return [
         Scenario(
             "seed-pod-deleted",
-            "the seed's trigger: a running VM's pod is deleted by the user; one failover, "
-            "one crash, one conflict, one lost watch event",
+            "the seed's trigger: a running VM's pod is deleted by the user; the leader "
+            "loses its lease and the VM lock's etcd lease expires, at any point",
             locked,
             with_adversaries(_steady(locked, 2), locked, budget=Budget(
-                pod_delete=1, failover=1, crash=1, conflict=1, dropped_event=1)),
+                pod_delete=1, failover=1, lock_expiry=1)),
         ),
         Scenario(
-            "lockless-pod-deleted",
-            "lease and lock off: two leaders with the same epoch and stale caches race "
-            "after the user deletes the pod; one conflict, one lost watch event",
-            lockless,
-            with_adversaries(_steady(lockless, 2), lockless, leaders=1, budget=Budget(
-                pod_delete=1, conflict=1, dropped_event=1)),
+            "seed-faults",
+            "the seed's setting: one controller, its pod deleted; a crash, a conflicting "
+            "write and a lost watch event, at any point",
+            locked,
+            with_adversaries(_steady(locked, 2), locked, budget=Budget(
+                pod_delete=1, crash=1, conflict=1, dropped_event=1)),
         ),
+        lockless_pod_deleted(base, Budget(pod_delete=1, conflict=1, dropped_event=1)),
         Scenario(
             "create",
             "a new VM: a deposed leader (older epoch) races the leader from the start; "
-            "one crash, one lock expiry, one conflict",
+            "a crash and a conflicting write",
+            locked,
+            with_adversaries(_fresh(locked, 2), locked, zombies=1, budget=Budget(
+                crash=1, conflict=1)),
+        ),
+        Scenario(
+            "vm-deleted",
+            "a running VM is deleted; a failover, a lock expiry and a conflicting write "
+            "on the way",
+            locked,
+            with_adversaries(_steady(locked, 2), locked, budget=Budget(
+                vm_delete=1, failover=1, lock_expiry=1, conflict=1)),
+        ),
+        Scenario(
+            "paused-writers",
+            "two deposed leaders paused on a create and on an ungate patch; the user "
+            "deletes the pod",
+            locked,
+            paused_writers(locked)._replace(budget=Budget(pod_delete=1)),
+        ),
+    ]
+
+
+def deep_scenarios(base: Config | None = None) -> list[Scenario]:
+    """More faults at once, a third replica, a longer cache history, every policy."""
+    base = base or Config()
+    locked = dataclasses.replace(base, history=2, locks=True)
+    locked3 = dataclasses.replace(base, history=3, locks=True)
+    return [
+        Scenario(
+            "deep-seed",
+            "pod deleted; failover, lock expiry and crash, at any point",
+            locked,
+            with_adversaries(_steady(locked, 2), locked, budget=Budget(
+                pod_delete=1, failover=1, lock_expiry=1, crash=1)),
+        ),
+        Scenario(
+            "deep-seed-conflict",
+            "pod deleted; failover, lock expiry and a conflicting write",
+            locked,
+            with_adversaries(_steady(locked, 2), locked, budget=Budget(
+                pod_delete=1, failover=1, lock_expiry=1, conflict=1)),
+        ),
+        Scenario(
+            "deep-three-replicas",
+            "three replicas: two failovers leave two deposed leaders; pod deleted",
+            locked,
+            with_adversaries(_steady(locked, 3), locked, budget=Budget(
+                pod_delete=1, failover=2)),
+        ),
+        lockless_pod_deleted(base, Budget(pod_delete=1, conflict=1, dropped_event=1),
+                             history=3, name="deep-lockless"),
+        Scenario(
+            "deep-create",
+            "a new VM with a deposed leader; crash, lock expiry, conflicting write",
             locked,
             with_adversaries(_fresh(locked, 2), locked, zombies=1, budget=Budget(
                 crash=1, lock_expiry=1, conflict=1)),
         ),
         Scenario(
-            "vm-deleted",
-            "a running VM is deleted; a failover, a crash, a lock expiry and a conflict "
-            "on the way",
+            "deep-vm-deleted",
+            "a running VM deleted; failover, crash, lock expiry, conflicting write",
             locked,
             with_adversaries(_steady(locked, 2), locked, budget=Budget(
                 vm_delete=1, failover=1, crash=1, lock_expiry=1, conflict=1)),
         ),
-    ]
-
-
-def deep_scenarios(breakages: frozenset[str] = frozenset()) -> list[Scenario]:
-    """More of everything: three replicas, longer caches, more faults, every policy."""
-    locked = Config(history=3, locks=True, breakages=breakages)
-    lockless = Config(history=3, locks=False, breakages=breakages)
-    return [
-        Scenario(
-            "deep-seed-pod-deleted",
-            "three replicas; the pod is deleted twice; two failovers, a crash, two "
-            "conflicts, a lost event, a lock expiry",
-            locked,
-            with_adversaries(_steady(locked, 3), locked, budget=Budget(
-                pod_delete=2, failover=2, crash=1, conflict=2, dropped_event=1,
-                lock_expiry=1)),
-        ),
-        Scenario(
-            "deep-lockless",
-            "lease and lock off: three leaders race; the pod is deleted twice and the "
-            "guest may exit; two conflicts, a lost event",
-            lockless,
-            with_adversaries(_steady(lockless, 3), lockless, leaders=2, budget=Budget(
-                pod_delete=2, pod_finish=1, conflict=2, dropped_event=1)),
-        ),
-        Scenario(
-            "deep-create",
-            "a new VM with two deposed leaders; a crash, a lock expiry, two conflicts, a "
-            "pod deletion, a spec edit, the VM deleted",
-            locked,
-            with_adversaries(_fresh(locked, 3), locked, zombies=2, budget=Budget(
-                crash=1, lock_expiry=1, conflict=2, pod_delete=1, spec_edit=1,
-                vm_delete=1)),
-        ),
         Scenario(
             "deep-never",
-            "restartPolicy Never: the guest exits or its pod is deleted; failover, crash, "
-            "conflict, lost event",
+            "restartPolicy Never: the guest exits or the pod is deleted; failover, "
+            "conflicting write, lost event (cache history 3)",
+            locked3,
+            with_adversaries(_steady(locked3, 2, "Never"), locked3, budget=Budget(
+                pod_finish=1, pod_delete=1, failover=1, conflict=1, dropped_event=1)),
+        ),
+        Scenario(
+            "deep-on-failure",
+            "restartPolicy OnFailure: the guest exits (either way), then its pod is "
+            "deleted; crash and failover",
             locked,
-            with_adversaries(_steady(locked, 2, "Never"), locked, budget=Budget(
-                pod_finish=1, pod_delete=1, failover=1, crash=1, conflict=1,
-                dropped_event=1)),
+            with_adversaries(_steady(locked, 2, "OnFailure"), locked, budget=Budget(
+                pod_finish=1, pod_delete=1, crash=1, failover=1)),
+        ),
+        Scenario(
+            "deep-spec-edit",
+            "the user edits the spec and deletes the pod, then the VM; failover, conflict",
+            locked,
+            with_adversaries(_steady(locked, 2), locked, budget=Budget(
+                spec_edit=1, pod_delete=1, vm_delete=1, failover=1, conflict=1)),
+        ),
+        Scenario(
+            "deep-paused-writers",
+            "the paused writers, with the pod deleted twice and a conflicting write",
+            locked,
+            paused_writers(locked)._replace(budget=Budget(pod_delete=2, conflict=1)),
         ),
     ]
+
+
+def lockless_pod_deleted(base: Config | None = None, budget: Budget | None = None,
+                         history: int = 2, name: str = "lockless-pod-deleted") -> Scenario:
+    """Two lock-less leaders, a running VM whose pod the user deletes: the smallest
+    scenario in which most breakages show (used by the tests and the replay)."""
+    cfg = dataclasses.replace(base or Config(), history=history, locks=False)
+    return Scenario(
+        name,
+        "lease and lock off: two leaders with stale caches race after the user deletes "
+        "the pod",
+        cfg,
+        with_adversaries(_steady(cfg, 2), cfg, leaders=1,
+                         budget=budget or Budget(pod_delete=1)),
+    )
+
