@@ -76,14 +76,17 @@ def test_a_failure_names_the_command_that_replays_it() -> None:
     assert "NEONVM_CAMPAIGN_ONLY=42" in s.replay_pytest()
 
 
+BUDGET = _int_env("NEONVM_CAMPAIGN_BUDGET", 480)
+
+
 @pytest.mark.cluster
 @pytest.mark.slow
-@pytest.mark.timeout(1500)
+@pytest.mark.timeout(BUDGET + 900 if BUDGET else 0)  # long mode (budget 0): no timeout
 def test_no_schedule_of_the_campaign_breaks_the_invariant(cluster: LocalCluster) -> None:
     seed = campaign_seed()
     only = [int(x) for x in os.environ.get("NEONVM_CAMPAIGN_ONLY", "").split(",") if x.strip()]
     count = _int_env(SCHEDULES_ENV, 60)
-    budget = _int_env("NEONVM_CAMPAIGN_BUDGET", 480)
+    budget = BUDGET
     workers = _int_env("NEONVM_CAMPAIGN_WORKERS", 3)
     indexes = only or list(range(count))
     print(f"\ncampaign seed {seed}: {len(indexes)} schedule(s), {workers} at a time, "
