@@ -77,7 +77,7 @@ DISRUPTIONS: dict[str, int] = {
     # kind -> weight in the random draw
     "delete-pods": 6,
     "kill-leader": 3,
-    "pause-leader": 3,
+    "pause-leader": 4,
     "term-leader": 2,
     "break-locks": 2,
     "recreate-vm": 2,
@@ -169,8 +169,8 @@ def generate(seed: int, index: int) -> Schedule:
                               rng.randint(1, vms))]
     for _ in range(rng.randint(1, 3)):
         kind = rng.choices(kinds, weights)[0]
-        count = (rng.randint(1, vms) if kind in ("delete-pods", "recreate-vm", "pause-leader")
-                 else 1)
+        count = (vms if kind == "pause-leader"
+                 else rng.randint(1, vms) if kind in ("delete-pods", "recreate-vm") else 1)
         disruptions.append(Disruption(round(rng.uniform(0.0, 10.0), 1), kind, count))
     return Schedule(seed, index, vms, step, leader, standby,
                     tuple(sorted(disruptions, key=lambda d: d.at)))
@@ -387,7 +387,9 @@ class ScheduleRun:
                and time.monotonic() < deadline):
             time.sleep(0.1)  # a crash or kill just before: wait for the next leader
         busy = self._disrupt(Disruption(d.at, "delete-pods", d.count))
-        time.sleep(self.rng.uniform(0.0, 0.3))
+        # The leader reacts to the deletions within a few tens of milliseconds and is
+        # then busy re-planning: stop it in the middle of that.
+        time.sleep(self.rng.uniform(0.05, 0.25))
         who = self._leader()
         slot = self._slot_of(who) if who else None
         if slot is None:
