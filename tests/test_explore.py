@@ -1,8 +1,8 @@
 """The interleaving explorer: what it proves about the protocol, that it catches bugs,
 that its model behaves like the real servers, and that its counterexamples are real.
 
-* The protocol: every CI scenario explored to the end keeps every invariant (with the
-  committed-pod GET the driver still lacks, see the xfail below).
+* The protocol: every CI scenario explored to the end keeps every invariant; the
+  explorer's two findings stay pinned as tests.
 * Mutation testing of the checker: each deliberate breakage of the model driver yields a
   counterexample; the breakages of the pod fence yield two runnable pods.
 * The model's semantics, step by step (unit).
@@ -45,8 +45,10 @@ from neonvm.verify.scenarios import (
 )
 from neonvm.verify.trace import format_counterexample
 
-FIXED = Config(confirm_committed_pod=True)
-"""The driver with the committed pod read directly after the VM (the proposed fix)."""
+SHIPPED = Config()
+"""The driver as shipped: the committed pod is read by name after the VM read."""
+BEFORE_F4 = Config(read_committed_pod=False)
+"""The driver before eabc9e7, which only listed the pods before reading the VM."""
 
 
 def first(scenario: Scenario, **kw: object) -> Counterexample:
@@ -64,29 +66,19 @@ def runnable(w: World) -> list[Pod]:
 
 @pytest.mark.unit
 @pytest.mark.slow
-@pytest.mark.parametrize("scenario", ci_scenarios(FIXED), ids=lambda s: s.name)
-def test_every_ci_scenario_keeps_every_invariant_with_the_committed_pod_read(
-        scenario: Scenario) -> None:
+@pytest.mark.parametrize("scenario", ci_scenarios(SHIPPED), ids=lambda s: s.name)
+def test_every_ci_scenario_keeps_every_invariant(scenario: Scenario) -> None:
     report = explore(scenario)
     assert report.complete, f"bounds hit at {report.states} states"
     assert not report.counterexamples, format_counterexample(report.counterexamples[0])
 
 
 @pytest.mark.unit
-@pytest.mark.xfail(strict=True, reason=(
-    "driver bug found by the explorer: a direct observation lists the pods before it "
-    "reads the VM, so a pod created and committed in between is missing from the list "
-    "and decide() restarts it although it runs; DESIGN step 4 asks for a direct GET of "
-    "the pod. When the driver reads the committed pod after the VM, flip "
-    "Config.confirm_committed_pod to True and drop this marker."))
-def test_the_driver_as_shipped_keeps_every_invariant_when_two_leaders_race() -> None:
-    report = explore(lockless_pod_deleted(budget=Budget(pod_delete=1)), Bounds(liveness=False))
-    assert not report.counterexamples, format_counterexample(report.counterexamples[0])
-
-
-@pytest.mark.unit
-def test_without_the_pod_read_a_commit_between_list_and_get_looks_like_a_vanished_pod() -> None:
-    cx = first(lockless_pod_deleted(budget=Budget(pod_delete=1)))
+def test_listing_before_reading_the_vm_made_a_fresh_commit_look_like_a_vanished_pod() -> None:
+    """The explorer's second finding, fixed in the driver by eabc9e7: without the GET of
+    the committed pod after the VM read, a pod created and committed between the list
+    and the VM read is missing from the list, and decide() restarts it while it runs."""
+    cx = first(lockless_pod_deleted(BEFORE_F4, Budget(pod_delete=1)))
     assert cx.invariant == "runs-only-the-committed-pod"
     restarts = [(n, s) for n, (s, _w) in enumerate(cx.trace)
                 if s.kind == "get" and s.args[0] and s.args[0][0] == "Restart"]
@@ -99,8 +91,8 @@ def test_without_the_pod_read_a_commit_between_list_and_get_looks_like_a_vanishe
 
 
 @pytest.mark.unit
-def test_the_fixed_driver_survives_the_same_race() -> None:
-    report = explore(lockless_pod_deleted(FIXED, Budget(pod_delete=1)))
+def test_the_driver_as_shipped_survives_the_same_race() -> None:
+    report = explore(lockless_pod_deleted(SHIPPED, Budget(pod_delete=1)))
     assert report.complete and not report.counterexamples
 
 
@@ -117,7 +109,7 @@ def test_the_paused_writers_start_from_a_reachable_state() -> None:
 
 
 def broken(name: str) -> Config:
-    return dataclasses.replace(FIXED, breakages=frozenset({name}))
+    return dataclasses.replace(SHIPPED, breakages=frozenset({name}))
 
 
 @pytest.mark.unit
@@ -160,9 +152,9 @@ def test_creating_before_recording_the_plan_is_caught_at_the_create() -> None:
 @pytest.mark.unit
 def test_the_shipped_code_yields_no_counterexample_where_the_breakages_do() -> None:
     for scenario in (
-        lockless_pod_deleted(FIXED, Budget(pod_delete=1, dropped_event=1)),
-        Scenario("paused-writers", "", dataclasses.replace(FIXED, history=1),
-                 paused_writers(FIXED)._replace(budget=Budget(pod_delete=1))),
+        lockless_pod_deleted(SHIPPED, Budget(pod_delete=1, dropped_event=1)),
+        Scenario("paused-writers", "", dataclasses.replace(SHIPPED, history=1),
+                 paused_writers(SHIPPED)._replace(budget=Budget(pod_delete=1))),
     ):
         report = explore(scenario)
         assert report.complete and not report.counterexamples, scenario.name
@@ -287,7 +279,7 @@ def test_a_counterexample_prints_actor_action_and_resulting_state() -> None:
 def test_the_cli_exits_1_with_the_trace_when_the_driver_is_broken() -> None:
     result = CliRunner().invoke(verify, [
         "explore", "--scenario", "lockless-pod-deleted", "--break", "cached_ungate",
-        "--confirm-committed-pod", "--no-liveness", "-o", "json"])
+        "--no-liveness", "-o", "json"])
     assert result.exit_code == 1, result.output
     assert '"invariant": "at-most-one-runnable"' in result.output
     assert '"total_states"' in result.output
@@ -309,7 +301,7 @@ def test_the_cli_lists_what_can_be_chosen() -> None:
 REPLAYS = {
     "seed-retry": (broken("blind_retry"), Budget(pod_delete=1, conflict=1), None),
     "cached-ungate": (broken("cached_ungate"), Budget(pod_delete=1, dropped_event=1), None),
-    "list-before-get": (Config(), Budget(pod_delete=1), "runs-only-the-committed-pod"),
+    "list-before-get": (BEFORE_F4, Budget(pod_delete=1), "runs-only-the-committed-pod"),
 }
 
 

@@ -37,9 +37,9 @@ def verify() -> None:
               help="Only these scenarios (repeatable; see `neonvm verify scenarios`).")
 @click.option("--break", "breakages", multiple=True, type=click.Choice(sorted(BREAKAGES)),
               help="Deliberately break the model driver (repeatable).")
-@click.option("--confirm-committed-pod", is_flag=True,
-              help="Model the driver with the pod GET after the VM read (the fix for the "
-                   "list-before-GET race, docs/verification.md) instead of as shipped.")
+@click.option("--without-committed-pod-read", is_flag=True,
+              help="Model the driver before eabc9e7: no GET of the committed pod after the "
+                   "VM read (shows the list-before-GET race, docs/verification.md).")
 @click.option("--max-states", type=int, default=None, help="Stop a scenario after N states.")
 @click.option("--max-depth", type=int, default=None, help="Stop a scenario after N steps.")
 @click.option("--no-liveness", is_flag=True, help="Safety only (faster).")
@@ -49,11 +49,12 @@ def verify() -> None:
               help="Do not stop a scenario at its first counterexample.")
 @OUTPUT_OPTION
 def explore_cmd(deep: bool, names: tuple[str, ...], breakages: tuple[str, ...],
-                confirm_committed_pod: bool, max_states: int | None, max_depth: int | None,
+                without_committed_pod_read: bool, max_states: int | None, max_depth: int | None,
                 no_liveness: bool, invariants: tuple[str, ...], keep_going: bool,
                 output: str) -> None:
     """Explore the scenarios; exit 1 if any invariant fails."""
-    base = Config(breakages=frozenset(breakages), confirm_committed_pod=confirm_committed_pod)
+    base = Config(breakages=frozenset(breakages),
+                  read_committed_pod=not without_committed_pod_read)
     chosen = _scenarios(deep, base)
     known = {s.name for s in chosen}
     unknown = [n for n in names if n not in known]

@@ -6,8 +6,11 @@ The **model driver** is what DESIGN.md prescribes for the real driver, one serve
 per step so that anything may happen between two calls:
 
 * observe: from the cache (any version the cache may hold, see :mod:`.model`), or
-  directly: a quorum LIST of the VM's pods, then (next step) a quorum GET of the VM;
-  then ask the shipped :func:`~neonvm.controller.decide.decide` for the next action;
+  directly: a quorum LIST of the VM's pods, then (next step) a quorum GET of the VM,
+  then (next step, only if ``status.podName`` is missing from the list) a GET of that
+  pod; then ask the shipped :func:`~neonvm.controller.decide.decide` for the next
+  action (with ``now=None``: no restart backoff, time is not modelled);
+* a pod create is performed only when decided from a direct observation;
 * status writes: PUT ``/status`` with the ``resourceVersion`` the decision was made from;
   on 409 re-read directly and call the shipped mutation again on the fresh copy;
 * finalizer writes: the same on the main resource;
@@ -87,10 +90,13 @@ class Config:
     locks: bool = True
     """Lease and per-VM lock on. Off: every worker acts as leader with the same epoch and
     no lock (safety must hold even then)."""
-    confirm_committed_pod: bool = False
-    """A direct observation whose pod list lacks ``status.podName`` GETs that pod
-    directly after the VM read (DESIGN step 4: only a direct GET proves a pod gone).
-    False models the driver as shipped: the list, taken before the VM read, is all."""
+    read_committed_pod: bool = True
+    """A direct observation whose pod list lacks ``status.podName`` GETs that pod by name
+    after the VM read and adds it if it has ``status.podUID`` (DESIGN step 4: only a
+    direct GET proves a pod gone), as ``DirectReader.observe`` does since eabc9e7.
+    False models the driver before that: the list, taken before the VM read, was all,
+    and a pod created and committed between the two reads looked gone (found by this
+    explorer; docs/verification.md)."""
     breakages: frozenset[str] = frozenset()
 
     def broken(self, name: str) -> bool:
@@ -255,7 +261,7 @@ class Actors:
         x = w.workers[i]
         assert x.listed is not None
         vm = w.vm
-        if (self.cfg.confirm_committed_pod and vm is not None and vm.status.pod_name
+        if (self.cfg.read_committed_pod and vm is not None and vm.status.pod_name
                 and pod_by_name(x.listed, vm.status.pod_name) is None):
             return (Step(me, "get", ("getpod",), f"{me}: GET VM directly: "
                          f"{vm.status.pod_name} not in the list: read it"),
@@ -270,7 +276,9 @@ class Actors:
         name = x.obs_vm.status.pod_name
         assert name is not None
         pod = pod_by_name(w.pods, name)
-        listed = tuple(sorted((*x.listed, pod))) if pod is not None else x.listed
+        uid = x.obs_vm.status.pod_uid
+        ours = pod is not None and bool(uid) and pod.uid == uid
+        listed = tuple(sorted((*x.listed, pod))) if ours and pod is not None else x.listed
         what = f"GET pod {name} directly: " + (f"uid {pod.uid}" if pod else "404")
         return self._decided(w, i, me, x._replace(listed=None), x.obs_vm, listed, True,
                              x.base_fresh, what)

@@ -177,7 +177,8 @@ def ci_scenarios(base: Config | None = None) -> list[Scenario]:
             "two deposed leaders paused on a create and on an ungate patch; the user "
             "deletes the pod (cache history 1)",
             dataclasses.replace(locked, history=1),
-            paused_writers(locked)._replace(budget=Budget(pod_delete=1)),
+            paused_writers(dataclasses.replace(locked, history=1))._replace(
+                budget=Budget(pod_delete=1)),
         ),
     ]
 
