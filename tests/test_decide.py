@@ -318,7 +318,8 @@ def at(seconds: float) -> dt.datetime:
 
 def restarted(count: int, when: dt.datetime = T0) -> VirtualMachine:
     """A VM right after restart number ``count`` (no pod, no plan), recorded at ``when``."""
-    return vm(restart_count=count, plan_seq=count, last_restart_time=d.format_rfc3339(when))
+    return vm(restart_count=count, restart_streak=count, plan_seq=count,
+              last_restart_time=d.format_rfc3339(when))
 
 
 def test_the_backoff_is_zero_for_the_first_restart_then_doubles_up_to_a_minute() -> None:
@@ -334,6 +335,21 @@ def test_a_restart_decided_with_a_clock_records_when_it_happened() -> None:
     assert new is not None
     assert (new.restart_count, new.last_restart_time) == (5, action.at)
     assert d.parse_rfc3339(new.last_restart_time) == at(7.5)
+
+
+def test_a_restart_long_after_the_previous_one_starts_a_new_streak_without_backoff() -> None:
+    quick = vm(pod_name=POD1, pod_uid=f"uid-{POD1}", plan_seq=9, phase="Running",
+               restart_count=8, restart_streak=8, last_restart_time=d.format_rfc3339(T0))
+    soon = d.decide(dataclasses.replace(obs(quick), now=at(60)))
+    later = d.decide(dataclasses.replace(obs(quick), now=at(d.RESTART_STREAK_WINDOW + 1)))
+    after_soon = status_mutation(soon, LEASE)(quick)
+    after_later = status_mutation(later, LEASE)(quick)
+    assert after_soon is not None and after_later is not None
+    assert (after_soon.restart_streak, after_later.restart_streak) == (9, 1)
+    assert after_later.restart_count == 9
+    replan = dataclasses.replace(quick, status=after_later)
+    plan = d.decide(dataclasses.replace(obs(replan), now=at(d.RESTART_STREAK_WINDOW + 1)))
+    assert isinstance(plan, d.RecordPlan)
 
 
 def test_a_restart_to_a_terminal_phase_records_no_restart_time() -> None:

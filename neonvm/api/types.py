@@ -208,6 +208,9 @@ class VirtualMachineStatus:
     last_restart_time: str | None = api_field(
         "When the last restart was recorded (RFC 3339); the next plan waits out the "
         "restart backoff from here.")
+    restart_streak: int = api_field(
+        "Restarts in a row, each within 10 minutes of the previous one; the restart "
+        "backoff grows with it and resets once a runner pod has lasted longer.", default=0)
     conditions: list[Condition] = api_field("Conditions (Ready, Degraded, ...).",
                                             default_factory=list)
     observed_generation: int | None = api_field("Generation last acted on.")

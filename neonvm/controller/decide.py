@@ -31,7 +31,8 @@ rests on those writes plus the ungate rule above, not on leadership.
 Restart backoff. A runner that exits at once under ``restartPolicy: Always`` would churn
 pods without limit (each attempt is a new pod, under a new name). So the Restart write
 records ``status.lastRestartTime``, and a new plan after restart number *n* is made only
-once :func:`restart_backoff` (*n*) has passed since then: 0 s for the first restart (a
+once :func:`restart_backoff` (*n*) has passed since then, *n* counting restarts in a row
+(``status.restartStreak``: each within 10 minutes of the previous): 0 s for the first (a
 deleted pod is replaced at once), then 1, 2, 4 ... seconds, capped at 60. Until then the
 answer is ``Wait(condition="RestartBackoff")`` for the time left. The clock comes in as
 ``Observation.now``; without it (None: the explorer, hand-built observations) there is
@@ -234,6 +235,20 @@ RESTART_BACKOFF_BASE = 1.0
 RESTART_BACKOFF_MAX = 60.0
 """Cap of the restart backoff."""
 RESTART_BACKOFF_CONDITION = "RestartBackoff"
+RESTART_STREAK_WINDOW = 600.0
+"""A restart more than this many seconds after the previous one starts a new streak, so
+a VM whose pod ran for a while is replaced at once (as the kubelet resets its crash-loop
+backoff after ten minutes of running)."""
+
+
+def next_restart_streak(streak: int, last_restart: str | None, now: str | None) -> int:
+    """The streak after one more restart at ``now`` (RFC 3339; None: no clock)."""
+    last, at = parse_rfc3339(last_restart), parse_rfc3339(now)
+    if last is not None and at is not None and (at - last).total_seconds() > (
+        RESTART_STREAK_WINDOW
+    ):
+        return 1
+    return streak + 1
 
 
 def restart_backoff(restart_count: int) -> float:
@@ -272,7 +287,7 @@ def backoff_remaining(obs: Observation, vm: VirtualMachine) -> float:
     last = parse_rfc3339(vm.status.last_restart_time)
     if obs.now is None or last is None:
         return 0.0
-    delay = restart_backoff(vm.status.restart_count)
+    delay = restart_backoff(vm.status.restart_streak)
     elapsed = (_utc(obs.now) - last).total_seconds()
     # A clock behind the recorder's (elapsed < 0) waits at most ``delay`` per decision.
     return max(0.0, min(delay, delay - elapsed))
@@ -313,9 +328,9 @@ def decide(obs: Observation) -> Action:
         action = Done(reason=f"VM is {vm.status.phase}; never planned again")
     elif (remaining := backoff_remaining(obs, vm)) > 0:
         action = Wait(seconds=remaining, condition=RESTART_BACKOFF_CONDITION,
-                      reason=f"restart #{vm.status.restart_count} backoff: "
+                      reason=f"restart #{vm.status.restart_streak} in a row, backoff: "
                              f"{remaining:.1f}s left of "
-                             f"{restart_backoff(vm.status.restart_count):.0f}s")
+                             f"{restart_backoff(vm.status.restart_streak):.0f}s")
     else:
         seq = vm.status.plan_seq + 1
         return RecordPlan(

@@ -88,6 +88,8 @@ def status_mutation(action: d.Action, lease: d.Lease) -> StatusMutation:
         new.pod_name, new.pod_uid, new.pending_pod = "", "", None
         new.pod_ip, new.node = None, None
         new.restart_count = s.restart_count + 1
+        new.restart_streak = d.next_restart_streak(s.restart_streak, s.last_restart_time,
+                                                   action.at)
         if action.at is not None:
             new.last_restart_time = action.at  # the next plan's backoff counts from here
         new.phase = "Pending"
