@@ -75,6 +75,9 @@ def desired_conditions(snap: Snapshot, final: d.Action) -> list[ConditionUpdate]
     elif pod is not None:
         updates.append(ConditionUpdate(READY, "False", "RunnerStarting",
                                        f"runner pod {pod.name} is {pod.phase}"))
+    elif isinstance(final, d.Wait) and final.condition == d.RESTART_BACKOFF_CONDITION:
+        updates.append(ConditionUpdate(READY, "False", d.RESTART_BACKOFF_CONDITION,
+                                       final.reason))
     else:
         updates.append(ConditionUpdate(READY, "False", "NoRunner",
                                        "no runner pod is committed yet"))
