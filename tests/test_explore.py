@@ -13,6 +13,8 @@ that its model behaves like the real servers, and that its counterexamples are r
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
@@ -20,6 +22,8 @@ from kubernetes import client
 
 from neonvm import kube
 from neonvm.cli.verify import verify
+from neonvm.controller import decide as d
+from neonvm.controller import mutations
 from neonvm.dev.cluster import LocalCluster
 from neonvm.verify.actors import Actors, Config, calm
 from neonvm.verify.explore import Bounds, Counterexample, Liveness, Scenario, explore
@@ -147,6 +151,37 @@ def test_creating_before_recording_the_plan_is_caught_at_the_create() -> None:
     cx = first(lockless_pod_deleted(broken("create_before_record"), Budget(pod_delete=1)))
     assert cx.invariant == "creates-only-recorded-plans"
     assert cx.trace[-1][0].kind == "create"
+
+
+def _sync_before_d9c1dc9(action: d.Action, lease: d.Lease) -> Callable[[Any], Any]:
+    """The sync mutation as it was before the explorer's first finding was fixed."""
+    if not isinstance(action, d.SyncStatus):
+        return mutations_before(action, lease)
+
+    def sync(vm: Any) -> Any:
+        s = vm.status
+        if not s.pod_name or s.phase in d.TERMINAL_PHASES:
+            return None
+        if (s.phase, s.node, s.pod_ip) == (action.phase, action.node, action.ip):
+            return None
+        new = mutations._fresh_status(vm, lease)
+        new.phase, new.node, new.pod_ip = action.phase, action.node, action.ip
+        return new
+
+    return sync
+
+
+mutations_before = mutations.status_mutation
+
+
+@pytest.mark.unit
+def test_the_explorer_finds_the_stale_sync_when_the_old_mutation_is_put_back(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(mutations, "status_mutation", _sync_before_d9c1dc9)
+    scenario = next(s for s in ci_scenarios() if s.name == "seed-pod-deleted")
+    cx = first(scenario)
+    assert cx.invariant == "status-describes-its-pod"
+    assert "SyncStatus" in cx.trace[-1][0].text and "409" not in cx.trace[-1][0].text
 
 
 @pytest.mark.unit
