@@ -198,6 +198,10 @@ def test_the_replacement_clock_times_creation_after_a_delete_and_start_after_the
     clock.observe("MODIFIED", pod_dict("p2", gated=True), pod_dict("p2"), now=12.5)
     assert clock.created == pytest.approx([0.4])
     assert clock.started == pytest.approx([0.5])
+    # The old pod's disappearance is not a new deletion: the next one starts the clock.
+    clock.observe("MODIFIED", pod_dict("p2"), pod_dict("p2", terminating=True), now=20.0)
+    clock.observe("ADDED", None, pod_dict("p3", gated=True), now=20.3)
+    assert clock.created == pytest.approx([0.4, 0.3])
 
 
 @pytest.mark.unit

@@ -96,7 +96,10 @@ class ReplacementClock:
             if since is not None:
                 self.created.append(now - since)
             return
-        if kind == "DELETED" or (deleting and not was_deleting):
+        # The deletion *starts* when the deletionTimestamp appears (or, for a pod that
+        # goes at once, at DELETED); the later DELETED of a terminating pod is its end.
+        if (deleting and not was_deleting) or (kind == "DELETED" and not was_deleting
+                                               and old is not None):
             self._deleted_at.setdefault(vm, now)
         if kind == "DELETED" and not is_gated(new):
             self._gone_at[vm] = now
