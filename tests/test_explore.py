@@ -185,6 +185,16 @@ def test_the_explorer_finds_the_stale_sync_when_the_old_mutation_is_put_back(
 
 
 @pytest.mark.unit
+def test_a_driver_that_never_sweeps_locks_leaves_one_behind_for_a_deleted_vm() -> None:
+    scenario = next(s for s in ci_scenarios(broken("no_lock_sweep")) if s.name == "vm-deleted")
+    report = explore(scenario)
+    assert report.counterexamples
+    cx = report.counterexamples[0]
+    assert cx.invariant == "deleted-vm-leaves-nothing" and "lock" in cx.message
+    assert cx.continuation, "the calm run that never removes the lock is part of the trace"
+
+
+@pytest.mark.unit
 def test_the_shipped_code_yields_no_counterexample_where_the_breakages_do() -> None:
     for scenario in (
         lockless_pod_deleted(SHIPPED, Budget(pod_delete=1, dropped_event=1)),

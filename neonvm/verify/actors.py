@@ -75,6 +75,7 @@ BREAKAGES: dict[str, str] = {
     "ungate_without_precondition": "the ungate patch names the pod but carries no uid or "
                                    "resourceVersion precondition",
     "delete_without_uid": "delete pods by name, without the uid precondition",
+    "no_lock_sweep": "never delete the lock of a VM found gone (no release, no sweep)",
 }
 
 STATUS_WRITES = frozenset({"RecordPlan", "Commit", "DropPlan", "Restart", "SyncStatus"})
@@ -192,7 +193,7 @@ class Actors:
         if pc == "stopped":
             return
         if pc == "halt":
-            if x.role == LEADER and w.lock is not None:
+            if x.role == LEADER and w.lock is not None and not self.cfg.broken("no_lock_sweep"):
                 yield (Step(me, "sweep", (), f"{me}: sweep the lock of the deleted VM"),
                        w._replace(lock=None))
             return
@@ -314,7 +315,8 @@ class Actors:
         kind = "get" if direct else "observe"
         if vm is None:
             if direct:
-                pc = "sweep" if w.lock is not None else "halt"
+                sweep = w.lock is not None and not self.cfg.broken("no_lock_sweep")
+                pc = "sweep" if sweep else "halt"
                 return (Step(me, kind, (None, *read), f"{me}: {what}: VM gone"),
                         _set(w, i, _parked(x, pc) if pc == "halt" else _idle(x)._replace(pc=pc)))
             return (Step(me, kind, (None, *read), f"{me}: {what}: VM not in cache"),

@@ -251,9 +251,9 @@ def deep_scenarios(base: Config | None = None) -> list[Scenario]:
         ),
         Scenario(
             "deep-paused-writers",
-            "the paused writers, with the pod deleted twice and a conflicting write",
+            "the paused writers (cache history 2), the pod deleted twice",
             locked,
-            paused_writers(locked)._replace(budget=Budget(pod_delete=2, conflict=1)),
+            paused_writers(locked)._replace(budget=Budget(pod_delete=2)),
         ),
     ]
 
