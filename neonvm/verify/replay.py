@@ -188,8 +188,11 @@ class Replayer:
         assert w.vm is not None, "a replay starts from an existing VM"
         from neonvm.controller.harness import create_vm
 
+        # A scheduler nobody runs: the replay binds and runs pods itself, so a real
+        # kube-scheduler and kwok nodes (when the cluster has them) must leave them alone.
         raw = create_vm(self.admin_custom.api_client, self.namespace, VM_NAME,
-                        restart_policy=w.vm.restart_policy)
+                        restart_policy=w.vm.restart_policy,
+                        spec={"schedulerName": "neonvm-replay-manual"})
         self.real_uid = raw["metadata"]["uid"]
         self.vm_versions.append(raw)
         for p in w.pods:
