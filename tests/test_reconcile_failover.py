@@ -373,7 +373,9 @@ def test_the_leader_serves_health_and_reconcile_metrics(
                 if line.startswith("neonvm_") and " " in line:
                     name, value = line.rsplit(" ", 1)
                     metrics[name] = float(value)
-        return metrics.get("neonvm_controller_locks_held", 0) >= 1
+        # The VM converging and its reconcile ending in Done are separate moments.
+        return (metrics.get("neonvm_controller_locks_held", 0) >= 1
+                and metrics.get('neonvm_controller_reconciles_total{result="done"}', 0) >= 1)
 
     wait_for(scrape, 30)
     assert metrics["neonvm_controller_leading"] == 1
