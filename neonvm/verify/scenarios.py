@@ -39,8 +39,9 @@ def fresh_world(controllers: int, restart_policy: str = "Always") -> World:
 
 
 def settle(cfg: Config, w: World, max_steps: int = 200) -> World:
-    """Run the leader and the cluster, fault-free, until the VM has converged."""
-    actors = Actors(cfg)
+    """Run the leader and the cluster, fault-free, until the VM has converged (with the
+    shipped driver: breakages apply to the exploration, never to the starting state)."""
+    actors = Actors(dataclasses.replace(cfg, breakages=frozenset()))
     for _ in range(max_steps):
         env = actors.environment_steps(w)
         if env:
@@ -102,7 +103,7 @@ def paused_writers(cfg: Config) -> World:
     which is what the ungate's uid/resourceVersion precondition is for.
     """
     assert cfg.locks, "the paused writers are deposed leaders: lock mode only"
-    actors = Actors(cfg)
+    actors = Actors(dataclasses.replace(cfg, breakages=frozenset()))  # the shipped driver
     w = fresh_world(3)
     w = w._replace(
         workers=(Worker(role=STANDBY, epoch=0, token=0, pc="idle"), w.workers[1],
