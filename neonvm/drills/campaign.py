@@ -40,6 +40,7 @@ except those generous bounds.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import random
 import signal
@@ -54,6 +55,7 @@ from typing import Any
 
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
+from kubernetes.watch.watch import iter_resp_lines
 
 from neonvm import kube
 from neonvm.controller.faults import STEPS, FaultConfig
@@ -386,10 +388,13 @@ class ScheduleRun:
         while (self._slot_of(self._leader() or "") is None
                and time.monotonic() < deadline):
             time.sleep(0.1)  # a crash or kill just before: wait for the next leader
+        listed = fleet.retrying(lambda: client.CustomObjectsApi(
+            self.api).list_namespaced_custom_object(
+                "vm.neon.tech", "v1", self.namespace, "virtualmachines", _request_timeout=30))
         busy = self._disrupt(Disruption(d.at, "delete-pods", d.count))
-        # The leader reacts to the deletions within a few tens of milliseconds and is
-        # then busy re-planning: stop it in the middle of that.
-        time.sleep(self.rng.uniform(0.05, 0.25))
+        # Stop the leader the moment it is seen writing a VM's status in reaction: its
+        # workers are then between a read and their next write.
+        self._await_status_write(listed, timeout=5.0)
         who = self._leader()
         slot = self._slot_of(who) if who else None
         if slot is None:
@@ -408,6 +413,32 @@ class ScheduleRun:
         finally:
             os.kill(pid, signal.SIGCONT)
         return f"{busy}; paused {who} until {self._leader()} led; {again}; resumed it"
+
+    def _await_status_write(self, listed: dict[str, Any], timeout: float) -> bool:
+        """Until a VM's status differs from ``listed`` (a VM list); False on timeout."""
+        before = {(i["metadata"]["name"]): i.get("status") for i in listed.get("items") or []}
+        rv = (listed.get("metadata") or {}).get("resourceVersion")
+        try:
+            resp = client.CustomObjectsApi(self.api).list_namespaced_custom_object(
+                "vm.neon.tech", "v1", self.namespace, "virtualmachines", watch=True,
+                resource_version=rv, timeout_seconds=max(1, int(timeout)),
+                _preload_content=False, _request_timeout=(5, timeout + 5))
+        except Exception:
+            return False
+        try:
+            for line in iter_resp_lines(resp):
+                if not line:
+                    continue
+                event = json.loads(line)
+                obj = event.get("object") or {}
+                name = (obj.get("metadata") or {}).get("name")
+                if event.get("type") == "MODIFIED" and obj.get("status") != before.get(name):
+                    return True
+        except Exception:  # the API server restarting: pause now anyway
+            return False
+        finally:
+            resp.release_conn()
+        return False
 
     def _stop_replicas(self) -> None:
         with self._slots_lock:
