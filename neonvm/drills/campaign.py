@@ -6,8 +6,10 @@ exercises at least one, and most all three:
 * **intermediate states**: the leader crashes right after one reconcile step
   (``crash_after=<step>@<n>``; the step cycles with the schedule index, so any run of
   ``len(CRASH_STEPS)`` consecutive schedules crashes after every step), is SIGKILLed /
-  SIGTERMed at a random moment, or is paused (SIGSTOP) in the middle of re-plans until
-  another replica leads, then woken with its stale snapshots and pending writes;
+  SIGTERMed at a random moment, or is paused (SIGSTOP) the moment it is seen writing a
+  VM's status after runner pods were deleted (its workers are then between a read and
+  their next write) until another replica leads, then woken with its stale snapshots
+  and pending writes;
 * **unobserved states**: watch events dropped (``drop_watch_events``), VMs deleted and
   re-created under the same name;
 * **stale states**: the cache answers with older versions (``stale_reads``), another
