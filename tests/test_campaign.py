@@ -7,7 +7,7 @@ on the session's control plane; an independent checker watches every pod revisio
 
 Sizing (the CI default fits about ten minutes on two cores):
 
-* ``NEONVM_CAMPAIGN_SCHEDULES`` schedules (default 60), ``NEONVM_CAMPAIGN_WORKERS`` at a
+* ``NEONVM_CAMPAIGN_SCHEDULES`` schedules (default 100), ``NEONVM_CAMPAIGN_WORKERS`` at a
   time (default 3), no new schedule after ``NEONVM_CAMPAIGN_BUDGET`` seconds (default
   480; 0: no limit). Long mode: ``NEONVM_CAMPAIGN_SCHEDULES=300 NEONVM_CAMPAIGN_BUDGET=0``.
 * ``NEONVM_CAMPAIGN_SEED``: the campaign seed (default: a fresh one, printed).
@@ -85,7 +85,7 @@ BUDGET = _int_env("NEONVM_CAMPAIGN_BUDGET", 480)
 def test_no_schedule_of_the_campaign_breaks_the_invariant(cluster: LocalCluster) -> None:
     seed = campaign_seed()
     only = [int(x) for x in os.environ.get("NEONVM_CAMPAIGN_ONLY", "").split(",") if x.strip()]
-    count = _int_env(SCHEDULES_ENV, 60)
+    count = _int_env(SCHEDULES_ENV, 100)
     budget = BUDGET
     workers = _int_env("NEONVM_CAMPAIGN_WORKERS", 3)
     indexes = only or list(range(count))
