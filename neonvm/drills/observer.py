@@ -11,6 +11,13 @@ It shares no code with the controller (its own list and watch over raw JSON, its
 of the liveness rule; ``tests/test_drills.py`` checks the rule against
 :func:`neonvm.invariant.live_pods_by_vm`).
 
+It also records **lost work**: a live runner pod (ungated, not terminating) that starts
+terminating although the driver did not announce its deletion
+(:meth:`PodWatchChecker.expect_pod_deletion`) and its VM is not being deleted
+(:meth:`PodWatchChecker.expect_vm_deletion`). The controller never needs to kill the
+running guest of a live VM; when it does, a status was overwritten somewhere, even if the
+pod fence kept it from ever running two guests.
+
 What is not guaranteed: when the watch breaks (API server restart, 410 Gone) the checker
 re-lists, and revisions between the last event and the new list are not seen. Each such
 gap is counted (``gaps``) so a verdict can say so; the polling checker runs beside it.
