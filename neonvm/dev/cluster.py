@@ -228,6 +228,12 @@ class LocalCluster:
         self._stop(name, sig=sig)
 
     def start_component(self, name: str, timeout: float = 60.0) -> None:
+        """Start one stopped component; waits (up to 30 s) for its ports to be released
+        first, since a killed process's sockets outlive its pid for a moment."""
+        ports = [self.spec.ports[k] for k in (name, f"{name}-peer") if k in self.spec.ports]
+        deadline = time.monotonic() + 30
+        while any(_port_in_use(p) for p in ports) and time.monotonic() < deadline:
+            time.sleep(0.05)
         self._start(name, self._pki())
         self._wait_healthy(name, timeout)
 

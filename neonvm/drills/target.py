@@ -25,7 +25,6 @@ import contextlib
 import itertools
 import os
 import signal
-import socket
 import sys
 import time
 import uuid
@@ -112,16 +111,6 @@ def _break_locks(endpoints: str | None, prefix: str | None, namespace: str) -> l
     return broken
 
 
-def _port_free(port: int) -> bool:
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 def restart_component(cluster: Any, name: str, sig: signal.Signals = signal.SIGTERM,
                       timeout: float = 120.0) -> float:
     """Stop a local control-plane component with ``sig`` and start it again.
@@ -133,10 +122,6 @@ def restart_component(cluster: Any, name: str, sig: signal.Signals = signal.SIGT
     """
     started = time.monotonic()
     cluster.stop_component(name, sig)
-    ports = [cluster.spec.ports[k] for k in (name, f"{name}-peer") if k in cluster.spec.ports]
-    deadline = time.monotonic() + 30
-    while not all(_port_free(p) for p in ports) and time.monotonic() < deadline:
-        time.sleep(0.05)
     cluster.start_component(name, timeout=timeout)
     return time.monotonic() - started
 
