@@ -47,6 +47,14 @@ def api(cluster: LocalCluster) -> Iterator[client.ApiClient]:
     a.close()
 
 
+@pytest.fixture(scope="session")
+def controller_api(cluster: LocalCluster) -> Iterator[client.ApiClient]:
+    """ApiClient as the controller's identity (the only one the fence lets ungate)."""
+    a = kube.api_client(cluster.kubeconfig_for("controller"))
+    yield a
+    a.close()
+
+
 @pytest.fixture
 def namespace(api: client.ApiClient) -> Iterator[str]:
     """A fresh namespace per test, deleted afterwards even when the test fails."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,14 +27,6 @@ JSON_PATCH = "application/json-patch+json"
 MERGE_PATCH = "application/merge-patch+json"
 OTHER_GATE = "example.com/someone-elses-gate"
 SAMPLE_VM = Path(__file__).resolve().parent.parent / "examples" / "vm-deploy.yaml"
-
-
-@pytest.fixture(scope="module")
-def controller_api(cluster: LocalCluster) -> Iterator[client.ApiClient]:
-    """The controller's identity, the only one the fence lets ungate."""
-    a = kube.api_client(cluster.kubeconfig_for("controller"))
-    yield a
-    a.close()
 
 
 def runner_pod(

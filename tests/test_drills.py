@@ -21,7 +21,6 @@ import pytest
 from click.testing import CliRunner
 from kubernetes import client
 
-from neonvm import kube
 from neonvm.api import types
 from neonvm.cli import main
 from neonvm.dev.cluster import LocalCluster
@@ -254,13 +253,6 @@ def ungate(controller_api: client.ApiClient, namespace: str, name: str) -> None:
     """Remove the gate as the controller's identity (the only one the fence allows)."""
     client.CoreV1Api(controller_api).patch_namespaced_pod(
         name, namespace, [{"op": "remove", "path": "/spec/schedulingGates/0"}])
-
-
-@pytest.fixture
-def controller_api(cluster: LocalCluster) -> Iterator[client.ApiClient]:
-    a = kube.api_client(cluster.kubeconfig_for("controller"))
-    yield a
-    a.close()
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None) -> Any:

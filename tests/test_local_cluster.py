@@ -27,7 +27,6 @@ from click.testing import CliRunner
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from neonvm import kube
 from neonvm.api import types
 from neonvm.cli import main
 from neonvm.controller.conditions import WAITING_FOR_OLD_POD
@@ -47,13 +46,6 @@ SAMPLE_VM = Path(__file__).resolve().parent.parent / "examples" / "vm-deploy.yam
 def simulated_nodes(cluster: LocalCluster) -> None:
     if cluster.spec.nodes < 2:
         pytest.skip("needs NEONVM_TEST_NODES >= 2 (scheduler, controller-manager, kwok)")
-
-
-@pytest.fixture(scope="module")
-def controller_api(cluster: LocalCluster) -> Iterator[client.ApiClient]:
-    a = kube.api_client(cluster.kubeconfig_for("controller"))
-    yield a
-    a.close()
 
 
 def pod_manifest(

@@ -34,7 +34,6 @@ from neonvm.controller.reconciler import (
     StaticAuthority,
 )
 from neonvm.controller.update import stale_writeback_update
-from neonvm.dev.cluster import LocalCluster
 from neonvm.invariant import InvariantChecker
 from tests.support import wait_for
 
@@ -51,13 +50,6 @@ def create_vm(api: client.ApiClient, namespace: str, name: str,
               spec: dict[str, Any] | None = None, **kwargs: Any) -> dict[str, Any]:
     return harness_create_vm(api, namespace, name,
                              spec={"nodeSelector": NOWHERE, **(spec or {})}, **kwargs)
-
-
-@pytest.fixture
-def controller_api(cluster: LocalCluster) -> Iterator[client.ApiClient]:
-    api = kube.api_client(cluster.kubeconfig_for("controller"))
-    yield api
-    api.close()
 
 
 @pytest.fixture
