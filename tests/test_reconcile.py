@@ -305,7 +305,7 @@ def test_stale_reads_and_injected_conflicts_never_produce_a_second_pod(
         api: client.ApiClient, controller_api: client.ApiClient, namespace: str,
         checker: InvariantChecker) -> None:
     faults = Faults(FaultConfig(stale_reads=0.5, conflict=0.3, seed=11))
-    vm_store, pod_store = Store(), Store(index=pod_index)
+    vm_store, pod_store = Store(history=5), Store(index=pod_index, history=5)
     custom, core = client.CustomObjectsApi(controller_api), client.CoreV1Api(controller_api)
 
     def list_vms(**kw: Any) -> Any:

@@ -220,7 +220,7 @@ def raw_pod(name: str, vm: str, rv: str, gated: bool = True) -> dict[str, object
 
 
 def test_the_store_indexes_pods_by_vm_and_keeps_older_lists_for_stale_reads() -> None:
-    store = Store(index=pod_index)
+    store = Store(index=pod_index, history=5)
     store.apply("ADDED", raw_pod("p1", "a", "1"))
     store.apply("ADDED", raw_pod("p2", "a", "2"))
     store.apply("DELETED", raw_pod("p1", "a", "3"))

@@ -49,14 +49,16 @@ class Gone(Exception):
 
 
 class Store:
-    """Objects by ``namespace/name``, an optional secondary index, and recent history.
+    """Objects by ``namespace/name``, an optional secondary index, and optional history.
 
-    History (the last few versions of each object, and the last few member lists of each
-    index value) exists only to serve stale reads under fault injection.
+    History (the last ``history`` versions of each object, and the last member lists of
+    each index value) exists only to serve stale reads under fault injection, so it is
+    off (0) unless asked for: kept always, it multiplied the cache's memory by up to
+    ``history + 1`` and kept every deleted object's last versions for good.
     """
 
     def __init__(self, index: Callable[[Obj], str | None] | None = None,
-                 history: int = 5) -> None:
+                 history: int = 0) -> None:
         self._lock = threading.Lock()
         self._items: dict[str, Obj] = {}
         self._index_fn = index
@@ -95,16 +97,20 @@ class Store:
 
     def _set_locked(self, key: str, new: Obj | None) -> tuple[str, Obj | None, Obj | None]:
         old = self._items.get(key)
-        self._history.setdefault(key, deque(maxlen=self._depth)).append(old)
-        touched = {i for i in (self._index_of(old), self._index_of(new)) if i is not None}
-        for value in touched:
-            members = [self._items[k] for k in sorted(self._index.get(value, ()))]
-            self._index_history.setdefault(value, deque(maxlen=self._depth)).append(members)
+        if self._depth > 0:
+            self._history.setdefault(key, deque(maxlen=self._depth)).append(old)
+            touched = {i for i in (self._index_of(old), self._index_of(new)) if i is not None}
+            for value in touched:
+                members = [self._items[k] for k in sorted(self._index.get(value, ()))]
+                self._index_history.setdefault(value, deque(maxlen=self._depth)).append(
+                    members)
         old_index = self._index_of(old)
         if old_index is not None:
             self._index.get(old_index, set()).discard(key)
         if new is None:
             self._items.pop(key, None)
+            if old_index is not None and not self._index.get(old_index, True):
+                del self._index[old_index]  # no empty member sets left behind
         else:
             self._items[key] = new
             new_index = self._index_of(new)
@@ -132,6 +138,18 @@ class Store:
         return changes
 
 
+def strip_managed_fields(obj: Obj) -> Obj:
+    """Drop ``metadata.managedFields`` before caching (as controller-runtime's
+    ``TransformStripManagedFields``): nothing the controller decides reads them, and they
+    are a large share of every cached object. A PUT of an object without them keeps the
+    server's copy (an omitted field list is never taken as "clear them").
+    """
+    meta = obj.get("metadata")
+    if isinstance(meta, dict):
+        meta.pop("managedFields", None)
+    return obj
+
+
 def _rv(obj: Obj) -> str:
     return str((obj.get("metadata") or {}).get("resourceVersion", ""))
 
@@ -143,8 +161,10 @@ class Informer:
                  faults: Faults | None = None, *, watch_timeout: int = 60,
                  retry_backoff: float = 0.5, max_backoff: float = 10.0,
                  on_relist: Callable[[str], None] | None = None,
-                 relist_seconds: float | None = None) -> None:
+                 relist_seconds: float | None = None,
+                 transform: Callable[[Obj], Obj] | None = strip_managed_fields) -> None:
         self.name = name
+        self._transform = transform
         self.store = store
         self._lister = lister
         self._handler = handler
@@ -214,6 +234,8 @@ class Informer:
         items: list[Obj] = body.get("items") or []
         for item in items:
             item.setdefault("metadata", {})
+        if self._transform is not None:
+            items = [self._transform(item) for item in items]
         changes = self.store.replace(items)
         rv = str((body.get("metadata") or {}).get("resourceVersion", ""))
         self._log.debug("listed {n} objects at resourceVersion {rv}", n=len(items), rv=rv)
@@ -250,6 +272,8 @@ class Informer:
                     self._log.debug("fault injection: dropped {kind} of {key}", kind=kind,
                                     key=object_key(obj))
                     continue
+                if self._transform is not None:
+                    obj = self._transform(obj)
                 self._handler(*self.store.apply(str(kind), obj))
         except ApiException as exc:
             if exc.status == 410:

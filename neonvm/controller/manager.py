@@ -152,8 +152,10 @@ class LeaderTerm:
         ns = self.config.watch_namespace
         custom = client.CustomObjectsApi(api)
         core = client.CoreV1Api(api)
-        self.vm_store = Store()
-        self.pod_store = Store(index=pod_index)
+        # Older versions are kept only to serve them under stale-read fault injection.
+        history = 5 if process.faults.config.stale_reads > 0 else 0
+        self.vm_store = Store(history=history)
+        self.pod_store = Store(index=pod_index, history=history)
         if ns:
             def list_vms(**kw: Any) -> Any:
                 return custom.list_namespaced_custom_object(
