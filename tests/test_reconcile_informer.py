@@ -115,3 +115,29 @@ def _try_create(api: client.ApiClient, namespace: str, name: str) -> bool:
     except Exception:
         return False
     return True
+
+
+def test_cached_objects_carry_no_managed_fields_and_a_put_of_one_keeps_the_servers(
+        api: client.ApiClient, namespace: str, informer: Informer) -> None:
+    custom = client.CustomObjectsApi(api)
+    create_vm(api, namespace, "lean")
+    informer.start()
+    wait_for(informer.synced.is_set, 30)
+    key = f"{namespace}/lean"
+    cached = informer.store.get(key)
+    assert cached is not None and "managedFields" not in cached["metadata"]
+    server = custom.get_namespaced_custom_object(types.GROUP, types.VERSION, namespace,
+                                                 types.PLURAL, "lean")
+    assert server["metadata"].get("managedFields"), "the server records field managers"
+    # The controller's finalizer write is a PUT of a cached copy; the server must not take
+    # the missing list as "clear the field managers".
+    body = dict(cached, metadata={**cached["metadata"], "labels": {"lean": "yes"}})
+    written = custom.replace_namespaced_custom_object(types.GROUP, types.VERSION, namespace,
+                                                      types.PLURAL, "lean", body)
+    assert written["metadata"]["labels"] == {"lean": "yes"}
+    assert written["metadata"].get("managedFields")
+    assert {m["manager"] for m in written["metadata"]["managedFields"]} >= {
+        m["manager"] for m in server["metadata"]["managedFields"]}
+    wait_for(lambda: (informer.store.get(key) or {}).get("metadata", {}).get("labels")
+             == {"lean": "yes"}, 30)
+    assert "managedFields" not in (informer.store.get(key) or {})["metadata"]

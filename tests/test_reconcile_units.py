@@ -277,3 +277,12 @@ def test_a_false_condition_is_not_added_just_to_say_false() -> None:
     update = ConditionUpdate(WAITING_FOR_OLD_POD, "False", "NoOldPod", "-",
                              only_if_present=True)
     assert conditions_mutation([update], d.Lease(epoch=5, token=1))(vm) is None
+
+
+def test_the_store_keeps_no_older_versions_unless_asked_and_no_empty_index_entries() -> None:
+    store = Store(index=pod_index)
+    store.apply("ADDED", raw_pod("p1", "a", "1"))
+    store.apply("MODIFIED", raw_pod("p1", "a", "2"))
+    assert store.older("ns/p1") == [] and store.older_index("ns/a") == []
+    store.apply("DELETED", raw_pod("p1", "a", "3"))
+    assert store.by_index("ns/a") == [] and store._index == {}

@@ -106,11 +106,13 @@ class Store:
                     members)
         old_index = self._index_of(old)
         if old_index is not None:
-            self._index.get(old_index, set()).discard(key)
+            keys = self._index.get(old_index)
+            if keys is not None:
+                keys.discard(key)
+                if not keys:
+                    del self._index[old_index]  # no empty member sets left behind
         if new is None:
             self._items.pop(key, None)
-            if old_index is not None and not self._index.get(old_index, True):
-                del self._index[old_index]  # no empty member sets left behind
         else:
             self._items[key] = new
             new_index = self._index_of(new)
