@@ -32,6 +32,7 @@ from neonvm.controller.reconciler import (
     ReconcilerConfig,
     ReconcileResult,
     StaticAuthority,
+    WrongVM,
 )
 from neonvm.controller.update import stale_writeback_update
 from neonvm.invariant import InvariantChecker
@@ -466,3 +467,27 @@ def test_an_unrealisable_spec_is_degraded_without_churn_until_the_spec_changes(
     converged_one(api, namespace, "nope")
     degraded = condition(status_of(api, namespace, "nope"), "Degraded")
     assert degraded is not None and degraded["status"] == "False"
+
+
+def test_a_change_decided_for_a_vm_never_lands_on_its_re_created_namesake(
+        api: client.ApiClient, controller_api: client.ApiClient, namespace: str) -> None:
+    custom = client.CustomObjectsApi(api)
+    old = create_vm(api, namespace, "reborn")
+    custom.delete_namespaced_custom_object(types.GROUP, types.VERSION, namespace,
+                                           types.PLURAL, "reborn")
+    wait_for(lambda: get_vm(api, namespace, "reborn") is None, 30)
+    new = create_vm(api, namespace, "reborn")
+    assert new["metadata"]["uid"] != old["metadata"]["uid"]
+
+    # The cache still shows the old VM: the finalizer write conflicts, and the re-read
+    # finds the new one, whose lock this worker does not hold.
+    authority = StaticAuthority(epoch=1, token=10, vm_uid=old["metadata"]["uid"])
+    reconciler = Reconciler(controller_api, cache=FrozenCache(old, []))
+    with pytest.raises(WrongVM):
+        reconciler.reconcile(f"{namespace}/reborn", authority)
+
+    now = get_vm(api, namespace, "reborn")
+    assert now is not None and now["metadata"]["uid"] == new["metadata"]["uid"]
+    assert now["metadata"].get("finalizers") in (None, [])
+    assert not (now.get("status") or {}).get("pendingPod")
+    assert runner_pods(api, namespace, "reborn") == []

@@ -352,8 +352,14 @@ class Reconciler:
         assert snap.record is not None
         namespace, name = split_key(key)
 
+        decided_for = snap.record.vm.uid
+
         def guarded(record: VMRecord) -> Any:
             authority.check()
+            if record.vm.uid != decided_for:
+                # A conflict's re-read found the VM re-created under the same name: the
+                # change was decided for the old one, and must not land on the new one.
+                return None
             return mutate(record)
 
         def on_conflict(_n: int) -> None:
