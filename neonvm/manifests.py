@@ -56,6 +56,19 @@ def controller_rules() -> list[dict[str, Any]]:
     ]
 
 
+def pull_secret_rules() -> list[dict[str, Any]]:
+    """``get`` on secrets: lets the controller see whether a VM's image pull secrets exist.
+
+    Opt-in in the chart (``rbac.checkImagePullSecrets``): ``get`` on secrets cluster-wide
+    would let this identity read any secret it can name. The controller itself asks for
+    metadata only (``PartialObjectMetadata``) and never receives secret data, but RBAC
+    cannot express that. Without the rule the check is skipped and a VM naming a missing
+    secret gets a pod that fails to pull a private image. The local cluster's identity has
+    it, so the tests exercise the check.
+    """
+    return [{"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]}]
+
+
 def leader_election_rules() -> list[dict[str, Any]]:
     """What the election needs on its Lease (read, create, replace by resourceVersion).
 
@@ -74,7 +87,7 @@ def cluster_role() -> dict[str, Any]:
         "apiVersion": "rbac.authorization.k8s.io/v1",
         "kind": "ClusterRole",
         "metadata": {"name": CLUSTER_ROLE},
-        "rules": controller_rules() + leader_election_rules(),
+        "rules": controller_rules() + pull_secret_rules() + leader_election_rules(),
     }
 
 
@@ -210,6 +223,8 @@ def chart_files() -> dict[str, str]:
     return {
         "crds/virtualmachines.vm.neon.tech.yaml": header + yaml.safe_dump(crd(), sort_keys=False),
         "files/controller-rules.yaml": header + yaml.safe_dump(controller_rules(), sort_keys=False),
+        "files/pull-secret-rules.yaml": header
+        + yaml.safe_dump(pull_secret_rules(), sort_keys=False),
         "files/leader-election-rules.yaml": header
         + yaml.safe_dump(leader_election_rules(), sort_keys=False),
         "files/admission-policy.yaml": header

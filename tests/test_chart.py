@@ -304,6 +304,11 @@ def test_the_rbac_rules_are_the_generated_ones_and_the_lease_is_namespaced(helm:
     assert crb["roleRef"]["name"] == cluster_role["metadata"]["name"]
     assert crb["subjects"] == [subject]
 
+    assert not any("secrets" in r["resources"] for r in cluster_role["rules"])
+    checking = helm.template("nvm", "ops", sets=("rbac.checkImagePullSecrets=true",))
+    assert checking.one("ClusterRole")["rules"] == (
+        manifests.controller_rules() + manifests.pull_secret_rules())
+
     role = rendered.one("Role")
     assert role["metadata"]["namespace"] == "leases"
     assert role["rules"] == manifests.leader_election_rules()

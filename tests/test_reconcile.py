@@ -26,7 +26,15 @@ from neonvm.controller.harness import create_vm as harness_create_vm
 from neonvm.controller.harness import get_vm, is_gated, runner_pods
 from neonvm.controller.informer import Informer, Store
 from neonvm.controller.metrics import ControllerMetrics
-from neonvm.controller.observe import CacheReader, Snapshot, VMRecord, make_snapshot, pod_index
+from neonvm.controller.observe import (
+    PARTIAL_METADATA,
+    CacheReader,
+    DirectReader,
+    Snapshot,
+    VMRecord,
+    make_snapshot,
+    pod_index,
+)
 from neonvm.controller.reconciler import (
     Reconciler,
     ReconcilerConfig,
@@ -35,6 +43,7 @@ from neonvm.controller.reconciler import (
     WrongVM,
 )
 from neonvm.controller.update import stale_writeback_update
+from neonvm.dev.cluster import LocalCluster
 from neonvm.invariant import InvariantChecker
 from tests.support import wait_for
 
@@ -467,6 +476,73 @@ def test_an_unrealisable_spec_is_degraded_without_churn_until_the_spec_changes(
     converged_one(api, namespace, "nope")
     degraded = condition(status_of(api, namespace, "nope"), "Degraded")
     assert degraded is not None and degraded["status"] == "False"
+
+
+def test_a_missing_image_pull_secret_holds_the_pod_back_as_degraded_until_it_exists(
+        api: client.ApiClient, controller_api: client.ApiClient, namespace: str) -> None:
+    create_vm(api, namespace, "private", spec={"imagePullSecrets": [{"name": "regcred"}]})
+    key = f"{namespace}/private"
+    reconciler = Reconciler(controller_api)
+
+    result = settle(reconciler, key, rounds=1)
+    assert isinstance(result.action, d.Wait) and result.action.condition == "Degraded"
+    status = status_of(api, namespace, "private")
+    degraded = condition(status, "Degraded")
+    assert degraded is not None and degraded["status"] == "True"
+    assert degraded["reason"] == "ImagePullSecretNotFound"
+    assert "regcred" in degraded["message"] and namespace in degraded["message"]
+    assert not runner_pods(api, namespace, "private")
+    planned = status["pendingPod"]["name"]
+
+    # No churn while it is missing: nothing is written, no second plan, no pod.
+    version = status_of_version(api, namespace, "private")
+    for _ in range(3):
+        again = reconciler.reconcile(key, AUTHORITY, direct_first=True)
+        assert isinstance(again.action, d.Wait)
+    assert status_of_version(api, namespace, "private") == version
+    assert not runner_pods(api, namespace, "private")
+
+    # The secret appears (no spec change): the recorded plan goes ahead, Degraded clears.
+    client.CoreV1Api(api).create_namespaced_secret(namespace, {
+        "metadata": {"name": "regcred"}, "type": "kubernetes.io/dockerconfigjson",
+        "stringData": {".dockerconfigjson": json.dumps({"auths": {}})}})
+    settle(reconciler, key)
+    assert converged_one(api, namespace, "private") == planned
+    degraded = condition(status_of(api, namespace, "private"), "Degraded")
+    assert degraded is not None and degraded["status"] == "False"
+
+
+def test_the_pull_secret_check_receives_no_secret_data_and_cannot_tell_without_rbac(
+        api: client.ApiClient, controller_api: client.ApiClient, cluster: LocalCluster,
+        namespace: str) -> None:
+    core = client.CoreV1Api(api)
+    core.create_namespaced_secret(namespace, {
+        "metadata": {"name": "regcred"}, "stringData": {"token": "hunter2"}})
+    reader = DirectReader(controller_api)
+    assert reader.secret_exists(namespace, "regcred") is True
+    assert reader.secret_exists(namespace, "absent") is False
+
+    # What the check asks for comes back as metadata alone.
+    resp = client.CoreV1Api(controller_api).read_namespaced_secret(
+        "regcred", namespace, _preload_content=False, _headers={"Accept": PARTIAL_METADATA})
+    body = json.loads(resp.data)
+    assert body["kind"] == "PartialObjectMetadata" and body["metadata"]["name"] == "regcred"
+    assert "data" not in body and "hunter2" not in resp.data.decode()
+
+    # An identity without RBAC on secrets cannot tell (None): the reconciler then skips
+    # the check and creates the pod as it would without it.
+    nobody = kube.api_client(cluster.kubeconfig)
+    nobody.set_default_header("Impersonate-User", "neonvm-test-nobody")
+    try:
+        assert DirectReader(nobody).secret_exists(namespace, "regcred") is None
+    finally:
+        nobody.close()
+
+
+def status_of_version(api: client.ApiClient, namespace: str, name: str) -> str:
+    vm = get_vm(api, namespace, name)
+    assert vm is not None
+    return str(vm["metadata"]["resourceVersion"])
 
 
 def test_a_change_decided_for_a_vm_never_lands_on_its_re_created_namesake(

@@ -51,6 +51,13 @@ CREATE_REFUSED = "CreateRefused"
 """Reason of the Degraded condition recorded when the API server refuses a pod create."""
 
 
+PULL_SECRET_NOT_FOUND = "ImagePullSecretNotFound"
+"""Reason of the Degraded condition recorded while a pull secret the VM names is missing."""
+
+PARTIAL_METADATA = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1"
+"""Accept header asking the API server for an object's metadata alone."""
+
+
 @dataclass(frozen=True)
 class VMRecord:
     """A decoded VM together with the raw object it was decoded from."""
@@ -168,6 +175,25 @@ class DirectReader:
     def get_vm(self, namespace: str, name: str) -> VMRecord | None:
         raw = self.get_vm_raw(namespace, name)
         return VMRecord.from_raw(raw) if raw is not None else None
+
+    def secret_exists(self, namespace: str, name: str) -> bool | None:
+        """Whether a Secret exists; None when this identity may not look.
+
+        Asks for the Secret's metadata only (``PartialObjectMetadata``), so the
+        controller never receives secret data, even though RBAC must grant ``get``.
+        """
+        try:
+            resp = self._core.read_namespaced_secret(
+                name, namespace, _preload_content=False, _request_timeout=30,
+                _headers={"Accept": PARTIAL_METADATA})
+        except ApiException as exc:
+            if exc.status == 404:
+                return False
+            if exc.status == 403:
+                return None
+            raise
+        resp.release_conn()
+        return True
 
     def get_pod(self, namespace: str, name: str) -> dict[str, Any] | None:
         try:
