@@ -442,6 +442,18 @@ def test_a_malformed_spec_is_rejected_by_the_api_server(
     assert "min must not exceed max" in kube.api_error_message(err.value)
 
 
+def degraded_without_pod(api: client.ApiClient, reconciler: Reconciler, namespace: str,
+                         name: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One reconcile ends waiting as Degraded=True with no pod; (status, condition)."""
+    result = reconciler.reconcile(f"{namespace}/{name}", AUTHORITY, direct_first=True)
+    assert isinstance(result.action, d.Wait) and result.action.condition == "Degraded"
+    status = status_of(api, namespace, name)
+    degraded = condition(status, "Degraded")
+    assert degraded is not None and degraded["status"] == "True"
+    assert not runner_pods(api, namespace, name)
+    return status, degraded
+
+
 def test_an_unrealisable_spec_is_degraded_without_churn_until_the_spec_changes(
         api: client.ApiClient, controller_api: client.ApiClient, namespace: str) -> None:
     impossible = {"requests": {"cpu": "2"}, "limits": {"cpu": "1"}}
@@ -449,14 +461,9 @@ def test_an_unrealisable_spec_is_degraded_without_churn_until_the_spec_changes(
     key = f"{namespace}/nope"
     reconciler = Reconciler(controller_api)
 
-    result = settle(reconciler, key, rounds=1)
-    assert isinstance(result.action, d.Wait) and result.action.condition == "Degraded"
-    status = status_of(api, namespace, "nope")
-    degraded = condition(status, "Degraded")
-    assert degraded is not None and degraded["status"] == "True"
+    _, degraded = degraded_without_pod(api, reconciler, namespace, "nope")
     assert degraded["reason"] == "CreateRefused" and degraded["observedGeneration"] == 1
     assert "must be less than or equal to cpu limit" in degraded["message"]
-    assert not runner_pods(api, namespace, "nope")
 
     # No churn: reconciling again writes nothing and plans nothing.
     vm = get_vm(api, namespace, "nope")
@@ -484,14 +491,9 @@ def test_a_missing_image_pull_secret_holds_the_pod_back_as_degraded_until_it_exi
     key = f"{namespace}/private"
     reconciler = Reconciler(controller_api)
 
-    result = settle(reconciler, key, rounds=1)
-    assert isinstance(result.action, d.Wait) and result.action.condition == "Degraded"
-    status = status_of(api, namespace, "private")
-    degraded = condition(status, "Degraded")
-    assert degraded is not None and degraded["status"] == "True"
+    status, degraded = degraded_without_pod(api, reconciler, namespace, "private")
     assert degraded["reason"] == "ImagePullSecretNotFound"
     assert "regcred" in degraded["message"] and namespace in degraded["message"]
-    assert not runner_pods(api, namespace, "private")
     planned = status["pendingPod"]["name"]
 
     # No churn while it is missing: nothing is written, no second plan, no pod.
