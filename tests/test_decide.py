@@ -193,6 +193,19 @@ def test_a_refused_create_waits_for_a_spec_change_then_is_tried_again() -> None:
     assert isinstance(d.decide(obs(refused, create_failed_generation=1)), d.CreatePod)
 
 
+def test_a_missing_pull_secret_holds_the_recorded_plan_back_and_a_present_one_does_not(
+) -> None:
+    planned = vm(pending_pod=plan(), plan_seq=1)
+    waiting = d.decide(dataclasses.replace(obs(planned), missing_pull_secrets=("regcred",)))
+    assert isinstance(waiting, d.Wait) and waiting.condition == d.PULL_SECRET_NOT_FOUND
+    assert "regcred" in waiting.reason and plan().name in waiting.reason
+    assert isinstance(d.decide(obs(planned)), d.CreatePod)
+    # Once the pod exists, a missing secret no longer matters: the plan is committed.
+    created = d.decide(dataclasses.replace(obs(planned, pod(plan().name)),
+                                           missing_pull_secrets=("regcred",)))
+    assert isinstance(created, d.Commit)
+
+
 def test_a_vm_written_by_a_newer_epoch_fences_us_out() -> None:
     action = d.decide(obs(vm(fence=Fence(epoch=4, token=1))))
     assert action == d.Fenced(seen_epoch=4, reason=action.reason)

@@ -446,7 +446,7 @@ def degraded_without_pod(api: client.ApiClient, reconciler: Reconciler, namespac
                          name: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """One reconcile ends waiting as Degraded=True with no pod; (status, condition)."""
     result = reconciler.reconcile(f"{namespace}/{name}", AUTHORITY, direct_first=True)
-    assert isinstance(result.action, d.Wait) and result.action.condition == "Degraded"
+    assert isinstance(result.action, d.Wait), result.action
     status = status_of(api, namespace, name)
     degraded = condition(status, "Degraded")
     assert degraded is not None and degraded["status"] == "True"
@@ -489,11 +489,13 @@ def test_a_missing_image_pull_secret_holds_the_pod_back_as_degraded_until_it_exi
         api: client.ApiClient, controller_api: client.ApiClient, namespace: str) -> None:
     create_vm(api, namespace, "private", spec={"imagePullSecrets": [{"name": "regcred"}]})
     key = f"{namespace}/private"
-    reconciler = Reconciler(controller_api)
+    reconciler = Reconciler(controller_api, events=EventRecorder(controller_api, "test"))
 
     status, degraded = degraded_without_pod(api, reconciler, namespace, "private")
     assert degraded["reason"] == "ImagePullSecretNotFound"
     assert "regcred" in degraded["message"] and namespace in degraded["message"]
+    ready = condition(status, "Ready")
+    assert ready is not None and (ready["status"], ready["reason"]) == ("False", "NoRunner")
     planned = status["pendingPod"]["name"]
 
     # No churn while it is missing: nothing is written, no second plan, no pod.
@@ -503,6 +505,10 @@ def test_a_missing_image_pull_secret_holds_the_pod_back_as_degraded_until_it_exi
         assert isinstance(again.action, d.Wait)
     assert status_of_version(api, namespace, "private") == version
     assert not runner_pods(api, namespace, "private")
+    warned = [e for e in client.CoreV1Api(api).list_namespaced_event(
+        namespace, field_selector="involvedObject.name=private").items
+        if e.reason == "ImagePullSecretNotFound"]
+    assert len(warned) == 1 and warned[0].type == "Warning" and (warned[0].count or 1) == 1
 
     # The secret appears (no spec change): the recorded plan goes ahead, Degraded clears.
     client.CoreV1Api(api).create_namespaced_secret(namespace, {
@@ -537,6 +543,11 @@ def test_the_pull_secret_check_receives_no_secret_data_and_cannot_tell_without_r
     nobody.set_default_header("Impersonate-User", "neonvm-test-nobody")
     try:
         assert DirectReader(nobody).secret_exists(namespace, "regcred") is None
+        create_vm(api, namespace, "unchecked", spec={"imagePullSecrets": [{"name": "absent"}]})
+        reconciler = Reconciler(controller_api)
+        reconciler.reader.secret_exists = DirectReader(nobody).secret_exists  # type: ignore[method-assign]
+        settle(reconciler, f"{namespace}/unchecked")
+        converged_one(api, namespace, "unchecked")
     finally:
         nobody.close()
 

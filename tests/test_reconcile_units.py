@@ -20,6 +20,8 @@ from neonvm.api.types import (
 )
 from neonvm.controller import decide as d
 from neonvm.controller.conditions import (
+    DEGRADED,
+    READY,
     WAITING_FOR_OLD_POD,
     ConditionUpdate,
     conditions_mutation,
@@ -27,6 +29,7 @@ from neonvm.controller.conditions import (
 )
 from neonvm.controller.faults import FaultConfig, FaultConfigError, Faults
 from neonvm.controller.informer import Store
+from neonvm.controller.manager import create_held_back
 from neonvm.controller.mutations import FencedOut
 from neonvm.controller.observe import Snapshot, pod_index, pod_view
 from neonvm.controller.podspec import PodDefaults, PodSpecError, has_our_gate, runner_pod
@@ -259,6 +262,50 @@ def test_waiting_for_the_old_pod_keeps_its_since_and_is_written_only_on_change()
     assert "out-of-service" in (waiting.message or "")
     vm.status = first
     assert conditions_mutation(updates, lease, now="2026-01-01T00:05:00Z")(vm) is None
+
+
+def test_waiting_for_a_pull_secret_is_degraded_and_not_ready_until_a_pod_is_committed(
+) -> None:
+    vm = a_vm()
+    lease = d.Lease(epoch=5, token=1)
+    # The VM ran (Ready=True), its pod went, and the replacement's plan is recorded.
+    vm.status.conditions = [Condition(type=READY, status="True", reason="RunnerRunning",
+                                      message="running", observed_generation=3)]
+    vm.status.pending_pod = PLAN
+    wait = d.Wait(condition=d.PULL_SECRET_NOT_FOUND, reason="image pull secret regcred ...")
+    snap = Snapshot(obs=d.Observation(vm=vm, pods=(), lease=lease, direct=True), record=None)
+    vm.status = conditions_mutation(desired_conditions(snap, wait), lease)(vm) or vm.status
+    by_type = {c.type: c for c in vm.status.conditions}
+    assert (by_type[DEGRADED].status, by_type[DEGRADED].reason) == (
+        "True", d.PULL_SECRET_NOT_FOUND)
+    assert by_type[DEGRADED].message == wait.reason
+    assert (by_type[READY].status, by_type[READY].reason) == ("False", "NoRunner")
+
+    vm.status.pending_pod, vm.status.pod_name = None, PLAN.name
+    gated = d.PodView(name=PLAN.name, uid="u", owner_uid=vm.uid, gated=True,
+                      terminating=False, phase="Pending")
+    snap = Snapshot(obs=d.Observation(vm=vm, pods=(gated,), lease=lease, direct=True),
+                    record=None)
+    vm.status = conditions_mutation(
+        desired_conditions(snap, d.Done()), lease)(vm) or vm.status
+    assert {c.type: c.status for c in vm.status.conditions}[DEGRADED] == "False"
+
+
+def test_the_mid_plan_scan_skips_only_live_vms_whose_create_is_held_back() -> None:
+    def raw(reason: str, generation: int = 3, observed: int = 3,
+            deleting: bool = False) -> dict[str, object]:
+        meta: dict[str, object] = {"generation": generation}
+        if deleting:
+            meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+        return {"metadata": meta, "status": {"conditions": [
+            {"type": "Degraded", "status": "True", "reason": reason,
+             "observedGeneration": observed}]}}
+
+    assert create_held_back(raw(d.PULL_SECRET_NOT_FOUND))
+    assert create_held_back(raw("CreateRefused"))
+    assert not create_held_back(raw("CreateRefused", generation=4)), "a new spec is tried"
+    assert not create_held_back(raw(d.PULL_SECRET_NOT_FOUND, deleting=True))
+    assert not create_held_back({"metadata": {}, "status": {}})
 
 
 def test_a_condition_write_is_fenced_out_by_a_newer_epoch() -> None:

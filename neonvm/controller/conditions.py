@@ -1,5 +1,10 @@
 """VM conditions (Ready, Degraded, WaitingForOldPod): what they should say, and the write.
 
+Degraded is True while a create was refused for the current generation (reason
+``CreateRefused``, written by the driver when the API server refuses) or while a pull
+secret the VM names is missing (reason ``ImagePullSecretNotFound``, derived here from the
+decision to wait); it turns False once a runner pod is committed.
+
 :func:`desired_conditions` is pure: from a snapshot and the reconcile's final decision it
 derives what the conditions should say. :func:`conditions_mutation` is a status mutation
 in the sense of :mod:`neonvm.controller.mutations`: it is applied to the fresh copy on
@@ -91,7 +96,9 @@ def desired_conditions(snap: Snapshot, final: d.Action) -> list[ConditionUpdate]
                                        only_if_present=True))
 
     refused = snap.obs.create_failed_generation
-    if refused is None or refused < vm.generation:
+    if isinstance(final, d.Wait) and final.condition == d.PULL_SECRET_NOT_FOUND:
+        updates.append(ConditionUpdate(DEGRADED, "True", d.PULL_SECRET_NOT_FOUND, final.reason))
+    elif refused is None or refused < vm.generation:
         # Not (or no longer) refused for this generation: once a pod is committed, say so.
         degraded = _find(status.conditions, DEGRADED)
         if degraded is not None and degraded.status == "True" and status.pod_name:

@@ -96,6 +96,10 @@ class Observation:
     """Generation whose pod create was refused (422, admission); do not retry it."""
     now: dt.datetime | None = None
     """When the observation was taken (timezone-aware). None: no restart backoff."""
+    missing_pull_secrets: tuple[str, ...] = ()
+    """Image pull secrets the VM names that do not exist. Looked up only by a direct
+    observation of a VM whose planned pod is not there yet (a create is due); empty: none
+    missing, not looked up, or the controller may not look."""
 
     def pod(self, name: str | None) -> PodView | None:
         if not name:
@@ -235,6 +239,10 @@ RESTART_BACKOFF_BASE = 1.0
 RESTART_BACKOFF_MAX = 60.0
 """Cap of the restart backoff."""
 RESTART_BACKOFF_CONDITION = "RestartBackoff"
+PULL_SECRET_NOT_FOUND = "ImagePullSecretNotFound"
+"""Wait condition (and Degraded reason) while an image pull secret of the VM is missing."""
+PULL_SECRET_RECHECK_SECONDS = 15.0
+"""How soon a VM waiting for a missing image pull secret is looked at again."""
 RESTART_STREAK_WINDOW = 600.0
 """A restart more than this many seconds after the previous one starts a new streak, so
 a VM whose pod ran for a while is replaced at once (as the kubelet resets its crash-loop
@@ -437,6 +445,13 @@ def _decide_pending(obs: Observation, vm: VirtualMachine, pending: PendingPod) -
         ):
             return Wait(seconds=30.0, condition="Degraded",
                         reason=f"creating {pending.name} was refused; waiting for a spec change")
+        if obs.missing_pull_secrets:
+            # The API server would take the pod and the kubelet would pull without the
+            # secret: hold the (still recorded) plan back until the secret exists.
+            return Wait(seconds=PULL_SECRET_RECHECK_SECONDS, condition=PULL_SECRET_NOT_FOUND,
+                        reason=f"image pull secret {', '.join(obs.missing_pull_secrets)} "
+                               f"not found in namespace {vm.namespace}; runner pod "
+                               f"{pending.name} is created once it exists")
         return CreatePod(plan=pending, reason=f"plan #{pending.plan_seq} recorded: create it")
     if pod.owner_uid == vm.uid and not pod.terminating and not pod.gated:
         # Created without our gate (stripped by a webhook?): it must not run uncommitted.

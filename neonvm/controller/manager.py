@@ -53,7 +53,7 @@ from neonvm.controller.faults import Faults
 from neonvm.controller.informer import Informer, Obj, Store
 from neonvm.controller.metrics import ControllerMetrics
 from neonvm.controller.mutations import FencedOut
-from neonvm.controller.observe import CacheReader, pod_index, split_key
+from neonvm.controller.observe import CREATE_REFUSED, CacheReader, pod_index, split_key
 from neonvm.controller.reconciler import (
     AuthorityLost,
     Reconciler,
@@ -68,6 +68,22 @@ from neonvm.leader.epoch import EpochFloor
 from neonvm.leader.etcd import Etcd, EtcdConfig, EtcdError
 from neonvm.leader.lock import LockGuard, LockHeld, LockLost, LockManager, SessionLost
 from neonvm.leader.session import Session
+
+
+def create_held_back(raw: dict[str, Any]) -> bool:
+    """A live VM whose create is held back (refused for this generation, or a missing pull
+    secret): its reconcile ended in a Wait that requeues it, so the mid-plan scan skips it."""
+    meta = raw.get("metadata") or {}
+    if meta.get("deletionTimestamp"):
+        return False
+    for cond in (raw.get("status") or {}).get("conditions") or []:
+        if cond.get("type") != "Degraded" or cond.get("status") != "True":
+            continue
+        if cond.get("reason") == d.PULL_SECRET_NOT_FOUND:
+            return True
+        if cond.get("reason") == CREATE_REFUSED:
+            return bool(cond.get("observedGeneration") == meta.get("generation"))
+    return False
 
 
 @dataclass(frozen=True)
@@ -312,6 +328,8 @@ class LeaderTerm:
             terminal = status.get("phase") in d.TERMINAL_PHASES
             pods = self.pod_store.by_index(key)
             gated = any((p.get("spec") or {}).get("schedulingGates") for p in pods)
+            if not pods and create_held_back(raw):
+                continue  # requeued by its own Wait, not every scan
             if (status.get("pendingPod") or meta.get("deletionTimestamp") or gated
                     or len(pods) > 1 or (not status.get("podName") and not terminal)):
                 keys.append(key)

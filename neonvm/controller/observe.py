@@ -17,6 +17,11 @@ A :class:`Snapshot` keeps the raw objects next to the observation: the driver's 
 need the exact resourceVersions of what the decision saw (the VM's for status and
 finalizer writes, the pod's for the ungate patch).
 
+A direct observation of a VM whose plan is recorded but whose planned pod is not there
+yet (a create is due) also looks up the VM's image pull secrets, as metadata only
+(``PartialObjectMetadata``: no secret data is ever received); the missing ones go into
+``Observation.missing_pull_secrets``, and :func:`decide` holds the create back.
+
 Both readers stamp the observation with their clock (``Observation.now``, wall-clock UTC
 unless a test passes another), which is all the restart backoff needs; a snapshot built
 without one carries ``now=None`` and has no backoff.
@@ -32,6 +37,7 @@ from typing import Any, Protocol
 
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
+from loguru import logger
 
 from neonvm.api import types
 from neonvm.api.types import VirtualMachine
@@ -50,9 +56,6 @@ def utc_now() -> dt.datetime:
 CREATE_REFUSED = "CreateRefused"
 """Reason of the Degraded condition recorded when the API server refuses a pod create."""
 
-
-PULL_SECRET_NOT_FOUND = "ImagePullSecretNotFound"
-"""Reason of the Degraded condition recorded while a pull secret the VM names is missing."""
 
 PARTIAL_METADATA = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1"
 """Accept header asking the API server for an object's metadata alone."""
@@ -116,7 +119,8 @@ def create_failed_generation(vm: VirtualMachine) -> int | None:
 
 
 def make_snapshot(record: VMRecord | None, pods: list[dict[str, Any]], lease: Lease,
-                  direct: bool, now: dt.datetime | None = None) -> Snapshot:
+                  direct: bool, now: dt.datetime | None = None,
+                  missing_pull_secrets: tuple[str, ...] = ()) -> Snapshot:
     vm = record.vm if record is not None else None
     views = tuple(sorted((pod_view(p) for p in pods), key=lambda v: v.name))
     obs = Observation(
@@ -126,6 +130,7 @@ def make_snapshot(record: VMRecord | None, pods: list[dict[str, Any]], lease: Le
         direct=direct,
         create_failed_generation=create_failed_generation(vm) if vm is not None else None,
         now=now,
+        missing_pull_secrets=missing_pull_secrets,
     )
     return Snapshot(obs=obs, record=record,
                     pods={(p.get("metadata") or {}).get("name", ""): p for p in pods})
@@ -149,6 +154,7 @@ class DirectReader:
         self._core = client.CoreV1Api(api)
         self._custom = client.CustomObjectsApi(api)
         self._clock = clock
+        self._warned_secrets_forbidden = False
 
     def list_pods(self, namespace: str, vm_name: str) -> list[dict[str, Any]]:
         resp = self._core.list_namespaced_pod(
@@ -195,6 +201,25 @@ class DirectReader:
         resp.release_conn()
         return True
 
+    def missing_pull_secrets(self, vm: VirtualMachine) -> tuple[str, ...]:
+        """The VM's image pull secrets that do not exist (empty when it may not look:
+        without RBAC ``get`` on secrets the check is skipped, with one warning)."""
+        missing: list[str] = []
+        for ref in vm.spec.image_pull_secrets or []:
+            name = str(ref.get("name") or "")
+            if not name:
+                continue
+            exists = self.secret_exists(vm.namespace, name)
+            if exists is None:
+                if not self._warned_secrets_forbidden:
+                    self._warned_secrets_forbidden = True
+                    logger.warning("not allowed to get secrets: image pull secrets are not "
+                                   "checked before runner pods are created")
+                return ()
+            if not exists:
+                missing.append(name)
+        return tuple(missing)
+
     def get_pod(self, namespace: str, name: str) -> dict[str, Any] | None:
         try:
             resp = self._core.read_namespaced_pod(name, namespace, _preload_content=False,
@@ -228,7 +253,19 @@ class DirectReader:
                 pod = self.get_pod(namespace, committed)
                 if pod is not None and uid and (pod.get("metadata") or {}).get("uid") == uid:
                     pods = [*pods, pod]
-        return make_snapshot(record, pods, lease, direct=True, now=self._clock())
+        missing: tuple[str, ...] = ()
+        if record is not None and _create_due(record.vm, pods):
+            missing = self.missing_pull_secrets(record.vm)
+        return make_snapshot(record, pods, lease, direct=True, now=self._clock(),
+                             missing_pull_secrets=missing)
+
+
+def _create_due(vm: VirtualMachine, pods: list[dict[str, Any]]) -> bool:
+    """A plan is recorded and its pod is not listed: the one moment pull secrets matter."""
+    pending = vm.status.pending_pod
+    if pending is None or vm.deletion_timestamp is not None or not vm.spec.image_pull_secrets:
+        return False
+    return all((p.get("metadata") or {}).get("name") != pending.name for p in pods)
 
 
 def pod_index(pod: dict[str, Any]) -> str | None:

@@ -17,9 +17,9 @@ How each action is performed (the precondition is in brackets):
 * CreatePod: create with exactly the recorded name, gated [the name itself: AlreadyExists
   means observe again]; a response without our gate is deleted at once and raises an
   alarm; a refusal by validation or admission becomes a Degraded condition for that
-  generation (no retry until the spec changes); ``exceeded quota`` is retried; an image
-  pull secret the VM names but that does not exist holds the create back (Degraded,
-  looked at again every few seconds) instead of a pod that cannot pull its image;
+  generation (no retry until the spec changes); ``exceeded quota`` is retried. A missing
+  image pull secret never gets here: ``decide`` waits instead (see
+  :mod:`neonvm.controller.observe`);
 * Ungate: a *new* direct list of the VM's pods, taken after the commit was seen, must hold
   exactly this pod (uid), not terminating; then a JSON patch [``test`` of uid,
   resourceVersion and the gate at that index] removes our gate and nothing else;
@@ -65,7 +65,6 @@ from neonvm.controller.faults import Faults
 from neonvm.controller.metrics import ControllerMetrics
 from neonvm.controller.mutations import FencedOut, finalizers_mutation, status_mutation
 from neonvm.controller.observe import (
-    PULL_SECRET_NOT_FOUND,
     DirectReader,
     Observer,
     Snapshot,
@@ -103,14 +102,6 @@ class AuthorityLost(Exception):
 
 class RetryableError(Exception):
     """A transient failure (quota, RBAC being set up): retry later with backoff."""
-
-
-class _Postponed(Exception):
-    """An action cannot be performed yet: end the reconcile with :attr:`wait`."""
-
-    def __init__(self, wait: d.Wait) -> None:
-        super().__init__(wait.reason)
-        self.wait = wait
 
 
 class WrongVM(Exception):
@@ -157,8 +148,6 @@ class ReconcilerConfig:
     """Requeue (with a direct read) of a VM with nothing to do."""
     pod_defaults: podspec.PodDefaults = field(default_factory=podspec.PodDefaults)
     retry: RetryPolicy = field(default_factory=RetryPolicy)
-    pull_secret_recheck_seconds: float = 15.0
-    """How soon a VM waiting for a missing image pull secret looks again."""
 
 
 @dataclass(frozen=True)
@@ -250,7 +239,6 @@ class Reconciler:
         self._config = config or ReconcilerConfig()
         self._update = update
         self._on_finalized = on_finalized
-        self._warned_secrets_forbidden = False
 
     # ---- the loop ----------------------------------------------------------------------
 
@@ -306,11 +294,14 @@ class Reconciler:
                 updates = desired_conditions(snap, action)
                 mutation = conditions_mutation(updates, authority.lease)
                 assert snap.record is not None or not updates
-                if updates and snap.record is not None and mutation(snap.record.vm) is not None:
+                record = snap.record
+                if updates and record is not None and mutation(record.vm) is not None:
                     if not snap.obs.direct:
                         snap = self.observe(key, authority, direct=True)
                         continue
-                    self._write_status(key, snap, mutation, authority, log)
+                    written = self._write_status(key, snap, mutation, authority, log)
+                    if written is not None:
+                        self._event_for_wait(action, record.vm, written.vm, log)
                 requeue = (action.seconds if isinstance(action, d.Wait)
                            else self._config.resync_seconds)
                 log.debug("reconciled: {action} ({reason})", action=type(action).__name__,
@@ -321,14 +312,7 @@ class Reconciler:
                 if isinstance(action, d.CreatePod | d.Commit | d.DropPlan) and self._metrics:
                     self._metrics.plans_resumed.inc()
             log.info("{action}: {reason}", action=type(action).__name__, reason=action.reason)
-            try:
-                outcome = self._perform(key, action, snap, authority, log)
-            except _Postponed as postponed:
-                if self._metrics:
-                    self._metrics.actions.labels(action=type(action).__name__,
-                                                 outcome="postponed").inc()
-                return ReconcileResult(action=postponed.wait,
-                                       requeue_after=postponed.wait.seconds, steps=steps)
+            outcome = self._perform(key, action, snap, authority, log)
             steps += 1
             if self._metrics:
                 self._metrics.actions.labels(action=type(action).__name__,
@@ -438,6 +422,17 @@ class Reconciler:
                                     f"{action.reason}; not restarted (restartPolicy "
                                     f"{vm.spec.restart_policy})")
 
+    def _event_for_wait(self, action: d.Action, before: types.VirtualMachine,
+                        after: types.VirtualMachine, log: Any) -> None:
+        """A Warning event when a VM starts waiting for a missing image pull secret."""
+        if not (isinstance(action, d.Wait) and action.condition == d.PULL_SECRET_NOT_FOUND):
+            return
+        was = next((c for c in before.status.conditions if c.type == DEGRADED), None)
+        if was is not None and was.status == "True" and was.reason == d.PULL_SECRET_NOT_FOUND:
+            return
+        log.warning("{reason}", reason=action.reason)
+        self._events.record(after, d.PULL_SECRET_NOT_FOUND, action.reason, warning=True)
+
     def _create_pod(self, key: str, action: d.CreatePod, snap: Snapshot,
                     authority: Authority, log: Any) -> str:
         assert snap.record is not None
@@ -447,10 +442,6 @@ class Reconciler:
         except podspec.PodSpecError as exc:
             self._refuse(key, snap, str(exc), authority, log)
             return "refused"
-        missing = self._missing_pull_secrets(vm, log)
-        if missing:
-            raise _Postponed(self._wait_for_pull_secrets(key, snap, action, missing,
-                                                         authority, log))
         try:
             created = self._core.api_client.sanitize_for_serialization(
                 self._core.create_namespaced_pod(vm.namespace, manifest, _request_timeout=30))
@@ -472,47 +463,6 @@ class Reconciler:
             return "gate_stripped"
         self._events.record(vm, "Created", f"runner pod {action.plan.name} created (gated)")
         return "done"
-
-    def _missing_pull_secrets(self, vm: types.VirtualMachine, log: Any) -> list[str]:
-        """The VM's image pull secrets that do not exist (empty: none, or cannot tell).
-
-        The API server accepts a pod naming a missing pull secret, and the kubelet then
-        pulls without it: a private runner image would fail to pull over and over. So a
-        missing secret holds the create back, with a Degraded condition, until it exists.
-        Without RBAC ``get`` on secrets the check is skipped (warned once).
-        """
-        missing: list[str] = []
-        for ref in vm.spec.image_pull_secrets or []:
-            name = ref.get("name")
-            if not name:
-                continue
-            exists = self.reader.secret_exists(vm.namespace, str(name))
-            if exists is None:
-                if not self._warned_secrets_forbidden:
-                    self._warned_secrets_forbidden = True
-                    log.warning("not allowed to get secrets: image pull secrets are not "
-                                "checked before runner pods are created")
-                return []
-            if not exists:
-                missing.append(str(name))
-        return missing
-
-    def _wait_for_pull_secrets(self, key: str, snap: Snapshot, action: d.CreatePod,
-                               missing: list[str], authority: Authority, log: Any) -> d.Wait:
-        """Record Degraded (once: an unchanged condition is not rewritten) and wait."""
-        assert snap.record is not None
-        vm = snap.record.vm
-        message = (f"image pull secret {', '.join(missing)} not found in namespace "
-                   f"{vm.namespace}; runner pod {action.plan.name} is created once it exists")
-        update = ConditionUpdate(DEGRADED, "True", PULL_SECRET_NOT_FOUND, message,
-                                 generation=vm.generation)
-        written = self._write_status(key, snap, conditions_mutation([update], authority.lease),
-                                     authority, log)
-        if written is not None:
-            self._events.record(vm, PULL_SECRET_NOT_FOUND, message, warning=True)
-            log.warning("{msg}", msg=message)
-        return d.Wait(seconds=self._config.pull_secret_recheck_seconds, condition=DEGRADED,
-                      reason=message)
 
     def _name_taken(self, key: str, action: d.CreatePod, snap: Snapshot,
                     authority: Authority, log: Any) -> str:
