@@ -145,7 +145,8 @@ pod_lists = st.lists(
 @st.composite
 def observations(draw: st.DrawFn) -> d.Observation:
     return d.Observation(vm=draw(vms()), pods=tuple(draw(pod_lists)),
-                         lease=draw(st.sampled_from(LEASES)), direct=draw(st.booleans()))
+                         lease=draw(st.sampled_from(LEASES)), direct=draw(st.booleans()),
+                         missing_pull_secrets=draw(st.sampled_from([(), ("regcred",)])))
 
 
 def higher(fence: Fence | None, lease: d.Lease) -> bool:
@@ -153,6 +154,23 @@ def higher(fence: Fence | None, lease: d.Lease) -> bool:
 
 
 # ---- decide ---------------------------------------------------------------------------------
+
+
+@settings(max_examples=400, deadline=None)
+@given(observations())
+def test_a_missing_pull_secret_only_ever_turns_a_create_into_a_wait_or_a_clean_up(
+        o: d.Observation) -> None:
+    missing = d.decide(dataclasses.replace(o, missing_pull_secrets=("regcred",)))
+    present = d.decide(dataclasses.replace(o, missing_pull_secrets=()))
+    if not isinstance(present, d.CreatePod):
+        assert missing == present
+        return
+    assert o.vm is not None and o.vm.status.pending_pod is not None
+    if isinstance(missing, d.DeletePod):  # the wait lets the clean-up of a stray run
+        assert missing.name != o.vm.status.pending_pod.name
+    else:
+        assert isinstance(missing, d.Wait)
+        assert missing.condition == d.PULL_SECRET_NOT_FOUND
 
 
 @settings(max_examples=400, deadline=None)

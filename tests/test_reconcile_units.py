@@ -304,6 +304,7 @@ def test_the_mid_plan_scan_skips_only_live_vms_whose_create_is_held_back() -> No
     assert create_held_back(raw(d.PULL_SECRET_NOT_FOUND))
     assert create_held_back(raw("CreateRefused"))
     assert not create_held_back(raw("CreateRefused", generation=4)), "a new spec is tried"
+    assert not create_held_back(raw(d.PULL_SECRET_NOT_FOUND, generation=4))
     assert not create_held_back(raw(d.PULL_SECRET_NOT_FOUND, deleting=True))
     assert not create_held_back({"metadata": {}, "status": {}})
 

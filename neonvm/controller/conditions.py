@@ -97,7 +97,8 @@ def desired_conditions(snap: Snapshot, final: d.Action) -> list[ConditionUpdate]
 
     refused = snap.obs.create_failed_generation
     if isinstance(final, d.Wait) and final.condition == d.PULL_SECRET_NOT_FOUND:
-        updates.append(ConditionUpdate(DEGRADED, "True", d.PULL_SECRET_NOT_FOUND, final.reason))
+        updates.append(ConditionUpdate(DEGRADED, "True", d.PULL_SECRET_NOT_FOUND, final.reason,
+                                       generation=vm.generation))
     elif refused is None or refused < vm.generation:
         # Not (or no longer) refused for this generation: once a pod is committed, say so.
         degraded = _find(status.conditions, DEGRADED)

@@ -336,9 +336,11 @@ def decide(obs: Observation) -> Action:
         action = Done(reason=f"VM is {vm.status.phase}; never planned again")
     elif (remaining := backoff_remaining(obs, vm)) > 0:
         action = Wait(seconds=remaining, condition=RESTART_BACKOFF_CONDITION,
-                      reason=f"restart #{vm.status.restart_streak} in a row, backoff: "
-                             f"{remaining:.1f}s left of "
-                             f"{restart_backoff(vm.status.restart_streak):.0f}s")
+                      # No countdown here: the reason becomes the Ready message, and a
+                      # message that changes every look would be a status write each time.
+                      reason=f"restart #{vm.status.restart_streak} in a row: waiting out a "
+                             f"{restart_backoff(vm.status.restart_streak):.0f}s backoff from "
+                             f"{vm.status.last_restart_time}")
     else:
         seq = vm.status.plan_seq + 1
         return RecordPlan(

@@ -71,19 +71,17 @@ from neonvm.leader.session import Session
 
 
 def create_held_back(raw: dict[str, Any]) -> bool:
-    """A live VM whose create is held back (refused for this generation, or a missing pull
-    secret): its reconcile ended in a Wait that requeues it, so the mid-plan scan skips it."""
+    """A live VM whose create is held back for its current generation (refused, or a pull
+    secret missing): its reconcile ended in a Wait that requeues it, so the mid-plan scan
+    skips it. A new generation (the spec was fixed) is scanned again at once."""
     meta = raw.get("metadata") or {}
     if meta.get("deletionTimestamp"):
         return False
-    for cond in (raw.get("status") or {}).get("conditions") or []:
-        if cond.get("type") != "Degraded" or cond.get("status") != "True":
-            continue
-        if cond.get("reason") == d.PULL_SECRET_NOT_FOUND:
-            return True
-        if cond.get("reason") == CREATE_REFUSED:
-            return bool(cond.get("observedGeneration") == meta.get("generation"))
-    return False
+    return any(
+        cond.get("type") == "Degraded" and cond.get("status") == "True"
+        and cond.get("reason") in (CREATE_REFUSED, d.PULL_SECRET_NOT_FOUND)
+        and cond.get("observedGeneration") == meta.get("generation")
+        for cond in (raw.get("status") or {}).get("conditions") or [])
 
 
 @dataclass(frozen=True)
