@@ -11,6 +11,7 @@ the next leader must resume from what is recorded in the API server.
 from __future__ import annotations
 
 import json
+import time
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -345,6 +346,44 @@ def test_a_replacement_refused_for_quota_while_the_old_pod_terminates_is_retried
     assert degraded is None, "quota is transient: retried, not Degraded"
 
 
+def test_a_vm_waiting_for_its_pull_secret_is_left_alone_until_it_exists_then_converges(
+        cluster: LocalCluster, api: client.ApiClient, namespace: str, replicas: Replicas,
+        checker: InvariantChecker) -> None:
+    leader = replicas.start("only")
+    assert leader_of(replicas) is leader
+    create_vm(api, namespace, "vm", spec={**grace(cluster),
+                                          "imagePullSecrets": [{"name": "regcred"}]})
+
+    def degraded() -> dict[str, Any] | None:
+        return next((c for c in vm_status(api, namespace, "vm").get("conditions") or []
+                     if c["type"] == "Degraded" and c["status"] == "True"), None)
+
+    cond = wait_for(degraded, 60, what="Degraded for the missing pull secret")
+    assert cond is not None and cond["reason"] == "ImagePullSecretNotFound"
+    planned = vm_status(api, namespace, "vm")["pendingPod"]["name"]
+    port = wait_for(lambda: _health_port(leader), 30)
+    waits_before = _metrics(port).get('neonvm_controller_reconciles_total{result="wait"}', 0)
+    version = get_vm(api, namespace, "vm")["metadata"]["resourceVersion"]  # type: ignore[index]
+
+    # A window to show something does *not* happen (no speed claim): six mid-plan scans
+    # (--plan-requeue 1) pass, and none of them reconciles or writes the held-back VM.
+    time.sleep(6)
+    assert get_vm(api, namespace, "vm")["metadata"]["resourceVersion"] == version  # type: ignore[index]
+    waits = _metrics(port).get('neonvm_controller_reconciles_total{result="wait"}', 0)
+    assert waits - waits_before <= 1, "rechecked by its own 15 s wait, not by every scan"
+    assert not runner_pods(api, namespace, "vm")
+
+    client.CoreV1Api(api).create_namespaced_secret(namespace, {
+        "metadata": {"name": "regcred"}, "type": "kubernetes.io/dockerconfigjson",
+        "stringData": {".dockerconfigjson": json.dumps({"auths": {}})}})
+    wait_for(lambda: converged(api, namespace, ["vm"]), 90, what="convergence")
+    assert only_pod(api, namespace, "vm") == planned, "the recorded plan went ahead"
+    wait_for(lambda: degraded() is None, 30, what="Degraded cleared after the commit")
+    events = client.CoreV1Api(api).list_namespaced_event(
+        namespace, field_selector="involvedObject.name=vm").items
+    assert [e.reason for e in events].count("ImagePullSecretNotFound") == 1
+
+
 # ---- health and metrics ------------------------------------------------------------------
 
 
@@ -353,6 +392,16 @@ def _health_port(replica: Replica) -> int | None:
         if "serving /healthz" in line:
             return int(json.loads(line)["port"])
     return None
+
+
+def _metrics(port: int) -> dict[str, float]:
+    found: dict[str, float] = {}
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        for line in resp.read().decode().splitlines():
+            if line.startswith("neonvm_") and " " in line:
+                name, value = line.rsplit(" ", 1)
+                found[name] = float(value)
+    return found
 
 
 def test_the_leader_serves_health_and_reconcile_metrics(
