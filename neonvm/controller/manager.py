@@ -48,6 +48,7 @@ from urllib3.exceptions import HTTPError
 
 from neonvm.api import types
 from neonvm.controller import decide as d
+from neonvm.controller.conditions import DEGRADED
 from neonvm.controller.events import EventRecorder
 from neonvm.controller.faults import Faults
 from neonvm.controller.informer import Informer, Obj, Store
@@ -78,7 +79,7 @@ def create_held_back(raw: dict[str, Any]) -> bool:
     if meta.get("deletionTimestamp"):
         return False
     return any(
-        cond.get("type") == "Degraded" and cond.get("status") == "True"
+        cond.get("type") == DEGRADED and cond.get("status") == "True"
         and cond.get("reason") in (CREATE_REFUSED, d.PULL_SECRET_NOT_FOUND)
         and cond.get("observedGeneration") == meta.get("generation")
         for cond in (raw.get("status") or {}).get("conditions") or [])
