@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
+
+from kubernetes import client
 
 T = TypeVar("T")
 
@@ -26,3 +29,10 @@ def wait_for(
     raise AssertionError(
         f"timed out after {timeout}s waiting for {what or condition!r}; last={last!r}"
     )
+
+
+def create_pull_secret(api: client.ApiClient, namespace: str, name: str) -> None:
+    """An (empty) registry credential, as a VM's ``imagePullSecrets`` would name."""
+    client.CoreV1Api(api).create_namespaced_secret(namespace, {
+        "metadata": {"name": name}, "type": "kubernetes.io/dockerconfigjson",
+        "stringData": {".dockerconfigjson": json.dumps({"auths": {}})}})

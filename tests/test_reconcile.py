@@ -27,7 +27,6 @@ from neonvm.controller.harness import get_vm, is_gated, runner_pods
 from neonvm.controller.informer import Informer, Store
 from neonvm.controller.metrics import ControllerMetrics
 from neonvm.controller.observe import (
-    PARTIAL_METADATA,
     CacheReader,
     DirectReader,
     Snapshot,
@@ -45,7 +44,7 @@ from neonvm.controller.reconciler import (
 from neonvm.controller.update import stale_writeback_update
 from neonvm.dev.cluster import LocalCluster
 from neonvm.invariant import InvariantChecker
-from tests.support import wait_for
+from tests.support import create_pull_secret, wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -466,14 +465,11 @@ def test_an_unrealisable_spec_is_degraded_without_churn_until_the_spec_changes(
     assert "must be less than or equal to cpu limit" in degraded["message"]
 
     # No churn: reconciling again writes nothing and plans nothing.
-    vm = get_vm(api, namespace, "nope")
-    assert vm is not None
-    version = vm["metadata"]["resourceVersion"]
+    version = vm_version(api, namespace, "nope")
     for _ in range(3):
         reconciler.reconcile(key, AUTHORITY, direct_first=True)
-    vm = get_vm(api, namespace, "nope")
-    assert vm is not None and vm["metadata"]["resourceVersion"] == version
-    assert vm["status"]["planSeq"] == 1
+    assert vm_version(api, namespace, "nope") == version
+    assert status_of(api, namespace, "nope")["planSeq"] == 1
 
     # A fixed spec (a new generation) is tried again, and the condition clears.
     client.CustomObjectsApi(api).patch_namespaced_custom_object(
@@ -499,11 +495,11 @@ def test_a_missing_image_pull_secret_holds_the_pod_back_as_degraded_until_it_exi
     planned = status["pendingPod"]["name"]
 
     # No churn while it is missing: nothing is written, no second plan, no pod.
-    version = status_of_version(api, namespace, "private")
+    version = vm_version(api, namespace, "private")
     for _ in range(3):
         again = reconciler.reconcile(key, AUTHORITY, direct_first=True)
         assert isinstance(again.action, d.Wait)
-    assert status_of_version(api, namespace, "private") == version
+    assert vm_version(api, namespace, "private") == version
     assert not runner_pods(api, namespace, "private")
     warned = [e for e in client.CoreV1Api(api).list_namespaced_event(
         namespace, field_selector="involvedObject.name=private").items
@@ -511,9 +507,7 @@ def test_a_missing_image_pull_secret_holds_the_pod_back_as_degraded_until_it_exi
     assert len(warned) == 1 and warned[0].type == "Warning" and (warned[0].count or 1) == 1
 
     # The secret appears (no spec change): the recorded plan goes ahead, Degraded clears.
-    client.CoreV1Api(api).create_namespaced_secret(namespace, {
-        "metadata": {"name": "regcred"}, "type": "kubernetes.io/dockerconfigjson",
-        "stringData": {".dockerconfigjson": json.dumps({"auths": {}})}})
+    create_pull_secret(api, namespace, "regcred")
     settle(reconciler, key)
     assert converged_one(api, namespace, "private") == planned
     degraded = condition(status_of(api, namespace, "private"), "Degraded")
@@ -530,12 +524,11 @@ def test_the_pull_secret_check_receives_no_secret_data_and_cannot_tell_without_r
     assert reader.secret_exists(namespace, "regcred") is True
     assert reader.secret_exists(namespace, "absent") is False
 
-    # What the check asks for comes back as metadata alone.
-    resp = client.CoreV1Api(controller_api).read_namespaced_secret(
-        "regcred", namespace, _preload_content=False, _headers={"Accept": PARTIAL_METADATA})
-    body = json.loads(resp.data)
-    assert body["kind"] == "PartialObjectMetadata" and body["metadata"]["name"] == "regcred"
-    assert "data" not in body and "hunter2" not in resp.data.decode()
+    # What the check reads comes back as metadata alone.
+    meta = reader.secret_metadata(namespace, "regcred")
+    assert meta is not None and meta["kind"] == "PartialObjectMetadata"
+    assert meta["metadata"]["name"] == "regcred"
+    assert "data" not in meta and "hunter2" not in json.dumps(meta)
 
     # An identity without RBAC on secrets cannot tell (None): the reconciler then skips
     # the check and creates the pod as it would without it.
@@ -552,7 +545,7 @@ def test_the_pull_secret_check_receives_no_secret_data_and_cannot_tell_without_r
         nobody.close()
 
 
-def status_of_version(api: client.ApiClient, namespace: str, name: str) -> str:
+def vm_version(api: client.ApiClient, namespace: str, name: str) -> str:
     vm = get_vm(api, namespace, name)
     assert vm is not None
     return str(vm["metadata"]["resourceVersion"])

@@ -11,7 +11,6 @@ the next leader must resume from what is recorded in the API server.
 from __future__ import annotations
 
 import json
-import time
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -38,7 +37,7 @@ from neonvm.dev.cluster import LocalCluster
 from neonvm.invariant import InvariantChecker
 from neonvm.leader.etcd import Etcd, EtcdConfig
 from neonvm.leader.lock import LockTable
-from tests.support import wait_for
+from tests.support import create_pull_secret, wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -81,6 +80,12 @@ def leader_of(replicas: Replicas) -> Replica:
     found = wait_for(replicas.leader, 60, what="a leader")
     assert found is not None
     return found
+
+
+def vm_version(api: client.ApiClient, namespace: str, name: str) -> str:
+    vm = get_vm(api, namespace, name)
+    assert vm is not None
+    return str(vm["metadata"]["resourceVersion"])
 
 
 def vm_status(api: client.ApiClient, namespace: str, name: str) -> dict[str, Any]:
@@ -362,20 +367,21 @@ def test_a_vm_waiting_for_its_pull_secret_is_left_alone_until_it_exists_then_con
     assert cond is not None and cond["reason"] == "ImagePullSecretNotFound"
     planned = vm_status(api, namespace, "vm")["pendingPod"]["name"]
     port = wait_for(lambda: _health_port(leader), 30)
-    waits_before = _metrics(port).get('neonvm_controller_reconciles_total{result="wait"}', 0)
-    version = get_vm(api, namespace, "vm")["metadata"]["resourceVersion"]  # type: ignore[index]
+    waits = 'neonvm_controller_reconciles_total{result="wait"}'
+    scans = 'neonvm_controller_scans_total{scan="mid_plan"}'
+    before = _metrics(port)
+    version = vm_version(api, namespace, "vm")
 
-    # A window to show something does *not* happen (no speed claim): six mid-plan scans
-    # (--plan-requeue 1) pass, and none of them reconciles or writes the held-back VM.
-    time.sleep(6)
-    assert get_vm(api, namespace, "vm")["metadata"]["resourceVersion"] == version  # type: ignore[index]
-    waits = _metrics(port).get('neonvm_controller_reconciles_total{result="wait"}', 0)
-    assert waits - waits_before <= 1, "rechecked by its own 15 s wait, not by every scan"
+    # Six mid-plan scans pass, and none of them reconciles or writes the held-back VM.
+    after = wait_for(lambda: (m := _metrics(port)).get(scans, 0) >= before.get(scans, 0) + 6
+                     and m,
+                     60, what="six mid-plan scans")
+    assert vm_version(api, namespace, "vm") == version
+    assert after.get(waits, 0) - before.get(waits, 0) <= 1, (
+        "rechecked by its own 15 s wait, not by every scan")
     assert not runner_pods(api, namespace, "vm")
 
-    client.CoreV1Api(api).create_namespaced_secret(namespace, {
-        "metadata": {"name": "regcred"}, "type": "kubernetes.io/dockerconfigjson",
-        "stringData": {".dockerconfigjson": json.dumps({"auths": {}})}})
+    create_pull_secret(api, namespace, "regcred")
     wait_for(lambda: converged(api, namespace, ["vm"]), 90, what="convergence")
     assert only_pod(api, namespace, "vm") == planned, "the recorded plan went ahead"
     wait_for(lambda: degraded() is None, 30, what="Degraded cleared after the commit")
@@ -417,14 +423,11 @@ def test_the_leader_serves_health_and_reconcile_metrics(
     metrics: dict[str, float] = {}
 
     def scrape() -> bool:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
-            for line in resp.read().decode().splitlines():
-                if line.startswith("neonvm_") and " " in line:
-                    name, value = line.rsplit(" ", 1)
-                    metrics[name] = float(value)
+        metrics.update(_metrics(port))
         # The VM converging and its reconcile ending in Done are separate moments.
         return (metrics.get("neonvm_controller_locks_held", 0) >= 1
-                and metrics.get('neonvm_controller_reconciles_total{result="done"}', 0) >= 1)
+                and metrics.get('neonvm_controller_reconciles_total{result="done"}', 0) >= 1
+                and metrics.get('neonvm_controller_scans_total{scan="mid_plan"}', 0) >= 1)
 
     wait_for(scrape, 30)
     assert metrics["neonvm_controller_leading"] == 1

@@ -291,10 +291,12 @@ class LeaderTerm:
                 next_plan_scan = now + self.config.plan_requeue_seconds
                 for key in self._mid_plan_keys():
                     self.enqueue_direct(key)
+                self.metrics.scans.labels(scan="mid_plan").inc()
             if now >= next_resync:
                 next_resync = now + self.config.resync_seconds
                 for key in self._resync_keys():
                     self.enqueue_direct(key)
+                self.metrics.scans.labels(scan="resync").inc()
             if now >= next_sweep:
                 next_sweep = now + self.config.sweep_seconds
                 self._sweep()

@@ -49,6 +49,10 @@ class ControllerMetrics:
         self.locks_held = Gauge(
             "neonvm_controller_locks_held", "Per-VM etcd locks held by this replica.",
             registry=r)
+        self.scans = Counter(
+            "neonvm_controller_scans_total",
+            "Periodic requeue scans run (mid_plan: VMs that look mid-plan; resync: every VM).",
+            ["scan"], registry=r)
         self.swept = Counter(
             "neonvm_controller_swept_total", "Objects removed by sweeps, by kind.",
             ["kind"], registry=r)

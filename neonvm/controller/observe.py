@@ -182,24 +182,23 @@ class DirectReader:
         raw = self.get_vm_raw(namespace, name)
         return VMRecord.from_raw(raw) if raw is not None else None
 
-    def secret_exists(self, namespace: str, name: str) -> bool | None:
-        """Whether a Secret exists; None when this identity may not look.
+    def secret_metadata(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """A Secret as ``PartialObjectMetadata`` (None: it does not exist).
 
-        Asks for the Secret's metadata only (``PartialObjectMetadata``), so the
-        controller never receives secret data, even though RBAC must grant ``get``.
+        The controller never receives secret data, even though RBAC must grant ``get``.
         """
+        return _read_json(lambda: self._core.read_namespaced_secret(
+            name, namespace, _preload_content=False, _request_timeout=30,
+            _headers={"Accept": PARTIAL_METADATA}))
+
+    def secret_exists(self, namespace: str, name: str) -> bool | None:
+        """Whether a Secret exists; None when this identity may not look (403)."""
         try:
-            resp = self._core.read_namespaced_secret(
-                name, namespace, _preload_content=False, _request_timeout=30,
-                _headers={"Accept": PARTIAL_METADATA})
+            return self.secret_metadata(namespace, name) is not None
         except ApiException as exc:
-            if exc.status == 404:
-                return False
             if exc.status == 403:
                 return None
             raise
-        resp.release_conn()
-        return True
 
     def missing_pull_secrets(self, vm: VirtualMachine) -> tuple[str, ...]:
         """The VM's image pull secrets that do not exist (empty when it may not look:
@@ -221,18 +220,8 @@ class DirectReader:
         return tuple(missing)
 
     def get_pod(self, namespace: str, name: str) -> dict[str, Any] | None:
-        try:
-            resp = self._core.read_namespaced_pod(name, namespace, _preload_content=False,
-                                                  _request_timeout=30)
-        except ApiException as exc:
-            if exc.status == 404:
-                return None
-            raise
-        try:
-            pod: dict[str, Any] = json.loads(resp.data)
-        finally:
-            resp.release_conn()
-        return pod
+        return _read_json(lambda: self._core.read_namespaced_pod(
+            name, namespace, _preload_content=False, _request_timeout=30))
 
     def observe(self, key: str, lease: Lease) -> Snapshot:
         """List the VM's pods, *then* read the VM: both quorum reads, in that order.
@@ -258,6 +247,21 @@ class DirectReader:
             missing = self.missing_pull_secrets(record.vm)
         return make_snapshot(record, pods, lease, direct=True, now=self._clock(),
                              missing_pull_secrets=missing)
+
+
+def _read_json(read: Callable[[], Any]) -> dict[str, Any] | None:
+    """The decoded body of an unpreloaded GET, or None on 404 (other errors raise)."""
+    try:
+        resp = read()
+    except ApiException as exc:
+        if exc.status == 404:
+            return None
+        raise
+    try:
+        body: dict[str, Any] = json.loads(resp.data)
+    finally:
+        resp.release_conn()
+    return body
 
 
 def _create_due(vm: VirtualMachine, pods: list[dict[str, Any]]) -> bool:
