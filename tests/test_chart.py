@@ -31,7 +31,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import uuid
@@ -48,7 +47,7 @@ from kubernetes.client.exceptions import ApiException
 from neonvm import kube, manifests
 from neonvm.api import types
 from neonvm.dev import binaries
-from neonvm.dev.cluster import LocalCluster
+from neonvm.dev.cluster import LocalCluster, free_port
 from tests.support import wait_for
 
 CHART = manifests.CHART_DIR
@@ -866,13 +865,6 @@ def _controller_cli_exists() -> bool:
     return True
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def _service_account_kubeconfig(api: client.ApiClient, cluster: LocalCluster,
                                 namespace: str, name: str, path: Path) -> Path:
     """A kubeconfig holding a real token of the ServiceAccount (TokenRequest API)."""
@@ -911,7 +903,7 @@ def test_the_controller_runs_a_vm_lifecycle_with_the_charts_command_line_and_ide
     helm: Helm, cluster: LocalCluster, api: client.ApiClient, namespace: str,
     lease_namespace: str, tmp_path: Path,
 ) -> None:
-    health_port = _free_port()
+    health_port = free_port()
     rendered = helm.template(_release(), lease_namespace, sets=(
         f"controller.healthPort={health_port}",
         f"etcd.endpoints={{{cluster.locks_etcd_url}}}",

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from neonvm.dev.cluster import ClusterSpec, LocalCluster
+from neonvm.dev.cluster import ClusterSpec, LocalCluster, free_port
 
 pytestmark = pytest.mark.cluster
 
@@ -98,3 +98,18 @@ def test_status_reports_a_dead_etcd_and_exits_non_zero(tmp_path: Path) -> None:
         assert "not running" in etcd_line
     finally:
         cluster.down()
+
+
+@pytest.mark.unit
+def test_free_ports_are_distinct_unused_and_below_the_ephemeral_range() -> None:
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = list(ClusterSpec.with_free_ports(nodes=3).ports.values())
+    assert len(set(ports)) == len(ports)
+    assert all(1024 <= p < low for p in ports), ports
+    for port in ports:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))  # nobody listens there
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", ports[0]))
+        held.listen()
+        assert ports[0] not in {free_port() for _ in range(200)}

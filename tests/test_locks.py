@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -25,7 +24,7 @@ from click.testing import CliRunner
 
 from neonvm.cli import main as cli_main
 from neonvm.dev import binaries
-from neonvm.dev.cluster import LocalCluster
+from neonvm.dev.cluster import LocalCluster, free_port
 from neonvm.dev.pki import LocalPKI
 from neonvm.leader.epoch import EpochFloor, EpochFloorCorrupt
 from neonvm.leader.etcd import (
@@ -591,7 +590,7 @@ def private_etcd(state: Path, tls: bool) -> Iterator[tuple[str, LocalPKI]]:
     """An etcd of this test's own: TLS with client certificates, or plain http."""
     pki = LocalPKI(state / "pki")
     server = pki.issue("etcd-server", "etcd", server=True)
-    client, peer = _free_port(), _free_port()
+    client, peer = free_port(), free_port()
     scheme = "https" if tls else "http"
     url = f"{scheme}://127.0.0.1:{client}"
     argv = [str(binaries.require("etcd")), "--name=private", f"--data-dir={state / 'data'}",
@@ -614,13 +613,6 @@ def private_etcd(state: Path, tls: bool) -> Iterator[tuple[str, LocalPKI]]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def _answers(config: EtcdConfig) -> bool:

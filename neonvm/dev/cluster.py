@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import ssl
@@ -27,7 +28,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -75,7 +76,10 @@ class ClusterSpec:
 
     @classmethod
     def with_free_ports(cls, nodes: int = 0) -> ClusterSpec:
-        return cls(nodes=nodes, ports={k: _free_port() for k in DEFAULT_PORTS})
+        ports: dict[str, int] = {}
+        for name in DEFAULT_PORTS:
+            ports[name] = free_port(taken=set(ports.values()))
+        return cls(nodes=nodes, ports=ports)
 
 
 @dataclass(frozen=True)
@@ -87,11 +91,30 @@ class ComponentStatus:
     detail: str
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
+def free_port(taken: Collection[int] = ()) -> int:
+    """A loopback TCP port nobody listens on, below the kernel's ephemeral port range.
+
+    A port from ``bind(0)`` comes from the ephemeral range, which outgoing connections
+    draw their source ports from too: between picking it and the server binding it, a
+    client connection may take it (CI saw etcd fail with "bind: address already in use").
+    Below that range only other listeners compete, and the bind check sees them.
+    """
+    low = _ephemeral_port_low()
+    chooser = random.SystemRandom()
+    for _ in range(200):
+        port = chooser.randrange(max(1024, low - 16384), low)
+        if port not in taken and not _port_in_use(port):
+            return port
+    with socket.socket() as s:  # everything below the range is busy: take any port
         s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+        return int(s.getsockname()[1])
+
+
+def _ephemeral_port_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def _port_in_use(port: int) -> bool:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -25,13 +24,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from neonvm.dev.cluster import free_port
 from tests.guest.build import build_guest
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _get(port: int, path: str) -> tuple[int, str]:
@@ -50,7 +44,7 @@ def measure_once(kernel: Path, initrd: Path, work: Path) -> tuple[float, float, 
         "memorySlots": {"min": 1, "max": 1}, "rootDisk": {"image": ""},
         "kernelImage": str(kernel), "initrdImage": str(initrd),
         "appendKernelCmdline": "quiet"}}
-    port = _free_port()
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("NEONVM_")}
     env["NEONVM_VM_SPEC"] = json.dumps(spec)
     args = [sys.executable, "-m", "neonvm.runner.main", "--port", str(port),
