@@ -37,7 +37,7 @@ from neonvm.controller.harness import (
 from neonvm.dev.cluster import LocalCluster
 from neonvm.invariant import InvariantChecker
 from neonvm.leader.etcd import Etcd, EtcdConfig
-from neonvm.leader.lock import LockTable
+from neonvm.leader.lock import LockTable, lock_key
 from tests.support import create_pull_secret, wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
@@ -397,6 +397,43 @@ def test_a_vm_waiting_for_its_pull_secret_is_left_alone_until_it_exists_then_con
     events = client.CoreV1Api(api).list_namespaced_event(
         namespace, field_selector="involvedObject.name=vm").items
     assert [e.reason for e in events].count("ImagePullSecretNotFound") == 1
+
+
+
+def test_a_deleted_vm_whose_deletion_the_cache_missed_is_never_locked_again(
+        cluster: LocalCluster, api: client.ApiClient, namespace: str, prefix: str,
+        replicas: Replicas, checker: InvariantChecker) -> None:
+    # The VM exists before the replica starts, so its first list caches it; every watch
+    # event after that is dropped, so the cache keeps that first version for good.
+    create_vm(api, namespace, "vm", spec=grace(cluster))
+    blind = replicas.start("blind", faults="drop_watch_events=0.999,seed=1",
+                           args=["--resync", "3"])
+    wait_for(lambda: converged(api, namespace, ["vm"]), 90, what="convergence")
+    delete_vm(api, namespace, "vm")
+    wait_for(lambda: get_vm(api, namespace, "vm") is None, 90, what="the VM gone")
+    wait_for(lambda: not locks_of(cluster, prefix, namespace), 30, what="its lock released")
+    etcd = Etcd(EtcdConfig(endpoints=(cluster.locks_etcd_url,), prefix=prefix))
+    try:
+        table = LockTable(etcd, prefix)
+        infos, since = table.snapshot(namespace)
+        assert not infos
+        port = wait_for(lambda: _health_port(blind), 30)
+        resyncs = 'neonvm_controller_scans_total{scan="resync"}'
+        before = _metrics(port)
+        wait_for(lambda: _metrics(port).get(resyncs, 0) >= before.get(resyncs, 0) + 3, 60,
+                 what="three resyncs")
+        assert _metrics(port).get("neonvm_controller_cache_evictions_total", 0) >= 1
+        stream = etcd.watch(lock_key(prefix, namespace, "vm"), start_revision=since + 1,
+                            timeout=1.0)
+        try:
+            retaken = [e.revision for e in stream if e.kind == "put"]
+        finally:
+            stream.close()
+    finally:
+        etcd.close()
+    assert retaken == [], (
+        f"the lock of the deleted VM was taken again at revisions {retaken}: a requeue "
+        f"started from the cache, which still holds the VM")
 
 
 # ---- health and metrics ------------------------------------------------------------------

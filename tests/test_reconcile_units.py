@@ -334,3 +334,13 @@ def test_the_store_keeps_no_older_versions_unless_asked_and_no_empty_index_entri
     assert store.older("ns/p1") == [] and store.older_index("ns/a") == []
     store.apply("DELETED", raw_pod("p1", "a", "3"))
     assert store.by_index("ns/a") == [] and store._index == {}
+
+
+def test_a_deletion_found_by_a_direct_read_drops_only_that_uid_from_the_store() -> None:
+    store = Store(index=pod_index)
+    store.apply("ADDED", raw_pod("p1", "a", "1"))
+    assert not store.discard("ns/p1", "u-someone-else"), "a re-created namesake is kept"
+    assert store.get("ns/p1") is not None
+    assert store.discard("ns/p1", "u-p1")
+    assert store.get("ns/p1") is None and store.by_index("ns/a") == []
+    assert not store.discard("ns/p1", "u-p1"), "nothing left to drop"

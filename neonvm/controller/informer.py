@@ -125,6 +125,20 @@ class Store:
             key = object_key(obj)
             return self._set_locked(key, None if event_type == "DELETED" else obj)
 
+    def discard(self, key: str, uid: str) -> bool:
+        """Drop ``key`` if the cached object is still the one with ``uid``; True if dropped.
+
+        For a deletion the watch missed, found by a direct read: uids are never reused,
+        so a cached object with that uid can only be stale, while a re-created object of
+        the same name (a new uid) that the watch has already delivered is kept.
+        """
+        with self._lock:
+            cached = self._items.get(key)
+            if cached is None or (cached.get("metadata") or {}).get("uid") != uid:
+                return False
+            self._set_locked(key, None)
+            return True
+
     def replace(self, objs: list[Obj]) -> list[tuple[str, Obj | None, Obj | None]]:
         """Replace everything with a fresh list; return the changes (deletions included)."""
         fresh = {object_key(o): o for o in objs}

@@ -373,11 +373,24 @@ class LeaderTerm:
                 self.queue.done(key)
 
     def _vm_uid(self, key: str, direct: bool) -> str | None:
-        raw = None if direct else self.vm_store.get(key)
+        """The VM's uid: from the cache, or (``direct``, or not cached) a quorum read.
+
+        A direct read that finds no VM while the cache still holds one means the watch
+        missed its deletion: the cached copy is dropped. Left there, every requeue that
+        starts from the cache would take the gone VM's lock again until the next relist.
+        """
+        cached = self.vm_store.get(key)
+        raw = None if direct else cached
         if raw is None:
             namespace, name = split_key(key)
             raw = self.reconciler.reader.get_vm_raw(namespace, name)
         if raw is None:
+            stale_uid = str((cached or {}).get("metadata", {}).get("uid") or "")
+            if stale_uid and self.vm_store.discard(key, stale_uid):
+                self.metrics.cache_evictions.inc()
+                self.log.bind(vm=key).info(
+                    "dropped a deleted VM from the cache (its deletion event was missed)",
+                    uid=stale_uid)
             return None
         return str((raw.get("metadata") or {}).get("uid") or "") or None
 

@@ -53,6 +53,10 @@ class ControllerMetrics:
             "neonvm_controller_scans_total",
             "Periodic requeue scans run (mid_plan: VMs that look mid-plan; resync: every VM).",
             ["scan"], registry=r)
+        self.cache_evictions = Counter(
+            "neonvm_controller_cache_evictions_total",
+            "Deleted VMs dropped from the cache after a direct read found them gone (their "
+            "watch deletion event was missed).", registry=r)
         self.swept = Counter(
             "neonvm_controller_swept_total", "Objects removed by sweeps, by kind.",
             ["kind"], registry=r)
