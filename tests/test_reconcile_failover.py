@@ -399,7 +399,6 @@ def test_a_vm_waiting_for_its_pull_secret_is_left_alone_until_it_exists_then_con
     assert [e.reason for e in events].count("ImagePullSecretNotFound") == 1
 
 
-
 def test_a_deleted_vm_whose_deletion_the_cache_missed_is_never_locked_again(
         cluster: LocalCluster, api: client.ApiClient, namespace: str, prefix: str,
         replicas: Replicas, checker: InvariantChecker) -> None:

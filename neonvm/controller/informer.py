@@ -44,6 +44,11 @@ def object_key(obj: Obj) -> str:
     return f"{meta.get('namespace', '')}/{meta.get('name', '')}"
 
 
+def object_uid(obj: Obj | None) -> str | None:
+    """The object's ``metadata.uid``; None for no object or no uid."""
+    return str(((obj or {}).get("metadata") or {}).get("uid") or "") or None
+
+
 class Gone(Exception):
     """The watch's resourceVersion is too old (410): re-list."""
 
@@ -133,8 +138,7 @@ class Store:
         the same name (a new uid) that the watch has already delivered is kept.
         """
         with self._lock:
-            cached = self._items.get(key)
-            if cached is None or (cached.get("metadata") or {}).get("uid") != uid:
+            if object_uid(self._items.get(key)) != uid:
                 return False
             self._set_locked(key, None)
             return True

@@ -51,7 +51,7 @@ from neonvm.controller import decide as d
 from neonvm.controller.conditions import DEGRADED
 from neonvm.controller.events import EventRecorder
 from neonvm.controller.faults import Faults
-from neonvm.controller.informer import Informer, Obj, Store
+from neonvm.controller.informer import Informer, Obj, Store, object_uid
 from neonvm.controller.metrics import ControllerMetrics
 from neonvm.controller.mutations import FencedOut
 from neonvm.controller.observe import CREATE_REFUSED, CacheReader, pod_index, split_key
@@ -385,14 +385,14 @@ class LeaderTerm:
             namespace, name = split_key(key)
             raw = self.reconciler.reader.get_vm_raw(namespace, name)
         if raw is None:
-            stale_uid = str((cached or {}).get("metadata", {}).get("uid") or "")
+            stale_uid = object_uid(cached)
             if stale_uid and self.vm_store.discard(key, stale_uid):
                 self.metrics.cache_evictions.inc()
                 self.log.bind(vm=key).info(
                     "dropped a deleted VM from the cache (its deletion event was missed)",
                     uid=stale_uid)
             return None
-        return str((raw.get("metadata") or {}).get("uid") or "") or None
+        return object_uid(raw)
 
     def _process(self, key: str) -> None:
         with self._direct_lock:
