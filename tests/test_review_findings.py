@@ -14,7 +14,7 @@ fakes of the Kubernetes client calls, so they run in well under a second each.
 * F3: a pod with the planned name that is *not* labelled for the VM makes every create
   answer AlreadyExists; the driver re-observes (the labelled list never shows that pod),
   decides CreatePod again, and spins: 30 creates per reconcile, requeued at once, forever.
-* F4: "pod gone" is judged from the pod list taken *before* the VM read (DESIGN step 4
+* F4: "pod gone" is judged from the pod list taken *before* the VM read (docs/protocol.md step 4
   asks for a direct GET of the pod): a pod created and committed between the two reads
   is taken for gone, and a healthy VM is restarted (its new pod deleted).
 """

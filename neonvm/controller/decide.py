@@ -1,6 +1,6 @@
 """The reconcile decision: what was observed in, the next single action out.
 
-This is the whole state machine of DESIGN.md in one pure function, :func:`decide`. The
+This is the whole state machine of docs/protocol.md in one pure function, :func:`decide`. The
 controller's driver (``neonvm.controller.reconciler``) performs the action it returns
 against the real servers, observes again and asks again, until the answer is
 :class:`Done` or :class:`Wait`. The interleaving explorer calls the very same function;

@@ -229,7 +229,7 @@ class DirectReader:
         The committed pod (``status.podName``) may have been created and committed between
         the list and the VM read, so its absence from the list proves nothing. When it is
         missing, it is read by name *after* the VM read: only that GET's 404 (or a pod of
-        another uid) lets the decision call it gone (DESIGN step 4). A pod found that way
+        another uid) lets the decision call it gone (docs/protocol.md step 4). A pod found that way
         joins the observation only if it is the committed one (same uid).
         """
         namespace, name = split_key(key)

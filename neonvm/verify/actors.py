@@ -2,7 +2,7 @@
 the pod lifecycle, the user, and the faults. :meth:`Actors.successors` is every step any
 of them can take from a state; the explorer takes all of them.
 
-The **model driver** is what DESIGN.md prescribes for the real driver, one server call
+The **model driver** is what docs/protocol.md prescribes for the real driver, one server call
 per step so that anything may happen between two calls:
 
 * observe: from the cache (any version the cache may hold, see :mod:`.model`), or
@@ -93,7 +93,7 @@ class Config:
     no lock (safety must hold even then)."""
     read_committed_pod: bool = True
     """A direct observation whose pod list lacks ``status.podName`` GETs that pod by name
-    after the VM read and adds it if it has ``status.podUID`` (DESIGN step 4: only a
+    after the VM read and adds it if it has ``status.podUID`` (docs/protocol.md step 4: only a
     direct GET proves a pod gone), as ``DirectReader.observe`` does since eabc9e7.
     False models the driver before that: the list, taken before the VM read, was all,
     and a pod created and committed between the two reads looked gone (found by this

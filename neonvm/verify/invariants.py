@@ -2,7 +2,7 @@
 
 State invariants (every explored state):
 
-* ``at-most-one-runnable`` — the promise (DESIGN.md, strict form): at most one pod of
+* ``at-most-one-runnable`` — the promise (docs/protocol.md, strict form): at most one pod of
   the VM is not scheduling-gated and not gone. Terminating and finished pods count: a
   pod that is shutting down may still run its guest.
 * ``at-most-one-running`` — the loose form a pod list shows: terminating pods ignored.

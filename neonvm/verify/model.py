@@ -55,7 +55,7 @@ Reads and caches:
 * A **cached** read (informer) returns a *past* version: a worker may read any of the
   ``lag`` most recent previous versions (or the current one), where ``lag`` counts the
   versions written since that worker last wrote or read directly or through the cache.
-  So a cache never goes backwards and always shows the worker its own writes, as DESIGN
+  So a cache never goes backwards and always shows the worker its own writes, as docs/protocol.md
   prescribes; it may lag by at most ``Config.history`` versions (the model keeps that many
   past versions). A pod list read from the cache is a past *consistent* snapshot, unless
   the ``dropped_event`` fault removes one pod from it (a lost watch event: a snapshot that
