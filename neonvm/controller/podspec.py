@@ -173,21 +173,19 @@ def runner_pod(vm: VirtualMachine, plan: PendingPod,
         "terminationGracePeriodSeconds": spec.termination_grace_period_seconds,
     }
     pod_spec.update({k: v for k, v in optional.items() if v is not None})
-    annotations = {
-        types.ANNOTATION_TOKEN: str(plan.token),
-        types.ANNOTATION_EPOCH: str(plan.epoch),
-        types.ANNOTATION_PLAN_SEQ: str(plan.plan_seq),
-        ANNOTATION_GENERATION: str(vm.generation),
-    }
-    annotations[ANNOTATION_SPEC] = _spec_annotation(vm, annotations)
-    return {
+    pod: dict[str, Any] = {
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {
             "name": plan.name,
             "namespace": vm.namespace,
             "labels": labels,
-            "annotations": annotations,
+            "annotations": {
+                types.ANNOTATION_TOKEN: str(plan.token),
+                types.ANNOTATION_EPOCH: str(plan.epoch),
+                types.ANNOTATION_PLAN_SEQ: str(plan.plan_seq),
+                ANNOTATION_GENERATION: str(vm.generation),
+            },
             "ownerReferences": [{
                 "apiVersion": types.API_VERSION,
                 "kind": types.KIND,
@@ -199,6 +197,9 @@ def runner_pod(vm: VirtualMachine, plan: PendingPod,
         },
         "spec": pod_spec,
     }
+    annotations = pod["metadata"]["annotations"]
+    annotations[ANNOTATION_SPEC] = _spec_annotation(vm, annotations)
+    return pod
 
 
 def _spec_annotation(vm: VirtualMachine, others: dict[str, str]) -> str:
