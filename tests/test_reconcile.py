@@ -159,7 +159,7 @@ def test_the_runner_pod_is_fenced_owned_labelled_and_built_from_the_spec(
     (container,) = spec.containers
     assert container.image == "example/runner:1" and container.command == ["neonvm-runner"]
     env = {e.name: e.value for e in container.env}
-    assert json.loads(env["NEONVM_VM_SPEC"])["restartPolicy"] == "OnFailure"
+    assert json.loads(meta.annotations["vm.neon.tech/spec"])["restartPolicy"] == "OnFailure"
     assert (env["NEONVM_VM_NAME"], env["NEONVM_VM_NAMESPACE"]) == ("spec", namespace)
     assert container.readiness_probe.http_get.path == "/ready"
     assert container.liveness_probe.http_get.port == 25183

@@ -156,8 +156,8 @@ def test_the_runner_pod_is_gated_owned_labelled_and_never_restarts_itself() -> N
     assert meta["annotations"][types.ANNOTATION_TOKEN] == "77"
     assert meta["annotations"][types.ANNOTATION_EPOCH] == "5"
     assert meta["annotations"][types.ANNOTATION_PLAN_SEQ] == "4"
-    env = {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"]}
-    assert json.loads(env["NEONVM_VM_SPEC"])["guest"]["rootDisk"]["image"] == "img"
+    spec = json.loads(meta["annotations"]["vm.neon.tech/spec"])  # the runner's spec file
+    assert spec["guest"]["rootDisk"]["image"] == "img"
 
 
 def test_resources_come_from_pod_resources_or_the_guest_size() -> None:
@@ -179,7 +179,8 @@ def test_the_default_image_disks_and_scheduling_fields_reach_the_pod() -> None:
         "imagePullSecrets": [{"name": "reg"}]}), PLAN, PodDefaults(runner_image="r:1"))
     spec = pod["spec"]
     assert spec["containers"][0]["image"] == "r:1"
-    assert spec["volumes"] == [
+    # (vm-spec and vm-run, the spec file and the work dir: tests/test_podspec.py)
+    assert [v for v in spec["volumes"] if v["name"] not in ("vm-spec", "vm-run")] == [
         {"name": "disk-cache", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}},
         {"name": "disk-cfg", "configMap": {"name": "c"}},
         {"name": "vm-images", "emptyDir": {}}]

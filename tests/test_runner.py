@@ -10,6 +10,7 @@ installed (``scripts/setup-qemu.sh`` is tried first), and say which.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import signal
@@ -269,6 +270,18 @@ def test_guest_ports_are_forwarded_and_may_not_take_the_runner_port(tmp_path: Pa
     clash = spec_of(kernel_spec(ports=[{"port": 25183}]))
     with pytest.raises(SpecError, match="runner's own port"):
         build_launch_plan(clash, context(tmp_path))
+
+
+@pytest.mark.unit
+def test_the_qmp_tcp_port_is_on_loopback_whatever_the_listen_address(tmp_path: Path) -> None:
+    spec = spec_of({**kernel_spec(ports=[{"port": 5432}]), "qmp": 20183})
+    plan = build_launch_plan(spec, context(tmp_path, listen_address="0.0.0.0"))
+    assert "socket,id=qmp-tcp,host=127.0.0.1,port=20183,server=on,wait=off" in option_values(
+        plan.argv, "-chardev")
+    assert "chardev=qmp-tcp,mode=control" in option_values(plan.argv, "-mon")
+    # The guest's own ports still listen on the listen address: they are the VM's service.
+    assert option_values(plan.argv, "-netdev") == [
+        "user,id=net0,hostfwd=tcp:0.0.0.0:5432-:5432"]
 
 
 @pytest.mark.unit
@@ -574,7 +587,42 @@ def test_neonvm_runner_run_is_the_same_command(tmp_path: Path) -> None:
     result = CliRunner().invoke(main, ["runner", "run", "--qemu", "/bin/true"], env={
         k: "" for k in os.environ if k.startswith("NEONVM_")})
     assert result.exit_code == ExitCode.RUNNER_ERROR
-    assert result.output == "error: no VM spec: set NEONVM_VM_SPEC or pass --spec-file\n"
+    assert result.output == ("error: no VM spec: pass --spec-file (or set NEONVM_SPEC_FILE), "
+                             "or set NEONVM_VM_SPEC\n")
+
+
+EXEC_STRING_LIMIT = 128 * 1024
+"""Linux's MAX_ARG_STRLEN: exec refuses any one argument or environment string longer."""
+
+
+def big_guest_env(total: int) -> list[dict[str, str]]:
+    """Guest env entries adding up to about ``total`` bytes of JSON."""
+    return [{"name": f"SETTING_{i}", "value": "x" * 1000} for i in range(total // 1000 + 1)]
+
+
+def test_a_spec_over_128_kib_cannot_start_from_the_environment_but_does_from_the_file(
+        tmp_path: Path) -> None:
+    spec = kernel_spec(env=big_guest_env(EXEC_STRING_LIMIT + 20_000))
+    text = json.dumps(spec)
+    assert len(text.encode()) > EXEC_STRING_LIMIT
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NEONVM_")}
+    command = [sys.executable, "-m", "neonvm", "runner", "qemu-command", "--qemu", "/bin/true",
+               "--accel", "tcg", "--work-dir", str(tmp_path / "work"), "-o", "json"]
+
+    # What a runner pod with the spec in NEONVM_VM_SPEC met: the container never starts.
+    with pytest.raises(OSError) as refused:
+        subprocess.run(command, env={**env, "NEONVM_VM_SPEC": text}, capture_output=True,
+                       check=False)
+    assert refused.value.errno == errno.E2BIG
+
+    # What it gets now: the path of the file the pod's downward-API volume holds.
+    spec_file = tmp_path / "spec.json"
+    spec_file.write_text(text)
+    result = subprocess.run(command, env={**env, "NEONVM_SPEC_FILE": str(spec_file)},
+                            capture_output=True, text=True, check=False, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    shown = json.loads(result.stdout)
+    assert shown["guestConfig"]["env"] == spec["guest"]["env"]
 
 
 def test_qemu_command_shows_the_command_line_without_starting_anything(tmp_path: Path) -> None:
@@ -712,8 +760,10 @@ def start_runner(tmp_path: Path, test_guest: GuestImage) -> Iterator[Any]:
         termination_log = tmp_path / f"termination-log-{n}"
         termination_log.write_text("")
         console_path, log_path = tmp_path / f"console-{n}.log", tmp_path / f"runner-{n}.log"
+        spec_file = tmp_path / f"spec-{n}.json"  # a file, as the runner pod mounts it
+        spec_file.write_text(json.dumps(spec))
         env = {k: v for k, v in os.environ.items() if not k.startswith("NEONVM_")}
-        env.update({"NEONVM_VM_SPEC": json.dumps(spec), "NEONVM_VM_NAME": f"guest{n}",
+        env.update({"NEONVM_SPEC_FILE": str(spec_file), "NEONVM_VM_NAME": f"guest{n}",
                     "NEONVM_VM_NAMESPACE": "tests"})
         work_dir = tmp_path / f"work{n}"
         args = [sys.executable, "-m", "neonvm.runner.main", "--port", str(port),
@@ -851,3 +901,45 @@ def test_sigterm_during_boot_still_powers_the_guest_down(start_runner: Any) -> N
     runner.proc.send_signal(signal.SIGTERM)
     assert runner.wait_exit(timeout=240) == ExitCode.GUEST_POWERED_OFF
     assert "guest: power button pressed, powering off" in runner.console()
+
+
+def tcp_listeners(port: int) -> list[str]:
+    """Addresses with a TCP socket listening on ``port`` in this network namespace."""
+    found = []
+    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        path = Path("/proc/net") / table
+        if not path.exists():
+            continue
+        for line in path.read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, hex_port = local.split(":")
+            if state != "0A" or int(hex_port, 16) != port:  # 0A: LISTEN
+                continue
+            # The kernel prints each 32-bit word of the address in host (little-endian) order.
+            raw = b"".join(bytes.fromhex(address[i:i + 8])[::-1]
+                           for i in range(0, len(address), 8))
+            found.append(socket.inet_ntop(family, raw))
+    return found
+
+
+def test_qmp_listens_on_loopback_only_and_a_spec_over_128_kib_comes_from_the_file(
+        start_runner: Any) -> None:
+    qmp = free_port()
+    env = big_guest_env(EXEC_STRING_LIMIT + 20_000)
+    # The runner's own port and guest ports on every address, as in a pod.
+    runner = start_runner(mode="powerdown", extra_args=["--listen-address", "0.0.0.0"],
+                          spec_overrides={"qmp": qmp, "guest": {"env": env}})
+    wait_for(lambda: (s := runner.status()) and s["qemuPid"] and s, timeout=120,
+             interval=0.1, what="QEMU started")
+
+    listening = wait_for(lambda: tcp_listeners(qmp), timeout=60, interval=0.1,
+                         what=f"QEMU listening on the QMP port {qmp}")
+    assert listening == ["127.0.0.1"], f"QMP port {qmp} listens on {listening}"
+    assert "0.0.0.0" in tcp_listeners(runner.port)  # the probes' port: still the pod's IP
+    with socket.create_connection(("127.0.0.1", qmp), timeout=30) as conn:
+        greeting = json.loads(conn.makefile("r").readline())
+    assert "QMP" in greeting
+
+    # The spec came from the file: all of its > 128 KiB reached QEMU's guest config.
+    config = json.loads((runner.work_dir / "guest-config.json").read_text())
+    assert len(config["env"]) == len(env) and config["env"][-1] == env[-1]

@@ -15,8 +15,23 @@ What every runner pod carries, whatever the spec says (the fence depends on it):
 From the spec: image (``spec.runnerImage`` or the controller's default), resources
 (``spec.podResources`` or derived from the guest's CPUs and memory), node selector,
 tolerations, affinity, scheduler, service account, pull secrets, grace period, extra
-disks as volumes, and the runner contract (command ``neonvm-runner``, the spec as JSON
-in ``NEONVM_VM_SPEC``, probes on the runner port).
+disks as volumes, and the runner contract (command ``neonvm-runner``, the spec as a file,
+probes on the runner port).
+
+The spec travels as a file, not an environment variable: the annotation
+``vm.neon.tech/spec`` holds it as JSON and a downward-API volume projects that annotation
+to ``/vm/spec/spec.json`` (``NEONVM_SPEC_FILE``). exec refuses any single environment
+string over 128 KiB, so a large spec in a variable made a pod that could be created but
+never started. Annotations are limited to 256 KiB in total; a spec that does not fit is a
+:class:`PodSpecError` here, with its size, rather than a refusal at create.
+
+Least privilege, whatever the spec says (docs/runner.md, "Runner pod security"): no
+service-account token, uid/gid 65532 (``runAsNonRoot``), seccomp ``RuntimeDefault``, and
+in every container no privilege escalation, all capabilities dropped and a read-only root
+filesystem (the runner writes only to its work-dir emptyDir and the disk volumes). The
+pod meets the Pod Security Standard "restricted". A port below 1024 (runner, guest or
+QMP) is allowed by the namespaced sysctl ``net.ipv4.ip_unprivileged_port_start``, not by
+a capability.
 
 Not checked here: whether the API server will accept the result. A spec that passes the
 CRD schema but cannot be realised (say, requests above limits) is refused at create, and
@@ -46,6 +61,19 @@ ROOT_DISK_VOLUME = "vm-images"
 MEMORY_OVERHEAD = 256 * 1024 * 1024
 """Memory for QEMU and the runner itself, on top of the guest's memory."""
 ANNOTATION_GENERATION = "vm.neon.tech/generation"
+ANNOTATION_SPEC = "vm.neon.tech/spec"
+"""The VM spec as JSON, projected into the runner's spec file."""
+SPEC_DIR = "/vm/spec"
+SPEC_FILE = f"{SPEC_DIR}/spec.json"
+SPEC_VOLUME = "vm-spec"
+WORK_DIR = "/vm/run"
+"""The runner's work dir (QMP socket, root overlay, disk images): an emptyDir."""
+WORK_VOLUME = "vm-run"
+RUNNER_UID = 65532
+"""uid and gid of every container of a runner pod (the usual "nonroot" id)."""
+MAX_ANNOTATIONS_BYTES = 256 * 1024
+"""The API server's limit on the total size of a pod's annotations (keys and values)."""
+UNPRIVILEGED_PORT_SYSCTL = "net.ipv4.ip_unprivileged_port_start"
 
 
 class PodSpecError(ValueError):
@@ -74,7 +102,8 @@ def runner_pod(vm: VirtualMachine, plan: PendingPod,
         "imagePullPolicy": defaults.image_pull_policy,
         "command": [RUNNER_COMMAND],
         "env": [
-            {"name": "NEONVM_VM_SPEC", "value": json.dumps(encode(spec), sort_keys=True)},
+            {"name": "NEONVM_SPEC_FILE", "value": SPEC_FILE},
+            {"name": "NEONVM_WORK_DIR", "value": WORK_DIR},
             {"name": "NEONVM_VM_NAME", "value": vm.name},
             {"name": "NEONVM_VM_NAMESPACE", "value": vm.namespace},
             {"name": "NEONVM_VM_UID", "value": vm.uid},
@@ -86,6 +115,7 @@ def runner_pod(vm: VirtualMachine, plan: PendingPod,
         "livenessProbe": _probe("/healthz", port, period=10, failures=3),
         "readinessProbe": _probe("/ready", port, period=5, failures=1),
         "resources": _resources(vm),
+        "securityContext": _container_security(),
     }
     for guest_port in spec.guest.ports or []:
         entry: dict[str, Any] = {"containerPort": guest_port.port,
@@ -94,6 +124,14 @@ def runner_pod(vm: VirtualMachine, plan: PendingPod,
             entry["name"] = guest_port.name
         container["ports"].append(entry)
     volumes, mounts = _disks(vm)
+    volumes += [
+        {"name": SPEC_VOLUME, "downwardAPI": {"items": [{
+            "path": SPEC_FILE.rsplit("/", 1)[1],
+            "fieldRef": {"fieldPath": f"metadata.annotations['{ANNOTATION_SPEC}']"}}]}},
+        {"name": WORK_VOLUME, "emptyDir": {}},
+    ]
+    mounts += [{"name": SPEC_VOLUME, "mountPath": SPEC_DIR, "readOnly": True},
+               {"name": WORK_VOLUME, "mountPath": WORK_DIR}]
     init_containers = []
     image = spec.guest.root_disk.image
     if image and not image.startswith("/"):
@@ -109,15 +147,17 @@ def runner_pod(vm: VirtualMachine, plan: PendingPod,
             or defaults.image_pull_policy,
             "command": ["cp", "/disk.qcow2", f"{ROOT_DISK_DIR}/rootdisk.qcow2"],
             "volumeMounts": [{"name": ROOT_DISK_VOLUME, "mountPath": ROOT_DISK_DIR}],
+            "securityContext": _container_security(),
         })
         container["env"].append(
             {"name": "NEONVM_ROOT_DISK", "value": f"{ROOT_DISK_DIR}/rootdisk.qcow2"})
-    if mounts:
-        container["volumeMounts"] = mounts
+    container["volumeMounts"] = mounts
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
         "schedulingGates": [{"name": types.SCHEDULING_GATE}],
         "enableServiceLinks": False,
+        "automountServiceAccountToken": False,
+        "securityContext": _pod_security(vm, port),
         "containers": [container],
     }
     if init_containers:
@@ -133,7 +173,7 @@ def runner_pod(vm: VirtualMachine, plan: PendingPod,
         "terminationGracePeriodSeconds": spec.termination_grace_period_seconds,
     }
     pod_spec.update({k: v for k, v in optional.items() if v is not None})
-    return {
+    pod: dict[str, Any] = {
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {
@@ -157,6 +197,56 @@ def runner_pod(vm: VirtualMachine, plan: PendingPod,
         },
         "spec": pod_spec,
     }
+    annotations = pod["metadata"]["annotations"]
+    annotations[ANNOTATION_SPEC] = _spec_annotation(vm, annotations)
+    return pod
+
+
+def _spec_annotation(vm: VirtualMachine, others: dict[str, str]) -> str:
+    """The spec as compact JSON, if it fits beside the other annotations."""
+    text = json.dumps(encode(vm.spec), sort_keys=True, separators=(",", ":"))
+    used = sum(len(k.encode()) + len(v.encode()) for k, v in others.items())
+    size = len(ANNOTATION_SPEC) + len(text.encode())
+    if used + size > MAX_ANNOTATIONS_BYTES:
+        raise PodSpecError(
+            f"the spec is {len(text.encode())} bytes as JSON; the runner pod carries it in "
+            f"the annotation {ANNOTATION_SPEC}, and a pod's annotations may hold at most "
+            f"{MAX_ANNOTATIONS_BYTES} bytes in total")
+    return text
+
+
+def _container_security() -> dict[str, Any]:
+    """Every container of a runner pod: no privilege, no capability, read-only root."""
+    return {
+        "privileged": False,
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+
+
+def _pod_security(vm: VirtualMachine, runner_port: int) -> dict[str, Any]:
+    """Non-root with the runtime's seccomp profile; low ports through a namespaced sysctl.
+
+    A non-root process cannot be given CAP_NET_BIND_SERVICE through the pod spec (no
+    ambient capabilities), so a port below 1024 lowers the network namespace's
+    unprivileged port start to that port instead: a "safe" sysctl, allowed by the
+    restricted Pod Security Standard.
+    """
+    security: dict[str, Any] = {
+        "runAsNonRoot": True,
+        "runAsUser": RUNNER_UID,
+        "runAsGroup": RUNNER_UID,
+        "fsGroup": RUNNER_UID,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    ports = [runner_port, *(p.port for p in vm.spec.guest.ports or [])]
+    if vm.spec.qmp is not None:
+        ports.append(vm.spec.qmp)
+    lowest = min(ports)
+    if lowest < 1024:
+        security["sysctls"] = [{"name": UNPRIVILEGED_PORT_SYSCTL, "value": str(lowest)}]
+    return security
 
 
 def has_our_gate(pod: dict[str, Any]) -> bool:

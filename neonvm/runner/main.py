@@ -42,7 +42,7 @@ from neonvm.runner.host import (
 from neonvm.runner.metrics import runner_registry
 from neonvm.runner.qemu import LaunchContext, LaunchPlan, build_launch_plan
 from neonvm.runner.server import RunnerHTTPServer
-from neonvm.runner.spec import LoadedSpec, load_spec
+from neonvm.runner.spec import ENV_SPEC_FILE, LoadedSpec, load_spec
 from neonvm.runner.state import ExitCode, Outcome, RunnerState, Sizing
 from neonvm.runner.supervisor import ShutdownPolicy, Supervisor, shutdown_budget
 
@@ -195,14 +195,16 @@ def runner_options(command: Callable[..., None]) -> Callable[..., None]:
     """The runner's flags, shared by ``neonvm-runner`` and ``neonvm runner run``."""
     options = [
         click.option("--spec-file", type=click.Path(dir_okay=False, path_type=Path),
-                     envvar="NEONVM_SPEC_FILE",
+                     envvar=ENV_SPEC_FILE,
                      help="VM spec (JSON or YAML; a spec or a whole VirtualMachine). "
-                          "Default: $NEONVM_VM_SPEC."),
+                          "Runner pods mount it from a pod annotation. Fallback: "
+                          "$NEONVM_VM_SPEC."),
         click.option("--port", type=click.IntRange(1, 65535), envvar="NEONVM_RUNNER_PORT",
                      help=f"HTTP port [default: spec.runnerPort, else {DEFAULT_PORT}]"),
         click.option("--listen-address", default="0.0.0.0", show_default=True,
                      envvar="NEONVM_LISTEN_ADDRESS",
-                     help="Address for HTTP, guest port forwards and the QMP TCP port."),
+                     help="Address for HTTP and guest port forwards (the spec.qmp "
+                          "port listens on 127.0.0.1 only)."),
         click.option("--work-dir", type=click.Path(file_okay=False, path_type=Path),
                      envvar="NEONVM_WORK_DIR",
                      help="QMP socket, root overlay, disk images [default: a temp dir, "

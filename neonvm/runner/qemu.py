@@ -6,7 +6,8 @@ argv, the disk files to create before launch, the files that must exist, and the
 handed to the guest. It reads no file and starts nothing; :mod:`neonvm.runner.disks`
 performs the plan's side effects.
 
-Guaranteed for every plan: a QMP unix socket in the work dir, the serial console on
+Guaranteed for every plan: a QMP unix socket in the work dir (and, with ``spec.qmp``, a
+QMP TCP port on 127.0.0.1 only, never on the listen address), the serial console on
 QEMU's stdout, ``-nodefaults -display none -no-reboot`` (so a guest reboot ends QEMU,
 and the restart policy decides what happens next), and a :class:`SpecError` with the
 offending field for any spec that cannot be run (min > max, nothing to boot, a disk with
@@ -52,6 +53,11 @@ MAX_UNIX_SOCKET_PATH = 107
 """sun_path holds 108 bytes including the terminating NUL."""
 VIRTIO_SERIAL_MAX = 20
 """virtio-blk serial numbers are at most 20 bytes."""
+QMP_TCP_HOST = "127.0.0.1"
+"""Where the optional ``spec.qmp`` monitor listens. QMP is unauthenticated and can make
+QEMU read, write and execute in the runner's container, so it is never bound to the
+pod's IP. Containers of the same pod share the loopback; anyone else goes through the
+Kubernetes API (``kubectl port-forward``, authorised by RBAC on ``pods/portforward``)."""
 
 
 @dataclass(frozen=True)
@@ -67,7 +73,7 @@ class LaunchContext:
     """Names of disks whose ``<disks dir>/<name>`` exists and is writable: an emptyDisk
     image goes there (the pod's emptyDir, sized for it), else into the work dir."""
     listen_address: str = "0.0.0.0"
-    """Host address for guest port forwards and the optional QMP TCP port."""
+    """Host address for guest port forwards (the QMP TCP port is always loopback)."""
     root_disk_override: Path | None = None
     vm_name: str = "vm"
     vm_namespace: str = ""
@@ -283,7 +289,9 @@ def build_launch_plan(spec: VirtualMachineSpec, ctx: LaunchContext) -> LaunchPla
     if spec.qmp is not None:
         if spec.qmp == ctx.runner_port:
             raise SpecError(f"qmp port {spec.qmp} is the runner's own port")
-        argv += ["-chardev", f"socket,id=qmp-tcp,host={ctx.listen_address},port={spec.qmp},"
+        # Loopback only, whatever the listen address: QMP has no authentication and can
+        # run commands in the runner's container. See QMP_TCP_HOST.
+        argv += ["-chardev", f"socket,id=qmp-tcp,host={QMP_TCP_HOST},port={spec.qmp},"
                              "server=on,wait=off",
                  "-mon", "chardev=qmp-tcp,mode=control"]
     argv += ["-object", "rng-random,id=rng0,filename=/dev/urandom",

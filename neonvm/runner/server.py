@@ -8,8 +8,10 @@
 * ``GET /metrics`` Prometheus text format from the runner's own registry.
 
 Each request reads one snapshot; handlers never touch QEMU or QMP, so a stuck guest
-cannot make a probe time out. Not guaranteed: TLS or authentication (the port is
-pod-internal, as in NeonVM).
+cannot make a probe time out. Every endpoint is a read (any other method gets 501 from
+the standard library): nothing sent to this port reaches QEMU, which is why it may listen
+on the pod's IP for the kubelet's probes. Not guaranteed: TLS or authentication; anyone
+who can reach the pod's IP can read the status and metrics.
 """
 
 from __future__ import annotations

@@ -1,10 +1,13 @@
 """Where the runner gets its VM spec, and the one-line errors when it cannot.
 
-Sources, first match wins: ``--spec-file PATH`` (JSON or YAML, either the ``spec`` object
-alone or a whole VirtualMachine), else the environment variable ``NEONVM_VM_SPEC`` (the
-``spec`` object as JSON, which is what the controller puts in the runner pod). The VM's
-name and namespace come from ``NEONVM_VM_NAME`` / ``NEONVM_VM_NAMESPACE``, else from the
-object's metadata.
+Sources, first match wins: ``--spec-file PATH`` / ``NEONVM_SPEC_FILE`` (JSON or YAML,
+either the ``spec`` object alone or a whole VirtualMachine), else the environment variable
+``NEONVM_VM_SPEC`` (the ``spec`` object as JSON). A runner pod gets the file: the
+controller writes the spec into a pod annotation and a downward-API volume projects it to
+``/vm/spec/spec.json``, because one environment string is limited to 128 KiB by exec and
+the whole pod to what the API server accepts. The variable is a fallback for runs by hand
+and for pods made by controllers from before the file. The VM's name and namespace come
+from ``NEONVM_VM_NAME`` / ``NEONVM_VM_NAMESPACE``, else from the object's metadata.
 
 Guaranteed: a returned spec decoded with :func:`neonvm.api.schema.decode`, the same codec
 the controller uses, so the two read a spec the same way. Not checked here: whether the
@@ -26,6 +29,8 @@ from neonvm.api.types import VirtualMachineSpec
 from neonvm.runner.errors import SpecError
 
 ENV_SPEC = "NEONVM_VM_SPEC"
+ENV_SPEC_FILE = "NEONVM_SPEC_FILE"
+"""Read by the command's ``--spec-file`` option (:mod:`neonvm.runner.main`)."""
 ENV_NAME = "NEONVM_VM_NAME"
 ENV_NAMESPACE = "NEONVM_VM_NAMESPACE"
 
@@ -57,7 +62,8 @@ def load_spec(spec_file: Path | None, env: Mapping[str, str]) -> LoadedSpec:
         source = ENV_SPEC
         text = env[ENV_SPEC]
     else:
-        raise SpecError(f"no VM spec: set {ENV_SPEC} or pass --spec-file")
+        raise SpecError(f"no VM spec: pass --spec-file (or set {ENV_SPEC_FILE}), "
+                        f"or set {ENV_SPEC}")
     spec, meta = parse_spec_document(text, source)
     name = env.get(ENV_NAME) or meta.get("name") or "vm"
     namespace = env.get(ENV_NAMESPACE) or meta.get("namespace") or ""
