@@ -174,6 +174,15 @@ def ci_scenarios(base: Config | None = None) -> list[Scenario]:
                 vm_delete=1, failover=1, lock_expiry=1, conflict=1)),
         ),
         Scenario(
+            "planted-pod",
+            "a running VM's pod is deleted; the user plants a pod under the next plan name "
+            "(or the recorded plan's, before the create), gated and owned by the VM; a "
+            "failover on the way",
+            locked,
+            with_adversaries(_steady(locked, 2), locked, budget=Budget(
+                pod_delete=1, plant=1, failover=1)),
+        ),
+        Scenario(
             "paused-writers",
             "two deposed leaders paused on a create and on an ungate patch; the user "
             "deletes the pod (cache history 1)",
