@@ -132,7 +132,7 @@ def paused_writers(cfg: Config) -> World:
 
 
 def ci_scenarios(base: Config | None = None) -> list[Scenario]:
-    """The CI set: about half a million states, a few minutes on two shared cores.
+    """The CI set: about 650,000 states, a few minutes on two shared cores.
 
     ``base`` carries the model switches (breakages, driver variants); each scenario sets
     its own cache history and lock mode on top.
