@@ -6,7 +6,8 @@ when the chart's copies drift).
 
 The admission fence (a ValidatingAdmissionPolicy, evaluated inside the API server):
 
-* a pod labelled for a VM must be created carrying the runner scheduling gate;
+* only the controller's identity may create a pod labelled for a VM (either VM label),
+  and such a pod must be created carrying the runner scheduling gate;
 * only the controller's identity may remove that gate;
 * a pod's VM labels (name and uid) are immutable, so a pod is a runner pod from its
   creation or never, and a runner pod's owner references are immutable (the garbage
@@ -14,7 +15,10 @@ The admission fence (a ValidatingAdmissionPolicy, evaluated inside the API serve
 
 What it does not cover: deletes (anyone allowed to delete pods may delete a runner pod;
 deleting is always safe for the invariant), and identities it names (whoever holds the
-controller's credentials may ungate).
+controller's credentials may create and ungate runner pods). The controller's own check
+(it adopts a pod under a planned name only if the pod carries that plan's fence
+annotations) is defence in depth behind this policy, not a replacement: the fence is
+shown in the VM's status, so anyone who may create runner pods can copy it.
 """
 
 from __future__ import annotations
@@ -107,7 +111,7 @@ def _cel_string(s: str) -> str:
 
 
 def admission_policy(controller_users: list[str]) -> dict[str, Any]:
-    """The runner-pod fence; ``controller_users`` may remove the gate.
+    """The runner-pod fence; ``controller_users`` may create runner pods and remove the gate.
 
     It matches ``pods/status`` as well as ``pods``: a status write keeps the spec and the
     owner references but not the labels, so without it the VM labels could be changed
@@ -141,6 +145,9 @@ def admission_policy(controller_users: list[str]) -> dict[str, Any]:
             "variables": [
                 {"name": "isRunner",
                  "expression": f"has(object.metadata.labels) && {label} in object.metadata.labels"},
+                {"name": "hasVMLabel",
+                 "expression": f"has(object.metadata.labels) && {vm_labels}.exists(k, k in "
+                               f"object.metadata.labels)"},
                 {"name": "wasRunner",
                  "expression": f"oldObject != null && has(oldObject.metadata.labels) && "
                                f"{label} in oldObject.metadata.labels"},
@@ -152,6 +159,15 @@ def admission_policy(controller_users: list[str]) -> dict[str, Any]:
                                f"oldObject.spec.schedulingGates.exists(g, g.name == {gate})"},
             ],
             "validations": [
+                {
+                    # Pod names are predictable: a pod another identity planted under the
+                    # next plan's name would otherwise be found by the controller's create.
+                    "expression": "request.operation != 'CREATE' || !variables.hasVMLabel "
+                                  f"|| request.userInfo.username in {allowed}",
+                    "message": f"only the neonvm controller may create a runner pod "
+                               f"(labelled {types.LABEL_VM_NAME} or {types.LABEL_VM_UID})",
+                    "reason": "Forbidden",
+                },
                 {
                     "expression": "request.operation != 'CREATE' || !variables.isRunner "
                                   "|| variables.hasGate",

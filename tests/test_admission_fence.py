@@ -1,7 +1,8 @@
 """The admission fence, enforced by the real API server (a ValidatingAdmissionPolicy).
 
 Each rule is shown both ways: the write it forbids is refused with the policy's own
-message (not by RBAC), and the neighbouring write it must allow goes through. The last
+message (not by RBAC), and the neighbouring write it must allow goes through. Runner pods
+are created with the controller's identity: no other identity may create one. The last
 tests show that kube-controller-manager's garbage collector is not fenced out: it can
 still orphan and delete runner pods whose VM is gone.
 """
@@ -79,25 +80,55 @@ def remove_all_gates() -> list[dict[str, Any]]:
 def test_a_runner_pod_created_without_the_gate_is_refused_even_for_the_controller(
     api: client.ApiClient, controller_api: client.ApiClient, namespace: str
 ) -> None:
-    for who in (api, controller_api):
-        with pytest.raises(ApiException) as err:
-            client.CoreV1Api(who).create_namespaced_pod(namespace, runner_pod("r", gates=()))
-        assert_fenced(err, "must be created with the scheduling gate")
+    controller = client.CoreV1Api(controller_api)
     with pytest.raises(ApiException) as err:
-        client.CoreV1Api(api).create_namespaced_pod(namespace, runner_pod("r", gates=(OTHER_GATE,)))
+        controller.create_namespaced_pod(namespace, runner_pod("r", gates=()))
     assert_fenced(err, "must be created with the scheduling gate")
+    with pytest.raises(ApiException) as err:
+        controller.create_namespaced_pod(namespace, runner_pod("r", gates=(OTHER_GATE,)))
+    assert_fenced(err, "must be created with the scheduling gate")
+    # Anyone else is refused a runner pod whatever its gates.
+    with pytest.raises(ApiException) as err:
+        client.CoreV1Api(api).create_namespaced_pod(namespace, runner_pod("r", gates=()))
+    assert_fenced(err, "only the neonvm controller may create a runner pod")
 
 
 @pytest.mark.cluster
-def test_a_gated_runner_pod_and_an_ungated_plain_pod_are_admitted(
+def test_the_controllers_gated_runner_pod_and_anyones_plain_pod_are_admitted(
     api: client.ApiClient, controller_api: client.ApiClient, namespace: str
 ) -> None:
     client.CoreV1Api(controller_api).create_namespaced_pod(namespace, runner_pod("r1"))
-    client.CoreV1Api(api).create_namespaced_pod(namespace, runner_pod("r2"))
     client.CoreV1Api(api).create_namespaced_pod(namespace, plain_pod("plain"))
     core = client.CoreV1Api(api)
     assert gates_of(core, namespace, "r1") == [types.SCHEDULING_GATE]
     assert gates_of(core, namespace, "plain") == []
+
+
+VM_LABEL_SETS = [
+    ("both labels", {types.LABEL_VM_NAME: "vm1", types.LABEL_VM_UID: "u"}),
+    ("name label", {types.LABEL_VM_NAME: "vm1"}),
+    ("uid label", {types.LABEL_VM_UID: "u"}),
+]
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize(("what", "labels"), VM_LABEL_SETS, ids=[w for w, _ in VM_LABEL_SETS])
+def test_no_one_but_the_controller_may_create_a_runner_pod_even_gated_and_owned(
+    api: client.ApiClient, controller_api: client.ApiClient, namespace: str,
+    what: str, labels: dict[str, str],
+) -> None:
+    """Pod names are predictable (<vm>-<uid8>-<planSeq>): a pod another identity created
+    under the next plan's name would be what the controller's create runs into. The
+    cluster admin is refused too (it is not the controller's identity)."""
+    vm = create_vm(api, namespace, "vm1")
+    planted = runner_pod(f"vm1-{vm['metadata']['uid'][:8]}-2", vm_uid=vm["metadata"]["uid"],
+                         owner=owner_of(vm))
+    planted["metadata"]["labels"] = {**labels, "app": "runner"}
+    with pytest.raises(ApiException) as err:
+        client.CoreV1Api(api).create_namespaced_pod(namespace, planted)
+    assert_fenced(err, "only the neonvm controller may create a runner pod")
+    assert pod_or_none(client.CoreV1Api(api), namespace, planted["metadata"]["name"]) is None
+    client.CoreV1Api(controller_api).create_namespaced_pod(namespace, planted)
 
 
 @pytest.mark.cluster
@@ -105,7 +136,7 @@ def test_only_the_controller_may_remove_the_gate_and_the_admin_may_not(
     api: client.ApiClient, controller_api: client.ApiClient, namespace: str
 ) -> None:
     core = client.CoreV1Api(api)
-    core.create_namespaced_pod(namespace, runner_pod("r"))
+    client.CoreV1Api(controller_api).create_namespaced_pod(namespace, runner_pod("r"))
 
     with pytest.raises(ApiException) as err:
         core.patch_namespaced_pod("r", namespace, remove_all_gates(), _content_type=JSON_PATCH)
@@ -128,7 +159,7 @@ def test_anyone_may_remove_another_systems_gate_while_ours_stays(
     api: client.ApiClient, controller_api: client.ApiClient, namespace: str
 ) -> None:
     core = client.CoreV1Api(api)
-    core.create_namespaced_pod(
+    client.CoreV1Api(controller_api).create_namespaced_pod(
         namespace, runner_pod("r", gates=(types.SCHEDULING_GATE, OTHER_GATE))
     )
 
@@ -139,7 +170,7 @@ def test_anyone_may_remove_another_systems_gate_while_ours_stays(
     assert gates_of(core, namespace, "r") == [types.SCHEDULING_GATE]
 
     # The controller removes its own gate alone; a gate of someone else would stay.
-    core.create_namespaced_pod(
+    client.CoreV1Api(controller_api).create_namespaced_pod(
         namespace, runner_pod("r2", gates=(OTHER_GATE, types.SCHEDULING_GATE))
     )
     client.CoreV1Api(controller_api).patch_namespaced_pod(
@@ -164,7 +195,7 @@ def test_the_vm_labels_of_a_runner_pod_are_immutable(
     change: str, labels: dict[str, str | None],
 ) -> None:
     core = client.CoreV1Api(api)
-    core.create_namespaced_pod(namespace, runner_pod("r"))
+    client.CoreV1Api(controller_api).create_namespaced_pod(namespace, runner_pod("r"))
     for who in (api, controller_api):
         with pytest.raises(ApiException) as err:
             client.CoreV1Api(who).patch_namespaced_pod(
@@ -236,10 +267,11 @@ def test_the_owner_references_of_a_runner_pod_are_immutable(
     vm = create_vm(api, namespace, "vm1")
     other = create_vm(api, namespace, "vm2")
     core = client.CoreV1Api(api)
-    core.create_namespaced_pod(
+    ccore = client.CoreV1Api(controller_api)
+    ccore.create_namespaced_pod(
         namespace, runner_pod("r", vm_uid=vm["metadata"]["uid"], owner=owner_of(vm))
     )
-    core.create_namespaced_pod(namespace, runner_pod("unowned"))
+    ccore.create_namespaced_pod(namespace, runner_pod("unowned"))
 
     changes: list[tuple[str, list[dict[str, Any]]]] = [
         ("r", [{"op": "replace", "path": "/metadata/ownerReferences/0", "value": owner_of(other)}]),
@@ -278,12 +310,12 @@ def garbage_collector(cluster: LocalCluster) -> None:
 @pytest.mark.nodes
 @pytest.mark.usefixtures("garbage_collector")
 def test_the_garbage_collector_may_orphan_a_runner_pod(
-    api: client.ApiClient, namespace: str
+    api: client.ApiClient, controller_api: client.ApiClient, namespace: str
 ) -> None:
     """Orphaning strips the owner reference: the one owner change the fence allows."""
     vm = create_vm(api, namespace, f"vm-{uuid.uuid4().hex[:6]}")
     core = client.CoreV1Api(api)
-    core.create_namespaced_pod(
+    client.CoreV1Api(controller_api).create_namespaced_pod(
         namespace, runner_pod("r", vm_uid=vm["metadata"]["uid"], owner=owner_of(vm))
     )
     client.CustomObjectsApi(api).delete_namespaced_custom_object(
@@ -308,7 +340,7 @@ def test_the_garbage_collector_deletes_runner_pods_whose_vm_is_gone(
     vm = create_vm(api, namespace, f"vm-{uuid.uuid4().hex[:6]}")
     core = client.CoreV1Api(api)
     for name in ("gated", "ungated"):
-        core.create_namespaced_pod(
+        client.CoreV1Api(controller_api).create_namespaced_pod(
             namespace, runner_pod(name, vm_uid=vm["metadata"]["uid"], owner=owner_of(vm))
         )
     client.CoreV1Api(controller_api).patch_namespaced_pod(

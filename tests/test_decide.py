@@ -44,9 +44,10 @@ def vm(*, finalizers: tuple[str, ...] = (FINALIZER,), deleting: bool = False,
 
 def pod(name: str, *, uid: str | None = None, owner: str | None = UID, gated: bool = True,
         terminating: bool = False, phase: str = "Pending", node: str | None = None,
-        ip: str | None = None) -> d.PodView:
+        ip: str | None = None, fence: tuple[int, int] | None = (3, 40)) -> d.PodView:
+    """A pod; its fence defaults to that of :func:`plan` (epoch 3, token 40)."""
     return d.PodView(name=name, uid=uid or f"uid-{name}", owner_uid=owner, gated=gated,
-                     terminating=terminating, phase=phase, node=node, ip=ip)
+                     terminating=terminating, phase=phase, node=node, ip=ip, fence=fence)
 
 
 def obs(v: VirtualMachine | None, *pods: d.PodView, direct: bool = True,
@@ -422,3 +423,33 @@ def test_a_plan_is_recorded_only_once_the_backoff_since_the_last_restart_has_pas
     else:
         assert isinstance(action, d.Wait) and action.condition == "RestartBackoff"
         assert 0 < action.seconds <= backoff
+
+
+# ---- adoption needs the plan's fence (a planted pod is never committed) -------------------
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("fence", [None, (3, 41), (2, 40), (4, 40)],
+                         ids=["no-fence", "other-token", "older-epoch", "newer-epoch"])
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "ungated"])
+def test_a_pod_without_the_plans_fence_is_not_adopted(fence: tuple[int, int] | None,
+                                                       gated: bool) -> None:
+    """Owned by the VM, labelled, under the planned name: still not ours without the
+    (epoch, token) the plan's own create writes. The plan is dropped, never committed."""
+    v = vm(pending_pod=plan(), plan_seq=1)
+    for direct in (False, True):
+        action = d.decide(obs(v, pod(POD1, gated=gated, fence=fence), direct=direct))
+        assert action == d.DropPlan(name=POD1, reason=action.reason), action
+        assert "does not carry the fence" in action.reason
+
+
+@pytest.mark.unit
+def test_a_planted_pod_left_after_its_plan_is_dropped_is_deleted() -> None:
+    # The plan was dropped and plan #2 committed: the planted pod is deleted before the
+    # committed pod is ungated.
+    v = vm(plan_seq=2, pod_name=POD2, pod_uid=f"uid-{POD2}")
+    planted = pod(POD1, fence=None)
+    ours = pod(POD2)
+    assert isinstance(d.decide(obs(v, planted, ours, direct=False)), d.ObserveDirect)
+    action = d.decide(obs(v, planted, ours))
+    assert action == d.DeletePod(name=POD1, uid=planted.uid, reason=action.reason)

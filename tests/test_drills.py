@@ -235,7 +235,8 @@ def make_vm(api: client.ApiClient, namespace: str, name: str) -> dict[str, Any]:
 
 def make_runner_pod(api: client.ApiClient, namespace: str, name: str, vm: dict[str, Any]
                     ) -> client.V1Pod:
-    """A gated pod labelled for ``vm`` (what the admission fence lets anyone create)."""
+    """A gated pod labelled for ``vm`` (``api`` must be the controller's: the admission
+    fence lets no one else create a runner pod)."""
     meta = vm["metadata"]
     body = {
         "apiVersion": "v1", "kind": "Pod",
@@ -270,7 +271,7 @@ def test_check_passes_an_empty_namespace_and_reports_two_ungated_pods_of_one_vm(
 
     vm = make_vm(api, namespace, "twin")
     for name in ("twin-a", "twin-b"):
-        make_runner_pod(api, namespace, name, vm)
+        make_runner_pod(controller_api, namespace, name, vm)
         ungate(controller_api, namespace, name)
     bad = run_cli("check", "--kubeconfig", kubeconfig, "-n", namespace, "-o", "json")
     assert bad.exit_code == 1
@@ -283,11 +284,12 @@ def test_check_passes_an_empty_namespace_and_reports_two_ungated_pods_of_one_vm(
 
 @pytest.mark.cluster
 def test_check_reports_orphans_missing_pods_and_stuck_plans(
-        cluster: LocalCluster, api: client.ApiClient, namespace: str) -> None:
+        cluster: LocalCluster, api: client.ApiClient, controller_api: client.ApiClient,
+        namespace: str) -> None:
     custom = client.CustomObjectsApi(api)
     vm = make_vm(api, namespace, "lonely")
     # A pod for a VM uid that does not exist (a deleted VM of the same name).
-    make_runner_pod(api, namespace, "lonely-old",
+    make_runner_pod(controller_api, namespace, "lonely-old",
                     {"metadata": {"name": "lonely", "uid": str(uuid.uuid4())}})
     # Status naming a pod that does not exist, and a plan recorded in status.
     vm["status"] = {"podName": "lonely-ghost", "phase": "Running",
@@ -326,9 +328,9 @@ def test_check_reports_orphans_missing_pods_and_stuck_plans(
 def test_with_settle_a_finding_that_resolves_is_dropped_but_a_duplicate_never_is(
         api: client.ApiClient, controller_api: client.ApiClient, namespace: str) -> None:
     vm = make_vm(api, namespace, "settling")
-    make_runner_pod(api, namespace, "orphan", {"metadata": {"name": "gone", "uid": "x"}})
+    make_runner_pod(controller_api, namespace, "orphan", {"metadata": {"name": "gone", "uid": "x"}})
     for name in ("settling-a", "settling-b"):
-        make_runner_pod(api, namespace, name, vm)
+        make_runner_pod(controller_api, namespace, name, vm)
         ungate(controller_api, namespace, name)
 
     def meanwhile(_seconds: float) -> None:
@@ -349,7 +351,7 @@ def test_the_watchdog_sees_a_duplicate_and_an_unannounced_deletion(
     vm = make_vm(api, namespace, "watched")
     with Watchdog(api, namespace) as dog:
         for name in ("watched-a", "watched-b"):
-            make_runner_pod(api, namespace, name, vm)
+            make_runner_pod(controller_api, namespace, name, vm)
         ungate(controller_api, namespace, "watched-a")
         ungate(controller_api, namespace, "watched-b")
         client.CoreV1Api(api).delete_namespaced_pod("watched-b", namespace)

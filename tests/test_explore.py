@@ -153,6 +153,56 @@ def test_creating_before_recording_the_plan_is_caught_at_the_create() -> None:
     assert cx.trace[-1][0].kind == "create"
 
 
+@pytest.mark.unit
+def test_adopting_a_pod_on_its_name_alone_commits_a_planted_pod() -> None:
+    """Without the fence check, the pod the user planted under the recorded plan's name is
+    committed (and would be ungated): the checker catches it."""
+    scenario = next(s for s in ci_scenarios(broken("adopt_without_fence"))
+                    if s.name == "planted-pod")
+    cx = first(scenario)
+    assert cx.invariant == "adopts-only-its-own-pods"
+    assert any(s.kind == "plant" for s, _ in cx.trace)
+    last = cx.trace[-1][1]
+    assert last.vm is not None
+    planted = next(p for p in last.pods if p.fence is None)
+    assert planted.uid == last.vm.status.pod_uid or not planted.gated
+
+
+@pytest.mark.unit
+def test_a_planted_pod_is_dropped_and_deleted_and_the_vm_gets_its_own() -> None:
+    """One concrete run of the shipped code: plan recorded, pod planted under its name, the
+    plan is dropped, a new plan is created and committed, the planted pod deleted."""
+    actors = Actors(SHIPPED)
+    w = running_vm(SHIPPED)
+    assert w.vm is not None
+    w = w._replace(pods=(), budget=Budget(plant=1))  # the pod is gone (and was restarted)
+    w = w._replace(vm=w.vm._replace(status=w.vm.status._replace(
+        pod_name="", pod_uid="", phase="Pending", ip=None, node=None)))
+    w = actors.calm_leader_step(w)[1]  # type: ignore[index]  # RecordPlan decided
+    w = actors.calm_leader_step(w)[1]  # type: ignore[index]  # ... and written
+    assert w.vm is not None and w.vm.status.pending is not None
+    planned = w.vm.status.pending.name
+    w = next(t for s, t in actors.adversary_steps(w) if s.kind == "plant"
+             and s.args[0] == planned)
+    w = calm(w)
+    seen: list[str] = []
+    for _ in range(60):
+        env = actors.environment_steps(w)
+        if env:
+            w = env[0][1]
+            continue
+        if converged(w) is None and w.workers[0].pc == "idle":
+            break
+        step, w = actors.calm_leader_step(w)  # type: ignore[misc]
+        seen.append(step.text)
+    assert converged(w) is None, seen
+    assert w.vm is not None and w.vm.status.pod_name != planned
+    assert [p.fence for p in w.pods] == [(w.vm.status.fence.epoch,  # type: ignore[union-attr]
+                                          w.vm.status.fence.token)]  # type: ignore[union-attr]
+    assert any("DropPlan" in t for t in seen) and any(planned in t and "DeletePod" in t
+                                                      for t in seen), seen
+
+
 def _sync_before_d9c1dc9(action: d.Action, lease: d.Lease) -> Callable[[Any], Any]:
     """The sync mutation as it was before the explorer's first finding was fixed."""
     if not isinstance(action, d.SyncStatus):

@@ -117,11 +117,12 @@ def ungate(controller_api: client.ApiClient, namespace: str, name: str) -> None:
 
 
 def test_a_gated_pod_stays_unscheduled_while_an_ungated_one_runs(
-    api: client.ApiClient, namespace: str
+    api: client.ApiClient, controller_api: client.ApiClient, namespace: str
 ) -> None:
     core = client.CoreV1Api(api)
     vm = create_sample_vm(api, namespace)
-    core.create_namespaced_pod(namespace, pod_manifest("gated", runner_of=vm))
+    client.CoreV1Api(controller_api).create_namespaced_pod(
+        namespace, pod_manifest("gated", runner_of=vm))
     core.create_namespaced_pod(namespace, pod_manifest("control"))
 
     running(core, namespace, "control")  # the scheduler and the nodes are at work...
@@ -138,7 +139,8 @@ def test_an_ungated_runner_pod_is_scheduled_and_becomes_running_and_ready(
 ) -> None:
     core = client.CoreV1Api(api)
     vm = create_sample_vm(api, namespace)
-    core.create_namespaced_pod(namespace, pod_manifest("runner", runner_of=vm))
+    client.CoreV1Api(controller_api).create_namespaced_pod(
+        namespace, pod_manifest("runner", runner_of=vm))
     ungate(controller_api, namespace, "runner")
 
     pod = running(core, namespace, "runner")
@@ -217,7 +219,8 @@ def test_runner_pods_whose_vm_is_deleted_are_garbage_collected(
 ) -> None:
     core = client.CoreV1Api(api)
     vm = create_sample_vm(api, namespace)
-    core.create_namespaced_pod(namespace, pod_manifest("runner", runner_of=vm, grace=3))
+    client.CoreV1Api(controller_api).create_namespaced_pod(
+        namespace, pod_manifest("runner", runner_of=vm, grace=3))
     ungate(controller_api, namespace, "runner")
     running(core, namespace, "runner")
 

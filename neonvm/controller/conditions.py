@@ -3,7 +3,10 @@
 Degraded is True while a create was refused for the current generation (reason
 ``CreateRefused``, written by the driver when the API server refuses) or while a pull
 secret the VM names is missing (reason ``ImagePullSecretNotFound``, derived here from the
-decision to wait); it turns False once a runner pod is committed.
+decision to wait); it turns False once a runner pod is committed. It is also True
+(reason ``FenceAhead``, written by :func:`fence_ahead_mutation`) while the VM's status
+carries a fence ahead of a leader whose authority still holds; it turns False (reason
+``FenceResolved``) at the first reconcile that is no longer fenced.
 
 :func:`desired_conditions` is pure: from a snapshot and the reconcile's final decision it
 derives what the conditions should say. :func:`conditions_mutation` is a status mutation
@@ -31,6 +34,9 @@ from neonvm.controller.observe import CREATE_REFUSED, Snapshot
 READY = "Ready"
 DEGRADED = "Degraded"
 WAITING_FOR_OLD_POD = "WaitingForOldPod"
+FENCE_AHEAD = "FenceAhead"
+"""Degraded reason: the VM's status carries a fence ahead of the (still valid) leader."""
+FENCE_RESOLVED = "FenceResolved"
 
 NODE_FAILURE_HINT = (
     "If the old pod's node has failed, the pod goes away only when Kubernetes deletes it "
@@ -105,7 +111,62 @@ def desired_conditions(snap: Snapshot, final: d.Action) -> list[ConditionUpdate]
         if degraded is not None and degraded.status == "True" and status.pod_name:
             updates.append(ConditionUpdate(DEGRADED, "False", "RunnerCreated",
                                            f"runner pod {status.pod_name} was created"))
+        elif (degraded is not None and degraded.status == "True"
+              and degraded.reason == FENCE_AHEAD):
+            # This reconcile got past the fence check: the fence is no longer ahead.
+            updates.append(ConditionUpdate(DEGRADED, "False", FENCE_RESOLVED,
+                                           "status.fence is no longer ahead of the leader"))
     return updates
+
+
+def fence_ahead(vm: VirtualMachine, lease: d.Lease) -> tuple[int, int] | None:
+    """The (epoch, token) in ``vm``'s status that is ahead of ``lease``, or None.
+
+    Ahead means what the mutations refuse: ``status.fence`` above (epoch, token), or a
+    recorded plan of a higher epoch (what :func:`~neonvm.controller.decide.decide` calls
+    Fenced).
+    """
+    fence = vm.status.fence
+    if fence is not None and (fence.epoch, fence.token) > (lease.epoch, lease.token):
+        return (fence.epoch, fence.token)
+    plan = vm.status.pending_pod
+    if plan is not None and plan.epoch > lease.epoch:
+        return (plan.epoch, plan.token)
+    return None
+
+
+def fence_ahead_message(seen: tuple[int, int], lease: d.Lease) -> str:
+    return (f"status.fence epoch {seen[0]} (token {seen[1]}) is ahead of this leader's epoch "
+            f"{lease.epoch} (token {lease.token}), whose Lease still holds: the VM is left "
+            f"alone (no pod is created, started or deleted for it) until an operator "
+            f"corrects it (for example after a restore from backup): remove status.fence "
+            f"and status.pendingPod, or set status.fence.epoch to at most {lease.epoch}")
+
+
+def fence_ahead_mutation(lease: d.Lease, now: str | None = None) -> StatusMutation:
+    """Degraded/FenceAhead on a VM fenced ahead of ``lease``; conditions only.
+
+    Unlike every other status write it does not stamp the writer's fence and changes
+    nothing but the Degraded condition: ``status.fence``, the plan fields and
+    ``observedGeneration`` stay exactly as they are, so the fence stays ahead and every
+    writer with a lower fence keeps being refused. On the fresh copy of a conflict retry
+    it re-checks that the fence is still ahead (None: nothing to say any more).
+    """
+
+    def mutate(vm: VirtualMachine) -> VirtualMachineStatus | None:
+        seen = fence_ahead(vm, lease)
+        if seen is None:
+            return None
+        update = ConditionUpdate(DEGRADED, "True", FENCE_AHEAD,
+                                 fence_ahead_message(seen, lease), generation=vm.generation)
+        conditions, changed = _apply(vm, [update], now or now_rfc3339())
+        if not changed:
+            return None
+        status = copy.deepcopy(vm.status)
+        status.conditions = conditions
+        return status
+
+    return mutate
 
 
 def refused_condition(message: str, generation: int) -> ConditionUpdate:
@@ -118,37 +179,44 @@ def _find(conditions: list[Condition], type_: str) -> Condition | None:
     return next((c for c in conditions if c.type == type_), None)
 
 
+def _apply(vm: VirtualMachine, updates: list[ConditionUpdate],
+           stamp: str) -> tuple[list[Condition], bool]:
+    """``vm``'s conditions with ``updates`` applied, and whether anything changed."""
+    conditions = copy.deepcopy(vm.status.conditions)
+    changed = False
+    for update in updates:
+        existing = _find(conditions, update.type)
+        generation = update.generation if update.generation is not None else vm.generation
+        if existing is None:
+            if update.only_if_present:
+                continue
+            conditions.append(Condition(
+                type=update.type, status=update.status,  # type: ignore[arg-type]
+                reason=update.reason, message=update.message,
+                last_transition_time=stamp, observed_generation=generation))
+            changed = True
+            continue
+        same = (existing.status, existing.reason, existing.message,
+                existing.observed_generation) == (
+                    update.status, update.reason, update.message, generation)
+        if same:
+            continue
+        if existing.status != update.status:
+            existing.last_transition_time = stamp
+        existing.status = update.status  # type: ignore[assignment]
+        existing.reason, existing.message = update.reason, update.message
+        existing.observed_generation = generation
+        changed = True
+    return conditions, changed
+
+
 def conditions_mutation(updates: list[ConditionUpdate], lease: d.Lease,
                         now: str | None = None) -> StatusMutation:
     """The status write that makes the conditions say ``updates`` (None: already so)."""
 
     def mutate(vm: VirtualMachine) -> VirtualMachineStatus | None:
-        stamp = now or now_rfc3339()
-        conditions = copy.deepcopy(vm.status.conditions)
-        changed = vm.status.observed_generation != vm.generation
-        for update in updates:
-            existing = _find(conditions, update.type)
-            generation = update.generation if update.generation is not None else vm.generation
-            if existing is None:
-                if update.only_if_present:
-                    continue
-                conditions.append(Condition(
-                    type=update.type, status=update.status,  # type: ignore[arg-type]
-                    reason=update.reason, message=update.message,
-                    last_transition_time=stamp, observed_generation=generation))
-                changed = True
-                continue
-            same = (existing.status, existing.reason, existing.message,
-                    existing.observed_generation) == (
-                        update.status, update.reason, update.message, generation)
-            if same:
-                continue
-            if existing.status != update.status:
-                existing.last_transition_time = stamp
-            existing.status = update.status  # type: ignore[assignment]
-            existing.reason, existing.message = update.reason, update.message
-            existing.observed_generation = generation
-            changed = True
+        conditions, changed = _apply(vm, updates, now or now_rfc3339())
+        changed = changed or vm.status.observed_generation != vm.generation
         if not changed:
             return None
         fence = vm.status.fence

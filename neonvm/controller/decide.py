@@ -22,6 +22,8 @@ What this function guarantees, given observations that are truthful snapshots:
 * it never asks to ungate a pod unless that pod is ``status.podName`` and the direct
   pod list shows it as the VM's only pod, not terminating;
 * it never asks to create a pod whose name is not the recorded ``status.pendingPod``;
+* it commits (adopts) a pod only if the pod is owned by the VM and carries the fence
+  (epoch, token) of the recorded plan, which only that plan's create writes;
 * it never asks to delete the committed or the planned pod of a live VM.
 
 What it does not do: it does not perform writes or check preconditions; the driver's
@@ -69,6 +71,9 @@ class PodView:
     """Pod phase: Pending, Running, Succeeded, Failed, Unknown."""
     node: str | None = None
     ip: str | None = None
+    fence: tuple[int, int] | None = None
+    """(epoch, token) of the plan the pod was created for, from its fence annotations
+    (``vm.neon.tech/fence-epoch`` and ``-token``); None when absent or malformed."""
 
     @property
     def finished(self) -> bool:
@@ -455,16 +460,26 @@ def _decide_pending(obs: Observation, vm: VirtualMachine, pending: PendingPod) -
                                f"not found in namespace {vm.namespace}; runner pod "
                                f"{pending.name} is created once it exists")
         return CreatePod(plan=pending, reason=f"plan #{pending.plan_seq} recorded: create it")
-    if pod.owner_uid == vm.uid and not pod.terminating and not pod.gated:
+    # Adoption rule: a pod is the plan's only if it is owned by this VM *and* carries
+    # the plan's fence (epoch, token), which only the create of this plan writes. A pod
+    # planted under the predictable name (or left by anything else) is not adopted: the
+    # plan is dropped, the next plan gets a new name, and the clean-up deletes the pod.
+    ours = pod.owner_uid == vm.uid and pod.fence == (pending.epoch, pending.token)
+    if ours and not pod.terminating and not pod.gated:
         # Created without our gate (stripped by a webhook?): it must not run uncommitted.
         if not obs.direct:
             return ObserveDirect(reason=f"pod {pod.name} has no gate: confirm")
         return DeletePod(name=pod.name, uid=pod.uid,
                          reason=f"pod {pod.name} was created without the scheduling gate")
-    if pod.owner_uid != vm.uid or pod.terminating:
-        return DropPlan(name=pending.name,
-                        reason=f"pod {pending.name} exists but is "
-                               f"{'terminating' if pod.terminating else 'not ours'}")
+    if not ours or pod.terminating:
+        if pod.terminating:
+            why = "terminating"
+        elif pod.owner_uid != vm.uid:
+            why = "not ours"
+        else:
+            why = (f"not ours (it does not carry the fence epoch {pending.epoch} token "
+                   f"{pending.token} of plan #{pending.plan_seq})")
+        return DropPlan(name=pending.name, reason=f"pod {pending.name} exists but is {why}")
     return Commit(name=pod.name, uid=pod.uid, reason=f"pod {pod.name} created: commit it")
 
 

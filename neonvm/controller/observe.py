@@ -107,7 +107,18 @@ def pod_view(pod: dict[str, Any]) -> PodView:
         phase=status.get("phase") or "Pending",
         node=spec.get("nodeName"),
         ip=status.get("podIP"),
+        fence=pod_fence(meta),
     )
+
+
+def pod_fence(meta: dict[str, Any]) -> tuple[int, int] | None:
+    """(epoch, token) from a pod's fence annotations; None when absent or malformed."""
+    annotations = meta.get("annotations") or {}
+    try:
+        return (int(annotations[types.ANNOTATION_EPOCH]),
+                int(annotations[types.ANNOTATION_TOKEN]))
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 def create_failed_generation(vm: VirtualMachine) -> int | None:

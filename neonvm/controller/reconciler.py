@@ -27,8 +27,11 @@ How each action is performed (the precondition is in brackets):
 
 Authority is checked before every action and inside every conflict retry: a lost lease,
 a lost lock or a changed epoch raises :class:`AuthorityLost` and the reconcile stops at
-once. A fresh copy fenced by a newer epoch raises
-:class:`~neonvm.controller.mutations.FencedOut`.
+once. A VM whose status is fenced ahead of us (``decide`` says Fenced, or a mutation
+raises :class:`~neonvm.controller.mutations.FencedOut` on a fresh copy) is checked
+against our authority once more: lost, the reconcile stops as above; still held, the
+fence came from no newer leader, and that VM alone is marked Degraded (``FenceAhead``)
+and left alone while every other VM goes on (:meth:`Reconciler._fenced_ahead`).
 
 What this module does not do: queueing, locking, leader election (see
 :mod:`neonvm.controller.manager`). Safety does not rest on those: it rests on the
@@ -55,9 +58,13 @@ from neonvm.controller import decide as d
 from neonvm.controller import podspec
 from neonvm.controller.conditions import (
     DEGRADED,
+    FENCE_AHEAD,
     ConditionUpdate,
     conditions_mutation,
     desired_conditions,
+    fence_ahead,
+    fence_ahead_message,
+    fence_ahead_mutation,
     refused_condition,
 )
 from neonvm.controller.events import EventRecorder
@@ -81,6 +88,9 @@ from neonvm.kube import api_error_message
 
 FAULT_BUMP_ANNOTATION = "vm.neon.tech/fault-bump"
 """Annotation the conflict fault writes to bump a VM's resourceVersion."""
+FENCE_AHEAD_RECHECK_SECONDS = 300.0
+"""How soon a VM fenced ahead of a valid leader is looked at again (a change to the VM,
+such as an operator's fix of status.fence, is seen at once through the watch)."""
 
 STEP_NAMES: dict[type[d.Action], str] = {
     d.RecordPlan: "plan",
@@ -254,14 +264,15 @@ class Reconciler:
         started = time.monotonic()
         result = "error"
         try:
-            out = self._loop(key, authority, direct_first, log)
-            result = type(out.action).__name__.lower()
+            try:
+                out = self._loop(key, authority, direct_first, log)
+                result = type(out.action).__name__.lower()
+            except FencedOut as exc:
+                if self._metrics:
+                    self._metrics.fenced.inc()
+                out = self._fenced_ahead(key, authority, str(exc), log)
+                result = "fence_ahead"
             return out
-        except FencedOut:
-            result = "fenced"
-            if self._metrics:
-                self._metrics.fenced.inc()
-            raise
         except AuthorityLost:
             result = "authority_lost"
             raise
@@ -322,6 +333,40 @@ class Reconciler:
             snap = self.observe(key, authority, direct=True)
         return ReconcileResult(action=d.Wait(seconds=0.0, reason="step budget used"),
                                requeue_after=0.0, steps=steps)
+
+    def _fenced_ahead(self, key: str, authority: Authority, why: str,
+                      log: Any) -> ReconcileResult:
+        """The VM's status carries a fence ahead of ours: leave this VM alone.
+
+        A leader with a higher epoch exists only once our Lease is gone, and then
+        ``authority.check()`` fails here (:class:`AuthorityLost`: the term ends through
+        the lost-leadership path). If our authority still holds, no newer leader wrote
+        that fence: it came from a restore, a user or a bug. Ending the term for it would
+        stall every VM (and an epoch past int32 would never be reached), so instead this
+        VM alone gets no action but a Degraded condition that leaves fence and plan
+        untouched (:func:`~neonvm.controller.conditions.fence_ahead_mutation`), a Warning
+        event, and a look again after :data:`FENCE_AHEAD_RECHECK_SECONDS`.
+        """
+        authority.check()
+        snap = self.observe(key, authority, direct=True)
+        self._check_uid(snap, authority)
+        record = snap.record
+        lease = authority.lease
+        seen = fence_ahead(record.vm, lease) if record is not None else None
+        if record is None or seen is None:
+            log.info("fenced out ({why}), but the fresh copy is not: looking again", why=why)
+            return ReconcileResult(action=d.Wait(seconds=1.0, reason="fence no longer ahead"),
+                                   requeue_after=1.0, steps=0)
+        message = fence_ahead_message(seen, lease)
+        log.error("VM fenced ahead of this leader, left alone: {msg}", msg=message)
+        outcome = self._update_vm(key, snap, lambda rec: fence_ahead_mutation(lease)(rec.vm),
+                                  self.writer.put_status, authority)
+        if outcome.written:
+            self._events.record(record.vm, FENCE_AHEAD, message, warning=True)
+        action = d.Wait(seconds=FENCE_AHEAD_RECHECK_SECONDS, condition=FENCE_AHEAD,
+                        reason=message)
+        return ReconcileResult(action=action, requeue_after=FENCE_AHEAD_RECHECK_SECONDS,
+                               steps=0)
 
     def _check_uid(self, snap: Snapshot, authority: Authority) -> None:
         vm = snap.obs.vm
@@ -467,7 +512,9 @@ class Reconciler:
     def _name_taken(self, key: str, action: d.CreatePod, snap: Snapshot,
                     authority: Authority, log: Any) -> str:
         """AlreadyExists. A pod labelled for this VM shows up in the next observation and
-        :func:`decide` adopts or drops the plan. A pod *not* labelled for it never does
+        :func:`decide` adopts it only if it carries this plan's fence annotations (epoch
+        and token, written by our create alone), else drops the plan: a pod planted under
+        the predictable name is never committed. A pod *not* labelled for it never does
         (observations list by label), so the driver drops the plan itself, as decide
         would on seeing a pod that is not ours: a new plan gets a new name."""
         assert snap.record is not None

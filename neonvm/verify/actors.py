@@ -40,6 +40,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from neonvm.controller.decide import plan_name
 from neonvm.verify.model import (
     FENCED_OUT,
     LEADER,
@@ -49,6 +50,7 @@ from neonvm.verify.model import (
     ZOMBIE,
     Budget,
     Lock,
+    Plan,
     Pod,
     ShippedCode,
     Status,
@@ -60,6 +62,7 @@ from neonvm.verify.model import (
     pod_by_uid,
     replace_pod,
     set_worker,
+    to_api_vm,
     write_pods,
     write_vm,
 )
@@ -76,6 +79,9 @@ BREAKAGES: dict[str, str] = {
                                    "resourceVersion precondition",
     "delete_without_uid": "delete pods by name, without the uid precondition",
     "no_lock_sweep": "never delete the lock of a VM found gone (no release, no sweep)",
+    "adopt_without_fence": "observe ignores the pods' fence annotations: a pod under the "
+                           "planned name counts as the plan's own (adoption on the name "
+                           "alone)",
 }
 
 STATUS_WRITES = frozenset({"RecordPlan", "Commit", "DropPlan", "Restart", "SyncStatus"})
@@ -322,6 +328,10 @@ class Actors:
             return (Step(me, kind, (None, *read), f"{me}: {what}: VM not in cache"),
                     _set(w, i, _idle(x, need_direct=True)))
         lease = (x.epoch, x.token)
+        if self.cfg.broken("adopt_without_fence") and vm.status.pending is not None:
+            plan = vm.status.pending
+            pods = tuple(p._replace(fence=(plan.epoch, plan.token)) if p.name == plan.name
+                         else p for p in pods)
         a = self.code.decide(vm, pods, lease, direct)
         name = a[0]
         text = f"{me}: {what} → decide: {describe_action(a)}"
@@ -339,7 +349,10 @@ class Actors:
                             _set(w, i, x._replace(pc="patch", action=b, target=target)))
             return step, _set(w, i, _idle(x, need_direct=True))
         if name == "Fenced":
-            return step, _set(w, i, _parked(x, "stopped"))
+            # The driver leaves this VM alone (no pod action, no plan write) and looks
+            # again later; whether it may go on at all is the lock check before that look
+            # (reconciler: fenced-ahead VMs are Degraded, the term goes on).
+            return step, _set(w, i, _idle(x, need_direct=True))
         x = x._replace(action=a, lease=lease, base_fresh=base_fresh, obs_vm=vm, listed=None,
                        need_direct=False)
         if name == "Ungate":
@@ -358,7 +371,7 @@ class Actors:
         if name in STATUS_WRITES or name in FINALIZER_WRITES:
             return self._vm_write(w, i, me, desc)
         if name == "CreatePod":
-            return self._create(w, i, me, x.action[1].name, desc, then=_idle(x))
+            return self._create(w, i, me, x.action[1], desc, then=_idle(x))
         if name == "DeletePod":
             return self._delete(w, i, me, x.action[1], x.action[2], desc)
         raise AssertionError(f"no write for {name}")  # pragma: no cover
@@ -415,8 +428,9 @@ class Actors:
         assert x.action is not None
         if change == FENCED_OUT:
             return (Step(me, "write", (x.action, "fenced"),
-                         f"{me}: PUT {target} {desc}: mutation says FencedOut: stop"),
-                    _set(w, i, _parked(x, "stopped")))
+                         f"{me}: PUT {target} {desc}: mutation says FencedOut: leave the "
+                         f"VM alone"),
+                    _set(w, i, _idle(x, need_direct=True)))
         return (Step(me, "write", (x.action, "noop"),
                      f"{me}: PUT {target} {desc}: mutation: nothing to do"),
                 _set(w, i, _idle(x)))
@@ -435,9 +449,10 @@ class Actors:
                 _set(w, i, x._replace(pc="act", base_fresh=True, lag_vm=0, blind=blind,
                                       obs_vm=x.obs_vm if blind else w.vm)))
 
-    def _create(self, w: World, i: int, me: str, name: str, desc: str,
+    def _create(self, w: World, i: int, me: str, plan: Plan, desc: str,
                 then: Worker) -> tuple[Step, World]:
         x = w.workers[i]
+        name = plan.name
         if pod_by_name(w.pods, name) is not None:
             nxt = then if then.pc != "idle" else _idle(x, need_direct=True)
             return (Step(me, "create", (name, "exists"), f"{me}: POST pod {name} → AlreadyExists"),
@@ -445,7 +460,7 @@ class Actors:
         assert x.obs_vm is not None
         uid = f"u{w.uid_next}"
         pod = Pod(name=name, uid=uid, owner=x.obs_vm.uid, gated=True, node=None,
-                  phase="Pending", terminating=False)
+                  phase="Pending", terminating=False, fence=(plan.epoch, plan.token))
         w2 = write_pods(_set(w, i, then), (*w.pods, pod), self.cfg.history, i)
         return (Step(me, "create", (name, "ok", uid),
                      f"{me}: POST pod {name} (gated) → ok, uid {uid} [{desc}]"),
@@ -454,7 +469,7 @@ class Actors:
     def _precreate(self, w: World, i: int, me: str) -> tuple[Step, World]:
         x = w.workers[i]
         assert x.action is not None
-        return self._create(w, i, me, x.action[1].name,
+        return self._create(w, i, me, x.action[1],
                             "BROKEN: created before the plan is recorded",
                             then=x._replace(pc="act"))
 
@@ -568,6 +583,8 @@ class Actors:
             out.append((Step("user", "edit-spec", (), "user: edit the VM spec"),
                         write_vm(_spend(w, spec_edit=1), vm._replace(
                             spec_v=vm.spec_v + 1, generation=vm.generation + 1), h, None)))
+        if vm is not None and b.plant and not vm.deleting:
+            out.extend(self._plants(w))
         if vm is not None and b.conflict:
             out.append((Step("fault", "conflict", (),
                              "fault: another writer updates the VM (new resourceVersion)"),
@@ -583,6 +600,27 @@ class Actors:
         if b.failover and self.cfg.locks:
             out.extend(self._failovers(w))
         return out
+
+    def _plants(self, w: World) -> Iterator[tuple[Step, World]]:
+        """The user pre-creates a pod under a name the controller will create: the next
+        plan's name, or the recorded plan's before its create. Gated, labelled and owned
+        by the VM (all the admission policy would check when it is off), no fence."""
+        vm = w.vm
+        assert vm is not None
+        s = vm.status
+        names = [plan_name(to_api_vm(vm), s.plan_seq + 1)]
+        if s.pending is not None:
+            names.append(s.pending.name)
+        for name in names:
+            if pod_by_name(w.pods, name) is not None:
+                continue
+            uid = f"u{w.uid_next}"
+            pod = Pod(name=name, uid=uid, owner=vm.uid, gated=True, node=None,
+                      phase="Pending", terminating=False, fence=None)
+            w2 = write_pods(_spend(w, plant=1), (*w.pods, pod), self.cfg.history, None)
+            yield (Step("user", "plant", (name, uid),
+                        f"user: create pod {name} (gated, owned by the VM, no fence)"),
+                   w2._replace(uid_next=w.uid_next + 1))
 
     def _crash(self, w: World, i: int) -> tuple[Step, World]:
         """Crash (SIGKILL) a worker: its in-memory state is lost."""

@@ -11,11 +11,14 @@ State invariants (every explored state):
   ``status.podUID``, of a VM that exists.
 * ``status-describes-its-pod`` — ``status.podIP`` is set only to the IP of the pod
   ``status.podUID`` (a status that shows another pod's address sends clients to it).
+* ``adopts-only-its-own-pods`` — a pod the user planted (no fence annotations) is never
+  committed (``status.podUID``) and never ungated.
 
 Step invariants (every explored transition):
 
-* ``creates-only-recorded-plans`` — a pod is created only under a name whose plan was
-  recorded first (its sequence number is at most ``status.planSeq``).
+* ``creates-only-recorded-plans`` — the controller creates a pod only under a name whose
+  plan was recorded first (its sequence number is at most ``status.planSeq``); pods the
+  user plants are not the controller's creates.
 * ``plan-seq-monotonic``, ``restart-count-monotonic``, ``fence-monotonic`` — the status
   counters and the fence never go back (names are unique forever only if planSeq never
   goes back).
@@ -43,6 +46,8 @@ STATE_INVARIANTS: dict[str, str] = {
     "runs-only-the-committed-pod": "every ungated, non-terminating, unfinished pod is "
                                    "status.podName with status.podUID",
     "status-describes-its-pod": "status.podIP is the IP of the pod status.podUID",
+    "adopts-only-its-own-pods": "a pod without the plan's fence (planted) is never committed "
+                                "or ungated",
 }
 STEP_INVARIANTS: dict[str, str] = {
     "creates-only-recorded-plans": "a pod is created only under a recorded plan name",
@@ -99,6 +104,16 @@ def check_state(w: World, enabled: frozenset[str]) -> Violation | None:
                                  f"{p.name}/{p.uid} runs but status names "
                                  f"{s.pod_name or '-'}/{s.pod_uid or '-'}"
                                  + (f" (pending {s.pending.name})" if s.pending else ""))
+    if "adopts-only-its-own-pods" in enabled:
+        for p in w.pods:
+            if p.fence is not None:
+                continue
+            if not p.gated:
+                return Violation("adopts-only-its-own-pods",
+                                 f"planted pod {p.name}/{p.uid} was ungated")
+            if vm is not None and vm.status.pod_uid == p.uid:
+                return Violation("adopts-only-its-own-pods",
+                                 f"planted pod {p.name}/{p.uid} was committed")
     if "status-describes-its-pod" in enabled and vm is not None and vm.status.ip is not None:
         uid = vm.status.pod_uid
         if not uid or vm.status.ip != f"10.0.0.{uid[1:]}":
@@ -113,7 +128,7 @@ def check_step(before: World, after: World, enabled: frozenset[str]) -> Violatio
     if "creates-only-recorded-plans" in enabled and old is not None:
         known = {p.uid for p in before.pods}
         for p in after.pods:
-            if p.uid in known:
+            if p.uid in known or p.fence is None:  # planted by the user
                 continue
             seq = plan_seq_of(p.name)
             if seq is None or seq > old.status.plan_seq:

@@ -37,6 +37,9 @@ Pods (labelled for the VM; any number):
   terminating; it stays (and its guest may run) until the kubelet finishes, at any later
   step. Owner references: the garbage collector deletes pods whose owner VM is gone.
 * **Phases.** Pending → Running → Succeeded/Failed (the guest exits by itself).
+* **Fence annotations.** A pod the controller creates carries the (epoch, token) of the
+  plan it was created for; a pod the user plants carries none (the ``plant`` adversary:
+  the admission policy that forbids it is assumed off).
 
 Locks' etcd and leader election:
 
@@ -148,6 +151,9 @@ class Pod(NamedTuple):
     node: str | None
     phase: str
     terminating: bool
+    fence: tuple[int, int] | None = None
+    """(epoch, token) of the fence annotations: the plan's lease for a pod the controller
+    created, None for a pod the user planted."""
 
     @property
     def ip(self) -> str | None:
@@ -210,6 +216,9 @@ class Budget(NamedTuple):
     pod_finish: int = 0
     vm_delete: int = 0
     spec_edit: int = 0
+    plant: int = 0
+    """The user creates a pod under the VM's next plan name (or its recorded plan's name
+    before the controller does): gated, labelled, owner-referenced, without the fence."""
 
 
 class World(NamedTuple):
@@ -347,7 +356,8 @@ def from_api_status(s: VirtualMachineStatus) -> Status:
 
 def to_view(p: Pod) -> d.PodView:
     return d.PodView(name=p.name, uid=p.uid, owner_uid=p.owner, gated=p.gated,
-                     terminating=p.terminating, phase=p.phase, node=p.node, ip=p.ip)
+                     terminating=p.terminating, phase=p.phase, node=p.node, ip=p.ip,
+                     fence=p.fence)
 
 
 def _freeze(value: Any) -> Any:

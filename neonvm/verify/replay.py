@@ -257,6 +257,8 @@ class Replayer:
                 {"spec": {"guest": {"cpus": {"use": use}}}})
             self._record_vm()
             return "spec patched"
+        if actor == "user" and kind == "plant":
+            return self._plant_real(args[0], args[1])
         if actor == "fault" and kind == "conflict":
             vm = self.vm_versions[-1]
             self.writer.bump(VMRecord.from_raw(vm))
@@ -357,6 +359,20 @@ class Replayer:
         if model_uid is not None:
             self.uids[model_uid] = created.metadata.uid
         return "ok"
+
+    def _plant_real(self, model_name: str, model_uid: str) -> str:
+        """A runner pod without the fence annotations (the user's plant). Created with
+        the controller's identity: the admission policy lets no one else create one."""
+        raw_vm = self.get_vm() or self.vm_versions[-1]
+        vm = VirtualMachine.from_object(raw_vm)
+        seq = int(model_name[len(MODEL_PREFIX):])
+        plan = Plan(self.real_name(model_name), seq, 0, 0, vm.generation)
+        manifest = podspec.runner_pod(vm, _pending(plan))
+        for key in (types.ANNOTATION_EPOCH, types.ANNOTATION_TOKEN):
+            manifest["metadata"]["annotations"].pop(key, None)
+        created = self.core.create_namespaced_pod(self.namespace, manifest)
+        self.uids[model_uid] = created.metadata.uid
+        return "planted"
 
     def _ungate_real(self, name: str, uid: str, rv: str | None) -> str:
         try:

@@ -132,7 +132,7 @@ def paused_writers(cfg: Config) -> World:
 
 
 def ci_scenarios(base: Config | None = None) -> list[Scenario]:
-    """The CI set: about half a million states, a few minutes on two shared cores.
+    """The CI set: about 650,000 states, a few minutes on two shared cores.
 
     ``base`` carries the model switches (breakages, driver variants); each scenario sets
     its own cache history and lock mode on top.
@@ -172,6 +172,15 @@ def ci_scenarios(base: Config | None = None) -> list[Scenario]:
             locked,
             with_adversaries(_steady(locked, 2), locked, budget=Budget(
                 vm_delete=1, failover=1, lock_expiry=1, conflict=1)),
+        ),
+        Scenario(
+            "planted-pod",
+            "a running VM's pod is deleted; the user plants a pod under the next plan name "
+            "(or the recorded plan's, before the create), gated and owned by the VM; a "
+            "failover on the way",
+            locked,
+            with_adversaries(_steady(locked, 2), locked, budget=Budget(
+                pod_delete=1, plant=1, failover=1)),
         ),
         Scenario(
             "paused-writers",
