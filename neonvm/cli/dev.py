@@ -71,7 +71,7 @@ def up(state_dir: Path | None, nodes: int | None, ports: str) -> None:
     click.echo(f"starting local control plane in {cluster.state_dir}", err=True)
     cluster.up(progress=_progress)
     click.echo(f"ready in {time.monotonic() - started:.1f}s; to use it:", err=True)
-    _print_exports(cluster)
+    print_exports(cluster)
 
 
 @dev.command()
@@ -108,10 +108,11 @@ def env(state_dir: Path | None) -> None:
     'neonvm controller run' uses by default: the admission fence lets only that identity
     start a runner pod. NEONVM_ETCD_ENDPOINTS is the locks' etcd.
     """
-    _print_exports(LocalCluster(state_dir))
+    print_exports(LocalCluster(state_dir))
 
 
-def _print_exports(cluster: LocalCluster) -> None:
+def print_exports(cluster: LocalCluster) -> None:
+    """``export KEY=value`` lines for ``eval``, values shell-quoted."""
     for key, value in cluster.env().items():
         click.echo(f"export {key}={shlex.quote(value)}")
 
