@@ -220,7 +220,7 @@ def test_vm_list_uses_home_kube_config_and_its_context_namespace(
     got = cli("vm", "get", "found", "-o", "json", env=env)
     assert got.exit_code == 0, got.output
     # --context on the command line, and -n overriding the context's namespace.
-    other = cli("vm", "list", "--context", "neonvm-dev", "-n", "default", "-o", "name",
+    other = cli("vm", "list", "--context", "neonvm-dev", "-n", "kube-system", "-o", "name",
                 env=env)
     assert other.exit_code == 0 and other.output.strip() == "", other.output
 
@@ -363,7 +363,7 @@ def test_newcomer_sequence_runs_a_vm_on_a_simulated_node_without_a_403(
     argv = [sys.executable, "-m", "neonvm", "controller", "run",
             "--health-port", "0", "--health-host", "127.0.0.1",
             "--lease-name", lease_name, "--etcd-prefix", f"/t-{uuid.uuid4().hex[:8]}",
-            "--watch-namespace", namespace, "--runner-image", "neonvm-runner:dev"]
+            "--watch-namespace", namespace]
     with log_path.open("wb") as log:
         replica = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
                                    stdin=subprocess.DEVNULL, start_new_session=True)
