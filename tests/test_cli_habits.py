@@ -309,6 +309,14 @@ def test_leader_show_name(cluster: LocalCluster, api: client.ApiClient,
     assert shown.output.strip() == "lease.coordination.k8s.io/shown"
 
 
+@pytest.mark.cluster
+def test_dev_node_list_name(cluster: LocalCluster) -> None:
+    listed = cli("dev", "node", "list", "--state-dir", str(cluster.state_dir), "-o", "name")
+    assert listed.exit_code == 0, listed.output
+    assert sorted(listed.output.split()) == sorted(f"node/{nodes.node_name(i)}"
+                                                   for i in range(cluster.spec.nodes))
+
+
 # ---- the newcomer's path ----------------------------------------------------------------
 
 
