@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import click
-from kubernetes import client
 
 from neonvm import kube
 
@@ -35,11 +34,6 @@ def namespace_option(help_text: str = "Namespace [default: the context's namespa
                                       "else 'default'].") -> Callable[[F], F]:
     """``-n/--namespace``, None when not given (resolve with :func:`namespace_of`)."""
     return click.option("-n", "--namespace", default=None, help=help_text)
-
-
-def connect(kubeconfig: Path | None, context: str | None) -> client.ApiClient:
-    """An API client for the flags (a :class:`kube.KubeconfigError` exits 3)."""
-    return kube.api_client(kubeconfig, context)
 
 
 def namespace_of(namespace: str | None, kubeconfig: Path | None, context: str | None) -> str:
