@@ -2,18 +2,36 @@
 
 Everything that talks to the API server builds its client here, so timeouts and error
 wording are the same across the CLI, the controller and the tests.
+
+Which cluster, as kubectl decides it (:func:`resolve`): ``--kubeconfig`` if given, else
+the files of ``$KUBECONFIG`` (a colon-separated list; files that do not exist are
+skipped, the first file to set a context or ``current-context`` wins), else
+``~/.kube/config`` if it exists, else the pod's service account (in-cluster).
+``--context`` picks a context of those files instead of their ``current-context``, and
+the default namespace is that context's namespace (``default`` when it names none; in a
+pod, the service account's namespace).
 """
 
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
+from kubernetes.config.config_exception import ConfigException
 
 FIELD_MANAGER = "neonvm"
+
+IN_CLUSTER_NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+"""Where a pod's service account namespace is mounted (the in-cluster default namespace)."""
+
+DEFAULT_NAMESPACE = "default"
 
 # Cluster-scoped kinds the project applies, and where they live in the REST API.
 _CLUSTER_PATHS = {
@@ -32,17 +50,137 @@ _CLUSTER_PATHS = {
 }
 
 
-def api_client(kubeconfig: Path | str | None = None) -> client.ApiClient:
-    """An ApiClient for ``kubeconfig`` (default: $KUBECONFIG, then in-cluster)."""
-    if kubeconfig is None:
-        import os
+class KubeconfigError(ConfigException):  # type: ignore[misc]
+    """No usable kubeconfig or context; the message is one line, fit for a user."""
 
-        kubeconfig = os.environ.get("KUBECONFIG")
-    if kubeconfig:
-        return config.new_client_from_config(config_file=str(kubeconfig))
-    cfg = client.Configuration()
-    config.load_incluster_config(client_configuration=cfg)
-    return client.ApiClient(cfg)
+
+@dataclass(frozen=True)
+class KubeSource:
+    """Where a client's cluster, credentials and default namespace come from."""
+
+    files: tuple[Path, ...]
+    """The kubeconfig files, in precedence order; empty: in-cluster (service account)."""
+    context: str | None
+    """The context used (None: in-cluster, or files without any context)."""
+    namespace: str
+    """The default namespace: the context's, else ``default``; in a pod, its own."""
+
+    @property
+    def in_cluster(self) -> bool:
+        return not self.files
+
+    def describe(self) -> str:
+        if self.in_cluster:
+            return "in-cluster service account"
+        files = os.pathsep.join(str(f) for f in self.files)
+        return f"{files} (context {self.context})" if self.context else files
+
+
+def kubeconfig_files(kubeconfig: Path | str | None = None,
+                     environ: Mapping[str, str] | None = None) -> tuple[Path, ...]:
+    """The kubeconfig files to use, in precedence order; empty means in-cluster.
+
+    ``kubeconfig`` (the ``--kubeconfig`` flag) must exist. ``$KUBECONFIG`` may list several
+    files separated by ``:``; missing ones are skipped, but if it names none that exists
+    that is an error (as the user plainly meant a file). ``~/.kube/config`` is used only
+    when neither is set.
+    """
+    env = os.environ if environ is None else environ
+    if kubeconfig is not None and str(kubeconfig) != "":
+        path = Path(kubeconfig).expanduser()
+        if not path.is_file():
+            raise KubeconfigError(f"kubeconfig {path} does not exist")
+        return (path,)
+    listed = env.get("KUBECONFIG", "")
+    if listed:
+        paths = [Path(p).expanduser() for p in listed.split(os.pathsep) if p]
+        existing = tuple(dict.fromkeys(p for p in paths if p.is_file()))
+        if not existing:
+            raise KubeconfigError(f"$KUBECONFIG names no existing file: {listed}")
+        return existing
+    home = env.get("HOME")
+    default = (Path(home) if home else Path.home()) / ".kube" / "config"
+    return (default,) if default.is_file() else ()
+
+
+def _load_files(files: tuple[Path, ...]) -> tuple[str | None, dict[str, dict[str, Any]]]:
+    """kubectl's merge of ``files``: the first ``current-context`` and the first
+    definition of each context name win."""
+    current: str | None = None
+    contexts: dict[str, dict[str, Any]] = {}
+    for path in files:
+        try:
+            doc = yaml.safe_load(path.read_text()) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise KubeconfigError(f"cannot read kubeconfig {path}: {first}") from exc
+        if not isinstance(doc, dict):
+            raise KubeconfigError(f"kubeconfig {path} is not a kubeconfig (not a mapping)")
+        if current is None and doc.get("current-context"):
+            current = str(doc["current-context"])
+        for entry in doc.get("contexts") or []:
+            if isinstance(entry, dict) and entry.get("name") is not None:
+                contexts.setdefault(str(entry["name"]), entry.get("context") or {})
+    return current, contexts
+
+
+def resolve(kubeconfig: Path | str | None = None, context: str | None = None,
+            environ: Mapping[str, str] | None = None,
+            namespace_file: Path = IN_CLUSTER_NAMESPACE_FILE) -> KubeSource:
+    """Which files, context and default namespace a client for these flags uses."""
+    files = kubeconfig_files(kubeconfig, environ)
+    if not files:
+        if context:
+            raise KubeconfigError(f"--context {context}: no kubeconfig file (none given, "
+                                  "$KUBECONFIG unset and no ~/.kube/config)")
+        try:
+            namespace = namespace_file.read_text().strip() or DEFAULT_NAMESPACE
+        except OSError:
+            namespace = DEFAULT_NAMESPACE
+        return KubeSource((), None, namespace)
+    current, contexts = _load_files(files)
+    chosen = context or current
+    if context and context not in contexts:
+        known = ", ".join(sorted(contexts)) or "none"
+        raise KubeconfigError(f"context {context!r} not found in "
+                              f"{os.pathsep.join(map(str, files))} (contexts: {known})")
+    if chosen is None and len(contexts) == 1:
+        chosen = next(iter(contexts))
+    namespace = str((contexts.get(chosen or "") or {}).get("namespace") or DEFAULT_NAMESPACE)
+    return KubeSource(files, chosen, namespace)
+
+
+def default_namespace(kubeconfig: Path | str | None = None,
+                      context: str | None = None) -> str:
+    """The namespace kubectl would use without ``-n`` for these flags."""
+    return resolve(kubeconfig, context).namespace
+
+
+def api_client(kubeconfig: Path | str | None = None,
+               context: str | None = None) -> client.ApiClient:
+    """An ApiClient for ``kubeconfig`` and ``context``, resolved as :func:`resolve` says.
+
+    Raises :class:`KubeconfigError` when there is nothing usable (no file, no in-cluster
+    service account, an unknown context).
+    """
+    source = resolve(kubeconfig, context)
+    if source.in_cluster:
+        if not os.environ.get("KUBERNETES_SERVICE_HOST"):
+            raise KubeconfigError("no kubeconfig: pass --kubeconfig, set $KUBECONFIG or "
+                                  "create ~/.kube/config (not running in a pod either)")
+        cfg = client.Configuration()
+        config.load_incluster_config(client_configuration=cfg)
+        return client.ApiClient(cfg)
+    try:
+        return config.new_client_from_config(
+            config_file=os.pathsep.join(str(f) for f in source.files),
+            context=source.context, persist_config=False)
+    except ConfigException as exc:
+        if isinstance(exc, KubeconfigError):
+            raise
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else "invalid"
+        raise KubeconfigError(f"cannot load kubeconfig {source.describe()}: {first}"
+                              ) from exc
 
 
 def request(

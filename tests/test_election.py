@@ -655,7 +655,7 @@ def test_leader_show_in_all_formats_and_errors_in_one_line(
     config["clusters"][0]["cluster"]["server"] = "https://127.0.0.1:1"
     unreachable.write_text(yaml.safe_dump(config))
     down = runner.invoke(main, ["leader", "show", "--kubeconfig", str(unreachable)])
-    assert down.exit_code == 1
+    assert down.exit_code == 3  # cannot reach the cluster
     assert down.output.startswith("error: API server unreachable")
     assert down.output.strip().count("\n") == 0
     no_file = runner.invoke(main, ["leader", "show", "--kubeconfig", str(tmp_path / "nope")])

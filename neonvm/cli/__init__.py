@@ -1,7 +1,12 @@
 """The ``neonvm`` command: run a replica, inspect leaders, locks and VMs, run a local cluster.
 
 Errors the user can act on (bad flags, unreachable servers, missing binaries) print one
-line on stderr and exit non-zero; tracebacks are for bugs only.
+line on stderr and exit non-zero; tracebacks are for bugs only. Exit codes
+(:mod:`neonvm.cli.exits`): 1 a violation or a stated failure, 2 usage, 3 the cluster cannot
+be reached, 4 (``check``, ``status``) no verdict.
+
+Shell completion comes from click: ``eval "$(_NEONVM_COMPLETE=bash_source neonvm)"``
+(``zsh_source``, ``fish_source`` for those shells).
 """
 
 from __future__ import annotations
@@ -11,10 +16,12 @@ import sys
 import click
 
 from neonvm import logs
+from neonvm.cli.exits import CliFailure, ExitCode, unreachable_message
 
 
 class _Main(click.Group):
-    """Turns known failures into one-line errors and exit code 1."""
+    """Turns known failures into one-line errors: exit 3 when the cluster cannot be
+    reached, the code a :class:`CliFailure` carries, else 1."""
 
     def invoke(self, ctx: click.Context) -> object:
         from neonvm.errors import user_facing_message
@@ -23,12 +30,19 @@ class _Main(click.Group):
             return super().invoke(ctx)
         except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
             raise
+        except CliFailure as exc:
+            click.echo(f"error: {exc}", err=True)
+            sys.exit(int(exc.code))
         except Exception as exc:
+            unreachable = unreachable_message(exc)
+            if unreachable is not None:
+                click.echo(f"error: {unreachable}", err=True)
+                sys.exit(int(ExitCode.UNREACHABLE))
             message = user_facing_message(exc)
             if message is None:
                 raise
             click.echo(f"error: {message}", err=True)
-            sys.exit(1)
+            sys.exit(int(ExitCode.FAILED))
 
 
 @click.group(cls=_Main, context_settings={"help_option_names": ["-h", "--help"]})

@@ -1,5 +1,8 @@
 """``neonvm check``: judge any cluster against the invariant; exit 1 on a violation.
 
+Exit codes: 0 the invariant holds, 1 it is violated, 2 usage, 3 the API server (or the
+locks' etcd) cannot be reached, 4 it was reached but could not be read (no verdict).
+
 What it checks, and why each judgement is sound, is in :mod:`neonvm.drills.check`:
 at most one live runner pod per VM (strict and loose), ``status.podName`` names an
 existing pod, no orphan pods, no orphan locks (when the locks' etcd is configured with
@@ -17,15 +20,17 @@ import click
 import yaml
 
 from neonvm import kube
+from neonvm.cli.exits import VIOLATION, verdict_errors
+from neonvm.cli.kubeflags import kube_options
 from neonvm.cli.output import OUTPUT_OPTION, emit
 from neonvm.drills.check import check as run_check
 from neonvm.drills.check import etcd_lock_reader
 
 
 @click.command("check")
-@click.option("--kubeconfig", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Kubeconfig [default: $KUBECONFIG, else in-cluster].")
-@click.option("-n", "--namespace", default=None, help="Only this namespace.")
+@kube_options
+@click.option("-n", "--namespace", default=None,
+              help="Only this namespace [default: all namespaces].")
 @click.option("--max-pending-seconds", type=click.FloatRange(0), default=120.0,
               show_default=True,
               help="A plan, an unplanned VM or a deletion provably older than this is stuck.")
@@ -35,14 +40,19 @@ from neonvm.drills.check import etcd_lock_reader
 @click.option("--etcd-endpoints", metavar="URLS", default=None,
               help="Locks' etcd [env: NEONVM_ETCD_ENDPOINTS]; without it locks are skipped.")
 @OUTPUT_OPTION
-def check(kubeconfig: Path | None, namespace: str | None, max_pending_seconds: float,
-          settle: float, etcd_endpoints: str | None, output: str) -> None:
-    """Check the invariant now; exit 1 with details on any violation."""
+def check(kubeconfig: Path | None, context: str | None, namespace: str | None,
+          max_pending_seconds: float, settle: float, etcd_endpoints: str | None,
+          output: str) -> None:
+    """Check the invariant now; exit 1 with details on any violation.
+
+    Exit 3 if the cluster cannot be reached, 4 if it cannot be read (no verdict).
+    """
     locks = etcd_lock_reader(etcd_endpoints)
-    api = kube.api_client(kubeconfig)
+    api = kube.api_client(kubeconfig, context)
     try:
-        report = run_check(api, namespace=namespace, locks=locks,
-                           max_pending_seconds=max_pending_seconds, settle=settle)
+        with verdict_errors():
+            report = run_check(api, namespace=namespace, locks=locks,
+                               max_pending_seconds=max_pending_seconds, settle=settle)
     finally:
         api.close()
     if output == "json":
@@ -63,4 +73,4 @@ def check(kubeconfig: Path | None, namespace: str | None, max_pending_seconds: f
         click.echo("OK: the invariant holds" if report.ok else
                    f"VIOLATED: {len(report.findings)} finding(s)")
     if not report.ok:
-        sys.exit(1)
+        sys.exit(int(VIOLATION))

@@ -40,7 +40,9 @@ def controller() -> None:
 
 @controller.command("run")
 @click.option("--kubeconfig", type=click.Path(dir_okay=False, path_type=Path),
-              envvar="KUBECONFIG", help="Kubeconfig (default: $KUBECONFIG, then in-cluster).")
+              envvar="NEONVM_CONTROLLER_RUN_KUBECONFIG",
+              help="Kubeconfig [env: NEONVM_CONTROLLER_RUN_KUBECONFIG, set by 'neonvm dev env'; "
+                   "else $KUBECONFIG, ~/.kube/config, in-cluster].")
 @click.option("--lease-namespace", "--namespace", "lease_namespace",
               default=DEFAULT_NAMESPACE, show_default=True,
               help="Namespace of the leader-election Lease.")

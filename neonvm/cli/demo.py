@@ -22,7 +22,7 @@ from kubernetes import client
 
 from neonvm import kube, overview
 from neonvm.api import types
-from neonvm.cli.dev import STATE_DIR_OPTION, install_binaries
+from neonvm.cli.dev import STATE_DIR_OPTION, install_binaries, print_exports
 from neonvm.dev.cluster import ClusterSpec, LocalCluster
 from neonvm.invariant import InvariantChecker
 
@@ -222,8 +222,7 @@ def demo(ctx: click.Context, state_dir: Path | None, replicas: int, nodes: int,
     if stop_after:
         click.echo(f"stopped: {', '.join(cluster.down())}")
     else:
-        for key, value in cluster.env().items():
-            click.echo(f"export {key}={value}")
+        print_exports(cluster)
         click.echo("stop everything with: neonvm dev down")
     if not report.ok:
         raise SystemExit(1)

@@ -3,6 +3,7 @@ scheduler, controller-manager and simulated nodes) on loopback."""
 
 from __future__ import annotations
 
+import shlex
 import time
 from pathlib import Path
 
@@ -70,8 +71,7 @@ def up(state_dir: Path | None, nodes: int | None, ports: str) -> None:
     click.echo(f"starting local control plane in {cluster.state_dir}", err=True)
     cluster.up(progress=_progress)
     click.echo(f"ready in {time.monotonic() - started:.1f}s; to use it:", err=True)
-    for key, value in cluster.env().items():
-        click.echo(f"export {key}={value}")
+    print_exports(cluster)
 
 
 @dev.command()
@@ -101,9 +101,20 @@ def status(state_dir: Path | None, output: str) -> None:
 @dev.command()
 @STATE_DIR_OPTION
 def env(state_dir: Path | None) -> None:
-    """Print shell exports for the local cluster (eval "$(neonvm dev env)")."""
-    for key, value in LocalCluster(state_dir).env().items():
-        click.echo(f"export {key}={value}")
+    """Print shell exports for the local cluster (eval "$(neonvm dev env)").
+
+    KUBECONFIG is the admin's (kubectl, neonvm vm/leader/status/check);
+    NEONVM_CONTROLLER_RUN_KUBECONFIG is the controller identity's, which
+    'neonvm controller run' uses by default: the admission fence lets only that identity
+    start a runner pod. NEONVM_ETCD_ENDPOINTS is the locks' etcd.
+    """
+    print_exports(LocalCluster(state_dir))
+
+
+def print_exports(cluster: LocalCluster) -> None:
+    """``export KEY=value`` lines for ``eval``, values shell-quoted."""
+    for key, value in cluster.env().items():
+        click.echo(f"export {key}={shlex.quote(value)}")
 
 
 # Fault knobs of the simulated nodes (neonvm/cli/nodes.py): ``neonvm dev node|pod ...``.

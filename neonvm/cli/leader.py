@@ -19,10 +19,10 @@ from typing import Any
 import click
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
-from kubernetes.config.config_exception import ConfigException
 
 from neonvm import kube
-from neonvm.cli.output import OUTPUT_OPTION, emit
+from neonvm.cli.kubeflags import kube_options
+from neonvm.cli.output import emit, object_name, output_option
 from neonvm.leader.election import (
     DEFAULT_LEASE_NAME,
     DEFAULT_NAMESPACE,
@@ -39,9 +39,6 @@ _NAMESPACE = click.option("-n", "--namespace", default=DEFAULT_NAMESPACE, show_d
                           help="Namespace of the Lease.")
 _NAME = click.option("--name", "lease_name", default=DEFAULT_LEASE_NAME, show_default=True,
                      help="Name of the Lease.")
-_KUBECONFIG = click.option("--kubeconfig", envvar="KUBECONFIG", default=None,
-                           type=click.Path(dir_okay=False, path_type=Path),
-                           help="Kubeconfig file [default: $KUBECONFIG, else in-cluster].")
 
 
 @click.group()
@@ -49,12 +46,8 @@ def leader() -> None:
     """Inspect and steer the controller's leader election (a coordination.k8s.io Lease)."""
 
 
-def _client(kubeconfig: Path | None) -> client.ApiClient:
-    try:
-        return kube.api_client(kubeconfig)
-    except (ConfigException, OSError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise click.ClickException(f"cannot load kubeconfig: {first}") from exc
+def _client(kubeconfig: Path | None, context: str | None) -> client.ApiClient:
+    return kube.api_client(kubeconfig, context)
 
 
 def _read(leases: LeaseClient) -> LeaseRecord:
@@ -99,12 +92,19 @@ def describe(record: LeaseRecord, now: datetime | None = None) -> dict[str, Any]
 @leader.command()
 @_NAMESPACE
 @_NAME
-@_KUBECONFIG
-@OUTPUT_OPTION
-def show(namespace: str, lease_name: str, kubeconfig: Path | None, output: str) -> None:
-    """Show the current holder, its epoch, and when its Lease expires."""
-    with _client(kubeconfig) as api:
+@kube_options
+@output_option("name")
+def show(namespace: str, lease_name: str, kubeconfig: Path | None, context: str | None,
+         output: str) -> None:
+    """Show the current holder, its epoch, and when its Lease expires.
+
+    ``-o name`` prints ``lease.coordination.k8s.io/<name>`` (as kubectl) if the Lease exists.
+    """
+    with _client(kubeconfig, context) as api:
         record = _read(LeaseClient(api, namespace, lease_name))
+    if output == "name":
+        click.echo(object_name("Lease", "coordination.k8s.io", lease_name))
+        return
     emit(describe(record), output,
          columns=["lease", "holder", "epoch", "state", "acquired", "renewed", "expiresIn",
                   "leaseTransitions"])
@@ -113,21 +113,21 @@ def show(namespace: str, lease_name: str, kubeconfig: Path | None, output: str) 
 @leader.command("step-down")
 @_NAMESPACE
 @_NAME
-@_KUBECONFIG
+@kube_options
 @click.option("--holder", default=None,
               help="Only if this identity holds the Lease (refuse otherwise).")
 @click.option("--wait/--no-wait", default=True, show_default=True,
               help="Wait until the holder has released and report who leads next.")
 @click.option("--timeout", type=click.FloatRange(min=0), default=60.0, show_default=True,
               help="Seconds to wait with --wait.")
-def step_down(namespace: str, lease_name: str, kubeconfig: Path | None, holder: str | None,
-              wait: bool, timeout: float) -> None:
+def step_down(namespace: str, lease_name: str, kubeconfig: Path | None, context: str | None,
+              holder: str | None, wait: bool, timeout: float) -> None:
     """Ask the current leader to stop its work and release the Lease.
 
     The request names the holder and epoch read just before, and is written only if the
     Lease has not changed since: it can never depose a leader elected after the read.
     """
-    with _client(kubeconfig) as api:
+    with _client(kubeconfig, context) as api:
         leases = LeaseClient(api, namespace, lease_name)
         record = _read(leases)
         if not record.holder:

@@ -15,7 +15,7 @@ import click
 from kubernetes import client
 
 from neonvm import kube
-from neonvm.cli.output import OUTPUT_OPTION, emit
+from neonvm.cli.output import emit, object_name, output_option
 from neonvm.dev import nodes
 from neonvm.dev.cluster import LocalCluster, default_state_dir
 
@@ -39,10 +39,14 @@ def node() -> None:
 
 @node.command("list")
 @_STATE_DIR_OPTION
-@OUTPUT_OPTION
+@output_option("name")
 def list_(state_dir: Path | None, output: str) -> None:
     """Each simulated node: power, Ready condition, taints, pods bound to it."""
     _cluster, api = _admin_api(state_dir)
+    if output == "name":
+        for n in nodes.list_nodes(api):
+            click.echo(object_name("Node", "", n.name))
+        return
     rows = [
         {"node": n.name, "power": n.power, "ready": n.ready or "-",
          "out_of_service": n.out_of_service, "pods": n.pods, "terminating": n.terminating,

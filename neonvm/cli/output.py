@@ -1,4 +1,5 @@
-"""``--output json|yaml|table`` for every inspection command."""
+"""``--output json|yaml|table`` for every inspection command (plus ``wide`` and ``name``
+where kubectl has them: listings of Kubernetes objects)."""
 
 from __future__ import annotations
 
@@ -9,15 +10,28 @@ from typing import Any
 import click
 import yaml
 
-OUTPUT_OPTION = click.option(
-    "-o", "--output", type=click.Choice(["table", "json", "yaml"]), default="table",
-    show_default=True, help="Output format.",
-)
+
+def output_option(*extra: str) -> Any:
+    """``-o/--output``: table, json, yaml and the ``extra`` formats (``wide``, ``name``)."""
+    return click.option(
+        "-o", "--output", type=click.Choice(["table", "json", "yaml", *extra]),
+        default="table", show_default=True, help="Output format.",
+    )
+
+
+OUTPUT_OPTION = output_option()
+
+
+def object_name(kind: str, group: str, name: str) -> str:
+    """What ``kubectl get -o name`` prints: ``<kind>.<group>/<name>`` (``<kind>/<name>``
+    for the core group), the kind in lower case."""
+    return f"{kind.lower()}.{group}/{name}" if group else f"{kind.lower()}/{name}"
 
 
 def emit(rows: Sequence[dict[str, Any]] | dict[str, Any], fmt: str,
          columns: Sequence[str] | None = None) -> None:
-    """Print ``rows`` (or one object) as a table, JSON or YAML."""
+    """Print ``rows`` (or one object) as a table, JSON or YAML (``wide`` is a table too:
+    the caller passes the wide columns)."""
     if fmt == "json":
         click.echo(json.dumps(rows, indent=2, default=str))
         return

@@ -1,24 +1,33 @@
-"""``neonvm status``: leader, VMs, runner pods and locks in one view."""
+"""``neonvm status``: leader, VMs, runner pods and locks in one view.
+
+Exit codes as ``neonvm check``: 1 only when a VM has more than one live runner pod, 3
+when the API server cannot be reached, 4 when it cannot be read.
+"""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import click
 
 from neonvm import kube, overview
+from neonvm.cli.exits import VIOLATION, verdict_errors
+from neonvm.cli.kubeflags import kube_options
 from neonvm.cli.output import OUTPUT_OPTION, emit
 
 
 @click.command()
-@click.option("--kubeconfig", type=click.Path(dir_okay=False), default=None,
-              help="Kubeconfig (default: $KUBECONFIG).")
+@kube_options
 @click.option("--lease-namespace", default="neonvm-system", show_default=True)
 @click.option("--lease-name", default="neonvm-controller", show_default=True)
 @OUTPUT_OPTION
-def status(kubeconfig: str | None, lease_namespace: str, lease_name: str, output: str) -> None:
+def status(kubeconfig: Path | None, context: str | None, lease_namespace: str, lease_name: str,
+           output: str) -> None:
     """Everything at a glance; exits 1 if any VM has more than one live runner pod."""
-    api = kube.api_client(kubeconfig)
+    api = kube.api_client(kubeconfig, context)
     try:
-        ov = overview.collect(api, lease_namespace, lease_name)
+        with verdict_errors():
+            ov = overview.collect(api, lease_namespace, lease_name)
     finally:
         api.close()
     if output == "table":
@@ -26,4 +35,4 @@ def status(kubeconfig: str | None, lease_namespace: str, lease_name: str, output
     else:
         emit(ov.as_dict(), output)
     if ov.duplicates:
-        raise SystemExit(1)
+        raise SystemExit(int(VIOLATION))

@@ -1,7 +1,10 @@
 """``neonvm vm list|get|plan``: what the controller recorded for each VM, and what it would
 do next.
 
-All reads are direct (quorum) reads of the API server. ``plan`` runs the controller's own
+All reads are direct (quorum) reads of the API server. ``-n`` defaults to the kubeconfig
+context's namespace, as in kubectl; ``list`` and ``get`` take ``-o name`` (prints
+``virtualmachine.vm.neon.tech/<name>``) and ``list`` takes ``-o wide`` (adds the node, the
+pod IP and the root disk image). ``plan`` runs the controller's own
 pure decision function on a fresh observation and prints the action it would take now;
 it writes nothing.
 """
@@ -14,21 +17,19 @@ from typing import Any
 
 import click
 from kubernetes import client
-from kubernetes.config.config_exception import ConfigException
 
 from neonvm import kube
 from neonvm.api import types
-from neonvm.cli.output import OUTPUT_OPTION, emit
+from neonvm.cli.kubeflags import kube_options, namespace_of, namespace_option
+from neonvm.cli.output import OUTPUT_OPTION, emit, object_name, output_option
 from neonvm.controller import decide as d
 from neonvm.controller.observe import DirectReader, Snapshot, pod_view
 
 LIST_COLUMNS = ["namespace", "name", "phase", "podName", "pendingPod", "restarts", "planSeq",
                 "fence", "ready", "age"]
+WIDE_COLUMNS = [*LIST_COLUMNS, "node", "podIP", "image"]
 
-_KUBECONFIG = click.option("--kubeconfig", envvar="KUBECONFIG", default=None,
-                           type=click.Path(dir_okay=False, path_type=Path),
-                           help="Kubeconfig file [default: $KUBECONFIG, else in-cluster].")
-_NAMESPACE = click.option("-n", "--namespace", default="default", show_default=True)
+_NAMESPACE = namespace_option()
 
 
 @click.group("vm")
@@ -36,12 +37,9 @@ def vm() -> None:
     """Inspect VirtualMachines: recorded plan, committed pod, fence, conditions."""
 
 
-def _client(kubeconfig: Path | None) -> client.ApiClient:
-    try:
-        return kube.api_client(kubeconfig)
-    except (ConfigException, OSError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise click.ClickException(f"cannot load kubeconfig: {first}") from exc
+def vm_object_name(name: str) -> str:
+    """``virtualmachine.vm.neon.tech/<name>``, as ``kubectl get -o name`` prints it."""
+    return object_name(types.KIND, types.GROUP, name)
 
 
 def _age(created: str | None, now: dt.datetime) -> str | None:
@@ -77,6 +75,14 @@ def summary(raw: dict[str, Any], now: dt.datetime | None = None) -> dict[str, An
     }
 
 
+def wide_summary(raw: dict[str, Any], now: dt.datetime | None = None) -> dict[str, Any]:
+    """One row of ``vm list -o wide``: the summary plus node, pod IP and disk image."""
+    status = raw.get("status") or {}
+    disk = ((raw.get("spec") or {}).get("guest") or {}).get("rootDisk") or {}
+    return {**summary(raw, now), "node": status.get("node"), "podIP": status.get("podIP"),
+            "image": disk.get("image")}
+
+
 def _list(api: client.ApiClient, namespace: str | None) -> list[dict[str, Any]]:
     custom = client.CustomObjectsApi(api)
     if namespace is None:
@@ -91,16 +97,25 @@ def _list(api: client.ApiClient, namespace: str | None) -> list[dict[str, Any]]:
 @vm.command("list")
 @_NAMESPACE
 @click.option("-A", "--all-namespaces", is_flag=True, help="VMs of every namespace.")
-@_KUBECONFIG
-@OUTPUT_OPTION
-def list_(namespace: str, all_namespaces: bool, kubeconfig: Path | None, output: str) -> None:
+@kube_options
+@output_option("wide", "name")
+def list_(namespace: str | None, all_namespaces: bool, kubeconfig: Path | None,
+          context: str | None, output: str) -> None:
     """List VMs: phase, committed pod, recorded plan, restarts, fence (epoch/token)."""
-    api = _client(kubeconfig)
+    scope = None if all_namespaces else namespace_of(namespace, kubeconfig, context)
+    api = kube.api_client(kubeconfig, context)
     try:
-        rows = [summary(v) for v in _list(api, None if all_namespaces else namespace)]
+        items = _list(api, scope)
     finally:
         api.close()
-    emit(rows, output, LIST_COLUMNS)
+    if output == "name":
+        for item in items:
+            click.echo(vm_object_name((item.get("metadata") or {}).get("name", "")))
+        return
+    if output == "wide":
+        emit([wide_summary(v) for v in items], "table", WIDE_COLUMNS)
+        return
+    emit([summary(v) for v in items], output, LIST_COLUMNS)
 
 
 def _observe(api: client.ApiClient, namespace: str, name: str, lease: d.Lease | None
@@ -151,15 +166,20 @@ def _pod_row(pod: dict[str, Any]) -> dict[str, Any]:
 @vm.command("get")
 @click.argument("name")
 @_NAMESPACE
-@_KUBECONFIG
-@OUTPUT_OPTION
-def get(name: str, namespace: str, kubeconfig: Path | None, output: str) -> None:
+@kube_options
+@output_option("name")
+def get(name: str, namespace: str | None, kubeconfig: Path | None, context: str | None,
+        output: str) -> None:
     """One VM in detail: recorded plan, fence, conditions and every pod labelled for it."""
-    api = _client(kubeconfig)
+    namespace = namespace_of(namespace, kubeconfig, context)
+    api = kube.api_client(kubeconfig, context)
     try:
         info = detail(_observe(api, namespace, name, None))
     finally:
         api.close()
+    if output == "name":
+        click.echo(vm_object_name(info["name"]))
+        return
     if output != "table":
         emit(info, output)
         return
@@ -186,12 +206,13 @@ def describe_action(action: d.Action) -> dict[str, Any]:
               help="Leader epoch to decide as (default: the VM's fence epoch).")
 @click.option("--token", type=int, default=None,
               help="Lock token to decide as (default: the VM's fence token).")
-@_KUBECONFIG
+@kube_options
 @OUTPUT_OPTION
-def plan(name: str, namespace: str, epoch: int | None, token: int | None,
-         kubeconfig: Path | None, output: str) -> None:
+def plan(name: str, namespace: str | None, epoch: int | None, token: int | None,
+         kubeconfig: Path | None, context: str | None, output: str) -> None:
     """The controller's next action for this VM, from a fresh quorum read (writes nothing)."""
-    api = _client(kubeconfig)
+    namespace = namespace_of(namespace, kubeconfig, context)
+    api = kube.api_client(kubeconfig, context)
     try:
         snap = _observe(api, namespace, name, None)
         assert snap.record is not None

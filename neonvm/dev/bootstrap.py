@@ -1,12 +1,16 @@
-"""Objects the local cluster gets once its API server is up: the CRD and its RBAC."""
+"""Objects the local cluster gets once its API server is up: the CRD, the controller's
+RBAC and admission fence, and the namespace of the controller's leader-election Lease
+(so that ``neonvm controller run`` with its defaults can campaign at once)."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 from neonvm import kube, manifests
 from neonvm.dev.cluster import CONTROLLER_USER, LocalCluster
+from neonvm.leader.election import DEFAULT_NAMESPACE as LEASE_NAMESPACE
 
 
 def apply_cluster_objects(cluster: LocalCluster, progress: Callable[[str], None]) -> None:
@@ -14,10 +18,16 @@ def apply_cluster_objects(cluster: LocalCluster, progress: Callable[[str], None]
     try:
         for obj in manifests.cluster_objects(controller_user=CONTROLLER_USER):
             kube.apply(api, obj)
-        progress("applied CRD, RBAC and admission policy")
+        kube.apply(api, lease_namespace())
+        progress(f"applied CRD, RBAC, admission policy and namespace {LEASE_NAMESPACE}")
         _wait_crd_established(api, manifests.crd()["metadata"]["name"])
     finally:
         api.close()
+
+
+def lease_namespace() -> dict[str, Any]:
+    """The namespace ``neonvm controller run`` campaigns in by default."""
+    return {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": LEASE_NAMESPACE}}
 
 
 def _wait_crd_established(api: object, name: str, timeout: float = 30.0) -> None:

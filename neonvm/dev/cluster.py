@@ -51,6 +51,10 @@ DEFAULT_PORTS = {
 CONTROLLER_USER = "neonvm-controller"
 """The identity controller replicas use locally (the admission fence names it)."""
 
+CONTROLLER_KUBECONFIG_ENV = "NEONVM_CONTROLLER_RUN_KUBECONFIG"
+"""``neonvm controller run``'s own kubeconfig variable; ``neonvm dev env`` points it at the
+controller identity's kubeconfig, so a replica started from that shell is not the admin."""
+
 KWOK_USER = "neonvm-dev-kwok"
 """kwok's identity: the kubelets of every simulated node (RBAC in neonvm.dev.nodes)."""
 
@@ -181,9 +185,13 @@ class LocalCluster:
         return names
 
     def env(self) -> dict[str, str]:
-        """Environment variables that point tools at this cluster."""
+        """Environment variables that point tools at this cluster: the admin kubeconfig for
+        kubectl and the inspection commands, the controller identity's kubeconfig for
+        ``neonvm controller run`` (the admission fence lets only that identity ungate a
+        runner pod), and the locks' etcd."""
         return {
             "KUBECONFIG": str(self.kubeconfig),
+            CONTROLLER_KUBECONFIG_ENV: str(self.kubeconfig_for("controller")),
             "NEONVM_ETCD_ENDPOINTS": self.locks_etcd_url,
         }
 
