@@ -23,6 +23,7 @@ import copy
 import datetime as dt
 from dataclasses import dataclass
 
+from neonvm.api import compat
 from neonvm.api.types import Condition, Fence, VirtualMachine, VirtualMachineStatus
 from neonvm.controller import decide as d
 from neonvm.controller.mutations import FencedOut, StatusMutation
@@ -105,7 +106,18 @@ def desired_conditions(snap: Snapshot, final: d.Action) -> list[ConditionUpdate]
         if degraded is not None and degraded.status == "True" and status.pod_name:
             updates.append(ConditionUpdate(DEGRADED, "False", "RunnerCreated",
                                            f"runner pod {status.pod_name} was created"))
+    updates.append(unimplemented_fields_condition(vm))
     return updates
+
+
+def unimplemented_fields_condition(vm: VirtualMachine) -> ConditionUpdate:
+    """FieldsNotImplemented: True naming the accepted NeonVM fields the VM uses that this
+    controller does not act on (:mod:`neonvm.api.compat`); False once it uses none."""
+    message = compat.unimplemented_message(vm.spec)
+    if message:
+        return ConditionUpdate(compat.CONDITION, "True", compat.REASON_USED, message)
+    return ConditionUpdate(compat.CONDITION, "False", compat.REASON_NONE,
+                           "every field the VM uses is implemented", only_if_present=True)
 
 
 def refused_condition(message: str, generation: int) -> ConditionUpdate:
