@@ -65,7 +65,6 @@ PULL_SECRET_ITEMS = 32
 INIT_CONTAINER_ITEMS = 8
 INIT_SCRIPT_LENGTH = 65536
 KEY_TO_PATH_ITEMS = 256
-INT64_MAX = 2**63 - 1
 
 _DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 
@@ -115,11 +114,14 @@ class CPURange:
     __validations__ = _millicpu_rules()
 
     min: MilliCPU = api_field("Lower bound (vCPUs: 2, \"0.5\" or \"250m\").", required=True,
-                              default=MilliCPU(1000), max_length=MAX_MILLICPU_LENGTH)
+                              default=MilliCPU(1000), minimum=0, maximum=MAX_VCPUS,
+                              max_length=MAX_MILLICPU_LENGTH)
     max: MilliCPU = api_field("Upper bound (vCPUs: 2, \"0.5\" or \"250m\").", required=True,
-                              default=MilliCPU(1000), max_length=MAX_MILLICPU_LENGTH)
+                              default=MilliCPU(1000), minimum=0, maximum=MAX_VCPUS,
+                              max_length=MAX_MILLICPU_LENGTH)
     use: MilliCPU | None = api_field("Current amount; defaults to min. The autoscaler "
                                      "patches it as a millicpu string (\"500m\").",
+                                     minimum=0, maximum=MAX_VCPUS,
                                      max_length=MAX_MILLICPU_LENGTH)
 
     def __post_init__(self) -> None:
@@ -281,7 +283,7 @@ class Toleration:
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = api_field(
         "Taint effect to match.")
     toleration_seconds: int | None = api_field("How long a NoExecute taint is tolerated.",
-                                               maximum=INT64_MAX)
+                                               maximum=2**31 - 1)
 
 
 @dataclass
@@ -346,9 +348,10 @@ class OvercommitSettings:
 class Revision:
     """An identifier of a spec configuration, set by an external party (NeonVM)."""
 
-    value: int = api_field("Value.", required=True, default=0, maximum=INT64_MAX)
-    flags: int = api_field("Bit flags; their meaning is up to the writer.", required=True,
-                           default=0, minimum=0, maximum=INT64_MAX)
+    value: int = api_field("Value (int64; an identifier, so not bounded further).",
+                           required=True, default=0)
+    flags: int = api_field("Bit flags (int64); their meaning is up to the writer.",
+                           required=True, default=0)
 
 
 @dataclass
