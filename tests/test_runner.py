@@ -344,7 +344,7 @@ def test_spec_file_may_hold_a_whole_virtual_machine(tmp_path: Path) -> None:
         "metadata": {"name": "web", "namespace": "apps"},
         "spec": kernel_spec(cpus={"min": 2, "max": 2})}))
     loaded = load_spec(path, {})
-    assert (loaded.key, loaded.spec.guest.cpus.min) == ("apps/web", 2.0)
+    assert (loaded.key, loaded.spec.guest.cpus.min.cores) == ("apps/web", 2.0)
 
 
 @pytest.mark.unit

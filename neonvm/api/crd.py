@@ -15,13 +15,26 @@ MAX_NAME = 63
 """VM names are label values (``vm.neon.tech/name``) on runner pods, which allow 63."""
 
 PRINTER_COLUMNS = [
-    {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+    # NeonVM's columns, in NeonVM's order (``kubectl get neonvm``; ``-o wide`` adds the
+    # priority-1 ones). NeonVM's Restarts column reads ``.status.restarts``, a field its
+    # status does not have; here it reads ``restartCount``, so it shows the count.
+    {"name": "Cpus", "type": "string", "jsonPath": ".status.cpus"},
+    {"name": "Memory", "type": "string", "jsonPath": ".status.memorySize"},
     {"name": "Pod", "type": "string", "jsonPath": ".status.podName"},
+    {"name": "ExtraIP", "type": "string", "jsonPath": ".status.extraNetIP"},
+    {"name": "Status", "type": "string", "jsonPath": ".status.phase"},
+    {"name": "Restarts", "type": "integer", "jsonPath": ".status.restartCount"},
+    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    {"name": "Node", "type": "string", "jsonPath": ".status.node", "priority": 1},
+    {"name": "Image", "type": "string", "jsonPath": ".spec.guest.rootDisk.image",
+     "priority": 1},
+    {"name": "CPUScalingMode", "type": "string", "jsonPath": ".spec.cpuScalingMode",
+     "priority": 1},
+    {"name": "TargetArchitecture", "type": "string", "jsonPath": ".spec.targetArchitecture",
+     "priority": 1},
+    # This controller's own: the plan in flight (the runner pod being created).
     {"name": "Pending", "type": "string", "jsonPath": ".status.pendingPod.name",
      "priority": 1},
-    {"name": "Restarts", "type": "integer", "jsonPath": ".status.restartCount"},
-    {"name": "Node", "type": "string", "jsonPath": ".status.node", "priority": 1},
-    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]
 
 
@@ -42,7 +55,7 @@ def virtualmachine_crd() -> dict[str, Any]:
                 "listKind": f"{types.KIND}List",
                 "plural": types.PLURAL,
                 "singular": types.SINGULAR,
-                "shortNames": types.SHORT_NAMES,
+                **({"shortNames": types.SHORT_NAMES} if types.SHORT_NAMES else {}),
             },
             "versions": [
                 {

@@ -18,6 +18,8 @@ import types
 import typing
 from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
 
+from neonvm.api.millicpu import MilliCPU, MilliCPUError, millicpu_schema
+
 T = TypeVar("T")
 
 FREE_FORM = "free_form"
@@ -29,6 +31,10 @@ QUANTITY_PATTERN = (
     r"(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
 )
 """Metadata flag: the field is a Kubernetes resource quantity ("1Gi", 512, "250m")."""
+QUANTITY_MAX_LENGTH = 32
+"""Every quantity string is bounded: no real quantity is longer."""
+SHAPE = "shape"
+"""Metadata: a dataclass whose schema the field has, while the codec keeps a plain dict."""
 
 
 def api_field(
@@ -42,11 +48,23 @@ def api_field(
     exclusive_minimum: bool = False,
     pattern: str | None = None,
     min_length: int | None = None,
+    max_length: int | None = None,
+    max_items: int | None = None,
+    max_properties: int | None = None,
+    item_max_length: int | None = None,
+    int32: bool = False,
     free_form: bool = False,
     quantity: bool = False,
+    shape: type | None = None,
     required: bool = False,
 ) -> Any:
-    """A dataclass field with the metadata the schema and codec need."""
+    """A dataclass field with the metadata the schema and codec need.
+
+    Bounds: ``max_length`` for a string, ``max_items`` for a list, ``max_properties`` for
+    a map or free-form object, ``item_max_length`` for the strings inside a list or map.
+    ``shape`` gives a ``dict`` field (or a list of them) the schema of a dataclass while
+    the codec keeps plain dicts, for fields that code reads as mappings.
+    """
     meta = {
         "description": description,
         "json": json,
@@ -55,6 +73,12 @@ def api_field(
         "exclusive_minimum": exclusive_minimum,
         "pattern": pattern,
         "min_length": min_length,
+        "max_length": max_length,
+        "max_items": max_items,
+        "max_properties": max_properties,
+        "item_max_length": item_max_length,
+        "int32": int32,
+        SHAPE: shape,
         FREE_FORM: free_form,
         QUANTITY: quantity,
         "required": required,
@@ -107,18 +131,35 @@ def openapi_schema(cls: type) -> dict[str, Any]:
 
 def _field_schema(tp: Any, meta: typing.Mapping[str, Any]) -> dict[str, Any]:
     tp, _ = _unwrap_optional(tp)
+    is_list = get_origin(tp) is list
     if meta.get(FREE_FORM):
         s: dict[str, Any] = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
-        if get_origin(tp) is list:
+        if meta.get("max_properties") is not None:
+            s["maxProperties"] = meta["max_properties"]
+        if is_list:
             s = {"type": "array", "items": s}
+    elif meta.get(SHAPE) is not None:
+        s = openapi_schema(meta[SHAPE])
+        if is_list:
+            s = {"type": "array", "items": s}
+    elif meta.get(QUANTITY) and get_origin(tp) is dict:
+        s = {"type": "object", "additionalProperties": quantity_schema()}
     elif meta.get(QUANTITY):
-        s = {
-            "anyOf": [{"type": "integer"}, {"type": "string"}],
-            "x-kubernetes-int-or-string": True,
-            "pattern": QUANTITY_PATTERN,
-        }
+        s = quantity_schema()
     else:
         s = _type_schema(tp)
+    if meta.get("int32") and s.get("type") == "integer":
+        s["format"] = "int32"
+    if meta.get("item_max_length") is not None:
+        inner = s.get("items") if is_list else s.get("additionalProperties")
+        assert inner is not None and inner.get("type") == "string", "item_max_length: strings"
+        inner["maxLength"] = meta["item_max_length"]
+    if meta.get("max_items") is not None:
+        s["maxItems"] = meta["max_items"]
+    if meta.get("max_properties") is not None and not meta.get(FREE_FORM):
+        s["maxProperties"] = meta["max_properties"]
+    if meta.get("max_length") is not None:
+        s["maxLength"] = meta["max_length"]
     if meta.get("description"):
         s["description"] = meta["description"]
     if meta.get("minimum") is not None:
@@ -134,9 +175,21 @@ def _field_schema(tp: Any, meta: typing.Mapping[str, Any]) -> dict[str, Any]:
     return s
 
 
+def quantity_schema() -> dict[str, Any]:
+    """A Kubernetes resource quantity: int-or-string with the quantity pattern, bounded."""
+    return {
+        "anyOf": [{"type": "integer"}, {"type": "string"}],
+        "x-kubernetes-int-or-string": True,
+        "pattern": QUANTITY_PATTERN,
+        "maxLength": QUANTITY_MAX_LENGTH,
+    }
+
+
 def _type_schema(tp: Any) -> dict[str, Any]:
     tp, _ = _unwrap_optional(tp)
     origin = get_origin(tp)
+    if tp is MilliCPU:
+        return millicpu_schema()
     if tp is bool:
         return {"type": "boolean"}
     if tp is int:
@@ -180,8 +233,13 @@ def decode(cls: type[T], data: Any, path: str = "") -> T:
 
 def _decode_value(tp: Any, meta: typing.Mapping[str, Any], value: Any, path: str) -> Any:
     tp, _ = _unwrap_optional(tp)
-    if meta.get(FREE_FORM) or meta.get(QUANTITY):
+    if meta.get(FREE_FORM) or meta.get(QUANTITY) or meta.get(SHAPE) is not None:
         return value
+    if tp is MilliCPU:
+        try:
+            return MilliCPU.parse(value)
+        except MilliCPUError as exc:
+            raise DecodeError(f"{path}: {exc}") from None
     origin = get_origin(tp)
     if dataclasses.is_dataclass(tp):
         return decode(typing.cast(type, tp), value, path)
@@ -209,6 +267,8 @@ def _decode_value(tp: Any, meta: typing.Mapping[str, Any], value: Any, path: str
 
 def encode(obj: Any) -> Any:
     """Dataclass to Kubernetes JSON; None fields are omitted."""
+    if isinstance(obj, MilliCPU):
+        return obj.to_json()
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         out = {}
         for f in dataclasses.fields(obj):

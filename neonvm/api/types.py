@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from neonvm.api.millicpu import MilliCPU
 from neonvm.api.schema import api_field, decode, encode
 
 GROUP = "vm.neon.tech"
@@ -17,8 +18,10 @@ VERSION = "v1"
 API_VERSION = f"{GROUP}/{VERSION}"
 KIND = "VirtualMachine"
 PLURAL = "virtualmachines"
-SINGULAR = "virtualmachine"
-SHORT_NAMES = ["vm"]
+SINGULAR = "neonvm"
+"""NeonVM's singular (``kubectl get neonvm``)."""
+SHORT_NAMES: list[str] = []
+"""NeonVM declares none; ``vm`` would collide with KubeVirt's VirtualMachine."""
 
 FINALIZER = "vm.neon.tech/finalizer"
 LABEL_VM_NAME = "vm.neon.tech/name"
@@ -30,12 +33,60 @@ SCHEDULING_GATE = "vm.neon.tech/runner-fence"
 """Scheduling gate every runner pod is created with; removed only after commit."""
 
 RestartPolicy = Literal["Always", "OnFailure", "Never"]
-Phase = Literal["Pending", "Running", "Succeeded", "Failed"]
+Phase = Literal["Pending", "Running", "Succeeded", "Failed", "PreMigrating", "Migrating",
+                "Scaling"]
+"""NeonVM's seven phases; this controller sets Pending, Running, Succeeded and Failed."""
+CpuScalingMode = Literal["QmpScaling", "SysfsScaling"]
+CPUArchitecture = Literal["amd64", "arm64"]
+PullPolicy = Literal["Always", "IfNotPresent", "Never"]
+
+# Bounds of the spec (issue: a huge spec must be refused by the API server, not by the
+# runner pod's creation or exec). NeonVM caps memory slots at 512.
+MAX_MEMORY_SLOTS = 512
+MAX_VCPUS = 512
+"""Upper bound of ``guest.cpus.max`` (whole vCPUs); QEMU/KVM's own limits are near here."""
+MAX_MILLICPU_LENGTH = 12
+DNS_LABEL = 63
+NAME_LENGTH = 253
+PATH_LENGTH = 4096
+IMAGE_LENGTH = 1024
+SHORT_STRING = 256
+ARG_LENGTH = 32768
+COMMAND_ITEMS = 32
+ARG_ITEMS = 256
+ENV_ITEMS = 256
+ENV_VALUE_LENGTH = 32768
+PORT_ITEMS = 64
+DISK_ITEMS = 32
+SYSCTL_ITEMS = 256
+SELECTOR_ITEMS = 64
+TOLERATION_ITEMS = 64
+PULL_SECRET_ITEMS = 32
+INIT_CONTAINER_ITEMS = 8
+INIT_SCRIPT_LENGTH = 65536
+KEY_TO_PATH_ITEMS = 256
+
+_DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+
+
+def _millicpu_rules() -> tuple[tuple[str, str], ...]:
+    def q(expr: str) -> str:
+        return f"quantity(string({expr}))"
+
+    return (
+        (f"{q('self.min')}.isGreaterThan(quantity('0'))", "min must be above 0"),
+        (f"!{q('self.max')}.isLessThan({q('self.min')})", "min must not exceed max"),
+        (f"!{q('self.max')}.isGreaterThan(quantity('{MAX_VCPUS}'))",
+         f"max is at most {MAX_VCPUS} vCPUs"),
+        (f"!has(self.use) || (!{q('self.use')}.isLessThan({q('self.min')}) && "
+         f"!{q('self.max')}.isLessThan({q('self.use')}))",
+         "use must lie between min and max"),
+    )
 
 
 @dataclass
 class IntRange:
-    """A min/max/use triple (CPUs or memory slots); use must lie in [min, max]."""
+    """A min/max/use triple of memory slots; use must lie in [min, max]."""
 
     __validations__ = (
         ("self.min <= self.max", "min must not exceed max"),
@@ -43,9 +94,12 @@ class IntRange:
          "use must lie between min and max"),
     )
 
-    min: int = api_field("Lower bound.", minimum=1, required=True, default=1)
-    max: int = api_field("Upper bound.", minimum=1, required=True, default=1)
-    use: int | None = api_field("Current amount; defaults to min.", minimum=1)
+    min: int = api_field("Lower bound.", minimum=1, maximum=MAX_MEMORY_SLOTS, int32=True,
+                         required=True, default=1)
+    max: int = api_field("Upper bound.", minimum=1, maximum=MAX_MEMORY_SLOTS, int32=True,
+                         required=True, default=1)
+    use: int | None = api_field("Current amount; defaults to min.", minimum=1,
+                                maximum=MAX_MEMORY_SLOTS, int32=True)
 
     @property
     def current(self) -> int:
@@ -54,19 +108,31 @@ class IntRange:
 
 @dataclass
 class CPURange:
-    """CPU bounds in cores (fractions allowed); use must lie in [min, max]."""
+    """CPU bounds in NeonVM's MilliCPU: an integer of whole vCPUs (2) or a string ("0.5",
+    "250m"); use must lie in [min, max]. QEMU boots ceil(use) vCPUs with room for ceil(max)."""
 
-    __validations__ = IntRange.__validations__
+    __validations__ = _millicpu_rules()
 
-    min: float = api_field("Lower bound in cores.", minimum=0, exclusive_minimum=True,
-                           required=True, default=1.0)
-    max: float = api_field("Upper bound in cores.", minimum=0, exclusive_minimum=True,
-                           required=True, default=1.0)
-    use: float | None = api_field("Current cores; defaults to min.", minimum=0,
-                                  exclusive_minimum=True)
+    min: MilliCPU = api_field("Lower bound (vCPUs: 2, \"0.5\" or \"250m\").", required=True,
+                              default=MilliCPU(1000), minimum=0, maximum=MAX_VCPUS,
+                              max_length=MAX_MILLICPU_LENGTH)
+    max: MilliCPU = api_field("Upper bound (vCPUs: 2, \"0.5\" or \"250m\").", required=True,
+                              default=MilliCPU(1000), minimum=0, maximum=MAX_VCPUS,
+                              max_length=MAX_MILLICPU_LENGTH)
+    use: MilliCPU | None = api_field("Current amount; defaults to min. The autoscaler "
+                                     "patches it as a millicpu string (\"500m\").",
+                                     minimum=0, maximum=MAX_VCPUS,
+                                     max_length=MAX_MILLICPU_LENGTH)
+
+    def __post_init__(self) -> None:
+        # Python callers may pass vCPUs as int or float (2, 0.5): the same meaning as JSON.
+        self.min = MilliCPU.parse(self.min)
+        self.max = MilliCPU.parse(self.max)
+        if self.use is not None:
+            self.use = MilliCPU.parse(self.use)
 
     @property
-    def current(self) -> float:
+    def current(self) -> MilliCPU:
         return self.use if self.use is not None else self.min
 
 
@@ -75,19 +141,22 @@ class RootDisk:
     """The guest's root disk image."""
 
     image: str = api_field("Disk image (container image in NeonVM, or a file path for the "
-                           "local runner).", required=True, min_length=1, default="")
+                           "local runner).", required=True, min_length=1, default="",
+                           max_length=IMAGE_LENGTH)
     size: str | None = api_field("Disk size.", quantity=True)
-    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = api_field(
-        "When to pull the disk image."
-    )
+    image_pull_policy: PullPolicy | None = api_field("When to pull the disk image.")
+    execute: list[str] | None = api_field(
+        "Commands the guest may run through the runner (NeonVM's vm-builder 'execute' list).",
+        max_items=COMMAND_ITEMS, item_max_length=PATH_LENGTH)
 
 
 @dataclass
 class EnvVar:
     """An environment variable for the guest command."""
 
-    name: str = api_field("Variable name.", required=True, min_length=1, default="")
-    value: str | None = api_field("Variable value.")
+    name: str = api_field("Variable name.", required=True, min_length=1, default="",
+                          max_length=NAME_LENGTH)
+    value: str | None = api_field("Variable value.", max_length=ENV_VALUE_LENGTH)
 
 
 @dataclass
@@ -95,8 +164,17 @@ class Port:
     """A port the guest listens on."""
 
     port: int = api_field("Port number.", minimum=1, maximum=65535, required=True, default=0)
-    name: str | None = api_field("Port name.")
+    name: str | None = api_field("Port name.", max_length=DNS_LABEL)
     protocol: Literal["TCP", "UDP"] | None = api_field("Protocol (default TCP).")
+
+
+@dataclass
+class GuestSettings:
+    """Additional settings for the guest (NeonVM's GuestSettings)."""
+
+    sysctl: list[str] | None = api_field("Lines for the guest's sysctl.conf.",
+                                         max_items=SYSCTL_ITEMS, item_max_length=SHORT_STRING)
+    swap: str | None = api_field("Size of a swap disk to add.", quantity=True)
 
 
 @dataclass
@@ -104,17 +182,77 @@ class Guest:
     """What runs inside the VM: its size, disk, kernel and command."""
 
     cpus: CPURange = api_field("CPU bounds.", default_factory=CPURange)
-    memory_slots: IntRange = api_field("Memory slot bounds.", default_factory=IntRange)
+    memory_slots: IntRange = api_field("Memory slot bounds (at most 512 slots).",
+                                       default_factory=IntRange)
     memory_slot_size: str = api_field("Size of one memory slot.", quantity=True, default="1Gi")
     root_disk: RootDisk = api_field("Root disk.", default_factory=RootDisk, required=True)
-    kernel_image: str | None = api_field("Kernel to boot directly (optional).")
-    initrd_image: str | None = api_field("Initial ramdisk to boot with the kernel (optional).")
-    append_kernel_cmdline: str | None = api_field("Extra kernel command line.")
-    command: list[str] | None = api_field("Guest entrypoint override.")
-    args: list[str] | None = api_field("Guest arguments.")
-    env: list[EnvVar] | None = api_field("Guest environment.")
-    ports: list[Port] | None = api_field("Ports the guest exposes.")
-    settings: dict[str, Any] | None = api_field("Guest settings (sysctls, ...).", free_form=True)
+    kernel_image: str | None = api_field("Kernel to boot directly (optional).",
+                                         max_length=PATH_LENGTH)
+    initrd_image: str | None = api_field("Initial ramdisk to boot with the kernel (optional).",
+                                         max_length=PATH_LENGTH)
+    append_kernel_cmdline: str | None = api_field("Extra kernel command line.",
+                                                  max_length=PATH_LENGTH)
+    memhp_auto_movable_ratio: str | None = api_field(
+        "Maximum MOVABLE:KERNEL memory ratio in percent for hot-plugged memory (NeonVM).",
+        max_length=SHORT_STRING)
+    command: list[str] | None = api_field("Guest entrypoint override.",
+                                          max_items=COMMAND_ITEMS, item_max_length=ARG_LENGTH)
+    args: list[str] | None = api_field("Guest arguments.", max_items=ARG_ITEMS,
+                                       item_max_length=ARG_LENGTH)
+    env: list[EnvVar] | None = api_field("Guest environment.", max_items=ENV_ITEMS)
+    ports: list[Port] | None = api_field("Ports the guest exposes.", max_items=PORT_ITEMS)
+    settings: dict[str, Any] | None = api_field("Guest settings: sysctl lines, swap size.",
+                                                shape=GuestSettings)
+
+
+@dataclass
+class KeyToPath:
+    """A key of a ConfigMap or Secret, and the file it becomes."""
+
+    key: str = api_field("Key.", required=True, default="", max_length=NAME_LENGTH)
+    path: str = api_field("Relative file path.", required=True, default="",
+                          max_length=PATH_LENGTH)
+    mode: int | None = api_field("File mode bits.", minimum=0, maximum=0o777, int32=True)
+
+
+@dataclass
+class ConfigMapSource:
+    """A ConfigMap whose keys become files on the disk (core/v1 ConfigMapVolumeSource)."""
+
+    name: str | None = api_field("ConfigMap name.", max_length=NAME_LENGTH)
+    items: list[KeyToPath] | None = api_field("Keys to project (default: all).",
+                                              max_items=KEY_TO_PATH_ITEMS)
+    default_mode: int | None = api_field("Default file mode bits.", minimum=0, maximum=0o777,
+                                         int32=True)
+    optional: bool | None = api_field("Whether the ConfigMap may be missing.")
+
+
+@dataclass
+class SecretSource:
+    """A Secret whose keys become files on the disk (core/v1 SecretVolumeSource)."""
+
+    secret_name: str | None = api_field("Secret name.", max_length=NAME_LENGTH)
+    items: list[KeyToPath] | None = api_field("Keys to project (default: all).",
+                                              max_items=KEY_TO_PATH_ITEMS)
+    default_mode: int | None = api_field("Default file mode bits.", minimum=0, maximum=0o777,
+                                         int32=True)
+    optional: bool | None = api_field("Whether the Secret may be missing.")
+
+
+@dataclass
+class EmptyDiskSource:
+    """A fresh disk that lives as long as the runner pod."""
+
+    size: str = api_field("Disk size.", quantity=True, required=True, default="")
+    discard: bool | None = api_field("Mount with the discard option (NeonVM).")
+    enable_quotas: bool | None = api_field("Mount ext4 with prjquota (NeonVM).")
+
+
+@dataclass
+class TmpfsDiskSource:
+    """A tmpfs in the guest."""
+
+    size: str = api_field("Size of the tmpfs.", quantity=True, required=True, default="")
 
 
 @dataclass
@@ -122,43 +260,168 @@ class Disk:
     """An extra disk; exactly one source (emptyDisk, configMap, secret, tmpfs) is expected."""
 
     name: str = api_field("Disk name.", required=True, min_length=1, default="",
-                          pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-    mount_path: str | None = api_field("Mount point in the guest.")
+                          pattern=_DNS_LABEL_PATTERN, max_length=DNS_LABEL)
+    mount_path: str | None = api_field("Mount point in the guest.", max_length=PATH_LENGTH)
     read_only: bool | None = api_field("Mount read-only.")
-    empty_disk: dict[str, Any] | None = api_field("A fresh disk of a given size.", free_form=True)
+    watch: bool | None = api_field("Watch the source for changes (NeonVM; configMap and "
+                                   "secret disks).")
+    empty_disk: dict[str, Any] | None = api_field("A fresh disk of a given size.",
+                                                  shape=EmptyDiskSource)
     config_map: dict[str, Any] | None = api_field("A disk built from a ConfigMap.",
-                                                  free_form=True)
-    secret: dict[str, Any] | None = api_field("A disk built from a Secret.", free_form=True)
-    tmpfs: dict[str, Any] | None = api_field("A tmpfs of a given size.", free_form=True)
+                                                  shape=ConfigMapSource)
+    secret: dict[str, Any] | None = api_field("A disk built from a Secret.", shape=SecretSource)
+    tmpfs: dict[str, Any] | None = api_field("A tmpfs of a given size.", shape=TmpfsDiskSource)
+
+
+@dataclass
+class Toleration:
+    """A core/v1 Toleration of the runner pod."""
+
+    key: str | None = api_field("Taint key.", max_length=NAME_LENGTH)
+    operator: Literal["Exists", "Equal"] | None = api_field("Exists or Equal.")
+    value: str | None = api_field("Taint value.", max_length=DNS_LABEL)
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = api_field(
+        "Taint effect to match.")
+    toleration_seconds: int | None = api_field("How long a NoExecute taint is tolerated.",
+                                               maximum=2**31 - 1)
+
+
+@dataclass
+class LocalObjectReference:
+    """A name in the VM's namespace."""
+
+    name: str | None = api_field("Name.", max_length=NAME_LENGTH)
+
+
+@dataclass
+class ResourceClaim:
+    """A core/v1 ResourceClaim reference."""
+
+    name: str = api_field("Claim name.", required=True, default="", max_length=NAME_LENGTH)
+    request: str | None = api_field("Request within the claim.", max_length=NAME_LENGTH)
+
+
+@dataclass
+class PodResources:
+    """core/v1 ResourceRequirements of the runner container."""
+
+    limits: dict[str, Any] | None = api_field("Limits.", quantity=True, max_properties=16)
+    requests: dict[str, Any] | None = api_field("Requests.", quantity=True, max_properties=16)
+    claims: list[ResourceClaim] | None = api_field("Dynamic resource claims.", max_items=16)
+
+
+@dataclass
+class ExtraNetwork:
+    """An extra interface on a Multus network (NeonVM)."""
+
+    enable: bool | None = api_field("Enable the extra interface.")
+    interface: str | None = api_field("Interface name (NeonVM's default net1).",
+                                      max_length=15)
+    multus_network: str | None = api_field("NetworkAttachmentDefinition name.",
+                                           max_length=NAME_LENGTH)
+
+
+@dataclass
+class TLSProvisioning:
+    """Certificates provisioned for the VM (NeonVM)."""
+
+    certificate_issuer: str | None = api_field("cert-manager issuer.", max_length=NAME_LENGTH)
+    expire_after: str | None = api_field("Certificate lifetime (a Go duration).",
+                                         max_length=64)
+    renew_before: str | None = api_field("Renew this long before expiry (a Go duration).",
+                                         max_length=64)
+    server_name: str | None = api_field("Common name of the certificate.",
+                                        max_length=NAME_LENGTH)
+    mount_path: str | None = api_field("Directory in the guest for tls.key and tls.crt.",
+                                       max_length=PATH_LENGTH)
+
+
+@dataclass
+class OvercommitSettings:
+    """Factors by which to discount the VM's resource usage (NeonVM)."""
+
+    cpu: str | None = api_field("CPU overcommit factor.", quantity=True)
+    memory: str | None = api_field("Memory overcommit factor.", quantity=True)
+
+
+@dataclass
+class Revision:
+    """An identifier of a spec configuration, set by an external party (NeonVM)."""
+
+    value: int = api_field("Value (int64; an identifier, so not bounded further).",
+                           required=True, default=0)
+    flags: int = api_field("Bit flags (int64); their meaning is up to the writer.",
+                           required=True, default=0)
+
+
+@dataclass
+class RevisionWithTime:
+    """A Revision and when it was last updated."""
+
+    revision: Revision = api_field("Revision.", required=True, default_factory=Revision)
+    updated_at: str = api_field("When (RFC 3339).", required=True, default="",
+                                max_length=64)
 
 
 @dataclass
 class VirtualMachineSpec:
-    """Desired state of a VirtualMachine."""
+    """Desired state of a VirtualMachine (every field of NeonVM's v1 spec)."""
 
     guest: Guest = api_field("The guest.", default_factory=Guest, required=True)
     restart_policy: RestartPolicy = api_field(
         "What to do when the runner pod ends: Always restart, restart OnFailure, or Never.",
         default="Always",
     )
-    runner_image: str | None = api_field("Image of the runner pod.")
-    disks: list[Disk] | None = api_field("Extra disks.")
-    node_selector: dict[str, str] | None = api_field("Node selector for the runner pod.")
+    runner_image: str | None = api_field("Image of the runner pod.", max_length=IMAGE_LENGTH)
+    disks: list[Disk] | None = api_field("Extra disks.", max_items=DISK_ITEMS)
+    node_selector: dict[str, str] | None = api_field(
+        "Node selector for the runner pod.", max_properties=SELECTOR_ITEMS,
+        item_max_length=DNS_LABEL)
     tolerations: list[dict[str, Any]] | None = api_field("Tolerations for the runner pod.",
-                                                         free_form=True)
-    affinity: dict[str, Any] | None = api_field("Affinity for the runner pod.", free_form=True)
+                                                         shape=Toleration,
+                                                         max_items=TOLERATION_ITEMS)
+    affinity: dict[str, Any] | None = api_field(
+        "Affinity for the runner pod (core/v1 Affinity).", free_form=True, max_properties=3)
     termination_grace_period_seconds: int | None = api_field(
-        "Grace period for the guest to power down.", minimum=0)
+        "Grace period for the guest to power down.", minimum=0, maximum=86400)
     pod_resources: dict[str, Any] | None = api_field(
-        "Resources of the runner container (requests/limits).", free_form=True)
-    scheduler_name: str | None = api_field("Scheduler for the runner pod.")
-    service_account_name: str | None = api_field("Service account of the runner pod.")
+        "Resources of the runner container (requests/limits).", shape=PodResources)
+    scheduler_name: str | None = api_field("Scheduler for the runner pod.",
+                                           max_length=NAME_LENGTH)
+    service_account_name: str | None = api_field("Service account of the runner pod.",
+                                                 max_length=NAME_LENGTH)
     image_pull_secrets: list[dict[str, Any]] | None = api_field(
-        "Pull secrets for the runner pod.", free_form=True)
-    runner_port: int | None = api_field("Runner HTTP port.", minimum=1, maximum=65535)
-    qmp: int | None = api_field("QMP port (NeonVM compatibility).", minimum=1, maximum=65535)
-    enable_ssh: bool | None = api_field("NeonVM compatibility; not used by this controller.",
+        "Pull secrets for the runner pod.", shape=LocalObjectReference,
+        max_items=PULL_SECRET_ITEMS)
+    runner_port: int | None = api_field("Runner HTTP port.", minimum=1, maximum=65535,
+                                        int32=True)
+    qmp: int | None = api_field("QMP port (NeonVM's default 20183).", minimum=1,
+                                maximum=65535, int32=True)
+    qmp_manual: int | None = api_field("NeonVM's second QMP port, for manual use "
+                                       "(default 20184).", minimum=1, maximum=65535,
+                                       int32=True)
+    enable_ssh: bool | None = api_field("Enable SSH into the guest (NeonVM).",
                                         json="enableSSH")
+    target_architecture: CPUArchitecture | None = api_field(
+        "CPU architecture of the node the VM runs on: amd64 or arm64.")
+    extra_init_containers: list[dict[str, Any]] | None = api_field(
+        "Init containers of the runner pod (core/v1 Container).", free_form=True,
+        max_properties=64, max_items=INIT_CONTAINER_ITEMS)
+    init_script: str | None = api_field("A script run in the runner container before the VM "
+                                        "starts.", max_length=INIT_SCRIPT_LENGTH)
+    extra_network: ExtraNetwork | None = api_field("Extra interface on a Multus network.")
+    service_links: bool | None = api_field("enableServiceLinks of the runner pod.",
+                                           json="service_links")
+    enable_acceleration: bool | None = api_field("Use KVM (NeonVM's default: true).")
+    tls: TLSProvisioning | None = api_field("Certificates to provision for the VM.")
+    overcommit: OvercommitSettings | None = api_field(
+        "Factors by which to discount the VM's resource usage.")
+    target_revision: RevisionWithTime | None = api_field(
+        "Set by an external party with a spec change; copied to status.currentRevision once "
+        "the change reached the VM.")
+    cpu_scaling_mode: CpuScalingMode | None = api_field(
+        "How CPUs are scaled: QmpScaling (hot-plug) or SysfsScaling (online in the guest).")
+    enable_network_monitoring: bool | None = api_field("Enable network monitoring (NeonVM).")
 
 
 @dataclass
@@ -196,7 +459,9 @@ class Condition:
 class VirtualMachineStatus:
     """Observed state, and the controller's resumable plan."""
 
-    phase: Phase | None = api_field("Pending, Running, Succeeded or Failed.")
+    phase: Phase | None = api_field(
+        "NeonVM's phases: Pending, Running, Succeeded, Failed, PreMigrating, Migrating, "
+        "Scaling (this controller sets the first four).")
     pod_name: str | None = api_field("The committed runner pod.")
     pod_uid: str | None = api_field("UID of the committed runner pod.", json="podUID")
     pending_pod: PendingPod | None = api_field("Plan record: pod being created.")
@@ -215,6 +480,22 @@ class VirtualMachineStatus:
                                             default_factory=list)
     observed_generation: int | None = api_field("Generation last acted on.")
     fence: Fence | None = api_field("Highest writer (epoch, token) seen.")
+    cpus: MilliCPU | None = api_field(
+        "vCPUs the committed runner pod was built with (its boot size, from the spec at "
+        "commit; not yet a reading from the guest).")
+    memory_size: str | None = api_field(
+        "Memory the committed runner pod was built with (memorySlots.use x memorySlotSize at "
+        "commit; not yet a reading from the guest).", quantity=True)
+    current_revision: RevisionWithTime | None = api_field(
+        "spec.targetRevision as of the spec the committed runner pod was built from.")
+    extra_net_ip: str | None = api_field("IP on the extra network (NeonVM; not set here).",
+                                         json="extraNetIP")
+    extra_net_mask: str | None = api_field("Mask on the extra network (NeonVM; not set "
+                                           "here).", json="extraNetMask")
+    ssh_secret_name: str | None = api_field("Secret holding the VM's SSH keys (NeonVM; not "
+                                            "set here).", json="sshSecretName")
+    tls_secret_name: str | None = api_field("Secret holding the VM's certificate (NeonVM; "
+                                            "not set here).", json="tlsSecretName")
 
 
 @dataclass

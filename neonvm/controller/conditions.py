@@ -26,6 +26,7 @@ import copy
 import datetime as dt
 from dataclasses import dataclass
 
+from neonvm.api import compat
 from neonvm.api.types import Condition, Fence, VirtualMachine, VirtualMachineStatus
 from neonvm.controller import decide as d
 from neonvm.controller.mutations import FencedOut, StatusMutation
@@ -116,6 +117,7 @@ def desired_conditions(snap: Snapshot, final: d.Action) -> list[ConditionUpdate]
             # This reconcile got past the fence check: the fence is no longer ahead.
             updates.append(ConditionUpdate(DEGRADED, "False", FENCE_RESOLVED,
                                            "status.fence is no longer ahead of the leader"))
+    updates.append(unimplemented_fields_condition(vm))
     return updates
 
 
@@ -167,6 +169,16 @@ def fence_ahead_mutation(lease: d.Lease, now: str | None = None) -> StatusMutati
         return status
 
     return mutate
+
+
+def unimplemented_fields_condition(vm: VirtualMachine) -> ConditionUpdate:
+    """FieldsNotImplemented: True naming the accepted NeonVM fields the VM uses that this
+    controller does not act on (:mod:`neonvm.api.compat`); False once it uses none."""
+    message = compat.unimplemented_message(vm.spec)
+    if message:
+        return ConditionUpdate(compat.CONDITION, "True", compat.REASON_USED, message)
+    return ConditionUpdate(compat.CONDITION, "False", compat.REASON_NONE,
+                           "every field the VM uses is implemented", only_if_present=True)
 
 
 def refused_condition(message: str, generation: int) -> ConditionUpdate:

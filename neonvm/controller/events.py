@@ -1,6 +1,6 @@
 """Kubernetes Events on VirtualMachines: plan, commit, restart, clean-up, alarms.
 
-Events are for people (``kubectl describe vm``), never for the controller's own logic:
+Events are for people (``kubectl describe neonvm``), never for the controller's own logic:
 recording one is best effort, and a failure is logged and otherwise ignored.
 """
 

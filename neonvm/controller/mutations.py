@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 
+from neonvm.api import compat
 from neonvm.api.types import FINALIZER, Fence, VirtualMachine, VirtualMachineStatus
 from neonvm.controller import decide as d
 
@@ -37,6 +38,13 @@ def _fresh_status(vm: VirtualMachine, lease: d.Lease) -> VirtualMachineStatus:
     status.fence = Fence(epoch=lease.epoch, token=lease.token)
     status.observed_generation = vm.generation
     return status
+
+
+def _record_boot_size(new: VirtualMachineStatus, vm: VirtualMachine) -> None:
+    """status.cpus/memorySize/currentRevision: the spec the committed pod was built from."""
+    new.cpus, new.memory_size = compat.configured_size(vm.spec)
+    if vm.spec.target_revision is not None:
+        new.current_revision = copy.deepcopy(vm.spec.target_revision)
 
 
 def status_mutation(action: d.Action, lease: d.Lease) -> StatusMutation:
@@ -63,6 +71,7 @@ def status_mutation(action: d.Action, lease: d.Lease) -> StatusMutation:
         new = _fresh_status(vm, lease)
         new.pod_name, new.pod_uid, new.pending_pod = action.name, action.uid, None
         new.phase = "Pending"
+        _record_boot_size(new, vm)
         return new
 
     def drop_plan(vm: VirtualMachine) -> VirtualMachineStatus | None:
@@ -87,6 +96,7 @@ def status_mutation(action: d.Action, lease: d.Lease) -> StatusMutation:
             return new
         new.pod_name, new.pod_uid, new.pending_pod = "", "", None
         new.pod_ip, new.node = None, None
+        new.cpus, new.memory_size = None, None
         new.restart_count = s.restart_count + 1
         new.restart_streak = d.next_restart_streak(s.restart_streak, s.last_restart_time,
                                                    action.at)
@@ -107,6 +117,8 @@ def status_mutation(action: d.Action, lease: d.Lease) -> StatusMutation:
         new = _fresh_status(vm, lease)
         new.phase = action.phase  # type: ignore[assignment]
         new.node, new.pod_ip = action.node, action.ip
+        if new.cpus is None:  # committed before status.cpus existed
+            _record_boot_size(new, vm)
         return new
 
     table: dict[type[d.Action], StatusMutation] = {

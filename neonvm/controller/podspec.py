@@ -282,8 +282,8 @@ def _resources(vm: VirtualMachine) -> dict[str, Any]:
     if slot <= 0:
         raise PodSpecError("guest.memorySlotSize must be positive")
     memory = int(slot * guest.memory_slots.max) + MEMORY_OVERHEAD
-    cpu_request = _millicores(guest.cpus.current)
-    cpu_limit = _millicores(guest.cpus.max)
+    cpu_request = _millicores(guest.cpus.current.cores)
+    cpu_limit = _millicores(guest.cpus.max.cores)
     return {
         "requests": {"cpu": cpu_request, "memory": _bytes(memory)},
         "limits": {"cpu": cpu_limit, "memory": _bytes(memory)},

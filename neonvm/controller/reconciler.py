@@ -56,6 +56,7 @@ from neonvm.api.schema import encode
 from neonvm.api.types import VirtualMachineStatus
 from neonvm.controller import decide as d
 from neonvm.controller import podspec
+from neonvm.controller.compat_events import warn_unimplemented
 from neonvm.controller.conditions import (
     DEGRADED,
     FENCE_AHEAD,
@@ -313,6 +314,7 @@ class Reconciler:
                     written = self._write_status(key, snap, mutation, authority, log)
                     if written is not None:
                         self._event_for_wait(action, record.vm, written.vm, log)
+                        warn_unimplemented(self._events, record.vm, written.vm)
                 requeue = (action.seconds if isinstance(action, d.Wait)
                            else self._config.resync_seconds)
                 log.debug("reconciled: {action} ({reason})", action=type(action).__name__,

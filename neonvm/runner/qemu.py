@@ -33,7 +33,6 @@ The mapping (docs/runner.md has the full table):
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -164,7 +163,7 @@ def cpu_layout(cpus: CPURange) -> CpuLayout:
     use = cpus.current
     if not cpus.min <= use <= cpus.max:
         raise SpecError(f"guest.cpus: use {use:g} is outside [{cpus.min:g}, {cpus.max:g}]")
-    return CpuLayout(vcpus=math.ceil(use), max_vcpus=math.ceil(cpus.max))
+    return CpuLayout(vcpus=use.rounded_up(), max_vcpus=cpus.max.rounded_up())
 
 
 def memory_layout(slots: IntRange, slot_size: object) -> MemoryLayout:
