@@ -164,9 +164,11 @@ def run_side_by_side(api: client.ApiClient, kubeconfig: Path, locks_etcd_url: st
                      log_dir: Path, *, duration: float, vms: int = 4,
                      churn_every: float = 20.0, replicas_each: int = 1,
                      converge_timeout: float = 180.0, prefix: str | None = None,
+                     replica_env: dict[str, str] | None = None,
                      progress: Progress = lambda _m: None) -> SideBySideReport:
     """Run the scenario of the module doc; always stops its replicas and drops its
-    namespaces. ``kubeconfig`` is the controller's identity."""
+    namespaces. ``kubeconfig`` is the controller's identity; ``replica_env`` is added to
+    the replicas' environment (say, a ``PYTHONPATH`` to run another version of them)."""
     tag = uuid.uuid4().hex[:6]
     prefix = prefix or f"/side-by-side-{tag}"
     sides = [(f"sbs-a-{tag}", "controller-a"), (f"sbs-b-{tag}", "controller-b")]
@@ -186,7 +188,7 @@ def run_side_by_side(api: client.ApiClient, kubeconfig: Path, locks_etcd_url: st
                                          ns, "--etcd-prefix", prefix])
             groups.append(group)
             for i in range(replicas_each):
-                group.start(f"{lease}-{i}")
+                group.start(f"{lease}-{i}", env=replica_env)
         watcher.start()
         for ns, _ in sides:
             batch = [f"vm-{counter + i}" for i in range(vms)]
