@@ -472,6 +472,10 @@ def test_an_installations_sweep_never_removes_another_installations_live_lock(
     with pytest.raises(LockError, match="several installations"):
         everything.get("a", "vm")
     assert LockTable(etcd, prefix, INST_B).get("a", "vm") is not None
+    # A VM locked in one installation only is found, and broken, without naming it.
+    broken = everything.break_lock("b", "vm")
+    assert broken is not None and broken.installation == INST_B
+    assert not b_guard.check()
 
 
 @pytest.mark.cluster
