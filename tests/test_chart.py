@@ -221,6 +221,10 @@ def test_the_controller_gets_the_lease_settings_and_probes_on_its_health_port(
     assert args[args.index("controller"):args.index("controller") + 2] == ["controller", "run"]
     assert "--lease-namespace=neonvm-system" in args
     assert "--lease-name=neonvm-controller" in args
+    # ... and `neonvm locks` run in the pod acts on this installation's locks.
+    env = rendered.env()
+    assert env["NEONVM_CONTROLLER_RUN_LEASE_NAMESPACE"]["value"] == "neonvm-system"
+    assert env["NEONVM_CONTROLLER_RUN_LEASE_NAME"]["value"] == "neonvm-controller"
     assert "--lease-duration=20" in args
     assert "--renew-deadline=15" in args
     assert "--retry-period=3" in args

@@ -298,12 +298,12 @@ def test_check_reports_orphans_missing_pods_and_stuck_plans(
         types.GROUP, types.VERSION, namespace, types.PLURAL, "lonely", vm)
     # A lock for a VM uid that does not exist, in the locks' etcd.
     from neonvm.leader.etcd import Etcd, EtcdConfig, Put
-    from neonvm.leader.lock import LockRecord, lock_key
+    from neonvm.leader.lock import DEFAULT_INSTALLATION, LockRecord, lock_key
 
     config = EtcdConfig.from_env({}).with_overrides(endpoints=cluster.locks_etcd_url)
+    orphan_key = lock_key(config.prefix, DEFAULT_INSTALLATION, namespace, "deleted-vm")
     with Etcd(config) as etcd:
-        etcd.txn([], [Put(lock_key(config.prefix, namespace, "deleted-vm"),
-                          LockRecord("someone", 1, "no-such-uid", 0.0).encode())])
+        etcd.txn([], [Put(orphan_key, LockRecord("someone", 1, "no-such-uid", 0.0).encode())])
     def findings() -> set[tuple[str, str]]:
         # Ages have one-second resolution: the plan is "older than 0s" a moment later.
         result = run_cli("check", "--kubeconfig", str(cluster.kubeconfig), "-n", namespace,
@@ -321,7 +321,7 @@ def test_check_reports_orphans_missing_pods_and_stuck_plans(
         (ORPHAN_LOCK, f"{namespace}/deleted-vm"),
     }
     with Etcd(config) as etcd:
-        etcd.delete(lock_key(config.prefix, namespace, "deleted-vm"))
+        etcd.delete(orphan_key)
 
 
 @pytest.mark.cluster

@@ -26,7 +26,7 @@ from neonvm.cli import main as cli_main
 from neonvm.dev import binaries
 from neonvm.dev.cluster import LocalCluster, free_port
 from neonvm.dev.pki import LocalPKI
-from neonvm.leader.epoch import EpochFloor, EpochFloorCorrupt
+from neonvm.leader.epoch import EpochFloor, EpochFloorCorrupt, floor_key, legacy_floor_key
 from neonvm.leader.etcd import (
     Compare,
     Etcd,
@@ -41,15 +41,20 @@ from neonvm.leader.etcd import (
     prefix_end,
 )
 from neonvm.leader.lock import (
+    DEFAULT_INSTALLATION,
+    Installation,
+    LockError,
     LockGuard,
     LockHeld,
     LockInfo,
     LockLost,
     LockManager,
     LockRecord,
+    LockTable,
     SessionLost,
     decide,
     lock_key,
+    parse_lock_key,
 )
 from neonvm.leader.session import Session
 from tests.support import wait_for
@@ -215,10 +220,26 @@ def test_prefix_range_end_covers_exactly_the_prefix() -> None:
 
 @pytest.mark.unit
 def test_lock_keys_reject_names_that_would_escape_their_slot() -> None:
-    assert lock_key("/p", "ns", "vm") == "/p/locks/ns/vm"
+    inst = Installation("neonvm-system", "ctl")
+    assert lock_key("/p", inst, "ns", "vm") == "/p/neonvm-system/ctl/locks/ns/vm"
     for ns, name in [("", "vm"), ("ns", ""), ("a/b", "vm"), ("ns", "x/y")]:
         with pytest.raises(ValueError):
-            lock_key("/p", ns, name)
+            lock_key("/p", inst, ns, name)
+    for lease_ns, lease in [("", "ctl"), ("a/b", "ctl"), ("ns", ""), ("ns", "x/y")]:
+        with pytest.raises(ValueError):
+            Installation(lease_ns, lease)
+
+
+@pytest.mark.unit
+def test_lock_keys_are_scoped_by_installation_and_parse_back() -> None:
+    a, b = Installation("ns-a", "ctl"), Installation("ns-b", "ctl")
+    assert lock_key("/p", a, "ns", "vm") != lock_key("/p", b, "ns", "vm")
+    assert parse_lock_key(lock_key("/p", b, "ns", "vm"), "/p") == (b, "ns", "vm")
+    assert floor_key("/p", a) == "/p/ns-a/ctl/leader/epoch-floor" != floor_key("/p", b)
+    # Not lock keys: a floor, the unscoped layout of earlier versions, another prefix.
+    for key in (floor_key("/p", a), "/p/locks/ns/vm", "/q/ns-a/ctl/locks/ns/vm",
+                "/p/ns-a/ctl/locks/ns"):
+        assert parse_lock_key(key, "/p") is None
 
 
 # ---- taking and holding a lock ----------------------------------------------------------
@@ -236,7 +257,7 @@ def test_an_uncontended_acquire_is_one_round_trip_and_its_token_is_the_write_rev
             counting.calls = 0
             guard = m.acquire("default", "vm-1", "uid-1", epoch=3)
             assert counting.calls == 1
-            kv = counting.get(lock_key(prefix, "default", "vm-1"))
+            kv = counting.get(lock_key(prefix, DEFAULT_INSTALLATION, "default", "vm-1"))
             assert kv is not None
             assert guard.token == kv.mod_revision == kv.create_revision
             assert kv.lease == session.lease_id
@@ -398,13 +419,110 @@ def test_sweep_removes_the_locks_of_vms_that_no_longer_exist_and_nothing_else(
     mine_but_gone = leader.acquire("default", "mine", "uid-mine", epoch=2)
     other.acquire("default", "gone", "uid-gone", epoch=1)
     other.acquire("team", "gone-too", "uid-gone-too", epoch=1)
-    etcd.put(lock_key(prefix, "default", "garbage"), b"not json")
+    etcd.put(lock_key(prefix, DEFAULT_INSTALLATION, "default", "garbage"), b"not json")
 
     removed = leader.sweep(lambda: {"uid-live"})
     assert sorted(i.name for i in removed) == ["gone", "gone-too"]
     remaining = sorted(i.name for i in leader.list())
     assert remaining == ["garbage", "live", "mine"]  # our own held lock is spared
     assert mine_but_gone.check()
+
+
+# ---- installations sharing one etcd and one prefix -----------------------------------------
+
+INST_A = Installation("team-a-system", "controller-a")
+INST_B = Installation("team-b-system", "controller-b")
+
+
+@pytest.mark.cluster
+def test_an_installations_sweep_never_removes_another_installations_live_lock(
+    etcd: Etcd, new_session: SessionFactory, prefix: str
+) -> None:
+    # Same etcd, same prefix; A watches namespace "a", B watches "b" (as with
+    # --watch-namespace): A's list of live VMs knows nothing of B's.
+    a = LockManager(etcd, new_session(name="a"), "replica-a", prefix, INST_A)
+    b = LockManager(etcd, new_session(name="b"), "replica-b", prefix, INST_B)
+    a.acquire("a", "vm", "uid-a", epoch=1)
+    b_guard = b.acquire("b", "vm", "uid-b", epoch=1)
+    b_gone = b.acquire("b", "deleted", "uid-b-deleted", epoch=1)
+    b_gone.release()
+    b.acquire("b", "stale", "uid-b-stale", epoch=1)
+
+    removed_by_a = a.sweep(lambda: {"uid-a"})
+    assert removed_by_a == [], f"A swept B's locks: {[i.key for i in removed_by_a]}"
+    assert b_guard.check(), f"B's live lock is gone: {b_guard.lost_reason}"
+    # B's own sweep still removes B's stale lock, and only that.
+    b_stale_holder = LockManager(etcd, new_session(name="b2"), "replica-b2", prefix, INST_B)
+    assert [i.name for i in b_stale_holder.sweep(lambda: {"uid-b"})] == ["stale"]
+    assert b_guard.check()
+    assert [i.name for i in a.list()] == ["vm"]
+    # A table of every installation sees both, and will not sweep.
+    everything = LockTable(etcd, prefix)
+    assert sorted((str(i.installation), i.name) for i in everything.list()) == [
+        (str(INST_A), "vm"), (str(INST_B), "vm")]
+    with pytest.raises(ValueError, match="installation"):
+        everything.sweep(lambda: set())
+    assert a.overlaps() == [] and b.overlaps() == []
+    # Misconfigured: B watches A's namespace too, so both lock A's VM. Each sees the
+    # other's lock (the sweep logs it as an error), and "which one?" is asked.
+    b.acquire("a", "vm", "uid-a", epoch=1)
+    assert [(i.installation, i.key) for i in a.overlaps()] == [
+        (INST_B, lock_key(prefix, INST_B, "a", "vm"))]
+    assert [i.installation for i in b.overlaps()] == [INST_A]
+    with pytest.raises(LockError, match="several installations"):
+        everything.get("a", "vm")
+    assert LockTable(etcd, prefix, INST_B).get("a", "vm") is not None
+    # A VM locked in one installation only is found, and broken, without naming it.
+    broken = everything.break_lock("b", "vm")
+    assert broken is not None and broken.installation == INST_B
+    assert not b_guard.check()
+
+
+@pytest.mark.cluster
+def test_installations_sharing_a_prefix_have_independent_epoch_floors(
+    etcd: Etcd, prefix: str
+) -> None:
+    a, b = EpochFloor(etcd, prefix, INST_A), EpochFloor(etcd, prefix, INST_B)
+    assert a.claim(40, "leader-a")
+    # B's Lease has seen three transitions: its epoch 3 is its own business.
+    assert b.claim(3, "leader-b"), "A's floor pushed B's epoch up"
+    assert not a.claim(4, "leader-a") and not b.claim(3, "leader-b")
+    assert (a.current().epoch, b.current().epoch) == (40, 3)  # type: ignore[union-attr]
+
+
+@pytest.mark.cluster
+def test_the_shared_floor_of_earlier_versions_bounds_an_installations_first_claim(
+    etcd: Etcd, prefix: str
+) -> None:
+    # An upgrade: the unscoped floor an earlier version wrote is still there.
+    etcd.put(legacy_floor_key(prefix), b'{"epoch": 9, "identity": "old", "claimedAt": ""}')
+    floor = EpochFloor(etcd, prefix, INST_A)
+    assert not floor.claim(9, "leader-a")
+    assert floor.claim(10, "leader-a")
+    assert floor.current().epoch == 10  # type: ignore[union-attr]
+
+
+@pytest.mark.cluster
+@pytest.mark.slow
+def test_two_installations_on_one_etcd_and_prefix_run_side_by_side(
+    cluster: LocalCluster, api: Any, tmp_path: Path
+) -> None:
+    # The short version of `python -m benchmarks.side_by_side` (5 minutes): real replicas,
+    # each installation with --watch-namespace, its own Lease, the SAME --etcd-prefix,
+    # sweeping every 3 s while VMs come and go on both sides.
+    from neonvm.drills.installations import run_side_by_side
+
+    report = run_side_by_side(api, cluster.kubeconfig_for("controller"),
+                              cluster.locks_etcd_url, tmp_path, duration=30, vms=3,
+                              churn_every=10)
+    print(report.text())
+    for r in report.results:
+        assert r.removed_by_other == [], report.text()
+        assert r.live_locks_deleted == [], report.text()
+        assert (r.converged, r.waiting) == (r.vms, {}), report.text()
+        # Each claimed its epoch in its own floor: nobody pushed it past its Lease.
+        assert r.floor_epoch is not None and r.floor_epoch == r.lease_transitions, (
+            report.text())
 
 
 # ---- other processes ----------------------------------------------------------------------
@@ -705,7 +823,7 @@ def test_racing_claims_of_one_epoch_have_exactly_one_winner(etcd: Etcd, prefix: 
 
 @pytest.mark.cluster
 def test_a_malformed_epoch_floor_refuses_claims_loudly(etcd: Etcd, prefix: str) -> None:
-    etcd.put(f"{prefix}/leader/epoch-floor", b"seven")
+    etcd.put(floor_key(prefix, DEFAULT_INSTALLATION), b"seven")
     with pytest.raises(EpochFloorCorrupt, match="epoch-floor is malformed"):
         EpochFloor(etcd, prefix).claim(8, "leader")
 
@@ -743,10 +861,37 @@ def test_cli_lists_and_shows_locks_with_holder_epoch_token_and_lease(
 
 
 @pytest.mark.cluster
+def test_cli_lists_one_installation_by_its_lease_and_all_of_them_on_request(
+    etcd: Etcd, config: EtcdConfig, new_session: SessionFactory, prefix: str
+) -> None:
+    LockManager(etcd, new_session(), "replica-a", prefix, INST_A).acquire("a", "vm", "u1", 1)
+    LockManager(etcd, new_session(), "replica-b", prefix, INST_B).acquire("b", "vm", "u2", 1)
+    LockManager(etcd, new_session(), "replica-d", prefix).acquire("d", "vm", "u3", 1)
+
+    def holders(*args: str, env: dict[str, str] | None = None) -> list[str]:
+        result = CliRunner().invoke(cli_main, ["locks", *args, "-o", "json"], env={
+            "NEONVM_ETCD_ENDPOINTS": ",".join(config.endpoints),
+            "NEONVM_ETCD_PREFIX": config.prefix, **(env or {})})
+        assert result.exit_code == 0, result.output
+        return sorted(r["holder"] for r in json.loads(result.output))
+
+    assert holders("list") == ["replica-d"]  # the controller's default Lease
+    assert holders("--lease-namespace", INST_A.lease_namespace,
+                   "--lease-name", INST_A.lease_name, "list") == ["replica-a"]
+    # The controller's own variables name the installation too.
+    assert holders("list", env={
+        "NEONVM_CONTROLLER_RUN_LEASE_NAMESPACE": INST_B.lease_namespace,
+        "NEONVM_CONTROLLER_RUN_LEASE_NAME": INST_B.lease_name}) == ["replica-b"]
+    assert holders("list", "--all-installations") == ["replica-a", "replica-b", "replica-d"]
+    table = _cli(config, "list", "-A")
+    assert str(INST_A) in table.output and "INSTALLATION" in table.output
+
+
+@pytest.mark.cluster
 def test_cli_shows_a_malformed_lock_value_as_malformed(
     etcd: Etcd, config: EtcdConfig, prefix: str
 ) -> None:
-    etcd.put(lock_key(prefix, "default", "vm-bad"), b"\x00garbage{")
+    etcd.put(lock_key(prefix, DEFAULT_INSTALLATION, "default", "vm-bad"), b"\x00garbage{")
     listed = _cli(config, "list")
     assert listed.exit_code == 0, listed.output
     assert "malformed" in listed.output

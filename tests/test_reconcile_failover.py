@@ -37,7 +37,7 @@ from neonvm.controller.harness import (
 from neonvm.dev.cluster import LocalCluster
 from neonvm.invariant import InvariantChecker
 from neonvm.leader.etcd import Etcd, EtcdConfig
-from neonvm.leader.lock import LockTable, lock_key
+from neonvm.leader.lock import Installation, LockTable, lock_key
 from tests.support import create_pull_secret, wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
@@ -422,7 +422,9 @@ def test_a_deleted_vm_whose_deletion_the_cache_missed_is_never_locked_again(
         wait_for(lambda: _metrics(port).get(resyncs, 0) >= before.get(resyncs, 0) + 3, 60,
                  what="three resyncs")
         assert _metrics(port).get("neonvm_controller_cache_evictions_total", 0) >= 1
-        stream = etcd.watch(lock_key(prefix, namespace, "vm"), start_revision=since + 1,
+        installation = Installation(namespace, replicas.lease_name)
+        stream = etcd.watch(lock_key(prefix, installation, namespace, "vm"),
+                            start_revision=since + 1,
                             timeout=1.0)
         try:
             retaken = [e.revision for e in stream if e.kind == "put"]

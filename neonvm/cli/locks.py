@@ -3,6 +3,11 @@
 Connection settings come from ``NEONVM_ETCD_*`` (``neonvm dev env`` prints them for the
 local cluster) and can be overridden by the group's flags. Every command gives up with a
 one-line error after ``--timeout`` seconds when etcd does not answer.
+
+Locks belong to an installation, named by its Lease: the commands act on the one that
+``--lease-namespace``/``--lease-name`` name, with the same defaults and environment
+variables as ``neonvm controller run``; ``list`` and ``watch`` take
+``--all-installations``.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -19,11 +25,21 @@ import click
 import yaml
 
 from neonvm.cli.output import OUTPUT_OPTION, emit
+from neonvm.leader.election import DEFAULT_LEASE_NAME, DEFAULT_NAMESPACE
 from neonvm.leader.etcd import DEFAULT_TIMEOUT, Etcd, EtcdConfig
-from neonvm.leader.lock import LockEvent, LockInfo, LockTable
+from neonvm.leader.lock import Installation, LockEvent, LockInfo, LockTable
 
 LIST_COLUMNS = ["namespace", "name", "status", "holder", "epoch", "token", "vmUID", "ttl",
                 "age"]
+ALL_OPTION = click.option("-A", "--all-installations", "all_installations", is_flag=True,
+                          help="Locks of every installation under the prefix, not only the "
+                               "one of --lease-namespace/--lease-name.")
+
+
+@dataclass(frozen=True)
+class _Settings:
+    etcd: EtcdConfig
+    installation: Installation
 
 
 @click.group("locks")
@@ -39,23 +55,42 @@ LIST_COLUMNS = ["namespace", "name", "status", "holder", "epoch", "token", "vmUI
 @click.option("--password", help="etcd password [env: NEONVM_ETCD_PASSWORD].")
 @click.option("--timeout", type=float, default=DEFAULT_TIMEOUT, show_default=True,
               help="Seconds to wait for etcd before giving up.")
+@click.option("--lease-namespace", default=DEFAULT_NAMESPACE, show_default=True,
+              envvar="NEONVM_CONTROLLER_RUN_LEASE_NAMESPACE",
+              help="The installation: namespace of its controller's Lease "
+                   "[env: NEONVM_CONTROLLER_RUN_LEASE_NAMESPACE].")
+@click.option("--lease-name", default=DEFAULT_LEASE_NAME, show_default=True,
+              envvar="NEONVM_CONTROLLER_RUN_LEASE_NAME",
+              help="The installation: name of its controller's Lease "
+                   "[env: NEONVM_CONTROLLER_RUN_LEASE_NAME].")
 @click.pass_context
 def locks(ctx: click.Context, endpoints: str | None, prefix: str | None, ca: str | None,
           cert: str | None, key: str | None, user: str | None, password: str | None,
-          timeout: float) -> None:
-    """Per-VM locks: who holds which VM, under which epoch and fencing token."""
-    ctx.obj = EtcdConfig.from_env().with_overrides(
+          timeout: float, lease_namespace: str, lease_name: str) -> None:
+    """Per-VM locks: who holds which VM, under which epoch and fencing token.
+
+    Each controller installation keeps its own locks, under
+    PREFIX/LEASE-NAMESPACE/LEASE-NAME/locks/; the commands act on the installation named
+    by --lease-namespace and --lease-name (the controller's defaults unless given).
+    """
+    try:
+        installation = Installation(lease_namespace, lease_name)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--lease-namespace/--lease-name"
+                                 ) from None
+    ctx.obj = _Settings(EtcdConfig.from_env().with_overrides(
         endpoints=endpoints, prefix=prefix, ca=ca, cert=cert, key=key, user=user,
         password=password, timeout=timeout,
-    )
+    ), installation)
 
 
 @contextmanager
-def _table(ctx: click.Context) -> Iterator[LockTable]:
-    config: EtcdConfig = ctx.obj
-    etcd = Etcd(config)
+def _table(ctx: click.Context, all_installations: bool = False) -> Iterator[LockTable]:
+    settings: _Settings = ctx.obj
+    etcd = Etcd(settings.etcd)
     try:
-        yield LockTable(etcd, config.prefix)
+        yield LockTable(etcd, settings.etcd.prefix,
+                        None if all_installations else settings.installation)
     finally:
         etcd.close()
 
@@ -75,13 +110,16 @@ def _rows(table: LockTable, infos: list[LockInfo]) -> list[dict[str, Any]]:
 
 @locks.command("list")
 @click.option("-n", "--namespace", help="Only this namespace.")
+@ALL_OPTION
 @OUTPUT_OPTION
 @click.pass_context
-def list_(ctx: click.Context, namespace: str | None, output: str) -> None:
+def list_(ctx: click.Context, namespace: str | None, all_installations: bool,
+          output: str) -> None:
     """List locks: holder, epoch, token (fencing), lease seconds left, age."""
-    with _table(ctx) as table:
+    with _table(ctx, all_installations) as table:
         rows = _rows(table, table.list(namespace))
-    emit(rows, output, None if output != "table" else LIST_COLUMNS)
+    columns = (["installation", *LIST_COLUMNS] if all_installations else LIST_COLUMNS)
+    emit(rows, output, None if output != "table" else columns)
 
 
 @locks.command("show")
@@ -107,23 +145,25 @@ def show(ctx: click.Context, lock: str, output: str) -> None:
 @locks.command("watch")
 @click.option("-n", "--namespace", help="Only this namespace.")
 @click.option("--no-existing", is_flag=True, help="Skip the locks that exist at the start.")
+@ALL_OPTION
 @OUTPUT_OPTION
 @click.pass_context
-def watch(ctx: click.Context, namespace: str | None, no_existing: bool, output: str) -> None:
+def watch(ctx: click.Context, namespace: str | None, no_existing: bool,
+          all_installations: bool, output: str) -> None:
     """Stream lock changes (taken, taken over, released, expired) until Ctrl-C.
 
     First prints the current locks as EXISTING, then every change as it happens. json
     prints one object per line; yaml one document per change.
     """
-    with _table(ctx) as table:
+    with _table(ctx, all_installations) as table:
         try:
             for event in table.watch(namespace, existing=not no_existing):
-                _print_event(event, output)
+                _print_event(event, output, all_installations)
         except KeyboardInterrupt:
             pass
 
 
-def _print_event(event: LockEvent, fmt: str) -> None:
+def _print_event(event: LockEvent, fmt: str, with_installation: bool) -> None:
     row = {"event": event.kind.upper(), "revision": event.revision,
            **event.info.as_dict()}
     if fmt == "json":
@@ -138,7 +178,8 @@ def _print_event(event: LockEvent, fmt: str) -> None:
             r = event.info.record
             what = (f"holder={r.holder} epoch={r.epoch} vm-uid={r.vm_uid}" if r
                     else "(malformed)")
-        click.echo(f"{stamp} {event.kind.upper():<8} {event.info.namespace}/"
+        where = f"[{event.info.installation}] " if with_installation else ""
+        click.echo(f"{stamp} {event.kind.upper():<8} {where}{event.info.namespace}/"
                    f"{event.info.name} token={event.info.token} {what}", nl=True)
     sys.stdout.flush()
 

@@ -67,7 +67,7 @@ from neonvm.controller.workqueue import Backoff, WorkQueue
 from neonvm.leader.election import ElectionConfig, LeaderElector, Leadership, LeadershipLost
 from neonvm.leader.epoch import EpochFloor
 from neonvm.leader.etcd import Etcd, EtcdConfig, EtcdError
-from neonvm.leader.lock import LockGuard, LockHeld, LockLost, LockManager, SessionLost
+from neonvm.leader.lock import Installation, LockGuard, LockHeld, LockLost, LockManager, SessionLost
 from neonvm.leader.session import Session
 
 
@@ -229,7 +229,8 @@ class LeaderTerm:
             self._session = Session(self.process.etcd, ttl=self.config.session_ttl,
                                     name=f"controller-{self.leadership.epoch}")
             self._locks = LockManager(self.process.etcd, self._session,
-                                      self.leadership.identity, self.process.etcd_config.prefix)
+                                      self.leadership.identity, self.process.etcd_config.prefix,
+                                      self.process.installation)
             self.log.info("etcd session started for per-VM locks",
                           lease=f"{self._session.lease_id:x}")
             return self._locks
@@ -515,9 +516,11 @@ class ControllerProcess:
         self.metrics = metrics or ControllerMetrics()
         self.events = events or EventRecorder(api, election.identity)
         self._term: LeaderTerm | None = None
+        # Every etcd key of this installation (locks, epoch floor) is scoped by its Lease.
+        self.installation = Installation(election.namespace, election.name)
         self.elector = LeaderElector(
             api, election, on_started=self._lead, on_stopped=self._stopped,
-            epoch_floor=EpochFloor(self.etcd, etcd_config.prefix),
+            epoch_floor=EpochFloor(self.etcd, etcd_config.prefix, self.installation),
             registry=self.metrics.registry,
         )
 

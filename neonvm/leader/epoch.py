@@ -6,6 +6,10 @@ used, and fencing by epoch would then let the deposed leader's late writes throu
 election the new leader *claims* its epoch here, and refuses leadership if the claim
 fails.
 
+The floor is kept per installation (:func:`floor_key`): each installation's epochs count
+the transitions of its own Lease, so one installation's floor says nothing about
+another's, and a shared floor would let each push the other's epochs up.
+
 What is guaranteed:
 
 * :meth:`EpochFloor.claim` returns True only if it recorded ``epoch`` as the floor by a
@@ -33,6 +37,7 @@ from datetime import UTC, datetime
 from loguru import logger
 
 from neonvm.leader.etcd import DEFAULT_PREFIX, Compare, Etcd, EtcdError, Get, KeyValue, Put
+from neonvm.leader.lock import DEFAULT_INSTALLATION, Installation
 
 
 class EpochFloorCorrupt(EtcdError):
@@ -50,16 +55,30 @@ class FloorRecord:
                            "claimedAt": self.claimed_at}, separators=(",", ":")).encode()
 
 
-def floor_key(prefix: str) -> str:
+def floor_key(prefix: str, installation: Installation) -> str:
+    """``<prefix>/<lease namespace>/<lease name>/leader/epoch-floor``: one per
+    installation, since each counts the transitions of its own Lease."""
+    return f"{installation.root(prefix)}/leader/epoch-floor"
+
+
+def legacy_floor_key(prefix: str) -> str:
+    """The floor of earlier versions, shared by every installation under the prefix."""
     return f"{prefix}/leader/epoch-floor"
 
 
 class EpochFloor:
-    """Implements ``neonvm.leader.election.EpochFloor`` (``claim(epoch, identity)``)."""
+    """Implements ``neonvm.leader.election.EpochFloor`` (``claim(epoch, identity)``).
 
-    def __init__(self, etcd: Etcd, prefix: str = DEFAULT_PREFIX) -> None:
+    Until the installation's own floor exists, the shared floor of earlier versions
+    (if any) is honoured as a lower bound, so an upgrade never hands out an epoch that an
+    earlier version's leader may have used.
+    """
+
+    def __init__(self, etcd: Etcd, prefix: str = DEFAULT_PREFIX,
+                 installation: Installation = DEFAULT_INSTALLATION) -> None:
         self.etcd = etcd
-        self.key = floor_key(prefix)
+        self.key = floor_key(prefix, installation)
+        self.legacy_key = legacy_floor_key(prefix)
 
     def current(self) -> FloorRecord | None:
         """The recorded floor, or None when no leader has claimed one yet."""
@@ -71,6 +90,13 @@ class EpochFloor:
             raise ValueError(f"epoch must not be negative, got {epoch}")
         value = FloorRecord(epoch, identity, datetime.now(UTC).isoformat()).encode()
         kv = self.etcd.get(self.key)
+        if kv is None:
+            legacy = self._parse(self.etcd.get(self.legacy_key), self.legacy_key)
+            if legacy is not None and epoch <= legacy.epoch:
+                logger.bind(epoch=epoch, floor=legacy.epoch, floor_holder=legacy.identity
+                            ).warning("epoch claim refused: not above the floor of an "
+                                      "earlier version ({key})", key=self.legacy_key)
+                return False
         # Each failed round means someone else raised the floor, which can happen only
         # finitely often below our epoch: the loop ends.
         while True:
@@ -88,7 +114,7 @@ class EpochFloor:
             kvs = result.results[0].kvs
             kv = kvs[0] if kvs else None
 
-    def _parse(self, kv: KeyValue | None) -> FloorRecord | None:
+    def _parse(self, kv: KeyValue | None, key: str | None = None) -> FloorRecord | None:
         if kv is None:
             return None
         try:
@@ -100,6 +126,6 @@ class EpochFloor:
                                str(data.get("claimedAt", "")))
         except (ValueError, KeyError, TypeError) as exc:
             raise EpochFloorCorrupt(
-                f"etcd key {self.key} is malformed ({exc}); put back "
+                f"etcd key {key or self.key} is malformed ({exc}); put back "
                 '{"epoch": N} with N at least the highest epoch any leader used'
             ) from None

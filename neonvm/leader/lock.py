@@ -1,8 +1,10 @@
 """Per-VM locks in etcd, with fencing tokens (etcd's ``concurrency.Mutex``, reshaped).
 
-Key layout: ``<prefix>/locks/<namespace>/<name>``; the value is JSON naming the holder,
-its leader epoch, the VM's uid and when it was taken (:class:`LockRecord`). The key is
-bound to the holder's session lease.
+Key layout: ``<prefix>/<lease namespace>/<lease name>/locks/<namespace>/<name>``: every
+key belongs to one :class:`Installation` (the Lease its replicas campaign for), so
+installations that share an etcd and a prefix never read, sweep or take over each other's
+locks. The value is JSON naming the holder, its leader epoch, the VM's uid and when it
+was taken (:class:`LockRecord`). The key is bound to the holder's session lease.
 
 What is guaranteed:
 
@@ -48,6 +50,7 @@ from typing import Any, Literal
 
 from loguru import logger
 
+from neonvm.leader.election import DEFAULT_LEASE_NAME, DEFAULT_NAMESPACE
 from neonvm.leader.etcd import (
     DEFAULT_PREFIX,
     Compare,
@@ -87,6 +90,39 @@ class LockLost(LockError):
 
 class SessionLost(LockError):
     """The session to acquire through is lost; start a new session and a new manager."""
+
+
+# ---- whose keys ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Installation:
+    """One controller installation, named by the Lease its replicas campaign for.
+
+    All of an installation's keys live under ``<prefix>/<lease namespace>/<lease name>/``
+    (:meth:`root`): its locks and its epoch floor. Two installations sharing one etcd and
+    one prefix therefore never see each other's keys. Their epochs are not comparable
+    (each counts its own Lease's transitions), so they must not share keys.
+    """
+
+    lease_namespace: str
+    lease_name: str
+
+    def __post_init__(self) -> None:
+        for what, part in (("Lease namespace", self.lease_namespace),
+                           ("Lease name", self.lease_name)):
+            if not part or "/" in part:
+                raise ValueError(f"bad {what} {part!r}")
+
+    def root(self, prefix: str) -> str:
+        return f"{prefix}/{self.lease_namespace}/{self.lease_name}"
+
+    def __str__(self) -> str:
+        return f"{self.lease_namespace}/{self.lease_name}"
+
+
+DEFAULT_INSTALLATION = Installation(DEFAULT_NAMESPACE, DEFAULT_LEASE_NAME)
+"""The installation of ``neonvm controller run`` with its default Lease."""
 
 
 # ---- what is stored -------------------------------------------------------------------
@@ -150,17 +186,22 @@ class LockInfo:
     record: LockRecord | None
     malformed: str | None
     raw: bytes
+    installation: Installation = DEFAULT_INSTALLATION
 
     @classmethod
     def from_kv(cls, kv: KeyValue, prefix: str) -> LockInfo:
-        namespace, name = split_key(kv.key, prefix)
+        """``kv`` must be a lock key under ``prefix`` (see :func:`parse_lock_key`)."""
+        parsed = parse_lock_key(kv.key, prefix)
+        if parsed is None:
+            raise ValueError(f"{kv.key!r} is not a lock key under {prefix!r}")
+        installation, namespace, name = parsed
         try:
             record: LockRecord | None = LockRecord.decode(kv.value)
             malformed = None
         except ValueError as exc:
             record, malformed = None, str(exc)
         return cls(namespace, name, kv.key, kv.mod_revision, kv.create_revision, kv.lease,
-                   record, malformed, kv.value)
+                   record, malformed, kv.value, installation)
 
     def as_dict(self, now: float | None = None, lease_ttl: int | None = None
                 ) -> dict[str, Any]:
@@ -168,6 +209,7 @@ class LockInfo:
         now = time.time() if now is None else now
         r = self.record
         return {
+            "installation": str(self.installation),
             "namespace": self.namespace,
             "name": self.name,
             "status": "held" if r else "malformed",
@@ -187,21 +229,30 @@ class LockInfo:
         }
 
 
-def lock_key(prefix: str, namespace: str, name: str) -> str:
+def lock_key(prefix: str, installation: Installation, namespace: str, name: str) -> str:
+    """``<prefix>/<lease namespace>/<lease name>/locks/<namespace>/<name>``."""
     for what, part in (("namespace", namespace), ("name", name)):
         if not part or "/" in part:
             raise ValueError(f"bad VM {what} {part!r}")
-    return f"{prefix}/locks/{namespace}/{name}"
+    return f"{installation.root(prefix)}/locks/{namespace}/{name}"
 
 
-def locks_prefix(prefix: str, namespace: str | None = None) -> str:
-    return f"{prefix}/locks/{namespace}/" if namespace else f"{prefix}/locks/"
+def locks_prefix(prefix: str, installation: Installation, namespace: str | None = None
+                 ) -> str:
+    """The key prefix of an installation's locks (of one VM namespace, if given)."""
+    base = f"{installation.root(prefix)}/locks/"
+    return f"{base}{namespace}/" if namespace else base
 
 
-def split_key(key: str, prefix: str) -> tuple[str, str]:
-    rest = key[len(locks_prefix(prefix)):] if key.startswith(locks_prefix(prefix)) else key
-    namespace, _, name = rest.partition("/")
-    return namespace, name
+def parse_lock_key(key: str, prefix: str) -> tuple[Installation, str, str] | None:
+    """``(installation, namespace, name)`` of a lock key under ``prefix``; None for any
+    other key (an epoch floor, or a key of the unscoped layout of earlier versions)."""
+    if not key.startswith(prefix + "/"):
+        return None
+    parts = key[len(prefix) + 1:].split("/")
+    if len(parts) != 5 or parts[2] != "locks" or not all(parts):
+        return None
+    return Installation(parts[0], parts[1]), parts[3], parts[4]
 
 
 # ---- the pure decision ----------------------------------------------------------------
@@ -359,24 +410,40 @@ class LockEvent:
 
 
 class LockTable:
-    """All locks under a prefix, for inspection and administration (CLI, sweeps)."""
+    """Locks under a prefix, for inspection and administration (CLI, sweeps).
 
-    def __init__(self, etcd: Etcd, prefix: str = DEFAULT_PREFIX) -> None:
+    With an ``installation``, the table is that installation's locks only; without one
+    (``None``), it reads the locks of every installation under the prefix, for people and
+    checks that want them all. Only a table of one installation can sweep.
+    """
+
+    def __init__(self, etcd: Etcd, prefix: str = DEFAULT_PREFIX,
+                 installation: Installation | None = None) -> None:
         self.etcd = etcd
         self.prefix = prefix
+        self.installation = installation
 
     def list(self, namespace: str | None = None) -> list[LockInfo]:
         return self.snapshot(namespace)[0]
 
     def snapshot(self, namespace: str | None = None) -> tuple[builtins.list[LockInfo], int]:
         """The locks and the etcd revision they were read at."""
-        result = self.etcd.get_prefix(locks_prefix(self.prefix, namespace))
-        return [LockInfo.from_kv(kv, self.prefix) for kv in result.kvs], result.revision
+        result = self.etcd.get_prefix(self._range(namespace))
+        return ([LockInfo.from_kv(kv, self.prefix) for kv in result.kvs
+                 if self._wanted(kv.key, namespace)], result.revision)
 
     def get(self, namespace: str, name: str) -> LockInfo | None:
-        kv = self.etcd.get(lock_key(self.prefix, namespace, name))
-        return LockInfo.from_kv(kv, self.prefix) if kv else None
-
+        """The VM's lock. Without an installation: the one installation that has a lock
+        for it (:class:`LockError` if several have)."""
+        if self.installation is not None:
+            kv = self.etcd.get(lock_key(self.prefix, self.installation, namespace, name))
+            return LockInfo.from_kv(kv, self.prefix) if kv else None
+        found = [i for i in self.list(namespace) if i.name == name]
+        if len(found) > 1:
+            raise LockError(
+                f"VM {namespace}/{name} has a lock in several installations "
+                f"({', '.join(str(i.installation) for i in found)}); name one")
+        return found[0] if found else None
     def lease_ttls(self, infos: Collection[LockInfo]) -> dict[int, int]:
         """Seconds left on each distinct lease of ``infos`` (-1: lease gone)."""
         return {lease: self.etcd.lease_ttl(lease) for lease in {i.lease for i in infos if i.lease}}
@@ -410,7 +477,13 @@ class LockTable:
         read, so a VM created (and locked) after the VM list cannot be swept by mistake.
         Malformed locks are left for an operator (``neonvm locks break``); they block
         nothing, since an acquirer takes them over.
+
+        Only this table's installation is swept: another installation's VMs are not in
+        ``existing_vm_uids`` (it watches other namespaces), so its live locks would look
+        stale.
         """
+        if self.installation is None:
+            raise ValueError("a sweep needs the installation whose locks to sweep")
         locks = self.list()
         uids = set(existing_vm_uids() if callable(existing_vm_uids) else existing_vm_uids)
         removed = []
@@ -432,15 +505,30 @@ class LockTable:
         if existing:
             for info in infos:
                 yield LockEvent("existing", info, revision)
-        stream = self.etcd.watch(locks_prefix(self.prefix, namespace), prefix=True,
+        stream = self.etcd.watch(self._range(namespace), prefix=True,
                                  start_revision=revision + 1)
         try:
             for event in stream:
+                if not self._wanted(event.kv.key, namespace):
+                    continue
                 # A delete event's own kv is empty; prev_kv has the lock that went.
                 kv = event.kv if event.kind == "put" else (event.prev or event.kv)
                 yield LockEvent(event.kind, LockInfo.from_kv(kv, self.prefix), event.revision)
         finally:
             stream.close()
+
+    def _range(self, namespace: str | None) -> str:
+        if self.installation is not None:
+            return locks_prefix(self.prefix, self.installation, namespace)
+        return self.prefix + "/"
+
+    def _wanted(self, key: str, namespace: str | None) -> bool:
+        parsed = parse_lock_key(key, self.prefix)
+        if parsed is None:
+            return False
+        installation, ns, _name = parsed
+        return ((self.installation is None or installation == self.installation)
+                and (namespace is None or ns == namespace))
 
 
 # ---- acquiring ------------------------------------------------------------------------
@@ -455,12 +543,14 @@ class LockManager:
     """
 
     def __init__(self, etcd: Etcd, session: Session, identity: str,
-                 prefix: str = DEFAULT_PREFIX) -> None:
+                 prefix: str = DEFAULT_PREFIX,
+                 installation: Installation = DEFAULT_INSTALLATION) -> None:
         self.etcd = etcd
         self.session = session
         self.identity = identity
         self.prefix = prefix
-        self.table = LockTable(etcd, prefix)
+        self.installation = installation
+        self.table = LockTable(etcd, prefix, installation)
         self._guards: dict[str, LockGuard] = {}
         self._mutex = threading.Lock()
         self._key_mutexes: dict[str, threading.Lock] = {}
@@ -475,7 +565,7 @@ class LockManager:
         guard without a round trip. May raise :class:`SessionLost` and
         :class:`~neonvm.leader.etcd.EtcdError`.
         """
-        key = lock_key(self.prefix, namespace, name)
+        key = lock_key(self.prefix, self.installation, namespace, name)
         with self._mutex:
             key_mutex = self._key_mutexes.setdefault(key, threading.Lock())
         with key_mutex:
@@ -505,13 +595,40 @@ class LockManager:
 
     def sweep(self, existing_vm_uids: Collection[str] | Callable[[], Collection[str]]
               ) -> builtins.list[LockInfo]:
-        """:meth:`LockTable.sweep`, sparing the locks this manager holds."""
+        """:meth:`LockTable.sweep`, sparing the locks this manager holds; then
+        :meth:`overlaps`, logged as an error when there are any."""
         def ours(info: LockInfo) -> bool:
             with self._mutex:
                 guard = self._guards.get(info.key)
             return guard is not None and guard.held and guard.token == info.token
 
-        return self.table.sweep(existing_vm_uids, keep=ours)
+        removed = self.table.sweep(existing_vm_uids, keep=ours)
+        try:
+            shared = self.overlaps()
+        except EtcdRequestFailed as exc:  # say, etcd auth confines us to our own keys
+            logger.debug("could not look for overlapping installations: {}", exc)
+            shared = []
+        if shared:
+            others = sorted({str(i.installation) for i in shared})
+            logger.bind(installation=str(self.installation)).error(
+                "{n} VM(s) we hold are also locked by other installation(s) {others} under "
+                "the same etcd prefix: their watch namespaces overlap ours, and two "
+                "controllers now act on one VM (fencing keeps it safe, but they fight); give "
+                "each installation its own namespaces. First: {vms}", n=len(shared),
+                others=", ".join(others),
+                vms=", ".join(f"{i.namespace}/{i.name}" for i in shared[:5]))
+        return removed
+
+    def overlaps(self) -> builtins.list[LockInfo]:
+        """Locks of *other* installations under the prefix for VMs (same namespace, name
+        and uid) whose lock this manager holds: two installations manage those VMs,
+        which happens only when their watch namespaces overlap (a misconfiguration)."""
+        held = {(g.namespace, g.name, g.vm_uid) for g in self.held()}
+        if not held:
+            return []
+        return [i for i in LockTable(self.etcd, self.prefix).list()
+                if i.installation != self.installation and i.record is not None
+                and (i.namespace, i.name, i.record.vm_uid) in held]
 
     def close(self) -> None:
         """Release every held lock (best effort) and stop listening to the session."""
