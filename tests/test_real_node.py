@@ -1,0 +1,104 @@
+"""A real kubelet node (neonvm.dev.realnode) runs a pod to completion, logs readable.
+
+Opt-in: the real node's binaries take many minutes to build cold, so this runs only with
+``NEONVM_TEST_REAL_NODE=1`` and where a real node can start on the host; otherwise it
+skips with one reason line. ``NEONVM_TEST_REAL_NODE=1 pytest tests/test_real_node.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import uuid
+from pathlib import Path
+
+import pytest
+from kubernetes import client
+
+from neonvm.dev import realnode
+from neonvm.dev.cluster import LocalCluster
+from tests.support import wait_for
+
+pytestmark = [pytest.mark.cluster, pytest.mark.realnode]
+
+
+def _skip_reason() -> str | None:
+    if os.environ.get("NEONVM_TEST_REAL_NODE") != "1":
+        return "real node not requested (set NEONVM_TEST_REAL_NODE=1; see docs/real-node.md)"
+    problem = realnode.unavailable_reason()
+    return f"a real node cannot start on this host: {problem}" if problem else None
+
+
+def test_real_node_runs_a_pod_to_completion(
+    cluster: LocalCluster, api: client.ApiClient, namespace: str
+) -> None:
+    reason = _skip_reason()
+    if reason:
+        pytest.skip(reason)
+    realnode.build()
+    node = realnode.RealNode(cluster, 0)
+    try:
+        node.start()
+        core = client.CoreV1Api(api)
+        ready = core.read_node(node.name)
+        assert {c.type: c.status for c in ready.status.conditions}["Ready"] == "True"
+        assert ready.status.node_info.kubelet_version == "v1.36.3"
+        assert ready.status.node_info.container_runtime_version.startswith("containerd://2.")
+
+        word = uuid.uuid4().hex
+        pod = {
+            "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "hello"},
+            "spec": {
+                "nodeName": node.name,
+                "restartPolicy": "Never",
+                "containers": [{"name": "hello", "image": realnode.TINY_IMAGE,
+                                "imagePullPolicy": "Never",
+                                "command": ["/tiny", "echo", "hello", word]}],
+            },
+        }
+        core.create_namespaced_pod(namespace, pod)
+        phase = wait_for(
+            lambda: (p := core.read_namespaced_pod("hello", namespace).status.phase)
+            in ("Succeeded", "Failed") and p,
+            timeout=120, interval=0.5, what="pod hello to finish",
+        )
+        assert phase == "Succeeded"
+        status = core.read_namespaced_pod("hello", namespace).status
+        assert status.container_statuses[0].state.terminated.exit_code == 0
+        # The API server reads the log from the kubelet (client cert of the cluster CA).
+        log = core.read_namespaced_pod_log("hello", namespace)
+        assert log == f"hello {word}\n"
+        kubectl = subprocess.run(
+            ["kubectl", "--kubeconfig", str(cluster.kubeconfig), "-n", namespace,
+             "logs", "hello"], capture_output=True, text=True, timeout=60,
+        ) if _has_kubectl() else None
+        if kubectl is not None:
+            assert kubectl.stdout == f"hello {word}\n", kubectl.stderr
+
+        # Deleting a finished pod lets the kubelet clean it up and the pod go away.
+        core.delete_namespaced_pod("hello", namespace)
+        wait_for(lambda: not _exists(core, namespace, "hello"), timeout=120, interval=0.5,
+                 what="pod hello deleted")
+    finally:
+        node.stop()
+    # Stopping leaves nothing behind: no processes, shims, cgroups or bridge.
+    assert not any(cluster.process_alive(n, "") for n in node.process_names())
+    assert node.shim_pids() == []
+    assert not Path("/sys/fs/cgroup/memory", node.cgroup_root.lstrip("/")).exists()
+    assert not Path("/sys/class/net", node.bridge).exists()
+
+
+def _exists(core: client.CoreV1Api, namespace: str, name: str) -> bool:
+    try:
+        core.read_namespaced_pod(name, namespace)
+    except client.ApiException as e:
+        if e.status == 404:
+            return False
+        raise
+    return True
+
+
+def _has_kubectl() -> bool:
+    import shutil
+
+    return shutil.which("kubectl") is not None
