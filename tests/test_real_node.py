@@ -7,8 +7,13 @@ skips with one reason line. ``NEONVM_TEST_REAL_NODE=1 pytest tests/test_real_nod
 
 from __future__ import annotations
 
+import gzip
+import hashlib
+import io
+import json
 import os
 import subprocess
+import tarfile
 import uuid
 from pathlib import Path
 
@@ -19,8 +24,6 @@ from neonvm.dev import realnode
 from neonvm.dev.cluster import LocalCluster
 from tests.support import wait_for
 
-pytestmark = [pytest.mark.cluster, pytest.mark.realnode]
-
 
 def _skip_reason() -> str | None:
     if os.environ.get("NEONVM_TEST_REAL_NODE") != "1":
@@ -29,6 +32,8 @@ def _skip_reason() -> str | None:
     return f"a real node cannot start on this host: {problem}" if problem else None
 
 
+@pytest.mark.cluster
+@pytest.mark.realnode
 def test_real_node_runs_a_pod_to_completion(
     cluster: LocalCluster, api: client.ApiClient, namespace: str
 ) -> None:
@@ -102,3 +107,27 @@ def _has_kubectl() -> bool:
     import shutil
 
     return shutil.which("kubectl") is not None
+
+
+@pytest.mark.unit
+def test_oci_archive_is_reproducible_and_names_both_images(tmp_path: Path) -> None:
+    """The image containerd imports: same bytes each time, both names, a valid diff_id."""
+    binary = tmp_path / "tiny"
+    binary.write_bytes(b"#!/bin/sh\necho not really tiny\n")
+    names = (realnode.PAUSE_IMAGE, realnode.TINY_IMAGE)
+    archive = realnode.oci_archive(binary, names)
+    assert archive == realnode.oci_archive(binary, names)
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        files = {m.name: tar.extractfile(m).read() for m in tar.getmembers()}  # type: ignore[union-attr]
+    index = json.loads(files["index.json"])
+    assert [m["annotations"]["io.containerd.image.name"] for m in index["manifests"]] == list(names)
+    manifest = json.loads(files["blobs/sha256/" + index["manifests"][0]["digest"][7:]])
+    config = json.loads(files["blobs/sha256/" + manifest["config"]["digest"][7:]])
+    layer_gz = files["blobs/sha256/" + manifest["layers"][0]["digest"][7:]]
+    layer = gzip.decompress(layer_gz)
+    assert config["rootfs"]["diff_ids"] == ["sha256:" + hashlib.sha256(layer).hexdigest()]
+    assert config["config"]["Entrypoint"] == ["/tiny"]
+    with tarfile.open(fileobj=io.BytesIO(layer)) as tar:
+        member = tar.getmember("tiny")
+        assert member.mode == 0o755
+        assert tar.extractfile(member).read() == binary.read_bytes()  # type: ignore[union-attr]
