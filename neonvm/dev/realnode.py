@@ -52,6 +52,14 @@ PAUSE_IMAGE = "neonvm.local/pause:1"
 TINY_IMAGE = "neonvm.local/tiny:1"
 """A test image: ``/tiny echo WORDS...`` prints and exits, ``/tiny`` waits for SIGTERM."""
 GROUPS = ("kubelet", "containerd", "runc", "cni-plugins")
+KUBELET_SYSCTLS = {
+    "vm/overcommit_memory": 1, "vm/panic_on_oom": 0, "kernel/panic": 10,
+    "kernel/panic_on_oops": 1, "kernel/keys/root_maxkeys": 1000000,
+    "kernel/keys/root_maxbytes": 25000000,
+}
+"""What the kubelet writes into /proc/sys on start (there is no setting that leaves them
+alone: ``protectKernelDefaults`` only turns the write into a start-up failure). The node
+records the host's values first and puts back those the kubelet changed when it stops."""
 CGROUP_V1_CONTROLLERS = (
     "cpu", "cpuacct", "cpuset", "memory", "devices", "freezer", "blkio", "pids", "systemd",
 )
@@ -260,7 +268,8 @@ class RealNode:
         runc = binaries.require("runc")
         cni_bin = binaries.require("bridge").parent
         d = self.dir
-        return f"""version = 3
+        return f"""version = 4
+imports = []
 root = "{d / 'containerd' / 'root'}"
 state = "{d / 'containerd' / 'state'}"
 # NRI listens on a fixed host path (/var/run/nri/nri.sock): two nodes would collide.
@@ -423,6 +432,7 @@ disabled_plugins = ["io.containerd.nri.v1.nri"]
             f"--node-labels={REAL_LABEL}=true,type=real",
             "--v=1",
         ]
+        self._record_sysctls()
         self.cluster.start_process(kubelet_name, kubelet_argv, dict(os.environ))
         self._wait(self._kubelet_healthy, timeout, "kubelet healthy", kubelet_name, "kubelet")
         progress(f"{self.name}: kubelet healthy")
@@ -504,6 +514,7 @@ disabled_plugins = ["io.containerd.nri.v1.nri"]
         if self.cluster.process_alive(kubelet_name, "kubelet"):
             self.cluster.stop_component(kubelet_name)
             done.append("kubelet")
+        done += self._restore_sysctls()
         if self.cluster.process_alive(ctrd_name, "containerd"):
             done += self._remove_containers(timeout)
             self.cluster.stop_component(ctrd_name)
@@ -519,6 +530,25 @@ disabled_plugins = ["io.containerd.nri.v1.nri"]
             subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
             done.append(f"bridge {self.bridge}")
         return done
+
+    def _record_sysctls(self) -> None:
+        saved = self.dir / "sysctls-before.json"
+        if not saved.exists():
+            saved.write_text(json.dumps({
+                k: int(Path("/proc/sys", k).read_text()) for k in KUBELET_SYSCTLS}))
+
+    def _restore_sysctls(self) -> list[str]:
+        saved = self.dir / "sysctls-before.json"
+        if not saved.exists():
+            return []
+        restored = []
+        for key, before in json.loads(saved.read_text()).items():
+            path = Path("/proc/sys", key)
+            if int(path.read_text()) == KUBELET_SYSCTLS[key] != before:
+                path.write_text(str(before))
+                restored.append(key.replace("/", "."))
+        saved.unlink()
+        return [f"sysctls restored ({', '.join(restored)})"] if restored else []
 
     def _remove_containers(self, timeout: float) -> list[str]:
         tasks = [line.split()[0] for line in self.ctr("tasks", "ls", check=False).splitlines()[1:]
