@@ -247,7 +247,16 @@ class RealNode:
 
     @property
     def pod_subnet(self) -> str:
-        return f"10.250.{int(self.tag[:4], 16) % 250}.0/24"
+        return f"10.250.{self._subnet_octet}.0/24"
+
+    @property
+    def node_ip(self) -> str:
+        """The bridge's gateway address: the kubelet must report a non-loopback IP."""
+        return f"10.250.{self._subnet_octet}.1"
+
+    @property
+    def _subnet_octet(self) -> int:
+        return int(self.tag[:4], 16) % 250
 
     def process_names(self) -> tuple[str, str]:
         return (f"rn{self.index}-containerd", f"rn{self.index}-kubelet")
@@ -268,7 +277,10 @@ class RealNode:
         runc = binaries.require("runc")
         cni_bin = binaries.require("bridge").parent
         d = self.dir
-        return f"""version = 4
+        # Version 3: containerd 2.4 migrates it in memory (one warning). Version 4 moves
+        # [grpc]/[ttrpc] into plugin sections; written as here, a v4 file would silently
+        # listen on the host-wide /run/containerd/containerd.sock.
+        return f"""version = 3
 imports = []
 root = "{d / 'containerd' / 'root'}"
 state = "{d / 'containerd' / 'state'}"
@@ -294,6 +306,11 @@ disabled_plugins = ["io.containerd.nri.v1.nri"]
 
 [plugins.'io.containerd.cri.v1.runtime']
   enable_selinux = false
+  # This host withholds CAP_SYS_RESOURCE even from root: nobody may lower an
+  # oom_score_adj. The kubelet asks -998 for every sandbox, and runc fails with
+  # "failed to update /proc/self/oom_score_adj: Permission denied". Restricted, containerd
+  # never asks for less than its own score (as in rootless mode).
+  restrict_oom_score_adj = true
   netns_mounts_under_state_dir = true
   [plugins.'io.containerd.cri.v1.runtime'.containerd]
     default_runtime_name = "runc"
@@ -348,7 +365,8 @@ disabled_plugins = ["io.containerd.nri.v1.nri"]
             "cgroupDriver": "cgroupfs",
             "cgroupRoot": self.cgroup_root,
             "containerRuntimeEndpoint": f"unix://{self.containerd_socket}",
-            "address": "127.0.0.1",
+            # The API server reaches the kubelet at the node's InternalIP (logs, exec).
+            "address": self.node_ip,
             "port": ports.kubelet,
             "readOnlyPort": 0,
             "healthzBindAddress": "127.0.0.1",
@@ -365,6 +383,9 @@ disabled_plugins = ["io.containerd.nri.v1.nri"]
             "podLogsDir": str(self.dir / "pod-logs"),
             "resolvConf": "",
             "registerNode": True,
+            # The kubelet would set its own oom_score_adj to -999; without
+            # CAP_SYS_RESOURCE that fails (a logged error), so ask for nothing.
+            "oomScoreAdj": 0,
             # The host's disk is shared and may be fuller than a dedicated node's:
             # evict only when it is really full, and never garbage-collect the local
             # images (nothing can pull them back).
@@ -411,6 +432,7 @@ disabled_plugins = ["io.containerd.nri.v1.nri"]
         _apply_rbac(self.cluster, self.name)
         containerd_cfg, kubelet_cfg, kubeconfig = self.write_configs(pki)
         self._make_cgroup_root()
+        self._make_bridge()
         ctrd_name, kubelet_name = self.process_names()
         ctrd_bin = binaries.require("containerd")
         env = {**os.environ, "PATH": f"{ctrd_bin.parent}:{os.environ.get('PATH', '')}"}
@@ -428,7 +450,7 @@ disabled_plugins = ["io.containerd.nri.v1.nri"]
             f"--root-dir={self.dir / 'kubelet'}",
             f"--cert-dir={self.dir / 'kubelet' / 'pki'}",
             f"--hostname-override={self.name}",
-            "--node-ip=127.0.0.1",
+            f"--node-ip={self.node_ip}",
             f"--node-labels={REAL_LABEL}=true,type=real",
             "--v=1",
         ]
@@ -493,6 +515,21 @@ disabled_plugins = ["io.containerd.nri.v1.nri"]
 
     def _node_ready(self) -> bool:
         return node_ready(self.cluster, self.name)
+
+    def _make_bridge(self) -> None:
+        """The CNI bridge, made early with its gateway address, which is the node IP.
+
+        The kubelet refuses a loopback node IP ("nodeIP can't be loopback address") and
+        then reports no address at all, so the API server cannot reach it for logs. The
+        bridge plugin adopts a bridge that already has its gateway address.
+        """
+        if not Path(f"/sys/class/net/{self.bridge}").exists():
+            _ip("link", "add", self.bridge, "type", "bridge")
+        addrs = subprocess.run(["ip", "-o", "addr", "show", "dev", self.bridge],
+                               capture_output=True, text=True).stdout
+        if f" {self.node_ip}/" not in addrs:
+            _ip("addr", "add", f"{self.node_ip}/24", "dev", self.bridge)
+        _ip("link", "set", self.bridge, "up")
 
     def _make_cgroup_root(self) -> None:
         """The kubelet insists that its cgroup root exists in every hierarchy."""
@@ -617,6 +654,12 @@ disabled_plugins = ["io.containerd.nri.v1.nri"]
                     p.rmdir()
                     removed += 1
         return [f"{removed} cgroups"] if removed else []
+
+
+def _ip(*args: str) -> None:
+    proc = subprocess.run(["ip", *args], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RealNodeError(f"ip {' '.join(args)}: {proc.stderr.strip()}")
 
 
 def urllib_request(url: str) -> Any:
