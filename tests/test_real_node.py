@@ -89,7 +89,8 @@ def test_real_node_runs_a_pod_to_completion(
     # Stopping leaves nothing behind: no processes, shims, cgroups or bridge.
     assert not any(cluster.process_alive(n, "") for n in node.process_names())
     assert node.shim_pids() == []
-    assert not Path("/sys/fs/cgroup/memory", node.cgroup_root.lstrip("/")).exists()
+    for hierarchy in ("memory", "cpu", "unified"):
+        assert not Path("/sys/fs/cgroup", hierarchy, node.cgroup_root.lstrip("/")).exists()
     assert not Path("/sys/class/net", node.bridge).exists()
 
 

@@ -23,6 +23,7 @@ Why each non-default setting is needed on this host is in docs/real-node.md.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import gzip
 import hashlib
 import io
@@ -428,6 +429,7 @@ disabled_plugins = ["io.containerd.nri.v1.nri"]
         Returns the seconds from starting to Ready.
         """
         started = time.monotonic()
+        started_wall = time.time()
         pki = LocalPKI(self.cluster.state_dir / "pki")
         _apply_rbac(self.cluster, self.name)
         containerd_cfg, kubelet_cfg, kubeconfig = self.write_configs(pki)
@@ -458,7 +460,10 @@ disabled_plugins = ["io.containerd.nri.v1.nri"]
         self.cluster.start_process(kubelet_name, kubelet_argv, dict(os.environ))
         self._wait(self._kubelet_healthy, timeout, "kubelet healthy", kubelet_name, "kubelet")
         progress(f"{self.name}: kubelet healthy")
-        self._wait(self._node_ready, timeout, "Node Ready", kubelet_name, "kubelet")
+        # A Node left from an earlier run may still show Ready: only a heartbeat from
+        # this kubelet counts.
+        self._wait(lambda: node_ready(self.cluster, self.name, since=started_wall), timeout,
+                   "Node Ready", kubelet_name, "kubelet")
         seconds = time.monotonic() - started
         progress(f"{self.name}: Ready after {seconds:.1f}s")
         return seconds
@@ -512,9 +517,6 @@ disabled_plugins = ["io.containerd.nri.v1.nri"]
                 return bool(resp.status == 200)
         except OSError:
             return False
-
-    def _node_ready(self) -> bool:
-        return node_ready(self.cluster, self.name)
 
     def _make_bridge(self) -> None:
         """The CNI bridge, made early with its gateway address, which is the node IP.
@@ -623,14 +625,17 @@ disabled_plugins = ["io.containerd.nri.v1.nri"]
         return pids
 
     def _end_shims(self, timeout: float) -> int:
-        pids = self.shim_pids()
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        """Kill this containerd's shims until none is left (a shim whose task was just
+        deleted may still be exiting, or one may be starting as containerd stops)."""
+        killed: set[int] = set()
         deadline = time.monotonic() + timeout
-        while self.shim_pids() and time.monotonic() < deadline:
+        while (pids := self.shim_pids()) and time.monotonic() < deadline:
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                killed.add(pid)
             time.sleep(0.1)
-        return len(pids)
+        return len(killed)
 
     def _unmount_all(self) -> list[str]:
         prefix = f"{self.dir}/"
@@ -643,7 +648,8 @@ disabled_plugins = ["io.containerd.nri.v1.nri"]
 
     def _remove_cgroups(self) -> list[str]:
         removed = 0
-        for ctrl in CGROUP_V1_CONTROLLERS:
+        # runc also mirrors the cgroup into the (empty) cgroup2 hierarchy of a hybrid host.
+        for ctrl in (*CGROUP_V1_CONTROLLERS, "unified"):
             root = Path("/sys/fs/cgroup") / ctrl / self.cgroup_root.lstrip("/")
             if not root.is_dir():
                 continue
@@ -668,7 +674,8 @@ def urllib_request(url: str) -> Any:
     return urllib.request.urlopen(url, timeout=2)
 
 
-def node_ready(cluster: LocalCluster, name: str) -> bool:
+def node_ready(cluster: LocalCluster, name: str, since: float = 0.0) -> bool:
+    """Whether Node ``name`` is Ready, by a heartbeat at or after ``since`` (epoch s)."""
     ctx = ssl.create_default_context(cafile=str(cluster.state_dir / "pki" / "ca.crt"))
     ctx.load_cert_chain(str(cluster.state_dir / "pki" / "admin.crt"),
                         str(cluster.state_dir / "pki" / "admin.key"))
@@ -681,8 +688,12 @@ def node_ready(cluster: LocalCluster, name: str) -> bool:
             node = json.loads(resp.read())
     except (urllib.error.URLError, OSError):
         return False
-    conds = {c["type"]: c["status"] for c in node.get("status", {}).get("conditions", [])}
-    return conds.get("Ready") == "True"
+    for cond in node.get("status", {}).get("conditions", []):
+        if cond["type"] == "Ready":
+            beat = datetime.datetime.fromisoformat(cond["lastHeartbeatTime"]).timestamp()
+            # Heartbeats have whole seconds.
+            return bool(cond["status"] == "True" and beat >= int(since))
+    return False
 
 
 def _apply_rbac(cluster: LocalCluster, name: str) -> None:
