@@ -34,12 +34,10 @@ def _skip_reason() -> str | None:
 
 @pytest.mark.cluster
 @pytest.mark.realnode
+@pytest.mark.skipif(_skip_reason() is not None, reason=_skip_reason() or "")
 def test_real_node_runs_a_pod_to_completion(
     cluster: LocalCluster, api: client.ApiClient, namespace: str
 ) -> None:
-    reason = _skip_reason()
-    if reason:
-        pytest.skip(reason)
     realnode.build()
     node = realnode.RealNode(cluster, 0)
     try:
