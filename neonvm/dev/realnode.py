@@ -362,7 +362,8 @@ disabled_plugins = ["io.containerd.nri.v1.nri"]
             "kind": "KubeletConfiguration",
             # cgroup v1 host (hybrid, /sys/fs/cgroup is a tmpfs): 1.36 refuses v1 unless told.
             "failCgroupV1": False,
-            # No systemd on this host; containerd is set to cgroupfs too (they must agree).
+            # No systemd here. The kubelet takes the driver from containerd's runc options
+            # (SystemdCgroup = false) over the CRI; this only states the same.
             "cgroupDriver": "cgroupfs",
             "cgroupRoot": self.cgroup_root,
             "containerRuntimeEndpoint": f"unix://{self.containerd_socket}",
@@ -384,9 +385,6 @@ disabled_plugins = ["io.containerd.nri.v1.nri"]
             "podLogsDir": str(self.dir / "pod-logs"),
             "resolvConf": "",
             "registerNode": True,
-            # The kubelet would set its own oom_score_adj to -999; without
-            # CAP_SYS_RESOURCE that fails (a logged error), so ask for nothing.
-            "oomScoreAdj": 0,
             # The host's disk is shared and may be fuller than a dedicated node's:
             # evict only when it is really full, and never garbage-collect the local
             # images (nothing can pull them back).
@@ -534,7 +532,9 @@ disabled_plugins = ["io.containerd.nri.v1.nri"]
         _ip("link", "set", self.bridge, "up")
 
     def _make_cgroup_root(self) -> None:
-        """The kubelet insists that its cgroup root exists in every hierarchy."""
+        """The kubelet refuses to start unless its cgroup root exists in every hierarchy
+        ("invalid configuration: cgroup [...] has some missing paths"); a fresh cpuset
+        cgroup needs its cpus and mems before anything can join it."""
         for ctrl in CGROUP_V1_CONTROLLERS:
             base = Path("/sys/fs/cgroup") / ctrl
             if not base.is_dir():
