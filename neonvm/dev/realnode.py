@@ -248,12 +248,12 @@ class RealNode:
 
     @property
     def pod_subnet(self) -> str:
-        return f"10.250.{self._subnet_octet}.0/24"
+        return f"10.251.{self._subnet_octet}.0/24"
 
     @property
     def node_ip(self) -> str:
         """The bridge's gateway address: the kubelet must report a non-loopback IP."""
-        return f"10.250.{self._subnet_octet}.1"
+        return f"10.251.{self._subnet_octet}.1"
 
     @property
     def _subnet_octet(self) -> int:
