@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from kubernetes import client
 
-from neonvm.dev import realnode
+from neonvm.dev import binaries, realnode
 from neonvm.dev.cluster import LocalCluster
 from tests.support import wait_for
 
@@ -45,7 +45,7 @@ def test_real_node_runs_a_pod_to_completion(
         core = client.CoreV1Api(api)
         ready = core.read_node(node.name)
         assert {c.type: c.status for c in ready.status.conditions}["Ready"] == "True"
-        assert ready.status.node_info.kubelet_version == "v1.36.3"
+        assert ready.status.node_info.kubelet_version == binaries.KUBERNETES_VERSION
         assert ready.status.node_info.container_runtime_version.startswith("containerd://2.")
 
         word = uuid.uuid4().hex
