@@ -45,7 +45,7 @@ import yaml
 from neonvm import kube
 from neonvm.dev import binaries
 from neonvm.dev.cluster import ClusterError, LocalCluster, free_port
-from neonvm.dev.pki import LocalPKI
+from neonvm.dev.pki import CertPair, LocalPKI
 
 REAL_LABEL = "neonvm.dev/real-node"
 """Marks a Node as a real (kubelet) node of the local cluster (value ``true``)."""
@@ -396,7 +396,7 @@ disabled_plugins = ["io.containerd.nri.v1.nri"]
             "serializeImagePulls": False,
         }
 
-    def _serving_cert(self, pki: LocalPKI) -> Any:
+    def _serving_cert(self, pki: LocalPKI) -> CertPair:
         return pki.issue(f"kubelet-{self.name}-serving", self.name, server=True)
 
     def _client_kubeconfig(self, pki: LocalPKI) -> Path:
@@ -438,7 +438,7 @@ disabled_plugins = ["io.containerd.nri.v1.nri"]
         env = {**os.environ, "PATH": f"{ctrd_bin.parent}:{os.environ.get('PATH', '')}"}
         self.cluster.start_process(ctrd_name, [str(ctrd_bin), f"--config={containerd_cfg}"],
                                    env)
-        self._wait(lambda: self._ctr_ok(), timeout, "containerd answering",
+        self._wait(self._ctr_ok, timeout, "containerd answering",
                    ctrd_name, "containerd")
         progress(f"{self.name}: containerd up")
         self.import_images()
