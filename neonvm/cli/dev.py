@@ -56,7 +56,9 @@ def install_binaries(with_nodes: bool, with_helm: bool = False) -> None:
                    "[default: as last time, else 3]")
 @click.option("--ports", type=click.Choice(["default", "free"]), default="default",
               show_default=True, help="'free' picks unused ports (several clusters at once).")
-def up(state_dir: Path | None, nodes: int | None, ports: str) -> None:
+@click.option("--real-nodes", type=click.IntRange(0, 4), default=0, show_default=True,
+              help="Also run kubelet+containerd nodes (opt-in; see docs/real-node.md).")
+def up(state_dir: Path | None, nodes: int | None, ports: str, real_nodes: int) -> None:
     """Start the local control plane (idempotent) and print how to use it."""
     existing = LocalCluster(state_dir)
     spec = existing.spec if (existing.state_dir / "cluster.json").exists() else None
@@ -70,6 +72,10 @@ def up(state_dir: Path | None, nodes: int | None, ports: str) -> None:
     started = time.monotonic()
     click.echo(f"starting local control plane in {cluster.state_dir}", err=True)
     cluster.up(progress=_progress)
+    if real_nodes:
+        from neonvm.dev import realnode
+
+        realnode.start(cluster, real_nodes, progress=_progress)
     click.echo(f"ready in {time.monotonic() - started:.1f}s; to use it:", err=True)
     print_exports(cluster)
 

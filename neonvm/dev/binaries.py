@@ -29,6 +29,10 @@ KUBERNETES_VERSION = "v1.36.3"
 ETCD_VERSION = "v3.6.16"
 KWOK_VERSION = "v0.8.0"
 HELM_VERSION = "v4.3.2"
+# The real node's runtime (neonvm.dev.realnode; docs/real-node.md).
+CONTAINERD_VERSION = "v2.4.2"
+RUNC_VERSION = "v1.5.3"
+CNI_PLUGINS_VERSION = "v1.10.0"
 
 
 class BinaryError(RuntimeError):
@@ -45,6 +49,9 @@ class BinaryGroup:
     go_mod: Callable[[Path], str] | None = None
     """Writes the build module; returns the package paths to build. None: go install."""
     install_paths: tuple[str, ...] = field(default=())
+    cgo: bool = False
+    tags: tuple[str, ...] = ()
+    ldflags: tuple[str, ...] = ()
 
     @property
     def key(self) -> str:
@@ -56,8 +63,8 @@ class BinaryGroup:
         Without it kube-apiserver reports ``v0.0.0-master``, and tools that check the
         server version (helm's ``kubeVersion``, clients' discovery) misjudge it.
         """
-        if self.name != "kubernetes":
-            return []
+        if self.name not in ("kubernetes", "kubelet"):
+            return list(self.ldflags)
         major, minor = self.version.removeprefix("v").split(".")[:2]
         values = {"gitVersion": self.version, "gitMajor": major, "gitMinor": minor,
                   "gitTreeState": "clean"}
@@ -72,7 +79,10 @@ def cache_root() -> Path:
     return Path(os.environ.get("NEONVM_CACHE_DIR", Path.home() / ".cache" / "neonvm"))
 
 
-def _kubernetes_module(build_dir: Path) -> str:
+def _kubernetes_module(
+    build_dir: Path,
+    commands: tuple[str, ...] = ("kube-apiserver", "kube-controller-manager", "kube-scheduler"),
+) -> str:
     """go.mod for building kube-* from k8s.io/kubernetes.
 
     k8s.io/kubernetes replaces its staging modules with local paths, which Go ignores in
@@ -85,7 +95,7 @@ def _kubernetes_module(build_dir: Path) -> str:
         "//go:build tools\n\npackage tools\n\nimport (\n"
         + "".join(
             f'\t_ "k8s.io/kubernetes/cmd/{b}"\n'
-            for b in ("kube-apiserver", "kube-controller-manager", "kube-scheduler")
+            for b in commands
         )
         + ")\n"
     )
@@ -93,10 +103,7 @@ def _kubernetes_module(build_dir: Path) -> str:
         "module neonvm.local/build/kubernetes\n\ngo 1.26.0\n\n"
         f"require k8s.io/kubernetes {KUBERNETES_VERSION}\n\nreplace (\n{replaces}\n)\n"
     )
-    return " ".join(
-        f"k8s.io/kubernetes/cmd/{b}"
-        for b in ("kube-apiserver", "kube-controller-manager", "kube-scheduler")
-    )
+    return " ".join(f"k8s.io/kubernetes/cmd/{b}" for b in commands)
 
 
 def _kubernetes_staging_modules() -> list[str]:
@@ -132,6 +139,30 @@ def _etcd_module(build_dir: Path) -> str:
     return "."
 
 
+def _real_node_groups() -> tuple[BinaryGroup, ...]:
+    """kubelet, containerd, runc and CNI plugins: only ``neonvm.dev.realnode`` builds them."""
+    cni = "github.com/containernetworking/plugins/plugins"
+    ctrd = "github.com/containerd/containerd/v2"
+    return (
+        BinaryGroup("kubelet", KUBERNETES_VERSION, ("kubelet",),
+                    go_mod=lambda d: _kubernetes_module(d, ("kubelet",))),
+        BinaryGroup("containerd", CONTAINERD_VERSION, ("containerd", "containerd-shim-runc-v2",
+                                                       "ctr"),
+                    install_paths=tuple(f"{ctrd}/cmd/{c}" for c in
+                                        ("containerd", "containerd-shim-runc-v2", "ctr")),
+                    tags=("no_btrfs", "no_devmapper", "no_zfs"),
+                    ldflags=(f"-X {ctrd}/version.Version={CONTAINERD_VERSION}",)),
+        BinaryGroup("runc", RUNC_VERSION, ("runc",),
+                    install_paths=("github.com/opencontainers/runc",), cgo=True,
+                    tags=("seccomp",),
+                    ldflags=(f"-X main.version={RUNC_VERSION.removeprefix('v')}",)),
+        BinaryGroup("cni-plugins", CNI_PLUGINS_VERSION,
+                    ("bridge", "host-local", "loopback", "portmap"),
+                    install_paths=(f"{cni}/main/bridge", f"{cni}/ipam/host-local",
+                                   f"{cni}/main/loopback", f"{cni}/meta/portmap")),
+    )
+
+
 GROUPS: dict[str, BinaryGroup] = {
     g.name: g
     for g in (
@@ -148,6 +179,7 @@ GROUPS: dict[str, BinaryGroup] = {
         BinaryGroup(
             "helm", HELM_VERSION, ("helm",), install_paths=("helm.sh/helm/v4/cmd/helm",)
         ),
+        *_real_node_groups(),
     )
 }
 
@@ -205,8 +237,9 @@ def _build_locked(group: BinaryGroup, progress: Callable[[str], None]) -> float:
     shutil.rmtree(tmp_dir, ignore_errors=True)
     tmp_dir.mkdir(parents=True)
     started = time.monotonic()
-    env = {**os.environ, "CGO_ENABLED": "0", "GOFLAGS": "-buildvcs=false"}
+    env = {**os.environ, "CGO_ENABLED": "1" if group.cgo else "0", "GOFLAGS": "-buildvcs=false"}
     flags = ["-trimpath", "-ldflags=" + " ".join(["-s", "-w", *group.version_ldflags()])]
+    flags += [f"-tags={','.join(group.tags)}"] if group.tags else []
     if group.go_mod is not None:
         build_dir = cache_root() / "build" / group.key
         build_dir.mkdir(parents=True, exist_ok=True)

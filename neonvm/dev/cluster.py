@@ -233,6 +233,10 @@ class LocalCluster:
     def down(self, timeout: float = 20.0) -> list[str]:
         """Stop every component this state directory recorded; return what was stopped."""
         stopped = []
+        if any(self.state_dir.glob("rn*/containerd.toml")):  # real nodes: clean teardown
+            from neonvm.dev import realnode
+
+            stopped += realnode.stop(self)
         extra = sorted(p.stem for p in (self.state_dir / "run").glob("*.pid")
                        if p.stem not in DEFAULT_PORTS)
         for name in [*extra, *reversed(list(DEFAULT_PORTS))]:
@@ -360,6 +364,7 @@ class LocalCluster:
         if name == "kube-apiserver":
             serving = pki.issue("apiserver", "kube-apiserver", server=True)
             sa_key = pki.service_account_key()
+            kubelet_client = pki.issue("apiserver-kubelet-client", "kube-apiserver-kubelet-client")
             return [
                 binary,
                 f"--etcd-servers={self.etcd_url}",
@@ -377,6 +382,10 @@ class LocalCluster:
                 f"--service-account-key-file={sa_key}",
                 f"--service-account-signing-key-file={sa_key}",
                 "--disable-admission-plugins=ServiceAccount",
+                # Real nodes' kubelets accept clients of the cluster CA (logs, exec).
+                f"--kubelet-client-certificate={kubelet_client.cert}",
+                f"--kubelet-client-key={kubelet_client.key}",
+                "--kubelet-preferred-address-types=InternalIP,Hostname",
                 "--enable-priority-and-fairness=false",
                 "--profiling=false",
                 "--v=1",
