@@ -164,7 +164,9 @@ def node_object(index: int) -> dict[str, Any]:
             "allocatable": resources,
             "capacity": resources,
             "addresses": [
-                {"type": "InternalIP", "address": f"10.250.{index // 250}.{index % 250 + 1}"},
+                # Loopback, so that an API server proxying to a simulated node (logs, exec;
+                # it prefers InternalIP for the real nodes' sake) never leaves the machine.
+                {"type": "InternalIP", "address": f"127.0.{index // 250 + 1}.{index % 250 + 1}"},
                 {"type": "Hostname", "address": name},
             ],
         },
