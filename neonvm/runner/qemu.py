@@ -19,7 +19,9 @@ The mapping (docs/runner.md has the full table):
 * CPUs: ``-smp cpus=ceil(use),maxcpus=ceil(max)``; fractions of a core are the pod's
   cgroup limit, not QEMU's.
 * Memory: ``min`` slots are boot memory; ``max > min`` adds ``slots=max-min`` DIMM slots
-  and ``maxmem=max * slotSize``; ``use > min`` plugs ``use - min`` DIMMs at start.
+  and ``maxmem=max * slotSize``; ``use > min`` plugs ``use - min`` DIMMs at start (ids
+  ``dimm-slot<i>``/``mem-slot<i>``, the names :mod:`neonvm.runner.scaling` plugs and
+  unplugs live), and the kernel is told ``memhp_default_state=online_movable``.
 * Root disk: a qcow2 overlay in the work dir backed by the image (the image stays
   untouched; ``rootDisk.size`` grows the overlay).
 * Extra disks: ``emptyDisk`` → a fresh ext4 raw image; ``configMap``/``secret`` → a
@@ -234,7 +236,9 @@ def kernel_cmdline(has_root_disk: bool, memory: MemoryLayout, append: str | None
     if has_root_disk:
         parts += ["root=/dev/vda", "rw"]
     if memory.max_slots > memory.min_slots:
-        parts.append("memhp_default_state=online")
+        # Hot-plugged DIMMs come online by themselves, in ZONE_MOVABLE: only movable pages
+        # go there, so the guest can offline (and QEMU unplug) the DIMM again later.
+        parts.append("memhp_default_state=online_movable")
     if append:
         parts.append(append.strip())
     return " ".join(p for p in parts if p)

@@ -10,6 +10,45 @@
 #   panic                crash the kernel right after the marker
 # The power-button watchers are armed *before* the marker, so a press that follows the
 # marker is never lost.
+#
+# Live scaling: busybox `uevent` listens to the kernel's netlink uevents and runs this
+# same script with --neonvm-hotplug for each, one at a time. A hot-added CPU is onlined
+# (x86 kernels leave it offline), a hot-added memory block that is still offline is
+# onlined movable (the runner also passes memhp_default_state=online_movable), and after
+# every cpu or memory event the guest reports what it sees on the console:
+#   neonvm-guest-size: cpus=N online=LIST memtotal-kb=K
+# Removal needs nothing from here: on ACPI eject the kernel offlines the CPU or memory
+# block itself, then QEMU drops the device.
+
+report_size() {
+    n=0
+    for c in /sys/devices/system/cpu/cpu[0-9]*; do
+        if [ -f $c/online ]; then
+            read v < $c/online
+            [ "$v" = 1 ] && n=$((n + 1))
+        else
+            n=$((n + 1))  # the boot CPU has no online switch
+        fi
+    done
+    read online < /sys/devices/system/cpu/online
+    mem=0
+    while read key value unit; do
+        [ "$key" = MemTotal: ] && mem=$value && break
+    done < /proc/meminfo
+    echo "neonvm-guest-size: cpus=$n online=$online memtotal-kb=$mem" > /dev/console
+}
+
+if [ "$1" = --neonvm-hotplug ]; then
+    case "$SUBSYSTEM:$ACTION" in
+        cpu:add)
+            [ -f /sys$DEVPATH/online ] && echo 1 > /sys$DEVPATH/online 2>/dev/null ;;
+        memory:add)
+            read state < /sys$DEVPATH/state
+            [ "$state" = offline ] && echo online_movable > /sys$DEVPATH/state 2>/dev/null ;;
+    esac
+    case "$SUBSYSTEM" in cpu|memory) report_size ;; esac
+    exit 0
+fi
 
 /bin/busybox mkdir -p /proc /sys /dev /mnt /tmp
 /bin/busybox mount -t proc proc /proc
@@ -88,6 +127,14 @@ case "$mode" in
     powerdown) watch_power_button ;;
     ignore-powerdown) echo "guest: ignoring the power button" ;;
 esac
+
+# Online any CPU that is present but offline (a DIMM or vCPU plugged before the
+# listener started), then listen for hot-plug events.
+for c in /sys/devices/system/cpu/cpu[0-9]*; do
+    [ -f $c/online ] && [ "$(cat $c/online)" = 0 ] && echo 1 > $c/online
+done
+uevent /init --neonvm-hotplug &
+report_size
 
 echo "$marker"
 
