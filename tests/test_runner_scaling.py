@@ -227,3 +227,52 @@ def test_a_running_guest_is_scaled_live_and_fenced(start_runner: Any,  # noqa: F
     wait_for(lambda: again.get("/healthz")[0] == 200, timeout=60, what="second runner up")
     code, answer = put_scale(again, {"cpus": 2, "fence": {"epoch": 1, "token": 5}})
     assert code == 409 and "epoch 2 token 1" in answer["error"], answer
+
+
+@pytest.mark.unit
+def test_sysfs_scaling_boots_every_vcpu_with_use_online_and_an_agent_port(
+        tmp_path: Path) -> None:
+    from neonvm.runner.qemu import build_launch_plan
+    from tests.test_runner import context, kernel_spec, option_values, spec_of
+
+    spec = spec_of(kernel_spec(cpus={"min": 1, "max": 4, "use": 2}))
+    qmp_plan = build_launch_plan(spec, context(tmp_path))
+    assert option_values(qmp_plan.argv, "-smp") == ["cpus=2,maxcpus=4"]
+    assert qmp_plan.agent_socket is None and "maxcpus=" not in (qmp_plan.kernel_cmdline or "")
+    plan = build_launch_plan(spec, context(tmp_path, cpu_scaling_mode="SysfsScaling"))
+    assert option_values(plan.argv, "-smp") == ["cpus=4,maxcpus=4"]
+    assert "maxcpus=2 neonvm.cpu_scaling=sysfs" in (plan.kernel_cmdline or "")
+    assert plan.agent_socket == tmp_path / "work" / "agent.sock"
+    assert "virtserialport,bus=agent-bus.0,chardev=agent,name=vm.neon.tech.agent" in (
+        option_values(plan.argv, "-device"))
+    assert plan.guest_config["cpus"] == {"use": 2, "max": 4, "scalingMode": "SysfsScaling"}
+
+
+def test_sysfs_scaling_onlines_and_offlines_vcpus_in_the_guest(start_runner: Any,  # noqa: F811
+                                                                tmp_path: Path) -> None:
+    token_file = tmp_path / "scaling-token"
+    token_file.write_text(TOKEN)
+    runner = start_runner(
+        extra_args=["--scaling-token-file", str(token_file), "--cpu-scaling-mode",
+                    "SysfsScaling"],
+        spec_overrides={"guest": {"cpus": {"min": 1, "max": 2, "use": 1}}})
+    pid = runner.wait_ready()["qemuPid"]
+    guest_sees(runner, cpus=1)
+    assert "guest: cpus online=0 possible=0-1" in runner.console()
+
+    code, answer = put_scale(runner, {"cpus": 2, "fence": {"epoch": 1, "token": 0}})
+    assert code == 200 and answer["mode"] == "SysfsScaling", answer
+    assert answer["qemu"]["vcpus"] == 2  # present all along; the guest onlined the second
+    guest_sees(runner, cpus=2)
+    code, answer = put_scale(runner, {"cpus": 1, "fence": {"epoch": 0, "token": 7}})
+    assert code == 409, answer
+    code, answer = put_scale(runner, {"cpus": 1, "fence": {"epoch": 1, "token": 1}})
+    assert code == 200, answer
+    status = guest_sees(runner, cpus=1)
+    assert status["qemuPid"] == pid and runner.qemu_pids == {pid}
+    assert guest_lines(runner)[-1].startswith("neonvm-guest-size: cpus=1 online=0 ")
+    assert any(line.startswith("neonvm-guest-size: cpus=2 online=0-1 ")
+               for line in guest_lines(runner))
+
+    runner.proc.send_signal(signal.SIGTERM)
+    assert runner.wait_exit(timeout=120) == 0, runner.log()[-2000:]

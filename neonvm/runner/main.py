@@ -41,7 +41,7 @@ from neonvm.runner.host import (
     probe_kvm,
 )
 from neonvm.runner.metrics import runner_registry
-from neonvm.runner.qemu import LaunchContext, LaunchPlan, build_launch_plan
+from neonvm.runner.qemu import CpuScalingMode, LaunchContext, LaunchPlan, build_launch_plan
 from neonvm.runner.scaling import ScaleLimits, Scaler, ScaleTarget
 from neonvm.runner.server import RunnerHTTPServer
 from neonvm.runner.spec import ENV_SPEC_FILE, LoadedSpec, load_spec
@@ -71,6 +71,7 @@ class RunnerOptions:
     termination_log: Path | None = Path("/dev/termination-log")
     scaling_token_file: Path | None = None
     scaling_timeout: float = 60.0
+    cpu_scaling_mode: CpuScalingMode = "QmpScaling"
 
 
 @dataclass(frozen=True)
@@ -105,7 +106,8 @@ def plan_launch(options: RunnerOptions, env: Mapping[str, str], work_dir: Path,
         qemu_binary=qemu, accel=accel, work_dir=work_dir, runner_port=port,
         disks_dir=options.disks_dir, writable_disk_dirs=writable,
         listen_address=options.listen_address, root_disk_override=options.root_disk,
-        vm_name=loaded.name, vm_namespace=loaded.namespace, ready_marker=options.ready_marker)
+        vm_name=loaded.name, vm_namespace=loaded.namespace, ready_marker=options.ready_marker,
+        cpu_scaling_mode=options.cpu_scaling_mode)
     plan = build_launch_plan(spec, ctx)
     tools = DiskTools(qemu_img=optional_binary("qemu-img"),
                       mkfs_ext4=optional_binary("mkfs.ext4"))
@@ -175,7 +177,9 @@ def make_scaler(launch: Launch, state: RunnerState, work_dir: Path,
     return Scaler(work_dir, options.scaling_token_file, limits,
                   boot=ScaleTarget(vcpus=plan.cpus.vcpus, memory_slots=plan.memory.use_slots),
                   request_timeout=options.scaling_timeout,
-                  on_size=lambda size: state.plugged(size.vcpus, size.memory_bytes))
+                  on_size=lambda size: state.plugged(size.vcpus, size.memory_bytes),
+                  agent_socket=plan.agent_socket,
+                  guest_cpus=lambda: state.snapshot().guest_cpus_online)
 
 
 def _record_signals(record: Callable[[str], None]) -> dict[int, Any]:
@@ -269,6 +273,11 @@ def runner_options(command: Callable[..., None]) -> Callable[..., None]:
                      show_default=True, envvar="NEONVM_SCALING_TIMEOUT",
                      help="Seconds a PUT /scale waits for the guest to eject vCPUs or "
                           "DIMMs before answering 504."),
+        click.option("--cpu-scaling-mode", type=click.Choice(["QmpScaling", "SysfsScaling"]),
+                     default="QmpScaling", show_default=True,
+                     envvar="NEONVM_CPU_SCALING_MODE",
+                     help="QmpScaling: vCPUs are hot-plugged over QMP. SysfsScaling: all "
+                          "max vCPUs at boot, the guest agent onlines 'use' of them."),
     ]
     for option in reversed(options):
         command = option(command)

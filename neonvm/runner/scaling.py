@@ -355,6 +355,51 @@ async def converge_memory(qmp: QMPClient, target_slots: int, limits: ScaleLimits
                 await qmp.execute("object-del", {"id": MEMDEV_ID.format(slot)})
 
 
+class AgentChannel:
+    """The host end of the guest agent's virtio-serial port (SysfsScaling), kept open.
+
+    One line per command (``cpus N``). The guest drops what arrives while it has the port
+    closed, so callers resend until the guest reports the result.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._writer: asyncio.StreamWriter | None = None
+
+    async def send(self, line: str) -> None:
+        for attempt in (1, 2):
+            try:
+                if self._writer is None or self._writer.is_closing():
+                    _, self._writer = await asyncio.open_unix_connection(str(self.path))
+                self._writer.write(line.encode() + b"\n")
+                await self._writer.drain()
+                return
+            except (ConnectionError, OSError) as exc:
+                self._writer = None
+                if attempt == 2:
+                    raise ScaleError(502, f"guest agent channel {self.path}: {exc}") from None
+
+
+AGENT_RESEND_SECONDS = 1.0
+GUEST_POLL_SECONDS = 0.02
+
+
+async def converge_cpus_sysfs(agent: AgentChannel, target: int,
+                              guest_cpus: Callable[[], int | None], deadline: float) -> None:
+    """SysfsScaling: ask the guest agent for ``target`` online CPUs until it reports them."""
+    loop = asyncio.get_running_loop()
+    next_send = loop.time()
+    while guest_cpus() != target:
+        now = loop.time()
+        if now > deadline:
+            raise ScaleError(504, f"the guest did not report {target} online CPUs before the "
+                                  "request's timeout (the fence stays recorded; retry with it)")
+        if now >= next_send:
+            await agent.send(f"cpus {target}")
+            next_send = now + AGENT_RESEND_SECONDS
+        await asyncio.sleep(GUEST_POLL_SECONDS)
+
+
 # ---- the runner's side: authentication, the fence, and the hand-off to the QMP loop --------------
 
 
@@ -363,8 +408,15 @@ class Scaler:
 
     def __init__(self, work_dir: Path, token_file: Path | None, limits: ScaleLimits,
                  boot: ScaleTarget, request_timeout: float = 60.0,
-                 on_size: Callable[[QemuSize], None] | None = None) -> None:
+                 on_size: Callable[[QemuSize], None] | None = None,
+                 agent_socket: Path | None = None,
+                 guest_cpus: Callable[[], int | None] | None = None) -> None:
+        """``agent_socket`` selects SysfsScaling: vCPUs are onlined/offlined by the guest
+        agent and ``guest_cpus`` (the guest's last report) says when it is done."""
         self.limits = limits
+        self.mode = "SysfsScaling" if agent_socket is not None else "QmpScaling"
+        self._agent = AgentChannel(agent_socket) if agent_socket is not None else None
+        self._guest_cpus = guest_cpus or (lambda: None)
         self._boot = boot
         self._token_file = token_file
         self._store = FenceStore(work_dir)
@@ -452,13 +504,17 @@ class Scaler:
 
             async def apply(qmp: QMPClient) -> QemuSize:
                 deadline = asyncio.get_running_loop().time() + budget
-                await converge_cpus(qmp, target.vcpus, deadline)
+                if self._agent is not None:
+                    await converge_cpus_sysfs(self._agent, target.vcpus, self._guest_cpus,
+                                              deadline)
+                else:
+                    await converge_cpus(qmp, target.vcpus, deadline)
                 await converge_memory(qmp, target.memory_slots, self.limits, deadline)
                 return await query_size(qmp, self.limits)
             size = self._run(apply, timeout=budget + 10)
             if self._on_size is not None:
                 self._on_size(size)
-            return {"applied": decision, "fence": asdict(fence),
+            return {"applied": decision, "mode": self.mode, "fence": asdict(fence),
                     "target": {"cpus": target.vcpus, "memorySlots": target.memory_slots},
                     "qemu": _size_json(size), "seconds": time.monotonic() - started}
         finally:
