@@ -276,3 +276,19 @@ def test_sysfs_scaling_onlines_and_offlines_vcpus_in_the_guest(start_runner: Any
 
     runner.proc.send_signal(signal.SIGTERM)
     assert runner.wait_exit(timeout=120) == 0, runner.log()[-2000:]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("slot", "slots", "state"), [
+    ("1Gi", {"min": 1, "max": 2}, "memhp_default_state=online_movable"),
+    ("256Mi", {"min": 2, "max": 4}, "memhp_default_state=online_movable"),
+    ("128Mi", {"min": 1, "max": 3, "use": 2}, "memhp_default_state=online "),
+])
+def test_dimms_are_movable_when_boot_memory_can_carry_the_kernel(
+        slot: str, slots: dict[str, int], state: str, tmp_path: Path) -> None:
+    from neonvm.runner.qemu import build_launch_plan
+    from tests.test_runner import context, kernel_spec, spec_of
+
+    plan = build_launch_plan(spec_of(kernel_spec(memorySlotSize=slot, memorySlots=slots)),
+                             context(tmp_path))
+    assert state in (plan.kernel_cmdline or "") + " "

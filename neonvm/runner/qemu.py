@@ -21,7 +21,8 @@ The mapping (docs/runner.md has the full table):
 * Memory: ``min`` slots are boot memory; ``max > min`` adds ``slots=max-min`` DIMM slots
   and ``maxmem=max * slotSize``; ``use > min`` plugs ``use - min`` DIMMs at start (ids
   ``dimm-slot<i>``/``mem-slot<i>``, the names :mod:`neonvm.runner.scaling` plugs and
-  unplugs live), and the kernel is told ``memhp_default_state=online_movable``.
+  unplugs live), and the kernel is told ``memhp_default_state=online_movable`` (``online``
+  with less than 512 MiB of boot memory, see :func:`memory_online_state`).
 * Root disk: a qcow2 overlay in the work dir backed by the image (the image stays
   untouched; ``rootDisk.size`` grows the overlay).
 * Extra disks: ``emptyDisk`` → a fresh ext4 raw image; ``configMap``/``secret`` → a
@@ -235,6 +236,23 @@ def _optional_size(disk: Disk, source: Mapping[str, Any], required: bool) -> int
     return size
 
 
+MOVABLE_MIN_BOOT_BYTES = 512 * MIB
+"""Boot memory from which plugged DIMMs go to ZONE_MOVABLE (see memory_online_state)."""
+
+
+def memory_online_state(memory: MemoryLayout) -> str:
+    """How the guest kernel onlines plugged DIMMs: ``online_movable`` or ``online``.
+
+    In ZONE_MOVABLE only movable pages go, so the guest can always offline the DIMM again
+    and QEMU can unplug it. But the kernel's own allocations must then fit in the boot
+    memory: with 128 MiB of boot memory and a movable DIMM plugged at start, the test
+    guest's kernel ran out of memory during boot. Below ``MOVABLE_MIN_BOOT_BYTES`` of boot
+    memory, DIMMs are onlined in the kernel zone (``online``), where an unplug can fail
+    because of unmovable pages. ``appendKernelCmdline`` can override either.
+    """
+    return "online_movable" if memory.boot_bytes >= MOVABLE_MIN_BOOT_BYTES else "online"
+
+
 def kernel_cmdline(has_root_disk: bool, memory: MemoryLayout, append: str | None,
                    online_cpus: int | None = None) -> str:
     """The kernel command line: console on the serial port, then the user's additions.
@@ -247,9 +265,7 @@ def kernel_cmdline(has_root_disk: bool, memory: MemoryLayout, append: str | None
     if has_root_disk:
         parts += ["root=/dev/vda", "rw"]
     if memory.max_slots > memory.min_slots:
-        # Hot-plugged DIMMs come online by themselves, in ZONE_MOVABLE: only movable pages
-        # go there, so the guest can offline (and QEMU unplug) the DIMM again later.
-        parts.append("memhp_default_state=online_movable")
+        parts.append(f"memhp_default_state={memory_online_state(memory)}")
     if online_cpus is not None:
         # SysfsScaling: every vCPU is present, only ``use`` are brought up at boot; the
         # rest are onlined later through sysfs. The guest agent sees the mode here.
