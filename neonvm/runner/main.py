@@ -2,7 +2,7 @@
 
 Order of work, each step failing with one line and exit code 1 before anything runs:
 load and decode the spec, find QEMU, choose KVM or TCG, build the QEMU command line,
-check that every file and tool it needs exists. Then: serve HTTP (``/healthz``,
+check that every file and tool it needs exists. Then: serve HTTP (``/healthz``, ``/scale``,
 ``/ready``, ``/status``, ``/metrics``), create the disks, start QEMU and supervise it
 until it exits (see :mod:`neonvm.runner.supervisor` for SIGTERM). The exit code says how
 the VM ended (:class:`~neonvm.runner.state.ExitCode`), and the one-line reason also goes
@@ -15,6 +15,7 @@ the runner through the pod's env alone.
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import shutil
 import signal
@@ -40,7 +41,8 @@ from neonvm.runner.host import (
     probe_kvm,
 )
 from neonvm.runner.metrics import runner_registry
-from neonvm.runner.qemu import LaunchContext, LaunchPlan, build_launch_plan
+from neonvm.runner.qemu import CpuScalingMode, LaunchContext, LaunchPlan, build_launch_plan
+from neonvm.runner.scaling import ScaleLimits, Scaler, ScaleTarget
 from neonvm.runner.server import RunnerHTTPServer
 from neonvm.runner.spec import ENV_SPEC_FILE, LoadedSpec, load_spec
 from neonvm.runner.state import ExitCode, Outcome, RunnerState, Sizing
@@ -67,6 +69,9 @@ class RunnerOptions:
     powerdown_interval: float = 5.0
     root_disk: Path | None = None
     termination_log: Path | None = Path("/dev/termination-log")
+    scaling_token_file: Path | None = None
+    scaling_timeout: float = 60.0
+    cpu_scaling_mode: CpuScalingMode = "QmpScaling"
 
 
 @dataclass(frozen=True)
@@ -101,7 +106,8 @@ def plan_launch(options: RunnerOptions, env: Mapping[str, str], work_dir: Path,
         qemu_binary=qemu, accel=accel, work_dir=work_dir, runner_port=port,
         disks_dir=options.disks_dir, writable_disk_dirs=writable,
         listen_address=options.listen_address, root_disk_override=options.root_disk,
-        vm_name=loaded.name, vm_namespace=loaded.namespace, ready_marker=options.ready_marker)
+        vm_name=loaded.name, vm_namespace=loaded.namespace, ready_marker=options.ready_marker,
+        cpu_scaling_mode=options.cpu_scaling_mode)
     plan = build_launch_plan(spec, ctx)
     tools = DiskTools(qemu_img=optional_binary("qemu-img"),
                       mkfs_ext4=optional_binary("mkfs.ext4"))
@@ -131,11 +137,14 @@ def run_runner(options: RunnerOptions, env: Mapping[str, str], console: BinaryIO
             sizing=Sizing(vcpus=plan.cpus.vcpus, max_vcpus=plan.cpus.max_vcpus,
                           memory_bytes=plan.memory.current_bytes,
                           max_memory_bytes=plan.memory.max_bytes))
+        scaler = make_scaler(launch, state, work_dir, options)
         http = RunnerHTTPServer(state, runner_registry(state), options.listen_address,
-                                launch.port)
+                                launch.port, scaler)
         http.start()
-        log.info("serving /healthz /ready /status /metrics on {}:{}", options.listen_address,
-                 http.port)
+        log.info("serving /healthz /ready /status /metrics /scale on {}:{} (PUT /scale {})",
+                 options.listen_address, http.port,
+                 "needs the bearer token" if options.scaling_token_file else
+                 "refused: no --scaling-token-file")
         prepare(plan, launch.tools)
         policy = ShutdownPolicy(
             budget_seconds=shutdown_budget(
@@ -143,7 +152,8 @@ def run_runner(options: RunnerOptions, env: Mapping[str, str], console: BinaryIO
                 options.shutdown_timeout),
             powerdown_interval_seconds=options.powerdown_interval)
         supervisor = Supervisor(plan, state, policy, console, options.ready_marker,
-                                launch.loaded.key, pdeathsig_wrapper=optional_binary("setpriv"))
+                                launch.loaded.key, pdeathsig_wrapper=optional_binary("setpriv"),
+                                scaler=scaler)
         outcome = asyncio.run(_supervise(supervisor, early_stop))
         _write_termination_log(options.termination_log, outcome)
         return int(outcome.exit_code)
@@ -154,6 +164,22 @@ def run_runner(options: RunnerOptions, env: Mapping[str, str], console: BinaryIO
             http.stop()
         if created_work_dir:
             shutil.rmtree(work_dir, ignore_errors=True)
+
+
+def make_scaler(launch: Launch, state: RunnerState, work_dir: Path,
+                options: RunnerOptions) -> Scaler:
+    """The live-scaling handler: bounds from the spec, fence file in the work dir."""
+    plan = launch.plan
+    cpus = launch.loaded.spec.guest.cpus
+    limits = ScaleLimits(min_vcpus=max(1, math.ceil(cpus.min)), max_vcpus=plan.cpus.max_vcpus,
+                         min_slots=plan.memory.min_slots, max_slots=plan.memory.max_slots,
+                         slot_bytes=plan.memory.slot_bytes)
+    return Scaler(work_dir, options.scaling_token_file, limits,
+                  boot=ScaleTarget(vcpus=plan.cpus.vcpus, memory_slots=plan.memory.use_slots),
+                  request_timeout=options.scaling_timeout,
+                  on_size=lambda size: state.plugged(size.vcpus, size.memory_bytes),
+                  agent_socket=plan.agent_socket,
+                  guest_cpus=lambda: state.snapshot().guest_cpus_online)
 
 
 def _record_signals(record: Callable[[str], None]) -> dict[int, Any]:
@@ -239,6 +265,19 @@ def runner_options(command: Callable[..., None]) -> Callable[..., None]:
                      default=Path("/dev/termination-log"), show_default=True,
                      envvar="NEONVM_TERMINATION_LOG",
                      help="Where the exit reason is written, if the file exists."),
+        click.option("--scaling-token-file", type=click.Path(dir_okay=False, path_type=Path),
+                     envvar="NEONVM_SCALING_TOKEN_FILE",
+                     help="File holding the bearer token PUT /scale must present (re-read "
+                          "per request). Without it, PUT /scale is refused (401)."),
+        click.option("--scaling-timeout", type=click.FloatRange(1), default=60.0,
+                     show_default=True, envvar="NEONVM_SCALING_TIMEOUT",
+                     help="Seconds a PUT /scale waits for the guest to eject vCPUs or "
+                          "DIMMs before answering 504."),
+        click.option("--cpu-scaling-mode", type=click.Choice(["QmpScaling", "SysfsScaling"]),
+                     default="QmpScaling", show_default=True,
+                     envvar="NEONVM_CPU_SCALING_MODE",
+                     help="QmpScaling: vCPUs are hot-plugged over QMP. SysfsScaling: all "
+                          "max vCPUs at boot, the guest agent onlines 'use' of them."),
     ]
     for option in reversed(options):
         command = option(command)

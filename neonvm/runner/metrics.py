@@ -52,9 +52,11 @@ class RunnerCollector(Collector):
         yield CounterMetricFamily("neonvm_runner_console_lines",
                                   "Lines the guest wrote to the serial console.",
                                   value=s.console_lines)
-        yield GaugeMetricFamily("neonvm_runner_vcpus", "vCPUs at boot.", value=s.vcpus)
+        yield GaugeMetricFamily("neonvm_runner_vcpus", "vCPUs plugged (changes live).",
+                                value=s.vcpus)
         yield GaugeMetricFamily("neonvm_runner_max_vcpus", "vCPU limit.", value=s.max_vcpus)
-        yield GaugeMetricFamily("neonvm_runner_memory_bytes", "Guest memory at boot.",
+        yield GaugeMetricFamily("neonvm_runner_memory_bytes",
+                                "Guest memory plugged (changes live).",
                                 value=s.memory_bytes)
         yield GaugeMetricFamily("neonvm_runner_max_memory_bytes", "Guest memory limit.",
                                 value=s.max_memory_bytes)

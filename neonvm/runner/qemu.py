@@ -19,7 +19,10 @@ The mapping (docs/runner.md has the full table):
 * CPUs: ``-smp cpus=ceil(use),maxcpus=ceil(max)``; fractions of a core are the pod's
   cgroup limit, not QEMU's.
 * Memory: ``min`` slots are boot memory; ``max > min`` adds ``slots=max-min`` DIMM slots
-  and ``maxmem=max * slotSize``; ``use > min`` plugs ``use - min`` DIMMs at start.
+  and ``maxmem=max * slotSize``; ``use > min`` plugs ``use - min`` DIMMs at start (ids
+  ``dimm-slot<i>``/``mem-slot<i>``, the names :mod:`neonvm.runner.scaling` plugs and
+  unplugs live), and the kernel is told ``memhp_default_state=online_movable`` (``online``
+  with less than 512 MiB of boot memory, see :func:`memory_online_state`).
 * Root disk: a qcow2 overlay in the work dir backed by the image (the image stays
   untouched; ``rootDisk.size`` grows the overlay).
 * Extra disks: ``emptyDisk`` → a fresh ext4 raw image; ``configMap``/``secret`` → a
@@ -45,6 +48,10 @@ from neonvm.runner.quantity import QuantityError, format_bytes, parse_bytes
 
 MIB = 1 << 20
 QMP_SOCKET_NAME = "qmp.sock"
+AGENT_SOCKET_NAME = "agent.sock"
+AGENT_PORT_NAME = "vm.neon.tech.agent"
+"""The virtio-serial port the guest agent reads commands from (SysfsScaling)."""
+CpuScalingMode = Literal["QmpScaling", "SysfsScaling"]
 GUEST_CONFIG_NAME = "guest-config.json"
 FW_CFG_NAME = "opt/vm.neon.tech/config"
 ROOT_OVERLAY_NAME = "rootdisk.qcow2"
@@ -77,6 +84,9 @@ class LaunchContext:
     vm_name: str = "vm"
     vm_namespace: str = ""
     ready_marker: str = ""
+    cpu_scaling_mode: CpuScalingMode = "QmpScaling"
+    """QmpScaling: vCPUs are hot-plugged; SysfsScaling: all ``max`` vCPUs at boot, ``use``
+    online (kernel ``maxcpus=``), the guest agent onlines/offlines them on request."""
 
 
 @dataclass(frozen=True)
@@ -147,6 +157,9 @@ class LaunchPlan:
     memory: MemoryLayout
     kernel_cmdline: str | None = None
     forwarded_ports: tuple[int, ...] = field(default_factory=tuple)
+    cpu_scaling_mode: CpuScalingMode = "QmpScaling"
+    agent_socket: Path | None = None
+    """SysfsScaling: the host end of the guest agent's virtio-serial port."""
 
 
 def cpu_layout(cpus: CPURange) -> CpuLayout:
@@ -222,7 +235,25 @@ def _optional_size(disk: Disk, source: Mapping[str, Any], required: bool) -> int
     return size
 
 
-def kernel_cmdline(has_root_disk: bool, memory: MemoryLayout, append: str | None) -> str:
+MOVABLE_MIN_BOOT_BYTES = 512 * MIB
+"""Boot memory from which plugged DIMMs go to ZONE_MOVABLE (see memory_online_state)."""
+
+
+def memory_online_state(memory: MemoryLayout) -> str:
+    """How the guest kernel onlines plugged DIMMs: ``online_movable`` or ``online``.
+
+    In ZONE_MOVABLE only movable pages go, so the guest can always offline the DIMM again
+    and QEMU can unplug it. But the kernel's own allocations must then fit in the boot
+    memory: with 128 MiB of boot memory and a movable DIMM plugged at start, the test
+    guest's kernel ran out of memory during boot. Below ``MOVABLE_MIN_BOOT_BYTES`` of boot
+    memory, DIMMs are onlined in the kernel zone (``online``), where an unplug can fail
+    because of unmovable pages. ``appendKernelCmdline`` can override either.
+    """
+    return "online_movable" if memory.boot_bytes >= MOVABLE_MIN_BOOT_BYTES else "online"
+
+
+def kernel_cmdline(has_root_disk: bool, memory: MemoryLayout, append: str | None,
+                   online_cpus: int | None = None) -> str:
     """The kernel command line: console on the serial port, then the user's additions.
 
     ``panic=-1`` turns a guest panic into a reboot, which ``-no-reboot`` turns into QEMU
@@ -233,7 +264,11 @@ def kernel_cmdline(has_root_disk: bool, memory: MemoryLayout, append: str | None
     if has_root_disk:
         parts += ["root=/dev/vda", "rw"]
     if memory.max_slots > memory.min_slots:
-        parts.append("memhp_default_state=online")
+        parts.append(f"memhp_default_state={memory_online_state(memory)}")
+    if online_cpus is not None:
+        # SysfsScaling: every vCPU is present, only ``use`` are brought up at boot; the
+        # rest are onlined later through sysfs. The guest agent sees the mode here.
+        parts += [f"maxcpus={online_cpus}", "neonvm.cpu_scaling=sysfs"]
     if append:
         parts.append(append.strip())
     return " ".join(p for p in parts if p)
@@ -269,8 +304,10 @@ def build_launch_plan(spec: VirtualMachineSpec, ctx: LaunchContext) -> LaunchPla
         "-machine", "q35",
         "-accel", ctx.accel,
         "-cpu", "host" if ctx.accel == "kvm" else "max",
-        "-smp", f"cpus={cpus.vcpus},maxcpus={cpus.max_vcpus}",
     ]
+    sysfs = ctx.cpu_scaling_mode == "SysfsScaling"
+    booted = cpus.max_vcpus if sysfs else cpus.vcpus
+    argv += ["-smp", f"cpus={booted},maxcpus={cpus.max_vcpus}"]
     if memory.hotplug_slots:
         argv += ["-m", f"size={_mib(memory.boot_bytes)},slots={memory.hotplug_slots},"
                        f"maxmem={_mib(memory.max_bytes)}"]
@@ -293,6 +330,14 @@ def build_launch_plan(spec: VirtualMachineSpec, ctx: LaunchContext) -> LaunchPla
         argv += ["-chardev", f"socket,id=qmp-tcp,host={QMP_TCP_HOST},port={spec.qmp},"
                              "server=on,wait=off",
                  "-mon", "chardev=qmp-tcp,mode=control"]
+    agent_socket: Path | None = None
+    if sysfs:
+        agent_socket = ctx.work_dir / AGENT_SOCKET_NAME
+        argv += ["-device", "virtio-serial-pci,id=agent-bus",
+                 "-chardev", f"socket,id=agent,path={qemu_value(agent_socket)},server=on,"
+                             "wait=off",
+                 "-device", f"virtserialport,bus=agent-bus.0,chardev=agent,"
+                            f"name={AGENT_PORT_NAME}"]
     argv += ["-object", "rng-random,id=rng0,filename=/dev/urandom",
              "-device", "virtio-rng-pci,rng=rng0"]
 
@@ -317,7 +362,8 @@ def build_launch_plan(spec: VirtualMachineSpec, ctx: LaunchContext) -> LaunchPla
     cmdline: str | None = None
     if kernel is not None:
         required_files.append(("kernel", kernel))
-        cmdline = kernel_cmdline(root_image is not None, memory, guest.append_kernel_cmdline)
+        cmdline = kernel_cmdline(root_image is not None, memory, guest.append_kernel_cmdline,
+                                 online_cpus=cpus.vcpus if sysfs else None)
         argv += ["-kernel", str(kernel), "-append", cmdline]
         if guest.initrd_image:
             initrd = Path(guest.initrd_image)
@@ -393,7 +439,8 @@ def build_launch_plan(spec: VirtualMachineSpec, ctx: LaunchContext) -> LaunchPla
                   for p in guest.ports or []],
         "disks": guest_disks,
         "settings": guest.settings,
-        "cpus": {"use": cpus.vcpus, "max": cpus.max_vcpus},
+        "cpus": {"use": cpus.vcpus, "max": cpus.max_vcpus,
+                 "scalingMode": ctx.cpu_scaling_mode},
         "memory": {"slotSize": format_bytes(memory.slot_bytes), "use": memory.use_slots,
                    "min": memory.min_slots, "max": memory.max_slots},
         "readyMarker": ctx.ready_marker,
@@ -412,6 +459,8 @@ def build_launch_plan(spec: VirtualMachineSpec, ctx: LaunchContext) -> LaunchPla
         memory=memory,
         kernel_cmdline=cmdline,
         forwarded_ports=tuple(ports),
+        cpu_scaling_mode=ctx.cpu_scaling_mode,
+        agent_socket=agent_socket,
     )
 
 

@@ -6,12 +6,18 @@
   with the reason as text. The readiness probe.
 * ``GET /status`` the :class:`~neonvm.runner.state.Snapshot` as JSON.
 * ``GET /metrics`` Prometheus text format from the runner's own registry.
+* ``GET /scale`` what QEMU has plugged (asked over QMP now), what the guest last reported,
+  and the last applied scaling fence. 503 while QMP is not connected.
+* ``PUT /scale`` a live CPU/memory change, authenticated by a bearer token and fenced
+  (:mod:`neonvm.runner.scaling`): 200 applied, 400 bad request or out of bounds, 401 not
+  authenticated, 409 stale fence, 503 QMP not connected, 504 the guest did not finish.
 
-Each request reads one snapshot; handlers never touch QEMU or QMP, so a stuck guest
-cannot make a probe time out. Every endpoint is a read (any other method gets 501 from
-the standard library): nothing sent to this port reaches QEMU, which is why it may listen
-on the pod's IP for the kubelet's probes. Not guaranteed: TLS or authentication; anyone
-who can reach the pod's IP can read the status and metrics.
+The probe endpoints read one snapshot and never touch QEMU or QMP, so a stuck guest cannot
+make a probe time out. ``PUT /scale`` is the only way in to QEMU through this port, and it
+does nothing without the token (the port listens on the pod's IP for the kubelet's
+probes). Any other method gets 501 from the standard library. Not guaranteed: TLS; anyone
+who can reach the pod's IP can read the status and metrics, and the token crosses the pod
+network in clear (docs/runner.md, "Live scaling").
 """
 
 from __future__ import annotations
@@ -25,7 +31,10 @@ from loguru import logger
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from neonvm.runner.errors import HostError
+from neonvm.runner.scaling import ScaleError, Scaler
 from neonvm.runner.state import RunnerState
+
+MAX_BODY = 64 * 1024
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -47,8 +56,72 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(200, "application/json", data)
         elif path == "/metrics":
             self._send(200, CONTENT_TYPE_LATEST, generate_latest(self.server.registry))
+        elif path == "/scale":
+            self._scale_report()
         else:
             self._send(404, "text/plain; charset=utf-8", b"not found\n")
+
+    def do_PUT(self) -> None:
+        path = self.path.split("?", 1)[0]
+        try:
+            length = int(self.headers.get("Content-Length") or 0)
+        except ValueError:
+            length = -1
+        if length < 0 or length > MAX_BODY:
+            self._send_json(413, {"error": f"Content-Length must be 0..{MAX_BODY}"})
+            self.close_connection = True
+            return
+        body = self.rfile.read(length) if length else b""
+        if path != "/scale":
+            self._send(404, "text/plain; charset=utf-8", b"not found\n")
+            return
+        scaler = self.server.scaler
+        if scaler is None:
+            self._send_json(404, {"error": "live scaling is not available in this runner"})
+            return
+        try:
+            result = scaler.scale(self.headers.get("Authorization"), body)
+        except ScaleError as exc:
+            logger.info("PUT /scale refused ({}): {}", exc.status, exc)
+            headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else {}
+            self._send_json(exc.status, {"error": str(exc)}, headers)
+            return
+        self._send_json(200, result)
+
+    def _scale_report(self) -> None:
+        scaler = self.server.scaler
+        if scaler is None:
+            self._send_json(404, {"error": "live scaling is not available in this runner"})
+            return
+        snap = self.server.state.snapshot()
+        try:
+            last = scaler.last_applied()
+            size = scaler.query()
+        except ScaleError as exc:
+            self._send_json(exc.status, {"error": str(exc)})
+            return
+        self._send_json(200, {
+            "qemu": {"vcpus": size.vcpus, "memorySlots": size.memory_slots,
+                     "memoryBytes": size.memory_bytes},
+            "guest": {"cpusOnline": snap.guest_cpus_online,
+                      "memTotalKiB": snap.guest_mem_total_kb,
+                      "reportedAt": snap.guest_reported_at},
+            "limits": {"minVcpus": scaler.limits.min_vcpus, "maxVcpus": scaler.limits.max_vcpus,
+                       "minMemorySlots": scaler.limits.min_slots,
+                       "maxMemorySlots": scaler.limits.max_slots,
+                       "memorySlotBytes": scaler.limits.slot_bytes},
+            "lastApplied": last.as_json() if last is not None else None,
+        })
+
+    def _send_json(self, code: int, doc: Any, headers: dict[str, str] | None = None) -> None:
+        body = json.dumps(doc, indent=2).encode() + b"\n"
+        self.send_response(code)
+        for key, value in (headers or {}).items():
+            self.send_header(key, value)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
 
     def _send(self, code: int, content_type: str, body: bytes) -> None:
         self.send_response(code)
@@ -70,9 +143,10 @@ class _Server(ThreadingHTTPServer):
         logger.opt(exception=True).debug("http: request from {} failed", client_address)
 
     def __init__(self, address: tuple[str, int], state: RunnerState,
-                 registry: CollectorRegistry) -> None:
+                 registry: CollectorRegistry, scaler: Scaler | None) -> None:
         self.state = state
         self.registry = registry
+        self.scaler = scaler
         super().__init__(address, _Handler)
 
 
@@ -80,7 +154,8 @@ class RunnerHTTPServer:
     """Start with :meth:`start` (binds, raising HostError if it cannot), stop with :meth:`stop`."""
 
     def __init__(self, state: RunnerState, registry: CollectorRegistry,
-                 address: str, port: int) -> None:
+                 address: str, port: int, scaler: Scaler | None = None) -> None:
+        self._scaler = scaler
         self._state = state
         self._registry = registry
         self._address = address
@@ -90,7 +165,8 @@ class RunnerHTTPServer:
 
     def start(self) -> None:
         try:
-            self._server = _Server((self._address, self._port), self._state, self._registry)
+            self._server = _Server((self._address, self._port), self._state, self._registry,
+                                   self._scaler)
         except OSError as exc:
             raise HostError(f"cannot listen on {self._address}:{self._port}: "
                             f"{exc.strerror or exc}") from None

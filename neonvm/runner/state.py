@@ -116,6 +116,11 @@ class Snapshot:
     memory_bytes: int
     max_memory_bytes: int
     not_ready_because: str
+    guest_cpus_online: int | None = None
+    """Online CPUs as the guest last reported them (its hotplug agent's console line)."""
+    guest_mem_total_kb: int | None = None
+    """MemTotal (KiB) as the guest last reported it."""
+    guest_reported_at: float | None = None
 
     def as_json(self) -> dict[str, Any]:
         """camelCase keys, as the rest of the API."""
@@ -146,6 +151,9 @@ class _Facts:
     exit_code: int | None = None
     outcome: str | None = None
     console_lines: int = 0
+    guest_cpus_online: int | None = None
+    guest_mem_total_kb: int | None = None
+    guest_reported_at: float | None = None
 
 
 @dataclass(frozen=True)
@@ -211,6 +219,18 @@ class RunnerState:
             if f.phase != "Exited":
                 f.phase = "Stopping"
 
+    def plugged(self, vcpus: int, memory_bytes: int) -> None:
+        """What QEMU has plugged now (after a live scaling change, or a periodic read)."""
+        with self._lock:
+            self._sizing = replace(self._sizing, vcpus=vcpus, memory_bytes=memory_bytes)
+
+    def guest_size(self, cpus_online: int, mem_total_kb: int) -> None:
+        """What the guest reported it sees."""
+        with self._lock:
+            f = self._facts
+            f.guest_cpus_online, f.guest_mem_total_kb = cpus_online, mem_total_kb
+            f.guest_reported_at = self._wall()
+
     def powerdown_requested(self) -> None:
         with self._lock:
             self._facts.powerdown_requests += 1
@@ -253,6 +273,7 @@ class RunnerState:
     def snapshot(self) -> Snapshot:
         with self._lock:
             f = replace(self._facts)
+            sizing = self._sizing
         now = self._monotonic()
         uptime = None
         if f.started_mono is not None:
@@ -269,9 +290,11 @@ class RunnerState:
             shutdown_budget_seconds=f.shutdown_budget,
             powerdown_requests=f.powerdown_requests, shutdown_reason=f.shutdown_reason,
             qemu_exit_code=f.qemu_exit_code, exit_code=f.exit_code, outcome=f.outcome,
-            console_lines=f.console_lines, vcpus=self._sizing.vcpus,
-            max_vcpus=self._sizing.max_vcpus, memory_bytes=self._sizing.memory_bytes,
-            max_memory_bytes=self._sizing.max_memory_bytes, not_ready_because=because,
+            console_lines=f.console_lines, vcpus=sizing.vcpus,
+            max_vcpus=sizing.max_vcpus, memory_bytes=sizing.memory_bytes,
+            max_memory_bytes=sizing.max_memory_bytes, not_ready_because=because,
+            guest_cpus_online=f.guest_cpus_online, guest_mem_total_kb=f.guest_mem_total_kb,
+            guest_reported_at=f.guest_reported_at,
         )
 
     def healthy(self) -> tuple[bool, str]:

@@ -33,6 +33,7 @@ from loguru import logger
 from neonvm.runner.errors import HostError
 from neonvm.runner.qemu import LaunchPlan
 from neonvm.runner.qmp import QMPClient, QMPError, QMPEvent
+from neonvm.runner.scaling import GUEST_SIZE_PREFIX, ScaleError, Scaler, parse_guest_size
 from neonvm.runner.state import ExitCode, Outcome, RunnerState, decide_outcome
 
 DEFAULT_GRACE_PERIOD = 30
@@ -77,8 +78,9 @@ class Supervisor:
 
     def __init__(self, plan: LaunchPlan, state: RunnerState, policy: ShutdownPolicy,
                  console: BinaryIO, ready_marker: str, vm: str,
-                 pdeathsig_wrapper: str | None = None) -> None:
+                 pdeathsig_wrapper: str | None = None, scaler: Scaler | None = None) -> None:
         self._plan = plan
+        self._scaler = scaler
         self._state = state
         self._policy = policy
         self._console = console
@@ -224,6 +226,10 @@ class Supervisor:
         line = raw.decode("utf-8", errors="replace")
         has_marker = is_marker_line(line, self._marker)
         self._state.console_line(has_marker)
+        if line.lstrip().startswith(GUEST_SIZE_PREFIX):
+            size = parse_guest_size(line)
+            if size is not None:
+                self._state.guest_size(size.cpus_online, size.mem_total_kb)
         if has_marker:
             self._log.info("ready marker seen on the serial console")
 
@@ -247,16 +253,22 @@ class Supervisor:
         self._qmp = client
         self._state.qmp_connected(True)
         self._log.debug("QMP connected")
+        if self._scaler is not None:
+            self._scaler.attach(asyncio.get_running_loop(), client)
         try:
             while not client.closed.is_set():
                 try:
                     status = await client.execute("query-status", timeout=5)
                     self._state.qmp_status(str(status.get("status")))
-                except QMPError:
+                    if self._scaler is not None:
+                        await self._scaler.refresh(client)
+                except (QMPError, ScaleError, KeyError, TypeError):
                     pass
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(client.closed.wait(), QMP_POLL_INTERVAL)
         finally:
+            if self._scaler is not None:
+                self._scaler.detach()
             self._state.qmp_connected(False)
             await client.close()
 

@@ -2,8 +2,9 @@
 
 ``python -m tests.guest.build DEST`` writes ``DEST/initrd.cpio`` and prints the kernel and
 initrd paths. The initramfs holds a static busybox, ``init.sh`` (beside this file) as
-``/init``, and the few kernel modules the guest needs (virtio disks, fw_cfg, the ACPI
-power button and evdev to read it) copied from ``/lib/modules/<kernel version>``.
+``/init``, and the few kernel modules the guest needs (virtio disks, the virtio-serial
+port of the scaling agent, fw_cfg, the ACPI power button and evdev to read it) copied
+from ``/lib/modules/<kernel version>``.
 
 Needs: ``linux-image-cloud-amd64``, ``busybox-static``, ``cpio`` (scripts/setup-qemu.sh).
 :func:`missing` says what is absent, so tests can skip with a precise reason.
@@ -21,7 +22,7 @@ from pathlib import Path
 INIT_SCRIPT = Path(__file__).with_name("init.sh")
 BUSYBOX = Path("/bin/busybox")
 MODULES = ("virtio", "virtio_ring", "virtio_pci_legacy_dev", "virtio_pci_modern_dev",
-           "virtio_pci", "virtio_blk", "qemu_fw_cfg", "evdev", "button")
+           "virtio_pci", "virtio_blk", "virtio_console", "qemu_fw_cfg", "evdev", "button")
 
 
 @dataclass(frozen=True)

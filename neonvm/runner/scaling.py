@@ -1,0 +1,539 @@
+"""Live scaling: vCPUs and memory DIMMs plugged into a running guest, fenced and authenticated.
+
+The controller asks with ``PUT /scale`` on the runner port (:mod:`neonvm.runner.server`)::
+
+    Authorization: Bearer <token>
+    {"cpus": 2, "memorySlots": 3, "fence": {"epoch": 7, "token": 42}}
+
+``cpus`` is a vCPU count or a CPU quantity (``"1500m"``, ``1.5``: rounded up to whole vCPUs,
+as at boot); ``memorySlots`` counts slots of ``memorySlotSize``, boot memory included.
+Either may be left out (kept as it is).
+
+The rules, in order:
+
+1. Authentication: the bearer token must equal the content of the token file (compared in
+   constant time; the file is re-read on every request, so it can be rotated). No token
+   file configured, no header, or a wrong token: 401, nothing else is looked at.
+2. Bounds: ``ceil(spec min) <= cpus <= ceil(spec max)`` vCPUs and
+   ``min <= memorySlots <= max`` slots, else 400.
+3. The fence: ``(epoch, token)`` compared as a pair. Older than the last applied fence:
+   409, nothing is done. Equal: accepted only for the same target (a retry; it converges
+   again, so a retry after a failure finishes the change), a different target is 409.
+   Newer: recorded in the work dir (written to a temporary file, fsynced, renamed) *before*
+   QEMU is touched, so once a newer fence is on disk no older one is ever applied, even by
+   a runner that restarts in the same pod.
+4. Apply: converge QEMU to the target through QMP, one request at a time (a lock held
+   for the whole request; the next waits). vCPUs: ``device_add`` of the first free slots
+   of ``query-hotpluggable-cpus``, ``device_del`` of the highest plugged ones. Memory:
+   ``object_add memory-backend-ram`` + ``device_add pc-dimm`` per missing slot,
+   ``device_del`` + ``object_del`` from the highest slot down. Removal finishes only when
+   the guest has ejected the device (the kernel offlines it first); the request waits for
+   that up to its timeout and then answers 504 with what QEMU has, the fence staying
+   recorded, so a retry with the same fence continues.
+
+Not guaranteed: that the guest onlines what was plugged (its kernel command line or an
+agent must; see docs/runner.md, "Live scaling"), or that it can offline memory that holds
+unmovable pages (hence ``memhp_default_state=online_movable``). The QMP TCP port
+(``spec.qmp``, loopback only) bypasses all of this: whoever uses it is trusted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import math
+import os
+import re
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass
+from decimal import Decimal, InvalidOperation
+from pathlib import Path
+from typing import Any, TypeVar
+
+from loguru import logger
+
+from neonvm.runner.qmp import QMPClient, QMPError
+
+FENCE_FILE_NAME = "scaling-fence.json"
+DIMM_ID = "dimm-slot{}"
+MEMDEV_ID = "mem-slot{}"
+CPU_ID_PREFIX = "hotplug-cpu-"
+REMOVAL_POLL_SECONDS = 0.05
+GUEST_SIZE_PREFIX = "neonvm-guest-size:"
+_GUEST_SIZE = re.compile(
+    r"^neonvm-guest-size: cpus=(?P<cpus>\d+) online=(?P<online>[0-9,\-]*) "
+    r"memtotal-kb=(?P<mem>\d+)$")
+
+T = TypeVar("T")
+
+
+class ScaleError(Exception):
+    """A request that cannot be applied; ``status`` is the HTTP code to answer."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True, order=True)
+class ScaleFence:
+    """The controller's (leader epoch, lock token); compared as a pair."""
+
+    epoch: int
+    token: int
+
+
+@dataclass(frozen=True)
+class ScaleTarget:
+    vcpus: int
+    memory_slots: int
+
+
+@dataclass(frozen=True)
+class ScaleLimits:
+    """What the spec the VM booted with allows (``ceil`` of the CPU bounds, slots)."""
+
+    min_vcpus: int
+    max_vcpus: int
+    min_slots: int
+    max_slots: int
+    slot_bytes: int
+
+
+@dataclass(frozen=True)
+class AppliedFence:
+    """The last fence applied and its target, as persisted in the work dir."""
+
+    fence: ScaleFence
+    target: ScaleTarget
+    recorded_at: float
+
+    def as_json(self) -> dict[str, Any]:
+        return {"fence": asdict(self.fence), "cpus": self.target.vcpus,
+                "memorySlots": self.target.memory_slots, "recordedAt": self.recorded_at}
+
+
+@dataclass(frozen=True)
+class GuestSize:
+    """What the guest says it sees (a console line from its hotplug agent)."""
+
+    cpus_online: int
+    online_list: str
+    mem_total_kb: int
+
+
+@dataclass(frozen=True)
+class QemuSize:
+    """What QEMU has plugged: vCPUs (``query-cpus-fast``) and memory (boot + DIMMs)."""
+
+    vcpus: int
+    memory_slots: int
+    memory_bytes: int
+    dimms: tuple[str, ...]
+
+
+def parse_guest_size(line: str) -> GuestSize | None:
+    """The guest agent's report line, else None (whole-line match)."""
+    m = _GUEST_SIZE.match(line.strip())
+    if m is None:
+        return None
+    return GuestSize(cpus_online=int(m["cpus"]), online_list=m["online"],
+                     mem_total_kb=int(m["mem"]))
+
+
+def parse_vcpus(value: object) -> int:
+    """A vCPU count from an int, a float or a CPU quantity (``"1500m"``, ``"2"``): ceil."""
+    if isinstance(value, bool):
+        raise ScaleError(400, f"cpus: {value!r} is not a CPU quantity")
+    if isinstance(value, int):
+        number = Decimal(value)
+    elif isinstance(value, float):
+        if not math.isfinite(value):
+            raise ScaleError(400, f"cpus: {value!r} is not a CPU quantity")
+        number = Decimal(str(value))
+    elif isinstance(value, str):
+        text = value.strip()
+        try:
+            number = (Decimal(text[:-1]) / 1000) if text.endswith("m") else Decimal(text)
+        except InvalidOperation:
+            raise ScaleError(400, f"cpus: {value!r} is not a CPU quantity (2, 1.5, "
+                                  "1500m)") from None
+        if not number.is_finite():
+            raise ScaleError(400, f"cpus: {value!r} is not a CPU quantity")
+    else:
+        raise ScaleError(400, f"cpus: {value!r} is not a CPU quantity")
+    if number <= 0:
+        raise ScaleError(400, f"cpus: {value!r} must be positive")
+    return int(number.to_integral_value(rounding="ROUND_CEILING"))
+
+
+def _int_field(obj: dict[str, Any], key: str, where: str) -> int:
+    value = obj.get(key)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ScaleError(400, f"{where}{key}: expected an integer, got {value!r}")
+    return value
+
+
+def parse_request(body: bytes, current: ScaleTarget) -> tuple[ScaleFence, ScaleTarget]:
+    """The fence and the full target of a ``PUT /scale`` body (absent fields: ``current``)."""
+    try:
+        doc = json.loads(body or b"null")
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise ScaleError(400, "body is not JSON") from None
+    if not isinstance(doc, dict):
+        raise ScaleError(400, "body must be a JSON object")
+    unknown = set(doc) - {"cpus", "memorySlots", "fence"}
+    if unknown:
+        raise ScaleError(400, f"unknown fields: {', '.join(sorted(unknown))}")
+    fence_doc = doc.get("fence")
+    if not isinstance(fence_doc, dict):
+        raise ScaleError(400, "fence: required, {\"epoch\": int, \"token\": int}")
+    fence = ScaleFence(epoch=_int_field(fence_doc, "epoch", "fence."),
+                       token=_int_field(fence_doc, "token", "fence."))
+    vcpus = current.vcpus if doc.get("cpus") is None else parse_vcpus(doc["cpus"])
+    slots = (current.memory_slots if doc.get("memorySlots") is None
+             else _int_field(doc, "memorySlots", ""))
+    return fence, ScaleTarget(vcpus=vcpus, memory_slots=slots)
+
+
+def check_bounds(target: ScaleTarget, limits: ScaleLimits) -> None:
+    if not limits.min_vcpus <= target.vcpus <= limits.max_vcpus:
+        raise ScaleError(400, f"cpus: {target.vcpus} vCPUs is outside "
+                              f"[{limits.min_vcpus}, {limits.max_vcpus}]")
+    if not limits.min_slots <= target.memory_slots <= limits.max_slots:
+        raise ScaleError(400, f"memorySlots: {target.memory_slots} is outside "
+                              f"[{limits.min_slots}, {limits.max_slots}]")
+
+
+def fence_decision(last: AppliedFence | None, fence: ScaleFence, target: ScaleTarget) -> str:
+    """``"newer"`` (record and apply), ``"retry"`` (same fence and target: converge again);
+    raises 409 for an older fence, or the same fence with another target."""
+    if last is None or fence > last.fence:
+        return "newer"
+    if fence == last.fence:
+        if target == last.target:
+            return "retry"
+        raise ScaleError(409, f"fence epoch {fence.epoch} token {fence.token} was already "
+                              f"applied with cpus={last.target.vcpus} memorySlots="
+                              f"{last.target.memory_slots}; a fence carries one target")
+    raise ScaleError(409, f"stale fence: epoch {fence.epoch} token {fence.token} is older "
+                          f"than the last applied epoch {last.fence.epoch} token "
+                          f"{last.fence.token}")
+
+
+class FenceStore:
+    """The last applied fence, in ``<work dir>/scaling-fence.json`` (atomic replace)."""
+
+    def __init__(self, work_dir: Path) -> None:
+        self.path = work_dir / FENCE_FILE_NAME
+
+    def load(self) -> AppliedFence | None:
+        try:
+            doc = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, json.JSONDecodeError) as exc:
+            # Refusing everything is safer than forgetting a fence: an unreadable file
+            # must be looked at by a person, not silently reset.
+            raise ScaleError(500, f"cannot read {self.path}: {exc}") from None
+        return AppliedFence(
+            fence=ScaleFence(epoch=int(doc["fence"]["epoch"]), token=int(doc["fence"]["token"])),
+            target=ScaleTarget(vcpus=int(doc["cpus"]), memory_slots=int(doc["memorySlots"])),
+            recorded_at=float(doc.get("recordedAt", 0.0)))
+
+    def save(self, applied: AppliedFence) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        data = json.dumps(applied.as_json()).encode()
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, self.path)
+        dir_fd = os.open(self.path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+
+# ---- QMP: what is plugged, and converging to a target ------------------------------------------
+
+
+async def query_size(qmp: QMPClient, limits: ScaleLimits) -> QemuSize:
+    cpus = await qmp.execute("query-cpus-fast")
+    devices = await qmp.execute("query-memory-devices")
+    dimms = tuple(str(d["data"].get("id") or "") for d in devices
+                  if d.get("type") == "dimm" and "data" in d)
+    plugged = sum(int(d["data"].get("size", 0)) for d in devices if "data" in d)
+    boot = limits.min_slots * limits.slot_bytes
+    return QemuSize(vcpus=len(cpus), memory_slots=limits.min_slots + len(dimms),
+                    memory_bytes=boot + plugged, dimms=dimms)
+
+
+async def _wait_until(check: Callable[[], Awaitable[bool]], deadline: float, what: str) -> None:
+    loop = asyncio.get_running_loop()
+    while not await check():
+        if loop.time() > deadline:
+            raise ScaleError(504, f"{what}: not done before the request's timeout "
+                                  "(the fence stays recorded; retry with it to continue)")
+        await asyncio.sleep(REMOVAL_POLL_SECONDS)
+
+
+_TOPOLOGY = ("node-id", "socket-id", "die-id", "cluster-id", "core-id", "thread-id")
+
+
+def _slot_order(slot: dict[str, Any]) -> tuple[int, ...]:
+    props = slot.get("props", {})
+    return tuple(int(props.get(key, 0)) for key in _TOPOLOGY)
+
+
+async def converge_cpus(qmp: QMPClient, target: int, deadline: float) -> None:
+    """Plug or unplug vCPUs until QEMU has ``target``; waits for unplugs to finish."""
+    slots = await qmp.execute("query-hotpluggable-cpus")
+    # QEMU lists slots from the highest index down; plug from the lowest, unplug from the top.
+    slots = sorted(slots, key=_slot_order)
+    plugged = [s for s in slots if s.get("qom-path")]
+    free = [s for s in slots if not s.get("qom-path")]
+    if len(plugged) < target:
+        for slot in free[:target - len(plugged)]:
+            props = dict(slot.get("props", {}))
+            props.pop("node-id", None)
+            name = "-".join(str(props[k]) for k in sorted(props))
+            await qmp.execute("device_add", {"driver": slot["type"],
+                                             "id": f"{CPU_ID_PREFIX}{name}", **props})
+    elif len(plugged) > target:
+        leaving = [s["qom-path"] for s in plugged[target:]]
+        for path in leaving:
+            with contextlib.suppress(QMPError):  # already being removed: keep waiting
+                await qmp.execute("device_del", {"id": path})
+
+        async def gone() -> bool:
+            now = await qmp.execute("query-hotpluggable-cpus")
+            still = {s.get("qom-path") for s in now}
+            return not any(p in still for p in leaving)
+        await _wait_until(gone, deadline, f"the guest ejecting {len(leaving)} vCPU(s)")
+
+
+async def converge_memory(qmp: QMPClient, target_slots: int, limits: ScaleLimits,
+                          deadline: float) -> None:
+    """Plug DIMMs for slots [min, target), unplug those at or above ``target``."""
+    size = await query_size(qmp, limits)
+    present = set(size.dimms)
+    objects = {str(o.get("name")) for o in await qmp.execute("qom-list",
+                                                             {"path": "/objects"})}
+    for slot in range(limits.min_slots, target_slots):
+        if DIMM_ID.format(slot) in present:
+            continue
+        if MEMDEV_ID.format(slot) not in objects:
+            await qmp.execute("object-add", {"qom-type": "memory-backend-ram",
+                                             "id": MEMDEV_ID.format(slot),
+                                             "size": limits.slot_bytes})
+        await qmp.execute("device_add", {"driver": "pc-dimm", "id": DIMM_ID.format(slot),
+                                         "memdev": MEMDEV_ID.format(slot)})
+    leaving = [DIMM_ID.format(s) for s in range(limits.max_slots - 1, target_slots - 1, -1)
+               if DIMM_ID.format(s) in present]
+    for dimm in leaving:
+        with contextlib.suppress(QMPError):  # an unplug already pending: keep waiting
+            await qmp.execute("device_del", {"id": dimm})
+    if leaving:
+        async def gone() -> bool:
+            now = await query_size(qmp, limits)
+            return not set(leaving) & set(now.dimms)
+        await _wait_until(gone, deadline, f"the guest ejecting {len(leaving)} DIMM(s)")
+    # The backends of unplugged DIMMs (left by an earlier timeout too) are freed last.
+    objects = {str(o.get("name")) for o in await qmp.execute("qom-list",
+                                                             {"path": "/objects"})}
+    for slot in range(target_slots, limits.max_slots):
+        if MEMDEV_ID.format(slot) in objects:
+            with contextlib.suppress(QMPError):
+                await qmp.execute("object-del", {"id": MEMDEV_ID.format(slot)})
+
+
+class AgentChannel:
+    """The host end of the guest agent's virtio-serial port (SysfsScaling), kept open.
+
+    One line per command (``cpus N``). The guest drops what arrives while it has the port
+    closed, so callers resend until the guest reports the result.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._writer: asyncio.StreamWriter | None = None
+
+    async def send(self, line: str) -> None:
+        for attempt in (1, 2):
+            try:
+                if self._writer is None or self._writer.is_closing():
+                    _, self._writer = await asyncio.open_unix_connection(str(self.path))
+                self._writer.write(line.encode() + b"\n")
+                await self._writer.drain()
+                return
+            except (ConnectionError, OSError) as exc:
+                self._writer = None
+                if attempt == 2:
+                    raise ScaleError(502, f"guest agent channel {self.path}: {exc}") from None
+
+
+AGENT_RESEND_SECONDS = 1.0
+GUEST_POLL_SECONDS = 0.02
+
+
+async def converge_cpus_sysfs(agent: AgentChannel, target: int,
+                              guest_cpus: Callable[[], int | None], deadline: float) -> None:
+    """SysfsScaling: ask the guest agent for ``target`` online CPUs until it reports them."""
+    loop = asyncio.get_running_loop()
+    next_send = loop.time()
+    while guest_cpus() != target:
+        now = loop.time()
+        if now > deadline:
+            raise ScaleError(504, f"the guest did not report {target} online CPUs before the "
+                                  "request's timeout (the fence stays recorded; retry with it)")
+        if now >= next_send:
+            await agent.send(f"cpus {target}")
+            next_send = now + AGENT_RESEND_SECONDS
+        await asyncio.sleep(GUEST_POLL_SECONDS)
+
+
+# ---- the runner's side: authentication, the fence, and the hand-off to the QMP loop --------------
+
+
+class Scaler:
+    """Shared between the HTTP thread (requests) and the supervisor's loop (QMP)."""
+
+    def __init__(self, work_dir: Path, token_file: Path | None, limits: ScaleLimits,
+                 boot: ScaleTarget, request_timeout: float = 60.0,
+                 on_size: Callable[[QemuSize], None] | None = None,
+                 agent_socket: Path | None = None,
+                 guest_cpus: Callable[[], int | None] | None = None) -> None:
+        """``agent_socket`` selects SysfsScaling: vCPUs are onlined/offlined by the guest
+        agent and ``guest_cpus`` (the guest's last report) says when it is done."""
+        self.limits = limits
+        self.mode = "SysfsScaling" if agent_socket is not None else "QmpScaling"
+        self._agent = AgentChannel(agent_socket) if agent_socket is not None else None
+        self._guest_cpus = guest_cpus or (lambda: None)
+        self._boot = boot
+        self._token_file = token_file
+        self._store = FenceStore(work_dir)
+        self._timeout = request_timeout
+        self._on_size = on_size
+        self._lock = threading.Lock()
+        self._attached: tuple[asyncio.AbstractEventLoop, QMPClient] | None = None
+        self._attach_lock = threading.Lock()
+        self._log = logger.bind(component="scaling")
+
+    # ---- wiring (supervisor) -----------------------------------------------------------
+
+    def attach(self, loop: asyncio.AbstractEventLoop, qmp: QMPClient) -> None:
+        with self._attach_lock:
+            self._attached = (loop, qmp)
+
+    def detach(self) -> None:
+        with self._attach_lock:
+            self._attached = None
+
+    def _run(self, make: Callable[[QMPClient], Awaitable[T]], timeout: float) -> T:
+        with self._attach_lock:
+            attached = self._attached
+        if attached is None:
+            raise ScaleError(503, "QEMU's QMP session is not connected (booting or stopped)")
+        loop, qmp = attached
+
+        async def call() -> T:
+            return await make(qmp)
+        future = asyncio.run_coroutine_threadsafe(call(), loop)
+        try:
+            return future.result(timeout)
+        except TimeoutError:
+            future.cancel()
+            raise ScaleError(504, "QMP did not answer in time") from None
+        except QMPError as exc:
+            raise ScaleError(502, f"QMP: {exc}") from None
+
+    # ---- requests (HTTP thread) --------------------------------------------------------
+
+    def authenticate(self, authorization: str | None) -> None:
+        """Raise 401 unless ``authorization`` is ``Bearer <the token file's content>``."""
+        if self._token_file is None:
+            raise ScaleError(401, "scaling is disabled: the runner has no token file "
+                                  "(--scaling-token-file / NEONVM_SCALING_TOKEN_FILE)")
+        try:
+            expected = self._token_file.read_bytes().strip()
+        except OSError as exc:
+            raise ScaleError(401, f"scaling token file unreadable: "
+                                  f"{exc.strerror or exc}") from None
+        if not expected:
+            raise ScaleError(401, "scaling token file is empty")
+        scheme, _, given = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not given:
+            raise ScaleError(401, "missing bearer token")
+        if not hmac.compare_digest(given.strip().encode(), expected):
+            raise ScaleError(401, "wrong bearer token")
+
+    def last_applied(self) -> AppliedFence | None:
+        return self._store.load()
+
+    def scale(self, authorization: str | None, body: bytes) -> dict[str, Any]:
+        """Handle ``PUT /scale``; returns the answer's JSON or raises :class:`ScaleError`."""
+        self.authenticate(authorization)
+        if not self._lock.acquire(timeout=self._timeout):
+            raise ScaleError(503, "another scaling request is still running")
+        try:
+            last = self._store.load()
+            current = last.target if last is not None else self._boot
+            fence, target = parse_request(body, current)
+            check_bounds(target, self.limits)
+            decision = fence_decision(last, fence, target)
+            with self._attach_lock:
+                if self._attached is None:  # refuse before recording: nothing was applied
+                    raise ScaleError(503, "QEMU's QMP session is not connected (booting or "
+                                          "stopped)")
+            if decision == "newer":
+                self._store.save(AppliedFence(fence=fence, target=target,
+                                              recorded_at=time.time()))
+            self._log.info("scale to {} vCPUs, {} memory slots (fence epoch {} token {}, {})",
+                           target.vcpus, target.memory_slots, fence.epoch, fence.token,
+                           decision)
+            started = time.monotonic()
+            budget = self._timeout
+
+            async def apply(qmp: QMPClient) -> QemuSize:
+                deadline = asyncio.get_running_loop().time() + budget
+                if self._agent is not None:
+                    await converge_cpus_sysfs(self._agent, target.vcpus, self._guest_cpus,
+                                              deadline)
+                else:
+                    await converge_cpus(qmp, target.vcpus, deadline)
+                await converge_memory(qmp, target.memory_slots, self.limits, deadline)
+                return await query_size(qmp, self.limits)
+            size = self._run(apply, timeout=budget + 10)
+            if self._on_size is not None:
+                self._on_size(size)
+            return {"applied": decision, "mode": self.mode, "fence": asdict(fence),
+                    "target": {"cpus": target.vcpus, "memorySlots": target.memory_slots},
+                    "qemu": _size_json(size), "seconds": time.monotonic() - started}
+        finally:
+            self._lock.release()
+
+    def query(self) -> QemuSize:
+        """What QEMU has plugged now (raises :class:`ScaleError` 503 while not connected)."""
+        size = self._run(lambda qmp: query_size(qmp, self.limits), timeout=10)
+        if self._on_size is not None:
+            self._on_size(size)
+        return size
+
+    async def refresh(self, qmp: QMPClient) -> None:
+        """From the supervisor's loop: re-read the plugged size (periodic, cheap)."""
+        size = await query_size(qmp, self.limits)
+        if self._on_size is not None:
+            self._on_size(size)
+
+
+def _size_json(size: QemuSize) -> dict[str, Any]:
+    return {"vcpus": size.vcpus, "memorySlots": size.memory_slots,
+            "memoryBytes": size.memory_bytes}
