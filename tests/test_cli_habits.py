@@ -238,8 +238,10 @@ def test_vm_list_and_get_name_and_wide(cluster: LocalCluster, api: client.ApiCli
                   "rootDisk": {"image": "wide-image:1", "size": "1Gi"}}})
     names = cli("vm", "list", "-n", namespace, "--kubeconfig", kc, "-o", "name")
     assert names.exit_code == 0, names.output
-    assert sorted(names.output.split()) == [f"{types.SINGULAR}.{types.GROUP}/alpha",
-                                            f"{types.SINGULAR}.{types.GROUP}/beta"]
+    # kubectl's name printer: the kind in lower case, then the group (not the singular).
+    kind = types.KIND.lower()
+    assert sorted(names.output.split()) == [f"{kind}.{types.GROUP}/alpha",
+                                            f"{kind}.{types.GROUP}/beta"]
     one = cli("vm", "get", "beta", "-n", namespace, "--kubeconfig", kc, "-o", "name")
     assert one.exit_code == 0 and one.output.strip() == "virtualmachine.vm.neon.tech/beta"
     missing = cli("vm", "get", "gamma", "-n", namespace, "--kubeconfig", kc, "-o", "name")
