@@ -79,7 +79,8 @@ def test_condition_messages_and_api_error_text_are_bounded_with_an_ellipsis() ->
 def test_a_stuck_reason_clears_when_a_reconcile_ends_normally(reason: str,
                                                                clears: bool) -> None:
     vm = VirtualMachine(
-        name="vm", namespace="ns", uid="u", resource_version="1", generation=1, spec=VirtualMachineSpec(),
+        name="vm", namespace="ns", uid="u", resource_version="1", generation=1,
+        spec=VirtualMachineSpec(),
         status=VirtualMachineStatus(
             pending_pod=PendingPod(name="vm-u-1", plan_seq=1, token=1, epoch=1,
                                    generation=1),
