@@ -438,7 +438,7 @@ class Reconciler:
                         n=steps, kind=kind.__name__, times=times)
             return self._stuck(key, snap, authority, log, steps, kind,
                                f"{kind.__name__}{NOT_TAKING_EFFECT}", message)
-        kind, times = performed.most_common(1)[0]
+        kind, times = (performed.most_common(1) or [(d.Wait, 0)])[0]
         message = (f"{steps} steps took effect without the VM converging (most often "
                    f"{kind.__name__}, {times} times); the controller retries with backoff")
         return self._stuck(key, snap, authority, log, steps, kind, STEP_BUDGET_EXHAUSTED,
