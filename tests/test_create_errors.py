@@ -30,6 +30,10 @@ pytestmark = pytest.mark.unit
     (413, "Request entity too large: limit is 3145728", "refuse"),
     (415, "unsupported media type", "refuse"),
     (422, 'Pod "vm-1" is invalid: spec.containers[0].image: Required value', "refuse"),
+    # What kube-apiserver 1.36 answers for a pod over etcd's limits (seen for real).
+    (500, "etcdserver: request is too large", "refuse"),
+    (500, "rpc error: code = ResourceExhausted desc = trying to send message larger than "
+          "max (2097654 vs. 2097152)", "refuse"),
     # Transient: retried with backoff.
     (403, 'pods "vm-1" is forbidden: exceeded quota: q, requested: pods=1', "retry"),
     (403, 'pods is forbidden: User "x" cannot create resource "pods"', "retry"),

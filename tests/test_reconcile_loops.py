@@ -357,20 +357,31 @@ def test_an_ungate_refused_by_the_fence_names_the_identity_and_the_remedy(
 # ---- pod creates the API server refuses -------------------------------------------------
 
 
-def test_an_oversized_or_invalid_runner_pod_is_create_refused_with_bounded_text(
-        api: client.ApiClient, controller_api: client.ApiClient, namespace: str) -> None:
-    key_big, key_bad = f"{namespace}/big", f"{namespace}/bad"
+@pytest.mark.parametrize(("mib", "status", "text"), [
+    (4.0, 413, "Request entity too large"),  # over the API server's 3 MiB request limit
+    (2.5, 500, "larger than max"),  # over its 2 MiB gRPC limit towards etcd
+    (1.7, 500, "etcdserver: request is too large"),  # over etcd's 1.5 MiB request limit
+])
+def test_a_runner_pod_too_large_to_store_is_create_refused_not_retried(
+        api: client.ApiClient, controller_api: client.ApiClient, namespace: str,
+        mib: float, status: int, text: str) -> None:
     create_vm(api, namespace, "big", spec={"nodeSelector": NOWHERE})
-    create_vm(api, namespace, "bad", spec={"nodeSelector": NOWHERE})
-    # A pod larger than the API server takes in one request (3 MiB): 413.
-    big = Reconciler(controller_api, config=ReconcilerConfig(
-        pod_defaults=PodDefaults(runner_image="r" * (4 << 20))))
-    result = settle(big, key_big)
+    metrics = ControllerMetrics()
+    big = Reconciler(controller_api, metrics=metrics, config=ReconcilerConfig(
+        pod_defaults=PodDefaults(runner_image="r" * int(mib * (1 << 20)))))
+    result = settle(big, f"{namespace}/big")
     assert isinstance(result.action, d.Wait), result
     cond = degraded(api, namespace, "big")
     assert cond is not None and cond["reason"] == "CreateRefused", cond
-    assert "(413)" in cond["message"], cond
+    assert f"({status}): " in cond["message"] and text in cond["message"], cond
+    assert metrics.create_refused._value.get() == 1, "refused once, then left alone"
     assert not runner_pods(api, namespace, "big")
+
+
+def test_an_invalid_runner_pod_is_create_refused_with_bounded_text(
+        api: client.ApiClient, controller_api: client.ApiClient, namespace: str) -> None:
+    key_bad = f"{namespace}/bad"
+    create_vm(api, namespace, "bad", spec={"nodeSelector": NOWHERE})
 
     # An invalid value the API server echoes back in full (422): the text is bounded.
     bad = Reconciler(controller_api, config=ReconcilerConfig(

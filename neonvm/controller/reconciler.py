@@ -148,6 +148,13 @@ RETRIED_FORBIDDEN = ("exceeded quota", "cannot create resource", "is being termi
 """403s that pass: quota (the old pod still counts while it terminates), RBAC being set
 up, a namespace being deleted (its VMs go with it)."""
 
+TOO_LARGE_FOR_STORAGE = ("etcdserver: request is too large", "larger than max")
+"""500s that are permanent: the object is too large for etcd. kube-apiserver 1.36 takes
+a request body up to 3 MiB (larger: 413), but answers 500 ``etcdserver: request is too
+large`` for an object over etcd's 1.5 MiB request limit, and 500 ``rpc error: code =
+ResourceExhausted desc = trying to send message larger than max`` over its own 2 MiB
+gRPC limit (both seen on the real servers, ``tests/test_reconcile_loops.py``)."""
+
 CREATE_FAILURES_BEFORE_CONDITION = 3
 """Transient create failures in a row after which Degraded ``CreateFailing`` is written."""
 
@@ -159,11 +166,14 @@ def classify_create_error(status: int | None, message: str) -> CreateErrorKind:
     (status 0 or None: connection refused, timeout), 5xx, 429 and the others of
     :data:`RETRIED_CREATE_STATUSES`, and the 403s of :data:`RETRIED_FORBIDDEN`.
     ``refuse``: every other 4xx (400, 403 from admission, 405, 413 too large, 415,
-    422 invalid, ...): the same pod asked again gets the same answer, so the VM is
-    Degraded (``CreateRefused``) until its spec changes.
+    422 invalid, ...) and a 500 saying the object is too large to store
+    (:data:`TOO_LARGE_FOR_STORAGE`): the same pod asked again gets the same answer, so
+    the VM is Degraded (``CreateRefused``) until its spec changes.
     """
     if status == 409:
         return "exists"
+    if status == 500 and any(text in message for text in TOO_LARGE_FOR_STORAGE):
+        return "refuse"
     if not status or status >= 500 or status in RETRIED_CREATE_STATUSES:
         return "retry"
     if status == 403 and any(text in message for text in RETRIED_FORBIDDEN):
