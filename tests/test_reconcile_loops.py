@@ -127,11 +127,13 @@ def fence_off(api: client.ApiClient) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def ungates_refused(api: client.ApiClient, namespace: str) -> Iterator[None]:
+def ungates_refused(api: client.ApiClient, controller_api: client.ApiClient,
+                    namespace: str) -> Iterator[None]:
     """Another admission policy, for ``namespace`` only, that refuses to remove the runner
     gate from any pod, as Invalid (422): an ungate that can never take effect."""
     admission = client.AdmissionregistrationV1Api(api)
     core = client.CoreV1Api(api)
+    as_controller = client.CoreV1Api(controller_api)  # the fence lets it ungate
     name = f"test-refuse-ungate-{namespace}"
     gate = f"'{types.SCHEDULING_GATE}'"
     had = f"oldObject.spec.schedulingGates.exists(g, g.name == {gate})"
@@ -168,7 +170,7 @@ def ungates_refused(api: client.ApiClient, namespace: str) -> Iterator[None]:
                  "containers": [{"name": "c", "image": "i"}]}})
 
     def in_force() -> bool:
-        exc = _refusal(lambda: core.patch_namespaced_pod(
+        exc = _refusal(lambda: as_controller.patch_namespaced_pod(
             "policy-probe", namespace, [{"op": "remove", "path": "/spec/schedulingGates"}],
             dry_run="All"))
         return exc is not None and exc.status == 422
@@ -298,9 +300,9 @@ STUCK_UNGATES = 'neonvm_controller_stuck_reconciles_total{step="ungate"}'
 
 
 def test_an_ungate_that_never_takes_effect_backs_off_with_a_condition_and_a_metric(
-        api: client.ApiClient, namespace: str, replicas: Replicas,
-        checker: InvariantChecker) -> None:
-    with ungates_refused(api, namespace):
+        api: client.ApiClient, controller_api: client.ApiClient, namespace: str,
+        replicas: Replicas, checker: InvariantChecker) -> None:
+    with ungates_refused(api, controller_api, namespace):
         leader = replicas.start("leader")
         create_vm(api, namespace, "vm", spec={"nodeSelector": NOWHERE})
         cond = wait_for(lambda: (c := degraded(api, namespace, "vm")) and c["status"] == "True"
