@@ -49,6 +49,7 @@ from neonvm.controller.reconciler import (
     Reconciler,
     ReconcilerConfig,
     ReconcileResult,
+    RetryableError,
     StaticAuthority,
     classify_create_error,
 )
@@ -401,3 +402,43 @@ def test_an_invalid_runner_pod_is_create_refused_with_bounded_text(
     exc = _refusal(lambda: client.CoreV1Api(api).create_namespaced_pod(namespace, pod))
     assert exc is not None and exc.status == 422 and len(api_error_message(exc)) > 3000
     assert classify_create_error(exc.status, api_error_message(exc)) == "refuse"
+
+
+@pytest.mark.nodes
+def test_creates_failing_for_a_while_say_so_and_recover_when_they_pass(
+        cluster: LocalCluster, api: client.ApiClient, controller_api: client.ApiClient,
+        namespace: str) -> None:
+    if not cluster.spec.nodes:
+        pytest.skip("needs kube-controller-manager (with the simulated nodes): without it "
+                    "a quota has no status and the API server refuses every pod")
+    # No pod fits the namespace's quota: "exceeded quota" is retried, never refused.
+    core = client.CoreV1Api(api)
+    core.create_namespaced_resource_quota(namespace, {
+        "metadata": {"name": "no-pods"}, "spec": {"hard": {"pods": "0"}}})
+    wait_for(lambda: (core.read_namespaced_resource_quota("no-pods", namespace).status.hard
+                      or {}).get("pods") == "0", 30, what="the quota in force")
+    create_vm(api, namespace, "vm", spec={"nodeSelector": NOWHERE})
+    reconciler = Reconciler(controller_api, config=ReconcilerConfig(create_failing_after=0.0))
+    key = f"{namespace}/vm"
+    for attempt in range(3):
+        with pytest.raises(RetryableError, match="exceeded quota"):
+            reconciler.reconcile(key, AUTHORITY, direct_first=True)
+        cond = degraded(api, namespace, "vm")
+        assert (cond is None) == (attempt < 2), (attempt, cond)
+    assert cond is not None and (cond["status"], cond["reason"]) == ("True", "CreateFailing")
+    assert "keeps failing (retried with backoff)" in cond["message"]
+    assert "exceeded quota" in cond["message"]
+
+    core.delete_namespaced_resource_quota("no-pods", namespace)
+    wait_for(lambda: isinstance(_settled(reconciler, key), d.Done), 60, interval=0.5,
+             what="the VM to converge once the quota is gone")
+    assert converged(api, namespace, ["vm"])
+    cond = degraded(api, namespace, "vm")
+    assert cond is not None and (cond["status"], cond["reason"]) == ("False", "Recovered")
+
+
+def _settled(reconciler: Reconciler, key: str) -> d.Action:
+    try:
+        return reconciler.reconcile(key, AUTHORITY, direct_first=True).action
+    except RetryableError:  # the quota controller has not caught up yet
+        return d.Wait()

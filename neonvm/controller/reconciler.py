@@ -20,8 +20,9 @@ How each action is performed (the precondition is in brackets):
   other than 409, 429 and a few transient ones: validation, admission, 413 too large)
   becomes a Degraded condition for that generation (no retry until the spec changes);
   transient ones (429, 5xx, timeouts, ``exceeded quota``) are retried with backoff, and
-  Degraded ``CreateFailing`` says so once they repeat. A missing image pull secret never
-  gets here: ``decide`` waits instead (see :mod:`neonvm.controller.observe`);
+  Degraded ``CreateFailing`` says so once they have lasted a minute. A missing image
+  pull secret never gets here: ``decide`` waits instead (see
+  :mod:`neonvm.controller.observe`);
 * Ungate: a *new* direct list of the VM's pods, taken after the commit was seen, must hold
   exactly this pod (uid), not terminating; then a JSON patch [``test`` of uid,
   resourceVersion and the gate at that index] removes our gate and nothing else. The
@@ -156,7 +157,8 @@ ResourceExhausted desc = trying to send message larger than max`` over its own 2
 gRPC limit (both seen on the real servers, ``tests/test_reconcile_loops.py``)."""
 
 CREATE_FAILURES_BEFORE_CONDITION = 3
-"""Transient create failures in a row after which Degraded ``CreateFailing`` is written."""
+"""Transient create failures in a row (lasting ``create_failing_after`` seconds) after
+which Degraded ``CreateFailing`` is written."""
 
 
 def classify_create_error(status: int | None, message: str) -> CreateErrorKind:
@@ -243,6 +245,10 @@ class ReconcilerConfig:
     """Requeue (with a direct read) of a VM with nothing to do."""
     pod_defaults: podspec.PodDefaults = field(default_factory=podspec.PodDefaults)
     retry: RetryPolicy = field(default_factory=RetryPolicy)
+    create_failing_after: float = 60.0
+    """Seconds transient create failures must last (and at least three in a row) before
+    Degraded ``CreateFailing`` says so: a quota that frees up as the old pod terminates
+    is not worth a condition."""
 
 
 @dataclass(frozen=True)
@@ -340,7 +346,8 @@ class Reconciler:
         self._api = api
         self._identity: str | None = None
         self._mutex = threading.Lock()
-        self._create_failures: dict[str, int] = {}
+        self._create_failures: dict[str, tuple[int, float]] = {}
+        """Per VM: transient create failures in a row, and when the first one was."""
 
     # ---- the loop ----------------------------------------------------------------------
 
@@ -626,10 +633,13 @@ class Reconciler:
         """A transient create failure: after a few in a row, say so in Degraded (the
         create is still retried with backoff; the condition clears once a reconcile ends
         normally)."""
+        now = time.monotonic()
         with self._mutex:
-            failures = self._create_failures.get(key, 0) + 1
-            self._create_failures[key] = failures
-        if failures < CREATE_FAILURES_BEFORE_CONDITION or snap.record is None:
+            failures, since = self._create_failures.get(key, (0, now))
+            failures += 1
+            self._create_failures[key] = (failures, since)
+        if (failures < CREATE_FAILURES_BEFORE_CONDITION or snap.record is None
+                or now - since < self._config.create_failing_after):
             return
         update = stuck_condition(CREATE_FAILING,
                                  f"creating runner pod {name} keeps failing (retried with "
