@@ -33,6 +33,8 @@ import shutil
 import signal
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -934,6 +936,12 @@ def test_the_controller_runs_a_vm_lifecycle_with_the_charts_command_line_and_ide
             wait_for(lambda: proc.poll() is not None or _lease_held(api, rendered),
                      timeout=60, what="the controller leading")
             assert proc.poll() is None, log.read_text()[-3000:]
+            # The probes the chart renders answer on the controller: live, and ready once
+            # the leader's caches synced.
+            for kind in ("livenessProbe", "readinessProbe"):
+                path = container[kind]["httpGet"]["path"]
+                wait_for(lambda path=path: _http_status(health_port, path) == 200,
+                         timeout=60, what=f"{kind} {path} passing")
 
             vm = custom.create_namespaced_custom_object(
                 types.GROUP, types.VERSION, namespace, types.PLURAL, _sample_vm("chart"))
@@ -963,6 +971,16 @@ def test_the_controller_runs_a_vm_lifecycle_with_the_charts_command_line_and_ide
                 namespace, label_selector=f"{types.LABEL_VM_NAME}={name}").items
             assert proc.poll() is None, log.read_text()[-3000:]
         assert installed.fence_name
+
+
+def _http_status(port: int, path: str) -> int:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as resp:
+            return int(resp.status)
+    except urllib.error.HTTPError as err:
+        return int(err.code)
+    except OSError:
+        return 0
 
 
 def _lease_held(api: client.ApiClient, rendered: Rendered) -> bool:

@@ -11,6 +11,7 @@ connection also reads ``NEONVM_ETCD_*`` (see ``neonvm locks --help``).
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 from pathlib import Path
 from types import FrameType
@@ -27,6 +28,7 @@ from neonvm.leader.election import (
     DEFAULT_LEASE_NAME,
     DEFAULT_NAMESPACE,
     ElectionConfig,
+    LeaseNamespaceMissing,
     new_identity,
 )
 from neonvm.leader.etcd import DEFAULT_TIMEOUT, EtcdConfig
@@ -125,7 +127,7 @@ def run(kubeconfig: Path | None, lease_namespace: str, lease_name: str, identity
     process = ControllerProcess(api, etcd_config, election, config,
                                 faults=Faults(fault_config), metrics=metrics)
     health = HealthServer(health_port, metrics.registry, host=health_host)
-    health.add_check("controller", process.health_check, readiness=False)
+    process.register_health(health)
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
@@ -140,6 +142,11 @@ def run(kubeconfig: Path | None, lease_namespace: str, lease_name: str, identity
              w=workers)
     try:
         process.run(stop)
+    except LeaseNamespaceMissing as exc:
+        # A configuration error: one line, exit 1 (under Kubernetes the pod restarts
+        # with backoff and `kubectl logs --previous` shows this line).
+        log.error("cannot campaign: {err}", err=str(exc))
+        sys.exit(1)
     finally:
         health.stop()
         api.close()

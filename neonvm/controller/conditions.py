@@ -6,7 +6,16 @@ secret the VM names is missing (reason ``ImagePullSecretNotFound``, derived here
 decision to wait); it turns False once a runner pod is committed. It is also True
 (reason ``FenceAhead``, written by :func:`fence_ahead_mutation`) while the VM's status
 carries a fence ahead of a leader whose authority still holds; it turns False (reason
-``FenceResolved``) at the first reconcile that is no longer fenced.
+``FenceResolved``) at the first reconcile that is no longer fenced. The driver also writes
+Degraded when a reconcile cannot get anywhere: a step that keeps not taking effect
+(reason ``<Step>NotTakingEffect``, e.g. ``UngateNotTakingEffect``), an ungate refused
+with 403 (``UngateForbidden``), or pod creates failing again and again with errors
+that are retried (``CreateFailing``). Those are :func:`recoverable`: the first reconcile
+that ends normally (Done or Wait) turns Degraded False again.
+
+Every condition message is bounded (:data:`MESSAGE_LIMIT` characters, the end replaced
+by an ellipsis), and API error text copied into one is bounded more tightly
+(:func:`api_error_text`): an API server's message can echo a whole object.
 
 :func:`desired_conditions` is pure: from a snapshot and the reconcile's final decision it
 derives what the conditions should say. :func:`conditions_mutation` is a status mutation
@@ -39,6 +48,23 @@ FENCE_AHEAD = "FenceAhead"
 """Degraded reason: the VM's status carries a fence ahead of the (still valid) leader."""
 FENCE_RESOLVED = "FenceResolved"
 
+NOT_TAKING_EFFECT = "NotTakingEffect"
+"""Suffix of the Degraded reason naming a step that kept not taking effect."""
+STEP_BUDGET_EXHAUSTED = "StepBudgetExhausted"
+"""Degraded reason when every step took effect, yet the reconcile never converged."""
+UNGATE_FORBIDDEN = "UngateForbidden"
+"""Degraded reason: the API server refused (403) to let this identity ungate."""
+CREATE_FAILING = "CreateFailing"
+"""Degraded reason: pod creates keep failing with errors that are retried."""
+RECOVERED = "Recovered"
+"""Reason of Degraded=False after one of the recoverable reasons above."""
+
+MESSAGE_LIMIT = 1024
+"""Longest condition message written (characters)."""
+API_ERROR_LIMIT = 512
+"""Longest API server error text copied into a condition message (characters)."""
+ELLIPSIS = "\u2026"
+
 NODE_FAILURE_HINT = (
     "If the old pod's node has failed, the pod goes away only when Kubernetes deletes it "
     "(for example after the node is confirmed off and tainted "
@@ -59,6 +85,31 @@ class ConditionUpdate:
     """Generation to record; None: the fresh copy's generation."""
     only_if_present: bool = False
     """Do not add the condition just to say False."""
+
+
+def truncate(text: str, limit: int = MESSAGE_LIMIT) -> str:
+    """``text`` if it fits in ``limit`` characters, else its start and an ellipsis."""
+    if len(text) <= limit:
+        return text
+    return text[:max(0, limit - len(ELLIPSIS))].rstrip() + ELLIPSIS
+
+
+def api_error_text(text: str) -> str:
+    """API server error text as copied into a condition: bounded by API_ERROR_LIMIT."""
+    return truncate(" ".join(text.split()), API_ERROR_LIMIT)
+
+
+def recoverable(reason: str | None) -> bool:
+    """A Degraded reason that the next normally-ending reconcile clears."""
+    return bool(reason) and (
+        str(reason).endswith(NOT_TAKING_EFFECT)
+        or reason in (STEP_BUDGET_EXHAUSTED, UNGATE_FORBIDDEN, CREATE_FAILING))
+
+
+def stuck_condition(reason: str, message: str) -> ConditionUpdate:
+    """Degraded: the reconcile cannot make progress (a recoverable reason)."""
+    assert recoverable(reason), reason
+    return ConditionUpdate(DEGRADED, "True", reason, message)
 
 
 def now_rfc3339() -> str:
@@ -109,7 +160,11 @@ def desired_conditions(snap: Snapshot, final: d.Action) -> list[ConditionUpdate]
     elif refused is None or refused < vm.generation:
         # Not (or no longer) refused for this generation: once a pod is committed, say so.
         degraded = _find(status.conditions, DEGRADED)
-        if degraded is not None and degraded.status == "True" and status.pod_name:
+        if degraded is not None and degraded.status == "True" and recoverable(degraded.reason):
+            # This reconcile ended normally: the step that was stuck took effect.
+            updates.append(ConditionUpdate(DEGRADED, "False", RECOVERED,
+                                           f"recovered from {degraded.reason}"))
+        elif degraded is not None and degraded.status == "True" and status.pod_name:
             updates.append(ConditionUpdate(DEGRADED, "False", "RunnerCreated",
                                            f"runner pod {status.pod_name} was created"))
         elif (degraded is not None and degraded.status == "True"
@@ -197,6 +252,7 @@ def _apply(vm: VirtualMachine, updates: list[ConditionUpdate],
     conditions = copy.deepcopy(vm.status.conditions)
     changed = False
     for update in updates:
+        message = truncate(update.message)
         existing = _find(conditions, update.type)
         generation = update.generation if update.generation is not None else vm.generation
         if existing is None:
@@ -204,19 +260,19 @@ def _apply(vm: VirtualMachine, updates: list[ConditionUpdate],
                 continue
             conditions.append(Condition(
                 type=update.type, status=update.status,  # type: ignore[arg-type]
-                reason=update.reason, message=update.message,
+                reason=update.reason, message=message,
                 last_transition_time=stamp, observed_generation=generation))
             changed = True
             continue
         same = (existing.status, existing.reason, existing.message,
                 existing.observed_generation) == (
-                    update.status, update.reason, update.message, generation)
+                    update.status, update.reason, message, generation)
         if same:
             continue
         if existing.status != update.status:
             existing.last_transition_time = stamp
         existing.status = update.status  # type: ignore[assignment]
-        existing.reason, existing.message = update.reason, update.message
+        existing.reason, existing.message = update.reason, message
         existing.observed_generation = generation
         changed = True
     return conditions, changed

@@ -16,7 +16,9 @@ What a term guarantees:
   epoch (:class:`WorkerAuthority`);
 * keys are deduplicated and a key is processed by one worker at a time
   (:class:`~neonvm.controller.workqueue.WorkQueue`); failures are retried with per-key
-  exponential backoff;
+  exponential backoff, and so is a VM whose reconcile ended *stuck* (its step budget used
+  up, or a step refused for good): ``stuck_backoff``, during which the periodic scans
+  leave it alone (its own delayed requeue, or a watch event, brings it back);
 * progress does not depend on watch events: a VM whose reconcile ended in Wait is
   requeued after the wait, every cached VM that looks mid-plan is requeued every
   ``plan_requeue_seconds``, and every VM every ``resync_seconds`` (taken from a direct
@@ -67,6 +69,7 @@ from neonvm.controller.workqueue import Backoff, WorkQueue
 from neonvm.leader.election import ElectionConfig, LeaderElector, Leadership, LeadershipLost
 from neonvm.leader.epoch import EpochFloor
 from neonvm.leader.etcd import Etcd, EtcdConfig, EtcdError
+from neonvm.leader.health import HealthServer
 from neonvm.leader.lock import Installation, LockGuard, LockHeld, LockLost, LockManager, SessionLost
 from neonvm.leader.session import Session
 
@@ -103,6 +106,9 @@ class ControllerConfig:
     """The informers re-list this often, healing a cache that missed watch events."""
     reconciler: ReconcilerConfig = field(default_factory=ReconcilerConfig)
     backoff: Backoff = field(default_factory=Backoff)
+    stuck_backoff: Backoff = field(default_factory=lambda: Backoff(base=1.0, cap=300.0))
+    """Requeue delay of a VM whose reconciles keep ending stuck (per VM, doubling with
+    each stuck reconcile in a row, reset by one that ends normally)."""
 
 
 # ---- authority --------------------------------------------------------------------------
@@ -159,6 +165,8 @@ class LeaderTerm:
         self._direct: set[str] = set()
         self._direct_lock = threading.Lock()
         self._orphans_seen: dict[str, float] = {}
+        self._stuck: dict[str, tuple[int, float]] = {}
+        """Per VM stuck in a row: (stuck reconciles in a row, monotonic end of backoff)."""
         self._locks: LockManager | None = None
         self._session: Session | None = None
         self._locks_mutex = threading.Lock()
@@ -215,6 +223,24 @@ class LeaderTerm:
         with self._direct_lock:
             self._direct.add(key)
         self.queue.add_after(key, delay)
+
+    def _stuck_backoff(self, key: str) -> float:
+        """One more stuck reconcile of ``key``: the delay before it is looked at again."""
+        with self._direct_lock:
+            streak, _ = self._stuck.get(key, (0, 0.0))
+            delay = self.config.stuck_backoff.delay(streak)
+            self._stuck[key] = (streak + 1, time.monotonic() + delay)
+        return delay
+
+    def _unstuck(self, key: str) -> None:
+        with self._direct_lock:
+            self._stuck.pop(key, None)
+
+    def backing_off(self, key: str) -> bool:
+        """``key`` is waiting out a stuck backoff: the periodic scans skip it."""
+        with self._direct_lock:
+            entry = self._stuck.get(key)
+        return entry is not None and entry[1] > time.monotonic()
 
     # ---- locks -------------------------------------------------------------------------
 
@@ -291,12 +317,14 @@ class LeaderTerm:
             if now >= next_plan_scan:
                 next_plan_scan = now + self.config.plan_requeue_seconds
                 for key in self._mid_plan_keys():
-                    self.enqueue_direct(key)
+                    if not self.backing_off(key):
+                        self.enqueue_direct(key)
                 self.metrics.scans.labels(scan="mid_plan").inc()
             if now >= next_resync:
                 next_resync = now + self.config.resync_seconds
                 for key in self._resync_keys():
-                    self.enqueue_direct(key)
+                    if not self.backing_off(key):
+                        self.enqueue_direct(key)
                 self.metrics.scans.labels(scan="resync").inc()
             if now >= next_sweep:
                 next_sweep = now + self.config.sweep_seconds
@@ -405,13 +433,21 @@ class LeaderTerm:
             if uid is None:
                 self._release_lock(key)
                 self.queue.forget(key)
+                self._unstuck(key)
                 return
             namespace, name = split_key(key)
             guard = self.locks().acquire(namespace, name, uid, self.leadership.epoch)
             authority = WorkerAuthority(self, guard)
             result = self.reconciler.reconcile(key, authority, direct_first=direct)
             self.queue.forget(key)
-            self.enqueue_direct(key, result.requeue_after)
+            if result.stuck:
+                delay = self._stuck_backoff(key)
+                log.warning("not converging ({reason}); looking again in {delay:.1f}s",
+                            reason=result.stuck, delay=delay, backoff=delay)
+                self.enqueue_direct(key, delay)
+            else:
+                self._unstuck(key)
+                self.enqueue_direct(key, result.requeue_after)
         except (AuthorityLost, LeadershipLost, LockLost, SessionLost) as exc:
             if self.stopping.is_set() or self.leadership.lost.is_set():
                 return
@@ -542,13 +578,27 @@ class ControllerProcess:
             term.stopping.set()
 
     def health_check(self) -> None:
-        """Liveness: the elector loop turns, and a leading term's caches are synced."""
+        """Liveness ("not wedged"): the elector loop turns.
+
+        Caches that have not synced yet are *not* a liveness failure: the first list of
+        a large fleet, or of a throttled API server, may take longer than any probe
+        allows, and restarting the replica would only start that list again.
+        """
+        self.elector.health_check()
+
+    def ready_check(self) -> None:
+        """Readiness ("synced"): a standby is ready; a leader once its caches synced."""
         self.elector.health_check()
         term = self._term
         if term is not None and not term.stopping.is_set():
-            stuck = [i.name for i in term.informers if not i.synced.is_set()]
-            if stuck:
-                raise RuntimeError(f"leading, but caches not synced yet: {', '.join(stuck)}")
+            syncing = [i.name for i in term.informers if not i.synced.is_set()]
+            if syncing:
+                raise RuntimeError(f"leading, caches not synced yet: {', '.join(syncing)}")
+
+    def register_health(self, health: HealthServer) -> None:
+        """``/healthz`` runs :meth:`health_check`, ``/readyz`` :meth:`ready_check`."""
+        health.add_check("controller", self.health_check, readiness=False)
+        health.add_check("caches", self.ready_check, liveness=False)
 
     def run(self, stop: threading.Event) -> None:
         try:

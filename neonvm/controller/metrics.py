@@ -57,6 +57,11 @@ class ControllerMetrics:
             "neonvm_controller_cache_evictions_total",
             "Deleted VMs dropped from the cache after a direct read found them gone (their "
             "watch deletion event was missed).", registry=r)
+        self.stuck = Counter(
+            "neonvm_controller_stuck_reconciles_total",
+            "Reconciles that ended without converging, by the step that kept not taking "
+            "effect (step budget used up) or was refused for good (ungate forbidden); "
+            "the VM is retried with exponential backoff.", ["step"], registry=r)
         self.swept = Counter(
             "neonvm_controller_swept_total", "Objects removed by sweeps, by kind.",
             ["kind"], registry=r)

@@ -234,6 +234,23 @@ class DirectReader:
         return _read_json(lambda: self._core.read_namespaced_pod(
             name, namespace, _preload_content=False, _request_timeout=30))
 
+    def with_committed(self, namespace: str, pods: list[dict[str, Any]],
+                       committed: str | None, uid: str | None) -> list[dict[str, Any]]:
+        """The VM's pods: ``pods`` (its labelled list) plus the committed pod, read by name
+        when the list misses it and joined only if it is still that uid.
+
+        The one rule for "which pods are the VM's", shared by :meth:`observe` and the
+        driver's ungate, so that the two never disagree. A pod joined this way that is
+        not labelled for the VM (:func:`labelled_for`) lost its label.
+        """
+        listed = {(p.get("metadata") or {}).get("name") for p in pods}
+        if not committed or not uid or committed in listed:
+            return pods
+        pod = self.get_pod(namespace, committed)
+        if pod is not None and (pod.get("metadata") or {}).get("uid") == uid:
+            return [*pods, pod]
+        return pods
+
     def observe(self, key: str, lease: Lease) -> Snapshot:
         """List the VM's pods, *then* read the VM: both quorum reads, in that order.
 
@@ -247,12 +264,8 @@ class DirectReader:
         pods = self.list_pods(namespace, name)
         record = self.get_vm(namespace, name)
         if record is not None:
-            committed, uid = record.vm.status.pod_name, record.vm.status.pod_uid
-            listed = {(p.get("metadata") or {}).get("name") for p in pods}
-            if committed and committed not in listed:
-                pod = self.get_pod(namespace, committed)
-                if pod is not None and uid and (pod.get("metadata") or {}).get("uid") == uid:
-                    pods = [*pods, pod]
+            pods = self.with_committed(namespace, pods, record.vm.status.pod_name,
+                                       record.vm.status.pod_uid)
         missing: tuple[str, ...] = ()
         if record is not None and _create_due(record.vm, pods):
             missing = self.missing_pull_secrets(record.vm)
@@ -281,6 +294,12 @@ def _create_due(vm: VirtualMachine, pods: list[dict[str, Any]]) -> bool:
     if pending is None or vm.deletion_timestamp is not None or not vm.spec.image_pull_secrets:
         return False
     return all((p.get("metadata") or {}).get("name") != pending.name for p in pods)
+
+
+def labelled_for(pod: dict[str, Any], vm_name: str) -> bool:
+    """The pod carries the runner label naming ``vm_name`` (label-selected lists show it)."""
+    labels = (pod.get("metadata") or {}).get("labels") or {}
+    return bool(labels.get(types.LABEL_VM_NAME) == vm_name)
 
 
 def pod_index(pod: dict[str, Any]) -> str | None:

@@ -16,14 +16,29 @@ How each action is performed (the precondition is in brackets):
 * AddFinalizer / RemoveFinalizer: PUT of the main resource [resourceVersion], same helper;
 * CreatePod: create with exactly the recorded name, gated [the name itself: AlreadyExists
   means observe again]; a response without our gate is deleted at once and raises an
-  alarm; a refusal by validation or admission becomes a Degraded condition for that
-  generation (no retry until the spec changes); ``exceeded quota`` is retried. A missing
-  image pull secret never gets here: ``decide`` waits instead (see
+  alarm. Errors are sorted by :func:`classify_create_error`: a permanent refusal (4xx
+  other than 409, 429 and a few transient ones: validation, admission, 413 too large)
+  becomes a Degraded condition for that generation (no retry until the spec changes);
+  transient ones (429, 5xx, timeouts, ``exceeded quota``) are retried with backoff, and
+  Degraded ``CreateFailing`` says so once they have lasted a minute. A missing image
+  pull secret never gets here: ``decide`` waits instead (see
   :mod:`neonvm.controller.observe`);
 * Ungate: a *new* direct list of the VM's pods, taken after the commit was seen, must hold
   exactly this pod (uid), not terminating; then a JSON patch [``test`` of uid,
-  resourceVersion and the gate at that index] removes our gate and nothing else;
+  resourceVersion and the gate at that index] removes our gate and nothing else. The
+  list is completed as the observation is (the committed pod read by name when the
+  labelled list misses it), so the two agree on which pods are the VM's; a committed pod
+  found only by name lost its label, which no later list would see, so it is never
+  ungated: still gated (it never ran), it is deleted [uid and resourceVersion] and the
+  VM restarts with a new, labelled pod. A 403 (the admission fence refusing an identity
+  that is not the controller's) is Degraded ``UngateForbidden``, naming the identity;
 * DeletePod: delete [``preconditions.uid``].
+
+A reconcile that cannot converge ends as *stuck* (``ReconcileResult.stuck``): when its
+step budget is used up (Degraded ``<Step>NotTakingEffect`` names the step that kept not
+taking effect), or when a step is refused for good (``UngateForbidden``). It is counted
+in ``neonvm_controller_stuck_reconciles_total{step}`` and the manager retries it with
+exponential backoff, instead of at once.
 
 Authority is checked before every action and inside every conflict retry: a lost lease,
 a lost lock or a changed epoch raises :class:`AuthorityLost` and the reconcile stops at
@@ -41,15 +56,18 @@ conditional writes above and on the ungate rule.
 from __future__ import annotations
 
 import copy
+import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from loguru import logger
+from urllib3.exceptions import HTTPError
 
 from neonvm.api import types
 from neonvm.api.schema import encode
@@ -58,15 +76,21 @@ from neonvm.controller import decide as d
 from neonvm.controller import podspec
 from neonvm.controller.compat_events import warn_unimplemented
 from neonvm.controller.conditions import (
+    CREATE_FAILING,
     DEGRADED,
     FENCE_AHEAD,
+    NOT_TAKING_EFFECT,
+    STEP_BUDGET_EXHAUSTED,
+    UNGATE_FORBIDDEN,
     ConditionUpdate,
+    api_error_text,
     conditions_mutation,
     desired_conditions,
     fence_ahead,
     fence_ahead_message,
     fence_ahead_mutation,
     refused_condition,
+    stuck_condition,
 )
 from neonvm.controller.events import EventRecorder
 from neonvm.controller.faults import Faults
@@ -77,6 +101,7 @@ from neonvm.controller.observe import (
     Observer,
     Snapshot,
     VMRecord,
+    labelled_for,
     split_key,
 )
 from neonvm.controller.update import (
@@ -105,6 +130,78 @@ STEP_NAMES: dict[type[d.Action], str] = {
     d.AddFinalizer: "add_finalizer",
     d.RemoveFinalizer: "finalize",
 }
+
+
+class Outcome(str):
+    """What performing one action came to ("done": it took effect), with a detail for
+    people (an API server's refusal, say) used if the step keeps not taking effect."""
+
+    detail: str
+
+    def __new__(cls, value: str, detail: str = "") -> Outcome:
+        obj = super().__new__(cls, value)
+        obj.detail = detail
+        return obj
+
+
+EFFECTIVE = frozenset({"done", "replaced"})
+"""Outcomes of a step that changed something."""
+BLOCKED = frozenset({"forbidden"})
+"""Outcomes that end the reconcile at once as stuck: asking again cannot help."""
+
+CreateErrorKind = Literal["exists", "retry", "refuse"]
+
+RETRIED_CREATE_STATUSES = frozenset({401, 404, 408, 410, 429})
+"""4xx answers to a pod create that say nothing about the pod itself: credentials being
+rotated (401), a namespace or resource in flux (404, 410), a timeout (408), throttling
+(429). Retried with backoff."""
+
+RETRIED_FORBIDDEN = ("exceeded quota", "cannot create resource", "is being terminated")
+"""403s that pass: quota (the old pod still counts while it terminates), RBAC being set
+up, a namespace being deleted (its VMs go with it)."""
+
+TOO_LARGE_FOR_STORAGE = ("etcdserver: request is too large", "larger than max")
+"""500s that are permanent: the object is too large for etcd. kube-apiserver 1.36 takes
+a request body up to 3 MiB (larger: 413), but answers 500 ``etcdserver: request is too
+large`` for an object over etcd's 1.5 MiB request limit, and 500 ``rpc error: code =
+ResourceExhausted desc = trying to send message larger than max`` over its own 2 MiB
+gRPC limit (both seen on the real servers, ``tests/test_reconcile_loops.py``)."""
+
+CREATE_FAILURES_BEFORE_CONDITION = 3
+"""Transient create failures in a row (lasting ``create_failing_after`` seconds) after
+which Degraded ``CreateFailing`` is written."""
+
+
+def classify_create_error(status: int | None, message: str) -> CreateErrorKind:
+    """How a failed runner pod create is handled, from the status and message.
+
+    ``exists``: 409, the name is taken (see who took it). ``retry``: no answer at all
+    (status 0 or None: connection refused, timeout), 5xx, 429 and the others of
+    :data:`RETRIED_CREATE_STATUSES`, and the 403s of :data:`RETRIED_FORBIDDEN`.
+    ``refuse``: every other 4xx (400, 403 from admission, 405, 413 too large, 415,
+    422 invalid, ...) and a 500 saying the object is too large to store
+    (:data:`TOO_LARGE_FOR_STORAGE`): the same pod asked again gets the same answer, so
+    the VM is Degraded (``CreateRefused``) until its spec changes.
+    """
+    if status == 409:
+        return "exists"
+    if status == 500 and any(text in message for text in TOO_LARGE_FOR_STORAGE):
+        return "refuse"
+    if not status or status >= 500 or status in RETRIED_CREATE_STATUSES:
+        return "retry"
+    if status == 403 and any(text in message for text in RETRIED_FORBIDDEN):
+        return "retry"
+    if 400 <= status < 500:
+        return "refuse"
+    return "retry"
+
+
+def _target(action: d.Action) -> str:
+    """What an action acts on, for messages."""
+    if isinstance(action, d.RecordPlan | d.CreatePod):
+        return f"runner pod {action.plan.name}"
+    name = getattr(action, "name", "")
+    return f"runner pod {name}" if name else "the VM"
 
 
 class AuthorityLost(Exception):
@@ -159,6 +256,10 @@ class ReconcilerConfig:
     """Requeue (with a direct read) of a VM with nothing to do."""
     pod_defaults: podspec.PodDefaults = field(default_factory=podspec.PodDefaults)
     retry: RetryPolicy = field(default_factory=RetryPolicy)
+    create_failing_after: float = 60.0
+    """Seconds transient create failures must last (and at least three in a row) before
+    Degraded ``CreateFailing`` says so: a quota that frees up as the old pod terminates
+    is not worth a condition."""
 
 
 @dataclass(frozen=True)
@@ -169,6 +270,9 @@ class ReconcileResult:
     requeue_after: float
     steps: int
     """Actions performed."""
+    stuck: str | None = None
+    """Set when the reconcile could not converge (the Degraded reason written): the
+    caller retries with backoff rather than at ``requeue_after``."""
 
 
 class VMWriter:
@@ -250,6 +354,11 @@ class Reconciler:
         self._config = config or ReconcilerConfig()
         self._update = update
         self._on_finalized = on_finalized
+        self._api = api
+        self._identity: str | None = None
+        self._mutex = threading.Lock()
+        self._create_failures: dict[str, tuple[int, float]] = {}
+        """Per VM: transient create failures in a row, and when the first one was."""
 
     # ---- the loop ----------------------------------------------------------------------
 
@@ -287,6 +396,10 @@ class Reconciler:
         snap = self.observe(key, authority, direct_first)
         steps = 0
         resumed_counted = False
+        misses: Counter[tuple[type[d.Action], str, str]] = Counter()
+        """Steps that did not take effect: (action, target, outcome)."""
+        details: dict[tuple[type[d.Action], str, str], str] = {}
+        performed: Counter[type[d.Action]] = Counter()
         while steps < self._config.max_steps:
             authority.check()
             self._check_uid(snap, authority)
@@ -332,9 +445,49 @@ class Reconciler:
                                              outcome=outcome).inc()
             if outcome == "done":
                 self._faults.after(STEP_NAMES[type(action)], key)
+            performed[type(action)] += 1
+            if outcome not in EFFECTIVE:
+                miss = (type(action), _target(action), str(outcome))
+                misses[miss] += 1
+                if getattr(outcome, "detail", ""):
+                    details[miss] = getattr(outcome, "detail", "")
             snap = self.observe(key, authority, direct=True)
-        return ReconcileResult(action=d.Wait(seconds=0.0, reason="step budget used"),
-                               requeue_after=0.0, steps=steps)
+            if outcome in BLOCKED:
+                detail = getattr(outcome, "detail", "") or f"{type(action).__name__} refused"
+                return self._stuck(key, snap, authority, log, steps, type(action),
+                                   UNGATE_FORBIDDEN if isinstance(action, d.Ungate)
+                                   else f"{type(action).__name__}{NOT_TAKING_EFFECT}",
+                                   detail)
+        if misses:
+            (kind, target, outcome), times = misses.most_common(1)[0]
+            detail = details.get((kind, target, outcome), "")
+            message = (f"{kind.__name__} of {target} keeps not taking effect ({outcome}"
+                       f"{': ' + api_error_text(detail) if detail else ''}); the controller "
+                       f"retries with backoff")
+            log.warning("step budget of {n} used: {kind} did not take effect {times} times",
+                        n=steps, kind=kind.__name__, times=times)
+            return self._stuck(key, snap, authority, log, steps, kind,
+                               f"{kind.__name__}{NOT_TAKING_EFFECT}", message)
+        kind, times = (performed.most_common(1) or [(d.Wait, 0)])[0]
+        message = (f"{steps} steps took effect without the VM converging (most often "
+                   f"{kind.__name__}, {times} times); the controller retries with backoff")
+        return self._stuck(key, snap, authority, log, steps, kind, STEP_BUDGET_EXHAUSTED,
+                           message)
+
+    def _stuck(self, key: str, snap: Snapshot, authority: Authority, log: Any, steps: int,
+               kind: type[d.Action], reason: str, message: str) -> ReconcileResult:
+        """End a reconcile that cannot converge: count it, say so in Degraded."""
+        step = STEP_NAMES.get(kind, kind.__name__.lower())
+        if self._metrics:
+            self._metrics.stuck.labels(step=step).inc()
+        log.warning("not converging ({reason}): {message}", reason=reason, message=message)
+        if snap.record is not None and snap.obs.direct:
+            mutation = conditions_mutation([stuck_condition(reason, message)],
+                                           authority.lease)
+            if mutation(snap.record.vm) is not None:
+                self._write_status(key, snap, mutation, authority, log)
+        return ReconcileResult(action=d.Wait(seconds=0.0, reason=message), requeue_after=0.0,
+                               steps=steps, stuck=reason)
 
     def _fenced_ahead(self, key: str, authority: Authority, why: str,
                       log: Any) -> ReconcileResult:
@@ -489,27 +642,60 @@ class Reconciler:
         except podspec.PodSpecError as exc:
             self._refuse(key, snap, str(exc), authority, log)
             return "refused"
+        name = action.plan.name
         try:
             created = self._core.api_client.sanitize_for_serialization(
                 self._core.create_namespaced_pod(vm.namespace, manifest, _request_timeout=30))
         except ApiException as exc:
             message = api_error_message(exc)
-            if exc.status == 409:
+            kind = classify_create_error(exc.status, message)
+            if kind == "retry":
+                self._create_failed(key, snap, name, f"{exc.status}: {message}", authority, log)
+                raise RetryableError(f"create {name}: {exc.status}: {message}") from exc
+            self._create_failures_reset(key)
+            if kind == "exists":
                 return self._name_taken(key, action, snap, authority, log)
-            if exc.status == 403 and ("exceeded quota" in message
-                                      or "cannot create resource" in message):
-                raise RetryableError(f"create {action.plan.name}: {message}") from exc
-            if exc.status in (400, 403, 422):
-                self._refuse(key, snap, f"creating runner pod {action.plan.name} was refused: "
-                                        f"{message}", authority, log)
-                return "refused"
-            raise
+            self._refuse(key, snap, f"creating runner pod {name} was refused "
+                                    f"({exc.status}): {api_error_text(message)}",
+                         authority, log)
+            return "refused"
+        except (HTTPError, OSError) as exc:  # no answer: connection refused, timeout
+            message = f"{type(exc).__name__}: {exc}"
+            self._create_failed(key, snap, name, message, authority, log)
+            raise RetryableError(f"create {name}: {message}") from exc
+        self._create_failures_reset(key)
         meta = created.get("metadata") or {}
         if not podspec.has_our_gate(created):
             self._gate_stripped(key, snap, meta, authority, log)
             return "gate_stripped"
         self._events.record(vm, "Created", f"runner pod {action.plan.name} created (gated)")
         return "done"
+
+    def _create_failures_reset(self, key: str) -> None:
+        with self._mutex:
+            self._create_failures.pop(key, None)
+
+    def _create_failed(self, key: str, snap: Snapshot, name: str, error: str,
+                       authority: Authority, log: Any) -> None:
+        """A transient create failure: after a few in a row, say so in Degraded (the
+        create is still retried with backoff; the condition clears once a reconcile ends
+        normally)."""
+        now = time.monotonic()
+        with self._mutex:
+            failures, since = self._create_failures.get(key, (0, now))
+            failures += 1
+            self._create_failures[key] = (failures, since)
+        if (failures < CREATE_FAILURES_BEFORE_CONDITION or snap.record is None
+                or now - since < self._config.create_failing_after):
+            return
+        update = stuck_condition(CREATE_FAILING,
+                                 f"creating runner pod {name} keeps failing (retried with "
+                                 f"backoff); last error: {api_error_text(error)}")
+        try:
+            self._write_status(key, snap, conditions_mutation([update], authority.lease),
+                               authority, log)
+        except (ApiException, HTTPError, OSError) as exc:
+            log.debug("could not record CreateFailing: {err}", err=exc)
 
     def _name_taken(self, key: str, action: d.CreatePod, snap: Snapshot,
                     authority: Authority, log: Any) -> str:
@@ -568,11 +754,33 @@ class Reconciler:
         self._write_status(key, snap, conditions_mutation([update], authority.lease),
                            authority, log)
 
+    def identity(self) -> str:
+        """Who this controller is to the API server (SelfSubjectReview), for messages."""
+        with self._mutex:
+            if self._identity is not None:
+                return self._identity
+        try:
+            review = client.AuthenticationV1Api(self._api).create_self_subject_review(
+                {"apiVersion": "authentication.k8s.io/v1", "kind": "SelfSubjectReview"},
+                _request_timeout=10)
+            user = str(review.status.user_info.username)
+        except Exception as exc:  # messages only: never fail a reconcile over it
+            return f"this controller's identity (unknown: {type(exc).__name__})"
+        with self._mutex:
+            self._identity = f'"{user}"'
+            return self._identity
+
     def _ungate(self, key: str, action: d.Ungate, snap: Snapshot, log: Any) -> str:
         """Remove our gate, guarded by a fresh direct list and a test-and-remove patch."""
         assert snap.record is not None
         vm = snap.record.vm
-        pods = self.reader.list_pods(vm.namespace, vm.name)  # after the commit was seen
+        listed = self.reader.list_pods(vm.namespace, vm.name)  # after the commit was seen
+        # The VM's pods as the observation saw them: the committed pod is read by name
+        # when the labelled list misses it.
+        pods = self.reader.with_committed(vm.namespace, listed, action.name, action.uid)
+        unlabelled = [p for p in pods if not labelled_for(p, vm.name)]
+        if unlabelled:
+            return self._replace_unlabelled(vm, unlabelled[0], action, log)
         if len(pods) != 1:
             log.info("not ungating {pod}: the VM has {n} pods", pod=action.name, n=len(pods))
             return "precondition"
@@ -601,11 +809,51 @@ class Reconciler:
             if exc.status in (404, 409, 422):
                 log.info("ungate of {pod} refused ({status}: {msg}): observing again",
                          pod=action.name, status=exc.status, msg=api_error_message(exc))
-                return "precondition"
+                return Outcome("precondition", f"{exc.status}: {api_error_message(exc)}")
+            if exc.status == 403:
+                who = self.identity()
+                return Outcome("forbidden", (
+                    f"the API server refused to let {who} remove the scheduling gate of "
+                    f"runner pod {action.name} (403: {api_error_text(api_error_message(exc))}"
+                    f"). Only the controller's own identity may start runner pods: run the "
+                    f"controller with its own credentials (the chart's ServiceAccount; on a "
+                    f"`neonvm dev` cluster, its controller.kubeconfig), or, if {who} is the "
+                    f"controller, name it in the admission policy"))
             raise
         self._events.record(vm, "Started", f"runner pod {action.name} ungated: it is the "
                                            f"VM's only pod")
         return "done"
+
+    def _replace_unlabelled(self, vm: types.VirtualMachine, pod: dict[str, Any],
+                            action: d.Ungate, log: Any) -> str:
+        """The committed pod lost its runner label (possible only with the admission
+        policy off). It is still the VM's pod, yet no label-selected list would show it,
+        so a later ungate of another pod could not see it: it must never run. Still gated
+        it never ran, so delete it [uid, resourceVersion]; the next observation finds it
+        gone and the VM restarts with a new, labelled pod."""
+        meta = pod.get("metadata") or {}
+        gates = (pod.get("spec") or {}).get("schedulingGates") or []
+        if (meta.get("name") != action.name or meta.get("uid") != action.uid
+                or meta.get("deletionTimestamp") is not None
+                or not any(g.get("name") == types.SCHEDULING_GATE for g in gates)):
+            log.info("not ungating {pod}: a pod of the VM is not labelled for it",
+                     pod=meta.get("name"))
+            return Outcome("precondition", f"pod {meta.get('name')} is not labelled "
+                                           f"{types.LABEL_VM_NAME}={vm.name}")
+        message = (f"runner pod {action.name} lost its label {types.LABEL_VM_NAME}={vm.name}"
+                   f"; it never ran (gated) and is replaced by a new pod")
+        try:
+            self._core.delete_namespaced_pod(
+                action.name, vm.namespace,
+                body=client.V1DeleteOptions(preconditions=client.V1Preconditions(
+                    uid=action.uid, resource_version=meta.get("resourceVersion"))),
+                _request_timeout=30)
+        except ApiException as exc:
+            if exc.status in (404, 409):
+                return Outcome("precondition", f"{exc.status}: {api_error_message(exc)}")
+            raise
+        self._events.record(vm, "RunnerUnlabelled", message, warning=True)
+        return Outcome("replaced")
 
     def _delete(self, namespace: str, name: str, uid: str, log: Any) -> bool:
         try:

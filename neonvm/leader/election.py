@@ -55,6 +55,10 @@ What is not guaranteed
 * A SIGKILLed leader cannot release: the standbys wait for the lease to expire (about
   ``lease_duration`` plus one retry period after its last renewal).
 * Liveness needs the API server: with it down nobody leads, by design.
+* A Lease namespace that does not exist is a configuration error: the first campaign
+  raises :class:`LeaseNamespaceMissing` out of :meth:`LeaderElector.run` (the controller
+  logs it once and exits 1) instead of retrying every period. If the namespace is
+  deleted after this process has held the Lease, it says so once and keeps campaigning.
 
 Why not ``kubernetes.leaderelection``
 -------------------------------------
@@ -121,6 +125,28 @@ def parse_microtime(value: str | None) -> datetime | None:
 
 class LeadershipLost(RuntimeError):
     """Raised by :meth:`Leadership.check` once this term is over or in doubt."""
+
+
+class LeaseNamespaceMissing(RuntimeError):
+    """The Lease's namespace does not exist: a configuration error, not a passing one."""
+
+    def __init__(self, namespace: str, name: str) -> None:
+        super().__init__(
+            f"the Lease's namespace {namespace!r} does not exist: create it (kubectl "
+            f"create namespace {namespace}) or choose another with --lease-namespace "
+            f"(the Lease {namespace}/{name} is created there)")
+        self.namespace = namespace
+
+
+def _namespace_not_found(exc: ApiException) -> bool:
+    """A 404 whose details name a namespace (not the object itself)."""
+    if exc.status != 404:
+        return False
+    try:
+        details = json.loads(exc.body or "{}").get("details") or {}
+    except (ValueError, TypeError, AttributeError):
+        return False
+    return bool(details.get("kind") == "namespaces")
 
 
 @dataclass(frozen=True)
@@ -433,6 +459,8 @@ class LeaderElector:
         self._last_tick = clock()
         self._finished = False
         self._leadership: Leadership | None = None
+        self._acquired_once = False
+        self._namespace_missing = False
         self._log = logger.bind(lease=f"{config.namespace}/{config.name}",
                                 identity=config.identity)
 
@@ -558,11 +586,21 @@ class LeaderElector:
         except ApiException as exc:
             if exc.status in (409, 422):  # someone else won this round (or created it)
                 return None
+            if _namespace_not_found(exc):
+                missing = LeaseNamespaceMissing(self.config.namespace, self.config.name)
+                if not self._acquired_once:
+                    raise missing from exc  # at start-up: a configuration error
+                if not self._namespace_missing:  # later (deleted under us): say it once
+                    self._log.error("{err}; retrying quietly", err=str(missing))
+                self._namespace_missing = True
+                return None
             self._log.warning("acquiring the Lease failed: {err}", err=_short(exc))
             return None
         except Exception as exc:
             self._log.warning("acquiring the Lease failed: {err}", err=_short(exc))
             return None
+        self._acquired_once = True
+        self._namespace_missing = False
         self._observe(acquired)
         self._log.info("acquired the Lease (leaseTransitions {n})", n=acquired.transitions)
         return _Term(record=acquired, renewed_at=sent_at)

@@ -15,7 +15,6 @@ the runner through the pod's env alone.
 from __future__ import annotations
 
 import asyncio
-import math
 import os
 import shutil
 import signal
@@ -171,7 +170,7 @@ def make_scaler(launch: Launch, state: RunnerState, work_dir: Path,
     """The live-scaling handler: bounds from the spec, fence file in the work dir."""
     plan = launch.plan
     cpus = launch.loaded.spec.guest.cpus
-    limits = ScaleLimits(min_vcpus=max(1, math.ceil(cpus.min)), max_vcpus=plan.cpus.max_vcpus,
+    limits = ScaleLimits(min_vcpus=max(1, cpus.min.rounded_up()), max_vcpus=plan.cpus.max_vcpus,
                          min_slots=plan.memory.min_slots, max_slots=plan.memory.max_slots,
                          slot_bytes=plan.memory.slot_bytes)
     return Scaler(work_dir, options.scaling_token_file, limits,

@@ -1,0 +1,101 @@
+"""Pure logic beside the real-server tests in ``tests/test_reconcile_loops.py``: how pod
+create errors are sorted, how condition messages are bounded, and which Degraded reasons
+clear by themselves."""
+
+from __future__ import annotations
+
+import pytest
+
+from neonvm.api.types import (
+    Condition,
+    PendingPod,
+    VirtualMachine,
+    VirtualMachineSpec,
+    VirtualMachineStatus,
+)
+from neonvm.controller import conditions as c
+from neonvm.controller import decide as d
+from neonvm.controller.observe import Snapshot
+from neonvm.controller.reconciler import classify_create_error
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.mark.parametrize(("status", "message", "kind"), [
+    (409, 'pods "vm-1" already exists', "exists"),
+    # Permanent: the same pod asked again gets the same answer.
+    (400, "the body of the request was in an unknown format", "refuse"),
+    (403, 'pods "vm-1" is forbidden: ValidatingAdmissionPolicy denied request', "refuse"),
+    (405, "method not allowed", "refuse"),
+    (413, "Request entity too large: limit is 3145728", "refuse"),
+    (415, "unsupported media type", "refuse"),
+    (422, 'Pod "vm-1" is invalid: spec.containers[0].image: Required value', "refuse"),
+    # What kube-apiserver 1.36 answers for a pod over etcd's limits (seen for real).
+    (500, "etcdserver: request is too large", "refuse"),
+    (500, "rpc error: code = ResourceExhausted desc = trying to send message larger than "
+          "max (2097654 vs. 2097152)", "refuse"),
+    # Transient: retried with backoff.
+    (403, 'pods "vm-1" is forbidden: exceeded quota: q, requested: pods=1', "retry"),
+    (403, 'pods is forbidden: User "x" cannot create resource "pods"', "retry"),
+    (403, "unable to create new content in namespace t because it is being terminated",
+     "retry"),
+    (401, "Unauthorized", "retry"),
+    (404, 'namespaces "t" not found', "retry"),
+    (408, "request timeout", "retry"),
+    (410, "gone", "retry"),
+    (429, "storage is (re)initializing", "retry"),
+    (500, "Internal error occurred: etcdserver: leader changed", "retry"),
+    (503, "service unavailable", "retry"),
+    (504, "the server was unable to return a response in the time allotted", "retry"),
+    (0, "connection refused", "retry"),
+    (None, "read timed out", "retry"),
+])
+def test_create_errors_are_sorted_into_exists_retry_and_refuse(
+        status: int | None, message: str, kind: str) -> None:
+    assert classify_create_error(status, message) == kind
+
+
+def test_condition_messages_and_api_error_text_are_bounded_with_an_ellipsis() -> None:
+    assert c.truncate("short") == "short"
+    long = "x" * 5000
+    cut = c.truncate(long)
+    assert len(cut) == c.MESSAGE_LIMIT and cut.endswith(c.ELLIPSIS)
+    api = c.api_error_text("Pod \"p\" is invalid:\n" + "y" * 5000)
+    assert len(api) == c.API_ERROR_LIMIT and api.endswith(c.ELLIPSIS) and "\n" not in api
+
+    vm = VirtualMachine(name="vm", namespace="ns", uid="u", resource_version="1", generation=1,
+                        spec=VirtualMachineSpec(), status=VirtualMachineStatus())
+    mutate = c.conditions_mutation([c.stuck_condition(c.CREATE_FAILING, long)],
+                                   d.Lease(epoch=1, token=1), now="2026-01-01T00:00:00Z")
+    status = mutate(vm)
+    assert status is not None
+    (written,) = status.conditions
+    assert written.message == cut
+    vm.status = status
+    assert mutate(vm) is None, "a bounded message equal to the one written: no rewrite"
+
+
+@pytest.mark.parametrize(("reason", "clears"), [
+    ("UngateNotTakingEffect", True), ("CreatePodNotTakingEffect", True),
+    (c.STEP_BUDGET_EXHAUSTED, True), (c.UNGATE_FORBIDDEN, True), (c.CREATE_FAILING, True),
+    ("CreateRefused", False), (d.PULL_SECRET_NOT_FOUND, False),
+])
+def test_a_stuck_reason_clears_when_a_reconcile_ends_normally(reason: str,
+                                                               clears: bool) -> None:
+    vm = VirtualMachine(
+        name="vm", namespace="ns", uid="u", resource_version="1", generation=1,
+        spec=VirtualMachineSpec(),
+        status=VirtualMachineStatus(
+            pending_pod=PendingPod(name="vm-u-1", plan_seq=1, token=1, epoch=1,
+                                   generation=1),
+            conditions=[Condition(type="Degraded", status="True", reason=reason,
+                                  message="m", observed_generation=0)]))
+    snap = Snapshot(obs=d.Observation(vm=vm, pods=(), lease=d.Lease(epoch=1, token=1),
+                                      direct=True), record=None)
+    updates = {u.type: u for u in c.desired_conditions(snap, d.Wait(seconds=1.0))}
+    degraded = updates.get("Degraded")
+    if clears:
+        assert degraded is not None and (degraded.status, degraded.reason) == (
+            "False", c.RECOVERED)
+    else:
+        assert degraded is None
