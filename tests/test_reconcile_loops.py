@@ -298,6 +298,7 @@ def assert_backs_off(replica: Replica, key: str) -> None:
 
 
 STUCK_UNGATES = 'neonvm_controller_stuck_reconciles_total{step="ungate"}'
+STUCK_CREATES = 'neonvm_controller_stuck_reconciles_total{step="create"}'
 
 
 def test_an_ungate_that_never_takes_effect_backs_off_with_a_condition_and_a_metric(
@@ -325,7 +326,7 @@ def test_an_ungate_that_never_takes_effect_backs_off_with_a_condition_and_a_metr
     assert cond["reason"] == "Recovered"
 
 
-def test_an_ungate_refused_by_the_fence_names_the_identity_and_the_remedy(
+def test_a_runner_pod_refused_by_the_fence_names_the_identity_and_the_remedy(
         cluster: LocalCluster, api: client.ApiClient, namespace: str, tmp_path: Path,
         checker: InvariantChecker) -> None:
     # The controller run with the admin kubeconfig, as `neonvm dev env` used to export.
@@ -343,16 +344,15 @@ def test_an_ungate_refused_by_the_fence_names_the_identity_and_the_remedy(
             review = client.AuthenticationV1Api(api).create_self_subject_review(
                 {"apiVersion": "authentication.k8s.io/v1", "kind": "SelfSubjectReview"})
             user = review.status.user_info.username
-            assert cond["reason"] == "UngateForbidden", cond
+            # The fence's creator rule refuses the admin's create before any ungate.
+            assert cond["reason"] == "CreateForbidden", cond
             assert f'"{user}"' in cond["message"]
-            assert "only the neonvm controller may remove the scheduling gate" in cond[
-                "message"]
+            assert "only the neonvm controller may create a runner pod" in cond["message"]
             assert "run the controller with its own credentials" in cond["message"]
             port = wait_for(lambda: health_port(admin), 30)
-            assert wait_for(lambda: metrics_of(port).get(STUCK_UNGATES, 0) >= 1, 30)
+            assert wait_for(lambda: metrics_of(port).get(STUCK_CREATES, 0) >= 1, 30)
             assert_backs_off(admin, f"{namespace}/vm")
-            pod = vm_status(api, namespace, "vm")["podName"]
-            assert is_gated(client.CoreV1Api(api).read_namespaced_pod(pod, namespace))
+            assert not client.CoreV1Api(api).list_namespaced_pod(namespace).items
         finally:
             print(f"---- admin ----\n{admin.log()[-20000:]}")
 

@@ -9,7 +9,8 @@ carries a fence ahead of a leader whose authority still holds; it turns False (r
 ``FenceResolved``) at the first reconcile that is no longer fenced. The driver also writes
 Degraded when a reconcile cannot get anywhere: a step that keeps not taking effect
 (reason ``<Step>NotTakingEffect``, e.g. ``UngateNotTakingEffect``), an ungate refused
-with 403 (``UngateForbidden``), or pod creates failing again and again with errors
+with 403 (``UngateForbidden``), a create refused by the admission fence's creator
+rule (``CreateForbidden``), or pod creates failing again and again with errors
 that are retried (``CreateFailing``). Those are :func:`recoverable`: the first reconcile
 that ends normally (Done or Wait) turns Degraded False again.
 
@@ -54,6 +55,9 @@ STEP_BUDGET_EXHAUSTED = "StepBudgetExhausted"
 """Degraded reason when every step took effect, yet the reconcile never converged."""
 UNGATE_FORBIDDEN = "UngateForbidden"
 """Degraded reason: the API server refused (403) to let this identity ungate."""
+CREATE_FORBIDDEN = "CreateForbidden"
+"""Degraded reason: the admission fence refused (403) to let this identity create a
+runner pod (only the controller's identity may)."""
 CREATE_FAILING = "CreateFailing"
 """Degraded reason: pod creates keep failing with errors that are retried."""
 RECOVERED = "Recovered"
@@ -103,7 +107,8 @@ def recoverable(reason: str | None) -> bool:
     """A Degraded reason that the next normally-ending reconcile clears."""
     return bool(reason) and (
         str(reason).endswith(NOT_TAKING_EFFECT)
-        or reason in (STEP_BUDGET_EXHAUSTED, UNGATE_FORBIDDEN, CREATE_FAILING))
+        or reason in (STEP_BUDGET_EXHAUSTED, UNGATE_FORBIDDEN, CREATE_FORBIDDEN,
+                      CREATE_FAILING))
 
 
 def stuck_condition(reason: str, message: str) -> ConditionUpdate:

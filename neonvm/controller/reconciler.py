@@ -31,7 +31,8 @@ How each action is performed (the precondition is in brackets):
   found only by name lost its label, which no later list would see, so it is never
   ungated: still gated (it never ran), it is deleted [uid and resourceVersion] and the
   VM restarts with a new, labelled pod. A 403 (the admission fence refusing an identity
-  that is not the controller's) is Degraded ``UngateForbidden``, naming the identity;
+  that is not the controller's) is Degraded ``UngateForbidden``, naming the identity (and
+  a create refused by the fence's creator rule is ``CreateForbidden``, the same way);
 * DeletePod: delete [``preconditions.uid``].
 
 A reconcile that cannot converge ends as *stuck* (``ReconcileResult.stuck``): when its
@@ -77,6 +78,7 @@ from neonvm.controller import podspec
 from neonvm.controller.compat_events import warn_unimplemented
 from neonvm.controller.conditions import (
     CREATE_FAILING,
+    CREATE_FORBIDDEN,
     DEGRADED,
     FENCE_AHEAD,
     NOT_TAKING_EFFECT,
@@ -159,6 +161,10 @@ rotated (401), a namespace or resource in flux (404, 410), a timeout (408), thro
 RETRIED_FORBIDDEN = ("exceeded quota", "cannot create resource", "is being terminated")
 """403s that pass: quota (the old pod still counts while it terminates), RBAC being set
 up, a namespace being deleted (its VMs go with it)."""
+
+FENCE_CREATOR_RULE = "only the neonvm controller may create a runner pod"
+"""The admission fence's answer to a runner pod create by another identity: not a
+problem of the pod or the spec, so no spec change helps (see :meth:`Reconciler.identity`)."""
 
 TOO_LARGE_FOR_STORAGE = ("etcdserver: request is too large", "larger than max")
 """500s that are permanent: the object is too large for etcd. kube-apiserver 1.36 takes
@@ -456,6 +462,7 @@ class Reconciler:
                 detail = getattr(outcome, "detail", "") or f"{type(action).__name__} refused"
                 return self._stuck(key, snap, authority, log, steps, type(action),
                                    UNGATE_FORBIDDEN if isinstance(action, d.Ungate)
+                                   else CREATE_FORBIDDEN if isinstance(action, d.CreatePod)
                                    else f"{type(action).__name__}{NOT_TAKING_EFFECT}",
                                    detail)
         if misses:
@@ -655,6 +662,9 @@ class Reconciler:
             self._create_failures_reset(key)
             if kind == "exists":
                 return self._name_taken(key, action, snap, authority, log)
+            if exc.status == 403 and FENCE_CREATOR_RULE in message:
+                return Outcome("forbidden", self._forbidden_detail(
+                    f"create runner pod {name}", message))
             self._refuse(key, snap, f"creating runner pod {name} was refused "
                                     f"({exc.status}): {api_error_text(message)}",
                          authority, log)
@@ -754,6 +764,15 @@ class Reconciler:
         self._write_status(key, snap, conditions_mutation([update], authority.lease),
                            authority, log)
 
+    def _forbidden_detail(self, what: str, message: str) -> str:
+        """A 403 from the admission fence: who we are to the API server, and the remedy."""
+        who = self.identity()
+        return (f"the API server refused to let {who} {what} (403: {api_error_text(message)}"
+                f"). Only the controller's own identity may create and start runner pods: "
+                f"run the controller with its own credentials (the chart's ServiceAccount; "
+                f"on a `neonvm dev` cluster, its controller.kubeconfig), or, if {who} is the "
+                f"controller, name it in the admission policy")
+
     def identity(self) -> str:
         """Who this controller is to the API server (SelfSubjectReview), for messages."""
         with self._mutex:
@@ -811,14 +830,9 @@ class Reconciler:
                          pod=action.name, status=exc.status, msg=api_error_message(exc))
                 return Outcome("precondition", f"{exc.status}: {api_error_message(exc)}")
             if exc.status == 403:
-                who = self.identity()
-                return Outcome("forbidden", (
-                    f"the API server refused to let {who} remove the scheduling gate of "
-                    f"runner pod {action.name} (403: {api_error_text(api_error_message(exc))}"
-                    f"). Only the controller's own identity may start runner pods: run the "
-                    f"controller with its own credentials (the chart's ServiceAccount; on a "
-                    f"`neonvm dev` cluster, its controller.kubeconfig), or, if {who} is the "
-                    f"controller, name it in the admission policy"))
+                return Outcome("forbidden", self._forbidden_detail(
+                    f"remove the scheduling gate of runner pod {action.name}",
+                    api_error_message(exc)))
             raise
         self._events.record(vm, "Started", f"runner pod {action.name} ungated: it is the "
                                            f"VM's only pod")
