@@ -45,6 +45,7 @@ from neonvm.controller.conditions import (
     fence_ahead_message,
     fence_ahead_mutation,
 )
+from neonvm.controller.conditions import now_rfc3339 as conditions_now
 from neonvm.controller.events import EventRecorder
 from neonvm.controller.harness import (
     Replicas,
@@ -436,3 +437,47 @@ def test_a_fence_ahead_by_its_token_only_ends_the_term_and_marks_nothing(
     events = client.CoreV1Api(api).list_namespaced_event(
         namespace, field_selector="involvedObject.name=tok").items
     assert not any(e.reason == FENCE_AHEAD for e in events)
+
+
+@pytest.mark.cluster
+def test_a_vm_fenced_ahead_by_epoch_is_marked_from_one_direct_read_and_not_re_marked_at_once(
+        api: client.ApiClient, controller_api: client.ApiClient, namespace: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """decide says Fenced on a direct observation: _fenced_ahead reuses it (one direct
+    observation per look, not two). When another writer then turns Degraded False (as a
+    second installation on the namespace would), the next look does not turn it True
+    again within the recheck period: no write, no event."""
+    create_vm(api, namespace, "epo", spec={"nodeSelector": NOWHERE})
+    write_fence(api, namespace, "epo", BAD_EPOCH)
+    key = f"{namespace}/epo"
+    reconciler = Reconciler(controller_api, events=EventRecorder(controller_api, "test"))
+    observed: list[str] = []
+    real_observe = reconciler.reader.observe
+
+    def counting(k: str, lease: d.Lease) -> Snapshot:
+        observed.append(k)
+        return real_observe(k, lease)
+
+    monkeypatch.setattr(reconciler.reader, "observe", counting)
+    result = reconciler.reconcile(key, AUTHORITY, direct_first=True)
+    assert result.action.condition == FENCE_AHEAD  # type: ignore[attr-defined]
+    assert observed == [key], "one direct observation for the whole look"
+    cond = degraded_reason(api, namespace, "epo")
+    assert cond is not None and cond["reason"] == FENCE_AHEAD, cond
+
+    # Another writer clears it (what an unfenced installation's reconcile writes).
+    raw = get_vm(api, namespace, "epo") or {}
+    for c in raw["status"]["conditions"]:
+        if c["type"] == DEGRADED:
+            c.update(status="False", reason=FENCE_RESOLVED, message="cleared elsewhere",
+                     lastTransitionTime=conditions_now())
+    client.CustomObjectsApi(api).replace_namespaced_custom_object_status(
+        types.GROUP, types.VERSION, namespace, types.PLURAL, "epo", raw)
+    version = (get_vm(api, namespace, "epo") or {})["metadata"]["resourceVersion"]
+    result = reconciler.reconcile(key, AUTHORITY, direct_first=True)
+    assert result.requeue_after == RECHECK
+    after = get_vm(api, namespace, "epo") or {}
+    assert after["metadata"]["resourceVersion"] == version, "not written again at once"
+    events = client.CoreV1Api(api).list_namespaced_event(
+        namespace, field_selector="involvedObject.name=epo").items
+    assert sum(e.count or 1 for e in events if e.reason == FENCE_AHEAD) == 1, events
