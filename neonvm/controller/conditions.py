@@ -40,6 +40,9 @@ WAITING_FOR_OLD_POD = "WaitingForOldPod"
 FENCE_AHEAD = "FenceAhead"
 """Degraded reason: the VM's status carries a fence ahead of the (still valid) leader."""
 FENCE_RESOLVED = "FenceResolved"
+FENCE_AHEAD_QUIET_SECONDS = 300.0
+"""Default quiet period of :func:`fence_ahead_mutation` (the driver passes its recheck
+period, the same 300 s)."""
 
 NODE_FAILURE_HINT = (
     "If the old pod's node has failed, the pod goes away only when Kubernetes deletes it "
@@ -176,7 +179,7 @@ def _parse_rfc3339(value: str) -> dt.datetime:
 
 
 def fence_ahead_mutation(lease: d.Lease, now: str | None = None,
-                         quiet_seconds: float = 0.0) -> StatusMutation:
+                         quiet_seconds: float = FENCE_AHEAD_QUIET_SECONDS) -> StatusMutation:
     """Degraded/FenceAhead on a VM fenced ahead of ``lease`` by epoch; conditions only.
 
     Unlike every other status write it does not stamp the writer's fence and changes
