@@ -164,7 +164,24 @@ def test_adopting_a_pod_on_its_name_alone_commits_a_planted_pod() -> None:
     assert any(s.kind == "plant" for s, _ in cx.trace)
     last = cx.trace[-1][1]
     assert last.vm is not None
-    planted = next(p for p in last.pods if p.fence is None)
+    planted = next(p for p in last.pods if p.planted)
+    assert planted.uid == last.vm.status.pod_uid or not planted.gated
+
+
+@pytest.mark.unit
+def test_adopting_a_pod_that_carries_any_fence_commits_a_planted_pod() -> None:
+    """Checking only that *some* fence annotations are there (not the plan's epoch and
+    token) commits the pod the user planted with an older fence: the checker catches it."""
+    scenario = next(s for s in ci_scenarios(broken("adopt_any_fence"))
+                    if s.name == "planted-pod")
+    cx = first(scenario)
+    assert cx.invariant == "adopts-only-its-own-pods"
+    plant = next(s for s, _ in cx.trace if s.kind == "plant")
+    assert plant.args[2] is not None, "caught by the plant with a wrong fence"
+    last = cx.trace[-1][1]
+    assert last.vm is not None
+    planted = next(p for p in last.pods if p.planted)
+    assert planted.fence is not None and last.vm.status.pending is None
     assert planted.uid == last.vm.status.pod_uid or not planted.gated
 
 

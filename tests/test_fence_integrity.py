@@ -13,6 +13,7 @@ status fence is ahead of the leader.
 from __future__ import annotations
 
 import copy
+import datetime as dt
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -37,9 +38,14 @@ from neonvm.controller.conditions import (
     DEGRADED,
     FENCE_AHEAD,
     FENCE_RESOLVED,
+    conditions_mutation,
     desired_conditions,
+    epoch_ahead,
+    fence_ahead,
+    fence_ahead_message,
     fence_ahead_mutation,
 )
+from neonvm.controller.conditions import now_rfc3339 as conditions_now
 from neonvm.controller.events import EventRecorder
 from neonvm.controller.harness import (
     Replicas,
@@ -49,8 +55,16 @@ from neonvm.controller.harness import (
     is_gated,
     runner_pods,
 )
+from neonvm.controller.mutations import FencedOut, status_mutation
 from neonvm.controller.observe import Snapshot
-from neonvm.controller.reconciler import Reconciler, ReconcilerConfig, StaticAuthority
+from neonvm.controller.reconciler import (
+    FENCE_AHEAD_RECHECK_SECONDS as RECHECK,
+)
+from neonvm.controller.reconciler import (
+    Reconciler,
+    ReconcilerConfig,
+    StaticAuthority,
+)
 from neonvm.dev.cluster import LocalCluster
 from neonvm.invariant import InvariantChecker
 from tests.support import wait_for
@@ -93,11 +107,109 @@ def test_the_fence_ahead_write_sets_degraded_and_touches_neither_fence_nor_plan(
 
 @pytest.mark.unit
 @pytest.mark.parametrize(("epoch", "token", "ahead"), [
-    (3, 7, False), (2, 99, False), (3, 8, True), (4, 0, True), (BAD_EPOCH, 0, True)])
+    (3, 7, False), (2, 99, False), (3, 8, False), (4, 0, True), (BAD_EPOCH, 0, True)])
 def test_the_fence_ahead_write_rechecks_the_fresh_copy(epoch: int, token: int,
                                                        ahead: bool) -> None:
     new = fence_ahead_mutation(LEASE)(fenced_vm(epoch, token))
     assert (new is not None) == ahead
+
+
+# The reviewer's scenario: leader epoch 7, whose lock token went back from 5000 to 12 (the
+# locks' etcd restored from a snapshot, or replaced); the VM's committed pod is gone.
+TOKEN_BACK = d.Lease(epoch=7, token=12)
+
+
+def token_ahead_vm() -> VirtualMachine:
+    return VirtualMachine(
+        name="vm", namespace="ns", uid="0123456789", resource_version="5", generation=1,
+        spec=VirtualMachineSpec(), finalizers=[FINALIZER],
+        status=VirtualMachineStatus(fence=Fence(epoch=7, token=5000), plan_seq=3,
+                                    pod_name="vm-01234567-3", pod_uid="u3", phase="Running",
+                                    observed_generation=1))
+
+
+@pytest.mark.unit
+def test_a_fence_ahead_by_its_token_only_is_not_marked_degraded() -> None:
+    """decide is not Fenced by it (pods would still be created, started, deleted), every
+    status write is refused, and "epoch at most 7" would not fix it: the VM must not be
+    marked and left; the term ends instead (the real-server test below)."""
+    vm = token_ahead_vm()
+    action = d.decide(d.Observation(vm=vm, pods=(), lease=TOKEN_BACK, direct=True))
+    assert not isinstance(action, d.Fenced)
+    with pytest.raises(FencedOut):
+        status_mutation(action, TOKEN_BACK)(copy.deepcopy(vm))
+    seen = fence_ahead(vm, TOKEN_BACK)
+    assert seen == (7, 5000) and not epoch_ahead(seen, TOKEN_BACK)
+    assert fence_ahead_mutation(TOKEN_BACK)(copy.deepcopy(vm)) is None
+
+
+@pytest.mark.unit
+def test_the_fence_ahead_message_names_a_remedy_that_clears_the_fence() -> None:
+    lease = d.Lease(epoch=7, token=12)
+    message = fence_ahead_message((9, 3), lease)
+    assert "remove status.fence" in message
+    assert "(epoch 7, token 12)" in message
+    # What it tells the operator to write is no longer ahead.
+    for epoch, token in ((7, 12), (6, 99999)):
+        vm = token_ahead_vm()
+        vm.status.fence = Fence(epoch=epoch, token=token)
+        assert fence_ahead(vm, lease) is None
+
+
+def ts(seconds: int) -> str:
+    return (dt.datetime(2026, 1, 1, tzinfo=dt.UTC) + dt.timedelta(seconds=seconds)).strftime(
+        "%Y-%m-%dT%H:%M:%SZ")
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("step", [1, 7, 301])
+def test_two_believed_authorities_write_degraded_a_bounded_number_of_times(step: int) -> None:
+    """Two installations on one namespace (A epoch 5, B epoch 3, separate locks' etcd):
+    A's reconciles clear FenceAhead, B's set it again, each woken by the other's write.
+    The writes are bounded by the elapsed time over the recheck period, not by the
+    number of reconciles."""
+    a_lease, b_lease = d.Lease(5, 100), d.Lease(3, 7)
+    vm = VirtualMachine(
+        name="vm", namespace="ns", uid="0123456789", resource_version="5", generation=1,
+        spec=VirtualMachineSpec(), finalizers=[FINALIZER],
+        status=VirtualMachineStatus(fence=Fence(5, 100), plan_seq=1, pod_name="vm-01234567-1",
+                                    pod_uid="u1", phase="Running", node="n", pod_ip="10.0.0.1",
+                                    observed_generation=1))
+    pod = d.PodView(name="vm-01234567-1", uid="u1", owner_uid=vm.uid, gated=False,
+                    terminating=False, phase="Running", node="n", ip="10.0.0.1",
+                    fence=(5, 100))
+    rounds, writes = 600, 0
+    for n in range(rounds):
+        now = ts(n * step)
+        b_obs = d.Observation(vm=vm, pods=(pod,), lease=b_lease, direct=True)
+        assert isinstance(d.decide(b_obs), d.Fenced)
+        new = fence_ahead_mutation(b_lease, now=now, quiet_seconds=RECHECK)(copy.deepcopy(vm))
+        if new is not None:
+            vm.status, writes = new, writes + 1
+        a_obs = d.Observation(vm=vm, pods=(pod,), lease=a_lease, direct=True)
+        action = d.decide(a_obs)
+        updates = desired_conditions(Snapshot(obs=a_obs, record=None), action)
+        new = conditions_mutation(updates, a_lease, now=now)(copy.deepcopy(vm))
+        if new is not None:
+            vm.status, writes = new, writes + 1
+    elapsed = (rounds - 1) * step
+    assert writes <= 2 * (1 + elapsed // int(RECHECK) + 1), writes
+    # And the first one is not held back: B marked it at once.
+    assert writes >= 2
+
+
+@pytest.mark.unit
+def test_a_vm_already_degraded_is_marked_fence_ahead_at_once() -> None:
+    """The quiet period holds back only a False→True turn: a Degraded that is already
+    True (another reason, an older generation) gets FenceAhead at the first look."""
+    vm = fenced_vm(epoch=9, token=1)
+    vm.status.conditions = [Condition(type=DEGRADED, status="True", reason="CreateRefused",
+                                      message="m", observed_generation=1,
+                                      last_transition_time=ts(0))]
+    new = fence_ahead_mutation(LEASE, now=ts(5), quiet_seconds=RECHECK)(vm)
+    assert new is not None
+    degraded = next(c for c in new.conditions if c.type == DEGRADED)
+    assert (degraded.reason, degraded.observed_generation) == (FENCE_AHEAD, 2)
 
 
 @pytest.mark.unit
@@ -236,14 +348,15 @@ def lease_transitions(api: client.ApiClient, namespace: str) -> int:
     return int(lease.spec.lease_transitions or 0)
 
 
-def write_fence(api: client.ApiClient, namespace: str, name: str, epoch: int) -> None:
+def write_fence(api: client.ApiClient, namespace: str, name: str, epoch: int,
+                token: int = 1) -> None:
     """What a restore from backup (or a user with status rights) leaves behind."""
     custom = client.CustomObjectsApi(api)
 
     def attempt() -> bool:
         raw = get_vm(api, namespace, name)
         assert raw is not None
-        raw.setdefault("status", {})["fence"] = {"epoch": epoch, "token": 1}
+        raw.setdefault("status", {})["fence"] = {"epoch": epoch, "token": token}
         try:
             custom.replace_namespaced_custom_object_status(
                 types.GROUP, types.VERSION, namespace, types.PLURAL, name, raw)
@@ -302,3 +415,69 @@ def test_a_vm_fenced_past_int32_is_degraded_while_every_other_vm_converges(
     write_fence(api, namespace, "bad", epoch)
     wait_for(lambda: converged(api, namespace, ["bad"]), 120, what="bad to converge once fixed")
     assert lease_transitions(api, namespace) == epoch
+
+
+@pytest.mark.cluster
+def test_a_fence_ahead_by_its_token_only_ends_the_term_and_marks_nothing(
+        api: client.ApiClient, controller_api: client.ApiClient, namespace: str) -> None:
+    """The reviewer's scenario against the API server: the leader (epoch 7) took the lock
+    at token 12, below the 5000 in status.fence (the locks' etcd went back). The reconcile
+    does not mark the VM and go on: FencedOut reaches the manager, which ends the term
+    (the next epoch clears the fence of every such VM at once)."""
+    create_vm(api, namespace, "tok", spec={"nodeSelector": NOWHERE})
+    write_fence(api, namespace, "tok", 7, token=5000)
+    reconciler = Reconciler(controller_api, events=EventRecorder(controller_api, "test"))
+    with pytest.raises(FencedOut, match="token only"):
+        reconciler.reconcile(f"{namespace}/tok", StaticAuthority(epoch=7, token=12),
+                             direct_first=True)
+    raw = get_vm(api, namespace, "tok") or {}
+    assert raw["status"]["fence"] == {"epoch": 7, "token": 5000}
+    assert degraded_reason(api, namespace, "tok") is None
+    assert not raw["status"].get("pendingPod") and runner_pods(api, namespace, "tok") == []
+    events = client.CoreV1Api(api).list_namespaced_event(
+        namespace, field_selector="involvedObject.name=tok").items
+    assert not any(e.reason == FENCE_AHEAD for e in events)
+
+
+@pytest.mark.cluster
+def test_a_vm_fenced_ahead_by_epoch_is_marked_from_one_direct_read_and_not_re_marked_at_once(
+        api: client.ApiClient, controller_api: client.ApiClient, namespace: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """decide says Fenced on a direct observation: _fenced_ahead reuses it (one direct
+    observation per look, not two). When another writer then turns Degraded False (as a
+    second installation on the namespace would), the next look does not turn it True
+    again within the recheck period: no write, no event."""
+    create_vm(api, namespace, "epo", spec={"nodeSelector": NOWHERE})
+    write_fence(api, namespace, "epo", BAD_EPOCH)
+    key = f"{namespace}/epo"
+    reconciler = Reconciler(controller_api, events=EventRecorder(controller_api, "test"))
+    observed: list[str] = []
+    real_observe = reconciler.reader.observe
+
+    def counting(k: str, lease: d.Lease) -> Snapshot:
+        observed.append(k)
+        return real_observe(k, lease)
+
+    monkeypatch.setattr(reconciler.reader, "observe", counting)
+    result = reconciler.reconcile(key, AUTHORITY, direct_first=True)
+    assert result.action.condition == FENCE_AHEAD  # type: ignore[attr-defined]
+    assert observed == [key], "one direct observation for the whole look"
+    cond = degraded_reason(api, namespace, "epo")
+    assert cond is not None and cond["reason"] == FENCE_AHEAD, cond
+
+    # Another writer clears it (what an unfenced installation's reconcile writes).
+    raw = get_vm(api, namespace, "epo") or {}
+    for c in raw["status"]["conditions"]:
+        if c["type"] == DEGRADED:
+            c.update(status="False", reason=FENCE_RESOLVED, message="cleared elsewhere",
+                     lastTransitionTime=conditions_now())
+    client.CustomObjectsApi(api).replace_namespaced_custom_object_status(
+        types.GROUP, types.VERSION, namespace, types.PLURAL, "epo", raw)
+    version = (get_vm(api, namespace, "epo") or {})["metadata"]["resourceVersion"]
+    result = reconciler.reconcile(key, AUTHORITY, direct_first=True)
+    assert result.requeue_after == RECHECK
+    after = get_vm(api, namespace, "epo") or {}
+    assert after["metadata"]["resourceVersion"] == version, "not written again at once"
+    events = client.CoreV1Api(api).list_namespaced_event(
+        namespace, field_selector="involvedObject.name=epo").items
+    assert sum(e.count or 1 for e in events if e.reason == FENCE_AHEAD) == 1, events

@@ -21,6 +21,7 @@ from neonvm.api.types import (
 from neonvm.controller import decide as d
 from neonvm.controller.conditions import (
     DEGRADED,
+    FENCE_AHEAD,
     READY,
     WAITING_FOR_OLD_POD,
     ConditionUpdate,
@@ -29,7 +30,7 @@ from neonvm.controller.conditions import (
 )
 from neonvm.controller.faults import FaultConfig, FaultConfigError, Faults
 from neonvm.controller.informer import Store
-from neonvm.controller.manager import create_held_back
+from neonvm.controller.manager import create_held_back, looks_mid_plan
 from neonvm.controller.mutations import FencedOut
 from neonvm.controller.observe import Snapshot, pod_index, pod_view
 from neonvm.controller.podspec import PodDefaults, PodSpecError, has_our_gate, runner_pod
@@ -308,6 +309,39 @@ def test_the_mid_plan_scan_skips_only_live_vms_whose_create_is_held_back() -> No
     assert not create_held_back(raw(d.PULL_SECRET_NOT_FOUND, generation=4))
     assert not create_held_back(raw(d.PULL_SECRET_NOT_FOUND, deleting=True))
     assert not create_held_back({"metadata": {}, "status": {}})
+
+
+def test_the_mid_plan_scan_skips_a_vm_marked_fence_ahead_for_its_generation() -> None:
+    """A VM marked Degraded/FenceAhead is left alone by decide and requeued by its own
+    300 s Wait: the 2 s scan must not requeue it (two direct reads per look), whatever its
+    plan, pods or deletion say; a new generation is scanned once."""
+    gated_pod = {"metadata": {"name": "vm-1"}, "spec": {"schedulingGates": [{"name": "g"}]}}
+
+    def raw(reason: str | None, generation: int = 3, observed: int = 3,
+            deleting: bool = False, **status: object) -> dict[str, object]:
+        meta: dict[str, object] = {"generation": generation}
+        if deleting:
+            meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+        conditions = [] if reason is None else [
+            {"type": "Degraded", "status": "True", "reason": reason,
+             "observedGeneration": observed}]
+        return {"metadata": meta, "status": {"conditions": conditions, **status}}
+
+    plan = {"pendingPod": {"name": "vm-1"}}
+    # Mid-plan shapes: scanned while not marked ...
+    assert looks_mid_plan(raw(None, **plan), [])
+    assert looks_mid_plan(raw(None), [])  # no podName
+    assert looks_mid_plan(raw(None, podName="vm-1"), [gated_pod])
+    # ... skipped once marked FenceAhead for the current generation.
+    assert not looks_mid_plan(raw(FENCE_AHEAD, **plan), [])
+    assert not looks_mid_plan(raw(FENCE_AHEAD), [])
+    assert not looks_mid_plan(raw(FENCE_AHEAD, podName="vm-1"), [gated_pod])
+    assert not looks_mid_plan(raw(FENCE_AHEAD, deleting=True, **plan), [gated_pod])
+    assert looks_mid_plan(raw(FENCE_AHEAD, generation=4, **plan), []), "new generation"
+    # Unchanged: a held-back create is skipped only without pods; a calm VM never scanned.
+    assert not looks_mid_plan(raw("CreateRefused", **plan), [])
+    assert looks_mid_plan(raw("CreateRefused", **plan), [gated_pod])
+    assert not looks_mid_plan(raw(None, podName="vm-1"), [{"metadata": {}, "spec": {}}])
 
 
 def test_a_condition_write_is_fenced_out_by_a_newer_epoch() -> None:

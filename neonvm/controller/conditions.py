@@ -4,9 +4,11 @@ Degraded is True while a create was refused for the current generation (reason
 ``CreateRefused``, written by the driver when the API server refuses) or while a pull
 secret the VM names is missing (reason ``ImagePullSecretNotFound``, derived here from the
 decision to wait); it turns False once a runner pod is committed. It is also True
-(reason ``FenceAhead``, written by :func:`fence_ahead_mutation`) while the VM's status
-carries a fence ahead of a leader whose authority still holds; it turns False (reason
-``FenceResolved``) at the first reconcile that is no longer fenced. The driver also writes
+(reason ``FenceAhead``, written by :func:`fence_ahead_mutation`, at most once per
+recheck period) while the VM's status carries a fence whose *epoch* is ahead of a leader
+whose authority still holds; it turns False (reason ``FenceResolved``) at the first
+reconcile that is no longer fenced. A fence ahead by its token only is not marked: the
+leader ends its term instead (see :func:`epoch_ahead`). The driver also writes
 Degraded when a reconcile cannot get anywhere: a step that keeps not taking effect
 (reason ``<Step>NotTakingEffect``, e.g. ``UngateNotTakingEffect``), an ungate refused
 with 403 (``UngateForbidden``), a create refused by the admission fence's creator
@@ -48,6 +50,9 @@ WAITING_FOR_OLD_POD = "WaitingForOldPod"
 FENCE_AHEAD = "FenceAhead"
 """Degraded reason: the VM's status carries a fence ahead of the (still valid) leader."""
 FENCE_RESOLVED = "FenceResolved"
+FENCE_AHEAD_QUIET_SECONDS = 300.0
+"""Default quiet period of :func:`fence_ahead_mutation` (the driver passes its recheck
+period, the same 300 s)."""
 
 NOT_TAKING_EFFECT = "NotTakingEffect"
 """Suffix of the Degraded reason naming a step that kept not taking effect."""
@@ -198,30 +203,72 @@ def fence_ahead(vm: VirtualMachine, lease: d.Lease) -> tuple[int, int] | None:
 
 
 def fence_ahead_message(seen: tuple[int, int], lease: d.Lease) -> str:
+    """The Degraded(FenceAhead) message: only for an *epoch* ahead, where ``decide`` says
+    Fenced and this leader does nothing for the VM (a token-only lead ends the term)."""
     return (f"status.fence epoch {seen[0]} (token {seen[1]}) is ahead of this leader's epoch "
             f"{lease.epoch} (token {lease.token}), whose Lease still holds: the VM is left "
             f"alone (no pod is created, started or deleted for it) until an operator "
-            f"corrects it (for example after a restore from backup): remove status.fence "
-            f"and status.pendingPod, or set status.fence.epoch to at most {lease.epoch}")
+            f"corrects it (for example after a restore from backup): remove status.fence, "
+            f"or set it at or below (epoch {lease.epoch}, token {lease.token}), and remove "
+            f"a status.pendingPod whose epoch is above {lease.epoch}")
 
 
-def fence_ahead_mutation(lease: d.Lease, now: str | None = None) -> StatusMutation:
-    """Degraded/FenceAhead on a VM fenced ahead of ``lease``; conditions only.
+def epoch_ahead(seen: tuple[int, int] | None, lease: d.Lease) -> bool:
+    """``seen`` (from :func:`fence_ahead`) is ahead of ``lease`` by its epoch, not only by
+    its token. Only then is the VM marked Degraded while the term goes on: a fence of our
+    own epoch with a higher token means the locks' tokens went back (their etcd restored
+    or replaced), which every VM would hit; ending the term gives a new epoch that clears
+    it for all of them."""
+    return seen is not None and seen[0] > lease.epoch
+
+
+def _recently_changed(condition: Condition | None, now: str, quiet_seconds: float) -> bool:
+    """``condition`` changed status less than ``quiet_seconds`` before ``now`` (or its
+    transition time is in the future: another writer's clock ahead of ours)."""
+    if condition is None or quiet_seconds <= 0 or not condition.last_transition_time:
+        return False
+    try:
+        then = _parse_rfc3339(condition.last_transition_time)
+    except ValueError:
+        return False
+    return (_parse_rfc3339(now) - then).total_seconds() < quiet_seconds
+
+
+def _parse_rfc3339(value: str) -> dt.datetime:
+    return dt.datetime.fromisoformat(value.replace("Z", "+00:00"))
+
+
+def fence_ahead_mutation(lease: d.Lease, now: str | None = None,
+                         quiet_seconds: float = FENCE_AHEAD_QUIET_SECONDS) -> StatusMutation:
+    """Degraded/FenceAhead on a VM fenced ahead of ``lease`` by epoch; conditions only.
 
     Unlike every other status write it does not stamp the writer's fence and changes
     nothing but the Degraded condition: ``status.fence``, the plan fields and
     ``observedGeneration`` stay exactly as they are, so the fence stays ahead and every
     writer with a lower fence keeps being refused. On the fresh copy of a conflict retry
-    it re-checks that the fence is still ahead (None: nothing to say any more).
+    it re-checks that the fence is still ahead by epoch (None: nothing to say any more;
+    a token-only lead is not this write's business, see :func:`epoch_ahead`).
+
+    Rate limit: Degraded is not turned True when it changed status less than
+    ``quiet_seconds`` ago. Two installations misconfigured on one namespace would
+    otherwise take turns without end: the unfenced one clears FenceAhead at each of its
+    reconciles, the fenced one sets it again at each watch event of that write. A
+    Degraded that is already True is updated at once (a new generation, a new message):
+    that changes no transition time, and the next clearing write starts the quiet period.
     """
 
     def mutate(vm: VirtualMachine) -> VirtualMachineStatus | None:
         seen = fence_ahead(vm, lease)
-        if seen is None:
+        if seen is None or not epoch_ahead(seen, lease):
+            return None
+        stamp = now or now_rfc3339()
+        degraded = _find(vm.status.conditions, DEGRADED)
+        if (degraded is not None and degraded.status != "True"
+                and _recently_changed(degraded, stamp, quiet_seconds)):
             return None
         update = ConditionUpdate(DEGRADED, "True", FENCE_AHEAD,
                                  fence_ahead_message(seen, lease), generation=vm.generation)
-        conditions, changed = _apply(vm, [update], now or now_rfc3339())
+        conditions, changed = _apply(vm, [update], stamp)
         if not changed:
             return None
         status = copy.deepcopy(vm.status)

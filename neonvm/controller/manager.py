@@ -25,9 +25,12 @@ What a term guarantees:
   list, not only from the cache, so a VM whose ADDED event was lost is found too); all
   of those requeues start with a direct (quorum) read instead of the cache; the caches
   themselves re-list every ``relist_seconds``;
-* on the way out (SIGTERM, lost leadership, a fenced VM) the queue is shut, workers are
-  joined, locks are released and the session revoked, and only then does ``on_started``
-  return, after which the elector releases the Lease.
+* a VM whose status fence is ahead of this leader's by its epoch is marked Degraded
+  (``FenceAhead``) and left alone while the term goes on; one ahead by its token only
+  (the locks' tokens went back) ends the term, so that the next epoch clears it;
+* on the way out (SIGTERM, lost leadership, a fence ahead by token) the queue is shut,
+  workers are joined, locks are released and the session revoked, and only then does
+  ``on_started`` return, after which the elector releases the Lease.
 
 What it does not guarantee: that a paused process stops acting before anyone else
 starts. That is what the pod fence and the conditional writes are for (see
@@ -50,7 +53,7 @@ from urllib3.exceptions import HTTPError
 
 from neonvm.api import types
 from neonvm.controller import decide as d
-from neonvm.controller.conditions import DEGRADED
+from neonvm.controller.conditions import DEGRADED, FENCE_AHEAD
 from neonvm.controller.events import EventRecorder
 from neonvm.controller.faults import Faults
 from neonvm.controller.informer import Informer, Obj, Store, object_uid
@@ -86,6 +89,34 @@ def create_held_back(raw: dict[str, Any]) -> bool:
         and cond.get("reason") in (CREATE_REFUSED, d.PULL_SECRET_NOT_FOUND)
         and cond.get("observedGeneration") == meta.get("generation")
         for cond in (raw.get("status") or {}).get("conditions") or [])
+
+
+def fence_ahead_marked(raw: dict[str, Any]) -> bool:
+    """A VM marked Degraded/FenceAhead for its current generation: its reconcile ended in
+    a Wait of the fence recheck period that requeues it (and a fix of its status is seen
+    through the watch), so the mid-plan scan skips it whatever its plan, pods or deletion
+    show (``decide`` leaves such a VM alone before it looks at any of them). A new
+    generation is scanned once: its reconcile marks that generation."""
+    meta = raw.get("metadata") or {}
+    return any(
+        cond.get("type") == DEGRADED and cond.get("status") == "True"
+        and cond.get("reason") == FENCE_AHEAD
+        and cond.get("observedGeneration") == meta.get("generation")
+        for cond in (raw.get("status") or {}).get("conditions") or [])
+
+
+def looks_mid_plan(raw: dict[str, Any], pods: list[dict[str, Any]]) -> bool:
+    """The mid-plan scan's test of one cached VM and its cached pods: in the middle of
+    something (plan, deletion, gated pod, no committed pod), and not held back by a Wait
+    of its own (:func:`create_held_back`, :func:`fence_ahead_marked`)."""
+    meta = raw.get("metadata") or {}
+    status = raw.get("status") or {}
+    if (not pods and create_held_back(raw)) or fence_ahead_marked(raw):
+        return False  # requeued by its own Wait, not every scan
+    terminal = status.get("phase") in d.TERMINAL_PHASES
+    gated = any((p.get("spec") or {}).get("schedulingGates") for p in pods)
+    return bool(status.get("pendingPod") or meta.get("deletionTimestamp") or gated
+                or len(pods) > 1 or (not status.get("podName") and not terminal))
 
 
 @dataclass(frozen=True)
@@ -353,15 +384,8 @@ class LeaderTerm:
         keys = []
         for raw in self.vm_store.values():
             meta = raw.get("metadata") or {}
-            status = raw.get("status") or {}
             key = f"{meta.get('namespace', '')}/{meta.get('name', '')}"
-            terminal = status.get("phase") in d.TERMINAL_PHASES
-            pods = self.pod_store.by_index(key)
-            gated = any((p.get("spec") or {}).get("schedulingGates") for p in pods)
-            if not pods and create_held_back(raw):
-                continue  # requeued by its own Wait, not every scan
-            if (status.get("pendingPod") or meta.get("deletionTimestamp") or gated
-                    or len(pods) > 1 or (not status.get("podName") and not terminal)):
+            if looks_mid_plan(raw, self.pod_store.by_index(key)):
                 keys.append(key)
         return keys
 
@@ -460,7 +484,9 @@ class LeaderTerm:
             delay = self.queue.add_rate_limited(key)
             log.warning("{err}; retrying in {delay:.1f}s", err=exc, delay=delay)
         except FencedOut as exc:
-            log.error("fenced out: {err}; a newer leader exists, ending this term", err=exc)
+            # Only a fence of our own epoch with a higher token gets here (the locks'
+            # tokens went back); one ahead by its epoch is marked on that VM alone.
+            log.error("fenced out: {err}; ending this term for a new epoch", err=exc)
             self.leadership.lost.set()
         except Exception as exc:
             delay = self.queue.add_rate_limited(key)

@@ -42,7 +42,9 @@ class ControllerMetrics:
             "Pod creates refused by the API server (validation or admission).", registry=r)
         self.fenced = Counter(
             "neonvm_controller_fenced_total",
-            "Reconciles stopped because a newer epoch had written the VM.", registry=r)
+            "Reconciles that found the VM's status fenced ahead of this leader's (epoch, "
+            "token): marked Degraded when ahead by epoch, the term ended when by token only.",
+            registry=r)
         self.leading = Gauge(
             "neonvm_controller_leading", "1 while this replica leads and reconciles.",
             registry=r)

@@ -46,8 +46,10 @@ a lost lock or a changed epoch raises :class:`AuthorityLost` and the reconcile s
 once. A VM whose status is fenced ahead of us (``decide`` says Fenced, or a mutation
 raises :class:`~neonvm.controller.mutations.FencedOut` on a fresh copy) is checked
 against our authority once more: lost, the reconcile stops as above; still held, the
-fence came from no newer leader, and that VM alone is marked Degraded (``FenceAhead``)
-and left alone while every other VM goes on (:meth:`Reconciler._fenced_ahead`).
+fence came from no newer leader. Ahead by its epoch, that VM alone is marked Degraded
+(``FenceAhead``) and left alone while every other VM goes on; ahead by its token only
+(our epoch: the locks' tokens went back), ``FencedOut`` goes on to the manager, which
+ends the term so that the next epoch clears it (:meth:`Reconciler._fenced_ahead`).
 
 What this module does not do: queueing, locking, leader election (see
 :mod:`neonvm.controller.manager`). Safety does not rest on those: it rests on the
@@ -88,6 +90,7 @@ from neonvm.controller.conditions import (
     api_error_text,
     conditions_mutation,
     desired_conditions,
+    epoch_ahead,
     fence_ahead,
     fence_ahead_message,
     fence_ahead_mutation,
@@ -216,6 +219,14 @@ class AuthorityLost(Exception):
 
 class RetryableError(Exception):
     """A transient failure (quota, RBAC being set up): retry later with backoff."""
+
+
+class FencedSnapshot(FencedOut):
+    """``decide`` said Fenced: carries the observation it saw (reused when direct)."""
+
+    def __init__(self, message: str, snap: Snapshot) -> None:
+        super().__init__(message)
+        self.snap = snap
 
 
 class WrongVM(Exception):
@@ -386,7 +397,9 @@ class Reconciler:
             except FencedOut as exc:
                 if self._metrics:
                     self._metrics.fenced.inc()
-                out = self._fenced_ahead(key, authority, str(exc), log)
+                result = "fenced_out"  # if _fenced_ahead ends the term (token ahead)
+                seen_in = exc.snap if isinstance(exc, FencedSnapshot) else None
+                out = self._fenced_ahead(key, authority, str(exc), log, seen_in)
                 result = "fence_ahead"
             return out
         except AuthorityLost:
@@ -419,8 +432,8 @@ class Reconciler:
                 snap = self.observe(key, authority, direct=True)
                 continue
             if isinstance(action, d.Fenced):
-                raise FencedOut(f"{key}: {action.reason} (epoch {action.seen_epoch} > "
-                                f"{authority.lease.epoch})")
+                raise FencedSnapshot(f"{key}: {action.reason} (epoch {action.seen_epoch} > "
+                                     f"{authority.lease.epoch})", snap)
             if isinstance(action, d.Done | d.Wait):
                 updates = desired_conditions(snap, action)
                 mutation = conditions_mutation(updates, authority.lease)
@@ -496,8 +509,8 @@ class Reconciler:
         return ReconcileResult(action=d.Wait(seconds=0.0, reason=message), requeue_after=0.0,
                                steps=steps, stuck=reason)
 
-    def _fenced_ahead(self, key: str, authority: Authority, why: str,
-                      log: Any) -> ReconcileResult:
+    def _fenced_ahead(self, key: str, authority: Authority, why: str, log: Any,
+                      snap: Snapshot | None = None) -> ReconcileResult:
         """The VM's status carries a fence ahead of ours: leave this VM alone.
 
         A leader with a higher epoch exists only once our Lease is gone, and then
@@ -506,11 +519,22 @@ class Reconciler:
         that fence: it came from a restore, a user or a bug. Ending the term for it would
         stall every VM (and an epoch past int32 would never be reached), so instead this
         VM alone gets no action but a Degraded condition that leaves fence and plan
-        untouched (:func:`~neonvm.controller.conditions.fence_ahead_mutation`), a Warning
-        event, and a look again after :data:`FENCE_AHEAD_RECHECK_SECONDS`.
+        untouched (:func:`~neonvm.controller.conditions.fence_ahead_mutation`, written at
+        most once per :data:`FENCE_AHEAD_RECHECK_SECONDS`), a Warning event when written,
+        and a look again after :data:`FENCE_AHEAD_RECHECK_SECONDS`.
+
+        That holds for a fence ahead by its *epoch* only. A fence of our own epoch with a
+        higher token means the locks' tokens went back (their etcd restored from a
+        snapshot or replaced): every VM this term writes is refused the same way, and
+        ``decide`` (which fences on the epoch) is not stopped by it. Then
+        :class:`~neonvm.controller.mutations.FencedOut` goes on to the manager, which
+        ends the term; the next term's higher epoch is ahead of every such fence.
+
+        ``snap``: the observation that was fenced, reused when it was direct.
         """
         authority.check()
-        snap = self.observe(key, authority, direct=True)
+        if snap is None or not snap.obs.direct:
+            snap = self.observe(key, authority, direct=True)
         self._check_uid(snap, authority)
         record = snap.record
         lease = authority.lease
@@ -519,10 +543,17 @@ class Reconciler:
             log.info("fenced out ({why}), but the fresh copy is not: looking again", why=why)
             return ReconcileResult(action=d.Wait(seconds=1.0, reason="fence no longer ahead"),
                                    requeue_after=1.0, steps=0)
+        if not epoch_ahead(seen, lease):
+            raise FencedOut(f"{key}: status.fence (epoch {seen[0]}, token {seen[1]}) is ahead "
+                            f"of (epoch {lease.epoch}, token {lease.token}) by its token only: "
+                            f"the locks' tokens went back; a new term's epoch clears it")
         message = fence_ahead_message(seen, lease)
         log.error("VM fenced ahead of this leader, left alone: {msg}", msg=message)
-        outcome = self._update_vm(key, snap, lambda rec: fence_ahead_mutation(lease)(rec.vm),
-                                  self.writer.put_status, authority)
+        outcome = self._update_vm(
+            key, snap,
+            lambda rec: fence_ahead_mutation(
+                lease, quiet_seconds=FENCE_AHEAD_RECHECK_SECONDS)(rec.vm),
+            self.writer.put_status, authority)
         if outcome.written:
             self._events.record(record.vm, FENCE_AHEAD, message, warning=True)
         action = d.Wait(seconds=FENCE_AHEAD_RECHECK_SECONDS, condition=FENCE_AHEAD,

@@ -82,6 +82,9 @@ BREAKAGES: dict[str, str] = {
     "adopt_without_fence": "observe ignores the pods' fence annotations: a pod under the "
                            "planned name counts as the plan's own (adoption on the name "
                            "alone)",
+    "adopt_any_fence": "a pod under the planned name that is owned by the VM and carries "
+                       "some fence annotations counts as the plan's own, whatever their "
+                       "(epoch, token)",
 }
 
 STATUS_WRITES = frozenset({"RecordPlan", "Commit", "DropPlan", "Restart", "SyncStatus"})
@@ -331,6 +334,11 @@ class Actors:
         if self.cfg.broken("adopt_without_fence") and vm.status.pending is not None:
             plan = vm.status.pending
             pods = tuple(p._replace(fence=(plan.epoch, plan.token)) if p.name == plan.name
+                         else p for p in pods)
+        if self.cfg.broken("adopt_any_fence") and vm.status.pending is not None:
+            plan = vm.status.pending
+            pods = tuple(p._replace(fence=(plan.epoch, plan.token))
+                         if p.name == plan.name and p.owner == vm.uid and p.fence is not None
                          else p for p in pods)
         a = self.code.decide(vm, pods, lease, direct)
         name = a[0]
@@ -604,23 +612,30 @@ class Actors:
     def _plants(self, w: World) -> Iterator[tuple[Step, World]]:
         """The user pre-creates a pod under a name the controller will create: the next
         plan's name, or the recorded plan's before its create. Gated, labelled and owned
-        by the VM (all the admission policy would check when it is off), no fence."""
+        by the VM (all the admission policy would check when it is off), with no fence
+        annotations, or with a fence older than the plan's (one token less: the plan's for
+        the recorded name; status.fence's for the next name, which every later plan's
+        fence is at least)."""
         vm = w.vm
         assert vm is not None
         s = vm.status
-        names = [plan_name(to_api_vm(vm), s.plan_seq + 1)]
+        names = [(plan_name(to_api_vm(vm), s.plan_seq + 1),
+                  _older((s.fence.epoch, s.fence.token) if s.fence is not None else None))]
         if s.pending is not None:
-            names.append(s.pending.name)
-        for name in names:
+            names.append((s.pending.name, _older((s.pending.epoch, s.pending.token))))
+        for name, older in names:
             if pod_by_name(w.pods, name) is not None:
                 continue
             uid = f"u{w.uid_next}"
-            pod = Pod(name=name, uid=uid, owner=vm.uid, gated=True, node=None,
-                      phase="Pending", terminating=False, fence=None)
-            w2 = write_pods(_spend(w, plant=1), (*w.pods, pod), self.cfg.history, None)
-            yield (Step("user", "plant", (name, uid),
-                        f"user: create pod {name} (gated, owned by the VM, no fence)"),
-                   w2._replace(uid_next=w.uid_next + 1))
+            for fence in (None, older) if older is not None else (None,):
+                pod = Pod(name=name, uid=uid, owner=vm.uid, gated=True, node=None,
+                          phase="Pending", terminating=False, fence=fence, planted=True)
+                w2 = write_pods(_spend(w, plant=1), (*w.pods, pod), self.cfg.history, None)
+                what = ("no fence" if fence is None
+                        else f"older fence epoch {fence[0]} token {fence[1]}")
+                yield (Step("user", "plant", (name, uid, fence),
+                            f"user: create pod {name} (gated, owned by the VM, {what})"),
+                       w2._replace(uid_next=w.uid_next + 1))
 
     def _crash(self, w: World, i: int) -> tuple[Step, World]:
         """Crash (SIGKILL) a worker: its in-memory state is lost."""
@@ -653,3 +668,13 @@ class Actors:
             w2 = _set(w2, j, _fresh_worker(LEADER, epoch, *lags))
             yield (Step("fault", "failover", (lead, j), f"fault: c{lead} loses its lease; "
                         f"c{j} is elected, epoch {epoch}"), w2)
+
+
+def _older(fence: tuple[int, int] | None) -> tuple[int, int] | None:
+    """A fence just below ``fence`` (None when there is none below (0, 0))."""
+    if fence is None:
+        return None
+    epoch, token = fence
+    if token > 0:
+        return (epoch, token - 1)
+    return (epoch - 1, 0) if epoch > 0 else None

@@ -11,8 +11,8 @@ State invariants (every explored state):
   ``status.podUID``, of a VM that exists.
 * ``status-describes-its-pod`` — ``status.podIP`` is set only to the IP of the pod
   ``status.podUID`` (a status that shows another pod's address sends clients to it).
-* ``adopts-only-its-own-pods`` — a pod the user planted (no fence annotations) is never
-  committed (``status.podUID``) and never ungated.
+* ``adopts-only-its-own-pods`` — a pod the user planted (no fence annotations, or an
+  older fence than the plan's) is never committed (``status.podUID``) and never ungated.
 
 Step invariants (every explored transition):
 
@@ -46,8 +46,8 @@ STATE_INVARIANTS: dict[str, str] = {
     "runs-only-the-committed-pod": "every ungated, non-terminating, unfinished pod is "
                                    "status.podName with status.podUID",
     "status-describes-its-pod": "status.podIP is the IP of the pod status.podUID",
-    "adopts-only-its-own-pods": "a pod without the plan's fence (planted) is never committed "
-                                "or ungated",
+    "adopts-only-its-own-pods": "a pod without the plan's fence (planted, with no fence or "
+                                "an older one) is never committed or ungated",
 }
 STEP_INVARIANTS: dict[str, str] = {
     "creates-only-recorded-plans": "a pod is created only under a recorded plan name",
@@ -106,7 +106,7 @@ def check_state(w: World, enabled: frozenset[str]) -> Violation | None:
                                  + (f" (pending {s.pending.name})" if s.pending else ""))
     if "adopts-only-its-own-pods" in enabled:
         for p in w.pods:
-            if p.fence is not None:
+            if not p.planted:
                 continue
             if not p.gated:
                 return Violation("adopts-only-its-own-pods",
@@ -128,7 +128,7 @@ def check_step(before: World, after: World, enabled: frozenset[str]) -> Violatio
     if "creates-only-recorded-plans" in enabled and old is not None:
         known = {p.uid for p in before.pods}
         for p in after.pods:
-            if p.uid in known or p.fence is None:  # planted by the user
+            if p.uid in known or p.planted:  # planted by the user
                 continue
             seq = plan_seq_of(p.name)
             if seq is None or seq > old.status.plan_seq:

@@ -38,8 +38,9 @@ Pods (labelled for the VM; any number):
   step. Owner references: the garbage collector deletes pods whose owner VM is gone.
 * **Phases.** Pending → Running → Succeeded/Failed (the guest exits by itself).
 * **Fence annotations.** A pod the controller creates carries the (epoch, token) of the
-  plan it was created for; a pod the user plants carries none (the ``plant`` adversary:
-  the admission policy that forbids it is assumed off).
+  plan it was created for; a pod the user plants carries none, or one older than the
+  plan's (the ``plant`` adversary: the admission policy that forbids it is assumed off;
+  the older fence is what a left-over pod of an earlier plan, or a copy of one, carries).
 
 Locks' etcd and leader election:
 
@@ -153,7 +154,9 @@ class Pod(NamedTuple):
     terminating: bool
     fence: tuple[int, int] | None = None
     """(epoch, token) of the fence annotations: the plan's lease for a pod the controller
-    created, None for a pod the user planted."""
+    created; None, or a wrong (older) one, for a pod the user planted."""
+    planted: bool = False
+    """Created by the user (the ``plant`` adversary), not by the controller."""
 
     @property
     def ip(self) -> str | None:
@@ -218,7 +221,8 @@ class Budget(NamedTuple):
     spec_edit: int = 0
     plant: int = 0
     """The user creates a pod under the VM's next plan name (or its recorded plan's name
-    before the controller does): gated, labelled, owner-referenced, without the fence."""
+    before the controller does): gated, labelled, owner-referenced, without the fence or
+    with an older one."""
 
 
 class World(NamedTuple):

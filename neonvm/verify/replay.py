@@ -258,7 +258,7 @@ class Replayer:
             self._record_vm()
             return "spec patched"
         if actor == "user" and kind == "plant":
-            return self._plant_real(args[0], args[1])
+            return self._plant_real(args[0], args[1], args[2] if len(args) > 2 else None)
         if actor == "fault" and kind == "conflict":
             vm = self.vm_versions[-1]
             self.writer.bump(VMRecord.from_raw(vm))
@@ -360,9 +360,12 @@ class Replayer:
             self.uids[model_uid] = created.metadata.uid
         return "ok"
 
-    def _plant_real(self, model_name: str, model_uid: str) -> str:
-        """A runner pod without the fence annotations (the user's plant). Created with
-        the controller's identity: the admission policy lets no one else create one."""
+    def _plant_real(self, model_name: str, model_uid: str,
+                    fence: tuple[int, int] | None = None) -> str:
+        """A runner pod without the fence annotations (the user's plant), or (``fence``:
+        the model's plant with an older fence) with annotations of epoch 0 and token 0,
+        below any real plan's. Created with the controller's identity: the admission
+        policy lets no one else create one."""
         raw_vm = self.get_vm() or self.vm_versions[-1]
         vm = VirtualMachine.from_object(raw_vm)
         seq = int(model_name[len(MODEL_PREFIX):])
@@ -370,6 +373,8 @@ class Replayer:
         manifest = podspec.runner_pod(vm, _pending(plan))
         for key in (types.ANNOTATION_EPOCH, types.ANNOTATION_TOKEN):
             manifest["metadata"]["annotations"].pop(key, None)
+            if fence is not None:
+                manifest["metadata"]["annotations"][key] = "0"
         created = self.core.create_namespaced_pod(self.namespace, manifest)
         self.uids[model_uid] = created.metadata.uid
         return "planted"

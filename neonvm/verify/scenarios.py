@@ -176,8 +176,8 @@ def ci_scenarios(base: Config | None = None) -> list[Scenario]:
         Scenario(
             "planted-pod",
             "a running VM's pod is deleted; the user plants a pod under the next plan name "
-            "(or the recorded plan's, before the create), gated and owned by the VM; a "
-            "failover on the way",
+            "(or the recorded plan's, before the create), gated and owned by the VM, with "
+            "no fence or an older one; a failover on the way",
             locked,
             with_adversaries(_steady(locked, 2), locked, budget=Budget(
                 pod_delete=1, plant=1, failover=1)),
