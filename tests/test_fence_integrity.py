@@ -41,7 +41,7 @@ from neonvm.controller.conditions import (
     fence_ahead_mutation,
 )
 from neonvm.controller.events import EventRecorder
-from neonvm.controller.harness import (
+from neonvm.testing.harness import (
     Replicas,
     converged,
     create_vm,

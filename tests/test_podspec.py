@@ -19,7 +19,7 @@ from kubernetes import client
 from neonvm.api import types
 from neonvm.api.schema import decode, encode
 from neonvm.api.types import PendingPod, VirtualMachine, VirtualMachineSpec, VirtualMachineStatus
-from neonvm.controller.harness import create_vm, get_vm, runner_pods
+from neonvm.testing.harness import create_vm, get_vm, runner_pods
 from neonvm.controller.podspec import PodSpecError, runner_pod
 from neonvm.controller.reconciler import Reconciler, ReconcilerConfig, StaticAuthority
 from neonvm.runner.spec import load_spec

@@ -12,7 +12,7 @@ from kubernetes import client
 
 from neonvm import kube
 from neonvm.cli import main
-from neonvm.controller.harness import create_vm
+from neonvm.testing.harness import create_vm
 from neonvm.controller.reconciler import Reconciler, StaticAuthority
 from neonvm.dev.cluster import LocalCluster
 

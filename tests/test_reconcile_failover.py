@@ -23,7 +23,7 @@ from kubernetes import client
 
 from neonvm.api import types
 from neonvm.controller.faults import CRASH_EXIT_CODE
-from neonvm.controller.harness import (
+from neonvm.testing.harness import (
     Replica,
     Replicas,
     converged,

@@ -28,7 +28,7 @@ from kubernetes.client.exceptions import ApiException
 
 from neonvm.api import types
 from neonvm.controller.decide import parse_rfc3339, restart_backoff
-from neonvm.controller.harness import Replicas, converged, create_vm, get_vm
+from neonvm.testing.harness import Replicas, converged, create_vm, get_vm
 from neonvm.dev import nodes
 from neonvm.dev.cluster import LocalCluster
 from neonvm.drills.observer import PodWatchChecker

@@ -38,7 +38,7 @@ import pytest
 from kubernetes import client
 
 from neonvm.api import types
-from neonvm.controller.harness import Replicas, converged, create_vm
+from neonvm.testing.harness import Replicas, converged, create_vm
 from neonvm.dev.cluster import LocalCluster
 from neonvm.drills.observer import PodWatchChecker
 from neonvm.invariant import InvariantChecker

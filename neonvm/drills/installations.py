@@ -33,7 +33,7 @@ from typing import Any
 
 from kubernetes import client
 
-from neonvm.controller.harness import Replicas, get_vm
+from neonvm.testing.harness import Replicas, get_vm
 from neonvm.drills import fleet
 from neonvm.leader.epoch import EpochFloor
 from neonvm.leader.etcd import Etcd, EtcdConfig, EtcdError
