@@ -41,6 +41,10 @@ from neonvm.controller.conditions import (
     fence_ahead_mutation,
 )
 from neonvm.controller.events import EventRecorder
+from neonvm.controller.observe import Snapshot
+from neonvm.controller.reconciler import Reconciler, ReconcilerConfig, StaticAuthority
+from neonvm.dev.cluster import LocalCluster
+from neonvm.invariant import InvariantChecker
 from neonvm.testing.harness import (
     Replicas,
     converged,
@@ -49,10 +53,6 @@ from neonvm.testing.harness import (
     is_gated,
     runner_pods,
 )
-from neonvm.controller.observe import Snapshot
-from neonvm.controller.reconciler import Reconciler, ReconcilerConfig, StaticAuthority
-from neonvm.dev.cluster import LocalCluster
-from neonvm.invariant import InvariantChecker
 from tests.support import wait_for
 
 AUTHORITY = StaticAuthority(epoch=1, token=10)

@@ -23,6 +23,10 @@ from kubernetes import client
 
 from neonvm.api import types
 from neonvm.controller.faults import CRASH_EXIT_CODE
+from neonvm.dev.cluster import LocalCluster
+from neonvm.invariant import InvariantChecker
+from neonvm.leader.etcd import Etcd, EtcdConfig
+from neonvm.leader.lock import Installation, LockTable, lock_key
 from neonvm.testing.harness import (
     Replica,
     Replicas,
@@ -34,10 +38,6 @@ from neonvm.testing.harness import (
     list_vms,
     runner_pods,
 )
-from neonvm.dev.cluster import LocalCluster
-from neonvm.invariant import InvariantChecker
-from neonvm.leader.etcd import Etcd, EtcdConfig
-from neonvm.leader.lock import Installation, LockTable, lock_key
 from tests.support import create_pull_secret, wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
