@@ -61,6 +61,7 @@ from kubernetes.watch.watch import iter_resp_lines
 
 from neonvm import kube
 from neonvm.controller.faults import STEPS, FaultConfig
+from neonvm.dev.replica import DEV_RUNNER_IMAGE, controller_argv
 from neonvm.drills import fleet
 from neonvm.drills.check import LockView, check
 from neonvm.drills.observer import Watchdog
@@ -310,14 +311,12 @@ class ScheduleRun:
     # ---- replicas ----------------------------------------------------------------------
 
     def _argv(self, slot: _Slot) -> list[str]:
-        argv = [sys.executable, "-m", "neonvm", "--log-format", "json", "controller", "run",
-                "--kubeconfig", str(self.cluster.kubeconfig_for("controller")),
-                "--etcd-endpoints", self.cluster.locks_etcd_url, "--etcd-prefix", self.prefix,
-                "--identity", slot.identity, "--health-port", "0",
-                "--health-host", "127.0.0.1", "--lease-namespace", self.namespace,
-                "--watch-namespace", self.namespace, "--runner-image", "neonvm-runner:dev",
-                *LEASE_ARGS]
-        return argv + (["--fault", slot.faults] if slot.faults else [])
+        return controller_argv(
+            kubeconfig=str(self.cluster.kubeconfig_for("controller")),
+            etcd_endpoints=self.cluster.locks_etcd_url, etcd_prefix=self.prefix,
+            identity=slot.identity, health_host="127.0.0.1", lease_namespace=self.namespace,
+            watch_namespace=self.namespace, runner_image=DEV_RUNNER_IMAGE, extra=LEASE_ARGS,
+            faults=slot.faults)
 
     def _start(self, slot: _Slot) -> None:
         slot.starts += 1
