@@ -144,6 +144,19 @@ def test_product_does_not_import_testing() -> None:
     assert found == []
 
 
+def test_campaign_schedules_are_pure() -> None:
+    """Schedule generation touches no cluster: it imports only the fault vocabulary."""
+    path = ROOT / "drills" / "schedule.py"
+    imported = set()
+    for node in _import_nodes(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            imported |= {a.name for a in node.names}
+        else:
+            imported.add(node.module or "")
+    assert imported <= {"__future__", "os", "random", "dataclasses",
+                        "neonvm.controller.faults"}, imported
+
+
 def test_the_graph_reader_sees_each_kind_of_import(tmp_path: Path) -> None:
     """The checks above can fail: a two-module cycle through a function-level relative
     import is found, and a TYPE_CHECKING-only import is not counted."""
