@@ -488,7 +488,7 @@ class ScheduleRun:
             if report.watch.gaps:
                 self.result.notes.append(f"pod watch re-listed {report.watch.gaps} time(s)")
         except Exception as exc:
-            self.result.failures.append(f"the schedule could not run: {_short(exc)}")
+            self.result.failures.append(f"the schedule could not run: {kube.short_error(exc)}")
         finally:
             self._stop.set()
             if supervisor.is_alive():
@@ -512,7 +512,7 @@ class ScheduleRun:
             except Exception as exc:
                 if not fleet.transient(exc):
                     raise
-                self.result.notes.append(f"{d.kind} skipped: {_short(exc)}")
+                self.result.notes.append(f"{d.kind} skipped: {kube.short_error(exc)}")
         ok, seconds, state = fleet.wait_converged(self.api, self.namespace, self.names,
                                                   self.converge_timeout)
         if not ok:
@@ -565,12 +565,6 @@ class ScheduleRun:
         self.api.close()
 
 
-def _short(exc: BaseException) -> str:
-    if isinstance(exc, ApiException):
-        return f"API {exc.status} {exc.reason}"
-    return f"{type(exc).__name__}: {str(exc)[:200]}"
-
-
 def _without_crash(spec: str) -> str:
     return ",".join(p for p in spec.split(",") if not p.strip().startswith("crash_after"))
 
@@ -609,7 +603,7 @@ def run_campaign(cluster: Any, schedules: Sequence[Schedule], progress: Progress
                 outcome = run_schedule(cluster, schedule, progress, restart_lock)
             except Exception as exc:  # a driver bug must fail the campaign, not vanish
                 outcome = ScheduleResult(schedule, failures=[
-                    f"the driver failed: {_short(exc)}"])
+                    f"the driver failed: {kube.short_error(exc)}"])
             with lock:
                 result.results.append(outcome)
                 done = len(result.results)
