@@ -215,10 +215,6 @@ class LocalTarget:
         for i in range(self.replicas):
             self.start_replica(i)
 
-    def stop_replicas(self) -> None:
-        for i in range(self.replicas):
-            self.cluster.stop_component(self.replica_name(i))
-
     def pid_of(self, identity: str) -> int | None:
         """The replica process whose ``--identity`` is ``identity``."""
         for pid_file in sorted((self.cluster.state_dir / "run").glob("*.pid")):
