@@ -36,8 +36,6 @@ def install(nodes: int | None) -> None:
     install_binaries(with_nodes=nodes is None or nodes > 0, with_helm=True)
 
 
-
-
 @dev.command()
 @STATE_DIR_OPTION
 @click.option("--nodes", type=click.IntRange(0, 100), default=None,
