@@ -40,3 +40,40 @@ def test_the_lease_and_the_vm_status_use_the_same_format() -> None:
     assert election.format_microtime(at) == decide.format_rfc3339(at) \
         == "2026-05-06T07:08:09.000010Z"
     assert decide.parse_rfc3339(times.format_microtime(at)) == at
+
+
+def _parsed(argv: list[str]) -> dict[str, object]:
+    """What ``neonvm controller run`` makes of a launcher's command line (parsed by the
+    real command, not run)."""
+    from neonvm.cli.controller import run
+
+    assert argv[1:8] == ["-m", "neonvm", "--log-format", "json", "controller", "run",
+                         "--kubeconfig"]
+    ctx = run.make_context("run", argv[7:])
+    return dict(ctx.params)
+
+
+def test_the_launcher_writes_a_command_line_the_controller_accepts() -> None:
+    from neonvm.dev.replica import DEMO_TIMINGS, controller_argv, local_replica_argv
+
+    full = _parsed(controller_argv(
+        kubeconfig="/k", etcd_endpoints="http://127.0.0.1:1", identity="r-1",
+        lease_namespace="ns", watch_namespace="ns", etcd_prefix="/p", health_host="127.0.0.1",
+        runner_image="img:1", faults="conflict=0.5", extra=("--lease-duration", "4")))
+    assert (full["identity"], full["lease_namespace"], full["etcd_prefix"],
+            full["health_port"], full["lease_duration"]) == ("r-1", "ns", "/p", 0, 4.0)
+    assert "--fault" not in controller_argv(kubeconfig="/k", etcd_endpoints="e",
+                                            identity="i")
+
+    class Cluster:
+        locks_etcd_url = "http://127.0.0.1:2"
+
+        def kubeconfig_for(self, user: str) -> str:
+            return f"/state/{user}.kubeconfig"
+
+    argv = local_replica_argv(Cluster(), 3, faults="stale_reads=0.2")  # type: ignore[arg-type]
+    local = _parsed(argv)
+    assert str(local["kubeconfig"]) == "/state/controller.kubeconfig"
+    assert str(local["identity"]).startswith("replica-3-")
+    assert argv[-2:] == ["--fault", "stale_reads=0.2"]
+    assert list(DEMO_TIMINGS) == argv[argv.index("--lease-duration"):][:len(DEMO_TIMINGS)]
