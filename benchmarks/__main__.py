@@ -44,7 +44,7 @@ def say(msg: str) -> None:
 
 @contextmanager
 def local_cluster(state_dir: Path | None, nodes: int) -> Iterator[Any]:
-    from neonvm.cli.dev import install_binaries
+    from neonvm.dev.binaries import install_binaries
     from neonvm.dev.cluster import ClusterSpec, LocalCluster
 
     if state_dir is not None:

@@ -232,3 +232,12 @@ def api_error_message(err: ApiException) -> str:
         return str(body.get("message") or err.reason)
     except (ValueError, TypeError):
         return f"{err.status} {err.reason}"
+
+
+def short_error(exc: BaseException) -> str:
+    """One line for a log or a report: an API error's status and reason, else the type
+    and the first line of the message, at most 300 characters."""
+    if isinstance(exc, ApiException):
+        return f"{exc.status} {exc.reason}"
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}: {text}"[:300]

@@ -47,7 +47,7 @@ from kubernetes import client, dynamic
 from kubernetes.client.exceptions import ApiException
 
 from neonvm import kube, manifests
-from neonvm.api import types
+from neonvm.api import times, types
 from neonvm.dev import binaries
 from neonvm.dev.cluster import LocalCluster, free_port
 from tests.support import wait_for
@@ -830,7 +830,7 @@ def _drain_watch(resp: Any) -> None:
 def _micro_now() -> str:
     from datetime import UTC, datetime
 
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    return times.format_microtime(datetime.now(UTC))
 
 
 def _lease(name: str) -> client.V1Lease:

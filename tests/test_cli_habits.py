@@ -31,10 +31,10 @@ from kubernetes import client
 from neonvm import kube
 from neonvm.api import types
 from neonvm.cli import main
-from neonvm.controller.harness import create_vm, get_vm, is_gated, runner_pods
 from neonvm.dev import nodes
 from neonvm.dev.cluster import CONTROLLER_USER, LocalCluster
 from neonvm.leader.election import DEFAULT_NAMESPACE as LEASE_NAMESPACE
+from neonvm.testing.harness import create_vm, get_vm, is_gated, runner_pods
 from tests.support import wait_for
 
 UNREACHABLE = "https://127.0.0.1:1"

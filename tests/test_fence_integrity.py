@@ -47,7 +47,15 @@ from neonvm.controller.conditions import (
 )
 from neonvm.controller.conditions import now_rfc3339 as conditions_now
 from neonvm.controller.events import EventRecorder
-from neonvm.controller.harness import (
+from neonvm.controller.mutations import FencedOut, status_mutation
+from neonvm.controller.observe import Snapshot
+from neonvm.controller.reconciler import (
+    FENCE_AHEAD_RECHECK_SECONDS as RECHECK,
+)
+from neonvm.controller.reconciler import Reconciler, ReconcilerConfig, StaticAuthority
+from neonvm.dev.cluster import LocalCluster
+from neonvm.invariant import InvariantChecker
+from neonvm.testing.harness import (
     Replicas,
     converged,
     create_vm,
@@ -55,18 +63,6 @@ from neonvm.controller.harness import (
     is_gated,
     runner_pods,
 )
-from neonvm.controller.mutations import FencedOut, status_mutation
-from neonvm.controller.observe import Snapshot
-from neonvm.controller.reconciler import (
-    FENCE_AHEAD_RECHECK_SECONDS as RECHECK,
-)
-from neonvm.controller.reconciler import (
-    Reconciler,
-    ReconcilerConfig,
-    StaticAuthority,
-)
-from neonvm.dev.cluster import LocalCluster
-from neonvm.invariant import InvariantChecker
 from tests.support import wait_for
 
 AUTHORITY = StaticAuthority(epoch=1, token=10)

@@ -30,10 +30,10 @@ from kubernetes.client.exceptions import ApiException
 from neonvm.api import types
 from neonvm.cli import main
 from neonvm.controller.conditions import WAITING_FOR_OLD_POD
-from neonvm.controller.harness import Replicas, converged, create_vm, get_vm, is_gated
 from neonvm.dev import nodes
 from neonvm.dev.cluster import LocalCluster
 from neonvm.invariant import InvariantChecker
+from neonvm.testing.harness import Replicas, converged, create_vm, get_vm, is_gated
 from tests.support import wait_for
 
 pytestmark = pytest.mark.nodes

@@ -22,8 +22,6 @@ from neonvm.api import types
 from neonvm.controller import decide as d
 from neonvm.controller.events import EventRecorder
 from neonvm.controller.faults import FaultConfig, Faults
-from neonvm.controller.harness import create_vm as harness_create_vm
-from neonvm.controller.harness import get_vm, is_gated, runner_pods
 from neonvm.controller.informer import Informer, Store
 from neonvm.controller.metrics import ControllerMetrics
 from neonvm.controller.observe import (
@@ -44,6 +42,8 @@ from neonvm.controller.reconciler import (
 from neonvm.controller.update import stale_writeback_update
 from neonvm.dev.cluster import LocalCluster
 from neonvm.invariant import InvariantChecker
+from neonvm.testing.harness import create_vm as harness_create_vm
+from neonvm.testing.harness import get_vm, is_gated, runner_pods
 from tests.support import create_pull_secret, wait_for
 
 pytestmark = pytest.mark.cluster

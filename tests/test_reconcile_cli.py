@@ -12,9 +12,9 @@ from kubernetes import client
 
 from neonvm import kube
 from neonvm.cli import main
-from neonvm.controller.harness import create_vm
 from neonvm.controller.reconciler import Reconciler, StaticAuthority
 from neonvm.dev.cluster import LocalCluster
+from neonvm.testing.harness import create_vm
 
 
 def run(*args: str) -> tuple[int, str]:

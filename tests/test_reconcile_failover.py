@@ -23,7 +23,11 @@ from kubernetes import client
 
 from neonvm.api import types
 from neonvm.controller.faults import CRASH_EXIT_CODE
-from neonvm.controller.harness import (
+from neonvm.dev.cluster import LocalCluster
+from neonvm.invariant import InvariantChecker
+from neonvm.leader.etcd import Etcd, EtcdConfig
+from neonvm.leader.lock import Installation, LockTable, lock_key
+from neonvm.testing.harness import (
     Replica,
     Replicas,
     converged,
@@ -34,10 +38,6 @@ from neonvm.controller.harness import (
     list_vms,
     runner_pods,
 )
-from neonvm.dev.cluster import LocalCluster
-from neonvm.invariant import InvariantChecker
-from neonvm.leader.etcd import Etcd, EtcdConfig
-from neonvm.leader.lock import Installation, LockTable, lock_key
 from tests.support import create_pull_secret, wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]

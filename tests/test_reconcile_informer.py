@@ -10,9 +10,9 @@ import pytest
 from kubernetes import client
 
 from neonvm.api import types
-from neonvm.controller.harness import create_vm, delete_vm
 from neonvm.controller.informer import Informer, Obj, Store
 from neonvm.dev.cluster import LocalCluster
+from neonvm.testing.harness import create_vm, delete_vm
 from tests.support import wait_for
 
 pytestmark = pytest.mark.cluster

@@ -34,15 +34,6 @@ from neonvm.api import types
 from neonvm.controller import decide as d
 from neonvm.controller.conditions import API_ERROR_LIMIT, ELLIPSIS, MESSAGE_LIMIT
 from neonvm.controller.events import EventRecorder
-from neonvm.controller.harness import (
-    Replica,
-    Replicas,
-    converged,
-    create_vm,
-    get_vm,
-    is_gated,
-    runner_pods,
-)
 from neonvm.controller.metrics import ControllerMetrics
 from neonvm.controller.podspec import PodDefaults
 from neonvm.controller.reconciler import (
@@ -56,6 +47,15 @@ from neonvm.controller.reconciler import (
 from neonvm.dev.cluster import LocalCluster
 from neonvm.invariant import InvariantChecker
 from neonvm.kube import api_error_message
+from neonvm.testing.harness import (
+    Replica,
+    Replicas,
+    converged,
+    create_vm,
+    get_vm,
+    is_gated,
+    runner_pods,
+)
 from tests.support import wait_for
 
 pytestmark = pytest.mark.cluster

@@ -28,11 +28,11 @@ from kubernetes.client.exceptions import ApiException
 
 from neonvm.api import types
 from neonvm.controller.decide import parse_rfc3339, restart_backoff
-from neonvm.controller.harness import Replicas, converged, create_vm, get_vm
 from neonvm.dev import nodes
 from neonvm.dev.cluster import LocalCluster
 from neonvm.drills.observer import PodWatchChecker
 from neonvm.invariant import InvariantChecker
+from neonvm.testing.harness import Replicas, converged, create_vm, get_vm
 from tests.support import wait_for
 from tests.test_reconcile_failover import (  # noqa: F401  (fixtures, used by name)
     checker,

@@ -31,8 +31,8 @@ import pytest
 from kubernetes import client
 
 from neonvm.api import types
-from neonvm.controller.harness import Replicas, is_gated, list_vms, runner_pods, vm_manifest
 from neonvm.drills.observer import PodWatchChecker
+from neonvm.testing.harness import Replicas, is_gated, list_vms, runner_pods, vm_manifest
 from tests.support import wait_for
 from tests.test_reconcile_failover import leader_of, prefix, replicas  # noqa: F401 (fixtures)
 

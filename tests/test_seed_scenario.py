@@ -38,10 +38,10 @@ import pytest
 from kubernetes import client
 
 from neonvm.api import types
-from neonvm.controller.harness import Replicas, converged, create_vm
 from neonvm.dev.cluster import LocalCluster
 from neonvm.drills.observer import PodWatchChecker
 from neonvm.invariant import InvariantChecker
+from neonvm.testing.harness import Replicas, converged, create_vm
 from tests.support import wait_for
 from tests.test_reconcile_failover import (  # noqa: F401  (fixtures, used by name)
     checker,

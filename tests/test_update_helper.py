@@ -19,7 +19,6 @@ from kubernetes.client.exceptions import ApiException
 from neonvm import kube
 from neonvm.api.types import Fence, PendingPod, VirtualMachineStatus
 from neonvm.controller import decide as d
-from neonvm.controller.harness import create_vm
 from neonvm.controller.mutations import FencedOut, status_mutation
 from neonvm.controller.observe import DirectReader, VMRecord
 from neonvm.controller.reconciler import VMWriter
@@ -31,6 +30,7 @@ from neonvm.controller.update import (
     stale_writeback_update,
 )
 from neonvm.dev.cluster import LocalCluster
+from neonvm.testing.harness import create_vm
 
 # ---- an in-memory CAS store ---------------------------------------------------------------
 

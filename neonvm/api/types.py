@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from neonvm.api.millicpu import MilliCPU
-from neonvm.api.schema import api_field, decode, encode
+from neonvm.api.schema import api_field, decode
 
 GROUP = "vm.neon.tech"
 VERSION = "v1"
@@ -529,11 +529,6 @@ class VirtualMachine:
             finalizers=list(meta.get("finalizers") or []),
             labels=dict(meta.get("labels") or {}),
         )
-
-    def status_object(self) -> dict[str, Any]:
-        """The status as API JSON."""
-        out: dict[str, Any] = encode(self.status)
-        return out
 
     @property
     def key(self) -> str:

@@ -22,30 +22,17 @@ from kubernetes import client
 
 from neonvm import kube, overview
 from neonvm.api import types
-from neonvm.cli.dev import STATE_DIR_OPTION, install_binaries, print_exports
+from neonvm.cli.dev import STATE_DIR_OPTION, print_exports
+from neonvm.dev.binaries import install_binaries
 from neonvm.dev.cluster import ClusterSpec, LocalCluster
+from neonvm.dev.replica import LEASE_NAMESPACE, local_replica_argv
 from neonvm.invariant import InvariantChecker
 
 SAMPLE_VM = Path(__file__).resolve().parents[2] / "examples" / "vm-deploy.yaml"
-LEASE_NAMESPACE = "neonvm-system"
 
 
 def _progress(msg: str) -> None:
     click.echo(f"  {msg}", err=True)
-
-
-def replica_argv(cluster: LocalCluster, index: int) -> list[str]:
-    """How the demo (and drills) run one controller replica against the local cluster."""
-    return [
-        sys.executable, "-m", "neonvm", "--log-format", "json", "controller", "run",
-        "--kubeconfig", str(cluster.kubeconfig_for("controller")),
-        "--etcd-endpoints", cluster.locks_etcd_url,
-        "--identity", f"replica-{index}-{int(time.time() * 1000) % 100000}",
-        "--health-port", "0",
-        "--lease-duration", "6", "--renew-deadline", "4", "--retry-period", "1",
-        "--session-ttl", "6",
-        "--runner-image", "neonvm-runner:dev",
-    ]
 
 
 def start_replicas(cluster: LocalCluster, count: int) -> None:
@@ -56,7 +43,7 @@ def start_replicas(cluster: LocalCluster, count: int) -> None:
         )
     api.close()
     for i in range(count):
-        pid = cluster.start_process(f"controller-{i}", replica_argv(cluster, i), {})
+        pid = cluster.start_process(f"controller-{i}", local_replica_argv(cluster, i), {})
         _progress(f"controller-{i}: pid {pid}, log {cluster.log_file(f'controller-{i}')}")
 
 

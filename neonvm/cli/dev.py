@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 
 from neonvm.cli.output import OUTPUT_OPTION, emit
-from neonvm.dev import binaries
+from neonvm.dev.binaries import install_binaries
 from neonvm.dev.cluster import ClusterSpec, LocalCluster, default_state_dir
 
 STATE_DIR_OPTION = click.option(
@@ -34,19 +34,6 @@ def dev() -> None:
 def install(nodes: int | None) -> None:
     """Build (or find) the control-plane binaries; cached outside the repository."""
     install_binaries(with_nodes=nodes is None or nodes > 0, with_helm=True)
-
-
-def install_binaries(with_nodes: bool, with_helm: bool = False) -> None:
-    wanted = ["etcd", "kubernetes"] + (["kwok"] if with_nodes else [])
-    wanted += ["helm"] if with_helm else []
-    for group_name in wanted:
-        group = binaries.GROUPS[group_name]
-        if all(binaries.find(b) for b in group.binaries):
-            continue
-        click.echo(f"building {group.key} from the Go module proxy (cached in "
-                   f"{binaries.cache_root()}; a cold build takes minutes)", err=True)
-        seconds = binaries.build(group, progress=_progress)
-        click.echo(f"built {group.key} in {seconds:.0f}s", err=True)
 
 
 @dev.command()

@@ -50,6 +50,7 @@ from __future__ import annotations
 import datetime as dt
 from dataclasses import dataclass, field
 
+from neonvm.api import times
 from neonvm.api.types import FINALIZER, PendingPod, VirtualMachine
 
 # ---- observation -------------------------------------------------------------------------
@@ -277,7 +278,7 @@ def restart_backoff(restart_count: int) -> float:
 
 def format_rfc3339(at: dt.datetime) -> str:
     """UTC, microseconds: ``2026-01-02T03:04:05.123456Z``."""
-    return _utc(at).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    return times.format_microtime(at)
 
 
 def parse_rfc3339(text: str | None) -> dt.datetime | None:

@@ -31,6 +31,7 @@ from kubernetes.watch.watch import iter_resp_lines
 from loguru import logger
 
 from neonvm.controller.faults import Faults
+from neonvm.kube import short_error
 
 Obj = dict[str, Any]
 Handler = Callable[[str, Obj | None, Obj | None], None]
@@ -242,7 +243,7 @@ class Informer:
                 failures += 1
                 delay = min(self._max_backoff, self._retry_backoff * 2 ** min(failures, 6))
                 self._log.warning("list/watch failed ({err}); retrying in {delay:.1f}s",
-                                  err=_short(exc), delay=delay)
+                                  err=short_error(exc), delay=delay)
                 self._stop.wait(delay)
 
     def _relist(self) -> str:
@@ -309,9 +310,3 @@ def _events(resp: Any) -> Iterator[dict[str, Any]]:
     for line in iter_resp_lines(resp):
         if line:
             yield json.loads(line)
-
-
-def _short(exc: BaseException) -> str:
-    if isinstance(exc, ApiException):
-        return f"{exc.status} {exc.reason}"
-    return f"{type(exc).__name__}: {exc}"

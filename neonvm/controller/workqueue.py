@@ -170,6 +170,3 @@ class WorkQueue:
         with self._cond:
             return len(self._due)
 
-    def processing(self) -> set[str]:
-        with self._cond:
-            return set(self._processing)

@@ -20,6 +20,7 @@ import fcntl
 import os
 import shutil
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -276,3 +277,23 @@ def _run(
         tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
         raise BinaryError(f"'{' '.join(cmd)}' failed in {cwd}:\n{tail}")
     return proc.stdout if capture else ""
+
+
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def install_binaries(with_nodes: bool, with_helm: bool = False,
+                     say: Callable[[str], None] = _stderr) -> None:
+    """Build the control-plane binaries that are not in the cache yet (etcd, Kubernetes;
+    kwok with simulated nodes; helm if asked), telling ``say`` what it builds."""
+    wanted = ["etcd", "kubernetes"] + (["kwok"] if with_nodes else [])
+    wanted += ["helm"] if with_helm else []
+    for group_name in wanted:
+        group = GROUPS[group_name]
+        if all(find(b) for b in group.binaries):
+            continue
+        say(f"building {group.key} from the Go module proxy (cached in "
+            f"{cache_root()}; a cold build takes minutes)")
+        seconds = build(group, progress=lambda m: say(f"  {m}"))
+        say(f"built {group.key} in {seconds:.0f}s")

@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from neonvm import kube, manifests
-from neonvm.dev.cluster import CONTROLLER_USER, LocalCluster
+from neonvm.dev.common import CONTROLLER_USER
 from neonvm.leader.election import DEFAULT_NAMESPACE as LEASE_NAMESPACE
+
+if TYPE_CHECKING:
+    from neonvm.dev.cluster import LocalCluster
 
 
 def apply_cluster_objects(cluster: LocalCluster, progress: Callable[[str], None]) -> None:

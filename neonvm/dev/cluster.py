@@ -20,71 +20,37 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import random
 import signal
-import socket
 import ssl
 import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Collection, Iterator
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import yaml
 
-from neonvm.dev import binaries
+from neonvm.dev import binaries, bootstrap, nodes
+from neonvm.dev.common import (
+    CONTROLLER_KUBECONFIG_ENV,
+    CONTROLLER_USER,
+    DEFAULT_PORTS,
+    KWOK_USER,
+    ClusterError,
+    ClusterSpec,
+    _port_in_use,
+    default_state_dir,
+    free_port,
+)
 from neonvm.dev.pki import CertPair, LocalPKI
 
-DEFAULT_PORTS = {
-    "etcd": 2379,
-    "etcd-peer": 2380,
-    "locks-etcd": 2479,
-    "locks-etcd-peer": 2480,
-    "kube-apiserver": 6443,
-    "kube-scheduler": 10259,
-    "kube-controller-manager": 10257,
-    "kwok": 10247,
-}
-
-CONTROLLER_USER = "neonvm-controller"
-"""The identity controller replicas use locally (the admission fence names it)."""
-
-CONTROLLER_KUBECONFIG_ENV = "NEONVM_CONTROLLER_RUN_KUBECONFIG"
-"""``neonvm controller run``'s own kubeconfig variable; ``neonvm dev env`` points it at the
-controller identity's kubeconfig, so a replica started from that shell is not the admin."""
-
-KWOK_USER = "neonvm-dev-kwok"
-"""kwok's identity: the kubelets of every simulated node (RBAC in neonvm.dev.nodes)."""
-
-
-class ClusterError(RuntimeError):
-    """Something the user can act on; the CLI prints it as one line."""
-
-
-def default_state_dir() -> Path:
-    base = os.environ.get("NEONVM_STATE_DIR")
-    if base:
-        return Path(base)
-    state_home = Path(os.environ.get("XDG_STATE_HOME", Path.home() / ".local" / "state"))
-    return state_home / "neonvm" / "dev"
-
-
-@dataclass
-class ClusterSpec:
-    """What ``up`` was asked for; persisted so that ``status`` and ``down`` agree with it."""
-
-    nodes: int = 0
-    ports: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_PORTS))
-
-    @classmethod
-    def with_free_ports(cls, nodes: int = 0) -> ClusterSpec:
-        ports: dict[str, int] = {}
-        for name in DEFAULT_PORTS:
-            ports[name] = free_port(taken=set(ports.values()))
-        return cls(nodes=nodes, ports=ports)
-
+__all__ = [
+    "CONTROLLER_KUBECONFIG_ENV", "CONTROLLER_USER", "DEFAULT_PORTS", "KWOK_USER",
+    "ClusterError", "ClusterSpec", "ComponentStatus", "LocalCluster", "default_state_dir",
+    "free_port", "running",
+]
 
 @dataclass(frozen=True)
 class ComponentStatus:
@@ -93,42 +59,6 @@ class ComponentStatus:
     running: bool
     healthy: bool
     detail: str
-
-
-def free_port(taken: Collection[int] = ()) -> int:
-    """A loopback TCP port nobody listens on, below the kernel's ephemeral port range.
-
-    A port from ``bind(0)`` comes from the ephemeral range, which outgoing connections
-    draw their source ports from too: between picking it and the server binding it, a
-    client connection may take it (CI saw etcd fail with "bind: address already in use").
-    Below that range only other listeners compete, and the bind check sees them.
-    """
-    low = _ephemeral_port_low()
-    chooser = random.SystemRandom()
-    for _ in range(200):
-        port = chooser.randrange(max(1024, low - 16384), low)
-        if port not in taken and not _port_in_use(port):
-            return port
-    with socket.socket() as s:  # everything below the range is busy: take any port
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _ephemeral_port_low() -> int:
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
-def _port_in_use(port: int) -> bool:
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return True
-    return False
 
 
 def _pid_alive(pid: int, binary_name: str) -> bool:
@@ -206,8 +136,6 @@ class LocalCluster:
         pki = self._pki()
         for name in self.components():
             if name == "kwok":
-                from neonvm.dev import nodes
-
                 nodes.ensure_nodes(self, progress)
             status = self.component_status(name)
             if status.running and status.healthy:
@@ -221,12 +149,8 @@ class LocalCluster:
             self._wait_healthy(name, timeout)
             progress(f"{name}: healthy")
             if name == "kube-apiserver":
-                from neonvm.dev import bootstrap
-
                 bootstrap.apply_cluster_objects(self, progress)
         if self.spec.nodes > 0:
-            from neonvm.dev import nodes
-
             nodes.wait_nodes_schedulable(self, timeout)
             progress(f"{self.spec.nodes} simulated nodes ready")
 
@@ -425,8 +349,6 @@ class LocalCluster:
                 "--v=1",
             ]
         if name == "kwok":
-            from neonvm.dev import nodes
-
             return nodes.kwok_argv(self, binary)
         raise ClusterError(f"unknown component {name}")
 

@@ -42,14 +42,17 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from loguru import logger
 
 from neonvm import kube
-from neonvm.dev.cluster import KWOK_USER, ClusterError, LocalCluster
+from neonvm.dev.common import KWOK_USER, ClusterError
+
+if TYPE_CHECKING:
+    from neonvm.dev.cluster import LocalCluster
 
 SIMULATED_LABEL = "sim.vm.neon.tech/node"
 """Marks a Node as one of the local cluster's simulated nodes (value ``true``)."""

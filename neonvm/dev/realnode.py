@@ -38,14 +38,17 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from neonvm import kube
 from neonvm.dev import binaries
-from neonvm.dev.cluster import ClusterError, LocalCluster, free_port
+from neonvm.dev.common import ClusterError, free_port
 from neonvm.dev.pki import CertPair, LocalPKI
+
+if TYPE_CHECKING:
+    from neonvm.dev.cluster import LocalCluster
 
 REAL_LABEL = "neonvm.dev/real-node"
 """Marks a Node as a real (kubelet) node of the local cluster (value ``true``)."""

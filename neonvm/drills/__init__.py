@@ -8,7 +8,8 @@
 * :mod:`neonvm.drills.target`: where a drill runs (the local control plane or a cluster
   reached by kubeconfig) and the faults it can inject there;
 * :mod:`neonvm.drills.drills`: the drills themselves and their verdict;
-* :mod:`neonvm.drills.campaign`: seeded fault schedules run against one control plane.
+* :mod:`neonvm.drills.schedule`: the campaign's seeded fault schedules (pure);
+* :mod:`neonvm.drills.campaign`: runs those schedules against one control plane.
 
 Nothing here is used by the controller: these are the tools that judge it.
 """

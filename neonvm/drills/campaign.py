@@ -16,8 +16,9 @@ exercises at least one, and most all three:
   writer bumps the VM between read and write (``conflict``), locks are broken, and etcd,
   the locks' etcd or the API server restart.
 
-A :class:`Schedule` is a pure function of ``(seed, index)`` (:func:`generate`), so a
-failure is replayed with ``neonvm drill campaign --seed S --schedule N``.
+A :class:`~neonvm.drills.schedule.Schedule` is a pure function of ``(seed, index)``
+(:func:`~neonvm.drills.schedule.generate`, in :mod:`neonvm.drills.schedule`, re-exported
+here), so a failure is replayed with ``neonvm drill campaign --seed S --schedule N``.
 
 Running one schedule (:func:`run_schedule`) on a shared control plane:
 
@@ -60,124 +61,36 @@ from kubernetes.client.exceptions import ApiException
 from kubernetes.watch.watch import iter_resp_lines
 
 from neonvm import kube
-from neonvm.controller.faults import STEPS, FaultConfig
+from neonvm.dev.replica import DEV_RUNNER_IMAGE, controller_argv
 from neonvm.drills import fleet
 from neonvm.drills.check import LockView, check
 from neonvm.drills.observer import Watchdog
+from neonvm.drills.schedule import (
+    CLUSTER_WIDE,
+    CRASH_STEPS,
+    DISRUPTIONS,
+    SCHEDULES_ENV,
+    SEED_ENV,
+    Disruption,
+    Schedule,
+    campaign_seed,
+    generate,
+)
 from neonvm.drills.target import restart_component
 from neonvm.leader.election import LeaseClient
 
+__all__ = [
+    "CLUSTER_WIDE", "CRASH_STEPS", "DISRUPTIONS", "LEASE_ARGS", "RESYNC_SECONDS",
+    "SCHEDULES_ENV", "SEED_ENV", "CampaignResult", "Disruption", "Schedule", "ScheduleResult",
+    "ScheduleRun", "campaign_seed", "generate", "run_campaign", "run_schedule",
+]
+
 Progress = Callable[[str], None]
-
-SEED_ENV = "NEONVM_CAMPAIGN_SEED"
-SCHEDULES_ENV = "NEONVM_CAMPAIGN_SCHEDULES"
-
-CRASH_STEPS: tuple[str, ...] = ("plan", "create", "commit", "ungate", "cleanup", "restart",
-                                "add_finalizer", "sync", "finalize", "drop_plan")
-assert set(CRASH_STEPS) == set(STEPS), "every controller step is a crash point"
-
-CLUSTER_WIDE = ("restart-locks-etcd", "restart-etcd", "restart-apiserver")
-DISRUPTIONS: dict[str, int] = {
-    # kind -> weight in the random draw
-    "delete-pods": 6,
-    "kill-leader": 3,
-    "pause-leader": 4,
-    "term-leader": 2,
-    "break-locks": 2,
-    "recreate-vm": 2,
-    "restart-locks-etcd": 1,
-    "restart-etcd": 1,
-    "restart-apiserver": 1,
-}
 
 RESYNC_SECONDS = 10
 LEASE_ARGS = ["--lease-duration", "4", "--renew-deadline", "3", "--retry-period", "0.5",
               "--session-ttl", "4", "--plan-requeue", "1", "--resync", str(RESYNC_SECONDS),
               "--sweep", "3"]
-
-
-def campaign_seed(given: int | None = None) -> int:
-    """``given``, else ``$NEONVM_CAMPAIGN_SEED``, else a fresh random seed."""
-    if given is not None:
-        return given
-    env = os.environ.get(SEED_ENV, "").strip()
-    return int(env) if env else random.SystemRandom().randrange(1, 1 << 31)
-
-
-@dataclass(frozen=True)
-class Disruption:
-    at: float
-    """Seconds after the VMs were created."""
-    kind: str
-    count: int = 1
-
-
-@dataclass(frozen=True)
-class Schedule:
-    seed: int
-    index: int
-    vms: int
-    crash_step: str
-    leader_faults: str
-    standby_faults: str
-    disruptions: tuple[Disruption, ...]
-
-    @property
-    def classes(self) -> tuple[str, ...]:
-        """Which of Sieve's classes this schedule exercises."""
-        leader, standby = FaultConfig.parse(self.leader_faults), FaultConfig.parse(
-            self.standby_faults)
-        kinds = {d.kind for d in self.disruptions}
-        out = ["intermediate"]  # every schedule crashes after a step
-        if leader.drop_watch_events or standby.drop_watch_events or "recreate-vm" in kinds:
-            out.append("unobserved")
-        if (leader.stale_reads or standby.stale_reads or leader.conflict or standby.conflict
-                or kinds & {"break-locks", *CLUSTER_WIDE}):
-            out.append("stale")
-        return tuple(out)
-
-    def replay(self) -> str:
-        return f"neonvm drill campaign --seed {self.seed} --schedule {self.index}"
-
-    def replay_pytest(self) -> str:
-        return (f"{SEED_ENV}={self.seed} NEONVM_CAMPAIGN_ONLY={self.index} "
-                f"pytest tests/test_campaign.py -k campaign")
-
-    def describe(self) -> str:
-        events = ", ".join(f"{d.kind}{'x' + str(d.count) if d.count > 1 else ''}@{d.at:.1f}s"
-                           for d in self.disruptions)
-        return (f"schedule {self.index} (seed {self.seed}): {self.vms} VMs; leader "
-                f"[{self.leader_faults}]; standby [{self.standby_faults}]; {events}; "
-                f"classes {'+'.join(self.classes)}")
-
-
-def generate(seed: int, index: int) -> Schedule:
-    """Schedule ``index`` of campaign ``seed`` (deterministic)."""
-    rng = random.Random(f"neonvm-campaign:{seed}:{index}")
-    vms = rng.randint(2, 4)
-    step = CRASH_STEPS[index % len(CRASH_STEPS)]
-    frequent = step in ("plan", "create", "commit", "ungate", "add_finalizer", "sync")
-    nth = rng.randint(1, vms + 1) if frequent else rng.randint(1, 2)
-
-    def knobs() -> list[str]:
-        return [f"stale_reads={rng.choice([0, 0, 0.2, 0.5])}",
-                f"drop_watch_events={rng.choice([0, 0, 0.1, 0.3])}",
-                f"conflict={rng.choice([0, 0.2, 0.4])}",
-                f"seed={rng.randrange(1 << 20)}"]
-
-    leader = ",".join([f"crash_after={step}@{nth}", *knobs()])
-    standby = ",".join(knobs())
-    kinds = list(DISRUPTIONS)
-    weights = [DISRUPTIONS[k] for k in kinds]
-    disruptions = [Disruption(round(rng.uniform(0.5, 3.0), 1), "delete-pods",
-                              rng.randint(1, vms))]
-    for _ in range(rng.randint(1, 3)):
-        kind = rng.choices(kinds, weights)[0]
-        count = (vms if kind == "pause-leader"
-                 else rng.randint(1, vms) if kind in ("delete-pods", "recreate-vm") else 1)
-        disruptions.append(Disruption(round(rng.uniform(0.0, 10.0), 1), kind, count))
-    return Schedule(seed, index, vms, step, leader, standby,
-                    tuple(sorted(disruptions, key=lambda d: d.at)))
 
 
 # ---- running ------------------------------------------------------------------------------
@@ -310,14 +223,12 @@ class ScheduleRun:
     # ---- replicas ----------------------------------------------------------------------
 
     def _argv(self, slot: _Slot) -> list[str]:
-        argv = [sys.executable, "-m", "neonvm", "--log-format", "json", "controller", "run",
-                "--kubeconfig", str(self.cluster.kubeconfig_for("controller")),
-                "--etcd-endpoints", self.cluster.locks_etcd_url, "--etcd-prefix", self.prefix,
-                "--identity", slot.identity, "--health-port", "0",
-                "--health-host", "127.0.0.1", "--lease-namespace", self.namespace,
-                "--watch-namespace", self.namespace, "--runner-image", "neonvm-runner:dev",
-                *LEASE_ARGS]
-        return argv + (["--fault", slot.faults] if slot.faults else [])
+        return controller_argv(
+            kubeconfig=str(self.cluster.kubeconfig_for("controller")),
+            etcd_endpoints=self.cluster.locks_etcd_url, etcd_prefix=self.prefix,
+            identity=slot.identity, health_host="127.0.0.1", lease_namespace=self.namespace,
+            watch_namespace=self.namespace, runner_image=DEV_RUNNER_IMAGE, extra=LEASE_ARGS,
+            faults=slot.faults)
 
     def _start(self, slot: _Slot) -> None:
         slot.starts += 1
@@ -577,7 +488,7 @@ class ScheduleRun:
             if report.watch.gaps:
                 self.result.notes.append(f"pod watch re-listed {report.watch.gaps} time(s)")
         except Exception as exc:
-            self.result.failures.append(f"the schedule could not run: {_short(exc)}")
+            self.result.failures.append(f"the schedule could not run: {kube.short_error(exc)}")
         finally:
             self._stop.set()
             if supervisor.is_alive():
@@ -601,7 +512,7 @@ class ScheduleRun:
             except Exception as exc:
                 if not fleet.transient(exc):
                     raise
-                self.result.notes.append(f"{d.kind} skipped: {_short(exc)}")
+                self.result.notes.append(f"{d.kind} skipped: {kube.short_error(exc)}")
         ok, seconds, state = fleet.wait_converged(self.api, self.namespace, self.names,
                                                   self.converge_timeout)
         if not ok:
@@ -654,12 +565,6 @@ class ScheduleRun:
         self.api.close()
 
 
-def _short(exc: BaseException) -> str:
-    if isinstance(exc, ApiException):
-        return f"API {exc.status} {exc.reason}"
-    return f"{type(exc).__name__}: {str(exc)[:200]}"
-
-
 def _without_crash(spec: str) -> str:
     return ",".join(p for p in spec.split(",") if not p.strip().startswith("crash_after"))
 
@@ -698,7 +603,7 @@ def run_campaign(cluster: Any, schedules: Sequence[Schedule], progress: Progress
                 outcome = run_schedule(cluster, schedule, progress, restart_lock)
             except Exception as exc:  # a driver bug must fail the campaign, not vanish
                 outcome = ScheduleResult(schedule, failures=[
-                    f"the driver failed: {_short(exc)}"])
+                    f"the driver failed: {kube.short_error(exc)}"])
             with lock:
                 result.results.append(outcome)
                 done = len(result.results)

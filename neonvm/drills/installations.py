@@ -33,11 +33,11 @@ from typing import Any
 
 from kubernetes import client
 
-from neonvm.controller.harness import Replicas, get_vm
 from neonvm.drills import fleet
 from neonvm.leader.epoch import EpochFloor
 from neonvm.leader.etcd import Etcd, EtcdConfig, EtcdError
 from neonvm.leader.lock import Installation, LockRecord, parse_lock_key
+from neonvm.testing.harness import Replicas, get_vm
 
 Progress = Callable[[str], None]
 

@@ -195,15 +195,6 @@ class PodWatchChecker:
         self._thread.join(timeout=10)
         return self.report
 
-    def live_counts(self) -> dict[str, int]:
-        """VM -> live runner pods (strict) in the checker's current state."""
-        with self._lock:
-            out: dict[str, int] = {}
-            for pod in self._pods.values():
-                vm = vm_of(pod)
-                if vm is not None and is_live(pod):
-                    out[vm] = out.get(vm, 0) + 1
-            return out
 
     # ---- evaluation ------------------------------------------------------------------
 

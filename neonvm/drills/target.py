@@ -4,7 +4,7 @@ Two targets:
 
 * :class:`LocalTarget`: the local control plane of a state directory (``neonvm dev``).
   Controller replicas are processes the cluster records (``controller-<i>``, started with
-  :func:`neonvm.cli.demo.replica_argv`), so a drill can SIGKILL, SIGTERM, SIGSTOP and
+  :func:`neonvm.dev.replica.local_replica_argv`), so a drill can SIGKILL, SIGTERM, SIGSTOP and
   SIGCONT them, restart them with fault injection, and restart etcd, the locks' etcd and
   the API server. Playing the kubelet, it restarts a replica that died.
 * :class:`KubeTarget`: a cluster reached by kubeconfig, with the controller deployed by
@@ -37,6 +37,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from neonvm import kube
+from neonvm.dev.replica import LEASE_NAMESPACE, local_replica_argv
 from neonvm.drills.check import LockReader, LockView, etcd_lock_reader
 from neonvm.leader.election import DEFAULT_LEASE_NAME, DEFAULT_NAMESPACE, LeaseClient
 
@@ -152,7 +153,7 @@ class LocalTarget:
     def prepare(cls, state_dir: Path | None, replicas: int, progress: Progress
                 ) -> LocalTarget:
         """Start what is not running: the control plane (with nodes) and the replicas."""
-        from neonvm.cli.dev import install_binaries
+        from neonvm.dev.binaries import install_binaries
         from neonvm.dev.cluster import ClusterSpec, LocalCluster
 
         cluster = LocalCluster(state_dir)
@@ -189,19 +190,13 @@ class LocalTarget:
         return alive
 
     def _argv(self, index: int) -> list[str]:
-        from neonvm.cli.demo import replica_argv
-
-        argv = replica_argv(self.cluster, index)
-        spec = self.faults.get(index, "")
-        return argv + (["--fault", spec] if spec else [])
+        return local_replica_argv(self.cluster, index, self.faults.get(index, ""))
 
     def start_replica(self, index: int) -> int:
         pid: int = self.cluster.start_process(self.replica_name(index), self._argv(index), {})
         return pid
 
     def heal(self) -> list[str]:
-        from neonvm.cli.demo import LEASE_NAMESPACE
-
         with contextlib.suppress(ApiException):
             client.CoreV1Api(self.api).create_namespace(
                 client.V1Namespace(metadata=client.V1ObjectMeta(name=LEASE_NAMESPACE)))
@@ -219,10 +214,6 @@ class LocalTarget:
         self.faults = {i: faults for i in range(self.replicas)} if faults else {}
         for i in range(self.replicas):
             self.start_replica(i)
-
-    def stop_replicas(self) -> None:
-        for i in range(self.replicas):
-            self.cluster.stop_component(self.replica_name(i))
 
     def pid_of(self, identity: str) -> int | None:
         """The replica process whose ``--identity`` is ``identity``."""

@@ -93,15 +93,15 @@ from kubernetes.client.exceptions import ApiException
 from loguru import logger
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from neonvm.api.times import format_microtime as format_microtime  # re-exported
+from neonvm.kube import short_error
+
 JITTER_FACTOR = 1.2
 """Campaign retries wait between ``retry_period`` and ``retry_period * JITTER_FACTOR``;
 ``renew_deadline`` must exceed the longest such wait (client-go's rule)."""
 
 STEP_DOWN_ANNOTATION = "leader.vm.neon.tech/step-down"
 """Annotation on the Lease asking one term (holder identity and epoch) to release."""
-
-MICROTIME_FORMAT = "%Y-%m-%dT%H:%M:%S.%fZ"
-"""How Kubernetes writes ``metav1.MicroTime`` (RFC 3339, microseconds, UTC)."""
 
 DEFAULT_NAMESPACE = "neonvm-system"
 DEFAULT_LEASE_NAME = "neonvm-controller"
@@ -110,10 +110,6 @@ DEFAULT_LEASE_NAME = "neonvm-controller"
 def new_identity() -> str:
     """``<hostname>_<random hex>``: unique per process start, so each takeover is a new term."""
     return f"{socket.gethostname()}_{secrets.token_hex(6)}"
-
-
-def format_microtime(moment: datetime) -> str:
-    return moment.astimezone(UTC).strftime(MICROTIME_FORMAT)
 
 
 def parse_microtime(value: str | None) -> datetime | None:
@@ -560,7 +556,7 @@ class LeaderElector:
         try:
             current = self._lease.get(timeout)
         except Exception as exc:  # network, 5xx, timeout: try again next period
-            self._log.warning("reading the Lease failed: {err}", err=_short(exc))
+            self._log.warning("reading the Lease failed: {err}", err=short_error(exc))
             return None
         self._observe(current)
         now = datetime.now(UTC)
@@ -594,10 +590,10 @@ class LeaderElector:
                     self._log.error("{err}; retrying quietly", err=str(missing))
                 self._namespace_missing = True
                 return None
-            self._log.warning("acquiring the Lease failed: {err}", err=_short(exc))
+            self._log.warning("acquiring the Lease failed: {err}", err=short_error(exc))
             return None
         except Exception as exc:
-            self._log.warning("acquiring the Lease failed: {err}", err=_short(exc))
+            self._log.warning("acquiring the Lease failed: {err}", err=short_error(exc))
             return None
         self._acquired_once = True
         self._namespace_missing = False
@@ -658,7 +654,7 @@ class LeaderElector:
                 refused = not accepted
             except Exception as exc:
                 self._log.warning("claiming epoch {epoch} failed: {err}", epoch=epoch,
-                                  err=_short(exc))
+                                  err=short_error(exc))
                 accepted, refused = False, False
             if accepted:
                 return None
@@ -713,7 +709,7 @@ class LeaderElector:
             except ApiException as exc:
                 self.metrics.renew_failures.inc()
                 if exc.status != 409:
-                    self._log.warning("renewing the Lease failed: {err}", err=_short(exc))
+                    self._log.warning("renewing the Lease failed: {err}", err=short_error(exc))
                     if stop.wait(min(self.config.retry_period, max(0.0, left))):
                         return EndReason.STOP
                     continue
@@ -723,7 +719,7 @@ class LeaderElector:
                 continue
             except Exception as exc:
                 self.metrics.renew_failures.inc()
-                self._log.warning("renewing the Lease failed: {err}", err=_short(exc))
+                self._log.warning("renewing the Lease failed: {err}", err=short_error(exc))
                 if stop.wait(min(self.config.retry_period, max(0.0, deadline - self._clock()))):
                     return EndReason.STOP
                 continue
@@ -740,7 +736,7 @@ class LeaderElector:
         try:
             fresh = self._lease.get(timeout)
         except Exception as exc:
-            self._log.warning("re-reading the Lease failed: {err}", err=_short(exc))
+            self._log.warning("re-reading the Lease failed: {err}", err=short_error(exc))
             return None  # the caller retries until the deadline
         self._observe(fresh)
         if fresh is None or fresh.holder != self.config.identity or \
@@ -781,7 +777,7 @@ class LeaderElector:
                                            drop_step_down=True)
         except Exception as exc:
             self._log.warning("could not release the Lease ({err}); standbys will wait for "
-                              "it to expire", err=_short(exc))
+                              "it to expire", err=short_error(exc))
             return
         self._observe(released)
         self._log.info("released the Lease")
@@ -793,10 +789,3 @@ class _Term:
 
     record: LeaseRecord
     renewed_at: float
-
-
-def _short(exc: BaseException) -> str:
-    if isinstance(exc, ApiException):
-        return f"{exc.status} {exc.reason}"
-    text = str(exc).splitlines()[0] if str(exc) else ""
-    return f"{type(exc).__name__}: {text}"[:300]

@@ -14,7 +14,6 @@ import contextlib
 import os
 import signal
 import subprocess
-import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +23,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from neonvm.api import types
+from neonvm.dev.replica import controller_argv
 
 
 def vm_manifest(name: str, *, restart_policy: str | None = None,
@@ -183,13 +183,10 @@ class Replicas:
     def start(self, name: str, *, faults: str = "", args: Sequence[str] = (),
               env: dict[str, str] | None = None) -> Replica:
         identity = f"{name}_{os.urandom(3).hex()}"
-        argv = [sys.executable, "-m", "neonvm", "--log-format", "json", "controller", "run",
-                "--kubeconfig", str(self.kubeconfig),
-                "--etcd-endpoints", self.etcd_endpoints,
-                "--lease-namespace", self.lease_namespace,
-                "--health-port", "0", "--health-host", "127.0.0.1",
-                "--identity", identity,
-                *self.extra_args, *args]
+        argv = controller_argv(
+            kubeconfig=str(self.kubeconfig), etcd_endpoints=self.etcd_endpoints,
+            identity=identity, lease_namespace=self.lease_namespace, health_host="127.0.0.1",
+            extra=(*self.extra_args, *args))
         full_env = {k: v for k, v in os.environ.items() if not k.startswith("NEONVM_FAULTS")}
         full_env.update(env or {})
         if faults:

@@ -1,0 +1,176 @@
+"""The package's import structure, read from the source with :mod:`ast` (nothing imported).
+
+* no import cycle among ``neonvm`` modules, counting module-level imports AND imports
+  inside functions and methods (an import in an ``if TYPE_CHECKING:`` block is not run,
+  so it does not count);
+* nothing in ``neonvm/drills`` imports ``neonvm.cli`` (tooling sits below the CLI);
+* the product packages (controller, leader, runner, api) never import ``neonvm.testing``.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.unit
+
+ROOT = Path(__file__).resolve().parents[1] / "neonvm"
+PRODUCT = ("neonvm.controller", "neonvm.leader", "neonvm.runner", "neonvm.api")
+
+
+def _module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _import_nodes(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
+    """Every import statement that runs: module level and inside functions, not under
+    ``if TYPE_CHECKING:``."""
+    found: list[ast.Import | ast.ImportFrom] = []
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            found.append(node)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return found
+
+
+def _targets(module: str, is_package: bool, node: ast.Import | ast.ImportFrom,
+             known: set[str]) -> set[str]:
+    """The ``neonvm`` modules an import statement loads (``from pkg import sub`` names
+    the submodule when it is one)."""
+    if isinstance(node, ast.Import):
+        return {a.name for a in node.names if a.name in known}
+    if node.level:
+        base = module.split(".")
+        base = base if is_package else base[:-1]
+        base = base[:len(base) - node.level + 1]
+        source = ".".join(base + ([node.module] if node.module else []))
+    else:
+        source = node.module or ""
+    out: set[str] = set()
+    for alias in node.names:
+        sub = f"{source}.{alias.name}"
+        if sub in known:
+            out.add(sub)
+        elif source in known:
+            out.add(source)
+    return out
+
+
+def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
+    modules = {_module_name(p, root): p for p in sorted(root.rglob("*.py"))}
+    known = set(modules)
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text(), str(path))
+        edges: set[str] = set()
+        for node in _import_nodes(tree):
+            edges |= _targets(name, path.name == "__init__.py", node, known)
+        edges.discard(name)
+        graph[name] = edges
+    return graph
+
+
+def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def strong(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                strong(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            strong(v)
+    return cycles
+
+
+def _importers(graph: dict[str, set[str]], of: str, target: str) -> list[str]:
+    return sorted(f"{m} -> {t}" for m, ts in graph.items()
+                  if m == of or m.startswith(of + ".")
+                  for t in ts if t == target or t.startswith(target + "."))
+
+
+def test_no_import_cycle_in_neonvm() -> None:
+    cycles = find_cycles(import_graph())
+    assert cycles == [], f"import cycles among neonvm modules: {cycles}"
+
+
+def test_drills_do_not_import_the_cli() -> None:
+    assert _importers(import_graph(), "neonvm.drills", "neonvm.cli") == []
+
+
+def test_product_does_not_import_testing() -> None:
+    graph = import_graph()
+    found = [e for pkg in PRODUCT for e in _importers(graph, pkg, "neonvm.testing")]
+    assert found == []
+
+
+def test_campaign_schedules_are_pure() -> None:
+    """Schedule generation touches no cluster: it imports only the fault vocabulary."""
+    path = ROOT / "drills" / "schedule.py"
+    imported = set()
+    for node in _import_nodes(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            imported |= {a.name for a in node.names}
+        else:
+            imported.add(node.module or "")
+    assert imported <= {"__future__", "os", "random", "dataclasses",
+                        "neonvm.controller.faults"}, imported
+
+
+def test_the_graph_reader_sees_each_kind_of_import(tmp_path: Path) -> None:
+    """The checks above can fail: a two-module cycle through a function-level relative
+    import is found, and a TYPE_CHECKING-only import is not counted."""
+    pkg = tmp_path / "neonvm"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "sub" / "a.py").write_text("from neonvm.sub import b\n")
+    (pkg / "sub" / "b.py").write_text(
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    from neonvm import c\n"
+        "def f():\n    from . import a\n")
+    (pkg / "c.py").write_text("import neonvm.sub.a\n")
+    graph = import_graph(pkg)
+    assert graph["neonvm.sub.b"] == {"neonvm.sub.a"}
+    assert graph["neonvm.c"] == {"neonvm.sub.a"}
+    assert find_cycles(graph) == [["neonvm.sub.a", "neonvm.sub.b"]]
