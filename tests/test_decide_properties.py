@@ -168,6 +168,8 @@ def test_a_missing_pull_secret_only_ever_turns_a_create_into_a_wait_or_a_clean_u
     assert o.vm is not None and o.vm.status.pending_pod is not None
     if isinstance(missing, d.DeletePod):  # the wait lets the clean-up of a stray run
         assert missing.name != o.vm.status.pending_pod.name
+    elif isinstance(missing, d.ObserveDirect):  # ... which starts with a quorum read
+        assert not o.direct and any(p.name != o.vm.status.pending_pod.name for p in o.pods)
     else:
         assert isinstance(missing, d.Wait)
         assert missing.condition == d.PULL_SECRET_NOT_FOUND
