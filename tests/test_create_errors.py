@@ -16,7 +16,7 @@ from neonvm.api.types import (
 from neonvm.controller import conditions as c
 from neonvm.controller import decide as d
 from neonvm.controller.observe import Snapshot
-from neonvm.controller.reconciler import classify_create_error
+from neonvm.controller.reconciler import classify_create_error, miss_message, stuck_mutation
 
 pytestmark = pytest.mark.unit
 
@@ -38,6 +38,14 @@ pytestmark = pytest.mark.unit
     (403, 'pods "vm-1" is forbidden: exceeded quota: q, requested: pods=1', "retry"),
     (403, 'pods is forbidden: User "x" cannot create resource "pods"', "retry"),
     (403, "unable to create new content in namespace t because it is being terminated",
+     "retry"),
+    # Admission not ready yet: the ServiceAccount comes after the VM or the namespace
+    # was just created, admission caches unsynced after an API-server restart, quota
+    # status not computed yet. These pass without any change to the VM.
+    (403, 'pods "vm-1" is forbidden: error looking up service account t/default: '
+          'serviceaccount "default" not found', "retry"),
+    (403, 'pods "vm-1" is forbidden: not yet ready to handle request', "retry"),
+    (403, 'pods "vm-1" is forbidden: status unknown for quota: q, resources: pods',
      "retry"),
     (401, "Unauthorized", "retry"),
     (404, 'namespaces "t" not found', "retry"),
@@ -99,3 +107,28 @@ def test_a_stuck_reason_clears_when_a_reconcile_ends_normally(reason: str,
             "False", c.RECOVERED)
     else:
         assert degraded is None
+
+
+def test_a_stuck_condition_is_written_once_however_its_message_changes() -> None:
+    """Two stuck reconciles of the same step on different pods (each new plan has a new
+    pod name) give the same condition: the second writes nothing, so its own watch event
+    cannot requeue the VM past the stuck backoff."""
+    vm = VirtualMachine(name="vm", namespace="ns", uid="u", resource_version="1", generation=1,
+                        spec=VirtualMachineSpec(), status=VirtualMachineStatus())
+    lease = d.Lease(epoch=1, token=1)
+    reason = f"Ungate{c.NOT_TAKING_EFFECT}"
+    first = miss_message(d.Ungate, "declined", "")
+    status = stuck_mutation(c.stuck_condition(reason, first), lease)(vm)
+    assert status is not None
+    vm.status = status
+    (written,) = status.conditions
+    assert "vm-u-" not in written.message, written.message
+    # Another attempt: another error text (naming another pod) and counts.
+    second = miss_message(d.Ungate, "declined", 'pods "vm-u-2" is forbidden: x')
+    assert stuck_mutation(c.stuck_condition(reason, second), lease)(vm) is None
+    assert stuck_mutation(c.stuck_condition(c.CREATE_FAILING, "creating runner pod vm-u-3 "
+                                            "keeps failing"), lease)(vm) is not None, \
+        "a new reason is a transition: written"
+    vm.status.conditions[0].status = "False"
+    assert stuck_mutation(c.stuck_condition(reason, second), lease)(vm) is not None, \
+        "stuck again after a recovery: written"
