@@ -5,8 +5,11 @@ clear by themselves."""
 from __future__ import annotations
 
 import pytest
+from kubernetes import client
+from loguru import logger
 
 from neonvm.api.types import (
+    SCHEDULING_GATE,
     Condition,
     PendingPod,
     VirtualMachine,
@@ -16,7 +19,12 @@ from neonvm.api.types import (
 from neonvm.controller import conditions as c
 from neonvm.controller import decide as d
 from neonvm.controller.observe import Snapshot
-from neonvm.controller.reconciler import classify_create_error, miss_message, stuck_mutation
+from neonvm.controller.reconciler import (
+    Reconciler,
+    classify_create_error,
+    miss_message,
+    stuck_mutation,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -132,3 +140,44 @@ def test_a_stuck_condition_is_written_once_however_its_message_changes() -> None
     vm.status.conditions[0].status = "False"
     assert stuck_mutation(c.stuck_condition(reason, second), lease)(vm) is not None, \
         "stuck again after a recovery: written"
+
+
+class _Deletes:
+    """Records pod deletes (a pure-logic stand-in beside the real-server test of the
+    unlabelled-pod replacement in ``tests/test_reconcile_loops.py``)."""
+
+    def __init__(self) -> None:
+        self.deleted: list[str] = []
+
+    def delete_namespaced_pod(self, name: str, namespace: str, **kw: object) -> None:
+        self.deleted.append(name)
+
+
+class _Events:
+    def record(self, vm: VirtualMachine, reason: str, message: str,
+               warning: bool = False) -> None:
+        pass
+
+
+@pytest.mark.parametrize(("owner", "deleted"), [
+    ("vm-a-uid", True),    # this VM's own pod that lost its label: replaced
+    ("vm-b-uid", False),   # another VM's gated pod that VM A's status was pointed at
+    (None, False),         # a pod controlled by nothing
+])
+def test_an_unlabelled_committed_pod_is_deleted_only_if_this_vm_controls_it(
+        owner: str | None, deleted: bool) -> None:
+    vm = VirtualMachine(name="a", namespace="ns", uid="vm-a-uid", resource_version="1",
+                        generation=1, spec=VirtualMachineSpec(),
+                        status=VirtualMachineStatus())
+    refs = [] if owner is None else [{"apiVersion": "vm.neon.tech/v1", "kind": "VirtualMachine",
+                                      "name": "b", "uid": owner, "controller": True}]
+    pod = {"metadata": {"name": "b-1", "uid": "pod-uid", "resourceVersion": "7",
+                        "labels": {"vm.neon.tech/name": "b"}, "ownerReferences": refs},
+           "spec": {"schedulingGates": [{"name": SCHEDULING_GATE}]}}
+    reconciler = Reconciler(client.ApiClient(), events=_Events())  # type: ignore[arg-type]
+    core = _Deletes()
+    reconciler._core = core  # type: ignore[assignment]
+    outcome = reconciler._replace_unlabelled(vm, pod, d.Ungate(name="b-1", uid="pod-uid"),
+                                             logger)
+    assert (core.deleted == ["b-1"]) is deleted, core.deleted
+    assert (outcome == "replaced") is deleted, outcome

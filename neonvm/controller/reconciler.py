@@ -245,6 +245,12 @@ def miss_message(kind: type[d.Action], outcome: str, detail: str) -> str:
             f"retries with backoff")
 
 
+def controlling_owner_uid(pod: dict[str, Any]) -> str | None:
+    """The uid of the pod's controlling owner reference (``controller: true``), if any."""
+    refs = (pod.get("metadata") or {}).get("ownerReferences") or []
+    return next((str(ref.get("uid")) for ref in refs if ref.get("controller")), None)
+
+
 def _target(action: d.Action) -> str:
     """What an action acts on, for log lines."""
     if isinstance(action, d.RecordPlan | d.CreatePod):
@@ -927,6 +933,18 @@ class Reconciler:
                      pod=meta.get("name"))
             return Outcome("precondition", f"pod {meta.get('name')} is not labelled "
                                            f"{types.LABEL_VM_NAME}={vm.name}")
+        owner = controlling_owner_uid(pod)
+        if owner != vm.uid:
+            # Not this VM's pod (the status names another VM's pod, or a pod planted under
+            # that name): never delete it, and never start it. The reconcile ends stuck
+            # with backoff and says so; a status naming the VM's own pod fixes it.
+            log.warning("not ungating or deleting {pod}: the VM's status names it, but "
+                        "its controlling owner is {owner}, not this VM ({uid})",
+                        pod=action.name, owner=owner or "nobody", uid=vm.uid)
+            return Outcome("precondition", f"the committed pod is not controlled by this "
+                                           f"VM (its controlling owner is "
+                                           f"{'another object' if owner else 'none'}); "
+                                           f"not deleted")
         message = (f"runner pod {action.name} lost its label {types.LABEL_VM_NAME}={vm.name}"
                    f"; it never ran (gated) and is replaced by a new pod")
         try:
