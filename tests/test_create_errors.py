@@ -4,11 +4,18 @@ clear by themselves."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 from kubernetes import client
+from kubernetes.client.exceptions import ApiException
 from loguru import logger
 
+from neonvm.api.schema import encode
 from neonvm.api.types import (
+    API_VERSION,
+    FINALIZER,
+    KIND,
     SCHEDULING_GATE,
     Condition,
     PendingPod,
@@ -18,9 +25,10 @@ from neonvm.api.types import (
 )
 from neonvm.controller import conditions as c
 from neonvm.controller import decide as d
-from neonvm.controller.observe import Snapshot
+from neonvm.controller.observe import Snapshot, VMRecord, make_snapshot
 from neonvm.controller.reconciler import (
     Reconciler,
+    StaticAuthority,
     classify_create_error,
     miss_message,
     stuck_mutation,
@@ -181,3 +189,64 @@ def test_an_unlabelled_committed_pod_is_deleted_only_if_this_vm_controls_it(
                                              logger)
     assert (core.deleted == ["b-1"]) is deleted, core.deleted
     assert (outcome == "replaced") is deleted, outcome
+
+
+class _PlantedNames:
+    """A VM whose every planned pod name is already taken by a pod not labelled for it
+    (possible with the admission fence off): each reconcile drops and re-plans until the
+    step budget is used up, each time under another pod name. Reads and writes of the VM
+    are kept in memory; only the Degraded condition's changes are counted."""
+
+    def __init__(self) -> None:
+        self.raw: dict[str, object] = {
+            "apiVersion": API_VERSION, "kind": KIND,
+            "metadata": {"name": "vm", "namespace": "ns", "uid": "0123456789abcdef",
+                         "generation": 1, "resourceVersion": "1", "finalizers": [FINALIZER]},
+            "spec": {}, "status": {}}
+        self.degraded_writes = 0
+        self.api_client = client.ApiClient()
+
+    def _record(self) -> VMRecord:
+        return VMRecord.from_raw(copy.deepcopy(self.raw))
+
+    def observe(self, key: str, lease: d.Lease) -> Snapshot:
+        return make_snapshot(self._record(), [], lease, direct=True)
+
+    def get_vm(self, namespace: str, name: str) -> VMRecord:
+        return self._record()
+
+    def get_pod(self, namespace: str, name: str) -> dict[str, object]:
+        return {"metadata": {"name": name, "uid": "planted-" + name, "labels": {}}}
+
+    def put_status(self, record: VMRecord, status: VirtualMachineStatus) -> VMRecord:
+        def degraded(raw: dict[str, object]) -> object:
+            return next((cond for cond in raw.get("conditions") or []  # type: ignore[attr-defined]
+                         if cond["type"] == "Degraded"), None)
+
+        new = encode(status)
+        if degraded(new) != degraded(self.raw["status"]):  # type: ignore[arg-type]
+            self.degraded_writes += 1
+        self.raw["status"] = new
+        meta = self.raw["metadata"]
+        meta["resourceVersion"] = str(int(meta["resourceVersion"]) + 1)  # type: ignore[index]
+        return self._record()
+
+    def create_namespaced_pod(self, namespace: str, body: object, **kw: object) -> None:
+        raise ApiException(status=409, reason="AlreadyExists")
+
+
+def test_a_vm_stuck_again_on_other_pod_names_does_not_rewrite_its_degraded_condition() -> None:
+    fake = _PlantedNames()
+    reconciler = Reconciler(client.ApiClient(), events=_Events())  # type: ignore[arg-type]
+    reconciler.reader = fake  # type: ignore[assignment]
+    reconciler.writer = fake  # type: ignore[assignment]
+    reconciler._core = fake  # type: ignore[assignment]
+    authority = StaticAuthority(epoch=1, token=5)
+    first = reconciler.reconcile("ns/vm", authority, direct_first=True)
+    assert first.stuck == f"CreatePod{c.NOT_TAKING_EFFECT}", first
+    assert fake.degraded_writes == 1
+    planned = fake.raw["status"]["planSeq"]  # type: ignore[index]
+    second = reconciler.reconcile("ns/vm", authority, direct_first=True)
+    assert second.stuck == first.stuck, second
+    assert fake.raw["status"]["planSeq"] > planned, "the second run planned other pods"  # type: ignore[index]
+    assert fake.degraded_writes == 1, "stuck again for the same reason: no rewrite"
