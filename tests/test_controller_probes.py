@@ -3,7 +3,8 @@
 * Liveness means "not wedged", readiness means "synced": a leader whose first LIST
   cannot finish (here: its identity may not list VMs and pods yet, the way a throttled
   API server or a huge fleet keeps a LIST from finishing) stays live, and is ready only
-  once its caches synced.
+  once its caches synced. It does not hold the Lease forever though: past its sync
+  deadline it steps down and releases the Lease, and a standby takes over.
 * A Lease namespace that does not exist is one error line at start-up and exit code 1,
   not a warning every retry period forever.
 """
@@ -68,7 +69,8 @@ def test_a_leader_whose_caches_cannot_sync_stays_live_and_is_ready_only_once_syn
                             prefix=f"/t-{uuid.uuid4().hex[:8]}"),
         ElectionConfig(namespace=namespace, name="probes", lease_duration=4,
                        renew_deadline=3, retry_period=0.5),
-        ControllerConfig(workers=1, watch_namespace=namespace),
+        # A sync deadline far beyond this test: it must stay leader while unsynced.
+        ControllerConfig(workers=1, watch_namespace=namespace, sync_deadline_seconds=3600),
         events=EventRecorder(None))
     health = HealthServer(0, process.metrics.registry, host="127.0.0.1")
     process.register_health(health)
@@ -100,6 +102,58 @@ def test_a_leader_whose_caches_cannot_sync_stays_live_and_is_ready_only_once_syn
         stop.set()
         runner.join(30)
         health.stop()
+        as_user.close()
+
+
+def test_a_leader_whose_caches_do_not_sync_by_the_deadline_releases_the_lease_to_a_standby(
+        cluster: LocalCluster, api: client.ApiClient, namespace: str) -> None:
+    rbac = client.RbacAuthorizationV1Api(api)
+    user = f"nosync-{uuid.uuid4().hex[:8]}"
+    # It may campaign, but never list what its caches hold.
+    rbac.create_namespaced_role(namespace, {
+        "metadata": {"name": "elect"},
+        "rules": [{"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+                   "verbs": ["get", "create", "update"]}]})
+    rbac.create_namespaced_role_binding(namespace, {
+        "metadata": {"name": "elect"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "elect"},
+        "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User",
+                      "name": user}]})
+    as_user = kube.api_client(cluster.kubeconfig)
+    as_user.set_default_header("Impersonate-User", user)
+    prefix = f"/t-{uuid.uuid4().hex[:8]}"
+
+    def replica(identity: str) -> ControllerProcess:
+        return ControllerProcess(
+            as_user, EtcdConfig(endpoints=(cluster.locks_etcd_url,), prefix=prefix),
+            ElectionConfig(namespace=namespace, name="nosync", identity=identity,
+                           lease_duration=4, renew_deadline=3, retry_period=0.5),
+            ControllerConfig(workers=1, watch_namespace=namespace, sync_deadline_seconds=3),
+            events=EventRecorder(None))
+
+    def holder() -> str | None:
+        lease = client.CoordinationV1Api(api).read_namespaced_lease("nosync", namespace)
+        return lease.spec.holder_identity
+
+    first, second = replica("first"), replica("second")
+    stop = threading.Event()
+    runners = [threading.Thread(target=p.run, args=(stop,), daemon=True)
+               for p in (first, second)]
+    try:
+        runners[0].start()
+        wait_for(lambda: first.term, 60, what="the first replica leading")
+        runners[1].start()
+        # The first leader's caches never sync: past its deadline it gives the Lease up
+        # (rather than hold it while reconciling nothing) and the standby takes it.
+        wait_for(lambda: holder() == "second", 60, what="the standby holding the Lease")
+        steps = first.metrics.registry.get_sample_value(
+            "neonvm_controller_sync_deadline_step_downs_total")
+        assert steps is not None and steps >= 1, steps
+    finally:
+        stop.set()
+        for runner in runners:
+            if runner.is_alive() or runner.ident is not None:
+                runner.join(30)
         as_user.close()
 
 

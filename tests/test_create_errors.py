@@ -4,9 +4,19 @@ clear by themselves."""
 
 from __future__ import annotations
 
-import pytest
+import copy
 
+import pytest
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+from loguru import logger
+
+from neonvm.api.schema import encode
 from neonvm.api.types import (
+    API_VERSION,
+    FINALIZER,
+    KIND,
+    SCHEDULING_GATE,
     Condition,
     PendingPod,
     VirtualMachine,
@@ -15,8 +25,14 @@ from neonvm.api.types import (
 )
 from neonvm.controller import conditions as c
 from neonvm.controller import decide as d
-from neonvm.controller.observe import Snapshot
-from neonvm.controller.reconciler import classify_create_error
+from neonvm.controller.observe import Snapshot, VMRecord, make_snapshot
+from neonvm.controller.reconciler import (
+    Reconciler,
+    StaticAuthority,
+    classify_create_error,
+    miss_message,
+    stuck_mutation,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -38,6 +54,14 @@ pytestmark = pytest.mark.unit
     (403, 'pods "vm-1" is forbidden: exceeded quota: q, requested: pods=1', "retry"),
     (403, 'pods is forbidden: User "x" cannot create resource "pods"', "retry"),
     (403, "unable to create new content in namespace t because it is being terminated",
+     "retry"),
+    # Admission not ready yet: the ServiceAccount comes after the VM or the namespace
+    # was just created, admission caches unsynced after an API-server restart, quota
+    # status not computed yet. These pass without any change to the VM.
+    (403, 'pods "vm-1" is forbidden: error looking up service account t/default: '
+          'serviceaccount "default" not found', "retry"),
+    (403, 'pods "vm-1" is forbidden: not yet ready to handle request', "retry"),
+    (403, 'pods "vm-1" is forbidden: status unknown for quota: q, resources: pods',
      "retry"),
     (401, "Unauthorized", "retry"),
     (404, 'namespaces "t" not found', "retry"),
@@ -99,3 +123,130 @@ def test_a_stuck_reason_clears_when_a_reconcile_ends_normally(reason: str,
             "False", c.RECOVERED)
     else:
         assert degraded is None
+
+
+def test_a_stuck_condition_is_written_once_however_its_message_changes() -> None:
+    """Two stuck reconciles of the same step on different pods (each new plan has a new
+    pod name) give the same condition: the second writes nothing, so its own watch event
+    cannot requeue the VM past the stuck backoff."""
+    vm = VirtualMachine(name="vm", namespace="ns", uid="u", resource_version="1", generation=1,
+                        spec=VirtualMachineSpec(), status=VirtualMachineStatus())
+    lease = d.Lease(epoch=1, token=1)
+    reason = f"Ungate{c.NOT_TAKING_EFFECT}"
+    first = miss_message(d.Ungate, "declined", "")
+    status = stuck_mutation(c.stuck_condition(reason, first), lease)(vm)
+    assert status is not None
+    vm.status = status
+    (written,) = status.conditions
+    assert "vm-u-" not in written.message, written.message
+    # Another attempt: another error text (naming another pod) and counts.
+    second = miss_message(d.Ungate, "declined", 'pods "vm-u-2" is forbidden: x')
+    assert stuck_mutation(c.stuck_condition(reason, second), lease)(vm) is None
+    assert stuck_mutation(c.stuck_condition(c.CREATE_FAILING, "creating runner pod vm-u-3 "
+                                            "keeps failing"), lease)(vm) is not None, \
+        "a new reason is a transition: written"
+    vm.status.conditions[0].status = "False"
+    assert stuck_mutation(c.stuck_condition(reason, second), lease)(vm) is not None, \
+        "stuck again after a recovery: written"
+
+
+class _Deletes:
+    """Records pod deletes (a pure-logic stand-in beside the real-server test of the
+    unlabelled-pod replacement in ``tests/test_reconcile_loops.py``)."""
+
+    def __init__(self) -> None:
+        self.deleted: list[str] = []
+
+    def delete_namespaced_pod(self, name: str, namespace: str, **kw: object) -> None:
+        self.deleted.append(name)
+
+
+class _Events:
+    def record(self, vm: VirtualMachine, reason: str, message: str,
+               warning: bool = False) -> None:
+        pass
+
+
+@pytest.mark.parametrize(("owner", "deleted"), [
+    ("vm-a-uid", True),    # this VM's own pod that lost its label: replaced
+    ("vm-b-uid", False),   # another VM's gated pod that VM A's status was pointed at
+    (None, False),         # a pod controlled by nothing
+])
+def test_an_unlabelled_committed_pod_is_deleted_only_if_this_vm_controls_it(
+        owner: str | None, deleted: bool) -> None:
+    vm = VirtualMachine(name="a", namespace="ns", uid="vm-a-uid", resource_version="1",
+                        generation=1, spec=VirtualMachineSpec(),
+                        status=VirtualMachineStatus())
+    refs = [] if owner is None else [{"apiVersion": "vm.neon.tech/v1", "kind": "VirtualMachine",
+                                      "name": "b", "uid": owner, "controller": True}]
+    pod = {"metadata": {"name": "b-1", "uid": "pod-uid", "resourceVersion": "7",
+                        "labels": {"vm.neon.tech/name": "b"}, "ownerReferences": refs},
+           "spec": {"schedulingGates": [{"name": SCHEDULING_GATE}]}}
+    reconciler = Reconciler(client.ApiClient(), events=_Events())  # type: ignore[arg-type]
+    core = _Deletes()
+    reconciler._core = core  # type: ignore[assignment]
+    outcome = reconciler._replace_unlabelled(vm, pod, d.Ungate(name="b-1", uid="pod-uid"),
+                                             logger)
+    assert (core.deleted == ["b-1"]) is deleted, core.deleted
+    assert (outcome == "replaced") is deleted, outcome
+
+
+class _PlantedNames:
+    """A VM whose every planned pod name is already taken by a pod not labelled for it
+    (possible with the admission fence off): each reconcile drops and re-plans until the
+    step budget is used up, each time under another pod name. Reads and writes of the VM
+    are kept in memory; only the Degraded condition's changes are counted."""
+
+    def __init__(self) -> None:
+        self.raw: dict[str, object] = {
+            "apiVersion": API_VERSION, "kind": KIND,
+            "metadata": {"name": "vm", "namespace": "ns", "uid": "0123456789abcdef",
+                         "generation": 1, "resourceVersion": "1", "finalizers": [FINALIZER]},
+            "spec": {}, "status": {}}
+        self.degraded_writes = 0
+        self.api_client = client.ApiClient()
+
+    def _record(self) -> VMRecord:
+        return VMRecord.from_raw(copy.deepcopy(self.raw))
+
+    def observe(self, key: str, lease: d.Lease) -> Snapshot:
+        return make_snapshot(self._record(), [], lease, direct=True)
+
+    def get_vm(self, namespace: str, name: str) -> VMRecord:
+        return self._record()
+
+    def get_pod(self, namespace: str, name: str) -> dict[str, object]:
+        return {"metadata": {"name": name, "uid": "planted-" + name, "labels": {}}}
+
+    def put_status(self, record: VMRecord, status: VirtualMachineStatus) -> VMRecord:
+        def degraded(raw: dict[str, object]) -> object:
+            return next((cond for cond in raw.get("conditions") or []  # type: ignore[attr-defined]
+                         if cond["type"] == "Degraded"), None)
+
+        new = encode(status)
+        if degraded(new) != degraded(self.raw["status"]):  # type: ignore[arg-type]
+            self.degraded_writes += 1
+        self.raw["status"] = new
+        meta = self.raw["metadata"]
+        meta["resourceVersion"] = str(int(meta["resourceVersion"]) + 1)  # type: ignore[index]
+        return self._record()
+
+    def create_namespaced_pod(self, namespace: str, body: object, **kw: object) -> None:
+        raise ApiException(status=409, reason="AlreadyExists")
+
+
+def test_a_vm_stuck_again_on_other_pod_names_does_not_rewrite_its_degraded_condition() -> None:
+    fake = _PlantedNames()
+    reconciler = Reconciler(client.ApiClient(), events=_Events())  # type: ignore[arg-type]
+    reconciler.reader = fake  # type: ignore[assignment]
+    reconciler.writer = fake  # type: ignore[assignment]
+    reconciler._core = fake  # type: ignore[assignment]
+    authority = StaticAuthority(epoch=1, token=5)
+    first = reconciler.reconcile("ns/vm", authority, direct_first=True)
+    assert first.stuck == f"CreatePod{c.NOT_TAKING_EFFECT}", first
+    assert fake.degraded_writes == 1
+    planned = fake.raw["status"]["planSeq"]  # type: ignore[index]
+    second = reconciler.reconcile("ns/vm", authority, direct_first=True)
+    assert second.stuck == first.stuck, second
+    assert fake.raw["status"]["planSeq"] > planned, "the second run planned other pods"  # type: ignore[index]
+    assert fake.degraded_writes == 1, "stuck again for the same reason: no rewrite"

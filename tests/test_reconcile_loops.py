@@ -311,7 +311,7 @@ def test_an_ungate_that_never_takes_effect_backs_off_with_a_condition_and_a_metr
                         and c, 120, what="Degraded on the VM")
         assert cond["reason"] == "UngateNotTakingEffect", cond
         pod = vm_status(api, namespace, "vm")["podName"]
-        assert f"Ungate of runner pod {pod} keeps not taking effect" in cond["message"]
+        assert "Ungate keeps not taking effect" in cond["message"]
         assert "runner pods may not start in this namespace" in cond["message"]
         port = wait_for(lambda: health_port(leader), 30)
         assert wait_for(lambda: metrics_of(port).get(STUCK_UNGATES, 0) >= 1, 30)

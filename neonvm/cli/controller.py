@@ -73,6 +73,10 @@ def controller() -> None:
               show_default=True, help="Seconds between direct re-reads of VMs mid-plan.")
 @click.option("--relist", type=click.FloatRange(min=1), default=300.0, show_default=True,
               help="Seconds between full re-lists of the caches (heals missed events).")
+@click.option("--sync-deadline", type=click.FloatRange(min=1), default=300.0,
+              show_default=True,
+              help="Seconds a new leader may take to sync its caches before it steps down "
+                   "and releases the Lease for a standby.")
 @click.option("--sweep", type=click.FloatRange(min=1), default=30.0, show_default=True,
               help="Seconds between sweeps of locks and pods of deleted VMs.")
 @click.option("--orphan-grace", type=click.FloatRange(min=0), default=30.0, show_default=True,
@@ -91,7 +95,8 @@ def run(kubeconfig: Path | None, lease_namespace: str, lease_name: str, identity
         etcd_endpoints: str | None, etcd_prefix: str | None, etcd_ca: str | None,
         etcd_cert: str | None, etcd_key: str | None, etcd_timeout: float, session_ttl: int,
         watch_namespace: str | None, workers: int, resync: float, plan_requeue: float,
-        relist: float, sweep: float, orphan_grace: float, runner_image: str,
+        relist: float, sync_deadline: float, sweep: float, orphan_grace: float,
+        runner_image: str,
         health_port: int, health_host: str,
         faults: tuple[str, ...]) -> None:
     """Run one replica: campaign, and while leading keep exactly one runner pod per VM."""
@@ -116,6 +121,7 @@ def run(kubeconfig: Path | None, lease_namespace: str, lease_name: str, identity
         workers=workers, watch_namespace=watch_namespace, resync_seconds=resync,
         plan_requeue_seconds=plan_requeue, sweep_seconds=sweep, session_ttl=session_ttl,
         orphan_grace_seconds=orphan_grace, relist_seconds=relist,
+        sync_deadline_seconds=sync_deadline,
         reconciler=ReconcilerConfig(resync_seconds=resync,
                                     pod_defaults=PodDefaults(runner_image=runner_image)),
     )

@@ -135,6 +135,10 @@ class ControllerConfig:
     session_ttl: int = 10
     relist_seconds: float = 300.0
     """The informers re-list this often, healing a cache that missed watch events."""
+    sync_deadline_seconds: float = 300.0
+    """A leader whose caches have not synced this long after its term started steps down
+    and releases the Lease, so that a standby (which may be able to list) takes over
+    instead of this replica holding the Lease while reconciling nothing."""
     reconciler: ReconcilerConfig = field(default_factory=ReconcilerConfig)
     backoff: Backoff = field(default_factory=Backoff)
     stuck_backoff: Backoff = field(default_factory=lambda: Backoff(base=1.0, cap=300.0))
@@ -315,8 +319,18 @@ class LeaderTerm:
         try:
             for informer in self.informers:
                 informer.start()
+            sync_deadline = time.monotonic() + self.config.sync_deadline_seconds
             while not all(i.synced.is_set() for i in self.informers):
                 if self.leadership.lost.wait(0.1):
+                    return
+                if time.monotonic() >= sync_deadline:
+                    syncing = [i.name for i in self.informers if not i.synced.is_set()]
+                    self.log.error(
+                        "caches not synced after {s:g}s ({syncing}): stepping down and "
+                        "releasing the Lease for a standby",
+                        s=self.config.sync_deadline_seconds, syncing=", ".join(syncing))
+                    self.metrics.sync_deadline_step_downs.inc()
+                    self.leadership.step_down()
                     return
             self.log.info("caches synced: {vms} VMs, {pods} runner pods",
                           vms=len(self.vm_store.all_keys()), pods=len(self.pod_store.all_keys()))

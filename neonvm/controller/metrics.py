@@ -64,6 +64,10 @@ class ControllerMetrics:
             "Reconciles that ended without converging, by the step that kept not taking "
             "effect (step budget used up) or was refused for good (ungate forbidden); "
             "the VM is retried with exponential backoff.", ["step"], registry=r)
+        self.sync_deadline_step_downs = Counter(
+            "neonvm_controller_sync_deadline_step_downs_total",
+            "Terms given up because the caches did not sync within the sync deadline "
+            "(the Lease is released for a standby).", registry=r)
         self.swept = Counter(
             "neonvm_controller_swept_total", "Objects removed by sweeps, by kind.",
             ["kind"], registry=r)

@@ -100,7 +100,12 @@ from neonvm.controller.conditions import (
 from neonvm.controller.events import EventRecorder
 from neonvm.controller.faults import Faults
 from neonvm.controller.metrics import ControllerMetrics
-from neonvm.controller.mutations import FencedOut, finalizers_mutation, status_mutation
+from neonvm.controller.mutations import (
+    FencedOut,
+    StatusMutation,
+    finalizers_mutation,
+    status_mutation,
+)
 from neonvm.controller.observe import (
     DirectReader,
     Observer,
@@ -161,9 +166,17 @@ RETRIED_CREATE_STATUSES = frozenset({401, 404, 408, 410, 429})
 rotated (401), a namespace or resource in flux (404, 410), a timeout (408), throttling
 (429). Retried with backoff."""
 
-RETRIED_FORBIDDEN = ("exceeded quota", "cannot create resource", "is being terminated")
+RETRIED_FORBIDDEN = ("exceeded quota", "cannot create resource", "is being terminated",
+                     "error looking up service account", "not yet ready to handle request",
+                     "status unknown for quota")
 """403s that pass: quota (the old pod still counts while it terminates), RBAC being set
-up, a namespace being deleted (its VMs go with it)."""
+up, a namespace being deleted (its VMs go with it), and admission that is not ready yet:
+the ServiceAccount admission plugin answers ``error looking up service account ns/sa:
+serviceaccount "sa" not found`` until the namespace's ServiceAccount exists (a namespace
+just created, or the ServiceAccount applied after the VM), admission plugins answer ``not
+yet ready to handle request`` until their caches sync after an API-server restart, and
+ResourceQuota admission ``status unknown for quota`` until the quota's usage is computed.
+None of these is fixed by a change to the VM, so none may leave it refused."""
 
 FENCE_CREATOR_RULE = "only the neonvm controller may create a runner pod"
 """The admission fence's answer to a runner pod create by another identity: not a
@@ -205,8 +218,41 @@ def classify_create_error(status: int | None, message: str) -> CreateErrorKind:
     return "retry"
 
 
+def stuck_mutation(update: ConditionUpdate, lease: d.Lease) -> StatusMutation:
+    """Write a stuck Degraded condition only on the transition into its reason.
+
+    A VM that stays stuck for the same reason keeps the condition as first written: its
+    message names what changes from one attempt to the next (a pod name, an error text,
+    counts) and rewriting it on every attempt would produce a watch event that requeues
+    the VM at once, bypassing the stuck backoff. Logs and events carry the details."""
+    write = conditions_mutation([update], lease)
+
+    def mutate(vm: types.VirtualMachine) -> types.VirtualMachineStatus | None:
+        for cond in vm.status.conditions:
+            if (cond.type == update.type and cond.status == update.status
+                    and cond.reason == update.reason):
+                return None
+        return write(vm)
+
+    return mutate
+
+
+def miss_message(kind: type[d.Action], outcome: str, detail: str) -> str:
+    """The Degraded message of a step that keeps not taking effect: what and why, no pod
+    names or counts (they change between attempts; see :func:`stuck_mutation`)."""
+    return (f"{kind.__name__} keeps not taking effect ({outcome}"
+            f"{': ' + api_error_text(detail) if detail else ''}); the controller "
+            f"retries with backoff")
+
+
+def controlling_owner_uid(pod: dict[str, Any]) -> str | None:
+    """The uid of the pod's controlling owner reference (``controller: true``), if any."""
+    refs = (pod.get("metadata") or {}).get("ownerReferences") or []
+    return next((str(ref.get("uid")) for ref in refs if ref.get("controller")), None)
+
+
 def _target(action: d.Action) -> str:
-    """What an action acts on, for messages."""
+    """What an action acts on, for log lines."""
     if isinstance(action, d.RecordPlan | d.CreatePod):
         return f"runner pod {action.plan.name}"
     name = getattr(action, "name", "")
@@ -415,9 +461,11 @@ class Reconciler:
         snap = self.observe(key, authority, direct_first)
         steps = 0
         resumed_counted = False
-        misses: Counter[tuple[type[d.Action], str, str]] = Counter()
-        """Steps that did not take effect: (action, target, outcome)."""
-        details: dict[tuple[type[d.Action], str, str], str] = {}
+        misses: Counter[tuple[type[d.Action], str]] = Counter()
+        """Steps that did not take effect: (action, outcome). Not by target: a pod name
+        changes from one attempt to the next, and the condition must not."""
+        details: dict[tuple[type[d.Action], str], str] = {}
+        targets: dict[tuple[type[d.Action], str], str] = {}
         performed: Counter[type[d.Action]] = Counter()
         while steps < self._config.max_steps:
             authority.check()
@@ -466,8 +514,9 @@ class Reconciler:
                 self._faults.after(STEP_NAMES[type(action)], key)
             performed[type(action)] += 1
             if outcome not in EFFECTIVE:
-                miss = (type(action), _target(action), str(outcome))
+                miss = (type(action), str(outcome))
                 misses[miss] += 1
+                targets[miss] = _target(action)
                 if getattr(outcome, "detail", ""):
                     details[miss] = getattr(outcome, "detail", "")
             snap = self.observe(key, authority, direct=True)
@@ -479,13 +528,12 @@ class Reconciler:
                                    else f"{type(action).__name__}{NOT_TAKING_EFFECT}",
                                    detail)
         if misses:
-            (kind, target, outcome), times = misses.most_common(1)[0]
-            detail = details.get((kind, target, outcome), "")
-            message = (f"{kind.__name__} of {target} keeps not taking effect ({outcome}"
-                       f"{': ' + api_error_text(detail) if detail else ''}); the controller "
-                       f"retries with backoff")
-            log.warning("step budget of {n} used: {kind} did not take effect {times} times",
-                        n=steps, kind=kind.__name__, times=times)
+            (kind, outcome), times = misses.most_common(1)[0]
+            detail = details.get((kind, outcome), "")
+            message = miss_message(kind, outcome, detail)
+            log.warning("step budget of {n} used: {kind} did not take effect {times} times "
+                        "(last on {target})", n=steps, kind=kind.__name__, times=times,
+                        target=targets.get((kind, outcome), "?"))
             return self._stuck(key, snap, authority, log, steps, kind,
                                f"{kind.__name__}{NOT_TAKING_EFFECT}", message)
         kind, times = (performed.most_common(1) or [(d.Wait, 0)])[0]
@@ -502,8 +550,7 @@ class Reconciler:
             self._metrics.stuck.labels(step=step).inc()
         log.warning("not converging ({reason}): {message}", reason=reason, message=message)
         if snap.record is not None and snap.obs.direct:
-            mutation = conditions_mutation([stuck_condition(reason, message)],
-                                           authority.lease)
+            mutation = stuck_mutation(stuck_condition(reason, message), authority.lease)
             if mutation(snap.record.vm) is not None:
                 self._write_status(key, snap, mutation, authority, log)
         return ReconcileResult(action=d.Wait(seconds=0.0, reason=message), requeue_after=0.0,
@@ -733,7 +780,8 @@ class Reconciler:
                                  f"creating runner pod {name} keeps failing (retried with "
                                  f"backoff); last error: {api_error_text(error)}")
         try:
-            self._write_status(key, snap, conditions_mutation([update], authority.lease),
+            # Written on the transition only: the message keeps its first error.
+            self._write_status(key, snap, stuck_mutation(update, authority.lease),
                                authority, log)
         except (ApiException, HTTPError, OSError) as exc:
             log.debug("could not record CreateFailing: {err}", err=exc)
@@ -885,6 +933,18 @@ class Reconciler:
                      pod=meta.get("name"))
             return Outcome("precondition", f"pod {meta.get('name')} is not labelled "
                                            f"{types.LABEL_VM_NAME}={vm.name}")
+        owner = controlling_owner_uid(pod)
+        if owner != vm.uid:
+            # Not this VM's pod (the status names another VM's pod, or a pod planted under
+            # that name): never delete it, and never start it. The reconcile ends stuck
+            # with backoff and says so; a status naming the VM's own pod fixes it.
+            log.warning("not ungating or deleting {pod}: the VM's status names it, but "
+                        "its controlling owner is {owner}, not this VM ({uid})",
+                        pod=action.name, owner=owner or "nobody", uid=vm.uid)
+            return Outcome("precondition", f"the committed pod is not controlled by this "
+                                           f"VM (its controlling owner is "
+                                           f"{'another object' if owner else 'none'}); "
+                                           f"not deleted")
         message = (f"runner pod {action.name} lost its label {types.LABEL_VM_NAME}={vm.name}"
                    f"; it never ran (gated) and is replaced by a new pod")
         try:

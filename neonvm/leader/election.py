@@ -333,6 +333,8 @@ class Leadership:
         self._valid_until = valid_until
         self._lock = threading.Lock()
         self.lost = threading.Event()
+        self.stepping_down = threading.Event()
+        """Set by :meth:`step_down`: the work gave the term up and the Lease is released."""
 
     @property
     def epoch(self) -> int:
@@ -360,6 +362,14 @@ class Leadership:
             self.lost.set()
         if self.lost.is_set():
             raise LeadershipLost(f"leadership of epoch {self._epoch} lost ({self._identity})")
+
+    def step_down(self) -> None:
+        """End this term from the leader work and hand the Lease over: the elector
+        releases it (once the work has returned) and sits out a lease duration so that a
+        standby takes it. Unlike setting ``lost`` alone, which ends the term but keeps the
+        Lease until it expires or this replica campaigns again."""
+        self.stepping_down.set()
+        self.lost.set()
 
     def _extend(self, valid_until: float) -> None:
         with self._lock:
@@ -407,7 +417,8 @@ class EndReason(Enum):
     """Why a term ended; decides whether the Lease is released."""
 
     STOP = "stop"                  # shutdown requested: release
-    STEP_DOWN = "step-down"        # asked to step down: release, then sit out
+    STEP_DOWN = "step-down"        # asked to step down (by the Lease annotation or by the
+    #                                leader work, Leadership.step_down): release, sit out
     DEPOSED = "deposed"            # someone else holds the Lease (or a newer term of ours)
     DEADLINE = "renew-deadline"    # renewals failed until the renew deadline
     WORK_LOST = "work-lost"        # lost was set from outside (check() saw the deadline,
@@ -678,6 +689,8 @@ class LeaderElector:
                 return EndReason.STOP
             self._last_tick = self._clock()
             if leadership.lost.is_set():
+                if leadership.stepping_down.is_set():
+                    return EndReason.STEP_DOWN
                 return EndReason.WORK_LOST
             ended = self._renew(term, stop)
             if ended is not None:
