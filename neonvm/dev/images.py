@@ -208,7 +208,7 @@ def base_key(spec: ImageSpec, mmdebstrap: str) -> str:
 APP_SCRIPT = f"""set -eu
 /usr/bin/python3 -m venv {VENV}
 {VENV}/bin/pip install --quiet --no-index --no-cache-dir --disable-pip-version-check \\
-    --no-compile --find-links /mnt/wheels neonvm
+    --no-compile --find-links /mnt neonvm
 # pip and setuptools are not needed at run time (nothing is installed into a running image).
 {VENV}/bin/pip uninstall --quiet --yes --disable-pip-version-check pip setuptools
 # Hash-based .pyc files: no mtimes inside, valid whatever the files' mtimes, and the root
