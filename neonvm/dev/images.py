@@ -211,6 +211,9 @@ APP_SCRIPT = f"""set -eu
     --no-compile --find-links /mnt neonvm
 # pip and setuptools are not needed at run time (nothing is installed into a running image).
 {VENV}/bin/pip uninstall --quiet --yes --disable-pip-version-check pip setuptools
+# kubernetes>=37 ships an asyncio copy of its whole client (kubernetes/aio, about 68 MB
+# with its .pyc files) that neonvm never imports.
+rm -rf {VENV}/lib/python3.11/site-packages/kubernetes/aio
 # Hash-based .pyc files: no mtimes inside, valid whatever the files' mtimes, and the root
 # file system is read-only at run time, so Python could not write them then.
 {VENV}/bin/python3 -m compileall -q -j 1 --invalidation-mode unchecked-hash {VENV}/lib
@@ -555,12 +558,23 @@ def _python() -> str:
     return sys.executable
 
 
-def build_app(spec: ImageSpec, rootfs: Path, base: Layer, wheels: Path, wheels_key: str,
+def python_packages(rootfs: Path) -> list[str]:
+    """The base's Python packages and versions (``dpkg-query`` lines): all the venv
+    depends on, so images whose bases have the same ones share one app layer."""
+    listing = (rootfs.parent / "packages.txt").read_text().splitlines()
+    return sorted(line for line in listing
+                  if line.split()[0].startswith(("python3", "libpython3")))
+
+
+def build_app(spec: ImageSpec, rootfs: Path, wheels: Path, wheels_key: str,
               progress: Callable[[str], None]) -> tuple[Layer, bool]:
-    """The /opt/neonvm layer: a venv made inside the base (through an overlay mount)."""
-    key = _key({"format": FORMAT, "base": base.digest, "wheels": wheels_key,
+    """The /opt/neonvm layer: a venv made inside the base (through an overlay mount).
+
+    Keyed on the base's Python packages, not on the whole base: the controller and the
+    runner get the same layer (containerd stores it once)."""
+    key = _key({"format": FORMAT, "python": python_packages(rootfs), "wheels": wheels_key,
                 "script": APP_SCRIPT})
-    d = images_dir() / f"app-{spec.name}-{key}"
+    d = images_dir() / f"app-{key}"
     meta = d / "layer.json"
     if meta.is_file():
         return Layer.from_json(json.loads(meta.read_text())), True
@@ -623,7 +637,7 @@ def build(names: tuple[str, ...] = ("controller", "runner"), out_dir: Path | Non
         spec = SPECS[name]
         started = time.monotonic()
         rootfs, base, base_cached = build_base(spec, progress)
-        app, app_cached = build_app(spec, rootfs, base, wheels, wheels.parent.name, progress)
+        app, app_cached = build_app(spec, rootfs, wheels, wheels.parent.name, progress)
         layers = [base, app]
         reference = spec.reference(version)
         archive = out_dir / f"neonvm-{name}-{version}.oci.tar"
