@@ -15,6 +15,7 @@ import os
 import subprocess
 import tarfile
 import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -248,6 +249,7 @@ def test_runner_pod_boots_the_test_guest_on_the_real_node(
             },
         }
         core = client.CoreV1Api(api)
+        created = time.monotonic()
         core.create_namespaced_pod(namespace, {
             "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "runner-guest"},
             "spec": {
@@ -282,6 +284,7 @@ def test_runner_pod_boots_the_test_guest_on_the_real_node(
                        for c in pod.status.conditions or [])
 
         wait_for(ready, timeout=300, interval=0.5, what="the runner pod to be Ready")
+        ready_after = time.monotonic() - created
         log = core.read_namespaced_pod_log("runner-guest", namespace)
         assert "guest: mode=powerdown" in log
         assert "NEONVM_GUEST_READY" in log
@@ -300,13 +303,20 @@ def test_runner_pod_boots_the_test_guest_on_the_real_node(
         reader = threading.Thread(target=lambda: followed.extend(stream.stream()),
                                   daemon=True)
         reader.start()
+        deleted = time.monotonic()
         core.delete_namespaced_pod("runner-guest", namespace)
         wait_for(lambda: not _exists(core, namespace, "runner-guest"), timeout=120,
                  interval=0.5, what="pod runner-guest deleted")
+        # Figures for docs/images.md (shown with -s), not assertions.
+        print(f"\nrunner pod: Ready {ready_after:.1f}s after create, gone "
+              f"{time.monotonic() - deleted:.1f}s after delete")
         reader.join(timeout=60)
         tail = b"".join(followed).decode(errors="replace")
         assert "SIGTERM received: powering the guest down" in tail, tail[-3000:]
         assert "guest: power button pressed, powering off" in tail, tail[-3000:]
         assert "QEMU exited with code 0" in tail, tail[-3000:]
+        print("\n".join(line for line in (log + tail).splitlines()
+                        if "guest:" in line or "NEONVM_GUEST_READY" in line
+                        or "received" in line or "QEMU exited" in line))
     finally:
         node.stop()
