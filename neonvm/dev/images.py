@@ -195,6 +195,9 @@ def base_setup_script(spec: ImageSpec) -> str:
     ]
     for d in spec.owned_dirs:
         lines += [f"mkdir -p {d}", f"chown {USER_ID}:{USER_ID} {d}"]
+    # apt leaves these owned by root or by _apt depending on how it ran: one owner, so
+    # that two builds of the same base give the same layer.
+    lines.append("chown _apt:root /var/cache/apt/archives/partial /var/lib/apt/lists/partial")
     return "\n".join(lines)
 
 
