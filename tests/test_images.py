@@ -187,3 +187,24 @@ def test_built_archives_are_well_formed() -> None:
         assert described["config"]["config"] == spec.config
     if not found:
         pytest.skip("no built archives (run `neonvm dev images`)")
+
+
+@pytest.mark.unit
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+def test_a_half_built_entry_is_removed_without_reaching_into_its_mounts(
+        tmp_path: Path) -> None:
+    """A killed mmdebstrap may leave file systems mounted inside its root: removing the
+    cache entry unmounts them first instead of deleting what they show."""
+    import subprocess
+
+    entry = tmp_path / "base-x"
+    mnt = entry / "rootfs" / "proc"
+    mnt.mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(mnt)], check=True)
+    try:
+        (mnt / "precious").write_text("not the cache's to delete")
+        images._remove(entry)
+        assert not entry.exists()
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+    assert str(mnt) not in Path("/proc/mounts").read_text()

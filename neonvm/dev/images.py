@@ -495,6 +495,22 @@ def _human(n: int) -> str:
     return f"{n / 1e6:.1f} MB"
 
 
+def _remove(d: Path) -> None:
+    """Remove a half-built cache entry. A killed mmdebstrap may leave /proc, /sys or
+    /dev mounted in its root: unmount whatever is mounted under ``d`` first, so that
+    removing files never reaches into a mounted file system."""
+    prefix = f"{d.resolve()}/"
+    mounts = [line.split()[1].replace("\\040", " ")
+              for line in Path("/proc/mounts").read_text().splitlines()]
+    for m in sorted((m for m in mounts if m.startswith(prefix)), key=len, reverse=True):
+        subprocess.run(["umount", "-l", m], capture_output=True)
+    still = [line.split()[1] for line in Path("/proc/mounts").read_text().splitlines()
+             if line.split()[1].startswith(prefix)]
+    if still:
+        raise ImageBuildError(f"cannot remove {d}: still mounted: {', '.join(still)}")
+    shutil.rmtree(d)
+
+
 def _run(argv: list[str], what: str, **kw: Any) -> None:
     proc = subprocess.run(argv, capture_output=True, text=True, **kw)
     if proc.returncode != 0:
@@ -510,7 +526,7 @@ def build_base(spec: ImageSpec, progress: Callable[[str], None]) -> tuple[Path, 
     if meta.is_file():
         return d / "rootfs", Layer.from_json(json.loads(meta.read_text())), True
     if d.exists():
-        shutil.rmtree(d)
+        _remove(d)
     d.mkdir(parents=True)
     rootfs = d / "rootfs"
     progress(f"{spec.name}: mmdebstrap {SUITE} minbase + {' '.join(spec.packages)}")
@@ -540,7 +556,7 @@ def build_wheels(root: Path, progress: Callable[[str], None]) -> tuple[Path, boo
     if done.is_file():
         return d / "wheels", True
     if d.exists():
-        shutil.rmtree(d)
+        _remove(d)
     src = d / "src"
     for rel in source_files(root):
         (src / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -582,7 +598,7 @@ def build_app(spec: ImageSpec, rootfs: Path, wheels: Path, wheels_key: str,
     if meta.is_file():
         return Layer.from_json(json.loads(meta.read_text())), True
     if d.exists():
-        shutil.rmtree(d)
+        _remove(d)
     for sub in ("upper", "work", "merged"):
         (d / sub).mkdir(parents=True)
     progress(f"{spec.name}: venv {VENV} with neonvm and its dependencies")
