@@ -208,3 +208,32 @@ def test_a_half_built_entry_is_removed_without_reaching_into_its_mounts(
     finally:
         subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
     assert str(mnt) not in Path("/proc/mounts").read_text()
+
+
+@pytest.mark.unit
+def test_two_builds_into_one_cache_take_turns(tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A second build waits for the first (they would remove each other's half-built
+    cache entries); it says so, and goes on once the first is done."""
+    import fcntl
+    import threading
+
+    from tests.support import wait_for
+
+    monkeypatch.setenv("NEONVM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(images, "unavailable_reason", lambda: None)
+    ran: list[tuple[str, ...]] = []
+    monkeypatch.setattr(images, "_build_locked",
+                        lambda names, out_dir, progress: ran.append(names) or [])
+    said: list[str] = []
+    (tmp_path / "images").mkdir()
+    with (tmp_path / "images" / ".lock").open("w") as first:
+        fcntl.flock(first, fcntl.LOCK_EX)
+        second = threading.Thread(target=images.build, args=(("runner",), None, said.append))
+        second.start()
+        wait_for(lambda: said, timeout=60, interval=0.05, what="the second build to wait")
+        assert said == [f"waiting for another build using {tmp_path / 'images'}"]
+        assert ran == []
+        fcntl.flock(first, fcntl.LOCK_UN)
+        second.join(timeout=60)
+    assert ran == [("runner",)]

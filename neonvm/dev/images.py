@@ -27,6 +27,7 @@ docs/images.md tells how the two correspond.
 
 from __future__ import annotations
 
+import fcntl
 import gzip
 import hashlib
 import io
@@ -653,6 +654,19 @@ def build(names: tuple[str, ...] = ("controller", "runner"), out_dir: Path | Non
     unavailable = unavailable_reason()
     if unavailable:
         raise ImageBuildError(f"images cannot be built here: {unavailable}")
+    images_dir().mkdir(parents=True, exist_ok=True)
+    with (images_dir() / ".lock").open("w") as lock:
+        # Two builds into one cache would remove each other's half-built entries.
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            progress(f"waiting for another build using {images_dir()}")
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        return _build_locked(names, out_dir, progress)
+
+
+def _build_locked(names: tuple[str, ...], out_dir: Path | None,
+                  progress: Callable[[str], None]) -> list[BuiltImage]:
     root = source_root()
     version = package_version(root)
     out_dir = out_dir or images_dir() / "archives"
