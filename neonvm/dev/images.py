@@ -202,17 +202,9 @@ def base_setup_script(spec: ImageSpec) -> str:
     return "\n".join(lines)
 
 
-SLIM_PACKAGES = ("usr-is-merged",)
-"""Installed in ``debian:bookworm-slim`` already, so the Dockerfiles need not name them.
-Without ``usr-is-merged``, apt satisfies init-system-helpers' ``usrmerge |
-usr-is-merged`` with ``usrmerge``, which brings Perl (about 50 MB unpacked) into both
-images for a conversion the new root file system does not need (it is merged already)."""
-
-
 def base_key(spec: ImageSpec, mmdebstrap: str) -> str:
     return _key({"format": FORMAT, "suite": SUITE, "sources": DEBIAN_SOURCES,
-                 "packages": sorted(spec.packages), "slim": SLIM_PACKAGES,
-                 "dpkg": DPKG_FILTERS,
+                 "packages": sorted(spec.packages), "dpkg": DPKG_FILTERS,
                  "setup": base_setup_script(spec), "mmdebstrap": mmdebstrap,
                  "epoch": SOURCE_DATE_EPOCH})
 
@@ -542,7 +534,7 @@ def build_base(spec: ImageSpec, progress: Callable[[str], None]) -> tuple[Path, 
     started = time.monotonic()
     hook = base_setup_script(spec).replace("\n", " && ")
     argv = ["mmdebstrap", "--variant=minbase", "--mode=root", "--quiet",
-            f"--include={','.join((*SLIM_PACKAGES, *spec.packages))}",
+            f"--include={','.join(spec.packages)}",
             *(f"--dpkgopt={f}" for f in DPKG_FILTERS),
             f'--customize-hook=chroot "$1" sh -c "{hook}"',
             SUITE, str(rootfs), *DEBIAN_SOURCES]
