@@ -110,6 +110,32 @@ def print_exports(cluster: LocalCluster) -> None:
         click.echo(f"export {key}={shlex.quote(value)}")
 
 
+@dev.command()
+@click.option("--only", type=click.Choice(["controller", "runner"]), multiple=True,
+              help="Build only these images (repeatable) [default: both].")
+@click.option("--out-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Where the OCI archives go [default: <cache>/images/archives].")
+@OUTPUT_OPTION
+def images(only: tuple[str, ...], out_dir: Path | None, output: str) -> None:
+    """Build the controller and runner OCI images without a Docker engine (docs/images.md).
+
+    Debian root filesystems from mmdebstrap plus a venv with this checkout's neonvm,
+    cached under the cache dir; prints each image, tag, archive path and size.
+    """
+    from neonvm.dev import images as dev_images
+
+    started = time.monotonic()
+    try:
+        built = dev_images.build(only or ("controller", "runner"), out_dir,
+                                 progress=_progress)
+    except dev_images.ImageBuildError as e:
+        raise click.ClickException(str(e)) from e
+    click.echo(f"built in {time.monotonic() - started:.1f}s", err=True)
+    emit(dev_images.as_rows(built), output,
+         columns=None if output != "table" else
+         ["image", "tag", "size", "unpacked", "cached", "archive"])
+
+
 # Fault knobs of the simulated nodes (neonvm/cli/nodes.py): ``neonvm dev node|pod ...``.
 from neonvm.cli.nodes import node as _node_group  # noqa: E402
 from neonvm.cli.nodes import pod as _pod_group  # noqa: E402

@@ -54,7 +54,7 @@ from neonvm.api.types import PendingPod, VirtualMachine
 RUNNER_PORT = 25183
 RUNNER_COMMAND = "neonvm-runner"
 RUNNER_CONTAINER = "neonvm-runner"
-DEFAULT_RUNNER_IMAGE = "ghcr.io/neonvm/neonvm-runner:latest"
+DEFAULT_RUNNER_IMAGE = "ghcr.io/neonvm/neonvm-runner:0.1.0"
 DISKS_DIR = "/vm/disks"
 ROOT_DISK_DIR = "/vm/images"
 ROOT_DISK_VOLUME = "vm-images"
