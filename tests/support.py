@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import json
 import time
+import urllib.request
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from kubernetes import client
 
 T = TypeVar("T")
+
+FAST = ["--lease-duration", "4", "--renew-deadline", "3", "--retry-period", "0.5",
+        "--session-ttl", "4", "--plan-requeue", "1", "--resync", "10", "--sweep", "3"]
+"""Replica flags for tests: short leases, requeues and sweeps, so failovers and retries
+happen within a test's patience."""
 
 
 def wait_for(
@@ -36,3 +42,23 @@ def create_pull_secret(api: client.ApiClient, namespace: str, name: str) -> None
     client.CoreV1Api(api).create_namespaced_secret(namespace, {
         "metadata": {"name": name}, "type": "kubernetes.io/dockerconfigjson",
         "stringData": {".dockerconfigjson": json.dumps({"auths": {}})}})
+
+
+def health_port(replica: Any) -> int | None:
+    """The port a replica (``neonvm.testing.harness.Replica``) serves /healthz and
+    /metrics on, from its JSON log; None until it says."""
+    for line in replica.log().splitlines():
+        if "serving /healthz" in line:
+            return int(json.loads(line)["port"])
+    return None
+
+
+def metrics_of(port: int) -> dict[str, float]:
+    """One scrape of a replica's neonvm_* metrics: sample (with labels) to value."""
+    found: dict[str, float] = {}
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        for line in resp.read().decode().splitlines():
+            if line.startswith("neonvm_") and " " in line:
+                name, value = line.rsplit(" ", 1)
+                found[name] = float(value)
+    return found

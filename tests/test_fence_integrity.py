@@ -63,7 +63,7 @@ from neonvm.testing.harness import (
     is_gated,
     runner_pods,
 )
-from tests.support import wait_for
+from tests.support import FAST, wait_for
 
 AUTHORITY = StaticAuthority(epoch=1, token=10)
 NOWHERE = {"neonvm.test/unschedulable": "true"}
@@ -319,8 +319,6 @@ def test_a_pod_planted_under_the_next_name_is_not_adopted_and_the_vm_gets_its_ow
 # ---- real replicas: one VM fenced ahead does not stall the others ---------------------------
 
 
-FAST = ["--lease-duration", "4", "--renew-deadline", "3", "--retry-period", "0.5",
-        "--session-ttl", "4", "--plan-requeue", "1", "--resync", "10", "--sweep", "3"]
 
 
 @pytest.fixture

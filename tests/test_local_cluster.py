@@ -34,7 +34,7 @@ from neonvm.dev import nodes
 from neonvm.dev.cluster import LocalCluster
 from neonvm.invariant import InvariantChecker
 from neonvm.testing.harness import Replicas, converged, create_vm, get_vm, is_gated
-from tests.support import wait_for
+from tests.support import FAST, wait_for
 
 pytestmark = pytest.mark.nodes
 
@@ -296,8 +296,6 @@ def test_the_node_commands_report_and_refuse_in_one_line(cluster: LocalCluster) 
 
 # ---- with the controller -------------------------------------------------------------------
 
-FAST = ["--lease-duration", "4", "--renew-deadline", "3", "--retry-period", "0.5",
-        "--session-ttl", "4", "--plan-requeue", "1", "--resync", "10", "--sweep", "3"]
 
 
 @pytest.fixture

@@ -10,7 +10,6 @@ the next leader must resume from what is recorded in the API server.
 
 from __future__ import annotations
 
-import json
 import time
 import urllib.request
 import uuid
@@ -38,12 +37,10 @@ from neonvm.testing.harness import (
     list_vms,
     runner_pods,
 )
-from tests.support import create_pull_secret, wait_for
+from tests.support import FAST, create_pull_secret, health_port, metrics_of, wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
-FAST = ["--lease-duration", "4", "--renew-deadline", "3", "--retry-period", "0.5",
-        "--session-ttl", "4", "--plan-requeue", "1", "--resync", "10", "--sweep", "3"]
 HOLD = "test.neon.tech/hold"
 
 
@@ -367,21 +364,21 @@ def test_a_vm_waiting_for_its_pull_secret_is_left_alone_until_it_exists_then_con
     cond = wait_for(degraded, 60, what="Degraded for the missing pull secret")
     assert cond is not None and cond["reason"] == "ImagePullSecretNotFound"
     planned = vm_status(api, namespace, "vm")["pendingPod"]["name"]
-    port = wait_for(lambda: _health_port(leader), 30)
+    port = wait_for(lambda: health_port(leader), 30)
     waits = 'neonvm_controller_reconciles_total{result="wait"}'
     scans = 'neonvm_controller_scans_total{scan="mid_plan"}'
     # Degraded is visible before the first Wait is counted (the count follows the status
     # write), and that write's own watch event brings one more look. Let both settle.
-    first = wait_for(lambda: (m := _metrics(port)).get(waits, 0) >= 1 and m, 30,
+    first = wait_for(lambda: (m := metrics_of(port)).get(waits, 0) >= 1 and m, 30,
                      what="the first Wait counted")
-    before = wait_for(lambda: (m := _metrics(port)).get(scans, 0) >= first.get(scans, 0) + 2
+    before = wait_for(lambda: (m := metrics_of(port)).get(scans, 0) >= first.get(scans, 0) + 2
                       and m, 30, what="two scans after the first Wait")
     started = time.monotonic()
     version = vm_version(api, namespace, "vm")
 
     # Six mid-plan scans pass (one every 2 s), and none of them reconciles or writes the
     # held-back VM: only its own 15 s requeue looks at it again.
-    after = wait_for(lambda: (m := _metrics(port)).get(scans, 0) >= before.get(scans, 0) + 6
+    after = wait_for(lambda: (m := metrics_of(port)).get(scans, 0) >= before.get(scans, 0) + 6
                      and m,
                      60, what="six mid-plan scans")
     requeues_due = 1 + int((time.monotonic() - started) // 15)
@@ -416,12 +413,12 @@ def test_a_deleted_vm_whose_deletion_the_cache_missed_is_never_locked_again(
         table = LockTable(etcd, prefix)
         infos, since = table.snapshot(namespace)
         assert not infos
-        port = wait_for(lambda: _health_port(blind), 30)
+        port = wait_for(lambda: health_port(blind), 30)
         resyncs = 'neonvm_controller_scans_total{scan="resync"}'
-        before = _metrics(port)
-        wait_for(lambda: _metrics(port).get(resyncs, 0) >= before.get(resyncs, 0) + 3, 60,
+        before = metrics_of(port)
+        wait_for(lambda: metrics_of(port).get(resyncs, 0) >= before.get(resyncs, 0) + 3, 60,
                  what="three resyncs")
-        assert _metrics(port).get("neonvm_controller_cache_evictions_total", 0) >= 1
+        assert metrics_of(port).get("neonvm_controller_cache_evictions_total", 0) >= 1
         installation = Installation(namespace, replicas.lease_name)
         stream = etcd.watch(lock_key(prefix, installation, namespace, "vm"),
                             start_revision=since + 1,
@@ -440,22 +437,6 @@ def test_a_deleted_vm_whose_deletion_the_cache_missed_is_never_locked_again(
 # ---- health and metrics ------------------------------------------------------------------
 
 
-def _health_port(replica: Replica) -> int | None:
-    for line in replica.log().splitlines():
-        if "serving /healthz" in line:
-            return int(json.loads(line)["port"])
-    return None
-
-
-def _metrics(port: int) -> dict[str, float]:
-    found: dict[str, float] = {}
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
-        for line in resp.read().decode().splitlines():
-            if line.startswith("neonvm_") and " " in line:
-                name, value = line.rsplit(" ", 1)
-                found[name] = float(value)
-    return found
-
 
 def test_the_leader_serves_health_and_reconcile_metrics(
         cluster: LocalCluster, api: client.ApiClient, namespace: str, replicas: Replicas,
@@ -464,13 +445,13 @@ def test_the_leader_serves_health_and_reconcile_metrics(
     assert leader_of(replicas) is leader
     create_vm(api, namespace, "vm", spec=grace(cluster))
     wait_for(lambda: converged(api, namespace, ["vm"]), 60)
-    port = wait_for(lambda: _health_port(leader), 30)
+    port = wait_for(lambda: health_port(leader), 30)
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as resp:
         assert resp.status == 200
     metrics: dict[str, float] = {}
 
     def scrape() -> bool:
-        metrics.update(_metrics(port))
+        metrics.update(metrics_of(port))
         # The VM converging and its reconcile ending in Done are separate moments.
         return (metrics.get("neonvm_controller_locks_held", 0) >= 1
                 and metrics.get('neonvm_controller_reconciles_total{result="done"}', 0) >= 1

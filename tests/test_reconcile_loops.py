@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
-import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -56,7 +55,7 @@ from neonvm.testing.harness import (
     is_gated,
     runner_pods,
 )
-from tests.support import wait_for
+from tests.support import FAST, health_port, metrics_of, wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -64,8 +63,6 @@ AUTHORITY = StaticAuthority(epoch=1, token=10)
 HOLD = "test.neon.tech/hold"
 NOWHERE = {"neonvm.test/unschedulable": "true"}
 """Runner pods here are never bound to a node: the test plays their lifecycle."""
-FAST = ["--lease-duration", "4", "--renew-deadline", "3", "--retry-period", "0.5",
-        "--session-ttl", "4", "--plan-requeue", "1", "--resync", "10", "--sweep", "3"]
 
 
 @pytest.fixture
@@ -258,22 +255,6 @@ def replicas(cluster: LocalCluster, api: client.ApiClient, namespace: str,
         for r in group:  # shown by pytest only when the test failed
             print(f"---- {r.name} (exit {r.exit_code()}) ----\n{r.log()[-20000:]}")
 
-
-def health_port(replica: Replica) -> int | None:
-    for line in replica.log().splitlines():
-        if "serving /healthz" in line:
-            return int(json.loads(line)["port"])
-    return None
-
-
-def metrics_of(port: int) -> dict[str, float]:
-    found: dict[str, float] = {}
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
-        for line in resp.read().decode().splitlines():
-            if line.startswith("neonvm_") and " " in line:
-                name, value = line.rsplit(" ", 1)
-                found[name] = float(value)
-    return found
 
 
 def backoffs(replica: Replica, key: str) -> list[float]:
