@@ -721,6 +721,10 @@ def test_three_candidates_one_leader_at_a_time_through_kill_and_graceful_stop(
         failover = took_over["mono"] - first.killed_at
         not_before = took_over["mono"] - checker.last_renewal_bound(first.identity)
 
+        # The checker polls the Lease: let it see this term before ending it (a term cut
+        # short by the signal at once can fall between two reads on a loaded machine).
+        wait_for(lambda: checker.saw_term(second.identity, second_epoch), 30,
+                 what="the checker to see the second leader's term")
         term_sent = time.monotonic()
         second.send(signal.SIGTERM)
         last = next(c for c in others if c is not second)
