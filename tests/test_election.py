@@ -739,6 +739,9 @@ def test_three_candidates_one_leader_at_a_time_through_kill_and_graceful_stop(
         handover = handed_to["mono"] - stepped_down["mono"]
         wait_for(lambda: third.first("write", result="accepted", epoch=third_epoch), 30,
                  what="the last leader's work")
+        # Same as for the second term: the checker must see it before the signal ends it.
+        wait_for(lambda: checker.saw_term(third.identity, third_epoch), 30,
+                 what="the checker to see the last leader's term")
         third.send(signal.SIGTERM)
         assert third.proc.wait(timeout=60) == 0
 
