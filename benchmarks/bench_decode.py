@@ -95,16 +95,20 @@ def table(runs: int) -> str:
     return "\n".join(lines)
 
 
+def section(runs: int) -> str:
+    """The docs' "Decoding" section, between markers that ``--docs`` replaces."""
+    return ("## Decoding\n\n`python -m benchmarks.bench_decode --docs` (also part of "
+            "`python -m benchmarks`); see its docstring for the baseline.\n\n"
+            f"{BEGIN}\n{table(runs)}\n{END}\n")
+
+
 def write_docs(text: str) -> None:
     doc = DOC.read_text()
     block = f"{BEGIN}\n{text}\n{END}"
-    if BEGIN in doc:
-        doc = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: block, doc,
-                     flags=re.S)
-    else:
-        doc = doc.rstrip("\n") + "\n\n## Decoding\n\n`python -m benchmarks.bench_decode " \
-              "--docs`; see its docstring for the baseline.\n\n" + block + "\n"
-    DOC.write_text(doc)
+    if BEGIN not in doc:
+        raise SystemExit(f"{DOC.name} has no decoding section: run python -m benchmarks")
+    DOC.write_text(re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: block, doc,
+                          flags=re.S))
 
 
 def main(argv: list[str] | None = None) -> None:
