@@ -39,11 +39,11 @@ from neonvm.controller.reconciler import (
     StaticAuthority,
     WrongVM,
 )
-from neonvm.controller.update import stale_writeback_update
 from neonvm.dev.cluster import LocalCluster
 from neonvm.invariant import InvariantChecker
 from neonvm.testing.harness import create_vm as harness_create_vm
 from neonvm.testing.harness import get_vm, is_gated, runner_pods
+from tests.seed_bug import stale_writeback_update
 from tests.support import create_pull_secret, wait_for
 
 pytestmark = pytest.mark.cluster
