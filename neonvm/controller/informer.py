@@ -9,8 +9,8 @@ events is healed by the next re-list). Bookmarks are requested so that quiet wat
 still advance.
 
 What the cache guarantees: nothing about freshness. It may lag the server arbitrarily
-(and under fault injection, wired in around it by :mod:`neonvm.controller.fault_wiring`, it
-may answer with older versions or miss updates entirely).
+(and a wrapper composed in through :mod:`neonvm.controller.wiring` may, on purpose, make
+it answer with older versions or miss updates entirely).
 The controller therefore uses it only to *start* decisions and to notice changes; the
 reads that guard dangerous actions are direct (see :mod:`neonvm.controller.observe`),
 and VMs in the middle of a plan are requeued and re-read directly on a timer, so a lost

@@ -592,7 +592,7 @@ class ControllerProcess:
         self.election = election
         self.config = config
         self.wiring = wiring or Wiring()
-        """How each term's parts are built (fault injection wraps them here)."""
+        """How each term's parts are built (the one seam wrappers are composed at)."""
         self.metrics = metrics or ControllerMetrics()
         self.events = events or EventRecorder(api, election.identity)
         self._term: LeaderTerm | None = None

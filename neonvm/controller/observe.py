@@ -9,10 +9,9 @@ Two sources:
   rule sound: a pod in the list that the (newer) VM does not reference is not referenced
   by any later version either, because pod names are never reused.
 * :class:`CacheReader` answers from the informers' stores. It may be arbitrarily stale
-  (and a wrapper in :mod:`neonvm.controller.fault_wiring` makes it stale on purpose under
-  fault injection); its observations say
-  ``direct=False`` and :func:`~neonvm.controller.decide.decide` never bases a dangerous
-  action on them.
+  (and a wrapper composed in through :mod:`neonvm.controller.wiring` may make it stale on
+  purpose); its observations say ``direct=False`` and
+  :func:`~neonvm.controller.decide.decide` never bases a dangerous action on them.
 
 A :class:`Snapshot` keeps the raw objects next to the observation: the driver's writes
 need the exact resourceVersions of what the decision saw (the VM's for status and
