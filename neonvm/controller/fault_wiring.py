@@ -18,7 +18,6 @@ The production classes know nothing of it. Each knob owns its machinery:
 
 from __future__ import annotations
 
-import os
 import uuid
 from collections import deque
 from collections.abc import Callable
@@ -180,8 +179,8 @@ class FaultWiring(Wiring):
         return crash_after
 
 
-def wiring_for(config: FaultConfig, exit: Callable[[int], object] = os._exit) -> Wiring:
+def wiring_for(config: FaultConfig) -> Wiring:
     """The plain :class:`Wiring` when no fault is on, else :class:`FaultWiring`."""
     if not config.enabled:
         return Wiring()
-    return FaultWiring(Faults(config, exit=exit))
+    return FaultWiring(Faults(config))
