@@ -46,6 +46,7 @@ from neonvm.controller import decide as d
 from neonvm.controller import informer as informer_module
 from neonvm.controller import podspec
 from neonvm.controller.events import EventRecorder
+from neonvm.controller.fault_wiring import FaultWiring
 from neonvm.controller.faults import FaultConfig, Faults
 from neonvm.controller.manager import ControllerConfig, LeaderTerm
 from neonvm.controller.metrics import ControllerMetrics
@@ -342,7 +343,7 @@ def test_f2_a_vm_whose_added_event_was_lost_is_still_reconciled(
     process = SimpleNamespace(
         config=ControllerConfig(workers=0, resync_seconds=0.3, plan_requeue_seconds=0.1,
                                 sweep_seconds=0.3),
-        metrics=ControllerMetrics(), api=client.ApiClient(), faults=faults,
+        metrics=ControllerMetrics(), api=client.ApiClient(), wiring=FaultWiring(faults),
         events=EventRecorder(None), etcd=None, etcd_config=SimpleNamespace(prefix="/t"),
     )
     leadership = Leadership(epoch=1, identity="me", valid_until=time.monotonic() + 3600)

@@ -19,7 +19,8 @@ from types import FrameType
 import click
 from loguru import logger
 
-from neonvm.controller.faults import FaultConfig, FaultConfigError, Faults
+from neonvm.controller.fault_wiring import wiring_for
+from neonvm.controller.faults import FaultConfig, FaultConfigError
 from neonvm.controller.manager import ControllerConfig, ControllerProcess
 from neonvm.controller.metrics import ControllerMetrics
 from neonvm.controller.podspec import DEFAULT_RUNNER_IMAGE, PodDefaults
@@ -89,7 +90,7 @@ def controller() -> None:
 @click.option("--health-host", default="0.0.0.0", show_default=True)
 @click.option("--fault", "faults", multiple=True, metavar="K=V[,K=V]",
               help="Fault injection (testing only; also $NEONVM_FAULTS): crash_after=STEP[@N],"
-                   " stale_reads=P, drop_watch_events=P, conflict=P, seed=N.")
+                   " stale_reads=P, drop_watch_events=P, conflict=P, seed=N, crash_record=PATH.")
 def run(kubeconfig: Path | None, lease_namespace: str, lease_name: str, identity: str | None,
         lease_duration: float, renew_deadline: float, retry_period: float,
         etcd_endpoints: str | None, etcd_prefix: str | None, etcd_ca: str | None,
@@ -131,7 +132,7 @@ def run(kubeconfig: Path | None, lease_namespace: str, lease_name: str, identity
     api = kube.api_client(kubeconfig)
     metrics = ControllerMetrics()
     process = ControllerProcess(api, etcd_config, election, config,
-                                faults=Faults(fault_config), metrics=metrics)
+                                wiring=wiring_for(fault_config), metrics=metrics)
     health = HealthServer(health_port, metrics.registry, host=health_host)
     process.register_health(health)
     stop = threading.Event()

@@ -3,7 +3,8 @@
 Structure (each piece small and replaceable):
 
 * :class:`ControllerProcess` owns what lives as long as the process: the API client, the
-  metrics, the fault injector, and the :class:`~neonvm.leader.election.LeaderElector`.
+  metrics, the :class:`~neonvm.controller.wiring.Wiring` its terms are built by, and the
+  :class:`~neonvm.leader.election.LeaderElector`.
 * Each time the elector hands over a term, a :class:`LeaderTerm` runs in the elector's
   ``on_started`` thread until that term is lost. It owns everything that must not
   outlive the term: the VM and pod informers, the work queue, the workers, the etcd
@@ -55,11 +56,10 @@ from neonvm.api import types
 from neonvm.controller import decide as d
 from neonvm.controller.conditions import DEGRADED, FENCE_AHEAD
 from neonvm.controller.events import EventRecorder
-from neonvm.controller.faults import Faults
-from neonvm.controller.informer import Informer, Obj, Store, object_uid
+from neonvm.controller.informer import Informer, Obj, object_uid
 from neonvm.controller.metrics import ControllerMetrics
 from neonvm.controller.mutations import FencedOut
-from neonvm.controller.observe import CREATE_REFUSED, CacheReader, pod_index, split_key
+from neonvm.controller.observe import CREATE_REFUSED, pod_index, split_key
 from neonvm.controller.reconciler import (
     AuthorityLost,
     Reconciler,
@@ -68,6 +68,7 @@ from neonvm.controller.reconciler import (
     WrongVM,
 )
 from neonvm.controller.update import ConflictRetriesExhausted
+from neonvm.controller.wiring import Wiring
 from neonvm.controller.workqueue import Backoff, WorkQueue
 from neonvm.leader.election import ElectionConfig, LeaderElector, Leadership, LeadershipLost
 from neonvm.leader.epoch import EpochFloor
@@ -210,10 +211,9 @@ class LeaderTerm:
         ns = self.config.watch_namespace
         custom = client.CustomObjectsApi(api)
         core = client.CoreV1Api(api)
-        # Older versions are kept only to serve them under stale-read fault injection.
-        history = 5 if process.faults.config.stale_reads > 0 else 0
-        self.vm_store = Store(history=history)
-        self.pod_store = Store(index=pod_index, history=history)
+        wiring = process.wiring
+        self.vm_store = wiring.store()
+        self.pod_store = wiring.store(index=pod_index)
         if ns:
             def list_vms(**kw: Any) -> Any:
                 return custom.list_namespaced_custom_object(
@@ -231,14 +231,17 @@ class LeaderTerm:
                                                         **kw)
         self._list_vms, self._list_pods = list_vms, list_pods
         self.informers = [
-            Informer("virtualmachines", list_vms, self.vm_store, self._on_vm, process.faults,
+            Informer("virtualmachines", list_vms, self.vm_store, self._on_vm,
+                     accept=wiring.event_filter("virtualmachines"),
                      relist_seconds=self.config.relist_seconds),
-            Informer("pods", list_pods, self.pod_store, self._on_pod, process.faults,
+            Informer("pods", list_pods, self.pod_store, self._on_pod,
+                     accept=wiring.event_filter("pods"),
                      relist_seconds=self.config.relist_seconds),
         ]
         self.reconciler = Reconciler(
-            api, cache=CacheReader(self.vm_store, self.pod_store, process.faults),
-            faults=process.faults, metrics=self.metrics, events=process.events,
+            api, cache=wiring.observer(self.vm_store, self.pod_store),
+            writer=wiring.writer(api), after_step=wiring.after_step(),
+            metrics=self.metrics, events=process.events,
             config=self.config.reconciler, on_finalized=self._release_lock,
         )
 
@@ -581,14 +584,15 @@ class ControllerProcess:
 
     def __init__(self, api: client.ApiClient, etcd_config: EtcdConfig,
                  election: ElectionConfig, config: ControllerConfig, *,
-                 faults: Faults | None = None, metrics: ControllerMetrics | None = None,
+                 wiring: Wiring | None = None, metrics: ControllerMetrics | None = None,
                  events: EventRecorder | None = None) -> None:
         self.api = api
         self.etcd_config = etcd_config
         self.etcd = Etcd(etcd_config)
         self.election = election
         self.config = config
-        self.faults = faults or Faults()
+        self.wiring = wiring or Wiring()
+        """How each term's parts are built (the one seam wrappers are composed at)."""
         self.metrics = metrics or ControllerMetrics()
         self.events = events or EventRecorder(api, election.identity)
         self._term: LeaderTerm | None = None

@@ -61,7 +61,6 @@ from __future__ import annotations
 import copy
 import threading
 import time
-import uuid
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -98,7 +97,6 @@ from neonvm.controller.conditions import (
     stuck_condition,
 )
 from neonvm.controller.events import EventRecorder
-from neonvm.controller.faults import Faults
 from neonvm.controller.metrics import ControllerMetrics
 from neonvm.controller.mutations import (
     FencedOut,
@@ -122,8 +120,6 @@ from neonvm.controller.update import (
 )
 from neonvm.kube import api_error_message
 
-FAULT_BUMP_ANNOTATION = "vm.neon.tech/fault-bump"
-"""Annotation the conflict fault writes to bump a VM's resourceVersion."""
 FENCE_AHEAD_RECHECK_SECONDS = 300.0
 """How soon a VM fenced ahead of a valid leader is looked at again (a change to the VM,
 such as an operator's fix of status.fence, is seen at once through the watch)."""
@@ -338,35 +334,30 @@ class ReconcileResult:
     caller retries with backoff rather than at ``requeue_after``."""
 
 
+class Writer(Protocol):
+    """The two conditional writes of a VM (what :class:`Reconciler` writes VMs with)."""
+
+    def put_status(self, record: VMRecord, status: VirtualMachineStatus) -> VMRecord: ...
+
+    def put_main(self, record: VMRecord, finalizers: list[str]) -> VMRecord: ...
+
+
+StepHook = Callable[[str, str, str], None]
+"""Called after each performed step with (VM key, step name, outcome)."""
+
+
 class VMWriter:
     """The two conditional writes of a VM: PUT ``/status`` and PUT of the main resource.
 
     Both carry ``metadata.resourceVersion`` of the record they are given, so the API
     server refuses them (409) if the VM changed since that version: never a blind write.
-    Under the ``conflict`` fault another writer bumps the VM just before each write.
     """
 
-    def __init__(self, api: client.ApiClient, faults: Faults | None = None) -> None:
+    def __init__(self, api: client.ApiClient) -> None:
         self._custom = client.CustomObjectsApi(api)
-        self._faults = faults or Faults()
-
-    def bump(self, record: VMRecord) -> None:
-        """Change the VM's resourceVersion without touching spec or status (annotation)."""
-        vm = record.vm
-        self._custom.patch_namespaced_custom_object(
-            types.GROUP, types.VERSION, vm.namespace, types.PLURAL, vm.name,
-            {"metadata": {"annotations": {FAULT_BUMP_ANNOTATION: uuid.uuid4().hex[:8]}}},
-        )
-
-    def _maybe_bump(self, record: VMRecord) -> None:
-        if self._faults.inject_conflict():
-            self.bump(record)
-            logger.bind(vm=record.vm.key).debug(
-                "fault injection: bumped resourceVersion before a write")
 
     def put_status(self, record: VMRecord, status: VirtualMachineStatus) -> VMRecord:
         """PUT /status carrying the resourceVersion of ``record`` (never a blind patch)."""
-        self._maybe_bump(record)
         vm = record.vm
         body = {
             "apiVersion": types.API_VERSION,
@@ -382,7 +373,6 @@ class VMWriter:
 
     def put_main(self, record: VMRecord, finalizers: list[str]) -> VMRecord:
         """PUT of the main resource with new finalizers, carrying the resourceVersion."""
-        self._maybe_bump(record)
         body = copy.deepcopy(record.raw)
         body["metadata"]["finalizers"] = finalizers
         vm = record.vm
@@ -400,7 +390,8 @@ class Reconciler:
         api: client.ApiClient,
         *,
         cache: Observer | None = None,
-        faults: Faults | None = None,
+        writer: Writer | None = None,
+        after_step: StepHook | None = None,
         metrics: ControllerMetrics | None = None,
         events: EventRecorder | None = None,
         config: ReconcilerConfig | None = None,
@@ -409,9 +400,9 @@ class Reconciler:
     ) -> None:
         self._core = client.CoreV1Api(api)
         self.reader = DirectReader(api)
-        self.writer = VMWriter(api, faults)
+        self.writer: Writer = writer or VMWriter(api)
         self._cache = cache
-        self._faults = faults or Faults()
+        self._after_step = after_step
         self._metrics = metrics
         self._events = events or EventRecorder(None)
         self._config = config or ReconcilerConfig()
@@ -510,8 +501,8 @@ class Reconciler:
             if self._metrics:
                 self._metrics.actions.labels(action=type(action).__name__,
                                              outcome=outcome).inc()
-            if outcome == "done":
-                self._faults.after(STEP_NAMES[type(action)], key)
+            if self._after_step is not None:
+                self._after_step(key, STEP_NAMES[type(action)], str(outcome))
             performed[type(action)] += 1
             if outcome not in EFFECTIVE:
                 miss = (type(action), str(outcome))
