@@ -114,6 +114,7 @@ from neonvm.controller.observe import (
     labelled_for,
     split_key,
 )
+from neonvm.controller.timers import VMTimers
 from neonvm.controller.update import (
     RetryPolicy,
     UpdateFunction,
@@ -406,6 +407,7 @@ class Reconciler:
         config: ReconcilerConfig | None = None,
         update: UpdateFunction[VMRecord] = conditional_update,
         on_finalized: Callable[[str], None] | None = None,
+        timers: VMTimers | None = None,
     ) -> None:
         self._core = client.CoreV1Api(api)
         self.reader = DirectReader(api)
@@ -420,8 +422,9 @@ class Reconciler:
         self._api = api
         self._identity: str | None = None
         self._mutex = threading.Lock()
-        self._create_failures: dict[str, tuple[int, float]] = {}
-        """Per VM: transient create failures in a row, and when the first one was."""
+        self.timers = timers or VMTimers()
+        """Per VM: transient create failures in a row (shared with the term's handler,
+        which drops a gone VM's entries)."""
 
     # ---- the loop ----------------------------------------------------------------------
 
@@ -737,7 +740,7 @@ class Reconciler:
             if kind == "retry":
                 self._create_failed(key, snap, name, f"{exc.status}: {message}", authority, log)
                 raise RetryableError(f"create {name}: {exc.status}: {message}") from exc
-            self._create_failures_reset(key)
+            self.timers.create_answered(key)
             if kind == "exists":
                 return self._name_taken(key, action, snap, authority, log)
             if exc.status == 403 and FENCE_CREATOR_RULE in message:
@@ -751,7 +754,7 @@ class Reconciler:
             message = f"{type(exc).__name__}: {exc}"
             self._create_failed(key, snap, name, message, authority, log)
             raise RetryableError(f"create {name}: {message}") from exc
-        self._create_failures_reset(key)
+        self.timers.create_answered(key)
         meta = created.get("metadata") or {}
         if not podspec.has_our_gate(created):
             self._gate_stripped(key, snap, meta, authority, log)
@@ -759,22 +762,14 @@ class Reconciler:
         self._events.record(vm, "Created", f"runner pod {action.plan.name} created (gated)")
         return "done"
 
-    def _create_failures_reset(self, key: str) -> None:
-        with self._mutex:
-            self._create_failures.pop(key, None)
-
     def _create_failed(self, key: str, snap: Snapshot, name: str, error: str,
                        authority: Authority, log: Any) -> None:
         """A transient create failure: after a few in a row, say so in Degraded (the
         create is still retried with backoff; the condition clears once a reconcile ends
         normally)."""
-        now = time.monotonic()
-        with self._mutex:
-            failures, since = self._create_failures.get(key, (0, now))
-            failures += 1
-            self._create_failures[key] = (failures, since)
+        failures, lasted = self.timers.create_failed(key)
         if (failures < CREATE_FAILURES_BEFORE_CONDITION or snap.record is None
-                or now - since < self._config.create_failing_after):
+                or lasted < self._config.create_failing_after):
             return
         update = stuck_condition(CREATE_FAILING,
                                  f"creating runner pod {name} keeps failing (retried with "
