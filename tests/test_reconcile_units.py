@@ -27,12 +27,15 @@ from neonvm.controller.conditions import (
     conditions_mutation,
     desired_conditions,
 )
-from neonvm.controller.faults import FaultConfig, FaultConfigError, Faults
+from neonvm.controller.faults import STEPS, FaultConfig, FaultConfigError, Faults
 from neonvm.controller.informer import Store
-from neonvm.controller.mutations import FencedOut
+from neonvm.controller.mutations import FencedOut, finalizers_mutation, status_mutation
 from neonvm.controller.observe import Snapshot, pod_index, pod_view
 from neonvm.controller.podspec import PodDefaults, PodSpecError, has_our_gate, runner_pod
+from neonvm.controller.reconciler import ACTIONS
 from neonvm.controller.workqueue import Backoff, WorkQueue
+from neonvm.drills.schedule import CRASH_STEPS
+from neonvm.verify.actors import FINALIZER_WRITES, POD_ACTIONS, STATUS_WRITES
 
 pytestmark = pytest.mark.unit
 
@@ -363,3 +366,33 @@ def test_a_deletion_found_by_a_direct_read_drops_only_that_uid_from_the_store() 
     assert store.discard("ns/p1", "u-p1")
     assert store.get("ns/p1") is None and store.by_index("ns/a") == []
     assert not store.discard("ns/p1", "u-p1"), "nothing left to drop"
+
+
+# ---- the action table ----------------------------------------------------------------------
+
+
+def test_every_performed_action_has_one_row_and_its_own_step() -> None:
+    """Adding an action is its class (with a ``step``) and its row: nothing else lists
+    the actions by hand."""
+    performed = d.performed_actions()
+    assert set(ACTIONS) == set(performed), "a performed action without a row, or a row " \
+                                           "for an action that is not performed"
+    steps = [kind.step for kind in performed]
+    assert len(set(steps)) == len(steps), f"two actions share a step: {steps}"
+    assert set(STEPS) == set(steps) and set(CRASH_STEPS) == set(steps)
+    assert not any(kind.step for kind in (d.Done, d.Wait, d.ObserveDirect, d.Fenced))
+
+
+def test_every_write_row_has_its_shipped_mutation_and_the_explorer_models_every_row() -> None:
+    lease = d.Lease(epoch=1, token=1)
+    for kind, row in ACTIONS.items():
+        if row.writes == "status":
+            assert callable(status_mutation(kind(), lease)), kind
+        elif row.writes == "main":
+            assert callable(finalizers_mutation(kind())), kind
+        else:
+            with pytest.raises(ValueError):
+                status_mutation(kind(), lease)
+    names = {kind.__name__ for kind in ACTIONS}
+    assert names == STATUS_WRITES | FINALIZER_WRITES | POD_ACTIONS
+    assert not STATUS_WRITES & FINALIZER_WRITES and not POD_ACTIONS & STATUS_WRITES

@@ -50,7 +50,7 @@ from __future__ import annotations
 import datetime as dt
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from neonvm.api import times
 from neonvm.api.types import FINALIZER, PendingPod, VirtualMachine
@@ -120,8 +120,16 @@ class Observation:
 
 @dataclass(frozen=True)
 class Action:
-    """Base of every decision; ``reason`` is for logs and events."""
+    """Base of every decision; ``reason`` is for logs and events.
 
+    An action the driver performs declares its ``step``: the name it goes by in metrics,
+    the ``crash_after`` fault and the crash campaign. How it is performed, and the event
+    it records, is its row in ``neonvm.controller.reconciler.ACTIONS`` (the one table);
+    the fault steps and the explorer derive from those two. The others (Done, Wait,
+    ObserveDirect, Fenced) end or redirect the loop and have no step.
+    """
+
+    step: ClassVar[str] = ""
     reason: str = field(default="", kw_only=True)
 
 
@@ -155,15 +163,21 @@ class Fenced(Action):
 class AddFinalizer(Action):
     """Conditional update of the main resource adding our finalizer."""
 
+    step: ClassVar[str] = "add_finalizer"
+
 
 @dataclass(frozen=True)
 class RemoveFinalizer(Action):
     """All pods are gone (direct list): let the VM go, then release its lock."""
 
+    step: ClassVar[str] = "finalize"
+
 
 @dataclass(frozen=True)
 class RecordPlan(Action):
     """CAS ``status.pendingPod`` = this plan, if ``planSeq`` is still ``observed_seq``."""
+
+    step: ClassVar[str] = "plan"
 
     plan: PendingPod = field(default_factory=PendingPod)
     observed_seq: int = 0
@@ -173,12 +187,16 @@ class RecordPlan(Action):
 class CreatePod(Action):
     """Create the runner pod with exactly the recorded name, gated."""
 
+    step: ClassVar[str] = "create"
+
     plan: PendingPod = field(default_factory=PendingPod)
 
 
 @dataclass(frozen=True)
 class Commit(Action):
     """CAS {podName, podUID, pendingPod: none} if pendingPod is still ``name``."""
+
+    step: ClassVar[str] = "commit"
 
     name: str = ""
     uid: str = ""
@@ -188,12 +206,16 @@ class Commit(Action):
 class DropPlan(Action):
     """CAS pendingPod: none if it is still ``name`` (the name is taken or dying)."""
 
+    step: ClassVar[str] = "drop_plan"
+
     name: str = ""
 
 
 @dataclass(frozen=True)
 class Ungate(Action):
     """Remove our scheduling gate from the committed pod (uid precondition)."""
+
+    step: ClassVar[str] = "ungate"
 
     name: str = ""
     uid: str = ""
@@ -202,6 +224,8 @@ class Ungate(Action):
 @dataclass(frozen=True)
 class DeletePod(Action):
     """Delete a pod with a uid precondition."""
+
+    step: ClassVar[str] = "cleanup"
 
     name: str = ""
     uid: str = ""
@@ -215,6 +239,8 @@ class Restart(Action):
     restartCount+1, phase Pending}. Otherwise set that terminal phase and keep podName.
     The mutation checks podName/podUID are still ``name``/``uid``.
     """
+
+    step: ClassVar[str] = "restart"
 
     name: str = ""
     uid: str = ""
@@ -233,11 +259,27 @@ class SyncStatus(Action):
     pod's node and IP).
     """
 
+    step: ClassVar[str] = "sync"
+
     phase: str = "Pending"
     node: str | None = None
     ip: str | None = None
     name: str = ""
     uid: str = ""
+
+
+def performed_actions() -> tuple[type[Action], ...]:
+    """Every action the driver performs (those with a ``step``), in definition order."""
+    found: list[type[Action]] = []
+
+    def visit(cls: type[Action]) -> None:
+        for sub in cls.__subclasses__():
+            if sub.step and sub not in found:
+                found.append(sub)
+            visit(sub)
+
+    visit(Action)
+    return tuple(found)
 
 
 # ---- restart backoff ---------------------------------------------------------------------

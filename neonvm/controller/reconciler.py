@@ -65,7 +65,7 @@ import uuid
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, NamedTuple, Protocol
 
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
@@ -128,19 +128,6 @@ FAULT_BUMP_ANNOTATION = "vm.neon.tech/fault-bump"
 FENCE_AHEAD_RECHECK_SECONDS = 300.0
 """How soon a VM fenced ahead of a valid leader is looked at again (a change to the VM,
 such as an operator's fix of status.fence, is seen at once through the watch)."""
-
-STEP_NAMES: dict[type[d.Action], str] = {
-    d.RecordPlan: "plan",
-    d.CreatePod: "create",
-    d.Commit: "commit",
-    d.Ungate: "ungate",
-    d.DeletePod: "cleanup",
-    d.Restart: "restart",
-    d.DropPlan: "drop_plan",
-    d.SyncStatus: "sync",
-    d.AddFinalizer: "add_finalizer",
-    d.RemoveFinalizer: "finalize",
-}
 
 
 class Outcome(str):
@@ -505,7 +492,7 @@ class Reconciler:
                 return ReconcileResult(action=action, requeue_after=requeue, steps=steps)
             if not resumed_counted:
                 resumed_counted = True
-                if isinstance(action, d.CreatePod | d.Commit | d.DropPlan) and self._metrics:
+                if ACTIONS[type(action)].resumes_plan and self._metrics:
                     self._metrics.plans_resumed.inc()
             log.info("{action}: {reason}", action=type(action).__name__, reason=action.reason)
             outcome = self._perform(key, action, snap, authority, log)
@@ -526,9 +513,8 @@ class Reconciler:
             if outcome in BLOCKED:
                 detail = getattr(outcome, "detail", "") or f"{type(action).__name__} refused"
                 return self._stuck(key, snap, authority, log, steps, type(action),
-                                   UNGATE_FORBIDDEN if isinstance(action, d.Ungate)
-                                   else CREATE_FORBIDDEN if isinstance(action, d.CreatePod)
-                                   else f"{type(action).__name__}{NOT_TAKING_EFFECT}",
+                                   ACTIONS[type(action)].forbidden
+                                   or f"{type(action).__name__}{NOT_TAKING_EFFECT}",
                                    detail)
         if misses:
             (kind, outcome), times = misses.most_common(1)[0]
@@ -548,7 +534,7 @@ class Reconciler:
     def _stuck(self, key: str, snap: Snapshot, authority: Authority, log: Any, steps: int,
                kind: type[d.Action], reason: str, message: str) -> ReconcileResult:
         """End a reconcile that cannot converge: count it, say so in Degraded."""
-        step = STEP_NAMES.get(kind, kind.__name__.lower())
+        step = kind.step or kind.__name__.lower()
         if self._metrics:
             self._metrics.stuck.labels(step=step).inc()
         log.warning("not converging ({reason}): {message}", reason=reason, message=message)
@@ -620,24 +606,23 @@ class Reconciler:
 
     def _perform(self, key: str, action: d.Action, snap: Snapshot, authority: Authority,
                  log: Any) -> str:
-        """Perform one action; returns "done" when it took effect, else why not."""
-        if isinstance(action, d.RecordPlan | d.Commit | d.DropPlan | d.Restart
-                      | d.SyncStatus):
-            written = self._write_status(key, snap, status_mutation(action, authority.lease),
-                                         authority, log)
-            if written is not None:
-                self._event_for(action, written.vm)
-                return "done"
-            return "declined"
-        if isinstance(action, d.AddFinalizer | d.RemoveFinalizer):
-            return self._write_finalizers(key, action, snap, authority, log)
-        if isinstance(action, d.CreatePod):
-            return self._create_pod(key, action, snap, authority, log)
-        if isinstance(action, d.Ungate):
-            return self._ungate(key, action, snap, log)
-        if isinstance(action, d.DeletePod):
-            return self._delete_pod(key, action, snap, log)
-        raise RuntimeError(f"no driver for {action!r}")
+        """Perform one action by its row in :data:`ACTIONS`; "done" when it took effect,
+        else why not."""
+        row = ACTIONS.get(type(action))
+        if row is None:
+            raise RuntimeError(f"no performer for {action!r}")
+        return row.perform(self, key, action, snap, authority, log)
+
+    def _status_write(self, key: str, action: d.Action, snap: Snapshot,
+                      authority: Authority, log: Any) -> str:
+        """The performer of a status write: its mutation
+        (:func:`~neonvm.controller.mutations.status_mutation`), PUT conditionally."""
+        written = self._write_status(key, snap, status_mutation(action, authority.lease),
+                                     authority, log)
+        if written is not None:
+            self._event_for(action, written.vm)
+            return "done"
+        return "declined"
 
     def _update_vm(self, key: str, snap: Snapshot,
                    mutate: Callable[[VMRecord], Any],
@@ -675,7 +660,7 @@ class Reconciler:
                      n=outcome.conflicts, w=outcome.written)
         return outcome.obj if outcome.written else None
 
-    def _write_finalizers(self, key: str, action: d.Action, snap: Snapshot,
+    def _finalizer_write(self, key: str, action: d.Action, snap: Snapshot,
                           authority: Authority, log: Any) -> str:
         mutation = finalizers_mutation(action)
         outcome = self._update_vm(key, snap, lambda rec: mutation(rec.vm), self.writer.put_main,
@@ -691,24 +676,12 @@ class Reconciler:
         return "done"
 
     def _event_for(self, action: d.Action, vm: types.VirtualMachine) -> None:
-        if isinstance(action, d.RecordPlan):
-            p = action.plan
-            self._events.record(vm, "Planned",
-                                f"plan #{p.plan_seq}: runner pod {p.name} "
-                                f"(epoch {p.epoch}, token {p.token})")
-        elif isinstance(action, d.Commit):
-            self._events.record(vm, "Committed", f"runner pod {action.name} committed")
-        elif isinstance(action, d.DropPlan):
-            self._events.record(vm, "PlanDropped", action.reason, warning=True)
-        elif isinstance(action, d.Restart):
-            if action.terminal_phase is None:
-                self._events.record(vm, "Restarting",
-                                    f"{action.reason}; restart #{vm.status.restart_count} "
-                                    f"(restartPolicy {vm.spec.restart_policy})")
-            else:
-                self._events.record(vm, vm.status.phase or "Stopped",
-                                    f"{action.reason}; not restarted (restartPolicy "
-                                    f"{vm.spec.restart_policy})")
+        """The event of an action that took effect (its row's ``event``), on ``vm`` as
+        written."""
+        row = ACTIONS.get(type(action))
+        event = row.event(action, vm) if row is not None and row.event is not None else None
+        if event is not None:
+            self._events.record(vm, event.reason, event.message, warning=event.warning)
 
     def _event_for_wait(self, action: d.Action, before: types.VirtualMachine,
                         after: types.VirtualMachine, log: Any) -> None:
@@ -863,7 +836,8 @@ class Reconciler:
             self._identity = f'"{user}"'
             return self._identity
 
-    def _ungate(self, key: str, action: d.Ungate, snap: Snapshot, log: Any) -> str:
+    def _ungate(self, key: str, action: d.Ungate, snap: Snapshot, authority: Authority,
+                log: Any) -> str:
         """Remove our gate, guarded by a fresh direct list and a test-and-remove patch."""
         assert snap.record is not None
         vm = snap.record.vm
@@ -968,10 +942,91 @@ class Reconciler:
             raise
         return True
 
-    def _delete_pod(self, key: str, action: d.DeletePod, snap: Snapshot, log: Any) -> str:
+    def _delete_pod(self, key: str, action: d.DeletePod, snap: Snapshot,
+                    authority: Authority, log: Any) -> str:
         assert snap.record is not None
         vm = snap.record.vm
         if not self._delete(vm.namespace, action.name, action.uid, log):
             return "gone"
         self._events.record(vm, "Deleted", f"runner pod {action.name}: {action.reason}")
         return "done"
+
+
+# ---- the actions: one row each ------------------------------------------------------------
+
+
+class Event(NamedTuple):
+    """A Kubernetes event on the VM: reason, message, and whether it is a Warning."""
+
+    reason: str
+    message: str
+    warning: bool = False
+
+
+def _planned(action: d.RecordPlan, vm: types.VirtualMachine) -> Event:
+    p = action.plan
+    return Event("Planned", f"plan #{p.plan_seq}: runner pod {p.name} "
+                            f"(epoch {p.epoch}, token {p.token})")
+
+
+def _committed(action: d.Commit, vm: types.VirtualMachine) -> Event:
+    return Event("Committed", f"runner pod {action.name} committed")
+
+
+def _plan_dropped(action: d.DropPlan, vm: types.VirtualMachine) -> Event:
+    return Event("PlanDropped", action.reason, warning=True)
+
+
+def _restarted(action: d.Restart, vm: types.VirtualMachine) -> Event:
+    if action.terminal_phase is None:
+        return Event("Restarting", f"{action.reason}; restart #{vm.status.restart_count} "
+                                   f"(restartPolicy {vm.spec.restart_policy})")
+    return Event(vm.status.phase or "Stopped", f"{action.reason}; not restarted "
+                                               f"(restartPolicy {vm.spec.restart_policy})")
+
+
+@dataclass(frozen=True)
+class ActionRow:
+    """How the driver performs one action type, and what it says when it took effect."""
+
+    perform: Callable[..., str]
+    """A :class:`Reconciler` method ``(self, key, action, snap, authority, log)``: returns
+    "done" when the action took effect, else why not (an :class:`Outcome`)."""
+    writes: Literal["status", "main", "pod"]
+    """What it writes: the VM's ``/status`` (its mutation is in
+    :func:`~neonvm.controller.mutations.status_mutation`), the VM's main resource
+    (:func:`~neonvm.controller.mutations.finalizers_mutation`), or a pod."""
+    event: Callable[[Any, types.VirtualMachine], Event | None] | None = None
+    """The event recorded once a status write took effect, from the VM as written (pod
+    actions record theirs where they happen)."""
+    forbidden: str | None = None
+    """The Degraded reason when the API server refuses the action for good (403)."""
+    resumes_plan: bool = False
+    """Performed first in a reconcile, it continues a plan recorded earlier (counted in
+    ``neonvm_controller_plans_resumed_total``)."""
+
+
+ACTIONS: dict[type[d.Action], ActionRow] = {
+    d.RecordPlan: ActionRow(Reconciler._status_write, "status", event=_planned),
+    d.CreatePod: ActionRow(Reconciler._create_pod, "pod", forbidden=CREATE_FORBIDDEN,
+                           resumes_plan=True),
+    d.Commit: ActionRow(Reconciler._status_write, "status", event=_committed,
+                        resumes_plan=True),
+    d.Ungate: ActionRow(Reconciler._ungate, "pod", forbidden=UNGATE_FORBIDDEN),
+    d.DeletePod: ActionRow(Reconciler._delete_pod, "pod"),
+    d.Restart: ActionRow(Reconciler._status_write, "status", event=_restarted),
+    d.DropPlan: ActionRow(Reconciler._status_write, "status", event=_plan_dropped,
+                          resumes_plan=True),
+    d.SyncStatus: ActionRow(Reconciler._status_write, "status"),
+    d.AddFinalizer: ActionRow(Reconciler._finalizer_write, "main"),
+    d.RemoveFinalizer: ActionRow(Reconciler._finalizer_write, "main"),
+}
+"""Every action the driver performs: the one table (its ``step`` is on the class).
+
+Adding an action: its class in :mod:`~neonvm.controller.decide` (with a ``step``), and its
+row here with its performer (for a status write, its mutation in
+:mod:`~neonvm.controller.mutations`). The ``crash_after`` fault steps, the crash
+campaign's steps and the explorer's write kinds derive from these two."""
+
+STEP_NAMES: dict[type[d.Action], str] = {kind: kind.step for kind in ACTIONS}
+"""Step name per performed action type (derived: each class's ``step``)."""
