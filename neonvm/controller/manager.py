@@ -7,7 +7,12 @@ Structure (each piece small and replaceable):
 * Each time the elector hands over a term, a :class:`LeaderTerm` runs in the elector's
   ``on_started`` thread until that term is lost. It owns everything that must not
   outlive the term: the VM and pod informers, the work queue, the workers, the etcd
-  session with its :class:`~neonvm.leader.lock.LockManager`, and the sweeps.
+  session with its :class:`~neonvm.leader.lock.LockManager`, the per-VM timers, and the
+  periodic scans. It is wiring: what a worker does with a key, and how each end of a
+  turn is retried, is :class:`~neonvm.controller.handler.Handler`'s (one documented
+  outcome contract); the lock and orphan-pod sweeps are
+  :class:`~neonvm.controller.sweeps.Sweeps`; which cached VMs look mid-plan is
+  :func:`~neonvm.controller.decide.looks_mid_plan`.
 
 What a term guarantees:
 
