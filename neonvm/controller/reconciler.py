@@ -239,6 +239,12 @@ def controlling_owner_uid(pod: dict[str, Any]) -> str | None:
     return next((str(ref.get("uid")) for ref in refs if ref.get("controller")), None)
 
 
+def _forbidden_reason(kind: type[d.Action]) -> str:
+    """The Degraded reason of an action refused for good (its row's, else generic)."""
+    row = ACTIONS.get(kind)
+    return (row.forbidden if row is not None else None) or f"{kind.__name__}{NOT_TAKING_EFFECT}"
+
+
 def _target(action: d.Action) -> str:
     """What an action acts on, for log lines."""
     if isinstance(action, d.RecordPlan | d.CreatePod):
@@ -492,7 +498,8 @@ class Reconciler:
                 return ReconcileResult(action=action, requeue_after=requeue, steps=steps)
             if not resumed_counted:
                 resumed_counted = True
-                if ACTIONS[type(action)].resumes_plan and self._metrics:
+                row = ACTIONS.get(type(action))
+                if row is not None and row.resumes_plan and self._metrics:
                     self._metrics.plans_resumed.inc()
             log.info("{action}: {reason}", action=type(action).__name__, reason=action.reason)
             outcome = self._perform(key, action, snap, authority, log)
@@ -513,9 +520,7 @@ class Reconciler:
             if outcome in BLOCKED:
                 detail = getattr(outcome, "detail", "") or f"{type(action).__name__} refused"
                 return self._stuck(key, snap, authority, log, steps, type(action),
-                                   ACTIONS[type(action)].forbidden
-                                   or f"{type(action).__name__}{NOT_TAKING_EFFECT}",
-                                   detail)
+                                   _forbidden_reason(type(action)), detail)
         if misses:
             (kind, outcome), times = misses.most_common(1)[0]
             detail = details.get((kind, outcome), "")
@@ -661,7 +666,7 @@ class Reconciler:
         return outcome.obj if outcome.written else None
 
     def _finalizer_write(self, key: str, action: d.Action, snap: Snapshot,
-                          authority: Authority, log: Any) -> str:
+                         authority: Authority, log: Any) -> str:
         mutation = finalizers_mutation(action)
         outcome = self._update_vm(key, snap, lambda rec: mutation(rec.vm), self.writer.put_main,
                                   authority)
