@@ -304,13 +304,13 @@ class _RecordingQueue(WorkQueue):
         super().__init__()
         self.seen: set[str] = set()
 
-    def add(self, key: str) -> None:
+    def add(self, key: str, direct: bool = False) -> None:
         self.seen.add(key)
-        super().add(key)
+        super().add(key, direct)
 
-    def add_after(self, key: str, delay: float) -> None:
+    def add_after(self, key: str, delay: float, direct: bool = False) -> None:
         self.seen.add(key)
-        super().add_after(key, delay)
+        super().add_after(key, delay, direct)
 
 
 def test_f2_a_vm_whose_added_event_was_lost_is_still_reconciled(
@@ -348,7 +348,7 @@ def test_f2_a_vm_whose_added_event_was_lost_is_still_reconciled(
     )
     leadership = Leadership(epoch=1, identity="me", valid_until=time.monotonic() + 3600)
     term = LeaderTerm(process, leadership)  # type: ignore[arg-type]
-    term.queue = _RecordingQueue()
+    term.queue = term.handler.queue = _RecordingQueue()
     term._list_vms, term._list_pods = list_vms, list_pods
     term.informers[0]._lister = list_vms
     term.informers[1]._lister = list_pods

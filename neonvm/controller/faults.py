@@ -46,8 +46,10 @@ from typing import Any
 
 from loguru import logger
 
-STEPS = ("plan", "create", "commit", "ungate", "cleanup", "restart", "drop_plan", "sync",
-         "add_finalizer", "finalize")
+from neonvm.controller.decide import performed_actions
+
+STEPS = tuple(action.step for action in performed_actions())
+"""Every step ``crash_after`` may name: each performed action's own ``step``."""
 
 ENV_VAR = "NEONVM_FAULTS"
 CRASH_EXIT_CODE = 137

@@ -41,6 +41,7 @@ from loguru import logger
 
 from neonvm.api import types
 from neonvm.api.types import VirtualMachine
+from neonvm.controller import decide as d
 from neonvm.controller.decide import Lease, Observation, PodView
 from neonvm.controller.informer import Store
 
@@ -52,7 +53,7 @@ def utc_now() -> dt.datetime:
     return dt.datetime.now(dt.UTC)
 
 
-CREATE_REFUSED = "CreateRefused"
+CREATE_REFUSED = d.CREATE_REFUSED
 """Reason of the Degraded condition recorded when the API server refuses a pod create."""
 
 
