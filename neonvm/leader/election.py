@@ -6,6 +6,8 @@ it as usual: ``holderIdentity``, ``leaseDurationSeconds``, ``acquireTime``, ``re
 (MicroTime, ``2006-01-02T15:04:05.000000Z``) and ``leaseTransitions``. Every write is a
 ``replace`` carrying the ``resourceVersion`` that the decision was made from, so two
 candidates can never both succeed in writing themselves as holder over the same version.
+Storage sits behind :class:`~neonvm.leader.lease_store.LeaseStore` (get, create, CAS
+update, watch); :class:`~neonvm.leader.lease_store.KubernetesLeaseStore` is the real one.
 
 What is guaranteed
 ------------------
@@ -24,6 +26,12 @@ What is guaranteed
   ``leaseDurationSeconds`` after *it* last saw the object change (its ``resourceVersion``),
   measured on ``time.monotonic()``. Remote ``renewTime`` values are written for other tools
   and never read for decisions, so wall-clock skew or jumps cannot shorten a term.
+* **A follower acts on a fresh read, never on a watch event.** Followers watch the Lease,
+  but an event only wakes the campaign early; what it then decides from is a direct
+  (quorum) read, and what it writes is a CAS on that read's ``resourceVersion``. A
+  follower also wakes at the instant its observed Lease expires (a timer at first-seen
+  plus lease duration, never earlier), not at its next poll. Losing the watch costs
+  speed, not safety: the poll every retry period remains.
 * **The leader stops before its Lease can expire.** ``renew_deadline`` after the *send time*
   of its last successful renewal (which is before the server wrote it, so before any
   follower saw it), the leader gives up. :meth:`Leadership.check` enforces this deadline
@@ -52,8 +60,9 @@ What is not guaranteed
 * Work that ignores ``lost`` and never calls ``check()`` is not stopped: Python threads
   cannot be killed. ``on_stopped`` is where the owner stops its workers; the elector waits
   for the ``on_started`` thread before it releases, and does not release while it runs.
-* A SIGKILLed leader cannot release: the standbys wait for the lease to expire (about
-  ``lease_duration`` plus one retry period after its last renewal).
+* A SIGKILLed leader cannot release: the standbys wait for the lease to expire,
+  ``lease_duration`` after they first saw its last renewal (with the watch, a few
+  milliseconds after it was written).
 * Liveness needs the API server: with it down nobody leads, by design.
 * A Lease namespace that does not exist is a configuration error: the first campaign
   raises :class:`LeaseNamespaceMissing` out of :meth:`LeaderElector.run` (the controller
