@@ -371,11 +371,10 @@ def test_renewals_failing_end_the_term_at_the_deadline_from_the_last_send(
     clock.advance(1.0)
     sent = clock.now
     assert elector._renew(term, threading.Event()) is None
-    # From now on every call fails, and each failure takes 0.4 s of (fake) time.
+    # From now on every call fails, and each failure takes 0.9 s of (fake) time; between
+    # failures the elector waits (really) up to one retry period.
     store.fail = [TimeoutError("timed out")] * 100
-    store.on_fail = lambda: clock.advance(0.4)
-    # Retries wait on a real Event with the remaining time: keep it short by using a
-    # stop event that is never set and a retry period the fake failures dominate.
+    store.on_fail = lambda: clock.advance(0.9)
     reason = elector._renew(term, threading.Event())
     assert reason is EndReason.DEADLINE
     assert clock.now >= sent + RENEW
