@@ -458,3 +458,36 @@ def test_a_watch_event_wakes_a_waiting_follower(store: FakeLeaseStore,
     finally:
         stop.set()
         runner.join(timeout=60)
+
+
+class CountingStop(threading.Event):
+    """A stop event that counts the waits on it and sets itself after ``limit`` of them."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.waits = 0
+        self.limit = limit
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.waits += 1
+        if self.waits >= self.limit:
+            self.set()
+        return self.is_set()
+
+
+def test_a_watch_the_server_ends_at_once_is_not_reopened_in_a_tight_loop(
+        clock: FakeClock) -> None:
+    opened: list[float] = []
+
+    class EndsAtOnce(FakeLeaseStore):
+        def watch(self, timeout: float) -> Iterator[LeaseRecord | None]:
+            opened.append(clock.now)
+            return iter(())
+
+    elector = make(EndsAtOnce(), clock)
+    stop = CountingStop(limit=3)
+    runner = threading.Thread(target=elector._watch_loop, args=(stop,), daemon=True)
+    runner.start()
+    runner.join(timeout=60)
+    assert not runner.is_alive(), f"reopened {len(opened)} times without waiting"
+    assert len(opened) == 3 and stop.waits == 3  # one wait between reopenings

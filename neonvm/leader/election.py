@@ -438,12 +438,16 @@ class LeaderElector:
         """
         failing = False
         while not stop.is_set():
+            began = self._clock()
             try:
                 for _ in self._lease.watch(timeout=60.0):
                     self._wake.set()
                     if stop.is_set():
                         return
                 failing = False
+                # A watch the server ends at once (again and again) must not spin.
+                if self._clock() - began < 1.0 and stop.wait(self.config.retry_period):
+                    return
             except Exception as exc:
                 if not failing:
                     self._log.warning("watching the Lease failed ({err}); polling every "
