@@ -53,9 +53,9 @@ def controller() -> None:
               help="Name of the leader-election Lease.")
 @click.option("--identity", default=None,
               help="Leader identity (default: <hostname>_<random>, unique per start).")
-@click.option("--lease-duration", type=float, default=15.0, show_default=True)
-@click.option("--renew-deadline", type=float, default=10.0, show_default=True)
-@click.option("--retry-period", type=float, default=2.0, show_default=True)
+@click.option("--lease-duration", type=float, default=4.0, show_default=True)
+@click.option("--renew-deadline", type=float, default=2.5, show_default=True)
+@click.option("--retry-period", type=float, default=0.5, show_default=True)
 @click.option("--etcd-endpoints", metavar="URLS",
               help="Locks' etcd, comma-separated [env: NEONVM_ETCD_ENDPOINTS].")
 @click.option("--etcd-prefix", help="Key prefix [env: NEONVM_ETCD_PREFIX; default /neonvm].")
