@@ -82,6 +82,30 @@ def build_rootfs(dest: Path, size_mib: int = 16) -> tuple[Path, Path]:
     return image, qcow2
 
 
+DISK_IMAGE = "neonvm.local/rootdisk:1"
+"""The container image carrying the test root disk, as NeonVM's vm-builder images do."""
+
+
+def disk_image_archive(qcow2: Path, out: Path, reference: str = DISK_IMAGE) -> Path:
+    """An OCI archive (for ``ctr images import``) of an image holding ``/disk.qcow2`` and a
+    static busybox as ``/bin/cp``: what the runner pod's ``init-rootdisk`` container runs
+    (``cp /disk.qcow2 /vm/images/rootdisk.qcow2``) as uid 65532."""
+    from neonvm.dev import images
+
+    tree = out.parent / "disk-image"
+    if tree.exists():
+        shutil.rmtree(tree)
+    (tree / "bin").mkdir(parents=True)
+    shutil.copy2(BUSYBOX, tree / "bin" / "busybox")
+    (tree / "bin" / "cp").symlink_to("busybox")
+    shutil.copy2(qcow2, tree / "disk.qcow2")
+    (tree / "disk.qcow2").chmod(0o644)
+    layer = images.layer_from_dir(tree, out.parent / "disk-image.tar.gz")
+    config = images.image_config({"Env": ["PATH=/bin"], "Entrypoint": ["/bin/cp"]}, [layer])
+    images.oci_archive(out, reference, config, [layer])
+    return out
+
+
 if __name__ == "__main__":
     raw, qcow = build_rootfs(Path(sys.argv[1]) if len(sys.argv) > 1 else Path("."))
     print(f"ext4: {raw}\nqcow2: {qcow}")
