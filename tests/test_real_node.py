@@ -525,8 +525,11 @@ def test_kvm_device_plugin_puts_dev_kvm_into_a_runner_pod_on_the_real_node(
         core = client.CoreV1Api(api)
 
         def advertised() -> str | None:
+            # The kubelet checkpoints known resources (kubelet_internal_checkpoint in the
+            # plugin directory) and shows them as 0 until their plugin registers.
             capacity = core.read_node(node.name).status.capacity or {}
-            return capacity.get(kvmplugin.DEFAULT_RESOURCE)
+            value = capacity.get(kvmplugin.DEFAULT_RESOURCE)
+            return value if value not in (None, "0") else None
 
         assert wait_for(advertised, timeout=120, interval=0.5,
                         what="the node to advertise devices.kubevirt.io/kvm") == "100"
