@@ -321,3 +321,46 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_boot_skip_reason() is not None, reason=_boot_skip_reason() or "")
+def test_without_a_command_the_roots_init_takes_over_and_a_failing_command_fails_the_vm(
+        tmp_path: Path) -> None:
+    """A raw bare-ext4 root: with no command the runner's init hands over to the root's
+    /sbin/init (here a script that prints the marker and powers off: runner exit 0); a
+    command that exits 3 reboots the guest, which ends the runner with 5 (VM failed)."""
+    tree = tmp_path / "tree"
+    shutil.copytree(rootfs.build_rootfs(tmp_path / "disk")[0].parent / "rootfs", tree,
+                    symlinks=True)
+    (tree / "sbin" / "init").write_text("#!/bin/sh\necho \"own init: pid $$\"\n"
+                                        "echo NEONVM_GUEST_READY\npoweroff -f\n")
+    (tree / "sbin" / "init").chmod(0o755)
+    image = tmp_path / "root.ext4"
+    with image.open("wb") as f:
+        f.truncate(16 << 20)
+    mkfs = shutil.which("mkfs.ext4", path="/usr/sbin:/sbin:/usr/bin:/bin")
+    assert mkfs is not None
+    subprocess.run([mkfs, "-q", "-F", "-d", str(tree), str(image)], check=True)
+    kernel = initramfs.build_initramfs(tmp_path / "kernel")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NEONVM_")}
+    for name, guest, code, lines in (
+            ("no-command", {}, 0,
+             ["neonvm-init: no command: handing over to /sbin/init of the root filesystem",
+              "own init: pid 1"]),
+            ("failing", {"command": ["/bin/sh", "-c", "echo failing; exit 3"]}, 5,
+             ["failing", "neonvm-init: command exited with code 3: rebooting (the VM fails)"])):
+        spec_file = tmp_path / f"{name}.yaml"
+        spec_file.write_text(yaml.safe_dump({"guest": {
+            "cpus": {"min": 1, "max": 1}, "memorySlotSize": "256Mi",
+            "memorySlots": {"min": 1, "max": 1}, "rootDisk": {"image": str(image)}, **guest}}))
+        result = subprocess.run(
+            [sys.executable, "-m", "neonvm.runner.main", "--spec-file", str(spec_file),
+             "--kernel-dir", str(kernel.kernel.parent), "--accel", "tcg",
+             "--work-dir", str(tmp_path / f"work-{name}"), "--listen-address", "127.0.0.1",
+             "--port", str(_free_port())], env=env, cwd=REPO, capture_output=True,
+            timeout=300)
+        console = result.stdout.decode(errors="replace")
+        assert result.returncode == code, console[-3000:] + result.stderr.decode()[-2000:]
+        for line in lines:
+            assert line in console, console[-3000:]
