@@ -85,6 +85,10 @@ def controller() -> None:
                    "garbage collector normally removes it first).")
 @click.option("--runner-image", default=DEFAULT_RUNNER_IMAGE, show_default=True,
               help="Runner image for VMs without spec.runnerImage.")
+@click.option("--kvm-resource", default="", show_default=True,
+              help="Extended resource giving runner pods /dev/kvm (NeonVM's: "
+                   "devices.kubevirt.io/kvm), requested for VMs with enableAcceleration; "
+                   "'' requests none.")
 @click.option("--health-port", type=click.IntRange(min=0, max=65535), default=8081,
               show_default=True, help="/healthz, /readyz, /metrics (0: a free port).")
 @click.option("--health-host", default="0.0.0.0", show_default=True)
@@ -97,7 +101,7 @@ def run(kubeconfig: Path | None, lease_namespace: str, lease_name: str, identity
         etcd_cert: str | None, etcd_key: str | None, etcd_timeout: float, session_ttl: int,
         watch_namespace: str | None, workers: int, resync: float, plan_requeue: float,
         relist: float, sync_deadline: float, sweep: float, orphan_grace: float,
-        runner_image: str,
+        runner_image: str, kvm_resource: str,
         health_port: int, health_host: str,
         faults: tuple[str, ...]) -> None:
     """Run one replica: campaign, and while leading keep exactly one runner pod per VM."""
@@ -124,7 +128,9 @@ def run(kubeconfig: Path | None, lease_namespace: str, lease_name: str, identity
         orphan_grace_seconds=orphan_grace, relist_seconds=relist,
         sync_deadline_seconds=sync_deadline,
         reconciler=ReconcilerConfig(resync_seconds=resync,
-                                    pod_defaults=PodDefaults(runner_image=runner_image)),
+                                    pod_defaults=PodDefaults(
+                                        runner_image=runner_image,
+                                        kvm_resource=kvm_resource or None)),
     )
     log = logger.bind(identity=election.identity)
     if fault_config.enabled:
