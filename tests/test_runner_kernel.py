@@ -28,9 +28,10 @@ from neonvm.api.types import VirtualMachineSpec
 from neonvm.runner import guestboot, initramfs
 from neonvm.runner.errors import SpecError
 from neonvm.runner.initramfs import RunnerKernel
-from neonvm.runner.qemu import LaunchContext, build_launch_plan
+from neonvm.runner.qemu import build_launch_plan
 from tests.guest import rootfs
 from tests.support import wait_for
+from tests.test_runner import context
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -39,13 +40,6 @@ def spec_of(data: dict[str, Any]) -> VirtualMachineSpec:
     return decode(VirtualMachineSpec, data, ".spec")
 
 
-def context(tmp: Path, **kw: Any) -> LaunchContext:
-    defaults: dict[str, Any] = {"qemu_binary": "/usr/bin/qemu-system-x86_64", "accel": "tcg",
-                                "work_dir": tmp / "work", "runner_port": 25183,
-                                "disks_dir": tmp / "disks", "vm_name": "demo",
-                                "vm_namespace": "ns", "ready_marker": "READY"}
-    defaults.update(kw)
-    return LaunchContext(**defaults)
 
 
 RUNNER_KERNEL = RunnerKernel(kernel=Path("/vm/kernel/vmlinuz"),
