@@ -26,6 +26,7 @@ from neonvm.controller.acceleration import (
     KVM_NOT_USABLE,
     NO_KVM_RESOURCE,
     NOT_REQUESTED,
+    HTTPRunnerStatus,
     RunnerReport,
     RunnerReports,
     acceleration_condition,
@@ -276,6 +277,20 @@ def run_on_loopback(api: client.ApiClient, namespace: str, name: str) -> None:
     client.CoreV1Api(api).patch_namespaced_pod_status(pod.metadata.name, namespace, {
         "status": {"phase": "Running", "podIP": "127.0.0.1",
                    "podIPs": [{"ip": "127.0.0.1"}]}})
+
+
+@pytest.mark.unit
+def test_the_http_source_reads_a_real_runners_status_and_fails_fast_elsewhere(
+        runner_server: RunnerHTTPServer) -> None:
+    source = HTTPRunnerStatus()
+    report = RunnerReport.from_status("p", source.get_status("127.0.0.1", runner_server.port,
+                                                             5.0))
+    assert report.accel == "tcg" and report.unavailable is not None
+    assert report.unavailable.startswith("AccelerationUnavailable: KVM is not usable")
+    closed = runner_server.port
+    runner_server.stop()
+    with pytest.raises(OSError):
+        source.get_status("127.0.0.1", closed, 5.0)
 
 
 @pytest.mark.cluster

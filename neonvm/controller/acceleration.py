@@ -34,10 +34,10 @@ condition to a VM that does not have it.
 
 from __future__ import annotations
 
+import http.client
 import json
 import threading
 import time
-import urllib.request
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -138,13 +138,20 @@ class RunnerStatusSource(Protocol):
 
 
 class HTTPRunnerStatus:
-    """``GET http://<pod IP>:<runner port>/status``, bounded by ``timeout`` seconds."""
+    """``GET http://<pod IP>:<runner port>/status``, straight to the pod (no proxy from
+    the environment), bounded by ``timeout`` seconds per socket operation."""
 
     def get_status(self, host: str, port: int, timeout: float) -> Mapping[str, Any]:
-        address = f"[{host}]" if ":" in host else host
-        with urllib.request.urlopen(f"http://{address}:{port}/status",
-                                    timeout=timeout) as response:
-            doc = json.loads(response.read(1 << 20))
+        conn = http.client.HTTPConnection(host, port, timeout=timeout)
+        try:
+            conn.request("GET", "/status", headers={"Accept": "application/json"})
+            response = conn.getresponse()
+            body = response.read(1 << 20)
+        finally:
+            conn.close()
+        if response.status != 200:
+            raise ValueError(f"/status answered {response.status}")
+        doc = json.loads(body)
         if not isinstance(doc, dict):
             raise ValueError(f"/status is not a JSON object: {type(doc).__name__}")
         return doc
