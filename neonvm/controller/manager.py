@@ -374,6 +374,17 @@ class LeaderTerm:
                 continue
             try:
                 self.handler.process(taken.key, taken.direct)
+            except Exception:
+                # Handler.handle never raises, but what follows it (the outcome mapping,
+                # Handler.apply) runs outside its guard: a bug there must cost one key a
+                # retry, not the term a worker.
+                self.metrics.worker_errors.inc()
+                self.log.bind(vm=taken.key).exception(
+                    "worker: processing the key raised; requeued with backoff")
+                try:
+                    self.queue.add_rate_limited(taken.key, direct=True)
+                except Exception:
+                    self.log.bind(vm=taken.key).exception("worker: could not requeue the key")
             finally:
                 self.queue.done(taken.key)
 
