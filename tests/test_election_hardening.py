@@ -10,17 +10,29 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from kubernetes import client
+from kubernetes.client.exceptions import ApiException
 
 from neonvm.controller.events import EventRecorder
 from neonvm.controller.manager import ControllerConfig, LeaderTerm
 from neonvm.controller.metrics import ControllerMetrics
 from neonvm.controller.wiring import Wiring
 from neonvm.controller.workqueue import Backoff
-from neonvm.leader.election import Leadership
+from neonvm.leader.election import (
+    ElectionConfig,
+    EndReason,
+    LeaderElector,
+    Leadership,
+    LeaseRecord,
+    LeaseStore,
+    _Term,
+)
+from neonvm.leader.lease_store import KubernetesLeaseStore, LeaseConflict, LeaseNotFound
 from tests.support import wait_for
 
 # ---- F6: an exception after the reconcile does not kill the worker ------------------------
@@ -73,3 +85,84 @@ def test_f6_an_exception_after_the_reconcile_is_counted_requeued_and_the_worker_
         term.stopping.set()
         term.queue.shut_down()
         worker.join(5)
+
+
+# ---- F5: a Lease deleted under its holder ends the term at once ---------------------------
+
+
+@pytest.mark.cluster
+def test_f5_a_lease_deleted_under_its_holder_deposes_it_at_once_and_is_recreated(
+        api: client.ApiClient, controller_api: client.ApiClient, namespace: str) -> None:
+    store = KubernetesLeaseStore(controller_api, namespace, "f5")
+    config = ElectionConfig(namespace=namespace, name="f5", identity="me_f5",
+                            lease_duration=4.0, renew_deadline=2.5, retry_period=0.5)
+    elector = LeaderElector(None, config, lambda _: None, lambda: None, store=store,
+                            watch=False)
+    term = elector._try_acquire()
+    assert term is not None
+    assert elector._renew(term, threading.Event()) is None
+    client.CoordinationV1Api(api).delete_namespaced_lease("f5", namespace)  # someone else
+    # The API server answers a replace of the deleted object (whose body carries the old
+    # uid) with 409 (uid precondition), not 404: a conflict either way.
+    with pytest.raises(LeaseConflict):
+        store.update(term.record, {"renewTime": None}, 10)
+    # Not "transient, retry until the renew deadline": deposed after one re-read.
+    calls: list[str] = []
+    elector._lease = _CountingStore(store, calls)
+    assert elector._renew(term, threading.Event()) is EndReason.DEPOSED
+    assert calls in (["update"], ["update", "get"]), calls
+    elector._lease = store
+    again = elector._try_acquire()
+    assert again is not None, "the next campaign re-creates the Lease"
+    assert store.get(10) is not None
+
+
+class _CountingStore:
+    def __init__(self, inner: LeaseStore, calls: list[str]) -> None:
+        self._inner = inner
+        self.calls = calls
+
+    def get(self, timeout: float) -> LeaseRecord | None:
+        self.calls.append("get")
+        return self._inner.get(timeout)
+
+    def create(self, spec: dict[str, Any], timeout: float) -> LeaseRecord:
+        self.calls.append("create")
+        return self._inner.create(spec, timeout)
+
+    def update(self, base: LeaseRecord, spec: dict[str, Any], timeout: float, *,
+               drop_step_down: bool = False) -> LeaseRecord:
+        self.calls.append("update")
+        return self._inner.update(base, spec, timeout, drop_step_down=drop_step_down)
+
+    def watch(self, timeout: float) -> Iterator[LeaseRecord | None]:
+        return self._inner.watch(timeout)
+
+
+@pytest.mark.unit
+def test_f5_a_404_on_update_is_lease_not_found_and_deposes_without_retrying(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 404 on replace (a server that checks existence before the uid precondition)
+    maps to LeaseNotFound, and a holder renewing gets DEPOSED at once, not retries
+    until its renew deadline."""
+    store = KubernetesLeaseStore(client.ApiClient(), "ns", "l")
+    body = ('{"kind":"Status","reason":"NotFound","details":{"name":"l",'
+            '"group":"coordination.k8s.io","kind":"leases"},"code":404}')
+
+    def gone(*args: Any, **kwargs: Any) -> LeaseRecord:
+        exc = ApiException(status=404, reason="Not Found")
+        exc.body = body  # names the Lease, not a namespace
+        raise exc
+
+    monkeypatch.setattr(store._leases, "replace", gone)
+    base = LeaseRecord.from_object({"metadata": {"resourceVersion": "7"},
+                                    "spec": {"holderIdentity": "me_1"}})
+    with pytest.raises(LeaseNotFound):
+        store.update(base, {}, 1.0)
+    config = ElectionConfig(namespace="ns", name="l", identity="me_1")
+    calls: list[str] = []
+    elector = LeaderElector(None, config, lambda _: None, lambda: None,
+                            store=_CountingStore(store, calls), watch=False)
+    term = _Term(record=base, renewed_at=time.monotonic())
+    assert elector._renew(term, threading.Event()) is EndReason.DEPOSED
+    assert calls == ["update"], calls

@@ -103,7 +103,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from neonvm.api.times import format_microtime as format_microtime  # re-exported
 from neonvm.kube import short_error
 from neonvm.leader.lease_store import STEP_DOWN_ANNOTATION as STEP_DOWN_ANNOTATION
-from neonvm.leader.lease_store import KubernetesLeaseStore, LeaseConflict, LeaseNamespaceNotFound
+from neonvm.leader.lease_store import (
+    KubernetesLeaseStore,
+    LeaseConflict,
+    LeaseNamespaceNotFound,
+    LeaseNotFound,
+)
 from neonvm.leader.lease_store import LeaseClient as LeaseClient  # re-exported
 from neonvm.leader.lease_store import LeaseRecord as LeaseRecord  # re-exported
 from neonvm.leader.lease_store import LeaseStore as LeaseStore  # re-exported
@@ -681,6 +686,13 @@ class LeaderElector:
                 # Our last write's version is what we compare against: if nobody wrote
                 # since, we still hold the Lease and nobody asked us to step down.
                 updated = self._lease.update(term.record, spec, timeout=left)
+            except LeaseNotFound:
+                # Someone deleted the Lease: whoever creates it next holds it, so our
+                # term is over now (not at the deadline). The next campaign re-creates
+                # it, under an epoch the floor accepts.
+                self.metrics.renew_failures.inc()
+                self._log.warning("deposed: the Lease was deleted")
+                return EndReason.DEPOSED
             except LeaseConflict:
                 self.metrics.renew_failures.inc()
                 ended = self._reread_after_conflict(term, left)
