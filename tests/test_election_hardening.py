@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -18,8 +19,9 @@ import pytest
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
+from neonvm.controller import manager as manager_module
 from neonvm.controller.events import EventRecorder
-from neonvm.controller.manager import ControllerConfig, LeaderTerm
+from neonvm.controller.manager import ControllerConfig, ControllerProcess, LeaderTerm
 from neonvm.controller.metrics import ControllerMetrics
 from neonvm.controller.wiring import Wiring
 from neonvm.controller.workqueue import Backoff
@@ -32,8 +34,11 @@ from neonvm.leader.election import (
     LeaseStore,
     _Term,
 )
+from neonvm.leader.etcd import Etcd, EtcdConfig
 from neonvm.leader.lease_store import KubernetesLeaseStore, LeaseConflict, LeaseNotFound
+from neonvm.leader.lock import Installation, LockTable
 from tests.support import wait_for
+from tests.test_election_store import FakeLeaseStore
 
 # ---- F6: an exception after the reconcile does not kill the worker ------------------------
 
@@ -166,3 +171,205 @@ def test_f5_a_404_on_update_is_lease_not_found_and_deposes_without_retrying(
     term = _Term(record=base, renewed_at=time.monotonic())
     assert elector._renew(term, threading.Event()) is EndReason.DEPOSED
     assert calls == ["update"], calls
+
+
+# ---- F1: a term that takes longer than the renew deadline to stop ----------------------------
+
+SHORT = {"lease_duration": 1.0, "renew_deadline": 0.6, "retry_period": 0.2}
+STOP_TAKES = 1.5  # the work's own shutdown, well past the 0.6 s renew deadline
+
+
+class SlowStoppingWork:
+    """``on_started`` that runs until ``lost``, then takes ``STOP_TAKES`` s to return, and
+    records when each term's work ran (monotonic start and end)."""
+
+    def __init__(self) -> None:
+        self.spans: list[list[float]] = []
+        self.mutex = threading.Lock()
+
+    def __call__(self, leadership: Leadership) -> None:
+        with self.mutex:
+            span = [time.monotonic()]
+            self.spans.append(span)
+        leadership.lost.wait()
+        time.sleep(STOP_TAKES)
+        with self.mutex:
+            span.append(time.monotonic())
+
+    def running(self) -> int:
+        with self.mutex:
+            return sum(1 for s in self.spans if len(s) == 1)
+
+
+def _elector(store: FakeLeaseStore, work: SlowStoppingWork, **config: Any) -> LeaderElector:
+    settings: dict[str, Any] = {**SHORT, "identity": "me_1", "namespace": "ns", "name": "l",
+                                **config}
+    return LeaderElector(None, ElectionConfig(**settings), work, lambda: None,
+                         store=store, watch=False)
+
+
+@pytest.mark.unit
+def test_f1_a_term_slower_to_stop_than_the_renew_deadline_still_releases_the_lease() -> None:
+    store = FakeLeaseStore()
+    work = SlowStoppingWork()
+    elector = _elector(store, work)
+    stop = threading.Event()
+    runner = threading.Thread(target=elector.run, args=(stop,), daemon=True)
+    runner.start()
+    wait_for(lambda: work.running() == 1, 10, what="leading")
+    stop.set()
+    runner.join(30)
+    assert not runner.is_alive()
+    assert work.running() == 0, "the work returned before the elector finished"
+    assert store.spec["holderIdentity"] == "", "released once the work had returned"
+    assert store.spec["leaseDurationSeconds"] == 1
+
+
+@pytest.mark.unit
+def test_f1_a_new_term_never_starts_while_the_last_one_is_still_stopping() -> None:
+    store = FakeLeaseStore()
+    work = SlowStoppingWork()
+    elector = _elector(store, work)
+    stop = threading.Event()
+    overlaps: list[int] = []
+
+    def watch_overlap() -> None:
+        while not stop.is_set():
+            if work.running() > 1:
+                overlaps.append(work.running())
+            time.sleep(0.01)
+
+    runner = threading.Thread(target=elector.run, args=(stop,), daemon=True)
+    watcher = threading.Thread(target=watch_overlap, daemon=True)
+    runner.start()
+    watcher.start()
+    try:
+        first = wait_for(lambda: elector.leadership, 10, what="the first term")
+        # The term ends from outside (say, check() saw the deadline); this replica still
+        # names itself holder, so it could re-acquire at once.
+        first.lost.set()
+        wait_for(lambda: len(work.spans) >= 2, 30, what="the next term")
+    finally:
+        stop.set()
+        runner.join(30)
+        watcher.join(5)
+    assert not overlaps, f"two terms' work ran at once in one process: {overlaps}"
+    assert work.spans[1][0] >= work.spans[0][1], work.spans
+
+
+@pytest.mark.unit
+def test_f1_health_stays_live_while_a_term_stops_within_the_grace_and_reports_stuck_work(
+) -> None:
+    store = FakeLeaseStore()
+    release = threading.Event()
+
+    def stuck_work(leadership: Leadership) -> None:
+        leadership.lost.wait()
+        release.wait()
+
+    elector = LeaderElector(None, ElectionConfig(**SHORT, identity="me_1", namespace="ns",
+                                                 name="l", shutdown_grace=1.0),
+                            stuck_work, lambda: None, store=store, watch=False)
+    stop = threading.Event()
+    runner = threading.Thread(target=elector.run, args=(stop,), daemon=True)
+    runner.start()
+    try:
+        term = wait_for(lambda: elector.leadership, 10, what="leading")
+        term.lost.set()
+        began = time.monotonic()
+        healthy_while_in_grace = []
+        while time.monotonic() - began < 1.0:
+            try:
+                elector.health_check()
+                healthy_while_in_grace.append(True)
+            except RuntimeError as exc:
+                healthy_while_in_grace.append(False)
+                print(exc)
+            time.sleep(0.05)
+        assert all(healthy_while_in_grace)
+
+        def unhealthy() -> str | None:
+            try:
+                elector.health_check()
+            except RuntimeError as exc:
+                return str(exc)
+            return None
+
+        reason = wait_for(unhealthy, 30, what="health to report the stuck work")
+        assert "has not stopped" in reason
+        assert elector.leadership is None
+    finally:
+        release.set()
+        stop.set()
+        runner.join(30)
+
+
+@pytest.mark.unit
+def test_f1_an_old_terms_end_does_not_clear_a_newer_term(monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    """``ControllerProcess._lead``'s cleanup forgets only its own term."""
+    finish = threading.Event()
+
+    class BlockingTerm:
+        def __init__(self, process: Any, leadership: Leadership) -> None:
+            self.leadership = leadership
+
+        def run(self) -> None:
+            finish.wait(10)
+
+    monkeypatch.setattr(manager_module, "LeaderTerm", BlockingTerm)
+    process = SimpleNamespace(_term=None)
+    old = Leadership(epoch=1, identity="me", valid_until=time.monotonic() + 3600)
+    runner = threading.Thread(target=ControllerProcess._lead, args=(process, old),
+                              daemon=True)
+    runner.start()
+    wait_for(lambda: process._term is not None, 10, what="the old term recorded")
+    newer = SimpleNamespace(leadership="newer")
+    process._term = newer  # a newer term was recorded while the old one was stopping
+    finish.set()
+    runner.join(10)
+    assert process._term is newer
+
+
+class CountingEtcd(Etcd):
+    """The real client, counting transactions and lease revocations."""
+
+    def __init__(self, config: EtcdConfig) -> None:
+        super().__init__(config)
+        self.txns = 0
+        self.revokes = 0
+
+    def txn(self, *args: Any, **kwargs: Any) -> Any:
+        self.txns += 1
+        return super().txn(*args, **kwargs)
+
+    def revoke_lease(self, *args: Any, **kwargs: Any) -> bool:
+        self.revokes += 1
+        return super().revoke_lease(*args, **kwargs)
+
+
+@pytest.mark.cluster
+def test_f1_a_stopping_term_gives_its_locks_up_with_one_revoke_not_a_txn_per_lock(
+        cluster: Any) -> None:
+    prefix = f"/t-{uuid.uuid4().hex[:8]}"
+    config = EtcdConfig(endpoints=(cluster.locks_etcd_url,), prefix=prefix)
+    etcd = CountingEtcd(config)
+    try:
+        process = SimpleNamespace(
+            config=ControllerConfig(workers=0), metrics=ControllerMetrics(),
+            api=client.ApiClient(), wiring=Wiring(), events=EventRecorder(None), etcd=etcd,
+            etcd_config=config, installation=Installation("ns", "f1"))
+        leadership = Leadership(epoch=3, identity="me_f1",
+                                valid_until=time.monotonic() + 3600)
+        term = LeaderTerm(process, leadership)  # type: ignore[arg-type]
+        locks = term.locks()
+        for i in range(20):
+            locks.acquire("ns", f"vm{i}", f"uid{i}", leadership.epoch)
+        assert len(LockTable(etcd, prefix).list()) == 20
+        etcd.txns = etcd.revokes = 0
+        term._shutdown([])
+        assert LockTable(etcd, prefix).list() == [], "every lock key is gone"
+        assert etcd.revokes == 1
+        assert etcd.txns == 0, f"{etcd.txns} transactions on the way out"
+    finally:
+        etcd.close()

@@ -103,6 +103,10 @@ class ControllerConfig:
     each stuck reconcile in a row, reset by one that ends normally)."""
 
 
+SESSION_REVOKE_TIMEOUT = 2.0
+"""Seconds a stopping term gives etcd to revoke its session (and so its locks)."""
+
+
 # ---- authority --------------------------------------------------------------------------
 
 
@@ -352,13 +356,17 @@ class LeaderTerm:
         with self._locks_mutex:
             locks, session = self._locks, self._session
             self._locks = self._session = None
-        if locks is not None:
-            held = len(locks.held())
-            locks.close()
-            self.log.info("released {n} VM lock(s)", n=held)
+        # One revoke of the session's etcd lease deletes every lock key bound to it at
+        # once (and tells each guard); a transaction per lock would make the stop take
+        # time proportional to the locks held. Releasing guard by guard is left for
+        # locks the revoke did not cover (none, unless it failed: then they expire).
+        held = len(locks.held()) if locks is not None else 0
         if session is not None:
             with contextlib.suppress(Exception):
-                session.close()
+                session.close(timeout=SESSION_REVOKE_TIMEOUT)
+        if locks is not None:
+            locks.close()
+            self.log.info("released {n} VM lock(s)", n=held)
         self.metrics.leading.set(0)
         self.metrics.locks_held.set(0)
         self.log.info("stopped leading work")
@@ -427,7 +435,10 @@ class ControllerProcess:
         try:
             term.run()
         finally:
-            self._term = None
+            # Only our own: a later term may already be recorded (the elector does not
+            # start one before this returns, but this must not depend on it).
+            if self._term is term:
+                self._term = None
 
     def _stopped(self) -> None:
         term = self._term

@@ -124,6 +124,9 @@ EXPIRY_TIMER_SLACK = 0.01
 STOP_POLL = 0.25
 """Longest a waiting follower goes without looking at ``stop``."""
 
+WORK_JOIN_SLICE = 0.1
+"""Seconds between health ticks while the elector waits for a term's work to return."""
+
 DEFAULT_NAMESPACE = "neonvm-system"
 DEFAULT_LEASE_NAME = "neonvm-controller"
 
@@ -171,6 +174,10 @@ class ElectionConfig:
     lease_duration: float = 4.0
     renew_deadline: float = 2.5
     retry_period: float = 0.5
+    shutdown_grace: float = 15.0
+    """How long, after a term ended, the elector waits for its work (the ``on_started``
+    thread) to return before giving up on releasing the Lease. Independent of the
+    renew deadline: stopping workers and giving their locks up can take longer."""
 
     def __post_init__(self) -> None:
         problems: list[str] = []
@@ -182,7 +189,8 @@ class ElectionConfig:
             problems.append("identity must not be empty")
         for label, value in (("lease_duration", self.lease_duration),
                              ("renew_deadline", self.renew_deadline),
-                             ("retry_period", self.retry_period)):
+                             ("retry_period", self.retry_period),
+                             ("shutdown_grace", self.shutdown_grace)):
             if not math.isfinite(value) or value <= 0:
                 problems.append(f"{label} must be a positive number of seconds, got {value!r}")
         if not problems:
@@ -341,8 +349,9 @@ class LeaderElector:
     term. It may block until ``leadership.lost`` is set, or start workers and return;
     if it raises, the term ends. ``on_stopped()`` runs in the elector's thread after
     ``lost`` is set, at the end of every term that started: it must make the leader work
-    stop (the elector then waits up to ``renew_deadline`` for the ``on_started`` thread,
-    and releases the Lease only once that thread has returned).
+    stop (the elector then waits up to ``shutdown_grace`` for the ``on_started`` thread,
+    releases the Lease only once that thread has returned, and does not campaign again
+    before it has returned, so two terms' work never overlap in one process).
     """
 
     def __init__(
@@ -377,6 +386,8 @@ class LeaderElector:
         self._last_tick = clock()
         self._finished = False
         self._leadership: Leadership | None = None
+        self._stopping: _Stopping | None = None
+        """The last term's work while it has not returned (None once it has)."""
         self._acquired_once = False
         self._namespace_missing = False
         self._log = logger.bind(lease=f"{config.namespace}/{config.name}",
@@ -405,6 +416,14 @@ class LeaderElector:
         whole lease duration (it is neither renewing nor campaigning nor exiting)."""
         if self._finished:
             return
+        stopping = self._stopping
+        if stopping is not None and stopping.worker.is_alive():
+            late = self._clock() - stopping.since
+            if late > self.config.shutdown_grace + self.config.lease_duration:
+                raise RuntimeError(
+                    f"the leader work of epoch {stopping.epoch} has not stopped {late:.1f}s "
+                    f"after its term ended (shutdown grace {self.config.shutdown_grace:g}s); "
+                    "this replica will not lead again until it does")
         idle = self._clock() - self._last_tick
         if idle > self.config.lease_duration:
             raise RuntimeError(
@@ -422,6 +441,10 @@ class LeaderElector:
                              name=f"lease-watch-{self.config.name}").start()
         try:
             while not stop.is_set():
+                # Never two terms' work at once in one process: a term whose work is
+                # still stopping (past the shutdown grace) blocks the next campaign.
+                if not self._await_stopped_work(stop):
+                    break
                 term = self._campaign(stop)
                 if term is None:
                     break
@@ -602,8 +625,10 @@ class LeaderElector:
         self._end_term(leadership, reason, worker)
         if reason in (EndReason.STOP, EndReason.STEP_DOWN):
             if worker.is_alive():
-                self._log.error("leader work of epoch {epoch} is still running; not releasing "
-                                "the Lease (it will expire instead)", epoch=leadership.epoch)
+                self._log.error("leader work of epoch {epoch} is still running {grace:g}s "
+                                "after its term ended; not releasing the Lease (it will "
+                                "expire instead)", epoch=leadership.epoch,
+                                grace=self.config.shutdown_grace)
             else:
                 self._release(term)
         return reason
@@ -744,10 +769,37 @@ class LeaderElector:
             self._on_stopped()
         except Exception:
             self._log.exception("on_stopped raised")
+        self._stopping = _Stopping(worker, leadership.epoch, self._clock())
+        deadline = self._clock() + self.config.shutdown_grace
+        while worker.is_alive() and self._clock() < deadline:
+            self._last_tick = self._clock()
+            worker.join(timeout=min(WORK_JOIN_SLICE, max(0.0, deadline - self._clock())))
         self._last_tick = self._clock()
-        worker.join(timeout=self.config.renew_deadline)
-        self._last_tick = self._clock()
+        if not worker.is_alive():
+            self._stopping = None
         self._leadership = None
+
+    def _await_stopped_work(self, stop: threading.Event) -> bool:
+        """Before campaigning: wait for the last term's work to return (False if stopped).
+
+        Within the shutdown grace the health tick stays fresh; past it, ``health_check``
+        reports the stuck work (after one more lease duration), so that a replica whose
+        work never returns is restarted rather than never leading again.
+        """
+        stopping = self._stopping
+        if stopping is None:
+            return True
+        if stopping.worker.is_alive():
+            self._log.error("not campaigning until the leader work of epoch {epoch} has "
+                            "stopped", epoch=stopping.epoch)
+        while stopping.worker.is_alive():
+            if self._clock() - stopping.since <= self.config.shutdown_grace:
+                self._last_tick = self._clock()
+            if stop.wait(WORK_JOIN_SLICE):
+                return False
+        self._stopping = None
+        self._last_tick = self._clock()
+        return True
 
     def _release(self, term: _Term) -> None:
         """Hand the Lease over at once (client-go's ReleaseOnCancel), by CAS."""
@@ -763,6 +815,15 @@ class LeaderElector:
             return
         self._observe(released)
         self._log.info("released the Lease")
+
+
+@dataclass(frozen=True)
+class _Stopping:
+    """A term's work thread that was told to stop, and since when."""
+
+    worker: threading.Thread
+    epoch: int
+    since: float
 
 
 @dataclass
