@@ -245,6 +245,7 @@ def test_f1_a_new_term_never_starts_while_the_last_one_is_still_stopping() -> No
     watcher.start()
     try:
         first = wait_for(lambda: elector.leadership, 10, what="the first term")
+        assert first is not None
         # The term ends from outside (say, check() saw the deadline); this replica still
         # names itself holder, so it could re-acquire at once.
         first.lost.set()
@@ -275,6 +276,7 @@ def test_f1_health_stays_live_while_a_term_stops_within_the_grace_and_reports_st
     runner.start()
     try:
         term = wait_for(lambda: elector.leadership, 10, what="leading")
+        assert term is not None
         term.lost.set()
         began = time.monotonic()
         healthy_while_in_grace = []
@@ -296,7 +298,7 @@ def test_f1_health_stays_live_while_a_term_stops_within_the_grace_and_reports_st
             return None
 
         reason = wait_for(unhealthy, 30, what="health to report the stuck work")
-        assert "has not stopped" in reason
+        assert reason is not None and "has not stopped" in reason
         assert elector.leadership is None
     finally:
         release.set()
