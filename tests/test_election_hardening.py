@@ -38,7 +38,7 @@ from neonvm.leader.etcd import Etcd, EtcdConfig
 from neonvm.leader.lease_store import KubernetesLeaseStore, LeaseConflict, LeaseNotFound
 from neonvm.leader.lock import Installation, LockTable
 from tests.support import wait_for
-from tests.test_election_store import FakeLeaseStore
+from tests.test_election_store import FakeClock, FakeLeaseStore
 
 # ---- F6: an exception after the reconcile does not kill the worker ------------------------
 
@@ -375,3 +375,87 @@ def test_f1_a_stopping_term_gives_its_locks_up_with_one_revoke_not_a_txn_per_loc
         assert etcd.txns == 0, f"{etcd.txns} transactions on the way out"
     finally:
         etcd.close()
+
+
+# ---- F4: a slow epoch claim ---------------------------------------------------------------
+
+
+class SlowFloor:
+    """An epoch floor whose claim takes ``takes`` seconds of the fake clock (and, while
+    ``hold`` is set, waits for it to be cleared: a claim still in progress)."""
+
+    def __init__(self, clock: FakeClock, takes: float) -> None:
+        self.clock = clock
+        self.takes = takes
+        self.hold = threading.Event()
+        self.entered = threading.Event()
+        self.go = threading.Event()
+
+    def claim(self, epoch: int, identity: str) -> bool:
+        self.entered.set()
+        if self.hold.is_set():
+            self.go.wait(30)
+        self.clock.advance(self.takes)
+        return True
+
+
+def _lead_once(store: FakeLeaseStore, clock: FakeClock, floor: SlowFloor
+               ) -> tuple[LeaderElector, list[float], threading.Event, threading.Thread,
+                          list[EndReason]]:
+    started: list[float] = []
+    config = ElectionConfig(namespace="ns", name="l", identity="me_1")  # 4 / 2.5 / 0.5 s
+    elector = LeaderElector(None, config, lambda lead: started.append(lead.remaining()),
+                            lambda: None, epoch_floor=floor, clock=clock, store=store,
+                            watch=False)
+    term = elector._try_acquire()
+    assert term is not None
+    stop = threading.Event()
+    reasons: list[EndReason] = []
+    runner = threading.Thread(target=lambda: reasons.append(elector._lead(term, stop)),
+                              daemon=True)
+    runner.start()
+    return elector, started, stop, runner, reasons
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("claim_takes", "starts"), [
+    (0.0, True),    # the usual case: no extra renewal
+    (1.5, True),    # slow, within the renew deadline: renewed, then a whole deadline
+    (3.0, False),   # slower than the 2.5 s renew deadline: the term does not start
+])
+def test_f4_a_slow_epoch_claim_never_starts_a_term_with_its_deadline_spent(
+        claim_takes: float, starts: bool) -> None:
+    store, clock = FakeLeaseStore(), FakeClock()
+    floor = SlowFloor(clock, claim_takes)
+    elector, started, stop, runner, reasons = _lead_once(store, clock, floor)
+    try:
+        if starts:
+            wait_for(lambda: started, 10, what="the term's work to start")
+            assert started[0] == pytest.approx(elector.config.renew_deadline), (
+                "the term starts with a whole renew deadline ahead of it")
+        else:
+            runner.join(10)
+            assert reasons == [EndReason.DEADLINE]
+            assert started == [], "no work under a term whose deadline passed"
+    finally:
+        stop.set()
+        runner.join(10)
+
+
+@pytest.mark.unit
+def test_f4_health_does_not_call_a_term_that_is_still_claiming_its_epoch_wedged() -> None:
+    store, clock = FakeLeaseStore(), FakeClock()
+    floor = SlowFloor(clock, 0.0)
+    floor.hold.set()
+    elector, _started, stop, runner, _ = _lead_once(store, clock, floor)
+    try:
+        assert floor.entered.wait(10)
+        clock.advance(elector.config.lease_duration + 1.0)  # the claim waits on etcd
+        elector.health_check()  # starting, not wedged
+        clock.advance(60.0)
+        with pytest.raises(RuntimeError, match="claiming the epoch"):
+            elector.health_check()
+    finally:
+        floor.go.set()
+        stop.set()
+        runner.join(10)

@@ -124,6 +124,10 @@ EXPIRY_TIMER_SLACK = 0.01
 STOP_POLL = 0.25
 """Longest a waiting follower goes without looking at ``stop``."""
 
+CLAIM_STALL_LIMIT = 30.0
+"""Seconds one epoch-floor claim may run before ``health_check`` calls the elector wedged
+(each etcd call is bounded by its own timeout; a claim is a few of them)."""
+
 WORK_JOIN_SLICE = 0.1
 """Seconds between health ticks while the elector waits for a term's work to return."""
 
@@ -386,6 +390,8 @@ class LeaderElector:
         self._last_tick = clock()
         self._finished = False
         self._leadership: Leadership | None = None
+        self._claiming_since: float | None = None
+        """When the epoch claim in progress began (None: none in progress)."""
         self._stopping: _Stopping | None = None
         """The last term's work while it has not returned (None once it has)."""
         self._acquired_once = False
@@ -424,6 +430,14 @@ class LeaderElector:
                     f"the leader work of epoch {stopping.epoch} has not stopped {late:.1f}s "
                     f"after its term ended (shutdown grace {self.config.shutdown_grace:g}s); "
                     "this replica will not lead again until it does")
+        claiming_since = self._claiming_since
+        if claiming_since is not None:
+            # A term that is still starting: its epoch claim waits on etcd.
+            claiming = self._clock() - claiming_since
+            if claiming > CLAIM_STALL_LIMIT:
+                raise RuntimeError(f"claiming the epoch has taken {claiming:.1f}s "
+                                   f"(> {CLAIM_STALL_LIMIT:g}s)")
+            return
         idle = self._clock() - self._last_tick
         if idle > self.config.lease_duration:
             raise RuntimeError(
@@ -612,6 +626,16 @@ class LeaderElector:
             if reason in (EndReason.STOP, EndReason.STEP_DOWN):
                 self._release(term)
             return reason
+        if self._clock() - term.renewed_at > self.config.retry_period:
+            # The claim took a while: renew before starting, so the term starts with a
+            # whole renew deadline ahead of it, or not at all if the deadline passed.
+            reason = self._renew(term, stop)
+            if reason is not None:
+                self._log.warning("the epoch claim outlasted the Lease's renewal ({r}); "
+                                  "not starting the term", r=reason.value)
+                if reason in (EndReason.STOP, EndReason.STEP_DOWN):
+                    self._release(term)
+                return reason
         leadership = Leadership(term.record.transitions, self.config.identity,
                                 term.renewed_at + self.config.renew_deadline, self._clock)
         self._leadership = leadership
@@ -652,6 +676,7 @@ class LeaderElector:
             if stop.is_set():
                 return EndReason.STOP
             epoch = term.record.transitions
+            self._claiming_since = self._clock()
             try:
                 accepted = self._epoch_floor.claim(epoch, self.config.identity)
                 refused = not accepted
@@ -659,6 +684,9 @@ class LeaderElector:
                 self._log.warning("claiming epoch {epoch} failed: {err}", epoch=epoch,
                                   err=short_error(exc))
                 accepted, refused = False, False
+            finally:
+                self._claiming_since = None
+                self._last_tick = self._clock()
             if accepted:
                 return None
             if refused:
