@@ -459,3 +459,29 @@ def test_f4_health_does_not_call_a_term_that_is_still_claiming_its_epoch_wedged(
         floor.go.set()
         stop.set()
         runner.join(10)
+
+
+# ---- F3: the elector's own client ----------------------------------------------------------
+
+
+@pytest.mark.unit
+def test_f3_the_elector_renews_through_its_own_client_and_pool_with_the_same_identity(
+) -> None:
+    api = client.ApiClient(client.Configuration())
+    api.set_default_header("Impersonate-User", "someone")
+    process = ControllerProcess(
+        api, EtcdConfig(endpoints=("http://127.0.0.1:1",), prefix="/t-f3"),
+        ElectionConfig(namespace="ns", name="f3"), ControllerConfig(),
+        events=EventRecorder(None))
+    try:
+        store = process.elector._lease
+        assert isinstance(store, KubernetesLeaseStore)
+        own: client.ApiClient = store._leases._api.api_client
+        assert own is not api, "the elector shares the workers' ApiClient"
+        assert own.rest_client.pool_manager is not api.rest_client.pool_manager
+        assert own.configuration.host == api.configuration.host
+        assert own.default_headers["Impersonate-User"] == "someone"
+    finally:
+        process.etcd.close()
+        getattr(process, "elector_api", api).close()
+        api.close()

@@ -419,8 +419,10 @@ class ControllerProcess:
         self._term: LeaderTerm | None = None
         # Every etcd key of this installation (locks, epoch floor) is scoped by its Lease.
         self.installation = Installation(election.namespace, election.name)
+        # Its own client and pool: renewals must not queue behind the workers' requests.
+        self.elector_api = self.wiring.elector_api(api)
         self.elector = LeaderElector(
-            api, election, on_started=self._lead, on_stopped=self._stopped,
+            self.elector_api, election, on_started=self._lead, on_stopped=self._stopped,
             epoch_floor=EpochFloor(self.etcd, etcd_config.prefix, self.installation),
             registry=self.metrics.registry,
         )
@@ -473,4 +475,5 @@ class ControllerProcess:
             self.elector.run(stop)
         finally:
             self.etcd.close()
+            self.elector_api.close()
 
