@@ -35,8 +35,11 @@ What a term guarantees:
   (``FenceAhead``) and left alone while the term goes on; one ahead by its token only
   (the locks' tokens went back) ends the term, so that the next epoch clears it;
 * on the way out (SIGTERM, lost leadership, a fence ahead by token) the queue is shut,
-  workers are joined, locks are released and the session revoked, and only then does
-  ``on_started`` return, after which the elector releases the Lease.
+  workers are joined, the etcd session is revoked (one call, which deletes every lock
+  key bound to it), and only then does ``on_started`` return, after which the elector
+  releases the Lease;
+* a worker survives an exception that escapes a turn (outside the reconcile's own
+  error handling): it is logged, counted, and the key requeued with backoff.
 
 What it does not guarantee: that a paused process stops acting before anyone else
 starts. That is what the pod fence and the conditional writes are for (see

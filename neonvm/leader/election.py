@@ -36,15 +36,23 @@ What is guaranteed
   of its last successful renewal (which is before the server wrote it, so before any
   follower saw it), the leader gives up. :meth:`Leadership.check` enforces this deadline
   by itself, from any thread, without waiting for the elector thread to notice: a
-  process that was paused (SIGSTOP, a long GC, an overloaded node) fails ``check()`` the
-  instant it resumes. Because ``renew_deadline < lease_duration`` and one machine's
-  monotonic clocks advance at (nearly) the same rate everywhere, the leader's belief ends
-  before any follower may take over; the gap is the margin for clock-rate drift.
+  process that was paused while its clock ran (SIGSTOP, a long GC, an overloaded node)
+  fails ``check()`` the instant it resumes. Because ``renew_deadline < lease_duration``
+  and monotonic clocks advance at (nearly) the same rate everywhere, the leader's belief
+  ends before any follower may take over; the gap is the margin for clock-rate drift and
+  for time the leader's clock stood still. A clock frozen for longer than that margin
+  (machine suspend, a paused VM) is *not* covered: see "What is not guaranteed".
 * **Graceful handover.** When ``stop`` is set (SIGTERM) or a step-down request names the
-  current term, the elector sets ``lost``, calls ``on_stopped``, waits for the leader work
-  to return, and only *then* releases the Lease like client-go's ``ReleaseOnCancel``:
+  current term, the elector sets ``lost``, calls ``on_stopped``, waits (up to
+  ``shutdown_grace``) for the leader work to return, and only *then* releases the Lease
+  like client-go's ``ReleaseOnCancel``:
   empty ``holderIdentity``, ``leaseDurationSeconds: 1``. Standbys take an empty Lease at
   once, so handover takes about one retry period instead of a lease duration.
+* **One term's work at a time.** The elector does not campaign again before the last
+  term's work has returned, so two terms never run in one process; a term whose epoch
+  claim outlasted the renew deadline is not started, and a slow one is renewed first.
+* **A deleted Lease deposes its holder** at its next renewal (409 or 404 on replace),
+  and the next campaign re-creates it.
 * **Step-down is addressed.** ``neonvm leader step-down`` writes the annotation
   :data:`STEP_DOWN_ANNOTATION` = ``{"holder": H, "epoch": E}`` by CAS on the version whose
   holder it read. The holder acts only on a request naming its own identity *and* epoch;
@@ -57,6 +65,10 @@ What is not guaranteed
   Safety comes from fencing downstream: the per-VM lock's token and every conditional
   write that carries the epoch and is refused when a higher epoch was recorded. The
   election gives progress and keeps two live leaders from fighting; fencing gives safety.
+* A leader whose monotonic clock stood still while real time passed (the machine
+  suspended, its VM paused) for longer than ``lease_duration - renew_deadline`` still
+  passes ``check()`` after a follower took over, for up to ``renew_deadline`` of its own
+  clock: two leaders act at once, and only the fencing keeps that safe.
 * Work that ignores ``lost`` and never calls ``check()`` is not stopped: Python threads
   cannot be killed. ``on_stopped`` is where the owner stops its workers; the elector waits
   for the ``on_started`` thread before it releases, and does not release while it runs.
