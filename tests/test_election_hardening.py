@@ -263,8 +263,10 @@ def test_f1_health_stays_live_while_a_term_stops_within_the_grace_and_reports_st
 ) -> None:
     store = FakeLeaseStore()
     release = threading.Event()
+    terms: list[int] = []
 
     def stuck_work(leadership: Leadership) -> None:
+        terms.append(leadership.epoch)
         leadership.lost.wait()
         release.wait()
 
@@ -300,6 +302,7 @@ def test_f1_health_stays_live_while_a_term_stops_within_the_grace_and_reports_st
         reason = wait_for(unhealthy, 30, what="health to report the stuck work")
         assert reason is not None and "has not stopped" in reason
         assert elector.leadership is None
+        assert terms == [0], "no new term while the last one's work has not returned"
     finally:
         release.set()
         stop.set()
