@@ -39,6 +39,16 @@ class Wiring:
         """What writes VMs (status and main resource, both conditional)."""
         return VMWriter(api)
 
+    def elector_api(self, api: client.ApiClient) -> client.ApiClient:
+        """The leader elector's own client: the same server, credentials and default
+        headers (impersonation, user agent) as ``api``, but its own connection pool, so
+        Lease renewals never wait for, or open connections beside, the workers' burst of
+        requests on ``api``. The caller closes it."""
+        own = client.ApiClient(api.configuration)
+        own.default_headers.update(api.default_headers)
+        own.cookie = api.cookie
+        return own
+
     def after_step(self) -> StepHook | None:
         """Called after each step the reconciler performed (None: nothing)."""
         return None
