@@ -488,3 +488,52 @@ def test_f3_the_elector_renews_through_its_own_client_and_pool_with_the_same_ide
         process.etcd.close()
         getattr(process, "elector_api", api).close()
         api.close()
+
+
+# ---- review of the hardening: the narrower promises ------------------------------------------
+
+
+@pytest.mark.unit
+def test_a_bare_404_on_update_stays_a_transient_error_not_a_deposition(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only a 404 that names this Lease deposes its holder; one from a proxy or an API
+    group not yet served (no details) is retried within the renew deadline like any
+    transient error, so it costs no false step-down."""
+    store = KubernetesLeaseStore(client.ApiClient(), "ns", "l")
+
+    def bare(*args: Any, **kwargs: Any) -> LeaseRecord:
+        exc = ApiException(status=404, reason="Not Found")
+        exc.body = "404 page not found"
+        raise exc
+
+    monkeypatch.setattr(store._leases, "replace", bare)
+    base = LeaseRecord.from_object({"metadata": {"resourceVersion": "7"},
+                                    "spec": {"holderIdentity": "me_1"}})
+    with pytest.raises(ApiException) as raised:
+        store.update(base, {}, 1.0)
+    assert not isinstance(raised.value, LeaseConflict)
+
+
+@pytest.mark.unit
+def test_a_stopping_term_opens_no_new_lock_session() -> None:
+    """A worker left over from a stopping term that reaches for the locks gets
+    AuthorityLost, not a fresh etcd session whose keepalive would outlive the term."""
+    stopping = threading.Event()
+    stopping.set()
+    term = SimpleNamespace(_locks_mutex=threading.Lock(), stopping=stopping, _locks=None,
+                           _session=None)
+    with pytest.raises(manager_module.AuthorityLost):
+        LeaderTerm.locks(term)  # type: ignore[arg-type]
+    assert term._session is None
+
+
+@pytest.mark.unit
+def test_the_electors_client_never_resends_after_a_read_timeout() -> None:
+    """A renewal resent by urllib3 after a read timeout could block for several times its
+    budget; the elector's own client retries only connections that never carried it."""
+    api = client.ApiClient()
+    own = Wiring().elector_api(api)
+    retries = own.configuration.retries
+    assert retries is not None and retries is not False
+    assert retries.read == 0 and retries.status == 0 and retries.other == 0
+    assert api.configuration.retries is None  # the workers' client is untouched

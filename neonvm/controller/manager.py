@@ -35,9 +35,10 @@ What a term guarantees:
   (``FenceAhead``) and left alone while the term goes on; one ahead by its token only
   (the locks' tokens went back) ends the term, so that the next epoch clears it;
 * on the way out (SIGTERM, lost leadership, a fence ahead by token) the queue is shut,
-  workers are joined, the etcd session is revoked (one call, which deletes every lock
-  key bound to it), and only then does ``on_started`` return, after which the elector
-  releases the Lease;
+  workers are joined for up to 8 s, the etcd session is revoked (one call, which deletes
+  every lock key bound to it), and only then does ``on_started`` return, after which the
+  elector releases the Lease. A worker still inside an API call after the join is left to
+  finish that one call under the old fence; it can take no new lock and pass no check;
 * a worker survives an exception that escapes a turn (outside the reconcile's own
   error handling): it is logged, counted, and the key requeued with backoff.
 
@@ -242,6 +243,10 @@ class LeaderTerm:
     def locks(self) -> LockManager:
         """The current lock manager; a new session (and manager) after a session loss."""
         with self._locks_mutex:
+            # A worker left over from a stopping term must not open a fresh session
+            # (its keepalive would outlive the term and its locks would look held).
+            if self.stopping.is_set():
+                raise AuthorityLost("the term is ending")
             if self._locks is not None and self._session is not None \
                     and not self._session.lost.is_set():
                 return self._locks
@@ -364,12 +369,19 @@ class LeaderTerm:
         # time proportional to the locks held. Releasing guard by guard is left for
         # locks the revoke did not cover (none, unless it failed: then they expire).
         held = len(locks.held()) if locks is not None else 0
+        revoked = session is None
         if session is not None:
-            with contextlib.suppress(Exception):
+            try:
                 session.close(timeout=SESSION_REVOKE_TIMEOUT)
+                revoked = True
+            except Exception as exc:
+                self.log.warning("revoking the lock session failed: {err}",
+                                 err=short_error(exc))
         if locks is not None:
             locks.close()
-            self.log.info("released {n} VM lock(s)", n=held)
+            self.log.info("released {n} VM lock(s){how}", n=held,
+                          how="" if revoked else " one by one (the revoke failed; "
+                          "any left expire with the session TTL)")
         self.metrics.leading.set(0)
         self.metrics.locks_held.set(0)
         self.log.info("stopped leading work")

@@ -11,8 +11,10 @@ them.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
+import urllib3
 from kubernetes import client
 
 from neonvm.controller.informer import EventFilter, Obj, Store
@@ -44,7 +46,13 @@ class Wiring:
         headers (impersonation, user agent) as ``api``, but its own connection pool, so
         Lease renewals never wait for, or open connections beside, the workers' burst of
         requests on ``api``. The caller closes it."""
-        own = client.ApiClient(api.configuration)
+        configuration = copy.copy(api.configuration)
+        # No resend after a read timeout (a renewal would block for several times its
+        # budget); the elector retries by itself, within its deadline. Connect errors
+        # are retried: the request never left.
+        configuration.retries = urllib3.Retry(total=2, connect=2, read=0, status=0,
+                                              other=0, redirect=0)
+        own = client.ApiClient(configuration)
         own.default_headers.update(api.default_headers)
         own.cookie = api.cookie
         return own

@@ -697,8 +697,8 @@ class LeaderElector:
                                   err=short_error(exc))
                 accepted, refused = False, False
             finally:
+                self._last_tick = self._clock()  # before the flag: a probe never sees idle
                 self._claiming_since = None
-                self._last_tick = self._clock()
             if accepted:
                 return None
             if refused:

@@ -48,6 +48,18 @@ def _namespace_not_found(exc: ApiException) -> bool:
     return bool(details.get("kind") == "namespaces")
 
 
+def _lease_not_found(exc: ApiException, name: str) -> bool:
+    """A 404 whose details name this Lease. A bare 404 (a proxy, a load balancer, an API
+    group not served yet) stays a transient error: deposing on it would cost a relist."""
+    if exc.status != 404:
+        return False
+    try:
+        details = json.loads(exc.body or "{}").get("details") or {}
+    except (ValueError, TypeError, AttributeError):
+        return False
+    return bool(details.get("kind") == "leases" and details.get("name") == name)
+
+
 @dataclass(frozen=True)
 class LeaseRecord:
     """The parts of a Lease the election reads, plus the object to write back."""
@@ -221,7 +233,7 @@ class KubernetesLeaseStore:
                     f"the Lease changed since version {base.resource_version}") from exc
             if _namespace_not_found(exc):
                 raise LeaseNamespaceNotFound(self.namespace) from exc
-            if exc.status == 404:
+            if _lease_not_found(exc, self.name):
                 raise LeaseNotFound(
                     f"the Lease is gone (it was at version {base.resource_version})") from exc
             raise
