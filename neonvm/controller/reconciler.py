@@ -3,9 +3,13 @@
 :meth:`Reconciler.reconcile` runs one VM's reconcile under an :class:`Authority` (the
 leader epoch E and the VM lock's fencing token T). Each round it observes, asks the pure
 :func:`~neonvm.controller.decide.decide` for the next single action, performs exactly that
-action with a conditional write, and observes again (directly: after a write the cache
-is behind by definition). The first observation may come from the cache; everything
-after a write, and everything that guards a dangerous action, is a quorum read.
+action with a conditional write, and observes again. The first observation may come
+from the cache. After a write that took effect the next observation is built from the
+API server's answer to it (the VM as stored, the pod as created or patched) on top of
+the previous one (:meth:`Reconciler._seen_by_write`); the loop acts on such an
+observation only for the decisions of :data:`SEEN_BY_WRITE` and reads directly for the
+others (Restart, DeletePod, RemoveFinalizer), after a write that did not take effect,
+and whenever ``decide`` asks (docs/protocol.md, "Observing from write responses").
 
 How each action is performed (the precondition is in brackets):
 
@@ -41,11 +45,14 @@ taking effect), or when a step is refused for good (``UngateForbidden``). It is 
 in ``neonvm_controller_stuck_reconciles_total{step}`` and the manager retries it with
 exponential backoff, instead of at once.
 
-Authority is checked before every action and inside every conflict retry: a lost lease,
+Authority is checked when the reconcile starts and then once per write, immediately
+before it (inside the conditional update for a VM write, so in every conflict retry too;
+in :meth:`Reconciler._perform` for a pod write), not before each decision: a lost lease,
 a lost lock or a changed epoch raises :class:`AuthorityLost` and the reconcile stops at
-once. A VM whose status is fenced ahead of us (``decide`` says Fenced, or a mutation
-raises :class:`~neonvm.controller.mutations.FencedOut` on a fresh copy) is checked
-against our authority once more: lost, the reconcile stops as above; still held, the
+once (docs/protocol.md, "Authority checks"). A VM whose status is fenced ahead of us
+(``decide`` says Fenced, or a mutation raises
+:class:`~neonvm.controller.mutations.FencedOut` on a fresh copy) is checked against our
+authority once more: lost, the reconcile stops as above; still held, the
 fence came from no newer leader. Ahead by its epoch, that VM alone is marked Degraded
 (``FenceAhead``) and left alone while every other VM goes on; ahead by its token only
 (our epoch: the locks' tokens went back), ``FencedOut`` goes on to the manager, which

@@ -10,6 +10,11 @@ per step so that anything may happen between two calls:
   then (next step, only if ``status.podName`` is missing from the list) a GET of that
   pod; then ask the shipped :func:`~neonvm.controller.decide.decide` for the next
   action (with ``now=None``: no restart backoff, time is not modelled);
+* after a write that took effect (VM PUT, pod create, ungate patch), the next
+  observation is the write's answer laid over the observation the write was decided
+  from (direct if that one was), decided in the same step; a decision outside the
+  shipped driver's ``SEEN_BY_WRITE`` is taken again from a direct read, and so is one
+  whose VM commits a pod not among the known pods (``Reconciler._seen_by_write``);
 * a pod create is performed only when decided from a direct observation;
 * status writes: PUT ``/status`` with the ``resourceVersion`` the decision was made from;
   on 409 re-read directly and call the shipped mutation again on the fresh copy;
