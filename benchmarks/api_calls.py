@@ -36,8 +36,10 @@ SAMPLE = re.compile(r'^apiserver_request_total\{(?P<labels>[^}]*)\} (?P<value>\S
 
 def request_totals(api: client.ApiClient) -> Counter[Key]:
     """``apiserver_request_total`` summed over codes, by verb/resource/subresource/scope."""
-    resp = api.call_api("/metrics", "GET", auth_settings=["BearerToken"],
-                        _preload_content=False)[0]
+    method, url, headers, body, _ = api.param_serialize(
+        "GET", "/metrics", auth_settings=["BearerToken"])
+    resp = api.call_api(method, url, header_params=headers, body=body, _request_timeout=30)
+    resp.read()
     text = resp.data.decode()
     out: Counter[Key] = Counter()
     for line in text.splitlines():
