@@ -17,7 +17,7 @@ from kubernetes import client
 
 from neonvm.api import types
 from neonvm.controller import decide as d
-from neonvm.controller.observe import DirectReader, Snapshot
+from neonvm.controller.observe import DirectReader, Snapshot, VMRecord
 from neonvm.controller.reconciler import Reconciler, StaticAuthority
 from neonvm.invariant import InvariantChecker
 from neonvm.testing.harness import get_vm, is_gated, runner_pods
@@ -75,12 +75,26 @@ class Recording(Reconciler):
         super().__init__(api)
         self.counting = CountingReader(api)
         self.reader = self.counting
+        self.vm_writes = 0
+        put_status, put_main = self.writer.put_status, self.writer.put_main
+
+        def counted_status(record: VMRecord, status: Any) -> VMRecord:
+            self.vm_writes += 1
+            return put_status(record, status)
+
+        def counted_main(record: VMRecord, finalizers: list[str]) -> VMRecord:
+            self.vm_writes += 1
+            return put_main(record, finalizers)
+
+        self.writer.put_status = counted_status  # type: ignore[method-assign]
+        self.writer.put_main = counted_main  # type: ignore[method-assign]
         self.performed: list[tuple[str, bool, bool]] = []
         """(action, observation built from a write's answer, observation direct)."""
 
     def _perform(self, key: str, action: d.Action, snap: Snapshot, authority: Any,
                  log: Any) -> str:
-        self.performed.append((type(action).__name__, snap.from_write, snap.obs.direct))
+        self.performed.append((type(action).__name__, getattr(snap, "from_write", False),
+                               snap.obs.direct))
         return super()._perform(key, action, snap, authority, log)
 
 
@@ -101,11 +115,13 @@ def test_a_new_vm_is_started_with_one_direct_observation_and_the_ungate_list(
     assert isinstance(result.action, d.Done | d.Wait), result
     # The first observation (no cache here: direct), then every step from the previous
     # write's answer; the ungate lists the pods once more, after the commit was seen.
-    assert all(from_write for _, from_write, _ in reconciler.performed[1:])
     assert reconciler.counting.reads == {"list_pods": 2, "get_vm": 1}, reconciler.counting.reads
-    # The authority: once at the start, then once per write.
-    writes = len(reconciler.performed)
-    assert authority.checks == writes + 1, (authority.checks, writes)
+    assert all(from_write for _, from_write, _ in reconciler.performed[1:])
+    # The authority: once at the start, then once per write (the VM's PUTs, including
+    # the conditions written at the end, and the create and the ungate).
+    pod_writes = sum(1 for name, _, _ in reconciler.performed if name in ("CreatePod", "Ungate"))
+    assert authority.checks == 1 + reconciler.vm_writes + pod_writes, (
+        authority.checks, reconciler.vm_writes, pod_writes)
 
 
 def test_restart_delete_and_finalizer_removal_are_decided_from_a_fresh_direct_read(
