@@ -69,7 +69,7 @@ def run(cluster: Any, vms: int, replicas: int) -> dict[str, Any]:
             names = [f"vm-{i:04d}" for i in range(vms)]
             started = time.monotonic()
             fleet.create_vms(api, namespace, names, 1, threads=4)
-            own[("CREATE", types.PLURAL, "", "namespace")] += vms
+            own[("POST", types.PLURAL, "", "resource")] += vms
             while True:
                 pods = fleet.list_runner_pods(api, namespace)
                 items = fleet.list_vms(api, namespace)
