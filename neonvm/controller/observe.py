@@ -13,6 +13,11 @@ Two sources:
   purpose); its observations say ``direct=False`` and
   :func:`~neonvm.controller.decide.decide` never bases a dangerous action on them.
 
+A third kind is built, not read: after a write that took effect, the driver lays the
+API server's answer (the VM as stored, or the pod as created or patched) over the
+previous observation (:func:`make_snapshot` with ``from_write=True``; see
+``Reconciler._seen_by_write`` and docs/protocol.md, "Observing from write responses").
+
 A :class:`Snapshot` keeps the raw objects next to the observation: the driver's writes
 need the exact resourceVersions of what the decision saw (the VM's for status and
 finalizer writes, the pod's for the ungate patch).
