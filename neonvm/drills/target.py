@@ -267,10 +267,12 @@ class KubeTarget:
     lease_name: str = DEFAULT_LEASE_NAME
     helper_image: str = "busybox:1.36"
     local: bool = False
+    etcd_endpoints: str | None = None
+    """The locks' etcd as this machine reaches it (None: ``$NEONVM_ETCD_ENDPOINTS``)."""
 
     @property
     def description(self) -> str:
-        return f"cluster of {self.kubeconfig}"
+        return f"chart's controller pods in the cluster of {self.kubeconfig}"
 
     def leader(self) -> LeaderInfo | None:
         return read_leader(self.api, self.lease_namespace, self.lease_name)
@@ -338,9 +340,11 @@ class KubeTarget:
         return []  # the Deployment restarts pods
 
     def lock_reader(self) -> LockReader | None:
-        return etcd_lock_reader()
+        return etcd_lock_reader(self.etcd_endpoints)
 
     def break_locks(self, namespace: str) -> list[LockView]:
+        if self.etcd_endpoints:
+            return _break_locks(self.etcd_endpoints, None, namespace)
         if not os.environ.get("NEONVM_ETCD_ENDPOINTS", "").strip():
             raise DrillError("break-lock needs the locks' etcd: set NEONVM_ETCD_ENDPOINTS "
                              "(and NEONVM_ETCD_CA/CERT/KEY if it uses TLS)")

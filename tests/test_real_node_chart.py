@@ -1,0 +1,153 @@
+"""The chart's controller really running: three pods on a real node, a kill-leader drill.
+
+Opt-in like tests/test_real_node.py (``NEONVM_TEST_REAL_NODE=1``; it builds the real
+node's binaries and the controller image on first run). It starts a cluster of its own:
+the session's cluster runs without the ServiceAccount admission plugin, so its pods would
+get no token. ``NEONVM_TEST_REAL_NODE=1 pytest tests/test_real_node_chart.py -s``
+prints the timings docs/real-node.md records.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from kubernetes import client
+
+from neonvm import kube
+from neonvm.api import types
+from neonvm.dev import binaries, chartnode, realnode
+from neonvm.dev.cluster import ClusterSpec, LocalCluster
+from neonvm.drills.drills import DrillOptions, run_drill
+from neonvm.drills.target import KubeTarget
+from neonvm.leader.election import LeaseClient
+
+
+def _skip_reason() -> str | None:
+    if os.environ.get("NEONVM_TEST_REAL_NODE") != "1":
+        return "real node not requested (set NEONVM_TEST_REAL_NODE=1; see docs/real-node.md)"
+    problem = realnode.unavailable_reason()
+    if problem:
+        return f"a real node cannot start on this host: {problem}"
+    from neonvm.dev import images
+
+    problem = images.unavailable_reason()
+    if problem:
+        return f"images cannot be built here: {problem}"
+    if binaries.find("helm") is None:
+        return "helm is not built (neonvm dev install --with-helm, or tests/test_chart.py)"
+    return None
+
+
+@pytest.fixture(scope="module")
+def chart_cluster(tmp_path_factory: pytest.TempPathFactory
+                  ) -> Iterator[tuple[LocalCluster, realnode.RealNode]]:
+    """A cluster with two kwok nodes, ServiceAccount tokens on, and one real node."""
+    spec = ClusterSpec.with_free_ports(nodes=2)
+    spec.service_account_tokens = True
+    cluster = LocalCluster(Path(tmp_path_factory.mktemp("chart-cluster")), spec)
+    node = realnode.RealNode(cluster, 0)
+    try:
+        cluster.up()
+        realnode.build()
+        node.start()
+        yield cluster, node
+    finally:
+        node.stop()
+        cluster.down()
+
+
+class RunnerPodNodes:
+    """Every node a runner pod (any namespace) was seen on, polled in the background."""
+
+    def __init__(self, api: client.ApiClient) -> None:
+        self.api = api
+        self.nodes: set[str] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        core = client.CoreV1Api(self.api)
+        while not self._stop.wait(1.0):
+            try:
+                pods = core.list_pod_for_all_namespaces(label_selector=types.LABEL_VM_NAME,
+                                                        _request_timeout=30).items
+            except Exception:  # a missed poll only loses a sample
+                continue
+            self.nodes |= {p.spec.node_name for p in pods if p.spec.node_name}
+
+    def __enter__(self) -> RunnerPodNodes:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+
+@pytest.mark.cluster
+@pytest.mark.realnode
+@pytest.mark.slow
+@pytest.mark.skipif(_skip_reason() is not None, reason=_skip_reason() or "")
+def test_chart_runs_three_controller_pods_on_the_real_node_and_survives_kill_leader(
+    chart_cluster: tuple[LocalCluster, realnode.RealNode],
+) -> None:
+    cluster, node = chart_cluster
+    api = kube.api_client(cluster.kubeconfig)
+    core = client.CoreV1Api(api)
+    try:
+        installed = chartnode.install(cluster, node, replicas=3, timeout=600, progress=print)
+        print(f"helm install {installed.helm_seconds:.1f}s; 3 pods Ready "
+              f"{installed.ready_seconds:.1f}s after it began")
+
+        pods = chartnode.ready_pods(api)
+        assert len(pods) == 3
+        assert {p.spec.node_name for p in pods} == {node.name}
+        # Pod networking, not the host's: each pod has an address of the node's subnet.
+        prefix = node.node_ip.rsplit(".", 1)[0] + "."
+        assert all(p.status.pod_ip.startswith(prefix) and not p.spec.host_network
+                   for p in pods), [(p.metadata.name, p.status.pod_ip) for p in pods]
+
+        # One leader, and it is one of the three pods (identity "<pod name>_<random>").
+        lease = LeaseClient(api, chartnode.NAMESPACE, chartnode.RELEASE).get(10.0)
+        assert lease is not None and lease.holder
+        names = {p.metadata.name for p in pods}
+        leader_pod = lease.holder.rsplit("_", 1)[0]
+        assert leader_pod in names
+
+        target = KubeTarget(api, cluster.kubeconfig, chartnode.NAMESPACE, chartnode.RELEASE,
+                            etcd_endpoints=cluster.locks_etcd_url)
+        with RunnerPodNodes(api) as seen:
+            verdict = run_drill("kill-leader", target,
+                                DrillOptions(vms=6, signal="KILL", timeout=600, seed=17),
+                                print)
+        for key, value in verdict.rows():
+            print(f"{key}: {value}")
+        assert verdict.ok, verdict.failures
+        assert verdict.leader_before is not None
+        assert verdict.leader_before.rsplit("_", 1)[0] == leader_pod
+        assert verdict.failover_seconds is not None
+        assert verdict.leader_after not in (None, verdict.leader_before)
+        assert verdict.leader_after.rsplit("_", 1)[0] in names - {leader_pod}  # type: ignore[union-attr]
+        assert verdict.convergence_seconds is not None
+        assert verdict.duplicates == 0 and verdict.duplicates_loose == 0
+        assert verdict.check.get("ok"), verdict.check
+        # The locks were read from the etcd the pods use, and every one was released.
+        assert not any(n.startswith("locks not checked") for n in verdict.notes), verdict.notes
+        # Runner pods ran on the kwok nodes: the real node is reserved for the controller.
+        assert seen.nodes and node.name not in seen.nodes, seen.nodes
+
+        # The killed pod is gone and the Deployment brings the third replica back.
+        started = time.monotonic()
+        chartnode.wait_ready(api, 3, timeout=600)
+        print(f"3 controller pods Ready again {time.monotonic() - started:.1f}s after the "
+              f"drill ended")
+        assert leader_pod not in {p.metadata.name for p in chartnode.controller_pods(api)}
+        assert core.read_node(node.name).spec.unschedulable is not True
+    finally:
+        chartnode.uninstall(cluster, node)
+        api.close()
