@@ -92,6 +92,7 @@ class RunnerPodNodes:
 @pytest.mark.cluster
 @pytest.mark.realnode
 @pytest.mark.slow
+@pytest.mark.timeout(2400)  # an image rebuild, a cluster start and the drill
 @pytest.mark.skipif(_skip_reason() is not None, reason=_skip_reason() or "")
 def test_chart_runs_three_controller_pods_on_the_real_node_and_survives_kill_leader(
     chart_cluster: tuple[LocalCluster, realnode.RealNode],

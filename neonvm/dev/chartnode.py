@@ -46,9 +46,12 @@ from neonvm.dev.realnode import REAL_LABEL, RealNode, RealNodeError
 if TYPE_CHECKING:
     from neonvm.dev.cluster import LocalCluster
 
-RELEASE = "neonvm-controller"
+RELEASE = "real-neonvm-controller"
+"""Not ``neonvm-controller``: the local cluster made a ClusterRole of that name for its own
+controller user, and helm refuses to adopt it. The release name is also the fullname,
+hence the Lease's name (``neonvm-system/real-neonvm-controller``)."""
 NAMESPACE = "neonvm-system"
-SELECTOR = "app.kubernetes.io/name=neonvm-controller"
+SELECTOR = f"app.kubernetes.io/name=neonvm-controller,app.kubernetes.io/instance={RELEASE}"
 TAINT = client.V1Taint(key=REAL_LABEL, value="true", effect="NoSchedule")
 
 Progress = Callable[[str], None]
