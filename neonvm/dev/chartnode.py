@@ -71,6 +71,18 @@ def values(node: RealNode, image: str, replicas: int = 3) -> dict[str, Any]:
         "nodeSelector": {REAL_LABEL: "true"},
         "tolerations": [{"key": TAINT.key, "operator": "Equal", "value": TAINT.value,
                          "effect": TAINT.effect}],
+        # The chart's liveness probe gives a replica 35 s to serve /healthz. On this
+        # shared 2-core host (load average 17 to 28 during the first runs) the node's
+        # whole cgroup got a sliver of CPU and a replica's Python start took over a
+        # minute of wall time (2 s of CPU), so every replica was killed before it
+        # served and the leader changed on every restart: the drill measured restarts,
+        # not failover. Slower probes here; the chart's defaults are unchanged.
+        "probes": {
+            "liveness": {"initialDelaySeconds": 180, "periodSeconds": 10,
+                         "timeoutSeconds": 10, "failureThreshold": 6},
+            "readiness": {"initialDelaySeconds": 2, "periodSeconds": 2,
+                          "timeoutSeconds": 10, "failureThreshold": 3},
+        },
     }
 
 
