@@ -152,3 +152,41 @@ def test_chart_runs_three_controller_pods_on_the_real_node_and_survives_kill_lea
     finally:
         chartnode.uninstall(cluster, node)
         api.close()
+
+
+@pytest.mark.skipif(binaries.find("helm") is None, reason="helm is not built")
+def test_the_real_node_values_pass_the_charts_schema_and_place_the_pods(tmp_path: Path) -> None:
+    """The values chartnode installs with are accepted by the chart's schema and render a
+    Deployment pinned to the real node, tolerating its taint, with the node's etcd."""
+    import subprocess
+
+    import yaml
+
+    from neonvm import manifests
+
+    cluster = LocalCluster(tmp_path / "c", ClusterSpec.with_free_ports(nodes=2))
+    node = realnode.RealNode(cluster, 0)
+    chosen = chartnode.values(node, "ghcr.io/neonvm/neonvm-controller:9.9.9")
+    values_file = tmp_path / "values.yaml"
+    values_file.write_text(yaml.safe_dump(chosen))
+    home = tmp_path / "helm"
+    env = {**os.environ, "HELM_CACHE_HOME": str(home / "cache"),
+           "HELM_CONFIG_HOME": str(home / "config"), "HELM_DATA_HOME": str(home / "data")}
+    out = subprocess.run(
+        [str(binaries.require("helm")), "template", chartnode.RELEASE, str(manifests.CHART_DIR),
+         "--namespace", chartnode.NAMESPACE, "--values", str(values_file)],
+        env=env, capture_output=True, text=True, timeout=120, check=True).stdout
+    [deploy] = [d for d in yaml.safe_load_all(out) if d and d["kind"] == "Deployment"]
+    assert deploy["metadata"]["name"] == chartnode.RELEASE
+    pod = deploy["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {realnode.REAL_LABEL: "true"}
+    assert {"key": realnode.REAL_LABEL, "operator": "Equal", "value": "true",
+            "effect": "NoSchedule"} in pod["tolerations"]
+    assert not pod.get("hostNetwork")
+    [container] = pod["containers"]
+    assert container["image"] == "ghcr.io/neonvm/neonvm-controller:9.9.9"
+    assert container["imagePullPolicy"] == "Never"
+    env_vars = {e["name"]: e.get("value") for e in container["env"]}
+    assert env_vars["NEONVM_ETCD_ENDPOINTS"] == (
+        f"http://{node.node_ip}:{cluster.spec.ports['locks-etcd']}")
+    assert container["livenessProbe"]["initialDelaySeconds"] == 180

@@ -235,3 +235,38 @@ def uninstall(cluster: LocalCluster, node: RealNode, timeout: float = 120) -> No
         unreserve(api, node)
     finally:
         api.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m neonvm.dev.chartnode {install,uninstall,values} --state-dir DIR``."""
+    import argparse
+
+    from neonvm.dev.cluster import LocalCluster
+
+    parser = argparse.ArgumentParser(prog="python -m neonvm.dev.chartnode",
+                                     description="The chart's controller on the real node "
+                                                 "of a local cluster (docs/real-node.md).")
+    parser.add_argument("action", choices=("install", "uninstall", "values"))
+    parser.add_argument("--state-dir", type=Path, default=None)
+    parser.add_argument("--replicas", type=int, default=3)
+    args = parser.parse_args(argv)
+    cluster = LocalCluster(args.state_dir)
+    node = RealNode(cluster, 0)
+    if args.action == "values":
+        from neonvm.dev.images import REGISTRY
+
+        print(yaml.safe_dump(values(node, f"{REGISTRY}/neonvm-controller:<built tag>",
+                                    args.replicas), sort_keys=False), end="")
+    elif args.action == "install":
+        done = install(cluster, node, args.replicas, progress=print)
+        print(f"helm install took {done.helm_seconds:.1f}s; {args.replicas} pods Ready "
+              f"{done.ready_seconds:.1f}s after it began; the Lease is "
+              f"{NAMESPACE}/{RELEASE}")
+    else:
+        uninstall(cluster, node)
+        print(f"uninstalled {RELEASE}; the local fence and the node are as before")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
