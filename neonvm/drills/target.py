@@ -14,6 +14,9 @@ Two targets:
   on the leader's node that sends SIGSTOP or SIGCONT to the process whose environment has
   ``POD_NAME=<leader pod>`` (a signal from inside the container would be ignored: the
   controller is PID 1 of its namespace). Component restarts are not possible there.
+  ``neonvm drill --state-dir DIR --pods`` makes one for the chart installed on the local
+  cluster's real node (:mod:`neonvm.dev.chartnode`), reading locks from that cluster's
+  locks etcd.
 
 Both find the leader from the Lease: its ``holderIdentity`` names the process (local: the
 ``--identity`` on the replica's command line; chart: ``<pod name>_<random>``).
