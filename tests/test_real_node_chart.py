@@ -190,3 +190,24 @@ def test_the_real_node_values_pass_the_charts_schema_and_place_the_pods(tmp_path
     assert env_vars["NEONVM_ETCD_ENDPOINTS"] == (
         f"http://{node.node_ip}:{cluster.spec.ports['locks-etcd']}")
     assert container["livenessProbe"]["initialDelaySeconds"] == 180
+
+
+@pytest.mark.unit
+def test_drill_pods_targets_the_state_dirs_chart_pods_only(tmp_path: Path) -> None:
+    """``--pods`` drills the chart's pods of the --state-dir cluster: not with another
+    kubeconfig, and not the drills that restart local components."""
+    from click.testing import CliRunner
+
+    from neonvm.cli import main
+
+    other = tmp_path / "prod.kubeconfig"
+    other.write_text("apiVersion: v1\nkind: Config\n")
+    state = str(tmp_path / "state")
+    runner = CliRunner()
+    with_kubeconfig = runner.invoke(main, ["drill", "kill-leader", "--state-dir", state,
+                                           "--pods", "--kubeconfig", str(other), "--yes"])
+    assert with_kubeconfig.exit_code == 2
+    assert "--pods drills the chart's pods" in with_kubeconfig.output, with_kubeconfig.output
+    local_only = runner.invoke(main, ["drill", "etcd-restart", "--state-dir", state, "--pods"])
+    assert local_only.exit_code == 2
+    assert "nor stale-read, etcd-restart" in local_only.output, local_only.output
