@@ -120,34 +120,53 @@ def test_chart_runs_three_controller_pods_on_the_real_node_and_survives_kill_lea
         leader_pod = lease.holder.rsplit("_", 1)[0]
         assert leader_pod in names
 
-        target = KubeTarget(api, cluster.kubeconfig, chartnode.NAMESPACE, chartnode.RELEASE,
-                            etcd_endpoints=cluster.locks_etcd_url)
-        with RunnerPodNodes(api) as seen:
-            verdict = run_drill("kill-leader", target,
-                                DrillOptions(vms=6, signal="KILL", timeout=600, seed=17),
-                                print)
-        for key, value in verdict.rows():
-            print(f"{key}: {value}")
-        assert verdict.ok, verdict.failures
-        assert verdict.leader_before is not None
-        assert verdict.leader_before.rsplit("_", 1)[0] == leader_pod
-        assert verdict.failover_seconds is not None
-        assert verdict.leader_after not in (None, verdict.leader_before)
-        assert verdict.leader_after.rsplit("_", 1)[0] in names - {leader_pod}  # type: ignore[union-attr]
-        assert verdict.convergence_seconds is not None
-        assert verdict.duplicates == 0 and verdict.duplicates_loose == 0
-        assert verdict.check.get("ok"), verdict.check
-        # The locks were read from the etcd the pods use, and every one was released.
-        assert not any(n.startswith("locks not checked") for n in verdict.notes), verdict.notes
-        # Runner pods ran on the kwok nodes: the real node is reserved for the controller.
-        assert seen.nodes and node.name not in seen.nodes, seen.nodes
+        # Two crashes of the leader: its container's process SIGKILLed on the node (the
+        # kubelet restarts the container in the same pod), then its pod deleted with
+        # grace 0 (the kubelet sends SIGTERM, SIGKILL 2 s later; the Deployment makes a
+        # new pod).
+        for same_host in (True, False):
+            leader = LeaseClient(api, chartnode.NAMESPACE, chartnode.RELEASE).get(10.0)
+            assert leader is not None and leader.holder
+            leader_pod = leader.holder.rsplit("_", 1)[0]
+            names = {p.metadata.name for p in chartnode.ready_pods(api)}
+            assert leader_pod in names
+            how = "SIGKILL of the leader container" if same_host else "leader pod deleted"
+            target = KubeTarget(api, cluster.kubeconfig, chartnode.NAMESPACE,
+                                chartnode.RELEASE, etcd_endpoints=cluster.locks_etcd_url,
+                                same_host=same_host)
+            with RunnerPodNodes(api) as seen:
+                verdict = run_drill("kill-leader", target,
+                                    DrillOptions(vms=6, signal="KILL", timeout=600, seed=17),
+                                    print)
+            print(f"== {how}")
+            for key, value in verdict.rows():
+                print(f"{key}: {value}")
+            assert verdict.ok, verdict.failures
+            assert verdict.leader_before is not None
+            assert verdict.leader_before.rsplit("_", 1)[0] == leader_pod
+            assert verdict.failover_seconds is not None
+            assert verdict.leader_after not in (None, verdict.leader_before)
+            assert verdict.convergence_seconds is not None
+            assert verdict.duplicates == 0 and verdict.duplicates_loose == 0
+            assert verdict.check.get("ok"), verdict.check
+            # The locks were read from the etcd the pods use, and every one was released.
+            assert not any(n.startswith("locks not checked") for n in verdict.notes), \
+                verdict.notes
+            # Runner pods ran on the kwok nodes: the real node is reserved for the
+            # controller.
+            assert seen.nodes and node.name not in seen.nodes, seen.nodes
 
-        # The killed pod is gone and the Deployment brings the third replica back.
-        started = time.monotonic()
-        chartnode.wait_ready(api, 3, timeout=600)
-        print(f"3 controller pods Ready again {time.monotonic() - started:.1f}s after the "
-              f"drill ended")
-        assert leader_pod not in {p.metadata.name for p in chartnode.controller_pods(api)}
+            # Three replicas again: the container restarted, or a new pod.
+            started = time.monotonic()
+            chartnode.wait_ready(api, 3, timeout=600)
+            print(f"3 controller pods Ready again {time.monotonic() - started:.1f}s after "
+                  f"the drill ended")
+            pods_now = {p.metadata.name: p for p in chartnode.controller_pods(api)}
+            if same_host:
+                restarts = pods_now[leader_pod].status.container_statuses[0].restart_count
+                assert restarts >= 1
+            else:
+                assert leader_pod not in pods_now
         assert core.read_node(node.name).spec.unschedulable is not True
     finally:
         chartnode.uninstall(cluster, node)

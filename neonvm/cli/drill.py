@@ -42,8 +42,9 @@ def _common(f: Callable[..., Any]) -> Callable[..., Any]:
                      help="Confirm a destructive drill against a real cluster."),
         click.option("--pods", is_flag=True,
                      help="The controller of the --state-dir cluster runs as the chart's "
-                          "pods on its real node (docs/real-node.md): drill those pods, "
-                          "with the cluster's locks' etcd for the lock checks."),
+                          "pods on its real node (docs/real-node.md): drill those pods "
+                          "(KILL: SIGKILL to the leader container's process), with the "
+                          "cluster's locks' etcd for the lock checks."),
         click.option("--vms", type=click.IntRange(1, 5000), default=10, show_default=True,
                      help="VMs created in the drill namespace."),
         click.option("--replicas", type=click.IntRange(1, 9), default=3, show_default=True,
@@ -76,7 +77,8 @@ def _target(name: str, state_dir: Path | None, kubeconfig: Path | None, yes: boo
                                    f"cluster: not with --kubeconfig, nor {', '.join(LOCAL_ONLY)}")
         cluster = LocalCluster(state_dir)
         return KubeTarget(kube.api_client(cluster.kubeconfig), cluster.kubeconfig,
-                          lease_namespace, lease_name, etcd_endpoints=cluster.locks_etcd_url)
+                          lease_namespace, lease_name, etcd_endpoints=cluster.locks_etcd_url,
+                          same_host=True)
     if kubeconfig is None:
         return LocalTarget.prepare(state_dir, replicas, _progress)
     from neonvm.dev.cluster import LocalCluster

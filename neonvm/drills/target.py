@@ -272,6 +272,12 @@ class KubeTarget:
     local: bool = False
     etcd_endpoints: str | None = None
     """The locks' etcd as this machine reaches it (None: ``$NEONVM_ETCD_ENDPOINTS``)."""
+    same_host: bool = False
+    """The pods' processes run on this machine (the local cluster's real node): KILL,
+    STOP and CONT go straight to the leader container's processes (found by
+    ``POD_NAME=<pod>`` in their environment), so KILL is a crash of the container (the
+    kubelet restarts it in the same pod). Deleting the pod, even with grace 0, is not a
+    crash: the kubelet still sends SIGTERM first and SIGKILL 2 s later."""
 
     @property
     def description(self) -> str:
@@ -293,6 +299,14 @@ class KubeTarget:
     def signal_leader(self, identity: str, sig: signal.Signals) -> None:
         pod = self._pod_of(identity)
         core = client.CoreV1Api(self.api)
+        if self.same_host and sig != signal.SIGTERM:
+            pids = pod_pids(pod.metadata.name)
+            if not pids:
+                raise DrillError(f"no process of pod {pod.metadata.name} on this machine")
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+            return
         if sig in (signal.SIGKILL, signal.SIGTERM):
             grace = 0 if sig == signal.SIGKILL else None
             core.delete_namespaced_pod(
@@ -355,6 +369,23 @@ class KubeTarget:
 
     def close(self) -> None:
         self.api.close()
+
+
+def pod_pids(pod_name: str) -> list[int]:
+    """Processes on this machine whose environment has ``POD_NAME=<pod_name>`` (the chart
+    sets it in the controller container)."""
+    marker = f"POD_NAME={pod_name}".encode()
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            env = (proc / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if marker in env:
+            pids.append(int(proc.name))
+    return pids
 
 
 @contextlib.contextmanager
