@@ -89,6 +89,78 @@ class RunnerPodNodes:
         self._thread.join(timeout=10)
 
 
+REACH = """
+import socket, sys
+for host, port in ((sys.argv[1], int(sys.argv[2])), (sys.argv[3], int(sys.argv[4]))):
+    try:
+        socket.create_connection((host, port), timeout=5).close()
+    except OSError as exc:
+        print("cannot reach", host, port, exc)
+        sys.exit(1)
+    print("reached", host, port)
+"""
+
+
+def _reach_from_a_pod(api: client.ApiClient, cluster: LocalCluster, node: realnode.RealNode,
+                      image: str, name: str) -> tuple[str, str]:
+    """Run a pod of ``image`` on the node that connects to the `kubernetes` Service IP
+    and to the locks' etcd at the node IP; (phase, log)."""
+    from neonvm.dev.pki import KUBERNETES_SERVICE_IP
+
+    core = client.CoreV1Api(api)
+    core.create_namespaced_pod("default", {
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
+        "spec": {
+            "nodeName": node.name, "restartPolicy": "Never",
+            "automountServiceAccountToken": False,
+            "containers": [{
+                "name": "reach", "image": image, "imagePullPolicy": "Never",
+                "command": ["/opt/neonvm/bin/python3", "-c", REACH, KUBERNETES_SERVICE_IP,
+                            "443", node.node_ip, str(cluster.spec.ports["locks-etcd"])],
+            }],
+        },
+    })
+    deadline = time.monotonic() + 300
+    phase = ""
+    while time.monotonic() < deadline:
+        phase = core.read_namespaced_pod(name, "default").status.phase
+        if phase in ("Succeeded", "Failed"):
+            break
+        time.sleep(1.0)
+    log = core.read_namespaced_pod_log(name, "default")
+    core.delete_namespaced_pod(name, "default", grace_period_seconds=0)
+    return phase, log
+
+
+@pytest.mark.cluster
+@pytest.mark.realnode
+@pytest.mark.slow
+@pytest.mark.timeout(2400)
+@pytest.mark.skipif(_skip_reason() is not None, reason=_skip_reason() or "")
+def test_pods_reach_the_api_server_and_the_locks_etcd_only_through_the_nodes_forwarding(
+    chart_cluster: tuple[LocalCluster, realnode.RealNode],
+) -> None:
+    """The API server and the locks' etcd listen on 127.0.0.1; a pod reaches them through
+    the node's NAT chain, and cannot without it."""
+    cluster, node = chart_cluster
+    image = chartnode.import_controller_image(node, print)
+    api = kube.api_client(cluster.kubeconfig)
+    try:
+        node._remove_forwarding()
+        try:
+            phase, log = _reach_from_a_pod(api, cluster, node, image, "reach-without")
+        finally:
+            node._forward_control_plane()
+        print(log)
+        assert phase == "Failed" and "cannot reach" in log, (phase, log)
+        phase, log = _reach_from_a_pod(api, cluster, node, image, "reach-with")
+        print(log)
+        assert phase == "Succeeded", (phase, log)
+        assert log.count("reached") == 2
+    finally:
+        api.close()
+
+
 @pytest.mark.cluster
 @pytest.mark.realnode
 @pytest.mark.slow
