@@ -51,7 +51,7 @@ import datetime as dt
 from dataclasses import dataclass, field
 
 from neonvm.api import times
-from neonvm.api.types import FINALIZER, PendingPod, VirtualMachine
+from neonvm.api.types import FINALIZER, PendingPod, PendingScale, VirtualMachine
 
 # ---- observation -------------------------------------------------------------------------
 
@@ -82,6 +82,21 @@ class PodView:
 
 
 @dataclass(frozen=True)
+class RunnerView:
+    """The committed pod's runner, as its ``GET /scale`` answered."""
+
+    pod_uid: str
+    """The pod whose runner answered (its IP was taken from that pod)."""
+    fence: tuple[int, int, int] | None
+    """(epoch, token, seq) it last applied (or its floor); None: none yet."""
+    vcpus: int
+    """vCPUs the guest has: plugged in QEMU (QmpScaling) or online in the guest
+    (SysfsScaling, as its agent reports)."""
+    memory_slots: int
+    memory_bytes: int
+
+
+@dataclass(frozen=True)
 class Lease:
     """The caller's authority: leader epoch and the VM lock's fencing token."""
 
@@ -106,6 +121,11 @@ class Observation:
     """Image pull secrets the VM names that do not exist. Looked up only by a direct
     observation of a VM whose planned pod is not there yet (a create is due); empty: none
     missing, not looked up, or the controller may not look."""
+    runner: RunnerView | None = None
+    """What the committed pod's runner answered on ``GET /scale``; asked only while a
+    scaling plan is recorded (None: not asked, or no answer: see ``runner_error``)."""
+    runner_error: str | None = None
+    """Why the runner could not be asked (unreachable, no token); None: asked, or not."""
 
     def pod(self, name: str | None) -> PodView | None:
         if not name:
@@ -238,6 +258,79 @@ class SyncStatus(Action):
     uid: str = ""
 
 
+@dataclass(frozen=True)
+class PlanScale(Action):
+    """CAS ``status.pendingScale`` = ``plan`` and ``phase: Scaling``, if ``scaleSeq`` is still
+    ``observed_seq``, no plan is recorded, the committed pod is still the plan's and the
+    fresh spec still asks for the plan's size."""
+
+    plan: PendingScale = field(default_factory=PendingScale)
+    observed_seq: int = 0
+
+
+@dataclass(frozen=True)
+class ApplyScale(Action):
+    """Ask the committed pod's runner (``PUT /scale``) for the recorded plan's size, with
+    the plan's fence (epoch, token, seq). Idempotent: the same fence and target again is
+    a retry to the runner."""
+
+    plan: PendingScale = field(default_factory=PendingScale)
+
+
+@dataclass(frozen=True)
+class CommitScale(Action):
+    """The runner reports the plan's fence applied and the plan's size reached: CAS
+    {cpus, memorySize: what it reported, pendingScale: none, phase Running} if the plan
+    is still number ``seq``."""
+
+    seq: int = 0
+    vcpus: int = 0
+    memory_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class DropScale(Action):
+    """CAS pendingScale: none if it is still number ``seq`` (it names a pod that is no
+    longer the committed one, or the runner has applied a newer fence)."""
+
+    seq: int = 0
+
+
+SCALING_CONDITION = "Scaling"
+"""Condition type (and Wait condition) while a live scaling change is in progress."""
+RUNNER_RECHECK_SECONDS = 2.0
+"""How soon a scaling change whose runner could not be asked is looked at again."""
+
+
+def scale_fence(plan: PendingScale) -> tuple[int, int, int]:
+    """What the runner is sent and compares: (epoch, token, seq)."""
+    return (plan.epoch, plan.token, plan.seq)
+
+
+def desired_size(vm: VirtualMachine) -> tuple[int, int]:
+    """(vCPUs, memory slots) the spec asks for: ceil(cpus.use), memorySlots.use."""
+    guest = vm.spec.guest
+    return guest.cpus.current.rounded_up(), guest.memory_slots.current
+
+
+def status_size(vm: VirtualMachine) -> tuple[int, int] | None:
+    """(vCPUs, memory slots) status says the committed pod has; None: not recorded, or
+    not in whole slots of the spec's slot size."""
+    from neonvm.runner.quantity import QuantityError, parse_bytes
+
+    s = vm.status
+    if s.cpus is None or s.memory_size is None:
+        return None
+    try:
+        slot = parse_bytes(vm.spec.guest.memory_slot_size)
+        memory = parse_bytes(s.memory_size)
+    except QuantityError:
+        return None
+    if slot <= 0 or memory % slot:
+        return None
+    return s.cpus.rounded_up(), memory // slot
+
+
 # ---- restart backoff ---------------------------------------------------------------------
 
 RESTART_BACKOFF_BASE = 1.0
@@ -328,6 +421,10 @@ def decide(obs: Observation) -> Action:
     pending = vm.status.pending_pod
     if pending is not None and pending.epoch > obs.lease.epoch:
         return Fenced(seen_epoch=pending.epoch, reason="plan recorded by a newer leader")
+    scaling = vm.status.pending_scale
+    if scaling is not None and scaling.epoch > obs.lease.epoch:
+        return Fenced(seen_epoch=scaling.epoch,
+                      reason="scaling plan recorded by a newer leader")
 
     if vm.deletion_timestamp is not None:
         return _decide_deletion(obs, vm)
@@ -423,10 +520,63 @@ def _decide_committed(obs: Observation, vm: VirtualMachine) -> Action:
         return Ungate(name=pod.name, uid=pod.uid,
                       reason=f"{pod.name} is the VM's only pod: let it start")
     phase = "Running" if pod.phase == "Running" else "Pending"
+    if phase == "Running" and vm.status.pending_scale is not None:
+        phase = "Scaling"
     if (vm.status.phase, vm.status.node, vm.status.pod_ip) != (phase, pod.node, pod.ip):
         return SyncStatus(phase=phase, node=pod.node, ip=pod.ip, name=pod.name, uid=pod.uid,
                           reason=f"runner pod {pod.name} is {pod.phase}")
-    return Done(reason=f"runner pod {pod.name} is {pod.phase}")
+    return _decide_scaling(obs, vm, pod) or Done(reason=f"runner pod {pod.name} is {pod.phase}")
+
+
+def _decide_scaling(obs: Observation, vm: VirtualMachine, pod: PodView) -> Action | None:
+    """Live scaling of the committed, running pod: plan (CAS), apply (runner), commit (CAS).
+
+    The plan is recorded before the runner is asked and names the pod it is for; the
+    runner is sent the plan's fence and applies only a fence newer than its last, so a
+    stale leader, a stale read or a retry can resend a plan but never make the guest go
+    back to an older size. None: nothing to scale.
+    """
+    plan = vm.status.pending_scale
+    if plan is not None:
+        if plan.pod_name != pod.name or (plan.pod_uid and plan.pod_uid != pod.uid):
+            return DropScale(seq=plan.seq, reason=f"scaling plan #{plan.seq} is for pod "
+                                                  f"{plan.pod_name}, not {pod.name}")
+        if pod.phase != "Running" or not pod.ip:
+            return None
+        runner = obs.runner
+        if runner is not None and runner.pod_uid == pod.uid:
+            fence = scale_fence(plan)
+            if runner.fence is not None and runner.fence > fence:
+                return DropScale(seq=plan.seq,
+                                 reason=f"runner of {pod.name} has applied fence "
+                                        f"{runner.fence}, newer than plan #{plan.seq}'s "
+                                        f"{fence}: plan again")
+            if runner.fence == fence and (runner.vcpus, runner.memory_slots) == (
+                    plan.cpus, plan.memory_slots):
+                return CommitScale(seq=plan.seq, vcpus=runner.vcpus,
+                                   memory_bytes=runner.memory_bytes,
+                                   reason=f"runner of {pod.name} reached {plan.cpus} vCPUs, "
+                                          f"{plan.memory_slots} memory slots")
+        elif obs.runner_error is not None:
+            return Wait(seconds=RUNNER_RECHECK_SECONDS, condition=SCALING_CONDITION,
+                        reason=f"scaling plan #{plan.seq}: cannot ask the runner of "
+                               f"{pod.name}: {obs.runner_error}")
+        return ApplyScale(plan=plan, reason=f"scaling plan #{plan.seq}: ask the runner of "
+                                            f"{pod.name} for {plan.cpus} vCPUs, "
+                                            f"{plan.memory_slots} memory slots")
+    if pod.phase != "Running" or not pod.ip:
+        return None
+    have, want = status_size(vm), desired_size(vm)
+    if have is None or have == want:
+        return None
+    seq = vm.status.scale_seq + 1
+    return PlanScale(
+        plan=PendingScale(cpus=want[0], memory_slots=want[1], seq=seq,
+                          epoch=obs.lease.epoch, token=obs.lease.token, pod_name=pod.name,
+                          pod_uid=pod.uid, generation=vm.generation),
+        observed_seq=vm.status.scale_seq,
+        reason=f"spec asks for {want[0]} vCPUs, {want[1]} memory slots; {pod.name} has "
+               f"{have[0]}, {have[1]}: scaling plan #{seq}")
 
 
 def _terminal_phase(vm: VirtualMachine, pod: PodView | None) -> str | None:

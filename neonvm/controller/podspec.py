@@ -74,6 +74,15 @@ RUNNER_UID = 65532
 MAX_ANNOTATIONS_BYTES = 256 * 1024
 """The API server's limit on the total size of a pod's annotations (keys and values)."""
 UNPRIVILEGED_PORT_SYSCTL = "net.ipv4.ip_unprivileged_port_start"
+SCALING_DIR = "/vm/scaling"
+"""Where the VM's scaling-token Secret is mounted (live scaling)."""
+SCALING_VOLUME = "vm-scaling-token"
+
+
+def scalable(vm: VirtualMachine) -> bool:
+    """Whether the spec's bounds leave room for live scaling (then the pod gets a token)."""
+    guest = vm.spec.guest
+    return guest.cpus.max != guest.cpus.min or guest.memory_slots.max != guest.memory_slots.min
 
 
 class PodSpecError(ValueError):
@@ -151,6 +160,23 @@ def runner_pod(vm: VirtualMachine, plan: PendingPod,
         })
         container["env"].append(
             {"name": "NEONVM_ROOT_DISK", "value": f"{ROOT_DISK_DIR}/rootdisk.qcow2"})
+    if scalable(vm):
+        # Live scaling (docs/runner.md, "Live scaling"): the bearer token from the VM's
+        # Secret (the controller creates it before the pod), the fence floor of this pod
+        # (so a plan recorded before the pod existed is refused), the CPU scaling mode.
+        volumes.append({"name": SCALING_VOLUME, "secret": {
+            "secretName": f"neonvm-scaling-{vm.uid}",
+            "items": [{"key": "token", "path": "token"}]}})
+        mounts.append({"name": SCALING_VOLUME, "mountPath": SCALING_DIR, "readOnly": True})
+        fence = vm.status.fence
+        floor = (f"{fence.epoch if fence else 0},{fence.token if fence else 0},"
+                 f"{vm.status.scale_seq}")
+        container["env"] += [
+            {"name": "NEONVM_SCALING_TOKEN_FILE", "value": f"{SCALING_DIR}/token"},
+            {"name": "NEONVM_SCALING_FENCE_FLOOR", "value": floor},
+            {"name": "NEONVM_CPU_SCALING_MODE",
+             "value": spec.cpu_scaling_mode or "QmpScaling"},
+        ]
     container["volumeMounts"] = mounts
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
@@ -282,8 +308,8 @@ def _resources(vm: VirtualMachine) -> dict[str, Any]:
     if slot <= 0:
         raise PodSpecError("guest.memorySlotSize must be positive")
     memory = int(slot * guest.memory_slots.max) + MEMORY_OVERHEAD
-    cpu_request = _millicores(guest.cpus.current.cores)
-    cpu_limit = _millicores(guest.cpus.max.cores)
+    cpu_request = millicores(guest.cpus.current.cores)
+    cpu_limit = millicores(guest.cpus.max.cores)
     return {
         "requests": {"cpu": cpu_request, "memory": _bytes(memory)},
         "limits": {"cpu": cpu_limit, "memory": _bytes(memory)},
@@ -298,7 +324,8 @@ def _bytes(n: int) -> str:
     return str(n)
 
 
-def _millicores(cores: float) -> str:
+def millicores(cores: float) -> str:
+    """A CPU quantity of ``cores`` (whole cores, else millicores)."""
     milli = max(1, round(cores * 1000))
     return str(milli // 1000) if milli % 1000 == 0 else f"{milli}m"
 

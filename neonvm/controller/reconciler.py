@@ -114,6 +114,7 @@ from neonvm.controller.observe import (
     labelled_for,
     split_key,
 )
+from neonvm.controller.scaling import RunnerScaling
 from neonvm.controller.update import (
     RetryPolicy,
     UpdateFunction,
@@ -139,6 +140,10 @@ STEP_NAMES: dict[type[d.Action], str] = {
     d.SyncStatus: "sync",
     d.AddFinalizer: "add_finalizer",
     d.RemoveFinalizer: "finalize",
+    d.PlanScale: "plan_scale",
+    d.ApplyScale: "apply_scale",
+    d.CommitScale: "commit_scale",
+    d.DropScale: "drop_scale",
 }
 
 
@@ -406,6 +411,7 @@ class Reconciler:
         config: ReconcilerConfig | None = None,
         update: UpdateFunction[VMRecord] = conditional_update,
         on_finalized: Callable[[str], None] | None = None,
+        scaling: RunnerScaling | None = None,
     ) -> None:
         self._core = client.CoreV1Api(api)
         self.reader = DirectReader(api)
@@ -417,6 +423,7 @@ class Reconciler:
         self._config = config or ReconcilerConfig()
         self._update = update
         self._on_finalized = on_finalized
+        self._scaling = scaling or RunnerScaling(api)
         self._api = api
         self._identity: str | None = None
         self._mutex = threading.Lock()
@@ -427,8 +434,10 @@ class Reconciler:
 
     def observe(self, key: str, authority: Authority, direct: bool) -> Snapshot:
         if direct or self._cache is None:
-            return self.reader.observe(key, authority.lease)
-        return self._cache.observe(key, authority.lease)
+            snap = self.reader.observe(key, authority.lease)
+        else:
+            snap = self._cache.observe(key, authority.lease)
+        return self._scaling.observe(snap)  # the runner's view while a scaling plan is due
 
     def reconcile(self, key: str, authority: Authority, *,
                   direct_first: bool = False) -> ReconcileResult:
@@ -619,7 +628,7 @@ class Reconciler:
                  log: Any) -> str:
         """Perform one action; returns "done" when it took effect, else why not."""
         if isinstance(action, d.RecordPlan | d.Commit | d.DropPlan | d.Restart
-                      | d.SyncStatus):
+                      | d.SyncStatus | d.PlanScale | d.CommitScale | d.DropScale):
             written = self._write_status(key, snap, status_mutation(action, authority.lease),
                                          authority, log)
             if written is not None:
@@ -629,7 +638,11 @@ class Reconciler:
         if isinstance(action, d.AddFinalizer | d.RemoveFinalizer):
             return self._write_finalizers(key, action, snap, authority, log)
         if isinstance(action, d.CreatePod):
+            if snap.record is not None:
+                self._scaling.ensure_token(snap.record.vm)
             return self._create_pod(key, action, snap, authority, log)
+        if isinstance(action, d.ApplyScale):
+            return self._scaling.apply(action, snap, log)
         if isinstance(action, d.Ungate):
             return self._ungate(key, action, snap, log)
         if isinstance(action, d.DeletePod):

@@ -1,0 +1,236 @@
+"""Live scaling, the controller's side: the token Secret, asking the runner, telling Kubernetes.
+
+:func:`neonvm.controller.decide.decide` plans a change (``PlanScale``, a CAS of
+``status.pendingScale``), asks for it (``ApplyScale``) and commits what the runner reports
+(``CommitScale``). This module performs the part that is not a status write:
+
+* **The token.** Each scalable VM has a Secret ``neonvm-scaling-<vm uid>`` in its
+  namespace, owned by the VM (garbage-collected with it), holding a random bearer token
+  under ``token``. The controller creates it before it creates a runner pod, the pod
+  mounts it (``podspec``) and the runner reads it per request
+  (``NEONVM_SCALING_TOKEN_FILE``). The controller reads it again whenever it calls the
+  runner. A Secret of that name that the VM does not own is never used.
+* **The runner.** ``http://<pod IP>:<runnerPort>``: ``GET /scale`` (no token: read-only)
+  while a plan is recorded, to see the fence it applied and the size it has; ``PUT
+  /scale`` with the plan's size and fence ``{epoch, token, seq}`` and the bearer token.
+* **Kubernetes.** After the runner applied a size, the pod's ``vm.neon.tech/usage``
+  annotation (NeonVM's name and JSON shape: ``{"cpu", "memory"}``) carries it, and the
+  runner container's CPU request follows ``cpus.use`` through the ``pods/resize``
+  subresource (in-place resize) when the pod's resources are derived from the guest.
+
+Who may call the runner: anyone who can read the VM's Secret (the controller, and
+whoever may ``get`` Secrets in the VM's namespace) and reach the pod's IP. The token
+crosses the pod network in clear (plain HTTP); see docs/runner.md, "Live scaling".
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import json
+import secrets
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from typing import Any
+
+from kubernetes import client
+from kubernetes.client.rest import ApiException
+from loguru import logger
+
+from neonvm.api import types
+from neonvm.api.types import VirtualMachine
+from neonvm.controller import decide as d
+from neonvm.controller import podspec
+from neonvm.controller.observe import Snapshot
+
+TOKEN_KEY = "token"
+USAGE_ANNOTATION = "vm.neon.tech/usage"
+"""NeonVM's runner-pod annotation with the guest's current size (JSON cpu, memory)."""
+
+RunnerAddress = Callable[[VirtualMachine, d.PodView], str]
+"""``http://host:port`` of a pod's runner."""
+
+
+def token_secret_name(vm: VirtualMachine) -> str:
+    """The VM's scaling-token Secret (the name ``podspec`` mounts): unique per VM uid."""
+    return f"neonvm-scaling-{vm.uid}"
+
+
+def scalable(vm: VirtualMachine) -> bool:
+    """Whether the spec leaves room to scale (its bounds differ): only then a token."""
+    return podspec.scalable(vm)
+
+
+def default_address(vm: VirtualMachine, pod: d.PodView) -> str:
+    return f"http://{pod.ip}:{vm.spec.runner_port or podspec.RUNNER_PORT}"
+
+
+class ScalingError(Exception):
+    """The runner could not be asked (no token, unreachable, refused)."""
+
+
+class RunnerScaling:
+    """Performs ``ApplyScale`` and adds the runner's view to observations."""
+
+    def __init__(self, api: client.ApiClient, *, timeout: float = 90.0,
+                 address: RunnerAddress = default_address) -> None:
+        self._core = client.CoreV1Api(api)
+        self._timeout = timeout
+        self._address = address
+
+    # ---- the token ---------------------------------------------------------------------
+
+    def ensure_token(self, vm: VirtualMachine) -> None:
+        """Create the VM's token Secret unless it exists (before its pod is created)."""
+        if not scalable(vm):
+            return
+        body = {
+            "apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+            "metadata": {
+                "name": token_secret_name(vm), "namespace": vm.namespace,
+                "labels": {types.LABEL_VM_NAME: vm.name, types.LABEL_VM_UID: vm.uid},
+                "ownerReferences": [{"apiVersion": types.API_VERSION, "kind": types.KIND,
+                                     "name": vm.name, "uid": vm.uid,
+                                     "blockOwnerDeletion": False}],
+            },
+            "stringData": {TOKEN_KEY: secrets.token_urlsafe(32)},
+        }
+        try:
+            self._core.create_namespaced_secret(vm.namespace, body, _request_timeout=30)
+        except ApiException as exc:
+            if exc.status == 409:
+                return  # exists: ours or not, token() checks the owner before using it
+            # Scaling will say why it cannot ask the runner; the pod is still created.
+            logger.bind(vm=vm.key).warning("cannot create the scaling token Secret {}: {} {}",
+                                           token_secret_name(vm), exc.status, exc.reason)
+
+    def token(self, vm: VirtualMachine) -> str:
+        name = token_secret_name(vm)
+        try:
+            secret = self._core.read_namespaced_secret(name, vm.namespace, _request_timeout=30)
+        except ApiException as exc:
+            raise ScalingError(f"scaling token Secret {name}: {exc.status} {exc.reason}") from None
+        owners = secret.metadata.owner_references or []
+        if not any(ref.uid == vm.uid for ref in owners):
+            raise ScalingError(f"Secret {name} is not owned by this VM: not used")
+        raw = (secret.data or {}).get(TOKEN_KEY)
+        if not raw:
+            raise ScalingError(f"Secret {name} has no {TOKEN_KEY!r}")
+        return base64.b64decode(raw).decode().strip()
+
+    # ---- the runner --------------------------------------------------------------------
+
+    def observe(self, snap: Snapshot) -> Snapshot:
+        """``snap`` with the runner's ``GET /scale`` answer, when a plan is recorded and the
+        committed pod runs; otherwise ``snap`` itself."""
+        obs = snap.obs
+        vm = obs.vm
+        if vm is None or vm.status.pending_scale is None or vm.deletion_timestamp is not None:
+            return snap
+        pod = obs.pod(vm.status.pod_name)
+        if pod is None or pod.phase != "Running" or not pod.ip or pod.gated:
+            return snap
+        try:
+            view = self._view(vm, pod)
+        except ScalingError as exc:
+            return dataclasses.replace(snap, obs=dataclasses.replace(obs,
+                                                                     runner_error=str(exc)))
+        return dataclasses.replace(snap, obs=dataclasses.replace(obs, runner=view))
+
+    def _view(self, vm: VirtualMachine, pod: d.PodView) -> d.RunnerView:
+        code, doc = self._call("GET", f"{self._address(vm, pod)}/scale", None, None)
+        if code != 200:
+            raise ScalingError(f"GET /scale answered {code}: {doc.get('error', '')}")
+        last = doc.get("lastApplied") or None
+        fence = None
+        if last is not None:
+            f = last["fence"]
+            fence = (int(f["epoch"]), int(f["token"]), int(f.get("seq", 0)))
+        qemu = doc["qemu"]
+        vcpus = int(qemu["vcpus"])
+        if doc.get("mode") == "SysfsScaling":
+            online = (doc.get("guest") or {}).get("cpusOnline")
+            vcpus = int(online) if online is not None else 0
+        return d.RunnerView(pod_uid=pod.uid, fence=fence, vcpus=vcpus,
+                            memory_slots=int(qemu["memorySlots"]),
+                            memory_bytes=int(qemu["memoryBytes"]))
+
+    def apply(self, action: d.ApplyScale, snap: Snapshot, log: Any) -> str:
+        """``PUT /scale`` for the recorded plan; "done" when the runner reached it."""
+        vm = snap.obs.vm
+        assert vm is not None
+        plan = action.plan
+        pod = snap.obs.pod(plan.pod_name)
+        if pod is None or pod.uid != plan.pod_uid or not pod.ip:
+            return "no_pod"
+        try:
+            token = self.token(vm)
+        except ScalingError as exc:
+            log.warning("scaling plan #{seq}: {err}", seq=plan.seq, err=str(exc))
+            return "no_token"
+        body = {"cpus": plan.cpus, "memorySlots": plan.memory_slots,
+                "fence": {"epoch": plan.epoch, "token": plan.token, "seq": plan.seq}}
+        try:
+            code, doc = self._call("PUT", f"{self._address(vm, pod)}/scale", body, token)
+        except ScalingError as exc:
+            log.warning("scaling plan #{seq}: {err}", seq=plan.seq, err=str(exc))
+            return "unreachable"
+        if code != 200:
+            log.warning("scaling plan #{seq}: the runner answered {code}: {err}", seq=plan.seq,
+                        code=code, err=doc.get("error", ""))
+            return "stale" if code == 409 else f"runner_{code}"
+        qemu = doc.get("qemu") or {}
+        self._tell_kubernetes(vm, pod, int(qemu.get("memoryBytes") or 0), plan, log)
+        return "done"
+
+    def _call(self, method: str, url: str, body: dict[str, Any] | None,
+              token: str | None) -> tuple[int, dict[str, Any]]:
+        headers = {"Content-Type": "application/json"}
+        if token is not None:
+            headers["Authorization"] = f"Bearer {token}"
+        data = json.dumps(body).encode() if body is not None else None
+        request = urllib.request.Request(url, method=method, data=data, headers=headers)
+        try:
+            with urllib.request.urlopen(request, timeout=self._timeout) as response:
+                return response.status, json.loads(response.read() or b"{}")
+        except urllib.error.HTTPError as err:
+            try:
+                doc = json.loads(err.read() or b"{}")
+            except ValueError:
+                doc = {}
+            return err.code, doc if isinstance(doc, dict) else {}
+        except (urllib.error.URLError, OSError, ValueError) as exc:
+            raise ScalingError(f"{method} {url}: {exc}") from None
+
+    # ---- Kubernetes --------------------------------------------------------------------
+
+    def _tell_kubernetes(self, vm: VirtualMachine, pod: d.PodView, memory_bytes: int,
+                         plan: types.PendingScale, log: Any) -> None:
+        """The usage annotation, and the CPU request by in-place resize (best effort: the
+        guest already has the size; a failure here is logged, not retried)."""
+        from neonvm.runner.quantity import format_bytes
+
+        usage = json.dumps({"cpu": str(plan.cpus), "memory": format_bytes(memory_bytes)})
+        patch = {"metadata": {"uid": pod.uid, "annotations": {USAGE_ANNOTATION: usage}}}
+        try:
+            self._core.patch_namespaced_pod(pod.name, vm.namespace, patch, _request_timeout=30)
+        except ApiException as exc:
+            log.warning("annotating {pod} with its size: {s} {r}", pod=pod.name, s=exc.status,
+                        r=exc.reason)
+        use = vm.spec.guest.cpus.current
+        if vm.spec.pod_resources is not None or use.rounded_up() != plan.cpus:
+            return  # the user's resources (not ours to change), or the spec moved on
+        resize = {"spec": {"containers": [{"name": podspec.RUNNER_CONTAINER, "resources": {
+            "requests": {"cpu": podspec.millicores(use.cores)}}}]}}
+        try:
+            self._core.api_client.call_api(
+                "/api/v1/namespaces/{namespace}/pods/{name}/resize", "PATCH",
+                path_params={"namespace": vm.namespace, "name": pod.name}, body=resize,
+                header_params={"Content-Type": "application/strategic-merge-patch+json",
+                               "Accept": "application/json"},
+                auth_settings=["BearerToken"], response_type="object",
+                _request_timeout=30)
+        except ApiException as exc:
+            log.info("in-place resize of {pod} not taken: {s} {r}", pod=pod.name,
+                     s=exc.status, r=exc.reason)
