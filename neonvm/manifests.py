@@ -42,7 +42,8 @@ def crd() -> dict[str, Any]:
 
 
 def controller_rules() -> list[dict[str, Any]]:
-    """Exactly the verbs the controller uses on VMs, pods and events, in every namespace.
+    """Exactly the verbs the controller uses on VMs, pods, events and (live scaling) the
+    VMs' token Secrets, in every namespace.
 
     The Lease is not here: see :func:`leader_election_rules`.
     """
@@ -57,6 +58,10 @@ def controller_rules() -> list[dict[str, Any]]:
          "verbs": ["get", "list", "watch", "create", "delete", "patch"]},
         {"apiGroups": ["", "events.k8s.io"], "resources": ["events"],
          "verbs": ["create", "patch"]},
+        # Live scaling: the per-VM token Secret (created before a runner pod, read before
+        # each call to the runner) and in-place resize of the runner pod's CPU request.
+        {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "create"]},
+        {"apiGroups": [""], "resources": ["pods/resize"], "verbs": ["patch"]},
     ]
 
 

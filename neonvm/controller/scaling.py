@@ -38,6 +38,7 @@ from kubernetes import client
 from kubernetes.client.rest import ApiException
 from loguru import logger
 
+from neonvm import kube
 from neonvm.api import types
 from neonvm.api.types import VirtualMachine
 from neonvm.controller import decide as d
@@ -74,9 +75,12 @@ class RunnerScaling:
     """Performs ``ApplyScale`` and adds the runner's view to observations."""
 
     def __init__(self, api: client.ApiClient, *, timeout: float = 90.0,
-                 address: RunnerAddress = default_address) -> None:
+                 look_timeout: float = 3.0, address: RunnerAddress = default_address) -> None:
+        """``timeout``: a ``PUT /scale`` (the runner waits up to its own 60 s for an
+        unplug); ``look_timeout``: a ``GET /scale``, asked during observations."""
         self._core = client.CoreV1Api(api)
         self._timeout = timeout
+        self._look_timeout = look_timeout
         self._address = address
 
     # ---- the token ---------------------------------------------------------------------
@@ -139,7 +143,8 @@ class RunnerScaling:
         return dataclasses.replace(snap, obs=dataclasses.replace(obs, runner=view))
 
     def _view(self, vm: VirtualMachine, pod: d.PodView) -> d.RunnerView:
-        code, doc = self._call("GET", f"{self._address(vm, pod)}/scale", None, None)
+        code, doc = self._call("GET", f"{self._address(vm, pod)}/scale", None, None,
+                               self._look_timeout)
         if code != 200:
             raise ScalingError(f"GET /scale answered {code}: {doc.get('error', '')}")
         last = doc.get("lastApplied") or None
@@ -172,7 +177,8 @@ class RunnerScaling:
         body = {"cpus": plan.cpus, "memorySlots": plan.memory_slots,
                 "fence": {"epoch": plan.epoch, "token": plan.token, "seq": plan.seq}}
         try:
-            code, doc = self._call("PUT", f"{self._address(vm, pod)}/scale", body, token)
+            code, doc = self._call("PUT", f"{self._address(vm, pod)}/scale", body, token,
+                                   self._timeout)
         except ScalingError as exc:
             log.warning("scaling plan #{seq}: {err}", seq=plan.seq, err=str(exc))
             return "unreachable"
@@ -185,14 +191,14 @@ class RunnerScaling:
         return "done"
 
     def _call(self, method: str, url: str, body: dict[str, Any] | None,
-              token: str | None) -> tuple[int, dict[str, Any]]:
+              token: str | None, timeout: float) -> tuple[int, dict[str, Any]]:
         headers = {"Content-Type": "application/json"}
         if token is not None:
             headers["Authorization"] = f"Bearer {token}"
         data = json.dumps(body).encode() if body is not None else None
         request = urllib.request.Request(url, method=method, data=data, headers=headers)
         try:
-            with urllib.request.urlopen(request, timeout=self._timeout) as response:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
                 return response.status, json.loads(response.read() or b"{}")
         except urllib.error.HTTPError as err:
             try:
@@ -224,13 +230,9 @@ class RunnerScaling:
         resize = {"spec": {"containers": [{"name": podspec.RUNNER_CONTAINER, "resources": {
             "requests": {"cpu": podspec.millicores(use.cores)}}}]}}
         try:
-            self._core.api_client.call_api(
-                "/api/v1/namespaces/{namespace}/pods/{name}/resize", "PATCH",
-                path_params={"namespace": vm.namespace, "name": pod.name}, body=resize,
-                header_params={"Content-Type": "application/strategic-merge-patch+json",
-                               "Accept": "application/json"},
-                auth_settings=["BearerToken"], response_type="object",
-                _request_timeout=30)
+            kube.request(self._core.api_client, "PATCH",
+                         f"/api/v1/namespaces/{vm.namespace}/pods/{pod.name}/resize", resize,
+                         content_type="application/strategic-merge-patch+json")
         except ApiException as exc:
             log.info("in-place resize of {pod} not taken: {s} {r}", pod=pod.name,
                      s=exc.status, r=exc.reason)

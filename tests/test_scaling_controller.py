@@ -1,0 +1,188 @@
+"""Live scaling end to end: the controller scales a real guest through its runner.
+
+Real kube-apiserver and etcd (the session's local cluster), the reconciler under the
+controller's identity, and a real ``neonvm-runner`` process booting the tiny test guest
+under QEMU (TCG). Runner pods in the local cluster are never run by a kubelet (their
+nodes are simulated), so the test plays the kubelet, honestly and no more: it starts the
+runner with exactly what the pod carries (the spec annotation as the spec file, the
+pod's environment: fence floor, CPU scaling mode; the VM's token Secret as the token
+file), on the VM's ``runnerPort`` on loopback, and reports the pod Running with
+``podIP: 127.0.0.1``. The controller then reaches the runner as it would in a cluster:
+``http://<podIP>:<runnerPort>/scale`` with the Secret's bearer token.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kubernetes import client
+
+from neonvm import kube
+from neonvm.api import types
+from neonvm.controller import decide as d
+from neonvm.controller.podspec import ANNOTATION_SPEC
+from neonvm.controller.reconciler import Reconciler, ReconcileResult, StaticAuthority
+from neonvm.controller.scaling import USAGE_ANNOTATION, token_secret_name
+from neonvm.testing.harness import create_vm, get_vm, runner_pods
+from tests.support import wait_for
+from tests.test_runner import REPO, RunningRunner, free_port, test_guest  # noqa: F401
+from tests.test_runner_scaling import guest_sees
+
+pytestmark = pytest.mark.cluster
+
+GIB = 1 << 30
+NOWHERE = {"neonvm.test/unschedulable": "true"}
+OLD = StaticAuthority(epoch=1, token=10)
+NEW = StaticAuthority(epoch=2, token=11)
+
+
+def settle(reconciler: Reconciler, key: str, authority: StaticAuthority,
+           rounds: int = 10) -> ReconcileResult:
+    result = reconciler.reconcile(key, authority, direct_first=True)
+    for _ in range(rounds):
+        if isinstance(result.action, d.Done):
+            return result
+        result = reconciler.reconcile(key, authority, direct_first=True)
+    return result
+
+
+def vm_path(namespace: str) -> str:
+    return f"/apis/{types.GROUP}/{types.VERSION}/namespaces/{namespace}/{types.PLURAL}"
+
+
+def set_use(api: client.ApiClient, namespace: str, name: str, cpus: int, slots: int) -> None:
+    kube.request(api, "PATCH", f"{vm_path(namespace)}/{name}", [
+        {"op": "replace", "path": "/spec/guest/cpus/use", "value": cpus},
+        {"op": "replace", "path": "/spec/guest/memorySlots/use", "value": slots}],
+        content_type="application/json-patch+json")
+
+
+def status_of(api: client.ApiClient, namespace: str, name: str) -> dict[str, Any]:
+    raw = get_vm(api, namespace, name)
+    assert raw is not None
+    status: dict[str, Any] = raw.get("status") or {}
+    return status
+
+
+def start_runner_for(pod: Any, token: str, port: int, tmp_path: Path) -> RunningRunner:
+    """Start the runner as the kubelet would for ``pod`` (its spec and env), on loopback."""
+    spec_file = tmp_path / "spec.json"
+    spec_file.write_text(pod.metadata.annotations[ANNOTATION_SPEC])
+    token_file = tmp_path / "token"
+    token_file.write_text(token)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NEONVM_")}
+    env.update({e.name: e.value for e in pod.spec.containers[0].env or []})
+    env.update({"NEONVM_SPEC_FILE": str(spec_file), "NEONVM_SCALING_TOKEN_FILE": str(token_file)})
+    work_dir, termination_log = tmp_path / "work", tmp_path / "termination-log"
+    termination_log.write_text("")
+    console_path, log_path = tmp_path / "console.log", tmp_path / "runner.log"
+    args = [sys.executable, "-m", "neonvm.runner.main", "--port", str(port),
+            "--listen-address", "127.0.0.1", "--work-dir", str(work_dir),
+            "--disks-dir", str(tmp_path / "disks"), "--termination-log", str(termination_log)]
+    with console_path.open("wb") as out, log_path.open("wb") as err:
+        proc = subprocess.Popen(args, env=env, stdout=out, stderr=err, cwd=REPO)
+    return RunningRunner(proc, port, console_path, log_path, termination_log, work_dir)
+
+
+def put_scale(port: int, token: str, body: dict[str, Any]) -> int:
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/scale", method="PUT", data=json.dumps(body).encode(),
+        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return int(response.status)
+    except urllib.error.HTTPError as err:
+        return int(err.code)
+
+
+def test_the_controller_scales_a_running_guest_live_under_its_fence(
+        api: client.ApiClient, controller_api: client.ApiClient, namespace: str,
+        test_guest: Any, tmp_path: Path) -> None:  # noqa: F811
+    port = free_port()
+    root = tmp_path / "root.raw"  # a file on the "node": the runner boots from it as it is
+    with root.open("wb") as f:
+        f.truncate(16 << 20)
+    subprocess.run(["mkfs.ext4", "-q", "-F", str(root)], check=True)
+    create_vm(api, namespace, "live", spec={
+        "nodeSelector": NOWHERE, "runnerPort": port, "terminationGracePeriodSeconds": 10,
+        "cpuScalingMode": "SysfsScaling",
+        "guest": {"cpus": {"min": 1, "max": 2, "use": 1},
+                  "memorySlots": {"min": 1, "max": 2, "use": 1}, "memorySlotSize": "1Gi",
+                  "rootDisk": {"image": str(root)}, "kernelImage": str(test_guest.kernel),
+                  "initrdImage": str(test_guest.initrd),
+                  "appendKernelCmdline": "quiet neonvm.test=powerdown"}})
+    key = f"{namespace}/live"
+    reconciler = Reconciler(controller_api)
+    settle(reconciler, key, OLD)
+    (pod,) = runner_pods(api, namespace, "live")
+    uid = pod.metadata.uid
+    env = {e.name: e.value for e in pod.spec.containers[0].env or []}
+    assert env["NEONVM_CPU_SCALING_MODE"] == "SysfsScaling"
+
+    # The token Secret the controller created before the pod, owned by the VM.
+    raw = get_vm(api, namespace, "live")
+    assert raw is not None
+    secret = client.CoreV1Api(api).read_namespaced_secret(
+        token_secret_name(types.VirtualMachine.from_object(raw)), namespace)
+    assert [ref.uid for ref in secret.metadata.owner_references] == [raw["metadata"]["uid"]]
+    token = base64.b64decode(secret.data["token"]).decode()
+
+    runner = start_runner_for(pod, token, port, tmp_path)
+    try:
+        first = runner.wait_ready()
+        qemu_pid = first["qemuPid"]
+        boot = guest_sees(runner, cpus=1)
+        boot_kb = boot["guestMemTotalKb"]
+        client.CoreV1Api(api).patch_namespaced_pod_status(pod.metadata.name, namespace, {
+            "status": {"phase": "Running", "podIP": "127.0.0.1",
+                       "podIPs": [{"ip": "127.0.0.1"}]}})
+        settle(reconciler, key, OLD)
+        status = status_of(api, namespace, "live")
+        assert (status["phase"], status["cpus"], status["memorySize"]) == ("Running", 1, "1Gi")
+
+        # 1 -> 2 vCPUs, 1 -> 2 GiB: planned, applied by the runner, committed.
+        set_use(api, namespace, "live", 2, 2)
+        result = settle(reconciler, key, OLD)
+        assert isinstance(result.action, d.Done), result
+        status = status_of(api, namespace, "live")
+        assert (status["phase"], status["cpus"], status["memorySize"]) == ("Running", 2, "2Gi")
+        assert status["scaleSeq"] == 1 and "pendingScale" not in status
+        scaling = next(c for c in status["conditions"] if c["type"] == "Scaling")
+        assert (scaling["status"], scaling["reason"]) == ("False", "ScalingDone")
+        guest_sees(runner, cpus=2, mem_kb=(boot_kb + GIB // 1024, boot_kb + GIB // 1024))
+        annotated = client.CoreV1Api(api).read_namespaced_pod(pod.metadata.name, namespace)
+        assert json.loads(annotated.metadata.annotations[USAGE_ANNOTATION]) == {
+            "cpu": "2", "memory": "2Gi"}
+
+        # A new leader scales back: 2 -> 1 vCPUs (the guest offlines one), 2 -> 1 GiB.
+        set_use(api, namespace, "live", 1, 1)
+        result = settle(reconciler, key, NEW)
+        assert isinstance(result.action, d.Done), result
+        status = status_of(api, namespace, "live")
+        assert (status["cpus"], status["memorySize"], status["scaleSeq"]) == (1, "1Gi", 2)
+        guest_sees(runner, cpus=1, mem_kb=(boot_kb, boot_kb))
+
+        # The deposed leader resends its own recorded plan (2 vCPUs, 2 GiB, fence 1/10/1):
+        # the runner refuses it, and the guest keeps the newest size.
+        assert put_scale(port, token, {"cpus": 2, "memorySlots": 2,
+                                       "fence": {"epoch": 1, "token": 10, "seq": 1}}) == 409
+        code, body = runner.get("/scale")
+        report = json.loads(body)
+        assert code == 200 and report["lastApplied"]["fence"] == {"epoch": 2, "token": 11,
+                                                                  "seq": 2}
+        assert (report["guest"]["cpusOnline"], report["qemu"]["memorySlots"]) == (1, 1)
+
+        # One pod and one QEMU throughout.
+        assert [p.metadata.uid for p in runner_pods(api, namespace, "live")] == [uid]
+        assert runner.status() is not None and runner.qemu_pids == {qemu_pid}
+    finally:
+        runner.cleanup()
+    wait_for(lambda: runner.proc.poll() is not None, timeout=30, what="runner gone")
