@@ -161,6 +161,8 @@ def test_the_controller_scales_a_running_guest_live_under_its_fence(
         annotated = client.CoreV1Api(api).read_namespaced_pod(pod.metadata.name, namespace)
         assert json.loads(annotated.metadata.annotations[USAGE_ANNOTATION]) == {
             "cpu": "2", "memory": "2Gi"}
+        # In-place resize: the runner container's CPU request follows cpus.use.
+        assert annotated.spec.containers[0].resources.requests["cpu"] == "2"
 
         # A new leader scales back: 2 -> 1 vCPUs (the guest offlines one), 2 -> 1 GiB.
         set_use(api, namespace, "live", 1, 1)

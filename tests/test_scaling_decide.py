@@ -167,7 +167,7 @@ def test_a_scalable_pod_carries_the_token_mount_and_the_fence_floor() -> None:
     assert env["NEONVM_SCALING_FENCE_FLOOR"] == "5,77,7"
     assert env["NEONVM_SCALING_TOKEN_FILE"] == "/vm/scaling/token"
     assert {"name": "vm-scaling-token", "secret": {
-        "secretName": f"neonvm-scaling-{UID}",
+        "secretName": f"neonvm-scaling-{UID}", "optional": True,
         "items": [{"key": "token", "path": "token"}]}} in pod["spec"]["volumes"]
 
 
