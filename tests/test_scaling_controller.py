@@ -114,7 +114,9 @@ def test_the_controller_scales_a_running_guest_live_under_its_fence(
     create_vm(api, namespace, "live", spec={
         "nodeSelector": NOWHERE, "runnerPort": port, "terminationGracePeriodSeconds": 10,
         "cpuScalingMode": "SysfsScaling",
-        "guest": {"cpus": {"min": 1, "max": 2, "use": 1},
+        # max 3 vCPUs: the CPU request (use) stays below the limit (max), so the pod stays
+        # Burstable and an in-place resize is allowed (it may not change the QoS class).
+        "guest": {"cpus": {"min": 1, "max": 3, "use": 1},
                   "memorySlots": {"min": 1, "max": 2, "use": 1}, "memorySlotSize": "1Gi",
                   "rootDisk": {"image": str(root)}, "kernelImage": str(test_guest.kernel),
                   "initrdImage": str(test_guest.initrd),
@@ -171,6 +173,10 @@ def test_the_controller_scales_a_running_guest_live_under_its_fence(
         status = status_of(api, namespace, "live")
         assert (status["cpus"], status["memorySize"], status["scaleSeq"]) == (1, "1Gi", 2)
         guest_sees(runner, cpus=1, mem_kb=(boot_kb, boot_kb))
+        resized = client.CoreV1Api(api).read_namespaced_pod(pod.metadata.name, namespace)
+        assert resized.spec.containers[0].resources.requests["cpu"] == "1"
+        assert json.loads(resized.metadata.annotations[USAGE_ANNOTATION]) == {
+            "cpu": "1", "memory": "1Gi"}
 
         # The deposed leader resends its own recorded plan (2 vCPUs, 2 GiB, fence 1/10/1):
         # the runner refuses it, and the guest keeps the newest size.

@@ -222,8 +222,8 @@ class RunnerScaling:
         try:
             self._core.patch_namespaced_pod(pod.name, vm.namespace, patch, _request_timeout=30)
         except ApiException as exc:
-            log.warning("annotating {pod} with its size: {s} {r}", pod=pod.name, s=exc.status,
-                        r=exc.reason)
+            log.warning("annotating {pod} with its size: {s} {m}", pod=pod.name, s=exc.status,
+                        m=kube.api_error_message(exc))
         use = vm.spec.guest.cpus.current
         if vm.spec.pod_resources is not None or use.rounded_up() != plan.cpus:
             return  # the user's resources (not ours to change), or the spec moved on
@@ -234,5 +234,5 @@ class RunnerScaling:
                          f"/api/v1/namespaces/{vm.namespace}/pods/{pod.name}/resize", resize,
                          content_type="application/strategic-merge-patch+json")
         except ApiException as exc:
-            log.info("in-place resize of {pod} not taken: {s} {r}", pod=pod.name,
-                     s=exc.status, r=exc.reason)
+            log.info("in-place resize of {pod} not taken: {s} {m}", pod=pod.name,
+                     s=exc.status, m=kube.api_error_message(exc))
