@@ -197,7 +197,7 @@ def test_a_running_guest_is_scaled_live_and_fenced(start_runner: Any,  # noqa: F
     code, body = runner.get("/scale")
     report = json.loads(body)
     assert code == 200 and report["qemu"]["vcpus"] == 2 and report["qemu"]["memorySlots"] == 2
-    assert report["lastApplied"]["fence"] == {"epoch": 1, "token": 2}
+    assert report["lastApplied"]["fence"] == {"epoch": 1, "token": 2, "seq": 0}
 
     # A newer leader: 2 -> 1 GiB (the guest offlines the DIMM's blocks, QEMU unplugs it).
     # vCPUs stay at 2: QEMU 7.2 under TCG corrupts its heap after a vCPU unplug (see

@@ -195,3 +195,21 @@ def test_the_runner_refuses_a_plan_older_than_its_pods_floor(tmp_path: object) -
     with pytest.raises(ScaleError) as err:
         scaler.scale("Bearer t0k3n", b'{"cpus": 1, "fence": {"epoch": 5, "token": 77, "seq": 8}}')
     assert err.value.status == 409
+
+
+def test_the_runner_orders_fences_by_epoch_then_token_then_seq() -> None:
+    from neonvm.runner.scaling import fence_decision, parse_request
+
+    last = AppliedFence(ScaleFence(3, 10, 2), ScaleTarget(2, 2), 0.0)
+    other = ScaleTarget(1, 1)
+    assert fence_decision(last, ScaleFence(3, 10, 3), other) == "newer"  # next plan, same term
+    assert fence_decision(last, ScaleFence(3, 11, 0), other) == "newer"
+    for stale in (ScaleFence(3, 10, 1), ScaleFence(2, 99, 99)):
+        with pytest.raises(ScaleError, match="stale fence"):
+            fence_decision(last, stale, other)
+    fence, _ = parse_request(b'{"cpus": 1, "fence": {"epoch": 3, "token": 10, "seq": 4}}',
+                             ScaleTarget(1, 1))
+    assert fence == ScaleFence(3, 10, 4)
+    fence, _ = parse_request(b'{"cpus": 1, "fence": {"epoch": 3, "token": 10}}',
+                             ScaleTarget(1, 1))
+    assert fence == ScaleFence(3, 10, 0)
