@@ -89,7 +89,8 @@ def pull_secret_rules() -> list[dict[str, Any]]:
 
 
 def leader_election_rules() -> list[dict[str, Any]]:
-    """What the election needs on its Lease (read, create, replace by resourceVersion).
+    """What the election needs on its Lease (read, create, replace by resourceVersion,
+    and watch: standbys read the Lease as soon as it changes).
 
     Kept apart from :func:`controller_rules` because the Lease lives in one namespace: the
     chart grants these through a Role there, not cluster-wide. The local cluster's
@@ -97,7 +98,7 @@ def leader_election_rules() -> list[dict[str, Any]]:
     """
     return [
         {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
-         "verbs": ["get", "create", "update"]},
+         "verbs": ["get", "create", "update", "watch"]},
     ]
 
 

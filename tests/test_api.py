@@ -11,7 +11,7 @@ import yaml
 from kubernetes import client
 
 from neonvm import manifests
-from neonvm.api import crd, types
+from neonvm.api import crd, schema, types
 from neonvm.api.millicpu import MilliCPU, MilliCPUError
 from neonvm.api.schema import DecodeError, decode, encode
 
@@ -201,3 +201,18 @@ def test_the_crd_has_neonvm_names_phases_and_printer_columns() -> None:
                                        "PreMigrating", "Migrating", "Scaling"]
     assert {"cpus", "memorySize", "currentRevision", "sshSecretName", "extraNetIP",
             "extraNetMask", "tlsSecretName", "restartCount", "podIP"} <= set(status)
+
+
+@pytest.mark.unit
+def test_decoding_resolves_each_class_type_hints_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Resolving annotations costs ten times the decode itself; the controller decodes a VM
+    # several times per step, so the per-class plan must be built once and reused.
+    obj = {"metadata": {"name": "a", "namespace": "n", "uid": "u", "resourceVersion": "1"},
+           "spec": {"guest": {"cpus": {"use": "250m"}}}}
+    first = types.VirtualMachine.from_object(obj)
+    monkeypatch.setattr(schema, "get_type_hints", _refuse_resolving)
+    assert types.VirtualMachine.from_object(obj) == first
+
+
+def _refuse_resolving(cls: type) -> None:
+    raise AssertionError(f"type hints of {cls.__name__} resolved again")

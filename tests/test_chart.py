@@ -405,8 +405,8 @@ def test_values_that_break_the_schema_are_refused_with_helms_message(
 
 
 @pytest.mark.parametrize(("sets", "message"), [
-    pytest.param(("leaderElection.renewDeadlineSeconds=15",),
-                 "renewDeadlineSeconds (15) must be below leaseDurationSeconds (15)",
+    pytest.param(("leaderElection.renewDeadlineSeconds=4",),
+                 "renewDeadlineSeconds (4) must be below leaseDurationSeconds (4)",
                  id="renew-deadline-not-below-lease-duration"),
     pytest.param(("leaderElection.retryPeriodSeconds=9",),
                  "must exceed 1.2 x retryPeriodSeconds (9)", id="retry-period-too-long"),

@@ -453,3 +453,75 @@ def test_a_planted_pod_left_after_its_plan_is_dropped_is_deleted() -> None:
     assert isinstance(d.decide(obs(v, planted, ours, direct=False)), d.ObserveDirect)
     action = d.decide(obs(v, planted, ours))
     assert action == d.DeletePod(name=POD1, uid=planted.uid, reason=action.reason)
+
+
+# ---- the mid-plan scan: which cached VMs are requeued every couple of seconds -------------
+
+
+def raw_vm(reason: str | None = None, *, name: str = "vm", generation: int = 3,
+           observed: int = 3, deleting: bool = False, **status: object) -> dict[str, object]:
+    """A VM as the informer caches it (a dict); ``reason``: a Degraded=True condition."""
+    meta: dict[str, object] = {"name": name, "namespace": "ns", "generation": generation}
+    if deleting:
+        meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    conditions = [] if reason is None else [
+        {"type": "Degraded", "status": "True", "reason": reason,
+         "observedGeneration": observed}]
+    return {"metadata": meta, "status": {"conditions": conditions, **status}}
+
+
+GATED_POD = {"metadata": {"name": "vm-1"}, "spec": {"schedulingGates": [{"name": "g"}]}}
+RUNNING_POD: dict[str, object] = {"metadata": {"name": "vm-1"}, "spec": {}}
+
+
+def test_a_create_is_held_back_for_the_generation_that_was_refused_or_lacks_a_secret() -> None:
+    assert d.create_held_back(raw_vm(d.PULL_SECRET_NOT_FOUND))
+    assert d.create_held_back(raw_vm(d.CREATE_REFUSED))
+    assert not d.create_held_back(raw_vm(d.CREATE_REFUSED, generation=4)), "a new spec"
+    assert not d.create_held_back(raw_vm(d.PULL_SECRET_NOT_FOUND, generation=4))
+    assert not d.create_held_back(raw_vm(d.PULL_SECRET_NOT_FOUND, deleting=True)), (
+        "a VM being deleted is never held back")
+    assert not d.create_held_back({"metadata": {}, "status": {}})
+
+
+def test_a_fence_ahead_mark_counts_for_its_generation_only() -> None:
+    assert d.fence_ahead_marked(raw_vm(d.FENCE_AHEAD))
+    assert d.fence_ahead_marked(raw_vm(d.FENCE_AHEAD, deleting=True))
+    assert not d.fence_ahead_marked(raw_vm(d.FENCE_AHEAD, generation=4))
+    assert not d.fence_ahead_marked(raw_vm(d.CREATE_REFUSED))
+
+
+def test_a_vm_in_the_middle_of_something_looks_mid_plan() -> None:
+    plan_ = {"pendingPod": {"name": "vm-1"}}
+    assert d.looks_mid_plan(raw_vm(**plan_), []), "a recorded plan"
+    assert d.looks_mid_plan(raw_vm(), []), "no committed pod"
+    assert d.looks_mid_plan(raw_vm(podName="vm-1"), [GATED_POD]), "a gated pod"
+    assert d.looks_mid_plan(raw_vm(podName="vm-1", deleting=True), [RUNNING_POD])
+    assert d.looks_mid_plan(raw_vm(podName="vm-1"), [RUNNING_POD, RUNNING_POD])
+
+
+def test_a_calm_or_finished_vm_does_not_look_mid_plan() -> None:
+    assert not d.looks_mid_plan(raw_vm(podName="vm-1"), [RUNNING_POD])
+    assert not d.looks_mid_plan(raw_vm(phase="Succeeded"), []), "terminal, no pod"
+
+
+def test_a_vm_requeued_by_its_own_wait_is_left_to_it() -> None:
+    """A VM marked FenceAhead is left alone by decide and requeued by its own 300 s Wait:
+    the scan skips it whatever its plan, pods or deletion say; a new generation is scanned
+    once. A held-back create is skipped only while it has no pods."""
+    plan_ = {"pendingPod": {"name": "vm-1"}}
+    assert not d.looks_mid_plan(raw_vm(d.FENCE_AHEAD, **plan_), [])
+    assert not d.looks_mid_plan(raw_vm(d.FENCE_AHEAD), [])
+    assert not d.looks_mid_plan(raw_vm(d.FENCE_AHEAD, podName="vm-1"), [GATED_POD])
+    assert not d.looks_mid_plan(raw_vm(d.FENCE_AHEAD, deleting=True, **plan_), [GATED_POD])
+    assert d.looks_mid_plan(raw_vm(d.FENCE_AHEAD, generation=4, **plan_), []), "new generation"
+    assert not d.looks_mid_plan(raw_vm(d.CREATE_REFUSED, **plan_), [])
+    assert d.looks_mid_plan(raw_vm(d.CREATE_REFUSED, **plan_), [GATED_POD])
+
+
+def test_the_scan_names_the_mid_plan_vms_by_key_with_their_own_pods() -> None:
+    vms = [raw_vm(name="calm", podName="vm-1"),
+           raw_vm(name="planning", podName="vm-1", pendingPod={"name": "vm-2"}),
+           raw_vm(name="gated", podName="vm-1")]
+    pods = {"ns/calm": [RUNNING_POD], "ns/planning": [RUNNING_POD], "ns/gated": [GATED_POD]}
+    assert d.mid_plan_keys(vms, lambda key: pods.get(key, [])) == ["ns/planning", "ns/gated"]

@@ -53,6 +53,7 @@ from neonvm.leader.election import (
     new_identity,
 )
 from neonvm.leader.health import HealthServer
+from neonvm.leader.lease_store import KubernetesLeaseStore, LeaseConflict, LeaseNamespaceNotFound
 from tests.support import wait_for
 
 CANDIDATE = Path(__file__).parent / "programs" / "candidate.py"
@@ -553,6 +554,47 @@ def test_the_lease_reads_normally_for_other_tools_and_is_released_after_work_sto
     assert released.lease_duration_seconds == 1
     assert released.transitions == term.epoch
     assert run.elector.registry.get_sample_value("neonvm_leader_is_leader") == 0.0
+
+
+@pytest.mark.cluster
+def test_the_kubernetes_store_keeps_the_store_contract_and_its_watch_hears_changes(
+        controller_api: client.ApiClient, namespace: str) -> None:
+    """The contract the table tests' in-memory store (tests/test_election_store.py) keeps,
+    checked on the real API server as the controller's identity (whose RBAC must allow
+    the watch)."""
+    store = KubernetesLeaseStore(controller_api, namespace, LEASE)
+    assert store.get(10) is None
+    spec = {"holderIdentity": "a_1", "leaseDurationSeconds": 3, "leaseTransitions": 0}
+    first = store.create(spec, 10)
+    with pytest.raises(LeaseConflict):
+        store.create(spec, 10)
+    second = store.update(first, {"holderIdentity": "b_1", "leaseTransitions": 1}, 10)
+    assert second.resource_version != first.resource_version
+    with pytest.raises(LeaseConflict):
+        store.update(first, {"holderIdentity": "c_1"}, 10)  # stale base: refused
+    now = store.get(10)
+    assert now is not None and (now.holder, now.resource_version) == ("b_1",
+                                                                   second.resource_version)
+    with pytest.raises(LeaseNamespaceNotFound):
+        KubernetesLeaseStore(controller_api, f"{namespace}-gone", LEASE).create(spec, 10)
+
+    heard: list[LeaseRecord | None] = []
+
+    def watch() -> None:
+        for record in store.watch(timeout=60):
+            heard.append(record)
+            if record is not None and record.holder == "d_1":
+                return
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    wait_for(lambda: heard, 60, what="the watch's first event (the current object)")
+    assert heard[0] is not None and heard[0].holder == "b_1"
+    third = store.update(second, {"holderIdentity": "d_1"}, 10)
+    watcher.join(timeout=60)
+    assert not watcher.is_alive(), f"the watch did not hear the change: {heard}"
+    last = heard[-1]
+    assert last is not None and last.resource_version == third.resource_version
 
 
 class CountingFloor:

@@ -4,7 +4,10 @@
   inside functions and methods (an import in an ``if TYPE_CHECKING:`` block is not run,
   so it does not count);
 * nothing in ``neonvm/drills`` imports ``neonvm.cli`` (tooling sits below the CLI);
-* the product packages (controller, leader, runner, api) never import ``neonvm.testing``.
+* the product packages (controller, leader, runner, api) never import ``neonvm.testing``;
+* no module of ``neonvm.controller`` imports fault injection (``faults``,
+  ``fault_wiring``) but ``fault_wiring`` itself: faults are composed around the
+  production classes at the composition root (the CLI), never threaded through them.
 """
 
 from __future__ import annotations
@@ -141,6 +144,17 @@ def test_drills_do_not_import_the_cli() -> None:
 def test_product_does_not_import_testing() -> None:
     graph = import_graph()
     found = [e for pkg in PRODUCT for e in _importers(graph, pkg, "neonvm.testing")]
+    assert found == []
+
+
+FAULT_MODULES = {"neonvm.controller.faults", "neonvm.controller.fault_wiring"}
+
+
+def test_controller_modules_do_not_import_fault_injection() -> None:
+    graph = import_graph()
+    found = sorted(f"{m} -> {t}" for m, targets in graph.items()
+                   if m.startswith("neonvm.controller.") and m not in FAULT_MODULES
+                   for t in targets & FAULT_MODULES)
     assert found == []
 
 

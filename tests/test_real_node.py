@@ -7,6 +7,7 @@ skips with one reason line. ``NEONVM_TEST_REAL_NODE=1 pytest tests/test_real_nod
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import hashlib
 import io
@@ -18,6 +19,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 from kubernetes import client
@@ -319,4 +321,255 @@ def test_runner_pod_boots_the_test_guest_on_the_real_node(
                         if "guest:" in line or "NEONVM_GUEST_READY" in line
                         or "received" in line or "QEMU exited" in line))
     finally:
+        node.stop()
+
+
+# ---- a VM through the controller, on the real node ----------------------------------------
+
+
+def _print_pods_and_events(cluster: LocalCluster, namespace: str) -> None:
+    """What kubectl shows (printed; pytest shows it when the test failed)."""
+    for args in (["get", "pods", "-o", "wide"], ["get", "events", "--sort-by=.lastTimestamp"],
+                 ["get", "neonvm", "-o", "yaml"]):
+        out = subprocess.run(["kubectl", "--kubeconfig", str(cluster.kubeconfig), "-n",
+                              namespace, *args], capture_output=True, text=True, timeout=60)
+        print(f"---- kubectl {' '.join(args)} ----\n{out.stdout[-6000:]}{out.stderr[-2000:]}")
+
+
+class _PodEvents:
+    """Every watch event of a VM's pods, in the API server's order (resourceVersion):
+    enough to tell whether a replacement was ungated before the old pod was gone."""
+
+    def __init__(self, api: client.ApiClient, namespace: str, vm: str) -> None:
+        from kubernetes import watch
+
+        from neonvm.api import types
+
+        self.events: list[tuple[str, str, bool, float]] = []
+        self._watch = watch.Watch()
+        self._core = client.CoreV1Api(api)
+        self._args = (namespace, f"{types.LABEL_VM_NAME}={vm}")
+        self._gate = types.SCHEDULING_GATE
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        namespace, selector = self._args
+        try:
+            for event in self._watch.stream(self._core.list_namespaced_pod, namespace,
+                                            label_selector=selector, timeout_seconds=1800):
+                pod = event["object"]
+                gated = any(g.name == self._gate for g in pod.spec.scheduling_gates or [])
+                self.events.append((event["type"], pod.metadata.name, gated,
+                                    time.monotonic()))
+        except Exception as exc:  # the stream ends when the test stops it or the cluster goes
+            self.events.append(("ERROR", repr(exc), True, time.monotonic()))
+
+    def stop(self) -> None:
+        self._watch.stop()
+
+    def first(self, predicate: Any) -> int | None:
+        return next((i for i, e in enumerate(list(self.events)) if predicate(e)), None)
+
+
+@pytest.mark.cluster
+@pytest.mark.realnode
+@pytest.mark.slow
+@pytest.mark.timeout(1800)  # a cold image build takes most of the default 600 s
+@pytest.mark.skipif(_images_skip_reason() is not None, reason=_images_skip_reason() or "")
+def test_controller_runner_pod_boots_a_bare_ext4_guest_on_the_real_node(
+    cluster: LocalCluster, api: client.ApiClient, namespace: str, tmp_path: Path
+) -> None:
+    """A VirtualMachine the NeonVM way (no kernelImage, a container image carrying a bare
+    ext4 /disk.qcow2, command/args/env/sysctl/swap in the spec): the controller creates
+    the runner pod, it lands on the real node, the runner boots its own kernel (TCG) and
+    the pod turns Ready from the guest's marker; `kubectl logs` shows the guest's
+    console. Deleting the pod: SIGTERM, ACPI power-down, the command stops, QEMU exits
+    0, the pod goes away, and only then is the replacement ungated."""
+    from neonvm.testing.harness import Replicas, converged, create_vm, delete_vm, get_vm
+    from tests.guest import rootfs
+    from tests.support import FAST
+
+    absent = rootfs.missing()
+    if absent:
+        pytest.skip(f"cannot build the test root disk, missing: {', '.join(absent)}")
+    _raw, qcow2 = rootfs.build_rootfs(tmp_path / "disk")
+    archive = rootfs.disk_image_archive(qcow2, tmp_path / "rootdisk.oci.tar")
+    node, [image] = _started_node_with_images(cluster, ("runner",))
+    events: _PodEvents | None = None
+    group = Replicas(api=api, kubeconfig=cluster.kubeconfig_for("controller"),
+                     etcd_endpoints=cluster.locks_etcd_url, lease_namespace=namespace,
+                     log_dir=tmp_path / "replicas",
+                     extra_args=[*FAST, "--watch-namespace", namespace, "--etcd-prefix",
+                                 f"/t-{uuid.uuid4().hex[:8]}", "--runner-image", image])
+    try:
+        node.ctr("images", "import", "--platform", "linux/amd64", str(archive), timeout=300)
+        core = client.CoreV1Api(api)
+        group.start("c0")
+        events = _PodEvents(api, namespace, "guest")
+        created = time.monotonic()
+        create_vm(api, namespace, "guest", restart_policy="Always", spec={
+            "terminationGracePeriodSeconds": 60,
+            "nodeSelector": {realnode.REAL_LABEL: "true"},
+            "guest": {
+                "cpus": {"min": 1, "max": 1}, "memorySlotSize": "256Mi",
+                "memorySlots": {"min": 1, "max": 1},
+                "rootDisk": {"image": rootfs.DISK_IMAGE, "imagePullPolicy": "Never"},
+                "command": ["/app/report.sh"], "args": ["from", "the controller"],
+                "env": [{"name": "GREETING", "value": "hello from the spec"},
+                        {"name": "REPORT_SYSCTLS", "value": "vm.swappiness"}],
+                "settings": {"sysctl": ["vm.swappiness=17"], "swap": "32Mi"},
+            },
+        })
+
+        def first_pod_ready() -> str | None:
+            vm = get_vm(api, namespace, "guest") or {}
+            name = (vm.get("status") or {}).get("podName")
+            if not name:
+                return None
+            try:
+                pod = core.read_namespaced_pod(name, namespace)
+            except client.ApiException:
+                return None
+            if pod.status.phase in ("Succeeded", "Failed"):
+                raise AssertionError(core.read_namespaced_pod_log(
+                    name, namespace, container="neonvm-runner")[-5000:])
+            ready = any(c.type == "Ready" and c.status == "True"
+                        for c in pod.status.conditions or [])
+            return name if ready else None
+
+        pod_name = str(wait_for(first_pod_ready, timeout=600, interval=0.5,
+                                what="the controller's runner pod to be Ready"))
+        ready_after = time.monotonic() - created
+        pod = core.read_namespaced_pod(pod_name, namespace)
+        assert pod.spec.node_name == node.name
+        assert converged(api, namespace, ["guest"])
+        assert (get_vm(api, namespace, "guest") or {})["status"].get("phase") == "Running"
+        kubectl = subprocess.run(
+            ["kubectl", "--kubeconfig", str(cluster.kubeconfig), "-n", namespace, "logs",
+             pod_name, "-c", "neonvm-runner"],
+            capture_output=True, text=True, timeout=60)
+        for line in ("neonvm-init: root filesystem /dev/vda mounted", "NEONVM_GUEST_READY",
+                     "app: argv from the controller", "app: GREETING=hello from the spec",
+                     "app: sysctl vm.swappiness=17", "app: SwapTotal: 32764 kB"):
+            assert line in kubectl.stdout, kubectl.stdout[-4000:] + kubectl.stderr
+
+        stream = core.read_namespaced_pod_log(pod_name, namespace, container="neonvm-runner",
+                                              follow=True, _preload_content=False)
+        followed: list[bytes] = []
+        reader = threading.Thread(target=lambda: followed.extend(stream.stream()),
+                                  daemon=True)
+        reader.start()
+        deleted = time.monotonic()
+        core.delete_namespaced_pod(pod_name, namespace)
+        wait_for(lambda: not _exists(core, namespace, pod_name), timeout=180, interval=0.5,
+                 what=f"pod {pod_name} gone")
+        gone_after = time.monotonic() - deleted
+
+        def replacement_ungated() -> bool:
+            return events.first(lambda e: e[1] != pod_name and not e[2]) is not None
+
+        wait_for(replacement_ungated, timeout=180, interval=0.5,
+                 what="a replacement pod, ungated")
+        reader.join(timeout=60)
+        tail = b"".join(followed).decode(errors="replace")
+        for line in ("SIGTERM received: powering the guest down",
+                     "neonvm-init: power button pressed: stopping the command",
+                     "app: SIGTERM, exiting",
+                     "neonvm-init: command exited with code 0: powering off",
+                     "QEMU exited with code 0"):
+            assert line in tail, tail[-4000:]
+        gone_at = events.first(lambda e: e[0] == "DELETED" and e[1] == pod_name)
+        ungated_at = events.first(lambda e: e[1] != pod_name and not e[2])
+        assert gone_at is not None and ungated_at is not None
+        assert gone_at < ungated_at, events.events
+        print(f"\ncontroller's runner pod: Ready {ready_after:.1f}s after the VM was created; "
+              f"gone {gone_after:.1f}s after delete; replacement ungated "
+              f"{events.events[ungated_at][3] - events.events[gone_at][3]:.2f}s after the "
+              "old pod's DELETED event")
+    finally:
+        if events is not None:
+            events.stop()
+        _print_pods_and_events(cluster, namespace)
+        with contextlib.suppress(Exception):
+            delete_vm(api, namespace, "guest")
+        group.stop_all()
+        for r in group:
+            print(f"---- {r.name} (exit {r.exit_code()}) ----\n{r.log()[-5000:]}")
+        node.stop()
+
+
+@pytest.mark.cluster
+@pytest.mark.realnode
+@pytest.mark.slow
+@pytest.mark.skipif(_images_skip_reason() is not None, reason=_images_skip_reason() or "")
+def test_kvm_device_plugin_puts_dev_kvm_into_a_runner_pod_on_the_real_node(
+    cluster: LocalCluster, api: client.ApiClient, namespace: str, tmp_path: Path
+) -> None:
+    """`neonvm runner kvm-device-plugin` registers devices.kubevirt.io/kvm with the real
+    kubelet; a pod requesting one gets /dev/kvm in its (unprivileged, non-root)
+    container; the runner there opens it, finds no vmx/svm on this host, runs TCG and
+    reports AccelerationUnavailable in its log and termination message."""
+    import sys
+
+    from neonvm.runner import kvmplugin
+
+    if not Path("/dev/kvm").exists():
+        pytest.skip("no /dev/kvm on this host")
+    node, [image] = _started_node_with_images(cluster, ("runner",))
+    plugin_log = (tmp_path / "plugin.log").open("wb")
+    plugin = subprocess.Popen(
+        [sys.executable, "-m", "neonvm", "runner", "kvm-device-plugin", "--plugin-dir",
+         str(kvmplugin.DEFAULT_DIR)], stdout=plugin_log, stderr=subprocess.STDOUT)
+    try:
+        core = client.CoreV1Api(api)
+
+        def advertised() -> str | None:
+            # The kubelet checkpoints known resources (kubelet_internal_checkpoint in the
+            # plugin directory) and shows them as 0 until their plugin registers.
+            capacity = core.read_node(node.name).status.capacity or {}
+            value = capacity.get(kvmplugin.DEFAULT_RESOURCE)
+            return value if value not in (None, "0") else None
+
+        assert wait_for(advertised, timeout=120, interval=0.5,
+                        what="the node to advertise devices.kubevirt.io/kvm") == "100"
+        spec = {"enableAcceleration": True, "guest": {
+            "cpus": {"min": 1, "max": 1}, "memorySlotSize": "128Mi",
+            "memorySlots": {"min": 1, "max": 1}, "rootDisk": {"image": ""},
+            "kernelImage": "/vm/kernel/vmlinuz"}}
+        script = ("ls -ln /dev/kvm; exec neonvm-runner --qemu /bin/true "
+                  "--shutdown-timeout 1")
+        core.create_namespaced_pod(namespace, {
+            "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "kvm"},
+            "spec": {
+                "nodeName": node.name, "restartPolicy": "Never",
+                "securityContext": {"runAsNonRoot": True, "runAsUser": 65532,
+                                "runAsGroup": 65532},
+                "containers": [{
+                    "name": "runner", "image": image, "imagePullPolicy": "Never",
+                    "command": ["/bin/sh", "-c", script],
+                    "env": [{"name": "NEONVM_VM_SPEC", "value": json.dumps(spec)},
+                            {"name": "NEONVM_ENABLE_ACCELERATION", "value": "true"}],
+                    "resources": {"limits": {kvmplugin.DEFAULT_RESOURCE: "1"}},
+                    "securityContext": {"readOnlyRootFilesystem": True,
+                                        "allowPrivilegeEscalation": False,
+                                        "capabilities": {"drop": ["ALL"]}},
+                    "volumeMounts": [{"name": "work", "mountPath": "/vm/run"}],
+                }],
+                "volumes": [{"name": "work", "emptyDir": {}}],
+            },
+        })
+        _wait_finished(core, namespace, "kvm")
+        log = core.read_namespaced_pod_log("kvm", namespace)
+        assert "/dev/kvm" in log and log.lstrip().startswith("crw"), log
+        assert "AccelerationUnavailable: KVM is not usable, the guest runs under TCG: " \
+               "/dev/kvm exists but the CPU advertises neither vmx nor svm" in log, log
+        status = core.read_namespaced_pod("kvm", namespace).status
+        message = status.container_statuses[0].state.terminated.message or ""
+        assert message.startswith("AccelerationUnavailable"), message
+        assert "allocate /dev/kvm for 1 container(s)" in (tmp_path / "plugin.log").read_text()
+    finally:
+        plugin.terminate()
+        plugin.wait(30)
+        plugin_log.close()
         node.stop()

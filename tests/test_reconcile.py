@@ -21,11 +21,11 @@ from neonvm import kube
 from neonvm.api import types
 from neonvm.controller import decide as d
 from neonvm.controller.events import EventRecorder
+from neonvm.controller.fault_wiring import FaultWiring, VersionedStore
 from neonvm.controller.faults import FaultConfig, Faults
-from neonvm.controller.informer import Informer, Store
+from neonvm.controller.informer import Informer
 from neonvm.controller.metrics import ControllerMetrics
 from neonvm.controller.observe import (
-    CacheReader,
     DirectReader,
     Snapshot,
     VMRecord,
@@ -39,11 +39,11 @@ from neonvm.controller.reconciler import (
     StaticAuthority,
     WrongVM,
 )
-from neonvm.controller.update import stale_writeback_update
 from neonvm.dev.cluster import LocalCluster
 from neonvm.invariant import InvariantChecker
 from neonvm.testing.harness import create_vm as harness_create_vm
 from neonvm.testing.harness import get_vm, is_gated, runner_pods
+from tests.seed_bug import stale_writeback_update
 from tests.support import create_pull_secret, wait_for
 
 pytestmark = pytest.mark.cluster
@@ -228,7 +228,7 @@ def _stale_after_first_restart(api: client.ApiClient, controller_api: client.Api
     Afterwards plan #3 is committed and running; the returned version says "no pod, no
     plan, planSeq 1" (what a cache that missed everything since restart #1 shows).
     """
-    versions = Store(history=200)
+    versions = VersionedStore(depth=200)
     custom = client.CustomObjectsApi(api)
 
     def list_vms(**kw: Any) -> Any:
@@ -313,8 +313,8 @@ def test_the_seed_bug_reproduced_with_the_broken_retry_gives_the_vm_two_pods(
 def test_stale_reads_and_injected_conflicts_never_produce_a_second_pod(
         api: client.ApiClient, controller_api: client.ApiClient, namespace: str,
         checker: InvariantChecker) -> None:
-    faults = Faults(FaultConfig(stale_reads=0.5, conflict=0.3, seed=11))
-    vm_store, pod_store = Store(history=5), Store(index=pod_index, history=5)
+    wiring = FaultWiring(Faults(FaultConfig(stale_reads=0.5, conflict=0.3, seed=11)))
+    vm_store, pod_store = wiring.store(), wiring.store(index=pod_index)
     custom, core = client.CustomObjectsApi(controller_api), client.CoreV1Api(controller_api)
 
     def list_vms(**kw: Any) -> Any:
@@ -324,16 +324,19 @@ def test_stale_reads_and_injected_conflicts_never_produce_a_second_pod(
     def list_pods(**kw: Any) -> Any:
         return core.list_namespaced_pod(namespace, label_selector=types.LABEL_VM_NAME, **kw)
 
-    informers = [Informer("vms", list_vms, vm_store, lambda *_: None, faults),
-                 Informer("pods", list_pods, pod_store, lambda *_: None, faults)]
+    informers = [Informer("vms", list_vms, vm_store, lambda *_: None,
+                          accept=wiring.event_filter("vms")),
+                 Informer("pods", list_pods, pod_store, lambda *_: None,
+                          accept=wiring.event_filter("pods"))]
     for i in informers:
         i.start()
     names = [f"churn-{i}" for i in range(3)]
     for name in names:
         create_vm(api, namespace, name)
     metrics = ControllerMetrics()
-    reconciler = Reconciler(controller_api, faults=faults, metrics=metrics,
-                            cache=CacheReader(vm_store, pod_store, faults))
+    reconciler = Reconciler(controller_api, metrics=metrics,
+                            cache=wiring.observer(vm_store, pod_store),
+                            writer=wiring.writer(controller_api))
     try:
         wait_for(lambda: all(i.synced.is_set() for i in informers), 30)
         for round_ in range(4):

@@ -21,7 +21,7 @@ import pytest
 from kubernetes import client
 
 from neonvm.api import types
-from neonvm.controller.faults import CRASH_EXIT_CODE
+from neonvm.controller.faults import CRASH_EXIT_CODE, read_crash_record
 from neonvm.dev.cluster import LocalCluster
 from neonvm.invariant import InvariantChecker
 from neonvm.leader.etcd import Etcd, EtcdConfig
@@ -117,14 +117,19 @@ def grace(cluster: LocalCluster) -> dict[str, Any]:
 @pytest.mark.parametrize("step", ["plan", "create", "commit", "ungate"])
 def test_the_next_leader_resumes_the_plan_of_a_leader_killed_right_after(
         step: str, cluster: LocalCluster, api: client.ApiClient, namespace: str,
-        replicas: Replicas, checker: InvariantChecker) -> None:
-    doomed = replicas.start("doomed", faults=f"crash_after={step}")
+        replicas: Replicas, checker: InvariantChecker, tmp_path: Path) -> None:
+    record_path = tmp_path / "crash.json"
+    doomed = replicas.start("doomed", faults=f"crash_after={step},crash_record={record_path}")
     assert leader_of(replicas) is doomed
     replicas.start("standby")
     created = create_vm(api, namespace, "vm", spec=grace(cluster))
 
     wait_for(lambda: doomed.exit_code() is not None, 60, what=f"crash after {step}")
     assert doomed.exit_code() == CRASH_EXIT_CODE
+    record = read_crash_record(record_path)
+    assert record is not None, "the crash left its record (the supervisor's signal)"
+    assert (record["fault"], record["step"], record["vm"], record["pid"]) == (
+        "crash_after", step, f"{namespace}/vm", doomed.pid)
     wait_for(lambda: converged(api, namespace, ["vm"]), 90, what="convergence")
 
     status = vm_status(api, namespace, "vm")

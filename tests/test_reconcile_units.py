@@ -21,20 +21,23 @@ from neonvm.api.types import (
 from neonvm.controller import decide as d
 from neonvm.controller.conditions import (
     DEGRADED,
-    FENCE_AHEAD,
     READY,
     WAITING_FOR_OLD_POD,
     ConditionUpdate,
     conditions_mutation,
     desired_conditions,
 )
-from neonvm.controller.faults import FaultConfig, FaultConfigError, Faults
+from neonvm.controller.fault_wiring import VersionedStore
+from neonvm.controller.faults import STEPS, FaultConfig, FaultConfigError, Faults
 from neonvm.controller.informer import Store
-from neonvm.controller.manager import create_held_back, looks_mid_plan
-from neonvm.controller.mutations import FencedOut
+from neonvm.controller.mutations import FencedOut, finalizers_mutation, status_mutation
 from neonvm.controller.observe import Snapshot, pod_index, pod_view
 from neonvm.controller.podspec import PodDefaults, PodSpecError, has_our_gate, runner_pod
+from neonvm.controller.reconciler import ACTIONS
 from neonvm.controller.workqueue import Backoff, WorkQueue
+from neonvm.drills.schedule import CRASH_STEPS
+from neonvm.verify.actors import FINALIZER_WRITES, POD_ACTIONS, RUNNER_ACTIONS, STATUS_WRITES
+from neonvm.verify.scaling import RUNNER_CALLS as SCALING_MODELLED
 
 pytestmark = pytest.mark.unit
 
@@ -97,6 +100,43 @@ def test_shutdown_wakes_waiting_workers() -> None:
     q.shut_down()
     t.join(5)
     assert got == [None] and not t.is_alive()
+
+
+def test_a_direct_add_is_handed_out_once_with_its_key() -> None:
+    """``direct``: the key's next processing starts with a quorum read; the flag is taken
+    with the key, and a plain add does not set it."""
+    q = WorkQueue()
+    q.add("a", direct=True)
+    q.add("b")
+    assert q.take(0) == ("a", True)
+    assert q.take(0) == ("b", False)
+    q.done("a")
+    q.add("a")
+    assert q.take(0) == ("a", False), "the flag was taken by the first worker"
+
+
+def test_a_delayed_direct_add_marks_the_key_at_once() -> None:
+    """As the old side-set did: a delayed direct requeue marks the key now, so an event
+    that brings the key back earlier starts from a quorum read (and takes the flag)."""
+    clock = FakeClock()
+    q = WorkQueue(clock=clock)
+    q.add("a")
+    assert q.take(0) == ("a", False)
+    q.add_after("a", 10, direct=True)  # the worker's own requeue, while it holds the key
+    q.done("a")
+    q.add("a")  # a watch event
+    assert q.take(0) == ("a", True)
+    q.done("a")
+    clock.now = 11
+    assert q.take(0) == ("a", False)
+
+
+def test_a_rate_limited_direct_add_carries_the_flag() -> None:
+    clock = FakeClock()
+    q = WorkQueue(Backoff(base=1.0, cap=5.0), clock=clock)
+    assert q.add_rate_limited("a", direct=True) == 1.0
+    clock.now = 1.5
+    assert q.take(0) == ("a", True)
 
 
 # ---- faults -------------------------------------------------------------------------------
@@ -225,7 +265,7 @@ def raw_pod(name: str, vm: str, rv: str, gated: bool = True) -> dict[str, object
 
 
 def test_the_store_indexes_pods_by_vm_and_keeps_older_lists_for_stale_reads() -> None:
-    store = Store(index=pod_index, history=5)
+    store = VersionedStore(index=pod_index, depth=5)
     store.apply("ADDED", raw_pod("p1", "a", "1"))
     store.apply("ADDED", raw_pod("p2", "a", "2"))
     store.apply("DELETED", raw_pod("p1", "a", "3"))
@@ -293,57 +333,6 @@ def test_waiting_for_a_pull_secret_is_degraded_and_not_ready_until_a_pod_is_comm
     assert {c.type: c.status for c in vm.status.conditions}[DEGRADED] == "False"
 
 
-def test_the_mid_plan_scan_skips_only_live_vms_whose_create_is_held_back() -> None:
-    def raw(reason: str, generation: int = 3, observed: int = 3,
-            deleting: bool = False) -> dict[str, object]:
-        meta: dict[str, object] = {"generation": generation}
-        if deleting:
-            meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
-        return {"metadata": meta, "status": {"conditions": [
-            {"type": "Degraded", "status": "True", "reason": reason,
-             "observedGeneration": observed}]}}
-
-    assert create_held_back(raw(d.PULL_SECRET_NOT_FOUND))
-    assert create_held_back(raw("CreateRefused"))
-    assert not create_held_back(raw("CreateRefused", generation=4)), "a new spec is tried"
-    assert not create_held_back(raw(d.PULL_SECRET_NOT_FOUND, generation=4))
-    assert not create_held_back(raw(d.PULL_SECRET_NOT_FOUND, deleting=True))
-    assert not create_held_back({"metadata": {}, "status": {}})
-
-
-def test_the_mid_plan_scan_skips_a_vm_marked_fence_ahead_for_its_generation() -> None:
-    """A VM marked Degraded/FenceAhead is left alone by decide and requeued by its own
-    300 s Wait: the 2 s scan must not requeue it (two direct reads per look), whatever its
-    plan, pods or deletion say; a new generation is scanned once."""
-    gated_pod = {"metadata": {"name": "vm-1"}, "spec": {"schedulingGates": [{"name": "g"}]}}
-
-    def raw(reason: str | None, generation: int = 3, observed: int = 3,
-            deleting: bool = False, **status: object) -> dict[str, object]:
-        meta: dict[str, object] = {"generation": generation}
-        if deleting:
-            meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
-        conditions = [] if reason is None else [
-            {"type": "Degraded", "status": "True", "reason": reason,
-             "observedGeneration": observed}]
-        return {"metadata": meta, "status": {"conditions": conditions, **status}}
-
-    plan = {"pendingPod": {"name": "vm-1"}}
-    # Mid-plan shapes: scanned while not marked ...
-    assert looks_mid_plan(raw(None, **plan), [])
-    assert looks_mid_plan(raw(None), [])  # no podName
-    assert looks_mid_plan(raw(None, podName="vm-1"), [gated_pod])
-    # ... skipped once marked FenceAhead for the current generation.
-    assert not looks_mid_plan(raw(FENCE_AHEAD, **plan), [])
-    assert not looks_mid_plan(raw(FENCE_AHEAD), [])
-    assert not looks_mid_plan(raw(FENCE_AHEAD, podName="vm-1"), [gated_pod])
-    assert not looks_mid_plan(raw(FENCE_AHEAD, deleting=True, **plan), [gated_pod])
-    assert looks_mid_plan(raw(FENCE_AHEAD, generation=4, **plan), []), "new generation"
-    # Unchanged: a held-back create is skipped only without pods; a calm VM never scanned.
-    assert not looks_mid_plan(raw("CreateRefused", **plan), [])
-    assert looks_mid_plan(raw("CreateRefused", **plan), [gated_pod])
-    assert not looks_mid_plan(raw(None, podName="vm-1"), [{"metadata": {}, "spec": {}}])
-
-
 def test_a_condition_write_is_fenced_out_by_a_newer_epoch() -> None:
     vm = a_vm()
     vm.status.fence = Fence(epoch=9, token=1)
@@ -366,7 +355,7 @@ def test_the_store_keeps_no_older_versions_unless_asked_and_no_empty_index_entri
     store = Store(index=pod_index)
     store.apply("ADDED", raw_pod("p1", "a", "1"))
     store.apply("MODIFIED", raw_pod("p1", "a", "2"))
-    assert store.older("ns/p1") == [] and store.older_index("ns/a") == []
+    assert not hasattr(store, "older"), "older versions are the fault wrapper's alone"
     store.apply("DELETED", raw_pod("p1", "a", "3"))
     assert store.by_index("ns/a") == [] and store._index == {}
 
@@ -379,3 +368,34 @@ def test_a_deletion_found_by_a_direct_read_drops_only_that_uid_from_the_store() 
     assert store.discard("ns/p1", "u-p1")
     assert store.get("ns/p1") is None and store.by_index("ns/a") == []
     assert not store.discard("ns/p1", "u-p1"), "nothing left to drop"
+
+
+# ---- the action table ----------------------------------------------------------------------
+
+
+def test_every_performed_action_has_one_row_and_its_own_step() -> None:
+    """Adding an action is its class (with a ``step``) and its row: nothing else lists
+    the actions by hand."""
+    performed = d.performed_actions()
+    assert set(ACTIONS) == set(performed), "a performed action without a row, or a row " \
+                                           "for an action that is not performed"
+    steps = [kind.step for kind in performed]
+    assert len(set(steps)) == len(steps), f"two actions share a step: {steps}"
+    assert set(STEPS) == set(steps) and set(CRASH_STEPS) == set(steps)
+    assert not any(kind.step for kind in (d.Done, d.Wait, d.ObserveDirect, d.Fenced))
+
+
+def test_every_write_row_has_its_shipped_mutation_and_the_explorer_models_every_row() -> None:
+    lease = d.Lease(epoch=1, token=1)
+    for kind, row in ACTIONS.items():
+        if row.writes == "status":
+            assert callable(status_mutation(kind(), lease)), kind
+        elif row.writes == "main":
+            assert callable(finalizers_mutation(kind())), kind
+        else:
+            with pytest.raises(ValueError):
+                status_mutation(kind(), lease)
+    names = {kind.__name__ for kind in ACTIONS}
+    assert names == STATUS_WRITES | FINALIZER_WRITES | POD_ACTIONS | RUNNER_ACTIONS
+    assert RUNNER_ACTIONS <= SCALING_MODELLED, "a runner call the scaling explorer lacks"
+    assert not STATUS_WRITES & FINALIZER_WRITES and not POD_ACTIONS & STATUS_WRITES

@@ -46,6 +46,7 @@ from neonvm.controller import decide as d
 from neonvm.controller import informer as informer_module
 from neonvm.controller import podspec
 from neonvm.controller.events import EventRecorder
+from neonvm.controller.fault_wiring import FaultWiring
 from neonvm.controller.faults import FaultConfig, Faults
 from neonvm.controller.manager import ControllerConfig, LeaderTerm
 from neonvm.controller.metrics import ControllerMetrics
@@ -303,13 +304,13 @@ class _RecordingQueue(WorkQueue):
         super().__init__()
         self.seen: set[str] = set()
 
-    def add(self, key: str) -> None:
+    def add(self, key: str, direct: bool = False) -> None:
         self.seen.add(key)
-        super().add(key)
+        super().add(key, direct)
 
-    def add_after(self, key: str, delay: float) -> None:
+    def add_after(self, key: str, delay: float, direct: bool = False) -> None:
         self.seen.add(key)
-        super().add_after(key, delay)
+        super().add_after(key, delay, direct)
 
 
 def test_f2_a_vm_whose_added_event_was_lost_is_still_reconciled(
@@ -342,12 +343,12 @@ def test_f2_a_vm_whose_added_event_was_lost_is_still_reconciled(
     process = SimpleNamespace(
         config=ControllerConfig(workers=0, resync_seconds=0.3, plan_requeue_seconds=0.1,
                                 sweep_seconds=0.3),
-        metrics=ControllerMetrics(), api=client.ApiClient(), faults=faults,
+        metrics=ControllerMetrics(), api=client.ApiClient(), wiring=FaultWiring(faults),
         events=EventRecorder(None), etcd=None, etcd_config=SimpleNamespace(prefix="/t"),
     )
     leadership = Leadership(epoch=1, identity="me", valid_until=time.monotonic() + 3600)
     term = LeaderTerm(process, leadership)  # type: ignore[arg-type]
-    term.queue = _RecordingQueue()
+    term.queue = term.handler.queue = _RecordingQueue()
     term._list_vms, term._list_pods = list_vms, list_pods
     term.informers[0]._lister = list_vms
     term.informers[1]._lister = list_pods

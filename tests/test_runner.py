@@ -208,7 +208,7 @@ def test_root_disk_override_replaces_the_spec_image(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("guest", "message"), [
     ({"rootDisk": {"image": ""}}, "nothing to boot"),
     ({"rootDisk": {"image": "/r"}, "initrdImage": "/i"}, "initrdImage needs guest.kernelImage"),
-    ({"rootDisk": {"image": "/r"}, "appendKernelCmdline": "x"}, "needs guest.kernelImage"),
+    ({"rootDisk": {"image": "/r"}, "appendKernelCmdline": "x"}, "Cmdline needs a kernel"),
 ])
 def test_specs_without_a_bootable_combination_are_refused(guest: dict[str, Any], message: str,
                                                           tmp_path: Path) -> None:

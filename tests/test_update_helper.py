@@ -27,10 +27,10 @@ from neonvm.controller.update import (
     RetryPolicy,
     UpdateOutcome,
     conditional_update,
-    stale_writeback_update,
 )
 from neonvm.dev.cluster import LocalCluster
 from neonvm.testing.harness import create_vm
+from tests.seed_bug import stale_writeback_update
 
 # ---- an in-memory CAS store ---------------------------------------------------------------
 

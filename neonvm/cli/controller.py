@@ -19,7 +19,8 @@ from types import FrameType
 import click
 from loguru import logger
 
-from neonvm.controller.faults import FaultConfig, FaultConfigError, Faults
+from neonvm.controller.fault_wiring import wiring_for
+from neonvm.controller.faults import FaultConfig, FaultConfigError
 from neonvm.controller.manager import ControllerConfig, ControllerProcess
 from neonvm.controller.metrics import ControllerMetrics
 from neonvm.controller.podspec import DEFAULT_RUNNER_IMAGE, PodDefaults
@@ -52,9 +53,9 @@ def controller() -> None:
               help="Name of the leader-election Lease.")
 @click.option("--identity", default=None,
               help="Leader identity (default: <hostname>_<random>, unique per start).")
-@click.option("--lease-duration", type=float, default=15.0, show_default=True)
-@click.option("--renew-deadline", type=float, default=10.0, show_default=True)
-@click.option("--retry-period", type=float, default=2.0, show_default=True)
+@click.option("--lease-duration", type=float, default=4.0, show_default=True)
+@click.option("--renew-deadline", type=float, default=2.5, show_default=True)
+@click.option("--retry-period", type=float, default=0.5, show_default=True)
 @click.option("--etcd-endpoints", metavar="URLS",
               help="Locks' etcd, comma-separated [env: NEONVM_ETCD_ENDPOINTS].")
 @click.option("--etcd-prefix", help="Key prefix [env: NEONVM_ETCD_PREFIX; default /neonvm].")
@@ -84,19 +85,23 @@ def controller() -> None:
                    "garbage collector normally removes it first).")
 @click.option("--runner-image", default=DEFAULT_RUNNER_IMAGE, show_default=True,
               help="Runner image for VMs without spec.runnerImage.")
+@click.option("--kvm-resource", default="", show_default=True,
+              help="Extended resource giving runner pods /dev/kvm (NeonVM's: "
+                   "devices.kubevirt.io/kvm), requested for VMs with enableAcceleration; "
+                   "'' requests none.")
 @click.option("--health-port", type=click.IntRange(min=0, max=65535), default=8081,
               show_default=True, help="/healthz, /readyz, /metrics (0: a free port).")
 @click.option("--health-host", default="0.0.0.0", show_default=True)
 @click.option("--fault", "faults", multiple=True, metavar="K=V[,K=V]",
               help="Fault injection (testing only; also $NEONVM_FAULTS): crash_after=STEP[@N],"
-                   " stale_reads=P, drop_watch_events=P, conflict=P, seed=N.")
+                   " stale_reads=P, drop_watch_events=P, conflict=P, seed=N, crash_record=PATH.")
 def run(kubeconfig: Path | None, lease_namespace: str, lease_name: str, identity: str | None,
         lease_duration: float, renew_deadline: float, retry_period: float,
         etcd_endpoints: str | None, etcd_prefix: str | None, etcd_ca: str | None,
         etcd_cert: str | None, etcd_key: str | None, etcd_timeout: float, session_ttl: int,
         watch_namespace: str | None, workers: int, resync: float, plan_requeue: float,
         relist: float, sync_deadline: float, sweep: float, orphan_grace: float,
-        runner_image: str,
+        runner_image: str, kvm_resource: str,
         health_port: int, health_host: str,
         faults: tuple[str, ...]) -> None:
     """Run one replica: campaign, and while leading keep exactly one runner pod per VM."""
@@ -123,7 +128,9 @@ def run(kubeconfig: Path | None, lease_namespace: str, lease_name: str, identity
         orphan_grace_seconds=orphan_grace, relist_seconds=relist,
         sync_deadline_seconds=sync_deadline,
         reconciler=ReconcilerConfig(resync_seconds=resync,
-                                    pod_defaults=PodDefaults(runner_image=runner_image)),
+                                    pod_defaults=PodDefaults(
+                                        runner_image=runner_image,
+                                        kvm_resource=kvm_resource or None)),
     )
     log = logger.bind(identity=election.identity)
     if fault_config.enabled:
@@ -131,7 +138,7 @@ def run(kubeconfig: Path | None, lease_namespace: str, lease_name: str, identity
     api = kube.api_client(kubeconfig)
     metrics = ControllerMetrics()
     process = ControllerProcess(api, etcd_config, election, config,
-                                faults=Faults(fault_config), metrics=metrics)
+                                wiring=wiring_for(fault_config), metrics=metrics)
     health = HealthServer(health_port, metrics.registry, host=health_host)
     process.register_health(health)
     stop = threading.Event()

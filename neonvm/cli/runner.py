@@ -73,3 +73,23 @@ def _option_rows(argv: tuple[str, ...]) -> list[dict[str, Any]]:
             rows.append({"option": argv[i], "value": ""})
             i += 1
     return rows
+
+
+@runner.command("kvm-device-plugin")
+@click.option("--resource", default="devices.kubevirt.io/kvm", show_default=True,
+              envvar="NEONVM_KVM_RESOURCE", help="Extended resource to advertise.")
+@click.option("--count", type=click.IntRange(1, 10000), default=100, show_default=True,
+              help="How many pods may hold it at once on a node (all share /dev/kvm).")
+@click.option("--device", type=click.Path(path_type=Path), default=Path("/dev/kvm"),
+              show_default=True, help="The device node handed to containers.")
+@click.option("--plugin-dir", type=click.Path(file_okay=False, path_type=Path),
+              default=Path("/var/lib/kubelet/device-plugins"), show_default=True,
+              help="The kubelet's device plugin directory (kubelet.sock).")
+@click.option("--probe", type=click.Path(path_type=Path), default=None,
+              help="Path whose existence means the device is healthy [default: --device].")
+def kvm_device_plugin(resource: str, count: int, device: Path, plugin_dir: Path,
+                      probe: Path | None) -> None:
+    """A kubelet device plugin giving /dev/kvm to runner pods (the chart's DaemonSet)."""
+    from neonvm.runner import kvmplugin
+
+    kvmplugin.main(resource, count, device, plugin_dir, probe)

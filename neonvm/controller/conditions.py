@@ -45,9 +45,9 @@ from neonvm.controller.mutations import FencedOut, StatusMutation
 from neonvm.controller.observe import CREATE_REFUSED, Snapshot
 
 READY = "Ready"
-DEGRADED = "Degraded"
+DEGRADED = d.DEGRADED
 WAITING_FOR_OLD_POD = "WaitingForOldPod"
-FENCE_AHEAD = "FenceAhead"
+FENCE_AHEAD = d.FENCE_AHEAD
 """Degraded reason: the VM's status carries a fence ahead of the (still valid) leader."""
 FENCE_RESOLVED = "FenceResolved"
 FENCE_AHEAD_QUIET_SECONDS = 300.0

@@ -48,7 +48,9 @@ than the backoff because of skew, never longer than the backoff per decision).
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 from neonvm.api import times
 from neonvm.api.types import FINALIZER, PendingPod, PendingScale, VirtualMachine
@@ -138,8 +140,16 @@ class Observation:
 
 @dataclass(frozen=True)
 class Action:
-    """Base of every decision; ``reason`` is for logs and events."""
+    """Base of every decision; ``reason`` is for logs and events.
 
+    An action the driver performs declares its ``step``: the name it goes by in metrics,
+    the ``crash_after`` fault and the crash campaign. How it is performed, and the event
+    it records, is its row in ``neonvm.controller.reconciler.ACTIONS`` (the one table);
+    the fault steps and the explorer derive from those two. The others (Done, Wait,
+    ObserveDirect, Fenced) end or redirect the loop and have no step.
+    """
+
+    step: ClassVar[str] = ""
     reason: str = field(default="", kw_only=True)
 
 
@@ -173,15 +183,21 @@ class Fenced(Action):
 class AddFinalizer(Action):
     """Conditional update of the main resource adding our finalizer."""
 
+    step: ClassVar[str] = "add_finalizer"
+
 
 @dataclass(frozen=True)
 class RemoveFinalizer(Action):
     """All pods are gone (direct list): let the VM go, then release its lock."""
 
+    step: ClassVar[str] = "finalize"
+
 
 @dataclass(frozen=True)
 class RecordPlan(Action):
     """CAS ``status.pendingPod`` = this plan, if ``planSeq`` is still ``observed_seq``."""
+
+    step: ClassVar[str] = "plan"
 
     plan: PendingPod = field(default_factory=PendingPod)
     observed_seq: int = 0
@@ -191,12 +207,16 @@ class RecordPlan(Action):
 class CreatePod(Action):
     """Create the runner pod with exactly the recorded name, gated."""
 
+    step: ClassVar[str] = "create"
+
     plan: PendingPod = field(default_factory=PendingPod)
 
 
 @dataclass(frozen=True)
 class Commit(Action):
     """CAS {podName, podUID, pendingPod: none} if pendingPod is still ``name``."""
+
+    step: ClassVar[str] = "commit"
 
     name: str = ""
     uid: str = ""
@@ -206,12 +226,16 @@ class Commit(Action):
 class DropPlan(Action):
     """CAS pendingPod: none if it is still ``name`` (the name is taken or dying)."""
 
+    step: ClassVar[str] = "drop_plan"
+
     name: str = ""
 
 
 @dataclass(frozen=True)
 class Ungate(Action):
     """Remove our scheduling gate from the committed pod (uid precondition)."""
+
+    step: ClassVar[str] = "ungate"
 
     name: str = ""
     uid: str = ""
@@ -220,6 +244,8 @@ class Ungate(Action):
 @dataclass(frozen=True)
 class DeletePod(Action):
     """Delete a pod with a uid precondition."""
+
+    step: ClassVar[str] = "cleanup"
 
     name: str = ""
     uid: str = ""
@@ -233,6 +259,8 @@ class Restart(Action):
     restartCount+1, phase Pending}. Otherwise set that terminal phase and keep podName.
     The mutation checks podName/podUID are still ``name``/``uid``.
     """
+
+    step: ClassVar[str] = "restart"
 
     name: str = ""
     uid: str = ""
@@ -251,6 +279,8 @@ class SyncStatus(Action):
     pod's node and IP).
     """
 
+    step: ClassVar[str] = "sync"
+
     phase: str = "Pending"
     node: str | None = None
     ip: str | None = None
@@ -264,6 +294,8 @@ class PlanScale(Action):
     ``observed_seq``, no plan is recorded, the committed pod is still the plan's and the
     fresh spec still asks for the plan's size."""
 
+    step: ClassVar[str] = "plan_scale"
+
     plan: PendingScale = field(default_factory=PendingScale)
     observed_seq: int = 0
 
@@ -274,6 +306,8 @@ class ApplyScale(Action):
     the plan's fence (epoch, token, seq). Idempotent: the same fence and target again is
     a retry to the runner."""
 
+    step: ClassVar[str] = "apply_scale"
+
     plan: PendingScale = field(default_factory=PendingScale)
 
 
@@ -282,6 +316,8 @@ class CommitScale(Action):
     """The runner reports the plan's fence applied and the plan's size reached: CAS
     {cpus, memorySize: what it reported, pendingScale: none, phase Running} if the plan
     is still number ``seq``."""
+
+    step: ClassVar[str] = "commit_scale"
 
     seq: int = 0
     vcpus: int = 0
@@ -292,6 +328,8 @@ class CommitScale(Action):
 class DropScale(Action):
     """CAS pendingScale: none if it is still number ``seq`` (it names a pod that is no
     longer the committed one, or the runner has applied a newer fence)."""
+
+    step: ClassVar[str] = "drop_scale"
 
     seq: int = 0
 
@@ -331,6 +369,20 @@ def status_size(vm: VirtualMachine) -> tuple[int, int] | None:
     return s.cpus.rounded_up(), memory // slot
 
 
+def performed_actions() -> tuple[type[Action], ...]:
+    """Every action the driver performs (those with a ``step``), in definition order."""
+    found: list[type[Action]] = []
+
+    def visit(cls: type[Action]) -> None:
+        for sub in cls.__subclasses__():
+            if sub.step and sub not in found:
+                found.append(sub)
+            visit(sub)
+
+    visit(Action)
+    return tuple(found)
+
+
 # ---- restart backoff ---------------------------------------------------------------------
 
 RESTART_BACKOFF_BASE = 1.0
@@ -338,6 +390,12 @@ RESTART_BACKOFF_BASE = 1.0
 RESTART_BACKOFF_MAX = 60.0
 """Cap of the restart backoff."""
 RESTART_BACKOFF_CONDITION = "RestartBackoff"
+DEGRADED = "Degraded"
+"""Condition type the controller reports trouble in (its reason says which)."""
+FENCE_AHEAD = "FenceAhead"
+"""Degraded reason: the VM's status carries a fence ahead of the (still valid) leader."""
+CREATE_REFUSED = "CreateRefused"
+"""Degraded reason recorded when the API server refuses a pod create."""
 PULL_SECRET_NOT_FOUND = "ImagePullSecretNotFound"
 """Wait condition (and Degraded reason) while an image pull secret of the VM is missing."""
 PULL_SECRET_RECHECK_SECONDS = 15.0
@@ -644,3 +702,75 @@ def _cleanup(obs: Observation, vm: VirtualMachine) -> Action | None:
         return ObserveDirect(reason=f"{len(strays)} unreferenced pod(s): confirm")
     return DeletePod(name=strays[0].name, uid=strays[0].uid,
                      reason=f"pod {strays[0].name} is not referenced by the VM")
+
+
+# ---- the mid-plan scan -------------------------------------------------------------------
+#
+# The controller requeues, every couple of seconds, each cached VM that is in the middle
+# of something. These predicates judge that from the raw cached objects (dicts, as the
+# informer stores them), with this module's knowledge of the states: which VMs are
+# mid-plan, and which are held back by a Wait of their own (and so need no scan).
+
+RawObject = Mapping[str, Any]
+
+
+def _degraded_for_generation(raw: RawObject, reasons: Iterable[str]) -> bool:
+    """Degraded is True, with one of ``reasons``, for the VM's current generation."""
+    meta = raw.get("metadata") or {}
+    wanted = set(reasons)
+    return any(
+        cond.get("type") == DEGRADED and cond.get("status") == "True"
+        and cond.get("reason") in wanted
+        and cond.get("observedGeneration") == meta.get("generation")
+        for cond in (raw.get("status") or {}).get("conditions") or [])
+
+
+def create_held_back(raw: RawObject) -> bool:
+    """A live VM whose create is held back for its current generation (refused, or a pull
+    secret missing): its reconcile ended in a Wait that requeues it, so the mid-plan scan
+    skips it. A new generation (the spec was fixed) is scanned again at once."""
+    if (raw.get("metadata") or {}).get("deletionTimestamp"):
+        return False
+    return _degraded_for_generation(raw, (CREATE_REFUSED, PULL_SECRET_NOT_FOUND))
+
+
+def fence_ahead_marked(raw: RawObject) -> bool:
+    """A VM marked Degraded/FenceAhead for its current generation: its reconcile ended in
+    a Wait of the fence recheck period that requeues it (and a fix of its status is seen
+    through the watch), so the mid-plan scan skips it whatever its plan, pods or deletion
+    show (the driver leaves such a VM alone before it looks at any of them). A new
+    generation is scanned once: its reconcile marks that generation."""
+    return _degraded_for_generation(raw, (FENCE_AHEAD,))
+
+
+def looks_mid_plan(raw: RawObject, pods: Iterable[RawObject]) -> bool:
+    """The mid-plan scan's test of one cached VM and its cached pods: in the middle of
+    something (plan, deletion, gated pod, more than one pod, no committed pod), and not
+    held back by a Wait of its own (:func:`create_held_back`, :func:`fence_ahead_marked`)."""
+    pods = list(pods)
+    meta = raw.get("metadata") or {}
+    status = raw.get("status") or {}
+    if (not pods and create_held_back(raw)) or fence_ahead_marked(raw):
+        return False  # requeued by its own Wait, not every scan
+    terminal = status.get("phase") in TERMINAL_PHASES
+    gated = any((p.get("spec") or {}).get("schedulingGates") for p in pods)
+    return bool(status.get("pendingPod") or meta.get("deletionTimestamp") or gated
+                or len(pods) > 1 or (not status.get("podName") and not terminal))
+
+
+def object_key(raw: RawObject) -> str:
+    """``namespace/name`` of a raw object."""
+    meta = raw.get("metadata") or {}
+    return f"{meta.get('namespace', '')}/{meta.get('name', '')}"
+
+
+def mid_plan_keys(vms: Iterable[RawObject],
+                  pods_of: Callable[[str], Iterable[RawObject]]) -> list[str]:
+    """Keys of the VMs in ``vms`` that :func:`looks_mid_plan` with their pods
+    (``pods_of(key)``): what the mid-plan scan requeues."""
+    keys = []
+    for raw in vms:
+        key = object_key(raw)
+        if looks_mid_plan(raw, pods_of(key)):
+            keys.append(key)
+    return keys

@@ -19,23 +19,37 @@ Knobs:
 * ``conflict=p``: with probability p another writer bumps the VM's resourceVersion just
   before a status or finalizer write, so the write gets 409.
 * ``seed=n``: seed of the random choices (default: random).
+* ``crash_record=path``: when the crash fires, first write a JSON record of it to
+  ``path`` (``{"fault": "crash_after", "step": ..., "occurrence": ..., "vm": ...,
+  "exit_code": 137, "pid": ...}``), so a supervisor learns that the crash fault fired
+  from a file, not from the log. It enables nothing by itself.
 
-Guarantee: a :class:`Faults` built from an empty config never changes behaviour. The
-random source is per instance (seeded), never global.
+This module is the faults' vocabulary (the knobs, their parsing, the seeded
+:class:`Faults` that rolls the dice, the crash record); it imports nothing of the
+controller. Where the faults act is :mod:`neonvm.controller.fault_wiring`: wrappers put
+around the production parts at the composition root, only when a knob is on.
+
+The random source is per :class:`Faults` instance (seeded), never global; one instance
+is shared by all the wrappers of a process.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 from loguru import logger
 
-STEPS = ("plan", "create", "commit", "ungate", "cleanup", "restart", "drop_plan", "sync",
-         "add_finalizer", "finalize")
+from neonvm.controller.decide import performed_actions
+
+STEPS = tuple(action.step for action in performed_actions())
+"""Every step ``crash_after`` may name: each performed action's own ``step``."""
 
 ENV_VAR = "NEONVM_FAULTS"
 CRASH_EXIT_CODE = 137
@@ -55,6 +69,7 @@ class FaultConfig:
     drop_watch_events: float = 0.0
     conflict: float = 0.0
     seed: int | None = None
+    crash_record: str | None = None
 
     @property
     def enabled(self) -> bool:
@@ -86,10 +101,14 @@ class FaultConfig:
                 values[key] = _probability(value, part)
             elif key == "seed":
                 values["seed"] = _positive_int(value, part, allow_zero=True)
+            elif key == "crash_record":
+                if not value:
+                    raise FaultConfigError(f"fault {part!r}: expected a file path")
+                values["crash_record"] = value
             else:
                 raise FaultConfigError(
                     f"unknown fault {key!r} (known: crash_after, stale_reads, "
-                    f"drop_watch_events, conflict, seed)")
+                    f"drop_watch_events, conflict, seed, crash_record)")
         return cls(**values)  # type: ignore[arg-type]
 
     @classmethod
@@ -148,6 +167,13 @@ class Faults:
             logger.bind(vm=vm, step=step).error(
                 "fault injection: crashing right after {step} (exit {code})",
                 step=step, code=CRASH_EXIT_CODE)
+            if self.config.crash_record:
+                try:
+                    write_crash_record(Path(self.config.crash_record), {
+                        "fault": "crash_after", "step": step, "occurrence": n, "vm": vm,
+                        "exit_code": CRASH_EXIT_CODE, "pid": os.getpid()})
+                except OSError as exc:  # the crash happens all the same
+                    logger.error("fault injection: no crash record written: {err}", err=exc)
             self.exit(CRASH_EXIT_CODE)
 
     def serve_stale(self) -> bool:
@@ -166,3 +192,20 @@ class Faults:
         """A seeded index in ``range(n)`` (which stale version to serve)."""
         with self._lock:
             return self._rng.randrange(n)
+
+
+def write_crash_record(path: Path, record: dict[str, Any]) -> None:
+    """Write ``record`` as JSON to ``path`` whole or not at all (a temporary file renamed
+    into place), so a reader never sees half of it."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(record, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def read_crash_record(path: Path) -> dict[str, Any] | None:
+    """The record :func:`write_crash_record` left at ``path``; None if there is none."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None

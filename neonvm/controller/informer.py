@@ -8,8 +8,9 @@ against the store, so deletions missed meanwhile are reported) when the server a
 events is healed by the next re-list). Bookmarks are requested so that quiet watches
 still advance.
 
-What the cache guarantees: nothing about freshness. It may lag the server arbitrarily,
-and with fault injection it may answer with older versions or miss updates entirely.
+What the cache guarantees: nothing about freshness. It may lag the server arbitrarily
+(and a wrapper composed in through :mod:`neonvm.controller.wiring` may, on purpose, make
+it answer with older versions or miss updates entirely).
 The controller therefore uses it only to *start* decisions and to notice changes; the
 reads that guard dangerous actions are direct (see :mod:`neonvm.controller.observe`),
 and VMs in the middle of a plan are requeued and re-read directly on a timer, so a lost
@@ -22,7 +23,6 @@ import contextlib
 import json
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -30,7 +30,6 @@ from kubernetes.client.exceptions import ApiException
 from kubernetes.watch.watch import iter_resp_lines
 from loguru import logger
 
-from neonvm.controller.faults import Faults
 from neonvm.kube import short_error
 
 Obj = dict[str, Any]
@@ -38,6 +37,9 @@ Handler = Callable[[str, Obj | None, Obj | None], None]
 """Called with (key, old, new) for each change; new is None for a deletion."""
 Lister = Callable[..., Any]
 """A kubernetes list function accepting watch/resource_version/_preload_content kwargs."""
+EventFilter = Callable[[str, Obj], bool]
+"""Called with (type, object) for each watch event before the store sees it; False
+ignores the event entirely (the watch's resourceVersion still advances)."""
 
 
 def object_key(obj: Obj) -> str:
@@ -55,23 +57,17 @@ class Gone(Exception):
 
 
 class Store:
-    """Objects by ``namespace/name``, an optional secondary index, and optional history.
+    """Objects by ``namespace/name`` and an optional secondary index.
 
-    History (the last ``history`` versions of each object, and the last member lists of
-    each index value) exists only to serve stale reads under fault injection, so it is
-    off (0) unless asked for: kept always, it multiplied the cache's memory by up to
-    ``history + 1`` and kept every deleted object's last versions for good.
+    Only the current version of each object is kept. Every change goes through
+    :meth:`_set_locked` (under the lock), the one place a subclass may watch changes.
     """
 
-    def __init__(self, index: Callable[[Obj], str | None] | None = None,
-                 history: int = 0) -> None:
+    def __init__(self, index: Callable[[Obj], str | None] | None = None) -> None:
         self._lock = threading.Lock()
         self._items: dict[str, Obj] = {}
         self._index_fn = index
         self._index: dict[str, set[str]] = {}
-        self._history: dict[str, deque[Obj | None]] = {}
-        self._index_history: dict[str, deque[list[Obj]]] = {}
-        self._depth = history
 
     def get(self, key: str) -> Obj | None:
         with self._lock:
@@ -89,27 +85,11 @@ class Store:
         with self._lock:
             return [self._items[k] for k in sorted(self._index.get(value, ()))]
 
-    def older(self, key: str) -> list[Obj | None]:
-        """Earlier versions of ``key`` (None: it did not exist then), oldest first."""
-        with self._lock:
-            return list(self._history.get(key, ()))
-
-    def older_index(self, value: str) -> list[list[Obj]]:
-        with self._lock:
-            return [list(v) for v in self._index_history.get(value, ())]
-
     def _index_of(self, obj: Obj | None) -> str | None:
         return self._index_fn(obj) if (self._index_fn and obj is not None) else None
 
     def _set_locked(self, key: str, new: Obj | None) -> tuple[str, Obj | None, Obj | None]:
         old = self._items.get(key)
-        if self._depth > 0:
-            self._history.setdefault(key, deque(maxlen=self._depth)).append(old)
-            touched = {i for i in (self._index_of(old), self._index_of(new)) if i is not None}
-            for value in touched:
-                members = [self._items[k] for k in sorted(self._index.get(value, ()))]
-                self._index_history.setdefault(value, deque(maxlen=self._depth)).append(
-                    members)
         old_index = self._index_of(old)
         if old_index is not None:
             keys = self._index.get(old_index)
@@ -179,7 +159,7 @@ class Informer:
     """Keeps a :class:`Store` in step with the API server by list+watch, in a thread."""
 
     def __init__(self, name: str, lister: Lister, store: Store, handler: Handler,
-                 faults: Faults | None = None, *, watch_timeout: int = 60,
+                 *, accept: EventFilter | None = None, watch_timeout: int = 60,
                  retry_backoff: float = 0.5, max_backoff: float = 10.0,
                  on_relist: Callable[[str], None] | None = None,
                  relist_seconds: float | None = None,
@@ -189,7 +169,7 @@ class Informer:
         self.store = store
         self._lister = lister
         self._handler = handler
-        self._faults = faults or Faults()
+        self._accept = accept
         self._watch_timeout = watch_timeout
         self._retry_backoff = retry_backoff
         self._max_backoff = max_backoff
@@ -289,9 +269,7 @@ class Informer:
                     rv = str(new_rv)
                 if kind == "BOOKMARK":
                     continue
-                if self._faults.drop_event():
-                    self._log.debug("fault injection: dropped {kind} of {key}", kind=kind,
-                                    key=object_key(obj))
+                if self._accept is not None and not self._accept(str(kind), obj):
                     continue
                 if self._transform is not None:
                     obj = self._transform(obj)

@@ -3,11 +3,17 @@
 Structure (each piece small and replaceable):
 
 * :class:`ControllerProcess` owns what lives as long as the process: the API client, the
-  metrics, the fault injector, and the :class:`~neonvm.leader.election.LeaderElector`.
+  metrics, the :class:`~neonvm.controller.wiring.Wiring` its terms are built by, and the
+  :class:`~neonvm.leader.election.LeaderElector`.
 * Each time the elector hands over a term, a :class:`LeaderTerm` runs in the elector's
   ``on_started`` thread until that term is lost. It owns everything that must not
   outlive the term: the VM and pod informers, the work queue, the workers, the etcd
-  session with its :class:`~neonvm.leader.lock.LockManager`, and the sweeps.
+  session with its :class:`~neonvm.leader.lock.LockManager`, the per-VM timers, and the
+  periodic scans. It is wiring: what a worker does with a key, and how each end of a
+  turn is retried, is :class:`~neonvm.controller.handler.Handler`'s (one documented
+  outcome contract); the lock and orphan-pod sweeps are
+  :class:`~neonvm.controller.sweeps.Sweeps`; which cached VMs look mid-plan is
+  :func:`~neonvm.controller.decide.looks_mid_plan`.
 
 What a term guarantees:
 
@@ -40,83 +46,34 @@ starts. That is what the pod fence and the conditional writes are for (see
 from __future__ import annotations
 
 import contextlib
-import json
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from kubernetes import client
-from kubernetes.client.exceptions import ApiException
 from loguru import logger
-from urllib3.exceptions import HTTPError
 
 from neonvm.api import types
 from neonvm.controller import decide as d
-from neonvm.controller.conditions import DEGRADED, FENCE_AHEAD
 from neonvm.controller.events import EventRecorder
-from neonvm.controller.faults import Faults
-from neonvm.controller.informer import Informer, Obj, Store, object_uid
+from neonvm.controller.handler import Handler
+from neonvm.controller.informer import Informer, Obj
 from neonvm.controller.metrics import ControllerMetrics
-from neonvm.controller.mutations import FencedOut
-from neonvm.controller.observe import CREATE_REFUSED, CacheReader, pod_index, split_key
-from neonvm.controller.reconciler import (
-    AuthorityLost,
-    Reconciler,
-    ReconcilerConfig,
-    RetryableError,
-    WrongVM,
-)
-from neonvm.controller.update import ConflictRetriesExhausted
+from neonvm.controller.observe import pod_index, split_key
+from neonvm.controller.reconciler import AuthorityLost, Reconciler, ReconcilerConfig
+from neonvm.controller.sweeps import Sweeps, list_items
+from neonvm.controller.timers import VMTimers
+from neonvm.controller.wiring import Wiring
 from neonvm.controller.workqueue import Backoff, WorkQueue
+from neonvm.kube import short_error
 from neonvm.leader.election import ElectionConfig, LeaderElector, Leadership, LeadershipLost
 from neonvm.leader.epoch import EpochFloor
 from neonvm.leader.etcd import Etcd, EtcdConfig, EtcdError
 from neonvm.leader.health import HealthServer
-from neonvm.leader.lock import Installation, LockGuard, LockHeld, LockLost, LockManager, SessionLost
+from neonvm.leader.lock import Installation, LockGuard, LockLost, LockManager
 from neonvm.leader.session import Session
-
-
-def create_held_back(raw: dict[str, Any]) -> bool:
-    """A live VM whose create is held back for its current generation (refused, or a pull
-    secret missing): its reconcile ended in a Wait that requeues it, so the mid-plan scan
-    skips it. A new generation (the spec was fixed) is scanned again at once."""
-    meta = raw.get("metadata") or {}
-    if meta.get("deletionTimestamp"):
-        return False
-    return any(
-        cond.get("type") == DEGRADED and cond.get("status") == "True"
-        and cond.get("reason") in (CREATE_REFUSED, d.PULL_SECRET_NOT_FOUND)
-        and cond.get("observedGeneration") == meta.get("generation")
-        for cond in (raw.get("status") or {}).get("conditions") or [])
-
-
-def fence_ahead_marked(raw: dict[str, Any]) -> bool:
-    """A VM marked Degraded/FenceAhead for its current generation: its reconcile ended in
-    a Wait of the fence recheck period that requeues it (and a fix of its status is seen
-    through the watch), so the mid-plan scan skips it whatever its plan, pods or deletion
-    show (``decide`` leaves such a VM alone before it looks at any of them). A new
-    generation is scanned once: its reconcile marks that generation."""
-    meta = raw.get("metadata") or {}
-    return any(
-        cond.get("type") == DEGRADED and cond.get("status") == "True"
-        and cond.get("reason") == FENCE_AHEAD
-        and cond.get("observedGeneration") == meta.get("generation")
-        for cond in (raw.get("status") or {}).get("conditions") or [])
-
-
-def looks_mid_plan(raw: dict[str, Any], pods: list[dict[str, Any]]) -> bool:
-    """The mid-plan scan's test of one cached VM and its cached pods: in the middle of
-    something (plan, deletion, gated pod, no committed pod), and not held back by a Wait
-    of its own (:func:`create_held_back`, :func:`fence_ahead_marked`)."""
-    meta = raw.get("metadata") or {}
-    status = raw.get("status") or {}
-    if (not pods and create_held_back(raw)) or fence_ahead_marked(raw):
-        return False  # requeued by its own Wait, not every scan
-    terminal = status.get("phase") in d.TERMINAL_PHASES
-    gated = any((p.get("spec") or {}).get("schedulingGates") for p in pods)
-    return bool(status.get("pendingPod") or meta.get("deletionTimestamp") or gated
-                or len(pods) > 1 or (not status.get("podName") and not terminal))
 
 
 @dataclass(frozen=True)
@@ -188,7 +145,13 @@ class WorkerAuthority:
 
 
 class LeaderTerm:
-    """Everything done while holding one leadership term (see module doc)."""
+    """Everything done while holding one leadership term (see module doc): the wiring.
+
+    The term owns the informers, the work queue, the etcd session and its locks, the
+    workers, and the periodic scans; what a worker does with a key is the
+    :class:`~neonvm.controller.handler.Handler`'s, and the sweeps are
+    :class:`~neonvm.controller.sweeps.Sweeps`.
+    """
 
     def __init__(self, process: ControllerProcess, leadership: Leadership) -> None:
         self.process = process
@@ -197,11 +160,7 @@ class LeaderTerm:
         self.config = process.config
         self.metrics = process.metrics
         self.queue = WorkQueue(self.config.backoff)
-        self._direct: set[str] = set()
-        self._direct_lock = threading.Lock()
-        self._orphans_seen: dict[str, float] = {}
-        self._stuck: dict[str, tuple[int, float]] = {}
-        """Per VM stuck in a row: (stuck reconciles in a row, monotonic end of backoff)."""
+        self.timers = VMTimers(self.config.stuck_backoff)
         self._locks: LockManager | None = None
         self._session: Session | None = None
         self._locks_mutex = threading.Lock()
@@ -210,10 +169,9 @@ class LeaderTerm:
         ns = self.config.watch_namespace
         custom = client.CustomObjectsApi(api)
         core = client.CoreV1Api(api)
-        # Older versions are kept only to serve them under stale-read fault injection.
-        history = 5 if process.faults.config.stale_reads > 0 else 0
-        self.vm_store = Store(history=history)
-        self.pod_store = Store(index=pod_index, history=history)
+        wiring = process.wiring
+        self.vm_store = wiring.store()
+        self.pod_store = wiring.store(index=pod_index)
         if ns:
             def list_vms(**kw: Any) -> Any:
                 return custom.list_namespaced_custom_object(
@@ -231,16 +189,35 @@ class LeaderTerm:
                                                         **kw)
         self._list_vms, self._list_pods = list_vms, list_pods
         self.informers = [
-            Informer("virtualmachines", list_vms, self.vm_store, self._on_vm, process.faults,
+            Informer("virtualmachines", list_vms, self.vm_store, self._on_vm,
+                     accept=wiring.event_filter("virtualmachines"),
                      relist_seconds=self.config.relist_seconds),
-            Informer("pods", list_pods, self.pod_store, self._on_pod, process.faults,
+            Informer("pods", list_pods, self.pod_store, self._on_pod,
+                     accept=wiring.event_filter("pods"),
                      relist_seconds=self.config.relist_seconds),
         ]
         self.reconciler = Reconciler(
-            api, cache=CacheReader(self.vm_store, self.pod_store, process.faults),
-            faults=process.faults, metrics=self.metrics, events=process.events,
+            api, cache=wiring.observer(self.vm_store, self.pod_store),
+            writer=wiring.writer(api), after_step=wiring.after_step(),
+            metrics=self.metrics, events=process.events,
             config=self.config.reconciler, on_finalized=self._release_lock,
+            timers=self.timers,
         )
+        # Late-bound (lambdas): tests swap the term's listers and locks.
+        self.handler = Handler(
+            queue=self.queue, vms=self.vm_store, reconciler=self.reconciler,
+            read_vm=self.reconciler.reader.get_vm_raw,
+            acquire=lambda namespace, name, uid: self.locks().acquire(
+                namespace, name, uid, self.leadership.epoch),
+            authority=lambda guard: WorkerAuthority(self, guard),
+            release_lock=self._release_lock, timers=self.timers,
+            term_ending=lambda: self.stopping.is_set() or self.leadership.lost.is_set(),
+            end_term=self.leadership.lost.set, metrics=self.metrics, log=self.log)
+        self.sweeps = Sweeps(
+            api=api, list_vms=lambda **kw: self._list_vms(**kw),
+            list_pods=lambda **kw: self._list_pods(**kw), locks=lambda: self.locks(),
+            metrics=self.metrics, log=self.log,
+            orphan_grace_seconds=self.config.orphan_grace_seconds)
 
     # ---- event handlers (informer threads) ---------------------------------------------
 
@@ -252,30 +229,6 @@ class LeaderTerm:
             vm_key = pod_index(obj) if obj is not None else None
             if vm_key:
                 self.queue.add(vm_key)
-
-    def enqueue_direct(self, key: str, delay: float = 0.0) -> None:
-        """Queue ``key`` so that its next reconcile starts with a quorum read."""
-        with self._direct_lock:
-            self._direct.add(key)
-        self.queue.add_after(key, delay)
-
-    def _stuck_backoff(self, key: str) -> float:
-        """One more stuck reconcile of ``key``: the delay before it is looked at again."""
-        with self._direct_lock:
-            streak, _ = self._stuck.get(key, (0, 0.0))
-            delay = self.config.stuck_backoff.delay(streak)
-            self._stuck[key] = (streak + 1, time.monotonic() + delay)
-        return delay
-
-    def _unstuck(self, key: str) -> None:
-        with self._direct_lock:
-            self._stuck.pop(key, None)
-
-    def backing_off(self, key: str) -> bool:
-        """``key`` is waiting out a stuck backoff: the periodic scans skip it."""
-        with self._direct_lock:
-            entry = self._stuck.get(key)
-        return entry is not None and entry[1] > time.monotonic()
 
     # ---- locks -------------------------------------------------------------------------
 
@@ -335,7 +288,7 @@ class LeaderTerm:
             self.log.info("caches synced: {vms} VMs, {pods} runner pods",
                           vms=len(self.vm_store.all_keys()), pods=len(self.pod_store.all_keys()))
             for key in self.vm_store.all_keys():
-                self.enqueue_direct(key)
+                self.queue.add(key, direct=True)
             for i in range(self.config.workers):
                 t = threading.Thread(target=self._worker, name=f"worker-{i}", daemon=True)
                 t.start()
@@ -361,47 +314,32 @@ class LeaderTerm:
             now = time.monotonic()
             if now >= next_plan_scan:
                 next_plan_scan = now + self.config.plan_requeue_seconds
-                for key in self._mid_plan_keys():
-                    if not self.backing_off(key):
-                        self.enqueue_direct(key)
+                self._requeue(d.mid_plan_keys(self.vm_store.values(), self.pod_store.by_index))
                 self.metrics.scans.labels(scan="mid_plan").inc()
             if now >= next_resync:
                 next_resync = now + self.config.resync_seconds
-                for key in self._resync_keys():
-                    if not self.backing_off(key):
-                        self.enqueue_direct(key)
+                self._requeue(self._resync_keys())
                 self.metrics.scans.labels(scan="resync").inc()
             if now >= next_sweep:
                 next_sweep = now + self.config.sweep_seconds
-                self._sweep()
+                self.sweeps.run()
+
+    def _requeue(self, keys: Iterable[str]) -> None:
+        """A periodic scan's requeue: read directly, skipping VMs in a stuck backoff."""
+        for key in keys:
+            if not self.timers.backing_off(key):
+                self.queue.add(key, direct=True)
 
     def _resync_keys(self) -> set[str]:
         """Every VM, from a direct list (the cache may have missed an ADDED event) and
         from the cache (if the list fails, the cache is still worth a look)."""
         keys = set(self.vm_store.all_keys())
         try:
-            resp = self._list_vms(_preload_content=False, _request_timeout=30)
-            try:
-                items = json.loads(resp.data).get("items") or []
-            finally:
-                resp.release_conn()
+            items = list_items(self._list_vms)
         except Exception as exc:
-            self.log.warning("resync list failed: {err}", err=_short(exc))
+            self.log.warning("resync list failed: {err}", err=short_error(exc))
             return keys
-        for item in items:
-            meta = item.get("metadata") or {}
-            keys.add(f"{meta.get('namespace', '')}/{meta.get('name', '')}")
-        return keys
-
-    def _mid_plan_keys(self) -> list[str]:
-        """Cached VMs that look in the middle of something (plan, deletion, gated pod)."""
-        keys = []
-        for raw in self.vm_store.values():
-            meta = raw.get("metadata") or {}
-            key = f"{meta.get('namespace', '')}/{meta.get('name', '')}"
-            if looks_mid_plan(raw, self.pod_store.by_index(key)):
-                keys.append(key)
-        return keys
+        return keys | {d.object_key(item) for item in items}
 
     def _shutdown(self, workers: list[threading.Thread]) -> None:
         self.stopping.set()
@@ -429,148 +367,15 @@ class LeaderTerm:
 
     def _worker(self) -> None:
         while True:
-            key = self.queue.get(timeout=0.5)
-            if key is None:
+            taken = self.queue.take(timeout=0.5)
+            if taken is None:
                 if self.queue.shutting_down or self.stopping.is_set():
                     return
                 continue
             try:
-                self._process(key)
+                self.handler.process(taken.key, taken.direct)
             finally:
-                self.queue.done(key)
-
-    def _vm_uid(self, key: str, direct: bool) -> str | None:
-        """The VM's uid: from the cache, or (``direct``, or not cached) a quorum read.
-
-        A direct read that finds no VM while the cache still holds one means the watch
-        missed its deletion: the cached copy is dropped. Left there, every requeue that
-        starts from the cache would take the gone VM's lock again until the next relist.
-        """
-        cached = self.vm_store.get(key)
-        raw = None if direct else cached
-        if raw is None:
-            namespace, name = split_key(key)
-            raw = self.reconciler.reader.get_vm_raw(namespace, name)
-        if raw is None:
-            stale_uid = object_uid(cached)
-            if stale_uid and self.vm_store.discard(key, stale_uid):
-                self.metrics.cache_evictions.inc()
-                self.log.bind(vm=key).info(
-                    "dropped a deleted VM from the cache (its deletion event was missed)",
-                    uid=stale_uid)
-            return None
-        return object_uid(raw)
-
-    def _process(self, key: str) -> None:
-        with self._direct_lock:
-            direct = key in self._direct
-            self._direct.discard(key)
-        log = self.log.bind(vm=key)
-        try:
-            uid = self._vm_uid(key, direct)
-            if uid is None:
-                self._release_lock(key)
-                self.queue.forget(key)
-                self._unstuck(key)
-                return
-            namespace, name = split_key(key)
-            guard = self.locks().acquire(namespace, name, uid, self.leadership.epoch)
-            authority = WorkerAuthority(self, guard)
-            result = self.reconciler.reconcile(key, authority, direct_first=direct)
-            self.queue.forget(key)
-            if result.stuck:
-                delay = self._stuck_backoff(key)
-                log.warning("not converging ({reason}); looking again in {delay:.1f}s",
-                            reason=result.stuck, delay=delay, backoff=delay)
-                self.enqueue_direct(key, delay)
-            else:
-                self._unstuck(key)
-                self.enqueue_direct(key, result.requeue_after)
-        except (AuthorityLost, LeadershipLost, LockLost, SessionLost) as exc:
-            if self.stopping.is_set() or self.leadership.lost.is_set():
-                return
-            log.warning("reconcile stopped: {err}", err=exc)
-            self.enqueue_direct(key, self.queue.add_rate_limited(key))
-        except WrongVM as exc:
-            log.info("{err}: taking the lock for the new VM", err=exc)
-            self.enqueue_direct(key)
-        except LockHeld as exc:
-            delay = self.queue.add_rate_limited(key)
-            log.warning("{err}; retrying in {delay:.1f}s", err=exc, delay=delay)
-        except FencedOut as exc:
-            # Only a fence of our own epoch with a higher token gets here (the locks'
-            # tokens went back); one ahead by its epoch is marked on that VM alone.
-            log.error("fenced out: {err}; ending this term for a new epoch", err=exc)
-            self.leadership.lost.set()
-        except Exception as exc:
-            delay = self.queue.add_rate_limited(key)
-            with self._direct_lock:
-                self._direct.add(key)
-            message = _short(exc)
-            if isinstance(exc, ApiException | EtcdError | OSError | HTTPError | RetryableError
-                          | ConflictRetriesExhausted):
-                log.warning("reconcile failed ({err}); retrying in {delay:.2f}s",
-                            err=message, delay=delay)
-            else:
-                log.exception("reconcile failed ({err}); retrying in {delay:.2f}s",
-                              err=message, delay=delay)
-
-    # ---- sweeps ------------------------------------------------------------------------
-
-    def _live_vm_uids(self) -> set[str]:
-        resp = self._list_vms(_preload_content=False, _request_timeout=30)
-        try:
-            items = json.loads(resp.data).get("items") or []
-        finally:
-            resp.release_conn()
-        return {str((i.get("metadata") or {}).get("uid")) for i in items}
-
-    def _sweep(self) -> None:
-        """Remove locks of VMs that no longer exist, and pods no VM owns any more."""
-        try:
-            swept = self.locks().sweep(self._live_vm_uids)
-            if swept:
-                self.metrics.swept.labels(kind="lock").inc(len(swept))
-            self._sweep_orphan_pods()
-        except Exception as exc:
-            self.log.warning("sweep failed: {err}", err=_short(exc))
-
-    def _sweep_orphan_pods(self) -> None:
-        # Pods first, then VMs: a pod whose VM exists is never missed by the later list.
-        resp = self._list_pods(_preload_content=False, _request_timeout=30)
-        try:
-            pods = json.loads(resp.data).get("items") or []
-        finally:
-            resp.release_conn()
-        uids = self._live_vm_uids()
-        now = time.monotonic()
-        seen: dict[str, float] = {}
-        core = client.CoreV1Api(self.process.api)
-        for pod in pods:
-            meta = pod.get("metadata") or {}
-            owner = (meta.get("labels") or {}).get(types.LABEL_VM_UID) or next(
-                (r.get("uid") for r in meta.get("ownerReferences") or []
-                 if r.get("kind") == types.KIND), None)
-            if owner is None or owner in uids or meta.get("deletionTimestamp"):
-                continue
-            pod_uid = str(meta.get("uid"))
-            first = self._orphans_seen.get(pod_uid, now)
-            seen[pod_uid] = first
-            if now - first < self.config.orphan_grace_seconds:
-                continue
-            try:
-                core.delete_namespaced_pod(
-                    meta["name"], meta["namespace"],
-                    body=client.V1DeleteOptions(
-                        preconditions=client.V1Preconditions(uid=pod_uid)))
-            except ApiException as exc:
-                if exc.status not in (404, 409):
-                    raise
-                continue
-            self.metrics.swept.labels(kind="pod").inc()
-            self.log.bind(vm=f"{meta['namespace']}/{owner}").info(
-                "deleted runner pod {pod}: its VM no longer exists", pod=meta["name"])
-        self._orphans_seen = seen
+                self.queue.done(taken.key)
 
 
 # ---- the process ------------------------------------------------------------------------
@@ -581,14 +386,15 @@ class ControllerProcess:
 
     def __init__(self, api: client.ApiClient, etcd_config: EtcdConfig,
                  election: ElectionConfig, config: ControllerConfig, *,
-                 faults: Faults | None = None, metrics: ControllerMetrics | None = None,
+                 wiring: Wiring | None = None, metrics: ControllerMetrics | None = None,
                  events: EventRecorder | None = None) -> None:
         self.api = api
         self.etcd_config = etcd_config
         self.etcd = Etcd(etcd_config)
         self.election = election
         self.config = config
-        self.faults = faults or Faults()
+        self.wiring = wiring or Wiring()
+        """How each term's parts are built (the one seam wrappers are composed at)."""
         self.metrics = metrics or ControllerMetrics()
         self.events = events or EventRecorder(api, election.identity)
         self._term: LeaderTerm | None = None
@@ -645,12 +451,4 @@ class ControllerProcess:
             self.elector.run(stop)
         finally:
             self.etcd.close()
-
-
-def _short(exc: BaseException) -> str:
-    if isinstance(exc, ApiException):
-        from neonvm.kube import api_error_message
-
-        return f"{exc.status}: {api_error_message(exc)}"
-    return f"{type(exc).__name__}: {exc}"[:300]
 

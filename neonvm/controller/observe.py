@@ -9,9 +9,9 @@ Two sources:
   rule sound: a pod in the list that the (newer) VM does not reference is not referenced
   by any later version either, because pod names are never reused.
 * :class:`CacheReader` answers from the informers' stores. It may be arbitrarily stale
-  (and is made stale on purpose under fault injection); its observations say
-  ``direct=False`` and :func:`~neonvm.controller.decide.decide` never bases a dangerous
-  action on them.
+  (and a wrapper composed in through :mod:`neonvm.controller.wiring` may make it stale on
+  purpose); its observations say ``direct=False`` and
+  :func:`~neonvm.controller.decide.decide` never bases a dangerous action on them.
 
 A :class:`Snapshot` keeps the raw objects next to the observation: the driver's writes
 need the exact resourceVersions of what the decision saw (the VM's for status and
@@ -41,8 +41,8 @@ from loguru import logger
 
 from neonvm.api import types
 from neonvm.api.types import VirtualMachine
+from neonvm.controller import decide as d
 from neonvm.controller.decide import Lease, Observation, PodView
-from neonvm.controller.faults import Faults
 from neonvm.controller.informer import Store
 
 Clock = Callable[[], dt.datetime]
@@ -53,7 +53,7 @@ def utc_now() -> dt.datetime:
     return dt.datetime.now(dt.UTC)
 
 
-CREATE_REFUSED = "CreateRefused"
+CREATE_REFUSED = d.CREATE_REFUSED
 """Reason of the Degraded condition recorded when the API server refuses a pod create."""
 
 
@@ -314,28 +314,16 @@ def pod_index(pod: dict[str, Any]) -> str | None:
 class CacheReader:
     """Observations from the informers' stores (``direct=False``)."""
 
-    def __init__(self, vms: Store, pods: Store, faults: Faults | None = None,
-                 clock: Clock = utc_now) -> None:
+    def __init__(self, vms: Store, pods: Store, clock: Clock = utc_now) -> None:
         self._vms = vms
         self._pods = pods
-        self._faults = faults or Faults()
         self._clock = clock
 
     def vm_raw(self, key: str) -> dict[str, Any] | None:
-        raw = self._vms.get(key)
-        if self._faults.serve_stale():
-            older = self._vms.older(key)
-            if older:
-                raw = older[self._faults.pick(len(older))]
-        return raw
+        return self._vms.get(key)
 
     def pods_raw(self, key: str) -> list[dict[str, Any]]:
-        pods = self._pods.by_index(key)
-        if self._faults.serve_stale():
-            older = self._pods.older_index(key)
-            if older:
-                pods = older[self._faults.pick(len(older))]
-        return pods
+        return self._pods.by_index(key)
 
     def observe(self, key: str, lease: Lease) -> Snapshot:
         raw = self.vm_raw(key)

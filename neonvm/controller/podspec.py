@@ -95,6 +95,10 @@ class PodDefaults:
 
     runner_image: str = DEFAULT_RUNNER_IMAGE
     image_pull_policy: str = "IfNotPresent"
+    kvm_resource: str | None = None
+    """Extended resource that puts ``/dev/kvm`` into a container (a device plugin's, e.g.
+    NeonVM's ``devices.kubevirt.io/kvm``), requested by VMs with acceleration on. None:
+    nothing is requested (the cluster has no such plugin)."""
 
 
 def runner_pod(vm: VirtualMachine, plan: PendingPod,
@@ -119,11 +123,15 @@ def runner_pod(vm: VirtualMachine, plan: PendingPod,
             {"name": "NEONVM_POD_NAME", "value": plan.name},
             {"name": "NEONVM_RUNNER_PORT", "value": str(port)},
             {"name": "NEONVM_DISKS_DIR", "value": DISKS_DIR},
+            # NeonVM's default is true: the runner reports AccelerationUnavailable when
+            # KVM does not work in the pod, instead of falling back to TCG silently.
+            {"name": "NEONVM_ENABLE_ACCELERATION",
+             "value": "false" if spec.enable_acceleration is False else "true"},
         ],
         "ports": [{"name": "runner", "containerPort": port, "protocol": "TCP"}],
         "livenessProbe": _probe("/healthz", port, period=10, failures=3),
         "readinessProbe": _probe("/ready", port, period=5, failures=1),
-        "resources": _resources(vm),
+        "resources": _with_kvm(_resources(vm), vm, defaults.kvm_resource),
         "securityContext": _container_security(),
     }
     for guest_port in spec.guest.ports or []:
@@ -316,6 +324,18 @@ def _resources(vm: VirtualMachine) -> dict[str, Any]:
         "requests": {"cpu": cpu_request, "memory": _bytes(memory)},
         "limits": {"cpu": cpu_limit, "memory": _bytes(memory)},
     }
+
+
+def _with_kvm(resources: dict[str, Any], vm: VirtualMachine,
+              kvm_resource: str | None) -> dict[str, Any]:
+    """One ``kvm_resource`` in limits and requests (extended resources need both equal)
+    when the VM wants acceleration and the controller names a resource."""
+    if not kvm_resource or vm.spec.enable_acceleration is False:
+        return resources
+    out = {k: dict(v) for k, v in resources.items() if isinstance(v, dict)}
+    for key in ("limits", "requests"):
+        out.setdefault(key, {})[kvm_resource] = "1"
+    return out
 
 
 def _bytes(n: int) -> str:

@@ -61,11 +61,10 @@ from __future__ import annotations
 import copy
 import threading
 import time
-import uuid
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, NamedTuple, Protocol
 
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
@@ -98,7 +97,6 @@ from neonvm.controller.conditions import (
     stuck_condition,
 )
 from neonvm.controller.events import EventRecorder
-from neonvm.controller.faults import Faults
 from neonvm.controller.metrics import ControllerMetrics
 from neonvm.controller.mutations import (
     FencedOut,
@@ -115,6 +113,7 @@ from neonvm.controller.observe import (
     split_key,
 )
 from neonvm.controller.scaling import RunnerScaling
+from neonvm.controller.timers import VMTimers
 from neonvm.controller.update import (
     RetryPolicy,
     UpdateFunction,
@@ -123,28 +122,9 @@ from neonvm.controller.update import (
 )
 from neonvm.kube import api_error_message
 
-FAULT_BUMP_ANNOTATION = "vm.neon.tech/fault-bump"
-"""Annotation the conflict fault writes to bump a VM's resourceVersion."""
 FENCE_AHEAD_RECHECK_SECONDS = 300.0
 """How soon a VM fenced ahead of a valid leader is looked at again (a change to the VM,
 such as an operator's fix of status.fence, is seen at once through the watch)."""
-
-STEP_NAMES: dict[type[d.Action], str] = {
-    d.RecordPlan: "plan",
-    d.CreatePod: "create",
-    d.Commit: "commit",
-    d.Ungate: "ungate",
-    d.DeletePod: "cleanup",
-    d.Restart: "restart",
-    d.DropPlan: "drop_plan",
-    d.SyncStatus: "sync",
-    d.AddFinalizer: "add_finalizer",
-    d.RemoveFinalizer: "finalize",
-    d.PlanScale: "plan_scale",
-    d.ApplyScale: "apply_scale",
-    d.CommitScale: "commit_scale",
-    d.DropScale: "drop_scale",
-}
 
 
 class Outcome(str):
@@ -256,6 +236,12 @@ def controlling_owner_uid(pod: dict[str, Any]) -> str | None:
     return next((str(ref.get("uid")) for ref in refs if ref.get("controller")), None)
 
 
+def _forbidden_reason(kind: type[d.Action]) -> str:
+    """The Degraded reason of an action refused for good (its row's, else generic)."""
+    row = ACTIONS.get(kind)
+    return (row.forbidden if row is not None else None) or f"{kind.__name__}{NOT_TAKING_EFFECT}"
+
+
 def _target(action: d.Action) -> str:
     """What an action acts on, for log lines."""
     if isinstance(action, d.RecordPlan | d.CreatePod):
@@ -343,35 +329,30 @@ class ReconcileResult:
     caller retries with backoff rather than at ``requeue_after``."""
 
 
+class Writer(Protocol):
+    """The two conditional writes of a VM (what :class:`Reconciler` writes VMs with)."""
+
+    def put_status(self, record: VMRecord, status: VirtualMachineStatus) -> VMRecord: ...
+
+    def put_main(self, record: VMRecord, finalizers: list[str]) -> VMRecord: ...
+
+
+StepHook = Callable[[str, str, str], None]
+"""Called after each performed step with (VM key, step name, outcome)."""
+
+
 class VMWriter:
     """The two conditional writes of a VM: PUT ``/status`` and PUT of the main resource.
 
     Both carry ``metadata.resourceVersion`` of the record they are given, so the API
     server refuses them (409) if the VM changed since that version: never a blind write.
-    Under the ``conflict`` fault another writer bumps the VM just before each write.
     """
 
-    def __init__(self, api: client.ApiClient, faults: Faults | None = None) -> None:
+    def __init__(self, api: client.ApiClient) -> None:
         self._custom = client.CustomObjectsApi(api)
-        self._faults = faults or Faults()
-
-    def bump(self, record: VMRecord) -> None:
-        """Change the VM's resourceVersion without touching spec or status (annotation)."""
-        vm = record.vm
-        self._custom.patch_namespaced_custom_object(
-            types.GROUP, types.VERSION, vm.namespace, types.PLURAL, vm.name,
-            {"metadata": {"annotations": {FAULT_BUMP_ANNOTATION: uuid.uuid4().hex[:8]}}},
-        )
-
-    def _maybe_bump(self, record: VMRecord) -> None:
-        if self._faults.inject_conflict():
-            self.bump(record)
-            logger.bind(vm=record.vm.key).debug(
-                "fault injection: bumped resourceVersion before a write")
 
     def put_status(self, record: VMRecord, status: VirtualMachineStatus) -> VMRecord:
         """PUT /status carrying the resourceVersion of ``record`` (never a blind patch)."""
-        self._maybe_bump(record)
         vm = record.vm
         body = {
             "apiVersion": types.API_VERSION,
@@ -387,7 +368,6 @@ class VMWriter:
 
     def put_main(self, record: VMRecord, finalizers: list[str]) -> VMRecord:
         """PUT of the main resource with new finalizers, carrying the resourceVersion."""
-        self._maybe_bump(record)
         body = copy.deepcopy(record.raw)
         body["metadata"]["finalizers"] = finalizers
         vm = record.vm
@@ -405,19 +385,21 @@ class Reconciler:
         api: client.ApiClient,
         *,
         cache: Observer | None = None,
-        faults: Faults | None = None,
+        writer: Writer | None = None,
+        after_step: StepHook | None = None,
         metrics: ControllerMetrics | None = None,
         events: EventRecorder | None = None,
         config: ReconcilerConfig | None = None,
         update: UpdateFunction[VMRecord] = conditional_update,
         on_finalized: Callable[[str], None] | None = None,
         scaling: RunnerScaling | None = None,
+        timers: VMTimers | None = None,
     ) -> None:
         self._core = client.CoreV1Api(api)
         self.reader = DirectReader(api)
-        self.writer = VMWriter(api, faults)
+        self.writer: Writer = writer or VMWriter(api)
         self._cache = cache
-        self._faults = faults or Faults()
+        self._after_step = after_step
         self._metrics = metrics
         self._events = events or EventRecorder(None)
         self._config = config or ReconcilerConfig()
@@ -427,8 +409,9 @@ class Reconciler:
         self._api = api
         self._identity: str | None = None
         self._mutex = threading.Lock()
-        self._create_failures: dict[str, tuple[int, float]] = {}
-        """Per VM: transient create failures in a row, and when the first one was."""
+        self.timers = timers or VMTimers()
+        """Per VM: transient create failures in a row (shared with the term's handler,
+        which drops a gone VM's entries)."""
 
     # ---- the loop ----------------------------------------------------------------------
 
@@ -511,7 +494,8 @@ class Reconciler:
                 return ReconcileResult(action=action, requeue_after=requeue, steps=steps)
             if not resumed_counted:
                 resumed_counted = True
-                if isinstance(action, d.CreatePod | d.Commit | d.DropPlan) and self._metrics:
+                row = ACTIONS.get(type(action))
+                if row is not None and row.resumes_plan and self._metrics:
                     self._metrics.plans_resumed.inc()
             log.info("{action}: {reason}", action=type(action).__name__, reason=action.reason)
             outcome = self._perform(key, action, snap, authority, log)
@@ -519,8 +503,8 @@ class Reconciler:
             if self._metrics:
                 self._metrics.actions.labels(action=type(action).__name__,
                                              outcome=outcome).inc()
-            if outcome == "done":
-                self._faults.after(STEP_NAMES[type(action)], key)
+            if self._after_step is not None:
+                self._after_step(key, STEP_NAMES[type(action)], str(outcome))
             performed[type(action)] += 1
             if outcome not in EFFECTIVE:
                 miss = (type(action), str(outcome))
@@ -532,10 +516,7 @@ class Reconciler:
             if outcome in BLOCKED:
                 detail = getattr(outcome, "detail", "") or f"{type(action).__name__} refused"
                 return self._stuck(key, snap, authority, log, steps, type(action),
-                                   UNGATE_FORBIDDEN if isinstance(action, d.Ungate)
-                                   else CREATE_FORBIDDEN if isinstance(action, d.CreatePod)
-                                   else f"{type(action).__name__}{NOT_TAKING_EFFECT}",
-                                   detail)
+                                   _forbidden_reason(type(action)), detail)
         if misses:
             (kind, outcome), times = misses.most_common(1)[0]
             detail = details.get((kind, outcome), "")
@@ -554,7 +535,7 @@ class Reconciler:
     def _stuck(self, key: str, snap: Snapshot, authority: Authority, log: Any, steps: int,
                kind: type[d.Action], reason: str, message: str) -> ReconcileResult:
         """End a reconcile that cannot converge: count it, say so in Degraded."""
-        step = STEP_NAMES.get(kind, kind.__name__.lower())
+        step = kind.step or kind.__name__.lower()
         if self._metrics:
             self._metrics.stuck.labels(step=step).inc()
         log.warning("not converging ({reason}): {message}", reason=reason, message=message)
@@ -626,28 +607,23 @@ class Reconciler:
 
     def _perform(self, key: str, action: d.Action, snap: Snapshot, authority: Authority,
                  log: Any) -> str:
-        """Perform one action; returns "done" when it took effect, else why not."""
-        if isinstance(action, d.RecordPlan | d.Commit | d.DropPlan | d.Restart
-                      | d.SyncStatus | d.PlanScale | d.CommitScale | d.DropScale):
-            written = self._write_status(key, snap, status_mutation(action, authority.lease),
-                                         authority, log)
-            if written is not None:
-                self._event_for(action, written.vm)
-                return "done"
-            return "declined"
-        if isinstance(action, d.AddFinalizer | d.RemoveFinalizer):
-            return self._write_finalizers(key, action, snap, authority, log)
-        if isinstance(action, d.CreatePod):
-            if snap.record is not None:
-                self._scaling.ensure_token(snap.record.vm)
-            return self._create_pod(key, action, snap, authority, log)
-        if isinstance(action, d.ApplyScale):
-            return self._scaling.apply(action, snap, log)
-        if isinstance(action, d.Ungate):
-            return self._ungate(key, action, snap, log)
-        if isinstance(action, d.DeletePod):
-            return self._delete_pod(key, action, snap, log)
-        raise RuntimeError(f"no driver for {action!r}")
+        """Perform one action by its row in :data:`ACTIONS`; "done" when it took effect,
+        else why not."""
+        row = ACTIONS.get(type(action))
+        if row is None:
+            raise RuntimeError(f"no performer for {action!r}")
+        return row.perform(self, key, action, snap, authority, log)
+
+    def _status_write(self, key: str, action: d.Action, snap: Snapshot,
+                      authority: Authority, log: Any) -> str:
+        """The performer of a status write: its mutation
+        (:func:`~neonvm.controller.mutations.status_mutation`), PUT conditionally."""
+        written = self._write_status(key, snap, status_mutation(action, authority.lease),
+                                     authority, log)
+        if written is not None:
+            self._event_for(action, written.vm)
+            return "done"
+        return "declined"
 
     def _update_vm(self, key: str, snap: Snapshot,
                    mutate: Callable[[VMRecord], Any],
@@ -685,8 +661,8 @@ class Reconciler:
                      n=outcome.conflicts, w=outcome.written)
         return outcome.obj if outcome.written else None
 
-    def _write_finalizers(self, key: str, action: d.Action, snap: Snapshot,
-                          authority: Authority, log: Any) -> str:
+    def _finalizer_write(self, key: str, action: d.Action, snap: Snapshot,
+                         authority: Authority, log: Any) -> str:
         mutation = finalizers_mutation(action)
         outcome = self._update_vm(key, snap, lambda rec: mutation(rec.vm), self.writer.put_main,
                                   authority)
@@ -701,24 +677,12 @@ class Reconciler:
         return "done"
 
     def _event_for(self, action: d.Action, vm: types.VirtualMachine) -> None:
-        if isinstance(action, d.RecordPlan):
-            p = action.plan
-            self._events.record(vm, "Planned",
-                                f"plan #{p.plan_seq}: runner pod {p.name} "
-                                f"(epoch {p.epoch}, token {p.token})")
-        elif isinstance(action, d.Commit):
-            self._events.record(vm, "Committed", f"runner pod {action.name} committed")
-        elif isinstance(action, d.DropPlan):
-            self._events.record(vm, "PlanDropped", action.reason, warning=True)
-        elif isinstance(action, d.Restart):
-            if action.terminal_phase is None:
-                self._events.record(vm, "Restarting",
-                                    f"{action.reason}; restart #{vm.status.restart_count} "
-                                    f"(restartPolicy {vm.spec.restart_policy})")
-            else:
-                self._events.record(vm, vm.status.phase or "Stopped",
-                                    f"{action.reason}; not restarted (restartPolicy "
-                                    f"{vm.spec.restart_policy})")
+        """The event of an action that took effect (its row's ``event``), on ``vm`` as
+        written."""
+        row = ACTIONS.get(type(action))
+        event = row.event(action, vm) if row is not None and row.event is not None else None
+        if event is not None:
+            self._events.record(vm, event.reason, event.message, warning=event.warning)
 
     def _event_for_wait(self, action: d.Action, before: types.VirtualMachine,
                         after: types.VirtualMachine, log: Any) -> None:
@@ -735,6 +699,7 @@ class Reconciler:
                     authority: Authority, log: Any) -> str:
         assert snap.record is not None
         vm = snap.record.vm
+        self._scaling.ensure_token(vm)  # the pod mounts the VM's live scaling token
         try:
             manifest = podspec.runner_pod(vm, action.plan, self._config.pod_defaults)
         except podspec.PodSpecError as exc:
@@ -750,7 +715,7 @@ class Reconciler:
             if kind == "retry":
                 self._create_failed(key, snap, name, f"{exc.status}: {message}", authority, log)
                 raise RetryableError(f"create {name}: {exc.status}: {message}") from exc
-            self._create_failures_reset(key)
+            self.timers.create_answered(key)
             if kind == "exists":
                 return self._name_taken(key, action, snap, authority, log)
             if exc.status == 403 and FENCE_CREATOR_RULE in message:
@@ -764,7 +729,7 @@ class Reconciler:
             message = f"{type(exc).__name__}: {exc}"
             self._create_failed(key, snap, name, message, authority, log)
             raise RetryableError(f"create {name}: {message}") from exc
-        self._create_failures_reset(key)
+        self.timers.create_answered(key)
         meta = created.get("metadata") or {}
         if not podspec.has_our_gate(created):
             self._gate_stripped(key, snap, meta, authority, log)
@@ -772,22 +737,14 @@ class Reconciler:
         self._events.record(vm, "Created", f"runner pod {action.plan.name} created (gated)")
         return "done"
 
-    def _create_failures_reset(self, key: str) -> None:
-        with self._mutex:
-            self._create_failures.pop(key, None)
-
     def _create_failed(self, key: str, snap: Snapshot, name: str, error: str,
                        authority: Authority, log: Any) -> None:
         """A transient create failure: after a few in a row, say so in Degraded (the
         create is still retried with backoff; the condition clears once a reconcile ends
         normally)."""
-        now = time.monotonic()
-        with self._mutex:
-            failures, since = self._create_failures.get(key, (0, now))
-            failures += 1
-            self._create_failures[key] = (failures, since)
+        failures, lasted = self.timers.create_failed(key)
         if (failures < CREATE_FAILURES_BEFORE_CONDITION or snap.record is None
-                or now - since < self._config.create_failing_after):
+                or lasted < self._config.create_failing_after):
             return
         update = stuck_condition(CREATE_FAILING,
                                  f"creating runner pod {name} keeps failing (retried with "
@@ -798,6 +755,11 @@ class Reconciler:
                                authority, log)
         except (ApiException, HTTPError, OSError) as exc:
             log.debug("could not record CreateFailing: {err}", err=exc)
+
+    def _apply_scale(self, key: str, action: d.ApplyScale, snap: Snapshot,
+                     authority: Authority, log: Any) -> str:
+        """The performer of ApplyScale: the runner's ``PUT /scale`` with the plan's fence."""
+        return self._scaling.apply(action, snap, log)
 
     def _name_taken(self, key: str, action: d.CreatePod, snap: Snapshot,
                     authority: Authority, log: Any) -> str:
@@ -881,7 +843,8 @@ class Reconciler:
             self._identity = f'"{user}"'
             return self._identity
 
-    def _ungate(self, key: str, action: d.Ungate, snap: Snapshot, log: Any) -> str:
+    def _ungate(self, key: str, action: d.Ungate, snap: Snapshot, authority: Authority,
+                log: Any) -> str:
         """Remove our gate, guarded by a fresh direct list and a test-and-remove patch."""
         assert snap.record is not None
         vm = snap.record.vm
@@ -986,10 +949,97 @@ class Reconciler:
             raise
         return True
 
-    def _delete_pod(self, key: str, action: d.DeletePod, snap: Snapshot, log: Any) -> str:
+    def _delete_pod(self, key: str, action: d.DeletePod, snap: Snapshot,
+                    authority: Authority, log: Any) -> str:
         assert snap.record is not None
         vm = snap.record.vm
         if not self._delete(vm.namespace, action.name, action.uid, log):
             return "gone"
         self._events.record(vm, "Deleted", f"runner pod {action.name}: {action.reason}")
         return "done"
+
+
+# ---- the actions: one row each ------------------------------------------------------------
+
+
+class Event(NamedTuple):
+    """A Kubernetes event on the VM: reason, message, and whether it is a Warning."""
+
+    reason: str
+    message: str
+    warning: bool = False
+
+
+def _planned(action: d.RecordPlan, vm: types.VirtualMachine) -> Event:
+    p = action.plan
+    return Event("Planned", f"plan #{p.plan_seq}: runner pod {p.name} "
+                            f"(epoch {p.epoch}, token {p.token})")
+
+
+def _committed(action: d.Commit, vm: types.VirtualMachine) -> Event:
+    return Event("Committed", f"runner pod {action.name} committed")
+
+
+def _plan_dropped(action: d.DropPlan, vm: types.VirtualMachine) -> Event:
+    return Event("PlanDropped", action.reason, warning=True)
+
+
+def _restarted(action: d.Restart, vm: types.VirtualMachine) -> Event:
+    if action.terminal_phase is None:
+        return Event("Restarting", f"{action.reason}; restart #{vm.status.restart_count} "
+                                   f"(restartPolicy {vm.spec.restart_policy})")
+    return Event(vm.status.phase or "Stopped", f"{action.reason}; not restarted "
+                                               f"(restartPolicy {vm.spec.restart_policy})")
+
+
+@dataclass(frozen=True)
+class ActionRow:
+    """How the driver performs one action type, and what it says when it took effect."""
+
+    perform: Callable[..., str]
+    """A :class:`Reconciler` method ``(self, key, action, snap, authority, log)``: returns
+    "done" when the action took effect, else why not (an :class:`Outcome`)."""
+    writes: Literal["status", "main", "pod", "runner"]
+    """What it writes: the VM's ``/status`` (its mutation is in
+    :func:`~neonvm.controller.mutations.status_mutation`), the VM's main resource
+    (:func:`~neonvm.controller.mutations.finalizers_mutation`), a pod, or the committed
+    pod's runner (live scaling's ``PUT /scale``, then the pod's usage annotation and
+    in-place resize)."""
+    event: Callable[[Any, types.VirtualMachine], Event | None] | None = None
+    """The event recorded once a status write took effect, from the VM as written (pod
+    actions record theirs where they happen)."""
+    forbidden: str | None = None
+    """The Degraded reason when the API server refuses the action for good (403)."""
+    resumes_plan: bool = False
+    """Performed first in a reconcile, it continues a plan recorded earlier (counted in
+    ``neonvm_controller_plans_resumed_total``)."""
+
+
+ACTIONS: dict[type[d.Action], ActionRow] = {
+    d.RecordPlan: ActionRow(Reconciler._status_write, "status", event=_planned),
+    d.CreatePod: ActionRow(Reconciler._create_pod, "pod", forbidden=CREATE_FORBIDDEN,
+                           resumes_plan=True),
+    d.Commit: ActionRow(Reconciler._status_write, "status", event=_committed,
+                        resumes_plan=True),
+    d.Ungate: ActionRow(Reconciler._ungate, "pod", forbidden=UNGATE_FORBIDDEN),
+    d.DeletePod: ActionRow(Reconciler._delete_pod, "pod"),
+    d.Restart: ActionRow(Reconciler._status_write, "status", event=_restarted),
+    d.DropPlan: ActionRow(Reconciler._status_write, "status", event=_plan_dropped,
+                          resumes_plan=True),
+    d.SyncStatus: ActionRow(Reconciler._status_write, "status"),
+    d.AddFinalizer: ActionRow(Reconciler._finalizer_write, "main"),
+    d.RemoveFinalizer: ActionRow(Reconciler._finalizer_write, "main"),
+    d.PlanScale: ActionRow(Reconciler._status_write, "status"),
+    d.ApplyScale: ActionRow(Reconciler._apply_scale, "runner"),
+    d.CommitScale: ActionRow(Reconciler._status_write, "status"),
+    d.DropScale: ActionRow(Reconciler._status_write, "status"),
+}
+"""Every action the driver performs: the one table (its ``step`` is on the class).
+
+Adding an action: its class in :mod:`~neonvm.controller.decide` (with a ``step``), and its
+row here with its performer (for a status write, its mutation in
+:mod:`~neonvm.controller.mutations`). The ``crash_after`` fault steps, the crash
+campaign's steps and the explorer's write kinds derive from these two."""
+
+STEP_NAMES: dict[type[d.Action], str] = {kind: kind.step for kind in ACTIONS}
+"""Step name per performed action type (derived: each class's ``step``)."""

@@ -128,48 +128,6 @@ def conditional_update(
         return UpdateOutcome(written=True, obj=stored, attempts=attempts, conflicts=conflicts)
 
 
-def stale_writeback_update(
-    current: Obj,
-    mutate: Callable[[Obj], C | None],
-    write: Callable[[Obj, C], Obj],
-    reread: Callable[[], Obj | None],
-    *,
-    policy: RetryPolicy | None = None,
-    conflict: Callable[[BaseException], bool] = is_conflict,
-    sleep: Callable[[float], None] = time.sleep,
-    on_conflict: Callable[[int], None] | None = None,
-) -> UpdateOutcome[Obj]:
-    """THE SEED'S BUG, kept only so tests can show what it does. Never use it.
-
-    On a conflict it re-reads the object only to learn the new resourceVersion, then
-    writes the change it computed from the *stale* copy over the fresh one: a blind
-    write. Whatever happened in between is overwritten, and the caller is told
-    "written". Same signature as :func:`conditional_update`, so a test can swap it in.
-    """
-    policy = policy or RetryPolicy()
-    change = mutate(current)
-    if change is None:
-        return UpdateOutcome(written=False, obj=current, attempts=1, conflicts=0)
-    obj: Obj = current
-    conflicts = 0
-    while True:
-        try:
-            stored = write(obj, change)
-        except Exception as exc:
-            if not conflict(exc):
-                raise
-            conflicts += 1
-            if on_conflict is not None:
-                on_conflict(conflicts)
-            if conflicts >= policy.attempts:
-                raise ConflictRetriesExhausted("gave up") from exc
-            fresh = reread()
-            if fresh is None:
-                return UpdateOutcome(written=False, obj=None, attempts=1, conflicts=conflicts)
-            obj = fresh  # only its resourceVersion is used: the change stays the stale one
-            continue
-        return UpdateOutcome(written=True, obj=stored, attempts=1, conflicts=conflicts)
-
-
 UpdateFunction = Callable[..., UpdateOutcome[Obj]]
-"""Signature shared by :func:`conditional_update` and the broken variant (for injection)."""
+"""Signature of :func:`conditional_update`; a test may inject another update helper
+(tests/seed_bug.py holds the seed's broken one)."""

@@ -8,6 +8,11 @@ Semantics (the same as client-go's ``workqueue``):
 * ``add_after(key, delay)`` queues the key later (the earliest pending time wins);
 * ``add_rate_limited(key)`` queues it after a per-key exponential backoff that grows with
   each call until ``forget(key)`` resets it;
+* ``add(key, direct=True)`` (and the same flag on ``add_after`` and ``add_rate_limited``)
+  also asks that the key's next processing start with a direct (quorum) read instead of
+  the cache: the flag is set at once (even for a delayed add), sticks to the key until a
+  worker takes it, and :meth:`WorkQueue.take` hands it out with the key and clears it
+  (so a watch event that brings the key back earlier consumes it);
 * ``shut_down()`` wakes every waiting ``get`` (which then returns None) and drops
   everything still queued.
 
@@ -24,6 +29,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 
 @dataclass(frozen=True)
@@ -35,6 +41,13 @@ class Backoff:
 
     def delay(self, failures: int) -> float:
         return float(min(self.cap, self.base * (2 ** max(0, failures))))
+
+
+class Taken(NamedTuple):
+    """A key handed to a worker, and whether its processing must start with a direct read."""
+
+    key: str
+    direct: bool
 
 
 class WorkQueue:
@@ -52,13 +65,19 @@ class WorkQueue:
         self._due: dict[str, float] = {}  # earliest due time per delayed key
         self._seq = itertools.count()
         self._failures: dict[str, int] = {}
+        self._direct: set[str] = set()
         self._shutting_down = False
 
     # ---- adding ----------------------------------------------------------------------
 
-    def add(self, key: str) -> None:
+    def add(self, key: str, direct: bool = False) -> None:
         with self._cond:
+            self._mark_locked(key, direct)
             self._add_locked(key)
+
+    def _mark_locked(self, key: str, direct: bool) -> None:
+        if direct and not self._shutting_down:
+            self._direct.add(key)
 
     def _add_locked(self, key: str) -> None:
         if self._shutting_down or key in self._dirty:
@@ -68,13 +87,14 @@ class WorkQueue:
             self._queue.append(key)
             self._cond.notify()
 
-    def add_after(self, key: str, delay: float) -> None:
+    def add_after(self, key: str, delay: float, direct: bool = False) -> None:
         if delay <= 0:
-            self.add(key)
+            self.add(key, direct)
             return
         with self._cond:
             if self._shutting_down:
                 return
+            self._mark_locked(key, direct)
             due = self._clock() + delay
             if key in self._due and self._due[key] <= due:
                 return
@@ -82,13 +102,13 @@ class WorkQueue:
             heapq.heappush(self._waiting, (due, next(self._seq), key))
             self._cond.notify()
 
-    def add_rate_limited(self, key: str) -> float:
+    def add_rate_limited(self, key: str, direct: bool = False) -> float:
         """Queue ``key`` after its backoff; returns the delay chosen."""
         with self._cond:
             failures = self._failures.get(key, 0)
             self._failures[key] = failures + 1
         delay = self._backoff.delay(failures)
-        self.add_after(key, delay)
+        self.add_after(key, delay, direct)
         return delay
 
     def forget(self, key: str) -> None:
@@ -118,7 +138,14 @@ class WorkQueue:
         return None
 
     def get(self, timeout: float | None = None) -> str | None:
-        """The next key to process (the caller must call ``done``); None on shutdown/timeout."""
+        """The next key to process (the caller must call ``done``); None on shutdown/timeout.
+
+        Takes the key's direct flag too (see :meth:`take` to learn it)."""
+        taken = self.take(timeout)
+        return None if taken is None else taken.key
+
+    def take(self, timeout: float | None = None) -> Taken | None:
+        """The next key and its direct flag (cleared); the caller must call ``done``."""
         deadline = None if timeout is None else self._clock() + timeout
         with self._cond:
             while True:
@@ -129,7 +156,9 @@ class WorkQueue:
                     key = self._queue.popleft()
                     self._processing.add(key)
                     self._dirty.discard(key)
-                    return key
+                    direct = key in self._direct
+                    self._direct.discard(key)
+                    return Taken(key, direct)
                 if deadline is not None:
                     left = deadline - self._clock()
                     if left <= 0:
@@ -154,6 +183,7 @@ class WorkQueue:
             self._dirty.clear()
             self._waiting.clear()
             self._due.clear()
+            self._direct.clear()
             self._cond.notify_all()
 
     @property

@@ -95,6 +95,8 @@ class ImageSpec:
     """The OCI image config's ``config`` (User, Env, Entrypoint, Cmd, ...)."""
     owned_dirs: tuple[str, ...] = ()
     """Directories made in the base and owned by the user (writable at run time)."""
+    kernel: bool = False
+    """Carries the runner's guest kernel and initramfs in ``/vm/kernel`` (a third layer)."""
 
     @property
     def repository(self) -> str:
@@ -126,13 +128,15 @@ RUNNER = ImageSpec(
               "ca-certificates"),
     config={
         "User": f"{USER_ID}:{USER_ID}",
-        "Env": [_PATH, *_ENV, "NEONVM_WORK_DIR=/vm/run", "NEONVM_DISKS_DIR=/vm/disks"],
+        "Env": [_PATH, *_ENV, "NEONVM_WORK_DIR=/vm/run", "NEONVM_DISKS_DIR=/vm/disks",
+                "NEONVM_KERNEL_DIR=/vm/kernel"],
         "Entrypoint": ["neonvm-runner"],
         "WorkingDir": "/vm",
         "ExposedPorts": {"25183/tcp": {}},
         "StopSignal": "SIGTERM",
     },
     owned_dirs=("/vm/run", "/vm/disks"),
+    kernel=True,
 )
 SPECS = {s.name: s for s in (CONTROLLER, RUNNER)}
 
@@ -622,6 +626,44 @@ exec chroot {d / 'merged'} /bin/sh -c {_sh_quote(APP_SCRIPT)}
     return layer, False
 
 
+KERNEL_DIR = "vm/kernel"
+
+
+def build_kernel(progress: Callable[[str], None]) -> tuple[Layer, bool]:
+    """The ``/vm/kernel`` layer: the host's Debian cloud kernel and the runner's initramfs
+    (:mod:`neonvm.runner.initramfs`), keyed on the kernel, its modules list, busybox and
+    the init script and builder."""
+    from neonvm.runner import initramfs
+
+    kernel = initramfs.find_kernel()
+    absent = initramfs.missing()
+    if kernel is None or absent:
+        raise ImageBuildError("the runner's kernel layer needs " + ", ".join(absent))
+    version = kernel.name.removeprefix("vmlinuz-")
+    dep = Path("/lib/modules") / version / "modules.dep"
+    digest = hashlib.sha256()
+    for path in (kernel, dep, initramfs.BUSYBOX, initramfs.INIT_SCRIPT,
+                 Path(initramfs.__file__)):
+        digest.update(path.name.encode() + b"\0")
+        digest.update(path.read_bytes() if path.is_file() else b"")
+    key = _key({"format": FORMAT, "inputs": digest.hexdigest()})
+    d = images_dir() / f"kernel-{key}"
+    meta = d / "layer.json"
+    if meta.is_file():
+        return Layer.from_json(json.loads(meta.read_text())), True
+    if d.exists():
+        _remove(d)
+    progress(f"runner: guest kernel {version} and the runner's initramfs")
+    target = d / "rootfs" / KERNEL_DIR
+    initramfs.build_initramfs(target, kernel)
+    for parent in (target, target.parent):
+        parent.chmod(0o755)
+        os.utime(parent, (SOURCE_DATE_EPOCH, SOURCE_DATE_EPOCH))
+    layer = layer_from_dir(d / "rootfs", d / "layer.tar.gz", under=(KERNEL_DIR,))
+    meta.write_text(json.dumps(layer.to_json(), indent=2))
+    return layer, False
+
+
 def _sh_quote(s: str) -> str:
     import shlex
 
@@ -672,6 +714,10 @@ def _build_locked(names: tuple[str, ...], out_dir: Path | None,
         rootfs, base, base_cached = build_base(spec, progress)
         app, app_cached = build_app(spec, rootfs, wheels, wheels.parent.name, progress)
         layers = [base, app]
+        kernel_cached = True
+        if spec.kernel:
+            kernel_layer, kernel_cached = build_kernel(progress)
+            layers = [base, kernel_layer, app]
         reference = spec.reference(version)
         archive = out_dir / f"neonvm-{name}-{version}.oci.tar"
         config = image_config(spec.config, layers)
@@ -687,6 +733,7 @@ def _build_locked(names: tuple[str, ...], out_dir: Path | None,
             stamp.write_text(json.dumps({"input": want, "digest": digest}, indent=2))
             archive_cached = False
         cached = [step for step, hit in (("wheels", wheels_cached), ("base", base_cached),
+                                         ("kernel", spec.kernel and kernel_cached),
                                          ("app", app_cached), ("archive", archive_cached))
                   if hit]
         image = BuiltImage(name, reference, archive, digest, archive.stat().st_size,

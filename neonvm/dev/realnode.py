@@ -316,6 +316,10 @@ disabled_plugins = ["io.containerd.nri.v1.nri"]
   # never asks for less than its own score (as in rootless mode).
   restrict_oom_score_adj = true
   netns_mounts_under_state_dir = true
+  # Device nodes a device plugin adds (/dev/kvm) belong to the container's uid/gid, not
+  # to the host's owner: a runner pod (uid 65532) can then open this host's 0660 root:kvm
+  # /dev/kvm.
+  device_ownership_from_security_context = true
   [plugins.'io.containerd.cri.v1.runtime'.containerd]
     default_runtime_name = "runc"
     [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc]

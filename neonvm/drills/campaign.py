@@ -26,7 +26,10 @@ Running one schedule (:func:`run_schedule`) on a shared control plane:
    replicas that watch only that namespace: schedules never see each other's VMs;
 2. replica 0 starts with the crash and the schedule's leader faults and takes the Lease;
    replica 1 stands by with its own faults. A supervisor restarts any replica that dies,
-   without the crash fault (as a kubelet restarts a container);
+   without the crash fault (as a kubelet restarts a container). It learns that the
+   crash fault fired (rather than a kill) from a file, not the log: the leader runs with
+   ``crash_record=<state>/run/<replica>.crash.json``, a JSON record the fault writes just
+   before it exits;
 3. the :class:`~neonvm.drills.observer.Watchdog` watches every pod revision from before
    the first VM exists; the VMs are created, the disruptions fire at their offsets;
 4. the VMs must converge, first with the faults still on; if they do not within
@@ -61,6 +64,7 @@ from kubernetes.client.exceptions import ApiException
 from kubernetes.watch.watch import iter_resp_lines
 
 from neonvm import kube
+from neonvm.controller.faults import read_crash_record
 from neonvm.dev.replica import DEV_RUNNER_IMAGE, controller_argv
 from neonvm.drills import fleet
 from neonvm.drills.check import LockView, check
@@ -228,7 +232,17 @@ class ScheduleRun:
             etcd_endpoints=self.cluster.locks_etcd_url, etcd_prefix=self.prefix,
             identity=slot.identity, health_host="127.0.0.1", lease_namespace=self.namespace,
             watch_namespace=self.namespace, runner_image=DEV_RUNNER_IMAGE, extra=LEASE_ARGS,
-            faults=slot.faults)
+            faults=self._with_crash_record(slot))
+
+    def _crash_record(self, slot: _Slot) -> Path:
+        """Where the crash fault of ``slot`` writes its record when it fires."""
+        return Path(self.cluster.state_dir) / "run" / f"{slot.name}.crash.json"
+
+    def _with_crash_record(self, slot: _Slot) -> str:
+        """The slot's faults, plus ``crash_record`` while they hold the crash."""
+        if "crash_after" not in slot.faults:
+            return slot.faults
+        return f"{slot.faults},crash_record={self._crash_record(slot)}"
 
     def _start(self, slot: _Slot) -> None:
         slot.starts += 1
@@ -256,12 +270,11 @@ class ScheduleRun:
                     self._start(slot)
 
     def _crash_fired(self, slot: _Slot) -> bool:
-        try:
-            text = self.cluster.log_file(slot.name).read_text(errors="replace")
-        except OSError:
-            return False
-        return f'"fault injection: crashing right after {self.schedule.crash_step}' in text \
-            or "fault injection: crashing" in text
+        """Did the replica that just exited die of its crash fault? Its record says so
+        (written just before ``os._exit``); a kill or any other exit leaves none."""
+        record = read_crash_record(self._crash_record(slot))
+        return record is not None and record.get("fault") == "crash_after" \
+            and record.get("step") == self.schedule.crash_step
 
     def _slot_of(self, identity: str) -> _Slot | None:
         return next((s for s in self.slots if s.identity == identity), None)

@@ -6,6 +6,8 @@ it as usual: ``holderIdentity``, ``leaseDurationSeconds``, ``acquireTime``, ``re
 (MicroTime, ``2006-01-02T15:04:05.000000Z``) and ``leaseTransitions``. Every write is a
 ``replace`` carrying the ``resourceVersion`` that the decision was made from, so two
 candidates can never both succeed in writing themselves as holder over the same version.
+Storage sits behind :class:`~neonvm.leader.lease_store.LeaseStore` (get, create, CAS
+update, watch); :class:`~neonvm.leader.lease_store.KubernetesLeaseStore` is the real one.
 
 What is guaranteed
 ------------------
@@ -24,6 +26,12 @@ What is guaranteed
   ``leaseDurationSeconds`` after *it* last saw the object change (its ``resourceVersion``),
   measured on ``time.monotonic()``. Remote ``renewTime`` values are written for other tools
   and never read for decisions, so wall-clock skew or jumps cannot shorten a term.
+* **A follower acts on a fresh read, never on a watch event.** Followers watch the Lease,
+  but an event only wakes the campaign early; what it then decides from is a direct
+  (quorum) read, and what it writes is a CAS on that read's ``resourceVersion``. A
+  follower also wakes at the instant its observed Lease expires (a timer at first-seen
+  plus lease duration, never earlier), not at its next poll. Losing the watch costs
+  speed, not safety: the poll every retry period remains.
 * **The leader stops before its Lease can expire.** ``renew_deadline`` after the *send time*
   of its last successful renewal (which is before the server wrote it, so before any
   follower saw it), the leader gives up. :meth:`Leadership.check` enforces this deadline
@@ -52,8 +60,9 @@ What is not guaranteed
 * Work that ignores ``lost`` and never calls ``check()`` is not stopped: Python threads
   cannot be killed. ``on_stopped`` is where the owner stops its workers; the elector waits
   for the ``on_started`` thread before it releases, and does not release while it runs.
-* A SIGKILLed leader cannot release: the standbys wait for the lease to expire (about
-  ``lease_duration`` plus one retry period after its last renewal).
+* A SIGKILLed leader cannot release: the standbys wait for the lease to expire,
+  ``lease_duration`` after they first saw its last renewal (with the watch, a few
+  milliseconds after it was written).
 * Liveness needs the API server: with it down nobody leads, by design.
 * A Lease namespace that does not exist is a configuration error: the first campaign
   raises :class:`LeaseNamespaceMissing` out of :meth:`LeaderElector.run` (the controller
@@ -75,7 +84,6 @@ tests use 0.5 s), and calls ``sys.exit`` on bad configuration.
 
 from __future__ import annotations
 
-import json
 import math
 import random
 import secrets
@@ -89,19 +97,27 @@ from enum import Enum
 from typing import Any, Protocol
 
 from kubernetes import client
-from kubernetes.client.exceptions import ApiException
 from loguru import logger
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from neonvm.api.times import format_microtime as format_microtime  # re-exported
 from neonvm.kube import short_error
+from neonvm.leader.lease_store import STEP_DOWN_ANNOTATION as STEP_DOWN_ANNOTATION
+from neonvm.leader.lease_store import KubernetesLeaseStore, LeaseConflict, LeaseNamespaceNotFound
+from neonvm.leader.lease_store import LeaseClient as LeaseClient  # re-exported
+from neonvm.leader.lease_store import LeaseRecord as LeaseRecord  # re-exported
+from neonvm.leader.lease_store import LeaseStore as LeaseStore  # re-exported
+from neonvm.leader.lease_store import StepDownRequest as StepDownRequest  # re-exported
 
 JITTER_FACTOR = 1.2
 """Campaign retries wait between ``retry_period`` and ``retry_period * JITTER_FACTOR``;
 ``renew_deadline`` must exceed the longest such wait (client-go's rule)."""
 
-STEP_DOWN_ANNOTATION = "leader.vm.neon.tech/step-down"
-"""Annotation on the Lease asking one term (holder identity and epoch) to release."""
+EXPIRY_TIMER_SLACK = 0.01
+"""Seconds a follower's expiry timer fires after the computed instant (never before)."""
+
+STOP_POLL = 0.25
+"""Longest a waiting follower goes without looking at ``stop``."""
 
 DEFAULT_NAMESPACE = "neonvm-system"
 DEFAULT_LEASE_NAME = "neonvm-controller"
@@ -134,17 +150,6 @@ class LeaseNamespaceMissing(RuntimeError):
         self.namespace = namespace
 
 
-def _namespace_not_found(exc: ApiException) -> bool:
-    """A 404 whose details name a namespace (not the object itself)."""
-    if exc.status != 404:
-        return False
-    try:
-        details = json.loads(exc.body or "{}").get("details") or {}
-    except (ValueError, TypeError, AttributeError):
-        return False
-    return bool(details.get("kind") == "namespaces")
-
-
 @dataclass(frozen=True)
 class ElectionConfig:
     """Where to campaign and how fast. Times are seconds; validated on construction.
@@ -158,9 +163,9 @@ class ElectionConfig:
     namespace: str = DEFAULT_NAMESPACE
     name: str = DEFAULT_LEASE_NAME
     identity: str = field(default_factory=new_identity)
-    lease_duration: float = 15.0
-    renew_deadline: float = 10.0
-    retry_period: float = 2.0
+    lease_duration: float = 4.0
+    renew_deadline: float = 2.5
+    retry_period: float = 0.5
 
     def __post_init__(self) -> None:
         problems: list[str] = []
@@ -193,115 +198,6 @@ class ElectionConfig:
     def lease_duration_seconds(self) -> int:
         """What the Lease advertises: whole seconds, rounded up (never shorter than ours)."""
         return max(1, math.ceil(self.lease_duration))
-
-
-@dataclass(frozen=True)
-class LeaseRecord:
-    """The parts of a Lease the election reads, plus the object to write back."""
-
-    holder: str
-    lease_duration_seconds: int | None
-    acquire_time: str | None
-    renew_time: str | None
-    transitions: int
-    resource_version: str
-    step_down: StepDownRequest | None
-    raw: dict[str, Any]
-
-    @classmethod
-    def from_object(cls, obj: dict[str, Any]) -> LeaseRecord:
-        spec = obj.get("spec") or {}
-        meta = obj.get("metadata") or {}
-        return cls(
-            holder=spec.get("holderIdentity") or "",
-            lease_duration_seconds=spec.get("leaseDurationSeconds"),
-            acquire_time=spec.get("acquireTime"),
-            renew_time=spec.get("renewTime"),
-            transitions=int(spec.get("leaseTransitions") or 0),
-            resource_version=str(meta.get("resourceVersion") or ""),
-            step_down=StepDownRequest.parse((meta.get("annotations") or {}).get(
-                STEP_DOWN_ANNOTATION)),
-            raw=obj,
-        )
-
-
-@dataclass(frozen=True)
-class StepDownRequest:
-    """A request that the term (``holder``, ``epoch``) release the Lease."""
-
-    holder: str
-    epoch: int | None
-    requested_at: str | None = None
-
-    def names(self, identity: str, epoch: int) -> bool:
-        return self.holder == identity and (self.epoch is None or self.epoch == epoch)
-
-    def to_annotation(self) -> str:
-        return json.dumps({"holder": self.holder, "epoch": self.epoch,
-                           "requestedAt": self.requested_at})
-
-    @classmethod
-    def parse(cls, value: str | None) -> StepDownRequest | None:
-        if not value:
-            return None
-        try:
-            data = json.loads(value)
-            epoch = data.get("epoch")
-            return cls(holder=str(data["holder"]),
-                       epoch=None if epoch is None else int(epoch),
-                       requested_at=data.get("requestedAt"))
-        except (ValueError, TypeError, KeyError, AttributeError):
-            return None  # a malformed request names nobody
-
-
-class LeaseClient:
-    """Get, create and compare-and-swap one Lease; objects are plain JSON dicts.
-
-    Plain dicts (``_preload_content=False``) keep the times exactly as the server wrote
-    them and let us send MicroTime strings in the canonical format.
-    """
-
-    def __init__(self, api: client.ApiClient, namespace: str, name: str) -> None:
-        # Any: we pass dict bodies and read raw responses, which the typed stubs do not model.
-        self._api: Any = client.CoordinationV1Api(api)
-        self.namespace = namespace
-        self.name = name
-
-    def get(self, timeout: float) -> LeaseRecord | None:
-        """A direct (quorum) read; None when the Lease does not exist."""
-        try:
-            resp = self._api.read_namespaced_lease(
-                self.name, self.namespace, _preload_content=False, _request_timeout=timeout)
-        except ApiException as exc:
-            if exc.status == 404:
-                return None
-            raise
-        return LeaseRecord.from_object(json.loads(resp.data))
-
-    def create(self, spec: dict[str, Any], timeout: float) -> LeaseRecord:
-        body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
-                "metadata": {"name": self.name, "namespace": self.namespace}, "spec": spec}
-        resp = self._api.create_namespaced_lease(
-            self.namespace, body, _preload_content=False, _request_timeout=timeout)
-        return LeaseRecord.from_object(json.loads(resp.data))
-
-    def replace(self, base: LeaseRecord, spec: dict[str, Any], timeout: float,
-                drop_step_down: bool = False,
-                step_down: StepDownRequest | None = None) -> LeaseRecord:
-        """Write ``spec`` over ``base``; 409 Conflict if the Lease changed since ``base``."""
-        obj = json.loads(json.dumps(base.raw))  # deep copy, keeps unknown fields
-        obj["spec"] = {**(obj.get("spec") or {}), **spec}
-        meta = obj.setdefault("metadata", {})
-        meta["resourceVersion"] = base.resource_version
-        annotations = dict(meta.get("annotations") or {})
-        if drop_step_down:
-            annotations.pop(STEP_DOWN_ANNOTATION, None)
-        if step_down is not None:
-            annotations[STEP_DOWN_ANNOTATION] = step_down.to_annotation()
-        meta["annotations"] = annotations or None
-        resp = self._api.replace_namespaced_lease(
-            self.name, self.namespace, obj, _preload_content=False, _request_timeout=timeout)
-        return LeaseRecord.from_object(json.loads(resp.data))
 
 
 class EpochFloor(Protocol):
@@ -446,16 +342,26 @@ class LeaderElector:
 
     def __init__(
         self,
-        api: client.ApiClient,
+        api: client.ApiClient | None,
         config: ElectionConfig,
         on_started: Callable[[Leadership], None],
         on_stopped: Callable[[], None],
         epoch_floor: EpochFloor | None = None,
         registry: CollectorRegistry | None = None,
         clock: Callable[[], float] = time.monotonic,
+        *,
+        store: LeaseStore | None = None,
+        watch: bool = True,
     ) -> None:
         self.config = config
-        self._lease = LeaseClient(api, config.namespace, config.name)
+        if store is None:
+            if api is None:
+                raise ValueError("LeaderElector needs an ApiClient or a LeaseStore")
+            store = KubernetesLeaseStore(api, config.namespace, config.name)
+        self._lease: LeaseStore = store
+        self._watch_enabled = watch
+        self._wake = threading.Event()
+        """Set by the watch thread when the Lease may have changed: read it now."""
         self._on_started = on_started
         self._on_stopped = on_stopped
         self._epoch_floor = epoch_floor
@@ -505,6 +411,10 @@ class LeaderElector:
     def run(self, stop: threading.Event) -> None:
         """Campaign, lead, renew, until ``stop`` is set; then release if leading."""
         self._finished = False
+        watch_stop = threading.Event()
+        if self._watch_enabled:
+            threading.Thread(target=self._watch_loop, args=(watch_stop,), daemon=True,
+                             name=f"lease-watch-{self.config.name}").start()
         try:
             while not stop.is_set():
                 term = self._campaign(stop)
@@ -516,8 +426,36 @@ class LeaderElector:
                     # wins; with no standby we campaign again after a lease duration.
                     self._tick_wait(stop, self.config.lease_duration)
         finally:
+            watch_stop.set()
             self._finished = True
             self._log.info("leader election stopped")
+
+    def _watch_loop(self, stop: threading.Event) -> None:
+        """Wake the campaign whenever the Lease may have changed (a hint, never a decision).
+
+        Without the watch (refused, or failing) the campaign still polls every retry
+        period and wakes at the observed expiry: the watch only makes it sooner.
+        """
+        failing = False
+        while not stop.is_set():
+            began = self._clock()
+            try:
+                for _ in self._lease.watch(timeout=60.0):
+                    self._wake.set()
+                    if stop.is_set():
+                        return
+                failing = False
+                # A watch the server ends at once (again and again) must not spin.
+                if self._clock() - began < 1.0 and stop.wait(self.config.retry_period):
+                    return
+            except Exception as exc:
+                if not failing:
+                    self._log.warning("watching the Lease failed ({err}); polling every "
+                                      "{period:g}s meanwhile", err=short_error(exc),
+                                      period=self.config.retry_period)
+                failing = True
+                if stop.wait(max(self.config.retry_period, 5.0)):
+                    return
 
     def _tick_wait(self, stop: threading.Event, seconds: float) -> bool:
         """Wait up to ``seconds`` (returns True if stopped), keeping the health tick fresh."""
@@ -540,12 +478,39 @@ class LeaderElector:
                                holder=record.holder or "<none>", epoch=record.transitions)
             self._observed = _Observation(record, self._clock())
 
-    def _expired(self) -> bool:
+    def _expires_at(self) -> float | None:
+        """Monotonic instant at which the observed Lease may be taken (None: now)."""
         record = self._observed.record
         if record is None or not record.holder:
-            return True
+            return None
         duration = record.lease_duration_seconds or self.config.lease_duration
-        return self._clock() - self._observed.seen_at >= duration
+        return self._observed.seen_at + duration
+
+    def _expired(self) -> bool:
+        expires_at = self._expires_at()
+        return expires_at is None or self._clock() >= expires_at
+
+    def _campaign_wait(self) -> float:
+        """How long to wait before the next attempt: a jittered retry period, or less if
+        the observed Lease expires sooner (a timer at last change + lease duration)."""
+        wait = self.config.retry_period * random.uniform(1.0, JITTER_FACTOR)
+        expires_at = self._expires_at()
+        now = self._clock()
+        if expires_at is not None and expires_at > now:
+            # The attempt comes at or after the instant, never before it.
+            wait = min(wait, expires_at - now + EXPIRY_TIMER_SLACK)
+        return wait
+
+    def _wait_for_wake(self, stop: threading.Event, seconds: float) -> bool:
+        """Wait ``seconds`` or until the watch says the Lease changed; True if stopped."""
+        deadline = self._clock() + seconds
+        while not stop.is_set():
+            left = deadline - self._clock()
+            if left <= 0:
+                return False
+            if self._wake.wait(min(left, STOP_POLL)):
+                return stop.is_set()
+        return True
 
     # ---- campaign ----------------------------------------------------------------------
 
@@ -554,11 +519,11 @@ class LeaderElector:
         self._log.info("campaigning")
         while not stop.is_set():
             self._last_tick = self._clock()
+            self._wake.clear()  # a change after this point wakes the next wait
             acquired = self._try_acquire()
             if acquired is not None:
                 return acquired
-            wait = self.config.retry_period * random.uniform(1.0, JITTER_FACTOR)
-            if stop.wait(wait):
+            if self._wait_for_wake(stop, self._campaign_wait()):
                 break
         return None
 
@@ -587,21 +552,18 @@ class LeaderElector:
                 # was stopped before we got here, so we may take it at once.
                 if current.holder not in ("", me) and not self._expired():
                     return None
-                acquired = self._lease.replace(
+                acquired = self._lease.update(
                     current, {**spec, "leaseTransitions": current.transitions + 1}, timeout,
                     drop_step_down=True)
-        except ApiException as exc:
-            if exc.status in (409, 422):  # someone else won this round (or created it)
-                return None
-            if _namespace_not_found(exc):
-                missing = LeaseNamespaceMissing(self.config.namespace, self.config.name)
-                if not self._acquired_once:
-                    raise missing from exc  # at start-up: a configuration error
-                if not self._namespace_missing:  # later (deleted under us): say it once
-                    self._log.error("{err}; retrying quietly", err=str(missing))
-                self._namespace_missing = True
-                return None
-            self._log.warning("acquiring the Lease failed: {err}", err=short_error(exc))
+        except LeaseConflict:  # someone else won this round (or created it)
+            return None
+        except LeaseNamespaceNotFound as exc:
+            missing = LeaseNamespaceMissing(self.config.namespace, self.config.name)
+            if not self._acquired_once:
+                raise missing from exc  # at start-up: a configuration error
+            if not self._namespace_missing:  # later (deleted under us): say it once
+                self._log.error("{err}; retrying quietly", err=str(missing))
+            self._namespace_missing = True
             return None
         except Exception as exc:
             self._log.warning("acquiring the Lease failed: {err}", err=short_error(exc))
@@ -718,14 +680,9 @@ class LeaderElector:
             try:
                 # Our last write's version is what we compare against: if nobody wrote
                 # since, we still hold the Lease and nobody asked us to step down.
-                updated = self._lease.replace(term.record, spec, timeout=left)
-            except ApiException as exc:
+                updated = self._lease.update(term.record, spec, timeout=left)
+            except LeaseConflict:
                 self.metrics.renew_failures.inc()
-                if exc.status != 409:
-                    self._log.warning("renewing the Lease failed: {err}", err=short_error(exc))
-                    if stop.wait(min(self.config.retry_period, max(0.0, left))):
-                        return EndReason.STOP
-                    continue
                 ended = self._reread_after_conflict(term, left)
                 if ended is not None:
                     return ended
@@ -786,8 +743,8 @@ class LeaderElector:
         spec = {"holderIdentity": "", "leaseDurationSeconds": 1,
                 "acquireTime": now, "renewTime": now}
         try:
-            released = self._lease.replace(term.record, spec, timeout=self.config.renew_deadline,
-                                           drop_step_down=True)
+            released = self._lease.update(term.record, spec, timeout=self.config.renew_deadline,
+                                          drop_step_down=True)
         except Exception as exc:
             self._log.warning("could not release the Lease ({err}); standbys will wait for "
                               "it to expire", err=short_error(exc))

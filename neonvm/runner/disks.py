@@ -7,6 +7,7 @@ then creates the disk files and writes the guest config:
 * root disk: ``qemu-img create -f qcow2 -b <image> -F <raw|qcow2>``. The image itself is
   never written to; a new pod starts from the pristine image again.
 * emptyDisk: a sparse raw file of the given size, formatted ext4 (label = disk name).
+* swap (``settings.swap``): a sparse raw file, unformatted (the guest runs mkswap).
 * configMap/secret: a read-only ext4 image (no journal) holding a copy of the mounted
   directory, symlinks included, so Kubernetes' ``..data`` layout survives. It is a
   snapshot at pod start: later updates of the ConfigMap do not reach the guest.
@@ -104,6 +105,11 @@ def prepare_disk(disk: DiskImage, tools: DiskTools) -> None:
             argv.append(str(disk.size_bytes))
         _run(argv, f"creating the root disk overlay on {backing}")
         return
+    if disk.kind == "blank":
+        assert disk.size_bytes is not None
+        with disk.path.open("wb") as f:
+            f.truncate(disk.size_bytes)
+        return
     assert tools.mkfs_ext4 is not None
     if disk.kind == "empty":
         assert disk.size_bytes is not None
@@ -127,4 +133,6 @@ def prepare(plan: LaunchPlan, tools: DiskTools) -> None:
     for disk in plan.disk_images:
         prepare_disk(disk, tools)
     plan.guest_config_path.write_text(guest_config_json(plan))
+    if plan.boot_script is not None and plan.boot_script_path is not None:
+        plan.boot_script_path.write_text(plan.boot_script)
     plan.qmp_socket.unlink(missing_ok=True)

@@ -81,6 +81,23 @@ def choose_accel(requested: AccelChoice, probe: KvmProbe) -> Accel:
     return "tcg"
 
 
+ACCELERATION_UNAVAILABLE = "AccelerationUnavailable"
+"""The reason word a runner logs (and puts in /status and its termination message) when a
+VM asked for acceleration and runs under TCG."""
+
+
+def acceleration_unavailable(requested: AccelChoice, enable_acceleration: bool,
+                             probe: KvmProbe) -> str | None:
+    """Why an accelerated VM falls back to TCG, or None (KVM used, or not asked for).
+
+    ``enable_acceleration`` is the spec's ``enableAcceleration`` (NeonVM's default is
+    true). ``--accel tcg`` is a deliberate choice and reports nothing."""
+    if not enable_acceleration or requested == "tcg" or probe.usable:
+        return None
+    return f"{ACCELERATION_UNAVAILABLE}: KVM is not usable, the guest runs under TCG: " \
+           f"{probe.reason}"
+
+
 def find_binary(name_or_path: str, what: str) -> str:
     """Absolute path of an executable (searching PATH and the sbin dirs); HostError if none."""
     if os.sep in name_or_path:

@@ -30,15 +30,18 @@ from loguru import logger
 
 from neonvm import logs
 from neonvm.runner.disks import DiskTools, check_prerequisites, prepare
-from neonvm.runner.errors import HostError, RunnerError
+from neonvm.runner.errors import HostError, RunnerError, SpecError
+from neonvm.runner.guestboot import EXT_MAGIC_OFFSET, is_bare_ext_filesystem, read_first_bytes
 from neonvm.runner.host import (
     Accel,
     AccelChoice,
+    acceleration_unavailable,
     choose_accel,
     find_binary,
     optional_binary,
     probe_kvm,
 )
+from neonvm.runner.initramfs import RunnerKernel, find_runner_kernel
 from neonvm.runner.metrics import runner_registry
 from neonvm.runner.qemu import CpuScalingMode, LaunchContext, LaunchPlan, build_launch_plan
 from neonvm.runner.scaling import ScaleLimits, Scaler, ScaleTarget, parse_fence_floor
@@ -49,6 +52,7 @@ from neonvm.runner.supervisor import ShutdownPolicy, Supervisor, shutdown_budget
 
 DEFAULT_PORT = 25183
 DEFAULT_READY_MARKER = "NEONVM_GUEST_READY"
+DEFAULT_KERNEL_DIR = Path("/vm/kernel")
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,9 @@ class RunnerOptions:
     scaling_timeout: float = 60.0
     scaling_fence_floor: str | None = None
     cpu_scaling_mode: CpuScalingMode = "QmpScaling"
+    kernel_dir: Path = DEFAULT_KERNEL_DIR
+    enable_acceleration: bool = False
+    kvm_device: Path = Path("/dev/kvm")
 
 
 @dataclass(frozen=True)
@@ -84,6 +91,7 @@ class Launch:
     accel_reason: str
     port: int
     tools: DiskTools
+    acceleration_unavailable: str | None = None
 
 
 def plan_launch(options: RunnerOptions, env: Mapping[str, str], work_dir: Path,
@@ -94,25 +102,54 @@ def plan_launch(options: RunnerOptions, env: Mapping[str, str], work_dir: Path,
     port = options.port or spec.runner_port or DEFAULT_PORT
     qemu = find_binary(options.qemu, "qemu binary")
     reason = "chosen by the caller"
+    unavailable: str | None = None
     if accel is None:
-        probe = probe_kvm()
+        probe = probe_kvm(options.kvm_device)
         accel = choose_accel(options.accel, probe)
         reason = "forced by --accel" if options.accel != "auto" else probe.reason
+        wanted = options.enable_acceleration or spec.enable_acceleration is True
+        unavailable = acceleration_unavailable(options.accel, wanted, probe)
     writable = frozenset(
         d.name for d in spec.disks or []
         if d.empty_disk is not None and (options.disks_dir / d.name).is_dir()
         and os.access(options.disks_dir / d.name, os.W_OK))
+    tools = DiskTools(qemu_img=optional_binary("qemu-img"),
+                      mkfs_ext4=optional_binary("mkfs.ext4"))
     ctx = LaunchContext(
         qemu_binary=qemu, accel=accel, work_dir=work_dir, runner_port=port,
         disks_dir=options.disks_dir, writable_disk_dirs=writable,
         listen_address=options.listen_address, root_disk_override=options.root_disk,
         vm_name=loaded.name, vm_namespace=loaded.namespace, ready_marker=options.ready_marker,
-        cpu_scaling_mode=options.cpu_scaling_mode)
+        cpu_scaling_mode=options.cpu_scaling_mode,
+        runner_kernel=_runner_kernel_for(options, spec.guest.kernel_image,
+                                         spec.guest.root_disk.image, tools))
     plan = build_launch_plan(spec, ctx)
-    tools = DiskTools(qemu_img=optional_binary("qemu-img"),
-                      mkfs_ext4=optional_binary("mkfs.ext4"))
     return Launch(loaded=loaded, plan=plan, accel=accel, accel_reason=reason, port=port,
-                  tools=tools)
+                  tools=tools, acceleration_unavailable=unavailable)
+
+
+def _runner_kernel_for(options: RunnerOptions, kernel_image: str | None,
+                       root_image: str | None, tools: DiskTools) -> RunnerKernel | None:
+    """The runner's kernel, when the spec names none and the root disk is a bare filesystem.
+
+    A root disk with a partition table (or anything else) is left to the firmware, as
+    before. A bare filesystem without a runner kernel is a one-line error: nothing could
+    boot it.
+    """
+    if kernel_image:
+        return None
+    root = options.root_disk or (Path(root_image) if root_image else None)
+    if root is None or not root.is_file() or not os.access(root, os.R_OK):
+        return None  # the prerequisites check names a missing image
+    head = read_first_bytes(root, EXT_MAGIC_OFFSET + 2, tools.qemu_img)
+    if not is_bare_ext_filesystem(head):
+        return None
+    found = find_runner_kernel(options.kernel_dir)
+    if found is None:
+        raise SpecError(f"the root disk {root} is a bare ext4 filesystem, which needs a "
+                        f"kernel: guest.kernelImage is empty and there is no runner kernel "
+                        f"(vmlinuz, initrd.cpio) in {options.kernel_dir}")
+    return found
 
 
 def run_runner(options: RunnerOptions, env: Mapping[str, str], console: BinaryIO) -> int:
@@ -131,9 +168,17 @@ def run_runner(options: RunnerOptions, env: Mapping[str, str], console: BinaryIO
         check_prerequisites(launch.plan, launch.tools)
         log = logger.bind(vm=launch.loaded.key)
         log.info("accelerator {} ({})", launch.accel, launch.accel_reason)
+        if launch.acceleration_unavailable:
+            log.warning("{}", launch.acceleration_unavailable)
+            _write_termination_text(options.termination_log,
+                                    launch.acceleration_unavailable + "\n")
         plan = launch.plan
+        log.info("boot: {}{}", plan.boot,
+                 f" ({plan.argv[plan.argv.index('-kernel') + 1]})" if "-kernel" in plan.argv
+                 else "")
         state = RunnerState(
             vm=launch.loaded.key, accel=launch.accel, ready_marker=options.ready_marker,
+            acceleration_unavailable=launch.acceleration_unavailable,
             sizing=Sizing(vcpus=plan.cpus.vcpus, max_vcpus=plan.cpus.max_vcpus,
                           memory_bytes=plan.memory.current_bytes,
                           max_memory_bytes=plan.memory.max_bytes))
@@ -155,7 +200,8 @@ def run_runner(options: RunnerOptions, env: Mapping[str, str], console: BinaryIO
                                 launch.loaded.key, pdeathsig_wrapper=optional_binary("setpriv"),
                                 scaler=scaler)
         outcome = asyncio.run(_supervise(supervisor, early_stop))
-        _write_termination_log(options.termination_log, outcome)
+        _write_termination_log(options.termination_log, outcome,
+                               launch.acceleration_unavailable)
         return int(outcome.exit_code)
     finally:
         for signum, handler in previous.items():
@@ -206,12 +252,18 @@ async def _supervise(supervisor: Supervisor, early_stop: list[str]) -> Outcome:
             loop.remove_signal_handler(signum)
 
 
-def _write_termination_log(path: Path | None, outcome: Outcome) -> None:
+def _write_termination_log(path: Path | None, outcome: Outcome,
+                           prefix: str | None = None) -> None:
     """Kubernetes shows this file's content as the container's termination message."""
+    text = f"{outcome.reason} (exit {int(outcome.exit_code)})\n"
+    _write_termination_text(path, (prefix + "\n" if prefix else "") + text)
+
+
+def _write_termination_text(path: Path | None, text: str) -> None:
     if path is None or not path.exists():
         return
     try:
-        path.write_text(f"{outcome.reason} (exit {int(outcome.exit_code)})\n")
+        path.write_text(text)
     except OSError as exc:
         logger.debug("cannot write {}: {}", path, exc)
 
@@ -285,6 +337,21 @@ def runner_options(command: Callable[..., None]) -> Callable[..., None]:
                      envvar="NEONVM_CPU_SCALING_MODE",
                      help="QmpScaling: vCPUs are hot-plugged over QMP. SysfsScaling: all "
                           "max vCPUs at boot, the guest agent onlines 'use' of them."),
+        click.option("--enable-acceleration/--no-enable-acceleration", default=False,
+                     show_default=True, envvar="NEONVM_ENABLE_ACCELERATION",
+                     help="The VM asked for KVM (spec.enableAcceleration; runner pods get "
+                          "it from the controller). If KVM is not usable the guest still "
+                          "runs under TCG, and the runner reports AccelerationUnavailable "
+                          "(log, /status, metric, termination message)."),
+        click.option("--kvm-device", type=click.Path(path_type=Path), default=Path("/dev/kvm"),
+                     show_default=True, envvar="NEONVM_KVM_DEVICE",
+                     help="The KVM device to probe."),
+        click.option("--kernel-dir", type=click.Path(file_okay=False, path_type=Path),
+                     default=DEFAULT_KERNEL_DIR, show_default=True,
+                     envvar="NEONVM_KERNEL_DIR",
+                     help="The runner's kernel (vmlinuz) and initramfs (initrd.cpio), booted "
+                          "when the spec names no kernel and the root disk is a bare ext4 "
+                          "filesystem."),
     ]
     for option in reversed(options):
         command = option(command)

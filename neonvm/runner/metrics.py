@@ -30,6 +30,10 @@ class RunnerCollector(Collector):
                                  labels=["vm", "accel"])
         info.add_metric([s.vm, s.accel], 1)
         yield info
+        yield GaugeMetricFamily(
+            "neonvm_runner_acceleration_unavailable",
+            "1 when the VM asked for KVM (enableAcceleration) and runs under TCG.",
+            value=int(s.acceleration_unavailable is not None))
         phase = GaugeMetricFamily("neonvm_runner_phase", "1 for the current phase.",
                                   labels=["phase"])
         for name in get_args(Phase):

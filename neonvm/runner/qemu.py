@@ -43,7 +43,15 @@ from typing import Any, Literal
 
 from neonvm.api.types import CPURange, Disk, IntRange, VirtualMachineSpec
 from neonvm.runner.errors import SpecError
+from neonvm.runner.guestboot import (
+    BOOT_FW_CFG_NAME,
+    BOOT_SCRIPT_NAME,
+    SWAP_SERIAL,
+    boot_script,
+    swap_bytes,
+)
 from neonvm.runner.host import Accel
+from neonvm.runner.initramfs import RunnerKernel
 from neonvm.runner.quantity import QuantityError, format_bytes, parse_bytes
 
 MIB = 1 << 20
@@ -87,6 +95,10 @@ class LaunchContext:
     cpu_scaling_mode: CpuScalingMode = "QmpScaling"
     """QmpScaling: vCPUs are hot-plugged; SysfsScaling: all ``max`` vCPUs at boot, ``use``
     online (kernel ``maxcpus=``), the guest agent onlines/offlines them on request."""
+    runner_kernel: RunnerKernel | None = None
+    """The runner's own kernel and initramfs, used when the spec names no kernel. The
+    runner sets it only for a root disk that is a bare filesystem
+    (:mod:`neonvm.runner.guestboot`); otherwise firmware boots the root disk."""
 
 
 @dataclass(frozen=True)
@@ -119,7 +131,8 @@ class MemoryLayout:
         return self.max_slots - self.min_slots
 
 
-DiskKind = Literal["root-overlay", "empty", "content"]
+DiskKind = Literal["root-overlay", "empty", "content", "blank"]
+"""blank: a sparse raw file, not formatted (the swap disk; the guest runs mkswap)."""
 
 
 @dataclass(frozen=True)
@@ -160,6 +173,11 @@ class LaunchPlan:
     cpu_scaling_mode: CpuScalingMode = "QmpScaling"
     agent_socket: Path | None = None
     """SysfsScaling: the host end of the guest agent's virtio-serial port."""
+    boot: Literal["spec kernel", "runner kernel", "firmware"] = "spec kernel"
+    """What boots the guest: ``guest.kernelImage``, the runner's kernel, or the firmware."""
+    boot_script: str | None = None
+    """Runner kernel only: the shell its init sources (fw_cfg ``opt/vm.neon.tech/boot.sh``)."""
+    boot_script_path: Path | None = None
 
 
 def cpu_layout(cpus: CPURange) -> CpuLayout:
@@ -289,8 +307,10 @@ def build_launch_plan(spec: VirtualMachineSpec, ctx: LaunchContext) -> LaunchPla
                         "guest.kernelImage is not set")
     if kernel is None and guest.initrd_image:
         raise SpecError("guest.initrdImage needs guest.kernelImage")
-    if kernel is None and guest.append_kernel_cmdline:
-        raise SpecError("guest.appendKernelCmdline needs guest.kernelImage")
+    runner_kernel = ctx.runner_kernel if kernel is None and root_image is not None else None
+    if kernel is None and runner_kernel is None and guest.append_kernel_cmdline:
+        raise SpecError("guest.appendKernelCmdline needs a kernel: guest.kernelImage, or the "
+                        "runner's kernel for a root disk that is a bare filesystem")
 
     qmp_socket = ctx.work_dir / QMP_SOCKET_NAME
     if len(str(qmp_socket).encode()) > MAX_UNIX_SOCKET_PATH:
@@ -355,7 +375,7 @@ def build_launch_plan(spec: VirtualMachineSpec, ctx: LaunchContext) -> LaunchPla
         disk_images.append(DiskImage(name="rootdisk", kind="root-overlay", path=overlay,
                                      size_bytes=root_size, backing_file=root_image))
         # Firmware boots it only without -kernel (the kernel loader claims bootindex 0).
-        boot = "" if kernel is not None else ",bootindex=0"
+        boot = "" if kernel is not None or runner_kernel is not None else ",bootindex=0"
         argv += ["-drive", f"if=none,id=rootdisk,file={qemu_value(overlay)},format=qcow2",
                  "-device", f"virtio-blk-pci,drive=rootdisk,serial=rootdisk{boot}"]
 
@@ -369,6 +389,14 @@ def build_launch_plan(spec: VirtualMachineSpec, ctx: LaunchContext) -> LaunchPla
             initrd = Path(guest.initrd_image)
             required_files.append(("initrd", initrd))
             argv += ["-initrd", str(initrd)]
+    elif runner_kernel is not None:
+        # The runner's init mounts the root disk itself (no root= for the kernel).
+        required_files += [("runner kernel", runner_kernel.kernel),
+                           ("runner initramfs", runner_kernel.initrd)]
+        cmdline = kernel_cmdline(False, memory, guest.append_kernel_cmdline,
+                                 online_cpus=cpus.vcpus if sysfs else None)
+        argv += ["-kernel", str(runner_kernel.kernel), "-initrd", str(runner_kernel.initrd),
+                 "-append", cmdline]
 
     required_dirs: list[tuple[str, Path]] = []
     guest_disks: list[dict[str, Any]] = []
@@ -413,6 +441,19 @@ def build_launch_plan(spec: VirtualMachineSpec, ctx: LaunchContext) -> LaunchPla
         argv += ["-drive", f"if=none,id={drive_id},file={qemu_value(path)},format=raw{readonly}",
                  "-device", f"virtio-blk-pci,drive={drive_id},serial={qemu_value(serial)}"]
 
+    swap = swap_bytes(guest.settings)
+    if swap is not None:
+        if SWAP_SERIAL in seen:
+            raise SpecError(f"disks: the name {SWAP_SERIAL!r} is the swap disk's")
+        swap_path = ctx.work_dir / "disks" / f"{SWAP_SERIAL}.raw"
+        disk_images.append(DiskImage(name=SWAP_SERIAL, kind="blank", path=swap_path,
+                                     size_bytes=swap))
+        guest_disks.append({"name": SWAP_SERIAL, "source": "swap", "serial": SWAP_SERIAL,
+                            "size": swap, "readOnly": False})
+        argv += ["-drive", f"if=none,id=disk-{SWAP_SERIAL},file={qemu_value(swap_path)},"
+                           "format=raw",
+                 "-device", f"virtio-blk-pci,drive=disk-{SWAP_SERIAL},serial={SWAP_SERIAL}"]
+
     forwards: list[str] = []
     ports: list[int] = []
     for port in guest.ports or []:
@@ -446,6 +487,15 @@ def build_launch_plan(spec: VirtualMachineSpec, ctx: LaunchContext) -> LaunchPla
         "readyMarker": ctx.ready_marker,
     }
     argv += ["-fw_cfg", f"name={FW_CFG_NAME},file={qemu_value(config_path)}"]
+    script: str | None = None
+    script_path: Path | None = None
+    if runner_kernel is not None:
+        script = boot_script(
+            marker=ctx.ready_marker, command=guest.command, args=guest.args,
+            env=[(e.name, e.value or "") for e in guest.env or []], settings=guest.settings,
+            disks=[d for d in guest_disks if d["source"] != "swap"], swap=swap is not None)
+        script_path = ctx.work_dir / BOOT_SCRIPT_NAME
+        argv += ["-fw_cfg", f"name={BOOT_FW_CFG_NAME},file={qemu_value(script_path)}"]
 
     return LaunchPlan(
         argv=tuple(argv),
@@ -461,6 +511,10 @@ def build_launch_plan(spec: VirtualMachineSpec, ctx: LaunchContext) -> LaunchPla
         forwarded_ports=tuple(ports),
         cpu_scaling_mode=ctx.cpu_scaling_mode,
         agent_socket=agent_socket,
+        boot=("spec kernel" if kernel is not None else
+              "runner kernel" if runner_kernel is not None else "firmware"),
+        boot_script=script,
+        boot_script_path=script_path,
     )
 
 

@@ -121,6 +121,9 @@ class Snapshot:
     guest_mem_total_kb: int | None = None
     """MemTotal (KiB) as the guest last reported it."""
     guest_reported_at: float | None = None
+    acceleration_unavailable: str | None = None
+    """Set when the VM asked for acceleration (``enableAcceleration``) and KVM is not
+    usable: why. The guest then runs under TCG; the condition is reported, not hidden."""
 
     def as_json(self) -> dict[str, Any]:
         """camelCase keys, as the rest of the API."""
@@ -169,9 +172,11 @@ class RunnerState:
 
     def __init__(self, vm: str, accel: str, ready_marker: str, sizing: Sizing,
                  monotonic: Callable[[], float] = time.monotonic,
-                 wall: Callable[[], float] = time.time) -> None:
+                 wall: Callable[[], float] = time.time,
+                 acceleration_unavailable: str | None = None) -> None:
         self._vm = vm
         self._accel = accel
+        self._acceleration_unavailable = acceleration_unavailable
         self._marker = ready_marker
         self._sizing = sizing
         self._monotonic = monotonic
@@ -295,6 +300,7 @@ class RunnerState:
             max_memory_bytes=sizing.max_memory_bytes, not_ready_because=because,
             guest_cpus_online=f.guest_cpus_online, guest_mem_total_kb=f.guest_mem_total_kb,
             guest_reported_at=f.guest_reported_at,
+            acceleration_unavailable=self._acceleration_unavailable,
         )
 
     def healthy(self) -> tuple[bool, str]:

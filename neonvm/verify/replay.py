@@ -33,6 +33,7 @@ from neonvm.api import types
 from neonvm.api.schema import encode
 from neonvm.api.types import VirtualMachine
 from neonvm.controller import podspec
+from neonvm.controller.fault_wiring import bump_resource_version
 from neonvm.controller.observe import VMRecord
 from neonvm.controller.reconciler import VMWriter
 from neonvm.verify.actors import Config, Step
@@ -261,7 +262,7 @@ class Replayer:
             return self._plant_real(args[0], args[1], args[2] if len(args) > 2 else None)
         if actor == "fault" and kind == "conflict":
             vm = self.vm_versions[-1]
-            self.writer.bump(VMRecord.from_raw(vm))
+            bump_resource_version(self.custom, VMRecord.from_raw(vm))
             self._record_vm()
             return "resourceVersion bumped"
         return ""  # crash, failover, lock expiry: nothing on the API server

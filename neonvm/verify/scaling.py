@@ -74,6 +74,11 @@ Size = tuple[int, int]
 FenceTriple = tuple[int, int, int]
 
 
+RUNNER_CALLS = frozenset({"ApplyScale"})
+"""The runner calls this model performs (:meth:`ScalingModel._put`); every other scaling
+action is a status write through the shipped mutation."""
+
+
 class VMRep(NamedTuple):
     """The VM's spec ``use`` and the status fields scaling reads or writes."""
 
@@ -242,7 +247,8 @@ class ScalingModel:
         assert x.held is not None
         action = _thaw(x.held)
         done = w._replace(workers=_set(w.workers, i, x._replace(held=None)))
-        if isinstance(action, d.ApplyScale):
+        if type(action).__name__ in RUNNER_CALLS:
+            assert isinstance(action, d.ApplyScale)
             return self._put(done, action.plan)
         mutate = mutations.status_mutation(action, d.Lease(x.epoch, x.token))
         try:

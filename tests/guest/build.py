@@ -12,12 +12,13 @@ Needs: ``linux-image-cloud-amd64``, ``busybox-static``, ``cpio`` (scripts/setup-
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+from neonvm.runner.initramfs import find_kernel
 
 INIT_SCRIPT = Path(__file__).with_name("init.sh")
 BUSYBOX = Path("/bin/busybox")
@@ -32,11 +33,6 @@ class GuestImage:
     kernel_version: str
 
 
-def find_kernel(boot: Path = Path("/boot")) -> Path | None:
-    """The newest readable cloud kernel (``vmlinuz-*-cloud-amd64``), else None."""
-    kernels = sorted(boot.glob("vmlinuz-*-cloud-amd64"))
-    readable = [k for k in kernels if os.access(k, os.R_OK)]
-    return readable[-1] if readable else None
 
 
 def _busybox_is_static(path: Path) -> bool:

@@ -1,0 +1,242 @@
+"""One VM key's turn on a worker: :meth:`Handler.handle` answers an :class:`Outcome`, and
+:meth:`Handler.apply` is the one switch that turns it into work-queue calls.
+
+The contract (controller-runtime's ``Reconcile`` result/error contract is the model):
+
+``handle(key)`` never raises. It finds the VM's uid (from the cache, or a quorum read when
+the key was queued ``direct``), takes the VM's etcd lock, runs one reconcile under the
+term's authority, and answers exactly one outcome:
+
+============  ==========================================================================
+``requeue``   The reconcile ended (Done or Wait, or *stuck*). The key's error backoff is
+              forgotten; the key comes back after ``after`` seconds, read directly. For
+              a normal end ``after`` is the reconcile's own requeue time and the VM's
+              stuck streak is reset; for a stuck end it is the VM's stuck backoff
+              (:class:`~neonvm.controller.timers.VMTimers`), which grows with each
+              stuck end in a row.
+``gone``      The VM does not exist (a quorum read says so). Its lock is released, what
+              is remembered about it is dropped, its backoff is forgotten; no requeue
+              (a new VM under that name comes back through the watch).
+``again``     The VM was re-created under the same name (``WrongVM``): at once, read
+              directly, backoff kept; the next turn takes the lock for the new uid.
+``temporary`` Worth retrying: after the key's per-key exponential backoff
+              (``add_rate_limited``, growing until a reconcile ends), read directly,
+              except after ``LockHeld`` (someone else holds the lock; the cache is fine).
+``dropped``   The term is ending: nothing (the next leader lists every VM).
+``permanent`` This term cannot go on: the VM's fence is ahead of ours by its token only
+              (``FencedOut``: the locks' tokens went back). The term ends, and the next
+              epoch is ahead of every such fence. No requeue.
+============  ==========================================================================
+
+Errors map to outcomes in one place, :func:`outcome_of_error`:
+
+* lost authority (``AuthorityLost``, ``LeadershipLost``, ``LockLost``, ``SessionLost``):
+  ``dropped`` while the term ends, else ``temporary``;
+* ``WrongVM``: ``again``; ``LockHeld``: ``temporary`` without a direct read;
+* ``FencedOut``: ``permanent``;
+* API, etcd, network, ``RetryableError``, ``ConflictRetriesExhausted``: ``temporary``;
+* anything else is a bug: ``temporary`` too (so one bad VM cannot stop the others), and
+  logged with its traceback.
+
+What the handler does not do: decide anything about the VM (``decide``), perform actions
+(the reconciler), or choose when keys are looked at without an event (the term's scans).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+from kubernetes.client.exceptions import ApiException
+from urllib3.exceptions import HTTPError
+
+from neonvm.controller.informer import object_uid
+from neonvm.controller.metrics import ControllerMetrics
+from neonvm.controller.mutations import FencedOut
+from neonvm.controller.observe import split_key
+from neonvm.controller.reconciler import (
+    Authority,
+    AuthorityLost,
+    ReconcileResult,
+    RetryableError,
+    WrongVM,
+)
+from neonvm.controller.timers import VMTimers
+from neonvm.controller.update import ConflictRetriesExhausted
+from neonvm.controller.workqueue import WorkQueue
+from neonvm.kube import short_error
+from neonvm.leader.election import LeadershipLost
+from neonvm.leader.etcd import EtcdError
+from neonvm.leader.lock import LockGuard, LockHeld, LockLost, SessionLost
+
+Kind = Literal["requeue", "gone", "again", "temporary", "dropped", "permanent"]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What became of one key's turn (see the module doc for each kind)."""
+
+    kind: Kind
+    after: float = 0.0
+    """``requeue``: seconds until the key comes back."""
+    direct: bool = True
+    """``temporary``: the key's next turn starts with a quorum read."""
+    stuck: str | None = None
+    """``requeue``: the reconcile ended stuck, for this (Degraded) reason."""
+    message: str = ""
+    """For the log line."""
+    bug: BaseException | None = None
+    """``temporary``: an error nobody expected, logged with its traceback."""
+
+
+DROPPED = Outcome("dropped")
+GONE = Outcome("gone")
+
+AUTHORITY_ERRORS = (AuthorityLost, LeadershipLost, LockLost, SessionLost)
+"""The reconcile's authority (term, epoch, lock, session) went away under it."""
+TEMPORARY_ERRORS = (ApiException, EtcdError, OSError, HTTPError, RetryableError,
+                    ConflictRetriesExhausted)
+"""Failures of a server or the network, expected now and then: retried with backoff."""
+
+
+def outcome_of_error(exc: BaseException, term_ending: bool) -> Outcome:
+    """The outcome of a turn that raised ``exc``: the only place errors are sorted."""
+    if isinstance(exc, AUTHORITY_ERRORS):
+        return DROPPED if term_ending else Outcome(
+            "temporary", message=f"reconcile stopped: {exc}")
+    if isinstance(exc, WrongVM):
+        return Outcome("again", message=f"{exc}: taking the lock for the new VM")
+    if isinstance(exc, LockHeld):
+        return Outcome("temporary", direct=False, message=str(exc))
+    if isinstance(exc, FencedOut):
+        # Only a fence of our own epoch with a higher token gets here (the locks' tokens
+        # went back); one ahead by its epoch is marked on that VM alone.
+        return Outcome("permanent", message=f"fenced out: {exc}; ending this term for a "
+                                            f"new epoch")
+    message = f"reconcile failed ({short_error(exc)})"
+    if isinstance(exc, TEMPORARY_ERRORS):
+        return Outcome("temporary", message=message)
+    return Outcome("temporary", message=message, bug=exc)
+
+
+def outcome_of_result(result: ReconcileResult, stuck_delay: Callable[[], float]) -> Outcome:
+    """The outcome of a reconcile that ended; ``stuck_delay`` is called for a stuck one."""
+    if result.stuck:
+        return Outcome("requeue", after=stuck_delay(), stuck=result.stuck)
+    return Outcome("requeue", after=result.requeue_after)
+
+
+class Reconciles(Protocol):
+    """What the handler needs of the reconciler."""
+
+    def reconcile(self, key: str, authority: Authority, *,
+                  direct_first: bool = False) -> ReconcileResult: ...
+
+
+class VMCache(Protocol):
+    """What the handler needs of the VM cache."""
+
+    def get(self, key: str) -> dict[str, Any] | None: ...
+
+    def discard(self, key: str, uid: str) -> bool: ...
+
+
+class Handler:
+    """Handles one key at a time per worker; shared by a term's workers (thread-safe)."""
+
+    def __init__(self, *, queue: WorkQueue, vms: VMCache, reconciler: Reconciles,
+                 read_vm: Callable[[str, str], dict[str, Any] | None],
+                 acquire: Callable[[str, str, str], LockGuard],
+                 authority: Callable[[LockGuard], Authority],
+                 release_lock: Callable[[str], None], timers: VMTimers,
+                 term_ending: Callable[[], bool], end_term: Callable[[], None],
+                 metrics: ControllerMetrics, log: Any) -> None:
+        self.queue = queue
+        self._vms = vms
+        self._reconciler = reconciler
+        self._read_vm = read_vm
+        self._acquire = acquire
+        self._authority = authority
+        self._release_lock = release_lock
+        self.timers = timers
+        self._term_ending = term_ending
+        self._end_term = end_term
+        self._metrics = metrics
+        self._log = log
+
+    def process(self, key: str, direct: bool) -> Outcome:
+        """One turn of ``key``: :meth:`handle`, then :meth:`apply`."""
+        outcome = self.handle(key, direct)
+        self.apply(key, outcome)
+        return outcome
+
+    def handle(self, key: str, direct: bool = False) -> Outcome:
+        """Reconcile ``key`` under its lock; never raises (see the module doc)."""
+        try:
+            uid = self._vm_uid(key, direct)
+            if uid is None:
+                self._release_lock(key)
+                self.timers.forget(key)
+                return GONE
+            namespace, name = split_key(key)
+            guard = self._acquire(namespace, name, uid)
+            result = self._reconciler.reconcile(key, self._authority(guard),
+                                                direct_first=direct)
+        except Exception as exc:
+            return outcome_of_error(exc, self._term_ending())
+        if not result.stuck:
+            self.timers.unstuck(key)
+        return outcome_of_result(result, lambda: self.timers.stuck(key))
+
+    def apply(self, key: str, outcome: Outcome) -> None:
+        """The one switch from an outcome to the work queue (and the log)."""
+        log = self._log.bind(vm=key)
+        match outcome.kind:
+            case "requeue":
+                self.queue.forget(key)
+                if outcome.stuck:
+                    log.warning("not converging ({reason}); looking again in {delay:.1f}s",
+                                reason=outcome.stuck, delay=outcome.after,
+                                backoff=outcome.after)
+                self.queue.add_after(key, outcome.after, direct=True)
+            case "gone":
+                self.queue.forget(key)
+            case "again":
+                log.info("{msg}", msg=outcome.message)
+                self.queue.add(key, direct=True)
+            case "temporary":
+                delay = self.queue.add_rate_limited(key, direct=outcome.direct)
+                if outcome.bug is not None:
+                    log.opt(exception=outcome.bug).error(
+                        "{msg}; retrying in {delay:.2f}s", msg=outcome.message, delay=delay)
+                else:
+                    log.warning("{msg}; retrying in {delay:.2f}s", msg=outcome.message,
+                                delay=delay)
+            case "dropped":
+                pass
+            case "permanent":
+                log.error("{msg}", msg=outcome.message)
+                self._end_term()
+
+    def _vm_uid(self, key: str, direct: bool) -> str | None:
+        """The VM's uid: from the cache, or (``direct``, or not cached) a quorum read.
+
+        A direct read that finds no VM while the cache still holds one means the watch
+        missed its deletion: the cached copy is dropped. Left there, every requeue that
+        starts from the cache would take the gone VM's lock again until the next relist.
+        """
+        cached = self._vms.get(key)
+        raw = None if direct else cached
+        if raw is None:
+            namespace, name = split_key(key)
+            raw = self._read_vm(namespace, name)
+        if raw is None:
+            stale_uid = object_uid(cached)
+            if stale_uid and self._vms.discard(key, stale_uid):
+                self._metrics.cache_evictions.inc()
+                self._log.bind(vm=key).info(
+                    "dropped a deleted VM from the cache (its deletion event was missed)",
+                    uid=stale_uid)
+            return None
+        return object_uid(raw)

@@ -1,0 +1,110 @@
+"""The leader's sweeps: remove what no VM owns any more.
+
+* **Locks**: the etcd lock of a VM that no longer exists (its uid is in no direct list of
+  VMs) is deleted (:meth:`~neonvm.leader.lock.LockManager.sweep`; the handler releases a
+  gone VM's lock itself, the sweep catches what a crash or a missed event left behind).
+* **Orphan pods**: a runner pod whose VM (by the ``vm.neon.tech/uid`` label, or the VM
+  owner reference) is in no direct list of VMs is deleted with a uid precondition, once
+  it has been seen orphaned for ``orphan_grace_seconds`` (the garbage collector normally
+  removes it first). Pods are listed before VMs, so a pod whose VM exists is never taken
+  for an orphan by the later list.
+
+A sweep that fails (a list refused, the API server away) is logged and tried again at the
+next period; it never ends the term. The term runs :meth:`Sweeps.run` every
+``sweep_seconds``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from neonvm.api import types
+from neonvm.controller.metrics import ControllerMetrics
+from neonvm.kube import short_error
+from neonvm.leader.lock import LockManager
+
+Lister = Callable[..., Any]
+"""A kubernetes client list call (``list_namespaced_pod`` and the like, keywords bound)."""
+
+
+def list_items(lister: Lister) -> list[dict[str, Any]]:
+    """One direct list, its items as plain dicts (no model objects: large fleets)."""
+    resp = lister(_preload_content=False, _request_timeout=30)
+    try:
+        items: list[dict[str, Any]] = json.loads(resp.data).get("items") or []
+    finally:
+        resp.release_conn()
+    return items
+
+
+def live_vm_uids(list_vms: Lister) -> set[str]:
+    """The uid of every VM, from a direct list."""
+    return {str((i.get("metadata") or {}).get("uid")) for i in list_items(list_vms)}
+
+
+class Sweeps:
+    """The lock sweep and the orphan-pod sweep of one term."""
+
+    def __init__(self, *, api: client.ApiClient, list_vms: Lister, list_pods: Lister,
+                 locks: Callable[[], LockManager], metrics: ControllerMetrics, log: Any,
+                 orphan_grace_seconds: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._core = client.CoreV1Api(api)
+        self._list_vms = list_vms
+        self._list_pods = list_pods
+        self._locks = locks
+        self._metrics = metrics
+        self._log = log
+        self._grace = orphan_grace_seconds
+        self._clock = clock
+        self._orphans_seen: dict[str, float] = {}
+        """Pod uid -> clock time it was first seen orphaned (pods still orphaned only)."""
+
+    def run(self) -> None:
+        """Both sweeps; a failure is logged, and the next period tries again."""
+        try:
+            swept = self._locks().sweep(lambda: live_vm_uids(self._list_vms))
+            if swept:
+                self._metrics.swept.labels(kind="lock").inc(len(swept))
+            self.orphan_pods()
+        except Exception as exc:
+            self._log.warning("sweep failed: {err}", err=short_error(exc))
+
+    def orphan_pods(self) -> None:
+        """Delete runner pods whose VM is gone, after the grace period."""
+        # Pods first, then VMs: a pod whose VM exists is never missed by the later list.
+        pods = list_items(self._list_pods)
+        uids = live_vm_uids(self._list_vms)
+        now = self._clock()
+        seen: dict[str, float] = {}
+        for pod in pods:
+            meta = pod.get("metadata") or {}
+            owner = (meta.get("labels") or {}).get(types.LABEL_VM_UID) or next(
+                (r.get("uid") for r in meta.get("ownerReferences") or []
+                 if r.get("kind") == types.KIND), None)
+            if owner is None or owner in uids or meta.get("deletionTimestamp"):
+                continue
+            pod_uid = str(meta.get("uid"))
+            first = self._orphans_seen.get(pod_uid, now)
+            seen[pod_uid] = first
+            if now - first < self._grace:
+                continue
+            try:
+                self._core.delete_namespaced_pod(
+                    meta["name"], meta["namespace"],
+                    body=client.V1DeleteOptions(
+                        preconditions=client.V1Preconditions(uid=pod_uid)))
+            except ApiException as exc:
+                if exc.status not in (404, 409):
+                    raise
+                continue
+            self._metrics.swept.labels(kind="pod").inc()
+            self._log.bind(vm=f"{meta['namespace']}/{owner}").info(
+                "deleted runner pod {pod}: its VM no longer exists", pod=meta["name"])
+        self._orphans_seen = seen

@@ -1,0 +1,243 @@
+"""Where the Lease lives: a narrow store protocol and its Kubernetes implementation.
+
+The elector (``neonvm/leader/election.py``) makes every decision; this module only reads
+and writes one Lease. :class:`LeaseStore` is the seam, shaped like client-go's
+``resourcelock.Interface``: ``get``, ``create`` and ``update`` with the ``resourceVersion``
+the decision was made from, plus ``watch``, which only says *that* the Lease may have
+changed. :class:`KubernetesLeaseStore` is the ``coordination.k8s.io/v1`` implementation;
+tests drive the elector over an in-memory store with the same contract.
+
+The contract every store keeps:
+
+* ``get`` is a fresh read (for Kubernetes: a quorum read, never a cache); ``None`` when
+  the Lease does not exist.
+* ``create`` fails with :class:`LeaseConflict` when the Lease already exists.
+* ``update(base, ...)`` succeeds only if the Lease is still at ``base.resource_version``
+  (compare-and-swap) and fails with :class:`LeaseConflict` otherwise; the returned record
+  carries the new version.
+* :class:`LeaseNamespaceNotFound` when the Lease's namespace does not exist.
+* Any other exception is a transient failure (network, 5xx, timeout): the write may or may
+  not have happened, and the caller must not assume either.
+* ``watch`` yields once per change it hears of, with the object as the event carried it.
+  The elector treats a yield as a *hint to read*: it never decides from the event.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+STEP_DOWN_ANNOTATION = "leader.vm.neon.tech/step-down"
+"""Annotation on the Lease asking one term (holder identity and epoch) to release."""
+
+def _namespace_not_found(exc: ApiException) -> bool:
+    """A 404 whose details name a namespace (not the object itself)."""
+    if exc.status != 404:
+        return False
+    try:
+        details = json.loads(exc.body or "{}").get("details") or {}
+    except (ValueError, TypeError, AttributeError):
+        return False
+    return bool(details.get("kind") == "namespaces")
+
+
+@dataclass(frozen=True)
+class LeaseRecord:
+    """The parts of a Lease the election reads, plus the object to write back."""
+
+    holder: str
+    lease_duration_seconds: int | None
+    acquire_time: str | None
+    renew_time: str | None
+    transitions: int
+    resource_version: str
+    step_down: StepDownRequest | None
+    raw: dict[str, Any]
+
+    @classmethod
+    def from_object(cls, obj: dict[str, Any]) -> LeaseRecord:
+        spec = obj.get("spec") or {}
+        meta = obj.get("metadata") or {}
+        return cls(
+            holder=spec.get("holderIdentity") or "",
+            lease_duration_seconds=spec.get("leaseDurationSeconds"),
+            acquire_time=spec.get("acquireTime"),
+            renew_time=spec.get("renewTime"),
+            transitions=int(spec.get("leaseTransitions") or 0),
+            resource_version=str(meta.get("resourceVersion") or ""),
+            step_down=StepDownRequest.parse((meta.get("annotations") or {}).get(
+                STEP_DOWN_ANNOTATION)),
+            raw=obj,
+        )
+
+
+@dataclass(frozen=True)
+class StepDownRequest:
+    """A request that the term (``holder``, ``epoch``) release the Lease."""
+
+    holder: str
+    epoch: int | None
+    requested_at: str | None = None
+
+    def names(self, identity: str, epoch: int) -> bool:
+        return self.holder == identity and (self.epoch is None or self.epoch == epoch)
+
+    def to_annotation(self) -> str:
+        return json.dumps({"holder": self.holder, "epoch": self.epoch,
+                           "requestedAt": self.requested_at})
+
+    @classmethod
+    def parse(cls, value: str | None) -> StepDownRequest | None:
+        if not value:
+            return None
+        try:
+            data = json.loads(value)
+            epoch = data.get("epoch")
+            return cls(holder=str(data["holder"]),
+                       epoch=None if epoch is None else int(epoch),
+                       requested_at=data.get("requestedAt"))
+        except (ValueError, TypeError, KeyError, AttributeError):
+            return None  # a malformed request names nobody
+
+
+class LeaseClient:
+    """Get, create and compare-and-swap one Lease; objects are plain JSON dicts.
+
+    Plain dicts (``_preload_content=False``) keep the times exactly as the server wrote
+    them and let us send MicroTime strings in the canonical format.
+    """
+
+    def __init__(self, api: client.ApiClient, namespace: str, name: str) -> None:
+        # Any: we pass dict bodies and read raw responses, which the typed stubs do not model.
+        self._api: Any = client.CoordinationV1Api(api)
+        self.namespace = namespace
+        self.name = name
+
+    def get(self, timeout: float) -> LeaseRecord | None:
+        """A direct (quorum) read; None when the Lease does not exist."""
+        try:
+            resp = self._api.read_namespaced_lease(
+                self.name, self.namespace, _preload_content=False, _request_timeout=timeout)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return LeaseRecord.from_object(json.loads(resp.data))
+
+    def create(self, spec: dict[str, Any], timeout: float) -> LeaseRecord:
+        body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                "metadata": {"name": self.name, "namespace": self.namespace}, "spec": spec}
+        resp = self._api.create_namespaced_lease(
+            self.namespace, body, _preload_content=False, _request_timeout=timeout)
+        return LeaseRecord.from_object(json.loads(resp.data))
+
+    def replace(self, base: LeaseRecord, spec: dict[str, Any], timeout: float,
+                drop_step_down: bool = False,
+                step_down: StepDownRequest | None = None) -> LeaseRecord:
+        """Write ``spec`` over ``base``; 409 Conflict if the Lease changed since ``base``."""
+        obj = json.loads(json.dumps(base.raw))  # deep copy, keeps unknown fields
+        obj["spec"] = {**(obj.get("spec") or {}), **spec}
+        meta = obj.setdefault("metadata", {})
+        meta["resourceVersion"] = base.resource_version
+        annotations = dict(meta.get("annotations") or {})
+        if drop_step_down:
+            annotations.pop(STEP_DOWN_ANNOTATION, None)
+        if step_down is not None:
+            annotations[STEP_DOWN_ANNOTATION] = step_down.to_annotation()
+        meta["annotations"] = annotations or None
+        resp = self._api.replace_namespaced_lease(
+            self.name, self.namespace, obj, _preload_content=False, _request_timeout=timeout)
+        return LeaseRecord.from_object(json.loads(resp.data))
+
+
+class LeaseConflict(Exception):
+    """The Lease is not at the version the write was based on (or already exists)."""
+
+
+class LeaseNamespaceNotFound(Exception):
+    """The Lease's namespace does not exist."""
+
+
+class LeaseStore(Protocol):
+    """One Lease: fresh reads, create, compare-and-swap update, change hints."""
+
+    def get(self, timeout: float) -> LeaseRecord | None: ...
+
+    def create(self, spec: dict[str, Any], timeout: float) -> LeaseRecord: ...
+
+    def update(self, base: LeaseRecord, spec: dict[str, Any], timeout: float, *,
+               drop_step_down: bool = False) -> LeaseRecord: ...
+
+    def watch(self, timeout: float) -> Iterator[LeaseRecord | None]: ...
+
+
+class KubernetesLeaseStore:
+    """:class:`LeaseStore` on a ``coordination.k8s.io/v1`` Lease, through :class:`LeaseClient`.
+
+    Maps the API server's answers onto the store contract: 409 (and the 422 a racing
+    create can get) to :class:`LeaseConflict`, a 404 naming a namespace to
+    :class:`LeaseNamespaceNotFound`; everything else propagates as a transient failure.
+    """
+
+    def __init__(self, api: client.ApiClient, namespace: str, name: str) -> None:
+        self._leases = LeaseClient(api, namespace, name)
+        self._raw: Any = client.CoordinationV1Api(api)
+        self.namespace = namespace
+        self.name = name
+
+    def get(self, timeout: float) -> LeaseRecord | None:
+        return self._leases.get(timeout)
+
+    def create(self, spec: dict[str, Any], timeout: float) -> LeaseRecord:
+        try:
+            return self._leases.create(spec, timeout)
+        except ApiException as exc:
+            if exc.status in (409, 422):
+                raise LeaseConflict(f"the Lease already exists ({exc.status})") from exc
+            if _namespace_not_found(exc):
+                raise LeaseNamespaceNotFound(self.namespace) from exc
+            raise
+
+    def update(self, base: LeaseRecord, spec: dict[str, Any], timeout: float, *,
+               drop_step_down: bool = False) -> LeaseRecord:
+        try:
+            return self._leases.replace(base, spec, timeout, drop_step_down=drop_step_down)
+        except ApiException as exc:
+            if exc.status == 409:
+                raise LeaseConflict(
+                    f"the Lease changed since version {base.resource_version}") from exc
+            if _namespace_not_found(exc):
+                raise LeaseNamespaceNotFound(self.namespace) from exc
+            raise
+
+    def watch(self, timeout: float) -> Iterator[LeaseRecord | None]:
+        """Watch this one Lease (from "now") for up to ``timeout`` seconds.
+
+        Yields the object of each event (``None`` for a deletion), starting with the
+        current object if it exists. Raises :class:`ApiException` when the server refuses
+        (403 without the ``watch`` verb); ends quietly when the server closes the watch.
+        """
+        from kubernetes.watch.watch import iter_resp_lines
+
+        resp = self._raw.list_namespaced_lease(
+            self.namespace, field_selector=f"metadata.name={self.name}", watch=True,
+            timeout_seconds=max(1, int(timeout)), _preload_content=False,
+            _request_timeout=(10, timeout + 10))
+        try:
+            for line in iter_resp_lines(resp):
+                event = json.loads(line)
+                kind = event.get("type")
+                if kind == "ERROR":
+                    return  # e.g. 410 Gone: the caller starts a new watch
+                if kind == "DELETED":
+                    yield None
+                elif kind in ("ADDED", "MODIFIED"):
+                    yield LeaseRecord.from_object(event.get("object") or {})
+        finally:
+            resp.close()
+            resp.release_conn()

@@ -1,0 +1,185 @@
+"""The runner's own guest kernel and initramfs (``/vm/kernel`` in the runner image).
+
+A VM whose spec names no ``kernelImage`` and whose root disk is a bare filesystem (no
+partition table, no kernel: the shape of NeonVM's vm-builder disks) boots this kernel
+with this initramfs. The initramfs holds a static busybox, the runner's init
+(``guest_init.sh`` beside this file, as ``/init``) and the kernel modules it needs, in
+dependency order. The init mounts the root filesystem and runs the guest's command; see
+docs/runner.md, "The runner's kernel".
+
+:func:`build_initramfs` writes a ``newc`` cpio archive itself, with sorted entries,
+numeric owner 0 and fixed mtimes, so the same inputs give the same bytes (the runner
+image's layer digest stays stable across builds).
+
+Needs on the build host: a kernel (``/boot/vmlinuz-*-cloud-amd64`` by default, from
+``linux-image-cloud-amd64``), its ``/lib/modules/<version>`` and a static busybox
+(``busybox-static``). :func:`missing` names what is absent.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import stat
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+INIT_SCRIPT = Path(__file__).with_name("guest_init.sh")
+BUSYBOX = Path("/bin/busybox")
+KERNEL_NAME = "vmlinuz"
+INITRD_NAME = "initrd.cpio"
+MTIME = 1735689600
+"""2025-01-01T00:00:00Z, the images' SOURCE_DATE_EPOCH."""
+MODULES = ("virtio_pci", "virtio_blk", "virtio_net", "virtio_console", "qemu_fw_cfg",
+           "button", "evdev")
+"""What the init loads (with their dependencies): disks, network, the scaling agent's
+port, the config in fw_cfg, and the ACPI power button read through evdev. ext4, tmpfs,
+swap and devtmpfs are built into Debian's cloud kernel."""
+LOAD_ORDER = "lib/modules/load-order"
+
+
+@dataclass(frozen=True)
+class RunnerKernel:
+    """A kernel and the runner's initramfs for it."""
+
+    kernel: Path
+    initrd: Path
+
+
+def find_kernel(boot: Path = Path("/boot")) -> Path | None:
+    """The newest readable Debian cloud kernel (``vmlinuz-*-cloud-amd64``), else None."""
+    kernels = sorted(boot.glob("vmlinuz-*-cloud-amd64"))
+    readable = [k for k in kernels if os.access(k, os.R_OK)]
+    return readable[-1] if readable else None
+
+
+def find_runner_kernel(directory: Path) -> RunnerKernel | None:
+    """``<dir>/vmlinuz`` and ``<dir>/initrd.cpio`` if both are there, else None."""
+    kernel, initrd = directory / KERNEL_NAME, directory / INITRD_NAME
+    if kernel.is_file() and initrd.is_file():
+        return RunnerKernel(kernel=kernel, initrd=initrd)
+    return None
+
+
+def _busybox_is_static(path: Path) -> bool:
+    return b"ld-linux" not in path.read_bytes()[:65536]
+
+
+def missing(boot: Path = Path("/boot"), busybox: Path = BUSYBOX) -> list[str]:
+    """What :func:`build_initramfs` cannot do without (empty when everything is there)."""
+    absent = []
+    if find_kernel(boot) is None:
+        absent.append("a readable /boot/vmlinuz-*-cloud-amd64 (linux-image-cloud-amd64)")
+    if not busybox.exists() or not _busybox_is_static(busybox):
+        absent.append(f"a static {busybox} (busybox-static)")
+    return absent
+
+
+def module_closure(modules_dep: str, wanted: Iterable[str]) -> list[str]:
+    """Relative paths of ``wanted`` modules and their dependencies, dependencies first.
+
+    ``modules_dep`` is the text of ``modules.dep`` (``path: dep dep ...``, each line's
+    dependencies already transitive). A wanted module the kernel does not have as a
+    module (built in, or absent) is skipped.
+    """
+    deps: dict[str, list[str]] = {}
+    by_name: dict[str, str] = {}
+    for line in modules_dep.splitlines():
+        path, sep, rest = line.partition(":")
+        if not sep:
+            continue
+        deps[path] = rest.split()
+        name = Path(path).name.split(".ko")[0]
+        by_name[name] = path
+    order: list[str] = []
+
+    def visit(path: str) -> None:
+        if path in order:
+            return
+        for dep in reversed(deps.get(path, [])):
+            visit(dep)
+        order.append(path)
+
+    for name in wanted:
+        if name in by_name:
+            visit(by_name[name])
+    return order
+
+
+def _cpio_entry(out: io.BufferedIOBase, name: str, mode: int, data: bytes = b"",
+                ino: int = 0) -> None:
+    encoded = name.encode() + b"\0"
+    fields = [ino, mode, 0, 0, 1, MTIME, len(data), 0, 0, 0, 0, len(encoded), 0]
+    header = b"070701" + b"".join(f"{v:08X}".encode() for v in fields)
+    out.write(header + encoded)
+    out.write(b"\0" * (-(len(header) + len(encoded)) % 4))
+    out.write(data)
+    out.write(b"\0" * (-len(data) % 4))
+
+
+def write_cpio(files: dict[str, tuple[int, bytes]], out: io.BufferedIOBase) -> None:
+    """A newc archive of ``files`` (path → (mode, contents); a directory has S_IFDIR and
+    no contents, a symlink S_IFLNK and its target), sorted, owned by 0:0."""
+    for ino, name in enumerate(sorted(files), start=1):
+        mode, data = files[name]
+        _cpio_entry(out, name, mode, data, ino)
+    _cpio_entry(out, "TRAILER!!!", 0)
+
+
+def initramfs_files(kernel_version: str, modules_root: Path = Path("/lib/modules"),
+                    busybox: Path = BUSYBOX,
+                    init: Path = INIT_SCRIPT) -> dict[str, tuple[int, bytes]]:
+    """The initramfs's contents: busybox, /init, the modules and their load order."""
+    directory = stat.S_IFDIR | 0o755
+    files: dict[str, tuple[int, bytes]] = {
+        d: (directory, b"") for d in ("bin", "dev", "etc", "lib", "lib/modules", "mnt",
+                                      "newroot", "proc", "run", "sys", "tmp")}
+    files["bin/busybox"] = (stat.S_IFREG | 0o755, busybox.read_bytes())
+    files["bin/sh"] = (stat.S_IFLNK | 0o777, b"busybox")
+    files["init"] = (stat.S_IFREG | 0o755, init.read_bytes())
+    root = modules_root / kernel_version
+    loaded = []
+    dep = root / "modules.dep"
+    if dep.is_file():
+        for rel in module_closure(dep.read_text(), MODULES):
+            name = Path(rel).name
+            files[f"lib/modules/{name}"] = (stat.S_IFREG | 0o644, (root / rel).read_bytes())
+            loaded.append(name)
+    files[LOAD_ORDER] = (stat.S_IFREG | 0o644, "".join(f"{m}\n" for m in loaded).encode())
+    return files
+
+
+def build_initramfs(dest: Path, kernel: Path | None = None,
+                    busybox: Path = BUSYBOX) -> RunnerKernel:
+    """Write ``dest/vmlinuz`` (a copy of ``kernel``) and ``dest/initrd.cpio``.
+
+    Raises RuntimeError naming what is missing.
+    """
+    kernel = kernel or find_kernel()
+    absent = missing(busybox=busybox) if kernel is None else (
+        [] if busybox.exists() and _busybox_is_static(busybox)
+        else [f"a static {busybox} (busybox-static)"])
+    if kernel is None or absent:
+        raise RuntimeError("cannot build the runner's initramfs, missing: " + ", ".join(absent))
+    version = kernel.name.removeprefix("vmlinuz-")
+    dest.mkdir(parents=True, exist_ok=True)
+    files = initramfs_files(version, busybox=busybox)
+    buf = io.BytesIO()
+    write_cpio(files, buf)
+    initrd = dest / INITRD_NAME
+    initrd.write_bytes(buf.getvalue())
+    target = dest / KERNEL_NAME
+    shutil.copyfile(kernel, target)
+    for path in (initrd, target):
+        path.chmod(0o644)
+        os.utime(path, (MTIME, MTIME))
+    return RunnerKernel(kernel=target, initrd=initrd)
+
+
+if __name__ == "__main__":
+    import sys
+
+    built = build_initramfs(Path(sys.argv[1]) if len(sys.argv) > 1 else Path("/vm/kernel"))
+    print(f"kernel: {built.kernel}\ninitrd: {built.initrd}")
