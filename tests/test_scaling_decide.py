@@ -213,3 +213,91 @@ def test_the_runner_orders_fences_by_epoch_then_token_then_seq() -> None:
     fence, _ = parse_request(b'{"cpus": 1, "fence": {"epoch": 3, "token": 10}}',
                              ScaleTarget(1, 1))
     assert fence == ScaleFence(3, 10, 0)
+
+
+# ---- review findings: a changed spec between create and commit, a plan that cannot finish,
+# the pod's own port --------------------------------------------------------------------------
+
+
+def _created_pod(v: VirtualMachine, uid: str = "uid-2") -> dict[str, object]:
+    """The pod podspec builds for ``v``'s next plan, as the API server returns it (uid,
+    running: the commit does not look at its phase)."""
+    from neonvm.api.types import PendingPod
+
+    plan = PendingPod(name=f"vm-{UID[:8]}-2", plan_seq=2, token=40, epoch=3, generation=2)
+    pod = podspec.runner_pod(v, plan)
+    pod["metadata"]["uid"] = uid
+    return pod
+
+
+def test_the_pod_commit_records_the_size_the_pod_was_built_with_not_the_spec_at_commit() -> None:
+    from neonvm.api.types import PendingPod
+    from neonvm.controller.observe import pod_view
+
+    # Pod built while the spec asked for 1 vCPU / 1 slot; the spec says 2 / 2 by the commit.
+    built_from = vm(cpus_use=1, slots_use=1)
+    raw = _created_pod(built_from)
+    later = vm(cpus_use=2, slots_use=2)
+    later.status.pod_name, later.status.pod_uid, later.status.cpus = "", "", None
+    later.status.memory_size, later.status.phase = None, "Pending"
+    later.status.pending_pod = PendingPod(name=raw["metadata"]["name"],  # type: ignore[index]
+                                          plan_seq=2, token=40, epoch=3, generation=2)
+    later.status.plan_seq = 2
+    commit = d.decide(obs(later, pod=pod_view(raw)))  # type: ignore[arg-type]
+    assert isinstance(commit, d.Commit)
+    new = status_mutation(commit, LEASE)(later)
+    assert new is not None and (new.cpus, new.memory_size) == (MilliCPU(1000), "1Gi")
+    # ... so once the pod runs, the spec's 2 / 2 is planned: the guest gets there.
+    running_vm = dataclasses.replace(later, status=new)
+    running_vm.status.phase = "Running"
+    running_pod = dataclasses.replace(pod_view(raw), gated=False,  # type: ignore[arg-type]
+                                      phase="Running", node="n1", ip="10.0.0.1")
+    running_vm.status.node, running_vm.status.pod_ip = "n1", "10.0.0.1"
+    plan = d.decide(obs(running_vm, pod=running_pod))
+    assert isinstance(plan, d.PlanScale), plan
+    assert (plan.plan.cpus, plan.plan.memory_slots) == (2, 2)
+
+
+def test_a_plan_that_cannot_finish_is_superseded_with_the_next_seq_when_the_spec_moves_on() -> None:
+    # Plan #3 (back to 1 slot) is stuck: the runner recorded its fence but the guest keeps
+    # its memory (504 on every retry). The user asks for 2 slots again.
+    stuck = scale_plan(cpus=1, slots=1, seq=3)
+    v = vm(cpus_use=1, slots_use=2, status_slots=2, scale_seq=3, pending=stuck,
+           phase="Scaling")
+    runner = view((3, 40, 3), 1, 2)
+    assert isinstance(d.decide(obs(vm(cpus_use=1, slots_use=1, status_slots=2, scale_seq=3,
+                                      pending=stuck, phase="Scaling"), runner=runner)),
+                      d.ApplyScale), "the spec still asks for the plan's size: retry it"
+    action = d.decide(obs(v, runner=runner))
+    assert isinstance(action, d.PlanScale), action
+    assert (action.plan.seq, action.plan.cpus, action.plan.memory_slots) == (4, 1, 2)
+    assert action.observed_seq == 3
+    new = status_mutation(action, LEASE)(v)
+    assert new is not None and new.pending_scale == action.plan and new.scale_seq == 4
+    assert new.phase == "Scaling"
+    # The runner orders the new plan after the stuck one, and refuses the stuck one after.
+    last = AppliedFence(ScaleFence(3, 40, 3), ScaleTarget(1, 1), 0.0)
+    from neonvm.runner.scaling import fence_decision
+
+    assert fence_decision(last, ScaleFence(3, 40, 4), ScaleTarget(1, 2)) == "newer"
+    with pytest.raises(ScaleError):
+        fence_decision(AppliedFence(ScaleFence(3, 40, 4), ScaleTarget(1, 2), 0.0),
+                       ScaleFence(3, 40, 3), ScaleTarget(1, 1))
+    # Only the plan observed is superseded, and only for another size.
+    assert status_mutation(action, LEASE)(dataclasses.replace(v, status=new)) is None
+    same = vm(cpus_use=1, slots_use=1, status_slots=2, scale_seq=3, pending=stuck,
+              phase="Scaling")
+    assert status_mutation(dataclasses.replace(action, plan=dataclasses.replace(
+        action.plan, memory_slots=1)), LEASE)(same) is None
+
+
+def test_the_runner_is_called_on_the_port_in_the_pods_own_spec() -> None:
+    from neonvm.controller.observe import pod_view
+    from neonvm.controller.scaling import default_address
+
+    v = vm()
+    v.spec.runner_port = 25183
+    raw = _created_pod(v)
+    raw["status"] = {"phase": "Running", "podIP": "10.0.0.9"}
+    v.spec.runner_port = 26000  # changed after the pod was built
+    assert default_address(v, pod_view(raw)) == "http://10.0.0.9:25183"  # type: ignore[arg-type]

@@ -77,6 +77,11 @@ class PodView:
     fence: tuple[int, int] | None = None
     """(epoch, token) of the plan the pod was created for, from its fence annotations
     (``vm.neon.tech/fence-epoch`` and ``-token``); None when absent or malformed."""
+    built: tuple[int, int] | None = None
+    """(millicores, memory slots) the pod's guest was built with (its
+    ``vm.neon.tech/built-size`` annotation); None: not recorded."""
+    runner_port: int | None = None
+    """The port its runner listens on, from the pod's own spec; None: not found."""
 
     @property
     def finished(self) -> bool:
@@ -220,6 +225,9 @@ class Commit(Action):
 
     name: str = ""
     uid: str = ""
+    built: tuple[int, int] | None = None
+    """(millicores, memory slots) the pod was built with: recorded as status.cpus and
+    memorySize (the guest's size), not the spec's size at commit time. None: the spec's."""
 
 
 @dataclass(frozen=True)
@@ -291,8 +299,9 @@ class SyncStatus(Action):
 @dataclass(frozen=True)
 class PlanScale(Action):
     """CAS ``status.pendingScale`` = ``plan`` and ``phase: Scaling``, if ``scaleSeq`` is still
-    ``observed_seq``, no plan is recorded, the committed pod is still the plan's and the
-    fresh spec still asks for the plan's size."""
+    ``observed_seq``, the committed pod is still the plan's and the fresh spec still asks
+    for the plan's size. A plan recorded before (number ``observed_seq``, for another
+    size) is superseded: the runner orders the two by their seq."""
 
     step: ClassVar[str] = "plan_scale"
 
@@ -615,7 +624,15 @@ def _decide_scaling(obs: Observation, vm: VirtualMachine, pod: PodView) -> Actio
                                    memory_bytes=runner.memory_bytes,
                                    reason=f"runner of {pod.name} reached {plan.cpus} vCPUs, "
                                           f"{plan.memory_slots} memory slots")
-        elif obs.runner_error is not None:
+        want = desired_size(vm)
+        if want != (plan.cpus, plan.memory_slots):
+            # The spec moved on: a plan that cannot finish (an unplug the guest refuses)
+            # must not hold the VM. The next plan's seq orders it after this one at the
+            # runner, which applies it once (or refuses this one from then on).
+            return _plan_scale(obs, vm, pod, want,
+                               f"spec asks for {want[0]} vCPUs, {want[1]} memory slots; "
+                               f"supersedes scaling plan #{plan.seq}")
+        if obs.runner_error is not None:
             return Wait(seconds=RUNNER_RECHECK_SECONDS, condition=SCALING_CONDITION,
                         reason=f"scaling plan #{plan.seq}: cannot ask the runner of "
                                f"{pod.name}: {obs.runner_error}")
@@ -627,14 +644,18 @@ def _decide_scaling(obs: Observation, vm: VirtualMachine, pod: PodView) -> Actio
     have, want = status_size(vm), desired_size(vm)
     if have is None or have == want:
         return None
+    return _plan_scale(obs, vm, pod, want, f"spec asks for {want[0]} vCPUs, {want[1]} "
+                                           f"memory slots; {pod.name} has {have[0]}, {have[1]}")
+
+
+def _plan_scale(obs: Observation, vm: VirtualMachine, pod: PodView, want: tuple[int, int],
+                why: str) -> PlanScale:
     seq = vm.status.scale_seq + 1
     return PlanScale(
         plan=PendingScale(cpus=want[0], memory_slots=want[1], seq=seq,
                           epoch=obs.lease.epoch, token=obs.lease.token, pod_name=pod.name,
                           pod_uid=pod.uid, generation=vm.generation),
-        observed_seq=vm.status.scale_seq,
-        reason=f"spec asks for {want[0]} vCPUs, {want[1]} memory slots; {pod.name} has "
-               f"{have[0]}, {have[1]}: scaling plan #{seq}")
+        observed_seq=vm.status.scale_seq, reason=f"{why}: scaling plan #{seq}")
 
 
 def _terminal_phase(vm: VirtualMachine, pod: PodView | None) -> str | None:
@@ -689,7 +710,8 @@ def _decide_pending(obs: Observation, vm: VirtualMachine, pending: PendingPod) -
             why = (f"not ours (it does not carry the fence epoch {pending.epoch} token "
                    f"{pending.token} of plan #{pending.plan_seq})")
         return DropPlan(name=pending.name, reason=f"pod {pending.name} exists but is {why}")
-    return Commit(name=pod.name, uid=pod.uid, reason=f"pod {pod.name} created: commit it")
+    return Commit(name=pod.name, uid=pod.uid, built=pod.built,
+                  reason=f"pod {pod.name} created: commit it")
 
 
 def _cleanup(obs: Observation, vm: VirtualMachine) -> Action | None:

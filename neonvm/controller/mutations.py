@@ -42,9 +42,20 @@ def _fresh_status(vm: VirtualMachine, lease: d.Lease) -> VirtualMachineStatus:
     return status
 
 
-def _record_boot_size(new: VirtualMachineStatus, vm: VirtualMachine) -> None:
-    """status.cpus/memorySize/currentRevision: the spec the committed pod was built from."""
+def _record_boot_size(new: VirtualMachineStatus, vm: VirtualMachine,
+                      built: tuple[int, int] | None = None) -> None:
+    """status.cpus/memorySize/currentRevision: the size the committed pod was built with
+    (``built``: millicores, memory slots, from the pod), else the spec's."""
     new.cpus, new.memory_size = compat.configured_size(vm.spec)
+    if built is not None:
+        from neonvm.runner.quantity import QuantityError, format_bytes, parse_bytes
+
+        new.cpus = MilliCPU(built[0])
+        try:
+            new.memory_size = format_bytes(parse_bytes(vm.spec.guest.memory_slot_size)
+                                           * built[1])
+        except QuantityError:
+            new.memory_size = None
     if vm.spec.target_revision is not None:
         new.current_revision = copy.deepcopy(vm.spec.target_revision)
 
@@ -100,7 +111,7 @@ def status_mutation(action: d.Action, lease: d.Lease) -> StatusMutation:
         new.pod_name, new.pod_uid, new.pending_pod = action.name, action.uid, None
         new.pending_scale = None
         new.phase = "Pending"
-        _record_boot_size(new, vm)
+        _record_boot_size(new, vm, action.built)
         return new
 
     def drop_plan(vm: VirtualMachine) -> VirtualMachineStatus | None:
@@ -158,11 +169,15 @@ def status_mutation(action: d.Action, lease: d.Lease) -> StatusMutation:
     def plan_scale(vm: VirtualMachine) -> VirtualMachineStatus | None:
         assert isinstance(action, d.PlanScale)
         s, plan = vm.status, action.plan
-        if s.pending_scale is not None or s.scale_seq != action.observed_seq:
+        if s.scale_seq != action.observed_seq:
             return None
+        if s.pending_scale is not None and (s.pending_scale.seq != action.observed_seq or (
+                s.pending_scale.cpus, s.pending_scale.memory_slots) == (plan.cpus,
+                                                                        plan.memory_slots)):
+            return None  # supersede only the plan observed, and only for another size
         if s.pod_name != plan.pod_name or (s.pod_uid and s.pod_uid != plan.pod_uid):
             return None
-        if s.phase != "Running" or vm.deletion_timestamp is not None:
+        if s.phase not in ("Running", "Scaling") or vm.deletion_timestamp is not None:
             return None
         # The fresh spec must still ask for this size: a plan never records a size
         # older than the spec it is written over.

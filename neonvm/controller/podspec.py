@@ -62,6 +62,9 @@ MEMORY_OVERHEAD = 256 * 1024 * 1024
 """Memory for QEMU and the runner itself, on top of the guest's memory."""
 ANNOTATION_GENERATION = "vm.neon.tech/generation"
 ANNOTATION_SPEC = "vm.neon.tech/spec"
+ANNOTATION_BUILT_SIZE = "vm.neon.tech/built-size"
+"""The guest size the pod was built with: ``<cpus.use in millicores>,<memory slots>``
+(what its guest boots at; the commit records it, whatever the spec says by then)."""
 """The VM spec as JSON, projected into the runner's spec file."""
 SPEC_DIR = "/vm/spec"
 SPEC_FILE = f"{SPEC_DIR}/spec.json"
@@ -221,6 +224,8 @@ def runner_pod(vm: VirtualMachine, plan: PendingPod,
                 types.ANNOTATION_EPOCH: str(plan.epoch),
                 types.ANNOTATION_PLAN_SEQ: str(plan.plan_seq),
                 ANNOTATION_GENERATION: str(vm.generation),
+                ANNOTATION_BUILT_SIZE: f"{int(spec.guest.cpus.current)},"
+                                       f"{spec.guest.memory_slots.current}",
             },
             "ownerReferences": [{
                 "apiVersion": types.API_VERSION,
@@ -381,3 +386,26 @@ def _disks(vm: VirtualMachine) -> tuple[list[dict[str, Any]], list[dict[str, Any
         mounts.append({"name": volume["name"], "mountPath": f"{DISKS_DIR}/{disk.name}",
                        "readOnly": bool(disk.read_only)})
     return volumes, mounts
+
+
+def built_size(meta: dict[str, Any]) -> tuple[int, int] | None:
+    """(millicores, memory slots) from a pod's :data:`ANNOTATION_BUILT_SIZE`; None when
+    absent or malformed (a pod built before the annotation existed)."""
+    raw = (meta.get("annotations") or {}).get(ANNOTATION_BUILT_SIZE)
+    try:
+        milli, slots = (int(v) for v in str(raw).split(","))
+    except (TypeError, ValueError):
+        return None
+    return (milli, slots) if milli > 0 and slots >= 0 else None
+
+
+def runner_port_of(spec: dict[str, Any]) -> int | None:
+    """The ``runner`` port the pod's runner container listens on (from the pod's own spec,
+    not the VM's current one); None when not found."""
+    for container in spec.get("containers") or []:
+        if container.get("name") != RUNNER_CONTAINER:
+            continue
+        for port in container.get("ports") or []:
+            if port.get("name") == "runner" and isinstance(port.get("containerPort"), int):
+                return int(port["containerPort"])
+    return None

@@ -64,7 +64,10 @@ def scalable(vm: VirtualMachine) -> bool:
 
 
 def default_address(vm: VirtualMachine, pod: d.PodView) -> str:
-    return f"http://{pod.ip}:{vm.spec.runner_port or podspec.RUNNER_PORT}"
+    """The pod's runner: its IP and the port in the pod's own spec (the VM's
+    ``runnerPort`` may have changed since the pod was built)."""
+    port = pod.runner_port or vm.spec.runner_port or podspec.RUNNER_PORT
+    return f"http://{pod.ip}:{port}"
 
 
 class ScalingError(Exception):

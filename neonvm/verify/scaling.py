@@ -94,6 +94,8 @@ class VMRep(NamedTuple):
     """(cpus, slots, seq, epoch, token, pod name, pod uid, generation)"""
     scale_seq: int
     restarts: int
+    pending_pod: tuple[str, int, int, int, int] | None = None
+    """(name, planSeq, token, epoch, generation) of a created pod not yet committed."""
 
 
 class Runner(NamedTuple):
@@ -126,6 +128,9 @@ class World(NamedTuple):
     spec_changes: tuple[Size, ...]
     restarts_left: int
     crashes_left: int
+    created: tuple[str, str, Size] | None = None
+    """A replacement pod created (its runner up, its guest booted at the size it was built
+    with) and not yet committed: (name, uid, built size)."""
 
 
 @dataclass(frozen=True)
@@ -136,6 +141,12 @@ class Mutants:
     """The runner applies every fence (no comparison with the last applied)."""
     no_floor: bool = False
     """A new pod's runner gets no fence floor."""
+    commit_spec_size: bool = False
+    """The pod commit records the fresh spec's size instead of the size the pod was built
+    with (the size its guest booted at)."""
+    no_supersede: bool = False
+    """A recorded plan is never superseded: a new plan waits until it is committed or
+    dropped."""
 
 
 # ---- between the model and the shipped types --------------------------------------------
@@ -156,7 +167,10 @@ def to_vm(r: VMRep) -> VirtualMachine:
         fence=Fence(epoch=r.fence[0], token=r.fence[1]) if r.fence else None,
         cpus=MilliCPU(r.size[0] * 1000) if r.size else None,
         memory_size=f"{r.size[1]}Gi" if r.size else None,
-        pending_scale=pending, scale_seq=r.scale_seq)
+        pending_scale=pending, scale_seq=r.scale_seq,
+        pending_pod=PendingPod(name=r.pending_pod[0], plan_seq=r.pending_pod[1],
+                               token=r.pending_pod[2], epoch=r.pending_pod[3],
+                               generation=r.pending_pod[4]) if r.pending_pod else None)
     return VirtualMachine(name="vm", namespace="ns", uid=UID, resource_version="1",
                           generation=r.generation, spec=spec, status=status,
                           finalizers=[FINALIZER])
@@ -165,6 +179,7 @@ def to_vm(r: VMRep) -> VirtualMachine:
 def from_vm(vm: VirtualMachine, use: Size) -> VMRep:
     s = vm.status
     p = s.pending_scale
+    pp = s.pending_pod
     size = d.status_size(vm)
     return VMRep(
         use=use, generation=vm.generation, phase=s.phase or "Pending", pod=s.pod_name or "",
@@ -172,7 +187,8 @@ def from_vm(vm: VirtualMachine, use: Size) -> VMRep:
         fence=(s.fence.epoch, s.fence.token) if s.fence else None, size=size,
         pending=(p.cpus, p.memory_slots, p.seq, p.epoch, p.token, p.pod_name, p.pod_uid,
                  p.generation) if p else None,
-        scale_seq=s.scale_seq, restarts=s.restart_count)
+        scale_seq=s.scale_seq, restarts=s.restart_count,
+        pending_pod=(pp.name, pp.plan_seq, pp.token, pp.epoch, pp.generation) if pp else None)
 
 
 def _freeze(action: d.Action) -> tuple[Any, ...]:
@@ -208,13 +224,19 @@ class Violation(NamedTuple):
 
 
 class ScalingModel:
-    def __init__(self, lag: int = 2, mutants: Mutants = Mutants()) -> None:
+    def __init__(self, lag: int = 2, mutants: Mutants = Mutants(),
+                 refuse_unplug: bool = False) -> None:
         self.lag = lag
         self.mutants = mutants
+        self.refuse_unplug = refuse_unplug
+        """The guest never lets memory go: a PUT that lowers the memory slots records its
+        fence, plugs the vCPUs and answers 504 with the memory unchanged, every time."""
 
     # observation and decision (the shipped decide)
     def observe(self, w: World, i: int, seen: VMRep) -> tuple[Any, ...] | None:
         x = w.workers[i]
+        if not seen.pod:
+            return None  # a pod being replaced: the pod explorer's business
         vm = to_vm(seen)
         pod = d.PodView(name=seen.pod, uid=seen.pod_uid, owner_uid=UID, gated=False,
                         terminating=False, phase="Running", node="n1", ip=IP,
@@ -232,6 +254,8 @@ class ScalingModel:
         action = d.decide(obs)
         if isinstance(action, d.Done | d.Wait | d.ObserveDirect | d.Fenced):
             return None
+        if self.mutants.no_supersede and isinstance(action, d.PlanScale) and seen.pending:
+            return _freeze(d.ApplyScale(plan=to_vm(seen).status.pending_scale or PendingScale()))
         return _freeze(action)
 
     def _last(self, r: Runner) -> AppliedFence | None:
@@ -275,6 +299,9 @@ class ScalingModel:
                 return w, None  # 409: nothing applied
         size = (plan.cpus, plan.memory_slots)
         stored = ((plan.epoch, plan.token, plan.seq), size) if decision == "newer" else r.stored
+        guest = size
+        if self.refuse_unplug and size[1] < r.guest[1]:
+            guest = (size[0], r.guest[1])  # 504: the fence stays recorded, memory stays
         seq0, size0 = r.received
         violation = None
         # The same plan again (a retry), or a plan as old as the pod that asks for the
@@ -283,12 +310,13 @@ class ScalingModel:
             violation = Violation("order", f"the guest of pod {r.pod_uid} received plan "
                                            f"#{plan.seq} {size} after plan #{seq0} {size0}"
                                            f"{' (its boot size)' if seq0 == r.boot_seq else ''}")
-        runner = r._replace(stored=stored, guest=size, received=(plan.seq, size))
+        runner = r._replace(stored=stored, guest=guest, received=(plan.seq, size))
         return w._replace(runner=runner), violation
 
     def restart_runner(self, w: World) -> World:
-        """The pod is replaced: Restart, RecordPlan, Commit (shipped mutations), a new
-        runner with the floor the pod spec carries, booted at the spec's size."""
+        """The pod is replaced: Restart and RecordPlan (shipped mutations), a new pod built
+        by the shipped pod spec (its fence floor, its built size), its runner booted at
+        that size; the commit is a later step (:meth:`commit_pod`)."""
         leader = max((x for x in w.workers if x.active and not x.stopped),
                      key=lambda x: x.epoch)
         lease = d.Lease(leader.epoch, leader.token)
@@ -311,16 +339,38 @@ class ScalingModel:
             floor = (e, t, s)
         name = vm.status.pending_pod.name  # type: ignore[union-attr]
         uid = f"uid-{vm.status.plan_seq}"
-        for action2 in (d.Commit(name=name, uid=uid),
-                        d.SyncStatus(phase="Running", node="n1", ip=IP, name=name, uid=uid)):
-            new = mutations.status_mutation(action2, lease)(copy.deepcopy(vm))
-            assert new is not None, action2
-            vm.status = new
-        boot = d.desired_size(vm)
+        milli, slots = podspec.built_size(created["metadata"]) or (0, 0)
+        boot = ((milli + 999) // 1000, slots)
         runner = Runner(pod_uid=uid, stored=None, floor=floor, boot=boot, guest=boot,
                         received=(vm.status.scale_seq, boot), boot_seq=vm.status.scale_seq)
-        return _write(w._replace(runner=runner, restarts_left=w.restarts_left - 1),
+        return _write(w._replace(runner=runner, restarts_left=w.restarts_left - 1,
+                                 created=(name, uid, boot)),
                       from_vm(vm, w.vm.use), self.lag)
+
+    def commit_pod(self, w: World) -> World:
+        """The created pod is committed and seen running (shipped decide's Commit, its
+        mutation, then SyncStatus), by the newest live leader."""
+        assert w.created is not None
+        leader = max((x for x in w.workers if x.active and not x.stopped),
+                     key=lambda x: x.epoch)
+        lease = d.Lease(leader.epoch, leader.token)
+        name, uid, boot = w.created
+        vm = to_vm(w.vm)
+        pending = vm.status.pending_pod
+        assert pending is not None
+        pod = d.PodView(name=name, uid=uid, owner_uid=UID, gated=True, terminating=False,
+                        fence=(pending.epoch, pending.token),
+                        built=(boot[0] * 1000, boot[1]))
+        commit = d.decide(d.Observation(vm=vm, pods=(pod,), lease=lease, direct=True))
+        assert isinstance(commit, d.Commit), commit
+        if self.mutants.commit_spec_size:
+            commit = dataclasses.replace(commit, built=None)
+        for action in (commit, d.SyncStatus(phase="Running", node="n1", ip=IP, name=name,
+                                            uid=uid)):
+            new = mutations.status_mutation(action, lease)(copy.deepcopy(vm))
+            assert new is not None, action
+            vm.status = new
+        return _write(w._replace(created=None), from_vm(vm, w.vm.use), self.lag)
 
     def successors(self, w: World) -> Iterator[tuple[str, World, Violation | None]]:
         for i, x in enumerate(w.workers):
@@ -351,7 +401,10 @@ class ScalingModel:
             vm = w.vm._replace(use=use, generation=w.vm.generation + 1)
             yield f"user sets use {use}", _write(w._replace(spec_changes=rest), vm,
                                                  self.lag), None
-        if w.restarts_left and any(x.active and not x.stopped for x in w.workers):
+        leading = any(x.active and not x.stopped for x in w.workers)
+        if w.created is not None and leading:
+            yield "the new pod is committed", self.commit_pod(w), None
+        elif w.restarts_left and leading:
             yield "runner restarts (pod replaced)", self.restart_runner(w), None
 
     def converges(self, w: World, max_steps: int = 40) -> Violation | None:
@@ -363,6 +416,8 @@ class ScalingModel:
         workers = tuple(x._replace(held=None) if j == i else x._replace(stopped=True)
                         for j, x in enumerate(w.workers))
         s = w._replace(workers=workers, spec_changes=(), restarts_left=0, crashes_left=0)
+        if s.created is not None:
+            s = self.commit_pod(s)
         for _ in range(max_steps):
             held = self.observe(s, i, s.vm)
             if held is None:
@@ -374,6 +429,13 @@ class ScalingModel:
             if s.workers[i].stopped:
                 return Violation("convergence", "the newest leader was fenced out")
         want = s.vm.use
+        if self.refuse_unplug and want[1] < s.runner.guest[1]:
+            # Cannot be reached: the newest plan must be the one still being tried.
+            p = s.vm.pending
+            if p is None or (p[0], p[1]) != want:
+                return Violation("convergence", f"the guest refuses unplugs; calm run ends "
+                                                f"with plan {p}, not one for {want}")
+            return None
         if (s.runner.guest, s.vm.size, s.vm.pending) != (want, want, None):
             return Violation("convergence", f"calm run ends with guest {s.runner.guest}, "
                                             f"status {s.vm.size}, plan {s.vm.pending}; "
@@ -414,9 +476,10 @@ class ScalingReport:
 
 
 def explore_scaling(world: World | None = None, *, lag: int = 2, mutants: Mutants = Mutants(),
-                    max_states: int = 200_000, liveness: bool = True) -> ScalingReport:
+                    max_states: int = 200_000, liveness: bool = True,
+                    refuse_unplug: bool = False) -> ScalingReport:
     """Breadth-first over every interleaving; stops at the first violation."""
-    model = ScalingModel(lag=lag, mutants=mutants)
+    model = ScalingModel(lag=lag, mutants=mutants, refuse_unplug=refuse_unplug)
     start = world or initial_world()
     parents: dict[World, tuple[World, str] | None] = {start: None}
     queue: deque[World] = deque([start])
