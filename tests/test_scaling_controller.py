@@ -31,6 +31,7 @@ from neonvm.controller import decide as d
 from neonvm.controller.podspec import ANNOTATION_SPEC
 from neonvm.controller.reconciler import Reconciler, ReconcileResult, StaticAuthority
 from neonvm.controller.scaling import USAGE_ANNOTATION, token_secret_name
+from neonvm.runner.scaling import pod_token
 from neonvm.testing.harness import create_vm, get_vm, runner_pods
 from tests.support import wait_for
 from tests.test_runner import REPO, RunningRunner, free_port, test_guest  # noqa: F401
@@ -79,7 +80,12 @@ def start_runner_for(pod: Any, token: str, port: int, tmp_path: Path) -> Running
     token_file = tmp_path / "token"
     token_file.write_text(token)
     env = {k: v for k, v in os.environ.items() if not k.startswith("NEONVM_")}
-    env.update({e.name: e.value for e in pod.spec.containers[0].env or []})
+    for e in pod.spec.containers[0].env or []:
+        ref = e.value_from.field_ref if e.value_from is not None else None
+        if ref is not None and ref.field_path == "metadata.uid":
+            env[e.name] = pod.metadata.uid  # the downward API, as the kubelet fills it in
+        elif e.value is not None:
+            env[e.name] = e.value
     env.update({"NEONVM_SPEC_FILE": str(spec_file), "NEONVM_SCALING_TOKEN_FILE": str(token_file)})
     work_dir, termination_log = tmp_path / "work", tmp_path / "termination-log"
     termination_log.write_text("")
@@ -178,10 +184,15 @@ def test_the_controller_scales_a_running_guest_live_under_its_fence(
         assert json.loads(resized.metadata.annotations[USAGE_ANNOTATION]) == {
             "cpu": "1", "memory": "1Gi"}
 
+        # The bearer is good for this pod only: HMAC(secret, pod uid). The Secret's token
+        # itself, or the token of another pod (the old pod's IP reused), is refused.
+        newer = {"cpus": 2, "memorySlots": 2, "fence": {"epoch": 9, "token": 0, "seq": 9}}
+        assert put_scale(port, token, newer) == 401
+        assert put_scale(port, pod_token(token.encode(), "uid-of-another-pod"), newer) == 401
         # The deposed leader resends its own recorded plan (2 vCPUs, 2 GiB, fence 1/10/1):
         # the runner refuses it, and the guest keeps the newest size.
-        assert put_scale(port, token, {"cpus": 2, "memorySlots": 2,
-                                       "fence": {"epoch": 1, "token": 10, "seq": 1}}) == 409
+        assert put_scale(port, pod_token(token.encode(), uid), {
+            "cpus": 2, "memorySlots": 2, "fence": {"epoch": 1, "token": 10, "seq": 1}}) == 409
         code, body = runner.get("/scale")
         report = json.loads(body)
         assert code == 200 and report["lastApplied"]["fence"] == {"epoch": 2, "token": 11,

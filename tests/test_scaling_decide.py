@@ -163,7 +163,7 @@ def test_a_scalable_pod_carries_the_token_mount_and_the_fence_floor() -> None:
 
     v = vm(scale_seq=7, fence=Fence(epoch=5, token=77))
     pod = podspec.runner_pod(v, PendingPod(name=POD, plan_seq=1, token=77, epoch=5))
-    env = {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"]}
+    env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
     assert env["NEONVM_SCALING_FENCE_FLOOR"] == "5,77,7"
     assert env["NEONVM_SCALING_TOKEN_FILE"] == "/vm/scaling/token"
     assert {"name": "vm-scaling-token", "secret": {

@@ -186,6 +186,9 @@ def runner_pod(vm: VirtualMachine, plan: PendingPod,
                  f"{vm.status.scale_seq}")
         container["env"] += [
             {"name": "NEONVM_SCALING_TOKEN_FILE", "value": f"{SCALING_DIR}/token"},
+            # The runner expects HMAC(token, its pod uid): a token is good for one pod.
+            {"name": "NEONVM_POD_UID", "valueFrom": {"fieldRef": {
+                "fieldPath": "metadata.uid"}}},
             {"name": "NEONVM_SCALING_FENCE_FLOOR", "value": floor},
             {"name": "NEONVM_CPU_SCALING_MODE",
              "value": spec.cpu_scaling_mode or "QmpScaling"},

@@ -44,6 +44,7 @@ from neonvm.api.types import VirtualMachine
 from neonvm.controller import decide as d
 from neonvm.controller import podspec
 from neonvm.controller.observe import Snapshot
+from neonvm.runner.scaling import pod_token
 
 TOKEN_KEY = "token"
 USAGE_ANNOTATION = "vm.neon.tech/usage"
@@ -173,7 +174,7 @@ class RunnerScaling:
         if pod is None or pod.uid != plan.pod_uid or not pod.ip:
             return "no_pod"
         try:
-            token = self.token(vm)
+            token = pod_token(self.token(vm).encode(), plan.pod_uid)
         except ScalingError as exc:
             log.warning("scaling plan #{seq}: {err}", seq=plan.seq, err=str(exc))
             return "no_token"

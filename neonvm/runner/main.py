@@ -75,6 +75,7 @@ class RunnerOptions:
     scaling_token_file: Path | None = None
     scaling_timeout: float = 60.0
     scaling_fence_floor: str | None = None
+    pod_uid: str | None = None
     cpu_scaling_mode: CpuScalingMode = "QmpScaling"
     kernel_dir: Path = DEFAULT_KERNEL_DIR
     enable_acceleration: bool = False
@@ -227,7 +228,8 @@ def make_scaler(launch: Launch, state: RunnerState, work_dir: Path,
                   agent_socket=plan.agent_socket,
                   guest_cpus=lambda: state.snapshot().guest_cpus_online,
                   fence_floor=(parse_fence_floor(options.scaling_fence_floor)
-                               if options.scaling_fence_floor else None))
+                               if options.scaling_fence_floor else None),
+                  pod_uid=options.pod_uid or None)
 
 
 def _record_signals(record: Callable[[str], None]) -> dict[int, Any]:
@@ -323,6 +325,10 @@ def runner_options(command: Callable[..., None]) -> Callable[..., None]:
                      envvar="NEONVM_SCALING_TOKEN_FILE",
                      help="File holding the bearer token PUT /scale must present (re-read "
                           "per request). Without it, PUT /scale is refused (401)."),
+        click.option("--pod-uid", envvar="NEONVM_POD_UID",
+                     help="This pod's uid (downward API): PUT /scale then expects the "
+                          "bearer HMAC-SHA256(token file, pod uid), so a token meant for "
+                          "another pod is refused."),
         click.option("--scaling-fence-floor", envvar="NEONVM_SCALING_FENCE_FLOOR",
                      callback=_check_floor,
                      help="epoch,token,seq: with no fence file in the work dir yet, refuse "

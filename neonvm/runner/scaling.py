@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import hmac
 import json
 import math
@@ -229,6 +230,15 @@ def check_bounds(target: ScaleTarget, limits: ScaleLimits) -> None:
     if not limits.min_slots <= target.memory_slots <= limits.max_slots:
         raise ScaleError(400, f"memorySlots: {target.memory_slots} is outside "
                               f"[{limits.min_slots}, {limits.max_slots}]")
+
+
+def pod_token(secret: bytes, pod_uid: str) -> str:
+    """The bearer token of one pod: HMAC-SHA256 of its uid under the VM's secret (hex).
+
+    The controller sends the token of the pod it means (the plan's pod uid); the runner
+    expects the token of its own pod (its uid from the downward API). A request that
+    reaches another pod (the old pod's IP reused) carries a token no live pod accepts."""
+    return hmac.new(secret, pod_uid.encode(), hashlib.sha256).hexdigest()
 
 
 def fence_decision(last: AppliedFence | None, fence: ScaleFence, target: ScaleTarget) -> str:
@@ -432,12 +442,15 @@ class Scaler:
                  on_size: Callable[[QemuSize], None] | None = None,
                  agent_socket: Path | None = None,
                  guest_cpus: Callable[[], int | None] | None = None,
-                 fence_floor: ScaleFence | None = None) -> None:
+                 fence_floor: ScaleFence | None = None, pod_uid: str | None = None) -> None:
         """``agent_socket`` selects SysfsScaling: vCPUs are onlined/offlined by the guest
         agent and ``guest_cpus`` (the guest's last report) says when it is done.
         ``fence_floor``: with no fence file yet, act as if this fence had been applied
-        with the boot size (a new pod must refuse fences recorded before it existed)."""
+        with the boot size (a new pod must refuse fences recorded before it existed).
+        ``pod_uid``: the bearer is :func:`pod_token` of the token file's secret and this
+        uid (None: the file's content itself, for a runner outside a pod)."""
         self.fence_floor = fence_floor
+        self._pod_uid = pod_uid
         self.limits = limits
         self.mode = "SysfsScaling" if agent_socket is not None else "QmpScaling"
         self._agent = AgentChannel(agent_socket) if agent_socket is not None else None
@@ -494,6 +507,8 @@ class Scaler:
                                   f"{exc.strerror or exc}") from None
         if not expected:
             raise ScaleError(401, "scaling token file is empty")
+        if self._pod_uid:
+            expected = pod_token(expected, self._pod_uid).encode()
         scheme, _, given = (authorization or "").partition(" ")
         if scheme.lower() != "bearer" or not given:
             raise ScaleError(401, "missing bearer token")

@@ -331,7 +331,7 @@ class ScalingModel:
             assert new is not None, action
             vm.status = new
         created = podspec.runner_pod(vm, vm.status.pending_pod)  # type: ignore[arg-type]
-        env = {e["name"]: e["value"] for e in created["spec"]["containers"][0]["env"]}
+        env = {e["name"]: e.get("value") for e in created["spec"]["containers"][0]["env"]}
         floor_text = env.get("NEONVM_SCALING_FENCE_FLOOR")
         floor: FenceTriple | None = None
         if floor_text and not self.mutants.no_floor:
