@@ -205,3 +205,101 @@ def test_the_controller_scales_a_running_guest_live_under_its_fence(
     finally:
         runner.cleanup()
     wait_for(lambda: runner.proc.poll() is not None, timeout=30, what="runner gone")
+
+
+class RefusingRunner:
+    """Stands in for a runner whose pod cannot take a size (its bounds differ, or it was
+    built without live scaling): GET /scale answers its fence floor and boot size, every
+    PUT /scale answers ``code``. (A real runner gives these answers in
+    ``tests/test_runner_scaling.py``; booting one here would only add a guest.)"""
+
+    def __init__(self, code: int) -> None:
+        import http.server
+        import threading
+
+        self.puts = 0
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def _answer(self, code: int, doc: dict[str, Any]) -> None:
+                body = json.dumps(doc).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self) -> None:
+                self._answer(200, {"mode": "QmpScaling", "lastApplied": {
+                    "fence": {"epoch": 0, "token": 0, "seq": 0}},
+                    "qemu": {"vcpus": 1, "memorySlots": 1, "memoryBytes": GIB}})
+
+            def do_PUT(self) -> None:
+                outer.puts += 1
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                self._answer(code, {"error": f"refused ({code})"})
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.mark.parametrize(("code", "delete_secret", "reason"), [
+    (400, False, d.SCALING_NEEDS_RESTART),  # bounds changed after boot
+    (401, False, d.SCALING_NEEDS_RESTART),  # the pod was built without live scaling
+    (200, True, d.SCALING_DISABLED),        # no token for the controller (no RBAC, ...)
+])
+def test_a_scaling_refused_for_good_ends_in_a_condition_not_a_retry_loop(
+        api: client.ApiClient, controller_api: client.ApiClient, namespace: str,
+        code: int, delete_secret: bool, reason: str) -> None:
+    from neonvm.controller.scaling import RunnerScaling
+
+    runner = RefusingRunner(code)
+    try:
+        create_vm(api, namespace, "stuck", spec={
+            "nodeSelector": NOWHERE,
+            "guest": {"cpus": {"min": 1, "max": 2, "use": 1},
+                      "memorySlots": {"min": 1, "max": 2, "use": 1},
+                      "memorySlotSize": "1Gi", "rootDisk": {"image": "/nonexistent.raw"}}})
+        key = f"{namespace}/stuck"
+        reconciler = Reconciler(controller_api, scaling=RunnerScaling(
+            controller_api, address=lambda vm, pod: f"http://127.0.0.1:{runner.port}"))
+        settle(reconciler, key, OLD)
+        (pod,) = runner_pods(api, namespace, "stuck")
+        client.CoreV1Api(api).patch_namespaced_pod_status(pod.metadata.name, namespace, {
+            "status": {"phase": "Running", "podIP": "127.0.0.1",
+                       "podIPs": [{"ip": "127.0.0.1"}]}})
+        settle(reconciler, key, OLD)
+        if delete_secret:
+            raw = get_vm(api, namespace, "stuck")
+            assert raw is not None
+            client.CoreV1Api(api).delete_namespaced_secret(
+                token_secret_name(types.VirtualMachine.from_object(raw)), namespace)
+        set_use(api, namespace, "stuck", 2, 2)
+        result = settle(reconciler, key, OLD)
+        assert isinstance(result.action, d.Done) and result.stuck is None, result
+        status = status_of(api, namespace, "stuck")
+        assert status["phase"] == "Running" and "pendingScale" not in status, status
+        assert (status["cpus"], status["memorySize"]) == (1, "1Gi")
+        scaling = next(c for c in status["conditions"] if c["type"] == "Scaling")
+        assert (scaling["status"], scaling["reason"]) == ("False", reason), scaling
+        assert not any(c["type"] == "Degraded" and c["status"] == "True"
+                       for c in status["conditions"]), status["conditions"]
+        puts = runner.puts
+        assert puts <= 1
+        # Nothing more is tried for this spec ...
+        assert isinstance(settle(reconciler, key, OLD).action, d.Done)
+        assert runner.puts == puts and status_of(api, namespace, "stuck")["scaleSeq"] == 1
+        # ... and a new spec tries again.
+        set_use(api, namespace, "stuck", 1, 2)
+        settle(reconciler, key, OLD)
+        assert status_of(api, namespace, "stuck")["scaleSeq"] == 2
+    finally:
+        runner.close()

@@ -341,12 +341,24 @@ class DropScale(Action):
     step: ClassVar[str] = "drop_scale"
 
     seq: int = 0
+    refused: str | None = None
+    """The runner or the cluster refused the plan for good: the Scaling condition's
+    reason (:data:`SCALING_NEEDS_RESTART`, :data:`SCALING_DISABLED`); no new plan for
+    the same spec generation. None: dropped to plan again."""
 
 
 SCALING_CONDITION = "Scaling"
 """Condition type (and Wait condition) while a live scaling change is in progress."""
 RUNNER_RECHECK_SECONDS = 2.0
 """How soon a scaling change whose runner could not be asked is looked at again."""
+SCALING_NEEDS_RESTART = "ScalingNeedsRestart"
+"""Scaling condition reason: the running pod cannot take the size (the runner refused:
+400, outside the bounds it booted with; 401, the pod was built without live scaling or
+with another token scheme). The pod's next start boots at the spec's size."""
+SCALING_DISABLED = "ScalingDisabled"
+"""Scaling condition reason: the controller cannot get the VM's scaling token (no RBAC
+on Secrets, ``rbac.liveScaling=false``; the Secret missing or not the controller's)."""
+SCALING_REFUSED = frozenset({SCALING_NEEDS_RESTART, SCALING_DISABLED})
 
 
 def scale_fence(plan: PendingScale) -> tuple[int, int, int]:
@@ -644,6 +656,10 @@ def _decide_scaling(obs: Observation, vm: VirtualMachine, pod: PodView) -> Actio
     have, want = status_size(vm), desired_size(vm)
     if have is None or have == want:
         return None
+    refused = next((c for c in vm.status.conditions if c.type == SCALING_CONDITION
+                    and c.status == "False" and c.reason in SCALING_REFUSED), None)
+    if refused is not None and refused.observed_generation == vm.generation:
+        return None  # refused for this spec: the condition says why; a new spec tries again
     return _plan_scale(obs, vm, pod, want, f"spec asks for {want[0]} vCPUs, {want[1]} "
                                            f"memory slots; {pod.name} has {have[0]}, {have[1]}")
 

@@ -212,9 +212,13 @@ def status_mutation(action: d.Action, lease: d.Lease) -> StatusMutation:
         s = vm.status
         if s.pending_scale is None or s.pending_scale.seq != action.seq:
             return None
+        generation = s.pending_scale.generation
         new = _fresh_status(vm, lease)
-        _scale_done(new, vm, "ScalingDropped",
+        _scale_done(new, vm, action.refused or "ScalingDropped",
                     f"scaling plan #{action.seq} dropped: {action.reason}")
+        if action.refused:  # refused for the spec the plan was made for
+            cond = next(c for c in new.conditions if c.type == d.SCALING_CONDITION)
+            cond.observed_generation = generation
         return new
 
     table: dict[type[d.Action], StatusMutation] = {

@@ -139,6 +139,11 @@ class Outcome(str):
         return obj
 
 
+REFUSED_SCALING = {"runner_400": d.SCALING_NEEDS_RESTART,
+                   "runner_401": d.SCALING_NEEDS_RESTART,
+                   "no_token": d.SCALING_DISABLED}
+"""ApplyScale outcomes that asking again cannot change, and the Scaling reason they end in."""
+
 EFFECTIVE = frozenset({"done", "replaced"})
 """Outcomes of a step that changed something."""
 BLOCKED = frozenset({"forbidden"})
@@ -758,8 +763,23 @@ class Reconciler:
 
     def _apply_scale(self, key: str, action: d.ApplyScale, snap: Snapshot,
                      authority: Authority, log: Any) -> str:
-        """The performer of ApplyScale: the runner's ``PUT /scale`` with the plan's fence."""
-        return self._scaling.apply(action, snap, log)
+        """The performer of ApplyScale: the runner's ``PUT /scale`` with the plan's fence.
+
+        A refusal that asking again cannot change (the runner's 400 or 401, no token to
+        sign with) drops the plan with the Scaling condition saying why
+        (:data:`~neonvm.controller.decide.SCALING_REFUSED`): the VM runs on at its size,
+        and the next spec change tries again."""
+        outcome = self._scaling.apply(action, snap, log)
+        refused = REFUSED_SCALING.get(str(outcome))
+        if refused is None:
+            return outcome
+        drop = d.DropScale(seq=action.plan.seq, refused=refused,
+                           reason=getattr(outcome, "detail", "") or str(outcome))
+        written = self._write_status(key, snap, status_mutation(drop, authority.lease),
+                                     authority, log)
+        if written is not None:
+            self._events.record(written.vm, refused, drop.reason, warning=True)
+        return Outcome("refused", drop.reason)
 
     def _name_taken(self, key: str, action: d.CreatePod, snap: Snapshot,
                     authority: Authority, log: Any) -> str:

@@ -71,8 +71,24 @@ def default_address(vm: VirtualMachine, pod: d.PodView) -> str:
     return f"http://{pod.ip}:{port}"
 
 
+class Result(str):
+    """What an apply came to ("done", or why not), with a detail for people."""
+
+    detail: str
+
+    def __new__(cls, value: str, detail: str = "") -> Result:
+        obj = super().__new__(cls, value)
+        obj.detail = detail
+        return obj
+
+
 class ScalingError(Exception):
     """The runner could not be asked (no token, unreachable, refused)."""
+
+    def __init__(self, message: str, permanent: bool = False) -> None:
+        super().__init__(message)
+        self.permanent = permanent
+        """Asking again cannot help (the token Secret is forbidden, missing or not ours)."""
 
 
 class RunnerScaling:
@@ -118,13 +134,15 @@ class RunnerScaling:
         try:
             secret = self._core.read_namespaced_secret(name, vm.namespace, _request_timeout=30)
         except ApiException as exc:
-            raise ScalingError(f"scaling token Secret {name}: {exc.status} {exc.reason}") from None
+            raise ScalingError(f"scaling token Secret {name}: {exc.status} {exc.reason}",
+                               permanent=exc.status in (403, 404)) from None
         owners = secret.metadata.owner_references or []
         if not any(ref.uid == vm.uid for ref in owners):
-            raise ScalingError(f"Secret {name} is not owned by this VM: not used")
+            raise ScalingError(f"Secret {name} is not owned by this VM: not used",
+                               permanent=True)
         raw = (secret.data or {}).get(TOKEN_KEY)
         if not raw:
-            raise ScalingError(f"Secret {name} has no {TOKEN_KEY!r}")
+            raise ScalingError(f"Secret {name} has no {TOKEN_KEY!r}", permanent=True)
         return base64.b64decode(raw).decode().strip()
 
     # ---- the runner --------------------------------------------------------------------
@@ -177,7 +195,7 @@ class RunnerScaling:
             token = pod_token(self.token(vm).encode(), plan.pod_uid)
         except ScalingError as exc:
             log.warning("scaling plan #{seq}: {err}", seq=plan.seq, err=str(exc))
-            return "no_token"
+            return Result("no_token" if exc.permanent else "token_unavailable", str(exc))
         body = {"cpus": plan.cpus, "memorySlots": plan.memory_slots,
                 "fence": {"epoch": plan.epoch, "token": plan.token, "seq": plan.seq}}
         try:
@@ -189,7 +207,9 @@ class RunnerScaling:
         if code != 200:
             log.warning("scaling plan #{seq}: the runner answered {code}: {err}", seq=plan.seq,
                         code=code, err=doc.get("error", ""))
-            return "stale" if code == 409 else f"runner_{code}"
+            return Result("stale" if code == 409 else f"runner_{code}",
+                          f"the runner of {pod.name} answered {code}: "
+                          f"{doc.get('error', '')}")
         qemu = doc.get("qemu") or {}
         self._tell_kubernetes(vm, pod, int(qemu.get("memoryBytes") or 0), plan, log)
         return "done"
