@@ -303,3 +303,44 @@ def test_a_scaling_refused_for_good_ends_in_a_condition_not_a_retry_loop(
         assert status_of(api, namespace, "stuck")["scaleSeq"] == 2
     finally:
         runner.close()
+
+
+def test_a_late_older_plan_never_puts_its_size_back_on_the_pod(
+        api: client.ApiClient, controller_api: client.ApiClient, namespace: str) -> None:
+    # Issue 19 review F6: the usage annotation (and the CPU request) of plan #2 must not be
+    # overwritten by a late apply of plan #1 (a deposed leader, a slow PUT /scale).
+    from loguru import logger
+
+    from neonvm.controller.observe import pod_view
+    from neonvm.controller.scaling import SCALE_FENCE_ANNOTATION, RunnerScaling
+
+    create_vm(api, namespace, "late", spec={
+        "nodeSelector": NOWHERE,
+        "guest": {"cpus": {"min": 1, "max": 2, "use": 1},
+                  "memorySlots": {"min": 1, "max": 2, "use": 1}, "memorySlotSize": "1Gi",
+                  "rootDisk": {"image": "/nonexistent.raw"}}})
+    settle(Reconciler(controller_api), f"{namespace}/late", OLD)
+    (pod,) = runner_pods(api, namespace, "late")
+    raw = get_vm(api, namespace, "late")
+    assert raw is not None
+    vm = types.VirtualMachine.from_object(raw)
+    view = pod_view(api.sanitize_for_serialization(pod))
+    scaling = RunnerScaling(controller_api)
+
+    def plan(seq: int, cpus: int, epoch: int = 1) -> types.PendingScale:
+        return types.PendingScale(cpus=cpus, memory_slots=cpus, seq=seq, epoch=epoch,
+                                  token=10, pod_name=pod.metadata.name,
+                                  pod_uid=pod.metadata.uid, generation=1)
+
+    def annotations() -> dict[str, str]:
+        read = client.CoreV1Api(api).read_namespaced_pod(pod.metadata.name, namespace)
+        return dict(read.metadata.annotations or {})
+
+    scaling._tell_kubernetes(vm, view, 2 * GIB, plan(2, 2), logger)
+    assert json.loads(annotations()[USAGE_ANNOTATION]) == {"cpu": "2", "memory": "2Gi"}
+    assert annotations()[SCALE_FENCE_ANNOTATION] == "1,10,2"
+    scaling._tell_kubernetes(vm, view, GIB, plan(1, 1), logger)  # late: plan #1
+    assert json.loads(annotations()[USAGE_ANNOTATION]) == {"cpu": "2", "memory": "2Gi"}
+    scaling._tell_kubernetes(vm, view, GIB, plan(3, 1), logger)  # newer: taken
+    assert json.loads(annotations()[USAGE_ANNOTATION]) == {"cpu": "1", "memory": "1Gi"}
+    assert annotations()[SCALE_FENCE_ANNOTATION] == "1,10,3"

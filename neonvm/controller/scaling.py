@@ -49,6 +49,9 @@ from neonvm.runner.scaling import pod_token
 TOKEN_KEY = "token"
 USAGE_ANNOTATION = "vm.neon.tech/usage"
 """NeonVM's runner-pod annotation with the guest's current size (JSON cpu, memory)."""
+SCALE_FENCE_ANNOTATION = "vm.neon.tech/scale-fence"
+"""``epoch,token,seq`` of the plan whose size the pod's usage annotation and CPU request
+carry: a plan writes them only over an older one (and by resourceVersion)."""
 
 RunnerAddress = Callable[[VirtualMachine, d.PodView], str]
 """``http://host:port`` of a pod's runner."""
@@ -69,6 +72,15 @@ def default_address(vm: VirtualMachine, pod: d.PodView) -> str:
     ``runnerPort`` may have changed since the pod was built)."""
     port = pod.runner_port or vm.spec.runner_port or podspec.RUNNER_PORT
     return f"http://{pod.ip}:{port}"
+
+
+def parse_scale_fence(text: object) -> tuple[int, int, int] | None:
+    """(epoch, token, seq) from :data:`SCALE_FENCE_ANNOTATION`; None: absent or malformed."""
+    try:
+        e, t, s = (int(v) for v in str(text).split(","))
+    except (TypeError, ValueError):
+        return None
+    return (e, t, s)
 
 
 class Result(str):
@@ -238,21 +250,49 @@ class RunnerScaling:
     def _tell_kubernetes(self, vm: VirtualMachine, pod: d.PodView, memory_bytes: int,
                          plan: types.PendingScale, log: Any) -> None:
         """The usage annotation, and the CPU request by in-place resize (best effort: the
-        guest already has the size; a failure here is logged, not retried)."""
+        guest already has the size; a failure here is logged, not retried).
+
+        Fenced like the runner: both are written only over the record of an older plan
+        (:data:`SCALE_FENCE_ANNOTATION`), each with the resourceVersion just read, so a
+        late apply of an older plan (a deposed leader, a slow request) never puts an
+        older size back."""
         from neonvm.runner.quantity import format_bytes
 
-        usage = json.dumps({"cpu": str(plan.cpus), "memory": format_bytes(memory_bytes)})
-        patch = {"metadata": {"uid": pod.uid, "annotations": {USAGE_ANNOTATION: usage}}}
+        fence = d.scale_fence(plan)
         try:
-            self._core.patch_namespaced_pod(pod.name, vm.namespace, patch, _request_timeout=30)
+            current = self._core.api_client.sanitize_for_serialization(
+                self._core.read_namespaced_pod(pod.name, vm.namespace, _request_timeout=30))
+        except ApiException as exc:
+            log.warning("reading {pod} before annotating its size: {s}", pod=pod.name,
+                        s=exc.status)
+            return
+        meta = current.get("metadata") or {}
+        recorded = parse_scale_fence((meta.get("annotations") or {}).get(
+            SCALE_FENCE_ANNOTATION))
+        if meta.get("uid") != pod.uid or (recorded is not None and recorded >= fence):
+            log.info("{pod} already carries the size of plan {r}: not annotated with plan "
+                     "{f}'s", pod=pod.name, r=recorded, f=fence)
+            return
+        usage = json.dumps({"cpu": str(plan.cpus), "memory": format_bytes(memory_bytes)})
+        patch = {"metadata": {"uid": pod.uid, "resourceVersion": meta.get("resourceVersion"),
+                              "annotations": {USAGE_ANNOTATION: usage,
+                                              SCALE_FENCE_ANNOTATION: ",".join(
+                                                  str(v) for v in fence)}}}
+        try:
+            written = self._core.api_client.sanitize_for_serialization(
+                self._core.patch_namespaced_pod(pod.name, vm.namespace, patch,
+                                                _request_timeout=30))
         except ApiException as exc:
             log.warning("annotating {pod} with its size: {s} {m}", pod=pod.name, s=exc.status,
                         m=kube.api_error_message(exc))
+            return  # 409: written meanwhile (by a newer plan, or to be redone by this one's)
+        version = (written.get("metadata") or {}).get("resourceVersion")
         use = vm.spec.guest.cpus.current
         if vm.spec.pod_resources is not None or use.rounded_up() != plan.cpus:
             return  # the user's resources (not ours to change), or the spec moved on
-        resize = {"spec": {"containers": [{"name": podspec.RUNNER_CONTAINER, "resources": {
-            "requests": {"cpu": podspec.millicores(use.cores)}}}]}}
+        resize = {"metadata": {"uid": pod.uid, "resourceVersion": version},
+                  "spec": {"containers": [{"name": podspec.RUNNER_CONTAINER, "resources": {
+                      "requests": {"cpu": podspec.millicores(use.cores)}}}]}}
         try:
             kube.request(self._core.api_client, "PATCH",
                          f"/api/v1/namespaces/{vm.namespace}/pods/{pod.name}/resize", resize,
