@@ -30,7 +30,7 @@ from neonvm.api import types
 from neonvm.controller import decide as d
 from neonvm.controller.podspec import ANNOTATION_SPEC
 from neonvm.controller.reconciler import Reconciler, ReconcileResult, StaticAuthority
-from neonvm.controller.scaling import USAGE_ANNOTATION, token_secret_name
+from neonvm.controller.scaling import USAGE_ANNOTATION
 from neonvm.runner.scaling import pod_token
 from neonvm.testing.harness import create_vm, get_vm, runner_pods
 from tests.support import wait_for
@@ -139,8 +139,9 @@ def test_the_controller_scales_a_running_guest_live_under_its_fence(
     raw = get_vm(api, namespace, "live")
     assert raw is not None
     secret = client.CoreV1Api(api).read_namespaced_secret(
-        token_secret_name(types.VirtualMachine.from_object(raw)), namespace)
+        raw["status"]["scalingTokenSecret"], namespace)
     assert [ref.uid for ref in secret.metadata.owner_references] == [raw["metadata"]["uid"]]
+    assert secret.metadata.uid == raw["status"]["scalingTokenSecretUID"]
     token = base64.b64decode(secret.data["token"]).decode()
 
     runner = start_runner_for(pod, token, port, tmp_path)
@@ -251,14 +252,17 @@ class RefusingRunner:
         self.server.server_close()
 
 
-@pytest.mark.parametrize(("code", "delete_secret", "reason"), [
-    (400, False, d.SCALING_NEEDS_RESTART),  # bounds changed after boot
-    (401, False, d.SCALING_NEEDS_RESTART),  # the pod was built without live scaling
-    (200, True, d.SCALING_DISABLED),        # no token for the controller (no RBAC, ...)
+@pytest.mark.parametrize(("code", "secret", "reason"), [
+    (400, "keep", d.SCALING_NEEDS_RESTART),  # bounds changed after boot
+    (401, "keep", d.SCALING_NEEDS_RESTART),  # the pod was built without live scaling
+    (200, "delete", d.SCALING_DISABLED),     # no token for the controller (no RBAC, ...)
+    # F7: a Secret planted under the recorded name (owned by the VM, but not the one the
+    # controller created) is never used: its token is not sent anywhere.
+    (200, "plant", d.SCALING_DISABLED),
 ])
 def test_a_scaling_refused_for_good_ends_in_a_condition_not_a_retry_loop(
         api: client.ApiClient, controller_api: client.ApiClient, namespace: str,
-        code: int, delete_secret: bool, reason: str) -> None:
+        code: int, secret: str, reason: str) -> None:
     from neonvm.controller.scaling import RunnerScaling
 
     runner = RefusingRunner(code)
@@ -277,11 +281,21 @@ def test_a_scaling_refused_for_good_ends_in_a_condition_not_a_retry_loop(
             "status": {"phase": "Running", "podIP": "127.0.0.1",
                        "podIPs": [{"ip": "127.0.0.1"}]}})
         settle(reconciler, key, OLD)
-        if delete_secret:
+        if secret != "keep":
             raw = get_vm(api, namespace, "stuck")
             assert raw is not None
-            client.CoreV1Api(api).delete_namespaced_secret(
-                token_secret_name(types.VirtualMachine.from_object(raw)), namespace)
+            name = raw["status"]["scalingTokenSecret"]
+            core = client.CoreV1Api(api)
+            core.delete_namespaced_secret(name, namespace)
+            if secret == "plant":
+                wait_for(lambda: not any(s.metadata.name == name for s in
+                                         core.list_namespaced_secret(namespace).items),
+                         timeout=30, what="the Secret gone")
+                core.create_namespaced_secret(namespace, {"metadata": {
+                    "name": name, "ownerReferences": [{
+                        "apiVersion": types.API_VERSION, "kind": types.KIND, "name": "stuck",
+                        "uid": raw["metadata"]["uid"]}]},
+                    "stringData": {"token": "planted"}})
         set_use(api, namespace, "stuck", 2, 2)
         result = settle(reconciler, key, OLD)
         assert isinstance(result.action, d.Done) and result.stuck is None, result
@@ -293,7 +307,7 @@ def test_a_scaling_refused_for_good_ends_in_a_condition_not_a_retry_loop(
         assert not any(c["type"] == "Degraded" and c["status"] == "True"
                        for c in status["conditions"]), status["conditions"]
         puts = runner.puts
-        assert puts <= 1
+        assert puts <= (0 if secret != "keep" else 1)
         # Nothing more is tried for this spec ...
         assert isinstance(settle(reconciler, key, OLD).action, d.Done)
         assert runner.puts == puts and status_of(api, namespace, "stuck")["scaleSeq"] == 1

@@ -162,12 +162,13 @@ def test_a_scalable_pod_carries_the_token_mount_and_the_fence_floor() -> None:
     from neonvm.api.types import PendingPod
 
     v = vm(scale_seq=7, fence=Fence(epoch=5, token=77))
+    v.status.scaling_token_secret, v.status.scaling_token_secret_uid = "neonvm-s-x", "u-s"
     pod = podspec.runner_pod(v, PendingPod(name=POD, plan_seq=1, token=77, epoch=5))
     env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
     assert env["NEONVM_SCALING_FENCE_FLOOR"] == "5,77,7"
     assert env["NEONVM_SCALING_TOKEN_FILE"] == "/vm/scaling/token"
     assert {"name": "vm-scaling-token", "secret": {
-        "secretName": f"neonvm-scaling-{UID}", "optional": True,
+        "secretName": "neonvm-s-x", "optional": True,
         "items": [{"key": "token", "path": "token"}]}} in pod["spec"]["volumes"]
 
 

@@ -499,16 +499,22 @@ class VirtualMachineStatus:
     observed_generation: int | None = api_field("Generation last acted on.")
     fence: Fence | None = api_field("Highest writer (epoch, token) seen.")
     cpus: MilliCPU | None = api_field(
-        "vCPUs of the committed runner pod: its boot size (from the spec at commit) until "
+        "vCPUs of the committed runner pod: the size it was built with until "
         "a live scaling change is committed, then what its runner reported the guest has.")
     memory_size: str | None = api_field(
-        "Memory of the committed runner pod: memorySlots.use x memorySlotSize at commit "
-        "until a live scaling change is committed, then what its runner reported.",
+        "Memory of the committed runner pod: memorySlots.use x memorySlotSize it was built "
+        "with until a live scaling change is committed, then what its runner reported.",
         quantity=True)
     pending_scale: PendingScale | None = api_field(
         "Plan record of a live scaling change in progress (phase Scaling meanwhile).")
     scale_seq: int = api_field("Last scale sequence number used; only ever increases.",
                                default=0)
+    scaling_token_secret: str | None = api_field(
+        "Name of the live scaling token Secret the controller created for this VM (with a "
+        "generated name); new runner pods mount it.")
+    scaling_token_secret_uid: str | None = api_field(
+        "UID of that Secret as its creation returned it: a Secret with another UID is "
+        "never used.", json="scalingTokenSecretUID")
     current_revision: RevisionWithTime | None = api_field(
         "spec.targetRevision as of the spec the committed runner pod was built from.")
     extra_net_ip: str | None = api_field("IP on the extra network (NeonVM; not set here).",

@@ -237,6 +237,20 @@ def status_mutation(action: d.Action, lease: d.Lease) -> StatusMutation:
         raise ValueError(f"{type(action).__name__} is not a status write") from None
 
 
+def token_secret_mutation(name: str, uid: str, lease: d.Lease) -> StatusMutation:
+    """Record the live scaling token Secret the controller just created (name and UID),
+    unless one is recorded already (a concurrent create: its Secret is the one used)."""
+
+    def record(vm: VirtualMachine) -> VirtualMachineStatus | None:
+        if vm.status.scaling_token_secret_uid:
+            return None
+        new = _fresh_status(vm, lease)
+        new.scaling_token_secret, new.scaling_token_secret_uid = name, uid
+        return new
+
+    return record
+
+
 def finalizers_mutation(action: d.Action) -> Callable[[VirtualMachine], list[str] | None]:
     """Main-resource write for AddFinalizer / RemoveFinalizer (``/status`` cannot do it)."""
 

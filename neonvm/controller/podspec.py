@@ -171,14 +171,14 @@ def runner_pod(vm: VirtualMachine, plan: PendingPod,
         })
         container["env"].append(
             {"name": "NEONVM_ROOT_DISK", "value": f"{ROOT_DISK_DIR}/rootdisk.qcow2"})
-    if scalable(vm):
+    if scalable(vm) and vm.status.scaling_token_secret:
         # Live scaling (docs/runner.md, "Live scaling"): the bearer token from the VM's
         # Secret (the controller creates it before the pod), the fence floor of this pod
         # (so a plan recorded before the pod existed is refused), the CPU scaling mode.
         # Optional: without the Secret (a controller not allowed to create it) the pod
         # still starts, and its runner refuses to scale (401).
         volumes.append({"name": SCALING_VOLUME, "secret": {
-            "secretName": f"neonvm-scaling-{vm.uid}", "optional": True,
+            "secretName": vm.status.scaling_token_secret, "optional": True,
             "items": [{"key": "token", "path": "token"}]}})
         mounts.append({"name": SCALING_VOLUME, "mountPath": SCALING_DIR, "readOnly": True})
         fence = vm.status.fence

@@ -103,6 +103,7 @@ from neonvm.controller.mutations import (
     StatusMutation,
     finalizers_mutation,
     status_mutation,
+    token_secret_mutation,
 )
 from neonvm.controller.observe import (
     DirectReader,
@@ -704,7 +705,13 @@ class Reconciler:
                     authority: Authority, log: Any) -> str:
         assert snap.record is not None
         vm = snap.record.vm
-        self._scaling.ensure_token(vm)  # the pod mounts the VM's live scaling token
+        secret = self._scaling.create_token(vm)  # the pod mounts the VM's scaling token
+        if secret is not None:
+            written = self._write_status(key, snap, token_secret_mutation(*secret,
+                                                                          authority.lease),
+                                         authority, log)
+            if written is not None:
+                vm = written.vm
         try:
             manifest = podspec.runner_pod(vm, action.plan, self._config.pod_defaults)
         except podspec.PodSpecError as exc:

@@ -57,9 +57,9 @@ RunnerAddress = Callable[[VirtualMachine, d.PodView], str]
 """``http://host:port`` of a pod's runner."""
 
 
-def token_secret_name(vm: VirtualMachine) -> str:
-    """The VM's scaling-token Secret (the name ``podspec`` mounts): unique per VM uid."""
-    return f"neonvm-scaling-{vm.uid}"
+def token_secret_prefix(vm: VirtualMachine) -> str:
+    """The generateName of the VM's scaling-token Secret (the API server adds a suffix)."""
+    return f"neonvm-scaling-{vm.uid[:8]}-"
 
 
 def scalable(vm: VirtualMachine) -> bool:
@@ -117,14 +117,16 @@ class RunnerScaling:
 
     # ---- the token ---------------------------------------------------------------------
 
-    def ensure_token(self, vm: VirtualMachine) -> None:
-        """Create the VM's token Secret unless it exists (before its pod is created)."""
-        if not scalable(vm):
-            return
+    def create_token(self, vm: VirtualMachine) -> tuple[str, str] | None:
+        """Create a token Secret for ``vm`` (before its pod is created) under a generated
+        name; (name, uid) to record in status, or None (not scalable, one is recorded,
+        or the create failed: the pod then starts without live scaling)."""
+        if not scalable(vm) or vm.status.scaling_token_secret_uid:
+            return None
         body = {
             "apiVersion": "v1", "kind": "Secret", "type": "Opaque",
             "metadata": {
-                "name": token_secret_name(vm), "namespace": vm.namespace,
+                "generateName": token_secret_prefix(vm), "namespace": vm.namespace,
                 "labels": {types.LABEL_VM_NAME: vm.name, types.LABEL_VM_UID: vm.uid},
                 "ownerReferences": [{"apiVersion": types.API_VERSION, "kind": types.KIND,
                                      "name": vm.name, "uid": vm.uid,
@@ -133,24 +135,30 @@ class RunnerScaling:
             "stringData": {TOKEN_KEY: secrets.token_urlsafe(32)},
         }
         try:
-            self._core.create_namespaced_secret(vm.namespace, body, _request_timeout=30)
+            created = self._core.create_namespaced_secret(vm.namespace, body,
+                                                          _request_timeout=30)
         except ApiException as exc:
-            if exc.status == 409:
-                return  # exists: ours or not, token() checks the owner before using it
             # Scaling will say why it cannot ask the runner; the pod is still created.
-            logger.bind(vm=vm.key).warning("cannot create the scaling token Secret {}: {} {}",
-                                           token_secret_name(vm), exc.status, exc.reason)
+            logger.bind(vm=vm.key).warning("cannot create a scaling token Secret: {} {}",
+                                           exc.status, exc.reason)
+            return None
+        return created.metadata.name, created.metadata.uid
 
     def token(self, vm: VirtualMachine) -> str:
-        name = token_secret_name(vm)
+        """The VM's secret: from the Secret recorded in status, only if its UID is the one
+        its creation returned (a Secret planted under that name is not used)."""
+        name, uid = vm.status.scaling_token_secret, vm.status.scaling_token_secret_uid
+        if not name or not uid:
+            raise ScalingError("no scaling token Secret recorded for this VM (the controller "
+                               "could not create one: is rbac.liveScaling on?)", permanent=True)
         try:
             secret = self._core.read_namespaced_secret(name, vm.namespace, _request_timeout=30)
         except ApiException as exc:
             raise ScalingError(f"scaling token Secret {name}: {exc.status} {exc.reason}",
                                permanent=exc.status in (403, 404)) from None
-        owners = secret.metadata.owner_references or []
-        if not any(ref.uid == vm.uid for ref in owners):
-            raise ScalingError(f"Secret {name} is not owned by this VM: not used",
+        if secret.metadata.uid != uid:
+            raise ScalingError(f"Secret {name} is not the one the controller created (uid "
+                               f"{secret.metadata.uid}, recorded {uid}): not used",
                                permanent=True)
         raw = (secret.data or {}).get(TOKEN_KEY)
         if not raw:
