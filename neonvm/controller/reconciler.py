@@ -76,6 +76,11 @@ from neonvm.api.schema import encode
 from neonvm.api.types import VirtualMachineStatus
 from neonvm.controller import decide as d
 from neonvm.controller import podspec
+from neonvm.controller.acceleration import (
+    Acceleration,
+    RunnerReports,
+    warn_acceleration_unavailable,
+)
 from neonvm.controller.compat_events import warn_unimplemented
 from neonvm.controller.conditions import (
     CREATE_FAILING,
@@ -400,6 +405,7 @@ class Reconciler:
         on_finalized: Callable[[str], None] | None = None,
         scaling: RunnerScaling | None = None,
         timers: VMTimers | None = None,
+        runner_reports: RunnerReports | None = None,
     ) -> None:
         self._core = client.CoreV1Api(api)
         self.reader = DirectReader(api)
@@ -416,6 +422,10 @@ class Reconciler:
         self._identity: str | None = None
         self._mutex = threading.Lock()
         self.timers = timers or VMTimers()
+        self.acceleration = Acceleration(self._config.pod_defaults.kvm_resource,
+                                         runner_reports or RunnerReports(),
+                                         podspec.RUNNER_PORT)
+        """The AccelerationUnavailable condition (its runner GETs never block a step)."""
         """Per VM: transient create failures in a row (shared with the term's handler,
         which drops a gone VM's entries)."""
 
@@ -482,6 +492,7 @@ class Reconciler:
                                      f"{authority.lease.epoch})", snap)
             if isinstance(action, d.Done | d.Wait):
                 updates = desired_conditions(snap, action)
+                updates += self.acceleration.updates(snap)
                 mutation = conditions_mutation(updates, authority.lease)
                 assert snap.record is not None or not updates
                 record = snap.record
@@ -493,6 +504,7 @@ class Reconciler:
                     if written is not None:
                         self._event_for_wait(action, record.vm, written.vm, log)
                         warn_unimplemented(self._events, record.vm, written.vm)
+                        warn_acceleration_unavailable(self._events, record.vm, written.vm)
                 requeue = (action.seconds if isinstance(action, d.Wait)
                            else self._config.resync_seconds)
                 log.debug("reconciled: {action} ({reason})", action=type(action).__name__,
