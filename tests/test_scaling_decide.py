@@ -302,3 +302,17 @@ def test_the_runner_is_called_on_the_port_in_the_pods_own_spec() -> None:
     raw["status"] = {"phase": "Running", "podIP": "10.0.0.9"}
     v.spec.runner_port = 26000  # changed after the pod was built
     assert default_address(v, pod_view(raw)) == "http://10.0.0.9:25183"  # type: ignore[arg-type]
+
+
+def test_a_scalable_pod_without_a_token_secret_still_carries_its_fence_floor() -> None:
+    # Found by the scaling explorer: a pod built with no Secret recorded (the controller
+    # may not create Secrets) must still refuse plans older than itself once a token
+    # reaches it; only the token mount is left out.
+    from neonvm.api.types import PendingPod
+
+    v = vm(scale_seq=7, fence=Fence(epoch=5, token=77))
+    pod = podspec.runner_pod(v, PendingPod(name=POD, plan_seq=1, token=77, epoch=5))
+    env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
+    assert env["NEONVM_SCALING_FENCE_FLOOR"] == "5,77,7"
+    assert "NEONVM_SCALING_TOKEN_FILE" not in env
+    assert not any(vol["name"] == "vm-scaling-token" for vol in pod["spec"]["volumes"])

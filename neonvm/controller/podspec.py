@@ -174,28 +174,32 @@ def runner_pod(vm: VirtualMachine, plan: PendingPod,
         })
         container["env"].append(
             {"name": "NEONVM_ROOT_DISK", "value": f"{ROOT_DISK_DIR}/rootdisk.qcow2"})
-    if scalable(vm) and vm.status.scaling_token_secret:
-        # Live scaling (docs/runner.md, "Live scaling"): the bearer token from the VM's
-        # Secret (the controller creates it before the pod), the fence floor of this pod
-        # (so a plan recorded before the pod existed is refused), the CPU scaling mode.
-        # Optional: without the Secret (a controller not allowed to create it) the pod
-        # still starts, and its runner refuses to scale (401).
-        volumes.append({"name": SCALING_VOLUME, "secret": {
-            "secretName": vm.status.scaling_token_secret, "optional": True,
-            "items": [{"key": "token", "path": "token"}]}})
-        mounts.append({"name": SCALING_VOLUME, "mountPath": SCALING_DIR, "readOnly": True})
+    if scalable(vm):
+        # Live scaling (docs/runner.md, "Live scaling"): the fence floor of this pod (so a
+        # plan recorded before the pod existed is refused), the CPU scaling mode, and the
+        # bearer token from the Secret the controller created and recorded in status.
+        # Without one (a controller not allowed to create it) the pod still starts, and
+        # its runner refuses to scale (401); the floor is there all the same.
         fence = vm.status.fence
         floor = (f"{fence.epoch if fence else 0},{fence.token if fence else 0},"
                  f"{vm.status.scale_seq}")
         container["env"] += [
-            {"name": "NEONVM_SCALING_TOKEN_FILE", "value": f"{SCALING_DIR}/token"},
-            # The runner expects HMAC(token, its pod uid): a token is good for one pod.
-            {"name": "NEONVM_POD_UID", "valueFrom": {"fieldRef": {
-                "fieldPath": "metadata.uid"}}},
             {"name": "NEONVM_SCALING_FENCE_FLOOR", "value": floor},
             {"name": "NEONVM_CPU_SCALING_MODE",
              "value": spec.cpu_scaling_mode or "QmpScaling"},
         ]
+        if vm.status.scaling_token_secret:
+            volumes.append({"name": SCALING_VOLUME, "secret": {
+                "secretName": vm.status.scaling_token_secret, "optional": True,
+                "items": [{"key": "token", "path": "token"}]}})
+            mounts.append({"name": SCALING_VOLUME, "mountPath": SCALING_DIR,
+                           "readOnly": True})
+            container["env"] += [
+                {"name": "NEONVM_SCALING_TOKEN_FILE", "value": f"{SCALING_DIR}/token"},
+                # The runner expects HMAC(token, its pod uid): a token is good for one pod.
+                {"name": "NEONVM_POD_UID", "valueFrom": {"fieldRef": {
+                    "fieldPath": "metadata.uid"}}},
+            ]
     container["volumeMounts"] = mounts
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
