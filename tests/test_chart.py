@@ -246,6 +246,25 @@ def test_the_controller_gets_the_lease_settings_and_probes_on_its_health_port(
         rendered.one("Deployment")["spec"]["template"]["metadata"]["labels"].items())
 
 
+def test_the_kvm_device_plugin_also_tells_the_controller_its_resource(helm: Helm) -> None:
+    """kvmDevicePlugin.enabled alone makes runner pods request /dev/kvm: the controller gets
+    ``--kvm-resource`` with the plugin's resource name; without the plugin it gets none,
+    and an explicit extraArgs value comes after it (the last one is the one used)."""
+    def kvm_args(*sets: str) -> list[str]:
+        args = helm.template("neonvm-controller", "neonvm-system", sets=sets).container["args"]
+        return [a for a in args if a.startswith("--kvm-resource")]
+
+    assert kvm_args() == []
+    assert kvm_args("kvmDevicePlugin.enabled=true") == [
+        "--kvm-resource=devices.kubevirt.io/kvm"]
+    assert kvm_args("kvmDevicePlugin.enabled=true",
+                    "kvmDevicePlugin.resourceName=example.com/kvm") == [
+        "--kvm-resource=example.com/kvm"]
+    assert kvm_args("kvmDevicePlugin.enabled=true",
+                    "controller.extraArgs={--kvm-resource=other.example/kvm}") == [
+        "--kvm-resource=devices.kubevirt.io/kvm", "--kvm-resource=other.example/kvm"]
+
+
 def test_the_pod_runs_with_a_restricted_security_context(helm: Helm) -> None:
     rendered = helm.template("neonvm-controller", "neonvm-system")
     pod_sc = rendered.pod_spec["securityContext"]

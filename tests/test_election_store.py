@@ -33,7 +33,7 @@ from neonvm.leader.election import (
     StepDownRequest,
     _Term,
 )
-from neonvm.leader.lease_store import LeaseConflict, LeaseNamespaceNotFound
+from neonvm.leader.lease_store import LeaseConflict, LeaseNamespaceNotFound, LeaseNotFound
 
 pytestmark = pytest.mark.unit
 
@@ -111,7 +111,9 @@ class FakeLeaseStore:
             raise LeaseNamespaceNotFound("ns")
         if self.before_write is not None:
             self.before_write()
-        if self.obj is None or self.obj["metadata"]["resourceVersion"] != base.resource_version:
+        if self.obj is None:
+            raise LeaseNotFound("gone")
+        if self.obj["metadata"]["resourceVersion"] != base.resource_version:
             raise LeaseConflict("changed")
         obj = copy.deepcopy(self.obj)
         obj["spec"] = {**obj["spec"], **spec}

@@ -58,7 +58,6 @@ def test_the_exported_vm_decodes_with_millicpu_strings_and_names_its_unimplement
     assert compat.unimplemented_fields(vm.spec) == [
         "spec.qmpManual", "spec.enableSSH", "spec.targetArchitecture", "spec.service_links",
         "spec.overcommit", "spec.cpuScalingMode", "spec.guest.memhpAutoMovableRatio",
-        "spec.guest.settings.sysctl", "spec.guest.settings.swap",
         "spec.disks[].emptyDisk.discard"]
 
 

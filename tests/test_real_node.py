@@ -94,6 +94,9 @@ def test_real_node_runs_a_pod_to_completion(
     for hierarchy in ("memory", "cpu", "unified"):
         assert not Path("/sys/fs/cgroup", hierarchy, node.cgroup_root.lstrip("/")).exists()
     assert not Path("/sys/class/net", node.bridge).exists()
+    # ... nor the NAT chain that lets pods reach the API server and the locks' etcd.
+    assert subprocess.run(["iptables", "-t", "nat", "-S", node.nat_chain],
+                          capture_output=True).returncode != 0
 
 
 def _exists(core: client.CoreV1Api, namespace: str, name: str) -> bool:

@@ -50,6 +50,20 @@ def _disk_flag(name: str) -> Callable[[VirtualMachineSpec], bool]:
     return used
 
 
+def _own_kernel(spec: VirtualMachineSpec) -> bool:
+    """The guest boots its own ``kernelImage``, so the runner's init (which applies
+    ``settings.sysctl`` and turns the swap disk on) does not run. Without one, a bare ext4
+    root disk (NeonVM's vm-builder images) boots the runner's kernel and init."""
+    return bool(spec.guest.kernel_image)
+
+
+def _swap(spec: VirtualMachineSpec) -> bool:
+    settings = spec.guest.settings or {}
+    info = settings.get("swapInfo")
+    return settings.get("swap") is not None or (
+        isinstance(info, dict) and info.get("size") is not None)
+
+
 UNIMPLEMENTED: tuple[Unimplemented, ...] = (
     Unimplemented("spec.qmpManual", lambda s: s.qmp_manual is not None,
                   "the runner opens no second QMP port"),
@@ -74,17 +88,17 @@ UNIMPLEMENTED: tuple[Unimplemented, ...] = (
                   "CPUs are not scaled live: cpus.use takes effect when a runner pod boots"),
     Unimplemented("spec.enableNetworkMonitoring", lambda s: bool(s.enable_network_monitoring),
                   "no network monitoring runs"),
-    Unimplemented("spec.enableAcceleration", lambda s: s.enable_acceleration is False,
-                  "the runner uses KVM whenever /dev/kvm works, whatever this says"),
     Unimplemented("spec.guest.memhpAutoMovableRatio",
                   lambda s: s.guest.memhp_auto_movable_ratio is not None,
                   "the guest kernel's movable ratio is not set"),
     Unimplemented("spec.guest.settings.sysctl",
-                  lambda s: bool((s.guest.settings or {}).get("sysctl")),
-                  "the guest's sysctls are not applied"),
+                  lambda s: _own_kernel(s) and bool((s.guest.settings or {}).get("sysctl")),
+                  "with guest.kernelImage the runner's init does not run: the sysctls reach "
+                  "the guest only in its fw_cfg config, for its own init to apply"),
     Unimplemented("spec.guest.settings.swap",
-                  lambda s: (s.guest.settings or {}).get("swap") is not None,
-                  "no swap disk is added"),
+                  lambda s: _own_kernel(s) and _swap(s),
+                  "with guest.kernelImage the runner's init does not run: the swap disk is "
+                  "attached unformatted, for the guest's own init to turn on"),
     Unimplemented("spec.guest.rootDisk.execute", lambda s: bool(s.guest.root_disk.execute),
                   "the runner runs no commands in the guest"),
     Unimplemented("spec.disks[].watch", _disk_flag("watch"),

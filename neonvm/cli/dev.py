@@ -54,6 +54,9 @@ def up(state_dir: Path | None, nodes: int | None, ports: str, real_nodes: int) -
         spec.nodes = 3
     if nodes is not None:
         spec.nodes = nodes
+    if real_nodes:
+        # Pods on a real node (the chart's controller) need ServiceAccount tokens.
+        spec.service_account_tokens = True
     install_binaries(with_nodes=spec.nodes > 0)
     cluster = LocalCluster(state_dir, spec)
     started = time.monotonic()

@@ -40,6 +40,11 @@ def _common(f: Callable[..., Any]) -> Callable[..., Any]:
                      default=None, help="Drill a real cluster instead of the local one."),
         click.option("--yes", is_flag=True,
                      help="Confirm a destructive drill against a real cluster."),
+        click.option("--pods", is_flag=True,
+                     help="The controller of the --state-dir cluster runs as the chart's "
+                          "pods on its real node (docs/real-node.md): drill those pods "
+                          "(KILL: SIGKILL to the leader container's process), with the "
+                          "cluster's locks' etcd for the lock checks."),
         click.option("--vms", type=click.IntRange(1, 5000), default=10, show_default=True,
                      help="VMs created in the drill namespace."),
         click.option("--replicas", type=click.IntRange(1, 9), default=3, show_default=True,
@@ -61,7 +66,19 @@ def _common(f: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _target(name: str, state_dir: Path | None, kubeconfig: Path | None, yes: bool,
-            replicas: int, lease_namespace: str, lease_name: str) -> Target:
+            replicas: int, lease_namespace: str, lease_name: str, pods: bool = False
+            ) -> Target:
+    if pods:
+        from neonvm import kube
+        from neonvm.dev.cluster import LocalCluster
+
+        if kubeconfig is not None or name in LOCAL_ONLY:
+            raise click.UsageError(f"--pods drills the chart's pods of the --state-dir "
+                                   f"cluster: not with --kubeconfig, nor {', '.join(LOCAL_ONLY)}")
+        cluster = LocalCluster(state_dir)
+        return KubeTarget(kube.api_client(cluster.kubeconfig), cluster.kubeconfig,
+                          lease_namespace, lease_name, etcd_endpoints=cluster.locks_etcd_url,
+                          same_host=True)
     if kubeconfig is None:
         return LocalTarget.prepare(state_dir, replicas, _progress)
     from neonvm.dev.cluster import LocalCluster
@@ -93,9 +110,10 @@ def _emit(verdict: Verdict, output: str) -> None:
 
 
 def _run(name: str, output: str, state_dir: Path | None, kubeconfig: Path | None,
-         yes: bool, replicas: int, lease_namespace: str, lease_name: str,
+         yes: bool, pods: bool, replicas: int, lease_namespace: str, lease_name: str,
          **opts: Any) -> None:
-    target = _target(name, state_dir, kubeconfig, yes, replicas, lease_namespace, lease_name)
+    target = _target(name, state_dir, kubeconfig, yes, replicas, lease_namespace, lease_name,
+                     pods)
     try:
         verdict = run_drill(name, target, DrillOptions(**opts), _progress)
     except DrillError as exc:

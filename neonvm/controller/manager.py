@@ -38,8 +38,12 @@ What a term guarantees:
   (``FenceAhead``) and left alone while the term goes on; one ahead by its token only
   (the locks' tokens went back) ends the term, so that the next epoch clears it;
 * on the way out (SIGTERM, lost leadership, a fence ahead by token) the queue is shut,
-  workers are joined, locks are released and the session revoked, and only then does
-  ``on_started`` return, after which the elector releases the Lease.
+  workers are joined for up to 8 s, the etcd session is revoked (one call, which deletes
+  every lock key bound to it), and only then does ``on_started`` return, after which the
+  elector releases the Lease. A worker still inside an API call after the join is left to
+  finish that one call under the old fence; it can take no new lock and pass no check;
+* a worker survives an exception that escapes a turn (outside the reconcile's own
+  error handling): it is logged, counted, and the key requeued with backoff.
 
 What it does not guarantee: that a paused process stops acting before anyone else
 starts. That is what the pod fence and the conditional writes are for (see
@@ -110,6 +114,10 @@ class ControllerConfig:
     stuck_backoff: Backoff = field(default_factory=lambda: Backoff(base=1.0, cap=300.0))
     """Requeue delay of a VM whose reconciles keep ending stuck (per VM, doubling with
     each stuck reconcile in a row, reset by one that ends normally)."""
+
+
+SESSION_REVOKE_TIMEOUT = 2.0
+"""Seconds a stopping term gives etcd to revoke its session (and so its locks)."""
 
 
 # ---- authority --------------------------------------------------------------------------
@@ -247,6 +255,10 @@ class LeaderTerm:
     def locks(self) -> LockManager:
         """The current lock manager; a new session (and manager) after a session loss."""
         with self._locks_mutex:
+            # A worker left over from a stopping term must not open a fresh session
+            # (its keepalive would outlive the term and its locks would look held).
+            if self.stopping.is_set():
+                raise AuthorityLost("the term is ending")
             if self._locks is not None and self._session is not None \
                     and not self._session.lost.is_set():
                 return self._locks
@@ -376,13 +388,24 @@ class LeaderTerm:
         with self._locks_mutex:
             locks, session = self._locks, self._session
             self._locks = self._session = None
-        if locks is not None:
-            held = len(locks.held())
-            locks.close()
-            self.log.info("released {n} VM lock(s)", n=held)
+        # One revoke of the session's etcd lease deletes every lock key bound to it at
+        # once (and tells each guard); a transaction per lock would make the stop take
+        # time proportional to the locks held. Releasing guard by guard is left for
+        # locks the revoke did not cover (none, unless it failed: then they expire).
+        held = len(locks.held()) if locks is not None else 0
+        revoked = session is None
         if session is not None:
-            with contextlib.suppress(Exception):
-                session.close()
+            try:
+                session.close(timeout=SESSION_REVOKE_TIMEOUT)
+                revoked = True
+            except Exception as exc:
+                self.log.warning("revoking the lock session failed: {err}",
+                                 err=short_error(exc))
+        if locks is not None:
+            locks.close()
+            self.log.info("released {n} VM lock(s){how}", n=held,
+                          how="" if revoked else " one by one (the revoke failed; "
+                          "any left expire with the session TTL)")
         self.metrics.leading.set(0)
         self.metrics.locks_held.set(0)
         self.log.info("stopped leading work")
@@ -398,6 +421,17 @@ class LeaderTerm:
                 continue
             try:
                 self.handler.process(taken.key, taken.direct)
+            except Exception:
+                # Handler.handle never raises, but what follows it (the outcome mapping,
+                # Handler.apply) runs outside its guard: a bug there must cost one key a
+                # retry, not the term a worker.
+                self.metrics.worker_errors.inc()
+                self.log.bind(vm=taken.key).exception(
+                    "worker: processing the key raised; requeued with backoff")
+                try:
+                    self.queue.add_rate_limited(taken.key, direct=True)
+                except Exception:
+                    self.log.bind(vm=taken.key).exception("worker: could not requeue the key")
             finally:
                 self.queue.done(taken.key)
 
@@ -462,8 +496,10 @@ class ControllerProcess:
         self._term: LeaderTerm | None = None
         # Every etcd key of this installation (locks, epoch floor) is scoped by its Lease.
         self.installation = Installation(election.namespace, election.name)
+        # Its own client and pool: renewals must not queue behind the workers' requests.
+        self.elector_api = self.wiring.elector_api(api)
         self.elector = LeaderElector(
-            api, election, on_started=self._lead, on_stopped=self._stopped,
+            self.elector_api, election, on_started=self._lead, on_stopped=self._stopped,
             epoch_floor=EpochFloor(self.etcd, etcd_config.prefix, self.installation),
             registry=self.metrics.registry,
         )
@@ -478,7 +514,10 @@ class ControllerProcess:
         try:
             term.run()
         finally:
-            self._term = None
+            # Only our own: a later term may already be recorded (the elector does not
+            # start one before this returns, but this must not depend on it).
+            if self._term is term:
+                self._term = None
 
     def _stopped(self) -> None:
         term = self._term
@@ -514,4 +553,5 @@ class ControllerProcess:
         finally:
             self.events.close()  # the Events still queued, for a few seconds at most
             self.etcd.close()
+            self.elector_api.close()
 

@@ -82,3 +82,8 @@ class ControllerMetrics:
         self.swept = Counter(
             "neonvm_controller_swept_total", "Objects removed by sweeps, by kind.",
             ["kind"], registry=r)
+        self.worker_errors = Counter(
+            "neonvm_controller_worker_errors_total",
+            "Exceptions that escaped a worker's turn (outside the reconcile's own error "
+            "handling); the worker logs, requeues the key with backoff and goes on.",
+            registry=r)

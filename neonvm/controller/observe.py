@@ -13,6 +13,11 @@ Two sources:
   purpose); its observations say ``direct=False`` and
   :func:`~neonvm.controller.decide.decide` never bases a dangerous action on them.
 
+A third kind is built, not read: after a write that took effect, the driver lays the
+API server's answer (the VM as stored, or the pod as created or patched) over the
+previous observation (:func:`make_snapshot` with ``from_write=True``; see
+``Reconciler._seen_by_write`` and docs/protocol.md, "Observing from write responses").
+
 A :class:`Snapshot` keeps the raw objects next to the observation: the driver's writes
 need the exact resourceVersions of what the decision saw (the VM's for status and
 finalizer writes, the pod's for the ungate patch).
@@ -85,6 +90,12 @@ class Snapshot:
     record: VMRecord | None
     pods: Mapping[str, dict[str, Any]] = field(default_factory=dict)
     """Raw pods by name, as listed."""
+    from_write: bool = False
+    """Built from the response to our own write (the driver's
+    ``Reconciler._seen_by_write``) rather than read: the VM (or the written pod) as the
+    API server stored it, the other pods as the previous observation listed them.
+    ``obs.direct`` is the previous observation's (docs/protocol.md, "Observing from
+    write responses")."""
 
 
 def pod_view(pod: dict[str, Any]) -> PodView:
@@ -131,7 +142,8 @@ def create_failed_generation(vm: VirtualMachine) -> int | None:
 
 def make_snapshot(record: VMRecord | None, pods: list[dict[str, Any]], lease: Lease,
                   direct: bool, now: dt.datetime | None = None,
-                  missing_pull_secrets: tuple[str, ...] = ()) -> Snapshot:
+                  missing_pull_secrets: tuple[str, ...] = (),
+                  from_write: bool = False) -> Snapshot:
     vm = record.vm if record is not None else None
     views = tuple(sorted((pod_view(p) for p in pods), key=lambda v: v.name))
     obs = Observation(
@@ -144,7 +156,8 @@ def make_snapshot(record: VMRecord | None, pods: list[dict[str, Any]], lease: Le
         missing_pull_secrets=missing_pull_secrets,
     )
     return Snapshot(obs=obs, record=record,
-                    pods={(p.get("metadata") or {}).get("name", ""): p for p in pods})
+                    pods={(p.get("metadata") or {}).get("name", ""): p for p in pods},
+                    from_write=from_write)
 
 
 class Observer(Protocol):
@@ -166,6 +179,10 @@ class DirectReader:
         self._custom = client.CustomObjectsApi(api)
         self._clock = clock
         self._warned_secrets_forbidden = False
+
+    def now(self) -> dt.datetime:
+        """This reader's clock (what it stamps its observations with)."""
+        return self._clock()
 
     def list_pods(self, namespace: str, vm_name: str) -> list[dict[str, Any]]:
         resp = self._core.list_namespaced_pod(
@@ -267,7 +284,7 @@ class DirectReader:
             pods = self.with_committed(namespace, pods, record.vm.status.pod_name,
                                        record.vm.status.pod_uid)
         missing: tuple[str, ...] = ()
-        if record is not None and _create_due(record.vm, pods):
+        if record is not None and create_due(record.vm, pods):
             missing = self.missing_pull_secrets(record.vm)
         return make_snapshot(record, pods, lease, direct=True, now=self._clock(),
                              missing_pull_secrets=missing)
@@ -288,7 +305,7 @@ def _read_json(read: Callable[[], Any]) -> dict[str, Any] | None:
     return body
 
 
-def _create_due(vm: VirtualMachine, pods: list[dict[str, Any]]) -> bool:
+def create_due(vm: VirtualMachine, pods: list[dict[str, Any]]) -> bool:
     """A plan is recorded and its pod is not listed: the one moment pull secrets matter."""
     pending = vm.status.pending_pod
     if pending is None or vm.deletion_timestamp is not None or not vm.spec.image_pull_secrets:

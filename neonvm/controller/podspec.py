@@ -125,6 +125,9 @@ def runner_pod(vm: VirtualMachine, plan: PendingPod,
         "resources": _with_kvm(_resources(vm), vm, defaults.kvm_resource),
         "securityContext": _container_security(),
     }
+    if spec.enable_acceleration is False:
+        # NeonVM's meaning of false: the guest runs under TCG even where /dev/kvm works.
+        container["env"].append({"name": "NEONVM_ACCEL", "value": "tcg"})
     for guest_port in spec.guest.ports or []:
         entry: dict[str, Any] = {"containerPort": guest_port.port,
                                  "protocol": guest_port.protocol or "TCP"}

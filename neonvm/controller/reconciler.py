@@ -3,9 +3,13 @@
 :meth:`Reconciler.reconcile` runs one VM's reconcile under an :class:`Authority` (the
 leader epoch E and the VM lock's fencing token T). Each round it observes, asks the pure
 :func:`~neonvm.controller.decide.decide` for the next single action, performs exactly that
-action with a conditional write, and observes again (directly: after a write the cache
-is behind by definition). The first observation may come from the cache; everything
-after a write, and everything that guards a dangerous action, is a quorum read.
+action with a conditional write, and observes again. The first observation may come
+from the cache. After a write that took effect the next observation is built from the
+API server's answer to it (the VM as stored, the pod as created or patched) on top of
+the previous one (:meth:`Reconciler._seen_by_write`); the loop acts on such an
+observation only for the decisions of :data:`SEEN_BY_WRITE` and reads directly for the
+others (Restart, DeletePod, RemoveFinalizer), after a write that did not take effect,
+and whenever ``decide`` asks (docs/protocol.md, "Observing from write responses").
 
 How each action is performed (the precondition is in brackets):
 
@@ -41,11 +45,14 @@ taking effect), or when a step is refused for good (``UngateForbidden``). It is 
 in ``neonvm_controller_stuck_reconciles_total{step}`` and the manager retries it with
 exponential backoff, instead of at once.
 
-Authority is checked before every action and inside every conflict retry: a lost lease,
+Authority is checked when the reconcile starts and then once per write, immediately
+before it (inside the conditional update for a VM write, so in every conflict retry too;
+in :meth:`Reconciler._perform` for a pod write), not before each decision: a lost lease,
 a lost lock or a changed epoch raises :class:`AuthorityLost` and the reconcile stops at
-once. A VM whose status is fenced ahead of us (``decide`` says Fenced, or a mutation
-raises :class:`~neonvm.controller.mutations.FencedOut` on a fresh copy) is checked
-against our authority once more: lost, the reconcile stops as above; still held, the
+once (docs/protocol.md, "Authority checks"). A VM whose status is fenced ahead of us
+(``decide`` says Fenced, or a mutation raises
+:class:`~neonvm.controller.mutations.FencedOut` on a fresh copy) is checked against our
+authority once more: lost, the reconcile stops as above; still held, the
 fence came from no newer leader. Ahead by its epoch, that VM alone is marked Degraded
 (``FenceAhead``) and left alone while every other VM goes on; ahead by its token only
 (our epoch: the locks' tokens went back), ``FencedOut`` goes on to the manager, which
@@ -76,6 +83,11 @@ from neonvm.api.schema import encode
 from neonvm.api.types import VirtualMachineStatus
 from neonvm.controller import decide as d
 from neonvm.controller import podspec
+from neonvm.controller.acceleration import (
+    Acceleration,
+    RunnerReports,
+    warn_acceleration_unavailable,
+)
 from neonvm.controller.compat_events import warn_unimplemented
 from neonvm.controller.conditions import (
     CREATE_FAILING,
@@ -109,7 +121,9 @@ from neonvm.controller.observe import (
     Observer,
     Snapshot,
     VMRecord,
+    create_due,
     labelled_for,
+    make_snapshot,
     split_key,
 )
 from neonvm.controller.timers import VMTimers
@@ -128,15 +142,37 @@ such as an operator's fix of status.fence, is seen at once through the watch).""
 
 class Outcome(str):
     """What performing one action came to ("done": it took effect), with a detail for
-    people (an API server's refusal, say) used if the step keeps not taking effect."""
+    people (an API server's refusal, say) used if the step keeps not taking effect.
+
+    A write that took effect also hands back what the API server answered: ``vm``, the
+    VM as stored by a conditional PUT, or ``pod``, the runner pod as created or as
+    patched. The loop builds its next observation from them
+    (:meth:`Reconciler._seen_by_write`); a performer that returns neither (a plain
+    string) is followed by a direct read, as every step was before."""
 
     detail: str
+    vm: VMRecord | None
+    pod: dict[str, Any] | None
 
-    def __new__(cls, value: str, detail: str = "") -> Outcome:
+    def __new__(cls, value: str, detail: str = "", *, vm: VMRecord | None = None,
+                pod: dict[str, Any] | None = None) -> Outcome:
         obj = super().__new__(cls, value)
         obj.detail = detail
+        obj.vm = vm
+        obj.pod = pod
         return obj
 
+
+SEEN_BY_WRITE: tuple[type[d.Action], ...] = (
+    d.Done, d.Wait, d.ObserveDirect, d.Fenced,
+    d.AddFinalizer, d.RecordPlan, d.CreatePod, d.Commit, d.DropPlan, d.SyncStatus,
+    d.Ungate,
+)
+"""The decisions the loop acts on when they come from an observation built from a write
+response (docs/protocol.md, "Observing from write responses"). Every other one (Restart,
+DeletePod, RemoveFinalizer, and any action added later) is taken only from a fresh
+direct read: the loop reads again and decides again. Ungate is here because its
+performer takes its own direct pod list, after the commit was seen, before the patch."""
 
 EFFECTIVE = frozenset({"done", "replaced"})
 """Outcomes of a step that changed something."""
@@ -392,6 +428,7 @@ class Reconciler:
         update: UpdateFunction[VMRecord] = conditional_update,
         on_finalized: Callable[[str], None] | None = None,
         timers: VMTimers | None = None,
+        runner_reports: RunnerReports | None = None,
     ) -> None:
         self._core = client.CoreV1Api(api)
         self.reader = DirectReader(api)
@@ -407,6 +444,10 @@ class Reconciler:
         self._identity: str | None = None
         self._mutex = threading.Lock()
         self.timers = timers or VMTimers()
+        self.acceleration = Acceleration(self._config.pod_defaults.kvm_resource,
+                                         runner_reports or RunnerReports(),
+                                         podspec.RUNNER_PORT)
+        """The AccelerationUnavailable condition (its runner GETs never block a step)."""
         """Per VM: transient create failures in a row (shared with the term's handler,
         which drops a gone VM's entries)."""
 
@@ -454,10 +495,16 @@ class Reconciler:
         details: dict[tuple[type[d.Action], str], str] = {}
         targets: dict[tuple[type[d.Action], str], str] = {}
         performed: Counter[type[d.Action]] = Counter()
+        # Once here; then once per write, immediately before it (a VM write checks inside
+        # the conditional update, on every attempt; a pod write in _perform).
+        authority.check()
         while steps < self._config.max_steps:
-            authority.check()
             self._check_uid(snap, authority)
             action = d.decide(snap.obs)
+            if snap.from_write and not isinstance(action, SEEN_BY_WRITE):
+                log.debug("{action} needs a fresh direct read", action=type(action).__name__)
+                snap = self.observe(key, authority, direct=True)
+                continue
             if isinstance(action, d.ObserveDirect) or (
                     isinstance(action, d.CreatePod) and not snap.obs.direct):
                 if snap.obs.direct:
@@ -471,6 +518,7 @@ class Reconciler:
                                      f"{authority.lease.epoch})", snap)
             if isinstance(action, d.Done | d.Wait):
                 updates = desired_conditions(snap, action)
+                updates += self.acceleration.updates(snap)
                 mutation = conditions_mutation(updates, authority.lease)
                 assert snap.record is not None or not updates
                 record = snap.record
@@ -482,6 +530,7 @@ class Reconciler:
                     if written is not None:
                         self._event_for_wait(action, record.vm, written.vm, log)
                         warn_unimplemented(self._events, record.vm, written.vm)
+                        warn_acceleration_unavailable(self._events, record.vm, written.vm)
                 requeue = (action.seconds if isinstance(action, d.Wait)
                            else self._config.resync_seconds)
                 log.debug("reconciled: {action} ({reason})", action=type(action).__name__,
@@ -507,7 +556,9 @@ class Reconciler:
                 targets[miss] = _target(action)
                 if getattr(outcome, "detail", ""):
                     details[miss] = getattr(outcome, "detail", "")
-            snap = self.observe(key, authority, direct=True)
+            seen = (self._seen_by_write(snap, outcome, log) if outcome in EFFECTIVE
+                    else None)
+            snap = seen if seen is not None else self.observe(key, authority, direct=True)
             if outcome in BLOCKED:
                 detail = getattr(outcome, "detail", "") or f"{type(action).__name__} refused"
                 return self._stuck(key, snap, authority, log, steps, type(action),
@@ -565,7 +616,7 @@ class Reconciler:
         ``snap``: the observation that was fenced, reused when it was direct.
         """
         authority.check()
-        if snap is None or not snap.obs.direct:
+        if snap is None or not snap.obs.direct or snap.from_write:
             snap = self.observe(key, authority, direct=True)
         self._check_uid(snap, authority)
         record = snap.record
@@ -598,15 +649,55 @@ class Reconciler:
         if vm is not None and authority.vm_uid is not None and vm.uid != authority.vm_uid:
             raise WrongVM(f"{vm.key}: lock taken for uid {authority.vm_uid}, VM is {vm.uid}")
 
+    def _seen_by_write(self, snap: Snapshot, outcome: str, log: Any) -> Snapshot | None:
+        """The next observation, from the API server's answer to the write that just took
+        effect, or None: read directly (docs/protocol.md, "Observing from write
+        responses").
+
+        The VM is the written one when the write was the VM's (a conditional PUT answers
+        with the object as stored, at a revision after everything the decision read), else
+        the one already observed; the pods are the ones already observed, with a written
+        pod (created, or ungated) replaced by the API server's answer. The observation
+        stays direct only if the one it extends was. None (read again) when there is no
+        answer to build from, when the written pod is not labelled for the VM (a list
+        would not show it), or when the VM commits a pod not among those pods (only a
+        read by name can tell whether it is gone)."""
+        written_vm: VMRecord | None = getattr(outcome, "vm", None)
+        written_pod: dict[str, Any] | None = getattr(outcome, "pod", None)
+        if written_vm is None and written_pod is None:
+            return None
+        record = written_vm if written_vm is not None else snap.record
+        if record is None:
+            return None
+        vm = record.vm
+        pods = dict(snap.pods)
+        if written_pod is not None:
+            if not labelled_for(written_pod, vm.name):
+                return None
+            pods[(written_pod.get("metadata") or {}).get("name", "")] = written_pod
+        if vm.status.pod_name and vm.status.pod_name not in pods:
+            return None
+        listed = list(pods.values())
+        missing: tuple[str, ...] = ()
+        if snap.obs.direct and create_due(vm, listed):
+            missing = self.reader.missing_pull_secrets(vm)
+        log.debug("observing from the write's response")
+        return make_snapshot(record, listed, snap.obs.lease, direct=snap.obs.direct,
+                             now=self.reader.now(), missing_pull_secrets=missing,
+                             from_write=True)
+
     # ---- actions -----------------------------------------------------------------------
 
     def _perform(self, key: str, action: d.Action, snap: Snapshot, authority: Authority,
                  log: Any) -> str:
         """Perform one action by its row in :data:`ACTIONS`; "done" when it took effect,
-        else why not."""
+        else why not. A pod write checks the authority first (a VM write checks inside its
+        conditional update)."""
         row = ACTIONS.get(type(action))
         if row is None:
             raise RuntimeError(f"no performer for {action!r}")
+        if row.writes == "pod":
+            authority.check()
         return row.perform(self, key, action, snap, authority, log)
 
     def _status_write(self, key: str, action: d.Action, snap: Snapshot,
@@ -617,7 +708,7 @@ class Reconciler:
                                      authority, log)
         if written is not None:
             self._event_for(action, written.vm)
-            return "done"
+            return Outcome("done", vm=written)
         return "declined"
 
     def _update_vm(self, key: str, snap: Snapshot,
@@ -669,7 +760,8 @@ class Reconciler:
                                 "all runner pods are gone; finalizer removed")
             if self._on_finalized is not None:
                 self._on_finalized(key)
-        return "done"
+            return "done"
+        return Outcome("done", vm=outcome.obj)
 
     def _event_for(self, action: d.Action, vm: types.VirtualMachine) -> None:
         """The event of an action that took effect (its row's ``event``), on ``vm`` as
@@ -729,7 +821,7 @@ class Reconciler:
             self._gate_stripped(key, snap, meta, authority, log)
             return "gate_stripped"
         self._events.record(vm, "Created", f"runner pod {action.plan.name} created (gated)")
-        return "done"
+        return Outcome("done", pod=created)
 
     def _create_failed(self, key: str, snap: Snapshot, name: str, error: str,
                        authority: Authority, log: Any) -> None:
@@ -866,8 +958,9 @@ class Reconciler:
             {"op": "remove", "path": f"/spec/schedulingGates/{index}"},
         ]
         try:
-            self._core.patch_namespaced_pod(action.name, vm.namespace, patch,
-                                            _request_timeout=30)
+            patched = self._core.api_client.sanitize_for_serialization(
+                self._core.patch_namespaced_pod(action.name, vm.namespace, patch,
+                                                _request_timeout=30))
         except ApiException as exc:
             if exc.status in (404, 409, 422):
                 log.info("ungate of {pod} refused ({status}: {msg}): observing again",
@@ -880,7 +973,7 @@ class Reconciler:
             raise
         self._events.record(vm, "Started", f"runner pod {action.name} ungated: it is the "
                                            f"VM's only pod")
-        return "done"
+        return Outcome("done", pod=patched if isinstance(patched, dict) else None)
 
     def _replace_unlabelled(self, vm: types.VirtualMachine, pod: dict[str, Any],
                             action: d.Ungate, log: Any) -> str:

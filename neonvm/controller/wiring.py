@@ -11,8 +11,10 @@ them.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
+import urllib3
 from kubernetes import client
 
 from neonvm.controller.informer import EventFilter, Obj, Store
@@ -38,6 +40,22 @@ class Wiring:
     def writer(self, api: client.ApiClient) -> Writer:
         """What writes VMs (status and main resource, both conditional)."""
         return VMWriter(api)
+
+    def elector_api(self, api: client.ApiClient) -> client.ApiClient:
+        """The leader elector's own client: the same server, credentials and default
+        headers (impersonation, user agent) as ``api``, but its own connection pool, so
+        Lease renewals never wait for, or open connections beside, the workers' burst of
+        requests on ``api``. The caller closes it."""
+        configuration = copy.copy(api.configuration)
+        # No resend after a read timeout (a renewal would block for several times its
+        # budget); the elector retries by itself, within its deadline. Connect errors
+        # are retried: the request never left.
+        configuration.retries = urllib3.Retry(total=2, connect=2, read=0, status=0,
+                                              other=0, redirect=0)
+        own = client.ApiClient(configuration)
+        own.default_headers.update(api.default_headers)
+        own.cookie = api.cookie
+        return own
 
     def after_step(self) -> StepHook | None:
         """Called after each step the reconciler performed (None: nothing)."""

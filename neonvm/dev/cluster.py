@@ -44,7 +44,7 @@ from neonvm.dev.common import (
     default_state_dir,
     free_port,
 )
-from neonvm.dev.pki import CertPair, LocalPKI
+from neonvm.dev.pki import SERVICE_CLUSTER_IP_RANGE, CertPair, LocalPKI
 
 __all__ = [
     "CONTROLLER_KUBECONFIG_ENV", "CONTROLLER_USER", "DEFAULT_PORTS", "KWOK_USER",
@@ -84,7 +84,8 @@ class LocalCluster:
         saved = self.state_dir / "cluster.json"
         if spec is None and saved.exists():
             data = json.loads(saved.read_text())
-            spec = ClusterSpec(nodes=data["nodes"], ports={**DEFAULT_PORTS, **data["ports"]})
+            spec = ClusterSpec(nodes=data["nodes"], ports={**DEFAULT_PORTS, **data["ports"]},
+                               service_account_tokens=data.get("service_account_tokens", False))
         self.spec = spec or ClusterSpec()
 
     # ---- paths -------------------------------------------------------------------------
@@ -300,12 +301,13 @@ class LocalCluster:
                 f"--tls-private-key-file={serving.key}",
                 f"--client-ca-file={pki.ca.cert}",
                 "--authorization-mode=RBAC",
-                "--service-cluster-ip-range=10.96.0.0/24",
+                f"--service-cluster-ip-range={SERVICE_CLUSTER_IP_RANGE}",
                 "--allow-privileged=true",
                 "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
                 f"--service-account-key-file={sa_key}",
                 f"--service-account-signing-key-file={sa_key}",
-                "--disable-admission-plugins=ServiceAccount",
+                *([] if self.spec.service_account_tokens and self.spec.nodes > 0
+                  else ["--disable-admission-plugins=ServiceAccount"]),
                 # Real nodes' kubelets accept clients of the cluster CA (logs, exec).
                 f"--kubelet-client-certificate={kubelet_client.cert}",
                 f"--kubelet-client-key={kubelet_client.key}",

@@ -55,6 +55,11 @@ class ClusterSpec:
 
     nodes: int = 0
     ports: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_PORTS))
+    service_account_tokens: bool = False
+    """Keep the API server's ServiceAccount admission plugin on, so pods get a token (a
+    controller in a pod on a real node needs one). Off by default: with it, a pod in a
+    namespace whose ``default`` ServiceAccount the controller manager has not made yet
+    is refused, and a cluster without nodes has no controller manager at all."""
 
     @classmethod
     def with_free_ports(cls, nodes: int = 0) -> ClusterSpec:

@@ -19,6 +19,10 @@ from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 _VALIDITY = datetime.timedelta(days=365)
+SERVICE_CLUSTER_IP_RANGE = "10.96.0.0/24"
+"""The API server's ``--service-cluster-ip-range``."""
+KUBERNETES_SERVICE_IP = "10.96.0.1"
+"""The ClusterIP of ``default/kubernetes``: always the first address of that range."""
 
 
 @dataclass(frozen=True)
@@ -86,7 +90,8 @@ class LocalPKI:
         orgs: tuple[str, ...] = (),
         server: bool = False,
     ) -> CertPair:
-        """A cert signed by the CA; server certs are valid for localhost and 127.0.0.1."""
+        """A cert signed by the CA; server certs are valid for localhost, 127.0.0.1 and the
+        `kubernetes` Service's ClusterIP."""
         pair = CertPair(self.dir / f"{name}.crt", self.dir / f"{name}.key")
         if pair.cert.exists():
             return pair
@@ -113,6 +118,10 @@ class LocalPKI:
                         x509.DNSName("localhost"),
                         x509.DNSName("kubernetes.default.svc"),
                         x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+                        # The `kubernetes` Service's ClusterIP (the first of the API
+                        # server's --service-cluster-ip-range): what a pod's in-cluster
+                        # config connects to (a real node forwards it to 127.0.0.1).
+                        x509.IPAddress(ipaddress.ip_address(KUBERNETES_SERVICE_IP)),
                     ]
                 ),
                 critical=False,

@@ -45,7 +45,7 @@ import yaml
 from neonvm import kube
 from neonvm.dev import binaries
 from neonvm.dev.common import ClusterError, free_port
-from neonvm.dev.pki import CertPair, LocalPKI
+from neonvm.dev.pki import KUBERNETES_SERVICE_IP, CertPair, LocalPKI
 
 if TYPE_CHECKING:
     from neonvm.dev.cluster import LocalCluster
@@ -340,7 +340,12 @@ disabled_plugins = ["io.containerd.nri.v1.nri"]
 """
 
     def cni_config(self) -> dict[str, Any]:
-        """A bridge network without masquerade: pods reach the host and each other only."""
+        """A bridge network without masquerade: pods reach the host and each other only.
+
+        The default route through the bridge's gateway lets a pod's packets to the
+        `kubernetes` Service's ClusterIP reach the host, where the node forwards them to
+        the API server (:meth:`_forward_control_plane`); nothing else is routed.
+        """
         return {
             "cniVersion": "1.0.0",
             "name": "neonvm-dev",
@@ -349,6 +354,7 @@ disabled_plugins = ["io.containerd.nri.v1.nri"]
                     "type": "bridge",
                     "bridge": self.bridge,
                     "isGateway": True,
+                    "isDefaultGateway": True,
                     "ipMasq": False,
                     "hairpinMode": True,
                     "ipam": {
@@ -440,6 +446,7 @@ disabled_plugins = ["io.containerd.nri.v1.nri"]
         containerd_cfg, kubelet_cfg, kubeconfig = self.write_configs(pki)
         self._make_cgroup_root()
         self._make_bridge()
+        self._forward_control_plane()
         ctrd_name, kubelet_name = self.process_names()
         ctrd_bin = binaries.require("containerd")
         env = {**os.environ, "PATH": f"{ctrd_bin.parent}:{os.environ.get('PATH', '')}"}
@@ -538,6 +545,50 @@ disabled_plugins = ["io.containerd.nri.v1.nri"]
             _ip("addr", "add", f"{self.node_ip}/24", "dev", self.bridge)
         _ip("link", "set", self.bridge, "up")
 
+    @property
+    def nat_chain(self) -> str:
+        return f"NVM-{self.tag}"
+
+    @property
+    def locks_etcd_url_for_pods(self) -> str:
+        """The locks' etcd as a pod on this node reaches it (see
+        :meth:`_forward_control_plane`)."""
+        return f"http://{self.node_ip}:{self.cluster.spec.ports['locks-etcd']}"
+
+    def _forward_control_plane(self) -> None:
+        """Let pods reach the API server and the locks' etcd, which listen on 127.0.0.1.
+
+        There is no kube-proxy: a DNAT rule in a chain of this node's own (jumped to from
+        ``nat PREROUTING`` for packets entering through its bridge) sends the
+        `kubernetes` Service's ClusterIP, port 443 (what a pod's in-cluster config
+        connects to; the API server's certificate names that IP) to the API server, and
+        ``<node IP>:<locks-etcd port>`` to the locks' etcd. A packet to 127.0.0.1 that
+        came in on another interface is dropped as martian unless the interface has
+        ``route_localnet`` (as kube-proxy sets for node ports on localhost).
+        """
+        self._remove_forwarding()
+        ports = self.cluster.spec.ports
+        chain = self.nat_chain
+        _iptables("-t", "nat", "-N", chain)
+        for dest, port, to in ((KUBERNETES_SERVICE_IP, 443, ports["kube-apiserver"]),
+                               (self.node_ip, ports["locks-etcd"], ports["locks-etcd"])):
+            _iptables("-t", "nat", "-A", chain, "-d", f"{dest}/32", "-p", "tcp",
+                      "--dport", str(port), "-j", "DNAT", "--to-destination", f"127.0.0.1:{to}")
+        _iptables("-t", "nat", "-I", "PREROUTING", "-i", self.bridge, "-j", chain)
+        Path(f"/proc/sys/net/ipv4/conf/{self.bridge}/route_localnet").write_text("1\n")
+
+    def _remove_forwarding(self) -> list[str]:
+        chain = self.nat_chain
+        if subprocess.run(["iptables", "-t", "nat", "-S", chain],
+                          capture_output=True).returncode != 0:
+            return []
+        while subprocess.run(["iptables", "-t", "nat", "-D", "PREROUTING", "-i", self.bridge,
+                              "-j", chain], capture_output=True).returncode == 0:
+            pass
+        _iptables("-t", "nat", "-F", chain)
+        _iptables("-t", "nat", "-X", chain)
+        return [f"iptables chain {chain}"]
+
     def _make_cgroup_root(self) -> None:
         """The kubelet refuses to start unless its cgroup root exists in every hierarchy
         ("invalid configuration: cgroup [...] has some missing paths"); a fresh cpuset
@@ -572,6 +623,7 @@ disabled_plugins = ["io.containerd.nri.v1.nri"]
             done.append(f"{shims} shims")
         done += self._unmount_all()
         done += self._remove_cgroups()
+        done += self._remove_forwarding()
         if Path(f"/sys/class/net/{self.bridge}").exists():
             subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
             done.append(f"bridge {self.bridge}")
@@ -667,6 +719,12 @@ disabled_plugins = ["io.containerd.nri.v1.nri"]
                     p.rmdir()
                     removed += 1
         return [f"{removed} cgroups"] if removed else []
+
+
+def _iptables(*args: str) -> None:
+    proc = subprocess.run(["iptables", "-w", "10", *args], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RealNodeError(f"iptables {' '.join(args)}: {proc.stderr.strip()}")
 
 
 def _ip(*args: str) -> None:

@@ -14,6 +14,9 @@ Two targets:
   on the leader's node that sends SIGSTOP or SIGCONT to the process whose environment has
   ``POD_NAME=<leader pod>`` (a signal from inside the container would be ignored: the
   controller is PID 1 of its namespace). Component restarts are not possible there.
+  ``neonvm drill --state-dir DIR --pods`` makes one for the chart installed on the local
+  cluster's real node (:mod:`neonvm.dev.chartnode`), reading locks from that cluster's
+  locks etcd.
 
 Both find the leader from the Lease: its ``holderIdentity`` names the process (local: the
 ``--identity`` on the replica's command line; chart: ``<pod name>_<random>``).
@@ -267,10 +270,18 @@ class KubeTarget:
     lease_name: str = DEFAULT_LEASE_NAME
     helper_image: str = "busybox:1.36"
     local: bool = False
+    etcd_endpoints: str | None = None
+    """The locks' etcd as this machine reaches it (None: ``$NEONVM_ETCD_ENDPOINTS``)."""
+    same_host: bool = False
+    """The pods' processes run on this machine (the local cluster's real node): KILL,
+    STOP and CONT go straight to the leader container's processes (found by
+    ``POD_NAME=<pod>`` in their environment), so KILL is a crash of the container (the
+    kubelet restarts it in the same pod). Deleting the pod, even with grace 0, is not a
+    crash: the kubelet still sends SIGTERM first and SIGKILL 2 s later."""
 
     @property
     def description(self) -> str:
-        return f"cluster of {self.kubeconfig}"
+        return f"chart's controller pods in the cluster of {self.kubeconfig}"
 
     def leader(self) -> LeaderInfo | None:
         return read_leader(self.api, self.lease_namespace, self.lease_name)
@@ -288,6 +299,14 @@ class KubeTarget:
     def signal_leader(self, identity: str, sig: signal.Signals) -> None:
         pod = self._pod_of(identity)
         core = client.CoreV1Api(self.api)
+        if self.same_host and sig != signal.SIGTERM:
+            pids = pod_pids(pod.metadata.name)
+            if not pids:
+                raise DrillError(f"no process of pod {pod.metadata.name} on this machine")
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+            return
         if sig in (signal.SIGKILL, signal.SIGTERM):
             grace = 0 if sig == signal.SIGKILL else None
             core.delete_namespaced_pod(
@@ -338,9 +357,11 @@ class KubeTarget:
         return []  # the Deployment restarts pods
 
     def lock_reader(self) -> LockReader | None:
-        return etcd_lock_reader()
+        return etcd_lock_reader(self.etcd_endpoints)
 
     def break_locks(self, namespace: str) -> list[LockView]:
+        if self.etcd_endpoints:
+            return _break_locks(self.etcd_endpoints, None, namespace)
         if not os.environ.get("NEONVM_ETCD_ENDPOINTS", "").strip():
             raise DrillError("break-lock needs the locks' etcd: set NEONVM_ETCD_ENDPOINTS "
                              "(and NEONVM_ETCD_CA/CERT/KEY if it uses TLS)")
@@ -348,6 +369,23 @@ class KubeTarget:
 
     def close(self) -> None:
         self.api.close()
+
+
+def pod_pids(pod_name: str) -> list[int]:
+    """Processes on this machine whose environment has ``POD_NAME=<pod_name>`` (the chart
+    sets it in the controller container)."""
+    marker = f"POD_NAME={pod_name}".encode()
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            env = (proc / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if marker in env:
+            pids.append(int(proc.name))
+    return pids
 
 
 @contextlib.contextmanager

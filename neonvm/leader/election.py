@@ -36,15 +36,23 @@ What is guaranteed
   of its last successful renewal (which is before the server wrote it, so before any
   follower saw it), the leader gives up. :meth:`Leadership.check` enforces this deadline
   by itself, from any thread, without waiting for the elector thread to notice: a
-  process that was paused (SIGSTOP, a long GC, an overloaded node) fails ``check()`` the
-  instant it resumes. Because ``renew_deadline < lease_duration`` and one machine's
-  monotonic clocks advance at (nearly) the same rate everywhere, the leader's belief ends
-  before any follower may take over; the gap is the margin for clock-rate drift.
+  process that was paused while its clock ran (SIGSTOP, a long GC, an overloaded node)
+  fails ``check()`` the instant it resumes. Because ``renew_deadline < lease_duration``
+  and monotonic clocks advance at (nearly) the same rate everywhere, the leader's belief
+  ends before any follower may take over; the gap is the margin for clock-rate drift and
+  for time the leader's clock stood still. A clock frozen for longer than that margin
+  (machine suspend, a paused VM) is *not* covered: see "What is not guaranteed".
 * **Graceful handover.** When ``stop`` is set (SIGTERM) or a step-down request names the
-  current term, the elector sets ``lost``, calls ``on_stopped``, waits for the leader work
-  to return, and only *then* releases the Lease like client-go's ``ReleaseOnCancel``:
+  current term, the elector sets ``lost``, calls ``on_stopped``, waits (up to
+  ``shutdown_grace``) for the leader work to return, and only *then* releases the Lease
+  like client-go's ``ReleaseOnCancel``:
   empty ``holderIdentity``, ``leaseDurationSeconds: 1``. Standbys take an empty Lease at
   once, so handover takes about one retry period instead of a lease duration.
+* **One term's work at a time.** The elector does not campaign again before the last
+  term's work has returned, so two terms never run in one process; a term whose epoch
+  claim outlasted the renew deadline is not started, and a slow one is renewed first.
+* **A deleted Lease deposes its holder** at its next renewal (409 or 404 on replace),
+  and the next campaign re-creates it.
 * **Step-down is addressed.** ``neonvm leader step-down`` writes the annotation
   :data:`STEP_DOWN_ANNOTATION` = ``{"holder": H, "epoch": E}`` by CAS on the version whose
   holder it read. The holder acts only on a request naming its own identity *and* epoch;
@@ -57,6 +65,10 @@ What is not guaranteed
   Safety comes from fencing downstream: the per-VM lock's token and every conditional
   write that carries the epoch and is refused when a higher epoch was recorded. The
   election gives progress and keeps two live leaders from fighting; fencing gives safety.
+* A leader whose monotonic clock stood still while real time passed (the machine
+  suspended, its VM paused) for longer than ``lease_duration - renew_deadline`` still
+  passes ``check()`` after a follower took over, for up to ``renew_deadline`` of its own
+  clock: two leaders act at once, and only the fencing keeps that safe.
 * Work that ignores ``lost`` and never calls ``check()`` is not stopped: Python threads
   cannot be killed. ``on_stopped`` is where the owner stops its workers; the elector waits
   for the ``on_started`` thread before it releases, and does not release while it runs.
@@ -103,7 +115,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from neonvm.api.times import format_microtime as format_microtime  # re-exported
 from neonvm.kube import short_error
 from neonvm.leader.lease_store import STEP_DOWN_ANNOTATION as STEP_DOWN_ANNOTATION
-from neonvm.leader.lease_store import KubernetesLeaseStore, LeaseConflict, LeaseNamespaceNotFound
+from neonvm.leader.lease_store import (
+    KubernetesLeaseStore,
+    LeaseConflict,
+    LeaseNamespaceNotFound,
+    LeaseNotFound,
+)
 from neonvm.leader.lease_store import LeaseClient as LeaseClient  # re-exported
 from neonvm.leader.lease_store import LeaseRecord as LeaseRecord  # re-exported
 from neonvm.leader.lease_store import LeaseStore as LeaseStore  # re-exported
@@ -118,6 +135,13 @@ EXPIRY_TIMER_SLACK = 0.01
 
 STOP_POLL = 0.25
 """Longest a waiting follower goes without looking at ``stop``."""
+
+CLAIM_STALL_LIMIT = 30.0
+"""Seconds one epoch-floor claim may run before ``health_check`` calls the elector wedged
+(each etcd call is bounded by its own timeout; a claim is a few of them)."""
+
+WORK_JOIN_SLICE = 0.1
+"""Seconds between health ticks while the elector waits for a term's work to return."""
 
 DEFAULT_NAMESPACE = "neonvm-system"
 DEFAULT_LEASE_NAME = "neonvm-controller"
@@ -166,6 +190,10 @@ class ElectionConfig:
     lease_duration: float = 4.0
     renew_deadline: float = 2.5
     retry_period: float = 0.5
+    shutdown_grace: float = 15.0
+    """How long, after a term ended, the elector waits for its work (the ``on_started``
+    thread) to return before giving up on releasing the Lease. Independent of the
+    renew deadline: stopping workers and giving their locks up can take longer."""
 
     def __post_init__(self) -> None:
         problems: list[str] = []
@@ -177,7 +205,8 @@ class ElectionConfig:
             problems.append("identity must not be empty")
         for label, value in (("lease_duration", self.lease_duration),
                              ("renew_deadline", self.renew_deadline),
-                             ("retry_period", self.retry_period)):
+                             ("retry_period", self.retry_period),
+                             ("shutdown_grace", self.shutdown_grace)):
             if not math.isfinite(value) or value <= 0:
                 problems.append(f"{label} must be a positive number of seconds, got {value!r}")
         if not problems:
@@ -336,8 +365,9 @@ class LeaderElector:
     term. It may block until ``leadership.lost`` is set, or start workers and return;
     if it raises, the term ends. ``on_stopped()`` runs in the elector's thread after
     ``lost`` is set, at the end of every term that started: it must make the leader work
-    stop (the elector then waits up to ``renew_deadline`` for the ``on_started`` thread,
-    and releases the Lease only once that thread has returned).
+    stop (the elector then waits up to ``shutdown_grace`` for the ``on_started`` thread,
+    releases the Lease only once that thread has returned, and does not campaign again
+    before it has returned, so two terms' work never overlap in one process).
     """
 
     def __init__(
@@ -372,6 +402,10 @@ class LeaderElector:
         self._last_tick = clock()
         self._finished = False
         self._leadership: Leadership | None = None
+        self._claiming_since: float | None = None
+        """When the epoch claim in progress began (None: none in progress)."""
+        self._stopping: _Stopping | None = None
+        """The last term's work while it has not returned (None once it has)."""
         self._acquired_once = False
         self._namespace_missing = False
         self._log = logger.bind(lease=f"{config.namespace}/{config.name}",
@@ -400,6 +434,22 @@ class LeaderElector:
         whole lease duration (it is neither renewing nor campaigning nor exiting)."""
         if self._finished:
             return
+        stopping = self._stopping
+        if stopping is not None and stopping.worker.is_alive():
+            late = self._clock() - stopping.since
+            if late > self.config.shutdown_grace + self.config.lease_duration:
+                raise RuntimeError(
+                    f"the leader work of epoch {stopping.epoch} has not stopped {late:.1f}s "
+                    f"after its term ended (shutdown grace {self.config.shutdown_grace:g}s); "
+                    "this replica will not lead again until it does")
+        claiming_since = self._claiming_since
+        if claiming_since is not None:
+            # A term that is still starting: its epoch claim waits on etcd.
+            claiming = self._clock() - claiming_since
+            if claiming > CLAIM_STALL_LIMIT:
+                raise RuntimeError(f"claiming the epoch has taken {claiming:.1f}s "
+                                   f"(> {CLAIM_STALL_LIMIT:g}s)")
+            return
         idle = self._clock() - self._last_tick
         if idle > self.config.lease_duration:
             raise RuntimeError(
@@ -417,6 +467,10 @@ class LeaderElector:
                              name=f"lease-watch-{self.config.name}").start()
         try:
             while not stop.is_set():
+                # Never two terms' work at once in one process: a term whose work is
+                # still stopping (past the shutdown grace) blocks the next campaign.
+                if not self._await_stopped_work(stop):
+                    break
                 term = self._campaign(stop)
                 if term is None:
                     break
@@ -584,6 +638,16 @@ class LeaderElector:
             if reason in (EndReason.STOP, EndReason.STEP_DOWN):
                 self._release(term)
             return reason
+        if self._clock() - term.renewed_at > self.config.retry_period:
+            # The claim took a while: renew before starting, so the term starts with a
+            # whole renew deadline ahead of it, or not at all if the deadline passed.
+            reason = self._renew(term, stop)
+            if reason is not None:
+                self._log.warning("the epoch claim outlasted the Lease's renewal ({r}); "
+                                  "not starting the term", r=reason.value)
+                if reason in (EndReason.STOP, EndReason.STEP_DOWN):
+                    self._release(term)
+                return reason
         leadership = Leadership(term.record.transitions, self.config.identity,
                                 term.renewed_at + self.config.renew_deadline, self._clock)
         self._leadership = leadership
@@ -597,8 +661,10 @@ class LeaderElector:
         self._end_term(leadership, reason, worker)
         if reason in (EndReason.STOP, EndReason.STEP_DOWN):
             if worker.is_alive():
-                self._log.error("leader work of epoch {epoch} is still running; not releasing "
-                                "the Lease (it will expire instead)", epoch=leadership.epoch)
+                self._log.error("leader work of epoch {epoch} is still running {grace:g}s "
+                                "after its term ended; not releasing the Lease (it will "
+                                "expire instead)", epoch=leadership.epoch,
+                                grace=self.config.shutdown_grace)
             else:
                 self._release(term)
         return reason
@@ -622,6 +688,7 @@ class LeaderElector:
             if stop.is_set():
                 return EndReason.STOP
             epoch = term.record.transitions
+            self._claiming_since = self._clock()
             try:
                 accepted = self._epoch_floor.claim(epoch, self.config.identity)
                 refused = not accepted
@@ -629,6 +696,9 @@ class LeaderElector:
                 self._log.warning("claiming epoch {epoch} failed: {err}", epoch=epoch,
                                   err=short_error(exc))
                 accepted, refused = False, False
+            finally:
+                self._last_tick = self._clock()  # before the flag: a probe never sees idle
+                self._claiming_since = None
             if accepted:
                 return None
             if refused:
@@ -681,6 +751,13 @@ class LeaderElector:
                 # Our last write's version is what we compare against: if nobody wrote
                 # since, we still hold the Lease and nobody asked us to step down.
                 updated = self._lease.update(term.record, spec, timeout=left)
+            except LeaseNotFound:
+                # Someone deleted the Lease: whoever creates it next holds it, so our
+                # term is over now (not at the deadline). The next campaign re-creates
+                # it, under an epoch the floor accepts.
+                self.metrics.renew_failures.inc()
+                self._log.warning("deposed: the Lease was deleted")
+                return EndReason.DEPOSED
             except LeaseConflict:
                 self.metrics.renew_failures.inc()
                 ended = self._reread_after_conflict(term, left)
@@ -732,10 +809,37 @@ class LeaderElector:
             self._on_stopped()
         except Exception:
             self._log.exception("on_stopped raised")
+        self._stopping = _Stopping(worker, leadership.epoch, self._clock())
+        deadline = self._clock() + self.config.shutdown_grace
+        while worker.is_alive() and self._clock() < deadline:
+            self._last_tick = self._clock()
+            worker.join(timeout=min(WORK_JOIN_SLICE, max(0.0, deadline - self._clock())))
         self._last_tick = self._clock()
-        worker.join(timeout=self.config.renew_deadline)
-        self._last_tick = self._clock()
+        if not worker.is_alive():
+            self._stopping = None
         self._leadership = None
+
+    def _await_stopped_work(self, stop: threading.Event) -> bool:
+        """Before campaigning: wait for the last term's work to return (False if stopped).
+
+        Within the shutdown grace the health tick stays fresh; past it, ``health_check``
+        reports the stuck work (after one more lease duration), so that a replica whose
+        work never returns is restarted rather than never leading again.
+        """
+        stopping = self._stopping
+        if stopping is None:
+            return True
+        if stopping.worker.is_alive():
+            self._log.error("not campaigning until the leader work of epoch {epoch} has "
+                            "stopped", epoch=stopping.epoch)
+        while stopping.worker.is_alive():
+            if self._clock() - stopping.since <= self.config.shutdown_grace:
+                self._last_tick = self._clock()
+            if stop.wait(WORK_JOIN_SLICE):
+                return False
+        self._stopping = None
+        self._last_tick = self._clock()
+        return True
 
     def _release(self, term: _Term) -> None:
         """Hand the Lease over at once (client-go's ReleaseOnCancel), by CAS."""
@@ -751,6 +855,15 @@ class LeaderElector:
             return
         self._observe(released)
         self._log.info("released the Lease")
+
+
+@dataclass(frozen=True)
+class _Stopping:
+    """A term's work thread that was told to stop, and since when."""
+
+    worker: threading.Thread
+    epoch: int
+    since: float
 
 
 @dataclass

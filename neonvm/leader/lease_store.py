@@ -15,6 +15,8 @@ The contract every store keeps:
 * ``update(base, ...)`` succeeds only if the Lease is still at ``base.resource_version``
   (compare-and-swap) and fails with :class:`LeaseConflict` otherwise; the returned record
   carries the new version.
+* ``update`` of a Lease that no longer exists fails with :class:`LeaseNotFound` (a
+  :class:`LeaseConflict`): the object the write was based on is gone.
 * :class:`LeaseNamespaceNotFound` when the Lease's namespace does not exist.
 * Any other exception is a transient failure (network, 5xx, timeout): the write may or may
   not have happened, and the caller must not assume either.
@@ -44,6 +46,18 @@ def _namespace_not_found(exc: ApiException) -> bool:
     except (ValueError, TypeError, AttributeError):
         return False
     return bool(details.get("kind") == "namespaces")
+
+
+def _lease_not_found(exc: ApiException, name: str) -> bool:
+    """A 404 whose details name this Lease. A bare 404 (a proxy, a load balancer, an API
+    group not served yet) stays a transient error: deposing on it would cost a relist."""
+    if exc.status != 404:
+        return False
+    try:
+        details = json.loads(exc.body or "{}").get("details") or {}
+    except (ValueError, TypeError, AttributeError):
+        return False
+    return bool(details.get("kind") == "leases" and details.get("name") == name)
 
 
 @dataclass(frozen=True)
@@ -163,6 +177,11 @@ class LeaseNamespaceNotFound(Exception):
     """The Lease's namespace does not exist."""
 
 
+class LeaseNotFound(LeaseConflict):
+    """An update found no Lease at all (someone deleted it): a conflict, and for a holder,
+    the end of its term (the record it renews from names an object that is gone)."""
+
+
 class LeaseStore(Protocol):
     """One Lease: fresh reads, create, compare-and-swap update, change hints."""
 
@@ -181,7 +200,8 @@ class KubernetesLeaseStore:
 
     Maps the API server's answers onto the store contract: 409 (and the 422 a racing
     create can get) to :class:`LeaseConflict`, a 404 naming a namespace to
-    :class:`LeaseNamespaceNotFound`; everything else propagates as a transient failure.
+    :class:`LeaseNamespaceNotFound`, any other 404 on update to :class:`LeaseNotFound`;
+    everything else propagates as a transient failure.
     """
 
     def __init__(self, api: client.ApiClient, namespace: str, name: str) -> None:
@@ -213,6 +233,9 @@ class KubernetesLeaseStore:
                     f"the Lease changed since version {base.resource_version}") from exc
             if _namespace_not_found(exc):
                 raise LeaseNamespaceNotFound(self.namespace) from exc
+            if _lease_not_found(exc, self.name):
+                raise LeaseNotFound(
+                    f"the Lease is gone (it was at version {base.resource_version})") from exc
             raise
 
     def watch(self, timeout: float) -> Iterator[LeaseRecord | None]:

@@ -111,7 +111,9 @@ class Session:
         if self._closed.is_set():
             return
         self._closed.set()
-        self._thread.join()
+        # A keepalive stuck on an unreachable etcd must not hold the stop up: the revoke
+        # below is bounded, and a lease it cannot revoke expires within its TTL anyway.
+        self._thread.join(timeout)
         if not self.is_lost():
             try:
                 self.etcd.revoke_lease(self.lease_id, timeout=timeout)

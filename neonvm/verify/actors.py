@@ -10,6 +10,11 @@ per step so that anything may happen between two calls:
   then (next step, only if ``status.podName`` is missing from the list) a GET of that
   pod; then ask the shipped :func:`~neonvm.controller.decide.decide` for the next
   action (with ``now=None``: no restart backoff, time is not modelled);
+* after a write that took effect (VM PUT, pod create, ungate patch), the next
+  observation is the write's answer laid over the observation the write was decided
+  from (direct if that one was), decided in the same step; a decision outside the
+  shipped driver's ``SEEN_BY_WRITE`` is taken again from a direct read, and so is one
+  whose VM commits a pod not among the known pods (``Reconciler._seen_by_write``);
 * a pod create is performed only when decided from a direct observation;
 * status writes: PUT ``/status`` with the ``resourceVersion`` the decision was made from;
   on 409 re-read directly and call the shipped mutation again on the fresh copy;
@@ -41,7 +46,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from neonvm.controller.decide import plan_name
-from neonvm.controller.reconciler import ACTIONS
+from neonvm.controller.reconciler import ACTIONS, SEEN_BY_WRITE
 from neonvm.verify.model import (
     FENCED_OUT,
     LEADER,
@@ -95,6 +100,9 @@ shipped driver's action table: a new status write needs nothing here)."""
 FINALIZER_WRITES = frozenset(kind.__name__ for kind, row in ACTIONS.items()
                              if row.writes == "main")
 """Actions the model performs as a PUT of the main resource with the shipped mutation."""
+SEEN_BY_WRITE_NAMES = frozenset(kind.__name__ for kind in SEEN_BY_WRITE)
+"""Decisions the driver acts on from an observation built from a write's response (the
+shipped driver's tuple); any other one is taken again from a direct read."""
 POD_ACTIONS = frozenset({"CreatePod", "Ungate", "DeletePod"})
 """Pod actions, each modelled by hand below (create, prelist + patch, delete): a new pod
 action needs its model here (``test_explore`` checks that every row has one)."""
@@ -133,7 +141,8 @@ class Step(NamedTuple):
 
 def _idle(x: Worker, need_direct: bool = False) -> Worker:
     return x._replace(pc="idle", need_direct=need_direct, listed=None, action=None,
-                      base_fresh=False, obs_vm=None, target=None, blind=False)
+                      base_fresh=False, obs_vm=None, target=None, blind=False, seen=None,
+                      seen_direct=False)
 
 
 _set = set_worker
@@ -328,8 +337,13 @@ class Actors:
 
     def _decided(self, w: World, i: int, me: str, x: Worker, vm: Any, pods: tuple[Pod, ...],
                  direct: bool, base_fresh: bool, what: str,
-                 read: tuple[Any, ...] = ()) -> tuple[Step, World]:
-        """Observation made: ask the shipped decide() and set up the action."""
+                 read: tuple[Any, ...] = (), from_write: bool = False) -> tuple[Step, World]:
+        """Observation made: ask the shipped decide() and set up the action.
+
+        ``from_write``: the observation is a write's response (the written VM, or the
+        observed VM with the written pod, and the pods of the observation the write was
+        decided from); a decision outside :data:`SEEN_BY_WRITE_NAMES` is not acted on but
+        taken again from a direct read, as the driver does."""
         kind = "get" if direct else "observe"
         if vm is None:
             if direct:
@@ -353,6 +367,9 @@ class Actors:
         name = a[0]
         text = f"{me}: {what} → decide: {describe_action(a)}"
         step = Step(me, kind, (a, *read), text)
+        if from_write and name not in SEEN_BY_WRITE_NAMES:
+            return (step._replace(text=f"{text}: needs a direct read"),
+                    _set(w, i, _idle(x, need_direct=True)))
         if name in ("Done", "Wait"):
             return step, _set(w, i, _idle(x))
         if name == "ObserveDirect" or (name == "CreatePod" and not direct):
@@ -371,7 +388,7 @@ class Actors:
             # (reconciler: fenced-ahead VMs are Degraded, the term goes on).
             return step, _set(w, i, _idle(x, need_direct=True))
         x = x._replace(action=a, lease=lease, base_fresh=base_fresh, obs_vm=vm, listed=None,
-                       need_direct=False)
+                       need_direct=False, seen=pods, seen_direct=direct)
         if name == "Ungate":
             return step, _set(w, i, x._replace(pc="prelist"))
         if name == "RecordPlan" and self.cfg.broken("create_before_record"):
@@ -426,11 +443,33 @@ class Actors:
                              f"{me}: PUT VM {desc} → ok: last finalizer gone, VM removed"), w2)
         blind = " (BROKEN: blind retry)" if x.blind else ""
         if new == vm:
-            return (Step(me, "write", (x.action, "ok", new), f"{me}: PUT {target} {desc} → "
-                         f"ok, unchanged{blind}"), _set(w, i, _idle(x)))
-        w2 = write_vm(_set(w, i, _idle(x)), new, self.cfg.history, i)
-        return (Step(me, "write", (x.action, "ok", new),
-                     f"{me}: PUT {target} {desc} → ok{blind}"), w2)
+            return self._seen_by_write(
+                w, i, Step(me, "write", (x.action, "ok", new), f"{me}: PUT {target} {desc} "
+                           f"→ ok, unchanged{blind}"), x, new)
+        w2 = write_vm(w, new, self.cfg.history, i)
+        return self._seen_by_write(w2, i, Step(me, "write", (x.action, "ok", new),
+                                               f"{me}: PUT {target} {desc} → ok{blind}"),
+                                   x, new)
+
+    def _seen_by_write(self, w: World, i: int, step: Step, x: Worker, vm: VM | None,
+                       written: Pod | None = None) -> tuple[Step, World]:
+        """After a write that took effect (its result already in ``w``): the next
+        observation is its response, as ``Reconciler._seen_by_write`` builds it, decided
+        in the same step (the response arrives with the write). Without a VM or the
+        pods it extends, or when the VM commits a pod not among them: a direct read."""
+        me = step.actor
+        pods = x.seen
+        if vm is None or pods is None:
+            return step, _set(w, i, _idle(x, need_direct=True))
+        if written is not None:
+            pods = tuple(sorted((*(p for p in pods if p.name != written.name), written)))
+        if vm.status.pod_name and pod_by_name(pods, vm.status.pod_name) is None:
+            return (step._replace(text=f"{step.text}; {vm.status.pod_name} not among the "
+                                       f"pods seen: read directly"),
+                    _set(w, i, _idle(x, need_direct=True)))
+        nxt, w2 = self._decided(w, i, me, _idle(x)._replace(lag_vm=x.lag_vm, lag_pods=x.lag_pods),
+                                vm, pods, x.seen_direct, True, "the response", from_write=True)
+        return step._replace(text=f"{step.text}; {nxt.text.removeprefix(me + ': ')}"), w2
 
     def _change(self, x: Worker, source: VM) -> Status | bool | str | None:
         """The shipped mutation's answer for ``x``'s action on ``source``."""
@@ -479,9 +518,12 @@ class Actors:
         pod = Pod(name=name, uid=uid, owner=x.obs_vm.uid, gated=True, node=None,
                   phase="Pending", terminating=False, fence=(plan.epoch, plan.token))
         w2 = write_pods(_set(w, i, then), (*w.pods, pod), self.cfg.history, i)
-        return (Step(me, "create", (name, "ok", uid),
-                     f"{me}: POST pod {name} (gated) → ok, uid {uid} [{desc}]"),
-                w2._replace(uid_next=w.uid_next + 1))
+        step = Step(me, "create", (name, "ok", uid),
+                    f"{me}: POST pod {name} (gated) → ok, uid {uid} [{desc}]")
+        w2 = w2._replace(uid_next=w.uid_next + 1)
+        if then.pc != "idle":
+            return step, w2
+        return self._seen_by_write(w2, i, step, x, x.obs_vm, pod)
 
     def _precreate(self, w: World, i: int, me: str) -> tuple[Step, World]:
         x = w.workers[i]
@@ -537,10 +579,11 @@ class Actors:
             return (Step(me, "ungate", (name, uid, "409"),
                          f"{me}: PATCH pod {name} remove gate (uid {uid}) → 409/404"),
                     _set(w, i, _idle(x, need_direct=True)))
-        w2 = write_pods(_set(w, i, _idle(x)), replace_pod(w.pods, pod, pod._replace(gated=False)),
-                        self.cfg.history, i)
-        return (Step(me, "ungate", (name, pod.uid, "ok"),
-                     f"{me}: PATCH pod {name} remove gate (uid {pod.uid}) → ok"), w2)
+        ungated = pod._replace(gated=False)
+        w2 = write_pods(w, replace_pod(w.pods, pod, ungated), self.cfg.history, i)
+        return self._seen_by_write(w2, i, Step(me, "ungate", (name, pod.uid, "ok"),
+                                               f"{me}: PATCH pod {name} remove gate "
+                                               f"(uid {pod.uid}) → ok"), x, x.obs_vm, ungated)
 
     # ---- environment: scheduler + kubelet, garbage collector ------------------------------
 

@@ -205,6 +205,11 @@ class Worker(NamedTuple):
     """Breakage ``blind_retry``: the retry writes the stale object's result."""
     retook: bool = False
     """A deposed worker that took the lock again after losing it."""
+    seen: tuple[Pod, ...] | None = None
+    """The pods of the observation the action was decided from: a write's response
+    extends that observation (the driver's ``_seen_by_write``)."""
+    seen_direct: bool = False
+    """That observation was direct."""
 
 
 class Budget(NamedTuple):

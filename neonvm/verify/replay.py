@@ -338,6 +338,9 @@ class Replayer:
         self._expect(where, outcome, "ok")
         if after.vm is None:
             return "ok: VM removed"
+        # The answer is the worker's next observation of the VM (the driver's
+        # _seen_by_write): a write decided from it carries its resourceVersion.
+        self.base[i] = raw
         if not self.vm_versions or raw["metadata"]["resourceVersion"] != \
                 self.vm_versions[-1]["metadata"]["resourceVersion"]:
             self.vm_versions.append(raw)

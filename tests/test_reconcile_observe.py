@@ -1,0 +1,154 @@
+"""Observing from write responses, against the real API server (docs/protocol.md,
+"Observing from write responses" and "Authority checks").
+
+The driver builds its next observation from the answer to a write that took effect, so a
+VM goes from created to started with one direct observation and the ungate's own list;
+Restart, DeletePod and RemoveFinalizer are still decided from a fresh direct read, and
+the lock is checked once per write rather than before every decision.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import pytest
+from kubernetes import client
+
+from neonvm.api import types
+from neonvm.controller import decide as d
+from neonvm.controller.observe import DirectReader, Snapshot, VMRecord
+from neonvm.controller.reconciler import Reconciler, StaticAuthority
+from neonvm.invariant import InvariantChecker
+from neonvm.testing.harness import get_vm, is_gated, runner_pods
+from tests.support import wait_for
+from tests.test_reconcile import checker, create_vm, hold, release, settle
+
+pytestmark = pytest.mark.cluster
+
+__all__ = ["checker"]  # the fixture, shared with test_reconcile
+
+
+class CountingReader(DirectReader):
+    """The driver's direct reader, counting its quorum reads by kind."""
+
+    def __init__(self, api: client.ApiClient) -> None:
+        super().__init__(api)
+        self.reads: Counter[str] = Counter()
+
+    def list_pods(self, namespace: str, vm_name: str) -> list[dict[str, Any]]:
+        self.reads["list_pods"] += 1
+        return super().list_pods(namespace, vm_name)
+
+    def get_vm_raw(self, namespace: str, name: str) -> dict[str, Any] | None:
+        self.reads["get_vm"] += 1
+        return super().get_vm_raw(namespace, name)
+
+    def get_pod(self, namespace: str, name: str) -> dict[str, Any] | None:
+        self.reads["get_pod"] += 1
+        return super().get_pod(namespace, name)
+
+
+class CountingAuthority:
+    """A fixed authority that counts its checks (each one an etcd read in the manager)."""
+
+    def __init__(self) -> None:
+        self._fixed = StaticAuthority(epoch=1, token=10)
+        self.checks = 0
+
+    @property
+    def lease(self) -> d.Lease:
+        return self._fixed.lease
+
+    @property
+    def vm_uid(self) -> str | None:
+        return None
+
+    def check(self) -> None:
+        self.checks += 1
+
+
+class Recording(Reconciler):
+    """Records, for every performed action, what the observation behind it was."""
+
+    def __init__(self, api: client.ApiClient) -> None:
+        super().__init__(api)
+        self.counting = CountingReader(api)
+        self.reader = self.counting
+        self.vm_writes = 0
+        put_status, put_main = self.writer.put_status, self.writer.put_main
+
+        def counted_status(record: VMRecord, status: Any) -> VMRecord:
+            self.vm_writes += 1
+            return put_status(record, status)
+
+        def counted_main(record: VMRecord, finalizers: list[str]) -> VMRecord:
+            self.vm_writes += 1
+            return put_main(record, finalizers)
+
+        self.writer.put_status = counted_status  # type: ignore[method-assign]
+        self.writer.put_main = counted_main  # type: ignore[method-assign]
+        self.performed: list[tuple[str, bool, bool]] = []
+        """(action, observation built from a write's answer, observation direct)."""
+
+    def _perform(self, key: str, action: d.Action, snap: Snapshot, authority: Any,
+                 log: Any) -> str:
+        self.performed.append((type(action).__name__, getattr(snap, "from_write", False),
+                               snap.obs.direct))
+        return super()._perform(key, action, snap, authority, log)
+
+
+def test_a_new_vm_is_started_with_one_direct_observation_and_the_ungate_list(
+        api: client.ApiClient, controller_api: client.ApiClient, namespace: str,
+        checker: InvariantChecker) -> None:
+    create_vm(api, namespace, "quick")
+    reconciler = Recording(controller_api)
+    authority = CountingAuthority()
+    result = reconciler.reconcile(f"{namespace}/quick", authority)
+
+    steps = [name for name, _, _ in reconciler.performed]
+    assert steps[:5] == ["AddFinalizer", "RecordPlan", "CreatePod", "Commit", "Ungate"], steps
+    pods = runner_pods(api, namespace, "quick")
+    assert len(pods) == 1 and not is_gated(pods[0])
+    vm = get_vm(api, namespace, "quick")
+    assert vm is not None and vm["status"]["podName"] == pods[0].metadata.name
+    assert isinstance(result.action, d.Done | d.Wait), result
+    # The first observation (no cache here: direct), then every step from the previous
+    # write's answer; the ungate lists the pods once more, after the commit was seen.
+    assert reconciler.counting.reads == {"list_pods": 2, "get_vm": 1}, reconciler.counting.reads
+    assert all(from_write for _, from_write, _ in reconciler.performed[1:])
+    # The authority: once at the start, then once per write (the VM's PUTs, including
+    # the conditions written at the end, and the create and the ungate).
+    pod_writes = sum(1 for name, _, _ in reconciler.performed if name in ("CreatePod", "Ungate"))
+    assert authority.checks == 1 + reconciler.vm_writes + pod_writes, (
+        authority.checks, reconciler.vm_writes, pod_writes)
+
+
+def test_restart_delete_and_finalizer_removal_are_decided_from_a_fresh_direct_read(
+        api: client.ApiClient, controller_api: client.ApiClient, namespace: str,
+        checker: InvariantChecker) -> None:
+    create_vm(api, namespace, "careful")
+    key = f"{namespace}/careful"
+    reconciler = Recording(controller_api)
+    settle(reconciler, key)
+    old = runner_pods(api, namespace, "careful")[0].metadata.name
+    hold(api, namespace, old)
+    client.CoreV1Api(api).delete_namespaced_pod(old, namespace)
+    settle(reconciler, key, rounds=2)  # Restart, a new plan, waiting for the old pod
+    release(api, namespace, old)
+    wait_for(lambda: len(runner_pods(api, namespace, "careful")) == 1, 30, what="old pod gone")
+    settle(reconciler, key)
+    client.CustomObjectsApi(api).delete_namespaced_custom_object(
+        types.GROUP, types.VERSION, namespace, types.PLURAL, "careful")
+    for _ in range(10):
+        reconciler.reconcile(key, StaticAuthority(epoch=1, token=10), direct_first=True)
+        if get_vm(api, namespace, "careful") is None:
+            break
+    assert get_vm(api, namespace, "careful") is None
+
+    dangerous = [(name, from_write, direct) for name, from_write, direct in reconciler.performed
+                 if name in ("Restart", "DeletePod", "RemoveFinalizer")]
+    assert {name for name, _, _ in dangerous} == {"Restart", "DeletePod", "RemoveFinalizer"}
+    assert all(direct and not from_write for _, from_write, direct in dangerous), dangerous
+    # ... while the plan steps in between were taken from write answers.
+    assert any(from_write for _, from_write, _ in reconciler.performed)
