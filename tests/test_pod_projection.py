@@ -19,7 +19,8 @@ from neonvm.api.types import (
     VirtualMachineStatus,
 )
 from neonvm.controller import decide as d
-from neonvm.controller import podspec
+from neonvm.controller import informer, podspec
+from neonvm.controller.acceleration import RUNNER_PORT_NAME, runner_port
 from neonvm.controller.informer import Informer, Store, project_pod
 from neonvm.controller.observe import VMRecord, make_snapshot, pod_index, pod_view
 
@@ -88,11 +89,13 @@ VM_STATES = [
 
 
 def test_projection_keeps_every_field_a_cached_decision_reads() -> None:
+    assert RUNNER_PORT_NAME == informer.RUNNER_PORT_NAME
     for pod in POD_VARIANTS:
         slim = project_pod(copy.deepcopy(pod))
         assert pod_view(slim) == pod_view(pod)
         assert pod_index(slim) == pod_index(pod)
         assert slim["metadata"]["resourceVersion"] == pod["metadata"]["resourceVersion"]
+        assert runner_port(slim, vm(), 1) == runner_port(pod, vm(), 1) != 1
         assert d.looks_mid_plan({"metadata": {}, "status": {}}, [slim]) == \
             d.looks_mid_plan({"metadata": {}, "status": {}}, [pod])
 
@@ -115,7 +118,9 @@ def test_a_projected_pod_is_a_small_share_of_the_full_one() -> None:
     pod = POD_VARIANTS[1]
     slim = project_pod(copy.deepcopy(pod))
     assert types.ANNOTATION_TOKEN in slim["metadata"]["annotations"]
-    assert "containers" not in slim.get("spec", {})
+    assert all(set(c) == {"name", "ports"} for c in slim["spec"]["containers"])
+    assert all(p["name"] == RUNNER_PORT_NAME for c in slim["spec"]["containers"]
+               for p in c["ports"])
     assert len(json.dumps(slim)) * 4 < len(json.dumps(pod))
 
 

@@ -171,6 +171,9 @@ def strip_managed_fields(obj: Obj) -> Obj:
 
 POD_ANNOTATIONS = (types.ANNOTATION_EPOCH, types.ANNOTATION_TOKEN, types.ANNOTATION_PLAN_SEQ)
 """The pod annotations the controller reads from its cache (the fence and plan)."""
+RUNNER_PORT_NAME = "runner"
+"""The runner's container port name (``acceleration.RUNNER_PORT_NAME``; a test keeps the
+two equal)."""
 
 
 def project_pod(pod: Obj) -> Obj:
@@ -178,14 +181,16 @@ def project_pod(pod: Obj) -> Obj:
 
     What reads cached pods: :func:`~neonvm.controller.observe.pod_view` (name, uid,
     controller owner reference, scheduling gates, deletionTimestamp, phase, node, pod
-    IP, fence annotations), :func:`~neonvm.controller.observe.pod_index` (namespace and
+    IP, fence annotations), ``acceleration.runner_port`` (the container port named
+    ``runner``), :func:`~neonvm.controller.observe.pod_index` (namespace and
     the VM-name label), :func:`~neonvm.controller.decide.looks_mid_plan` (scheduling
     gates) and this module (namespace, name, uid, resourceVersion). Everything that
-    acts on a pod reads it directly, in full. Dropped: the containers, volumes, probes,
-    environment and the large ``vm.neon.tech/spec`` annotation, conditions, container
-    statuses and managedFields: a cached pod shrinks from kilobytes to a few hundred
-    bytes. A field that a cached decision starts to read must be added here (the tests
-    compare decisions on projected and full pods).
+    acts on a pod reads it directly, in full. Dropped: the containers (all but the
+    runner's named port), volumes, probes, environment and the large
+    ``vm.neon.tech/spec`` annotation, conditions, container statuses and
+    managedFields: a cached pod shrinks from kilobytes to a few hundred bytes. A field
+    that a cached decision starts to read must be added here (the tests compare
+    decisions on projected and full pods).
     """
     meta = pod.get("metadata") or {}
     spec = pod.get("spec") or {}
@@ -202,7 +207,14 @@ def project_pod(pod: Obj) -> Obj:
     if owners:
         slim_meta["ownerReferences"] = owners
     slim: Obj = {"metadata": slim_meta}
-    slim_spec = {k: spec[k] for k in ("schedulingGates", "nodeName") if spec.get(k)}
+    slim_spec: Obj = {k: spec[k] for k in ("schedulingGates", "nodeName") if spec.get(k)}
+    # The runner's named container port (acceleration.runner_port reads it).
+    containers = [{"name": c.get("name"), "ports": ports}
+                  for c in spec.get("containers") or []
+                  if (ports := [p for p in c.get("ports") or []
+                                if p.get("name") == RUNNER_PORT_NAME])]
+    if containers:
+        slim_spec["containers"] = containers
     if slim_spec:
         slim["spec"] = slim_spec
     slim_status = {k: status[k] for k in ("phase", "podIP") if status.get(k)}
