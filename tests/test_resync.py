@@ -21,7 +21,7 @@ from neonvm.controller.reconciler import ReconcilerConfig
 from neonvm.dev.cluster import LocalCluster
 from neonvm.leader.election import ElectionConfig
 from neonvm.leader.etcd import EtcdConfig
-from neonvm.testing.harness import converged, create_vm
+from neonvm.testing.harness import converged, create_vm, get_vm, runner_pods
 from tests.support import wait_for
 
 pytestmark = pytest.mark.cluster
@@ -106,6 +106,9 @@ def test_converged_vms_are_not_read_directly_by_the_resync_or_their_rechecks(
         return reads.total() == before
 
     wait_for(quiet, 120, what="the plan's last direct reads are over")
+    versions = {n: get_vm(api, namespace, n)["metadata"]["resourceVersion"] for n in VMS}
+    pods = {p.metadata.name: p.metadata.resource_version
+            for p in runner_pods(api, namespace)}
     before = reads.total()
     scans = counter(process, m.scans, scan="resync")
     done = counter(process, m.reconciles, result="done")
@@ -114,7 +117,10 @@ def test_converged_vms_are_not_read_directly_by_the_resync_or_their_rechecks(
              120, what="eight resyncs and three re-checks per VM")
     assert reads.total() == before, (
         f"converged VMs were read directly {reads.total() - before} times by periodic "
-        f"work: {dict(reads.counts)}")
+        f"work: {dict(reads.counts)}; VM versions {versions} -> "
+        f"{ {n: get_vm(api, namespace, n)['metadata']['resourceVersion'] for n in VMS} }, "
+        f"pods {pods} -> "
+        f"{ {p.metadata.name: p.metadata.resource_version for p in runner_pods(api, namespace)} }")
 
     # A change the cache missed is still found by the resync's diff: drop the VM's
     # cached copy behind the informer's back (as a lost ADDED event would).
