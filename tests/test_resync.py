@@ -106,21 +106,33 @@ def test_converged_vms_are_not_read_directly_by_the_resync_or_their_rechecks(
         return reads.total() == before
 
     wait_for(quiet, 120, what="the plan's last direct reads are over")
-    versions = {n: get_vm(api, namespace, n)["metadata"]["resourceVersion"] for n in VMS}
-    pods = {p.metadata.name: p.metadata.resource_version
-            for p in runner_pods(api, namespace)}
-    before = reads.total()
-    scans = counter(process, m.scans, scan="resync")
-    done = counter(process, m.reconciles, result="done")
-    wait_for(lambda: counter(process, m.scans, scan="resync") >= scans + 8
-             and counter(process, m.reconciles, result="done") >= done + 3 * len(VMS),
-             120, what="eight resyncs and three re-checks per VM")
-    assert reads.total() == before, (
-        f"converged VMs were read directly {reads.total() - before} times by periodic "
-        f"work: {dict(reads.counts)}; VM versions {versions} -> "
-        f"{ {n: get_vm(api, namespace, n)['metadata']['resourceVersion'] for n in VMS} }, "
-        f"pods {pods} -> "
-        f"{ {p.metadata.name: p.metadata.resource_version for p in runner_pods(api, namespace)} }")
+
+    def versions() -> dict[str, str]:
+        """Every VM's and runner pod's resourceVersion: a window in which one changed
+        saw real work (a status sync, a condition), which may read directly."""
+        out = {n: str((get_vm(api, namespace, n) or {})["metadata"]["resourceVersion"])
+               for n in VMS}
+        out.update({p.metadata.name: p.metadata.resource_version
+                    for p in runner_pods(api, namespace)})
+        return out
+
+    windows = []
+    for _ in range(6):
+        seen, before = versions(), reads.total()
+        scans = counter(process, m.scans, scan="resync")
+        done = counter(process, m.reconciles, result="done")
+        wait_for(lambda s=scans, d=done: counter(process, m.scans, scan="resync") >= s + 8
+                 and counter(process, m.reconciles, result="done") >= d + 3 * len(VMS),
+                 120, what="eight resyncs and three re-checks per VM")
+        reads_in_window = reads.total() - before
+        if versions() == seen:
+            assert reads_in_window == 0, (
+                f"converged VMs, unchanged, were read directly {reads_in_window} times "
+                f"by periodic work: {dict(reads.counts)}")
+            break
+        windows.append(reads_in_window)
+    else:
+        pytest.fail(f"no window without a change to a VM or pod: direct reads {windows}")
 
     # A change the cache missed is still found by the resync's diff: drop the VM's
     # cached copy behind the informer's back (as a lost ADDED event would).
