@@ -31,6 +31,7 @@ from kubernetes.watch.watch import iter_resp_lines
 from loguru import logger
 
 from neonvm.api import types
+from neonvm.controller.podspec import ANNOTATION_BUILT_SIZE
 from neonvm.kube import short_error
 
 Obj = dict[str, Any]
@@ -169,8 +170,10 @@ def strip_managed_fields(obj: Obj) -> Obj:
     return obj
 
 
-POD_ANNOTATIONS = (types.ANNOTATION_EPOCH, types.ANNOTATION_TOKEN, types.ANNOTATION_PLAN_SEQ)
-"""The pod annotations the controller reads from its cache (the fence and plan)."""
+POD_ANNOTATIONS = (types.ANNOTATION_EPOCH, types.ANNOTATION_TOKEN, types.ANNOTATION_PLAN_SEQ,
+                   ANNOTATION_BUILT_SIZE)
+"""The pod annotations the controller reads from its cache (the fence and plan, and the
+size the pod was built with, which a pod's commit records)."""
 RUNNER_PORT_NAME = "runner"
 """The runner's container port name (``acceleration.RUNNER_PORT_NAME``; a test keeps the
 two equal)."""
