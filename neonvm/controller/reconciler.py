@@ -802,8 +802,12 @@ class Reconciler:
             recorded = self._write_status(key, snap, token_secret_mutation(*secret,
                                                                            authority.lease),
                                           authority, log)
-            if recorded is not None:
-                vm = recorded.vm
+            if recorded is None:
+                # Another token was recorded first (or the write was declined): build
+                # the pod only from a VM that names the Secret it will mount.
+                self._scaling.discard_token(vm.namespace, secret[0])
+                return "precondition"
+            vm = recorded.vm
         try:
             manifest = podspec.runner_pod(vm, action.plan, self._config.pod_defaults)
         except podspec.PodSpecError as exc:

@@ -138,11 +138,26 @@ class RunnerScaling:
             created = self._core.create_namespaced_secret(vm.namespace, body,
                                                           _request_timeout=30)
         except ApiException as exc:
-            # Scaling will say why it cannot ask the runner; the pod is still created.
+            if exc.status is None or exc.status == 429 or exc.status >= 500:
+                # Transient: the pod waits for its token (the step is retried with
+                # backoff); a pod built without one could never scale in its life.
+                raise
+            # Refused (RBAC without live scaling, quota, admission): scaling will say why
+            # it cannot ask the runner; the pod is still created.
             logger.bind(vm=vm.key).warning("cannot create a scaling token Secret: {} {}",
                                            exc.status, exc.reason)
             return None
         return created.metadata.name, created.metadata.uid
+
+    def discard_token(self, namespace: str, name: str) -> None:
+        """Best effort: delete a token Secret this controller created but could not
+        record (another one was recorded first). Left behind, the VM's owner reference
+        still removes it with the VM."""
+        try:
+            self._core.delete_namespaced_secret(name, namespace, _request_timeout=30)
+        except ApiException as exc:
+            logger.debug("could not delete the unrecorded token Secret {}: {}", name,
+                         exc.status)
 
     def token(self, vm: VirtualMachine) -> str:
         """The VM's secret: from the Secret recorded in status, only if its UID is the one

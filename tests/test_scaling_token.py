@@ -1,0 +1,101 @@
+"""The live-scaling token Secret around a pod's creation (no servers): a transient
+failure to create it holds the pod back instead of building a pod that can never scale,
+and a token that loses the race to be recorded is never mounted. The real-server tests
+are in ``tests/test_scaling_controller.py``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+from loguru import logger
+
+from neonvm.api.millicpu import MilliCPU
+from neonvm.api.types import (
+    FINALIZER,
+    CPURange,
+    Guest,
+    IntRange,
+    PendingPod,
+    VirtualMachine,
+    VirtualMachineSpec,
+    VirtualMachineStatus,
+)
+from neonvm.controller import decide as d
+from neonvm.controller.observe import VMRecord, make_snapshot
+from neonvm.controller.reconciler import Reconciler, StaticAuthority
+from neonvm.controller.scaling import RunnerScaling
+
+pytestmark = pytest.mark.unit
+
+LEASE = d.Lease(epoch=3, token=40)
+PLAN = PendingPod(name="vm-1", plan_seq=1, token=40, epoch=3, generation=1)
+
+
+def scalable_vm() -> VirtualMachine:
+    spec = VirtualMachineSpec(guest=Guest(
+        cpus=CPURange(min=1, max=2, use=MilliCPU.parse(1)),
+        memory_slots=IntRange(min=1, max=2, use=1), memory_slot_size="1Gi"))
+    return VirtualMachine(name="vm", namespace="ns", uid="vm-uid", resource_version="5",
+                          generation=1, spec=spec, finalizers=[FINALIZER],
+                          status=VirtualMachineStatus(pending_pod=PLAN, plan_seq=1))
+
+
+class _Secrets:
+    def __init__(self, status: int | None = None) -> None:
+        self.status = status
+        self.deleted: list[str] = []
+        self.created: list[str] = []
+        self.pods: list[str] = []
+
+    def create_namespaced_secret(self, namespace: str, body: Any, **_: Any) -> Any:
+        if self.status is not None:
+            raise ApiException(status=self.status, reason="test")
+        self.created.append("vm-scaling-abcde")
+        meta = client.V1ObjectMeta(name="vm-scaling-abcde", uid="secret-uid")
+        return client.V1Secret(metadata=meta)
+
+    def delete_namespaced_secret(self, name: str, namespace: str, **_: Any) -> None:
+        self.deleted.append(name)
+
+    def create_namespaced_pod(self, namespace: str, body: Any, **_: Any) -> Any:
+        self.pods.append(body["metadata"]["name"])
+        raise AssertionError("no pod may be created here")
+
+
+@pytest.mark.parametrize(("status", "held_back"), [
+    (500, True), (503, True), (429, True),  # transient: the pod waits for its token
+    (403, False), (422, False),             # refused for good: the pod starts unscalable
+])
+def test_a_transient_failure_to_create_the_token_holds_the_pod_back(
+        status: int, held_back: bool) -> None:
+    scaling = RunnerScaling(client.ApiClient())
+    scaling._core = _Secrets(status)  # type: ignore[assignment]
+    if held_back:
+        with pytest.raises(ApiException):
+            scaling.create_token(scalable_vm())
+    else:
+        assert scaling.create_token(scalable_vm()) is None
+
+
+def test_a_token_that_loses_the_race_to_be_recorded_is_deleted_and_no_pod_is_built(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another leader recorded its Secret first: our write is declined. The pod must not
+    be built from the VM we read (it names no Secret, so it would mount none); the step
+    ends without effect, and the next read sees the recorded Secret."""
+    core = _Secrets()
+    reconciler = Reconciler(client.ApiClient())
+    scaling = RunnerScaling(client.ApiClient())
+    scaling._core = core  # type: ignore[assignment]
+    reconciler._scaling = scaling
+    reconciler._core = core  # type: ignore[assignment]
+    monkeypatch.setattr(reconciler, "_write_status", lambda *a, **k: None)
+    vm = scalable_vm()
+    snap = make_snapshot(VMRecord(vm=vm, raw={}), [], LEASE, direct=True)
+    outcome = reconciler._create_pod("ns/vm", d.CreatePod(plan=PLAN), snap,
+                                     StaticAuthority(epoch=3, token=40), logger)
+    assert outcome == "precondition"
+    assert core.pods == []
+    assert core.deleted == core.created == ["vm-scaling-abcde"]
