@@ -431,7 +431,8 @@ def main(argv: list[str] | None = None) -> None:
                                     "min / max |")
     table = "\n".join([head, "|---|---:|---:|---:|---:|",
                        *(row(name, values) for name, values in results.items())])
-    env = (f"Run {time.strftime('%Y-%m-%d %H:%M')} UTC on {platform.node() or 'a machine'}: "
+    when = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
+    env = (f"Run {when} UTC on {platform.node() or 'a machine'}: "
            f"{os.cpu_count()} CPUs shared with other work, {loads}; guest accel "
            f"{', '.join(sorted(accels))}; {time.monotonic() - started:.0f} s in all.")
     print(env)

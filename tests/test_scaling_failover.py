@@ -291,6 +291,7 @@ def test_a_leader_killed_mid_change_never_lets_an_older_size_back(
         # Applied in strictly increasing fence order, so no older plan's size after a
         # newer one; the relay's record and the runner's own log agree.
         history = relay.applied()
+        print("PUT /scale as relayed:", *relay.puts, sep="\n  ")
         logged = [(int(c), int(m), int(e), int(t), how)
                   for c, m, e, t, how in SCALE_LOG.findall(runner.log())]
         assert [(p.target, p.fence[:2]) for p in history] == [
