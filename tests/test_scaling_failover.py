@@ -149,6 +149,11 @@ class Relay:
     def release(self) -> None:
         self._release.set()
 
+    def rearm(self) -> None:
+        """Ready to hold another request (the one held before was released)."""
+        with self._lock:
+            self.held, self._release = None, threading.Event()
+
     def close(self) -> None:
         self._release.set()
         self.server.shutdown()
@@ -268,7 +273,7 @@ def test_a_leader_killed_mid_change_never_lets_an_older_size_back(
         guest_sees(runner, cpus=3, mem_kb=two)
 
         # Kill #2: the runner has applied the plan, the leader has not heard (no commit).
-        relay.held, relay._release = None, threading.Event()
+        relay.rearm()
         relay.hold_answer = True
         set_use(api, namespace, "live", 1, 1)
         wait_for(lambda: relay.held is not None and relay.held.code != 0, 240,
