@@ -263,6 +263,7 @@ def test_a_leader_killed_mid_change_never_lets_an_older_size_back(
         set_use(api, namespace, "live", 3, 2)  # a newer size before anyone applied the old
         second = wait_for(lambda: (r := replicas.leader()) is not None and r is not first
                           and r, 120, what="a new leader")
+        assert isinstance(second, Replica)
         wait_for(lambda: committed(api, namespace, "live", 3, "2Gi"), 240,
                  what="3 vCPUs, 2Gi committed by the new leader")
         guest_sees(runner, cpus=3, mem_kb=two)
