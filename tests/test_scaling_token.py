@@ -24,6 +24,7 @@ from neonvm.api.types import (
     VirtualMachineStatus,
 )
 from neonvm.controller import decide as d
+from neonvm.controller.mutations import token_secret_mutation
 from neonvm.controller.observe import VMRecord, make_snapshot
 from neonvm.controller.reconciler import Reconciler, StaticAuthority
 from neonvm.controller.scaling import RunnerScaling
@@ -99,3 +100,48 @@ def test_a_token_that_loses_the_race_to_be_recorded_is_deleted_and_no_pod_is_bui
     assert outcome == "precondition"
     assert core.pods == []
     assert core.deleted == core.created == ["vm-scaling-abcde"]
+
+
+class _Recorded(_Secrets):
+    """A namespace where the VM's recorded Secret is gone (None) or has ``uid``."""
+
+    def __init__(self, uid: str | None) -> None:
+        super().__init__()
+        self.uid = uid
+
+    def read_namespaced_secret(self, name: str, namespace: str, **_: Any) -> Any:
+        if self.uid is None:
+            raise ApiException(status=404, reason="Not Found")
+        return client.V1Secret(metadata=client.V1ObjectMeta(name=name, uid=self.uid))
+
+
+def recorded_vm() -> VirtualMachine:
+    vm = scalable_vm()
+    vm.status.scaling_token_secret = "vm-scaling-old"
+    vm.status.scaling_token_secret_uid = "old-uid"
+    return vm
+
+
+@pytest.mark.parametrize(("there", "replaced"), [
+    ("old-uid", False),     # still there: the next pod mounts it
+    (None, True),           # deleted: a new one, or no pod of this VM could scale again
+    ("planted-uid", True),  # replaced under its name by someone else: never used
+])
+def test_a_recorded_token_that_is_gone_is_replaced_before_the_next_pod(
+        there: str | None, replaced: bool) -> None:
+    scaling = RunnerScaling(client.ApiClient())
+    scaling._core = _Recorded(there)  # type: ignore[assignment]
+    made = scaling.create_token(recorded_vm())
+    assert (made == ("vm-scaling-abcde", "secret-uid")) is replaced, made
+
+
+def test_a_replacement_is_recorded_only_over_the_record_it_found_gone() -> None:
+    vm = recorded_vm()
+    replace = token_secret_mutation("vm-scaling-new", "new-uid", LEASE, replacing="old-uid")
+    written = replace(vm)
+    assert written is not None and written.scaling_token_secret_uid == "new-uid"
+    # Someone else replaced it first: their record stands.
+    vm.status.scaling_token_secret_uid = "other-new-uid"
+    assert replace(vm) is None
+    # A first record never overwrites one made meanwhile.
+    assert token_secret_mutation("s", "u", LEASE)(vm) is None

@@ -237,12 +237,15 @@ def status_mutation(action: d.Action, lease: d.Lease) -> StatusMutation:
         raise ValueError(f"{type(action).__name__} is not a status write") from None
 
 
-def token_secret_mutation(name: str, uid: str, lease: d.Lease) -> StatusMutation:
-    """Record the live scaling token Secret the controller just created (name and UID),
-    unless one is recorded already (a concurrent create: its Secret is the one used)."""
+def token_secret_mutation(name: str, uid: str, lease: d.Lease,
+                          replacing: str = "") -> StatusMutation:
+    """Record the live scaling token Secret the controller just created (name and UID)
+    in place of ``replacing`` (the uid of a recorded Secret found gone; "" for none):
+    only if the record on the fresh copy is still that one (a concurrent create or
+    replacement recorded first: its Secret is the one used)."""
 
     def record(vm: VirtualMachine) -> VirtualMachineStatus | None:
-        if vm.status.scaling_token_secret_uid:
+        if (vm.status.scaling_token_secret_uid or "") != replacing:
             return None
         new = _fresh_status(vm, lease)
         new.scaling_token_secret, new.scaling_token_secret_uid = name, uid

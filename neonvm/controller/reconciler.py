@@ -799,9 +799,9 @@ class Reconciler:
         secret = self._scaling.create_token(vm)  # the pod mounts the VM's scaling token
         recorded: VMRecord | None = None
         if secret is not None:
-            recorded = self._write_status(key, snap, token_secret_mutation(*secret,
-                                                                           authority.lease),
-                                          authority, log)
+            replacing = vm.status.scaling_token_secret_uid or ""
+            recorded = self._write_status(key, snap, token_secret_mutation(
+                *secret, authority.lease, replacing=replacing), authority, log)
             if recorded is None:
                 # Another token was recorded first (or the write was declined): build
                 # the pod only from a VM that names the Secret it will mount.

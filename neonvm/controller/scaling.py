@@ -119,9 +119,15 @@ class RunnerScaling:
 
     def create_token(self, vm: VirtualMachine) -> tuple[str, str] | None:
         """Create a token Secret for ``vm`` (before its pod is created) under a generated
-        name; (name, uid) to record in status, or None (not scalable, one is recorded,
-        or the create failed: the pod then starts without live scaling)."""
-        if not scalable(vm) or vm.status.scaling_token_secret_uid:
+        name; (name, uid) to record in status, or None (not scalable, the recorded one is
+        still there, or the create was refused: the pod then starts without live scaling).
+
+        A recorded Secret that is gone, or was replaced under its name (another uid), is
+        replaced by a new one: otherwise every later pod of the VM would mount nothing
+        usable and never scale."""
+        if not scalable(vm):
+            return None
+        if vm.status.scaling_token_secret_uid and self._recorded_token_present(vm):
             return None
         body = {
             "apiVersion": "v1", "kind": "Secret", "type": "Opaque",
@@ -148,6 +154,21 @@ class RunnerScaling:
                                            exc.status, exc.reason)
             return None
         return created.metadata.name, created.metadata.uid
+
+    def _recorded_token_present(self, vm: VirtualMachine) -> bool:
+        """Whether the Secret recorded in status still exists with the recorded uid. Only
+        a 404 or another uid says no; a refusal to read (403) keeps the record, and a
+        transient error is raised (the pod waits)."""
+        name = vm.status.scaling_token_secret or ""
+        try:
+            secret = self._core.read_namespaced_secret(name, vm.namespace, _request_timeout=30)
+        except ApiException as exc:
+            if exc.status == 404:
+                return False
+            if exc.status is None or exc.status == 429 or exc.status >= 500:
+                raise
+            return True
+        return bool(secret.metadata.uid == vm.status.scaling_token_secret_uid)
 
     def discard_token(self, namespace: str, name: str) -> None:
         """Best effort: delete a token Secret this controller created but could not
