@@ -131,6 +131,11 @@ def build(progress: Callable[[str], None] = lambda _m: None) -> dict[str, float]
     return spent
 
 
+def built() -> bool:
+    """Whether the real node's binaries are all in the cache (nothing to build)."""
+    return all(binaries.find(b) for g in GROUPS for b in binaries.GROUPS[g].binaries)
+
+
 def tiny_binary() -> Path:
     """The static ``tiny`` binary (pause and test image entrypoint), built once."""
     digest = hashlib.sha256(TINY_GO.encode()).hexdigest()[:12]
