@@ -517,24 +517,14 @@ def test_controller_runner_pod_boots_a_bare_ext4_guest_on_the_real_node(
         node.stop()
     # The host is as it was: the sysctls the kubelet wrote are back (unless another real
     # node, e.g. another test session's, runs on this host and keeps its kubelet's values).
-    if not _other_kubelets():
+    if not realnode.other_kubelets():
         assert _host_sysctls() == host_before
+        assert not (realnode.KUBELET_HOST_DIR / "device-plugins" / "kubelet.sock").exists()
     assert not Path("/sys/class/net", node.bridge).exists()
 
 
 def _host_sysctls() -> dict[str, str]:
     return {k: Path("/proc/sys", k).read_text().strip() for k in realnode.KUBELET_SYSCTLS}
-
-
-def _other_kubelets() -> list[int]:
-    """Kubelet processes running on this host (this test's node has stopped)."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            with contextlib.suppress(OSError):
-                if (proc / "comm").read_text().strip() == "kubelet":
-                    found.append(int(proc.name))
-    return found
 
 
 @pytest.mark.cluster
