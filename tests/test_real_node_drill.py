@@ -79,6 +79,8 @@ def test_kill_leader_drill_with_runner_pods_booting_guests_on_the_real_node(
 
         wait_for(all_ready, timeout=900, interval=1.0,
                  what=f"{VMS} runner pods Ready on {node.name}")
+        print(f"all {VMS} runner pods Ready on {node.name} "
+              f"{time.monotonic() - started:.1f}s after the drill began")
         for pod in fleet.list_runner_pods(api, namespace):
             log = core.read_namespaced_pod_log(pod.metadata.name, namespace,
                                                container="neonvm-runner")

@@ -270,7 +270,7 @@ def demo(ctx: click.Context, state_dir: Path | None, replicas: int, nodes: int,
     if real:
         click.echo("4/5 a tiny VM whose runner pod boots a guest on the real node", err=True)
         vm = apply_real_vm(api)
-        _progress(f"applied {vm}: 1 vCPU, 128Mi, the guest disk {REAL_VM!r} runs "
+        _progress(f"applied {vm}: 1 vCPU (250m requested), 128Mi, the guest disk {REAL_VM!r} runs "
                   "/app/report.sh")
     else:
         click.echo("4/5 sample VM", err=True)

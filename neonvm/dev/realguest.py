@@ -6,8 +6,8 @@ packed the NeonVM way (a container image holding ``/disk.qcow2``) — starts one
 in the local cluster and imports both images into its containerd, the runner image also
 under the name the local controller replicas put into runner pods
 (:data:`neonvm.dev.replica.DEV_RUNNER_IMAGE`). :func:`vm_spec` is what a VM needs to
-run there: a node selector on the real node, that root disk, 1 vCPU, the smallest
-memory.
+run there: a node selector on the real node, that root disk, 1 vCPU (250m requested),
+the smallest memory.
 
 The guest root disk is the tests' (``tests/guest/rootfs.py``: a static busybox and
 ``/app/report.sh``), loaded from the source tree.
@@ -120,7 +120,9 @@ def vm_spec(disk_image: str = DISK_IMAGE, args: tuple[str, ...] = ("hello",)
     return {
         "nodeSelector": {realnode.REAL_LABEL: "true"},
         "guest": {
-            "cpus": {"min": 1, "max": 1, "use": 1},
+            # One vCPU (QEMU's -smp is ceil(use)) but a request of 250m: the real node
+            # has only this host's 2 CPUs, and five pods asking 1 CPU each do not fit.
+            "cpus": {"min": "250m", "max": 1, "use": "250m"},
             "memorySlots": {"min": 1, "max": 1, "use": 1},
             "memorySlotSize": "128Mi",
             "rootDisk": {"image": disk_image, "imagePullPolicy": "Never"},
