@@ -157,12 +157,12 @@ class Scenario:
             return False
         return any(c.type == "Ready" and c.status == "True" for c in status.conditions or [])
 
-    def _show_console(self, pod: str, since: float) -> None:
+    def _show_console(self, pod: str, since: float, after: str) -> None:
         if pod in self.shown:
             return
         self.shown.add(pod)
-        self.say(f"runner pod {pod} Ready {time.monotonic() - since:.1f}s after it was "
-                 f"asked for; its guest's console (kubectl logs {pod} -c neonvm-runner):")
+        self.say(f"runner pod {pod} Ready {time.monotonic() - since:.1f}s after {after}; "
+                 f"its guest's console (kubectl logs {pod} -c neonvm-runner):")
         try:
             text = client.CoreV1Api(self.api).read_namespaced_pod_log(
                 pod, self.namespace, container="neonvm-runner")
@@ -184,7 +184,7 @@ class Scenario:
         elapsed = time.monotonic() - self.mark
         ready = running and vm is not None and self._ready(vm.pod)
         if self.step == 0 and ready and self.real and vm is not None and vm.pod:
-            self._show_console(vm.pod, self.created)
+            self._show_console(vm.pod, self.created, "the VM was applied")
         if self.step == 0 and ready and elapsed > 5 and vm is not None:
             self.old_pod = vm.pod
             self.say(f"deleting runner pod {vm.pod} (the bug report's scenario)")
@@ -196,7 +196,7 @@ class Scenario:
                      f"{'Ready (guest booted)' if self.real else 'running'} after "
                      f"{elapsed:.1f}s (restarts {vm.restarts})")
             if self.real and vm.pod:
-                self._show_console(vm.pod, self.mark)
+                self._show_console(vm.pod, self.mark, "the old pod was deleted")
             self.step, self.mark = 2, time.monotonic()
         elif self.step == 2 and elapsed > 5 and ov.leader is not None and ov.leader.holder:
             self.old_leader = ov.leader.holder
@@ -268,10 +268,12 @@ def demo(ctx: click.Context, state_dir: Path | None, replicas: int, nodes: int,
     start_replicas(cluster, replicas)
     api = kube.api_client(cluster.kubeconfig)
     if real:
+        from neonvm.dev import realguest
+
         click.echo("4/5 a tiny VM whose runner pod boots a guest on the real node", err=True)
         vm = apply_real_vm(api)
-        _progress(f"applied {vm}: 1 vCPU (250m requested), 128Mi, the guest disk {REAL_VM!r} runs "
-                  "/app/report.sh")
+        _progress(f"applied {vm}: 1 vCPU (250m requested), 128Mi, root disk image "
+                  f"{realguest.DISK_IMAGE} running /app/report.sh")
     else:
         click.echo("4/5 sample VM", err=True)
         vm = apply_sample_vm(api)
