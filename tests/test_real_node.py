@@ -515,6 +515,10 @@ def test_controller_runner_pod_boots_a_bare_ext4_guest_on_the_real_node(
         for r in group:
             print(f"---- {r.name} (exit {r.exit_code()}) ----\n{r.log()[-5000:]}")
         node.stop()
+        # This test runs in the default suite on the session's control plane: remove the
+        # stopped node's Node object, so that no later test's pod is bound to it.
+        with contextlib.suppress(client.ApiException):
+            client.CoreV1Api(api).delete_node(node.name)
     # The host is as it was: the sysctls the kubelet wrote are back (unless another real
     # node, e.g. another test session's, runs on this host and keeps its kubelet's values).
     if not realnode.other_kubelets():
