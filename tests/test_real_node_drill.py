@@ -16,6 +16,7 @@ import time
 import pytest
 from kubernetes import client
 
+from neonvm.dev import realnode
 from neonvm.dev.cluster import LocalCluster
 from tests.support import wait_for
 from tests.test_real_node import _images_skip_reason
@@ -100,3 +101,46 @@ def test_kill_leader_drill_with_runner_pods_booting_guests_on_the_real_node(
                 cluster.stop_component(target.replica_name(i))
             target.close()
         node.stop()
+
+
+@pytest.mark.unit
+def test_vm_spec_steers_drill_vms_to_the_real_node_keeping_the_other_guest_fields() -> None:
+    """The drill's VMs with ``vm_spec`` merged: node selector and real guest fields set,
+    the default guest's other fields kept; without it, the small default VM."""
+    from neonvm.dev import realguest
+    from neonvm.drills import fleet
+
+    plain = fleet.vm_body("vm-0")
+    steered = fleet.vm_body("vm-0", spec_extra=realguest.vm_spec(args=("drill",)))
+    assert "nodeSelector" not in plain["spec"]
+    assert steered["spec"]["nodeSelector"] == {"neonvm.dev/real-node": "true"}
+    guest = steered["spec"]["guest"]
+    assert guest["rootDisk"] == {"image": realguest.DISK_IMAGE, "imagePullPolicy": "Never"}
+    assert guest["cpus"] == {"min": "250m", "max": 1, "use": "250m"}
+    assert guest["memorySlotSize"] == "128Mi" and guest["args"] == ["drill"]
+    assert steered["spec"]["terminationGracePeriodSeconds"] == 1
+    assert steered["spec"]["restartPolicy"] == plain["spec"]["restartPolicy"] == "Always"
+    assert plain["spec"]["guest"]["rootDisk"]["image"] != realguest.DISK_IMAGE
+
+
+@pytest.mark.unit
+def test_which_real_node_tests_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Default tests run unless NEONVM_TEST_REAL_NODE=0 (on built binaries); the others
+    only with =1; a host that cannot start a node skips both, saying why."""
+    from tests import test_real_node as t
+
+    monkeypatch.setattr(realnode, "unavailable_reason", lambda: None)
+    monkeypatch.setattr(realnode, "built", lambda: True)
+    monkeypatch.delenv("NEONVM_TEST_REAL_NODE", raising=False)
+    assert t._skip_reason(default=True) is None
+    assert "NEONVM_TEST_REAL_NODE=1" in (t._skip_reason() or "")
+    monkeypatch.setattr(realnode, "built", lambda: False)
+    assert "not built" in (t._skip_reason(default=True) or "")
+    monkeypatch.setenv("NEONVM_TEST_REAL_NODE", "1")
+    assert t._skip_reason(default=True) is None and t._skip_reason() is None
+    monkeypatch.setenv("NEONVM_TEST_REAL_NODE", "0")
+    assert "NEONVM_TEST_REAL_NODE=0" in (t._skip_reason(default=True) or "")
+    monkeypatch.delenv("NEONVM_TEST_REAL_NODE")
+    monkeypatch.setattr(realnode, "unavailable_reason", lambda: "no root")
+    assert t._skip_reason(default=True) == "a real node cannot start on this host: no root"
+

@@ -53,8 +53,14 @@ def install_real_node(say: Callable[[str], None]) -> bool:
         say(f"real node: skipped, it cannot start on this host: {problem}")
         return False
     started = time.monotonic()
-    spent = realnode.build(progress=say)
-    built = images.build(("runner",), None, say)
+    try:
+        spent = realnode.build(progress=say)
+        built = images.build(("runner",), None, say)
+    except Exception as exc:  # the test command goes on; the real-node test then says why
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        say(f"real node: build failed after {time.monotonic() - started:.0f}s: "
+            f"{type(exc).__name__}: {first[:300]}")
+        return False
     say(f"real node: binaries and runner image ready in {time.monotonic() - started:.0f}s "
         f"({', '.join(f'{k} {v:.0f}s' for k, v in spent.items() if v >= 1) or 'all cached'}; "
         f"{built[0].reference})")
