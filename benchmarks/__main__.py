@@ -88,6 +88,13 @@ def pct(values: list[float], q: float) -> float | None:
 def controller_rows(conv: list[dict[str, Any]], rep: dict[str, Any], fo: dict[str, Any]
                     ) -> list[tuple[str, str, str]]:
     """(measure, value, baseline measured in the same run)."""
+    rows = convergence_rows(conv)
+    rows += replacement_rows(rep, fo)
+    return rows
+
+
+def convergence_rows(conv: list[dict[str, Any]]) -> list[tuple[str, str, str]]:
+    """The convergence runs' rows: VMs/s and the leader's RSS."""
     rows = []
     for c in conv:
         raw = c["raw"]
@@ -104,6 +111,12 @@ def controller_rows(conv: list[dict[str, Any]], rep: dict[str, Any], fo: dict[st
                      f"leader {c['leader_rss_mib']:.0f} MiB (peak {c['leader_peak_mib']:.0f}"
                      f" MiB); {per_vm:.0f} KiB per VM over the standby",
                      f"standby (no VMs cached) {c['standby_rss_mib']:.0f} MiB"))
+    return rows
+
+
+def replacement_rows(rep: dict[str, Any], fo: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """The replacement-latency and failover rows."""
+    rows = []
     rows.append((
         f"pod deleted -> replacement created (gated), {rep['deletions']} deletions",
         f"p50 {fmt_s(pct(rep['created'], 0.5))}, p99 {fmt_s(pct(rep['created'], 0.99))}",
@@ -200,6 +213,9 @@ def main() -> int:
     p.add_argument("--lock-ops", type=int, default=400, help="Operations per lock scenario.")
     p.add_argument("--nodes", type=int, default=3, help="Simulated nodes (private cluster).")
     p.add_argument("--no-docs", action="store_true", help=f"Do not write {DOC.name}.")
+    p.add_argument("--converge-only", action="store_true",
+                   help="Run the convergence runs only (leader RSS and VMs/s) and print "
+                        "their rows; implies --no-docs.")
     args = p.parse_args()
     from loguru import logger
 
@@ -213,6 +229,9 @@ def main() -> int:
         for n in sizes:
             say(f"== convergence of {n} VMs")
             conv.append(cb.convergence(cluster, n, say))
+        if args.converge_only:
+            print(markdown_table(convergence_rows(conv)))
+            return 0
         say(f"== replacement latency ({args.deletions} deletions)")
         rep = cb.replacement(cluster, 10, args.deletions, say)
         say(f"== failover ({args.kills} x SIGKILL, {args.kills} x SIGTERM)")

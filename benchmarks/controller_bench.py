@@ -231,7 +231,9 @@ def convergence(cluster: Any, vms: int, progress: Progress) -> dict[str, Any]:
             leader_rss = rss_mib(replicas.pid(lead))
             leader_peak = rss_mib(replicas.pid(lead), "VmHWM")
             standby_rss = rss_mib(replicas.pid(standby))
-            progress(f"{vms} VMs converged in {seconds:.1f}s ({vms / seconds:.1f} VMs/s)")
+            progress(f"{vms} VMs converged in {seconds:.1f}s ({vms / seconds:.1f} VMs/s); "
+                     f"leader RSS {leader_rss:.0f} MiB (peak {leader_peak:.0f} MiB), "
+                     f"standby {standby_rss:.0f} MiB")
             fleet.delete_vms(api, namespace)
             fleet.wait_gone(api, namespace, 60 + vms * 2.0)
         writes = sum(actions.values())

@@ -57,7 +57,22 @@ def controller_rules() -> list[dict[str, Any]]:
          "verbs": ["get", "list", "watch", "create", "delete", "patch"]},
         {"apiGroups": ["", "events.k8s.io"], "resources": ["events"],
          "verbs": ["create", "patch"]},
+        # Live scaling: in-place resize of the runner pod's CPU request.
+        {"apiGroups": [""], "resources": ["pods/resize"], "verbs": ["patch"]},
     ]
+
+
+def live_scaling_rules() -> list[dict[str, Any]]:
+    """``get`` and ``create`` on secrets: the per-VM scaling token Secret.
+
+    Opt-in in the chart (``rbac.liveScaling``), for the same reason as
+    :func:`pull_secret_rules`: ``get`` on secrets cluster-wide would let this identity read
+    any secret it can name. The controller creates ``neonvm-scaling-<vm uid>`` before a
+    scalable VM's runner pod and reads it before each call to the runner. Without the
+    rule the pod still starts (its token volume is optional) and the runner refuses
+    scaling (401); the VM shows why. The local cluster's identity has it.
+    """
+    return [{"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "create"]}]
 
 
 def pull_secret_rules() -> list[dict[str, Any]]:
@@ -92,7 +107,8 @@ def cluster_role() -> dict[str, Any]:
         "apiVersion": "rbac.authorization.k8s.io/v1",
         "kind": "ClusterRole",
         "metadata": {"name": CLUSTER_ROLE},
-        "rules": controller_rules() + pull_secret_rules() + leader_election_rules(),
+        "rules": controller_rules() + pull_secret_rules() + live_scaling_rules()
+        + leader_election_rules(),
     }
 
 
@@ -242,6 +258,8 @@ def chart_files() -> dict[str, str]:
         "files/controller-rules.yaml": header + yaml.safe_dump(controller_rules(), sort_keys=False),
         "files/pull-secret-rules.yaml": header
         + yaml.safe_dump(pull_secret_rules(), sort_keys=False),
+        "files/live-scaling-rules.yaml": header
+        + yaml.safe_dump(live_scaling_rules(), sort_keys=False),
         "files/leader-election-rules.yaml": header
         + yaml.safe_dump(leader_election_rules(), sort_keys=False),
         "files/admission-policy.yaml": header

@@ -57,7 +57,7 @@ def test_the_exported_vm_decodes_with_millicpu_strings_and_names_its_unimplement
     assert vm.status.cpus == MilliCPU(500) and vm.status.memory_size == "2Gi"
     assert compat.unimplemented_fields(vm.spec) == [
         "spec.qmpManual", "spec.enableSSH", "spec.targetArchitecture", "spec.service_links",
-        "spec.overcommit", "spec.cpuScalingMode", "spec.guest.memhpAutoMovableRatio",
+        "spec.overcommit", "spec.guest.memhpAutoMovableRatio",
         "spec.disks[].emptyDisk.discard"]
 
 

@@ -115,7 +115,8 @@ def test_a_new_vm_is_started_with_one_direct_observation_and_the_ungate_list(
     assert isinstance(result.action, d.Done | d.Wait), result
     # The first observation (no cache here: direct), then every step from the previous
     # write's answer; the ungate lists the pods once more, after the commit was seen.
-    assert reconciler.counting.reads == {"list_pods": 2, "get_vm": 1}, reconciler.counting.reads
+    assert reconciler.counting.reads == {"list_pods": 2, "get_vm": 1}, (
+        reconciler.counting.reads, reconciler.performed)
     assert all(from_write for _, from_write, _ in reconciler.performed[1:])
     # The authority: once at the start, then once per write (the VM's PUTs, including
     # the conditions written at the end, and the create and the ungate).

@@ -36,7 +36,8 @@ from neonvm.controller.podspec import PodDefaults, PodSpecError, has_our_gate, r
 from neonvm.controller.reconciler import ACTIONS
 from neonvm.controller.workqueue import Backoff, WorkQueue
 from neonvm.drills.schedule import CRASH_STEPS
-from neonvm.verify.actors import FINALIZER_WRITES, POD_ACTIONS, STATUS_WRITES
+from neonvm.verify.actors import FINALIZER_WRITES, POD_ACTIONS, RUNNER_ACTIONS, STATUS_WRITES
+from neonvm.verify.scaling import RUNNER_CALLS as SCALING_MODELLED
 
 pytestmark = pytest.mark.unit
 
@@ -395,5 +396,6 @@ def test_every_write_row_has_its_shipped_mutation_and_the_explorer_models_every_
             with pytest.raises(ValueError):
                 status_mutation(kind(), lease)
     names = {kind.__name__ for kind in ACTIONS}
-    assert names == STATUS_WRITES | FINALIZER_WRITES | POD_ACTIONS
+    assert names == STATUS_WRITES | FINALIZER_WRITES | POD_ACTIONS | RUNNER_ACTIONS
+    assert RUNNER_ACTIONS <= SCALING_MODELLED, "a runner call the scaling explorer lacks"
     assert not STATUS_WRITES & FINALIZER_WRITES and not POD_ACTIONS & STATUS_WRITES

@@ -304,13 +304,14 @@ class _RecordingQueue(WorkQueue):
         super().__init__()
         self.seen: set[str] = set()
 
-    def add(self, key: str, direct: bool = False) -> None:
+    def add(self, key: str, direct: bool = False, *, periodic: bool = False) -> None:
         self.seen.add(key)
-        super().add(key, direct)
+        super().add(key, direct, periodic=periodic)
 
-    def add_after(self, key: str, delay: float, direct: bool = False) -> None:
+    def add_after(self, key: str, delay: float, direct: bool = False, *,
+                  periodic: bool = False) -> None:
         self.seen.add(key)
-        super().add_after(key, delay, direct)
+        super().add_after(key, delay, direct, periodic=periodic)
 
 
 def test_f2_a_vm_whose_added_event_was_lost_is_still_reconciled(

@@ -30,6 +30,7 @@ from neonvm.runner.scaling import (
     parse_guest_size,
     parse_request,
     parse_vcpus,
+    pod_token,
 )
 from tests.support import wait_for
 from tests.test_runner import RunningRunner, start_runner, test_guest  # noqa: F401 (fixtures)
@@ -109,6 +110,23 @@ def test_a_fence_survives_a_new_scaler_on_the_same_work_dir(tmp_path: Path) -> N
         with pytest.raises(ScaleError) as err:
             scaler.scale(header, b'{"cpus": 1, "fence": {"epoch": 9, "token": 0}}')
         assert err.value.status == 401
+
+
+def test_a_runner_in_a_pod_takes_only_the_token_of_its_own_pod(tmp_path: Path) -> None:
+    # Issue 19 review F4: the bearer is HMAC(secret, pod uid), so a request meant for the
+    # pod that had this IP before carries a token this runner refuses, and the other way.
+    token = tmp_path / "token"
+    token.write_text(TOKEN + "\n")
+    limits = ScaleLimits(min_vcpus=1, max_vcpus=2, min_slots=1, max_slots=2, slot_bytes=GIB)
+    scaler = Scaler(tmp_path, token, limits, boot=ScaleTarget(1, 1), pod_uid="uid-new")
+    body = b'{"cpus": 1, "fence": {"epoch": 9, "token": 0}}'
+    for bearer in (TOKEN, pod_token(TOKEN.encode(), "uid-old")):
+        with pytest.raises(ScaleError) as err:
+            scaler.scale(f"Bearer {bearer}", body)
+        assert err.value.status == 401
+    with pytest.raises(ScaleError) as err:  # past the token: QMP is not connected here
+        scaler.scale(f"Bearer {pod_token(TOKEN.encode(), 'uid-new')}", body)
+    assert err.value.status == 503
 
 
 # ---- a real guest -----------------------------------------------------------------------------
@@ -197,7 +215,7 @@ def test_a_running_guest_is_scaled_live_and_fenced(start_runner: Any,  # noqa: F
     code, body = runner.get("/scale")
     report = json.loads(body)
     assert code == 200 and report["qemu"]["vcpus"] == 2 and report["qemu"]["memorySlots"] == 2
-    assert report["lastApplied"]["fence"] == {"epoch": 1, "token": 2}
+    assert report["lastApplied"]["fence"] == {"epoch": 1, "token": 2, "seq": 0}
 
     # A newer leader: 2 -> 1 GiB (the guest offlines the DIMM's blocks, QEMU unplugs it).
     # vCPUs stay at 2: QEMU 7.2 under TCG corrupts its heap after a vCPU unplug (see

@@ -84,8 +84,6 @@ UNIMPLEMENTED: tuple[Unimplemented, ...] = (
                   "no certificate is provisioned"),
     Unimplemented("spec.overcommit", lambda s: s.overcommit is not None,
                   "the runner pod's resources are not discounted"),
-    Unimplemented("spec.cpuScalingMode", lambda s: s.cpu_scaling_mode is not None,
-                  "CPUs are not scaled live: cpus.use takes effect when a runner pod boots"),
     Unimplemented("spec.enableNetworkMonitoring", lambda s: bool(s.enable_network_monitoring),
                   "no network monitoring runs"),
     Unimplemented("spec.guest.memhpAutoMovableRatio",

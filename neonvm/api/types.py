@@ -436,6 +436,24 @@ class PendingPod:
 
 
 @dataclass
+class PendingScale:
+    """The scaling plan: the size the committed runner pod is being changed to, recorded by
+    CAS before its runner is asked. The runner is sent the fence (epoch, token, seq)."""
+
+    cpus: int = api_field("Target vCPUs (whole: ceil of spec.guest.cpus.use).", default=0,
+                          minimum=0, maximum=MAX_VCPUS, int32=True)
+    memory_slots: int = api_field("Target memory slots (spec.guest.memorySlots.use).",
+                                  default=0, minimum=0, maximum=MAX_MEMORY_SLOTS, int32=True)
+    seq: int = api_field("Scale sequence number (status.scaleSeq when recorded).", default=0)
+    epoch: int = api_field("Leader epoch at planning.", default=0)
+    token: int = api_field("Fencing token (etcd revision of the lock) at planning.",
+                           default=0)
+    pod_name: str = api_field("The committed runner pod this plan is for.", default="")
+    pod_uid: str = api_field("UID of that pod.", default="", json="podUID")
+    generation: int = api_field("VM generation the plan was made for.", default=0)
+
+
+@dataclass
 class Fence:
     """Highest (epoch, token) that wrote this status; older writers are refused."""
 
@@ -481,11 +499,22 @@ class VirtualMachineStatus:
     observed_generation: int | None = api_field("Generation last acted on.")
     fence: Fence | None = api_field("Highest writer (epoch, token) seen.")
     cpus: MilliCPU | None = api_field(
-        "vCPUs the committed runner pod was built with (its boot size, from the spec at "
-        "commit; not yet a reading from the guest).")
+        "vCPUs of the committed runner pod: the size it was built with until "
+        "a live scaling change is committed, then what its runner reported the guest has.")
     memory_size: str | None = api_field(
-        "Memory the committed runner pod was built with (memorySlots.use x memorySlotSize at "
-        "commit; not yet a reading from the guest).", quantity=True)
+        "Memory of the committed runner pod: memorySlots.use x memorySlotSize it was built "
+        "with until a live scaling change is committed, then what its runner reported.",
+        quantity=True)
+    pending_scale: PendingScale | None = api_field(
+        "Plan record of a live scaling change in progress (phase Scaling meanwhile).")
+    scale_seq: int = api_field("Last scale sequence number used; only ever increases.",
+                               default=0)
+    scaling_token_secret: str | None = api_field(
+        "Name of the live scaling token Secret the controller created for this VM (with a "
+        "generated name); new runner pods mount it.")
+    scaling_token_secret_uid: str | None = api_field(
+        "UID of that Secret as its creation returned it: a Secret with another UID is "
+        "never used.", json="scalingTokenSecretUID")
     current_revision: RevisionWithTime | None = api_field(
         "spec.targetRevision as of the spec the committed runner pod was built from.")
     extra_net_ip: str | None = api_field("IP on the extra network (NeonVM; not set here).",

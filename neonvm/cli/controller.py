@@ -69,7 +69,8 @@ def controller() -> None:
               help="Reconcile only VMs of this namespace (default: all).")
 @click.option("--workers", type=click.IntRange(min=1), default=4, show_default=True)
 @click.option("--resync", type=click.FloatRange(min=1), default=30.0, show_default=True,
-              help="Seconds between direct re-reads of every VM.")
+              help="Seconds between resyncs: metadata-only lists of VMs and pods compared "
+                   "with the caches; the VMs that differ are re-read directly.")
 @click.option("--plan-requeue", type=click.FloatRange(min=0.1), default=2.0,
               show_default=True, help="Seconds between direct re-reads of VMs mid-plan.")
 @click.option("--relist", type=click.FloatRange(min=1), default=300.0, show_default=True,

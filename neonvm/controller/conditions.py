@@ -138,7 +138,7 @@ def desired_conditions(snap: Snapshot, final: d.Action) -> list[ConditionUpdate]
         updates.append(ConditionUpdate(READY, "False", f"VM{status.phase}",
                                        f"the VM is {status.phase} and is not restarted "
                                        f"(restartPolicy {vm.spec.restart_policy})"))
-    elif (pod is not None and status.phase == "Running" and pod.phase == "Running"
+    elif (pod is not None and status.phase in ("Running", "Scaling") and pod.phase == "Running"
           and not pod.gated and not pod.terminating):
         updates.append(ConditionUpdate(READY, "True", "RunnerRunning",
                                        f"runner pod {pod.name} is running on {pod.node}"))
@@ -182,6 +182,9 @@ def desired_conditions(snap: Snapshot, final: d.Action) -> list[ConditionUpdate]
             # This reconcile got past the fence check: the fence is no longer ahead.
             updates.append(ConditionUpdate(DEGRADED, "False", FENCE_RESOLVED,
                                            "status.fence is no longer ahead of the leader"))
+    if isinstance(final, d.Wait) and final.condition == d.SCALING_CONDITION:
+        updates.append(ConditionUpdate(d.SCALING_CONDITION, "True", "RunnerNotAnswering",
+                                       final.reason))
     updates.append(unimplemented_fields_condition(vm))
     return updates
 

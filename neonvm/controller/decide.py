@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from neonvm.api import times
-from neonvm.api.types import FINALIZER, PendingPod, VirtualMachine
+from neonvm.api.types import FINALIZER, PendingPod, PendingScale, VirtualMachine
 
 # ---- observation -------------------------------------------------------------------------
 
@@ -77,10 +77,30 @@ class PodView:
     fence: tuple[int, int] | None = None
     """(epoch, token) of the plan the pod was created for, from its fence annotations
     (``vm.neon.tech/fence-epoch`` and ``-token``); None when absent or malformed."""
+    built: tuple[int, int] | None = None
+    """(millicores, memory slots) the pod's guest was built with (its
+    ``vm.neon.tech/built-size`` annotation); None: not recorded."""
+    runner_port: int | None = None
+    """The port its runner listens on, from the pod's own spec; None: not found."""
 
     @property
     def finished(self) -> bool:
         return self.phase in ("Succeeded", "Failed")
+
+
+@dataclass(frozen=True)
+class RunnerView:
+    """The committed pod's runner, as its ``GET /scale`` answered."""
+
+    pod_uid: str
+    """The pod whose runner answered (its IP was taken from that pod)."""
+    fence: tuple[int, int, int] | None
+    """(epoch, token, seq) it last applied (or its floor); None: none yet."""
+    vcpus: int
+    """vCPUs the guest has: plugged in QEMU (QmpScaling) or online in the guest
+    (SysfsScaling, as its agent reports)."""
+    memory_slots: int
+    memory_bytes: int
 
 
 @dataclass(frozen=True)
@@ -108,6 +128,11 @@ class Observation:
     """Image pull secrets the VM names that do not exist. Looked up only by a direct
     observation of a VM whose planned pod is not there yet (a create is due); empty: none
     missing, not looked up, or the controller may not look."""
+    runner: RunnerView | None = None
+    """What the committed pod's runner answered on ``GET /scale``; asked only while a
+    scaling plan is recorded (None: not asked, or no answer: see ``runner_error``)."""
+    runner_error: str | None = None
+    """Why the runner could not be asked (unreachable, no token); None: asked, or not."""
 
     def pod(self, name: str | None) -> PodView | None:
         if not name:
@@ -200,6 +225,9 @@ class Commit(Action):
 
     name: str = ""
     uid: str = ""
+    built: tuple[int, int] | None = None
+    """(millicores, memory slots) the pod was built with: recorded as status.cpus and
+    memorySize (the guest's size), not the spec's size at commit time. None: the spec's."""
 
 
 @dataclass(frozen=True)
@@ -266,6 +294,100 @@ class SyncStatus(Action):
     ip: str | None = None
     name: str = ""
     uid: str = ""
+
+
+@dataclass(frozen=True)
+class PlanScale(Action):
+    """CAS ``status.pendingScale`` = ``plan`` and ``phase: Scaling``, if ``scaleSeq`` is still
+    ``observed_seq``, the committed pod is still the plan's and the fresh spec still asks
+    for the plan's size. A plan recorded before (number ``observed_seq``, for another
+    size) is superseded: the runner orders the two by their seq."""
+
+    step: ClassVar[str] = "plan_scale"
+
+    plan: PendingScale = field(default_factory=PendingScale)
+    observed_seq: int = 0
+
+
+@dataclass(frozen=True)
+class ApplyScale(Action):
+    """Ask the committed pod's runner (``PUT /scale``) for the recorded plan's size, with
+    the plan's fence (epoch, token, seq). Idempotent: the same fence and target again is
+    a retry to the runner."""
+
+    step: ClassVar[str] = "apply_scale"
+
+    plan: PendingScale = field(default_factory=PendingScale)
+
+
+@dataclass(frozen=True)
+class CommitScale(Action):
+    """The runner reports the plan's fence applied and the plan's size reached: CAS
+    {cpus, memorySize: what it reported, pendingScale: none, phase Running} if the plan
+    is still number ``seq``."""
+
+    step: ClassVar[str] = "commit_scale"
+
+    seq: int = 0
+    vcpus: int = 0
+    memory_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class DropScale(Action):
+    """CAS pendingScale: none if it is still number ``seq`` (it names a pod that is no
+    longer the committed one, or the runner has applied a newer fence)."""
+
+    step: ClassVar[str] = "drop_scale"
+
+    seq: int = 0
+    refused: str | None = None
+    """The runner or the cluster refused the plan for good: the Scaling condition's
+    reason (:data:`SCALING_NEEDS_RESTART`, :data:`SCALING_DISABLED`); no new plan for
+    the same spec generation. None: dropped to plan again."""
+
+
+SCALING_CONDITION = "Scaling"
+"""Condition type (and Wait condition) while a live scaling change is in progress."""
+RUNNER_RECHECK_SECONDS = 2.0
+"""How soon a scaling change whose runner could not be asked is looked at again."""
+SCALING_NEEDS_RESTART = "ScalingNeedsRestart"
+"""Scaling condition reason: the running pod cannot take the size (the runner refused:
+400, outside the bounds it booted with; 401, the pod was built without live scaling or
+with another token scheme). The pod's next start boots at the spec's size."""
+SCALING_DISABLED = "ScalingDisabled"
+"""Scaling condition reason: the controller cannot get the VM's scaling token (no RBAC
+on Secrets, ``rbac.liveScaling=false``; the Secret missing or not the controller's)."""
+SCALING_REFUSED = frozenset({SCALING_NEEDS_RESTART, SCALING_DISABLED})
+
+
+def scale_fence(plan: PendingScale) -> tuple[int, int, int]:
+    """What the runner is sent and compares: (epoch, token, seq)."""
+    return (plan.epoch, plan.token, plan.seq)
+
+
+def desired_size(vm: VirtualMachine) -> tuple[int, int]:
+    """(vCPUs, memory slots) the spec asks for: ceil(cpus.use), memorySlots.use."""
+    guest = vm.spec.guest
+    return guest.cpus.current.rounded_up(), guest.memory_slots.current
+
+
+def status_size(vm: VirtualMachine) -> tuple[int, int] | None:
+    """(vCPUs, memory slots) status says the committed pod has; None: not recorded, or
+    not in whole slots of the spec's slot size."""
+    from neonvm.runner.quantity import QuantityError, parse_bytes
+
+    s = vm.status
+    if s.cpus is None or s.memory_size is None:
+        return None
+    try:
+        slot = parse_bytes(vm.spec.guest.memory_slot_size)
+        memory = parse_bytes(s.memory_size)
+    except QuantityError:
+        return None
+    if slot <= 0 or memory % slot:
+        return None
+    return s.cpus.rounded_up(), memory // slot
 
 
 def performed_actions() -> tuple[type[Action], ...]:
@@ -378,6 +500,10 @@ def decide(obs: Observation) -> Action:
     pending = vm.status.pending_pod
     if pending is not None and pending.epoch > obs.lease.epoch:
         return Fenced(seen_epoch=pending.epoch, reason="plan recorded by a newer leader")
+    scaling = vm.status.pending_scale
+    if scaling is not None and scaling.epoch > obs.lease.epoch:
+        return Fenced(seen_epoch=scaling.epoch,
+                      reason="scaling plan recorded by a newer leader")
 
     if vm.deletion_timestamp is not None:
         return _decide_deletion(obs, vm)
@@ -473,10 +599,79 @@ def _decide_committed(obs: Observation, vm: VirtualMachine) -> Action:
         return Ungate(name=pod.name, uid=pod.uid,
                       reason=f"{pod.name} is the VM's only pod: let it start")
     phase = "Running" if pod.phase == "Running" else "Pending"
+    if phase == "Running" and vm.status.pending_scale is not None:
+        phase = "Scaling"
     if (vm.status.phase, vm.status.node, vm.status.pod_ip) != (phase, pod.node, pod.ip):
         return SyncStatus(phase=phase, node=pod.node, ip=pod.ip, name=pod.name, uid=pod.uid,
                           reason=f"runner pod {pod.name} is {pod.phase}")
-    return Done(reason=f"runner pod {pod.name} is {pod.phase}")
+    return _decide_scaling(obs, vm, pod) or Done(reason=f"runner pod {pod.name} is {pod.phase}")
+
+
+def _decide_scaling(obs: Observation, vm: VirtualMachine, pod: PodView) -> Action | None:
+    """Live scaling of the committed, running pod: plan (CAS), apply (runner), commit (CAS).
+
+    The plan is recorded before the runner is asked and names the pod it is for; the
+    runner is sent the plan's fence and applies only a fence newer than its last, so a
+    stale leader, a stale read or a retry can resend a plan but never make the guest go
+    back to an older size. None: nothing to scale.
+    """
+    plan = vm.status.pending_scale
+    if plan is not None:
+        if plan.pod_name != pod.name or (plan.pod_uid and plan.pod_uid != pod.uid):
+            return DropScale(seq=plan.seq, reason=f"scaling plan #{plan.seq} is for pod "
+                                                  f"{plan.pod_name}, not {pod.name}")
+        if pod.phase != "Running" or not pod.ip:
+            return None
+        runner = obs.runner
+        if runner is not None and runner.pod_uid == pod.uid:
+            fence = scale_fence(plan)
+            if runner.fence is not None and runner.fence > fence:
+                return DropScale(seq=plan.seq,
+                                 reason=f"runner of {pod.name} has applied fence "
+                                        f"{runner.fence}, newer than plan #{plan.seq}'s "
+                                        f"{fence}: plan again")
+            if runner.fence == fence and (runner.vcpus, runner.memory_slots) == (
+                    plan.cpus, plan.memory_slots):
+                return CommitScale(seq=plan.seq, vcpus=runner.vcpus,
+                                   memory_bytes=runner.memory_bytes,
+                                   reason=f"runner of {pod.name} reached {plan.cpus} vCPUs, "
+                                          f"{plan.memory_slots} memory slots")
+        want = desired_size(vm)
+        if want != (plan.cpus, plan.memory_slots):
+            # The spec moved on: a plan that cannot finish (an unplug the guest refuses)
+            # must not hold the VM. The next plan's seq orders it after this one at the
+            # runner, which applies it once (or refuses this one from then on).
+            return _plan_scale(obs, vm, pod, want,
+                               f"spec asks for {want[0]} vCPUs, {want[1]} memory slots; "
+                               f"supersedes scaling plan #{plan.seq}")
+        if obs.runner_error is not None:
+            return Wait(seconds=RUNNER_RECHECK_SECONDS, condition=SCALING_CONDITION,
+                        reason=f"scaling plan #{plan.seq}: cannot ask the runner of "
+                               f"{pod.name}: {obs.runner_error}")
+        return ApplyScale(plan=plan, reason=f"scaling plan #{plan.seq}: ask the runner of "
+                                            f"{pod.name} for {plan.cpus} vCPUs, "
+                                            f"{plan.memory_slots} memory slots")
+    if pod.phase != "Running" or not pod.ip:
+        return None
+    have, want = status_size(vm), desired_size(vm)
+    if have is None or have == want:
+        return None
+    refused = next((c for c in vm.status.conditions if c.type == SCALING_CONDITION
+                    and c.status == "False" and c.reason in SCALING_REFUSED), None)
+    if refused is not None and refused.observed_generation == vm.generation:
+        return None  # refused for this spec: the condition says why; a new spec tries again
+    return _plan_scale(obs, vm, pod, want, f"spec asks for {want[0]} vCPUs, {want[1]} "
+                                           f"memory slots; {pod.name} has {have[0]}, {have[1]}")
+
+
+def _plan_scale(obs: Observation, vm: VirtualMachine, pod: PodView, want: tuple[int, int],
+                why: str) -> PlanScale:
+    seq = vm.status.scale_seq + 1
+    return PlanScale(
+        plan=PendingScale(cpus=want[0], memory_slots=want[1], seq=seq,
+                          epoch=obs.lease.epoch, token=obs.lease.token, pod_name=pod.name,
+                          pod_uid=pod.uid, generation=vm.generation),
+        observed_seq=vm.status.scale_seq, reason=f"{why}: scaling plan #{seq}")
 
 
 def _terminal_phase(vm: VirtualMachine, pod: PodView | None) -> str | None:
@@ -531,7 +726,8 @@ def _decide_pending(obs: Observation, vm: VirtualMachine, pending: PendingPod) -
             why = (f"not ours (it does not carry the fence epoch {pending.epoch} token "
                    f"{pending.token} of plan #{pending.plan_seq})")
         return DropPlan(name=pending.name, reason=f"pod {pending.name} exists but is {why}")
-    return Commit(name=pod.name, uid=pod.uid, reason=f"pod {pod.name} created: commit it")
+    return Commit(name=pod.name, uid=pod.uid, built=pod.built,
+                  reason=f"pod {pod.name} created: commit it")
 
 
 def _cleanup(obs: Observation, vm: VirtualMachine) -> Action | None:

@@ -2,12 +2,38 @@
 
 Events are for people (``kubectl describe neonvm``), never for the controller's own logic:
 recording one is best effort, and a failure is logged and otherwise ignored.
+
+Two things keep them cheap (client-go's ``EventBroadcaster`` and ``EventCorrelator`` are
+the model):
+
+* **Off the critical path.** A recorder built with ``background=True`` (the controller
+  process's) only logs the event and puts it in a bounded queue; one background thread
+  writes the Events. A worker never waits for the API server on an Event's account.
+  When the queue is full the event is dropped and counted
+  (``neonvm_controller_events_dropped_total``); :meth:`EventRecorder.close` sends what
+  is still queued (for a bounded time) on a graceful shutdown. Without ``background``
+  (tests, tools) :meth:`EventRecorder.record` writes at once, as before.
+* **Repeats aggregated.** An event with the same involved object (uid), type, reason and
+  message as one written in the last :data:`AGGREGATE_SECONDS` does not create a new
+  Event: the existing one is patched, its ``count`` bumped and ``lastTimestamp`` moved.
+  The memory of recent Events is a bounded LRU (:data:`AGGREGATE_ENTRIES`); an Event that
+  disappeared meanwhile (404) is created afresh.
+
+Which events are emitted, and their reasons, types and messages, are the callers' (the
+reconciler's) and do not change here.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import queue
+import threading
+import time
 import uuid
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
@@ -18,14 +44,70 @@ from neonvm.api import types
 from neonvm.api.types import VirtualMachine
 
 COMPONENT = "neonvm-controller"
+QUEUE_SIZE = 1000
+"""Events waiting for the background writer; more are dropped (and counted)."""
+AGGREGATE_SECONDS = 600.0
+"""A repeat within this long of the last write bumps that Event (client-go: 10 min)."""
+AGGREGATE_ENTRIES = 4096
+"""Recent Events remembered for aggregation (least recently used forgotten first)."""
+MERGE_PATCH = "application/merge-patch+json"
+
+
+@dataclass(frozen=True)
+class PendingEvent:
+    """One event to write: what the reconciler recorded, and when."""
+
+    namespace: str
+    name: str
+    uid: str | None
+    resource_version: str | None
+    reason: str
+    message: str
+    warning: bool
+    at: dt.datetime
+
+    @property
+    def key(self) -> tuple[str, str, str | None, str, str, bool]:
+        """What makes two events repeats of each other."""
+        return (self.namespace, self.name, self.uid, self.reason, self.message, self.warning)
+
+
+@dataclass
+class _Recent:
+    """An Event written lately: its name, count and when it was last written."""
+
+    name: str
+    count: int
+    written: float
 
 
 class EventRecorder:
-    """Writes core/v1 Events about VMs (best effort)."""
+    """Writes core/v1 Events about VMs (best effort; see the module doc)."""
 
-    def __init__(self, api: client.ApiClient | None, identity: str = "") -> None:
+    def __init__(self, api: client.ApiClient | None, identity: str = "", *,
+                 background: bool = False, queue_size: int = QUEUE_SIZE,
+                 dropped: Any = None, aggregated: Any = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """``dropped``/``aggregated``: counters (``inc()``) of events dropped because the
+        queue was full, and of repeats folded into an existing Event."""
         self._core = client.CoreV1Api(api) if api is not None else None
         self._identity = identity
+        self._dropped = dropped
+        self._aggregated = aggregated
+        self._clock = clock
+        self._recent: OrderedDict[tuple[str, str, str | None, str, str, bool], _Recent] = \
+            OrderedDict()
+        self._write_lock = threading.Lock()
+        """Serializes writes (and the LRU) when ``record`` writes in the caller's thread."""
+        self._queue: queue.Queue[PendingEvent | None] | None = None
+        self._thread: threading.Thread | None = None
+        if background and self._core is not None:
+            self._queue = queue.Queue(maxsize=queue_size)
+            self._thread = threading.Thread(target=self._run, name="event-writer",
+                                            daemon=True)
+            self._thread.start()
+
+    # ---- recording (any thread) --------------------------------------------------------
 
     def record(self, vm: VirtualMachine, reason: str, message: str,
                warning: bool = False) -> None:
@@ -33,24 +115,104 @@ class EventRecorder:
         (log.warning if warning else log.info)("event: {message}", message=message)
         if self._core is None:
             return
-        now = dt.datetime.now(dt.UTC)
-        event = client.CoreV1Event(
-            metadata=client.V1ObjectMeta(
-                name=f"{vm.name}.{uuid.uuid4().hex[:16]}", namespace=vm.namespace),
+        event = PendingEvent(namespace=vm.namespace, name=vm.name, uid=vm.uid,
+                             resource_version=vm.resource_version, reason=reason,
+                             message=message[:1024], warning=warning,
+                             at=dt.datetime.now(dt.UTC))
+        if self._queue is None:
+            self.write(event)
+            return
+        try:
+            self._queue.put_nowait(event)
+        except queue.Full:
+            if self._dropped is not None:
+                self._dropped.inc()
+            log.debug("event queue full: event dropped")
+
+    def pending(self) -> int:
+        """Events queued for the background writer."""
+        return self._queue.qsize() if self._queue is not None else 0
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Write what is still queued (for at most ``timeout`` seconds), then stop."""
+        if self._queue is None or self._thread is None:
+            return
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self._queue.put(None, timeout=max(0.01, deadline - time.monotonic()))
+                break
+            except queue.Full:
+                if time.monotonic() >= deadline:
+                    break
+        self._thread.join(max(0.0, deadline - time.monotonic()))
+
+    # ---- writing (the background thread, or the caller's) -------------------------------
+
+    def _run(self) -> None:
+        assert self._queue is not None
+        while True:
+            event = self._queue.get()
+            if event is None:
+                return
+            self.write(event)
+
+    def write(self, event: PendingEvent) -> None:
+        """Create the Event, or bump the recent one it repeats (best effort)."""
+        with self._write_lock:
+            try:
+                self._write_locked(event)
+            except (ApiException, HTTPError, OSError) as exc:
+                logger.bind(vm=f"{event.namespace}/{event.name}", reason=event.reason).debug(
+                    "could not record event: {err}", err=exc)
+
+    def _write_locked(self, event: PendingEvent) -> None:
+        assert self._core is not None
+        now = self._clock()
+        recent = self._recent.get(event.key)
+        if recent is not None and now - recent.written <= AGGREGATE_SECONDS:
+            try:
+                self._core.patch_namespaced_event(
+                    recent.name, event.namespace,
+                    {"count": recent.count + 1, "lastTimestamp": _timestamp(event.at)},
+                    _content_type=MERGE_PATCH, _request_timeout=10)
+            except ApiException as exc:
+                if exc.status != 404:
+                    raise
+                del self._recent[event.key]  # gone meanwhile: create it afresh
+            else:
+                recent.count += 1
+                recent.written = now
+                self._recent.move_to_end(event.key)
+                if self._aggregated is not None:
+                    self._aggregated.inc()
+                return
+        name = f"{event.name}.{uuid.uuid4().hex[:16]}"
+        self._core.create_namespaced_event(event.namespace, self._body(event, name),
+                                           _request_timeout=10)
+        self._recent[event.key] = _Recent(name=name, count=1, written=now)
+        self._recent.move_to_end(event.key)
+        while len(self._recent) > AGGREGATE_ENTRIES:
+            self._recent.popitem(last=False)
+
+    def _body(self, event: PendingEvent, name: str) -> client.CoreV1Event:
+        return client.CoreV1Event(
+            metadata=client.V1ObjectMeta(name=name, namespace=event.namespace),
             involved_object=client.V1ObjectReference(
-                api_version=types.API_VERSION, kind=types.KIND, name=vm.name,
-                namespace=vm.namespace, uid=vm.uid, resource_version=vm.resource_version),
-            reason=reason,
-            message=message[:1024],
-            type="Warning" if warning else "Normal",
+                api_version=types.API_VERSION, kind=types.KIND, name=event.name,
+                namespace=event.namespace, uid=event.uid,
+                resource_version=event.resource_version),
+            reason=event.reason,
+            message=event.message,
+            type="Warning" if event.warning else "Normal",
             source=client.V1EventSource(component=COMPONENT),
             reporting_component=COMPONENT,
             reporting_instance=self._identity or None,
-            first_timestamp=now,
-            last_timestamp=now,
+            first_timestamp=event.at,
+            last_timestamp=event.at,
             count=1,
         )
-        try:
-            self._core.create_namespaced_event(vm.namespace, event, _request_timeout=10)
-        except (ApiException, HTTPError, OSError) as exc:
-            log.debug("could not record event: {err}", err=exc)
+
+
+def _timestamp(at: dt.datetime) -> str:
+    return at.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")

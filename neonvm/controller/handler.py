@@ -9,11 +9,18 @@ term's authority, and answers exactly one outcome:
 
 ============  ==========================================================================
 ``requeue``   The reconcile ended (Done or Wait, or *stuck*). The key's error backoff is
-              forgotten; the key comes back after ``after`` seconds, read directly. For
-              a normal end ``after`` is the reconcile's own requeue time and the VM's
-              stuck streak is reset; for a stuck end it is the VM's stuck backoff
-              (:class:`~neonvm.controller.timers.VMTimers`), which grows with each
-              stuck end in a row.
+              forgotten. After a Wait (or a stuck end) the key comes back after
+              ``after`` seconds, read directly: for a Wait ``after`` is the reconcile's
+              own requeue time and the VM's stuck streak is reset; for a stuck end it is
+              the VM's stuck backoff (:class:`~neonvm.controller.timers.VMTimers`),
+              which grows with each stuck end in a row. After a Done (``converged``:
+              nothing to do) the key comes back for a *re-check from the cache*, as
+              periodic work (the queue's second line), after the handler's
+              ``recheck`` delay (long and jittered, so that thousands of converged VMs
+              do not come back together), never before the reconcile's own requeue
+              time. A converged VM costs no API read until something changes: a watch
+              event brings it up at once, and the term's resync finds the VMs whose
+              cached copy differs from the server's (see the manager).
 ``gone``      The VM does not exist (a quorum read says so). Its lock is released, what
               is remembered about it is dropped, its backoff is forgotten; no requeue
               (a new VM under that name comes back through the watch).
@@ -51,6 +58,7 @@ from typing import Any, Literal, Protocol
 from kubernetes.client.exceptions import ApiException
 from urllib3.exceptions import HTTPError
 
+from neonvm.controller.decide import Done
 from neonvm.controller.informer import object_uid
 from neonvm.controller.metrics import ControllerMetrics
 from neonvm.controller.mutations import FencedOut
@@ -84,6 +92,9 @@ class Outcome:
     """``temporary``: the key's next turn starts with a quorum read."""
     stuck: str | None = None
     """``requeue``: the reconcile ended stuck, for this (Degraded) reason."""
+    converged: bool = False
+    """``requeue``: the reconcile ended Done; the key comes back for a periodic re-check
+    from the cache (not a direct read)."""
     message: str = ""
     """For the log line."""
     bug: BaseException | None = None
@@ -124,7 +135,8 @@ def outcome_of_result(result: ReconcileResult, stuck_delay: Callable[[], float])
     """The outcome of a reconcile that ended; ``stuck_delay`` is called for a stuck one."""
     if result.stuck:
         return Outcome("requeue", after=stuck_delay(), stuck=result.stuck)
-    return Outcome("requeue", after=result.requeue_after)
+    return Outcome("requeue", after=result.requeue_after,
+                   converged=isinstance(result.action, Done))
 
 
 class Reconciles(Protocol):
@@ -151,7 +163,8 @@ class Handler:
                  authority: Callable[[LockGuard], Authority],
                  release_lock: Callable[[str], None], timers: VMTimers,
                  term_ending: Callable[[], bool], end_term: Callable[[], None],
-                 metrics: ControllerMetrics, log: Any) -> None:
+                 metrics: ControllerMetrics, log: Any,
+                 recheck: Callable[[], float] | None = None) -> None:
         self.queue = queue
         self._vms = vms
         self._reconciler = reconciler
@@ -164,6 +177,8 @@ class Handler:
         self._end_term = end_term
         self._metrics = metrics
         self._log = log
+        self._recheck = recheck
+        """The delay of a converged VM's next re-check (None: the reconcile's own)."""
 
     def process(self, key: str, direct: bool) -> Outcome:
         """One turn of ``key``: :meth:`handle`, then :meth:`apply`."""
@@ -199,7 +214,13 @@ class Handler:
                     log.warning("not converging ({reason}); looking again in {delay:.1f}s",
                                 reason=outcome.stuck, delay=outcome.after,
                                 backoff=outcome.after)
-                self.queue.add_after(key, outcome.after, direct=True)
+                if outcome.converged:
+                    after = outcome.after
+                    if self._recheck is not None:
+                        after = max(after, self._recheck())
+                    self.queue.add_after(key, after, periodic=True)
+                else:
+                    self.queue.add_after(key, outcome.after, direct=True)
             case "gone":
                 self.queue.forget(key)
             case "again":

@@ -30,6 +30,8 @@ from kubernetes.client.exceptions import ApiException
 from kubernetes.watch.watch import iter_resp_lines
 from loguru import logger
 
+from neonvm.api import types
+from neonvm.controller.podspec import ANNOTATION_BUILT_SIZE
 from neonvm.kube import short_error
 
 Obj = dict[str, Any]
@@ -124,6 +126,23 @@ class Store:
             self._set_locked(key, None)
             return True
 
+    def put(self, obj: Obj) -> tuple[str, Obj | None, Obj | None] | None:
+        """Store ``obj`` (a re-list's item) unless the same version is there; the change,
+        or None if there was none."""
+        with self._lock:
+            key = object_key(obj)
+            old = self._items.get(key)
+            if old is not None and _rv(old) == _rv(obj):
+                return None
+            return self._set_locked(key, obj)
+
+    def drop_except(self, keep: set[str]) -> list[tuple[str, Obj | None, Obj | None]]:
+        """Remove every object whose key is not in ``keep`` (a re-list's end: what it did
+        not list is gone); the deletions."""
+        with self._lock:
+            return [self._set_locked(key, None) for key in list(self._items)
+                    if key not in keep]
+
     def replace(self, objs: list[Obj]) -> list[tuple[str, Obj | None, Obj | None]]:
         """Replace everything with a fresh list; return the changes (deletions included)."""
         fresh = {object_key(o): o for o in objs}
@@ -151,6 +170,62 @@ def strip_managed_fields(obj: Obj) -> Obj:
     return obj
 
 
+POD_ANNOTATIONS = (types.ANNOTATION_EPOCH, types.ANNOTATION_TOKEN, types.ANNOTATION_PLAN_SEQ,
+                   ANNOTATION_BUILT_SIZE)
+"""The pod annotations the controller reads from its cache (the fence and plan, and the
+size the pod was built with, which a pod's commit records)."""
+RUNNER_PORT_NAME = "runner"
+"""The runner's container port name (``acceleration.RUNNER_PORT_NAME``; a test keeps the
+two equal)."""
+
+
+def project_pod(pod: Obj) -> Obj:
+    """The part of a runner pod the controller reads from its cache, and nothing else.
+
+    What reads cached pods: :func:`~neonvm.controller.observe.pod_view` (name, uid,
+    controller owner reference, scheduling gates, deletionTimestamp, phase, node, pod
+    IP, fence annotations), ``acceleration.runner_port`` (the container port named
+    ``runner``), :func:`~neonvm.controller.observe.pod_index` (namespace and
+    the VM-name label), :func:`~neonvm.controller.decide.looks_mid_plan` (scheduling
+    gates) and this module (namespace, name, uid, resourceVersion). Everything that
+    acts on a pod reads it directly, in full. Dropped: the containers (all but the
+    runner's named port), volumes, probes, environment and the large
+    ``vm.neon.tech/spec`` annotation, conditions, container statuses and
+    managedFields: a cached pod shrinks from kilobytes to a few hundred bytes. A field
+    that a cached decision starts to read must be added here (the tests compare
+    decisions on projected and full pods).
+    """
+    meta = pod.get("metadata") or {}
+    spec = pod.get("spec") or {}
+    status = pod.get("status") or {}
+    slim_meta: Obj = {k: meta[k] for k in
+                      ("name", "namespace", "uid", "resourceVersion", "labels",
+                       "deletionTimestamp") if meta.get(k) is not None}
+    annotations = meta.get("annotations") or {}
+    kept = {k: annotations[k] for k in POD_ANNOTATIONS if k in annotations}
+    if kept:
+        slim_meta["annotations"] = kept
+    owners = [{k: ref[k] for k in ("apiVersion", "kind", "name", "uid", "controller")
+               if k in ref} for ref in meta.get("ownerReferences") or []]
+    if owners:
+        slim_meta["ownerReferences"] = owners
+    slim: Obj = {"metadata": slim_meta}
+    slim_spec: Obj = {k: spec[k] for k in ("schedulingGates", "nodeName") if spec.get(k)}
+    # The runner's named container port (acceleration.runner_port reads it).
+    containers = [{"name": c.get("name"), "ports": ports}
+                  for c in spec.get("containers") or []
+                  if (ports := [p for p in c.get("ports") or []
+                                if p.get("name") == RUNNER_PORT_NAME])]
+    if containers:
+        slim_spec["containers"] = containers
+    if slim_spec:
+        slim["spec"] = slim_spec
+    slim_status = {k: status[k] for k in ("phase", "podIP") if status.get(k)}
+    if slim_status:
+        slim["status"] = slim_status
+    return slim
+
+
 def _rv(obj: Obj) -> str:
     return str((obj.get("metadata") or {}).get("resourceVersion", ""))
 
@@ -163,8 +238,10 @@ class Informer:
                  retry_backoff: float = 0.5, max_backoff: float = 10.0,
                  on_relist: Callable[[str], None] | None = None,
                  relist_seconds: float | None = None,
-                 transform: Callable[[Obj], Obj] | None = strip_managed_fields) -> None:
+                 transform: Callable[[Obj], Obj] | None = strip_managed_fields,
+                 relist_page: int = 500) -> None:
         self.name = name
+        self._relist_page = relist_page
         self._transform = transform
         self.store = store
         self._lister = lister
@@ -227,23 +304,58 @@ class Informer:
                 self._stop.wait(delay)
 
     def _relist(self) -> str:
-        resp = self._lister(_preload_content=False, _request_timeout=30)
-        try:
-            body = json.loads(resp.data)
-        finally:
-            resp.release_conn()
-        items: list[Obj] = body.get("items") or []
-        for item in items:
-            item.setdefault("metadata", {})
-        if self._transform is not None:
-            items = [self._transform(item) for item in items]
-        changes = self.store.replace(items)
-        rv = str((body.get("metadata") or {}).get("resourceVersion", ""))
-        self._log.debug("listed {n} objects at resourceVersion {rv}", n=len(items), rv=rv)
+        """List everything (paginated), replacing the store key by key; the list's
+        resourceVersion.
+
+        One page (``relist_page`` items) is decoded at a time and each item goes into the
+        store as soon as it is transformed, so a re-list never holds the whole list, nor
+        a second copy of the store: at the end, what the list did not show is removed.
+        Readers meanwhile see each object either in its old or its new version. The
+        handler hears of every change as it is applied.
+        """
+        rv = ""
+        token: str | None = None
+        seen: set[str] = set()
+        changes = 0
+        while True:
+            kwargs: dict[str, Any] = {"limit": self._relist_page}
+            if token:
+                kwargs["_continue"] = token
+            try:
+                resp = self._lister(_preload_content=False, _request_timeout=30, **kwargs)
+            except ApiException as exc:
+                if exc.status == 410:  # the continue token expired: list again
+                    raise Gone() from exc
+                raise
+            try:
+                body = json.loads(resp.data)
+            finally:
+                resp.release_conn()
+            meta = body.get("metadata") or {}
+            if not rv:
+                rv = str(meta.get("resourceVersion", ""))
+            token = meta.get("continue") or None
+            items: list[Obj] = body.get("items") or []
+            del body
+            for item in items:
+                item.setdefault("metadata", {})
+                if self._transform is not None:
+                    item = self._transform(item)
+                seen.add(object_key(item))
+                change = self.store.put(item)
+                if change is not None:
+                    changes += 1
+                    self._handler(*change)
+            del items
+            if not token:
+                break
+        for change in self.store.drop_except(seen):
+            changes += 1
+            self._handler(*change)
+        self._log.debug("listed {n} objects at resourceVersion {rv} ({c} changes)",
+                        n=len(seen), rv=rv, c=changes)
         if self._on_relist is not None:
             self._on_relist(self.name)
-        for change in changes:
-            self._handler(*change)
         return rv
 
     def _watch(self, rv: str) -> str:

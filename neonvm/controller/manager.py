@@ -26,11 +26,14 @@ What a term guarantees:
   up, or a step refused for good): ``stuck_backoff``, during which the periodic scans
   leave it alone (its own delayed requeue, or a watch event, brings it back);
 * progress does not depend on watch events: a VM whose reconcile ended in Wait is
-  requeued after the wait, every cached VM that looks mid-plan is requeued every
-  ``plan_requeue_seconds``, and every VM every ``resync_seconds`` (taken from a direct
-  list, not only from the cache, so a VM whose ADDED event was lost is found too); all
-  of those requeues start with a direct (quorum) read instead of the cache; the caches
-  themselves re-list every ``relist_seconds``;
+  requeued after the wait, and every cached VM that looks mid-plan is requeued every
+  ``plan_requeue_seconds``, both starting with a direct (quorum) read; a converged VM
+  (Done) is re-checked *from the cache* every ``recheck_seconds`` (jittered); every
+  ``resync_seconds`` a direct, paginated, metadata-only list of the VMs and of their
+  pods is compared with the caches, and only the VMs that differ (missing from the
+  cache, gone from the server, another uid or resourceVersion, or a pod that differs)
+  are requeued, read directly; the caches themselves re-list every ``relist_seconds``.
+  Periodic requeues wait in the work queue's second line, behind event-driven work;
 * a VM whose status fence is ahead of this leader's by its epoch is marked Degraded
   (``FenceAhead``) and left alone while the term goes on; one ahead by its token only
   (the locks' tokens went back) ends the term, so that the next epoch clears it;
@@ -52,7 +55,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,12 +66,12 @@ from neonvm.api import types
 from neonvm.controller import decide as d
 from neonvm.controller.events import EventRecorder
 from neonvm.controller.handler import Handler
-from neonvm.controller.informer import Informer, Obj
+from neonvm.controller.informer import Informer, Obj, project_pod
 from neonvm.controller.metrics import ControllerMetrics
 from neonvm.controller.observe import pod_index, split_key
 from neonvm.controller.reconciler import AuthorityLost, Reconciler, ReconcilerConfig
-from neonvm.controller.sweeps import Sweeps, list_items
-from neonvm.controller.timers import VMTimers
+from neonvm.controller.sweeps import Sweeps, iter_items
+from neonvm.controller.timers import Jitter, VMTimers
 from neonvm.controller.wiring import Wiring
 from neonvm.controller.workqueue import Backoff, WorkQueue
 from neonvm.kube import short_error
@@ -88,6 +91,12 @@ class ControllerConfig:
     watch_namespace: str | None = None
     """Reconcile VMs of this namespace only (None: all namespaces)."""
     resync_seconds: float = 30.0
+    """Compare metadata-only lists of VMs and pods with the caches this often, and requeue
+    (read directly) the VMs that differ."""
+    recheck_seconds: float = 300.0
+    """A converged VM is re-checked from the cache this often, stretched by up to
+    ``recheck_spread`` of itself at random."""
+    recheck_spread: float = 0.25
     plan_requeue_seconds: float = 2.0
     sweep_seconds: float = 30.0
     orphan_grace_seconds: float = 30.0
@@ -200,9 +209,11 @@ class LeaderTerm:
             Informer("virtualmachines", list_vms, self.vm_store, self._on_vm,
                      accept=wiring.event_filter("virtualmachines"),
                      relist_seconds=self.config.relist_seconds),
+            # Pods are cached as projections (what cached decisions read); VMs in full
+            # (they are written back).
             Informer("pods", list_pods, self.pod_store, self._on_pod,
                      accept=wiring.event_filter("pods"),
-                     relist_seconds=self.config.relist_seconds),
+                     relist_seconds=self.config.relist_seconds, transform=project_pod),
         ]
         self.reconciler = Reconciler(
             api, cache=wiring.observer(self.vm_store, self.pod_store),
@@ -220,7 +231,8 @@ class LeaderTerm:
             authority=lambda guard: WorkerAuthority(self, guard),
             release_lock=self._release_lock, timers=self.timers,
             term_ending=lambda: self.stopping.is_set() or self.leadership.lost.is_set(),
-            end_term=self.leadership.lost.set, metrics=self.metrics, log=self.log)
+            end_term=self.leadership.lost.set, metrics=self.metrics, log=self.log,
+            recheck=Jitter(self.config.recheck_seconds, self.config.recheck_spread))
         self.sweeps = Sweeps(
             api=api, list_vms=lambda **kw: self._list_vms(**kw),
             list_pods=lambda **kw: self._list_pods(**kw), locks=lambda: self.locks(),
@@ -337,21 +349,33 @@ class LeaderTerm:
                 self.sweeps.run()
 
     def _requeue(self, keys: Iterable[str]) -> None:
-        """A periodic scan's requeue: read directly, skipping VMs in a stuck backoff."""
+        """A periodic scan's requeue: read directly, behind event-driven work, skipping
+        VMs in a stuck backoff."""
         for key in keys:
             if not self.timers.backing_off(key):
-                self.queue.add(key, direct=True)
+                self.queue.add(key, direct=True, periodic=True)
 
     def _resync_keys(self) -> set[str]:
-        """Every VM, from a direct list (the cache may have missed an ADDED event) and
-        from the cache (if the list fails, the cache is still worth a look)."""
-        keys = set(self.vm_store.all_keys())
+        """The VMs whose cached copy (or cached pods) differ from the server's.
+
+        Two direct lists, paginated and metadata-only (names, uids, resourceVersions,
+        labels: no spec, no status), compared with the caches: a VM missing from the
+        cache (its ADDED event lost), one cached but gone from the server (its DELETED
+        lost: the direct read drops it), one cached with another uid or resourceVersion,
+        and the VM of any runner pod that differs the same way. Converged VMs whose
+        caches agree cost nothing here: their own periodic re-check reads the cache. A
+        list that fails is logged; the next resync tries again.
+        """
+        keys: set[str] = set()
         try:
-            items = list_items(self._list_vms)
+            keys |= _differing(iter_items(self._list_vms, metadata_only=True),
+                               self.vm_store, lambda meta, key: key)
+            keys |= _differing(iter_items(self._list_pods, metadata_only=True),
+                               self.pod_store, _pod_vm_key)
         except Exception as exc:
             self.log.warning("resync list failed: {err}", err=short_error(exc))
-            return keys
-        return keys | {d.object_key(item) for item in items}
+        self.metrics.resync_differing.set(len(keys))
+        return keys
 
     def _shutdown(self, workers: list[threading.Thread]) -> None:
         self.stopping.set()
@@ -412,6 +436,42 @@ class LeaderTerm:
                 self.queue.done(taken.key)
 
 
+def _pod_vm_key(meta: dict[str, Any], key: str) -> str | None:
+    vm_name = (meta.get("labels") or {}).get(types.LABEL_VM_NAME)
+    return f"{meta.get('namespace', '')}/{vm_name}" if vm_name else None
+
+
+def _differing(listed: Iterable[Obj], store: Any,
+               owner: Callable[[dict[str, Any], str], str | None]) -> set[str]:
+    """VM keys (``owner(metadata, key)``) of the listed objects whose uid or
+    resourceVersion differ from the store's, of the listed objects the store lacks, and
+    of the stored objects the list lacks."""
+    unseen = set(store.all_keys())
+    keys: set[str] = set()
+    for item in listed:
+        meta = item.get("metadata") or {}
+        key = f"{meta.get('namespace', '')}/{meta.get('name', '')}"
+        unseen.discard(key)
+        cached = store.get(key)
+        cached_meta = (cached or {}).get("metadata") or {}
+        if (cached is None or cached_meta.get("uid") != meta.get("uid")
+                or cached_meta.get("resourceVersion") != meta.get("resourceVersion")):
+            vm_key = owner(meta, key)
+            if vm_key:
+                keys.add(vm_key)
+            if cached is not None:
+                old_key = owner(cached_meta, key)
+                if old_key:
+                    keys.add(old_key)
+    for key in unseen:
+        cached = store.get(key)
+        if cached is not None:
+            vm_key = owner(cached.get("metadata") or {}, key)
+            if vm_key:
+                keys.add(vm_key)
+    return keys
+
+
 # ---- the process ------------------------------------------------------------------------
 
 
@@ -430,7 +490,9 @@ class ControllerProcess:
         self.wiring = wiring or Wiring()
         """How each term's parts are built (the one seam wrappers are composed at)."""
         self.metrics = metrics or ControllerMetrics()
-        self.events = events or EventRecorder(api, election.identity)
+        self.events = events or EventRecorder(
+            api, election.identity, background=True, dropped=self.metrics.events_dropped,
+            aggregated=self.metrics.events_aggregated)
         self._term: LeaderTerm | None = None
         # Every etcd key of this installation (locks, epoch floor) is scoped by its Lease.
         self.installation = Installation(election.namespace, election.name)
@@ -489,6 +551,7 @@ class ControllerProcess:
         try:
             self.elector.run(stop)
         finally:
+            self.events.close()  # the Events still queued, for a few seconds at most
             self.etcd.close()
             self.elector_api.close()
 

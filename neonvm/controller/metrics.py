@@ -68,6 +68,17 @@ class ControllerMetrics:
             "neonvm_controller_sync_deadline_step_downs_total",
             "Terms given up because the caches did not sync within the sync deadline "
             "(the Lease is released for a standby).", registry=r)
+        self.events_dropped = Counter(
+            "neonvm_controller_events_dropped_total",
+            "Kubernetes Events not written because the event queue was full.", registry=r)
+        self.events_aggregated = Counter(
+            "neonvm_controller_events_aggregated_total",
+            "Repeated Kubernetes Events folded into an existing one (its count bumped).",
+            registry=r)
+        self.resync_differing = Gauge(
+            "neonvm_controller_resync_differing",
+            "VMs the last resync found differing from the caches (requeued, read directly).",
+            registry=r)
         self.swept = Counter(
             "neonvm_controller_swept_total", "Objects removed by sweeps, by kind.",
             ["kind"], registry=r)

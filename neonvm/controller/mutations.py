@@ -14,10 +14,12 @@ raises :class:`FencedOut` when the fresh copy carries a higher fence.
 from __future__ import annotations
 
 import copy
+import datetime as dt
 from collections.abc import Callable
 
-from neonvm.api import compat
-from neonvm.api.types import FINALIZER, Fence, VirtualMachine, VirtualMachineStatus
+from neonvm.api import compat, times
+from neonvm.api.millicpu import MilliCPU
+from neonvm.api.types import FINALIZER, Condition, Fence, VirtualMachine, VirtualMachineStatus
 from neonvm.controller import decide as d
 
 StatusMutation = Callable[[VirtualMachine], VirtualMachineStatus | None]
@@ -40,15 +42,52 @@ def _fresh_status(vm: VirtualMachine, lease: d.Lease) -> VirtualMachineStatus:
     return status
 
 
-def _record_boot_size(new: VirtualMachineStatus, vm: VirtualMachine) -> None:
-    """status.cpus/memorySize/currentRevision: the spec the committed pod was built from."""
+def _record_boot_size(new: VirtualMachineStatus, vm: VirtualMachine,
+                      built: tuple[int, int] | None = None) -> None:
+    """status.cpus/memorySize/currentRevision: the size the committed pod was built with
+    (``built``: millicores, memory slots, from the pod), else the spec's."""
     new.cpus, new.memory_size = compat.configured_size(vm.spec)
+    if built is not None:
+        from neonvm.runner.quantity import QuantityError, format_bytes, parse_bytes
+
+        new.cpus = MilliCPU(built[0])
+        try:
+            new.memory_size = format_bytes(parse_bytes(vm.spec.guest.memory_slot_size)
+                                           * built[1])
+        except QuantityError:
+            new.memory_size = None
     if vm.spec.target_revision is not None:
         new.current_revision = copy.deepcopy(vm.spec.target_revision)
 
 
+def _set_scaling_condition(new: VirtualMachineStatus, vm: VirtualMachine, status: str,
+                           reason: str, message: str) -> None:
+    existing = next((c for c in new.conditions if c.type == d.SCALING_CONDITION), None)
+    if existing is None:
+        new.conditions.append(Condition(
+            type=d.SCALING_CONDITION, status=status,  # type: ignore[arg-type]
+            reason=reason, message=message,
+            last_transition_time=times.format_time(dt.datetime.now(dt.UTC)),
+            observed_generation=vm.generation))
+        return
+    if existing.status != status:
+        existing.last_transition_time = times.format_time(dt.datetime.now(dt.UTC))
+    existing.status = status  # type: ignore[assignment]
+    existing.reason, existing.message = reason, message
+    existing.observed_generation = vm.generation
+
+
+def _scale_done(new: VirtualMachineStatus, vm: VirtualMachine, reason: str,
+                message: str) -> None:
+    new.pending_scale = None
+    if new.phase == "Scaling":
+        new.phase = "Running"
+    _set_scaling_condition(new, vm, "False", reason, message)
+
+
 def status_mutation(action: d.Action, lease: d.Lease) -> StatusMutation:
-    """The status write for ``action`` (RecordPlan, Commit, DropPlan, Restart, SyncStatus)."""
+    """The status write for ``action`` (RecordPlan, Commit, DropPlan, Restart, SyncStatus,
+    PlanScale, CommitScale, DropScale)."""
 
     def record_plan(vm: VirtualMachine) -> VirtualMachineStatus | None:
         assert isinstance(action, d.RecordPlan)
@@ -70,8 +109,9 @@ def status_mutation(action: d.Action, lease: d.Lease) -> StatusMutation:
             return None
         new = _fresh_status(vm, lease)
         new.pod_name, new.pod_uid, new.pending_pod = action.name, action.uid, None
+        new.pending_scale = None
         new.phase = "Pending"
-        _record_boot_size(new, vm)
+        _record_boot_size(new, vm, action.built)
         return new
 
     def drop_plan(vm: VirtualMachine) -> VirtualMachineStatus | None:
@@ -95,6 +135,7 @@ def status_mutation(action: d.Action, lease: d.Lease) -> StatusMutation:
             new.phase = action.terminal_phase  # type: ignore[assignment]
             return new
         new.pod_name, new.pod_uid, new.pending_pod = "", "", None
+        new.pending_scale = None  # it was for the pod that is gone
         new.pod_ip, new.node = None, None
         new.cpus, new.memory_size = None, None
         new.restart_count = s.restart_count + 1
@@ -116,9 +157,68 @@ def status_mutation(action: d.Action, lease: d.Lease) -> StatusMutation:
             return None
         new = _fresh_status(vm, lease)
         new.phase = action.phase  # type: ignore[assignment]
+        if new.phase == "Running" and new.pending_scale is not None:
+            new.phase = "Scaling"  # a plan was recorded since the observation
+        elif new.phase == "Scaling" and new.pending_scale is None:
+            new.phase = "Running"  # ... or committed
         new.node, new.pod_ip = action.node, action.ip
         if new.cpus is None:  # committed before status.cpus existed
             _record_boot_size(new, vm)
+        return new
+
+    def plan_scale(vm: VirtualMachine) -> VirtualMachineStatus | None:
+        assert isinstance(action, d.PlanScale)
+        s, plan = vm.status, action.plan
+        if s.scale_seq != action.observed_seq:
+            return None
+        if s.pending_scale is not None and (s.pending_scale.seq != action.observed_seq or (
+                s.pending_scale.cpus, s.pending_scale.memory_slots) == (plan.cpus,
+                                                                        plan.memory_slots)):
+            return None  # supersede only the plan observed, and only for another size
+        if s.pod_name != plan.pod_name or (s.pod_uid and s.pod_uid != plan.pod_uid):
+            return None
+        if s.phase not in ("Running", "Scaling") or vm.deletion_timestamp is not None:
+            return None
+        # The fresh spec must still ask for this size: a plan never records a size
+        # older than the spec it is written over.
+        if d.desired_size(vm) != (plan.cpus, plan.memory_slots):
+            return None
+        new = _fresh_status(vm, lease)
+        new.pending_scale = copy.deepcopy(plan)
+        new.scale_seq = plan.seq
+        new.phase = "Scaling"
+        _set_scaling_condition(new, vm, "True", "ScalingInProgress",
+                               f"scaling plan #{plan.seq}: {plan.cpus} vCPUs, "
+                               f"{plan.memory_slots} memory slots on {plan.pod_name}")
+        return new
+
+    def commit_scale(vm: VirtualMachine) -> VirtualMachineStatus | None:
+        assert isinstance(action, d.CommitScale)
+        s = vm.status
+        if s.pending_scale is None or s.pending_scale.seq != action.seq:
+            return None
+        from neonvm.runner.quantity import format_bytes
+
+        new = _fresh_status(vm, lease)
+        new.cpus = MilliCPU(action.vcpus * 1000)
+        new.memory_size = format_bytes(action.memory_bytes)
+        _scale_done(new, vm, "ScalingDone",
+                    f"scaling plan #{action.seq} applied: the runner reports {action.vcpus} "
+                    f"vCPUs, {new.memory_size} of memory")
+        return new
+
+    def drop_scale(vm: VirtualMachine) -> VirtualMachineStatus | None:
+        assert isinstance(action, d.DropScale)
+        s = vm.status
+        if s.pending_scale is None or s.pending_scale.seq != action.seq:
+            return None
+        generation = s.pending_scale.generation
+        new = _fresh_status(vm, lease)
+        _scale_done(new, vm, action.refused or "ScalingDropped",
+                    f"scaling plan #{action.seq} dropped: {action.reason}")
+        if action.refused:  # refused for the spec the plan was made for
+            cond = next(c for c in new.conditions if c.type == d.SCALING_CONDITION)
+            cond.observed_generation = generation
         return new
 
     table: dict[type[d.Action], StatusMutation] = {
@@ -127,11 +227,28 @@ def status_mutation(action: d.Action, lease: d.Lease) -> StatusMutation:
         d.DropPlan: drop_plan,
         d.Restart: restart,
         d.SyncStatus: sync,
+        d.PlanScale: plan_scale,
+        d.CommitScale: commit_scale,
+        d.DropScale: drop_scale,
     }
     try:
         return table[type(action)]
     except KeyError:
         raise ValueError(f"{type(action).__name__} is not a status write") from None
+
+
+def token_secret_mutation(name: str, uid: str, lease: d.Lease) -> StatusMutation:
+    """Record the live scaling token Secret the controller just created (name and UID),
+    unless one is recorded already (a concurrent create: its Secret is the one used)."""
+
+    def record(vm: VirtualMachine) -> VirtualMachineStatus | None:
+        if vm.status.scaling_token_secret_uid:
+            return None
+        new = _fresh_status(vm, lease)
+        new.scaling_token_secret, new.scaling_token_secret_uid = name, uid
+        return new
+
+    return record
 
 
 def finalizers_mutation(action: d.Action) -> Callable[[VirtualMachine], list[str] | None]:

@@ -47,6 +47,7 @@ from loguru import logger
 from neonvm.api import types
 from neonvm.api.types import VirtualMachine
 from neonvm.controller import decide as d
+from neonvm.controller import podspec
 from neonvm.controller.decide import Lease, Observation, PodView
 from neonvm.controller.informer import Store
 
@@ -119,6 +120,8 @@ def pod_view(pod: dict[str, Any]) -> PodView:
         node=spec.get("nodeName"),
         ip=status.get("podIP"),
         fence=pod_fence(meta),
+        built=podspec.built_size(meta),
+        runner_port=podspec.runner_port_of(spec),
     )
 
 

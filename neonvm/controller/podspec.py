@@ -62,6 +62,9 @@ MEMORY_OVERHEAD = 256 * 1024 * 1024
 """Memory for QEMU and the runner itself, on top of the guest's memory."""
 ANNOTATION_GENERATION = "vm.neon.tech/generation"
 ANNOTATION_SPEC = "vm.neon.tech/spec"
+ANNOTATION_BUILT_SIZE = "vm.neon.tech/built-size"
+"""The guest size the pod was built with: ``<cpus.use in millicores>,<memory slots>``
+(what its guest boots at; the commit records it, whatever the spec says by then)."""
 """The VM spec as JSON, projected into the runner's spec file."""
 SPEC_DIR = "/vm/spec"
 SPEC_FILE = f"{SPEC_DIR}/spec.json"
@@ -74,6 +77,15 @@ RUNNER_UID = 65532
 MAX_ANNOTATIONS_BYTES = 256 * 1024
 """The API server's limit on the total size of a pod's annotations (keys and values)."""
 UNPRIVILEGED_PORT_SYSCTL = "net.ipv4.ip_unprivileged_port_start"
+SCALING_DIR = "/vm/scaling"
+"""Where the VM's scaling-token Secret is mounted (live scaling)."""
+SCALING_VOLUME = "vm-scaling-token"
+
+
+def scalable(vm: VirtualMachine) -> bool:
+    """Whether the spec's bounds leave room for live scaling (then the pod gets a token)."""
+    guest = vm.spec.guest
+    return guest.cpus.max != guest.cpus.min or guest.memory_slots.max != guest.memory_slots.min
 
 
 class PodSpecError(ValueError):
@@ -162,6 +174,32 @@ def runner_pod(vm: VirtualMachine, plan: PendingPod,
         })
         container["env"].append(
             {"name": "NEONVM_ROOT_DISK", "value": f"{ROOT_DISK_DIR}/rootdisk.qcow2"})
+    if scalable(vm):
+        # Live scaling (docs/runner.md, "Live scaling"): the fence floor of this pod (so a
+        # plan recorded before the pod existed is refused), the CPU scaling mode, and the
+        # bearer token from the Secret the controller created and recorded in status.
+        # Without one (a controller not allowed to create it) the pod still starts, and
+        # its runner refuses to scale (401); the floor is there all the same.
+        fence = vm.status.fence
+        floor = (f"{fence.epoch if fence else 0},{fence.token if fence else 0},"
+                 f"{vm.status.scale_seq}")
+        container["env"] += [
+            {"name": "NEONVM_SCALING_FENCE_FLOOR", "value": floor},
+            {"name": "NEONVM_CPU_SCALING_MODE",
+             "value": spec.cpu_scaling_mode or "QmpScaling"},
+        ]
+        if vm.status.scaling_token_secret:
+            volumes.append({"name": SCALING_VOLUME, "secret": {
+                "secretName": vm.status.scaling_token_secret, "optional": True,
+                "items": [{"key": "token", "path": "token"}]}})
+            mounts.append({"name": SCALING_VOLUME, "mountPath": SCALING_DIR,
+                           "readOnly": True})
+            container["env"] += [
+                {"name": "NEONVM_SCALING_TOKEN_FILE", "value": f"{SCALING_DIR}/token"},
+                # The runner expects HMAC(token, its pod uid): a token is good for one pod.
+                {"name": "NEONVM_POD_UID", "valueFrom": {"fieldRef": {
+                    "fieldPath": "metadata.uid"}}},
+            ]
     container["volumeMounts"] = mounts
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
@@ -196,6 +234,8 @@ def runner_pod(vm: VirtualMachine, plan: PendingPod,
                 types.ANNOTATION_EPOCH: str(plan.epoch),
                 types.ANNOTATION_PLAN_SEQ: str(plan.plan_seq),
                 ANNOTATION_GENERATION: str(vm.generation),
+                ANNOTATION_BUILT_SIZE: f"{int(spec.guest.cpus.current)},"
+                                       f"{spec.guest.memory_slots.current}",
             },
             "ownerReferences": [{
                 "apiVersion": types.API_VERSION,
@@ -293,8 +333,8 @@ def _resources(vm: VirtualMachine) -> dict[str, Any]:
     if slot <= 0:
         raise PodSpecError("guest.memorySlotSize must be positive")
     memory = int(slot * guest.memory_slots.max) + MEMORY_OVERHEAD
-    cpu_request = _millicores(guest.cpus.current.cores)
-    cpu_limit = _millicores(guest.cpus.max.cores)
+    cpu_request = millicores(guest.cpus.current.cores)
+    cpu_limit = millicores(guest.cpus.max.cores)
     return {
         "requests": {"cpu": cpu_request, "memory": _bytes(memory)},
         "limits": {"cpu": cpu_limit, "memory": _bytes(memory)},
@@ -321,7 +361,8 @@ def _bytes(n: int) -> str:
     return str(n)
 
 
-def _millicores(cores: float) -> str:
+def millicores(cores: float) -> str:
+    """A CPU quantity of ``cores`` (whole cores, else millicores)."""
     milli = max(1, round(cores * 1000))
     return str(milli // 1000) if milli % 1000 == 0 else f"{milli}m"
 
@@ -355,3 +396,26 @@ def _disks(vm: VirtualMachine) -> tuple[list[dict[str, Any]], list[dict[str, Any
         mounts.append({"name": volume["name"], "mountPath": f"{DISKS_DIR}/{disk.name}",
                        "readOnly": bool(disk.read_only)})
     return volumes, mounts
+
+
+def built_size(meta: dict[str, Any]) -> tuple[int, int] | None:
+    """(millicores, memory slots) from a pod's :data:`ANNOTATION_BUILT_SIZE`; None when
+    absent or malformed (a pod built before the annotation existed)."""
+    raw = (meta.get("annotations") or {}).get(ANNOTATION_BUILT_SIZE)
+    try:
+        milli, slots = (int(v) for v in str(raw).split(","))
+    except (TypeError, ValueError):
+        return None
+    return (milli, slots) if milli > 0 and slots >= 0 else None
+
+
+def runner_port_of(spec: dict[str, Any]) -> int | None:
+    """The ``runner`` port the pod's runner container listens on (from the pod's own spec,
+    not the VM's current one); None when not found."""
+    for container in spec.get("containers") or []:
+        if container.get("name") != RUNNER_CONTAINER:
+            continue
+        for port in container.get("ports") or []:
+            if port.get("name") == "runner" and isinstance(port.get("containerPort"), int):
+                return int(port["containerPort"])
+    return None

@@ -115,6 +115,7 @@ from neonvm.controller.mutations import (
     StatusMutation,
     finalizers_mutation,
     status_mutation,
+    token_secret_mutation,
 )
 from neonvm.controller.observe import (
     DirectReader,
@@ -126,6 +127,7 @@ from neonvm.controller.observe import (
     make_snapshot,
     split_key,
 )
+from neonvm.controller.scaling import RunnerScaling
 from neonvm.controller.timers import VMTimers
 from neonvm.controller.update import (
     RetryPolicy,
@@ -173,6 +175,10 @@ response (docs/protocol.md, "Observing from write responses"). Every other one (
 DeletePod, RemoveFinalizer, and any action added later) is taken only from a fresh
 direct read: the loop reads again and decides again. Ungate is here because its
 performer takes its own direct pod list, after the commit was seen, before the patch."""
+REFUSED_SCALING = {"runner_400": d.SCALING_NEEDS_RESTART,
+                   "runner_401": d.SCALING_NEEDS_RESTART,
+                   "no_token": d.SCALING_DISABLED}
+"""ApplyScale outcomes that asking again cannot change, and the Scaling reason they end in."""
 
 EFFECTIVE = frozenset({"done", "replaced"})
 """Outcomes of a step that changed something."""
@@ -427,6 +433,7 @@ class Reconciler:
         config: ReconcilerConfig | None = None,
         update: UpdateFunction[VMRecord] = conditional_update,
         on_finalized: Callable[[str], None] | None = None,
+        scaling: RunnerScaling | None = None,
         timers: VMTimers | None = None,
         runner_reports: RunnerReports | None = None,
     ) -> None:
@@ -440,6 +447,7 @@ class Reconciler:
         self._config = config or ReconcilerConfig()
         self._update = update
         self._on_finalized = on_finalized
+        self._scaling = scaling or RunnerScaling(api)
         self._api = api
         self._identity: str | None = None
         self._mutex = threading.Lock()
@@ -455,8 +463,10 @@ class Reconciler:
 
     def observe(self, key: str, authority: Authority, direct: bool) -> Snapshot:
         if direct or self._cache is None:
-            return self.reader.observe(key, authority.lease)
-        return self._cache.observe(key, authority.lease)
+            snap = self.reader.observe(key, authority.lease)
+        else:
+            snap = self._cache.observe(key, authority.lease)
+        return self._scaling.observe(snap)  # the runner's view while a scaling plan is due
 
     def reconcile(self, key: str, authority: Authority, *,
                   direct_first: bool = False) -> ReconcileResult:
@@ -786,6 +796,14 @@ class Reconciler:
                     authority: Authority, log: Any) -> str:
         assert snap.record is not None
         vm = snap.record.vm
+        secret = self._scaling.create_token(vm)  # the pod mounts the VM's scaling token
+        recorded: VMRecord | None = None
+        if secret is not None:
+            recorded = self._write_status(key, snap, token_secret_mutation(*secret,
+                                                                           authority.lease),
+                                          authority, log)
+            if recorded is not None:
+                vm = recorded.vm
         try:
             manifest = podspec.runner_pod(vm, action.plan, self._config.pod_defaults)
         except podspec.PodSpecError as exc:
@@ -821,7 +839,9 @@ class Reconciler:
             self._gate_stripped(key, snap, meta, authority, log)
             return "gate_stripped"
         self._events.record(vm, "Created", f"runner pod {action.plan.name} created (gated)")
-        return Outcome("done", pod=created)
+        # The token's status write (if any) is the newest VM we know: the next step's CAS
+        # must start from it, not from the record it replaced.
+        return Outcome("done", pod=created, vm=recorded)
 
     def _create_failed(self, key: str, snap: Snapshot, name: str, error: str,
                        authority: Authority, log: Any) -> None:
@@ -841,6 +861,26 @@ class Reconciler:
                                authority, log)
         except (ApiException, HTTPError, OSError) as exc:
             log.debug("could not record CreateFailing: {err}", err=exc)
+
+    def _apply_scale(self, key: str, action: d.ApplyScale, snap: Snapshot,
+                     authority: Authority, log: Any) -> str:
+        """The performer of ApplyScale: the runner's ``PUT /scale`` with the plan's fence.
+
+        A refusal that asking again cannot change (the runner's 400 or 401, no token to
+        sign with) drops the plan with the Scaling condition saying why
+        (:data:`~neonvm.controller.decide.SCALING_REFUSED`): the VM runs on at its size,
+        and the next spec change tries again."""
+        outcome = self._scaling.apply(action, snap, log)
+        refused = REFUSED_SCALING.get(str(outcome))
+        if refused is None:
+            return outcome
+        drop = d.DropScale(seq=action.plan.seq, refused=refused,
+                           reason=getattr(outcome, "detail", "") or str(outcome))
+        written = self._write_status(key, snap, status_mutation(drop, authority.lease),
+                                     authority, log)
+        if written is not None:
+            self._events.record(written.vm, refused, drop.reason, warning=True)
+        return Outcome("refused", drop.reason)
 
     def _name_taken(self, key: str, action: d.CreatePod, snap: Snapshot,
                     authority: Authority, log: Any) -> str:
@@ -1081,10 +1121,12 @@ class ActionRow:
     perform: Callable[..., str]
     """A :class:`Reconciler` method ``(self, key, action, snap, authority, log)``: returns
     "done" when the action took effect, else why not (an :class:`Outcome`)."""
-    writes: Literal["status", "main", "pod"]
+    writes: Literal["status", "main", "pod", "runner"]
     """What it writes: the VM's ``/status`` (its mutation is in
     :func:`~neonvm.controller.mutations.status_mutation`), the VM's main resource
-    (:func:`~neonvm.controller.mutations.finalizers_mutation`), or a pod."""
+    (:func:`~neonvm.controller.mutations.finalizers_mutation`), a pod, or the committed
+    pod's runner (live scaling's ``PUT /scale``, then the pod's usage annotation and
+    in-place resize)."""
     event: Callable[[Any, types.VirtualMachine], Event | None] | None = None
     """The event recorded once a status write took effect, from the VM as written (pod
     actions record theirs where they happen)."""
@@ -1109,6 +1151,10 @@ ACTIONS: dict[type[d.Action], ActionRow] = {
     d.SyncStatus: ActionRow(Reconciler._status_write, "status"),
     d.AddFinalizer: ActionRow(Reconciler._finalizer_write, "main"),
     d.RemoveFinalizer: ActionRow(Reconciler._finalizer_write, "main"),
+    d.PlanScale: ActionRow(Reconciler._status_write, "status"),
+    d.ApplyScale: ActionRow(Reconciler._apply_scale, "runner"),
+    d.CommitScale: ActionRow(Reconciler._status_write, "status"),
+    d.DropScale: ActionRow(Reconciler._status_write, "status"),
 }
 """Every action the driver performs: the one table (its ``step`` is on the class).
 

@@ -9,6 +9,10 @@
   removes it first). Pods are listed before VMs, so a pod whose VM exists is never taken
   for an orphan by the later list.
 
+Both lists are direct (quorum), paginated (``limit``/``continue``, :func:`iter_items`) and
+metadata-only (``PartialObjectMetadataList``): the sweeps need names, uids, labels and
+owners, never a spec or a status.
+
 A sweep that fails (a list refused, the API server away) is logged and tried again at the
 next period; it never ends the term. The term runs :meth:`Sweeps.run` every
 ``sweep_seconds``.
@@ -18,7 +22,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from kubernetes import client
@@ -33,19 +37,53 @@ Lister = Callable[..., Any]
 """A kubernetes client list call (``list_namespaced_pod`` and the like, keywords bound)."""
 
 
-def list_items(lister: Lister) -> list[dict[str, Any]]:
-    """One direct list, its items as plain dicts (no model objects: large fleets)."""
-    resp = lister(_preload_content=False, _request_timeout=30)
-    try:
-        items: list[dict[str, Any]] = json.loads(resp.data).get("items") or []
-    finally:
-        resp.release_conn()
-    return items
+PAGE = 500
+"""Items per page of the sweeps' and the resync's lists (``limit``/``continue``): one page
+is decoded at a time, so a large fleet never sits in memory as one response."""
+METADATA_LIST = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1"
+"""Accept header asking the API server for a list of the objects' metadata alone."""
+
+
+def iter_items(lister: Lister, *, metadata_only: bool = False,
+               limit: int = PAGE) -> Iterator[dict[str, Any]]:
+    """Every item of a direct list, as plain dicts (no model objects), page by page.
+
+    ``metadata_only`` asks for ``PartialObjectMetadataList``: each item is then just
+    ``apiVersion``, ``kind`` and ``metadata`` (names, uids, labels, owners,
+    resourceVersion), a fraction of a pod or a VM. The pages are one consistent snapshot
+    (the API server's ``continue`` contract); a token that expired (410) ends the
+    iteration with the error, and the caller's next period starts a new list.
+    """
+    token: str | None = None
+    headers = {"Accept": METADATA_LIST} if metadata_only else None
+    while True:
+        kwargs: dict[str, Any] = {"limit": limit}
+        if token:
+            kwargs["_continue"] = token
+        if headers is not None:
+            kwargs["_headers"] = headers
+        resp = lister(_preload_content=False, _request_timeout=30, **kwargs)
+        try:
+            body = json.loads(resp.data)
+        finally:
+            resp.release_conn()
+        items: list[dict[str, Any]] = body.get("items") or []
+        token = (body.get("metadata") or {}).get("continue") or None
+        del body
+        yield from items
+        if not token:
+            return
+
+
+def list_items(lister: Lister, *, metadata_only: bool = False) -> list[dict[str, Any]]:
+    """One direct list, its items as plain dicts (paginated; see :func:`iter_items`)."""
+    return list(iter_items(lister, metadata_only=metadata_only))
 
 
 def live_vm_uids(list_vms: Lister) -> set[str]:
-    """The uid of every VM, from a direct list."""
-    return {str((i.get("metadata") or {}).get("uid")) for i in list_items(list_vms)}
+    """The uid of every VM, from a direct metadata-only list."""
+    return {str((i.get("metadata") or {}).get("uid"))
+            for i in iter_items(list_vms, metadata_only=True)}
 
 
 class Sweeps:
@@ -79,7 +117,8 @@ class Sweeps:
     def orphan_pods(self) -> None:
         """Delete runner pods whose VM is gone, after the grace period."""
         # Pods first, then VMs: a pod whose VM exists is never missed by the later list.
-        pods = list_items(self._list_pods)
+        # Metadata is all it reads (labels, owners, uid, deletionTimestamp).
+        pods = list_items(self._list_pods, metadata_only=True)
         uids = live_vm_uids(self._list_vms)
         now = self._clock()
         seen: dict[str, float] = {}

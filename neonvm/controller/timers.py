@@ -22,11 +22,30 @@ few more failures before the condition).
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 from collections.abc import Callable
 
 from neonvm.controller.workqueue import Backoff
+
+
+class Jitter:
+    """A period stretched by a random share of itself (client-go's ``wait.Jitter``):
+    ``seconds * (1 + spread * u)``, ``u`` uniform in [0, 1). Periodic work spread this way
+    does not come back in one lump: VMs that converged together are re-checked apart."""
+
+    def __init__(self, seconds: float, spread: float = 0.25,
+                 rng: random.Random | None = None) -> None:
+        self.seconds = seconds
+        self.spread = spread
+        self._rng = rng or random.Random()
+        self._mutex = threading.Lock()
+
+    def __call__(self) -> float:
+        with self._mutex:
+            u = self._rng.random()
+        return self.seconds * (1.0 + self.spread * u)
 
 
 class VMTimers:

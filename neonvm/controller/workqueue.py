@@ -16,6 +16,13 @@ Semantics (the same as client-go's ``workqueue``):
 * ``shut_down()`` wakes every waiting ``get`` (which then returns None) and drops
   everything still queued.
 
+Two priorities (this is beyond client-go's plain queue): a key added with
+``periodic=True`` (the periodic re-checks of converged VMs, the scans) waits in a second
+line that workers serve only when no event-driven key is ready, so a burst of periodic
+work never delays a VM that a watch event or an error retry brought up. A key waiting as
+periodic that is added again without the flag moves up to the first line; a key added
+both ways (also while delayed, or while a worker holds it) counts as event-driven.
+
 Not guaranteed: ordering between different keys beyond first-in first-out, and
 persistence (the queue is memory only; the controller re-lists on start).
 """
@@ -59,10 +66,16 @@ class WorkQueue:
         self._clock = clock
         self._cond = threading.Condition()
         self._queue: deque[str] = deque()
+        self._periodic: deque[str] = deque()
+        """The second line; may hold stale entries (keys since moved up or taken), which
+        :meth:`take` skips: only keys in ``_periodic_keys`` count."""
+        self._periodic_keys: set[str] = set()
+        """Dirty keys whose only pending adds are periodic."""
         self._dirty: set[str] = set()
         self._processing: set[str] = set()
         self._waiting: list[tuple[float, int, str]] = []  # heap of (due, seq, key)
         self._due: dict[str, float] = {}  # earliest due time per delayed key
+        self._due_periodic: set[str] = set()  # delayed keys whose every add was periodic
         self._seq = itertools.count()
         self._failures: dict[str, int] = {}
         self._direct: set[str] = set()
@@ -70,34 +83,50 @@ class WorkQueue:
 
     # ---- adding ----------------------------------------------------------------------
 
-    def add(self, key: str, direct: bool = False) -> None:
+    def add(self, key: str, direct: bool = False, *, periodic: bool = False) -> None:
         with self._cond:
             self._mark_locked(key, direct)
-            self._add_locked(key)
+            self._add_locked(key, periodic)
 
     def _mark_locked(self, key: str, direct: bool) -> None:
         if direct and not self._shutting_down:
             self._direct.add(key)
 
-    def _add_locked(self, key: str) -> None:
-        if self._shutting_down or key in self._dirty:
+    def _add_locked(self, key: str, periodic: bool = False) -> None:
+        if self._shutting_down:
+            return
+        if key in self._dirty:
+            if not periodic and key in self._periodic_keys:
+                # Moves up: its entry in the second line goes stale.
+                self._periodic_keys.discard(key)
+                if key not in self._processing:
+                    self._queue.append(key)
+                    self._cond.notify()
             return
         self._dirty.add(key)
+        if periodic:
+            self._periodic_keys.add(key)
         if key not in self._processing:
-            self._queue.append(key)
+            (self._periodic if periodic else self._queue).append(key)
             self._cond.notify()
 
-    def add_after(self, key: str, delay: float, direct: bool = False) -> None:
+    def add_after(self, key: str, delay: float, direct: bool = False, *,
+                  periodic: bool = False) -> None:
         if delay <= 0:
-            self.add(key, direct)
+            self.add(key, direct, periodic=periodic)
             return
         with self._cond:
             if self._shutting_down:
                 return
             self._mark_locked(key, direct)
             due = self._clock() + delay
-            if key in self._due and self._due[key] <= due:
+            earlier = self._due.get(key)
+            if earlier is not None and not periodic:
+                self._due_periodic.discard(key)
+            if earlier is not None and earlier <= due:
                 return
+            if earlier is None and periodic:
+                self._due_periodic.add(key)
             self._due[key] = due
             heapq.heappush(self._waiting, (due, next(self._seq), key))
             self._cond.notify()
@@ -134,7 +163,9 @@ class WorkQueue:
                 return due - now
             heapq.heappop(self._waiting)
             del self._due[key]
-            self._add_locked(key)
+            periodic = key in self._due_periodic
+            self._due_periodic.discard(key)
+            self._add_locked(key, periodic)
         return None
 
     def get(self, timeout: float | None = None) -> str | None:
@@ -152,8 +183,8 @@ class WorkQueue:
                 if self._shutting_down:
                     return None
                 wait = self._promote_due_locked()
-                if self._queue:
-                    key = self._queue.popleft()
+                key = self._next_locked()
+                if key is not None:
                     self._processing.add(key)
                     self._dirty.discard(key)
                     direct = key in self._direct
@@ -166,12 +197,24 @@ class WorkQueue:
                     wait = left if wait is None else min(wait, left)
                 self._cond.wait(wait)
 
+    def _next_locked(self) -> str | None:
+        """The next ready key: the first line before the second (whose stale entries,
+        keys moved up or already taken, are dropped on the way)."""
+        if self._queue:
+            return self._queue.popleft()
+        while self._periodic:
+            key = self._periodic.popleft()
+            if key in self._periodic_keys and key not in self._processing:
+                self._periodic_keys.discard(key)
+                return key
+        return None
+
     def done(self, key: str) -> None:
         """Processing of ``key`` finished; if it was added meanwhile, queue it again."""
         with self._cond:
             self._processing.discard(key)
             if key in self._dirty and not self._shutting_down:
-                self._queue.append(key)
+                (self._periodic if key in self._periodic_keys else self._queue).append(key)
                 self._cond.notify()
 
     # ---- lifecycle and introspection --------------------------------------------------
@@ -180,6 +223,9 @@ class WorkQueue:
         with self._cond:
             self._shutting_down = True
             self._queue.clear()
+            self._periodic.clear()
+            self._periodic_keys.clear()
+            self._due_periodic.clear()
             self._dirty.clear()
             self._waiting.clear()
             self._due.clear()
@@ -192,9 +238,14 @@ class WorkQueue:
             return self._shutting_down
 
     def __len__(self) -> int:
-        """Keys ready to be processed now (the queue depth metric)."""
+        """Keys ready to be processed now, both lines (the queue depth metric)."""
         with self._cond:
-            return len(self._queue)
+            return len(self._queue) + len(self._periodic_keys - self._processing)
+
+    def periodic_waiting(self) -> int:
+        """Keys ready in the second (periodic) line."""
+        with self._cond:
+            return len(self._periodic_keys - self._processing)
 
     def delayed(self) -> int:
         with self._cond:

@@ -24,7 +24,8 @@ SEED_ENV = "NEONVM_CAMPAIGN_SEED"
 SCHEDULES_ENV = "NEONVM_CAMPAIGN_SCHEDULES"
 
 CRASH_STEPS: tuple[str, ...] = ("plan", "create", "commit", "ungate", "cleanup", "restart",
-                                "add_finalizer", "sync", "finalize", "drop_plan")
+                                "add_finalizer", "sync", "finalize", "drop_plan",
+                                "plan_scale", "apply_scale", "commit_scale", "drop_scale")
 assert set(CRASH_STEPS) == set(STEPS), "every controller step is a crash point"
 
 CLUSTER_WIDE = ("restart-locks-etcd", "restart-etcd", "restart-apiserver")

@@ -44,7 +44,7 @@ from neonvm.runner.host import (
 from neonvm.runner.initramfs import RunnerKernel, find_runner_kernel
 from neonvm.runner.metrics import runner_registry
 from neonvm.runner.qemu import CpuScalingMode, LaunchContext, LaunchPlan, build_launch_plan
-from neonvm.runner.scaling import ScaleLimits, Scaler, ScaleTarget
+from neonvm.runner.scaling import ScaleLimits, Scaler, ScaleTarget, parse_fence_floor
 from neonvm.runner.server import RunnerHTTPServer
 from neonvm.runner.spec import ENV_SPEC_FILE, LoadedSpec, load_spec
 from neonvm.runner.state import ExitCode, Outcome, RunnerState, Sizing
@@ -74,6 +74,8 @@ class RunnerOptions:
     termination_log: Path | None = Path("/dev/termination-log")
     scaling_token_file: Path | None = None
     scaling_timeout: float = 60.0
+    scaling_fence_floor: str | None = None
+    pod_uid: str | None = None
     cpu_scaling_mode: CpuScalingMode = "QmpScaling"
     kernel_dir: Path = DEFAULT_KERNEL_DIR
     enable_acceleration: bool = False
@@ -224,7 +226,10 @@ def make_scaler(launch: Launch, state: RunnerState, work_dir: Path,
                   request_timeout=options.scaling_timeout,
                   on_size=lambda size: state.plugged(size.vcpus, size.memory_bytes),
                   agent_socket=plan.agent_socket,
-                  guest_cpus=lambda: state.snapshot().guest_cpus_online)
+                  guest_cpus=lambda: state.snapshot().guest_cpus_online,
+                  fence_floor=(parse_fence_floor(options.scaling_fence_floor)
+                               if options.scaling_fence_floor else None),
+                  pod_uid=options.pod_uid or None)
 
 
 def _record_signals(record: Callable[[str], None]) -> dict[int, Any]:
@@ -320,6 +325,15 @@ def runner_options(command: Callable[..., None]) -> Callable[..., None]:
                      envvar="NEONVM_SCALING_TOKEN_FILE",
                      help="File holding the bearer token PUT /scale must present (re-read "
                           "per request). Without it, PUT /scale is refused (401)."),
+        click.option("--pod-uid", envvar="NEONVM_POD_UID",
+                     help="This pod's uid (downward API): PUT /scale then expects the "
+                          "bearer HMAC-SHA256(token file, pod uid), so a token meant for "
+                          "another pod is refused."),
+        click.option("--scaling-fence-floor", envvar="NEONVM_SCALING_FENCE_FLOOR",
+                     callback=_check_floor,
+                     help="epoch,token,seq: with no fence file in the work dir yet, refuse "
+                          "PUT /scale fences up to this one (the controller sets it in a new "
+                          "pod to the VM's scaling fence when the pod was created)."),
         click.option("--scaling-timeout", type=click.FloatRange(1), default=60.0,
                      show_default=True, envvar="NEONVM_SCALING_TIMEOUT",
                      help="Seconds a PUT /scale waits for the guest to eject vCPUs or "
@@ -348,6 +362,15 @@ def runner_options(command: Callable[..., None]) -> Callable[..., None]:
     for option in reversed(options):
         command = option(command)
     return command
+
+
+def _check_floor(_ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:
+    if value:
+        try:
+            parse_fence_floor(value)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc)) from None
+    return value or None
 
 
 def options_from_click(**kwargs: object) -> RunnerOptions:

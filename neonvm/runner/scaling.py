@@ -3,7 +3,7 @@
 The controller asks with ``PUT /scale`` on the runner port (:mod:`neonvm.runner.server`)::
 
     Authorization: Bearer <token>
-    {"cpus": 2, "memorySlots": 3, "fence": {"epoch": 7, "token": 42}}
+    {"cpus": 2, "memorySlots": 3, "fence": {"epoch": 7, "token": 42, "seq": 3}}
 
 ``cpus`` is a vCPU count or a CPU quantity (``"1500m"``, ``1.5``: rounded up to whole vCPUs,
 as at boot); ``memorySlots`` counts slots of ``memorySlotSize``, boot memory included.
@@ -16,12 +16,17 @@ The rules, in order:
    file configured, no header, or a wrong token: 401, nothing else is looked at.
 2. Bounds: ``ceil(spec min) <= cpus <= ceil(spec max)`` vCPUs and
    ``min <= memorySlots <= max`` slots, else 400.
-3. The fence: ``(epoch, token)`` compared as a pair. Older than the last applied fence:
-   409, nothing is done. Equal: accepted only for the same target (a retry; it converges
-   again, so a retry after a failure finishes the change), a different target is 409.
+3. The fence: ``(epoch, token, seq)`` compared in that order (``seq``, the controller's
+   scale sequence number from ``status.scaleSeq``, may be left out: 0). Older than the
+   last applied fence: 409, nothing is done. Equal: accepted only for the same target
+   (a retry; it converges again, so a retry after a failure finishes the change), a
+   different target is 409.
    Newer: recorded in the work dir (written to a temporary file, fsynced, renamed) *before*
    QEMU is touched, so once a newer fence is on disk no older one is ever applied, even by
-   a runner that restarts in the same pod.
+   a runner that restarts in the same pod. A runner started with a fence floor
+   (``--scaling-fence-floor``, set by the controller in a new pod) treats the floor, with
+   the boot size, as already applied, so a fence recorded before the pod was created is
+   refused too.
 4. Apply: converge QEMU to the target through QMP, one request at a time (a lock held
    for the whole request; the next waits). vCPUs: ``device_add`` of the first free slots
    of ``query-hotpluggable-cpus``, ``device_del`` of the highest plugged ones. Memory:
@@ -41,6 +46,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import hmac
 import json
 import math
@@ -81,10 +87,26 @@ class ScaleError(Exception):
 
 @dataclass(frozen=True, order=True)
 class ScaleFence:
-    """The controller's (leader epoch, lock token); compared as a pair."""
+    """The controller's (leader epoch, lock token, scale seq); compared in that order."""
 
     epoch: int
     token: int
+    seq: int = 0
+
+    def __str__(self) -> str:
+        return f"epoch {self.epoch} token {self.token} seq {self.seq}"
+
+
+def parse_fence_floor(text: str) -> ScaleFence:
+    """``"epoch,token,seq"`` (the form of ``--scaling-fence-floor``)."""
+    parts = text.split(",")
+    if len(parts) != 3:
+        raise ValueError(f"fence floor {text!r}: expected epoch,token,seq")
+    try:
+        epoch, token, seq = (int(p) for p in parts)
+    except ValueError:
+        raise ValueError(f"fence floor {text!r}: expected three integers") from None
+    return ScaleFence(epoch=epoch, token=token, seq=seq)
 
 
 @dataclass(frozen=True)
@@ -192,8 +214,9 @@ def parse_request(body: bytes, current: ScaleTarget) -> tuple[ScaleFence, ScaleT
     fence_doc = doc.get("fence")
     if not isinstance(fence_doc, dict):
         raise ScaleError(400, "fence: required, {\"epoch\": int, \"token\": int}")
+    seq = 0 if fence_doc.get("seq") is None else _int_field(fence_doc, "seq", "fence.")
     fence = ScaleFence(epoch=_int_field(fence_doc, "epoch", "fence."),
-                       token=_int_field(fence_doc, "token", "fence."))
+                       token=_int_field(fence_doc, "token", "fence."), seq=seq)
     vcpus = current.vcpus if doc.get("cpus") is None else parse_vcpus(doc["cpus"])
     slots = (current.memory_slots if doc.get("memorySlots") is None
              else _int_field(doc, "memorySlots", ""))
@@ -209,6 +232,15 @@ def check_bounds(target: ScaleTarget, limits: ScaleLimits) -> None:
                               f"[{limits.min_slots}, {limits.max_slots}]")
 
 
+def pod_token(secret: bytes, pod_uid: str) -> str:
+    """The bearer token of one pod: HMAC-SHA256 of its uid under the VM's secret (hex).
+
+    The controller sends the token of the pod it means (the plan's pod uid); the runner
+    expects the token of its own pod (its uid from the downward API). A request that
+    reaches another pod (the old pod's IP reused) carries a token no live pod accepts."""
+    return hmac.new(secret, pod_uid.encode(), hashlib.sha256).hexdigest()
+
+
 def fence_decision(last: AppliedFence | None, fence: ScaleFence, target: ScaleTarget) -> str:
     """``"newer"`` (record and apply), ``"retry"`` (same fence and target: converge again);
     raises 409 for an older fence, or the same fence with another target."""
@@ -217,12 +249,10 @@ def fence_decision(last: AppliedFence | None, fence: ScaleFence, target: ScaleTa
     if fence == last.fence:
         if target == last.target:
             return "retry"
-        raise ScaleError(409, f"fence epoch {fence.epoch} token {fence.token} was already "
-                              f"applied with cpus={last.target.vcpus} memorySlots="
-                              f"{last.target.memory_slots}; a fence carries one target")
-    raise ScaleError(409, f"stale fence: epoch {fence.epoch} token {fence.token} is older "
-                          f"than the last applied epoch {last.fence.epoch} token "
-                          f"{last.fence.token}")
+        raise ScaleError(409, f"fence {fence} was already applied with cpus="
+                              f"{last.target.vcpus} memorySlots={last.target.memory_slots}; "
+                              "a fence carries one target")
+    raise ScaleError(409, f"stale fence: {fence} is older than the last applied {last.fence}")
 
 
 class FenceStore:
@@ -241,7 +271,8 @@ class FenceStore:
             # must be looked at by a person, not silently reset.
             raise ScaleError(500, f"cannot read {self.path}: {exc}") from None
         return AppliedFence(
-            fence=ScaleFence(epoch=int(doc["fence"]["epoch"]), token=int(doc["fence"]["token"])),
+            fence=ScaleFence(epoch=int(doc["fence"]["epoch"]), token=int(doc["fence"]["token"]),
+                             seq=int(doc["fence"].get("seq", 0))),
             target=ScaleTarget(vcpus=int(doc["cpus"]), memory_slots=int(doc["memorySlots"])),
             recorded_at=float(doc.get("recordedAt", 0.0)))
 
@@ -410,9 +441,16 @@ class Scaler:
                  boot: ScaleTarget, request_timeout: float = 60.0,
                  on_size: Callable[[QemuSize], None] | None = None,
                  agent_socket: Path | None = None,
-                 guest_cpus: Callable[[], int | None] | None = None) -> None:
+                 guest_cpus: Callable[[], int | None] | None = None,
+                 fence_floor: ScaleFence | None = None, pod_uid: str | None = None) -> None:
         """``agent_socket`` selects SysfsScaling: vCPUs are onlined/offlined by the guest
-        agent and ``guest_cpus`` (the guest's last report) says when it is done."""
+        agent and ``guest_cpus`` (the guest's last report) says when it is done.
+        ``fence_floor``: with no fence file yet, act as if this fence had been applied
+        with the boot size (a new pod must refuse fences recorded before it existed).
+        ``pod_uid``: the bearer is :func:`pod_token` of the token file's secret and this
+        uid (None: the file's content itself, for a runner outside a pod)."""
+        self.fence_floor = fence_floor
+        self._pod_uid = pod_uid
         self.limits = limits
         self.mode = "SysfsScaling" if agent_socket is not None else "QmpScaling"
         self._agent = AgentChannel(agent_socket) if agent_socket is not None else None
@@ -469,6 +507,8 @@ class Scaler:
                                   f"{exc.strerror or exc}") from None
         if not expected:
             raise ScaleError(401, "scaling token file is empty")
+        if self._pod_uid:
+            expected = pod_token(expected, self._pod_uid).encode()
         scheme, _, given = (authorization or "").partition(" ")
         if scheme.lower() != "bearer" or not given:
             raise ScaleError(401, "missing bearer token")
@@ -476,7 +516,11 @@ class Scaler:
             raise ScaleError(401, "wrong bearer token")
 
     def last_applied(self) -> AppliedFence | None:
-        return self._store.load()
+        """The fence file's record, else the floor (with the boot size), else None."""
+        last = self._store.load()
+        if last is None and self.fence_floor is not None:
+            return AppliedFence(fence=self.fence_floor, target=self._boot, recorded_at=0.0)
+        return last
 
     def scale(self, authorization: str | None, body: bytes) -> dict[str, Any]:
         """Handle ``PUT /scale``; returns the answer's JSON or raises :class:`ScaleError`."""
@@ -484,7 +528,7 @@ class Scaler:
         if not self._lock.acquire(timeout=self._timeout):
             raise ScaleError(503, "another scaling request is still running")
         try:
-            last = self._store.load()
+            last = self.last_applied()
             current = last.target if last is not None else self._boot
             fence, target = parse_request(body, current)
             check_bounds(target, self.limits)

@@ -101,6 +101,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._send_json(exc.status, {"error": str(exc)})
             return
         self._send_json(200, {
+            "mode": scaler.mode,
             "qemu": {"vcpus": size.vcpus, "memorySlots": size.memory_slots,
                      "memoryBytes": size.memory_bytes},
             "guest": {"cpusOnline": snap.guest_cpus_online,

@@ -103,6 +103,11 @@ FINALIZER_WRITES = frozenset(kind.__name__ for kind, row in ACTIONS.items()
 SEEN_BY_WRITE_NAMES = frozenset(kind.__name__ for kind in SEEN_BY_WRITE)
 """Decisions the driver acts on from an observation built from a write's response (the
 shipped driver's tuple); any other one is taken again from a direct read."""
+RUNNER_ACTIONS = frozenset(kind.__name__ for kind, row in ACTIONS.items()
+                           if row.writes == "runner")
+"""Calls to the committed pod's runner (live scaling's ApplyScale): modelled by the
+scaling explorer (:mod:`neonvm.verify.scaling`), not here (this world's VMs never change
+size)."""
 POD_ACTIONS = frozenset({"CreatePod", "Ungate", "DeletePod"})
 """Pod actions, each modelled by hand below (create, prelist + patch, delete): a new pod
 action needs its model here (``test_explore`` checks that every row has one)."""

@@ -1,0 +1,310 @@
+"""Live scaling, the controller's side: the token Secret, asking the runner, telling Kubernetes.
+
+:func:`neonvm.controller.decide.decide` plans a change (``PlanScale``, a CAS of
+``status.pendingScale``), asks for it (``ApplyScale``) and commits what the runner reports
+(``CommitScale``). This module performs the part that is not a status write:
+
+* **The token.** Each scalable VM has a Secret ``neonvm-scaling-<vm uid>`` in its
+  namespace, owned by the VM (garbage-collected with it), holding a random bearer token
+  under ``token``. The controller creates it before it creates a runner pod, the pod
+  mounts it (``podspec``) and the runner reads it per request
+  (``NEONVM_SCALING_TOKEN_FILE``). The controller reads it again whenever it calls the
+  runner. A Secret of that name that the VM does not own is never used.
+* **The runner.** ``http://<pod IP>:<runnerPort>``: ``GET /scale`` (no token: read-only)
+  while a plan is recorded, to see the fence it applied and the size it has; ``PUT
+  /scale`` with the plan's size and fence ``{epoch, token, seq}`` and the bearer token.
+* **Kubernetes.** After the runner applied a size, the pod's ``vm.neon.tech/usage``
+  annotation (NeonVM's name and JSON shape: ``{"cpu", "memory"}``) carries it, and the
+  runner container's CPU request follows ``cpus.use`` through the ``pods/resize``
+  subresource (in-place resize) when the pod's resources are derived from the guest.
+
+Who may call the runner: anyone who can read the VM's Secret (the controller, and
+whoever may ``get`` Secrets in the VM's namespace) and reach the pod's IP. The token
+crosses the pod network in clear (plain HTTP); see docs/runner.md, "Live scaling".
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import json
+import secrets
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from typing import Any
+
+from kubernetes import client
+from kubernetes.client.rest import ApiException
+from loguru import logger
+
+from neonvm import kube
+from neonvm.api import types
+from neonvm.api.types import VirtualMachine
+from neonvm.controller import decide as d
+from neonvm.controller import podspec
+from neonvm.controller.observe import Snapshot
+from neonvm.runner.scaling import pod_token
+
+TOKEN_KEY = "token"
+USAGE_ANNOTATION = "vm.neon.tech/usage"
+"""NeonVM's runner-pod annotation with the guest's current size (JSON cpu, memory)."""
+SCALE_FENCE_ANNOTATION = "vm.neon.tech/scale-fence"
+"""``epoch,token,seq`` of the plan whose size the pod's usage annotation and CPU request
+carry: a plan writes them only over an older one (and by resourceVersion)."""
+
+RunnerAddress = Callable[[VirtualMachine, d.PodView], str]
+"""``http://host:port`` of a pod's runner."""
+
+
+def token_secret_prefix(vm: VirtualMachine) -> str:
+    """The generateName of the VM's scaling-token Secret (the API server adds a suffix)."""
+    return f"neonvm-scaling-{vm.uid[:8]}-"
+
+
+def scalable(vm: VirtualMachine) -> bool:
+    """Whether the spec leaves room to scale (its bounds differ): only then a token."""
+    return podspec.scalable(vm)
+
+
+def default_address(vm: VirtualMachine, pod: d.PodView) -> str:
+    """The pod's runner: its IP and the port in the pod's own spec (the VM's
+    ``runnerPort`` may have changed since the pod was built)."""
+    port = pod.runner_port or vm.spec.runner_port or podspec.RUNNER_PORT
+    return f"http://{pod.ip}:{port}"
+
+
+def parse_scale_fence(text: object) -> tuple[int, int, int] | None:
+    """(epoch, token, seq) from :data:`SCALE_FENCE_ANNOTATION`; None: absent or malformed."""
+    try:
+        e, t, s = (int(v) for v in str(text).split(","))
+    except (TypeError, ValueError):
+        return None
+    return (e, t, s)
+
+
+class Result(str):
+    """What an apply came to ("done", or why not), with a detail for people."""
+
+    detail: str
+
+    def __new__(cls, value: str, detail: str = "") -> Result:
+        obj = super().__new__(cls, value)
+        obj.detail = detail
+        return obj
+
+
+class ScalingError(Exception):
+    """The runner could not be asked (no token, unreachable, refused)."""
+
+    def __init__(self, message: str, permanent: bool = False) -> None:
+        super().__init__(message)
+        self.permanent = permanent
+        """Asking again cannot help (the token Secret is forbidden, missing or not ours)."""
+
+
+class RunnerScaling:
+    """Performs ``ApplyScale`` and adds the runner's view to observations."""
+
+    def __init__(self, api: client.ApiClient, *, timeout: float = 90.0,
+                 look_timeout: float = 3.0, address: RunnerAddress = default_address) -> None:
+        """``timeout``: a ``PUT /scale`` (the runner waits up to its own 60 s for an
+        unplug); ``look_timeout``: a ``GET /scale``, asked during observations."""
+        self._core = client.CoreV1Api(api)
+        self._timeout = timeout
+        self._look_timeout = look_timeout
+        self._address = address
+
+    # ---- the token ---------------------------------------------------------------------
+
+    def create_token(self, vm: VirtualMachine) -> tuple[str, str] | None:
+        """Create a token Secret for ``vm`` (before its pod is created) under a generated
+        name; (name, uid) to record in status, or None (not scalable, one is recorded,
+        or the create failed: the pod then starts without live scaling)."""
+        if not scalable(vm) or vm.status.scaling_token_secret_uid:
+            return None
+        body = {
+            "apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+            "metadata": {
+                "generateName": token_secret_prefix(vm), "namespace": vm.namespace,
+                "labels": {types.LABEL_VM_NAME: vm.name, types.LABEL_VM_UID: vm.uid},
+                "ownerReferences": [{"apiVersion": types.API_VERSION, "kind": types.KIND,
+                                     "name": vm.name, "uid": vm.uid,
+                                     "blockOwnerDeletion": False}],
+            },
+            "stringData": {TOKEN_KEY: secrets.token_urlsafe(32)},
+        }
+        try:
+            created = self._core.create_namespaced_secret(vm.namespace, body,
+                                                          _request_timeout=30)
+        except ApiException as exc:
+            # Scaling will say why it cannot ask the runner; the pod is still created.
+            logger.bind(vm=vm.key).warning("cannot create a scaling token Secret: {} {}",
+                                           exc.status, exc.reason)
+            return None
+        return created.metadata.name, created.metadata.uid
+
+    def token(self, vm: VirtualMachine) -> str:
+        """The VM's secret: from the Secret recorded in status, only if its UID is the one
+        its creation returned (a Secret planted under that name is not used)."""
+        name, uid = vm.status.scaling_token_secret, vm.status.scaling_token_secret_uid
+        if not name or not uid:
+            raise ScalingError("no scaling token Secret recorded for this VM (the controller "
+                               "could not create one: is rbac.liveScaling on?)", permanent=True)
+        try:
+            secret = self._core.read_namespaced_secret(name, vm.namespace, _request_timeout=30)
+        except ApiException as exc:
+            raise ScalingError(f"scaling token Secret {name}: {exc.status} {exc.reason}",
+                               permanent=exc.status in (403, 404)) from None
+        if secret.metadata.uid != uid:
+            raise ScalingError(f"Secret {name} is not the one the controller created (uid "
+                               f"{secret.metadata.uid}, recorded {uid}): not used",
+                               permanent=True)
+        raw = (secret.data or {}).get(TOKEN_KEY)
+        if not raw:
+            raise ScalingError(f"Secret {name} has no {TOKEN_KEY!r}", permanent=True)
+        return base64.b64decode(raw).decode().strip()
+
+    # ---- the runner --------------------------------------------------------------------
+
+    def observe(self, snap: Snapshot) -> Snapshot:
+        """``snap`` with the runner's ``GET /scale`` answer, when a plan is recorded and the
+        committed pod runs; otherwise ``snap`` itself."""
+        obs = snap.obs
+        vm = obs.vm
+        if vm is None or vm.status.pending_scale is None or vm.deletion_timestamp is not None:
+            return snap
+        pod = obs.pod(vm.status.pod_name)
+        if pod is None or pod.phase != "Running" or not pod.ip or pod.gated:
+            return snap
+        try:
+            view = self._view(vm, pod)
+        except ScalingError as exc:
+            return dataclasses.replace(snap, obs=dataclasses.replace(obs,
+                                                                     runner_error=str(exc)))
+        return dataclasses.replace(snap, obs=dataclasses.replace(obs, runner=view))
+
+    def _view(self, vm: VirtualMachine, pod: d.PodView) -> d.RunnerView:
+        code, doc = self._call("GET", f"{self._address(vm, pod)}/scale", None, None,
+                               self._look_timeout)
+        if code != 200:
+            raise ScalingError(f"GET /scale answered {code}: {doc.get('error', '')}")
+        last = doc.get("lastApplied") or None
+        fence = None
+        if last is not None:
+            f = last["fence"]
+            fence = (int(f["epoch"]), int(f["token"]), int(f.get("seq", 0)))
+        qemu = doc["qemu"]
+        vcpus = int(qemu["vcpus"])
+        if doc.get("mode") == "SysfsScaling":
+            online = (doc.get("guest") or {}).get("cpusOnline")
+            vcpus = int(online) if online is not None else 0
+        return d.RunnerView(pod_uid=pod.uid, fence=fence, vcpus=vcpus,
+                            memory_slots=int(qemu["memorySlots"]),
+                            memory_bytes=int(qemu["memoryBytes"]))
+
+    def apply(self, action: d.ApplyScale, snap: Snapshot, log: Any) -> str:
+        """``PUT /scale`` for the recorded plan; "done" when the runner reached it."""
+        vm = snap.obs.vm
+        assert vm is not None
+        plan = action.plan
+        pod = snap.obs.pod(plan.pod_name)
+        if pod is None or pod.uid != plan.pod_uid or not pod.ip:
+            return "no_pod"
+        try:
+            token = pod_token(self.token(vm).encode(), plan.pod_uid)
+        except ScalingError as exc:
+            log.warning("scaling plan #{seq}: {err}", seq=plan.seq, err=str(exc))
+            return Result("no_token" if exc.permanent else "token_unavailable", str(exc))
+        body = {"cpus": plan.cpus, "memorySlots": plan.memory_slots,
+                "fence": {"epoch": plan.epoch, "token": plan.token, "seq": plan.seq}}
+        try:
+            code, doc = self._call("PUT", f"{self._address(vm, pod)}/scale", body, token,
+                                   self._timeout)
+        except ScalingError as exc:
+            log.warning("scaling plan #{seq}: {err}", seq=plan.seq, err=str(exc))
+            return "unreachable"
+        if code != 200:
+            log.warning("scaling plan #{seq}: the runner answered {code}: {err}", seq=plan.seq,
+                        code=code, err=doc.get("error", ""))
+            return Result("stale" if code == 409 else f"runner_{code}",
+                          f"the runner of {pod.name} answered {code}: "
+                          f"{doc.get('error', '')}")
+        qemu = doc.get("qemu") or {}
+        self._tell_kubernetes(vm, pod, int(qemu.get("memoryBytes") or 0), plan, log)
+        return "done"
+
+    def _call(self, method: str, url: str, body: dict[str, Any] | None,
+              token: str | None, timeout: float) -> tuple[int, dict[str, Any]]:
+        headers = {"Content-Type": "application/json"}
+        if token is not None:
+            headers["Authorization"] = f"Bearer {token}"
+        data = json.dumps(body).encode() if body is not None else None
+        request = urllib.request.Request(url, method=method, data=data, headers=headers)
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
+                return response.status, json.loads(response.read() or b"{}")
+        except urllib.error.HTTPError as err:
+            try:
+                doc = json.loads(err.read() or b"{}")
+            except ValueError:
+                doc = {}
+            return err.code, doc if isinstance(doc, dict) else {}
+        except (urllib.error.URLError, OSError, ValueError) as exc:
+            raise ScalingError(f"{method} {url}: {exc}") from None
+
+    # ---- Kubernetes --------------------------------------------------------------------
+
+    def _tell_kubernetes(self, vm: VirtualMachine, pod: d.PodView, memory_bytes: int,
+                         plan: types.PendingScale, log: Any) -> None:
+        """The usage annotation, and the CPU request by in-place resize (best effort: the
+        guest already has the size; a failure here is logged, not retried).
+
+        Fenced like the runner: both are written only over the record of an older plan
+        (:data:`SCALE_FENCE_ANNOTATION`), each with the resourceVersion just read, so a
+        late apply of an older plan (a deposed leader, a slow request) never puts an
+        older size back."""
+        from neonvm.runner.quantity import format_bytes
+
+        fence = d.scale_fence(plan)
+        try:
+            current = self._core.api_client.sanitize_for_serialization(
+                self._core.read_namespaced_pod(pod.name, vm.namespace, _request_timeout=30))
+        except ApiException as exc:
+            log.warning("reading {pod} before annotating its size: {s}", pod=pod.name,
+                        s=exc.status)
+            return
+        meta = current.get("metadata") or {}
+        recorded = parse_scale_fence((meta.get("annotations") or {}).get(
+            SCALE_FENCE_ANNOTATION))
+        if meta.get("uid") != pod.uid or (recorded is not None and recorded >= fence):
+            log.info("{pod} already carries the size of plan {r}: not annotated with plan "
+                     "{f}'s", pod=pod.name, r=recorded, f=fence)
+            return
+        usage = json.dumps({"cpu": str(plan.cpus), "memory": format_bytes(memory_bytes)})
+        patch = {"metadata": {"uid": pod.uid, "resourceVersion": meta.get("resourceVersion"),
+                              "annotations": {USAGE_ANNOTATION: usage,
+                                              SCALE_FENCE_ANNOTATION: ",".join(
+                                                  str(v) for v in fence)}}}
+        try:
+            written = self._core.api_client.sanitize_for_serialization(
+                self._core.patch_namespaced_pod(pod.name, vm.namespace, patch,
+                                                _request_timeout=30))
+        except ApiException as exc:
+            log.warning("annotating {pod} with its size: {s} {m}", pod=pod.name, s=exc.status,
+                        m=kube.api_error_message(exc))
+            return  # 409: written meanwhile (by a newer plan, or to be redone by this one's)
+        version = (written.get("metadata") or {}).get("resourceVersion")
+        use = vm.spec.guest.cpus.current
+        if vm.spec.pod_resources is not None or use.rounded_up() != plan.cpus:
+            return  # the user's resources (not ours to change), or the spec moved on
+        resize = {"metadata": {"uid": pod.uid, "resourceVersion": version},
+                  "spec": {"containers": [{"name": podspec.RUNNER_CONTAINER, "resources": {
+                      "requests": {"cpu": podspec.millicores(use.cores)}}}]}}
+        try:
+            kube.request(self._core.api_client, "PATCH",
+                         f"/api/v1/namespaces/{vm.namespace}/pods/{pod.name}/resize", resize,
+                         content_type="application/strategic-merge-patch+json")
+        except ApiException as exc:
+            log.info("in-place resize of {pod} not taken: {s} {m}", pod=pod.name,
+                     s=exc.status, m=kube.api_error_message(exc))

@@ -1,0 +1,518 @@
+"""The scaling explorer: every interleaving of live scaling in a small world.
+
+The pod explorer (``model``/``actors``/``explore``) checks "at most one runner pod". This
+one checks live scaling with the shipped code: :func:`neonvm.controller.decide.decide`
+and :func:`neonvm.controller.mutations.status_mutation` decide and write status, and the
+runner's :func:`neonvm.runner.scaling.fence_decision` decides what a runner applies.
+
+The world: one VM, one committed runner pod at a time (always running), its runner
+(fence file, fence floor, the size its guest has), and the actors:
+
+* **Leaders.** Two workers, the first with epoch 1, the second with epoch 2 once a
+  failover step starts it. Neither ever stops by itself: the deposed one keeps acting on
+  what it last saw (a paused leader). A worker *observes* (a direct read, or a stale one:
+  any of the ``lag`` previous versions of the VM), decides, and holds the action; it
+  *performs* it at any later step, so any two workers' steps interleave.
+* **Status writes** are the conflict helper's: the mutation is applied to the *current*
+  VM (a 409 re-reads and re-applies it), and a fence ahead stops the worker for good.
+* **The runner call.** ``PUT /scale`` with the plan's size and fence reaches the
+  *current* runner, whatever pod the plan was for (the worst case: the old pod's IP now
+  belongs to the new pod). ``GET /scale`` is read at observation time and attributed to
+  the observed pod (the same worst case).
+* **Faults.** A crash drops a worker's held action (crash mid-scale). A runner restart
+  replaces the pod (restartPolicy Never: a runner that exits ends its pod), through the
+  shipped Restart, RecordPlan and Commit mutations applied at once: a new pod uid, an
+  empty work dir, a fence floor computed by :func:`neonvm.controller.podspec.runner_pod`
+  from the VM read at its creation, and the guest booted at that spec's size. The user
+  changes ``use`` a bounded number of times.
+
+Properties:
+
+* **Order** (safety, every step): the sizes a guest receives come from plans in the order
+  they were recorded: a runner never applies a plan whose ``seq`` is lower than one it
+  applied, nor one recorded before its pod was created (its guest booted at a newer
+  size); the same plan again, with the same size, is a retry and changes nothing.
+* **Convergence** (from every reachable state): once the deposed leader and the faults
+  stop, the newest leader, observing directly, brings the guest, the runner and status to
+  the spec's size within a bounded number of steps.
+
+Coarser than the real thing: the pod's own lifecycle (plan, create, ungate) is one step
+here (it has its own explorer); a runner's apply is atomic (a crash inside it is a
+runner restart, which loses the guest anyway); conditions are not part of the state.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from neonvm.api.millicpu import MilliCPU
+from neonvm.api.types import (
+    FINALIZER,
+    CPURange,
+    Fence,
+    Guest,
+    IntRange,
+    PendingPod,
+    PendingScale,
+    VirtualMachine,
+    VirtualMachineSpec,
+    VirtualMachineStatus,
+)
+from neonvm.controller import decide as d
+from neonvm.controller import mutations, podspec
+from neonvm.runner.scaling import AppliedFence, ScaleError, ScaleFence, ScaleTarget, fence_decision
+
+UID = "0123456789abcdef"
+SLOT = "1Gi"
+IP = "10.0.0.1"
+Size = tuple[int, int]
+FenceTriple = tuple[int, int, int]
+
+
+RUNNER_CALLS = frozenset({"ApplyScale"})
+"""The runner calls this model performs (:meth:`ScalingModel._put`); every other scaling
+action is a status write through the shipped mutation."""
+
+
+class VMRep(NamedTuple):
+    """The VM's spec ``use`` and the status fields scaling reads or writes."""
+
+    use: Size
+    generation: int
+    phase: str
+    pod: str
+    pod_uid: str
+    plan_seq: int
+    fence: tuple[int, int] | None
+    size: Size | None
+    pending: tuple[Any, ...] | None
+    """(cpus, slots, seq, epoch, token, pod name, pod uid, generation)"""
+    scale_seq: int
+    restarts: int
+    pending_pod: tuple[str, int, int, int, int] | None = None
+    """(name, planSeq, token, epoch, generation) of a created pod not yet committed."""
+
+
+class Runner(NamedTuple):
+    pod_uid: str
+    stored: tuple[FenceTriple, Size] | None
+    """The fence file: the last applied fence and its size."""
+    floor: FenceTriple | None
+    boot: Size
+    guest: Size
+    received: tuple[int, Size]
+    """(seq, size) of the last plan the guest received; the boot size counts as a plan
+    numbered ``status.scaleSeq`` at the pod's creation."""
+    boot_seq: int
+
+
+class WorkerRep(NamedTuple):
+    epoch: int
+    token: int
+    active: bool
+    stopped: bool
+    held: tuple[Any, ...] | None
+    """A decided action not yet performed: (kind, args...)."""
+
+
+class World(NamedTuple):
+    vm: VMRep
+    history: tuple[VMRep, ...]
+    runner: Runner
+    workers: tuple[WorkerRep, ...]
+    spec_changes: tuple[Size, ...]
+    restarts_left: int
+    crashes_left: int
+    created: tuple[str, str, Size] | None = None
+    """A replacement pod created (its runner up, its guest booted at the size it was built
+    with) and not yet committed: (name, uid, built size)."""
+
+
+@dataclass(frozen=True)
+class Mutants:
+    """Deliberate breakages the explorer must catch."""
+
+    unfenced_runner: bool = False
+    """The runner applies every fence (no comparison with the last applied)."""
+    no_floor: bool = False
+    """A new pod's runner gets no fence floor."""
+    commit_spec_size: bool = False
+    """The pod commit records the fresh spec's size instead of the size the pod was built
+    with (the size its guest booted at)."""
+    no_supersede: bool = False
+    """A recorded plan is never superseded: a new plan waits until it is committed or
+    dropped."""
+
+
+# ---- between the model and the shipped types --------------------------------------------
+
+
+def to_vm(r: VMRep) -> VirtualMachine:
+    spec = VirtualMachineSpec(guest=Guest(
+        cpus=CPURange(min=MilliCPU(1000), max=MilliCPU(2000), use=MilliCPU(r.use[0] * 1000)),
+        memory_slots=IntRange(min=1, max=2, use=r.use[1]), memory_slot_size=SLOT))
+    pending = None
+    if r.pending is not None:
+        c, s, seq, e, t, name, uid, gen = r.pending
+        pending = PendingScale(cpus=c, memory_slots=s, seq=seq, epoch=e, token=t,
+                               pod_name=name, pod_uid=uid, generation=gen)
+    status = VirtualMachineStatus(
+        phase=r.phase, pod_name=r.pod, pod_uid=r.pod_uid,  # type: ignore[arg-type]
+        pod_ip=IP, node="n1", plan_seq=r.plan_seq, restart_count=r.restarts,
+        fence=Fence(epoch=r.fence[0], token=r.fence[1]) if r.fence else None,
+        cpus=MilliCPU(r.size[0] * 1000) if r.size else None,
+        memory_size=f"{r.size[1]}Gi" if r.size else None,
+        pending_scale=pending, scale_seq=r.scale_seq,
+        pending_pod=PendingPod(name=r.pending_pod[0], plan_seq=r.pending_pod[1],
+                               token=r.pending_pod[2], epoch=r.pending_pod[3],
+                               generation=r.pending_pod[4]) if r.pending_pod else None)
+    return VirtualMachine(name="vm", namespace="ns", uid=UID, resource_version="1",
+                          generation=r.generation, spec=spec, status=status,
+                          finalizers=[FINALIZER])
+
+
+def from_vm(vm: VirtualMachine, use: Size) -> VMRep:
+    s = vm.status
+    p = s.pending_scale
+    pp = s.pending_pod
+    size = d.status_size(vm)
+    return VMRep(
+        use=use, generation=vm.generation, phase=s.phase or "Pending", pod=s.pod_name or "",
+        pod_uid=s.pod_uid or "", plan_seq=s.plan_seq,
+        fence=(s.fence.epoch, s.fence.token) if s.fence else None, size=size,
+        pending=(p.cpus, p.memory_slots, p.seq, p.epoch, p.token, p.pod_name, p.pod_uid,
+                 p.generation) if p else None,
+        scale_seq=s.scale_seq, restarts=s.restart_count,
+        pending_pod=(pp.name, pp.plan_seq, pp.token, pp.epoch, pp.generation) if pp else None)
+
+
+def _freeze(action: d.Action) -> tuple[Any, ...]:
+    values: list[Any] = []
+    for f in dataclasses.fields(action):
+        if f.name == "reason":
+            continue
+        v = getattr(action, f.name)
+        if isinstance(v, PendingScale):
+            v = ("PendingScale", tuple(dataclasses.astuple(v)))
+        values.append(v)
+    return (type(action).__name__, *values)
+
+
+def _thaw(key: tuple[Any, ...]) -> d.Action:
+    cls = getattr(d, key[0])
+    names = [f.name for f in dataclasses.fields(cls) if f.name != "reason"]
+    kwargs = {}
+    for n, v in zip(names, key[1:], strict=True):
+        if isinstance(v, tuple) and v and v[0] == "PendingScale":
+            v = PendingScale(*v[1])
+        kwargs[n] = v
+    action: d.Action = cls(**kwargs)
+    return action
+
+
+# ---- the world's steps ------------------------------------------------------------------
+
+
+class Violation(NamedTuple):
+    property: str
+    message: str
+
+
+class ScalingModel:
+    def __init__(self, lag: int = 2, mutants: Mutants = Mutants(),
+                 refuse_unplug: bool = False) -> None:
+        self.lag = lag
+        self.mutants = mutants
+        self.refuse_unplug = refuse_unplug
+        """The guest never lets memory go: a PUT that lowers the memory slots records its
+        fence, plugs the vCPUs and answers 504 with the memory unchanged, every time."""
+
+    # observation and decision (the shipped decide)
+    def observe(self, w: World, i: int, seen: VMRep) -> tuple[Any, ...] | None:
+        x = w.workers[i]
+        if not seen.pod:
+            return None  # a pod being replaced: the pod explorer's business
+        vm = to_vm(seen)
+        pod = d.PodView(name=seen.pod, uid=seen.pod_uid, owner_uid=UID, gated=False,
+                        terminating=False, phase="Running", node="n1", ip=IP,
+                        fence=(1, 10))
+        runner = None
+        if seen.pending is not None:
+            r = w.runner
+            last = self._last(r)
+            runner = d.RunnerView(
+                pod_uid=seen.pod_uid,  # what answered on the observed pod's IP
+                fence=(last.fence.epoch, last.fence.token, last.fence.seq) if last else None,
+                vcpus=r.guest[0], memory_slots=r.guest[1], memory_bytes=r.guest[1] << 30)
+        obs = d.Observation(vm=vm, pods=(pod,), lease=d.Lease(x.epoch, x.token),
+                            direct=seen == w.vm, runner=runner)
+        action = d.decide(obs)
+        if isinstance(action, d.Done | d.Wait | d.ObserveDirect | d.Fenced):
+            return None
+        if self.mutants.no_supersede and isinstance(action, d.PlanScale) and seen.pending:
+            return _freeze(d.ApplyScale(plan=to_vm(seen).status.pending_scale or PendingScale()))
+        return _freeze(action)
+
+    def _last(self, r: Runner) -> AppliedFence | None:
+        if r.stored is not None:
+            (e, t, s), size = r.stored
+            return AppliedFence(ScaleFence(e, t, s), ScaleTarget(*size), 0.0)
+        if r.floor is not None:
+            return AppliedFence(ScaleFence(*r.floor), ScaleTarget(*r.boot), 0.0)
+        return None
+
+    def perform(self, w: World, i: int) -> tuple[World, Violation | None]:
+        x = w.workers[i]
+        assert x.held is not None
+        action = _thaw(x.held)
+        done = w._replace(workers=_set(w.workers, i, x._replace(held=None)))
+        if type(action).__name__ in RUNNER_CALLS:
+            assert isinstance(action, d.ApplyScale)
+            return self._put(done, action.plan)
+        mutate = mutations.status_mutation(action, d.Lease(x.epoch, x.token))
+        try:
+            new = mutate(copy.deepcopy(to_vm(w.vm)))
+        except mutations.FencedOut:
+            return done._replace(workers=_set(done.workers, i, x._replace(
+                held=None, stopped=True))), None
+        if new is None:
+            return done, None
+        vm = to_vm(w.vm)
+        vm.status = new
+        return _write(done, from_vm(vm, w.vm.use), self.lag), None
+
+    def _put(self, w: World, plan: PendingScale) -> tuple[World, Violation | None]:
+        r = w.runner
+        fence = ScaleFence(plan.epoch, plan.token, plan.seq)
+        target = ScaleTarget(plan.cpus, plan.memory_slots)
+        if self.mutants.unfenced_runner:
+            decision = "newer"
+        else:
+            try:
+                decision = fence_decision(self._last(r), fence, target)
+            except ScaleError:
+                return w, None  # 409: nothing applied
+        size = (plan.cpus, plan.memory_slots)
+        stored = ((plan.epoch, plan.token, plan.seq), size) if decision == "newer" else r.stored
+        guest = size
+        if self.refuse_unplug and size[1] < r.guest[1]:
+            guest = (size[0], r.guest[1])  # 504: the fence stays recorded, memory stays
+        seq0, size0 = r.received
+        violation = None
+        # The same plan again (a retry), or a plan as old as the pod that asks for the
+        # size it booted with, changes nothing: only a different size counts.
+        if plan.seq < seq0 or (plan.seq == seq0 and size != size0):
+            violation = Violation("order", f"the guest of pod {r.pod_uid} received plan "
+                                           f"#{plan.seq} {size} after plan #{seq0} {size0}"
+                                           f"{' (its boot size)' if seq0 == r.boot_seq else ''}")
+        runner = r._replace(stored=stored, guest=guest, received=(plan.seq, size))
+        return w._replace(runner=runner), violation
+
+    def restart_runner(self, w: World) -> World:
+        """The pod is replaced: Restart and RecordPlan (shipped mutations), a new pod built
+        by the shipped pod spec (its fence floor, its built size), its runner booted at
+        that size; the commit is a later step (:meth:`commit_pod`)."""
+        leader = max((x for x in w.workers if x.active and not x.stopped),
+                     key=lambda x: x.epoch)
+        lease = d.Lease(leader.epoch, leader.token)
+        vm = to_vm(w.vm)
+        for action in (d.Restart(name=vm.status.pod_name or "", uid=vm.status.pod_uid or ""),
+                       d.RecordPlan(plan=PendingPod(
+                           name=d.plan_name(vm, vm.status.plan_seq + 1),
+                           plan_seq=vm.status.plan_seq + 1, token=lease.token,
+                           epoch=lease.epoch, generation=vm.generation),
+                           observed_seq=vm.status.plan_seq)):
+            new = mutations.status_mutation(action, lease)(copy.deepcopy(vm))
+            assert new is not None, action
+            vm.status = new
+        created = podspec.runner_pod(vm, vm.status.pending_pod)  # type: ignore[arg-type]
+        env = {e["name"]: e.get("value") for e in created["spec"]["containers"][0]["env"]}
+        floor_text = env.get("NEONVM_SCALING_FENCE_FLOOR")
+        floor: FenceTriple | None = None
+        if floor_text and not self.mutants.no_floor:
+            e, t, s = (int(v) for v in floor_text.split(","))
+            floor = (e, t, s)
+        name = vm.status.pending_pod.name  # type: ignore[union-attr]
+        uid = f"uid-{vm.status.plan_seq}"
+        milli, slots = podspec.built_size(created["metadata"]) or (0, 0)
+        boot = ((milli + 999) // 1000, slots)
+        runner = Runner(pod_uid=uid, stored=None, floor=floor, boot=boot, guest=boot,
+                        received=(vm.status.scale_seq, boot), boot_seq=vm.status.scale_seq)
+        return _write(w._replace(runner=runner, restarts_left=w.restarts_left - 1,
+                                 created=(name, uid, boot)),
+                      from_vm(vm, w.vm.use), self.lag)
+
+    def commit_pod(self, w: World) -> World:
+        """The created pod is committed and seen running (shipped decide's Commit, its
+        mutation, then SyncStatus), by the newest live leader."""
+        assert w.created is not None
+        leader = max((x for x in w.workers if x.active and not x.stopped),
+                     key=lambda x: x.epoch)
+        lease = d.Lease(leader.epoch, leader.token)
+        name, uid, boot = w.created
+        vm = to_vm(w.vm)
+        pending = vm.status.pending_pod
+        assert pending is not None
+        pod = d.PodView(name=name, uid=uid, owner_uid=UID, gated=True, terminating=False,
+                        fence=(pending.epoch, pending.token),
+                        built=(boot[0] * 1000, boot[1]))
+        commit = d.decide(d.Observation(vm=vm, pods=(pod,), lease=lease, direct=True))
+        assert isinstance(commit, d.Commit), commit
+        if self.mutants.commit_spec_size:
+            commit = dataclasses.replace(commit, built=None)
+        for action in (commit, d.SyncStatus(phase="Running", node="n1", ip=IP, name=name,
+                                            uid=uid)):
+            new = mutations.status_mutation(action, lease)(copy.deepcopy(vm))
+            assert new is not None, action
+            vm.status = new
+        return _write(w._replace(created=None), from_vm(vm, w.vm.use), self.lag)
+
+    def successors(self, w: World) -> Iterator[tuple[str, World, Violation | None]]:
+        for i, x in enumerate(w.workers):
+            if not x.active or x.stopped:
+                continue
+            if x.held is None:
+                for seen in dict.fromkeys((w.vm, *w.history)):
+                    held = self.observe(w, i, seen)
+                    if held is not None:
+                        stale = "" if seen == w.vm else " (stale read)"
+                        yield (f"w{i} decides {held[0]}{stale}",
+                               w._replace(workers=_set(w.workers, i, x._replace(held=held))),
+                               None)
+            else:
+                new, violation = self.perform(w, i)
+                yield f"w{i} performs {x.held[0]}", new, violation
+                if w.crashes_left:
+                    yield (f"w{i} crashes", w._replace(
+                        workers=_set(w.workers, i, x._replace(held=None)),
+                        crashes_left=w.crashes_left - 1), None)
+        for i, x in enumerate(w.workers):
+            if not x.active:
+                yield (f"failover: w{i} leads (epoch {x.epoch})",
+                       w._replace(workers=_set(w.workers, i, x._replace(active=True))), None)
+                break
+        if w.spec_changes:
+            use, rest = w.spec_changes[0], w.spec_changes[1:]
+            vm = w.vm._replace(use=use, generation=w.vm.generation + 1)
+            yield f"user sets use {use}", _write(w._replace(spec_changes=rest), vm,
+                                                 self.lag), None
+        leading = any(x.active and not x.stopped for x in w.workers)
+        if w.created is not None and leading:
+            yield "the new pod is committed", self.commit_pod(w), None
+        elif w.restarts_left and leading:
+            yield "runner restarts (pod replaced)", self.restart_runner(w), None
+
+    def converges(self, w: World, max_steps: int = 40) -> Violation | None:
+        """Faults stop, the newest live leader alone, observing directly, must converge."""
+        live = [i for i, x in enumerate(w.workers) if x.active and not x.stopped]
+        if not live:
+            return None  # every leader stopped; a new term would start: not modelled
+        i = max(live, key=lambda j: w.workers[j].epoch)
+        workers = tuple(x._replace(held=None) if j == i else x._replace(stopped=True)
+                        for j, x in enumerate(w.workers))
+        s = w._replace(workers=workers, spec_changes=(), restarts_left=0, crashes_left=0)
+        if s.created is not None:
+            s = self.commit_pod(s)
+        for _ in range(max_steps):
+            held = self.observe(s, i, s.vm)
+            if held is None:
+                break
+            s = s._replace(workers=_set(s.workers, i, s.workers[i]._replace(held=held)))
+            s, violation = self.perform(s, i)
+            if violation is not None:
+                return violation
+            if s.workers[i].stopped:
+                return Violation("convergence", "the newest leader was fenced out")
+        want = s.vm.use
+        if self.refuse_unplug and want[1] < s.runner.guest[1]:
+            # Cannot be reached: the newest plan must be the one still being tried.
+            p = s.vm.pending
+            if p is None or (p[0], p[1]) != want:
+                return Violation("convergence", f"the guest refuses unplugs; calm run ends "
+                                                f"with plan {p}, not one for {want}")
+            return None
+        if (s.runner.guest, s.vm.size, s.vm.pending) != (want, want, None):
+            return Violation("convergence", f"calm run ends with guest {s.runner.guest}, "
+                                            f"status {s.vm.size}, plan {s.vm.pending}; "
+                                            f"spec asks {want}")
+        return None
+
+
+def _set(xs: tuple[WorkerRep, ...], i: int, x: WorkerRep) -> tuple[WorkerRep, ...]:
+    return (*xs[:i], x, *xs[i + 1:])
+
+
+def _write(w: World, vm: VMRep, lag: int) -> World:
+    if vm == w.vm:
+        return w
+    return w._replace(vm=vm, history=(w.vm, *w.history)[:lag])
+
+
+def initial_world(spec_changes: tuple[Size, ...] = ((2, 2), (1, 1)), restarts: int = 1,
+                  crashes: int = 1) -> World:
+    """A VM running at 1 vCPU, 1 slot, committed by leader 1; leader 2 not started."""
+    vm = VMRep(use=(1, 1), generation=1, phase="Running", pod="vm-01234567-1",
+               pod_uid="uid-1", plan_seq=1, fence=(1, 10), size=(1, 1), pending=None,
+               scale_seq=0, restarts=0)
+    runner = Runner(pod_uid="uid-1", stored=None, floor=(1, 10, 0), boot=(1, 1),
+                    guest=(1, 1), received=(0, (1, 1)), boot_seq=0)
+    workers = (WorkerRep(1, 10, True, False, None), WorkerRep(2, 11, False, False, None))
+    return World(vm=vm, history=(), runner=runner, workers=workers,
+                 spec_changes=spec_changes, restarts_left=restarts, crashes_left=crashes)
+
+
+@dataclass
+class ScalingReport:
+    states: int = 0
+    transitions: int = 0
+    complete: bool = False
+    violation: Violation | None = None
+    trace: list[str] = dataclasses.field(default_factory=list)
+
+
+def explore_scaling(world: World | None = None, *, lag: int = 2, mutants: Mutants = Mutants(),
+                    max_states: int = 200_000, liveness: bool = True,
+                    refuse_unplug: bool = False) -> ScalingReport:
+    """Breadth-first over every interleaving; stops at the first violation."""
+    model = ScalingModel(lag=lag, mutants=mutants, refuse_unplug=refuse_unplug)
+    start = world or initial_world()
+    parents: dict[World, tuple[World, str] | None] = {start: None}
+    queue: deque[World] = deque([start])
+    report = ScalingReport()
+
+    def trace(s: World, last: str) -> list[str]:
+        steps = [last]
+        at: tuple[World, str] | None = parents[s]
+        while at is not None:
+            s, step = at
+            steps.append(step)
+            at = parents[s]
+        return steps[::-1]
+
+    while queue:
+        s = queue.popleft()
+        report.states += 1
+        if liveness:
+            violation = model.converges(s)
+            if violation is not None:
+                report.violation, report.trace = violation, trace(s, "(calm run)")
+                return report
+        for step, nxt, violation in model.successors(s):
+            report.transitions += 1
+            if violation is not None:
+                parents.setdefault(nxt, (s, step))
+                report.violation = violation
+                report.trace = trace(s, step)
+                return report
+            if nxt not in parents:
+                if len(parents) >= max_states:
+                    return report
+                parents[nxt] = (s, step)
+                queue.append(nxt)
+    report.complete = True
+    return report

@@ -1,0 +1,170 @@
+"""The slim pod cache: what cached decisions read survives :func:`project_pod`, and a
+re-list replaces the store key by key (pure logic; the informer against a real API server
+is in tests/test_reconcile_informer.py and tests/test_resync.py)."""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+import pytest
+
+from neonvm.api import types
+from neonvm.api.types import (
+    FINALIZER,
+    PendingPod,
+    VirtualMachine,
+    VirtualMachineSpec,
+    VirtualMachineStatus,
+)
+from neonvm.controller import decide as d
+from neonvm.controller import informer, podspec
+from neonvm.controller.acceleration import RUNNER_PORT_NAME, runner_port
+from neonvm.controller.informer import Informer, Store, project_pod
+from neonvm.controller.observe import VMRecord, make_snapshot, pod_index, pod_view
+
+pytestmark = pytest.mark.unit
+
+UID = "0123456789abcdef"
+LEASE = d.Lease(epoch=3, token=40)
+
+
+def vm(**status: Any) -> VirtualMachine:
+    return VirtualMachine(
+        name="vm", namespace="ns", uid=UID, resource_version="100", generation=1,
+        spec=VirtualMachineSpec(), status=VirtualMachineStatus(**status),
+        finalizers=[FINALIZER])
+
+
+def plan(seq: int) -> PendingPod:
+    return PendingPod(name=f"vm-{UID[:8]}-{seq}", plan_seq=seq, token=40, epoch=3,
+                      generation=1)
+
+
+def full_pod(seq: int, *, gated: bool = True, phase: str | None = None,
+             node: str | None = None, ip: str | None = None, terminating: bool = False,
+             owner: str = UID) -> dict[str, Any]:
+    """A runner pod as the API server returns it: the real manifest, plus server fields."""
+    pod = podspec.runner_pod(vm(), plan(seq))
+    meta = pod["metadata"]
+    meta.update(namespace="ns", uid=f"pod-uid-{seq}", resourceVersion=str(200 + seq),
+                creationTimestamp="2026-01-01T00:00:00Z",
+                managedFields=[{"manager": "neonvm", "fieldsV1": {"f:spec": {}}}])
+    meta["ownerReferences"] = [{"apiVersion": types.API_VERSION, "kind": types.KIND,
+                                "name": "vm", "uid": owner, "controller": True,
+                                "blockOwnerDeletion": True}]
+    if terminating:
+        meta["deletionTimestamp"] = "2026-01-01T00:01:00Z"
+    if not gated:
+        pod["spec"].pop("schedulingGates", None)
+    if node:
+        pod["spec"]["nodeName"] = node
+    pod["status"] = {"conditions": [{"type": "PodScheduled", "status": "True"}],
+                     "containerStatuses": [{"name": "runner", "ready": True}]}
+    if phase:
+        pod["status"]["phase"] = phase
+    if ip:
+        pod["status"]["podIP"] = ip
+    return pod
+
+
+POD_VARIANTS = [
+    full_pod(1),
+    full_pod(1, gated=False, phase="Running", node="n1", ip="10.0.0.1"),
+    full_pod(1, gated=False, phase="Succeeded", node="n1"),
+    full_pod(1, gated=False, phase="Failed", node="n1"),
+    full_pod(1, gated=False, phase="Running", node="n1", ip="10.0.0.1", terminating=True),
+    full_pod(1, owner="someone-else"),
+    full_pod(2, gated=False, phase="Pending", node="n2"),
+]
+
+VM_STATES = [
+    vm(),
+    vm(pending_pod=plan(1), plan_seq=1),
+    vm(pod_name=plan(1).name, pod_uid="pod-uid-1", plan_seq=1, phase="Running"),
+    vm(pod_name=plan(1).name, pod_uid="pod-uid-1", plan_seq=1, phase="Pending"),
+    vm(pod_name=plan(2).name, pod_uid="pod-uid-2", plan_seq=2, phase="Running"),
+]
+
+
+def test_projection_keeps_every_field_a_cached_decision_reads() -> None:
+    assert RUNNER_PORT_NAME == informer.RUNNER_PORT_NAME
+    for pod in POD_VARIANTS:
+        slim = project_pod(copy.deepcopy(pod))
+        assert pod_view(slim) == pod_view(pod)
+        assert pod_index(slim) == pod_index(pod)
+        assert slim["metadata"]["resourceVersion"] == pod["metadata"]["resourceVersion"]
+        assert runner_port(slim, vm(), 1) == runner_port(pod, vm(), 1) != 1
+        assert d.looks_mid_plan({"metadata": {}, "status": {}}, [slim]) == \
+            d.looks_mid_plan({"metadata": {}, "status": {}}, [pod])
+
+
+def test_decisions_on_projected_pods_are_the_decisions_on_full_pods() -> None:
+    checked = 0
+    for state in VM_STATES:
+        record = VMRecord(vm=state, raw={"metadata": {"name": "vm", "namespace": "ns"}})
+        for pods in ([], *([p] for p in POD_VARIANTS), POD_VARIANTS[:2], POD_VARIANTS[1:3]):
+            for direct in (False, True):
+                full = make_snapshot(record, [copy.deepcopy(p) for p in pods], LEASE, direct)
+                slim = make_snapshot(record, [project_pod(copy.deepcopy(p)) for p in pods],
+                                     LEASE, direct)
+                assert d.decide(slim.obs) == d.decide(full.obs), (state, pods, direct)
+                checked += 1
+    assert checked > 50
+
+
+def test_a_projected_pod_is_a_small_share_of_the_full_one() -> None:
+    pod = POD_VARIANTS[1]
+    slim = project_pod(copy.deepcopy(pod))
+    assert types.ANNOTATION_TOKEN in slim["metadata"]["annotations"]
+    assert all(set(c) == {"name", "ports"} for c in slim["spec"]["containers"])
+    assert all(p["name"] == RUNNER_PORT_NAME for c in slim["spec"]["containers"]
+               for p in c["ports"])
+    assert len(json.dumps(slim)) * 4 < len(json.dumps(pod))
+
+
+# ---- re-list: streamed, key by key ---------------------------------------------------------
+
+
+class _Resp:
+    def __init__(self, body: dict[str, Any]) -> None:
+        self.data = json.dumps(body).encode()
+
+    def release_conn(self) -> None:
+        pass
+
+
+def raw(name: str, rv: str) -> dict[str, Any]:
+    return {"metadata": {"name": name, "namespace": "ns", "uid": f"u-{name}",
+                         "resourceVersion": rv}}
+
+
+def test_a_relist_is_paginated_and_replaces_key_by_key() -> None:
+    """Pages are asked for with limit/continue; each page goes into the store before the
+    next is fetched (never two copies of the list), changes reach the handler, and what
+    the list no longer shows is deleted at the end."""
+    store = Store()
+    store.put(raw("gone", "1"))
+    store.put(raw("same", "1"))
+    pages = {None: ([raw("same", "1"), raw("new", "2")], "t1"),
+             "t1": ([raw("other", "3")], None)}
+    calls: list[dict[str, Any]] = []
+    sizes_seen: list[int] = []
+
+    def lister(**kw: Any) -> _Resp:
+        calls.append(kw)
+        sizes_seen.append(len(store.all_keys()))
+        items, token = pages[kw.get("_continue")]
+        return _Resp({"items": items, "metadata": {"resourceVersion": "9",
+                                                   **({"continue": token} if token else {})}})
+
+    changes: list[tuple[str, bool]] = []
+    informer = Informer("t", lister, store, lambda k, o, n: changes.append((k, n is None)),
+                        relist_page=2)
+    assert informer._relist() == "9"
+    assert [c.get("limit") for c in calls] == [2, 2]
+    assert [c.get("_continue") for c in calls] == [None, "t1"]
+    assert sizes_seen == [2, 3], "the first page was in the store before the second came"
+    assert sorted(changes) == [("ns/gone", True), ("ns/new", False), ("ns/other", False)]
+    assert sorted(store.all_keys()) == ["ns/new", "ns/other", "ns/same"]

@@ -1,0 +1,360 @@
+"""Live scaling end to end: the controller scales a real guest through its runner.
+
+Real kube-apiserver and etcd (the session's local cluster), the reconciler under the
+controller's identity, and a real ``neonvm-runner`` process booting the tiny test guest
+under QEMU (TCG). Runner pods in the local cluster are never run by a kubelet (their
+nodes are simulated), so the test plays the kubelet, honestly and no more: it starts the
+runner with exactly what the pod carries (the spec annotation as the spec file, the
+pod's environment: fence floor, CPU scaling mode; the VM's token Secret as the token
+file), on the VM's ``runnerPort`` on loopback, and reports the pod Running with
+``podIP: 127.0.0.1``. The controller then reaches the runner as it would in a cluster:
+``http://<podIP>:<runnerPort>/scale`` with the Secret's bearer token.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kubernetes import client
+
+from neonvm import kube
+from neonvm.api import types
+from neonvm.controller import decide as d
+from neonvm.controller.podspec import ANNOTATION_SPEC
+from neonvm.controller.reconciler import Reconciler, ReconcileResult, StaticAuthority
+from neonvm.controller.scaling import USAGE_ANNOTATION
+from neonvm.runner.scaling import pod_token
+from neonvm.testing.harness import create_vm, get_vm, runner_pods
+from tests.support import wait_for
+from tests.test_runner import REPO, RunningRunner, free_port, test_guest  # noqa: F401
+from tests.test_runner_scaling import guest_sees
+
+pytestmark = pytest.mark.cluster
+
+GIB = 1 << 30
+NOWHERE = {"neonvm.test/unschedulable": "true"}
+OLD = StaticAuthority(epoch=1, token=10)
+NEW = StaticAuthority(epoch=2, token=11)
+
+
+def settle(reconciler: Reconciler, key: str, authority: StaticAuthority,
+           rounds: int = 10) -> ReconcileResult:
+    result = reconciler.reconcile(key, authority, direct_first=True)
+    for _ in range(rounds):
+        if isinstance(result.action, d.Done):
+            return result
+        result = reconciler.reconcile(key, authority, direct_first=True)
+    return result
+
+
+def vm_path(namespace: str) -> str:
+    return f"/apis/{types.GROUP}/{types.VERSION}/namespaces/{namespace}/{types.PLURAL}"
+
+
+def set_use(api: client.ApiClient, namespace: str, name: str, cpus: int, slots: int) -> None:
+    kube.request(api, "PATCH", f"{vm_path(namespace)}/{name}", [
+        {"op": "replace", "path": "/spec/guest/cpus/use", "value": cpus},
+        {"op": "replace", "path": "/spec/guest/memorySlots/use", "value": slots}],
+        content_type="application/json-patch+json")
+
+
+def status_of(api: client.ApiClient, namespace: str, name: str) -> dict[str, Any]:
+    raw = get_vm(api, namespace, name)
+    assert raw is not None
+    status: dict[str, Any] = raw.get("status") or {}
+    return status
+
+
+def start_runner_for(pod: Any, token: str, port: int, tmp_path: Path) -> RunningRunner:
+    """Start the runner as the kubelet would for ``pod`` (its spec and env), on loopback."""
+    spec_file = tmp_path / "spec.json"
+    spec_file.write_text(pod.metadata.annotations[ANNOTATION_SPEC])
+    token_file = tmp_path / "token"
+    token_file.write_text(token)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NEONVM_")}
+    for e in pod.spec.containers[0].env or []:
+        ref = e.value_from.field_ref if e.value_from is not None else None
+        if ref is not None and ref.field_path == "metadata.uid":
+            env[e.name] = pod.metadata.uid  # the downward API, as the kubelet fills it in
+        elif e.value is not None:
+            env[e.name] = e.value
+    env.update({"NEONVM_SPEC_FILE": str(spec_file), "NEONVM_SCALING_TOKEN_FILE": str(token_file)})
+    work_dir, termination_log = tmp_path / "work", tmp_path / "termination-log"
+    termination_log.write_text("")
+    console_path, log_path = tmp_path / "console.log", tmp_path / "runner.log"
+    args = [sys.executable, "-m", "neonvm.runner.main", "--port", str(port),
+            "--listen-address", "127.0.0.1", "--work-dir", str(work_dir),
+            "--disks-dir", str(tmp_path / "disks"), "--termination-log", str(termination_log)]
+    with console_path.open("wb") as out, log_path.open("wb") as err:
+        proc = subprocess.Popen(args, env=env, stdout=out, stderr=err, cwd=REPO)
+    return RunningRunner(proc, port, console_path, log_path, termination_log, work_dir)
+
+
+def put_scale(port: int, token: str, body: dict[str, Any]) -> int:
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/scale", method="PUT", data=json.dumps(body).encode(),
+        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return int(response.status)
+    except urllib.error.HTTPError as err:
+        return int(err.code)
+
+
+def test_the_controller_scales_a_running_guest_live_under_its_fence(
+        api: client.ApiClient, controller_api: client.ApiClient, namespace: str,
+        test_guest: Any, tmp_path: Path) -> None:  # noqa: F811
+    port = free_port()
+    root = tmp_path / "root.raw"  # a file on the "node": the runner boots from it as it is
+    with root.open("wb") as f:
+        f.truncate(16 << 20)
+    subprocess.run(["mkfs.ext4", "-q", "-F", str(root)], check=True)
+    create_vm(api, namespace, "live", spec={
+        "nodeSelector": NOWHERE, "runnerPort": port, "terminationGracePeriodSeconds": 10,
+        "cpuScalingMode": "SysfsScaling",
+        # max 3 vCPUs: the CPU request (use) stays below the limit (max), so the pod stays
+        # Burstable and an in-place resize is allowed (it may not change the QoS class).
+        "guest": {"cpus": {"min": 1, "max": 3, "use": 1},
+                  "memorySlots": {"min": 1, "max": 2, "use": 1}, "memorySlotSize": "1Gi",
+                  "rootDisk": {"image": str(root)}, "kernelImage": str(test_guest.kernel),
+                  "initrdImage": str(test_guest.initrd),
+                  "appendKernelCmdline": "quiet neonvm.test=powerdown"}})
+    key = f"{namespace}/live"
+    reconciler = Reconciler(controller_api)
+    settle(reconciler, key, OLD)
+    (pod,) = runner_pods(api, namespace, "live")
+    uid = pod.metadata.uid
+    env = {e.name: e.value for e in pod.spec.containers[0].env or []}
+    assert env["NEONVM_CPU_SCALING_MODE"] == "SysfsScaling"
+
+    # The token Secret the controller created before the pod, owned by the VM.
+    raw = get_vm(api, namespace, "live")
+    assert raw is not None
+    secret = client.CoreV1Api(api).read_namespaced_secret(
+        raw["status"]["scalingTokenSecret"], namespace)
+    assert [ref.uid for ref in secret.metadata.owner_references] == [raw["metadata"]["uid"]]
+    assert secret.metadata.uid == raw["status"]["scalingTokenSecretUID"]
+    token = base64.b64decode(secret.data["token"]).decode()
+
+    runner = start_runner_for(pod, token, port, tmp_path)
+    try:
+        first = runner.wait_ready()
+        qemu_pid = first["qemuPid"]
+        boot = guest_sees(runner, cpus=1)
+        boot_kb = boot["guestMemTotalKb"]
+        client.CoreV1Api(api).patch_namespaced_pod_status(pod.metadata.name, namespace, {
+            "status": {"phase": "Running", "podIP": "127.0.0.1",
+                       "podIPs": [{"ip": "127.0.0.1"}]}})
+        settle(reconciler, key, OLD)
+        status = status_of(api, namespace, "live")
+        assert (status["phase"], status["cpus"], status["memorySize"]) == ("Running", 1, "1Gi")
+
+        # 1 -> 2 vCPUs, 1 -> 2 GiB: planned, applied by the runner, committed.
+        set_use(api, namespace, "live", 2, 2)
+        result = settle(reconciler, key, OLD)
+        assert isinstance(result.action, d.Done), result
+        status = status_of(api, namespace, "live")
+        assert (status["phase"], status["cpus"], status["memorySize"]) == ("Running", 2, "2Gi")
+        assert status["scaleSeq"] == 1 and "pendingScale" not in status
+        scaling = next(c for c in status["conditions"] if c["type"] == "Scaling")
+        assert (scaling["status"], scaling["reason"]) == ("False", "ScalingDone")
+        guest_sees(runner, cpus=2, mem_kb=(boot_kb + GIB // 1024, boot_kb + GIB // 1024))
+        annotated = client.CoreV1Api(api).read_namespaced_pod(pod.metadata.name, namespace)
+        assert json.loads(annotated.metadata.annotations[USAGE_ANNOTATION]) == {
+            "cpu": "2", "memory": "2Gi"}
+        # In-place resize: the runner container's CPU request follows cpus.use.
+        assert annotated.spec.containers[0].resources.requests["cpu"] == "2"
+
+        # A new leader scales back: 2 -> 1 vCPUs (the guest offlines one), 2 -> 1 GiB.
+        set_use(api, namespace, "live", 1, 1)
+        result = settle(reconciler, key, NEW)
+        assert isinstance(result.action, d.Done), result
+        status = status_of(api, namespace, "live")
+        assert (status["cpus"], status["memorySize"], status["scaleSeq"]) == (1, "1Gi", 2)
+        guest_sees(runner, cpus=1, mem_kb=(boot_kb, boot_kb))
+        resized = client.CoreV1Api(api).read_namespaced_pod(pod.metadata.name, namespace)
+        assert resized.spec.containers[0].resources.requests["cpu"] == "1"
+        assert json.loads(resized.metadata.annotations[USAGE_ANNOTATION]) == {
+            "cpu": "1", "memory": "1Gi"}
+
+        # The bearer is good for this pod only: HMAC(secret, pod uid). The Secret's token
+        # itself, or the token of another pod (the old pod's IP reused), is refused.
+        newer = {"cpus": 2, "memorySlots": 2, "fence": {"epoch": 9, "token": 0, "seq": 9}}
+        assert put_scale(port, token, newer) == 401
+        assert put_scale(port, pod_token(token.encode(), "uid-of-another-pod"), newer) == 401
+        # The deposed leader resends its own recorded plan (2 vCPUs, 2 GiB, fence 1/10/1):
+        # the runner refuses it, and the guest keeps the newest size.
+        assert put_scale(port, pod_token(token.encode(), uid), {
+            "cpus": 2, "memorySlots": 2, "fence": {"epoch": 1, "token": 10, "seq": 1}}) == 409
+        code, body = runner.get("/scale")
+        report = json.loads(body)
+        assert code == 200 and report["lastApplied"]["fence"] == {"epoch": 2, "token": 11,
+                                                                  "seq": 2}
+        assert (report["guest"]["cpusOnline"], report["qemu"]["memorySlots"]) == (1, 1)
+
+        # One pod and one QEMU throughout.
+        assert [p.metadata.uid for p in runner_pods(api, namespace, "live")] == [uid]
+        assert runner.status() is not None and runner.qemu_pids == {qemu_pid}
+    finally:
+        runner.cleanup()
+    wait_for(lambda: runner.proc.poll() is not None, timeout=30, what="runner gone")
+
+
+class RefusingRunner:
+    """Stands in for a runner whose pod cannot take a size (its bounds differ, or it was
+    built without live scaling): GET /scale answers its fence floor and boot size, every
+    PUT /scale answers ``code``. (A real runner gives these answers in
+    ``tests/test_runner_scaling.py``; booting one here would only add a guest.)"""
+
+    def __init__(self, code: int) -> None:
+        import http.server
+        import threading
+
+        self.puts = 0
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def _answer(self, code: int, doc: dict[str, Any]) -> None:
+                body = json.dumps(doc).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self) -> None:
+                self._answer(200, {"mode": "QmpScaling", "lastApplied": {
+                    "fence": {"epoch": 0, "token": 0, "seq": 0}},
+                    "qemu": {"vcpus": 1, "memorySlots": 1, "memoryBytes": GIB}})
+
+            def do_PUT(self) -> None:
+                outer.puts += 1
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                self._answer(code, {"error": f"refused ({code})"})
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.mark.parametrize(("code", "secret", "reason"), [
+    (400, "keep", d.SCALING_NEEDS_RESTART),  # bounds changed after boot
+    (401, "keep", d.SCALING_NEEDS_RESTART),  # the pod was built without live scaling
+    (200, "delete", d.SCALING_DISABLED),     # no token for the controller (no RBAC, ...)
+    # F7: a Secret planted under the recorded name (owned by the VM, but not the one the
+    # controller created) is never used: its token is not sent anywhere.
+    (200, "plant", d.SCALING_DISABLED),
+])
+def test_a_scaling_refused_for_good_ends_in_a_condition_not_a_retry_loop(
+        api: client.ApiClient, controller_api: client.ApiClient, namespace: str,
+        code: int, secret: str, reason: str) -> None:
+    from neonvm.controller.scaling import RunnerScaling
+
+    runner = RefusingRunner(code)
+    try:
+        create_vm(api, namespace, "stuck", spec={
+            "nodeSelector": NOWHERE,
+            "guest": {"cpus": {"min": 1, "max": 2, "use": 1},
+                      "memorySlots": {"min": 1, "max": 2, "use": 1},
+                      "memorySlotSize": "1Gi", "rootDisk": {"image": "/nonexistent.raw"}}})
+        key = f"{namespace}/stuck"
+        reconciler = Reconciler(controller_api, scaling=RunnerScaling(
+            controller_api, address=lambda vm, pod: f"http://127.0.0.1:{runner.port}"))
+        settle(reconciler, key, OLD)
+        (pod,) = runner_pods(api, namespace, "stuck")
+        client.CoreV1Api(api).patch_namespaced_pod_status(pod.metadata.name, namespace, {
+            "status": {"phase": "Running", "podIP": "127.0.0.1",
+                       "podIPs": [{"ip": "127.0.0.1"}]}})
+        settle(reconciler, key, OLD)
+        if secret != "keep":
+            raw = get_vm(api, namespace, "stuck")
+            assert raw is not None
+            name = raw["status"]["scalingTokenSecret"]
+            core = client.CoreV1Api(api)
+            core.delete_namespaced_secret(name, namespace)
+            if secret == "plant":
+                wait_for(lambda: not any(s.metadata.name == name for s in
+                                         core.list_namespaced_secret(namespace).items),
+                         timeout=30, what="the Secret gone")
+                core.create_namespaced_secret(namespace, {"metadata": {
+                    "name": name, "ownerReferences": [{
+                        "apiVersion": types.API_VERSION, "kind": types.KIND, "name": "stuck",
+                        "uid": raw["metadata"]["uid"]}]},
+                    "stringData": {"token": "planted"}})
+        set_use(api, namespace, "stuck", 2, 2)
+        result = settle(reconciler, key, OLD)
+        assert isinstance(result.action, d.Done) and result.stuck is None, result
+        status = status_of(api, namespace, "stuck")
+        assert status["phase"] == "Running" and "pendingScale" not in status, status
+        assert (status["cpus"], status["memorySize"]) == (1, "1Gi")
+        scaling = next(c for c in status["conditions"] if c["type"] == "Scaling")
+        assert (scaling["status"], scaling["reason"]) == ("False", reason), scaling
+        assert not any(c["type"] == "Degraded" and c["status"] == "True"
+                       for c in status["conditions"]), status["conditions"]
+        puts = runner.puts
+        assert puts <= (0 if secret != "keep" else 1)
+        # Nothing more is tried for this spec ...
+        assert isinstance(settle(reconciler, key, OLD).action, d.Done)
+        assert runner.puts == puts and status_of(api, namespace, "stuck")["scaleSeq"] == 1
+        # ... and a new spec tries again.
+        set_use(api, namespace, "stuck", 1, 2)
+        settle(reconciler, key, OLD)
+        assert status_of(api, namespace, "stuck")["scaleSeq"] == 2
+    finally:
+        runner.close()
+
+
+def test_a_late_older_plan_never_puts_its_size_back_on_the_pod(
+        api: client.ApiClient, controller_api: client.ApiClient, namespace: str) -> None:
+    # Issue 19 review F6: the usage annotation (and the CPU request) of plan #2 must not be
+    # overwritten by a late apply of plan #1 (a deposed leader, a slow PUT /scale).
+    from loguru import logger
+
+    from neonvm.controller.observe import pod_view
+    from neonvm.controller.scaling import SCALE_FENCE_ANNOTATION, RunnerScaling
+
+    create_vm(api, namespace, "late", spec={
+        "nodeSelector": NOWHERE,
+        "guest": {"cpus": {"min": 1, "max": 2, "use": 1},
+                  "memorySlots": {"min": 1, "max": 2, "use": 1}, "memorySlotSize": "1Gi",
+                  "rootDisk": {"image": "/nonexistent.raw"}}})
+    settle(Reconciler(controller_api), f"{namespace}/late", OLD)
+    (pod,) = runner_pods(api, namespace, "late")
+    raw = get_vm(api, namespace, "late")
+    assert raw is not None
+    vm = types.VirtualMachine.from_object(raw)
+    view = pod_view(api.sanitize_for_serialization(pod))
+    scaling = RunnerScaling(controller_api)
+
+    def plan(seq: int, cpus: int, epoch: int = 1) -> types.PendingScale:
+        return types.PendingScale(cpus=cpus, memory_slots=cpus, seq=seq, epoch=epoch,
+                                  token=10, pod_name=pod.metadata.name,
+                                  pod_uid=pod.metadata.uid, generation=1)
+
+    def annotations() -> dict[str, str]:
+        read = client.CoreV1Api(api).read_namespaced_pod(pod.metadata.name, namespace)
+        return dict(read.metadata.annotations or {})
+
+    scaling._tell_kubernetes(vm, view, 2 * GIB, plan(2, 2), logger)
+    assert json.loads(annotations()[USAGE_ANNOTATION]) == {"cpu": "2", "memory": "2Gi"}
+    assert annotations()[SCALE_FENCE_ANNOTATION] == "1,10,2"
+    scaling._tell_kubernetes(vm, view, GIB, plan(1, 1), logger)  # late: plan #1
+    assert json.loads(annotations()[USAGE_ANNOTATION]) == {"cpu": "2", "memory": "2Gi"}
+    scaling._tell_kubernetes(vm, view, GIB, plan(3, 1), logger)  # newer: taken
+    assert json.loads(annotations()[USAGE_ANNOTATION]) == {"cpu": "1", "memory": "1Gi"}
+    assert annotations()[SCALE_FENCE_ANNOTATION] == "1,10,3"

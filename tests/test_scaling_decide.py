@@ -1,0 +1,318 @@
+"""Live scaling in the pure decision and its status mutations (no servers).
+
+Plan (CAS of ``status.pendingScale``), apply (the runner, with the plan's fence), commit
+(CAS of what the runner reports). The real-server test is
+``tests/test_scaling_controller.py``; the interleavings are checked by the explorer
+(``tests/test_explore_scaling.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from neonvm.api.millicpu import MilliCPU
+from neonvm.api.types import (
+    FINALIZER,
+    CPURange,
+    Fence,
+    Guest,
+    IntRange,
+    PendingScale,
+    VirtualMachine,
+    VirtualMachineSpec,
+    VirtualMachineStatus,
+)
+from neonvm.controller import decide as d
+from neonvm.controller import podspec
+from neonvm.controller.mutations import FencedOut, status_mutation
+from neonvm.runner.scaling import (
+    AppliedFence,
+    FenceStore,
+    ScaleError,
+    ScaleFence,
+    ScaleLimits,
+    Scaler,
+    ScaleTarget,
+    parse_fence_floor,
+)
+
+pytestmark = pytest.mark.unit
+
+UID = "0123456789abcdef"
+POD = f"vm-{UID[:8]}-1"
+LEASE = d.Lease(epoch=3, token=40)
+GIB = 1 << 30
+
+
+def vm(cpus_use: float = 1, slots_use: int = 1, *, status_cpus: float = 1,
+       status_slots: int = 1, phase: str = "Running", scale_seq: int = 0,
+       pending: PendingScale | None = None, fence: Fence | None = None) -> VirtualMachine:
+    spec = VirtualMachineSpec(guest=Guest(
+        cpus=CPURange(min=1, max=2, use=MilliCPU.parse(cpus_use)),
+        memory_slots=IntRange(min=1, max=2, use=slots_use), memory_slot_size="1Gi"))
+    status = VirtualMachineStatus(
+        phase=phase, pod_name=POD, pod_uid="uid-1", pod_ip="10.0.0.1",  # type: ignore[arg-type]
+        node="n1", cpus=MilliCPU.parse(status_cpus), memory_size=f"{status_slots}Gi",
+        scale_seq=scale_seq, pending_scale=pending, fence=fence)
+    return VirtualMachine(name="vm", namespace="ns", uid=UID, resource_version="100",
+                          generation=2, spec=spec, status=status, finalizers=[FINALIZER])
+
+
+def running(uid: str = "uid-1") -> d.PodView:
+    return d.PodView(name=POD, uid=uid, owner_uid=UID, gated=False, terminating=False,
+                     phase="Running", node="n1", ip="10.0.0.1", fence=(3, 40))
+
+
+def obs(v: VirtualMachine, *, runner: d.RunnerView | None = None, error: str | None = None,
+        lease: d.Lease = LEASE, pod: d.PodView | None = None) -> d.Observation:
+    return d.Observation(vm=v, pods=(pod or running(),), lease=lease, direct=False,
+                         runner=runner, runner_error=error)
+
+
+def scale_plan(cpus: int = 2, slots: int = 1, seq: int = 1, epoch: int = 3,
+               token: int = 40) -> PendingScale:
+    return PendingScale(cpus=cpus, memory_slots=slots, seq=seq, epoch=epoch, token=token,
+                        pod_name=POD, pod_uid="uid-1", generation=2)
+
+
+def view(fence: tuple[int, int, int] | None, cpus: int, slots: int) -> d.RunnerView:
+    return d.RunnerView(pod_uid="uid-1", fence=fence, vcpus=cpus, memory_slots=slots,
+                        memory_bytes=slots * GIB)
+
+
+def test_a_running_vm_at_its_spec_size_needs_nothing() -> None:
+    assert isinstance(d.decide(obs(vm())), d.Done)
+
+
+def test_a_changed_use_is_planned_with_the_next_seq_and_the_callers_fence() -> None:
+    action = d.decide(obs(vm(cpus_use=1.5, slots_use=2, scale_seq=4)))
+    assert isinstance(action, d.PlanScale)
+    assert action.plan == PendingScale(cpus=2, memory_slots=2, seq=5, epoch=3, token=40,
+                                       pod_name=POD, pod_uid="uid-1", generation=2)
+    assert action.observed_seq == 4
+
+
+def test_a_recorded_plan_is_applied_then_committed_from_what_the_runner_reports() -> None:
+    v = vm(cpus_use=2, pending=scale_plan(), phase="Scaling")
+    assert isinstance(d.decide(obs(v)), d.ApplyScale)
+    # The runner has not got there yet (older fence, or the same fence mid-change): ask again.
+    assert isinstance(d.decide(obs(v, runner=view((3, 40, 0), 1, 1))), d.ApplyScale)
+    assert isinstance(d.decide(obs(v, runner=view((3, 40, 1), 1, 1))), d.ApplyScale)
+    action = d.decide(obs(v, runner=view((3, 40, 1), 2, 1)))
+    assert action == d.CommitScale(seq=1, vcpus=2, memory_bytes=GIB, reason=action.reason)
+
+
+def test_a_runner_ahead_of_the_plan_drops_it_and_one_that_cannot_be_asked_waits() -> None:
+    v = vm(cpus_use=2, pending=scale_plan(), phase="Scaling")
+    assert isinstance(d.decide(obs(v, runner=view((4, 1, 0), 1, 1))), d.DropScale)
+    action = d.decide(obs(v, error="connection refused"))
+    assert isinstance(action, d.Wait) and action.condition == d.SCALING_CONDITION
+
+
+def test_a_plan_for_another_pod_is_dropped_and_a_newer_leaders_plan_fences_us() -> None:
+    old = dataclasses.replace(scale_plan(), pod_uid="uid-of-an-earlier-pod")
+    v = vm(cpus_use=2, pending=old, phase="Scaling")
+    assert isinstance(d.decide(obs(v)), d.DropScale)
+    newer = vm(cpus_use=2, pending=scale_plan(epoch=9), phase="Scaling")
+    assert isinstance(d.decide(obs(newer)), d.Fenced)
+
+
+def test_the_scaling_phase_is_kept_while_a_plan_is_recorded() -> None:
+    v = vm(cpus_use=2, pending=scale_plan(), phase="Running")
+    action = d.decide(obs(v))
+    assert isinstance(action, d.SyncStatus) and action.phase == "Scaling"
+
+
+def test_the_plan_mutation_refuses_a_fresh_spec_that_asks_for_another_size() -> None:
+    action = d.decide(obs(vm(cpus_use=2)))
+    assert isinstance(action, d.PlanScale)
+    mutate = status_mutation(action, LEASE)
+    new = mutate(vm(cpus_use=2))
+    assert new is not None and new.pending_scale == action.plan and new.scale_seq == 1
+    assert new.phase == "Scaling"
+    assert [(c.type, c.status) for c in new.conditions] == [("Scaling", "True")]
+    assert mutate(vm(cpus_use=1)) is None  # the spec went back meanwhile: plan again
+    assert mutate(vm(cpus_use=2, scale_seq=1)) is None  # someone planned meanwhile
+    with pytest.raises(FencedOut):
+        mutate(vm(cpus_use=2, fence=Fence(epoch=4, token=1)))
+
+
+def test_commit_records_what_the_runner_reported_and_ends_the_scaling_phase() -> None:
+    v = vm(cpus_use=2, slots_use=2, pending=scale_plan(slots=2), phase="Scaling")
+    action = d.CommitScale(seq=1, vcpus=2, memory_bytes=2 * GIB)
+    new = status_mutation(action, LEASE)(v)
+    assert new is not None
+    assert (new.cpus, new.memory_size, new.pending_scale, new.phase) == (
+        MilliCPU(2000), "2Gi", None, "Running")
+    assert [(c.type, c.status) for c in new.conditions] == [("Scaling", "False")]
+    later = dataclasses.replace(v, status=dataclasses.replace(v.status,
+                                                              pending_scale=scale_plan(seq=2)))
+    assert status_mutation(action, LEASE)(later) is None  # another plan by now
+
+
+def test_a_restart_drops_the_plan_of_the_pod_that_is_gone() -> None:
+    v = vm(cpus_use=2, pending=scale_plan(), phase="Scaling")
+    new = status_mutation(d.Restart(name=POD, uid="uid-1"), LEASE)(v)
+    assert new is not None and new.pending_scale is None and new.cpus is None
+
+
+def test_a_scalable_pod_carries_the_token_mount_and_the_fence_floor() -> None:
+    from neonvm.api.types import PendingPod
+
+    v = vm(scale_seq=7, fence=Fence(epoch=5, token=77))
+    v.status.scaling_token_secret, v.status.scaling_token_secret_uid = "neonvm-s-x", "u-s"
+    pod = podspec.runner_pod(v, PendingPod(name=POD, plan_seq=1, token=77, epoch=5))
+    env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
+    assert env["NEONVM_SCALING_FENCE_FLOOR"] == "5,77,7"
+    assert env["NEONVM_SCALING_TOKEN_FILE"] == "/vm/scaling/token"
+    assert {"name": "vm-scaling-token", "secret": {
+        "secretName": "neonvm-s-x", "optional": True,
+        "items": [{"key": "token", "path": "token"}]}} in pod["spec"]["volumes"]
+
+
+def test_the_runner_refuses_a_plan_older_than_its_pods_floor(tmp_path: object) -> None:
+    from pathlib import Path
+
+    work = Path(str(tmp_path))
+    token = work / "token"
+    token.write_text("t0k3n\n")
+    limits = ScaleLimits(min_vcpus=1, max_vcpus=2, min_slots=1, max_slots=2, slot_bytes=GIB)
+    scaler = Scaler(work, token, limits, boot=ScaleTarget(1, 1),
+                    fence_floor=parse_fence_floor("5,77,7"))
+    # Recorded before the pod existed (same authority, lower seq; or an older epoch): 409.
+    for fence in ('{"epoch": 5, "token": 77, "seq": 6}', '{"epoch": 4, "token": 99, "seq": 50}'):
+        with pytest.raises(ScaleError) as err:
+            scaler.scale("Bearer t0k3n", f'{{"cpus": 2, "fence": {fence}}}'.encode())
+        assert err.value.status == 409, err.value
+    # A newer plan passes the fence (and stops at QMP, not connected here: 503).
+    with pytest.raises(ScaleError) as err:
+        scaler.scale("Bearer t0k3n", b'{"cpus": 2, "fence": {"epoch": 5, "token": 77, "seq": 8}}')
+    assert err.value.status == 503
+    # seq orders fences of one authority; a fence file wins over the floor.
+    FenceStore(work).save(AppliedFence(ScaleFence(5, 77, 9), ScaleTarget(2, 1), 1.0))
+    assert scaler.last_applied() == AppliedFence(ScaleFence(5, 77, 9), ScaleTarget(2, 1), 1.0)
+    with pytest.raises(ScaleError) as err:
+        scaler.scale("Bearer t0k3n", b'{"cpus": 1, "fence": {"epoch": 5, "token": 77, "seq": 8}}')
+    assert err.value.status == 409
+
+
+def test_the_runner_orders_fences_by_epoch_then_token_then_seq() -> None:
+    from neonvm.runner.scaling import fence_decision, parse_request
+
+    last = AppliedFence(ScaleFence(3, 10, 2), ScaleTarget(2, 2), 0.0)
+    other = ScaleTarget(1, 1)
+    assert fence_decision(last, ScaleFence(3, 10, 3), other) == "newer"  # next plan, same term
+    assert fence_decision(last, ScaleFence(3, 11, 0), other) == "newer"
+    for stale in (ScaleFence(3, 10, 1), ScaleFence(2, 99, 99)):
+        with pytest.raises(ScaleError, match="stale fence"):
+            fence_decision(last, stale, other)
+    fence, _ = parse_request(b'{"cpus": 1, "fence": {"epoch": 3, "token": 10, "seq": 4}}',
+                             ScaleTarget(1, 1))
+    assert fence == ScaleFence(3, 10, 4)
+    fence, _ = parse_request(b'{"cpus": 1, "fence": {"epoch": 3, "token": 10}}',
+                             ScaleTarget(1, 1))
+    assert fence == ScaleFence(3, 10, 0)
+
+
+# ---- review findings: a changed spec between create and commit, a plan that cannot finish,
+# the pod's own port --------------------------------------------------------------------------
+
+
+def _created_pod(v: VirtualMachine, uid: str = "uid-2") -> dict[str, object]:
+    """The pod podspec builds for ``v``'s next plan, as the API server returns it (uid,
+    running: the commit does not look at its phase)."""
+    from neonvm.api.types import PendingPod
+
+    plan = PendingPod(name=f"vm-{UID[:8]}-2", plan_seq=2, token=40, epoch=3, generation=2)
+    pod = podspec.runner_pod(v, plan)
+    pod["metadata"]["uid"] = uid
+    return pod
+
+
+def test_the_pod_commit_records_the_size_the_pod_was_built_with_not_the_spec_at_commit() -> None:
+    from neonvm.api.types import PendingPod
+    from neonvm.controller.observe import pod_view
+
+    # Pod built while the spec asked for 1 vCPU / 1 slot; the spec says 2 / 2 by the commit.
+    built_from = vm(cpus_use=1, slots_use=1)
+    raw = _created_pod(built_from)
+    later = vm(cpus_use=2, slots_use=2)
+    later.status.pod_name, later.status.pod_uid, later.status.cpus = "", "", None
+    later.status.memory_size, later.status.phase = None, "Pending"
+    later.status.pending_pod = PendingPod(name=raw["metadata"]["name"],  # type: ignore[index]
+                                          plan_seq=2, token=40, epoch=3, generation=2)
+    later.status.plan_seq = 2
+    commit = d.decide(obs(later, pod=pod_view(raw)))  # type: ignore[arg-type]
+    assert isinstance(commit, d.Commit)
+    new = status_mutation(commit, LEASE)(later)
+    assert new is not None and (new.cpus, new.memory_size) == (MilliCPU(1000), "1Gi")
+    # ... so once the pod runs, the spec's 2 / 2 is planned: the guest gets there.
+    running_vm = dataclasses.replace(later, status=new)
+    running_vm.status.phase = "Running"
+    running_pod = dataclasses.replace(pod_view(raw), gated=False,  # type: ignore[arg-type]
+                                      phase="Running", node="n1", ip="10.0.0.1")
+    running_vm.status.node, running_vm.status.pod_ip = "n1", "10.0.0.1"
+    plan = d.decide(obs(running_vm, pod=running_pod))
+    assert isinstance(plan, d.PlanScale), plan
+    assert (plan.plan.cpus, plan.plan.memory_slots) == (2, 2)
+
+
+def test_a_plan_that_cannot_finish_is_superseded_with_the_next_seq_when_the_spec_moves_on() -> None:
+    # Plan #3 (back to 1 slot) is stuck: the runner recorded its fence but the guest keeps
+    # its memory (504 on every retry). The user asks for 2 slots again.
+    stuck = scale_plan(cpus=1, slots=1, seq=3)
+    v = vm(cpus_use=1, slots_use=2, status_slots=2, scale_seq=3, pending=stuck,
+           phase="Scaling")
+    runner = view((3, 40, 3), 1, 2)
+    assert isinstance(d.decide(obs(vm(cpus_use=1, slots_use=1, status_slots=2, scale_seq=3,
+                                      pending=stuck, phase="Scaling"), runner=runner)),
+                      d.ApplyScale), "the spec still asks for the plan's size: retry it"
+    action = d.decide(obs(v, runner=runner))
+    assert isinstance(action, d.PlanScale), action
+    assert (action.plan.seq, action.plan.cpus, action.plan.memory_slots) == (4, 1, 2)
+    assert action.observed_seq == 3
+    new = status_mutation(action, LEASE)(v)
+    assert new is not None and new.pending_scale == action.plan and new.scale_seq == 4
+    assert new.phase == "Scaling"
+    # The runner orders the new plan after the stuck one, and refuses the stuck one after.
+    last = AppliedFence(ScaleFence(3, 40, 3), ScaleTarget(1, 1), 0.0)
+    from neonvm.runner.scaling import fence_decision
+
+    assert fence_decision(last, ScaleFence(3, 40, 4), ScaleTarget(1, 2)) == "newer"
+    with pytest.raises(ScaleError):
+        fence_decision(AppliedFence(ScaleFence(3, 40, 4), ScaleTarget(1, 2), 0.0),
+                       ScaleFence(3, 40, 3), ScaleTarget(1, 1))
+    # Only the plan observed is superseded, and only for another size.
+    assert status_mutation(action, LEASE)(dataclasses.replace(v, status=new)) is None
+    same = vm(cpus_use=1, slots_use=1, status_slots=2, scale_seq=3, pending=stuck,
+              phase="Scaling")
+    assert status_mutation(dataclasses.replace(action, plan=dataclasses.replace(
+        action.plan, memory_slots=1)), LEASE)(same) is None
+
+
+def test_the_runner_is_called_on_the_port_in_the_pods_own_spec() -> None:
+    from neonvm.controller.observe import pod_view
+    from neonvm.controller.scaling import default_address
+
+    v = vm()
+    v.spec.runner_port = 25183
+    raw = _created_pod(v)
+    raw["status"] = {"phase": "Running", "podIP": "10.0.0.9"}
+    v.spec.runner_port = 26000  # changed after the pod was built
+    assert default_address(v, pod_view(raw)) == "http://10.0.0.9:25183"  # type: ignore[arg-type]
+
+
+def test_a_scalable_pod_without_a_token_secret_still_carries_its_fence_floor() -> None:
+    # Found by the scaling explorer: a pod built with no Secret recorded (the controller
+    # may not create Secrets) must still refuse plans older than itself once a token
+    # reaches it; only the token mount is left out.
+    from neonvm.api.types import PendingPod
+
+    v = vm(scale_seq=7, fence=Fence(epoch=5, token=77))
+    pod = podspec.runner_pod(v, PendingPod(name=POD, plan_seq=1, token=77, epoch=5))
+    env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
+    assert env["NEONVM_SCALING_FENCE_FLOOR"] == "5,77,7"
+    assert "NEONVM_SCALING_TOKEN_FILE" not in env
+    assert not any(vol["name"] == "vm-scaling-token" for vol in pod["spec"]["volumes"])

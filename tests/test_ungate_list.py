@@ -1,0 +1,112 @@
+"""The ungate's own quorum list, beside the real-server tests in
+``tests/test_reconcile_observe.py``.
+
+Ungate is one of the decisions the loop takes from an observation built from a write's
+answer (docs/protocol.md, "Observing from write responses"). That is safe only because
+the ungate performer lists the VM's pods itself, after the commit was seen, and ungates
+only if that list holds exactly the committed pod. These tests pin that list: an
+observation that knows only the committed pod must never be enough to remove the gate.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from kubernetes import client
+from loguru import logger
+
+from neonvm.api.types import (
+    SCHEDULING_GATE,
+    PendingPod,
+    VirtualMachine,
+    VirtualMachineSpec,
+    VirtualMachineStatus,
+)
+from neonvm.controller import decide as d
+from neonvm.controller.observe import VMRecord, make_snapshot
+from neonvm.controller.reconciler import Reconciler
+
+pytestmark = pytest.mark.unit
+
+LEASE = d.Lease(epoch=3, token=40)
+
+
+class _Events:
+    def record(self, vm: VirtualMachine, reason: str, message: str,
+               warning: bool = False) -> None:
+        pass
+
+
+def _pod(name: str, uid: str, *, gated: bool) -> dict[str, Any]:
+    return {"metadata": {"name": name, "uid": uid, "resourceVersion": "7",
+                         "namespace": "ns", "labels": {"vm.neon.tech/name": "a"},
+                         "ownerReferences": [{"apiVersion": "vm.neon.tech/v1",
+                                              "kind": "VirtualMachine", "name": "a",
+                                              "uid": "vm-uid", "controller": True}]},
+            "spec": {"schedulingGates": [{"name": SCHEDULING_GATE}] if gated else []},
+            "status": {"phase": "Pending" if gated else "Running"}}
+
+
+class _Reader:
+    """The direct reader's pod list, as the API server would answer it now."""
+
+    def __init__(self, pods: list[dict[str, Any]]) -> None:
+        self.pods = pods
+        self.lists = 0
+
+    def list_pods(self, namespace: str, name: str) -> list[dict[str, Any]]:
+        self.lists += 1
+        return list(self.pods)
+
+    def with_committed(self, namespace: str, listed: list[dict[str, Any]], name: str,
+                       uid: str) -> list[dict[str, Any]]:
+        return listed
+
+
+class _Patches:
+    def __init__(self) -> None:
+        self.patched: list[str] = []
+        self.api_client = client.ApiClient()
+
+    def patch_namespaced_pod(self, name: str, namespace: str, body: Any,
+                             **_: Any) -> dict[str, Any]:
+        self.patched.append(name)
+        return _pod(name, "y-uid", gated=False)
+
+
+def _committed_vm() -> VirtualMachine:
+    return VirtualMachine(
+        name="a", namespace="ns", uid="vm-uid", resource_version="9", generation=1,
+        spec=VirtualMachineSpec(),
+        status=VirtualMachineStatus(pod_name="a-y", pod_uid="y-uid", plan_seq=2,
+                                    pending_pod=PendingPod(name="a-y", plan_seq=2,
+                                                           token=40, epoch=3,
+                                                           generation=1)))
+
+
+@pytest.mark.parametrize(("listed", "patched"), [
+    # Only the committed pod exists: the gate comes off.
+    ([_pod("a-y", "y-uid", gated=True)], True),
+    # A live pod Z appeared after the observation's list (a stale worker ungated it):
+    # the answer-built observation cannot know Z; the performer's own list sees it.
+    ([_pod("a-y", "y-uid", gated=True), _pod("a-z", "z-uid", gated=False)], False),
+    # The committed pod was replaced under its name since (another uid): not ours.
+    ([_pod("a-y", "other-uid", gated=True)], False),
+])
+def test_the_ungate_trusts_only_its_own_list_never_the_observation_it_was_decided_from(
+        listed: list[dict[str, Any]], patched: bool) -> None:
+    vm = _committed_vm()
+    # The observation built from the commit's answer: it knows the committed pod alone.
+    snap = make_snapshot(VMRecord(vm=vm, raw={}), [_pod("a-y", "y-uid", gated=True)],
+                         LEASE, direct=True, from_write=True)
+    reconciler = Reconciler(client.ApiClient(), events=_Events())  # type: ignore[arg-type]
+    reader = _Reader(listed)
+    core = _Patches()
+    reconciler.reader = reader  # type: ignore[assignment]
+    reconciler._core = core  # type: ignore[assignment]
+    outcome = reconciler._ungate("ns/a", d.Ungate(name="a-y", uid="y-uid"), snap,
+                                 None, logger)  # type: ignore[arg-type]
+    assert reader.lists == 1, "the ungate must list the pods itself, after the commit"
+    assert (core.patched == ["a-y"]) is patched, (core.patched, outcome)
+    assert (outcome == "done") is patched, outcome
