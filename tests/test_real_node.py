@@ -1,8 +1,10 @@
 """A real kubelet node (neonvm.dev.realnode) runs a pod to completion, logs readable.
 
-Opt-in: the real node's binaries take many minutes to build cold, so this runs only with
-``NEONVM_TEST_REAL_NODE=1`` and where a real node can start on the host; otherwise it
-skips with one reason line. ``NEONVM_TEST_REAL_NODE=1 pytest tests/test_real_node.py``.
+One test runs by default (the controller's runner pod boots a guest on the real node)
+wherever a real node can start and its binaries are built (``bash scripts/test.sh``
+builds them; so does ``neonvm dev install --real-nodes``); the others are opt-in, with
+``NEONVM_TEST_REAL_NODE=1``. ``NEONVM_TEST_REAL_NODE=0`` skips them all. Each skip says
+why in one line. ``NEONVM_TEST_REAL_NODE=1 pytest tests/test_real_node.py`` runs all.
 """
 
 from __future__ import annotations
@@ -29,11 +31,22 @@ from neonvm.dev.cluster import LocalCluster
 from tests.support import wait_for
 
 
-def _skip_reason() -> str | None:
-    if os.environ.get("NEONVM_TEST_REAL_NODE") != "1":
+def _skip_reason(default: bool = False) -> str | None:
+    """Why a real-node test does not run here, or None. ``default`` tests run unless
+    ``NEONVM_TEST_REAL_NODE=0``, but only on binaries already built (a cold build takes
+    many minutes; the test command builds them first); the others need ``=1``."""
+    wanted = os.environ.get("NEONVM_TEST_REAL_NODE")
+    if wanted == "0":
+        return "real node turned off (NEONVM_TEST_REAL_NODE=0)"
+    if wanted != "1" and not default:
         return "real node not requested (set NEONVM_TEST_REAL_NODE=1; see docs/real-node.md)"
     problem = realnode.unavailable_reason()
-    return f"a real node cannot start on this host: {problem}" if problem else None
+    if problem:
+        return f"a real node cannot start on this host: {problem}"
+    if wanted != "1" and not realnode.built():
+        return ("the real node's binaries are not built (bash scripts/test.sh or "
+                "neonvm dev install --real-nodes builds them)")
+    return None
 
 
 @pytest.mark.cluster
@@ -142,10 +155,10 @@ def test_oci_archive_is_reproducible_and_names_both_images(tmp_path: Path) -> No
 # ---- the images of `neonvm dev images` on the real node ----------------------------------
 
 
-def _images_skip_reason() -> str | None:
+def _images_skip_reason(default: bool = False) -> str | None:
     from neonvm.dev import images
 
-    reason = _skip_reason()
+    reason = _skip_reason(default)
     if reason:
         return reason
     problem = images.unavailable_reason()
@@ -379,7 +392,8 @@ class _PodEvents:
 @pytest.mark.realnode
 @pytest.mark.slow
 @pytest.mark.timeout(1800)  # a cold image build takes most of the default 600 s
-@pytest.mark.skipif(_images_skip_reason() is not None, reason=_images_skip_reason() or "")
+@pytest.mark.skipif(_images_skip_reason(default=True) is not None,
+                    reason=_images_skip_reason(default=True) or "")
 def test_controller_runner_pod_boots_a_bare_ext4_guest_on_the_real_node(
     cluster: LocalCluster, api: client.ApiClient, namespace: str, tmp_path: Path
 ) -> None:
@@ -398,6 +412,7 @@ def test_controller_runner_pod_boots_a_bare_ext4_guest_on_the_real_node(
         pytest.skip(f"cannot build the test root disk, missing: {', '.join(absent)}")
     _raw, qcow2 = rootfs.build_rootfs(tmp_path / "disk")
     archive = rootfs.disk_image_archive(qcow2, tmp_path / "rootdisk.oci.tar")
+    host_before = _host_sysctls()
     node, [image] = _started_node_with_images(cluster, ("runner",))
     events: _PodEvents | None = None
     group = Replicas(api=api, kubeconfig=cluster.kubeconfig_for("controller"),
@@ -500,6 +515,20 @@ def test_controller_runner_pod_boots_a_bare_ext4_guest_on_the_real_node(
         for r in group:
             print(f"---- {r.name} (exit {r.exit_code()}) ----\n{r.log()[-5000:]}")
         node.stop()
+        # This test runs in the default suite on the session's control plane: remove the
+        # stopped node's Node object, so that no later test's pod is bound to it.
+        with contextlib.suppress(client.ApiException):
+            client.CoreV1Api(api).delete_node(node.name)
+    # The host is as it was: the sysctls the kubelet wrote are back (unless another real
+    # node, e.g. another test session's, runs on this host and keeps its kubelet's values).
+    if not realnode.other_kubelets():
+        assert _host_sysctls() == host_before
+        assert not (realnode.KUBELET_HOST_DIR / "device-plugins" / "kubelet.sock").exists()
+    assert not Path("/sys/class/net", node.bridge).exists()
+
+
+def _host_sysctls() -> dict[str, str]:
+    return {k: Path("/proc/sys", k).read_text().strip() for k in realnode.KUBELET_SYSCTLS}
 
 
 @pytest.mark.cluster

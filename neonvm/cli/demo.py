@@ -1,10 +1,14 @@
 """``neonvm demo``: the whole system on one machine, with a live status view.
 
-It starts (or reuses) the local control plane with simulated nodes, runs several
-controller replicas as separate processes, applies the sample VM from the original bug
-report, and shows leader, VMs, runner pods and locks while an independent checker counts
-duplicate live pods. Everything keeps running afterwards for you to poke at (``neonvm
-dev down`` stops it), unless ``--down`` is given.
+It starts (or reuses) the local control plane with simulated nodes and, where the host
+allows, one real kubelet node (``neonvm.dev.realguest``), runs several controller
+replicas as separate processes, and applies a VM: with the real node, a tiny VM whose
+runner pod boots its guest under QEMU there (its console in ``kubectl logs``); without
+it (``--no-real-node``, or when a real node cannot start, said in one line), the sample
+VM from the original bug report on the simulated nodes. It shows leader, VMs, runner
+pods and locks while an independent checker counts duplicate live pods. Everything keeps
+running afterwards for you to poke at (``neonvm dev down`` stops it), unless ``--down``
+is given.
 """
 
 from __future__ import annotations
@@ -60,6 +64,41 @@ def apply_sample_vm(api: client.ApiClient, namespace: str = "default") -> str:
     return f"{namespace}/{obj['metadata']['name']}"
 
 
+REAL_VM = "guest"
+
+
+def apply_real_vm(api: client.ApiClient, namespace: str = "default") -> str:
+    """A tiny VM whose runner pod boots the guest disk on the real node."""
+    from neonvm.dev import realguest
+
+    spec = realguest.vm_spec(args=("hello", "from", "the", "demo"))
+    spec["restartPolicy"] = "Always"
+    spec["terminationGracePeriodSeconds"] = 30
+    obj = {"apiVersion": types.API_VERSION, "kind": types.KIND,
+           "metadata": {"name": REAL_VM}, "spec": spec}
+    with contextlib.suppress(client.ApiException):
+        client.CustomObjectsApi(api).create_namespaced_custom_object(
+            types.GROUP, types.VERSION, namespace, types.PLURAL, obj)
+    return f"{namespace}/{REAL_VM}"
+
+
+def start_real_node(cluster: LocalCluster) -> str | None:
+    """Start the real node with the runner and guest images; None, or why not (a line)."""
+    from neonvm.dev import realguest
+
+    problem = realguest.unavailable_reason()
+    if problem:
+        return problem
+    try:
+        ready = realguest.prepare(cluster, _progress)
+    except Exception as exc:  # any failure: fall back to the simulated nodes, say why
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        return f"{type(exc).__name__}: {first[:300]}"
+    _progress("real node ready (" + ", ".join(
+        f"{k} {v:.0f}s" for k, v in ready.seconds.items()) + ")")
+    return None
+
+
 def _locks_reader(cluster: LocalCluster) -> Any:
     try:
         from neonvm.leader.etcd import Etcd, EtcdConfig
@@ -91,14 +130,49 @@ class Scenario:
     sees is cause and effect. Steps advance from the status loop (no extra thread).
     """
 
-    def __init__(self, cluster: LocalCluster, api: client.ApiClient, vm: str) -> None:
+    def __init__(self, cluster: LocalCluster, api: client.ApiClient, vm: str,
+                 real: bool = False) -> None:
         self.cluster, self.api = cluster, api
         self.namespace, self.name = vm.split("/")
+        self.real = real
+        """Runner pods boot real guests: wait for Ready and show the guest's console."""
         self.log: list[str] = []
         self.step = 0
         self.mark = time.monotonic()
+        self.created = time.monotonic()
         self.old_pod: str | None = None
         self.old_leader: str | None = None
+        self.shown: set[str] = set()
+
+    def _ready(self, pod: str | None) -> bool:
+        """Without a real node every running pod counts; with it, only a Ready one (the
+        runner reports Ready once the guest printed its marker)."""
+        if not self.real:
+            return True
+        if not pod:
+            return False
+        try:
+            status = client.CoreV1Api(self.api).read_namespaced_pod(pod, self.namespace).status
+        except client.ApiException:
+            return False
+        return any(c.type == "Ready" and c.status == "True" for c in status.conditions or [])
+
+    def _show_console(self, pod: str, since: float, after: str) -> None:
+        if pod in self.shown:
+            return
+        self.shown.add(pod)
+        self.say(f"runner pod {pod} Ready {time.monotonic() - since:.1f}s after {after}; "
+                 f"its guest's console (kubectl logs {pod} -c neonvm-runner):")
+        try:
+            text = client.CoreV1Api(self.api).read_namespaced_pod_log(
+                pod, self.namespace, container="neonvm-runner")
+        except client.ApiException as exc:
+            self.say(f"  (log not readable: {exc.reason})")
+            return
+        lines = [ln for ln in text.splitlines()
+                 if "neonvm-init:" in ln or "app: " in ln or "NEONVM_GUEST_READY" in ln]
+        for line in lines[:12]:
+            self.say(f"  | {line.strip()[:110]}")
 
     def say(self, msg: str) -> None:
         self.log.append(f"{time.strftime('%H:%M:%S')} {msg}")
@@ -108,14 +182,21 @@ class Scenario:
                   None)
         running = vm is not None and vm.phase == "Running" and vm.live_pods == 1
         elapsed = time.monotonic() - self.mark
-        if self.step == 0 and running and elapsed > 5 and vm is not None:
+        ready = running and vm is not None and self._ready(vm.pod)
+        if self.step == 0 and ready and self.real and vm is not None and vm.pod:
+            self._show_console(vm.pod, self.created, "the VM was applied")
+        if self.step == 0 and ready and elapsed > 5 and vm is not None:
             self.old_pod = vm.pod
             self.say(f"deleting runner pod {vm.pod} (the bug report's scenario)")
             client.CoreV1Api(self.api).delete_namespaced_pod(vm.pod, self.namespace)
             self.step, self.mark = 1, time.monotonic()
-        elif self.step == 1 and running and vm is not None and vm.pod != self.old_pod:
-            self.say(f"exactly one replacement, {vm.pod}, running after {elapsed:.1f}s "
-                     f"(restarts {vm.restarts})")
+        elif (self.step == 1 and running and vm is not None and vm.pod != self.old_pod
+              and self._ready(vm.pod)):
+            self.say(f"exactly one replacement, {vm.pod}, "
+                     f"{'Ready (guest booted)' if self.real else 'running'} after "
+                     f"{elapsed:.1f}s (restarts {vm.restarts})")
+            if self.real and vm.pod:
+                self._show_console(vm.pod, self.mark, "the old pod was deleted")
             self.step, self.mark = 2, time.monotonic()
         elif self.step == 2 and elapsed > 5 and ov.leader is not None and ov.leader.holder:
             self.old_leader = ov.leader.holder
@@ -155,9 +236,12 @@ class Scenario:
 @click.option("--down", "stop_after", is_flag=True, help="Stop everything afterwards.")
 @click.option("--scenario/--no-scenario", default=True, show_default=True,
               help="Delete the runner pod, then kill the leader, narrating what happens.")
+@click.option("--real-node/--no-real-node", default=True, show_default=True,
+              help="Run the VM's runner pod on a real kubelet node, booting a guest "
+                   "(falls back to the simulated nodes, saying why, when it cannot start).")
 @click.pass_context
 def demo(ctx: click.Context, state_dir: Path | None, replicas: int, nodes: int,
-         duration: float | None, stop_after: bool, scenario: bool) -> None:
+         duration: float | None, stop_after: bool, scenario: bool, real_node: bool) -> None:
     """Local control plane + controller replicas + a sample VM + a live status view."""
     if ctx.invoked_subcommand is not None:
         return
@@ -166,21 +250,41 @@ def demo(ctx: click.Context, state_dir: Path | None, replicas: int, nodes: int,
         spec = cluster.spec if (cluster.state_dir / "cluster.json").exists() else ClusterSpec()
         spec.nodes = nodes
         cluster = LocalCluster(state_dir, spec)
+    begun = time.monotonic()
     install_binaries(with_nodes=True)
-    click.echo(f"1/4 local control plane in {cluster.state_dir}", err=True)
+    click.echo(f"1/5 local control plane in {cluster.state_dir}", err=True)
     cluster.up(progress=_progress)
-    click.echo(f"2/4 {replicas} controller replicas", err=True)
+    real = False
+    if real_node:
+        click.echo("2/5 real node (kubelet + containerd; guests boot under QEMU)", err=True)
+        why_not = start_real_node(cluster)
+        real = why_not is None
+        if why_not:
+            click.echo(f"  real node: not started ({why_not}); runner pods run on the "
+                       "simulated kwok nodes instead", err=True)
+    else:
+        click.echo("2/5 real node: off (--no-real-node); simulated kwok nodes only", err=True)
+    click.echo(f"3/5 {replicas} controller replicas", err=True)
     start_replicas(cluster, replicas)
     api = kube.api_client(cluster.kubeconfig)
-    click.echo("3/4 sample VM", err=True)
-    vm = apply_sample_vm(api)
-    _progress(f"applied {vm} from {SAMPLE_VM.name}")
-    click.echo("4/4 status (Ctrl-C to leave; everything keeps running)", err=True)
+    if real:
+        from neonvm.dev import realguest
+
+        click.echo("4/5 a tiny VM whose runner pod boots a guest on the real node", err=True)
+        vm = apply_real_vm(api)
+        _progress(f"applied {vm}: 1 vCPU (250m requested), 128Mi, root disk image "
+                  f"{realguest.DISK_IMAGE} running /app/report.sh")
+    else:
+        click.echo("4/5 sample VM", err=True)
+        vm = apply_sample_vm(api)
+        _progress(f"applied {vm} from {SAMPLE_VM.name}")
+    click.echo(f"5/5 status (Ctrl-C to leave; everything keeps running); set up in "
+               f"{time.monotonic() - begun:.0f}s", err=True)
     locks = _locks_reader(cluster)
     interactive = sys.stdout.isatty() and duration is None
     started = time.monotonic()
     checker = InvariantChecker(api, interval=0.2)
-    story = Scenario(cluster, api, vm) if scenario else None
+    story = Scenario(cluster, api, vm, real=real) if scenario else None
     with checker:
         try:
             while duration is None or time.monotonic() - started < duration:
@@ -188,7 +292,7 @@ def demo(ctx: click.Context, state_dir: Path | None, replicas: int, nodes: int,
                 text = overview.render(ov)
                 if story is not None:
                     story.advance(ov)
-                    text += "\n\n" + "\n".join(story.log[-8:])
+                    text += "\n\n" + "\n".join(story.log[-20:])
                 if interactive:
                     click.clear()
                     click.echo(f"neonvm demo — {time.strftime('%H:%M:%S')}  "

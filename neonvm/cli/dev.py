@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shlex
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import click
@@ -31,9 +32,39 @@ def dev() -> None:
 @dev.command()
 @click.option("--nodes", type=click.IntRange(0, 100), default=None,
               help="Simulated nodes (adds kube-scheduler, kube-controller-manager, kwok).")
-def install(nodes: int | None) -> None:
+@click.option("--real-nodes", is_flag=True,
+              help="Also build what a real kubelet node needs (kubelet, containerd, runc, "
+                   "CNI plugins, the runner image), if a real node can start here; "
+                   "otherwise say why in one line and go on.")
+def install(nodes: int | None, real_nodes: bool) -> None:
     """Build (or find) the control-plane binaries; cached outside the repository."""
     install_binaries(with_nodes=nodes is None or nodes > 0, with_helm=True)
+    if real_nodes:
+        install_real_node(_progress)
+
+
+def install_real_node(say: Callable[[str], None]) -> bool:
+    """Build the real node's binaries and the runner image (cached) when a real node can
+    start on this host; otherwise say why (one line). True when everything is there."""
+    from neonvm.dev import images, realnode
+
+    problem = realnode.unavailable_reason() or images.unavailable_reason()
+    if problem:
+        say(f"real node: skipped, it cannot start on this host: {problem}")
+        return False
+    started = time.monotonic()
+    try:
+        spent = realnode.build(progress=say)
+        built = images.build(("runner",), None, say)
+    except Exception as exc:  # the test command goes on; the real-node test then says why
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        say(f"real node: build failed after {time.monotonic() - started:.0f}s: "
+            f"{type(exc).__name__}: {first[:300]}")
+        return False
+    say(f"real node: binaries and runner image ready in {time.monotonic() - started:.0f}s "
+        f"({', '.join(f'{k} {v:.0f}s' for k, v in spent.items() if v >= 1) or 'all cached'}; "
+        f"{built[0].reference})")
+    return True
 
 
 @dev.command()

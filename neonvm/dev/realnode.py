@@ -59,11 +59,16 @@ GROUPS = ("kubelet", "containerd", "runc", "cni-plugins")
 KUBELET_SYSCTLS = {
     "vm/overcommit_memory": 1, "vm/panic_on_oom": 0, "kernel/panic": 10,
     "kernel/panic_on_oops": 1, "kernel/keys/root_maxkeys": 1000000,
-    "kernel/keys/root_maxbytes": 25000000,
+    "kernel/keys/root_maxbytes": 25000000, "net/ipv4/ip_forward": 1,
 }
 """What the kubelet writes into /proc/sys on start (there is no setting that leaves them
-alone: ``protectKernelDefaults`` only turns the write into a start-up failure). The node
-records the host's values first and puts back those the kubelet changed when it stops."""
+alone: ``protectKernelDefaults`` only turns the write into a start-up failure), and
+``ip_forward``, which the CNI bridge plugin turns on for a gateway bridge at the first
+pod. The node records the host's values first and puts back those that were changed
+when it stops."""
+KUBELET_HOST_DIR = Path("/var/lib/kubelet")
+"""The kubelet's device-plugin directory stays here whatever ``--root-dir`` says
+(``device-plugins/kubelet.sock`` and a checkpoint file)."""
 CGROUP_V1_CONTROLLERS = (
     "cpu", "cpuacct", "cpuset", "memory", "devices", "freezer", "blkio", "pids", "systemd",
 )
@@ -129,6 +134,11 @@ def build(progress: Callable[[str], None] = lambda _m: None) -> dict[str, float]
     tiny_binary()
     spent["tiny"] = time.monotonic() - started
     return spent
+
+
+def built() -> bool:
+    """Whether the real node's binaries are all in the cache (nothing to build)."""
+    return all(binaries.find(b) for g in GROUPS for b in binaries.GROUPS[g].binaries)
 
 
 def tiny_binary() -> Path:
@@ -612,6 +622,7 @@ disabled_plugins = ["io.containerd.nri.v1.nri"]
             self.cluster.stop_component(kubelet_name)
             done.append("kubelet")
         done += self._restore_sysctls()
+        done += self._restore_kubelet_host_dir()
         if self.cluster.process_alive(ctrd_name, "containerd"):
             done += self._remove_containers(timeout)
             self.cluster.stop_component(ctrd_name)
@@ -634,6 +645,32 @@ disabled_plugins = ["io.containerd.nri.v1.nri"]
         if not saved.exists():
             saved.write_text(json.dumps({
                 k: int(Path("/proc/sys", k).read_text()) for k in KUBELET_SYSCTLS}))
+        existed = self.dir / "kubelet-host-dir-existed"
+        if not existed.exists():
+            existed.write_text("1" if KUBELET_HOST_DIR.exists() else "0")
+
+    def _restore_kubelet_host_dir(self) -> list[str]:
+        """Remove what the kubelet left in /var/lib/kubelet (its device-plugin socket and
+        checkpoint; the directories too if they were not there before), unless another
+        kubelet on this host still runs."""
+        existed = self.dir / "kubelet-host-dir-existed"
+        if not existed.exists():
+            return []
+        if other_kubelets():
+            return []
+        plugins = KUBELET_HOST_DIR / "device-plugins"
+        removed = []
+        for name in ("kubelet.sock", "kubelet_internal_checkpoint"):
+            with contextlib.suppress(FileNotFoundError):
+                (plugins / name).unlink()
+                removed.append(name)
+        if existed.read_text() == "0":
+            for d in (plugins, KUBELET_HOST_DIR):
+                with contextlib.suppress(OSError):
+                    d.rmdir()
+                    removed.append(str(d))
+        existed.unlink()
+        return [f"removed {', '.join(removed)} (kubelet host dir)"] if removed else []
 
     def _restore_sysctls(self) -> list[str]:
         saved = self.dir / "sysctls-before.json"
@@ -807,6 +844,20 @@ def stop(cluster: LocalCluster) -> list[str]:
         if cleaned:
             done.append(f"{node.name}: {', '.join(cleaned)}")
     return done
+
+
+def other_kubelets() -> list[int]:
+    """Pids of kubelet processes running on this host (another cluster's real node)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            with contextlib.suppress(OSError):
+                stat = (proc / "stat").read_text()
+                name = stat[stat.index("(") + 1:stat.rindex(")")]
+                state = stat[stat.rindex(")") + 2:].split()[0]
+                if name == "kubelet" and state not in ("Z", "X"):  # not a zombie
+                    found.append(int(proc.name))
+    return found
 
 
 def unavailable_reason() -> str | None:

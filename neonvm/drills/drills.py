@@ -65,6 +65,9 @@ class DrillOptions:
     grace_seconds: int = 1
     keep: bool = False
     """Leave the drill namespace and its VMs behind."""
+    vm_spec: dict[str, Any] | None = None
+    """Merged into every drill VM's spec (e.g. a node selector and a bootable guest, to
+    run the runner pods on a real node); None: the small default VM."""
 
 
 @dataclass
@@ -423,7 +426,8 @@ def run_drill(name: str, target: Target, options: DrillOptions, progress: Progre
 def _run(d: Drill, verdict: Verdict) -> None:
     api, options = d.api, d.options
     setup_started = time.monotonic()
-    fleet.create_vms(api, d.namespace, d.names, options.grace_seconds)
+    fleet.create_vms(api, d.namespace, d.names, options.grace_seconds,
+                     spec_extra=options.vm_spec)
     ok, seconds, state = fleet.wait_converged(api, d.namespace, d.names, options.timeout,
                                               d.say)
     if not ok:

@@ -56,8 +56,11 @@ def _quiet(_msg: str) -> None:
 
 
 def vm_body(name: str, grace_seconds: int | None = 1,
-            labels: dict[str, str] | None = None) -> dict[str, Any]:
-    """A small VM (1 CPU, one 256Mi slot) whose runner pod shuts down within ``grace``."""
+            labels: dict[str, str] | None = None,
+            spec_extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A small VM (1 CPU, one 256Mi slot) whose runner pod shuts down within ``grace``.
+    ``spec_extra`` is merged into the spec (``guest`` key by key): a node selector and a
+    real guest put the runner pods on a real node (see docs/real-node.md)."""
     spec: dict[str, Any] = {
         "guest": {
             "cpus": {"min": 1, "max": 1, "use": 1},
@@ -69,6 +72,8 @@ def vm_body(name: str, grace_seconds: int | None = 1,
     }
     if grace_seconds is not None:
         spec["terminationGracePeriodSeconds"] = grace_seconds
+    for key, value in (spec_extra or {}).items():
+        spec[key] = {**spec["guest"], **value} if key == "guest" else value
     meta: dict[str, Any] = {"name": name, "labels": {"drill.vm.neon.tech/member": "true",
                                                      **(labels or {})}}
     return {"apiVersion": types.API_VERSION, "kind": types.KIND, "metadata": meta,
@@ -83,14 +88,15 @@ def ensure_namespace(api: client.ApiClient, name: str) -> None:
 
 
 def create_vms(api: client.ApiClient, namespace: str, names: Sequence[str],
-               grace_seconds: int | None = 1, threads: int = 8) -> None:
+               grace_seconds: int | None = 1, threads: int = 8,
+               spec_extra: dict[str, Any] | None = None) -> None:
     custom = client.CustomObjectsApi(api)
 
     def one(name: str) -> None:
         try:
             retrying(lambda: custom.create_namespaced_custom_object(
                 types.GROUP, types.VERSION, namespace, types.PLURAL,
-                vm_body(name, grace_seconds), _request_timeout=30))
+                vm_body(name, grace_seconds, spec_extra=spec_extra), _request_timeout=30))
         except ApiException as exc:
             if exc.status != 409:
                 raise
