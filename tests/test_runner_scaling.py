@@ -129,6 +129,104 @@ def test_a_runner_in_a_pod_takes_only_the_token_of_its_own_pod(tmp_path: Path) -
     assert err.value.status == 503
 
 
+class SlowEjectQMP:
+    """A QMP stand-in for the unit tests: memory DIMMs whose ``device_del`` the guest
+    finishes only when the test says so (:meth:`eject`), as QEMU does (the device stays
+    listed until the guest has ejected it, and the removal cannot be cancelled)."""
+
+    def __init__(self, dimms: int) -> None:
+        self.dimms = {f"dimm-slot{i}": f"mem-slot{i}" for i in range(1, dimms + 1)}
+        self.objects = set(self.dimms.values())
+        self.removing: set[str] = set()
+        self.calls: list[tuple[str, dict[str, Any] | None]] = []
+
+    def eject(self, dimm: str) -> None:
+        assert dimm in self.removing
+        self.removing.discard(dimm)
+        del self.dimms[dimm]
+
+    async def execute(self, command: str, args: dict[str, Any] | None = None) -> Any:
+        self.calls.append((command, args))
+        if command == "query-cpus-fast":
+            return [{"cpu-index": 0, "qom-path": "/machine/unattached/device[0]"}]
+        if command == "query-hotpluggable-cpus":
+            return [{"type": "qemu64-x86_64-cpu", "vcpus-count": 1,
+                     "props": {"socket-id": 0, "core-id": 0, "thread-id": 0},
+                     "qom-path": "/machine/unattached/device[0]"}]
+        if command == "query-memory-devices":
+            return [{"type": "dimm", "data": {"id": d, "size": GIB, "memdev": m}}
+                    for d, m in sorted(self.dimms.items())]
+        if command == "qom-list":
+            return [{"name": o, "type": "child<memory-backend-ram>"} for o in self.objects]
+        if command == "object-add":
+            assert args is not None
+            self.objects.add(args["id"])
+            return {}
+        if command == "object-del":
+            assert args is not None
+            self.objects.discard(args["id"])
+            return {}
+        if command == "device_add":
+            assert args is not None and args["id"] not in self.dimms, args
+            self.dimms[args["id"]] = args["memdev"]
+            return {}
+        if command == "device_del":
+            assert args is not None and args["id"] in self.dimms, args
+            self.removing.add(args["id"])  # the guest has not ejected it yet
+            return {}
+        raise AssertionError(f"unexpected QMP command {command}")
+
+
+@pytest.fixture
+def qmp_loop() -> Any:
+    import asyncio
+    import threading
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    yield loop
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(10)
+    loop.close()
+
+
+def test_a_removal_still_pending_is_neither_plugged_nor_applied(tmp_path: Path,
+                                                                qmp_loop: Any) -> None:
+    # Review S0: plan n unplugs dimm-slot2, the guest is slow (504, fence recorded);
+    # plan n+1 asks for the slot back. The DIMM is still listed, but the guest may eject
+    # it at any moment: plan n+1 must not be answered 200 (and committed) over it.
+    token = tmp_path / "token"
+    token.write_text(TOKEN + "\n")
+    limits = ScaleLimits(min_vcpus=1, max_vcpus=1, min_slots=1, max_slots=3, slot_bytes=GIB)
+    qmp = SlowEjectQMP(dimms=2)
+    scaler = Scaler(tmp_path, token, limits, boot=ScaleTarget(1, 3), request_timeout=0.5)
+    scaler.attach(qmp_loop, qmp)  # type: ignore[arg-type]
+
+    def put(slots: int, seq: int) -> dict[str, Any]:
+        body = {"memorySlots": slots, "fence": {"epoch": 1, "token": 1, "seq": seq}}
+        return scaler.scale(f"Bearer {TOKEN}", json.dumps(body).encode())
+
+    with pytest.raises(ScaleError) as err:
+        put(2, seq=1)
+    assert err.value.status == 504 and qmp.removing == {"dimm-slot2"}
+    with pytest.raises(ScaleError) as err:
+        put(3, seq=2)
+    assert err.value.status == 504, "plan n+1 answered while plan n's unplug is pending"
+    assert "dimm-slot2" in str(err.value)
+    # A runner restarted in the same pod still knows the removal it started.
+    again = Scaler(tmp_path, token, limits, boot=ScaleTarget(1, 3), request_timeout=0.5)
+    again.attach(qmp_loop, qmp)  # type: ignore[arg-type]
+    assert again.pending_removals(again.query()) == ["dimm-slot2"]
+    # The guest finishes plan n's eject: the retry of plan n+1 plugs the slot back.
+    qmp.eject("dimm-slot2")
+    result = again.scale(f"Bearer {TOKEN}", json.dumps(
+        {"memorySlots": 3, "fence": {"epoch": 1, "token": 1, "seq": 2}}).encode())
+    assert result["qemu"]["memorySlots"] == 3 and "dimm-slot2" in qmp.dimms
+    assert again.pending_removals(again.query()) == []
+    last = FenceStore(tmp_path).load()
+    assert last is not None and last.removals == () and last.fence == ScaleFence(1, 1, 2)
+
+
 # ---- a real guest -----------------------------------------------------------------------------
 
 

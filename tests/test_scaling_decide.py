@@ -104,6 +104,15 @@ def test_a_recorded_plan_is_applied_then_committed_from_what_the_runner_reports(
     assert action == d.CommitScale(seq=1, vcpus=2, memory_bytes=GIB, reason=action.reason)
 
 
+def test_no_commit_while_the_runner_still_has_a_removal_pending() -> None:
+    # Review S0: QEMU still lists a DIMM the guest has not finished ejecting (an earlier
+    # plan's unplug): the count matches the plan, but the guest may drop the DIMM later.
+    v = vm(cpus_use=2, slots_use=2, pending=scale_plan(slots=2), phase="Scaling")
+    pending = dataclasses.replace(view((3, 40, 1), 2, 2), pending_removals=("dimm-slot1",))
+    assert isinstance(d.decide(obs(v, runner=pending)), d.ApplyScale)
+    assert isinstance(d.decide(obs(v, runner=view((3, 40, 1), 2, 2))), d.CommitScale)
+
+
 def test_a_runner_ahead_of_the_plan_drops_it_and_one_that_cannot_be_asked_waits() -> None:
     v = vm(cpus_use=2, pending=scale_plan(), phase="Scaling")
     assert isinstance(d.decide(obs(v, runner=view((4, 1, 0), 1, 1))), d.DropScale)

@@ -101,6 +101,9 @@ class RunnerView:
     (SysfsScaling, as its agent reports)."""
     memory_slots: int
     memory_bytes: int
+    pending_removals: tuple[str, ...] = ()
+    """Devices the runner sent ``device_del`` for that QEMU still lists: the guest may
+    eject them at any time, so the size above is not settled (nothing is committed)."""
 
 
 @dataclass(frozen=True)
@@ -630,8 +633,8 @@ def _decide_scaling(obs: Observation, vm: VirtualMachine, pod: PodView) -> Actio
                                  reason=f"runner of {pod.name} has applied fence "
                                         f"{runner.fence}, newer than plan #{plan.seq}'s "
                                         f"{fence}: plan again")
-            if runner.fence == fence and (runner.vcpus, runner.memory_slots) == (
-                    plan.cpus, plan.memory_slots):
+            if runner.fence == fence and not runner.pending_removals and (
+                    runner.vcpus, runner.memory_slots) == (plan.cpus, plan.memory_slots):
                 return CommitScale(seq=plan.seq, vcpus=runner.vcpus,
                                    memory_bytes=runner.memory_bytes,
                                    reason=f"runner of {pod.name} reached {plan.cpus} vCPUs, "

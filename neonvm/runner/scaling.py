@@ -133,10 +133,15 @@ class AppliedFence:
     fence: ScaleFence
     target: ScaleTarget
     recorded_at: float
+    removals: tuple[str, ...] = ()
+    """Devices (vCPU qom-paths, DIMM ids) this runner sent ``device_del`` for whose
+    removal it has not yet seen finish: QEMU cannot cancel one, and the guest may eject
+    the device at any later time, so such a device is neither plugged nor free."""
 
     def as_json(self) -> dict[str, Any]:
         return {"fence": asdict(self.fence), "cpus": self.target.vcpus,
-                "memorySlots": self.target.memory_slots, "recordedAt": self.recorded_at}
+                "memorySlots": self.target.memory_slots, "recordedAt": self.recorded_at,
+                "pendingRemovals": list(self.removals)}
 
 
 @dataclass(frozen=True)
@@ -156,6 +161,12 @@ class QemuSize:
     memory_slots: int
     memory_bytes: int
     dimms: tuple[str, ...]
+    cpu_paths: tuple[str, ...] = ()
+    """qom-paths of the plugged vCPUs (``query-cpus-fast``)."""
+
+    def has(self, device: str) -> bool:
+        """Whether QEMU still lists ``device`` (a DIMM id or a vCPU qom-path)."""
+        return device in self.dimms or device in self.cpu_paths
 
 
 def parse_guest_size(line: str) -> GuestSize | None:
@@ -274,7 +285,8 @@ class FenceStore:
             fence=ScaleFence(epoch=int(doc["fence"]["epoch"]), token=int(doc["fence"]["token"]),
                              seq=int(doc["fence"].get("seq", 0))),
             target=ScaleTarget(vcpus=int(doc["cpus"]), memory_slots=int(doc["memorySlots"])),
-            recorded_at=float(doc.get("recordedAt", 0.0)))
+            recorded_at=float(doc.get("recordedAt", 0.0)),
+            removals=tuple(str(r) for r in doc.get("pendingRemovals") or ()))
 
     def save(self, applied: AppliedFence) -> None:
         tmp = self.path.with_suffix(".tmp")
@@ -304,7 +316,53 @@ async def query_size(qmp: QMPClient, limits: ScaleLimits) -> QemuSize:
     plugged = sum(int(d["data"].get("size", 0)) for d in devices if "data" in d)
     boot = limits.min_slots * limits.slot_bytes
     return QemuSize(vcpus=len(cpus), memory_slots=limits.min_slots + len(dimms),
-                    memory_bytes=boot + plugged, dimms=dimms)
+                    memory_bytes=boot + plugged, dimms=dimms,
+                    cpu_paths=tuple(str(c.get("qom-path") or "") for c in cpus))
+
+
+class Removals:
+    """The removals this runner started and has not seen finish, kept in the fence file
+    (so a runner restarted in the same pod still knows them). Used only under the
+    request lock."""
+
+    def __init__(self, store: FenceStore, record: AppliedFence) -> None:
+        self._store = store
+        self.record = record
+
+    @property
+    def pending(self) -> tuple[str, ...]:
+        return self.record.removals
+
+    def _write(self, removals: tuple[str, ...]) -> None:
+        if removals != self.record.removals:
+            self.record = AppliedFence(self.record.fence, self.record.target,
+                                       self.record.recorded_at, removals)
+            self._store.save(self.record)
+
+    def start(self, device: str) -> None:
+        """Recorded *before* the ``device_del`` is sent."""
+        if device not in self.record.removals:
+            self._write((*self.record.removals, device))
+
+    def finished(self, size: QemuSize) -> None:
+        """Forget those QEMU no longer lists (the guest ejected them)."""
+        self._write(tuple(r for r in self.record.removals if size.has(r)))
+
+
+async def settle_removals(qmp: QMPClient, removals: Removals, limits: ScaleLimits,
+                          deadline: float) -> None:
+    """Wait for every removal started earlier (by this request or an earlier one, whose
+    fence may be older) to finish before anything is plugged or counted: a device still
+    being removed is neither present (the guest may eject it at any moment, after a newer
+    size was reported) nor free (it cannot be plugged again). 504 while any is left."""
+    if not removals.pending:
+        return
+
+    async def gone() -> bool:
+        removals.finished(await query_size(qmp, limits))
+        return not removals.pending
+    await _wait_until(gone, deadline, f"the guest ejecting {', '.join(removals.pending)} "
+                                      "(removals started earlier; QEMU cannot cancel them)")
 
 
 async def _wait_until(check: Callable[[], Awaitable[bool]], deadline: float, what: str) -> None:
@@ -324,7 +382,8 @@ def _slot_order(slot: dict[str, Any]) -> tuple[int, ...]:
     return tuple(int(props.get(key, 0)) for key in _TOPOLOGY)
 
 
-async def converge_cpus(qmp: QMPClient, target: int, deadline: float) -> None:
+async def converge_cpus(qmp: QMPClient, target: int, deadline: float,
+                        removals: Removals | None = None) -> None:
     """Plug or unplug vCPUs until QEMU has ``target``; waits for unplugs to finish."""
     slots = await qmp.execute("query-hotpluggable-cpus")
     # QEMU lists slots from the highest index down; plug from the lowest, unplug from the top.
@@ -341,6 +400,8 @@ async def converge_cpus(qmp: QMPClient, target: int, deadline: float) -> None:
     elif len(plugged) > target:
         leaving = [s["qom-path"] for s in plugged[target:]]
         for path in leaving:
+            if removals is not None:
+                removals.start(path)
             with contextlib.suppress(QMPError):  # already being removed: keep waiting
                 await qmp.execute("device_del", {"id": path})
 
@@ -352,7 +413,7 @@ async def converge_cpus(qmp: QMPClient, target: int, deadline: float) -> None:
 
 
 async def converge_memory(qmp: QMPClient, target_slots: int, limits: ScaleLimits,
-                          deadline: float) -> None:
+                          deadline: float, removals: Removals | None = None) -> None:
     """Plug DIMMs for slots [min, target), unplug those at or above ``target``."""
     size = await query_size(qmp, limits)
     present = set(size.dimms)
@@ -370,6 +431,8 @@ async def converge_memory(qmp: QMPClient, target_slots: int, limits: ScaleLimits
     leaving = [DIMM_ID.format(s) for s in range(limits.max_slots - 1, target_slots - 1, -1)
                if DIMM_ID.format(s) in present]
     for dimm in leaving:
+        if removals is not None:
+            removals.start(dimm)
         with contextlib.suppress(QMPError):  # an unplug already pending: keep waiting
             await qmp.execute("device_del", {"id": dimm})
     if leaving:
@@ -537,9 +600,13 @@ class Scaler:
                 if self._attached is None:  # refuse before recording: nothing was applied
                     raise ScaleError(503, "QEMU's QMP session is not connected (booting or "
                                           "stopped)")
+            record = last if last is not None else AppliedFence(
+                fence=fence, target=target, recorded_at=time.time())
             if decision == "newer":
-                self._store.save(AppliedFence(fence=fence, target=target,
-                                              recorded_at=time.time()))
+                record = AppliedFence(fence=fence, target=target, recorded_at=time.time(),
+                                      removals=last.removals if last is not None else ())
+                self._store.save(record)
+            removals = Removals(self._store, record)
             self._log.info("scale to {} vCPUs, {} memory slots (fence epoch {} token {}, {})",
                            target.vcpus, target.memory_slots, fence.epoch, fence.token,
                            decision)
@@ -548,13 +615,21 @@ class Scaler:
 
             async def apply(qmp: QMPClient) -> QemuSize:
                 deadline = asyncio.get_running_loop().time() + budget
+                # Removals an earlier request started (perhaps for an older fence) finish
+                # first: until then nothing is plugged, counted or reported as applied.
+                await settle_removals(qmp, removals, self.limits, deadline)
                 if self._agent is not None:
                     await converge_cpus_sysfs(self._agent, target.vcpus, self._guest_cpus,
                                               deadline)
                 else:
-                    await converge_cpus(qmp, target.vcpus, deadline)
-                await converge_memory(qmp, target.memory_slots, self.limits, deadline)
-                return await query_size(qmp, self.limits)
+                    await converge_cpus(qmp, target.vcpus, deadline, removals)
+                await converge_memory(qmp, target.memory_slots, self.limits, deadline,
+                                      removals)
+                size = await query_size(qmp, self.limits)
+                removals.finished(size)
+                if removals.pending:  # cannot happen: each converge waited for its own
+                    raise ScaleError(504, f"removals still pending: {removals.pending}")
+                return size
             size = self._run(apply, timeout=budget + 10)
             if self._on_size is not None:
                 self._on_size(size)
@@ -563,6 +638,11 @@ class Scaler:
                     "qemu": _size_json(size), "seconds": time.monotonic() - started}
         finally:
             self._lock.release()
+
+    def pending_removals(self, size: QemuSize) -> list[str]:
+        """The recorded removals QEMU still lists (unresolved), for ``GET /scale``."""
+        last = self._store.load()
+        return [r for r in (last.removals if last is not None else ()) if size.has(r)]
 
     def query(self) -> QemuSize:
         """What QEMU has plugged now (raises :class:`ScaleError` 503 while not connected)."""
