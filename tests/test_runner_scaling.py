@@ -227,6 +227,39 @@ def test_a_removal_still_pending_is_neither_plugged_nor_applied(tmp_path: Path,
     assert last is not None and last.removals == () and last.fence == ScaleFence(1, 1, 2)
 
 
+def test_a_removal_the_guest_refuses_is_settled_as_plugged(tmp_path: Path,
+                                                           qmp_loop: Any) -> None:
+    # The guest cannot offline the DIMM and says so (ACPI _OST failure for the eject
+    # request): no eject is coming, so the removal no longer blocks newer plans.
+    token = tmp_path / "token"
+    token.write_text(TOKEN + "\n")
+    limits = ScaleLimits(min_vcpus=1, max_vcpus=1, min_slots=1, max_slots=3, slot_bytes=GIB)
+    qmp = SlowEjectQMP(dimms=2)
+    scaler = Scaler(tmp_path, token, limits, boot=ScaleTarget(1, 3), request_timeout=0.5)
+    scaler.attach(qmp_loop, qmp)  # type: ignore[arg-type]
+
+    def put(slots: int, seq: int) -> dict[str, Any]:
+        body = {"memorySlots": slots, "fence": {"epoch": 1, "token": 1, "seq": seq}}
+        return scaler.scale(f"Bearer {TOKEN}", json.dumps(body).encode())
+
+    with pytest.raises(ScaleError) as err:
+        put(2, seq=1)
+    assert err.value.status == 504
+    # An unrelated _OST (an insert, or an eject still in progress) settles nothing.
+    for info in ({"device": "dimm-slot2", "source": 1, "status": 1},
+                 {"device": "dimm-slot2", "source": 3, "status": 0x80}):
+        qmp_loop.call_soon_threadsafe(scaler.on_qmp_event, "ACPI_DEVICE_OST", {"info": info})
+    with pytest.raises(ScaleError) as err:
+        put(3, seq=2)
+    assert err.value.status == 504
+    qmp_loop.call_soon_threadsafe(scaler.on_qmp_event, "ACPI_DEVICE_OST", {"info": {
+        "device": "dimm-slot2", "slot": "2", "slot-type": "DIMM", "source": 3, "status": 1}})
+    qmp.removing.discard("dimm-slot2")  # QEMU keeps the DIMM plugged
+    result = put(3, seq=2)
+    assert result["qemu"]["memorySlots"] == 3
+    assert scaler.pending_removals(scaler.query()) == []
+
+
 # ---- a real guest -----------------------------------------------------------------------------
 
 

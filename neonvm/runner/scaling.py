@@ -325,9 +325,12 @@ class Removals:
     (so a runner restarted in the same pod still knows them). Used only under the
     request lock."""
 
-    def __init__(self, store: FenceStore, record: AppliedFence) -> None:
+    def __init__(self, store: FenceStore, record: AppliedFence,
+                 refused: set[str] | None = None) -> None:
         self._store = store
         self.record = record
+        self._refused = refused if refused is not None else set()
+        """Devices the guest refused to eject (QMP events): still plugged, and settled."""
 
     @property
     def pending(self) -> tuple[str, ...]:
@@ -340,13 +343,19 @@ class Removals:
             self._store.save(self.record)
 
     def start(self, device: str) -> None:
-        """Recorded *before* the ``device_del`` is sent."""
+        """Recorded *before* the ``device_del`` is sent (a refusal of an earlier one no
+        longer says anything about this one)."""
+        self._refused.discard(device)
         if device not in self.record.removals:
             self._write((*self.record.removals, device))
 
     def finished(self, size: QemuSize) -> None:
-        """Forget those QEMU no longer lists (the guest ejected them)."""
-        self._write(tuple(r for r in self.record.removals if size.has(r)))
+        """Forget those QEMU no longer lists (the guest ejected them), and those the guest
+        refused (still listed, and no eject is coming: they count as plugged again)."""
+        refused = {r for r in self.record.removals if r in self._refused}
+        self._refused.difference_update(refused)
+        self._write(tuple(r for r in self.record.removals
+                          if size.has(r) and r not in refused))
 
 
 async def settle_removals(qmp: QMPClient, removals: Removals, limits: ScaleLimits,
@@ -526,6 +535,8 @@ class Scaler:
         self._lock = threading.Lock()
         self._attached: tuple[asyncio.AbstractEventLoop, QMPClient] | None = None
         self._attach_lock = threading.Lock()
+        self._refused: set[str] = set()
+        """Devices whose removal the guest refused (from QMP events, the QMP loop only)."""
         self._log = logger.bind(component="scaling")
 
     # ---- wiring (supervisor) -----------------------------------------------------------
@@ -533,6 +544,27 @@ class Scaler:
     def attach(self, loop: asyncio.AbstractEventLoop, qmp: QMPClient) -> None:
         with self._attach_lock:
             self._attached = (loop, qmp)
+
+    def on_qmp_event(self, event: str, data: dict[str, Any]) -> None:
+        """From the supervisor's QMP reader (the loop thread): a guest that refused an
+        eject. ``DEVICE_UNPLUG_GUEST_ERROR`` names the device (id and QOM path);
+        ``ACPI_DEVICE_OST`` for an eject request (source 3) with a failure status is the
+        guest's own answer to the ACPI eject (x86 DIMMs). A refused device is still
+        plugged and no eject is coming: its removal counts as settled."""
+        names: tuple[object, ...] = ()
+        if event == "DEVICE_UNPLUG_GUEST_ERROR":
+            names = (data.get("device"), data.get("path"))
+        elif event == "ACPI_DEVICE_OST":
+            info = data.get("info") or {}
+            # _OST status: 0 success, 0x80-0x82 eject in progress; anything else a failure.
+            status = info.get("status")
+            if info.get("source") == 3 and isinstance(status, int) and status != 0 and not (
+                    0x80 <= status <= 0x82):
+                names = (info.get("device"),)
+        for name in names:
+            if name:
+                self._log.warning("the guest refused to eject {} ({})", name, event)
+                self._refused.add(str(name))
 
     def detach(self) -> None:
         with self._attach_lock:
@@ -606,7 +638,7 @@ class Scaler:
                 record = AppliedFence(fence=fence, target=target, recorded_at=time.time(),
                                       removals=last.removals if last is not None else ())
                 self._store.save(record)
-            removals = Removals(self._store, record)
+            removals = Removals(self._store, record, self._refused)
             self._log.info("scale to {} vCPUs, {} memory slots (fence epoch {} token {}, {})",
                            target.vcpus, target.memory_slots, fence.epoch, fence.token,
                            decision)
