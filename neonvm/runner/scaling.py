@@ -35,6 +35,14 @@ The rules, in order:
    the guest has ejected the device (the kernel offlines it first); the request waits for
    that up to its timeout and then answers 504 with what QEMU has, the fence staying
    recorded, so a retry with the same fence continues.
+5. Pending removals: a ``device_del`` cannot be taken back, and the guest may eject the
+   device long after its request answered 504. Each removal is recorded in the fence
+   file before it is sent; before converging to any target (a newer fence included) the
+   runner waits until every recorded removal has settled: the device gone from QEMU, or
+   refused by the guest (``DEVICE_UNPLUG_GUEST_ERROR``, or an ``ACPI_DEVICE_OST``
+   failure for the eject request: the device stays and counts as plugged). Until then
+   it answers 504 and reports nothing as applied; ``GET /scale`` lists the unsettled
+   ones (``pendingRemovals``), and the controller commits no size while any is left.
 
 Not guaranteed: that the guest onlines what was plugged (its kernel command line or an
 agent must; see docs/runner.md, "Live scaling"), or that it can offline memory that holds
