@@ -134,25 +134,32 @@ class SlowEjectQMP:
     finishes only when the test says so (:meth:`eject`), as QEMU does (the device stays
     listed until the guest has ejected it, and the removal cannot be cancelled)."""
 
-    def __init__(self, dimms: int) -> None:
+    def __init__(self, dimms: int, vcpus: int = 1, max_vcpus: int = 1) -> None:
         self.dimms = {f"dimm-slot{i}": f"mem-slot{i}" for i in range(1, dimms + 1)}
+        boot = "/machine/unattached/device[0]"
+        self.cpus: dict[int, str | None] = {
+            i: (boot if i == 0 else f"/machine/peripheral/hotplug-cpu-0-{i}-0"
+                if i < vcpus else None) for i in range(max_vcpus)}
         self.objects = set(self.dimms.values())
         self.removing: set[str] = set()
         self.calls: list[tuple[str, dict[str, Any] | None]] = []
 
-    def eject(self, dimm: str) -> None:
-        assert dimm in self.removing
-        self.removing.discard(dimm)
-        del self.dimms[dimm]
+    def eject(self, device: str) -> None:
+        assert device in self.removing
+        self.removing.discard(device)
+        if device in self.dimms:
+            del self.dimms[device]
+        else:
+            self.cpus = {i: (None if p == device else p) for i, p in self.cpus.items()}
 
     async def execute(self, command: str, args: dict[str, Any] | None = None) -> Any:
         self.calls.append((command, args))
         if command == "query-cpus-fast":
-            return [{"cpu-index": 0, "qom-path": "/machine/unattached/device[0]"}]
+            return [{"cpu-index": i, "qom-path": p} for i, p in self.cpus.items() if p]
         if command == "query-hotpluggable-cpus":
             return [{"type": "qemu64-x86_64-cpu", "vcpus-count": 1,
-                     "props": {"socket-id": 0, "core-id": 0, "thread-id": 0},
-                     "qom-path": "/machine/unattached/device[0]"}]
+                     "props": {"socket-id": 0, "core-id": i, "thread-id": 0},
+                     **({"qom-path": p} if p else {})} for i, p in self.cpus.items()]
         if command == "query-memory-devices":
             return [{"type": "dimm", "data": {"id": d, "size": GIB, "memdev": m}}
                     for d, m in sorted(self.dimms.items())]
@@ -166,12 +173,17 @@ class SlowEjectQMP:
             assert args is not None
             self.objects.discard(args["id"])
             return {}
+        if command == "device_add" and args is not None and args["driver"] != "pc-dimm":
+            assert self.cpus[args["core-id"]] is None, args
+            self.cpus[args["core-id"]] = f"/machine/peripheral/{args['id']}"
+            return {}
         if command == "device_add":
             assert args is not None and args["id"] not in self.dimms, args
             self.dimms[args["id"]] = args["memdev"]
             return {}
         if command == "device_del":
-            assert args is not None and args["id"] in self.dimms, args
+            assert args is not None, args
+            assert args["id"] in self.dimms or args["id"] in self.cpus.values(), args
             self.removing.add(args["id"])  # the guest has not ejected it yet
             return {}
         raise AssertionError(f"unexpected QMP command {command}")
@@ -225,6 +237,34 @@ def test_a_removal_still_pending_is_neither_plugged_nor_applied(tmp_path: Path,
     assert again.pending_removals(again.query()) == []
     last = FenceStore(tmp_path).load()
     assert last is not None and last.removals == () and last.fence == ScaleFence(1, 1, 2)
+
+
+def test_a_vcpu_whose_removal_is_pending_is_not_counted_as_plugged(tmp_path: Path,
+                                                                   qmp_loop: Any) -> None:
+    # Review S0, the vCPU version: plan n unplugs vCPU 2 (504: the guest is slow), plan
+    # n+1 asks for 2 vCPUs again; the vCPU still has its qom-path but may go any moment.
+    token = tmp_path / "token"
+    token.write_text(TOKEN + "\n")
+    limits = ScaleLimits(min_vcpus=1, max_vcpus=2, min_slots=1, max_slots=1, slot_bytes=GIB)
+    qmp = SlowEjectQMP(dimms=0, vcpus=2, max_vcpus=2)
+    scaler = Scaler(tmp_path, token, limits, boot=ScaleTarget(2, 1), request_timeout=0.5)
+    scaler.attach(qmp_loop, qmp)  # type: ignore[arg-type]
+
+    def put(cpus: int, seq: int) -> dict[str, Any]:
+        body = {"cpus": cpus, "fence": {"epoch": 1, "token": 1, "seq": seq}}
+        return scaler.scale(f"Bearer {TOKEN}", json.dumps(body).encode())
+
+    leaving = "/machine/peripheral/hotplug-cpu-0-1-0"
+    with pytest.raises(ScaleError) as err:
+        put(1, seq=1)
+    assert err.value.status == 504 and qmp.removing == {leaving}
+    with pytest.raises(ScaleError) as err:
+        put(2, seq=2)
+    assert err.value.status == 504, "plan n+1 answered while plan n's vCPU unplug is pending"
+    assert scaler.pending_removals(scaler.query()) == [leaving]
+    qmp.eject(leaving)
+    assert put(2, seq=2)["qemu"]["vcpus"] == 2  # plugged back
+    assert scaler.pending_removals(scaler.query()) == []
 
 
 def test_a_removal_the_guest_refuses_is_settled_as_plugged(tmp_path: Path,
