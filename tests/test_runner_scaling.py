@@ -4,7 +4,9 @@ The real-guest test boots the tests' busybox guest under real QEMU (KVM if usabl
 with room for 2 vCPUs and 2 x 1 GiB memory slots, and scales it 1 -> 2 -> 1 vCPUs and
 1 -> 2 -> 1 GiB through ``PUT /scale``, reading each size from inside the guest (its
 hotplug agent's console line) with the QEMU process unchanged. Unit tests pin the request
-parsing, the fence rule and the fence file.
+parsing, the fence rule and the fence file, and, against a QMP stand-in whose guest ejects
+only when told, that a removal still pending is neither counted as plugged nor answered
+as applied.
 """
 
 from __future__ import annotations
