@@ -41,9 +41,11 @@ def test_a_new_pod_without_a_fence_floor_takes_a_plan_older_than_itself() -> Non
 @pytest.mark.unit
 @pytest.mark.slow
 def test_a_guest_that_refuses_unplugs_still_gets_the_newest_size_it_can_reach() -> None:
-    # Every memory unplug answers 504 (fence recorded, memory kept). The user goes 1/1 ->
-    # 2/2 -> 1/1 (stuck) -> 2/2: the stuck plan is superseded (seq+1) and the guest gets
-    # 2/2; while the newest size needs an unplug, the newest plan is the one being tried.
+    # Every memory unplug answers 504 (fence recorded, memory kept) and stays pending: the
+    # guest may finish it at any later step, or never. The user goes 1/1 ->
+    # 2/2 -> 1/1 (stuck) -> 2/2: the stuck plan is superseded (seq+1); the runner takes it
+    # only once the guest has finished the pending unplug, then plugs the DIMM back. While
+    # an unplug is pending or the newest size needs one, the newest plan is being tried.
     report = explore_scaling(initial_world(spec_changes=((2, 2), (1, 1), (2, 2)), restarts=0),
                              refuse_unplug=True)
     print(f"scaling explorer, unplugs refused: {report.states} states, "
@@ -68,3 +70,15 @@ def test_a_plan_never_superseded_holds_the_vm_when_the_guest_refuses_an_unplug()
                              refuse_unplug=True, mutants=Mutants(no_supersede=True),
                              max_states=20_000)
     assert report.violation is not None and report.violation.property == "convergence", report
+
+
+@pytest.mark.unit
+def test_an_unplug_still_pending_counted_as_plugged_lets_an_older_size_land_last() -> None:
+    # Review S0's mutant: the runner forgets the unplug it started (504) and counts the
+    # DIMM as plugged, so the plan asking for it back is answered at once; the guest then
+    # finishes the older plan's eject after the newer plan's size.
+    report = explore_scaling(initial_world(spec_changes=((2, 2), (1, 1), (2, 2)), restarts=0),
+                             refuse_unplug=True,
+                             mutants=Mutants(removal_counts_as_present=True), liveness=False)
+    assert report.violation is not None and report.violation.property == "order", report
+    assert report.trace[-1] == "the guest finishes the pending unplug", report.trace

@@ -93,6 +93,10 @@ def test_projection_keeps_every_field_a_cached_decision_reads() -> None:
     for pod in POD_VARIANTS:
         slim = project_pod(copy.deepcopy(pod))
         assert pod_view(slim) == pod_view(pod)
+        # The slot size the pod was built with (the built-size annotation's third field)
+        # is what stops live scaling after a memorySlotSize change: the cache keeps it.
+        assert pod_view(slim).slot_bytes == podspec.slot_bytes(
+            vm().spec.guest.memory_slot_size) is not None
         assert pod_index(slim) == pod_index(pod)
         assert slim["metadata"]["resourceVersion"] == pod["metadata"]["resourceVersion"]
         assert runner_port(slim, vm(), 1) == runner_port(pod, vm(), 1) != 1

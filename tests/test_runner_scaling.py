@@ -4,7 +4,9 @@ The real-guest test boots the tests' busybox guest under real QEMU (KVM if usabl
 with room for 2 vCPUs and 2 x 1 GiB memory slots, and scales it 1 -> 2 -> 1 vCPUs and
 1 -> 2 -> 1 GiB through ``PUT /scale``, reading each size from inside the guest (its
 hotplug agent's console line) with the QEMU process unchanged. Unit tests pin the request
-parsing, the fence rule and the fence file.
+parsing, the fence rule and the fence file, and, against a QMP stand-in whose guest ejects
+only when told, that a removal still pending is neither counted as plugged nor answered
+as applied.
 """
 
 from __future__ import annotations
@@ -127,6 +129,177 @@ def test_a_runner_in_a_pod_takes_only_the_token_of_its_own_pod(tmp_path: Path) -
     with pytest.raises(ScaleError) as err:  # past the token: QMP is not connected here
         scaler.scale(f"Bearer {pod_token(TOKEN.encode(), 'uid-new')}", body)
     assert err.value.status == 503
+
+
+class SlowEjectQMP:
+    """A QMP stand-in for the unit tests: memory DIMMs whose ``device_del`` the guest
+    finishes only when the test says so (:meth:`eject`), as QEMU does (the device stays
+    listed until the guest has ejected it, and the removal cannot be cancelled)."""
+
+    def __init__(self, dimms: int, vcpus: int = 1, max_vcpus: int = 1) -> None:
+        self.dimms = {f"dimm-slot{i}": f"mem-slot{i}" for i in range(1, dimms + 1)}
+        boot = "/machine/unattached/device[0]"
+        self.cpus: dict[int, str | None] = {
+            i: (boot if i == 0 else f"/machine/peripheral/hotplug-cpu-0-{i}-0"
+                if i < vcpus else None) for i in range(max_vcpus)}
+        self.objects = set(self.dimms.values())
+        self.removing: set[str] = set()
+        self.calls: list[tuple[str, dict[str, Any] | None]] = []
+
+    def eject(self, device: str) -> None:
+        assert device in self.removing
+        self.removing.discard(device)
+        if device in self.dimms:
+            del self.dimms[device]
+        else:
+            self.cpus = {i: (None if p == device else p) for i, p in self.cpus.items()}
+
+    async def execute(self, command: str, args: dict[str, Any] | None = None) -> Any:
+        self.calls.append((command, args))
+        if command == "query-cpus-fast":
+            return [{"cpu-index": i, "qom-path": p} for i, p in self.cpus.items() if p]
+        if command == "query-hotpluggable-cpus":
+            return [{"type": "qemu64-x86_64-cpu", "vcpus-count": 1,
+                     "props": {"socket-id": 0, "core-id": i, "thread-id": 0},
+                     **({"qom-path": p} if p else {})} for i, p in self.cpus.items()]
+        if command == "query-memory-devices":
+            return [{"type": "dimm", "data": {"id": d, "size": GIB, "memdev": m}}
+                    for d, m in sorted(self.dimms.items())]
+        if command == "qom-list":
+            return [{"name": o, "type": "child<memory-backend-ram>"} for o in self.objects]
+        if command == "object-add":
+            assert args is not None
+            self.objects.add(args["id"])
+            return {}
+        if command == "object-del":
+            assert args is not None
+            self.objects.discard(args["id"])
+            return {}
+        if command == "device_add" and args is not None and args["driver"] != "pc-dimm":
+            assert self.cpus[args["core-id"]] is None, args
+            self.cpus[args["core-id"]] = f"/machine/peripheral/{args['id']}"
+            return {}
+        if command == "device_add":
+            assert args is not None and args["id"] not in self.dimms, args
+            self.dimms[args["id"]] = args["memdev"]
+            return {}
+        if command == "device_del":
+            assert args is not None, args
+            assert args["id"] in self.dimms or args["id"] in self.cpus.values(), args
+            self.removing.add(args["id"])  # the guest has not ejected it yet
+            return {}
+        raise AssertionError(f"unexpected QMP command {command}")
+
+
+@pytest.fixture
+def qmp_loop() -> Any:
+    import asyncio
+    import threading
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    yield loop
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(10)
+    loop.close()
+
+
+def test_a_removal_still_pending_is_neither_plugged_nor_applied(tmp_path: Path,
+                                                                qmp_loop: Any) -> None:
+    # Review S0: plan n unplugs dimm-slot2, the guest is slow (504, fence recorded);
+    # plan n+1 asks for the slot back. The DIMM is still listed, but the guest may eject
+    # it at any moment: plan n+1 must not be answered 200 (and committed) over it.
+    token = tmp_path / "token"
+    token.write_text(TOKEN + "\n")
+    limits = ScaleLimits(min_vcpus=1, max_vcpus=1, min_slots=1, max_slots=3, slot_bytes=GIB)
+    qmp = SlowEjectQMP(dimms=2)
+    scaler = Scaler(tmp_path, token, limits, boot=ScaleTarget(1, 3), request_timeout=0.5)
+    scaler.attach(qmp_loop, qmp)  # type: ignore[arg-type]
+
+    def put(slots: int, seq: int) -> dict[str, Any]:
+        body = {"memorySlots": slots, "fence": {"epoch": 1, "token": 1, "seq": seq}}
+        return scaler.scale(f"Bearer {TOKEN}", json.dumps(body).encode())
+
+    with pytest.raises(ScaleError) as err:
+        put(2, seq=1)
+    assert err.value.status == 504 and qmp.removing == {"dimm-slot2"}
+    with pytest.raises(ScaleError) as err:
+        put(3, seq=2)
+    assert err.value.status == 504, "plan n+1 answered while plan n's unplug is pending"
+    assert "dimm-slot2" in str(err.value)
+    # A runner restarted in the same pod still knows the removal it started.
+    again = Scaler(tmp_path, token, limits, boot=ScaleTarget(1, 3), request_timeout=0.5)
+    again.attach(qmp_loop, qmp)  # type: ignore[arg-type]
+    assert again.pending_removals(again.query()) == ["dimm-slot2"]
+    # The guest finishes plan n's eject: the retry of plan n+1 plugs the slot back.
+    qmp.eject("dimm-slot2")
+    result = again.scale(f"Bearer {TOKEN}", json.dumps(
+        {"memorySlots": 3, "fence": {"epoch": 1, "token": 1, "seq": 2}}).encode())
+    assert result["qemu"]["memorySlots"] == 3 and "dimm-slot2" in qmp.dimms
+    assert again.pending_removals(again.query()) == []
+    last = FenceStore(tmp_path).load()
+    assert last is not None and last.removals == () and last.fence == ScaleFence(1, 1, 2)
+
+
+def test_a_vcpu_whose_removal_is_pending_is_not_counted_as_plugged(tmp_path: Path,
+                                                                   qmp_loop: Any) -> None:
+    # Review S0, the vCPU version: plan n unplugs vCPU 2 (504: the guest is slow), plan
+    # n+1 asks for 2 vCPUs again; the vCPU still has its qom-path but may go any moment.
+    token = tmp_path / "token"
+    token.write_text(TOKEN + "\n")
+    limits = ScaleLimits(min_vcpus=1, max_vcpus=2, min_slots=1, max_slots=1, slot_bytes=GIB)
+    qmp = SlowEjectQMP(dimms=0, vcpus=2, max_vcpus=2)
+    scaler = Scaler(tmp_path, token, limits, boot=ScaleTarget(2, 1), request_timeout=0.5)
+    scaler.attach(qmp_loop, qmp)  # type: ignore[arg-type]
+
+    def put(cpus: int, seq: int) -> dict[str, Any]:
+        body = {"cpus": cpus, "fence": {"epoch": 1, "token": 1, "seq": seq}}
+        return scaler.scale(f"Bearer {TOKEN}", json.dumps(body).encode())
+
+    leaving = "/machine/peripheral/hotplug-cpu-0-1-0"
+    with pytest.raises(ScaleError) as err:
+        put(1, seq=1)
+    assert err.value.status == 504 and qmp.removing == {leaving}
+    with pytest.raises(ScaleError) as err:
+        put(2, seq=2)
+    assert err.value.status == 504, "plan n+1 answered while plan n's vCPU unplug is pending"
+    assert scaler.pending_removals(scaler.query()) == [leaving]
+    qmp.eject(leaving)
+    assert put(2, seq=2)["qemu"]["vcpus"] == 2  # plugged back
+    assert scaler.pending_removals(scaler.query()) == []
+
+
+def test_a_removal_the_guest_refuses_is_settled_as_plugged(tmp_path: Path,
+                                                           qmp_loop: Any) -> None:
+    # The guest cannot offline the DIMM and says so (ACPI _OST failure for the eject
+    # request): no eject is coming, so the removal no longer blocks newer plans.
+    token = tmp_path / "token"
+    token.write_text(TOKEN + "\n")
+    limits = ScaleLimits(min_vcpus=1, max_vcpus=1, min_slots=1, max_slots=3, slot_bytes=GIB)
+    qmp = SlowEjectQMP(dimms=2)
+    scaler = Scaler(tmp_path, token, limits, boot=ScaleTarget(1, 3), request_timeout=0.5)
+    scaler.attach(qmp_loop, qmp)  # type: ignore[arg-type]
+
+    def put(slots: int, seq: int) -> dict[str, Any]:
+        body = {"memorySlots": slots, "fence": {"epoch": 1, "token": 1, "seq": seq}}
+        return scaler.scale(f"Bearer {TOKEN}", json.dumps(body).encode())
+
+    with pytest.raises(ScaleError) as err:
+        put(2, seq=1)
+    assert err.value.status == 504
+    # An unrelated _OST (an insert, or an eject still in progress) settles nothing.
+    for info in ({"device": "dimm-slot2", "source": 1, "status": 1},
+                 {"device": "dimm-slot2", "source": 3, "status": 0x80}):
+        qmp_loop.call_soon_threadsafe(scaler.on_qmp_event, "ACPI_DEVICE_OST", {"info": info})
+    with pytest.raises(ScaleError) as err:
+        put(3, seq=2)
+    assert err.value.status == 504
+    qmp_loop.call_soon_threadsafe(scaler.on_qmp_event, "ACPI_DEVICE_OST", {"info": {
+        "device": "dimm-slot2", "slot": "2", "slot-type": "DIMM", "source": 3, "status": 1}})
+    qmp.removing.discard("dimm-slot2")  # QEMU keeps the DIMM plugged
+    result = put(3, seq=2)
+    assert result["qemu"]["memorySlots"] == 3
+    assert scaler.pending_removals(scaler.query()) == []
 
 
 # ---- a real guest -----------------------------------------------------------------------------

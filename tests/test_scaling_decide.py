@@ -104,6 +104,15 @@ def test_a_recorded_plan_is_applied_then_committed_from_what_the_runner_reports(
     assert action == d.CommitScale(seq=1, vcpus=2, memory_bytes=GIB, reason=action.reason)
 
 
+def test_no_commit_while_the_runner_still_has_a_removal_pending() -> None:
+    # Review S0: QEMU still lists a DIMM the guest has not finished ejecting (an earlier
+    # plan's unplug): the count matches the plan, but the guest may drop the DIMM later.
+    v = vm(cpus_use=2, slots_use=2, pending=scale_plan(slots=2), phase="Scaling")
+    pending = dataclasses.replace(view((3, 40, 1), 2, 2), pending_removals=("dimm-slot1",))
+    assert isinstance(d.decide(obs(v, runner=pending)), d.ApplyScale)
+    assert isinstance(d.decide(obs(v, runner=view((3, 40, 1), 2, 2))), d.CommitScale)
+
+
 def test_a_runner_ahead_of_the_plan_drops_it_and_one_that_cannot_be_asked_waits() -> None:
     v = vm(cpus_use=2, pending=scale_plan(), phase="Scaling")
     assert isinstance(d.decide(obs(v, runner=view((4, 1, 0), 1, 1))), d.DropScale)
@@ -316,3 +325,37 @@ def test_a_scalable_pod_without_a_token_secret_still_carries_its_fence_floor() -
     assert env["NEONVM_SCALING_FENCE_FLOOR"] == "5,77,7"
     assert "NEONVM_SCALING_TOKEN_FILE" not in env
     assert not any(vol["name"] == "vm-scaling-token" for vol in pod["spec"]["volumes"])
+
+
+def test_a_changed_memory_slot_size_is_not_scaled_live_but_needs_a_restart() -> None:
+    # Review S1: the runner counts slots in the size its pod was built with. The pod was
+    # built with 1Gi slots (2 of them); the user sets memorySlotSize 2Gi, use 2 (4Gi).
+    # Planning "2 slots" would be a no-op at the runner, committed as 2Gi, then planned
+    # again forever (or a 3Gi status no slot count fits, blocking every later plan).
+    from neonvm.controller.observe import pod_view
+
+    built_from = vm(slots_use=2, status_slots=2)
+    raw = _created_pod(built_from, uid="uid-1")
+    pod = dataclasses.replace(pod_view(raw), name=POD, gated=False,  # type: ignore[arg-type]
+                              phase="Running", node="n1", ip="10.0.0.1")
+    v = vm(slots_use=2, status_slots=2)
+    v.spec.guest.memory_slot_size = "2Gi"
+    action = d.decide(obs(v, pod=pod))
+    assert isinstance(action, d.DropScale) and action.refused == d.SCALING_NEEDS_RESTART, action
+    assert "memorySlotSize" in action.reason
+    new = status_mutation(action, LEASE)(v)
+    assert new is not None and new.pending_scale is None and new.scale_seq == 0
+    cond = next(c for c in new.conditions if c.type == d.SCALING_CONDITION)
+    assert (cond.status, cond.reason, cond.observed_generation) == (
+        "False", d.SCALING_NEEDS_RESTART, v.generation)
+    said = dataclasses.replace(v, status=new)
+    assert d.decide(obs(said, pod=pod)) == d.Done(reason=d.decide(obs(said, pod=pod)).reason)
+    # A plan recorded before the change is dropped the same way.
+    v.status.pending_scale, v.status.scale_seq = scale_plan(cpus=1, slots=2), 1
+    v.status.phase = "Scaling"
+    action = d.decide(obs(v, pod=pod))
+    assert isinstance(action, d.DropScale) and action.seq == 1, action
+    assert action.refused == d.SCALING_NEEDS_RESTART
+    # The slot size back to the pod's: planning resumes.
+    v.spec.guest.memory_slot_size = "1Gi"
+    assert not isinstance(d.decide(obs(v, pod=pod)), d.DropScale)

@@ -80,6 +80,9 @@ class PodView:
     built: tuple[int, int] | None = None
     """(millicores, memory slots) the pod's guest was built with (its
     ``vm.neon.tech/built-size`` annotation); None: not recorded."""
+    slot_bytes: int | None = None
+    """The memory slot size (bytes) the pod was built with, from the same annotation:
+    its runner counts slots in it. None: not recorded (a pod built before it was)."""
     runner_port: int | None = None
     """The port its runner listens on, from the pod's own spec; None: not found."""
 
@@ -101,6 +104,9 @@ class RunnerView:
     (SysfsScaling, as its agent reports)."""
     memory_slots: int
     memory_bytes: int
+    pending_removals: tuple[str, ...] = ()
+    """Devices the runner sent ``device_del`` for that QEMU still lists: the guest may
+    eject them at any time, so the size above is not settled (nothing is committed)."""
 
 
 @dataclass(frozen=True)
@@ -228,6 +234,8 @@ class Commit(Action):
     built: tuple[int, int] | None = None
     """(millicores, memory slots) the pod was built with: recorded as status.cpus and
     memorySize (the guest's size), not the spec's size at commit time. None: the spec's."""
+    slot_bytes: int | None = None
+    """The memory slot size the pod was built with (None: the spec's)."""
 
 
 @dataclass(frozen=True)
@@ -336,11 +344,16 @@ class CommitScale(Action):
 @dataclass(frozen=True)
 class DropScale(Action):
     """CAS pendingScale: none if it is still number ``seq`` (it names a pod that is no
-    longer the committed one, or the runner has applied a newer fence)."""
+    longer the committed one, or the runner has applied a newer fence). With ``refused``
+    and no plan recorded: only the Scaling condition, if ``seq`` is still
+    ``status.scaleSeq`` (no plan was made since the observation) and the spec is still
+    ``generation``."""
 
     step: ClassVar[str] = "drop_scale"
 
     seq: int = 0
+    generation: int = 0
+    """The spec generation a refusal without a plan was decided for (0: not one)."""
     refused: str | None = None
     """The runner or the cluster refused the plan for good: the Scaling condition's
     reason (:data:`SCALING_NEEDS_RESTART`, :data:`SCALING_DISABLED`); no new plan for
@@ -616,6 +629,9 @@ def _decide_scaling(obs: Observation, vm: VirtualMachine, pod: PodView) -> Actio
     back to an older size. None: nothing to scale.
     """
     plan = vm.status.pending_scale
+    resized = _slot_size_changed(vm, pod)
+    if resized is not None:
+        return resized
     if plan is not None:
         if plan.pod_name != pod.name or (plan.pod_uid and plan.pod_uid != pod.uid):
             return DropScale(seq=plan.seq, reason=f"scaling plan #{plan.seq} is for pod "
@@ -630,8 +646,8 @@ def _decide_scaling(obs: Observation, vm: VirtualMachine, pod: PodView) -> Actio
                                  reason=f"runner of {pod.name} has applied fence "
                                         f"{runner.fence}, newer than plan #{plan.seq}'s "
                                         f"{fence}: plan again")
-            if runner.fence == fence and (runner.vcpus, runner.memory_slots) == (
-                    plan.cpus, plan.memory_slots):
+            if runner.fence == fence and not runner.pending_removals and (
+                    runner.vcpus, runner.memory_slots) == (plan.cpus, plan.memory_slots):
                 return CommitScale(seq=plan.seq, vcpus=runner.vcpus,
                                    memory_bytes=runner.memory_bytes,
                                    reason=f"runner of {pod.name} reached {plan.cpus} vCPUs, "
@@ -662,6 +678,32 @@ def _decide_scaling(obs: Observation, vm: VirtualMachine, pod: PodView) -> Actio
         return None  # refused for this spec: the condition says why; a new spec tries again
     return _plan_scale(obs, vm, pod, want, f"spec asks for {want[0]} vCPUs, {want[1]} "
                                            f"memory slots; {pod.name} has {have[0]}, {have[1]}")
+
+
+def _slot_size_changed(vm: VirtualMachine, pod: PodView) -> Action | None:
+    """The spec's ``memorySlotSize`` is not the one the pod was built with: its runner
+    counts slots in the old size, so no live plan can say what the spec means. A recorded
+    plan is dropped and, once per spec generation, Scaling=False ScalingNeedsRestart says
+    so; the next pod is built with the new slot size. None: the same size (or unknown)."""
+    from neonvm.controller.podspec import slot_bytes
+
+    spec_slot = slot_bytes(vm.spec.guest.memory_slot_size)
+    if pod.slot_bytes is None or spec_slot is None or spec_slot == pod.slot_bytes:
+        return None
+    why = (f"memorySlotSize is {vm.spec.guest.memory_slot_size} ({spec_slot} bytes) but "
+           f"{pod.name} was built with {pod.slot_bytes}-byte slots: live scaling cannot "
+           "change the slot size; the next pod is built with the new one")
+    plan = vm.status.pending_scale
+    if plan is not None:
+        return DropScale(seq=plan.seq, refused=SCALING_NEEDS_RESTART, reason=why)
+    if pod.phase != "Running" or not pod.ip:
+        return None
+    if any(c.type == SCALING_CONDITION and c.status == "False"
+           and c.reason == SCALING_NEEDS_RESTART and c.observed_generation == vm.generation
+           for c in vm.status.conditions):
+        return None  # already said for this spec
+    return DropScale(seq=vm.status.scale_seq, refused=SCALING_NEEDS_RESTART, reason=why,
+                     generation=vm.generation)
 
 
 def _plan_scale(obs: Observation, vm: VirtualMachine, pod: PodView, want: tuple[int, int],
@@ -726,7 +768,7 @@ def _decide_pending(obs: Observation, vm: VirtualMachine, pending: PendingPod) -
             why = (f"not ours (it does not carry the fence epoch {pending.epoch} token "
                    f"{pending.token} of plan #{pending.plan_seq})")
         return DropPlan(name=pending.name, reason=f"pod {pending.name} exists but is {why}")
-    return Commit(name=pod.name, uid=pod.uid, built=pod.built,
+    return Commit(name=pod.name, uid=pod.uid, built=pod.built, slot_bytes=pod.slot_bytes,
                   reason=f"pod {pod.name} created: commit it")
 
 

@@ -43,17 +43,19 @@ def _fresh_status(vm: VirtualMachine, lease: d.Lease) -> VirtualMachineStatus:
 
 
 def _record_boot_size(new: VirtualMachineStatus, vm: VirtualMachine,
-                      built: tuple[int, int] | None = None) -> None:
+                      built: tuple[int, int] | None = None,
+                      slot_bytes: int | None = None) -> None:
     """status.cpus/memorySize/currentRevision: the size the committed pod was built with
-    (``built``: millicores, memory slots, from the pod), else the spec's."""
+    (``built``: millicores, memory slots, in slots of ``slot_bytes`` when the pod
+    records it, from the pod), else the spec's."""
     new.cpus, new.memory_size = compat.configured_size(vm.spec)
     if built is not None:
         from neonvm.runner.quantity import QuantityError, format_bytes, parse_bytes
 
         new.cpus = MilliCPU(built[0])
         try:
-            new.memory_size = format_bytes(parse_bytes(vm.spec.guest.memory_slot_size)
-                                           * built[1])
+            new.memory_size = format_bytes(
+                (slot_bytes or parse_bytes(vm.spec.guest.memory_slot_size)) * built[1])
         except QuantityError:
             new.memory_size = None
     if vm.spec.target_revision is not None:
@@ -111,7 +113,7 @@ def status_mutation(action: d.Action, lease: d.Lease) -> StatusMutation:
         new.pod_name, new.pod_uid, new.pending_pod = action.name, action.uid, None
         new.pending_scale = None
         new.phase = "Pending"
-        _record_boot_size(new, vm, action.built)
+        _record_boot_size(new, vm, action.built, action.slot_bytes)
         return new
 
     def drop_plan(vm: VirtualMachine) -> VirtualMachineStatus | None:
@@ -210,6 +212,11 @@ def status_mutation(action: d.Action, lease: d.Lease) -> StatusMutation:
     def drop_scale(vm: VirtualMachine) -> VirtualMachineStatus | None:
         assert isinstance(action, d.DropScale)
         s = vm.status
+        if s.pending_scale is None and action.refused and s.scale_seq == action.seq and (
+                action.generation == vm.generation):
+            new = _fresh_status(vm, lease)  # no plan: the condition says why none is made
+            _set_scaling_condition(new, vm, "False", action.refused, action.reason)
+            return new
         if s.pending_scale is None or s.pending_scale.seq != action.seq:
             return None
         generation = s.pending_scale.generation

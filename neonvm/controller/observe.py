@@ -121,6 +121,7 @@ def pod_view(pod: dict[str, Any]) -> PodView:
         ip=status.get("podIP"),
         fence=pod_fence(meta),
         built=podspec.built_size(meta),
+        slot_bytes=podspec.built_slot_bytes(meta),
         runner_port=podspec.runner_port_of(spec),
     )
 

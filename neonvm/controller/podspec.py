@@ -63,8 +63,11 @@ MEMORY_OVERHEAD = 256 * 1024 * 1024
 ANNOTATION_GENERATION = "vm.neon.tech/generation"
 ANNOTATION_SPEC = "vm.neon.tech/spec"
 ANNOTATION_BUILT_SIZE = "vm.neon.tech/built-size"
-"""The guest size the pod was built with: ``<cpus.use in millicores>,<memory slots>``
-(what its guest boots at; the commit records it, whatever the spec says by then)."""
+"""The guest size the pod was built with: ``<cpus.use in millicores>,<memory slots>,
+<memory slot bytes>`` (what its guest boots at; the commit records it, whatever the spec
+says by then). Its runner counts memory slots in that slot size for the pod's life, so
+live scaling is planned only while the spec's ``memorySlotSize`` is the same. Pods built
+before the third field existed carry the first two only."""
 """The VM spec as JSON, projected into the runner's spec file."""
 SPEC_DIR = "/vm/spec"
 SPEC_FILE = f"{SPEC_DIR}/spec.json"
@@ -235,7 +238,8 @@ def runner_pod(vm: VirtualMachine, plan: PendingPod,
                 types.ANNOTATION_PLAN_SEQ: str(plan.plan_seq),
                 ANNOTATION_GENERATION: str(vm.generation),
                 ANNOTATION_BUILT_SIZE: f"{int(spec.guest.cpus.current)},"
-                                       f"{spec.guest.memory_slots.current}",
+                                       f"{spec.guest.memory_slots.current},"
+                                       f"{slot_bytes(spec.guest.memory_slot_size) or ''}",
             },
             "ownerReferences": [{
                 "apiVersion": types.API_VERSION,
@@ -403,10 +407,32 @@ def built_size(meta: dict[str, Any]) -> tuple[int, int] | None:
     absent or malformed (a pod built before the annotation existed)."""
     raw = (meta.get("annotations") or {}).get(ANNOTATION_BUILT_SIZE)
     try:
-        milli, slots = (int(v) for v in str(raw).split(","))
+        milli, slots = (int(v) for v in str(raw).split(",")[:2])
     except (TypeError, ValueError):
         return None
     return (milli, slots) if milli > 0 and slots >= 0 else None
+
+
+def built_slot_bytes(meta: dict[str, Any]) -> int | None:
+    """The memory slot size (bytes) from a pod's :data:`ANNOTATION_BUILT_SIZE`; None when
+    absent or malformed (a pod built before the field existed)."""
+    raw = str((meta.get("annotations") or {}).get(ANNOTATION_BUILT_SIZE) or "").split(",")
+    try:
+        value = int(raw[2]) if len(raw) == 3 else 0
+    except ValueError:
+        return None
+    return value if value > 0 else None
+
+
+def slot_bytes(quantity: str | None) -> int | None:
+    """``memorySlotSize`` in bytes; None when it does not parse (or is not positive)."""
+    from neonvm.runner.quantity import QuantityError, parse_bytes
+
+    try:
+        value = parse_bytes(quantity or "")
+    except QuantityError:
+        return None
+    return value if value > 0 else None
 
 
 def runner_port_of(spec: dict[str, Any]) -> int | None:

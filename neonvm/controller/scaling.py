@@ -237,7 +237,9 @@ class RunnerScaling:
             vcpus = int(online) if online is not None else 0
         return d.RunnerView(pod_uid=pod.uid, fence=fence, vcpus=vcpus,
                             memory_slots=int(qemu["memorySlots"]),
-                            memory_bytes=int(qemu["memoryBytes"]))
+                            memory_bytes=int(qemu["memoryBytes"]),
+                            pending_removals=tuple(str(r) for r in
+                                                   doc.get("pendingRemovals") or ()))
 
     def apply(self, action: d.ApplyScale, snap: Snapshot, log: Any) -> str:
         """``PUT /scale`` for the recorded plan; "done" when the runner reached it."""

@@ -35,6 +35,14 @@ The rules, in order:
    the guest has ejected the device (the kernel offlines it first); the request waits for
    that up to its timeout and then answers 504 with what QEMU has, the fence staying
    recorded, so a retry with the same fence continues.
+5. Pending removals: a ``device_del`` cannot be taken back, and the guest may eject the
+   device long after its request answered 504. Each removal is recorded in the fence
+   file before it is sent; before converging to any target (a newer fence included) the
+   runner waits until every recorded removal has settled: the device gone from QEMU, or
+   refused by the guest (``DEVICE_UNPLUG_GUEST_ERROR``, or an ``ACPI_DEVICE_OST``
+   failure for the eject request: the device stays and counts as plugged). Until then
+   it answers 504 and reports nothing as applied; ``GET /scale`` lists the unsettled
+   ones (``pendingRemovals``), and the controller commits no size while any is left.
 
 Not guaranteed: that the guest onlines what was plugged (its kernel command line or an
 agent must; see docs/runner.md, "Live scaling"), or that it can offline memory that holds
@@ -133,10 +141,15 @@ class AppliedFence:
     fence: ScaleFence
     target: ScaleTarget
     recorded_at: float
+    removals: tuple[str, ...] = ()
+    """Devices (vCPU qom-paths, DIMM ids) this runner sent ``device_del`` for whose
+    removal it has not yet seen finish: QEMU cannot cancel one, and the guest may eject
+    the device at any later time, so such a device is neither plugged nor free."""
 
     def as_json(self) -> dict[str, Any]:
         return {"fence": asdict(self.fence), "cpus": self.target.vcpus,
-                "memorySlots": self.target.memory_slots, "recordedAt": self.recorded_at}
+                "memorySlots": self.target.memory_slots, "recordedAt": self.recorded_at,
+                "pendingRemovals": list(self.removals)}
 
 
 @dataclass(frozen=True)
@@ -156,6 +169,12 @@ class QemuSize:
     memory_slots: int
     memory_bytes: int
     dimms: tuple[str, ...]
+    cpu_paths: tuple[str, ...] = ()
+    """qom-paths of the plugged vCPUs (``query-cpus-fast``)."""
+
+    def has(self, device: str) -> bool:
+        """Whether QEMU still lists ``device`` (a DIMM id or a vCPU qom-path)."""
+        return device in self.dimms or device in self.cpu_paths
 
 
 def parse_guest_size(line: str) -> GuestSize | None:
@@ -274,7 +293,8 @@ class FenceStore:
             fence=ScaleFence(epoch=int(doc["fence"]["epoch"]), token=int(doc["fence"]["token"]),
                              seq=int(doc["fence"].get("seq", 0))),
             target=ScaleTarget(vcpus=int(doc["cpus"]), memory_slots=int(doc["memorySlots"])),
-            recorded_at=float(doc.get("recordedAt", 0.0)))
+            recorded_at=float(doc.get("recordedAt", 0.0)),
+            removals=tuple(str(r) for r in doc.get("pendingRemovals") or ()))
 
     def save(self, applied: AppliedFence) -> None:
         tmp = self.path.with_suffix(".tmp")
@@ -304,7 +324,62 @@ async def query_size(qmp: QMPClient, limits: ScaleLimits) -> QemuSize:
     plugged = sum(int(d["data"].get("size", 0)) for d in devices if "data" in d)
     boot = limits.min_slots * limits.slot_bytes
     return QemuSize(vcpus=len(cpus), memory_slots=limits.min_slots + len(dimms),
-                    memory_bytes=boot + plugged, dimms=dimms)
+                    memory_bytes=boot + plugged, dimms=dimms,
+                    cpu_paths=tuple(str(c.get("qom-path") or "") for c in cpus))
+
+
+class Removals:
+    """The removals this runner started and has not seen finish, kept in the fence file
+    (so a runner restarted in the same pod still knows them). Used only under the
+    request lock."""
+
+    def __init__(self, store: FenceStore, record: AppliedFence,
+                 refused: set[str] | None = None) -> None:
+        self._store = store
+        self.record = record
+        self._refused = refused if refused is not None else set()
+        """Devices the guest refused to eject (QMP events): still plugged, and settled."""
+
+    @property
+    def pending(self) -> tuple[str, ...]:
+        return self.record.removals
+
+    def _write(self, removals: tuple[str, ...]) -> None:
+        if removals != self.record.removals:
+            self.record = AppliedFence(self.record.fence, self.record.target,
+                                       self.record.recorded_at, removals)
+            self._store.save(self.record)
+
+    def start(self, device: str) -> None:
+        """Recorded *before* the ``device_del`` is sent (a refusal of an earlier one no
+        longer says anything about this one)."""
+        self._refused.discard(device)
+        if device not in self.record.removals:
+            self._write((*self.record.removals, device))
+
+    def finished(self, size: QemuSize) -> None:
+        """Forget those QEMU no longer lists (the guest ejected them), and those the guest
+        refused (still listed, and no eject is coming: they count as plugged again)."""
+        refused = {r for r in self.record.removals if r in self._refused}
+        self._refused.difference_update(refused)
+        self._write(tuple(r for r in self.record.removals
+                          if size.has(r) and r not in refused))
+
+
+async def settle_removals(qmp: QMPClient, removals: Removals, limits: ScaleLimits,
+                          deadline: float) -> None:
+    """Wait for every removal started earlier (by this request or an earlier one, whose
+    fence may be older) to finish before anything is plugged or counted: a device still
+    being removed is neither present (the guest may eject it at any moment, after a newer
+    size was reported) nor free (it cannot be plugged again). 504 while any is left."""
+    if not removals.pending:
+        return
+
+    async def gone() -> bool:
+        removals.finished(await query_size(qmp, limits))
+        return not removals.pending
+    await _wait_until(gone, deadline, f"the guest ejecting {', '.join(removals.pending)} "
+                                      "(removals started earlier; QEMU cannot cancel them)")
 
 
 async def _wait_until(check: Callable[[], Awaitable[bool]], deadline: float, what: str) -> None:
@@ -324,7 +399,8 @@ def _slot_order(slot: dict[str, Any]) -> tuple[int, ...]:
     return tuple(int(props.get(key, 0)) for key in _TOPOLOGY)
 
 
-async def converge_cpus(qmp: QMPClient, target: int, deadline: float) -> None:
+async def converge_cpus(qmp: QMPClient, target: int, deadline: float,
+                        removals: Removals | None = None) -> None:
     """Plug or unplug vCPUs until QEMU has ``target``; waits for unplugs to finish."""
     slots = await qmp.execute("query-hotpluggable-cpus")
     # QEMU lists slots from the highest index down; plug from the lowest, unplug from the top.
@@ -341,6 +417,8 @@ async def converge_cpus(qmp: QMPClient, target: int, deadline: float) -> None:
     elif len(plugged) > target:
         leaving = [s["qom-path"] for s in plugged[target:]]
         for path in leaving:
+            if removals is not None:
+                removals.start(path)
             with contextlib.suppress(QMPError):  # already being removed: keep waiting
                 await qmp.execute("device_del", {"id": path})
 
@@ -352,7 +430,7 @@ async def converge_cpus(qmp: QMPClient, target: int, deadline: float) -> None:
 
 
 async def converge_memory(qmp: QMPClient, target_slots: int, limits: ScaleLimits,
-                          deadline: float) -> None:
+                          deadline: float, removals: Removals | None = None) -> None:
     """Plug DIMMs for slots [min, target), unplug those at or above ``target``."""
     size = await query_size(qmp, limits)
     present = set(size.dimms)
@@ -370,6 +448,8 @@ async def converge_memory(qmp: QMPClient, target_slots: int, limits: ScaleLimits
     leaving = [DIMM_ID.format(s) for s in range(limits.max_slots - 1, target_slots - 1, -1)
                if DIMM_ID.format(s) in present]
     for dimm in leaving:
+        if removals is not None:
+            removals.start(dimm)
         with contextlib.suppress(QMPError):  # an unplug already pending: keep waiting
             await qmp.execute("device_del", {"id": dimm})
     if leaving:
@@ -463,6 +543,8 @@ class Scaler:
         self._lock = threading.Lock()
         self._attached: tuple[asyncio.AbstractEventLoop, QMPClient] | None = None
         self._attach_lock = threading.Lock()
+        self._refused: set[str] = set()
+        """Devices whose removal the guest refused (from QMP events, the QMP loop only)."""
         self._log = logger.bind(component="scaling")
 
     # ---- wiring (supervisor) -----------------------------------------------------------
@@ -470,6 +552,27 @@ class Scaler:
     def attach(self, loop: asyncio.AbstractEventLoop, qmp: QMPClient) -> None:
         with self._attach_lock:
             self._attached = (loop, qmp)
+
+    def on_qmp_event(self, event: str, data: dict[str, Any]) -> None:
+        """From the supervisor's QMP reader (the loop thread): a guest that refused an
+        eject. ``DEVICE_UNPLUG_GUEST_ERROR`` names the device (id and QOM path);
+        ``ACPI_DEVICE_OST`` for an eject request (source 3) with a failure status is the
+        guest's own answer to the ACPI eject (x86 DIMMs). A refused device is still
+        plugged and no eject is coming: its removal counts as settled."""
+        names: tuple[object, ...] = ()
+        if event == "DEVICE_UNPLUG_GUEST_ERROR":
+            names = (data.get("device"), data.get("path"))
+        elif event == "ACPI_DEVICE_OST":
+            info = data.get("info") or {}
+            # _OST status: 0 success, 0x80-0x82 eject in progress; anything else a failure.
+            status = info.get("status")
+            if info.get("source") == 3 and isinstance(status, int) and status != 0 and not (
+                    0x80 <= status <= 0x82):
+                names = (info.get("device"),)
+        for name in names:
+            if name:
+                self._log.warning("the guest refused to eject {} ({})", name, event)
+                self._refused.add(str(name))
 
     def detach(self) -> None:
         with self._attach_lock:
@@ -537,9 +640,13 @@ class Scaler:
                 if self._attached is None:  # refuse before recording: nothing was applied
                     raise ScaleError(503, "QEMU's QMP session is not connected (booting or "
                                           "stopped)")
+            record = last if last is not None else AppliedFence(
+                fence=fence, target=target, recorded_at=time.time())
             if decision == "newer":
-                self._store.save(AppliedFence(fence=fence, target=target,
-                                              recorded_at=time.time()))
+                record = AppliedFence(fence=fence, target=target, recorded_at=time.time(),
+                                      removals=last.removals if last is not None else ())
+                self._store.save(record)
+            removals = Removals(self._store, record, self._refused)
             self._log.info("scale to {} vCPUs, {} memory slots (fence epoch {} token {}, {})",
                            target.vcpus, target.memory_slots, fence.epoch, fence.token,
                            decision)
@@ -548,13 +655,21 @@ class Scaler:
 
             async def apply(qmp: QMPClient) -> QemuSize:
                 deadline = asyncio.get_running_loop().time() + budget
+                # Removals an earlier request started (perhaps for an older fence) finish
+                # first: until then nothing is plugged, counted or reported as applied.
+                await settle_removals(qmp, removals, self.limits, deadline)
                 if self._agent is not None:
                     await converge_cpus_sysfs(self._agent, target.vcpus, self._guest_cpus,
                                               deadline)
                 else:
-                    await converge_cpus(qmp, target.vcpus, deadline)
-                await converge_memory(qmp, target.memory_slots, self.limits, deadline)
-                return await query_size(qmp, self.limits)
+                    await converge_cpus(qmp, target.vcpus, deadline, removals)
+                await converge_memory(qmp, target.memory_slots, self.limits, deadline,
+                                      removals)
+                size = await query_size(qmp, self.limits)
+                removals.finished(size)
+                if removals.pending:  # cannot happen: each converge waited for its own
+                    raise ScaleError(504, f"removals still pending: {removals.pending}")
+                return size
             size = self._run(apply, timeout=budget + 10)
             if self._on_size is not None:
                 self._on_size(size)
@@ -563,6 +678,11 @@ class Scaler:
                     "qemu": _size_json(size), "seconds": time.monotonic() - started}
         finally:
             self._lock.release()
+
+    def pending_removals(self, size: QemuSize) -> list[str]:
+        """The recorded removals QEMU still lists (unresolved), for ``GET /scale``."""
+        last = self._store.load()
+        return [r for r in (last.removals if last is not None else ()) if size.has(r)]
 
     def query(self) -> QemuSize:
         """What QEMU has plugged now (raises :class:`ScaleError` 503 while not connected)."""

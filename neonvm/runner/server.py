@@ -112,6 +112,9 @@ class _Handler(BaseHTTPRequestHandler):
                        "maxMemorySlots": scaler.limits.max_slots,
                        "memorySlotBytes": scaler.limits.slot_bytes},
             "lastApplied": last.as_json() if last is not None else None,
+            # Removals started and not finished: the guest may still eject these, so the
+            # size above is not settled (the controller commits none while any is left).
+            "pendingRemovals": scaler.pending_removals(size),
         })
 
     def _send_json(self, code: int, doc: Any, headers: dict[str, str] | None = None) -> None:

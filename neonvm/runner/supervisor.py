@@ -275,6 +275,8 @@ class Supervisor:
     def _on_event(self, message: QMPEvent) -> None:
         event = message.get("event")
         data: dict[str, Any] = message.get("data") or {}
+        if self._scaler is not None:
+            self._scaler.on_qmp_event(str(event), data)
         if event == "SHUTDOWN":
             reason = str(data.get("reason", "unknown"))
             self._state.shutdown_event(reason)

@@ -109,6 +109,10 @@ class Runner(NamedTuple):
     """(seq, size) of the last plan the guest received; the boot size counts as a plan
     numbered ``status.scaleSeq`` at the pod's creation."""
     boot_seq: int
+    removing: tuple[int, Size, int] | None = None
+    """An unplug the guest has not finished: (seq, size of the plan that started it,
+    slots leaving). QEMU still lists the DIMMs and cannot cancel their removal; the
+    guest may eject them at any later step (or never)."""
 
 
 class WorkerRep(NamedTuple):
@@ -147,6 +151,10 @@ class Mutants:
     no_supersede: bool = False
     """A recorded plan is never superseded: a new plan waits until it is committed or
     dropped."""
+    removal_counts_as_present: bool = False
+    """The runner keeps no record of the unplugs it started: a DIMM whose removal is
+    still pending counts as plugged (a newer plan asking for it back is answered at
+    once, and ``GET /scale`` reports no pending removal)."""
 
 
 # ---- between the model and the shipped types --------------------------------------------
@@ -229,8 +237,10 @@ class ScalingModel:
         self.lag = lag
         self.mutants = mutants
         self.refuse_unplug = refuse_unplug
-        """The guest never lets memory go: a PUT that lowers the memory slots records its
-        fence, plugs the vCPUs and answers 504 with the memory unchanged, every time."""
+        """The guest is slow to let memory go: a PUT that lowers the memory slots records
+        its fence, plugs the vCPUs, starts the unplug and answers 504 with the memory
+        unchanged, every time. The unplug stays pending; the guest may finish it at any
+        later step (:meth:`eject`), or never."""
 
     # observation and decision (the shipped decide)
     def observe(self, w: World, i: int, seen: VMRep) -> tuple[Any, ...] | None:
@@ -248,7 +258,9 @@ class ScalingModel:
             runner = d.RunnerView(
                 pod_uid=seen.pod_uid,  # what answered on the observed pod's IP
                 fence=(last.fence.epoch, last.fence.token, last.fence.seq) if last else None,
-                vcpus=r.guest[0], memory_slots=r.guest[1], memory_bytes=r.guest[1] << 30)
+                vcpus=r.guest[0], memory_slots=r.guest[1], memory_bytes=r.guest[1] << 30,
+                pending_removals=("dimm",) if r.removing is not None
+                and not self.mutants.removal_counts_as_present else ())
         obs = d.Observation(vm=vm, pods=(pod,), lease=d.Lease(x.epoch, x.token),
                             direct=seen == w.vm, runner=runner)
         action = d.decide(obs)
@@ -299,9 +311,15 @@ class ScalingModel:
                 return w, None  # 409: nothing applied
         size = (plan.cpus, plan.memory_slots)
         stored = ((plan.epoch, plan.token, plan.seq), size) if decision == "newer" else r.stored
+        if r.removing is not None and not self.mutants.removal_counts_as_present:
+            # The shipped runner settles the removals it started first: 504, the fence
+            # recorded, nothing plugged or unplugged until the guest has ejected.
+            return w._replace(runner=r._replace(stored=stored)), None
         guest = size
+        removing = r.removing
         if self.refuse_unplug and size[1] < r.guest[1]:
             guest = (size[0], r.guest[1])  # 504: the fence stays recorded, memory stays
+            removing = (plan.seq, size, r.guest[1] - size[1])
         seq0, size0 = r.received
         violation = None
         # The same plan again (a retry), or a plan as old as the pod that asks for the
@@ -310,7 +328,22 @@ class ScalingModel:
             violation = Violation("order", f"the guest of pod {r.pod_uid} received plan "
                                            f"#{plan.seq} {size} after plan #{seq0} {size0}"
                                            f"{' (its boot size)' if seq0 == r.boot_seq else ''}")
-        runner = r._replace(stored=stored, guest=guest, received=(plan.seq, size))
+        runner = r._replace(stored=stored, guest=guest, received=(plan.seq, size),
+                            removing=removing)
+        return w._replace(runner=runner), violation
+
+    def eject(self, w: World) -> tuple[World, Violation | None]:
+        """The guest finishes the pending unplug: the DIMMs leave QEMU."""
+        r = w.runner
+        assert r.removing is not None
+        seq, size, leaving = r.removing
+        violation = None
+        seq0, size0 = r.received
+        if seq < seq0:
+            violation = Violation("order", f"the guest of pod {r.pod_uid} finished plan "
+                                           f"#{seq}'s unplug {size} after receiving plan "
+                                           f"#{seq0} {size0}")
+        runner = r._replace(guest=(r.guest[0], r.guest[1] - leaving), removing=None)
         return w._replace(runner=runner), violation
 
     def restart_runner(self, w: World) -> World:
@@ -401,6 +434,9 @@ class ScalingModel:
             vm = w.vm._replace(use=use, generation=w.vm.generation + 1)
             yield f"user sets use {use}", _write(w._replace(spec_changes=rest), vm,
                                                  self.lag), None
+        if w.runner.removing is not None:
+            new, violation = self.eject(w)
+            yield "the guest finishes the pending unplug", new, violation
         leading = any(x.active and not x.stopped for x in w.workers)
         if w.created is not None and leading:
             yield "the new pod is committed", self.commit_pod(w), None
@@ -429,8 +465,9 @@ class ScalingModel:
             if s.workers[i].stopped:
                 return Violation("convergence", "the newest leader was fenced out")
         want = s.vm.use
-        if self.refuse_unplug and want[1] < s.runner.guest[1]:
-            # Cannot be reached: the newest plan must be the one still being tried.
+        if self.refuse_unplug and (want[1] < s.runner.guest[1] or s.runner.removing):
+            # Cannot be reached (or not until the guest finishes an unplug it may never
+            # finish): the newest plan must be the one still being tried.
             p = s.vm.pending
             if p is None or (p[0], p[1]) != want:
                 return Violation("convergence", f"the guest refuses unplugs; calm run ends "
