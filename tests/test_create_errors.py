@@ -5,6 +5,7 @@ clear by themselves."""
 from __future__ import annotations
 
 import copy
+import datetime as dt
 
 import pytest
 from kubernetes import client
@@ -214,6 +215,12 @@ class _PlantedNames:
 
     def get_vm(self, namespace: str, name: str) -> VMRecord:
         return self._record()
+
+    def now(self) -> dt.datetime:
+        return dt.datetime.now(dt.UTC)
+
+    def missing_pull_secrets(self, vm: object) -> tuple[str, ...]:
+        return ()
 
     def get_pod(self, namespace: str, name: str) -> dict[str, object]:
         return {"metadata": {"name": name, "uid": "planted-" + name, "labels": {}}}
