@@ -23,7 +23,7 @@ from typing import Any
 from kubernetes import client
 
 from benchmarks.__main__ import local_cluster
-from benchmarks.controller_bench import ReplicaSet, wait_for_leader, wait_metrics
+from benchmarks.controller_bench import ReplicaSet, create_vms, wait_for_leader, wait_metrics
 from neonvm import kube
 from neonvm.api import types
 from neonvm.drills import fleet
@@ -68,7 +68,7 @@ def run(cluster: Any, vms: int, replicas: int) -> dict[str, Any]:
             before = request_totals(api)
             names = [f"vm-{i:04d}" for i in range(vms)]
             started = time.monotonic()
-            fleet.create_vms(api, namespace, names, 1, threads=4)
+            create_vms(api, namespace, names, threads=4)
             own[("POST", types.PLURAL, "", "resource")] += vms
             while True:
                 pods = fleet.list_runner_pods(api, namespace)

@@ -232,7 +232,8 @@ class LeaderTerm:
             release_lock=self._release_lock, timers=self.timers,
             term_ending=lambda: self.stopping.is_set() or self.leadership.lost.is_set(),
             end_term=self.leadership.lost.set, metrics=self.metrics, log=self.log,
-            recheck=Jitter(self.config.recheck_seconds, self.config.recheck_spread))
+            recheck=Jitter(self.config.recheck_seconds, self.config.recheck_spread),
+            pods=self.pod_store)
         self.sweeps = Sweeps(
             api=api, list_vms=lambda **kw: self._list_vms(**kw),
             list_pods=lambda **kw: self._list_pods(**kw), locks=lambda: self.locks(),
