@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import signal
 import sys
@@ -65,7 +66,8 @@ class ReplicaSet:
     tag: str = field(default_factory=lambda: uuid.uuid4().hex[:6])
 
     def _argv(self, identity: str) -> list[str]:
-        return [sys.executable, "-m", "neonvm", "--log-format", "json", "controller", "run",
+        return [sys.executable, "-m", "neonvm", "--log-format", "json", "--log-level",
+                os.environ.get("BENCH_LOG_LEVEL", "INFO"), "controller", "run",
                 "--kubeconfig", str(self.cluster.kubeconfig_for("controller")),
                 "--etcd-endpoints", self.cluster.locks_etcd_url,
                 "--etcd-prefix", f"/neonvm-bench/{self.tag}",

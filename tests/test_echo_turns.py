@@ -111,3 +111,14 @@ def test_a_direct_turn_is_never_skipped() -> None:
     w.cache.raw = vm_at("110")
     assert w.handler.process(KEY, True).kind == "requeue"
     assert w.reconciler.direct_first == [True, True]
+
+
+def test_behind_tells_the_mid_plan_scan_which_vms_their_events_will_bring_up() -> None:
+    w = World(waited())
+    assert w.handler.in_hand(KEY) is False  # never reconciled: nothing known
+    w.turn(direct=True)
+    w.handler._pods = Pods(vm_1=pod_at("117"))  # the ungate's echo still on its way
+    w.cache.raw = vm_at("120")
+    assert w.handler.in_hand(KEY) is True
+    w.handler._pods = Pods(vm_1=pod_at("118"))
+    assert w.handler.in_hand(KEY) is False

@@ -242,6 +242,19 @@ class Handler:
         self._seen: dict[str, Seen] = {}
         """Per VM key: the versions its last reconcile in this term ended on."""
         self._seen_lock = threading.Lock()
+        self._busy: set[str] = set()
+        """Keys being handled now."""
+
+    def in_hand(self, key: str) -> bool:
+        """``key`` is being handled now, or the cache is behind what its last reconcile
+        in this term saw (see :func:`cache_behind`): either way, what the cache shows
+        brings nothing a reconcile does not have or get through the watch events still
+        on their way."""
+        with self._seen_lock:
+            if key in self._busy:
+                return True
+            seen = self._seen.get(key)
+        return cache_behind(seen, self._vms.get(key), self._pods)
 
     def process(self, key: str, direct: bool) -> Outcome:
         """One turn of ``key``: :meth:`handle`, then :meth:`apply`."""
@@ -253,6 +266,15 @@ class Handler:
         """Reconcile ``key`` under its lock; never raises (see the module doc)."""
         with self._seen_lock:
             seen = self._seen.pop(key, None)
+            self._busy.add(key)
+        self._log.bind(vm=key).debug("turn (direct={direct})", direct=direct)
+        try:
+            return self._handle(key, direct, seen)
+        finally:
+            with self._seen_lock:
+                self._busy.discard(key)
+
+    def _handle(self, key: str, direct: bool, seen: Seen | None) -> Outcome:
         try:
             if not direct and cache_behind(seen, self._vms.get(key), self._pods):
                 with self._seen_lock:

@@ -339,7 +339,12 @@ class LeaderTerm:
             now = time.monotonic()
             if now >= next_plan_scan:
                 next_plan_scan = now + self.config.plan_requeue_seconds
-                self._requeue(d.mid_plan_keys(self.vm_store.values(), self.pod_store.by_index))
+                # Not the VMs being handled, nor those whose cache is behind their last
+                # reconcile: the events on their way bring them up (and, if lost, the
+                # resync's diff does).
+                self._requeue(k for k in d.mid_plan_keys(self.vm_store.values(),
+                                                         self.pod_store.by_index)
+                              if not self.handler.in_hand(k))
                 self.metrics.scans.labels(scan="mid_plan").inc()
             if now >= next_resync:
                 next_resync = now + self.config.resync_seconds

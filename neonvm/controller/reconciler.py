@@ -560,7 +560,15 @@ class Reconciler:
                 record = snap.record
                 final = record
                 if updates and record is not None and mutation(record.vm) is not None:
-                    if not snap.obs.direct:
+                    # From the cache, read directly first; from the answer to our own
+                    # write, write them at once: the VM is as stored, and the pod facts
+                    # are the ones the write itself relied on (docs/protocol.md, the
+                    # table of "Observing from write responses": conditions may be
+                    # written from an answer; a stale phase is cosmetic and corrected
+                    # by the pod's next watch event).
+                    if not snap.obs.direct and not snap.from_write:
+                        log.debug("conditions to write ({types}): observing directly",
+                                  types=", ".join(u.type for u in updates))
                         snap = self.observe(key, authority, direct=True)
                         continue
                     written = self._write_status(key, snap, mutation, authority, log)
