@@ -39,7 +39,7 @@ def test_conditions_after_a_write_from_the_cache_are_written_without_a_direct_re
     assert vm_raw is not None
     pod_raw = controller_api.sanitize_for_serialization(
         client.CoreV1Api(api).read_namespaced_pod(pods[0].metadata.name, namespace))
-    reconciler._cache = FrozenCache(vm_raw, [pod_raw])  # type: ignore[assignment]
+    reconciler._cache = FrozenCache(vm_raw, [pod_raw])
     reconciler.counting.reads.clear()
     reconciler.performed.clear()
     writes_before = reconciler.vm_writes
