@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import shutil
 import sys
 import time
 import uuid
@@ -23,7 +24,7 @@ from typing import Any
 from kubernetes import client
 
 from benchmarks.__main__ import local_cluster
-from benchmarks.controller_bench import ReplicaSet, wait_for_leader, wait_metrics
+from benchmarks.controller_bench import ReplicaSet, create_vms, wait_for_leader, wait_metrics
 from neonvm import kube
 from neonvm.api import types
 from neonvm.drills import fleet
@@ -53,7 +54,7 @@ def request_totals(api: client.ApiClient) -> Counter[Key]:
     return out
 
 
-def run(cluster: Any, vms: int, replicas: int) -> dict[str, Any]:
+def run(cluster: Any, vms: int, replicas: int, keep_log: str | None = None) -> dict[str, Any]:
     api = kube.api_client(cluster.kubeconfig)
     namespace = f"bench-calls-{uuid.uuid4().hex[:5]}"
     fleet.ensure_namespace(api, namespace)
@@ -68,7 +69,7 @@ def run(cluster: Any, vms: int, replicas: int) -> dict[str, Any]:
             before = request_totals(api)
             names = [f"vm-{i:04d}" for i in range(vms)]
             started = time.monotonic()
-            fleet.create_vms(api, namespace, names, 1, threads=4)
+            create_vms(api, namespace, names, threads=4)
             own[("POST", types.PLURAL, "", "resource")] += vms
             while True:
                 pods = fleet.list_runner_pods(api, namespace)
@@ -88,6 +89,8 @@ def run(cluster: Any, vms: int, replicas: int) -> dict[str, Any]:
             seconds = time.monotonic() - started
             time.sleep(3.0)  # the last steps' events and writes land
             after = request_totals(api)
+            if keep_log:
+                shutil.copyfile(cluster.log_file(lead.name), keep_log)
         delta = Counter({k: after[k] - before[k] - own[k] for k in after
                          if after[k] - before[k] - own[k] > 0})
         return {"vms": vms, "seconds": seconds, "delta": delta, "own": own}
@@ -102,6 +105,8 @@ def main() -> int:
     p.add_argument("--vms", type=int, default=100)
     p.add_argument("--replicas", type=int, default=1, help="Controller replicas.")
     p.add_argument("--nodes", type=int, default=3)
+    p.add_argument("--keep-log", default=None,
+                   help="Copy the leader's log (JSON lines) to this file.")
     args = p.parse_args()
     from pathlib import Path
 
@@ -110,7 +115,7 @@ def main() -> int:
     logger.remove()
     logger.add(sys.stderr, level="WARNING")
     with local_cluster(Path(args.state_dir) if args.state_dir else None, args.nodes) as c:
-        out = run(c, args.vms, args.replicas)
+        out = run(c, args.vms, args.replicas, args.keep_log)
     n = out["vms"]
     print(f"{n} VMs Running in {out['seconds']:.1f} s; requests per VM (this script's "
           f"own {sum(out['own'].values())} subtracted):")

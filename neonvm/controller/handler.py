@@ -10,7 +10,9 @@ term's authority, and answers exactly one outcome:
 ============  ==========================================================================
 ``requeue``   The reconcile ended (Done or Wait, or *stuck*). The key's error backoff is
               forgotten. After a Wait (or a stuck end) the key comes back after
-              ``after`` seconds, read directly: for a Wait ``after`` is the reconcile's
+              ``after`` seconds, read directly (after a Wait the flag applies when the
+              time is up: a watch event that brings the key back earlier starts from
+              the cache): for a Wait ``after`` is the reconcile's
               own requeue time and the VM's stuck streak is reset; for a stuck end it is
               the VM's stuck backoff (:class:`~neonvm.controller.timers.VMTimers`),
               which grows with each stuck end in a row. After a Done (``converged``:
@@ -29,6 +31,13 @@ term's authority, and answers exactly one outcome:
 ``temporary`` Worth retrying: after the key's per-key exponential backoff
               (``add_rate_limited``, growing until a reconcile ends), read directly,
               except after ``LockHeld`` (someone else holds the lock; the cache is fine).
+``behind``    A turn from the cache found the cache behind what this term's last
+              reconcile of the VM already saw (older resourceVersions of the VM or of
+              its pods, the VM's uid unchanged): the watch events still on their way,
+              mostly the echoes of our own writes, bring the key back once the cache
+              holds them, so nothing is read or written now. As a fallback the key
+              comes back from the cache after ``behind_fallback`` seconds anyway
+              (periodic work). Direct turns are never skipped.
 ``dropped``   The term is ending: nothing (the next leader lists every VM).
 ``permanent`` This term cannot go on: the VM's fence is ahead of ours by its token only
               (``FencedOut``: the locks' tokens went back). The term ends, and the next
@@ -51,6 +60,7 @@ What the handler does not do: decide anything about the VM (``decide``), perform
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
@@ -68,6 +78,7 @@ from neonvm.controller.reconciler import (
     AuthorityLost,
     ReconcileResult,
     RetryableError,
+    Seen,
     WrongVM,
 )
 from neonvm.controller.timers import VMTimers
@@ -78,7 +89,7 @@ from neonvm.leader.election import LeadershipLost
 from neonvm.leader.etcd import EtcdError
 from neonvm.leader.lock import LockGuard, LockHeld, LockLost, SessionLost
 
-Kind = Literal["requeue", "gone", "again", "temporary", "dropped", "permanent"]
+Kind = Literal["requeue", "gone", "again", "temporary", "dropped", "permanent", "behind"]
 
 
 @dataclass(frozen=True)
@@ -103,6 +114,11 @@ class Outcome:
 
 DROPPED = Outcome("dropped")
 GONE = Outcome("gone")
+BEHIND = Outcome("behind")
+
+BEHIND_FALLBACK_SECONDS = 10.0
+"""How soon a key skipped as ``behind`` comes back (from the cache) if no watch event
+brings it back first."""
 
 AUTHORITY_ERRORS = (AuthorityLost, LeadershipLost, LockLost, SessionLost)
 """The reconcile's authority (term, epoch, lock, session) went away under it."""
@@ -154,6 +170,46 @@ class VMCache(Protocol):
     def discard(self, key: str, uid: str) -> bool: ...
 
 
+class ObjectCache(Protocol):
+    """A cache of objects by ``namespace/name`` (the pods', for :meth:`Handler.handle`)."""
+
+    def get(self, key: str) -> dict[str, Any] | None: ...
+
+
+def _rv_number(obj: dict[str, Any] | None) -> int | None:
+    try:
+        return int(((obj or {}).get("metadata") or {}).get("resourceVersion", ""))
+    except (TypeError, ValueError):
+        return None
+
+
+def _older(cached: dict[str, Any] | None, seen_rv: str) -> bool:
+    """The cached object is an older version than ``seen_rv`` (False when either
+    resourceVersion is not a number: then nothing is skipped)."""
+    try:
+        seen = int(seen_rv)
+    except ValueError:
+        return False
+    have = _rv_number(cached)
+    return have is not None and have < seen
+
+
+def cache_behind(seen: Seen | None, vm: dict[str, Any] | None,
+                 pods: ObjectCache | None) -> bool:
+    """The cached VM (``vm``) or one of its cached pods is an older version than the
+    last reconcile saw (:class:`~neonvm.controller.reconciler.Seen`), for the same VM.
+
+    A pod missing from the cache does not count: it may have been deleted since, and
+    its deletion is news."""
+    if seen is None or vm is None or object_uid(vm) != seen.uid:
+        return False
+    if _older(vm, seen.vm):
+        return True
+    if pods is None:
+        return False
+    return any(_older(pods.get(key), rv) for key, rv in seen.pods)
+
+
 class Handler:
     """Handles one key at a time per worker; shared by a term's workers (thread-safe)."""
 
@@ -164,7 +220,9 @@ class Handler:
                  release_lock: Callable[[str], None], timers: VMTimers,
                  term_ending: Callable[[], bool], end_term: Callable[[], None],
                  metrics: ControllerMetrics, log: Any,
-                 recheck: Callable[[], float] | None = None) -> None:
+                 recheck: Callable[[], float] | None = None,
+                 pods: ObjectCache | None = None,
+                 behind_fallback: float = BEHIND_FALLBACK_SECONDS) -> None:
         self.queue = queue
         self._vms = vms
         self._reconciler = reconciler
@@ -179,6 +237,24 @@ class Handler:
         self._log = log
         self._recheck = recheck
         """The delay of a converged VM's next re-check (None: the reconcile's own)."""
+        self._pods = pods
+        self._behind_fallback = behind_fallback
+        self._seen: dict[str, Seen] = {}
+        """Per VM key: the versions its last reconcile in this term ended on."""
+        self._seen_lock = threading.Lock()
+        self._busy: set[str] = set()
+        """Keys being handled now."""
+
+    def in_hand(self, key: str) -> bool:
+        """``key`` is being handled now, or the cache is behind what its last reconcile
+        in this term saw (see :func:`cache_behind`): either way, what the cache shows
+        brings nothing a reconcile does not have or get through the watch events still
+        on their way."""
+        with self._seen_lock:
+            if key in self._busy:
+                return True
+            seen = self._seen.get(key)
+        return cache_behind(seen, self._vms.get(key), self._pods)
 
     def process(self, key: str, direct: bool) -> Outcome:
         """One turn of ``key``: :meth:`handle`, then :meth:`apply`."""
@@ -188,7 +264,22 @@ class Handler:
 
     def handle(self, key: str, direct: bool = False) -> Outcome:
         """Reconcile ``key`` under its lock; never raises (see the module doc)."""
+        with self._seen_lock:
+            seen = self._seen.pop(key, None)
+            self._busy.add(key)
+        self._log.bind(vm=key).debug("turn (direct={direct})", direct=direct)
         try:
+            return self._handle(key, direct, seen)
+        finally:
+            with self._seen_lock:
+                self._busy.discard(key)
+
+    def _handle(self, key: str, direct: bool, seen: Seen | None) -> Outcome:
+        try:
+            if not direct and cache_behind(seen, self._vms.get(key), self._pods):
+                with self._seen_lock:
+                    self._seen.setdefault(key, seen)  # type: ignore[arg-type]
+                return BEHIND
             uid = self._vm_uid(key, direct)
             if uid is None:
                 self._release_lock(key)
@@ -200,6 +291,9 @@ class Handler:
                                                 direct_first=direct)
         except Exception as exc:
             return outcome_of_error(exc, self._term_ending())
+        if result.seen is not None and not result.stuck:
+            with self._seen_lock:
+                self._seen[key] = result.seen
         if not result.stuck:
             self.timers.unstuck(key)
         return outcome_of_result(result, lambda: self.timers.stuck(key))
@@ -220,7 +314,11 @@ class Handler:
                         after = max(after, self._recheck())
                     self.queue.add_after(key, after, periodic=True)
                 else:
-                    self.queue.add_after(key, outcome.after, direct=True)
+                    stuck = outcome.stuck is not None
+                    self.queue.add_after(key, outcome.after, direct=stuck,
+                                         direct_when_due=not stuck)
+            case "behind":
+                self.queue.add_after(key, self._behind_fallback, periodic=True)
             case "gone":
                 self.queue.forget(key)
             case "again":

@@ -232,7 +232,8 @@ class LeaderTerm:
             release_lock=self._release_lock, timers=self.timers,
             term_ending=lambda: self.stopping.is_set() or self.leadership.lost.is_set(),
             end_term=self.leadership.lost.set, metrics=self.metrics, log=self.log,
-            recheck=Jitter(self.config.recheck_seconds, self.config.recheck_spread))
+            recheck=Jitter(self.config.recheck_seconds, self.config.recheck_spread),
+            pods=self.pod_store)
         self.sweeps = Sweeps(
             api=api, list_vms=lambda **kw: self._list_vms(**kw),
             list_pods=lambda **kw: self._list_pods(**kw), locks=lambda: self.locks(),
@@ -338,7 +339,12 @@ class LeaderTerm:
             now = time.monotonic()
             if now >= next_plan_scan:
                 next_plan_scan = now + self.config.plan_requeue_seconds
-                self._requeue(d.mid_plan_keys(self.vm_store.values(), self.pod_store.by_index))
+                # Not the VMs being handled, nor those whose cache is behind their last
+                # reconcile: the events on their way bring them up (and, if lost, the
+                # resync's diff does).
+                self._requeue(k for k in d.mid_plan_keys(self.vm_store.values(),
+                                                         self.pod_store.by_index)
+                              if not self.handler.in_hand(k))
                 self.metrics.scans.labels(scan="mid_plan").inc()
             if now >= next_resync:
                 next_resync = now + self.config.resync_seconds

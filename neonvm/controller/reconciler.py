@@ -368,6 +368,32 @@ class ReconcileResult:
     stuck: str | None = None
     """Set when the reconcile could not converge (the Degraded reason written): the
     caller retries with backoff rather than at ``requeue_after``."""
+    seen: Seen | None = None
+    """Done or Wait: the versions of the VM and its pods that the last decision saw
+    (after its condition write, if any)."""
+
+
+class Seen(NamedTuple):
+    """The object versions a reconcile ended on. A cache holding older ones than these
+    is behind what the reconcile already knows: the watch events still on their way
+    (our own writes' echoes, mostly) will bring the VM up again."""
+
+    uid: str
+    vm: str
+    """The VM's resourceVersion."""
+    pods: tuple[tuple[str, str], ...]
+    """(``namespace/name``, resourceVersion) of each pod."""
+
+
+def seen_of(record: VMRecord | None, pods: Any) -> Seen | None:
+    """The :class:`Seen` of an observation (``pods``: raw pods by name)."""
+    if record is None:
+        return None
+    vm = record.vm
+    versions = tuple(
+        (f"{vm.namespace}/{name}", str((pod.get("metadata") or {}).get("resourceVersion", "")))
+        for name, pod in sorted(pods.items()))
+    return Seen(uid=vm.uid, vm=record.resource_version, pods=versions)
 
 
 class Writer(Protocol):
@@ -532,11 +558,21 @@ class Reconciler:
                 mutation = conditions_mutation(updates, authority.lease)
                 assert snap.record is not None or not updates
                 record = snap.record
+                final = record
                 if updates and record is not None and mutation(record.vm) is not None:
-                    if not snap.obs.direct:
+                    # From the cache, read directly first; from the answer to our own
+                    # write, write them at once: the VM is as stored, and the pod facts
+                    # are the ones the write itself relied on (docs/protocol.md, the
+                    # table of "Observing from write responses": conditions may be
+                    # written from an answer; a stale phase is cosmetic and corrected
+                    # by the pod's next watch event).
+                    if not snap.obs.direct and not snap.from_write:
+                        log.debug("conditions to write ({types}): observing directly",
+                                  types=", ".join(u.type for u in updates))
                         snap = self.observe(key, authority, direct=True)
                         continue
                     written = self._write_status(key, snap, mutation, authority, log)
+                    final = written
                     if written is not None:
                         self._event_for_wait(action, record.vm, written.vm, log)
                         warn_unimplemented(self._events, record.vm, written.vm)
@@ -545,7 +581,8 @@ class Reconciler:
                            else self._config.resync_seconds)
                 log.debug("reconciled: {action} ({reason})", action=type(action).__name__,
                           reason=action.reason)
-                return ReconcileResult(action=action, requeue_after=requeue, steps=steps)
+                return ReconcileResult(action=action, requeue_after=requeue, steps=steps,
+                                       seen=seen_of(final, snap.pods))
             if not resumed_counted:
                 resumed_counted = True
                 row = ACTIONS.get(type(action))

@@ -12,7 +12,10 @@ Semantics (the same as client-go's ``workqueue``):
   also asks that the key's next processing start with a direct (quorum) read instead of
   the cache: the flag is set at once (even for a delayed add), sticks to the key until a
   worker takes it, and :meth:`WorkQueue.take` hands it out with the key and clears it
-  (so a watch event that brings the key back earlier consumes it);
+  (so a watch event that brings the key back earlier consumes it); with
+  ``direct_when_due=True`` instead, a delayed add sets the flag only when its time comes
+  (a watch event that brings the key back earlier starts from the cache, and the delayed
+  turn still reads directly);
 * ``shut_down()`` wakes every waiting ``get`` (which then returns None) and drops
   everything still queued.
 
@@ -79,6 +82,8 @@ class WorkQueue:
         self._seq = itertools.count()
         self._failures: dict[str, int] = {}
         self._direct: set[str] = set()
+        self._direct_due: set[str] = set()
+        """Delayed keys whose turn, once due, starts with a direct read."""
         self._shutting_down = False
 
     # ---- adding ----------------------------------------------------------------------
@@ -111,14 +116,20 @@ class WorkQueue:
             self._cond.notify()
 
     def add_after(self, key: str, delay: float, direct: bool = False, *,
-                  periodic: bool = False) -> None:
+                  periodic: bool = False, direct_when_due: bool = False) -> None:
+        """Queue ``key`` after ``delay`` seconds. ``direct`` marks the key's next
+        processing direct at once (an earlier watch event takes the flag);
+        ``direct_when_due`` only once the delay is up: a watch event that brings the key
+        back earlier starts from the cache, and the delayed turn still reads directly."""
         if delay <= 0:
-            self.add(key, direct, periodic=periodic)
+            self.add(key, direct or direct_when_due, periodic=periodic)
             return
         with self._cond:
             if self._shutting_down:
                 return
             self._mark_locked(key, direct)
+            if direct_when_due:
+                self._direct_due.add(key)
             due = self._clock() + delay
             earlier = self._due.get(key)
             if earlier is not None and not periodic:
@@ -165,6 +176,9 @@ class WorkQueue:
             del self._due[key]
             periodic = key in self._due_periodic
             self._due_periodic.discard(key)
+            if key in self._direct_due:
+                self._direct_due.discard(key)
+                self._mark_locked(key, True)
             self._add_locked(key, periodic)
         return None
 
@@ -230,6 +244,7 @@ class WorkQueue:
             self._waiting.clear()
             self._due.clear()
             self._direct.clear()
+            self._direct_due.clear()
             self._cond.notify_all()
 
     @property

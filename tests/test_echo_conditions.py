@@ -1,0 +1,58 @@
+"""Conditions written from the answer to our own write, against the real API server.
+
+A reconcile that starts from the cache and writes (SyncStatus, say) ends with the VM as
+stored by that write; the conditions that follow from it (Ready, once the phase is
+Running) are written at once, from that answer, without a direct read first
+(docs/protocol.md, "Observing from write responses": conditions may be written from an
+answer). A reconcile that would write conditions from the cache alone still reads
+directly first.
+"""
+
+from __future__ import annotations
+
+import pytest
+from kubernetes import client
+
+from neonvm.controller import decide as d
+from neonvm.invariant import InvariantChecker
+from neonvm.testing.harness import get_vm, runner_pods
+from tests.test_reconcile import FrozenCache, checker, condition, create_vm, finish, settle
+from tests.test_reconcile_observe import CountingAuthority, Recording
+
+pytestmark = pytest.mark.cluster
+
+__all__ = ["checker"]
+
+
+def test_conditions_after_a_write_from_the_cache_are_written_without_a_direct_read(
+        api: client.ApiClient, controller_api: client.ApiClient, namespace: str,
+        checker: InvariantChecker) -> None:
+    create_vm(api, namespace, "ready", spec={"enableAcceleration": False})
+    key = f"{namespace}/ready"
+    reconciler = Recording(controller_api)
+    settle(reconciler, key)
+    pods = runner_pods(api, namespace, "ready")
+    assert len(pods) == 1
+    finish(api, namespace, pods[0].metadata.name, "Running")
+    # What the watch cache holds once the pod's Running event arrived.
+    vm_raw = get_vm(api, namespace, "ready")
+    assert vm_raw is not None
+    pod_raw = controller_api.sanitize_for_serialization(
+        client.CoreV1Api(api).read_namespaced_pod(pods[0].metadata.name, namespace))
+    reconciler._cache = FrozenCache(vm_raw, [pod_raw])
+    reconciler.counting.reads.clear()
+    reconciler.performed.clear()
+    writes_before = reconciler.vm_writes
+
+    result = reconciler.reconcile(key, CountingAuthority())
+
+    assert [name for name, _, _ in reconciler.performed] == ["SyncStatus"]
+    assert isinstance(result.action, d.Done), result
+    vm = get_vm(api, namespace, "ready")
+    assert vm is not None and vm["status"]["phase"] == "Running"
+    ready = condition(vm["status"], "Ready")
+    assert ready is not None and ready["status"] == "True", vm["status"]
+    assert reconciler.vm_writes - writes_before == 2  # the phase, then the conditions
+    assert sum(reconciler.counting.reads.values()) == 0, (
+        f"read directly before writing conditions that follow from our own write's "
+        f"answer: {dict(reconciler.counting.reads)}")
