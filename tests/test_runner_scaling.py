@@ -287,19 +287,51 @@ def test_a_removal_the_guest_refuses_is_settled_as_plugged(tmp_path: Path,
     with pytest.raises(ScaleError) as err:
         put(2, seq=1)
     assert err.value.status == 504
-    # An unrelated _OST (an insert, or an eject still in progress) settles nothing.
+    # An unrelated _OST (an insert), or the "eject in progress" (0x84) Linux sends before
+    # every eject, settles nothing: the eject may still complete.
     for info in ({"device": "dimm-slot2", "source": 1, "status": 1},
-                 {"device": "dimm-slot2", "source": 3, "status": 0x80}):
+                 {"device": "dimm-slot2", "source": 3, "status": 0x84}):
         qmp_loop.call_soon_threadsafe(scaler.on_qmp_event, "ACPI_DEVICE_OST", {"info": info})
     with pytest.raises(ScaleError) as err:
         put(3, seq=2)
     assert err.value.status == 504
+    # The guest's refusal: 0x82, "device busy" (memory it cannot offline).
     qmp_loop.call_soon_threadsafe(scaler.on_qmp_event, "ACPI_DEVICE_OST", {"info": {
-        "device": "dimm-slot2", "slot": "2", "slot-type": "DIMM", "source": 3, "status": 1}})
+        "device": "dimm-slot2", "slot": "2", "slot-type": "DIMM", "source": 3, "status": 0x82}})
     qmp.removing.discard("dimm-slot2")  # QEMU keeps the DIMM plugged
     result = put(3, seq=2)
     assert result["qemu"]["memorySlots"] == 3
     assert scaler.pending_removals(scaler.query()) == []
+
+
+def test_after_a_refused_eject_and_a_finished_one_memory_converges_by_count(
+        tmp_path: Path, qmp_loop: Any) -> None:
+    # Slots 1-3 plugged (4 GiB). Plan 1 asks for 2 slots: the guest ejects slot 2 but
+    # refuses slot 3, leaving a gap. Plan 2 asks for 3 slots: that is what the guest
+    # already has. Plugging the gap first would take it through 4 slots (an older plan's
+    # size, after two newer ones) and then ask it again to eject slot 3.
+    token = tmp_path / "token"
+    token.write_text(TOKEN + "\n")
+    limits = ScaleLimits(min_vcpus=1, max_vcpus=1, min_slots=1, max_slots=4, slot_bytes=GIB)
+    qmp = SlowEjectQMP(dimms=3)
+    scaler = Scaler(tmp_path, token, limits, boot=ScaleTarget(1, 4), request_timeout=0.5)
+    scaler.attach(qmp_loop, qmp)  # type: ignore[arg-type]
+
+    def put(slots: int, seq: int) -> dict[str, Any]:
+        body = {"memorySlots": slots, "fence": {"epoch": 1, "token": 1, "seq": seq}}
+        return scaler.scale(f"Bearer {TOKEN}", json.dumps(body).encode())
+
+    with pytest.raises(ScaleError) as err:
+        put(2, seq=1)
+    assert err.value.status == 504 and qmp.removing == {"dimm-slot2", "dimm-slot3"}
+    qmp.eject("dimm-slot2")
+    qmp_loop.call_soon_threadsafe(scaler.on_qmp_event, "ACPI_DEVICE_OST", {"info": {
+        "device": "dimm-slot3", "slot": "3", "slot-type": "DIMM", "source": 3, "status": 0x82}})
+    qmp.removing.discard("dimm-slot3")  # refused: QEMU keeps it plugged
+    before = len(qmp.calls)
+    result = put(3, seq=2)
+    assert result["qemu"]["memorySlots"] == 3
+    assert [c for c, _ in qmp.calls[before:] if c in ("device_add", "device_del")] == []
 
 
 # ---- a real guest -----------------------------------------------------------------------------

@@ -194,17 +194,31 @@ def _older(cached: dict[str, Any] | None, seen_rv: str) -> bool:
     return have is not None and have < seen
 
 
+def _newer(cached: dict[str, Any] | None, seen_rv: str) -> bool:
+    """The cached object is a newer version than ``seen_rv`` (False when unknown)."""
+    try:
+        seen = int(seen_rv)
+    except ValueError:
+        return False
+    have = _rv_number(cached)
+    return have is not None and have > seen
+
+
 def cache_behind(seen: Seen | None, vm: dict[str, Any] | None,
                  pods: ObjectCache | None) -> bool:
     """The cached VM (``vm``) or one of its cached pods is an older version than the
     last reconcile saw (:class:`~neonvm.controller.reconciler.Seen`), for the same VM.
 
     A pod missing from the cache does not count: it may have been deleted since, and
-    its deletion is news."""
+    its deletion is news. Nor is a VM *newer* than the last reconcile saw ever behind,
+    whatever its pods: that version is someone else's write (ours are what ``seen``
+    holds), and a pod whose event was lost must not hold it back until a relist."""
     if seen is None or vm is None or object_uid(vm) != seen.uid:
         return False
     if _older(vm, seen.vm):
         return True
+    if _newer(vm, seen.vm):
+        return False
     if pods is None:
         return False
     return any(_older(pods.get(key), rv) for key, rv in seen.pods)

@@ -74,6 +74,8 @@ from neonvm.runner.qmp import QMPClient, QMPError
 
 FENCE_FILE_NAME = "scaling-fence.json"
 DIMM_ID = "dimm-slot{}"
+OST_EJECT_IN_PROGRESS = 0x84
+"""ACPI _OST status for an eject request the OS is still carrying out."""
 MEMDEV_ID = "mem-slot{}"
 CPU_ID_PREFIX = "hotplug-cpu-"
 REMOVAL_POLL_SECONDS = 0.05
@@ -431,22 +433,26 @@ async def converge_cpus(qmp: QMPClient, target: int, deadline: float,
 
 async def converge_memory(qmp: QMPClient, target_slots: int, limits: ScaleLimits,
                           deadline: float, removals: Removals | None = None) -> None:
-    """Plug DIMMs for slots [min, target), unplug those at or above ``target``."""
+    """Reach ``target_slots`` by count: plug DIMMs into the lowest free slots, or unplug
+    the highest plugged ones. By count, not by slot identity: after the guest refused
+    one eject and finished another, the plugged slots may have a gap, and plugging the
+    gap before removing the slot above it would take the guest through a size larger
+    than both the old plan's and the new one's."""
     size = await query_size(qmp, limits)
     present = set(size.dimms)
+    slots = range(limits.min_slots, limits.max_slots)
+    have = [s for s in slots if DIMM_ID.format(s) in present]
+    want = max(0, target_slots - limits.min_slots)
     objects = {str(o.get("name")) for o in await qmp.execute("qom-list",
                                                              {"path": "/objects"})}
-    for slot in range(limits.min_slots, target_slots):
-        if DIMM_ID.format(slot) in present:
-            continue
+    for slot in [s for s in slots if DIMM_ID.format(s) not in present][:want - len(have)]:
         if MEMDEV_ID.format(slot) not in objects:
             await qmp.execute("object-add", {"qom-type": "memory-backend-ram",
                                              "id": MEMDEV_ID.format(slot),
                                              "size": limits.slot_bytes})
         await qmp.execute("device_add", {"driver": "pc-dimm", "id": DIMM_ID.format(slot),
                                          "memdev": MEMDEV_ID.format(slot)})
-    leaving = [DIMM_ID.format(s) for s in range(limits.max_slots - 1, target_slots - 1, -1)
-               if DIMM_ID.format(s) in present]
+    leaving = [DIMM_ID.format(s) for s in reversed(have)][:max(0, len(have) - want)]
     for dimm in leaving:
         if removals is not None:
             removals.start(dimm)
@@ -458,10 +464,11 @@ async def converge_memory(qmp: QMPClient, target_slots: int, limits: ScaleLimits
             return not set(leaving) & set(now.dimms)
         await _wait_until(gone, deadline, f"the guest ejecting {len(leaving)} DIMM(s)")
     # The backends of unplugged DIMMs (left by an earlier timeout too) are freed last.
+    now_present = set((await query_size(qmp, limits)).dimms)
     objects = {str(o.get("name")) for o in await qmp.execute("qom-list",
                                                              {"path": "/objects"})}
-    for slot in range(target_slots, limits.max_slots):
-        if MEMDEV_ID.format(slot) in objects:
+    for slot in slots:
+        if DIMM_ID.format(slot) not in now_present and MEMDEV_ID.format(slot) in objects:
             with contextlib.suppress(QMPError):
                 await qmp.execute("object-del", {"id": MEMDEV_ID.format(slot)})
 
@@ -564,11 +571,15 @@ class Scaler:
             names = (data.get("device"), data.get("path"))
         elif event == "ACPI_DEVICE_OST":
             info = data.get("info") or {}
-            # _OST status: 0 success, 0x80-0x82 eject in progress; anything else a failure.
+            # _OST for an eject request (source 3): 0 success, 0x84 eject in progress
+            # (Linux sends it before every eject); anything else (0x80-0x83, 1, 2) a
+            # failure. QEMU names a DIMM by its id and a vCPU by its device id, while a
+            # vCPU removal is recorded by QOM path: both names are marked.
             status = info.get("status")
-            if info.get("source") == 3 and isinstance(status, int) and status != 0 and not (
-                    0x80 <= status <= 0x82):
-                names = (info.get("device"),)
+            device = info.get("device")
+            if (info.get("source") == 3 and isinstance(status, int)
+                    and status not in (0, OST_EJECT_IN_PROGRESS) and device):
+                names = (device, f"/machine/peripheral/{device}")
         for name in names:
             if name:
                 self._log.warning("the guest refused to eject {} ({})", name, event)
