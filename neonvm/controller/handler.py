@@ -183,25 +183,27 @@ def _rv_number(obj: dict[str, Any] | None) -> int | None:
         return None
 
 
-def _older(cached: dict[str, Any] | None, seen_rv: str) -> bool:
-    """The cached object is an older version than ``seen_rv`` (False when either
-    resourceVersion is not a number: then nothing is skipped)."""
+def _compare(cached: dict[str, Any] | None, seen_rv: str) -> int | None:
+    """The cached object's resourceVersion minus ``seen_rv``'s (None when either is not
+    a number: then nothing is skipped)."""
     try:
         seen = int(seen_rv)
     except ValueError:
-        return False
+        return None
     have = _rv_number(cached)
-    return have is not None and have < seen
+    return None if have is None else have - seen
+
+
+def _older(cached: dict[str, Any] | None, seen_rv: str) -> bool:
+    """The cached object is an older version than ``seen_rv``."""
+    delta = _compare(cached, seen_rv)
+    return delta is not None and delta < 0
 
 
 def _newer(cached: dict[str, Any] | None, seen_rv: str) -> bool:
-    """The cached object is a newer version than ``seen_rv`` (False when unknown)."""
-    try:
-        seen = int(seen_rv)
-    except ValueError:
-        return False
-    have = _rv_number(cached)
-    return have is not None and have > seen
+    """The cached object is a newer version than ``seen_rv``."""
+    delta = _compare(cached, seen_rv)
+    return delta is not None and delta > 0
 
 
 def cache_behind(seen: Seen | None, vm: dict[str, Any] | None,

@@ -37,27 +37,26 @@ from kubernetes.client.exceptions import ApiException
 STEP_DOWN_ANNOTATION = "leader.vm.neon.tech/step-down"
 """Annotation on the Lease asking one term (holder identity and epoch) to release."""
 
+def _not_found_details(exc: ApiException) -> dict[str, Any]:
+    """The ``details`` of a 404's Status body ({} for another status or a bare 404)."""
+    if exc.status != 404:
+        return {}
+    try:
+        return dict(json.loads(exc.body or "{}").get("details") or {})
+    except (ValueError, TypeError, AttributeError):
+        return {}
+
+
 def _namespace_not_found(exc: ApiException) -> bool:
     """A 404 whose details name a namespace (not the object itself)."""
-    if exc.status != 404:
-        return False
-    try:
-        details = json.loads(exc.body or "{}").get("details") or {}
-    except (ValueError, TypeError, AttributeError):
-        return False
-    return bool(details.get("kind") == "namespaces")
+    return _not_found_details(exc).get("kind") == "namespaces"
 
 
 def _lease_not_found(exc: ApiException, name: str) -> bool:
     """A 404 whose details name this Lease. A bare 404 (a proxy, a load balancer, an API
     group not served yet) stays a transient error: deposing on it would cost a relist."""
-    if exc.status != 404:
-        return False
-    try:
-        details = json.loads(exc.body or "{}").get("details") or {}
-    except (ValueError, TypeError, AttributeError):
-        return False
-    return bool(details.get("kind") == "leases" and details.get("name") == name)
+    details = _not_found_details(exc)
+    return details.get("kind") == "leases" and details.get("name") == name
 
 
 @dataclass(frozen=True)
