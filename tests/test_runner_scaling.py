@@ -204,37 +204,45 @@ def qmp_loop() -> Any:
     loop.close()
 
 
+def attached_scaler(tmp_path: Path, qmp_loop: Any, qmp: SlowEjectQMP, limits: ScaleLimits,
+                    boot: ScaleTarget) -> Scaler:
+    """A runner's scaler over ``qmp`` (a new one on the same work dir is a runner
+    restarted in the same pod), with a short request timeout."""
+    token = tmp_path / "token"
+    token.write_text(TOKEN + "\n")
+    scaler = Scaler(tmp_path, token, limits, boot=boot, request_timeout=0.5)
+    scaler.attach(qmp_loop, qmp)  # type: ignore[arg-type]
+    return scaler
+
+
+def put_fenced(scaler: Scaler, seq: int, **target: int) -> dict[str, Any]:
+    """``PUT /scale`` of ``target`` under fence (1, 1, seq)."""
+    body = {**target, "fence": {"epoch": 1, "token": 1, "seq": seq}}
+    return scaler.scale(f"Bearer {TOKEN}", json.dumps(body).encode())
+
+
 def test_a_removal_still_pending_is_neither_plugged_nor_applied(tmp_path: Path,
                                                                 qmp_loop: Any) -> None:
     # Review S0: plan n unplugs dimm-slot2, the guest is slow (504, fence recorded);
     # plan n+1 asks for the slot back. The DIMM is still listed, but the guest may eject
     # it at any moment: plan n+1 must not be answered 200 (and committed) over it.
-    token = tmp_path / "token"
-    token.write_text(TOKEN + "\n")
     limits = ScaleLimits(min_vcpus=1, max_vcpus=1, min_slots=1, max_slots=3, slot_bytes=GIB)
     qmp = SlowEjectQMP(dimms=2)
-    scaler = Scaler(tmp_path, token, limits, boot=ScaleTarget(1, 3), request_timeout=0.5)
-    scaler.attach(qmp_loop, qmp)  # type: ignore[arg-type]
-
-    def put(slots: int, seq: int) -> dict[str, Any]:
-        body = {"memorySlots": slots, "fence": {"epoch": 1, "token": 1, "seq": seq}}
-        return scaler.scale(f"Bearer {TOKEN}", json.dumps(body).encode())
+    scaler = attached_scaler(tmp_path, qmp_loop, qmp, limits, ScaleTarget(1, 3))
 
     with pytest.raises(ScaleError) as err:
-        put(2, seq=1)
+        put_fenced(scaler, 1, memorySlots=2)
     assert err.value.status == 504 and qmp.removing == {"dimm-slot2"}
     with pytest.raises(ScaleError) as err:
-        put(3, seq=2)
+        put_fenced(scaler, 2, memorySlots=3)
     assert err.value.status == 504, "plan n+1 answered while plan n's unplug is pending"
     assert "dimm-slot2" in str(err.value)
     # A runner restarted in the same pod still knows the removal it started.
-    again = Scaler(tmp_path, token, limits, boot=ScaleTarget(1, 3), request_timeout=0.5)
-    again.attach(qmp_loop, qmp)  # type: ignore[arg-type]
+    again = attached_scaler(tmp_path, qmp_loop, qmp, limits, ScaleTarget(1, 3))
     assert again.pending_removals(again.query()) == ["dimm-slot2"]
     # The guest finishes plan n's eject: the retry of plan n+1 plugs the slot back.
     qmp.eject("dimm-slot2")
-    result = again.scale(f"Bearer {TOKEN}", json.dumps(
-        {"memorySlots": 3, "fence": {"epoch": 1, "token": 1, "seq": 2}}).encode())
+    result = put_fenced(again, 2, memorySlots=3)
     assert result["qemu"]["memorySlots"] == 3 and "dimm-slot2" in qmp.dimms
     assert again.pending_removals(again.query()) == []
     last = FenceStore(tmp_path).load()
@@ -245,27 +253,20 @@ def test_a_vcpu_whose_removal_is_pending_is_not_counted_as_plugged(tmp_path: Pat
                                                                    qmp_loop: Any) -> None:
     # Review S0, the vCPU version: plan n unplugs vCPU 2 (504: the guest is slow), plan
     # n+1 asks for 2 vCPUs again; the vCPU still has its qom-path but may go any moment.
-    token = tmp_path / "token"
-    token.write_text(TOKEN + "\n")
     limits = ScaleLimits(min_vcpus=1, max_vcpus=2, min_slots=1, max_slots=1, slot_bytes=GIB)
     qmp = SlowEjectQMP(dimms=0, vcpus=2, max_vcpus=2)
-    scaler = Scaler(tmp_path, token, limits, boot=ScaleTarget(2, 1), request_timeout=0.5)
-    scaler.attach(qmp_loop, qmp)  # type: ignore[arg-type]
-
-    def put(cpus: int, seq: int) -> dict[str, Any]:
-        body = {"cpus": cpus, "fence": {"epoch": 1, "token": 1, "seq": seq}}
-        return scaler.scale(f"Bearer {TOKEN}", json.dumps(body).encode())
+    scaler = attached_scaler(tmp_path, qmp_loop, qmp, limits, ScaleTarget(2, 1))
 
     leaving = "/machine/peripheral/hotplug-cpu-0-1-0"
     with pytest.raises(ScaleError) as err:
-        put(1, seq=1)
+        put_fenced(scaler, 1, cpus=1)
     assert err.value.status == 504 and qmp.removing == {leaving}
     with pytest.raises(ScaleError) as err:
-        put(2, seq=2)
+        put_fenced(scaler, 2, cpus=2)
     assert err.value.status == 504, "plan n+1 answered while plan n's vCPU unplug is pending"
     assert scaler.pending_removals(scaler.query()) == [leaving]
     qmp.eject(leaving)
-    assert put(2, seq=2)["qemu"]["vcpus"] == 2  # plugged back
+    assert put_fenced(scaler, 2, cpus=2)["qemu"]["vcpus"] == 2  # plugged back
     assert scaler.pending_removals(scaler.query()) == []
 
 
@@ -273,19 +274,12 @@ def test_a_removal_the_guest_refuses_is_settled_as_plugged(tmp_path: Path,
                                                            qmp_loop: Any) -> None:
     # The guest cannot offline the DIMM and says so (ACPI _OST failure for the eject
     # request): no eject is coming, so the removal no longer blocks newer plans.
-    token = tmp_path / "token"
-    token.write_text(TOKEN + "\n")
     limits = ScaleLimits(min_vcpus=1, max_vcpus=1, min_slots=1, max_slots=3, slot_bytes=GIB)
     qmp = SlowEjectQMP(dimms=2)
-    scaler = Scaler(tmp_path, token, limits, boot=ScaleTarget(1, 3), request_timeout=0.5)
-    scaler.attach(qmp_loop, qmp)  # type: ignore[arg-type]
-
-    def put(slots: int, seq: int) -> dict[str, Any]:
-        body = {"memorySlots": slots, "fence": {"epoch": 1, "token": 1, "seq": seq}}
-        return scaler.scale(f"Bearer {TOKEN}", json.dumps(body).encode())
+    scaler = attached_scaler(tmp_path, qmp_loop, qmp, limits, ScaleTarget(1, 3))
 
     with pytest.raises(ScaleError) as err:
-        put(2, seq=1)
+        put_fenced(scaler, 1, memorySlots=2)
     assert err.value.status == 504
     # An unrelated _OST (an insert), or the "eject in progress" (0x84) Linux sends before
     # every eject, settles nothing: the eject may still complete.
@@ -293,13 +287,13 @@ def test_a_removal_the_guest_refuses_is_settled_as_plugged(tmp_path: Path,
                  {"device": "dimm-slot2", "source": 3, "status": 0x84}):
         qmp_loop.call_soon_threadsafe(scaler.on_qmp_event, "ACPI_DEVICE_OST", {"info": info})
     with pytest.raises(ScaleError) as err:
-        put(3, seq=2)
+        put_fenced(scaler, 2, memorySlots=3)
     assert err.value.status == 504
     # The guest's refusal: 0x82, "device busy" (memory it cannot offline).
     qmp_loop.call_soon_threadsafe(scaler.on_qmp_event, "ACPI_DEVICE_OST", {"info": {
         "device": "dimm-slot2", "slot": "2", "slot-type": "DIMM", "source": 3, "status": 0x82}})
     qmp.removing.discard("dimm-slot2")  # QEMU keeps the DIMM plugged
-    result = put(3, seq=2)
+    result = put_fenced(scaler, 2, memorySlots=3)
     assert result["qemu"]["memorySlots"] == 3
     assert scaler.pending_removals(scaler.query()) == []
 
@@ -310,26 +304,19 @@ def test_after_a_refused_eject_and_a_finished_one_memory_converges_by_count(
     # refuses slot 3, leaving a gap. Plan 2 asks for 3 slots: that is what the guest
     # already has. Plugging the gap first would take it through 4 slots (an older plan's
     # size, after two newer ones) and then ask it again to eject slot 3.
-    token = tmp_path / "token"
-    token.write_text(TOKEN + "\n")
     limits = ScaleLimits(min_vcpus=1, max_vcpus=1, min_slots=1, max_slots=4, slot_bytes=GIB)
     qmp = SlowEjectQMP(dimms=3)
-    scaler = Scaler(tmp_path, token, limits, boot=ScaleTarget(1, 4), request_timeout=0.5)
-    scaler.attach(qmp_loop, qmp)  # type: ignore[arg-type]
-
-    def put(slots: int, seq: int) -> dict[str, Any]:
-        body = {"memorySlots": slots, "fence": {"epoch": 1, "token": 1, "seq": seq}}
-        return scaler.scale(f"Bearer {TOKEN}", json.dumps(body).encode())
+    scaler = attached_scaler(tmp_path, qmp_loop, qmp, limits, ScaleTarget(1, 4))
 
     with pytest.raises(ScaleError) as err:
-        put(2, seq=1)
+        put_fenced(scaler, 1, memorySlots=2)
     assert err.value.status == 504 and qmp.removing == {"dimm-slot2", "dimm-slot3"}
     qmp.eject("dimm-slot2")
     qmp_loop.call_soon_threadsafe(scaler.on_qmp_event, "ACPI_DEVICE_OST", {"info": {
         "device": "dimm-slot3", "slot": "3", "slot-type": "DIMM", "source": 3, "status": 0x82}})
     qmp.removing.discard("dimm-slot3")  # refused: QEMU keeps it plugged
     before = len(qmp.calls)
-    result = put(3, seq=2)
+    result = put_fenced(scaler, 2, memorySlots=3)
     assert result["qemu"]["memorySlots"] == 3
     assert [c for c, _ in qmp.calls[before:] if c in ("device_add", "device_del")] == []
 
