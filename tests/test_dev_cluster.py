@@ -113,3 +113,17 @@ def test_free_ports_are_distinct_unused_and_below_the_ephemeral_range() -> None:
         held.bind(("127.0.0.1", ports[0]))
         held.listen()
         assert ports[0] not in {free_port() for _ in range(200)}
+
+
+@pytest.mark.unit
+def test_a_process_without_argv_counts_as_alive_until_it_is_a_zombie() -> None:
+    """An exiting multi-threaded process (a kubelet on SIGTERM) shows an empty argv
+    before it is a zombie. Stopping it must wait that out: the real node restores the
+    kubelet's host directory only when no kubelet runs. kthreadd (pid 2) has no argv
+    and never exits, so it stands in for the exiting process."""
+    from neonvm.dev.cluster import _pid_alive
+
+    assert Path("/proc/2/cmdline").read_bytes() == b""
+    assert _pid_alive(2, "")
+    assert _pid_alive(2, "kthreadd")
+    assert not _pid_alive(2, "kubelet")

@@ -71,8 +71,10 @@ def _pid_alive(pid: int, binary_name: str) -> bool:
         return False
     if not cmdline:
         # Right after exec the kernel may not show the new argv yet; the command name
-        # (at most 15 characters) in stat is already the binary's.
-        return f"({binary_name[:15]})" in stat
+        # (at most 15 characters) in stat is already the binary's. An exiting process
+        # shows no argv either, for as long as its threads take to end: without a name
+        # to compare, it still counts as alive until it is a zombie.
+        return not binary_name or f"({binary_name[:15]})" in stat
     return binary_name.encode() in cmdline
 
 
@@ -178,6 +180,10 @@ class LocalCluster:
         if pid is not None and _pid_alive(pid, argv[0].rsplit("/", 1)[-1]):
             return pid
         return self._spawn(name, argv, env)
+
+    def process_pid(self, name: str) -> int | None:
+        """The pid recorded for a process started by ``start_process`` (None if none)."""
+        return self._pid(name)
 
     def process_alive(self, name: str, binary_name: str) -> bool:
         pid = self._pid(name)

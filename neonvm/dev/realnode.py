@@ -619,8 +619,14 @@ disabled_plugins = ["io.containerd.nri.v1.nri"]
         done: list[str] = []
         ctrd_name, kubelet_name = self.process_names()
         if self.cluster.process_alive(kubelet_name, "kubelet"):
+            pid = self.cluster.process_pid(kubelet_name)
             self.cluster.stop_component(kubelet_name)
             done.append("kubelet")
+            # The host directory is restored only when no kubelet runs: wait out this
+            # one's exit (its threads may still be ending after its pid file is gone).
+            deadline = time.monotonic() + timeout
+            while pid in other_kubelets() and time.monotonic() < deadline:
+                time.sleep(0.1)
         done += self._restore_sysctls()
         done += self._restore_kubelet_host_dir()
         if self.cluster.process_alive(ctrd_name, "containerd"):
