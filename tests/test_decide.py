@@ -134,6 +134,28 @@ def test_a_running_pod_is_mirrored_into_status_then_nothing_is_left_to_do() -> N
     assert isinstance(d.decide(obs(synced, running, direct=False)), d.Done)
 
 
+def test_a_pod_bound_but_not_running_is_not_synced_until_it_runs() -> None:
+    """Node and IP are written with the phase they come with: a pod the scheduler has
+    bound (node set, still Pending) costs no status write of its own; the write that
+    makes the VM Running carries them."""
+    bound = pod(POD1, gated=False, phase="Pending", node="n1")
+    v = vm(pod_name=POD1, pod_uid=f"uid-{POD1}", plan_seq=1, phase="Pending")
+    assert isinstance(d.decide(obs(v, bound, direct=False)), d.Done)
+    running = dataclasses.replace(bound, phase="Running", ip="10.0.0.1")
+    assert d.decide(obs(v, running, direct=False)) == d.SyncStatus(
+        phase="Running", node="n1", ip="10.0.0.1", name=POD1, uid=f"uid-{POD1}",
+        reason=d.decide(obs(v, running, direct=False)).reason)
+
+
+def test_a_vm_phase_behind_its_pending_pod_is_still_synced() -> None:
+    """Only the node-only write is folded: a VM whose phase is not Pending while its
+    committed pod is (status written by an older controller, say) is written Pending."""
+    bound = pod(POD1, gated=False, phase="Pending", node="n1")
+    v = vm(pod_name=POD1, pod_uid=f"uid-{POD1}", plan_seq=1, phase=None)
+    action = d.decide(obs(v, bound, direct=False))
+    assert isinstance(action, d.SyncStatus) and (action.phase, action.node) == ("Pending", "n1")
+
+
 # ---- the committed pod goes away ----------------------------------------------------------
 
 

@@ -614,7 +614,14 @@ def _decide_committed(obs: Observation, vm: VirtualMachine) -> Action:
     phase = "Running" if pod.phase == "Running" else "Pending"
     if phase == "Running" and vm.status.pending_scale is not None:
         phase = "Scaling"
-    if (vm.status.phase, vm.status.node, vm.status.pod_ip) != (phase, pod.node, pod.ip):
+    if phase == "Pending":
+        # A pod that is bound but not started yet is not worth a write of its own: its
+        # node and IP are mirrored with the phase they come with (docs/protocol.md,
+        # step 4), in the one write that makes the VM Running.
+        stale = vm.status.phase != phase
+    else:
+        stale = (vm.status.phase, vm.status.node, vm.status.pod_ip) != (phase, pod.node, pod.ip)
+    if stale:
         return SyncStatus(phase=phase, node=pod.node, ip=pod.ip, name=pod.name, uid=pod.uid,
                           reason=f"runner pod {pod.name} is {pod.phase}")
     return _decide_scaling(obs, vm, pod) or Done(reason=f"runner pod {pod.name} is {pod.phase}")
