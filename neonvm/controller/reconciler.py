@@ -107,6 +107,7 @@ from neonvm.controller.conditions import (
     fence_ahead_mutation,
     refused_condition,
     stuck_condition,
+    with_ready,
 )
 from neonvm.controller.events import EventRecorder
 from neonvm.controller.metrics import ControllerMetrics
@@ -751,8 +752,8 @@ class Reconciler:
                       authority: Authority, log: Any) -> str:
         """The performer of a status write: its mutation
         (:func:`~neonvm.controller.mutations.status_mutation`), PUT conditionally."""
-        written = self._write_status(key, snap, status_mutation(action, authority.lease),
-                                     authority, log)
+        mutation = with_ready(status_mutation(action, authority.lease), snap)
+        written = self._write_status(key, snap, mutation, authority, log)
         if written is not None:
             self._event_for(action, written.vm)
             return Outcome("done", vm=written)
