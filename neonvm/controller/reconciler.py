@@ -543,7 +543,8 @@ class Reconciler:
                 snap = self.observe(key, authority, direct=True)
                 continue
             if isinstance(action, d.ObserveDirect) or (
-                    isinstance(action, d.CreatePod) and not snap.obs.direct):
+                    isinstance(action, d.CreatePod)
+                    and not (snap.obs.direct or snap.vm_written)):
                 if snap.obs.direct:
                     raise RuntimeError(f"decide asked for a direct read of a direct "
                                        f"observation: {action}")
@@ -727,12 +728,13 @@ class Reconciler:
             return None
         listed = list(pods.values())
         missing: tuple[str, ...] = ()
-        if snap.obs.direct and create_due(vm, listed):
+        vm_written = written_vm is not None
+        if (snap.obs.direct or vm_written) and create_due(vm, listed):
             missing = self.reader.missing_pull_secrets(vm)
         log.debug("observing from the write's response")
         return make_snapshot(record, listed, snap.obs.lease, direct=snap.obs.direct,
                              now=self.reader.now(), missing_pull_secrets=missing,
-                             from_write=True)
+                             from_write=True, vm_written=vm_written)
 
     # ---- actions -----------------------------------------------------------------------
 
