@@ -170,7 +170,23 @@ def run(cluster: Any, vms: int, replicas: int, keep_log: str | None = None,
                 "events": events}
     finally:
         fleet.drop_namespace(api, namespace)
+        namespace_gone(api, namespace)
         api.close()
+
+
+def namespace_gone(api: client.ApiClient, namespace: str, timeout: float = 180.0) -> None:
+    """Wait until ``namespace`` is deleted: the namespace controller's requests for it
+    must not fall into the next run's counts."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            client.CoreV1Api(api).read_namespace(namespace, _request_timeout=30)
+        except client.ApiException as exc:
+            if exc.status == 404:
+                return
+            raise
+        time.sleep(1.0)
+    print(f"namespace {namespace} still there after {timeout:.0f} s", file=sys.stderr)
 
 
 def controller_total(out: dict[str, Any]) -> float:
