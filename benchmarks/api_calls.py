@@ -199,7 +199,7 @@ def controller_total(out: dict[str, Any]) -> float:
 
 
 ROWS = [("POST", "events", ""), ("PUT", types.PLURAL, "status"), ("GET", types.PLURAL, ""),
-        ("LIST", "pods", ""), ("PUT", types.PLURAL, ""), ("POST", "pods", ""),
+        ("LIST", "pods", ""), ("LIST", types.PLURAL, ""), ("PUT", types.PLURAL, ""), ("POST", "pods", ""),
         ("PATCH", "pods", ""), ("PATCH", "pods", "status"), ("POST", "pods", "binding")]
 
 
