@@ -199,8 +199,9 @@ def controller_total(out: dict[str, Any]) -> float:
 
 
 ROWS = [("POST", "events", ""), ("PUT", types.PLURAL, "status"), ("GET", types.PLURAL, ""),
-        ("LIST", "pods", ""), ("LIST", types.PLURAL, ""), ("PUT", types.PLURAL, ""), ("POST", "pods", ""),
-        ("PATCH", "pods", ""), ("PATCH", "pods", "status"), ("POST", "pods", "binding")]
+        ("LIST", "pods", ""), ("LIST", types.PLURAL, ""), ("PUT", types.PLURAL, ""),
+        ("POST", "pods", ""), ("PATCH", "pods", ""), ("PATCH", "pods", "status"),
+        ("POST", "pods", "binding")]
 
 
 def per_vm(out: dict[str, Any], verb: str, res: str, sub: str) -> float:
