@@ -34,7 +34,10 @@ The rules, in order:
    ``device_del`` + ``object_del`` from the highest slot down. Removal finishes only when
    the guest has ejected the device (the kernel offlines it first); the request waits for
    that up to its timeout and then answers 504 with what QEMU has, the fence staying
-   recorded, so a retry with the same fence continues.
+   recorded, so a retry with the same fence continues. A guest that refuses the eject
+   ends the wait at once: 504 with ``refused`` (the device stays plugged; a retry asks
+   again). A ``device_del`` QEMU answers with an error started nothing: 502, and the
+   removal is not kept on record.
 5. Pending removals: a ``device_del`` cannot be taken back, and the guest may eject the
    device long after its request answered 504. Each removal is recorded in the fence
    file before it is sent; before converging to any target (a newer fence included) the
@@ -70,7 +73,7 @@ from typing import Any, TypeVar
 
 from loguru import logger
 
-from neonvm.runner.qmp import QMPClient, QMPError
+from neonvm.runner.qmp import QMPClient, QMPCommandError, QMPError
 
 FENCE_FILE_NAME = "scaling-fence.json"
 DIMM_ID = "dimm-slot{}"
@@ -90,9 +93,11 @@ T = TypeVar("T")
 class ScaleError(Exception):
     """A request that cannot be applied; ``status`` is the HTTP code to answer."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, refused: tuple[str, ...] = ()) -> None:
         super().__init__(message)
         self.status = status
+        self.refused = refused
+        """Devices whose eject the guest refused during this request (504 at once)."""
 
 
 @dataclass(frozen=True, order=True)
@@ -359,6 +364,22 @@ class Removals:
         if device not in self.record.removals:
             self._write((*self.record.removals, device))
 
+    def forget(self, device: str) -> None:
+        """QEMU rejected the ``device_del`` just recorded: no removal started."""
+        self._write(tuple(r for r in self.record.removals if r != device))
+
+    def refused(self, device: str) -> bool:
+        """Whether the guest refused to eject ``device`` since its removal started."""
+        return device in self._refused
+
+    def take_refusals(self, devices: list[str]) -> tuple[str, ...]:
+        """Those of ``devices`` the guest refused, settled: forgotten from the record
+        (they stay plugged and count as plugged; no eject is coming)."""
+        refused = tuple(d for d in devices if d in self._refused)
+        self._refused.difference_update(refused)
+        self._write(tuple(r for r in self.record.removals if r not in refused))
+        return refused
+
     def finished(self, size: QemuSize) -> None:
         """Forget those QEMU no longer lists (the guest ejected them), and those the guest
         refused (still listed, and no eject is coming: they count as plugged again)."""
@@ -382,6 +403,48 @@ async def settle_removals(qmp: QMPClient, removals: Removals, limits: ScaleLimit
         return not removals.pending
     await _wait_until(gone, deadline, f"the guest ejecting {', '.join(removals.pending)} "
                                       "(removals started earlier; QEMU cannot cancel them)")
+
+
+async def _unplug(qmp: QMPClient, device: str, removals: Removals | None) -> None:
+    """``device_del`` of ``device`` (a DIMM id or a vCPU QOM path), recorded first.
+
+    QEMU answering with an error means it did not start the removal (x86 vCPU unplug in
+    legacy CPU hotplug mode, a device it cannot unplug): a removal recorded by this call
+    is forgotten again and the request fails (502), so it does not block later plans. A
+    removal recorded before (an earlier ``device_del`` still pending) stays: the error
+    is QEMU's "already being removed". No answer at all (a timeout, the session gone)
+    says nothing about whether the removal started: the record stays."""
+    recorded = removals is not None and device in removals.pending
+    if removals is not None:
+        removals.start(device)
+    try:
+        await qmp.execute("device_del", {"id": device})
+    except QMPCommandError as exc:
+        if recorded:
+            return  # already being removed: keep waiting for it
+        if removals is not None:
+            removals.forget(device)
+        raise ScaleError(502, f"QEMU rejected device_del of {device}: {exc} (no removal "
+                              "started; nothing recorded)") from None
+    except QMPError:
+        pass  # no answer: the removal may have started; the wait below tells
+
+
+async def _wait_for_removals(leaving: list[str], still: Callable[[], Awaitable[set[str]]],
+                             deadline: float, removals: Removals | None, what: str) -> None:
+    """Wait until each of ``leaving`` is gone from QEMU (``still``: what it lists) or
+    refused by the guest. A refusal ends the wait at once: 504 naming the refused
+    devices, which are settled (they stay plugged and count as plugged)."""
+    async def settled() -> bool:
+        listed = await still()
+        return all(d not in listed or (removals is not None and removals.refused(d))
+                   for d in leaving)
+    await _wait_until(settled, deadline, what)
+    refused = removals.take_refusals(leaving) if removals is not None else ()
+    if refused:
+        raise ScaleError(504, f"refused: the guest refused to eject {', '.join(refused)}; "
+                              "it stays plugged (retry with the same fence to ask again)",
+                         refused=refused)
 
 
 async def _wait_until(check: Callable[[], Awaitable[bool]], deadline: float, what: str) -> None:
@@ -417,18 +480,15 @@ async def converge_cpus(qmp: QMPClient, target: int, deadline: float,
             await qmp.execute("device_add", {"driver": slot["type"],
                                              "id": f"{CPU_ID_PREFIX}{name}", **props})
     elif len(plugged) > target:
-        leaving = [s["qom-path"] for s in plugged[target:]]
+        leaving = [str(s["qom-path"]) for s in plugged[target:]]
         for path in leaving:
-            if removals is not None:
-                removals.start(path)
-            with contextlib.suppress(QMPError):  # already being removed: keep waiting
-                await qmp.execute("device_del", {"id": path})
+            await _unplug(qmp, path, removals)
 
-        async def gone() -> bool:
+        async def listed() -> set[str]:
             now = await qmp.execute("query-hotpluggable-cpus")
-            still = {s.get("qom-path") for s in now}
-            return not any(p in still for p in leaving)
-        await _wait_until(gone, deadline, f"the guest ejecting {len(leaving)} vCPU(s)")
+            return {str(s.get("qom-path")) for s in now if s.get("qom-path")}
+        await _wait_for_removals(leaving, listed, deadline, removals,
+                                 f"the guest ejecting {len(leaving)} vCPU(s)")
 
 
 async def converge_memory(qmp: QMPClient, target_slots: int, limits: ScaleLimits,
@@ -454,15 +514,12 @@ async def converge_memory(qmp: QMPClient, target_slots: int, limits: ScaleLimits
                                          "memdev": MEMDEV_ID.format(slot)})
     leaving = [DIMM_ID.format(s) for s in reversed(have)][:max(0, len(have) - want)]
     for dimm in leaving:
-        if removals is not None:
-            removals.start(dimm)
-        with contextlib.suppress(QMPError):  # an unplug already pending: keep waiting
-            await qmp.execute("device_del", {"id": dimm})
+        await _unplug(qmp, dimm, removals)
     if leaving:
-        async def gone() -> bool:
-            now = await query_size(qmp, limits)
-            return not set(leaving) & set(now.dimms)
-        await _wait_until(gone, deadline, f"the guest ejecting {len(leaving)} DIMM(s)")
+        async def listed() -> set[str]:
+            return set((await query_size(qmp, limits)).dimms)
+        await _wait_for_removals(leaving, listed, deadline, removals,
+                                 f"the guest ejecting {len(leaving)} DIMM(s)")
     # The backends of unplugged DIMMs (left by an earlier timeout too) are freed last.
     now_present = set((await query_size(qmp, limits)).dimms)
     objects = {str(o.get("name")) for o in await qmp.execute("qom-list",
@@ -658,9 +715,8 @@ class Scaler:
                                       removals=last.removals if last is not None else ())
                 self._store.save(record)
             removals = Removals(self._store, record, self._refused)
-            self._log.info("scale to {} vCPUs, {} memory slots (fence epoch {} token {}, {})",
-                           target.vcpus, target.memory_slots, fence.epoch, fence.token,
-                           decision)
+            self._log.info("scale to {} vCPUs, {} memory slots (fence {}, {})",
+                           target.vcpus, target.memory_slots, fence, decision)
             started = time.monotonic()
             budget = self._timeout
 
