@@ -417,6 +417,27 @@ def test_a_refused_eject_is_answered_at_once_as_refused(kind: str, tmp_path: Pat
     assert ("device_del", {"id": device}) in qmp.calls[before:]
 
 
+def test_the_scale_log_line_names_the_whole_fence_seq_included(tmp_path: Path,
+                                                              qmp_loop: Any) -> None:
+    # Plans of one leader term differ only in their seq: without it two plans' lines
+    # read the same.
+    from loguru import logger
+
+    limits = ScaleLimits(min_vcpus=1, max_vcpus=1, min_slots=1, max_slots=3, slot_bytes=GIB)
+    qmp = SlowEjectQMP(dimms=0)
+    scaler = attached_scaler(tmp_path, qmp_loop, qmp, limits, ScaleTarget(1, 1))
+    lines: list[str] = []
+    sink = logger.add(lambda m: lines.append(str(m.record["message"])), level="INFO")
+    try:
+        put_fenced(scaler, 7, memorySlots=2)
+        put_fenced(scaler, 7, memorySlots=2)
+    finally:
+        logger.remove(sink)
+    assert [line for line in lines if line.startswith("scale to")] == [
+        "scale to 1 vCPUs, 2 memory slots (fence epoch 1 token 1 seq 7, newer)",
+        "scale to 1 vCPUs, 2 memory slots (fence epoch 1 token 1 seq 7, retry)"]
+
+
 # ---- a real guest -----------------------------------------------------------------------------
 
 
