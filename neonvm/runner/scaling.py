@@ -184,6 +184,17 @@ class QemuSize:
         return device in self.dimms or device in self.cpu_paths
 
 
+def ost_refuses_eject(info: dict[str, Any]) -> bool:
+    """Whether an ``ACPI_DEVICE_OST`` event's ``info`` is the guest refusing an eject.
+
+    _OST for an eject request (source 3): 0 success, 0x84 eject in progress (Linux sends
+    it before every eject); anything else (0x80-0x83, 1, 2) a failure. Any other source
+    (an insert, ...) says nothing about an eject."""
+    status = info.get("status")
+    return (info.get("source") == 3 and isinstance(status, int)
+            and status not in (0, OST_EJECT_IN_PROGRESS))
+
+
 def parse_guest_size(line: str) -> GuestSize | None:
     """The guest agent's report line, else None (whole-line match)."""
     m = _GUEST_SIZE.match(line.strip())
@@ -628,14 +639,10 @@ class Scaler:
             names = (data.get("device"), data.get("path"))
         elif event == "ACPI_DEVICE_OST":
             info = data.get("info") or {}
-            # _OST for an eject request (source 3): 0 success, 0x84 eject in progress
-            # (Linux sends it before every eject); anything else (0x80-0x83, 1, 2) a
-            # failure. QEMU names a DIMM by its id and a vCPU by its device id, while a
-            # vCPU removal is recorded by QOM path: both names are marked.
-            status = info.get("status")
+            # QEMU names a DIMM by its id and a vCPU by its device id, while a vCPU
+            # removal is recorded by QOM path: both names are marked.
             device = info.get("device")
-            if (info.get("source") == 3 and isinstance(status, int)
-                    and status not in (0, OST_EJECT_IN_PROGRESS) and device):
+            if device and ost_refuses_eject(info):
                 names = (device, f"/machine/peripheral/{device}")
         for name in names:
             if name:
