@@ -167,6 +167,38 @@ def test_a_restart_drops_the_plan_of_the_pod_that_is_gone() -> None:
     assert new is not None and new.pending_scale is None and new.cpus is None
 
 
+@pytest.mark.parametrize("reason", ["ScalingInProgress", "RunnerNotAnswering",
+                                    d.SCALING_NEEDS_RESTART])
+def test_the_scaling_condition_ends_with_the_pod_it_was_about(reason: str) -> None:
+    # Review S8: a Restart and a pod Commit clear the plan; the Scaling condition must
+    # not go on saying True (tools wait for False), nor a refusal about the old pod.
+    from neonvm.api.types import Condition, PendingPod
+    from neonvm.controller.mutations import POD_REPLACED
+
+    v = vm(cpus_use=2, pending=scale_plan(), phase="Scaling")
+    v.status.conditions.append(Condition(
+        type=d.SCALING_CONDITION, reason=reason, message="about the old pod",
+        status="False" if reason == d.SCALING_NEEDS_RESTART else "True"))  # type: ignore[arg-type]
+    restarted = status_mutation(d.Restart(name=POD, uid="uid-1"), LEASE)(v)
+    assert restarted is not None and restarted.pending_scale is None
+    (cond,) = [c for c in restarted.conditions if c.type == d.SCALING_CONDITION]
+    assert (cond.status, cond.reason) == ("False", POD_REPLACED), cond
+    # The next pod's commit, from a status that still carries the old condition.
+    v.status.pod_name, v.status.pod_uid = "", ""
+    v.status.pending_pod = PendingPod(name="vm-01234567-2", plan_seq=2, token=40, epoch=3)
+    committed = status_mutation(d.Commit(name="vm-01234567-2", uid="uid-2"), LEASE)(v)
+    assert committed is not None and committed.pending_scale is None
+    (cond,) = [c for c in committed.conditions if c.type == d.SCALING_CONDITION]
+    assert (cond.status, cond.reason) == ("False", POD_REPLACED), cond
+    # A VM that never scaled gets no Scaling condition from either.
+    plain = vm()
+    plain.status.pod_name = ""
+    plain.status.pending_pod = v.status.pending_pod
+    fresh = status_mutation(d.Commit(name="vm-01234567-2", uid="uid-2"), LEASE)(plain)
+    assert fresh is not None and not any(c.type == d.SCALING_CONDITION
+                                         for c in fresh.conditions)
+
+
 def test_a_scalable_pod_carries_the_token_mount_and_the_fence_floor() -> None:
     from neonvm.api.types import PendingPod
 
