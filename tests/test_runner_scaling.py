@@ -116,6 +116,23 @@ def test_a_fence_survives_a_new_scaler_on_the_same_work_dir(tmp_path: Path) -> N
         assert err.value.status == 401
 
 
+def test_a_runner_without_a_token_file_says_no_token_can_pass(tmp_path: Path) -> None:
+    # Review S6: the controller tells this 401 (for the pod's life) from a wrong token (a
+    # rotation on its way to the pod) by the answer's reason.
+    from neonvm.runner.scaling import NO_TOKEN
+
+    limits = ScaleLimits(min_vcpus=1, max_vcpus=2, min_slots=1, max_slots=2, slot_bytes=GIB)
+    body = b'{"cpus": 1, "fence": {"epoch": 9, "token": 0}}'
+    with pytest.raises(ScaleError) as err:
+        Scaler(tmp_path, None, limits, boot=ScaleTarget(1, 1)).scale(f"Bearer {TOKEN}", body)
+    assert (err.value.status, err.value.reason) == (401, NO_TOKEN)
+    token = tmp_path / "token"
+    token.write_text(TOKEN)
+    with pytest.raises(ScaleError) as err:
+        Scaler(tmp_path, token, limits, boot=ScaleTarget(1, 1)).scale("Bearer wrong", body)
+    assert (err.value.status, err.value.reason) == (401, "")
+
+
 def test_a_runner_in_a_pod_takes_only_the_token_of_its_own_pod(tmp_path: Path) -> None:
     # Issue 19 review F4: the bearer is HMAC(secret, pod uid), so a request meant for the
     # pod that had this IP before carries a token this runner refuses, and the other way.

@@ -199,6 +199,29 @@ def test_the_scaling_condition_ends_with_the_pod_it_was_about(reason: str) -> No
                                          for c in fresh.conditions)
 
 
+def test_a_token_the_runner_refuses_is_asked_again_until_a_rotation_would_have_landed(
+        ) -> None:
+    # Review S6: the kubelet refreshes a rotated token Secret on the pod about a minute
+    # later; a 401 meanwhile must not end the generation's scaling. Only NoToken (the
+    # pod has no token file at all) is for good at once.
+    from kubernetes import client as k8s
+
+    from neonvm.controller.scaling import TOKEN_SYNC_SECONDS, RunnerScaling
+    from neonvm.runner.scaling import NO_TOKEN
+
+    now = [1000.0]
+    scaling = RunnerScaling(k8s.ApiClient(), clock=lambda: now[0])
+    wrong = {"error": "wrong bearer token"}
+    assert scaling.unauthorized("uid-1", wrong, "401") == "token_refused"
+    now[0] += TOKEN_SYNC_SECONDS - 1
+    assert scaling.unauthorized("uid-1", wrong, "401") == "token_refused"
+    assert scaling.unauthorized("uid-2", wrong, "401") == "token_refused"  # per pod
+    now[0] += 1
+    assert scaling.unauthorized("uid-1", wrong, "401") == "runner_401"
+    assert scaling.unauthorized("uid-1", wrong, "401") == "token_refused"  # a new window
+    assert scaling.unauthorized("uid-3", {"reason": NO_TOKEN}, "401") == "runner_401"
+
+
 def test_a_scalable_pod_carries_the_token_mount_and_the_fence_floor() -> None:
     from neonvm.api.types import PendingPod
 

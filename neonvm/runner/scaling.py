@@ -13,7 +13,8 @@ The rules, in order:
 
 1. Authentication: the bearer token must equal the content of the token file (compared in
    constant time; the file is re-read on every request, so it can be rotated). No token
-   file configured, no header, or a wrong token: 401, nothing else is looked at.
+   file configured (body ``"reason": "NoToken"``: for good), no header, or a wrong
+   token: 401, nothing else is looked at.
 2. Bounds: ``ceil(spec min) <= cpus <= ceil(spec max)`` vCPUs and
    ``min <= memorySlots <= max`` slots, else 400.
 3. The fence: ``(epoch, token, seq)`` compared in that order (``seq``, the controller's
@@ -87,17 +88,25 @@ _GUEST_SIZE = re.compile(
     r"^neonvm-guest-size: cpus=(?P<cpus>\d+) online=(?P<online>[0-9,\-]*) "
     r"memtotal-kb=(?P<mem>\d+)$")
 
+NO_TOKEN = "NoToken"
+"""The reason of a 401 that no token can change: the runner was started without a token
+file, so it never takes a ``PUT /scale`` (every other 401 may pass once a rotated token
+file reaches the pod)."""
+
 T = TypeVar("T")
 
 
 class ScaleError(Exception):
     """A request that cannot be applied; ``status`` is the HTTP code to answer."""
 
-    def __init__(self, status: int, message: str, refused: tuple[str, ...] = ()) -> None:
+    def __init__(self, status: int, message: str, refused: tuple[str, ...] = (),
+                 reason: str = "") -> None:
         super().__init__(message)
         self.status = status
         self.refused = refused
         """Devices whose eject the guest refused during this request (504 at once)."""
+        self.reason = reason
+        """A machine-readable word for the answer's body (:data:`NO_TOKEN`), or ""."""
 
 
 @dataclass(frozen=True, order=True)
@@ -677,7 +686,8 @@ class Scaler:
         """Raise 401 unless ``authorization`` is ``Bearer <the token file's content>``."""
         if self._token_file is None:
             raise ScaleError(401, "scaling is disabled: the runner has no token file "
-                                  "(--scaling-token-file / NEONVM_SCALING_TOKEN_FILE)")
+                                  "(--scaling-token-file / NEONVM_SCALING_TOKEN_FILE)",
+                             reason=NO_TOKEN)
         try:
             expected = self._token_file.read_bytes().strip()
         except OSError as exc:

@@ -87,6 +87,8 @@ class _Handler(BaseHTTPRequestHandler):
             answer: dict[str, Any] = {"error": str(exc)}
             if exc.refused:
                 answer["refused"] = list(exc.refused)
+            if exc.reason:
+                answer["reason"] = exc.reason
             self._send_json(exc.status, answer, headers)
             return
         self._send_json(200, result)
