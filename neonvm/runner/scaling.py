@@ -460,7 +460,9 @@ async def _wait_for_removals(leaving: list[str], still: Callable[[], Awaitable[s
         return all(d not in listed or (removals is not None and removals.refused(d))
                    for d in leaving)
     await _wait_until(settled, deadline, what)
-    refused = removals.take_refusals(leaving) if removals is not None else ()
+    listed = await still()
+    refused = (removals.take_refusals([d for d in leaving if d in listed])
+               if removals is not None else ())
     if refused:
         raise ScaleError(504, f"refused: the guest refused to eject {', '.join(refused)}; "
                               "it stays plugged (retry with the same fence to ask again)",
