@@ -214,12 +214,13 @@ class RefusingRunner:
     PUT /scale answers ``code``. (A real runner gives these answers in
     ``tests/test_runner_scaling.py``; booting one here would only add a guest.)"""
 
-    def __init__(self, code: int, reason: str = "") -> None:
+    def __init__(self, code: int, reason: str = "",
+                 answer: dict[str, Any] | None = None) -> None:
         import http.server
         import threading
 
         self.puts = 0
-        answer: dict[str, Any] = {"error": f"refused ({code})"}
+        answer = answer or {"error": f"refused ({code})"}
         if reason:
             answer["reason"] = reason
         outer = self
@@ -326,13 +327,23 @@ def test_a_scaling_refused_for_good_ends_in_a_condition_not_a_retry_loop(
         runner.close()
 
 
-def test_a_token_refused_during_a_rotation_keeps_the_plan(
-        api: client.ApiClient, controller_api: client.ApiClient, namespace: str) -> None:
-    # Review S6: a wrong-token 401 (the rotated Secret not yet on the pod) is asked
-    # again: the plan stays, no ScalingNeedsRestart for the generation.
+@pytest.mark.parametrize(("code", "answer", "outcome"), [
+    # Review S6: a wrong-token 401 (the rotated Secret not yet on the pod).
+    (401, {"error": "wrong bearer token"}, "token_refused"),
+    # Review R5: the guest refused an unplug; the runner says so at once. Asking again
+    # may succeed (the guest may free the memory), and a newer spec supersedes the plan.
+    (504, {"error": "refused: the guest refused to eject dimm-slot1; it stays plugged",
+           "refused": ["dimm-slot1"]}, "runner_504"),
+])
+def test_an_answer_that_may_change_keeps_the_plan(
+        api: client.ApiClient, controller_api: client.ApiClient, namespace: str,
+        code: int, answer: dict[str, Any], outcome: str) -> None:
+    # Asked again (a retried step: Degraded once the step budget is spent, then backoff):
+    # the plan stays, no ScalingNeedsRestart for the generation.
+    from neonvm.controller.reconciler import NOT_TAKING_EFFECT
     from neonvm.controller.scaling import RunnerScaling
 
-    runner = RefusingRunner(401)
+    runner = RefusingRunner(code, answer=answer)
     try:
         create_vm(api, namespace, "rotating", spec={
             "nodeSelector": NOWHERE,
@@ -351,11 +362,13 @@ def test_a_token_refused_during_a_rotation_keeps_the_plan(
         settle(reconciler, key, OLD)
         set_use(api, namespace, "rotating", 2, 2)
         result = reconciler.reconcile(key, OLD, direct_first=True)
-        assert result.stuck is not None and runner.puts > 1, result
+        assert result.stuck == f"ApplyScale{NOT_TAKING_EFFECT}" and runner.puts > 1, result
         status = status_of(api, namespace, "rotating")
         assert status["pendingScale"]["seq"] == 1, status
         scaling = next(c for c in status["conditions"] if c["type"] == "Scaling")
         assert scaling["status"] == "True", scaling
+        degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
+        assert f"({outcome}: " in degraded["message"], degraded
     finally:
         runner.close()
 
