@@ -348,6 +348,18 @@ class StaticAuthority:
         return None
 
 
+def _not_ungatable(fresh: VMRecord | None, uid: str, action: d.Ungate) -> str:
+    """Why the VM as read now forbids starting ``action``'s pod ('' if it does not)."""
+    if fresh is None or fresh.vm.uid != uid:
+        return "the VM is gone (or re-created under its name) since the cache saw it"
+    if fresh.vm.deletion_timestamp is not None:
+        return "the VM is being deleted"
+    status = fresh.vm.status
+    if status.pod_name != action.name or status.pod_uid != action.uid:
+        return f"the VM's committed pod is now {status.pod_name or 'none'}"
+    return ""
+
+
 @dataclass(frozen=True)
 class ReconcilerConfig:
     max_steps: int = 30
@@ -1067,6 +1079,14 @@ class Reconciler:
             log.info("not ungating {pod}: it is no longer the VM's only gated pod",
                      pod=action.name)
             return "precondition"
+        if not (snap.obs.direct or snap.vm_written):
+            # Decided from the cache: the list above is fresh, the VM is not. A VM whose
+            # deletion (or re-creation under its name) the cache has not seen yet would
+            # start a guest that is deleted again at once: read the VM after the list.
+            why = _not_ungatable(self.reader.get_vm(vm.namespace, vm.name), vm.uid, action)
+            if why:
+                log.info("not ungating {pod}: {why}", pod=action.name, why=why)
+                return Outcome("precondition", why)
         patch = [
             {"op": "test", "path": "/metadata/uid", "value": action.uid},
             {"op": "test", "path": "/metadata/resourceVersion",
