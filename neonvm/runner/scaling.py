@@ -82,6 +82,10 @@ OST_EJECT_IN_PROGRESS = 0x84
 """ACPI _OST status for an eject request the OS is still carrying out."""
 MEMDEV_ID = "mem-slot{}"
 CPU_ID_PREFIX = "hotplug-cpu-"
+CPU_SLOT_NAME = "acpi-cpu-slot:{}"
+"""How a guest's refusal is kept for a vCPU that has no device id (one QEMU created from
+``-smp`` at boot): ACPI names it only by its slot, QEMU's index of the possible CPUs,
+which is the ``cpu-index`` ``query-cpus-fast`` reports for it."""
 REMOVAL_POLL_SECONDS = 0.05
 GUEST_SIZE_PREFIX = "neonvm-guest-size:"
 _GUEST_SIZE = re.compile(
@@ -187,6 +191,8 @@ class QemuSize:
     dimms: tuple[str, ...]
     cpu_paths: tuple[str, ...] = ()
     """qom-paths of the plugged vCPUs (``query-cpus-fast``)."""
+    cpu_indexes: tuple[int, ...] = ()
+    """Their ``cpu-index`` (in the same order): the ACPI slot of each."""
 
     def has(self, device: str) -> bool:
         """Whether QEMU still lists ``device`` (a DIMM id or a vCPU qom-path)."""
@@ -352,7 +358,8 @@ async def query_size(qmp: QMPClient, limits: ScaleLimits) -> QemuSize:
     boot = limits.min_slots * limits.slot_bytes
     return QemuSize(vcpus=len(cpus), memory_slots=limits.min_slots + len(dimms),
                     memory_bytes=boot + plugged, dimms=dimms,
-                    cpu_paths=tuple(str(c.get("qom-path") or "") for c in cpus))
+                    cpu_paths=tuple(str(c.get("qom-path") or "") for c in cpus),
+                    cpu_indexes=tuple(int(c.get("cpu-index", -1)) for c in cpus))
 
 
 class Removals:
@@ -366,6 +373,19 @@ class Removals:
         self.record = record
         self._refused = refused if refused is not None else set()
         """Devices the guest refused to eject (QMP events): still plugged, and settled."""
+        self._cpu_slots: dict[str, str] = {}
+        """vCPU qom-path -> its :data:`CPU_SLOT_NAME` (from ``query-cpus-fast``)."""
+
+    def learn_cpus(self, paths: tuple[str, ...], indexes: tuple[int, ...]) -> None:
+        """Remember the ACPI slot of each vCPU, so a refusal naming only the slot (a vCPU
+        booted without an id) is matched to the removal recorded by its qom-path."""
+        for path, index in zip(paths, indexes, strict=False):
+            if path and index >= 0:
+                self._cpu_slots[path] = CPU_SLOT_NAME.format(index)
+
+    def _names(self, device: str) -> tuple[str, ...]:
+        slot = self._cpu_slots.get(device)
+        return (device, slot) if slot is not None else (device,)
 
     @property
     def pending(self) -> tuple[str, ...]:
@@ -380,7 +400,7 @@ class Removals:
     def start(self, device: str) -> None:
         """Recorded *before* the ``device_del`` is sent (a refusal of an earlier one no
         longer says anything about this one)."""
-        self._refused.discard(device)
+        self._refused.difference_update(self._names(device))
         if device not in self.record.removals:
             self._write((*self.record.removals, device))
 
@@ -390,21 +410,24 @@ class Removals:
 
     def refused(self, device: str) -> bool:
         """Whether the guest refused to eject ``device`` since its removal started."""
-        return device in self._refused
+        return any(name in self._refused for name in self._names(device))
 
     def take_refusals(self, devices: list[str]) -> tuple[str, ...]:
         """Those of ``devices`` the guest refused, settled: forgotten from the record
         (they stay plugged and count as plugged; no eject is coming)."""
-        refused = tuple(d for d in devices if d in self._refused)
-        self._refused.difference_update(refused)
+        refused = tuple(d for d in devices if self.refused(d))
+        for device in refused:
+            self._refused.difference_update(self._names(device))
         self._write(tuple(r for r in self.record.removals if r not in refused))
         return refused
 
     def finished(self, size: QemuSize) -> None:
         """Forget those QEMU no longer lists (the guest ejected them), and those the guest
         refused (still listed, and no eject is coming: they count as plugged again)."""
-        refused = {r for r in self.record.removals if r in self._refused}
-        self._refused.difference_update(refused)
+        self.learn_cpus(size.cpu_paths, size.cpu_indexes)
+        refused = {r for r in self.record.removals if self.refused(r)}
+        for device in refused:
+            self._refused.difference_update(self._names(device))
         self._write(tuple(r for r in self.record.removals
                           if size.has(r) and r not in refused))
 
@@ -503,6 +526,10 @@ async def converge_cpus(qmp: QMPClient, target: int, deadline: float,
                                              "id": f"{CPU_ID_PREFIX}{name}", **props})
     elif len(plugged) > target:
         leaving = [str(s["qom-path"]) for s in plugged[target:]]
+        if removals is not None:
+            cpus = await qmp.execute("query-cpus-fast")
+            removals.learn_cpus(tuple(str(c.get("qom-path") or "") for c in cpus),
+                                tuple(int(c.get("cpu-index", -1)) for c in cpus))
         for path in leaving:
             await _unplug(qmp, path, removals)
 
@@ -650,11 +677,16 @@ class Scaler:
             names = (data.get("device"), data.get("path"))
         elif event == "ACPI_DEVICE_OST":
             info = data.get("info") or {}
-            # QEMU names a DIMM by its id and a vCPU by its device id, while a vCPU
-            # removal is recorded by QOM path: both names are marked.
-            device = info.get("device")
-            if device and ost_refuses_eject(info):
-                names = (device, f"/machine/peripheral/{device}")
+            if ost_refuses_eject(info):
+                # QEMU names a DIMM by its id and a vCPU by its device id, while a vCPU
+                # removal is recorded by QOM path: both names are marked. A vCPU QEMU
+                # created at boot (``-smp``) has no id: only its ACPI slot (the
+                # possible-CPU index, its ``cpu-index``) names it.
+                device = info.get("device")
+                if device:
+                    names = (device, f"/machine/peripheral/{device}")
+                if info.get("slot-type") == "CPU" and info.get("slot") is not None:
+                    names = (*names, CPU_SLOT_NAME.format(info["slot"]))
         for name in names:
             if name:
                 self._log.warning("the guest refused to eject {} ({})", name, event)
