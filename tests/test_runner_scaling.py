@@ -175,6 +175,8 @@ class SlowEjectQMP:
         self.rejected: set[str] = set()
         self.unanswered: set[str] = set()
         self.refusing: set[str] = set()
+        self.prompt: set[str] = set()
+        """Devices the guest ejects as soon as it is asked."""
         self.on_event: Any = None
 
     def _ost_names(self, device: str) -> dict[str, str]:
@@ -237,6 +239,8 @@ class SlowEjectQMP:
                     asyncio.get_running_loop().call_soon(self.on_event, "ACPI_DEVICE_OST", {
                         "info": {**self._ost_names(args["id"]), "source": 3,
                                  "status": status}})
+            if args["id"] in self.prompt:
+                self.eject(args["id"])
             if args["id"] in self.unanswered:
                 raise QMPError("device_del: no answer within 10s")
             return {}
@@ -477,6 +481,47 @@ def test_a_late_refusal_of_a_booted_vcpu_settles_its_removal(tmp_path: Path,
     with pytest.raises(ScaleError) as err:
         put_fenced(scaler, 3, cpus=3)
     assert err.value.status == 504 and qmp.removing == {leaving}  # asked again
+
+
+def test_a_refusal_frees_the_backends_of_the_dimms_that_did_leave(tmp_path: Path,
+                                                                   qmp_loop: Any) -> None:
+    # Review scalefix2 F2(b): 4 slots -> 2; the guest ejects slot 2 and refuses slot 3.
+    # The backend of slot 2 is freed by this request, not by some later one that
+    # answers 200.
+    limits = ScaleLimits(min_vcpus=1, max_vcpus=1, min_slots=1, max_slots=4, slot_bytes=GIB)
+    qmp = SlowEjectQMP(dimms=3)
+    qmp.refusing.add("dimm-slot3")
+    qmp.prompt.add("dimm-slot2")
+    scaler = attached_scaler(tmp_path, qmp_loop, qmp, limits, ScaleTarget(1, 4),
+                             request_timeout=120)
+    with pytest.raises(ScaleError) as err:
+        put_fenced(scaler, 1, memorySlots=2)
+    assert err.value.status == 504 and err.value.refused == ("dimm-slot3",)
+    assert sorted(qmp.dimms) == ["dimm-slot1", "dimm-slot3"]
+    assert sorted(qmp.objects) == ["mem-slot1", "mem-slot3"]
+
+
+def test_a_refused_shrink_does_not_skip_the_rest_of_the_change(tmp_path: Path,
+                                                               qmp_loop: Any) -> None:
+    # Review scalefix2 F2(a): the guest refuses to give back a vCPU; the memory the same
+    # plan asks for is plugged all the same (growth comes first), and a memory shrink in
+    # the same plan is carried out too. Both answers are 504 "refused".
+    limits = ScaleLimits(min_vcpus=1, max_vcpus=2, min_slots=1, max_slots=3, slot_bytes=GIB)
+    qmp = SlowEjectQMP(dimms=0, vcpus=2, max_vcpus=2)
+    refused_cpu = "/machine/unattached/device[2]"
+    qmp.refusing.add(refused_cpu)
+    qmp.prompt.add("dimm-slot2")
+    scaler = attached_scaler(tmp_path, qmp_loop, qmp, limits, ScaleTarget(2, 1),
+                             request_timeout=120)
+    with pytest.raises(ScaleError) as err:
+        put_fenced(scaler, 1, cpus=1, memorySlots=3)
+    assert err.value.status == 504 and err.value.refused == (refused_cpu,)
+    assert sorted(qmp.dimms) == ["dimm-slot1", "dimm-slot2"]  # grown all the same
+    with pytest.raises(ScaleError) as err:
+        put_fenced(scaler, 2, cpus=1, memorySlots=2)
+    assert err.value.status == 504 and err.value.refused == (refused_cpu,)
+    assert sorted(qmp.dimms) == ["dimm-slot1"] and qmp.objects == {"mem-slot1"}
+    assert scaler.pending_removals(scaler.query()) == []
 
 
 def test_the_scale_log_line_names_the_whole_fence_seq_included(tmp_path: Path,

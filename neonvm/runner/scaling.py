@@ -492,6 +492,25 @@ async def _wait_for_removals(leaving: list[str], still: Callable[[], Awaitable[s
                          refused=refused)
 
 
+async def _converge_all(steps: list[Callable[[], Awaitable[None]]]) -> None:
+    """Run ``steps`` in order. A refusal (504 ``refused``: the guest keeps a device, at
+    once) does not skip the steps after it; it is raised at the end, naming every device
+    refused. Any other failure ends the request there."""
+    refusals: list[ScaleError] = []
+    for step in steps:
+        try:
+            await step()
+        except ScaleError as exc:
+            if exc.status != 504 or not exc.refused:
+                raise
+            refusals.append(exc)
+    if len(refusals) == 1:
+        raise refusals[0]
+    if refusals:
+        refused = tuple(d for exc in refusals for d in exc.refused)
+        raise ScaleError(504, "; ".join(str(exc) for exc in refusals), refused=refused)
+
+
 async def _wait_until(check: Callable[[], Awaitable[bool]], deadline: float, what: str) -> None:
     loop = asyncio.get_running_loop()
     while not await check():
@@ -562,14 +581,28 @@ async def converge_memory(qmp: QMPClient, target_slots: int, limits: ScaleLimits
         await qmp.execute("device_add", {"driver": "pc-dimm", "id": DIMM_ID.format(slot),
                                          "memdev": MEMDEV_ID.format(slot)})
     leaving = [DIMM_ID.format(s) for s in reversed(have)][:max(0, len(have) - want)]
-    for dimm in leaving:
-        await _unplug(qmp, dimm, removals)
-    if leaving:
-        async def listed() -> set[str]:
-            return set((await query_size(qmp, limits)).dimms)
-        await _wait_for_removals(leaving, listed, deadline, removals,
-                                 f"the guest ejecting {len(leaving)} DIMM(s)")
-    # The backends of unplugged DIMMs (left by an earlier timeout too) are freed last.
+    try:
+        for dimm in leaving:
+            await _unplug(qmp, dimm, removals)
+        if leaving:
+            async def listed() -> set[str]:
+                return set((await query_size(qmp, limits)).dimms)
+            await _wait_for_removals(leaving, listed, deadline, removals,
+                                     f"the guest ejecting {len(leaving)} DIMM(s)")
+    except asyncio.CancelledError:
+        raise  # the request answered already; the next one may be plugging: touch nothing
+    except BaseException:
+        # The DIMMs that did leave (one ejected, another refused) are freed all the same.
+        with contextlib.suppress(QMPError):
+            await _free_backends(qmp, limits)
+        raise
+    await _free_backends(qmp, limits)
+
+
+async def _free_backends(qmp: QMPClient, limits: ScaleLimits) -> None:
+    """``object-del`` of the backend of every slot QEMU lists no DIMM in (freed last:
+    also those left by an earlier timeout or refusal). Only under the request lock."""
+    slots = range(limits.min_slots, limits.max_slots)
     now_present = set((await query_size(qmp, limits)).dimms)
     objects = {str(o.get("name")) for o in await qmp.execute("qom-list",
                                                              {"path": "/objects"})}
@@ -776,13 +809,24 @@ class Scaler:
                 # Removals an earlier request started (perhaps for an older fence) finish
                 # first: until then nothing is plugged, counted or reported as applied.
                 await settle_removals(qmp, removals, self.limits, deadline)
-                if self._agent is not None:
-                    await converge_cpus_sysfs(self._agent, target.vcpus, self._guest_cpus,
-                                              deadline)
-                else:
-                    await converge_cpus(qmp, target.vcpus, deadline, removals)
-                await converge_memory(qmp, target.memory_slots, self.limits, deadline,
-                                      removals)
+                async def cpus() -> None:
+                    if self._agent is not None:
+                        await converge_cpus_sysfs(self._agent, target.vcpus,
+                                                  self._guest_cpus, deadline)
+                    else:
+                        await converge_cpus(qmp, target.vcpus, deadline, removals)
+
+                async def memory() -> None:
+                    await converge_memory(qmp, target.memory_slots, self.limits, deadline,
+                                          removals)
+                now = await query_size(qmp, self.limits)
+                online = self._guest_cpus() if self._agent is not None else now.vcpus
+                cpus_grow = online is None or target.vcpus >= online
+                memory_grows = target.memory_slots >= now.memory_slots
+                # Growth first: a guest refusing to give something back does not keep
+                # it from getting what it asked for.
+                steps = [cpus, memory] if cpus_grow or not memory_grows else [memory, cpus]
+                await _converge_all(steps)
                 size = await query_size(qmp, self.limits)
                 removals.finished(size)
                 if removals.pending:  # cannot happen: each converge waited for its own
