@@ -66,7 +66,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
@@ -492,7 +492,7 @@ async def _wait_for_removals(leaving: list[str], still: Callable[[], Awaitable[s
                          refused=refused)
 
 
-async def _converge_all(steps: list[Callable[[], Awaitable[None]]]) -> None:
+async def _converge_all(steps: Sequence[Callable[[], Awaitable[None]]]) -> None:
     """Run ``steps`` in order. A refusal (504 ``refused``: the guest keeps a device, at
     once) does not skip the steps after it; it is raised at the end, naming every device
     refused. Any other failure ends the request there."""
