@@ -76,6 +76,10 @@ class _Refusing:
     last: float
 
 
+GUEST_REFUSED = "guest_refused"
+"""The outcome of an ``ApplyScale`` the runner answered 504 ``refused``: the guest keeps a
+device it was asked to give back. It may agree later; see ``reconciler.PAUSED``."""
+
 RunnerAddress = Callable[[VirtualMachine, d.PodView], str]
 """``http://host:port`` of a pod's runner."""
 
@@ -309,6 +313,11 @@ class RunnerScaling:
         if code != 200:
             log.warning("scaling plan #{seq}: the runner answered {code}: {err}", seq=plan.seq,
                         code=code, err=doc.get("error", ""))
+            if code == 504 and doc.get("refused"):
+                # The guest refused to give a device back: asking again at once gets the
+                # same answer (and makes the guest try again); the reconcile ends and the
+                # plan is asked again after the VM's stuck backoff.
+                return Result(GUEST_REFUSED, detail)
             return Result("stale" if code == 409 else f"runner_{code}", detail)
         qemu = doc.get("qemu") or {}
         self._tell_kubernetes(vm, pod, int(qemu.get("memoryBytes") or 0), plan, log)
