@@ -36,17 +36,21 @@ The rules, in order:
    the guest has ejected the device (the kernel offlines it first); the request waits for
    that up to its timeout and then answers 504 with what QEMU has, the fence staying
    recorded, so a retry with the same fence continues. A guest that refuses the eject
-   ends the wait at once: 504 with ``refused`` (the device stays plugged; a retry asks
-   again). A ``device_del`` QEMU answers with an error started nothing: 502, and the
+   ends the wait at once once every other device of it is gone or refused: 504 with
+   ``refused`` (the device stays plugged; a retry asks again). The growing resource is
+   converged first, and a refusal does not skip the other resource: the 504 comes at
+   the end. A ``device_del`` QEMU answers with an error started nothing: 502, and the
    removal is not kept on record.
 5. Pending removals: a ``device_del`` cannot be taken back, and the guest may eject the
    device long after its request answered 504. Each removal is recorded in the fence
    file before it is sent; before converging to any target (a newer fence included) the
    runner waits until every recorded removal has settled: the device gone from QEMU, or
    refused by the guest (``DEVICE_UNPLUG_GUEST_ERROR``, or an ``ACPI_DEVICE_OST``
-   failure for the eject request: the device stays and counts as plugged). Until then
-   it answers 504 and reports nothing as applied; ``GET /scale`` lists the unsettled
-   ones (``pendingRemovals``), and the controller commits no size while any is left.
+   failure for the eject request, matched by device id, or for a vCPU booted without
+   one by its ACPI slot, its ``cpu-index``: the device stays and counts as plugged).
+   Until then it answers 504 and reports nothing as applied; ``GET /scale`` lists the
+   unsettled ones (``pendingRemovals``), and the controller commits no size while any
+   is left.
 
 Not guaranteed: that the guest onlines what was plugged (its kernel command line or an
 agent must; see docs/runner.md, "Live scaling"), or that it can offline memory that holds
