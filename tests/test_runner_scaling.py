@@ -524,6 +524,50 @@ def test_a_refused_shrink_does_not_skip_the_rest_of_the_change(tmp_path: Path,
     assert scaler.pending_removals(scaler.query()) == []
 
 
+def test_real_qemu_numbers_vcpus_as_the_acpi_slots_the_runner_matches(
+        tmp_path: Path) -> None:
+    # Review scalefix2 F1, against real QEMU (no guest: -S). QEMU's ACPI_DEVICE_OST names
+    # a vCPU it booted only by its slot, the vCPU's index among the possible CPUs
+    # (hw/acpi/cpu.c); the runner takes that index from query-cpus-fast's cpu-index.
+    # Here: booted vCPUs have no id, and cpu-index is the possible-CPU index, gaps
+    # included (a vCPU plugged into the last slot is 3, not 2).
+    import subprocess
+
+    from neonvm.runner.host import optional_binary
+    from neonvm.runner.qmp import QMPClient
+    from neonvm.runner.scaling import query_size
+
+    qemu = optional_binary("qemu-system-x86_64")
+    if qemu is None:
+        pytest.skip("qemu-system-x86_64 is not installed")
+    sock = tmp_path / "qmp.sock"
+    proc = subprocess.Popen([str(qemu), "-M", "q35", "-accel", "tcg", "-S", "-nodefaults",
+                             "-display", "none", "-smp", "cpus=2,maxcpus=4",
+                             "-qmp", f"unix:{sock},server=on,wait=off"])
+    try:
+        wait_for(sock.exists, timeout=60, what="QEMU's QMP socket")
+        limits = ScaleLimits(min_vcpus=1, max_vcpus=4, min_slots=1, max_slots=1,
+                             slot_bytes=GIB)
+
+        async def look() -> tuple[Any, list[dict[str, Any]]]:
+            qmp = await QMPClient.connect(sock, lambda event: None)
+            slots = await qmp.execute("query-hotpluggable-cpus")
+            last = next(s for s in slots if s["props"]["core-id"] == 3)
+            props = {k: v for k, v in last["props"].items() if k != "node-id"}
+            await qmp.execute("device_add", {"driver": last["type"],
+                                             "id": "hotplug-cpu-x", **props})
+            return await query_size(qmp, limits), slots
+        size, slots = asyncio.run(look())
+    finally:
+        proc.kill()
+        proc.wait(30)
+    assert size.cpu_indexes == (0, 1, 3), size
+    assert size.cpu_paths[2] == "/machine/peripheral/hotplug-cpu-x"
+    assert all(not p.startswith("/machine/peripheral/") for p in size.cpu_paths[:2]), size
+    # The index is the slot's position in topology order (what ACPI numbers by).
+    assert sorted(s["props"]["core-id"] for s in slots) == [0, 1, 2, 3]
+
+
 def test_the_scale_log_line_names_the_whole_fence_seq_included(tmp_path: Path,
                                                               qmp_loop: Any) -> None:
     # Plans of one leader term differ only in their seq: without it two plans' lines
