@@ -128,7 +128,7 @@ from neonvm.controller.observe import (
     make_snapshot,
     split_key,
 )
-from neonvm.controller.scaling import RunnerScaling
+from neonvm.controller.scaling import GUEST_REFUSED, RunnerScaling
 from neonvm.controller.timers import VMTimers
 from neonvm.controller.update import (
     RetryPolicy,
@@ -189,6 +189,9 @@ EFFECTIVE = frozenset({"done", "replaced"})
 """Outcomes of a step that changed something."""
 BLOCKED = frozenset({"forbidden"})
 """Outcomes that end the reconcile at once as stuck: asking again cannot help."""
+PAUSED = frozenset({GUEST_REFUSED})
+"""Outcomes that end the reconcile at once as stuck, though asking again later may help:
+asked again at once, the answer would be the same (the VM's stuck backoff spaces them)."""
 
 CreateErrorKind = Literal["exists", "retry", "refuse"]
 
@@ -654,6 +657,11 @@ class Reconciler:
             seen = (self._seen_by_write(snap, outcome, log) if outcome in EFFECTIVE
                     else None)
             snap = seen if seen is not None else self.observe(key, authority, direct=True)
+            if outcome in PAUSED:
+                return self._stuck(key, snap, authority, log, steps, type(action),
+                                   f"{type(action).__name__}{NOT_TAKING_EFFECT}",
+                                   miss_message(type(action), str(outcome),
+                                                getattr(outcome, "detail", "")))
             if outcome in BLOCKED:
                 detail = getattr(outcome, "detail", "") or f"{type(action).__name__} refused"
                 return self._stuck(key, snap, authority, log, steps, type(action),
