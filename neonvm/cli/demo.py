@@ -99,8 +99,8 @@ def fallback_reason(exc: BaseException) -> str:
 
 
 class Prebuild:
-    """The real node's binaries (but the kubelet) and the runner image, built in the
-    background while the control plane builds in the foreground.
+    """The real node's binaries (but the kubelet), kwok and the runner image, built in
+    the background while etcd and kube-apiserver build in the foreground.
 
     Cold, the demo is mostly Go compiles and the runner image. The image is mostly
     downloads and dpkg (little CPU), and each Go build leaves a core idle while it
@@ -141,14 +141,15 @@ class Prebuild:
     def _binaries(progress: Callable[[str], None]) -> None:
         from neonvm.dev import binaries, realnode
 
-        for name in realnode.GROUPS:
-            if name == "kubelet":
-                continue
+        # kwok last: the foreground builds it after kube-apiserver unless this got there
+        # first (the group's lock makes the later one find it built).
+        for name in (*(g for g in realnode.GROUPS if g != "kubelet"), "kwok"):
             group = binaries.GROUPS[name]
             if not all(binaries.find(b) for b in group.binaries):
                 progress(f"building {group.key} from the Go module proxy")
                 progress(f"built {group.key} in {binaries.build(group, progress):.0f}s")
-        realnode.tiny_binary()
+            if name == "cni-plugins":
+                realnode.tiny_binary()
 
     @staticmethod
     def _image(progress: Callable[[str], None]) -> None:
