@@ -39,6 +39,9 @@ def test_fallback_reason_is_one_line_with_the_processes_last_words() -> None:
     assert fallback_reason(ValueError("x" * 1000)).endswith("...")
     assert len(fallback_reason(ValueError("x" * 1000))) == 300
     assert fallback_reason(RuntimeError()) == "RuntimeError: (no message)"
+    assert fallback_reason(RealNodeError("rn0-kubelet exited before kubelet healthy; last log "
+                                         "lines:\n")) == (
+        "RealNodeError: rn0-kubelet exited before kubelet healthy (its log is empty)")
 
 
 @pytest.mark.cluster

@@ -92,7 +92,10 @@ def fallback_reason(exc: BaseException) -> str:
     (usually the process's own error), so it still says why.
     """
     lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
-    text = f"{type(exc).__name__}: {lines[0] if lines else '(no message)'}"
+    first = lines[0] if lines else "(no message)"
+    if len(lines) == 1 and first.endswith("; last log lines:"):
+        first = first.removesuffix("; last log lines:") + " (its log is empty)"
+    text = f"{type(exc).__name__}: {first}"
     if len(lines) > 1:
         text += f" ... {lines[-1]}"
     return text if len(text) <= 300 else text[:297] + "..."
