@@ -101,6 +101,21 @@ def fallback_reason(exc: BaseException) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
+def first_run_note(real_node: bool) -> str | None:
+    """What a first run costs (one line), when something is still to be built."""
+    from neonvm.dev import binaries, realnode
+
+    groups = ["etcd", "kubernetes", "kwok", *(realnode.GROUPS if real_node else ())]
+    missing = [binaries.GROUPS[g].key for g in groups
+               if not all(binaries.find(b) for b in binaries.GROUPS[g].binaries)]
+    if not missing:
+        return None
+    return (f"first run: building {', '.join(missing)} from source into "
+            f"{binaries.cache_root()} (once; measured cold on 2 shared cores: about 40 "
+            "minutes with the real node, kube-apiserver alone over 20; see "
+            "docs/real-node.md). Later runs set up in about half a minute.")
+
+
 class Prebuild:
     """The real node's binaries (but the kubelet), kwok and the runner image, built in
     the background while etcd and kube-apiserver build in the foreground.
@@ -374,6 +389,9 @@ def demo(ctx: click.Context, state_dir: Path | None, replicas: int, nodes: int,
         spec.nodes = nodes
         cluster = LocalCluster(state_dir, spec)
     begun = time.monotonic()
+    note = first_run_note(real_node)
+    if note:
+        click.echo(note, err=True)
     prebuild = None
     if real_node:
         from neonvm.dev import realguest
