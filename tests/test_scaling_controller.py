@@ -55,6 +55,30 @@ def settle(reconciler: Reconciler, key: str, authority: StaticAuthority,
     return result
 
 
+def _running_on(runner: Any, api: client.ApiClient, controller_api: client.ApiClient,
+                namespace: str, name: str, token_sync_seconds: float) -> Reconciler:
+    """A scalable VM (1..2 vCPUs, 1..2 slots) whose pod is marked Running at the fake
+    runner's address, settled by a reconciler that scales through that runner."""
+    from neonvm.controller.scaling import RunnerScaling
+
+    create_vm(api, namespace, name, spec={
+        "nodeSelector": NOWHERE,
+        "guest": {"cpus": {"min": 1, "max": 2, "use": 1},
+                  "memorySlots": {"min": 1, "max": 2, "use": 1},
+                  "memorySlotSize": "1Gi", "rootDisk": {"image": "/nonexistent.raw"}}})
+    key = f"{namespace}/{name}"
+    reconciler = Reconciler(controller_api, scaling=RunnerScaling(
+        controller_api, address=lambda vm, pod: f"http://127.0.0.1:{runner.port}",
+        token_sync_seconds=token_sync_seconds))
+    settle(reconciler, key, OLD)
+    (pod,) = runner_pods(api, namespace, name)
+    client.CoreV1Api(api).patch_namespaced_pod_status(pod.metadata.name, namespace, {
+        "status": {"phase": "Running", "podIP": "127.0.0.1",
+                   "podIPs": [{"ip": "127.0.0.1"}]}})
+    settle(reconciler, key, OLD)
+    return reconciler
+
+
 def vm_path(namespace: str) -> str:
     return f"/apis/{types.GROUP}/{types.VERSION}/namespaces/{namespace}/{types.PLURAL}"
 
@@ -269,26 +293,13 @@ class RefusingRunner:
 def test_a_scaling_refused_for_good_ends_in_a_condition_not_a_retry_loop(
         api: client.ApiClient, controller_api: client.ApiClient, namespace: str,
         code: int, secret: str, reason: str) -> None:
-    from neonvm.controller.scaling import RunnerScaling
     from neonvm.runner.scaling import NO_TOKEN
 
     runner = RefusingRunner(code, NO_TOKEN if (code, secret) == (401, "keep") else "")
     try:
-        create_vm(api, namespace, "stuck", spec={
-            "nodeSelector": NOWHERE,
-            "guest": {"cpus": {"min": 1, "max": 2, "use": 1},
-                      "memorySlots": {"min": 1, "max": 2, "use": 1},
-                      "memorySlotSize": "1Gi", "rootDisk": {"image": "/nonexistent.raw"}}})
+        reconciler = _running_on(runner, api, controller_api, namespace, "stuck",
+                                 token_sync_seconds=0.0 if secret == "wrong" else 3600.0)
         key = f"{namespace}/stuck"
-        reconciler = Reconciler(controller_api, scaling=RunnerScaling(
-            controller_api, address=lambda vm, pod: f"http://127.0.0.1:{runner.port}",
-            token_sync_seconds=0.0 if secret == "wrong" else 3600.0))
-        settle(reconciler, key, OLD)
-        (pod,) = runner_pods(api, namespace, "stuck")
-        client.CoreV1Api(api).patch_namespaced_pod_status(pod.metadata.name, namespace, {
-            "status": {"phase": "Running", "podIP": "127.0.0.1",
-                       "podIPs": [{"ip": "127.0.0.1"}]}})
-        settle(reconciler, key, OLD)
         if secret in ("delete", "plant"):
             raw = get_vm(api, namespace, "stuck")
             assert raw is not None
@@ -343,25 +354,12 @@ def test_an_answer_that_may_change_keeps_the_plan(
     # not asked again within the reconcile (review scalefix2 F3: each ask makes the
     # guest offline the memory again), only after the VM's stuck backoff.
     from neonvm.controller.reconciler import NOT_TAKING_EFFECT
-    from neonvm.controller.scaling import RunnerScaling
 
     runner = RefusingRunner(code, answer=answer)
     try:
-        create_vm(api, namespace, "rotating", spec={
-            "nodeSelector": NOWHERE,
-            "guest": {"cpus": {"min": 1, "max": 2, "use": 1},
-                      "memorySlots": {"min": 1, "max": 2, "use": 1},
-                      "memorySlotSize": "1Gi", "rootDisk": {"image": "/nonexistent.raw"}}})
+        reconciler = _running_on(runner, api, controller_api, namespace, "rotating",
+                                 token_sync_seconds=3600.0)
         key = f"{namespace}/rotating"
-        reconciler = Reconciler(controller_api, scaling=RunnerScaling(
-            controller_api, address=lambda vm, pod: f"http://127.0.0.1:{runner.port}",
-            token_sync_seconds=3600.0))
-        settle(reconciler, key, OLD)
-        (pod,) = runner_pods(api, namespace, "rotating")
-        client.CoreV1Api(api).patch_namespaced_pod_status(pod.metadata.name, namespace, {
-            "status": {"phase": "Running", "podIP": "127.0.0.1",
-                       "podIPs": [{"ip": "127.0.0.1"}]}})
-        settle(reconciler, key, OLD)
         set_use(api, namespace, "rotating", 2, 2)
         result = reconciler.reconcile(key, OLD, direct_first=True)
         assert result.stuck == f"ApplyScale{NOT_TAKING_EFFECT}", result
