@@ -31,7 +31,7 @@ from neonvm.controller.scaling import RunnerScaling
 
 pytestmark = pytest.mark.unit
 
-LEASE = d.Lease(epoch=3, token=40)
+LEASE = d.Fence(epoch=3, token=40)
 PLAN = PendingPod(name="vm-1", plan_seq=1, token=40, epoch=3, generation=1)
 
 

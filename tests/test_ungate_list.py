@@ -29,7 +29,7 @@ from neonvm.controller.reconciler import Reconciler
 
 pytestmark = pytest.mark.unit
 
-LEASE = d.Lease(epoch=3, token=40)
+LEASE = d.Fence(epoch=3, token=40)
 
 
 class _Events:

@@ -48,7 +48,7 @@ from neonvm.api import types
 from neonvm.api.types import VirtualMachine
 from neonvm.controller import decide as d
 from neonvm.controller import podspec
-from neonvm.controller.decide import Lease, Observation, PodView
+from neonvm.controller.decide import Fence, Observation, PodView
 from neonvm.controller.informer import Store
 
 Clock = Callable[[], dt.datetime]
@@ -144,7 +144,7 @@ def create_failed_generation(vm: VirtualMachine) -> int | None:
     return None
 
 
-def make_snapshot(record: VMRecord | None, pods: list[dict[str, Any]], lease: Lease,
+def make_snapshot(record: VMRecord | None, pods: list[dict[str, Any]], lease: Fence,
                   direct: bool, now: dt.datetime | None = None,
                   missing_pull_secrets: tuple[str, ...] = (),
                   from_write: bool = False) -> Snapshot:
@@ -167,7 +167,7 @@ def make_snapshot(record: VMRecord | None, pods: list[dict[str, Any]], lease: Le
 class Observer(Protocol):
     """Anything that can observe one VM (``namespace/name``) for a decision."""
 
-    def observe(self, key: str, lease: Lease) -> Snapshot: ...
+    def observe(self, key: str, lease: Fence) -> Snapshot: ...
 
 
 def split_key(key: str) -> tuple[str, str]:
@@ -272,7 +272,7 @@ class DirectReader:
             return [*pods, pod]
         return pods
 
-    def observe(self, key: str, lease: Lease) -> Snapshot:
+    def observe(self, key: str, lease: Fence) -> Snapshot:
         """List the VM's pods, *then* read the VM: both quorum reads, in that order.
 
         The committed pod (``status.podName``) may have been created and committed between
@@ -346,7 +346,7 @@ class CacheReader:
     def pods_raw(self, key: str) -> list[dict[str, Any]]:
         return self._pods.by_index(key)
 
-    def observe(self, key: str, lease: Lease) -> Snapshot:
+    def observe(self, key: str, lease: Fence) -> Snapshot:
         raw = self.vm_raw(key)
         record = VMRecord.from_raw(raw) if raw is not None else None
         return make_snapshot(record, self.pods_raw(key), lease, direct=False,

@@ -244,7 +244,7 @@ def classify_create_error(status: int | None, message: str) -> CreateErrorKind:
     return "retry"
 
 
-def stuck_mutation(update: ConditionUpdate, lease: d.Lease) -> StatusMutation:
+def stuck_mutation(update: ConditionUpdate, lease: d.Fence) -> StatusMutation:
     """Write a stuck Degraded condition only on the transition into its reason.
 
     A VM that stays stuck for the same reason keeps the condition as first written: its
@@ -315,7 +315,7 @@ class Authority(Protocol):
     """What a reconcile runs under: E and T, and a way to learn they no longer hold."""
 
     @property
-    def lease(self) -> d.Lease: ...
+    def lease(self) -> d.Fence: ...
 
     @property
     def vm_uid(self) -> str | None:
@@ -336,8 +336,8 @@ class StaticAuthority:
     vm_uid: str | None = None
 
     @property
-    def lease(self) -> d.Lease:
-        return d.Lease(epoch=self.epoch, token=self.token)
+    def lease(self) -> d.Fence:
+        return d.Fence(epoch=self.epoch, token=self.token)
 
     def check(self) -> None:
         return None
