@@ -1135,11 +1135,11 @@ ACTIONS: dict[type[d.Action], ActionRow] = {
     d.Ungate: ActionRow(Reconciler._ungate, "pod", forbidden=UNGATE_FORBIDDEN),
     d.DeletePod: ActionRow(Reconciler._delete_pod, "pod"),
     d.Restart: ActionRow(Reconciler._status_write, "status", event=_restarted),
+    d.AddFinalizer: ActionRow(Reconciler._finalizer_write, "main"),
+    d.SyncStatus: ActionRow(Reconciler._status_write, "status"),
+    d.RemoveFinalizer: ActionRow(Reconciler._finalizer_write, "main"),
     d.DropPlan: ActionRow(Reconciler._status_write, "status", event=_plan_dropped,
                           resumes_plan=True),
-    d.SyncStatus: ActionRow(Reconciler._status_write, "status"),
-    d.AddFinalizer: ActionRow(Reconciler._finalizer_write, "main"),
-    d.RemoveFinalizer: ActionRow(Reconciler._finalizer_write, "main"),
     d.PlanScale: ActionRow(Reconciler._status_write, "status"),
     d.ApplyScale: ActionRow(Reconciler._apply_scale, "runner"),
     d.CommitScale: ActionRow(Reconciler._status_write, "status"),
@@ -1150,7 +1150,10 @@ ACTIONS: dict[type[d.Action], ActionRow] = {
 Adding an action: its class in :mod:`~neonvm.controller.decide` (with a ``step``), and its
 row here with its performer (for a status write, its mutation in
 :mod:`~neonvm.controller.mutations`). The ``crash_after`` fault steps, the crash
-campaign's steps and the explorer's write kinds derive from these two."""
+campaign's steps and the explorer's write kinds derive from these two. The rows' order
+is the order in which the campaign's schedules cycle through the steps
+(:data:`neonvm.drills.schedule.CRASH_STEPS`): a new row goes last, so that the
+schedules of a seed stay what they were for the steps before it."""
 
 STEP_NAMES: dict[type[d.Action], str] = {kind: kind.step for kind in ACTIONS}
 """Step name per performed action type (derived: each class's ``step``)."""
