@@ -182,7 +182,9 @@ What each row means:
   ungated**: the replacement starts only once the old pod is gone (a direct list must
   show it as the VM's only pod). With the 1 s grace period used here the old pod is
   often gone before the replacement exists, so the two overlap rather than add up.
-  Single deletions, one after another, on a fleet of 10 VMs.
+  Single deletions, one after another, each on a different VM of a fleet as large as
+  the number of deletions: a VM whose pod was just replaced would wait out its restart
+  backoff, which is the policy's delay, not the controller's.
 * **leader failover**: the leader process is killed (SIGKILL: no clean-up, the standby
   waits for the Lease to expire) or stopped (SIGTERM: it releases the Lease and a standby
   takes it within about one retry period); time until another replica holds the Lease.
@@ -196,11 +198,12 @@ What each row means:
   `--kvm-resource`) nor the raw floor makes. Without it the comparison stays like for
   like.
 
-Why the controller is well below the raw floor: for every step it first reads directly
-(a pod list and a VM read, quorum reads by design), it takes the VM's etcd lock, records
-a Kubernetes Event per action, and it performs more than three writes per VM (finalizer,
-plan, create, commit, ungate, phase sync). The floor is what no controller can beat on
-this API server, not a target.
+Why the controller is below the raw floor: it reads directly (a quorum read) where the
+protocol needs a fresh copy (before ungate, restart, delete and finalizer removal), it
+holds the VM's etcd lock, it records Kubernetes Events (asynchronously, aggregated), and
+it performs more than three writes per VM (finalizer, plan, create, commit, ungate,
+status syncs); the section "API calls per VM by verb" counts them. The floor is what no
+controller can beat on this API server, not a target.
 
 Figures from a shared 2-core machine are noisy: the load average is printed with them.
 """
@@ -240,7 +243,7 @@ def main() -> int:
             print(markdown_table(convergence_rows(conv)))
             return 0
         say(f"== replacement latency ({args.deletions} deletions)")
-        rep = cb.replacement(cluster, 10, args.deletions, say)
+        rep = cb.replacement(cluster, args.deletions, args.deletions, say)
         say(f"== failover ({args.kills} x SIGKILL, {args.kills} x SIGTERM)")
         fo = cb.failover(cluster, args.kills, say)
         say("== locks")

@@ -52,6 +52,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.common import replace_section  # noqa: E402
 from neonvm import kube  # noqa: E402
 from neonvm.drills.observer import percentile  # noqa: E402
 
@@ -256,17 +257,6 @@ def table(scenarios: list[Scenario]) -> str:
     return "\n".join(rows)
 
 
-def write_docs(text: str) -> None:
-    doc = DOC.read_text()
-    start = doc.find(SECTION)
-    if start < 0:
-        doc = doc.rstrip("\n") + "\n\n" + text
-    else:
-        end = doc.find("\n## ", start + len(SECTION))
-        doc = doc[:start] + text + ("" if end < 0 else doc[end + 1:])
-    DOC.write_text(doc)
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--state-dir", type=Path, default=None,
@@ -313,7 +303,7 @@ def main() -> int:
             f"{table([s for s, _, _ in scenarios])}\n\n{env}\n")
     print(text)
     if args.write_docs:
-        write_docs(text)
+        replace_section(DOC, SECTION, text)
         say(f"wrote {DOC.relative_to(ROOT)}")
     return 0
 

@@ -288,7 +288,8 @@ def wait_metrics(replicas: ReplicaSet, replica: Replica, timeout: float = 60.0) 
 
 
 def replacement(cluster: Any, vms: int, deletions: int, progress: Progress) -> dict[str, Any]:
-    """Delete one runner pod at a time; time the replacement's creation and start."""
+    """Delete one runner pod at a time, each of a different VM while there are VMs left
+    (so no restart backoff is timed); time the replacement's creation and start."""
     api = kube.api_client(cluster.kubeconfig)
     namespace = f"bench-replace-{uuid.uuid4().hex[:5]}"
     fleet.ensure_namespace(api, namespace)

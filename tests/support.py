@@ -5,10 +5,17 @@ from __future__ import annotations
 import json
 import time
 import urllib.request
-from collections.abc import Callable
-from typing import Any, TypeVar
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kubernetes import client
+
+if TYPE_CHECKING:
+    from neonvm.dev.cluster import LocalCluster
+    from neonvm.testing.harness import Replicas
 
 T = TypeVar("T")
 
@@ -62,3 +69,25 @@ def metrics_of(port: int) -> dict[str, float]:
                 name, value = line.rsplit(" ", 1)
                 found[name] = float(value)
     return found
+
+
+@contextmanager
+def replica_group(cluster: LocalCluster, api: client.ApiClient, namespace: str,
+                  log_dir: Path, *, prefix: str | None = None, workers: int | None = None,
+                  log_tail: int = 20000) -> Iterator[Replicas]:
+    """Controller replicas with the test flags (FAST), watching ``namespace`` under their
+    own etcd prefix; stopped at the end, their logs printed (pytest shows them only when
+    the test failed)."""
+    from neonvm.testing.harness import Replicas
+
+    args = [*FAST, "--watch-namespace", namespace,
+            "--etcd-prefix", prefix or f"/t-{uuid.uuid4().hex[:8]}"]
+    if workers is not None:
+        args += ["--workers", str(workers)]
+    group = Replicas(api=api, kubeconfig=cluster.kubeconfig_for("controller"),
+                     etcd_endpoints=cluster.locks_etcd_url, lease_namespace=namespace,
+                     log_dir=log_dir, extra_args=args)
+    with group:
+        yield group
+        for r in group:
+            print(f"---- {r.name} (exit {r.exit_code()}) ----\n{r.log()[-log_tail:]}")

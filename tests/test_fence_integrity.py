@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import datetime as dt
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -63,7 +62,7 @@ from neonvm.testing.harness import (
     is_gated,
     runner_pods,
 )
-from tests.support import FAST, wait_for
+from tests.support import replica_group, wait_for
 
 AUTHORITY = StaticAuthority(epoch=1, token=10)
 NOWHERE = {"neonvm.test/unschedulable": "true"}
@@ -324,17 +323,8 @@ def test_a_pod_planted_under_the_next_name_is_not_adopted_and_the_vm_gets_its_ow
 @pytest.fixture
 def replicas(cluster: LocalCluster, api: client.ApiClient, namespace: str,
              tmp_path: Path) -> Iterator[Replicas]:
-    group = Replicas(
-        api=api, kubeconfig=cluster.kubeconfig_for("controller"),
-        etcd_endpoints=cluster.locks_etcd_url, lease_namespace=namespace,
-        log_dir=tmp_path / "replicas",
-        extra_args=[*FAST, "--watch-namespace", namespace,
-                    "--etcd-prefix", f"/t-{uuid.uuid4().hex[:8]}", "--workers", "4"],
-    )
-    with group:
+    with replica_group(cluster, api, namespace, tmp_path / "replicas", workers=4) as group:
         yield group
-        for r in group:  # shown by pytest only when the test failed
-            print(f"---- {r.name} (exit {r.exit_code()}) ----\n{r.log()[-20000:]}")
 
 
 def lease_transitions(api: client.ApiClient, namespace: str) -> int:

@@ -37,7 +37,13 @@ from neonvm.testing.harness import (
     list_vms,
     runner_pods,
 )
-from tests.support import FAST, create_pull_secret, health_port, metrics_of, wait_for
+from tests.support import (
+    create_pull_secret,
+    health_port,
+    metrics_of,
+    replica_group,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -61,17 +67,9 @@ def prefix() -> str:
 @pytest.fixture
 def replicas(cluster: LocalCluster, api: client.ApiClient, namespace: str, prefix: str,
              tmp_path: Path) -> Iterator[Replicas]:
-    group = Replicas(
-        api=api, kubeconfig=cluster.kubeconfig_for("controller"),
-        etcd_endpoints=cluster.locks_etcd_url, lease_namespace=namespace,
-        log_dir=tmp_path / "replicas",
-        extra_args=[*FAST, "--watch-namespace", namespace, "--etcd-prefix", prefix,
-                    "--workers", "4"],
-    )
-    with group:
+    with replica_group(cluster, api, namespace, tmp_path / "replicas", prefix=prefix,
+                       workers=4) as group:
         yield group
-        for r in group:  # shown by pytest only when the test failed
-            print(f"---- {r.name} (exit {r.exit_code()}) ----\n{r.log()[-20000:]}")
 
 
 def leader_of(replicas: Replicas) -> Replica:

@@ -55,7 +55,7 @@ from neonvm.testing.harness import (
     is_gated,
     runner_pods,
 )
-from tests.support import FAST, health_port, metrics_of, wait_for
+from tests.support import FAST, health_port, metrics_of, replica_group, wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -243,17 +243,8 @@ def test_a_committed_gated_pod_that_lost_its_label_is_replaced_and_the_vm_conver
 @pytest.fixture
 def replicas(cluster: LocalCluster, api: client.ApiClient, namespace: str,
              tmp_path: Path) -> Iterator[Replicas]:
-    group = Replicas(
-        api=api, kubeconfig=cluster.kubeconfig_for("controller"),
-        etcd_endpoints=cluster.locks_etcd_url, lease_namespace=namespace,
-        log_dir=tmp_path / "replicas",
-        extra_args=[*FAST, "--watch-namespace", namespace,
-                    "--etcd-prefix", f"/t-{uuid.uuid4().hex[:8]}"],
-    )
-    with group:
+    with replica_group(cluster, api, namespace, tmp_path / "replicas") as group:
         yield group
-        for r in group:  # shown by pytest only when the test failed
-            print(f"---- {r.name} (exit {r.exit_code()}) ----\n{r.log()[-20000:]}")
 
 
 

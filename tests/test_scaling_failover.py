@@ -29,7 +29,6 @@ import subprocess
 import threading
 import urllib.error
 import urllib.request
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,7 +39,7 @@ from kubernetes import client
 
 from neonvm.dev.cluster import LocalCluster
 from neonvm.testing.harness import Replica, Replicas, create_vm, get_vm, runner_pods
-from tests.support import FAST, wait_for
+from tests.support import replica_group, wait_for
 from tests.test_runner import free_port, test_guest  # noqa: F401
 from tests.test_runner_scaling import guest_sees
 from tests.test_scaling_controller import NOWHERE, set_use, start_runner_for, status_of
@@ -168,16 +167,9 @@ class Relay:
 @pytest.fixture
 def replicas(cluster: LocalCluster, api: client.ApiClient, namespace: str,
              tmp_path: Path) -> Iterator[Replicas]:
-    group = Replicas(
-        api=api, kubeconfig=cluster.kubeconfig_for("controller"),
-        etcd_endpoints=cluster.locks_etcd_url, lease_namespace=namespace,
-        log_dir=tmp_path / "replicas",
-        extra_args=[*FAST, "--watch-namespace", namespace,
-                    "--etcd-prefix", f"/t-{uuid.uuid4().hex[:8]}", "--workers", "2"])
-    with group:
+    with replica_group(cluster, api, namespace, tmp_path / "replicas", workers=2,
+                       log_tail=8000) as group:
         yield group
-        for r in group:  # shown by pytest only when the test failed
-            print(f"---- {r.name} (exit {r.exit_code()}) ----\n{r.log()[-8000:]}")
 
 
 def leader_of(replicas: Replicas) -> Replica:
