@@ -16,13 +16,16 @@ errors of :mod:`neonvm.controller.cluster`'s table:
   the pod is gone at once (no graceful termination).
 
 :meth:`FakeCluster.fail` queues an error for the next call(s) of one kind, raised
-*instead of* the call (nothing changes); every call is logged in :attr:`FakeCluster.calls`.
+*instead of* the call (nothing changes); :meth:`FakeCluster.race` queues a change by
+someone else, made just before the next call of one kind is answered. Every call is
+logged in :attr:`FakeCluster.calls`.
 """
 
 from __future__ import annotations
 
 import copy
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 from kubernetes.client.exceptions import ApiException
@@ -58,6 +61,7 @@ class FakeCluster:
         self._rv = 100
         self._uids = 0
         self._faults: dict[str, list[BaseException]] = defaultdict(list)
+        self._races: dict[str, list[Callable[[FakeCluster], None]]] = defaultdict(list)
 
     # ---- set-up and inspection ---------------------------------------------------------
 
@@ -66,8 +70,14 @@ class FakeCluster:
         assert call in CALLS, call
         self._faults[call].extend(errors)
 
+    def race(self, call: str, change: Callable[[FakeCluster], None]) -> None:
+        """Just before the next call of ``call`` is answered, ``change`` is made (another
+        writer's change landing between the caller's read and its write)."""
+        assert call in CALLS, call
+        self._races[call].append(change)
+
     def pending_faults(self, call: str) -> int:
-        return len(self._faults[call])
+        return len(self._faults[call]) + len(self._races[call])
 
     def count(self, call: str) -> int:
         return sum(1 for name, _ in self.calls if name == call)
@@ -103,6 +113,8 @@ class FakeCluster:
 
     def _enter(self, call: str, name: str) -> None:
         self.calls.append((call, name))
+        if self._races[call]:
+            self._races[call].pop(0)(self)
         if self._faults[call]:
             raise self._faults[call].pop(0)
 

@@ -10,7 +10,10 @@ Reconciler`, with the action's call to the API server answering once:
 * ``conflict`` (409), ``gone`` (404), ``invalid`` (422), ``unavailable`` (503): that error
   instead (nothing changes on the server), once; the call after it is answered normally;
 * ``fence_lost``: the reconcile's authority (the lease, the lock, the epoch) is lost at
-  the check just before the action's write, while the term goes on.
+  the check just before the action's write, while the term goes on;
+* ``fenced_out``: just before the action's call, someone writes the VM's
+  ``status.fence`` ahead of ours by its token (our epoch, a higher token: what the
+  locks' tokens going back leaves behind).
 
 The table says, for each (action, answer): what the performer made of it (its step's
 outcome, ``None`` when it raised), the turn's :class:`~neonvm.controller.handler.Outcome`
@@ -240,7 +243,7 @@ SCENARIOS: dict[type[d.Action], Scenario] = {
                                 lambda f: f.vm(NS, NAME) is None),
 }
 
-ANSWERS = ("ok", "conflict", "gone", "invalid", "unavailable", "fence_lost")
+ANSWERS = ("ok", "conflict", "gone", "invalid", "unavailable", "fence_lost", "fenced_out")
 STATUS_OF = {"conflict": 409, "gone": 404, "invalid": 422, "unavailable": 503}
 
 
@@ -262,16 +265,34 @@ VM_WRITE = {
     # The conditional update re-reads and re-applies the intent to the fresh copy.
     "conflict": Expect("done", "requeue", True),
     "gone": RAISED, "invalid": RAISED, "unavailable": RAISED, "fence_lost": RAISED,
+    # The write's 409 re-reads a copy fenced ahead: the mutation refuses it (FencedOut),
+    # the authority still holds, and a fence ahead by its token only ends the term.
+    "fenced_out": Expect(None, "permanent", False),
 }
 
+FINALIZER_WRITE = {
+    **VM_WRITE,
+    # The finalizer's write to the main resource carries no fence: it lands, and the
+    # next status write (the plan's) is the one fenced out.
+    "fenced_out": Expect("done", "permanent", True),
+}
+
+POD_WRITE_FENCED = Expect("done", "permanent", True)
+"""A pod write is guarded by the authority and its own preconditions, not by the VM's
+status fence: it lands, and the next status write is the one fenced out."""
+
 EXPECTED: dict[type[d.Action], dict[str, Expect]] = {
-    d.AddFinalizer: VM_WRITE,
+    d.AddFinalizer: FINALIZER_WRITE,
     d.RecordPlan: VM_WRITE,
     d.Commit: VM_WRITE,
     d.SyncStatus: VM_WRITE,
     d.Restart: VM_WRITE,
     d.DropPlan: VM_WRITE,
-    d.RemoveFinalizer: VM_WRITE,
+    d.RemoveFinalizer: {
+        **VM_WRITE,
+        # Unfenced, as AddFinalizer; the VM is gone with it, so nothing is fenced out.
+        "fenced_out": Expect("done", "requeue", True),
+    },
     d.CreatePod: {
         "ok": Expect("done", "requeue", True),
         # The name is taken, by no pod labelled for the VM: observe again, create again.
@@ -282,6 +303,7 @@ EXPECTED: dict[type[d.Action], dict[str, Expect]] = {
         "invalid": Expect("refused", "requeue", False),
         "unavailable": RAISED,
         "fence_lost": RAISED,
+        "fenced_out": POD_WRITE_FENCED,
     },
     d.Ungate: {
         "ok": Expect("done", "requeue", True),
@@ -291,6 +313,7 @@ EXPECTED: dict[type[d.Action], dict[str, Expect]] = {
         "invalid": Expect("precondition", "requeue", True),
         "unavailable": RAISED,
         "fence_lost": RAISED,
+        "fenced_out": POD_WRITE_FENCED,
     },
     d.DeletePod: {
         "ok": Expect("done", "requeue", True),
@@ -300,21 +323,28 @@ EXPECTED: dict[type[d.Action], dict[str, Expect]] = {
         "invalid": RAISED,
         "unavailable": RAISED,
         "fence_lost": RAISED,
+        "fenced_out": POD_WRITE_FENCED,
     },
 }
 
 
 def _turn(fake: FakeCluster, authority: CountedAuthority,
-          steps: list[tuple[str, str]]) -> Outcome:
+          steps: list[tuple[str, str]], ending: bool = False) -> Outcome:
     """One key's turn through the shipped handler, read directly."""
     handler = Handler(
         queue=WorkQueue(), vms=_NoCache(), reconciler=reconciler_over(fake, steps),
         read_vm=fake.get_vm_raw,
         acquire=lambda namespace, name, uid: object(),  # type: ignore[arg-type,return-value]
         authority=lambda guard: authority, release_lock=lambda key: None,
-        timers=VMTimers(), term_ending=lambda: False, end_term=lambda: None,
+        timers=VMTimers(), term_ending=lambda: ending, end_term=lambda: None,
         metrics=ControllerMetrics(), log=logger)
     return handler.handle(KEY, direct=True)
+
+
+def _fence_ahead_by_token(fake: FakeCluster) -> None:
+    vm = fake.vms[(NS, NAME)]
+    vm["status"]["fence"] = {"epoch": 1, "token": 99}
+    vm["metadata"]["resourceVersion"] = fake.next_rv()
 
 
 class _NoCache:
@@ -349,6 +379,8 @@ def test_each_answer_to_each_action_ends_the_turn_as_the_contract_says(
     authority = CountedAuthority()
     if answer == "fence_lost":
         authority.lose_at = 2  # the reconcile's first check passes; the write's does not
+    elif answer == "fenced_out":
+        fake.race(scenario.call, _fence_ahead_by_token)
     elif answer != "ok":
         fake.fail(scenario.call, api_error(STATUS_OF[answer]))
     steps: list[tuple[str, str]] = []
@@ -367,3 +399,18 @@ def test_each_answer_to_each_action_ends_the_turn_as_the_contract_says(
     else:
         assert fake.count(scenario.call) > before, "the action's call was never made"
         assert fake.pending_faults(scenario.call) == 0
+
+
+@pytest.mark.parametrize("kind", list(SCENARIOS), ids=lambda k: k.__name__)
+def test_an_authority_lost_while_the_term_ends_drops_the_key(kind: type[d.Action]) -> None:
+    """The same loss as ``fence_lost`` above, while the term is ending: nothing is
+    requeued (the next leader lists every VM) and nothing is written."""
+    scenario = SCENARIOS[kind]
+    fake = FakeCluster()
+    scenario.prepare(fake)
+    before = fake.count(scenario.call)
+    steps: list[tuple[str, str]] = []
+    outcome = _turn(fake, CountedAuthority(lose_at=2), steps, ending=True)
+    assert outcome.kind == "dropped", outcome
+    assert steps == [] and fake.count(scenario.call) == before
+    assert not scenario.effect(fake)
