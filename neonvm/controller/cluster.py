@@ -4,30 +4,37 @@
 its direct reader (:class:`~neonvm.controller.observe.DirectReader`) make of the API
 server for a VM, and nothing else:
 
-==================  ==============================================================  ======
-call                what it is                                                      errors
-==================  ==============================================================  ======
-``list_pods``       quorum list of the pods labelled for a VM                       any
-``get_vm_raw``      quorum GET of a VM (None: 404)                                  any
-``get_pod``         quorum GET of a pod (None: 404)                                 any
-``secret_metadata`` quorum GET of a Secret's metadata only (None: 404)              403
-``put_status``      PUT ``/status`` carrying the record's resourceVersion           409
-``put_main``        PUT of the main resource with new finalizers, same precondition 409
-``create_pod``      create a runner pod (exactly the manifest's name)               409
-``ungate_pod``      remove the gate at an index, only if uid, resourceVersion and   404,
-                    that gate still match (a JSON patch with ``test`` operations)   409, 422
-``delete_pod``      delete a pod with a uid (and resourceVersion) precondition      404, 409
-``username``        who this client is to the API server (for messages)             any
-==================  ==============================================================  ======
+===================  ============================================================
+call                 what it is (statuses its callers handle themselves)
+===================  ============================================================
+``list_pods``        quorum list of the pods labelled for a VM
+``get_vm_raw``       quorum GET of a VM (404: None)
+``get_pod``          quorum GET of a pod (404: None)
+``secret_metadata``  quorum GET of a Secret's metadata only (404: None; 403 is
+                     "may not look", in ``DirectReader.secret_exists``)
+``put_status``       PUT ``/status`` carrying the record's resourceVersion (409:
+                     the conflict helper re-reads and re-applies the intent)
+``put_main``         PUT of the main resource with new finalizers, the same way
+``create_pod``       create a runner pod under exactly the manifest's name (every
+                     status is sorted by ``classify_create_error``; 409: the name
+                     is taken)
+``ungate_pod``       remove our gate at an index, only if uid, resourceVersion and
+                     that gate still match: a JSON patch with ``test`` operations
+                     (404, 409, 422: a precondition failed; 403: refused)
+``delete_pod``       delete a pod with a uid (and resourceVersion) precondition
+                     (404: gone; 409: replaced)
+``username``         who this client is to the API server (for messages; any error
+                     is only named)
+===================  ============================================================
 
 The error contract is the Kubernetes client's, so that the performers' handling is the
 same whatever sits behind the interface: an answer of the API server that is not a
 success raises :class:`kubernetes.client.exceptions.ApiException` with its ``status``
 (409 a precondition or name conflict, 404 gone, 422 invalid or a failed ``test``, 403
 refused, 429 and 5xx transient), and no answer at all (connection refused, a timeout)
-raises :class:`urllib3.exceptions.HTTPError` or :class:`OSError`. The column above names
-the statuses a caller handles itself; every other error goes up to the handler, which
-sorts it (:func:`neonvm.controller.handler.outcome_of_error`).
+raises :class:`urllib3.exceptions.HTTPError` or :class:`OSError`. Every error a caller
+does not handle itself goes up to the handler, which sorts it
+(:func:`neonvm.controller.handler.outcome_of_error`).
 
 :class:`KubeCluster` is the shipped implementation (the ``kubernetes`` client, every
 request with a 30 s timeout). Tests run the shipped driver over an in-memory one
