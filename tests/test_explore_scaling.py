@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from neonvm.verify.scaling import Mutants, explore_scaling, initial_world
+from neonvm.verify.scaling import Mutants, ScalingModel, explore_scaling, initial_world
 
 
 @pytest.mark.unit
@@ -42,7 +42,8 @@ def test_a_new_pod_without_a_fence_floor_takes_a_plan_older_than_itself() -> Non
 @pytest.mark.slow
 def test_a_guest_that_refuses_unplugs_still_gets_the_newest_size_it_can_reach() -> None:
     # Every memory unplug answers 504 (fence recorded, memory kept) and stays pending: the
-    # guest may finish it at any later step, or never. The user goes 1/1 ->
+    # guest may finish it at any later step, refuse it (_OST 0x82: the DIMMs stay and
+    # count as plugged again; a retry asks again), or do neither. The user goes 1/1 ->
     # 2/2 -> 1/1 (stuck) -> 2/2: the stuck plan is superseded (seq+1); the runner takes it
     # only once the guest has finished the pending unplug, then plugs the DIMM back. While
     # an unplug is pending or the newest size needs one, the newest plan is being tried.
@@ -81,4 +82,37 @@ def test_an_unplug_still_pending_counted_as_plugged_lets_an_older_size_land_last
                              refuse_unplug=True,
                              mutants=Mutants(removal_counts_as_present=True), liveness=False)
     assert report.violation is not None and report.violation.property == "order", report
+    assert report.trace[-1] == "the guest finishes the pending unplug", report.trace
+
+
+@pytest.mark.unit
+def test_the_guests_ost_answers_are_read_with_the_runners_rule() -> None:
+    # The explorer's guest answers a pending eject through the shipped rule
+    # (neonvm.runner.scaling.ost_refuses_eject): "in progress" changes nothing, "busy"
+    # settles the removal with the DIMMs kept.
+    model = ScalingModel(refuse_unplug=True)
+    w = initial_world()
+    w = w._replace(runner=w.runner._replace(guest=(1, 2), removing=(2, (1, 1), 1)))
+    assert model.ost(w, 0x84) is None
+    refused = model.ost(w, 0x82)
+    assert refused is not None and refused.runner.removing is None
+    assert refused.runner.guest == (1, 2)
+    misread = ScalingModel(refuse_unplug=True, mutants=Mutants(ost_misread=True)).ost(w, 0x84)
+    assert misread is not None and misread.runner.removing == (2, (1, 1), 1)
+    assert not misread.runner.recorded and misread.runner.ejecting
+
+
+@pytest.mark.unit
+def test_a_refusal_misread_while_the_eject_is_in_flight_lets_an_older_size_land_last() -> None:
+    # Review R1's rule as a mutant: the "eject in progress" _OST that Linux sends before
+    # every eject is read as a refusal, so the runner settles the removal (the DIMM
+    # counts as plugged) and takes the newer plan asking for it back; the guest then
+    # finishes the older plan's eject.
+    report = explore_scaling(initial_world(spec_changes=((2, 2), (1, 1), (2, 2)), restarts=0),
+                             refuse_unplug=True, mutants=Mutants(ost_misread=True),
+                             liveness=False)
+    print(f"ost_misread: {report.states} states, {report.transitions} transitions, "
+          f"{len(report.trace)} steps")
+    assert report.violation is not None and report.violation.property == "order", report
+    assert any("_OST 0x84" in step for step in report.trace), report.trace
     assert report.trace[-1] == "the guest finishes the pending unplug", report.trace

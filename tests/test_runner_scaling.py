@@ -11,6 +11,7 @@ as applied.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import urllib.error
@@ -20,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from neonvm.runner.qmp import QMPCommandError, QMPError
 from neonvm.runner.scaling import (
     AppliedFence,
     FenceStore,
@@ -114,6 +116,23 @@ def test_a_fence_survives_a_new_scaler_on_the_same_work_dir(tmp_path: Path) -> N
         assert err.value.status == 401
 
 
+def test_a_runner_without_a_token_file_says_no_token_can_pass(tmp_path: Path) -> None:
+    # Review S6: the controller tells this 401 (for the pod's life) from a wrong token (a
+    # rotation on its way to the pod) by the answer's reason.
+    from neonvm.runner.scaling import NO_TOKEN
+
+    limits = ScaleLimits(min_vcpus=1, max_vcpus=2, min_slots=1, max_slots=2, slot_bytes=GIB)
+    body = b'{"cpus": 1, "fence": {"epoch": 9, "token": 0}}'
+    with pytest.raises(ScaleError) as err:
+        Scaler(tmp_path, None, limits, boot=ScaleTarget(1, 1)).scale(f"Bearer {TOKEN}", body)
+    assert (err.value.status, err.value.reason) == (401, NO_TOKEN)
+    token = tmp_path / "token"
+    token.write_text(TOKEN)
+    with pytest.raises(ScaleError) as err:
+        Scaler(tmp_path, token, limits, boot=ScaleTarget(1, 1)).scale("Bearer wrong", body)
+    assert (err.value.status, err.value.reason) == (401, "")
+
+
 def test_a_runner_in_a_pod_takes_only_the_token_of_its_own_pod(tmp_path: Path) -> None:
     # Issue 19 review F4: the bearer is HMAC(secret, pod uid), so a request meant for the
     # pod that had this IP before carries a token this runner refuses, and the other way.
@@ -134,7 +153,12 @@ def test_a_runner_in_a_pod_takes_only_the_token_of_its_own_pod(tmp_path: Path) -
 class SlowEjectQMP:
     """A QMP stand-in for the unit tests: memory DIMMs whose ``device_del`` the guest
     finishes only when the test says so (:meth:`eject`), as QEMU does (the device stays
-    listed until the guest has ejected it, and the removal cannot be cancelled)."""
+    listed until the guest has ejected it, and the removal cannot be cancelled).
+
+    ``rejected``: devices whose ``device_del`` QEMU answers with an error (no removal
+    starts); ``unanswered``: devices whose ``device_del`` QEMU carries out but whose
+    answer never comes; ``refusing``: devices the guest refuses to eject as soon as it is
+    asked, reported to ``on_event`` as QEMU does (``_OST`` 0x84, then 0x82 "busy")."""
 
     def __init__(self, dimms: int, vcpus: int = 1, max_vcpus: int = 1) -> None:
         self.dimms = {f"dimm-slot{i}": f"mem-slot{i}" for i in range(1, dimms + 1)}
@@ -145,6 +169,10 @@ class SlowEjectQMP:
         self.objects = set(self.dimms.values())
         self.removing: set[str] = set()
         self.calls: list[tuple[str, dict[str, Any] | None]] = []
+        self.rejected: set[str] = set()
+        self.unanswered: set[str] = set()
+        self.refusing: set[str] = set()
+        self.on_event: Any = None
 
     def eject(self, device: str) -> None:
         assert device in self.removing
@@ -186,7 +214,17 @@ class SlowEjectQMP:
         if command == "device_del":
             assert args is not None, args
             assert args["id"] in self.dimms or args["id"] in self.cpus.values(), args
+            if args["id"] in self.rejected:
+                raise QMPCommandError(f"GenericError: device_del of {args['id']} refused")
             self.removing.add(args["id"])  # the guest has not ejected it yet
+            if args["id"] in self.refusing:
+                self.removing.discard(args["id"])  # it stays plugged
+                name = args["id"].rsplit("/", 1)[-1]
+                for status in (0x84, 0x82):
+                    asyncio.get_running_loop().call_soon(self.on_event, "ACPI_DEVICE_OST", {
+                        "info": {"device": name, "source": 3, "status": status}})
+            if args["id"] in self.unanswered:
+                raise QMPError("device_del: no answer within 10s")
             return {}
         raise AssertionError(f"unexpected QMP command {command}")
 
@@ -205,13 +243,14 @@ def qmp_loop() -> Any:
 
 
 def attached_scaler(tmp_path: Path, qmp_loop: Any, qmp: SlowEjectQMP, limits: ScaleLimits,
-                    boot: ScaleTarget) -> Scaler:
+                    boot: ScaleTarget, request_timeout: float = 0.5) -> Scaler:
     """A runner's scaler over ``qmp`` (a new one on the same work dir is a runner
     restarted in the same pod), with a short request timeout."""
     token = tmp_path / "token"
     token.write_text(TOKEN + "\n")
-    scaler = Scaler(tmp_path, token, limits, boot=boot, request_timeout=0.5)
+    scaler = Scaler(tmp_path, token, limits, boot=boot, request_timeout=request_timeout)
     scaler.attach(qmp_loop, qmp)  # type: ignore[arg-type]
+    qmp.on_event = scaler.on_qmp_event
     return scaler
 
 
@@ -319,6 +358,101 @@ def test_after_a_refused_eject_and_a_finished_one_memory_converges_by_count(
     result = put_fenced(scaler, 2, memorySlots=3)
     assert result["qemu"]["memorySlots"] == 3
     assert [c for c, _ in qmp.calls[before:] if c in ("device_add", "device_del")] == []
+
+
+def test_a_device_del_qemu_rejects_leaves_no_removal_to_block_later_plans(
+        tmp_path: Path, qmp_loop: Any) -> None:
+    # Review R4: QEMU answers the device_del with an error (it cannot unplug the device):
+    # no eject will ever come, so the removal recorded before the send must not stay,
+    # or every later plan answers 504 until the pod is replaced.
+    limits = ScaleLimits(min_vcpus=1, max_vcpus=1, min_slots=1, max_slots=3, slot_bytes=GIB)
+    qmp = SlowEjectQMP(dimms=2)
+    qmp.rejected.add("dimm-slot2")
+    scaler = attached_scaler(tmp_path, qmp_loop, qmp, limits, ScaleTarget(1, 3))
+
+    with pytest.raises(ScaleError) as err:
+        put_fenced(scaler, 1, memorySlots=2)
+    assert err.value.status == 502 and "rejected device_del of dimm-slot2" in str(err.value)
+    last = FenceStore(tmp_path).load()
+    assert last is not None and last.removals == () and last.fence == ScaleFence(1, 1, 1)
+    assert scaler.pending_removals(scaler.query()) == []
+    # The next plan is not held by a removal that never started.
+    assert put_fenced(scaler, 2, memorySlots=3)["qemu"]["memorySlots"] == 3
+
+
+def test_a_device_del_without_an_answer_stays_recorded(tmp_path: Path,
+                                                       qmp_loop: Any) -> None:
+    # No answer says nothing: QEMU may have started the removal, so it stays recorded
+    # and holds later plans until the guest has ejected (or refused) the device.
+    limits = ScaleLimits(min_vcpus=1, max_vcpus=1, min_slots=1, max_slots=3, slot_bytes=GIB)
+    qmp = SlowEjectQMP(dimms=2)
+    qmp.unanswered.add("dimm-slot2")
+    scaler = attached_scaler(tmp_path, qmp_loop, qmp, limits, ScaleTarget(1, 3))
+
+    with pytest.raises(ScaleError) as err:
+        put_fenced(scaler, 1, memorySlots=2)
+    assert err.value.status == 504 and qmp.removing == {"dimm-slot2"}
+    assert scaler.pending_removals(scaler.query()) == ["dimm-slot2"]
+    with pytest.raises(ScaleError) as err:
+        put_fenced(scaler, 2, memorySlots=3)
+    assert err.value.status == 504 and "dimm-slot2" in str(err.value)
+
+
+@pytest.mark.parametrize("kind", ["memory", "vcpu"])
+def test_a_refused_eject_is_answered_at_once_as_refused(kind: str, tmp_path: Path,
+                                                        qmp_loop: Any) -> None:
+    # Review R5: the guest refuses the eject; no eject is coming, so the request answers
+    # at once (not at its timeout, here longer than the test waits) with the refusal,
+    # and the refused device is settled: it counts as plugged, nothing is pending.
+    if kind == "memory":
+        limits = ScaleLimits(min_vcpus=1, max_vcpus=1, min_slots=1, max_slots=3,
+                             slot_bytes=GIB)
+        qmp, boot, device = SlowEjectQMP(dimms=2), ScaleTarget(1, 3), "dimm-slot2"
+        smaller, size = {"memorySlots": 2}, ("memorySlots", 3)
+    else:
+        limits = ScaleLimits(min_vcpus=1, max_vcpus=2, min_slots=1, max_slots=1,
+                             slot_bytes=GIB)
+        qmp, boot = SlowEjectQMP(dimms=0, vcpus=2, max_vcpus=2), ScaleTarget(2, 1)
+        device, smaller, size = "/machine/peripheral/hotplug-cpu-0-1-0", {"cpus": 1}, ("vcpus", 2)
+    qmp.refusing.add(device)
+    scaler = attached_scaler(tmp_path, qmp_loop, qmp, limits, boot, request_timeout=120)
+
+    with pytest.raises(ScaleError) as err:
+        put_fenced(scaler, 1, **smaller)
+    assert err.value.status == 504, err.value
+    assert str(err.value).startswith("refused: ") and err.value.refused == (device,)
+    assert scaler.query().__getattribute__(
+        "memory_slots" if size[0] == "memorySlots" else "vcpus") == size[1]
+    last = FenceStore(tmp_path).load()
+    assert last is not None and last.removals == () and last.fence == ScaleFence(1, 1, 1)
+    assert scaler.pending_removals(scaler.query()) == []
+    # A retry with the same fence asks the guest again (a device_del forgets the refusal).
+    before = len(qmp.calls)
+    with pytest.raises(ScaleError) as err:
+        put_fenced(scaler, 1, **smaller)
+    assert err.value.refused == (device,)
+    assert ("device_del", {"id": device}) in qmp.calls[before:]
+
+
+def test_the_scale_log_line_names_the_whole_fence_seq_included(tmp_path: Path,
+                                                              qmp_loop: Any) -> None:
+    # Plans of one leader term differ only in their seq: without it two plans' lines
+    # read the same.
+    from loguru import logger
+
+    limits = ScaleLimits(min_vcpus=1, max_vcpus=1, min_slots=1, max_slots=3, slot_bytes=GIB)
+    qmp = SlowEjectQMP(dimms=0)
+    scaler = attached_scaler(tmp_path, qmp_loop, qmp, limits, ScaleTarget(1, 1))
+    lines: list[str] = []
+    sink = logger.add(lambda m: lines.append(str(m.record["message"])), level="INFO")
+    try:
+        put_fenced(scaler, 7, memorySlots=2)
+        put_fenced(scaler, 7, memorySlots=2)
+    finally:
+        logger.remove(sink)
+    assert [line for line in lines if line.startswith("scale to")] == [
+        "scale to 1 vCPUs, 2 memory slots (fence epoch 1 token 1 seq 7, newer)",
+        "scale to 1 vCPUs, 2 memory slots (fence epoch 1 token 1 seq 7, retry)"]
 
 
 # ---- a real guest -----------------------------------------------------------------------------

@@ -214,11 +214,15 @@ class RefusingRunner:
     PUT /scale answers ``code``. (A real runner gives these answers in
     ``tests/test_runner_scaling.py``; booting one here would only add a guest.)"""
 
-    def __init__(self, code: int) -> None:
+    def __init__(self, code: int, reason: str = "",
+                 answer: dict[str, Any] | None = None) -> None:
         import http.server
         import threading
 
         self.puts = 0
+        answer = answer or {"error": f"refused ({code})"}
+        if reason:
+            answer["reason"] = reason
         outer = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -241,7 +245,7 @@ class RefusingRunner:
             def do_PUT(self) -> None:
                 outer.puts += 1
                 self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                self._answer(code, {"error": f"refused ({code})"})
+                self._answer(code, answer)
 
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.port = self.server.server_address[1]
@@ -255,6 +259,8 @@ class RefusingRunner:
 @pytest.mark.parametrize(("code", "secret", "reason"), [
     (400, "keep", d.SCALING_NEEDS_RESTART),  # bounds changed after boot
     (401, "keep", d.SCALING_NEEDS_RESTART),  # the pod was built without live scaling
+    # A wrong token, refused for longer than a token rotation takes (here: at once).
+    (401, "wrong", d.SCALING_NEEDS_RESTART),
     (200, "delete", d.SCALING_DISABLED),     # no token for the controller (no RBAC, ...)
     # F7: a Secret planted under the recorded name (owned by the VM, but not the one the
     # controller created) is never used: its token is not sent anywhere.
@@ -264,8 +270,9 @@ def test_a_scaling_refused_for_good_ends_in_a_condition_not_a_retry_loop(
         api: client.ApiClient, controller_api: client.ApiClient, namespace: str,
         code: int, secret: str, reason: str) -> None:
     from neonvm.controller.scaling import RunnerScaling
+    from neonvm.runner.scaling import NO_TOKEN
 
-    runner = RefusingRunner(code)
+    runner = RefusingRunner(code, NO_TOKEN if (code, secret) == (401, "keep") else "")
     try:
         create_vm(api, namespace, "stuck", spec={
             "nodeSelector": NOWHERE,
@@ -274,14 +281,15 @@ def test_a_scaling_refused_for_good_ends_in_a_condition_not_a_retry_loop(
                       "memorySlotSize": "1Gi", "rootDisk": {"image": "/nonexistent.raw"}}})
         key = f"{namespace}/stuck"
         reconciler = Reconciler(controller_api, scaling=RunnerScaling(
-            controller_api, address=lambda vm, pod: f"http://127.0.0.1:{runner.port}"))
+            controller_api, address=lambda vm, pod: f"http://127.0.0.1:{runner.port}",
+            token_sync_seconds=0.0 if secret == "wrong" else 3600.0))
         settle(reconciler, key, OLD)
         (pod,) = runner_pods(api, namespace, "stuck")
         client.CoreV1Api(api).patch_namespaced_pod_status(pod.metadata.name, namespace, {
             "status": {"phase": "Running", "podIP": "127.0.0.1",
                        "podIPs": [{"ip": "127.0.0.1"}]}})
         settle(reconciler, key, OLD)
-        if secret != "keep":
+        if secret in ("delete", "plant"):
             raw = get_vm(api, namespace, "stuck")
             assert raw is not None
             name = raw["status"]["scalingTokenSecret"]
@@ -307,7 +315,7 @@ def test_a_scaling_refused_for_good_ends_in_a_condition_not_a_retry_loop(
         assert not any(c["type"] == "Degraded" and c["status"] == "True"
                        for c in status["conditions"]), status["conditions"]
         puts = runner.puts
-        assert puts <= (0 if secret != "keep" else 1)
+        assert puts <= (0 if secret in ("delete", "plant") else 1)
         # Nothing more is tried for this spec ...
         assert isinstance(settle(reconciler, key, OLD).action, d.Done)
         assert runner.puts == puts and status_of(api, namespace, "stuck")["scaleSeq"] == 1
@@ -315,6 +323,52 @@ def test_a_scaling_refused_for_good_ends_in_a_condition_not_a_retry_loop(
         set_use(api, namespace, "stuck", 1, 2)
         settle(reconciler, key, OLD)
         assert status_of(api, namespace, "stuck")["scaleSeq"] == 2
+    finally:
+        runner.close()
+
+
+@pytest.mark.parametrize(("code", "answer", "outcome"), [
+    # Review S6: a wrong-token 401 (the rotated Secret not yet on the pod).
+    (401, {"error": "wrong bearer token"}, "token_refused"),
+    # Review R5: the guest refused an unplug; the runner says so at once. Asking again
+    # may succeed (the guest may free the memory), and a newer spec supersedes the plan.
+    (504, {"error": "refused: the guest refused to eject dimm-slot1; it stays plugged",
+           "refused": ["dimm-slot1"]}, "runner_504"),
+])
+def test_an_answer_that_may_change_keeps_the_plan(
+        api: client.ApiClient, controller_api: client.ApiClient, namespace: str,
+        code: int, answer: dict[str, Any], outcome: str) -> None:
+    # Asked again (a retried step: Degraded once the step budget is spent, then backoff):
+    # the plan stays, no ScalingNeedsRestart for the generation.
+    from neonvm.controller.reconciler import NOT_TAKING_EFFECT
+    from neonvm.controller.scaling import RunnerScaling
+
+    runner = RefusingRunner(code, answer=answer)
+    try:
+        create_vm(api, namespace, "rotating", spec={
+            "nodeSelector": NOWHERE,
+            "guest": {"cpus": {"min": 1, "max": 2, "use": 1},
+                      "memorySlots": {"min": 1, "max": 2, "use": 1},
+                      "memorySlotSize": "1Gi", "rootDisk": {"image": "/nonexistent.raw"}}})
+        key = f"{namespace}/rotating"
+        reconciler = Reconciler(controller_api, scaling=RunnerScaling(
+            controller_api, address=lambda vm, pod: f"http://127.0.0.1:{runner.port}",
+            token_sync_seconds=3600.0))
+        settle(reconciler, key, OLD)
+        (pod,) = runner_pods(api, namespace, "rotating")
+        client.CoreV1Api(api).patch_namespaced_pod_status(pod.metadata.name, namespace, {
+            "status": {"phase": "Running", "podIP": "127.0.0.1",
+                       "podIPs": [{"ip": "127.0.0.1"}]}})
+        settle(reconciler, key, OLD)
+        set_use(api, namespace, "rotating", 2, 2)
+        result = reconciler.reconcile(key, OLD, direct_first=True)
+        assert result.stuck == f"ApplyScale{NOT_TAKING_EFFECT}" and runner.puts > 1, result
+        status = status_of(api, namespace, "rotating")
+        assert status["pendingScale"]["seq"] == 1, status
+        scaling = next(c for c in status["conditions"] if c["type"] == "Scaling")
+        assert scaling["status"] == "True", scaling
+        degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
+        assert f"({outcome}: " in degraded["message"], degraded
     finally:
         runner.close()
 

@@ -167,6 +167,61 @@ def test_a_restart_drops_the_plan_of_the_pod_that_is_gone() -> None:
     assert new is not None and new.pending_scale is None and new.cpus is None
 
 
+@pytest.mark.parametrize("reason", ["ScalingInProgress", "RunnerNotAnswering",
+                                    d.SCALING_NEEDS_RESTART])
+def test_the_scaling_condition_ends_with_the_pod_it_was_about(reason: str) -> None:
+    # Review S8: a Restart and a pod Commit clear the plan; the Scaling condition must
+    # not go on saying True (tools wait for False), nor a refusal about the old pod.
+    from neonvm.api.types import Condition, PendingPod
+    from neonvm.controller.mutations import POD_REPLACED
+
+    v = vm(cpus_use=2, pending=scale_plan(), phase="Scaling")
+    v.status.conditions.append(Condition(
+        type=d.SCALING_CONDITION, reason=reason, message="about the old pod",
+        status="False" if reason == d.SCALING_NEEDS_RESTART else "True"))  # type: ignore[arg-type]
+    restarted = status_mutation(d.Restart(name=POD, uid="uid-1"), LEASE)(v)
+    assert restarted is not None and restarted.pending_scale is None
+    (cond,) = [c for c in restarted.conditions if c.type == d.SCALING_CONDITION]
+    assert (cond.status, cond.reason) == ("False", POD_REPLACED), cond
+    # The next pod's commit, from a status that still carries the old condition.
+    v.status.pod_name, v.status.pod_uid = "", ""
+    v.status.pending_pod = PendingPod(name="vm-01234567-2", plan_seq=2, token=40, epoch=3)
+    committed = status_mutation(d.Commit(name="vm-01234567-2", uid="uid-2"), LEASE)(v)
+    assert committed is not None and committed.pending_scale is None
+    (cond,) = [c for c in committed.conditions if c.type == d.SCALING_CONDITION]
+    assert (cond.status, cond.reason) == ("False", POD_REPLACED), cond
+    # A VM that never scaled gets no Scaling condition from either.
+    plain = vm()
+    plain.status.pod_name = ""
+    plain.status.pending_pod = v.status.pending_pod
+    fresh = status_mutation(d.Commit(name="vm-01234567-2", uid="uid-2"), LEASE)(plain)
+    assert fresh is not None and not any(c.type == d.SCALING_CONDITION
+                                         for c in fresh.conditions)
+
+
+def test_a_token_the_runner_refuses_is_asked_again_until_a_rotation_would_have_landed(
+        ) -> None:
+    # Review S6: the kubelet refreshes a rotated token Secret on the pod about a minute
+    # later; a 401 meanwhile must not end the generation's scaling. Only NoToken (the
+    # pod has no token file at all) is for good at once.
+    from kubernetes import client as k8s
+
+    from neonvm.controller.scaling import TOKEN_SYNC_SECONDS, RunnerScaling
+    from neonvm.runner.scaling import NO_TOKEN
+
+    now = [1000.0]
+    scaling = RunnerScaling(k8s.ApiClient(), clock=lambda: now[0])
+    wrong = {"error": "wrong bearer token"}
+    assert scaling.unauthorized("uid-1", wrong, "401") == "token_refused"
+    now[0] += TOKEN_SYNC_SECONDS - 1
+    assert scaling.unauthorized("uid-1", wrong, "401") == "token_refused"
+    assert scaling.unauthorized("uid-2", wrong, "401") == "token_refused"  # per pod
+    now[0] += 1
+    assert scaling.unauthorized("uid-1", wrong, "401") == "runner_401"
+    assert scaling.unauthorized("uid-1", wrong, "401") == "token_refused"  # a new window
+    assert scaling.unauthorized("uid-3", {"reason": NO_TOKEN}, "401") == "runner_401"
+
+
 def test_a_scalable_pod_carries_the_token_mount_and_the_fence_floor() -> None:
     from neonvm.api.types import PendingPod
 

@@ -48,7 +48,7 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 GIB = 1 << 30
 SCALE_LOG = re.compile(r"scale to (\d+) vCPUs, (\d+) memory slots \(fence epoch (\d+) "
-                       r"token (\d+), (newer|retry)\)")
+                       r"token (\d+) seq (\d+), (newer|retry)\)")
 
 
 @dataclass
@@ -296,10 +296,10 @@ def test_a_leader_killed_mid_change_never_lets_an_older_size_back(
         # newer one; the relay's record and the runner's own log agree.
         history = relay.applied()
         print("PUT /scale as relayed:", *relay.puts, sep="\n  ")
-        logged = [(int(c), int(m), int(e), int(t), how)
-                  for c, m, e, t, how in SCALE_LOG.findall(runner.log())]
-        assert [(p.target, p.fence[:2]) for p in history] == [
-            ((c, m), (e, t)) for c, m, e, t, _ in logged], (history, logged)
+        logged = [(int(c), int(m), int(e), int(t), int(q), how)
+                  for c, m, e, t, q, how in SCALE_LOG.findall(runner.log())]
+        assert [(p.target, p.fence) for p in history] == [
+            ((c, m), (e, t, q)) for c, m, e, t, q, _ in logged], (history, logged)
         # A retry (the same fence again) carries the same target; past those, each fence
         # the runner applied is newer than the one before.
         distinct = [p for i, p in enumerate(history) if i == 0 or p.fence != history[i - 1].fence

@@ -79,6 +79,18 @@ def _set_scaling_condition(new: VirtualMachineStatus, vm: VirtualMachine, status
     existing.observed_generation = vm.generation
 
 
+POD_REPLACED = "PodReplaced"
+"""Scaling=False reason once the pod a plan or a refusal was about is gone or replaced."""
+
+
+def _pod_replaced(new: VirtualMachineStatus, vm: VirtualMachine, message: str) -> None:
+    """A Restart or a pod Commit: whatever the Scaling condition said (a plan in
+    progress, the old pod refusing) was about a pod that is no longer the VM's; it is
+    not added where absent."""
+    if any(c.type == d.SCALING_CONDITION for c in new.conditions):
+        _set_scaling_condition(new, vm, "False", POD_REPLACED, message)
+
+
 def _scale_done(new: VirtualMachineStatus, vm: VirtualMachine, reason: str,
                 message: str) -> None:
     new.pending_scale = None
@@ -114,6 +126,8 @@ def status_mutation(action: d.Action, lease: d.Fence) -> StatusMutation:
         new.pending_scale = None
         new.phase = "Pending"
         _record_boot_size(new, vm, action.built, action.slot_bytes)
+        _pod_replaced(new, vm, f"runner pod {action.name} is committed at the size it was "
+                               "built with")
         return new
 
     def drop_plan(vm: VirtualMachine) -> VirtualMachineStatus | None:
@@ -138,6 +152,8 @@ def status_mutation(action: d.Action, lease: d.Fence) -> StatusMutation:
             return new
         new.pod_name, new.pod_uid, new.pending_pod = "", "", None
         new.pending_scale = None  # it was for the pod that is gone
+        _pod_replaced(new, vm, f"runner pod {action.name} is gone, and its scaling "
+                               "with it")
         new.pod_ip, new.node = None, None
         new.cpus, new.memory_size = None, None
         new.restart_count = s.restart_count + 1

@@ -29,6 +29,8 @@ import base64
 import dataclasses
 import json
 import secrets
+import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
@@ -44,7 +46,7 @@ from neonvm.api.types import VirtualMachine
 from neonvm.controller import decide as d
 from neonvm.controller import podspec
 from neonvm.controller.observe import Snapshot
-from neonvm.runner.scaling import pod_token
+from neonvm.runner.scaling import NO_TOKEN, pod_token
 
 TOKEN_KEY = "token"
 USAGE_ANNOTATION = "vm.neon.tech/usage"
@@ -52,6 +54,11 @@ USAGE_ANNOTATION = "vm.neon.tech/usage"
 SCALE_FENCE_ANNOTATION = "vm.neon.tech/scale-fence"
 """``epoch,token,seq`` of the plan whose size the pod's usage annotation and CPU request
 carry: a plan writes them only over an older one (and by resourceVersion)."""
+
+TOKEN_SYNC_SECONDS = 150.0
+"""How long a runner may keep refusing the controller's token (a 401 other than
+``NoToken``) before that counts as for good. The kubelet refreshes a mounted Secret about
+a minute after it changes, so a rotated token is refused until then."""
 
 RunnerAddress = Callable[[VirtualMachine, d.PodView], str]
 """``http://host:port`` of a pod's runner."""
@@ -107,13 +114,21 @@ class RunnerScaling:
     """Performs ``ApplyScale`` and adds the runner's view to observations."""
 
     def __init__(self, api: client.ApiClient, *, timeout: float = 90.0,
-                 look_timeout: float = 3.0, address: RunnerAddress = default_address) -> None:
+                 look_timeout: float = 3.0, address: RunnerAddress = default_address,
+                 token_sync_seconds: float = TOKEN_SYNC_SECONDS,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         """``timeout``: a ``PUT /scale`` (the runner waits up to its own 60 s for an
-        unplug); ``look_timeout``: a ``GET /scale``, asked during observations."""
+        unplug); ``look_timeout``: a ``GET /scale``, asked during observations;
+        ``token_sync_seconds``: see :data:`TOKEN_SYNC_SECONDS`."""
         self._core = client.CoreV1Api(api)
         self._timeout = timeout
         self._look_timeout = look_timeout
         self._address = address
+        self._token_sync = token_sync_seconds
+        self._clock = clock
+        self._unauthorized_since: dict[str, float] = {}
+        """Per pod uid: when its runner started refusing our token (a 401 that may pass)."""
+        self._unauthorized_lock = threading.Lock()
 
     # ---- the token ---------------------------------------------------------------------
 
@@ -262,15 +277,41 @@ class RunnerScaling:
         except ScalingError as exc:
             log.warning("scaling plan #{seq}: {err}", seq=plan.seq, err=str(exc))
             return "unreachable"
+        detail = f"the runner of {pod.name} answered {code}: {doc.get('error', '')}"
+        if code == 401:
+            log.warning("scaling plan #{seq}: {detail}", seq=plan.seq, detail=detail)
+            return self.unauthorized(plan.pod_uid, doc, detail)
+        self._authorized(plan.pod_uid)
         if code != 200:
             log.warning("scaling plan #{seq}: the runner answered {code}: {err}", seq=plan.seq,
                         code=code, err=doc.get("error", ""))
-            return Result("stale" if code == 409 else f"runner_{code}",
-                          f"the runner of {pod.name} answered {code}: "
-                          f"{doc.get('error', '')}")
+            return Result("stale" if code == 409 else f"runner_{code}", detail)
         qemu = doc.get("qemu") or {}
         self._tell_kubernetes(vm, pod, int(qemu.get("memoryBytes") or 0), plan, log)
         return "done"
+
+    def unauthorized(self, pod_uid: str, doc: dict[str, Any], detail: str) -> Result:
+        """A 401 from the runner of ``pod_uid``. ``NoToken`` (the pod has no token file)
+        is for good at once: "runner_401". Any other (a wrong token, an unreadable
+        file: a rotated Secret not yet on the pod) is "token_refused", retried like any
+        failed step, until the runner has refused for :data:`TOKEN_SYNC_SECONDS`; then
+        "runner_401" too."""
+        now = self._clock()
+        with self._unauthorized_lock:
+            since = self._unauthorized_since.setdefault(pod_uid, now)
+            if doc.get("reason") != NO_TOKEN and now - since < self._token_sync:
+                return Result("token_refused",
+                              f"{detail} (refused for {now - since:.0f} s; a rotated token "
+                              f"reaches the pod within about a minute: asked again)")
+            del self._unauthorized_since[pod_uid]
+        if doc.get("reason") == NO_TOKEN:
+            return Result("runner_401", detail)
+        return Result("runner_401", f"{detail} (for {now - since:.0f} s, longer than a "
+                                    "token rotation takes)")
+
+    def _authorized(self, pod_uid: str) -> None:
+        with self._unauthorized_lock:
+            self._unauthorized_since.pop(pod_uid, None)
 
     def _call(self, method: str, url: str, body: dict[str, Any] | None,
               token: str | None, timeout: float) -> tuple[int, dict[str, Any]]:

@@ -29,6 +29,11 @@ class QMPError(Exception):
     """A command failed, or the connection is gone."""
 
 
+class QMPCommandError(QMPError):
+    """QEMU answered the command with an error: it was not carried out. (A plain
+    :class:`QMPError` may also mean no answer came, and then nobody knows.)"""
+
+
 class QMPClient:
     """One QMP session; create with :meth:`connect`."""
 
@@ -105,7 +110,7 @@ class QMPClient:
                     continue
                 if "error" in message:
                     err = message["error"]
-                    future.set_exception(QMPError(f"{err.get('class')}: {err.get('desc')}"))
+                    future.set_exception(QMPCommandError(f"{err.get('class')}: {err.get('desc')}"))
                 else:
                     future.set_result(message.get("return"))
         except (ConnectionError, OSError):

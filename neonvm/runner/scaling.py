@@ -13,7 +13,8 @@ The rules, in order:
 
 1. Authentication: the bearer token must equal the content of the token file (compared in
    constant time; the file is re-read on every request, so it can be rotated). No token
-   file configured, no header, or a wrong token: 401, nothing else is looked at.
+   file configured (body ``"reason": "NoToken"``: for good), no header, or a wrong
+   token: 401, nothing else is looked at.
 2. Bounds: ``ceil(spec min) <= cpus <= ceil(spec max)`` vCPUs and
    ``min <= memorySlots <= max`` slots, else 400.
 3. The fence: ``(epoch, token, seq)`` compared in that order (``seq``, the controller's
@@ -34,7 +35,10 @@ The rules, in order:
    ``device_del`` + ``object_del`` from the highest slot down. Removal finishes only when
    the guest has ejected the device (the kernel offlines it first); the request waits for
    that up to its timeout and then answers 504 with what QEMU has, the fence staying
-   recorded, so a retry with the same fence continues.
+   recorded, so a retry with the same fence continues. A guest that refuses the eject
+   ends the wait at once: 504 with ``refused`` (the device stays plugged; a retry asks
+   again). A ``device_del`` QEMU answers with an error started nothing: 502, and the
+   removal is not kept on record.
 5. Pending removals: a ``device_del`` cannot be taken back, and the guest may eject the
    device long after its request answered 504. Each removal is recorded in the fence
    file before it is sent; before converging to any target (a newer fence included) the
@@ -70,7 +74,7 @@ from typing import Any, TypeVar
 
 from loguru import logger
 
-from neonvm.runner.qmp import QMPClient, QMPError
+from neonvm.runner.qmp import QMPClient, QMPCommandError, QMPError
 
 FENCE_FILE_NAME = "scaling-fence.json"
 DIMM_ID = "dimm-slot{}"
@@ -84,15 +88,25 @@ _GUEST_SIZE = re.compile(
     r"^neonvm-guest-size: cpus=(?P<cpus>\d+) online=(?P<online>[0-9,\-]*) "
     r"memtotal-kb=(?P<mem>\d+)$")
 
+NO_TOKEN = "NoToken"
+"""The reason of a 401 that no token can change: the runner was started without a token
+file, so it never takes a ``PUT /scale`` (every other 401 may pass once a rotated token
+file reaches the pod)."""
+
 T = TypeVar("T")
 
 
 class ScaleError(Exception):
     """A request that cannot be applied; ``status`` is the HTTP code to answer."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, refused: tuple[str, ...] = (),
+                 reason: str = "") -> None:
         super().__init__(message)
         self.status = status
+        self.refused = refused
+        """Devices whose eject the guest refused during this request (504 at once)."""
+        self.reason = reason
+        """A machine-readable word for the answer's body (:data:`NO_TOKEN`), or ""."""
 
 
 @dataclass(frozen=True, order=True)
@@ -177,6 +191,17 @@ class QemuSize:
     def has(self, device: str) -> bool:
         """Whether QEMU still lists ``device`` (a DIMM id or a vCPU qom-path)."""
         return device in self.dimms or device in self.cpu_paths
+
+
+def ost_refuses_eject(info: dict[str, Any]) -> bool:
+    """Whether an ``ACPI_DEVICE_OST`` event's ``info`` is the guest refusing an eject.
+
+    _OST for an eject request (source 3): 0 success, 0x84 eject in progress (Linux sends
+    it before every eject); anything else (0x80-0x83, 1, 2) a failure. Any other source
+    (an insert, ...) says nothing about an eject."""
+    status = info.get("status")
+    return (info.get("source") == 3 and isinstance(status, int)
+            and status not in (0, OST_EJECT_IN_PROGRESS))
 
 
 def parse_guest_size(line: str) -> GuestSize | None:
@@ -359,6 +384,22 @@ class Removals:
         if device not in self.record.removals:
             self._write((*self.record.removals, device))
 
+    def forget(self, device: str) -> None:
+        """QEMU rejected the ``device_del`` just recorded: no removal started."""
+        self._write(tuple(r for r in self.record.removals if r != device))
+
+    def refused(self, device: str) -> bool:
+        """Whether the guest refused to eject ``device`` since its removal started."""
+        return device in self._refused
+
+    def take_refusals(self, devices: list[str]) -> tuple[str, ...]:
+        """Those of ``devices`` the guest refused, settled: forgotten from the record
+        (they stay plugged and count as plugged; no eject is coming)."""
+        refused = tuple(d for d in devices if d in self._refused)
+        self._refused.difference_update(refused)
+        self._write(tuple(r for r in self.record.removals if r not in refused))
+        return refused
+
     def finished(self, size: QemuSize) -> None:
         """Forget those QEMU no longer lists (the guest ejected them), and those the guest
         refused (still listed, and no eject is coming: they count as plugged again)."""
@@ -382,6 +423,50 @@ async def settle_removals(qmp: QMPClient, removals: Removals, limits: ScaleLimit
         return not removals.pending
     await _wait_until(gone, deadline, f"the guest ejecting {', '.join(removals.pending)} "
                                       "(removals started earlier; QEMU cannot cancel them)")
+
+
+async def _unplug(qmp: QMPClient, device: str, removals: Removals | None) -> None:
+    """``device_del`` of ``device`` (a DIMM id or a vCPU QOM path), recorded first.
+
+    QEMU answering with an error means it did not start the removal (x86 vCPU unplug in
+    legacy CPU hotplug mode, a device it cannot unplug): a removal recorded by this call
+    is forgotten again and the request fails (502), so it does not block later plans. A
+    removal recorded before (an earlier ``device_del`` still pending) stays: the error
+    is QEMU's "already being removed". No answer at all (a timeout, the session gone)
+    says nothing about whether the removal started: the record stays."""
+    recorded = removals is not None and device in removals.pending
+    if removals is not None:
+        removals.start(device)
+    try:
+        await qmp.execute("device_del", {"id": device})
+    except QMPCommandError as exc:
+        if recorded:
+            return  # already being removed: keep waiting for it
+        if removals is not None:
+            removals.forget(device)
+        raise ScaleError(502, f"QEMU rejected device_del of {device}: {exc} (no removal "
+                              "started; nothing recorded)") from None
+    except QMPError:
+        pass  # no answer: the removal may have started; the wait below tells
+
+
+async def _wait_for_removals(leaving: list[str], still: Callable[[], Awaitable[set[str]]],
+                             deadline: float, removals: Removals | None, what: str) -> None:
+    """Wait until each of ``leaving`` is gone from QEMU (``still``: what it lists) or
+    refused by the guest. A refusal ends the wait at once: 504 naming the refused
+    devices, which are settled (they stay plugged and count as plugged)."""
+    async def settled() -> bool:
+        listed = await still()
+        return all(d not in listed or (removals is not None and removals.refused(d))
+                   for d in leaving)
+    await _wait_until(settled, deadline, what)
+    listed = await still()
+    refused = (removals.take_refusals([d for d in leaving if d in listed])
+               if removals is not None else ())
+    if refused:
+        raise ScaleError(504, f"refused: the guest refused to eject {', '.join(refused)}; "
+                              "it stays plugged (retry with the same fence to ask again)",
+                         refused=refused)
 
 
 async def _wait_until(check: Callable[[], Awaitable[bool]], deadline: float, what: str) -> None:
@@ -417,18 +502,15 @@ async def converge_cpus(qmp: QMPClient, target: int, deadline: float,
             await qmp.execute("device_add", {"driver": slot["type"],
                                              "id": f"{CPU_ID_PREFIX}{name}", **props})
     elif len(plugged) > target:
-        leaving = [s["qom-path"] for s in plugged[target:]]
+        leaving = [str(s["qom-path"]) for s in plugged[target:]]
         for path in leaving:
-            if removals is not None:
-                removals.start(path)
-            with contextlib.suppress(QMPError):  # already being removed: keep waiting
-                await qmp.execute("device_del", {"id": path})
+            await _unplug(qmp, path, removals)
 
-        async def gone() -> bool:
+        async def listed() -> set[str]:
             now = await qmp.execute("query-hotpluggable-cpus")
-            still = {s.get("qom-path") for s in now}
-            return not any(p in still for p in leaving)
-        await _wait_until(gone, deadline, f"the guest ejecting {len(leaving)} vCPU(s)")
+            return {str(s.get("qom-path")) for s in now if s.get("qom-path")}
+        await _wait_for_removals(leaving, listed, deadline, removals,
+                                 f"the guest ejecting {len(leaving)} vCPU(s)")
 
 
 async def converge_memory(qmp: QMPClient, target_slots: int, limits: ScaleLimits,
@@ -454,15 +536,12 @@ async def converge_memory(qmp: QMPClient, target_slots: int, limits: ScaleLimits
                                          "memdev": MEMDEV_ID.format(slot)})
     leaving = [DIMM_ID.format(s) for s in reversed(have)][:max(0, len(have) - want)]
     for dimm in leaving:
-        if removals is not None:
-            removals.start(dimm)
-        with contextlib.suppress(QMPError):  # an unplug already pending: keep waiting
-            await qmp.execute("device_del", {"id": dimm})
+        await _unplug(qmp, dimm, removals)
     if leaving:
-        async def gone() -> bool:
-            now = await query_size(qmp, limits)
-            return not set(leaving) & set(now.dimms)
-        await _wait_until(gone, deadline, f"the guest ejecting {len(leaving)} DIMM(s)")
+        async def listed() -> set[str]:
+            return set((await query_size(qmp, limits)).dimms)
+        await _wait_for_removals(leaving, listed, deadline, removals,
+                                 f"the guest ejecting {len(leaving)} DIMM(s)")
     # The backends of unplugged DIMMs (left by an earlier timeout too) are freed last.
     now_present = set((await query_size(qmp, limits)).dimms)
     objects = {str(o.get("name")) for o in await qmp.execute("qom-list",
@@ -571,14 +650,10 @@ class Scaler:
             names = (data.get("device"), data.get("path"))
         elif event == "ACPI_DEVICE_OST":
             info = data.get("info") or {}
-            # _OST for an eject request (source 3): 0 success, 0x84 eject in progress
-            # (Linux sends it before every eject); anything else (0x80-0x83, 1, 2) a
-            # failure. QEMU names a DIMM by its id and a vCPU by its device id, while a
-            # vCPU removal is recorded by QOM path: both names are marked.
-            status = info.get("status")
+            # QEMU names a DIMM by its id and a vCPU by its device id, while a vCPU
+            # removal is recorded by QOM path: both names are marked.
             device = info.get("device")
-            if (info.get("source") == 3 and isinstance(status, int)
-                    and status not in (0, OST_EJECT_IN_PROGRESS) and device):
+            if device and ost_refuses_eject(info):
                 names = (device, f"/machine/peripheral/{device}")
         for name in names:
             if name:
@@ -613,7 +688,8 @@ class Scaler:
         """Raise 401 unless ``authorization`` is ``Bearer <the token file's content>``."""
         if self._token_file is None:
             raise ScaleError(401, "scaling is disabled: the runner has no token file "
-                                  "(--scaling-token-file / NEONVM_SCALING_TOKEN_FILE)")
+                                  "(--scaling-token-file / NEONVM_SCALING_TOKEN_FILE)",
+                             reason=NO_TOKEN)
         try:
             expected = self._token_file.read_bytes().strip()
         except OSError as exc:
@@ -658,9 +734,8 @@ class Scaler:
                                       removals=last.removals if last is not None else ())
                 self._store.save(record)
             removals = Removals(self._store, record, self._refused)
-            self._log.info("scale to {} vCPUs, {} memory slots (fence epoch {} token {}, {})",
-                           target.vcpus, target.memory_slots, fence.epoch, fence.token,
-                           decision)
+            self._log.info("scale to {} vCPUs, {} memory slots (fence {}, {})",
+                           target.vcpus, target.memory_slots, fence, decision)
             started = time.monotonic()
             budget = self._timeout
 

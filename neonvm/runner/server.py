@@ -84,7 +84,12 @@ class _Handler(BaseHTTPRequestHandler):
         except ScaleError as exc:
             logger.info("PUT /scale refused ({}): {}", exc.status, exc)
             headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else {}
-            self._send_json(exc.status, {"error": str(exc)}, headers)
+            answer: dict[str, Any] = {"error": str(exc)}
+            if exc.refused:
+                answer["refused"] = list(exc.refused)
+            if exc.reason:
+                answer["reason"] = exc.reason
+            self._send_json(exc.status, answer, headers)
             return
         self._send_json(200, result)
 

@@ -65,7 +65,15 @@ from neonvm.api.types import (
 )
 from neonvm.controller import decide as d
 from neonvm.controller import mutations, podspec
-from neonvm.runner.scaling import AppliedFence, ScaleError, ScaleFence, ScaleTarget, fence_decision
+from neonvm.runner.scaling import (
+    OST_EJECT_IN_PROGRESS,
+    AppliedFence,
+    ScaleError,
+    ScaleFence,
+    ScaleTarget,
+    fence_decision,
+    ost_refuses_eject,
+)
 
 UID = "0123456789abcdef"
 SLOT = "1Gi"
@@ -112,7 +120,12 @@ class Runner(NamedTuple):
     removing: tuple[int, Size, int] | None = None
     """An unplug the guest has not finished: (seq, size of the plan that started it,
     slots leaving). QEMU still lists the DIMMs and cannot cancel their removal; the
-    guest may eject them at any later step (or never)."""
+    guest may eject them at any later step, refuse (they stay), or do neither."""
+    ejecting: bool = True
+    """The guest may still eject ``removing`` (it has not refused it)."""
+    recorded: bool = True
+    """The runner's record still lists ``removing`` (it holds every plan until the
+    removal settles). Only a misread refusal clears it while the eject is in flight."""
 
 
 class WorkerRep(NamedTuple):
@@ -155,6 +168,22 @@ class Mutants:
     """The runner keeps no record of the unplugs it started: a DIMM whose removal is
     still pending counts as plugged (a newer plan asking for it back is answered at
     once, and ``GET /scale`` reports no pending removal)."""
+    ost_misread: bool = False
+    """The runner reads the guest's ``_OST`` answers the wrong way round (0x80-0x82 "in
+    progress", anything else a refusal: review R1's rule), so the "eject in progress"
+    (0x84) that Linux sends before every eject settles a removal still in flight as
+    refused, and counts the DIMMs as plugged."""
+
+
+def _misread_ost_refuses_eject(info: dict[str, Any]) -> bool:
+    """The rule of :attr:`Mutants.ost_misread`."""
+    status = info.get("status")
+    return (info.get("source") == 3 and isinstance(status, int)
+            and status not in (0, 0x80, 0x81, 0x82))
+
+
+OST_DEVICE_BUSY = 0x82
+"""The _OST status of a Linux guest that cannot offline the memory it is asked to eject."""
 
 
 # ---- between the model and the shipped types --------------------------------------------
@@ -240,7 +269,10 @@ class ScalingModel:
         """The guest is slow to let memory go: a PUT that lowers the memory slots records
         its fence, plugs the vCPUs, starts the unplug and answers 504 with the memory
         unchanged, every time. The unplug stays pending; the guest may finish it at any
-        later step (:meth:`eject`), or never."""
+        later step (:meth:`eject`), refuse it (:meth:`ost`: the DIMMs stay and count as
+        plugged again), or do neither."""
+        self._calm: dict[World, Violation | None] = {}
+        """Calm runs already done, by their starting state."""
 
     # observation and decision (the shipped decide)
     def observe(self, w: World, i: int, seen: VMRep) -> tuple[Any, ...] | None:
@@ -259,7 +291,7 @@ class ScalingModel:
                 pod_uid=seen.pod_uid,  # what answered on the observed pod's IP
                 fence=(last.fence.epoch, last.fence.token, last.fence.seq) if last else None,
                 vcpus=r.guest[0], memory_slots=r.guest[1], memory_bytes=r.guest[1] << 30,
-                pending_removals=("dimm",) if r.removing is not None
+                pending_removals=("dimm",) if r.removing is not None and r.recorded
                 and not self.mutants.removal_counts_as_present else ())
         obs = d.Observation(vm=vm, pods=(pod,), lease=d.Fence(x.epoch, x.token),
                             direct=seen == w.vm, runner=runner)
@@ -311,15 +343,16 @@ class ScalingModel:
                 return w, None  # 409: nothing applied
         size = (plan.cpus, plan.memory_slots)
         stored = ((plan.epoch, plan.token, plan.seq), size) if decision == "newer" else r.stored
-        if r.removing is not None and not self.mutants.removal_counts_as_present:
+        if (r.removing is not None and r.recorded
+                and not self.mutants.removal_counts_as_present):
             # The shipped runner settles the removals it started first: 504, the fence
             # recorded, nothing plugged or unplugged until the guest has ejected.
             return w._replace(runner=r._replace(stored=stored)), None
         guest = size
-        removing = r.removing
+        removing, ejecting, recorded = r.removing, r.ejecting, r.recorded
         if self.refuse_unplug and size[1] < r.guest[1]:
             guest = (size[0], r.guest[1])  # 504: the fence stays recorded, memory stays
-            removing = (plan.seq, size, r.guest[1] - size[1])
+            removing, ejecting, recorded = (plan.seq, size, r.guest[1] - size[1]), True, True
         seq0, size0 = r.received
         violation = None
         # The same plan again (a retry), or a plan as old as the pod that asks for the
@@ -329,8 +362,25 @@ class ScalingModel:
                                            f"#{plan.seq} {size} after plan #{seq0} {size0}"
                                            f"{' (its boot size)' if seq0 == r.boot_seq else ''}")
         runner = r._replace(stored=stored, guest=guest, received=(plan.seq, size),
-                            removing=removing)
+                            removing=removing, ejecting=ejecting, recorded=recorded)
         return w._replace(runner=runner), violation
+
+    def ost(self, w: World, status: int) -> World | None:
+        """The guest answers the pending eject request with ``_OST(3, status)``, and the
+        runner reads it with the shipped rule (:func:`ost_refuses_eject`). 0x84: the
+        eject goes on (it may still complete); 0x82: refused, the DIMMs stay. A refusal
+        read as one settles the runner's record: the DIMMs count as plugged again.
+        None: nothing changes."""
+        r = w.runner
+        assert r.removing is not None and r.ejecting
+        rule = _misread_ost_refuses_eject if self.mutants.ost_misread else ost_refuses_eject
+        ejecting = status == OST_EJECT_IN_PROGRESS
+        recorded = r.recorded and not rule({"source": 3, "status": status})
+        if (ejecting, recorded) == (r.ejecting, r.recorded):
+            return None
+        if not ejecting and not recorded:
+            return w._replace(runner=r._replace(removing=None, ejecting=True, recorded=True))
+        return w._replace(runner=r._replace(ejecting=ejecting, recorded=recorded))
 
     def eject(self, w: World) -> tuple[World, Violation | None]:
         """The guest finishes the pending unplug: the DIMMs leave QEMU."""
@@ -343,7 +393,8 @@ class ScalingModel:
             violation = Violation("order", f"the guest of pod {r.pod_uid} finished plan "
                                            f"#{seq}'s unplug {size} after receiving plan "
                                            f"#{seq0} {size0}")
-        runner = r._replace(guest=(r.guest[0], r.guest[1] - leaving), removing=None)
+        runner = r._replace(guest=(r.guest[0], r.guest[1] - leaving), removing=None,
+                            ejecting=True, recorded=True)
         return w._replace(runner=runner), violation
 
     def restart_runner(self, w: World) -> World:
@@ -434,9 +485,14 @@ class ScalingModel:
             vm = w.vm._replace(use=use, generation=w.vm.generation + 1)
             yield f"user sets use {use}", _write(w._replace(spec_changes=rest), vm,
                                                  self.lag), None
-        if w.runner.removing is not None:
+        if w.runner.removing is not None and w.runner.ejecting:
             new, violation = self.eject(w)
             yield "the guest finishes the pending unplug", new, violation
+            for status, what in ((OST_EJECT_IN_PROGRESS, "reports the eject in progress"),
+                                 (OST_DEVICE_BUSY, "refuses the pending unplug")):
+                answered = self.ost(w, status)
+                if answered is not None:
+                    yield f"the guest {what} (_OST {status:#x})", answered, None
         leading = any(x.active and not x.stopped for x in w.workers)
         if w.created is not None and leading:
             yield "the new pod is committed", self.commit_pod(w), None
@@ -449,9 +505,18 @@ class ScalingModel:
         if not live:
             return None  # every leader stopped; a new term would start: not modelled
         i = max(live, key=lambda j: w.workers[j].epoch)
-        workers = tuple(x._replace(held=None) if j == i else x._replace(stopped=True)
+        workers = tuple(x._replace(held=None) if j == i else x._replace(held=None, stopped=True)
                         for j, x in enumerate(w.workers))
-        s = w._replace(workers=workers, spec_changes=(), restarts_left=0, crashes_left=0)
+        # The calm run reads only the current VM, so states that differ in what the
+        # stopped workers held, the read history or the faults left share one calm run.
+        s = w._replace(workers=workers, history=(), spec_changes=(), restarts_left=0,
+                       crashes_left=0)
+        if s in self._calm:
+            return self._calm[s]
+        self._calm[s] = verdict = self._calm_run(s, i, max_steps)
+        return verdict
+
+    def _calm_run(self, s: World, i: int, max_steps: int) -> Violation | None:
         if s.created is not None:
             s = self.commit_pod(s)
         for _ in range(max_steps):
