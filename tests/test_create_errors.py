@@ -185,7 +185,7 @@ def test_an_unlabelled_committed_pod_is_deleted_only_if_this_vm_controls_it(
            "spec": {"schedulingGates": [{"name": SCHEDULING_GATE}]}}
     reconciler = Reconciler(client.ApiClient(), events=_Events())  # type: ignore[arg-type]
     core = _Deletes()
-    reconciler.cluster._core = core  # type: ignore[assignment]
+    reconciler.cluster._core = core  # type: ignore[attr-defined]
     outcome = reconciler._replace_unlabelled(vm, pod, d.Ungate(name="b-1", uid="pod-uid"),
                                              logger)
     assert (core.deleted == ["b-1"]) is deleted, core.deleted
@@ -247,7 +247,7 @@ def test_a_vm_stuck_again_on_other_pod_names_does_not_rewrite_its_degraded_condi
     reconciler = Reconciler(client.ApiClient(), events=_Events())  # type: ignore[arg-type]
     reconciler.reader = fake  # type: ignore[assignment]
     reconciler.writer = fake  # type: ignore[assignment]
-    reconciler.cluster._core = fake  # type: ignore[assignment]
+    reconciler.cluster._core = fake  # type: ignore[attr-defined]
     authority = StaticAuthority(epoch=1, token=5)
     first = reconciler.reconcile("ns/vm", authority, direct_first=True)
     assert first.stuck == f"CreatePod{c.NOT_TAKING_EFFECT}", first

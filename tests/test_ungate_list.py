@@ -104,7 +104,7 @@ def test_the_ungate_trusts_only_its_own_list_never_the_observation_it_was_decide
     reader = _Reader(listed)
     core = _Patches()
     reconciler.reader = reader  # type: ignore[assignment]
-    reconciler.cluster._core = core  # type: ignore[assignment]
+    reconciler.cluster._core = core  # type: ignore[attr-defined]
     outcome = reconciler._ungate("ns/a", d.Ungate(name="a-y", uid="y-uid"), snap,
                                  None, logger)  # type: ignore[arg-type]
     assert reader.lists == 1, "the ungate must list the pods itself, after the commit"
