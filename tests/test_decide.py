@@ -104,11 +104,20 @@ def test_an_uncommitted_pod_without_the_gate_is_deleted_but_only_after_a_quorum_
         name=POD1, uid=f"uid-{POD1}", reason=d.decide(obs(v, pod(POD1, gated=False))).reason)
 
 
-def test_the_committed_pod_is_ungated_only_from_a_direct_list_showing_it_alone() -> None:
+def test_the_committed_pod_is_ungated_when_it_is_the_only_pod_observed() -> None:
+    """From any observation: the quorum list the ungate rests on is its performer's own,
+    taken after the commit was seen (a direct read before it would be a second one)."""
     v = vm(pod_name=POD1, pod_uid=f"uid-{POD1}", plan_seq=1)
-    assert isinstance(d.decide(obs(v, pod(POD1), direct=False)), d.ObserveDirect)
-    action = d.decide(obs(v, pod(POD1)))
-    assert action == d.Ungate(name=POD1, uid=f"uid-{POD1}", reason=action.reason)
+    for direct in (True, False):
+        action = d.decide(obs(v, pod(POD1), direct=direct))
+        assert action == d.Ungate(name=POD1, uid=f"uid-{POD1}", reason=action.reason)
+
+
+def test_a_committed_pod_beside_others_is_not_ungated_and_needs_a_quorum_read() -> None:
+    v = vm(pod_name=POD2, pod_uid=f"uid-{POD2}", plan_seq=2)
+    old = pod(POD1, gated=False, terminating=True)
+    assert isinstance(d.decide(obs(v, old, pod(POD2), direct=False)), d.ObserveDirect)
+    assert isinstance(d.decide(obs(v, old, pod(POD2))), d.Wait)
 
 
 def test_the_replacement_waits_gated_while_the_old_pod_terminates() -> None:
@@ -132,6 +141,28 @@ def test_a_running_pod_is_mirrored_into_status_then_nothing_is_left_to_do() -> N
     synced = dataclasses.replace(v, status=dataclasses.replace(
         v.status, phase="Running", node="n1", pod_ip="10.0.0.1"))
     assert isinstance(d.decide(obs(synced, running, direct=False)), d.Done)
+
+
+def test_a_pod_bound_but_not_running_is_not_synced_until_it_runs() -> None:
+    """Node and IP are written with the phase they come with: a pod the scheduler has
+    bound (node set, still Pending) costs no status write of its own; the write that
+    makes the VM Running carries them."""
+    bound = pod(POD1, gated=False, phase="Pending", node="n1")
+    v = vm(pod_name=POD1, pod_uid=f"uid-{POD1}", plan_seq=1, phase="Pending")
+    assert isinstance(d.decide(obs(v, bound, direct=False)), d.Done)
+    running = dataclasses.replace(bound, phase="Running", ip="10.0.0.1")
+    assert d.decide(obs(v, running, direct=False)) == d.SyncStatus(
+        phase="Running", node="n1", ip="10.0.0.1", name=POD1, uid=f"uid-{POD1}",
+        reason=d.decide(obs(v, running, direct=False)).reason)
+
+
+def test_a_vm_phase_behind_its_pending_pod_is_still_synced() -> None:
+    """Only the node-only write is folded: a VM whose phase is not Pending while its
+    committed pod is (status written by an older controller, say) is written Pending."""
+    bound = pod(POD1, gated=False, phase="Pending", node="n1")
+    v = vm(pod_name=POD1, pod_uid=f"uid-{POD1}", plan_seq=1, phase=None)
+    action = d.decide(obs(v, bound, direct=False))
+    assert isinstance(action, d.SyncStatus) and (action.phase, action.node) == ("Pending", "n1")
 
 
 # ---- the committed pod goes away ----------------------------------------------------------
@@ -288,8 +319,8 @@ def test_every_decision_keeps_the_three_promises(o: d.Observation) -> None:
     v = o.vm
     assert v is not None
     if isinstance(action, d.Ungate):
-        # Only the committed pod, only from a quorum list in which it is the only pod.
-        assert o.direct
+        # Only the committed pod, only from an observation in which it is the only pod
+        # (the performer's own quorum list must then show the same).
         assert action.name == v.status.pod_name
         assert [p.name for p in o.pods] == [action.name]
         assert not o.pods[0].terminating

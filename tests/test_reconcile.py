@@ -129,7 +129,13 @@ def test_a_vm_converges_to_exactly_one_ungated_runner_pod_named_in_status(
     assert condition(status, "Ready") is not None
     recorded = client.CoreV1Api(api).list_namespaced_event(
         namespace, field_selector="involvedObject.name=one").items
-    assert {e.reason for e in recorded} >= {"Planned", "Created", "Committed", "Started"}
+    # The progress of one reconcile is one Event: plan, create, commit and ungate.
+    started = [e for e in recorded if e.reason == "Started"]
+    assert len(started) == 1 and not {"Planned", "Created", "Committed"} & {
+        e.reason for e in recorded}
+    assert started[0].message == (
+        f"plan #1: runner pod {pod} (epoch 1, token 10); runner pod {pod} created (gated); "
+        f"runner pod {pod} committed; runner pod {pod} ungated: it is the VM's only pod")
 
 
 def test_the_runner_pod_is_fenced_owned_labelled_and_built_from_the_spec(

@@ -22,7 +22,7 @@ from neonvm.controller.reconciler import Reconciler, StaticAuthority
 from neonvm.invariant import InvariantChecker
 from neonvm.testing.harness import get_vm, is_gated, runner_pods
 from tests.support import wait_for
-from tests.test_reconcile import checker, create_vm, hold, release, settle
+from tests.test_reconcile import FrozenCache, checker, create_vm, hold, release, settle
 
 pytestmark = pytest.mark.cluster
 
@@ -123,6 +123,32 @@ def test_a_new_vm_is_started_with_one_direct_observation_and_the_ungate_list(
     pod_writes = sum(1 for name, _, _ in reconciler.performed if name in ("CreatePod", "Ungate"))
     assert authority.checks == 1 + reconciler.vm_writes + pod_writes, (
         authority.checks, reconciler.vm_writes, pod_writes)
+
+
+def test_a_new_vm_seen_in_the_cache_is_started_with_the_ungate_list_as_its_only_read(
+        api: client.ApiClient, controller_api: client.ApiClient, namespace: str,
+        checker: InvariantChecker) -> None:
+    """The create is decided from the answer to RecordPlan (the VM as stored), not from a
+    direct read: a VM that the watch brought in reaches a started pod with one quorum
+    read, the ungate's own list; and no condition is left to write at its end."""
+    created = create_vm(api, namespace, "cached", spec={"enableAcceleration": False})
+    reconciler = Recording(controller_api)
+    reconciler._cache = FrozenCache(created, [])
+    result = reconciler.reconcile(f"{namespace}/cached", CountingAuthority())
+
+    steps = [name for name, _, _ in reconciler.performed]
+    assert steps == ["AddFinalizer", "RecordPlan", "CreatePod", "Commit", "Ungate"], steps
+    assert isinstance(result.action, d.Done), result
+    pods = runner_pods(api, namespace, "cached")
+    assert len(pods) == 1 and not is_gated(pods[0])
+    # The create from RecordPlan's answer: not direct, built from a write.
+    assert reconciler.performed[2] == ("CreatePod", True, False), reconciler.performed
+    assert reconciler.counting.reads == {"list_pods": 1}, reconciler.counting.reads
+    # The finalizer, the plan, the record of the live scaling token Secret (this VM can
+    # be scaled live), the commit carrying Ready; nothing at the end.
+    status = (get_vm(api, namespace, "cached") or {})["status"]
+    assert status.get("scalingTokenSecret") and reconciler.vm_writes == 4, (
+        reconciler.vm_writes, status)
 
 
 def test_restart_delete_and_finalizer_removal_are_decided_from_a_fresh_direct_read(

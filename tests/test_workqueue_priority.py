@@ -143,3 +143,22 @@ def test_a_wait_still_comes_back_after_its_wait_read_directly_first_line() -> No
     assert h.queue.take(0) == ("ns/vm", True), "read directly"
     h.queue.done("ns/vm")
     assert h.queue.periodic_waiting() == 0
+
+
+def test_a_key_is_queued_while_it_waits_for_a_worker_only() -> None:
+    """What the mid-plan scan asks before it flags a key direct: a key already waiting
+    gets its turn anyway (a new VM's first, from the cache), so the scan leaves it be."""
+    clock = FakeClock()
+    q = WorkQueue(clock=clock)
+    q.add_after("ns/later", 5.0)
+    q.add("ns/vm")
+    assert q.queued("ns/vm") and not q.queued("ns/later") and not q.queued("ns/other")
+    taken = q.take(0)
+    assert taken is not None and taken.key == "ns/vm" and not taken.direct
+    assert not q.queued("ns/vm")  # being processed: the handler's in_hand says so
+    q.add("ns/vm")  # an event while it is processed: it waits again
+    assert q.queued("ns/vm")
+    q.done("ns/vm")
+    assert q.queued("ns/vm")
+    clock.now = 6.0
+    assert drain(q) == ["ns/vm", "ns/later"] and not q.queued("ns/later")

@@ -35,6 +35,7 @@ replacement pod started waiting for its predecessor to be gone.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import datetime as dt
 from dataclasses import dataclass
 
@@ -142,9 +143,12 @@ def desired_conditions(snap: Snapshot, final: d.Action) -> list[ConditionUpdate]
           and not pod.gated and not pod.terminating):
         updates.append(ConditionUpdate(READY, "True", "RunnerRunning",
                                        f"runner pod {pod.name} is running on {pod.node}"))
-    elif pod is not None and pod.gated:
-        updates.append(ConditionUpdate(READY, "False", "RunnerGated",
-                                       f"runner pod {pod.name} is created and waits to start"))
+    elif pod is not None and (pod.gated or pod.phase == "Pending"):
+        # One message from the commit until the pod runs, gated or not: the commit's
+        # write carries it (:func:`with_ready`), and the ungate needs no write of its own.
+        # Why a gated pod waits is WaitingForOldPod's to say.
+        updates.append(ConditionUpdate(READY, "False", "RunnerStarting",
+                                       f"runner pod {pod.name} is committed and starting"))
     elif pod is not None:
         updates.append(ConditionUpdate(READY, "False", "RunnerStarting",
                                        f"runner pod {pod.name} is {pod.phase}"))
@@ -187,6 +191,28 @@ def desired_conditions(snap: Snapshot, final: d.Action) -> list[ConditionUpdate]
                                        final.reason))
     updates.append(unimplemented_fields_condition(vm))
     return updates
+
+
+def with_ready(mutation: StatusMutation, snap: Snapshot) -> StatusMutation:
+    """``mutation``, with the Ready condition the status it writes implies written in the
+    same PUT (as :func:`desired_conditions` would say it once the reconcile is done, from
+    ``snap``'s pods), so that a reconcile that ends right after a plan, a commit or a
+    sync has no condition left to write. On a conflict retry it is derived again from
+    the fresh copy. The other conditions (WaitingForOldPod, Degraded, ...) follow the
+    reconcile's end as before: they depend on how it ends."""
+
+    def mutate(vm: VirtualMachine) -> VirtualMachineStatus | None:
+        new = mutation(vm)
+        if new is None:
+            return None
+        after = dataclasses.replace(vm, status=new)
+        view = Snapshot(obs=dataclasses.replace(snap.obs, vm=after), record=snap.record,
+                        pods=snap.pods)
+        ready = [u for u in desired_conditions(view, d.Done()) if u.type == READY]
+        new.conditions, _ = _apply(after, ready, now_rfc3339())
+        return new
+
+    return mutate
 
 
 def fence_ahead(vm: VirtualMachine, lease: d.Fence) -> tuple[int, int] | None:

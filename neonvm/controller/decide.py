@@ -13,14 +13,18 @@ one.
 
 Reads. ``Observation.direct`` says whether the observation was a quorum read, taken in
 the order "list the VM's pods, then read the VM" (so the VM read is newer than the pod
-list). Decisions may start from a cached observation, but the three dangerous actions
-(restart after a pod is gone, ungate, delete a pod) and dropping the finalizer are only
+list). Decisions may start from a cached observation, but the dangerous actions
+(restart after a pod is gone, delete a pod) and dropping the finalizer are only
 returned for a direct observation; from a cached one the answer is :class:`ObserveDirect`.
+Ungate is returned from any observation that shows the committed pod gated and alone:
+its performer takes its own quorum list, after the commit was seen, and ungates only if
+that list shows the same (the check the safety argument rests on).
 
 What this function guarantees, given observations that are truthful snapshots:
 
-* it never asks to ungate a pod unless that pod is ``status.podName`` and the direct
-  pod list shows it as the VM's only pod, not terminating;
+* it never asks to ungate a pod unless that pod is ``status.podName`` and the
+  observation shows it as the VM's only pod, gated, not terminating (the driver then
+  requires its own quorum list, taken after the commit was seen, to show the same);
 * it never asks to create a pod whose name is not the recorded ``status.pendingPod``;
 * it commits (adopts) a pod only if the pod is owned by the VM and carries the fence
   (epoch, token) of the recorded plan, which only that plan's create writes;
@@ -601,14 +605,23 @@ def _decide_committed(obs: Observation, vm: VirtualMachine) -> Action:
             return Wait(seconds=1.0, condition="WaitingForOldPod",
                         reason=f"waiting for {', '.join(p.name for p in others)} to go "
                                f"before starting {pod.name}")
-        if not obs.direct:
-            return ObserveDirect(reason=f"ungate {pod.name}: needs a quorum pod list")
+        # From any observation that shows the committed pod alone: the quorum list the
+        # proof rests on is the performer's own, taken after the commit was seen, and it
+        # ungates only if that list shows this pod alone (docs/protocol.md, step 8). A
+        # direct read before it would be a second list that proves nothing more.
         return Ungate(name=pod.name, uid=pod.uid,
                       reason=f"{pod.name} is the VM's only pod: let it start")
     phase = "Running" if pod.phase == "Running" else "Pending"
     if phase == "Running" and vm.status.pending_scale is not None:
         phase = "Scaling"
-    if (vm.status.phase, vm.status.node, vm.status.pod_ip) != (phase, pod.node, pod.ip):
+    if phase == "Pending":
+        # A pod that is bound but not started yet is not worth a write of its own: its
+        # node and IP are mirrored with the phase they come with (docs/protocol.md,
+        # step 4), in the one write that makes the VM Running.
+        stale = vm.status.phase != phase
+    else:
+        stale = (vm.status.phase, vm.status.node, vm.status.pod_ip) != (phase, pod.node, pod.ip)
+    if stale:
         return SyncStatus(phase=phase, node=pod.node, ip=pod.ip, name=pod.name, uid=pod.uid,
                           reason=f"runner pod {pod.name} is {pod.phase}")
     return _decide_scaling(obs, vm, pod) or Done(reason=f"runner pod {pod.name} is {pod.phase}")

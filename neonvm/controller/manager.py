@@ -341,10 +341,12 @@ class LeaderTerm:
                 next_plan_scan = now + self.config.plan_requeue_seconds
                 # Not the VMs being handled, nor those whose cache is behind their last
                 # reconcile: the events on their way bring them up (and, if lost, the
-                # resync's diff does).
+                # resync's diff does). Nor those already waiting for a worker: they get
+                # a turn anyway (a new VM's first, from the cache, costs no reads), and
+                # the next scan still finds them if that turn leaves them mid-plan.
                 self._requeue(k for k in d.mid_plan_keys(self.vm_store.values(),
                                                          self.pod_store.by_index)
-                              if not self.handler.in_hand(k))
+                              if not self.handler.in_hand(k) and not self.queue.queued(k))
                 self.metrics.scans.labels(scan="mid_plan").inc()
             if now >= next_resync:
                 next_resync = now + self.config.resync_seconds

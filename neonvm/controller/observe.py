@@ -78,6 +78,10 @@ class Snapshot:
     API server stored it, the other pods as the previous observation listed them.
     ``obs.direct`` is the previous observation's (docs/protocol.md, "Observing from
     write responses")."""
+    vm_written: bool = False
+    """The VM is the API server's answer to our own conditional write of it: the VM as
+    stored at that write's revision, as good as a quorum GET then (the pods are not:
+    see ``obs.direct``). A create may be decided from it (docs/protocol.md, step 6)."""
 
 
 def pod_view(pod: dict[str, Any]) -> PodView:
@@ -128,7 +132,7 @@ def create_failed_generation(vm: VirtualMachine) -> int | None:
 def make_snapshot(record: VMRecord | None, pods: list[dict[str, Any]], lease: Fence,
                   direct: bool, now: dt.datetime | None = None,
                   missing_pull_secrets: tuple[str, ...] = (),
-                  from_write: bool = False) -> Snapshot:
+                  from_write: bool = False, vm_written: bool = False) -> Snapshot:
     vm = record.vm if record is not None else None
     views = tuple(sorted((pod_view(p) for p in pods), key=lambda v: v.name))
     obs = Observation(
@@ -142,7 +146,7 @@ def make_snapshot(record: VMRecord | None, pods: list[dict[str, Any]], lease: Fe
     )
     return Snapshot(obs=obs, record=record,
                     pods={(p.get("metadata") or {}).get("name", ""): p for p in pods},
-                    from_write=from_write)
+                    from_write=from_write, vm_written=vm_written)
 
 
 class Observer(Protocol):

@@ -107,6 +107,7 @@ from neonvm.controller.conditions import (
     fence_ahead_mutation,
     refused_condition,
     stuck_condition,
+    with_ready,
 )
 from neonvm.controller.events import EventRecorder
 from neonvm.controller.metrics import ControllerMetrics
@@ -179,6 +180,10 @@ REFUSED_SCALING = {"runner_400": d.SCALING_NEEDS_RESTART,
                    "runner_401": d.SCALING_NEEDS_RESTART,
                    "no_token": d.SCALING_DISABLED}
 """ApplyScale outcomes that asking again cannot change, and the Scaling reason they end in."""
+
+PROGRESS_EVENTS = frozenset({"Planned", "Created", "Committed", "Started"})
+"""Normal events of a VM's way to a running pod: those of one reconcile are written as
+one Event when it ends (:meth:`Reconciler._flush_progress`)."""
 
 EFFECTIVE = frozenset({"done", "replaced"})
 """Outcomes of a step that changed something."""
@@ -444,6 +449,9 @@ class Reconciler:
         self._identity: str | None = None
         self._mutex = threading.Lock()
         self.timers = timers or VMTimers()
+        self._progress = threading.local()
+        """Per worker thread: the progress events of the reconcile it runs
+        (:meth:`_record`), written as one Event when the reconcile ends."""
         self.acceleration = Acceleration(self._config.pod_defaults.kvm_resource,
                                          runner_reports or RunnerReports(),
                                          podspec.RUNNER_PORT)
@@ -466,6 +474,7 @@ class Reconciler:
         log = logger.bind(vm=key, epoch=authority.lease.epoch, token=authority.lease.token)
         started = time.monotonic()
         result = "error"
+        self._progress.batch = []
         try:
             try:
                 out = self._loop(key, authority, direct_first, log)
@@ -482,9 +491,35 @@ class Reconciler:
             result = "authority_lost"
             raise
         finally:
+            self._flush_progress()
             if self._metrics:
                 self._metrics.reconciles.labels(result=result).inc()
                 self._metrics.reconcile_seconds.observe(time.monotonic() - started)
+
+    def _record(self, vm: types.VirtualMachine, reason: str, message: str,
+                warning: bool = False) -> None:
+        """Record an event. A progress event (:data:`PROGRESS_EVENTS`) inside a reconcile
+        waits for the reconcile's end, where the progress of the whole reconcile becomes
+        one Event (:meth:`_flush_progress`)."""
+        batch: list[tuple[types.VirtualMachine, str, str]] | None = getattr(
+            self._progress, "batch", None)
+        if batch is not None and reason in PROGRESS_EVENTS and not warning:
+            batch.append((vm, reason, message))
+            return
+        self._events.record(vm, reason, message, warning=warning)
+
+    def _flush_progress(self) -> None:
+        """One Event for the progress of the reconcile that ends (however it ends): the
+        last step's reason, every step's message in order. A new VM's plan, create,
+        commit and ungate, usually one reconcile, are one ``Started`` Event, not four
+        (each would be a POST: the Events were most of the API calls of a VM start)."""
+        batch: list[tuple[types.VirtualMachine, str, str]] | None = getattr(
+            self._progress, "batch", None)
+        self._progress.batch = None
+        if not batch:
+            return
+        vm, reason, _ = batch[-1]
+        self._events.record(vm, reason, "; ".join(message for _, _, message in batch))
 
     def _loop(self, key: str, authority: Authority, direct_first: bool,
               log: Any) -> ReconcileResult:
@@ -508,7 +543,8 @@ class Reconciler:
                 snap = self.observe(key, authority, direct=True)
                 continue
             if isinstance(action, d.ObserveDirect) or (
-                    isinstance(action, d.CreatePod) and not snap.obs.direct):
+                    isinstance(action, d.CreatePod)
+                    and not (snap.obs.direct or snap.vm_written)):
                 if snap.obs.direct:
                     raise RuntimeError(f"decide asked for a direct read of a direct "
                                        f"observation: {action}")
@@ -692,12 +728,13 @@ class Reconciler:
             return None
         listed = list(pods.values())
         missing: tuple[str, ...] = ()
-        if snap.obs.direct and create_due(vm, listed):
+        vm_written = written_vm is not None
+        if (snap.obs.direct or vm_written) and create_due(vm, listed):
             missing = self.reader.missing_pull_secrets(vm)
         log.debug("observing from the write's response")
         return make_snapshot(record, listed, snap.obs.lease, direct=snap.obs.direct,
                              now=self.reader.now(), missing_pull_secrets=missing,
-                             from_write=True)
+                             from_write=True, vm_written=vm_written)
 
     # ---- actions -----------------------------------------------------------------------
 
@@ -717,8 +754,8 @@ class Reconciler:
                       authority: Authority, log: Any) -> str:
         """The performer of a status write: its mutation
         (:func:`~neonvm.controller.mutations.status_mutation`), PUT conditionally."""
-        written = self._write_status(key, snap, status_mutation(action, authority.lease),
-                                     authority, log)
+        mutation = with_ready(status_mutation(action, authority.lease), snap)
+        written = self._write_status(key, snap, mutation, authority, log)
         if written is not None:
             self._event_for(action, written.vm)
             return Outcome("done", vm=written)
@@ -782,7 +819,7 @@ class Reconciler:
         row = ACTIONS.get(type(action))
         event = row.event(action, vm) if row is not None and row.event is not None else None
         if event is not None:
-            self._events.record(vm, event.reason, event.message, warning=event.warning)
+            self._record(vm, event.reason, event.message, warning=event.warning)
 
     def _event_for_wait(self, action: d.Action, before: types.VirtualMachine,
                         after: types.VirtualMachine, log: Any) -> None:
@@ -844,7 +881,7 @@ class Reconciler:
         if not podspec.has_our_gate(created):
             self._gate_stripped(key, snap, meta, authority, log)
             return "gate_stripped"
-        self._events.record(vm, "Created", f"runner pod {action.plan.name} created (gated)")
+        self._record(vm, "Created", f"runner pod {action.plan.name} created (gated)")
         # The token's status write (if any) is the newest VM we know: the next step's CAS
         # must start from it, not from the record it replaced.
         return Outcome("done", pod=created, vm=recorded)
@@ -1006,7 +1043,7 @@ class Reconciler:
                     f"remove the scheduling gate of runner pod {action.name}",
                     api_error_message(exc)))
             raise
-        self._events.record(vm, "Started", f"runner pod {action.name} ungated: it is the "
+        self._record(vm, "Started", f"runner pod {action.name} ungated: it is the "
                                            f"VM's only pod")
         return Outcome("done", pod=patched if isinstance(patched, dict) else None)
 

@@ -115,6 +115,12 @@ class WorkQueue:
             (self._periodic if periodic else self._queue).append(key)
             self._cond.notify()
 
+    def queued(self, key: str) -> bool:
+        """``key`` waits in the queue for a worker (not delayed, not being processed
+        only): it gets a turn soon whatever else is added."""
+        with self._cond:
+            return key in self._dirty
+
     def add_after(self, key: str, delay: float, direct: bool = False, *,
                   periodic: bool = False, direct_when_due: bool = False) -> None:
         """Queue ``key`` after ``delay`` seconds. ``direct`` marks the key's next

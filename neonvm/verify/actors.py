@@ -15,7 +15,9 @@ per step so that anything may happen between two calls:
   from (direct if that one was), decided in the same step; a decision outside the
   shipped driver's ``SEEN_BY_WRITE`` is taken again from a direct read, and so is one
   whose VM commits a pod not among the known pods (``Reconciler._seen_by_write``);
-* a pod create is performed only when decided from a direct observation;
+* a pod create is performed only when decided from a direct observation, or from the
+  answer to the worker's own VM write (the VM as stored: a quorum state; the pods are
+  those the write was decided from);
 * status writes: PUT ``/status`` with the ``resourceVersion`` the decision was made from;
   on 409 re-read directly and call the shipped mutation again on the fresh copy;
 * finalizer writes: the same on the main resource;
@@ -88,6 +90,9 @@ BREAKAGES: dict[str, str] = {
     "adopt_without_fence": "observe ignores the pods' fence annotations: a pod under the "
                            "planned name counts as the plan's own (adoption on the name "
                            "alone)",
+    "create_from_cache": "create the planned pod from any observation, a stale cached VM "
+                         "included (the shipped driver creates only from a direct one or "
+                         "from the answer to its own VM write)",
     "adopt_any_fence": "a pod under the planned name that is owned by the VM and carries "
                        "some fence annotations counts as the plan's own, whatever their "
                        "(epoch, token)",
@@ -342,13 +347,15 @@ class Actors:
 
     def _decided(self, w: World, i: int, me: str, x: Worker, vm: Any, pods: tuple[Pod, ...],
                  direct: bool, base_fresh: bool, what: str,
-                 read: tuple[Any, ...] = (), from_write: bool = False) -> tuple[Step, World]:
+                 read: tuple[Any, ...] = (), from_write: bool = False,
+                 vm_written: bool = False) -> tuple[Step, World]:
         """Observation made: ask the shipped decide() and set up the action.
 
         ``from_write``: the observation is a write's response (the written VM, or the
         observed VM with the written pod, and the pods of the observation the write was
         decided from); a decision outside :data:`SEEN_BY_WRITE_NAMES` is not acted on but
-        taken again from a direct read, as the driver does."""
+        taken again from a direct read, as the driver does. ``vm_written``: that VM is
+        the answer to this worker's own VM write (``Snapshot.vm_written``)."""
         kind = "get" if direct else "observe"
         if vm is None:
             if direct:
@@ -377,15 +384,10 @@ class Actors:
                     _set(w, i, _idle(x, need_direct=True)))
         if name in ("Done", "Wait"):
             return step, _set(w, i, _idle(x))
-        if name == "ObserveDirect" or (name == "CreatePod" and not direct):
-            # The driver creates only from a direct observation (reconciler._loop).
-            if not direct and self.cfg.broken("cached_ungate"):
-                b = self.code.decide(vm, pods, lease, True)
-                if b[0] == "Ungate":
-                    target = pod_by_uid(pods, b[2])
-                    return (Step(me, kind, (b, *read),
-                                 f"{text}; BROKEN: ungate {b[1]} from the cached list"),
-                            _set(w, i, x._replace(pc="patch", action=b, target=target)))
+        creatable = direct or vm_written or self.cfg.broken("create_from_cache")
+        if name == "ObserveDirect" or (name == "CreatePod" and not creatable):
+            # The driver creates only from a direct observation or from the answer to
+            # its own VM write (reconciler._loop).
             return step, _set(w, i, _idle(x, need_direct=True))
         if name == "Fenced":
             # The driver leaves this VM alone (no pod action, no plan write) and looks
@@ -395,6 +397,11 @@ class Actors:
         x = x._replace(action=a, lease=lease, base_fresh=base_fresh, obs_vm=vm, listed=None,
                        need_direct=False, seen=pods, seen_direct=direct)
         if name == "Ungate":
+            if not direct and self.cfg.broken("cached_ungate"):
+                target = pod_by_uid(pods, a[2])
+                return (step._replace(text=f"{text}; BROKEN: ungate {a[1]} from the cached "
+                                           f"list"),
+                        _set(w, i, x._replace(pc="patch", target=target)))
             return step, _set(w, i, x._replace(pc="prelist"))
         if name == "RecordPlan" and self.cfg.broken("create_before_record"):
             return step, _set(w, i, x._replace(pc="precreate"))
@@ -473,7 +480,8 @@ class Actors:
                                        f"pods seen: read directly"),
                     _set(w, i, _idle(x, need_direct=True)))
         nxt, w2 = self._decided(w, i, me, _idle(x)._replace(lag_vm=x.lag_vm, lag_pods=x.lag_pods),
-                                vm, pods, x.seen_direct, True, "the response", from_write=True)
+                                vm, pods, x.seen_direct, True, "the response", from_write=True,
+                                vm_written=written is None)
         return step._replace(text=f"{step.text}; {nxt.text.removeprefix(me + ': ')}"), w2
 
     def _change(self, x: Worker, source: VM) -> Status | bool | str | None:
