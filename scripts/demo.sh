@@ -9,7 +9,8 @@
 #   bash scripts/demo.sh --no-real-node   # simulated nodes only (the quickest)
 # The first run with a real node builds its binaries and the runner image (cached in
 # ~/.cache/neonvm; see docs/real-node.md for the times).
-source "$(dirname "$0")/lib/bootstrap.sh"
+# The demo needs no test tools (pytest, mypy, ruff): a first run skips fetching them.
+NEONVM_EXTRAS="${NEONVM_EXTRAS-}" source "$(dirname "$0")/lib/bootstrap.sh"
 case " $* " in
   *" --no-real-node "*) ;;
   *) bash scripts/setup-qemu.sh; bash scripts/setup-realnode.sh ;;

@@ -160,19 +160,35 @@ class SlowEjectQMP:
     answer never comes; ``refusing``: devices the guest refuses to eject as soon as it is
     asked, reported to ``on_event`` as QEMU does (``_OST`` 0x84, then 0x82 "busy")."""
 
-    def __init__(self, dimms: int, vcpus: int = 1, max_vcpus: int = 1) -> None:
+    def __init__(self, dimms: int, vcpus: int = 1, max_vcpus: int = 1,
+                 hotplugged: int = 0) -> None:
+        """``vcpus`` booted (``-smp``: no device id, a path QEMU makes up, an ACPI
+        refusal names only their slot), then ``hotplugged`` added with ids."""
         self.dimms = {f"dimm-slot{i}": f"mem-slot{i}" for i in range(1, dimms + 1)}
-        boot = "/machine/unattached/device[0]"
         self.cpus: dict[int, str | None] = {
-            i: (boot if i == 0 else f"/machine/peripheral/hotplug-cpu-0-{i}-0"
-                if i < vcpus else None) for i in range(max_vcpus)}
+            i: (f"/machine/unattached/device[{2 * i}]" if i < vcpus
+                else f"/machine/peripheral/hotplug-cpu-0-{i}-0" if i < vcpus + hotplugged
+                else None) for i in range(max_vcpus)}
         self.objects = set(self.dimms.values())
         self.removing: set[str] = set()
         self.calls: list[tuple[str, dict[str, Any] | None]] = []
         self.rejected: set[str] = set()
         self.unanswered: set[str] = set()
         self.refusing: set[str] = set()
+        self.prompt: set[str] = set()
+        """Devices the guest ejects as soon as it is asked."""
         self.on_event: Any = None
+
+    def _ost_names(self, device: str) -> dict[str, str]:
+        """How QEMU names a device in ACPI_DEVICE_OST: ``device`` only when it has an
+        id; ``slot`` is the DIMM's slot or the vCPU's index among the possible CPUs."""
+        if device in self.dimms:
+            return {"device": device, "slot": device.removeprefix("dimm-slot"),
+                    "slot-type": "DIMM"}
+        index = next(i for i, p in self.cpus.items() if p == device)
+        peripheral = device.startswith("/machine/peripheral/")
+        return {**({"device": device.rsplit("/", 1)[-1]} if peripheral else {}),
+                "slot": str(index), "slot-type": "CPU"}
 
     def eject(self, device: str) -> None:
         assert device in self.removing
@@ -219,10 +235,12 @@ class SlowEjectQMP:
             self.removing.add(args["id"])  # the guest has not ejected it yet
             if args["id"] in self.refusing:
                 self.removing.discard(args["id"])  # it stays plugged
-                name = args["id"].rsplit("/", 1)[-1]
                 for status in (0x84, 0x82):
                     asyncio.get_running_loop().call_soon(self.on_event, "ACPI_DEVICE_OST", {
-                        "info": {"device": name, "source": 3, "status": status}})
+                        "info": {**self._ost_names(args["id"]), "source": 3,
+                                 "status": status}})
+            if args["id"] in self.prompt:
+                self.eject(args["id"])
             if args["id"] in self.unanswered:
                 raise QMPError("device_del: no answer within 10s")
             return {}
@@ -296,7 +314,7 @@ def test_a_vcpu_whose_removal_is_pending_is_not_counted_as_plugged(tmp_path: Pat
     qmp = SlowEjectQMP(dimms=0, vcpus=2, max_vcpus=2)
     scaler = attached_scaler(tmp_path, qmp_loop, qmp, limits, ScaleTarget(2, 1))
 
-    leaving = "/machine/peripheral/hotplug-cpu-0-1-0"
+    leaving = "/machine/unattached/device[2]"  # booted: -smp gives it no id
     with pytest.raises(ScaleError) as err:
         put_fenced(scaler, 1, cpus=1)
     assert err.value.status == 504 and qmp.removing == {leaving}
@@ -398,7 +416,7 @@ def test_a_device_del_without_an_answer_stays_recorded(tmp_path: Path,
     assert err.value.status == 504 and "dimm-slot2" in str(err.value)
 
 
-@pytest.mark.parametrize("kind", ["memory", "vcpu"])
+@pytest.mark.parametrize("kind", ["memory", "vcpu-booted", "vcpu-hotplugged"])
 def test_a_refused_eject_is_answered_at_once_as_refused(kind: str, tmp_path: Path,
                                                         qmp_loop: Any) -> None:
     # Review R5: the guest refuses the eject; no eject is coming, so the request answers
@@ -412,8 +430,14 @@ def test_a_refused_eject_is_answered_at_once_as_refused(kind: str, tmp_path: Pat
     else:
         limits = ScaleLimits(min_vcpus=1, max_vcpus=2, min_slots=1, max_slots=1,
                              slot_bytes=GIB)
-        qmp, boot = SlowEjectQMP(dimms=0, vcpus=2, max_vcpus=2), ScaleTarget(2, 1)
-        device, smaller, size = "/machine/peripheral/hotplug-cpu-0-1-0", {"cpus": 1}, ("vcpus", 2)
+        # Review scalefix2 F1: a vCPU booted by -smp has no id; the guest's refusal
+        # names only its ACPI slot.
+        booted = kind == "vcpu-booted"
+        qmp = SlowEjectQMP(dimms=0, vcpus=2 if booted else 1, max_vcpus=2,
+                           hotplugged=0 if booted else 1)
+        boot, smaller, size = ScaleTarget(2, 1), {"cpus": 1}, ("vcpus", 2)
+        device = ("/machine/unattached/device[2]" if booted
+                  else "/machine/peripheral/hotplug-cpu-0-1-0")
     qmp.refusing.add(device)
     scaler = attached_scaler(tmp_path, qmp_loop, qmp, limits, boot, request_timeout=120)
 
@@ -432,6 +456,116 @@ def test_a_refused_eject_is_answered_at_once_as_refused(kind: str, tmp_path: Pat
         put_fenced(scaler, 1, **smaller)
     assert err.value.refused == (device,)
     assert ("device_del", {"id": device}) in qmp.calls[before:]
+
+
+def test_a_late_refusal_of_a_booted_vcpu_settles_its_removal(tmp_path: Path,
+                                                              qmp_loop: Any) -> None:
+    # Review scalefix2 F1: the request timed out (504) while the guest was still
+    # deciding; its refusal comes later and names the vCPU only by its ACPI slot. The
+    # removal must settle on it, or every later plan answers 504 until the pod goes.
+    limits = ScaleLimits(min_vcpus=1, max_vcpus=4, min_slots=1, max_slots=1, slot_bytes=GIB)
+    qmp = SlowEjectQMP(dimms=0, vcpus=4, max_vcpus=4)
+    # A runner restarted in the same pod learns the slots from QEMU, not from memory.
+    scaler = attached_scaler(tmp_path, qmp_loop, qmp, limits, ScaleTarget(4, 1))
+    with pytest.raises(ScaleError) as err:
+        put_fenced(scaler, 1, cpus=3)
+    leaving = "/machine/unattached/device[6]"
+    assert err.value.status == 504 and qmp.removing == {leaving}
+    scaler = attached_scaler(tmp_path, qmp_loop, qmp, limits, ScaleTarget(4, 1))
+    qmp.removing.discard(leaving)  # refused: QEMU keeps it plugged
+    qmp_loop.call_soon_threadsafe(scaler.on_qmp_event, "ACPI_DEVICE_OST", {"info": {
+        "slot": "3", "slot-type": "CPU", "source": 3, "status": 0x80}})
+    # A plan back to the size the VM has is answered at once, and so is a smaller one.
+    assert put_fenced(scaler, 2, cpus=4)["qemu"]["vcpus"] == 4
+    assert scaler.pending_removals(scaler.query()) == []
+    with pytest.raises(ScaleError) as err:
+        put_fenced(scaler, 3, cpus=3)
+    assert err.value.status == 504 and qmp.removing == {leaving}  # asked again
+
+
+def test_a_refusal_frees_the_backends_of_the_dimms_that_did_leave(tmp_path: Path,
+                                                                   qmp_loop: Any) -> None:
+    # Review scalefix2 F2(b): 4 slots -> 2; the guest ejects slot 2 and refuses slot 3.
+    # The backend of slot 2 is freed by this request, not by some later one that
+    # answers 200.
+    limits = ScaleLimits(min_vcpus=1, max_vcpus=1, min_slots=1, max_slots=4, slot_bytes=GIB)
+    qmp = SlowEjectQMP(dimms=3)
+    qmp.refusing.add("dimm-slot3")
+    qmp.prompt.add("dimm-slot2")
+    scaler = attached_scaler(tmp_path, qmp_loop, qmp, limits, ScaleTarget(1, 4),
+                             request_timeout=120)
+    with pytest.raises(ScaleError) as err:
+        put_fenced(scaler, 1, memorySlots=2)
+    assert err.value.status == 504 and err.value.refused == ("dimm-slot3",)
+    assert sorted(qmp.dimms) == ["dimm-slot1", "dimm-slot3"]
+    assert sorted(qmp.objects) == ["mem-slot1", "mem-slot3"]
+
+
+def test_a_refused_shrink_does_not_skip_the_rest_of_the_change(tmp_path: Path,
+                                                               qmp_loop: Any) -> None:
+    # Review scalefix2 F2(a): the guest refuses to give back a vCPU; the memory the same
+    # plan asks for is plugged all the same (growth comes first), and a memory shrink in
+    # the same plan is carried out too. Both answers are 504 "refused".
+    limits = ScaleLimits(min_vcpus=1, max_vcpus=2, min_slots=1, max_slots=3, slot_bytes=GIB)
+    qmp = SlowEjectQMP(dimms=0, vcpus=2, max_vcpus=2)
+    refused_cpu = "/machine/unattached/device[2]"
+    qmp.refusing.add(refused_cpu)
+    qmp.prompt.add("dimm-slot2")
+    scaler = attached_scaler(tmp_path, qmp_loop, qmp, limits, ScaleTarget(2, 1),
+                             request_timeout=120)
+    with pytest.raises(ScaleError) as err:
+        put_fenced(scaler, 1, cpus=1, memorySlots=3)
+    assert err.value.status == 504 and err.value.refused == (refused_cpu,)
+    assert sorted(qmp.dimms) == ["dimm-slot1", "dimm-slot2"]  # grown all the same
+    with pytest.raises(ScaleError) as err:
+        put_fenced(scaler, 2, cpus=1, memorySlots=2)
+    assert err.value.status == 504 and err.value.refused == (refused_cpu,)
+    assert sorted(qmp.dimms) == ["dimm-slot1"] and qmp.objects == {"mem-slot1"}
+    assert scaler.pending_removals(scaler.query()) == []
+
+
+def test_real_qemu_numbers_vcpus_as_the_acpi_slots_the_runner_matches(
+        tmp_path: Path) -> None:
+    # Review scalefix2 F1, against real QEMU (no guest: -S). QEMU's ACPI_DEVICE_OST names
+    # a vCPU it booted only by its slot, the vCPU's index among the possible CPUs
+    # (hw/acpi/cpu.c); the runner takes that index from query-cpus-fast's cpu-index.
+    # Here: booted vCPUs have no id, and cpu-index is the possible-CPU index, gaps
+    # included (a vCPU plugged into the last slot is 3, not 2).
+    import subprocess
+
+    from neonvm.runner.host import optional_binary
+    from neonvm.runner.qmp import QMPClient
+    from neonvm.runner.scaling import query_size
+
+    qemu = optional_binary("qemu-system-x86_64")
+    if qemu is None:
+        pytest.skip("qemu-system-x86_64 is not installed")
+    sock = tmp_path / "qmp.sock"
+    proc = subprocess.Popen([str(qemu), "-M", "q35", "-accel", "tcg", "-S", "-nodefaults",
+                             "-display", "none", "-smp", "cpus=2,maxcpus=4",
+                             "-qmp", f"unix:{sock},server=on,wait=off"])
+    try:
+        wait_for(sock.exists, timeout=60, what="QEMU's QMP socket")
+        limits = ScaleLimits(min_vcpus=1, max_vcpus=4, min_slots=1, max_slots=1,
+                             slot_bytes=GIB)
+
+        async def look() -> tuple[Any, list[dict[str, Any]]]:
+            qmp = await QMPClient.connect(sock, lambda event: None)
+            slots = await qmp.execute("query-hotpluggable-cpus")
+            last = next(s for s in slots if s["props"]["core-id"] == 3)
+            props = {k: v for k, v in last["props"].items() if k != "node-id"}
+            await qmp.execute("device_add", {"driver": last["type"],
+                                             "id": "hotplug-cpu-x", **props})
+            return await query_size(qmp, limits), slots
+        size, slots = asyncio.run(look())
+    finally:
+        proc.kill()
+        proc.wait(30)
+    assert size.cpu_indexes == (0, 1, 3), size
+    assert size.cpu_paths[2] == "/machine/peripheral/hotplug-cpu-x"
+    assert all(not p.startswith("/machine/peripheral/") for p in size.cpu_paths[:2]), size
+    # The index is the slot's position in topology order (what ACPI numbers by).
+    assert sorted(s["props"]["core-id"] for s in slots) == [0, 1, 2, 3]
 
 
 def test_the_scale_log_line_names_the_whole_fence_seq_included(tmp_path: Path,

@@ -222,6 +222,42 @@ def test_a_token_the_runner_refuses_is_asked_again_until_a_rotation_would_have_l
     assert scaling.unauthorized("uid-3", {"reason": NO_TOKEN}, "401") == "runner_401"
 
 
+def test_the_token_window_starts_again_after_the_refusals_stopped() -> None:
+    # Review scalefix2 F4: a plan can end with no later PUT (committed from GET /scale,
+    # dropped, no token), leaving one 401 on record. The next rotation's first 401, a
+    # day later, is a new refusal: it must not be runner_401 at once.
+    from kubernetes import client as k8s
+
+    from neonvm.controller.observe import Snapshot
+    from neonvm.controller.scaling import (
+        TOKEN_QUIET_SECONDS,
+        TOKEN_SYNC_SECONDS,
+        RunnerScaling,
+    )
+
+    now = [1000.0]
+    scaling = RunnerScaling(k8s.ApiClient(), clock=lambda: now[0],
+                            address=lambda vm, pod: "http://127.0.0.1:1")  # nobody there
+    wrong = {"error": "wrong bearer token"}
+    assert scaling.unauthorized("uid-1", wrong, "401") == "token_refused"
+    now[0] += TOKEN_QUIET_SECONDS + 1
+    assert scaling.unauthorized("uid-1", wrong, "401") == "token_refused"
+    # Refusals spaced by less than the quiet time stay one window.
+    now[0] += TOKEN_QUIET_SECONDS - 1
+    assert scaling.unauthorized("uid-1", wrong, "401") == "runner_401"
+    # The plan ends (no plan observed): its pod's refusals are forgotten at once, and
+    # so they are when the plan is for another pod; the plan's own pod keeps its window.
+    assert scaling.unauthorized("uid-1", wrong, "401", vm_uid=UID) == "token_refused"
+    assert scaling.unauthorized("uid-2", wrong, "401", vm_uid=UID) == "token_refused"
+    now[0] += TOKEN_SYNC_SECONDS
+    scaling.observe(Snapshot(obs=obs(vm(pending=scale_plan())), record=None))
+    assert scaling.unauthorized("uid-1", wrong, "401", vm_uid=UID) == "runner_401"
+    assert scaling.unauthorized("uid-2", wrong, "401", vm_uid=UID) == "token_refused"
+    now[0] += TOKEN_SYNC_SECONDS
+    scaling.observe(Snapshot(obs=obs(vm()), record=None))
+    assert scaling.unauthorized("uid-2", wrong, "401", vm_uid=UID) == "token_refused"
+
+
 def test_a_scalable_pod_carries_the_token_mount_and_the_fence_floor() -> None:
     from neonvm.api.types import PendingPod
 

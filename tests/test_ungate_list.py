@@ -10,6 +10,7 @@ observation that knows only the committed pod must never be enough to remove the
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -51,9 +52,15 @@ def _pod(name: str, uid: str, *, gated: bool) -> dict[str, Any]:
 class _Reader:
     """The direct reader's pod list, as the API server would answer it now."""
 
-    def __init__(self, pods: list[dict[str, Any]]) -> None:
+    def __init__(self, pods: list[dict[str, Any]], vm: VirtualMachine | None = None) -> None:
         self.pods = pods
+        self.vm = vm
         self.lists = 0
+        self.vm_reads = 0
+
+    def get_vm(self, namespace: str, name: str) -> VMRecord | None:
+        self.vm_reads += 1
+        return VMRecord(vm=self.vm, raw={}) if self.vm is not None else None
 
     def list_pods(self, namespace: str, name: str) -> list[dict[str, Any]]:
         self.lists += 1
@@ -110,3 +117,55 @@ def test_the_ungate_trusts_only_its_own_list_never_the_observation_it_was_decide
     assert reader.lists == 1, "the ungate must list the pods itself, after the commit"
     assert (core.patched == ["a-y"]) is patched, (core.patched, outcome)
     assert (outcome == "done") is patched, outcome
+
+
+def _now(vm: VirtualMachine, **changes: Any) -> VirtualMachine:
+    status = changes.pop("status", vm.status)
+    return dataclasses.replace(vm, status=status, **changes)
+
+
+@pytest.mark.parametrize(("server_vm", "patched"), [
+    # The VM as the API server holds it now still commits that pod: the gate comes off.
+    (lambda vm: vm, True),
+    # Its deletion has not reached the cache yet: no guest is started for it.
+    (lambda vm: _now(vm, deletion_timestamp="2026-12-04T04:00:00Z"), False),
+    # It is gone, or re-created under its name (its finalizer removed by hand).
+    (lambda vm: None, False),
+    (lambda vm: _now(vm, uid="new-vm-uid"), False),
+    # It has committed another pod since (a restart the cache has not seen).
+    (lambda vm: _now(vm, status=dataclasses.replace(vm.status, pod_name="a-w",
+                                                     pod_uid="w-uid")), False),
+])
+def test_an_ungate_decided_from_the_cache_reads_the_vm_after_its_list(
+        server_vm: Any, patched: bool) -> None:
+    """The cache's VM may be behind the pods just listed: a decision taken from it is
+    checked against the VM read after the list (docs/protocol.md, step 8)."""
+    vm = _committed_vm()
+    snap = make_snapshot(VMRecord(vm=vm, raw={}), [_pod("a-y", "y-uid", gated=True)],
+                         LEASE, direct=False)
+    reconciler = Reconciler(client.ApiClient(), events=_Events())  # type: ignore[arg-type]
+    reader = _Reader([_pod("a-y", "y-uid", gated=True)], server_vm(vm))
+    core = _Patches()
+    reconciler.reader = reader  # type: ignore[assignment]
+    reconciler.cluster._core = core  # type: ignore[attr-defined]
+    outcome = reconciler._ungate("ns/a", d.Ungate(name="a-y", uid="y-uid"), snap,
+                                 None, logger)  # type: ignore[arg-type]
+    assert (reader.lists, reader.vm_reads) == (1, 1)
+    assert (core.patched == ["a-y"]) is patched, (core.patched, outcome)
+
+
+@pytest.mark.parametrize("source", ["direct", "our VM write"])
+def test_an_ungate_decided_from_a_fresh_vm_does_not_read_it_again(source: str) -> None:
+    """A new VM's ungate follows the commit, whose answer is the VM as stored: one list."""
+    vm = _committed_vm()
+    snap = make_snapshot(VMRecord(vm=vm, raw={}), [_pod("a-y", "y-uid", gated=True)],
+                         LEASE, direct=source == "direct", from_write=source != "direct",
+                         vm_written=source != "direct")
+    reconciler = Reconciler(client.ApiClient(), events=_Events())  # type: ignore[arg-type]
+    reader = _Reader([_pod("a-y", "y-uid", gated=True)], None)
+    core = _Patches()
+    reconciler.reader = reader  # type: ignore[assignment]
+    reconciler.cluster._core = core  # type: ignore[attr-defined]
+    reconciler._ungate("ns/a", d.Ungate(name="a-y", uid="y-uid"), snap,
+                       None, logger)  # type: ignore[arg-type]
+    assert (reader.lists, reader.vm_reads, core.patched) == (1, 0, ["a-y"])

@@ -16,7 +16,9 @@ from __future__ import annotations
 import contextlib
 import signal
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -82,21 +84,157 @@ def apply_real_vm(api: client.ApiClient, namespace: str = "default") -> str:
     return f"{namespace}/{REAL_VM}"
 
 
-def start_real_node(cluster: LocalCluster) -> str | None:
-    """Start the real node with the runner and guest images; None, or why not (a line)."""
-    from neonvm.dev import realguest
+def fallback_reason(exc: BaseException) -> str:
+    """One line saying why the real node did not start, from any exception.
+
+    Errors from a failed start carry the process's last log lines after a first line
+    ending in "last log lines:"; the line keeps the first and the last non-empty one
+    (usually the process's own error), so it still says why.
+    """
+    lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
+    first = lines[0] if lines else "(no message)"
+    if len(lines) == 1 and first.endswith("; last log lines:"):
+        first = first.removesuffix("; last log lines:") + " (its log is empty)"
+    text = f"{type(exc).__name__}: {first}"
+    if len(lines) > 1:
+        text += f" ... {lines[-1]}"
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def first_run_note(real_node: bool) -> str | None:
+    """What a first run costs (one line), when something is still to be built."""
+    from neonvm.dev import binaries, realnode
+
+    groups = ["etcd", "kubernetes", "kwok", *(realnode.GROUPS if real_node else ())]
+    missing = [binaries.GROUPS[g].key for g in groups
+               if not all(binaries.find(b) for b in binaries.GROUPS[g].binaries)]
+    if not missing:
+        return None
+    return (f"first run: building {', '.join(missing)} from source into "
+            f"{binaries.cache_root()} (once; measured cold on 2 shared cores: about 40 "
+            "minutes with the real node, kube-apiserver alone over 20; see "
+            "docs/real-node.md). Later runs set up in about half a minute.")
+
+
+class Prebuild:
+    """The real node's binaries (but the kubelet), kwok and the runner image, built in
+    the background while etcd and kube-apiserver build in the foreground.
+
+    Cold, the demo is mostly Go compiles and the runner image. The image is mostly
+    downloads and dpkg (little CPU), and each Go build leaves a core idle while it
+    fetches modules and links, so running them side by side cuts the wall time. The
+    kubelet is left to the foreground, after the control plane: it shares most packages
+    with kube-apiserver, which Go's build cache then holds. Everything goes to the same
+    caches (and their locks) as a plain build, so :func:`realguest.prepare` afterwards
+    finds it built, or waits for it.
+    """
+
+    def __init__(self, say: Callable[[str], None], heartbeat: float = 60.0) -> None:
+        self.say = say
+        self.errors: list[str] = []
+        self.current: dict[str, str] = {}
+        self.begun = time.monotonic()
+        self._done = threading.Event()
+        self.threads = [threading.Thread(target=self._task, args=(name, fn), daemon=True)
+                        for name, fn in (("node binaries", self._binaries),
+                                         ("runner image", self._image))]
+        for t in self.threads:
+            t.start()
+        self._ticker = threading.Thread(target=self._tick, args=(heartbeat,), daemon=True)
+        self._ticker.start()
+
+    def _task(self, name: str, fn: Callable[[Callable[[str], None]], None]) -> None:
+        def progress(msg: str) -> None:
+            self.current[name] = msg.strip()
+            self.say(f"[background] {msg.strip()}")
+
+        try:
+            fn(progress)
+            self.current[name] = "done"
+        except Exception as exc:  # reported by wait(); the demo then falls back
+            self.errors.append(f"{name}: {fallback_reason(exc)}")
+            self.current[name] = "failed"
+
+    @staticmethod
+    def _binaries(progress: Callable[[str], None]) -> None:
+        from neonvm.dev import binaries, realnode
+
+        # kwok last: the foreground builds it after kube-apiserver unless this got there
+        # first (the group's lock makes the later one find it built).
+        for name in (*(g for g in realnode.GROUPS if g != "kubelet"), "kwok"):
+            group = binaries.GROUPS[name]
+            if not all(binaries.find(b) for b in group.binaries):
+                progress(f"building {group.key} from the Go module proxy")
+                progress(f"built {group.key} in {binaries.build(group, progress):.0f}s")
+            if name == "cni-plugins":
+                realnode.tiny_binary()
+
+    @staticmethod
+    def _image(progress: Callable[[str], None]) -> None:
+        from neonvm.dev import images
+
+        started = time.monotonic()
+        images.build(("runner",), None, progress)
+        progress(f"runner image ready after {time.monotonic() - started:.0f}s")
+
+    def _tick(self, every: float) -> None:
+        while not self._done.wait(every):
+            busy = [f"{k}: {v}" for k, v in self.current.items() if v not in ("done", "failed")]
+            if not busy and all(not t.is_alive() for t in self.threads):
+                return
+            minutes, seconds = divmod(int(time.monotonic() - self.begun), 60)
+            self.say(f"[background] {minutes}m{seconds:02d}s, still working on: "
+                     + ("; ".join(busy) or "starting"))
+
+    def wait(self) -> str | None:
+        """Wait for both; the first error (one line), or None."""
+        for t in self.threads:
+            t.join()
+        self._done.set()
+        return self.errors[0] if self.errors else None
+
+
+def start_real_node(cluster: LocalCluster, prebuild: Prebuild | None = None) -> str | None:
+    """Start the real node with the runner and guest images; None, or why not (a line).
+
+    A node that fails half-way (e.g. its kubelet exits) is stopped and its Node object
+    removed, so the fallback leaves nothing of it running and no pod lands on it.
+    """
+    from neonvm.dev import realguest, realnode
 
     problem = realguest.unavailable_reason()
     if problem:
         return problem
+    if prebuild is not None:
+        failed = prebuild.wait()
+        if failed:
+            return failed
     try:
         ready = realguest.prepare(cluster, _progress)
     except Exception as exc:  # any failure: fall back to the simulated nodes, say why
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        return f"{type(exc).__name__}: {first[:300]}"
+        why = fallback_reason(exc)
+        _discard_real_node(cluster, realnode.node_name(0))
+        return why
     _progress("real node ready (" + ", ".join(
         f"{k} {v:.0f}s" for k, v in ready.seconds.items()) + ")")
     return None
+
+
+def _discard_real_node(cluster: LocalCluster, name: str) -> None:
+    from neonvm.dev import realnode
+
+    try:
+        realnode.stop(cluster)
+    except Exception as exc:  # still fall back; `neonvm dev down` tries again
+        _progress(f"stopping the half-started real node failed: {fallback_reason(exc)}")
+    api = kube.api_client(cluster.kubeconfig)
+    try:
+        client.CoreV1Api(api).delete_node(name)
+    except client.ApiException as exc:
+        if exc.status != 404:
+            _progress(f"could not remove Node {name}: {exc.reason}")
+    finally:
+        api.close()
 
 
 def _locks_reader(cluster: LocalCluster) -> Any:
@@ -251,13 +389,22 @@ def demo(ctx: click.Context, state_dir: Path | None, replicas: int, nodes: int,
         spec.nodes = nodes
         cluster = LocalCluster(state_dir, spec)
     begun = time.monotonic()
+    note = first_run_note(real_node)
+    if note:
+        click.echo(note, err=True)
+    prebuild = None
+    if real_node:
+        from neonvm.dev import realguest
+
+        if realguest.unavailable_reason() is None:
+            prebuild = Prebuild(_progress)
     install_binaries(with_nodes=True)
     click.echo(f"1/5 local control plane in {cluster.state_dir}", err=True)
     cluster.up(progress=_progress)
     real = False
     if real_node:
         click.echo("2/5 real node (kubelet + containerd; guests boot under QEMU)", err=True)
-        why_not = start_real_node(cluster)
+        why_not = start_real_node(cluster, prebuild)
         real = why_not is None
         if why_not:
             click.echo(f"  real node: not started ({why_not}); runner pods run on the "

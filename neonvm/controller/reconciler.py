@@ -128,7 +128,7 @@ from neonvm.controller.observe import (
     make_snapshot,
     split_key,
 )
-from neonvm.controller.scaling import RunnerScaling
+from neonvm.controller.scaling import GUEST_REFUSED, RunnerScaling
 from neonvm.controller.timers import VMTimers
 from neonvm.controller.update import (
     RetryPolicy,
@@ -189,6 +189,9 @@ EFFECTIVE = frozenset({"done", "replaced"})
 """Outcomes of a step that changed something."""
 BLOCKED = frozenset({"forbidden"})
 """Outcomes that end the reconcile at once as stuck: asking again cannot help."""
+PAUSED = frozenset({GUEST_REFUSED})
+"""Outcomes that end the reconcile at once as stuck, though asking again later may help:
+asked again at once, the answer would be the same (the VM's stuck backoff spaces them)."""
 
 CreateErrorKind = Literal["exists", "retry", "refuse"]
 
@@ -346,6 +349,18 @@ class StaticAuthority:
 
     def check(self) -> None:
         return None
+
+
+def _not_ungatable(fresh: VMRecord | None, uid: str, action: d.Ungate) -> str:
+    """Why the VM as read now forbids starting ``action``'s pod ('' if it does not)."""
+    if fresh is None or fresh.vm.uid != uid:
+        return "the VM is gone (or re-created under its name) since the cache saw it"
+    if fresh.vm.deletion_timestamp is not None:
+        return "the VM is being deleted"
+    status = fresh.vm.status
+    if status.pod_name != action.name or status.pod_uid != action.uid:
+        return f"the VM's committed pod is now {status.pod_name or 'none'}"
+    return ""
 
 
 @dataclass(frozen=True)
@@ -608,6 +623,11 @@ class Reconciler:
             seen = (self._seen_by_write(snap, outcome, log) if outcome in EFFECTIVE
                     else None)
             snap = seen if seen is not None else self.observe(key, authority, direct=True)
+            if outcome in PAUSED:
+                return self._stuck(key, snap, authority, log, steps, type(action),
+                                   f"{type(action).__name__}{NOT_TAKING_EFFECT}",
+                                   miss_message(type(action), str(outcome),
+                                                getattr(outcome, "detail", "")))
             if outcome in BLOCKED:
                 detail = getattr(outcome, "detail", "") or f"{type(action).__name__} refused"
                 return self._stuck(key, snap, authority, log, steps, type(action),
@@ -1029,6 +1049,14 @@ class Reconciler:
             log.info("not ungating {pod}: it is no longer the VM's only gated pod",
                      pod=action.name)
             return "precondition"
+        if not (snap.obs.direct or snap.vm_written):
+            # Decided from the cache: the list above is fresh, the VM is not. A VM whose
+            # deletion (or re-creation under its name) the cache has not seen yet would
+            # start a guest that is deleted again at once: read the VM after the list.
+            why = _not_ungatable(self.reader.get_vm(vm.namespace, vm.name), vm.uid, action)
+            if why:
+                log.info("not ungating {pod}: {why}", pod=action.name, why=why)
+                return Outcome("precondition", why)
         try:
             patched = self.cluster.ungate_pod(
                 vm.namespace, action.name, uid=action.uid,

@@ -60,6 +60,26 @@ TOKEN_SYNC_SECONDS = 150.0
 ``NoToken``) before that counts as for good. The kubelet refreshes a mounted Secret about
 a minute after it changes, so a rotated token is refused until then."""
 
+TOKEN_QUIET_SECONDS = 2 * TOKEN_SYNC_SECONDS
+"""A runner's refusals that stopped for this long (no 401 from it meanwhile: the plan
+ended another way, or it was not asked) are forgotten: the next 401 starts a new
+:data:`TOKEN_SYNC_SECONDS` window. Longer than the retries' backoff cap (300 s), so the
+401s of one refusal, however spaced, stay in one window."""
+
+
+@dataclasses.dataclass
+class _Refusing:
+    """One runner pod refusing the controller's token (a 401 that may pass)."""
+
+    vm_uid: str
+    first: float
+    last: float
+
+
+GUEST_REFUSED = "guest_refused"
+"""The outcome of an ``ApplyScale`` the runner answered 504 ``refused``: the guest keeps a
+device it was asked to give back. It may agree later; see ``reconciler.PAUSED``."""
+
 RunnerAddress = Callable[[VirtualMachine, d.PodView], str]
 """``http://host:port`` of a pod's runner."""
 
@@ -116,18 +136,23 @@ class RunnerScaling:
     def __init__(self, api: client.ApiClient, *, timeout: float = 90.0,
                  look_timeout: float = 3.0, address: RunnerAddress = default_address,
                  token_sync_seconds: float = TOKEN_SYNC_SECONDS,
+                 token_quiet_seconds: float = TOKEN_QUIET_SECONDS,
                  clock: Callable[[], float] = time.monotonic) -> None:
         """``timeout``: a ``PUT /scale`` (the runner waits up to its own 60 s for an
         unplug); ``look_timeout``: a ``GET /scale``, asked during observations;
-        ``token_sync_seconds``: see :data:`TOKEN_SYNC_SECONDS`."""
+        ``token_sync_seconds``, ``token_quiet_seconds``: see :data:`TOKEN_SYNC_SECONDS`
+        and :data:`TOKEN_QUIET_SECONDS`."""
         self._core = client.CoreV1Api(api)
         self._timeout = timeout
         self._look_timeout = look_timeout
         self._address = address
         self._token_sync = token_sync_seconds
+        self._token_quiet = token_quiet_seconds
         self._clock = clock
-        self._unauthorized_since: dict[str, float] = {}
-        """Per pod uid: when its runner started refusing our token (a 401 that may pass)."""
+        self._unauthorized_since: dict[str, _Refusing] = {}
+        """Per pod uid: since when (and until when) its runner refuses our token (a 401
+        that may pass). Forgotten when the VM's plan ends or moves to another pod, and
+        when the refusals stopped for :data:`TOKEN_QUIET_SECONDS`."""
         self._unauthorized_lock = threading.Lock()
 
     # ---- the token ---------------------------------------------------------------------
@@ -223,6 +248,9 @@ class RunnerScaling:
         committed pod runs; otherwise ``snap`` itself."""
         obs = snap.obs
         vm = obs.vm
+        if vm is not None:
+            plan = vm.status.pending_scale
+            self._forget_refusals(vm.uid, keep=plan.pod_uid if plan is not None else None)
         if vm is None or vm.status.pending_scale is None or vm.deletion_timestamp is not None:
             return snap
         pod = obs.pod(vm.status.pod_name)
@@ -280,25 +308,40 @@ class RunnerScaling:
         detail = f"the runner of {pod.name} answered {code}: {doc.get('error', '')}"
         if code == 401:
             log.warning("scaling plan #{seq}: {detail}", seq=plan.seq, detail=detail)
-            return self.unauthorized(plan.pod_uid, doc, detail)
+            return self.unauthorized(plan.pod_uid, doc, detail, vm_uid=vm.uid)
         self._authorized(plan.pod_uid)
         if code != 200:
             log.warning("scaling plan #{seq}: the runner answered {code}: {err}", seq=plan.seq,
                         code=code, err=doc.get("error", ""))
+            if code == 504 and doc.get("refused"):
+                # The guest refused to give a device back: asking again at once gets the
+                # same answer (and makes the guest try again); the reconcile ends and the
+                # plan is asked again after the VM's stuck backoff.
+                return Result(GUEST_REFUSED, detail)
             return Result("stale" if code == 409 else f"runner_{code}", detail)
         qemu = doc.get("qemu") or {}
         self._tell_kubernetes(vm, pod, int(qemu.get("memoryBytes") or 0), plan, log)
         return "done"
 
-    def unauthorized(self, pod_uid: str, doc: dict[str, Any], detail: str) -> Result:
-        """A 401 from the runner of ``pod_uid``. ``NoToken`` (the pod has no token file)
-        is for good at once: "runner_401". Any other (a wrong token, an unreadable
-        file: a rotated Secret not yet on the pod) is "token_refused", retried like any
-        failed step, until the runner has refused for :data:`TOKEN_SYNC_SECONDS`; then
+    def unauthorized(self, pod_uid: str, doc: dict[str, Any], detail: str,
+                     vm_uid: str = "") -> Result:
+        """A 401 from the runner of ``pod_uid`` (of the VM ``vm_uid``). ``NoToken`` (the
+        pod has no token file) is for good at once: "runner_401". Any other (a wrong
+        token, an unreadable file: a rotated Secret not yet on the pod) is
+        "token_refused", retried like any failed step, until the runner has refused for
+        :data:`TOKEN_SYNC_SECONDS` without a pause of :data:`TOKEN_QUIET_SECONDS`; then
         "runner_401" too."""
         now = self._clock()
         with self._unauthorized_lock:
-            since = self._unauthorized_since.setdefault(pod_uid, now)
+            # Refusals that stopped long ago (this pod's or a gone pod's) say nothing
+            # about this one: its window starts now.
+            for uid in [u for u, r in self._unauthorized_since.items()
+                        if now - r.last > self._token_quiet]:
+                del self._unauthorized_since[uid]
+            refusing = self._unauthorized_since.setdefault(
+                pod_uid, _Refusing(vm_uid=vm_uid, first=now, last=now))
+            refusing.last = now
+            since = refusing.first
             if doc.get("reason") != NO_TOKEN and now - since < self._token_sync:
                 return Result("token_refused",
                               f"{detail} (refused for {now - since:.0f} s; a rotated token "
@@ -312,6 +355,14 @@ class RunnerScaling:
     def _authorized(self, pod_uid: str) -> None:
         with self._unauthorized_lock:
             self._unauthorized_since.pop(pod_uid, None)
+
+    def _forget_refusals(self, vm_uid: str, keep: str | None) -> None:
+        """The VM's plan ended (``keep`` None) or is for the pod ``keep``: the refusals of
+        its other pods are over (the next plan's first 401 starts a new window)."""
+        with self._unauthorized_lock:
+            for uid in [u for u, r in self._unauthorized_since.items()
+                        if r.vm_uid == vm_uid and u != keep]:
+                del self._unauthorized_since[uid]
 
     def _call(self, method: str, url: str, body: dict[str, Any] | None,
               token: str | None, timeout: float) -> tuple[int, dict[str, Any]]:

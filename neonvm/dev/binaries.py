@@ -296,4 +296,5 @@ def install_binaries(with_nodes: bool, with_helm: bool = False,
         say(f"building {group.key} from the Go module proxy (cached in "
             f"{cache_root()}; a cold build takes minutes)")
         seconds = build(group, progress=lambda m: say(f"  {m}"))
-        say(f"built {group.key} in {seconds:.0f}s")
+        say(f"built {group.key} in {seconds:.0f}s" if seconds
+            else f"{group.key}: built meanwhile by another build (waited for its lock)")

@@ -36,17 +36,21 @@ The rules, in order:
    the guest has ejected the device (the kernel offlines it first); the request waits for
    that up to its timeout and then answers 504 with what QEMU has, the fence staying
    recorded, so a retry with the same fence continues. A guest that refuses the eject
-   ends the wait at once: 504 with ``refused`` (the device stays plugged; a retry asks
-   again). A ``device_del`` QEMU answers with an error started nothing: 502, and the
+   ends the wait at once once every other device of it is gone or refused: 504 with
+   ``refused`` (the device stays plugged; a retry asks again). The growing resource is
+   converged first, and a refusal does not skip the other resource: the 504 comes at
+   the end. A ``device_del`` QEMU answers with an error started nothing: 502, and the
    removal is not kept on record.
 5. Pending removals: a ``device_del`` cannot be taken back, and the guest may eject the
    device long after its request answered 504. Each removal is recorded in the fence
    file before it is sent; before converging to any target (a newer fence included) the
    runner waits until every recorded removal has settled: the device gone from QEMU, or
    refused by the guest (``DEVICE_UNPLUG_GUEST_ERROR``, or an ``ACPI_DEVICE_OST``
-   failure for the eject request: the device stays and counts as plugged). Until then
-   it answers 504 and reports nothing as applied; ``GET /scale`` lists the unsettled
-   ones (``pendingRemovals``), and the controller commits no size while any is left.
+   failure for the eject request, matched by device id, or for a vCPU booted without
+   one by its ACPI slot, its ``cpu-index``: the device stays and counts as plugged).
+   Until then it answers 504 and reports nothing as applied; ``GET /scale`` lists the
+   unsettled ones (``pendingRemovals``), and the controller commits no size while any
+   is left.
 
 Not guaranteed: that the guest onlines what was plugged (its kernel command line or an
 agent must; see docs/runner.md, "Live scaling"), or that it can offline memory that holds
@@ -66,7 +70,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
@@ -82,6 +86,10 @@ OST_EJECT_IN_PROGRESS = 0x84
 """ACPI _OST status for an eject request the OS is still carrying out."""
 MEMDEV_ID = "mem-slot{}"
 CPU_ID_PREFIX = "hotplug-cpu-"
+CPU_SLOT_NAME = "acpi-cpu-slot:{}"
+"""How a guest's refusal is kept for a vCPU that has no device id (one QEMU created from
+``-smp`` at boot): ACPI names it only by its slot, QEMU's index of the possible CPUs,
+which is the ``cpu-index`` ``query-cpus-fast`` reports for it."""
 REMOVAL_POLL_SECONDS = 0.05
 GUEST_SIZE_PREFIX = "neonvm-guest-size:"
 _GUEST_SIZE = re.compile(
@@ -187,6 +195,8 @@ class QemuSize:
     dimms: tuple[str, ...]
     cpu_paths: tuple[str, ...] = ()
     """qom-paths of the plugged vCPUs (``query-cpus-fast``)."""
+    cpu_indexes: tuple[int, ...] = ()
+    """Their ``cpu-index`` (in the same order): the ACPI slot of each."""
 
     def has(self, device: str) -> bool:
         """Whether QEMU still lists ``device`` (a DIMM id or a vCPU qom-path)."""
@@ -352,7 +362,8 @@ async def query_size(qmp: QMPClient, limits: ScaleLimits) -> QemuSize:
     boot = limits.min_slots * limits.slot_bytes
     return QemuSize(vcpus=len(cpus), memory_slots=limits.min_slots + len(dimms),
                     memory_bytes=boot + plugged, dimms=dimms,
-                    cpu_paths=tuple(str(c.get("qom-path") or "") for c in cpus))
+                    cpu_paths=tuple(str(c.get("qom-path") or "") for c in cpus),
+                    cpu_indexes=tuple(int(c.get("cpu-index", -1)) for c in cpus))
 
 
 class Removals:
@@ -366,6 +377,19 @@ class Removals:
         self.record = record
         self._refused = refused if refused is not None else set()
         """Devices the guest refused to eject (QMP events): still plugged, and settled."""
+        self._cpu_slots: dict[str, str] = {}
+        """vCPU qom-path -> its :data:`CPU_SLOT_NAME` (from ``query-cpus-fast``)."""
+
+    def learn_cpus(self, paths: tuple[str, ...], indexes: tuple[int, ...]) -> None:
+        """Remember the ACPI slot of each vCPU, so a refusal naming only the slot (a vCPU
+        booted without an id) is matched to the removal recorded by its qom-path."""
+        for path, index in zip(paths, indexes, strict=False):
+            if path and index >= 0:
+                self._cpu_slots[path] = CPU_SLOT_NAME.format(index)
+
+    def _names(self, device: str) -> tuple[str, ...]:
+        slot = self._cpu_slots.get(device)
+        return (device, slot) if slot is not None else (device,)
 
     @property
     def pending(self) -> tuple[str, ...]:
@@ -380,7 +404,7 @@ class Removals:
     def start(self, device: str) -> None:
         """Recorded *before* the ``device_del`` is sent (a refusal of an earlier one no
         longer says anything about this one)."""
-        self._refused.discard(device)
+        self._refused.difference_update(self._names(device))
         if device not in self.record.removals:
             self._write((*self.record.removals, device))
 
@@ -390,21 +414,24 @@ class Removals:
 
     def refused(self, device: str) -> bool:
         """Whether the guest refused to eject ``device`` since its removal started."""
-        return device in self._refused
+        return any(name in self._refused for name in self._names(device))
 
     def take_refusals(self, devices: list[str]) -> tuple[str, ...]:
         """Those of ``devices`` the guest refused, settled: forgotten from the record
         (they stay plugged and count as plugged; no eject is coming)."""
-        refused = tuple(d for d in devices if d in self._refused)
-        self._refused.difference_update(refused)
+        refused = tuple(d for d in devices if self.refused(d))
+        for device in refused:
+            self._refused.difference_update(self._names(device))
         self._write(tuple(r for r in self.record.removals if r not in refused))
         return refused
 
     def finished(self, size: QemuSize) -> None:
         """Forget those QEMU no longer lists (the guest ejected them), and those the guest
         refused (still listed, and no eject is coming: they count as plugged again)."""
-        refused = {r for r in self.record.removals if r in self._refused}
-        self._refused.difference_update(refused)
+        self.learn_cpus(size.cpu_paths, size.cpu_indexes)
+        refused = {r for r in self.record.removals if self.refused(r)}
+        for device in refused:
+            self._refused.difference_update(self._names(device))
         self._write(tuple(r for r in self.record.removals
                           if size.has(r) and r not in refused))
 
@@ -469,6 +496,25 @@ async def _wait_for_removals(leaving: list[str], still: Callable[[], Awaitable[s
                          refused=refused)
 
 
+async def _converge_all(steps: Sequence[Callable[[], Awaitable[None]]]) -> None:
+    """Run ``steps`` in order. A refusal (504 ``refused``: the guest keeps a device, at
+    once) does not skip the steps after it; it is raised at the end, naming every device
+    refused. Any other failure ends the request there."""
+    refusals: list[ScaleError] = []
+    for step in steps:
+        try:
+            await step()
+        except ScaleError as exc:
+            if exc.status != 504 or not exc.refused:
+                raise
+            refusals.append(exc)
+    if len(refusals) == 1:
+        raise refusals[0]
+    if refusals:
+        refused = tuple(d for exc in refusals for d in exc.refused)
+        raise ScaleError(504, "; ".join(str(exc) for exc in refusals), refused=refused)
+
+
 async def _wait_until(check: Callable[[], Awaitable[bool]], deadline: float, what: str) -> None:
     loop = asyncio.get_running_loop()
     while not await check():
@@ -503,6 +549,10 @@ async def converge_cpus(qmp: QMPClient, target: int, deadline: float,
                                              "id": f"{CPU_ID_PREFIX}{name}", **props})
     elif len(plugged) > target:
         leaving = [str(s["qom-path"]) for s in plugged[target:]]
+        if removals is not None:
+            cpus = await qmp.execute("query-cpus-fast")
+            removals.learn_cpus(tuple(str(c.get("qom-path") or "") for c in cpus),
+                                tuple(int(c.get("cpu-index", -1)) for c in cpus))
         for path in leaving:
             await _unplug(qmp, path, removals)
 
@@ -535,14 +585,28 @@ async def converge_memory(qmp: QMPClient, target_slots: int, limits: ScaleLimits
         await qmp.execute("device_add", {"driver": "pc-dimm", "id": DIMM_ID.format(slot),
                                          "memdev": MEMDEV_ID.format(slot)})
     leaving = [DIMM_ID.format(s) for s in reversed(have)][:max(0, len(have) - want)]
-    for dimm in leaving:
-        await _unplug(qmp, dimm, removals)
-    if leaving:
-        async def listed() -> set[str]:
-            return set((await query_size(qmp, limits)).dimms)
-        await _wait_for_removals(leaving, listed, deadline, removals,
-                                 f"the guest ejecting {len(leaving)} DIMM(s)")
-    # The backends of unplugged DIMMs (left by an earlier timeout too) are freed last.
+    try:
+        for dimm in leaving:
+            await _unplug(qmp, dimm, removals)
+        if leaving:
+            async def listed() -> set[str]:
+                return set((await query_size(qmp, limits)).dimms)
+            await _wait_for_removals(leaving, listed, deadline, removals,
+                                     f"the guest ejecting {len(leaving)} DIMM(s)")
+    except asyncio.CancelledError:
+        raise  # the request answered already; the next one may be plugging: touch nothing
+    except BaseException:
+        # The DIMMs that did leave (one ejected, another refused) are freed all the same.
+        with contextlib.suppress(QMPError):
+            await _free_backends(qmp, limits)
+        raise
+    await _free_backends(qmp, limits)
+
+
+async def _free_backends(qmp: QMPClient, limits: ScaleLimits) -> None:
+    """``object-del`` of the backend of every slot QEMU lists no DIMM in (freed last:
+    also those left by an earlier timeout or refusal). Only under the request lock."""
+    slots = range(limits.min_slots, limits.max_slots)
     now_present = set((await query_size(qmp, limits)).dimms)
     objects = {str(o.get("name")) for o in await qmp.execute("qom-list",
                                                              {"path": "/objects"})}
@@ -650,11 +714,16 @@ class Scaler:
             names = (data.get("device"), data.get("path"))
         elif event == "ACPI_DEVICE_OST":
             info = data.get("info") or {}
-            # QEMU names a DIMM by its id and a vCPU by its device id, while a vCPU
-            # removal is recorded by QOM path: both names are marked.
-            device = info.get("device")
-            if device and ost_refuses_eject(info):
-                names = (device, f"/machine/peripheral/{device}")
+            if ost_refuses_eject(info):
+                # QEMU names a DIMM by its id and a vCPU by its device id, while a vCPU
+                # removal is recorded by QOM path: both names are marked. A vCPU QEMU
+                # created at boot (``-smp``) has no id: only its ACPI slot (the
+                # possible-CPU index, its ``cpu-index``) names it.
+                device = info.get("device")
+                if device:
+                    names = (device, f"/machine/peripheral/{device}")
+                if info.get("slot-type") == "CPU" and info.get("slot") is not None:
+                    names = (*names, CPU_SLOT_NAME.format(info["slot"]))
         for name in names:
             if name:
                 self._log.warning("the guest refused to eject {} ({})", name, event)
@@ -744,13 +813,24 @@ class Scaler:
                 # Removals an earlier request started (perhaps for an older fence) finish
                 # first: until then nothing is plugged, counted or reported as applied.
                 await settle_removals(qmp, removals, self.limits, deadline)
-                if self._agent is not None:
-                    await converge_cpus_sysfs(self._agent, target.vcpus, self._guest_cpus,
-                                              deadline)
-                else:
-                    await converge_cpus(qmp, target.vcpus, deadline, removals)
-                await converge_memory(qmp, target.memory_slots, self.limits, deadline,
-                                      removals)
+                async def cpus() -> None:
+                    if self._agent is not None:
+                        await converge_cpus_sysfs(self._agent, target.vcpus,
+                                                  self._guest_cpus, deadline)
+                    else:
+                        await converge_cpus(qmp, target.vcpus, deadline, removals)
+
+                async def memory() -> None:
+                    await converge_memory(qmp, target.memory_slots, self.limits, deadline,
+                                          removals)
+                now = await query_size(qmp, self.limits)
+                online = self._guest_cpus() if self._agent is not None else now.vcpus
+                cpus_grow = online is None or target.vcpus >= online
+                memory_grows = target.memory_slots >= now.memory_slots
+                # Growth first: a guest refusing to give something back does not keep
+                # it from getting what it asked for.
+                steps = [cpus, memory] if cpus_grow or not memory_grows else [memory, cpus]
+                await _converge_all(steps)
                 size = await query_size(qmp, self.limits)
                 removals.finished(size)
                 if removals.pending:  # cannot happen: each converge waited for its own

@@ -258,8 +258,10 @@ class Actors:
             yield self._retry(w, i, me)
         elif pc == "precreate":
             yield self._precreate(w, i, me)
-        elif pc == "prelist":
+        elif pc in ("prelist", "prelist_cache"):
             yield self._prelist(w, i, me)
+        elif pc == "vmread":
+            yield self._vmread(w, i, me)
         elif pc == "patch":
             yield self._patch(w, i, me)
         elif pc == "sweep":
@@ -402,7 +404,10 @@ class Actors:
                 return (step._replace(text=f"{text}; BROKEN: ungate {a[1]} from the cached "
                                            f"list"),
                         _set(w, i, x._replace(pc="patch", target=target)))
-            return step, _set(w, i, x._replace(pc="prelist"))
+            # Decided from the cache, the driver also reads the VM after its list
+            # (reconciler._ungate): "prelist_cache" goes through "vmread".
+            fresh_vm = direct or vm_written
+            return step, _set(w, i, x._replace(pc="prelist" if fresh_vm else "prelist_cache"))
         if name == "RecordPlan" and self.cfg.broken("create_before_record"):
             return step, _set(w, i, x._replace(pc="precreate"))
         return step, _set(w, i, x._replace(pc="act"))
@@ -572,11 +577,29 @@ class Actors:
         only = pods[0] if len(pods) == 1 else None
         if (only is not None and only.uid == uid and only.name == name
                 and not only.terminating and only.gated):
+            then = "vmread" if x.pc == "prelist_cache" else "patch"
             return (Step(me, "prelist", ("ok",), f"{me}: LIST pods directly: only {name}"),
-                    _set(w, i, x._replace(pc="patch", target=only, lag_pods=0)))
+                    _set(w, i, x._replace(pc=then, target=only, lag_pods=0)))
         return (Step(me, "prelist", ("refused",),
                      f"{me}: LIST pods directly: {len(pods)} pod(s): do not ungate {name}"),
                 _set(w, i, _idle(x, need_direct=True)._replace(lag_pods=0)))
+
+    def _vmread(self, w: World, i: int, me: str) -> tuple[Step, World]:
+        """An ungate decided from the cache: the VM, read after the list, must still be
+        the observed one, not deleting, with that pod committed."""
+        x = w.workers[i]
+        assert x.action is not None
+        _, name, uid = x.action
+        vm = w.vm
+        if (vm is not None and x.obs_vm is not None and vm.uid == x.obs_vm.uid
+                and not vm.deleting and vm.status.pod_name == name
+                and vm.status.pod_uid == uid):
+            return (Step(me, "vmread", ("ok",), f"{me}: GET VM directly: {name} committed"),
+                    _set(w, i, x._replace(pc="patch")))
+        return (Step(me, "vmread", ("refused",),
+                     f"{me}: GET VM directly: gone, deleting or another pod: do not ungate "
+                     f"{name}"),
+                _set(w, i, _idle(x, need_direct=True)))
 
     def _patch(self, w: World, i: int, me: str) -> tuple[Step, World]:
         x = w.workers[i]

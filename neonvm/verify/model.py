@@ -186,7 +186,8 @@ class Worker(NamedTuple):
     token: int
     """Lock token this worker holds (0: none)."""
     pc: str
-    """Where it is: idle, get, act, retry, prelist, patch, precreate, sweep, halt, stopped."""
+    """Where it is: idle, get, act, retry, prelist, prelist_cache, vmread, patch, precreate,
+    sweep, halt, stopped."""
     need_direct: bool = False
     lag_vm: int = 0
     lag_pods: int = 0

@@ -313,7 +313,7 @@ class Replayer:
             got = self._delete_real(self.real_name(name), real_uid)
             self._expect(where, outcome, got)
             return got
-        return ""  # lock, list, prelist, sweep: reads or the locks' etcd
+        return ""  # lock, list, prelist, vmread, sweep: reads or the locks' etcd
 
     def _write(self, i: int, args: tuple[Any, ...], before: World, after: World,
                where: str) -> str:
