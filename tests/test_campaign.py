@@ -22,6 +22,7 @@ import time
 
 import pytest
 
+from neonvm.controller.decide import performed_actions
 from neonvm.controller.faults import FaultConfig
 from neonvm.dev.cluster import LocalCluster
 from neonvm.drills.campaign import (
@@ -31,6 +32,7 @@ from neonvm.drills.campaign import (
     generate,
     run_campaign,
 )
+from neonvm.drills.schedule import FREQUENT_STEPS
 
 
 def _int_env(name: str, default: int) -> int:
@@ -56,6 +58,22 @@ def test_consecutive_schedules_crash_after_every_reconcile_step_and_parse_as_fau
         assert any(d.kind == "delete-pods" for d in s.disruptions)
         assert [d.at for d in s.disruptions] == sorted(d.at for d in s.disruptions)
         assert "intermediate" in s.classes
+
+
+@pytest.mark.unit
+def test_every_step_the_driver_performs_is_a_crash_step_in_the_actions_tables_order() -> None:
+    """The crash steps are not listed by hand: each action declares its step, and the
+    driver's actions table orders them. Every action with a step (decide's classes, found
+    independently of the table) is crashed after, once, and the cycle keeps the order
+    the campaign has always used, so a seed's schedules (and their replay commands) stay
+    what they were; a new action's step goes last."""
+    steps = [kind.step for kind in performed_actions()]
+    assert sorted(CRASH_STEPS) == sorted(steps), "an action's step is not a crash step"
+    assert len(set(CRASH_STEPS)) == len(CRASH_STEPS)
+    assert set(CRASH_STEPS) >= FREQUENT_STEPS
+    assert CRASH_STEPS[:14] == ("plan", "create", "commit", "ungate", "cleanup", "restart",
+                                "add_finalizer", "sync", "finalize", "drop_plan",
+                                "plan_scale", "apply_scale", "commit_scale", "drop_scale")
 
 
 @pytest.mark.unit

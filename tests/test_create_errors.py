@@ -91,7 +91,7 @@ def test_condition_messages_and_api_error_text_are_bounded_with_an_ellipsis() ->
     vm = VirtualMachine(name="vm", namespace="ns", uid="u", resource_version="1", generation=1,
                         spec=VirtualMachineSpec(), status=VirtualMachineStatus())
     mutate = c.conditions_mutation([c.stuck_condition(c.CREATE_FAILING, long)],
-                                   d.Lease(epoch=1, token=1), now="2026-01-01T00:00:00Z")
+                                   d.Fence(epoch=1, token=1), now="2026-01-01T00:00:00Z")
     status = mutate(vm)
     assert status is not None
     (written,) = status.conditions
@@ -115,7 +115,7 @@ def test_a_stuck_reason_clears_when_a_reconcile_ends_normally(reason: str,
                                    generation=1),
             conditions=[Condition(type="Degraded", status="True", reason=reason,
                                   message="m", observed_generation=0)]))
-    snap = Snapshot(obs=d.Observation(vm=vm, pods=(), lease=d.Lease(epoch=1, token=1),
+    snap = Snapshot(obs=d.Observation(vm=vm, pods=(), lease=d.Fence(epoch=1, token=1),
                                       direct=True), record=None)
     updates = {u.type: u for u in c.desired_conditions(snap, d.Wait(seconds=1.0))}
     degraded = updates.get("Degraded")
@@ -132,7 +132,7 @@ def test_a_stuck_condition_is_written_once_however_its_message_changes() -> None
     cannot requeue the VM past the stuck backoff."""
     vm = VirtualMachine(name="vm", namespace="ns", uid="u", resource_version="1", generation=1,
                         spec=VirtualMachineSpec(), status=VirtualMachineStatus())
-    lease = d.Lease(epoch=1, token=1)
+    lease = d.Fence(epoch=1, token=1)
     reason = f"Ungate{c.NOT_TAKING_EFFECT}"
     first = miss_message(d.Ungate, "declined", "")
     status = stuck_mutation(c.stuck_condition(reason, first), lease)(vm)
@@ -185,7 +185,7 @@ def test_an_unlabelled_committed_pod_is_deleted_only_if_this_vm_controls_it(
            "spec": {"schedulingGates": [{"name": SCHEDULING_GATE}]}}
     reconciler = Reconciler(client.ApiClient(), events=_Events())  # type: ignore[arg-type]
     core = _Deletes()
-    reconciler._core = core  # type: ignore[assignment]
+    reconciler.cluster._core = core  # type: ignore[attr-defined]
     outcome = reconciler._replace_unlabelled(vm, pod, d.Ungate(name="b-1", uid="pod-uid"),
                                              logger)
     assert (core.deleted == ["b-1"]) is deleted, core.deleted
@@ -210,7 +210,7 @@ class _PlantedNames:
     def _record(self) -> VMRecord:
         return VMRecord.from_raw(copy.deepcopy(self.raw))
 
-    def observe(self, key: str, lease: d.Lease) -> Snapshot:
+    def observe(self, key: str, lease: d.Fence) -> Snapshot:
         return make_snapshot(self._record(), [], lease, direct=True)
 
     def get_vm(self, namespace: str, name: str) -> VMRecord:
@@ -247,7 +247,7 @@ def test_a_vm_stuck_again_on_other_pod_names_does_not_rewrite_its_degraded_condi
     reconciler = Reconciler(client.ApiClient(), events=_Events())  # type: ignore[arg-type]
     reconciler.reader = fake  # type: ignore[assignment]
     reconciler.writer = fake  # type: ignore[assignment]
-    reconciler._core = fake  # type: ignore[assignment]
+    reconciler.cluster._core = fake  # type: ignore[attr-defined]
     authority = StaticAuthority(epoch=1, token=5)
     first = reconciler.reconcile("ns/vm", authority, direct_first=True)
     assert first.stuck == f"CreatePod{c.NOT_TAKING_EFFECT}", first

@@ -28,7 +28,7 @@ from neonvm.controller.mutations import status_mutation
 pytestmark = pytest.mark.unit
 
 UID = "0123456789abcdef"
-LEASE = d.Lease(epoch=3, token=40)
+LEASE = d.Fence(epoch=3, token=40)
 
 
 def vm(*, finalizers: tuple[str, ...] = (FINALIZER,), deleting: bool = False,

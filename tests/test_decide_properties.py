@@ -37,7 +37,7 @@ from neonvm.controller.update import RetryPolicy, conditional_update
 pytestmark = pytest.mark.unit
 
 UID = "a1b2c3d4-0000-4000-8000-00000000000a"
-LEASE = d.Lease(epoch=3, token=7)
+LEASE = d.Fence(epoch=3, token=7)
 POD1 = f"vm-{UID[:8]}-1"
 POD2 = f"vm-{UID[:8]}-2"
 
@@ -93,7 +93,7 @@ def test_sync_is_still_written_for_the_pod_it_was_decided_for() -> None:
 NAMES = [f"vm-{UID[:8]}-{k}" for k in (1, 2, 3)]
 UIDS = ["u1", "u2", "u3"]
 FENCES = [None, Fence(2, 1), Fence(3, 7), Fence(3, 9), Fence(4, 1)]
-LEASES = [d.Lease(2, 5), d.Lease(3, 7), d.Lease(4, 2)]
+LEASES = [d.Fence(2, 5), d.Fence(3, 7), d.Fence(4, 2)]
 
 
 @st.composite
@@ -149,7 +149,7 @@ def observations(draw: st.DrawFn) -> d.Observation:
                          missing_pull_secrets=draw(st.sampled_from([(), ("regcred",)])))
 
 
-def higher(fence: Fence | None, lease: d.Lease) -> bool:
+def higher(fence: Fence | None, lease: d.Fence) -> bool:
     return fence is not None and (fence.epoch, fence.token) > (lease.epoch, lease.token)
 
 
@@ -319,7 +319,7 @@ def test_a_status_write_re_applied_on_any_later_copy_keeps_the_plan_invariants(
 @given(st.sampled_from(NAMES), st.sampled_from(UIDS), st.sampled_from(["10.0.0.1", "10.0.0.2"]),
        st.sampled_from(LEASES), statuses())
 def test_a_status_sync_only_ever_describes_the_pod_the_fresh_copy_names(
-        name: str, uid: str, ip: str, lease: d.Lease, later: VirtualMachineStatus) -> None:
+        name: str, uid: str, ip: str, lease: d.Fence, later: VirtualMachineStatus) -> None:
     """The generalisation of the explorer's counterexample above: whatever the VM looks
     like when a sync's write finally lands, it never gets another pod's node and IP."""
     running = d.PodView(name=name, uid=uid, owner_uid=UID, gated=False, terminating=False,
@@ -392,7 +392,7 @@ class Store:
                        min_size=2, max_size=3))
 def test_decisions_racing_through_the_update_helper_never_take_the_plan_back(
         start: VirtualMachine,
-        racers: list[tuple[list[d.PodView], d.Lease, int]]) -> None:
+        racers: list[tuple[list[d.PodView], d.Fence, int]]) -> None:
     """Each racer decides from some version it saw (maybe stale) and writes through
     conditional_update; the next racer's whole update lands between its read and its
     write. Whatever wins, the stored history keeps the plan's invariants."""

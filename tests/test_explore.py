@@ -220,7 +220,7 @@ def test_a_planted_pod_is_dropped_and_deleted_and_the_vm_gets_its_own() -> None:
                                                       for t in seen), seen
 
 
-def _sync_before_d9c1dc9(action: d.Action, lease: d.Lease) -> Callable[[Any], Any]:
+def _sync_before_d9c1dc9(action: d.Action, lease: d.Fence) -> Callable[[Any], Any]:
     """The sync mutation as it was before the explorer's first finding was fixed."""
     if not isinstance(action, d.SyncStatus):
         return mutations_before(action, lease)

@@ -33,7 +33,7 @@ from neonvm.controller.wiring import Wiring
 
 pytestmark = pytest.mark.unit
 
-LEASE = d.Lease(epoch=1, token=1)
+LEASE = d.Fence(epoch=1, token=1)
 
 
 def vm_raw(rv: str, restart_count: int) -> dict[str, object]:

@@ -66,7 +66,7 @@ from tests.support import replica_group, wait_for
 
 AUTHORITY = StaticAuthority(epoch=1, token=10)
 NOWHERE = {"neonvm.test/unschedulable": "true"}
-LEASE = d.Lease(epoch=3, token=7)
+LEASE = d.Fence(epoch=3, token=7)
 BAD_EPOCH = 2**31 + 5
 
 
@@ -111,7 +111,7 @@ def test_the_fence_ahead_write_rechecks_the_fresh_copy(epoch: int, token: int,
 
 # The reviewer's scenario: leader epoch 7, whose lock token went back from 5000 to 12 (the
 # locks' etcd restored from a snapshot, or replaced); the VM's committed pod is gone.
-TOKEN_BACK = d.Lease(epoch=7, token=12)
+TOKEN_BACK = d.Fence(epoch=7, token=12)
 
 
 def token_ahead_vm() -> VirtualMachine:
@@ -140,7 +140,7 @@ def test_a_fence_ahead_by_its_token_only_is_not_marked_degraded() -> None:
 
 @pytest.mark.unit
 def test_the_fence_ahead_message_names_a_remedy_that_clears_the_fence() -> None:
-    lease = d.Lease(epoch=7, token=12)
+    lease = d.Fence(epoch=7, token=12)
     message = fence_ahead_message((9, 3), lease)
     assert "remove status.fence" in message
     assert "(epoch 7, token 12)" in message
@@ -163,7 +163,7 @@ def test_two_believed_authorities_write_degraded_a_bounded_number_of_times(step:
     A's reconciles clear FenceAhead, B's set it again, each woken by the other's write.
     The writes are bounded by the elapsed time over the recheck period, not by the
     number of reconciles."""
-    a_lease, b_lease = d.Lease(5, 100), d.Lease(3, 7)
+    a_lease, b_lease = d.Fence(5, 100), d.Fence(3, 7)
     vm = VirtualMachine(
         name="vm", namespace="ns", uid="0123456789", resource_version="5", generation=1,
         spec=VirtualMachineSpec(), finalizers=[FINALIZER],
@@ -440,7 +440,7 @@ def test_a_vm_fenced_ahead_by_epoch_is_marked_from_one_direct_read_and_not_re_ma
     observed: list[str] = []
     real_observe = reconciler.reader.observe
 
-    def counting(k: str, lease: d.Lease) -> Snapshot:
+    def counting(k: str, lease: d.Fence) -> Snapshot:
         observed.append(k)
         return real_observe(k, lease)
 

@@ -104,7 +104,7 @@ def test_the_commit_records_the_boot_size_and_revision_and_a_restart_clears_the_
     raw["metadata"].update(uid="u1", resourceVersion="1", generation=1, namespace="ns")
     raw["status"] = {"pendingPod": {"name": "p-1", "planSeq": 1}, "planSeq": 1}
     vm = types.VirtualMachine.from_object(raw)
-    lease = d.Lease(epoch=1, token=1)
+    lease = d.Fence(epoch=1, token=1)
     committed = status_mutation(d.Commit(name="p-1", uid="pu", reason="r"), lease)(vm)
     assert committed is not None
     assert (committed.cpus, committed.memory_size) == (MilliCPU(500), "2Gi")

@@ -27,7 +27,7 @@ from neonvm.controller.observe import VMRecord, make_snapshot, pod_index, pod_vi
 pytestmark = pytest.mark.unit
 
 UID = "0123456789abcdef"
-LEASE = d.Lease(epoch=3, token=40)
+LEASE = d.Fence(epoch=3, token=40)
 
 
 def vm(**status: Any) -> VirtualMachine:

@@ -223,7 +223,7 @@ class FrozenCache:
     def __init__(self, vm_raw: dict[str, Any], pods: list[dict[str, Any]]) -> None:
         self._vm, self._pods = vm_raw, pods
 
-    def observe(self, key: str, lease: d.Lease) -> Snapshot:
+    def observe(self, key: str, lease: d.Fence) -> Snapshot:
         return make_snapshot(VMRecord.from_raw(self._vm), self._pods, lease, direct=False)
 
 

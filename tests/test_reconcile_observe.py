@@ -57,7 +57,7 @@ class CountingAuthority:
         self.checks = 0
 
     @property
-    def lease(self) -> d.Lease:
+    def lease(self) -> d.Fence:
         return self._fixed.lease
 
     @property

@@ -293,7 +293,7 @@ def test_a_pod_view_reads_gate_owner_and_termination() -> None:
 
 def test_waiting_for_the_old_pod_keeps_its_since_and_is_written_only_on_change() -> None:
     vm = a_vm()
-    lease = d.Lease(epoch=5, token=1)
+    lease = d.Fence(epoch=5, token=1)
     wait = d.Wait(condition=WAITING_FOR_OLD_POD, reason="waiting for old to go")
     snap = Snapshot(obs=d.Observation(vm=vm, pods=(), lease=lease, direct=True), record=None)
     updates = desired_conditions(snap, wait)
@@ -309,7 +309,7 @@ def test_waiting_for_the_old_pod_keeps_its_since_and_is_written_only_on_change()
 def test_waiting_for_a_pull_secret_is_degraded_and_not_ready_until_a_pod_is_committed(
 ) -> None:
     vm = a_vm()
-    lease = d.Lease(epoch=5, token=1)
+    lease = d.Fence(epoch=5, token=1)
     # The VM ran (Ready=True), its pod went, and the replacement's plan is recorded.
     vm.status.conditions = [Condition(type=READY, status="True", reason="RunnerRunning",
                                       message="running", observed_generation=3)]
@@ -338,7 +338,7 @@ def test_a_condition_write_is_fenced_out_by_a_newer_epoch() -> None:
     vm.status.fence = Fence(epoch=9, token=1)
     update = ConditionUpdate("Ready", "False", "x", "y")
     with pytest.raises(FencedOut):
-        conditions_mutation([update], d.Lease(epoch=5, token=1))(vm)
+        conditions_mutation([update], d.Fence(epoch=5, token=1))(vm)
 
 
 def test_a_false_condition_is_not_added_just_to_say_false() -> None:
@@ -348,7 +348,7 @@ def test_a_false_condition_is_not_added_just_to_say_false() -> None:
                                       observed_generation=vm.generation)]
     update = ConditionUpdate(WAITING_FOR_OLD_POD, "False", "NoOldPod", "-",
                              only_if_present=True)
-    assert conditions_mutation([update], d.Lease(epoch=5, token=1))(vm) is None
+    assert conditions_mutation([update], d.Fence(epoch=5, token=1))(vm) is None
 
 
 def test_the_store_keeps_no_older_versions_unless_asked_and_no_empty_index_entries() -> None:
@@ -386,7 +386,7 @@ def test_every_performed_action_has_one_row_and_its_own_step() -> None:
 
 
 def test_every_write_row_has_its_shipped_mutation_and_the_explorer_models_every_row() -> None:
-    lease = d.Lease(epoch=1, token=1)
+    lease = d.Fence(epoch=1, token=1)
     for kind, row in ACTIONS.items():
         if row.writes == "status":
             assert callable(status_mutation(kind(), lease)), kind

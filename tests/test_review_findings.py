@@ -217,10 +217,8 @@ def vm_object(status: dict[str, Any], name: str = "vm") -> dict[str, Any]:
 
 def reconciler_on(fake: FakeAPI) -> Reconciler:
     rec = Reconciler(client.ApiClient(), config=ReconcilerConfig(max_steps=30))
-    rec._core = fake  # type: ignore[assignment]
-    rec.reader._core = fake  # type: ignore[assignment]
-    rec.reader._custom = fake  # type: ignore[assignment]
-    rec.writer._custom = fake  # type: ignore[assignment]
+    rec.cluster._core = fake  # type: ignore[attr-defined]  # the reader's and writer's too
+    rec.cluster._custom = fake  # type: ignore[attr-defined]
     return rec
 
 
@@ -275,7 +273,7 @@ def test_f1_every_vm_name_the_crd_admits_yields_valid_pod_labels_and_selectors()
             return _Resp({"items": []})
 
     reader = DirectReader(client.ApiClient())
-    reader._core = Core()  # type: ignore[assignment]
+    reader.cluster._core = Core()  # type: ignore[attr-defined]
     reader.list_pods(NS, name)
     for req in selectors[0].split(","):
         _key, _eq, value = req.partition("=")

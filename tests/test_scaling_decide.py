@@ -42,7 +42,7 @@ pytestmark = pytest.mark.unit
 
 UID = "0123456789abcdef"
 POD = f"vm-{UID[:8]}-1"
-LEASE = d.Lease(epoch=3, token=40)
+LEASE = d.Fence(epoch=3, token=40)
 GIB = 1 << 30
 
 
@@ -66,7 +66,7 @@ def running(uid: str = "uid-1") -> d.PodView:
 
 
 def obs(v: VirtualMachine, *, runner: d.RunnerView | None = None, error: str | None = None,
-        lease: d.Lease = LEASE, pod: d.PodView | None = None) -> d.Observation:
+        lease: d.Fence = LEASE, pod: d.PodView | None = None) -> d.Observation:
     return d.Observation(vm=v, pods=(pod or running(),), lease=lease, direct=False,
                          runner=runner, runner_error=error)
 

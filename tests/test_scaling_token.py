@@ -31,7 +31,7 @@ from neonvm.controller.scaling import RunnerScaling
 
 pytestmark = pytest.mark.unit
 
-LEASE = d.Lease(epoch=3, token=40)
+LEASE = d.Fence(epoch=3, token=40)
 PLAN = PendingPod(name="vm-1", plan_seq=1, token=40, epoch=3, generation=1)
 
 
@@ -91,7 +91,7 @@ def test_a_token_that_loses_the_race_to_be_recorded_is_deleted_and_no_pod_is_bui
     scaling = RunnerScaling(client.ApiClient())
     scaling._core = core  # type: ignore[assignment]
     reconciler._scaling = scaling
-    reconciler._core = core  # type: ignore[assignment]
+    reconciler.cluster._core = core  # type: ignore[attr-defined]
     monkeypatch.setattr(reconciler, "_write_status", lambda *a, **k: None)
     vm = scalable_vm()
     snap = make_snapshot(VMRecord(vm=vm, raw={}), [], LEASE, direct=True)

@@ -212,7 +212,7 @@ def _another_writer_sets_restart_count(writer: VMWriter, record: VMRecord,
     return writer.put_status(record, status)
 
 
-LEASE = d.Lease(epoch=1, token=7)
+LEASE = d.Fence(epoch=1, token=7)
 
 
 def _plan_action(record: VMRecord) -> d.RecordPlan:

@@ -453,9 +453,10 @@ class PendingScale:
     generation: int = api_field("VM generation the plan was made for.", default=0)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Fence:
-    """Highest (epoch, token) that wrote this status; older writers are refused."""
+    """Highest (epoch, token) that wrote this status; older writers are refused. Also
+    the authority a controller acts under (leader epoch, the VM lock's fencing token)."""
 
     epoch: int = api_field("Leader epoch.", default=0)
     token: int = api_field("Lock fencing token.", default=0)

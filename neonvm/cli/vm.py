@@ -118,10 +118,10 @@ def list_(namespace: str | None, all_namespaces: bool, kubeconfig: Path | None,
     emit([summary(v) for v in items], output, LIST_COLUMNS)
 
 
-def _observe(api: client.ApiClient, namespace: str, name: str, lease: d.Lease | None
+def _observe(api: client.ApiClient, namespace: str, name: str, lease: d.Fence | None
              ) -> Snapshot:
     reader = DirectReader(api)
-    snap = reader.observe(f"{namespace}/{name}", lease or d.Lease(0, 0))
+    snap = reader.observe(f"{namespace}/{name}", lease or d.Fence(0, 0))
     if snap.record is None:
         raise click.ClickException(f"VirtualMachine {namespace}/{name} not found")
     return snap
@@ -217,7 +217,7 @@ def plan(name: str, namespace: str | None, epoch: int | None, token: int | None,
         snap = _observe(api, namespace, name, None)
         assert snap.record is not None
         fence = snap.record.vm.status.fence
-        lease = d.Lease(epoch=epoch if epoch is not None else (fence.epoch if fence else 0),
+        lease = d.Fence(epoch=epoch if epoch is not None else (fence.epoch if fence else 0),
                         token=token if token is not None else (fence.token if fence else 0))
         snap = Snapshot(obs=d.Observation(
             vm=snap.obs.vm, pods=snap.obs.pods, lease=lease, direct=True,

@@ -215,7 +215,7 @@ def with_ready(mutation: StatusMutation, snap: Snapshot) -> StatusMutation:
     return mutate
 
 
-def fence_ahead(vm: VirtualMachine, lease: d.Lease) -> tuple[int, int] | None:
+def fence_ahead(vm: VirtualMachine, lease: d.Fence) -> tuple[int, int] | None:
     """The (epoch, token) in ``vm``'s status that is ahead of ``lease``, or None.
 
     Ahead means what the mutations refuse: ``status.fence`` above (epoch, token), or a
@@ -231,7 +231,7 @@ def fence_ahead(vm: VirtualMachine, lease: d.Lease) -> tuple[int, int] | None:
     return None
 
 
-def fence_ahead_message(seen: tuple[int, int], lease: d.Lease) -> str:
+def fence_ahead_message(seen: tuple[int, int], lease: d.Fence) -> str:
     """The Degraded(FenceAhead) message: only for an *epoch* ahead, where ``decide`` says
     Fenced and this leader does nothing for the VM (a token-only lead ends the term)."""
     return (f"status.fence epoch {seen[0]} (token {seen[1]}) is ahead of this leader's epoch "
@@ -242,7 +242,7 @@ def fence_ahead_message(seen: tuple[int, int], lease: d.Lease) -> str:
             f"a status.pendingPod whose epoch is above {lease.epoch}")
 
 
-def epoch_ahead(seen: tuple[int, int] | None, lease: d.Lease) -> bool:
+def epoch_ahead(seen: tuple[int, int] | None, lease: d.Fence) -> bool:
     """``seen`` (from :func:`fence_ahead`) is ahead of ``lease`` by its epoch, not only by
     its token. Only then is the VM marked Degraded while the term goes on: a fence of our
     own epoch with a higher token means the locks' tokens went back (their etcd restored
@@ -267,7 +267,7 @@ def _parse_rfc3339(value: str) -> dt.datetime:
     return dt.datetime.fromisoformat(value.replace("Z", "+00:00"))
 
 
-def fence_ahead_mutation(lease: d.Lease, now: str | None = None,
+def fence_ahead_mutation(lease: d.Fence, now: str | None = None,
                          quiet_seconds: float = FENCE_AHEAD_QUIET_SECONDS) -> StatusMutation:
     """Degraded/FenceAhead on a VM fenced ahead of ``lease`` by epoch; conditions only.
 
@@ -359,7 +359,7 @@ def _apply(vm: VirtualMachine, updates: list[ConditionUpdate],
     return conditions, changed
 
 
-def conditions_mutation(updates: list[ConditionUpdate], lease: d.Lease,
+def conditions_mutation(updates: list[ConditionUpdate], lease: d.Fence,
                         now: str | None = None) -> StatusMutation:
     """The status write that makes the conditions say ``updates`` (None: already so)."""
 

@@ -58,6 +58,7 @@ from typing import Any, ClassVar
 
 from neonvm.api import times
 from neonvm.api.types import FINALIZER, PendingPod, PendingScale, VirtualMachine
+from neonvm.api.types import Fence as Fence  # re-exported: the authority decide sees
 
 # ---- observation -------------------------------------------------------------------------
 
@@ -114,20 +115,13 @@ class RunnerView:
 
 
 @dataclass(frozen=True)
-class Lease:
-    """The caller's authority: leader epoch and the VM lock's fencing token."""
-
-    epoch: int
-    token: int
-
-
-@dataclass(frozen=True)
 class Observation:
     """One snapshot: the VM (None when it does not exist) and the pods labelled for it."""
 
     vm: VirtualMachine | None
     pods: tuple[PodView, ...]
-    lease: Lease
+    lease: Fence
+    """The caller's authority: leader epoch and the VM lock's fencing token."""
     direct: bool
     """Pods listed, then the VM read, both from etcd (quorum), in that order."""
     create_failed_generation: int | None = None

@@ -135,10 +135,10 @@ class WorkerAuthority:
         self._term = term
         self._guard = guard
         self._epoch = term.leadership.epoch
-        self._lease = d.Lease(epoch=self._epoch, token=guard.token)
+        self._lease = d.Fence(epoch=self._epoch, token=guard.token)
 
     @property
-    def lease(self) -> d.Lease:
+    def lease(self) -> d.Fence:
         return self._lease
 
     @property

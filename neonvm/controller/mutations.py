@@ -29,7 +29,7 @@ class FencedOut(Exception):
     """A writer with a higher (epoch, token) has written this VM: we are stale."""
 
 
-def _fresh_status(vm: VirtualMachine, lease: d.Lease) -> VirtualMachineStatus:
+def _fresh_status(vm: VirtualMachine, lease: d.Fence) -> VirtualMachineStatus:
     fence = vm.status.fence
     if fence is not None and (fence.epoch, fence.token) > (lease.epoch, lease.token):
         raise FencedOut(
@@ -99,7 +99,7 @@ def _scale_done(new: VirtualMachineStatus, vm: VirtualMachine, reason: str,
     _set_scaling_condition(new, vm, "False", reason, message)
 
 
-def status_mutation(action: d.Action, lease: d.Lease) -> StatusMutation:
+def status_mutation(action: d.Action, lease: d.Fence) -> StatusMutation:
     """The status write for ``action`` (RecordPlan, Commit, DropPlan, Restart, SyncStatus,
     PlanScale, CommitScale, DropScale)."""
 
@@ -260,7 +260,7 @@ def status_mutation(action: d.Action, lease: d.Lease) -> StatusMutation:
         raise ValueError(f"{type(action).__name__} is not a status write") from None
 
 
-def token_secret_mutation(name: str, uid: str, lease: d.Lease,
+def token_secret_mutation(name: str, uid: str, lease: d.Fence,
                           replacing: str = "") -> StatusMutation:
     """Record the live scaling token Secret the controller just created (name and UID)
     in place of ``replacing`` (the uid of a recorded Secret found gone; "" for none):

@@ -35,7 +35,6 @@ without one carries ``now=None`` and has no backoff.
 from __future__ import annotations
 
 import datetime as dt
-import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -48,7 +47,9 @@ from neonvm.api import types
 from neonvm.api.types import VirtualMachine
 from neonvm.controller import decide as d
 from neonvm.controller import podspec
-from neonvm.controller.decide import Lease, Observation, PodView
+from neonvm.controller.cluster import ClusterReads, KubeCluster
+from neonvm.controller.cluster import VMRecord as VMRecord  # re-exported: its old home
+from neonvm.controller.decide import Fence, Observation, PodView
 from neonvm.controller.informer import Store
 
 Clock = Callable[[], dt.datetime]
@@ -61,26 +62,6 @@ def utc_now() -> dt.datetime:
 
 CREATE_REFUSED = d.CREATE_REFUSED
 """Reason of the Degraded condition recorded when the API server refuses a pod create."""
-
-
-PARTIAL_METADATA = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1"
-"""Accept header asking the API server for an object's metadata alone."""
-
-
-@dataclass(frozen=True)
-class VMRecord:
-    """A decoded VM together with the raw object it was decoded from."""
-
-    vm: VirtualMachine
-    raw: dict[str, Any]
-
-    @classmethod
-    def from_raw(cls, raw: dict[str, Any]) -> VMRecord:
-        return cls(vm=VirtualMachine.from_object(raw), raw=raw)
-
-    @property
-    def resource_version(self) -> str:
-        return self.vm.resource_version
 
 
 @dataclass(frozen=True)
@@ -148,7 +129,7 @@ def create_failed_generation(vm: VirtualMachine) -> int | None:
     return None
 
 
-def make_snapshot(record: VMRecord | None, pods: list[dict[str, Any]], lease: Lease,
+def make_snapshot(record: VMRecord | None, pods: list[dict[str, Any]], lease: Fence,
                   direct: bool, now: dt.datetime | None = None,
                   missing_pull_secrets: tuple[str, ...] = (),
                   from_write: bool = False, vm_written: bool = False) -> Snapshot:
@@ -171,7 +152,7 @@ def make_snapshot(record: VMRecord | None, pods: list[dict[str, Any]], lease: Le
 class Observer(Protocol):
     """Anything that can observe one VM (``namespace/name``) for a decision."""
 
-    def observe(self, key: str, lease: Lease) -> Snapshot: ...
+    def observe(self, key: str, lease: Fence) -> Snapshot: ...
 
 
 def split_key(key: str) -> tuple[str, str]:
@@ -180,11 +161,14 @@ def split_key(key: str) -> tuple[str, str]:
 
 
 class DirectReader:
-    """Quorum reads (``resourceVersion`` unset) of VMs and their pods."""
+    """Quorum reads (``resourceVersion`` unset) of VMs and their pods, through the
+    cluster interface (:class:`~neonvm.controller.cluster.ClusterReads`; given an API
+    client, the shipped :class:`~neonvm.controller.cluster.KubeCluster`)."""
 
-    def __init__(self, api: client.ApiClient, clock: Clock = utc_now) -> None:
-        self._core = client.CoreV1Api(api)
-        self._custom = client.CustomObjectsApi(api)
+    def __init__(self, cluster: ClusterReads | client.ApiClient,
+                 clock: Clock = utc_now) -> None:
+        self.cluster: ClusterReads = (KubeCluster(cluster)
+                                      if isinstance(cluster, client.ApiClient) else cluster)
         self._clock = clock
         self._warned_secrets_forbidden = False
 
@@ -193,26 +177,10 @@ class DirectReader:
         return self._clock()
 
     def list_pods(self, namespace: str, vm_name: str) -> list[dict[str, Any]]:
-        resp = self._core.list_namespaced_pod(
-            namespace, label_selector=f"{types.LABEL_VM_NAME}={vm_name}",
-            _preload_content=False, _request_timeout=30,
-        )
-        try:
-            items: list[dict[str, Any]] = json.loads(resp.data).get("items") or []
-        finally:
-            resp.release_conn()
-        return items
+        return self.cluster.list_pods(namespace, vm_name)
 
     def get_vm_raw(self, namespace: str, name: str) -> dict[str, Any] | None:
-        try:
-            obj: dict[str, Any] = self._custom.get_namespaced_custom_object(
-                types.GROUP, types.VERSION, namespace, types.PLURAL, name,
-                _request_timeout=30)
-        except ApiException as exc:
-            if exc.status == 404:
-                return None
-            raise
-        return obj
+        return self.cluster.get_vm_raw(namespace, name)
 
     def get_vm(self, namespace: str, name: str) -> VMRecord | None:
         raw = self.get_vm_raw(namespace, name)
@@ -223,9 +191,7 @@ class DirectReader:
 
         The controller never receives secret data, even though RBAC must grant ``get``.
         """
-        return _read_json(lambda: self._core.read_namespaced_secret(
-            name, namespace, _preload_content=False, _request_timeout=30,
-            _headers={"Accept": PARTIAL_METADATA}))
+        return self.cluster.secret_metadata(namespace, name)
 
     def secret_exists(self, namespace: str, name: str) -> bool | None:
         """Whether a Secret exists; None when this identity may not look (403)."""
@@ -256,8 +222,7 @@ class DirectReader:
         return tuple(missing)
 
     def get_pod(self, namespace: str, name: str) -> dict[str, Any] | None:
-        return _read_json(lambda: self._core.read_namespaced_pod(
-            name, namespace, _preload_content=False, _request_timeout=30))
+        return self.cluster.get_pod(namespace, name)
 
     def with_committed(self, namespace: str, pods: list[dict[str, Any]],
                        committed: str | None, uid: str | None) -> list[dict[str, Any]]:
@@ -276,7 +241,7 @@ class DirectReader:
             return [*pods, pod]
         return pods
 
-    def observe(self, key: str, lease: Lease) -> Snapshot:
+    def observe(self, key: str, lease: Fence) -> Snapshot:
         """List the VM's pods, *then* read the VM: both quorum reads, in that order.
 
         The committed pod (``status.podName``) may have been created and committed between
@@ -296,21 +261,6 @@ class DirectReader:
             missing = self.missing_pull_secrets(record.vm)
         return make_snapshot(record, pods, lease, direct=True, now=self._clock(),
                              missing_pull_secrets=missing)
-
-
-def _read_json(read: Callable[[], Any]) -> dict[str, Any] | None:
-    """The decoded body of an unpreloaded GET, or None on 404 (other errors raise)."""
-    try:
-        resp = read()
-    except ApiException as exc:
-        if exc.status == 404:
-            return None
-        raise
-    try:
-        body: dict[str, Any] = json.loads(resp.data)
-    finally:
-        resp.release_conn()
-    return body
 
 
 def create_due(vm: VirtualMachine, pods: list[dict[str, Any]]) -> bool:
@@ -350,7 +300,7 @@ class CacheReader:
     def pods_raw(self, key: str) -> list[dict[str, Any]]:
         return self._pods.by_index(key)
 
-    def observe(self, key: str, lease: Lease) -> Snapshot:
+    def observe(self, key: str, lease: Fence) -> Snapshot:
         raw = self.vm_raw(key)
         record = VMRecord.from_raw(raw) if raw is not None else None
         return make_snapshot(record, self.pods_raw(key), lease, direct=False,

@@ -65,7 +65,6 @@ conditional writes above and on the ungate rule.
 
 from __future__ import annotations
 
-import copy
 import threading
 import time
 from collections import Counter
@@ -79,7 +78,6 @@ from loguru import logger
 from urllib3.exceptions import HTTPError
 
 from neonvm.api import types
-from neonvm.api.schema import encode
 from neonvm.api.types import VirtualMachineStatus
 from neonvm.controller import decide as d
 from neonvm.controller import podspec
@@ -88,6 +86,8 @@ from neonvm.controller.acceleration import (
     RunnerReports,
     warn_acceleration_unavailable,
 )
+from neonvm.controller.cluster import Cluster, KubeCluster
+from neonvm.controller.cluster import VMWriter as VMWriter  # re-exported: its old home
 from neonvm.controller.compat_events import warn_unimplemented
 from neonvm.controller.conditions import (
     CREATE_FAILING,
@@ -252,7 +252,7 @@ def classify_create_error(status: int | None, message: str) -> CreateErrorKind:
     return "retry"
 
 
-def stuck_mutation(update: ConditionUpdate, lease: d.Lease) -> StatusMutation:
+def stuck_mutation(update: ConditionUpdate, lease: d.Fence) -> StatusMutation:
     """Write a stuck Degraded condition only on the transition into its reason.
 
     A VM that stays stuck for the same reason keeps the condition as first written: its
@@ -323,7 +323,7 @@ class Authority(Protocol):
     """What a reconcile runs under: E and T, and a way to learn they no longer hold."""
 
     @property
-    def lease(self) -> d.Lease: ...
+    def lease(self) -> d.Fence: ...
 
     @property
     def vm_uid(self) -> str | None:
@@ -344,8 +344,8 @@ class StaticAuthority:
     vm_uid: str | None = None
 
     @property
-    def lease(self) -> d.Lease:
-        return d.Lease(epoch=self.epoch, token=self.token)
+    def lease(self) -> d.Fence:
+        return d.Fence(epoch=self.epoch, token=self.token)
 
     def check(self) -> None:
         return None
@@ -428,42 +428,6 @@ StepHook = Callable[[str, str, str], None]
 """Called after each performed step with (VM key, step name, outcome)."""
 
 
-class VMWriter:
-    """The two conditional writes of a VM: PUT ``/status`` and PUT of the main resource.
-
-    Both carry ``metadata.resourceVersion`` of the record they are given, so the API
-    server refuses them (409) if the VM changed since that version: never a blind write.
-    """
-
-    def __init__(self, api: client.ApiClient) -> None:
-        self._custom = client.CustomObjectsApi(api)
-
-    def put_status(self, record: VMRecord, status: VirtualMachineStatus) -> VMRecord:
-        """PUT /status carrying the resourceVersion of ``record`` (never a blind patch)."""
-        vm = record.vm
-        body = {
-            "apiVersion": types.API_VERSION,
-            "kind": types.KIND,
-            "metadata": {"name": vm.name, "namespace": vm.namespace,
-                         "resourceVersion": record.resource_version},
-            "status": encode(status),
-        }
-        raw = self._custom.replace_namespaced_custom_object_status(
-            types.GROUP, types.VERSION, vm.namespace, types.PLURAL, vm.name, body,
-            _request_timeout=30)
-        return VMRecord.from_raw(raw)
-
-    def put_main(self, record: VMRecord, finalizers: list[str]) -> VMRecord:
-        """PUT of the main resource with new finalizers, carrying the resourceVersion."""
-        body = copy.deepcopy(record.raw)
-        body["metadata"]["finalizers"] = finalizers
-        vm = record.vm
-        raw = self._custom.replace_namespaced_custom_object(
-            types.GROUP, types.VERSION, vm.namespace, types.PLURAL, vm.name, body,
-            _request_timeout=30)
-        return VMRecord.from_raw(raw)
-
-
 class Reconciler:
     """Performs :func:`decide`'s actions against the API server, one VM at a time."""
 
@@ -471,6 +435,7 @@ class Reconciler:
         self,
         api: client.ApiClient,
         *,
+        cluster: Cluster | None = None,
         cache: Observer | None = None,
         writer: Writer | None = None,
         after_step: StepHook | None = None,
@@ -483,9 +448,11 @@ class Reconciler:
         timers: VMTimers | None = None,
         runner_reports: RunnerReports | None = None,
     ) -> None:
-        self._core = client.CoreV1Api(api)
-        self.reader = DirectReader(api)
-        self.writer: Writer = writer or VMWriter(api)
+        self.cluster: Cluster = cluster or KubeCluster(api)
+        """Every API server call a step makes (reads through :attr:`reader`; the VM
+        writes through :attr:`writer`, which is the cluster unless wrapped)."""
+        self.reader = DirectReader(self.cluster)
+        self.writer: Writer = writer or self.cluster
         self._cache = cache
         self._after_step = after_step
         self._metrics = metrics
@@ -494,7 +461,6 @@ class Reconciler:
         self._update = update
         self._on_finalized = on_finalized
         self._scaling = scaling or RunnerScaling(api)
-        self._api = api
         self._identity: str | None = None
         self._mutex = threading.Lock()
         self.timers = timers or VMTimers()
@@ -909,8 +875,7 @@ class Reconciler:
             return "refused"
         name = action.plan.name
         try:
-            created = self._core.api_client.sanitize_for_serialization(
-                self._core.create_namespaced_pod(vm.namespace, manifest, _request_timeout=30))
+            created = self.cluster.create_pod(vm.namespace, manifest)
         except ApiException as exc:
             message = api_error_message(exc)
             kind = classify_create_error(exc.status, message)
@@ -1052,10 +1017,7 @@ class Reconciler:
             if self._identity is not None:
                 return self._identity
         try:
-            review = client.AuthenticationV1Api(self._api).create_self_subject_review(
-                {"apiVersion": "authentication.k8s.io/v1", "kind": "SelfSubjectReview"},
-                _request_timeout=10)
-            user = str(review.status.user_info.username)
+            user = self.cluster.username()
         except Exception as exc:  # messages only: never fail a reconcile over it
             return f"this controller's identity (unknown: {type(exc).__name__})"
         with self._mutex:
@@ -1095,18 +1057,10 @@ class Reconciler:
             if why:
                 log.info("not ungating {pod}: {why}", pod=action.name, why=why)
                 return Outcome("precondition", why)
-        patch = [
-            {"op": "test", "path": "/metadata/uid", "value": action.uid},
-            {"op": "test", "path": "/metadata/resourceVersion",
-             "value": meta.get("resourceVersion")},
-            {"op": "test", "path": f"/spec/schedulingGates/{index}/name",
-             "value": types.SCHEDULING_GATE},
-            {"op": "remove", "path": f"/spec/schedulingGates/{index}"},
-        ]
         try:
-            patched = self._core.api_client.sanitize_for_serialization(
-                self._core.patch_namespaced_pod(action.name, vm.namespace, patch,
-                                                _request_timeout=30))
+            patched = self.cluster.ungate_pod(
+                vm.namespace, action.name, uid=action.uid,
+                resource_version=meta.get("resourceVersion") or "", gate_index=index)
         except ApiException as exc:
             if exc.status in (404, 409, 422):
                 log.info("ungate of {pod} refused ({status}: {msg}): observing again",
@@ -1152,11 +1106,8 @@ class Reconciler:
         message = (f"runner pod {action.name} lost its label {types.LABEL_VM_NAME}={vm.name}"
                    f"; it never ran (gated) and is replaced by a new pod")
         try:
-            self._core.delete_namespaced_pod(
-                action.name, vm.namespace,
-                body=client.V1DeleteOptions(preconditions=client.V1Preconditions(
-                    uid=action.uid, resource_version=meta.get("resourceVersion"))),
-                _request_timeout=30)
+            self.cluster.delete_pod(vm.namespace, action.name, uid=action.uid,
+                                    resource_version=meta.get("resourceVersion"))
         except ApiException as exc:
             if exc.status in (404, 409):
                 return Outcome("precondition", f"{exc.status}: {api_error_message(exc)}")
@@ -1166,10 +1117,7 @@ class Reconciler:
 
     def _delete(self, namespace: str, name: str, uid: str, log: Any) -> bool:
         try:
-            self._core.delete_namespaced_pod(
-                name, namespace,
-                body=client.V1DeleteOptions(preconditions=client.V1Preconditions(uid=uid)),
-                _request_timeout=30)
+            self.cluster.delete_pod(namespace, name, uid=uid)
         except ApiException as exc:
             if exc.status in (404, 409):
                 log.info("pod {pod} ({uid}) already gone or replaced", pod=name, uid=uid)
@@ -1252,11 +1200,11 @@ ACTIONS: dict[type[d.Action], ActionRow] = {
     d.Ungate: ActionRow(Reconciler._ungate, "pod", forbidden=UNGATE_FORBIDDEN),
     d.DeletePod: ActionRow(Reconciler._delete_pod, "pod"),
     d.Restart: ActionRow(Reconciler._status_write, "status", event=_restarted),
+    d.AddFinalizer: ActionRow(Reconciler._finalizer_write, "main"),
+    d.SyncStatus: ActionRow(Reconciler._status_write, "status"),
+    d.RemoveFinalizer: ActionRow(Reconciler._finalizer_write, "main"),
     d.DropPlan: ActionRow(Reconciler._status_write, "status", event=_plan_dropped,
                           resumes_plan=True),
-    d.SyncStatus: ActionRow(Reconciler._status_write, "status"),
-    d.AddFinalizer: ActionRow(Reconciler._finalizer_write, "main"),
-    d.RemoveFinalizer: ActionRow(Reconciler._finalizer_write, "main"),
     d.PlanScale: ActionRow(Reconciler._status_write, "status"),
     d.ApplyScale: ActionRow(Reconciler._apply_scale, "runner"),
     d.CommitScale: ActionRow(Reconciler._status_write, "status"),
@@ -1267,7 +1215,10 @@ ACTIONS: dict[type[d.Action], ActionRow] = {
 Adding an action: its class in :mod:`~neonvm.controller.decide` (with a ``step``), and its
 row here with its performer (for a status write, its mutation in
 :mod:`~neonvm.controller.mutations`). The ``crash_after`` fault steps, the crash
-campaign's steps and the explorer's write kinds derive from these two."""
+campaign's steps and the explorer's write kinds derive from these two. The rows' order
+is the order in which the campaign's schedules cycle through the steps
+(:data:`neonvm.drills.schedule.CRASH_STEPS`): a new row goes last, so that the
+schedules of a seed stay what they were for the steps before it."""
 
 STEP_NAMES: dict[type[d.Action], str] = {kind: kind.step for kind in ACTIONS}
 """Step name per performed action type (derived: each class's ``step``)."""

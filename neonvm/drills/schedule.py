@@ -18,15 +18,20 @@ import os
 import random
 from dataclasses import dataclass
 
-from neonvm.controller.faults import STEPS, FaultConfig
+from neonvm.controller.faults import FaultConfig
+from neonvm.controller.reconciler import ACTIONS
 
 SEED_ENV = "NEONVM_CAMPAIGN_SEED"
 SCHEDULES_ENV = "NEONVM_CAMPAIGN_SCHEDULES"
 
-CRASH_STEPS: tuple[str, ...] = ("plan", "create", "commit", "ungate", "cleanup", "restart",
-                                "add_finalizer", "sync", "finalize", "drop_plan",
-                                "plan_scale", "apply_scale", "commit_scale", "drop_scale")
-assert set(CRASH_STEPS) == set(STEPS), "every controller step is a crash point"
+CRASH_STEPS: tuple[str, ...] = tuple(kind.step for kind in ACTIONS)
+"""Every step the driver performs, each a crash point: the ``step`` each action declares,
+in the order of the driver's actions table (:data:`neonvm.controller.reconciler.ACTIONS`).
+Schedule ``i`` crashes after ``CRASH_STEPS[i % len(CRASH_STEPS)]``."""
+
+FREQUENT_STEPS = frozenset({"plan", "create", "commit", "ungate", "add_finalizer", "sync"})
+"""Steps every VM takes on its way to running: the crash comes after any of its first few
+occurrences (the others, rarer, crash at their first or second)."""
 
 CLUSTER_WIDE = ("restart-locks-etcd", "restart-etcd", "restart-apiserver")
 DISRUPTIONS: dict[str, int] = {
@@ -103,7 +108,7 @@ def generate(seed: int, index: int) -> Schedule:
     rng = random.Random(f"neonvm-campaign:{seed}:{index}")
     vms = rng.randint(2, 4)
     step = CRASH_STEPS[index % len(CRASH_STEPS)]
-    frequent = step in ("plan", "create", "commit", "ungate", "add_finalizer", "sync")
+    frequent = step in FREQUENT_STEPS
     nth = rng.randint(1, vms + 1) if frequent else rng.randint(1, 2)
 
     def knobs() -> list[str]:

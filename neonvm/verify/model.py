@@ -429,7 +429,7 @@ class ShippedCode:
             obs = d.Observation(
                 vm=to_api_vm(vm) if vm is not None else None,
                 pods=tuple(to_view(p) for p in pods),
-                lease=d.Lease(epoch=lease[0], token=lease[1]),
+                lease=d.Fence(epoch=lease[0], token=lease[1]),
                 direct=direct,
             )
             hit = self.decisions[key] = action_key(d.decide(obs))
@@ -442,7 +442,7 @@ class ShippedCode:
             return self.status_results[key]
         from neonvm.controller import mutations
 
-        mutate = mutations.status_mutation(action_of(action), d.Lease(*lease))
+        mutate = mutations.status_mutation(action_of(action), d.Fence(*lease))
         result: Status | str | None
         try:
             new = mutate(copy.deepcopy(to_api_vm(vm)))

@@ -293,7 +293,7 @@ class ScalingModel:
                 vcpus=r.guest[0], memory_slots=r.guest[1], memory_bytes=r.guest[1] << 30,
                 pending_removals=("dimm",) if r.removing is not None and r.recorded
                 and not self.mutants.removal_counts_as_present else ())
-        obs = d.Observation(vm=vm, pods=(pod,), lease=d.Lease(x.epoch, x.token),
+        obs = d.Observation(vm=vm, pods=(pod,), lease=d.Fence(x.epoch, x.token),
                             direct=seen == w.vm, runner=runner)
         action = d.decide(obs)
         if isinstance(action, d.Done | d.Wait | d.ObserveDirect | d.Fenced):
@@ -318,7 +318,7 @@ class ScalingModel:
         if type(action).__name__ in RUNNER_CALLS:
             assert isinstance(action, d.ApplyScale)
             return self._put(done, action.plan)
-        mutate = mutations.status_mutation(action, d.Lease(x.epoch, x.token))
+        mutate = mutations.status_mutation(action, d.Fence(x.epoch, x.token))
         try:
             new = mutate(copy.deepcopy(to_vm(w.vm)))
         except mutations.FencedOut:
@@ -403,7 +403,7 @@ class ScalingModel:
         that size; the commit is a later step (:meth:`commit_pod`)."""
         leader = max((x for x in w.workers if x.active and not x.stopped),
                      key=lambda x: x.epoch)
-        lease = d.Lease(leader.epoch, leader.token)
+        lease = d.Fence(leader.epoch, leader.token)
         vm = to_vm(w.vm)
         for action in (d.Restart(name=vm.status.pod_name or "", uid=vm.status.pod_uid or ""),
                        d.RecordPlan(plan=PendingPod(
@@ -437,7 +437,7 @@ class ScalingModel:
         assert w.created is not None
         leader = max((x for x in w.workers if x.active and not x.stopped),
                      key=lambda x: x.epoch)
-        lease = d.Lease(leader.epoch, leader.token)
+        lease = d.Fence(leader.epoch, leader.token)
         name, uid, boot = w.created
         vm = to_vm(w.vm)
         pending = vm.status.pending_pod

@@ -1,0 +1,257 @@
+"""The driver's one seam to the API server: the calls a reconcile makes, as an interface.
+
+:class:`Cluster` names every call the driver (:mod:`neonvm.controller.reconciler`) and
+its direct reader (:class:`~neonvm.controller.observe.DirectReader`) make of the API
+server for a VM, and nothing else:
+
+===================  ============================================================
+call                 what it is (statuses its callers handle themselves)
+===================  ============================================================
+``list_pods``        quorum list of the pods labelled for a VM
+``get_vm_raw``       quorum GET of a VM (404: None)
+``get_pod``          quorum GET of a pod (404: None)
+``secret_metadata``  quorum GET of a Secret's metadata only (404: None; 403 is
+                     "may not look", in ``DirectReader.secret_exists``)
+``put_status``       PUT ``/status`` carrying the record's resourceVersion (409:
+                     the conflict helper re-reads and re-applies the intent)
+``put_main``         PUT of the main resource with new finalizers, the same way
+``create_pod``       create a runner pod under exactly the manifest's name (every
+                     status is sorted by ``classify_create_error``; 409: the name
+                     is taken)
+``ungate_pod``       remove our gate at an index, only if uid, resourceVersion and
+                     that gate still match: a JSON patch with ``test`` operations
+                     (404, 409, 422: a precondition failed; 403: refused)
+``delete_pod``       delete a pod with a uid (and resourceVersion) precondition
+                     (404: gone; 409: replaced)
+``username``         who this client is to the API server (for messages; any error
+                     is only named)
+===================  ============================================================
+
+The error contract is the Kubernetes client's, so that the performers' handling is the
+same whatever sits behind the interface: an answer of the API server that is not a
+success raises :class:`kubernetes.client.exceptions.ApiException` with its ``status``
+(409 a precondition or name conflict, 404 gone, 422 invalid or a failed ``test``, 403
+refused, 429 and 5xx transient), and no answer at all (connection refused, a timeout)
+raises :class:`urllib3.exceptions.HTTPError` or :class:`OSError`. Every error a caller
+does not handle itself goes up to the handler, which sorts it
+(:func:`neonvm.controller.handler.outcome_of_error`).
+
+:class:`KubeCluster` is the shipped implementation (the ``kubernetes`` client, every
+request with a 30 s timeout). Tests run the shipped driver over an in-memory one
+(``tests/fake_cluster.py``). Live scaling's calls to the runner and its token Secrets go
+through :class:`~neonvm.controller.scaling.RunnerScaling`, not through this interface.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from neonvm.api import types
+from neonvm.api.schema import encode
+from neonvm.api.types import VirtualMachine, VirtualMachineStatus
+
+PARTIAL_METADATA = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1"
+"""Accept header asking the API server for an object's metadata alone."""
+
+TIMEOUT = 30
+"""Seconds each request may take."""
+
+
+@dataclass(frozen=True)
+class VMRecord:
+    """A decoded VM together with the raw object it was decoded from."""
+
+    vm: VirtualMachine
+    raw: dict[str, Any]
+
+    @classmethod
+    def from_raw(cls, raw: dict[str, Any]) -> VMRecord:
+        return cls(vm=VirtualMachine.from_object(raw), raw=raw)
+
+    @property
+    def resource_version(self) -> str:
+        return self.vm.resource_version
+
+
+class ClusterReads(Protocol):
+    """The quorum reads (``resourceVersion`` unset: the API server answers from etcd)."""
+
+    def list_pods(self, namespace: str, vm_name: str) -> list[dict[str, Any]]:
+        """The pods labelled ``vm.neon.tech/name=<vm_name>``."""
+        ...
+
+    def get_vm_raw(self, namespace: str, name: str) -> dict[str, Any] | None: ...
+
+    def get_pod(self, namespace: str, name: str) -> dict[str, Any] | None: ...
+
+    def secret_metadata(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """A Secret as ``PartialObjectMetadata``: never its data."""
+        ...
+
+
+class Cluster(ClusterReads, Protocol):
+    """Every call the driver makes of the API server (the module doc has the table)."""
+
+    def put_status(self, record: VMRecord, status: VirtualMachineStatus) -> VMRecord:
+        """PUT ``/status`` with ``record``'s resourceVersion; the VM as stored."""
+        ...
+
+    def put_main(self, record: VMRecord, finalizers: list[str]) -> VMRecord:
+        """PUT of ``record`` with ``finalizers``, with its resourceVersion; as stored."""
+        ...
+
+    def create_pod(self, namespace: str, manifest: dict[str, Any]) -> dict[str, Any]:
+        """Create the pod; the pod as created (409: the name is taken)."""
+        ...
+
+    def ungate_pod(self, namespace: str, name: str, *, uid: str, resource_version: str,
+                   gate_index: int) -> dict[str, Any]:
+        """Remove scheduling gate ``gate_index`` (ours) if the pod still has ``uid``,
+        ``resource_version`` and our gate at that index; the pod as patched."""
+        ...
+
+    def delete_pod(self, namespace: str, name: str, *, uid: str,
+                   resource_version: str | None = None) -> None:
+        """Delete the pod if it still has ``uid`` (and ``resource_version``, if given)."""
+        ...
+
+    def username(self) -> str:
+        """Who this client is to the API server (a SelfSubjectReview)."""
+        ...
+
+
+def ungate_patch(uid: str, resource_version: str, gate_index: int) -> list[dict[str, Any]]:
+    """The JSON patch of :meth:`Cluster.ungate_pod`: three ``test`` operations (uid,
+    resourceVersion, our gate at that index), then the removal of that gate only."""
+    return [
+        {"op": "test", "path": "/metadata/uid", "value": uid},
+        {"op": "test", "path": "/metadata/resourceVersion", "value": resource_version},
+        {"op": "test", "path": f"/spec/schedulingGates/{gate_index}/name",
+         "value": types.SCHEDULING_GATE},
+        {"op": "remove", "path": f"/spec/schedulingGates/{gate_index}"},
+    ]
+
+
+class VMWriter:
+    """The two conditional writes of a VM: PUT ``/status`` and PUT of the main resource.
+
+    Both carry ``metadata.resourceVersion`` of the record they are given, so the API
+    server refuses them (409) if the VM changed since that version: never a blind write.
+    """
+
+    def __init__(self, api: client.ApiClient) -> None:
+        self._custom = client.CustomObjectsApi(api)
+
+    def put_status(self, record: VMRecord, status: VirtualMachineStatus) -> VMRecord:
+        """PUT /status carrying the resourceVersion of ``record`` (never a blind patch)."""
+        vm = record.vm
+        body = {
+            "apiVersion": types.API_VERSION,
+            "kind": types.KIND,
+            "metadata": {"name": vm.name, "namespace": vm.namespace,
+                         "resourceVersion": record.resource_version},
+            "status": encode(status),
+        }
+        raw = self._custom.replace_namespaced_custom_object_status(
+            types.GROUP, types.VERSION, vm.namespace, types.PLURAL, vm.name, body,
+            _request_timeout=TIMEOUT)
+        return VMRecord.from_raw(raw)
+
+    def put_main(self, record: VMRecord, finalizers: list[str]) -> VMRecord:
+        """PUT of the main resource with new finalizers, carrying the resourceVersion."""
+        body = copy.deepcopy(record.raw)
+        body["metadata"]["finalizers"] = finalizers
+        vm = record.vm
+        raw = self._custom.replace_namespaced_custom_object(
+            types.GROUP, types.VERSION, vm.namespace, types.PLURAL, vm.name, body,
+            _request_timeout=TIMEOUT)
+        return VMRecord.from_raw(raw)
+
+
+class KubeCluster(VMWriter):
+    """:class:`Cluster` through the ``kubernetes`` client (what the controller ships)."""
+
+    def __init__(self, api: client.ApiClient) -> None:
+        super().__init__(api)
+        self._api = api
+        self._core = client.CoreV1Api(api)
+
+    def list_pods(self, namespace: str, vm_name: str) -> list[dict[str, Any]]:
+        resp = self._core.list_namespaced_pod(
+            namespace, label_selector=f"{types.LABEL_VM_NAME}={vm_name}",
+            _preload_content=False, _request_timeout=TIMEOUT,
+        )
+        try:
+            items: list[dict[str, Any]] = json.loads(resp.data).get("items") or []
+        finally:
+            resp.release_conn()
+        return items
+
+    def get_vm_raw(self, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            obj: dict[str, Any] = self._custom.get_namespaced_custom_object(
+                types.GROUP, types.VERSION, namespace, types.PLURAL, name,
+                _request_timeout=TIMEOUT)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return obj
+
+    def get_pod(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return _read_json(lambda: self._core.read_namespaced_pod(
+            name, namespace, _preload_content=False, _request_timeout=TIMEOUT))
+
+    def secret_metadata(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return _read_json(lambda: self._core.read_namespaced_secret(
+            name, namespace, _preload_content=False, _request_timeout=TIMEOUT,
+            _headers={"Accept": PARTIAL_METADATA}))
+
+    def create_pod(self, namespace: str, manifest: dict[str, Any]) -> dict[str, Any]:
+        created: dict[str, Any] = self._core.api_client.sanitize_for_serialization(
+            self._core.create_namespaced_pod(namespace, manifest, _request_timeout=TIMEOUT))
+        return created
+
+    def ungate_pod(self, namespace: str, name: str, *, uid: str, resource_version: str,
+                   gate_index: int) -> dict[str, Any]:
+        patched: dict[str, Any] = self._core.api_client.sanitize_for_serialization(
+            self._core.patch_namespaced_pod(
+                name, namespace, ungate_patch(uid, resource_version, gate_index),
+                _request_timeout=TIMEOUT))
+        return patched
+
+    def delete_pod(self, namespace: str, name: str, *, uid: str,
+                   resource_version: str | None = None) -> None:
+        self._core.delete_namespaced_pod(
+            name, namespace,
+            body=client.V1DeleteOptions(preconditions=client.V1Preconditions(
+                uid=uid, resource_version=resource_version)),
+            _request_timeout=TIMEOUT)
+
+    def username(self) -> str:
+        review = client.AuthenticationV1Api(self._api).create_self_subject_review(
+            {"apiVersion": "authentication.k8s.io/v1", "kind": "SelfSubjectReview"},
+            _request_timeout=10)
+        return str(review.status.user_info.username)
+
+
+def _read_json(read: Callable[[], Any]) -> dict[str, Any] | None:
+    """The decoded body of an unpreloaded GET, or None on 404 (other errors raise)."""
+    try:
+        resp = read()
+    except ApiException as exc:
+        if exc.status == 404:
+            return None
+        raise
+    try:
+        body: dict[str, Any] = json.loads(resp.data)
+    finally:
+        resp.release_conn()
+    return body

@@ -1,0 +1,422 @@
+"""Every action's outcomes, end to end through the shipped driver and handler, over fakes.
+
+For each action the driver performs against the API server, a VM is brought (by the
+shipped performers, over :class:`tests.fake_cluster.FakeCluster`) to the state in which
+``decide``'s next answer is that action. Then one key's turn runs through the shipped
+:class:`~neonvm.controller.handler.Handler` and :class:`~neonvm.controller.reconciler.
+Reconciler`, with the action's call to the API server answering once:
+
+* ``ok``: as the API server would;
+* ``conflict`` (409), ``gone`` (404), ``invalid`` (422), ``unavailable`` (503): that error
+  instead (nothing changes on the server), once; the call after it is answered normally;
+* ``fence_lost``: the reconcile's authority (the lease, the lock, the epoch) is lost at
+  the check just before the action's write, while the term goes on;
+* ``fenced_out``: just before the action's call, someone writes the VM's
+  ``status.fence`` ahead of ours by its token (our epoch, a higher token: what the
+  locks' tokens going back leaves behind).
+
+The table says, for each (action, answer): what the performer made of it (its step's
+outcome, ``None`` when it raised), the turn's :class:`~neonvm.controller.handler.Outcome`
+kind (the handler's documented contract: docs/architecture.md, "The handler's
+contract"), and whether the action's effect is on the server after the turn.
+
+Pure logic beside the real-server tests of the same paths (``test_reconcile.py``,
+``test_reconcile_loops.py``, ``test_ungate_list.py``, ``test_create_errors.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from kubernetes import client
+from loguru import logger
+
+from neonvm.api import types
+from neonvm.controller import decide as d
+from neonvm.controller.handler import Handler, Outcome
+from neonvm.controller.metrics import ControllerMetrics
+from neonvm.controller.reconciler import (
+    ACTIONS,
+    AuthorityLost,
+    Reconciler,
+    ReconcilerConfig,
+    StaticAuthority,
+)
+from neonvm.controller.timers import VMTimers
+from neonvm.controller.update import RetryPolicy
+from neonvm.controller.workqueue import WorkQueue
+from tests.fake_cluster import FakeCluster, api_error
+
+pytestmark = pytest.mark.unit
+
+NS, NAME = "ns", "vm"
+KEY = f"{NS}/{NAME}"
+EXTRA = "vm-stray"
+"""A pod labelled for the VM that its status does not name (DeletePod's target)."""
+
+
+class CountedAuthority:
+    """(epoch 1, token 5); lost from the ``lose_at``-th check on (None: never)."""
+
+    def __init__(self, lose_at: int | None = None) -> None:
+        self._fixed = StaticAuthority(epoch=1, token=5)
+        self.lose_at = lose_at
+        self.checks = 0
+
+    @property
+    def lease(self) -> d.Fence:
+        return self._fixed.lease
+
+    @property
+    def vm_uid(self) -> str | None:
+        return None
+
+    def check(self) -> None:
+        self.checks += 1
+        if self.lose_at is not None and self.checks >= self.lose_at:
+            raise AuthorityLost("the lock is gone (test)")
+
+
+def vm_object(finalizers: list[str]) -> dict[str, Any]:
+    return {
+        "apiVersion": types.API_VERSION, "kind": types.KIND,
+        "metadata": {"name": NAME, "namespace": NS, "generation": 1,
+                     "finalizers": finalizers},
+        # No acceleration asked: nothing asks the runner for its report (no network).
+        "spec": {"restartPolicy": "Always", "enableAcceleration": False,
+                 "guest": {"rootDisk": {"image": "img"}}},
+        "status": {},
+    }
+
+
+def reconciler_over(fake: FakeCluster, steps: list[tuple[str, str]] | None = None
+                    ) -> Reconciler:
+    def after_step(key: str, step: str, outcome: str) -> None:
+        if steps is not None:
+            steps.append((step, outcome))
+
+    return Reconciler(client.ApiClient(), cluster=fake, after_step=after_step,
+                      config=ReconcilerConfig(retry=RetryPolicy(initial_backoff=0.0,
+                                                                max_backoff=0.0)))
+
+
+def advance(fake: FakeCluster, until: type[d.Action]) -> d.Action:
+    """Perform ``decide``'s answers (from direct reads, by the shipped performers) until
+    the next one is an ``until``; that one, unperformed."""
+    rec = reconciler_over(fake)
+    authority = StaticAuthority(epoch=1, token=5)
+    for _ in range(12):
+        snap = rec.observe(KEY, authority, direct=True)
+        action = d.decide(snap.obs)
+        if isinstance(action, until):
+            return action
+        assert type(action) in ACTIONS, f"stopped at {action} before {until.__name__}"
+        outcome = rec._perform(KEY, action, snap, authority, logger)
+        assert outcome in ("done", "replaced"), (action, outcome)
+    raise AssertionError(f"never reached {until.__name__}")
+
+
+def status(fake: FakeCluster) -> dict[str, Any]:
+    vm = fake.vm(NS, NAME)
+    return (vm or {}).get("status") or {}
+
+
+def committed(fake: FakeCluster) -> dict[str, Any] | None:
+    name = status(fake).get("podName")
+    return fake.pod(NS, name) if name else None
+
+
+def running(fake: FakeCluster) -> None:
+    """The committed pod is ungated, scheduled and running."""
+    advance(fake, d.Ungate)
+    rec = reconciler_over(fake)
+    authority = StaticAuthority(epoch=1, token=5)
+    snap = rec.observe(KEY, authority, direct=True)
+    action = d.decide(snap.obs)
+    assert isinstance(action, d.Ungate), action
+    assert rec._perform(KEY, action, snap, authority, logger) == "done"
+    pod = committed(fake)
+    assert pod is not None
+    pod["spec"]["nodeName"] = "node-1"
+    pod["status"] = {"phase": "Running", "podIP": "10.0.0.7",
+                     "containerStatuses": [{"name": "neonvm-runner", "ready": True}]}
+    pod["metadata"]["resourceVersion"] = fake.next_rv()
+
+
+# ---- the scenarios: a world in which the next answer is the action -------------------------
+
+
+@dataclass(frozen=True)
+class Scenario:
+    prepare: Callable[[FakeCluster], None]
+    call: str
+    """The call the action makes (what answers with the error)."""
+    effect: Callable[[FakeCluster], bool]
+    """The action's effect is on the server."""
+
+
+def _add_finalizer(fake: FakeCluster) -> None:
+    fake.add_vm(vm_object([]))
+
+
+def _record_plan(fake: FakeCluster) -> None:
+    fake.add_vm(vm_object([types.FINALIZER]))
+
+
+def _create_pod(fake: FakeCluster) -> None:
+    _record_plan(fake)
+    advance(fake, d.CreatePod)
+
+
+def _commit(fake: FakeCluster) -> None:
+    _record_plan(fake)
+    advance(fake, d.Commit)
+
+
+def _ungate(fake: FakeCluster) -> None:
+    _record_plan(fake)
+    advance(fake, d.Ungate)
+
+
+def _sync_status(fake: FakeCluster) -> None:
+    _record_plan(fake)
+    running(fake)
+
+
+def _delete_pod(fake: FakeCluster) -> None:
+    _sync_status(fake)
+    advance(fake, d.Done)
+    owner = {"apiVersion": types.API_VERSION, "kind": types.KIND, "name": NAME,
+             "uid": fake.vms[(NS, NAME)]["metadata"]["uid"], "controller": True}
+    fake.add_pod({"metadata": {"name": EXTRA, "namespace": NS,
+                               "labels": {types.LABEL_VM_NAME: NAME},
+                               "ownerReferences": [owner]},
+                  "spec": {"schedulingGates": [{"name": types.SCHEDULING_GATE}]}})
+
+
+def _restart(fake: FakeCluster) -> None:
+    _sync_status(fake)
+    advance(fake, d.Done)
+    del fake.pods[(NS, status(fake)["podName"])]  # deleted by a user
+
+
+def _drop_plan(fake: FakeCluster) -> None:
+    _record_plan(fake)
+    advance(fake, d.CreatePod)
+    planned = status(fake)["pendingPod"]["name"]
+    # A pod planted under the planned name, labelled for the VM but not made by our
+    # create (no fence annotations): it is never adopted.
+    fake.add_pod({"metadata": {"name": planned, "namespace": NS,
+                               "labels": {types.LABEL_VM_NAME: NAME}},
+                  "spec": {"schedulingGates": [{"name": types.SCHEDULING_GATE}]}})
+
+
+def _remove_finalizer(fake: FakeCluster) -> None:
+    raw = vm_object([types.FINALIZER])
+    raw["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    fake.add_vm(raw)
+
+
+def _plan_seq(fake: FakeCluster) -> int:
+    return int(status(fake).get("planSeq") or 0)
+
+
+SCENARIOS: dict[type[d.Action], Scenario] = {
+    d.AddFinalizer: Scenario(
+        _add_finalizer, "put_main",
+        lambda f: types.FINALIZER in (f.vms[(NS, NAME)]["metadata"].get("finalizers") or [])),
+    d.RecordPlan: Scenario(_record_plan, "put_status", lambda f: _plan_seq(f) == 1),
+    d.CreatePod: Scenario(_create_pod, "create_pod", lambda f: bool(f.pods)),
+    d.Commit: Scenario(_commit, "put_status", lambda f: bool(status(f).get("podName"))),
+    d.Ungate: Scenario(_ungate, "ungate_pod", lambda f: not (
+        (committed(f) or {}).get("spec", {}).get("schedulingGates"))),
+    d.SyncStatus: Scenario(_sync_status, "put_status",
+                           lambda f: status(f).get("phase") == "Running"),
+    d.DeletePod: Scenario(_delete_pod, "delete_pod", lambda f: f.pod(NS, EXTRA) is None),
+    d.Restart: Scenario(_restart, "put_status",
+                        lambda f: int(status(f).get("restartCount") or 0) == 1),
+    d.DropPlan: Scenario(_drop_plan, "put_status", lambda f: _plan_seq(f) > 1),
+    d.RemoveFinalizer: Scenario(_remove_finalizer, "put_main",
+                                lambda f: f.vm(NS, NAME) is None),
+}
+
+ANSWERS = ("ok", "conflict", "gone", "invalid", "unavailable", "fence_lost", "fenced_out")
+STATUS_OF = {"conflict": 409, "gone": 404, "invalid": 422, "unavailable": 503}
+
+
+@dataclass(frozen=True)
+class Expect:
+    step: str | None
+    """The performer's outcome for the action (None: it raised, no step was counted)."""
+    kind: str
+    """The turn's handler outcome."""
+    effect: bool
+    """The action's effect is on the server after the turn."""
+
+
+RAISED = Expect(None, "temporary", False)
+"""The error went up to the handler: retried with backoff, read directly."""
+
+VM_WRITE = {
+    "ok": Expect("done", "requeue", True),
+    # The conditional update re-reads and re-applies the intent to the fresh copy.
+    "conflict": Expect("done", "requeue", True),
+    "gone": RAISED, "invalid": RAISED, "unavailable": RAISED, "fence_lost": RAISED,
+    # The write's 409 re-reads a copy fenced ahead: the mutation refuses it (FencedOut),
+    # the authority still holds, and a fence ahead by its token only ends the term.
+    "fenced_out": Expect(None, "permanent", False),
+}
+
+FINALIZER_WRITE = {
+    **VM_WRITE,
+    # The finalizer's write to the main resource carries no fence: it lands, and the
+    # next status write (the plan's) is the one fenced out.
+    "fenced_out": Expect("done", "permanent", True),
+}
+
+POD_WRITE_FENCED = Expect("done", "permanent", True)
+"""A pod write is guarded by the authority and its own preconditions, not by the VM's
+status fence: it lands, and the next status write (after a create: the commit) is the
+one fenced out."""
+LAST_POD_WRITE_FENCED = Expect("done", "requeue", True)
+"""The same, when no status write follows in the turn (after the ungate the VM waits for
+its pod with nothing to write; after a clean-up it has converged): nothing meets the
+fence, so the turn ends as after a success, and the fence is found by the VM's next
+status write (``decide`` fences on the epoch alone)."""
+
+EXPECTED: dict[type[d.Action], dict[str, Expect]] = {
+    d.AddFinalizer: FINALIZER_WRITE,
+    d.RecordPlan: VM_WRITE,
+    d.Commit: VM_WRITE,
+    d.SyncStatus: VM_WRITE,
+    d.Restart: VM_WRITE,
+    d.DropPlan: VM_WRITE,
+    d.RemoveFinalizer: {
+        **VM_WRITE,
+        # Unfenced, as AddFinalizer; the VM is gone with it, so nothing is fenced out.
+        "fenced_out": Expect("done", "requeue", True),
+    },
+    d.CreatePod: {
+        "ok": Expect("done", "requeue", True),
+        # The name is taken, by no pod labelled for the VM: observe again, create again.
+        "conflict": Expect("exists", "requeue", True),
+        # 404 (a namespace in flux) and 5xx are transient: retried with backoff.
+        "gone": RAISED,
+        # Refused for this generation: Degraded CreateRefused, no retry until it changes.
+        "invalid": Expect("refused", "requeue", False),
+        "unavailable": RAISED,
+        "fence_lost": RAISED,
+        "fenced_out": POD_WRITE_FENCED,
+    },
+    d.Ungate: {
+        "ok": Expect("done", "requeue", True),
+        # Any refusal of the precondition: observe again (a new list), ungate again.
+        "conflict": Expect("precondition", "requeue", True),
+        "gone": Expect("precondition", "requeue", True),
+        "invalid": Expect("precondition", "requeue", True),
+        "unavailable": RAISED,
+        "fence_lost": RAISED,
+        "fenced_out": LAST_POD_WRITE_FENCED,
+    },
+    d.DeletePod: {
+        "ok": Expect("done", "requeue", True),
+        # Gone or replaced: observe again; the pod is still listed, so delete again.
+        "conflict": Expect("gone", "requeue", True),
+        "gone": Expect("gone", "requeue", True),
+        "invalid": RAISED,
+        "unavailable": RAISED,
+        "fence_lost": RAISED,
+        "fenced_out": LAST_POD_WRITE_FENCED,
+    },
+}
+
+
+def _turn(fake: FakeCluster, authority: CountedAuthority,
+          steps: list[tuple[str, str]], ending: bool = False) -> Outcome:
+    """One key's turn through the shipped handler, read directly."""
+    handler = Handler(
+        queue=WorkQueue(), vms=_NoCache(), reconciler=reconciler_over(fake, steps),
+        read_vm=fake.get_vm_raw,
+        acquire=lambda namespace, name, uid: object(),  # type: ignore[arg-type,return-value]
+        authority=lambda guard: authority, release_lock=lambda key: None,
+        timers=VMTimers(), term_ending=lambda: ending, end_term=lambda: None,
+        metrics=ControllerMetrics(), log=logger)
+    return handler.handle(KEY, direct=True)
+
+
+def _fence_ahead_by_token(fake: FakeCluster) -> None:
+    vm = fake.vms[(NS, NAME)]
+    vm["status"]["fence"] = {"epoch": 1, "token": 99}
+    vm["metadata"]["resourceVersion"] = fake.next_rv()
+
+
+class _NoCache:
+    def get(self, key: str) -> dict[str, Any] | None:
+        return None
+
+    def discard(self, key: str, uid: str) -> bool:
+        return False
+
+
+def test_the_table_covers_every_action_the_driver_performs_against_the_api_server() -> None:
+    performed = {kind for kind, row in ACTIONS.items() if row.writes != "runner"}
+    scaling = {d.PlanScale, d.CommitScale, d.DropScale}
+    assert set(SCENARIOS) == set(EXPECTED) == performed - scaling, (
+        "an action performed against the API server needs its scenario and its row here")
+    assert all(set(row) == set(ANSWERS) for row in EXPECTED.values())
+
+
+@pytest.mark.parametrize("answer", ANSWERS)
+@pytest.mark.parametrize("kind", list(SCENARIOS), ids=lambda k: k.__name__)
+def test_each_answer_to_each_action_ends_the_turn_as_the_contract_says(
+        kind: type[d.Action], answer: str) -> None:
+    scenario, expect = SCENARIOS[kind], EXPECTED[kind][answer]
+    fake = FakeCluster()
+    scenario.prepare(fake)
+    assert not scenario.effect(fake), "the effect is there before the action"
+    reconciler = reconciler_over(fake)
+    snap = reconciler.observe(KEY, StaticAuthority(epoch=1, token=5), direct=True)
+    assert isinstance(d.decide(snap.obs), kind), d.decide(snap.obs)
+
+    before = fake.count(scenario.call)
+    authority = CountedAuthority()
+    if answer == "fence_lost":
+        authority.lose_at = 2  # the reconcile's first check passes; the write's does not
+    elif answer == "fenced_out":
+        fake.race(scenario.call, _fence_ahead_by_token)
+    elif answer != "ok":
+        fake.fail(scenario.call, api_error(STATUS_OF[answer]))
+    steps: list[tuple[str, str]] = []
+    outcome = _turn(fake, authority, steps)
+
+    first = steps[0] if steps else None
+    assert (first[1] if first else None) == expect.step, (steps, outcome)
+    if first is not None:
+        assert first[0] == kind.step, steps
+    assert outcome.kind == expect.kind, outcome
+    if outcome.kind == "temporary":
+        assert outcome.direct and outcome.bug is None, outcome
+    assert scenario.effect(fake) is expect.effect, (status(fake), steps)
+    if answer == "fence_lost":
+        assert fake.count(scenario.call) == before, "a write after the authority was lost"
+    else:
+        assert fake.count(scenario.call) > before, "the action's call was never made"
+        assert fake.pending_faults(scenario.call) == 0
+
+
+@pytest.mark.parametrize("kind", list(SCENARIOS), ids=lambda k: k.__name__)
+def test_an_authority_lost_while_the_term_ends_drops_the_key(kind: type[d.Action]) -> None:
+    """The same loss as ``fence_lost`` above, while the term is ending: nothing is
+    requeued (the next leader lists every VM) and nothing is written."""
+    scenario = SCENARIOS[kind]
+    fake = FakeCluster()
+    scenario.prepare(fake)
+    before = fake.count(scenario.call)
+    steps: list[tuple[str, str]] = []
+    outcome = _turn(fake, CountedAuthority(lose_at=2), steps, ending=True)
+    assert outcome.kind == "dropped", outcome
+    assert steps == [] and fake.count(scenario.call) == before
+    assert not scenario.effect(fake)
