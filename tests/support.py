@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from kubernetes import client
 
 if TYPE_CHECKING:
+    from neonvm.api.types import Fence
     from neonvm.dev.cluster import LocalCluster
     from neonvm.testing.harness import Replicas
 
@@ -91,3 +92,30 @@ def replica_group(cluster: LocalCluster, api: client.ApiClient, namespace: str,
         yield group
         for r in group:
             print(f"---- {r.name} (exit {r.exit_code()}) ----\n{r.log()[-log_tail:]}")
+
+
+class CountingAuthority:
+    """A fixed authority that counts its checks (each one an etcd read in the manager),
+    lost from the ``lose_at``-th check on (None: never)."""
+
+    def __init__(self, epoch: int = 1, token: int = 10, lose_at: int | None = None) -> None:
+        from neonvm.controller.reconciler import StaticAuthority
+
+        self._fixed = StaticAuthority(epoch=epoch, token=token)
+        self.lose_at = lose_at
+        self.checks = 0
+
+    @property
+    def lease(self) -> Fence:
+        return self._fixed.lease
+
+    @property
+    def vm_uid(self) -> str | None:
+        return None
+
+    def check(self) -> None:
+        from neonvm.controller.reconciler import AuthorityLost
+
+        self.checks += 1
+        if self.lose_at is not None and self.checks >= self.lose_at:
+            raise AuthorityLost("the lock is gone (test)")

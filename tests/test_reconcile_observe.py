@@ -21,7 +21,7 @@ from neonvm.controller.observe import DirectReader, Snapshot, VMRecord
 from neonvm.controller.reconciler import Reconciler, StaticAuthority
 from neonvm.invariant import InvariantChecker
 from neonvm.testing.harness import get_vm, is_gated, runner_pods
-from tests.support import wait_for
+from tests.support import CountingAuthority, wait_for
 from tests.test_reconcile import FrozenCache, checker, create_vm, hold, release, settle
 
 pytestmark = pytest.mark.cluster
@@ -47,25 +47,6 @@ class CountingReader(DirectReader):
     def get_pod(self, namespace: str, name: str) -> dict[str, Any] | None:
         self.reads["get_pod"] += 1
         return super().get_pod(namespace, name)
-
-
-class CountingAuthority:
-    """A fixed authority that counts its checks (each one an etcd read in the manager)."""
-
-    def __init__(self) -> None:
-        self._fixed = StaticAuthority(epoch=1, token=10)
-        self.checks = 0
-
-    @property
-    def lease(self) -> d.Fence:
-        return self._fixed.lease
-
-    @property
-    def vm_uid(self) -> str | None:
-        return None
-
-    def check(self) -> None:
-        self.checks += 1
 
 
 class Recording(Reconciler):

@@ -40,7 +40,6 @@ from neonvm.controller.handler import Handler, Outcome
 from neonvm.controller.metrics import ControllerMetrics
 from neonvm.controller.reconciler import (
     ACTIONS,
-    AuthorityLost,
     Reconciler,
     ReconcilerConfig,
     StaticAuthority,
@@ -49,6 +48,7 @@ from neonvm.controller.timers import VMTimers
 from neonvm.controller.update import RetryPolicy
 from neonvm.controller.workqueue import WorkQueue
 from tests.fake_cluster import FakeCluster, api_error
+from tests.support import CountingAuthority
 
 pytestmark = pytest.mark.unit
 
@@ -56,28 +56,6 @@ NS, NAME = "ns", "vm"
 KEY = f"{NS}/{NAME}"
 EXTRA = "vm-stray"
 """A pod labelled for the VM that its status does not name (DeletePod's target)."""
-
-
-class CountedAuthority:
-    """(epoch 1, token 5); lost from the ``lose_at``-th check on (None: never)."""
-
-    def __init__(self, lose_at: int | None = None) -> None:
-        self._fixed = StaticAuthority(epoch=1, token=5)
-        self.lose_at = lose_at
-        self.checks = 0
-
-    @property
-    def lease(self) -> d.Fence:
-        return self._fixed.lease
-
-    @property
-    def vm_uid(self) -> str | None:
-        return None
-
-    def check(self) -> None:
-        self.checks += 1
-        if self.lose_at is not None and self.checks >= self.lose_at:
-            raise AuthorityLost("the lock is gone (test)")
 
 
 def vm_object(finalizers: list[str]) -> dict[str, Any]:
@@ -334,7 +312,7 @@ EXPECTED: dict[type[d.Action], dict[str, Expect]] = {
 }
 
 
-def _turn(fake: FakeCluster, authority: CountedAuthority,
+def _turn(fake: FakeCluster, authority: CountingAuthority,
           steps: list[tuple[str, str]], ending: bool = False) -> Outcome:
     """One key's turn through the shipped handler, read directly."""
     handler = Handler(
@@ -382,7 +360,7 @@ def test_each_answer_to_each_action_ends_the_turn_as_the_contract_says(
     assert isinstance(d.decide(snap.obs), kind), d.decide(snap.obs)
 
     before = fake.count(scenario.call)
-    authority = CountedAuthority()
+    authority = CountingAuthority(token=5)
     if answer == "fence_lost":
         authority.lose_at = 2  # the reconcile's first check passes; the write's does not
     elif answer == "fenced_out":
@@ -416,7 +394,7 @@ def test_an_authority_lost_while_the_term_ends_drops_the_key(kind: type[d.Action
     scenario.prepare(fake)
     before = fake.count(scenario.call)
     steps: list[tuple[str, str]] = []
-    outcome = _turn(fake, CountedAuthority(lose_at=2), steps, ending=True)
+    outcome = _turn(fake, CountingAuthority(token=5, lose_at=2), steps, ending=True)
     assert outcome.kind == "dropped", outcome
     assert steps == [] and fake.count(scenario.call) == before
     assert not scenario.effect(fake)
