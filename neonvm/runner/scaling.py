@@ -353,8 +353,16 @@ class FenceStore:
 # ---- QMP: what is plugged, and converging to a target ------------------------------------------
 
 
+def _cpu_ids(cpus: list[dict[str, Any]]) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """The qom-path and the ``cpu-index`` (its ACPI slot) of each vCPU
+    ``query-cpus-fast`` lists, in its order."""
+    return (tuple(str(c.get("qom-path") or "") for c in cpus),
+            tuple(int(c.get("cpu-index", -1)) for c in cpus))
+
+
 async def query_size(qmp: QMPClient, limits: ScaleLimits) -> QemuSize:
     cpus = await qmp.execute("query-cpus-fast")
+    cpu_paths, cpu_indexes = _cpu_ids(cpus)
     devices = await qmp.execute("query-memory-devices")
     dimms = tuple(str(d["data"].get("id") or "") for d in devices
                   if d.get("type") == "dimm" and "data" in d)
@@ -362,8 +370,7 @@ async def query_size(qmp: QMPClient, limits: ScaleLimits) -> QemuSize:
     boot = limits.min_slots * limits.slot_bytes
     return QemuSize(vcpus=len(cpus), memory_slots=limits.min_slots + len(dimms),
                     memory_bytes=boot + plugged, dimms=dimms,
-                    cpu_paths=tuple(str(c.get("qom-path") or "") for c in cpus),
-                    cpu_indexes=tuple(int(c.get("cpu-index", -1)) for c in cpus))
+                    cpu_paths=cpu_paths, cpu_indexes=cpu_indexes)
 
 
 class Removals:
@@ -550,9 +557,7 @@ async def converge_cpus(qmp: QMPClient, target: int, deadline: float,
     elif len(plugged) > target:
         leaving = [str(s["qom-path"]) for s in plugged[target:]]
         if removals is not None:
-            cpus = await qmp.execute("query-cpus-fast")
-            removals.learn_cpus(tuple(str(c.get("qom-path") or "") for c in cpus),
-                                tuple(int(c.get("cpu-index", -1)) for c in cpus))
+            removals.learn_cpus(*_cpu_ids(await qmp.execute("query-cpus-fast")))
         for path in leaving:
             await _unplug(qmp, path, removals)
 
