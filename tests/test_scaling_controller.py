@@ -244,6 +244,12 @@ class RefusingRunner:
         import threading
 
         self.puts = 0
+        self.gets = 0
+        self.size: dict[str, Any] = {"vcpus": 1, "memorySlots": 1, "memoryBytes": GIB}
+        """What GET /scale reports QEMU has (a test may change it: a PUT landed)."""
+        self.fence: dict[str, int] = {"epoch": 0, "token": 0, "seq": 0}
+        self.pod_uid: str | None = None
+        """The pod it says it runs in (GET /scale's podUid); None: not said."""
         answer = answer or {"error": f"refused ({code})"}
         if reason:
             answer["reason"] = reason
@@ -262,9 +268,9 @@ class RefusingRunner:
                 self.wfile.write(body)
 
             def do_GET(self) -> None:
+                outer.gets += 1
                 self._answer(200, {"mode": "QmpScaling", "lastApplied": {
-                    "fence": {"epoch": 0, "token": 0, "seq": 0}},
-                    "qemu": {"vcpus": 1, "memorySlots": 1, "memoryBytes": GIB}})
+                    "fence": outer.fence}, "qemu": outer.size, "podUid": outer.pod_uid})
 
             def do_PUT(self) -> None:
                 outer.puts += 1
@@ -416,3 +422,47 @@ def test_a_late_older_plan_never_puts_its_size_back_on_the_pod(
     scaling._tell_kubernetes(vm, view, GIB, plan(3, 1), logger)  # newer: taken
     assert json.loads(annotations()[USAGE_ANNOTATION]) == {"cpu": "1", "memory": "1Gi"}
     assert annotations()[SCALE_FENCE_ANNOTATION] == "1,10,3"
+
+
+def test_a_put_that_lands_after_its_plan_was_dropped_is_adopted_into_status(
+        api: client.ApiClient, controller_api: client.ApiClient, namespace: str) -> None:
+    # Review S5: plan #1 (2 vCPUs, 2 slots) is dropped because the controller cannot get
+    # the token (ScalingDisabled: no new plan for this spec). A PUT of plan #1 sent before
+    # (by a deposed leader, or this controller's own request that timed out) then lands:
+    # the guest has 2/2. Status must come to say so; before the fix nobody looked again.
+    runner = RefusingRunner(200)
+    try:
+        reconciler = _running_on(runner, api, controller_api, namespace, "late",
+                                 token_sync_seconds=3600.0)
+        key = f"{namespace}/late"
+        (pod,) = runner_pods(api, namespace, "late")
+        runner.pod_uid = pod.metadata.uid
+        raw = get_vm(api, namespace, "late")
+        assert raw is not None
+        client.CoreV1Api(api).delete_namespaced_secret(raw["status"]["scalingTokenSecret"],
+                                                       namespace)
+        gets = runner.gets
+        set_use(api, namespace, "late", 2, 2)
+        assert isinstance(settle(reconciler, key, OLD).action, d.Done)
+        status = status_of(api, namespace, "late")
+        scaling = next(c for c in status["conditions"] if c["type"] == "Scaling")
+        assert (scaling["status"], scaling["reason"]) == ("False", d.SCALING_DISABLED)
+        assert (status["cpus"], status["memorySize"], status["scaleSeq"]) == (1, "1Gi", 1)
+        assert runner.puts == 0 and runner.gets > gets  # looked at after the drop
+        # The late PUT of plan #1 lands.
+        runner.fence = {"epoch": OLD.epoch, "token": OLD.token, "seq": 1}
+        runner.size = {"vcpus": 2, "memorySlots": 2, "memoryBytes": 2 * GIB}
+        assert isinstance(settle(reconciler, key, OLD).action, d.Done)
+        status = status_of(api, namespace, "late")
+        assert (status["cpus"], status["memorySize"]) == (2, "2Gi"), status
+        assert "pendingScale" not in status and status["scaleSeq"] == 1, status
+        scaling = next(c for c in status["conditions"] if c["type"] == "Scaling")
+        assert scaling["reason"] == d.SCALING_DISABLED, scaling  # still refused for it
+        # A runner that does not name the pod (another pod at a reused IP) is not adopted.
+        runner.pod_uid = "some-other-pod"
+        runner.size = {"vcpus": 1, "memorySlots": 1, "memoryBytes": GIB}
+        settle(reconciler, key, OLD)
+        status = status_of(api, namespace, "late")
+        assert (status["cpus"], status["memorySize"]) == (2, "2Gi"), status
+    finally:
+        runner.close()

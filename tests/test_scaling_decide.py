@@ -450,3 +450,55 @@ def test_a_changed_memory_slot_size_is_not_scaled_live_but_needs_a_restart() -> 
     # The slot size back to the pod's: planning resumes.
     v.spec.guest.memory_slot_size = "1Gi"
     assert not isinstance(d.decide(obs(v, pod=pod)), d.DropScale)
+
+
+def test_a_put_that_lands_after_its_plan_was_dropped_is_adopted_into_status() -> None:
+    # Review S5: plan #1 (2 vCPUs, 2 slots) was refused and dropped (ScalingDisabled); a
+    # PUT of it sent before (a deposed leader's, or our own that timed out) lands later
+    # and the guest has 2/2. For LATE_PUT_SECONDS after the drop the runner is looked at
+    # and what it reports (settled, from the committed pod itself) goes into status.
+    import datetime as dt
+
+    from neonvm.api.types import Condition
+
+    dropped_at = dt.datetime(2026, 1, 1, 12, 0, 0, tzinfo=dt.UTC)
+    v = vm(cpus_use=2, slots_use=2, scale_seq=1)
+    v.status.conditions.append(Condition(
+        type=d.SCALING_CONDITION, status="False", reason=d.SCALING_DISABLED,  # type: ignore[arg-type]
+        message="dropped", observed_generation=2,
+        last_transition_time=d.format_rfc3339(dropped_at)))
+    landed = dataclasses.replace(view((3, 40, 1), 2, 2), answered_uid="uid-1")
+
+    def at(seconds: float, runner: d.RunnerView | None) -> d.Action:
+        return d.decide(dataclasses.replace(
+            obs(v, runner=runner), now=dropped_at + dt.timedelta(seconds=seconds)))
+
+    assert d.looks_after_drop(v, dropped_at + dt.timedelta(seconds=10))
+    assert not d.looks_after_drop(v, dropped_at + dt.timedelta(seconds=d.LATE_PUT_SECONDS))
+    action = at(10, landed)
+    assert action == d.CommitScale(seq=1, vcpus=2, memory_bytes=2 * GIB, adopt=True,
+                                   pod_uid="uid-1", reason=action.reason)
+    # Not from a runner that does not name the committed pod (a reused IP), nor one
+    # with a removal pending, nor after the window; refused for this generation: no plan.
+    for runner in (dataclasses.replace(landed, answered_uid=None),
+                   dataclasses.replace(landed, answered_uid="uid-9"),
+                   dataclasses.replace(landed, pending_removals=("dimm-slot1",))):
+        assert isinstance(at(10, runner), d.Done), runner
+    assert isinstance(at(d.LATE_PUT_SECONDS + 1, landed), d.Done)
+    # The write: what the runner reported, the condition (the refusal) kept; refused
+    # when a plan was made since the observation, or the pod was replaced.
+    new = status_mutation(action, LEASE)(v)
+    assert new is not None and (new.cpus, new.memory_size) == (MilliCPU(2000), "2Gi")
+    assert new.pending_scale is None and new.phase == "Running"
+    (cond,) = [c for c in new.conditions if c.type == d.SCALING_CONDITION]
+    assert cond.reason == d.SCALING_DISABLED
+    assert status_mutation(action, LEASE)(vm(scale_seq=2)) is None
+    replaced = vm(scale_seq=1)
+    replaced.status.pod_uid = "uid-2"
+    assert status_mutation(action, LEASE)(replaced) is None
+    # A VM whose last plan was committed (or never planned) is not looked at.
+    done = vm(scale_seq=1)
+    done.status.conditions.append(Condition(
+        type=d.SCALING_CONDITION, status="False", reason="ScalingDone",  # type: ignore[arg-type]
+        message="", last_transition_time=d.format_rfc3339(dropped_at)))
+    assert not d.looks_after_drop(done, dropped_at) and not d.looks_after_drop(vm(), None)

@@ -112,6 +112,11 @@ class RunnerView:
     pending_removals: tuple[str, ...] = ()
     """Devices the runner sent ``device_del`` for that QEMU still lists: the guest may
     eject them at any time, so the size above is not settled (nothing is committed)."""
+    answered_uid: str | None = None
+    """The pod uid the runner says it runs in (``GET /scale``'s ``podUid``, from its
+    downward API); None: not said (a runner from before it did). A size is adopted
+    without a plan only from a runner that names the committed pod (a reused IP's answer
+    is another pod's)."""
 
 
 @dataclass(frozen=True)
@@ -134,7 +139,8 @@ class Observation:
     missing, not looked up, or the controller may not look."""
     runner: RunnerView | None = None
     """What the committed pod's runner answered on ``GET /scale``; asked only while a
-    scaling plan is recorded (None: not asked, or no answer: see ``runner_error``)."""
+    scaling plan is recorded or for :data:`LATE_PUT_SECONDS` after one was dropped
+    (:func:`looks_after_drop`) (None: not asked, or no answer: see ``runner_error``)."""
     runner_error: str | None = None
     """Why the runner could not be asked (unreachable, no token); None: asked, or not."""
 
@@ -330,13 +336,22 @@ class ApplyScale(Action):
 class CommitScale(Action):
     """The runner reports the plan's fence applied and the plan's size reached: CAS
     {cpus, memorySize: what it reported, pendingScale: none, phase Running} if the plan
-    is still number ``seq``."""
+    is still number ``seq``.
+
+    With ``adopt`` (no plan recorded, shortly after one was dropped): the runner of the
+    committed pod ``pod_uid`` reports a settled size other than status says (a PUT of
+    the dropped plan landed after the drop): CAS {cpus, memorySize: what it reported}
+    if no plan is recorded, ``scaleSeq`` is still ``seq`` (no plan was made since the
+    observation) and the committed pod is still ``pod_uid``; the Scaling condition is
+    left as it is."""
 
     step: ClassVar[str] = "commit_scale"
 
     seq: int = 0
     vcpus: int = 0
     memory_bytes: int = 0
+    adopt: bool = False
+    pod_uid: str = ""
 
 
 @dataclass(frozen=True)
@@ -370,6 +385,19 @@ SCALING_DISABLED = "ScalingDisabled"
 """Scaling condition reason: the controller cannot get the VM's scaling token (no RBAC
 on Secrets, ``rbac.liveScaling=false``; the Secret missing or not the controller's)."""
 SCALING_REFUSED = frozenset({SCALING_NEEDS_RESTART, SCALING_DISABLED})
+SCALING_DROPPED = "ScalingDropped"
+"""Scaling condition reason: a plan was dropped to be planned again (the runner applied a
+newer fence, or the plan was for another pod)."""
+DROP_REASONS = SCALING_REFUSED | {SCALING_DROPPED}
+"""Scaling=False reasons that say the last plan was dropped rather than committed: a
+``PUT /scale`` of it sent before the drop may still land (:func:`looks_after_drop`)."""
+LATE_PUT_SECONDS = 300.0
+"""How long after a plan was dropped the committed pod's runner is still looked at
+(``GET /scale``), and a size it reports adopted into status. A ``PUT /scale`` the
+runner received changes the guest at most about 130 s later (it waits up to 60 s for
+the request lock, then applies within 60 s + 10 s); the rest is for a request sent just
+before the drop and delivered late, and for the VM's periodic reconcile (30 s) to look
+once after the last such landing."""
 
 
 def scale_fence(plan: PendingScale) -> tuple[int, int, int]:
@@ -399,6 +427,25 @@ def status_size(vm: VirtualMachine) -> tuple[int, int] | None:
     if slot <= 0 or memory % slot:
         return None
     return s.cpus.rounded_up(), memory // slot
+
+
+def looks_after_drop(vm: VirtualMachine, now: dt.datetime | None) -> bool:
+    """Whether the committed pod's runner is to be looked at although no plan is
+    recorded: the last plan was dropped (Scaling=False with a :data:`DROP_REASONS`
+    reason) less than :data:`LATE_PUT_SECONDS` ago (by the condition's
+    lastTransitionTime and this replica's clock; ``now`` None: always). A ``PUT /scale``
+    of the dropped plan sent earlier (by a deposed leader, or this controller's own
+    request that timed out) may still change the guest; nobody would look otherwise."""
+    s = vm.status
+    if s.pending_scale is not None or not s.pod_name:
+        return False
+    cond = next((c for c in s.conditions if c.type == SCALING_CONDITION), None)
+    if cond is None or cond.status != "False" or cond.reason not in DROP_REASONS:
+        return False
+    if now is None:
+        return True
+    at = parse_rfc3339(cond.last_transition_time)
+    return at is not None and (_utc(now) - at).total_seconds() < LATE_PUT_SECONDS
 
 
 def performed_actions() -> tuple[type[Action], ...]:
@@ -676,6 +723,9 @@ def _decide_scaling(obs: Observation, vm: VirtualMachine, pod: PodView) -> Actio
                                             f"{plan.memory_slots} memory slots")
     if pod.phase != "Running" or not pod.ip:
         return None
+    adopt = _adopt_runner_size(obs, vm, pod)
+    if adopt is not None:
+        return adopt
     have, want = status_size(vm), desired_size(vm)
     if have is None or have == want:
         return None
@@ -685,6 +735,35 @@ def _decide_scaling(obs: Observation, vm: VirtualMachine, pod: PodView) -> Actio
         return None  # refused for this spec: the condition says why; a new spec tries again
     return _plan_scale(obs, vm, pod, want, f"spec asks for {want[0]} vCPUs, {want[1]} "
                                            f"memory slots; {pod.name} has {have[0]}, {have[1]}")
+
+
+def _adopt_runner_size(obs: Observation, vm: VirtualMachine,
+                       pod: PodView) -> CommitScale | None:
+    """No plan recorded, shortly after one was dropped (:func:`looks_after_drop`): the
+    committed pod's runner, naming that pod, reports a settled size (no removal
+    pending) other than status says. Status adopts it: it is what the guest has, and a
+    ``PUT /scale`` of the dropped plan that landed after the drop is the only way it got
+    there (nothing else changes the guest without a plan). None: nothing to adopt."""
+    from neonvm.runner.quantity import QuantityError, parse_bytes
+
+    runner = obs.runner
+    if (runner is None or runner.pod_uid != pod.uid or runner.answered_uid != pod.uid
+            or runner.pending_removals or not looks_after_drop(vm, obs.now)):
+        return None
+    s = vm.status
+    try:
+        memory = parse_bytes(s.memory_size) if s.memory_size is not None else None
+    except QuantityError:
+        memory = None
+    cpus = s.cpus.rounded_up() if s.cpus is not None else None
+    if (cpus, memory) == (runner.vcpus, runner.memory_bytes):
+        return None
+    return CommitScale(seq=s.scale_seq, vcpus=runner.vcpus,
+                       memory_bytes=runner.memory_bytes, adopt=True, pod_uid=pod.uid,
+                       reason=f"no plan recorded, plan #{s.scale_seq} dropped lately; the "
+                              f"runner of {pod.name} reports {runner.vcpus} vCPUs, "
+                              f"{runner.memory_bytes} bytes (status says {s.cpus}, "
+                              f"{s.memory_size}): adopted")
 
 
 def _slot_size_changed(vm: VirtualMachine, pod: PodView) -> Action | None:

@@ -213,10 +213,22 @@ def status_mutation(action: d.Action, lease: d.Fence) -> StatusMutation:
     def commit_scale(vm: VirtualMachine) -> VirtualMachineStatus | None:
         assert isinstance(action, d.CommitScale)
         s = vm.status
-        if s.pending_scale is None or s.pending_scale.seq != action.seq:
-            return None
         from neonvm.runner.quantity import format_bytes
 
+        if action.adopt:
+            # No plan: what the runner reported after a drop, unless a plan was made
+            # since the observation or the pod was replaced.
+            if (s.pending_scale is not None or s.scale_seq != action.seq
+                    or not s.pod_uid or s.pod_uid != action.pod_uid
+                    or s.phase not in ("Running", "Scaling")
+                    or vm.deletion_timestamp is not None):
+                return None
+            new = _fresh_status(vm, lease)
+            new.cpus = MilliCPU(action.vcpus * 1000)
+            new.memory_size = format_bytes(action.memory_bytes)
+            return new
+        if s.pending_scale is None or s.pending_scale.seq != action.seq:
+            return None
         new = _fresh_status(vm, lease)
         new.cpus = MilliCPU(action.vcpus * 1000)
         new.memory_size = format_bytes(action.memory_bytes)
@@ -237,7 +249,7 @@ def status_mutation(action: d.Action, lease: d.Fence) -> StatusMutation:
             return None
         generation = s.pending_scale.generation
         new = _fresh_status(vm, lease)
-        _scale_done(new, vm, action.refused or "ScalingDropped",
+        _scale_done(new, vm, action.refused or d.SCALING_DROPPED,
                     f"scaling plan #{action.seq} dropped: {action.reason}")
         if action.refused:  # refused for the spec the plan was made for
             cond = next(c for c in new.conditions if c.type == d.SCALING_CONDITION)

@@ -11,7 +11,8 @@
   (``NEONVM_SCALING_TOKEN_FILE``). The controller reads it again whenever it calls the
   runner. A Secret of that name that the VM does not own is never used.
 * **The runner.** ``http://<pod IP>:<runnerPort>``: ``GET /scale`` (no token: read-only)
-  while a plan is recorded, to see the fence it applied and the size it has; ``PUT
+  while a plan is recorded, and for a while after one was dropped, to see the fence it
+  applied and the size it has; ``PUT
   /scale`` with the plan's size and fence ``{epoch, token, seq}`` and the bearer token.
 * **Kubernetes.** After the runner applied a size, the pod's ``vm.neon.tech/usage``
   annotation (NeonVM's name and JSON shape: ``{"cpu", "memory"}``) carries it, and the
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import datetime as dt
 import json
 import secrets
 import threading
@@ -244,14 +246,18 @@ class RunnerScaling:
     # ---- the runner --------------------------------------------------------------------
 
     def observe(self, snap: Snapshot) -> Snapshot:
-        """``snap`` with the runner's ``GET /scale`` answer, when a plan is recorded and the
-        committed pod runs; otherwise ``snap`` itself."""
+        """``snap`` with the runner's ``GET /scale`` answer, when the committed pod runs
+        and a plan is recorded, or one was dropped lately (:func:`decide.looks_after_drop
+        <neonvm.controller.decide.looks_after_drop>`: a PUT of it may still land);
+        otherwise ``snap`` itself. A VM at its size is not looked at."""
         obs = snap.obs
         vm = obs.vm
         if vm is not None:
             plan = vm.status.pending_scale
             self._forget_refusals(vm.uid, keep=plan.pod_uid if plan is not None else None)
-        if vm is None or vm.status.pending_scale is None or vm.deletion_timestamp is not None:
+        if vm is None or vm.deletion_timestamp is not None or (
+                vm.status.pending_scale is None and not d.looks_after_drop(
+                    vm, obs.now if obs.now is not None else dt.datetime.now(dt.UTC))):
             return snap
         pod = obs.pod(vm.status.pod_name)
         if pod is None or pod.phase != "Running" or not pod.ip or pod.gated:
@@ -282,7 +288,8 @@ class RunnerScaling:
                             memory_slots=int(qemu["memorySlots"]),
                             memory_bytes=int(qemu["memoryBytes"]),
                             pending_removals=tuple(str(r) for r in
-                                                   doc.get("pendingRemovals") or ()))
+                                                   doc.get("pendingRemovals") or ()),
+                            answered_uid=str(doc["podUid"]) if doc.get("podUid") else None)
 
     def apply(self, action: d.ApplyScale, snap: Snapshot, log: Any) -> str:
         """``PUT /scale`` for the recorded plan; "done" when the runner reached it."""

@@ -702,6 +702,11 @@ class Scaler:
         """Devices whose removal the guest refused (from QMP events, the QMP loop only)."""
         self._log = logger.bind(component="scaling")
 
+    @property
+    def pod_uid(self) -> str | None:
+        """The uid of the pod this runner runs in (None: not given)."""
+        return self._pod_uid
+
     # ---- wiring (supervisor) -----------------------------------------------------------
 
     def attach(self, loop: asyncio.AbstractEventLoop, qmp: QMPClient) -> None:

@@ -117,6 +117,9 @@ class _Handler(BaseHTTPRequestHandler):
                        "maxMemorySlots": scaler.limits.max_slots,
                        "memorySlotBytes": scaler.limits.slot_bytes},
             "lastApplied": last.as_json() if last is not None else None,
+            # The pod this runner runs in (downward API): the controller adopts a size
+            # only from the runner of the pod it means, not from a reused IP's.
+            "podUid": scaler.pod_uid,
             # Removals started and not finished: the guest may still eject these, so the
             # size above is not settled (the controller commits none while any is left).
             "pendingRemovals": scaler.pending_removals(size),
