@@ -116,3 +116,32 @@ def test_a_refusal_misread_while_the_eject_is_in_flight_lets_an_older_size_land_
     assert report.violation is not None and report.violation.property == "order", report
     assert any("_OST 0x84" in step for step in report.trace), report.trace
     assert report.trace[-1] == "the guest finishes the pending unplug", report.trace
+
+
+@pytest.mark.unit
+def test_a_put_landing_after_its_plan_was_dropped_is_adopted_into_status() -> None:
+    # Review S5: ApplyScale may be refused for good once (no token: the plan is dropped,
+    # ScalingDisabled, no new plan for that spec) and a PUT may time out at its sender
+    # while still on its way (it lands at any later step). Wherever the dropped plan's
+    # PUT lands (a deposed leader's held one, a stale read's, the timed-out one), status
+    # must come to say what the guest has.
+    world = initial_world(restarts=0, crashes=0, refusals=1, timeouts=1)
+    report = explore_scaling(world)
+    print(f"scaling explorer, refusals and late PUTs: {report.states} states, "
+          f"{report.transitions} transitions")
+    assert report.violation is None, (report.violation, report.trace)
+    assert report.complete and report.states > 1000
+    # The same world without the adoption (review S5's code): status stays behind.
+    broken = explore_scaling(world, mutants=Mutants(no_adoption=True))
+    assert broken.violation is not None, broken
+    assert broken.violation.property == "convergence", broken.violation
+    assert any("refused for good" in step for step in broken.trace), broken.trace
+    # One leader, no stale reads: the PUT that lands late is its own timed-out one.
+    alone = world._replace(workers=world.workers[:1])
+    late = explore_scaling(alone, lag=0, mutants=Mutants(no_adoption=True))
+    print(f"no_adoption: {broken.states} states to the first violation, "
+          f"{len(broken.trace)} steps; one leader: {late.states} states, "
+          f"{len(late.trace)} steps: {late.trace}")
+    assert late.violation is not None, late
+    assert any("times out" in step for step in late.trace), late.trace
+    assert any("a late PUT" in step for step in late.trace), late.trace

@@ -53,6 +53,7 @@ from typing import Any, NamedTuple
 from neonvm.api.millicpu import MilliCPU
 from neonvm.api.types import (
     FINALIZER,
+    Condition,
     CPURange,
     Fence,
     Guest,
@@ -104,6 +105,10 @@ class VMRep(NamedTuple):
     restarts: int
     pending_pod: tuple[str, int, int, int, int] | None = None
     """(name, planSeq, token, epoch, generation) of a created pod not yet committed."""
+    dropped: tuple[str, int] | None = None
+    """The Scaling condition when it says the last plan was dropped (False, a
+    :data:`~neonvm.controller.decide.DROP_REASONS` reason): (reason, observedGeneration).
+    Other Scaling conditions change no decision and are not kept."""
 
 
 class Runner(NamedTuple):
@@ -148,6 +153,15 @@ class World(NamedTuple):
     created: tuple[str, str, Size] | None = None
     """A replacement pod created (its runner up, its guest booted at the size it was built
     with) and not yet committed: (name, uid, built size)."""
+    refusals_left: int = 0
+    """``ApplyScale`` may be refused for good this many more times (the controller cannot
+    get the token: the shipped driver's DropScale with ``ScalingDisabled``)."""
+    timeouts_left: int = 0
+    """A ``PUT /scale`` may time out at its sender this many more times: the sender gives
+    up (and may retry, or drop the plan), the request is still on its way."""
+    late: tuple[tuple[Any, ...], ...] = ()
+    """``PUT /scale`` requests whose sender gave up on them, still on their way: each
+    lands at any later step (or never)."""
 
 
 @dataclass(frozen=True)
@@ -164,6 +178,9 @@ class Mutants:
     no_supersede: bool = False
     """A recorded plan is never superseded: a new plan waits until it is committed or
     dropped."""
+    no_adoption: bool = False
+    """After a plan is dropped, the controller never adopts the size the runner reports
+    (review S5's code): a PUT of the dropped plan landing later leaves status behind."""
     removal_counts_as_present: bool = False
     """The runner keeps no record of the unplugs it started: a DIMM whose removal is
     still pending counts as plugged (a newer plan asking for it back is answered at
@@ -208,6 +225,11 @@ def to_vm(r: VMRep) -> VirtualMachine:
         pending_pod=PendingPod(name=r.pending_pod[0], plan_seq=r.pending_pod[1],
                                token=r.pending_pod[2], epoch=r.pending_pod[3],
                                generation=r.pending_pod[4]) if r.pending_pod else None)
+    if r.dropped is not None:
+        status.conditions.append(Condition(
+            type=d.SCALING_CONDITION, status="False",
+            reason=r.dropped[0], message="", observed_generation=r.dropped[1],
+            last_transition_time="2026-01-01T00:00:00Z"))
     return VirtualMachine(name="vm", namespace="ns", uid=UID, resource_version="1",
                           generation=r.generation, spec=spec, status=status,
                           finalizers=[FINALIZER])
@@ -218,6 +240,9 @@ def from_vm(vm: VirtualMachine, use: Size) -> VMRep:
     p = s.pending_scale
     pp = s.pending_pod
     size = d.status_size(vm)
+    cond = next((c for c in s.conditions if c.type == d.SCALING_CONDITION), None)
+    dropped = ((cond.reason, cond.observed_generation or 0) if cond is not None
+               and cond.status == "False" and cond.reason in d.DROP_REASONS else None)
     return VMRep(
         use=use, generation=vm.generation, phase=s.phase or "Pending", pod=s.pod_name or "",
         pod_uid=s.pod_uid or "", plan_seq=s.plan_seq,
@@ -225,7 +250,8 @@ def from_vm(vm: VirtualMachine, use: Size) -> VMRep:
         pending=(p.cpus, p.memory_slots, p.seq, p.epoch, p.token, p.pod_name, p.pod_uid,
                  p.generation) if p else None,
         scale_seq=s.scale_seq, restarts=s.restart_count,
-        pending_pod=(pp.name, pp.plan_seq, pp.token, pp.epoch, pp.generation) if pp else None)
+        pending_pod=(pp.name, pp.plan_seq, pp.token, pp.epoch, pp.generation) if pp else None,
+        dropped=dropped)
 
 
 def _freeze(action: d.Action) -> tuple[Any, ...]:
@@ -284,7 +310,7 @@ class ScalingModel:
                         terminating=False, phase="Running", node="n1", ip=IP,
                         fence=(1, 10))
         runner = None
-        if seen.pending is not None:
+        if seen.pending is not None or d.looks_after_drop(vm, None):
             r = w.runner
             last = self._last(r)
             runner = d.RunnerView(
@@ -292,11 +318,14 @@ class ScalingModel:
                 fence=(last.fence.epoch, last.fence.token, last.fence.seq) if last else None,
                 vcpus=r.guest[0], memory_slots=r.guest[1], memory_bytes=r.guest[1] << 30,
                 pending_removals=("dimm",) if r.removing is not None and r.recorded
-                and not self.mutants.removal_counts_as_present else ())
+                and not self.mutants.removal_counts_as_present else (),
+                answered_uid=r.pod_uid)  # the runner that answers names its own pod
         obs = d.Observation(vm=vm, pods=(pod,), lease=d.Fence(x.epoch, x.token),
                             direct=seen == w.vm, runner=runner)
         action = d.decide(obs)
         if isinstance(action, d.Done | d.Wait | d.ObserveDirect | d.Fenced):
+            return None
+        if self.mutants.no_adoption and isinstance(action, d.CommitScale) and action.adopt:
             return None
         if self.mutants.no_supersede and isinstance(action, d.PlanScale) and seen.pending:
             return _freeze(d.ApplyScale(plan=to_vm(seen).status.pending_scale or PendingScale()))
@@ -318,17 +347,48 @@ class ScalingModel:
         if type(action).__name__ in RUNNER_CALLS:
             assert isinstance(action, d.ApplyScale)
             return self._put(done, action.plan)
+        return self._status_write(done, i, action), None
+
+    def _status_write(self, w: World, i: int, action: d.Action) -> World:
+        """The worker ``i``'s status write for ``action`` (the conflict helper's: the
+        shipped mutation on the current VM); a fence ahead stops the worker."""
+        x = w.workers[i]
         mutate = mutations.status_mutation(action, d.Fence(x.epoch, x.token))
         try:
             new = mutate(copy.deepcopy(to_vm(w.vm)))
         except mutations.FencedOut:
-            return done._replace(workers=_set(done.workers, i, x._replace(
-                held=None, stopped=True))), None
+            return w._replace(workers=_set(w.workers, i, x._replace(held=None, stopped=True)))
         if new is None:
-            return done, None
+            return w
         vm = to_vm(w.vm)
         vm.status = new
-        return _write(done, from_vm(vm, w.vm.use), self.lag), None
+        return _write(w, from_vm(vm, w.vm.use), self.lag)
+
+    def refused(self, w: World, i: int) -> World:
+        """The worker's ``ApplyScale`` is refused for good before any PUT (it cannot get
+        the token: the shipped driver drops the plan, ``ScalingDisabled``)."""
+        x = w.workers[i]
+        assert x.held is not None
+        action = _thaw(x.held)
+        assert isinstance(action, d.ApplyScale)
+        done = w._replace(workers=_set(w.workers, i, x._replace(held=None)),
+                          refusals_left=w.refusals_left - 1)
+        return self._status_write(done, i, d.DropScale(seq=action.plan.seq,
+                                                       refused=d.SCALING_DISABLED))
+
+    def timed_out(self, w: World, i: int) -> World:
+        """The worker's ``PUT /scale`` times out at the worker (it will decide again),
+        while the request is still on its way to the runner (:attr:`World.late`)."""
+        x = w.workers[i]
+        assert x.held is not None
+        return w._replace(workers=_set(w.workers, i, x._replace(held=None)),
+                          timeouts_left=w.timeouts_left - 1, late=(*w.late, x.held))
+
+    def land(self, w: World, k: int) -> tuple[World, Violation | None]:
+        """The late request ``k`` reaches the runner."""
+        action = _thaw(w.late[k])
+        assert isinstance(action, d.ApplyScale)
+        return self._put(w._replace(late=(*w.late[:k], *w.late[k + 1:])), action.plan)
 
     def _put(self, w: World, plan: PendingScale) -> tuple[World, Violation | None]:
         r = w.runner
@@ -471,6 +531,12 @@ class ScalingModel:
             else:
                 new, violation = self.perform(w, i)
                 yield f"w{i} performs {x.held[0]}", new, violation
+                if x.held[0] in RUNNER_CALLS and w.refusals_left:
+                    yield (f"w{i} performs {x.held[0]}: refused for good (no token)",
+                           self.refused(w, i), None)
+                if x.held[0] in RUNNER_CALLS and w.timeouts_left:
+                    yield (f"w{i} performs {x.held[0]}: times out, the PUT still on its way",
+                           self.timed_out(w, i), None)
                 if w.crashes_left:
                     yield (f"w{i} crashes", w._replace(
                         workers=_set(w.workers, i, x._replace(held=None)),
@@ -480,6 +546,9 @@ class ScalingModel:
                 yield (f"failover: w{i} leads (epoch {x.epoch})",
                        w._replace(workers=_set(w.workers, i, x._replace(active=True))), None)
                 break
+        for k, late in enumerate(w.late):
+            new, violation = self.land(w, k)
+            yield f"a late PUT of plan #{late[1][1][2]} lands", new, violation
         if w.spec_changes:
             use, rest = w.spec_changes[0], w.spec_changes[1:]
             vm = w.vm._replace(use=use, generation=w.vm.generation + 1)
@@ -509,8 +578,10 @@ class ScalingModel:
                         for j, x in enumerate(w.workers))
         # The calm run reads only the current VM, so states that differ in what the
         # stopped workers held, the read history or the faults left share one calm run.
+        # Late requests that have not landed do not land during it: the states where they
+        # landed are explored (and their calm runs checked) in their own right.
         s = w._replace(workers=workers, history=(), spec_changes=(), restarts_left=0,
-                       crashes_left=0)
+                       crashes_left=0, refusals_left=0, timeouts_left=0, late=())
         if s in self._calm:
             return self._calm[s]
         self._calm[s] = verdict = self._calm_run(s, i, max_steps)
@@ -538,6 +609,15 @@ class ScalingModel:
                 return Violation("convergence", f"the guest refuses unplugs; calm run ends "
                                                 f"with plan {p}, not one for {want}")
             return None
+        if s.vm.dropped is not None and s.vm.dropped[0] in d.SCALING_REFUSED and (
+                s.vm.dropped[1] == s.vm.generation):
+            # Refused for this spec: no plan until it changes; status must say what the
+            # guest has (whatever a late PUT left it at).
+            if (s.vm.size, s.vm.pending) != (s.runner.guest, None):
+                return Violation("convergence", f"refused for this spec; calm run ends "
+                                                f"with guest {s.runner.guest}, status "
+                                                f"{s.vm.size}, plan {s.vm.pending}")
+            return None
         if (s.runner.guest, s.vm.size, s.vm.pending) != (want, want, None):
             return Violation("convergence", f"calm run ends with guest {s.runner.guest}, "
                                             f"status {s.vm.size}, plan {s.vm.pending}; "
@@ -556,7 +636,7 @@ def _write(w: World, vm: VMRep, lag: int) -> World:
 
 
 def initial_world(spec_changes: tuple[Size, ...] = ((2, 2), (1, 1)), restarts: int = 1,
-                  crashes: int = 1) -> World:
+                  crashes: int = 1, refusals: int = 0, timeouts: int = 0) -> World:
     """A VM running at 1 vCPU, 1 slot, committed by leader 1; leader 2 not started."""
     vm = VMRep(use=(1, 1), generation=1, phase="Running", pod="vm-01234567-1",
                pod_uid="uid-1", plan_seq=1, fence=(1, 10), size=(1, 1), pending=None,
@@ -565,7 +645,8 @@ def initial_world(spec_changes: tuple[Size, ...] = ((2, 2), (1, 1)), restarts: i
                     guest=(1, 1), received=(0, (1, 1)), boot_seq=0)
     workers = (WorkerRep(1, 10, True, False, None), WorkerRep(2, 11, False, False, None))
     return World(vm=vm, history=(), runner=runner, workers=workers,
-                 spec_changes=spec_changes, restarts_left=restarts, crashes_left=crashes)
+                 spec_changes=spec_changes, restarts_left=restarts, crashes_left=crashes,
+                 refusals_left=refusals, timeouts_left=timeouts)
 
 
 @dataclass
