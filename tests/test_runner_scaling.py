@@ -177,6 +177,12 @@ class SlowEjectQMP:
         self.refusing: set[str] = set()
         self.prompt: set[str] = set()
         """Devices the guest ejects as soon as it is asked."""
+        self.deaf: dict[str, int] = {}
+        """Per device: how many more of its ``device_del`` the guest never hears (its
+        ACPI not up yet): QEMU starts the removal, no _OST, no eject."""
+        self.taking: set[str] = set()
+        """Devices whose eject request the guest takes (``_OST`` 0x84) without finishing
+        it until the test says so."""
         self.on_event: Any = None
 
     def _ost_names(self, device: str) -> dict[str, str]:
@@ -233,6 +239,13 @@ class SlowEjectQMP:
             if args["id"] in self.rejected:
                 raise QMPCommandError(f"GenericError: device_del of {args['id']} refused")
             self.removing.add(args["id"])  # the guest has not ejected it yet
+            if self.deaf.get(args["id"], 0) > 0:
+                self.deaf[args["id"]] -= 1
+                return {}  # the ACPI event is lost: the guest never hears of it
+            if args["id"] in self.taking:
+                asyncio.get_running_loop().call_soon(self.on_event, "ACPI_DEVICE_OST", {
+                    "info": {**self._ost_names(args["id"]), "source": 3,
+                             "status": 0x84}})
             if args["id"] in self.refusing:
                 self.removing.discard(args["id"])  # it stays plugged
                 for status in (0x84, 0x82):
@@ -261,12 +274,14 @@ def qmp_loop() -> Any:
 
 
 def attached_scaler(tmp_path: Path, qmp_loop: Any, qmp: SlowEjectQMP, limits: ScaleLimits,
-                    boot: ScaleTarget, request_timeout: float = 0.5) -> Scaler:
+                    boot: ScaleTarget, request_timeout: float = 0.5,
+                    **options: Any) -> Scaler:
     """A runner's scaler over ``qmp`` (a new one on the same work dir is a runner
     restarted in the same pod), with a short request timeout."""
     token = tmp_path / "token"
     token.write_text(TOKEN + "\n")
-    scaler = Scaler(tmp_path, token, limits, boot=boot, request_timeout=request_timeout)
+    scaler = Scaler(tmp_path, token, limits, boot=boot, request_timeout=request_timeout,
+                    **options)
     scaler.attach(qmp_loop, qmp)  # type: ignore[arg-type]
     qmp.on_event = scaler.on_qmp_event
     return scaler
@@ -770,3 +785,52 @@ def test_dimms_are_movable_when_boot_memory_can_carry_the_kernel(
     plan = build_launch_plan(spec_of(kernel_spec(memorySlotSize=slot, memorySlots=slots)),
                              context(tmp_path))
     assert state in (plan.kernel_cmdline or "") + " "
+
+
+def device_dels(qmp: SlowEjectQMP, device: str) -> int:
+    return sum(1 for c, a in qmp.calls if c == "device_del" and (a or {}).get("id") == device)
+
+
+@pytest.mark.parametrize("kind", ["memory", "vcpu"])
+def test_a_device_del_the_guest_never_heard_is_sent_again(kind: str, tmp_path: Path,
+                                                           qmp_loop: Any) -> None:
+    # Review scalefix2 F5: a device_del sent while the guest's ACPI is not up raises an
+    # event Linux clears at ACPI init: no _OST, no eject, and the recorded removal would
+    # hold every later plan. Without any answer from the guest it is sent again.
+    if kind == "memory":
+        limits = ScaleLimits(min_vcpus=1, max_vcpus=1, min_slots=1, max_slots=3,
+                             slot_bytes=GIB)
+        qmp = SlowEjectQMP(dimms=2)
+        device, boot, target = "dimm-slot2", ScaleTarget(1, 3), {"memorySlots": 2}
+        reached = (1, 2)
+    else:
+        limits = ScaleLimits(min_vcpus=1, max_vcpus=2, min_slots=1, max_slots=1,
+                             slot_bytes=GIB)
+        qmp = SlowEjectQMP(dimms=0, vcpus=2, max_vcpus=2)
+        device, boot, target = "/machine/unattached/device[2]", ScaleTarget(2, 1), {"cpus": 1}
+        reached = (1, 1)
+    qmp.deaf[device] = 1
+    qmp.prompt.add(device)  # it ejects as soon as it hears the request
+    scaler = attached_scaler(tmp_path, qmp_loop, qmp, limits, boot, request_timeout=5.0,
+                             resend_seconds=0.05)
+    result = put_fenced(scaler, 1, **target)
+    assert (result["qemu"]["vcpus"], result["qemu"]["memorySlots"]) == reached, result
+    assert device_dels(qmp, device) == 2
+    assert scaler.pending_removals(scaler.query()) == []
+
+
+def test_a_device_del_is_sent_again_a_bounded_number_of_times_and_not_once_heard(
+        tmp_path: Path, qmp_loop: Any) -> None:
+    limits = ScaleLimits(min_vcpus=1, max_vcpus=1, min_slots=1, max_slots=4, slot_bytes=GIB)
+    qmp = SlowEjectQMP(dimms=3)
+    qmp.deaf["dimm-slot3"] = 100  # never heard
+    qmp.taking.add("dimm-slot2")  # heard (0x84), the eject takes its time
+    scaler = attached_scaler(tmp_path, qmp_loop, qmp, limits, ScaleTarget(1, 4),
+                             request_timeout=0.3, resend_seconds=0.1, max_resends=2)
+    for _ in range(6):  # the request and its retries: 504 while both are pending
+        with pytest.raises(ScaleError) as err:
+            put_fenced(scaler, 1, memorySlots=2)
+        assert err.value.status == 504
+    assert device_dels(qmp, "dimm-slot3") == 1 + 2
+    assert device_dels(qmp, "dimm-slot2") == 1
+    assert sorted(scaler.pending_removals(scaler.query())) == ["dimm-slot2", "dimm-slot3"]

@@ -50,7 +50,9 @@ The rules, in order:
    one by its ACPI slot, its ``cpu-index``: the device stays and counts as plugged).
    Until then it answers 504 and reports nothing as applied; ``GET /scale`` lists the
    unsettled ones (``pendingRemovals``), and the controller commits no size while any
-   is left.
+   is left. A removal the guest has said nothing about (no ``_OST`` at all) for
+   :data:`RESEND_SECONDS` gets its ``device_del`` again, at most :data:`MAX_RESENDS`
+   times: one sent before the guest's ACPI was up may never have reached it.
 
 Not guaranteed: that the guest onlines what was plugged (its kernel command line or an
 agent must; see docs/runner.md, "Live scaling"), or that it can offline memory that holds
@@ -91,6 +93,14 @@ CPU_SLOT_NAME = "acpi-cpu-slot:{}"
 ``-smp`` at boot): ACPI names it only by its slot, QEMU's index of the possible CPUs,
 which is the ``cpu-index`` ``query-cpus-fast`` reports for it."""
 REMOVAL_POLL_SECONDS = 0.05
+RESEND_SECONDS = 15.0
+"""A recorded removal whose device the guest has said nothing about (no ``_OST`` for
+its eject request: not even 0x84, which Linux sends as soon as it takes one) for this
+long gets its ``device_del`` again: the first may have raised its ACPI event before the
+guest's ACPI was up, and Linux clears pending GPE bits when it brings ACPI up."""
+MAX_RESENDS = 4
+"""At most this many re-sends per ``device_del`` (a minute of a guest's boot): a guest
+that never answers holds the pod's size until the pod is replaced, as before."""
 GUEST_SIZE_PREFIX = "neonvm-guest-size:"
 _GUEST_SIZE = re.compile(
     r"^neonvm-guest-size: cpus=(?P<cpus>\d+) online=(?P<online>[0-9,\-]*) "
@@ -379,11 +389,22 @@ class Removals:
     request lock."""
 
     def __init__(self, store: FenceStore, record: AppliedFence,
-                 refused: set[str] | None = None) -> None:
+                 refused: set[str] | None = None, heard: set[str] | None = None,
+                 asks: dict[str, tuple[float, int]] | None = None,
+                 resend_seconds: float = RESEND_SECONDS,
+                 max_resends: int = MAX_RESENDS) -> None:
         self._store = store
         self.record = record
         self._refused = refused if refused is not None else set()
         """Devices the guest refused to eject (QMP events): still plugged, and settled."""
+        self._heard = heard if heard is not None else set()
+        """Devices the guest answered an eject request for (any ``_OST`` of it): it got
+        the request; re-sending it would only ask again."""
+        self._asks = asks if asks is not None else {}
+        """Per recorded removal: when its ``device_del`` was last sent (monotonic) and
+        how many times it was re-sent."""
+        self._resend_seconds = resend_seconds
+        self._max_resends = max_resends
         self._cpu_slots: dict[str, str] = {}
         """vCPU qom-path -> its :data:`CPU_SLOT_NAME` (from ``query-cpus-fast``)."""
 
@@ -412,8 +433,30 @@ class Removals:
         """Recorded *before* the ``device_del`` is sent (a refusal of an earlier one no
         longer says anything about this one)."""
         self._refused.difference_update(self._names(device))
+        self._heard.difference_update(self._names(device))
+        self._asks[device] = (time.monotonic(), 0)
         if device not in self.record.removals:
             self._write((*self.record.removals, device))
+
+    async def resend_unheard(self, qmp: QMPClient) -> None:
+        """``device_del`` again for each recorded removal the guest has said nothing
+        about for :data:`RESEND_SECONDS` (at most :data:`MAX_RESENDS` times each): the
+        request may have reached a guest whose ACPI was not up yet. A removal found on
+        record without a send time (a runner restarted in the same pod) counts from
+        now. QEMU's error or silence changes nothing: the record stays."""
+        now = time.monotonic()
+        for device in self.record.removals:
+            if self.refused(device) or any(n in self._heard for n in self._names(device)):
+                continue
+            sent, resends = self._asks.setdefault(device, (now, 0))
+            if now - sent < self._resend_seconds or resends >= self._max_resends:
+                continue
+            self._asks[device] = (now, resends + 1)
+            logger.bind(component="scaling").warning(
+                "no answer from the guest to the eject of {} for {:.0f} s: device_del "
+                "again ({} of {})", device, now - sent, resends + 1, self._max_resends)
+            with contextlib.suppress(QMPError):
+                await qmp.execute("device_del", {"id": device})
 
     def forget(self, device: str) -> None:
         """QEMU rejected the ``device_del`` just recorded: no removal started."""
@@ -454,6 +497,8 @@ async def settle_removals(qmp: QMPClient, removals: Removals, limits: ScaleLimit
 
     async def gone() -> bool:
         removals.finished(await query_size(qmp, limits))
+        if removals.pending:
+            await removals.resend_unheard(qmp)
         return not removals.pending
     await _wait_until(gone, deadline, f"the guest ejecting {', '.join(removals.pending)} "
                                       "(removals started earlier; QEMU cannot cancel them)")
@@ -484,15 +529,19 @@ async def _unplug(qmp: QMPClient, device: str, removals: Removals | None) -> Non
         pass  # no answer: the removal may have started; the wait below tells
 
 
-async def _wait_for_removals(leaving: list[str], still: Callable[[], Awaitable[set[str]]],
+async def _wait_for_removals(qmp: QMPClient, leaving: list[str],
+                             still: Callable[[], Awaitable[set[str]]],
                              deadline: float, removals: Removals | None, what: str) -> None:
     """Wait until each of ``leaving`` is gone from QEMU (``still``: what it lists) or
     refused by the guest. A refusal ends the wait at once: 504 naming the refused
     devices, which are settled (they stay plugged and count as plugged)."""
     async def settled() -> bool:
         listed = await still()
-        return all(d not in listed or (removals is not None and removals.refused(d))
+        done = all(d not in listed or (removals is not None and removals.refused(d))
                    for d in leaving)
+        if not done and removals is not None:
+            await removals.resend_unheard(qmp)
+        return done
     await _wait_until(settled, deadline, what)
     listed = await still()
     refused = (removals.take_refusals([d for d in leaving if d in listed])
@@ -564,7 +613,7 @@ async def converge_cpus(qmp: QMPClient, target: int, deadline: float,
         async def listed() -> set[str]:
             now = await qmp.execute("query-hotpluggable-cpus")
             return {str(s.get("qom-path")) for s in now if s.get("qom-path")}
-        await _wait_for_removals(leaving, listed, deadline, removals,
+        await _wait_for_removals(qmp, leaving, listed, deadline, removals,
                                  f"the guest ejecting {len(leaving)} vCPU(s)")
 
 
@@ -596,7 +645,7 @@ async def converge_memory(qmp: QMPClient, target_slots: int, limits: ScaleLimits
         if leaving:
             async def listed() -> set[str]:
                 return set((await query_size(qmp, limits)).dimms)
-            await _wait_for_removals(leaving, listed, deadline, removals,
+            await _wait_for_removals(qmp, leaving, listed, deadline, removals,
                                      f"the guest ejecting {len(leaving)} DIMM(s)")
     except asyncio.CancelledError:
         raise  # the request answered already; the next one may be plugging: touch nothing
@@ -677,13 +726,16 @@ class Scaler:
                  on_size: Callable[[QemuSize], None] | None = None,
                  agent_socket: Path | None = None,
                  guest_cpus: Callable[[], int | None] | None = None,
-                 fence_floor: ScaleFence | None = None, pod_uid: str | None = None) -> None:
+                 fence_floor: ScaleFence | None = None, pod_uid: str | None = None,
+                 resend_seconds: float = RESEND_SECONDS,
+                 max_resends: int = MAX_RESENDS) -> None:
         """``agent_socket`` selects SysfsScaling: vCPUs are onlined/offlined by the guest
         agent and ``guest_cpus`` (the guest's last report) says when it is done.
         ``fence_floor``: with no fence file yet, act as if this fence had been applied
         with the boot size (a new pod must refuse fences recorded before it existed).
         ``pod_uid``: the bearer is :func:`pod_token` of the token file's secret and this
-        uid (None: the file's content itself, for a runner outside a pod)."""
+        uid (None: the file's content itself, for a runner outside a pod).
+        ``resend_seconds``, ``max_resends``: see :data:`RESEND_SECONDS`."""
         self.fence_floor = fence_floor
         self._pod_uid = pod_uid
         self.limits = limits
@@ -700,6 +752,12 @@ class Scaler:
         self._attach_lock = threading.Lock()
         self._refused: set[str] = set()
         """Devices whose removal the guest refused (from QMP events, the QMP loop only)."""
+        self._heard: set[str] = set()
+        """Devices the guest answered an eject request for (``_OST``; the QMP loop only)."""
+        self._asks: dict[str, tuple[float, int]] = {}
+        """Per recorded removal: last ``device_del`` sent, re-sends (the QMP loop only)."""
+        self._resend_seconds = resend_seconds
+        self._max_resends = max_resends
         self._log = logger.bind(component="scaling")
 
     @property
@@ -724,16 +782,22 @@ class Scaler:
             names = (data.get("device"), data.get("path"))
         elif event == "ACPI_DEVICE_OST":
             info = data.get("info") or {}
-            if ost_refuses_eject(info):
-                # QEMU names a DIMM by its id and a vCPU by its device id, while a vCPU
-                # removal is recorded by QOM path: both names are marked. A vCPU QEMU
-                # created at boot (``-smp``) has no id: only its ACPI slot (the
-                # possible-CPU index, its ``cpu-index``) names it.
-                device = info.get("device")
-                if device:
-                    names = (device, f"/machine/peripheral/{device}")
-                if info.get("slot-type") == "CPU" and info.get("slot") is not None:
-                    names = (*names, CPU_SLOT_NAME.format(info["slot"]))
+            # QEMU names a DIMM by its id and a vCPU by its device id, while a vCPU
+            # removal is recorded by QOM path: both names are marked. A vCPU QEMU
+            # created at boot (``-smp``) has no id: only its ACPI slot (the
+            # possible-CPU index, its ``cpu-index``) names it.
+            device = info.get("device")
+            if device:
+                names = (device, f"/machine/peripheral/{device}")
+            if info.get("slot-type") == "CPU" and info.get("slot") is not None:
+                names = (*names, CPU_SLOT_NAME.format(info["slot"]))
+            if info.get("source") != 3:
+                return  # not about an eject request
+            if not ost_refuses_eject(info):
+                # The guest took the eject request (0x84) or finished it (0): it got
+                # it, so it is not sent again (Removals.resend_unheard).
+                self._heard.update(str(n) for n in names if n)
+                return
         for name in names:
             if name:
                 self._log.warning("the guest refused to eject {} ({})", name, event)
@@ -812,7 +876,8 @@ class Scaler:
                 record = AppliedFence(fence=fence, target=target, recorded_at=time.time(),
                                       removals=last.removals if last is not None else ())
                 self._store.save(record)
-            removals = Removals(self._store, record, self._refused)
+            removals = Removals(self._store, record, self._refused, self._heard, self._asks,
+                                self._resend_seconds, self._max_resends)
             self._log.info("scale to {} vCPUs, {} memory slots (fence {}, {})",
                            target.vcpus, target.memory_slots, fence, decision)
             started = time.monotonic()
