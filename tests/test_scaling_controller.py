@@ -466,3 +466,67 @@ def test_a_put_that_lands_after_its_plan_was_dropped_is_adopted_into_status(
         assert (status["cpus"], status["memorySize"]) == (2, "2Gi"), status
     finally:
         runner.close()
+
+
+def test_a_conflict_on_the_pods_size_annotation_or_resize_is_redone(
+        api: client.ApiClient, controller_api: client.ApiClient, namespace: str) -> None:
+    # Review S9: the pod's resourceVersion moves with any update (the kubelet's status
+    # updates too), so a 409 on the usage annotation or on the in-place resize is not
+    # always a newer plan's write. It is redone from a fresh read (the fence check on
+    # the fresh pod keeps a redo from overwriting a newer plan's size).
+    from loguru import logger
+
+    from neonvm.controller.observe import pod_view
+    from neonvm.controller.scaling import SCALE_FENCE_ANNOTATION, RunnerScaling
+
+    create_vm(api, namespace, "busy", spec={
+        "nodeSelector": NOWHERE,
+        # max 3: the request (use) stays below the limit, the pod Burstable (resizable).
+        "guest": {"cpus": {"min": 1, "max": 3, "use": 1},
+                  "memorySlots": {"min": 1, "max": 2, "use": 1}, "memorySlotSize": "1Gi",
+                  "rootDisk": {"image": "/nonexistent.raw"}}})
+    settle(Reconciler(controller_api), f"{namespace}/busy", OLD)
+    (pod,) = runner_pods(api, namespace, "busy")
+    core = client.CoreV1Api(api)
+    core.patch_namespaced_pod_status(pod.metadata.name, namespace, {
+        "status": {"phase": "Running", "podIP": "127.0.0.1", "podIPs": [{"ip": "127.0.0.1"}]}})
+    set_use(api, namespace, "busy", 2, 2)
+    raw = get_vm(api, namespace, "busy")
+    assert raw is not None
+    vm = types.VirtualMachine.from_object(raw)
+    view = pod_view(api.sanitize_for_serialization(pod))
+    scaling = RunnerScaling(controller_api)
+    plan = types.PendingScale(cpus=2, memory_slots=2, seq=1, epoch=1, token=10,
+                              pod_name=pod.metadata.name, pod_uid=pod.metadata.uid,
+                              generation=vm.generation)
+    updates = 0
+
+    def kubelet_update() -> None:
+        nonlocal updates
+        updates += 1
+        core.patch_namespaced_pod_status(pod.metadata.name, namespace, {
+            "status": {"message": f"kubelet update {updates}"}})
+
+    real_read, real_patch = scaling._core.read_namespaced_pod, scaling._core.patch_namespaced_pod
+
+    def read(*args: Any, **kwargs: Any) -> Any:
+        got = real_read(*args, **kwargs)
+        if updates == 0:
+            kubelet_update()  # between the first read and the annotation patch
+        return got
+
+    def patch(*args: Any, **kwargs: Any) -> Any:
+        written = real_patch(*args, **kwargs)
+        if updates == 1:
+            kubelet_update()  # between the annotation patch and the resize
+        return written
+
+    scaling._core.read_namespaced_pod = read  # type: ignore[method-assign]
+    scaling._core.patch_namespaced_pod = patch  # type: ignore[method-assign]
+    scaling._tell_kubernetes(vm, view, 2 * GIB, plan, logger)
+    read_back = core.read_namespaced_pod(pod.metadata.name, namespace)
+    annotations = read_back.metadata.annotations or {}
+    assert annotations.get(SCALE_FENCE_ANNOTATION) == "1,10,1", annotations
+    assert json.loads(annotations[USAGE_ANNOTATION]) == {"cpu": "2", "memory": "2Gi"}
+    assert read_back.spec.containers[0].resources.requests["cpu"] == "2"
+    assert updates == 2  # each patch met a conflict once

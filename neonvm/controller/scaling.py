@@ -78,6 +78,10 @@ class _Refusing:
     last: float
 
 
+TELL_ATTEMPTS = 4
+"""How many times the pod's usage annotation and CPU request are read, checked and patched
+when each patch meets a conflict (409)."""
+
 GUEST_REFUSED = "guest_refused"
 """The outcome of an ``ApplyScale`` the runner answered 504 ``refused``: the guest keeps a
 device it was asked to give back. It may agree later; see ``reconciler.PAUSED``."""
@@ -395,46 +399,62 @@ class RunnerScaling:
     def _tell_kubernetes(self, vm: VirtualMachine, pod: d.PodView, memory_bytes: int,
                          plan: types.PendingScale, log: Any) -> None:
         """The usage annotation, and the CPU request by in-place resize (best effort: the
-        guest already has the size; a failure here is logged, not retried).
+        guest already has the size; a failure here is logged, not retried later).
 
         Fenced like the runner: both are written only over the record of an older plan
         (:data:`SCALE_FENCE_ANNOTATION`), each with the resourceVersion just read, so a
         late apply of an older plan (a deposed leader, a slow request) never puts an
-        older size back."""
+        older size back. A conflict (409: the pod changed since the read; the kubelet's
+        status updates change it too) is redone from a fresh read, up to
+        :data:`TELL_ATTEMPTS` times: the fence check on the fresh pod keeps a redo from
+        writing over a newer plan's."""
+        fence = d.scale_fence(plan)
+        for _ in range(TELL_ATTEMPTS):
+            if self._tell_once(vm, pod, memory_bytes, plan, fence, log) != "conflict":
+                return
+        log.warning("{pod}: the usage annotation or the CPU request of plan {f} met a "
+                    "conflict {n} times: left", pod=pod.name, f=fence, n=TELL_ATTEMPTS)
+
+    def _tell_once(self, vm: VirtualMachine, pod: d.PodView, memory_bytes: int,
+                   plan: types.PendingScale, fence: tuple[int, int, int], log: Any) -> str:
+        """One read-check-patch of :meth:`_tell_kubernetes`: "done" (or nothing to do,
+        or failed for good), or "conflict" (a 409: read again and redo)."""
         from neonvm.runner.quantity import format_bytes
 
-        fence = d.scale_fence(plan)
         try:
             current = self._core.api_client.sanitize_for_serialization(
                 self._core.read_namespaced_pod(pod.name, vm.namespace, _request_timeout=30))
         except ApiException as exc:
             log.warning("reading {pod} before annotating its size: {s}", pod=pod.name,
                         s=exc.status)
-            return
+            return "done"
         meta = current.get("metadata") or {}
         recorded = parse_scale_fence((meta.get("annotations") or {}).get(
             SCALE_FENCE_ANNOTATION))
-        if meta.get("uid") != pod.uid or (recorded is not None and recorded >= fence):
+        if meta.get("uid") != pod.uid or (recorded is not None and recorded > fence):
             log.info("{pod} already carries the size of plan {r}: not annotated with plan "
                      "{f}'s", pod=pod.name, r=recorded, f=fence)
-            return
-        usage = json.dumps({"cpu": str(plan.cpus), "memory": format_bytes(memory_bytes)})
-        patch = {"metadata": {"uid": pod.uid, "resourceVersion": meta.get("resourceVersion"),
-                              "annotations": {USAGE_ANNOTATION: usage,
-                                              SCALE_FENCE_ANNOTATION: ",".join(
-                                                  str(v) for v in fence)}}}
-        try:
-            written = self._core.api_client.sanitize_for_serialization(
-                self._core.patch_namespaced_pod(pod.name, vm.namespace, patch,
-                                                _request_timeout=30))
-        except ApiException as exc:
-            log.warning("annotating {pod} with its size: {s} {m}", pod=pod.name, s=exc.status,
-                        m=kube.api_error_message(exc))
-            return  # 409: written meanwhile (by a newer plan, or to be redone by this one's)
-        version = (written.get("metadata") or {}).get("resourceVersion")
+            return "done"
+        version = meta.get("resourceVersion")
+        if recorded != fence:
+            usage = json.dumps({"cpu": str(plan.cpus), "memory": format_bytes(memory_bytes)})
+            patch = {"metadata": {"uid": pod.uid, "resourceVersion": version,
+                                  "annotations": {USAGE_ANNOTATION: usage,
+                                                  SCALE_FENCE_ANNOTATION: ",".join(
+                                                      str(v) for v in fence)}}}
+            try:
+                written = self._core.api_client.sanitize_for_serialization(
+                    self._core.patch_namespaced_pod(pod.name, vm.namespace, patch,
+                                                    _request_timeout=30))
+            except ApiException as exc:
+                log.warning("annotating {pod} with its size: {s} {m}", pod=pod.name,
+                            s=exc.status, m=kube.api_error_message(exc))
+                return "conflict" if exc.status == 409 else "done"
+            version = (written.get("metadata") or {}).get("resourceVersion")
+        # The annotation carries this plan (written now, or by an earlier attempt).
         use = vm.spec.guest.cpus.current
         if vm.spec.pod_resources is not None or use.rounded_up() != plan.cpus:
-            return  # the user's resources (not ours to change), or the spec moved on
+            return "done"  # the user's resources (not ours to change), or the spec moved on
         resize = {"metadata": {"uid": pod.uid, "resourceVersion": version},
                   "spec": {"containers": [{"name": podspec.RUNNER_CONTAINER, "resources": {
                       "requests": {"cpu": podspec.millicores(use.cores)}}}]}}
@@ -445,3 +465,5 @@ class RunnerScaling:
         except ApiException as exc:
             log.info("in-place resize of {pod} not taken: {s} {m}", pod=pod.name,
                      s=exc.status, m=kube.api_error_message(exc))
+            return "conflict" if exc.status == 409 else "done"
+        return "done"
