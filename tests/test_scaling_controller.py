@@ -530,3 +530,43 @@ def test_a_conflict_on_the_pods_size_annotation_or_resize_is_redone(
     assert json.loads(annotations[USAGE_ANNOTATION]) == {"cpu": "2", "memory": "2Gi"}
     assert read_back.spec.containers[0].resources.requests["cpu"] == "2"
     assert updates == 2  # each patch met a conflict once
+
+
+def test_a_pod_built_without_live_scaling_needs_a_restart_not_rbac(
+        api: client.ApiClient, controller_api: client.ApiClient, namespace: str) -> None:
+    # Review S10 (a): a VM created with equal bounds gets no token Secret, and its pod
+    # no token mount. Its bounds widened later, a plan cannot reach that pod's runner;
+    # the reason is that the pod needs a restart, not that RBAC may be off.
+    from neonvm.controller.scaling import RunnerScaling
+
+    runner = RefusingRunner(200)
+    try:
+        create_vm(api, namespace, "fixed", spec={
+            "nodeSelector": NOWHERE,
+            "guest": {"cpus": {"min": 1, "max": 1, "use": 1},
+                      "memorySlots": {"min": 1, "max": 1, "use": 1},
+                      "memorySlotSize": "1Gi", "rootDisk": {"image": "/nonexistent.raw"}}})
+        key = f"{namespace}/fixed"
+        reconciler = Reconciler(controller_api, scaling=RunnerScaling(
+            controller_api, address=lambda vm, pod: f"http://127.0.0.1:{runner.port}"))
+        settle(reconciler, key, OLD)
+        (pod,) = runner_pods(api, namespace, "fixed")
+        client.CoreV1Api(api).patch_namespaced_pod_status(pod.metadata.name, namespace, {
+            "status": {"phase": "Running", "podIP": "127.0.0.1",
+                       "podIPs": [{"ip": "127.0.0.1"}]}})
+        settle(reconciler, key, OLD)
+        assert "scalingTokenSecret" not in status_of(api, namespace, "fixed")
+        kube.request(api, "PATCH", f"{vm_path(namespace)}/fixed", [
+            {"op": "replace", "path": "/spec/guest/cpus/max", "value": 2},
+            {"op": "replace", "path": "/spec/guest/memorySlots/max", "value": 2}],
+            content_type="application/json-patch+json")
+        set_use(api, namespace, "fixed", 2, 2)
+        assert isinstance(settle(reconciler, key, OLD).action, d.Done)
+        status = status_of(api, namespace, "fixed")
+        scaling = next(c for c in status["conditions"] if c["type"] == "Scaling")
+        assert (scaling["status"], scaling["reason"]) == ("False", d.SCALING_NEEDS_RESTART), \
+            scaling
+        assert "built without live scaling" in scaling["message"], scaling
+        assert runner.puts == 0 and "pendingScale" not in status
+    finally:
+        runner.close()

@@ -502,3 +502,27 @@ def test_a_put_that_lands_after_its_plan_was_dropped_is_adopted_into_status() ->
         type=d.SCALING_CONDITION, status="False", reason="ScalingDone",  # type: ignore[arg-type]
         message="", last_transition_time=d.format_rfc3339(dropped_at)))
     assert not d.looks_after_drop(done, dropped_at) and not d.looks_after_drop(vm(), None)
+
+
+def test_a_pod_built_before_the_slot_size_field_is_judged_by_the_spec_it_carries() -> None:
+    # Review R6: a pod whose built-size annotation has two fields (built before the slot
+    # size was recorded there) still carries the spec its runner was started from; its
+    # memorySlotSize is the unit the runner counts in, so a changed slot size is caught.
+    from neonvm.controller.observe import pod_view
+
+    built_from = vm(slots_use=2, status_slots=2)
+    raw = _created_pod(built_from, uid="uid-1")
+    annotations = raw["metadata"]["annotations"]  # type: ignore[index]
+    milli, slots, _ = annotations[podspec.ANNOTATION_BUILT_SIZE].split(",")
+    annotations[podspec.ANNOTATION_BUILT_SIZE] = f"{milli},{slots}"
+    assert podspec.built_slot_bytes(raw["metadata"]) == GIB  # type: ignore[arg-type]
+    pod = dataclasses.replace(pod_view(raw), name=POD, gated=False,  # type: ignore[arg-type]
+                              phase="Running", node="n1", ip="10.0.0.1")
+    assert pod.slot_bytes == GIB
+    v = vm(slots_use=2, status_slots=2)
+    v.spec.guest.memory_slot_size = "2Gi"
+    action = d.decide(obs(v, pod=pod))
+    assert isinstance(action, d.DropScale) and action.refused == d.SCALING_NEEDS_RESTART, action
+    # Neither the field nor a readable spec: unknown, as before.
+    del annotations[podspec.ANNOTATION_SPEC]
+    assert podspec.built_slot_bytes(raw["metadata"]) is None  # type: ignore[arg-type]

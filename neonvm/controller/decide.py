@@ -86,8 +86,9 @@ class PodView:
     """(millicores, memory slots) the pod's guest was built with (its
     ``vm.neon.tech/built-size`` annotation); None: not recorded."""
     slot_bytes: int | None = None
-    """The memory slot size (bytes) the pod was built with, from the same annotation:
-    its runner counts slots in it. None: not recorded (a pod built before it was)."""
+    """The memory slot size (bytes) the pod was built with, from the same annotation
+    (from the spec annotation for a pod built before that field): its runner counts
+    slots in it. None: neither says."""
     runner_port: int | None = None
     """The port its runner listens on, from the pod's own spec; None: not found."""
 

@@ -414,11 +414,19 @@ def built_size(meta: dict[str, Any]) -> tuple[int, int] | None:
 
 
 def built_slot_bytes(meta: dict[str, Any]) -> int | None:
-    """The memory slot size (bytes) from a pod's :data:`ANNOTATION_BUILT_SIZE`; None when
-    absent or malformed (a pod built before the field existed)."""
-    raw = str((meta.get("annotations") or {}).get(ANNOTATION_BUILT_SIZE) or "").split(",")
+    """The memory slot size (bytes) from a pod's :data:`ANNOTATION_BUILT_SIZE`; for a pod
+    built before that field existed, from the spec it carries (:data:`ANNOTATION_SPEC`,
+    which its runner reads its slot size from). None when neither says."""
+    annotations = meta.get("annotations") or {}
+    raw = str(annotations.get(ANNOTATION_BUILT_SIZE) or "").split(",")
+    if len(raw) != 3:
+        try:
+            spec = json.loads(annotations.get(ANNOTATION_SPEC) or "null")
+            return slot_bytes(str(spec["guest"]["memorySlotSize"]))
+        except (ValueError, TypeError, KeyError):
+            return None
     try:
-        value = int(raw[2]) if len(raw) == 3 else 0
+        value = int(raw[2])
     except ValueError:
         return None
     return value if value > 0 else None

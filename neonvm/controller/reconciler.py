@@ -128,7 +128,7 @@ from neonvm.controller.observe import (
     make_snapshot,
     split_key,
 )
-from neonvm.controller.scaling import GUEST_REFUSED, RunnerScaling
+from neonvm.controller.scaling import GUEST_REFUSED, POD_WITHOUT_TOKEN, RunnerScaling
 from neonvm.controller.timers import VMTimers
 from neonvm.controller.update import (
     RetryPolicy,
@@ -178,6 +178,7 @@ direct read: the loop reads again and decides again. Ungate is here because its
 performer takes its own direct pod list, after the commit was seen, before the patch."""
 REFUSED_SCALING = {"runner_400": d.SCALING_NEEDS_RESTART,
                    "runner_401": d.SCALING_NEEDS_RESTART,
+                   POD_WITHOUT_TOKEN: d.SCALING_NEEDS_RESTART,
                    "no_token": d.SCALING_DISABLED}
 """ApplyScale outcomes that asking again cannot change, and the Scaling reason they end in."""
 

@@ -4,12 +4,14 @@
 ``status.pendingScale``), asks for it (``ApplyScale``) and commits what the runner reports
 (``CommitScale``). This module performs the part that is not a status write:
 
-* **The token.** Each scalable VM has a Secret ``neonvm-scaling-<vm uid>`` in its
-  namespace, owned by the VM (garbage-collected with it), holding a random bearer token
-  under ``token``. The controller creates it before it creates a runner pod, the pod
-  mounts it (``podspec``) and the runner reads it per request
-  (``NEONVM_SCALING_TOKEN_FILE``). The controller reads it again whenever it calls the
-  runner. A Secret of that name that the VM does not own is never used.
+* **The token.** Each scalable VM has a Secret in its namespace under a generated name
+  (``neonvm-scaling-<vm uid prefix>-…``), owned by the VM (garbage-collected with it),
+  holding a random secret under ``token``; status records its name and UID. The
+  controller creates it before it creates a runner pod, the pod mounts it by name
+  (``podspec``) and the runner reads it per request (``NEONVM_SCALING_TOKEN_FILE``),
+  expecting HMAC(secret, its pod uid) as the bearer. The controller reads it again
+  whenever it calls the runner, and uses it only if its UID is the recorded one (a
+  Secret planted under the name is not read; the pod still mounts it by name).
 * **The runner.** ``http://<pod IP>:<runnerPort>``: ``GET /scale`` (no token: read-only)
   while a plan is recorded, and for a while after one was dropped, to see the fence it
   applied and the size it has; ``PUT
@@ -81,6 +83,10 @@ class _Refusing:
 TELL_ATTEMPTS = 4
 """How many times the pod's usage annotation and CPU request are read, checked and patched
 when each patch meets a conflict (409)."""
+
+POD_WITHOUT_TOKEN = "pod_without_token"
+"""The outcome of an ``ApplyScale`` for a VM with no token Secret recorded: its pod was
+built without one, so only its replacement can scale (``ScalingNeedsRestart``)."""
 
 GUEST_REFUSED = "guest_refused"
 """The outcome of an ``ApplyScale`` the runner answered 504 ``refused``: the guest keeps a
@@ -303,6 +309,16 @@ class RunnerScaling:
         pod = snap.obs.pod(plan.pod_name)
         if pod is None or pod.uid != plan.pod_uid or not pod.ip:
             return "no_pod"
+        if not vm.status.scaling_token_secret_uid:
+            # Pods mount the recorded Secret: with none recorded, the committed pod was
+            # built without a token (its bounds were equal then, or the controller could
+            # not create one) and no token will ever reach its runner.
+            detail = (f"{pod.name} was built without live scaling (no scaling token Secret "
+                      "was recorded when it was created: its bounds were equal then, or "
+                      "the controller could not create one: is rbac.liveScaling on?); "
+                      "its next start is built at the spec's size")
+            log.warning("scaling plan #{seq}: {detail}", seq=plan.seq, detail=detail)
+            return Result(POD_WITHOUT_TOKEN, detail)
         try:
             token = pod_token(self.token(vm).encode(), plan.pod_uid)
         except ScalingError as exc:
