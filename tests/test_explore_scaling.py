@@ -92,13 +92,13 @@ def test_the_guests_ost_answers_are_read_with_the_runners_rule() -> None:
     # settles the removal with the DIMMs kept.
     model = ScalingModel(refuse_unplug=True)
     w = initial_world()
-    w = w._replace(runner=w.runner._replace(guest=(1, 2), removing=(2, (1, 1), 1)))
+    w = w._replace(runner=w.runner._replace(guest=(1, 2), removing=(2, (1, 1), 0, 1)))
     assert model.ost(w, 0x84) is None
     refused = model.ost(w, 0x82)
     assert refused is not None and refused.runner.removing is None
     assert refused.runner.guest == (1, 2)
     misread = ScalingModel(refuse_unplug=True, mutants=Mutants(ost_misread=True)).ost(w, 0x84)
-    assert misread is not None and misread.runner.removing == (2, (1, 1), 1)
+    assert misread is not None and misread.runner.removing == (2, (1, 1), 0, 1)
     assert not misread.runner.recorded and misread.runner.ejecting
 
 
@@ -145,3 +145,25 @@ def test_a_put_landing_after_its_plan_was_dropped_is_adopted_into_status() -> No
     assert late.violation is not None, late
     assert any("times out" in step for step in late.trace), late.trace
     assert any("a late PUT" in step for step in late.trace), late.trace
+
+
+@pytest.mark.unit
+@pytest.mark.slow
+def test_a_guest_refusing_vcpu_and_memory_unplugs_still_gets_what_grows() -> None:
+    # Review scalefix2 F2 in the model: vCPU unplugs are refused (pending) as well as
+    # memory ones, and the user asks for 2/1, then 1/2 (the vCPUs shrink while the memory
+    # grows), then 2/1. The runner converges what grows first and a refusal does not skip
+    # the rest: every applied plan's growth reaches the guest ("growth"), besides order
+    # and convergence.
+    world = initial_world(spec_changes=((2, 1), (1, 2), (2, 1)), restarts=0)
+    report = explore_scaling(world, refuse_unplug=True, refuse_cpu_unplug=True)
+    print(f"scaling explorer, vCPU and memory unplugs refused: {report.states} states, "
+          f"{report.transitions} transitions")
+    assert report.violation is None, (report.violation, report.trace)
+    assert report.complete and report.states > 1000
+    # The order before F2 (vCPUs first, a refusal ends the request): 1/2 from 2/1 leaves
+    # the memory at 1 slot while the vCPU unplug is pending.
+    broken = explore_scaling(world, refuse_unplug=True, refuse_cpu_unplug=True,
+                             mutants=Mutants(refusal_skips_rest=True), liveness=False)
+    print(f"refusal_skips_rest: {broken.states} states, {len(broken.trace)} steps")
+    assert broken.violation is not None and broken.violation.property == "growth", broken

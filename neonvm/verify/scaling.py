@@ -24,7 +24,9 @@ The world: one VM, one committed runner pod at a time (always running), its runn
   shipped Restart, RecordPlan and Commit mutations applied at once: a new pod uid, an
   empty work dir, a fence floor computed by :func:`neonvm.controller.podspec.runner_pod`
   from the VM read at its creation, and the guest booted at that spec's size. The user
-  changes ``use`` a bounded number of times.
+  changes ``use`` a bounded number of times. Optionally (review S5): an ``ApplyScale``
+  refused for good (no token: the plan dropped, ``ScalingDisabled``), and a ``PUT``
+  that times out at its sender while still on its way, landing at any later step.
 
 Properties:
 
@@ -34,11 +36,15 @@ Properties:
   size); the same plan again, with the same size, is a retry and changes nothing.
 * **Convergence** (from every reachable state): once the deposed leader and the faults
   stop, the newest leader, observing directly, brings the guest, the runner and status to
-  the spec's size within a bounded number of steps.
+  the spec's size within a bounded number of steps; when the spec was refused for its
+  generation, to status saying what the guest has (no plan).
+* **Growth** (every runner apply, with unplugs refused): what the applied plan grows
+  reaches the plan's size, whatever unplug of the other resource is refused.
 
 Coarser than the real thing: the pod's own lifecycle (plan, create, ungate) is one step
 here (it has its own explorer); a runner's apply is atomic (a crash inside it is a
-runner restart, which loses the guest anyway); conditions are not part of the state.
+runner restart, which loses the guest anyway); of the conditions only the Scaling
+condition a drop leaves is part of the state.
 """
 
 from __future__ import annotations
@@ -122,10 +128,11 @@ class Runner(NamedTuple):
     """(seq, size) of the last plan the guest received; the boot size counts as a plan
     numbered ``status.scaleSeq`` at the pod's creation."""
     boot_seq: int
-    removing: tuple[int, Size, int] | None = None
+    removing: tuple[int, Size, int, int] | None = None
     """An unplug the guest has not finished: (seq, size of the plan that started it,
-    slots leaving). QEMU still lists the DIMMs and cannot cancel their removal; the
-    guest may eject them at any later step, refuse (they stay), or do neither."""
+    vCPUs leaving, slots leaving). QEMU still lists the devices and cannot cancel their
+    removal; the guest may eject them at any later step, refuse (they stay), or do
+    neither (all of them together: coarser than the runner, which settles each)."""
     ejecting: bool = True
     """The guest may still eject ``removing`` (it has not refused it)."""
     recorded: bool = True
@@ -185,6 +192,10 @@ class Mutants:
     """The runner keeps no record of the unplugs it started: a DIMM whose removal is
     still pending counts as plugged (a newer plan asking for it back is answered at
     once, and ``GET /scale`` reports no pending removal)."""
+    refusal_skips_rest: bool = False
+    """The runner's order before review scalefix2 F2: vCPUs, then memory, whatever
+    grows, and a refused (pending) unplug ends the request there: a growth after it is
+    not carried out."""
     ost_misread: bool = False
     """The runner reads the guest's ``_OST`` answers the wrong way round (0x80-0x82 "in
     progress", anything else a refusal: review R1's rule), so the "eject in progress"
@@ -288,9 +299,13 @@ class Violation(NamedTuple):
 
 class ScalingModel:
     def __init__(self, lag: int = 2, mutants: Mutants = Mutants(),
-                 refuse_unplug: bool = False) -> None:
+                 refuse_unplug: bool = False, refuse_cpu_unplug: bool = False) -> None:
         self.lag = lag
         self.mutants = mutants
+        self.refuse_cpu_unplug = refuse_cpu_unplug
+        """As ``refuse_unplug``, for vCPUs: a PUT that lowers the vCPUs starts their
+        unplug and answers 504 with them still plugged (after the rest of the change,
+        growth first)."""
         self.refuse_unplug = refuse_unplug
         """The guest is slow to let memory go: a PUT that lowers the memory slots records
         its fence, plugs the vCPUs, starts the unplug and answers 504 with the memory
@@ -410,11 +425,24 @@ class ScalingModel:
             return w._replace(runner=r._replace(stored=stored)), None
         guest = size
         removing, ejecting, recorded = r.removing, r.ejecting, r.recorded
-        if self.refuse_unplug and size[1] < r.guest[1]:
-            guest = (size[0], r.guest[1])  # 504: the fence stays recorded, memory stays
-            removing, ejecting, recorded = (plan.seq, size, r.guest[1] - size[1]), True, True
-        seq0, size0 = r.received
+        leaving = (max(0, r.guest[0] - size[0]) if self.refuse_cpu_unplug else 0,
+                   max(0, r.guest[1] - size[1]) if self.refuse_unplug else 0)
+        if self.mutants.refusal_skips_rest and leaving[0]:
+            leaving = (leaving[0], 0)  # vCPUs first; their refusal ends the request
+            guest = (size[0] + leaving[0], r.guest[1])
+        elif any(leaving):
+            # 504: the fence stays recorded, the leaving devices stay listed, the rest of
+            # the change (what grows first) carried out.
+            guest = (size[0] + leaving[0], size[1] + leaving[1])
+        if any(leaving):
+            removing, ejecting, recorded = (plan.seq, size, *leaving), True, True
         violation = None
+        for i, what in enumerate(("vCPUs", "memory slots")):
+            if size[i] > r.guest[i] and guest[i] != size[i]:
+                violation = Violation("growth", f"plan #{plan.seq} {size} grows the {what} "
+                                                f"of a guest at {r.guest}, which is left at "
+                                                f"{guest}: a refused unplug held it")
+        seq0, size0 = r.received
         # The same plan again (a retry), or a plan as old as the pod that asks for the
         # size it booted with, changes nothing: only a different size counts.
         if plan.seq < seq0 or (plan.seq == seq0 and size != size0):
@@ -446,14 +474,15 @@ class ScalingModel:
         """The guest finishes the pending unplug: the DIMMs leave QEMU."""
         r = w.runner
         assert r.removing is not None
-        seq, size, leaving = r.removing
+        seq, size, leaving_cpus, leaving_slots = r.removing
         violation = None
         seq0, size0 = r.received
         if seq < seq0:
             violation = Violation("order", f"the guest of pod {r.pod_uid} finished plan "
                                            f"#{seq}'s unplug {size} after receiving plan "
                                            f"#{seq0} {size0}")
-        runner = r._replace(guest=(r.guest[0], r.guest[1] - leaving), removing=None,
+        runner = r._replace(guest=(r.guest[0] - leaving_cpus, r.guest[1] - leaving_slots),
+                            removing=None,
                             ejecting=True, recorded=True)
         return w._replace(runner=runner), violation
 
@@ -601,7 +630,8 @@ class ScalingModel:
             if s.workers[i].stopped:
                 return Violation("convergence", "the newest leader was fenced out")
         want = s.vm.use
-        if self.refuse_unplug and (want[1] < s.runner.guest[1] or s.runner.removing):
+        if (self.refuse_cpu_unplug and want[0] < s.runner.guest[0]) or (
+                self.refuse_unplug and want[1] < s.runner.guest[1]) or s.runner.removing:
             # Cannot be reached (or not until the guest finishes an unplug it may never
             # finish): the newest plan must be the one still being tried.
             p = s.vm.pending
@@ -660,9 +690,11 @@ class ScalingReport:
 
 def explore_scaling(world: World | None = None, *, lag: int = 2, mutants: Mutants = Mutants(),
                     max_states: int = 200_000, liveness: bool = True,
-                    refuse_unplug: bool = False) -> ScalingReport:
+                    refuse_unplug: bool = False,
+                    refuse_cpu_unplug: bool = False) -> ScalingReport:
     """Breadth-first over every interleaving; stops at the first violation."""
-    model = ScalingModel(lag=lag, mutants=mutants, refuse_unplug=refuse_unplug)
+    model = ScalingModel(lag=lag, mutants=mutants, refuse_unplug=refuse_unplug,
+                         refuse_cpu_unplug=refuse_cpu_unplug)
     start = world or initial_world()
     parents: dict[World, tuple[World, str] | None] = {start: None}
     queue: deque[World] = deque([start])
