@@ -482,7 +482,8 @@ def test_a_put_that_lands_after_its_plan_was_dropped_is_adopted_into_status() ->
     # with a removal pending, nor after the window; refused for this generation: no plan.
     for runner in (dataclasses.replace(landed, answered_uid=None),
                    dataclasses.replace(landed, answered_uid="uid-9"),
-                   dataclasses.replace(landed, pending_removals=("dimm-slot1",))):
+                   dataclasses.replace(landed, pending_removals=("dimm-slot1",)),
+                   dataclasses.replace(landed, vcpus=0)):  # SysfsScaling, no report yet
         assert isinstance(at(10, runner), d.Done), runner
     assert isinstance(at(d.LATE_PUT_SECONDS + 1, landed), d.Done)
     # The write: what the runner reported, the condition (the refusal) kept; refused

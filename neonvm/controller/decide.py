@@ -751,6 +751,8 @@ def _adopt_runner_size(obs: Observation, vm: VirtualMachine,
     if (runner is None or runner.pod_uid != pod.uid or runner.answered_uid != pod.uid
             or runner.pending_removals or not looks_after_drop(vm, obs.now)):
         return None
+    if runner.vcpus < 1 or runner.memory_bytes < 1:
+        return None  # SysfsScaling before the guest agent's first report: 0 vCPUs known
     s = vm.status
     try:
         memory = parse_bytes(s.memory_size) if s.memory_size is not None else None

@@ -309,7 +309,7 @@ class RunnerScaling:
         pod = snap.obs.pod(plan.pod_name)
         if pod is None or pod.uid != plan.pod_uid or not pod.ip:
             return "no_pod"
-        if not vm.status.scaling_token_secret_uid:
+        if not vm.status.scaling_token_secret:
             # Pods mount the recorded Secret: with none recorded, the committed pod was
             # built without a token (its bounds were equal then, or the controller could
             # not create one) and no token will ever reach its runner.
