@@ -250,6 +250,8 @@ class RefusingRunner:
         self.fence: dict[str, int] = {"epoch": 0, "token": 0, "seq": 0}
         self.pod_uid: str | None = None
         """The pod it says it runs in (GET /scale's podUid); None: not said."""
+        self.removals: list[str] = []
+        """What GET /scale reports as pendingRemovals."""
         answer = answer or {"error": f"refused ({code})"}
         if reason:
             answer["reason"] = reason
@@ -270,7 +272,8 @@ class RefusingRunner:
             def do_GET(self) -> None:
                 outer.gets += 1
                 self._answer(200, {"mode": "QmpScaling", "lastApplied": {
-                    "fence": outer.fence}, "qemu": outer.size, "podUid": outer.pod_uid})
+                    "fence": outer.fence}, "qemu": outer.size, "podUid": outer.pod_uid,
+                    "pendingRemovals": outer.removals})
 
             def do_PUT(self) -> None:
                 outer.puts += 1
@@ -568,5 +571,57 @@ def test_a_pod_built_without_live_scaling_needs_a_restart_not_rbac(
             scaling
         assert "built without live scaling" in scaling["message"], scaling
         assert runner.puts == 0 and "pendingScale" not in status
+    finally:
+        runner.close()
+
+
+def test_a_removal_pending_after_a_drop_is_looked_at_past_the_window_until_it_settles(
+        ) -> None:
+    # Review S5, the unplug version: the dropped plan's PUT started an unplug the guest
+    # has not finished when the look after the drop ends (LATE_PUT_SECONDS). The
+    # controller keeps asking GET /scale until the runner reports it settled, then
+    # adopts the size and stops asking. (The observations are built by hand: the clock
+    # is the only thing that differs from the cluster tests above.)
+    import datetime as dt
+
+    from neonvm.api.types import Condition
+    from neonvm.controller.observe import Snapshot
+    from neonvm.controller.scaling import RunnerScaling
+    from tests.test_scaling_decide import LEASE, running
+    from tests.test_scaling_decide import vm as make_vm
+
+    runner = RefusingRunner(200)
+    try:
+        scaling = RunnerScaling(client.ApiClient(),
+                                address=lambda vm, pod: f"http://127.0.0.1:{runner.port}")
+        dropped_at = dt.datetime(2026, 1, 1, 12, 0, 0, tzinfo=dt.UTC)
+        v = make_vm(cpus_use=1, slots_use=1, status_slots=2, scale_seq=1)
+        v.status.conditions.append(Condition(
+            type=d.SCALING_CONDITION, status="False",  # type: ignore[arg-type]
+            reason=d.SCALING_DISABLED, message="dropped", observed_generation=2,
+            last_transition_time=d.format_rfc3339(dropped_at)))
+        runner.pod_uid = "uid-1"
+        runner.size = {"vcpus": 1, "memorySlots": 2, "memoryBytes": 2 * GIB}
+
+        def look(seconds: float, removals: list[str]) -> d.Observation:
+            runner.removals = removals
+            obs = d.Observation(vm=v, pods=(running(),), lease=LEASE, direct=True,
+                                now=dropped_at + dt.timedelta(seconds=seconds))
+            return scaling.observe(Snapshot(obs=obs, record=None)).obs
+
+        gets = runner.gets
+        seen = look(10, ["dimm-slot1"])  # in the window: asked, the unplug pending
+        assert runner.gets == gets + 1 and seen.runner is not None
+        assert isinstance(d.decide(seen), d.Done)  # nothing settled to adopt
+        seen = look(d.LATE_PUT_SECONDS + 60, ["dimm-slot1"])  # past it: still asked
+        assert runner.gets == gets + 2 and seen.runner is not None
+        runner.size = {"vcpus": 1, "memorySlots": 1, "memoryBytes": GIB}  # ejected
+        seen = look(d.LATE_PUT_SECONDS + 120, [])
+        assert runner.gets == gets + 3
+        action = d.decide(seen)
+        assert isinstance(action, d.CommitScale) and action.adopt, action
+        assert (action.vcpus, action.memory_bytes) == (1, GIB)
+        look(d.LATE_PUT_SECONDS + 180, [])  # settled: no longer asked
+        assert runner.gets == gets + 3
     finally:
         runner.close()

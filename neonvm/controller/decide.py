@@ -740,16 +740,18 @@ def _decide_scaling(obs: Observation, vm: VirtualMachine, pod: PodView) -> Actio
 
 def _adopt_runner_size(obs: Observation, vm: VirtualMachine,
                        pod: PodView) -> CommitScale | None:
-    """No plan recorded, shortly after one was dropped (:func:`looks_after_drop`): the
-    committed pod's runner, naming that pod, reports a settled size (no removal
-    pending) other than status says. Status adopts it: it is what the guest has, and a
-    ``PUT /scale`` of the dropped plan that landed after the drop is the only way it got
-    there (nothing else changes the guest without a plan). None: nothing to adopt."""
+    """No plan recorded, and the observation carries the committed pod's runner (asked
+    only shortly after a plan was dropped, :func:`looks_after_drop`, or while a removal
+    it reported then is still pending): the runner, naming that pod, reports a settled
+    size (no removal pending) other than status says. Status adopts it: it is what the
+    guest has, and a ``PUT /scale`` of the dropped plan that landed after the drop (or
+    its unplug that finished later) is the only way it got there. None: nothing to
+    adopt."""
     from neonvm.runner.quantity import QuantityError, parse_bytes
 
     runner = obs.runner
     if (runner is None or runner.pod_uid != pod.uid or runner.answered_uid != pod.uid
-            or runner.pending_removals or not looks_after_drop(vm, obs.now)):
+            or runner.pending_removals):
         return None
     if runner.vcpus < 1 or runner.memory_bytes < 1:
         return None  # SysfsScaling before the guest agent's first report: 0 vCPUs known

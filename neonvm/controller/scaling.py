@@ -166,6 +166,11 @@ class RunnerScaling:
         that may pass). Forgotten when the VM's plan ends or moves to another pod, and
         when the refusals stopped for :data:`TOKEN_QUIET_SECONDS`."""
         self._unauthorized_lock = threading.Lock()
+        self._settling: dict[str, str] = {}
+        """Per VM uid: the committed pod whose runner, looked at with no plan recorded,
+        reported a removal still pending: it is looked at (``GET /scale``) until that has
+        settled, past :data:`~neonvm.controller.decide.LATE_PUT_SECONDS` if need be (this
+        process only; under :attr:`_unauthorized_lock`)."""
 
     # ---- the token ---------------------------------------------------------------------
 
@@ -265,11 +270,14 @@ class RunnerScaling:
         if vm is not None:
             plan = vm.status.pending_scale
             self._forget_refusals(vm.uid, keep=plan.pod_uid if plan is not None else None)
-        if vm is None or vm.deletion_timestamp is not None or (
-                vm.status.pending_scale is None and not d.looks_after_drop(
-                    vm, obs.now if obs.now is not None else dt.datetime.now(dt.UTC))):
+        if vm is None or vm.deletion_timestamp is not None:
             return snap
         pod = obs.pod(vm.status.pod_name)
+        settling = (vm.status.pending_scale is None and pod is not None
+                    and self._settling.get(vm.uid) == pod.uid)
+        if vm.status.pending_scale is None and not settling and not d.looks_after_drop(
+                vm, obs.now if obs.now is not None else dt.datetime.now(dt.UTC)):
+            return snap
         if pod is None or pod.phase != "Running" or not pod.ip or pod.gated:
             return snap
         try:
@@ -277,6 +285,14 @@ class RunnerScaling:
         except ScalingError as exc:
             return dataclasses.replace(snap, obs=dataclasses.replace(obs,
                                                                      runner_error=str(exc)))
+        with self._unauthorized_lock:
+            if vm.status.pending_scale is None and view.pending_removals and (
+                    view.answered_uid == pod.uid):
+                # No plan, and an unplug is still pending: the guest may finish it after
+                # the look after the drop ends; look until it has settled.
+                self._settling[vm.uid] = pod.uid
+            else:
+                self._settling.pop(vm.uid, None)
         return dataclasses.replace(snap, obs=dataclasses.replace(obs, runner=view))
 
     def _view(self, vm: VirtualMachine, pod: d.PodView) -> d.RunnerView:
