@@ -140,8 +140,9 @@ class Observation:
     missing, not looked up, or the controller may not look."""
     runner: RunnerView | None = None
     """What the committed pod's runner answered on ``GET /scale``; asked only while a
-    scaling plan is recorded or for :data:`LATE_PUT_SECONDS` after one was dropped
-    (:func:`looks_after_drop`) (None: not asked, or no answer: see ``runner_error``)."""
+    scaling plan is recorded, for :data:`LATE_PUT_SECONDS` after one was dropped
+    (:func:`looks_after_drop`), and after that while the runner reported a removal
+    still pending (None: not asked, or no answer: see ``runner_error``)."""
     runner_error: str | None = None
     """Why the runner could not be asked (unreachable, no token); None: asked, or not."""
 
