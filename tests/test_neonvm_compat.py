@@ -190,6 +190,15 @@ def test_a_neonvm_shaped_manifest_applies_strictly_and_converges_to_one_pod(
     assert (status["cpus"], status["memorySize"]) == (cpus.to_json(), memory)
     assert pod.spec.containers[0].resources.requests is None or \
         pod.spec.containers[0].resources.requests.get("cpu") == str(cpus)
+    # What NeonVM's scheduler plugin and autoscaler-agent read from a runner pod.
+    annotations = pod.metadata.annotations
+    assert json.loads(annotations["vm.neon.tech/usage"]) == {"cpu": str(cpus), "memory": memory}
+    resources = json.loads(annotations["vm.neon.tech/resources"])
+    assert resources["cpus"]["use"] == cpus.to_json()
+    assert resources["memorySlots"]["use"] == decoded.guest.memory_slots.current
+    assert annotations["kubectl.kubernetes.io/default-container"] == "neonvm-runner"
+    for key, value in (vm["metadata"].get("annotations") or {}).items():
+        assert annotations[key] == value
 
     used = compat.unimplemented_fields(decoded)
     reported = condition(status, compat.CONDITION)

@@ -218,3 +218,32 @@ def test_a_vms_runner_pod_reads_the_spec_from_a_file_projected_from_its_annotati
     assert env["NEONVM_SPEC_FILE"] == "/vm/spec/spec.json"
     assert "NEONVM_VM_SPEC" not in env
     assert types.ANNOTATION_TOKEN in pod.metadata.annotations
+
+
+def test_the_pod_carries_the_annotations_neonvms_scheduler_and_autoscaler_read() -> None:
+    vm = VirtualMachine.from_object({
+        "metadata": {"name": "db", "namespace": "ns", "uid": "u1", "generation": 1},
+        "spec": {"guest": {"cpus": {"min": "250m", "max": 2, "use": "500m"},
+                           "memorySlots": {"min": 1, "max": 4, "use": 2},
+                           "memorySlotSize": "1024Mi", "rootDisk": {"image": "img"}}}})
+    annotations = runner_pod(vm, PendingPod(name="db-1", token=1, epoch=1))["metadata"][
+        "annotations"]
+    assert json.loads(annotations["vm.neon.tech/usage"]) == {"cpu": "500m", "memory": "2Gi"}
+    assert json.loads(annotations["vm.neon.tech/resources"]) == {
+        "cpus": {"min": "250m", "max": 2, "use": "500m"},
+        "memorySlots": {"min": 1, "max": 4, "use": 2}, "memorySlotSize": "1Gi"}
+    assert annotations["kubectl.kubernetes.io/default-container"] == "neonvm-runner"
+
+
+def test_the_vms_annotations_are_copied_but_kubectls_record_and_the_controllers_own() -> None:
+    vm = VirtualMachine.from_object({
+        "metadata": {"name": "db", "namespace": "ns", "uid": "u1", "annotations": {
+            "team/owner": "storage",
+            "kubectl.kubernetes.io/last-applied-configuration": "{}",
+            "vm.neon.tech/fence-token": "999"}},
+        "spec": {"guest": {"rootDisk": {"image": "img"}}}})
+    annotations = runner_pod(vm, PendingPod(name="db-1", token=7, epoch=1))["metadata"][
+        "annotations"]
+    assert annotations["team/owner"] == "storage"
+    assert "kubectl.kubernetes.io/last-applied-configuration" not in annotations
+    assert annotations[types.ANNOTATION_TOKEN] == "7"

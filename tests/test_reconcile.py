@@ -227,12 +227,12 @@ class FrozenCache:
         return make_snapshot(VMRecord.from_raw(self._vm), self._pods, lease, direct=False)
 
 
-def _stale_after_first_restart(api: client.ApiClient, controller_api: client.ApiClient,
-                               namespace: str, name: str) -> dict[str, Any]:
-    """Run the VM through two pod deletions; return the VM as it was after restart #1.
+def history_through_two_restarts(api: client.ApiClient, controller_api: client.ApiClient,
+                                 namespace: str, name: str) -> list[dict[str, Any]]:
+    """Run the VM through two pod deletions; return every version of it the watch saw.
 
-    Afterwards plan #3 is committed and running; the returned version says "no pod, no
-    plan, planSeq 1" (what a cache that missed everything since restart #1 shows).
+    Afterwards plan #3 is committed and running; each older version is what a cache that
+    missed everything since shows.
     """
     versions = VersionedStore(depth=200)
     custom = client.CustomObjectsApi(api)
@@ -258,9 +258,15 @@ def _stale_after_first_restart(api: client.ApiClient, controller_api: client.Api
         assert final is not None
         wait_for(lambda: (versions.get(key) or {}).get("metadata", {}).get(
             "resourceVersion") == final["metadata"]["resourceVersion"], 30)
-        history = [v for v in versions.older(key) if v is not None]
+        return [v for v in versions.older(key) if v is not None]
     finally:
         informer.stop()
+
+
+def _stale_after_first_restart(api: client.ApiClient, controller_api: client.ApiClient,
+                               namespace: str, name: str) -> dict[str, Any]:
+    """The VM as it was after restart #1: "no pod, no plan, planSeq 1"."""
+    history = history_through_two_restarts(api, controller_api, namespace, name)
     after_restart = [v for v in history
                      if (v.get("status") or {}).get("restartCount") == 1
                      and not (v.get("status") or {}).get("podName")

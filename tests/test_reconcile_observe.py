@@ -22,7 +22,16 @@ from neonvm.controller.reconciler import Reconciler, StaticAuthority
 from neonvm.invariant import InvariantChecker
 from neonvm.testing.harness import get_vm, is_gated, runner_pods
 from tests.support import CountingAuthority, wait_for
-from tests.test_reconcile import FrozenCache, checker, create_vm, hold, release, settle
+from tests.test_reconcile import (
+    FrozenCache,
+    checker,
+    converged_one,
+    create_vm,
+    history_through_two_restarts,
+    hold,
+    release,
+    settle,
+)
 
 pytestmark = pytest.mark.cluster
 
@@ -160,3 +169,29 @@ def test_restart_delete_and_finalizer_removal_are_decided_from_a_fresh_direct_re
     assert all(direct and not from_write for _, from_write, direct in dangerous), dangerous
     # ... while the plan steps in between were taken from write answers.
     assert any(from_write for _, from_write, _ in reconciler.performed)
+
+
+def test_a_plan_seen_only_in_a_stale_cache_is_not_created_but_read_directly(
+        api: client.ApiClient, controller_api: client.ApiClient, namespace: str,
+        checker: InvariantChecker) -> None:
+    """The create is decided only from a direct observation or from the answer to our own
+    VM write (docs/protocol.md, "Why the create needs no pod list"). A cache that still
+    shows plan #1, committed, run and restarted twice since, must not bring plan #1's pod
+    name back: the driver reads directly, sees plan #3 running, and creates nothing."""
+    create_vm(api, namespace, "guard")
+    history = history_through_two_restarts(api, controller_api, namespace, "guard")
+    running = converged_one(api, namespace, "guard")
+    planned = [v for v in history
+               if str(((v.get("status") or {}).get("pendingPod") or {}).get("name", ""))
+               .endswith("-1") and not (v.get("status") or {}).get("podName")]
+    assert planned, "the watch saw the version with plan #1 recorded, not yet committed"
+
+    reconciler = Recording(controller_api)
+    reconciler._cache = FrozenCache(planned[0], [])
+    result = reconciler.reconcile(f"{namespace}/guard", CountingAuthority())
+
+    steps = [name for name, _, _ in reconciler.performed]
+    assert "CreatePod" not in steps, reconciler.performed
+    assert reconciler.counting.reads["get_vm"] >= 1, reconciler.counting.reads
+    assert isinstance(result.action, d.Done), result
+    assert [p.metadata.name for p in runner_pods(api, namespace, "guard")] == [running]

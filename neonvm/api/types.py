@@ -542,6 +542,7 @@ class VirtualMachine:
     deletion_timestamp: str | None = None
     finalizers: list[str] = field(default_factory=list)
     labels: dict[str, str] = field(default_factory=dict)
+    annotations: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def from_object(cls, obj: dict[str, Any]) -> VirtualMachine:
@@ -558,6 +559,7 @@ class VirtualMachine:
             deletion_timestamp=meta.get("deletionTimestamp"),
             finalizers=list(meta.get("finalizers") or []),
             labels=dict(meta.get("labels") or {}),
+            annotations=dict(meta.get("annotations") or {}),
         )
 
     @property

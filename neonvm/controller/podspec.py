@@ -50,6 +50,7 @@ from kubernetes.utils import parse_quantity
 from neonvm.api import types
 from neonvm.api.schema import encode
 from neonvm.api.types import PendingPod, VirtualMachine
+from neonvm.runner.quantity import format_bytes
 
 RUNNER_PORT = 25183
 RUNNER_COMMAND = "neonvm-runner"
@@ -69,6 +70,19 @@ says by then). Its runner counts memory slots in that slot size for the pod's li
 live scaling is planned only while the spec's ``memorySlotSize`` is the same. Pods built
 before the third field existed carry the first two only."""
 """The VM spec as JSON, projected into the runner's spec file."""
+ANNOTATION_USAGE = "vm.neon.tech/usage"
+"""NeonVM's usage annotation, read by its scheduler plugin and autoscaler-agent: JSON
+``{"cpu": <quantity>, "memory": <quantity>}``, the size the guest runs at (at creation
+the size it boots at; live scaling rewrites it once the runner applied a new size)."""
+ANNOTATION_RESOURCES = "vm.neon.tech/resources"
+"""NeonVM's resources annotation: JSON of the guest's CPU and memory-slot bounds
+(``cpus``/``memorySlots`` with ``min``/``max``/``use``, ``memorySlotSize``) as the spec
+had them when the pod was built."""
+ANNOTATION_DEFAULT_CONTAINER = "kubectl.kubernetes.io/default-container"
+"""So that ``kubectl logs``/``exec`` on a runner pod pick the runner container."""
+COPIED_ANNOTATIONS_SKIPPED = ("kubectl.kubernetes.io/last-applied-configuration",)
+"""VM annotations not copied to the runner pod (as in NeonVM); neither is any under
+``vm.neon.tech/``, which belong to this controller."""
 SPEC_DIR = "/vm/spec"
 SPEC_FILE = f"{SPEC_DIR}/spec.json"
 SPEC_VOLUME = "vm-spec"
@@ -233,6 +247,10 @@ def runner_pod(vm: VirtualMachine, plan: PendingPod,
             "namespace": vm.namespace,
             "labels": labels,
             "annotations": {
+                **_copied_annotations(vm),
+                ANNOTATION_DEFAULT_CONTAINER: RUNNER_CONTAINER,
+                ANNOTATION_USAGE: _usage_json(vm),
+                ANNOTATION_RESOURCES: _resources_json(vm),
                 types.ANNOTATION_TOKEN: str(plan.token),
                 types.ANNOTATION_EPOCH: str(plan.epoch),
                 types.ANNOTATION_PLAN_SEQ: str(plan.plan_seq),
@@ -255,6 +273,38 @@ def runner_pod(vm: VirtualMachine, plan: PendingPod,
     annotations = pod["metadata"]["annotations"]
     annotations[ANNOTATION_SPEC] = _spec_annotation(vm, annotations)
     return pod
+
+
+def _copied_annotations(vm: VirtualMachine) -> dict[str, str]:
+    """The VM's own annotations, as NeonVM copies them to its runner pods."""
+    return {k: v for k, v in vm.annotations.items()
+            if k not in COPIED_ANNOTATIONS_SKIPPED and not k.startswith(f"{types.GROUP}/")}
+
+
+def _memory_slot_quantity(vm: VirtualMachine) -> str:
+    """``memorySlotSize`` in canonical form ("1Gi" for "1024Mi"), else as written."""
+    size = slot_bytes(vm.spec.guest.memory_slot_size)
+    return format_bytes(size) if size else str(vm.spec.guest.memory_slot_size)
+
+
+def _usage_json(vm: VirtualMachine) -> str:
+    """:data:`ANNOTATION_USAGE` for the size the pod boots at."""
+    guest = vm.spec.guest
+    size = slot_bytes(guest.memory_slot_size)
+    memory = format_bytes(size * guest.memory_slots.current) if size else ""
+    return json.dumps({"cpu": str(guest.cpus.current), "memory": memory},
+                      separators=(",", ":"))
+
+
+def _resources_json(vm: VirtualMachine) -> str:
+    """:data:`ANNOTATION_RESOURCES`: the guest's bounds in NeonVM's JSON shape."""
+    cpus, slots = vm.spec.guest.cpus, vm.spec.guest.memory_slots
+    return json.dumps({
+        "cpus": {"min": cpus.min.to_json(), "max": cpus.max.to_json(),
+                 "use": cpus.current.to_json()},
+        "memorySlots": {"min": slots.min, "max": slots.max, "use": slots.current},
+        "memorySlotSize": _memory_slot_quantity(vm),
+    }, separators=(",", ":"))
 
 
 def _spec_annotation(vm: VirtualMachine, others: dict[str, str]) -> str:
