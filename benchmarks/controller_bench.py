@@ -64,10 +64,13 @@ class ReplicaSet:
     count: int = 3
     members: list[Replica] = field(default_factory=list)
     tag: str = field(default_factory=lambda: uuid.uuid4().hex[:6])
+    workers: int = WORKERS
+    log_level: str | None = None
+    """The replicas' log level (default: ``$BENCH_LOG_LEVEL``, else INFO)."""
 
     def _argv(self, identity: str) -> list[str]:
         return [sys.executable, "-m", "neonvm", "--log-format", "json", "--log-level",
-                os.environ.get("BENCH_LOG_LEVEL", "INFO"), "controller", "run",
+                self.log_level or os.environ.get("BENCH_LOG_LEVEL", "INFO"), "controller", "run",
                 "--kubeconfig", str(self.cluster.kubeconfig_for("controller")),
                 "--etcd-endpoints", self.cluster.locks_etcd_url,
                 "--etcd-prefix", f"/neonvm-bench/{self.tag}",
@@ -75,7 +78,7 @@ class ReplicaSet:
                 "--lease-namespace", self.namespace, "--watch-namespace", self.namespace,
                 "--lease-duration", str(LEASE["duration"]),
                 "--renew-deadline", str(LEASE["renew"]),
-                "--retry-period", str(LEASE["retry"]), "--workers", str(WORKERS),
+                "--retry-period", str(LEASE["retry"]), "--workers", str(self.workers),
                 "--runner-image", "neonvm-runner:dev"]
 
     def start(self, index: int) -> Replica:
