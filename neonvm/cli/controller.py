@@ -21,7 +21,7 @@ from loguru import logger
 
 from neonvm.controller.fault_wiring import wiring_for
 from neonvm.controller.faults import FaultConfig, FaultConfigError
-from neonvm.controller.manager import ControllerConfig, ControllerProcess
+from neonvm.controller.manager import ControllerConfig, ControllerProcess, http_pool_size
 from neonvm.controller.metrics import ControllerMetrics
 from neonvm.controller.podspec import DEFAULT_RUNNER_IMAGE, PodDefaults
 from neonvm.controller.reconciler import ReconcilerConfig
@@ -136,7 +136,7 @@ def run(kubeconfig: Path | None, lease_namespace: str, lease_name: str, identity
     log = logger.bind(identity=election.identity)
     if fault_config.enabled:
         log.warning("FAULT INJECTION ENABLED: {faults}", faults=fault_config)
-    api = kube.api_client(kubeconfig)
+    api = kube.api_client(kubeconfig, pool_size=http_pool_size(workers))
     metrics = ControllerMetrics()
     process = ControllerProcess(api, etcd_config, election, config,
                                 wiring=wiring_for(fault_config), metrics=metrics)

@@ -116,6 +116,18 @@ class ControllerConfig:
     each stuck reconcile in a row, reset by one that ends normally)."""
 
 
+HTTP_POOL_BEYOND_WORKERS = 8
+"""Connections of the API client's pool beyond one per worker: the two informers' watches,
+the Events recorder, the term's scans and sweeps, live scaling's Secrets."""
+
+
+def http_pool_size(workers: int) -> int:
+    """The API client's pool for ``workers`` workers: each worker's request finds a kept
+    connection (beyond the pool, every request would open one, TLS handshake included,
+    and close it after)."""
+    return workers + HTTP_POOL_BEYOND_WORKERS
+
+
 SESSION_REVOKE_TIMEOUT = 2.0
 """Seconds a stopping term gives etcd to revoke its session (and so its locks)."""
 
