@@ -521,6 +521,21 @@ def report(r: dict[str, Any]) -> str:
                   f"{busy:.1f} worker-seconds = {100 * busy / wall:.0f}% of {workers} "
                   f"workers x {r['span_seconds']:.1f} s; "
                   f"{busy / vms:.3f} worker-s per VM in reconciles."]
+    turns = {k.split('outcome="')[1].split('"')[0]: (v, m.get(k.replace("_sum{", "_count{"), 0.0))
+             for k, v in m.items() if k.startswith("turn_duration_seconds_sum{")}
+    if turns:
+        spent = sum(v for v, _ in turns.values())
+        lines.append(
+            f"Turns (whole turns: lock, reconcile, requeue): {spent:.1f} worker-seconds = "
+            f"{100 * spent / wall:.0f}% busy; " + ", ".join(
+                f"{k} {n:.0f} ({v:.1f} s)" for k, (v, n) in
+                sorted(turns.items(), key=lambda kv: -kv[1][0])) + ".")
+    waits = {k.split('line="')[1].split('"')[0]: (v, m.get(k.replace("_sum{", "_count{"), 0.0))
+             for k, v in m.items() if k.startswith("queue_wait_seconds_sum{")}
+    if waits:
+        lines.append("Waiting ready for a worker: " + ", ".join(
+            f"{line} line {n:.0f} takes, {v:.1f} s in all (mean {1000 * v / max(n, 1):.0f} ms)"
+            for line, (v, n) in sorted(waits.items())) + ".")
     results = {k.split('result="')[1].rstrip('"}'): v for k, v in m.items()
                if k.startswith("reconciles_total{")}
     if results:
@@ -569,7 +584,9 @@ def sweep_table(results: list[dict[str, Any]]) -> str:
     for r in results:
         vms, raw = r["vms"], r["raw"]
         rate = vms / r["after_creates_seconds"]
-        busy = r["metrics"].get("reconcile_duration_seconds_sum", 0.0)
+        busy = sum(v for k, v in r["metrics"].items()
+                   if k.startswith("turn_duration_seconds_sum{")) or \
+            r["metrics"].get("reconcile_duration_seconds_sum", 0.0)
         lines.append(
             f"| {r['label']} | {vms} | {r['workers']} | {r['after_creates_seconds']:.1f} s | "
             f"{rate:.1f} | "

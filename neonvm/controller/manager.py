@@ -188,7 +188,11 @@ class LeaderTerm:
         self.stopping = threading.Event()
         self.config = process.config
         self.metrics = process.metrics
-        self.queue = WorkQueue(self.config.backoff)
+        waits = self.metrics.queue_wait_seconds
+        self.queue = WorkQueue(
+            self.config.backoff,
+            on_wait=lambda seconds, periodic: waits.labels(
+                line="periodic" if periodic else "event").observe(seconds))
         self.timers = VMTimers(self.config.stuck_backoff)
         self._locks: LockManager | None = None
         self._session: Session | None = None
@@ -439,8 +443,10 @@ class LeaderTerm:
                 if self.queue.shutting_down or self.stopping.is_set():
                     return
                 continue
+            started = time.monotonic()
+            kind = "raised"
             try:
-                self.handler.process(taken.key, taken.direct)
+                kind = self.handler.process(taken.key, taken.direct).kind
             except Exception:
                 # Handler.handle never raises, but what follows it (the outcome mapping,
                 # Handler.apply) runs outside its guard: a bug there must cost one key a
@@ -454,6 +460,8 @@ class LeaderTerm:
                     self.log.bind(vm=taken.key).exception("worker: could not requeue the key")
             finally:
                 self.queue.done(taken.key)
+                self.metrics.turn_seconds.labels(outcome=kind).observe(
+                    time.monotonic() - started)
 
 
 def _pod_vm_key(meta: dict[str, Any], key: str) -> str | None:
