@@ -46,11 +46,10 @@ import resource
 import signal
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 import uuid
-from collections import Counter, defaultdict
+from collections import Counter
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -67,106 +66,18 @@ from kubernetes.client.exceptions import ApiException  # noqa: E402
 from benchmarks import controller_bench as cb  # noqa: E402
 from benchmarks.api_calls import python_path_first, revision_tree  # noqa: E402
 from benchmarks.common import replace_section  # noqa: E402
+from benchmarks.controller_bench import STAGES, Timeline  # noqa: E402
 from neonvm import kube  # noqa: E402
 from neonvm.api import types  # noqa: E402
-from neonvm.controller.informer import Informer, Obj, Store  # noqa: E402
+from neonvm.controller.manager import http_pool_size  # noqa: E402
 from neonvm.drills import fleet  # noqa: E402
 from neonvm.drills.observer import percentile  # noqa: E402
 
 DOC = ROOT / "docs" / "benchmarks.md"
 SECTION = "## Where a convergence's time goes"
 
-STAGES = ("created", "finalizer", "plan", "pod", "commit", "ungated", "pod_running",
-          "vm_running")
-"""The per-VM timeline, in order."""
-
-
 def say(msg: str) -> None:
     print(f"  {msg}", file=sys.stderr, flush=True)
-
-
-def sized_client(kubeconfig: Path, pool: int) -> client.ApiClient:
-    """An API client whose HTTP pool holds ``pool`` connections (the default holds
-    5 per CPU: fewer than 16 or 32 threads need)."""
-    api = kube.api_client(kubeconfig)
-    api.configuration.connection_pool_maxsize = pool
-    api.rest_client = type(api.rest_client)(api.configuration)
-    return api
-
-
-# ---- the timeline: watch events, received here -----------------------------------------
-
-
-class Timeline:
-    """First time each VM reached each stage, from this script's own informers."""
-
-    def __init__(self, api: client.ApiClient, namespace: str) -> None:
-        self.at: dict[str, dict[str, float]] = defaultdict(dict)
-        self._lock = threading.Lock()
-        self.ungated = threading.Event()
-        self.running = threading.Event()
-        self.expected: set[str] = set()
-        custom = client.CustomObjectsApi(api)
-        core = client.CoreV1Api(api)
-
-        def list_vms(**kw: Any) -> Any:
-            return custom.list_namespaced_custom_object(types.GROUP, types.VERSION,
-                                                        namespace, types.PLURAL, **kw)
-
-        def list_pods(**kw: Any) -> Any:
-            return core.list_namespaced_pod(namespace, label_selector=types.LABEL_VM_NAME,
-                                            **kw)
-
-        self.informers = [Informer("vms", list_vms, Store(), self._on_vm),
-                          Informer("pods", list_pods, Store(), self._on_pod)]
-
-    def start(self) -> None:
-        for informer in self.informers:
-            informer.start()
-        for informer in self.informers:
-            informer.synced.wait(30)
-
-    def stop(self) -> None:
-        for informer in self.informers:
-            informer.stop(timeout=1.0)
-
-    def mark(self, name: str, stage: str, when: float | None = None) -> None:
-        with self._lock:
-            self.at[name].setdefault(stage, time.time() if when is None else when)
-            if self.expected:
-                if stage == "ungated" and all(
-                        "ungated" in self.at[n] for n in self.expected):
-                    self.ungated.set()
-                if stage in ("vm_running", "ungated") and all(
-                        "vm_running" in self.at[n] for n in self.expected):
-                    self.running.set()
-
-    def _on_vm(self, key: str, old: Obj | None, new: Obj | None) -> None:
-        if new is None:
-            return
-        name = new["metadata"]["name"]
-        status = new.get("status") or {}
-        if types.FINALIZER in (new["metadata"].get("finalizers") or []):
-            self.mark(name, "finalizer")
-        if status.get("pendingPod"):
-            self.mark(name, "plan")
-        if status.get("podName"):
-            self.mark(name, "commit")
-        if status.get("phase") == "Running":
-            self.mark(name, "vm_running")
-
-    def _on_pod(self, key: str, old: Obj | None, new: Obj | None) -> None:
-        if new is None:
-            return
-        vm = ((new["metadata"].get("labels") or {}).get(types.LABEL_VM_NAME)) or ""
-        if not vm:
-            return
-        self.mark(vm, "pod")
-        gates = (new.get("spec") or {}).get("schedulingGates") or []
-        if not any(g.get("name") == types.SCHEDULING_GATE for g in gates):
-            self.mark(vm, "ungated")
-        if (new.get("status") or {}).get("phase") == "Running":
-            self.mark(vm, "pod_running")
 
 
 # ---- CPU of the processes taking part ---------------------------------------------------
@@ -395,8 +306,7 @@ def run_once(cluster: Any, vms: int, workers: int, replicas: int, py_spy: str | 
              tree: str | None = None) -> dict[str, Any]:
     """The floor and one convergence at ``workers`` workers; every figure of the run.
     ``tree``: the replicas import neonvm from there (a baseline revision's source)."""
-    pool = max(10, workers + 8)
-    api = sized_client(cluster.kubeconfig, pool)
+    api = kube.api_client(cluster.kubeconfig, pool_size=http_pool_size(workers))
     namespace = f"prof-{uuid.uuid4().hex[:5]}"
     raw_ns = f"prof-raw-{uuid.uuid4().hex[:5]}"
     fleet.ensure_namespace(api, namespace)
@@ -459,10 +369,13 @@ def run_once(cluster: Any, vms: int, workers: int, replicas: int, py_spy: str | 
         finally:
             rs.stop_all()
         timeline.stop()
-        span = ungated_at - mono0
+        mine = [timeline.at[n] for n in names]
+        last_ungate = max(t["ungated"] for t in mine)
+        span = last_ungate - min(t["created"] for t in mine)
         result.update({
             "t0": t0, "create_seconds": created, "span_seconds": span,
-            "after_creates_seconds": ungated_at - mono0 - created,
+            "sampled_seconds": ungated_at - mono0,
+            "after_creates_seconds": last_ungate - max(t["created"] for t in mine),
             "timeline": {n: dict(v) for n, v in timeline.at.items() if n in set(names)},
             "metrics": delta(metrics_before, metrics_after, "neonvm_controller_"),
             "cpu": {k: cpu_after[k] - cpu_before.get(k, 0.0) for k in cpu_after},
