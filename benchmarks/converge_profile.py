@@ -64,7 +64,7 @@ from kubernetes import client  # noqa: E402
 from kubernetes.client.exceptions import ApiException  # noqa: E402
 
 from benchmarks import controller_bench as cb  # noqa: E402
-from benchmarks.api_calls import python_path_first, revision_tree  # noqa: E402
+from benchmarks.api_calls import python_path_first, request_totals, revision_tree  # noqa: E402
 from benchmarks.common import replace_section  # noqa: E402
 from benchmarks.controller_bench import STAGES, Timeline  # noqa: E402
 from neonvm import kube  # noqa: E402
@@ -342,6 +342,7 @@ def run_once(cluster: Any, vms: int, workers: int, replicas: int, py_spy: str | 
             names = [f"vm-{i:04d}" for i in range(vms)]
             timeline.expected = set(names)
             metrics_before = scrape(port)
+            requests_before = request_totals(api)
             cpu_before = cpu_snapshot(pids)
             spy = None
             if py_spy:
@@ -358,6 +359,7 @@ def run_once(cluster: Any, vms: int, workers: int, replicas: int, py_spy: str | 
             samples = spy.stop() if spy is not None else None
             cpu_after = cpu_snapshot(pids)
             metrics_after = scrape(port)
+            requests_after = request_totals(api)
             load_after = os.getloadavg()
             timeline.running.wait(60 + vms * 1.0)
             state = fleet.convergence(api, namespace, names)
@@ -378,6 +380,8 @@ def run_once(cluster: Any, vms: int, workers: int, replicas: int, py_spy: str | 
             "after_creates_seconds": last_ungate - max(t["created"] for t in mine),
             "timeline": {n: dict(v) for n, v in timeline.at.items() if n in set(names)},
             "metrics": delta(metrics_before, metrics_after, "neonvm_controller_"),
+            "requests": {" ".join(part for part in k[:3] if part): v - requests_before[k]
+                         for k, v in requests_after.items() if v - requests_before[k] > 0},
             "cpu": {k: cpu_after[k] - cpu_before.get(k, 0.0) for k in cpu_after},
             "load_after": load_after,
             "samples": samples,
@@ -459,6 +463,14 @@ def report(r: dict[str, Any]) -> str:
     if actions:
         lines.append("Actions: " + ", ".join(f"{k} {v:.0f}" for k, v in sorted(actions.items()))
                      + ".")
+    reqs = r.get("requests") or {}
+    if reqs:
+        lines += ["", "API server requests per VM while converging (every client's: the "
+                      "controller's, kwok's, the scheduler's, this script's creates and "
+                      "watches): " + ", ".join(
+                          f"{k} {v / vms:.2f}" for k, v in
+                          sorted(reqs.items(), key=lambda kv: -kv[1]) if v / vms >= 0.05)
+                  + "."]
     cpu = r["cpu"]
     total = sum(cpu.values())
     lines += ["", f"CPU seconds over the {r['span_seconds']:.1f} s (2 CPUs give "
