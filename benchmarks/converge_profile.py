@@ -473,8 +473,10 @@ def report(r: dict[str, Any]) -> str:
                   + "."]
     cpu = r["cpu"]
     total = sum(cpu.values())
-    lines += ["", f"CPU seconds over the {r['span_seconds']:.1f} s (2 CPUs give "
-                  f"{2 * r['span_seconds']:.0f}): " + ", ".join(
+    window = r.get("sampled_seconds", r["span_seconds"])
+    lines += ["", f"CPU seconds over the {window:.1f} s from the first create to the last "
+                  f"ungate seen ({os.cpu_count()} CPUs give {(os.cpu_count() or 1) * window:.0f}): "
+                  + ", ".join(
                       f"{k} {v:.1f}" for k, v in sorted(cpu.items(), key=lambda kv: -kv[1])
                       if v >= 0.05) + f"; {total:.1f} in all."]
     floor_cpu = r.get("cpu_floor") or {}
