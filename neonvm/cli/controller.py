@@ -67,7 +67,8 @@ def controller() -> None:
               help="TTL (s) of the etcd lease the per-VM locks are bound to.")
 @click.option("--watch-namespace", default=None,
               help="Reconcile only VMs of this namespace (default: all).")
-@click.option("--workers", type=click.IntRange(min=1), default=4, show_default=True)
+@click.option("--workers", type=click.IntRange(min=1), default=ControllerConfig().workers,
+              show_default=True, help="Reconcile workers in the leader.")
 @click.option("--resync", type=click.FloatRange(min=1), default=30.0, show_default=True,
               help="Seconds between resyncs: metadata-only lists of VMs and pods compared "
                    "with the caches; the VMs that differ are re-read directly.")
