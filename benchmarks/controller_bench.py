@@ -371,8 +371,9 @@ def converge_watched(api: client.ApiClient, namespace: str, names: list[str],
     create's answer to the last ungate, seconds the creates took).
 
     The moments come from watch events (:class:`Timeline`): polling lists of every VM and
-    pod took CPU from the controller it measures (at 1,000 VMs a typed pod list takes
-    seconds of this process's CPU), and its interval was the figure's precision. One
+    pod took CPU from the controller it measures (every poll decoded every pod into the
+    client's typed models, on the same two cores), and its interval was the figure's
+    precision. One
     direct check at the end (:func:`neonvm.drills.fleet.convergence`: one pod, named
     ``status.podName``, ungated, no plan pending) confirms it; if it disagrees, polling
     goes on until it agrees."""
