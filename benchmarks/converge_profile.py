@@ -562,6 +562,8 @@ def main(argv: Iterable[str] | None = None) -> int:
     p.add_argument("--json", type=Path, default=None, help="Also write the raw results here.")
     p.add_argument("--write-docs", action="store_true",
                    help=f"Write the sweep and the breakdowns into {DOC.name}.")
+    p.add_argument("--doc-section", default=SECTION,
+                   help=f"The section --write-docs writes (default {SECTION!r}).")
     args = p.parse_args(list(argv) if argv is not None else None)
     from loguru import logger
 
@@ -598,14 +600,15 @@ def main(argv: Iterable[str] | None = None) -> int:
         args.json.write_text(json.dumps(
             [{k: v for k, v in r.items() if k != "samples"} for r in results], default=str))
     if args.write_docs:
+        given = sys.argv[1:] if argv is None else list(argv)
         cmd = "python -m benchmarks.converge_profile " + " ".join(
-            a for a in (sys.argv[1:] if argv is None else list(argv)) if a != "--write-docs")
+            f"'{a}'" if " " in a else a for a in given if a != "--write-docs")
         env = (f"Run {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: `{cmd.strip()}`, "
                f"Python {sys.version.split()[0]}, {os.cpu_count()} CPUs shared with other "
                f"work; {time.monotonic() - started:.0f} s in all.")
-        text = "\n\n".join([SECTION, _doc_intro(), table, env]
+        text = "\n\n".join([args.doc_section, _doc_intro(), table, env]
                            + [report(r) for r in results]) + "\n"
-        replace_section(DOC, SECTION, text)
+        replace_section(DOC, args.doc_section, text)
         print(f"wrote {DOC.relative_to(ROOT)}", file=sys.stderr)
     return 0
 
