@@ -165,11 +165,14 @@ run on the same machine; nothing here is typed in by hand. Re-run it to get your
 What each row means:
 
 * **converge N VMs**: N VMs created at once, until every one has exactly one runner pod,
-  ungated, named `status.podName`. The baseline is a bare client doing the three writes
-  a VM needs at the least (status PUT recording the plan, pod create, status PUT
-  committing it) with as many threads as the controller has workers, on VMs that no
-  controller watches. The controller also adds the finalizer, ungates the pod and syncs
-  the phase, so it cannot reach the floor; *writes/VM* is what it actually wrote (its
+  ungated, named `status.podName`: the time from the last create's answer to the last
+  ungate, as this script's own watches see them (one direct check confirms the end;
+  nothing polls lists of the fleet, which took CPU from the controller measured). The
+  baseline is a bare client doing the three writes a VM needs at the least (status PUT
+  recording the plan, pod create, status PUT committing it) with as many threads as the
+  controller has workers (and an HTTP pool as large as the controller's), on VMs that
+  no controller watches. The controller also adds the finalizer, ungates the pod and
+  syncs the phase, so it cannot reach the floor; *writes/VM* is what it actually wrote (its
   `neonvm_controller_actions_total` that took effect).
 * **controller RSS**: resident memory of the leader once N VMs converged, with the VMs
   and their pods cached, and its peak (`VmHWM`: the relists and the burst of work), next

@@ -28,6 +28,7 @@ import threading
 import time
 import urllib.request
 import uuid
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -39,6 +40,8 @@ from kubernetes.client.exceptions import ApiException
 
 from neonvm import kube
 from neonvm.api import types
+from neonvm.controller.informer import Informer, Obj, Store
+from neonvm.controller.manager import ControllerConfig, http_pool_size
 from neonvm.drills import fleet
 from neonvm.drills.observer import PodWatchChecker, percentile
 from neonvm.leader.election import LeaseClient
@@ -46,7 +49,9 @@ from neonvm.leader.election import LeaseClient
 Progress = Callable[[str], None]
 
 LEASE = {"duration": 6.0, "renew": 4.0, "retry": 1.0}
-WORKERS = 4
+WORKERS = ControllerConfig().workers
+"""The replicas' workers: the controller's default (``--workers``). The floor runs with as
+many threads, on an HTTP pool as large as the controller's (:func:`http_pool_size`)."""
 
 
 @dataclass
@@ -64,10 +69,13 @@ class ReplicaSet:
     count: int = 3
     members: list[Replica] = field(default_factory=list)
     tag: str = field(default_factory=lambda: uuid.uuid4().hex[:6])
+    workers: int = WORKERS
+    log_level: str | None = None
+    """The replicas' log level (default: ``$BENCH_LOG_LEVEL``, else INFO)."""
 
     def _argv(self, identity: str) -> list[str]:
         return [sys.executable, "-m", "neonvm", "--log-format", "json", "--log-level",
-                os.environ.get("BENCH_LOG_LEVEL", "INFO"), "controller", "run",
+                self.log_level or os.environ.get("BENCH_LOG_LEVEL", "INFO"), "controller", "run",
                 "--kubeconfig", str(self.cluster.kubeconfig_for("controller")),
                 "--etcd-endpoints", self.cluster.locks_etcd_url,
                 "--etcd-prefix", f"/neonvm-bench/{self.tag}",
@@ -75,7 +83,7 @@ class ReplicaSet:
                 "--lease-namespace", self.namespace, "--watch-namespace", self.namespace,
                 "--lease-duration", str(LEASE["duration"]),
                 "--renew-deadline", str(LEASE["renew"]),
-                "--retry-period", str(LEASE["retry"]), "--workers", str(WORKERS),
+                "--retry-period", str(LEASE["retry"]), "--workers", str(self.workers),
                 "--runner-image", "neonvm-runner:dev"]
 
     def start(self, index: int) -> Replica:
@@ -157,6 +165,91 @@ def scrape_actions(port: int) -> dict[str, float]:
     return out
 
 
+# ---- convergence, from watch events (nothing polls) --------------------------------------
+
+STAGES = ("created", "finalizer", "plan", "pod", "commit", "ungated", "pod_running",
+          "vm_running")
+"""A VM's way to a running pod, in order (what :class:`Timeline` records)."""
+
+
+class Timeline:
+    """First time each VM reached each stage, from this script's own informers."""
+
+    def __init__(self, api: client.ApiClient, namespace: str) -> None:
+        self.at: dict[str, dict[str, float]] = defaultdict(dict)
+        self._lock = threading.Lock()
+        self.ungated = threading.Event()
+        self.running = threading.Event()
+        self.expected: set[str] = set()
+        """The VMs waited for: set before they are created."""
+        self._reached: Counter[str] = Counter()
+        custom = client.CustomObjectsApi(api)
+        core = client.CoreV1Api(api)
+
+        def list_vms(**kw: Any) -> Any:
+            return custom.list_namespaced_custom_object(types.GROUP, types.VERSION,
+                                                        namespace, types.PLURAL, **kw)
+
+        def list_pods(**kw: Any) -> Any:
+            return core.list_namespaced_pod(namespace, label_selector=types.LABEL_VM_NAME,
+                                            **kw)
+
+        self.informers = [Informer("vms", list_vms, Store(), self._on_vm),
+                          Informer("pods", list_pods, Store(), self._on_pod)]
+
+    def start(self) -> None:
+        for informer in self.informers:
+            informer.start()
+        for informer in self.informers:
+            informer.synced.wait(30)
+
+    def stop(self) -> None:
+        for informer in self.informers:
+            informer.stop(timeout=1.0)
+
+    def mark(self, name: str, stage: str, when: float | None = None) -> None:
+        with self._lock:
+            stages = self.at[name]
+            if stage in stages:
+                return
+            stages[stage] = time.time() if when is None else when
+            if name not in self.expected:
+                return
+            self._reached[stage] += 1
+            if self._reached[stage] == len(self.expected):
+                if stage == "ungated":
+                    self.ungated.set()
+                elif stage == "vm_running":
+                    self.running.set()
+
+    def _on_vm(self, key: str, old: Obj | None, new: Obj | None) -> None:
+        if new is None:
+            return
+        name = new["metadata"]["name"]
+        status = new.get("status") or {}
+        if types.FINALIZER in (new["metadata"].get("finalizers") or []):
+            self.mark(name, "finalizer")
+        if status.get("pendingPod"):
+            self.mark(name, "plan")
+        if status.get("podName"):
+            self.mark(name, "commit")
+        if status.get("phase") == "Running":
+            self.mark(name, "vm_running")
+
+    def _on_pod(self, key: str, old: Obj | None, new: Obj | None) -> None:
+        if new is None:
+            return
+        vm = ((new["metadata"].get("labels") or {}).get(types.LABEL_VM_NAME)) or ""
+        if not vm:
+            return
+        self.mark(vm, "pod")
+        gates = (new.get("spec") or {}).get("schedulingGates") or []
+        if not any(g.get("name") == types.SCHEDULING_GATE for g in gates):
+            self.mark(vm, "ungated")
+        if (new.get("status") or {}).get("phase") == "Running":
+            self.mark(vm, "pod_running")
+
+
 # ---- baseline: raw API writes ------------------------------------------------------------
 
 
@@ -234,7 +327,7 @@ def raw_write_rate(api: client.ApiClient, namespace: str, vms: int, threads: int
 
 def convergence(cluster: Any, vms: int, progress: Progress) -> dict[str, Any]:
     """N VMs at once, 3 replicas; VMs/s, writes per VM, RSS of leader and a standby."""
-    api = kube.api_client(cluster.kubeconfig)
+    api = kube.api_client(cluster.kubeconfig, pool_size=http_pool_size(WORKERS))
     namespace = f"bench-converge-{uuid.uuid4().hex[:5]}"
     raw_ns = f"bench-raw-{uuid.uuid4().hex[:5]}"
     fleet.ensure_namespace(api, namespace)
@@ -249,16 +342,7 @@ def convergence(cluster: Any, vms: int, progress: Progress) -> dict[str, Any]:
             assert lead is not None
             wait_metrics(replicas, lead)
             names = [f"vm-{i:04d}" for i in range(vms)]
-            started = time.monotonic()
-            create_vms(api, namespace, names, threads=WORKERS)
-            created = time.monotonic() - started
-            # Each poll lists every VM and pod; at thousands of VMs that costs the CPU
-            # the controller shares, so poll less often (the figure's precision is the
-            # interval, well under 1% of the run).
-            ok, seconds, state = fleet.wait_converged(api, namespace, names, 60 + vms * 3.0,
-                                                      progress, interval=max(0.5, vms / 1000))
-            if not ok:
-                raise RuntimeError(f"{vms} VMs did not converge: {len(state.converged)} did")
+            seconds, created = converge_watched(api, namespace, names, progress)
             port = replicas.metrics_port(lead)
             actions = scrape_actions(port) if port else {}
             leader_rss = rss_mib(replicas.pid(lead))
@@ -279,6 +363,46 @@ def convergence(cluster: Any, vms: int, progress: Progress) -> dict[str, Any]:
         fleet.drop_namespace(api, namespace)
         fleet.drop_namespace(api, raw_ns)
         api.close()
+
+
+def converge_watched(api: client.ApiClient, namespace: str, names: list[str],
+                     progress: Progress) -> tuple[float, float]:
+    """Create ``names`` and wait until each one's pod is ungated; (seconds from the last
+    create's answer to the last ungate, seconds the creates took).
+
+    The moments come from watch events (:class:`Timeline`): polling lists of every VM and
+    pod took CPU from the controller it measures (every poll decoded every pod into the
+    client's typed models, on the same two cores), and its interval was the figure's
+    precision. One
+    direct check at the end (:func:`neonvm.drills.fleet.convergence`: one pod, named
+    ``status.podName``, ungated, no plan pending) confirms it; if it disagrees, polling
+    goes on until it agrees."""
+    timeline = Timeline(api, namespace)
+    timeline.expected = set(names)
+    timeline.start()
+    try:
+        started = time.monotonic()
+        create_vms(api, namespace, names, threads=WORKERS)
+        created_at = time.time()
+        created = time.monotonic() - started
+        timeout = 60 + len(names) * 3.0
+        deadline = time.monotonic() + timeout
+        while not timeline.ungated.wait(5.0):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{len(names)} VMs did not converge in {timeout:.0f}s")
+            done = sum(1 for n in names if "ungated" in timeline.at.get(n, {}))
+            progress(f"converging: {done}/{len(names)} ungated")
+        last = max(timeline.at[n]["ungated"] for n in names)
+        state = fleet.convergence(api, namespace, names)
+        if len(state.converged) != len(names):
+            ok, _, state = fleet.wait_converged(api, namespace, names, timeout, progress)
+            if not ok:
+                raise RuntimeError(f"{len(names)} VMs did not converge: "
+                                   f"{len(state.converged)} did")
+            last = time.time()
+        return max(0.0, last - created_at), created
+    finally:
+        timeline.stop()
 
 
 def wait_metrics(replicas: ReplicaSet, replica: Replica, timeout: float = 60.0) -> None:

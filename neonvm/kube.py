@@ -23,6 +23,7 @@ from typing import Any
 
 import yaml
 from kubernetes import client, config
+from kubernetes.client import rest
 from kubernetes.client.exceptions import ApiException
 from kubernetes.config.config_exception import ConfigException
 
@@ -157,8 +158,13 @@ def default_namespace(kubeconfig: Path | str | None = None,
 
 
 def api_client(kubeconfig: Path | str | None = None,
-               context: str | None = None) -> client.ApiClient:
+               context: str | None = None, *, pool_size: int | None = None
+               ) -> client.ApiClient:
     """An ApiClient for ``kubeconfig`` and ``context``, resolved as :func:`resolve` says.
+
+    ``pool_size``: connections its HTTP pool keeps (default: the client's, 5 per CPU). A
+    client used by more threads at once than its pool holds opens a new connection (a
+    TLS handshake) for each request beyond it and throws it away after.
 
     Raises :class:`KubeconfigError` when there is nothing usable (no file, no in-cluster
     service account, an unknown context).
@@ -170,9 +176,11 @@ def api_client(kubeconfig: Path | str | None = None,
                                   "create ~/.kube/config (not running in a pod either)")
         cfg = client.Configuration()
         config.load_incluster_config(client_configuration=cfg)
+        if pool_size is not None:
+            cfg.connection_pool_maxsize = pool_size
         return client.ApiClient(cfg)
     try:
-        return config.new_client_from_config(
+        api = config.new_client_from_config(
             config_file=os.pathsep.join(str(f) for f in source.files),
             context=source.context, persist_config=False)
     except ConfigException as exc:
@@ -181,6 +189,11 @@ def api_client(kubeconfig: Path | str | None = None,
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else "invalid"
         raise KubeconfigError(f"cannot load kubeconfig {source.describe()}: {first}"
                               ) from exc
+    if pool_size is not None:
+        api.configuration.connection_pool_maxsize = pool_size
+        api.rest_client.close()
+        api.rest_client = rest.RESTClientObject(api.configuration)
+    return api
 
 
 def request(

@@ -238,7 +238,7 @@ class _PlantedNames:
         meta["resourceVersion"] = str(int(meta["resourceVersion"]) + 1)  # type: ignore[index]
         return self._record()
 
-    def create_namespaced_pod(self, namespace: str, body: object, **kw: object) -> None:
+    def create_pod(self, namespace: str, manifest: object) -> None:
         raise ApiException(status=409, reason="AlreadyExists")
 
 
@@ -247,7 +247,7 @@ def test_a_vm_stuck_again_on_other_pod_names_does_not_rewrite_its_degraded_condi
     reconciler = Reconciler(client.ApiClient(), events=_Events())  # type: ignore[arg-type]
     reconciler.reader = fake  # type: ignore[assignment]
     reconciler.writer = fake  # type: ignore[assignment]
-    reconciler.cluster._core = fake  # type: ignore[attr-defined]
+    reconciler.cluster.create_pod = fake.create_pod  # type: ignore[assignment,method-assign]
     authority = StaticAuthority(epoch=1, token=5)
     first = reconciler.reconcile("ns/vm", authority, direct_first=True)
     assert first.stuck == f"CreatePod{c.NOT_TAKING_EFFECT}", first

@@ -45,6 +45,7 @@ from neonvm.api.types import (
 from neonvm.controller import decide as d
 from neonvm.controller import informer as informer_module
 from neonvm.controller import podspec
+from neonvm.controller.cluster import ungate_patch
 from neonvm.controller.events import EventRecorder
 from neonvm.controller.fault_wiring import FaultWiring
 from neonvm.controller.faults import FaultConfig, Faults
@@ -219,6 +220,13 @@ def reconciler_on(fake: FakeAPI) -> Reconciler:
     rec = Reconciler(client.ApiClient(), config=ReconcilerConfig(max_steps=30))
     rec.cluster._core = fake  # type: ignore[attr-defined]  # the reader's and writer's too
     rec.cluster._custom = fake  # type: ignore[attr-defined]
+    # The pod writes are raw requests (no typed models): answered by the same fake.
+    sanitize = fake.api_client.sanitize_for_serialization
+    rec.cluster.create_pod = lambda namespace, manifest: sanitize(  # type: ignore[method-assign]
+        fake.create_namespaced_pod(namespace, manifest))
+    rec.cluster.ungate_pod = lambda namespace, name, *, uid, resource_version, gate_index: \
+        sanitize(fake.patch_namespaced_pod(  # type: ignore[method-assign]
+            name, namespace, ungate_patch(uid, resource_version, gate_index)))
     return rec
 
 

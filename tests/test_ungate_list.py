@@ -76,8 +76,8 @@ class _Patches:
         self.patched: list[str] = []
         self.api_client = client.ApiClient()
 
-    def patch_namespaced_pod(self, name: str, namespace: str, body: Any,
-                             **_: Any) -> dict[str, Any]:
+    def ungate_pod(self, namespace: str, name: str, *, uid: str, resource_version: str,
+                   gate_index: int) -> dict[str, Any]:
         self.patched.append(name)
         return _pod(name, "y-uid", gated=False)
 
@@ -111,7 +111,7 @@ def test_the_ungate_trusts_only_its_own_list_never_the_observation_it_was_decide
     reader = _Reader(listed)
     core = _Patches()
     reconciler.reader = reader  # type: ignore[assignment]
-    reconciler.cluster._core = core  # type: ignore[attr-defined]
+    reconciler.cluster.ungate_pod = core.ungate_pod  # type: ignore[method-assign]
     outcome = reconciler._ungate("ns/a", d.Ungate(name="a-y", uid="y-uid"), snap,
                                  None, logger)  # type: ignore[arg-type]
     assert reader.lists == 1, "the ungate must list the pods itself, after the commit"
@@ -147,7 +147,7 @@ def test_an_ungate_decided_from_the_cache_reads_the_vm_after_its_list(
     reader = _Reader([_pod("a-y", "y-uid", gated=True)], server_vm(vm))
     core = _Patches()
     reconciler.reader = reader  # type: ignore[assignment]
-    reconciler.cluster._core = core  # type: ignore[attr-defined]
+    reconciler.cluster.ungate_pod = core.ungate_pod  # type: ignore[method-assign]
     outcome = reconciler._ungate("ns/a", d.Ungate(name="a-y", uid="y-uid"), snap,
                                  None, logger)  # type: ignore[arg-type]
     assert (reader.lists, reader.vm_reads) == (1, 1)
@@ -165,7 +165,7 @@ def test_an_ungate_decided_from_a_fresh_vm_does_not_read_it_again(source: str) -
     reader = _Reader([_pod("a-y", "y-uid", gated=True)], None)
     core = _Patches()
     reconciler.reader = reader  # type: ignore[assignment]
-    reconciler.cluster._core = core  # type: ignore[attr-defined]
+    reconciler.cluster.ungate_pod = core.ungate_pod  # type: ignore[method-assign]
     reconciler._ungate("ns/a", d.Ungate(name="a-y", uid="y-uid"), snap,
                        None, logger)  # type: ignore[arg-type]
     assert (reader.lists, reader.vm_reads, core.patched) == (1, 0, ["a-y"])

@@ -162,3 +162,31 @@ def test_a_key_is_queued_while_it_waits_for_a_worker_only() -> None:
     assert q.queued("ns/vm")
     clock.now = 6.0
     assert drain(q) == ["ns/vm", "ns/later"] and not q.queued("ns/later")
+
+
+def test_the_queue_tells_how_long_each_taken_key_waited_ready_in_its_line() -> None:
+    """What ``neonvm_controller_queue_wait_seconds`` is fed: the time from ready to taken,
+    by line, not a delay before the key was due."""
+    clock = FakeClock()
+    waits: list[tuple[str, float, bool]] = []
+    q = WorkQueue(clock=clock, on_wait=lambda s, periodic: waits.append(("?", s, periodic)))
+    q.add("e")
+    q.add("p", periodic=True)
+    q.add_after("d", 5.0)
+    clock.now = 2.0
+    assert q.take(0) == ("e", False)
+    assert waits[-1][1:] == (2.0, False)
+    q.add("e")  # a watch event while "e" is being handled: ready when it is done
+    clock.now = 3.0
+    assert q.take(0) == ("p", False)
+    assert waits[-1][1:] == (3.0, True), "the second line"
+    q.done("p")
+    clock.now = 4.0
+    q.done("e")
+    clock.now = 6.0  # "d" is due at 5.0: ready from then, not from its add_after
+    assert q.take(0) == ("e", False)
+    assert waits[-1][1:] == (2.0, False), "from the end of its previous turn"
+    clock.now = 6.5
+    assert q.take(0) == ("d", False)
+    assert waits[-1][1:] == (1.5, False)
+    assert len(waits) == 4

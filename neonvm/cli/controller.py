@@ -21,7 +21,7 @@ from loguru import logger
 
 from neonvm.controller.fault_wiring import wiring_for
 from neonvm.controller.faults import FaultConfig, FaultConfigError
-from neonvm.controller.manager import ControllerConfig, ControllerProcess
+from neonvm.controller.manager import ControllerConfig, ControllerProcess, http_pool_size
 from neonvm.controller.metrics import ControllerMetrics
 from neonvm.controller.podspec import DEFAULT_RUNNER_IMAGE, PodDefaults
 from neonvm.controller.reconciler import ReconcilerConfig
@@ -67,7 +67,8 @@ def controller() -> None:
               help="TTL (s) of the etcd lease the per-VM locks are bound to.")
 @click.option("--watch-namespace", default=None,
               help="Reconcile only VMs of this namespace (default: all).")
-@click.option("--workers", type=click.IntRange(min=1), default=4, show_default=True)
+@click.option("--workers", type=click.IntRange(min=1), default=ControllerConfig().workers,
+              show_default=True, help="Reconcile workers in the leader.")
 @click.option("--resync", type=click.FloatRange(min=1), default=30.0, show_default=True,
               help="Seconds between resyncs: metadata-only lists of VMs and pods compared "
                    "with the caches; the VMs that differ are re-read directly.")
@@ -136,7 +137,7 @@ def run(kubeconfig: Path | None, lease_namespace: str, lease_name: str, identity
     log = logger.bind(identity=election.identity)
     if fault_config.enabled:
         log.warning("FAULT INJECTION ENABLED: {faults}", faults=fault_config)
-    api = kube.api_client(kubeconfig)
+    api = kube.api_client(kubeconfig, pool_size=http_pool_size(workers))
     metrics = ControllerMetrics()
     process = ControllerProcess(api, etcd_config, election, config,
                                 wiring=wiring_for(fault_config), metrics=metrics)

@@ -21,6 +21,18 @@ class ControllerMetrics:
         self.reconcile_seconds = Histogram(
             "neonvm_controller_reconcile_duration_seconds", "Wall time of one reconcile.",
             buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=r)
+        self.turn_seconds = Histogram(
+            "neonvm_controller_turn_duration_seconds",
+            "Wall time of one key's turn on a worker (lock, reconcile, requeue), by the "
+            "handler's outcome: the sum over the run is the workers' busy time.",
+            ["outcome"], buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            registry=r)
+        self.queue_wait_seconds = Histogram(
+            "neonvm_controller_queue_wait_seconds",
+            "Time a key waited for a worker once ready (not its delay before that), by the "
+            "queue's line (event: watch events, Waits, retries; periodic: re-checks, scans).",
+            ["line"], buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            registry=r)
         self.actions = Counter(
             "neonvm_controller_actions_total", "Actions performed, by kind and outcome.",
             ["action", "outcome"], registry=r)

@@ -64,9 +64,15 @@ class WorkQueue:
     """Deduplicating, delaying, rate-limiting queue of string keys (thread-safe)."""
 
     def __init__(self, backoff: Backoff | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 on_wait: Callable[[float, bool], None] | None = None) -> None:
+        """``on_wait(seconds, periodic)`` is told, for each key a worker takes, how long
+        it waited ready in its line (not its delay before it was due)."""
         self._backoff = backoff or Backoff()
         self._clock = clock
+        self._on_wait = on_wait
+        self._ready_at: dict[str, float] = {}
+        """When each key in a line became ready (first time since it was last taken)."""
         self._cond = threading.Condition()
         self._queue: deque[str] = deque()
         self._periodic: deque[str] = deque()
@@ -112,6 +118,7 @@ class WorkQueue:
         if periodic:
             self._periodic_keys.add(key)
         if key not in self._processing:
+            self._ready_at.setdefault(key, self._clock())
             (self._periodic if periodic else self._queue).append(key)
             self._cond.notify()
 
@@ -185,6 +192,8 @@ class WorkQueue:
             if key in self._direct_due:
                 self._direct_due.discard(key)
                 self._mark_locked(key, True)
+            if key not in self._processing and key not in self._dirty:
+                self._ready_at.setdefault(key, due)  # ready since it was due
             self._add_locked(key, periodic)
         return None
 
@@ -203,12 +212,16 @@ class WorkQueue:
                 if self._shutting_down:
                     return None
                 wait = self._promote_due_locked()
-                key = self._next_locked()
-                if key is not None:
+                nxt = self._next_locked()
+                if nxt is not None:
+                    key, periodic = nxt
                     self._processing.add(key)
                     self._dirty.discard(key)
                     direct = key in self._direct
                     self._direct.discard(key)
+                    ready = self._ready_at.pop(key, None)
+                    if self._on_wait is not None and ready is not None:
+                        self._on_wait(max(0.0, self._clock() - ready), periodic)
                     return Taken(key, direct)
                 if deadline is not None:
                     left = deadline - self._clock()
@@ -217,16 +230,17 @@ class WorkQueue:
                     wait = left if wait is None else min(wait, left)
                 self._cond.wait(wait)
 
-    def _next_locked(self) -> str | None:
-        """The next ready key: the first line before the second (whose stale entries,
-        keys moved up or already taken, are dropped on the way)."""
+    def _next_locked(self) -> tuple[str, bool] | None:
+        """The next ready key and whether it came from the second line: the first line
+        before the second (whose stale entries, keys moved up or already taken, are
+        dropped on the way)."""
         if self._queue:
-            return self._queue.popleft()
+            return self._queue.popleft(), False
         while self._periodic:
             key = self._periodic.popleft()
             if key in self._periodic_keys and key not in self._processing:
                 self._periodic_keys.discard(key)
-                return key
+                return key, True
         return None
 
     def done(self, key: str) -> None:
@@ -234,6 +248,7 @@ class WorkQueue:
         with self._cond:
             self._processing.discard(key)
             if key in self._dirty and not self._shutting_down:
+                self._ready_at[key] = self._clock()
                 (self._periodic if key in self._periodic_keys else self._queue).append(key)
                 self._cond.notify()
 
@@ -251,6 +266,7 @@ class WorkQueue:
             self._due.clear()
             self._direct.clear()
             self._direct_due.clear()
+            self._ready_at.clear()
             self._cond.notify_all()
 
     @property
