@@ -52,12 +52,13 @@ class _RaisingOnce:
         self._raised = False
         self._mutex = threading.Lock()
 
-    def process(self, key: str, direct: bool) -> None:
+    def process(self, key: str, direct: bool) -> SimpleNamespace:
         with self._mutex:
             self.seen.append(key)
             if key == self.bad and not self._raised:
                 self._raised = True
                 raise RuntimeError("bug in outcome_of_result")
+        return SimpleNamespace(kind="done")  # what the worker reads of an outcome
 
 
 @pytest.mark.unit

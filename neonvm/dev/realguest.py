@@ -85,7 +85,7 @@ def prepare(cluster: LocalCluster, progress: Callable[[str], None] = lambda _m: 
     t = time.monotonic()
     if not realnode.built():
         progress("building the real node's binaries (kubelet, containerd, runc, CNI; "
-                 "cached; a cold build takes about 13 minutes)")
+                 "cached; the first build compiles them: docs/real-node.md gives the times)")
     realnode.build(progress)
     seconds["binaries"] = time.monotonic() - t
     t = time.monotonic()
