@@ -40,8 +40,13 @@ from kubernetes.client.exceptions import ApiException
 
 from neonvm import kube
 from neonvm.api import types
+from neonvm.api.types import Fence, PendingPod
+from neonvm.controller import decide as d
+from neonvm.controller import mutations, podspec
+from neonvm.controller.cluster import KubeCluster, VMRecord
 from neonvm.controller.informer import Informer, Obj, Store
 from neonvm.controller.manager import ControllerConfig, http_pool_size
+from neonvm.controller.podspec import PodDefaults
 from neonvm.drills import fleet
 from neonvm.drills.observer import PodWatchChecker, percentile
 from neonvm.leader.election import LeaseClient
@@ -267,58 +272,108 @@ def bench_vm_body(name: str) -> dict[str, Any]:
 
 
 def create_vms(api: client.ApiClient, namespace: str, names: list[str],
-               threads: int = WORKERS) -> None:
-    """Create the benchmarks' VMs (:func:`bench_vm_body`), ``threads`` at a time."""
+               threads: int = WORKERS) -> dict[str, dict[str, Any]]:
+    """Create the benchmarks' VMs (:func:`bench_vm_body`), ``threads`` at a time; the
+    create answers by name (a VM that already existed is read instead)."""
     custom = client.CustomObjectsApi(api)
 
-    def one(name: str) -> None:
+    def one(name: str) -> tuple[str, dict[str, Any]]:
         try:
-            fleet.retrying(lambda: custom.create_namespaced_custom_object(
+            obj = fleet.retrying(lambda: custom.create_namespaced_custom_object(
                 types.GROUP, types.VERSION, namespace, types.PLURAL, bench_vm_body(name),
                 _request_timeout=30))
         except ApiException as exc:
             if exc.status != 409:
                 raise
+            obj = custom.get_namespaced_custom_object(types.GROUP, types.VERSION, namespace,
+                                                      types.PLURAL, name)
+        return name, obj
 
     with ThreadPoolExecutor(max_workers=max(1, min(threads, len(names)))) as pool:
-        list(pool.map(one, names))
+        return dict(pool.map(one, names))
 
 
-def raw_write_rate(api: client.ApiClient, namespace: str, vms: int, threads: int = WORKERS,
-                   progress: Progress = print) -> dict[str, Any]:
-    """The floor a controller can reach: 3 writes per VM by a bare client, no logic."""
-    custom = client.CustomObjectsApi(api)
-    core = client.CoreV1Api(api)
+FLOOR_WRITES = 4
+"""The writes of :func:`floor_rate` per VM: plan, pod create, commit, ungate."""
+
+FLOOR_FENCE = Fence(epoch=1, token=1)
+
+
+def floor_rate(cluster: Any, api: client.ApiClient, namespace: str, vms: int,
+               threads: int = WORKERS, progress: Progress = print) -> dict[str, Any]:
+    """The like-for-like floor: what a VM's way to an ungated runner pod costs with no
+    controller logic at all.
+
+    Per VM, the four writes no protocol can do without, exactly as the controller sends
+    them: the plan (the controller's own status mutation, PUT ``/status`` with the
+    resourceVersion), the pod (the controller's template, :func:`podspec.runner_pod`, as
+    raw JSON), the commit (its mutation again), and the ungate (its JSON patch with the
+    same preconditions). The same identity and RBAC (the controller's kubeconfig), as
+    many threads as the controller has workers, an HTTP pool as large as its, through
+    the same :class:`~neonvm.controller.cluster.KubeCluster`. Left out, and so what the
+    controller pays above the floor: the finalizer, the etcd lock, the quorum reads,
+    Events and status syncs.
+
+    The VMs are created first (not timed; they are the admin's, as the benchmark's are)
+    in a namespace no controller watches, and their create answers are what the plan is
+    written over, as a controller writes over its cache. The time is the same poller's as
+    the controller's: from the first write to the last pod seen ungated by a
+    :class:`Timeline` (watch events). The ungated pods are then scheduled and run by the
+    simulated nodes, as the controller's are; this waits (boundedly) until they are
+    Running, so that their tail does not land in the next measurement."""
     fleet.ensure_namespace(api, namespace)
     names = [f"raw-{i:04d}" for i in range(vms)]
-    create_vms(api, namespace, names)
-    progress(f"baseline: {vms} VMs created in {namespace} (no controller watches it)")
+    created = create_vms(api, namespace, names)
+    progress(f"floor: {vms} VMs created in {namespace} (no controller watches it)")
+    defaults = PodDefaults(runner_image="neonvm-runner:dev")
+    timeline = Timeline(api, namespace)
+    timeline.expected = set(names)
+    timeline.start()
+    mine = kube.api_client(cluster.kubeconfig_for("controller"),
+                           pool_size=http_pool_size(threads))
+    kube_cluster = KubeCluster(mine)
     latencies: list[float] = []
     lock = threading.Lock()
 
-    def three_writes(name: str) -> None:
+    def four_writes(name: str) -> None:
         t = time.perf_counter()
-        vm = custom.get_namespaced_custom_object(types.GROUP, types.VERSION, namespace,
-                                                 types.PLURAL, name)
-        vm["status"] = {"pendingPod": {"name": f"{name}-1", "planSeq": 1}, "planSeq": 1}
-        vm = custom.replace_namespaced_custom_object_status(
-            types.GROUP, types.VERSION, namespace, types.PLURAL, name, vm)
-        core.create_namespaced_pod(namespace, {
-            "apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"{name}-1"},
-            "spec": {"schedulingGates": [{"name": "bench.vm.neon.tech/never"}],
-                     "containers": [{"name": "runner", "image": "neonvm-runner:dev"}]}})
-        vm["status"] = {"podName": f"{name}-1", "planSeq": 1}
-        custom.replace_namespaced_custom_object_status(
-            types.GROUP, types.VERSION, namespace, types.PLURAL, name, vm)
+        record = VMRecord.from_raw(created[name])
+        plan = PendingPod(name=d.plan_name(record.vm, 1), plan_seq=1,
+                          token=FLOOR_FENCE.token, epoch=FLOOR_FENCE.epoch,
+                          generation=record.vm.generation)
+        planned = mutations.status_mutation(d.RecordPlan(plan=plan, observed_seq=0),
+                                            FLOOR_FENCE)(record.vm)
+        assert planned is not None
+        record = kube_cluster.put_status(record, planned)
+        pod = kube_cluster.create_pod(namespace, podspec.runner_pod(record.vm, plan, defaults))
+        meta = pod["metadata"]
+        commit = d.Commit(name=plan.name, uid=meta["uid"], built=podspec.built_size(meta),
+                          slot_bytes=podspec.built_slot_bytes(meta))
+        committed = mutations.status_mutation(commit, FLOOR_FENCE)(record.vm)
+        assert committed is not None
+        kube_cluster.put_status(record, committed)
+        gates = [g.get("name") for g in pod["spec"].get("schedulingGates") or []]
+        kube_cluster.ungate_pod(namespace, plan.name, uid=meta["uid"],
+                                resource_version=meta["resourceVersion"],
+                                gate_index=gates.index(types.SCHEDULING_GATE))
         with lock:
             latencies.append(time.perf_counter() - t)
 
-    started = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=threads) as pool:
-        list(pool.map(three_writes, names))
-    seconds = time.perf_counter() - started
+    try:
+        started = time.time()
+        with ThreadPoolExecutor(max_workers=threads) as pool:
+            list(pool.map(four_writes, names))
+        if not timeline.ungated.wait(60.0):
+            raise RuntimeError("the floor's ungates were not all seen by the watch")
+        seconds = max(timeline.at[n]["ungated"] for n in names) - started
+        if not timeline.running.wait(60 + vms * 0.2):
+            progress("floor: not every floor pod is Running yet; measuring on")
+    finally:
+        timeline.stop()
+        mine.close()
     return {"vms": vms, "threads": threads, "seconds": seconds,
-            "writes_per_s": 3 * vms / seconds, "vms_per_s": vms / seconds,
+            "writes_per_vm": FLOOR_WRITES,
+            "writes_per_s": FLOOR_WRITES * vms / seconds, "vms_per_s": vms / seconds,
             "p50_ms": (percentile(latencies, 0.5) or 0) * 1000}
 
 
@@ -332,9 +387,9 @@ def convergence(cluster: Any, vms: int, progress: Progress) -> dict[str, Any]:
     raw_ns = f"bench-raw-{uuid.uuid4().hex[:5]}"
     fleet.ensure_namespace(api, namespace)
     try:
-        raw = raw_write_rate(api, raw_ns, vms, progress=progress)
-        progress(f"baseline: {raw['writes_per_s']:.0f} writes/s with {WORKERS} threads "
-                 f"({raw['vms_per_s']:.1f} VMs/s at 3 writes per VM)")
+        raw = floor_rate(cluster, api, raw_ns, vms, progress=progress)
+        progress(f"floor: {raw['writes_per_s']:.0f} writes/s with {WORKERS} threads "
+                 f"({raw['vms_per_s']:.1f} VMs/s at {FLOOR_WRITES} writes per VM)")
         with ReplicaSet(cluster, namespace) as replicas:
             leader, _ = wait_for_leader(api, namespace)
             standby = next(m for m in replicas.members if m.identity != leader)

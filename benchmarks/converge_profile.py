@@ -6,12 +6,14 @@
     python -m benchmarks.converge_profile --state-dir D ...          # a running cluster
     python -m benchmarks.converge_profile --workers 4,8,16,32 --write-docs
 
-One run per worker count: the raw floor of ``benchmarks/controller_bench.py`` (a bare
-client doing the 3 writes a VM needs, with as many threads as the controller has
-workers, and an HTTP pool that large), then N VMs created at once for controller
-replicas (``--replicas``, default 3, as the benchmark) started with that many workers,
-until every VM's pod is ungated (the benchmark's "converged") and, for the timeline's
-last columns, the pod and the VM are Running.
+One run per worker count: the like-for-like floor of ``benchmarks/controller_bench.py``
+(:func:`~benchmarks.controller_bench.floor_rate`: a bare client doing the 4 writes a VM
+needs as the controller sends them, plan, pod create with the controller's template,
+commit and ungate, as the controller's identity, with as many threads as the controller
+has workers, and an HTTP pool that large, timed by the same watch), then N VMs created
+at once for controller replicas (``--replicas``, default 3, as the benchmark) started
+with that many workers, until every VM's pod is ungated (the benchmark's "converged")
+and, for the timeline's last columns, the pod and the VM are Running.
 
 What it measures, next to that floor:
 
@@ -316,14 +318,15 @@ def run_once(cluster: Any, vms: int, workers: int, replicas: int, py_spy: str | 
     try:
         components = participants(cluster, None, None)
         cpu_floor_before = cpu_snapshot(components)
-        raw = cb.raw_write_rate(api, raw_ns, vms, threads=workers, progress=say)
+        raw = cb.floor_rate(cluster, api, raw_ns, vms, threads=workers, progress=say)
         cpu_floor_after = cpu_snapshot(components)
         result["raw"] = raw
         result["cpu_floor"] = {k: cpu_floor_after[k] - cpu_floor_before.get(k, 0.0)
                                for k in cpu_floor_after}
         say(f"floor: {raw['writes_per_s']:.0f} writes/s with {workers} threads = "
             f"{raw['vms_per_s']:.1f} VMs/s")
-        fleet.drop_namespace(api, raw_ns)
+        # The floor's namespace stays until the run ends: deleting its pods now would
+        # load the API server and the simulated nodes while the controller is measured.
         timeline = Timeline(api, namespace)
         timeline.start()
         rs = cb.ReplicaSet(cluster, namespace, count=replicas, workers=workers,
@@ -393,6 +396,10 @@ def run_once(cluster: Any, vms: int, workers: int, replicas: int, py_spy: str | 
     finally:
         fleet.drop_namespace(api, namespace)
         fleet.drop_namespace(api, raw_ns)
+        # The next run starts on a quiet cluster, not during this one's deletions.
+        for ns in (namespace, raw_ns):
+            if not fleet.wait_namespace_gone(api, ns, 60 + vms * 0.2):
+                say(f"namespace {ns} is still being deleted; going on")
         api.close()
 
 
@@ -485,7 +492,7 @@ def report(r: dict[str, Any]) -> str:
     floor_cpu = r.get("cpu_floor") or {}
     if floor_cpu:
         names = sorted(set(cpu) | set(floor_cpu), key=lambda k: -cpu.get(k, 0.0))
-        lines += ["", "CPU ms per VM, the floor's 3 writes vs the convergence:", "",
+        lines += ["", "CPU ms per VM, the floor's 4 writes vs the convergence:", "",
                   "| process | floor | convergence |", "|---|---:|---:|"]
         for name in names:
             a, b = floor_cpu.get(name, 0.0), cpu.get(name, 0.0)
@@ -581,9 +588,11 @@ def main(argv: Iterable[str] | None = None) -> int:
         raise SystemExit("py-spy is not installed (pip install py-spy)")
     started = time.monotonic()
     results = []
-    with local_cluster(args.state_dir, args.nodes) as cluster, \
-            revision_tree(args.baseline) as tree:
-        runs = args.runs or [(vms, w) for vms in args.vms for w in args.workers]
+    runs = args.runs or [(vms, w) for vms in args.vms for w in args.workers]
+    # Room for one run's floor pods and its controller's at once (the floor's namespace
+    # goes at the end of its run), so no pod waits unschedulable in either.
+    with local_cluster(args.state_dir, args.nodes, pods=2 * max(n for n, _ in runs) + 50) \
+            as cluster, revision_tree(args.baseline) as tree:
         counts = list(dict.fromkeys(vms for vms, _ in runs))
         for vms in counts:
             if tree is not None and (args.baseline_sizes is None or vms in args.baseline_sizes):

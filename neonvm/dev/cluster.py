@@ -87,7 +87,8 @@ class LocalCluster:
         if spec is None and saved.exists():
             data = json.loads(saved.read_text())
             spec = ClusterSpec(nodes=data["nodes"], ports={**DEFAULT_PORTS, **data["ports"]},
-                               service_account_tokens=data.get("service_account_tokens", False))
+                               service_account_tokens=data.get("service_account_tokens", False),
+                               pods_per_node=data.get("pods_per_node", 110))
         self.spec = spec or ClusterSpec()
 
     # ---- paths -------------------------------------------------------------------------

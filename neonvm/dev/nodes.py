@@ -143,10 +143,11 @@ def kwok_rbac() -> list[dict[str, Any]]:
     ]
 
 
-def node_object(index: int) -> dict[str, Any]:
-    """A simulated Node as created; kwok fills in conditions and node info."""
+def node_object(index: int, pods: int = 110) -> dict[str, Any]:
+    """A simulated Node as created (taking ``pods`` pods); kwok fills in conditions and
+    node info."""
     name = node_name(index)
-    resources = {"cpu": "64", "memory": "256Gi", "pods": "110"}
+    resources = {"cpu": "64", "memory": "256Gi", "pods": str(pods)}
     return {
         "apiVersion": "v1",
         "kind": "Node",
@@ -195,7 +196,7 @@ def ensure_nodes(cluster: LocalCluster, progress: Callable[[str], None] = lambda
             if name in existing:
                 continue
             try:
-                core.create_node(node_object(index))
+                core.create_node(node_object(index, cluster.spec.pods_per_node))
             except ApiException as e:
                 if e.status != 409:
                     raise

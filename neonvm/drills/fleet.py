@@ -239,6 +239,20 @@ def wait_gone(api: client.ApiClient, namespace: str, timeout: float,
     return False, time.monotonic() - started, left
 
 
+def wait_namespace_gone(api: client.ApiClient, namespace: str, timeout: float) -> bool:
+    """Wait until ``namespace`` no longer exists; False if it still does at ``timeout``."""
+    core = client.CoreV1Api(api)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            core.read_namespace(namespace, _request_timeout=10)
+        except ApiException as exc:
+            if exc.status == 404:
+                return True
+        time.sleep(1.0)
+    return False
+
+
 def drop_namespace(api: client.ApiClient, namespace: str) -> None:
     """Delete the namespace; strip VM finalizers first (no controller may be left)."""
     custom = client.CustomObjectsApi(api)
