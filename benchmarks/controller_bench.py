@@ -185,6 +185,7 @@ class Timeline:
         self._lock = threading.Lock()
         self.ungated = threading.Event()
         self.running = threading.Event()
+        self.pods_running = threading.Event()
         self.expected: set[str] = set()
         """The VMs waited for: set before they are created."""
         self._reached: Counter[str] = Counter()
@@ -226,6 +227,8 @@ class Timeline:
                     self.ungated.set()
                 elif stage == "vm_running":
                     self.running.set()
+                elif stage == "pod_running":
+                    self.pods_running.set()
 
     def _on_vm(self, key: str, old: Obj | None, new: Obj | None) -> None:
         if new is None:
@@ -366,7 +369,7 @@ def floor_rate(cluster: Any, api: client.ApiClient, namespace: str, vms: int,
         if not timeline.ungated.wait(60.0):
             raise RuntimeError("the floor's ungates were not all seen by the watch")
         seconds = max(timeline.at[n]["ungated"] for n in names) - started
-        if not timeline.running.wait(60 + vms * 0.2):
+        if not timeline.pods_running.wait(60 + vms * 0.2):
             progress("floor: not every floor pod is Running yet; measuring on")
     finally:
         timeline.stop()
@@ -380,8 +383,12 @@ def floor_rate(cluster: Any, api: client.ApiClient, namespace: str, vms: int,
 # ---- scenarios ---------------------------------------------------------------------------
 
 
-def convergence(cluster: Any, vms: int, progress: Progress) -> dict[str, Any]:
-    """N VMs at once, 3 replicas; VMs/s, writes per VM, RSS of leader and a standby."""
+def convergence(cluster: Any, vms: int, progress: Progress,
+                clean_up: bool = True) -> dict[str, Any]:
+    """N VMs at once, 3 replicas; VMs/s, writes per VM, RSS of leader and a standby.
+
+    ``clean_up=False`` leaves the VMs for the cluster's teardown instead of deleting them
+    through the controller (minutes at 10,000 VMs, and nothing is measured then)."""
     api = kube.api_client(cluster.kubeconfig, pool_size=http_pool_size(WORKERS))
     namespace = f"bench-converge-{uuid.uuid4().hex[:5]}"
     raw_ns = f"bench-raw-{uuid.uuid4().hex[:5]}"
@@ -406,8 +413,9 @@ def convergence(cluster: Any, vms: int, progress: Progress) -> dict[str, Any]:
             progress(f"{vms} VMs converged in {seconds:.1f}s ({vms / seconds:.1f} VMs/s); "
                      f"leader RSS {leader_rss:.0f} MiB (peak {leader_peak:.0f} MiB), "
                      f"standby {standby_rss:.0f} MiB")
-            fleet.delete_vms(api, namespace)
-            fleet.wait_gone(api, namespace, 60 + vms * 2.0)
+            if clean_up:
+                fleet.delete_vms(api, namespace)
+                fleet.wait_gone(api, namespace, 60 + vms * 2.0)
         writes = sum(actions.values())
         return {"vms": vms, "seconds": seconds, "create_seconds": created,
                 "vms_per_s": vms / seconds, "writes_per_vm": writes / vms if writes else None,
@@ -415,8 +423,9 @@ def convergence(cluster: Any, vms: int, progress: Progress) -> dict[str, Any]:
                 "leader_peak_mib": leader_peak,
                 "standby_rss_mib": standby_rss}
     finally:
-        fleet.drop_namespace(api, namespace)
-        fleet.drop_namespace(api, raw_ns)
+        if clean_up:
+            fleet.drop_namespace(api, namespace)
+            fleet.drop_namespace(api, raw_ns)
         api.close()
 
 
