@@ -147,7 +147,8 @@ def node_object(index: int, pods: int = 110) -> dict[str, Any]:
     """A simulated Node as created (taking ``pods`` pods); kwok fills in conditions and
     node info."""
     name = node_name(index)
-    resources = {"cpu": "64", "memory": "256Gi", "pods": str(pods)}
+    # Room for ``pods`` runner pods of a CPU and a GiB each, not just the pod count.
+    resources = {"cpu": str(max(64, pods)), "memory": f"{max(256, pods)}Gi", "pods": str(pods)}
     return {
         "apiVersion": "v1",
         "kind": "Node",
