@@ -5,6 +5,10 @@
 The filesystem holds a static busybox (``/bin/busybox``, ``/bin/sh`` and the applets as
 symlinks) and ``/app/report.sh``, which prints what a guest command sees: its argv, the
 spec's environment, the sysctls, the swap, and the mounts, then waits for SIGTERM.
+``build_rootfs(dest, init=GUEST_INIT)`` also installs the test guest's init (``init.sh``:
+the hotplug handler, the SysfsScaling agent, the size reports) as ``/init`` and
+``/sbin/init``: a VM with no ``command`` then boots the runner's kernel, whose init hands
+over to it (``switch_root``), so a NeonVM-style disk can be scaled live and report it.
 
 Needs: ``busybox-static``, ``mkfs.ext4`` (e2fsprogs), ``qemu-img`` (qemu-utils).
 """
@@ -17,6 +21,7 @@ import sys
 from pathlib import Path
 
 BUSYBOX = Path("/bin/busybox")
+GUEST_INIT = Path(__file__).with_name("init.sh")
 REPORT = r"""#!/bin/sh
 echo "app: argv $*"
 echo "app: GREETING=$GREETING"
@@ -45,8 +50,10 @@ def missing() -> list[str]:
     return absent
 
 
-def build_rootfs(dest: Path, size_mib: int = 16) -> tuple[Path, Path]:
-    """``(rootfs.ext4, disk.qcow2)`` in ``dest``; raises RuntimeError if a tool is missing."""
+def build_rootfs(dest: Path, size_mib: int = 16, init: Path | None = None
+                 ) -> tuple[Path, Path]:
+    """``(rootfs.ext4, disk.qcow2)`` in ``dest``; raises RuntimeError if a tool is missing.
+    ``init``: a script installed as ``/init``, with ``/sbin/init`` linking to it."""
     absent = missing()
     if absent:
         raise RuntimeError("cannot build the test root disk, missing: " + ", ".join(absent))
@@ -64,6 +71,10 @@ def build_rootfs(dest: Path, size_mib: int = 16) -> tuple[Path, Path]:
     report = tree / "app" / "report.sh"
     report.write_text(REPORT)
     report.chmod(0o755)
+    if init is not None:
+        shutil.copyfile(init, tree / "init")
+        (tree / "init").chmod(0o755)
+        (tree / "sbin" / "init").symlink_to("../init")
     image = dest / "rootfs.ext4"
     image.unlink(missing_ok=True)
     mkfs = shutil.which("mkfs.ext4", path="/usr/sbin:/sbin:/usr/bin:/bin")
@@ -84,6 +95,8 @@ def build_rootfs(dest: Path, size_mib: int = 16) -> tuple[Path, Path]:
 
 DISK_IMAGE = "neonvm.local/rootdisk:1"
 """The container image carrying the test root disk, as NeonVM's vm-builder images do."""
+SCALING_DISK_IMAGE = "neonvm.local/rootdisk-testguest:1"
+"""The same, with the test guest's init as ``/sbin/init`` (``init=GUEST_INIT``)."""
 
 
 def disk_image_archive(qcow2: Path, out: Path, reference: str = DISK_IMAGE) -> Path:
