@@ -234,6 +234,9 @@ def test_the_initramfs_is_a_reproducible_newc_archive_cpio_can_read(tmp_path: Pa
                    input=first.getvalue(), check=True)
     assert (out / "init").read_bytes() == initramfs.INIT_SCRIPT.read_bytes()
     assert stat.S_IMODE((out / "init").stat().st_mode) == 0o755
+    scaling = out / initramfs.SCALING_SCRIPT_PATH  # the guest side of live scaling
+    assert scaling.read_bytes() == initramfs.SCALING_SCRIPT.read_bytes()
+    assert stat.S_IMODE(scaling.stat().st_mode) == 0o755
     assert os.readlink(out / "bin" / "sh") == "busybox"
     assert (out / "lib" / "modules" / "load-order").read_text() == "virtio.ko\nvirtio_blk.ko\n"
     assert (out / "lib" / "modules" / "virtio_blk.ko").read_bytes() == b"blk"

@@ -771,6 +771,87 @@ def test_sysfs_scaling_onlines_and_offlines_vcpus_in_the_guest(start_runner: Any
     assert runner.wait_exit(timeout=120) == 0, runner.log()[-2000:]
 
 
+def runner_kernel_and_bare_root(tmp_path: Path) -> tuple[Path, Path]:
+    """The runner's kernel and initramfs (``/vm/kernel`` of the image) built here, and a
+    NeonVM-style root disk: a qcow2 holding a bare ext4 filesystem with busybox and
+    ``/app/report.sh``, and no init of its own (``tests/guest/rootfs.py``)."""
+    from neonvm.runner import initramfs
+    from tests.guest import rootfs
+
+    absent = initramfs.missing() + rootfs.missing()
+    if absent:
+        pytest.skip("cannot build the runner's kernel or a bare root disk, missing: "
+                    + ", ".join(absent))
+    kernel = initramfs.build_initramfs(tmp_path / "runner-kernel")
+    _raw, qcow2 = rootfs.build_rootfs(tmp_path / "root-disk")
+    return kernel.kernel.parent, qcow2
+
+
+def test_the_runners_own_init_scales_a_vm_with_a_command_in_both_modes(
+        start_runner: Any, tmp_path: Path) -> None:  # noqa: F811
+    """A NeonVM-style VM (no kernelImage, a bare-ext4 root disk, a ``command``) boots the
+    runner's kernel and initramfs, whose init stays PID 1 beside the command: it onlines
+    vCPUs (a hot-added one in QmpScaling; on ``cpus N`` in SysfsScaling) and reports each
+    size on the console. Both VMs boot at once (one boot's wait for both): SysfsScaling
+    goes 1 -> 2 -> 1 vCPUs; QmpScaling adds a vCPU (QMP removal crashes QEMU 7.2 under
+    TCG, see docs/runner.md) and plugs then unplugs a 1 GiB DIMM."""
+    kernel_dir, root_disk = runner_kernel_and_bare_root(tmp_path)
+    token_file = tmp_path / "scaling-token"
+    token_file.write_text(TOKEN)
+    guest = {"kernelImage": "", "initrdImage": "", "appendKernelCmdline": "quiet",
+             "rootDisk": {"image": str(root_disk)},
+             "command": ["/app/report.sh"], "args": ["scaled"],
+             "cpus": {"min": 1, "max": 2, "use": 1}, "memorySlotSize": "1Gi",
+             "memorySlots": {"min": 1, "max": 2, "use": 1}}
+    common = ["--scaling-token-file", str(token_file), "--kernel-dir", str(kernel_dir)]
+    sysfs = start_runner(extra_args=[*common, "--cpu-scaling-mode", "SysfsScaling"],
+                         spec_overrides={"guest": guest})
+    qmp = start_runner(extra_args=[*common, "--cpu-scaling-mode", "QmpScaling"],
+                       spec_overrides={"guest": guest})
+    pids = {runner.port: runner.wait_ready()["qemuPid"] for runner in (sysfs, qmp)}
+    # The init reports the boot size before it prints the ready marker.
+    boot_kb = guest_sees(sysfs, cpus=1, timeout=60)["guestMemTotalKb"]
+    assert guest_sees(qmp, cpus=1, timeout=60)["guestMemTotalKb"] == boot_kb
+    one_gib_kb = GIB // 1024
+
+    # SysfsScaling: the init's agent onlines the second vCPU, then offlines it.
+    code, answer = put_scale(sysfs, {"cpus": 2, "fence": {"epoch": 1, "token": 1}})
+    assert code == 200 and answer["mode"] == "SysfsScaling", answer
+    guest_sees(sysfs, cpus=2)
+    code, answer = put_scale(sysfs, {"cpus": 1, "fence": {"epoch": 1, "token": 2}})
+    assert code == 200, answer
+    guest_sees(sysfs, cpus=1)
+    assert any(line.startswith("neonvm-guest-size: cpus=2 online=0-1 ")
+               for line in guest_lines(sysfs))
+    assert guest_lines(sysfs)[-1].startswith("neonvm-guest-size: cpus=1 online=0 ")
+
+    # QmpScaling: QEMU plugs a vCPU, the init's hotplug handler onlines it.
+    code, answer = put_scale(qmp, {"cpus": 2, "fence": {"epoch": 1, "token": 1}})
+    assert code == 200 and answer["qemu"]["vcpus"] == 2, answer
+    guest_sees(qmp, cpus=2, mem_kb=(boot_kb, boot_kb))
+    # A DIMM: MemTotal grows by the whole slot, and is back once it is unplugged.
+    code, answer = put_scale(qmp, {"memorySlots": 2, "fence": {"epoch": 1, "token": 2}})
+    assert code == 200 and answer["qemu"]["memoryBytes"] == 2 * GIB, answer
+    guest_sees(qmp, cpus=2, mem_kb=(boot_kb + one_gib_kb, boot_kb + one_gib_kb))
+    code, answer = put_scale(qmp, {"memorySlots": 1, "fence": {"epoch": 1, "token": 3}})
+    assert code == 200 and answer["qemu"]["memoryBytes"] == GIB, answer
+    guest_sees(qmp, cpus=2, mem_kb=(boot_kb, boot_kb))
+    assert guest_lines(qmp)[-1] == (
+        f"neonvm-guest-size: cpus=2 online=0-1 memtotal-kb={boot_kb}")
+
+    # The command ran beside the init's listeners all along; the same QEMU throughout;
+    # a clean stop.
+    for runner, mode in ((sysfs, "sysfs"), (qmp, "qmp")):
+        console = runner.console()
+        assert "neonvm-init: command started" in console and "app: running" in console
+        assert f"neonvm-scaling: listening for cpu and memory hotplug ({mode})" in console
+        assert runner.qemu_pids == {pids[runner.port]}
+        runner.proc.send_signal(signal.SIGTERM)
+    for runner in (sysfs, qmp):
+        assert runner.wait_exit(timeout=120) == 0, runner.log()[-2000:]
+        assert "neonvm-init: command exited with code 0: powering off" in runner.console()
+
+
 @pytest.mark.unit
 @pytest.mark.parametrize(("slot", "slots", "state"), [
     ("1Gi", {"min": 1, "max": 2}, "memhp_default_state=online_movable"),

@@ -631,8 +631,8 @@ KERNEL_DIR = "vm/kernel"
 
 def build_kernel(progress: Callable[[str], None]) -> tuple[Layer, bool]:
     """The ``/vm/kernel`` layer: the host's Debian cloud kernel and the runner's initramfs
-    (:mod:`neonvm.runner.initramfs`), keyed on the kernel, its modules list, busybox and
-    the init script and builder."""
+    (:mod:`neonvm.runner.initramfs`), keyed on the kernel, its modules list, busybox, the
+    init and scaling scripts and the builder."""
     from neonvm.runner import initramfs
 
     kernel = initramfs.find_kernel()
@@ -643,7 +643,7 @@ def build_kernel(progress: Callable[[str], None]) -> tuple[Layer, bool]:
     dep = Path("/lib/modules") / version / "modules.dep"
     digest = hashlib.sha256()
     for path in (kernel, dep, initramfs.BUSYBOX, initramfs.INIT_SCRIPT,
-                 Path(initramfs.__file__)):
+                 initramfs.SCALING_SCRIPT, Path(initramfs.__file__)):
         digest.update(path.name.encode() + b"\0")
         digest.update(path.read_bytes() if path.is_file() else b"")
     key = _key({"format": FORMAT, "inputs": digest.hexdigest()})

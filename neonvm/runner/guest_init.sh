@@ -10,13 +10,17 @@
 # 3. Mount the root disk (virtio serial "rootdisk") on /newroot, bring up the network
 #    (QEMU user networking: 10.0.2.15/24, gateway 10.0.2.2, DNS 10.0.2.3), apply the
 #    sysctls, turn the swap disk on, mount the extra disks and tmpfs mounts.
-# 4. With a command: run it chrooted into /newroot with the spec's env, its output on
+# 4. With a command: start the guest side of live scaling (/lib/neonvm/guest-scaling.sh,
+#    neonvm/runner/guest_scaling.sh: it onlines hot-added vCPUs, runs the SysfsScaling
+#    agent, onlines offline DIMM blocks and reports the guest's size on the console),
+#    run the command chrooted into /newroot with the spec's env, its output on
 #    the serial console, then print the ready marker. This shell stays PID 1: on the
 #    ACPI power button it sends the command SIGTERM (SIGKILL 20 s later); when the
 #    command ends the machine powers off (exit 0, or stopped by the button) or reboots
 #    (any other exit code; the runner's -no-reboot makes that a failed VM).
 #    Without a command: hand over to the root filesystem's /sbin/init (switch_root);
-#    that init prints the marker itself.
+#    that init prints the marker itself, and live scaling's guest side is its business
+#    (nothing of this initramfs keeps running).
 
 /bin/busybox mkdir -p /proc /sys /dev /run /tmp /newroot
 /bin/busybox mount -t proc proc /proc
@@ -123,6 +127,10 @@ fi
 mount --bind /proc /newroot/proc
 mount --bind /sys /newroot/sys
 mount --bind /dev /newroot/dev
+
+# Live scaling, from this initramfs (not the root filesystem): its listeners run beside
+# the command for the VM's life.
+sh /lib/neonvm/guest-scaling.sh start
 
 (
     export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/

@@ -3,9 +3,10 @@
 A VM whose spec names no ``kernelImage`` and whose root disk is a bare filesystem (no
 partition table, no kernel: the shape of NeonVM's vm-builder disks) boots this kernel
 with this initramfs. The initramfs holds a static busybox, the runner's init
-(``guest_init.sh`` beside this file, as ``/init``) and the kernel modules it needs, in
-dependency order. The init mounts the root filesystem and runs the guest's command; see
-docs/runner.md, "The runner's kernel".
+(``guest_init.sh`` beside this file, as ``/init``), the guest side of live scaling
+(``guest_scaling.sh``, as ``/lib/neonvm/guest-scaling.sh``) and the kernel modules it
+needs, in dependency order. The init mounts the root filesystem and runs the guest's
+command; see docs/runner.md, "The runner's kernel".
 
 :func:`build_initramfs` writes a ``newc`` cpio archive itself, with sorted entries,
 numeric owner 0 and fixed mtimes, so the same inputs give the same bytes (the runner
@@ -27,6 +28,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 INIT_SCRIPT = Path(__file__).with_name("guest_init.sh")
+SCALING_SCRIPT = Path(__file__).with_name("guest_scaling.sh")
+"""The guest side of live scaling, shared with the tests' guest (tests/guest)."""
+SCALING_SCRIPT_PATH = "lib/neonvm/guest-scaling.sh"
+"""Where a guest carries :data:`SCALING_SCRIPT` (relative to its root)."""
 BUSYBOX = Path("/bin/busybox")
 KERNEL_NAME = "vmlinuz"
 INITRD_NAME = "initrd.cpio"
@@ -130,15 +135,19 @@ def write_cpio(files: dict[str, tuple[int, bytes]], out: io.BufferedIOBase) -> N
 
 def initramfs_files(kernel_version: str, modules_root: Path = Path("/lib/modules"),
                     busybox: Path = BUSYBOX,
-                    init: Path = INIT_SCRIPT) -> dict[str, tuple[int, bytes]]:
-    """The initramfs's contents: busybox, /init, the modules and their load order."""
+                    init: Path = INIT_SCRIPT, scaling: Path = SCALING_SCRIPT
+                    ) -> dict[str, tuple[int, bytes]]:
+    """The initramfs's contents: busybox, /init, the scaling script, the modules and
+    their load order."""
     directory = stat.S_IFDIR | 0o755
     files: dict[str, tuple[int, bytes]] = {
-        d: (directory, b"") for d in ("bin", "dev", "etc", "lib", "lib/modules", "mnt",
-                                      "newroot", "proc", "run", "sys", "tmp")}
+        d: (directory, b"") for d in ("bin", "dev", "etc", "lib", "lib/modules",
+                                      "lib/neonvm", "mnt", "newroot", "proc", "run", "sys",
+                                      "tmp")}
     files["bin/busybox"] = (stat.S_IFREG | 0o755, busybox.read_bytes())
     files["bin/sh"] = (stat.S_IFLNK | 0o777, b"busybox")
     files["init"] = (stat.S_IFREG | 0o755, init.read_bytes())
+    files[SCALING_SCRIPT_PATH] = (stat.S_IFREG | 0o755, scaling.read_bytes())
     root = modules_root / kernel_version
     loaded = []
     dep = root / "modules.dep"

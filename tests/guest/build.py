@@ -2,9 +2,11 @@
 
 ``python -m tests.guest.build DEST`` writes ``DEST/initrd.cpio`` and prints the kernel and
 initrd paths. The initramfs holds a static busybox, ``init.sh`` (beside this file) as
-``/init``, and the few kernel modules the guest needs (virtio disks, the virtio-serial
-port of the scaling agent, fw_cfg, the ACPI power button and evdev to read it) copied
-from ``/lib/modules/<kernel version>``.
+``/init``, the runner's guest side of live scaling (``neonvm/runner/guest_scaling.sh``,
+as ``/lib/neonvm/guest-scaling.sh``, which ``init.sh`` starts), and the few kernel
+modules the guest needs (virtio disks, the virtio-serial port of the scaling agent,
+fw_cfg, the ACPI power button and evdev to read it) copied from
+``/lib/modules/<kernel version>``.
 
 Needs: ``linux-image-cloud-amd64``, ``busybox-static``, ``cpio`` (scripts/setup-qemu.sh).
 :func:`missing` says what is absent, so tests can skip with a precise reason.
@@ -18,7 +20,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from neonvm.runner.initramfs import find_kernel
+from neonvm.runner.initramfs import SCALING_SCRIPT, SCALING_SCRIPT_PATH, find_kernel
 
 INIT_SCRIPT = Path(__file__).with_name("init.sh")
 BUSYBOX = Path("/bin/busybox")
@@ -33,6 +35,16 @@ class GuestImage:
     kernel_version: str
 
 
+
+
+def install_scaling_script(root: Path) -> Path:
+    """Copy the runner's guest side of live scaling into the guest tree ``root``, where
+    ``init.sh`` runs it (``/lib/neonvm/guest-scaling.sh``)."""
+    target = root / SCALING_SCRIPT_PATH
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(SCALING_SCRIPT, target)
+    target.chmod(0o755)
+    return target
 
 
 def _busybox_is_static(path: Path) -> bool:
@@ -68,6 +80,7 @@ def build_guest(dest: Path) -> GuestImage:
     init = root / "init"
     shutil.copy2(INIT_SCRIPT, init)
     init.chmod(0o755)
+    install_scaling_script(root)
     module_root = Path("/lib/modules") / version
     for name in MODULES:
         found = list(module_root.rglob(f"{name}.ko"))

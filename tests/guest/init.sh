@@ -11,85 +11,10 @@
 # The power-button watchers are armed *before* the marker, so a press that follows the
 # marker is never lost.
 #
-# Live scaling: busybox `uevent` listens to the kernel's netlink uevents and runs this
-# same script with --neonvm-hotplug for each, one at a time. A hot-added CPU is onlined
-# (x86 kernels leave it offline), a hot-added memory block that is still offline is
-# onlined movable (the runner also passes memhp_default_state=online_movable), and after
-# every cpu or memory event the guest reports what it sees on the console:
-#   neonvm-guest-size: cpus=N online=LIST memtotal-kb=K
-# Removal needs nothing from here: on ACPI eject the kernel offlines the CPU or memory
-# block itself, then QEMU drops the device.
-#
-# SysfsScaling (neonvm.cpu_scaling=sysfs and maxcpus=USE on the kernel command line): all
-# vCPUs are present, USE of them online. An agent reads "cpus N" lines from the
-# virtio-serial port named vm.neon.tech.agent, onlines cpu1..cpuN-1, offlines the rest,
-# and reports. Hot-added CPUs are then not onlined by the hotplug handler.
-
-report_size() {
-    n=0
-    for c in /sys/devices/system/cpu/cpu[0-9]*; do
-        if [ -f $c/online ]; then
-            read v < $c/online
-            [ "$v" = 1 ] && n=$((n + 1))
-        else
-            n=$((n + 1))  # the boot CPU has no online switch
-        fi
-    done
-    read online < /sys/devices/system/cpu/online
-    mem=0
-    while read key value unit; do
-        [ "$key" = MemTotal: ] && mem=$value && break
-    done < /proc/meminfo
-    echo "neonvm-guest-size: cpus=$n online=$online memtotal-kb=$mem" > /dev/console
-}
-
-set_online_cpus() {
-    i=1
-    while [ -d /sys/devices/system/cpu/cpu$i ]; do
-        if [ $i -lt "$1" ]; then v=1; else v=0; fi
-        read now < /sys/devices/system/cpu/cpu$i/online
-        [ "$now" = $v ] || echo $v > /sys/devices/system/cpu/cpu$i/online
-        i=$((i + 1))
-    done
-}
-
-sysfs_agent() {
-    port=
-    for p in /sys/class/virtio-ports/*; do
-        [ "$(cat $p/name 2>/dev/null)" = vm.neon.tech.agent ] && port=/dev/${p##*/}
-    done
-    if [ -z "$port" ]; then
-        echo "guest: no vm.neon.tech.agent port: SysfsScaling agent not started"
-        return
-    fi
-    echo "guest: SysfsScaling agent on $port"
-    while true; do
-        # EOF while the host end is not connected: wait and reopen.
-        while read -r cmd arg; do
-            case "$cmd" in cpus) set_online_cpus "$arg" ;; esac
-            report_size
-        done < $port
-        sleep 0.5
-    done
-}
-
-cpu_scaling=qmp
-for word in $(cat /proc/cmdline 2>/dev/null); do
-    case "$word" in neonvm.cpu_scaling=sysfs) cpu_scaling=sysfs ;; esac
-done
-
-if [ "$1" = --neonvm-hotplug ]; then
-    case "$SUBSYSTEM:$ACTION" in
-        cpu:add)
-            [ $cpu_scaling = qmp ] && [ -f /sys$DEVPATH/online ] \
-                && echo 1 > /sys$DEVPATH/online 2>/dev/null ;;
-        memory:add)
-            read state < /sys$DEVPATH/state
-            [ "$state" = offline ] && echo online_movable > /sys$DEVPATH/state 2>/dev/null ;;
-    esac
-    case "$SUBSYSTEM" in cpu|memory) report_size ;; esac
-    exit 0
-fi
+# Live scaling: the guest side (hotplug handler, SysfsScaling agent, size reports) is
+# the runner's own, neonvm/runner/guest_scaling.sh, installed beside this init as
+# /lib/neonvm/guest-scaling.sh (tests/guest/build.py, rootfs.py); it starts before the
+# marker. See that file and docs/runner.md, "What the guest must do".
 
 /bin/busybox mkdir -p /proc /sys /dev /mnt /tmp
 /bin/busybox mount -t proc proc /proc
@@ -106,9 +31,6 @@ done
 mode=powerdown
 for word in $(cat /proc/cmdline); do
     case "$word" in neonvm.test=*) mode=${word#neonvm.test=} ;; esac
-done
-for word in $(cat /proc/cmdline); do  # again, now that /proc is mounted
-    case "$word" in neonvm.cpu_scaling=sysfs) cpu_scaling=sysfs ;; esac
 done
 marker=NEONVM_GUEST_READY
 for word in $(cat /proc/cmdline); do
@@ -172,17 +94,7 @@ case "$mode" in
     ignore-powerdown) echo "guest: ignoring the power button" ;;
 esac
 
-# Online any CPU that is present but offline (a DIMM or vCPU plugged before the
-# listener started), then listen for hot-plug events.
-if [ $cpu_scaling = qmp ]; then
-    for c in /sys/devices/system/cpu/cpu[0-9]*; do
-        [ -f $c/online ] && [ "$(cat $c/online)" = 0 ] && echo 1 > $c/online
-    done
-else
-    sysfs_agent &
-fi
-uevent /init --neonvm-hotplug &
-report_size
+/bin/busybox sh /lib/neonvm/guest-scaling.sh start
 
 echo "$marker"
 

@@ -5,10 +5,12 @@
 The filesystem holds a static busybox (``/bin/busybox``, ``/bin/sh`` and the applets as
 symlinks) and ``/app/report.sh``, which prints what a guest command sees: its argv, the
 spec's environment, the sysctls, the swap, and the mounts, then waits for SIGTERM.
-``build_rootfs(dest, init=GUEST_INIT)`` also installs the test guest's init (``init.sh``:
-the hotplug handler, the SysfsScaling agent, the size reports) as ``/init`` and
-``/sbin/init``: a VM with no ``command`` then boots the runner's kernel, whose init hands
-over to it (``switch_root``), so a NeonVM-style disk can be scaled live and report it.
+``build_rootfs(dest, init=GUEST_INIT)`` also installs the test guest's init (``init.sh``)
+as ``/init`` and ``/sbin/init``, with the guest side of live scaling it starts (the
+runner's ``guest_scaling.sh``: the hotplug handler, the SysfsScaling agent, the size
+reports) as ``/lib/neonvm/guest-scaling.sh``. A VM with no ``command`` then boots the
+runner's kernel, whose init hands over to it (``switch_root``). A VM with a command needs
+none of this: the runner's own init runs the same scaling script.
 
 Needs: ``busybox-static``, ``mkfs.ext4`` (e2fsprogs), ``qemu-img`` (qemu-utils).
 """
@@ -19,6 +21,8 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+from tests.guest.build import install_scaling_script
 
 BUSYBOX = Path("/bin/busybox")
 GUEST_INIT = Path(__file__).with_name("init.sh")
@@ -75,6 +79,7 @@ def build_rootfs(dest: Path, size_mib: int = 16, init: Path | None = None
         shutil.copyfile(init, tree / "init")
         (tree / "init").chmod(0o755)
         (tree / "sbin" / "init").symlink_to("../init")
+        install_scaling_script(tree)
     image = dest / "rootfs.ext4"
     image.unlink(missing_ok=True)
     mkfs = shutil.which("mkfs.ext4", path="/usr/sbin:/sbin:/usr/bin:/bin")
