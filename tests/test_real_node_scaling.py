@@ -4,9 +4,10 @@ Opt-in (``NEONVM_TEST_REAL_NODE=1 pytest tests/test_real_node_scaling.py -s``), 
 other real-node tests beyond the default one. One ``neonvm controller run`` replica, one
 VirtualMachine whose runner pod (created by that controller, from the built runner image)
 runs on the real kubelet node and boots under QEMU (TCG) a NeonVM-style root disk whose
-``/sbin/init`` is the test guest's init (``tests/guest/init.sh``: it onlines and offlines
-vCPUs on the SysfsScaling agent port, onlines hot-plugged DIMMs and prints its size on
-the console after each change).
+``/sbin/init`` is the test guest's init (``tests/guest/init.sh``, which runs the runner's
+own ``neonvm/runner/guest_scaling.sh``: it onlines and offlines vCPUs on the SysfsScaling
+agent port, onlines hot-plugged DIMMs and prints its size on the console after each
+change).
 
 ``spec.guest.cpus.use`` goes 1 -> 2 -> 1 and ``spec.guest.memorySlots.use`` 1 -> 2 -> 1
 (1 GiB slots, DIMMs plugged and unplugged over QMP) with ``cpuScalingMode:
