@@ -97,6 +97,7 @@ class ReplicaSet:
         import os
 
         env = {k: v for k, v in os.environ.items() if not k.startswith("NEONVM_")}
+        env["MALLOC_ARENA_MAX"] = "2"  # as the chart runs the controller
         self.cluster.start_process(name, self._argv(identity), env)
         replica = Replica(name, identity)
         self.members = [m for m in self.members if m.name != name] + [replica]

@@ -172,3 +172,40 @@ def test_a_relist_is_paginated_and_replaces_key_by_key() -> None:
     assert sizes_seen == [2, 3], "the first page was in the store before the second came"
     assert sorted(changes) == [("ns/gone", True), ("ns/new", False), ("ns/other", False)]
     assert sorted(store.all_keys()) == ["ns/new", "ns/other", "ns/same"]
+
+
+# ---- the compact store: objects kept serialized ---------------------------------------------
+
+
+def test_a_compact_store_reads_back_what_was_stored_as_fresh_copies() -> None:
+    store = Store(index=pod_index, compact=True)
+    pod = project_pod(copy.deepcopy(POD_VARIANTS[1]))
+    key = informer.object_key(pod)
+    vm_key = pod_index(pod)
+    assert vm_key is not None
+    store.put(pod)
+
+    assert store.get(key) == pod
+    assert store.by_index(vm_key) == [pod]
+    assert store.values() == [pod]
+    # A reader cannot change the cache through what it was handed.
+    store.get(key)["metadata"]["name"] = "changed"  # type: ignore[index]
+    assert store.get(key) == pod
+    # What it holds is one bytes value per object, a fraction of the decoded dicts.
+    [held] = store._items.values()
+    assert isinstance(held, bytes) and len(held) < 2 * len(json.dumps(pod))
+
+
+def test_a_compact_store_reports_changes_and_deletions_like_the_plain_one() -> None:
+    plain, compact = Store(index=pod_index), Store(index=pod_index, compact=True)
+    first = project_pod(copy.deepcopy(POD_VARIANTS[1]))
+    second = copy.deepcopy(first)
+    second["metadata"]["resourceVersion"] = "999"
+    for store in (plain, compact):
+        assert store.put(first) is not None
+        assert store.put(copy.deepcopy(first)) is None  # same version: no change
+        key, old, new = store.apply("MODIFIED", second)
+        assert (old, new) == (first, second)
+        key, old, new = store.apply("DELETED", second)
+        assert (old, new) == (second, None)
+        assert store.get(key) is None and store.by_index(pod_index(first) or "") == []

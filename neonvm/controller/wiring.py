@@ -26,8 +26,9 @@ class Wiring:
     """The production parts, unwrapped."""
 
     def store(self, index: Callable[[Obj], str | None] | None = None) -> Store:
-        """A cache store (``index``: the secondary index, as :class:`Store` takes it)."""
-        return Store(index=index)
+        """A cache store (``index``: the secondary index, as :class:`Store` takes it),
+        compact: objects kept serialized (see :class:`Store`)."""
+        return Store(index=index, compact=True)
 
     def event_filter(self, informer: str) -> EventFilter | None:
         """The filter of the named informer's watch events (None: every event counts)."""
