@@ -360,6 +360,7 @@ def run_once(cluster: Any, vms: int, workers: int, replicas: int, py_spy: str | 
                 raise RuntimeError("not every VM's pod was ungated in time")
             ungated_at = time.monotonic()
             samples = spy.stop() if spy is not None else None
+            leader_rss = (cb.rss_mib(rs.pid(leader)), cb.rss_mib(rs.pid(leader), "VmHWM"))
             cpu_after = cpu_snapshot(pids)
             metrics_after = scrape(port)
             requests_after = request_totals(api)
@@ -390,6 +391,7 @@ def run_once(cluster: Any, vms: int, workers: int, replicas: int, py_spy: str | 
                          for k, v in requests_after.items() if v - requests_before[k] > 0},
             "cpu": {k: cpu_after[k] - cpu_before.get(k, 0.0) for k in cpu_after},
             "load_after": load_after,
+            "leader_rss_mib": leader_rss,
             "samples": samples,
         })
         return result
@@ -438,7 +440,9 @@ def report(r: dict[str, Any]) -> str:
         f"{vms / r['span_seconds']:.1f} VMs/s from the first create). Floor in the same run: "
         f"{raw['writes_per_s']:.0f} writes/s with {raw['threads']} threads = "
         f"{raw['vms_per_s']:.1f} VMs/s. Load average {r['load_before'][0]:.1f} before, "
-        f"{r['load_after'][0]:.1f} after.")
+        f"{r['load_after'][0]:.1f} after."
+        + (" Leader RSS at the last ungate {:.0f} MiB (peak {:.0f} MiB).".format(
+            *r["leader_rss_mib"]) if r.get("leader_rss_mib") else ""))
     lines += ["", "| step | p50 | p90 | max |", "|---|---:|---:|---:|"]
     lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in stage_rows(r["timeline"])]
     busy = m.get("reconcile_duration_seconds_sum", 0.0)
