@@ -305,9 +305,12 @@ def create_timed(api: client.ApiClient, namespace: str, names: list[str], thread
 
 def run_once(cluster: Any, vms: int, workers: int, replicas: int, py_spy: str | None,
              rate: int, out_dir: Path, log_level: str, label: str = "this code",
-             tree: str | None = None) -> dict[str, Any]:
+             tree: str | None = None, clean_up: bool = True) -> dict[str, Any]:
     """The floor and one convergence at ``workers`` workers; every figure of the run.
-    ``tree``: the replicas import neonvm from there (a baseline revision's source)."""
+    ``tree``: the replicas import neonvm from there (a baseline revision's source).
+    ``clean_up=False``: the VMs are left to the cluster's teardown (a private cluster's
+    last run: deleting 10,000 VMs through the controller takes long and measures
+    nothing)."""
     api = kube.api_client(cluster.kubeconfig, pool_size=http_pool_size(workers))
     namespace = f"prof-{uuid.uuid4().hex[:5]}"
     raw_ns = f"prof-raw-{uuid.uuid4().hex[:5]}"
@@ -373,8 +376,9 @@ def run_once(cluster: Any, vms: int, workers: int, replicas: int, py_spy: str | 
             if len(state.converged) != vms:
                 raise RuntimeError(f"the benchmark's check disagrees: {len(state.converged)}"
                                    f" of {vms} converged")
-            fleet.delete_vms(api, namespace)
-            fleet.wait_gone(api, namespace, 60 + vms * 2.0)
+            if clean_up:
+                fleet.delete_vms(api, namespace)
+                fleet.wait_gone(api, namespace, 60 + vms * 2.0)
         finally:
             rs.stop_all()
         timeline.stop()
@@ -396,12 +400,13 @@ def run_once(cluster: Any, vms: int, workers: int, replicas: int, py_spy: str | 
         })
         return result
     finally:
-        fleet.drop_namespace(api, namespace)
-        fleet.drop_namespace(api, raw_ns)
-        # The next run starts on a quiet cluster, not during this one's deletions.
-        for ns in (namespace, raw_ns):
-            if not fleet.wait_namespace_gone(api, ns, 60 + vms * 0.2):
-                say(f"namespace {ns} is still being deleted; going on")
+        if clean_up:
+            fleet.drop_namespace(api, namespace)
+            fleet.drop_namespace(api, raw_ns)
+            # The next run starts on a quiet cluster, not during this one's deletions.
+            for ns in (namespace, raw_ns):
+                if not fleet.wait_namespace_gone(api, ns, 60 + vms * 0.2):
+                    say(f"namespace {ns} is still being deleted; going on")
         api.close()
 
 
@@ -608,8 +613,9 @@ def main(argv: Iterable[str] | None = None) -> int:
                 print(flush=True)
             for workers in [w for n, w in runs if n == vms]:
                 say(f"== {vms} VMs, {workers} workers")
+                last = (vms, workers) == runs[-1] and args.state_dir is None
                 results.append(run_once(cluster, vms, workers, args.replicas, spy, args.rate,
-                                        args.out, args.log_level))
+                                        args.out, args.log_level, clean_up=not last))
                 print(report(results[-1]), flush=True)
                 print(flush=True)
     table = sweep_table(results)
