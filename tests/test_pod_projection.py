@@ -209,3 +209,23 @@ def test_a_compact_store_reports_changes_and_deletions_like_the_plain_one() -> N
         key, old, new = store.apply("DELETED", second)
         assert (old, new) == (second, None)
         assert store.get(key) is None and store.by_index(pod_index(first) or "") == []
+
+
+def test_a_compact_store_decodes_the_stored_object_once_per_relisted_item() -> None:
+    store = Store(index=pod_index, compact=True)
+    first = project_pod(copy.deepcopy(POD_VARIANTS[1]))
+    store.put(first)
+    decodes = 0
+    unpack = store._unpack
+
+    def counting(stored: Any) -> Any:
+        nonlocal decodes
+        decodes += 1
+        return unpack(stored)
+
+    store._unpack = counting
+    newer = copy.deepcopy(first)
+    newer["metadata"]["resourceVersion"] = "999"
+    assert store.put(newer) is not None
+    # One decode: the version check's copy is the one the change reports as old.
+    assert decodes == 1

@@ -29,7 +29,7 @@ from loguru import logger
 from neonvm.api import types
 from neonvm.api.types import VirtualMachineStatus
 from neonvm.controller.faults import FaultConfig, Faults
-from neonvm.controller.informer import EventFilter, Obj, Store, object_key
+from neonvm.controller.informer import UNREAD, EventFilter, Obj, Store, Unread, object_key
 from neonvm.controller.observe import CacheReader, Observer, VMRecord
 from neonvm.controller.reconciler import StepHook, Writer
 from neonvm.controller.wiring import Wiring
@@ -62,14 +62,15 @@ class VersionedStore(Store):
         with self._lock:
             return [list(v) for v in self._index_history.get(value, ())]
 
-    def _set_locked(self, key: str, new: Obj | None) -> tuple[str, Obj | None, Obj | None]:
-        old = self._items.get(key)
+    def _set_locked(self, key: str, new: Obj | None,
+                    old: Obj | Unread | None = UNREAD) -> tuple[str, Obj | None, Obj | None]:
+        old = self._items.get(key)  # this store is never compact: what it holds is the object
         self._history.setdefault(key, deque(maxlen=self._depth)).append(old)
         touched = {i for i in (self._index_of(old), self._index_of(new)) if i is not None}
         for value in touched:
             members = [self._items[k] for k in sorted(self._index.get(value, ()))]
             self._index_history.setdefault(value, deque(maxlen=self._depth)).append(members)
-        return super()._set_locked(key, new)
+        return super()._set_locked(key, new, old)
 
 
 class FaultyCacheReader(CacheReader):

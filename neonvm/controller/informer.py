@@ -63,6 +63,13 @@ def _same(obj: Any) -> Any:
     return obj
 
 
+class Unread:
+    """:meth:`Store._set_locked`'s default: the caller has not read the stored object."""
+
+
+UNREAD = Unread()
+
+
 class Store:
     """Objects by ``namespace/name`` and an optional secondary index.
 
@@ -72,9 +79,10 @@ class Store:
     ``compact=True`` (the controller's caches) keeps each object serialized
     (``marshal``: the JSON types only, and the fastest codec the standard library has)
     and hands out a fresh copy on every read. A decoded Kubernetes object takes about ten
-    times its JSON size as Python dicts and strings (a converged VM about 15 KiB, a pod
-    projection about 5 KiB); serialized it takes about its JSON size. A read costs a few
-    microseconds of decoding, and no caller can change the cache through what it got.
+    times its JSON size as Python dicts and strings (the benchmarks' converged VM about
+    7 KiB, a pod projection about 3.5 KiB); serialized it takes about its JSON size. A
+    read costs a few microseconds of decoding, and no caller can change the cache
+    through what it got.
     """
 
     def __init__(self, index: Callable[[Obj], str | None] | None = None,
@@ -111,8 +119,11 @@ class Store:
     def _index_of(self, obj: Obj | None) -> str | None:
         return self._index_fn(obj) if (self._index_fn and obj is not None) else None
 
-    def _set_locked(self, key: str, new: Obj | None) -> tuple[str, Obj | None, Obj | None]:
-        old = self._load(self._items.get(key))
+    def _set_locked(self, key: str, new: Obj | None,
+                    old: Obj | Unread | None = UNREAD) -> tuple[str, Obj | None, Obj | None]:
+        """``old``: the stored object as the caller already decoded it (not decoded twice)."""
+        if isinstance(old, Unread):
+            old = self._load(self._items.get(key))
         old_index = self._index_of(old)
         if old_index is not None:
             keys = self._index.get(old_index)
@@ -155,7 +166,7 @@ class Store:
             old = self._load(self._items.get(key))
             if old is not None and _rv(old) == _rv(obj):
                 return None
-            return self._set_locked(key, obj)
+            return self._set_locked(key, obj, old)
 
     def drop_except(self, keep: set[str]) -> list[tuple[str, Obj | None, Obj | None]]:
         """Remove every object whose key is not in ``keep`` (a re-list's end: what it did
@@ -175,7 +186,7 @@ class Store:
             for key, obj in fresh.items():
                 old = self._load(self._items.get(key))
                 if old is None or _rv(old) != _rv(obj):
-                    changes.append(self._set_locked(key, obj))
+                    changes.append(self._set_locked(key, obj, old))
         return changes
 
 
