@@ -65,6 +65,11 @@ class Replica:
     identity: str
 
 
+REPLICA_ENV = {"MALLOC_ARENA_MAX": "2", "PYTHONMALLOC": "malloc"}
+"""The allocator settings the chart and the controller image run the controller with
+(:mod:`neonvm.controller.heap` says why)."""
+
+
 @dataclass
 class ReplicaSet:
     """Controller replicas on ``cluster`` watching ``namespace`` only (own Lease, prefix)."""
@@ -77,6 +82,8 @@ class ReplicaSet:
     workers: int = WORKERS
     log_level: str | None = None
     """The replicas' log level (default: ``$BENCH_LOG_LEVEL``, else INFO)."""
+    env: dict[str, str] = field(default_factory=lambda: dict(REPLICA_ENV))
+    """Set in each replica's environment, over this process's (less ``NEONVM_*``)."""
 
     def _argv(self, identity: str) -> list[str]:
         return [sys.executable, "-m", "neonvm", "--log-format", "json", "--log-level",
@@ -97,7 +104,7 @@ class ReplicaSet:
         import os
 
         env = {k: v for k, v in os.environ.items() if not k.startswith("NEONVM_")}
-        env["MALLOC_ARENA_MAX"] = "2"  # as the chart runs the controller
+        env.update(self.env)
         self.cluster.start_process(name, self._argv(identity), env)
         replica = Replica(name, identity)
         self.members = [m for m in self.members if m.name != name] + [replica]

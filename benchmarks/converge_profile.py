@@ -305,9 +305,11 @@ def create_timed(api: client.ApiClient, namespace: str, names: list[str], thread
 
 def run_once(cluster: Any, vms: int, workers: int, replicas: int, py_spy: str | None,
              rate: int, out_dir: Path, log_level: str, label: str = "this code",
-             tree: str | None = None, clean_up: bool = True) -> dict[str, Any]:
+             tree: str | None = None, clean_up: bool = True,
+             env: dict[str, str] | None = None) -> dict[str, Any]:
     """The floor and one convergence at ``workers`` workers; every figure of the run.
     ``tree``: the replicas import neonvm from there (a baseline revision's source).
+    ``env``: set in the replicas' environment over :data:`cb.REPLICA_ENV`.
     ``clean_up=False``: the VMs are left to the cluster's teardown (a private cluster's
     last run: deleting 10,000 VMs through the controller takes long and measures
     nothing)."""
@@ -333,7 +335,7 @@ def run_once(cluster: Any, vms: int, workers: int, replicas: int, py_spy: str | 
         timeline = Timeline(api, namespace)
         timeline.start()
         rs = cb.ReplicaSet(cluster, namespace, count=replicas, workers=workers,
-                           log_level=log_level)
+                           log_level=log_level, env={**cb.REPLICA_ENV, **(env or {})})
         with python_path_first(tree):
             rs.start_all()
         try:
@@ -550,6 +552,19 @@ def ints(text: str) -> list[int]:
     return [int(p) for p in text.split(",") if p.strip()]
 
 
+def env_pairs(text: str) -> dict[str, str]:
+    """``K=V,K=V`` as a dict."""
+    out: dict[str, str] = {}
+    for part in text.split(","):
+        if not part.strip():
+            continue
+        key, sep, value = part.partition("=")
+        if not sep or not key.strip():
+            raise argparse.ArgumentTypeError(f"not K=V: {part!r}")
+        out[key.strip()] = value
+    return out
+
+
 def pairs(text: str) -> list[tuple[int, int]]:
     out = []
     for part in text.split(","):
@@ -573,6 +588,10 @@ def main(argv: Iterable[str] | None = None) -> int:
                         "first on the replicas' PYTHONPATH), once per VM count.")
     p.add_argument("--baseline-workers", type=int, default=4,
                    help="The baseline's workers (default 4: the default before 16).")
+    p.add_argument("--baseline-env", type=env_pairs, default={}, metavar="K=V,...",
+                   help="Set in the baseline's replicas' environment, over the chart's "
+                        "allocator settings (e.g. PYTHONMALLOC=pymalloc: Python's own "
+                        "allocator, as before the heap trimmer).")
     p.add_argument("--baseline-sizes", type=ints, default=None,
                    help="VM counts the baseline runs at (default: every count).")
     p.add_argument("--nodes", type=int, default=3, help="Simulated nodes (private cluster).")
@@ -608,7 +627,8 @@ def main(argv: Iterable[str] | None = None) -> int:
                 say(f"== baseline {args.baseline}: {vms} VMs, {args.baseline_workers} workers")
                 results.append(run_once(cluster, vms, args.baseline_workers, args.replicas,
                                         spy, args.rate, args.out, args.log_level,
-                                        label=f"baseline ({args.baseline})", tree=tree))
+                                        label=f"baseline ({args.baseline})", tree=tree,
+                                        env=args.baseline_env))
                 print(report(results[-1]), flush=True)
                 print(flush=True)
             for workers in [w for n, w in runs if n == vms]:

@@ -85,6 +85,10 @@ def controller() -> None:
 @click.option("--orphan-grace", type=click.FloatRange(min=0), default=30.0, show_default=True,
               help="Seconds a pod whose VM is gone may stay before the sweep deletes it (the "
                    "garbage collector normally removes it first).")
+@click.option("--heap-trim", type=click.FloatRange(min=0),
+              default=ControllerConfig().heap_trim_seconds, show_default=True,
+              help="Seconds between malloc_trim calls handing freed heap pages back to the "
+                   "kernel (0: never).")
 @click.option("--runner-image", default=DEFAULT_RUNNER_IMAGE, show_default=True,
               help="Runner image for VMs without spec.runnerImage.")
 @click.option("--kvm-resource", default="", show_default=True,
@@ -103,6 +107,7 @@ def run(kubeconfig: Path | None, lease_namespace: str, lease_name: str, identity
         etcd_cert: str | None, etcd_key: str | None, etcd_timeout: float, session_ttl: int,
         watch_namespace: str | None, workers: int, resync: float, plan_requeue: float,
         relist: float, sync_deadline: float, sweep: float, orphan_grace: float,
+        heap_trim: float,
         runner_image: str, kvm_resource: str,
         health_port: int, health_host: str,
         faults: tuple[str, ...]) -> None:
@@ -128,7 +133,7 @@ def run(kubeconfig: Path | None, lease_namespace: str, lease_name: str, identity
         workers=workers, watch_namespace=watch_namespace, resync_seconds=resync,
         plan_requeue_seconds=plan_requeue, sweep_seconds=sweep, session_ttl=session_ttl,
         orphan_grace_seconds=orphan_grace, relist_seconds=relist,
-        sync_deadline_seconds=sync_deadline,
+        sync_deadline_seconds=sync_deadline, heap_trim_seconds=heap_trim,
         reconciler=ReconcilerConfig(resync_seconds=resync,
                                     pod_defaults=PodDefaults(
                                         runner_image=runner_image,

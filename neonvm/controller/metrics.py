@@ -33,6 +33,10 @@ class ControllerMetrics:
             "queue's line (event: watch events, Waits, retries; periodic: re-checks, scans).",
             ["line"], buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
             registry=r)
+        self.heap_trim_seconds = Histogram(
+            "neonvm_controller_heap_trim_duration_seconds",
+            "Wall time of one malloc_trim of the process's C heap (the heap trimmer).",
+            buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1), registry=r)
         self.actions = Counter(
             "neonvm_controller_actions_total", "Actions performed, by kind and outcome.",
             ["action", "outcome"], registry=r)
