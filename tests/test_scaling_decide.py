@@ -615,7 +615,8 @@ def test_past_the_window_a_runner_settled_at_status_size_ends_the_look_by_a_writ
     assert d.looks_at_runner(v, dropped_at + PAST)
     action = decide_at(v, dropped_at + PAST, answer(1, 1))
     assert action == d.CommitScale(seq=1, vcpus=1, memory_bytes=GIB, adopt=True,
-                                   pod_uid="uid-1", ends_look=True, reason=action.reason)
+                                   pod_uid="uid-1", ends_look=True, look_recorded=True,
+                                   reason=action.reason)
     new = status_mutation(action, LEASE)(v)
     assert new is not None and new.scale_look_pod_uid is None
     assert (new.cpus, new.memory_size) == (MilliCPU(1000), "1Gi")
@@ -628,7 +629,8 @@ def test_past_the_window_a_runner_at_another_size_is_adopted_and_the_look_ends()
     v, dropped_at = dropped_vm()
     action = decide_at(v, dropped_at + PAST, answer(2, 2))
     assert action == d.CommitScale(seq=1, vcpus=2, memory_bytes=2 * GIB, adopt=True,
-                                   pod_uid="uid-1", ends_look=True, reason=action.reason)
+                                   pod_uid="uid-1", ends_look=True, look_recorded=True,
+                                   reason=action.reason)
     new = status_mutation(action, LEASE)(v)
     assert new is not None and new.scale_look_pod_uid is None
     assert (new.cpus, new.memory_size) == (MilliCPU(2000), "2Gi")
@@ -646,6 +648,15 @@ def test_past_the_window_a_runner_at_another_size_is_adopted_and_the_look_ends()
     assert isinstance(early, d.CommitScale) and early.adopt and not early.ends_look
     kept = status_mutation(early, LEASE)(v)
     assert kept is not None and kept.scale_look_pod_uid == "uid-1"
+    # Once a write decided past the window has ended the look, an adopt decided from an
+    # older answer (its writer paused since) does not land: it would put an older size
+    # back with nobody looking any more.
+    ended, _ = dropped_vm()
+    last_word = decide_at(ended, dropped_at + PAST, answer(1, 1))
+    written = status_mutation(last_word, LEASE)(ended)
+    assert written is not None and written.scale_look_pod_uid is None
+    ended.status = written
+    assert status_mutation(early, LEASE)(ended) is None
 
 
 def test_past_the_window_a_removal_still_pending_keeps_the_look() -> None:

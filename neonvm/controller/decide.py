@@ -346,8 +346,9 @@ class CommitScale(Action):
     committed pod ``pod_uid`` reports a settled size other than status says (a PUT of
     the dropped plan landed after the drop), or, with ``ends_look``, any settled size:
     CAS {cpus, memorySize: what it reported} if no plan is recorded, ``scaleSeq`` is
-    still ``seq`` (no plan was made since the observation) and the committed pod is
-    still ``pod_uid``; the Scaling condition is left as it is."""
+    still ``seq`` (no plan was made since the observation), the committed pod is
+    still ``pod_uid`` and, with ``look_recorded``, status still asks for the look at
+    it; the Scaling condition is left as it is."""
 
     step: ClassVar[str] = "commit_scale"
 
@@ -362,6 +363,14 @@ class CommitScale(Action):
     same write clears ``status.scaleLookPodUID`` (if it still names ``pod_uid``). The
     look ends only with a write that lands; one that fails leaves it set, and the next
     observation asks again."""
+    look_recorded: bool = False
+    """With ``adopt``: the observation saw status ask for the look
+    (``scaleLookPodUID`` naming ``pod_uid``), and the write requires that it still
+    does. Once a write decided past the window has ended the look, an adopt decided
+    from an older answer (a writer paused since) must not put an older size back with
+    nobody looking any more. (Without the record, a VM stored before it existed: no
+    such requirement; its record cannot appear without a new plan, which ``seq``
+    fences out.)"""
 
 
 @dataclass(frozen=True)
@@ -809,13 +818,13 @@ def _adopt_runner_size(obs: Observation, vm: VirtualMachine,
     except QuantityError:
         memory = None
     cpus = s.cpus.rounded_up() if s.cpus is not None else None
-    ends = look_may_end(vm, obs.now)
+    ends, recorded = look_may_end(vm, obs.now), look_pending(vm)
     if (cpus, memory) == (runner.vcpus, runner.memory_bytes):
         if not ends:
             return None
         return CommitScale(seq=s.scale_seq, vcpus=runner.vcpus,
                            memory_bytes=runner.memory_bytes, adopt=True, pod_uid=pod.uid,
-                           ends_look=True,
+                           ends_look=True, look_recorded=True,
                            reason=f"plan #{s.scale_seq} was dropped more than "
                                   f"{LATE_PUT_SECONDS:.0f} s ago and the runner of "
                                   f"{pod.name} has settled at the size status says "
@@ -823,7 +832,7 @@ def _adopt_runner_size(obs: Observation, vm: VirtualMachine,
                                   "no longer looked at")
     return CommitScale(seq=s.scale_seq, vcpus=runner.vcpus,
                        memory_bytes=runner.memory_bytes, adopt=True, pod_uid=pod.uid,
-                       ends_look=ends,
+                       ends_look=ends, look_recorded=recorded,
                        reason=f"no plan recorded, plan #{s.scale_seq} dropped; the "
                               f"runner of {pod.name} reports {runner.vcpus} vCPUs, "
                               f"{runner.memory_bytes} bytes (status says {s.cpus}, "

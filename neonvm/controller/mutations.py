@@ -230,10 +230,14 @@ def status_mutation(action: d.Action, lease: d.Fence) -> StatusMutation:
                     or s.phase not in ("Running", "Scaling")
                     or vm.deletion_timestamp is not None):
                 return None
+            if action.look_recorded and s.scale_look_pod_uid != action.pod_uid:
+                # The look has ended since the observation, by a write decided from a
+                # newer answer (asked past the window): this one must not undo it.
+                return None
             new = _fresh_status(vm, lease)
             new.cpus = MilliCPU(action.vcpus * 1000)
             new.memory_size = format_bytes(action.memory_bytes)
-            if action.ends_look and s.scale_look_pod_uid == action.pod_uid:
+            if action.ends_look:
                 new.scale_look_pod_uid = None  # asked past the window: the last word
             if (new.cpus, new.memory_size, new.scale_look_pod_uid) == (
                     s.cpus, s.memory_size, s.scale_look_pod_uid):
