@@ -197,6 +197,15 @@ def test_the_look_after_a_drop_ends_only_with_a_write_decided_past_the_window() 
     window_only = explore_scaling(world, mutants=Mutants(no_look_record=True))
     assert window_only.violation is not None, window_only
     assert window_only.violation.property == "convergence", window_only.violation
-    print(f"forget_before_write: {forgot.states} states, {len(forgot.trace)} steps; "
+    # An adopt decided within the window (from an answer asked before a late PUT
+    # landed) that lands after a write past the window ended the look.
+    stale = explore_scaling(world, mutants=Mutants(stale_adopt_after_end=True))
+    assert stale.violation is not None, stale
+    assert stale.violation.property == "convergence", stale.violation
+    closes = stale.trace.index("the late-PUT window closes")
+    assert "w1 decides CommitScale" in stale.trace[:closes], stale.trace
+    assert stale.trace[-2:] == ["w1 performs CommitScale", "(calm run)"], stale.trace
+    print(f"stale_adopt_after_end: {stale.states} states, {len(stale.trace)} steps; "
+          f"forget_before_write: {forgot.states} states, {len(forgot.trace)} steps; "
           f"end_in_window: {early.states} states, {len(early.trace)} steps; "
           f"no_look_record: {window_only.states} states, {len(window_only.trace)} steps")

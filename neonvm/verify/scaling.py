@@ -228,6 +228,11 @@ class Mutants:
     """A settled answer ends the look whenever it was asked: decide judges every
     observation as past the window (a clock ahead of the dropper's by the whole
     window), so an answer asked before a late PUT landed may be the last word."""
+    stale_adopt_after_end: bool = False
+    """An adopting write lands whether or not the look it was decided in has ended
+    since (no ``look_recorded`` precondition): a writer paused since an answer asked
+    within the window puts an older size back after a write past the window ended the
+    look."""
     no_look_record: bool = False
     """The drop leaves no record of the look in status: the runner is looked at within
     the window only (main's code before the record, for a new leader; and the stale
@@ -402,6 +407,8 @@ class ScalingModel:
         if type(action).__name__ in RUNNER_CALLS:
             assert isinstance(action, d.ApplyScale)
             return self._put(done, action.plan)
+        if self.mutants.stale_adopt_after_end and isinstance(action, d.CommitScale):
+            action = dataclasses.replace(action, look_recorded=False)
         return self._status_write(done, i, action), None
 
     def _status_write(self, w: World, i: int, action: d.Action) -> World:
