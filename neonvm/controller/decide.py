@@ -360,8 +360,9 @@ class CommitScale(Action):
     ends_look: bool = False
     """With ``adopt``: the answer was asked after the late-PUT window had passed
     (:func:`look_may_end`), so it is the runner's last word on the dropped plan: the
-    same write clears ``status.scaleLookPodUID`` (if it still names ``pod_uid``). The
-    look ends only with a write that lands; one that fails leaves it set, and the next
+    same write clears ``status.scaleLookPodUID`` (it is decided only while that names
+    ``pod_uid``, and lands only while it still does: ``look_recorded``). The look ends
+    only with a write that lands; one that fails leaves it set, and the next
     observation asks again."""
     look_recorded: bool = False
     """With ``adopt``: the observation saw status ask for the look
