@@ -167,3 +167,45 @@ def test_a_guest_refusing_vcpu_and_memory_unplugs_still_gets_what_grows() -> Non
                              mutants=Mutants(refusal_skips_rest=True), liveness=False)
     print(f"refusal_skips_rest: {broken.states} states, {len(broken.trace)} steps")
     assert broken.violation is not None and broken.violation.property == "growth", broken
+
+
+@pytest.mark.unit
+def test_the_look_after_a_drop_ends_only_with_a_write_decided_past_the_window() -> None:
+    # Review MEDIUM 1 and 2: the look after a drop is recorded in status by the drop and
+    # ended only by the write of a settled answer asked past the window. In the world of
+    # refusals and late PUTs (the window closes once no PUT of the dropped plan is on its
+    # way; calm runs take place past it), each way of ending it sooner leaves status
+    # behind the guest with nobody looking.
+    world = initial_world(restarts=0, crashes=0, refusals=1, timeouts=1)
+    # The record cleared as the settled answer is seen, before the adopting write has
+    # landed (MEDIUM 1's memory): the calm run's leader never performs the write it held.
+    forgot = explore_scaling(world, mutants=Mutants(forget_before_write=True))
+    assert forgot.violation is not None, forgot
+    assert forgot.violation.property == "convergence", forgot.violation
+    assert forgot.trace[-3:] == ["the late-PUT window closes", "w0 decides CommitScale",
+                                 "(calm run)"], forgot.trace
+    # A settled answer asked within the window taken for the last word: a late PUT lands
+    # after it.
+    early = explore_scaling(world, mutants=Mutants(end_in_window=True))
+    assert early.violation is not None, early
+    assert early.violation.property == "convergence", early.violation
+    assert "w0 performs CommitScale" in early.trace, early.trace
+    assert "the late-PUT window closes" not in early.trace, early.trace
+    # No record at all (the window only: main's look for a new leader): a PUT that
+    # lands, then the window closes before anyone looked. (The real window leaves one
+    # periodic reconcile after the last landing; the model's window may close at once.)
+    window_only = explore_scaling(world, mutants=Mutants(no_look_record=True))
+    assert window_only.violation is not None, window_only
+    assert window_only.violation.property == "convergence", window_only.violation
+    # An adopt decided within the window (from an answer asked before a late PUT
+    # landed) that lands after a write past the window ended the look.
+    stale = explore_scaling(world, mutants=Mutants(stale_adopt_after_end=True))
+    assert stale.violation is not None, stale
+    assert stale.violation.property == "convergence", stale.violation
+    closes = stale.trace.index("the late-PUT window closes")
+    assert "w1 decides CommitScale" in stale.trace[:closes], stale.trace
+    assert stale.trace[-2:] == ["w1 performs CommitScale", "(calm run)"], stale.trace
+    print(f"stale_adopt_after_end: {stale.states} states, {len(stale.trace)} steps; "
+          f"forget_before_write: {forgot.states} states, {len(forgot.trace)} steps; "
+          f"end_in_window: {early.states} states, {len(early.trace)} steps; "
+          f"no_look_record: {window_only.states} states, {len(window_only.trace)} steps")

@@ -578,13 +578,15 @@ def test_a_pod_built_without_live_scaling_needs_a_restart_not_rbac(
 def test_a_removal_pending_after_a_drop_is_looked_at_past_the_window_until_it_settles(
         ) -> None:
     # Review S5, the unplug version: the dropped plan's PUT started an unplug the guest
-    # has not finished when the look after the drop ends (LATE_PUT_SECONDS). The
-    # controller keeps asking GET /scale until the runner reports it settled, then
-    # adopts the size and stops asking. (The observations are built by hand: the clock
-    # is the only thing that differs from the cluster tests above.)
+    # has not finished when the window after the drop ends (LATE_PUT_SECONDS). Status
+    # asks for the look (scaleLookPodUID, set by the drop), so the controller keeps
+    # asking GET /scale until the runner reports it settled, then adopts the size, and
+    # stops asking once that write has landed. (The observations are built by hand: the
+    # clock is the only thing that differs from the cluster tests above.)
     import datetime as dt
 
     from neonvm.api.types import Condition
+    from neonvm.controller.mutations import status_mutation
     from neonvm.controller.observe import Snapshot
     from neonvm.controller.scaling import RunnerScaling
     from tests.test_scaling_decide import LEASE, running
@@ -600,6 +602,7 @@ def test_a_removal_pending_after_a_drop_is_looked_at_past_the_window_until_it_se
             type=d.SCALING_CONDITION, status="False",  # type: ignore[arg-type]
             reason=d.SCALING_DISABLED, message="dropped", observed_generation=2,
             last_transition_time=d.format_rfc3339(dropped_at)))
+        v.status.scale_look_pod_uid = "uid-1"  # as the drop wrote it
         runner.pod_uid = "uid-1"
         runner.size = {"vcpus": 1, "memorySlots": 2, "memoryBytes": 2 * GIB}
 
@@ -621,7 +624,147 @@ def test_a_removal_pending_after_a_drop_is_looked_at_past_the_window_until_it_se
         action = d.decide(seen)
         assert isinstance(action, d.CommitScale) and action.adopt, action
         assert (action.vcpus, action.memory_bytes) == (1, GIB)
-        look(d.LATE_PUT_SECONDS + 180, [])  # settled: no longer asked
-        assert runner.gets == gets + 3
+        look(d.LATE_PUT_SECONDS + 180, [])  # the write has not landed: asked again
+        assert runner.gets == gets + 4
+        written = status_mutation(action, LEASE)(v)  # the adopting write lands
+        assert written is not None and written.scale_look_pod_uid is None
+        v.status = written
+        look(d.LATE_PUT_SECONDS + 240, [])  # settled and written: no longer asked
+        assert runner.gets == gets + 4
+    finally:
+        runner.close()
+
+
+class FailingStatusWrites:
+    """The cluster as the reconciler writes VMs through it, with the next ``/status``
+    write failing (503, the API server unavailable) once :attr:`armed`."""
+
+    def __init__(self, cluster: Any) -> None:
+        self.cluster = cluster
+        self.armed = False
+        self.failed = 0
+
+    def put_status(self, record: Any, status: types.VirtualMachineStatus) -> Any:
+        if self.armed:
+            self.armed = False
+            self.failed += 1
+            raise client.ApiException(status=503, reason="Service Unavailable")
+        return self.cluster.put_status(record, status)
+
+    def put_main(self, record: Any, finalizers: list[str]) -> Any:
+        return self.cluster.put_main(record, finalizers)
+
+
+def _past_the_window(reconciler: Reconciler) -> None:
+    """From now on ``reconciler`` observes with a clock past the late-PUT window of any
+    drop made so far (what a controller sees LATE_PUT_SECONDS later)."""
+    import datetime as dt
+
+    from neonvm.controller.observe import DirectReader
+
+    skew = dt.timedelta(seconds=d.LATE_PUT_SECONDS + 60)
+    reconciler.reader = DirectReader(reconciler.cluster,
+                                     clock=lambda: dt.datetime.now(dt.UTC) + skew)
+
+
+def _dropped_with_an_unplug_pending(api: client.ApiClient, controller_api: client.ApiClient,
+                                    namespace: str, name: str,
+                                    runner: RefusingRunner) -> tuple[Reconciler, str, str]:
+    """A VM scaled to 2/2 (plan #1 committed), then asked for 1/1: plan #2 is dropped
+    (ScalingDisabled: the token Secret is gone), and a PUT of it sent before lands
+    late: the runner applied its fence, unplugged a vCPU and started a DIMM unplug
+    the guest has not finished. The controller has looked (GET /scale) within the
+    window and seen the removal pending. (reconciler, key, the pod's uid)."""
+    reconciler = _running_on(runner, api, controller_api, namespace, name,
+                             token_sync_seconds=3600.0)
+    key = f"{namespace}/{name}"
+    (pod,) = runner_pods(api, namespace, name)
+    runner.pod_uid = pod.metadata.uid
+    runner.fence = {"epoch": OLD.epoch, "token": OLD.token, "seq": 1}  # plan #1's PUT
+    runner.size = {"vcpus": 2, "memorySlots": 2, "memoryBytes": 2 * GIB}
+    set_use(api, namespace, name, 2, 2)
+    assert isinstance(settle(reconciler, key, OLD).action, d.Done)
+    status = status_of(api, namespace, name)
+    assert (status["cpus"], status["memorySize"], status["scaleSeq"]) == (2, "2Gi", 1)
+    client.CoreV1Api(api).delete_namespaced_secret(status["scalingTokenSecret"], namespace)
+    set_use(api, namespace, name, 1, 1)
+    assert isinstance(settle(reconciler, key, OLD).action, d.Done)
+    status = status_of(api, namespace, name)
+    scaling = next(c for c in status["conditions"] if c["type"] == "Scaling")
+    assert (scaling["reason"], status["scaleSeq"]) == (d.SCALING_DISABLED, 2), status
+    # The late PUT of plan #2 lands; the DIMM's eject is still pending.
+    runner.fence = {"epoch": OLD.epoch, "token": OLD.token, "seq": 2}
+    runner.size = {"vcpus": 1, "memorySlots": 2, "memoryBytes": 2 * GIB}
+    runner.removals = ["dimm-slot1"]
+    gets = runner.gets
+    assert isinstance(settle(reconciler, key, OLD).action, d.Done)
+    assert runner.gets > gets  # looked at within the window: not settled, nothing adopted
+    status = status_of(api, namespace, name)
+    assert (status["cpus"], status["memorySize"]) == (2, "2Gi"), status
+    return reconciler, key, pod.metadata.uid
+
+
+def test_an_adopting_write_that_fails_past_the_window_is_retried_at_the_next_observation(
+        api: client.ApiClient, controller_api: client.ApiClient, namespace: str) -> None:
+    # Review MEDIUM 1: the guest finishes the unplug after the window. The controller
+    # sees it settled and decides to adopt 1/1, but that status write fails. The look
+    # must not end with the answer: the next observation asks the runner again and
+    # adopts. (Before the fix the memory of the pending removal was dropped with the
+    # answer, and status kept 2/2 for good.)
+    runner = RefusingRunner(200)
+    try:
+        reconciler, key, _ = _dropped_with_an_unplug_pending(
+            api, controller_api, namespace, "retry", runner)
+        _past_the_window(reconciler)
+        runner.size = {"vcpus": 1, "memorySlots": 1, "memoryBytes": GIB}  # ejected
+        runner.removals = []
+        failing = FailingStatusWrites(reconciler.cluster)
+        reconciler.writer = failing
+        failing.armed = True
+        with pytest.raises(client.ApiException):
+            reconciler.reconcile(key, OLD, direct_first=True)
+        assert failing.failed == 1
+        status = status_of(api, namespace, "retry")
+        assert (status["cpus"], status["memorySize"]) == (2, "2Gi"), status
+        gets = runner.gets
+        assert isinstance(settle(reconciler, key, OLD).action, d.Done)
+        assert runner.gets > gets  # asked again, past the window
+        status = status_of(api, namespace, "retry")
+        assert (status["cpus"], status["memorySize"]) == (1, "1Gi"), status
+        assert "scaleLookPodUID" not in status, status  # the look has ended
+        gets = runner.gets
+        settle(reconciler, key, OLD)
+        assert runner.gets == gets  # ... and the runner is no longer asked
+    finally:
+        runner.close()
+
+
+def test_a_new_leader_past_the_window_still_looks_at_a_removal_pending_after_a_drop(
+        api: client.ApiClient, controller_api: client.ApiClient, namespace: str) -> None:
+    # Review MEDIUM 2: the leader that dropped the plan saw the unplug pending, then
+    # lost its leadership. A new controller process (nothing in its memory), past the
+    # window, must still look and adopt the size the guest settles at: status says
+    # which runner to look at. (Before the fix only the old process remembered it.)
+    from neonvm.controller.scaling import RunnerScaling
+
+    runner = RefusingRunner(200)
+    try:
+        _, key, pod_uid = _dropped_with_an_unplug_pending(
+            api, controller_api, namespace, "failover", runner)
+        assert status_of(api, namespace, "failover").get("scaleLookPodUID") == pod_uid
+        new_leader = Reconciler(controller_api, scaling=RunnerScaling(
+            controller_api, address=lambda vm, pod: f"http://127.0.0.1:{runner.port}",
+            token_sync_seconds=3600.0))
+        _past_the_window(new_leader)
+        gets = runner.gets
+        assert isinstance(settle(new_leader, key, NEW).action, d.Done)
+        assert runner.gets > gets  # looked at: the removal still pending, nothing adopted
+        assert (status_of(api, namespace, "failover")["memorySize"]) == "2Gi"
+        runner.size = {"vcpus": 1, "memorySlots": 1, "memoryBytes": GIB}  # ejected
+        runner.removals = []
+        assert isinstance(settle(new_leader, key, NEW).action, d.Done)
+        status = status_of(api, namespace, "failover")
+        assert (status["cpus"], status["memorySize"]) == (1, "1Gi"), status
+        assert "scaleLookPodUID" not in status, status
     finally:
         runner.close()

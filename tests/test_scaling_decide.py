@@ -9,6 +9,7 @@ Plan (CAS of ``status.pendingScale``), apply (the runner, with the plan's fence)
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 
 import pytest
 
@@ -19,6 +20,7 @@ from neonvm.api.types import (
     Fence,
     Guest,
     IntRange,
+    PendingPod,
     PendingScale,
     VirtualMachine,
     VirtualMachineSpec,
@@ -528,3 +530,156 @@ def test_a_pod_built_before_the_slot_size_field_is_judged_by_the_spec_it_carries
     # Neither the field nor a readable spec: unknown, as before.
     del annotations[podspec.ANNOTATION_SPEC]
     assert podspec.built_slot_bytes(raw["metadata"]) is None  # type: ignore[arg-type]
+
+
+# ---- the look after a drop, recorded in status (review MEDIUM 1 and 2) -------------------
+
+
+def dropped_vm(*, status_cpus: int = 1, status_slots: int = 1,
+               look: str | None = "uid-1") -> tuple[VirtualMachine, dt.datetime]:
+    """A VM whose plan #1 (2 vCPUs, 2 slots) was dropped at the returned time
+    (ScalingDisabled: no new plan for this spec), status saying ``status_cpus`` /
+    ``status_slots`` and ``scaleLookPodUID`` = ``look``."""
+    from neonvm.api.types import Condition
+
+    dropped_at = dt.datetime(2026, 1, 1, 12, 0, 0, tzinfo=dt.UTC)
+    v = vm(cpus_use=2, slots_use=2, status_cpus=status_cpus, status_slots=status_slots,
+           scale_seq=1)
+    v.status.conditions.append(Condition(
+        type=d.SCALING_CONDITION, status="False", reason=d.SCALING_DISABLED,  # type: ignore[arg-type]
+        message="dropped", observed_generation=2,
+        last_transition_time=d.format_rfc3339(dropped_at)))
+    v.status.scale_look_pod_uid = look
+    return v, dropped_at
+
+
+def answer(cpus: int, slots: int, *removals: str) -> d.RunnerView:
+    """The committed pod's runner, naming its pod, at ``cpus`` / ``slots``."""
+    return dataclasses.replace(view((3, 40, 1), cpus, slots), answered_uid="uid-1",
+                               pending_removals=removals)
+
+
+def decide_at(v: VirtualMachine, at: dt.datetime, runner: d.RunnerView | None) -> d.Action:
+    return d.decide(dataclasses.replace(obs(v, runner=runner), now=at))
+
+
+PAST = dt.timedelta(seconds=d.LATE_PUT_SECONDS + 1)
+"""An observation taken after the late-PUT window of the drop has passed."""
+
+
+def test_a_drop_records_in_status_which_runner_is_still_to_be_looked_at() -> None:
+    # The drop and the record of the look are one write: no controller (this one after a
+    # failed write, a new leader) can see the drop without it.
+    v = vm(cpus_use=2, slots_use=2, scale_seq=1, pending=scale_plan(cpus=2, slots=2))
+    dropped = status_mutation(d.DropScale(seq=1, refused=d.SCALING_DISABLED), LEASE)(v)
+    assert dropped is not None and dropped.pending_scale is None
+    assert dropped.scale_look_pod_uid == "uid-1"
+    # A plan for a pod that is not the committed one asks for no look at this one.
+    other = vm(scale_seq=1, pending=dataclasses.replace(scale_plan(), pod_uid="uid-0"))
+    moved = status_mutation(d.DropScale(seq=1), LEASE)(other)
+    assert moved is not None and moved.scale_look_pod_uid is None
+    # A refusal without a plan (a new spec generation) leaves the record as it is.
+    v, _ = dropped_vm()
+    v.generation = 3
+    again = status_mutation(d.DropScale(seq=1, refused=d.SCALING_NEEDS_RESTART,
+                                        generation=3), LEASE)(v)
+    assert again is not None and again.scale_look_pod_uid == "uid-1"
+
+
+def test_a_new_plan_or_a_new_pod_ends_the_look() -> None:
+    # A new plan: its fence is above the dropped plan's, so the runner refuses that one
+    # once it applied this one, and this plan commits what the runner then reports.
+    v, _ = dropped_vm()
+    v.status.conditions.clear()
+    planned = status_mutation(d.PlanScale(plan=scale_plan(seq=2, slots=2), observed_seq=1),
+                              LEASE)(v)
+    assert planned is not None and planned.scale_look_pod_uid is None
+    # The pod gone (Restart) or a new one committed: the old pod's runner is gone.
+    v, _ = dropped_vm()
+    restarted = status_mutation(d.Restart(name=POD, uid="uid-1"), LEASE)(v)
+    assert restarted is not None and restarted.scale_look_pod_uid is None
+    v, _ = dropped_vm()
+    v.status.pod_name, v.status.pod_uid = "", ""
+    v.status.pending_pod = PendingPod(name="vm-2")
+    committed = status_mutation(d.Commit(name="vm-2", uid="uid-2"), LEASE)(v)
+    assert committed is not None and committed.scale_look_pod_uid is None
+
+
+def test_past_the_window_a_runner_settled_at_status_size_ends_the_look_by_a_write() -> None:
+    v, dropped_at = dropped_vm()
+    # Within the window: nothing to write, the look goes on (a late PUT may still land).
+    assert isinstance(decide_at(v, dropped_at + dt.timedelta(seconds=10), answer(1, 1)),
+                      d.Done)
+    # Past it: still looked at (status asks), and a settled answer equal to status is
+    # written, only to end the look; the look ends when that write lands.
+    assert d.looks_at_runner(v, dropped_at + PAST)
+    action = decide_at(v, dropped_at + PAST, answer(1, 1))
+    assert action == d.CommitScale(seq=1, vcpus=1, memory_bytes=GIB, adopt=True,
+                                   pod_uid="uid-1", ends_look=True, look_recorded=True,
+                                   reason=action.reason)
+    new = status_mutation(action, LEASE)(v)
+    assert new is not None and new.scale_look_pod_uid is None
+    assert (new.cpus, new.memory_size) == (MilliCPU(1000), "1Gi")
+    v.status = new
+    assert not d.looks_at_runner(v, dropped_at + PAST)
+    assert status_mutation(action, LEASE)(v) is None  # done already: no second write
+
+
+def test_past_the_window_a_runner_at_another_size_is_adopted_and_the_look_ends() -> None:
+    v, dropped_at = dropped_vm()
+    action = decide_at(v, dropped_at + PAST, answer(2, 2))
+    assert action == d.CommitScale(seq=1, vcpus=2, memory_bytes=2 * GIB, adopt=True,
+                                   pod_uid="uid-1", ends_look=True, look_recorded=True,
+                                   reason=action.reason)
+    new = status_mutation(action, LEASE)(v)
+    assert new is not None and new.scale_look_pod_uid is None
+    assert (new.cpus, new.memory_size) == (MilliCPU(2000), "2Gi")
+    # The adopting write keeps its preconditions: no plan made since the observation,
+    # the committed pod still the one asked.
+    planned, _ = dropped_vm()
+    planned.status.scale_seq = 2
+    assert status_mutation(action, LEASE)(planned) is None
+    replaced, _ = dropped_vm()
+    replaced.status.pod_uid = "uid-2"
+    assert status_mutation(action, LEASE)(replaced) is None
+    # Within the window the size is adopted but the look goes on: an answer asked
+    # before a late PUT landed would otherwise be the last word.
+    early = decide_at(v, dropped_at + dt.timedelta(seconds=10), answer(2, 2))
+    assert isinstance(early, d.CommitScale) and early.adopt and not early.ends_look
+    kept = status_mutation(early, LEASE)(v)
+    assert kept is not None and kept.scale_look_pod_uid == "uid-1"
+    # Once a write decided past the window has ended the look, an adopt decided from an
+    # older answer (its writer paused since) does not land: it would put an older size
+    # back with nobody looking any more.
+    ended, _ = dropped_vm()
+    last_word = decide_at(ended, dropped_at + PAST, answer(1, 1))
+    written = status_mutation(last_word, LEASE)(ended)
+    assert written is not None and written.scale_look_pod_uid is None
+    ended.status = written
+    assert status_mutation(early, LEASE)(ended) is None
+
+
+def test_past_the_window_a_removal_still_pending_keeps_the_look() -> None:
+    v, dropped_at = dropped_vm(status_slots=2)
+    later = dropped_at + PAST + dt.timedelta(hours=1)
+    assert d.looks_at_runner(v, later)
+    assert isinstance(decide_at(v, later, answer(1, 2, "dimm-slot1")), d.Done)
+    # An answer that cannot be adopted (another pod's, at a reused IP) ends nothing.
+    other = dataclasses.replace(answer(1, 1), answered_uid="uid-9")
+    assert isinstance(decide_at(v, later, other), d.Done)
+    # Once ejected: adopted, and the look ends with that write.
+    action = decide_at(v, later, answer(1, 1))
+    assert isinstance(action, d.CommitScale) and action.adopt and action.ends_look
+    assert (action.vcpus, action.memory_bytes) == (1, GIB)
+
+
+def test_a_vm_dropped_before_the_record_existed_is_looked_at_within_the_window_only() -> None:
+    # Stored before scaleLookPodUID: the drop left no record, so the look is today's.
+    v, dropped_at = dropped_vm(look=None)
+    assert d.looks_at_runner(v, dropped_at + dt.timedelta(seconds=10))
+    assert not d.looks_at_runner(v, dropped_at + PAST)
+    early = decide_at(v, dropped_at + dt.timedelta(seconds=10), answer(2, 2))
+    assert isinstance(early, d.CommitScale) and not early.ends_look
+    # A record naming another pod than the committed one asks for nothing.
+    stale, _ = dropped_vm(look="uid-0")
+    assert not d.looks_at_runner(stale, dropped_at + PAST)

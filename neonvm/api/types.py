@@ -510,6 +510,14 @@ class VirtualMachineStatus:
         "Plan record of a live scaling change in progress (phase Scaling meanwhile).")
     scale_seq: int = api_field("Last scale sequence number used; only ever increases.",
                                default=0)
+    scale_look_pod_uid: str | None = api_field(
+        "This controller's (NeonVM has no such field): UID of the committed runner pod "
+        "whose runner is still looked at (GET /scale) after a scaling plan for it was "
+        "dropped, since a PUT /scale of that plan sent earlier may still land and an "
+        "unplug it started may still finish. Set by the drop; cleared by the status "
+        "write that adopts (or confirms) the size the runner reports once the late-PUT "
+        "window has passed and no removal is pending, by a new scaling plan, and with "
+        "the pod.", json="scaleLookPodUID")
     scaling_token_secret: str | None = api_field(
         "Name of the live scaling token Secret the controller created for this VM (with a "
         "generated name); new runner pods mount it.")

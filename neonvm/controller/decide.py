@@ -139,10 +139,12 @@ class Observation:
     observation of a VM whose planned pod is not there yet (a create is due); empty: none
     missing, not looked up, or the controller may not look."""
     runner: RunnerView | None = None
-    """What the committed pod's runner answered on ``GET /scale``; asked only while a
-    scaling plan is recorded, for :data:`LATE_PUT_SECONDS` after one was dropped
-    (:func:`looks_after_drop`), and after that while the runner reported a removal
-    still pending (None: not asked, or no answer: see ``runner_error``)."""
+    """What the committed pod's runner answered on ``GET /scale``; asked only when
+    :func:`looks_at_runner` says so: while a scaling plan is recorded, for
+    :data:`LATE_PUT_SECONDS` after one was dropped, and after that while status still
+    names the pod in ``scaleLookPodUID`` (None: not asked, or no answer: see
+    ``runner_error``). Asked after ``now`` was taken: an answer is at least as new as
+    ``now`` (what :func:`look_may_end` relies on)."""
     runner_error: str | None = None
     """Why the runner could not be asked (unreachable, no token); None: asked, or not."""
 
@@ -340,12 +342,13 @@ class CommitScale(Action):
     {cpus, memorySize: what it reported, pendingScale: none, phase Running} if the plan
     is still number ``seq``.
 
-    With ``adopt`` (no plan recorded, shortly after one was dropped): the runner of the
+    With ``adopt`` (no plan recorded, after one was dropped): the runner of the
     committed pod ``pod_uid`` reports a settled size other than status says (a PUT of
-    the dropped plan landed after the drop): CAS {cpus, memorySize: what it reported}
-    if no plan is recorded, ``scaleSeq`` is still ``seq`` (no plan was made since the
-    observation) and the committed pod is still ``pod_uid``; the Scaling condition is
-    left as it is."""
+    the dropped plan landed after the drop), or, with ``ends_look``, any settled size:
+    CAS {cpus, memorySize: what it reported} if no plan is recorded, ``scaleSeq`` is
+    still ``seq`` (no plan was made since the observation), the committed pod is
+    still ``pod_uid`` and, with ``look_recorded``, status still asks for the look at
+    it; the Scaling condition is left as it is."""
 
     step: ClassVar[str] = "commit_scale"
 
@@ -354,6 +357,21 @@ class CommitScale(Action):
     memory_bytes: int = 0
     adopt: bool = False
     pod_uid: str = ""
+    ends_look: bool = False
+    """With ``adopt``: the answer was asked after the late-PUT window had passed
+    (:func:`look_may_end`), so it is the runner's last word on the dropped plan: the
+    same write clears ``status.scaleLookPodUID`` (it is decided only while that names
+    ``pod_uid``, and lands only while it still does: ``look_recorded``). The look ends
+    only with a write that lands; one that fails leaves it set, and the next
+    observation asks again."""
+    look_recorded: bool = False
+    """With ``adopt``: the observation saw status ask for the look
+    (``scaleLookPodUID`` naming ``pod_uid``), and the write requires that it still
+    does. Once a write decided past the window has ended the look, an adopt decided
+    from an older answer (a writer paused since) must not put an older size back with
+    nobody looking any more. (Without the record, a VM stored before it existed: no
+    such requirement; its record cannot appear without a new plan, which ``seq``
+    fences out.)"""
 
 
 @dataclass(frozen=True)
@@ -399,7 +417,9 @@ LATE_PUT_SECONDS = 300.0
 runner received changes the guest at most about 130 s later (it waits up to 60 s for
 the request lock, then applies within 60 s + 10 s); the rest is for a request sent just
 before the drop and delivered late, and for the VM's periodic reconcile (30 s) to look
-once after the last such landing."""
+once after the last such landing. Past it the look goes on only while status asks for it
+(``scaleLookPodUID``, :func:`look_pending`), and a settled answer asked past it ends the
+look (:func:`look_may_end`)."""
 
 
 def scale_fence(plan: PendingScale) -> tuple[int, int, int]:
@@ -429,6 +449,40 @@ def status_size(vm: VirtualMachine) -> tuple[int, int] | None:
     if slot <= 0 or memory % slot:
         return None
     return s.cpus.rounded_up(), memory // slot
+
+
+def look_pending(vm: VirtualMachine) -> bool:
+    """Whether status asks for the committed pod's runner to be looked at after a drop:
+    no plan recorded and ``status.scaleLookPodUID`` names the committed pod. The drop
+    that sets it is the only record that a PUT of the dropped plan may have changed the
+    guest, and it is in status (not in a controller's memory), so a new leader, or a
+    controller whose adopting write failed, looks again. A VM stored before the field
+    existed has none: it is looked at within the window only
+    (:func:`looks_after_drop`)."""
+    s = vm.status
+    return (s.pending_scale is None and bool(s.pod_uid)
+            and s.scale_look_pod_uid == s.pod_uid)
+
+
+def look_may_end(vm: VirtualMachine, now: dt.datetime | None) -> bool:
+    """Whether a settled answer of the runner asked at ``now`` may end the look
+    (:func:`look_pending`): the late-PUT window of the last drop has passed by ``now``
+    (taken before the runner was asked). By the window's assumption every PUT of the
+    dropped plan has landed by then, and no later PUT changes the guest without a new
+    plan (which ``scaleSeq`` fences out of the write), so that answer says the size the
+    guest keeps. A Scaling condition that no longer says the plan was dropped, or has no
+    readable time, counts as passed (the look must end some day). ``now`` None (the
+    explorer's open window, hand-built observations): never."""
+    return look_pending(vm) and now is not None and not looks_after_drop(vm, now)
+
+
+def looks_at_runner(vm: VirtualMachine, now: dt.datetime | None) -> bool:
+    """Whether an observation of ``vm`` at ``now`` asks the committed pod's runner
+    ``GET /scale``: a plan is recorded, or one was dropped within the window
+    (:func:`looks_after_drop`), or status still asks for the look
+    (:func:`look_pending`). A VM at its size with no such record is not looked at."""
+    return (vm.status.pending_scale is not None or look_pending(vm)
+            or looks_after_drop(vm, now))
 
 
 def looks_after_drop(vm: VirtualMachine, now: dt.datetime | None) -> bool:
@@ -742,12 +796,15 @@ def _decide_scaling(obs: Observation, vm: VirtualMachine, pod: PodView) -> Actio
 def _adopt_runner_size(obs: Observation, vm: VirtualMachine,
                        pod: PodView) -> CommitScale | None:
     """No plan recorded, and the observation carries the committed pod's runner (asked
-    only shortly after a plan was dropped, :func:`looks_after_drop`, or while a removal
-    it reported then is still pending): the runner, naming that pod, reports a settled
-    size (no removal pending) other than status says. Status adopts it: it is what the
-    guest has, and a ``PUT /scale`` of the dropped plan that landed after the drop (or
-    its unplug that finished later) is the only way it got there. None: nothing to
-    adopt."""
+    only after a plan was dropped, :func:`looks_at_runner`): the runner, naming that
+    pod, reports a settled size (no removal pending) other than status says. Status
+    adopts it: it is what the guest has, and a ``PUT /scale`` of the dropped plan that
+    landed after the drop (or its unplug that finished later) is the only way it got
+    there. Once the window has passed (:func:`look_may_end`), the same write ends the
+    look, and a settled size equal to status's is written too, only to end it: a look
+    ended by a write that lands, never by an answer alone. None: nothing to write (a
+    removal still pending, an answer from another pod: the look goes on if status
+    asks for it)."""
     from neonvm.runner.quantity import QuantityError, parse_bytes
 
     runner = obs.runner
@@ -762,14 +819,26 @@ def _adopt_runner_size(obs: Observation, vm: VirtualMachine,
     except QuantityError:
         memory = None
     cpus = s.cpus.rounded_up() if s.cpus is not None else None
+    ends, recorded = look_may_end(vm, obs.now), look_pending(vm)
     if (cpus, memory) == (runner.vcpus, runner.memory_bytes):
-        return None
+        if not ends:
+            return None
+        return CommitScale(seq=s.scale_seq, vcpus=runner.vcpus,
+                           memory_bytes=runner.memory_bytes, adopt=True, pod_uid=pod.uid,
+                           ends_look=True, look_recorded=True,
+                           reason=f"plan #{s.scale_seq} was dropped more than "
+                                  f"{LATE_PUT_SECONDS:.0f} s ago and the runner of "
+                                  f"{pod.name} has settled at the size status says "
+                                  f"({runner.vcpus} vCPUs, {runner.memory_bytes} bytes): "
+                                  "no longer looked at")
     return CommitScale(seq=s.scale_seq, vcpus=runner.vcpus,
                        memory_bytes=runner.memory_bytes, adopt=True, pod_uid=pod.uid,
-                       reason=f"no plan recorded, plan #{s.scale_seq} dropped lately; the "
+                       ends_look=ends, look_recorded=recorded,
+                       reason=f"no plan recorded, plan #{s.scale_seq} dropped; the "
                               f"runner of {pod.name} reports {runner.vcpus} vCPUs, "
                               f"{runner.memory_bytes} bytes (status says {s.cpus}, "
-                              f"{s.memory_size}): adopted")
+                              f"{s.memory_size}): adopted"
+                              + ("; no longer looked at" if ends else ""))
 
 
 def _slot_size_changed(vm: VirtualMachine, pod: PodView) -> Action | None:

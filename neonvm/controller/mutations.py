@@ -124,6 +124,7 @@ def status_mutation(action: d.Action, lease: d.Fence) -> StatusMutation:
         new = _fresh_status(vm, lease)
         new.pod_name, new.pod_uid, new.pending_pod = action.name, action.uid, None
         new.pending_scale = None
+        new.scale_look_pod_uid = None  # a look after a drop was about an older pod
         new.phase = "Pending"
         _record_boot_size(new, vm, action.built, action.slot_bytes)
         _pod_replaced(new, vm, f"runner pod {action.name} is committed at the size it was "
@@ -152,6 +153,7 @@ def status_mutation(action: d.Action, lease: d.Fence) -> StatusMutation:
             return new
         new.pod_name, new.pod_uid, new.pending_pod = "", "", None
         new.pending_scale = None  # it was for the pod that is gone
+        new.scale_look_pod_uid = None  # ... and so was a look after a drop: no runner left
         _pod_replaced(new, vm, f"runner pod {action.name} is gone, and its scaling "
                                "with it")
         new.pod_ip, new.node = None, None
@@ -204,6 +206,11 @@ def status_mutation(action: d.Action, lease: d.Fence) -> StatusMutation:
         new = _fresh_status(vm, lease)
         new.pending_scale = copy.deepcopy(plan)
         new.scale_seq = plan.seq
+        # A look after an earlier drop ends here: this plan's fence is above the dropped
+        # plan's, so the runner refuses that one once it has applied this one, and this
+        # plan commits what the runner then reports (or, dropped in turn, starts a look
+        # of its own, whose window covers the older plan's late PUTs too).
+        new.scale_look_pod_uid = None
         new.phase = "Scaling"
         _set_scaling_condition(new, vm, "True", "ScalingInProgress",
                                f"scaling plan #{plan.seq}: {plan.cpus} vCPUs, "
@@ -223,9 +230,18 @@ def status_mutation(action: d.Action, lease: d.Fence) -> StatusMutation:
                     or s.phase not in ("Running", "Scaling")
                     or vm.deletion_timestamp is not None):
                 return None
+            if action.look_recorded and s.scale_look_pod_uid != action.pod_uid:
+                # The look has ended since the observation, by a write decided from a
+                # newer answer (asked past the window): this one must not undo it.
+                return None
             new = _fresh_status(vm, lease)
             new.cpus = MilliCPU(action.vcpus * 1000)
             new.memory_size = format_bytes(action.memory_bytes)
+            if action.ends_look:
+                new.scale_look_pod_uid = None  # asked past the window: the last word
+            if (new.cpus, new.memory_size, new.scale_look_pod_uid) == (
+                    s.cpus, s.memory_size, s.scale_look_pod_uid):
+                return None  # status says it already, and the look has ended
             return new
         if s.pending_scale is None or s.pending_scale.seq != action.seq:
             return None
@@ -247,13 +263,22 @@ def status_mutation(action: d.Action, lease: d.Fence) -> StatusMutation:
             return new
         if s.pending_scale is None or s.pending_scale.seq != action.seq:
             return None
-        generation = s.pending_scale.generation
+        dropped = s.pending_scale
         new = _fresh_status(vm, lease)
         _scale_done(new, vm, action.refused or d.SCALING_DROPPED,
                     f"scaling plan #{action.seq} dropped: {action.reason}")
+        # A PUT of the dropped plan sent before may still land, and an unplug it started
+        # may still finish: status asks for the committed pod's runner to be looked at
+        # until it has settled past the window (decide.look_pending). In the same write
+        # as the drop, so no controller, this one or the next leader, can miss it. A
+        # plan for another pod (not produced by our writes) asks for no look: its PUTs
+        # carry that pod's token, which the committed pod's runner refuses.
+        same_pod = dropped.pod_name == s.pod_name and (
+            not dropped.pod_uid or dropped.pod_uid == s.pod_uid)
+        new.scale_look_pod_uid = (s.pod_uid or None) if same_pod else None
         if action.refused:  # refused for the spec the plan was made for
             cond = next(c for c in new.conditions if c.type == d.SCALING_CONDITION)
-            cond.observed_generation = generation
+            cond.observed_generation = dropped.generation
         return new
 
     table: dict[type[d.Action], StatusMutation] = {

@@ -13,8 +13,9 @@
   whenever it calls the runner, and uses it only if its UID is the recorded one (a
   Secret planted under the name is not read; the pod still mounts it by name).
 * **The runner.** ``http://<pod IP>:<runnerPort>``: ``GET /scale`` (no token: read-only)
-  while a plan is recorded, and for a while after one was dropped, to see the fence it
-  applied and the size it has; ``PUT
+  while a plan is recorded, and after one was dropped (for a while, and then as long as
+  status asks for it: ``scaleLookPodUID``), to see the fence it applied and the size it
+  has; ``PUT
   /scale`` with the plan's size and fence ``{epoch, token, seq}`` and the bearer token.
 * **Kubernetes.** After the runner applied a size, the pod's ``vm.neon.tech/usage``
   annotation (NeonVM's name and JSON shape: ``{"cpu", "memory"}``) carries it, and the
@@ -166,11 +167,6 @@ class RunnerScaling:
         that may pass). Forgotten when the VM's plan ends or moves to another pod, and
         when the refusals stopped for :data:`TOKEN_QUIET_SECONDS`."""
         self._unauthorized_lock = threading.Lock()
-        self._settling: dict[str, str] = {}
-        """Per VM uid: the committed pod whose runner, looked at with no plan recorded,
-        reported a removal still pending: it is looked at (``GET /scale``) until that has
-        settled, past :data:`~neonvm.controller.decide.LATE_PUT_SECONDS` if need be (this
-        process only; under :attr:`_unauthorized_lock`)."""
 
     # ---- the token ---------------------------------------------------------------------
 
@@ -262,9 +258,12 @@ class RunnerScaling:
 
     def observe(self, snap: Snapshot) -> Snapshot:
         """``snap`` with the runner's ``GET /scale`` answer, when the committed pod runs
-        and a plan is recorded, or one was dropped lately (:func:`decide.looks_after_drop
-        <neonvm.controller.decide.looks_after_drop>`: a PUT of it may still land);
-        otherwise ``snap`` itself. A VM at its size is not looked at."""
+        and :func:`decide.looks_at_runner <neonvm.controller.decide.looks_at_runner>`
+        says so (a plan is recorded, or one was dropped: a PUT of it may still land);
+        otherwise ``snap`` itself. A VM at its size is not looked at. Whether the look
+        after a drop goes on is status's (``scaleLookPodUID``), not this process's: the
+        answer is asked after the observation's ``now``, and only a status write decided
+        from it ends the look."""
         obs = snap.obs
         vm = obs.vm
         if vm is not None:
@@ -272,12 +271,10 @@ class RunnerScaling:
             self._forget_refusals(vm.uid, keep=plan.pod_uid if plan is not None else None)
         if vm is None or vm.deletion_timestamp is not None:
             return snap
-        pod = obs.pod(vm.status.pod_name)
-        settling = (vm.status.pending_scale is None and pod is not None
-                    and self._settling.get(vm.uid) == pod.uid)
-        if vm.status.pending_scale is None and not settling and not d.looks_after_drop(
-                vm, obs.now if obs.now is not None else dt.datetime.now(dt.UTC)):
+        if not d.looks_at_runner(vm, obs.now if obs.now is not None
+                                 else dt.datetime.now(dt.UTC)):
             return snap
+        pod = obs.pod(vm.status.pod_name)
         if pod is None or pod.phase != "Running" or not pod.ip or pod.gated:
             return snap
         try:
@@ -285,14 +282,6 @@ class RunnerScaling:
         except ScalingError as exc:
             return dataclasses.replace(snap, obs=dataclasses.replace(obs,
                                                                      runner_error=str(exc)))
-        with self._unauthorized_lock:
-            if vm.status.pending_scale is None and view.pending_removals and (
-                    view.answered_uid == pod.uid):
-                # No plan, and an unplug is still pending: the guest may finish it after
-                # the look after the drop ends; look until it has settled.
-                self._settling[vm.uid] = pod.uid
-            else:
-                self._settling.pop(vm.uid, None)
         return dataclasses.replace(snap, obs=dataclasses.replace(obs, runner=view))
 
     def _view(self, vm: VirtualMachine, pod: d.PodView) -> d.RunnerView:

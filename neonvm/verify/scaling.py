@@ -27,6 +27,14 @@ The world: one VM, one committed runner pod at a time (always running), its runn
   changes ``use`` a bounded number of times. Optionally (review S5): an ``ApplyScale``
   refused for good (no token: the plan dropped, ``ScalingDisabled``), and a ``PUT``
   that times out at its sender while still on its way, landing at any later step.
+* **The late-PUT window.** After a drop, observations are taken within the window
+  (:data:`~neonvm.controller.decide.LATE_PUT_SECONDS` from the drop) until a step
+  closes it, at any point once no ``PUT`` of the dropped plan is on its way (none
+  timed out and still travelling, none held by a worker). Modelling assumption: the
+  window is long enough for every late ``PUT`` to land, and for every read older than
+  the drop to be replaced (closing it forgets the read history from before the drop).
+  Past it the look goes on only as status asks (``scaleLookPodUID``); a calm run takes
+  place past it.
 
 Properties:
 
@@ -51,6 +59,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import datetime as dt
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -83,6 +92,12 @@ from neonvm.runner.scaling import (
 )
 
 UID = "0123456789abcdef"
+DROPPED_AT = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+"""When every modelled drop happened (the Scaling condition's lastTransitionTime)."""
+WITHIN_THE_WINDOW = DROPPED_AT
+"""An observation's ``now`` while the late-PUT window is open."""
+PAST_THE_WINDOW = DROPPED_AT + dt.timedelta(seconds=d.LATE_PUT_SECONDS)
+"""An observation's ``now`` once it has closed."""
 SLOT = "1Gi"
 IP = "10.0.0.1"
 Size = tuple[int, int]
@@ -115,6 +130,9 @@ class VMRep(NamedTuple):
     """The Scaling condition when it says the last plan was dropped (False, a
     :data:`~neonvm.controller.decide.DROP_REASONS` reason): (reason, observedGeneration).
     Other Scaling conditions change no decision and are not kept."""
+    look: str = ""
+    """``status.scaleLookPodUID``: the pod whose runner is still to be looked at after a
+    drop ("": none)."""
 
 
 class Runner(NamedTuple):
@@ -169,6 +187,10 @@ class World(NamedTuple):
     late: tuple[tuple[Any, ...], ...] = ()
     """``PUT /scale`` requests whose sender gave up on them, still on their way: each
     lands at any later step (or never)."""
+    window_closed: bool = False
+    """The late-PUT window of the last drop has passed: observations are taken past it
+    (:data:`PAST_THE_WINDOW`). Open again with the next drop; kept False while the
+    Scaling condition says no drop."""
 
 
 @dataclass(frozen=True)
@@ -186,8 +208,9 @@ class Mutants:
     """A recorded plan is never superseded: a new plan waits until it is committed or
     dropped."""
     no_adoption: bool = False
-    """After a plan is dropped, the controller never adopts the size the runner reports
-    (review S5's code): a PUT of the dropped plan landing later leaves status behind."""
+    """After a plan is dropped, the controller never adopts a size the runner reports
+    other than status's (review S5's code; the write that only ends the look is kept):
+    a PUT of the dropped plan landing later leaves status behind."""
     removal_counts_as_present: bool = False
     """The runner keeps no record of the unplugs it started: a DIMM whose removal is
     still pending counts as plugged (a newer plan asking for it back is answered at
@@ -196,6 +219,24 @@ class Mutants:
     """The runner's order before review scalefix2 F2: vCPUs, then memory, whatever
     grows, and a refused (pending) unplug ends the request there: a growth after it is
     not carried out."""
+    forget_before_write: bool = False
+    """The look after a drop ends with the settled answer asked past the window, before
+    the write that adopts it is known to have landed (review MEDIUM 1's code, with its
+    memory in status): the record is cleared as the decision is taken; the adopting
+    write, held, may be lost (a crash) or refused."""
+    end_in_window: bool = False
+    """A settled answer ends the look whenever it was asked: decide judges every
+    observation as past the window (a clock ahead of the dropper's by the whole
+    window), so an answer asked before a late PUT landed may be the last word."""
+    stale_adopt_after_end: bool = False
+    """An adopting write lands whether or not the look it was decided in has ended
+    since (no ``look_recorded`` precondition): a writer paused since an answer asked
+    within the window puts an older size back after a write past the window ended the
+    look."""
+    no_look_record: bool = False
+    """The drop leaves no record of the look in status: the runner is looked at within
+    the window only (main's code before the record, for a new leader; and the stale
+    answer adopted just before a late PUT landed)."""
     ost_misread: bool = False
     """The runner reads the guest's ``_OST`` answers the wrong way round (0x80-0x82 "in
     progress", anything else a refusal: review R1's rule), so the "eject in progress"
@@ -240,7 +281,8 @@ def to_vm(r: VMRep) -> VirtualMachine:
         status.conditions.append(Condition(
             type=d.SCALING_CONDITION, status="False",
             reason=r.dropped[0], message="", observed_generation=r.dropped[1],
-            last_transition_time="2026-01-01T00:00:00Z"))
+            last_transition_time=d.format_rfc3339(DROPPED_AT)))
+    status.scale_look_pod_uid = r.look or None
     return VirtualMachine(name="vm", namespace="ns", uid=UID, resource_version="1",
                           generation=r.generation, spec=spec, status=status,
                           finalizers=[FINALIZER])
@@ -262,7 +304,7 @@ def from_vm(vm: VirtualMachine, use: Size) -> VMRep:
                  p.generation) if p else None,
         scale_seq=s.scale_seq, restarts=s.restart_count,
         pending_pod=(pp.name, pp.plan_seq, pp.token, pp.epoch, pp.generation) if pp else None,
-        dropped=dropped)
+        dropped=dropped, look=s.scale_look_pod_uid or "")
 
 
 def _freeze(action: d.Action) -> tuple[Any, ...]:
@@ -325,7 +367,9 @@ class ScalingModel:
                         terminating=False, phase="Running", node="n1", ip=IP,
                         fence=(1, 10))
         runner = None
-        if seen.pending is not None or d.looks_after_drop(vm, None):
+        now = (PAST_THE_WINDOW if w.window_closed or self.mutants.end_in_window
+               else WITHIN_THE_WINDOW)
+        if d.looks_at_runner(vm, now):
             r = w.runner
             last = self._last(r)
             runner = d.RunnerView(
@@ -336,12 +380,13 @@ class ScalingModel:
                 and not self.mutants.removal_counts_as_present else (),
                 answered_uid=r.pod_uid)  # the runner that answers names its own pod
         obs = d.Observation(vm=vm, pods=(pod,), lease=d.Fence(x.epoch, x.token),
-                            direct=seen == w.vm, runner=runner)
+                            direct=seen == w.vm, runner=runner, now=now)
         action = d.decide(obs)
         if isinstance(action, d.Done | d.Wait | d.ObserveDirect | d.Fenced):
             return None
-        if self.mutants.no_adoption and isinstance(action, d.CommitScale) and action.adopt:
-            return None
+        if self.mutants.no_adoption and isinstance(action, d.CommitScale) and action.adopt \
+                and (action.vcpus, action.memory_bytes >> 30) != seen.size:
+            return None  # (a write that only ends the look, at status's size, is kept)
         if self.mutants.no_supersede and isinstance(action, d.PlanScale) and seen.pending:
             return _freeze(d.ApplyScale(plan=to_vm(seen).status.pending_scale or PendingScale()))
         return _freeze(action)
@@ -362,6 +407,8 @@ class ScalingModel:
         if type(action).__name__ in RUNNER_CALLS:
             assert isinstance(action, d.ApplyScale)
             return self._put(done, action.plan)
+        if self.mutants.stale_adopt_after_end and isinstance(action, d.CommitScale):
+            action = dataclasses.replace(action, look_recorded=False)
         return self._status_write(done, i, action), None
 
     def _status_write(self, w: World, i: int, action: d.Action) -> World:
@@ -375,6 +422,8 @@ class ScalingModel:
             return w._replace(workers=_set(w.workers, i, x._replace(held=None, stopped=True)))
         if new is None:
             return w
+        if self.mutants.no_look_record:
+            new.scale_look_pod_uid = None
         vm = to_vm(w.vm)
         vm.status = new
         return _write(w, from_vm(vm, w.vm.use), self.lag)
@@ -470,6 +519,15 @@ class ScalingModel:
             return w._replace(runner=r._replace(removing=None, ejecting=True, recorded=True))
         return w._replace(runner=r._replace(ejecting=ejecting, recorded=recorded))
 
+    def close_window(self, w: World) -> World:
+        """The late-PUT window of the last drop passes (no PUT of the dropped plan is on
+        its way). Reads from before the drop (a plan recorded) are replaced by then:
+        the read history keeps only the versions since the drop (no plan, the same
+        ``scaleSeq``)."""
+        since = tuple(v for v in w.history
+                      if v.pending is None and v.scale_seq == w.vm.scale_seq)
+        return w._replace(window_closed=True, history=since)
+
     def eject(self, w: World) -> tuple[World, Violation | None]:
         """The guest finishes the pending unplug: the DIMMs leave QEMU."""
         r = w.runner
@@ -554,9 +612,12 @@ class ScalingModel:
                     held = self.observe(w, i, seen)
                     if held is not None:
                         stale = "" if seen == w.vm else " (stale read)"
-                        yield (f"w{i} decides {held[0]}{stale}",
-                               w._replace(workers=_set(w.workers, i, x._replace(held=held))),
-                               None)
+                        decided = w._replace(workers=_set(w.workers, i,
+                                                          x._replace(held=held)))
+                        if self.mutants.forget_before_write and _ends_look(held):
+                            decided = _write(decided, decided.vm._replace(look=""),
+                                             self.lag)
+                        yield f"w{i} decides {held[0]}{stale}", decided, None
             else:
                 new, violation = self.perform(w, i)
                 yield f"w{i} performs {x.held[0]}", new, violation
@@ -578,6 +639,10 @@ class ScalingModel:
         for k, late in enumerate(w.late):
             new, violation = self.land(w, k)
             yield f"a late PUT of plan #{late[1][1][2]} lands", new, violation
+        if w.vm.dropped is not None and not w.window_closed and not w.late and not any(
+                x.held is not None and x.held[0] in RUNNER_CALLS
+                for x in w.workers if x.active and not x.stopped):
+            yield "the late-PUT window closes", self.close_window(w), None
         if w.spec_changes:
             use, rest = w.spec_changes[0], w.spec_changes[1:]
             vm = w.vm._replace(use=use, generation=w.vm.generation + 1)
@@ -609,8 +674,10 @@ class ScalingModel:
         # stopped workers held, the read history or the faults left share one calm run.
         # Late requests that have not landed do not land during it: the states where they
         # landed are explored (and their calm runs checked) in their own right.
+        # Time passes in a calm run: with no PUT on its way, the window closes.
         s = w._replace(workers=workers, history=(), spec_changes=(), restarts_left=0,
-                       crashes_left=0, refusals_left=0, timeouts_left=0, late=())
+                       crashes_left=0, refusals_left=0, timeouts_left=0, late=(),
+                       window_closed=w.vm.dropped is not None)
         if s in self._calm:
             return self._calm[s]
         self._calm[s] = verdict = self._calm_run(s, i, max_steps)
@@ -627,8 +694,15 @@ class ScalingModel:
             s, violation = self.perform(s, i)
             if violation is not None:
                 return violation
+            # Nothing is on its way in a calm run: a drop's window passes as well.
+            s = s._replace(window_closed=s.vm.dropped is not None)
             if s.workers[i].stopped:
                 return Violation("convergence", "the newest leader was fenced out")
+        if s.vm.look and s.vm.look == s.vm.pod_uid and s.runner.removing is None:
+            return Violation("convergence", f"past the window, with no removal pending, the "
+                                            f"calm run ends still looking at the runner of "
+                                            f"{s.vm.look} (status {s.vm.size}, guest "
+                                            f"{s.runner.guest})")
         want = s.vm.use
         if (self.refuse_cpu_unplug and want[0] < s.runner.guest[0]) or (
                 self.refuse_unplug and want[1] < s.runner.guest[1]) or s.runner.removing:
@@ -662,7 +736,18 @@ def _set(xs: tuple[WorkerRep, ...], i: int, x: WorkerRep) -> tuple[WorkerRep, ..
 def _write(w: World, vm: VMRep, lag: int) -> World:
     if vm == w.vm:
         return w
-    return w._replace(vm=vm, history=(w.vm, *w.history)[:lag])
+    # A new drop opens a new window (its condition's lastTransitionTime); no drop, no
+    # window (kept False so that states differ only in what matters).
+    closed = w.window_closed and w.vm.dropped is not None and vm.dropped is not None
+    return w._replace(vm=vm, history=(w.vm, *w.history)[:lag], window_closed=closed)
+
+
+def _ends_look(held: tuple[Any, ...]) -> bool:
+    """A held action is a write that ends the look after a drop."""
+    if held[0] != "CommitScale":
+        return False
+    action = _thaw(held)
+    return isinstance(action, d.CommitScale) and action.adopt and action.ends_look
 
 
 def initial_world(spec_changes: tuple[Size, ...] = ((2, 2), (1, 1)), restarts: int = 1,
