@@ -820,25 +820,22 @@ def _adopt_runner_size(obs: Observation, vm: VirtualMachine,
         memory = None
     cpus = s.cpus.rounded_up() if s.cpus is not None else None
     ends, recorded = look_may_end(vm, obs.now), look_pending(vm)
-    if (cpus, memory) == (runner.vcpus, runner.memory_bytes):
-        if not ends:
-            return None
-        return CommitScale(seq=s.scale_seq, vcpus=runner.vcpus,
-                           memory_bytes=runner.memory_bytes, adopt=True, pod_uid=pod.uid,
-                           ends_look=True, look_recorded=True,
-                           reason=f"plan #{s.scale_seq} was dropped more than "
-                                  f"{LATE_PUT_SECONDS:.0f} s ago and the runner of "
-                                  f"{pod.name} has settled at the size status says "
-                                  f"({runner.vcpus} vCPUs, {runner.memory_bytes} bytes): "
-                                  "no longer looked at")
+    at_status_size = (cpus, memory) == (runner.vcpus, runner.memory_bytes)
+    if at_status_size and not ends:
+        return None
+    if at_status_size:
+        reason = (f"plan #{s.scale_seq} was dropped more than {LATE_PUT_SECONDS:.0f} s ago "
+                  f"and the runner of {pod.name} has settled at the size status says "
+                  f"({runner.vcpus} vCPUs, {runner.memory_bytes} bytes): no longer looked at")
+    else:
+        reason = (f"no plan recorded, plan #{s.scale_seq} dropped; the runner of {pod.name} "
+                  f"reports {runner.vcpus} vCPUs, {runner.memory_bytes} bytes (status says "
+                  f"{s.cpus}, {s.memory_size}): adopted"
+                  + ("; no longer looked at" if ends else ""))
     return CommitScale(seq=s.scale_seq, vcpus=runner.vcpus,
                        memory_bytes=runner.memory_bytes, adopt=True, pod_uid=pod.uid,
-                       ends_look=ends, look_recorded=recorded,
-                       reason=f"no plan recorded, plan #{s.scale_seq} dropped; the "
-                              f"runner of {pod.name} reports {runner.vcpus} vCPUs, "
-                              f"{runner.memory_bytes} bytes (status says {s.cpus}, "
-                              f"{s.memory_size}): adopted"
-                              + ("; no longer looked at" if ends else ""))
+                       ends_look=ends, look_recorded=recorded or at_status_size,
+                       reason=reason)
 
 
 def _slot_size_changed(vm: VirtualMachine, pod: PodView) -> Action | None:
