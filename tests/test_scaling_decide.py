@@ -8,6 +8,7 @@ Plan (CAS of ``status.pendingScale``), apply (the runner, with the plan's fence)
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import datetime as dt
 
@@ -539,7 +540,8 @@ def dropped_vm(*, status_cpus: int = 1, status_slots: int = 1,
                look: str | None = "uid-1") -> tuple[VirtualMachine, dt.datetime]:
     """A VM whose plan #1 (2 vCPUs, 2 slots) was dropped at the returned time
     (ScalingDisabled: no new plan for this spec), status saying ``status_cpus`` /
-    ``status_slots`` and ``scaleLookPodUID`` = ``look``."""
+    ``status_slots`` and ``scaleLookPodUID`` = ``look`` (``scaleLookSince`` the drop's
+    time when ``look`` is set)."""
     from neonvm.api.types import Condition
 
     dropped_at = dt.datetime(2026, 1, 1, 12, 0, 0, tzinfo=dt.UTC)
@@ -550,6 +552,7 @@ def dropped_vm(*, status_cpus: int = 1, status_slots: int = 1,
         message="dropped", observed_generation=2,
         last_transition_time=d.format_rfc3339(dropped_at)))
     v.status.scale_look_pod_uid = look
+    v.status.scale_look_since = d.format_rfc3339(dropped_at) if look else None
     return v, dropped_at
 
 
@@ -661,7 +664,7 @@ def test_past_the_window_a_runner_at_another_size_is_adopted_and_the_look_ends()
 
 def test_past_the_window_a_removal_still_pending_keeps_the_look() -> None:
     v, dropped_at = dropped_vm(status_slots=2)
-    later = dropped_at + PAST + dt.timedelta(hours=1)
+    later = dropped_at + PAST + dt.timedelta(minutes=30)
     assert d.looks_at_runner(v, later)
     assert isinstance(decide_at(v, later, answer(1, 2, "dimm-slot1")), d.Done)
     # An answer that cannot be adopted (another pod's, at a reused IP) ends nothing.
@@ -683,3 +686,122 @@ def test_a_vm_dropped_before_the_record_existed_is_looked_at_within_the_window_o
     # A record naming another pod than the committed one asks for nothing.
     stale, _ = dropped_vm(look="uid-0")
     assert not d.looks_at_runner(stale, dropped_at + PAST)
+
+
+# ---- the look's own time, its bound, and what ends it (review lookfix L1, L3, L8) -------
+
+
+def test_the_window_counts_from_the_drop_recorded_with_the_look_not_from_the_condition() -> None:
+    # Review L1: a new leader's Wait (Scaling=True, RunnerNotAnswering) written over the
+    # drop's condition says nothing about when the plan was dropped. 20 s after the drop
+    # the window is still open: a settled answer at status's size ends nothing.
+    v, dropped_at = dropped_vm()
+    v.spec.guest.cpus.use, v.spec.guest.memory_slots.use = MilliCPU(1000), 1  # A->B->A
+    cond = next(c for c in v.status.conditions if c.type == d.SCALING_CONDITION)
+    cond.status, cond.reason = "True", "RunnerNotAnswering"  # type: ignore[assignment]
+    soon = dropped_at + dt.timedelta(seconds=20)
+    assert d.looks_at_runner(v, soon)
+    assert not d.look_may_end(v, soon)
+    assert isinstance(decide_at(v, soon, answer(1, 1)), d.Done)
+    # Past the window counted from scaleLookSince, the same answer ends the look.
+    action = decide_at(v, dropped_at + PAST, answer(1, 1))
+    assert isinstance(action, d.CommitScale) and action.ends_look
+    # The drop writes the time with the look, and every write that ends the look
+    # clears both.
+    planned = vm(cpus_use=2, slots_use=2, scale_seq=1, pending=scale_plan(cpus=2, slots=2))
+    dropped = status_mutation(d.DropScale(seq=1, refused=d.SCALING_DISABLED), LEASE)(planned)
+    assert dropped is not None and dropped.scale_look_pod_uid == "uid-1"
+    since = d.parse_rfc3339(dropped.scale_look_since)
+    assert since is not None and abs((since - dt.datetime.now(dt.UTC)).total_seconds()) < 60
+    ended = status_mutation(action, LEASE)(v)
+    assert ended is not None and (ended.scale_look_pod_uid, ended.scale_look_since) == (
+        None, None)
+    # A look recorded without its time (this branch's previous commit): window passed.
+    untimed, _ = dropped_vm()
+    untimed.status.scale_look_since = None
+    assert d.look_may_end(untimed, soon)
+
+
+def test_a_scaling_true_condition_lands_only_while_its_plan_is_still_recorded() -> None:
+    # Review L1: the Wait's condition write, decided while plan #1 was recorded, is run
+    # again on the fresh copy after a 409; a deposed leader's drop of #1 landed first.
+    # It must not turn the condition that says why the plan was dropped into
+    # Scaling=True with no plan.
+    from neonvm.controller.conditions import conditions_mutation, desired_conditions
+    from neonvm.controller.observe import Snapshot
+
+    waiting = vm(cpus_use=2, slots_use=2, scale_seq=1, pending=scale_plan(cpus=2, slots=2),
+                 phase="Scaling")
+    wait = d.decide(obs(waiting, error="connection refused"))
+    assert isinstance(wait, d.Wait) and wait.condition == d.SCALING_CONDITION
+    snap = Snapshot(obs=obs(waiting, error="connection refused"), record=None)
+    mutate = conditions_mutation(desired_conditions(snap, wait), LEASE)
+    # Decided for the copy it saw, it lands there.
+    first = mutate(copy.deepcopy(waiting))
+    assert first is not None
+    assert any(c.type == d.SCALING_CONDITION and c.status == "True" for c in first.conditions)
+    # On the fresh copy where the drop landed, the Scaling condition is left alone.
+    fresh, _ = dropped_vm()
+    fresh.status.fence = None
+    written = mutate(copy.deepcopy(fresh)) or fresh.status
+    scaling = next(c for c in written.conditions if c.type == d.SCALING_CONDITION)
+    assert (scaling.status, scaling.reason) == ("False", d.SCALING_DISABLED)
+    # Nor where a newer plan is recorded (that plan's own write said what it is).
+    newer = vm(cpus_use=2, slots_use=2, scale_seq=2, pending=scale_plan(seq=2, slots=2),
+               phase="Scaling")
+    assert not any(c.type == d.SCALING_CONDITION
+                   for c in (mutate(copy.deepcopy(newer)) or newer.status).conditions)
+
+
+def test_a_look_that_nothing_ends_is_given_up_after_its_bound_by_a_write_adopting_nothing() -> None:
+    # Review L3: a runner that never answers (or never settles) would cost a GET per
+    # resync forever. Past LOOK_GIVE_UP_SECONDS from the drop the look ends with a
+    # write that adopts nothing.
+    v, dropped_at = dropped_vm()
+    before = dropped_at + dt.timedelta(seconds=d.LOOK_GIVE_UP_SECONDS - 1)
+    after = dropped_at + dt.timedelta(seconds=d.LOOK_GIVE_UP_SECONDS)
+    unreachable = dataclasses.replace(obs(v, error="connection refused"), now=before)
+    assert isinstance(d.decide(unreachable), d.Done)
+    action = d.decide(dataclasses.replace(unreachable, now=after))
+    assert action == d.CommitScale(seq=1, adopt=True, pod_uid="uid-1", ends_look=True,
+                                   look_recorded=True, gives_up=True, reason=action.reason)
+    assert "connection refused" in action.reason
+    new = status_mutation(action, LEASE)(v)
+    assert new is not None and (new.scale_look_pod_uid, new.scale_look_since) == (None, None)
+    assert (new.cpus, new.memory_size) == (v.status.cpus, v.status.memory_size)
+    v.status = new
+    assert not d.looks_at_runner(v, after)
+    # A removal that stays pending, or an answer that does not name the pod: the same.
+    pending, _ = dropped_vm(status_slots=2)
+    given_up = decide_at(pending, after, answer(1, 2, "dimm-slot1"))
+    assert isinstance(given_up, d.CommitScale) and given_up.gives_up
+    # A settled answer at another size at that time is still adopted (not given up).
+    adopted = decide_at(dropped_vm()[0], after, answer(2, 2))
+    assert isinstance(adopted, d.CommitScale) and not adopted.gives_up
+    assert (adopted.vcpus, adopted.memory_bytes) == (2, 2 * GIB)
+    # The give-up lands only while the look is still recorded.
+    ended, _ = dropped_vm()
+    ended.status.scale_look_pod_uid = ended.status.scale_look_since = None
+    assert status_mutation(action, LEASE)(ended) is None
+
+
+def test_a_drop_for_a_pod_without_a_token_asks_for_no_look() -> None:
+    # Review L3: the pod mounts no token, so every PUT to its runner is refused: nothing
+    # of the plan can land, and a look could never learn anything.
+    v = vm(cpus_use=2, slots_use=2, scale_seq=1, pending=scale_plan(cpus=2, slots=2))
+    drop = d.DropScale(seq=1, refused=d.SCALING_NEEDS_RESTART, starts_look=False)
+    dropped = status_mutation(drop, LEASE)(v)
+    assert dropped is not None and dropped.pending_scale is None
+    assert (dropped.scale_look_pod_uid, dropped.scale_look_since) == (None, None)
+
+
+def test_the_write_that_only_ends_the_look_keeps_a_fractional_cpus() -> None:
+    # Review L8: status.cpus 500m (cpus.use 0.5 at boot) rounds up to the 1 vCPU the
+    # runner reports: the write that ends the look changes nothing NeonVM reads.
+    v, dropped_at = dropped_vm()
+    v.status.cpus = MilliCPU(500)
+    action = decide_at(v, dropped_at + PAST, answer(1, 1))
+    assert isinstance(action, d.CommitScale) and action.ends_look
+    new = status_mutation(action, LEASE)(v)
+    assert new is not None and new.scale_look_pod_uid is None
+    assert (new.cpus, new.memory_size) == (MilliCPU(500), "1Gi")

@@ -518,6 +518,11 @@ class VirtualMachineStatus:
         "write that adopts (or confirms) the size the runner reports once the late-PUT "
         "window has passed and no removal is pending, by a new scaling plan, and with "
         "the pod.", json="scaleLookPodUID")
+    scale_look_since: str | None = api_field(
+        "This controller's (NeonVM has no such field): when the drop that set "
+        "scaleLookPodUID was written (RFC 3339, the dropping controller's clock). The "
+        "late-PUT window and the look's give-up bound are measured from it; set and "
+        "cleared with scaleLookPodUID.", json="scaleLookSince")
     scaling_token_secret: str | None = api_field(
         "Name of the live scaling token Secret the controller created for this VM (with a "
         "generated name); new runner pods mount it.")

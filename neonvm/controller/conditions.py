@@ -51,6 +51,8 @@ WAITING_FOR_OLD_POD = "WaitingForOldPod"
 FENCE_AHEAD = d.FENCE_AHEAD
 """Degraded reason: the VM's status carries a fence ahead of the (still valid) leader."""
 FENCE_RESOLVED = "FenceResolved"
+RUNNER_NOT_ANSWERING = "RunnerNotAnswering"
+"""Scaling=True reason while a recorded plan's runner cannot be asked."""
 FENCE_AHEAD_QUIET_SECONDS = 300.0
 """Default quiet period of :func:`fence_ahead_mutation` (the driver passes its recheck
 period, the same 300 s)."""
@@ -95,6 +97,9 @@ class ConditionUpdate:
     """Generation to record; None: the fresh copy's generation."""
     only_if_present: bool = False
     """Do not add the condition just to say False."""
+    plan_seq: int | None = None
+    """Scaling=True only: the scaling plan it was decided for; applied only while the
+    fresh copy still records that plan (:func:`_applies`)."""
 
 
 def truncate(text: str, limit: int = MESSAGE_LIMIT) -> str:
@@ -186,9 +191,10 @@ def desired_conditions(snap: Snapshot, final: d.Action) -> list[ConditionUpdate]
             # This reconcile got past the fence check: the fence is no longer ahead.
             updates.append(ConditionUpdate(DEGRADED, "False", FENCE_RESOLVED,
                                            "status.fence is no longer ahead of the leader"))
-    if isinstance(final, d.Wait) and final.condition == d.SCALING_CONDITION:
-        updates.append(ConditionUpdate(d.SCALING_CONDITION, "True", "RunnerNotAnswering",
-                                       final.reason))
+    plan = status.pending_scale
+    if isinstance(final, d.Wait) and final.condition == d.SCALING_CONDITION and plan:
+        updates.append(ConditionUpdate(d.SCALING_CONDITION, "True", RUNNER_NOT_ANSWERING,
+                                       final.reason, plan_seq=plan.seq))
     updates.append(unimplemented_fields_condition(vm))
     return updates
 
@@ -327,12 +333,27 @@ def _find(conditions: list[Condition], type_: str) -> Condition | None:
     return next((c for c in conditions if c.type == type_), None)
 
 
+def _applies(vm: VirtualMachine, update: ConditionUpdate) -> bool:
+    """Whether ``update`` may be written on the copy ``vm``: Scaling=True only while a
+    scaling plan is recorded (with ``plan_seq``, that plan). Re-checked on the fresh copy
+    of every conflict retry: a plan dropped since (a deposed leader's drop landing
+    first) must not be followed by a Scaling=True that says a change is in progress,
+    with none recorded, over the condition that says why it was dropped."""
+    if update.type != d.SCALING_CONDITION or update.status != "True":
+        return True
+    plan = vm.status.pending_scale
+    return plan is not None and update.plan_seq in (None, plan.seq)
+
+
 def _apply(vm: VirtualMachine, updates: list[ConditionUpdate],
            stamp: str) -> tuple[list[Condition], bool]:
-    """``vm``'s conditions with ``updates`` applied, and whether anything changed."""
+    """``vm``'s conditions with ``updates`` applied (those that :func:`_applies` to
+    it), and whether anything changed."""
     conditions = copy.deepcopy(vm.status.conditions)
     changed = False
     for update in updates:
+        if not _applies(vm, update):
+            continue
         message = truncate(update.message)
         existing = _find(conditions, update.type)
         generation = update.generation if update.generation is not None else vm.generation

@@ -372,6 +372,12 @@ class CommitScale(Action):
     nobody looking any more. (Without the record, a VM stored before it existed: no
     such requirement; its record cannot appear without a new plan, which ``seq``
     fences out.)"""
+    gives_up: bool = False
+    """With ``adopt``, ``ends_look`` and ``look_recorded``: the look has gone on for
+    :data:`LOOK_GIVE_UP_SECONDS` since the drop without a settled answer that could end
+    it (the runner does not answer, does not name its pod, or a removal stays pending):
+    the write ends it and adopts nothing (``vcpus`` and ``memory_bytes`` are not
+    written). A bound on the GETs a look costs, not a proof that nothing landed."""
 
 
 @dataclass(frozen=True)
@@ -391,6 +397,11 @@ class DropScale(Action):
     """The runner or the cluster refused the plan for good: the Scaling condition's
     reason (:data:`SCALING_NEEDS_RESTART`, :data:`SCALING_DISABLED`); no new plan for
     the same spec generation. None: dropped to plan again."""
+    starts_look: bool = True
+    """Whether a ``PUT /scale`` of the plan may have reached the committed pod's runner,
+    so that the drop asks for the look (``status.scaleLookPodUID``). False: none can
+    have (the pod was built without a token, so its runner refuses every PUT), and a
+    look could learn nothing and never end."""
 
 
 SCALING_CONDITION = "Scaling"
@@ -412,14 +423,19 @@ DROP_REASONS = SCALING_REFUSED | {SCALING_DROPPED}
 """Scaling=False reasons that say the last plan was dropped rather than committed: a
 ``PUT /scale`` of it sent before the drop may still land (:func:`looks_after_drop`)."""
 LATE_PUT_SECONDS = 300.0
-"""How long after a plan was dropped the committed pod's runner is still looked at
-(``GET /scale``), and a size it reports adopted into status. A ``PUT /scale`` the
-runner received changes the guest at most about 130 s later (it waits up to 60 s for
-the request lock, then applies within 60 s + 10 s); the rest is for a request sent just
-before the drop and delivered late, and for the VM's periodic reconcile (30 s) to look
-once after the last such landing. Past it the look goes on only while status asks for it
-(``scaleLookPodUID``, :func:`look_pending`), and a settled answer asked past it ends the
-look (:func:`look_may_end`)."""
+"""The late-PUT window: how long after a plan was dropped (``status.scaleLookSince``,
+written by the drop) a ``PUT /scale`` of it may still change the guest. Only a settled
+answer of the runner asked past it ends the look (:func:`look_may_end`); within it a
+size the runner reports is adopted but the look goes on. A ``PUT /scale`` the runner
+received changes the guest at most about 130 s later (it waits up to 60 s for the
+request lock, then applies within 60 s + 10 s): the other 170 s or so are for a request
+sent just before the drop and delivered late (docs/protocol.md, "A plan dropped while a
+PUT of it is on its way", says what this bound rests on)."""
+LOOK_GIVE_UP_SECONDS = 3600.0
+"""How long after the drop a look that no settled answer could end (the runner does not
+answer, does not name its pod, a removal stays pending) goes on: then a write ends it
+and adopts nothing (:func:`look_given_up`, ``CommitScale.gives_up``), so that a look
+costs at most this many seconds of ``GET /scale`` per resync."""
 
 
 def scale_fence(plan: PendingScale) -> tuple[int, int, int]:
@@ -464,16 +480,39 @@ def look_pending(vm: VirtualMachine) -> bool:
             and s.scale_look_pod_uid == s.pod_uid)
 
 
+def look_age(vm: VirtualMachine, now: dt.datetime | None) -> float | None:
+    """Seconds from the drop that asked for the look (``status.scaleLookSince``) to
+    ``now``; None: ``now`` None (the explorer's open window, hand-built observations).
+    A look recorded without its time (by a controller of this development branch that
+    wrote ``scaleLookPodUID`` alone) counts as older than any bound: its window has
+    passed. Only the look's own time counts, never the Scaling condition's: a write
+    that changes the condition (a new leader's Wait) says nothing about the drop."""
+    if now is None:
+        return None
+    since = parse_rfc3339(vm.status.scale_look_since)
+    if since is None:
+        return float("inf")
+    return (_utc(now) - since).total_seconds()
+
+
 def look_may_end(vm: VirtualMachine, now: dt.datetime | None) -> bool:
     """Whether a settled answer of the runner asked at ``now`` may end the look
-    (:func:`look_pending`): the late-PUT window of the last drop has passed by ``now``
-    (taken before the runner was asked). By the window's assumption every PUT of the
-    dropped plan has landed by then, and no later PUT changes the guest without a new
-    plan (which ``scaleSeq`` fences out of the write), so that answer says the size the
-    guest keeps. A Scaling condition that no longer says the plan was dropped, or has no
-    readable time, counts as passed (the look must end some day). ``now`` None (the
-    explorer's open window, hand-built observations): never."""
-    return look_pending(vm) and now is not None and not looks_after_drop(vm, now)
+    (:func:`look_pending`): the late-PUT window of the drop has passed by ``now`` (taken
+    before the runner was asked), measured from ``status.scaleLookSince``
+    (:func:`look_age`). By the window's assumption every PUT of the dropped plan has
+    landed by then, and no later PUT changes the guest without a new plan (which
+    ``scaleSeq`` fences out of the write), so that answer says the size the guest
+    keeps. ``now`` None: never."""
+    age = look_age(vm, now)
+    return look_pending(vm) and age is not None and age >= LATE_PUT_SECONDS
+
+
+def look_given_up(vm: VirtualMachine, now: dt.datetime | None) -> bool:
+    """Whether the look (:func:`look_pending`) has gone on for
+    :data:`LOOK_GIVE_UP_SECONDS` since the drop: it is ended by a write that adopts
+    nothing (``CommitScale.gives_up``) when no settled answer ended it first."""
+    age = look_age(vm, now)
+    return look_pending(vm) and age is not None and age >= LOOK_GIVE_UP_SECONDS
 
 
 def looks_at_runner(vm: VirtualMachine, now: dt.datetime | None) -> bool:
@@ -782,6 +821,19 @@ def _decide_scaling(obs: Observation, vm: VirtualMachine, pod: PodView) -> Actio
     adopt = _adopt_runner_size(obs, vm, pod)
     if adopt is not None:
         return adopt
+    if look_given_up(vm, obs.now):
+        s = vm.status
+        why = (obs.runner_error if obs.runner_error is not None
+               else "no settled answer naming the pod" if obs.runner is not None
+               else "not asked")
+        return CommitScale(seq=s.scale_seq, adopt=True, pod_uid=pod.uid, ends_look=True,
+                           look_recorded=True, gives_up=True,
+                           reason=f"plan #{s.scale_seq} was dropped more than "
+                                  f"{LOOK_GIVE_UP_SECONDS:.0f} s ago and the runner of "
+                                  f"{pod.name} never settled in a way that ends the look "
+                                  f"({why}): no longer looked at, status keeps {s.cpus}, "
+                                  f"{s.memory_size} (a PUT of the dropped plan that landed "
+                                  "meanwhile would not be seen)")
     have, want = status_size(vm), desired_size(vm)
     if have is None or have == want:
         return None

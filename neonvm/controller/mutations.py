@@ -79,6 +79,23 @@ def _set_scaling_condition(new: VirtualMachineStatus, vm: VirtualMachine, status
     existing.observed_generation = vm.generation
 
 
+def _end_look(new: VirtualMachineStatus) -> None:
+    """No look after a drop any more: ``scaleLookPodUID`` and its time cleared together."""
+    new.scale_look_pod_uid, new.scale_look_since = None, None
+
+
+def _bytes(quantity: str | None) -> int | None:
+    """``quantity`` in bytes; None: absent or unreadable."""
+    from neonvm.runner.quantity import QuantityError, parse_bytes
+
+    if quantity is None:
+        return None
+    try:
+        return parse_bytes(quantity)
+    except QuantityError:
+        return None
+
+
 POD_REPLACED = "PodReplaced"
 """Scaling=False reason once the pod a plan or a refusal was about is gone or replaced."""
 
@@ -124,7 +141,7 @@ def status_mutation(action: d.Action, lease: d.Fence) -> StatusMutation:
         new = _fresh_status(vm, lease)
         new.pod_name, new.pod_uid, new.pending_pod = action.name, action.uid, None
         new.pending_scale = None
-        new.scale_look_pod_uid = None  # a look after a drop was about an older pod
+        _end_look(new)  # a look after a drop was about an older pod
         new.phase = "Pending"
         _record_boot_size(new, vm, action.built, action.slot_bytes)
         _pod_replaced(new, vm, f"runner pod {action.name} is committed at the size it was "
@@ -153,7 +170,7 @@ def status_mutation(action: d.Action, lease: d.Fence) -> StatusMutation:
             return new
         new.pod_name, new.pod_uid, new.pending_pod = "", "", None
         new.pending_scale = None  # it was for the pod that is gone
-        new.scale_look_pod_uid = None  # ... and so was a look after a drop: no runner left
+        _end_look(new)  # ... and so was a look after a drop: no runner left
         _pod_replaced(new, vm, f"runner pod {action.name} is gone, and its scaling "
                                "with it")
         new.pod_ip, new.node = None, None
@@ -210,7 +227,7 @@ def status_mutation(action: d.Action, lease: d.Fence) -> StatusMutation:
         # plan's, so the runner refuses that one once it has applied this one, and this
         # plan commits what the runner then reports (or, dropped in turn, starts a look
         # of its own, whose window covers the older plan's late PUTs too).
-        new.scale_look_pod_uid = None
+        _end_look(new)
         new.phase = "Scaling"
         _set_scaling_condition(new, vm, "True", "ScalingInProgress",
                                f"scaling plan #{plan.seq}: {plan.cpus} vCPUs, "
@@ -234,11 +251,18 @@ def status_mutation(action: d.Action, lease: d.Fence) -> StatusMutation:
                 # The look has ended since the observation, by a write decided from a
                 # newer answer (asked past the window): this one must not undo it.
                 return None
+            if action.gives_up and s.scale_look_pod_uid != action.pod_uid:
+                return None  # the look has ended since: nothing to give up
             new = _fresh_status(vm, lease)
-            new.cpus = MilliCPU(action.vcpus * 1000)
-            new.memory_size = format_bytes(action.memory_bytes)
+            if not action.gives_up:
+                # Only what differs from the fresh copy is written: a fractional cpus
+                # (500m, rounded up to the 1 vCPU the runner reports) is kept.
+                if s.cpus is None or s.cpus.rounded_up() != action.vcpus:
+                    new.cpus = MilliCPU(action.vcpus * 1000)
+                if _bytes(s.memory_size) != action.memory_bytes:
+                    new.memory_size = format_bytes(action.memory_bytes)
             if action.ends_look:
-                new.scale_look_pod_uid = None  # asked past the window: the last word
+                _end_look(new)  # asked past the window (or given up): the last word
             if (new.cpus, new.memory_size, new.scale_look_pod_uid) == (
                     s.cpus, s.memory_size, s.scale_look_pod_uid):
                 return None  # status says it already, and the look has ended
@@ -273,9 +297,17 @@ def status_mutation(action: d.Action, lease: d.Fence) -> StatusMutation:
         # as the drop, so no controller, this one or the next leader, can miss it. A
         # plan for another pod (not produced by our writes) asks for no look: its PUTs
         # carry that pod's token, which the committed pod's runner refuses.
+        # No look either when no PUT of it can have reached the runner (the pod was
+        # built without a token): it could learn nothing and would never end.
         same_pod = dropped.pod_name == s.pod_name and (
             not dropped.pod_uid or dropped.pod_uid == s.pod_uid)
-        new.scale_look_pod_uid = (s.pod_uid or None) if same_pod else None
+        if same_pod and action.starts_look and s.pod_uid:
+            # The window and the give-up bound count from here (not from the Scaling
+            # condition, which other writes change).
+            new.scale_look_pod_uid = s.pod_uid
+            new.scale_look_since = d.format_rfc3339(dt.datetime.now(dt.UTC))
+        else:
+            _end_look(new)
         if action.refused:  # refused for the spec the plan was made for
             cond = next(c for c in new.conditions if c.type == d.SCALING_CONDITION)
             cond.observed_generation = dropped.generation

@@ -464,6 +464,8 @@ class Reconciler:
         self._scaling = scaling or RunnerScaling(api)
         self._identity: str | None = None
         self._mutex = threading.Lock()
+        self._old_crd_warned = False
+        """:meth:`_warn_old_crd` has warned (it warns once)."""
         self.timers = timers or VMTimers()
         self._progress = threading.local()
         """Per worker thread: the progress events of the reconcile it runs
@@ -782,6 +784,21 @@ class Reconciler:
             return Outcome("done", vm=written)
         return "declined"
 
+    def _warn_old_crd(self, log: Any) -> None:
+        """Once per reconciler (one per process): the API server pruned a status field
+        this controller wrote (its CRD is older than the controller). Nothing else
+        changes: without ``scaleLookPodUID`` a drop is looked at within the late-PUT
+        window only."""
+        with self._mutex:
+            if self._old_crd_warned:
+                return
+            self._old_crd_warned = True
+        log.warning("the API server dropped status.scaleLookPodUID from a status write: "
+                    "the VirtualMachine CRD is older than this controller (Helm does not "
+                    "upgrade crds/): apply the new one with `neonvm manifests crd | "
+                    "kubectl apply -f -`. Until then a dropped scaling plan's runner is "
+                    "looked at within the late-PUT window only")
+
     def _update_vm(self, key: str, snap: Snapshot,
                    mutate: Callable[[VMRecord], Any],
                    write: Callable[[VMRecord, Any], VMRecord],
@@ -811,12 +828,23 @@ class Reconciler:
     def _write_status(self, key: str, snap: Snapshot,
                       mutation: Callable[[Any], VirtualMachineStatus | None],
                       authority: Authority, log: Any) -> VMRecord | None:
-        outcome = self._update_vm(key, snap, lambda rec: mutation(rec.vm), self.writer.put_status,
+        sent: list[VirtualMachineStatus] = []
+
+        def keeping_what_is_sent(record: VMRecord) -> VirtualMachineStatus | None:
+            new = mutation(record.vm)
+            sent[:] = [new] if new is not None else []
+            return new
+
+        outcome = self._update_vm(key, snap, keeping_what_is_sent, self.writer.put_status,
                                   authority)
         if outcome.conflicts:
             log.info("status write absorbed {n} conflict(s); written={w}",
                      n=outcome.conflicts, w=outcome.written)
-        return outcome.obj if outcome.written else None
+        written = outcome.obj if outcome.written else None
+        if (written is not None and sent and sent[0].scale_look_pod_uid
+                and not written.vm.status.scale_look_pod_uid):
+            self._warn_old_crd(log)  # sent, and not in the answer: pruned
+        return written
 
     def _finalizer_write(self, key: str, action: d.Action, snap: Snapshot,
                          authority: Authority, log: Any) -> str:
@@ -938,8 +966,11 @@ class Reconciler:
         refused = REFUSED_SCALING.get(str(outcome))
         if refused is None:
             return outcome
+        # A pod built without a token refuses every PUT: nothing of the plan can land,
+        # so its drop asks for no look (one that could never end).
         drop = d.DropScale(seq=action.plan.seq, refused=refused,
-                           reason=getattr(outcome, "detail", "") or str(outcome))
+                           reason=getattr(outcome, "detail", "") or str(outcome),
+                           starts_look=str(outcome) != POD_WITHOUT_TOKEN)
         written = self._write_status(key, snap, status_mutation(drop, authority.lease),
                                      authority, log)
         if written is not None:
@@ -1169,6 +1200,18 @@ def _restarted(action: d.Restart, vm: types.VirtualMachine) -> Event:
                                                f"(restartPolicy {vm.spec.restart_policy})")
 
 
+LOOK_GIVEN_UP = "ScaleLookGivenUp"
+"""Warning event reason: the look after a dropped scaling plan ended unsettled
+(:data:`~neonvm.controller.decide.LOOK_GIVE_UP_SECONDS`)."""
+
+
+def _look_given_up(action: d.CommitScale, vm: types.VirtualMachine) -> Event | None:
+    if not action.gives_up:
+        return None
+    logger.bind(vm=vm.key).warning("{reason}", reason=action.reason)
+    return Event(LOOK_GIVEN_UP, action.reason, warning=True)
+
+
 @dataclass(frozen=True)
 class ActionRow:
     """How the driver performs one action type, and what it says when it took effect."""
@@ -1208,7 +1251,7 @@ ACTIONS: dict[type[d.Action], ActionRow] = {
                           resumes_plan=True),
     d.PlanScale: ActionRow(Reconciler._status_write, "status"),
     d.ApplyScale: ActionRow(Reconciler._apply_scale, "runner"),
-    d.CommitScale: ActionRow(Reconciler._status_write, "status"),
+    d.CommitScale: ActionRow(Reconciler._status_write, "status", event=_look_given_up),
     d.DropScale: ActionRow(Reconciler._status_write, "status"),
 }
 """Every action the driver performs: the one table (its ``step`` is on the class).
