@@ -26,6 +26,7 @@ Pure logic beside the real-server tests of the same paths (``test_reconcile.py``
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -398,3 +399,52 @@ def test_an_authority_lost_while_the_term_ends_drops_the_key(kind: type[d.Action
     assert outcome.kind == "dropped", outcome
     assert steps == [] and fake.count(scenario.call) == before
     assert not scenario.effect(fake)
+
+
+class _PrunedLookCluster(FakeCluster):
+    """An API server whose CRD is older than the controller: it prunes the look's fields
+    (``scaleLookPodUID``, ``scaleLookSince``) from every status write."""
+
+    def put_status(self, record: Any, status: Any) -> Any:
+        pruned = dataclasses.replace(status, scale_look_pod_uid=None, scale_look_since=None)
+        return super().put_status(record, pruned)
+
+
+def test_a_look_field_pruned_by_an_older_crd_is_warned_about_once() -> None:
+    # Review lookfix L7: Helm never upgrades crds/, so an old CRD silently drops the
+    # look's record. The controller notices that the answer lacks what it wrote, and
+    # says so once (nothing else changes).
+    fake = _PrunedLookCluster()
+    fake.add_vm(vm_object([types.FINALIZER]))
+    rec = reconciler_over(fake)
+    authority = StaticAuthority(epoch=1, token=5)
+
+    def asks_for_a_look(vm: types.VirtualMachine) -> types.VirtualMachineStatus:
+        new = dataclasses.replace(vm.status, scale_look_pod_uid="uid-1",
+                                  scale_look_since="2026-01-01T00:00:00Z",
+                                  restart_count=vm.status.restart_count + 1)
+        return new
+
+    warnings: list[str] = []
+    sink = logger.add(lambda m: warnings.append(str(m)), level="WARNING",
+                      filter=lambda r: "CRD is older" in r["message"])
+    try:
+        for _ in range(2):
+            snap = rec.observe(KEY, authority, direct=True)
+            assert rec._write_status(KEY, snap, asks_for_a_look, authority, logger)
+    finally:
+        logger.remove(sink)
+    assert status(fake)["restartCount"] == 2 and "scaleLookPodUID" not in status(fake)
+    assert len(warnings) == 1, warnings
+    # An API server that keeps the field: no warning.
+    kept = FakeCluster()
+    kept.add_vm(vm_object([types.FINALIZER]))
+    rec = reconciler_over(kept)
+    sink = logger.add(lambda m: warnings.append(str(m)), level="WARNING",
+                      filter=lambda r: "CRD is older" in r["message"])
+    try:
+        snap = rec.observe(KEY, authority, direct=True)
+        assert rec._write_status(KEY, snap, asks_for_a_look, authority, logger)
+    finally:
+        logger.remove(sink)
+    assert status(kept)["scaleLookPodUID"] == "uid-1" and len(warnings) == 1

@@ -571,6 +571,9 @@ def test_a_pod_built_without_live_scaling_needs_a_restart_not_rbac(
             scaling
         assert "built without live scaling" in scaling["message"], scaling
         assert runner.puts == 0 and "pendingScale" not in status
+        # Review lookfix L3: no PUT can reach that runner, so the drop asks for no look
+        # (one that nothing could ever end).
+        assert "scaleLookPodUID" not in status and "scaleLookSince" not in status, status
     finally:
         runner.close()
 
