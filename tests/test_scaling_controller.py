@@ -605,7 +605,8 @@ def test_a_removal_pending_after_a_drop_is_looked_at_past_the_window_until_it_se
             type=d.SCALING_CONDITION, status="False",  # type: ignore[arg-type]
             reason=d.SCALING_DISABLED, message="dropped", observed_generation=2,
             last_transition_time=d.format_rfc3339(dropped_at)))
-        v.status.scale_look_pod_uid = "uid-1"  # as the drop wrote it
+        v.status.scale_look_pod_uid = "uid-1"  # as the drop wrote it, with its time
+        v.status.scale_look_since = d.format_rfc3339(dropped_at)
         runner.pod_uid = "uid-1"
         runner.size = {"vcpus": 1, "memorySlots": 2, "memoryBytes": 2 * GIB}
 

@@ -79,8 +79,9 @@ from neonvm.api.types import (
     VirtualMachineSpec,
     VirtualMachineStatus,
 )
+from neonvm.controller import conditions, mutations, podspec
 from neonvm.controller import decide as d
-from neonvm.controller import mutations, podspec
+from neonvm.controller.observe import Snapshot
 from neonvm.runner.scaling import (
     OST_EJECT_IN_PROGRESS,
     AppliedFence,
@@ -104,6 +105,9 @@ Size = tuple[int, int]
 FenceTriple = tuple[int, int, int]
 
 
+CONDITIONS_WRITE = "ConditionsWrite"
+"""The held kind of a reconcile's conditions write (:meth:`ScalingModel._conditions_write`):
+the Scaling condition of a ``Wait`` on a plan whose runner does not answer."""
 RUNNER_CALLS = frozenset({"ApplyScale"})
 """The runner calls this model performs (:meth:`ScalingModel._put`); every other scaling
 action is a status write through the shipped mutation."""
@@ -129,10 +133,13 @@ class VMRep(NamedTuple):
     dropped: tuple[str, int] | None = None
     """The Scaling condition when it says the last plan was dropped (False, a
     :data:`~neonvm.controller.decide.DROP_REASONS` reason): (reason, observedGeneration).
-    Other Scaling conditions change no decision and are not kept."""
+    Which other Scaling condition it is (True while a plan is in progress or its runner
+    does not answer, False once committed) is not kept: decide reads only whether it
+    says dropped (the refusal gate, the window of a drop recorded without a look)."""
     look: str = ""
     """``status.scaleLookPodUID``: the pod whose runner is still to be looked at after a
-    drop ("": none)."""
+    drop ("": none). Its ``scaleLookSince`` is :data:`DROPPED_AT` (time is binary here:
+    :attr:`World.window_closed`)."""
 
 
 class Runner(NamedTuple):
@@ -189,8 +196,13 @@ class World(NamedTuple):
     lands at any later step (or never)."""
     window_closed: bool = False
     """The late-PUT window of the last drop has passed: observations are taken past it
-    (:data:`PAST_THE_WINDOW`). Open again with the next drop; kept False while the
-    Scaling condition says no drop."""
+    (:data:`PAST_THE_WINDOW`). Open again with the next drop; kept False while status
+    shows no drop (:func:`_after_drop`)."""
+    unanswered_left: int = 0
+    """An observation may find the runner not answering ``GET /scale`` this many more
+    times: decide's ``Wait`` on a recorded plan, whose Scaling=True
+    ``RunnerNotAnswering`` condition write the worker holds and performs at any later
+    step, on the VM as it is then (the conflict helper's retry), like any status write."""
 
 
 @dataclass(frozen=True)
@@ -237,6 +249,15 @@ class Mutants:
     """The drop leaves no record of the look in status: the runner is looked at within
     the window only (main's code before the record, for a new leader; and the stale
     answer adopted just before a late PUT landed)."""
+    window_from_condition: bool = False
+    """The code before review lookfix L1: the window counts as passed once the Scaling
+    condition no longer says the plan was dropped (an observation of a VM with the look
+    recorded and another Scaling condition is taken past the window), and the Wait's
+    Scaling=True condition write lands with no plan recorded on the fresh copy."""
+    end_with_removal_pending: bool = False
+    """With no plan recorded, the runner's pending removals are not looked at (review
+    lookfix L6): a settled-looking answer with a DIMM still leaving adopts the size
+    QEMU lists and, past the window, ends the look; the guest may eject it later."""
     ost_misread: bool = False
     """The runner reads the guest's ``_OST`` answers the wrong way round (0x80-0x82 "in
     progress", anything else a refusal: review R1's rule), so the "eject in progress"
@@ -283,6 +304,7 @@ def to_vm(r: VMRep) -> VirtualMachine:
             reason=r.dropped[0], message="", observed_generation=r.dropped[1],
             last_transition_time=d.format_rfc3339(DROPPED_AT)))
     status.scale_look_pod_uid = r.look or None
+    status.scale_look_since = d.format_rfc3339(DROPPED_AT) if r.look else None
     return VirtualMachine(name="vm", namespace="ns", uid=UID, resource_version="1",
                           generation=r.generation, spec=spec, status=status,
                           finalizers=[FINALIZER])
@@ -358,7 +380,11 @@ class ScalingModel:
         """Calm runs already done, by their starting state."""
 
     # observation and decision (the shipped decide)
-    def observe(self, w: World, i: int, seen: VMRep) -> tuple[Any, ...] | None:
+    def observe(self, w: World, i: int, seen: VMRep,
+                unanswered: bool = False) -> tuple[Any, ...] | None:
+        """Worker ``i``'s decision from the VM ``seen``, frozen; None: nothing to hold.
+        ``unanswered``: the runner does not answer ``GET /scale`` (only a ``Wait`` on a
+        recorded plan is held then: its Scaling condition write)."""
         x = w.workers[i]
         if not seen.pod:
             return None  # a pod being replaced: the pod explorer's business
@@ -368,7 +394,20 @@ class ScalingModel:
                         fence=(1, 10))
         runner = None
         now = (PAST_THE_WINDOW if w.window_closed or self.mutants.end_in_window
+               or (self.mutants.window_from_condition and seen.look
+                   and seen.dropped is None)
                else WITHIN_THE_WINDOW)
+        if unanswered:
+            if seen.pending is None:
+                return None
+            obs = d.Observation(vm=vm, pods=(pod,), lease=d.Fence(x.epoch, x.token),
+                                direct=seen == w.vm, runner_error="unreachable", now=now)
+            action = d.decide(obs)
+            if not (isinstance(action, d.Wait) and action.condition == d.SCALING_CONDITION):
+                return None
+            updates = tuple(u for u in conditions.desired_conditions(
+                Snapshot(obs=obs, record=None), action) if u.type == d.SCALING_CONDITION)
+            return (CONDITIONS_WRITE, updates) if updates else None
         if d.looks_at_runner(vm, now):
             r = w.runner
             last = self._last(r)
@@ -377,7 +416,9 @@ class ScalingModel:
                 fence=(last.fence.epoch, last.fence.token, last.fence.seq) if last else None,
                 vcpus=r.guest[0], memory_slots=r.guest[1], memory_bytes=r.guest[1] << 30,
                 pending_removals=("dimm",) if r.removing is not None and r.recorded
-                and not self.mutants.removal_counts_as_present else (),
+                and not self.mutants.removal_counts_as_present
+                and not (self.mutants.end_with_removal_pending and seen.pending is None)
+                else (),
                 answered_uid=r.pod_uid)  # the runner that answers names its own pod
         obs = d.Observation(vm=vm, pods=(pod,), lease=d.Fence(x.epoch, x.token),
                             direct=seen == w.vm, runner=runner, now=now)
@@ -402,8 +443,10 @@ class ScalingModel:
     def perform(self, w: World, i: int) -> tuple[World, Violation | None]:
         x = w.workers[i]
         assert x.held is not None
-        action = _thaw(x.held)
         done = w._replace(workers=_set(w.workers, i, x._replace(held=None)))
+        if x.held[0] == CONDITIONS_WRITE:
+            return self._conditions_write(done, i, x.held[1]), None
+        action = _thaw(x.held)
         if type(action).__name__ in RUNNER_CALLS:
             assert isinstance(action, d.ApplyScale)
             return self._put(done, action.plan)
@@ -425,6 +468,28 @@ class ScalingModel:
         if self.mutants.no_look_record:
             new.scale_look_pod_uid = None
         vm = to_vm(w.vm)
+        vm.status = new
+        return _write(w, from_vm(vm, w.vm.use), self.lag)
+
+    def _conditions_write(self, w: World, i: int,
+                          updates: tuple[conditions.ConditionUpdate, ...]) -> World:
+        """The worker ``i``'s conditions write (the shipped
+        :func:`~neonvm.controller.conditions.conditions_mutation`) on the current VM."""
+        x = w.workers[i]
+        mutate = conditions.conditions_mutation(list(updates), d.Fence(x.epoch, x.token),
+                                                now=d.format_rfc3339(DROPPED_AT))
+        vm = to_vm(w.vm)
+        target = copy.deepcopy(vm)
+        if self.mutants.window_from_condition and target.status.pending_scale is None:
+            # No precondition: the update lands as if its plan were still recorded.
+            target.status.pending_scale = PendingScale(seq=updates[0].plan_seq or 0)
+        try:
+            new = mutate(target)
+        except mutations.FencedOut:
+            return w._replace(workers=_set(w.workers, i, x._replace(held=None, stopped=True)))
+        if new is None:
+            return w
+        new.pending_scale = vm.status.pending_scale
         vm.status = new
         return _write(w, from_vm(vm, w.vm.use), self.lag)
 
@@ -610,14 +675,21 @@ class ScalingModel:
             if x.held is None:
                 for seen in dict.fromkeys((w.vm, *w.history)):
                     held = self.observe(w, i, seen)
+                    stale = "" if seen == w.vm else " (stale read)"
                     if held is not None:
-                        stale = "" if seen == w.vm else " (stale read)"
                         decided = w._replace(workers=_set(w.workers, i,
                                                           x._replace(held=held)))
                         if self.mutants.forget_before_write and _ends_look(held):
                             decided = _write(decided, decided.vm._replace(look=""),
                                              self.lag)
                         yield f"w{i} decides {held[0]}{stale}", decided, None
+                    waits = (self.observe(w, i, seen, unanswered=True)
+                             if w.unanswered_left else None)
+                    if waits is not None:
+                        yield (f"w{i} finds the runner not answering{stale}: decides its "
+                               f"Scaling condition write", w._replace(
+                                   workers=_set(w.workers, i, x._replace(held=waits)),
+                                   unanswered_left=w.unanswered_left - 1), None)
             else:
                 new, violation = self.perform(w, i)
                 yield f"w{i} performs {x.held[0]}", new, violation
@@ -639,7 +711,7 @@ class ScalingModel:
         for k, late in enumerate(w.late):
             new, violation = self.land(w, k)
             yield f"a late PUT of plan #{late[1][1][2]} lands", new, violation
-        if w.vm.dropped is not None and not w.window_closed and not w.late and not any(
+        if _after_drop(w.vm) and not w.window_closed and not w.late and not any(
                 x.held is not None and x.held[0] in RUNNER_CALLS
                 for x in w.workers if x.active and not x.stopped):
             yield "the late-PUT window closes", self.close_window(w), None
@@ -677,7 +749,7 @@ class ScalingModel:
         # Time passes in a calm run: with no PUT on its way, the window closes.
         s = w._replace(workers=workers, history=(), spec_changes=(), restarts_left=0,
                        crashes_left=0, refusals_left=0, timeouts_left=0, late=(),
-                       window_closed=w.vm.dropped is not None)
+                       unanswered_left=0, window_closed=_after_drop(w.vm))
         if s in self._calm:
             return self._calm[s]
         self._calm[s] = verdict = self._calm_run(s, i, max_steps)
@@ -695,7 +767,7 @@ class ScalingModel:
             if violation is not None:
                 return violation
             # Nothing is on its way in a calm run: a drop's window passes as well.
-            s = s._replace(window_closed=s.vm.dropped is not None)
+            s = s._replace(window_closed=_after_drop(s.vm))
             if s.workers[i].stopped:
                 return Violation("convergence", "the newest leader was fenced out")
         if s.vm.look and s.vm.look == s.vm.pod_uid and s.runner.removing is None:
@@ -733,12 +805,20 @@ def _set(xs: tuple[WorkerRep, ...], i: int, x: WorkerRep) -> tuple[WorkerRep, ..
     return (*xs[:i], x, *xs[i + 1:])
 
 
+def _after_drop(vm: VMRep) -> bool:
+    """Status shows a drop whose window may still be open: the Scaling condition says
+    the last plan was dropped, or the look it asked for is recorded (its own time, which
+    no other write changes)."""
+    return vm.dropped is not None or bool(vm.look)
+
+
 def _write(w: World, vm: VMRep, lag: int) -> World:
     if vm == w.vm:
         return w
-    # A new drop opens a new window (its condition's lastTransitionTime); no drop, no
-    # window (kept False so that states differ only in what matters).
-    closed = w.window_closed and w.vm.dropped is not None and vm.dropped is not None
+    # A new drop opens a new window; no drop, no window (kept False so that states
+    # differ only in what matters). A write that changes only the condition (a Wait's
+    # Scaling=True over a drop's) does not move the window of the recorded look.
+    closed = w.window_closed and _after_drop(w.vm) and _after_drop(vm)
     return w._replace(vm=vm, history=(w.vm, *w.history)[:lag], window_closed=closed)
 
 
@@ -751,7 +831,8 @@ def _ends_look(held: tuple[Any, ...]) -> bool:
 
 
 def initial_world(spec_changes: tuple[Size, ...] = ((2, 2), (1, 1)), restarts: int = 1,
-                  crashes: int = 1, refusals: int = 0, timeouts: int = 0) -> World:
+                  crashes: int = 1, refusals: int = 0, timeouts: int = 0,
+                  unanswered: int = 0) -> World:
     """A VM running at 1 vCPU, 1 slot, committed by leader 1; leader 2 not started."""
     vm = VMRep(use=(1, 1), generation=1, phase="Running", pod="vm-01234567-1",
                pod_uid="uid-1", plan_seq=1, fence=(1, 10), size=(1, 1), pending=None,
@@ -761,7 +842,7 @@ def initial_world(spec_changes: tuple[Size, ...] = ((2, 2), (1, 1)), restarts: i
     workers = (WorkerRep(1, 10, True, False, None), WorkerRep(2, 11, False, False, None))
     return World(vm=vm, history=(), runner=runner, workers=workers,
                  spec_changes=spec_changes, restarts_left=restarts, crashes_left=crashes,
-                 refusals_left=refusals, timeouts_left=timeouts)
+                 refusals_left=refusals, timeouts_left=timeouts, unanswered_left=unanswered)
 
 
 @dataclass
