@@ -209,3 +209,64 @@ def test_the_look_after_a_drop_ends_only_with_a_write_decided_past_the_window() 
           f"forget_before_write: {forgot.states} states, {len(forgot.trace)} steps; "
           f"end_in_window: {early.states} states, {len(early.trace)} steps; "
           f"no_look_record: {window_only.states} states, {len(window_only.trace)} steps")
+
+
+LOOK_L1_WORLD = initial_world(restarts=0, crashes=0, refusals=1, timeouts=1, unanswered=1)
+"""Refusals and late PUTs, and a runner that may once not answer ``GET /scale``: the
+worker holds the Wait's Scaling=True condition write and performs it at any later step
+on the VM as it is then (review lookfix L1)."""
+
+
+@pytest.mark.unit
+@pytest.mark.slow
+def test_a_scaling_condition_written_after_a_drop_neither_ends_the_look_nor_lands() -> None:
+    report = explore_scaling(LOOK_L1_WORLD)
+    print(f"scaling explorer, refusals, late PUTs and a runner not answering: "
+          f"{report.states} states, {report.transitions} transitions")
+    assert report.violation is None, (report.violation, report.trace)
+    assert report.complete and report.states > 1000
+
+
+@pytest.mark.unit
+def test_a_window_measured_from_the_scaling_condition_ends_the_look_before_a_late_put() -> None:
+    # Review lookfix L1, the code before the fix: the Wait's Scaling=True lands over the
+    # drop's condition with no plan recorded, and the window counts as passed once the
+    # condition no longer says dropped: a settled answer asked before the dropped
+    # plan's PUT lands ends the look.
+    broken = explore_scaling(LOOK_L1_WORLD, mutants=Mutants(window_from_condition=True))
+    print(f"window_from_condition: {broken.states} states, {len(broken.trace)} steps: "
+          f"{broken.trace}")
+    assert broken.violation is not None, broken
+    assert broken.violation.property == "convergence", broken.violation
+    wait = next(i for i, step in enumerate(broken.trace) if "performs ConditionsWrite" in step)
+    refused = next(i for i, step in enumerate(broken.trace) if "refused for good" in step)
+    assert refused < wait, broken.trace  # the condition write landed after the drop
+    assert "the late-PUT window closes" not in broken.trace, broken.trace
+
+
+REMOVAL_AFTER_REFUSAL_WORLD = initial_world(restarts=0, crashes=0, refusals=1, timeouts=1)
+"""Refusals and late PUTs, with memory unplugs left pending by the guest
+(``refuse_unplug``): a plan refused for its spec may leave a DIMM leaving."""
+
+
+@pytest.mark.unit
+@pytest.mark.slow
+def test_a_refusal_with_an_unplug_pending_keeps_looking_until_the_guest_settles() -> None:
+    report = explore_scaling(REMOVAL_AFTER_REFUSAL_WORLD, refuse_unplug=True)
+    print(f"scaling explorer, refusals, late PUTs, unplugs pending: {report.states} "
+          f"states, {report.transitions} transitions")
+    assert report.violation is None, (report.violation, report.trace)
+    assert report.complete and report.states > 1000
+
+
+@pytest.mark.unit
+def test_a_look_ended_with_a_removal_pending_leaves_status_behind_the_eject() -> None:
+    # Review lookfix L6: without the pending-removal check, a settled-looking answer
+    # with a DIMM still leaving ends the look; the guest ejects it later, unseen.
+    broken = explore_scaling(REMOVAL_AFTER_REFUSAL_WORLD, refuse_unplug=True,
+                             mutants=Mutants(end_with_removal_pending=True))
+    print(f"end_with_removal_pending: {broken.states} states, {len(broken.trace)} steps: "
+          f"{broken.trace}")
+    assert broken.violation is not None, broken
+    assert broken.violation.property == "convergence", broken.violation
+    assert "unplug still pending" in broken.violation.message, broken.violation

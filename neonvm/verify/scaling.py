@@ -776,6 +776,27 @@ class ScalingModel:
                                             f"{s.vm.look} (status {s.vm.size}, guest "
                                             f"{s.runner.guest})")
         want = s.vm.use
+        refused = s.vm.dropped is not None and s.vm.dropped[0] in d.SCALING_REFUSED and (
+            s.vm.dropped[1] == s.vm.generation)
+        if refused and s.runner.removing is not None:
+            # Refused for this spec, and the guest may still finish an unplug: no plan
+            # until the spec changes, and the look goes on, so that status follows the
+            # guest when it ejects.
+            if s.vm.pending is not None or s.vm.look != s.vm.pod_uid:
+                return Violation("convergence", f"refused for this spec with an unplug "
+                                                f"still pending; calm run ends with plan "
+                                                f"{s.vm.pending}, looking at "
+                                                f"{s.vm.look or 'nothing'} (status "
+                                                f"{s.vm.size}, guest {s.runner.guest})")
+            return None
+        if refused:
+            # Refused for this spec: no plan until it changes; status must say what the
+            # guest has (whatever a late PUT left it at).
+            if (s.vm.size, s.vm.pending) != (s.runner.guest, None):
+                return Violation("convergence", f"refused for this spec; calm run ends "
+                                                f"with guest {s.runner.guest}, status "
+                                                f"{s.vm.size}, plan {s.vm.pending}")
+            return None
         if (self.refuse_cpu_unplug and want[0] < s.runner.guest[0]) or (
                 self.refuse_unplug and want[1] < s.runner.guest[1]) or s.runner.removing:
             # Cannot be reached (or not until the guest finishes an unplug it may never
@@ -784,15 +805,6 @@ class ScalingModel:
             if p is None or (p[0], p[1]) != want:
                 return Violation("convergence", f"the guest refuses unplugs; calm run ends "
                                                 f"with plan {p}, not one for {want}")
-            return None
-        if s.vm.dropped is not None and s.vm.dropped[0] in d.SCALING_REFUSED and (
-                s.vm.dropped[1] == s.vm.generation):
-            # Refused for this spec: no plan until it changes; status must say what the
-            # guest has (whatever a late PUT left it at).
-            if (s.vm.size, s.vm.pending) != (s.runner.guest, None):
-                return Violation("convergence", f"refused for this spec; calm run ends "
-                                                f"with guest {s.runner.guest}, status "
-                                                f"{s.vm.size}, plan {s.vm.pending}")
             return None
         if (s.runner.guest, s.vm.size, s.vm.pending) != (want, want, None):
             return Violation("convergence", f"calm run ends with guest {s.runner.guest}, "
