@@ -514,10 +514,11 @@ class VirtualMachineStatus:
         "This controller's (NeonVM has no such field): UID of the committed runner pod "
         "whose runner is still looked at (GET /scale) after a scaling plan for it was "
         "dropped, since a PUT /scale of that plan sent earlier may still land and an "
-        "unplug it started may still finish. Set by the drop; cleared by the status "
-        "write that adopts (or confirms) the size the runner reports once the late-PUT "
-        "window has passed and no removal is pending, by a new scaling plan, and with "
-        "the pod.", json="scaleLookPodUID")
+        "unplug it started may still finish. Set by the drop (with scaleLookSince); "
+        "cleared by the status write that adopts (or confirms) the size the runner "
+        "reports once the late-PUT window has passed and no removal is pending, by the "
+        "write that gives the look up an hour after the drop, by a new scaling plan, "
+        "and with the pod.", json="scaleLookPodUID")
     scale_look_since: str | None = api_field(
         "This controller's (NeonVM has no such field): when the drop that set "
         "scaleLookPodUID was written (RFC 3339, the dropping controller's clock). The "

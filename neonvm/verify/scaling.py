@@ -29,12 +29,20 @@ The world: one VM, one committed runner pod at a time (always running), its runn
   that times out at its sender while still on its way, landing at any later step.
 * **The late-PUT window.** After a drop, observations are taken within the window
   (:data:`~neonvm.controller.decide.LATE_PUT_SECONDS` from the drop) until a step
-  closes it, at any point once no ``PUT`` of the dropped plan is on its way (none
-  timed out and still travelling, none held by a worker). Modelling assumption: the
-  window is long enough for every late ``PUT`` to land, and for every read older than
-  the drop to be replaced (closing it forgets the read history from before the drop).
-  Past it the look goes on only as status asks (``scaleLookPodUID``); a calm run takes
-  place past it.
+  closes it, at any point once no ``PUT`` at all is on its way (none timed out and
+  still travelling, none held by a live worker, whatever plan it is of). Modelling
+  assumption: the window is long enough for every late ``PUT`` to land, and for every
+  read older than the drop to be replaced (closing it forgets the read history from
+  before the drop). Past it the look goes on only as status asks (``scaleLookPodUID``,
+  its time :data:`DROPPED_AT`); a calm run takes place past it. The window is the
+  drop's: a write that changes only the Scaling condition does not reopen or close it.
+  Time is binary: the give-up bound
+  (:data:`~neonvm.controller.decide.LOOK_GIVE_UP_SECONDS`) is never reached here.
+* **A runner not answering** (optional, ``unanswered``): an observation of a recorded
+  plan finds ``GET /scale`` failing; decide's ``Wait`` comes with the reconcile's
+  Scaling=True ``RunnerNotAnswering`` condition write
+  (:func:`neonvm.controller.conditions.desired_conditions`), which the worker holds and
+  performs, through the shipped conditions mutation, on the VM as it is then.
 
 Properties:
 
@@ -51,8 +59,9 @@ Properties:
 
 Coarser than the real thing: the pod's own lifecycle (plan, create, ungate) is one step
 here (it has its own explorer); a runner's apply is atomic (a crash inside it is a
-runner restart, which loses the guest anyway); of the conditions only the Scaling
-condition a drop leaves is part of the state.
+runner restart, which loses the guest anyway); of the conditions only whether the
+Scaling condition says a plan was dropped (and why, for which generation) is part of the
+state: decide reads nothing else of it.
 """
 
 from __future__ import annotations
@@ -585,8 +594,8 @@ class ScalingModel:
         return w._replace(runner=r._replace(ejecting=ejecting, recorded=recorded))
 
     def close_window(self, w: World) -> World:
-        """The late-PUT window of the last drop passes (no PUT of the dropped plan is on
-        its way). Reads from before the drop (a plan recorded) are replaced by then:
+        """The late-PUT window of the last drop passes (no PUT of any plan is on its
+        way). Reads from before the drop (a plan recorded) are replaced by then:
         the read history keeps only the versions since the drop (no plan, the same
         ``scaleSeq``)."""
         since = tuple(v for v in w.history
