@@ -448,3 +448,20 @@ def test_a_look_field_pruned_by_an_older_crd_is_warned_about_once() -> None:
     finally:
         logger.remove(sink)
     assert status(kept)["scaleLookPodUID"] == "uid-1" and len(warnings) == 1
+
+
+def test_a_look_given_up_is_a_warning_event_and_an_ordinary_end_is_none() -> None:
+    # Review lookfix L3: the write that gives the look up says so (Warning event
+    # ScaleLookGivenUp with the decision's reason); the other adopts record no event.
+    from neonvm.controller.reconciler import LOOK_GIVEN_UP
+
+    row = ACTIONS[d.CommitScale]
+    assert row.event is not None
+    vm = types.VirtualMachine.from_object(vm_object([types.FINALIZER]))
+    given_up = d.CommitScale(seq=1, adopt=True, pod_uid="uid-1", ends_look=True,
+                             look_recorded=True, gives_up=True, reason="no answer for an hour")
+    event = row.event(given_up, vm)
+    assert event is not None and (event.reason, event.warning) == (LOOK_GIVEN_UP, True)
+    assert event.message == "no answer for an hour"
+    ended = dataclasses.replace(given_up, gives_up=False, vcpus=1, memory_bytes=1 << 30)
+    assert row.event(ended, vm) is None
