@@ -245,7 +245,7 @@ class LeaderTerm:
             writer=wiring.writer(api), after_step=wiring.after_step(),
             metrics=self.metrics, events=process.events,
             config=self.config.reconciler, on_finalized=self._release_lock,
-            timers=self.timers,
+            timers=self.timers, old_crd_warned=process.old_crd_warned,
         )
         # Late-bound (lambdas): tests swap the term's listers and locks.
         self.handler = Handler(
@@ -531,6 +531,9 @@ class ControllerProcess:
             api, election.identity, background=True, dropped=self.metrics.events_dropped,
             aggregated=self.metrics.events_aggregated)
         self._term: LeaderTerm | None = None
+        self.old_crd_warned = threading.Event()
+        """Set once a term's reconciler has warned that the CRD prunes a status field
+        (it warns once per process)."""
         # Every etcd key of this installation (locks, epoch floor) is scoped by its Lease.
         self.installation = Installation(election.namespace, election.name)
         # Its own client and pool: renewals must not queue behind the workers' requests.

@@ -448,6 +448,7 @@ class Reconciler:
         scaling: RunnerScaling | None = None,
         timers: VMTimers | None = None,
         runner_reports: RunnerReports | None = None,
+        old_crd_warned: threading.Event | None = None,
     ) -> None:
         self.cluster: Cluster = cluster or KubeCluster(api)
         """Every API server call a step makes (reads through :attr:`reader`; the VM
@@ -464,8 +465,9 @@ class Reconciler:
         self._scaling = scaling or RunnerScaling(api)
         self._identity: str | None = None
         self._mutex = threading.Lock()
-        self._old_crd_warned = False
-        """:meth:`_warn_old_crd` has warned (it warns once)."""
+        self._old_crd_warned = old_crd_warned or threading.Event()
+        """Set once :meth:`_warn_old_crd` has warned: the process's (shared by its
+        terms' reconcilers), so that it warns once per process."""
         self.timers = timers or VMTimers()
         self._progress = threading.local()
         """Per worker thread: the progress events of the reconcile it runs
@@ -785,14 +787,14 @@ class Reconciler:
         return "declined"
 
     def _warn_old_crd(self, log: Any) -> None:
-        """Once per reconciler (one per process): the API server pruned a status field
-        this controller wrote (its CRD is older than the controller). Nothing else
+        """Once (per ``old_crd_warned``: the process's): the API server pruned a status
+        field this controller wrote (its CRD is older than the controller). Nothing else
         changes: without ``scaleLookPodUID`` a drop is looked at within the late-PUT
         window only."""
         with self._mutex:
-            if self._old_crd_warned:
+            if self._old_crd_warned.is_set():
                 return
-            self._old_crd_warned = True
+            self._old_crd_warned.set()
         log.warning("the API server dropped status.scaleLookPodUID from a status write: "
                     "the VirtualMachine CRD is older than this controller (Helm does not "
                     "upgrade crds/): apply the new one with `neonvm manifests crd | "
