@@ -588,6 +588,9 @@ def main(argv: Iterable[str] | None = None) -> int:
                         "first on the replicas' PYTHONPATH), once per VM count.")
     p.add_argument("--baseline-workers", type=int, default=4,
                    help="The baseline's workers (default 4: the default before 16).")
+    p.add_argument("--env", type=env_pairs, default={}, metavar="K=V,...",
+                   help="Set in this code's replicas' environment, over the chart's "
+                        "allocator settings.")
     p.add_argument("--baseline-env", type=env_pairs, default={}, metavar="K=V,...",
                    help="Set in the baseline's replicas' environment, over the chart's "
                         "allocator settings (e.g. PYTHONMALLOC=pymalloc: Python's own "
@@ -635,7 +638,8 @@ def main(argv: Iterable[str] | None = None) -> int:
                 say(f"== {vms} VMs, {workers} workers")
                 last = (vms, workers) == runs[-1] and args.state_dir is None
                 results.append(run_once(cluster, vms, workers, args.replicas, spy, args.rate,
-                                        args.out, args.log_level, clean_up=not last))
+                                        args.out, args.log_level, clean_up=not last,
+                                        env=args.env))
                 print(report(results[-1]), flush=True)
                 print(flush=True)
     table = sweep_table(results)
