@@ -65,9 +65,9 @@ class Replica:
     identity: str
 
 
-REPLICA_ENV = {"MALLOC_ARENA_MAX": "2", "PYTHONMALLOC": "malloc"}
+REPLICA_ENV = {"MALLOC_ARENA_MAX": "2"}
 """The allocator settings the chart and the controller image run the controller with
-(:mod:`neonvm.controller.heap` says why)."""
+(:mod:`neonvm.controller.heap` says why Python's own allocator stays)."""
 
 
 @dataclass
