@@ -5,9 +5,17 @@ tracing the leader over a 2,000-VM burst found the live Python objects grew by a
 12 MiB while its resident memory grew by 146 MiB (docs/benchmarks.md, "Memory"). glibc
 keeps freed chunks for later allocations and returns the top of its heap only; pages
 freed in the middle stay resident until ``malloc_trim`` hands them back
-(``MADV_DONTNEED``). Run with ``PYTHONMALLOC=malloc`` (the chart and the image set it),
-Python's small objects live on that heap too, so a trim reaches them; under pymalloc they
-sit in 256 KiB arenas that are freed only when wholly empty.
+(``MADV_DONTNEED``). Python's own allocator (pymalloc) serves objects of up to 512 bytes
+from 256 KiB arenas that go back only when wholly empty, which a trim does not reach;
+larger objects (the caches' serialized copies, response bodies, strings) are glibc's.
+
+Measured at 5,000 VMs (docs/benchmarks.md), with two malloc arenas:
+
+- pymalloc, no trim: 289 MiB after the burst, peak 289 MiB;
+- pymalloc and this trimmer: 265 MiB, peak 277 MiB, the leader's CPU unchanged;
+- ``PYTHONMALLOC=malloc`` (every object glibc's, so a trim reaches all of it) and this
+  trimmer: 186 MiB after the burst, but the same peak (296 MiB) and 55% more CPU in the
+  leader. The chart keeps pymalloc: its memory limit has to hold the peak either way.
 
 Guarantees:
 
