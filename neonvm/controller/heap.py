@@ -2,7 +2,7 @@
 
 A leader's memory is mostly what a burst of work left behind, not what it still uses:
 tracing the leader over a 2,000-VM burst found the live Python objects grew by about
-12 MiB while its resident memory grew by 146 MiB (docs/benchmarks.md, "Memory"). glibc
+12 MiB while its resident memory grew by 146 MiB (docs/benchmarks.md, "At scale"). glibc
 keeps freed chunks for later allocations and returns the top of its heap only; pages
 freed in the middle stay resident until ``malloc_trim`` hands them back
 (``MADV_DONTNEED``). Python's own allocator (pymalloc) serves objects of up to 512 bytes
