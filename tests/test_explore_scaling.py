@@ -6,22 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from neonvm.verify.scaling import (
-    Mutants,
-    ScalingModel,
-    ScalingReport,
-    explore_scaling,
-    initial_world,
-)
-
-
-def assert_exhausted_without_violation(report: ScalingReport, world: str) -> None:
-    """The explorer went through every state of ``world`` (more than a thousand: a world
-    that small would prove little) and found no violation; prints the counts."""
-    print(f"scaling explorer, {world}: {report.states} states, "
-          f"{report.transitions} transitions")
-    assert report.violation is None, (report.violation, report.trace)
-    assert report.complete and report.states > 1000
+from neonvm.verify.scaling import Mutants, ScalingModel, explore_scaling, initial_world
 
 
 @pytest.mark.unit
@@ -30,7 +15,9 @@ def test_every_interleaving_keeps_the_order_and_converges() -> None:
     # Two leaders (a failover; the deposed one never stops), stale reads (lag 2), a crash
     # mid-scale, a runner restart (pod replaced), the user scaling 1 -> 2 -> 1.
     report = explore_scaling()
-    assert_exhausted_without_violation(report, "the first world")
+    print(f"scaling explorer: {report.states} states, {report.transitions} transitions")
+    assert report.violation is None, (report.violation, report.trace)
+    assert report.complete and report.states > 1000
 
 
 @pytest.mark.unit
@@ -62,7 +49,10 @@ def test_a_guest_that_refuses_unplugs_still_gets_the_newest_size_it_can_reach() 
     # an unplug is pending or the newest size needs one, the newest plan is being tried.
     report = explore_scaling(initial_world(spec_changes=((2, 2), (1, 1), (2, 2)), restarts=0),
                              refuse_unplug=True)
-    assert_exhausted_without_violation(report, "unplugs refused")
+    print(f"scaling explorer, unplugs refused: {report.states} states, "
+          f"{report.transitions} transitions")
+    assert report.violation is None, (report.violation, report.trace)
+    assert report.complete and report.states > 1000
 
 
 @pytest.mark.unit
@@ -137,7 +127,10 @@ def test_a_put_landing_after_its_plan_was_dropped_is_adopted_into_status() -> No
     # must come to say what the guest has.
     world = initial_world(restarts=0, crashes=0, refusals=1, timeouts=1)
     report = explore_scaling(world)
-    assert_exhausted_without_violation(report, "refusals and late PUTs")
+    print(f"scaling explorer, refusals and late PUTs: {report.states} states, "
+          f"{report.transitions} transitions")
+    assert report.violation is None, (report.violation, report.trace)
+    assert report.complete and report.states > 1000
     # The same world without the adoption (review S5's code): status stays behind.
     broken = explore_scaling(world, mutants=Mutants(no_adoption=True))
     assert broken.violation is not None, broken
@@ -164,7 +157,10 @@ def test_a_guest_refusing_vcpu_and_memory_unplugs_still_gets_what_grows() -> Non
     # and convergence.
     world = initial_world(spec_changes=((2, 1), (1, 2), (2, 1)), restarts=0)
     report = explore_scaling(world, refuse_unplug=True, refuse_cpu_unplug=True)
-    assert_exhausted_without_violation(report, "vCPU and memory unplugs refused")
+    print(f"scaling explorer, vCPU and memory unplugs refused: {report.states} states, "
+          f"{report.transitions} transitions")
+    assert report.violation is None, (report.violation, report.trace)
+    assert report.complete and report.states > 1000
     # The order before F2 (vCPUs first, a refusal ends the request): 1/2 from 2/1 leaves
     # the memory at 1 slot while the vCPU unplug is pending.
     broken = explore_scaling(world, refuse_unplug=True, refuse_cpu_unplug=True,
@@ -225,7 +221,10 @@ on the VM as it is then (review lookfix L1)."""
 @pytest.mark.slow
 def test_a_scaling_condition_written_after_a_drop_neither_ends_the_look_nor_lands() -> None:
     report = explore_scaling(LOOK_L1_WORLD)
-    assert_exhausted_without_violation(report, "refusals, late PUTs and a runner not answering")
+    print(f"scaling explorer, refusals, late PUTs and a runner not answering: "
+          f"{report.states} states, {report.transitions} transitions")
+    assert report.violation is None, (report.violation, report.trace)
+    assert report.complete and report.states > 1000
 
 
 @pytest.mark.unit
@@ -254,7 +253,10 @@ REMOVAL_AFTER_REFUSAL_WORLD = initial_world(restarts=0, crashes=0, refusals=1, t
 @pytest.mark.slow
 def test_a_refusal_with_an_unplug_pending_keeps_looking_until_the_guest_settles() -> None:
     report = explore_scaling(REMOVAL_AFTER_REFUSAL_WORLD, refuse_unplug=True)
-    assert_exhausted_without_violation(report, "refusals, late PUTs, unplugs pending")
+    print(f"scaling explorer, refusals, late PUTs, unplugs pending: {report.states} "
+          f"states, {report.transitions} transitions")
+    assert report.violation is None, (report.violation, report.trace)
+    assert report.complete and report.states > 1000
 
 
 @pytest.mark.unit
