@@ -13,7 +13,9 @@ variables as ``neonvm controller run``; ``list`` and ``watch`` take
 from __future__ import annotations
 
 import json
+import signal
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -31,6 +33,7 @@ from neonvm.leader.lock import Installation, LockEvent, LockInfo, LockTable
 
 LIST_COLUMNS = ["namespace", "name", "status", "holder", "epoch", "token", "vmUID", "ttl",
                 "age"]
+_CLOSE_SECONDS = 5.0  # how long Ctrl-C waits for the closed stream before exiting anyway
 ALL_OPTION = click.option("-A", "--all-installations", "all_installations", is_flag=True,
                           help="Locks of every installation under the prefix, not only the "
                                "one of --lease-namespace/--lease-name.")
@@ -155,12 +158,44 @@ def watch(ctx: click.Context, namespace: str | None, no_existing: bool,
     First prints the current locks as EXISTING, then every change as it happens. json
     prints one object per line; yaml one document per change.
     """
-    with _table(ctx, all_installations) as table:
+    stopped = threading.Event()
+    failure: list[BaseException] = []
+
+    def stream(table: LockTable) -> None:
         try:
             for event in table.watch(namespace, existing=not no_existing):
+                if stopped.is_set():
+                    return
                 _print_event(event, output, all_installations)
-        except KeyboardInterrupt:
-            pass
+        except BaseException as exc:  # handed to the main thread, which reports it
+            failure.append(exc)
+        finally:
+            stopped.set()
+
+    # Ctrl-C only raises a flag. A KeyboardInterrupt raised inside gRPC's own locking
+    # can leave a lock held and the process hung, so the stream runs on its own thread
+    # and the main thread only waits; closing the channels ends the stream.
+    interrupted = False
+
+    def on_signal(_signum: int, _frame: object) -> None:
+        nonlocal interrupted
+        interrupted = True
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with _table(ctx, all_installations) as table:
+            worker = threading.Thread(target=stream, args=(table,), name="locks-watch",
+                                      daemon=True)
+            worker.start()
+            while not interrupted and worker.is_alive():
+                worker.join(0.2)
+            stopped.set()
+        worker.join(_CLOSE_SECONDS)  # the channels are closed: the stream ends soon
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if failure and not interrupted:
+        raise failure[0]
 
 
 def _print_event(event: LockEvent, fmt: str, with_installation: bool) -> None:
