@@ -62,6 +62,7 @@ from typing import Any
 from kubernetes import client
 from loguru import logger
 
+from neonvm import kube
 from neonvm.api import types
 from neonvm.controller import decide as d
 from neonvm.controller.events import EventRecorder
@@ -260,7 +261,10 @@ class LeaderTerm:
             recheck=Jitter(self.config.recheck_seconds, self.config.recheck_spread),
             pods=self.pod_store)
         self.sweeps = Sweeps(
-            api=api, list_vms=lambda **kw: self._list_vms(**kw),
+            delete_pod=lambda namespace, name, uid: kube.request(
+                api, "DELETE", f"/api/v1/namespaces/{namespace}/pods/{name}",
+                body={"preconditions": {"uid": uid}}),
+            list_vms=lambda **kw: self._list_vms(**kw),
             list_pods=lambda **kw: self._list_pods(**kw), locks=lambda: self.locks(),
             metrics=self.metrics, log=self.log,
             orphan_grace_seconds=self.config.orphan_grace_seconds)

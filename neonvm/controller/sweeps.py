@@ -25,7 +25,6 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from neonvm.api import types
@@ -35,6 +34,9 @@ from neonvm.leader.lock import LockManager
 
 Lister = Callable[..., Any]
 """A kubernetes client list call (``list_namespaced_pod`` and the like, keywords bound)."""
+PodDeleter = Callable[[str, str, str], object]
+"""Deletes a pod (namespace, name) on the precondition that its uid is still the one
+given; raises ApiException (404 gone, 409 another pod by that name now)."""
 
 
 PAGE = 500
@@ -75,11 +77,6 @@ def iter_items(lister: Lister, *, metadata_only: bool = False,
             return
 
 
-def list_items(lister: Lister, *, metadata_only: bool = False) -> list[dict[str, Any]]:
-    """One direct list, its items as plain dicts (paginated; see :func:`iter_items`)."""
-    return list(iter_items(lister, metadata_only=metadata_only))
-
-
 def live_vm_uids(list_vms: Lister) -> set[str]:
     """The uid of every VM, from a direct metadata-only list."""
     return {str((i.get("metadata") or {}).get("uid"))
@@ -89,11 +86,11 @@ def live_vm_uids(list_vms: Lister) -> set[str]:
 class Sweeps:
     """The lock sweep and the orphan-pod sweep of one term."""
 
-    def __init__(self, *, api: client.ApiClient, list_vms: Lister, list_pods: Lister,
+    def __init__(self, *, delete_pod: PodDeleter, list_vms: Lister, list_pods: Lister,
                  locks: Callable[[], LockManager], metrics: ControllerMetrics, log: Any,
                  orphan_grace_seconds: float,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self._core = client.CoreV1Api(api)
+        self._delete_pod = delete_pod
         self._list_vms = list_vms
         self._list_pods = list_pods
         self._locks = locks
@@ -117,33 +114,40 @@ class Sweeps:
     def orphan_pods(self) -> None:
         """Delete runner pods whose VM is gone, after the grace period."""
         # Pods first, then VMs: a pod whose VM exists is never missed by the later list.
-        # Metadata is all it reads (labels, owners, uid, deletionTimestamp).
-        pods = list_items(self._list_pods, metadata_only=True)
+        # Each page is cut down to the few fields the sweep reads as it arrives: a
+        # metadata-only pod still carries its managedFields (about 16 KiB as dicts), so
+        # holding the whole list would be the largest allocation the leader makes.
+        pods = [candidate for item in iter_items(self._list_pods, metadata_only=True)
+                if (candidate := _orphan_candidate(item)) is not None]
         uids = live_vm_uids(self._list_vms)
         now = self._clock()
         seen: dict[str, float] = {}
-        for pod in pods:
-            meta = pod.get("metadata") or {}
-            owner = (meta.get("labels") or {}).get(types.LABEL_VM_UID) or next(
-                (r.get("uid") for r in meta.get("ownerReferences") or []
-                 if r.get("kind") == types.KIND), None)
-            if owner is None or owner in uids or meta.get("deletionTimestamp"):
+        for namespace, name, pod_uid, owner in pods:
+            if owner in uids:
                 continue
-            pod_uid = str(meta.get("uid"))
             first = self._orphans_seen.get(pod_uid, now)
             seen[pod_uid] = first
             if now - first < self._grace:
                 continue
             try:
-                self._core.delete_namespaced_pod(
-                    meta["name"], meta["namespace"],
-                    body=client.V1DeleteOptions(
-                        preconditions=client.V1Preconditions(uid=pod_uid)))
+                self._delete_pod(namespace, name, pod_uid)
             except ApiException as exc:
                 if exc.status not in (404, 409):
                     raise
                 continue
             self._metrics.swept.labels(kind="pod").inc()
-            self._log.bind(vm=f"{meta['namespace']}/{owner}").info(
-                "deleted runner pod {pod}: its VM no longer exists", pod=meta["name"])
+            self._log.bind(vm=f"{namespace}/{owner}").info(
+                "deleted runner pod {pod}: its VM no longer exists", pod=name)
         self._orphans_seen = seen
+
+
+def _orphan_candidate(item: dict[str, Any]) -> tuple[str, str, str, str] | None:
+    """``(namespace, name, uid, owner VM uid)`` of a listed runner pod that is not being
+    deleted; None for a pod with no owner or one already going."""
+    meta = item.get("metadata") or {}
+    owner = (meta.get("labels") or {}).get(types.LABEL_VM_UID) or next(
+        (r.get("uid") for r in meta.get("ownerReferences") or []
+         if r.get("kind") == types.KIND), None)
+    if owner is None or meta.get("deletionTimestamp"):
+        return None
+    return str(meta.get("namespace")), str(meta.get("name")), str(meta.get("uid")), str(owner)
