@@ -196,6 +196,22 @@ def api_client(kubeconfig: Path | str | None = None,
     return api
 
 
+def _send(api: client.ApiClient, method: str, path: str, *, body: Any = None,
+          query: list[tuple[str, Any]] | None = None, headers: Mapping[str, str] | None = None,
+          timeout: Any = 30.0) -> rest.RESTResponse:
+    """One request, its body unread; a non-2xx answer raises ApiException, as the
+    generated API classes do (read first, ``ApiException.from_response``)."""
+    method, url, header_params, payload, _ = api.param_serialize(
+        method, path, query_params=query or [], header_params=dict(headers or {}),
+        body=body, auth_settings=["BearerToken"])
+    resp = api.call_api(method, url, header_params=header_params, body=payload,
+                        _request_timeout=timeout)
+    if not 200 <= resp.status <= 299:
+        resp.read()
+        ApiException.from_response(http_resp=resp, body=None, data=None)  # raises
+    return resp
+
+
 def request(
     api: client.ApiClient,
     method: str,
@@ -204,23 +220,72 @@ def request(
     query: list[tuple[str, str]] | None = None,
     content_type: str = "application/json",
     timeout: float = 30.0,
+    accept: str = "application/json",
 ) -> dict[str, Any]:
-    """A raw REST call (for content types the generated API lacks); raises ApiException."""
-    method, url, headers, payload, _ = api.param_serialize(
-        method,
-        path,
-        query_params=query or [],
-        header_params={"Content-Type": content_type, "Accept": "application/json"},
-        body=body,
-        auth_settings=["BearerToken"],
-    )
-    resp = api.call_api(method, url, header_params=headers, body=payload,
-                        _request_timeout=timeout)
+    """A raw REST call, the answer as decoded JSON; raises ApiException on non-2xx.
+
+    Used instead of the generated API classes (``CoreV1Api`` and the like): importing
+    one loads its module and its pydantic models, about 20 MiB per process, and their
+    typed results cost CPU to build only to be turned back into dicts.
+    """
+    # accept: a metadata-only answer (PartialObjectMetadata) is asked for by its type.
+    resp = _send(api, method, path, body=body, query=query, timeout=timeout,
+                 headers={"Content-Type": content_type, "Accept": accept})
     resp.read()
-    if not 200 <= resp.status <= 299:
-        raise ApiException(http_resp=resp)
     result: dict[str, Any] = json.loads(resp.data or b"{}")
     return result
+
+
+def get_or_none(api: client.ApiClient, path: str, *, accept: str = "application/json",
+                timeout: float = 30.0) -> dict[str, Any] | None:
+    """A GET, or None when the object does not exist (404; other errors raise)."""
+    # Why: "read unless gone" is how every direct read of the controller goes.
+    try:
+        return request(api, "GET", path, accept=accept, timeout=timeout)
+    except ApiException as exc:
+        if exc.status == 404:
+            return None
+        raise
+
+
+class Lister:
+    """A list (or watch) of one collection, called like a generated list function.
+
+    ``Lister(api, "/api/v1/pods", label_selector="x")(watch=True, resource_version=rv,
+    _preload_content=False, ...)`` sends what ``CoreV1Api.list_pod_for_all_namespaces``
+    would, and returns what it returns with ``_preload_content=False``: the urllib3
+    response, its body unread (a watch streams it; ``iter_resp_lines`` reads it), or
+    raises ApiException on a non-2xx answer. The informers, the resync and the sweeps
+    take such a callable; this one does not load the generated API classes.
+    """
+
+    def __init__(self, api: client.ApiClient, path: str, *, label_selector: str | None = None,
+                 field_selector: str | None = None) -> None:
+        self.api = api
+        self.path = path
+        self.label_selector = label_selector
+        self.field_selector = field_selector
+
+    def __call__(self, *, watch: bool | None = None, resource_version: str | None = None,
+                 allow_watch_bookmarks: bool | None = None, timeout_seconds: int | None = None,
+                 limit: int | None = None, _continue: str | None = None,
+                 _headers: Mapping[str, str] | None = None, _preload_content: bool = False,
+                 _request_timeout: Any = None) -> Any:
+        # Why only unpreloaded: every caller decodes the JSON itself (no typed models).
+        if _preload_content:
+            raise ValueError("Lister answers only unpreloaded responses "
+                             "(pass _preload_content=False)")
+        query: list[tuple[str, Any]] = [
+            (key, value) for key, value in (
+                ("allowWatchBookmarks", allow_watch_bookmarks), ("continue", _continue),
+                ("fieldSelector", self.field_selector),
+                ("labelSelector", self.label_selector), ("limit", limit),
+                ("resourceVersion", resource_version), ("timeoutSeconds", timeout_seconds),
+                ("watch", watch))
+            if value is not None]
+        headers = {"Accept": "application/json", **(_headers or {})}
+        return _send(self.api, "GET", self.path, query=query, headers=headers,
+                     timeout=_request_timeout).response
 
 
 def apply(api: client.ApiClient, obj: dict[str, Any], force: bool = True) -> dict[str, Any]:
