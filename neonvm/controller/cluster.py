@@ -45,13 +45,10 @@ through :class:`~neonvm.controller.scaling.RunnerScaling`, not through this inte
 from __future__ import annotations
 
 import copy
-import json
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kubernetes import client
-from kubernetes.client.exceptions import ApiException
 
 from neonvm import kube
 from neonvm.api import types
@@ -150,7 +147,7 @@ class VMWriter:
     """
 
     def __init__(self, api: client.ApiClient) -> None:
-        self._custom = client.CustomObjectsApi(api)
+        self._api = api
 
     def put_status(self, record: VMRecord, status: VirtualMachineStatus) -> VMRecord:
         """PUT /status carrying the resourceVersion of ``record`` (never a blind patch)."""
@@ -162,9 +159,8 @@ class VMWriter:
                          "resourceVersion": record.resource_version},
             "status": encode(status),
         }
-        raw = self._custom.replace_namespaced_custom_object_status(
-            types.GROUP, types.VERSION, vm.namespace, types.PLURAL, vm.name, body,
-            _request_timeout=TIMEOUT)
+        raw = kube.request(self._api, "PUT", f"{vm_path(vm.namespace, vm.name)}/status",
+                           body=body, timeout=TIMEOUT)
         return VMRecord.from_raw(raw)
 
     def put_main(self, record: VMRecord, finalizers: list[str]) -> VMRecord:
@@ -172,50 +168,33 @@ class VMWriter:
         body = copy.deepcopy(record.raw)
         body["metadata"]["finalizers"] = finalizers
         vm = record.vm
-        raw = self._custom.replace_namespaced_custom_object(
-            types.GROUP, types.VERSION, vm.namespace, types.PLURAL, vm.name, body,
-            _request_timeout=TIMEOUT)
+        raw = kube.request(self._api, "PUT", vm_path(vm.namespace, vm.name), body=body,
+                           timeout=TIMEOUT)
         return VMRecord.from_raw(raw)
 
 
 class KubeCluster(VMWriter):
-    """:class:`Cluster` through the ``kubernetes`` client (what the controller ships)."""
-
-    def __init__(self, api: client.ApiClient) -> None:
-        super().__init__(api)
-        self._api = api
-        self._core = client.CoreV1Api(api)
+    """:class:`Cluster` through raw REST calls (:func:`neonvm.kube.request`; what the
+    controller ships): plain JSON in and out, none of the client's generated API classes
+    (importing one costs a replica about 20 MiB)."""
 
     def list_pods(self, namespace: str, vm_name: str) -> list[dict[str, Any]]:
-        resp = self._core.list_namespaced_pod(
-            namespace, label_selector=f"{types.LABEL_VM_NAME}={vm_name}",
-            _preload_content=False, _request_timeout=TIMEOUT,
-        )
-        try:
-            items: list[dict[str, Any]] = json.loads(resp.data).get("items") or []
-        finally:
-            resp.release_conn()
+        body = kube.request(self._api, "GET", f"/api/v1/namespaces/{namespace}/pods",
+                            query=[("labelSelector", f"{types.LABEL_VM_NAME}={vm_name}")],
+                            timeout=TIMEOUT)
+        items: list[dict[str, Any]] = body.get("items") or []
         return items
 
     def get_vm_raw(self, namespace: str, name: str) -> dict[str, Any] | None:
-        try:
-            obj: dict[str, Any] = self._custom.get_namespaced_custom_object(
-                types.GROUP, types.VERSION, namespace, types.PLURAL, name,
-                _request_timeout=TIMEOUT)
-        except ApiException as exc:
-            if exc.status == 404:
-                return None
-            raise
-        return obj
+        return kube.get_or_none(self._api, vm_path(namespace, name), timeout=TIMEOUT)
 
     def get_pod(self, namespace: str, name: str) -> dict[str, Any] | None:
-        return _read_json(lambda: self._core.read_namespaced_pod(
-            name, namespace, _preload_content=False, _request_timeout=TIMEOUT))
+        return kube.get_or_none(self._api, f"/api/v1/namespaces/{namespace}/pods/{name}",
+                                timeout=TIMEOUT)
 
     def secret_metadata(self, namespace: str, name: str) -> dict[str, Any] | None:
-        return _read_json(lambda: self._core.read_namespaced_secret(
-            name, namespace, _preload_content=False, _request_timeout=TIMEOUT,
-            _headers={"Accept": PARTIAL_METADATA}))
+        return kube.get_or_none(self._api, f"/api/v1/namespaces/{namespace}/secrets/{name}",
+                                accept=PARTIAL_METADATA, timeout=TIMEOUT)
 
     def create_pod(self, namespace: str, manifest: dict[str, Any]) -> dict[str, Any]:
         # A raw request: the generated method validates the manifest into a typed model
@@ -233,29 +212,20 @@ class KubeCluster(VMWriter):
 
     def delete_pod(self, namespace: str, name: str, *, uid: str,
                    resource_version: str | None = None) -> None:
-        self._core.delete_namespaced_pod(
-            name, namespace,
-            body=client.V1DeleteOptions(preconditions=client.V1Preconditions(
-                uid=uid, resource_version=resource_version)),
-            _request_timeout=TIMEOUT)
+        preconditions = {"uid": uid}
+        if resource_version is not None:
+            preconditions["resourceVersion"] = resource_version
+        kube.request(self._api, "DELETE", f"/api/v1/namespaces/{namespace}/pods/{name}",
+                     body={"preconditions": preconditions}, timeout=TIMEOUT)
 
     def username(self) -> str:
-        review = client.AuthenticationV1Api(self._api).create_self_subject_review(
-            {"apiVersion": "authentication.k8s.io/v1", "kind": "SelfSubjectReview"},
-            _request_timeout=10)
-        return str(review.status.user_info.username)
+        review = kube.request(
+            self._api, "POST", "/apis/authentication.k8s.io/v1/selfsubjectreviews",
+            body={"apiVersion": "authentication.k8s.io/v1", "kind": "SelfSubjectReview"},
+            timeout=10)
+        return str(((review.get("status") or {}).get("userInfo") or {}).get("username"))
 
 
-def _read_json(read: Callable[[], Any]) -> dict[str, Any] | None:
-    """The decoded body of an unpreloaded GET, or None on 404 (other errors raise)."""
-    try:
-        resp = read()
-    except ApiException as exc:
-        if exc.status == 404:
-            return None
-        raise
-    try:
-        body: dict[str, Any] = json.loads(resp.data)
-    finally:
-        resp.release_conn()
-    return body
+def vm_path(namespace: str, name: str) -> str:
+    """The REST path of a VirtualMachine."""
+    return f"/apis/{types.GROUP}/{types.VERSION}/namespaces/{namespace}/{types.PLURAL}/{name}"
