@@ -68,7 +68,7 @@ from neonvm.controller import decide as d
 from neonvm.controller.events import EventRecorder
 from neonvm.controller.handler import Handler
 from neonvm.controller.heap import HeapTrimmer
-from neonvm.controller.informer import Informer, Obj, project_pod
+from neonvm.controller.informer import Informer, Lister, Obj, project_pod
 from neonvm.controller.metrics import ControllerMetrics
 from neonvm.controller.observe import pod_index, split_key
 from neonvm.controller.reconciler import AuthorityLost, Reconciler, ReconcilerConfig
@@ -210,26 +210,17 @@ class LeaderTerm:
         self.log = logger.bind(epoch=leadership.epoch, identity=leadership.identity)
         api = process.api
         ns = self.config.watch_namespace
-        custom = client.CustomObjectsApi(api)
-        core = client.CoreV1Api(api)
         wiring = process.wiring
         self.vm_store = wiring.store()
         self.pod_store = wiring.store(index=pod_index)
+        # Raw listers (no generated API classes: about 20 MiB a replica; kube.Lister).
+        vms_path = f"/apis/{types.GROUP}/{types.VERSION}/{types.PLURAL}"
+        pods_path = "/api/v1/pods"
         if ns:
-            def list_vms(**kw: Any) -> Any:
-                return custom.list_namespaced_custom_object(
-                    types.GROUP, types.VERSION, ns, types.PLURAL, **kw)
-
-            def list_pods(**kw: Any) -> Any:
-                return core.list_namespaced_pod(ns, label_selector=types.LABEL_VM_NAME, **kw)
-        else:
-            def list_vms(**kw: Any) -> Any:
-                return custom.list_cluster_custom_object(
-                    types.GROUP, types.VERSION, types.PLURAL, **kw)
-
-            def list_pods(**kw: Any) -> Any:
-                return core.list_pod_for_all_namespaces(label_selector=types.LABEL_VM_NAME,
-                                                        **kw)
+            vms_path = f"/apis/{types.GROUP}/{types.VERSION}/namespaces/{ns}/{types.PLURAL}"
+            pods_path = f"/api/v1/namespaces/{ns}/pods"
+        list_vms: Lister = kube.Lister(api, vms_path)
+        list_pods: Lister = kube.Lister(api, pods_path, label_selector=types.LABEL_VM_NAME)
         self._list_vms, self._list_pods = list_vms, list_pods
         self.informers = [
             Informer("virtualmachines", list_vms, self.vm_store, self._on_vm,
