@@ -40,6 +40,7 @@ from kubernetes.client.exceptions import ApiException
 from loguru import logger
 from urllib3.exceptions import HTTPError
 
+from neonvm import kube
 from neonvm.api import types
 from neonvm.api.types import VirtualMachine
 
@@ -90,7 +91,7 @@ class EventRecorder:
                  clock: Callable[[], float] = time.monotonic) -> None:
         """``dropped``/``aggregated``: counters (``inc()``) of events dropped because the
         queue was full, and of repeats folded into an existing Event."""
-        self._core = client.CoreV1Api(api) if api is not None else None
+        self._api = api
         self._identity = identity
         self._dropped = dropped
         self._aggregated = aggregated
@@ -101,7 +102,7 @@ class EventRecorder:
         """Serializes writes (and the LRU) when ``record`` writes in the caller's thread."""
         self._queue: queue.Queue[PendingEvent | None] | None = None
         self._thread: threading.Thread | None = None
-        if background and self._core is not None:
+        if background and self._api is not None:
             self._queue = queue.Queue(maxsize=queue_size)
             self._thread = threading.Thread(target=self._run, name="event-writer",
                                             daemon=True)
@@ -113,7 +114,7 @@ class EventRecorder:
                warning: bool = False) -> None:
         log = logger.bind(vm=vm.key, reason=reason)
         (log.warning if warning else log.info)("event: {message}", message=message)
-        if self._core is None:
+        if self._api is None:
             return
         event = PendingEvent(namespace=vm.namespace, name=vm.name, uid=vm.uid,
                              resource_version=vm.resource_version, reason=reason,
@@ -167,15 +168,15 @@ class EventRecorder:
                     "could not record event: {err}", err=exc)
 
     def _write_locked(self, event: PendingEvent) -> None:
-        assert self._core is not None
+        assert self._api is not None
         now = self._clock()
         recent = self._recent.get(event.key)
         if recent is not None and now - recent.written <= AGGREGATE_SECONDS:
             try:
-                self._core.patch_namespaced_event(
-                    recent.name, event.namespace,
-                    {"count": recent.count + 1, "lastTimestamp": _timestamp(event.at)},
-                    _content_type=MERGE_PATCH, _request_timeout=10)
+                kube.request(
+                    self._api, "PATCH", f"{_events_path(event.namespace)}/{recent.name}",
+                    body={"count": recent.count + 1, "lastTimestamp": _timestamp(event.at)},
+                    content_type=MERGE_PATCH, timeout=10)
             except ApiException as exc:
                 if exc.status != 404:
                     raise
@@ -188,30 +189,38 @@ class EventRecorder:
                     self._aggregated.inc()
                 return
         name = f"{event.name}.{uuid.uuid4().hex[:16]}"
-        self._core.create_namespaced_event(event.namespace, self._body(event, name),
-                                           _request_timeout=10)
+        kube.request(self._api, "POST", _events_path(event.namespace),
+                     body=self._body(event, name), timeout=10)
         self._recent[event.key] = _Recent(name=name, count=1, written=now)
         self._recent.move_to_end(event.key)
         while len(self._recent) > AGGREGATE_ENTRIES:
             self._recent.popitem(last=False)
 
-    def _body(self, event: PendingEvent, name: str) -> client.CoreV1Event:
-        return client.CoreV1Event(
-            metadata=client.V1ObjectMeta(name=name, namespace=event.namespace),
-            involved_object=client.V1ObjectReference(
-                api_version=types.API_VERSION, kind=types.KIND, name=event.name,
-                namespace=event.namespace, uid=event.uid,
-                resource_version=event.resource_version),
-            reason=event.reason,
-            message=event.message,
-            type="Warning" if event.warning else "Normal",
-            source=client.V1EventSource(component=COMPONENT),
-            reporting_component=COMPONENT,
-            reporting_instance=self._identity or None,
-            first_timestamp=event.at,
-            last_timestamp=event.at,
-            count=1,
-        )
+    def _body(self, event: PendingEvent, name: str) -> dict[str, Any]:
+        """The core/v1 Event, as JSON (what the typed ``CoreV1Event`` serialized to: unset
+        fields left out, the times as ``datetime.isoformat``)."""
+        involved = {"apiVersion": types.API_VERSION, "kind": types.KIND, "name": event.name,
+                    "namespace": event.namespace, "uid": event.uid,
+                    "resourceVersion": event.resource_version}
+        body: dict[str, Any] = {
+            "metadata": {"name": name, "namespace": event.namespace},
+            "involvedObject": {k: v for k, v in involved.items() if v is not None},
+            "reason": event.reason,
+            "message": event.message,
+            "type": "Warning" if event.warning else "Normal",
+            "source": {"component": COMPONENT},
+            "reportingComponent": COMPONENT,
+            "firstTimestamp": event.at.isoformat(),
+            "lastTimestamp": event.at.isoformat(),
+            "count": 1,
+        }
+        if self._identity:
+            body["reportingInstance"] = self._identity
+        return body
+
+
+def _events_path(namespace: str) -> str:
+    return f"/api/v1/namespaces/{namespace}/events"
 
 
 def _timestamp(at: dt.datetime) -> str:
