@@ -34,6 +34,8 @@ from typing import Any, Protocol
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
+from neonvm import kube
+
 STEP_DOWN_ANNOTATION = "leader.vm.neon.tech/step-down"
 """Annotation on the Lease asking one term (holder identity and epoch) to release."""
 
@@ -121,33 +123,28 @@ class StepDownRequest:
 class LeaseClient:
     """Get, create and compare-and-swap one Lease; objects are plain JSON dicts.
 
-    Plain dicts (``_preload_content=False``) keep the times exactly as the server wrote
-    them and let us send MicroTime strings in the canonical format.
+    Plain dicts (raw REST calls, :func:`neonvm.kube.request`) keep the times exactly as
+    the server wrote them, let us send MicroTime strings in the canonical format, and
+    load none of the generated API classes (about 20 MiB in every replica).
     """
 
     def __init__(self, api: client.ApiClient, namespace: str, name: str) -> None:
-        # Any: we pass dict bodies and read raw responses, which the typed stubs do not model.
-        self._api: Any = client.CoordinationV1Api(api)
+        self._api = api
         self.namespace = namespace
         self.name = name
+        self.collection = f"/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases"
+        """The REST path of the namespace's Leases."""
 
     def get(self, timeout: float) -> LeaseRecord | None:
         """A direct (quorum) read; None when the Lease does not exist."""
-        try:
-            resp = self._api.read_namespaced_lease(
-                self.name, self.namespace, _preload_content=False, _request_timeout=timeout)
-        except ApiException as exc:
-            if exc.status == 404:
-                return None
-            raise
-        return LeaseRecord.from_object(json.loads(resp.data))
+        obj = kube.get_or_none(self._api, f"{self.collection}/{self.name}", timeout=timeout)
+        return None if obj is None else LeaseRecord.from_object(obj)
 
     def create(self, spec: dict[str, Any], timeout: float) -> LeaseRecord:
         body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
                 "metadata": {"name": self.name, "namespace": self.namespace}, "spec": spec}
-        resp = self._api.create_namespaced_lease(
-            self.namespace, body, _preload_content=False, _request_timeout=timeout)
-        return LeaseRecord.from_object(json.loads(resp.data))
+        return LeaseRecord.from_object(kube.request(
+            self._api, "POST", self.collection, body=body, timeout=timeout))
 
     def replace(self, base: LeaseRecord, spec: dict[str, Any], timeout: float,
                 drop_step_down: bool = False,
@@ -163,9 +160,8 @@ class LeaseClient:
         if step_down is not None:
             annotations[STEP_DOWN_ANNOTATION] = step_down.to_annotation()
         meta["annotations"] = annotations or None
-        resp = self._api.replace_namespaced_lease(
-            self.name, self.namespace, obj, _preload_content=False, _request_timeout=timeout)
-        return LeaseRecord.from_object(json.loads(resp.data))
+        return LeaseRecord.from_object(kube.request(
+            self._api, "PUT", f"{self.collection}/{self.name}", body=obj, timeout=timeout))
 
 
 class LeaseConflict(Exception):
@@ -205,7 +201,8 @@ class KubernetesLeaseStore:
 
     def __init__(self, api: client.ApiClient, namespace: str, name: str) -> None:
         self._leases = LeaseClient(api, namespace, name)
-        self._raw: Any = client.CoordinationV1Api(api)
+        self._watch = kube.Lister(api, self._leases.collection,
+                                  field_selector=f"metadata.name={name}")
         self.namespace = namespace
         self.name = name
 
@@ -246,9 +243,8 @@ class KubernetesLeaseStore:
         """
         from kubernetes.watch.watch import iter_resp_lines
 
-        resp = self._raw.list_namespaced_lease(
-            self.namespace, field_selector=f"metadata.name={self.name}", watch=True,
-            timeout_seconds=max(1, int(timeout)), _preload_content=False,
+        resp = self._watch(
+            watch=True, timeout_seconds=max(1, int(timeout)), _preload_content=False,
             _request_timeout=(10, timeout + 10))
         try:
             for line in iter_resp_lines(resp):
