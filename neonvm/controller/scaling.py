@@ -42,7 +42,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kubernetes import client
-from kubernetes.client.rest import ApiException
+from kubernetes.client.exceptions import ApiException
 from loguru import logger
 
 from neonvm import kube
@@ -54,6 +54,7 @@ from neonvm.controller.observe import Snapshot
 from neonvm.runner.scaling import NO_TOKEN, pod_token
 
 TOKEN_KEY = "token"
+STRATEGIC_MERGE_PATCH = "application/strategic-merge-patch+json"
 USAGE_ANNOTATION = "vm.neon.tech/usage"
 """NeonVM's runner-pod annotation with the guest's current size (JSON cpu, memory)."""
 SCALE_FENCE_ANNOTATION = "vm.neon.tech/scale-fence"
@@ -155,7 +156,7 @@ class RunnerScaling:
         unplug); ``look_timeout``: a ``GET /scale``, asked during observations;
         ``token_sync_seconds``, ``token_quiet_seconds``: see :data:`TOKEN_SYNC_SECONDS`
         and :data:`TOKEN_QUIET_SECONDS`."""
-        self._core = client.CoreV1Api(api)
+        self._api = api
         self._timeout = timeout
         self._look_timeout = look_timeout
         self._address = address
@@ -194,8 +195,8 @@ class RunnerScaling:
             "stringData": {TOKEN_KEY: secrets.token_urlsafe(32)},
         }
         try:
-            created = self._core.create_namespaced_secret(vm.namespace, body,
-                                                          _request_timeout=30)
+            created = kube.request(self._api, "POST", _secrets_path(vm.namespace),
+                                   body=body, timeout=30)
         except ApiException as exc:
             if exc.status is None or exc.status == 429 or exc.status >= 500:
                 # Transient: the pod waits for its token (the step is retried with
@@ -206,7 +207,8 @@ class RunnerScaling:
             logger.bind(vm=vm.key).warning("cannot create a scaling token Secret: {} {}",
                                            exc.status, exc.reason)
             return None
-        return created.metadata.name, created.metadata.uid
+        meta = created.get("metadata") or {}
+        return str(meta.get("name") or ""), str(meta.get("uid") or "")
 
     def _recorded_token_present(self, vm: VirtualMachine) -> bool:
         """Whether the Secret recorded in status still exists with the recorded uid. Only
@@ -214,21 +216,24 @@ class RunnerScaling:
         transient error is raised (the pod waits)."""
         name = vm.status.scaling_token_secret or ""
         try:
-            secret = self._core.read_namespaced_secret(name, vm.namespace, _request_timeout=30)
+            secret = kube.request(self._api, "GET", f"{_secrets_path(vm.namespace)}/{name}",
+                                  timeout=30)
         except ApiException as exc:
             if exc.status == 404:
                 return False
             if exc.status is None or exc.status == 429 or exc.status >= 500:
                 raise
             return True
-        return bool(secret.metadata.uid == vm.status.scaling_token_secret_uid)
+        return bool((secret.get("metadata") or {}).get("uid")
+                    == vm.status.scaling_token_secret_uid)
 
     def discard_token(self, namespace: str, name: str) -> None:
         """Best effort: delete a token Secret this controller created but could not
         record (another one was recorded first). Left behind, the VM's owner reference
         still removes it with the VM."""
         try:
-            self._core.delete_namespaced_secret(name, namespace, _request_timeout=30)
+            kube.request(self._api, "DELETE", f"{_secrets_path(namespace)}/{name}",
+                         timeout=30)
         except ApiException as exc:
             logger.debug("could not delete the unrecorded token Secret {}: {}", name,
                          exc.status)
@@ -241,15 +246,17 @@ class RunnerScaling:
             raise ScalingError("no scaling token Secret recorded for this VM (the controller "
                                "could not create one: is rbac.liveScaling on?)", permanent=True)
         try:
-            secret = self._core.read_namespaced_secret(name, vm.namespace, _request_timeout=30)
+            secret = kube.request(self._api, "GET", f"{_secrets_path(vm.namespace)}/{name}",
+                                  timeout=30)
         except ApiException as exc:
             raise ScalingError(f"scaling token Secret {name}: {exc.status} {exc.reason}",
                                permanent=exc.status in (403, 404)) from None
-        if secret.metadata.uid != uid:
+        secret_uid = (secret.get("metadata") or {}).get("uid")
+        if secret_uid != uid:
             raise ScalingError(f"Secret {name} is not the one the controller created (uid "
-                               f"{secret.metadata.uid}, recorded {uid}): not used",
+                               f"{secret_uid}, recorded {uid}): not used",
                                permanent=True)
-        raw = (secret.data or {}).get(TOKEN_KEY)
+        raw = (secret.get("data") or {}).get(TOKEN_KEY)
         if not raw:
             raise ScalingError(f"Secret {name} has no {TOKEN_KEY!r}", permanent=True)
         return base64.b64decode(raw).decode().strip()
@@ -443,8 +450,8 @@ class RunnerScaling:
         from neonvm.runner.quantity import format_bytes
 
         try:
-            current = self._core.api_client.sanitize_for_serialization(
-                self._core.read_namespaced_pod(pod.name, vm.namespace, _request_timeout=30))
+            current = kube.request(self._api, "GET", _pod_path(vm.namespace, pod.name),
+                                   timeout=30)
         except ApiException as exc:
             log.warning("reading {pod} before annotating its size: {s}", pod=pod.name,
                         s=exc.status)
@@ -464,9 +471,10 @@ class RunnerScaling:
                                                   SCALE_FENCE_ANNOTATION: ",".join(
                                                       str(v) for v in fence)}}}
             try:
-                written = self._core.api_client.sanitize_for_serialization(
-                    self._core.patch_namespaced_pod(pod.name, vm.namespace, patch,
-                                                    _request_timeout=30))
+                # The generated patch_namespaced_pod sent a dict as a strategic merge.
+                written = kube.request(self._api, "PATCH", _pod_path(vm.namespace, pod.name),
+                                       body=patch, content_type=STRATEGIC_MERGE_PATCH,
+                                       timeout=30)
             except ApiException as exc:
                 log.warning("annotating {pod} with its size: {s} {m}", pod=pod.name,
                             s=exc.status, m=kube.api_error_message(exc))
@@ -480,11 +488,18 @@ class RunnerScaling:
                   "spec": {"containers": [{"name": podspec.RUNNER_CONTAINER, "resources": {
                       "requests": {"cpu": podspec.millicores(use.cores)}}}]}}
         try:
-            kube.request(self._core.api_client, "PATCH",
-                         f"/api/v1/namespaces/{vm.namespace}/pods/{pod.name}/resize", resize,
-                         content_type="application/strategic-merge-patch+json")
+            kube.request(self._api, "PATCH", f"{_pod_path(vm.namespace, pod.name)}/resize",
+                         resize, content_type=STRATEGIC_MERGE_PATCH)
         except ApiException as exc:
             log.info("in-place resize of {pod} not taken: {s} {m}", pod=pod.name,
                      s=exc.status, m=kube.api_error_message(exc))
             return "conflict" if exc.status == 409 else "done"
         return "done"
+
+
+def _secrets_path(namespace: str) -> str:
+    return f"/api/v1/namespaces/{namespace}/secrets"
+
+
+def _pod_path(namespace: str, name: str) -> str:
+    return f"/api/v1/namespaces/{namespace}/pods/{name}"
