@@ -26,8 +26,9 @@ from typing import Any
 from kubernetes import client
 from loguru import logger
 
-from neonvm.api import types
+from neonvm import kube
 from neonvm.api.types import VirtualMachineStatus
+from neonvm.controller.cluster import vm_path
 from neonvm.controller.faults import FaultConfig, Faults
 from neonvm.controller.informer import UNREAD, EventFilter, Obj, Store, Unread, object_key
 from neonvm.controller.observe import CacheReader, Observer, VMRecord
@@ -99,14 +100,15 @@ class FaultyCacheReader(CacheReader):
         return pods
 
 
-def bump_resource_version(custom: client.CustomObjectsApi, record: VMRecord) -> None:
+def bump_resource_version(api: client.ApiClient, record: VMRecord) -> None:
     """Change the VM's resourceVersion without touching spec or status (an annotation):
     what another writer racing ours looks like."""
     vm = record.vm
-    custom.patch_namespaced_custom_object(
-        types.GROUP, types.VERSION, vm.namespace, types.PLURAL, vm.name,
-        {"metadata": {"annotations": {FAULT_BUMP_ANNOTATION: uuid.uuid4().hex[:8]}}},
-    )
+    # A raw merge patch: the replica loads no generated API class (see neonvm.kube).
+    kube.request(api, "PATCH", vm_path(vm.namespace, vm.name),
+                 body={"metadata": {"annotations": {
+                     FAULT_BUMP_ANNOTATION: uuid.uuid4().hex[:8]}}},
+                 content_type="application/merge-patch+json")
 
 
 class FaultyWriter:
@@ -115,12 +117,12 @@ class FaultyWriter:
 
     def __init__(self, inner: Writer, api: client.ApiClient, faults: Faults) -> None:
         self._inner = inner
-        self._custom = client.CustomObjectsApi(api)
+        self._api = api
         self._faults = faults
 
     def _maybe_bump(self, record: VMRecord) -> None:
         if self._faults.inject_conflict():
-            bump_resource_version(self._custom, record)
+            bump_resource_version(self._api, record)
             logger.bind(vm=record.vm.key).debug(
                 "fault injection: bumped resourceVersion before a write")
 

@@ -262,7 +262,7 @@ class Replayer:
             return self._plant_real(args[0], args[1], args[2] if len(args) > 2 else None)
         if actor == "fault" and kind == "conflict":
             vm = self.vm_versions[-1]
-            bump_resource_version(self.custom, VMRecord.from_raw(vm))
+            bump_resource_version(self.custom.api_client, VMRecord.from_raw(vm))
             self._record_vm()
             return "resourceVersion bumped"
         return ""  # crash, failover, lock expiry: nothing on the API server
