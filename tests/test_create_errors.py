@@ -12,6 +12,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from loguru import logger
 
+from neonvm import kube
 from neonvm.api.schema import encode
 from neonvm.api.types import (
     API_VERSION,
@@ -158,8 +159,11 @@ class _Deletes:
     def __init__(self) -> None:
         self.deleted: list[str] = []
 
-    def delete_namespaced_pod(self, name: str, namespace: str, **kw: object) -> None:
-        self.deleted.append(name)
+    def __call__(self, api: object, method: str, path: str, **kw: object) -> dict[str, object]:
+        """Stands in for :func:`neonvm.kube.request`: only pod deletes are expected."""
+        assert method == "DELETE" and "/pods/" in path, (method, path)
+        self.deleted.append(path.rsplit("/", 1)[-1])
+        return {}
 
 
 class _Events:
@@ -174,7 +178,7 @@ class _Events:
     (None, False),         # a pod controlled by nothing
 ])
 def test_an_unlabelled_committed_pod_is_deleted_only_if_this_vm_controls_it(
-        owner: str | None, deleted: bool) -> None:
+        owner: str | None, deleted: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     vm = VirtualMachine(name="a", namespace="ns", uid="vm-a-uid", resource_version="1",
                         generation=1, spec=VirtualMachineSpec(),
                         status=VirtualMachineStatus())
@@ -185,7 +189,7 @@ def test_an_unlabelled_committed_pod_is_deleted_only_if_this_vm_controls_it(
            "spec": {"schedulingGates": [{"name": SCHEDULING_GATE}]}}
     reconciler = Reconciler(client.ApiClient(), events=_Events())  # type: ignore[arg-type]
     core = _Deletes()
-    reconciler.cluster._core = core  # type: ignore[attr-defined]
+    monkeypatch.setattr(kube, "request", core)
     outcome = reconciler._replace_unlabelled(vm, pod, d.Ungate(name="b-1", uid="pod-uid"),
                                              logger)
     assert (core.deleted == ["b-1"]) is deleted, core.deleted

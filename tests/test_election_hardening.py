@@ -482,7 +482,7 @@ def test_f3_the_elector_renews_through_its_own_client_and_pool_with_the_same_ide
     try:
         store = process.elector._lease
         assert isinstance(store, KubernetesLeaseStore)
-        own: client.ApiClient = store._leases._api.api_client
+        own: client.ApiClient = store._leases._api
         assert own is not api, "the elector shares the workers' ApiClient"
         assert own.rest_client.pool_manager is not api.rest_client.pool_manager
         assert own.configuration.host == api.configuration.host

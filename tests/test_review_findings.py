@@ -33,6 +33,7 @@ import pytest
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
+from neonvm import kube
 from neonvm.api import types
 from neonvm.api.crd import virtualmachine_crd
 from neonvm.api.types import (
@@ -45,7 +46,6 @@ from neonvm.api.types import (
 from neonvm.controller import decide as d
 from neonvm.controller import informer as informer_module
 from neonvm.controller import podspec
-from neonvm.controller.cluster import ungate_patch
 from neonvm.controller.events import EventRecorder
 from neonvm.controller.fault_wiring import FaultWiring
 from neonvm.controller.faults import FaultConfig, Faults
@@ -62,7 +62,7 @@ UID = "0123456789abcdef"
 NS = "ns"
 
 
-# ---- a tiny in-memory API server at the level of the kubernetes client calls -------------
+# ---- a tiny in-memory API server at the level of the controller's raw REST calls --------
 
 
 class _Resp:
@@ -95,7 +95,8 @@ def _resolve(obj: Any, path: str) -> tuple[Any, str | int]:
 
 
 class FakeAPI:
-    """CoreV1Api + CustomObjectsApi calls the controller makes, on one namespace."""
+    """The API server's pods and one VM in one namespace, at the level of the controller's
+    raw REST calls: :meth:`request` stands in for :func:`neonvm.kube.request`."""
 
     def __init__(self, vm: dict[str, Any], pods: list[dict[str, Any]] = ()) -> None:  # type: ignore[assignment]
         self.vm: dict[str, Any] | None = copy.deepcopy(vm)
@@ -104,7 +105,6 @@ class FakeAPI:
         self.rv = 100
         self.creates: list[str] = []
         self.deletes: list[str] = []
-        self.api_client = client.ApiClient()
         self.on_get_vm: Any = None
         """Hook run inside a VM GET, before it answers (another actor's writes)."""
 
@@ -112,26 +112,40 @@ class FakeAPI:
         self.rv += 1
         return str(self.rv)
 
-    def _v1pod(self, pod: dict[str, Any]) -> Any:
-        return self.api_client._ApiClient__deserialize(copy.deepcopy(pod), "V1Pod")  # type: ignore[attr-defined]
+    def request(self, api: Any, method: str, path: str, body: Any = None,
+                query: list[tuple[str, str]] | None = None, **kw: Any) -> dict[str, Any]:
+        parts = path.strip("/").split("/")
+        if parts[:2] == ["api", "v1"] and parts[4] == "pods":
+            name = parts[5] if len(parts) > 5 else None
+            if name is None:
+                if method == "GET":
+                    return self.list_pods(dict(query or []).get("labelSelector", ""))
+                assert method == "POST", (method, path)
+                return self.create_pod(parts[3], body)
+            handler = {"GET": self.get_pod, "PATCH": self.patch_pod,
+                       "DELETE": self.delete_pod}[method]
+            return handler(name, body)
+        assert parts[:2] == ["apis", types.GROUP] and parts[5] == types.PLURAL, path
+        if method == "GET":
+            return self.get_vm(parts[6])
+        assert method == "PUT", (method, path)
+        return self.put_status(body) if parts[-1] == "status" else self.put_main(body)
 
     # -- pods --
-    def list_namespaced_pod(self, namespace: str, label_selector: str = "", **kw: Any) -> Any:
+    def list_pods(self, label_selector: str) -> dict[str, Any]:
         items = [copy.deepcopy(p) for p in self.pods.values()
                  if _selector_matches(label_selector,
                                       p["metadata"].get("labels") or {})]
-        body = {"items": items, "metadata": {"resourceVersion": str(self.rv)}}
-        return _Resp(body) if kw.get("_preload_content") is False else body
+        return {"items": items, "metadata": {"resourceVersion": str(self.rv)}}
 
-    def read_namespaced_pod(self, name: str, namespace: str, **kw: Any) -> Any:
+    def get_pod(self, name: str, body: Any = None) -> dict[str, Any]:
         pod = self.pods.get(name)
         if pod is None:
             raise ApiException(status=404, reason="Not Found")
-        return _Resp(pod) if kw.get("_preload_content") is False else self._v1pod(pod)
+        return copy.deepcopy(pod)
 
-    def create_namespaced_pod(self, namespace: str, body: Any, **kw: Any) -> Any:
-        pod = copy.deepcopy(body if isinstance(body, dict)
-                            else self.api_client.sanitize_for_serialization(body))
+    def create_pod(self, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
+        pod = copy.deepcopy(body)
         name = pod["metadata"]["name"]
         self.creates.append(name)
         if name in self.pods:
@@ -140,9 +154,9 @@ class FakeAPI:
                                namespace=namespace)
         pod["status"] = {"phase": "Pending"}
         self.pods[name] = pod
-        return self._v1pod(pod)
+        return copy.deepcopy(pod)
 
-    def patch_namespaced_pod(self, name: str, namespace: str, body: Any, **kw: Any) -> Any:
+    def patch_pod(self, name: str, body: Any) -> dict[str, Any]:
         pod = self.pods.get(name)
         if pod is None:
             raise ApiException(status=404, reason="Not Found")
@@ -158,14 +172,13 @@ class FakeAPI:
                 raise AssertionError(op)
         new["metadata"]["resourceVersion"] = self.next_rv()
         self.pods[name] = new
-        return self._v1pod(new)
+        return copy.deepcopy(new)
 
-    def delete_namespaced_pod(self, name: str, namespace: str, body: Any = None,
-                              **kw: Any) -> Any:
+    def delete_pod(self, name: str, body: Any = None) -> dict[str, Any]:
         pod = self.pods.get(name)
         if pod is None:
             raise ApiException(status=404, reason="Not Found")
-        uid = getattr(getattr(body, "preconditions", None), "uid", None)
+        uid = ((body or {}).get("preconditions") or {}).get("uid")
         if uid is not None and uid != pod["metadata"]["uid"]:
             raise ApiException(status=409, reason="Conflict")
         self.deletes.append(name)
@@ -173,8 +186,7 @@ class FakeAPI:
         return {}
 
     # -- VMs --
-    def get_namespaced_custom_object(self, group: str, version: str, namespace: str,
-                                     plural: str, name: str, **kw: Any) -> Any:
+    def get_vm(self, name: str) -> dict[str, Any]:
         if self.on_get_vm is not None:
             hook, self.on_get_vm = self.on_get_vm, None
             hook(self)
@@ -187,18 +199,14 @@ class FakeAPI:
         if body["metadata"].get("resourceVersion") != self.vm["metadata"]["resourceVersion"]:
             raise ApiException(status=409, reason="Conflict")
 
-    def replace_namespaced_custom_object_status(self, group: str, version: str,
-                                                namespace: str, plural: str, name: str,
-                                                body: dict[str, Any], **kw: Any) -> Any:
+    def put_status(self, body: dict[str, Any]) -> dict[str, Any]:
         self._check_rv(body)
         assert self.vm is not None
         self.vm["status"] = copy.deepcopy(body.get("status") or {})
         self.vm["metadata"]["resourceVersion"] = self.next_rv()
         return copy.deepcopy(self.vm)
 
-    def replace_namespaced_custom_object(self, group: str, version: str, namespace: str,
-                                         plural: str, name: str, body: dict[str, Any],
-                                         **kw: Any) -> Any:
+    def put_main(self, body: dict[str, Any]) -> dict[str, Any]:
         self._check_rv(body)
         assert self.vm is not None
         self.vm["metadata"]["finalizers"] = list(body["metadata"].get("finalizers") or [])
@@ -216,18 +224,10 @@ def vm_object(status: dict[str, Any], name: str = "vm") -> dict[str, Any]:
     }
 
 
-def reconciler_on(fake: FakeAPI) -> Reconciler:
-    rec = Reconciler(client.ApiClient(), config=ReconcilerConfig(max_steps=30))
-    rec.cluster._core = fake  # type: ignore[attr-defined]  # the reader's and writer's too
-    rec.cluster._custom = fake  # type: ignore[attr-defined]
-    # The pod writes are raw requests (no typed models): answered by the same fake.
-    sanitize = fake.api_client.sanitize_for_serialization
-    rec.cluster.create_pod = lambda namespace, manifest: sanitize(  # type: ignore[method-assign]
-        fake.create_namespaced_pod(namespace, manifest))
-    rec.cluster.ungate_pod = lambda namespace, name, *, uid, resource_version, gate_index: \
-        sanitize(fake.patch_namespaced_pod(  # type: ignore[method-assign]
-            name, namespace, ungate_patch(uid, resource_version, gate_index)))
-    return rec
+def reconciler_on(fake: FakeAPI, monkeypatch: pytest.MonkeyPatch) -> Reconciler:
+    """A reconciler whose every API call (reads, VM writes, pod writes) ``fake`` answers."""
+    monkeypatch.setattr(kube, "request", fake.request)
+    return Reconciler(client.ApiClient(), config=ReconcilerConfig(max_steps=30))
 
 
 def runner_pod_object(vm: dict[str, Any], name: str) -> dict[str, Any]:
@@ -258,7 +258,8 @@ def _longest_admitted_name() -> int:
     return limit
 
 
-def test_f1_every_vm_name_the_crd_admits_yields_valid_pod_labels_and_selectors() -> None:
+def test_f1_every_vm_name_the_crd_admits_yields_valid_pod_labels_and_selectors(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     name = "v" * _longest_admitted_name()
     vm = VirtualMachine(name=name, namespace=NS, uid=UID, resource_version="1", generation=1,
                         spec=VirtualMachineSpec(), status=VirtualMachineStatus(),
@@ -274,14 +275,13 @@ def test_f1_every_vm_name_the_crd_admits_yields_valid_pod_labels_and_selectors()
 
     selectors: list[str] = []
 
-    class Core:
-        def list_namespaced_pod(self, namespace: str, label_selector: str = "",
-                                **kw: Any) -> _Resp:
-            selectors.append(label_selector)
-            return _Resp({"items": []})
+    def list_pods(api: Any, method: str, path: str, query: Any = None,
+                  **kw: Any) -> dict[str, Any]:
+        selectors.append(dict(query or []).get("labelSelector", ""))
+        return {"items": []}
 
     reader = DirectReader(client.ApiClient())
-    reader.cluster._core = Core()  # type: ignore[attr-defined]
+    monkeypatch.setattr(kube, "request", list_pods)
     reader.list_pods(NS, name)
     for req in selectors[0].split(","):
         _key, _eq, value = req.partition("=")
@@ -389,7 +389,8 @@ def test_f2_a_vm_whose_added_event_was_lost_is_still_reconciled(
 # ---- F3: an unlabelled pod holding the planned name ----------------------------------------
 
 
-def test_f3_a_planned_name_taken_by_a_pod_not_labelled_for_the_vm_does_not_spin() -> None:
+def test_f3_a_planned_name_taken_by_a_pod_not_labelled_for_the_vm_does_not_spin(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     x = f"vm-{UID[:8]}-1"
     vm = vm_object({"phase": "Pending", "planSeq": 1,
                     "pendingPod": {"name": x, "planSeq": 1, "token": 1, "epoch": 1,
@@ -399,7 +400,8 @@ def test_f3_a_planned_name_taken_by_a_pod_not_labelled_for_the_vm_does_not_spin(
                 "spec": {"containers": [{"name": "c", "image": "i"}]},
                 "status": {"phase": "Running"}}
     fake = FakeAPI(vm, [intruder])
-    result = reconciler_on(fake).reconcile(f"{NS}/vm", StaticAuthority(), direct_first=True)
+    result = reconciler_on(fake, monkeypatch).reconcile(f"{NS}/vm", StaticAuthority(),
+                                                        direct_first=True)
     assert fake.creates.count(x) <= 2, (
         f"create {x} answered AlreadyExists {fake.creates.count(x)} times in one reconcile "
         f"(ended with {type(result.action).__name__}: {result.action.reason}, requeue after "
@@ -409,7 +411,8 @@ def test_f3_a_planned_name_taken_by_a_pod_not_labelled_for_the_vm_does_not_spin(
 # ---- F4: gone judged from the list taken before the VM read ---------------------------------
 
 
-def test_f4_a_pod_committed_between_the_list_and_the_vm_read_is_not_taken_for_gone() -> None:
+def test_f4_a_pod_committed_between_the_list_and_the_vm_read_is_not_taken_for_gone(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     x = f"vm-{UID[:8]}-1"
     vm = vm_object({"phase": "Pending", "planSeq": 1,
                     "pendingPod": {"name": x, "planSeq": 1, "token": 1, "epoch": 1,
@@ -427,7 +430,7 @@ def test_f4_a_pod_committed_between_the_list_and_the_vm_read_is_not_taken_for_go
         api.vm["metadata"]["resourceVersion"] = api.next_rv()
 
     fake.on_get_vm = another_actor_creates_and_commits
-    reconciler_on(fake).reconcile(f"{NS}/vm", StaticAuthority(), direct_first=True)
+    reconciler_on(fake, monkeypatch).reconcile(f"{NS}/vm", StaticAuthority(), direct_first=True)
     assert fake.vm is not None
     status = fake.vm["status"]
     assert status.get("restartCount", 0) == 0 and x not in fake.deletes, (

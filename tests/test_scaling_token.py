@@ -12,6 +12,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from loguru import logger
 
+from neonvm import kube
 from neonvm.api.millicpu import MilliCPU
 from neonvm.api.types import (
     FINALIZER,
@@ -45,25 +46,35 @@ def scalable_vm() -> VirtualMachine:
 
 
 class _Secrets:
+    """The API server's Secrets (and pods) of one namespace, as raw REST requests: stands
+    in for :func:`neonvm.kube.request`."""
+
     def __init__(self, status: int | None = None) -> None:
         self.status = status
         self.deleted: list[str] = []
         self.created: list[str] = []
         self.pods: list[str] = []
 
-    def create_namespaced_secret(self, namespace: str, body: Any, **_: Any) -> Any:
-        if self.status is not None:
-            raise ApiException(status=self.status, reason="test")
-        self.created.append("vm-scaling-abcde")
-        meta = client.V1ObjectMeta(name="vm-scaling-abcde", uid="secret-uid")
-        return client.V1Secret(metadata=meta)
+    def __call__(self, api: Any, method: str, path: str, body: Any = None,
+                 **_: Any) -> dict[str, Any]:
+        name = path.rsplit("/", 1)[-1]
+        if (method, name) == ("POST", "secrets"):
+            if self.status is not None:
+                raise ApiException(status=self.status, reason="test")
+            self.created.append("vm-scaling-abcde")
+            return {"metadata": {"name": "vm-scaling-abcde", "uid": "secret-uid"}}
+        if method == "DELETE" and "/secrets/" in path:
+            self.deleted.append(name)
+            return {}
+        if method == "GET" and "/secrets/" in path:
+            return self.read_secret(name)
+        if (method, name) == ("POST", "pods"):
+            self.pods.append(body["metadata"]["name"])
+            raise AssertionError("no pod may be created here")
+        raise AssertionError(f"unexpected request {method} {path}")
 
-    def delete_namespaced_secret(self, name: str, namespace: str, **_: Any) -> None:
-        self.deleted.append(name)
-
-    def create_namespaced_pod(self, namespace: str, body: Any, **_: Any) -> Any:
-        self.pods.append(body["metadata"]["name"])
-        raise AssertionError("no pod may be created here")
+    def read_secret(self, name: str) -> dict[str, Any]:
+        raise ApiException(status=404, reason="Not Found")
 
 
 @pytest.mark.parametrize(("status", "held_back"), [
@@ -71,9 +82,9 @@ class _Secrets:
     (403, False), (422, False),             # refused for good: the pod starts unscalable
 ])
 def test_a_transient_failure_to_create_the_token_holds_the_pod_back(
-        status: int, held_back: bool) -> None:
+        status: int, held_back: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     scaling = RunnerScaling(client.ApiClient())
-    scaling._core = _Secrets(status)  # type: ignore[assignment]
+    monkeypatch.setattr(kube, "request", _Secrets(status))
     if held_back:
         with pytest.raises(ApiException):
             scaling.create_token(scalable_vm())
@@ -87,11 +98,10 @@ def test_a_token_that_loses_the_race_to_be_recorded_is_deleted_and_no_pod_is_bui
     be built from the VM we read (it names no Secret, so it would mount none); the step
     ends without effect, and the next read sees the recorded Secret."""
     core = _Secrets()
+    monkeypatch.setattr(kube, "request", core)  # the scaling's and the cluster's calls
     reconciler = Reconciler(client.ApiClient())
     scaling = RunnerScaling(client.ApiClient())
-    scaling._core = core  # type: ignore[assignment]
     reconciler._scaling = scaling
-    reconciler.cluster._core = core  # type: ignore[attr-defined]
     monkeypatch.setattr(reconciler, "_write_status", lambda *a, **k: None)
     vm = scalable_vm()
     snap = make_snapshot(VMRecord(vm=vm, raw={}), [], LEASE, direct=True)
@@ -109,10 +119,10 @@ class _Recorded(_Secrets):
         super().__init__()
         self.uid = uid
 
-    def read_namespaced_secret(self, name: str, namespace: str, **_: Any) -> Any:
+    def read_secret(self, name: str) -> dict[str, Any]:
         if self.uid is None:
             raise ApiException(status=404, reason="Not Found")
-        return client.V1Secret(metadata=client.V1ObjectMeta(name=name, uid=self.uid))
+        return {"metadata": {"name": name, "uid": self.uid}}
 
 
 def recorded_vm() -> VirtualMachine:
@@ -128,9 +138,9 @@ def recorded_vm() -> VirtualMachine:
     ("planted-uid", True),  # replaced under its name by someone else: never used
 ])
 def test_a_recorded_token_that_is_gone_is_replaced_before_the_next_pod(
-        there: str | None, replaced: bool) -> None:
+        there: str | None, replaced: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     scaling = RunnerScaling(client.ApiClient())
-    scaling._core = _Recorded(there)  # type: ignore[assignment]
+    monkeypatch.setattr(kube, "request", _Recorded(there))
     made = scaling.create_token(recorded_vm())
     assert (made == ("vm-scaling-abcde", "secret-uid")) is replaced, made
 
