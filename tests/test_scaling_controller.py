@@ -472,7 +472,8 @@ def test_a_put_that_lands_after_its_plan_was_dropped_is_adopted_into_status(
 
 
 def test_a_conflict_on_the_pods_size_annotation_or_resize_is_redone(
-        api: client.ApiClient, controller_api: client.ApiClient, namespace: str) -> None:
+        api: client.ApiClient, controller_api: client.ApiClient, namespace: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     # Review S9: the pod's resourceVersion moves with any update (the kubelet's status
     # updates too), so a 409 on the usage annotation or on the in-place resize is not
     # always a newer plan's write. It is redone from a fresh read (the fence check on
@@ -510,22 +511,18 @@ def test_a_conflict_on_the_pods_size_annotation_or_resize_is_redone(
         core.patch_namespaced_pod_status(pod.metadata.name, namespace, {
             "status": {"message": f"kubelet update {updates}"}})
 
-    real_read, real_patch = scaling._core.read_namespaced_pod, scaling._core.patch_namespaced_pod
+    real_request = kube.request
+    pod_path = f"/api/v1/namespaces/{namespace}/pods/{pod.metadata.name}"
 
-    def read(*args: Any, **kwargs: Any) -> Any:
-        got = real_read(*args, **kwargs)
-        if updates == 0:
-            kubelet_update()  # between the first read and the annotation patch
-        return got
+    def request(api: Any, method: str, path: str, *args: Any, **kwargs: Any) -> Any:
+        answer = real_request(api, method, path, *args, **kwargs)
+        if (method, path, updates) in (("GET", pod_path, 0), ("PATCH", pod_path, 1)):
+            # Between the first read and the annotation patch, then between the
+            # annotation patch and the resize.
+            kubelet_update()
+        return answer
 
-    def patch(*args: Any, **kwargs: Any) -> Any:
-        written = real_patch(*args, **kwargs)
-        if updates == 1:
-            kubelet_update()  # between the annotation patch and the resize
-        return written
-
-    scaling._core.read_namespaced_pod = read  # type: ignore[method-assign]
-    scaling._core.patch_namespaced_pod = patch  # type: ignore[method-assign]
+    monkeypatch.setattr(kube, "request", request)
     scaling._tell_kubernetes(vm, view, 2 * GIB, plan, logger)
     read_back = core.read_namespaced_pod(pod.metadata.name, namespace)
     annotations = read_back.metadata.annotations or {}
