@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import tracemalloc
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from kubernetes.client.exceptions import ApiException
@@ -16,6 +16,7 @@ from loguru import logger
 from neonvm.api import types
 from neonvm.controller.metrics import ControllerMetrics
 from neonvm.controller.sweeps import METADATA_LIST, Sweeps
+from neonvm.leader.lock import LockManager
 
 pytestmark = pytest.mark.unit
 
@@ -85,7 +86,8 @@ def test_a_pod_whose_vm_is_listed_is_never_deleted_and_an_orphan_only_after_the_
     pods = PagedList([pod("kept", "vm-1"), pod("orphan", "vm-gone"),
                       pod("going", "vm-gone", deleting=True), pod("unowned", None)])
     vms = PagedList([vm("vm-1")])
-    clock, deleted = Clock(), []
+    clock = Clock()
+    deleted: list[tuple[str, str, str]] = []
     sweep = sweeps(pods, vms, clock, deleted)
 
     sweep.orphan_pods()
@@ -152,3 +154,28 @@ def test_the_sweep_holds_one_page_of_the_pod_list_at_a_time_not_the_whole_list()
     # A page is held twice at most (its bytes and its decoded items), with the fake's
     # own encoding of it: well under 6 pages, against 20 pages for the whole list.
     assert peak < 6 * page_bytes, (peak, page_bytes)
+
+
+def test_a_run_lists_pods_then_reads_the_locks_then_lists_vms_once_for_both_sweeps() -> None:
+    order: list[str] = []
+    pods, vms = PagedList([pod("orphan", "vm-gone")]), PagedList([vm("vm-1")])
+
+    def recording(name: str, lister: PagedList) -> Any:
+        def call(**kw: Any) -> Response:
+            order.append(name)
+            return lister(**kw)
+        return call
+
+    class Locks:
+        def sweep(self, existing_vm_uids: Any) -> list[Any]:
+            order.append("locks")
+            assert existing_vm_uids() == {"vm-1"}
+            return []
+
+    deleted: list[tuple[str, str, str]] = []
+    Sweeps(delete_pod=lambda *a: deleted.append(a), list_vms=recording("vms", vms),
+           list_pods=recording("pods", pods), locks=lambda: cast(LockManager, Locks()),
+           metrics=ControllerMetrics(),
+           log=logger, orphan_grace_seconds=0.0, clock=Clock()).run()
+    assert order == ["pods", "locks", "vms"]
+    assert deleted == [(NS, "orphan", "pod-uid-orphan")]

@@ -80,7 +80,8 @@ def controller() -> None:
               show_default=True,
               help="Seconds a new leader may take to sync its caches before it steps down "
                    "and releases the Lease for a standby.")
-@click.option("--sweep", type=click.FloatRange(min=1), default=30.0, show_default=True,
+@click.option("--sweep", type=click.FloatRange(min=1), default=ControllerConfig().sweep_seconds,
+              show_default=True,
               help="Seconds between sweeps of locks and pods of deleted VMs.")
 @click.option("--orphan-grace", type=click.FloatRange(min=0), default=30.0, show_default=True,
               help="Seconds a pod whose VM is gone may stay before the sweep deletes it (the "

@@ -102,24 +102,41 @@ class Sweeps:
         """Pod uid -> clock time it was first seen orphaned (pods still orphaned only)."""
 
     def run(self) -> None:
-        """Both sweeps; a failure is logged, and the next period tries again."""
+        """Both sweeps, on one list of pods and one list of VMs; a failure is logged, and
+        the next period tries again."""
         try:
-            swept = self._locks().sweep(lambda: live_vm_uids(self._list_vms))
+            # Pods first; then the lock sweep reads the locks and only then lists the VMs
+            # (its rule); the orphan sweep reuses that VM list, which is still later than
+            # its pod list (its rule). One VM list per run instead of two.
+            pods = self._pod_candidates()
+            listed: list[set[str]] = []
+
+            def vm_uids() -> set[str]:
+                if not listed:
+                    listed.append(live_vm_uids(self._list_vms))
+                return listed[0]
+
+            swept = self._locks().sweep(vm_uids)
             if swept:
                 self._metrics.swept.labels(kind="lock").inc(len(swept))
-            self.orphan_pods()
+            self._delete_orphans(pods, vm_uids())
         except Exception as exc:
             self._log.warning("sweep failed: {err}", err=short_error(exc))
 
     def orphan_pods(self) -> None:
         """Delete runner pods whose VM is gone, after the grace period."""
         # Pods first, then VMs: a pod whose VM exists is never missed by the later list.
+        pods = self._pod_candidates()
+        self._delete_orphans(pods, live_vm_uids(self._list_vms))
+
+    def _pod_candidates(self) -> list[tuple[str, str, str, str]]:
         # Each page is cut down to the few fields the sweep reads as it arrives: a
         # metadata-only pod still carries its managedFields (about 16 KiB as dicts), so
         # holding the whole list would be the largest allocation the leader makes.
-        pods = [candidate for item in iter_items(self._list_pods, metadata_only=True)
+        return [candidate for item in iter_items(self._list_pods, metadata_only=True)
                 if (candidate := _orphan_candidate(item)) is not None]
-        uids = live_vm_uids(self._list_vms)
+
+    def _delete_orphans(self, pods: list[tuple[str, str, str, str]], uids: set[str]) -> None:
         now = self._clock()
         seen: dict[str, float] = {}
         for namespace, name, pod_uid, owner in pods:
