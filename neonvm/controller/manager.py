@@ -70,6 +70,7 @@ from neonvm.controller.handler import Handler
 from neonvm.controller.heap import HeapTrimmer
 from neonvm.controller.informer import Informer, Lister, Obj, project_pod
 from neonvm.controller.metrics import ControllerMetrics
+from neonvm.controller.midplan import MidPlanSet
 from neonvm.controller.observe import pod_index, split_key
 from neonvm.controller.reconciler import AuthorityLost, Reconciler, ReconcilerConfig
 from neonvm.controller.sweeps import Sweeps, iter_items
@@ -218,6 +219,7 @@ class LeaderTerm:
         wiring = process.wiring
         self.vm_store = wiring.store()
         self.pod_store = wiring.store(index=pod_index)
+        self.mid_plan = MidPlanSet(self.vm_store, self.pod_store.by_index)
         # Raw listers (no generated API classes: about 20 MiB a replica; kube.Lister).
         vms_path = f"/apis/{types.GROUP}/{types.VERSION}/{types.PLURAL}"
         pods_path = "/api/v1/pods"
@@ -268,12 +270,14 @@ class LeaderTerm:
     # ---- event handlers (informer threads) ---------------------------------------------
 
     def _on_vm(self, key: str, old: Obj | None, new: Obj | None) -> None:
+        self.mid_plan.touch(key)
         self.queue.add(key)
 
     def _on_pod(self, key: str, old: Obj | None, new: Obj | None) -> None:
         for obj in (old, new):
             vm_key = pod_index(obj) if obj is not None else None
             if vm_key:
+                self.mid_plan.touch(vm_key)
                 self.queue.add(vm_key)
 
     # ---- locks -------------------------------------------------------------------------
@@ -370,8 +374,7 @@ class LeaderTerm:
                 # resync's diff does). Nor those already waiting for a worker: they get
                 # a turn anyway (a new VM's first, from the cache, costs no reads), and
                 # the next scan still finds them if that turn leaves them mid-plan.
-                self._requeue(k for k in d.mid_plan_keys(self.vm_store.values(),
-                                                         self.pod_store.by_index)
+                self._requeue(k for k in self.mid_plan.scan()
                               if not self.handler.in_hand(k) and not self.queue.queued(k))
                 self.metrics.scans.labels(scan="mid_plan").inc()
             if now >= next_resync:
