@@ -110,3 +110,13 @@ def test_over_random_changes_every_scan_answers_what_a_whole_scan_would() -> Non
         if rng.random() < 0.3:
             assert mid.scan() == cache.whole_scan()
     assert mid.scan() == cache.whole_scan()
+
+
+def test_a_vm_evicted_from_the_cache_without_a_report_leaves_the_set_at_the_next_scan() -> None:
+    cache = Cache()
+    cache.vms["ns/a"] = vm("a", podName="p")
+    cache.pods["ns/a"] = [GATED]
+    mid = MidPlanSet(cache, cache.pods_of, full_every=1000)
+    assert mid.scan() == ["ns/a"]
+    del cache.vms["ns/a"]  # Store.discard: no informer event, so no touch
+    assert mid.scan() == []

@@ -12,9 +12,10 @@ Guarantees:
 * a scan answers exactly what :func:`~neonvm.controller.decide.mid_plan_keys` would
   answer over the caches, for every VM whose change was reported with :meth:`touch`
   before the scan began;
+* a VM that left the cache without a report (``Store.discard``, the handler's eviction of
+  a VM whose uid changed) leaves the set at the next scan;
 * every ``full_every``-th scan (and the first) decides again for every cached VM, so a
-  cache that changed without a report (a wrapper composed in for fault injection may
-  answer older versions on its own) is caught up within that many scans.
+  change that reached the cache without a report is caught up within that many scans.
 
 Not guaranteed: anything about a change reported while a scan runs; the next scan has
 it.
@@ -59,8 +60,12 @@ class MidPlanSet:
         """The VMs that look mid-plan now (one caller at a time: the housekeeping)."""
         with self._mutex:
             changed, self._changed = self._changed, set()
+        present = set(self._vms.all_keys())
+        # A VM can leave the cache without a report (the handler evicts one whose uid
+        # changed): keys are cheap to compare, objects are not decoded for it.
+        self._mid &= present
         if self._scans % self._full_every == 0:
-            changed |= set(self._vms.all_keys()) | self._mid
+            changed |= present
         self._scans += 1
         for key in changed:
             raw = self._vms.get(key)
