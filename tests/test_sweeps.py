@@ -48,6 +48,14 @@ class PagedList:
                                     "items": self.items[start:end]}).encode())
 
 
+def recording(name: str, lister: PagedList, order: list[str]) -> Any:
+    """``lister``, noting ``name`` in ``order`` at each call."""
+    def call(**kw: Any) -> Response:
+        order.append(name)
+        return lister(**kw)
+    return call
+
+
 def pod(name: str, vm_uid: str | None, *, deleting: bool = False,
         padding: int = 0) -> dict[str, Any]:
     meta: dict[str, Any] = {"name": name, "namespace": NS, "uid": f"pod-uid-{name}",
@@ -106,15 +114,9 @@ def test_both_lists_are_metadata_only_and_pods_are_listed_before_vms() -> None:
     order: list[str] = []
     pods, vms = PagedList([pod("p", "vm-1")]), PagedList([vm("vm-1")])
 
-    def recording(name: str, lister: PagedList) -> Any:
-        def call(**kw: Any) -> Response:
-            order.append(name)
-            return lister(**kw)
-        return call
-
     deleted: list[tuple[str, str, str]] = []
-    Sweeps(delete_pod=lambda *a: deleted.append(a), list_vms=recording("vms", vms),
-           list_pods=recording("pods", pods), locks=lambda: pytest.fail("no locks"),
+    Sweeps(delete_pod=lambda *a: deleted.append(a), list_vms=recording("vms", vms, order),
+           list_pods=recording("pods", pods, order), locks=lambda: pytest.fail("no locks"),
            metrics=ControllerMetrics(), log=logger, orphan_grace_seconds=0.0,
            clock=Clock()).orphan_pods()
     assert order == ["pods", "vms"]
@@ -160,12 +162,6 @@ def test_a_run_lists_pods_then_reads_the_locks_then_lists_vms_once_for_both_swee
     order: list[str] = []
     pods, vms = PagedList([pod("orphan", "vm-gone")]), PagedList([vm("vm-1")])
 
-    def recording(name: str, lister: PagedList) -> Any:
-        def call(**kw: Any) -> Response:
-            order.append(name)
-            return lister(**kw)
-        return call
-
     class Locks:
         def sweep(self, existing_vm_uids: Any) -> list[Any]:
             order.append("locks")
@@ -173,8 +169,8 @@ def test_a_run_lists_pods_then_reads_the_locks_then_lists_vms_once_for_both_swee
             return []
 
     deleted: list[tuple[str, str, str]] = []
-    Sweeps(delete_pod=lambda *a: deleted.append(a), list_vms=recording("vms", vms),
-           list_pods=recording("pods", pods), locks=lambda: cast(LockManager, Locks()),
+    Sweeps(delete_pod=lambda *a: deleted.append(a), list_vms=recording("vms", vms, order),
+           list_pods=recording("pods", pods, order), locks=lambda: cast(LockManager, Locks()),
            metrics=ControllerMetrics(),
            log=logger, orphan_grace_seconds=0.0, clock=Clock()).run()
     assert order == ["pods", "locks", "vms"]
