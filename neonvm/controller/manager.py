@@ -65,6 +65,7 @@ from loguru import logger
 from neonvm import kube
 from neonvm.api import types
 from neonvm.controller import decide as d
+from neonvm.controller.cluster import KubeCluster
 from neonvm.controller.events import EventRecorder
 from neonvm.controller.handler import Handler
 from neonvm.controller.heap import HeapTrimmer
@@ -258,10 +259,9 @@ class LeaderTerm:
             end_term=self.leadership.lost.set, metrics=self.metrics, log=self.log,
             recheck=Jitter(self.config.recheck_seconds, self.config.recheck_spread),
             pods=self.pod_store)
+        pods = KubeCluster(api)  # the reconciler's own uid-guarded pod delete
         self.sweeps = Sweeps(
-            delete_pod=lambda namespace, name, uid: kube.request(
-                api, "DELETE", f"/api/v1/namespaces/{namespace}/pods/{name}",
-                body={"preconditions": {"uid": uid}}),
+            delete_pod=lambda namespace, name, uid: pods.delete_pod(namespace, name, uid=uid),
             list_vms=lambda **kw: self._list_vms(**kw),
             list_pods=lambda **kw: self._list_pods(**kw), locks=lambda: self.locks(),
             metrics=self.metrics, log=self.log,
