@@ -5,6 +5,8 @@
   so it does not count);
 * nothing in ``neonvm/drills`` imports ``neonvm.cli`` (tooling sits below the CLI);
 * the product packages (controller, leader, runner, api) never import ``neonvm.testing``;
+* no module of ``neonvm`` imports from the test tree or loads a file under it (the
+  product must run from the entry point, where ``tests`` is not importable);
 * no module of ``neonvm.controller`` imports fault injection (``faults``,
   ``fault_wiring``) but ``fault_wiring`` itself: faults are composed around the
   production classes at the composition root (the CLI), never threaded through them.
@@ -13,6 +15,7 @@
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -189,3 +192,56 @@ def test_the_graph_reader_sees_each_kind_of_import(tmp_path: Path) -> None:
     assert graph["neonvm.sub.b"] == {"neonvm.sub.a"}
     assert graph["neonvm.c"] == {"neonvm.sub.a"}
     assert find_cycles(graph) == [["neonvm.sub.a", "neonvm.sub.b"]]
+
+
+LOADERS = {"spec_from_file_location", "run_path", "SourceFileLoader", "exec_module"}
+TEST_PATH = re.compile(r"^(\.\./)*tests(/[\w./-]*)?$")
+
+
+def references_to_test_tree(root: Path = ROOT) -> list[str]:
+    """Where a ``neonvm`` module reaches into the test tree: an import of ``tests``, a
+    path built from ``"tests"`` (``ROOT / "tests"``, ``"tests/guest/x.py"``), or a
+    call that loads source by path (``importlib.util.spec_from_file_location``,
+    ``runpy.run_path``, a loader's ``exec_module``)."""
+    found: list[str] = []
+    for path in sorted(root.rglob("*.py")):
+        where = path.relative_to(root.parent)
+        tree = ast.parse(path.read_text(), str(path))
+        for node in _import_nodes(tree):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [] if node.level else [node.module or ""])
+            found += [f"{where}:{node.lineno}: imports {n}" for n in names
+                      if n == "tests" or n.startswith("tests.")]
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Constant) and isinstance(node.value, str)
+                    and TEST_PATH.match(node.value)):
+                found.append(f"{where}:{node.lineno}: path {node.value!r}")
+            elif isinstance(node, ast.Call):
+                func = node.func
+                name = (func.attr if isinstance(func, ast.Attribute)
+                        else func.id if isinstance(func, ast.Name) else "")
+                if name in LOADERS:
+                    found.append(f"{where}:{node.lineno}: loads source by path ({name})")
+    return found
+
+
+def test_product_never_loads_test_code() -> None:
+    assert references_to_test_tree() == []
+
+
+@pytest.mark.parametrize("planted", [
+    "from tests.guest.build import build_guest\n",
+    "def f():\n    import tests.support\n",
+    "from pathlib import Path\nSOURCE = Path(__file__).parents[2] / 'tests' / 'x.py'\n",
+    "import importlib.util\n"
+    "def f(p):\n    importlib.util.spec_from_file_location('m', p)\n",
+])
+def test_the_test_tree_rule_catches_a_planted_reference(tmp_path: Path, planted: str
+                                                         ) -> None:
+    pkg = tmp_path / "neonvm"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "clean.py").write_text('"""Docs may name tests/guest/init.sh."""\nX = 1\n')
+    (pkg / "planted.py").write_text(planted)
+    found = references_to_test_tree(pkg)
+    assert found and all(f.startswith("neonvm/planted.py:") for f in found), found

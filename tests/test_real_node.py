@@ -403,15 +403,15 @@ def test_controller_runner_pod_boots_a_bare_ext4_guest_on_the_real_node(
     the pod turns Ready from the guest's marker; `kubectl logs` shows the guest's
     console. Deleting the pod: SIGTERM, ACPI power-down, the command stops, QEMU exits
     0, the pod goes away, and only then is the replacement ungated."""
+    from neonvm.dev import guestdisk
     from neonvm.testing.harness import Replicas, converged, create_vm, delete_vm, get_vm
-    from tests.guest import rootfs
     from tests.support import FAST
 
-    absent = rootfs.missing()
+    absent = guestdisk.missing()
     if absent:
         pytest.skip(f"cannot build the test root disk, missing: {', '.join(absent)}")
-    _raw, qcow2 = rootfs.build_rootfs(tmp_path / "disk")
-    archive = rootfs.disk_image_archive(qcow2, tmp_path / "rootdisk.oci.tar")
+    _raw, qcow2 = guestdisk.build_rootfs(tmp_path / "disk")
+    archive = guestdisk.disk_image_archive(qcow2, tmp_path / "rootdisk.oci.tar")
     host_before = _host_sysctls()
     node, [image] = _started_node_with_images(cluster, ("runner",))
     events: _PodEvents | None = None
@@ -432,7 +432,7 @@ def test_controller_runner_pod_boots_a_bare_ext4_guest_on_the_real_node(
             "guest": {
                 "cpus": {"min": 1, "max": 1}, "memorySlotSize": "256Mi",
                 "memorySlots": {"min": 1, "max": 1},
-                "rootDisk": {"image": rootfs.DISK_IMAGE, "imagePullPolicy": "Never"},
+                "rootDisk": {"image": guestdisk.DISK_IMAGE, "imagePullPolicy": "Never"},
                 "command": ["/app/report.sh"], "args": ["from", "the controller"],
                 "env": [{"name": "GREETING", "value": "hello from the spec"},
                         {"name": "REPORT_SYSCTLS", "value": "vm.swappiness"}],

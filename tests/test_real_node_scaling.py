@@ -170,8 +170,8 @@ def guest_size_lines(log: str) -> list[tuple[str, str]]:
 def test_the_controller_scales_a_runner_pod_on_the_real_node_live(
     cluster: LocalCluster, api: client.ApiClient, namespace: str, tmp_path: Path, mode: str
 ) -> None:
-    from neonvm.dev import realguest
-    from tests.guest import rootfs
+    from neonvm.dev import guestdisk, realguest
+    from tests.guest.build import INIT_SCRIPT
 
     problem = realguest.unavailable_reason()
     if problem:
@@ -180,13 +180,13 @@ def test_the_controller_scales_a_runner_pod_on_the_real_node_live(
     core = client.CoreV1Api(api)
     events: _PodEvents | None = None
     try:
-        _raw, qcow2 = rootfs.build_rootfs(tmp_path / "disk", init=rootfs.GUEST_INIT)
-        archive = rootfs.disk_image_archive(qcow2, tmp_path / "disk.oci.tar",
-                                            rootfs.SCALING_DISK_IMAGE)
+        _raw, qcow2 = guestdisk.build_rootfs(tmp_path / "disk", init=INIT_SCRIPT)
+        archive = guestdisk.disk_image_archive(qcow2, tmp_path / "disk.oci.tar",
+                                            guestdisk.SCALING_DISK_IMAGE)
         node.ctr("images", "import", "--platform", "linux/amd64", str(archive), timeout=300)
         spec = copy.deepcopy(SPEC)
         spec["cpuScalingMode"] = mode
-        spec["guest"]["rootDisk"] = {"image": rootfs.SCALING_DISK_IMAGE,
+        spec["guest"]["rootDisk"] = {"image": guestdisk.SCALING_DISK_IMAGE,
                                      "imagePullPolicy": "Never"}
         with replica_group(cluster, api, namespace, tmp_path / "replicas") as group:
             group.start("c0")

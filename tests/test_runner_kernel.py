@@ -25,11 +25,11 @@ import yaml
 
 from neonvm.api.schema import decode
 from neonvm.api.types import VirtualMachineSpec
+from neonvm.dev import guestdisk
 from neonvm.runner import guestboot, initramfs
 from neonvm.runner.errors import SpecError
 from neonvm.runner.initramfs import RunnerKernel
 from neonvm.runner.qemu import build_launch_plan
-from tests.guest import rootfs
 from tests.support import wait_for
 from tests.test_runner import context
 
@@ -248,7 +248,7 @@ def test_the_initramfs_is_a_reproducible_newc_archive_cpio_can_read(tmp_path: Pa
 def _boot_skip_reason() -> str | None:
     if "1" not in (os.environ.get("NEONVM_TEST_BOOT"), os.environ.get("NEONVM_TEST_REAL_NODE")):
         return "real guest boots are opt-in (NEONVM_TEST_BOOT=1; about a minute under TCG)"
-    absent = initramfs.missing() + rootfs.missing()
+    absent = initramfs.missing() + guestdisk.missing()
     if shutil.which("qemu-system-x86_64") is None:
         absent.append("qemu-system-x86_64 (qemu-system-x86)")
     return "missing: " + ", ".join(absent) if absent else None
@@ -261,7 +261,7 @@ def test_a_bare_ext4_root_boots_with_the_runner_kernel_and_runs_the_guest_comman
     """The NeonVM way, under TCG: no kernelImage, a qcow2 holding a bare ext4 root; the
     runner's init mounts it, applies sysctls and swap, mounts the disks and runs the
     command with its env; SIGTERM stops the command and powers the guest off."""
-    _root, qcow2 = rootfs.build_rootfs(tmp_path)
+    _root, qcow2 = guestdisk.build_rootfs(tmp_path)
     kernel = initramfs.build_initramfs(tmp_path / "kernel")
     spec = {"terminationGracePeriodSeconds": 60, "guest": {
         "cpus": {"min": 1, "max": 1}, "memorySlotSize": "256Mi",
@@ -328,7 +328,7 @@ def test_without_a_command_the_roots_init_takes_over_and_a_failing_command_fails
     /sbin/init (here a script that prints the marker and powers off: runner exit 0); a
     command that exits 3 reboots the guest, which ends the runner with 5 (VM failed)."""
     tree = tmp_path / "tree"
-    shutil.copytree(rootfs.build_rootfs(tmp_path / "disk")[0].parent / "rootfs", tree,
+    shutil.copytree(guestdisk.build_rootfs(tmp_path / "disk")[0].parent / "rootfs", tree,
                     symlinks=True)
     (tree / "sbin" / "init").write_text("#!/bin/sh\necho \"own init: pid $$\"\n"
                                         "echo NEONVM_GUEST_READY\npoweroff -f\n")

@@ -774,16 +774,16 @@ def test_sysfs_scaling_onlines_and_offlines_vcpus_in_the_guest(start_runner: Any
 def runner_kernel_and_bare_root(tmp_path: Path) -> tuple[Path, Path]:
     """The runner's kernel and initramfs (``/vm/kernel`` of the image) built here, and a
     NeonVM-style root disk: a qcow2 holding a bare ext4 filesystem with busybox and
-    ``/app/report.sh``, and no init of its own (``tests/guest/rootfs.py``)."""
+    ``/app/report.sh``, and no init of its own (``neonvm/dev/guestdisk.py``)."""
+    from neonvm.dev import guestdisk
     from neonvm.runner import initramfs
-    from tests.guest import rootfs
 
-    absent = initramfs.missing() + rootfs.missing()
+    absent = initramfs.missing() + guestdisk.missing()
     if absent:
         pytest.skip("cannot build the runner's kernel or a bare root disk, missing: "
                     + ", ".join(absent))
     kernel = initramfs.build_initramfs(tmp_path / "runner-kernel")
-    _raw, qcow2 = rootfs.build_rootfs(tmp_path / "root-disk")
+    _raw, qcow2 = guestdisk.build_rootfs(tmp_path / "root-disk")
     return kernel.kernel.parent, qcow2
 
 

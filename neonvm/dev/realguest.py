@@ -9,28 +9,23 @@ under the name the local controller replicas put into runner pods
 run there: a node selector on the real node, that root disk, 1 vCPU (250m requested),
 the smallest memory.
 
-The guest root disk is the tests' (``tests/guest/rootfs.py``: a static busybox and
-``/app/report.sh``), loaded from the source tree.
+The guest root disk is :mod:`neonvm.dev.guestdisk`'s (a static busybox and
+``/app/report.sh``).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
-from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from neonvm.dev import realnode
+from neonvm.dev import guestdisk, realnode
 
 if TYPE_CHECKING:
     from neonvm.dev.cluster import LocalCluster
 
-ROOT = Path(__file__).resolve().parents[2]
-ROOTFS_SOURCE = ROOT / "tests" / "guest" / "rootfs.py"
-DISK_IMAGE = "neonvm.local/rootdisk:1"
+DISK_IMAGE = guestdisk.DISK_IMAGE
 
 
 @dataclass
@@ -40,17 +35,6 @@ class RealGuestNode:
     disk_image: str
     seconds: dict[str, float]
     """Time per step (build, node, import)."""
-
-
-def _rootfs() -> ModuleType | None:
-    if not ROOTFS_SOURCE.is_file():
-        return None
-    spec = importlib.util.spec_from_file_location("neonvm_guest_rootfs", ROOTFS_SOURCE)
-    if spec is None or spec.loader is None:
-        return None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def unavailable_reason() -> str | None:
@@ -63,10 +47,7 @@ def unavailable_reason() -> str | None:
     problem = images.unavailable_reason()
     if problem:
         return f"the runner image cannot be built: {problem}"
-    rootfs = _rootfs()
-    if rootfs is None:
-        return f"no guest disk builder ({ROOTFS_SOURCE} is missing)"
-    absent: list[str] = rootfs.missing()
+    absent = guestdisk.missing()
     if absent:
         return f"the guest disk cannot be built, missing: {', '.join(absent)}"
     return None
@@ -91,12 +72,10 @@ def prepare(cluster: LocalCluster, progress: Callable[[str], None] = lambda _m: 
     t = time.monotonic()
     progress("runner image (cached; a cold build takes several minutes)")
     [runner] = images.build(("runner",), None, progress)
-    rootfs = _rootfs()
-    assert rootfs is not None
     disk_dir = cluster.state_dir / "guest-disk"
     disk_dir.mkdir(parents=True, exist_ok=True)
-    _raw, qcow2 = rootfs.build_rootfs(disk_dir)
-    disk_archive = rootfs.disk_image_archive(qcow2, disk_dir / "rootdisk.oci.tar", DISK_IMAGE)
+    _raw, qcow2 = guestdisk.build_rootfs(disk_dir)
+    disk_archive = guestdisk.disk_image_archive(qcow2, disk_dir / "rootdisk.oci.tar", DISK_IMAGE)
     seconds["images"] = time.monotonic() - t
     t = time.monotonic()
     [node] = realnode.start(cluster, 1, progress)

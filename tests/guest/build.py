@@ -20,7 +20,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from neonvm.runner.initramfs import SCALING_SCRIPT, SCALING_SCRIPT_PATH, find_kernel
+from neonvm.dev.guestdisk import install_scaling_script
+from neonvm.runner.initramfs import find_kernel
 
 INIT_SCRIPT = Path(__file__).with_name("init.sh")
 BUSYBOX = Path("/bin/busybox")
@@ -36,15 +37,6 @@ class GuestImage:
 
 
 
-
-def install_scaling_script(root: Path) -> Path:
-    """Copy the runner's guest side of live scaling into the guest tree ``root``, where
-    ``init.sh`` runs it (``/lib/neonvm/guest-scaling.sh``)."""
-    target = root / SCALING_SCRIPT_PATH
-    target.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(SCALING_SCRIPT, target)
-    target.chmod(0o755)
-    return target
 
 
 def _busybox_is_static(path: Path) -> bool:

@@ -1,14 +1,15 @@
-"""A NeonVM-style root disk for the tests: one bare ext4 filesystem, no kernel, no init.
+"""A NeonVM-style guest root disk: one bare ext4 filesystem, no kernel, no init.
 
-``python -m tests.guest.rootfs DEST`` writes ``DEST/rootfs.ext4`` and ``DEST/disk.qcow2``
+The demo's real-node guest (``neonvm.dev.realguest``) and the real-node tests boot it.
+``python -m neonvm.dev.guestdisk DEST`` writes ``DEST/rootfs.ext4`` and ``DEST/disk.qcow2``
 (the same filesystem as qcow2, the shape vm-builder images carry at ``/disk.qcow2``).
 The filesystem holds a static busybox (``/bin/busybox``, ``/bin/sh`` and the applets as
 symlinks) and ``/app/report.sh``, which prints what a guest command sees: its argv, the
 spec's environment, the sysctls, the swap, and the mounts, then waits for SIGTERM.
-``build_rootfs(dest, init=GUEST_INIT)`` also installs the test guest's init (``init.sh``)
-as ``/init`` and ``/sbin/init``, with the guest side of live scaling it starts (the
-runner's ``guest_scaling.sh``: the hotplug handler, the SysfsScaling agent, the size
-reports) as ``/lib/neonvm/guest-scaling.sh``. A VM with no ``command`` then boots the
+``build_rootfs(dest, init=SCRIPT)`` also installs an init script as ``/init`` and
+``/sbin/init`` (the tests pass their guest's ``init.sh``), with the guest side of live
+scaling that it starts (the runner's ``guest_scaling.sh``) as
+``/lib/neonvm/guest-scaling.sh``. A VM with no ``command`` then boots the
 runner's kernel, whose init hands over to it (``switch_root``). A VM with a command needs
 none of this: the runner's own init runs the same scaling script.
 
@@ -22,10 +23,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.guest.build import install_scaling_script
+from neonvm.runner.initramfs import SCALING_SCRIPT, SCALING_SCRIPT_PATH
 
 BUSYBOX = Path("/bin/busybox")
-GUEST_INIT = Path(__file__).with_name("init.sh")
 REPORT = r"""#!/bin/sh
 echo "app: argv $*"
 echo "app: GREETING=$GREETING"
@@ -42,6 +42,16 @@ trap 'echo "app: SIGTERM, exiting"; exit 0' TERM
 echo "app: running"
 while true; do sleep 1; done
 """
+
+
+def install_scaling_script(root: Path) -> Path:
+    """Copy the runner's guest side of live scaling into the guest tree ``root``
+    (``/lib/neonvm/guest-scaling.sh``), where an init script starts it."""
+    target = root / SCALING_SCRIPT_PATH
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(SCALING_SCRIPT, target)
+    target.chmod(0o755)
+    return target
 
 
 def missing() -> list[str]:
@@ -99,9 +109,9 @@ def build_rootfs(dest: Path, size_mib: int = 16, init: Path | None = None
 
 
 DISK_IMAGE = "neonvm.local/rootdisk:1"
-"""The container image carrying the test root disk, as NeonVM's vm-builder images do."""
+"""The container image carrying the root disk, as NeonVM's vm-builder images do."""
 SCALING_DISK_IMAGE = "neonvm.local/rootdisk-testguest:1"
-"""The same, with the test guest's init as ``/sbin/init`` (``init=GUEST_INIT``)."""
+"""The same, with the test guest's init as ``/sbin/init`` (``tests/guest/init.sh``)."""
 
 
 def disk_image_archive(qcow2: Path, out: Path, reference: str = DISK_IMAGE) -> Path:
