@@ -12,9 +12,11 @@ leader ends its term instead (see :func:`epoch_ahead`). The driver also writes
 Degraded when a reconcile cannot get anywhere: a step that keeps not taking effect
 (reason ``<Step>NotTakingEffect``, e.g. ``UngateNotTakingEffect``), an ungate refused
 with 403 (``UngateForbidden``), a create refused by the admission fence's creator
-rule (``CreateForbidden``), or pod creates failing again and again with errors
-that are retried (``CreateFailing``). Those are :func:`recoverable`: the first reconcile
-that ends normally (Done or Wait) turns Degraded False again.
+rule (``CreateForbidden``), pod creates failing again and again with errors
+that are retried (``CreateFailing``), or a scaling plan's runner that misbehaves
+(``RunnerMisbehaving``) or has not answered for a while (``RunnerUnreachable``). Those
+are :func:`recoverable`: the first reconcile that ends normally (Done or Wait) turns
+Degraded False again.
 
 Every condition message is bounded (:data:`MESSAGE_LIMIT` characters, the end replaced
 by an ellipsis), and API error text copied into one is bounded more tightly
@@ -68,6 +70,12 @@ CREATE_FORBIDDEN = "CreateForbidden"
 runner pod (only the controller's identity may)."""
 CREATE_FAILING = "CreateFailing"
 """Degraded reason: pod creates keep failing with errors that are retried."""
+RUNNER_MISBEHAVING_REASON = "RunnerMisbehaving"
+"""Degraded reason: the VM's runner answered the controller as no runner does (a
+redirect, an oversized or endless answer, malformed JSON); see docs/security.md."""
+RUNNER_UNREACHABLE_REASON = "RunnerUnreachable"
+"""Degraded reason: the VM's runner has given no answer to ``GET /scale`` for a while
+while a scaling plan waits for it."""
 RECOVERED = "Recovered"
 """Reason of Degraded=False after one of the recoverable reasons above."""
 
@@ -119,7 +127,7 @@ def recoverable(reason: str | None) -> bool:
     return bool(reason) and (
         str(reason).endswith(NOT_TAKING_EFFECT)
         or reason in (STEP_BUDGET_EXHAUSTED, UNGATE_FORBIDDEN, CREATE_FORBIDDEN,
-                      CREATE_FAILING))
+                      CREATE_FAILING, RUNNER_MISBEHAVING_REASON, RUNNER_UNREACHABLE_REASON))
 
 
 def stuck_condition(reason: str, message: str) -> ConditionUpdate:
@@ -225,27 +233,46 @@ def fence_ahead(vm: VirtualMachine, lease: d.Fence) -> tuple[int, int] | None:
     """The (epoch, token) in ``vm``'s status that is ahead of ``lease``, or None.
 
     Ahead means what the mutations refuse: ``status.fence`` above (epoch, token), or a
-    recorded plan of a higher epoch (what :func:`~neonvm.controller.decide.decide` calls
+    recorded plan (``pendingPod``, or ``pendingScale`` while the VM is not being
+    deleted) of a higher epoch (what :func:`~neonvm.controller.decide.decide` calls
     Fenced).
     """
-    fence = vm.status.fence
-    if fence is not None and (fence.epoch, fence.token) > (lease.epoch, lease.token):
-        return (fence.epoch, fence.token)
-    plan = vm.status.pending_pod
-    if plan is not None and plan.epoch > lease.epoch:
-        return (plan.epoch, plan.token)
+    where = fence_ahead_field(vm, lease)
+    if where is None:
+        return None
+    s = vm.status
+    source = {"status.fence": s.fence, "status.pendingPod": s.pending_pod,
+              "status.pendingScale": s.pending_scale}[where]
+    assert source is not None
+    return (source.epoch, source.token)
+
+
+def fence_ahead_field(vm: VirtualMachine, lease: d.Fence) -> str | None:
+    """Which field of ``vm``'s status is ahead of ``lease`` (see :func:`fence_ahead`):
+    ``status.fence``, ``status.pendingPod`` or ``status.pendingScale``; None: none."""
+    s = vm.status
+    if s.fence is not None and (s.fence.epoch, s.fence.token) > (lease.epoch, lease.token):
+        return "status.fence"
+    if s.pending_pod is not None and s.pending_pod.epoch > lease.epoch:
+        return "status.pendingPod"
+    if (s.pending_scale is not None and s.pending_scale.epoch > lease.epoch
+            and vm.deletion_timestamp is None):
+        return "status.pendingScale"
     return None
 
 
-def fence_ahead_message(seen: tuple[int, int], lease: d.Fence) -> str:
+def fence_ahead_message(seen: tuple[int, int], lease: d.Fence,
+                        where: str = "status.fence") -> str:
     """The Degraded(FenceAhead) message: only for an *epoch* ahead, where ``decide`` says
-    Fenced and this leader does nothing for the VM (a token-only lead ends the term)."""
-    return (f"status.fence epoch {seen[0]} (token {seen[1]}) is ahead of this leader's epoch "
+    Fenced and this leader does nothing for the VM (a token-only lead ends the term).
+    ``where``: the field that is ahead (:func:`fence_ahead_field`)."""
+    return (f"{where} epoch {seen[0]} (token {seen[1]}) is ahead of this leader's epoch "
             f"{lease.epoch} (token {lease.token}), whose Lease still holds: the VM is left "
-            f"alone (no pod is created, started or deleted for it) until an operator "
-            f"corrects it (for example after a restore from backup): remove status.fence, "
-            f"or set it at or below (epoch {lease.epoch}, token {lease.token}), and remove "
-            f"a status.pendingPod whose epoch is above {lease.epoch}")
+            f"alone (no pod is created, started or deleted for it, and it is not scaled) "
+            f"until an operator corrects it (for example after a restore from backup): "
+            f"remove status.fence, or set it at or below (epoch {lease.epoch}, token "
+            f"{lease.token}), and remove a status.pendingPod or status.pendingScale whose "
+            f"epoch is above {lease.epoch}")
 
 
 def epoch_ahead(seen: tuple[int, int] | None, lease: d.Fence) -> bool:
@@ -302,7 +329,9 @@ def fence_ahead_mutation(lease: d.Fence, now: str | None = None,
                 and _recently_changed(degraded, stamp, quiet_seconds)):
             return None
         update = ConditionUpdate(DEGRADED, "True", FENCE_AHEAD,
-                                 fence_ahead_message(seen, lease), generation=vm.generation)
+                                 fence_ahead_message(seen, lease,
+                                                     fence_ahead_field(vm, lease) or ""),
+                                 generation=vm.generation)
         conditions, changed = _apply(vm, [update], stamp)
         if not changed:
             return None

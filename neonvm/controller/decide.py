@@ -654,7 +654,10 @@ def decide(obs: Observation) -> Action:
     if pending is not None and pending.epoch > obs.lease.epoch:
         return Fenced(seen_epoch=pending.epoch, reason="plan recorded by a newer leader")
     scaling = vm.status.pending_scale
-    if scaling is not None and scaling.epoch > obs.lease.epoch:
+    if (scaling is not None and scaling.epoch > obs.lease.epoch
+            and vm.deletion_timestamp is None):
+        # A VM being deleted needs nothing of its scaling plan: its pods go and its
+        # finalizer with them (docs/reconciler.md, "Fencing").
         return Fenced(seen_epoch=scaling.epoch,
                       reason="scaling plan recorded by a newer leader")
 

@@ -95,6 +95,7 @@ from neonvm.controller.conditions import (
     DEGRADED,
     FENCE_AHEAD,
     NOT_TAKING_EFFECT,
+    RUNNER_MISBEHAVING_REASON,
     STEP_BUDGET_EXHAUSTED,
     UNGATE_FORBIDDEN,
     ConditionUpdate,
@@ -103,6 +104,7 @@ from neonvm.controller.conditions import (
     desired_conditions,
     epoch_ahead,
     fence_ahead,
+    fence_ahead_field,
     fence_ahead_message,
     fence_ahead_mutation,
     refused_condition,
@@ -128,7 +130,14 @@ from neonvm.controller.observe import (
     make_snapshot,
     split_key,
 )
-from neonvm.controller.scaling import GUEST_REFUSED, POD_WITHOUT_TOKEN, RunnerScaling
+from neonvm.controller.scaling import (
+    GUEST_REFUSED,
+    POD_WITHOUT_TOKEN,
+    RUNNER_MISBEHAVING,
+    RunnerScaling,
+    asks_again_later,
+    runner_trouble,
+)
 from neonvm.controller.timers import VMTimers
 from neonvm.controller.update import (
     RetryPolicy,
@@ -192,7 +201,15 @@ BLOCKED = frozenset({"forbidden"})
 """Outcomes that end the reconcile at once as stuck: asking again cannot help."""
 PAUSED = frozenset({GUEST_REFUSED})
 """Outcomes that end the reconcile at once as stuck, though asking again later may help:
-asked again at once, the answer would be the same (the VM's stuck backoff spaces them)."""
+asked again at once, the answer would be the same (the VM's stuck backoff spaces them).
+Every runner outcome of :func:`~neonvm.controller.scaling.asks_again_later` does too
+(no answer, a misbehaving runner, a 5xx such as an unplug's 504): each such ``PUT
+/scale`` may hold a worker for its whole deadline, so one reconcile sends at most one."""
+
+
+def paused(outcome: str) -> bool:
+    """``outcome`` ends the reconcile stuck at once (see :data:`PAUSED`)."""
+    return outcome in PAUSED or asks_again_later(outcome)
 
 CreateErrorKind = Literal["exists", "retry", "refuse"]
 
@@ -574,6 +591,15 @@ class Reconciler:
             if isinstance(action, d.Fenced):
                 raise FencedSnapshot(f"{key}: {action.reason} (epoch {action.seen_epoch} > "
                                      f"{authority.lease.epoch})", snap)
+            trouble = (runner_trouble(snap.obs.runner_error) if isinstance(action, d.Wait)
+                       and action.condition == d.SCALING_CONDITION else None)
+            if trouble is not None:
+                # The plan's runner misbehaves, or has not answered for a while: not
+                # asked again at decide's pace, but with the stuck backoff (Degraded).
+                if not snap.obs.direct:
+                    snap = self.observe(key, authority, direct=True)
+                    continue
+                return self._stuck(key, snap, authority, log, steps, d.ApplyScale, *trouble)
             if isinstance(action, d.Done | d.Wait):
                 updates = desired_conditions(snap, action)
                 updates += self.acceleration.updates(snap)
@@ -628,11 +654,17 @@ class Reconciler:
             seen = (self._seen_by_write(snap, outcome, log) if outcome in EFFECTIVE
                     else None)
             snap = seen if seen is not None else self.observe(key, authority, direct=True)
-            if outcome in PAUSED:
+            if paused(outcome):
+                detail = getattr(outcome, "detail", "")
+                if outcome == RUNNER_MISBEHAVING:
+                    return self._stuck(key, snap, authority, log, steps, type(action),
+                                       RUNNER_MISBEHAVING_REASON,
+                                       f"the VM's runner answers PUT /scale in a way no "
+                                       f"runner does ({detail}); its scaling plan is kept "
+                                       f"and asked again with backoff")
                 return self._stuck(key, snap, authority, log, steps, type(action),
                                    f"{type(action).__name__}{NOT_TAKING_EFFECT}",
-                                   miss_message(type(action), str(outcome),
-                                                getattr(outcome, "detail", "")))
+                                   miss_message(type(action), str(outcome), detail))
             if outcome in BLOCKED:
                 detail = getattr(outcome, "detail", "") or f"{type(action).__name__} refused"
                 return self._stuck(key, snap, authority, log, steps, type(action),
@@ -704,7 +736,8 @@ class Reconciler:
             raise FencedOut(f"{key}: status.fence (epoch {seen[0]}, token {seen[1]}) is ahead "
                             f"of (epoch {lease.epoch}, token {lease.token}) by its token only: "
                             f"the locks' tokens went back; a new term's epoch clears it")
-        message = fence_ahead_message(seen, lease)
+        message = fence_ahead_message(seen, lease,
+                                      fence_ahead_field(record.vm, lease) or "status.fence")
         log.error("VM fenced ahead of this leader, left alone: {msg}", msg=message)
         outcome = self._update_vm(
             key, snap,
@@ -771,7 +804,7 @@ class Reconciler:
         row = ACTIONS.get(type(action))
         if row is None:
             raise RuntimeError(f"no performer for {action!r}")
-        if row.writes == "pod":
+        if row.writes in ("pod", "runner"):
             authority.check()
         return row.perform(self, key, action, snap, authority, log)
 
@@ -965,6 +998,9 @@ class Reconciler:
         (:data:`~neonvm.controller.decide.SCALING_REFUSED`): the VM runs on at its size,
         and the next spec change tries again."""
         outcome = self._scaling.apply(action, snap, log)
+        # A PUT may have taken the whole deadline: whatever follows (a drop, a Degraded
+        # write, another step) is decided under an authority checked after it.
+        authority.check()
         refused = REFUSED_SCALING.get(str(outcome))
         if refused is None:
             return outcome

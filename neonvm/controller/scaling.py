@@ -33,11 +33,12 @@ import base64
 import dataclasses
 import datetime as dt
 import json
+import re
 import secrets
+import socket
 import threading
 import time
-import urllib.error
-import urllib.request
+import urllib.parse
 from collections.abc import Callable
 from typing import Any
 
@@ -50,6 +51,7 @@ from neonvm.api import types
 from neonvm.api.types import VirtualMachine
 from neonvm.controller import decide as d
 from neonvm.controller import podspec
+from neonvm.controller.conditions import RUNNER_MISBEHAVING_REASON, RUNNER_UNREACHABLE_REASON
 from neonvm.controller.observe import Snapshot
 from neonvm.runner.scaling import NO_TOKEN, pod_token
 
@@ -75,7 +77,8 @@ ended another way, or it was not asked) are forgotten: the next 401 starts a new
 
 @dataclasses.dataclass
 class _Refusing:
-    """One runner pod refusing the controller's token (a 401 that may pass)."""
+    """One runner pod refusing the controller's token (a 401 that may pass), or failing
+    to answer ``GET /scale``: since when, and when last."""
 
     vm_uid: str
     first: float
@@ -93,6 +96,28 @@ built without one, so only its replacement can scale (``ScalingNeedsRestart``)."
 GUEST_REFUSED = "guest_refused"
 """The outcome of an ``ApplyScale`` the runner answered 504 ``refused``: the guest keeps a
 device it was asked to give back. It may agree later; see ``reconciler.PAUSED``."""
+
+RUNNER_UNREACHABLE = "unreachable"
+"""The outcome of an ``ApplyScale`` whose runner gave no answer (connection refused or
+reset, nothing back within the deadline)."""
+
+RUNNER_MISBEHAVING = "runner_misbehaving"
+"""The outcome of an ``ApplyScale`` whose runner answered what no runner answers: a
+redirect, an answer over :data:`RUNNER_BODY_LIMIT`, one still arriving at the deadline,
+or one that is not the JSON the protocol says (docs/security.md, "The runner as seen by
+the controller")."""
+
+RUNNER_BODY_LIMIT = 64 * 1024
+"""Largest answer body (bytes) taken from a runner; a longer one is not read further."""
+RUNNER_HEAD_LIMIT = 16 * 1024
+"""Largest status line and headers (bytes) taken from a runner."""
+
+RUNNER_GRACE_SECONDS = 30.0
+"""How long a runner that gives no answer to ``GET /scale`` (refused, reset, silent) is
+asked again at decide's own pace (``RUNNER_RECHECK_SECONDS``) before its VM is Degraded
+(``RunnerUnreachable``) and looked at with the stuck backoff instead. Counted per pod
+by this process from the first failure in a row. A runner that misbehaves is Degraded at
+once."""
 
 RunnerAddress = Callable[[VirtualMachine, d.PodView], str]
 """``http://host:port`` of a pod's runner."""
@@ -138,10 +163,60 @@ class Result(str):
 class ScalingError(Exception):
     """The runner could not be asked (no token, unreachable, refused)."""
 
-    def __init__(self, message: str, permanent: bool = False) -> None:
+    def __init__(self, message: str, permanent: bool = False,
+                 misbehaving: bool = False) -> None:
         super().__init__(message)
         self.permanent = permanent
         """Asking again cannot help (the token Secret is forbidden, missing or not ours)."""
+        self.misbehaving = misbehaving
+        """The runner answered, but not as a runner answers (see
+        :data:`RUNNER_MISBEHAVING`)."""
+
+
+class RunnerTrouble(str):
+    """``Observation.runner_error`` as :meth:`RunnerScaling.observe` sets it: the text,
+    whether the runner misbehaved, and for how long (seconds, this process's count) the
+    runner of that pod has failed to answer in a row."""
+
+    misbehaving: bool
+    failing_for: float
+
+    def __new__(cls, value: str, misbehaving: bool = False,
+                failing_for: float = 0.0) -> RunnerTrouble:
+        obj = super().__new__(cls, value)
+        obj.misbehaving = misbehaving
+        obj.failing_for = failing_for
+        return obj
+
+
+def runner_trouble(error: str | None) -> tuple[str, str] | None:
+    """The Degraded (reason, message) of a reconcile whose ``GET /scale`` failed, when that
+    ends it stuck (backoff) instead of decide's short Wait: at once for a runner that
+    misbehaves, after :data:`RUNNER_GRACE_SECONDS` of failures in a row for one that does
+    not answer. None: not (yet) a reason to stop asking at decide's pace."""
+    if error is None:
+        return None
+    misbehaving = bool(getattr(error, "misbehaving", False))
+    failing_for = float(getattr(error, "failing_for", 0.0))
+    if misbehaving:
+        return (RUNNER_MISBEHAVING_REASON,
+                f"the VM's runner answers GET /scale in a way no runner does ({error}); "
+                "its scaling plan is kept and asked again with backoff")
+    if failing_for >= RUNNER_GRACE_SECONDS:
+        return (RUNNER_UNREACHABLE_REASON,
+                f"the VM's runner has not answered GET /scale for {RUNNER_GRACE_SECONDS:.0f} s "
+                f"or more ({error}); its scaling plan is kept and asked again with backoff")
+    return None
+
+
+def asks_again_later(outcome: str) -> bool:
+    """An ``ApplyScale`` outcome after which the reconcile ends (stuck, with backoff)
+    instead of asking the runner again at once: the guest refused, the runner did not
+    answer or misbehaved, or it answered 5xx (a 504: an unplug the guest neither finished
+    nor refused within the runner's own wait). Asked again at once, each such PUT may
+    hold a worker for the whole deadline (docs/protocol.md, "Live scaling")."""
+    return outcome in (GUEST_REFUSED, RUNNER_UNREACHABLE, RUNNER_MISBEHAVING) or (
+        outcome.startswith("runner_5"))
 
 
 class RunnerScaling:
@@ -168,6 +243,10 @@ class RunnerScaling:
         that may pass). Forgotten when the VM's plan ends or moves to another pod, and
         when the refusals stopped for :data:`TOKEN_QUIET_SECONDS`."""
         self._unauthorized_lock = threading.Lock()
+        self._failing_since: dict[str, _Refusing] = {}
+        """Per pod uid: since when (and until when) its runner fails ``GET /scale`` (see
+        :data:`RUNNER_GRACE_SECONDS`); dropped at its first answer, when it is no longer
+        the VM's committed pod, and after :data:`TOKEN_QUIET_SECONDS` without a failure."""
 
     # ---- the token ---------------------------------------------------------------------
 
@@ -276,6 +355,7 @@ class RunnerScaling:
         if vm is not None:
             plan = vm.status.pending_scale
             self._forget_refusals(vm.uid, keep=plan.pod_uid if plan is not None else None)
+            self._forget_failures(vm.uid, keep=vm.status.pod_uid or None)
         if vm is None or vm.deletion_timestamp is not None:
             return snap
         if not d.looks_at_runner(vm, obs.now if obs.now is not None
@@ -287,31 +367,24 @@ class RunnerScaling:
         try:
             view = self._view(vm, pod)
         except ScalingError as exc:
+            trouble = RunnerTrouble(str(exc), misbehaving=exc.misbehaving,
+                                    failing_for=self._failing(vm.uid, pod.uid))
             return dataclasses.replace(snap, obs=dataclasses.replace(obs,
-                                                                     runner_error=str(exc)))
+                                                                     runner_error=trouble))
+        self._answered(pod.uid)
         return dataclasses.replace(snap, obs=dataclasses.replace(obs, runner=view))
 
     def _view(self, vm: VirtualMachine, pod: d.PodView) -> d.RunnerView:
         code, doc = self._call("GET", f"{self._address(vm, pod)}/scale", None, None,
                                self._look_timeout)
         if code != 200:
-            raise ScalingError(f"GET /scale answered {code}: {doc.get('error', '')}")
-        last = doc.get("lastApplied") or None
-        fence = None
-        if last is not None:
-            f = last["fence"]
-            fence = (int(f["epoch"]), int(f["token"]), int(f.get("seq", 0)))
-        qemu = doc["qemu"]
-        vcpus = int(qemu["vcpus"])
-        if doc.get("mode") == "SysfsScaling":
-            online = (doc.get("guest") or {}).get("cpusOnline")
-            vcpus = int(online) if online is not None else 0
-        return d.RunnerView(pod_uid=pod.uid, fence=fence, vcpus=vcpus,
-                            memory_slots=int(qemu["memorySlots"]),
-                            memory_bytes=int(qemu["memoryBytes"]),
-                            pending_removals=tuple(str(r) for r in
-                                                   doc.get("pendingRemovals") or ()),
-                            answered_uid=str(doc["podUid"]) if doc.get("podUid") else None)
+            raise ScalingError(f"GET /scale answered {code}: {_error_text(doc)}")
+        try:
+            return _runner_view(doc, pod.uid)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ScalingError(f"GET /scale answered 200 with a malformed report "
+                               f"({type(exc).__name__}: {_short(str(exc))})",
+                               misbehaving=True) from None
 
     def apply(self, action: d.ApplyScale, snap: Snapshot, log: Any) -> str:
         """``PUT /scale`` for the recorded plan; "done" when the runner reached it."""
@@ -343,23 +416,32 @@ class RunnerScaling:
                                    self._timeout)
         except ScalingError as exc:
             log.warning("scaling plan #{seq}: {err}", seq=plan.seq, err=str(exc))
-            return "unreachable"
-        detail = f"the runner of {pod.name} answered {code}: {doc.get('error', '')}"
+            return Result(RUNNER_MISBEHAVING if exc.misbehaving else RUNNER_UNREACHABLE,
+                          f"the runner of {pod.name}: {exc}")
+        detail = f"the runner of {pod.name} answered {code}: {_error_text(doc)}"
         if code == 401:
             log.warning("scaling plan #{seq}: {detail}", seq=plan.seq, detail=detail)
             return self.unauthorized(plan.pod_uid, doc, detail, vm_uid=vm.uid)
         self._authorized(plan.pod_uid)
         if code != 200:
             log.warning("scaling plan #{seq}: the runner answered {code}: {err}", seq=plan.seq,
-                        code=code, err=doc.get("error", ""))
+                        code=code, err=_error_text(doc))
             if code == 504 and doc.get("refused"):
                 # The guest refused to give a device back: asking again at once gets the
                 # same answer (and makes the guest try again); the reconcile ends and the
                 # plan is asked again after the VM's stuck backoff.
                 return Result(GUEST_REFUSED, detail)
             return Result("stale" if code == 409 else f"runner_{code}", detail)
-        qemu = doc.get("qemu") or {}
-        self._tell_kubernetes(vm, pod, int(qemu.get("memoryBytes") or 0), plan, log)
+        qemu = doc.get("qemu")
+        try:
+            memory_bytes = _count((qemu if isinstance(qemu, dict) else {}).get(
+                "memoryBytes") or 0, MAX_RUNNER_BYTES)
+        except ValueError as exc:
+            detail = (f"the runner of {pod.name} answered 200 with a malformed "
+                      f"report ({_short(str(exc))})")
+            log.warning("scaling plan #{seq}: {detail}", seq=plan.seq, detail=detail)
+            return Result(RUNNER_MISBEHAVING, detail)
+        self._tell_kubernetes(vm, pod, memory_bytes, plan, log)
         return "done"
 
     def unauthorized(self, pod_uid: str, doc: dict[str, Any], detail: str,
@@ -403,24 +485,52 @@ class RunnerScaling:
                         if r.vm_uid == vm_uid and u != keep]:
                 del self._unauthorized_since[uid]
 
+    def _failing(self, vm_uid: str, pod_uid: str) -> float:
+        """One more failed ``GET /scale`` of the runner of ``pod_uid``: seconds since the
+        first of its failures in a row (0 for the first). A run that stopped for
+        :data:`TOKEN_QUIET_SECONDS` starts again."""
+        now = self._clock()
+        with self._unauthorized_lock:
+            for uid in [u for u, r in self._failing_since.items()
+                        if now - r.last > self._token_quiet]:
+                del self._failing_since[uid]
+            failing = self._failing_since.setdefault(
+                pod_uid, _Refusing(vm_uid=vm_uid, first=now, last=now))
+            failing.last = now
+            return now - failing.first
+
+    def _answered(self, pod_uid: str) -> None:
+        with self._unauthorized_lock:
+            self._failing_since.pop(pod_uid, None)
+
+    def _forget_failures(self, vm_uid: str, keep: str | None) -> None:
+        """The failures of the VM's pods other than its committed one (``keep``) are
+        over: the pod is gone, or the VM is."""
+        with self._unauthorized_lock:
+            for uid in [u for u, r in self._failing_since.items()
+                        if r.vm_uid == vm_uid and u != keep]:
+                del self._failing_since[uid]
+
     def _call(self, method: str, url: str, body: dict[str, Any] | None,
               token: str | None, timeout: float) -> tuple[int, dict[str, Any]]:
-        headers = {"Content-Type": "application/json"}
+        """One exchange with a runner (:func:`runner_exchange`): its status and, for a
+        2xx, its JSON object (an error answer's body is read for its ``error`` text when
+        it is one, else ``{}``)."""
+        headers = {"Content-Type": "application/json", "Accept": "application/json"}
         if token is not None:
             headers["Authorization"] = f"Bearer {token}"
         data = json.dumps(body).encode() if body is not None else None
-        request = urllib.request.Request(url, method=method, data=data, headers=headers)
+        code, raw = runner_exchange(method, url, data, headers, timeout)
         try:
-            with urllib.request.urlopen(request, timeout=timeout) as response:
-                return response.status, json.loads(response.read() or b"{}")
-        except urllib.error.HTTPError as err:
-            try:
-                doc = json.loads(err.read() or b"{}")
-            except ValueError:
-                doc = {}
-            return err.code, doc if isinstance(doc, dict) else {}
-        except (urllib.error.URLError, OSError, ValueError) as exc:
-            raise ScalingError(f"{method} {url}: {exc}") from None
+            doc = json.loads(raw) if raw.strip() else {}
+        except ValueError:
+            doc = None
+        if not isinstance(doc, dict):
+            if 200 <= code < 300:
+                raise ScalingError(f"{method} {url}: answered {code} with a body that is "
+                                   f"not a JSON object", misbehaving=True)
+            doc = {}
+        return code, doc
 
     # ---- Kubernetes --------------------------------------------------------------------
 
@@ -495,6 +605,206 @@ class RunnerScaling:
                      s=exc.status, m=kube.api_error_message(exc))
             return "conflict" if exc.status == 409 else "done"
         return "done"
+
+
+MAX_RUNNER_COUNT = 1 << 20
+"""Largest vCPU or memory slot count taken from a runner's report (far above any VM)."""
+MAX_RUNNER_BYTES = 1 << 60
+"""Largest memory size (bytes) taken from a runner's report."""
+MAX_FENCE_VALUE = (1 << 63) - 1
+
+
+def _count(value: object, limit: int) -> int:
+    """A non-negative integer of the runner's report, at most ``limit`` (a bool, a float,
+    a string or anything else is malformed)."""
+    if type(value) is not int or not 0 <= value <= limit:
+        raise ValueError(f"{value!r:.40} is not an integer in 0..{limit}")
+    return value
+
+
+def _runner_view(doc: dict[str, Any], pod_uid: str) -> d.RunnerView:
+    """A ``GET /scale`` report as :class:`~neonvm.controller.decide.RunnerView`; raises
+    KeyError, TypeError or ValueError on anything malformed (the fields, their types,
+    their ranges)."""
+    last = doc.get("lastApplied") or None
+    fence = None
+    if last is not None:
+        f = last["fence"]
+        fence = (_count(f["epoch"], MAX_FENCE_VALUE), _count(f["token"], MAX_FENCE_VALUE),
+                 _count(f.get("seq", 0), MAX_FENCE_VALUE))
+    qemu = doc["qemu"]
+    vcpus = _count(qemu["vcpus"], MAX_RUNNER_COUNT)
+    if doc.get("mode") == "SysfsScaling":
+        online = (doc.get("guest") or {}).get("cpusOnline")
+        vcpus = _count(online, MAX_RUNNER_COUNT) if online is not None else 0
+    removals = doc.get("pendingRemovals") or []
+    if not isinstance(removals, list) or not all(isinstance(r, str) for r in removals):
+        raise TypeError("pendingRemovals is not a list of names")
+    answered = doc.get("podUid")
+    if answered is not None and not isinstance(answered, str):
+        raise TypeError("podUid is not a string")
+    return d.RunnerView(pod_uid=pod_uid, fence=fence, vcpus=vcpus,
+                        memory_slots=_count(qemu["memorySlots"], MAX_RUNNER_COUNT),
+                        memory_bytes=_count(qemu["memoryBytes"], MAX_RUNNER_BYTES),
+                        pending_removals=tuple(removals),
+                        answered_uid=answered or None)
+
+
+def _short(text: str, limit: int = 200) -> str:
+    """A runner's text as quoted in logs and conditions: one line, at most ``limit``."""
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[:limit] + "\u2026"
+
+
+def _error_text(doc: dict[str, Any]) -> str:
+    """The ``error`` of a runner's answer, as quoted (a runner's text is not trusted)."""
+    return _short(str(doc.get("error", "")))
+
+
+_STATUS_LINE = re.compile(rb"HTTP/1\.[01] ([0-9]{3})(?: [^\r\n]*)?")
+
+
+class _Deadline(Exception):
+    """The exchange's overall deadline passed."""
+
+
+def runner_exchange(method: str, url: str, body: bytes | None, headers: dict[str, str],
+                    deadline: float, *, clock: Callable[[], float] = time.monotonic,
+                    body_limit: int = RUNNER_BODY_LIMIT,
+                    head_limit: int = RUNNER_HEAD_LIMIT) -> tuple[int, bytes]:
+    """One HTTP/1.1 request to a runner, and its answer: (status, body).
+
+    Written for a peer that may be hostile (docs/security.md, "The runner as seen by
+    the controller"): the whole exchange (connect, send, every read) ends by
+    ``deadline`` seconds, however the answer trickles in; at most ``head_limit`` bytes
+    of status line and headers and ``body_limit`` of body are read (nothing is read
+    past them); a redirect (3xx) is an error and is never followed (``Location`` is not
+    read); the answer must be framed by ``Content-Length`` or by the connection's end
+    (no ``Transfer-Encoding``). Raises :class:`ScalingError`: ``misbehaving`` when the
+    runner answered in a way no runner does, else (no connection, nothing back by the
+    deadline) plain."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme != "http" or not parts.hostname:
+        raise ScalingError(f"{method} {url}: not an http:// address")
+    try:
+        port = parts.port or 80
+    except ValueError:
+        raise ScalingError(f"{method} {url}: not a valid port") from None
+    end = clock() + deadline
+
+    def left() -> float:
+        remaining = end - clock()
+        if remaining <= 0:
+            raise _Deadline
+        return remaining
+
+    payload = body or b""
+    request = "".join([
+        f"{method} {parts.path or '/'}{'?' + parts.query if parts.query else ''} HTTP/1.1\r\n",
+        f"Host: {parts.netloc}\r\n", "Connection: close\r\n",
+        f"Content-Length: {len(payload)}\r\n",
+        *(f"{k}: {v}\r\n" for k, v in headers.items()), "\r\n"]).encode() + payload
+    received = bytearray()
+    try:
+        with socket.create_connection((parts.hostname, port), timeout=left()) as sock:
+            sock.settimeout(left())
+            sock.sendall(request)
+            return _read_answer(sock, received, left, body_limit, head_limit)
+    except _Deadline:
+        if received:
+            raise ScalingError(f"{method} {url}: the answer was not complete after "
+                               f"{deadline:g} s ({len(received)} bytes so far)",
+                               misbehaving=True) from None
+        raise ScalingError(f"{method} {url}: no answer within {deadline:g} s") from None
+    except TimeoutError:
+        if received:
+            raise ScalingError(f"{method} {url}: the answer was not complete after "
+                               f"{deadline:g} s ({len(received)} bytes so far)",
+                               misbehaving=True) from None
+        raise ScalingError(f"{method} {url}: no answer within {deadline:g} s") from None
+    except OSError as exc:
+        raise ScalingError(f"{method} {url}: {exc}") from None
+
+
+def _read_answer(sock: socket.socket, received: bytearray, left: Callable[[], float],
+                 body_limit: int, head_limit: int) -> tuple[int, bytes]:
+    """Read one answer from ``sock`` into ``received`` (see :func:`runner_exchange`)."""
+    head_end = -1
+    status = 0
+    length: int | None = None
+    while True:
+        sock.settimeout(left())
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        received += chunk
+        if head_end < 0:
+            head_end = received.find(b"\r\n\r\n")
+            if head_end < 0:
+                if len(received) > head_limit:
+                    raise ScalingError(f"the runner's headers are over {head_limit} bytes",
+                                       misbehaving=True)
+                continue
+            if head_end > head_limit:
+                raise ScalingError(f"the runner's headers are over {head_limit} bytes",
+                                   misbehaving=True)
+            status, length = _parse_head(bytes(received[:head_end]), body_limit)
+        if len(received) - head_end - 4 > body_limit:
+            raise ScalingError(f"the runner's answer is over {body_limit} bytes: not read "
+                               f"further", misbehaving=True)
+        if length is not None and len(received) - head_end - 4 >= length:
+            break
+    if head_end < 0:
+        raise ScalingError("the runner closed the connection before a whole answer "
+                           f"({len(received)} bytes)", misbehaving=bool(received))
+    content = bytes(received[head_end + 4:])
+    if length is not None:
+        if len(content) < length:
+            raise ScalingError(f"the runner's answer ended after {len(content)} of the "
+                               f"{length} bytes it announced", misbehaving=True)
+        content = content[:length]
+    return status, content
+
+
+def _parse_head(head: bytes, body_limit: int) -> tuple[int, int | None]:
+    """(status, Content-Length or None) from an answer's head; a redirect, an
+    interim (1xx) or unframed answer, or a length over ``body_limit`` is misbehaving."""
+    lines = head.split(b"\r\n")
+    match = _STATUS_LINE.fullmatch(lines[0])
+    if match is None:
+        raise ScalingError("the runner's answer does not start with an HTTP/1.x status "
+                           "line", misbehaving=True)
+    status = int(match.group(1))
+    if 300 <= status < 400:
+        raise ScalingError(f"the runner answered a redirect ({status}): not followed",
+                           misbehaving=True)
+    if status < 200:
+        raise ScalingError(f"the runner answered an interim status ({status})",
+                           misbehaving=True)
+    lengths = set()
+    for line in lines[1:]:
+        name, sep, value = line.partition(b":")
+        if not sep:
+            raise ScalingError("the runner's answer has a malformed header line",
+                               misbehaving=True)
+        name = name.strip().lower()
+        if name == b"transfer-encoding":
+            raise ScalingError("the runner's answer uses Transfer-Encoding (only a "
+                               "Content-Length or the connection's end is taken)",
+                               misbehaving=True)
+        if name == b"content-length":
+            lengths.add(value.strip())
+    if not lengths:
+        return status, None
+    text = lengths.pop()
+    if lengths or not text.isdigit():
+        raise ScalingError("the runner's answer has a malformed Content-Length",
+                           misbehaving=True)
+    length = int(text)
+    if length > body_limit:
+        raise ScalingError(f"the runner announced an answer of {length} bytes, over "
+                           f"{body_limit}: not read", misbehaving=True)
+    return status, length
 
 
 def _secrets_path(namespace: str) -> str:
