@@ -27,7 +27,12 @@ done
 if [ "$current" = 0 ]; then
   echo "==> installing neonvm${extras:+ and its ${extras} dependencies} into $VENV" >&2
   "$VENV/bin/python" -m pip install --quiet --upgrade pip
-  "$VENV/bin/python" -m pip install --quiet -e "$ROOT${extras:+[$extras]}"
+  # The install is editable, through setuptools' meta path finder (our flat layout): only
+  # `neonvm` becomes importable, never `tests`, so the entry point cannot lean on test
+  # code. setuptools prints a ten-line "Editable installation." notice about exactly that
+  # (information, not an error); it is filtered here so a first run shows no false alarm.
+  PYTHONWARNINGS="ignore:Editable installation" \
+    "$VENV/bin/python" -m pip install --quiet -e "$ROOT${extras:+[$extras]}"
   echo "$want $extras" > "$stamp"
 fi
 export PATH="$VENV/bin:$PATH"
