@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import urllib3
 import yaml
 from kubernetes import client, config
 from kubernetes.client import rest
@@ -49,6 +50,26 @@ _CLUSTER_PATHS = {
     ("v1", "Namespace"): "/api/v1/namespaces",
     ("v1", "Node"): "/api/v1/nodes",
 }
+
+
+RESEND_SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+"""The methods urllib3 may send again after the first attempt reached the server."""
+
+
+def client_retries() -> urllib3.Retry:
+    """What every client here lets urllib3 retry by itself: never a write that may have
+    reached the server.
+
+    urllib3's default (``Retry(3)``) re-sends a PUT or DELETE after a read timeout or a
+    dropped connection, and any method after an ``SSLError`` (its "other" errors), so a
+    write that took effect could be applied twice, long after the caller gave up on it.
+    Here a request is retried only when it cannot have been sent (connection errors), or
+    when it is a read (``RESEND_SAFE_METHODS``: read errors and a 429/503 with
+    Retry-After). Writes are the callers' to retry: the controller re-reads and decides
+    again (docs/reconciler.md, "Errors").
+    """
+    return urllib3.Retry(total=3, connect=3, read=3, other=0,
+                         allowed_methods=RESEND_SAFE_METHODS)
 
 
 class KubeconfigError(ConfigException):  # type: ignore[misc]
@@ -164,7 +185,8 @@ def api_client(kubeconfig: Path | str | None = None,
 
     ``pool_size``: connections its HTTP pool keeps (default: the client's, 5 per CPU). A
     client used by more threads at once than its pool holds opens a new connection (a
-    TLS handshake) for each request beyond it and throws it away after.
+    TLS handshake) for each request beyond it and throws it away after. Its retries are
+    :func:`client_retries` (no write is re-sent by urllib3).
 
     Raises :class:`KubeconfigError` when there is nothing usable (no file, no in-cluster
     service account, an unknown context).
@@ -178,6 +200,7 @@ def api_client(kubeconfig: Path | str | None = None,
         config.load_incluster_config(client_configuration=cfg)
         if pool_size is not None:
             cfg.connection_pool_maxsize = pool_size
+        cfg.retries = client_retries()
         return client.ApiClient(cfg)
     try:
         api = config.new_client_from_config(
@@ -191,8 +214,9 @@ def api_client(kubeconfig: Path | str | None = None,
                               ) from exc
     if pool_size is not None:
         api.configuration.connection_pool_maxsize = pool_size
-        api.rest_client.close()
-        api.rest_client = rest.RESTClientObject(api.configuration)
+    api.configuration.retries = client_retries()
+    api.rest_client.close()  # rebuilt: the pool takes its size and retries when made
+    api.rest_client = rest.RESTClientObject(api.configuration)
     return api
 
 
@@ -286,6 +310,22 @@ class Lister:
         headers = {"Accept": "application/json", **(_headers or {})}
         return _send(self.api, "GET", self.path, query=query, headers=headers,
                      timeout=_request_timeout).response
+
+
+def release_stream(resp: Any) -> None:
+    """Done with a streamed (unpreloaded) response: its connection goes back to the pool
+    only if its body was read to the end; otherwise the connection is closed first.
+
+    A watch left early (an error, an ERROR event, a stop) still has a server writing on
+    its connection. urllib3's ``release_conn`` alone would pool it as it is, and the next
+    request of any thread could be sent on it: written behind the unfinished stream, the
+    server reads it only when the stream ends, and the client fails it at once
+    (``ResponseNotReady``), so a write can take effect late, or twice if retried.
+    (A response without ``closed``, a test's stand-in, counts as read to the end.)
+    """
+    if not getattr(resp, "closed", True):
+        resp.close()
+    resp.release_conn()
 
 
 def apply(api: client.ApiClient, obj: dict[str, Any], force: bool = True) -> dict[str, Any]:

@@ -8,6 +8,14 @@ against the store, so deletions missed meanwhile are reported) when the server a
 events is healed by the next re-list). Bookmarks are requested so that quiet watches
 still advance.
 
+An object it cannot decode (JSON nested deeper than Python's decoder recurses: the API
+server keeps such a spec in a field that preserves unknown fields) is *undecodable*: it is
+left out of the store (as if deleted) and reported once per version (``on_undecodable``),
+and the watch goes on past it; every other object of the same page or stream is cached
+as usual (:func:`decode_json`). A 410 Gone answered on the watch request itself re-lists,
+as one carried by an ERROR event does; a watch left before its end closes its connection
+(:func:`neonvm.kube.release_stream`). docs/reconciler.md, "Progress without events".
+
 What the cache guarantees: nothing about freshness. It may lag the server arbitrarily
 (and a wrapper composed in through :mod:`neonvm.controller.wiring` may, on purpose, make
 it answer with older versions or miss updates entirely).
@@ -22,9 +30,11 @@ from __future__ import annotations
 import contextlib
 import json
 import marshal
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from kubernetes.client.exceptions import ApiException
@@ -33,7 +43,7 @@ from loguru import logger
 
 from neonvm.api import types
 from neonvm.controller.podspec import ANNOTATION_BUILT_SIZE
-from neonvm.kube import short_error
+from neonvm.kube import release_stream, short_error
 
 Obj = dict[str, Any]
 Handler = Callable[[str, Obj | None, Obj | None], None]
@@ -43,6 +53,23 @@ Lister = Callable[..., Any]
 EventFilter = Callable[[str, Obj], bool]
 """Called with (type, object) for each watch event before the store sees it; False
 ignores the event entirely (the watch's resourceVersion still advances)."""
+
+
+@dataclass(frozen=True)
+class Undecodable:
+    """An object the informer could not decode: what could be read of its metadata."""
+
+    key: str
+    """``namespace/name``."""
+    metadata: Obj
+    """Its ``metadata`` with every part nested too deep replaced (name, namespace, uid and
+    resourceVersion are there when the server sent them)."""
+    reason: str
+    """One line for a log or an Event."""
+
+
+UndecodableHandler = Callable[[Undecodable], None]
+"""Called once per undecodable object version (relists do not repeat it)."""
 
 
 def object_key(obj: Obj) -> str:
@@ -57,6 +84,63 @@ def object_uid(obj: Obj | None) -> str | None:
 
 class Gone(Exception):
     """The watch's resourceVersion is too old (410): re-list."""
+
+
+PRUNE_DEPTH = 512
+"""How deep the fallback decoder keeps a document's structure; deeper parts become
+:data:`TOO_DEEP`. Far below the ~1,000 levels Python's decoder stops at, far above any
+real VM (its deepest free-form field, an affinity, nests about ten levels)."""
+TOO_DEEP = "\x00neonvm:nested-too-deep"
+"""What the fallback decoder puts where it dropped a part nested deeper than
+:data:`PRUNE_DEPTH` (a string no API object holds)."""
+_TOKENS = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]')
+"""The JSON tokens that matter for nesting: strings (skipped whole) and brackets."""
+
+
+def decode_json(text: str | bytes) -> tuple[Any, bool]:
+    """``text`` decoded, and whether parts of it were dropped as nested too deep.
+
+    ``json.loads`` recurses once per level and raises ``RecursionError`` at about 1,000
+    levels, which the API server accepts in a free-form field. Then the document is
+    decoded again with every container deeper than :data:`PRUNE_DEPTH` replaced by
+    :data:`TOO_DEEP`, so the rest of it (a list page's other items, an event's metadata)
+    can still be read. Only the failing document pays for the second pass.
+    """
+    try:
+        return json.loads(text), False
+    except RecursionError:
+        pass
+    if isinstance(text, bytes):
+        text = text.decode("utf-8")
+    return json.loads(_prune(text, PRUNE_DEPTH)), True
+
+
+def _prune(text: str, depth: int) -> str:
+    """``text`` with each container opened deeper than ``depth`` replaced by TOO_DEEP."""
+    out: list[str] = []
+    level = 0
+    copied = 0  # text before this offset is in ``out`` (or dropped)
+    marker = json.dumps(TOO_DEEP)
+    for token in _TOKENS.finditer(text):
+        char = token.group()[0]
+        if char == '"':
+            continue
+        if char in "[{":
+            level += 1
+            if level == depth + 1:
+                out.append(text[copied:token.start()])
+        else:
+            if level == depth + 1:
+                out.append(marker)
+                copied = token.end()
+            level -= 1
+    out.append(text[copied:])
+    return "".join(out)
+
+
+def pruned(obj: Any) -> bool:
+    """Whether ``obj`` (a part of what :func:`decode_json` answered) lost a part."""
+    return json.dumps(TOO_DEEP) in json.dumps(obj)
 
 
 def _same(obj: Any) -> Any:
@@ -271,8 +355,12 @@ class Informer:
                  on_relist: Callable[[str], None] | None = None,
                  relist_seconds: float | None = None,
                  transform: Callable[[Obj], Obj] | None = strip_managed_fields,
-                 relist_page: int = 500) -> None:
+                 relist_page: int = 500,
+                 on_undecodable: UndecodableHandler | None = None) -> None:
         self.name = name
+        self._on_undecodable = on_undecodable
+        self._undecodable: dict[str, str] = {}
+        """Undecodable objects already reported: key to resourceVersion."""
         self._relist_page = relist_page
         self._transform = transform
         self.store = store
@@ -360,9 +448,9 @@ class Informer:
                     raise Gone() from exc
                 raise
             try:
-                body = json.loads(resp.data)
+                body, lossy = decode_json(resp.data)
             finally:
-                resp.release_conn()
+                release_stream(resp)
             meta = body.get("metadata") or {}
             if not rv:
                 rv = str(meta.get("resourceVersion", ""))
@@ -371,6 +459,10 @@ class Informer:
             del body
             for item in items:
                 item.setdefault("metadata", {})
+                if lossy and pruned(item):
+                    self._skip(item)  # not in ``seen``: a cached older version goes
+                    continue
+                self._undecodable.pop(object_key(item), None)
                 if self._transform is not None:
                     item = self._transform(item)
                 seen.add(object_key(item))
@@ -390,15 +482,39 @@ class Informer:
             self._on_relist(self.name)
         return rv
 
+    def _skip(self, obj: Obj) -> None:
+        """Leave an undecodable object out of the store (a cached older version is
+        removed, and the handler told so); report it once per version."""
+        key = object_key(obj)
+        meta = obj.get("metadata") or {}
+        old = self.store.get(key)
+        if old is not None:
+            self._handler(*self.store.apply("DELETED", obj))
+        rv = str(meta.get("resourceVersion") or "")
+        if self._undecodable.get(key) == rv:
+            return
+        self._undecodable[key] = rv
+        reason = (f"{key} (uid {meta.get('uid')}, resourceVersion {rv}) is nested more "
+                  f"than {PRUNE_DEPTH} levels deep and cannot be decoded: not cached, "
+                  "not reconciled until it changes")
+        self._log.error("skipping undecodable object: {reason}", reason=reason)
+        if self._on_undecodable is not None:
+            self._on_undecodable(Undecodable(key, meta, reason))
+
     def _watch(self, rv: str) -> str:
-        resp = self._lister(
-            watch=True, resource_version=rv, allow_watch_bookmarks=True,
-            timeout_seconds=self._watch_timeout, _preload_content=False,
-            _request_timeout=(10, self._watch_timeout + 15),
-        )
+        try:
+            resp = self._lister(
+                watch=True, resource_version=rv, allow_watch_bookmarks=True,
+                timeout_seconds=self._watch_timeout, _preload_content=False,
+                _request_timeout=(10, self._watch_timeout + 15),
+            )
+        except ApiException as exc:
+            if exc.status == 410:  # answered on the request itself, not as an event
+                raise Gone() from exc
+            raise
         self._response = resp
         try:
-            for event in _events(resp):
+            for event, lossy in _events(resp):
                 if self._stop.is_set():
                     break
                 kind = event.get("type")
@@ -415,6 +531,11 @@ class Informer:
                     continue
                 if self._accept is not None and not self._accept(str(kind), obj):
                     continue
+                if lossy and kind != "DELETED" and pruned(obj):
+                    self._skip(obj)
+                    continue
+                if kind == "DELETED" or not lossy:
+                    self._undecodable.pop(object_key(obj), None)
                 if self._transform is not None:
                     obj = self._transform(obj)
                 self._handler(*self.store.apply(str(kind), obj))
@@ -424,11 +545,12 @@ class Informer:
             raise
         finally:
             self._response = None
-            resp.release_conn()
+            release_stream(resp)
         return rv
 
 
-def _events(resp: Any) -> Iterator[dict[str, Any]]:
+def _events(resp: Any) -> Iterator[tuple[dict[str, Any], bool]]:
+    """The watch's events, each with whether parts were dropped (:func:`decode_json`)."""
     for line in iter_resp_lines(resp):
         if line:
-            yield json.loads(line)
+            yield decode_json(line)
