@@ -90,7 +90,9 @@ def pull_secret_rules() -> list[dict[str, Any]]:
 
 def leader_election_rules() -> list[dict[str, Any]]:
     """What the election needs on its Lease (read, create, replace by resourceVersion,
-    and watch: standbys read the Lease as soon as it changes).
+    patch: the leader's renewals are JSON patches conditional on its holder and epoch, so
+    the next can go out before the last answered; and watch: standbys read the Lease as
+    soon as it changes).
 
     Kept apart from :func:`controller_rules` because the Lease lives in one namespace: the
     chart grants these through a Role there, not cluster-wide. The local cluster's
@@ -98,7 +100,7 @@ def leader_election_rules() -> list[dict[str, Any]]:
     """
     return [
         {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
-         "verbs": ["get", "create", "update", "watch"]},
+         "verbs": ["get", "create", "update", "patch", "watch"]},
     ]
 
 

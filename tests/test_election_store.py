@@ -121,6 +121,26 @@ class FakeLeaseStore:
             obj["metadata"]["annotations"].pop(STEP_DOWN_ANNOTATION, None)
         return self._store(obj)
 
+    def renew(self, base: LeaseRecord, spec: dict[str, Any], timeout: float, *,
+              drop_step_down: bool = False) -> LeaseRecord:
+        """Conditional on the holder, epoch and uid of ``base``, not its version."""
+        self.calls.append("renew")
+        self._maybe_fail()
+        if self.before_write is not None:
+            self.before_write()
+        if self.obj is None:
+            raise LeaseNotFound("gone")
+        spec_now, meta = self.obj["spec"], self.obj["metadata"]
+        if (spec_now.get("holderIdentity") or "") != base.holder or \
+                int(spec_now.get("leaseTransitions") or 0) != base.transitions or \
+                (base.uid is not None and meta.get("uid") != base.uid):
+            raise LeaseConflict("not held")
+        obj = copy.deepcopy(self.obj)
+        obj["spec"] = {**obj["spec"], **spec}
+        if drop_step_down and obj["metadata"].get("annotations"):
+            obj["metadata"]["annotations"].pop(STEP_DOWN_ANNOTATION, None)
+        return self._store(obj)
+
     def watch(self, timeout: float) -> Iterator[LeaseRecord | None]:
         """Like a Kubernetes watch from "now": the current object first, then changes."""
         with self.changed:
@@ -437,7 +457,7 @@ def test_a_watch_event_wakes_a_waiting_follower(store: FakeLeaseStore,
                                                 clock: FakeClock) -> None:
     """The fake clock never moves, so without the watch the wait would never end."""
     store.put(held_by("other_1"))
-    config: dict[str, Any] = {"lease_duration": 40.0, "renew_deadline": 30.0, "retry_period": 20.0,
+    config: dict[str, Any] = {"lease_duration": 60.0, "renew_deadline": 30.0, "retry_period": 20.0,
               "identity": "me_1", "namespace": "ns", "name": "l"}
     elector = LeaderElector(None, ElectionConfig(**config), lambda _: None, lambda: None,
                             clock=clock, store=store, watch=True)

@@ -96,7 +96,10 @@ tests use 0.5 s), and calls ``sys.exit`` on bad configuration.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
+import queue
 import random
 import secrets
 import socket
@@ -140,11 +143,18 @@ CLAIM_STALL_LIMIT = 30.0
 """Seconds one epoch-floor claim may run before ``health_check`` calls the elector wedged
 (each etcd call is bounded by its own timeout; a claim is a few of them)."""
 
+RESULT_POLL = 0.05
+"""Longest the leader goes without looking at the answers of its calls in flight."""
+
 WORK_JOIN_SLICE = 0.1
 """Seconds between health ticks while the elector waits for a term's work to return."""
 
 DEFAULT_NAMESPACE = "neonvm-system"
 DEFAULT_LEASE_NAME = "neonvm-controller"
+
+
+def _spawn_thread(fn: Callable[[], None]) -> None:
+    threading.Thread(target=fn, name="lease-call", daemon=True).start()
 
 
 def new_identity() -> str:
@@ -179,9 +189,11 @@ class ElectionConfig:
     """Where to campaign and how fast. Times are seconds; validated on construction.
 
     ``lease_duration``: how long followers wait, after last seeing the Lease change,
-    before taking it. ``renew_deadline``: how long the leader keeps trying to renew before
-    it stops leading; must be below ``lease_duration`` (the difference is the safety
-    margin). ``retry_period``: time between renewals and between campaign attempts.
+    before taking it. ``renew_deadline``: how long one renewal may take; the leader stops
+    leading when no renewal succeeded within ``retry_period + renew_deadline`` of the send
+    of the last one that did, which must be below ``lease_duration`` (the difference is
+    the safety margin). ``retry_period``: time between renewals (by send time: the next
+    goes out whether or not the last has answered) and between campaign attempts.
     """
 
     namespace: str = DEFAULT_NAMESPACE
@@ -210,11 +222,12 @@ class ElectionConfig:
             if not math.isfinite(value) or value <= 0:
                 problems.append(f"{label} must be a positive number of seconds, got {value!r}")
         if not problems:
-            if self.lease_duration <= self.renew_deadline:
+            if self.lease_duration <= self.renew_deadline + self.retry_period:
                 problems.append(
                     f"lease_duration ({self.lease_duration}s) must be greater than "
-                    f"renew_deadline ({self.renew_deadline}s): the leader must stop before "
-                    "followers may take over")
+                    f"renew_deadline ({self.renew_deadline}s) + retry_period "
+                    f"({self.retry_period}s): the leader must stop before followers may "
+                    "take over")
             if self.renew_deadline <= self.retry_period * JITTER_FACTOR:
                 problems.append(
                     f"renew_deadline ({self.renew_deadline}s) must be greater than "
@@ -222,6 +235,13 @@ class ElectionConfig:
                     "at least one retry must fit before the deadline")
         if problems:
             raise ValueError("invalid election config: " + "; ".join(problems))
+
+    @property
+    def belief(self) -> float:
+        """Seconds after the send of its last successful renewal that a leader keeps
+        leading: one retry period (when the next renewal goes out) plus the renew deadline
+        (that renewal's whole budget). Below ``lease_duration`` by the safety margin."""
+        return self.retry_period + self.renew_deadline
 
     @property
     def lease_duration_seconds(self) -> int:
@@ -382,8 +402,12 @@ class LeaderElector:
         *,
         store: LeaseStore | None = None,
         watch: bool = True,
+        spawn: Callable[[Callable[[], None]], None] | None = None,
     ) -> None:
         self.config = config
+        self._spawn = spawn if spawn is not None else _spawn_thread
+        """Runs one request off the elector's thread (tests pass a simulated one)."""
+        self._max_in_flight = 2 * math.ceil(config.belief / config.retry_period) + 1
         if store is None:
             if api is None:
                 raise ValueError("LeaderElector needs an ApiClient or a LeaseStore")
@@ -581,7 +605,15 @@ class LeaderElector:
                 break
         return None
 
-    def _try_acquire(self) -> _Term | None:
+    def _try_acquire(self, stop: threading.Event | None = None) -> _Term | None:
+        """Read the Lease and, if the rules allow, take it by CAS; return the new term.
+
+        While the acquisition is in flight, renewals already go out every retry period
+        (conditional on the holder and epoch it writes): the first renewal cannot wait
+        for the acquisition's answer, or two round trips would have to fit in the first
+        window (docs/leader-election.md, "Renewals in flight").
+        """
+        stop = stop if stop is not None else threading.Event()
         timeout = self.config.renew_deadline
         try:
             current = self._lease.get(timeout)
@@ -597,59 +629,79 @@ class LeaderElector:
             "acquireTime": format_microtime(now),
             "renewTime": format_microtime(now),
         }
-        sent_at = self._clock()
-        try:
-            if current is None:
-                acquired = self._lease.create({**spec, "leaseTransitions": 0}, timeout)
-            else:
-                # Our own identity may still hold it from a term we abandoned; its work
-                # was stopped before we got here, so we may take it at once.
-                if current.holder not in ("", me) and not self._expired():
-                    return None
-                acquired = self._lease.update(
-                    current, {**spec, "leaseTransitions": current.transitions + 1}, timeout,
-                    drop_step_down=True)
-        except LeaseConflict:  # someone else won this round (or created it)
+        if current is not None and current.holder not in ("", me) and not self._expired():
+            # Our own identity may still hold it from a term we abandoned; its work
+            # was stopped before we got here, so we may take it at once.
             return None
-        except LeaseNamespaceNotFound as exc:
+        epoch = 0 if current is None else current.transitions + 1
+        base = (LeaseRecord(holder=me, lease_duration_seconds=None, acquire_time=None,
+                            renew_time=None, transitions=0, resource_version="",
+                            step_down=None, raw={})
+                if current is None else dataclasses.replace(current, holder=me,
+                                                            transitions=epoch, step_down=None))
+        term = _Term(record=base, renewed_at=self._clock(), epoch=epoch, acquiring=True)
+        term.next_renewal = term.renewed_at + self.config.retry_period
+
+        def write() -> LeaseRecord:
+            if current is None:
+                return self._lease.create({**spec, "leaseTransitions": 0}, timeout)
+            return self._lease.update(current, {**spec, "leaseTransitions": epoch}, timeout,
+                                      drop_step_down=True)
+
+        term.renewed_at = self._call(term, "acquire", write)
+        answer = self._pump(term, stop, want="acquire")
+        term.acquiring = False
+        if not isinstance(answer, _Answer):  # stopped, or no answer within the window
+            return None
+        if answer.error is not None:
+            if term.proven:
+                # The answer was lost, but a renewal conditional on our holding the
+                # Lease at this epoch succeeded: the acquisition took effect.
+                self._log.info("acquired the Lease (leaseTransitions {n}; its answer "
+                               "was lost, a renewal proved it)", n=epoch)
+                self._acquired_once = True
+                return term
+            self._acquire_failed(answer.error)
+            return None
+        self._acquired_once = True
+        self._namespace_missing = False
+        acquired: LeaseRecord = answer.value
+        if not term.proven:
+            term.record = acquired
+            self._observe(acquired)
+        self._log.info("acquired the Lease (leaseTransitions {n})", n=acquired.transitions)
+        return term
+
+    def _acquire_failed(self, error: Exception) -> None:
+        """A refused or failed acquisition: nothing, or the missing namespace raised."""
+        if isinstance(error, LeaseConflict):  # someone else won this round (or created it)
+            return None
+        if isinstance(error, LeaseNamespaceNotFound):
             missing = LeaseNamespaceMissing(self.config.namespace, self.config.name)
             if not self._acquired_once:
-                raise missing from exc  # at start-up: a configuration error
+                raise missing from error  # at start-up: a configuration error
             if not self._namespace_missing:  # later (deleted under us): say it once
                 self._log.error("{err}; retrying quietly", err=str(missing))
             self._namespace_missing = True
             return None
-        except Exception as exc:
-            self._log.warning("acquiring the Lease failed: {err}", err=short_error(exc))
-            return None
-        self._acquired_once = True
-        self._namespace_missing = False
-        self._observe(acquired)
-        self._log.info("acquired the Lease (leaseTransitions {n})", n=acquired.transitions)
-        return _Term(record=acquired, renewed_at=sent_at)
+        self._log.warning("acquiring the Lease failed: {err}", err=short_error(error))
+        return None
 
     # ---- leading -----------------------------------------------------------------------
 
     def _lead(self, term: _Term, stop: threading.Event) -> EndReason:
         """From acquisition to the end of the term (always leaves the term ended)."""
         reason = self._claim_epoch(term, stop)
+        if reason is None and self._clock() >= self._valid_until(term):
+            reason = EndReason.DEADLINE
         if reason is not None:
             self._log.info("gave up the Lease before starting work: {r}", r=reason.value)
             if reason in (EndReason.STOP, EndReason.STEP_DOWN):
                 self._release(term)
             return reason
-        if self._clock() - term.renewed_at > self.config.retry_period:
-            # The claim took a while: renew before starting, so the term starts with a
-            # whole renew deadline ahead of it, or not at all if the deadline passed.
-            reason = self._renew(term, stop)
-            if reason is not None:
-                self._log.warning("the epoch claim outlasted the Lease's renewal ({r}); "
-                                  "not starting the term", r=reason.value)
-                if reason in (EndReason.STOP, EndReason.STEP_DOWN):
-                    self._release(term)
-                return reason
-        leadership = Leadership(term.record.transitions, self.config.identity,
-                                term.renewed_at + self.config.renew_deadline, self._clock)
+        leadership = Leadership(term.epoch, self.config.identity,
+                                self._valid_until(term), self._clock)
+        term.leadership = leadership
         self._leadership = leadership
         self.metrics.is_leader.set(1)
         self.metrics.epoch.set(leadership.epoch)
@@ -657,7 +709,7 @@ class LeaderElector:
         worker = threading.Thread(target=self._run_started, args=(leadership,),
                                   name=f"leader-work-{leadership.epoch}", daemon=True)
         worker.start()
-        reason = self._renew_loop(term, leadership, stop)
+        reason = self._renew_loop(term, stop)
         self._end_term(leadership, reason, worker)
         if reason in (EndReason.STOP, EndReason.STEP_DOWN):
             if worker.is_alive():
@@ -679,125 +731,217 @@ class LeaderElector:
             leadership.lost.set()
 
     def _claim_epoch(self, term: _Term, stop: threading.Event) -> EndReason | None:
-        """Raise our own leaseTransitions until the epoch floor accepts it."""
-        if self._epoch_floor is None:
+        """Raise our own leaseTransitions until the epoch floor accepts it; renewals go
+        on meanwhile (the claim and each raise are calls in flight like them)."""
+        floor = self._epoch_floor
+        if floor is None:
             return None
         step = 1
         while True:
-            self._last_tick = self._clock()
-            if stop.is_set():
-                return EndReason.STOP
-            epoch = term.record.transitions
+            epoch = term.epoch
             self._claiming_since = self._clock()
             try:
-                accepted = self._epoch_floor.claim(epoch, self.config.identity)
-                refused = not accepted
-            except Exception as exc:
-                self._log.warning("claiming epoch {epoch} failed: {err}", epoch=epoch,
-                                  err=short_error(exc))
-                accepted, refused = False, False
+                answer = self._pump(term, stop, want="claim", send=(
+                    "claim", functools.partial(floor.claim, epoch, self.config.identity)))
             finally:
                 self._last_tick = self._clock()  # before the flag: a probe never sees idle
                 self._claiming_since = None
-            if accepted:
+            if not isinstance(answer, _Answer):
+                return answer if answer is not None else EndReason.STOP
+            if answer.error is None and answer.value:
                 return None
-            if refused:
-                self._log.info("epoch floor refused epoch {epoch}; raising it by {step}",
-                               epoch=epoch, step=step)
-                new_transitions, step = epoch + step, step * 2
-            else:
-                new_transitions = epoch  # keep the Lease fresh while the floor is away
-                if stop.wait(self.config.retry_period):
-                    return EndReason.STOP
-            ended = self._renew(term, stop, transitions=new_transitions)
+            if answer.error is not None:
+                self._log.warning("claiming epoch {epoch} failed: {err}", epoch=epoch,
+                                  err=short_error(answer.error))
+                ended = self._pump(term, stop, until=self._clock()
+                                   + self.config.retry_period)
+                if ended is not None:
+                    return ended if isinstance(ended, EndReason) else EndReason.STOP
+                continue
+            self._log.info("epoch floor refused epoch {epoch}; raising it by {step}",
+                           epoch=epoch, step=step)
+            ended = self._raise_epoch(term, stop, epoch + step)
             if ended is not None:
                 return ended
+            step *= 2
 
-    def _renew_loop(self, term: _Term, leadership: Leadership,
-                    stop: threading.Event) -> EndReason:
+    def _raise_epoch(self, term: _Term, stop: threading.Event, to: int) -> EndReason | None:
+        """Set our own Lease's leaseTransitions to ``to`` (conditional on holding it)."""
+        term.raising_to = to
+        try:
+            while True:
+                base = term.base()
+                answer = self._pump(term, stop, want="raise", send=(
+                    "raise", functools.partial(
+                        self._lease.renew, base,
+                        {"leaseTransitions": to,
+                         "renewTime": format_microtime(datetime.now(UTC))},
+                        timeout=self.config.belief)))
+                if not isinstance(answer, _Answer):
+                    return answer if answer is not None else EndReason.STOP
+                if answer.error is None:
+                    return None
+                ended = self._pump(term, stop, until=self._clock()
+                                   + self.config.retry_period)
+                if ended is not None:
+                    return ended if isinstance(ended, EndReason) else EndReason.STOP
+        finally:
+            term.raising_to = None
+
+    def _renew_loop(self, term: _Term, stop: threading.Event) -> EndReason:
+        """Renew every retry period until the term ends (see :meth:`_pump`)."""
+        ended = self._pump(term, stop)
+        assert isinstance(ended, EndReason)
+        return ended
+
+    def _renew(self, term: _Term, stop: threading.Event) -> EndReason | None:
+        """Send one renewal now and keep renewing until one succeeds (None) or the term
+        ends (why). The term's loop itself never waits for an answer like this."""
+        before = term.successes
+        term.next_renewal = self._clock()
+        while term.successes == before:
+            answer = self._pump(term, stop, want="renew")
+            if not isinstance(answer, _Answer):
+                return answer if answer is not None else EndReason.STOP
+        return None
+
+    # ---- the calls in flight -----------------------------------------------------------
+
+    def _call(self, term: _Term, kind: str, fn: Callable[[], Any]) -> float:
+        """Run ``fn`` (one request) off this thread; its answer lands in ``term.answers``.
+        Returns the send time."""
+        sent_at = self._clock()
+        term.pending[kind] = term.pending.get(kind, 0) + 1
+
+        def run() -> None:
+            try:
+                term.answers.put(_Answer(kind, sent_at, value=fn()))
+            except Exception as exc:
+                term.answers.put(_Answer(kind, sent_at, error=exc))
+
+        self._spawn(run)
+        return sent_at
+
+    def _send_renewal(self, term: _Term) -> None:
+        """The next renewal, on the schedule: one every retry period by *send* time,
+        whether or not the previous ones have answered."""
+        now = self._clock()
+        term.next_renewal += self.config.retry_period
+        if term.next_renewal <= now:  # behind by more than a period: start again from now
+            term.next_renewal = now + self.config.retry_period
+        if term.pending.get("renew", 0) >= self._max_in_flight:
+            return  # calls that never answer (a store that ignores timeouts): send no more
+        base = term.base()
+        self._call(term, "renew", lambda: self._lease.renew(
+            base, {"renewTime": format_microtime(datetime.now(UTC))},
+            timeout=self.config.belief))
+
+    def _pump(self, term: _Term, stop: threading.Event, *, want: str | None = None,
+              until: float | None = None,
+              send: tuple[str, Callable[[], Any]] | None = None
+              ) -> EndReason | _Answer | None:
+        """The term's loop: send renewals when due, take their answers, end the term.
+
+        Returns the first answer of kind ``want`` (after ``send`` sent it), None once the
+        clock reaches ``until``, or why the term ended: the renew deadline passed (no
+        renewal succeeded within ``retry_period + renew_deadline`` of the send of the last
+        one that did), deposed, step-down, ``stop``, or ``lost`` set from outside.
+        """
+        if send is not None:
+            self._call(term, *send)
         while True:
             self._last_tick = self._clock()
-            if stop.wait(self.config.retry_period):
-                return EndReason.STOP
-            self._last_tick = self._clock()
-            if leadership.lost.is_set():
+            while True:
+                try:
+                    answer = term.answers.get_nowait()
+                except queue.Empty:
+                    break
+                term.pending[answer.kind] -= 1
+                ended = self._take(term, answer)
+                if ended is not None:
+                    return ended
+                if answer.kind == want:
+                    return answer
+            now = self._clock()
+            if until is not None and now >= until:
+                return None
+            if now >= self._valid_until(term):
+                self._log.warning("could not renew the Lease within the renew deadline")
+                return EndReason.DEADLINE
+            leadership = term.leadership
+            if leadership is not None and leadership.lost.is_set():
                 if leadership.stepping_down.is_set():
                     return EndReason.STEP_DOWN
                 return EndReason.WORK_LOST
-            ended = self._renew(term, stop)
-            if ended is not None:
-                return ended
-            leadership._extend(term.renewed_at + self.config.renew_deadline)
+            if now >= term.next_renewal and term.raising_to is None:
+                self._send_renewal(term)
+            wake = min(term.next_renewal, self._valid_until(term),
+                       until if until is not None else math.inf)
+            if stop.wait(max(0.0, min(wake - self._clock(), RESULT_POLL))):
+                return EndReason.STOP
 
-    def _renew(self, term: _Term, stop: threading.Event,
-               transitions: int | None = None) -> EndReason | None:
-        """Renew (optionally with new leaseTransitions), retrying until the renew deadline.
-
-        Returns None on success (``term`` updated) or why the term ended. The deadline is
-        measured from the *send* time of the last successful renewal.
-        """
+    def _take(self, term: _Term, answer: _Answer) -> EndReason | None:
+        """Learn from one answer to our own writes or reads (None: the term goes on)."""
         me = self.config.identity
-        while True:
-            deadline = term.renewed_at + self.config.renew_deadline
-            left = deadline - self._clock()
-            if left <= 0:
-                self._log.warning("could not renew the Lease within the renew deadline")
-                return EndReason.DEADLINE
-            sent_at = self._clock()
-            spec: dict[str, Any] = {"renewTime": format_microtime(datetime.now(UTC))}
-            if transitions is not None:
-                spec["leaseTransitions"] = transitions
-            try:
-                # Our last write's version is what we compare against: if nobody wrote
-                # since, we still hold the Lease and nobody asked us to step down.
-                updated = self._lease.update(term.record, spec, timeout=left)
-            except LeaseNotFound:
-                # Someone deleted the Lease: whoever creates it next holds it, so our
-                # term is over now (not at the deadline). The next campaign re-creates
-                # it, under an epoch the floor accepts.
-                self.metrics.renew_failures.inc()
+        if answer.kind in ("renew", "raise"):
+            if answer.error is None:
+                record: LeaseRecord = answer.value
+                self.metrics.renew_seconds.observe(self._clock() - answer.sent_at)
+                if record.holder != me:  # cannot happen with a conditional write
+                    return EndReason.DEPOSED
+                if answer.kind == "raise":
+                    term.epoch = record.transitions
+                elif record.transitions != term.epoch:
+                    return None  # sent before our own raise: proves nothing now
+                term.proven = True
+                term.successes += 1
+                if answer.sent_at >= term.renewed_at:
+                    term.renewed_at = answer.sent_at
+                    term.record = record
+                    self._observe(record)
+                    if term.leadership is not None:
+                        term.leadership._extend(self._valid_until(term))
+                return self._step_down_asked(term, record)
+            self.metrics.renew_failures.inc()
+            if isinstance(answer.error, LeaseNotFound) and not term.acquiring:
                 self._log.warning("deposed: the Lease was deleted")
                 return EndReason.DEPOSED
-            except LeaseConflict:
-                self.metrics.renew_failures.inc()
-                ended = self._reread_after_conflict(term, left)
-                if ended is not None:
-                    return ended
-                continue
-            except Exception as exc:
-                self.metrics.renew_failures.inc()
-                self._log.warning("renewing the Lease failed: {err}", err=short_error(exc))
-                if stop.wait(min(self.config.retry_period, max(0.0, deadline - self._clock()))):
-                    return EndReason.STOP
-                continue
-            self.metrics.renew_seconds.observe(self._clock() - sent_at)
-            if updated.holder != me:  # cannot happen with a CAS on our own version
-                return EndReason.DEPOSED
-            term.record = updated
-            term.renewed_at = sent_at
-            self._observe(updated)
+            if isinstance(answer.error, LeaseConflict):
+                # Not ours at the epoch we tested, or not yet (while the acquisition is in
+                # flight we do not know): a fresh read decides.
+                if not term.acquiring and not term.pending.get("read"):
+                    self._call(term, "read", lambda: self._lease.get(self.config.belief))
+                return None
+            self._log.warning("renewing the Lease failed: {err}",
+                              err=short_error(answer.error))
             return None
+        if answer.kind == "read" and answer.error is None:
+            fresh: LeaseRecord | None = answer.value
+            self._observe(fresh)
+            if fresh is None or fresh.holder != me or fresh.transitions not in (
+                    term.epoch, term.raising_to) or term.record.uid not in (None, fresh.uid):
+                self._log.warning("deposed: the Lease now names {holder} (epoch {epoch})",
+                                  holder=fresh.holder if fresh else "<deleted>",
+                                  epoch=fresh.transitions if fresh else "-")
+                return EndReason.DEPOSED
+            return self._step_down_asked(term, fresh)
+        if answer.kind == "read" and answer.error is not None:
+            self._log.warning("re-reading the Lease failed: {err}",
+                              err=short_error(answer.error))
+        return None
 
-    def _reread_after_conflict(self, term: _Term, timeout: float) -> EndReason | None:
-        """Someone wrote the Lease: still ours (annotation, label)? asked to step down?"""
-        try:
-            fresh = self._lease.get(timeout)
-        except Exception as exc:
-            self._log.warning("re-reading the Lease failed: {err}", err=short_error(exc))
-            return None  # the caller retries until the deadline
-        self._observe(fresh)
-        if fresh is None or fresh.holder != self.config.identity or \
-                fresh.transitions != term.record.transitions:
-            self._log.warning("deposed: the Lease now names {holder} (epoch {epoch})",
-                              holder=fresh.holder if fresh else "<deleted>",
-                              epoch=fresh.transitions if fresh else "-")
-            return EndReason.DEPOSED
-        term.record = fresh
-        if fresh.step_down is not None and fresh.step_down.names(
-                self.config.identity, fresh.transitions):
-            self._log.info("step-down requested for epoch {epoch}", epoch=fresh.transitions)
+    def _step_down_asked(self, term: _Term, record: LeaseRecord) -> EndReason | None:
+        if record.step_down is not None and record.step_down.names(
+                self.config.identity, term.epoch):
+            term.record = record  # the release removes the request it saw
+            self._log.info("step-down requested for epoch {epoch}", epoch=term.epoch)
             return EndReason.STEP_DOWN
         return None
+
+    def _valid_until(self, term: _Term) -> float:
+        """Monotonic instant at which ``term`` ends unless a renewal succeeds before it:
+        ``retry_period + renew_deadline`` after the send of the last one that did."""
+        return term.renewed_at + self.config.belief
 
     def _end_term(self, leadership: Leadership, reason: EndReason,
                   worker: threading.Thread) -> None:
@@ -842,13 +986,14 @@ class LeaderElector:
         return True
 
     def _release(self, term: _Term) -> None:
-        """Hand the Lease over at once (client-go's ReleaseOnCancel), by CAS."""
+        """Hand the Lease over at once (client-go's ReleaseOnCancel), conditional on still
+        holding it at our epoch: renewals still in flight fail after it (their holder test)."""
         now = format_microtime(datetime.now(UTC))
         spec = {"holderIdentity": "", "leaseDurationSeconds": 1,
                 "acquireTime": now, "renewTime": now}
         try:
-            released = self._lease.update(term.record, spec, timeout=self.config.renew_deadline,
-                                          drop_step_down=True)
+            released = self._lease.renew(term.base(), spec, timeout=self.config.renew_deadline,
+                                         drop_step_down=True)
         except Exception as exc:
             self._log.warning("could not release the Lease ({err}); standbys will wait for "
                               "it to expire", err=short_error(exc))
@@ -867,8 +1012,40 @@ class _Stopping:
 
 
 @dataclass
+class _Answer:
+    """The outcome of one call made off the elector's thread (see ``LeaderElector._call``)."""
+
+    kind: str  # "acquire", "renew", "read", "claim", "raise"
+    sent_at: float
+    value: Any = None
+    error: Exception | None = None
+
+
+@dataclass
 class _Term:
-    """The leader's own view of its term: its last written version and when it was sent."""
+    """The leader's own view of its term: the newest answer to its writes, when the write
+    that got it was sent, and the calls still in flight."""
 
     record: LeaseRecord
     renewed_at: float
+    """Send time of the newest write (acquisition or renewal) that succeeded."""
+    epoch: int = -1
+    """leaseTransitions of this term (raised while the epoch floor refuses it)."""
+    acquiring: bool = False
+    """The acquisition is in flight: a renewal's refusal does not mean deposed yet."""
+    proven: bool = False
+    """A renewal conditional on holding the Lease at ``epoch`` succeeded."""
+    successes: int = 0
+    next_renewal: float = 0.0
+    raising_to: int | None = None
+    leadership: Leadership | None = None
+    answers: queue.SimpleQueue[_Answer] = field(default_factory=queue.SimpleQueue)
+    pending: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.epoch < 0:
+            self.epoch = self.record.transitions
+
+    def base(self) -> LeaseRecord:
+        """What a renewal is conditional on: this Lease (uid), our identity, our epoch."""
+        return dataclasses.replace(self.record, transitions=self.epoch)

@@ -17,6 +17,12 @@ The contract every store keeps:
   carries the new version.
 * ``update`` of a Lease that no longer exists fails with :class:`LeaseNotFound` (a
   :class:`LeaseConflict`): the object the write was based on is gone.
+* ``renew(base, ...)`` is the holder's write: it succeeds only if the Lease still has
+  ``base``'s uid (when ``base`` has one), ``holderIdentity`` and ``leaseTransitions``,
+  *whatever its resourceVersion*, and fails with :class:`LeaseConflict` otherwise
+  (:class:`LeaseNotFound` when gone). It does not depend on the answer to the previous
+  write, so a leader can send the next renewal before the last one returned
+  (``docs/leader-election.md``, "Renewals in flight").
 * :class:`LeaseNamespaceNotFound` when the Lease's namespace does not exist.
 * Any other exception is a transient failure (network, 5xx, timeout): the write may or may
   not have happened, and the caller must not assume either.
@@ -35,6 +41,11 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from neonvm import kube
+
+Timeout = float | tuple[float, float]
+"""A request's time limit: one number for the whole request (urllib3's ``total``), or
+(connect, read): the connection, TLS handshake included, and the wait for the answer each
+get their own limit, so that a slow handshake does not eat the answer's budget."""
 
 STEP_DOWN_ANNOTATION = "leader.vm.neon.tech/step-down"
 """Annotation on the Lease asking one term (holder identity and epoch) to release."""
@@ -73,6 +84,11 @@ class LeaseRecord:
     resource_version: str
     step_down: StepDownRequest | None
     raw: dict[str, Any]
+
+    @property
+    def uid(self) -> str | None:
+        """The Lease object's uid (None for a record not read from a server)."""
+        return (self.raw.get("metadata") or {}).get("uid") or None
 
     @classmethod
     def from_object(cls, obj: dict[str, Any]) -> LeaseRecord:
@@ -123,7 +139,7 @@ class StepDownRequest:
 class LeaseClient:
     """Get, create and compare-and-swap one Lease; objects are plain JSON dicts.
 
-    Plain dicts (raw REST calls, :func:`neonvm.kube.request`) keep the times exactly as
+    Plain dicts (raw REST calls through :mod:`neonvm.kube`) keep the times exactly as
     the server wrote them, let us send MicroTime strings in the canonical format, and
     load none of the generated API classes (about 20 MiB in every replica).
     """
@@ -135,18 +151,28 @@ class LeaseClient:
         self.collection = f"/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases"
         """The REST path of the namespace's Leases."""
 
-    def get(self, timeout: float) -> LeaseRecord | None:
-        """A direct (quorum) read; None when the Lease does not exist."""
-        obj = kube.get_or_none(self._api, f"{self.collection}/{self.name}", timeout=timeout)
-        return None if obj is None else LeaseRecord.from_object(obj)
+    def _call(self, method: str, path: str, timeout: Timeout, body: Any = None,
+              content_type: str = "application/json") -> LeaseRecord:
+        resp = kube._send(self._api, method, path, body=body, timeout=timeout,
+                          headers={"Content-Type": content_type, "Accept": "application/json"})
+        resp.read()
+        return LeaseRecord.from_object(json.loads(resp.data or b"{}"))
 
-    def create(self, spec: dict[str, Any], timeout: float) -> LeaseRecord:
+    def get(self, timeout: Timeout) -> LeaseRecord | None:
+        """A direct (quorum) read; None when the Lease does not exist."""
+        try:
+            return self._call("GET", f"{self.collection}/{self.name}", timeout)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def create(self, spec: dict[str, Any], timeout: Timeout) -> LeaseRecord:
         body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
                 "metadata": {"name": self.name, "namespace": self.namespace}, "spec": spec}
-        return LeaseRecord.from_object(kube.request(
-            self._api, "POST", self.collection, body=body, timeout=timeout))
+        return self._call("POST", self.collection, timeout, body)
 
-    def replace(self, base: LeaseRecord, spec: dict[str, Any], timeout: float,
+    def replace(self, base: LeaseRecord, spec: dict[str, Any], timeout: Timeout,
                 drop_step_down: bool = False,
                 step_down: StepDownRequest | None = None) -> LeaseRecord:
         """Write ``spec`` over ``base``; 409 Conflict if the Lease changed since ``base``."""
@@ -160,8 +186,45 @@ class LeaseClient:
         if step_down is not None:
             annotations[STEP_DOWN_ANNOTATION] = step_down.to_annotation()
         meta["annotations"] = annotations or None
-        return LeaseRecord.from_object(kube.request(
-            self._api, "PUT", f"{self.collection}/{self.name}", body=obj, timeout=timeout))
+        return self._call("PUT", f"{self.collection}/{self.name}", timeout, obj)
+
+    def patch_if_held(self, base: LeaseRecord, spec: dict[str, Any], timeout: Timeout,
+                      drop_step_down: bool = False) -> LeaseRecord:
+        """Write ``spec`` if the Lease still has ``base``'s uid, holder and leaseTransitions
+        (a JSON patch whose ``test`` operations are those conditions; no resourceVersion).
+
+        The API server applies the whole patch or nothing: a failed test answers 422.
+        """
+        return self._call("PATCH", f"{self.collection}/{self.name}", timeout,
+                          held_patch(base, spec, drop_step_down),
+                          content_type="application/json-patch+json")
+
+
+def _pointer(*parts: str) -> str:
+    """A JSON pointer (RFC 6901) to ``parts``."""
+    return "".join("/" + p.replace("~", "~0").replace("/", "~1") for p in parts)
+
+
+def held_patch(base: LeaseRecord, spec: dict[str, Any],
+               drop_step_down: bool = False) -> list[dict[str, Any]]:
+    """The JSON patch of :meth:`LeaseClient.patch_if_held`: tests, then the writes.
+
+    The step-down annotation is removed only when ``base`` carries it (a JSON patch
+    ``remove`` of a missing member fails); a request added after ``base`` stays, and the
+    next acquisition drops it.
+    """
+    ops: list[dict[str, Any]] = []
+    if base.uid:
+        ops.append({"op": "test", "path": "/metadata/uid", "value": base.uid})
+    ops.append({"op": "test", "path": "/spec/holderIdentity", "value": base.holder})
+    ops.append({"op": "test", "path": "/spec/leaseTransitions", "value": base.transitions})
+    ops.extend({"op": "add", "path": _pointer("spec", key), "value": value}
+               for key, value in spec.items())
+    annotations = (base.raw.get("metadata") or {}).get("annotations") or {}
+    if drop_step_down and STEP_DOWN_ANNOTATION in annotations:
+        ops.append({"op": "remove",
+                    "path": _pointer("metadata", "annotations", STEP_DOWN_ANNOTATION)})
+    return ops
 
 
 class LeaseConflict(Exception):
@@ -187,16 +250,30 @@ class LeaseStore(Protocol):
     def update(self, base: LeaseRecord, spec: dict[str, Any], timeout: float, *,
                drop_step_down: bool = False) -> LeaseRecord: ...
 
+    def renew(self, base: LeaseRecord, spec: dict[str, Any], timeout: float, *,
+              drop_step_down: bool = False) -> LeaseRecord: ...
+
     def watch(self, timeout: float) -> Iterator[LeaseRecord | None]: ...
+
+
+def split(timeout: float) -> tuple[float, float]:
+    """``timeout`` for the connection and again for the answer (see :data:`Timeout`)."""
+    return (timeout, timeout)
 
 
 class KubernetesLeaseStore:
     """:class:`LeaseStore` on a ``coordination.k8s.io/v1`` Lease, through :class:`LeaseClient`.
 
     Maps the API server's answers onto the store contract: 409 (and the 422 a racing
-    create can get) to :class:`LeaseConflict`, a 404 naming a namespace to
-    :class:`LeaseNamespaceNotFound`, any other 404 on update to :class:`LeaseNotFound`;
-    everything else propagates as a transient failure.
+    create can get, or a failed test of :meth:`renew`) to :class:`LeaseConflict`, a 404
+    naming a namespace to :class:`LeaseNamespaceNotFound`, any other 404 on update to
+    :class:`LeaseNotFound`; everything else propagates as a transient failure.
+
+    A ``timeout`` of T seconds gives the connection (TCP and TLS handshake) T and the
+    answer another T (urllib3's connect and read timeouts), never T in all: through a
+    slow network a new connection's handshake costs a round trip, and a total of T left
+    the answer too little (a 2.5 s budget became a 0.99 s read timeout), so a request
+    that timed out dropped its connection and the next one paid the handshake again.
     """
 
     def __init__(self, api: client.ApiClient, namespace: str, name: str) -> None:
@@ -207,11 +284,11 @@ class KubernetesLeaseStore:
         self.name = name
 
     def get(self, timeout: float) -> LeaseRecord | None:
-        return self._leases.get(timeout)
+        return self._leases.get(split(timeout))
 
     def create(self, spec: dict[str, Any], timeout: float) -> LeaseRecord:
         try:
-            return self._leases.create(spec, timeout)
+            return self._leases.create(spec, split(timeout))
         except ApiException as exc:
             if exc.status in (409, 422):
                 raise LeaseConflict(f"the Lease already exists ({exc.status})") from exc
@@ -222,7 +299,8 @@ class KubernetesLeaseStore:
     def update(self, base: LeaseRecord, spec: dict[str, Any], timeout: float, *,
                drop_step_down: bool = False) -> LeaseRecord:
         try:
-            return self._leases.replace(base, spec, timeout, drop_step_down=drop_step_down)
+            return self._leases.replace(base, spec, split(timeout),
+                                        drop_step_down=drop_step_down)
         except ApiException as exc:
             if exc.status == 409:
                 raise LeaseConflict(
@@ -232,6 +310,22 @@ class KubernetesLeaseStore:
             if _lease_not_found(exc, self.name):
                 raise LeaseNotFound(
                     f"the Lease is gone (it was at version {base.resource_version})") from exc
+            raise
+
+    def renew(self, base: LeaseRecord, spec: dict[str, Any], timeout: float, *,
+              drop_step_down: bool = False) -> LeaseRecord:
+        try:
+            return self._leases.patch_if_held(base, spec, split(timeout),
+                                              drop_step_down=drop_step_down)
+        except ApiException as exc:
+            if exc.status in (409, 422):  # 422: a test failed (holder, epoch or uid)
+                raise LeaseConflict(
+                    f"the Lease is no longer held by {base.holder!r} at epoch "
+                    f"{base.transitions} ({exc.status})") from exc
+            if _namespace_not_found(exc):
+                raise LeaseNamespaceNotFound(self.namespace) from exc
+            if _lease_not_found(exc, self.name):
+                raise LeaseNotFound("the Lease is gone") from exc
             raise
 
     def watch(self, timeout: float) -> Iterator[LeaseRecord | None]:
