@@ -8,17 +8,26 @@ readiness checks, ``/healthz/<name>`` and ``/readyz/<name>`` one check, and ``?v
 lists every check. ``/metrics`` serves the caller's own ``CollectorRegistry`` (never the
 global one, so several servers and electors can live in one process, as in tests).
 
-What it guarantees: each request runs the checks afresh (no caching), in its own thread,
-so one slow check delays only that probe. What it does not: a check that blocks forever
-blocks that request forever; keep checks cheap and bounded.
+What it guarantees: each request runs the checks afresh (no caching). Any pod can reach
+the port, so no client can starve the probes: one thread reads every connection's
+request with a selector (an idle or slow connection costs a socket, not a thread) and
+closes it if the request has not arrived within ``read_timeout`` or is larger than
+:data:`MAX_HEAD`; beyond ``max_connections`` the oldest connection still being read is
+closed; a fixed pool of ``workers`` threads answers complete requests, one per
+connection (``Connection: close``), and gives up on a client that does not read the
+answer within ``read_timeout``. What it does not: a check that blocks forever keeps a
+worker forever; keep checks cheap and bounded. docs/reconciler.md, "Running it".
 """
 
 from __future__ import annotations
 
+import queue
+import selectors
+import socket
 import threading
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from dataclasses import dataclass, field
 from urllib.parse import parse_qs, urlsplit
 
 from loguru import logger
@@ -26,6 +35,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 HealthCheck = Callable[[], None]
 """Returns when healthy; raises (any exception, with a reason as message) when not."""
+
+MAX_HEAD = 8192
+"""The largest request head (request line and headers) read; a larger one is refused."""
+TEXT = "text/plain; charset=utf-8"
 
 
 @dataclass(frozen=True)
@@ -44,19 +57,27 @@ class CheckResult:
 
 
 class HealthServer:
-    """Serves probes and metrics on ``host:port`` from a daemon thread.
+    """Serves probes and metrics on ``host:port`` from daemon threads.
 
     ``port=0`` picks a free port (read :attr:`port` after :meth:`start`). ``host`` defaults
     to all interfaces because the kubelet probes the pod IP; tests pass ``127.0.0.1``.
+    ``read_timeout``, ``workers`` and ``max_connections`` bound what any client can hold
+    (see the module doc).
     """
 
-    def __init__(self, port: int, registry: CollectorRegistry, host: str = "0.0.0.0") -> None:
+    def __init__(self, port: int, registry: CollectorRegistry, host: str = "0.0.0.0", *,
+                 read_timeout: float = 10.0, workers: int = 4,
+                 max_connections: int = 256) -> None:
+        if workers < 1 or max_connections < 1 or read_timeout <= 0:
+            raise ValueError("workers, max_connections and read_timeout must be positive")
         self._requested = (host, port)
         self.registry = registry
+        self.read_timeout = read_timeout
+        self.workers = workers
+        self.max_connections = max_connections
         self._checks: list[_Registered] = []
         self._lock = threading.Lock()
-        self._server: ThreadingHTTPServer | None = None
-        self._thread: threading.Thread | None = None
+        self._listener: _Listener | None = None
 
     def add_check(self, name: str, check: HealthCheck, *, liveness: bool = True,
                   readiness: bool = True) -> HealthServer:
@@ -87,29 +108,22 @@ class HealthServer:
 
     @property
     def port(self) -> int:
-        if self._server is None:
+        if self._listener is None:
             raise RuntimeError("health server not started")
-        return int(self._server.server_address[1])
+        return self._listener.port
 
     def start(self) -> HealthServer:
-        handler = _handler_for(self)
-        self._server = ThreadingHTTPServer(self._requested, handler)
-        self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, name="health-server",
-                                        daemon=True)
-        self._thread.start()
+        self._listener = _Listener(self._requested, self._respond, self.read_timeout,
+                                   self.workers, self.max_connections)
+        self._listener.start()
         logger.info("serving /healthz, /readyz, /metrics on {host}:{port}",
                     host=self._requested[0], port=self.port)
         return self
 
     def stop(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-        self._server = None
-        self._thread = None
+        if self._listener is not None:
+            self._listener.stop()
+        self._listener = None
 
     def __enter__(self) -> HealthServer:
         return self.start()
@@ -117,43 +131,191 @@ class HealthServer:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
+    def _respond(self, method: str, target: str) -> tuple[int, bytes, str]:
+        """The answer (status, body, content type) to one request."""
+        if method != "GET":
+            return 405, b"only GET\n", TEXT
+        url = urlsplit(target)
+        parts = [p for p in url.path.split("/") if p]
+        verbose = "verbose" in parse_qs(url.query, keep_blank_values=True)
+        if parts == ["metrics"]:
+            return 200, generate_latest(self.registry), CONTENT_TYPE_LATEST
+        if parts and parts[0] in ("healthz", "readyz") and len(parts) <= 2:
+            only = parts[1] if len(parts) == 2 else None
+            results = self.run_checks(parts[0], only)
+            if only is not None and not results:
+                return 404, f"no check named {only}\n".encode(), TEXT
+            healthy = all(r.ok for r in results)
+            if healthy and not verbose:
+                body = "ok\n"
+            else:
+                lines = [f"[+]{r.name} ok" if r.ok else f"[-]{r.name} failed: {r.reason}"
+                         for r in results]
+                lines.append(f"{parts[0]} check {'passed' if healthy else 'failed'}")
+                body = "\n".join(lines) + "\n"
+            return (200 if healthy else 500), body.encode(), TEXT
+        return 404, b"not found\n", TEXT
 
-def _handler_for(server: HealthServer) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            url = urlsplit(self.path)
-            parts = [p for p in url.path.split("/") if p]
-            verbose = "verbose" in parse_qs(url.query, keep_blank_values=True)
-            if parts == ["metrics"]:
-                self._send(200, generate_latest(server.registry), CONTENT_TYPE_LATEST)
-                return
-            if parts and parts[0] in ("healthz", "readyz") and len(parts) <= 2:
-                only = parts[1] if len(parts) == 2 else None
-                results = server.run_checks(parts[0], only)
-                if only is not None and not results:
-                    self._send(404, f"no check named {only}\n".encode())
-                    return
-                healthy = all(r.ok for r in results)
-                if healthy and not verbose:
-                    body = "ok\n"
+
+Responder = Callable[[str, str], tuple[int, bytes, str]]
+"""(method, request target) to (status, body, content type)."""
+
+_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
+            431: "Request Header Fields Too Large", 500: "Internal Server Error"}
+
+
+@dataclass
+class _Reading:
+    """A connection whose request head is still arriving."""
+
+    sock: socket.socket
+    deadline: float
+    head: bytearray = field(default_factory=bytearray)
+
+
+class _Listener:
+    """The socket side of :class:`HealthServer`: a selector thread that accepts and reads
+    request heads, and a fixed pool of worker threads that answer them."""
+
+    def __init__(self, address: tuple[str, int], respond: Responder, read_timeout: float,
+                 workers: int, max_connections: int) -> None:
+        self._respond = respond
+        self._read_timeout = read_timeout
+        self._max_connections = max_connections
+        self._server = socket.create_server(address, backlog=128)
+        self._server.setblocking(False)
+        self.port = int(self._server.getsockname()[1])
+        self._selector = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._reading: dict[socket.socket, _Reading] = {}  # insertion order: oldest first
+        self._answering = 0
+        self._count_lock = threading.Lock()
+        self._requests: queue.SimpleQueue[tuple[socket.socket, bytes] | None] = \
+            queue.SimpleQueue()
+        self._stopping = threading.Event()
+        self._threads = [threading.Thread(target=self._select_loop, name="health-server",
+                                          daemon=True)]
+        self._threads += [threading.Thread(target=self._work, name=f"health-worker-{i}",
+                                           daemon=True) for i in range(workers)]
+
+    def start(self) -> None:
+        self._selector.register(self._server, selectors.EVENT_READ)
+        self._selector.register(self._wake_r, selectors.EVENT_READ)
+        for thread in self._threads:
+            thread.start()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._wake_w.send(b"x")
+        for _ in self._threads[1:]:
+            self._requests.put(None)
+        for thread in self._threads:
+            thread.join(timeout=5)
+        for sock in list(self._reading):
+            sock.close()
+        self._reading.clear()
+        self._selector.close()
+        self._server.close()
+        self._wake_r.close()
+        self._wake_w.close()
+
+    # ---- the selector thread -------------------------------------------------------
+
+    def _select_loop(self) -> None:
+        while not self._stopping.is_set():
+            for key, _ in self._selector.select(timeout=min(1.0, self._read_timeout)):
+                if key.fileobj is self._server:
+                    self._accept()
+                elif key.fileobj is self._wake_r:
+                    self._wake_r.recv(64)
                 else:
-                    lines = [f"[+]{r.name} ok" if r.ok else f"[-]{r.name} failed: {r.reason}"
-                             for r in results]
-                    lines.append(f"{parts[0]} check {'passed' if healthy else 'failed'}")
-                    body = "\n".join(lines) + "\n"
-                self._send(200 if healthy else 500, body.encode())
+                    assert isinstance(key.fileobj, socket.socket)
+                    self._read(key.fileobj)
+            now = time.monotonic()
+            for sock in [s for s, r in self._reading.items() if r.deadline <= now]:
+                self._drop(sock)  # the request did not arrive in time
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self._server.accept()
+            except (BlockingIOError, InterruptedError):
                 return
-            self._send(404, b"not found\n")
+            except OSError as exc:  # out of file descriptors, say: retried next turn
+                logger.debug("health: accept failed: {err}", err=exc)
+                return
+            sock.setblocking(False)
+            with self._count_lock:
+                answering = self._answering
+            if answering + len(self._reading) >= self._max_connections:
+                if not self._reading:
+                    sock.close()  # every slot is answering: refuse the newcomer
+                    continue
+                self._drop(next(iter(self._reading)))  # the oldest still being read
+            self._reading[sock] = _Reading(sock, time.monotonic() + self._read_timeout)
+            self._selector.register(sock, selectors.EVENT_READ)
 
-        def _send(self, status: int, body: bytes,
-                  content_type: str = "text/plain; charset=utf-8") -> None:
-            self.send_response(status)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+    def _read(self, sock: socket.socket) -> None:
+        reading = self._reading.get(sock)
+        if reading is None:
+            return
+        try:
+            data = sock.recv(4096)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._drop(sock)
+            return
+        reading.head += data
+        end = reading.head.find(b"\r\n\r\n")
+        if end < 0 and len(reading.head) <= MAX_HEAD:
+            return
+        self._selector.unregister(sock)
+        del self._reading[sock]
+        with self._count_lock:
+            self._answering += 1
+        self._requests.put((sock, bytes(reading.head[:end]) if end >= 0 else b""))
 
-        def log_message(self, format: str, *args: object) -> None:
-            logger.debug("health: {line}", line=format % args)
+    def _drop(self, sock: socket.socket) -> None:
+        self._reading.pop(sock, None)
+        self._selector.unregister(sock)
+        sock.close()
 
-    return Handler
+    # ---- the workers -----------------------------------------------------------------
+
+    def _work(self) -> None:
+        while True:
+            item = self._requests.get()
+            if item is None:
+                return
+            sock, head = item
+            try:
+                self._answer(sock, head)
+            except OSError as exc:  # the client went away, or did not read in time
+                logger.debug("health: answer not sent: {err}", err=exc)
+            except Exception:
+                logger.exception("health: request failed")
+            finally:
+                sock.close()
+                with self._count_lock:
+                    self._answering -= 1
+
+    def _answer(self, sock: socket.socket, head: bytes) -> None:
+        line = head.split(b"\r\n", 1)[0].decode("latin-1")
+        parts = line.split()
+        if not head:
+            status, body, content_type = 431, b"request head too large\n", TEXT
+        elif len(parts) != 3 or not parts[2].startswith("HTTP/"):
+            status, body, content_type = 400, b"bad request\n", TEXT
+        else:
+            status, body, content_type = self._respond(parts[0], parts[1])
+        logger.debug("health: {line} {status}", line=line[:200], status=status)
+        sock.setblocking(True)
+        sock.settimeout(self._read_timeout)
+        sock.sendall(
+            f"HTTP/1.1 {status} {_REASONS.get(status, '')}\r\n"
+            f"Content-Type: {content_type}\r\nContent-Length: {len(body)}\r\n"
+            "Connection: close\r\n\r\n".encode("latin-1") + body)

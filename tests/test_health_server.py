@@ -1,0 +1,109 @@
+"""The probe and metrics server under clients that hold connections: idle ones, slow
+ones, too many. Any pod can reach the port; the kubelet's probe must still be answered.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from neonvm.leader.health import MAX_HEAD, HealthServer
+from tests.support import wait_for
+
+pytestmark = pytest.mark.unit
+
+
+def get(port: int, path: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
+
+
+def connect(port: int, send: bytes = b"") -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    if send:
+        sock.sendall(send)
+    return sock
+
+
+def closed_by_server(sock: socket.socket) -> bool:
+    """True once the server has closed ``sock`` (EOF or reset); waits up to 0.1 s."""
+    sock.settimeout(0.1)
+    try:
+        return sock.recv(1024) == b""
+    except TimeoutError:
+        return False
+    except ConnectionResetError:
+        return True
+
+
+@pytest.fixture
+def server() -> Iterator[HealthServer]:
+    health = HealthServer(0, CollectorRegistry(), host="127.0.0.1", read_timeout=1.0,
+                          workers=2, max_connections=64)
+    health.add_check("always", lambda: None)
+    with health:
+        yield health
+
+
+@pytest.fixture
+def held() -> Iterator[list[socket.socket]]:
+    sockets: list[socket.socket] = []
+    yield sockets
+    for sock in sockets:
+        sock.close()
+
+
+def test_many_idle_connections_take_no_threads_and_the_probe_is_still_answered(
+        server: HealthServer, held: list[socket.socket]) -> None:
+    threads_before = threading.active_count()
+    held.extend(connect(server.port) for _ in range(200))  # more than max_connections
+    held.extend(connect(server.port, b"GET /healthz HTTP/1.1\r\n") for _ in range(20))
+    assert get(server.port, "/healthz") == (200, "ok\n")
+    assert get(server.port, "/readyz?verbose")[0] == 200
+    assert threading.active_count() == threads_before  # no thread per connection
+
+
+def test_a_connection_that_sends_no_complete_request_is_closed_after_the_read_timeout(
+        server: HealthServer, held: list[socket.socket]) -> None:
+    idle = connect(server.port)
+    trickle = connect(server.port, b"GET /hea")
+    held.extend([idle, trickle])
+    wait_for(lambda: closed_by_server(idle), 30, what="the idle connection closed")
+    wait_for(lambda: closed_by_server(trickle), 30, what="the partial request closed")
+    assert get(server.port, "/healthz")[0] == 200
+
+
+def test_a_request_head_larger_than_the_limit_is_refused(
+        server: HealthServer, held: list[socket.socket]) -> None:
+    big = connect(server.port, b"GET /healthz HTTP/1.1\r\nX-Pad: " + b"a" * MAX_HEAD)
+    held.append(big)
+    big.settimeout(10)
+    assert big.recv(1024).startswith(b"HTTP/1.1 431 ")
+
+
+def test_the_answers_are_those_of_the_checks_and_registry(server: HealthServer) -> None:
+    def failing() -> None:
+        raise RuntimeError("not today")
+
+    server.add_check("flaky", failing, liveness=False)
+    assert get(server.port, "/healthz") == (200, "ok\n")
+    status, body = get(server.port, "/readyz")
+    assert status == 500 and "[-]flaky failed: not today" in body
+    assert get(server.port, "/readyz/always") == (200, "ok\n")
+    assert get(server.port, "/readyz/nope")[0] == 404
+    assert get(server.port, "/elsewhere")[0] == 404
+    assert get(server.port, "/metrics")[0] == 200
+    request = urllib.request.Request(f"http://127.0.0.1:{server.port}/healthz",
+                                     method="POST", data=b"x")
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(request, timeout=10)
+    assert err.value.code == 405
