@@ -32,6 +32,7 @@ from neonvm.api.schema import decode, encode
 from neonvm.api.types import CPURange, IntRange, VirtualMachineSpec
 from neonvm.runner.disks import DiskTools, check_prerequisites, content_image_size, prepare
 from neonvm.runner.errors import HostError, SpecError
+from neonvm.runner.guestnet import DEFAULT_GUEST_NETWORK
 from neonvm.runner.host import KvmProbe, choose_accel, probe_kvm
 from neonvm.runner.qemu import LaunchContext, build_launch_plan, cpu_layout, memory_layout
 from neonvm.runner.quantity import QuantityError, parse_bytes
@@ -266,22 +267,26 @@ def test_guest_ports_are_forwarded_and_may_not_take_the_runner_port(tmp_path: Pa
     spec = spec_of(kernel_spec(ports=[{"port": 5432}, {"port": 53, "protocol": "UDP"}]))
     plan = build_launch_plan(spec, context(tmp_path, listen_address="0.0.0.0"))
     assert option_values(plan.argv, "-netdev") == [
-        "user,id=net0,hostfwd=tcp:0.0.0.0:5432-:5432,hostfwd=udp:0.0.0.0:53-:53"]
+        f"user,id=net0,{DEFAULT_GUEST_NETWORK.netdev_options()},"
+        "hostfwd=tcp:0.0.0.0:5432-:5432,hostfwd=udp:0.0.0.0:53-:53"]
     clash = spec_of(kernel_spec(ports=[{"port": 25183}]))
     with pytest.raises(SpecError, match="runner's own port"):
         build_launch_plan(clash, context(tmp_path))
 
 
 @pytest.mark.unit
-def test_the_qmp_tcp_port_is_on_loopback_whatever_the_listen_address(tmp_path: Path) -> None:
+def test_spec_qmp_is_a_unix_socket_never_a_tcp_port(tmp_path: Path) -> None:
     spec = spec_of({**kernel_spec(ports=[{"port": 5432}]), "qmp": 20183})
     plan = build_launch_plan(spec, context(tmp_path, listen_address="0.0.0.0"))
-    assert "socket,id=qmp-tcp,host=127.0.0.1,port=20183,server=on,wait=off" in option_values(
-        plan.argv, "-chardev")
-    assert "chardev=qmp-tcp,mode=control" in option_values(plan.argv, "-mon")
+    assert plan.qmp_spec_socket == tmp_path / "work" / "qmp-spec.sock"
+    assert (f"socket,id=qmp-spec,path={plan.qmp_spec_socket},server=on,wait=off"
+            in option_values(plan.argv, "-chardev"))
+    assert "chardev=qmp-spec,mode=control" in option_values(plan.argv, "-mon")
+    assert not any("host=" in v or "port=" in v for v in option_values(plan.argv, "-chardev"))
     # The guest's own ports still listen on the listen address: they are the VM's service.
     assert option_values(plan.argv, "-netdev") == [
-        "user,id=net0,hostfwd=tcp:0.0.0.0:5432-:5432"]
+        f"user,id=net0,{DEFAULT_GUEST_NETWORK.netdev_options()},"
+        "hostfwd=tcp:0.0.0.0:5432-:5432"]
 
 
 @pytest.mark.unit
@@ -922,7 +927,7 @@ def tcp_listeners(port: int) -> list[str]:
     return found
 
 
-def test_qmp_listens_on_loopback_only_and_a_spec_over_128_kib_comes_from_the_file(
+def test_spec_qmp_opens_no_tcp_port_and_a_spec_over_128_kib_comes_from_the_file(
         start_runner: Any) -> None:
     qmp = free_port()
     env = big_guest_env(EXEC_STRING_LIMIT + 20_000)
@@ -932,11 +937,14 @@ def test_qmp_listens_on_loopback_only_and_a_spec_over_128_kib_comes_from_the_fil
     wait_for(lambda: (s := runner.status()) and s["qemuPid"] and s, timeout=120,
              interval=0.1, what="QEMU started")
 
-    listening = wait_for(lambda: tcp_listeners(qmp), timeout=60, interval=0.1,
-                         what=f"QEMU listening on the QMP port {qmp}")
-    assert listening == ["127.0.0.1"], f"QMP port {qmp} listens on {listening}"
+    spec_socket = runner.work_dir / "qmp-spec.sock"
+    wait_for(spec_socket.exists, timeout=60, interval=0.1,
+             what="QEMU listening on the spec.qmp unix socket")
+    assert tcp_listeners(qmp) == [], f"QMP port {qmp} listens on {tcp_listeners(qmp)}"
     assert "0.0.0.0" in tcp_listeners(runner.port)  # the probes' port: still the pod's IP
-    with socket.create_connection(("127.0.0.1", qmp), timeout=30) as conn:
+    with socket.socket(socket.AF_UNIX) as conn:
+        conn.settimeout(30)
+        conn.connect(str(spec_socket))
         greeting = json.loads(conn.makefile("r").readline())
     assert "QMP" in greeting
 

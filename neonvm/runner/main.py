@@ -32,6 +32,7 @@ from neonvm import logs
 from neonvm.runner.disks import DiskTools, check_prerequisites, prepare
 from neonvm.runner.errors import HostError, RunnerError, SpecError
 from neonvm.runner.guestboot import EXT_MAGIC_OFFSET, is_bare_ext_filesystem, read_first_bytes
+from neonvm.runner.guestnet import GuestNetFilter
 from neonvm.runner.host import (
     Accel,
     AccelChoice,
@@ -160,6 +161,7 @@ def run_runner(options: RunnerOptions, env: Mapping[str, str], console: BinaryIO
     created_work_dir = options.work_dir is None
     work_dir = options.work_dir or Path(tempfile.mkdtemp(prefix="neonvm-runner-"))
     http: RunnerHTTPServer | None = None
+    net_filter: GuestNetFilter | None = None
     try:
         try:
             work_dir.mkdir(parents=True, exist_ok=True)
@@ -192,6 +194,11 @@ def run_runner(options: RunnerOptions, env: Mapping[str, str], console: BinaryIO
                  "needs the bearer token" if options.scaling_token_file else
                  "refused: no --scaling-token-file")
         prepare(plan, launch.tools)
+        if plan.guest_frames_socket is not None and plan.passed_frames_socket is not None:
+            # Before QEMU starts: QEMU connects to both sockets at start.
+            net_filter = GuestNetFilter(plan.guest_frames_socket, plan.passed_frames_socket)
+            net_filter.listen()
+            net_filter.start()
         policy = ShutdownPolicy(
             budget_seconds=shutdown_budget(
                 launch.loaded.spec.termination_grace_period_seconds, options.grace_margin,
@@ -209,6 +216,8 @@ def run_runner(options: RunnerOptions, env: Mapping[str, str], console: BinaryIO
             signal.signal(signum, handler)
         if http is not None:
             http.stop()
+        if net_filter is not None:
+            net_filter.stop()
         if created_work_dir:
             shutil.rmtree(work_dir, ignore_errors=True)
 
@@ -285,8 +294,8 @@ def runner_options(command: Callable[..., None]) -> Callable[..., None]:
                      help=f"HTTP port [default: spec.runnerPort, else {DEFAULT_PORT}]"),
         click.option("--listen-address", default="0.0.0.0", show_default=True,
                      envvar="NEONVM_LISTEN_ADDRESS",
-                     help="Address for HTTP and guest port forwards (the spec.qmp "
-                          "port listens on 127.0.0.1 only)."),
+                     help="Address for HTTP and guest port forwards (spec.qmp opens "
+                          "no TCP port: a unix socket in the work dir)."),
         click.option("--work-dir", type=click.Path(file_okay=False, path_type=Path),
                      envvar="NEONVM_WORK_DIR",
                      help="QMP socket, root overlay, disk images [default: a temp dir, "

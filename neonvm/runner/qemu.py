@@ -7,7 +7,9 @@ handed to the guest. It reads no file and starts nothing; :mod:`neonvm.runner.di
 performs the plan's side effects.
 
 Guaranteed for every plan: a QMP unix socket in the work dir (and, with ``spec.qmp``, a
-QMP TCP port on 127.0.0.1 only, never on the listen address), the serial console on
+second QMP monitor on another unix socket: never a TCP port, see ``QMP_SPEC_SOCKET_NAME``),
+the guest's frames to its user-mode network pass the runner's filter first
+(:mod:`neonvm.runner.guestnet`: the runner's loopback is closed to the guest), the serial console on
 QEMU's stdout, ``-nodefaults -display none -no-reboot`` (so a guest reboot ends QEMU,
 and the restart policy decides what happens next), and a :class:`SpecError` with the
 offending field for any spec that cannot be run (min > max, nothing to boot, a disk with
@@ -30,7 +32,8 @@ The mapping (docs/runner.md has the full table):
   → no device, the guest mounts a tmpfs (described in the guest config).
 * Guest config (command, args, env, ports, disks, ready marker) → fw_cfg
   ``opt/vm.neon.tech/config`` as JSON.
-* Ports → user-mode networking with one ``hostfwd`` per port.
+* Ports → user-mode networking with one ``hostfwd`` per port, behind the runner's filter
+  (``filter-redirector`` on the guest's outgoing frames, two unix sockets in the work dir).
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from neonvm.runner.guestboot import (
     boot_script,
     swap_bytes,
 )
+from neonvm.runner.guestnet import DEFAULT_GUEST_NETWORK
 from neonvm.runner.host import Accel
 from neonvm.runner.initramfs import RunnerKernel
 from neonvm.runner.quantity import QuantityError, format_bytes, parse_bytes
@@ -67,11 +71,16 @@ MAX_UNIX_SOCKET_PATH = 107
 """sun_path holds 108 bytes including the terminating NUL."""
 VIRTIO_SERIAL_MAX = 20
 """virtio-blk serial numbers are at most 20 bytes."""
-QMP_TCP_HOST = "127.0.0.1"
-"""Where the optional ``spec.qmp`` monitor listens. QMP is unauthenticated and can make
-QEMU read, write and execute in the runner's container, so it is never bound to the
-pod's IP. Containers of the same pod share the loopback; anyone else goes through the
-Kubernetes API (``kubectl port-forward``, authorised by RBAC on ``pods/portforward``)."""
+QMP_SPEC_SOCKET_NAME = "qmp-spec.sock"
+"""The second QMP monitor that ``spec.qmp`` asks for: a unix socket in the work dir, not the
+TCP port NeonVM opens. QMP is unauthenticated and can make QEMU read, write and execute
+in the runner's container. A TCP port on 127.0.0.1 was reachable from the guest itself
+(QEMU's user networking maps the guest's 10.0.2.2 to the container's loopback), so
+``spec.qmp`` is accepted for NeonVM manifests and opens no TCP port (docs/runner.md)."""
+GUEST_FRAMES_SOCKET_NAME = "net-from-guest.sock"
+"""QEMU's ``filter-redirector`` writes each frame the guest sends here (the runner reads)."""
+PASSED_FRAMES_SOCKET_NAME = "net-to-slirp.sock"
+"""The runner writes the frames it lets through here; QEMU hands them to slirp."""
 
 
 @dataclass(frozen=True)
@@ -87,7 +96,7 @@ class LaunchContext:
     """Names of disks whose ``<disks dir>/<name>`` exists and is writable: an emptyDisk
     image goes there (the pod's emptyDir, sized for it), else into the work dir."""
     listen_address: str = "0.0.0.0"
-    """Host address for guest port forwards (the QMP TCP port is always loopback)."""
+    """Host address for guest port forwards."""
     root_disk_override: Path | None = None
     vm_name: str = "vm"
     vm_namespace: str = ""
@@ -173,6 +182,12 @@ class LaunchPlan:
     cpu_scaling_mode: CpuScalingMode = "QmpScaling"
     agent_socket: Path | None = None
     """SysfsScaling: the host end of the guest agent's virtio-serial port."""
+    guest_frames_socket: Path | None = None
+    """Where QEMU sends the guest's frames for the runner's filter (``guestnet``)."""
+    passed_frames_socket: Path | None = None
+    """Where the runner sends back the frames it lets through to slirp."""
+    qmp_spec_socket: Path | None = None
+    """``spec.qmp``: the second QMP monitor's unix socket."""
     boot: Literal["spec kernel", "runner kernel", "firmware"] = "spec kernel"
     """What boots the guest: ``guest.kernelImage``, the runner's kernel, or the firmware."""
     boot_script: str | None = None
@@ -313,9 +328,11 @@ def build_launch_plan(spec: VirtualMachineSpec, ctx: LaunchContext) -> LaunchPla
                         "runner's kernel for a root disk that is a bare filesystem")
 
     qmp_socket = ctx.work_dir / QMP_SOCKET_NAME
-    if len(str(qmp_socket).encode()) > MAX_UNIX_SOCKET_PATH:
+    longest = max(QMP_SOCKET_NAME, QMP_SPEC_SOCKET_NAME, GUEST_FRAMES_SOCKET_NAME,
+                  PASSED_FRAMES_SOCKET_NAME, AGENT_SOCKET_NAME, key=len)
+    if len(str(ctx.work_dir / longest).encode()) > MAX_UNIX_SOCKET_PATH:
         raise SpecError(f"work dir {ctx.work_dir} is too long for a unix socket path "
-                        f"(at most {MAX_UNIX_SOCKET_PATH - len(QMP_SOCKET_NAME) - 1} bytes)")
+                        f"(at most {MAX_UNIX_SOCKET_PATH - len(longest) - 1} bytes)")
 
     argv: list[str] = [
         ctx.qemu_binary,
@@ -342,14 +359,16 @@ def build_launch_plan(spec: VirtualMachineSpec, ctx: LaunchContext) -> LaunchPla
     # The runner's private QMP channel.
     argv += ["-chardev", f"socket,id=qmp,path={qemu_value(qmp_socket)},server=on,wait=off",
              "-mon", "chardev=qmp,mode=control"]
+    qmp_spec_socket: Path | None = None
     if spec.qmp is not None:
         if spec.qmp == ctx.runner_port:
             raise SpecError(f"qmp port {spec.qmp} is the runner's own port")
-        # Loopback only, whatever the listen address: QMP has no authentication and can
-        # run commands in the runner's container. See QMP_TCP_HOST.
-        argv += ["-chardev", f"socket,id=qmp-tcp,host={QMP_TCP_HOST},port={spec.qmp},"
+        # A unix socket, never a TCP port: QMP has no authentication and can run commands
+        # in the runner's container. See QMP_SPEC_SOCKET_NAME.
+        qmp_spec_socket = ctx.work_dir / QMP_SPEC_SOCKET_NAME
+        argv += ["-chardev", f"socket,id=qmp-spec,path={qemu_value(qmp_spec_socket)},"
                              "server=on,wait=off",
-                 "-mon", "chardev=qmp-tcp,mode=control"]
+                 "-mon", "chardev=qmp-spec,mode=control"]
     agent_socket: Path | None = None
     if sysfs:
         agent_socket = ctx.work_dir / AGENT_SOCKET_NAME
@@ -466,8 +485,18 @@ def build_launch_plan(spec: VirtualMachineSpec, ctx: LaunchContext) -> LaunchPla
         ports.append(port.port)
         proto = (port.protocol or "TCP").lower()
         forwards.append(f"hostfwd={proto}:{ctx.listen_address}:{port.port}-:{port.port}")
-    argv += ["-netdev", ",".join(["user,id=net0", *forwards]),
-             "-device", "virtio-net-pci,netdev=net0,romfile="]  # no PXE option ROM
+    # The guest's network: slirp at pinned addresses, and every frame the guest sends
+    # goes through the runner's filter first (neonvm.runner.guestnet), which keeps the
+    # guest off the container's loopback. QEMU connects to both sockets at start.
+    frames_out = ctx.work_dir / GUEST_FRAMES_SOCKET_NAME
+    frames_in = ctx.work_dir / PASSED_FRAMES_SOCKET_NAME
+    argv += ["-netdev", ",".join(["user,id=net0", DEFAULT_GUEST_NETWORK.netdev_options(),
+                                  *forwards]),
+             "-device", "virtio-net-pci,netdev=net0,romfile=",  # no PXE option ROM
+             "-chardev", f"socket,id=net-from-guest,path={qemu_value(frames_out)},server=off",
+             "-chardev", f"socket,id=net-to-slirp,path={qemu_value(frames_in)},server=off",
+             "-object", "filter-redirector,id=guest-net-filter,netdev=net0,queue=rx,"
+                        "outdev=net-from-guest,indev=net-to-slirp"]
 
     config_path = ctx.work_dir / GUEST_CONFIG_NAME
     guest_config: dict[str, Any] = {
@@ -511,6 +540,9 @@ def build_launch_plan(spec: VirtualMachineSpec, ctx: LaunchContext) -> LaunchPla
         forwarded_ports=tuple(ports),
         cpu_scaling_mode=ctx.cpu_scaling_mode,
         agent_socket=agent_socket,
+        guest_frames_socket=frames_out,
+        passed_frames_socket=frames_in,
+        qmp_spec_socket=qmp_spec_socket,
         boot=("spec kernel" if kernel is not None else
               "runner kernel" if runner_kernel is not None else "firmware"),
         boot_script=script,
