@@ -7,21 +7,40 @@ be reached, 4 (``check``, ``status``) no verdict.
 
 Shell completion comes from click: ``eval "$(_NEONVM_COMPLETE=bash_source neonvm)"``
 (``zsh_source``, ``fish_source`` for those shells).
+
+Installed as ``kubectl-neonvm`` too, the same command is a kubectl plugin: ``kubectl neonvm
+vm list`` (kubectl finds ``kubectl-neonvm`` on ``PATH`` and passes the arguments after
+``neonvm``); its usage lines then say ``kubectl neonvm``. See docs/cli.md.
 """
 
 from __future__ import annotations
 
+import os
 import sys
+from typing import Any
 
 import click
 
 from neonvm import logs
 from neonvm.cli.exits import CliFailure, ExitCode, unreachable_message
 
+PLUGIN_EXECUTABLE = "kubectl-neonvm"
+PLUGIN_PROG_NAME = "kubectl neonvm"
+
 
 class _Main(click.Group):
     """Turns known failures into one-line errors: exit 3 when the cluster cannot be
     reached, the code a :class:`CliFailure` carries, else 1."""
+
+    def main(self, args: Any = None, prog_name: str | None = None,
+             complete_var: str | None = None, standalone_mode: bool = True,
+             windows_expand_args: bool = True, **extra: Any) -> Any:
+        # Run as kubectl's plugin: name the command as the user typed it.
+        if prog_name is None and os.path.basename(sys.argv[0]) == PLUGIN_EXECUTABLE:
+            prog_name = PLUGIN_PROG_NAME
+            complete_var = complete_var or "_KUBECTL_NEONVM_COMPLETE"
+        return super().main(args, prog_name, complete_var, standalone_mode,
+                            windows_expand_args, **extra)
 
     def invoke(self, ctx: click.Context) -> object:
         from neonvm.errors import user_facing_message

@@ -12,16 +12,13 @@ existing pod, no orphan pods, no orphan locks (when the locks' etcd is configure
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import click
-import yaml
 
-from neonvm import kube
 from neonvm.cli.exits import VIOLATION, verdict_errors
-from neonvm.cli.kubeflags import kube_options
+from neonvm.cli.kubeflags import cluster_client, kube_options
 from neonvm.cli.output import OUTPUT_OPTION, emit
 from neonvm.drills.check import check as run_check
 from neonvm.drills.check import etcd_lock_reader
@@ -40,7 +37,8 @@ from neonvm.drills.check import etcd_lock_reader
 @click.option("--etcd-endpoints", metavar="URLS", default=None,
               help="Locks' etcd [env: NEONVM_ETCD_ENDPOINTS]; without it locks are skipped.")
 @OUTPUT_OPTION
-def check(kubeconfig: Path | None, context: str | None, namespace: str | None,
+def check(kubeconfig: Path | None, context: str | None, request_timeout: float | None,
+          namespace: str | None,
           max_pending_seconds: float, settle: float, etcd_endpoints: str | None,
           output: str) -> None:
     """Check the invariant now; exit 1 with details on any violation.
@@ -48,17 +46,15 @@ def check(kubeconfig: Path | None, context: str | None, namespace: str | None,
     Exit 3 if the cluster cannot be reached, 4 if it cannot be read (no verdict).
     """
     locks = etcd_lock_reader(etcd_endpoints)
-    api = kube.api_client(kubeconfig, context)
+    api = cluster_client(kubeconfig, context, request_timeout)
     try:
         with verdict_errors():
             report = run_check(api, namespace=namespace, locks=locks,
                                max_pending_seconds=max_pending_seconds, settle=settle)
     finally:
         api.close()
-    if output == "json":
-        click.echo(json.dumps(report.as_dict(), indent=2, default=str))
-    elif output == "yaml":
-        click.echo(yaml.safe_dump(report.as_dict(), sort_keys=False).rstrip())
+    if output != "table":
+        emit(report.as_dict(), output)
     else:
         scope = f"namespace {namespace}" if namespace else "all namespaces"
         locks_text = "not checked" if report.locks is None else str(report.locks)

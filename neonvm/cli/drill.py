@@ -13,7 +13,6 @@ cluster every drill is destructive and refuses to run without ``--yes``; ``stale
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from collections.abc import Callable
@@ -21,10 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import click
-import yaml
 
 from neonvm.cli.dev import STATE_DIR_OPTION
-from neonvm.cli.output import OUTPUT_OPTION
+from neonvm.cli.output import OUTPUT_OPTION, emit
 from neonvm.drills.drills import DRILLS, LOCAL_ONLY, DrillOptions, Verdict, run_drill
 from neonvm.drills.target import DrillError, KubeTarget, LocalTarget, Target
 
@@ -77,7 +75,7 @@ def _target(name: str, state_dir: Path | None, kubeconfig: Path | None, yes: boo
                                    f"cluster: not with --kubeconfig, nor {', '.join(LOCAL_ONLY)}")
         cluster = LocalCluster(state_dir)
         return KubeTarget(kube.api_client(cluster.kubeconfig), cluster.kubeconfig,
-                          lease_namespace, lease_name, etcd_endpoints=cluster.locks_etcd_url,
+                          lease_namespace, lease_name, etcd_endpoints=cluster.locks_etcd_config(),
                           same_host=True)
     if kubeconfig is None:
         return LocalTarget.prepare(state_dir, replicas, _progress)
@@ -98,10 +96,8 @@ def _target(name: str, state_dir: Path | None, kubeconfig: Path | None, yes: boo
 
 
 def _emit(verdict: Verdict, output: str) -> None:
-    if output == "json":
-        click.echo(json.dumps(verdict.as_dict(), indent=2, default=str))
-    elif output == "yaml":
-        click.echo(yaml.safe_dump(verdict.as_dict(), sort_keys=False).rstrip())
+    if output != "table":
+        emit(verdict.as_dict(), output)
     else:
         rows = verdict.rows()
         width = max(len(k) for k, _ in rows)
@@ -184,9 +180,7 @@ def all_(state_dir: Path | None, vms: int, replicas: int, timeout: float, output
         finally:
             target.close()
     if output != "table":
-        data = [v.as_dict() for v in verdicts]
-        click.echo(json.dumps(data, indent=2, default=str) if output == "json"
-                   else yaml.safe_dump(data, sort_keys=False).rstrip())
+        emit([v.as_dict() for v in verdicts], output)
     else:
         click.echo(summary_table(verdicts))
     if not all(v.ok for v in verdicts):
@@ -269,8 +263,6 @@ def campaign(state_dir: Path | None, seed: int | None, only: tuple[int, ...], sc
     if output == "table":
         click.echo(result.summary(time.monotonic() - started))
     else:
-        data = result.as_dict()
-        click.echo(json.dumps(data, indent=2, default=str) if output == "json"
-                   else yaml.safe_dump(data, sort_keys=False).rstrip())
+        emit(result.as_dict(), output)
     if not result.ok:
         sys.exit(1)

@@ -20,8 +20,7 @@ import click
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from neonvm import kube
-from neonvm.cli.kubeflags import kube_options
+from neonvm.cli.kubeflags import cluster_client, kube_options
 from neonvm.cli.output import emit, object_name, output_option
 from neonvm.leader.election import (
     DEFAULT_LEASE_NAME,
@@ -46,8 +45,9 @@ def leader() -> None:
     """Inspect and steer the controller's leader election (a coordination.k8s.io Lease)."""
 
 
-def _client(kubeconfig: Path | None, context: str | None) -> client.ApiClient:
-    return kube.api_client(kubeconfig, context)
+def _client(kubeconfig: Path | None, context: str | None,
+            request_timeout: float | None) -> client.ApiClient:
+    return cluster_client(kubeconfig, context, request_timeout)
 
 
 def _read(leases: LeaseClient) -> LeaseRecord:
@@ -95,12 +95,12 @@ def describe(record: LeaseRecord, now: datetime | None = None) -> dict[str, Any]
 @kube_options
 @output_option("name")
 def show(namespace: str, lease_name: str, kubeconfig: Path | None, context: str | None,
-         output: str) -> None:
+         request_timeout: float | None, output: str) -> None:
     """Show the current holder, its epoch, and when its Lease expires.
 
     ``-o name`` prints ``lease.coordination.k8s.io/<name>`` (as kubectl) if the Lease exists.
     """
-    with _client(kubeconfig, context) as api:
+    with _client(kubeconfig, context, request_timeout) as api:
         record = _read(LeaseClient(api, namespace, lease_name))
     if output == "name":
         click.echo(object_name("Lease", "coordination.k8s.io", lease_name))
@@ -121,13 +121,14 @@ def show(namespace: str, lease_name: str, kubeconfig: Path | None, context: str 
 @click.option("--timeout", type=click.FloatRange(min=0), default=60.0, show_default=True,
               help="Seconds to wait with --wait.")
 def step_down(namespace: str, lease_name: str, kubeconfig: Path | None, context: str | None,
-              holder: str | None, wait: bool, timeout: float) -> None:
+              request_timeout: float | None, holder: str | None, wait: bool,
+              timeout: float) -> None:
     """Ask the current leader to stop its work and release the Lease.
 
     The request names the holder and epoch read just before, and is written only if the
     Lease has not changed since: it can never depose a leader elected after the read.
     """
-    with _client(kubeconfig, context) as api:
+    with _client(kubeconfig, context, request_timeout) as api:
         leases = LeaseClient(api, namespace, lease_name)
         record = _read(leases)
         if not record.holder:

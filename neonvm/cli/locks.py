@@ -7,7 +7,11 @@ one-line error after ``--timeout`` seconds when etcd does not answer.
 Locks belong to an installation, named by its Lease: the commands act on the one that
 ``--lease-namespace``/``--lease-name`` name, with the same defaults and environment
 variables as ``neonvm controller run``; ``list`` and ``watch`` take
-``--all-installations``.
+``--all-installations``. ``-A/--all-namespaces`` means what it means to kubectl: every
+namespace, which is what ``list`` and ``watch`` show without ``-n``.
+
+``-o json|yaml`` prints this command's own document (locks are etcd keys, not Kubernetes
+objects).
 """
 
 from __future__ import annotations
@@ -26,7 +30,14 @@ from typing import Any
 import click
 import yaml
 
-from neonvm.cli.output import OUTPUT_OPTION, emit
+from neonvm.cli.output import (
+    JSONPATH,
+    NO_HEADERS_OPTION,
+    OUTPUT_OPTION,
+    cell,
+    emit,
+    render_jsonpath,
+)
 from neonvm.leader.election import DEFAULT_LEASE_NAME, DEFAULT_NAMESPACE
 from neonvm.leader.etcd import DEFAULT_TIMEOUT, Etcd, EtcdConfig
 from neonvm.leader.lock import Installation, LockEvent, LockInfo, LockTable
@@ -34,9 +45,21 @@ from neonvm.leader.lock import Installation, LockEvent, LockInfo, LockTable
 LIST_COLUMNS = ["namespace", "name", "status", "holder", "epoch", "token", "vmUID", "ttl",
                 "age"]
 _CLOSE_SECONDS = 5.0  # how long Ctrl-C waits for the closed stream before exiting anyway
-ALL_OPTION = click.option("-A", "--all-installations", "all_installations", is_flag=True,
+ALL_OPTION = click.option("--all-installations", "all_installations", is_flag=True,
                           help="Locks of every installation under the prefix, not only the "
                                "one of --lease-namespace/--lease-name.")
+NAMESPACE_OPTION = click.option("-n", "--namespace", help="Only this namespace.")
+ALL_NAMESPACES_OPTION = click.option(
+    "-A", "--all-namespaces", is_flag=True,
+    help="Every namespace (as kubectl's -A; also the default without -n). Every "
+         "installation is --all-installations.")
+
+
+def _namespace(namespace: str | None, all_namespaces: bool) -> str | None:
+    """The namespace to show (None: all); -n with -A is a usage error, as in kubectl."""
+    if namespace and all_namespaces:
+        raise click.UsageError("-n/--namespace and -A/--all-namespaces exclude each other")
+    return namespace
 
 
 @dataclass(frozen=True)
@@ -112,17 +135,21 @@ def _rows(table: LockTable, infos: list[LockInfo]) -> list[dict[str, Any]]:
 
 
 @locks.command("list")
-@click.option("-n", "--namespace", help="Only this namespace.")
+@NAMESPACE_OPTION
+@ALL_NAMESPACES_OPTION
 @ALL_OPTION
+@NO_HEADERS_OPTION
 @OUTPUT_OPTION
 @click.pass_context
-def list_(ctx: click.Context, namespace: str | None, all_installations: bool,
-          output: str) -> None:
+def list_(ctx: click.Context, namespace: str | None, all_namespaces: bool,
+          all_installations: bool, no_headers: bool, output: str) -> None:
     """List locks: holder, epoch, token (fencing), lease seconds left, age."""
+    namespace = _namespace(namespace, all_namespaces)
     with _table(ctx, all_installations) as table:
         rows = _rows(table, table.list(namespace))
     columns = (["installation", *LIST_COLUMNS] if all_installations else LIST_COLUMNS)
-    emit(rows, output, None if output != "table" else columns)
+    emit(rows, output, None if output != "table" else columns, no_headers=no_headers,
+         namespace=namespace)
 
 
 @locks.command("show")
@@ -140,24 +167,26 @@ def show(ctx: click.Context, lock: str, output: str) -> None:
     if output == "table":
         width = max(len(k) for k in row)
         for k, v in row.items():
-            click.echo(f"{k + ':':<{width + 1}} {'-' if v is None else v}")
+            click.echo(f"{k + ':':<{width + 1}} {cell(v)}")
         return
     emit(row, output)
 
 
 @locks.command("watch")
-@click.option("-n", "--namespace", help="Only this namespace.")
+@NAMESPACE_OPTION
+@ALL_NAMESPACES_OPTION
 @click.option("--no-existing", is_flag=True, help="Skip the locks that exist at the start.")
 @ALL_OPTION
 @OUTPUT_OPTION
 @click.pass_context
-def watch(ctx: click.Context, namespace: str | None, no_existing: bool,
+def watch(ctx: click.Context, namespace: str | None, all_namespaces: bool, no_existing: bool,
           all_installations: bool, output: str) -> None:
     """Stream lock changes (taken, taken over, released, expired) until Ctrl-C.
 
     First prints the current locks as EXISTING, then every change as it happens. json
     prints one object per line; yaml one document per change.
     """
+    namespace = _namespace(namespace, all_namespaces)
     stopped = threading.Event()
     failure: list[BaseException] = []
 
@@ -205,6 +234,8 @@ def _print_event(event: LockEvent, fmt: str, with_installation: bool) -> None:
         click.echo(json.dumps(row, default=str))
     elif fmt == "yaml":
         click.echo("---\n" + yaml.safe_dump(row, sort_keys=False).rstrip())
+    elif fmt.startswith(JSONPATH):
+        click.echo(render_jsonpath(fmt, row), nl=False)
     else:
         stamp = datetime.now(UTC).strftime("%H:%M:%S")
         if event.info.record is None and event.kind != "delete":

@@ -10,21 +10,21 @@ from pathlib import Path
 
 import click
 
-from neonvm import kube, overview
+from neonvm import overview
 from neonvm.cli.exits import VIOLATION, verdict_errors
-from neonvm.cli.kubeflags import kube_options
-from neonvm.cli.output import OUTPUT_OPTION, emit
+from neonvm.cli.kubeflags import cluster_client, kube_options
+from neonvm.cli.output import emit, output_option
 
 
 @click.command()
 @kube_options
 @click.option("--lease-namespace", default="neonvm-system", show_default=True)
 @click.option("--lease-name", default="neonvm-controller", show_default=True)
-@OUTPUT_OPTION
-def status(kubeconfig: Path | None, context: str | None, lease_namespace: str, lease_name: str,
-           output: str) -> None:
+@output_option()
+def status(kubeconfig: Path | None, context: str | None, request_timeout: float | None,
+           lease_namespace: str, lease_name: str, output: str) -> None:
     """Everything at a glance; exits 1 if any VM has more than one live runner pod."""
-    api = kube.api_client(kubeconfig, context)
+    api = cluster_client(kubeconfig, context, request_timeout)
     try:
         with verdict_errors():
             ov = overview.collect(api, lease_namespace, lease_name)
