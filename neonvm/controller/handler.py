@@ -68,6 +68,7 @@ from typing import Any, Literal, Protocol
 from kubernetes.client.exceptions import ApiException
 from urllib3.exceptions import HTTPError
 
+from neonvm import logs
 from neonvm.controller.decide import Done
 from neonvm.controller.informer import object_uid
 from neonvm.controller.metrics import ControllerMetrics
@@ -272,6 +273,7 @@ class Handler:
             seen = self._seen.get(key)
         return cache_behind(seen, self._vms.get(key), self._pods)
 
+    @logs.per_reconcile
     def process(self, key: str, direct: bool) -> Outcome:
         """One turn of ``key``: :meth:`handle`, then :meth:`apply`."""
         outcome = self.handle(key, direct)
