@@ -98,7 +98,7 @@ class LoggingReconciler:
 def test_every_line_of_one_reconcile_has_one_id_and_the_next_reconcile_another(
         json_logs: Any) -> None:
     world = World()
-    world.handler._reconciler = LoggingReconciler()  # type: ignore[assignment]
+    world.handler._reconciler = LoggingReconciler()
     world.turn()
     first = json_logs()
     world.turn(direct=True)
