@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -220,11 +221,25 @@ def api_client(kubeconfig: Path | str | None = None,
     return api
 
 
+def path_segment(name: str) -> str:
+    """``name`` as one segment of a REST path: percent-quoted (``/`` too), and never
+    ``""``, ``.`` or ``..``, which the URL would resolve to another object (a name read
+    from a VM's status must not lead the controller into another namespace;
+    docs/security.md, "Tenants")."""
+    if name in ("", ".", ".."):
+        raise ValueError(f"{name!r} is not an object name")
+    return urllib.parse.quote(name, safe="")
+
+
 def _send(api: client.ApiClient, method: str, path: str, *, body: Any = None,
           query: list[tuple[str, Any]] | None = None, headers: Mapping[str, str] | None = None,
           timeout: Any = 30.0) -> rest.RESTResponse:
     """One request, its body unread; a non-2xx answer raises ApiException, as the
-    generated API classes do (read first, ``ApiException.from_response``)."""
+    generated API classes do (read first, ``ApiException.from_response``). A path with a
+    ``.`` or ``..`` segment is refused (ValueError): the client would resolve it to
+    another object's path; names go in through :func:`path_segment`."""
+    if any(part in (".", "..") for part in path.split("/")):
+        raise ValueError(f"refusing a REST path with a dot segment: {path!r}")
     method, url, header_params, payload, _ = api.param_serialize(
         method, path, query_params=query or [], header_params=dict(headers or {}),
         body=body, auth_settings=["BearerToken"])

@@ -67,6 +67,19 @@ INIT_SCRIPT_LENGTH = 65536
 KEY_TO_PATH_ITEMS = 256
 
 _DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+_DNS_SUBDOMAIN = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
+DNS_SUBDOMAIN_PATTERN = f"^{_DNS_SUBDOMAIN}$"
+"""An object name (RFC 1123 subdomain, as Kubernetes names Secrets, ConfigMaps and pods).
+
+Names the controller puts into REST paths carry it, so the API server refuses a name
+such as ``../../kube-system/secrets/x`` before the controller can read it (see
+docs/security.md, "Tenants")."""
+OPTIONAL_DNS_SUBDOMAIN_PATTERN = f"^({_DNS_SUBDOMAIN})?$"
+"""The same, or empty (status fields the controller clears by writing "")."""
+
+SCALING_TOKEN_SECRET_PREFIX = "neonvm-scaling-"
+"""Every live scaling token Secret's name starts with it (the controller creates them by
+generateName); no VM may mount a Secret so named (``disks[].secret``)."""
 
 
 def _millicpu_rules() -> tuple[tuple[str, str], ...]:
@@ -219,7 +232,8 @@ class KeyToPath:
 class ConfigMapSource:
     """A ConfigMap whose keys become files on the disk (core/v1 ConfigMapVolumeSource)."""
 
-    name: str | None = api_field("ConfigMap name.", max_length=NAME_LENGTH)
+    name: str | None = api_field("ConfigMap name.", max_length=NAME_LENGTH,
+                                 pattern=DNS_SUBDOMAIN_PATTERN)
     items: list[KeyToPath] | None = api_field("Keys to project (default: all).",
                                               max_items=KEY_TO_PATH_ITEMS)
     default_mode: int | None = api_field("Default file mode bits.", minimum=0, maximum=0o777,
@@ -231,7 +245,15 @@ class ConfigMapSource:
 class SecretSource:
     """A Secret whose keys become files on the disk (core/v1 SecretVolumeSource)."""
 
-    secret_name: str | None = api_field("Secret name.", max_length=NAME_LENGTH)
+    __validations__ = (
+        (f"!has(self.secretName) || !self.secretName.startsWith('{SCALING_TOKEN_SECRET_PREFIX}')",
+         f"a Secret named {SCALING_TOKEN_SECRET_PREFIX}... is a VM's live scaling token, "
+         "which no VM may mount"),
+    )
+
+    secret_name: str | None = api_field("Secret name (not a scaling token's).",
+                                        max_length=NAME_LENGTH,
+                                        pattern=DNS_SUBDOMAIN_PATTERN)
     items: list[KeyToPath] | None = api_field("Keys to project (default: all).",
                                               max_items=KEY_TO_PATH_ITEMS)
     default_mode: int | None = api_field("Default file mode bits.", minimum=0, maximum=0o777,
@@ -290,7 +312,8 @@ class Toleration:
 class LocalObjectReference:
     """A name in the VM's namespace."""
 
-    name: str | None = api_field("Name.", max_length=NAME_LENGTH)
+    name: str | None = api_field("Name.", max_length=NAME_LENGTH,
+                                 pattern=DNS_SUBDOMAIN_PATTERN)
 
 
 @dataclass
@@ -428,7 +451,8 @@ class VirtualMachineSpec:
 class PendingPod:
     """The plan record: the runner pod about to be created, written before creating it."""
 
-    name: str = api_field("Exact name the pod will be created with.", default="")
+    name: str = api_field("Exact name the pod will be created with.", default="",
+                          max_length=NAME_LENGTH, pattern=OPTIONAL_DNS_SUBDOMAIN_PATTERN)
     plan_seq: int = api_field("Plan sequence number this name was derived from.", default=0)
     token: int = api_field("Fencing token (etcd revision of the lock) at planning.", default=0)
     epoch: int = api_field("Leader epoch at planning.", default=0)
@@ -448,7 +472,8 @@ class PendingScale:
     epoch: int = api_field("Leader epoch at planning.", default=0)
     token: int = api_field("Fencing token (etcd revision of the lock) at planning.",
                            default=0)
-    pod_name: str = api_field("The committed runner pod this plan is for.", default="")
+    pod_name: str = api_field("The committed runner pod this plan is for.", default="",
+                              max_length=NAME_LENGTH, pattern=OPTIONAL_DNS_SUBDOMAIN_PATTERN)
     pod_uid: str = api_field("UID of that pod.", default="", json="podUID")
     generation: int = api_field("VM generation the plan was made for.", default=0)
 
@@ -481,7 +506,8 @@ class VirtualMachineStatus:
     phase: Phase | None = api_field(
         "NeonVM's phases: Pending, Running, Succeeded, Failed, PreMigrating, Migrating, "
         "Scaling (this controller sets the first four).")
-    pod_name: str | None = api_field("The committed runner pod.")
+    pod_name: str | None = api_field("The committed runner pod.", max_length=NAME_LENGTH,
+                                     pattern=OPTIONAL_DNS_SUBDOMAIN_PATTERN)
     pod_uid: str | None = api_field("UID of the committed runner pod.", json="podUID")
     pending_pod: PendingPod | None = api_field("Plan record: pod being created.")
     plan_seq: int = api_field("Last plan sequence number used; only ever increases.",
@@ -526,7 +552,8 @@ class VirtualMachineStatus:
         "cleared with scaleLookPodUID.", json="scaleLookSince")
     scaling_token_secret: str | None = api_field(
         "Name of the live scaling token Secret the controller created for this VM (with a "
-        "generated name); new runner pods mount it.")
+        "generated name); new runner pods mount it.", max_length=NAME_LENGTH,
+        pattern=OPTIONAL_DNS_SUBDOMAIN_PATTERN)
     scaling_token_secret_uid: str | None = api_field(
         "UID of that Secret as its creation returned it: a Secret with another UID is "
         "never used.", json="scalingTokenSecretUID")

@@ -189,12 +189,13 @@ class KubeCluster(VMWriter):
         return kube.get_or_none(self._api, vm_path(namespace, name), timeout=TIMEOUT)
 
     def get_pod(self, namespace: str, name: str) -> dict[str, Any] | None:
-        return kube.get_or_none(self._api, f"/api/v1/namespaces/{namespace}/pods/{name}",
-                                timeout=TIMEOUT)
+        return kube.get_or_none(self._api, f"/api/v1/namespaces/{namespace}/pods/"
+                                f"{kube.path_segment(name)}", timeout=TIMEOUT)
 
     def secret_metadata(self, namespace: str, name: str) -> dict[str, Any] | None:
-        return kube.get_or_none(self._api, f"/api/v1/namespaces/{namespace}/secrets/{name}",
-                                accept=PARTIAL_METADATA, timeout=TIMEOUT)
+        return kube.get_or_none(self._api, f"/api/v1/namespaces/{namespace}/secrets/"
+                                f"{kube.path_segment(name)}", accept=PARTIAL_METADATA,
+                                timeout=TIMEOUT)
 
     def create_pod(self, namespace: str, manifest: dict[str, Any]) -> dict[str, Any]:
         # A raw request: the generated method validates the manifest into a typed model
@@ -206,7 +207,8 @@ class KubeCluster(VMWriter):
 
     def ungate_pod(self, namespace: str, name: str, *, uid: str, resource_version: str,
                    gate_index: int) -> dict[str, Any]:
-        return kube.request(self._api, "PATCH", f"/api/v1/namespaces/{namespace}/pods/{name}",
+        return kube.request(self._api, "PATCH",
+                            f"/api/v1/namespaces/{namespace}/pods/{kube.path_segment(name)}",
                             body=ungate_patch(uid, resource_version, gate_index),
                             content_type=JSON_PATCH, timeout=TIMEOUT)
 
@@ -215,7 +217,8 @@ class KubeCluster(VMWriter):
         preconditions = {"uid": uid}
         if resource_version is not None:
             preconditions["resourceVersion"] = resource_version
-        kube.request(self._api, "DELETE", f"/api/v1/namespaces/{namespace}/pods/{name}",
+        kube.request(self._api, "DELETE",
+                     f"/api/v1/namespaces/{namespace}/pods/{kube.path_segment(name)}",
                      body={"preconditions": preconditions}, timeout=TIMEOUT)
 
     def username(self) -> str:
@@ -228,4 +231,5 @@ class KubeCluster(VMWriter):
 
 def vm_path(namespace: str, name: str) -> str:
     """The REST path of a VirtualMachine."""
-    return f"/apis/{types.GROUP}/{types.VERSION}/namespaces/{namespace}/{types.PLURAL}/{name}"
+    return (f"/apis/{types.GROUP}/{types.VERSION}/namespaces/{namespace}/{types.PLURAL}/"
+            f"{kube.path_segment(name)}")
