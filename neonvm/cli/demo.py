@@ -111,8 +111,8 @@ def first_run_note(real_node: bool) -> str | None:
     if not missing:
         return None
     return (f"first run: building {', '.join(missing)} from source into "
-            f"{binaries.cache_root()} (once; measured cold on 2 shared cores: about 40 "
-            "minutes with the real node, kube-apiserver alone over 20; see "
+            f"{binaries.cache_root()} (once; measured cold on 2 cores: about 13 "
+            "minutes with the real node, kube-apiserver about 9 of them; see "
             "docs/real-node.md). Later runs set up in about half a minute.")
 
 
