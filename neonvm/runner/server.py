@@ -13,7 +13,16 @@
   authenticated, 409 stale fence, 503 QMP not connected, 504 the guest did not finish.
 
 The probe endpoints read one snapshot and never touch QEMU or QMP, so a stuck guest cannot
-make a probe time out. ``PUT /scale`` is the only way in to QEMU through this port, and it
+make a probe time out.
+
+Connections are bounded (docs/runner.md, "Health and readiness"): each request must
+arrive whole within ``REQUEST_DEADLINE`` of the connection (or of the previous answer on a
+kept-alive connection), every read times out after ``READ_TIMEOUT``, and at most
+``MAX_CONNECTIONS`` are open at once (one thread each). A new connection over the cap
+closes the oldest one still waiting for its request, never one being answered, so a pod
+that holds connections open, idle or trickling, cannot keep the kubelet's probe out.
+
+``PUT /scale`` is the only way in to QEMU through this port, and it
 does nothing without the token (the port listens on the pod's IP for the kubelet's
 probes). Any other method gets 501 from the standard library. Not guaranteed: TLS; anyone
 who can reach the pod's IP can read the status and metrics, and the token crosses the pod
@@ -22,8 +31,11 @@ network in clear (docs/runner.md, "Live scaling").
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -35,13 +47,28 @@ from neonvm.runner.scaling import ScaleError, Scaler
 from neonvm.runner.state import RunnerState
 
 MAX_BODY = 64 * 1024
+MAX_CONNECTIONS = 32
+"""Open connections (one thread each) at most; a new one closes the oldest waiting one."""
+READ_TIMEOUT = 10.0
+"""Seconds any single read from a client may block."""
+REQUEST_DEADLINE = 10.0
+"""Seconds a connection has to deliver a whole request (headers and body), counted from
+its accept or from the previous answer; then it is closed."""
 
 
 class _Handler(BaseHTTPRequestHandler):
     server: _Server
     protocol_version = "HTTP/1.1"
+    timeout = READ_TIMEOUT  # socket timeout for every read and write (StreamRequestHandler)
 
     def do_GET(self) -> None:
+        self.server.busy(self.connection)
+        try:
+            self._get()
+        finally:
+            self.server.waiting(self.connection)
+
+    def _get(self) -> None:
         path = self.path.split("?", 1)[0]
         state = self.server.state
         if path == "/healthz":
@@ -72,6 +99,16 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             return
         body = self.rfile.read(length) if length else b""
+        if len(body) < length:
+            self.close_connection = True
+            return
+        self.server.busy(self.connection)
+        try:
+            self._put(path, body)
+        finally:
+            self.server.waiting(self.connection)
+
+    def _put(self, path: str, body: bytes) -> None:
         if path != "/scale":
             self._send(404, "text/plain; charset=utf-8", b"not found\n")
             return
@@ -147,26 +184,99 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 class _Server(ThreadingHTTPServer):
+    """A threading server with a cap on connections and a deadline on each request.
+
+    ``_waiting`` maps each open connection to the time it began waiting for its next
+    request, or to None while a request is being answered. Connections are closed (their
+    thread's read returns at once) when their deadline passes, checked on every accept and
+    every poll of ``serve_forever``, or when a new connection needs their place.
+    """
+
     daemon_threads = True
     allow_reuse_address = True
+    request_queue_size = 128
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         """A client that hangs up mid-request is not the runner's problem: no traceback."""
         logger.opt(exception=True).debug("http: request from {} failed", client_address)
 
     def __init__(self, address: tuple[str, int], state: RunnerState,
-                 registry: CollectorRegistry, scaler: Scaler | None) -> None:
+                 registry: CollectorRegistry, scaler: Scaler | None,
+                 max_connections: int = MAX_CONNECTIONS,
+                 request_deadline: float = REQUEST_DEADLINE) -> None:
         self.state = state
         self.registry = registry
         self.scaler = scaler
+        self.max_connections = max_connections
+        self.request_deadline = request_deadline
+        self._waiting: dict[socket.socket, float | None] = {}
+        self._lock = threading.Lock()
+        self.evicted = 0
+        """Connections closed to make room or because their deadline passed."""
         super().__init__(address, _Handler)
+
+    def open_connections(self) -> int:
+        with self._lock:
+            return len(self._waiting)
+
+    def busy(self, conn: socket.socket) -> None:
+        with self._lock:
+            if conn in self._waiting:
+                self._waiting[conn] = None
+
+    def waiting(self, conn: socket.socket) -> None:
+        with self._lock:
+            if conn in self._waiting:
+                self._waiting[conn] = time.monotonic()
+
+    def _close_locked(self, conn: socket.socket) -> None:
+        del self._waiting[conn]
+        self.evicted += 1
+        with contextlib.suppress(OSError):
+            conn.shutdown(socket.SHUT_RDWR)  # the handler's read returns; it closes
+
+    def _expire_locked(self, now: float) -> None:
+        for conn, since in list(self._waiting.items()):
+            if since is not None and now - since > self.request_deadline:
+                self._close_locked(conn)
+
+    def service_actions(self) -> None:
+        with self._lock:
+            self._expire_locked(time.monotonic())
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self._expire_locked(now)
+            while len(self._waiting) >= self.max_connections:
+                idle = [(since, c) for c, since in self._waiting.items() if since is not None]
+                if not idle:
+                    break
+                self._close_locked(min(idle, key=lambda item: item[0])[1])
+            if len(self._waiting) >= self.max_connections:
+                # Every slot is answering a request: this one waits for none of them.
+                logger.debug("http: {} connections busy, refusing {}", len(self._waiting),
+                             client_address)
+                self.shutdown_request(request)
+                return
+            self._waiting[request] = now
+        super().process_request(request, client_address)
+
+    def shutdown_request(self, request: Any) -> None:
+        with self._lock:
+            self._waiting.pop(request, None)
+        super().shutdown_request(request)
 
 
 class RunnerHTTPServer:
     """Start with :meth:`start` (binds, raising HostError if it cannot), stop with :meth:`stop`."""
 
     def __init__(self, state: RunnerState, registry: CollectorRegistry,
-                 address: str, port: int, scaler: Scaler | None = None) -> None:
+                 address: str, port: int, scaler: Scaler | None = None,
+                 max_connections: int = MAX_CONNECTIONS,
+                 request_deadline: float = REQUEST_DEADLINE) -> None:
+        self._max_connections = max_connections
+        self._request_deadline = request_deadline
         self._scaler = scaler
         self._state = state
         self._registry = registry
@@ -178,7 +288,8 @@ class RunnerHTTPServer:
     def start(self) -> None:
         try:
             self._server = _Server((self._address, self._port), self._state, self._registry,
-                                   self._scaler)
+                                   self._scaler, self._max_connections,
+                                   self._request_deadline)
         except OSError as exc:
             raise HostError(f"cannot listen on {self._address}:{self._port}: "
                             f"{exc.strerror or exc}") from None
@@ -186,6 +297,11 @@ class RunnerHTTPServer:
                                         kwargs={"poll_interval": 0.2},
                                         name="runner-http", daemon=True)
         self._thread.start()
+
+    def open_connections(self) -> int:
+        """Connections open now (waiting for a request or being answered)."""
+        assert self._server is not None
+        return self._server.open_connections()
 
     @property
     def port(self) -> int:
