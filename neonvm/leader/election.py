@@ -32,10 +32,17 @@ What is guaranteed
   follower also wakes at the instant its observed Lease expires (a timer at first-seen
   plus lease duration, never earlier), not at its next poll. Losing the watch costs
   speed, not safety: the poll every retry period remains.
-* **The leader stops before its Lease can expire.** ``renew_deadline`` after the *send time*
-  of its last successful renewal (which is before the server wrote it, so before any
-  follower saw it), the leader gives up. :meth:`Leadership.check` enforces this deadline
-  by itself, from any thread, without waiting for the elector thread to notice: a
+* **Renewals in flight.** The leader sends a renewal every ``retry_period`` by send time,
+  without waiting for the previous answer: each is a write conditional on the Lease's
+  uid, holder and epoch (``LeaseStore.renew``), not on the last ``resourceVersion``. The
+  first goes out a retry period after the acquisition was *sent*. So every renewal has
+  the whole ``renew_deadline`` to answer, and a term lasts while they do
+  (docs/leader-election.md, "Renewals in flight").
+* **The leader stops before its Lease can expire.** ``retry_period + renew_deadline``
+  after the *send time* of its last successful renewal (which is before the server wrote
+  it, so before any follower saw it), the leader gives up; the configuration requires
+  ``lease_duration > renew_deadline + retry_period``. :meth:`Leadership.check` enforces
+  this deadline by itself, from any thread, without waiting for the elector thread to notice: a
   process that was paused while its clock ran (SIGSTOP, a long GC, an overloaded node)
   fails ``check()`` the instant it resumes. Because ``renew_deadline < lease_duration``
   and monotonic clocks advance at (nearly) the same rate everywhere, the leader's belief
