@@ -44,11 +44,12 @@ What is guaranteed
   ``lease_duration > renew_deadline + retry_period``. :meth:`Leadership.check` enforces
   this deadline by itself, from any thread, without waiting for the elector thread to notice: a
   process that was paused while its clock ran (SIGSTOP, a long GC, an overloaded node)
-  fails ``check()`` the instant it resumes. Because ``renew_deadline < lease_duration``
-  and monotonic clocks advance at (nearly) the same rate everywhere, the leader's belief
-  ends before any follower may take over; the gap is the margin for clock-rate drift and
-  for time the leader's clock stood still. A clock frozen for longer than that margin
-  (machine suspend, a paused VM) is *not* covered: see "What is not guaranteed".
+  fails ``check()`` the instant it resumes. Because ``retry_period + renew_deadline <
+  lease_duration`` and monotonic clocks advance at (nearly) the same rate everywhere, the
+  leader's belief ends before any follower may take over; the gap is the margin for
+  clock-rate drift and for time the leader's clock stood still. A clock frozen for longer
+  than that margin (machine suspend, a paused VM) is *not* covered: see "What is not
+  guaranteed".
 * **Graceful handover.** When ``stop`` is set (SIGTERM) or a step-down request names the
   current term, the elector sets ``lost``, calls ``on_stopped``, waits (up to
   ``shutdown_grace``) for the leader work to return, and only *then* releases the Lease
