@@ -6,7 +6,8 @@
   pointing at a temporary directory, and the same through ``neonvm vm list`` against the
   real API server;
 * exit codes: 1 a violation, 2 usage, 3 the cluster cannot be reached, 4 no verdict;
-* ``-o name`` and ``-o wide``; shell completion;
+* ``-o name`` and ``-o wide``; shell completion (the rest of kubectl's output habits:
+  tests/test_cli_output.py);
 * ``neonvm dev up`` / ``eval "$(neonvm dev env)"`` / ``neonvm controller run``: the Lease's
   namespace exists, the replica runs as the controller identity, and a VM reaches Running
   on a simulated node with no 403 from the admission fence.
@@ -251,7 +252,7 @@ def test_vm_list_and_get_name_and_wide(cluster: LocalCluster, api: client.ApiCli
     assert wide.exit_code == 0, wide.output
     header, *rows = wide.output.splitlines()
     assert header.split()[-3:] == ["NODE", "PODIP", "IMAGE"]
-    beta = next(r for r in rows if r.split()[1] == "beta")
+    beta = next(r for r in rows if r.split()[0] == "beta")  # NAMESPACE only with -A
     assert beta.split()[-1] == "wide-image:1"
     narrow = cli("vm", "list", "-n", namespace, "--kubeconfig", kc)
     assert "IMAGE" not in narrow.output.splitlines()[0]

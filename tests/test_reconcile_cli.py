@@ -1,4 +1,8 @@
-"""``neonvm vm list|get|plan`` and ``neonvm controller run``'s argument handling."""
+"""``neonvm vm list|get|describe|plan`` and ``neonvm controller run``'s argument handling.
+
+``list`` and ``get`` print the API objects (their kubectl shape: tests/test_cli_output.py);
+``describe`` and ``plan`` print what the controller recorded and would do.
+"""
 
 from __future__ import annotations
 
@@ -40,18 +44,23 @@ def test_vm_plan_list_and_get_show_the_plan_the_pod_and_the_fence(
 
     code, out = run("vm", "list", "-n", namespace, "--kubeconfig", kc, "-o", "json")
     assert code == 0
-    (row,) = json.loads(out)
-    assert (row["name"], row["podName"], row["pendingPod"], row["restarts"], row["fence"]) \
-        == ("shown", pod, None, 0, "2/9")
+    (obj,) = json.loads(out)["items"]
+    status = obj["status"]
+    assert (obj["metadata"]["name"], status["podName"], status.get("pendingPod"),
+            status.get("restartCount", 0), status["fence"]) \
+        == ("shown", pod, None, 0, {"epoch": 2, "token": 9})
 
-    code, out = run("vm", "get", "shown", "-n", namespace, "--kubeconfig", kc, "-o", "yaml")
+    code, out = run("vm", "describe", "shown", "-n", namespace, "--kubeconfig", kc,
+                    "-o", "yaml")
     info = yaml.safe_load(out)
     assert code == 0 and [p["name"] for p in info["pods"]] == [pod]
     assert info["pods"][0]["gated"] is False and info["pods"][0]["fence"] == "2/9"
     assert {c["type"] for c in info["conditions"]} >= {"Ready"}
 
     code, out = run("vm", "list", "-n", namespace, "--kubeconfig", kc)
-    assert code == 0 and "PODNAME" in out and pod in out
+    assert code == 0 and "PODNAME" in out and pod in out and "2/9" in out
+    code, out = run("vm", "describe", "shown", "-n", namespace, "--kubeconfig", kc)
+    assert code == 0 and pod in out and "Ready" in out
 
     code, out = run("vm", "plan", "shown", "-n", namespace, "--kubeconfig", kc, "-o", "json")
     assert code == 0 and json.loads(out)["action"] == "Done"
@@ -61,7 +70,11 @@ def test_vm_plan_list_and_get_show_the_plan_the_pod_and_the_fence(
 def test_vm_get_of_a_missing_vm_is_a_one_line_error(
         cluster: LocalCluster, namespace: str) -> None:
     code, out = run("vm", "get", "nope", "-n", namespace, "--kubeconfig", str(cluster.kubeconfig))
-    assert code != 0 and out.strip().splitlines() == [f"Error: VirtualMachine {namespace}/nope "
+    assert code == 1 and out.strip().splitlines() == [
+        'Error from server (NotFound): virtualmachines.vm.neon.tech "nope" not found']
+    code, out = run("vm", "describe", "nope", "-n", namespace,
+                    "--kubeconfig", str(cluster.kubeconfig))
+    assert code == 1 and out.strip().splitlines() == [f"Error: VirtualMachine {namespace}/nope "
                                                       f"not found"]
 
 
