@@ -884,7 +884,7 @@ def test_cli_lists_one_installation_by_its_lease_and_all_of_them_on_request(
         "NEONVM_CONTROLLER_RUN_LEASE_NAMESPACE": INST_B.lease_namespace,
         "NEONVM_CONTROLLER_RUN_LEASE_NAME": INST_B.lease_name}) == ["replica-b"]
     assert holders("list", "--all-installations") == ["replica-a", "replica-b", "replica-d"]
-    table = _cli(config, "list", "-A")
+    table = _cli(config, "list", "--all-installations")  # -A: all namespaces, as kubectl
     assert str(INST_A) in table.output and "INSTALLATION" in table.output
 
 
