@@ -43,6 +43,16 @@ The world: one VM, one committed runner pod at a time (always running), its runn
   Scaling=True ``RunnerNotAnswering`` condition write
   (:func:`neonvm.controller.conditions.desired_conditions`), which the worker holds and
   performs, through the shipped conditions mutation, on the VM as it is then.
+* **A reconcile that ends stuck over the runner** (optional, ``stuck``): the driver
+  ends a reconcile stuck, writing only its Degraded condition (the shipped
+  :func:`~neonvm.controller.conditions.stuck_condition` through the conditions
+  mutation), when ``GET /scale`` of a recorded plan finds the runner misbehaving (or
+  silent past its grace: :func:`neonvm.controller.scaling.runner_trouble`), and after
+  an ``ApplyScale`` whose answer is not the plan reached (a 504, none, a misbehaving
+  one: :func:`neonvm.controller.reconciler.paused`); the worker holds that write and
+  performs it at any later step, on the VM as it is then. Such a reconcile sends at
+  most one ``PUT`` and checks its authority after it: both only remove interleavings
+  (a worker here may act at any step, on any read, with no authority check at all).
 
 Properties:
 
@@ -88,9 +98,10 @@ from neonvm.api.types import (
     VirtualMachineSpec,
     VirtualMachineStatus,
 )
-from neonvm.controller import conditions, mutations, podspec
+from neonvm.controller import conditions, mutations, podspec, reconciler
 from neonvm.controller import decide as d
 from neonvm.controller.observe import Snapshot
+from neonvm.controller.scaling import RunnerTrouble, runner_trouble
 from neonvm.runner.scaling import (
     OST_EJECT_IN_PROGRESS,
     AppliedFence,
@@ -117,6 +128,10 @@ FenceTriple = tuple[int, int, int]
 CONDITIONS_WRITE = "ConditionsWrite"
 """The held kind of a reconcile's conditions write (:meth:`ScalingModel._conditions_write`):
 the Scaling condition of a ``Wait`` on a plan whose runner does not answer."""
+STUCK_OUTCOME = "runner_504"
+"""The ``ApplyScale`` outcome of a modelled stuck end: the runner's answer to an unplug
+the guest neither finished nor refused (any outcome the driver pauses on is written the
+same way)."""
 RUNNER_CALLS = frozenset({"ApplyScale"})
 """The runner calls this model performs (:meth:`ScalingModel._put`); every other scaling
 action is a status write through the shipped mutation."""
@@ -212,6 +227,9 @@ class World(NamedTuple):
     times: decide's ``Wait`` on a recorded plan, whose Scaling=True
     ``RunnerNotAnswering`` condition write the worker holds and performs at any later
     step, on the VM as it is then (the conflict helper's retry), like any status write."""
+    stuck_left: int = 0
+    """A reconcile may end stuck over the runner this many more times (the module doc,
+    "A reconcile that ends stuck over the runner"): its Degraded write held."""
 
 
 @dataclass(frozen=True)
@@ -389,11 +407,13 @@ class ScalingModel:
         """Calm runs already done, by their starting state."""
 
     # observation and decision (the shipped decide)
-    def observe(self, w: World, i: int, seen: VMRep,
-                unanswered: bool = False) -> tuple[Any, ...] | None:
+    def observe(self, w: World, i: int, seen: VMRep, unanswered: bool = False,
+                misbehaving: bool = False) -> tuple[Any, ...] | None:
         """Worker ``i``'s decision from the VM ``seen``, frozen; None: nothing to hold.
         ``unanswered``: the runner does not answer ``GET /scale`` (only a ``Wait`` on a
-        recorded plan is held then: its Scaling condition write)."""
+        recorded plan is held then: its Scaling condition write); with ``misbehaving``
+        it answers as no runner does, and the reconcile ends stuck (its Degraded
+        write is held instead)."""
         x = w.workers[i]
         if not seen.pod:
             return None  # a pod being replaced: the pod explorer's business
@@ -409,11 +429,16 @@ class ScalingModel:
         if unanswered:
             if seen.pending is None:
                 return None
+            error = RunnerTrouble("unreachable", misbehaving=misbehaving)
             obs = d.Observation(vm=vm, pods=(pod,), lease=d.Fence(x.epoch, x.token),
-                                direct=seen == w.vm, runner_error="unreachable", now=now)
+                                direct=seen == w.vm, runner_error=error, now=now)
             action = d.decide(obs)
             if not (isinstance(action, d.Wait) and action.condition == d.SCALING_CONDITION):
                 return None
+            trouble = runner_trouble(error)
+            if misbehaving:
+                assert trouble is not None
+                return (CONDITIONS_WRITE, (conditions.stuck_condition(*trouble),))
             updates = tuple(u for u in conditions.desired_conditions(
                 Snapshot(obs=obs, record=None), action) if u.type == d.SCALING_CONDITION)
             return (CONDITIONS_WRITE, updates) if updates else None
@@ -692,6 +717,13 @@ class ScalingModel:
                             decided = _write(decided, decided.vm._replace(look=""),
                                              self.lag)
                         yield f"w{i} decides {held[0]}{stale}", decided, None
+                    stuck = (self.observe(w, i, seen, unanswered=True, misbehaving=True)
+                             if w.stuck_left else None)
+                    if stuck is not None:
+                        yield (f"w{i} finds the runner misbehaving{stale}: the reconcile "
+                               f"ends stuck (its Degraded write held)", w._replace(
+                                   workers=_set(w.workers, i, x._replace(held=stuck)),
+                                   stuck_left=w.stuck_left - 1), None)
                     waits = (self.observe(w, i, seen, unanswered=True)
                              if w.unanswered_left else None)
                     if waits is not None:
@@ -705,6 +737,15 @@ class ScalingModel:
                 if x.held[0] in RUNNER_CALLS and w.refusals_left:
                     yield (f"w{i} performs {x.held[0]}: refused for good (no token)",
                            self.refused(w, i), None)
+                if x.held[0] in RUNNER_CALLS and w.stuck_left:
+                    assert reconciler.paused(STUCK_OUTCOME)
+                    held = (CONDITIONS_WRITE, (conditions.stuck_condition(
+                        f"ApplyScale{conditions.NOT_TAKING_EFFECT}",
+                        reconciler.miss_message(d.ApplyScale, STUCK_OUTCOME, "")),))
+                    new = new._replace(workers=_set(new.workers, i, new.workers[i]._replace(
+                        held=held)), stuck_left=w.stuck_left - 1)
+                    yield (f"w{i} performs {x.held[0]}: answered {STUCK_OUTCOME}, the "
+                           f"reconcile ends stuck (its Degraded write held)", new, violation)
                 if x.held[0] in RUNNER_CALLS and w.timeouts_left:
                     yield (f"w{i} performs {x.held[0]}: times out, the PUT still on its way",
                            self.timed_out(w, i), None)
@@ -758,7 +799,7 @@ class ScalingModel:
         # Time passes in a calm run: with no PUT on its way, the window closes.
         s = w._replace(workers=workers, history=(), spec_changes=(), restarts_left=0,
                        crashes_left=0, refusals_left=0, timeouts_left=0, late=(),
-                       unanswered_left=0, window_closed=_after_drop(w.vm))
+                       unanswered_left=0, stuck_left=0, window_closed=_after_drop(w.vm))
         if s in self._calm:
             return self._calm[s]
         self._calm[s] = verdict = self._calm_run(s, i, max_steps)
@@ -853,7 +894,7 @@ def _ends_look(held: tuple[Any, ...]) -> bool:
 
 def initial_world(spec_changes: tuple[Size, ...] = ((2, 2), (1, 1)), restarts: int = 1,
                   crashes: int = 1, refusals: int = 0, timeouts: int = 0,
-                  unanswered: int = 0) -> World:
+                  unanswered: int = 0, stuck: int = 0) -> World:
     """A VM running at 1 vCPU, 1 slot, committed by leader 1; leader 2 not started."""
     vm = VMRep(use=(1, 1), generation=1, phase="Running", pod="vm-01234567-1",
                pod_uid="uid-1", plan_seq=1, fence=(1, 10), size=(1, 1), pending=None,
@@ -863,7 +904,8 @@ def initial_world(spec_changes: tuple[Size, ...] = ((2, 2), (1, 1)), restarts: i
     workers = (WorkerRep(1, 10, True, False, None), WorkerRep(2, 11, False, False, None))
     return World(vm=vm, history=(), runner=runner, workers=workers,
                  spec_changes=spec_changes, restarts_left=restarts, crashes_left=crashes,
-                 refusals_left=refusals, timeouts_left=timeouts, unanswered_left=unanswered)
+                 refusals_left=refusals, timeouts_left=timeouts, unanswered_left=unanswered,
+                 stuck_left=stuck)
 
 
 @dataclass
