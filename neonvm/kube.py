@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -71,6 +72,12 @@ def client_retries() -> urllib3.Retry:
     """
     return urllib3.Retry(total=3, connect=3, read=3, other=0,
                          allowed_methods=RESEND_SAFE_METHODS)
+
+
+class TooDeep(ValueError):
+    """An answer nested too deeply to decode (``json.loads`` raised RecursionError): an
+    object the API server accepted with thousands of levels in a field that preserves
+    unknown fields. Nothing of it is returned; :func:`decode_json` reads what it can."""
 
 
 class KubeconfigError(ConfigException):  # type: ignore[misc]
@@ -271,7 +278,11 @@ def request(
     resp = _send(api, method, path, body=body, query=query, timeout=timeout,
                  headers={"Content-Type": content_type, "Accept": accept})
     resp.read()
-    result: dict[str, Any] = json.loads(resp.data or b"{}")
+    try:
+        result: dict[str, Any] = json.loads(resp.data or b"{}")
+    except RecursionError:
+        raise TooDeep(f"{method} {path}: the answer is nested more deeply than Python's "
+                      "JSON decoder goes") from None
     return result
 
 
@@ -341,6 +352,65 @@ def release_stream(resp: Any) -> None:
     if not getattr(resp, "closed", True):
         resp.close()
     resp.release_conn()
+
+
+PRUNE_DEPTH = 512
+"""How deep the fallback decoder keeps a document's structure; deeper parts become
+:data:`TOO_DEEP`. Far below the ~1,000 levels Python's decoder stops at, far above any
+real VM (its deepest free-form field, an affinity, nests about ten levels; its
+``managedFields`` mirror that)."""
+TOO_DEEP = "\x00neonvm:nested-too-deep"
+"""What the fallback decoder puts where it dropped a part nested deeper than
+:data:`PRUNE_DEPTH` (a string no API object holds)."""
+_TOKENS = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]')
+"""The JSON tokens that matter for nesting: strings (skipped whole) and brackets."""
+
+
+def decode_json(text: str | bytes) -> tuple[Any, bool]:
+    """``text`` decoded, and whether parts of it were dropped as nested too deep.
+
+    ``json.loads`` recurses once per level and raises ``RecursionError`` at about 1,000
+    levels, which the API server accepts in a free-form field. Then the document is
+    decoded again with every container deeper than :data:`PRUNE_DEPTH` replaced by
+    :data:`TOO_DEEP`, so the rest of it (a list page's other items, an event's metadata)
+    can still be read. Only the failing document pays for the second pass. Whoever
+    reads an object out of it checks :func:`pruned` before trusting its spec.
+    """
+    try:
+        return json.loads(text), False
+    except RecursionError:
+        pass
+    if isinstance(text, bytes):
+        text = text.decode("utf-8")
+    return json.loads(_prune(text, PRUNE_DEPTH)), True
+
+
+def _prune(text: str, depth: int) -> str:
+    """``text`` with each container opened deeper than ``depth`` replaced by TOO_DEEP."""
+    out: list[str] = []
+    level = 0
+    copied = 0  # text before this offset is in ``out`` (or dropped)
+    marker = json.dumps(TOO_DEEP)
+    for token in _TOKENS.finditer(text):
+        char = token.group()[0]
+        if char == '"':
+            continue
+        if char in "[{":
+            level += 1
+            if level == depth + 1:
+                out.append(text[copied:token.start()])
+        else:
+            if level == depth + 1:
+                out.append(marker)
+                copied = token.end()
+            level -= 1
+    out.append(text[copied:])
+    return "".join(out)
+
+
+def pruned(obj: Any) -> bool:
+    """Whether ``obj`` (a part of what :func:`decode_json` answered) lost a part."""
+    return json.dumps(TOO_DEEP) in json.dumps(obj)
 
 
 def apply(api: client.ApiClient, obj: dict[str, Any], force: bool = True) -> dict[str, Any]:

@@ -12,9 +12,10 @@ An object it cannot decode (JSON nested deeper than Python's decoder recurses: t
 server keeps such a spec in a field that preserves unknown fields) is *undecodable*: it is
 left out of the store (as if deleted) and reported once per version (``on_undecodable``),
 and the watch goes on past it; every other object of the same page or stream is cached
-as usual (:func:`decode_json`). A 410 Gone answered on the watch request itself re-lists,
-as one carried by an ERROR event does; a watch left before its end closes its connection
-(:func:`neonvm.kube.release_stream`). docs/reconciler.md, "Progress without events".
+as usual (:func:`neonvm.kube.decode_json`). A 410 Gone answered on the watch request
+itself re-lists, as one carried by an ERROR event does; a watch left before its end
+closes its connection (:func:`neonvm.kube.release_stream`). docs/reconciler.md,
+"Progress without events".
 
 What the cache guarantees: nothing about freshness. It may lag the server arbitrarily
 (and a wrapper composed in through :mod:`neonvm.controller.wiring` may, on purpose, make
@@ -28,9 +29,7 @@ event never stalls one.
 from __future__ import annotations
 
 import contextlib
-import json
 import marshal
-import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -43,7 +42,7 @@ from loguru import logger
 
 from neonvm.api import types
 from neonvm.controller.podspec import ANNOTATION_BUILT_SIZE
-from neonvm.kube import release_stream, short_error
+from neonvm.kube import PRUNE_DEPTH, decode_json, pruned, release_stream, short_error
 
 Obj = dict[str, Any]
 Handler = Callable[[str, Obj | None, Obj | None], None]
@@ -84,63 +83,6 @@ def object_uid(obj: Obj | None) -> str | None:
 
 class Gone(Exception):
     """The watch's resourceVersion is too old (410): re-list."""
-
-
-PRUNE_DEPTH = 512
-"""How deep the fallback decoder keeps a document's structure; deeper parts become
-:data:`TOO_DEEP`. Far below the ~1,000 levels Python's decoder stops at, far above any
-real VM (its deepest free-form field, an affinity, nests about ten levels)."""
-TOO_DEEP = "\x00neonvm:nested-too-deep"
-"""What the fallback decoder puts where it dropped a part nested deeper than
-:data:`PRUNE_DEPTH` (a string no API object holds)."""
-_TOKENS = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]')
-"""The JSON tokens that matter for nesting: strings (skipped whole) and brackets."""
-
-
-def decode_json(text: str | bytes) -> tuple[Any, bool]:
-    """``text`` decoded, and whether parts of it were dropped as nested too deep.
-
-    ``json.loads`` recurses once per level and raises ``RecursionError`` at about 1,000
-    levels, which the API server accepts in a free-form field. Then the document is
-    decoded again with every container deeper than :data:`PRUNE_DEPTH` replaced by
-    :data:`TOO_DEEP`, so the rest of it (a list page's other items, an event's metadata)
-    can still be read. Only the failing document pays for the second pass.
-    """
-    try:
-        return json.loads(text), False
-    except RecursionError:
-        pass
-    if isinstance(text, bytes):
-        text = text.decode("utf-8")
-    return json.loads(_prune(text, PRUNE_DEPTH)), True
-
-
-def _prune(text: str, depth: int) -> str:
-    """``text`` with each container opened deeper than ``depth`` replaced by TOO_DEEP."""
-    out: list[str] = []
-    level = 0
-    copied = 0  # text before this offset is in ``out`` (or dropped)
-    marker = json.dumps(TOO_DEEP)
-    for token in _TOKENS.finditer(text):
-        char = token.group()[0]
-        if char == '"':
-            continue
-        if char in "[{":
-            level += 1
-            if level == depth + 1:
-                out.append(text[copied:token.start()])
-        else:
-            if level == depth + 1:
-                out.append(marker)
-                copied = token.end()
-            level -= 1
-    out.append(text[copied:])
-    return "".join(out)
-
-
-def pruned(obj: Any) -> bool:
-    """Whether ``obj`` (a part of what :func:`decode_json` answered) lost a part."""
-    return json.dumps(TOO_DEEP) in json.dumps(obj)
 
 
 def _same(obj: Any) -> Any:
@@ -550,7 +492,8 @@ class Informer:
 
 
 def _events(resp: Any) -> Iterator[tuple[dict[str, Any], bool]]:
-    """The watch's events, each with whether parts were dropped (:func:`decode_json`)."""
+    """The watch's events, each with whether parts of it were dropped
+    (:func:`neonvm.kube.decode_json`)."""
     for line in iter_resp_lines(resp):
         if line:
             yield decode_json(line)

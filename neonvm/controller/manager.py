@@ -69,7 +69,7 @@ from neonvm.controller.cluster import KubeCluster
 from neonvm.controller.events import EventRecorder
 from neonvm.controller.handler import Handler
 from neonvm.controller.heap import HeapTrimmer
-from neonvm.controller.informer import Informer, Lister, Obj, project_pod
+from neonvm.controller.informer import Informer, Lister, Obj, Undecodable, project_pod
 from neonvm.controller.metrics import ControllerMetrics
 from neonvm.controller.midplan import MidPlanSet
 from neonvm.controller.observe import pod_index, split_key
@@ -233,7 +233,8 @@ class LeaderTerm:
         self.informers = [
             Informer("virtualmachines", list_vms, self.vm_store, self._on_vm,
                      accept=wiring.event_filter("virtualmachines"),
-                     relist_seconds=self.config.relist_seconds),
+                     relist_seconds=self.config.relist_seconds,
+                     on_undecodable=self._on_undecodable_vm),
             # Pods are cached as projections (what cached decisions read); VMs in full
             # (they are written back).
             Informer("pods", list_pods, self.pod_store, self._on_pod,
@@ -272,6 +273,15 @@ class LeaderTerm:
     def _on_vm(self, key: str, old: Obj | None, new: Obj | None) -> None:
         self.mid_plan.touch(key)
         self.queue.add(key)
+
+    def _on_undecodable_vm(self, found: Undecodable) -> None:
+        """A VM too deeply nested to decode (the informer leaves it out): a Warning Event
+        on it, once per version. Not a Degraded condition: a status write is a PUT of the
+        object read back, and nothing of it can be read."""
+        self.metrics.undecodable.inc()
+        self.process.events.record(
+            types.VirtualMachine.from_object({"metadata": found.metadata}), "Undecodable",
+            found.reason, warning=True)
 
     def _on_pod(self, key: str, old: Obj | None, new: Obj | None) -> None:
         for obj in (old, new):

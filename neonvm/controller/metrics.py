@@ -98,6 +98,10 @@ class ControllerMetrics:
         self.swept = Counter(
             "neonvm_controller_swept_total", "Objects removed by sweeps, by kind.",
             ["kind"], registry=r)
+        self.undecodable = Counter(
+            "neonvm_controller_undecodable_objects_total",
+            "VM versions the informer could not decode (nested too deep) and left out of "
+            "the cache; each also gets a Warning Event, reason Undecodable.", registry=r)
         self.worker_errors = Counter(
             "neonvm_controller_worker_errors_total",
             "Exceptions that escaped a worker's turn (outside the reconcile's own error "

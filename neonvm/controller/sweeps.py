@@ -20,7 +20,6 @@ next period; it never ends the term. The term runs :meth:`Sweeps.run` every
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -29,7 +28,7 @@ from kubernetes.client.exceptions import ApiException
 
 from neonvm.api import types
 from neonvm.controller.metrics import ControllerMetrics
-from neonvm.kube import short_error
+from neonvm.kube import TooDeep, decode_json, short_error
 from neonvm.leader.lock import LockManager
 
 Lister = Callable[..., Any]
@@ -54,7 +53,11 @@ def iter_items(lister: Lister, *, metadata_only: bool = False,
     ``apiVersion``, ``kind`` and ``metadata`` (names, uids, labels, owners,
     resourceVersion), a fraction of a pod or a VM. The pages are one consistent snapshot
     (the API server's ``continue`` contract); a token that expired (410) ends the
-    iteration with the error, and the caller's next period starts a new list.
+    iteration with the error, and the caller's next period starts a new list. A page
+    nested too deep for ``json.loads`` (a VM with thousands of levels in a free-form
+    field: its ``managedFields`` mirror them) is read with those levels dropped
+    (:func:`neonvm.kube.decode_json`) when only metadata was asked for, since nothing
+    but ``managedFields`` can nest there; a full list raises :class:`~neonvm.kube.TooDeep`.
     """
     token: str | None = None
     headers = {"Accept": METADATA_LIST} if metadata_only else None
@@ -66,9 +69,11 @@ def iter_items(lister: Lister, *, metadata_only: bool = False,
             kwargs["_headers"] = headers
         resp = lister(_preload_content=False, _request_timeout=30, **kwargs)
         try:
-            body = json.loads(resp.data)
+            body, lossy = decode_json(resp.data)
         finally:
             resp.release_conn()
+        if lossy and not metadata_only:
+            raise TooDeep("a list page is nested too deep to decode")
         items: list[dict[str, Any]] = body.get("items") or []
         token = (body.get("metadata") or {}).get("continue") or None
         del body
