@@ -28,12 +28,7 @@ from neonvm.api import types
 from neonvm.controller import decide as d
 from neonvm.controller.observe import Snapshot
 from neonvm.controller.reconciler import AuthorityLost, Reconciler, StaticAuthority
-from neonvm.controller.scaling import (
-    RUNNER_GRACE_SECONDS,
-    RunnerScaling,
-    asks_again_later,
-    runner_trouble,
-)
+from neonvm.controller.scaling import RunnerScaling
 from tests.hostile_runners import HonestRunner
 from tests.support import wait_for
 from tests.test_scaling_decide import obs, scale_plan, vm
@@ -47,6 +42,8 @@ OLD = StaticAuthority(epoch=1, token=10)
 @pytest.mark.unit
 def test_a_silent_runner_is_asked_at_decides_pace_for_a_grace_period_then_with_backoff(
         ) -> None:
+    from neonvm.controller.scaling import RUNNER_GRACE_SECONDS, runner_trouble
+
     now = [1000.0]
     scaling = RunnerScaling(client.ApiClient(), clock=lambda: now[0],
                             address=lambda vm, pod: "http://127.0.0.1:1")  # nobody there
@@ -77,6 +74,8 @@ def test_a_silent_runner_is_asked_at_decides_pace_for_a_grace_period_then_with_b
 ])
 def test_which_apply_outcomes_end_the_reconcile_for_the_backoff(outcome: str,
                                                                 later: bool) -> None:
+    from neonvm.controller.scaling import asks_again_later
+
     assert asks_again_later(outcome) is later
 
 
