@@ -996,7 +996,9 @@ class Reconciler:
         A refusal that asking again cannot change (the runner's 400 or 401, no token to
         sign with) drops the plan with the Scaling condition saying why
         (:data:`~neonvm.controller.decide.SCALING_REFUSED`): the VM runs on at its size,
-        and the next spec change tries again."""
+        and the next spec change tries again. The authority is checked again as soon as
+        the PUT returns (it may have taken its whole deadline); a failure at the runner
+        ends the reconcile stuck (:func:`paused`)."""
         outcome = self._scaling.apply(action, snap, log)
         # A PUT may have taken the whole deadline: whatever follows (a drop, a Degraded
         # write, another step) is decided under an authority checked after it.

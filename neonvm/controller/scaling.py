@@ -17,6 +17,10 @@
   status asks for it: ``scaleLookPodUID``), to see the fence it applied and the size it
   has; ``PUT
   /scale`` with the plan's size and fence ``{epoch, token, seq}`` and the bearer token.
+  The runner is the VM owner's choice (``spec.runnerImage``), so it is asked through a
+  client written for a hostile peer (:func:`runner_exchange`: one deadline per
+  exchange, 64 KiB answers, no redirects, strict parsing; docs/security.md, "The runner
+  as seen by the controller").
 * **Kubernetes.** After the runner applied a size, the pod's ``vm.neon.tech/usage``
   annotation (NeonVM's name and JSON shape: ``{"cpu", "memory"}``) carries it, and the
   runner container's CPU request follows ``cpus.use`` through the ``pods/resize``
