@@ -1,0 +1,341 @@
+"""The guest is hostile: it must not reach the runner's control channels, and it keeps
+its network.
+
+A guest's user-mode network (QEMU's slirp) maps the guest's 10.0.2.2 (and every other
+address of its virtual network, and ``fec0::2``) to the runner container's loopback, and
+connects wherever a guest packet points, 127.0.0.1 included. The runner puts a filter on
+the guest's frames (``neonvm/runner/guestnet.py``) and opens no QMP TCP port
+(docs/security.md, "The guest"; docs/runner.md).
+
+* The rule (pure): which frames the filter drops, from crafted frames.
+* The attack: a real guest under QEMU (the runner's kernel, a NeonVM-style bare-ext4
+  root from ``neonvm/dev/guestdisk.py``) whose command uses busybox ``nc`` against QMP,
+  the runner's API and a stand-in for a loopback service (etcd, the API server), over
+  10.0.2.2, ``fec0::2`` and a route to 127.0.0.1 itself, and reports on its console what
+  it reached. Each must be unreachable, and the listeners must have accepted nothing.
+  Egress to a non-loopback address of this host must still work.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import os
+import secrets
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import yaml
+
+from neonvm.runner.guestnet import DEFAULT_GUEST_NETWORK, frame_verdict
+from tests.support import wait_for
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+# ---- the rule, on crafted frames ------------------------------------------------------------
+
+SYN, ACK = 0x02, 0x10
+
+
+def ethernet(ethertype: int, payload: bytes) -> bytes:
+    return b"\x52\x55\x0a\x00\x02\x02" + b"\x52\x54\x00\x12\x34\x56" + \
+        struct.pack("!H", ethertype) + payload
+
+
+def ipv4(dst: str, proto: int, payload: bytes, frag: int = 0x4000) -> bytes:
+    header = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(payload), 1, frag, 64, proto, 0,
+                         ipaddress.IPv4Address("10.0.2.15").packed,
+                         ipaddress.IPv4Address(dst).packed)
+    return ethernet(0x0800, header + payload)
+
+
+def ipv6(dst: str, next_header: int, payload: bytes) -> bytes:
+    header = struct.pack("!IHBB16s16s", 6 << 28, len(payload), next_header, 64,
+                         ipaddress.IPv6Address("fec0::5054:ff:fe12:3456").packed,
+                         ipaddress.IPv6Address(dst).packed)
+    return ethernet(0x86DD, header + payload)
+
+
+def tcp(dport: int, flags: int) -> bytes:
+    return struct.pack("!HHIIBBHHH", 40000, dport, 1, 0, 5 << 4, flags, 65535, 0, 0)
+
+
+def udp(dport: int) -> bytes:
+    return struct.pack("!HHHH", 40000, dport, 8, 0)
+
+
+ECHO = b"\x08\x00\x00\x00\x00\x01\x00\x01"
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("frame", "dropped"), [
+    # The host alias and the rest of the guest's network are the container's loopback.
+    (ipv4("10.0.2.2", 6, tcp(20183, SYN)), "TCP connection to 10.0.2.2:20183"),
+    (ipv4("10.0.2.2", 6, tcp(25183, SYN)), "TCP connection to 10.0.2.2:25183"),
+    (ipv4("10.0.2.77", 6, tcp(2379, SYN)), "TCP connection to 10.0.2.77:2379"),
+    (ipv4("10.0.2.3", 6, tcp(2379, SYN)), "TCP connection to 10.0.2.3:2379"),
+    (ipv4("10.0.2.2", 17, udp(53)), "UDP datagram to 10.0.2.2:53"),
+    (ipv4("10.0.2.255", 17, udp(9)), "UDP datagram to 10.0.2.255:9"),
+    (ipv4("10.0.2.9", 1, ECHO), "ICMP to 10.0.2.9"),
+    # A guest that routes 127.0.0.1 out of eth0 (slirp connects there as told).
+    (ipv4("127.0.0.1", 6, tcp(2379, SYN)), "TCP connection to 127.0.0.1:2379"),
+    (ipv4("127.1.2.3", 17, udp(53)), "UDP datagram to 127.1.2.3:53"),
+    (ipv4("127.0.0.1", 1, ECHO), "ICMP to 127.0.0.1"),
+    (ipv4("0.0.0.0", 6, tcp(25183, SYN)), "TCP connection to 0.0.0.0:25183"),
+    # Fragments are never judged whole here, so towards a closed address they are dropped.
+    (ipv4("10.0.2.3", 17, udp(53), frag=0x2000), "IPv4 fragment to 10.0.2.3"),
+    (ipv4("127.0.0.1", 6, b"\x00" * 8, frag=0x0001), "IPv4 fragment to 127.0.0.1"),
+    (ipv4("10.0.2.2", 47, b"\x00" * 8), "protocol 47 to 10.0.2.2"),
+    # IPv6: the host alias, loopback, and IPv4 addresses in IPv6 form.
+    (ipv6("fec0::2", 6, tcp(20183, SYN)), "TCP connection to [fec0::2]:20183"),
+    (ipv6("::1", 6, tcp(2379, SYN)), "TCP connection to [::1]:2379"),
+    (ipv6("::ffff:127.0.0.1", 6, tcp(2379, SYN)), "TCP connection to [::ffff:7f00:1]:2379"),
+    (ipv6("::127.0.0.1", 17, udp(53)), "UDP datagram to [::7f00:1]:53"),
+    (ipv6("fec0::99", 58, b"\x80\x00\x00\x00"), "ICMP to [fec0::99]"),
+    # A header too short to judge.
+    (ethernet(0x0800, b"\x45\x00"), "malformed IPv4 header"),
+    (ethernet(0x86DD, b"\x60" + b"\x00" * 10), "malformed IPv6 header"),
+])
+def test_the_filter_drops_new_flows_to_the_runners_loopback(frame: bytes, dropped: str) -> None:
+    assert frame_verdict(frame) == dropped
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("frame", [
+    # Egress: anything outside the guest's network and the loopback.
+    ipv4("192.0.2.2", 6, tcp(5432, SYN)),
+    ipv4("10.96.0.1", 6, tcp(443, SYN)),
+    ipv4("10.0.3.2", 17, udp(4000)),
+    ipv4("8.8.8.8", 1, ECHO),
+    ipv6("2001:db8::1", 6, tcp(443, SYN)),
+    ipv4("192.0.2.2", 17, udp(4000), frag=0x2000),
+    # DNS through the DNS alias, DHCP, and pings that slirp answers itself.
+    ipv4("10.0.2.3", 17, udp(53)),
+    ipv4("10.0.2.3", 6, tcp(53, SYN)),
+    ipv6("fec0::3", 17, udp(53)),
+    ipv4("255.255.255.255", 17, udp(67)),
+    ipv4("10.0.2.2", 17, udp(67)),
+    ipv4("10.0.2.2", 1, ECHO),
+    ipv6("fec0::2", 58, b"\x87\x00\x00\x00"),  # neighbour solicitation to the router
+    # Segments that open nothing: answers on connections forwarded into the guest, which
+    # slirp shows as coming from 10.0.2.2 when their client is on the pod's loopback.
+    ipv4("10.0.2.2", 6, tcp(41000, SYN | ACK)),
+    ipv4("10.0.2.2", 6, tcp(41000, ACK)),
+    ipv6("fec0::2", 6, tcp(41000, ACK)),
+    # Not IP: ARP (slirp answers from its own table), and runts.
+    ethernet(0x0806, b"\x00" * 28),
+    b"\x00" * 10,
+])
+def test_the_filter_passes_egress_dns_dhcp_and_answers(frame: bytes) -> None:
+    assert frame_verdict(frame) is None
+
+
+@pytest.mark.unit
+def test_the_netdev_is_pinned_to_the_addresses_the_filter_knows() -> None:
+    assert DEFAULT_GUEST_NETWORK.netdev_options() == (
+        "net=10.0.2.0/24,host=10.0.2.2,dns=10.0.2.3,"
+        "ipv6-net=fec0::/64,ipv6-host=fec0::2,ipv6-dns=fec0::3")
+
+
+# ---- the attack, from a real guest ----------------------------------------------------------
+
+
+@dataclass
+class Listener:
+    """A TCP listener that greets each client with a secret, and counts them."""
+
+    sock: socket.socket
+    secret: str
+    accepted: list[str] = field(default_factory=list)
+
+    @property
+    def port(self) -> int:
+        return int(self.sock.getsockname()[1])
+
+
+def listen(host: str, name: str) -> Listener:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, 0))
+    sock.listen(16)
+    listener = Listener(sock, f"{name}-{secrets.token_hex(8)}")
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, peer = sock.accept()
+            except OSError:
+                return
+            listener.accepted.append(str(peer[0]))
+            with contextlib.suppress(OSError):
+                conn.sendall(f"{listener.secret}\n".encode())
+            conn.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return listener
+
+
+def non_loopback_address() -> str | None:
+    """This host's address on its default route (no packet is sent), if it has one."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("192.0.2.123", 9))
+        except OSError:
+            return None
+        address = str(probe.getsockname()[0])
+    return None if ipaddress.IPv4Address(address).is_loopback else address
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def listeners() -> Iterator[list[Listener]]:
+    made: list[Listener] = []
+    yield made
+    for listener in made:
+        listener.sock.close()
+
+
+NC_TO = "sh -c 'nc -w 4 \"$0\" \"$1\" </dev/null'"
+"""Connect and print what the other end says first (QMP greets; so do the listeners)."""
+HTTP_TO = "sh -c 'printf \"GET /status HTTP/1.0\\r\\n\\r\\n\" | nc -w 4 \"$0\" \"$1\"'"
+"""Ask for the runner's /status."""
+
+
+def attack_script(targets: list[tuple[str, str]], egress: tuple[str, str] | None,
+                  api_by_pod_ip: str | None) -> str:
+    """The guest's command: try each (name, "host port") and say what came back."""
+    lines = [
+        'try() { name=$1; shift; out=$(timeout 8 "$@" 2>&1 | head -c 300 | tr "\\n" " ");',
+        '  case "$out" in *QMP*|*HTTP/*|*secret-*) echo "attack $name: REACHED $out";;',
+        '  *) echo "attack $name: unreachable ($out)";; esac; }',
+        # Another address of the guest's network, sent to the gateway like any other.
+        "ip route add 10.0.2.77/32 via 10.0.2.2 dev eth0",
+        # IPv6 comes from slirp's router advertisements: wait for the address.
+        "for i in $(seq 120); do ip -6 addr show dev eth0 | grep -q 'inet6 fec0' &&"
+        " ! ip -6 addr show dev eth0 | grep -q tentative && break; sleep 0.5; done",
+        "echo \"attack: IPv6 $(ip -6 addr show dev eth0 | grep -o 'inet6 fec0[^ ]*')\"",
+    ]
+    for name, how in targets:
+        lines.append(f"try {name} {how}")
+    if egress is not None:
+        lines.append(f"try {egress[0]} {egress[1]}")
+    if api_by_pod_ip is not None:
+        lines.append("try api-by-pod-ip sh -c \"printf 'PUT /scale HTTP/1.0\\r\\n"
+                     f"Content-Length: 2\\r\\n\\r\\n{{}}' | nc -w 4 {api_by_pod_ip}\"")
+    # Last, as it takes 127.0.0.1 away from the guest's own loopback: send it out of eth0.
+    lines += [
+        "ip route del local 127.0.0.0/8 dev lo table local",
+        "ip route del local 127.0.0.1 dev lo table local",
+        "sysctl -w net.ipv4.conf.all.route_localnet=1 net.ipv4.conf.eth0.route_localnet=1",
+        "ip route add 127.0.0.1/32 via 10.0.2.2 dev eth0 src 10.0.2.15",
+        "echo \"attack: 127.0.0.1 goes $(ip route get 127.0.0.1)\"",
+    ]
+    return "\n".join(lines)
+
+
+def test_a_hostile_guest_reaches_neither_qmp_nor_the_runner_nor_loopback_but_keeps_egress(
+        tmp_path: Path, listeners: list[Listener]) -> None:
+    from neonvm.dev import guestdisk
+    from neonvm.runner import initramfs
+
+    absent = initramfs.missing() + guestdisk.missing()
+    if shutil.which("qemu-system-x86_64") is None:
+        absent.append("qemu-system-x86_64 (scripts/setup-qemu.sh)")
+    if absent:
+        pytest.skip("cannot boot a guest here, missing: " + ", ".join(absent))
+    kernel = initramfs.build_initramfs(tmp_path / "runner-kernel")
+    _raw, root_disk = guestdisk.build_rootfs(tmp_path / "root-disk")
+
+    qmp, api = free_port(), free_port()
+    etcd = listen("127.0.0.1", "secret-loopback")  # stands in for etcd, the API server...
+    listeners.append(etcd)
+    targets = [("qmp", f"{NC_TO} 10.0.2.2 {qmp}"),
+               ("qmp-v6", f"{NC_TO} fec0::2 {qmp}"),
+               ("runner-api", f"{HTTP_TO} 10.0.2.2 {api}"),
+               ("runner-api-v6", f"{HTTP_TO} fec0::2 {api}"),
+               ("loopback-service", f"{NC_TO} 10.0.2.2 {etcd.port}"),
+               ("loopback-service-other-alias", f"{NC_TO} 10.0.2.77 {etcd.port}")]
+    closed = [etcd]
+    if socket.has_ipv6:
+        with_v6 = listen("::1", "secret-loopback6")
+        listeners.append(with_v6)
+        closed.append(with_v6)
+        targets.append(("loopback-service-v6", f"{NC_TO} fec0::2 {with_v6.port}"))
+    address = non_loopback_address()
+    egress: Listener | None = None
+    if address is not None:
+        egress = listen(address, "secret-egress")
+        listeners.append(egress)
+    script = attack_script(
+        targets, ("egress", f"{NC_TO} {address} {egress.port}") if egress else None,
+        f"{address} {api}" if address else None)
+    script += f"\ntry loopback-direct {NC_TO} 127.0.0.1 {etcd.port}\necho 'attack: done'\n"
+
+    spec = {"terminationGracePeriodSeconds": 30, "qmp": qmp, "guest": {
+        "cpus": {"min": 1, "max": 1}, "memorySlotSize": "256Mi",
+        "memorySlots": {"min": 1, "max": 1}, "rootDisk": {"image": str(root_disk)},
+        "command": ["/bin/sh", "-c", script]}}
+    spec_file = tmp_path / "vm.yaml"
+    spec_file.write_text(yaml.safe_dump(spec))
+    console_path = tmp_path / "console.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NEONVM_")}
+    with console_path.open("wb") as out, (tmp_path / "runner.log").open("wb") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "neonvm.runner.main", "--spec-file", str(spec_file),
+             "--kernel-dir", str(kernel.kernel.parent), "--accel", "tcg",
+             "--work-dir", str(tmp_path / "work"),
+             "--listen-address", "0.0.0.0", "--port", str(api)],  # as in a pod
+            stdout=out, stderr=err, env=env, cwd=REPO)
+    try:
+        def console() -> str:
+            return console_path.read_text(errors="replace")
+
+        wait_for(lambda: "attack: done" in console() or proc.poll() is not None,
+                 timeout=600, interval=0.5, what="the guest's attacks to finish")
+        text = console()
+        report = [line for line in text.splitlines() if line.startswith("attack")]
+        print("\n" + "\n".join(report))
+        assert "attack: done" in text, text[-3000:] + (tmp_path / "runner.log").read_text()
+        for name, _how in [*targets, ("loopback-direct", "")]:
+            # Dropped: the guest's connection attempt times out.
+            assert f"attack {name}: unreachable (nc: timed out" in text, "\n".join(report)
+        assert "attack: IPv6 inet6 fec0:" in text, "\n".join(report)  # v6 attempts are real
+        assert "attack: 127.0.0.1 goes 127.0.0.1 via 10.0.2.2 dev eth0" in text, \
+            "\n".join(report)  # the direct attempt really left through the network
+        for listener in closed:
+            assert listener.accepted == [], f"{listener.secret} accepted {listener.accepted}"
+            assert listener.secret not in text
+        if egress is not None:
+            # The guest keeps its network: a non-loopback address of this host answers.
+            assert f"attack egress: REACHED {egress.secret}" in text, "\n".join(report)
+            assert egress.accepted
+            # The runner's API on the pod's IP is open to the guest as to any pod, and
+            # its one command still needs the token.
+            assert "attack api-by-pod-ip: REACHED HTTP/1.1 401" in text, "\n".join(report)
+        else:
+            print("no non-loopback address on this host: egress not checked")
+        assert proc.wait(timeout=120) == 0  # the command ended: the guest powered off
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
