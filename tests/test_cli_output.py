@@ -122,6 +122,13 @@ def test_json_and_yaml_are_printed_as_kubectl_prints_them() -> None:
     assert doc.startswith("apiVersion: vm.neon.tech/v1\nkind: VirtualMachine\n")
     assert doc.endswith("\n") and yaml.safe_load(doc) == obj
     assert len(doc.splitlines()) == 6  # the long annotation is not wrapped
+    # go-yaml's string styles, as kubectl prints them.
+    styled = kube_yaml({"status": "True", "time": "2026-12-05T01:08:29Z", "n": "1",
+                        "msg": "a: b", "applied": '{"k":1}\n', "plain": "Running",
+                        "list": ["no", 2]})
+    assert styled.splitlines() == [
+        "applied: |", '  {"k":1}', "list:", '- "no"', "- 2", "msg: 'a: b'", 'n: "1"',
+        "plain: Running", 'status: "True"', 'time: "2026-12-05T01:08:29Z"']
     assert as_list([obj]) == {"apiVersion": "v1", "kind": "List", "items": [obj],
                               "metadata": {"resourceVersion": ""}}
 

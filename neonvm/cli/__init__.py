@@ -26,21 +26,21 @@ from neonvm.cli.exits import CliFailure, ExitCode, unreachable_message
 
 PLUGIN_EXECUTABLE = "kubectl-neonvm"
 PLUGIN_PROG_NAME = "kubectl neonvm"
+PLUGIN_COMPLETE_VAR = "_KUBECTL_NEONVM_COMPLETE"
 
 
 class _Main(click.Group):
     """Turns known failures into one-line errors: exit 3 when the cluster cannot be
     reached, the code a :class:`CliFailure` carries, else 1."""
 
-    def main(self, args: Any = None, prog_name: str | None = None,
-             complete_var: str | None = None, standalone_mode: bool = True,
-             windows_expand_args: bool = True, **extra: Any) -> Any:
-        # Run as kubectl's plugin: name the command as the user typed it.
-        if prog_name is None and os.path.basename(sys.argv[0]) == PLUGIN_EXECUTABLE:
-            prog_name = PLUGIN_PROG_NAME
-            complete_var = complete_var or "_KUBECTL_NEONVM_COMPLETE"
-        return super().main(args, prog_name, complete_var, standalone_mode,
-                            windows_expand_args, **extra)
+    def main(self, *args: Any, **kwargs: Any) -> Any:
+        # Run as kubectl's plugin: usage lines name the command as the user typed it.
+        # Not when producing a completion script, which registers that name with the
+        # shell (it would take over kubectl's own completion).
+        if os.path.basename(sys.argv[0]) == PLUGIN_EXECUTABLE and len(args) < 2 \
+                and kwargs.get("prog_name") is None and PLUGIN_COMPLETE_VAR not in os.environ:
+            kwargs["prog_name"] = PLUGIN_PROG_NAME
+        return super().main(*args, **kwargs)
 
     def invoke(self, ctx: click.Context) -> object:
         from neonvm.errors import user_facing_message

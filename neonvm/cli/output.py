@@ -119,11 +119,30 @@ def kube_json(doc: Any) -> str:
     return text
 
 
+class _KubeDumper(yaml.SafeDumper):
+    """go-yaml's string styles (what kubectl's YAML printer uses): a string that would
+    read back as another type (``"True"``, a timestamp, ``"1"``) in double quotes, a
+    multi-line string as a literal block, else plain (single quotes when plain cannot
+    hold it)."""
+
+
+def _represent_str(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
+    tag = "tag:yaml.org,2002:str"
+    if dumper.resolve(yaml.ScalarNode, value, (True, False)) != tag:  # type: ignore[no-untyped-call]
+        return dumper.represent_scalar(tag, value, style='"')
+    if "\n" in value:
+        return dumper.represent_scalar(tag, value, style="|")
+    return dumper.represent_scalar(tag, value)
+
+
+_KubeDumper.add_representer(str, _represent_str)
+
+
 def kube_yaml(doc: Any) -> str:
-    """YAML as kubectl prints it: sorted keys, block style, no line wrapping; ends with a
-    newline."""
-    return yaml.safe_dump(doc, sort_keys=True, default_flow_style=False,
-                          allow_unicode=True, width=2**31 - 1)
+    """YAML as kubectl prints it: sorted keys, block style, go-yaml's string styles, no
+    line wrapping; ends with a newline."""
+    return yaml.dump(doc, Dumper=_KubeDumper, sort_keys=True, default_flow_style=False,
+                     allow_unicode=True, width=2**31 - 1)
 
 
 def render_jsonpath(fmt: str, doc: Any) -> str:
