@@ -177,7 +177,8 @@ def test_helm_lint_passes_strictly(helm: Helm, values: str) -> None:
 def test_every_templated_object_carries_the_standard_labels(helm: Helm, values: str) -> None:
     rendered = helm.template("neonvm-controller", "neonvm-system", VALUE_SETS[values])
     kinds = sorted(o["kind"] for o in rendered.objects)
-    expected = ["ClusterRole", "ClusterRoleBinding", "Deployment", "PodDisruptionBudget",
+    expected = ["ClusterRole"] * 3 + [  # the controller's, and the user roles edit, view
+                "ClusterRoleBinding", "Deployment", "PodDisruptionBudget",
                 "Role", "RoleBinding", "Service", "ServiceAccount",
                 "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"]
     if values == "ha-tls":
@@ -317,7 +318,9 @@ def test_a_ca_only_tls_setup_passes_no_client_certificate(helm: Helm) -> None:
 
 
 def test_the_rbac_rules_are_the_generated_ones_and_the_lease_is_namespaced(helm: Helm) -> None:
-    rendered = helm.template("nvm", "ops", sets=("leaderElection.namespace=leases",))
+    # The user roles are ClusterRoles too: test_tenant_boundaries.py checks them.
+    rendered = helm.template("nvm", "ops", sets=("leaderElection.namespace=leases",
+                                                 "rbac.userRoles=false"))
     sa = rendered.one("ServiceAccount")["metadata"]
     subject = {"kind": "ServiceAccount", "name": sa["name"], "namespace": "ops"}
 
@@ -329,7 +332,8 @@ def test_the_rbac_rules_are_the_generated_ones_and_the_lease_is_namespaced(helm:
     assert crb["subjects"] == [subject]
 
     assert not any("secrets" in r["resources"] for r in cluster_role["rules"])
-    checking = helm.template("nvm", "ops", sets=("rbac.checkImagePullSecrets=true",))
+    checking = helm.template("nvm", "ops", sets=("rbac.checkImagePullSecrets=true",
+                                                 "rbac.userRoles=false"))
     assert checking.one("ClusterRole")["rules"] == (
         manifests.controller_rules() + manifests.pull_secret_rules())
 
