@@ -439,11 +439,12 @@ def test_kubectl_runs_it_as_a_plugin(cluster: LocalCluster, api: client.ApiClien
     kubectl = _kubectl()
     if kubectl is None:
         pytest.skip("no kubectl on PATH or under ~/.cache/neonvm/bin")
-    _labelled(api, namespace, "alpha", note="x" * 100)  # a line kubectl's YAML folds
+    _labelled(api, namespace, "alpha", tier="db")
     client.CustomObjectsApi(api).patch_namespaced_custom_object(
         types.GROUP, types.VERSION, namespace, types.PLURAL, "alpha",
         {"metadata": {"annotations": {"multi": "line one\nline two\n",
-                                      "long": "a: b " * 40}}})
+                                      "long": "a: b " * 40,  # a line kubectl folds
+                                      "when": "2026-12-05T01:08:29Z", "flag": "True"}}})
     env = {**os.environ, "PATH": f"{plugin.parent}{os.pathsep}{os.environ.get('PATH', '')}",
            "KUBECONFIG": str(cluster.kubeconfig)}
 
