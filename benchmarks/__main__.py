@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks import bench_decode  # noqa: E402
 from benchmarks import controller_bench as cb  # noqa: E402
 from neonvm.drills.observer import percentile  # noqa: E402
+from neonvm.leader.etcd import EtcdConfig  # noqa: E402
 
 DOC = ROOT / "docs" / "benchmarks.md"
 FAILOVER_SECTION = "## Leader failover at the chart's defaults"
@@ -155,12 +156,12 @@ def markdown_table(rows: list[tuple[str, str, str]]) -> str:
     return "\n".join(lines)
 
 
-def run_locks(endpoints: str, ops: int) -> str:
+def run_locks(etcd: EtcdConfig, ops: int) -> str:
     cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_locks.py"), "--endpoints",
-           endpoints, "--ops", str(ops)]
+           ",".join(etcd.endpoints), "--ops", str(ops)]
     say("locks: " + " ".join(cmd[1:]))
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=1800,
-                         check=False)
+                         check=False, env={**os.environ, **etcd.env()})
     if out.returncode != 0:
         return f"(the locks benchmark failed: {out.stderr.strip().splitlines()[-1:]})"
     return out.stdout.strip()
@@ -271,7 +272,7 @@ def main() -> int:
         say(f"== failover ({args.kills} x SIGKILL, {args.kills} x SIGTERM)")
         fo = cb.failover(cluster, args.kills, say)
         say("== locks")
-        locks = run_locks(cluster.locks_etcd_url, args.lock_ops)
+        locks = run_locks(cluster.locks_etcd_config(), args.lock_ops)
     say("== decoding")
     decoding = bench_decode.section(2000)
     rows = controller_rows(conv, rep, fo)

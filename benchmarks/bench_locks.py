@@ -168,10 +168,11 @@ def _parallel(work: Callable[[int], None], n: int) -> float:
 
 
 @contextmanager
-def etcd_endpoints(given: str | None) -> Iterator[tuple[str, str]]:
-    """(endpoints, description); starts a private etcd when none is given."""
+def etcd_endpoints(given: str | None) -> Iterator[tuple[EtcdConfig, str]]:
+    """(config, description); starts a private etcd when none is given. Given endpoints
+    take TLS files and credentials from ``NEONVM_ETCD_*``."""
     if given:
-        yield given, f"given endpoints {given}"
+        yield EtcdConfig.from_env().with_overrides(endpoints=given), f"given endpoints {given}"
         return
     from neonvm.dev import binaries
     from neonvm.dev.cluster import ClusterSpec, LocalCluster
@@ -180,8 +181,9 @@ def etcd_endpoints(given: str | None) -> Iterator[tuple[str, str]]:
     cluster = LocalCluster(state, ClusterSpec.with_free_ports(nodes=0))
     try:
         cluster.start_component("locks-etcd")
-        yield (cluster.locks_etcd_url,
-               f"private etcd {binaries.ETCD_VERSION} on loopback (LocalCluster, "
+        yield (cluster.locks_etcd_config(),
+               f"private etcd {binaries.ETCD_VERSION} on loopback (LocalCluster: TLS with "
+               "client certificates and auth on, as the controller uses it; "
                "--unsafe-no-fsync: no disk sync in the figures)")
     finally:
         cluster.down()
@@ -222,9 +224,10 @@ def main() -> int:
     logger.add(sys.stderr, level="WARNING")
 
     load_before = os.getloadavg()[0]
-    with etcd_endpoints(args.endpoints) as (endpoints, where):
-        prefix = f"/bench-{uuid.uuid4().hex[:8]}"
-        config = EtcdConfig.from_env({}).with_overrides(endpoints=endpoints, prefix=prefix)
+    with etcd_endpoints(args.endpoints) as (given, where):
+        # Under the configured prefix: an etcd user confined to it may run the benchmark.
+        prefix = f"{given.prefix}/bench-{uuid.uuid4().hex[:8]}"
+        config = given.with_overrides(prefix=prefix)
         with Etcd(config) as etcd:
             # Warm up connections and code paths; not measured.
             run_baseline(etcd, prefix, 50, 1)

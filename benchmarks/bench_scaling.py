@@ -307,10 +307,9 @@ def through_controller(image: GuestImage, work: Path, runs: int, accels: set[str
             raise RuntimeError(f"timed out waiting for {what}")
 
         with Replicas(api=api, kubeconfig=cluster.kubeconfig_for("controller"),
-                      etcd_endpoints=cluster.locks_etcd_url, lease_namespace=namespace,
-                      log_dir=work / "replicas",
-                      extra_args=["--watch-namespace", namespace,
-                                  "--etcd-prefix", f"/bench-{uuid.uuid4().hex[:8]}"]
+                      etcd_endpoints=cluster.locks_etcd_config(f"/bench-{uuid.uuid4().hex[:8]}"),
+                      lease_namespace=namespace, log_dir=work / "replicas",
+                      extra_args=["--watch-namespace", namespace]
                       ) as replicas:
             replicas.start("r0")
             wait("a leader", replicas.leader, 120)

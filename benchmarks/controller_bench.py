@@ -85,12 +85,17 @@ class ReplicaSet:
     env: dict[str, str] = field(default_factory=lambda: dict(REPLICA_ENV))
     """Set in each replica's environment, over this process's (less ``NEONVM_*``)."""
 
+    def _etcd_args(self) -> list[str]:
+        etcd = self.cluster.locks_etcd_config(f"/neonvm-bench/{self.tag}")
+        return ["--etcd-endpoints", etcd.endpoints[0], "--etcd-ca", str(etcd.ca),
+                "--etcd-cert", str(etcd.cert), "--etcd-key", str(etcd.key),
+                "--etcd-prefix", etcd.prefix]
+
     def _argv(self, identity: str) -> list[str]:
         return [sys.executable, "-m", "neonvm", "--log-format", "json", "--log-level",
                 self.log_level or os.environ.get("BENCH_LOG_LEVEL", "INFO"), "controller", "run",
                 "--kubeconfig", str(self.cluster.kubeconfig_for("controller")),
-                "--etcd-endpoints", self.cluster.locks_etcd_url,
-                "--etcd-prefix", f"/neonvm-bench/{self.tag}",
+                *self._etcd_args(),
                 "--identity", identity, "--health-port", "0", "--health-host", "127.0.0.1",
                 "--lease-namespace", self.namespace, "--watch-namespace", self.namespace,
                 "--lease-duration", str(LEASE["duration"]),

@@ -44,7 +44,7 @@ def main() -> int:
         api = kube.api_client(cluster.kubeconfig)
         try:
             report = run_side_by_side(
-                api, cluster.kubeconfig_for("controller"), cluster.locks_etcd_url, log_dir,
+                api, cluster.kubeconfig_for("controller"), cluster.locks_etcd_config, log_dir,
                 duration=args.duration, vms=args.vms, churn_every=args.churn_every,
                 replicas_each=args.replicas, progress=say)
         finally:

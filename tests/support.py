@@ -81,12 +81,12 @@ def replica_group(cluster: LocalCluster, api: client.ApiClient, namespace: str,
     the test failed)."""
     from neonvm.testing.harness import Replicas
 
-    args = [*FAST, "--watch-namespace", namespace,
-            "--etcd-prefix", prefix or f"/t-{uuid.uuid4().hex[:8]}"]
+    prefix = prefix or f"/t-{uuid.uuid4().hex[:8]}"
+    args = [*FAST, "--watch-namespace", namespace, "--etcd-prefix", prefix]
     if workers is not None:
         args += ["--workers", str(workers)]
     group = Replicas(api=api, kubeconfig=cluster.kubeconfig_for("controller"),
-                     etcd_endpoints=cluster.locks_etcd_url, lease_namespace=namespace,
+                     etcd_endpoints=cluster.locks_etcd_config(prefix), lease_namespace=namespace,
                      log_dir=log_dir, extra_args=args)
     with group:
         yield group

@@ -177,12 +177,12 @@ def test_helm_lint_passes_strictly(helm: Helm, values: str) -> None:
 def test_every_templated_object_carries_the_standard_labels(helm: Helm, values: str) -> None:
     rendered = helm.template("neonvm-controller", "neonvm-system", VALUE_SETS[values])
     kinds = sorted(o["kind"] for o in rendered.objects)
-    expected = ["ClusterRole"] * 3 + [  # the controller's, and the user roles edit, view
-                "ClusterRoleBinding", "Deployment", "PodDisruptionBudget",
+    expected = ["ClusterRole", "ClusterRoleBinding", "Deployment", "PodDisruptionBudget",
                 "Role", "RoleBinding", "Service", "ServiceAccount",
                 "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"]
     if values == "ha-tls":
         expected.append("ServiceMonitor")
+    expected.append("NetworkPolicy")  # only the controller reaches the locks' etcd
     assert kinds == sorted(expected)
     pod_labels = rendered.one("Deployment")["spec"]["template"]["metadata"]["labels"]
     for obj in [*rendered.objects, {"kind": "pod template", "metadata": {"labels": pod_labels}}]:
@@ -301,8 +301,92 @@ def test_etcd_endpoints_tls_files_and_credentials_reach_the_controller(helm: Hel
         assert ref == {"name": values["auth"]["secretName"], "key": key}
         assert "value" not in env[var]
 
-    plain = helm.template("neonvm-controller", "neonvm-system").env()
+    plain = helm.template("neonvm-controller", "neonvm-system", sets=INSECURE_ETCD).env()
     assert not {"NEONVM_ETCD_CA", "NEONVM_ETCD_CERT", "NEONVM_ETCD_USER"} & plain.keys()
+
+
+# ---- the locks' etcd is closed by default ------------------------------------------------
+
+INSECURE_ETCD = ("etcd.insecure=true", "etcd.tls.enabled=false",
+                 "etcd.endpoints={http://neonvm-etcd:2379}")
+
+
+def test_default_values_speak_tls_to_etcd_with_a_client_certificate(helm: Helm) -> None:
+    rendered = helm.template("neonvm-controller", "neonvm-system")
+    env = rendered.env()
+    assert all(e.startswith("https://") for e in env["NEONVM_ETCD_ENDPOINTS"]["value"].split(","))
+    (mount,) = [m for m in rendered.container["volumeMounts"] if m["name"] == "etcd-tls"]
+    (volume,) = [v for v in rendered.pod_spec["volumes"] if v["name"] == "etcd-tls"]
+    assert volume["secret"]["secretName"] == "neonvm-etcd-client"
+    for var, file in (("NEONVM_ETCD_CA", "ca.crt"), ("NEONVM_ETCD_CERT", "tls.crt"),
+                      ("NEONVM_ETCD_KEY", "tls.key")):
+        assert env[var]["value"] == f"{mount['mountPath']}/{file}"
+
+
+def test_default_values_let_only_the_controller_pods_reach_etcd(helm: Helm) -> None:
+    rendered = helm.template("nvm", "ops")
+    (policy,) = rendered.all("NetworkPolicy")
+    spec = policy["spec"]
+    assert policy["metadata"]["namespace"] == "ops"
+    assert spec["podSelector"] == {"matchLabels": {"app.kubernetes.io/name": "neonvm-etcd"}}
+    assert spec["policyTypes"] == ["Ingress"]
+    clients, peers = spec["ingress"]
+    pod_labels = rendered.one("Deployment")["spec"]["template"]["metadata"]["labels"]
+    (controller,) = clients["from"]
+    assert controller["namespaceSelector"] == {
+        "matchLabels": {"kubernetes.io/metadata.name": "ops"}}
+    assert controller["podSelector"]["matchLabels"].items() <= pod_labels.items()
+    assert clients["ports"] == [{"protocol": "TCP", "port": 2379}]
+    # Members of the etcd cluster reach each other; nobody else is named.
+    assert peers["from"] == [{"podSelector": spec["podSelector"]}]
+    assert {p["port"] for p in peers["ports"]} == {2379, 2380}
+
+
+def test_runner_pods_of_the_watched_namespace_may_not_reach_the_etcd_ports(helm: Helm) -> None:
+    rendered = helm.template("nvm", "ops", sets=("controller.watchNamespace=tenant",))
+    (runners,) = [p for p in rendered.all("NetworkPolicy")
+                  if p["metadata"]["namespace"] == "tenant"]
+    spec = runners["spec"]
+    assert spec["podSelector"] == {"matchExpressions": [
+        {"key": "vm.neon.tech/name", "operator": "Exists"}]}
+    assert spec["policyTypes"] == ["Egress"]
+    (rule,) = spec["egress"]
+    tcp = [(p["port"], p["endPort"]) for p in rule["ports"] if p["protocol"] == "TCP"]
+    assert tcp == [(1, 2378), (2381, 65535)]  # every TCP port but 2379 and 2380
+    allowed = {port for low, high in tcp for port in (low, high)}
+    assert not {2379, 2380} & allowed
+
+    elsewhere = helm.template("nvm", "ops", sets=(
+        "etcd.networkPolicy.runnerNamespaces={a,b}", "etcd.networkPolicy.clientPort=12379",
+        "etcd.networkPolicy.peerPort=12380"))
+    runner_policies = [p for p in elsewhere.all("NetworkPolicy")
+                       if "Egress" in p["spec"]["policyTypes"]]
+    assert sorted(p["metadata"]["namespace"] for p in runner_policies) == ["a", "b"]
+    tcp = [(p["port"], p["endPort"]) for p in runner_policies[0]["spec"]["egress"][0]["ports"]
+           if p["protocol"] == "TCP"]
+    assert tcp == [(1, 12378), (12381, 65535)]
+
+    assert not helm.template("nvm", "ops", sets=(
+        "etcd.networkPolicy.enabled=false",)).all("NetworkPolicy")
+
+
+@pytest.mark.parametrize(("sets", "message"), [
+    (("etcd.tls.enabled=false", "etcd.endpoints={http://e:2379}"),
+     "at '/etcd/tls/enabled': value must be true"),
+    (("etcd.endpoints={http://e:2379}",), "https://"),
+    (("etcd.tls.certKey=", "etcd.tls.keyKey="), "no client credentials"),
+    (("etcd.tls.secretName=",), "secretName"),
+    (("etcd.networkPolicy.etcdPodSelector=null",), "etcdPodSelector"),
+], ids=["plain", "http-endpoint", "no-credentials", "no-secret", "empty-etcd-selector"])
+def test_plain_or_anonymous_etcd_is_refused_unless_insecure_is_set(
+        helm: Helm, sets: tuple[str, ...], message: str) -> None:
+    args = [a for s in sets for a in ("--set", s)]
+    assert message in helm.template_fails(*args)
+
+
+def test_insecure_etcd_renders_plain_http_when_asked_for_by_name(helm: Helm) -> None:
+    env = helm.template("nvm", "ops", sets=INSECURE_ETCD).env()
+    assert env["NEONVM_ETCD_ENDPOINTS"]["value"] == "http://neonvm-etcd:2379"
 
 
 def test_a_ca_only_tls_setup_passes_no_client_certificate(helm: Helm) -> None:
@@ -393,15 +477,15 @@ SCHEMA_VIOLATIONS = [
     pytest.param(["--set", "etcd.endpoints={etcd:2379}"],
                  "at '/etcd/endpoints/0': 'etcd:2379' does not match pattern",
                  id="etcd-endpoint-without-scheme"),
-    pytest.param(["--set", "etcd.endpoints={https://e:2379}", "--set", "etcd.tls.enabled=true"],
+    pytest.param(["--set", "etcd.tls.secretName="],
                  "at '/etcd/tls/secretName': minLength: got 0, want 1",
                  id="tls-without-secret"),
-    pytest.param(["--set", "etcd.tls.enabled=true", "--set", "etcd.tls.secretName=s"],
-                 "at '/etcd/endpoints/0': 'http://neonvm-etcd:2379' does not match pattern "
+    pytest.param(["--set", "etcd.endpoints={http://e:2379}"],
+                 "at '/etcd/endpoints/0': 'http://e:2379' does not match pattern "
                  "'^https://'", id="tls-with-http-endpoints"),
-    pytest.param(["--set", "etcd.endpoints={https://e:2379}"],
-                 "at '/etcd/endpoints/0': 'https://e:2379' does not match pattern '^http://'",
-                 id="https-without-tls"),
+    pytest.param(["--set", "etcd.insecure=true", "--set", "etcd.tls.enabled=false"],
+                 "at '/etcd/endpoints/0': 'https://neonvm-etcd:2379' does not match pattern "
+                 "'^http://'", id="https-without-tls"),
     pytest.param(["--set", "etcd.auth.enabled=true"],
                  "at '/etcd/auth/secretName': minLength: got 0, want 1",
                  id="auth-without-secret"),
@@ -933,10 +1017,11 @@ def test_the_controller_runs_a_vm_lifecycle_with_the_charts_command_line_and_ide
     lease_namespace: str, tmp_path: Path,
 ) -> None:
     health_port = free_port()
+    etcd = cluster.locks_etcd_config(f"/chart-test-{uuid.uuid4().hex[:8]}")
     rendered = helm.template(_release(), lease_namespace, sets=(
         f"controller.healthPort={health_port}",
         f"etcd.endpoints={{{cluster.locks_etcd_url}}}",
-        f"etcd.prefix=/chart-test-{uuid.uuid4().hex[:8]}",
+        f"etcd.prefix={etcd.prefix}",
         "controller.logFormat=text",
         "leaderElection.leaseDurationSeconds=6", "leaderElection.renewDeadlineSeconds=4",
         "leaderElection.retryPeriodSeconds=1",
@@ -953,6 +1038,11 @@ def test_the_controller_runs_a_vm_lifecycle_with_the_charts_command_line_and_ide
         argv.insert(argv.index("run") + 1, f"--kubeconfig={kubeconfig}")
         env = {**os.environ, **{e["name"]: e["value"] for e in container["env"] if "value" in e},
                "POD_NAME": "chart-test", "POD_NAMESPACE": lease_namespace}
+        # The chart's default TLS files, mounted here as the kubelet would mount its Secret.
+        for var, path in (("NEONVM_ETCD_CA", etcd.ca), ("NEONVM_ETCD_CERT", etcd.cert),
+                          ("NEONVM_ETCD_KEY", etcd.key)):
+            assert env[var].startswith("/etc/"), env[var]
+            env[var] = str(path)
         env.pop("KUBECONFIG", None)
         log = tmp_path / "controller.log"
         with _running(argv, env, log) as proc:

@@ -29,7 +29,6 @@ from neonvm.controller.events import EventRecorder
 from neonvm.controller.manager import ControllerConfig, ControllerProcess
 from neonvm.dev.cluster import LocalCluster
 from neonvm.leader.election import ElectionConfig
-from neonvm.leader.etcd import EtcdConfig
 from neonvm.leader.health import HealthServer
 from tests.support import wait_for
 
@@ -65,8 +64,7 @@ def test_a_leader_whose_caches_cannot_sync_stays_live_and_is_ready_only_once_syn
     as_user = kube.api_client(cluster.kubeconfig)
     as_user.set_default_header("Impersonate-User", user)
     process = ControllerProcess(
-        as_user, EtcdConfig(endpoints=(cluster.locks_etcd_url,),
-                            prefix=f"/t-{uuid.uuid4().hex[:8]}"),
+        as_user, cluster.locks_etcd_config(f"/t-{uuid.uuid4().hex[:8]}"),
         ElectionConfig(namespace=namespace, name="probes", lease_duration=4,
                        renew_deadline=3, retry_period=0.5),
         # A sync deadline far beyond this test: it must stay leader while unsynced.
@@ -125,7 +123,7 @@ def test_a_leader_whose_caches_do_not_sync_by_the_deadline_releases_the_lease_to
 
     def replica(identity: str) -> ControllerProcess:
         return ControllerProcess(
-            as_user, EtcdConfig(endpoints=(cluster.locks_etcd_url,), prefix=prefix),
+            as_user, cluster.locks_etcd_config(prefix),
             ElectionConfig(namespace=namespace, name="nosync", identity=identity,
                            lease_duration=4, renew_deadline=3, retry_period=0.5),
             ControllerConfig(workers=1, watch_namespace=namespace, sync_deadline_seconds=3),
@@ -161,10 +159,12 @@ def test_a_missing_lease_namespace_is_one_error_line_and_exit_code_1(
         cluster: LocalCluster, tmp_path: Path) -> None:
     missing = f"no-such-{uuid.uuid4().hex[:8]}"
     log = tmp_path / "controller.log"
+    etcd = cluster.locks_etcd_config(f"/t-{uuid.uuid4().hex[:8]}")
     argv = [sys.executable, "-m", "neonvm", "controller", "run",
             "--kubeconfig", str(cluster.kubeconfig_for("controller")),
-            "--etcd-endpoints", cluster.locks_etcd_url,
-            "--etcd-prefix", f"/t-{uuid.uuid4().hex[:8]}",
+            "--etcd-endpoints", etcd.endpoints[0], "--etcd-ca", str(etcd.ca),
+            "--etcd-cert", str(etcd.cert), "--etcd-key", str(etcd.key),
+            "--etcd-prefix", etcd.prefix,
             "--lease-namespace", missing, "--health-port", "0", "--health-host", "127.0.0.1",
             "--lease-duration", "4", "--renew-deadline", "3", "--retry-period", "0.5"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("NEONVM_")}

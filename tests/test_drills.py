@@ -297,10 +297,10 @@ def test_check_reports_orphans_missing_pods_and_stuck_plans(
     custom.replace_namespaced_custom_object_status(
         types.GROUP, types.VERSION, namespace, types.PLURAL, "lonely", vm)
     # A lock for a VM uid that does not exist, in the locks' etcd.
-    from neonvm.leader.etcd import Etcd, EtcdConfig, Put
+    from neonvm.leader.etcd import Etcd, Put
     from neonvm.leader.lock import DEFAULT_INSTALLATION, LockRecord, lock_key
 
-    config = EtcdConfig.from_env({}).with_overrides(endpoints=cluster.locks_etcd_url)
+    config = cluster.locks_etcd_config()
     orphan_key = lock_key(config.prefix, DEFAULT_INSTALLATION, namespace, "deleted-vm")
     with Etcd(config) as etcd:
         etcd.txn([], [Put(orphan_key, LockRecord("someone", 1, "no-such-uid", 0.0).encode())])
@@ -308,7 +308,7 @@ def test_check_reports_orphans_missing_pods_and_stuck_plans(
         # Ages have one-second resolution: the plan is "older than 0s" a moment later.
         result = run_cli("check", "--kubeconfig", str(cluster.kubeconfig), "-n", namespace,
                          "--etcd-endpoints", cluster.locks_etcd_url,
-                         "--max-pending-seconds", "0", "-o", "json")
+                         "--max-pending-seconds", "0", "-o", "json", env=config.env())
         assert result.exit_code == 1, result.output
         return {(f["kind"], f["vm"]) for f in json.loads(result.stdout)["findings"]}
 

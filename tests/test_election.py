@@ -617,11 +617,12 @@ def epoch_floor(request: pytest.FixtureRequest, cluster: LocalCluster,
         yield CountingFloor(InMemoryEpochFloor())
         return
     from neonvm.leader.epoch import EpochFloor as EtcdEpochFloor
-    from neonvm.leader.etcd import Etcd, EtcdConfig
+    from neonvm.leader.etcd import Etcd
 
-    etcd = Etcd(EtcdConfig(endpoints=(cluster.locks_etcd_url,)))
+    prefix = f"/neonvm-test/{namespace}"
+    etcd = Etcd(cluster.locks_etcd_config(prefix))
     try:
-        yield CountingFloor(EtcdEpochFloor(etcd, prefix=f"/neonvm-test/{namespace}"))
+        yield CountingFloor(EtcdEpochFloor(etcd, prefix=prefix))
     finally:
         etcd.close()
 

@@ -367,7 +367,7 @@ class CountingEtcd(Etcd):
 def test_f1_a_stopping_term_gives_its_locks_up_with_one_revoke_not_a_txn_per_lock(
         cluster: Any) -> None:
     prefix = f"/t-{uuid.uuid4().hex[:8]}"
-    config = EtcdConfig(endpoints=(cluster.locks_etcd_url,), prefix=prefix)
+    config = cluster.locks_etcd_config(prefix)
     etcd = CountingEtcd(config)
     try:
         process = SimpleNamespace(

@@ -305,10 +305,9 @@ def controller(
     """One ``neonvm controller run`` replica for this namespace, killed afterwards."""
     group = Replicas(
         api=api, kubeconfig=cluster.kubeconfig_for("controller"),
-        etcd_endpoints=cluster.locks_etcd_url, lease_namespace=namespace,
-        log_dir=tmp_path / "replicas",
-        extra_args=[*FAST, "--watch-namespace", namespace,
-                    "--etcd-prefix", f"/t-{uuid.uuid4().hex[:8]}"],
+        etcd_endpoints=cluster.locks_etcd_config(f"/t-{uuid.uuid4().hex[:8]}"),
+        lease_namespace=namespace, log_dir=tmp_path / "replicas",
+        extra_args=[*FAST, "--watch-namespace", namespace],
     )
     with group:
         group.start("a")

@@ -1,7 +1,8 @@
 """Per-VM locks in etcd with fencing tokens: the behaviour, against a real etcd.
 
 Every test but the ``unit`` ones talks to the session's locks etcd
-(``cluster.locks_etcd_url``) under a key prefix of its own. Helper programs in
+(``cluster.locks_etcd_config``: TLS, a client certificate whose etcd user may touch
+only that prefix) under a key prefix of its own. Helper programs in
 ``tests/programs/lock_*.py`` are the other processes (contenders, a holder to SIGKILL).
 """
 
@@ -21,6 +22,7 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
+from prometheus_client import CollectorRegistry
 
 from neonvm.cli import main as cli_main
 from neonvm.dev import binaries
@@ -73,7 +75,7 @@ def prefix() -> str:
 
 @pytest.fixture
 def config(cluster: LocalCluster, prefix: str) -> EtcdConfig:
-    return EtcdConfig(endpoints=(cluster.locks_etcd_url,), prefix=prefix)
+    return cluster.locks_etcd_config(prefix)
 
 
 @pytest.fixture
@@ -513,7 +515,7 @@ def test_two_installations_on_one_etcd_and_prefix_run_side_by_side(
     from neonvm.drills.installations import run_side_by_side
 
     report = run_side_by_side(api, cluster.kubeconfig_for("controller"),
-                              cluster.locks_etcd_url, tmp_path, duration=30, vms=3,
+                              cluster.locks_etcd_config, tmp_path, duration=30, vms=3,
                               churn_every=10)
     print(report.text())
     for r in report.results:
@@ -528,11 +530,12 @@ def test_two_installations_on_one_etcd_and_prefix_run_side_by_side(
 # ---- other processes ----------------------------------------------------------------------
 
 
-def _spawn(program: str, *args: str) -> subprocess.Popen[str]:
+def _spawn(program: str, config: EtcdConfig, *args: str) -> subprocess.Popen[str]:
+    """``program`` reaching etcd as ``config`` says (``NEONVM_ETCD_*``: TLS files too)."""
     return subprocess.Popen(
         [sys.executable, str(PROGRAMS / program), *args],
         stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parent.parent,
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)},
+        env={**os.environ, **config.env(), "PYTHONPATH": str(Path(__file__).parent.parent)},
     )
 
 
@@ -549,7 +552,7 @@ def test_processes_contending_for_one_lock_lose_no_update(
     etcd: Etcd, config: EtcdConfig, prefix: str
 ) -> None:
     contenders, rounds = 4, 12
-    procs = [_spawn("lock_counter.py", "--endpoint", config.endpoints[0], "--prefix", prefix,
+    procs = [_spawn("lock_counter.py", config, "--endpoint", config.endpoints[0], "--prefix", prefix,
                     "--identity", f"contender-{i}", "--rounds", str(rounds))
              for i in range(contenders)]
     try:
@@ -578,7 +581,7 @@ def test_processes_contending_for_one_lock_lose_no_update(
 def test_a_sigkilled_holders_lock_frees_when_its_lease_expires(
     etcd: Etcd, config: EtcdConfig, new_session: SessionFactory, prefix: str
 ) -> None:
-    holder = _spawn("lock_holder.py", "--endpoint", config.endpoints[0], "--prefix", prefix,
+    holder = _spawn("lock_holder.py", config, "--endpoint", config.endpoints[0], "--prefix", prefix,
                     "--identity", "victim", "--ttl", "3", "default/vm-1")
     try:
         held = _read_event(holder)
@@ -600,7 +603,7 @@ def test_a_sigkilled_holders_lock_frees_when_its_lease_expires(
 def test_a_sigkilled_holders_lock_is_taken_at_once_by_a_newer_epoch(
     etcd: Etcd, config: EtcdConfig, new_session: SessionFactory, prefix: str
 ) -> None:
-    holder = _spawn("lock_holder.py", "--endpoint", config.endpoints[0], "--prefix", prefix,
+    holder = _spawn("lock_holder.py", config, "--endpoint", config.endpoints[0], "--prefix", prefix,
                     "--identity", "victim", "--ttl", "120", "--epoch", "1",
                     "default/vm-1", "default/vm-2")
     try:
@@ -636,8 +639,7 @@ def test_etcd_restart_holders_notice_and_recover_and_nothing_is_held_twice(
     watcher = subprocess.Popen(
         [*NEONVM, "locks", "watch", "-o", "json"], stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "NEONVM_ETCD_ENDPOINTS": cluster.locks_etcd_url,
-             "NEONVM_ETCD_PREFIX": prefix})
+        env={**os.environ, **cluster.locks_etcd_env(prefix)})
     try:
         assert _read_event(watcher)["event"] == "EXISTING"  # the watch is up
 
@@ -682,8 +684,8 @@ def test_etcd_restart_holders_notice_and_recover_and_nothing_is_held_twice(
 def test_several_endpoints_survive_one_that_does_not_answer(
     cluster: LocalCluster, prefix: str
 ) -> None:
-    dead = "http://127.0.0.1:1"
-    config = EtcdConfig(endpoints=(dead, cluster.locks_etcd_url), prefix=prefix)
+    live = cluster.locks_etcd_config(prefix)
+    config = live.with_overrides(endpoints=("https://127.0.0.1:1", *live.endpoints))
     with Etcd(config) as client:
         # Whichever endpoint comes first, writes and reads reach the live one: a request
         # that could not even connect is safe to send elsewhere.
@@ -823,19 +825,29 @@ def test_racing_claims_of_one_epoch_have_exactly_one_winner(etcd: Etcd, prefix: 
 
 
 @pytest.mark.cluster
-def test_a_malformed_epoch_floor_refuses_claims_loudly(etcd: Etcd, prefix: str) -> None:
-    etcd.put(floor_key(prefix, DEFAULT_INSTALLATION), b"seven")
+@pytest.mark.parametrize("garbage", [b"seven", b'{"epoch": "8"}', b'{"epoch": 2147483648}'])
+def test_a_malformed_epoch_floor_is_replaced_by_the_next_claim_loudly(
+        etcd: Etcd, prefix: str, garbage: bytes) -> None:
+    """Not JSON, no integer epoch, or an epoch no Lease can carry (leaseTransitions is an
+    int32): nothing this code wrote. It counts as no floor (the claimed epoch is the
+    Lease's, above every epoch used under it; docs/locks.md), and is counted."""
+    etcd.put(floor_key(prefix, DEFAULT_INSTALLATION), garbage)
+    registry = CollectorRegistry()
+    floor = EpochFloor(etcd, prefix, registry=registry)
     with pytest.raises(EpochFloorCorrupt, match="epoch-floor is malformed"):
-        EpochFloor(etcd, prefix).claim(8, "leader")
+        floor.current()
+    assert floor.claim(8, "leader")
+    stored = floor.current()
+    assert stored is not None and (stored.epoch, stored.identity) == (8, "leader")
+    assert registry.get_sample_value("neonvm_epoch_floor_repairs_total") == 1
+    assert not floor.claim(8, "other")  # from here on, an ordinary floor
 
 
 # ---- the CLI ------------------------------------------------------------------------------
 
 
 def _cli(config: EtcdConfig, *args: str) -> Any:
-    env = {"NEONVM_ETCD_ENDPOINTS": ",".join(config.endpoints),
-           "NEONVM_ETCD_PREFIX": config.prefix}
-    return CliRunner().invoke(cli_main, ["locks", *args], env=env)
+    return CliRunner().invoke(cli_main, ["locks", *args], env=config.env())
 
 
 @pytest.mark.cluster
@@ -871,8 +883,7 @@ def test_cli_lists_one_installation_by_its_lease_and_all_of_them_on_request(
 
     def holders(*args: str, env: dict[str, str] | None = None) -> list[str]:
         result = CliRunner().invoke(cli_main, ["locks", *args, "-o", "json"], env={
-            "NEONVM_ETCD_ENDPOINTS": ",".join(config.endpoints),
-            "NEONVM_ETCD_PREFIX": config.prefix, **(env or {})})
+            **config.env(), **(env or {})})
         assert result.exit_code == 0, result.output
         return sorted(r["holder"] for r in json.loads(result.output))
 
@@ -927,8 +938,7 @@ def test_cli_watch_streams_lock_changes_until_interrupted(
 ) -> None:
     m = manager(etcd, new_session(), "replica-a", prefix)
     m.acquire("default", "before", "uid-0", epoch=1)
-    env = {**os.environ, "NEONVM_ETCD_ENDPOINTS": config.endpoints[0],
-           "NEONVM_ETCD_PREFIX": prefix}
+    env = {**os.environ, **config.env()}
     watcher = subprocess.Popen([*NEONVM, "locks", "watch", "-o", "json"], env=env,
                                stdout=subprocess.PIPE, text=True)
     try:

@@ -416,10 +416,9 @@ def test_controller_runner_pod_boots_a_bare_ext4_guest_on_the_real_node(
     node, [image] = _started_node_with_images(cluster, ("runner",))
     events: _PodEvents | None = None
     group = Replicas(api=api, kubeconfig=cluster.kubeconfig_for("controller"),
-                     etcd_endpoints=cluster.locks_etcd_url, lease_namespace=namespace,
-                     log_dir=tmp_path / "replicas",
-                     extra_args=[*FAST, "--watch-namespace", namespace, "--etcd-prefix",
-                                 f"/t-{uuid.uuid4().hex[:8]}", "--runner-image", image])
+                     etcd_endpoints=cluster.locks_etcd_config(f"/t-{uuid.uuid4().hex[:8]}"),
+                     lease_namespace=namespace, log_dir=tmp_path / "replicas",
+                     extra_args=[*FAST, "--watch-namespace", namespace, "--runner-image", image])
     try:
         node.ctr("images", "import", "--platform", "linux/amd64", str(archive), timeout=300)
         core = client.CoreV1Api(api)

@@ -207,7 +207,7 @@ def test_chart_runs_three_controller_pods_on_the_real_node_and_survives_kill_lea
             assert leader_pod in names
             how = "SIGKILL of the leader container" if same_host else "leader pod deleted"
             target = KubeTarget(api, cluster.kubeconfig, chartnode.NAMESPACE,
-                                chartnode.RELEASE, etcd_endpoints=cluster.locks_etcd_url,
+                                chartnode.RELEASE, etcd_endpoints=cluster.locks_etcd_config(),
                                 same_host=same_host)
             with RunnerPodNodes(api) as seen:
                 verdict = run_drill("kill-leader", target,

@@ -24,7 +24,7 @@ from neonvm.api import types
 from neonvm.controller.faults import CRASH_EXIT_CODE, read_crash_record
 from neonvm.dev.cluster import LocalCluster
 from neonvm.invariant import InvariantChecker
-from neonvm.leader.etcd import Etcd, EtcdConfig
+from neonvm.leader.etcd import Etcd
 from neonvm.leader.lock import Installation, LockTable, lock_key
 from neonvm.testing.harness import (
     Replica,
@@ -97,7 +97,7 @@ def only_pod(api: client.ApiClient, namespace: str, name: str) -> str:
 
 
 def locks_of(cluster: LocalCluster, prefix: str, namespace: str) -> list[Any]:
-    etcd = Etcd(EtcdConfig(endpoints=(cluster.locks_etcd_url,), prefix=prefix))
+    etcd = Etcd(cluster.locks_etcd_config(prefix))
     try:
         return LockTable(etcd, prefix).list(namespace)
     finally:
@@ -411,7 +411,7 @@ def test_a_deleted_vm_whose_deletion_the_cache_missed_is_never_locked_again(
     delete_vm(api, namespace, "vm")
     wait_for(lambda: get_vm(api, namespace, "vm") is None, 90, what="the VM gone")
     wait_for(lambda: not locks_of(cluster, prefix, namespace), 30, what="its lock released")
-    etcd = Etcd(EtcdConfig(endpoints=(cluster.locks_etcd_url,), prefix=prefix))
+    etcd = Etcd(cluster.locks_etcd_config(prefix))
     try:
         table = LockTable(etcd, prefix)
         infos, since = table.snapshot(namespace)

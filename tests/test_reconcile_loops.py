@@ -303,10 +303,9 @@ def test_a_runner_pod_refused_by_the_fence_names_the_identity_and_the_remedy(
         checker: InvariantChecker) -> None:
     # The controller run with the admin kubeconfig, as `neonvm dev env` used to export.
     group = Replicas(api=api, kubeconfig=cluster.kubeconfig,
-                     etcd_endpoints=cluster.locks_etcd_url, lease_namespace=namespace,
-                     log_dir=tmp_path / "replicas",
-                     extra_args=[*FAST, "--watch-namespace", namespace,
-                                 "--etcd-prefix", f"/t-{uuid.uuid4().hex[:8]}"])
+                     etcd_endpoints=cluster.locks_etcd_config(f"/t-{uuid.uuid4().hex[:8]}"),
+                     lease_namespace=namespace, log_dir=tmp_path / "replicas",
+                     extra_args=[*FAST, "--watch-namespace", namespace])
     with group:
         admin = group.start("admin")
         try:

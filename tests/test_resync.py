@@ -20,7 +20,6 @@ from neonvm.controller.observe import DirectReader
 from neonvm.controller.reconciler import ReconcilerConfig
 from neonvm.dev.cluster import LocalCluster
 from neonvm.leader.election import ElectionConfig
-from neonvm.leader.etcd import EtcdConfig
 from neonvm.testing.harness import converged, create_vm, get_vm, runner_pods
 from tests.support import wait_for
 
@@ -62,8 +61,7 @@ def leader(cluster: LocalCluster, controller_api: client.ApiClient, namespace: s
            monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[ControllerProcess, DirectReads]]:
     reads = DirectReads(monkeypatch)
     process = ControllerProcess(
-        controller_api, EtcdConfig(endpoints=(cluster.locks_etcd_url,),
-                                   prefix=f"/t-{uuid.uuid4().hex[:8]}"),
+        controller_api, cluster.locks_etcd_config(f"/t-{uuid.uuid4().hex[:8]}"),
         ElectionConfig(namespace=namespace, name="resync", lease_duration=4,
                        renew_deadline=3, retry_period=0.5),
         # Everything periodic is fast here, so that many resyncs and re-checks pass.

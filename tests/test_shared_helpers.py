@@ -4,6 +4,7 @@ time formats."""
 from __future__ import annotations
 
 import datetime as dt
+from pathlib import Path
 
 import pytest
 from kubernetes.client.exceptions import ApiException
@@ -12,6 +13,7 @@ from neonvm.api import times
 from neonvm.controller import decide
 from neonvm.kube import short_error
 from neonvm.leader import election
+from neonvm.leader.etcd import EtcdConfig
 
 pytestmark = pytest.mark.unit
 
@@ -66,7 +68,9 @@ def test_the_launcher_writes_a_command_line_the_controller_accepts() -> None:
                                             identity="i")
 
     class Cluster:
-        locks_etcd_url = "http://127.0.0.1:2"
+        def locks_etcd_config(self) -> EtcdConfig:
+            return EtcdConfig(endpoints=("https://127.0.0.1:2",), ca=Path("/ca"),
+                              cert=Path("/c"), key=Path("/k"))
 
         def kubeconfig_for(self, user: str) -> str:
             return f"/state/{user}.kubeconfig"
@@ -74,6 +78,9 @@ def test_the_launcher_writes_a_command_line_the_controller_accepts() -> None:
     argv = local_replica_argv(Cluster(), 3, faults="stale_reads=0.2")  # type: ignore[arg-type]
     local = _parsed(argv)
     assert str(local["kubeconfig"]) == "/state/controller.kubeconfig"
+    # The local cluster's locks etcd wants TLS and a client certificate: all of it passed.
+    assert (local["etcd_endpoints"], local["etcd_ca"], local["etcd_cert"], local["etcd_key"],
+            local["etcd_prefix"]) == ("https://127.0.0.1:2", "/ca", "/c", "/k", "/neonvm")
     assert str(local["identity"]).startswith("replica-3-")
     assert argv[-2:] == ["--fault", "stale_reads=0.2"]
     assert list(DEMO_TIMINGS) == argv[argv.index("--lease-duration"):][:len(DEMO_TIMINGS)]

@@ -239,11 +239,11 @@ def _discard_real_node(cluster: LocalCluster, name: str) -> None:
 
 def _locks_reader(cluster: LocalCluster) -> Any:
     try:
-        from neonvm.leader.etcd import Etcd, EtcdConfig
+        from neonvm.leader.etcd import Etcd
         from neonvm.leader.lock import LockTable
     except ImportError:
         return None
-    config = EtcdConfig.from_env({"NEONVM_ETCD_ENDPOINTS": cluster.locks_etcd_url})
+    config = cluster.locks_etcd_config()
 
     def read() -> list[dict[str, Any]]:
         etcd = Etcd(config)

@@ -554,7 +554,8 @@ class ControllerProcess:
         self.elector_api = self.wiring.elector_api(api)
         self.elector = LeaderElector(
             self.elector_api, election, on_started=self._lead, on_stopped=self._stopped,
-            epoch_floor=EpochFloor(self.etcd, etcd_config.prefix, self.installation),
+            epoch_floor=EpochFloor(self.etcd, etcd_config.prefix, self.installation,
+                                   registry=self.metrics.registry),
             registry=self.metrics.registry,
         )
 

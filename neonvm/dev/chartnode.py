@@ -25,6 +25,7 @@ scheduler refuses a second pod with the same host port on a node).
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import os
 import subprocess
@@ -67,7 +68,11 @@ def values(node: RealNode, image: str, replicas: int = 3) -> dict[str, Any]:
     return {
         "replicaCount": replicas,
         "image": {"repository": repository, "tag": tag, "pullPolicy": "Never"},
-        "etcd": {"endpoints": [node.locks_etcd_url_for_pods]},
+        # TLS with the controller's client certificate (the chart's default Secret,
+        # written by etcd_client_secret). No NetworkPolicy: the locks' etcd is a process
+        # on this host, not a pod a policy could select.
+        "etcd": {"endpoints": [node.locks_etcd_url_for_pods],
+                 "networkPolicy": {"enabled": False}},
         "nodeSelector": {REAL_LABEL: "true"},
         "tolerations": [{"key": TAINT.key, "operator": "Equal", "value": TAINT.value,
                          "effect": TAINT.effect}],
@@ -84,6 +89,29 @@ def values(node: RealNode, image: str, replicas: int = 3) -> dict[str, Any]:
                           "timeoutSeconds": 10, "failureThreshold": 3},
         },
     }
+
+
+def etcd_client_secret(cluster: LocalCluster) -> dict[str, Any]:
+    """The chart's default etcd Secret: the locks' etcd CA and the controller's client
+    certificate (its etcd user may touch the default prefix only)."""
+    config = cluster.locks_etcd_config()
+    assert config.ca and config.cert and config.key
+    return {"apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/tls",
+            "metadata": {"name": "neonvm-etcd-client", "namespace": NAMESPACE},
+            "data": {name: base64.b64encode(path.read_bytes()).decode()
+                     for name, path in (("ca.crt", config.ca), ("tls.crt", config.cert),
+                                        ("tls.key", config.key))}}
+
+
+def _put_secret(api: client.ApiClient, secret: dict[str, Any]) -> None:
+    core = client.CoreV1Api(api)
+    name, namespace = secret["metadata"]["name"], secret["metadata"]["namespace"]
+    try:
+        core.create_namespaced_secret(namespace, secret)
+    except ApiException as exc:
+        if exc.status != 409:
+            raise
+        core.replace_namespaced_secret(name, namespace, secret)
 
 
 def import_controller_image(node: RealNode, progress: Progress = _quiet) -> str:
@@ -200,6 +228,7 @@ def install(cluster: LocalCluster, node: RealNode, replicas: int = 3, timeout: f
         with contextlib.suppress(ApiException):
             client.AdmissionregistrationV1Api(api).delete_validating_admission_policy_binding(
                 manifests.POLICY_NAME)
+        _put_secret(api, etcd_client_secret(cluster))
         chosen = values(node, image, replicas)
         with tempfile.NamedTemporaryFile("w", suffix=".yaml", dir=cluster.state_dir,
                                          delete=False) as f:

@@ -5,6 +5,9 @@ Components, in start order:
 * ``etcd``: storage for the API server.
 * ``locks-etcd``: a separate etcd for the controller's per-VM locks (in production the
   locks' etcd is not the API server's etcd, so the local cluster keeps them apart too).
+  It runs as the chart asks production to: TLS, client certificates of its own CA only,
+  authentication on, and each client a user whose role reads and writes one key prefix
+  (:meth:`LocalCluster.locks_etcd_config`; docs/local-cluster.md, "The locks' etcd").
 * ``kube-apiserver``: TLS on 127.0.0.1, client-certificate authentication, RBAC.
 * with ``nodes > 0``: ``kube-scheduler``, ``kube-controller-manager`` and ``kwok``
   (simulated nodes that run pods and finish their graceful deletion).
@@ -20,6 +23,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
+import secrets
 import signal
 import ssl
 import subprocess
@@ -45,6 +50,15 @@ from neonvm.dev.common import (
     free_port,
 )
 from neonvm.dev.pki import SERVICE_CLUSTER_IP_RANGE, CertPair, LocalPKI
+from neonvm.leader.etcd import DEFAULT_PREFIX, Etcd, EtcdConfig
+
+LOCKS_ETCD_ROOT = "root"
+"""The etcd user (a client certificate's CN) that administers the locks' etcd."""
+LOCKS_ETCD_CONTROLLER = "neonvm-controller"
+"""The etcd user of the controller's default prefix (``/neonvm``): read and write there only."""
+REAL_NODE_IPS = tuple(f"10.251.{octet}.1" for octet in range(250))
+"""Every address a real node's pods may reach the locks' etcd at (see
+``neonvm.dev.realnode``: ``10.251.<0..249>.1``); its server certificate names them all."""
 
 __all__ = [
     "CONTROLLER_KUBECONFIG_ENV", "CONTROLLER_USER", "DEFAULT_PORTS", "KWOK_USER",
@@ -110,7 +124,51 @@ class LocalCluster:
 
     @property
     def locks_etcd_url(self) -> str:
-        return f"http://127.0.0.1:{self.spec.ports['locks-etcd']}"
+        """TLS only: a client needs the CA and a client certificate
+        (:meth:`locks_etcd_config`, :meth:`locks_etcd_env`)."""
+        return f"https://127.0.0.1:{self.spec.ports['locks-etcd']}"
+
+    @property
+    def locks_pki(self) -> LocalPKI:
+        """The locks' etcd's own CA (not the API server's): only its certificates get in."""
+        return LocalPKI(self.state_dir / "pki" / "locks-etcd", ca_name="neonvm-dev-locks-etcd-ca")
+
+    def locks_etcd_identity(self, prefix: str = DEFAULT_PREFIX) -> tuple[str, CertPair]:
+        """The etcd user allowed ``prefix`` and its client certificate (CN = user), made
+        on first use. The default prefix's user is the controller's; others are named
+        after the prefix. Creates files only: :meth:`locks_etcd_config` also makes sure
+        etcd knows the user."""
+        user = LOCKS_ETCD_CONTROLLER if prefix == DEFAULT_PREFIX else f"neonvm-prefix:{prefix}"
+        file = "client-" + re.sub(r"[^A-Za-z0-9_.-]+", "_", user)
+        return user, self.locks_pki.issue(file, user)
+
+    def locks_etcd_config(self, prefix: str = DEFAULT_PREFIX, *,
+                          timeout: float | None = None) -> EtcdConfig:
+        """A client of the locks' etcd confined to ``prefix``: TLS, the CA, and the client
+        certificate of a user whose role reads and writes ``<prefix>/...`` only. The user
+        is created in etcd (by root) if it is not there yet."""
+        user, pair = self.locks_etcd_identity(prefix)
+        with Etcd(self._locks_etcd_root()) as root:
+            root.grant_prefix(user, secrets.token_urlsafe(24), prefix)
+        config = EtcdConfig(endpoints=(self.locks_etcd_url,), prefix=prefix,
+                            ca=self.locks_pki.ca.cert, cert=pair.cert, key=pair.key)
+        return config if timeout is None else config.with_overrides(timeout=timeout)
+
+    def locks_etcd_env(self, prefix: str = DEFAULT_PREFIX) -> dict[str, str]:
+        """``NEONVM_ETCD_*`` for :meth:`locks_etcd_config` (for a child process)."""
+        return self.locks_etcd_config(prefix).env()
+
+    def _locks_etcd_root(self) -> EtcdConfig:
+        root = self.locks_pki.issue(f"client-{LOCKS_ETCD_ROOT}", LOCKS_ETCD_ROOT)
+        return EtcdConfig(endpoints=(self.locks_etcd_url,), ca=self.locks_pki.ca.cert,
+                          cert=root.cert, key=root.key)
+
+    def _secure_locks_etcd(self) -> None:
+        """Auth on, root, and the controller's user on the default prefix (idempotent)."""
+        with Etcd(self._locks_etcd_root()) as root:
+            root.ensure_auth(secrets.token_urlsafe(24))
+            root.grant_prefix(LOCKS_ETCD_CONTROLLER, secrets.token_urlsafe(24),
+                              DEFAULT_PREFIX)
 
     def components(self) -> list[str]:
         names = ["etcd", "locks-etcd", "kube-apiserver"]
@@ -122,11 +180,14 @@ class LocalCluster:
         """Environment variables that point tools at this cluster: the admin kubeconfig for
         kubectl and the inspection commands, the controller identity's kubeconfig for
         ``neonvm controller run`` (the admission fence lets only that identity ungate a
-        runner pod), and the locks' etcd."""
+        runner pod), and the locks' etcd as the controller's etcd user (TLS; the
+        default prefix only)."""
+        _user, pair = self.locks_etcd_identity()
         return {
             "KUBECONFIG": str(self.kubeconfig),
             CONTROLLER_KUBECONFIG_ENV: str(self.kubeconfig_for("controller")),
-            "NEONVM_ETCD_ENDPOINTS": self.locks_etcd_url,
+            **EtcdConfig(endpoints=(self.locks_etcd_url,), prefix=DEFAULT_PREFIX,
+                         ca=self.locks_pki.ca.cert, cert=pair.cert, key=pair.key).env(),
         }
 
     # ---- lifecycle ---------------------------------------------------------------------
@@ -152,6 +213,8 @@ class LocalCluster:
             progress(f"{name}: starting")
             self._wait_healthy(name, timeout)
             progress(f"{name}: healthy")
+            if name == "locks-etcd":
+                self._secure_locks_etcd()
             if name == "kube-apiserver":
                 bootstrap.apply_cluster_objects(self, progress)
         if self.spec.nodes > 0:
@@ -203,6 +266,8 @@ class LocalCluster:
             time.sleep(0.05)
         self._start(name, self._pki())
         self._wait_healthy(name, timeout)
+        if name == "locks-etcd":
+            self._secure_locks_etcd()
 
     def status(self) -> list[ComponentStatus]:
         return [self.component_status(n) for n in self.components()]
@@ -281,12 +346,22 @@ class LocalCluster:
         binary = str(binaries.require(_binary_of(name)))
         if name in ("etcd", "locks-etcd"):
             client, peer = p[name], p[f"{name}-peer"]
+            scheme, tls = "http", []
+            if name == "locks-etcd":
+                # Listening on 127.0.0.1 only; a real node's pods reach it through a DNAT
+                # rule (neonvm.dev.realnode), so the certificate names their addresses.
+                serving = self.locks_pki.issue("server", "locks-etcd", server=True,
+                                               ips=REAL_NODE_IPS)
+                scheme = "https"
+                tls = [f"--cert-file={serving.cert}", f"--key-file={serving.key}",
+                       "--client-cert-auth", f"--trusted-ca-file={self.locks_pki.ca.cert}"]
             return [
                 binary,
                 f"--name={name}",
                 f"--data-dir={d / 'data' / name}",
-                f"--listen-client-urls=http://127.0.0.1:{client}",
-                f"--advertise-client-urls=http://127.0.0.1:{client}",
+                f"--listen-client-urls={scheme}://127.0.0.1:{client}",
+                f"--advertise-client-urls={scheme}://127.0.0.1:{client}",
+                *tls,
                 f"--listen-peer-urls=http://127.0.0.1:{peer}",
                 f"--initial-advertise-peer-urls=http://127.0.0.1:{peer}",
                 f"--initial-cluster={name}=http://127.0.0.1:{peer}",
@@ -424,8 +499,13 @@ class LocalCluster:
 
     def _health(self, name: str) -> tuple[bool, str]:
         p = self.spec.ports
-        if name in ("etcd", "locks-etcd"):
+        if name == "etcd":
             return _http_ok(f"http://127.0.0.1:{p[name]}/health", None)
+        if name == "locks-etcd":
+            root = self._locks_etcd_root()
+            ctx = ssl.create_default_context(cafile=str(root.ca))
+            ctx.load_cert_chain(str(root.cert), str(root.key))
+            return _http_ok(f"{self.locks_etcd_url}/health", ctx)
         pki_dir = self.state_dir / "pki"
         if name == "kube-apiserver":
             ctx = ssl.create_default_context(cafile=str(pki_dir / "ca.crt"))

@@ -4,12 +4,18 @@ The API server serves TLS and authenticates clients by certificate, as a real cl
 does; the admin certificate is in ``system:masters``. Every other identity (the
 controller, the scheduler, ...) gets its own certificate so that RBAC and the admission
 fence see distinct users.
+
+The locks' etcd has a PKI of its own (another directory, another CA), so that no
+certificate of the API server's CA is accepted there: its server certificate names the
+real nodes' addresses too, and each client certificate's CN is an etcd user
+(docs/local-cluster.md, "The locks' etcd").
 """
 
 from __future__ import annotations
 
 import datetime
 import ipaddress
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,8 +57,9 @@ def _name(common_name: str, orgs: tuple[str, ...] = ()) -> x509.Name:
 class LocalPKI:
     """Creates (once) and hands out certificates under ``directory``."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, ca_name: str = "neonvm-dev-ca") -> None:
         self.dir = directory
+        self.ca_name = ca_name
         self.dir.mkdir(parents=True, exist_ok=True)
         self.ca = CertPair(self.dir / "ca.crt", self.dir / "ca.key")
         if not self.ca.cert.exists():
@@ -63,8 +70,8 @@ class LocalPKI:
         now = datetime.datetime.now(datetime.UTC)
         cert = (
             x509.CertificateBuilder()
-            .subject_name(_name("neonvm-dev-ca"))
-            .issuer_name(_name("neonvm-dev-ca"))
+            .subject_name(_name(self.ca_name))
+            .issuer_name(_name(self.ca_name))
             .public_key(key.public_key())
             .serial_number(x509.random_serial_number())
             .not_valid_before(now - datetime.timedelta(minutes=5))
@@ -89,9 +96,10 @@ class LocalPKI:
         common_name: str,
         orgs: tuple[str, ...] = (),
         server: bool = False,
+        ips: Sequence[str] = (),
     ) -> CertPair:
-        """A cert signed by the CA; server certs are valid for localhost, 127.0.0.1 and the
-        `kubernetes` Service's ClusterIP."""
+        """A cert signed by the CA; server certs are valid for localhost, 127.0.0.1, the
+        `kubernetes` Service's ClusterIP and ``ips``."""
         pair = CertPair(self.dir / f"{name}.crt", self.dir / f"{name}.key")
         if pair.cert.exists():
             return pair
@@ -122,6 +130,7 @@ class LocalPKI:
                         # server's --service-cluster-ip-range): what a pod's in-cluster
                         # config connects to (a real node forwards it to 127.0.0.1).
                         x509.IPAddress(ipaddress.ip_address(KUBERNETES_SERVICE_IP)),
+                        *(x509.IPAddress(ipaddress.ip_address(ip)) for ip in ips),
                     ]
                 ),
                 critical=False,

@@ -563,7 +563,7 @@ disabled_plugins = ["io.containerd.nri.v1.nri"]
     def locks_etcd_url_for_pods(self) -> str:
         """The locks' etcd as a pod on this node reaches it (see
         :meth:`_forward_control_plane`)."""
-        return f"http://{self.node_ip}:{self.cluster.spec.ports['locks-etcd']}"
+        return f"https://{self.node_ip}:{self.cluster.spec.ports['locks-etcd']}"
 
     def _forward_control_plane(self) -> None:
         """Let pods reach the API server and the locks' etcd, which listen on 127.0.0.1.

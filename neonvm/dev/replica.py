@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from neonvm.leader.election import DEFAULT_NAMESPACE as LEASE_NAMESPACE
+from neonvm.leader.etcd import EtcdConfig
 
 if TYPE_CHECKING:
     from neonvm.dev.cluster import LocalCluster
@@ -28,7 +29,7 @@ DEMO_TIMINGS = ("--lease-duration", "6", "--renew-deadline", "4", "--retry-perio
 """Shorter than the defaults, so a killed leader is replaced within seconds."""
 
 
-def controller_argv(*, kubeconfig: str, etcd_endpoints: str, identity: str,
+def controller_argv(*, kubeconfig: str, etcd_endpoints: str | EtcdConfig, identity: str,
                     lease_namespace: str | None = None, watch_namespace: str | None = None,
                     etcd_prefix: str | None = None, health_host: str | None = None,
                     runner_image: str | None = None, faults: str = "",
@@ -36,9 +37,19 @@ def controller_argv(*, kubeconfig: str, etcd_endpoints: str, identity: str,
     """The command line of one ``neonvm controller run`` in this Python, logging JSON, its
     health endpoint on a free port. An option left at None is not passed (the
     controller's default applies); ``faults`` non-empty adds ``--fault``; ``extra`` comes
-    last."""
+    last. ``etcd_endpoints`` may be a whole :class:`EtcdConfig` (TLS files and prefix
+    too: the local cluster's locks etcd wants a client certificate)."""
+    tls: list[str] = []
+    if isinstance(etcd_endpoints, EtcdConfig):
+        config = etcd_endpoints
+        etcd_endpoints = ",".join(config.endpoints)
+        etcd_prefix = config.prefix if etcd_prefix is None else etcd_prefix
+        for flag, path in (("--etcd-ca", config.ca), ("--etcd-cert", config.cert),
+                           ("--etcd-key", config.key)):
+            if path is not None:
+                tls += [flag, str(path)]
     argv = [sys.executable, "-m", "neonvm", "--log-format", "json", "controller", "run",
-            "--kubeconfig", kubeconfig, "--etcd-endpoints", etcd_endpoints]
+            "--kubeconfig", kubeconfig, "--etcd-endpoints", etcd_endpoints, *tls]
     if etcd_prefix is not None:
         argv += ["--etcd-prefix", etcd_prefix]
     argv += ["--identity", identity, "--health-port", "0"]
@@ -60,7 +71,7 @@ def local_replica_argv(cluster: LocalCluster, index: int, faults: str = "") -> l
     campaigns in the default Lease namespace (``LEASE_NAMESPACE``)."""
     return controller_argv(
         kubeconfig=str(cluster.kubeconfig_for("controller")),
-        etcd_endpoints=cluster.locks_etcd_url,
+        etcd_endpoints=cluster.locks_etcd_config(),
         identity=f"replica-{index}-{int(time.time() * 1000) % 100000}",
         extra=(*DEMO_TIMINGS, "--runner-image", DEV_RUNNER_IMAGE),
         faults=faults)

@@ -229,7 +229,7 @@ class ScheduleRun:
     def _argv(self, slot: _Slot) -> list[str]:
         return controller_argv(
             kubeconfig=str(self.cluster.kubeconfig_for("controller")),
-            etcd_endpoints=self.cluster.locks_etcd_url, etcd_prefix=self.prefix,
+            etcd_endpoints=self.cluster.locks_etcd_config(self.prefix), etcd_prefix=self.prefix,
             identity=slot.identity, health_host="127.0.0.1", lease_namespace=self.namespace,
             watch_namespace=self.namespace, runner_image=DEV_RUNNER_IMAGE, extra=LEASE_ARGS,
             faults=self._with_crash_record(slot))
@@ -443,10 +443,9 @@ class ScheduleRun:
                 self._dog.watcher.expect_vm_deletion(str(vm["metadata"].get("uid")))
 
     def _etcd(self) -> Any:
-        from neonvm.leader.etcd import Etcd, EtcdConfig
+        from neonvm.leader.etcd import Etcd
 
-        config = EtcdConfig.from_env({}).with_overrides(endpoints=self.cluster.locks_etcd_url,
-                                                        prefix=self.prefix)
+        config = self.cluster.locks_etcd_config(self.prefix)
         return Etcd(config), config
 
     def _locks(self) -> list[LockView]:

@@ -39,12 +39,15 @@ import json
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kubernetes import client
 
 from neonvm.api import types
 from neonvm.invariant import live_pods_by_vm
+
+if TYPE_CHECKING:
+    from neonvm.leader.etcd import EtcdConfig
 
 DUPLICATE = "duplicate"
 DUPLICATE_LOOSE = "duplicate-loose"
@@ -129,8 +132,9 @@ class CheckReport:
 LockReader = Callable[[], list[LockView]]
 
 
-def etcd_lock_reader(endpoints: str | None = None) -> LockReader | None:
-    """Reads locks from ``endpoints`` or ``$NEONVM_ETCD_*``; None when no endpoints are set."""
+def etcd_lock_reader(endpoints: str | EtcdConfig | None = None) -> LockReader | None:
+    """Reads locks from ``endpoints`` (or a whole config) or ``$NEONVM_ETCD_*``; None when
+    no endpoints are set."""
     import os
 
     from neonvm.leader.etcd import Etcd, EtcdConfig
@@ -139,7 +143,9 @@ def etcd_lock_reader(endpoints: str | None = None) -> LockReader | None:
     if not endpoints and not os.environ.get("NEONVM_ETCD_ENDPOINTS", "").strip():
         return None
     config = EtcdConfig.from_env()
-    if endpoints:
+    if isinstance(endpoints, EtcdConfig):
+        config = endpoints
+    elif endpoints:
         config = config.with_overrides(endpoints=endpoints)
     config.validate()
 

@@ -160,7 +160,8 @@ def _swept(log_path: Path) -> Iterator[str]:
             yield str(json.loads(line).get("vm", ""))
 
 
-def run_side_by_side(api: client.ApiClient, kubeconfig: Path, locks_etcd_url: str,
+def run_side_by_side(api: client.ApiClient, kubeconfig: Path,
+                     locks_etcd: str | Callable[[str], EtcdConfig],
                      log_dir: Path, *, duration: float, vms: int = 4,
                      churn_every: float = 20.0, replicas_each: int = 1,
                      converge_timeout: float = 180.0, prefix: str | None = None,
@@ -168,12 +169,15 @@ def run_side_by_side(api: client.ApiClient, kubeconfig: Path, locks_etcd_url: st
                      progress: Progress = lambda _m: None) -> SideBySideReport:
     """Run the scenario of the module doc; always stops its replicas and drops its
     namespaces. ``kubeconfig`` is the controller's identity; ``replica_env`` is added to
-    the replicas' environment (say, a ``PYTHONPATH`` to run another version of them)."""
+    the replicas' environment (say, a ``PYTHONPATH`` to run another version of them).
+    ``locks_etcd`` is the endpoints, or a function giving the whole config for a prefix
+    (``LocalCluster.locks_etcd_config``: its etcd wants a client certificate)."""
     tag = uuid.uuid4().hex[:6]
     prefix = prefix or f"/side-by-side-{tag}"
     sides = [(f"sbs-a-{tag}", "controller-a"), (f"sbs-b-{tag}", "controller-b")]
     results = [InstallationResult(str(Installation(ns, lease)), ns) for ns, lease in sides]
-    config = EtcdConfig.from_env({}).with_overrides(endpoints=locks_etcd_url, prefix=prefix)
+    config = (EtcdConfig.from_env({}).with_overrides(endpoints=locks_etcd, prefix=prefix)
+              if isinstance(locks_etcd, str) else locks_etcd(prefix))
     etcd = Etcd(config)
     groups: list[Replicas] = []
     watcher = _LockWatcher(etcd, prefix, api)
@@ -182,7 +186,7 @@ def run_side_by_side(api: client.ApiClient, kubeconfig: Path, locks_etcd_url: st
     try:
         for ns, lease in sides:
             fleet.ensure_namespace(api, ns)
-            group = Replicas(api=api, kubeconfig=kubeconfig, etcd_endpoints=locks_etcd_url,
+            group = Replicas(api=api, kubeconfig=kubeconfig, etcd_endpoints=config,
                              lease_namespace=ns, lease_name=lease, log_dir=log_dir / ns,
                              extra_args=[*ARGS, "--lease-name", lease, "--watch-namespace",
                                          ns, "--etcd-prefix", prefix])

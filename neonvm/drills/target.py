@@ -34,7 +34,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
@@ -43,6 +43,9 @@ from neonvm import kube
 from neonvm.dev.replica import LEASE_NAMESPACE, local_replica_argv
 from neonvm.drills.check import LockReader, LockView, etcd_lock_reader
 from neonvm.leader.election import DEFAULT_LEASE_NAME, DEFAULT_NAMESPACE, LeaseClient
+
+if TYPE_CHECKING:
+    from neonvm.leader.etcd import EtcdConfig
 
 Progress = Callable[[str], None]
 
@@ -91,14 +94,15 @@ def read_leader(api: client.ApiClient, namespace: str, name: str) -> LeaderInfo 
     return LeaderInfo(record.holder, record.transitions, record.renew_time)
 
 
-def _break_locks(endpoints: str | None, prefix: str | None, namespace: str) -> list[LockView]:
+def _break_locks(endpoints: str | EtcdConfig | None, prefix: str | None, namespace: str
+                 ) -> list[LockView]:
     """``neonvm locks break --force`` for every lock of ``namespace``."""
     from neonvm.leader.etcd import Etcd, EtcdConfig
     from neonvm.leader.lock import LockTable
 
-    config = EtcdConfig.from_env()
+    config = endpoints if isinstance(endpoints, EtcdConfig) else EtcdConfig.from_env()
     overrides: dict[str, Any] = {}
-    if endpoints:
+    if endpoints and not isinstance(endpoints, EtcdConfig):
         overrides["endpoints"] = endpoints
     if prefix:
         overrides["prefix"] = prefix
@@ -248,10 +252,10 @@ class LocalTarget:
         return restart_component(self.cluster, name, sig)
 
     def lock_reader(self) -> LockReader | None:
-        return etcd_lock_reader(self.cluster.locks_etcd_url)
+        return etcd_lock_reader(self.cluster.locks_etcd_config())
 
     def break_locks(self, namespace: str) -> list[LockView]:
-        return _break_locks(self.cluster.locks_etcd_url, None, namespace)
+        return _break_locks(self.cluster.locks_etcd_config(), None, namespace)
 
     def close(self) -> None:
         self.api.close()
@@ -270,8 +274,9 @@ class KubeTarget:
     lease_name: str = DEFAULT_LEASE_NAME
     helper_image: str = "busybox:1.36"
     local: bool = False
-    etcd_endpoints: str | None = None
-    """The locks' etcd as this machine reaches it (None: ``$NEONVM_ETCD_ENDPOINTS``)."""
+    etcd_endpoints: str | EtcdConfig | None = None
+    """The locks' etcd as this machine reaches it, or a whole config (None:
+    ``$NEONVM_ETCD_*``)."""
     same_host: bool = False
     """The pods' processes run on this machine (the local cluster's real node): KILL,
     STOP and CONT go straight to the leader container's processes (found by

@@ -21,11 +21,29 @@ What is guaranteed:
   epoch. (Granting it again would let two terms of one process share an epoch, and a
   worker of the first term would not notice the second began.)
 
+Why a bad floor does not stop leadership (docs/locks.md, "The epoch floor"):
+
+* The floor is one of two durable records of the highest epoch. The other is the Lease
+  itself: a term's epoch *is* the ``leaseTransitions`` its own compare-and-swap raised,
+  and a successful claim leaves the floor equal to that value, which only grows while the
+  Lease exists. So every epoch ever used is at most ``max(floor, Lease)``, and the
+  elector claims only epochs above the Lease it holds.
+* Hence a floor that holds something this code cannot have written (not JSON, no integer
+  epoch, an epoch above :data:`MAX_EPOCH`, which no Lease can carry) counts as no floor,
+  like a deleted one, and the claim replaces it: an ERROR names the key and what it held,
+  and ``neonvm_epoch_floor_repairs`` counts it. Refusing instead would let one bad write
+  stop every replica from ever leading, and would protect nothing: whoever can write a
+  bad value can also delete the key, and the Lease already covers a deleted key.
+
 What is not guaranteed:
 
-* Nothing stops an operator from deleting or lowering the key with etcdctl. Don't.
-* A malformed value is not guessed at: :class:`EpochFloorCorrupt` is raised and the
-  claim refused until an operator puts a correct value back.
+* Epochs stay unique only while one of the two records survives: deleting (or lowering)
+  the Lease *and* the floor before the next claim lets an epoch be reused. The Lease is
+  guarded by Kubernetes RBAC, the floor by etcd's TLS client certificates and a role
+  limited to the prefix (docs/security.md, "etcd").
+* A well-formed floor far above the Lease (written by someone with write access to the
+  prefix) is honoured: the elector gallops the Lease up to it, and a floor near
+  :data:`MAX_EPOCH` leaves few terms. Only access control prevents that.
 """
 
 from __future__ import annotations
@@ -35,9 +53,13 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from loguru import logger
+from prometheus_client import CollectorRegistry, Counter
 
 from neonvm.leader.etcd import DEFAULT_PREFIX, Compare, Etcd, EtcdError, Get, KeyValue, Put
 from neonvm.leader.lock import DEFAULT_INSTALLATION, Installation
+
+MAX_EPOCH = 2**31 - 1
+"""``leaseTransitions`` is an int32: no Lease, hence no term, can carry a higher epoch."""
 
 
 class EpochFloorCorrupt(EtcdError):
@@ -75,23 +97,34 @@ class EpochFloor:
     """
 
     def __init__(self, etcd: Etcd, prefix: str = DEFAULT_PREFIX,
-                 installation: Installation = DEFAULT_INSTALLATION) -> None:
+                 installation: Installation = DEFAULT_INSTALLATION, *,
+                 registry: CollectorRegistry | None = None) -> None:
         self.etcd = etcd
         self.key = floor_key(prefix, installation)
         self.legacy_key = legacy_floor_key(prefix)
+        self.repairs = Counter(
+            "neonvm_epoch_floor_repairs",
+            "Malformed epoch floors this replica replaced by its claim (docs/locks.md)",
+            registry=registry)
 
     def current(self) -> FloorRecord | None:
-        """The recorded floor, or None when no leader has claimed one yet."""
+        """The recorded floor, or None when no leader has claimed one yet; raises
+        :class:`EpochFloorCorrupt` for a value this code cannot have written."""
         return self._parse(self.etcd.get(self.key))
 
     def claim(self, epoch: int, identity: str) -> bool:
-        """Record ``epoch`` as the floor iff it is above the stored one (see module doc)."""
-        if epoch < 0:
-            raise ValueError(f"epoch must not be negative, got {epoch}")
+        """Record ``epoch`` as the floor iff it is above the stored one (see module doc).
+
+        ``epoch`` is the caller's Lease's ``leaseTransitions``, above every epoch used
+        while that Lease existed; so a malformed stored floor counts as none and is
+        replaced (by a transaction on the revision read), loudly.
+        """
+        if not 0 <= epoch <= MAX_EPOCH:
+            raise ValueError(f"epoch must be in 0..{MAX_EPOCH}, got {epoch}")
         value = FloorRecord(epoch, identity, datetime.now(UTC).isoformat()).encode()
         kv = self.etcd.get(self.key)
         if kv is None:
-            legacy = self._parse(self.etcd.get(self.legacy_key), self.legacy_key)
+            legacy = self._parse_or_none(self.etcd.get(self.legacy_key), self.legacy_key)
             if legacy is not None and epoch <= legacy.epoch:
                 logger.bind(epoch=epoch, floor=legacy.epoch, floor_holder=legacy.identity
                             ).warning("epoch claim refused: not above the floor of an "
@@ -100,7 +133,7 @@ class EpochFloor:
         # Each failed round means someone else raised the floor, which can happen only
         # finitely often below our epoch: the loop ends.
         while True:
-            stored = self._parse(kv)
+            stored = self._parse_or_none(kv, self.key)
             if stored is not None and epoch <= stored.epoch:
                 logger.bind(epoch=epoch, floor=stored.epoch, floor_holder=stored.identity
                             ).warning("epoch claim refused: not above the floor")
@@ -109,10 +142,26 @@ class EpochFloor:
             result = self.etcd.txn([Compare(self.key, "mod", "==", revision)],
                                    [Put(self.key, value)], [Get(self.key)])
             if result.succeeded:
-                logger.bind(epoch=epoch, identity=identity).info("epoch floor raised")
+                if kv is not None and stored is None:  # there, and malformed
+                    self.repairs.inc()
+                    logger.bind(epoch=epoch, identity=identity, key=self.key).error(
+                        "replaced a malformed epoch floor by epoch {epoch}, the Lease's "
+                        "transitions (above every epoch used under it); whoever wrote it "
+                        "should not be able to reach the locks' etcd (docs/security.md)",
+                        epoch=epoch)
+                else:
+                    logger.bind(epoch=epoch, identity=identity).info("epoch floor raised")
                 return True
             kvs = result.results[0].kvs
             kv = kvs[0] if kvs else None
+
+    def _parse_or_none(self, kv: KeyValue | None, key: str) -> FloorRecord | None:
+        """The record, or None (with an ERROR logged) when it is malformed."""
+        try:
+            return self._parse(kv, key)
+        except EpochFloorCorrupt as exc:
+            logger.bind(key=key).error("{err}; it counts as no floor", err=str(exc))
+            return None
 
     def _parse(self, kv: KeyValue | None, key: str | None = None) -> FloorRecord | None:
         if kv is None:
@@ -120,12 +169,13 @@ class EpochFloor:
         try:
             data = json.loads(kv.value)
             epoch = data["epoch"]
-            if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
+            if not isinstance(epoch, int) or isinstance(epoch, bool) \
+                    or not 0 <= epoch <= MAX_EPOCH:
                 raise ValueError(f"bad epoch {epoch!r}")
             return FloorRecord(epoch, str(data.get("identity", "")),
                                str(data.get("claimedAt", "")))
         except (ValueError, KeyError, TypeError) as exc:
+            shown = kv.value[:60].decode(errors="replace")
             raise EpochFloorCorrupt(
-                f"etcd key {key or self.key} is malformed ({exc}); put back "
-                '{"epoch": N} with N at least the highest epoch any leader used'
+                f"etcd key {key or self.key} is malformed ({exc}; it holds {shown!r})"
             ) from None

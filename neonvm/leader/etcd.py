@@ -125,6 +125,16 @@ class EtcdConfig:
             password=get("password"),
         )
 
+    def env(self) -> dict[str, str]:
+        """The ``NEONVM_ETCD_*`` variables that :meth:`from_env` turns back into this
+        config (the deadline aside): for a child process."""
+        env = {self.ENV["endpoints"]: ",".join(self.endpoints), self.ENV["prefix"]: self.prefix}
+        for name in ("ca", "cert", "key", "user", "password"):
+            value = getattr(self, name)
+            if value is not None:
+                env[self.ENV[name]] = str(value)
+        return env
+
     def with_overrides(self, **changes: Any) -> EtcdConfig:
         """A copy with the given fields replaced; ``None`` means "keep what is there"."""
         kept = {k: v for k, v in changes.items() if v is not None}
@@ -512,12 +522,55 @@ class Etcd:
              etcdrpc.AuthUserGrantRoleRequest(user=user, role=role)),
             ("enable authentication", "AuthEnable", etcdrpc.AuthEnableRequest()),
         ]
+        self._admin(steps, tolerate_existing=False)
+
+    def ensure_auth(self, root_password: str) -> None:
+        """Idempotently: a ``root`` user with the root role, and authentication on.
+
+        For a client that is ``root`` once auth is on: with client-certificate auth
+        (etcd's ``--client-cert-auth``) a certificate whose CN is ``root``. The password
+        only matters to clients that log in by password; an existing one is kept."""
+        self._admin([
+            ("add the root role", "RoleAdd", etcdrpc.AuthRoleAddRequest(name="root")),
+            ("add the root user", "UserAdd",
+             etcdrpc.AuthUserAddRequest(name="root", password=root_password)),
+            ("grant root", "UserGrantRole",
+             etcdrpc.AuthUserGrantRoleRequest(user="root", role="root")),
+            ("enable authentication", "AuthEnable", etcdrpc.AuthEnableRequest()),
+        ], tolerate_existing=True)
+
+    def grant_prefix(self, user: str, password: str, prefix: str) -> None:
+        """Idempotently: role ``user`` may read and write the keys under ``prefix + "/"``
+        (every key neonvm writes for that prefix, and nothing else), and user ``user``
+        holds it. With client-certificate auth, a certificate whose CN is ``user`` acts
+        as that user. Needs root (see :meth:`ensure_auth`)."""
+        base = prefix.rstrip("/") + "/"
+        perm = etcdrpc.Permission(permType=etcdrpc.Permission.READWRITE,
+                                  key=base.encode(), range_end=prefix_end(base))
+        self._admin([
+            (f"add role {user}", "RoleAdd", etcdrpc.AuthRoleAddRequest(name=user)),
+            (f"grant {base} to role {user}", "RoleGrantPermission",
+             etcdrpc.AuthRoleGrantPermissionRequest(name=user, perm=perm)),
+            (f"add user {user}", "UserAdd",
+             etcdrpc.AuthUserAddRequest(name=user, password=password)),
+            (f"grant role {user} to user {user}", "UserGrantRole",
+             etcdrpc.AuthUserGrantRoleRequest(user=user, role=user)),
+        ], tolerate_existing=True)
+
+    def _admin(self, steps: Sequence[tuple[str, str, Any]], *, tolerate_existing: bool
+               ) -> None:
+        """Run auth administration calls in order; with ``tolerate_existing``, a role or
+        user that already exists counts as done."""
         for what, method, request in steps:
             def step(ep: _Endpoint, t: float, md: Any, m: str = method, r: Any = request
                      ) -> Any:
                 return getattr(ep.auth, m)(r, timeout=t, metadata=md)
 
-            self._call(what, step, timeout=None, idempotent=False)
+            try:
+                self._call(what, step, timeout=None, idempotent=False)
+            except EtcdRequestFailed as exc:
+                if not (tolerate_existing and "already exists" in str(exc)):
+                    raise
 
     # ---- misc ----
 

@@ -24,6 +24,7 @@ from kubernetes.client.exceptions import ApiException
 
 from neonvm.api import types
 from neonvm.dev.replica import controller_argv
+from neonvm.leader.etcd import EtcdConfig
 
 
 def vm_manifest(name: str, *, restart_policy: str | None = None,
@@ -173,7 +174,8 @@ class Replicas:
     api: client.ApiClient
     """Admin client, to read the Lease."""
     kubeconfig: Path
-    etcd_endpoints: str
+    etcd_endpoints: str | EtcdConfig
+    """Endpoints, or a whole config (TLS files and prefix: see ``controller_argv``)."""
     lease_namespace: str
     log_dir: Path
     lease_name: str = "neonvm-controller"

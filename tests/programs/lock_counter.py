@@ -31,7 +31,8 @@ def main() -> int:
     p.add_argument("--epoch", type=int, default=1)
     args = p.parse_args()
 
-    etcd = Etcd(EtcdConfig(endpoints=(args.endpoint,), prefix=args.prefix))
+    etcd = Etcd(EtcdConfig.from_env().with_overrides(endpoints=args.endpoint,
+                                                       prefix=args.prefix))
     session = Session(etcd, ttl=10, name=args.identity)
     manager = LockManager(etcd, session, args.identity, args.prefix)
     counter = f"{args.prefix}/counter"

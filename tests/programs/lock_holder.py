@@ -26,7 +26,8 @@ def main() -> int:
     p.add_argument("vms", nargs="+", metavar="NAMESPACE/NAME")
     args = p.parse_args()
 
-    etcd = Etcd(EtcdConfig(endpoints=(args.endpoint,), prefix=args.prefix))
+    etcd = Etcd(EtcdConfig.from_env().with_overrides(endpoints=args.endpoint,
+                                                       prefix=args.prefix))
     session = Session(etcd, ttl=args.ttl, name=args.identity)
     manager = LockManager(etcd, session, args.identity, args.prefix)
     tokens = {}
