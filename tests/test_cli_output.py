@@ -35,7 +35,7 @@ from neonvm import kube
 from neonvm.api import types
 from neonvm.cli import jsonpath, main
 from neonvm.cli.kubeflags import Duration
-from neonvm.cli.output import as_list, emit, kube_json, kube_yaml
+from neonvm.cli.output import as_list, emit, kube_json, kube_yaml, without_managed_fields
 from neonvm.dev.cluster import LocalCluster
 from neonvm.testing.harness import create_vm, get_vm
 from tests.support import wait_for
@@ -121,7 +121,8 @@ def test_json_and_yaml_are_printed_as_kubectl_prints_them() -> None:
     doc = kube_yaml(obj)
     assert doc.startswith("apiVersion: vm.neon.tech/v1\nkind: VirtualMachine\n")
     assert doc.endswith("\n") and yaml.safe_load(doc) == obj
-    assert len(doc.splitlines()) == 6  # the long annotation is not wrapped
+    # A long string is folded at 80 columns, as go-yaml does.
+    assert doc.splitlines()[3:5] == ["  annotations:", "    note: a<b & c>d " + "y" * 120]
     # go-yaml's string styles, as kubectl prints them.
     styled = kube_yaml({"status": "True", "time": "2026-12-05T01:08:29Z", "n": "1",
                         "msg": "a: b", "applied": '{"k":1}\n', "plain": "Running",
@@ -170,12 +171,11 @@ def test_locks_dash_a_means_all_namespaces_and_excludes_n() -> None:
 def test_non_object_commands_say_their_json_is_their_own_document() -> None:
     for command in (["status"], ["leader", "show"], ["locks", "list"], ["check"],
                     ["vm", "describe"], ["vm", "plan"]):
-        helped = cli(*command, "--help")
-        assert "own document, not a Kubernetes object" in " ".join(helped.output.split()), \
-            command
+        text = " ".join(cli(*command, "--help").output.split())
+        assert "own document, not a Kubernetes object" in text, command
     for command in (["vm", "list"], ["vm", "get"]):
-        helped = " ".join(cli(*command, "--help").output.split())
-        assert "the API objects as kubectl prints them" in helped, command
+        text = " ".join(cli(*command, "--help").output.split())
+        assert "the API objects as kubectl prints them" in text, command
 
 
 @pytest.mark.unit
@@ -253,12 +253,18 @@ def test_vm_list_json_is_a_list_of_the_objects_and_get_yaml_is_the_object(
     doc = json.loads(listed.stdout)
     assert {k: v for k, v in doc.items() if k != "items"} == {
         "apiVersion": "v1", "kind": "List", "metadata": {"resourceVersion": ""}}
-    assert doc["items"] == [alpha, beta]  # exactly what the server holds
+    # What the server holds, without managedFields (as kubectl) unless asked for.
+    assert doc["items"] == [without_managed_fields(alpha), without_managed_fields(beta)]
+    assert "managedFields" in alpha["metadata"]
     assert listed.stdout == kube_json(doc) + "\n"
+    full = cli("vm", "list", "-n", namespace, "--kubeconfig", kc, "-o", "json",
+               "--show-managed-fields")
+    assert json.loads(full.stdout)["items"] == [alpha, beta]
 
     got = cli("vm", "get", "alpha", "-n", namespace, "--kubeconfig", kc, "-o", "yaml")
     assert got.exit_code == 0, got.output
-    assert yaml.safe_load(got.stdout) == alpha and got.stdout == kube_yaml(alpha)
+    assert yaml.safe_load(got.stdout) == without_managed_fields(alpha)
+    assert got.stdout == kube_yaml(without_managed_fields(alpha))
     both = cli("vm", "get", "alpha", "beta", "-n", namespace, "--kubeconfig", kc, "-o",
                "json")
     assert [i["metadata"]["name"] for i in json.loads(both.stdout)["items"]] == \
@@ -363,7 +369,8 @@ class Streamed:
             while not self.lines.empty():
                 self.seen.append(self.lines.get())
             return next((line for line in self.seen if wanted(line)), None)
-        line: str = wait_for(found, 60, interval=0.1, what=f"{what}; saw {self.seen}")
+        line = wait_for(found, 60, interval=0.1, what=f"{what}; saw {self.seen}")
+        assert line is not None
         self.seen.remove(line)
         return line
 
@@ -432,14 +439,27 @@ def test_kubectl_runs_it_as_a_plugin(cluster: LocalCluster, api: client.ApiClien
     kubectl = _kubectl()
     if kubectl is None:
         pytest.skip("no kubectl on PATH or under ~/.cache/neonvm/bin")
-    alpha = _labelled(api, namespace, "alpha")
+    _labelled(api, namespace, "alpha", tier="db")
+    client.CustomObjectsApi(api).patch_namespaced_custom_object(
+        types.GROUP, types.VERSION, namespace, types.PLURAL, "alpha",
+        {"metadata": {"annotations": {"multi": "line one\nline two\n",
+                                      "long": "a: b " * 40,  # a line kubectl folds
+                                      "when": "2026-12-05T01:08:29Z", "flag": "True"}}})
     env = {**os.environ, "PATH": f"{plugin.parent}{os.pathsep}{os.environ.get('PATH', '')}",
            "KUBECONFIG": str(cluster.kubeconfig)}
-    got = subprocess.run([kubectl, "neonvm", "vm", "get", "alpha", "-n", namespace,
-                          "-o", "yaml"], env=env, capture_output=True, text=True, timeout=60)
-    assert got.returncode == 0, got.stderr
-    assert yaml.safe_load(got.stdout) == alpha
-    names = subprocess.run([kubectl, "neonvm", "vm", "list", "-n", namespace, "-o",
-                            "jsonpath={.items[*].metadata.name}"], env=env,
-                           capture_output=True, text=True, timeout=60)
-    assert names.returncode == 0 and names.stdout == "alpha", names.stderr
+
+    def run(*argv: str) -> str:
+        done = subprocess.run([kubectl, *argv, "-n", namespace], env=env,
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, (argv, done.stderr)
+        return done.stdout
+
+    # Byte for byte what kubectl itself prints for the same objects.
+    resource = f"{types.PLURAL}.{types.GROUP}"
+    assert run("neonvm", "vm", "get", "alpha", "-o", "yaml") == \
+        run("get", resource, "alpha", "-o", "yaml")
+    assert run("neonvm", "vm", "list", "-o", "json") == run("get", resource, "-o", "json")
+    assert run("neonvm", "vm", "list", "-o", "yaml") == run("get", resource, "-o", "yaml")
+    template = "jsonpath={.items[*].metadata.name}"
+    assert run("neonvm", "vm", "list", "-o", template) == "alpha"
+    assert run("get", resource, "-o", template) == "alpha"

@@ -1,8 +1,8 @@
 """The guest is hostile: it must not reach the runner's control channels, and it keeps
 its network.
 
-A guest's user-mode network (QEMU's slirp) maps the guest's 10.0.2.2 (and every other
-address of its virtual network, and ``fec0::2``) to the runner container's loopback, and
+A guest's user-mode network (QEMU's slirp) maps the guest's 10.0.2.2 and ``fec0::2``
+(newer libslirp: its whole virtual network) to the runner container's loopback, and
 connects wherever a guest packet points, 127.0.0.1 included. The runner puts a filter on
 the guest's frames (``neonvm/runner/guestnet.py``) and opens no QMP TCP port
 (docs/security.md, "The guest"; docs/runner.md).

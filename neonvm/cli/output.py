@@ -139,10 +139,24 @@ _KubeDumper.add_representer(str, _represent_str)
 
 
 def kube_yaml(doc: Any) -> str:
-    """YAML as kubectl prints it: sorted keys, block style, go-yaml's string styles, no
-    line wrapping; ends with a newline."""
+    """YAML as kubectl prints it: sorted keys, block style, go-yaml's string styles, long
+    strings folded at 80 columns (both emitters are libyaml's); ends with a newline."""
     return yaml.dump(doc, Dumper=_KubeDumper, sort_keys=True, default_flow_style=False,
-                     allow_unicode=True, width=2**31 - 1)
+                     allow_unicode=True)
+
+
+def without_managed_fields(obj: dict[str, Any]) -> dict[str, Any]:
+    """``obj`` without ``metadata.managedFields``, as kubectl prints objects unless
+    ``--show-managed-fields``."""
+    meta = obj.get("metadata")
+    if not isinstance(meta, dict) or "managedFields" not in meta:
+        return obj
+    return {**obj, "metadata": {k: v for k, v in meta.items() if k != "managedFields"}}
+
+
+SHOW_MANAGED_FIELDS_OPTION = click.option(
+    "--show-managed-fields", is_flag=True,
+    help="Keep metadata.managedFields when printing objects (json, yaml, jsonpath).")
 
 
 def render_jsonpath(fmt: str, doc: Any) -> str:

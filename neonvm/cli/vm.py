@@ -37,6 +37,7 @@ from neonvm.cli.kubeflags import (
 from neonvm.cli.output import (
     JSONPATH,
     NO_HEADERS_OPTION,
+    SHOW_MANAGED_FIELDS_OPTION,
     as_list,
     column_widths,
     emit,
@@ -48,6 +49,7 @@ from neonvm.cli.output import (
     output_option,
     render_jsonpath,
     table_lines,
+    without_managed_fields,
 )
 from neonvm.controller import decide as d
 from neonvm.controller.observe import DirectReader, Snapshot, pod_view
@@ -175,8 +177,9 @@ class _Printer:
     (a table keeps its first widths and prints its header once, as kubectl)."""
 
     def __init__(self, output: str, namespace: str | None, *, all_namespaces: bool,
-                 no_headers: bool, events: bool) -> None:
+                 no_headers: bool, events: bool, managed_fields: bool) -> None:
         self.output = output
+        self.managed_fields = managed_fields
         self.namespace = namespace
         self.events = events
         self.no_headers = no_headers
@@ -190,10 +193,14 @@ class _Printer:
         row = wide_summary(obj) if self.output == "wide" else summary(obj)
         return {"event": event, **row}
 
+    def _shown(self, obj: dict[str, Any]) -> dict[str, Any]:
+        return obj if self.managed_fields else without_managed_fields(obj)
+
     def listing(self, items: list[dict[str, Any]], *, single: bool = False) -> None:
         """What ``list`` and ``get`` print without ``--watch``."""
         if self.output in ("json", "yaml") or self.output.startswith(JSONPATH):
-            emit_objects(items[0] if single and len(items) == 1 else as_list(items),
+            shown = [self._shown(i) for i in items]
+            emit_objects(shown[0] if single and len(shown) == 1 else as_list(shown),
                          self.output)
             return
         if self.output == "name":
@@ -209,6 +216,7 @@ class _Printer:
 
     def event(self, kind: str, obj: dict[str, Any]) -> None:
         """One object of a watch (the initial ones are ADDED)."""
+        obj = self._shown(obj)
         if self.output == "json":
             click.echo(kube_json({"type": kind, "object": obj} if self.events else obj))
         elif self.output == "yaml":
@@ -297,19 +305,20 @@ def _until_interrupted(run: Any) -> None:
 @_WATCH_ONLY
 @_WATCH_EVENTS
 @NO_HEADERS_OPTION
+@SHOW_MANAGED_FIELDS_OPTION
 @kube_options
 @output_option("wide", "name", objects=True)
 def list_(namespace: str | None, all_namespaces: bool, selector: str | None, watch: bool,
           watch_only: bool, output_watch_events: bool, no_headers: bool,
-          kubeconfig: Path | None, context: str | None, request_timeout: float | None,
-          output: str) -> None:
+          show_managed_fields: bool, kubeconfig: Path | None, context: str | None,
+          request_timeout: float | None, output: str) -> None:
     """List VMs: phase, committed pod, recorded plan, restarts, fence (epoch/token).
 
     -o json|yaml prints a List of the VirtualMachine objects, as kubectl get does.
     """
     scope = None if all_namespaces else namespace_of(namespace, kubeconfig, context)
     printer = _Printer(output, scope, all_namespaces=all_namespaces, no_headers=no_headers,
-                       events=output_watch_events)
+                       events=output_watch_events, managed_fields=show_managed_fields)
     api = cluster_client(kubeconfig, context, request_timeout)
     try:
         items, rv = _list(api, scope, selector)
@@ -376,11 +385,13 @@ def _pod_row(pod: dict[str, Any]) -> dict[str, Any]:
 @_WATCH_ONLY
 @_WATCH_EVENTS
 @NO_HEADERS_OPTION
+@SHOW_MANAGED_FIELDS_OPTION
 @kube_options
 @output_option("wide", "name", objects=True)
 def get(names: tuple[str, ...], namespace: str | None, watch: bool, watch_only: bool,
-        output_watch_events: bool, no_headers: bool, kubeconfig: Path | None,
-        context: str | None, request_timeout: float | None, output: str) -> None:
+        output_watch_events: bool, no_headers: bool, show_managed_fields: bool,
+        kubeconfig: Path | None, context: str | None, request_timeout: float | None,
+        output: str) -> None:
     """VMs by name, as kubectl get: a row each, or the objects with -o json|yaml (the
     object for one name, a List for several).
 
@@ -392,7 +403,7 @@ def get(names: tuple[str, ...], namespace: str | None, watch: bool, watch_only: 
                                "several)")
     ns = namespace_of(namespace, kubeconfig, context)
     printer = _Printer(output, ns, all_namespaces=False, no_headers=no_headers,
-                       events=output_watch_events)
+                       events=output_watch_events, managed_fields=show_managed_fields)
     api = cluster_client(kubeconfig, context, request_timeout)
     try:
         found: list[dict[str, Any]] = []

@@ -1,8 +1,9 @@
 """The guest's network boundary: a filter in front of QEMU's user-mode network (slirp).
 
-QEMU's slirp (libslirp 4.7, QEMU 7.2) maps every address of the guest's virtual network
-(``10.0.2.0/24`` and ``fec0::/64``, except the DNS alias) to the runner container's
-loopback, and it connects wherever a guest packet points, ``127.0.0.1`` included. QEMU 7.2
+QEMU's slirp (libslirp 4.7, QEMU 7.2) maps the guest's host alias (``10.0.2.2``,
+``fec0::2``; newer libslirp: the whole virtual network but the DNS alias) to the runner
+container's loopback, and it connects wherever a guest packet points, ``127.0.0.1``
+included. QEMU 7.2
 offers no option to turn that off (libslirp's ``disable_host_loopback`` is not exposed),
 so without this filter a guest reaches every loopback service of the runner's container.
 

@@ -81,11 +81,11 @@ Settings JSON Schema cannot express (relations between values); fails the render
 */}}
 {{- define "neonvm-controller.validate" -}}
 {{- $le := .Values.leaderElection }}
-{{- if le (float64 $le.leaseDurationSeconds) (addf $le.renewDeadlineSeconds $le.retryPeriodSeconds) }}
-{{- fail (printf "leaderElection.renewDeadlineSeconds (%v) must be below leaseDurationSeconds (%v) minus retryPeriodSeconds (%v): the leader must stop before standbys may take over" $le.renewDeadlineSeconds $le.leaseDurationSeconds $le.retryPeriodSeconds) }}
-{{- end }}
 {{- if le (float64 $le.renewDeadlineSeconds) (mulf $le.retryPeriodSeconds 1.2) }}
 {{- fail (printf "leaderElection.renewDeadlineSeconds (%v) must exceed 1.2 x retryPeriodSeconds (%v): a renewal retry must fit in the deadline" $le.renewDeadlineSeconds $le.retryPeriodSeconds) }}
+{{- end }}
+{{- if le (float64 $le.leaseDurationSeconds) (addf $le.renewDeadlineSeconds $le.retryPeriodSeconds) }}
+{{- fail (printf "leaderElection.renewDeadlineSeconds (%v) must be below leaseDurationSeconds (%v) minus retryPeriodSeconds (%v): the leader must stop before standbys may take over" $le.renewDeadlineSeconds $le.leaseDurationSeconds $le.retryPeriodSeconds) }}
 {{- end }}
 {{- $tls := .Values.etcd.tls }}
 {{- if $tls.enabled }}
