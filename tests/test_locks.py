@@ -552,8 +552,8 @@ def test_processes_contending_for_one_lock_lose_no_update(
     etcd: Etcd, config: EtcdConfig, prefix: str
 ) -> None:
     contenders, rounds = 4, 12
-    procs = [_spawn("lock_counter.py", config, "--endpoint", config.endpoints[0], "--prefix", prefix,
-                    "--identity", f"contender-{i}", "--rounds", str(rounds))
+    procs = [_spawn("lock_counter.py", config, "--endpoint", config.endpoints[0],
+                    "--prefix", prefix, "--identity", f"contender-{i}", "--rounds", str(rounds))
              for i in range(contenders)]
     try:
         for p in procs:
