@@ -180,7 +180,8 @@ def test_every_templated_object_carries_the_standard_labels(helm: Helm, values: 
     expected = ["ClusterRole"] * 3 + [  # the controller's, and the user roles edit, view
                 "ClusterRoleBinding", "Deployment", "PodDisruptionBudget",
                 "Role", "RoleBinding", "Service", "ServiceAccount",
-                "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"]
+                "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding",
+                "FlowSchema", "PriorityLevelConfiguration"]
     if values == "ha-tls":
         expected.append("ServiceMonitor")
     expected.append("NetworkPolicy")  # only the controller reaches the locks' etcd
