@@ -18,6 +18,7 @@ term ends and the holder never changes.
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import threading
 from urllib.parse import urlparse
@@ -53,7 +54,7 @@ def test_three_replicas_behind_a_slow_api_server_elect_one_leader_that_keeps_lea
             clients.append(api)
             config = ElectionConfig(namespace=namespace, name="slow", identity=f"replica-{i}")
             elector = LeaderElector(api, config, started.append,
-                                    lambda i=i: stopped.append(f"replica-{i}"))
+                                    functools.partial(stopped.append, f"replica-{i}"))
             threads.append(threading.Thread(target=elector.run, args=(stop,), daemon=True))
         for t in threads:
             t.start()
