@@ -213,7 +213,11 @@ class HonestRunner:
     that many seconds and answers 504 (the guest neither finished nor refused an
     unplug: what the runner answers after its own wait), applying nothing."""
 
-    def __init__(self, port: int = 0, stuck_put: float | None = None) -> None:
+    def __init__(self, port: int = 0, stuck_put: float | None = None,
+                 put_redirect: str = "") -> None:
+        self.put_redirect = put_redirect
+        """Non-empty: every PUT is answered 307 to this URL (a hostile runner that
+        answers GET /scale as a runner does)."""
         self.fence: dict[str, int] | None = None
         self.size: dict[str, Any] = {"vcpus": 1, "memorySlots": 1, "memoryBytes": GIB}
         self.stuck_put = stuck_put
@@ -256,6 +260,12 @@ class HonestRunner:
                                                           last["seq"])
                 if older:
                     self._answer(409, {"error": "stale fence"})
+                    return
+                if outer.put_redirect:
+                    self.send_response(307)
+                    self.send_header("Location", outer.put_redirect)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
                     return
                 if outer.stuck_put is not None:
                     time.sleep(outer.stuck_put)

@@ -211,6 +211,32 @@ def test_a_runner_nobody_listens_for_is_unreachable_not_misbehaving() -> None:
 # ---- on the local cluster: the attacks against a running controller --------------------
 
 
+@pytest.mark.cluster
+def test_a_put_answered_with_a_redirect_ends_the_reconcile_degraded_after_one_put(
+        api: client.ApiClient, controller_api: client.ApiClient, namespace: str,
+        recorder: RecordingServer) -> None:
+    # GET /scale answers as a runner does; PUT /scale answers 307 elsewhere.
+    from neonvm.controller.reconciler import StaticAuthority
+    from tests.test_scaling_controller import _running_on, set_use, status_of
+
+    runner = HonestRunner(put_redirect=recorder.url)
+    try:
+        reconciler = _running_on(runner, api, controller_api, namespace, "sly",
+                                 token_sync_seconds=3600.0)
+        set_use(api, namespace, "sly", 2, 2)
+        result = reconciler.reconcile(f"{namespace}/sly", StaticAuthority(epoch=1, token=10),
+                                      direct_first=True)
+        assert result.stuck == "RunnerMisbehaving" and runner.puts == 1, (result, runner.puts)
+        assert recorder.asked == []
+        status = status_of(api, namespace, "sly")
+        assert status["pendingScale"]["seq"] == 1, status
+        degraded = condition(api, namespace, "sly", "Degraded")
+        assert degraded is not None and degraded["reason"] == "RunnerMisbehaving", degraded
+        assert "redirect (307)" in degraded["message"], degraded
+    finally:
+        runner.close()
+
+
 def _pod_running(api: client.ApiClient, namespace: str, name: str) -> bool:
     """Plays the kubelet once the VM's pod is started: Running on 127.0.0.1 (the VM's
     ``runnerPort`` is its runner's port on loopback). True once done."""
