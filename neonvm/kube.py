@@ -17,8 +17,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 import urllib.parse
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,10 @@ _CLUSTER_PATHS = {
         "/apis/admissionregistration.k8s.io/v1/validatingadmissionpolicies",
     ("admissionregistration.k8s.io/v1", "ValidatingAdmissionPolicyBinding"):
         "/apis/admissionregistration.k8s.io/v1/validatingadmissionpolicybindings",
+    ("admissionregistration.k8s.io/v1", "MutatingAdmissionPolicy"):
+        "/apis/admissionregistration.k8s.io/v1/mutatingadmissionpolicies",
+    ("admissionregistration.k8s.io/v1", "MutatingAdmissionPolicyBinding"):
+        "/apis/admissionregistration.k8s.io/v1/mutatingadmissionpolicybindings",
     ("v1", "Namespace"): "/api/v1/namespaces",
     ("v1", "Node"): "/api/v1/nodes",
 }
@@ -238,6 +243,18 @@ def path_segment(name: str) -> str:
     return urllib.parse.quote(name, safe="")
 
 
+RequestObserver = Callable[[str, str, str, float], None]
+"""Told of each request sent: (method, host, status code or ``<error>`` when no answer
+came, seconds until the answer's head)."""
+_OBSERVER = "_neonvm_request_observer"
+
+
+def observe_requests(api: client.ApiClient, observer: RequestObserver | None) -> None:
+    """Tell ``observer`` of every request :func:`_send` sends through ``api`` (the
+    controller's ``rest_client_*`` metrics); None stops it."""
+    setattr(api, _OBSERVER, observer)
+
+
 def _send(api: client.ApiClient, method: str, path: str, *, body: Any = None,
           query: list[tuple[str, Any]] | None = None, headers: Mapping[str, str] | None = None,
           timeout: Any = 30.0) -> rest.RESTResponse:
@@ -250,12 +267,26 @@ def _send(api: client.ApiClient, method: str, path: str, *, body: Any = None,
     method, url, header_params, payload, _ = api.param_serialize(
         method, path, query_params=query or [], header_params=dict(headers or {}),
         body=body, auth_settings=["BearerToken"])
-    resp = api.call_api(method, url, header_params=header_params, body=payload,
-                        _request_timeout=timeout)
+    observer: RequestObserver | None = getattr(api, _OBSERVER, None)
+    started = time.monotonic()
+    try:
+        resp = api.call_api(method, url, header_params=header_params, body=payload,
+                            _request_timeout=timeout)
+    except Exception:
+        if observer is not None:
+            observer(method, _host(api), "<error>", time.monotonic() - started)
+        raise
+    if observer is not None:
+        observer(method, _host(api), str(resp.status), time.monotonic() - started)
     if not 200 <= resp.status <= 299:
         resp.read()
         ApiException.from_response(http_resp=resp, body=None, data=None)  # raises
     return resp
+
+
+def _host(api: client.ApiClient) -> str:
+    """The server's ``host:port``, client-go's ``host`` label."""
+    return urllib.parse.urlsplit(str(api.configuration.host)).netloc
 
 
 def request(

@@ -67,7 +67,7 @@ from neonvm.api import types
 from neonvm.controller import decide as d
 from neonvm.controller.cluster import KubeCluster
 from neonvm.controller.events import EventRecorder
-from neonvm.controller.handler import Handler
+from neonvm.controller.handler import Handler, Outcome
 from neonvm.controller.heap import HeapTrimmer
 from neonvm.controller.informer import Informer, Lister, Obj, Undecodable, project_pod
 from neonvm.controller.metrics import ControllerMetrics
@@ -209,7 +209,8 @@ class LeaderTerm:
         self.queue = WorkQueue(
             self.config.backoff,
             on_wait=lambda seconds, periodic: waits.labels(
-                line="periodic" if periodic else "event").observe(seconds))
+                line="periodic" if periodic else "event").observe(seconds),
+            metrics=self.metrics.workqueue)
         self.timers = VMTimers(self.config.stuck_backoff)
         self._locks: LockManager | None = None
         self._session: Session | None = None
@@ -271,6 +272,7 @@ class LeaderTerm:
     # ---- event handlers (informer threads) ---------------------------------------------
 
     def _on_vm(self, key: str, old: Obj | None, new: Obj | None) -> None:
+        self.metrics.lifecycle.vm_changed(old, new)  # restarts, first Running
         self.mid_plan.touch(key)
         self.queue.add(key)
 
@@ -467,9 +469,9 @@ class LeaderTerm:
                     return
                 continue
             started = time.monotonic()
-            kind = "raised"
+            outcome: Outcome | None = None
             try:
-                kind = self.handler.process(taken.key, taken.direct).kind
+                outcome = self.handler.process(taken.key, taken.direct)
             except Exception:
                 # Handler.handle never raises, but what follows it (the outcome mapping,
                 # Handler.apply) runs outside its guard: a bug there must cost one key a
@@ -483,8 +485,7 @@ class LeaderTerm:
                     self.log.bind(vm=taken.key).exception("worker: could not requeue the key")
             finally:
                 self.queue.done(taken.key)
-                self.metrics.turn_seconds.labels(outcome=kind).observe(
-                    time.monotonic() - started)
+                self.metrics.turn_ended(taken.key, outcome, time.monotonic() - started)
 
 
 def _pod_vm_key(meta: dict[str, Any], key: str) -> str | None:
@@ -558,6 +559,8 @@ class ControllerProcess:
                                    registry=self.metrics.registry),
             registry=self.metrics.registry,
         )
+        self.metrics.describe(election.name, config.workers)  # docs/metrics.md
+        self.metrics.observe_requests(api, self.elector_api)
 
     @property
     def term(self) -> LeaderTerm | None:

@@ -966,6 +966,8 @@ class Reconciler:
             self._gate_stripped(key, snap, meta, authority, log)
             return "gate_stripped"
         self._record(vm, "Created", f"runner pod {action.plan.name} created (gated)")
+        if self._metrics:
+            self._metrics.lifecycle.runner_created(snap.record.raw, created)
         # The token's status write (if any) is the newest VM we know: the next step's CAS
         # must start from it, not from the record it replaced.
         return Outcome("done", pod=created, vm=recorded)

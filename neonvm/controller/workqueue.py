@@ -28,6 +28,10 @@ both ways (also while delayed, or while a worker holds it) counts as event-drive
 
 Not guaranteed: ordering between different keys beyond first-in first-out, and
 persistence (the queue is memory only; the controller re-lists on start).
+
+Instrumented as client-go's queue is (a :class:`QueueObserver`; docs/metrics.md): adds
+that queue a key (not those deduplicated), delayed adds (counted as retries), each key's
+wait once ready and its processing time, and the depth of both lines at scrape time.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 
 @dataclass(frozen=True)
@@ -60,17 +64,43 @@ class Taken(NamedTuple):
     direct: bool
 
 
+class QueueObserver(Protocol):
+    """What a :class:`WorkQueue` tells its metrics (called under the queue's lock: it
+    must not call the queue back, but ``depth`` at scrape time)."""
+
+    def attach(self, depth: Callable[[], tuple[int, int]]) -> None:
+        """A new queue; ``depth()`` answers its ready keys (event line, periodic line)."""
+
+    def detach(self, depth: Callable[[], tuple[int, int]]) -> None:
+        """The queue shut down."""
+
+    def added(self) -> None:
+        """A key was queued (not an add deduplicated with a key already waiting)."""
+
+    def delayed(self) -> None:
+        """A key was added with a delay (a backoff, a requeue-after)."""
+
+    def taken(self, key: str, waited: float | None) -> None:
+        """A worker took ``key`` after it waited ``waited`` seconds ready (None: unknown)."""
+
+    def done(self, key: str) -> None:
+        """The worker is done with ``key``."""
+
+
 class WorkQueue:
     """Deduplicating, delaying, rate-limiting queue of string keys (thread-safe)."""
 
     def __init__(self, backoff: Backoff | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 on_wait: Callable[[float, bool], None] | None = None) -> None:
+                 on_wait: Callable[[float, bool], None] | None = None,
+                 metrics: QueueObserver | None = None) -> None:
         """``on_wait(seconds, periodic)`` is told, for each key a worker takes, how long
-        it waited ready in its line (not its delay before it was due)."""
+        it waited ready in its line (not its delay before it was due); ``metrics``
+        everything the work queue metrics count."""
         self._backoff = backoff or Backoff()
         self._clock = clock
         self._on_wait = on_wait
+        self._metrics = metrics
         self._ready_at: dict[str, float] = {}
         """When each key in a line became ready (first time since it was last taken)."""
         self._cond = threading.Condition()
@@ -91,6 +121,8 @@ class WorkQueue:
         self._direct_due: set[str] = set()
         """Delayed keys whose turn, once due, starts with a direct read."""
         self._shutting_down = False
+        if metrics is not None:
+            metrics.attach(self.depths)
 
     # ---- adding ----------------------------------------------------------------------
 
@@ -115,6 +147,8 @@ class WorkQueue:
                     self._cond.notify()
             return
         self._dirty.add(key)
+        if self._metrics is not None:
+            self._metrics.added()
         if periodic:
             self._periodic_keys.add(key)
         if key not in self._processing:
@@ -140,6 +174,8 @@ class WorkQueue:
         with self._cond:
             if self._shutting_down:
                 return
+            if self._metrics is not None:
+                self._metrics.delayed()
             self._mark_locked(key, direct)
             if direct_when_due:
                 self._direct_due.add(key)
@@ -220,8 +256,11 @@ class WorkQueue:
                     direct = key in self._direct
                     self._direct.discard(key)
                     ready = self._ready_at.pop(key, None)
-                    if self._on_wait is not None and ready is not None:
-                        self._on_wait(max(0.0, self._clock() - ready), periodic)
+                    waited = None if ready is None else max(0.0, self._clock() - ready)
+                    if self._on_wait is not None and waited is not None:
+                        self._on_wait(waited, periodic)
+                    if self._metrics is not None:
+                        self._metrics.taken(key, waited)
                     return Taken(key, direct)
                 if deadline is not None:
                     left = deadline - self._clock()
@@ -246,6 +285,8 @@ class WorkQueue:
     def done(self, key: str) -> None:
         """Processing of ``key`` finished; if it was added meanwhile, queue it again."""
         with self._cond:
+            if self._metrics is not None and key in self._processing:
+                self._metrics.done(key)
             self._processing.discard(key)
             if key in self._dirty and not self._shutting_down:
                 self._ready_at[key] = self._clock()
@@ -268,6 +309,8 @@ class WorkQueue:
             self._direct_due.clear()
             self._ready_at.clear()
             self._cond.notify_all()
+        if self._metrics is not None:
+            self._metrics.detach(self.depths)
 
     @property
     def shutting_down(self) -> bool:
@@ -278,6 +321,12 @@ class WorkQueue:
         """Keys ready to be processed now, both lines (the queue depth metric)."""
         with self._cond:
             return len(self._queue) + len(self._periodic_keys - self._processing)
+
+    def depths(self) -> tuple[int, int]:
+        """Keys ready now in the first (event) line and in the second (periodic) line."""
+        with self._cond:
+            periodic = len(self._periodic_keys - self._processing)
+            return len(self._queue), periodic
 
     def periodic_waiting(self) -> int:
         """Keys ready in the second (periodic) line."""

@@ -31,7 +31,25 @@ from dataclasses import dataclass, field
 from urllib.parse import parse_qs, urlsplit
 
 from loguru import logger
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    GCCollector,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
+from prometheus_client.registry import CollectorRegistry
+
+
+def add_process_collectors(registry: CollectorRegistry) -> CollectorRegistry:
+    """Register the process (``process_*``: CPU, RSS, open file descriptors, start
+    time), platform (``python_info``) and garbage collector (``python_gc_*``) collectors
+    on ``registry``, as the global registry has them; returns ``registry``."""
+    ProcessCollector(registry=registry)
+    PlatformCollector(registry=registry)
+    GCCollector(registry=registry)
+    return registry
+
 
 HealthCheck = Callable[[], None]
 """Returns when healthy; raises (any exception, with a reason as message) when not."""

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from neonvm.leader.health import add_process_collectors
 from neonvm.runner.state import Phase, RunnerState
 
 
@@ -67,7 +68,8 @@ class RunnerCollector(Collector):
 
 
 def runner_registry(state: RunnerState) -> CollectorRegistry:
-    """A fresh registry holding only this runner's collector."""
+    """A fresh registry holding this runner's collector and the process, platform and
+    GC collectors."""
     registry = CollectorRegistry(auto_describe=True)
     registry.register(RunnerCollector(state))
-    return registry
+    return add_process_collectors(registry)
