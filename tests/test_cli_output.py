@@ -404,7 +404,9 @@ def test_vm_list_watch_streams_changes_until_ctrl_c(
         watch.wait_line(lambda s: s.split()[:2] == ["MODIFIED", "alpha"], "alpha modified")
         kube.request(api, "DELETE", f"/apis/{types.GROUP}/{types.VERSION}/namespaces/"
                      f"{namespace}/{types.PLURAL}/beta")
-        watch.wait_line(lambda s: s.split()[:2] == ["DELETED", "beta"], "beta deleted")
+        deleted = watch.wait_line(lambda s: s.split()[:2] == ["DELETED", "beta"],
+                                  "beta deleted")
+        assert deleted.index("beta") == header.index("NAME")  # the columns stay aligned
     finally:
         code, err = watch.interrupt()
     assert code == 0 and "Traceback" not in err, err

@@ -232,7 +232,7 @@ class _Printer:
         else:
             row = self._row(obj, kind)
             if self.widths is None:
-                self.widths = column_widths([row], self.columns)
+                self.widths = self._widths([row])
                 lines = table_lines([row], self.columns, no_headers=self.no_headers,
                                     widths=self.widths)
             else:
@@ -240,6 +240,13 @@ class _Printer:
             for line in lines:
                 click.echo(line)
         self.printed += 1
+
+    def _widths(self, rows: list[dict[str, Any]]) -> list[int]:
+        """The widths of the first rows; the EVENT column fits every event type."""
+        widths = column_widths(rows, self.columns)
+        if self.events:
+            widths[0] = max(widths[0], len("MODIFIED"))
+        return widths
 
     def start(self, items: list[dict[str, Any]]) -> None:
         """The objects a watch starts from, as one table (widths fit them all)."""
@@ -250,7 +257,7 @@ class _Printer:
         rows = [self._row(i, "ADDED") for i in items]
         if not rows:
             return
-        self.widths = column_widths(rows, self.columns)
+        self.widths = self._widths(rows)
         for line in table_lines(rows, self.columns, no_headers=self.no_headers,
                                 widths=self.widths):
             click.echo(line)
