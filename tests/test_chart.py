@@ -239,12 +239,12 @@ def test_the_controller_gets_the_lease_settings_and_probes_on_its_health_port(
     assert "--runner-image=registry.example.com/neonvm/neonvm-runner:0.1.0" in args
     assert "--log-format=json" in args
     (port,) = c["ports"]
-    assert port == {"name": "http", "containerPort": 8081, "protocol": "TCP"}
-    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
-    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
+    assert port == {"name": "metrics", "containerPort": 8081, "protocol": "TCP"}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
 
     service = rendered.one("Service")
-    assert service["spec"]["ports"][0]["targetPort"] == "http"
+    assert service["spec"]["ports"][0]["targetPort"] == "metrics"
     assert service["spec"]["selector"].items() <= (
         rendered.one("Deployment")["spec"]["template"]["metadata"]["labels"].items())
 

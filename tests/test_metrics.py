@@ -337,6 +337,10 @@ def scrape(port: int) -> str:
         return str(resp.read().decode())
 
 
+KEYWORDS = {"by", "without", "on", "ignoring", "and", "or", "unless", "bool", "offset",
+            "group_left", "group_right"}
+
+
 def selectors(query: str) -> list[tuple[str, set[str]]]:
     """The metric names a query selects, each with the label names it matches on or
     groups by (Prometheus's target labels job, namespace, pod, instance left out)."""
@@ -347,8 +351,8 @@ def selectors(query: str) -> list[tuple[str, set[str]]]:
     text = re.sub(r"by \([^)]*\)", "", text)
     found = []
     for match in re.finditer(r"([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?", text):
-        if text[match.end():match.end() + 1] == "(":
-            continue  # a function
+        if text[match.end():].lstrip().startswith("(") or match.group(1) in KEYWORDS:
+            continue  # a function or an aggregation
         labels = set(re.findall(r"([a-z_]+)\s*=~?", match.group(2) or "")) | grouped
         found.append((match.group(1), labels - {"job", "namespace", "pod", "instance", "le"}))
     return found
@@ -474,8 +478,9 @@ def free_port() -> int:
 def rendered_rules(workdir: Path) -> dict[str, Any]:
     """The chart's PrometheusRule spec (helm template with prometheusRule on)."""
     helm = Helm(binaries.require("helm"), workdir / "helm-home")
-    rule = helm.template("nvm", "ops", sets=("metrics.prometheusRule.enabled=true",)
-                         ).one("PrometheusRule")
+    rule = helm.template("nvm", "ops", sets=(
+        "metrics.prometheusRule.enabled=true",
+        f'metrics.prometheusRule.selector=job="{JOB}"')).one("PrometheusRule")
     return dict(rule["spec"])
 
 
