@@ -274,7 +274,7 @@ def through_controller(image: GuestImage, work: Path, runs: int, accels: set[str
     from benchmarks.bench_failover import local_cluster
     from neonvm import kube
     from neonvm.api import types
-    from neonvm.runner.scaling import pod_token
+    from neonvm.api.scale_protocol import pod_token
     from neonvm.testing.harness import Replicas, create_vm, get_vm, runner_pods
 
     def vm_url(namespace: str) -> str:

@@ -28,6 +28,7 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
+from neonvm.api.quantity import QuantityError, parse_bytes
 from neonvm.api.schema import decode, encode
 from neonvm.api.types import CPURange, IntRange, VirtualMachineSpec
 from neonvm.runner.disks import DiskTools, check_prerequisites, content_image_size, prepare
@@ -35,7 +36,6 @@ from neonvm.runner.errors import HostError, SpecError
 from neonvm.runner.guestnet import DEFAULT_GUEST_NETWORK
 from neonvm.runner.host import KvmProbe, choose_accel, probe_kvm
 from neonvm.runner.qemu import LaunchContext, build_launch_plan, cpu_layout, memory_layout
-from neonvm.runner.quantity import QuantityError, parse_bytes
 from neonvm.runner.spec import load_spec, parse_spec_document
 from neonvm.runner.state import ExitCode, RunnerState, Sizing, decide_outcome
 from neonvm.runner.supervisor import is_marker_line, shutdown_budget

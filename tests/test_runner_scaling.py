@@ -21,21 +21,19 @@ from typing import Any
 
 import pytest
 
-from neonvm.runner.qmp import QMPCommandError, QMPError
-from neonvm.runner.scaling import (
+from neonvm.api.scale_protocol import (
     AppliedFence,
-    FenceStore,
     ScaleError,
     ScaleFence,
     ScaleLimits,
-    Scaler,
     ScaleTarget,
     fence_decision,
-    parse_guest_size,
     parse_request,
     parse_vcpus,
     pod_token,
 )
+from neonvm.runner.qmp import QMPCommandError, QMPError
+from neonvm.runner.scaling import FenceStore, Scaler, parse_guest_size
 from tests.support import wait_for
 from tests.test_runner import RunningRunner, start_runner, test_guest  # noqa: F401 (fixtures)
 
@@ -119,7 +117,7 @@ def test_a_fence_survives_a_new_scaler_on_the_same_work_dir(tmp_path: Path) -> N
 def test_a_runner_without_a_token_file_says_no_token_can_pass(tmp_path: Path) -> None:
     # Review S6: the controller tells this 401 (for the pod's life) from a wrong token (a
     # rotation on its way to the pod) by the answer's reason.
-    from neonvm.runner.scaling import NO_TOKEN
+    from neonvm.api.scale_protocol import NO_TOKEN
 
     limits = ScaleLimits(min_vcpus=1, max_vcpus=2, min_slots=1, max_slots=2, slot_bytes=GIB)
     body = b'{"cpus": 1, "fence": {"epoch": 9, "token": 0}}'

@@ -27,11 +27,11 @@ from kubernetes import client
 
 from neonvm import kube
 from neonvm.api import types
+from neonvm.api.scale_protocol import pod_token
 from neonvm.controller import decide as d
 from neonvm.controller.podspec import ANNOTATION_SPEC
 from neonvm.controller.reconciler import Reconciler, ReconcileResult, StaticAuthority
 from neonvm.controller.scaling import USAGE_ANNOTATION
-from neonvm.runner.scaling import pod_token
 from neonvm.testing.harness import create_vm, get_vm, runner_pods
 from tests.support import wait_for
 from tests.test_runner import REPO, RunningRunner, free_port, test_guest  # noqa: F401
@@ -302,7 +302,7 @@ class RefusingRunner:
 def test_a_scaling_refused_for_good_ends_in_a_condition_not_a_retry_loop(
         api: client.ApiClient, controller_api: client.ApiClient, namespace: str,
         code: int, secret: str, reason: str) -> None:
-    from neonvm.runner.scaling import NO_TOKEN
+    from neonvm.api.scale_protocol import NO_TOKEN
 
     runner = RefusingRunner(code, NO_TOKEN if (code, secret) == (401, "keep") else "")
     try:

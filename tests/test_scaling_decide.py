@@ -15,6 +15,14 @@ import datetime as dt
 import pytest
 
 from neonvm.api.millicpu import MilliCPU
+from neonvm.api.scale_protocol import (
+    AppliedFence,
+    ScaleError,
+    ScaleFence,
+    ScaleLimits,
+    ScaleTarget,
+    parse_fence_floor,
+)
 from neonvm.api.types import (
     FINALIZER,
     CPURange,
@@ -30,16 +38,7 @@ from neonvm.api.types import (
 from neonvm.controller import decide as d
 from neonvm.controller import podspec
 from neonvm.controller.mutations import FencedOut, status_mutation
-from neonvm.runner.scaling import (
-    AppliedFence,
-    FenceStore,
-    ScaleError,
-    ScaleFence,
-    ScaleLimits,
-    Scaler,
-    ScaleTarget,
-    parse_fence_floor,
-)
+from neonvm.runner.scaling import FenceStore, Scaler
 
 pytestmark = pytest.mark.unit
 
@@ -209,8 +208,8 @@ def test_a_token_the_runner_refuses_is_asked_again_until_a_rotation_would_have_l
     # pod has no token file at all) is for good at once.
     from kubernetes import client as k8s
 
+    from neonvm.api.scale_protocol import NO_TOKEN
     from neonvm.controller.scaling import TOKEN_SYNC_SECONDS, RunnerScaling
-    from neonvm.runner.scaling import NO_TOKEN
 
     now = [1000.0]
     scaling = RunnerScaling(k8s.ApiClient(), clock=lambda: now[0])
@@ -302,7 +301,7 @@ def test_the_runner_refuses_a_plan_older_than_its_pods_floor(tmp_path: object) -
 
 
 def test_the_runner_orders_fences_by_epoch_then_token_then_seq() -> None:
-    from neonvm.runner.scaling import fence_decision, parse_request
+    from neonvm.api.scale_protocol import fence_decision, parse_request
 
     last = AppliedFence(ScaleFence(3, 10, 2), ScaleTarget(2, 2), 0.0)
     other = ScaleTarget(1, 1)
@@ -381,7 +380,7 @@ def test_a_plan_that_cannot_finish_is_superseded_with_the_next_seq_when_the_spec
     assert new.phase == "Scaling"
     # The runner orders the new plan after the stuck one, and refuses the stuck one after.
     last = AppliedFence(ScaleFence(3, 40, 3), ScaleTarget(1, 1), 0.0)
-    from neonvm.runner.scaling import fence_decision
+    from neonvm.api.scale_protocol import fence_decision
 
     assert fence_decision(last, ScaleFence(3, 40, 4), ScaleTarget(1, 2)) == "newer"
     with pytest.raises(ScaleError):

@@ -129,7 +129,7 @@ def configured_size(spec: VirtualMachineSpec) -> tuple[MilliCPU, str | None]:
     ``memorySlots.use`` (or ``min``) times ``memorySlotSize``, None if the slot size is
     not a quantity the runner can read.
     """
-    from neonvm.runner.quantity import QuantityError, format_bytes, parse_bytes
+    from neonvm.api.quantity import QuantityError, format_bytes, parse_bytes
 
     guest = spec.guest
     try:

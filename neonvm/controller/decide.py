@@ -452,7 +452,7 @@ def desired_size(vm: VirtualMachine) -> tuple[int, int]:
 def status_size(vm: VirtualMachine) -> tuple[int, int] | None:
     """(vCPUs, memory slots) status says the committed pod has; None: not recorded, or
     not in whole slots of the spec's slot size."""
-    from neonvm.runner.quantity import QuantityError, parse_bytes
+    from neonvm.api.quantity import QuantityError, parse_bytes
 
     s = vm.status
     if s.cpus is None or s.memory_size is None:
@@ -860,7 +860,7 @@ def _adopt_runner_size(obs: Observation, vm: VirtualMachine,
     ended by a write that lands, never by an answer alone. None: nothing to write (a
     removal still pending, an answer from another pod: the look goes on if status
     asks for it)."""
-    from neonvm.runner.quantity import QuantityError, parse_bytes
+    from neonvm.api.quantity import QuantityError, parse_bytes
 
     runner = obs.runner
     if (runner is None or runner.pod_uid != pod.uid or runner.answered_uid != pod.uid

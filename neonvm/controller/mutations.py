@@ -50,7 +50,7 @@ def _record_boot_size(new: VirtualMachineStatus, vm: VirtualMachine,
     records it, from the pod), else the spec's."""
     new.cpus, new.memory_size = compat.configured_size(vm.spec)
     if built is not None:
-        from neonvm.runner.quantity import QuantityError, format_bytes, parse_bytes
+        from neonvm.api.quantity import QuantityError, format_bytes, parse_bytes
 
         new.cpus = MilliCPU(built[0])
         try:
@@ -86,7 +86,7 @@ def _end_look(new: VirtualMachineStatus) -> None:
 
 def _bytes(quantity: str | None) -> int | None:
     """``quantity`` in bytes; None: absent or unreadable."""
-    from neonvm.runner.quantity import QuantityError, parse_bytes
+    from neonvm.api.quantity import QuantityError, parse_bytes
 
     if quantity is None:
         return None
@@ -237,7 +237,7 @@ def status_mutation(action: d.Action, lease: d.Fence) -> StatusMutation:
     def commit_scale(vm: VirtualMachine) -> VirtualMachineStatus | None:
         assert isinstance(action, d.CommitScale)
         s = vm.status
-        from neonvm.runner.quantity import format_bytes
+        from neonvm.api.quantity import format_bytes
 
         if action.adopt:
             # No plan: what the runner reported after a drop, unless a plan was made

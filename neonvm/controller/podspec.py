@@ -48,9 +48,9 @@ from typing import Any
 from kubernetes.utils import parse_quantity
 
 from neonvm.api import types
+from neonvm.api.quantity import format_bytes
 from neonvm.api.schema import encode
 from neonvm.api.types import PendingPod, VirtualMachine
-from neonvm.runner.quantity import format_bytes
 
 RUNNER_PORT = 25183
 RUNNER_COMMAND = "neonvm-runner"
@@ -484,7 +484,7 @@ def built_slot_bytes(meta: dict[str, Any]) -> int | None:
 
 def slot_bytes(quantity: str | None) -> int | None:
     """``memorySlotSize`` in bytes; None when it does not parse (or is not positive)."""
-    from neonvm.runner.quantity import QuantityError, parse_bytes
+    from neonvm.api.quantity import QuantityError, parse_bytes
 
     try:
         value = parse_bytes(quantity or "")

@@ -52,12 +52,12 @@ from loguru import logger
 
 from neonvm import kube
 from neonvm.api import types
+from neonvm.api.scale_protocol import NO_TOKEN, ScaleFence, pod_token, request_body
 from neonvm.api.types import VirtualMachine
 from neonvm.controller import decide as d
 from neonvm.controller import podspec
 from neonvm.controller.conditions import RUNNER_MISBEHAVING_REASON, RUNNER_UNREACHABLE_REASON
 from neonvm.controller.observe import Snapshot
-from neonvm.runner.scaling import NO_TOKEN, pod_token
 
 TOKEN_KEY = "token"
 STRATEGIC_MERGE_PATCH = "application/strategic-merge-patch+json"
@@ -413,8 +413,8 @@ class RunnerScaling:
         except ScalingError as exc:
             log.warning("scaling plan #{seq}: {err}", seq=plan.seq, err=str(exc))
             return Result("no_token" if exc.permanent else "token_unavailable", str(exc))
-        body = {"cpus": plan.cpus, "memorySlots": plan.memory_slots,
-                "fence": {"epoch": plan.epoch, "token": plan.token, "seq": plan.seq}}
+        body = request_body(plan.cpus, plan.memory_slots,
+                            ScaleFence(epoch=plan.epoch, token=plan.token, seq=plan.seq))
         try:
             code, doc = self._call("PUT", f"{self._address(vm, pod)}/scale", body, token,
                                    self._timeout)
@@ -561,7 +561,7 @@ class RunnerScaling:
                    plan: types.PendingScale, fence: tuple[int, int, int], log: Any) -> str:
         """One read-check-patch of :meth:`_tell_kubernetes`: "done" (or nothing to do,
         or failed for good), or "conflict" (a 409: read again and redo)."""
-        from neonvm.runner.quantity import format_bytes
+        from neonvm.api.quantity import format_bytes
 
         try:
             current = kube.request(self._api, "GET", _pod_path(vm.namespace, pod.name),

@@ -30,8 +30,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from neonvm.api.quantity import QuantityError, parse_bytes
 from neonvm.runner.errors import HostError, SpecError
-from neonvm.runner.quantity import QuantityError, parse_bytes
 
 BOOT_FW_CFG_NAME = "opt/vm.neon.tech/boot.sh"
 BOOT_SCRIPT_NAME = "guest-boot.sh"

@@ -29,6 +29,7 @@ import click
 from loguru import logger
 
 from neonvm import logs
+from neonvm.api.scale_protocol import ScaleLimits, ScaleTarget, parse_fence_floor
 from neonvm.runner.disks import DiskTools, check_prerequisites, prepare
 from neonvm.runner.errors import HostError, RunnerError, SpecError
 from neonvm.runner.guestboot import EXT_MAGIC_OFFSET, is_bare_ext_filesystem, read_first_bytes
@@ -45,7 +46,7 @@ from neonvm.runner.host import (
 from neonvm.runner.initramfs import RunnerKernel, find_runner_kernel
 from neonvm.runner.metrics import runner_registry
 from neonvm.runner.qemu import CpuScalingMode, LaunchContext, LaunchPlan, build_launch_plan
-from neonvm.runner.scaling import ScaleLimits, Scaler, ScaleTarget, parse_fence_floor
+from neonvm.runner.scaling import Scaler
 from neonvm.runner.server import RunnerHTTPServer
 from neonvm.runner.spec import ENV_SPEC_FILE, LoadedSpec, load_spec
 from neonvm.runner.state import ExitCode, Outcome, RunnerState, Sizing

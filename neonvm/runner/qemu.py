@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from neonvm.api.quantity import QuantityError, format_bytes, parse_bytes
 from neonvm.api.types import CPURange, Disk, IntRange, VirtualMachineSpec
 from neonvm.runner.errors import SpecError
 from neonvm.runner.guestboot import (
@@ -56,7 +57,6 @@ from neonvm.runner.guestboot import (
 from neonvm.runner.guestnet import DEFAULT_GUEST_NETWORK
 from neonvm.runner.host import Accel
 from neonvm.runner.initramfs import RunnerKernel
-from neonvm.runner.quantity import QuantityError, format_bytes, parse_bytes
 
 MIB = 1 << 20
 QMP_SOCKET_NAME = "qmp.sock"

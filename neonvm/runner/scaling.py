@@ -1,85 +1,42 @@
-"""Live scaling: vCPUs and memory DIMMs plugged into a running guest, fenced and authenticated.
+"""Live scaling, the runner's side: converge QEMU to a fenced target through QMP.
 
-The controller asks with ``PUT /scale`` on the runner port (:mod:`neonvm.runner.server`)::
-
-    Authorization: Bearer <token>
-    {"cpus": 2, "memorySlots": 3, "fence": {"epoch": 7, "token": 42, "seq": 3}}
-
-``cpus`` is a vCPU count or a CPU quantity (``"1500m"``, ``1.5``: rounded up to whole vCPUs,
-as at boot); ``memorySlots`` counts slots of ``memorySlotSize``, boot memory included.
-Either may be left out (kept as it is).
-
-The rules, in order:
-
-1. Authentication: the bearer token must equal the content of the token file (compared in
-   constant time; the file is re-read on every request, so it can be rotated). No token
-   file configured (body ``"reason": "NoToken"``: for good), no header, or a wrong
-   token: 401, nothing else is looked at.
-2. Bounds: ``ceil(spec min) <= cpus <= ceil(spec max)`` vCPUs and
-   ``min <= memorySlots <= max`` slots, else 400.
-3. The fence: ``(epoch, token, seq)`` compared in that order (``seq``, the controller's
-   scale sequence number from ``status.scaleSeq``, may be left out: 0). Older than the
-   last applied fence: 409, nothing is done. Equal: accepted only for the same target
-   (a retry; it converges again, so a retry after a failure finishes the change), a
-   different target is 409.
-   Newer: recorded in the work dir (written to a temporary file, fsynced, renamed) *before*
-   QEMU is touched, so once a newer fence is on disk no older one is ever applied, even by
-   a runner that restarts in the same pod. A runner started with a fence floor
-   (``--scaling-fence-floor``, set by the controller in a new pod) treats the floor, with
-   the boot size, as already applied, so a fence recorded before the pod was created is
-   refused too.
-4. Apply: converge QEMU to the target through QMP, one request at a time (a lock held
-   for the whole request; the next waits). vCPUs: ``device_add`` of the first free slots
-   of ``query-hotpluggable-cpus``, ``device_del`` of the highest plugged ones. Memory:
-   ``object_add memory-backend-ram`` + ``device_add pc-dimm`` per missing slot,
-   ``device_del`` + ``object_del`` from the highest slot down. Removal finishes only when
-   the guest has ejected the device (the kernel offlines it first); the request waits for
-   that up to its timeout and then answers 504 with what QEMU has, the fence staying
-   recorded, so a retry with the same fence continues. A guest that refuses the eject
-   ends the wait at once once every other device of it is gone or refused: 504 with
-   ``refused`` (the device stays plugged; a retry asks again). The growing resource is
-   converged first, and a refusal does not skip the other resource: the 504 comes at
-   the end. A ``device_del`` QEMU answers with an error started nothing: 502, and the
-   removal is not kept on record.
-5. Pending removals: a ``device_del`` cannot be taken back, and the guest may eject the
-   device long after its request answered 504. Each removal is recorded in the fence
-   file before it is sent; before converging to any target (a newer fence included) the
-   runner waits until every recorded removal has settled: the device gone from QEMU, or
-   refused by the guest (``DEVICE_UNPLUG_GUEST_ERROR``, or an ``ACPI_DEVICE_OST``
-   failure for the eject request, matched by device id, or for a vCPU booted without
-   one by its ACPI slot, its ``cpu-index``: the device stays and counts as plugged).
-   Until then it answers 504 and reports nothing as applied; ``GET /scale`` lists the
-   unsettled ones (``pendingRemovals``), and the controller commits no size while any
-   is left. A removal the guest has said nothing about (no ``_OST`` at all) for
-   :data:`RESEND_SECONDS` gets its ``device_del`` again, at most :data:`MAX_RESENDS`
-   times: one sent before the guest's ACPI was up may never have reached it.
-
-Not guaranteed: that the guest onlines what was plugged (its kernel command line or an
-agent must; see docs/runner.md, "Live scaling"), or that it can offline memory that holds
-unmovable pages (hence ``memhp_default_state=online_movable``). The QMP TCP port
-(``spec.qmp``, loopback only) bypasses all of this: whoever uses it is trusted.
+The wire contract (token, fence, request and answer shapes, bounds) is
+:mod:`neonvm.api.scale_protocol`. Here: the fence recorded in the work dir before QEMU is
+touched (:class:`FenceStore`), vCPUs and DIMMs plugged and unplugged one request at a
+time (:class:`Scaler`), and removals that the guest may finish or refuse long after
+their request answered (:class:`Removals`, re-sent after :data:`RESEND_SECONDS`). See
+docs/runner.md, "Live scaling" (the endpoint, the fence rule, pending removals).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import hmac
 import json
-import math
 import os
 import re
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass
-from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any, TypeVar
 
 from loguru import logger
 
+from neonvm.api.scale_protocol import (
+    NO_TOKEN,
+    AppliedFence,
+    ScaleError,
+    ScaleFence,
+    ScaleLimits,
+    ScaleTarget,
+    check_bounds,
+    fence_decision,
+    parse_request,
+    pod_token,
+)
 from neonvm.runner.qmp import QMPClient, QMPCommandError, QMPError
 
 FENCE_FILE_NAME = "scaling-fence.json"
@@ -106,84 +63,7 @@ _GUEST_SIZE = re.compile(
     r"^neonvm-guest-size: cpus=(?P<cpus>\d+) online=(?P<online>[0-9,\-]*) "
     r"memtotal-kb=(?P<mem>\d+)$")
 
-NO_TOKEN = "NoToken"
-"""The reason of a 401 that no token can change: the runner was started without a token
-file, so it never takes a ``PUT /scale`` (every other 401 may pass once a rotated token
-file reaches the pod)."""
-
 T = TypeVar("T")
-
-
-class ScaleError(Exception):
-    """A request that cannot be applied; ``status`` is the HTTP code to answer."""
-
-    def __init__(self, status: int, message: str, refused: tuple[str, ...] = (),
-                 reason: str = "") -> None:
-        super().__init__(message)
-        self.status = status
-        self.refused = refused
-        """Devices whose eject the guest refused during this request (504 at once)."""
-        self.reason = reason
-        """A machine-readable word for the answer's body (:data:`NO_TOKEN`), or ""."""
-
-
-@dataclass(frozen=True, order=True)
-class ScaleFence:
-    """The controller's (leader epoch, lock token, scale seq); compared in that order."""
-
-    epoch: int
-    token: int
-    seq: int = 0
-
-    def __str__(self) -> str:
-        return f"epoch {self.epoch} token {self.token} seq {self.seq}"
-
-
-def parse_fence_floor(text: str) -> ScaleFence:
-    """``"epoch,token,seq"`` (the form of ``--scaling-fence-floor``)."""
-    parts = text.split(",")
-    if len(parts) != 3:
-        raise ValueError(f"fence floor {text!r}: expected epoch,token,seq")
-    try:
-        epoch, token, seq = (int(p) for p in parts)
-    except ValueError:
-        raise ValueError(f"fence floor {text!r}: expected three integers") from None
-    return ScaleFence(epoch=epoch, token=token, seq=seq)
-
-
-@dataclass(frozen=True)
-class ScaleTarget:
-    vcpus: int
-    memory_slots: int
-
-
-@dataclass(frozen=True)
-class ScaleLimits:
-    """What the spec the VM booted with allows (``ceil`` of the CPU bounds, slots)."""
-
-    min_vcpus: int
-    max_vcpus: int
-    min_slots: int
-    max_slots: int
-    slot_bytes: int
-
-
-@dataclass(frozen=True)
-class AppliedFence:
-    """The last fence applied and its target, as persisted in the work dir."""
-
-    fence: ScaleFence
-    target: ScaleTarget
-    recorded_at: float
-    removals: tuple[str, ...] = ()
-    """Devices (vCPU qom-paths, DIMM ids) this runner sent ``device_del`` for whose
-    removal it has not yet seen finish: QEMU cannot cancel one, and the guest may eject
-    the device at any later time, so such a device is neither plugged nor free."""
-
-    def as_json(self) -> dict[str, Any]:
-        return {"fence": asdict(self.fence), "cpus": self.target.vcpus,
-                "memorySlots": self.target.memory_slots, "recordedAt": self.recorded_at,
-                "pendingRemovals": list(self.removals)}
 
 
 @dataclass(frozen=True)
@@ -233,92 +113,6 @@ def parse_guest_size(line: str) -> GuestSize | None:
                      mem_total_kb=int(m["mem"]))
 
 
-def parse_vcpus(value: object) -> int:
-    """A vCPU count from an int, a float or a CPU quantity (``"1500m"``, ``"2"``): ceil."""
-    if isinstance(value, bool):
-        raise ScaleError(400, f"cpus: {value!r} is not a CPU quantity")
-    if isinstance(value, int):
-        number = Decimal(value)
-    elif isinstance(value, float):
-        if not math.isfinite(value):
-            raise ScaleError(400, f"cpus: {value!r} is not a CPU quantity")
-        number = Decimal(str(value))
-    elif isinstance(value, str):
-        text = value.strip()
-        try:
-            number = (Decimal(text[:-1]) / 1000) if text.endswith("m") else Decimal(text)
-        except InvalidOperation:
-            raise ScaleError(400, f"cpus: {value!r} is not a CPU quantity (2, 1.5, "
-                                  "1500m)") from None
-        if not number.is_finite():
-            raise ScaleError(400, f"cpus: {value!r} is not a CPU quantity")
-    else:
-        raise ScaleError(400, f"cpus: {value!r} is not a CPU quantity")
-    if number <= 0:
-        raise ScaleError(400, f"cpus: {value!r} must be positive")
-    return int(number.to_integral_value(rounding="ROUND_CEILING"))
-
-
-def _int_field(obj: dict[str, Any], key: str, where: str) -> int:
-    value = obj.get(key)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ScaleError(400, f"{where}{key}: expected an integer, got {value!r}")
-    return value
-
-
-def parse_request(body: bytes, current: ScaleTarget) -> tuple[ScaleFence, ScaleTarget]:
-    """The fence and the full target of a ``PUT /scale`` body (absent fields: ``current``)."""
-    try:
-        doc = json.loads(body or b"null")
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise ScaleError(400, "body is not JSON") from None
-    if not isinstance(doc, dict):
-        raise ScaleError(400, "body must be a JSON object")
-    unknown = set(doc) - {"cpus", "memorySlots", "fence"}
-    if unknown:
-        raise ScaleError(400, f"unknown fields: {', '.join(sorted(unknown))}")
-    fence_doc = doc.get("fence")
-    if not isinstance(fence_doc, dict):
-        raise ScaleError(400, "fence: required, {\"epoch\": int, \"token\": int}")
-    seq = 0 if fence_doc.get("seq") is None else _int_field(fence_doc, "seq", "fence.")
-    fence = ScaleFence(epoch=_int_field(fence_doc, "epoch", "fence."),
-                       token=_int_field(fence_doc, "token", "fence."), seq=seq)
-    vcpus = current.vcpus if doc.get("cpus") is None else parse_vcpus(doc["cpus"])
-    slots = (current.memory_slots if doc.get("memorySlots") is None
-             else _int_field(doc, "memorySlots", ""))
-    return fence, ScaleTarget(vcpus=vcpus, memory_slots=slots)
-
-
-def check_bounds(target: ScaleTarget, limits: ScaleLimits) -> None:
-    if not limits.min_vcpus <= target.vcpus <= limits.max_vcpus:
-        raise ScaleError(400, f"cpus: {target.vcpus} vCPUs is outside "
-                              f"[{limits.min_vcpus}, {limits.max_vcpus}]")
-    if not limits.min_slots <= target.memory_slots <= limits.max_slots:
-        raise ScaleError(400, f"memorySlots: {target.memory_slots} is outside "
-                              f"[{limits.min_slots}, {limits.max_slots}]")
-
-
-def pod_token(secret: bytes, pod_uid: str) -> str:
-    """The bearer token of one pod: HMAC-SHA256 of its uid under the VM's secret (hex).
-
-    The controller sends the token of the pod it means (the plan's pod uid); the runner
-    expects the token of its own pod (its uid from the downward API). A request that
-    reaches another pod (the old pod's IP reused) carries a token no live pod accepts."""
-    return hmac.new(secret, pod_uid.encode(), hashlib.sha256).hexdigest()
-
-
-def fence_decision(last: AppliedFence | None, fence: ScaleFence, target: ScaleTarget) -> str:
-    """``"newer"`` (record and apply), ``"retry"`` (same fence and target: converge again);
-    raises 409 for an older fence, or the same fence with another target."""
-    if last is None or fence > last.fence:
-        return "newer"
-    if fence == last.fence:
-        if target == last.target:
-            return "retry"
-        raise ScaleError(409, f"fence {fence} was already applied with cpus="
-                              f"{last.target.vcpus} memorySlots={last.target.memory_slots}; "
-                              "a fence carries one target")
-    raise ScaleError(409, f"stale fence: {fence} is older than the last applied {last.fence}")
 
 
 class FenceStore:

@@ -42,8 +42,9 @@ from typing import Any
 from loguru import logger
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from neonvm.api.scale_protocol import ScaleError
 from neonvm.runner.errors import HostError
-from neonvm.runner.scaling import ScaleError, Scaler
+from neonvm.runner.scaling import Scaler
 from neonvm.runner.state import RunnerState
 
 MAX_BODY = 64 * 1024

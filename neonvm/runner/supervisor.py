@@ -30,10 +30,11 @@ from typing import Any, BinaryIO
 
 from loguru import logger
 
+from neonvm.api.scale_protocol import ScaleError
 from neonvm.runner.errors import HostError
 from neonvm.runner.qemu import LaunchPlan
 from neonvm.runner.qmp import QMPClient, QMPError, QMPEvent
-from neonvm.runner.scaling import GUEST_SIZE_PREFIX, ScaleError, Scaler, parse_guest_size
+from neonvm.runner.scaling import GUEST_SIZE_PREFIX, Scaler, parse_guest_size
 from neonvm.runner.state import ExitCode, Outcome, RunnerState, decide_outcome
 
 DEFAULT_GRACE_PERIOD = 30

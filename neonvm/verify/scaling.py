@@ -3,7 +3,7 @@
 The pod explorer (``model``/``actors``/``explore``) checks "at most one runner pod". This
 one checks live scaling with the shipped code: :func:`neonvm.controller.decide.decide`
 and :func:`neonvm.controller.mutations.status_mutation` decide and write status, and the
-runner's :func:`neonvm.runner.scaling.fence_decision` decides what a runner applies.
+runner's :func:`neonvm.api.scale_protocol.fence_decision` decides what a runner applies.
 
 The world: one VM, one committed runner pod at a time (always running), its runner
 (fence file, fence floor, the size its guest has), and the actors:
@@ -85,6 +85,13 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from neonvm.api.millicpu import MilliCPU
+from neonvm.api.scale_protocol import (
+    AppliedFence,
+    ScaleError,
+    ScaleFence,
+    ScaleTarget,
+    fence_decision,
+)
 from neonvm.api.types import (
     FINALIZER,
     Condition,
@@ -102,15 +109,7 @@ from neonvm.controller import conditions, mutations, podspec, reconciler
 from neonvm.controller import decide as d
 from neonvm.controller.observe import Snapshot
 from neonvm.controller.scaling import RunnerTrouble, runner_trouble
-from neonvm.runner.scaling import (
-    OST_EJECT_IN_PROGRESS,
-    AppliedFence,
-    ScaleError,
-    ScaleFence,
-    ScaleTarget,
-    fence_decision,
-    ost_refuses_eject,
-)
+from neonvm.runner.scaling import OST_EJECT_IN_PROGRESS, ost_refuses_eject
 
 UID = "0123456789abcdef"
 DROPPED_AT = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)

@@ -3,8 +3,8 @@
 Only the forms that describe sizes are accepted: a non-negative number with an optional
 binary (Ki..Ei) or decimal (k..E) suffix, or an exponent (``1e9``). Fractions that do not
 come to a whole number of bytes (``"0.5"``, ``"100m"``) are refused, because a disk or a
-memory slot of a fractional byte has no meaning. Kept local so the runner does not import
-the Kubernetes client just for this.
+memory slot of a fractional byte has no meaning. Shared by the api, the controller and
+the runner, and free of the Kubernetes client.
 """
 
 from __future__ import annotations
