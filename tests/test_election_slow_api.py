@@ -27,7 +27,7 @@ import pytest
 from kubernetes import client
 
 from neonvm.leader.election import ElectionConfig, LeaderElector, Leadership
-from tests.latency_proxy import LatencyProxy
+from neonvm.drills.proxy import LatencyProxy
 from tests.support import wait_for
 
 LATENCY = 1.5

@@ -24,6 +24,7 @@ import click
 from neonvm.cli.dev import STATE_DIR_OPTION
 from neonvm.cli.output import OUTPUT_OPTION, emit
 from neonvm.drills.drills import DRILLS, LOCAL_ONLY, DrillOptions, Verdict, run_drill
+from neonvm.drills.infra import INFRA
 from neonvm.drills.target import DrillError, KubeTarget, LocalTarget, Target
 
 
@@ -56,6 +57,10 @@ def _common(f: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--lease-namespace", default="neonvm-system", show_default=True),
         click.option("--lease-name", default="neonvm-controller", show_default=True),
         click.option("--keep", is_flag=True, help="Leave the drill namespace and VMs."),
+        click.option("--timeline", type=click.Path(dir_okay=False), default=None,
+                     help="Write the drill's timeline as an SVG picture to this path."),
+        click.option("--write-docs", is_flag=True,
+                     help="Record the verdict (infrastructure drills) in docs/drills.md."),
         OUTPUT_OPTION,
     ]
     for option in reversed(options):
@@ -107,7 +112,10 @@ def _emit(verdict: Verdict, output: str) -> None:
 
 def _run(name: str, output: str, state_dir: Path | None, kubeconfig: Path | None,
          yes: bool, pods: bool, replicas: int, lease_namespace: str, lease_name: str,
-         **opts: Any) -> None:
+         write_docs: bool, **opts: Any) -> None:
+    if write_docs and name not in INFRA:
+        raise click.UsageError(f"--write-docs records infrastructure drills only "
+                               f"({', '.join(INFRA)})")
     target = _target(name, state_dir, kubeconfig, yes, replicas, lease_namespace, lease_name,
                      pods)
     try:
@@ -117,8 +125,30 @@ def _run(name: str, output: str, state_dir: Path | None, kubeconfig: Path | None
     finally:
         target.close()
     _emit(verdict, output)
+    if write_docs:
+        from neonvm.drills.record import write_docs as record
+
+        click.echo(f"recorded in {record(verdict, _command_line(name))}", err=True)
     if not verdict.ok:
         sys.exit(1)
+
+
+def _command_line(name: str) -> str:
+    """The command as typed, without the paths that only this machine has."""
+    args = sys.argv[sys.argv.index(name) + 1:] if name in sys.argv else []
+    kept: list[str] = []
+    skip = False
+    for a in args:
+        if skip:
+            skip = False
+            continue
+        if a in ("--state-dir", "--timeline", "-o", "--output"):
+            skip = True
+            continue
+        if a == "--write-docs" or a.startswith(("--state-dir=", "--timeline=")):
+            continue
+        kept.append(a)
+    return " ".join(["neonvm drill", name, *kept])
 
 
 @click.group("drill")
@@ -155,6 +185,35 @@ _command("stale-read", "Local: restart replicas with stale reads, lost events an
                        show_default=True, help="Fault spec (seed added from --seed).")])
 _command("etcd-restart", "Local: restart the locks' etcd, then the API server's etcd.")
 _command("apiserver-restart", "Local: restart kube-apiserver while the leader works.")
+_CHURN = [
+    click.option("--churn-interval", type=click.FloatRange(0.5), default=5.0,
+                 show_default=True, help="Seconds between churn rounds during the fault."),
+    click.option("--churn-share", type=click.FloatRange(0, 1), default=0.1,
+                 show_default=True,
+                 help="Share of VMs whose runner pods each churn round deletes."),
+]
+_PARTITION = [
+    click.option("--partition-seconds", type=click.FloatRange(1), default=30.0,
+                 show_default=True, help="How long the victim is cut off."),
+    click.option("--victim", type=click.Choice(["leader", "standby"]), default="leader",
+                 show_default=True, help="Which replica is cut off."),
+    *_CHURN,
+]
+_command("etcd-outage", "Local: stop the locks' etcd for a while under churn, then start it.",
+         [click.option("--outage-seconds", type=click.FloatRange(1), default=60.0,
+                       show_default=True, help="How long the locks' etcd stays stopped."),
+          *_CHURN])
+_command("slow-api", "Local: replicas reach the API server through a proxy that delays "
+                     "every request, under churn.",
+         [click.option("--latency", type=click.FloatRange(0), default=1.5, show_default=True,
+                       help="Seconds added to every request."),
+          click.option("--slow-seconds", type=click.FloatRange(1), default=300.0,
+                       show_default=True, help="How long the API server stays slow."),
+          *_CHURN])
+_command("partition-etcd", "Local: cut one replica off the locks' etcd (not the API "
+                           "server) under churn.", _PARTITION)
+_command("partition-api", "Local: cut one replica off the API server (not the locks' "
+                          "etcd) under churn.", _PARTITION)
 
 
 @drill.command("all")

@@ -35,14 +35,15 @@ from typing import Any
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from neonvm.drills import fleet
+from neonvm.drills import fleet, infra
 from neonvm.drills.check import check
 from neonvm.drills.observer import Watchdog
 from neonvm.drills.target import DrillError, LeaderLog, LocalTarget, Target, leader_tracker
+from neonvm.drills.timeline import Sampler, Timeline, render_svg
 
 Progress = Callable[[str], None]
 
-LOCAL_ONLY = ("stale-read", "etcd-restart", "apiserver-restart")
+LOCAL_ONLY = ("stale-read", "etcd-restart", "apiserver-restart", *infra.INFRA)
 DRILLS = ("kill-leader", "pause-leader", "pod-storm", "break-lock", *LOCAL_ONLY)
 
 
@@ -68,6 +69,22 @@ class DrillOptions:
     vm_spec: dict[str, Any] | None = None
     """Merged into every drill VM's spec (e.g. a node selector and a bootable guest, to
     run the runner pods on a real node); None: the small default VM."""
+    outage_seconds: float = 60.0
+    """etcd-outage: how long the locks' etcd stays stopped."""
+    latency: float = 1.5
+    """slow-api: seconds added to every request of every replica."""
+    slow_seconds: float = 300.0
+    """slow-api: how long the API server stays slow."""
+    partition_seconds: float = 30.0
+    """partition-etcd/-api: how long the victim is cut off."""
+    victim: str = "leader"
+    """partition-etcd/-api: the leader or a standby."""
+    churn_interval: float = 5.0
+    """Infrastructure drills: seconds between churn rounds during the fault."""
+    churn_share: float = 0.1
+    """Infrastructure drills: share of VMs whose pods each churn round deletes."""
+    timeline: str | None = None
+    """Write the drill's timeline as SVG to this path."""
 
 
 @dataclass
@@ -88,6 +105,13 @@ class Verdict:
     epoch_before: int | None = None
     epoch_after: int | None = None
     leader_changes: int = 0
+    fault_seconds: float | None = None
+    """How long the fault lasted (drills that record a window)."""
+    recovery_seconds: float | None = None
+    """From the end of the fault to every VM converged."""
+    leader_changes_in_fault: int | None = None
+    """Leader changes from the fault's start until every VM converged."""
+    timeline_svg: str | None = None
     watch: dict[str, Any] = field(default_factory=dict)
     check: dict[str, Any] = field(default_factory=dict)
     fault: dict[str, Any] = field(default_factory=dict)
@@ -109,6 +133,10 @@ class Verdict:
             ("target", self.target), ("namespace", self.namespace), ("vms", str(self.vms)),
             ("failover", sec(self.failover_seconds)),
             ("convergence", sec(self.convergence_seconds)),
+            ("fault lasted", sec(self.fault_seconds)),
+            ("recovery", sec(self.recovery_seconds)),
+            ("leader changes in fault", "-" if self.leader_changes_in_fault is None
+             else str(self.leader_changes_in_fault)),
             ("duplicates (strict)", str(self.duplicates)),
             ("duplicates (loose)", str(self.duplicates_loose)),
             ("leader", f"{self.leader_before} (epoch {self.epoch_before}) -> "
@@ -128,6 +156,8 @@ class Verdict:
             out.append((f"fault: {k}", str(v)))
         out.append(("final check", "ok" if self.check.get("ok") else
                     f"{len(self.check.get('findings', []))} finding(s)"))
+        if self.timeline_svg:
+            out.append(("timeline", self.timeline_svg))
         for n in self.notes:
             out.append(("note", n))
         for f in self.failures:
@@ -153,6 +183,27 @@ class Drill:
     fault: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     started: float = field(default_factory=time.monotonic)
+    timeline: Timeline | None = None
+    proxies: infra.Proxies | None = None
+    fault_started: float | None = None
+    fault_ended: float | None = None
+
+    def begin_fault(self, label: str) -> float:
+        """The fault window opens now (recorded on the timeline too)."""
+        self.fault_started = time.monotonic()
+        if self.timeline is not None:
+            self.timeline.fault_begins(label)
+        return self.fault_started
+
+    def end_fault(self) -> None:
+        self.fault_ended = time.monotonic()
+        if self.timeline is not None:
+            self.timeline.fault_ends()
+
+    def fault_seconds(self) -> float:
+        if self.fault_started is None:
+            return 0.0
+        return (self.fault_ended or time.monotonic()) - self.fault_started
 
     @property
     def api(self) -> client.ApiClient:
@@ -188,7 +239,7 @@ class Drill:
         if self.dog is not None:
             self.dog.watcher.expect_pod_deletion(pod_name)
 
-    def disturb(self, share: float | None = None) -> list[str]:
+    def disturb(self, share: float | None = None, quiet: bool = False) -> list[str]:
         """Delete the committed runner pods of a share of the VMs (at least one)."""
         share = self.options.disturb if share is None else share
         if share <= 0:
@@ -209,6 +260,8 @@ class Drill:
 
         with ThreadPoolExecutor(max_workers=8) as pool:
             deleted = list(pool.map(delete, pods))
+        if quiet:
+            return deleted
         self.say(f"disturbed: deleted the runner pods of {len(deleted)} VM(s)")
         self.fault["pods deleted to disturb"] = self.fault.get(
             "pods deleted to disturb", 0) + len(deleted)
@@ -390,6 +443,7 @@ FAULTS: dict[str, Callable[[Drill, LeaderLog], float]] = {
     "stale-read": _stale_read,
     "etcd-restart": _etcd_restart,
     "apiserver-restart": _apiserver_restart,
+    **infra.FAULTS,
 }
 
 
@@ -409,17 +463,27 @@ def run_drill(name: str, target: Target, options: DrillOptions, progress: Progre
     verdict = Verdict(drill=name, target=target.description, vms=options.vms,
                       namespace=namespace)
     api = target.api
-    d.say(f"creating {options.vms} VM(s) in namespace {namespace}")
-    fleet.ensure_namespace(api, namespace)
-    try:
-        _run(d, verdict)
-    finally:
-        if not options.keep:
-            _clean_up(d, verdict)
-        verdict.total_seconds = round(time.monotonic() - d.started, 1)
-        verdict.fault = d.fault
-        verdict.notes += d.notes
-        verdict.ok = not verdict.failures
+    routes = infra.routed(d) if name in infra.ROUTED else contextlib.nullcontext(None)
+    with routes as proxies:
+        d.proxies = proxies
+        d.say(f"creating {options.vms} VM(s) in namespace {namespace}")
+        fleet.ensure_namespace(api, namespace)
+        try:
+            _run(d, verdict)
+        finally:
+            if not options.keep:
+                _clean_up(d, verdict)
+            verdict.total_seconds = round(time.monotonic() - d.started, 1)
+            verdict.fault = d.fault
+            verdict.notes += d.notes
+            verdict.ok = not verdict.failures
+            if options.timeline and d.timeline is not None:
+                from pathlib import Path
+
+                path = Path(options.timeline)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(render_svg(d.timeline))
+                verdict.timeline_svg = str(path)
     return verdict
 
 
@@ -437,7 +501,22 @@ def _run(d: Drill, verdict: Verdict) -> None:
     verdict.setup_seconds = round(time.monotonic() - setup_started, 1)
     d.say(f"{options.vms} VM(s) converged in {verdict.setup_seconds:.1f}s; the checkers are "
           f"watching")
-    with leader_tracker(d.target) as log, Watchdog(api, d.namespace) as dog:
+    tl = d.timeline = Timeline(f"neonvm drill {d.name}", options.vms)
+
+    def read_fleet() -> tuple[list[Any], list[Any]]:
+        return (fleet.list_runner_pods(api, d.namespace),
+                [v for v in fleet.list_vms(api, d.namespace)
+                 if v["metadata"]["name"] in set(d.names)])
+
+    reader = _lock_reader(d)
+
+    def read_locks() -> list[Any]:
+        assert reader is not None
+        return [lk for lk in reader() if lk.namespace == d.namespace]
+
+    with leader_tracker(d.target) as log, \
+            Watchdog(api, d.namespace, on_change=tl.on_pod_event) as dog, \
+            Sampler(tl, read_fleet, read_locks if reader is not None else None):
         d.dog = dog
         before = d.wait_leader()
         verdict.leader_before, verdict.epoch_before = before
@@ -453,12 +532,21 @@ def _run(d: Drill, verdict: Verdict) -> None:
         ticker.start()
         try:
             t0 = FAULTS[d.name](d, log)
+            if d.fault_started is None:  # a drill without a window of its own
+                d.fault_started, d.fault_ended = t0, time.monotonic()
+                tl.faults.append((t0, d.fault_ended, d.name))
+            fault_end = d.fault_ended or time.monotonic()
             d.say("fault over; waiting for every VM to converge")
             ok, _, state = fleet.wait_converged(api, d.namespace, d.names, options.timeout,
                                                 d.say)
             if ok:
-                verdict.convergence_seconds = round(time.monotonic() - t0, 1)
-                d.say(f"converged {verdict.convergence_seconds:.1f}s after the fault began")
+                now = time.monotonic()
+                verdict.convergence_seconds = round(now - t0, 1)
+                verdict.recovery_seconds = round(max(0.0, now - fault_end), 1)
+                verdict.fault_seconds = round(fault_end - d.fault_started, 1)
+                verdict.leader_changes_in_fault = _changes_between(log, d.fault_started, now)
+                d.say(f"converged {verdict.convergence_seconds:.1f}s after the fault began, "
+                      f"{verdict.recovery_seconds:.1f}s after it ended")
             else:
                 verdict.failures.append(
                     f"not converged {options.timeout:.0f}s after the fault: "
@@ -471,6 +559,8 @@ def _run(d: Drill, verdict: Verdict) -> None:
             report = dog.stop()
         verdict.leader_after, verdict.epoch_after = log.current
         verdict.leader_changes = max(0, len([c for c in log.changes if c[1]]) - 1)
+        tl.leaders = list(log.changes)
+        tl.end = time.monotonic()
     verdict.watch = report.as_dict()
     verdict.duplicates = len(report.strict)
     verdict.duplicates_loose = len(report.loose)
@@ -491,6 +581,20 @@ def _run(d: Drill, verdict: Verdict) -> None:
     verdict.check = result.as_dict()
     for f in result.findings:
         verdict.failures.append(f"check: {f.kind} {f.vm}: {f.detail}")
+
+
+def _changes_between(log: LeaderLog, start: float, end: float) -> int:
+    """Leader changes (another holder or epoch) seen in [start, end]."""
+    held = [(at, who, epoch) for at, who, epoch in log.changes if who]
+    before = [c for c in held if c[0] < start]
+    last = before[-1][1:] if before else None
+    changes = 0
+    for at, who, epoch in held:
+        if start <= at <= end:
+            if last is not None and (who, epoch) != last:
+                changes += 1
+            last = (who, epoch)
+    return changes
 
 
 def _lock_reader(d: Drill) -> Any:

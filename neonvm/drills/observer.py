@@ -152,7 +152,8 @@ class PodWatchChecker:
 
     def __init__(self, api: client.ApiClient, namespace: str,
                  clock: ReplacementClock | None = None,
-                 on_event: Callable[[str, Pod], None] | None = None) -> None:
+                 on_event: Callable[[str, Pod], None] | None = None,
+                 on_change: Callable[[str, Pod, Pod | None], None] | None = None) -> None:
         self._core = client.CoreV1Api(api)
         self._namespace = namespace
         self._stop = threading.Event()
@@ -166,6 +167,8 @@ class PodWatchChecker:
         self.clock = clock or ReplacementClock()
         self.report = WatchReport()
         self._on_event = on_event
+        self._on_change = on_change
+        """Like ``on_event``, with the pod as it was before the event (None: unseen)."""
         self._expected_pods: set[str] = set()
         self._expected_vm_uids: set[str] = set()
 
@@ -266,6 +269,8 @@ class PodWatchChecker:
                 self._evaluate(vm, rv)
         if self._on_event is not None:
             self._on_event(kind, pod)
+        if self._on_change is not None:
+            self._on_change(kind, pod, old)
         return rv
 
     def _judge_deletion(self, kind: str, old: Pod | None, new: Pod, rv: str) -> None:
@@ -361,9 +366,10 @@ class Watchdog:
     """The polling checker and the watching checker over one namespace, as one."""
 
     def __init__(self, api: client.ApiClient, namespace: str, poll_interval: float = 0.2,
-                 on_event: Callable[[str, Pod], None] | None = None) -> None:
+                 on_event: Callable[[str, Pod], None] | None = None,
+                 on_change: Callable[[str, Pod, Pod | None], None] | None = None) -> None:
         self.poller = InvariantChecker(api, namespace, interval=poll_interval)
-        self.watcher = PodWatchChecker(api, namespace, on_event=on_event)
+        self.watcher = PodWatchChecker(api, namespace, on_event=on_event, on_change=on_change)
 
     def __enter__(self) -> Watchdog:
         self.watcher.start()

@@ -34,24 +34,38 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from neonvm import kube
-from neonvm.dev.replica import LEASE_NAMESPACE, local_replica_argv
+from neonvm.dev.replica import (
+    DEMO_TIMINGS,
+    DEV_RUNNER_IMAGE,
+    LEASE_NAMESPACE,
+    controller_argv,
+    local_replica_argv,
+)
 from neonvm.drills.check import LockReader, LockView, etcd_lock_reader
 from neonvm.leader.election import DEFAULT_LEASE_NAME, DEFAULT_NAMESPACE, LeaseClient
-
-if TYPE_CHECKING:
-    from neonvm.leader.etcd import EtcdConfig
+from neonvm.leader.etcd import EtcdConfig
 
 Progress = Callable[[str], None]
 
 
 class DrillError(RuntimeError):
     """A drill cannot run as asked (wrong target, missing access); one line for the CLI."""
+
+
+@dataclass(frozen=True)
+class Route:
+    """How one replica reaches its servers when not directly: a kubeconfig naming another
+    API server address and the locks' etcd config with other endpoints (the
+    infrastructure drills' proxies, :mod:`neonvm.drills.infra`)."""
+
+    kubeconfig: Path
+    etcd: EtcdConfig
 
 
 @dataclass(frozen=True)
@@ -97,7 +111,7 @@ def read_leader(api: client.ApiClient, namespace: str, name: str) -> LeaderInfo 
 def _break_locks(endpoints: str | EtcdConfig | None, prefix: str | None, namespace: str
                  ) -> list[LockView]:
     """``neonvm locks break --force`` for every lock of ``namespace``."""
-    from neonvm.leader.etcd import Etcd, EtcdConfig
+    from neonvm.leader.etcd import Etcd
     from neonvm.leader.lock import LockTable
 
     config = endpoints if isinstance(endpoints, EtcdConfig) else EtcdConfig.from_env()
@@ -151,6 +165,8 @@ class LocalTarget:
     started: list[str] = field(default_factory=list)
     faults: dict[int, str] = field(default_factory=dict)
     """Replica index -> fault spec it runs with (empty: none)."""
+    routes: dict[int, Route] = field(default_factory=dict)
+    """Replica index -> the proxies it reaches its servers through (empty: direct)."""
 
     @property
     def description(self) -> str:
@@ -197,7 +213,28 @@ class LocalTarget:
         return alive
 
     def _argv(self, index: int) -> list[str]:
-        return local_replica_argv(self.cluster, index, self.faults.get(index, ""))
+        route = self.routes.get(index)
+        if route is None:
+            return local_replica_argv(self.cluster, index, self.faults.get(index, ""))
+        return controller_argv(
+            kubeconfig=str(route.kubeconfig), etcd_endpoints=route.etcd,
+            identity=f"replica-{index}-{int(time.time() * 1000) % 100000}",
+            extra=(*DEMO_TIMINGS, "--runner-image", DEV_RUNNER_IMAGE),
+            faults=self.faults.get(index, ""))
+
+    def restart_replica(self, index: int, sig: signal.Signals = signal.SIGTERM) -> int:
+        """Stop replica ``index`` (SIGTERM: it releases what it holds) and start it with
+        its current route and faults."""
+        self.cluster.stop_component(self.replica_name(index), sig)
+        return self.start_replica(index)
+
+    @staticmethod
+    def index_of(identity: str) -> int | None:
+        """The replica index in a local identity (``replica-<i>-<stamp>``)."""
+        parts = identity.split("-")
+        if len(parts) >= 3 and parts[0] == "replica" and parts[1].isdigit():
+            return int(parts[1])
+        return None
 
     def start_replica(self, index: int) -> int:
         pid: int = self.cluster.start_process(self.replica_name(index), self._argv(index), {})
