@@ -1,15 +1,20 @@
 """The package's import structure, read from the source with :mod:`ast` (nothing imported).
 
-* no import cycle among ``neonvm`` modules, counting module-level imports AND imports
-  inside functions and methods (an import in an ``if TYPE_CHECKING:`` block is not run,
-  so it does not count);
-* nothing in ``neonvm/drills`` imports ``neonvm.cli`` (tooling sits below the CLI);
-* the product packages (controller, leader, runner, api) never import ``neonvm.testing``;
-* no module of ``neonvm`` imports from the test tree or loads a file under it (the
-  product must run from the entry point, where ``tests`` is not importable);
-* no module of ``neonvm.controller`` imports fault injection (``faults``,
-  ``fault_wiring``) but ``fault_wiring`` itself: faults are composed around the
-  production classes at the composition root (the CLI), never threaded through them.
+Every import that runs counts: module level and inside functions and methods (an import
+in an ``if TYPE_CHECKING:`` block is not run, so it does not count). The rules, as
+import-linter contracts would state them (docs/architecture.md, "Layers"):
+
+* **layers**, top to bottom: the CLI; tooling (dev, drills, testing, verify); the
+  controller and the runner; leader election; the Kubernetes client and logging; the
+  API types and the contracts the controller and the runner share (``neonvm.api``:
+  quantities, the ``/scale`` protocol). A module imports only from its own layer or
+  below (:data:`LAYERS`);
+* **independence**: the controller and the runner never import each other; what both
+  need lives in ``neonvm.api``;
+* no import cycle among ``neonvm`` modules;
+* no module of ``neonvm`` imports from the test tree or loads a file under it;
+* no module of ``neonvm.controller`` but ``fault_wiring`` imports fault injection
+  (faults are composed around the production classes at the CLI).
 """
 
 from __future__ import annotations
@@ -23,7 +28,26 @@ import pytest
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[1] / "neonvm"
-PRODUCT = ("neonvm.controller", "neonvm.leader", "neonvm.runner", "neonvm.api")
+
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("neonvm.__main__", "neonvm.cli", "neonvm.errors"),
+    ("neonvm.dev", "neonvm.drills", "neonvm.testing", "neonvm.verify",
+     "neonvm.manifests", "neonvm.overview", "neonvm.invariant"),
+    ("neonvm.controller", "neonvm.runner"),
+    ("neonvm.leader",),
+    ("neonvm.kube", "neonvm.logs"),
+    ("neonvm.api", "neonvm"),
+)
+"""Packages from the top layer down; a module may import its own layer and the ones below.
+``neonvm`` alone is the package itself (its ``__init__``), not everything under it."""
+
+INDEPENDENT: tuple[tuple[str, str], ...] = (("neonvm.controller", "neonvm.runner"),)
+"""Packages of one layer that never import each other."""
+
+ENTRY_POINTS: frozenset[tuple[str, str]] = frozenset({
+    ("neonvm.verify.__main__", "neonvm.cli.verify"),  # ``python -m neonvm.verify``
+})
+"""Imports exempt from the layers: an entry point that starts the CLI's command."""
 
 
 def _module_name(path: Path, root: Path) -> str:
@@ -140,14 +164,96 @@ def test_no_import_cycle_in_neonvm() -> None:
     assert cycles == [], f"import cycles among neonvm modules: {cycles}"
 
 
-def test_drills_do_not_import_the_cli() -> None:
-    assert _importers(import_graph(), "neonvm.drills", "neonvm.cli") == []
+def _in(module: str, package: str) -> bool:
+    if package == "neonvm":
+        return module == "neonvm"
+    return module == package or module.startswith(package + ".")
 
 
-def test_product_does_not_import_testing() -> None:
-    graph = import_graph()
-    found = [e for pkg in PRODUCT for e in _importers(graph, pkg, "neonvm.testing")]
-    assert found == []
+def layer_of(module: str) -> int | None:
+    """The index in :data:`LAYERS` of the package ``module`` belongs to (0: top)."""
+    for i, layer in enumerate(LAYERS):
+        if any(_in(module, package) for package in layer):
+            return i
+    return None
+
+
+def layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Every import against the layers or the independence rules, and every module
+    that belongs to no layer."""
+    found: list[str] = []
+    for module, targets in sorted(graph.items()):
+        mine = layer_of(module)
+        if mine is None:
+            found.append(f"{module}: in no layer")
+            continue
+        for target in sorted(targets):
+            theirs = layer_of(target)
+            if (module, target) in ENTRY_POINTS or theirs is None:
+                continue
+            if theirs < mine:
+                found.append(f"{module} -> {target}: imports upward")
+            for a, b in INDEPENDENT:
+                if (_in(module, a) and _in(target, b)) or (_in(module, b) and _in(target, a)):
+                    found.append(f"{module} -> {target}: {a} and {b} are independent")
+    return found
+
+
+def test_every_import_respects_the_layers() -> None:
+    assert layer_violations(import_graph()) == []
+
+
+def _planted(tmp_path: Path, files: dict[str, str]) -> dict[str, set[str]]:
+    """A throw-away ``neonvm`` tree with the given modules (packages made on the way)."""
+    pkg = tmp_path / "neonvm"
+    for name, source in {"__init__.py": "", **files}.items():
+        path = pkg / name
+        for parent in reversed(path.relative_to(tmp_path).parents[:-1]):
+            (tmp_path / parent).mkdir(exist_ok=True)
+            init = tmp_path / parent / "__init__.py"
+            if not init.exists():
+                init.write_text("")
+        path.write_text(source)
+    return import_graph(pkg)
+
+
+@pytest.mark.parametrize(("files", "expected"), [
+    ({"api/types.py": "from neonvm.controller import decide\n", "controller/decide.py": ""},
+     "neonvm.api.types -> neonvm.controller.decide: imports upward"),
+    ({"api/types.py": "def load():\n    from neonvm.cli import main\n", "cli/main.py": ""},
+     "neonvm.api.types -> neonvm.cli.main: imports upward"),
+    ({"leader/lock.py": "def f():\n    from ..controller import handler\n",
+      "controller/handler.py": ""},
+     "neonvm.leader.lock -> neonvm.controller.handler: imports upward"),
+    ({"controller/scaling.py": "from neonvm.runner.scaling import pod_token\n",
+      "runner/scaling.py": ""},
+     "neonvm.controller.scaling -> neonvm.runner.scaling: "
+     "neonvm.controller and neonvm.runner are independent"),
+    ({"runner/main.py": "def f():\n    import neonvm.controller.podspec\n",
+      "controller/podspec.py": ""},
+     "neonvm.runner.main -> neonvm.controller.podspec: "
+     "neonvm.controller and neonvm.runner are independent"),
+    ({"controller/decide.py": "import neonvm.testing.harness\n", "testing/harness.py": ""},
+     "neonvm.controller.decide -> neonvm.testing.harness: imports upward"),
+    ({"sidecar.py": ""}, "neonvm.sidecar: in no layer"),
+])
+def test_the_layer_rules_catch_a_planted_import(tmp_path: Path, files: dict[str, str],
+                                                expected: str) -> None:
+    """A module-level and a function-local upward import, a relative one, a cross import
+    between the controller and the runner, and a module outside every layer all fail."""
+    assert layer_violations(_planted(tmp_path, files)) == [expected]
+
+
+def test_the_layer_rules_let_downward_and_type_checking_imports_pass(tmp_path: Path) -> None:
+    graph = _planted(tmp_path, {
+        "api/types.py": "from typing import TYPE_CHECKING\n"
+                        "if TYPE_CHECKING:\n    from neonvm.controller import decide\n",
+        "controller/decide.py": "from neonvm.api import types\nfrom neonvm import kube\n",
+        "runner/scaling.py": "def f():\n    from neonvm.api import types\n",
+        "cli/main.py": "import neonvm.controller.decide\nimport neonvm.runner.scaling\n",
+        "kube.py": "",
+    })
+    assert layer_violations(graph) == []
 
 
 FAULT_MODULES = {"neonvm.controller.faults", "neonvm.controller.fault_wiring"}
