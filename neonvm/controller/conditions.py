@@ -145,6 +145,9 @@ def desired_conditions(snap: Snapshot, final: d.Action) -> list[ConditionUpdate]
     vm = snap.obs.vm
     if vm is None or vm.deletion_timestamp is not None:
         return []
+    if isinstance(final, d.Wait) and final.condition == d.NAMESPACE_TERMINATING:
+        # The VM goes with its namespace: a write would only slow the deletion down.
+        return []
     status = vm.status
     pod = snap.obs.pod(status.pod_name)
     updates: list[ConditionUpdate] = []

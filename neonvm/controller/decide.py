@@ -147,6 +147,10 @@ class Observation:
     ``now`` (what :func:`look_may_end` relies on)."""
     runner_error: str | None = None
     """Why the runner could not be asked (unreachable, no token); None: asked, or not."""
+    namespace_terminating: bool = False
+    """The VM's namespace is being deleted (the driver learned it from a create refused
+    for that reason): no new pod can be made there, and the VM goes with its namespace.
+    Never looked up; False: not known to be."""
 
     def pod(self, name: str | None) -> PodView | None:
         if not name:
@@ -572,6 +576,11 @@ CREATE_REFUSED = "CreateRefused"
 """Degraded reason recorded when the API server refuses a pod create."""
 PULL_SECRET_NOT_FOUND = "ImagePullSecretNotFound"
 """Wait condition (and Degraded reason) while an image pull secret of the VM is missing."""
+NAMESPACE_TERMINATING = "NamespaceTerminating"
+"""Wait condition: the VM's namespace is being deleted, so no pod is planned or created
+(the VM's own deletion, with its finalizer, comes through the watch)."""
+NAMESPACE_TERMINATING_RECHECK_SECONDS = 30.0
+"""How soon a VM waiting in a terminating namespace is looked at again without an event."""
 PULL_SECRET_RECHECK_SECONDS = 15.0
 """How soon a VM waiting for a missing image pull secret is looked at again."""
 RESTART_STREAK_WINDOW = 600.0
@@ -644,7 +653,30 @@ def plan_name(vm: VirtualMachine, seq: int) -> str:
 
 def decide(obs: Observation) -> Action:
     """The next action for one VM, given one observation. Pure: no I/O, and no clock but
-    ``obs.now``."""
+    ``obs.now``.
+
+    In a namespace being deleted (``obs.namespace_terminating``) nothing that leads to a
+    new pod is asked for (a Restart into a new plan, RecordPlan, CreatePod): the answer
+    is ``Wait(condition=NamespaceTerminating)`` instead. Deletion, clean-up and terminal
+    phases go on as everywhere (docs/reconciler.md, "A namespace being deleted")."""
+    action = _decide(obs)
+    if obs.namespace_terminating and _makes_a_pod(action):
+        return Wait(seconds=NAMESPACE_TERMINATING_RECHECK_SECONDS,
+                    condition=NAMESPACE_TERMINATING,
+                    reason=f"namespace is being deleted: not {type(action).__name__} "
+                           f"({action.reason}); the VM goes with it")
+    return action
+
+
+def _makes_a_pod(action: Action) -> bool:
+    """``action`` leads to a new runner pod (a Restart that is not into a terminal phase
+    is followed by a new plan)."""
+    if isinstance(action, Restart):
+        return action.terminal_phase is None
+    return isinstance(action, RecordPlan | CreatePod)
+
+
+def _decide(obs: Observation) -> Action:
     vm = obs.vm
     if vm is None:
         return Done(reason="VM does not exist")

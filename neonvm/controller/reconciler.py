@@ -69,7 +69,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, NamedTuple, Protocol
 
 from kubernetes import client
@@ -195,6 +195,9 @@ PROGRESS_EVENTS = frozenset({"Planned", "Created", "Committed", "Started"})
 """Normal events of a VM's way to a running pod: those of one reconcile are written as
 one Event when it ends (:meth:`Reconciler._flush_progress`)."""
 
+NAMESPACE_TERMINATING_OUTCOME = "namespace_terminating"
+"""A create refused because the namespace is being deleted: observed again, the VM
+waits (:class:`TerminatingNamespaces`)."""
 EFFECTIVE = frozenset({"done", "replaced"})
 """Outcomes of a step that changed something."""
 BLOCKED = frozenset({"forbidden"})
@@ -240,6 +243,46 @@ a request body up to 3 MiB (larger: 413), but answers 500 ``etcdserver: request 
 large`` for an object over etcd's 1.5 MiB request limit, and 500 ``rpc error: code =
 ResourceExhausted desc = trying to send message larger than max`` over its own 2 MiB
 gRPC limit (both seen on the real servers, ``tests/test_reconcile_loops.py``)."""
+
+NAMESPACE_TERMINATING_TEXT = "is being terminated"
+"""A 403 to a create in a namespace being deleted: ``unable to create new content in
+namespace ns because it is being terminated`` (its cause: ``NamespaceTerminating``)."""
+
+
+def namespace_terminating(status: int | None, message: str) -> bool:
+    """The create was refused because the namespace is being deleted."""
+    return status == 403 and (NAMESPACE_TERMINATING_TEXT in message
+                              or d.NAMESPACE_TERMINATING in message)
+
+
+class TerminatingNamespaces:
+    """Namespaces a create was refused in because they are being deleted, remembered for
+    ``remember_seconds`` (a namespace may be re-created under its name; after that, one
+    more refused create teaches it again). Shared by a reconciler's workers. See
+    docs/reconciler.md, "A namespace being deleted"."""
+
+    def __init__(self, remember_seconds: float = d.NAMESPACE_TERMINATING_RECHECK_SECONDS,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._remember = remember_seconds
+        self._clock = clock
+        self._learned: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def learn(self, namespace: str) -> None:
+        with self._lock:
+            self._learned[namespace] = self._clock()
+
+    def knows(self, namespace: str) -> bool:
+        """Whether ``namespace`` was seen being deleted within the remembered time."""
+        with self._lock:
+            at = self._learned.get(namespace)
+            if at is None:
+                return False
+            if self._clock() - at >= self._remember:
+                del self._learned[namespace]
+                return False
+            return True
+
 
 CREATE_FAILURES_BEFORE_CONDITION = 3
 """Transient create failures in a row (lasting ``create_failing_after`` seconds) after
@@ -486,6 +529,8 @@ class Reconciler:
         """Set once :meth:`_warn_old_crd` has warned: the process's (shared by its
         terms' reconcilers), so that it warns once per process."""
         self.timers = timers or VMTimers()
+        self.terminating = TerminatingNamespaces()
+        """Namespaces being deleted, learned from refused creates: their VMs plan no pod."""
         self._progress = threading.local()
         """Per worker thread: the progress events of the reconcile it runs
         (:meth:`_record`), written as one Event when the reconcile ends."""
@@ -574,7 +619,7 @@ class Reconciler:
         authority.check()
         while steps < self._config.max_steps:
             self._check_uid(snap, authority)
-            action = d.decide(snap.obs)
+            action = d.decide(self._with_namespace(snap.obs))
             if snap.from_write and not isinstance(action, SEEN_BY_WRITE):
                 log.debug("{action} needs a fresh direct read", action=type(action).__name__)
                 snap = self.observe(key, authority, direct=True)
@@ -683,6 +728,12 @@ class Reconciler:
                    f"{kind.__name__}, {times} times); the controller retries with backoff")
         return self._stuck(key, snap, authority, log, steps, kind, STEP_BUDGET_EXHAUSTED,
                            message)
+
+    def _with_namespace(self, obs: d.Observation) -> d.Observation:
+        """``obs``, saying whether the VM's namespace is known to be being deleted."""
+        if obs.vm is None or not self.terminating.knows(obs.vm.namespace):
+            return obs
+        return replace(obs, namespace_terminating=True)
 
     def _stuck(self, key: str, snap: Snapshot, authority: Authority, log: Any, steps: int,
                kind: type[d.Action], reason: str, message: str) -> ReconcileResult:
@@ -942,6 +993,14 @@ class Reconciler:
             created = self.cluster.create_pod(vm.namespace, manifest)
         except ApiException as exc:
             message = api_error_message(exc)
+            if namespace_terminating(exc.status, message):
+                # Not retried: the namespace and its VMs are going. The next decision
+                # (from a direct read) waits, and so does every VM of this namespace.
+                self.timers.create_answered(key)
+                self.terminating.learn(vm.namespace)
+                log.info("namespace {ns} is being deleted: no runner pod is created "
+                         "there", ns=vm.namespace)
+                return NAMESPACE_TERMINATING_OUTCOME
             kind = classify_create_error(exc.status, message)
             if kind == "retry":
                 self._create_failed(key, snap, name, f"{exc.status}: {message}", authority, log)

@@ -1,0 +1,211 @@
+"""A namespace being deleted takes its VMs with it (docs/reconciler.md, "A namespace
+being deleted").
+
+* decide: in a namespace known to be terminating, nothing that leads to a new pod (a
+  Restart into a new plan, RecordPlan, CreatePod) is asked for; the answer is Wait
+  (NamespaceTerminating). A VM being deleted still loses its finalizer, and a restart
+  into a terminal phase is still recorded.
+* the driver learns a namespace is terminating from a create refused for that reason
+  (403, "is being terminated") and does not retry it; it forgets after a while (the
+  namespace may be re-created under its name).
+* on the local cluster: a namespace of converged VMs deleted with a replica running goes
+  away, and the replica tries at most a bounded number of creates there (at most one per
+  worker), not one per VM and retry.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from neonvm.api.types import (
+    FINALIZER,
+    PendingPod,
+    VirtualMachine,
+    VirtualMachineSpec,
+    VirtualMachineStatus,
+)
+from neonvm.controller import decide as d
+from neonvm.controller.reconciler import TerminatingNamespaces, namespace_terminating
+from neonvm.dev.cluster import LocalCluster
+from neonvm.testing.harness import Replicas, converged, create_vm
+from tests.support import FAST, wait_for
+
+# ---- pure logic -----------------------------------------------------------------------
+
+FENCE = d.Fence(epoch=1, token=1)
+
+
+UID = "0123456789abcdef"
+
+
+def _vm(*, pod: str = "", deleting: bool = False, pending: PendingPod | None = None,
+        restart_policy: str = "Always") -> VirtualMachine:
+    status = VirtualMachineStatus(phase="Running" if pod else "Pending",
+                                  pod_name=pod or None, pod_uid="uid-1" if pod else None,
+                                  pending_pod=pending,
+                                  plan_seq=pending.plan_seq if pending else 0)
+    return VirtualMachine(
+        name="vm-1", namespace="ns", uid=UID, resource_version="5", generation=1,
+        spec=VirtualMachineSpec(restart_policy=restart_policy),  # type: ignore[arg-type]
+        status=status, finalizers=[FINALIZER],
+        deletion_timestamp="2026-01-01T00:00:00Z" if deleting else None)
+
+
+def _pod(name: str, *, terminating: bool = False, phase: str = "Running") -> d.PodView:
+    return d.PodView(name=name, uid="uid-1", owner_uid=UID, gated=False,
+                     terminating=terminating, phase=phase, fence=(1, 1))
+
+
+def _obs(vm: VirtualMachine, pods: tuple[d.PodView, ...] = (), *,
+         terminating: bool) -> d.Observation:
+    return d.Observation(vm=vm, pods=pods, lease=FENCE, direct=True,
+                         namespace_terminating=terminating)
+
+
+@pytest.mark.unit
+def test_a_runner_pod_going_in_a_terminating_namespace_is_not_restarted() -> None:
+    vm = _vm(pod="vm-1-01234567-1")
+    pods = (_pod("vm-1-01234567-1", terminating=True),)
+    assert isinstance(d.decide(_obs(vm, pods, terminating=False)), d.Restart)
+    action = d.decide(_obs(vm, pods, terminating=True))
+    assert isinstance(action, d.Wait)
+    assert action.condition == d.NAMESPACE_TERMINATING
+
+
+@pytest.mark.unit
+def test_no_plan_and_no_create_in_a_terminating_namespace() -> None:
+    assert isinstance(d.decide(_obs(_vm(), terminating=False)), d.RecordPlan)
+    waiting = d.decide(_obs(_vm(), terminating=True))
+    assert isinstance(waiting, d.Wait) and waiting.condition == d.NAMESPACE_TERMINATING
+    plan = PendingPod(name="vm-1-01234567-1", plan_seq=1, token=1, epoch=1, generation=1)
+    assert isinstance(d.decide(_obs(_vm(pending=plan), terminating=False)), d.CreatePod)
+    waiting = d.decide(_obs(_vm(pending=plan), terminating=True))
+    assert isinstance(waiting, d.Wait) and waiting.condition == d.NAMESPACE_TERMINATING
+
+
+@pytest.mark.unit
+def test_a_vm_being_deleted_in_a_terminating_namespace_still_loses_its_finalizer() -> None:
+    vm = _vm(pod="vm-1-01234567-1", deleting=True)
+    assert isinstance(d.decide(_obs(vm, terminating=True)), d.RemoveFinalizer)
+    gone = (_pod("vm-1-01234567-1", terminating=True),)
+    assert isinstance(d.decide(_obs(vm, gone, terminating=True)), d.Wait)
+
+
+@pytest.mark.unit
+def test_a_restart_into_a_terminal_phase_is_still_recorded() -> None:
+    vm = _vm(pod="vm-1-01234567-1", restart_policy="Never")
+    pods = (_pod("vm-1-01234567-1", phase="Failed"),)
+    action = d.decide(_obs(vm, pods, terminating=True))
+    assert isinstance(action, d.Restart) and action.terminal_phase == "Failed"
+
+
+@pytest.mark.unit
+def test_a_create_refused_because_the_namespace_is_terminating_is_recognised() -> None:
+    message = ("pods \"vm-1-01234567-2\" is forbidden: unable to create new content in "
+               "namespace t because it is being terminated")
+    assert namespace_terminating(403, message)
+    assert not namespace_terminating(403, "exceeded quota: q, requested: pods=1")
+    assert not namespace_terminating(500, message)
+
+
+@pytest.mark.unit
+def test_a_terminating_namespace_is_remembered_for_a_while_only() -> None:
+    now = [100.0]
+    known = TerminatingNamespaces(remember_seconds=30.0, clock=lambda: now[0])
+    assert not known.knows("t")
+    known.learn("t")
+    assert known.knows("t") and not known.knows("u")
+    now[0] += 29.0
+    assert known.knows("t")
+    now[0] += 1.0
+    assert not known.knows("t")  # it may have been re-created under its name
+
+
+# ---- on the local cluster -----------------------------------------------------------------
+
+VMS = 30
+WORKERS = 4
+
+
+def _create_attempts(log: str) -> int:
+    """Runner pod creates the replica tried (one ``CreatePod:`` line each)."""
+    count = 0
+    for line in log.splitlines():
+        try:
+            msg = str(json.loads(line).get("msg", ""))
+        except ValueError:
+            continue
+        if msg.startswith("CreatePod:"):
+            count += 1
+    return count
+
+
+def _namespace_gone(core: client.CoreV1Api, name: str) -> bool:
+    try:
+        core.read_namespace(name)
+    except ApiException as exc:
+        if exc.status == 404:
+            return True
+        raise
+    return False
+
+
+def _release(api: client.ApiClient, name: str) -> None:
+    """Let a namespace left behind go without a controller."""
+    custom = client.CustomObjectsApi(api)
+    try:
+        vms = custom.list_namespaced_custom_object("vm.neon.tech", "v1", name,
+                                                   "virtualmachines")
+        for vm in vms.get("items", []):
+            if vm["metadata"].get("finalizers"):
+                custom.patch_namespaced_custom_object(
+                    "vm.neon.tech", "v1", name, "virtualmachines", vm["metadata"]["name"],
+                    {"metadata": {"finalizers": None}})
+        client.CoreV1Api(api).delete_namespace(name)
+    except ApiException:
+        pass
+
+
+def test_a_namespace_of_converged_vms_deleted_under_a_running_replica_goes_with_few_creates(
+        cluster: LocalCluster, api: client.ApiClient, namespace: str, tmp_path: Path) -> None:
+    if not cluster.spec.nodes:
+        pytest.skip("needs simulated nodes")
+    core = client.CoreV1Api(api)
+    doomed = f"t-{uuid.uuid4().hex[:10]}"
+    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=doomed)))
+    prefix = f"/t-{uuid.uuid4().hex[:8]}"
+    # The Lease lives in the fixture's namespace, which outlives the deleted one.
+    group = Replicas(api=api, kubeconfig=cluster.kubeconfig_for("controller"),
+                     etcd_endpoints=cluster.locks_etcd_config(prefix),
+                     lease_namespace=namespace, log_dir=tmp_path,
+                     extra_args=[*FAST, "--watch-namespace", doomed, "--etcd-prefix", prefix,
+                                 "--workers", str(WORKERS)])
+    try:
+        with group:
+            replica = group.start("r0")
+            names = [f"vm-{i}" for i in range(VMS)]
+            for name in names:
+                create_vm(api, doomed, name)
+            wait_for(lambda: converged(api, doomed, names), timeout=240,
+                     what=f"{VMS} VMs converged")
+            before = _create_attempts(replica.log())
+            started = time.monotonic()
+            core.delete_namespace(doomed)
+            wait_for(lambda: _namespace_gone(core, doomed), timeout=300,
+                     interval=0.5, what="the namespace gone")
+            took = time.monotonic() - started
+            after = _create_attempts(replica.log()) - before
+            assert replica.running()
+            print(f"namespace of {VMS} VMs gone after {took:.1f}s; "
+                  f"{after} pod creates tried during its deletion")
+            assert after <= WORKERS, replica.log()[-20000:]
+    finally:
+        if not _namespace_gone(core, doomed):
+            _release(api, doomed)
