@@ -214,7 +214,11 @@ class HonestRunner:
     unplug: what the runner answers after its own wait), applying nothing."""
 
     def __init__(self, port: int = 0, stuck_put: float | None = None,
-                 put_redirect: str = "") -> None:
+                 put_redirect: str = "", lying_put: float | None = None) -> None:
+        self.lying_put = lying_put
+        """Set: every PUT waits that many seconds and answers 200 with the size asked
+        for, applying nothing (``GET /scale`` goes on reporting the older fence): a
+        hostile runner that holds the caller as long as it likes with a "success"."""
         self.put_redirect = put_redirect
         """Non-empty: every PUT is answered 307 to this URL (a hostile runner that
         answers GET /scale as a runner does)."""
@@ -266,6 +270,12 @@ class HonestRunner:
                     self.send_header("Location", outer.put_redirect)
                     self.send_header("Content-Length", "0")
                     self.end_headers()
+                    return
+                if outer.lying_put is not None:
+                    time.sleep(outer.lying_put)
+                    self._answer(200, {"qemu": {"vcpus": doc["cpus"],
+                                                "memorySlots": doc["memorySlots"],
+                                                "memoryBytes": doc["memorySlots"] * GIB}})
                     return
                 if outer.stuck_put is not None:
                     time.sleep(outer.stuck_put)

@@ -114,6 +114,34 @@ def test_an_unplug_the_guest_never_settles_is_asked_once_per_reconcile(
     assert again.stuck == "ApplyScaleNotTakingEffect" and stuck_runner.puts == 2
 
 
+@pytest.mark.cluster
+def test_a_runner_answering_200_slowly_without_applying_is_asked_once_per_reconcile(
+        api: client.ApiClient, controller_api: client.ApiClient, namespace: str) -> None:
+    # A hostile runner: every PUT waits, then answers 200; GET /scale goes on reporting
+    # the older fence. Before, each such answer counted as progress and the same PUT was
+    # sent again up to the step budget (30): 30 deadlines (45 minutes) per reconcile.
+    from tests.test_scaling_controller import _running_on, set_use, status_of
+
+    runner = HonestRunner(lying_put=0.3)
+    try:
+        reconciler = _running_on(runner, api, controller_api, namespace, "liar",
+                                 token_sync_seconds=3600.0)
+        key = f"{namespace}/liar"
+        set_use(api, namespace, "liar", 2, 2)
+        result = reconciler.reconcile(key, OLD, direct_first=True)
+        assert runner.puts == 1, runner.puts
+        assert result.stuck == "ApplyScaleNotTakingEffect", result
+        status = status_of(api, namespace, "liar")
+        assert status["pendingScale"]["seq"] == 1, status  # kept: asked again after backoff
+        degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
+        assert (degraded["status"], degraded["reason"]) == ("True",
+                                                            "ApplyScaleNotTakingEffect")
+        again = reconciler.reconcile(key, OLD, direct_first=True)
+        assert again.stuck == "ApplyScaleNotTakingEffect" and runner.puts == 2, runner.puts
+    finally:
+        runner.close()
+
+
 class LostAfterAPut:
     """An authority that holds until ``runner`` has been sent a PUT, then is lost (a
     leader deposed while its PUT was on its way)."""

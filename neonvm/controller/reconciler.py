@@ -614,6 +614,9 @@ class Reconciler:
         details: dict[tuple[type[d.Action], str], str] = {}
         targets: dict[tuple[type[d.Action], str], str] = {}
         performed: Counter[type[d.Action]] = Counter()
+        put: tuple[int, str, str] | None = None
+        """The reconcile's ``PUT /scale``, once sent: (plan seq, outcome, detail). One
+        per reconcile, whatever its answer (:meth:`_after_put`)."""
         # Once here; then once per write, immediately before it (a VM write checks inside
         # the conditional update, on every attempt; a pod write in _perform).
         authority.check()
@@ -676,6 +679,8 @@ class Reconciler:
                           reason=action.reason)
                 return ReconcileResult(action=action, requeue_after=requeue, steps=steps,
                                        seen=seen_of(final, snap.pods))
+            if isinstance(action, d.ApplyScale) and put is not None:
+                return self._after_put(key, snap, authority, log, steps, action, *put)
             if not resumed_counted:
                 resumed_counted = True
                 row = ACTIONS.get(type(action))
@@ -690,6 +695,8 @@ class Reconciler:
             if self._after_step is not None:
                 self._after_step(key, STEP_NAMES[type(action)], str(outcome))
             performed[type(action)] += 1
+            if isinstance(action, d.ApplyScale):
+                put = (action.plan.seq, str(outcome), getattr(outcome, "detail", ""))
             if outcome not in EFFECTIVE:
                 miss = (type(action), str(outcome))
                 misses[miss] += 1
@@ -734,6 +741,26 @@ class Reconciler:
         if obs.vm is None or not self.terminating.knows(obs.vm.namespace):
             return obs
         return replace(obs, namespace_terminating=True)
+
+    def _after_put(self, key: str, snap: Snapshot, authority: Authority, log: Any,
+                   steps: int, action: d.ApplyScale, seq: int, outcome: str,
+                   detail: str) -> ReconcileResult:
+        """``decide`` asks for a second ``PUT /scale`` in one reconcile: not sent. The
+        runner chooses how long each answer takes (up to the deadline, whatever the
+        status), so one reconcile sends at most one, and a worker is held for at most one
+        deadline per turn. A new plan since that PUT (the runner had a newer fence: the
+        plan was dropped and made again) is progress: looked at again at once. The same
+        plan asked again (a 200 the next ``GET /scale`` does not bear out, a 409 or
+        another 4xx) ends stuck, with the VM's backoff. docs/reconciler.md, "Fencing"."""
+        if action.plan.seq != seq:
+            log.debug("plan #{seq} made after this reconcile's PUT: looking again at once",
+                      seq=action.plan.seq)
+            return ReconcileResult(action=d.Wait(seconds=0.0, reason="one PUT /scale per "
+                                                 "reconcile"),
+                                   requeue_after=0.0, steps=steps)
+        return self._stuck(key, snap, authority, log, steps, d.ApplyScale,
+                           f"ApplyScale{NOT_TAKING_EFFECT}",
+                           miss_message(d.ApplyScale, outcome, detail))
 
     def _stuck(self, key: str, snap: Snapshot, authority: Authority, log: Any, steps: int,
                kind: type[d.Action], reason: str, message: str) -> ReconcileResult:
