@@ -78,8 +78,6 @@ UNIMPLEMENTED: tuple[Unimplemented, ...] = (
     Unimplemented("spec.extraNetwork",
                   lambda s: s.extra_network is not None and bool(s.extra_network.enable),
                   "no Multus interface is attached"),
-    Unimplemented("spec.service_links", lambda s: s.service_links is False,
-                  "the runner pod keeps Kubernetes' default enableServiceLinks: true"),
     Unimplemented("spec.tls", lambda s: s.tls is not None,
                   "no certificate is provisioned"),
     Unimplemented("spec.overcommit", lambda s: s.overcommit is not None,

@@ -7,6 +7,9 @@ strings NeonVM's own parser would refuse too (``"two"``) and a few odd ones it t
 (``"1k"``, ``"1e3"``). A decimal with more than three places rounds *up* to the next
 millicpu, as NeonVM's ``MilliValue`` does.
 
+A manifest may also write a float (``0.25``, as NeonVM's samples do): the
+MutatingAdmissionPolicy of :mod:`neonvm.api.admission` stores it in this encoding.
+
 Encoding follows NeonVM's ``MarshalJSON``: a whole number of vCPUs is written as an
 integer, anything else as a millicpu string (``"500m"``, ``"1500m"``).
 """
@@ -33,8 +36,10 @@ class MilliCPU(int):
     def parse(cls, value: object) -> MilliCPU:
         """The millicpu of a JSON value: an int is whole vCPUs, a string NeonVM's quantity.
 
-        Floats are taken as vCPUs (Python callers; the API never sends one: the schema
-        allows only integers and strings).
+        A float is vCPUs too (NeonVM's manifests write ``0.25``): rounded to a micro-vCPU,
+        then up to the next millicpu, as :mod:`neonvm.api.admission` stores it. The API
+        server itself never hands the controller one: that policy rewrites numbers into
+        NeonVM's encoding and the schema takes only integers and strings.
         """
         if isinstance(value, MilliCPU):
             return value

@@ -36,6 +36,8 @@ QUANTITY_MAX_LENGTH = 32
 """Every quantity string is bounded: no real quantity is longer."""
 SHAPE = "shape"
 """Metadata: a dataclass whose schema the field has, while the codec keeps a plain dict."""
+NO_DEFAULT: Any = object()
+"""``schema_default`` when the CRD stores no default for the field."""
 
 
 def api_field(
@@ -58,6 +60,7 @@ def api_field(
     quantity: bool = False,
     shape: type | None = None,
     required: bool = False,
+    schema_default: Any = NO_DEFAULT,
 ) -> Any:
     """A dataclass field with the metadata the schema and codec need.
 
@@ -65,6 +68,9 @@ def api_field(
     a map or free-form object, ``item_max_length`` for the strings inside a list or map.
     ``shape`` gives a ``dict`` field (or a list of them) the schema of a dataclass while
     the codec keeps plain dicts, for fields that code reads as mappings.
+    ``schema_default`` is the CRD's ``default:``, which the API server stores when the
+    field is absent (NeonVM's defaults; docs/neonvm-compat.md, "Defaults"); ``default``
+    is only the dataclass's, for objects built in Python.
     """
     meta = {
         "description": description,
@@ -83,6 +89,7 @@ def api_field(
         FREE_FORM: free_form,
         QUANTITY: quantity,
         "required": required,
+        "schema_default": schema_default,
     }
     if default_factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=meta)
@@ -126,8 +133,18 @@ def openapi_schema(cls: type) -> dict[str, Any]:
         schema["required"] = required
     rules = getattr(cls, "__validations__", ())
     if rules:
-        schema["x-kubernetes-validations"] = [{"rule": r, "message": m} for r, m in rules]
+        schema["x-kubernetes-validations"] = [_rule(*r) for r in rules]
     return schema
+
+
+def _rule(rule: str, message: str, field_path: str | None = None) -> dict[str, Any]:
+    """One ``x-kubernetes-validations`` entry; ``field_path`` (".cpus.min") is the field the
+    API server's error names, when the rule sits on a parent so that it also sees the
+    field removed."""
+    entry = {"rule": rule, "message": message}
+    if field_path:
+        entry["fieldPath"] = field_path
+    return entry
 
 
 def _field_schema(tp: Any, meta: typing.Mapping[str, Any]) -> dict[str, Any]:
@@ -173,6 +190,8 @@ def _field_schema(tp: Any, meta: typing.Mapping[str, Any]) -> dict[str, Any]:
         s["pattern"] = meta["pattern"]
     if meta.get("min_length") is not None:
         s["minLength"] = meta["min_length"]
+    if meta.get("schema_default", NO_DEFAULT) is not NO_DEFAULT:
+        s["default"] = meta["schema_default"]
     return s
 
 

@@ -82,6 +82,47 @@ SCALING_TOKEN_SECRET_PREFIX = "neonvm-scaling-"
 generateName); no VM may mount a Secret so named (``disks[].secret``)."""
 
 
+RESERVED_DISK_NAMES = ("virtualmachineimages", "rootdisk", "runtime", "swapdisk", "sysfscgroup",
+                       "ssh-privatekey", "ssh-publickey", "ssh-authorized-keys", "tls")
+"""Names NeonVM's webhook refuses for ``spec.disks[].name`` (its runner's own volumes)."""
+DISK_NAME_LENGTH = 32
+"""NeonVM's webhook refuses a longer disk name."""
+RESERVED_PORT_NAMES = ("qmp", "runner")
+"""``qmp`` is NeonVM's reserved port name; ``runner`` is the runner pod's own port here, so a
+guest port of that name would make a pod the API server refuses."""
+DEFAULT_CPU_SCALING_MODE = "QmpScaling"
+"""What NeonVM's controller writes into an unset ``spec.cpuScalingMode`` (its deployment's
+``--default-cpu-scaling-mode``); here the CRD's default stores it."""
+
+
+def _unchanged(field: str) -> tuple[str, str, str]:
+    """A transition rule on the parent of ``field``: neither added, removed nor changed."""
+    return (f"has(self.{field}) == has(oldSelf.{field}) && "
+            f"(!has(self.{field}) || self.{field} == oldSelf.{field})",
+            f"{field} is immutable", f".{field}")
+
+
+def _set_once(field: str) -> tuple[str, str, str]:
+    """A transition rule on the parent of ``field``: it may be set when unset, then not
+    changed or removed (NeonVM's "allowed to change from nil only")."""
+    return (f"!has(oldSelf.{field}) || (has(self.{field}) && self.{field} == oldSelf.{field})",
+            f"{field} is not allowed to be changed once it's set", f".{field}")
+
+
+def _cpu_unchanged(bound: str) -> tuple[str, str, str]:
+    """``cpus.<bound>`` keeps its amount (``1``, ``"1"`` and ``"1000m"`` are one amount)."""
+    new, old = f"self.cpus.{bound}", f"oldSelf.cpus.{bound}"
+    return (f"has(self.cpus) == has(oldSelf.cpus) && (!has(self.cpus) || "
+            f"quantity(string({new})).compareTo(quantity(string({old}))) == 0)",
+            f"cpus.{bound} is immutable", f".cpus.{bound}")
+
+
+def _slots_unchanged(bound: str) -> tuple[str, str, str]:
+    return (f"has(self.memorySlots) == has(oldSelf.memorySlots) && (!has(self.memorySlots) "
+            f"|| self.memorySlots.{bound} == oldSelf.memorySlots.{bound})",
+            f"memorySlots.{bound} is immutable", f".memorySlots.{bound}")
+
+
 def _millicpu_rules() -> tuple[tuple[str, str], ...]:
     def q(expr: str) -> str:
         return f"quantity(string({expr}))"
@@ -157,7 +198,8 @@ class RootDisk:
                            "local runner).", required=True, min_length=1, default="",
                            max_length=IMAGE_LENGTH)
     size: str | None = api_field("Disk size.", quantity=True)
-    image_pull_policy: PullPolicy | None = api_field("When to pull the disk image.")
+    image_pull_policy: PullPolicy | None = api_field("When to pull the disk image.",
+                                                     schema_default="IfNotPresent")
     execute: list[str] | None = api_field(
         "Commands the guest may run through the runner (NeonVM's vm-builder 'execute' list).",
         max_items=COMMAND_ITEMS, item_max_length=PATH_LENGTH)
@@ -169,16 +211,23 @@ class EnvVar:
 
     name: str = api_field("Variable name.", required=True, min_length=1, default="",
                           max_length=NAME_LENGTH)
-    value: str | None = api_field("Variable value.", max_length=ENV_VALUE_LENGTH)
+    value: str | None = api_field("Variable value.", max_length=ENV_VALUE_LENGTH,
+                                  schema_default="")
 
 
 @dataclass
 class Port:
     """A port the guest listens on."""
 
+    __validations__ = (
+        ("!has(self.name) || !(self.name in " + repr(list(RESERVED_PORT_NAMES)) + ")",
+         "'qmp' and 'runner' are reserved names for .spec.guest.ports[].name", ".name"),
+    )
+
     port: int = api_field("Port number.", minimum=1, maximum=65535, required=True, default=0)
     name: str | None = api_field("Port name.", max_length=DNS_LABEL)
-    protocol: Literal["TCP", "UDP"] | None = api_field("Protocol (default TCP).")
+    protocol: Literal["TCP", "UDP"] | None = api_field("Protocol (default TCP).",
+                                                        schema_default="TCP")
 
 
 @dataclass
@@ -194,13 +243,29 @@ class GuestSettings:
 class Guest:
     """What runs inside the VM: its size, disk, kernel and command."""
 
+    # What NeonVM's webhook keeps from changing (cpus.use and memorySlots.use stay free:
+    # the autoscaler's). Rules sit here, not on the fields, so that removing one is seen.
+    __validations__ = (
+        _cpu_unchanged("min"), _cpu_unchanged("max"),
+        _slots_unchanged("min"), _slots_unchanged("max"),
+        ("self.rootDisk == oldSelf.rootDisk", "rootDisk is immutable", ".rootDisk"),
+        _unchanged("ports"), _unchanged("command"), _unchanged("args"), _unchanged("env"),
+        _unchanged("settings"),
+        ("!has(self.kernelImage) || self.kernelImage.startsWith('/')",
+         "kernelImage is an absolute path of a kernel file in the runner's image here; "
+         "NeonVM's form, a container image holding /vmlinuz, is not supported: leave it "
+         "unset to boot the runner's own kernel (docs/neonvm-compat.md)", ".kernelImage"),
+    )
+
     cpus: CPURange = api_field("CPU bounds.", default_factory=CPURange)
     memory_slots: IntRange = api_field("Memory slot bounds (at most 512 slots).",
                                        default_factory=IntRange)
-    memory_slot_size: str = api_field("Size of one memory slot.", quantity=True, default="1Gi")
+    memory_slot_size: str = api_field("Size of one memory slot.", quantity=True, default="1Gi",
+                                      schema_default="1Gi")
     root_disk: RootDisk = api_field("Root disk.", default_factory=RootDisk, required=True)
-    kernel_image: str | None = api_field("Kernel to boot directly (optional).",
-                                         max_length=PATH_LENGTH)
+    kernel_image: str | None = api_field(
+        "Kernel to boot directly: an absolute file path in the runner's image (NeonVM: a "
+        "container image, refused here).", max_length=PATH_LENGTH)
     initrd_image: str | None = api_field("Initial ramdisk to boot with the kernel (optional).",
                                          max_length=PATH_LENGTH)
     append_kernel_cmdline: str | None = api_field("Extra kernel command line.",
@@ -281,12 +346,18 @@ class TmpfsDiskSource:
 class Disk:
     """An extra disk; exactly one source (emptyDisk, configMap, secret, tmpfs) is expected."""
 
-    name: str = api_field("Disk name.", required=True, min_length=1, default="",
-                          pattern=_DNS_LABEL_PATTERN, max_length=DNS_LABEL)
+    __validations__ = (
+        ("!(self.name in " + repr(list(RESERVED_DISK_NAMES)) + ")",
+         "the name is reserved for .spec.disks[].name (NeonVM's runner uses it): "
+         + ", ".join(RESERVED_DISK_NAMES), ".name"),
+    )
+
+    name: str = api_field("Disk name (not a reserved one).", required=True, min_length=1,
+                          default="", pattern=_DNS_LABEL_PATTERN, max_length=DISK_NAME_LENGTH)
     mount_path: str | None = api_field("Mount point in the guest.", max_length=PATH_LENGTH)
-    read_only: bool | None = api_field("Mount read-only.")
+    read_only: bool | None = api_field("Mount read-only.", schema_default=False)
     watch: bool | None = api_field("Watch the source for changes (NeonVM; configMap and "
-                                   "secret disks).")
+                                   "secret disks).", schema_default=False)
     empty_disk: dict[str, Any] | None = api_field("A fresh disk of a given size.",
                                                   shape=EmptyDiskSource)
     config_map: dict[str, Any] | None = api_field("A disk built from a ConfigMap.",
@@ -337,9 +408,9 @@ class PodResources:
 class ExtraNetwork:
     """An extra interface on a Multus network (NeonVM)."""
 
-    enable: bool | None = api_field("Enable the extra interface.")
+    enable: bool | None = api_field("Enable the extra interface.", schema_default=False)
     interface: str | None = api_field("Interface name (NeonVM's default net1).",
-                                      max_length=15)
+                                      max_length=15, schema_default="net1")
     multus_network: str | None = api_field("NetworkAttachmentDefinition name.",
                                            max_length=NAME_LENGTH)
 
@@ -356,7 +427,7 @@ class TLSProvisioning:
     server_name: str | None = api_field("Common name of the certificate.",
                                         max_length=NAME_LENGTH)
     mount_path: str | None = api_field("Directory in the guest for tls.key and tls.crt.",
-                                       max_length=PATH_LENGTH)
+                                       max_length=PATH_LENGTH, schema_default="/var/tls")
 
 
 @dataclass
@@ -390,10 +461,17 @@ class RevisionWithTime:
 class VirtualMachineSpec:
     """Desired state of a VirtualMachine (every field of NeonVM's v1 spec)."""
 
+    # NeonVM's webhook: these never change after creation (docs/neonvm-compat.md).
+    __validations__ = (
+        _unchanged("disks"), _unchanged("podResources"), _unchanged("enableAcceleration"),
+        _unchanged("enableSSH"), _unchanged("initScript"), _unchanged("enableNetworkMonitoring"),
+        _set_once("cpuScalingMode"), _set_once("targetArchitecture"),
+    )
+
     guest: Guest = api_field("The guest.", default_factory=Guest, required=True)
     restart_policy: RestartPolicy = api_field(
         "What to do when the runner pod ends: Always restart, restart OnFailure, or Never.",
-        default="Always",
+        default="Always", schema_default="Always",
     )
     runner_image: str | None = api_field("Image of the runner pod.", max_length=IMAGE_LENGTH)
     disks: list[Disk] | None = api_field("Extra disks.", max_items=DISK_ITEMS)
@@ -417,14 +495,15 @@ class VirtualMachineSpec:
         "Pull secrets for the runner pod.", shape=LocalObjectReference,
         max_items=PULL_SECRET_ITEMS)
     runner_port: int | None = api_field("Runner HTTP port.", minimum=1, maximum=65535,
-                                        int32=True)
-    qmp: int | None = api_field("QMP port (NeonVM's default 20183).", minimum=1,
-                                maximum=65535, int32=True)
+                                        int32=True, schema_default=25183)
+    qmp: int | None = api_field("NeonVM's QMP port; here a second QMP monitor on a unix "
+                                "socket, no TCP port.", minimum=1, maximum=65535, int32=True,
+                                schema_default=20183)
     qmp_manual: int | None = api_field("NeonVM's second QMP port, for manual use "
                                        "(default 20184).", minimum=1, maximum=65535,
                                        int32=True)
-    enable_ssh: bool | None = api_field("Enable SSH into the guest (NeonVM).",
-                                        json="enableSSH")
+    enable_ssh: bool | None = api_field("Enable SSH into the guest (NeonVM; not done here).",
+                                        json="enableSSH", schema_default=True)
     target_architecture: CPUArchitecture | None = api_field(
         "CPU architecture of the node the VM runs on: amd64 or arm64.")
     extra_init_containers: list[dict[str, Any]] | None = api_field(
@@ -433,9 +512,11 @@ class VirtualMachineSpec:
     init_script: str | None = api_field("A script run in the runner container before the VM "
                                         "starts.", max_length=INIT_SCRIPT_LENGTH)
     extra_network: ExtraNetwork | None = api_field("Extra interface on a Multus network.")
-    service_links: bool | None = api_field("enableServiceLinks of the runner pod.",
-                                           json="service_links")
-    enable_acceleration: bool | None = api_field("Use KVM (NeonVM's default: true).")
+    service_links: bool | None = api_field(
+        "enableServiceLinks of the runner pod (unset: Kubernetes' default, true).",
+        json="service_links")
+    enable_acceleration: bool | None = api_field("Use KVM (NeonVM's default: true).",
+                                                 schema_default=True)
     tls: TLSProvisioning | None = api_field("Certificates to provision for the VM.")
     overcommit: OvercommitSettings | None = api_field(
         "Factors by which to discount the VM's resource usage.")
@@ -443,8 +524,10 @@ class VirtualMachineSpec:
         "Set by an external party with a spec change; copied to status.currentRevision once "
         "the change reached the VM.")
     cpu_scaling_mode: CpuScalingMode | None = api_field(
-        "How CPUs are scaled: QmpScaling (hot-plug) or SysfsScaling (online in the guest).")
-    enable_network_monitoring: bool | None = api_field("Enable network monitoring (NeonVM).")
+        "How CPUs are scaled: QmpScaling (hot-plug) or SysfsScaling (online in the guest).",
+        schema_default=DEFAULT_CPU_SCALING_MODE)
+    enable_network_monitoring: bool | None = api_field("Enable network monitoring (NeonVM).",
+                                                       schema_default=False)
 
 
 @dataclass

@@ -105,6 +105,13 @@ def scalable(vm: VirtualMachine) -> bool:
     return guest.cpus.max != guest.cpus.min or guest.memory_slots.max != guest.memory_slots.min
 
 
+NEONVM_KVM_RESOURCE = "neonvm/kvm"
+"""The extended resource NeonVM's runner pods request for ``/dev/kvm`` (served on NeonVM's
+nodes by a generic device plugin). Pass it as ``--kvm-resource`` to use such nodes as they
+are; this package's own plugin (``neonvm runner kvm-device-plugin``) serves the name it is
+given."""
+
+
 class PodSpecError(ValueError):
     """The VM spec passed the schema but no pod can be built from it."""
 
@@ -116,9 +123,10 @@ class PodDefaults:
     runner_image: str = DEFAULT_RUNNER_IMAGE
     image_pull_policy: str = "IfNotPresent"
     kvm_resource: str | None = None
-    """Extended resource that puts ``/dev/kvm`` into a container (a device plugin's, e.g.
-    NeonVM's ``devices.kubevirt.io/kvm``), requested by VMs with acceleration on. None:
-    nothing is requested (the cluster has no such plugin)."""
+    """Extended resource that puts ``/dev/kvm`` into a container (a device plugin's:
+    NeonVM's is :data:`NEONVM_KVM_RESOURCE`, KubeVirt's ``devices.kubevirt.io/kvm``),
+    requested by VMs with acceleration on. None: nothing is requested (the cluster has no
+    such plugin)."""
 
 
 def runner_pod(vm: VirtualMachine, plan: PendingPod,
@@ -158,6 +166,8 @@ def runner_pod(vm: VirtualMachine, plan: PendingPod,
         # NeonVM's meaning of false: the guest runs under TCG even where /dev/kvm works.
         container["env"].append({"name": "NEONVM_ACCEL", "value": "tcg"})
     for guest_port in spec.guest.ports or []:
+        # Every port as NeonVM lists it, the same number twice included (its sample has
+        # 5432 as "postgres" and "pooler"); the runner forwards each number once.
         entry: dict[str, Any] = {"containerPort": guest_port.port,
                                  "protocol": guest_port.protocol or "TCP"}
         if guest_port.name:
@@ -221,7 +231,6 @@ def runner_pod(vm: VirtualMachine, plan: PendingPod,
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
         "schedulingGates": [{"name": types.SCHEDULING_GATE}],
-        "enableServiceLinks": False,
         "automountServiceAccountToken": False,
         "securityContext": _pod_security(vm, port),
         "containers": [container],
@@ -237,6 +246,8 @@ def runner_pod(vm: VirtualMachine, plan: PendingPod,
         "serviceAccountName": spec.service_account_name,
         "imagePullSecrets": spec.image_pull_secrets,
         "terminationGracePeriodSeconds": spec.termination_grace_period_seconds,
+        # As NeonVM: unset leaves Kubernetes' default (true).
+        "enableServiceLinks": spec.service_links,
     }
     pod_spec.update({k: v for k, v in optional.items() if v is not None})
     pod: dict[str, Any] = {

@@ -474,16 +474,16 @@ def build_launch_plan(spec: VirtualMachineSpec, ctx: LaunchContext) -> LaunchPla
                  "-device", f"virtio-blk-pci,drive=disk-{SWAP_SERIAL},serial={SWAP_SERIAL}"]
 
     forwards: list[str] = []
-    ports: list[int] = []
+    ports: list[tuple[int, str]] = []
     for port in guest.ports or []:
         if port.port == ctx.runner_port:
             raise SpecError(f"guest.ports: {port.port} is the runner's own port")
         if port.port == spec.qmp:
             raise SpecError(f"guest.ports: {port.port} is the QMP port")
-        if port.port in ports:
-            raise SpecError(f"guest.ports: {port.port} appears twice")
-        ports.append(port.port)
         proto = (port.protocol or "TCP").lower()
+        if (port.port, proto) in ports:
+            continue  # NeonVM's sample names 5432 twice (postgres, pooler): forwarded once
+        ports.append((port.port, proto))
         forwards.append(f"hostfwd={proto}:{ctx.listen_address}:{port.port}-:{port.port}")
     # The guest's network: slirp at pinned addresses, and every frame the guest sends
     # goes through the runner's filter first (neonvm.runner.guestnet), which keeps the
@@ -537,7 +537,7 @@ def build_launch_plan(spec: VirtualMachineSpec, ctx: LaunchContext) -> LaunchPla
         cpus=cpus,
         memory=memory,
         kernel_cmdline=cmdline,
-        forwarded_ports=tuple(ports),
+        forwarded_ports=tuple(dict.fromkeys(number for number, _ in ports)),
         cpu_scaling_mode=ctx.cpu_scaling_mode,
         agent_socket=agent_socket,
         guest_frames_socket=frames_out,
