@@ -65,6 +65,35 @@ def test_a_silent_runner_is_asked_at_decides_pace_for_a_grace_period_then_with_b
 
 
 @pytest.mark.unit
+def test_a_silent_runner_stays_degraded_while_looked_at_with_the_stuck_backoff() -> None:
+    # The manager's own stuck backoff and a fake clock; each look at the silent runner is
+    # spaced by the backoff plus a GET's whole deadline. Before, the count of failures was
+    # forgotten after 300 s, the backoff's cap: once the cap was reached, the next look
+    # started a new grace period, the reconcile ended normally (Degraded "Recovered") and
+    # the backoff went back to 1 s.
+    from neonvm.controller.manager import ControllerConfig
+    from neonvm.controller.scaling import RUNNER_GRACE_SECONDS, runner_trouble
+
+    backoff = ControllerConfig().stuck_backoff
+    look_timeout = 3.0
+    now = [1000.0]
+    scaling = RunnerScaling(client.ApiClient(), clock=lambda: now[0],
+                            look_timeout=look_timeout,
+                            address=lambda vm, pod: "http://127.0.0.1:1")  # nobody there
+    planned = Snapshot(obs=obs(vm(cpus_use=2, pending=scale_plan(), phase="Scaling")),
+                       record=None)
+    while runner_trouble(scaling.observe(planned).obs.runner_error) is None:
+        assert now[0] - 1000.0 <= RUNNER_GRACE_SECONDS
+        now[0] += 2.0  # decide's own pace
+    streak = 0
+    for _ in range(20):  # 1, 2, 4 ... 256, then the cap (300 s) eleven times
+        now[0] += backoff.delay(streak) + look_timeout
+        streak += 1
+        trouble = runner_trouble(scaling.observe(planned).obs.runner_error)
+        assert trouble is not None and trouble[0] == "RunnerUnreachable", (now[0], trouble)
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize(("outcome", "later"), [
     ("guest_refused", True), ("runner_504", True), ("runner_503", True),
     ("unreachable", True), ("runner_misbehaving", True),

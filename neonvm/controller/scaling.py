@@ -116,6 +116,13 @@ RUNNER_BODY_LIMIT = 64 * 1024
 RUNNER_HEAD_LIMIT = 16 * 1024
 """Largest status line and headers (bytes) taken from a runner."""
 
+RUNNER_FAILURES_QUIET_SECONDS = 600.0
+"""A runner's failed ``GET /scale`` run that stopped for this long (no failure from it
+meanwhile) is forgotten: the next failure starts a new :data:`RUNNER_GRACE_SECONDS`. Twice
+the stuck backoff's cap (300 s, ``ControllerConfig.stuck_backoff``): a silent runner looked
+at once per cap, each look taking up to its deadline, stays one run, and its VM stays
+Degraded instead of flapping to ``Recovered``."""
+
 RUNNER_GRACE_SECONDS = 30.0
 """How long a runner that gives no answer to ``GET /scale`` (refused, reset, silent) is
 asked again at decide's own pace (``RUNNER_RECHECK_SECONDS``) before its VM is Degraded
@@ -230,17 +237,20 @@ class RunnerScaling:
                  look_timeout: float = 3.0, address: RunnerAddress = default_address,
                  token_sync_seconds: float = TOKEN_SYNC_SECONDS,
                  token_quiet_seconds: float = TOKEN_QUIET_SECONDS,
+                 failures_quiet_seconds: float = RUNNER_FAILURES_QUIET_SECONDS,
                  clock: Callable[[], float] = time.monotonic) -> None:
         """``timeout``: a ``PUT /scale`` (the runner waits up to its own 60 s for an
         unplug); ``look_timeout``: a ``GET /scale``, asked during observations;
         ``token_sync_seconds``, ``token_quiet_seconds``: see :data:`TOKEN_SYNC_SECONDS`
-        and :data:`TOKEN_QUIET_SECONDS`."""
+        and :data:`TOKEN_QUIET_SECONDS`; ``failures_quiet_seconds``: see
+        :data:`RUNNER_FAILURES_QUIET_SECONDS` (longer than the stuck backoff's cap)."""
         self._api = api
         self._timeout = timeout
         self._look_timeout = look_timeout
         self._address = address
         self._token_sync = token_sync_seconds
         self._token_quiet = token_quiet_seconds
+        self._failures_quiet = failures_quiet_seconds
         self._clock = clock
         self._unauthorized_since: dict[str, _Refusing] = {}
         """Per pod uid: since when (and until when) its runner refuses our token (a 401
@@ -250,7 +260,8 @@ class RunnerScaling:
         self._failing_since: dict[str, _Refusing] = {}
         """Per pod uid: since when (and until when) its runner fails ``GET /scale`` (see
         :data:`RUNNER_GRACE_SECONDS`); dropped at its first answer, when it is no longer
-        the VM's committed pod, and after :data:`TOKEN_QUIET_SECONDS` without a failure."""
+        the VM's committed pod, and after :data:`RUNNER_FAILURES_QUIET_SECONDS` without a
+        failure."""
 
     # ---- the token ---------------------------------------------------------------------
 
@@ -492,11 +503,11 @@ class RunnerScaling:
     def _failing(self, vm_uid: str, pod_uid: str) -> float:
         """One more failed ``GET /scale`` of the runner of ``pod_uid``: seconds since the
         first of its failures in a row (0 for the first). A run that stopped for
-        :data:`TOKEN_QUIET_SECONDS` starts again."""
+        :data:`RUNNER_FAILURES_QUIET_SECONDS` starts again."""
         now = self._clock()
         with self._unauthorized_lock:
             for uid in [u for u, r in self._failing_since.items()
-                        if now - r.last > self._token_quiet]:
+                        if now - r.last > self._failures_quiet]:
                 del self._failing_since[uid]
             failing = self._failing_since.setdefault(
                 pod_uid, _Refusing(vm_uid=vm_uid, first=now, last=now))
