@@ -516,7 +516,8 @@ def _run(d: Drill, verdict: Verdict) -> None:
 
     with leader_tracker(d.target) as log, \
             Watchdog(api, d.namespace, on_change=tl.on_pod_event) as dog, \
-            Sampler(tl, read_fleet, read_locks if reader is not None else None):
+            Sampler(tl, read_fleet, read_locks if reader is not None else None,
+                    vms_api=api, namespace=d.namespace):
         d.dog = dog
         before = d.wait_leader()
         verdict.leader_before, verdict.epoch_before = before

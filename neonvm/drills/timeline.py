@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from html import escape
 from typing import Any
 
+from kubernetes import client, watch
+
 from neonvm.api import types
 
 LANES = ("plan", "pod created", "gate lifted", "termination", "lock hand-off")
@@ -97,29 +99,64 @@ def _gated(pod: dict[str, Any]) -> bool:
 
 
 class Sampler:
-    """Once a second: VMs converged, plans pending (new plans as events), guests running,
-    and lock hand-offs (a VM's lock under a new holder or token). Read errors (the API
-    server or the locks' etcd down) skip the sample."""
+    """Once a second: VMs converged, plans pending, guests running, and lock hand-offs (a
+    VM's lock under a new holder or token). With ``vms_api`` it also watches the
+    namespace's VMs, so that every plan recorded in status is an event however short it
+    lives. Read errors (the API server or the locks' etcd down) skip the sample."""
 
     def __init__(self, timeline: Timeline, read_fleet: Callable[[], tuple[list[Any],
                                                                           list[Any]]],
-                 read_locks: Callable[[], list[Any]] | None, interval: float = 1.0) -> None:
+                 read_locks: Callable[[], list[Any]] | None, interval: float = 1.0,
+                 vms_api: client.ApiClient | None = None, namespace: str = "") -> None:
         self.timeline = timeline
         self._read_fleet = read_fleet
         self._read_locks = read_locks
         self._interval = interval
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="timeline", daemon=True)
+        self._threads = [threading.Thread(target=self._run, name="timeline", daemon=True)]
+        if vms_api is not None:
+            self._threads.append(threading.Thread(target=self._watch_vms, name="timeline-vms",
+                                                  args=(vms_api, namespace), daemon=True))
         self._plans: dict[str, str] = {}
+        self._plans_lock = threading.Lock()
         self._locks: dict[str, tuple[Any, Any]] = {}
 
     def __enter__(self) -> Sampler:
-        self._thread.start()
+        for t in self._threads:
+            t.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
-        self._thread.join(timeout=10)
+        for t in self._threads:
+            t.join(timeout=2)
+
+    def _plan_seen(self, name: str, plan: str | None, at: float) -> None:
+        with self._plans_lock:
+            if plan and self._plans.get(name) != plan:
+                self.timeline.event("plan", f"{name}: {plan}", at)
+            if plan:
+                self._plans[name] = plan
+            else:
+                self._plans.pop(name, None)
+
+    def _watch_vms(self, api: client.ApiClient, namespace: str) -> None:
+        custom = client.CustomObjectsApi(api)
+        while not self._stop.is_set():
+            w = watch.Watch()
+            try:
+                for event in w.stream(custom.list_namespaced_custom_object, types.GROUP,
+                                      types.VERSION, namespace, types.PLURAL,
+                                      timeout_seconds=20, _request_timeout=30):
+                    if self._stop.is_set():
+                        w.stop()
+                        return
+                    vm = event.get("object") or {}
+                    name = str((vm.get("metadata") or {}).get("name"))
+                    plan = ((vm.get("status") or {}).get("pendingPod") or {}).get("name")
+                    self._plan_seen(name, plan, time.monotonic())
+            except Exception:  # the API server restarts in some drills
+                self._stop.wait(0.5)
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -146,13 +183,10 @@ class Sampler:
             name = vm["metadata"]["name"]
             status = vm.get("status") or {}
             plan = (status.get("pendingPod") or {}).get("name")
+            self._plan_seen(name, plan, now)
             if plan:
                 plans += 1
-                if self._plans.get(name) != plan:
-                    self.timeline.event("plan", f"{name}: {plan}", now)
-                self._plans[name] = plan
                 continue
-            self._plans.pop(name, None)
             mine = by_vm.get(name, [])
             if (len(mine) == 1 and mine[0].metadata.name == status.get("podName")
                     and mine[0].metadata.deletion_timestamp is None
@@ -193,7 +227,7 @@ def render_svg(tl: Timeline) -> str:
     def x(at: float) -> float:
         return LEFT + plot * min(1.0, max(0.0, (at - tl.origin) / span))
 
-    top = 40
+    top = 62
     leader_y = top
     lane_y = {lane: top + ROW * (i + 1) for i, lane in enumerate(LANES)}
     chart_top = top + ROW * (len(LANES) + 1) + 14
@@ -204,14 +238,14 @@ def render_svg(tl: Timeline) -> str:
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" '
         f'viewBox="0 0 {WIDTH} {height}" font-family="sans-serif" font-size="11">',
         f'<rect width="{WIDTH}" height="{height}" fill="white"/>',
-        f'<text x="{LEFT}" y="20" font-size="14" font-weight="bold">{escape(tl.title)}</text>',
+        f'<text x="{LEFT}" y="22" font-size="14" font-weight="bold">{escape(tl.title)}</text>',
     ]
     for start, stop, label in tl.faults:
         x0, x1 = x(start), x(stop if stop is not None else end)
-        out.append(f'<rect x="{x0:.1f}" y="{top - 8}" width="{max(1.0, x1 - x0):.1f}" '
-                   f'height="{axis_y - top + 8}" fill="#e15759" fill-opacity="0.12">'
+        out.append(f'<rect x="{x0:.1f}" y="{top - 26}" width="{max(1.0, x1 - x0):.1f}" '
+                   f'height="{axis_y - top + 26}" fill="#e15759" fill-opacity="0.12">'
                    f'<title>{escape(label)}</title></rect>')
-        out.append(f'<text x="{x0 + 3:.1f}" y="{top - 12}" fill="#b22222">'
+        out.append(f'<text x="{x0 + 3:.1f}" y="{top - 14}" fill="#b22222">'
                    f'fault: {escape(label)}</text>')
     # The leader lane: one coloured bar per holder, grey where nobody leads.
     out.append(f'<text x="{LEFT - 6}" y="{leader_y + 4}" text-anchor="end">leader</text>')
@@ -254,9 +288,8 @@ def render_svg(tl: Timeline) -> str:
     for count in (0, top_count):
         out.append(f'<text x="{LEFT - 6}" y="{count_y(count) + 4:.1f}" text-anchor="end">'
                    f'{count}</text>')
-    series = (("VMs converged", "converged", "#2e7d32"), ("guests running", "guests",
-                                                          "#1f77b4"),
-              ("plans pending", "plans", "#f28e2b"))
+    series = (("plans pending", "plans", "#f28e2b"), ("guests running", "guests", "#1f77b4"),
+              ("VMs converged", "converged", "#2e7d32"))  # drawn last: on top
     for i, (label, attr, stroke) in enumerate(series):
         if tl.samples:
             points = []
