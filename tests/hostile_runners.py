@@ -191,7 +191,7 @@ class RecordingServer:
                 self.end_headers()
                 self.wfile.write(body)
 
-            do_GET = do_PUT = do_POST = _record
+            do_GET = do_PUT = do_POST = do_DELETE = do_PATCH = _record
 
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.port = self.server.server_address[1]

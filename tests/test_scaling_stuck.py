@@ -85,10 +85,8 @@ def test_a_silent_runner_stays_degraded_while_looked_at_with_the_stuck_backoff()
     while runner_trouble(scaling.observe(planned).obs.runner_error) is None:
         assert now[0] - 1000.0 <= RUNNER_GRACE_SECONDS
         now[0] += 2.0  # decide's own pace
-    streak = 0
-    for _ in range(20):  # 1, 2, 4 ... 256, then the cap (300 s) eleven times
+    for streak in range(20):  # 1, 2, 4 ... 256, then the cap (300 s) eleven times
         now[0] += backoff.delay(streak) + look_timeout
-        streak += 1
         trouble = runner_trouble(scaling.observe(planned).obs.runner_error)
         assert trouble is not None and trouble[0] == "RunnerUnreachable", (now[0], trouble)
 

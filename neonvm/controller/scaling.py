@@ -309,8 +309,10 @@ class RunnerScaling:
         a 404 or another uid says no; a refusal to read (403) keeps the record, and a
         transient error is raised (the pod waits)."""
         name = vm.status.scaling_token_secret or ""
+        if not name:
+            return False
         try:
-            secret = kube.request(self._api, "GET", f"{_secrets_path(vm.namespace)}/{name}",
+            secret = kube.request(self._api, "GET", _secret_path(vm.namespace, name),
                                   timeout=30)
         except ApiException as exc:
             if exc.status == 404:
@@ -326,8 +328,7 @@ class RunnerScaling:
         record (another one was recorded first). Left behind, the VM's owner reference
         still removes it with the VM."""
         try:
-            kube.request(self._api, "DELETE", f"{_secrets_path(namespace)}/{name}",
-                         timeout=30)
+            kube.request(self._api, "DELETE", _secret_path(namespace, name), timeout=30)
         except ApiException as exc:
             logger.debug("could not delete the unrecorded token Secret {}: {}", name,
                          exc.status)
@@ -340,7 +341,7 @@ class RunnerScaling:
             raise ScalingError("no scaling token Secret recorded for this VM (the controller "
                                "could not create one: is rbac.liveScaling on?)", permanent=True)
         try:
-            secret = kube.request(self._api, "GET", f"{_secrets_path(vm.namespace)}/{name}",
+            secret = kube.request(self._api, "GET", _secret_path(vm.namespace, name),
                                   timeout=30)
         except ApiException as exc:
             raise ScalingError(f"scaling token Secret {name}: {exc.status} {exc.reason}",
@@ -823,8 +824,15 @@ def _parse_head(head: bytes, body_limit: int) -> tuple[int, int | None]:
 
 
 def _secrets_path(namespace: str) -> str:
-    return f"/api/v1/namespaces/{namespace}/secrets"
+    return f"/api/v1/namespaces/{kube.path_segment(namespace)}/secrets"
+
+
+def _secret_path(namespace: str, name: str) -> str:
+    """A Secret's path; ``name`` (read from a VM's status) percent-quoted
+    (docs/security.md, "Names stay in their namespace")."""
+    return f"{_secrets_path(namespace)}/{kube.path_segment(name)}"
 
 
 def _pod_path(namespace: str, name: str) -> str:
-    return f"/api/v1/namespaces/{namespace}/pods/{name}"
+    """A pod's path; ``name`` (read from a VM's status or a pod) percent-quoted."""
+    return f"/api/v1/namespaces/{kube.path_segment(namespace)}/pods/{kube.path_segment(name)}"
