@@ -502,6 +502,7 @@ def test_each_neonvm_dashboard_query_returns_data_from_a_real_prometheus(
         scraped: Scraped, query: str) -> None:
     prometheus = need_prometheus(scraped)
     result = prometheus.query(substitute(query, scraped.namespace))
+    print(f"{query}\n  -> {[(r['metric'], r['value'][1]) for r in result]}")
     assert result, f"no data for {query}"
 
 
