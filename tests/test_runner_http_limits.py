@@ -162,3 +162,69 @@ def test_over_the_cap_the_oldest_waiting_connection_makes_room(
         assert not any(closed_by_server(s) for s in held[1:])
     finally:
         server.stop()
+
+
+def _rss_kib(pid: int, field: str) -> int:
+    """``VmRSS`` (now) or ``VmHWM`` (peak) of process ``pid``, in KiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no {field} for {pid}")
+
+
+def _big_head_request(port: int, header_lines: int, line_bytes: int) -> str:
+    """Send ``GET /status`` with ``header_lines`` headers of ``line_bytes`` each (what the
+    standard library alone accepts: 100 lines of 64 KiB), then read the answer's status
+    line: ``431``, ``200`` and so on, or ``closed`` when the server hung up first."""
+    line = b"X-Pad: " + b"a" * (line_bytes - 9) + b"\r\n"
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+            sock.sendall(b"GET /status HTTP/1.1\r\nHost: runner\r\n")
+            for _ in range(header_lines):
+                sock.sendall(line)
+            sock.sendall(b"\r\n")
+            status = sock.makefile("rb").readline()
+    except OSError:  # reset while sending or reading: refused
+        return "closed"
+    return status.split(b" ")[1].decode() if status else "closed"
+
+
+def test_request_heads_over_the_cap_are_refused_and_the_runner_does_not_grow() -> None:
+    """32 connections (the cap) each send a request head of about 6.4 MB, as any pod or
+    the guest can. Without a cap on the head the runner reads and copies all of it: a few
+    hundred MiB, in a pod whose memory limit leaves the runner and QEMU 256 MiB over the
+    guest's memory (security review F1). With it, each is refused (431, or closed while
+    still sending) after ``MAX_HEAD`` bytes, and the runner's peak memory barely moves."""
+    import threading
+
+    from neonvm.runner.server import MAX_HEAD
+
+    proc = subprocess.Popen([sys.executable, "-m", "tests.programs.runner_http", "1024"],
+                            stdout=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        assert proc.stdout is not None
+        port = int(proc.stdout.readline())
+        assert probe(port, "/status") == 200
+        before = _rss_kib(proc.pid, "VmRSS")
+        answers: list[str] = []
+        attackers = [threading.Thread(target=lambda: answers.append(
+            _big_head_request(port, header_lines=98, line_bytes=65_536)))
+            for _ in range(MAX_CONNECTIONS)]
+        for thread in attackers:
+            thread.start()
+        for thread in attackers:
+            thread.join()
+        after, peak = _rss_kib(proc.pid, "VmRSS"), _rss_kib(proc.pid, "VmHWM")
+        print(f"runner RSS before {before / 1024:.1f} MiB, after {after / 1024:.1f} MiB, "
+              f"peak {peak / 1024:.1f} MiB; answers {sorted(set(answers))}")
+        assert len(answers) == MAX_CONNECTIONS
+        assert set(answers) <= {"431", "closed"}, answers
+        assert peak - before < 32 * 1024, (before, peak)  # 32 heads of 6.4 MB: 200 MiB
+        # Just over the cap, with nothing left unread to reset the connection: 431.
+        assert _big_head_request(port, header_lines=1, line_bytes=MAX_HEAD + 100) == "431"
+        # A head within the cap is answered as before.
+        assert _big_head_request(port, header_lines=1, line_bytes=MAX_HEAD // 2) == "200"
+        assert probe(port) == 200
+    finally:
+        proc.kill()
+        proc.wait()

@@ -17,10 +17,12 @@ make a probe time out.
 
 Connections are bounded (docs/runner.md, "Health and readiness"): each request must
 arrive whole within ``REQUEST_DEADLINE`` of the connection (or of the previous answer on a
-kept-alive connection), every read times out after ``READ_TIMEOUT``, and at most
-``MAX_CONNECTIONS`` are open at once (one thread each). A new connection over the cap
-closes the oldest one still waiting for its request, never one being answered, so a pod
-that holds connections open, idle or trickling, cannot keep the kubelet's probe out.
+kept-alive connection), every read times out after ``READ_TIMEOUT``, a request's line and
+headers together take at most ``MAX_HEAD`` bytes (431 and closed beyond), a body at most
+``MAX_BODY``, and at most ``MAX_CONNECTIONS`` are open at once (one thread each). A new
+connection over the cap closes the oldest one still waiting for its request, never one
+being answered, so a pod that holds connections open, idle or trickling, cannot keep the
+kubelet's probe out, nor make the runner hold more than a few MiB for them.
 
 ``PUT /scale`` is the only way in to QEMU through this port, and it
 does nothing without the token (the port listens on the pod's IP for the kubelet's
@@ -48,6 +50,13 @@ from neonvm.runner.scaling import Scaler
 from neonvm.runner.state import RunnerState
 
 MAX_BODY = 64 * 1024
+"""Bytes of a ``PUT`` body at most (413 beyond)."""
+MAX_HEAD = 16 * 1024
+"""Bytes of a request's line and headers at most (431 beyond, and the connection closed):
+the standard library alone reads up to about 6.5 MB of them, and copies them several
+times, so 32 connections could hold hundreds of MiB of a pod whose memory limit leaves
+the runner and QEMU 256 MiB over the guest. ``MAX_CONNECTIONS * (MAX_HEAD + MAX_BODY)``
+stays a few MiB."""
 MAX_CONNECTIONS = 32
 """Open connections (one thread each) at most; a new one closes the oldest waiting one."""
 READ_TIMEOUT = 10.0
@@ -57,10 +66,72 @@ REQUEST_DEADLINE = 10.0
 its accept or from the previous answer; then it is closed."""
 
 
+class _HeadTooLarge(Exception):
+    """A request's line and headers went past :data:`MAX_HEAD`."""
+
+
+class _HeadLimit:
+    """The handler's ``rfile``: counts the bytes of each request's head (reset by
+    :meth:`start`, ended by :meth:`end`) and raises :class:`_HeadTooLarge` past the
+    limit, having read at most one byte more than it. Bodies are read as they are."""
+
+    def __init__(self, raw: Any, limit: int) -> None:
+        self._raw = raw
+        self._limit = limit
+        self._count = 0
+        self._in_head = True
+
+    def start(self) -> None:
+        self._count, self._in_head = 0, True
+
+    def end(self) -> None:
+        self._in_head = False
+
+    def readline(self, size: int | None = -1) -> bytes:
+        if not self._in_head:
+            return bytes(self._raw.readline(size))
+        room = self._limit - self._count
+        want = room + 1 if size is None or size < 0 else min(size, room + 1)
+        line = bytes(self._raw.readline(want))
+        self._count += len(line)
+        if self._count > self._limit:
+            raise _HeadTooLarge
+        return line
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._raw, name)
+
+
 class _Handler(BaseHTTPRequestHandler):
     server: _Server
     protocol_version = "HTTP/1.1"
     timeout = READ_TIMEOUT  # socket timeout for every read and write (StreamRequestHandler)
+    rfile: Any
+
+    def setup(self) -> None:
+        super().setup()
+        self.rfile = _HeadLimit(self.rfile, MAX_HEAD)
+
+    def handle_one_request(self) -> None:
+        self.rfile.start()
+        try:
+            super().handle_one_request()
+        except _HeadTooLarge:
+            logger.debug("http: a request head over {} bytes from {}: 431", MAX_HEAD,
+                         self.client_address)
+            body = f"request line and headers over {MAX_HEAD} bytes\n".encode()
+            self.close_connection = True
+            with contextlib.suppress(OSError):
+                self.wfile.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
+                                 b"Content-Type: text/plain; charset=utf-8\r\n"
+                                 b"Connection: close\r\n"
+                                 + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+
+    def parse_request(self) -> bool:
+        try:
+            return super().parse_request()
+        finally:
+            self.rfile.end()
 
     def do_GET(self) -> None:
         self.server.busy(self.connection)
