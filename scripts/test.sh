@@ -9,6 +9,7 @@
 #   NEONVM_TEST_REAL_NODE=0 bash scripts/test.sh   # no real node at all
 source "$(dirname "$0")/lib/bootstrap.sh"
 if [ -f scripts/setup-qemu.sh ]; then bash scripts/setup-qemu.sh; fi
+bash scripts/setup-prometheus.sh
 if [ "${NEONVM_TEST_REAL_NODE:-}" != "0" ]; then
   bash scripts/setup-realnode.sh
   neonvm dev install --real-nodes
