@@ -228,3 +228,61 @@ def test_request_heads_over_the_cap_are_refused_and_the_runner_does_not_grow() -
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_get_scale_waits_for_qmp_only_briefly(tmp_path: Path) -> None:
+    """``GET /scale`` is unauthenticated and holds one of the server's connections while
+    it asks QMP (security review F6). QMP that answers after 5 s (QEMU's main loop
+    stalled) is not waited for: 504 after ``QUERY_TIMEOUT`` (2 s), where the old wait
+    (10 s) answered 200 with the slot held all along. A QMP that answers is answered
+    as before."""
+    import asyncio
+    import json
+    import threading
+
+    from neonvm.api.scale_protocol import ScaleLimits, ScaleTarget
+    from neonvm.runner.scaling import QUERY_TIMEOUT, Scaler
+    from tests.test_runner_scaling import GIB, TOKEN, SlowEjectQMP
+
+    class StalledQMP(SlowEjectQMP):
+        stall = 0.0
+
+        async def execute(self, command: str, args: dict[str, object] | None = None) -> object:
+            if command == "query-memory-devices":
+                await asyncio.sleep(self.stall)
+            return await super().execute(command, args)
+
+    assert QUERY_TIMEOUT < 5.0
+    loop = asyncio.new_event_loop()
+    loop_thread = threading.Thread(target=loop.run_forever, daemon=True)
+    loop_thread.start()
+    (tmp_path / "token").write_text(TOKEN + "\n")
+    limits = ScaleLimits(min_vcpus=1, max_vcpus=1, min_slots=1, max_slots=2, slot_bytes=GIB)
+    scaler = Scaler(tmp_path, tmp_path / "token", limits, boot=ScaleTarget(1, 2))
+    qmp = StalledQMP(dimms=1)
+    scaler.attach(loop, qmp)  # type: ignore[arg-type]
+    server = RunnerHTTPServer(fresh_state(), runner_registry(fresh_state()), "127.0.0.1", 0,
+                              scaler=scaler)
+    server.start()
+    try:
+        def get_scale() -> tuple[int, dict[str, object]]:
+            conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+            try:
+                conn.request("GET", "/scale")
+                answer = conn.getresponse()
+                return answer.status, json.loads(answer.read())
+            finally:
+                conn.close()
+
+        status, doc = get_scale()
+        assert status == 200 and doc["qemu"] == {"vcpus": 1, "memorySlots": 2,
+                                                 "memoryBytes": 2 * GIB}, doc
+        qmp.stall = 5.0
+        status, doc = get_scale()
+        assert status == 504 and "QMP did not answer in time" in str(doc["error"]), doc
+        assert probe(server.port) == 200
+    finally:
+        server.stop()
+        loop.call_soon_threadsafe(loop.stop)
+        loop_thread.join(10)
+        loop.close()

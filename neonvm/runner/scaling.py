@@ -65,6 +65,12 @@ _GUEST_SIZE = re.compile(
 
 T = TypeVar("T")
 
+QUERY_TIMEOUT = 2.0
+"""Seconds ``GET /scale`` waits for QMP's answer (then 504). Anyone who reaches the pod's
+IP may ask, unauthenticated, and each request holds one of the HTTP server's connections
+while it waits: a stalled QMP must not let 32 of them keep the kubelet's probes out for
+long. The controller waits 3 s for the whole answer."""
+
 
 @dataclass(frozen=True)
 class GuestSize:
@@ -720,8 +726,9 @@ class Scaler:
         return [r for r in (last.removals if last is not None else ()) if size.has(r)]
 
     def query(self) -> QemuSize:
-        """What QEMU has plugged now (raises :class:`ScaleError` 503 while not connected)."""
-        size = self._run(lambda qmp: query_size(qmp, self.limits), timeout=10)
+        """What QEMU has plugged now (raises :class:`ScaleError` 503 while not connected,
+        504 when QMP has not answered within :data:`QUERY_TIMEOUT`)."""
+        size = self._run(lambda qmp: query_size(qmp, self.limits), timeout=QUERY_TIMEOUT)
         if self._on_size is not None:
             self._on_size(size)
         return size
