@@ -470,14 +470,16 @@ def degraded_without_pod(api: client.ApiClient, reconciler: Reconciler, namespac
 
 def test_an_unrealisable_spec_is_degraded_without_churn_until_the_spec_changes(
         api: client.ApiClient, controller_api: client.ApiClient, namespace: str) -> None:
-    impossible = {"requests": {"cpu": "2"}, "limits": {"cpu": "1"}}
-    create_vm(api, namespace, "nope", spec={"podResources": impossible})
+    # A toleration the CRD takes and the pod API refuses (Exists with a value); tolerations
+    # may change after creation (podResources, NeonVM's immutable field, may not).
+    impossible = [{"key": "k", "operator": "Exists", "value": "v"}]
+    create_vm(api, namespace, "nope", spec={"tolerations": impossible})
     key = f"{namespace}/nope"
     reconciler = Reconciler(controller_api)
 
     _, degraded = degraded_without_pod(api, reconciler, namespace, "nope")
     assert degraded["reason"] == "CreateRefused" and degraded["observedGeneration"] == 1
-    assert "must be less than or equal to cpu limit" in degraded["message"]
+    assert "must be empty when `operator` is 'Exists'" in degraded["message"]
 
     # No churn: reconciling again writes nothing and plans nothing.
     version = vm_version(api, namespace, "nope")
@@ -489,7 +491,7 @@ def test_an_unrealisable_spec_is_degraded_without_churn_until_the_spec_changes(
     # A fixed spec (a new generation) is tried again, and the condition clears.
     client.CustomObjectsApi(api).patch_namespaced_custom_object(
         types.GROUP, types.VERSION, namespace, types.PLURAL, "nope",
-        {"spec": {"podResources": {"requests": {"cpu": "1"}, "limits": {"cpu": "1"}}}})
+        {"spec": {"tolerations": [{"key": "k", "operator": "Exists"}]}})
     settle(reconciler, key)
     converged_one(api, namespace, "nope")
     degraded = condition(status_of(api, namespace, "nope"), "Degraded")
