@@ -3,8 +3,9 @@
 Runner pods are never privileged and mount nothing from the host, so the only way
 ``/dev/kvm`` gets into their container is a device plugin: the kubelet asks it, at
 container creation, which device nodes to add. This one advertises ``count`` identical
-devices of one extended resource (NeonVM's name, ``devices.kubevirt.io/kvm``, by default;
-KubeVirt shares ``/dev/kvm`` among 1000 the same way) while ``/dev/kvm`` exists, and for
+devices of one extended resource (``devices.kubevirt.io/kvm`` by default, KubeVirt's name,
+which shares ``/dev/kvm`` among 1000 the same way; NeonVM's runner pods ask for
+``neonvm/kvm`` instead, docs/neonvm-compat.md) while ``/dev/kvm`` exists, and for
 each allocation adds ``/dev/kvm`` with ``rw`` permissions. A runner pod whose VM has
 ``enableAcceleration`` requests one (the controller's ``--kvm-resource``). The chart can
 run it as a DaemonSet (``kvmDevicePlugin.enabled``).
