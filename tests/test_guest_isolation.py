@@ -36,7 +36,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from neonvm.runner.guestnet import DEFAULT_GUEST_NETWORK, frame_verdict
+from neonvm.runner.guestnet import DEFAULT_GUEST_NETWORK, frame_verdict, ipv6_nameserver
 from tests.support import wait_for
 
 REPO = Path(__file__).resolve().parent.parent
@@ -122,7 +122,6 @@ def test_the_filter_drops_new_flows_to_the_runners_loopback(frame: bytes, droppe
     # DNS through the DNS alias, DHCP, and pings that slirp answers itself.
     ipv4("10.0.2.3", 17, udp(53)),
     ipv4("10.0.2.3", 6, tcp(53, SYN)),
-    ipv6("fec0::3", 17, udp(53)),
     ipv4("255.255.255.255", 17, udp(67)),
     ipv4("10.0.2.2", 17, udp(67)),
     ipv4("10.0.2.2", 1, ECHO),
@@ -138,6 +137,34 @@ def test_the_filter_drops_new_flows_to_the_runners_loopback(frame: bytes, droppe
 ])
 def test_the_filter_passes_egress_dns_dhcp_and_answers(frame: bytes) -> None:
     assert frame_verdict(frame) is None
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("frame", [ipv6("fec0::3", 17, udp(53)),
+                                   ipv6("fec0::3", 6, tcp(53, SYN))])
+def test_dns_to_the_ipv6_alias_passes_only_with_an_ipv6_nameserver(frame: bytes) -> None:
+    # Without an IPv6 nameserver in the container's resolv.conf (an IPv4-only pod), slirp
+    # sends DNS for fec0::3 to [::1]:53, the runner container's loopback.
+    assert frame_verdict(frame, dns6=True) is None
+    why = frame_verdict(frame)
+    assert why is not None and "[fec0::3]:53" in why and "no IPv6 nameserver" in why, why
+    # The rest of the IPv6 alias is as closed either way.
+    assert frame_verdict(ipv6("fec0::3", 17, udp(54)), dns6=True) == "UDP datagram to [fec0::3]:54"
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("resolv_conf", "found"), [
+    ("search default.svc.cluster.local svc.cluster.local\nnameserver 10.96.0.10\n"
+     "options ndots:5\n", False),
+    ("", False),
+    ("# nameserver fd00::10\nnameserver 10.96.0.10\n", False),
+    ("nameserver 10.96.0.10\nnameserver fd00:10:96::a\n", True),
+    ("nameserver fe80::1%eth0\n", True),
+    ("nameserver not-an-address\n", False),
+])
+def test_the_runner_finds_an_ipv6_nameserver_in_resolv_conf(resolv_conf: str,
+                                                             found: bool) -> None:
+    assert ipv6_nameserver(resolv_conf) is found
 
 
 @pytest.mark.unit

@@ -16,8 +16,10 @@ function:
   fragment towards a *closed* address is dropped;
 * closed: the loopback (``127.0.0.0/8``, ``::1``), the unspecified and "this network"
   addresses (``0.0.0.0/8``, ``::``), IPv4-mapped or -compatible IPv6 addresses, and the
-  guest's virtual network itself, apart from DNS (port 53 of the DNS alias), DHCP (to the
-  host alias or broadcast), and ICMP to the host or DNS alias (slirp answers those itself);
+  guest's virtual network itself, apart from DNS (port 53 of the DNS alias; of the IPv6
+  one only when the container has an IPv6 nameserver, see :func:`ipv6_nameserver`), DHCP
+  (to the host alias or broadcast), and ICMP to the host or DNS alias (slirp answers those
+  itself);
 * everything else passes: the guest keeps its egress, and TCP segments that open nothing
   (replies on connections forwarded *into* the guest) pass too.
 
@@ -128,8 +130,25 @@ def _transport_verdict(proto: int, segment: bytes, dst: str, is_dns: bool,
     return f"protocol {proto} to {where}"
 
 
-def frame_verdict(frame: bytes, net: GuestNetwork = DEFAULT_GUEST_NETWORK) -> str | None:
+def ipv6_nameserver(resolv_conf: str) -> bool:
+    """Whether ``resolv_conf`` (the text of the container's ``/etc/resolv.conf``) lists
+    an IPv6 nameserver. slirp sends DNS for the IPv6 alias to the first one; with none
+    it sends it to ``[::1]:53``, the container's own loopback (an IPv4-only pod, the
+    usual case), so then the filter drops it."""
+    for line in resolv_conf.splitlines():
+        words = line.split()
+        if len(words) >= 2 and words[0] == "nameserver":
+            with contextlib.suppress(ValueError):
+                if ipaddress.ip_address(words[1].split("%", 1)[0]).version == 6:
+                    return True
+    return False
+
+
+def frame_verdict(frame: bytes, net: GuestNetwork = DEFAULT_GUEST_NETWORK,
+                  dns6: bool = False) -> str | None:
     """None if the guest's ``frame`` may go to slirp; otherwise why it is dropped.
+    ``dns6``: DNS to the IPv6 alias passes (the container has an IPv6 nameserver, see
+    :func:`ipv6_nameserver`); without it, that is a connection to the loopback.
 
     Only IPv4 and IPv6 frames are judged: slirp acts on nothing else but ARP (answered
     from its own table). Malformed IP headers are dropped.
@@ -158,7 +177,12 @@ def frame_verdict(frame: bytes, net: GuestNetwork = DEFAULT_GUEST_NETWORK) -> st
         dst6 = ipaddress.IPv6Address(packet[24:40])
         if not _closed6(dst6, net):
             return None
-        return _transport_verdict(packet[6], packet[40:], f"[{dst6}]", dst6 == net.dns6,
+        is_dns6 = dst6 == net.dns6
+        if is_dns6 and not dns6 and packet[6] in (TCP, UDP):
+            why = _transport_verdict(packet[6], packet[40:], f"[{dst6}]", False, False,
+                                     ICMPV6)
+            return f"{why} (no IPv6 nameserver: slirp would use [::1]:53)" if why else None
+        return _transport_verdict(packet[6], packet[40:], f"[{dst6}]", is_dns6,
                                   dst6 == net.host6, ICMPV6)
     return None
 
@@ -175,10 +199,13 @@ class GuestNetFilter:
     """Drops logged one by one; after that, every 100th."""
 
     def __init__(self, from_qemu: Path, to_qemu: Path,
-                 net: GuestNetwork = DEFAULT_GUEST_NETWORK) -> None:
+                 net: GuestNetwork = DEFAULT_GUEST_NETWORK, dns6: bool = False) -> None:
+        """``dns6``: see :func:`frame_verdict` (the runner reads ``/etc/resolv.conf``
+        at start)."""
         self.from_qemu = from_qemu
         self.to_qemu = to_qemu
         self.net = net
+        self.dns6 = dns6
         self.dropped = 0
         self.passed = 0
         self._listeners: list[socket.socket] = []
@@ -247,7 +274,7 @@ class GuestNetFilter:
             frame = reader.read(length)
             if len(frame) < length:
                 return
-            why = frame_verdict(frame, self.net)
+            why = frame_verdict(frame, self.net, self.dns6)
             if why is None:
                 self.passed += 1
                 sink.sendall(header + frame)

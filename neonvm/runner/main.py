@@ -33,7 +33,7 @@ from neonvm.api.scale_protocol import ScaleLimits, ScaleTarget, parse_fence_floo
 from neonvm.runner.disks import DiskTools, check_prerequisites, prepare
 from neonvm.runner.errors import HostError, RunnerError, SpecError
 from neonvm.runner.guestboot import EXT_MAGIC_OFFSET, is_bare_ext_filesystem, read_first_bytes
-from neonvm.runner.guestnet import GuestNetFilter
+from neonvm.runner.guestnet import GuestNetFilter, ipv6_nameserver
 from neonvm.runner.host import (
     Accel,
     AccelChoice,
@@ -197,7 +197,8 @@ def run_runner(options: RunnerOptions, env: Mapping[str, str], console: BinaryIO
         prepare(plan, launch.tools)
         if plan.guest_frames_socket is not None and plan.passed_frames_socket is not None:
             # Before QEMU starts: QEMU connects to both sockets at start.
-            net_filter = GuestNetFilter(plan.guest_frames_socket, plan.passed_frames_socket)
+            net_filter = GuestNetFilter(plan.guest_frames_socket, plan.passed_frames_socket,
+                                        dns6=ipv6_nameserver(_resolv_conf()))
             net_filter.listen()
             net_filter.start()
         policy = ShutdownPolicy(
@@ -414,5 +415,14 @@ def main(log_level: str, log_format: str, **kwargs: object) -> None:
     execute(options_from_click(**kwargs))
 
 
+def _resolv_conf() -> str:
+    """The container's ``/etc/resolv.conf`` ("" if unreadable: no nameserver)."""
+    try:
+        return Path("/etc/resolv.conf").read_text(errors="replace")
+    except OSError:
+        return ""
+
+
 if __name__ == "__main__":
     main()
+
