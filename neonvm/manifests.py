@@ -53,8 +53,9 @@ administrators (they may remove the policy anyway), for the remedies reconciler.
 gives (e.g. removing a stuck plan)."""
 STATUS_FIELDS_OPEN = ("conditions",)
 """Status fields anyone with ``virtualmachines/status`` write may change (other actors
-may add their own condition types, as Kubernetes conventions allow); the controller
-decides from none of them."""
+may add their own condition types, as Kubernetes conventions allow). The controller reads
+a few of its own (a create refused for this generation, FenceAhead, a scaling refusal):
+writing them parks only that VM (docs/security.md, "VM status is the controller's")."""
 GC_USER = "system:kube-controller-manager"
 GC_SA = "system:serviceaccount:kube-system:generic-garbage-collector"
 
