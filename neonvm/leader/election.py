@@ -3,9 +3,12 @@
 Replicas of the controller campaign for one Lease (default ``neonvm-system/neonvm-controller``).
 The record is the one client-go keeps, so ``kubectl get lease -o yaml`` and other tools read
 it as usual: ``holderIdentity``, ``leaseDurationSeconds``, ``acquireTime``, ``renewTime``
-(MicroTime, ``2006-01-02T15:04:05.000000Z``) and ``leaseTransitions``. Every write is a
-``replace`` carrying the ``resourceVersion`` that the decision was made from, so two
+(MicroTime, ``2006-01-02T15:04:05.000000Z``) and ``leaseTransitions``. An acquisition is
+a ``replace`` carrying the ``resourceVersion`` that the decision was made from, so two
 candidates can never both succeed in writing themselves as holder over the same version.
+A holder's own writes (renewals, epoch raises, the release) are JSON patches whose
+``test`` operations require the Lease's uid, holder and epoch to be the term's
+(:func:`~neonvm.leader.lease_store.held_patch`).
 Storage sits behind :class:`~neonvm.leader.lease_store.LeaseStore` (get, create, CAS
 update, watch); :class:`~neonvm.leader.lease_store.KubernetesLeaseStore` is the real one.
 
@@ -57,10 +60,12 @@ What is guaranteed
   empty ``holderIdentity``, ``leaseDurationSeconds: 1``. Standbys take an empty Lease at
   once, so handover takes about one retry period instead of a lease duration.
 * **One term's work at a time.** The elector does not campaign again before the last
-  term's work has returned, so two terms never run in one process; a term whose epoch
-  claim outlasted the renew deadline is not started, and a slow one is renewed first.
-* **A deleted Lease deposes its holder** at its next renewal (409 or 404 on replace),
-  and the next campaign re-creates it.
+  term's work has returned, so two terms never run in one process. Renewals go on
+  while the epoch is claimed, and a term whose belief (``valid_until``) ran out before
+  its claim finished is not started; work may start with little belief left, which is
+  safe (it ends at ``valid_until`` like any other).
+* **A deleted Lease deposes its holder** at its next renewal (404, or 422 when a test of
+  the patch fails), and the next campaign re-creates it.
 * **Step-down is addressed.** ``neonvm leader step-down`` writes the annotation
   :data:`STEP_DOWN_ANNOTATION` = ``{"holder": H, "epoch": E}`` by CAS on the version whose
   holder it read. The holder acts only on a request naming its own identity *and* epoch;
@@ -74,9 +79,10 @@ What is not guaranteed
   write that carries the epoch and is refused when a higher epoch was recorded. The
   election gives progress and keeps two live leaders from fighting; fencing gives safety.
 * A leader whose monotonic clock stood still while real time passed (the machine
-  suspended, its VM paused) for longer than ``lease_duration - renew_deadline`` still
-  passes ``check()`` after a follower took over, for up to ``renew_deadline`` of its own
-  clock: two leaders act at once, and only the fencing keeps that safe.
+  suspended, its VM paused) for longer than ``lease_duration - renew_deadline -
+  retry_period`` still passes ``check()`` after a follower took over, for up to
+  ``retry_period + renew_deadline`` of its own clock: two leaders act at once, and only
+  the fencing keeps that safe.
 * Work that ignores ``lost`` and never calls ``check()`` is not stopped: Python threads
   cannot be killed. ``on_stopped`` is where the owner stops its workers; the elector waits
   for the ``on_started`` thread before it releases, and does not release while it runs.
