@@ -24,7 +24,7 @@ import click
 from neonvm.cli.dev import STATE_DIR_OPTION
 from neonvm.cli.output import OUTPUT_OPTION, emit
 from neonvm.drills.drills import DRILLS, LOCAL_ONLY, DrillOptions, Verdict, run_drill
-from neonvm.drills.infra import INFRA
+from neonvm.drills.infra import RECORDED
 from neonvm.drills.target import DrillError, KubeTarget, LocalTarget, Target
 
 
@@ -113,9 +113,9 @@ def _emit(verdict: Verdict, output: str) -> None:
 def _run(name: str, output: str, state_dir: Path | None, kubeconfig: Path | None,
          yes: bool, pods: bool, replicas: int, lease_namespace: str, lease_name: str,
          write_docs: bool, **opts: Any) -> None:
-    if write_docs and name not in INFRA:
+    if write_docs and name not in RECORDED:
         raise click.UsageError(f"--write-docs records infrastructure drills only "
-                               f"({', '.join(INFRA)})")
+                               f"({', '.join(RECORDED)})")
     target = _target(name, state_dir, kubeconfig, yes, replicas, lease_namespace, lease_name,
                      pods)
     try:
@@ -184,7 +184,6 @@ _command("stale-read", "Local: restart replicas with stale reads, lost events an
          [click.option("--faults", default="stale_reads=0.5,drop_watch_events=0.3,conflict=0.2",
                        show_default=True, help="Fault spec (seed added from --seed).")])
 _command("etcd-restart", "Local: restart the locks' etcd, then the API server's etcd.")
-_command("apiserver-restart", "Local: restart kube-apiserver while the leader works.")
 _CHURN = [
     click.option("--churn-interval", type=click.FloatRange(0.5), default=5.0,
                  show_default=True, help="Seconds between churn rounds during the fault."),
@@ -199,6 +198,8 @@ _PARTITION = [
                  show_default=True, help="Which replica is cut off."),
     *_CHURN,
 ]
+_command("apiserver-restart", "Local: restart kube-apiserver while the leader works, under "
+                              "churn.", _CHURN)
 _command("etcd-outage", "Local: stop the locks' etcd for a while under churn, then start it.",
          [click.option("--outage-seconds", type=click.FloatRange(1), default=60.0,
                        show_default=True, help="How long the locks' etcd stays stopped."),

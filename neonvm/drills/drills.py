@@ -428,9 +428,11 @@ def _apiserver_restart(d: Drill, log: LeaderLog) -> float:
     target = _local(d)
     d.wait_leader()
     d.disturb()
-    t0 = time.monotonic()
-    d.say("restarting kube-apiserver")
-    d.fault["kube-apiserver down_s"] = round(target.restart_component("kube-apiserver"), 1)
+    d.say("restarting kube-apiserver, under churn")
+    t0 = d.begin_fault("kube-apiserver restarted")
+    with infra.churn(d):
+        d.fault["kube-apiserver down_s"] = round(target.restart_component("kube-apiserver"), 1)
+    d.end_fault()
     d.disturb()
     return t0
 

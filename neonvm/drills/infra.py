@@ -42,6 +42,8 @@ if TYPE_CHECKING:
     from neonvm.drills.drills import Drill
 
 INFRA = ("etcd-outage", "slow-api", "partition-etcd", "partition-api")
+RECORDED = ("etcd-outage", "apiserver-restart", "slow-api", "partition-etcd", "partition-api")
+"""Drills whose verdicts ``--write-docs`` records in docs/drills.md, in the table's order."""
 ROUTED = ("slow-api", "partition-etcd", "partition-api")
 """Drills whose replicas reach the servers through the drill's proxies."""
 

@@ -56,8 +56,9 @@ def write(text: str, drill: str, new_row: str) -> str:
     rows = [line for line in block.splitlines()
             if line.startswith("| ") and line not in HEADER]
     rows = [r for r in rows if r.split("|")[1].strip() != drill] + [new_row]
-    order = {name: i for i, name in enumerate(
-        ("etcd-outage", "slow-api", "partition-etcd", "partition-api"))}
+    from neonvm.drills.infra import RECORDED
+
+    order = {name: i for i, name in enumerate(RECORDED)}
     rows.sort(key=lambda r: order.get(r.split("|")[1].strip(), 99))
     return head + BEGIN + "\n" + "\n".join([*HEADER, *rows]) + "\n" + END + tail
 
