@@ -49,10 +49,13 @@ The world: one VM, one committed runner pod at a time (always running), its runn
   mutation), when ``GET /scale`` of a recorded plan finds the runner misbehaving (or
   silent past its grace: :func:`neonvm.controller.scaling.runner_trouble`), and after
   an ``ApplyScale`` whose answer is not the plan reached (a 504, none, a misbehaving
-  one: :func:`neonvm.controller.reconciler.paused`); the worker holds that write and
-  performs it at any later step, on the VM as it is then. Such a reconcile sends at
-  most one ``PUT`` and checks its authority after it: both only remove interleavings
-  (a worker here may act at any step, on any read, with no authority check at all).
+  one: :func:`neonvm.controller.reconciler.paused`; or any answer at all, when the next
+  decision is the same plan's ``ApplyScale`` again: ``Reconciler._after_put``, one ``PUT``
+  per reconcile); the worker holds that write and performs it at any later step, on the
+  VM as it is then. The modelled stuck end may follow any runner call, whatever it did
+  to the guest, so it covers every such answer. Such a reconcile sends at most one
+  ``PUT`` and checks its authority after it: both only remove interleavings (a worker
+  here may act at any step, on any read, with no authority check at all).
 
 Properties:
 
