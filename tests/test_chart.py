@@ -126,7 +126,11 @@ class Rendered:
     objects: list[dict[str, Any]] = field(default_factory=list)
 
     def all(self, kind: str) -> list[dict[str, Any]]:
-        return [o for o in self.objects if o["kind"] == kind]
+        """The controller's objects of ``kind``: not the bundled etcd's, nor `helm test`'s
+        (tests/test_chart_etcd.py checks those); ``objects`` holds every one."""
+        return [o for o in self.objects if o["kind"] == kind
+                and o["metadata"].get("labels", {}).get("app.kubernetes.io/component") != "etcd"
+                and "helm.sh/hook" not in o["metadata"].get("annotations", {})]
 
     def one(self, kind: str) -> dict[str, Any]:
         found = self.all(kind)
@@ -184,6 +188,10 @@ def test_every_templated_object_carries_the_standard_labels(helm: Helm, values: 
                 "FlowSchema", "PriorityLevelConfiguration"]
     if values == "ha-tls":
         expected.append("ServiceMonitor")
+    else:  # the bundled etcd (tests/test_chart_etcd.py)
+        expected += ["StatefulSet", "Service", "Service", "PodDisruptionBudget",
+                     "Secret", "Secret", "Secret", "Secret"]
+    expected += ["Pod", "NetworkPolicy"]  # `helm test`: its pod, its way to etcd
     expected.append("NetworkPolicy")  # only the controller reaches the locks' etcd
     assert kinds == sorted(expected)
     pod_labels = rendered.one("Deployment")["spec"]["template"]["metadata"]["labels"]
@@ -310,7 +318,7 @@ def test_etcd_endpoints_tls_files_and_credentials_reach_the_controller(helm: Hel
 # ---- the locks' etcd is closed by default ------------------------------------------------
 
 INSECURE_ETCD = ("etcd.insecure=true", "etcd.tls.enabled=false",
-                 "etcd.endpoints={http://neonvm-etcd:2379}")
+                 "etcd.endpoints={http://neonvm-etcd:2379}", "etcd.bundled.enabled=false")
 
 
 def test_default_values_speak_tls_to_etcd_with_a_client_certificate(helm: Helm) -> None:
@@ -394,7 +402,8 @@ def test_insecure_etcd_renders_plain_http_when_asked_for_by_name(helm: Helm) -> 
 def test_a_ca_only_tls_setup_passes_no_client_certificate(helm: Helm) -> None:
     rendered = helm.template(
         "neonvm-controller", "neonvm-system", HA_TLS_VALUES,
-        sets=("etcd.tls.certKey=", "etcd.tls.keyKey=", "etcd.tls.caKey=root.pem"),
+        sets=("etcd.tls.certKey=", "etcd.tls.keyKey=", "etcd.tls.caKey=root.pem",
+              "etcd.bundled.enabled=false"),
     )
     env = rendered.env()
     assert env["NEONVM_ETCD_CA"]["value"].endswith("/ca.crt")
@@ -1022,7 +1031,7 @@ def test_the_controller_runs_a_vm_lifecycle_with_the_charts_command_line_and_ide
     etcd = cluster.locks_etcd_config(f"/chart-test-{uuid.uuid4().hex[:8]}")
     rendered = helm.template(_release(), lease_namespace, sets=(
         f"controller.healthPort={health_port}",
-        f"etcd.endpoints={{{cluster.locks_etcd_url}}}",
+        f"etcd.endpoints={{{cluster.locks_etcd_url}}}", "etcd.bundled.enabled=false",
         f"etcd.prefix={etcd.prefix}",
         "controller.logFormat=text",
         "leaderElection.leaseDurationSeconds=6", "leaderElection.renewDeadlineSeconds=4",

@@ -30,6 +30,9 @@ KUBERNETES_VERSION = "v1.36.3"
 ETCD_VERSION = "v3.6.16"
 KWOK_VERSION = "v0.8.0"
 HELM_VERSION = "v4.3.2"
+# Helm 3 beside Helm 4: most clusters are still driven by Helm 3, so the chart is tested
+# with both (tests/test_chart_etcd.py). Cached as ``helm3``.
+HELM3_VERSION = "v3.22.0"
 # The real node's runtime (neonvm.dev.realnode; docs/real-node.md).
 CONTAINERD_VERSION = "v2.4.2"
 RUNC_VERSION = "v1.5.3"
@@ -53,6 +56,9 @@ class BinaryGroup:
     cgo: bool = False
     tags: tuple[str, ...] = ()
     ldflags: tuple[str, ...] = ()
+    renames: tuple[tuple[str, str], ...] = ()
+    """(what the build writes, the cached name): for a binary cached under a name of its
+    own, like Helm 3's ``helm`` kept as ``helm3`` beside Helm 4's."""
 
     @property
     def key(self) -> str:
@@ -180,6 +186,10 @@ GROUPS: dict[str, BinaryGroup] = {
         BinaryGroup(
             "helm", HELM_VERSION, ("helm",), install_paths=("helm.sh/helm/v4/cmd/helm",)
         ),
+        BinaryGroup(
+            "helm3", HELM3_VERSION, ("helm3",), install_paths=("helm.sh/helm/v3/cmd/helm",),
+            renames=(("helm", "helm3"),),
+        ),
         *_real_node_groups(),
     )
 }
@@ -260,6 +270,9 @@ def _build_locked(group: BinaryGroup, progress: Callable[[str], None]) -> float:
             cwd=cache_root(),
             env={**env, "GOBIN": str(tmp_dir)},
         )
+    for built, cached in group.renames:
+        if (tmp_dir / built).is_file():
+            (tmp_dir / built).rename(tmp_dir / cached)
     missing = [b for b in group.binaries if not (tmp_dir / b).is_file()]
     if missing:
         raise BinaryError(f"{group.key}: build produced no {', '.join(missing)}")
@@ -286,9 +299,9 @@ def _stderr(msg: str) -> None:
 def install_binaries(with_nodes: bool, with_helm: bool = False,
                      say: Callable[[str], None] = _stderr) -> None:
     """Build the control-plane binaries that are not in the cache yet (etcd, Kubernetes;
-    kwok with simulated nodes; helm if asked), telling ``say`` what it builds."""
+    kwok with simulated nodes; Helm 4 and Helm 3 if asked), telling ``say`` what it builds."""
     wanted = ["etcd", "kubernetes"] + (["kwok"] if with_nodes else [])
-    wanted += ["helm"] if with_helm else []
+    wanted += ["helm", "helm3"] if with_helm else []
     for group_name in wanted:
         group = GROUPS[group_name]
         if all(find(b) for b in group.binaries):

@@ -65,8 +65,13 @@ fence names it as the only identity that may ungate runner pods.
 {{- default (include "neonvm-controller.fullname" .) .Values.leaderElection.leaseName }}
 {{- end }}
 
+{{/* repository:tag (tag "" means appVersion), or repository@digest when a digest is set. */}}
 {{- define "neonvm-controller.image" -}}
+{{- if .Values.image.digest }}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest }}
+{{- else }}
 {{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion) }}
+{{- end }}
 {{- end }}
 
 {{/*
