@@ -27,6 +27,7 @@ from pathlib import Path
 
 from neonvm.runner.errors import HostError, SpecError
 from neonvm.runner.qemu import MIB, DiskImage, LaunchPlan, guest_config_json
+from neonvm.runner.runtimedisk import swap_header
 
 QCOW2_MAGIC = b"QFI\xfb"
 
@@ -108,7 +109,13 @@ def prepare_disk(disk: DiskImage, tools: DiskTools) -> None:
     if disk.kind == "blank":
         assert disk.size_bytes is not None
         with disk.path.open("wb") as f:
+            if disk.label:  # the swap disk: found by its label (vm-builder's blkid -L)
+                f.write(swap_header(disk.size_bytes, disk.label))
             f.truncate(disk.size_bytes)
+        return
+    if disk.kind == "file":
+        assert disk.contents is not None
+        disk.path.write_bytes(disk.contents)
         return
     assert tools.mkfs_ext4 is not None
     if disk.kind == "empty":

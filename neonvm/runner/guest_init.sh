@@ -7,7 +7,12 @@
 # 2. Source the runner's boot script from fw_cfg (opt/vm.neon.tech/boot.sh): the marker,
 #    sysctls, swap, disks, env and command, as variables and functions. Every value
 #    in it is single-quoted by the runner.
-# 3. Mount the root disk (virtio serial "rootdisk") on /newroot, bring up the network
+# 3. Mount the root disk (virtio serial "rootdisk") on /newroot and grow its filesystem to
+#    the disk's size (resize2fs, online: rootDisk.size makes the disk larger than the
+#    image). With init=... on the kernel command line (the runner puts
+#    init=/neonvm/bin/init there for a vm-builder image): hand over to that init at once
+#    (switch_root); the image's init reads the runner's runtime disk itself
+#    (docs/runner.md, "The vm-builder boot contract"). Otherwise bring up the network
 #    (QEMU user networking: 10.0.2.15/24, gateway 10.0.2.2, DNS 10.0.2.3), apply the
 #    sysctls, turn the swap disk on, mount the extra disks and tmpfs mounts.
 # 4. With a command: start the guest side of live scaling (/lib/neonvm/guest-scaling.sh,
@@ -73,7 +78,32 @@ done
 [ -n "$root" ] || fail "no root disk (a virtio disk with serial rootdisk)"
 mount -t ext4 -o rw "$root" /newroot || fail "cannot mount $root (ext4) on /newroot"
 say "root filesystem $root mounted"
+if [ -x /bin/resize2fs ]; then
+    # Online grow; "Nothing to do" when the disk is no larger than the filesystem.
+    if out=$(resize2fs "$root" 2>&1); then
+        say "root filesystem: $(echo "$out" | grep -E 'is now|Nothing to do' | tail -n 1)"
+    else
+        say "root filesystem not grown: $(echo "$out" | tail -n 1)"
+    fi
+fi
 for d in proc sys dev tmp run; do mkdir -p "/newroot/$d"; done
+
+guest_init=
+for word in $(cat /proc/cmdline); do
+    case "$word" in init=*) guest_init=${word#init=} ;; esac
+done
+if [ -n "$guest_init" ]; then
+    if [ -e "/newroot$guest_init" ] || [ -L "/newroot$guest_init" ]; then
+        say "handing over to $guest_init of the root filesystem (vm-builder image)"
+        # As a kernel without initramfs would: /dev mounted (devtmpfs), /proc and /sys
+        # left to the image's init (vminit mounts them).
+        mount --move /dev /newroot/dev
+        umount /sys
+        umount /proc
+        exec switch_root /newroot "$guest_init"
+    fi
+    fail "init=$guest_init is not in the root filesystem"
+fi
 
 if [ -e /sys/class/net/eth0 ]; then
     ip link set lo up

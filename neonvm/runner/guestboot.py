@@ -49,6 +49,11 @@ def shell_quote(value: str) -> str:
     return "'" + value.replace("'", "'\"'\"'") + "'"
 
 
+def valid_env_name(name: str) -> bool:
+    """Whether ``name`` can be a shell variable in the guest."""
+    return _ENV_NAME.match(name) is not None
+
+
 def swap_bytes(settings: Mapping[str, Any] | None) -> int | None:
     """``settings.swap`` (or NeonVM's ``settings.swapInfo.size``) in bytes; None if unset."""
     if not settings:
@@ -89,7 +94,7 @@ def boot_script(*, marker: str, command: Sequence[str] | None, args: Sequence[st
                 disks: Sequence[Mapping[str, Any]], swap: bool) -> str:
     """The shell the runner's init sources (see the module docstring)."""
     for name, _value in env:
-        if not _ENV_NAME.match(name):
+        if not valid_env_name(name):
             raise SpecError(f"guest.env: {name!r} is not a valid variable name for the guest")
     q = shell_quote
     lines = ["# neonvm-runner boot script: sourced by the runner's init (do not edit)",

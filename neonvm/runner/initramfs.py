@@ -4,9 +4,11 @@ A VM whose spec names no ``kernelImage`` and whose root disk is a bare filesyste
 partition table, no kernel: the shape of NeonVM's vm-builder disks) boots this kernel
 with this initramfs. The initramfs holds a static busybox, the runner's init
 (``guest_init.sh`` beside this file, as ``/init``), the guest side of live scaling
-(``guest_scaling.sh``, as ``/lib/neonvm/guest-scaling.sh``) and the kernel modules it
-needs, in dependency order. The init mounts the root filesystem and runs the guest's
-command; see docs/runner.md, "The runner's kernel".
+(``guest_scaling.sh``, as ``/lib/neonvm/guest-scaling.sh``), ``resize2fs`` with the
+shared libraries it loads (to grow the root filesystem to ``rootDisk.size``) and the
+kernel modules it needs, in dependency order. The init mounts the root filesystem and runs
+the guest's command, or hands over to a vm-builder image's own init; see docs/runner.md,
+"The runner's kernel" and "The vm-builder boot contract".
 
 :func:`build_initramfs` writes a ``newc`` cpio archive itself, with sorted entries,
 numeric owner 0 and fixed mtimes, so the same inputs give the same bytes (the runner
@@ -14,7 +16,8 @@ image's layer digest stays stable across builds).
 
 Needs on the build host: a kernel (``/boot/vmlinuz-*-cloud-amd64`` by default, from
 ``linux-image-cloud-amd64``), its ``/lib/modules/<version>`` and a static busybox
-(``busybox-static``). :func:`missing` names what is absent.
+(``busybox-static``). :func:`missing` names what is absent. ``resize2fs`` (e2fsprogs)
+is taken when the host has it; without it the guest's root keeps the image's size.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ import io
 import os
 import shutil
 import stat
-from collections.abc import Iterable
+import subprocess
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,10 +42,12 @@ INITRD_NAME = "initrd.cpio"
 MTIME = 1735689600
 """2025-01-01T00:00:00Z, the images' SOURCE_DATE_EPOCH."""
 MODULES = ("virtio_pci", "virtio_blk", "virtio_net", "virtio_console", "qemu_fw_cfg",
-           "button", "evdev")
+           "button", "evdev", "isofs")
 """What the init loads (with their dependencies): disks, network, the scaling agent's
-port, the config in fw_cfg, and the ACPI power button read through evdev. ext4, tmpfs,
-swap and devtmpfs are built into Debian's cloud kernel."""
+port, the config in fw_cfg, the ACPI power button read through evdev, and ISO 9660 (a
+vm-builder guest mounts its runtime disk with it). ext4, tmpfs, swap and devtmpfs are
+built into Debian's cloud kernel."""
+RESIZE2FS = ("/usr/sbin/resize2fs", "/sbin/resize2fs")
 LOAD_ORDER = "lib/modules/load-order"
 
 
@@ -66,6 +72,28 @@ def find_runner_kernel(directory: Path) -> RunnerKernel | None:
     if kernel.is_file() and initrd.is_file():
         return RunnerKernel(kernel=kernel, initrd=initrd)
     return None
+
+
+def find_resize2fs() -> Path | None:
+    """The host's ``resize2fs`` (e2fsprogs), else None."""
+    for candidate in RESIZE2FS:
+        if os.access(candidate, os.X_OK):
+            return Path(candidate)
+    return None
+
+
+def program_files(binary: Path, target: str) -> list[tuple[str, Path]]:
+    """(path in the initramfs, host file) for ``binary`` at ``target`` and every shared
+    library ``ldd`` names for it (the dynamic loader included), at their host paths."""
+    pairs = [(target, binary)]
+    out = subprocess.run(["ldd", str(binary)], capture_output=True, text=True,
+                         check=True).stdout
+    for line in out.splitlines():
+        words = line.split()
+        path = words[2] if "=>" in words and len(words) > 2 else words[0] if words else ""
+        if path.startswith("/"):
+            pairs.append((path.lstrip("/"), Path(path)))
+    return pairs
 
 
 def _busybox_is_static(path: Path) -> bool:
@@ -135,10 +163,12 @@ def write_cpio(files: dict[str, tuple[int, bytes]], out: io.BufferedIOBase) -> N
 
 def initramfs_files(kernel_version: str, modules_root: Path = Path("/lib/modules"),
                     busybox: Path = BUSYBOX,
-                    init: Path = INIT_SCRIPT, scaling: Path = SCALING_SCRIPT
+                    init: Path = INIT_SCRIPT, scaling: Path = SCALING_SCRIPT,
+                    programs: Sequence[tuple[str, Path]] = ()
                     ) -> dict[str, tuple[int, bytes]]:
     """The initramfs's contents: busybox, /init, the scaling script, the modules and
-    their load order."""
+    their load order, and ``programs`` ((path inside, host file) pairs, see
+    :func:`program_files`)."""
     directory = stat.S_IFDIR | 0o755
     files: dict[str, tuple[int, bytes]] = {
         d: (directory, b"") for d in ("bin", "dev", "etc", "lib", "lib/modules",
@@ -148,6 +178,11 @@ def initramfs_files(kernel_version: str, modules_root: Path = Path("/lib/modules
     files["bin/sh"] = (stat.S_IFLNK | 0o777, b"busybox")
     files["init"] = (stat.S_IFREG | 0o755, init.read_bytes())
     files[SCALING_SCRIPT_PATH] = (stat.S_IFREG | 0o755, scaling.read_bytes())
+    for inside, host in programs:
+        parts = inside.split("/")
+        for depth in range(1, len(parts)):
+            files.setdefault("/".join(parts[:depth]), (directory, b""))
+        files[inside] = (stat.S_IFREG | 0o755, host.read_bytes())
     root = modules_root / kernel_version
     loaded = []
     dep = root / "modules.dep"
@@ -174,7 +209,9 @@ def build_initramfs(dest: Path, kernel: Path | None = None,
         raise RuntimeError("cannot build the runner's initramfs, missing: " + ", ".join(absent))
     version = kernel.name.removeprefix("vmlinuz-")
     dest.mkdir(parents=True, exist_ok=True)
-    files = initramfs_files(version, busybox=busybox)
+    resize2fs = find_resize2fs()
+    programs = program_files(resize2fs, "bin/resize2fs") if resize2fs else []
+    files = initramfs_files(version, busybox=busybox, programs=programs)
     buf = io.BytesIO()
     write_cpio(files, buf)
     initrd = dest / INITRD_NAME

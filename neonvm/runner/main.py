@@ -30,6 +30,7 @@ from loguru import logger
 
 from neonvm import logs
 from neonvm.api.scale_protocol import ScaleLimits, ScaleTarget, parse_fence_floor
+from neonvm.runner.diskimage import ImageError, root_has_path
 from neonvm.runner.disks import DiskTools, check_prerequisites, prepare
 from neonvm.runner.errors import HostError, RunnerError, SpecError
 from neonvm.runner.guestboot import EXT_MAGIC_OFFSET, is_bare_ext_filesystem, read_first_bytes
@@ -46,6 +47,7 @@ from neonvm.runner.host import (
 from neonvm.runner.initramfs import RunnerKernel, find_runner_kernel
 from neonvm.runner.metrics import runner_registry
 from neonvm.runner.qemu import CpuScalingMode, LaunchContext, LaunchPlan, build_launch_plan
+from neonvm.runner.runtimedisk import GUEST_INIT
 from neonvm.runner.scaling import Scaler
 from neonvm.runner.server import RunnerHTTPServer
 from neonvm.runner.spec import ENV_SPEC_FILE, LoadedSpec, load_spec
@@ -118,14 +120,17 @@ def plan_launch(options: RunnerOptions, env: Mapping[str, str], work_dir: Path,
         and os.access(options.disks_dir / d.name, os.W_OK))
     tools = DiskTools(qemu_img=optional_binary("qemu-img"),
                       mkfs_ext4=optional_binary("mkfs.ext4"))
+    runner_kernel = _runner_kernel_for(options, spec.guest.kernel_image,
+                                       spec.guest.root_disk.image, tools)
     ctx = LaunchContext(
         qemu_binary=qemu, accel=accel, work_dir=work_dir, runner_port=port,
         disks_dir=options.disks_dir, writable_disk_dirs=writable,
         listen_address=options.listen_address, root_disk_override=options.root_disk,
         vm_name=loaded.name, vm_namespace=loaded.namespace, ready_marker=options.ready_marker,
         cpu_scaling_mode=options.cpu_scaling_mode,
-        runner_kernel=_runner_kernel_for(options, spec.guest.kernel_image,
-                                         spec.guest.root_disk.image, tools))
+        runner_kernel=runner_kernel,
+        guest_init=runner_kernel is not None and _carries_guest_init(
+            options.root_disk or Path(spec.guest.root_disk.image or ""), tools))
     plan = build_launch_plan(spec, ctx)
     return Launch(loaded=loaded, plan=plan, accel=accel, accel_reason=reason, port=port,
                   tools=tools, acceleration_unavailable=unavailable)
@@ -155,6 +160,26 @@ def _runner_kernel_for(options: RunnerOptions, kernel_image: str | None,
     return found
 
 
+def _carries_guest_init(root: Path, tools: DiskTools) -> bool:
+    """Whether the bare-ext4 root disk holds vm-builder's ``/neonvm/bin/init``.
+
+    An image this runner cannot read that way is booted with the runner's own init, and
+    the log says why."""
+    try:
+        return root_has_path(root, GUEST_INIT, tools.qemu_img)
+    except (ImageError, OSError) as exc:
+        logger.warning("cannot look for {} in the root disk {} ({}): booting the runner's "
+                       "init", GUEST_INIT, root, exc)
+        return False
+
+
+def ready_marker_for(plan: LaunchPlan, marker: str) -> str:
+    """The console line ``/ready`` waits for: none for a vm-builder guest, which never
+    prints one. There, as in NeonVM's runner (QmpScaling), the guest is ready once QEMU
+    runs and QMP says ``running`` (docs/runner.md, "The vm-builder boot contract")."""
+    return "" if plan.guest_init is not None else marker
+
+
 def run_runner(options: RunnerOptions, env: Mapping[str, str], console: BinaryIO) -> int:
     """Run the VM to its end; returns the exit code. Raises RunnerError before QEMU starts."""
     early_stop: list[str] = []
@@ -177,11 +202,14 @@ def run_runner(options: RunnerOptions, env: Mapping[str, str], console: BinaryIO
             _write_termination_text(options.termination_log,
                                     launch.acceleration_unavailable + "\n")
         plan = launch.plan
-        log.info("boot: {}{}", plan.boot,
+        log.info("boot: {}{}{}", plan.boot,
                  f" ({plan.argv[plan.argv.index('-kernel') + 1]})" if "-kernel" in plan.argv
-                 else "")
+                 else "",
+                 f", the root disk's own init {plan.guest_init} with a runtime disk "
+                 "(vm-builder image; ready when QEMU runs)" if plan.guest_init else "")
+        ready_marker = ready_marker_for(plan, options.ready_marker)
         state = RunnerState(
-            vm=launch.loaded.key, accel=launch.accel, ready_marker=options.ready_marker,
+            vm=launch.loaded.key, accel=launch.accel, ready_marker=ready_marker,
             acceleration_unavailable=launch.acceleration_unavailable,
             sizing=Sizing(vcpus=plan.cpus.vcpus, max_vcpus=plan.cpus.max_vcpus,
                           memory_bytes=plan.memory.current_bytes,
@@ -206,7 +234,7 @@ def run_runner(options: RunnerOptions, env: Mapping[str, str], console: BinaryIO
                 launch.loaded.spec.termination_grace_period_seconds, options.grace_margin,
                 options.shutdown_timeout),
             powerdown_interval_seconds=options.powerdown_interval)
-        supervisor = Supervisor(plan, state, policy, console, options.ready_marker,
+        supervisor = Supervisor(plan, state, policy, console, ready_marker,
                                 launch.loaded.key, pdeathsig_wrapper=optional_binary("setpriv"),
                                 scaler=scaler)
         outcome = asyncio.run(_supervise(supervisor, early_stop))

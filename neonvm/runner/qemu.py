@@ -57,6 +57,13 @@ from neonvm.runner.guestboot import (
 from neonvm.runner.guestnet import DEFAULT_GUEST_NETWORK
 from neonvm.runner.host import Accel
 from neonvm.runner.initramfs import RunnerKernel
+from neonvm.runner.runtimedisk import (
+    GUEST_INIT,
+    RUNTIME_DISK_NAME,
+    RUNTIME_SERIAL,
+    iso9660_image,
+    runtime_files,
+)
 
 MIB = 1 << 20
 QMP_SOCKET_NAME = "qmp.sock"
@@ -108,6 +115,10 @@ class LaunchContext:
     """The runner's own kernel and initramfs, used when the spec names no kernel. The
     runner sets it only for a root disk that is a bare filesystem
     (:mod:`neonvm.runner.guestboot`); otherwise firmware boots the root disk."""
+    guest_init: bool = False
+    """With the runner's kernel: the root disk carries vm-builder's ``/neonvm/bin/init``.
+    The guest then boots that init (``init=/neonvm/bin/init``) with a runtime disk
+    (:mod:`neonvm.runner.runtimedisk`), and the console is ``ttyS1`` as in NeonVM."""
 
 
 @dataclass(frozen=True)
@@ -140,8 +151,9 @@ class MemoryLayout:
         return self.max_slots - self.min_slots
 
 
-DiskKind = Literal["root-overlay", "empty", "content", "blank"]
-"""blank: a sparse raw file, not formatted (the swap disk; the guest runs mkswap)."""
+DiskKind = Literal["root-overlay", "empty", "content", "blank", "file"]
+"""blank: a sparse raw file holding only a swap signature (the swap disk; label
+``swapdisk``, the guest runs mkswap); file: the bytes in ``contents`` (the runtime disk)."""
 
 
 @dataclass(frozen=True)
@@ -160,6 +172,8 @@ class DiskImage:
     """content: the directory whose files the image holds."""
     label: str | None = None
     """ext4 volume label (at most 16 bytes)."""
+    contents: bytes | None = None
+    """file: the image's bytes, made by the plan (the vm-builder runtime disk)."""
 
 
 @dataclass(frozen=True)
@@ -193,6 +207,9 @@ class LaunchPlan:
     boot_script: str | None = None
     """Runner kernel only: the shell its init sources (fw_cfg ``opt/vm.neon.tech/boot.sh``)."""
     boot_script_path: Path | None = None
+    guest_init: str | None = None
+    """Runner kernel only: the root disk's own init the guest hands over to
+    (vm-builder's ``/neonvm/bin/init``); None: the runner's init runs the command."""
 
 
 def cpu_layout(cpus: CPURange) -> CpuLayout:
@@ -286,7 +303,7 @@ def memory_online_state(memory: MemoryLayout) -> str:
 
 
 def kernel_cmdline(has_root_disk: bool, memory: MemoryLayout, append: str | None,
-                   online_cpus: int | None = None) -> str:
+                   online_cpus: int | None = None, guest_init: str | None = None) -> str:
     """The kernel command line: console on the serial port, then the user's additions.
 
     ``panic=-1`` turns a guest panic into a reboot, which ``-no-reboot`` turns into QEMU
@@ -294,7 +311,11 @@ def kernel_cmdline(has_root_disk: bool, memory: MemoryLayout, append: str | None
     The user's ``appendKernelCmdline`` comes last, so it can override any of these.
     """
     parts = ["console=ttyS0", "panic=-1"]
-    if has_root_disk:
+    if guest_init is not None:
+        # NeonVM's line for vm-builder images: the console is the second serial port (the
+        # image's agetty owns ttyS0); the runner's initramfs honours init= and root=.
+        parts = ["console=ttyS1", "panic=-1", f"init={guest_init}", "loglevel=6"]
+    if has_root_disk or guest_init is not None:
         parts += ["root=/dev/vda", "rw"]
     if memory.max_slots > memory.min_slots:
         parts.append(f"memhp_default_state={memory_online_state(memory)}")
@@ -323,6 +344,7 @@ def build_launch_plan(spec: VirtualMachineSpec, ctx: LaunchContext) -> LaunchPla
     if kernel is None and guest.initrd_image:
         raise SpecError("guest.initrdImage needs guest.kernelImage")
     runner_kernel = ctx.runner_kernel if kernel is None and root_image is not None else None
+    guest_init = GUEST_INIT if runner_kernel is not None and ctx.guest_init else None
     if kernel is None and runner_kernel is None and guest.append_kernel_cmdline:
         raise SpecError("guest.appendKernelCmdline needs a kernel: guest.kernelImage, or the "
                         "runner's kernel for a root disk that is a bare filesystem")
@@ -354,7 +376,11 @@ def build_launch_plan(spec: VirtualMachineSpec, ctx: LaunchContext) -> LaunchPla
         argv += ["-object", f"memory-backend-ram,id=mem-slot{slot},size={_mib(memory.slot_bytes)}",
                  "-device", f"pc-dimm,id=dimm-slot{slot},memdev=mem-slot{slot}"]
 
-    # Serial console → QEMU's stdout, which the runner forwards to its own stdout.
+    # Serial console → QEMU's stdout, which the runner forwards to its own stdout. A
+    # vm-builder guest gets NeonVM's layout: ttyS0 (its agetty's) goes nowhere, ttyS1 is
+    # the console.
+    if guest_init is not None:
+        argv += ["-serial", "null"]
     argv += ["-chardev", "stdio,id=console,signal=off", "-serial", "chardev:console"]
     # The runner's private QMP channel.
     argv += ["-chardev", f"socket,id=qmp,path={qemu_value(qmp_socket)},server=on,wait=off",
@@ -397,6 +423,13 @@ def build_launch_plan(spec: VirtualMachineSpec, ctx: LaunchContext) -> LaunchPla
         boot = "" if kernel is not None or runner_kernel is not None else ",bootindex=0"
         argv += ["-drive", f"if=none,id=rootdisk,file={qemu_value(overlay)},format=qcow2",
                  "-device", f"virtio-blk-pci,drive=rootdisk,serial=rootdisk{boot}"]
+    runtime_path: Path | None = None
+    if guest_init is not None:
+        # Right after the root disk, so the guest sees it as /dev/vdb (vminit mounts that).
+        runtime_path = ctx.work_dir / RUNTIME_DISK_NAME
+        argv += ["-drive", f"if=none,id=runtime,file={qemu_value(runtime_path)},format=raw,"
+                           "readonly=on",
+                 "-device", f"virtio-blk-pci,drive=runtime,serial={RUNTIME_SERIAL}"]
 
     cmdline: str | None = None
     if kernel is not None:
@@ -413,7 +446,8 @@ def build_launch_plan(spec: VirtualMachineSpec, ctx: LaunchContext) -> LaunchPla
         required_files += [("runner kernel", runner_kernel.kernel),
                            ("runner initramfs", runner_kernel.initrd)]
         cmdline = kernel_cmdline(False, memory, guest.append_kernel_cmdline,
-                                 online_cpus=cpus.vcpus if sysfs else None)
+                                 online_cpus=cpus.vcpus if sysfs else None,
+                                 guest_init=guest_init)
         argv += ["-kernel", str(runner_kernel.kernel), "-initrd", str(runner_kernel.initrd),
                  "-append", cmdline]
 
@@ -466,7 +500,7 @@ def build_launch_plan(spec: VirtualMachineSpec, ctx: LaunchContext) -> LaunchPla
             raise SpecError(f"disks: the name {SWAP_SERIAL!r} is the swap disk's")
         swap_path = ctx.work_dir / "disks" / f"{SWAP_SERIAL}.raw"
         disk_images.append(DiskImage(name=SWAP_SERIAL, kind="blank", path=swap_path,
-                                     size_bytes=swap))
+                                     size_bytes=swap, label=SWAP_SERIAL))
         guest_disks.append({"name": SWAP_SERIAL, "source": "swap", "serial": SWAP_SERIAL,
                             "size": swap, "readOnly": False})
         argv += ["-drive", f"if=none,id=disk-{SWAP_SERIAL},file={qemu_value(swap_path)},"
@@ -525,6 +559,14 @@ def build_launch_plan(spec: VirtualMachineSpec, ctx: LaunchContext) -> LaunchPla
             disks=[d for d in guest_disks if d["source"] != "swap"], swap=swap is not None)
         script_path = ctx.work_dir / BOOT_SCRIPT_NAME
         argv += ["-fw_cfg", f"name={BOOT_FW_CFG_NAME},file={qemu_value(script_path)}"]
+    if runtime_path is not None:
+        files = runtime_files(
+            command=guest.command, args=guest.args,
+            env=[(e.name, e.value or "") for e in guest.env or []], settings=guest.settings,
+            disks=[d for d in guest_disks if d["source"] != "swap"], swap_bytes=swap,
+            boot_memory_bytes=memory.boot_bytes)
+        disk_images.append(DiskImage(name=RUNTIME_SERIAL, kind="file", path=runtime_path,
+                                     contents=iso9660_image(files)))
 
     return LaunchPlan(
         argv=tuple(argv),
@@ -547,6 +589,7 @@ def build_launch_plan(spec: VirtualMachineSpec, ctx: LaunchContext) -> LaunchPla
               "runner kernel" if runner_kernel is not None else "firmware"),
         boot_script=script,
         boot_script_path=script_path,
+        guest_init=guest_init,
     )
 
 
