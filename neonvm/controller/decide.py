@@ -1070,8 +1070,10 @@ def fence_ahead_marked(raw: RawObject) -> bool:
 
 def looks_mid_plan(raw: RawObject, pods: Iterable[RawObject]) -> bool:
     """The mid-plan scan's test of one cached VM and its cached pods: in the middle of
-    something (plan, deletion, gated pod, more than one pod, no committed pod), and not
-    held back by a Wait of its own (:func:`create_held_back`, :func:`fence_ahead_marked`)."""
+    something (plan, deletion, gated pod, more than one pod, no committed pod, or a
+    committed pod that is not there as committed: gone, of another uid, terminating or
+    finished), and not held back by a Wait of its own (:func:`create_held_back`,
+    :func:`fence_ahead_marked`)."""
     pods = list(pods)
     meta = raw.get("metadata") or {}
     status = raw.get("status") or {}
@@ -1080,7 +1082,22 @@ def looks_mid_plan(raw: RawObject, pods: Iterable[RawObject]) -> bool:
     terminal = status.get("phase") in TERMINAL_PHASES
     gated = any((p.get("spec") or {}).get("schedulingGates") for p in pods)
     return bool(status.get("pendingPod") or meta.get("deletionTimestamp") or gated
-                or len(pods) > 1 or (not status.get("podName") and not terminal))
+                or len(pods) > 1 or (not terminal and not _committed_pod_up(status, pods)))
+
+
+def _committed_pod_up(status: RawObject, pods: list[RawObject]) -> bool:
+    """The cached pods hold the committed pod (``status.podName``, of ``status.podUID``
+    when recorded), neither terminating nor finished: what :func:`decide` needs to see
+    to leave the VM alone. A VM whose cache shows otherwise needs a Restart, whatever
+    its last reconcile concluded from an older view (docs/reconciler.md, "Progress
+    without events")."""
+    name, uid = status.get("podName"), status.get("podUID")
+    pod = next((p for p in pods if (p.get("metadata") or {}).get("name") == name), None)
+    if not name or pod is None:
+        return False
+    pod_meta = pod.get("metadata") or {}
+    return not ((uid and pod_meta.get("uid") != uid) or pod_meta.get("deletionTimestamp")
+                or (pod.get("status") or {}).get("phase") in TERMINAL_PHASES)
 
 
 def object_key(raw: RawObject) -> str:
