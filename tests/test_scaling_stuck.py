@@ -247,6 +247,53 @@ def test_three_stuck_vms_and_two_workers_leave_an_honest_vm_converging(
         honest.close()
 
 
+@pytest.mark.cluster
+def test_two_runners_answering_200_slowly_and_two_workers_leave_an_honest_vm_converging(
+        cluster: Any, api: client.ApiClient, namespace: str, tmp_path: Path) -> None:
+    # A real controller (two workers). Each liar's runner holds every PUT for 8 s, then
+    # answers 200 and applies nothing (GET /scale keeps the older fence). Before, each
+    # reconcile of each liar sent up to 30 PUTs in a row: both workers held for 4 minutes
+    # at a time, and the honest VM waited.
+    from tests.support import replica_group
+    from tests.test_hostile_runner import _pod_running, condition, scalable_vm
+    from tests.test_scaling_controller import set_use, status_of
+
+    liars = {f"liar{i}": HonestRunner(lying_put=8.0) for i in range(2)}
+    honest = HonestRunner()
+    names = [*liars, "honest"]
+    try:
+        with replica_group(cluster, api, namespace, tmp_path / "replicas",
+                           workers=2) as replicas:
+            replicas.start("r0")
+            for name, runner in liars.items():
+                scalable_vm(api, namespace, name, runner.port)
+            scalable_vm(api, namespace, "honest", honest.port)
+            for name in names:
+                wait_for(lambda n=name: _pod_running(api, namespace, n), 180,  # type: ignore[misc]
+                         what=f"{name}'s pod started")
+                wait_for(lambda n=name: status_of(api, namespace, n).get("phase") == "Running",
+                         120, what=f"{name} Running")
+            for name in liars:
+                set_use(api, namespace, name, 2, 2)
+            wait_for(lambda: all(r.puts for r in liars.values()), 120,
+                     what="every liar's PUT on its way")
+            set_use(api, namespace, "honest", 2, 2)
+            wait_for(lambda: (s := status_of(api, namespace, "honest")).get("cpus") == 2
+                     and s.get("memorySize") == "2Gi" and "pendingScale" not in s, 120,
+                     what="the honest VM at 2 vCPUs, 2Gi")
+            for name in liars:
+                wait_for(lambda n=name: (c := condition(api, namespace, n, "Degraded"))
+                         is not None and c["status"] == "True"
+                         and c["reason"] == "ApplyScaleNotTakingEffect", 120,
+                         what=f"{name} Degraded")
+                assert status_of(api, namespace, name)["pendingScale"]["seq"] == 1
+            print("PUTs per liar:", {n: r.puts for n, r in liars.items()})
+    finally:
+        for runner in liars.values():
+            runner.close()
+        honest.close()
+
+
 # ---- a scaling plan fenced ahead ---------------------------------------------------------
 
 
