@@ -27,6 +27,7 @@ from neonvm.api.types import (
 )
 from neonvm.controller import conditions as c
 from neonvm.controller import decide as d
+from neonvm.controller import reasons
 from neonvm.controller.observe import Snapshot, VMRecord, make_snapshot
 from neonvm.controller.reconciler import (
     Reconciler,
@@ -91,7 +92,7 @@ def test_condition_messages_and_api_error_text_are_bounded_with_an_ellipsis() ->
 
     vm = VirtualMachine(name="vm", namespace="ns", uid="u", resource_version="1", generation=1,
                         spec=VirtualMachineSpec(), status=VirtualMachineStatus())
-    mutate = c.conditions_mutation([c.stuck_condition(c.CREATE_FAILING, long)],
+    mutate = c.conditions_mutation([c.stuck_condition(reasons.CREATE_FAILING, long)],
                                    d.Fence(epoch=1, token=1), now="2026-01-01T00:00:00Z")
     status = mutate(vm)
     assert status is not None
@@ -103,8 +104,9 @@ def test_condition_messages_and_api_error_text_are_bounded_with_an_ellipsis() ->
 
 @pytest.mark.parametrize(("reason", "clears"), [
     ("UngateNotTakingEffect", True), ("CreatePodNotTakingEffect", True),
-    (c.STEP_BUDGET_EXHAUSTED, True), (c.UNGATE_FORBIDDEN, True), (c.CREATE_FAILING, True),
-    ("CreateRefused", False), (d.PULL_SECRET_NOT_FOUND, False),
+    (reasons.STEP_BUDGET_EXHAUSTED, True), (reasons.UNGATE_FORBIDDEN, True),
+    (reasons.CREATE_FAILING, True),
+    ("CreateRefused", False), (reasons.PULL_SECRET_NOT_FOUND, False),
 ])
 def test_a_stuck_reason_clears_when_a_reconcile_ends_normally(reason: str,
                                                                clears: bool) -> None:
@@ -122,7 +124,7 @@ def test_a_stuck_reason_clears_when_a_reconcile_ends_normally(reason: str,
     degraded = updates.get("Degraded")
     if clears:
         assert degraded is not None and (degraded.status, degraded.reason) == (
-            "False", c.RECOVERED)
+            "False", reasons.RECOVERED)
     else:
         assert degraded is None
 
@@ -134,7 +136,7 @@ def test_a_stuck_condition_is_written_once_however_its_message_changes() -> None
     vm = VirtualMachine(name="vm", namespace="ns", uid="u", resource_version="1", generation=1,
                         spec=VirtualMachineSpec(), status=VirtualMachineStatus())
     lease = d.Fence(epoch=1, token=1)
-    reason = f"Ungate{c.NOT_TAKING_EFFECT}"
+    reason = f"Ungate{reasons.NOT_TAKING_EFFECT}"
     first = miss_message(d.Ungate, "declined", "")
     status = stuck_mutation(c.stuck_condition(reason, first), lease)(vm)
     assert status is not None
@@ -144,7 +146,7 @@ def test_a_stuck_condition_is_written_once_however_its_message_changes() -> None
     # Another attempt: another error text (naming another pod) and counts.
     second = miss_message(d.Ungate, "declined", 'pods "vm-u-2" is forbidden: x')
     assert stuck_mutation(c.stuck_condition(reason, second), lease)(vm) is None
-    assert stuck_mutation(c.stuck_condition(c.CREATE_FAILING, "creating runner pod vm-u-3 "
+    assert stuck_mutation(c.stuck_condition(reasons.CREATE_FAILING, "creating runner pod vm-u-3 "
                                             "keeps failing"), lease)(vm) is not None, \
         "a new reason is a transition: written"
     vm.status.conditions[0].status = "False"
@@ -254,7 +256,7 @@ def test_a_vm_stuck_again_on_other_pod_names_does_not_rewrite_its_degraded_condi
     reconciler.cluster.create_pod = fake.create_pod  # type: ignore[assignment,method-assign]
     authority = StaticAuthority(epoch=1, token=5)
     first = reconciler.reconcile("ns/vm", authority, direct_first=True)
-    assert first.stuck == f"CreatePod{c.NOT_TAKING_EFFECT}", first
+    assert first.stuck == f"CreatePod{reasons.NOT_TAKING_EFFECT}", first
     assert fake.degraded_writes == 1
     planned = fake.raw["status"]["planSeq"]  # type: ignore[index]
     second = reconciler.reconcile("ns/vm", authority, direct_first=True)

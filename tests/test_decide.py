@@ -23,6 +23,7 @@ from neonvm.api.types import (
     VirtualMachineStatus,
 )
 from neonvm.controller import decide as d
+from neonvm.controller import reasons
 from neonvm.controller.mutations import status_mutation
 
 pytestmark = pytest.mark.unit
@@ -229,7 +230,7 @@ def test_a_missing_pull_secret_holds_the_recorded_plan_back_and_a_present_one_do
 ) -> None:
     planned = vm(pending_pod=plan(), plan_seq=1)
     waiting = d.decide(dataclasses.replace(obs(planned), missing_pull_secrets=("regcred",)))
-    assert isinstance(waiting, d.Wait) and waiting.condition == d.PULL_SECRET_NOT_FOUND
+    assert isinstance(waiting, d.Wait) and waiting.condition == reasons.PULL_SECRET_NOT_FOUND
     assert "regcred" in waiting.reason and plan().name in waiting.reason
     assert isinstance(d.decide(obs(planned)), d.CreatePod)
     # Once the pod exists, a missing secret no longer matters: the plan is committed.
@@ -506,20 +507,20 @@ RUNNING_POD: dict[str, object] = {"metadata": {"name": "vm-1"}, "spec": {}}
 
 
 def test_a_create_is_held_back_for_the_generation_that_was_refused_or_lacks_a_secret() -> None:
-    assert d.create_held_back(raw_vm(d.PULL_SECRET_NOT_FOUND))
-    assert d.create_held_back(raw_vm(d.CREATE_REFUSED))
-    assert not d.create_held_back(raw_vm(d.CREATE_REFUSED, generation=4)), "a new spec"
-    assert not d.create_held_back(raw_vm(d.PULL_SECRET_NOT_FOUND, generation=4))
-    assert not d.create_held_back(raw_vm(d.PULL_SECRET_NOT_FOUND, deleting=True)), (
+    assert d.create_held_back(raw_vm(reasons.PULL_SECRET_NOT_FOUND))
+    assert d.create_held_back(raw_vm(reasons.CREATE_REFUSED))
+    assert not d.create_held_back(raw_vm(reasons.CREATE_REFUSED, generation=4)), "a new spec"
+    assert not d.create_held_back(raw_vm(reasons.PULL_SECRET_NOT_FOUND, generation=4))
+    assert not d.create_held_back(raw_vm(reasons.PULL_SECRET_NOT_FOUND, deleting=True)), (
         "a VM being deleted is never held back")
     assert not d.create_held_back({"metadata": {}, "status": {}})
 
 
 def test_a_fence_ahead_mark_counts_for_its_generation_only() -> None:
-    assert d.fence_ahead_marked(raw_vm(d.FENCE_AHEAD))
-    assert d.fence_ahead_marked(raw_vm(d.FENCE_AHEAD, deleting=True))
-    assert not d.fence_ahead_marked(raw_vm(d.FENCE_AHEAD, generation=4))
-    assert not d.fence_ahead_marked(raw_vm(d.CREATE_REFUSED))
+    assert d.fence_ahead_marked(raw_vm(reasons.FENCE_AHEAD))
+    assert d.fence_ahead_marked(raw_vm(reasons.FENCE_AHEAD, deleting=True))
+    assert not d.fence_ahead_marked(raw_vm(reasons.FENCE_AHEAD, generation=4))
+    assert not d.fence_ahead_marked(raw_vm(reasons.CREATE_REFUSED))
 
 
 def test_a_vm_in_the_middle_of_something_looks_mid_plan() -> None:
@@ -541,13 +542,14 @@ def test_a_vm_requeued_by_its_own_wait_is_left_to_it() -> None:
     the scan skips it whatever its plan, pods or deletion say; a new generation is scanned
     once. A held-back create is skipped only while it has no pods."""
     plan_ = {"pendingPod": {"name": "vm-1"}}
-    assert not d.looks_mid_plan(raw_vm(d.FENCE_AHEAD, **plan_), [])
-    assert not d.looks_mid_plan(raw_vm(d.FENCE_AHEAD), [])
-    assert not d.looks_mid_plan(raw_vm(d.FENCE_AHEAD, podName="vm-1"), [GATED_POD])
-    assert not d.looks_mid_plan(raw_vm(d.FENCE_AHEAD, deleting=True, **plan_), [GATED_POD])
-    assert d.looks_mid_plan(raw_vm(d.FENCE_AHEAD, generation=4, **plan_), []), "new generation"
-    assert not d.looks_mid_plan(raw_vm(d.CREATE_REFUSED, **plan_), [])
-    assert d.looks_mid_plan(raw_vm(d.CREATE_REFUSED, **plan_), [GATED_POD])
+    assert not d.looks_mid_plan(raw_vm(reasons.FENCE_AHEAD, **plan_), [])
+    assert not d.looks_mid_plan(raw_vm(reasons.FENCE_AHEAD), [])
+    assert not d.looks_mid_plan(raw_vm(reasons.FENCE_AHEAD, podName="vm-1"), [GATED_POD])
+    assert not d.looks_mid_plan(raw_vm(reasons.FENCE_AHEAD, deleting=True, **plan_), [GATED_POD])
+    assert d.looks_mid_plan(raw_vm(reasons.FENCE_AHEAD, generation=4, **plan_), []), (
+        "new generation")
+    assert not d.looks_mid_plan(raw_vm(reasons.CREATE_REFUSED, **plan_), [])
+    assert d.looks_mid_plan(raw_vm(reasons.CREATE_REFUSED, **plan_), [GATED_POD])
 
 
 def test_the_scan_names_the_mid_plan_vms_by_key_with_their_own_pods() -> None:

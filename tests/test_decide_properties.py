@@ -31,6 +31,7 @@ from neonvm.api.types import (
     VirtualMachineStatus,
 )
 from neonvm.controller import decide as d
+from neonvm.controller import reasons
 from neonvm.controller.mutations import FencedOut, finalizers_mutation, status_mutation
 from neonvm.controller.update import RetryPolicy, conditional_update
 
@@ -172,7 +173,7 @@ def test_a_missing_pull_secret_only_ever_turns_a_create_into_a_wait_or_a_clean_u
         assert not o.direct and any(p.name != o.vm.status.pending_pod.name for p in o.pods)
     else:
         assert isinstance(missing, d.Wait)
-        assert missing.condition == d.PULL_SECRET_NOT_FOUND
+        assert missing.condition == reasons.PULL_SECRET_NOT_FOUND
 
 
 @settings(max_examples=400, deadline=None)

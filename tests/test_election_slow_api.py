@@ -26,8 +26,8 @@ from urllib.parse import urlparse
 import pytest
 from kubernetes import client
 
-from neonvm.leader.election import ElectionConfig, LeaderElector, Leadership
 from neonvm.drills.proxy import LatencyProxy
+from neonvm.leader.election import ElectionConfig, LeaderElector, Leadership
 from tests.support import wait_for
 
 LATENCY = 1.5

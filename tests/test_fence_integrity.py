@@ -34,9 +34,6 @@ from neonvm.api.types import (
 )
 from neonvm.controller import decide as d
 from neonvm.controller.conditions import (
-    DEGRADED,
-    FENCE_AHEAD,
-    FENCE_RESOLVED,
     conditions_mutation,
     desired_conditions,
     epoch_ahead,
@@ -48,6 +45,7 @@ from neonvm.controller.conditions import now_rfc3339 as conditions_now
 from neonvm.controller.events import EventRecorder
 from neonvm.controller.mutations import FencedOut, status_mutation
 from neonvm.controller.observe import Snapshot
+from neonvm.controller.reasons import DEGRADED, FENCE_AHEAD, FENCE_RESOLVED
 from neonvm.controller.reconciler import (
     FENCE_AHEAD_RECHECK_SECONDS as RECHECK,
 )

@@ -29,7 +29,7 @@ from kubernetes.client.exceptions import ApiException
 
 from neonvm.api import types
 from neonvm.cli import main
-from neonvm.controller.conditions import WAITING_FOR_OLD_POD
+from neonvm.controller.reasons import WAITING_FOR_OLD_POD
 from neonvm.dev import nodes
 from neonvm.dev.cluster import LocalCluster
 from neonvm.invariant import InvariantChecker

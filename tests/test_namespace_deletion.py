@@ -32,6 +32,7 @@ from neonvm.api.types import (
     VirtualMachineStatus,
 )
 from neonvm.controller import decide as d
+from neonvm.controller import reasons
 from neonvm.controller.reconciler import TerminatingNamespaces, namespace_terminating
 from neonvm.dev.cluster import LocalCluster
 from neonvm.testing.harness import Replicas, converged, create_vm
@@ -76,18 +77,18 @@ def test_a_runner_pod_going_in_a_terminating_namespace_is_not_restarted() -> Non
     assert isinstance(d.decide(_obs(vm, pods, terminating=False)), d.Restart)
     action = d.decide(_obs(vm, pods, terminating=True))
     assert isinstance(action, d.Wait)
-    assert action.condition == d.NAMESPACE_TERMINATING
+    assert action.condition == reasons.NAMESPACE_TERMINATING
 
 
 @pytest.mark.unit
 def test_no_plan_and_no_create_in_a_terminating_namespace() -> None:
     assert isinstance(d.decide(_obs(_vm(), terminating=False)), d.RecordPlan)
     waiting = d.decide(_obs(_vm(), terminating=True))
-    assert isinstance(waiting, d.Wait) and waiting.condition == d.NAMESPACE_TERMINATING
+    assert isinstance(waiting, d.Wait) and waiting.condition == reasons.NAMESPACE_TERMINATING
     plan = PendingPod(name="vm-1-01234567-1", plan_seq=1, token=1, epoch=1, generation=1)
     assert isinstance(d.decide(_obs(_vm(pending=plan), terminating=False)), d.CreatePod)
     waiting = d.decide(_obs(_vm(pending=plan), terminating=True))
-    assert isinstance(waiting, d.Wait) and waiting.condition == d.NAMESPACE_TERMINATING
+    assert isinstance(waiting, d.Wait) and waiting.condition == reasons.NAMESPACE_TERMINATING
 
 
 @pytest.mark.unit

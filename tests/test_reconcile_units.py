@@ -19,20 +19,15 @@ from neonvm.api.types import (
     VirtualMachineStatus,
 )
 from neonvm.controller import decide as d
-from neonvm.controller.conditions import (
-    DEGRADED,
-    READY,
-    WAITING_FOR_OLD_POD,
-    ConditionUpdate,
-    conditions_mutation,
-    desired_conditions,
-)
+from neonvm.controller import reasons
+from neonvm.controller.conditions import ConditionUpdate, conditions_mutation, desired_conditions
 from neonvm.controller.fault_wiring import VersionedStore
 from neonvm.controller.faults import STEPS, FaultConfig, FaultConfigError, Faults
 from neonvm.controller.informer import Store
 from neonvm.controller.mutations import FencedOut, finalizers_mutation, status_mutation
 from neonvm.controller.observe import Snapshot, pod_index, pod_view
 from neonvm.controller.podspec import PodDefaults, PodSpecError, has_our_gate, runner_pod
+from neonvm.controller.reasons import DEGRADED, READY, WAITING_FOR_OLD_POD
 from neonvm.controller.reconciler import ACTIONS
 from neonvm.controller.workqueue import Backoff, WorkQueue
 from neonvm.drills.schedule import CRASH_STEPS
@@ -314,12 +309,12 @@ def test_waiting_for_a_pull_secret_is_degraded_and_not_ready_until_a_pod_is_comm
     vm.status.conditions = [Condition(type=READY, status="True", reason="RunnerRunning",
                                       message="running", observed_generation=3)]
     vm.status.pending_pod = PLAN
-    wait = d.Wait(condition=d.PULL_SECRET_NOT_FOUND, reason="image pull secret regcred ...")
+    wait = d.Wait(condition=reasons.PULL_SECRET_NOT_FOUND, reason="image pull secret regcred ...")
     snap = Snapshot(obs=d.Observation(vm=vm, pods=(), lease=lease, direct=True), record=None)
     vm.status = conditions_mutation(desired_conditions(snap, wait), lease)(vm) or vm.status
     by_type = {c.type: c for c in vm.status.conditions}
     assert (by_type[DEGRADED].status, by_type[DEGRADED].reason) == (
-        "True", d.PULL_SECRET_NOT_FOUND)
+        "True", reasons.PULL_SECRET_NOT_FOUND)
     assert by_type[DEGRADED].message == wait.reason
     assert (by_type[READY].status, by_type[READY].reason) == ("False", "NoRunner")
 

@@ -29,6 +29,7 @@ from neonvm import kube
 from neonvm.api import types
 from neonvm.api.scale_protocol import pod_token
 from neonvm.controller import decide as d
+from neonvm.controller import reasons
 from neonvm.controller.podspec import ANNOTATION_SPEC
 from neonvm.controller.reconciler import Reconciler, ReconcileResult, StaticAuthority
 from neonvm.controller.scaling import USAGE_ANNOTATION
@@ -290,14 +291,14 @@ class RefusingRunner:
 
 
 @pytest.mark.parametrize(("code", "secret", "reason"), [
-    (400, "keep", d.SCALING_NEEDS_RESTART),  # bounds changed after boot
-    (401, "keep", d.SCALING_NEEDS_RESTART),  # the pod was built without live scaling
+    (400, "keep", reasons.SCALING_NEEDS_RESTART),  # bounds changed after boot
+    (401, "keep", reasons.SCALING_NEEDS_RESTART),  # the pod was built without live scaling
     # A wrong token, refused for longer than a token rotation takes (here: at once).
-    (401, "wrong", d.SCALING_NEEDS_RESTART),
-    (200, "delete", d.SCALING_DISABLED),     # no token for the controller (no RBAC, ...)
+    (401, "wrong", reasons.SCALING_NEEDS_RESTART),
+    (200, "delete", reasons.SCALING_DISABLED),     # no token for the controller (no RBAC, ...)
     # F7: a Secret planted under the recorded name (owned by the VM, but not the one the
     # controller created) is never used: its token is not sent anywhere.
-    (200, "plant", d.SCALING_DISABLED),
+    (200, "plant", reasons.SCALING_DISABLED),
 ])
 def test_a_scaling_refused_for_good_ends_in_a_condition_not_a_retry_loop(
         api: client.ApiClient, controller_api: client.ApiClient, namespace: str,
@@ -446,7 +447,7 @@ def test_a_put_that_lands_after_its_plan_was_dropped_is_adopted_into_status(
         assert isinstance(settle(reconciler, key, OLD).action, d.Done)
         status = status_of(api, namespace, "late")
         scaling = next(c for c in status["conditions"] if c["type"] == "Scaling")
-        assert (scaling["status"], scaling["reason"]) == ("False", d.SCALING_DISABLED)
+        assert (scaling["status"], scaling["reason"]) == ("False", reasons.SCALING_DISABLED)
         assert (status["cpus"], status["memorySize"], status["scaleSeq"]) == (1, "1Gi", 1)
         assert runner.puts == 0 and runner.gets > gets  # looked at after the drop
         # The late PUT of plan #1 lands.
@@ -457,7 +458,7 @@ def test_a_put_that_lands_after_its_plan_was_dropped_is_adopted_into_status(
         assert (status["cpus"], status["memorySize"]) == (2, "2Gi"), status
         assert "pendingScale" not in status and status["scaleSeq"] == 1, status
         scaling = next(c for c in status["conditions"] if c["type"] == "Scaling")
-        assert scaling["reason"] == d.SCALING_DISABLED, scaling  # still refused for it
+        assert scaling["reason"] == reasons.SCALING_DISABLED, scaling  # still refused for it
         # A runner that does not name the pod (another pod at a reused IP) is not adopted.
         runner.pod_uid = "some-other-pod"
         runner.size = {"vcpus": 1, "memorySlots": 1, "memoryBytes": GIB}
@@ -561,7 +562,7 @@ def test_a_pod_built_without_live_scaling_needs_a_restart_not_rbac(
         assert isinstance(settle(reconciler, key, OLD).action, d.Done)
         status = status_of(api, namespace, "fixed")
         scaling = next(c for c in status["conditions"] if c["type"] == "Scaling")
-        assert (scaling["status"], scaling["reason"]) == ("False", d.SCALING_NEEDS_RESTART), \
+        assert (scaling["status"], scaling["reason"]) == ("False", reasons.SCALING_NEEDS_RESTART), \
             scaling
         assert "built without live scaling" in scaling["message"], scaling
         assert runner.puts == 0 and "pendingScale" not in status
@@ -596,8 +597,8 @@ def test_a_removal_pending_after_a_drop_is_looked_at_past_the_window_until_it_se
         dropped_at = dt.datetime(2026, 1, 1, 12, 0, 0, tzinfo=dt.UTC)
         v = make_vm(cpus_use=1, slots_use=1, status_slots=2, scale_seq=1)
         v.status.conditions.append(Condition(
-            type=d.SCALING_CONDITION, status="False",  # type: ignore[arg-type]
-            reason=d.SCALING_DISABLED, message="dropped", observed_generation=2,
+            type=reasons.SCALING_CONDITION, status="False",  # type: ignore[arg-type]
+            reason=reasons.SCALING_DISABLED, message="dropped", observed_generation=2,
             last_transition_time=d.format_rfc3339(dropped_at)))
         v.status.scale_look_pod_uid = "uid-1"  # as the drop wrote it, with its time
         v.status.scale_look_since = d.format_rfc3339(dropped_at)
@@ -689,7 +690,7 @@ def _dropped_with_an_unplug_pending(api: client.ApiClient, controller_api: clien
     assert isinstance(settle(reconciler, key, OLD).action, d.Done)
     status = status_of(api, namespace, name)
     scaling = next(c for c in status["conditions"] if c["type"] == "Scaling")
-    assert (scaling["reason"], status["scaleSeq"]) == (d.SCALING_DISABLED, 2), status
+    assert (scaling["reason"], status["scaleSeq"]) == (reasons.SCALING_DISABLED, 2), status
     # The late PUT of plan #2 lands; the DIMM's eject is still pending.
     runner.fence = {"epoch": OLD.epoch, "token": OLD.token, "seq": 2}
     runner.size = {"vcpus": 1, "memorySlots": 2, "memoryBytes": 2 * GIB}

@@ -36,7 +36,7 @@ from neonvm.api.types import (
     VirtualMachineStatus,
 )
 from neonvm.controller import decide as d
-from neonvm.controller import podspec
+from neonvm.controller import podspec, reasons
 from neonvm.controller.mutations import FencedOut, status_mutation
 from neonvm.runner.scaling import FenceStore, Scaler
 
@@ -119,7 +119,7 @@ def test_a_runner_ahead_of_the_plan_drops_it_and_one_that_cannot_be_asked_waits(
     v = vm(cpus_use=2, pending=scale_plan(), phase="Scaling")
     assert isinstance(d.decide(obs(v, runner=view((4, 1, 0), 1, 1))), d.DropScale)
     action = d.decide(obs(v, error="connection refused"))
-    assert isinstance(action, d.Wait) and action.condition == d.SCALING_CONDITION
+    assert isinstance(action, d.Wait) and action.condition == reasons.SCALING_CONDITION
 
 
 def test_a_plan_for_another_pod_is_dropped_and_a_newer_leaders_plan_fences_us() -> None:
@@ -170,7 +170,7 @@ def test_a_restart_drops_the_plan_of_the_pod_that_is_gone() -> None:
 
 
 @pytest.mark.parametrize("reason", ["ScalingInProgress", "RunnerNotAnswering",
-                                    d.SCALING_NEEDS_RESTART])
+                                    reasons.SCALING_NEEDS_RESTART])
 def test_the_scaling_condition_ends_with_the_pod_it_was_about(reason: str) -> None:
     # Review S8: a Restart and a pod Commit clear the plan; the Scaling condition must
     # not go on saying True (tools wait for False), nor a refusal about the old pod.
@@ -179,25 +179,25 @@ def test_the_scaling_condition_ends_with_the_pod_it_was_about(reason: str) -> No
 
     v = vm(cpus_use=2, pending=scale_plan(), phase="Scaling")
     v.status.conditions.append(Condition(
-        type=d.SCALING_CONDITION, reason=reason, message="about the old pod",
-        status="False" if reason == d.SCALING_NEEDS_RESTART else "True"))  # type: ignore[arg-type]
+        type=reasons.SCALING_CONDITION, reason=reason, message="about the old pod",
+        status="False" if reason == reasons.SCALING_NEEDS_RESTART else "True"))  # type: ignore[arg-type]
     restarted = status_mutation(d.Restart(name=POD, uid="uid-1"), LEASE)(v)
     assert restarted is not None and restarted.pending_scale is None
-    (cond,) = [c for c in restarted.conditions if c.type == d.SCALING_CONDITION]
+    (cond,) = [c for c in restarted.conditions if c.type == reasons.SCALING_CONDITION]
     assert (cond.status, cond.reason) == ("False", POD_REPLACED), cond
     # The next pod's commit, from a status that still carries the old condition.
     v.status.pod_name, v.status.pod_uid = "", ""
     v.status.pending_pod = PendingPod(name="vm-01234567-2", plan_seq=2, token=40, epoch=3)
     committed = status_mutation(d.Commit(name="vm-01234567-2", uid="uid-2"), LEASE)(v)
     assert committed is not None and committed.pending_scale is None
-    (cond,) = [c for c in committed.conditions if c.type == d.SCALING_CONDITION]
+    (cond,) = [c for c in committed.conditions if c.type == reasons.SCALING_CONDITION]
     assert (cond.status, cond.reason) == ("False", POD_REPLACED), cond
     # A VM that never scaled gets no Scaling condition from either.
     plain = vm()
     plain.status.pod_name = ""
     plain.status.pending_pod = v.status.pending_pod
     fresh = status_mutation(d.Commit(name="vm-01234567-2", uid="uid-2"), LEASE)(plain)
-    assert fresh is not None and not any(c.type == d.SCALING_CONDITION
+    assert fresh is not None and not any(c.type == reasons.SCALING_CONDITION
                                          for c in fresh.conditions)
 
 
@@ -434,13 +434,14 @@ def test_a_changed_memory_slot_size_is_not_scaled_live_but_needs_a_restart() -> 
     v = vm(slots_use=2, status_slots=2)
     v.spec.guest.memory_slot_size = "2Gi"
     action = d.decide(obs(v, pod=pod))
-    assert isinstance(action, d.DropScale) and action.refused == d.SCALING_NEEDS_RESTART, action
+    assert isinstance(action, d.DropScale), action
+    assert action.refused == reasons.SCALING_NEEDS_RESTART, action
     assert "memorySlotSize" in action.reason
     new = status_mutation(action, LEASE)(v)
     assert new is not None and new.pending_scale is None and new.scale_seq == 0
-    cond = next(c for c in new.conditions if c.type == d.SCALING_CONDITION)
+    cond = next(c for c in new.conditions if c.type == reasons.SCALING_CONDITION)
     assert (cond.status, cond.reason, cond.observed_generation) == (
-        "False", d.SCALING_NEEDS_RESTART, v.generation)
+        "False", reasons.SCALING_NEEDS_RESTART, v.generation)
     said = dataclasses.replace(v, status=new)
     assert d.decide(obs(said, pod=pod)) == d.Done(reason=d.decide(obs(said, pod=pod)).reason)
     # A plan recorded before the change is dropped the same way.
@@ -448,7 +449,7 @@ def test_a_changed_memory_slot_size_is_not_scaled_live_but_needs_a_restart() -> 
     v.status.phase = "Scaling"
     action = d.decide(obs(v, pod=pod))
     assert isinstance(action, d.DropScale) and action.seq == 1, action
-    assert action.refused == d.SCALING_NEEDS_RESTART
+    assert action.refused == reasons.SCALING_NEEDS_RESTART
     # The slot size back to the pod's: planning resumes.
     v.spec.guest.memory_slot_size = "1Gi"
     assert not isinstance(d.decide(obs(v, pod=pod)), d.DropScale)
@@ -466,7 +467,7 @@ def test_a_put_that_lands_after_its_plan_was_dropped_is_adopted_into_status() ->
     dropped_at = dt.datetime(2026, 1, 1, 12, 0, 0, tzinfo=dt.UTC)
     v = vm(cpus_use=2, slots_use=2, scale_seq=1)
     v.status.conditions.append(Condition(
-        type=d.SCALING_CONDITION, status="False", reason=d.SCALING_DISABLED,  # type: ignore[arg-type]
+        type=reasons.SCALING_CONDITION, status="False", reason=reasons.SCALING_DISABLED,  # type: ignore[arg-type]
         message="dropped", observed_generation=2,
         last_transition_time=d.format_rfc3339(dropped_at)))
     landed = dataclasses.replace(view((3, 40, 1), 2, 2), answered_uid="uid-1")
@@ -494,8 +495,8 @@ def test_a_put_that_lands_after_its_plan_was_dropped_is_adopted_into_status() ->
     new = status_mutation(action, LEASE)(v)
     assert new is not None and (new.cpus, new.memory_size) == (MilliCPU(2000), "2Gi")
     assert new.pending_scale is None and new.phase == "Running"
-    (cond,) = [c for c in new.conditions if c.type == d.SCALING_CONDITION]
-    assert cond.reason == d.SCALING_DISABLED
+    (cond,) = [c for c in new.conditions if c.type == reasons.SCALING_CONDITION]
+    assert cond.reason == reasons.SCALING_DISABLED
     assert status_mutation(action, LEASE)(vm(scale_seq=2)) is None
     replaced = vm(scale_seq=1)
     replaced.status.pod_uid = "uid-2"
@@ -503,7 +504,7 @@ def test_a_put_that_lands_after_its_plan_was_dropped_is_adopted_into_status() ->
     # A VM whose last plan was committed (or never planned) is not looked at.
     done = vm(scale_seq=1)
     done.status.conditions.append(Condition(
-        type=d.SCALING_CONDITION, status="False", reason="ScalingDone",  # type: ignore[arg-type]
+        type=reasons.SCALING_CONDITION, status="False", reason="ScalingDone",  # type: ignore[arg-type]
         message="", last_transition_time=d.format_rfc3339(dropped_at)))
     assert not d.looks_after_drop(done, dropped_at) and not d.looks_after_drop(vm(), None)
 
@@ -526,7 +527,8 @@ def test_a_pod_built_before_the_slot_size_field_is_judged_by_the_spec_it_carries
     v = vm(slots_use=2, status_slots=2)
     v.spec.guest.memory_slot_size = "2Gi"
     action = d.decide(obs(v, pod=pod))
-    assert isinstance(action, d.DropScale) and action.refused == d.SCALING_NEEDS_RESTART, action
+    assert isinstance(action, d.DropScale), action
+    assert action.refused == reasons.SCALING_NEEDS_RESTART, action
     # Neither the field nor a readable spec: unknown, as before.
     del annotations[podspec.ANNOTATION_SPEC]
     assert podspec.built_slot_bytes(raw["metadata"]) is None  # type: ignore[arg-type]
@@ -547,7 +549,7 @@ def dropped_vm(*, status_cpus: int = 1, status_slots: int = 1,
     v = vm(cpus_use=2, slots_use=2, status_cpus=status_cpus, status_slots=status_slots,
            scale_seq=1)
     v.status.conditions.append(Condition(
-        type=d.SCALING_CONDITION, status="False", reason=d.SCALING_DISABLED,  # type: ignore[arg-type]
+        type=reasons.SCALING_CONDITION, status="False", reason=reasons.SCALING_DISABLED,  # type: ignore[arg-type]
         message="dropped", observed_generation=2,
         last_transition_time=d.format_rfc3339(dropped_at)))
     v.status.scale_look_pod_uid = look
@@ -573,7 +575,7 @@ def test_a_drop_records_in_status_which_runner_is_still_to_be_looked_at() -> Non
     # The drop and the record of the look are one write: no controller (this one after a
     # failed write, a new leader) can see the drop without it.
     v = vm(cpus_use=2, slots_use=2, scale_seq=1, pending=scale_plan(cpus=2, slots=2))
-    dropped = status_mutation(d.DropScale(seq=1, refused=d.SCALING_DISABLED), LEASE)(v)
+    dropped = status_mutation(d.DropScale(seq=1, refused=reasons.SCALING_DISABLED), LEASE)(v)
     assert dropped is not None and dropped.pending_scale is None
     assert dropped.scale_look_pod_uid == "uid-1"
     # A plan for a pod that is not the committed one asks for no look at this one.
@@ -583,7 +585,7 @@ def test_a_drop_records_in_status_which_runner_is_still_to_be_looked_at() -> Non
     # A refusal without a plan (a new spec generation) leaves the record as it is.
     v, _ = dropped_vm()
     v.generation = 3
-    again = status_mutation(d.DropScale(seq=1, refused=d.SCALING_NEEDS_RESTART,
+    again = status_mutation(d.DropScale(seq=1, refused=reasons.SCALING_NEEDS_RESTART,
                                         generation=3), LEASE)(v)
     assert again is not None and again.scale_look_pod_uid == "uid-1"
 
@@ -696,7 +698,7 @@ def test_the_window_counts_from_the_drop_recorded_with_the_look_not_from_the_con
     # the window is still open: a settled answer at status's size ends nothing.
     v, dropped_at = dropped_vm()
     v.spec.guest.cpus.use, v.spec.guest.memory_slots.use = MilliCPU(1000), 1  # A->B->A
-    cond = next(c for c in v.status.conditions if c.type == d.SCALING_CONDITION)
+    cond = next(c for c in v.status.conditions if c.type == reasons.SCALING_CONDITION)
     cond.status, cond.reason = "True", "RunnerNotAnswering"  # type: ignore[assignment]
     soon = dropped_at + dt.timedelta(seconds=20)
     assert d.looks_at_runner(v, soon)
@@ -708,7 +710,7 @@ def test_the_window_counts_from_the_drop_recorded_with_the_look_not_from_the_con
     # The drop writes the time with the look, and every write that ends the look
     # clears both.
     planned = vm(cpus_use=2, slots_use=2, scale_seq=1, pending=scale_plan(cpus=2, slots=2))
-    dropped = status_mutation(d.DropScale(seq=1, refused=d.SCALING_DISABLED), LEASE)(planned)
+    dropped = status_mutation(d.DropScale(seq=1, refused=reasons.SCALING_DISABLED), LEASE)(planned)
     assert dropped is not None and dropped.scale_look_pod_uid == "uid-1"
     since = d.parse_rfc3339(dropped.scale_look_since)
     assert since is not None and abs((since - dt.datetime.now(dt.UTC)).total_seconds()) < 60
@@ -732,23 +734,23 @@ def test_a_scaling_true_condition_lands_only_while_its_plan_is_still_recorded() 
     waiting = vm(cpus_use=2, slots_use=2, scale_seq=1, pending=scale_plan(cpus=2, slots=2),
                  phase="Scaling")
     wait = d.decide(obs(waiting, error="connection refused"))
-    assert isinstance(wait, d.Wait) and wait.condition == d.SCALING_CONDITION
+    assert isinstance(wait, d.Wait) and wait.condition == reasons.SCALING_CONDITION
     snap = Snapshot(obs=obs(waiting, error="connection refused"), record=None)
     mutate = conditions_mutation(desired_conditions(snap, wait), LEASE)
     # Decided for the copy it saw, it lands there.
     first = mutate(copy.deepcopy(waiting))
     assert first is not None
-    assert any(c.type == d.SCALING_CONDITION and c.status == "True" for c in first.conditions)
+    assert any(c.type == reasons.SCALING_CONDITION and c.status == "True" for c in first.conditions)
     # On the fresh copy where the drop landed, the Scaling condition is left alone.
     fresh, _ = dropped_vm()
     fresh.status.fence = None
     written = mutate(copy.deepcopy(fresh)) or fresh.status
-    scaling = next(c for c in written.conditions if c.type == d.SCALING_CONDITION)
-    assert (scaling.status, scaling.reason) == ("False", d.SCALING_DISABLED)
+    scaling = next(c for c in written.conditions if c.type == reasons.SCALING_CONDITION)
+    assert (scaling.status, scaling.reason) == ("False", reasons.SCALING_DISABLED)
     # Nor where a newer plan is recorded (that plan's own write said what it is).
     newer = vm(cpus_use=2, slots_use=2, scale_seq=2, pending=scale_plan(seq=2, slots=2),
                phase="Scaling")
-    assert not any(c.type == d.SCALING_CONDITION
+    assert not any(c.type == reasons.SCALING_CONDITION
                    for c in (mutate(copy.deepcopy(newer)) or newer.status).conditions)
 
 
@@ -788,7 +790,7 @@ def test_a_drop_for_a_pod_without_a_token_asks_for_no_look() -> None:
     # Review L3: the pod mounts no token, so every PUT to its runner is refused: nothing
     # of the plan can land, and a look could never learn anything.
     v = vm(cpus_use=2, slots_use=2, scale_seq=1, pending=scale_plan(cpus=2, slots=2))
-    drop = d.DropScale(seq=1, refused=d.SCALING_NEEDS_RESTART, starts_look=False)
+    drop = d.DropScale(seq=1, refused=reasons.SCALING_NEEDS_RESTART, starts_look=False)
     dropped = status_mutation(drop, LEASE)(v)
     assert dropped is not None and dropped.pending_scale is None
     assert (dropped.scale_look_pod_uid, dropped.scale_look_since) == (None, None)

@@ -45,39 +45,33 @@ from neonvm.api import compat
 from neonvm.api.types import Condition, Fence, VirtualMachine, VirtualMachineStatus
 from neonvm.controller import decide as d
 from neonvm.controller.mutations import FencedOut, StatusMutation
-from neonvm.controller.observe import CREATE_REFUSED, Snapshot
+from neonvm.controller.observe import Snapshot
+from neonvm.controller.reasons import (
+    CREATE_FAILING,
+    CREATE_FORBIDDEN,
+    CREATE_REFUSED,
+    DEGRADED,
+    FENCE_AHEAD,
+    FENCE_RESOLVED,
+    NAMESPACE_TERMINATING,
+    NOT_TAKING_EFFECT,
+    PULL_SECRET_NOT_FOUND,
+    READY,
+    RECOVERED,
+    RESTART_BACKOFF_CONDITION,
+    RUNNER_MISBEHAVING_REASON,
+    RUNNER_NOT_ANSWERING,
+    RUNNER_UNREACHABLE_REASON,
+    SCALING_CONDITION,
+    STEP_BUDGET_EXHAUSTED,
+    UNGATE_FORBIDDEN,
+    WAITING_FOR_OLD_POD,
+)
 
-READY = "Ready"
-DEGRADED = d.DEGRADED
-WAITING_FOR_OLD_POD = "WaitingForOldPod"
-FENCE_AHEAD = d.FENCE_AHEAD
-"""Degraded reason: the VM's status carries a fence ahead of the (still valid) leader."""
-FENCE_RESOLVED = "FenceResolved"
-RUNNER_NOT_ANSWERING = "RunnerNotAnswering"
-"""Scaling=True reason while a recorded plan's runner cannot be asked."""
 FENCE_AHEAD_QUIET_SECONDS = 300.0
 """Default quiet period of :func:`fence_ahead_mutation` (the driver passes its recheck
 period, the same 300 s)."""
 
-NOT_TAKING_EFFECT = "NotTakingEffect"
-"""Suffix of the Degraded reason naming a step that kept not taking effect."""
-STEP_BUDGET_EXHAUSTED = "StepBudgetExhausted"
-"""Degraded reason when every step took effect, yet the reconcile never converged."""
-UNGATE_FORBIDDEN = "UngateForbidden"
-"""Degraded reason: the API server refused (403) to let this identity ungate."""
-CREATE_FORBIDDEN = "CreateForbidden"
-"""Degraded reason: the admission fence refused (403) to let this identity create a
-runner pod (only the controller's identity may)."""
-CREATE_FAILING = "CreateFailing"
-"""Degraded reason: pod creates keep failing with errors that are retried."""
-RUNNER_MISBEHAVING_REASON = "RunnerMisbehaving"
-"""Degraded reason: the VM's runner answered the controller as no runner does (a
-redirect, an oversized or endless answer, malformed JSON); see docs/security.md."""
-RUNNER_UNREACHABLE_REASON = "RunnerUnreachable"
-"""Degraded reason: the VM's runner has given no answer to ``GET /scale`` for a while
-while a scaling plan waits for it."""
-RECOVERED = "Recovered"
-"""Reason of Degraded=False after one of the recoverable reasons above."""
 
 MESSAGE_LIMIT = 1024
 """Longest condition message written (characters)."""
@@ -145,7 +139,7 @@ def desired_conditions(snap: Snapshot, final: d.Action) -> list[ConditionUpdate]
     vm = snap.obs.vm
     if vm is None or vm.deletion_timestamp is not None:
         return []
-    if isinstance(final, d.Wait) and final.condition == d.NAMESPACE_TERMINATING:
+    if isinstance(final, d.Wait) and final.condition == NAMESPACE_TERMINATING:
         # The VM goes with its namespace: a write would only slow the deletion down.
         return []
     status = vm.status
@@ -168,8 +162,8 @@ def desired_conditions(snap: Snapshot, final: d.Action) -> list[ConditionUpdate]
     elif pod is not None:
         updates.append(ConditionUpdate(READY, "False", "RunnerStarting",
                                        f"runner pod {pod.name} is {pod.phase}"))
-    elif isinstance(final, d.Wait) and final.condition == d.RESTART_BACKOFF_CONDITION:
-        updates.append(ConditionUpdate(READY, "False", d.RESTART_BACKOFF_CONDITION,
+    elif isinstance(final, d.Wait) and final.condition == RESTART_BACKOFF_CONDITION:
+        updates.append(ConditionUpdate(READY, "False", RESTART_BACKOFF_CONDITION,
                                        final.reason))
     else:
         updates.append(ConditionUpdate(READY, "False", "NoRunner",
@@ -184,8 +178,8 @@ def desired_conditions(snap: Snapshot, final: d.Action) -> list[ConditionUpdate]
                                        only_if_present=True))
 
     refused = snap.obs.create_failed_generation
-    if isinstance(final, d.Wait) and final.condition == d.PULL_SECRET_NOT_FOUND:
-        updates.append(ConditionUpdate(DEGRADED, "True", d.PULL_SECRET_NOT_FOUND, final.reason,
+    if isinstance(final, d.Wait) and final.condition == PULL_SECRET_NOT_FOUND:
+        updates.append(ConditionUpdate(DEGRADED, "True", PULL_SECRET_NOT_FOUND, final.reason,
                                        generation=vm.generation))
     elif refused is None or refused < vm.generation:
         # Not (or no longer) refused for this generation: once a pod is committed, say so.
@@ -203,8 +197,8 @@ def desired_conditions(snap: Snapshot, final: d.Action) -> list[ConditionUpdate]
             updates.append(ConditionUpdate(DEGRADED, "False", FENCE_RESOLVED,
                                            "status.fence is no longer ahead of the leader"))
     plan = status.pending_scale
-    if isinstance(final, d.Wait) and final.condition == d.SCALING_CONDITION and plan:
-        updates.append(ConditionUpdate(d.SCALING_CONDITION, "True", RUNNER_NOT_ANSWERING,
+    if isinstance(final, d.Wait) and final.condition == SCALING_CONDITION and plan:
+        updates.append(ConditionUpdate(SCALING_CONDITION, "True", RUNNER_NOT_ANSWERING,
                                        final.reason, plan_seq=plan.seq))
     updates.append(unimplemented_fields_condition(vm))
     return updates
@@ -371,7 +365,7 @@ def _applies(vm: VirtualMachine, update: ConditionUpdate) -> bool:
     of every conflict retry: a plan dropped since (a deposed leader's drop landing
     first) must not be followed by a Scaling=True that says a change is in progress,
     with none recorded, over the condition that says why it was dropped."""
-    if update.type != d.SCALING_CONDITION or update.status != "True":
+    if update.type != SCALING_CONDITION or update.status != "True":
         return True
     plan = vm.status.pending_scale
     return plan is not None and update.plan_seq in (None, plan.seq)

@@ -59,6 +59,19 @@ from typing import Any, ClassVar
 from neonvm.api import times
 from neonvm.api.types import FINALIZER, PendingPod, PendingScale, VirtualMachine
 from neonvm.api.types import Fence as Fence  # re-exported: the authority decide sees
+from neonvm.controller.reasons import (
+    CREATE_REFUSED,
+    DEGRADED,
+    DROP_REASONS,
+    FENCE_AHEAD,
+    NAMESPACE_TERMINATING,
+    PULL_SECRET_NOT_FOUND,
+    RESTART_BACKOFF_CONDITION,
+    SCALING_CONDITION,
+    SCALING_NEEDS_RESTART,
+    SCALING_REFUSED,
+    WAITING_FOR_OLD_POD,
+)
 
 # ---- observation -------------------------------------------------------------------------
 
@@ -408,24 +421,8 @@ class DropScale(Action):
     look could learn nothing and never end."""
 
 
-SCALING_CONDITION = "Scaling"
-"""Condition type (and Wait condition) while a live scaling change is in progress."""
 RUNNER_RECHECK_SECONDS = 2.0
 """How soon a scaling change whose runner could not be asked is looked at again."""
-SCALING_NEEDS_RESTART = "ScalingNeedsRestart"
-"""Scaling condition reason: the running pod cannot take the size (the runner refused:
-400, outside the bounds it booted with; 401, the pod was built without live scaling or
-with another token scheme). The pod's next start boots at the spec's size."""
-SCALING_DISABLED = "ScalingDisabled"
-"""Scaling condition reason: the controller cannot get the VM's scaling token (no RBAC
-on Secrets, ``rbac.liveScaling=false``; the Secret missing or not the controller's)."""
-SCALING_REFUSED = frozenset({SCALING_NEEDS_RESTART, SCALING_DISABLED})
-SCALING_DROPPED = "ScalingDropped"
-"""Scaling condition reason: a plan was dropped to be planned again (the runner applied a
-newer fence, or the plan was for another pod)."""
-DROP_REASONS = SCALING_REFUSED | {SCALING_DROPPED}
-"""Scaling=False reasons that say the last plan was dropped rather than committed: a
-``PUT /scale`` of it sent before the drop may still land (:func:`looks_after_drop`)."""
 LATE_PUT_SECONDS = 300.0
 """The late-PUT window: how long after a plan was dropped (``status.scaleLookSince``,
 written by the drop) a ``PUT /scale`` of it may still change the guest. Only a settled
@@ -567,18 +564,6 @@ RESTART_BACKOFF_BASE = 1.0
 """Seconds of backoff after the second restart; doubled for each further one."""
 RESTART_BACKOFF_MAX = 60.0
 """Cap of the restart backoff."""
-RESTART_BACKOFF_CONDITION = "RestartBackoff"
-DEGRADED = "Degraded"
-"""Condition type the controller reports trouble in (its reason says which)."""
-FENCE_AHEAD = "FenceAhead"
-"""Degraded reason: the VM's status carries a fence ahead of the (still valid) leader."""
-CREATE_REFUSED = "CreateRefused"
-"""Degraded reason recorded when the API server refuses a pod create."""
-PULL_SECRET_NOT_FOUND = "ImagePullSecretNotFound"
-"""Wait condition (and Degraded reason) while an image pull secret of the VM is missing."""
-NAMESPACE_TERMINATING = "NamespaceTerminating"
-"""Wait condition: the VM's namespace is being deleted, so no pod is planned or created
-(the VM's own deletion, with its finalizer, comes through the watch)."""
 NAMESPACE_TERMINATING_RECHECK_SECONDS = 30.0
 """How soon a VM waiting in a terminating namespace is looked at again without an event."""
 PULL_SECRET_RECHECK_SECONDS = 15.0
@@ -779,7 +764,7 @@ def _decide_committed(obs: Observation, vm: VirtualMachine) -> Action:
                 stray = live[0]
                 return DeletePod(name=stray.name, uid=stray.uid,
                                  reason=f"pod {stray.name} is not the committed pod")
-            return Wait(seconds=1.0, condition="WaitingForOldPod",
+            return Wait(seconds=1.0, condition=WAITING_FOR_OLD_POD,
                         reason=f"waiting for {', '.join(p.name for p in others)} to go "
                                f"before starting {pod.name}")
         # From any observation that shows the committed pod alone: the quorum list the
@@ -983,7 +968,7 @@ def _decide_pending(obs: Observation, vm: VirtualMachine, pending: PendingPod) -
         if obs.create_failed_generation is not None and (
             obs.create_failed_generation >= vm.generation
         ):
-            return Wait(seconds=30.0, condition="Degraded",
+            return Wait(seconds=30.0, condition=DEGRADED,
                         reason=f"creating {pending.name} was refused; waiting for a spec change")
         if obs.missing_pull_secrets:
             # The API server would take the pod and the kubelet would pull without the

@@ -21,6 +21,7 @@ from neonvm.api import compat, times
 from neonvm.api.millicpu import MilliCPU
 from neonvm.api.types import FINALIZER, Condition, Fence, VirtualMachine, VirtualMachineStatus
 from neonvm.controller import decide as d
+from neonvm.controller import reasons
 
 StatusMutation = Callable[[VirtualMachine], VirtualMachineStatus | None]
 
@@ -64,10 +65,10 @@ def _record_boot_size(new: VirtualMachineStatus, vm: VirtualMachine,
 
 def _set_scaling_condition(new: VirtualMachineStatus, vm: VirtualMachine, status: str,
                            reason: str, message: str) -> None:
-    existing = next((c for c in new.conditions if c.type == d.SCALING_CONDITION), None)
+    existing = next((c for c in new.conditions if c.type == reasons.SCALING_CONDITION), None)
     if existing is None:
         new.conditions.append(Condition(
-            type=d.SCALING_CONDITION, status=status,  # type: ignore[arg-type]
+            type=reasons.SCALING_CONDITION, status=status,  # type: ignore[arg-type]
             reason=reason, message=message,
             last_transition_time=times.format_time(dt.datetime.now(dt.UTC)),
             observed_generation=vm.generation))
@@ -104,7 +105,7 @@ def _pod_replaced(new: VirtualMachineStatus, vm: VirtualMachine, message: str) -
     """A Restart or a pod Commit: whatever the Scaling condition said (a plan in
     progress, the old pod refusing) was about a pod that is no longer the VM's; it is
     not added where absent."""
-    if any(c.type == d.SCALING_CONDITION for c in new.conditions):
+    if any(c.type == reasons.SCALING_CONDITION for c in new.conditions):
         _set_scaling_condition(new, vm, "False", POD_REPLACED, message)
 
 
@@ -289,7 +290,7 @@ def status_mutation(action: d.Action, lease: d.Fence) -> StatusMutation:
             return None
         dropped = s.pending_scale
         new = _fresh_status(vm, lease)
-        _scale_done(new, vm, action.refused or d.SCALING_DROPPED,
+        _scale_done(new, vm, action.refused or reasons.SCALING_DROPPED,
                     f"scaling plan #{action.seq} dropped: {action.reason}")
         # A PUT of the dropped plan sent before may still land, and an unplug it started
         # may still finish: status asks for the committed pod's runner to be looked at
@@ -309,7 +310,7 @@ def status_mutation(action: d.Action, lease: d.Fence) -> StatusMutation:
         else:
             _end_look(new)
         if action.refused:  # refused for the spec the plan was made for
-            cond = next(c for c in new.conditions if c.type == d.SCALING_CONDITION)
+            cond = next(c for c in new.conditions if c.type == reasons.SCALING_CONDITION)
             cond.observed_generation = dropped.generation
         return new
 

@@ -45,12 +45,12 @@ from loguru import logger
 
 from neonvm.api import types
 from neonvm.api.types import VirtualMachine
-from neonvm.controller import decide as d
 from neonvm.controller import podspec
 from neonvm.controller.cluster import ClusterReads, KubeCluster
 from neonvm.controller.cluster import VMRecord as VMRecord  # re-exported: its old home
 from neonvm.controller.decide import Fence, Observation, PodView
 from neonvm.controller.informer import Store
+from neonvm.controller.reasons import CREATE_REFUSED, DEGRADED
 
 Clock = Callable[[], dt.datetime]
 """Returns the current time, timezone-aware."""
@@ -58,10 +58,6 @@ Clock = Callable[[], dt.datetime]
 
 def utc_now() -> dt.datetime:
     return dt.datetime.now(dt.UTC)
-
-
-CREATE_REFUSED = d.CREATE_REFUSED
-"""Reason of the Degraded condition recorded when the API server refuses a pod create."""
 
 
 @dataclass(frozen=True)
@@ -124,7 +120,7 @@ def pod_fence(meta: dict[str, Any]) -> tuple[int, int] | None:
 def create_failed_generation(vm: VirtualMachine) -> int | None:
     """The generation whose pod create was refused, as recorded in the Degraded condition."""
     for cond in vm.status.conditions:
-        if cond.type == "Degraded" and cond.status == "True" and cond.reason == CREATE_REFUSED:
+        if cond.type == DEGRADED and cond.status == "True" and cond.reason == CREATE_REFUSED:
             return cond.observed_generation
     return None
 

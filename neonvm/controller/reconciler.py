@@ -80,7 +80,7 @@ from urllib3.exceptions import HTTPError
 from neonvm.api import types
 from neonvm.api.types import VirtualMachineStatus
 from neonvm.controller import decide as d
-from neonvm.controller import podspec
+from neonvm.controller import podspec, reasons
 from neonvm.controller.acceleration import (
     Acceleration,
     RunnerReports,
@@ -90,14 +90,6 @@ from neonvm.controller.cluster import Cluster, KubeCluster
 from neonvm.controller.cluster import VMWriter as VMWriter  # re-exported: its old home
 from neonvm.controller.compat_events import warn_unimplemented
 from neonvm.controller.conditions import (
-    CREATE_FAILING,
-    CREATE_FORBIDDEN,
-    DEGRADED,
-    FENCE_AHEAD,
-    NOT_TAKING_EFFECT,
-    RUNNER_MISBEHAVING_REASON,
-    STEP_BUDGET_EXHAUSTED,
-    UNGATE_FORBIDDEN,
     ConditionUpdate,
     api_error_text,
     conditions_mutation,
@@ -129,6 +121,16 @@ from neonvm.controller.observe import (
     labelled_for,
     make_snapshot,
     split_key,
+)
+from neonvm.controller.reasons import (
+    CREATE_FAILING,
+    CREATE_FORBIDDEN,
+    DEGRADED,
+    FENCE_AHEAD,
+    NOT_TAKING_EFFECT,
+    RUNNER_MISBEHAVING_REASON,
+    STEP_BUDGET_EXHAUSTED,
+    UNGATE_FORBIDDEN,
 )
 from neonvm.controller.scaling import (
     GUEST_REFUSED,
@@ -185,10 +187,10 @@ response (docs/protocol.md, "Observing from write responses"). Every other one (
 DeletePod, RemoveFinalizer, and any action added later) is taken only from a fresh
 direct read: the loop reads again and decides again. Ungate is here because its
 performer takes its own direct pod list, after the commit was seen, before the patch."""
-REFUSED_SCALING = {"runner_400": d.SCALING_NEEDS_RESTART,
-                   "runner_401": d.SCALING_NEEDS_RESTART,
-                   POD_WITHOUT_TOKEN: d.SCALING_NEEDS_RESTART,
-                   "no_token": d.SCALING_DISABLED}
+REFUSED_SCALING = {"runner_400": reasons.SCALING_NEEDS_RESTART,
+                   "runner_401": reasons.SCALING_NEEDS_RESTART,
+                   POD_WITHOUT_TOKEN: reasons.SCALING_NEEDS_RESTART,
+                   "no_token": reasons.SCALING_DISABLED}
 """ApplyScale outcomes that asking again cannot change, and the Scaling reason they end in."""
 
 PROGRESS_EVENTS = frozenset({"Planned", "Created", "Committed", "Started"})
@@ -252,7 +254,7 @@ namespace ns because it is being terminated`` (its cause: ``NamespaceTerminating
 def namespace_terminating(status: int | None, message: str) -> bool:
     """The create was refused because the namespace is being deleted."""
     return status == 403 and (NAMESPACE_TERMINATING_TEXT in message
-                              or d.NAMESPACE_TERMINATING in message)
+                              or reasons.NAMESPACE_TERMINATING in message)
 
 
 class TerminatingNamespaces:
@@ -640,7 +642,7 @@ class Reconciler:
                 raise FencedSnapshot(f"{key}: {action.reason} (epoch {action.seen_epoch} > "
                                      f"{authority.lease.epoch})", snap)
             trouble = (runner_trouble(snap.obs.runner_error) if isinstance(action, d.Wait)
-                       and action.condition == d.SCALING_CONDITION else None)
+                       and action.condition == reasons.SCALING_CONDITION else None)
             if trouble is not None:
                 # The plan's runner misbehaves, or has not answered for a while: not
                 # asked again at decide's pace, but with the stuck backoff (Degraded).
@@ -986,13 +988,13 @@ class Reconciler:
     def _event_for_wait(self, action: d.Action, before: types.VirtualMachine,
                         after: types.VirtualMachine, log: Any) -> None:
         """A Warning event when a VM starts waiting for a missing image pull secret."""
-        if not (isinstance(action, d.Wait) and action.condition == d.PULL_SECRET_NOT_FOUND):
+        if not (isinstance(action, d.Wait) and action.condition == reasons.PULL_SECRET_NOT_FOUND):
             return
         was = next((c for c in before.status.conditions if c.type == DEGRADED), None)
-        if was is not None and was.status == "True" and was.reason == d.PULL_SECRET_NOT_FOUND:
+        if was is not None and was.status == "True" and was.reason == reasons.PULL_SECRET_NOT_FOUND:
             return
         log.warning("{reason}", reason=action.reason)
-        self._events.record(after, d.PULL_SECRET_NOT_FOUND, action.reason, warning=True)
+        self._events.record(after, reasons.PULL_SECRET_NOT_FOUND, action.reason, warning=True)
 
     def _create_pod(self, key: str, action: d.CreatePod, snap: Snapshot,
                     authority: Authority, log: Any) -> str:
@@ -1083,7 +1085,7 @@ class Reconciler:
 
         A refusal that asking again cannot change (the runner's 400 or 401, no token to
         sign with) drops the plan with the Scaling condition saying why
-        (:data:`~neonvm.controller.decide.SCALING_REFUSED`): the VM runs on at its size,
+        (:data:`~neonvm.controller.reasons.SCALING_REFUSED`): the VM runs on at its size,
         and the next spec change tries again. The authority is checked again as soon as
         the PUT returns (it may have taken its whole deadline); a failure at the runner
         ends the reconcile stuck (:func:`paused`)."""

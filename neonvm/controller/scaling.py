@@ -56,8 +56,8 @@ from neonvm.api.scale_protocol import NO_TOKEN, ScaleFence, pod_token, request_b
 from neonvm.api.types import VirtualMachine
 from neonvm.controller import decide as d
 from neonvm.controller import podspec
-from neonvm.controller.conditions import RUNNER_MISBEHAVING_REASON, RUNNER_UNREACHABLE_REASON
 from neonvm.controller.observe import Snapshot
+from neonvm.controller.reasons import RUNNER_MISBEHAVING_REASON, RUNNER_UNREACHABLE_REASON
 
 TOKEN_KEY = "token"
 STRATEGIC_MERGE_PATCH = "application/strategic-merge-patch+json"

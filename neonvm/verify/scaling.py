@@ -108,7 +108,7 @@ from neonvm.api.types import (
     VirtualMachineSpec,
     VirtualMachineStatus,
 )
-from neonvm.controller import conditions, mutations, podspec, reconciler
+from neonvm.controller import conditions, mutations, podspec, reasons, reconciler
 from neonvm.controller import decide as d
 from neonvm.controller.observe import Snapshot
 from neonvm.controller.scaling import RunnerTrouble, runner_trouble
@@ -158,7 +158,7 @@ class VMRep(NamedTuple):
     """(name, planSeq, token, epoch, generation) of a created pod not yet committed."""
     dropped: tuple[str, int] | None = None
     """The Scaling condition when it says the last plan was dropped (False, a
-    :data:`~neonvm.controller.decide.DROP_REASONS` reason): (reason, observedGeneration).
+    :data:`~neonvm.controller.reasons.DROP_REASONS` reason): (reason, observedGeneration).
     Which other Scaling condition it is (True while a plan is in progress or its runner
     does not answer, False once committed) is not kept: decide reads only whether it
     says dropped (the refusal gate, the window of a drop recorded without a look)."""
@@ -329,7 +329,7 @@ def to_vm(r: VMRep) -> VirtualMachine:
                                generation=r.pending_pod[4]) if r.pending_pod else None)
     if r.dropped is not None:
         status.conditions.append(Condition(
-            type=d.SCALING_CONDITION, status="False",
+            type=reasons.SCALING_CONDITION, status="False",
             reason=r.dropped[0], message="", observed_generation=r.dropped[1],
             last_transition_time=d.format_rfc3339(DROPPED_AT)))
     status.scale_look_pod_uid = r.look or None
@@ -344,9 +344,9 @@ def from_vm(vm: VirtualMachine, use: Size) -> VMRep:
     p = s.pending_scale
     pp = s.pending_pod
     size = d.status_size(vm)
-    cond = next((c for c in s.conditions if c.type == d.SCALING_CONDITION), None)
+    cond = next((c for c in s.conditions if c.type == reasons.SCALING_CONDITION), None)
     dropped = ((cond.reason, cond.observed_generation or 0) if cond is not None
-               and cond.status == "False" and cond.reason in d.DROP_REASONS else None)
+               and cond.status == "False" and cond.reason in reasons.DROP_REASONS else None)
     return VMRep(
         use=use, generation=vm.generation, phase=s.phase or "Pending", pod=s.pod_name or "",
         pod_uid=s.pod_uid or "", plan_seq=s.plan_seq,
@@ -435,14 +435,14 @@ class ScalingModel:
             obs = d.Observation(vm=vm, pods=(pod,), lease=d.Fence(x.epoch, x.token),
                                 direct=seen == w.vm, runner_error=error, now=now)
             action = d.decide(obs)
-            if not (isinstance(action, d.Wait) and action.condition == d.SCALING_CONDITION):
+            if not (isinstance(action, d.Wait) and action.condition == reasons.SCALING_CONDITION):
                 return None
             trouble = runner_trouble(error)
             if misbehaving:
                 assert trouble is not None
                 return (CONDITIONS_WRITE, (conditions.stuck_condition(*trouble),))
             updates = tuple(u for u in conditions.desired_conditions(
-                Snapshot(obs=obs, record=None), action) if u.type == d.SCALING_CONDITION)
+                Snapshot(obs=obs, record=None), action) if u.type == reasons.SCALING_CONDITION)
             return (CONDITIONS_WRITE, updates) if updates else None
         if d.looks_at_runner(vm, now):
             r = w.runner
@@ -539,7 +539,7 @@ class ScalingModel:
         done = w._replace(workers=_set(w.workers, i, x._replace(held=None)),
                           refusals_left=w.refusals_left - 1)
         return self._status_write(done, i, d.DropScale(seq=action.plan.seq,
-                                                       refused=d.SCALING_DISABLED))
+                                                       refused=reasons.SCALING_DISABLED))
 
     def timed_out(self, w: World, i: int) -> World:
         """The worker's ``PUT /scale`` times out at the worker (it will decide again),
@@ -742,7 +742,7 @@ class ScalingModel:
                 if x.held[0] in RUNNER_CALLS and w.stuck_left:
                     assert reconciler.paused(STUCK_OUTCOME)
                     held = (CONDITIONS_WRITE, (conditions.stuck_condition(
-                        f"ApplyScale{conditions.NOT_TAKING_EFFECT}",
+                        f"ApplyScale{reasons.NOT_TAKING_EFFECT}",
                         reconciler.miss_message(d.ApplyScale, STUCK_OUTCOME, "")),))
                     new = new._replace(workers=_set(new.workers, i, new.workers[i]._replace(
                         held=held)), stuck_left=w.stuck_left - 1)
@@ -828,7 +828,7 @@ class ScalingModel:
                                             f"{s.vm.look} (status {s.vm.size}, guest "
                                             f"{s.runner.guest})")
         want = s.vm.use
-        refused = s.vm.dropped is not None and s.vm.dropped[0] in d.SCALING_REFUSED and (
+        refused = s.vm.dropped is not None and s.vm.dropped[0] in reasons.SCALING_REFUSED and (
             s.vm.dropped[1] == s.vm.generation)
         if refused and s.runner.removing is not None:
             # Refused for this spec, and the guest may still finish an unplug: no plan
