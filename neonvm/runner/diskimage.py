@@ -140,7 +140,10 @@ class ImageReader:
             out = Path(scratch) / "part.raw"
             result = subprocess.run(
                 [self.qemu_img, "dd", "-f", "qcow2", "-O", "raw", f"bs={block}",
-                 f"skip={first}", f"count={last - first}", f"if={self.path}", f"of={out}"],
+                 # QEMU 7.2 counts count= from the image's start when skip= is given
+                 # (and refuses a skip past it); later ones count after the skip. Either
+                 # way the output starts at block ``first``.
+                 f"skip={first}", f"count={last}", f"if={self.path}", f"of={out}"],
                 capture_output=True, text=True, check=False)
             if result.returncode != 0:
                 lines = result.stderr.strip().splitlines()
