@@ -23,7 +23,7 @@ from neonvm.api.types import (
     VirtualMachineStatus,
 )
 from neonvm.controller import decide as d
-from neonvm.controller import reasons
+from neonvm.controller import reasons, scan
 from neonvm.controller.mutations import status_mutation
 
 pytestmark = pytest.mark.unit
@@ -507,34 +507,34 @@ RUNNING_POD: dict[str, object] = {"metadata": {"name": "vm-1"}, "spec": {}}
 
 
 def test_a_create_is_held_back_for_the_generation_that_was_refused_or_lacks_a_secret() -> None:
-    assert d.create_held_back(raw_vm(reasons.PULL_SECRET_NOT_FOUND))
-    assert d.create_held_back(raw_vm(reasons.CREATE_REFUSED))
-    assert not d.create_held_back(raw_vm(reasons.CREATE_REFUSED, generation=4)), "a new spec"
-    assert not d.create_held_back(raw_vm(reasons.PULL_SECRET_NOT_FOUND, generation=4))
-    assert not d.create_held_back(raw_vm(reasons.PULL_SECRET_NOT_FOUND, deleting=True)), (
+    assert scan.create_held_back(raw_vm(reasons.PULL_SECRET_NOT_FOUND))
+    assert scan.create_held_back(raw_vm(reasons.CREATE_REFUSED))
+    assert not scan.create_held_back(raw_vm(reasons.CREATE_REFUSED, generation=4)), "a new spec"
+    assert not scan.create_held_back(raw_vm(reasons.PULL_SECRET_NOT_FOUND, generation=4))
+    assert not scan.create_held_back(raw_vm(reasons.PULL_SECRET_NOT_FOUND, deleting=True)), (
         "a VM being deleted is never held back")
-    assert not d.create_held_back({"metadata": {}, "status": {}})
+    assert not scan.create_held_back({"metadata": {}, "status": {}})
 
 
 def test_a_fence_ahead_mark_counts_for_its_generation_only() -> None:
-    assert d.fence_ahead_marked(raw_vm(reasons.FENCE_AHEAD))
-    assert d.fence_ahead_marked(raw_vm(reasons.FENCE_AHEAD, deleting=True))
-    assert not d.fence_ahead_marked(raw_vm(reasons.FENCE_AHEAD, generation=4))
-    assert not d.fence_ahead_marked(raw_vm(reasons.CREATE_REFUSED))
+    assert scan.fence_ahead_marked(raw_vm(reasons.FENCE_AHEAD))
+    assert scan.fence_ahead_marked(raw_vm(reasons.FENCE_AHEAD, deleting=True))
+    assert not scan.fence_ahead_marked(raw_vm(reasons.FENCE_AHEAD, generation=4))
+    assert not scan.fence_ahead_marked(raw_vm(reasons.CREATE_REFUSED))
 
 
 def test_a_vm_in_the_middle_of_something_looks_mid_plan() -> None:
     plan_ = {"pendingPod": {"name": "vm-1"}}
-    assert d.looks_mid_plan(raw_vm(**plan_), []), "a recorded plan"
-    assert d.looks_mid_plan(raw_vm(), []), "no committed pod"
-    assert d.looks_mid_plan(raw_vm(podName="vm-1"), [GATED_POD]), "a gated pod"
-    assert d.looks_mid_plan(raw_vm(podName="vm-1", deleting=True), [RUNNING_POD])
-    assert d.looks_mid_plan(raw_vm(podName="vm-1"), [RUNNING_POD, RUNNING_POD])
+    assert scan.looks_mid_plan(raw_vm(**plan_), []), "a recorded plan"
+    assert scan.looks_mid_plan(raw_vm(), []), "no committed pod"
+    assert scan.looks_mid_plan(raw_vm(podName="vm-1"), [GATED_POD]), "a gated pod"
+    assert scan.looks_mid_plan(raw_vm(podName="vm-1", deleting=True), [RUNNING_POD])
+    assert scan.looks_mid_plan(raw_vm(podName="vm-1"), [RUNNING_POD, RUNNING_POD])
 
 
 def test_a_calm_or_finished_vm_does_not_look_mid_plan() -> None:
-    assert not d.looks_mid_plan(raw_vm(podName="vm-1"), [RUNNING_POD])
-    assert not d.looks_mid_plan(raw_vm(phase="Succeeded"), []), "terminal, no pod"
+    assert not scan.looks_mid_plan(raw_vm(podName="vm-1"), [RUNNING_POD])
+    assert not scan.looks_mid_plan(raw_vm(phase="Succeeded"), []), "terminal, no pod"
 
 
 def test_a_vm_requeued_by_its_own_wait_is_left_to_it() -> None:
@@ -542,14 +542,14 @@ def test_a_vm_requeued_by_its_own_wait_is_left_to_it() -> None:
     the scan skips it whatever its plan, pods or deletion say; a new generation is scanned
     once. A held-back create is skipped only while it has no pods."""
     plan_ = {"pendingPod": {"name": "vm-1"}}
-    assert not d.looks_mid_plan(raw_vm(reasons.FENCE_AHEAD, **plan_), [])
-    assert not d.looks_mid_plan(raw_vm(reasons.FENCE_AHEAD), [])
-    assert not d.looks_mid_plan(raw_vm(reasons.FENCE_AHEAD, podName="vm-1"), [GATED_POD])
-    assert not d.looks_mid_plan(raw_vm(reasons.FENCE_AHEAD, deleting=True, **plan_), [GATED_POD])
-    assert d.looks_mid_plan(raw_vm(reasons.FENCE_AHEAD, generation=4, **plan_), []), (
+    assert not scan.looks_mid_plan(raw_vm(reasons.FENCE_AHEAD, **plan_), [])
+    assert not scan.looks_mid_plan(raw_vm(reasons.FENCE_AHEAD), [])
+    assert not scan.looks_mid_plan(raw_vm(reasons.FENCE_AHEAD, podName="vm-1"), [GATED_POD])
+    assert not scan.looks_mid_plan(raw_vm(reasons.FENCE_AHEAD, deleting=True, **plan_), [GATED_POD])
+    assert scan.looks_mid_plan(raw_vm(reasons.FENCE_AHEAD, generation=4, **plan_), []), (
         "new generation")
-    assert not d.looks_mid_plan(raw_vm(reasons.CREATE_REFUSED, **plan_), [])
-    assert d.looks_mid_plan(raw_vm(reasons.CREATE_REFUSED, **plan_), [GATED_POD])
+    assert not scan.looks_mid_plan(raw_vm(reasons.CREATE_REFUSED, **plan_), [])
+    assert scan.looks_mid_plan(raw_vm(reasons.CREATE_REFUSED, **plan_), [GATED_POD])
 
 
 def test_the_scan_names_the_mid_plan_vms_by_key_with_their_own_pods() -> None:
@@ -557,4 +557,4 @@ def test_the_scan_names_the_mid_plan_vms_by_key_with_their_own_pods() -> None:
            raw_vm(name="planning", podName="vm-1", pendingPod={"name": "vm-2"}),
            raw_vm(name="gated", podName="vm-1")]
     pods = {"ns/calm": [RUNNING_POD], "ns/planning": [RUNNING_POD], "ns/gated": [GATED_POD]}
-    assert d.mid_plan_keys(vms, lambda key: pods.get(key, [])) == ["ns/planning", "ns/gated"]
+    assert scan.mid_plan_keys(vms, lambda key: pods.get(key, [])) == ["ns/planning", "ns/gated"]

@@ -1,5 +1,5 @@
 """The mid-plan scan decides again only for the VMs whose cache changed, and answers what
-a scan of the whole cache would (``decide.mid_plan_keys``)."""
+a scan of the whole cache would (``scan.mid_plan_keys``)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from neonvm.controller import decide as d
 from neonvm.controller.midplan import MidPlanSet
+from neonvm.controller.scan import mid_plan_keys
 
 pytestmark = pytest.mark.unit
 
@@ -41,7 +41,7 @@ class Cache:
         return self.pods.get(key, [])
 
     def whole_scan(self) -> list[str]:
-        return sorted(d.mid_plan_keys(list(self.vms.values()), self.pods_of))
+        return sorted(mid_plan_keys(list(self.vms.values()), self.pods_of))
 
 
 def test_the_first_scan_looks_at_every_vm_and_later_scans_only_at_the_changed_ones() -> None:

@@ -19,7 +19,7 @@ from neonvm.api.types import (
     VirtualMachineStatus,
 )
 from neonvm.controller import decide as d
-from neonvm.controller import informer, podspec
+from neonvm.controller import informer, podspec, scan
 from neonvm.controller.acceleration import RUNNER_PORT_NAME, runner_port
 from neonvm.controller.informer import Informer, Store, project_pod
 from neonvm.controller.observe import VMRecord, make_snapshot, pod_index, pod_view
@@ -100,8 +100,8 @@ def test_projection_keeps_every_field_a_cached_decision_reads() -> None:
         assert pod_index(slim) == pod_index(pod)
         assert slim["metadata"]["resourceVersion"] == pod["metadata"]["resourceVersion"]
         assert runner_port(slim, vm(), 1) == runner_port(pod, vm(), 1) != 1
-        assert d.looks_mid_plan({"metadata": {}, "status": {}}, [slim]) == \
-            d.looks_mid_plan({"metadata": {}, "status": {}}, [pod])
+        assert scan.looks_mid_plan({"metadata": {}, "status": {}}, [slim]) == \
+            scan.looks_mid_plan({"metadata": {}, "status": {}}, [pod])
 
 
 def test_decisions_on_projected_pods_are_the_decisions_on_full_pods() -> None:

@@ -27,6 +27,7 @@ from neonvm.controller.informer import project_pod
 from neonvm.controller.midplan import MidPlanSet
 from neonvm.controller.observe import CacheReader, pod_index
 from neonvm.controller.reconciler import Reconciler, ReconcilerConfig, StaticAuthority
+from neonvm.controller.scan import looks_mid_plan
 from neonvm.controller.update import RetryPolicy
 from tests.fake_cluster import FakeCluster
 
@@ -131,12 +132,12 @@ def pod_of(name: str = "p", uid: str = "u1", *, terminating: bool = False,
 ])
 def test_a_committed_pod_not_up_in_the_cache_looks_mid_plan(pods: list[dict[str, Any]],
                                                             why: str) -> None:
-    assert d.looks_mid_plan(vm(podName="p", podUID="u1", phase="Running"), pods), why
+    assert looks_mid_plan(vm(podName="p", podUID="u1", phase="Running"), pods), why
 
 
 def test_a_committed_pod_up_in_the_cache_or_a_finished_vm_does_not() -> None:
-    assert not d.looks_mid_plan(vm(podName="p", podUID="u1", phase="Running"), [pod_of()])
-    assert not d.looks_mid_plan(vm(podName="p", phase="Pending"), [pod_of(phase="Pending")]), (
+    assert not looks_mid_plan(vm(podName="p", podUID="u1", phase="Running"), [pod_of()])
+    assert not looks_mid_plan(vm(podName="p", phase="Pending"), [pod_of(phase="Pending")]), (
         "no uid recorded: the name is enough")
-    assert not d.looks_mid_plan(vm(podName="p", podUID="u1", phase="Failed"), []), (
+    assert not looks_mid_plan(vm(podName="p", podUID="u1", phase="Failed"), []), (
         "a terminal VM is never planned again")

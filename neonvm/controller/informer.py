@@ -244,7 +244,7 @@ def project_pod(pod: Obj) -> Obj:
     controller owner reference, scheduling gates, deletionTimestamp, phase, node, pod
     IP, fence annotations), ``acceleration.runner_port`` (the container port named
     ``runner``), :func:`~neonvm.controller.observe.pod_index` (namespace and
-    the VM-name label), :func:`~neonvm.controller.decide.looks_mid_plan` (scheduling
+    the VM-name label), :func:`~neonvm.controller.scan.looks_mid_plan` (scheduling
     gates) and this module (namespace, name, uid, resourceVersion). Everything that
     acts on a pod reads it directly, in full. Dropped: the containers (all but the
     runner's named port), volumes, probes, environment and the large

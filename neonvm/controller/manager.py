@@ -13,7 +13,7 @@ Structure (each piece small and replaceable):
   turn is retried, is :class:`~neonvm.controller.handler.Handler`'s (one documented
   outcome contract); the lock and orphan-pod sweeps are
   :class:`~neonvm.controller.sweeps.Sweeps`; which cached VMs look mid-plan is
-  :func:`~neonvm.controller.decide.looks_mid_plan`.
+  :func:`~neonvm.controller.scan.looks_mid_plan`.
 
 What a term guarantees:
 

@@ -1,7 +1,7 @@
 """The mid-plan scan's set of VMs, kept from the informers' changes.
 
 Every ``--plan-requeue`` seconds the leader requeues each cached VM that
-:func:`~neonvm.controller.decide.looks_mid_plan` (docs/reconciler.md, "Progress without
+:func:`~neonvm.controller.scan.looks_mid_plan` (docs/reconciler.md, "Progress without
 events"). Deciding that for the whole cache at every scan decoded every cached VM and its
 pods every two seconds: at 5,000 VMs, about a sixth of the leader's CPU, under the GIL
 its workers share. :class:`MidPlanSet` decides it again only for the VMs whose cached
@@ -9,7 +9,7 @@ copy, or one of whose cached pods, changed since the last scan.
 
 Guarantees:
 
-* a scan answers exactly what :func:`~neonvm.controller.decide.mid_plan_keys` would
+* a scan answers exactly what :func:`~neonvm.controller.scan.mid_plan_keys` would
   answer over the caches, for every VM whose change was reported with :meth:`touch`
   before the scan began;
 * a VM that left the cache without a report (``Store.discard``, the handler's eviction of
@@ -27,7 +27,7 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
-from neonvm.controller import decide as d
+from neonvm.controller.scan import looks_mid_plan
 
 Obj = dict[str, Any]
 
@@ -69,7 +69,7 @@ class MidPlanSet:
         self._scans += 1
         for key in changed:
             raw = self._vms.get(key)
-            if raw is not None and d.looks_mid_plan(raw, self._pods_of(key)):
+            if raw is not None and looks_mid_plan(raw, self._pods_of(key)):
                 self._mid.add(key)
             else:
                 self._mid.discard(key)
