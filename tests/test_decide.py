@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from neonvm.api import times
 from neonvm.api.types import (
     FINALIZER,
     Fence,
@@ -23,7 +24,7 @@ from neonvm.api.types import (
     VirtualMachineStatus,
 )
 from neonvm.controller import decide as d
-from neonvm.controller import reasons, scan
+from neonvm.controller import reasons, restarts, scan
 from neonvm.controller.mutations import status_mutation
 
 pytestmark = pytest.mark.unit
@@ -365,12 +366,12 @@ def at(seconds: float) -> dt.datetime:
 def restarted(count: int, when: dt.datetime = T0) -> VirtualMachine:
     """A VM right after restart number ``count`` (no pod, no plan), recorded at ``when``."""
     return vm(restart_count=count, restart_streak=count, plan_seq=count,
-              last_restart_time=d.format_rfc3339(when))
+              last_restart_time=times.format_microtime(when))
 
 
 def test_the_backoff_is_zero_for_the_first_restart_then_doubles_up_to_a_minute() -> None:
-    assert [d.restart_backoff(n) for n in range(10)] == [0, 0, 1, 2, 4, 8, 16, 32, 60, 60]
-    assert d.restart_backoff(10_000) == d.RESTART_BACKOFF_MAX
+    assert [restarts.restart_backoff(n) for n in range(10)] == [0, 0, 1, 2, 4, 8, 16, 32, 60, 60]
+    assert restarts.restart_backoff(10_000) == restarts.RESTART_BACKOFF_MAX
 
 
 def test_a_restart_decided_with_a_clock_records_when_it_happened() -> None:
@@ -380,21 +381,21 @@ def test_a_restart_decided_with_a_clock_records_when_it_happened() -> None:
     new = status_mutation(action, LEASE)(v)
     assert new is not None
     assert (new.restart_count, new.last_restart_time) == (5, action.at)
-    assert d.parse_rfc3339(new.last_restart_time) == at(7.5)
+    assert times.parse(new.last_restart_time) == at(7.5)
 
 
 def test_a_restart_long_after_the_previous_one_starts_a_new_streak_without_backoff() -> None:
     quick = vm(pod_name=POD1, pod_uid=f"uid-{POD1}", plan_seq=9, phase="Running",
-               restart_count=8, restart_streak=8, last_restart_time=d.format_rfc3339(T0))
+               restart_count=8, restart_streak=8, last_restart_time=times.format_microtime(T0))
     soon = d.decide(dataclasses.replace(obs(quick), now=at(60)))
-    later = d.decide(dataclasses.replace(obs(quick), now=at(d.RESTART_STREAK_WINDOW + 1)))
+    later = d.decide(dataclasses.replace(obs(quick), now=at(restarts.RESTART_STREAK_WINDOW + 1)))
     after_soon = status_mutation(soon, LEASE)(quick)
     after_later = status_mutation(later, LEASE)(quick)
     assert after_soon is not None and after_later is not None
     assert (after_soon.restart_streak, after_later.restart_streak) == (9, 1)
     assert after_later.restart_count == 9
     replan = dataclasses.replace(quick, status=after_later)
-    plan = d.decide(dataclasses.replace(obs(replan), now=at(d.RESTART_STREAK_WINDOW + 1)))
+    plan = d.decide(dataclasses.replace(obs(replan), now=at(restarts.RESTART_STREAK_WINDOW + 1)))
     assert isinstance(plan, d.RecordPlan)
 
 
@@ -427,7 +428,7 @@ def test_without_a_clock_there_is_no_backoff() -> None:
 
 def test_a_clock_behind_the_recorders_waits_at_most_the_backoff_per_decision() -> None:
     action = d.decide(dataclasses.replace(obs(restarted(3)), now=at(-600)))
-    assert isinstance(action, d.Wait) and action.seconds == d.restart_backoff(3)
+    assert isinstance(action, d.Wait) and action.seconds == restarts.restart_backoff(3)
 
 
 def test_a_malformed_restart_time_never_holds_a_vm_back() -> None:
@@ -449,7 +450,7 @@ def test_a_plan_is_recorded_only_once_the_backoff_since_the_last_restart_has_pas
         count: int, elapsed_ms: int) -> None:
     elapsed = elapsed_ms / 1000
     action = d.decide(dataclasses.replace(obs(restarted(count)), now=at(elapsed)))
-    backoff = d.restart_backoff(count)
+    backoff = restarts.restart_backoff(count)
     if backoff == 0 or elapsed >= backoff:
         assert isinstance(action, d.RecordPlan)
     else:

@@ -26,8 +26,8 @@ import pytest
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from neonvm.api import types
-from neonvm.controller.decide import parse_rfc3339, restart_backoff
+from neonvm.api import times, types
+from neonvm.controller.restarts import restart_backoff
 from neonvm.dev import nodes
 from neonvm.dev.cluster import LocalCluster
 from neonvm.drills.observer import PodWatchChecker
@@ -126,7 +126,7 @@ def test_a_runner_that_exits_at_once_is_restarted_at_growing_intervals_without_c
         assert seen.restart_count == seq - 1, "one restart per pod"
         if seq == 1:
             continue
-        restarted = parse_rfc3339(seen.last_restart_time)
+        restarted = times.parse(seen.last_restart_time)
         assert restarted is not None, f"restart #{seq - 1} recorded no lastRestartTime"
         waited = seen.seen_at - restarted.timestamp()
         backoff = restart_backoff(seen.restart_count)

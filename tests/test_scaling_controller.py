@@ -26,10 +26,10 @@ import pytest
 from kubernetes import client
 
 from neonvm import kube
-from neonvm.api import types
+from neonvm.api import times, types
 from neonvm.api.scale_protocol import pod_token
 from neonvm.controller import decide as d
-from neonvm.controller import reasons
+from neonvm.controller import looks, reasons
 from neonvm.controller.podspec import ANNOTATION_SPEC
 from neonvm.controller.reconciler import Reconciler, ReconcileResult, StaticAuthority
 from neonvm.controller.scaling import USAGE_ANNOTATION
@@ -599,9 +599,9 @@ def test_a_removal_pending_after_a_drop_is_looked_at_past_the_window_until_it_se
         v.status.conditions.append(Condition(
             type=reasons.SCALING_CONDITION, status="False",  # type: ignore[arg-type]
             reason=reasons.SCALING_DISABLED, message="dropped", observed_generation=2,
-            last_transition_time=d.format_rfc3339(dropped_at)))
+            last_transition_time=times.format_microtime(dropped_at)))
         v.status.scale_look_pod_uid = "uid-1"  # as the drop wrote it, with its time
-        v.status.scale_look_since = d.format_rfc3339(dropped_at)
+        v.status.scale_look_since = times.format_microtime(dropped_at)
         runner.pod_uid = "uid-1"
         runner.size = {"vcpus": 1, "memorySlots": 2, "memoryBytes": 2 * GIB}
 
@@ -615,20 +615,20 @@ def test_a_removal_pending_after_a_drop_is_looked_at_past_the_window_until_it_se
         seen = look(10, ["dimm-slot1"])  # in the window: asked, the unplug pending
         assert runner.gets == gets + 1 and seen.runner is not None
         assert isinstance(d.decide(seen), d.Done)  # nothing settled to adopt
-        seen = look(d.LATE_PUT_SECONDS + 60, ["dimm-slot1"])  # past it: still asked
+        seen = look(looks.LATE_PUT_SECONDS + 60, ["dimm-slot1"])  # past it: still asked
         assert runner.gets == gets + 2 and seen.runner is not None
         runner.size = {"vcpus": 1, "memorySlots": 1, "memoryBytes": GIB}  # ejected
-        seen = look(d.LATE_PUT_SECONDS + 120, [])
+        seen = look(looks.LATE_PUT_SECONDS + 120, [])
         assert runner.gets == gets + 3
         action = d.decide(seen)
         assert isinstance(action, d.CommitScale) and action.adopt, action
         assert (action.vcpus, action.memory_bytes) == (1, GIB)
-        look(d.LATE_PUT_SECONDS + 180, [])  # the write has not landed: asked again
+        look(looks.LATE_PUT_SECONDS + 180, [])  # the write has not landed: asked again
         assert runner.gets == gets + 4
         written = status_mutation(action, LEASE)(v)  # the adopting write lands
         assert written is not None and written.scale_look_pod_uid is None
         v.status = written
-        look(d.LATE_PUT_SECONDS + 240, [])  # settled and written: no longer asked
+        look(looks.LATE_PUT_SECONDS + 240, [])  # settled and written: no longer asked
         assert runner.gets == gets + 4
     finally:
         runner.close()
@@ -661,7 +661,7 @@ def _past_the_window(reconciler: Reconciler) -> None:
 
     from neonvm.controller.observe import DirectReader
 
-    skew = dt.timedelta(seconds=d.LATE_PUT_SECONDS + 60)
+    skew = dt.timedelta(seconds=looks.LATE_PUT_SECONDS + 60)
     reconciler.reader = DirectReader(reconciler.cluster,
                                      clock=lambda: dt.datetime.now(dt.UTC) + skew)
 

@@ -14,6 +14,7 @@ import datetime as dt
 
 import pytest
 
+from neonvm.api import times
 from neonvm.api.millicpu import MilliCPU
 from neonvm.api.scale_protocol import (
     AppliedFence,
@@ -36,7 +37,7 @@ from neonvm.api.types import (
     VirtualMachineStatus,
 )
 from neonvm.controller import decide as d
-from neonvm.controller import podspec, reasons
+from neonvm.controller import looks, podspec, reasons
 from neonvm.controller.mutations import FencedOut, status_mutation
 from neonvm.runner.scaling import FenceStore, Scaler
 
@@ -469,15 +470,15 @@ def test_a_put_that_lands_after_its_plan_was_dropped_is_adopted_into_status() ->
     v.status.conditions.append(Condition(
         type=reasons.SCALING_CONDITION, status="False", reason=reasons.SCALING_DISABLED,  # type: ignore[arg-type]
         message="dropped", observed_generation=2,
-        last_transition_time=d.format_rfc3339(dropped_at)))
+        last_transition_time=times.format_microtime(dropped_at)))
     landed = dataclasses.replace(view((3, 40, 1), 2, 2), answered_uid="uid-1")
 
     def at(seconds: float, runner: d.RunnerView | None) -> d.Action:
         return d.decide(dataclasses.replace(
             obs(v, runner=runner), now=dropped_at + dt.timedelta(seconds=seconds)))
 
-    assert d.looks_after_drop(v, dropped_at + dt.timedelta(seconds=10))
-    assert not d.looks_after_drop(v, dropped_at + dt.timedelta(seconds=d.LATE_PUT_SECONDS))
+    assert looks.looks_after_drop(v, dropped_at + dt.timedelta(seconds=10))
+    assert not looks.looks_after_drop(v, dropped_at + dt.timedelta(seconds=looks.LATE_PUT_SECONDS))
     action = at(10, landed)
     assert action == d.CommitScale(seq=1, vcpus=2, memory_bytes=2 * GIB, adopt=True,
                                    pod_uid="uid-1", reason=action.reason)
@@ -489,7 +490,7 @@ def test_a_put_that_lands_after_its_plan_was_dropped_is_adopted_into_status() ->
                    dataclasses.replace(landed, vcpus=0)):  # SysfsScaling, no report yet
         assert isinstance(at(10, runner), d.Done), runner
     # Outside the window the controller does not ask the runner (no view, nothing).
-    assert isinstance(at(d.LATE_PUT_SECONDS + 1, None), d.Done)
+    assert isinstance(at(looks.LATE_PUT_SECONDS + 1, None), d.Done)
     # The write: what the runner reported, the condition (the refusal) kept; refused
     # when a plan was made since the observation, or the pod was replaced.
     new = status_mutation(action, LEASE)(v)
@@ -505,8 +506,8 @@ def test_a_put_that_lands_after_its_plan_was_dropped_is_adopted_into_status() ->
     done = vm(scale_seq=1)
     done.status.conditions.append(Condition(
         type=reasons.SCALING_CONDITION, status="False", reason="ScalingDone",  # type: ignore[arg-type]
-        message="", last_transition_time=d.format_rfc3339(dropped_at)))
-    assert not d.looks_after_drop(done, dropped_at) and not d.looks_after_drop(vm(), None)
+        message="", last_transition_time=times.format_microtime(dropped_at)))
+    assert not looks.looks_after_drop(done, dropped_at) and not looks.looks_after_drop(vm(), None)
 
 
 def test_a_pod_built_before_the_slot_size_field_is_judged_by_the_spec_it_carries() -> None:
@@ -551,9 +552,9 @@ def dropped_vm(*, status_cpus: int = 1, status_slots: int = 1,
     v.status.conditions.append(Condition(
         type=reasons.SCALING_CONDITION, status="False", reason=reasons.SCALING_DISABLED,  # type: ignore[arg-type]
         message="dropped", observed_generation=2,
-        last_transition_time=d.format_rfc3339(dropped_at)))
+        last_transition_time=times.format_microtime(dropped_at)))
     v.status.scale_look_pod_uid = look
-    v.status.scale_look_since = d.format_rfc3339(dropped_at) if look else None
+    v.status.scale_look_since = times.format_microtime(dropped_at) if look else None
     return v, dropped_at
 
 
@@ -567,7 +568,7 @@ def decide_at(v: VirtualMachine, at: dt.datetime, runner: d.RunnerView | None) -
     return d.decide(dataclasses.replace(obs(v, runner=runner), now=at))
 
 
-PAST = dt.timedelta(seconds=d.LATE_PUT_SECONDS + 1)
+PAST = dt.timedelta(seconds=looks.LATE_PUT_SECONDS + 1)
 """An observation taken after the late-PUT window of the drop has passed."""
 
 
@@ -616,7 +617,7 @@ def test_past_the_window_a_runner_settled_at_status_size_ends_the_look_by_a_writ
                       d.Done)
     # Past it: still looked at (status asks), and a settled answer equal to status is
     # written, only to end the look; the look ends when that write lands.
-    assert d.looks_at_runner(v, dropped_at + PAST)
+    assert looks.looks_at_runner(v, dropped_at + PAST)
     action = decide_at(v, dropped_at + PAST, answer(1, 1))
     assert action == d.CommitScale(seq=1, vcpus=1, memory_bytes=GIB, adopt=True,
                                    pod_uid="uid-1", ends_look=True, look_recorded=True,
@@ -625,7 +626,7 @@ def test_past_the_window_a_runner_settled_at_status_size_ends_the_look_by_a_writ
     assert new is not None and new.scale_look_pod_uid is None
     assert (new.cpus, new.memory_size) == (MilliCPU(1000), "1Gi")
     v.status = new
-    assert not d.looks_at_runner(v, dropped_at + PAST)
+    assert not looks.looks_at_runner(v, dropped_at + PAST)
     assert status_mutation(action, LEASE)(v) is None  # done already: no second write
 
 
@@ -666,7 +667,7 @@ def test_past_the_window_a_runner_at_another_size_is_adopted_and_the_look_ends()
 def test_past_the_window_a_removal_still_pending_keeps_the_look() -> None:
     v, dropped_at = dropped_vm(status_slots=2)
     later = dropped_at + PAST + dt.timedelta(minutes=30)
-    assert d.looks_at_runner(v, later)
+    assert looks.looks_at_runner(v, later)
     assert isinstance(decide_at(v, later, answer(1, 2, "dimm-slot1")), d.Done)
     # An answer that cannot be adopted (another pod's, at a reused IP) ends nothing.
     other = dataclasses.replace(answer(1, 1), answered_uid="uid-9")
@@ -680,13 +681,13 @@ def test_past_the_window_a_removal_still_pending_keeps_the_look() -> None:
 def test_a_vm_dropped_before_the_record_existed_is_looked_at_within_the_window_only() -> None:
     # Stored before scaleLookPodUID: the drop left no record, so the look is today's.
     v, dropped_at = dropped_vm(look=None)
-    assert d.looks_at_runner(v, dropped_at + dt.timedelta(seconds=10))
-    assert not d.looks_at_runner(v, dropped_at + PAST)
+    assert looks.looks_at_runner(v, dropped_at + dt.timedelta(seconds=10))
+    assert not looks.looks_at_runner(v, dropped_at + PAST)
     early = decide_at(v, dropped_at + dt.timedelta(seconds=10), answer(2, 2))
     assert isinstance(early, d.CommitScale) and not early.ends_look
     # A record naming another pod than the committed one asks for nothing.
     stale, _ = dropped_vm(look="uid-0")
-    assert not d.looks_at_runner(stale, dropped_at + PAST)
+    assert not looks.looks_at_runner(stale, dropped_at + PAST)
 
 
 # ---- the look's own time, its bound, and what ends it (review lookfix L1, L3, L8) -------
@@ -701,8 +702,8 @@ def test_the_window_counts_from_the_drop_recorded_with_the_look_not_from_the_con
     cond = next(c for c in v.status.conditions if c.type == reasons.SCALING_CONDITION)
     cond.status, cond.reason = "True", "RunnerNotAnswering"  # type: ignore[assignment]
     soon = dropped_at + dt.timedelta(seconds=20)
-    assert d.looks_at_runner(v, soon)
-    assert not d.look_may_end(v, soon)
+    assert looks.looks_at_runner(v, soon)
+    assert not looks.look_may_end(v, soon)
     assert isinstance(decide_at(v, soon, answer(1, 1)), d.Done)
     # Past the window counted from scaleLookSince, the same answer ends the look.
     action = decide_at(v, dropped_at + PAST, answer(1, 1))
@@ -712,7 +713,7 @@ def test_the_window_counts_from_the_drop_recorded_with_the_look_not_from_the_con
     planned = vm(cpus_use=2, slots_use=2, scale_seq=1, pending=scale_plan(cpus=2, slots=2))
     dropped = status_mutation(d.DropScale(seq=1, refused=reasons.SCALING_DISABLED), LEASE)(planned)
     assert dropped is not None and dropped.scale_look_pod_uid == "uid-1"
-    since = d.parse_rfc3339(dropped.scale_look_since)
+    since = times.parse(dropped.scale_look_since)
     assert since is not None and abs((since - dt.datetime.now(dt.UTC)).total_seconds()) < 60
     ended = status_mutation(action, LEASE)(v)
     assert ended is not None and (ended.scale_look_pod_uid, ended.scale_look_since) == (
@@ -720,7 +721,7 @@ def test_the_window_counts_from_the_drop_recorded_with_the_look_not_from_the_con
     # A look recorded without its time (this branch's previous commit): window passed.
     untimed, _ = dropped_vm()
     untimed.status.scale_look_since = None
-    assert d.look_may_end(untimed, soon)
+    assert looks.look_may_end(untimed, soon)
 
 
 def test_a_scaling_true_condition_lands_only_while_its_plan_is_still_recorded() -> None:
@@ -759,8 +760,8 @@ def test_a_look_that_nothing_ends_is_given_up_after_its_bound_by_a_write_adoptin
     # resync forever. Past LOOK_GIVE_UP_SECONDS from the drop the look ends with a
     # write that adopts nothing.
     v, dropped_at = dropped_vm()
-    before = dropped_at + dt.timedelta(seconds=d.LOOK_GIVE_UP_SECONDS - 1)
-    after = dropped_at + dt.timedelta(seconds=d.LOOK_GIVE_UP_SECONDS)
+    before = dropped_at + dt.timedelta(seconds=looks.LOOK_GIVE_UP_SECONDS - 1)
+    after = dropped_at + dt.timedelta(seconds=looks.LOOK_GIVE_UP_SECONDS)
     unreachable = dataclasses.replace(obs(v, error="connection refused"), now=before)
     assert isinstance(d.decide(unreachable), d.Done)
     action = d.decide(dataclasses.replace(unreachable, now=after))
@@ -771,7 +772,7 @@ def test_a_look_that_nothing_ends_is_given_up_after_its_bound_by_a_write_adoptin
     assert new is not None and (new.scale_look_pod_uid, new.scale_look_since) == (None, None)
     assert (new.cpus, new.memory_size) == (v.status.cpus, v.status.memory_size)
     v.status = new
-    assert not d.looks_at_runner(v, after)
+    assert not looks.looks_at_runner(v, after)
     # A removal that stays pending, or an answer that does not name the pod: the same.
     pending, _ = dropped_vm(status_slots=2)
     given_up = decide_at(pending, after, answer(1, 2, "dimm-slot1"))

@@ -28,3 +28,14 @@ def format_microtime(at: dt.datetime) -> str:
 def format_time(at: dt.datetime) -> str:
     """``metav1.Time``: ``2026-01-02T03:04:05Z`` (fractions dropped)."""
     return utc(at).strftime(TIME_FORMAT)
+
+
+def parse(text: str | None) -> dt.datetime | None:
+    """The instant an RFC 3339 ``text`` names (UTC), or None when it is missing or
+    malformed (a bad value must never hold a VM back)."""
+    if not text:
+        return None
+    try:
+        return utc(dt.datetime.fromisoformat(text))
+    except ValueError:
+        return None

@@ -58,9 +58,15 @@ from typing import ClassVar
 from neonvm.api import times
 from neonvm.api.types import FINALIZER, PendingPod, PendingScale, VirtualMachine
 from neonvm.api.types import Fence as Fence  # re-exported: the authority decide sees
+from neonvm.controller.looks import (
+    LATE_PUT_SECONDS,
+    LOOK_GIVE_UP_SECONDS,
+    look_given_up,
+    look_may_end,
+    look_pending,
+)
 from neonvm.controller.reasons import (
     DEGRADED,
-    DROP_REASONS,
     NAMESPACE_TERMINATING,
     PULL_SECRET_NOT_FOUND,
     RESTART_BACKOFF_CONDITION,
@@ -69,6 +75,7 @@ from neonvm.controller.reasons import (
     SCALING_REFUSED,
     WAITING_FOR_OLD_POD,
 )
+from neonvm.controller.restarts import backoff_remaining, restart_backoff
 
 # ---- observation -------------------------------------------------------------------------
 
@@ -420,20 +427,6 @@ class DropScale(Action):
 
 RUNNER_RECHECK_SECONDS = 2.0
 """How soon a scaling change whose runner could not be asked is looked at again."""
-LATE_PUT_SECONDS = 300.0
-"""The late-PUT window: how long after a plan was dropped (``status.scaleLookSince``,
-written by the drop) a ``PUT /scale`` of it may still change the guest. Only a settled
-answer of the runner asked past it ends the look (:func:`look_may_end`); within it a
-size the runner reports is adopted but the look goes on. A ``PUT /scale`` the runner
-received changes the guest at most about 130 s later (it waits up to 60 s for the
-request lock, then applies within 60 s + 10 s): the other 170 s or so are for a request
-sent just before the drop and delivered late (docs/protocol.md, "A plan dropped while a
-PUT of it is on its way", says what this bound rests on)."""
-LOOK_GIVE_UP_SECONDS = 3600.0
-"""How long after the drop a look that no settled answer could end (the runner does not
-answer, does not name its pod, a removal stays pending) goes on: then a write ends it
-and adopts nothing (:func:`look_given_up`, ``CommitScale.gives_up``), so that a look
-costs at most this many seconds of ``GET /scale`` per resync."""
 
 
 def scale_fence(plan: PendingScale) -> tuple[int, int, int]:
@@ -465,82 +458,6 @@ def status_size(vm: VirtualMachine) -> tuple[int, int] | None:
     return s.cpus.rounded_up(), memory // slot
 
 
-def look_pending(vm: VirtualMachine) -> bool:
-    """Whether status asks for the committed pod's runner to be looked at after a drop:
-    no plan recorded and ``status.scaleLookPodUID`` names the committed pod. The drop
-    that sets it is the only record that a PUT of the dropped plan may have changed the
-    guest, and it is in status (not in a controller's memory), so a new leader, or a
-    controller whose adopting write failed, looks again. A VM stored before the field
-    existed has none: it is looked at within the window only
-    (:func:`looks_after_drop`)."""
-    s = vm.status
-    return (s.pending_scale is None and bool(s.pod_uid)
-            and s.scale_look_pod_uid == s.pod_uid)
-
-
-def look_age(vm: VirtualMachine, now: dt.datetime | None) -> float | None:
-    """Seconds from the drop that asked for the look (``status.scaleLookSince``) to
-    ``now``; None: ``now`` None (the explorer's open window, hand-built observations).
-    A look recorded without its time (by a controller of this development branch that
-    wrote ``scaleLookPodUID`` alone) counts as older than any bound: its window has
-    passed. Only the look's own time counts, never the Scaling condition's: a write
-    that changes the condition (a new leader's Wait) says nothing about the drop."""
-    if now is None:
-        return None
-    since = parse_rfc3339(vm.status.scale_look_since)
-    if since is None:
-        return float("inf")
-    return (_utc(now) - since).total_seconds()
-
-
-def look_may_end(vm: VirtualMachine, now: dt.datetime | None) -> bool:
-    """Whether a settled answer of the runner asked at ``now`` may end the look
-    (:func:`look_pending`): the late-PUT window of the drop has passed by ``now`` (taken
-    before the runner was asked), measured from ``status.scaleLookSince``
-    (:func:`look_age`). By the window's assumption every PUT of the dropped plan has
-    landed by then, and no later PUT changes the guest without a new plan (which
-    ``scaleSeq`` fences out of the write), so that answer says the size the guest
-    keeps. ``now`` None: never."""
-    age = look_age(vm, now)
-    return look_pending(vm) and age is not None and age >= LATE_PUT_SECONDS
-
-
-def look_given_up(vm: VirtualMachine, now: dt.datetime | None) -> bool:
-    """Whether the look (:func:`look_pending`) has gone on for
-    :data:`LOOK_GIVE_UP_SECONDS` since the drop: it is ended by a write that adopts
-    nothing (``CommitScale.gives_up``) when no settled answer ended it first."""
-    age = look_age(vm, now)
-    return look_pending(vm) and age is not None and age >= LOOK_GIVE_UP_SECONDS
-
-
-def looks_at_runner(vm: VirtualMachine, now: dt.datetime | None) -> bool:
-    """Whether an observation of ``vm`` at ``now`` asks the committed pod's runner
-    ``GET /scale``: a plan is recorded, or one was dropped within the window
-    (:func:`looks_after_drop`), or status still asks for the look
-    (:func:`look_pending`). A VM at its size with no such record is not looked at."""
-    return (vm.status.pending_scale is not None or look_pending(vm)
-            or looks_after_drop(vm, now))
-
-
-def looks_after_drop(vm: VirtualMachine, now: dt.datetime | None) -> bool:
-    """Whether the committed pod's runner is to be looked at although no plan is
-    recorded: the last plan was dropped (Scaling=False with a :data:`DROP_REASONS`
-    reason) less than :data:`LATE_PUT_SECONDS` ago (by the condition's
-    lastTransitionTime and this replica's clock; ``now`` None: always). A ``PUT /scale``
-    of the dropped plan sent earlier (by a deposed leader, or this controller's own
-    request that timed out) may still change the guest; nobody would look otherwise."""
-    s = vm.status
-    if s.pending_scale is not None or not s.pod_name:
-        return False
-    cond = next((c for c in s.conditions if c.type == SCALING_CONDITION), None)
-    if cond is None or cond.status != "False" or cond.reason not in DROP_REASONS:
-        return False
-    if now is None:
-        return True
-    at = parse_rfc3339(cond.last_transition_time)
-    return at is not None and (_utc(now) - at).total_seconds() < LATE_PUT_SECONDS
-
-
 def performed_actions() -> tuple[type[Action], ...]:
     """Every action the driver performs (those with a ``step``), in definition order."""
     found: list[type[Action]] = []
@@ -557,70 +474,10 @@ def performed_actions() -> tuple[type[Action], ...]:
 
 # ---- restart backoff ---------------------------------------------------------------------
 
-RESTART_BACKOFF_BASE = 1.0
-"""Seconds of backoff after the second restart; doubled for each further one."""
-RESTART_BACKOFF_MAX = 60.0
-"""Cap of the restart backoff."""
 NAMESPACE_TERMINATING_RECHECK_SECONDS = 30.0
 """How soon a VM waiting in a terminating namespace is looked at again without an event."""
 PULL_SECRET_RECHECK_SECONDS = 15.0
 """How soon a VM waiting for a missing image pull secret is looked at again."""
-RESTART_STREAK_WINDOW = 600.0
-"""A restart more than this many seconds after the previous one starts a new streak, so
-a VM whose pod ran for a while is replaced at once (as the kubelet resets its crash-loop
-backoff after ten minutes of running)."""
-
-
-def next_restart_streak(streak: int, last_restart: str | None, now: str | None) -> int:
-    """The streak after one more restart at ``now`` (RFC 3339; None: no clock)."""
-    last, at = parse_rfc3339(last_restart), parse_rfc3339(now)
-    if last is not None and at is not None and (at - last).total_seconds() > (
-        RESTART_STREAK_WINDOW
-    ):
-        return 1
-    return streak + 1
-
-
-def restart_backoff(restart_count: int) -> float:
-    """Seconds a new plan waits after restart number ``restart_count`` was recorded.
-
-    0 for the first restart, so a deleted pod is replaced at once; then 1, 2, 4, ...
-    seconds, at most :data:`RESTART_BACKOFF_MAX`.
-    """
-    if restart_count <= 1:
-        return 0.0
-    return min(RESTART_BACKOFF_BASE * 2.0 ** min(restart_count - 2, 32), RESTART_BACKOFF_MAX)
-
-
-def format_rfc3339(at: dt.datetime) -> str:
-    """UTC, microseconds: ``2026-01-02T03:04:05.123456Z``."""
-    return times.format_microtime(at)
-
-
-def parse_rfc3339(text: str | None) -> dt.datetime | None:
-    """The instant ``text`` names, or None when it is missing or malformed (no backoff:
-    a bad value must never hold a VM back)."""
-    if not text:
-        return None
-    try:
-        return _utc(dt.datetime.fromisoformat(text))
-    except ValueError:
-        return None
-
-
-def _utc(at: dt.datetime) -> dt.datetime:
-    return at.replace(tzinfo=dt.UTC) if at.tzinfo is None else at.astimezone(dt.UTC)
-
-
-def backoff_remaining(obs: Observation, vm: VirtualMachine) -> float:
-    """Seconds before ``vm`` may be planned again after its last restart (0: now)."""
-    last = parse_rfc3339(vm.status.last_restart_time)
-    if obs.now is None or last is None:
-        return 0.0
-    delay = restart_backoff(vm.status.restart_streak)
-    elapsed = (_utc(obs.now) - last).total_seconds()
-    # A clock behind the recorder's (elapsed < 0) waits at most ``delay`` per decision.
-    return max(0.0, min(delay, delay - elapsed))
 
 
 # ---- the decision ------------------------------------------------------------------------
@@ -686,7 +543,7 @@ def _decide(obs: Observation) -> Action:
         action = _decide_pending(obs, vm, pending)
     elif vm.status.phase in TERMINAL_PHASES:
         action = Done(reason=f"VM is {vm.status.phase}; never planned again")
-    elif (remaining := backoff_remaining(obs, vm)) > 0:
+    elif (remaining := backoff_remaining(vm, obs.now)) > 0:
         action = Wait(seconds=remaining, condition=RESTART_BACKOFF_CONDITION,
                       # No countdown here: the reason becomes the Ready message, and a
                       # message that changes every look would be a status write each time.
@@ -748,7 +605,7 @@ def _decide_committed(obs: Observation, vm: VirtualMachine) -> Action:
         else:
             what = "terminating" if pod.terminating else pod.phase
         return Restart(name=name, uid=uid, terminal_phase=terminal,
-                       at=format_rfc3339(obs.now) if obs.now is not None else None,
+                       at=times.format_microtime(obs.now) if obs.now is not None else None,
                        reason=f"runner pod {name} is {what}")
     assert pod is not None
     if pod.gated:

@@ -21,7 +21,7 @@ from neonvm.api import compat, times
 from neonvm.api.millicpu import MilliCPU
 from neonvm.api.types import FINALIZER, Condition, Fence, VirtualMachine, VirtualMachineStatus
 from neonvm.controller import decide as d
-from neonvm.controller import reasons
+from neonvm.controller import reasons, restarts
 
 StatusMutation = Callable[[VirtualMachine], VirtualMachineStatus | None]
 
@@ -177,7 +177,7 @@ def status_mutation(action: d.Action, lease: d.Fence) -> StatusMutation:
         new.pod_ip, new.node = None, None
         new.cpus, new.memory_size = None, None
         new.restart_count = s.restart_count + 1
-        new.restart_streak = d.next_restart_streak(s.restart_streak, s.last_restart_time,
+        new.restart_streak = restarts.next_restart_streak(s.restart_streak, s.last_restart_time,
                                                    action.at)
         if action.at is not None:
             new.last_restart_time = action.at  # the next plan's backoff counts from here
@@ -294,7 +294,7 @@ def status_mutation(action: d.Action, lease: d.Fence) -> StatusMutation:
                     f"scaling plan #{action.seq} dropped: {action.reason}")
         # A PUT of the dropped plan sent before may still land, and an unplug it started
         # may still finish: status asks for the committed pod's runner to be looked at
-        # until it has settled past the window (decide.look_pending). In the same write
+        # until it has settled past the window (looks.look_pending). In the same write
         # as the drop, so no controller, this one or the next leader, can miss it. A
         # plan for another pod (not produced by our writes) asks for no look: its PUTs
         # carry that pod's token, which the committed pod's runner refuses.
@@ -306,7 +306,7 @@ def status_mutation(action: d.Action, lease: d.Fence) -> StatusMutation:
             # The window and the give-up bound count from here (not from the Scaling
             # condition, which other writes change).
             new.scale_look_pod_uid = s.pod_uid
-            new.scale_look_since = d.format_rfc3339(dt.datetime.now(dt.UTC))
+            new.scale_look_since = times.format_microtime(dt.datetime.now(dt.UTC))
         else:
             _end_look(new)
         if action.refused:  # refused for the spec the plan was made for

@@ -61,7 +61,8 @@ SCALING_DROPPED = "ScalingDropped"
 newer fence, or the plan was for another pod)."""
 DROP_REASONS = SCALING_REFUSED | {SCALING_DROPPED}
 """Scaling=False reasons that say the last plan was dropped rather than committed: a
-``PUT /scale`` of it sent before the drop may still land (``decide.looks_after_drop``)."""
+``PUT /scale`` of it sent before the drop may still land
+(:func:`~neonvm.controller.looks.looks_after_drop`)."""
 RUNNER_NOT_ANSWERING = "RunnerNotAnswering"
 """Scaling=True reason while a recorded plan's runner cannot be asked."""
 NAMESPACE_TERMINATING = "NamespaceTerminating"

@@ -1332,7 +1332,7 @@ def _restarted(action: d.Restart, vm: types.VirtualMachine) -> Event:
 
 LOOK_GIVEN_UP = "ScaleLookGivenUp"
 """Warning event reason: the look after a dropped scaling plan ended unsettled
-(:data:`~neonvm.controller.decide.LOOK_GIVE_UP_SECONDS`)."""
+(:data:`~neonvm.controller.looks.LOOK_GIVE_UP_SECONDS`)."""
 
 
 def _look_given_up(action: d.CommitScale, vm: types.VirtualMachine) -> Event | None:

@@ -55,7 +55,7 @@ from neonvm.api import types
 from neonvm.api.scale_protocol import NO_TOKEN, ScaleFence, pod_token, request_body
 from neonvm.api.types import VirtualMachine
 from neonvm.controller import decide as d
-from neonvm.controller import podspec
+from neonvm.controller import looks, podspec
 from neonvm.controller.observe import Snapshot
 from neonvm.controller.reasons import RUNNER_MISBEHAVING_REASON, RUNNER_UNREACHABLE_REASON
 
@@ -360,7 +360,7 @@ class RunnerScaling:
 
     def observe(self, snap: Snapshot) -> Snapshot:
         """``snap`` with the runner's ``GET /scale`` answer, when the committed pod runs
-        and :func:`decide.looks_at_runner <neonvm.controller.decide.looks_at_runner>`
+        and :func:`looks.looks_at_runner <neonvm.controller.looks.looks_at_runner>`
         says so (a plan is recorded, or one was dropped: a PUT of it may still land);
         otherwise ``snap`` itself. A VM at its size is not looked at. Whether the look
         after a drop goes on is status's (``scaleLookPodUID``), not this process's: the
@@ -374,7 +374,7 @@ class RunnerScaling:
             self._forget_failures(vm.uid, keep=vm.status.pod_uid or None)
         if vm is None or vm.deletion_timestamp is not None:
             return snap
-        if not d.looks_at_runner(vm, obs.now if obs.now is not None
+        if not looks.looks_at_runner(vm, obs.now if obs.now is not None
                                  else dt.datetime.now(dt.UTC)):
             return snap
         pod = obs.pod(vm.status.pod_name)

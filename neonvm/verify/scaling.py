@@ -28,7 +28,7 @@ The world: one VM, one committed runner pod at a time (always running), its runn
   refused for good (no token: the plan dropped, ``ScalingDisabled``), and a ``PUT``
   that times out at its sender while still on its way, landing at any later step.
 * **The late-PUT window.** After a drop, observations are taken within the window
-  (:data:`~neonvm.controller.decide.LATE_PUT_SECONDS` from the drop) until a step
+  (:data:`~neonvm.controller.looks.LATE_PUT_SECONDS` from the drop) until a step
   closes it, at any point once no ``PUT`` at all is on its way (none timed out and
   still travelling, none held by a live worker, whatever plan it is of). Modelling
   assumption: the window is long enough for every late ``PUT`` to land, and for every
@@ -37,7 +37,7 @@ The world: one VM, one committed runner pod at a time (always running), its runn
   its time :data:`DROPPED_AT`); a calm run takes place past it. The window is the
   drop's: a write that changes only the Scaling condition does not reopen or close it.
   Time is binary: the give-up bound
-  (:data:`~neonvm.controller.decide.LOOK_GIVE_UP_SECONDS`) is never reached here.
+  (:data:`~neonvm.controller.looks.LOOK_GIVE_UP_SECONDS`) is never reached here.
 * **A runner not answering** (optional, ``unanswered``): an observation of a recorded
   plan finds ``GET /scale`` failing; decide's ``Wait`` comes with the reconcile's
   Scaling=True ``RunnerNotAnswering`` condition write
@@ -87,6 +87,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from neonvm.api import times
 from neonvm.api.millicpu import MilliCPU
 from neonvm.api.scale_protocol import (
     AppliedFence,
@@ -108,7 +109,7 @@ from neonvm.api.types import (
     VirtualMachineSpec,
     VirtualMachineStatus,
 )
-from neonvm.controller import conditions, mutations, podspec, reasons, reconciler
+from neonvm.controller import conditions, looks, mutations, podspec, reasons, reconciler
 from neonvm.controller import decide as d
 from neonvm.controller.observe import Snapshot
 from neonvm.controller.scaling import RunnerTrouble, runner_trouble
@@ -119,7 +120,7 @@ DROPPED_AT = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
 """When every modelled drop happened (the Scaling condition's lastTransitionTime)."""
 WITHIN_THE_WINDOW = DROPPED_AT
 """An observation's ``now`` while the late-PUT window is open."""
-PAST_THE_WINDOW = DROPPED_AT + dt.timedelta(seconds=d.LATE_PUT_SECONDS)
+PAST_THE_WINDOW = DROPPED_AT + dt.timedelta(seconds=looks.LATE_PUT_SECONDS)
 """An observation's ``now`` once it has closed."""
 SLOT = "1Gi"
 IP = "10.0.0.1"
@@ -331,9 +332,9 @@ def to_vm(r: VMRep) -> VirtualMachine:
         status.conditions.append(Condition(
             type=reasons.SCALING_CONDITION, status="False",
             reason=r.dropped[0], message="", observed_generation=r.dropped[1],
-            last_transition_time=d.format_rfc3339(DROPPED_AT)))
+            last_transition_time=times.format_microtime(DROPPED_AT)))
     status.scale_look_pod_uid = r.look or None
-    status.scale_look_since = d.format_rfc3339(DROPPED_AT) if r.look else None
+    status.scale_look_since = times.format_microtime(DROPPED_AT) if r.look else None
     return VirtualMachine(name="vm", namespace="ns", uid=UID, resource_version="1",
                           generation=r.generation, spec=spec, status=status,
                           finalizers=[FINALIZER])
@@ -444,7 +445,7 @@ class ScalingModel:
             updates = tuple(u for u in conditions.desired_conditions(
                 Snapshot(obs=obs, record=None), action) if u.type == reasons.SCALING_CONDITION)
             return (CONDITIONS_WRITE, updates) if updates else None
-        if d.looks_at_runner(vm, now):
+        if looks.looks_at_runner(vm, now):
             r = w.runner
             last = self._last(r)
             runner = d.RunnerView(
@@ -513,7 +514,7 @@ class ScalingModel:
         :func:`~neonvm.controller.conditions.conditions_mutation`) on the current VM."""
         x = w.workers[i]
         mutate = conditions.conditions_mutation(list(updates), d.Fence(x.epoch, x.token),
-                                                now=d.format_rfc3339(DROPPED_AT))
+                                                now=times.format_microtime(DROPPED_AT))
         vm = to_vm(w.vm)
         target = copy.deepcopy(vm)
         if self.mutants.window_from_condition and target.status.pending_scale is None:
