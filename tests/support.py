@@ -99,7 +99,7 @@ class CountingAuthority:
     lost from the ``lose_at``-th check on (None: never)."""
 
     def __init__(self, epoch: int = 1, token: int = 10, lose_at: int | None = None) -> None:
-        from neonvm.controller.reconciler import StaticAuthority
+        from neonvm.controller.authority import StaticAuthority
 
         self._fixed = StaticAuthority(epoch=epoch, token=token)
         self.lose_at = lose_at
@@ -114,7 +114,7 @@ class CountingAuthority:
         return None
 
     def check(self) -> None:
-        from neonvm.controller.reconciler import AuthorityLost
+        from neonvm.controller.authority import AuthorityLost
 
         self.checks += 1
         if self.lose_at is not None and self.checks >= self.lose_at:

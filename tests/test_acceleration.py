@@ -32,10 +32,11 @@ from neonvm.controller.acceleration import (
     acceleration_condition,
     warn_acceleration_unavailable,
 )
+from neonvm.controller.authority import StaticAuthority
 from neonvm.controller.decide import PodView
 from neonvm.controller.events import EventRecorder
 from neonvm.controller.podspec import PodDefaults, runner_pod
-from neonvm.controller.reconciler import Reconciler, ReconcilerConfig, StaticAuthority
+from neonvm.controller.reconciler import Reconciler, ReconcilerConfig
 from neonvm.runner.host import acceleration_unavailable, probe_kvm
 from neonvm.runner.metrics import runner_registry
 from neonvm.runner.server import RunnerHTTPServer

@@ -28,14 +28,10 @@ from neonvm.api.types import (
 from neonvm.controller import conditions as c
 from neonvm.controller import decide as d
 from neonvm.controller import reasons
+from neonvm.controller.authority import StaticAuthority
+from neonvm.controller.create_policy import classify_create_error
 from neonvm.controller.observe import Snapshot, VMRecord, make_snapshot
-from neonvm.controller.reconciler import (
-    Reconciler,
-    StaticAuthority,
-    classify_create_error,
-    miss_message,
-    stuck_mutation,
-)
+from neonvm.controller.reconciler import Reconciler, miss_message, stuck_mutation
 
 pytestmark = pytest.mark.unit
 

@@ -33,6 +33,7 @@ from neonvm.api.types import (
     VirtualMachineStatus,
 )
 from neonvm.controller import decide as d
+from neonvm.controller.authority import StaticAuthority
 from neonvm.controller.conditions import (
     conditions_mutation,
     desired_conditions,
@@ -49,7 +50,7 @@ from neonvm.controller.reasons import DEGRADED, FENCE_AHEAD, FENCE_RESOLVED
 from neonvm.controller.reconciler import (
     FENCE_AHEAD_RECHECK_SECONDS as RECHECK,
 )
-from neonvm.controller.reconciler import Reconciler, ReconcilerConfig, StaticAuthority
+from neonvm.controller.reconciler import Reconciler, ReconcilerConfig
 from neonvm.dev.cluster import LocalCluster
 from neonvm.invariant import InvariantChecker
 from neonvm.testing.harness import (

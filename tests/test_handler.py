@@ -14,16 +14,11 @@ from kubernetes.client.exceptions import ApiException
 from loguru import logger
 
 from neonvm.controller import decide as d
+from neonvm.controller.authority import AuthorityLost, RetryableError, StaticAuthority, WrongVM
 from neonvm.controller.handler import Handler, Outcome, outcome_of_error
 from neonvm.controller.metrics import ControllerMetrics
 from neonvm.controller.mutations import FencedOut
-from neonvm.controller.reconciler import (
-    AuthorityLost,
-    ReconcileResult,
-    RetryableError,
-    StaticAuthority,
-    WrongVM,
-)
+from neonvm.controller.reconciler import ReconcileResult
 from neonvm.controller.timers import VMTimers
 from neonvm.controller.update import ConflictRetriesExhausted
 from neonvm.controller.workqueue import Backoff, WorkQueue

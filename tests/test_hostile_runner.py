@@ -216,7 +216,7 @@ def test_a_put_answered_with_a_redirect_ends_the_reconcile_degraded_after_one_pu
         api: client.ApiClient, controller_api: client.ApiClient, namespace: str,
         recorder: RecordingServer) -> None:
     # GET /scale answers as a runner does; PUT /scale answers 307 elsewhere.
-    from neonvm.controller.reconciler import StaticAuthority
+    from neonvm.controller.authority import StaticAuthority
     from tests.test_scaling_controller import _running_on, set_use, status_of
 
     runner = HonestRunner(put_redirect=recorder.url)

@@ -33,7 +33,8 @@ from neonvm.api.types import (
 )
 from neonvm.controller import decide as d
 from neonvm.controller import reasons
-from neonvm.controller.reconciler import TerminatingNamespaces, namespace_terminating
+from neonvm.controller.create_policy import namespace_terminating
+from neonvm.controller.reconciler import TerminatingNamespaces
 from neonvm.dev.cluster import LocalCluster
 from neonvm.testing.harness import Replicas, converged, create_vm
 from tests.support import FAST, wait_for

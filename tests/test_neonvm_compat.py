@@ -23,10 +23,11 @@ from neonvm import kube
 from neonvm.api import compat, types
 from neonvm.api.millicpu import MilliCPU
 from neonvm.controller import decide as d
+from neonvm.controller.authority import StaticAuthority
 from neonvm.controller.compat_events import warn_unimplemented
 from neonvm.controller.events import EventRecorder
 from neonvm.controller.mutations import status_mutation
-from neonvm.controller.reconciler import Reconciler, ReconcileResult, StaticAuthority
+from neonvm.controller.reconciler import Reconciler, ReconcileResult
 from neonvm.testing.harness import get_vm, is_gated, runner_pods, vm_manifest
 from tests.support import wait_for
 

@@ -19,8 +19,9 @@ from kubernetes import client
 from neonvm.api import types
 from neonvm.api.schema import decode, encode
 from neonvm.api.types import PendingPod, VirtualMachine, VirtualMachineSpec, VirtualMachineStatus
+from neonvm.controller.authority import StaticAuthority
 from neonvm.controller.podspec import PodSpecError, runner_pod
-from neonvm.controller.reconciler import Reconciler, ReconcilerConfig, StaticAuthority
+from neonvm.controller.reconciler import Reconciler, ReconcilerConfig
 from neonvm.runner.spec import load_spec
 from neonvm.testing.harness import create_vm, get_vm, runner_pods
 

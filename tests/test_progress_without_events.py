@@ -22,11 +22,12 @@ from kubernetes import client
 
 from neonvm.api import types
 from neonvm.controller import decide as d
+from neonvm.controller.authority import StaticAuthority
 from neonvm.controller.fault_wiring import VersionedStore
 from neonvm.controller.informer import project_pod
 from neonvm.controller.midplan import MidPlanSet
 from neonvm.controller.observe import CacheReader, pod_index
-from neonvm.controller.reconciler import Reconciler, ReconcilerConfig, StaticAuthority
+from neonvm.controller.reconciler import Reconciler, ReconcilerConfig
 from neonvm.controller.scan import looks_mid_plan
 from neonvm.controller.update import RetryPolicy
 from tests.fake_cluster import FakeCluster

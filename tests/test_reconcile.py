@@ -20,6 +20,7 @@ from kubernetes import client
 from neonvm import kube
 from neonvm.api import types
 from neonvm.controller import decide as d
+from neonvm.controller.authority import StaticAuthority, WrongVM
 from neonvm.controller.events import EventRecorder
 from neonvm.controller.fault_wiring import FaultWiring, VersionedStore
 from neonvm.controller.faults import FaultConfig, Faults
@@ -32,13 +33,7 @@ from neonvm.controller.observe import (
     make_snapshot,
     pod_index,
 )
-from neonvm.controller.reconciler import (
-    Reconciler,
-    ReconcilerConfig,
-    ReconcileResult,
-    StaticAuthority,
-    WrongVM,
-)
+from neonvm.controller.reconciler import Reconciler, ReconcilerConfig, ReconcileResult
 from neonvm.dev.cluster import LocalCluster
 from neonvm.invariant import InvariantChecker
 from neonvm.testing.harness import create_vm as harness_create_vm

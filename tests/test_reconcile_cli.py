@@ -16,7 +16,8 @@ from kubernetes import client
 
 from neonvm import kube
 from neonvm.cli import main
-from neonvm.controller.reconciler import Reconciler, StaticAuthority
+from neonvm.controller.authority import StaticAuthority
+from neonvm.controller.reconciler import Reconciler
 from neonvm.dev.cluster import LocalCluster
 from neonvm.testing.harness import create_vm
 

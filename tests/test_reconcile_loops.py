@@ -31,18 +31,13 @@ from kubernetes.client.exceptions import ApiException
 from neonvm import kube, manifests
 from neonvm.api import types
 from neonvm.controller import decide as d
+from neonvm.controller.authority import RetryableError, StaticAuthority
 from neonvm.controller.conditions import API_ERROR_LIMIT, ELLIPSIS, MESSAGE_LIMIT
+from neonvm.controller.create_policy import classify_create_error
 from neonvm.controller.events import EventRecorder
 from neonvm.controller.metrics import ControllerMetrics
 from neonvm.controller.podspec import PodDefaults
-from neonvm.controller.reconciler import (
-    Reconciler,
-    ReconcilerConfig,
-    ReconcileResult,
-    RetryableError,
-    StaticAuthority,
-    classify_create_error,
-)
+from neonvm.controller.reconciler import Reconciler, ReconcilerConfig, ReconcileResult
 from neonvm.dev.cluster import LocalCluster
 from neonvm.invariant import InvariantChecker
 from neonvm.kube import api_error_message

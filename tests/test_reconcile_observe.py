@@ -17,8 +17,9 @@ from kubernetes import client
 
 from neonvm.api import types
 from neonvm.controller import decide as d
+from neonvm.controller.authority import StaticAuthority
 from neonvm.controller.observe import DirectReader, Snapshot, VMRecord
-from neonvm.controller.reconciler import Reconciler, StaticAuthority
+from neonvm.controller.reconciler import Reconciler
 from neonvm.invariant import InvariantChecker
 from neonvm.testing.harness import get_vm, is_gated, runner_pods
 from tests.support import CountingAuthority, wait_for

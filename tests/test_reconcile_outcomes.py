@@ -38,14 +38,10 @@ from loguru import logger
 
 from neonvm.api import types
 from neonvm.controller import decide as d
+from neonvm.controller.authority import StaticAuthority
 from neonvm.controller.handler import Handler, Outcome
 from neonvm.controller.metrics import ControllerMetrics
-from neonvm.controller.reconciler import (
-    ACTIONS,
-    Reconciler,
-    ReconcilerConfig,
-    StaticAuthority,
-)
+from neonvm.controller.reconciler import ACTIONS, Reconciler, ReconcilerConfig
 from neonvm.controller.timers import VMTimers
 from neonvm.controller.update import RetryPolicy
 from neonvm.controller.workqueue import WorkQueue

@@ -46,13 +46,14 @@ from neonvm.api.types import (
 from neonvm.controller import decide as d
 from neonvm.controller import informer as informer_module
 from neonvm.controller import podspec
+from neonvm.controller.authority import StaticAuthority
 from neonvm.controller.events import EventRecorder
 from neonvm.controller.fault_wiring import FaultWiring
 from neonvm.controller.faults import FaultConfig, Faults
 from neonvm.controller.manager import ControllerConfig, LeaderTerm
 from neonvm.controller.metrics import ControllerMetrics
 from neonvm.controller.observe import DirectReader
-from neonvm.controller.reconciler import Reconciler, ReconcilerConfig, StaticAuthority
+from neonvm.controller.reconciler import Reconciler, ReconcilerConfig
 from neonvm.controller.workqueue import WorkQueue
 from neonvm.leader.election import Leadership
 

@@ -30,8 +30,9 @@ from neonvm.api import times, types
 from neonvm.api.scale_protocol import pod_token
 from neonvm.controller import decide as d
 from neonvm.controller import looks, reasons
+from neonvm.controller.authority import StaticAuthority
 from neonvm.controller.podspec import ANNOTATION_SPEC
-from neonvm.controller.reconciler import Reconciler, ReconcileResult, StaticAuthority
+from neonvm.controller.reconciler import Reconciler, ReconcileResult
 from neonvm.controller.scaling import USAGE_ANNOTATION
 from neonvm.testing.harness import create_vm, get_vm, runner_pods
 from tests.support import wait_for

@@ -26,8 +26,9 @@ from kubernetes import client
 
 from neonvm.api import types
 from neonvm.controller import decide as d
+from neonvm.controller.authority import AuthorityLost, StaticAuthority
 from neonvm.controller.observe import Snapshot
-from neonvm.controller.reconciler import AuthorityLost, Reconciler, StaticAuthority
+from neonvm.controller.reconciler import Reconciler
 from neonvm.controller.scaling import RunnerScaling
 from tests.hostile_runners import HonestRunner
 from tests.support import wait_for

@@ -25,9 +25,10 @@ from neonvm.api.types import (
     VirtualMachineStatus,
 )
 from neonvm.controller import decide as d
+from neonvm.controller.authority import StaticAuthority
 from neonvm.controller.mutations import token_secret_mutation
 from neonvm.controller.observe import VMRecord, make_snapshot
-from neonvm.controller.reconciler import Reconciler, StaticAuthority
+from neonvm.controller.reconciler import Reconciler
 from neonvm.controller.scaling import RunnerScaling
 
 pytestmark = pytest.mark.unit

@@ -69,19 +69,13 @@ from kubernetes.client.exceptions import ApiException
 from urllib3.exceptions import HTTPError
 
 from neonvm import logs
+from neonvm.controller.authority import Authority, AuthorityLost, RetryableError, WrongVM
 from neonvm.controller.decide import Done
 from neonvm.controller.informer import object_uid
 from neonvm.controller.metrics import ControllerMetrics
 from neonvm.controller.mutations import FencedOut
 from neonvm.controller.observe import split_key
-from neonvm.controller.reconciler import (
-    Authority,
-    AuthorityLost,
-    ReconcileResult,
-    RetryableError,
-    Seen,
-    WrongVM,
-)
+from neonvm.controller.reconciler import ReconcileResult, Seen
 from neonvm.controller.timers import VMTimers
 from neonvm.controller.update import ConflictRetriesExhausted
 from neonvm.controller.workqueue import WorkQueue

@@ -65,6 +65,7 @@ from loguru import logger
 from neonvm import kube
 from neonvm.api import types
 from neonvm.controller import decide as d
+from neonvm.controller.authority import AuthorityLost
 from neonvm.controller.cluster import KubeCluster
 from neonvm.controller.events import EventRecorder
 from neonvm.controller.handler import Handler, Outcome
@@ -73,7 +74,7 @@ from neonvm.controller.informer import Informer, Lister, Obj, Undecodable, proje
 from neonvm.controller.metrics import ControllerMetrics
 from neonvm.controller.midplan import MidPlanSet
 from neonvm.controller.observe import pod_index, split_key
-from neonvm.controller.reconciler import AuthorityLost, Reconciler, ReconcilerConfig
+from neonvm.controller.reconciler import Reconciler, ReconcilerConfig
 from neonvm.controller.sweeps import Sweeps, iter_items
 from neonvm.controller.timers import Jitter, VMTimers
 from neonvm.controller.wiring import Wiring
