@@ -28,7 +28,7 @@ from neonvm.controller.mutations import FencedOut, finalizers_mutation, status_m
 from neonvm.controller.observe import Snapshot, pod_index, pod_view
 from neonvm.controller.podspec import PodDefaults, PodSpecError, has_our_gate, runner_pod
 from neonvm.controller.reasons import DEGRADED, READY, WAITING_FOR_OLD_POD
-from neonvm.controller.reconciler import ACTIONS
+from neonvm.controller.reconciler import ACTIONS, SEEN_BY_WRITE, ActionRow, Reconciler
 from neonvm.controller.workqueue import Backoff, WorkQueue
 from neonvm.drills.schedule import CRASH_STEPS
 from neonvm.verify.actors import FINALIZER_WRITES, POD_ACTIONS, RUNNER_ACTIONS, STATUS_WRITES
@@ -378,6 +378,38 @@ def test_every_performed_action_has_one_row_and_its_own_step() -> None:
     assert len(set(steps)) == len(steps), f"two actions share a step: {steps}"
     assert set(STEPS) == set(steps) and set(CRASH_STEPS) == set(steps)
     assert not any(kind.step for kind in (d.Done, d.Wait, d.ObserveDirect, d.Fenced))
+
+
+@pytest.mark.parametrize("left_out", ["perform", "writes", "mutation", "event",
+                                      "seen_by_write"])
+def test_a_row_that_leaves_out_its_performer_mutation_event_or_seen_flag_does_not_load(
+        left_out: str) -> None:
+    """To add an action: its class, its row, its performer. A row must say each of these;
+    one that leaves any out fails when the table is built."""
+    fields = {"perform": Reconciler._status_write, "writes": "status",
+              "mutation": status_mutation, "event": None, "seen_by_write": False}
+    ActionRow(**fields)  # type: ignore[arg-type]
+    del fields[left_out]
+    with pytest.raises(TypeError, match=left_out):
+        ActionRow(**fields)  # type: ignore[arg-type]
+
+
+def test_a_row_has_a_mutation_exactly_when_it_writes_the_vm() -> None:
+    with pytest.raises(ValueError):
+        ActionRow(Reconciler._status_write, "status", None, event=None, seen_by_write=False)
+    with pytest.raises(ValueError):
+        ActionRow(Reconciler._ungate, "pod", status_mutation, event=None, seen_by_write=True)
+    for kind, row in ACTIONS.items():
+        assert row.mutation is {"status": status_mutation, "main": finalizers_mutation}.get(
+            row.writes), kind
+
+
+def test_the_decisions_taken_from_a_write_answer_are_the_rows_marked_so() -> None:
+    """docs/protocol.md, "Observing from write responses": the dangerous steps (Restart,
+    DeletePod, RemoveFinalizer) and live scaling's are decided from a direct read only."""
+    assert set(SEEN_BY_WRITE) == {
+        d.Done, d.Wait, d.ObserveDirect, d.Fenced, d.AddFinalizer, d.RecordPlan,
+        d.CreatePod, d.Commit, d.DropPlan, d.SyncStatus, d.Ungate}
 
 
 def test_every_write_row_has_its_shipped_mutation_and_the_explorer_models_every_row() -> None:

@@ -190,16 +190,6 @@ class Outcome(str):
         return obj
 
 
-SEEN_BY_WRITE: tuple[type[d.Action], ...] = (
-    d.Done, d.Wait, d.ObserveDirect, d.Fenced,
-    d.AddFinalizer, d.RecordPlan, d.CreatePod, d.Commit, d.DropPlan, d.SyncStatus,
-    d.Ungate,
-)
-"""The decisions the loop acts on when they come from an observation built from a write
-response (docs/protocol.md, "Observing from write responses"). Every other one (Restart,
-DeletePod, RemoveFinalizer, and any action added later) is taken only from a fresh
-direct read: the loop reads again and decides again. Ungate is here because its
-performer takes its own direct pod list, after the commit was seen, before the patch."""
 REFUSED_SCALING = {"runner_400": reasons.SCALING_NEEDS_RESTART,
                    "runner_401": reasons.SCALING_NEEDS_RESTART,
                    POD_WITHOUT_TOKEN: reasons.SCALING_NEEDS_RESTART,
@@ -296,6 +286,13 @@ def _forbidden_reason(kind: type[d.Action]) -> str:
     """The Degraded reason of an action refused for good (its row's, else generic)."""
     row = ACTIONS.get(kind)
     return (row.forbidden if row is not None else None) or f"{kind.__name__}{NOT_TAKING_EFFECT}"
+
+
+def _mutation(action: d.Action) -> Callable[..., Any]:
+    """The mutation of a VM-writing action's row."""
+    mutation = ACTIONS[type(action)].mutation
+    assert mutation is not None, f"{type(action).__name__} writes no VM"
+    return mutation
 
 
 def _target(action: d.Action) -> str:
@@ -784,7 +781,7 @@ class Reconciler:
                       authority: Authority, log: Any) -> str:
         """The performer of a status write: its mutation
         (:func:`~neonvm.controller.mutations.status_mutation`), PUT conditionally."""
-        mutation = with_ready(status_mutation(action, authority.lease), snap)
+        mutation = with_ready(_mutation(action)(action, authority.lease), snap)
         written = self._write_status(key, snap, mutation, authority, log)
         if written is not None:
             self._event_for(action, written.vm)
@@ -855,7 +852,7 @@ class Reconciler:
 
     def _finalizer_write(self, key: str, action: d.Action, snap: Snapshot,
                          authority: Authority, log: Any) -> str:
-        mutation = finalizers_mutation(action)
+        mutation = _mutation(action)(action)
         outcome = self._update_vm(key, snap, lambda rec: mutation(rec.vm), self.writer.put_main,
                                   authority)
         if not outcome.written:
@@ -1236,55 +1233,90 @@ def _look_given_up(action: d.CommitScale, vm: types.VirtualMachine) -> Event | N
 
 @dataclass(frozen=True)
 class ActionRow:
-    """How the driver performs one action type, and what it says when it took effect."""
+    """How the driver performs one action type, and what it says when it took effect.
+
+    Every field but the last two is required: a row that leaves one out does not load."""
 
     perform: Callable[..., str]
     """A :class:`Reconciler` method ``(self, key, action, snap, authority, log)``: returns
     "done" when the action took effect, else why not (an :class:`Outcome`)."""
     writes: Literal["status", "main", "pod", "runner"]
-    """What it writes: the VM's ``/status`` (its mutation is in
-    :func:`~neonvm.controller.mutations.status_mutation`), the VM's main resource
-    (:func:`~neonvm.controller.mutations.finalizers_mutation`), a pod, or the committed
-    pod's runner (live scaling's ``PUT /scale``, then the pod's usage annotation and
-    in-place resize)."""
-    event: Callable[[Any, types.VirtualMachine], Event | None] | None = None
-    """The event recorded once a status write took effect, from the VM as written (pod
-    actions record theirs where they happen)."""
+    """What it writes: the VM's ``/status``, the VM's main resource, a pod, or the
+    committed pod's runner (live scaling's ``PUT /scale``, then the pod's usage
+    annotation and in-place resize)."""
+    mutation: Callable[..., Any] | None
+    """What a VM write changes, re-run on the fresh copy on every conflict:
+    :func:`~neonvm.controller.mutations.status_mutation` for a status write,
+    :func:`~neonvm.controller.mutations.finalizers_mutation` for the main resource;
+    None for a pod or a runner call."""
+    event: Callable[[Any, types.VirtualMachine], Event | None] | None
+    """The event recorded once a status write took effect, from the VM as written (None:
+    none, or a pod action that records its own where it happens)."""
+    seen_by_write: bool
+    """Whether the loop acts on this decision when it comes from an observation built
+    from a write response (docs/protocol.md, "Observing from write responses"); False:
+    only from a fresh direct read (the dangerous ones: Restart, DeletePod,
+    RemoveFinalizer)."""
     forbidden: str | None = None
     """The Degraded reason when the API server refuses the action for good (403)."""
     resumes_plan: bool = False
     """Performed first in a reconcile, it continues a plan recorded earlier (counted in
     ``neonvm_controller_plans_resumed_total``)."""
 
+    def __post_init__(self) -> None:
+        if (self.mutation is None) != (self.writes in ("pod", "runner")):
+            raise ValueError(f"a {self.writes} row takes a mutation exactly when it "
+                             f"writes the VM")
+
 
 ACTIONS: dict[type[d.Action], ActionRow] = {
-    d.RecordPlan: ActionRow(Reconciler._status_write, "status", event=_planned),
-    d.CreatePod: ActionRow(Reconciler._create_pod, "pod", forbidden=CREATE_FORBIDDEN,
+    d.RecordPlan: ActionRow(Reconciler._status_write, "status", status_mutation,
+                            event=_planned, seen_by_write=True),
+    d.CreatePod: ActionRow(Reconciler._create_pod, "pod", None, event=None,
+                           seen_by_write=True, forbidden=CREATE_FORBIDDEN,
                            resumes_plan=True),
-    d.Commit: ActionRow(Reconciler._status_write, "status", event=_committed,
-                        resumes_plan=True),
-    d.Ungate: ActionRow(Reconciler._ungate, "pod", forbidden=UNGATE_FORBIDDEN),
-    d.DeletePod: ActionRow(Reconciler._delete_pod, "pod"),
-    d.Restart: ActionRow(Reconciler._status_write, "status", event=_restarted),
-    d.AddFinalizer: ActionRow(Reconciler._finalizer_write, "main"),
-    d.SyncStatus: ActionRow(Reconciler._status_write, "status"),
-    d.RemoveFinalizer: ActionRow(Reconciler._finalizer_write, "main"),
-    d.DropPlan: ActionRow(Reconciler._status_write, "status", event=_plan_dropped,
-                          resumes_plan=True),
-    d.PlanScale: ActionRow(Reconciler._status_write, "status"),
-    d.ApplyScale: ActionRow(Reconciler._apply_scale, "runner"),
-    d.CommitScale: ActionRow(Reconciler._status_write, "status", event=_look_given_up),
-    d.DropScale: ActionRow(Reconciler._status_write, "status"),
+    d.Commit: ActionRow(Reconciler._status_write, "status", status_mutation,
+                        event=_committed, seen_by_write=True, resumes_plan=True),
+    d.Ungate: ActionRow(Reconciler._ungate, "pod", None, event=None,
+                        # its performer takes its own direct pod list before the patch
+                        seen_by_write=True, forbidden=UNGATE_FORBIDDEN),
+    d.DeletePod: ActionRow(Reconciler._delete_pod, "pod", None, event=None,
+                           seen_by_write=False),
+    d.Restart: ActionRow(Reconciler._status_write, "status", status_mutation,
+                         event=_restarted, seen_by_write=False),
+    d.AddFinalizer: ActionRow(Reconciler._finalizer_write, "main", finalizers_mutation,
+                              event=None, seen_by_write=True),
+    d.SyncStatus: ActionRow(Reconciler._status_write, "status", status_mutation,
+                            event=None, seen_by_write=True),
+    d.RemoveFinalizer: ActionRow(Reconciler._finalizer_write, "main", finalizers_mutation,
+                                 event=None, seen_by_write=False),
+    d.DropPlan: ActionRow(Reconciler._status_write, "status", status_mutation,
+                          event=_plan_dropped, seen_by_write=True, resumes_plan=True),
+    d.PlanScale: ActionRow(Reconciler._status_write, "status", status_mutation,
+                           event=None, seen_by_write=False),
+    d.ApplyScale: ActionRow(Reconciler._apply_scale, "runner", None, event=None,
+                            seen_by_write=False),
+    d.CommitScale: ActionRow(Reconciler._status_write, "status", status_mutation,
+                             event=_look_given_up, seen_by_write=False),
+    d.DropScale: ActionRow(Reconciler._status_write, "status", status_mutation,
+                           event=None, seen_by_write=False),
 }
 """Every action the driver performs: the one table (its ``step`` is on the class).
 
 Adding an action: its class in :mod:`~neonvm.controller.decide` (with a ``step``), and its
-row here with its performer (for a status write, its mutation in
-:mod:`~neonvm.controller.mutations`). The ``crash_after`` fault steps, the crash
-campaign's steps and the explorer's write kinds derive from these two. The rows' order
-is the order in which the campaign's schedules cycle through the steps
-(:data:`neonvm.drills.schedule.CRASH_STEPS`): a new row goes last, so that the
-schedules of a seed stay what they were for the steps before it."""
+row here: performer, what it writes, mutation, event, whether a write's answer may
+decide it. The ``crash_after`` fault steps, the crash campaign's steps, the explorer's
+write kinds and :data:`SEEN_BY_WRITE` derive from these. A new row goes last: the rows'
+order is the order the campaign's schedules cycle through
+(:data:`neonvm.drills.schedule.CRASH_STEPS`)."""
+
+SEEN_BY_WRITE: tuple[type[d.Action], ...] = (
+    d.Done, d.Wait, d.ObserveDirect, d.Fenced,
+    *(kind for kind, row in ACTIONS.items() if row.seen_by_write),
+)
+"""The decisions the loop acts on when they come from an observation built from a write
+response: the ones that perform nothing, and the rows marked ``seen_by_write``. Every
+other one is taken only from a fresh direct read (docs/protocol.md)."""
 
 STEP_NAMES: dict[type[d.Action], str] = {kind: kind.step for kind in ACTIONS}
 """Step name per performed action type (derived: each class's ``step``)."""
