@@ -66,7 +66,6 @@ from neonvm import kube
 from neonvm.api import types
 from neonvm.controller import decide as d
 from neonvm.controller.authority import AuthorityLost
-from neonvm.controller.cluster import KubeCluster
 from neonvm.controller.events import EventRecorder
 from neonvm.controller.handler import Handler, Outcome
 from neonvm.controller.heap import HeapTrimmer
@@ -262,7 +261,7 @@ class LeaderTerm:
             end_term=self.leadership.lost.set, metrics=self.metrics, log=self.log,
             recheck=Jitter(self.config.recheck_seconds, self.config.recheck_spread),
             pods=self.pod_store)
-        pods = KubeCluster(api)  # the reconciler's own uid-guarded pod delete
+        pods = self.reconciler.cluster  # the reconciler's own uid-guarded pod delete
         self.sweeps = Sweeps(
             delete_pod=lambda namespace, name, uid: pods.delete_pod(namespace, name, uid=uid),
             list_vms=lambda **kw: self._list_vms(**kw),
