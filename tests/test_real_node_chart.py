@@ -282,7 +282,7 @@ def test_the_real_node_values_pass_the_charts_schema_and_place_the_pods(tmp_path
     assert container["imagePullPolicy"] == "Never"
     env_vars = {e["name"]: e.get("value") for e in container["env"]}
     assert env_vars["NEONVM_ETCD_ENDPOINTS"] == (
-        f"http://{node.node_ip}:{cluster.spec.ports['locks-etcd']}")
+        f"https://{node.node_ip}:{cluster.spec.ports['locks-etcd']}")
     assert container["livenessProbe"]["initialDelaySeconds"] == 180
 
 
