@@ -3,8 +3,9 @@ view, a VM whose cache shows that it needs work is found by the mid-plan scan.
 
 The case behind a flaky fault test (issue 29, item 0): a VM's runner pod is deleted, the
 DELETED event reaches the pod cache, and the turn it brings up reads the cache *older*
-than that event (the ``stale_reads`` fault serves a pod list the cache held before). The
-turn sees the pod still running and ends Done: the VM comes back only for its re-check,
+than that event (the ``stale_reads`` fault serves a pod list the cache held before, or
+the VM as it was before it existed). The turn sees the pod still running, or no VM, and
+ends Done: the VM comes back only for its re-check,
 300 s later. Nothing else brought it up: the resync's diff compares the caches with the
 server, and they agree (the pod is gone from both); the mid-plan scan did not count a
 committed pod missing from the cache as work. Pure logic, over
@@ -39,16 +40,25 @@ KEY = f"{NS}/{NAME}"
 AUTHORITY = StaticAuthority(epoch=1, token=5)
 
 
-class PodListFromBefore(CacheReader):
-    """A cache read as the ``stale_reads`` fault may answer it: the VM's pod list as the
-    cache held it before its last change (the VM itself as cached now)."""
+class StaleRead(CacheReader):
+    """Cache reads as the ``stale_reads`` fault may answer them, from the versions the
+    stores kept: ``pods``, the VM's pod list as the cache held it before its last change;
+    ``vm``, the VM as it was before the cache first held it (it did not exist)."""
 
-    def __init__(self, vms: VersionedStore, pods: VersionedStore) -> None:
+    def __init__(self, vms: VersionedStore, pods: VersionedStore, what: str) -> None:
         super().__init__(vms, pods)
-        self._versioned_pods = pods
+        self._versioned_vms, self._versioned_pods = vms, pods
+        self._what = what
+
+    def vm_raw(self, key: str) -> dict[str, Any] | None:
+        if self._what == "vm":
+            return self._versioned_vms.older(key)[0]
+        return super().vm_raw(key)
 
     def pods_raw(self, key: str) -> list[dict[str, Any]]:
-        return self._versioned_pods.older_index(key)[-1]
+        if self._what == "pods":
+            return self._versioned_pods.older_index(key)[-1]
+        return super().pods_raw(key)
 
 
 def reconciler(fake: FakeCluster, cache: CacheReader | None = None) -> Reconciler:
@@ -78,8 +88,9 @@ def converged(fake: FakeCluster) -> dict[str, Any]:
     return pod
 
 
+@pytest.mark.parametrize("stale", ["pods", "vm"])
 def test_a_vm_left_done_by_a_stale_turn_after_its_pod_was_deleted_is_found_by_the_scan(
-        ) -> None:
+        stale: str) -> None:
     fake = FakeCluster()
     pod = converged(fake)
     # The caches as the informers keep them (with the versions the fault serves from).
@@ -94,8 +105,9 @@ def test_a_vm_left_done_by_a_stale_turn_after_its_pod_was_deleted_is_found_by_th
     pods.apply("DELETED", project_pod(pod))
     scan.touch(KEY)
 
-    # The turn that event brings up reads the pod list from before it: Done.
-    result = reconciler(fake, PodListFromBefore(vms, pods)).reconcile(KEY, AUTHORITY)
+    # The turn that event brings up reads the pod list from before it (the pod still
+    # running), or the VM from before it existed: either way, Done.
+    result = reconciler(fake, StaleRead(vms, pods, stale)).reconcile(KEY, AUTHORITY)
     assert isinstance(result.action, d.Done) and result.stuck is None
     # The cache (VM and pods) now agrees with the server, so the resync's diff finds
     # nothing; the VM's cached status names a pod the cache does not hold.
