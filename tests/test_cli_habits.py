@@ -368,12 +368,14 @@ def test_newcomer_sequence_runs_a_vm_on_a_simulated_node_without_a_403(
     env.update(dev_env(cluster))  # eval "$(neonvm dev env)"
     # `neonvm controller run` with its defaults: no --kubeconfig, the default Lease
     # namespace. Only what keeps this test apart from others sharing the cluster differs:
-    # a free health port, its own Lease name and etcd prefix, one watched namespace.
+    # a free health port, its own Lease name and etcd prefix (under /neonvm/, the only
+    # prefix the dev env's etcd certificate may touch), one watched namespace.
     lease_name = f"newcomer-{uuid.uuid4().hex[:6]}"
     log_path = tmp_path / "replica.log"
     argv = [sys.executable, "-m", "neonvm", "controller", "run",
             "--health-port", "0", "--health-host", "127.0.0.1",
-            "--lease-name", lease_name, "--etcd-prefix", f"/t-{uuid.uuid4().hex[:8]}",
+            "--lease-name", lease_name, "--etcd-prefix",
+            f"/neonvm/t-{uuid.uuid4().hex[:8]}",
             "--watch-namespace", namespace]
     with log_path.open("wb") as log:
         replica = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
