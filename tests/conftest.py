@@ -6,6 +6,9 @@ loopback ports in a temporary state directory, so tests never touch a developer'
 ``neonvm dev up`` cluster. ``NEONVM_TEST_NODES=0`` runs tests without simulated nodes.
 
 Tests marked ``unit`` need no servers: ``pytest -m unit`` runs them alone, quickly.
+Tests marked ``long`` (infrastructure drills, minutes-long real-server runs whose figures
+live in docs/) are opt-in: ``NEONVM_TEST_LONG=1`` runs them, so the test command stays
+within its budget.
 """
 
 from __future__ import annotations
@@ -20,6 +23,15 @@ from kubernetes import client
 
 from neonvm import kube
 from neonvm.dev.cluster import ClusterSpec, LocalCluster
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if os.environ.get("NEONVM_TEST_LONG") == "1":
+        return
+    skip = pytest.mark.skip(reason="long run, opt-in (NEONVM_TEST_LONG=1; see docs/drills.md)")
+    for item in items:
+        if "long" in item.keywords:
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

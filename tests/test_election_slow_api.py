@@ -37,6 +37,7 @@ WARM_UP = 15.0  # seconds after the first term started
 
 @pytest.mark.cluster
 @pytest.mark.slow
+@pytest.mark.long
 def test_three_replicas_behind_a_slow_api_server_elect_one_leader_that_keeps_leading(
         controller_api: client.ApiClient, namespace: str) -> None:
     upstream = urlparse(controller_api.configuration.host)

@@ -220,6 +220,7 @@ def run_drill_cli(cluster: LocalCluster, tmp_path: Path, *args: str, churned: bo
 
 @pytest.mark.cluster
 @pytest.mark.slow
+@pytest.mark.long
 def test_the_locks_etcd_stopped_for_a_while_under_churn_then_every_vm_converges(
         drill_replicas: LocalCluster, tmp_path: Path) -> None:
     out = run_drill_cli(drill_replicas, tmp_path, "etcd-outage", "--outage-seconds", "10")
@@ -228,6 +229,7 @@ def test_the_locks_etcd_stopped_for_a_while_under_churn_then_every_vm_converges(
 
 @pytest.mark.cluster
 @pytest.mark.slow
+@pytest.mark.long
 def test_a_slow_api_server_changes_no_leader_and_every_vm_converges(
         drill_replicas: LocalCluster, tmp_path: Path) -> None:
     out = run_drill_cli(drill_replicas, tmp_path, "slow-api", "--slow-seconds", "30")
@@ -237,6 +239,7 @@ def test_a_slow_api_server_changes_no_leader_and_every_vm_converges(
 
 @pytest.mark.cluster
 @pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.parametrize("drill", ["partition-etcd", "partition-api"])
 def test_the_leader_cut_off_one_server_but_not_the_other_does_no_harm_and_all_converge(
         drill_replicas: LocalCluster, tmp_path: Path, drill: str) -> None:
@@ -247,6 +250,7 @@ def test_the_leader_cut_off_one_server_but_not_the_other_does_no_harm_and_all_co
 
 @pytest.mark.cluster
 @pytest.mark.slow
+@pytest.mark.long
 def test_the_api_server_restarted_under_churn_then_every_vm_converges(
         drill_replicas: LocalCluster, tmp_path: Path) -> None:
     out = run_drill_cli(drill_replicas, tmp_path, "apiserver-restart", churned=False)
