@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -297,11 +298,16 @@ def _watch(api: client.ApiClient, namespace: str | None, selector: str | None,
 
 def _until_interrupted(run: Any) -> None:
     """Run a watch; Ctrl-C ends it quietly with exit 0 (the stream is closed by the
-    watch's own cleanup)."""
+    watch's own cleanup). SIGINT is taken explicitly, as kubectl does: a process started
+    in the background by a non-interactive shell inherits it ignored, and Python then
+    never raises KeyboardInterrupt, so ``kill -INT`` from a script would not end it."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         run()
     except KeyboardInterrupt:
         return
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 @vm.command("list")
