@@ -315,15 +315,6 @@ def prefix_end(prefix: str) -> bytes:
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE}
 _NO_ANSWER = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
               grpc.StatusCode.CANCELLED}
-def _stream_reset(code: grpc.StatusCode, exc: grpc.RpcError) -> bool:
-    """A stream the server reset as it shut down (over TLS etcd's stop resets open
-    streams: INTERNAL "Stream removed ... RST_STREAM"): the server went away, it did not
-    refuse the request."""
-    details = str(getattr(exc, "details", lambda: "")() or "")
-    return code == grpc.StatusCode.INTERNAL and (
-        "RST_STREAM" in details or "Stream removed" in details)
-
-
 _CHANNEL_OPTIONS = [
     # After etcd restarts, reconnect within a second rather than grpc's 120 s backoff cap.
     ("grpc.initial_reconnect_backoff_ms", 100),
@@ -734,7 +725,7 @@ class WatchStream:
             if self._stop.is_set() or code in (grpc.StatusCode.CANCELLED,
                                                grpc.StatusCode.DEADLINE_EXCEEDED):
                 return
-            if code in _NO_ANSWER or _stream_reset(code, exc):
+            if code in _NO_ANSWER:
                 self._on_unavailable()
                 raise EtcdUnavailable(
                     f"etcd at {self._endpoint.url} went away during a watch: {_detail(exc)}"
