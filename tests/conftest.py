@@ -14,6 +14,7 @@ within its budget.
 from __future__ import annotations
 
 import os
+import socket
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -87,3 +88,11 @@ def namespace(api: client.ApiClient) -> Iterator[str]:
         core.delete_namespace(name)
     except client.ApiException:
         pass
+
+
+@pytest.fixture
+def held() -> Iterator[list[socket.socket]]:
+    sockets: list[socket.socket] = []
+    yield sockets
+    for sock in sockets:
+        sock.close()

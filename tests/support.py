@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import time
 import urllib.request
 import uuid
@@ -119,3 +120,14 @@ class CountingAuthority:
         self.checks += 1
         if self.lose_at is not None and self.checks >= self.lose_at:
             raise AuthorityLost("the lock is gone (test)")
+
+
+def closed_by_server(sock: socket.socket) -> bool:
+    """True once the server has closed ``sock`` (EOF or reset); False while it is open."""
+    sock.setblocking(False)
+    try:
+        return sock.recv(1) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True

@@ -14,7 +14,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from neonvm.leader.health import MAX_HEAD, HealthServer
-from tests.support import wait_for
+from tests.support import closed_by_server, wait_for
 
 pytestmark = pytest.mark.unit
 
@@ -34,16 +34,6 @@ def connect(port: int, send: bytes = b"") -> socket.socket:
     return sock
 
 
-def closed_by_server(sock: socket.socket) -> bool:
-    """True once the server has closed ``sock`` (EOF or reset); waits up to 0.1 s."""
-    sock.settimeout(0.1)
-    try:
-        return sock.recv(1024) == b""
-    except TimeoutError:
-        return False
-    except ConnectionResetError:
-        return True
-
 
 @pytest.fixture
 def server() -> Iterator[HealthServer]:
@@ -52,14 +42,6 @@ def server() -> Iterator[HealthServer]:
     health.add_check("always", lambda: None)
     with health:
         yield health
-
-
-@pytest.fixture
-def held() -> Iterator[list[socket.socket]]:
-    sockets: list[socket.socket] = []
-    yield sockets
-    for sock in sockets:
-        sock.close()
 
 
 def test_many_idle_connections_take_no_threads_and_the_probe_is_still_answered(

@@ -14,15 +14,12 @@ import http.client
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
-
-import pytest
 
 from neonvm.runner.metrics import runner_registry
 from neonvm.runner.server import MAX_CONNECTIONS, RunnerHTTPServer
 from neonvm.runner.state import RunnerState, Sizing
-from tests.support import wait_for
+from tests.support import closed_by_server, wait_for
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -42,24 +39,6 @@ def probe(port: int, path: str = "/healthz") -> int:
     finally:
         conn.close()
 
-
-def closed_by_server(sock: socket.socket) -> bool:
-    """True once the server has closed ``sock`` (EOF or reset); False while it is open."""
-    sock.setblocking(False)
-    try:
-        return sock.recv(1) == b""
-    except BlockingIOError:
-        return False
-    except OSError:
-        return True
-
-
-@pytest.fixture
-def held() -> Iterator[list[socket.socket]]:
-    sockets: list[socket.socket] = []
-    yield sockets
-    for sock in sockets:
-        sock.close()
 
 
 def test_a_runner_under_a_low_fd_limit_answers_its_probe_while_300_connections_are_held(
