@@ -5,11 +5,11 @@ reconcile step, stale reads, dropped watch events, injected conflicts, leader ki
 broken locks and etcd / API server crashes, on a few VMs, with real controller replicas
 on the session's control plane; an independent checker watches every pod revision.
 
-Sizing (the CI default fits about six minutes on two cores):
+Sizing (the CI default fits about four minutes on two cores):
 
 * ``NEONVM_CAMPAIGN_SCHEDULES`` schedules (default 100), ``NEONVM_CAMPAIGN_WORKERS`` at a
   time (default 3), no new schedule after ``NEONVM_CAMPAIGN_BUDGET`` seconds (default
-  300; 0: no limit). Long mode: ``NEONVM_CAMPAIGN_SCHEDULES=300 NEONVM_CAMPAIGN_BUDGET=0``.
+  180; 0: no limit). Long mode: ``NEONVM_CAMPAIGN_SCHEDULES=300 NEONVM_CAMPAIGN_BUDGET=0``.
 * ``NEONVM_CAMPAIGN_SEED``: the campaign seed (default: a fresh one, printed).
 * ``NEONVM_CAMPAIGN_ONLY=3,17``: only these schedule indexes (replaying a failure; the
   failure report prints this command, and ``neonvm drill campaign --seed S --schedule N``).
@@ -94,7 +94,7 @@ def test_a_failure_names_the_command_that_replays_it() -> None:
     assert "NEONVM_CAMPAIGN_ONLY=42" in s.replay_pytest()
 
 
-BUDGET = _int_env("NEONVM_CAMPAIGN_BUDGET", 300)
+BUDGET = _int_env("NEONVM_CAMPAIGN_BUDGET", 180)
 
 
 @pytest.mark.cluster

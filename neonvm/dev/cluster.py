@@ -50,12 +50,14 @@ from neonvm.dev.common import (
     free_port,
 )
 from neonvm.dev.pki import SERVICE_CLUSTER_IP_RANGE, CertPair, LocalPKI
-from neonvm.leader.etcd import DEFAULT_PREFIX, Etcd, EtcdConfig
+from neonvm.leader.etcd import DEFAULT_PREFIX, Etcd, EtcdConfig, EtcdUnavailable
 
 LOCKS_ETCD_ROOT = "root"
 """The etcd user (a client certificate's CN) that administers the locks' etcd."""
 LOCKS_ETCD_CONTROLLER = "neonvm-controller"
 """The etcd user of the controller's default prefix (``/neonvm``): read and write there only."""
+LOCKS_ETCD_PATIENCE = 30.0
+"""How long making a user waits for a locks' etcd that is restarting (seconds)."""
 REAL_NODE_IPS = tuple(f"10.251.{octet}.1" for octet in range(250))
 """Every address a real node's pods may reach the locks' etcd at (see
 ``neonvm.dev.realnode``: ``10.251.<0..249>.1``); its server certificate names them all."""
@@ -148,11 +150,26 @@ class LocalCluster:
         certificate of a user whose role reads and writes ``<prefix>/...`` only. The user
         is created in etcd (by root) if it is not there yet."""
         user, pair = self.locks_etcd_identity(prefix)
-        with Etcd(self._locks_etcd_root()) as root:
-            root.grant_prefix(user, secrets.token_urlsafe(24), prefix)
+        self._grant_prefix_waiting_for_etcd(user, prefix)
         config = EtcdConfig(endpoints=(self.locks_etcd_url,), prefix=prefix,
                             ca=self.locks_pki.ca.cert, cert=pair.cert, key=pair.key)
         return config if timeout is None else config.with_overrides(timeout=timeout)
+
+    def _grant_prefix_waiting_for_etcd(self, user: str, prefix: str,
+                                       patience: float = LOCKS_ETCD_PATIENCE) -> None:
+        """Create ``user`` with a role on ``prefix``. The locks' etcd may be restarting
+        (a drill running beside this one restarts it), so an unreachable etcd is tried
+        again for up to ``patience`` seconds; any other refusal is raised at once."""
+        deadline = time.monotonic() + patience
+        while True:
+            try:
+                with Etcd(self._locks_etcd_root()) as root:
+                    root.grant_prefix(user, secrets.token_urlsafe(24), prefix)
+                return
+            except EtcdUnavailable:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.5)
 
     def locks_etcd_env(self, prefix: str = DEFAULT_PREFIX) -> dict[str, str]:
         """``NEONVM_ETCD_*`` for :meth:`locks_etcd_config` (for a child process)."""
