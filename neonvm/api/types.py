@@ -262,6 +262,10 @@ class Guest:
                                        default_factory=IntRange)
     memory_slot_size: str = api_field("Size of one memory slot.", quantity=True, default="1Gi",
                                       schema_default="1Gi")
+    memory_provider: Literal["VirtioMem", "DIMMSlots"] | None = api_field(
+        "How memory above min is plugged live: VirtioMem (unset; NeonVM's only mechanism) or "
+        "DIMMSlots (ACPI DIMMs, for a guest kernel without virtio_mem; NeonVM's removed "
+        "field).")
     root_disk: RootDisk = api_field("Root disk.", default_factory=RootDisk, required=True)
     kernel_image: str | None = api_field(
         "Kernel to boot directly: an absolute file path in the runner's image (NeonVM: a "
