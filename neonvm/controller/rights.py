@@ -1,0 +1,456 @@
+"""The leader's side of self-fencing: the rights ledger and the ``POST /v1/rights`` server.
+
+A self-fencing runner keeps its guest only while it holds a right to run, granted by the
+leader (the wire contract: :mod:`neonvm.api.rights`; the argument: docs/protocol.md,
+"Self-fencing"). This module keeps, on the controller's monotonic clock:
+
+* ``issued[pod uid]``: when this process last granted the pod a right (and for how many
+  seconds), recorded *before* the answer is sent;
+* ``term_start``: when the current term began; every grant by an earlier leader (or an
+  earlier term of this process) was issued before it, because a term stops all work,
+  grants included, before it can end, and it ends before the next begins;
+* ``condemned``: pods whose right is surely over; never granted again.
+
+:meth:`RightsLedger.grant` and :meth:`RightsLedger.condemn` each run as one step under one
+lock: a grant cannot slip in between condemn's test and its mark. The test and the mark
+are made together (the mark only when the test passes), so a pod that still renews (a
+crashed kubelet, a runner that still reaches the leader) is never condemned.
+
+The server (:class:`RightsServer`) is bounded like the health server (one selector
+thread reads requests within ``read_timeout``, heads up to 8 KiB and bodies up to
+:data:`MAX_BODY`, a fixed pool of workers answers). It answers 503 ``NotLeader`` unless
+this replica's term is active, 401 unless the bearer is the HMAC of the VM's scaling
+token (read as live scaling reads it: the Secret recorded in status, only with the
+recorded uid), and 403 unless the cache shows the pod as the VM's current pod and not
+condemned.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+from loguru import logger
+
+from neonvm import kube
+from neonvm.api.rights import (
+    BAD_REQUEST,
+    CONDEMNED,
+    DEFAULT_EPSILON,
+    DEFAULT_RHO,
+    NOT_CURRENT_POD,
+    NOT_LEADER,
+    RIGHT_SECONDS_ANNOTATION,
+    RIGHTS_PATH,
+    UNAUTHORIZED,
+    RightGrant,
+    RightRefusal,
+    RightRequest,
+    RightsContractError,
+    bearer_matches,
+    dead_for_sure_after,
+    parse_annotation,
+)
+from neonvm.leader import health
+
+Clock = Callable[[], float]
+
+MAX_BODY = 4096
+"""The largest request body read; a larger one is refused (413)."""
+PRUNE_EVERY = 60.0
+"""Seconds between prunes of ``issued`` entries that can no longer matter."""
+
+
+class RightsLedger:
+    """issued / condemned / term_start, each change one step under one lock (module doc).
+
+    ``clock`` is the controller's monotonic clock (tests pass a fake). Thread-safe.
+    """
+
+    def __init__(self, clock: Clock = time.monotonic, *, rho: float = DEFAULT_RHO,
+                 epsilon: float = DEFAULT_EPSILON) -> None:
+        self._clock = clock
+        self.rho = rho
+        self.epsilon = epsilon
+        self._lock = threading.Lock()
+        self._issued: dict[str, tuple[float, float]] = {}
+        """pod uid -> (issue time, seconds granted then)."""
+        self._condemned: set[str] = set()
+        self._term_start: float | None = None
+        self._active: Callable[[], bool] | None = None
+        self._pruned = clock()
+
+    def begin_term(self, active: Callable[[], bool]) -> float:
+        """A term starts now (after its Lease was acquired); ``active()`` says whether it
+        still is (checked inside every grant). Returns ``term_start``."""
+        with self._lock:
+            self._term_start = self._clock()
+            self._active = active
+            return self._term_start
+
+    def end_term(self) -> None:
+        """No more grants until the next :meth:`begin_term`."""
+        with self._lock:
+            self._active = None
+
+    def active(self) -> bool:
+        """A term is running and says it is still active."""
+        with self._lock:
+            return self._is_active()
+
+    def _is_active(self) -> bool:
+        try:
+            return self._active is not None and bool(self._active())
+        except Exception:
+            return False
+
+    def grant(self, pod_uid: str, seconds: float) -> str | None:
+        """Record a grant of ``seconds`` to ``pod_uid`` now; None when granted, else the
+        refusal reason (:data:`NOT_LEADER`, :data:`CONDEMNED`). The caller answers only
+        after this returned, so the runner's send time precedes the recorded issue."""
+        with self._lock:
+            if not self._is_active():
+                return NOT_LEADER
+            if pod_uid in self._condemned:
+                return CONDEMNED
+            now = self._clock()
+            _, before = self._issued.get(pod_uid, (now, 0.0))
+            self._issued[pod_uid] = (now, max(seconds, before))
+            if now - self._pruned >= PRUNE_EVERY:
+                self._prune(now)
+            return None
+
+    def condemn(self, pod_uid: str, seconds: float) -> float:
+        """Condemn ``pod_uid`` if its right is surely over; 0.0 when it is (or already
+        was) condemned, else the seconds until it will be (``inf`` outside a term).
+
+        ``seconds`` is the pod's right (its annotation); a larger one granted by this
+        process counts instead. Surely over: now >= max(issued, term_start) + D(1+rho) +
+        epsilon (:func:`~neonvm.api.rights.dead_for_sure_after`)."""
+        with self._lock:
+            if pod_uid in self._condemned:
+                return 0.0
+            if self._term_start is None:
+                return math.inf
+            issued, granted = self._issued.get(pod_uid, (-math.inf, 0.0))
+            after = dead_for_sure_after(issued, self._term_start, max(seconds, granted),
+                                        self.rho, self.epsilon)
+            now = self._clock()
+            if now >= after:
+                self._condemned.add(pod_uid)
+                self._issued.pop(pod_uid, None)
+                return 0.0
+            return after - now
+
+    def is_condemned(self, pod_uid: str) -> bool:
+        with self._lock:
+            return pod_uid in self._condemned
+
+    def _prune(self, now: float) -> None:
+        """Drop grants that no longer move any deadline: once ``issued + D(1+rho) +
+        epsilon`` has passed, ``condemn`` answers the same with or without the entry
+        (``term_start`` alone is then at most as late)."""
+        self._pruned = now
+        for uid, (at, seconds) in list(self._issued.items()):
+            if now >= dead_for_sure_after(at, at, seconds, self.rho, self.epsilon):
+                del self._issued[uid]
+
+
+# ---- who may ask ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CurrentPod:
+    """The VM's current pod as the cache shows it, and what a grant needs of it."""
+
+    uid: str
+    seconds: float
+    """The pod's right (its :data:`RIGHT_SECONDS_ANNOTATION`)."""
+    secret_name: str
+    secret_uid: str
+
+
+class Caches(Protocol):
+    """The term's VM and pod caches (``namespace/name`` keys)."""
+
+    def get(self, key: str) -> dict[str, Any] | None: ...
+
+
+def current_pod(vms: Caches, pods: Caches, namespace: str, vm_name: str,
+                pod_uid: str) -> CurrentPod | str:
+    """``pod_uid`` if the cache shows it as the VM's current pod (committed, or the
+    pending plan's pod once created), self-fencing and owned by the VM; else why not."""
+    vm = vms.get(f"{namespace}/{vm_name}")
+    if vm is None:
+        return "no such VM in the leader's cache"
+    meta = vm.get("metadata") or {}
+    status = vm.get("status") or {}
+    names = [status.get("podName")]
+    if status.get("podUID") and status.get("podUID") != pod_uid:
+        names = []
+    names.append((status.get("pendingPod") or {}).get("name"))
+    for name in [n for n in names if n]:
+        pod = pods.get(f"{namespace}/{name}")
+        pod_meta = (pod or {}).get("metadata") or {}
+        if pod is None or pod_meta.get("uid") != pod_uid:
+            continue
+        owner = next((r.get("uid") for r in pod_meta.get("ownerReferences") or []
+                      if r.get("controller")), None)
+        if owner != meta.get("uid"):
+            continue
+        seconds = parse_annotation((pod_meta.get("annotations") or {}).get(
+            RIGHT_SECONDS_ANNOTATION))
+        if seconds is None:
+            return f"pod {name} does not self-fence"
+        return CurrentPod(uid=pod_uid, seconds=seconds,
+                          secret_name=str(status.get("scalingTokenSecret") or ""),
+                          secret_uid=str(status.get("scalingTokenSecretUID") or ""))
+    return "not the VM's current pod"
+
+
+class TokenCache:
+    """The VMs' scaling tokens, read from the Secret recorded in status and used only if
+    its uid is the recorded one (as live scaling reads them). Kept ``ttl`` seconds; a
+    bearer that does not match re-reads a token older than ``refresh_after``."""
+
+    def __init__(self, api: client.ApiClient | None, *, ttl: float = 600.0,
+                 refresh_after: float = 10.0, clock: Clock = time.monotonic,
+                 read: Callable[[str, str], dict[str, Any] | None] | None = None) -> None:
+        self._api = api
+        self._ttl = ttl
+        self._refresh_after = refresh_after
+        self._clock = clock
+        self._read = read or self._get_secret
+        self._lock = threading.Lock()
+        self._tokens: dict[tuple[str, str, str], tuple[bytes, float]] = {}
+
+    def _get_secret(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return kube.get_or_none(self._api, f"/api/v1/namespaces/{namespace}/secrets/"
+                                f"{kube.path_segment(name)}", timeout=5)
+
+    def token(self, namespace: str, name: str, uid: str, *, fresh: bool = False) -> bytes | None:
+        """The token, or None (no Secret recorded, gone, not the recorded one)."""
+        if not name or not uid:
+            return None
+        key = (namespace, name, uid)
+        now = self._clock()
+        with self._lock:
+            cached = self._tokens.get(key)
+        if cached is not None:
+            age = now - cached[1]
+            if age < self._ttl and not (fresh and age >= self._refresh_after):
+                return cached[0]
+        secret = self._read(namespace, name)
+        value: bytes | None = None
+        if secret is not None and (secret.get("metadata") or {}).get("uid") == uid:
+            raw = (secret.get("data") or {}).get("token")
+            if raw:
+                value = base64.b64decode(raw).strip()
+        with self._lock:
+            if value is None:
+                self._tokens.pop(key, None)
+            else:
+                self._tokens[key] = (value, now)
+                if len(self._tokens) > 100_000:
+                    self._tokens.clear()
+        return value
+
+
+# ---- the endpoint -----------------------------------------------------------------------
+
+
+Answer = tuple[int, dict[str, Any]]
+
+
+class RightsService:
+    """Answers one ``POST /v1/rights`` (transport-free; :class:`RightsServer` serves it).
+
+    ``caches()`` returns the term's (VM, pod) caches, or None while no term is active or
+    its caches have not synced."""
+
+    def __init__(self, ledger: RightsLedger, caches: Callable[[], tuple[Caches, Caches] | None],
+                 tokens: TokenCache) -> None:
+        self.ledger = ledger
+        self._caches = caches
+        self._tokens = tokens
+
+    def answer(self, method: str, path: str, authorization: str | None,
+               body: bytes) -> Answer:
+        if path.split("?", 1)[0] != RIGHTS_PATH:
+            return _refuse(404, BAD_REQUEST, f"only {RIGHTS_PATH}")
+        if method != "POST":
+            return _refuse(405, BAD_REQUEST, "only POST")
+        try:
+            request = RightRequest.from_dict(json.loads(body or b"null"))
+        except (ValueError, RightsContractError) as exc:
+            return _refuse(400, BAD_REQUEST, str(exc)[:200])
+        caches = self._caches() if self.ledger.active() else None
+        if caches is None:
+            return _refuse(503, NOT_LEADER, "this replica holds no active term")
+        found = current_pod(*caches, request.namespace, request.vm, request.pod_uid)
+        if isinstance(found, str):
+            return _refuse(403, NOT_CURRENT_POD, found)
+        try:
+            token = self._tokens.token(request.namespace, found.secret_name, found.secret_uid)
+            if token is not None and not bearer_matches(authorization, token, request.pod_uid):
+                token = self._tokens.token(request.namespace, found.secret_name,
+                                           found.secret_uid, fresh=True)
+        except (ApiException, OSError) as exc:
+            return _refuse(503, NOT_LEADER, f"cannot read the VM's token now: {exc}"[:200])
+        if token is None or not bearer_matches(authorization, token, request.pod_uid):
+            return _refuse(401, UNAUTHORIZED, "the bearer does not match the VM's token")
+        refused = self.ledger.grant(request.pod_uid, found.seconds)
+        if refused == CONDEMNED:
+            return _refuse(403, CONDEMNED, "this pod was condemned; it is never granted again")
+        if refused is not None:
+            return _refuse(503, refused, "this replica holds no active term")
+        return 200, RightGrant(seconds=found.seconds).to_dict()
+
+
+def _refuse(status: int, reason: str, message: str) -> Answer:
+    return status, RightRefusal(reason=reason, message=message).to_dict()
+
+
+_REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 403: "Forbidden",
+            404: "Not Found", 405: "Method Not Allowed", 413: "Content Too Large",
+            431: "Request Header Fields Too Large", 503: "Service Unavailable"}
+
+
+def _headers(head: bytes) -> tuple[list[str], dict[str, str]]:
+    lines = head.decode("latin-1").split("\r\n")
+    headers: dict[str, str] = {}
+    for line in lines[1:]:
+        name, sep, value = line.partition(":")
+        if sep:
+            headers[name.strip().lower()] = value.strip()
+    return lines[0].split(), headers
+
+
+def _content_length(headers: dict[str, str]) -> int | None:
+    raw = headers.get("content-length", "0")
+    return int(raw) if raw.isdigit() else None
+
+
+class _Listener(health._Listener):
+    """The health server's listener, reading a body (up to :data:`MAX_BODY`) after the
+    head, within the same ``read_timeout``."""
+
+    def __init__(self, address: tuple[str, int], service: RightsService, read_timeout: float,
+                 workers: int, max_connections: int) -> None:
+        super().__init__(address, lambda _m, _t: (500, b"", "text/plain"), read_timeout,
+                         workers, max_connections)
+        self._service = service
+
+    def _read(self, sock: Any) -> None:
+        reading = self._reading.get(sock)
+        if reading is None:
+            return
+        try:
+            data = sock.recv(4096)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._drop(sock)
+            return
+        reading.head += data
+        end = reading.head.find(b"\r\n\r\n")
+        if end < 0:
+            if len(reading.head) <= health.MAX_HEAD:
+                return
+            request = b""
+        else:
+            _, headers = _headers(bytes(reading.head[:end]))
+            length = _content_length(headers)
+            if length is not None and length <= MAX_BODY and len(reading.head) < end + 4 + length:
+                return  # the body is still arriving
+            request = bytes(reading.head[:end + 4 + (length or 0)])
+        self._selector.unregister(sock)
+        del self._reading[sock]
+        with self._count_lock:
+            self._answering += 1
+        self._requests.put((sock, request))
+
+    def _answer(self, sock: Any, request: bytes) -> None:
+        end = request.find(b"\r\n\r\n")
+        if not request or end < 0:
+            status, doc = _refuse(431, BAD_REQUEST, "request head too large")
+        else:
+            line, headers = _headers(request[:end])
+            length = _content_length(headers)
+            if len(line) != 3 or not line[2].startswith("HTTP/") or length is None:
+                status, doc = _refuse(400, BAD_REQUEST, "bad request")
+            elif length > MAX_BODY:
+                status, doc = _refuse(413, BAD_REQUEST, f"body over {MAX_BODY} bytes")
+            else:
+                try:
+                    status, doc = self._service.answer(line[0], line[1],
+                                                       headers.get("authorization"),
+                                                       request[end + 4:])
+                except Exception:
+                    logger.exception("rights: request failed")
+                    status, doc = _refuse(503, NOT_LEADER, "internal error")
+        body = json.dumps(doc, separators=(",", ":")).encode()
+        sock.setblocking(True)
+        sock.settimeout(self._read_timeout)
+        sock.sendall(
+            f"HTTP/1.1 {status} {_REASONS.get(status, '')}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+            "Connection: close\r\n\r\n".encode("latin-1") + body)
+
+
+class RightsServer:
+    """Serves :class:`RightsService` on ``host:port`` (``port=0``: a free one)."""
+
+    def __init__(self, service: RightsService, host: str, port: int, *,
+                 read_timeout: float = 5.0, workers: int = 8,
+                 max_connections: int = 1024) -> None:
+        self.service = service
+        self._address = (host, port)
+        self._read_timeout = read_timeout
+        self._workers = workers
+        self._max_connections = max_connections
+        self._listener: _Listener | None = None
+
+    @property
+    def port(self) -> int:
+        if self._listener is None:
+            raise RuntimeError("rights server not started")
+        return self._listener.port
+
+    def start(self) -> RightsServer:
+        self._listener = _Listener(self._address, self.service, self._read_timeout,
+                                   self._workers, self._max_connections)
+        self._listener.start()
+        logger.info("serving POST {path} on {host}:{port}", path=RIGHTS_PATH,
+                    host=self._address[0], port=self.port)
+        return self
+
+    def stop(self) -> None:
+        if self._listener is not None:
+            self._listener.stop()
+        self._listener = None
+
+    def __enter__(self) -> RightsServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def parse_bind(text: str) -> tuple[str, int]:
+    """``host:port`` (``[v6]:port`` too) of ``--rights-bind``."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"{text!r}: expected host:port")
+    return host.strip("[]") or "0.0.0.0", int(port)
+

@@ -1,0 +1,260 @@
+"""The leader's rights ledger and its endpoint (neonvm/controller/rights.py; the argument:
+docs/protocol.md, "Self-fencing").
+
+The ledger's rules over a fake monotonic clock: a pod is condemned only once
+max(issued, term_start) + D(1+rho) + epsilon has passed, a condemned pod is never granted
+again, and no grant is recorded outside an active term. The endpoint is served on
+loopback and asked over real sockets."""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import json
+import math
+from typing import Any
+
+import pytest
+
+from neonvm.api.rights import (
+    CONDEMNED,
+    NOT_LEADER,
+    RIGHT_SECONDS_ANNOTATION,
+    RIGHTS_PATH,
+    authorization_header,
+)
+from neonvm.controller.rights import (
+    MAX_BODY,
+    RightsLedger,
+    RightsServer,
+    RightsService,
+    TokenCache,
+    parse_bind,
+)
+
+pytestmark = pytest.mark.unit
+
+D, RHO, EPS = 10.0, 0.05, 2.0
+BOUND = D * (1 + RHO) + EPS
+
+
+class Clock:
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def ledger_at(clock: Clock, active: bool = True) -> RightsLedger:
+    ledger = RightsLedger(clock, rho=RHO, epsilon=EPS)
+    ledger.begin_term(lambda: active)
+    return ledger
+
+
+# ---- grant and condemn, in every order --------------------------------------------------
+
+
+@pytest.mark.parametrize(("steps", "condemned_at"), [
+    # (what happens at which offset from term start, when condemn first answers 0)
+    ([], BOUND),                                     # never granted: term_start counts
+    ([("grant", 5.0)], 5.0 + BOUND),                 # the last grant counts
+    ([("grant", 5.0), ("grant", 8.0)], 8.0 + BOUND),
+])
+def test_a_pod_is_condemned_only_once_its_last_right_is_surely_over(
+        steps: list[tuple[str, float]], condemned_at: float) -> None:
+    clock = Clock()
+    start = clock.now
+    ledger = ledger_at(clock)
+    for _what, at in steps:
+        clock.now = start + at
+        assert ledger.grant("p", D) is None
+    clock.now = start + condemned_at - 0.001
+    assert ledger.condemn("p", D) == pytest.approx(0.001, abs=1e-6)
+    assert not ledger.is_condemned("p")
+    clock.now = start + condemned_at
+    assert ledger.condemn("p", D) == 0.0
+    assert ledger.is_condemned("p")
+
+
+def test_a_condemned_pod_is_never_granted_again() -> None:
+    clock = Clock()
+    ledger = ledger_at(clock)
+    clock.now += BOUND
+    assert ledger.condemn("p", D) == 0.0
+    assert ledger.grant("p", D) == CONDEMNED
+    clock.now += 1000
+    assert ledger.grant("p", D) == CONDEMNED
+    assert ledger.condemn("p", D) == 0.0
+
+
+def test_a_pod_that_keeps_renewing_is_never_condemned() -> None:
+    """A crashed kubelet's runner still renews: its node looks unreachable, but the
+    test fails every time, and a failed test marks nothing."""
+    clock = Clock()
+    ledger = ledger_at(clock)
+    for _ in range(20):
+        clock.now += D / 3
+        assert ledger.grant("p", D) is None
+        assert ledger.condemn("p", D) > 0
+    assert not ledger.is_condemned("p")
+
+
+def test_earlier_leaders_grants_count_through_term_start() -> None:
+    """A new term (here: of this process) starts the count afresh from its start, even
+    for a pod this process never granted."""
+    clock = Clock()
+    ledger = ledger_at(clock)
+    clock.now += 100
+    ledger.begin_term(lambda: True)
+    clock.now += BOUND - 1
+    assert ledger.condemn("p", D) == pytest.approx(1.0)
+    clock.now += 1
+    assert ledger.condemn("p", D) == 0.0
+
+
+def test_a_larger_right_granted_earlier_counts_over_a_smaller_annotation() -> None:
+    clock = Clock()
+    ledger = ledger_at(clock)
+    assert ledger.grant("p", 2 * D) is None
+    clock.now += BOUND
+    assert ledger.condemn("p", D) > 0  # 2D was granted: the bound is 2D(1+rho)+eps
+    clock.now += D * (1 + RHO)
+    assert ledger.condemn("p", D) == 0.0
+
+
+def test_no_grant_outside_an_active_term_and_no_condemn_before_one() -> None:
+    clock = Clock()
+    idle = RightsLedger(clock, rho=RHO, epsilon=EPS)
+    assert idle.grant("p", D) == NOT_LEADER
+    assert idle.condemn("p", D) == math.inf
+    standby = ledger_at(clock, active=False)
+    assert standby.grant("p", D) == NOT_LEADER
+    ended = ledger_at(clock)
+    ended.end_term()
+    assert ended.grant("p", D) == NOT_LEADER
+
+
+def test_pruning_forgets_only_grants_that_no_longer_move_a_deadline() -> None:
+    clock = Clock()
+    ledger = ledger_at(clock)
+    assert ledger.grant("old", D) is None
+    clock.now += 500
+    assert ledger.grant("new", D) is None  # prunes "old": long over
+    assert ledger.condemn("old", D) == 0.0
+    assert ledger.condemn("new", D) == pytest.approx(BOUND)
+
+
+# ---- the endpoint over loopback ----------------------------------------------------------
+
+TOKEN = b"s3cret-token"
+VM_UID, POD_UID = "vm-uid-1", "pod-uid-1"
+
+
+def caches(annotated: bool = True) -> tuple[dict[str, Any], dict[str, Any]]:
+    vm = {"metadata": {"name": "vm", "namespace": "ns", "uid": VM_UID},
+          "status": {"podName": "vm-p", "podUID": POD_UID,
+                     "scalingTokenSecret": "tok", "scalingTokenSecretUID": "sec-uid"}}
+    annotations = {RIGHT_SECONDS_ANNOTATION: "10"} if annotated else {}
+    pod = {"metadata": {"name": "vm-p", "namespace": "ns", "uid": POD_UID,
+                        "annotations": annotations,
+                        "ownerReferences": [{"uid": VM_UID, "controller": True}]}}
+    return {"ns/vm": vm}, {"ns/vm-p": pod}
+
+
+def secret(uid: str = "sec-uid") -> dict[str, Any]:
+    return {"metadata": {"uid": uid}, "data": {"token": base64.b64encode(TOKEN).decode()}}
+
+
+def ask(port: int, body: Any, authorization: str | None = None,
+        raw: bytes | None = None) -> tuple[int, dict[str, Any]]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    headers = {"Content-Type": "application/json"}
+    if authorization is not None:
+        headers["Authorization"] = authorization
+    conn.request("POST", RIGHTS_PATH, body=raw if raw is not None else json.dumps(body),
+                 headers=headers)
+    answer = conn.getresponse()
+    doc = json.loads(answer.read())
+    conn.close()
+    return answer.status, doc
+
+
+REQUEST = {"namespace": "ns", "vm": "vm", "podUID": POD_UID}
+
+
+@pytest.fixture
+def served() -> Any:
+    clock = Clock()
+    ledger = RightsLedger(clock, rho=RHO, epsilon=EPS)
+    state: dict[str, Any] = {"caches": caches(), "secret": secret()}
+    tokens = TokenCache(None, read=lambda _ns, _name: state["secret"])
+    service = RightsService(ledger, lambda: state["caches"], tokens)
+    with RightsServer(service, "127.0.0.1", 0) as server:
+        yield server.port, ledger, clock, state
+
+
+def test_the_leader_grants_the_current_pod_its_annotated_right(served: Any) -> None:
+    port, ledger, clock, _ = served
+    ledger.begin_term(lambda: True)
+    assert ask(port, REQUEST, authorization_header(TOKEN, POD_UID)) == (200, {"seconds": 10.0})
+    clock.now += BOUND - 1
+    assert ledger.condemn(POD_UID, 10.0) > 0  # counted from the grant, not term start
+
+
+def test_a_standby_answers_not_leader_and_records_nothing(served: Any) -> None:
+    port, ledger, clock, _ = served
+    status, doc = ask(port, REQUEST, authorization_header(TOKEN, POD_UID))
+    assert (status, doc["reason"]) == (503, NOT_LEADER)
+
+
+@pytest.mark.parametrize(("change", "status", "reason"), [
+    ("wrong_bearer", 401, "Unauthorized"),
+    ("scale_bearer", 401, "Unauthorized"),
+    ("planted_secret", 401, "Unauthorized"),
+    ("other_pod", 403, "NotCurrentPod"),
+    ("not_annotated", 403, "NotCurrentPod"),
+    ("condemned", 403, CONDEMNED),
+    ("bad_body", 400, "BadRequest"),
+])
+def test_the_leader_refuses_what_it_must(served: Any, change: str, status: int,
+                                         reason: str) -> None:
+    from neonvm.api.scale_protocol import pod_token
+
+    port, ledger, clock, state = served
+    ledger.begin_term(lambda: True)
+    request, auth = dict(REQUEST), authorization_header(TOKEN, POD_UID)
+    raw = None
+    if change == "wrong_bearer":
+        auth = authorization_header(b"other", POD_UID)
+    elif change == "scale_bearer":
+        auth = f"Bearer {pod_token(TOKEN, POD_UID)}"
+    elif change == "planted_secret":
+        state["secret"] = secret(uid="planted")
+    elif change == "other_pod":
+        request["podUID"] = "pod-uid-2"
+        auth = authorization_header(TOKEN, "pod-uid-2")
+    elif change == "not_annotated":
+        state["caches"] = caches(annotated=False)
+    elif change == "condemned":
+        clock.now += BOUND
+        assert ledger.condemn(POD_UID, 10.0) == 0.0
+    elif change == "bad_body":
+        raw = b"{not json"
+    got_status, doc = ask(port, request, auth, raw=raw)
+    assert (got_status, doc["reason"]) == (status, reason)
+
+
+def test_a_body_over_the_cap_is_refused_without_being_read(served: Any) -> None:
+    port, ledger, _, _ = served
+    ledger.begin_term(lambda: True)
+    status, doc = ask(port, None, raw=b"x" * (MAX_BODY + 1))
+    assert status == 413
+
+
+def test_the_bind_address_parses() -> None:
+    assert parse_bind("0.0.0.0:8082") == ("0.0.0.0", 8082)
+    assert parse_bind("[::]:8082") == ("::", 8082)
+    assert parse_bind(":9") == ("0.0.0.0", 9)
+    with pytest.raises(ValueError):
+        parse_bind("nope")
