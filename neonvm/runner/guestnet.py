@@ -20,6 +20,9 @@ function:
   one only when the container has an IPv6 nameserver, see :func:`ipv6_nameserver`), DHCP
   (to the host alias or broadcast), and ICMP to the host or DNS alias (slirp answers those
   itself);
+* a new TCP connection or a UDP datagram to a *blocked endpoint* (address and port: the
+  self-fencing runner's rights URL, :mod:`neonvm.runner.right`), and any IP fragment to
+  such an address, is dropped too;
 * everything else passes: the guest keeps its egress, and TCP segments that open nothing
   (replies on connections forwarded *into* the guest) pass too.
 
@@ -49,6 +52,7 @@ ETH_HEADER = 14
 ETH_IPV4 = 0x0800
 ETH_IPV6 = 0x86DD
 TCP, UDP, ICMP, ICMPV6 = 6, 17, 1, 58
+IPV6_FRAGMENT = 44
 DNS_PORT = 53
 DHCP_SERVER_PORT = 67
 MAX_FRAME = 1 << 17
@@ -130,6 +134,30 @@ def _transport_verdict(proto: int, segment: bytes, dst: str, is_dns: bool,
     return f"protocol {proto} to {where}"
 
 
+Endpoint = tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]
+"""An address and port the guest may not open flows to (:func:`frame_verdict`)."""
+
+
+def _blocked_verdict(proto: int, segment: bytes, where: str, ports: set[int],
+                     fragment: bool) -> str | None:
+    """The verdict for a packet to an open address that has blocked ports."""
+    if fragment:
+        return f"IP fragment to {where} (a blocked endpoint's address)"
+    if proto not in (TCP, UDP):
+        return None
+    if len(segment) < (14 if proto == TCP else 4):
+        return f"short {'TCP' if proto == TCP else 'UDP'} header to {where}"
+    dport = struct.unpack_from("!H", segment, 2)[0]
+    if dport not in ports:
+        return None
+    if proto == UDP:
+        return f"UDP datagram to {where}:{dport} (a blocked endpoint)"
+    flags = segment[13]
+    if not flags & 0x02 or flags & 0x10:
+        return None  # opens nothing
+    return f"TCP connection to {where}:{dport} (a blocked endpoint)"
+
+
 def ipv6_nameserver(resolv_conf: str) -> bool:
     """Whether ``resolv_conf`` (the text of the container's ``/etc/resolv.conf``) lists
     an IPv6 nameserver. slirp sends DNS for the IPv6 alias to the first one; with none
@@ -145,10 +173,12 @@ def ipv6_nameserver(resolv_conf: str) -> bool:
 
 
 def frame_verdict(frame: bytes, net: GuestNetwork = DEFAULT_GUEST_NETWORK,
-                  dns6: bool = False) -> str | None:
+                  dns6: bool = False, blocked: frozenset[Endpoint] = frozenset()
+                  ) -> str | None:
     """None if the guest's ``frame`` may go to slirp; otherwise why it is dropped.
     ``dns6``: DNS to the IPv6 alias passes (the container has an IPv6 nameserver, see
     :func:`ipv6_nameserver`); without it, that is a connection to the loopback.
+    ``blocked``: endpoints closed although their address is open (the rights URL).
 
     Only IPv4 and IPv6 frames are judged: slirp acts on nothing else but ARP (answered
     from its own table). Malformed IP headers are dropped.
@@ -164,9 +194,11 @@ def frame_verdict(frame: bytes, net: GuestNetwork = DEFAULT_GUEST_NETWORK,
         if ihl < 20 or len(packet) < ihl:
             return "malformed IPv4 header"
         dst = ipaddress.IPv4Address(packet[16:20])
-        if not _closed4(dst, net):
-            return None
         frag = struct.unpack_from("!H", packet, 6)[0]
+        if not _closed4(dst, net):
+            ports = {port for address, port in blocked if address == dst}
+            return _blocked_verdict(packet[9], packet[ihl:], str(dst), ports,
+                                    bool(frag & 0x3FFF)) if ports else None
         if frag & 0x3FFF:  # more fragments, or an offset: judged whole nowhere, so dropped
             return f"IPv4 fragment to {dst}"
         return _transport_verdict(packet[9], packet[ihl:], str(dst), dst == net.dns,
@@ -176,7 +208,9 @@ def frame_verdict(frame: bytes, net: GuestNetwork = DEFAULT_GUEST_NETWORK,
             return "malformed IPv6 header"
         dst6 = ipaddress.IPv6Address(packet[24:40])
         if not _closed6(dst6, net):
-            return None
+            ports = {port for address, port in blocked if address == dst6}
+            return _blocked_verdict(packet[6], packet[40:], f"[{dst6}]", ports,
+                                    packet[6] == IPV6_FRAGMENT) if ports else None
         is_dns6 = dst6 == net.dns6
         if is_dns6 and not dns6 and packet[6] in (TCP, UDP):
             why = _transport_verdict(packet[6], packet[40:], f"[{dst6}]", False, False,
@@ -199,9 +233,11 @@ class GuestNetFilter:
     """Drops logged one by one; after that, every 100th."""
 
     def __init__(self, from_qemu: Path, to_qemu: Path,
-                 net: GuestNetwork = DEFAULT_GUEST_NETWORK, dns6: bool = False) -> None:
-        """``dns6``: see :func:`frame_verdict` (the runner reads ``/etc/resolv.conf``
-        at start)."""
+                 net: GuestNetwork = DEFAULT_GUEST_NETWORK, dns6: bool = False,
+                 blocked: frozenset[Endpoint] = frozenset()) -> None:
+        """``dns6``, ``blocked``: see :func:`frame_verdict` (the runner reads
+        ``/etc/resolv.conf`` at start; ``blocked`` is the rights URL, resolved at start)."""
+        self.blocked = blocked
         self.from_qemu = from_qemu
         self.to_qemu = to_qemu
         self.net = net
@@ -274,7 +310,7 @@ class GuestNetFilter:
             frame = reader.read(length)
             if len(frame) < length:
                 return
-            why = frame_verdict(frame, self.net, self.dns6)
+            why = frame_verdict(frame, self.net, self.dns6, self.blocked)
             if why is None:
                 self.passed += 1
                 sink.sendall(header + frame)

@@ -29,6 +29,7 @@ import click
 from loguru import logger
 
 from neonvm import logs
+from neonvm.api.rights import DEFAULT_RIGHT_SECONDS
 from neonvm.api.scale_protocol import ScaleLimits, ScaleTarget, parse_fence_floor
 from neonvm.runner.diskimage import ImageError, root_has_path
 from neonvm.runner.disks import DiskTools, check_prerequisites, prepare
@@ -47,6 +48,7 @@ from neonvm.runner.host import (
 from neonvm.runner.initramfs import RunnerKernel, find_runner_kernel
 from neonvm.runner.metrics import runner_registry
 from neonvm.runner.qemu import CpuScalingMode, LaunchContext, LaunchPlan, build_launch_plan
+from neonvm.runner.right import SelfFence, right_config, rights_addresses
 from neonvm.runner.runtimedisk import GUEST_INIT
 from neonvm.runner.scaling import Scaler
 from neonvm.runner.server import RunnerHTTPServer
@@ -84,6 +86,8 @@ class RunnerOptions:
     kernel_dir: Path = DEFAULT_KERNEL_DIR
     enable_acceleration: bool = False
     kvm_device: Path = Path("/dev/kvm")
+    rights_url: str | None = None
+    right_seconds: float = DEFAULT_RIGHT_SECONDS
 
 
 @dataclass(frozen=True)
@@ -188,6 +192,7 @@ def run_runner(options: RunnerOptions, env: Mapping[str, str], console: BinaryIO
     work_dir = options.work_dir or Path(tempfile.mkdtemp(prefix="neonvm-runner-"))
     http: RunnerHTTPServer | None = None
     net_filter: GuestNetFilter | None = None
+    right: SelfFence | None = None
     try:
         try:
             work_dir.mkdir(parents=True, exist_ok=True)
@@ -215,6 +220,11 @@ def run_runner(options: RunnerOptions, env: Mapping[str, str], console: BinaryIO
                           memory_bytes=plan.memory.current_bytes,
                           max_memory_bytes=plan.memory.max_bytes))
         scaler = make_scaler(launch, state, work_dir, options)
+        if options.rights_url:  # self-fencing (docs/runner.md, "Self-fencing")
+            right = SelfFence(right_config(
+                options.rights_url, options.right_seconds, launch.loaded.namespace,
+                launch.loaded.name, options.pod_uid, options.scaling_token_file))
+            right.start()
         http = RunnerHTTPServer(state, runner_registry(state), options.listen_address,
                                 launch.port, scaler)
         http.start()
@@ -225,8 +235,11 @@ def run_runner(options: RunnerOptions, env: Mapping[str, str], console: BinaryIO
         prepare(plan, launch.tools)
         if plan.guest_frames_socket is not None and plan.passed_frames_socket is not None:
             # Before QEMU starts: QEMU connects to both sockets at start.
-            net_filter = GuestNetFilter(plan.guest_frames_socket, plan.passed_frames_socket,
-                                        dns6=ipv6_nameserver(_resolv_conf()))
+            net_filter = GuestNetFilter(
+                plan.guest_frames_socket, plan.passed_frames_socket,
+                dns6=ipv6_nameserver(_resolv_conf()),
+                blocked=rights_addresses(options.rights_url) if options.rights_url
+                else frozenset())
             net_filter.listen()
             net_filter.start()
         policy = ShutdownPolicy(
@@ -236,7 +249,7 @@ def run_runner(options: RunnerOptions, env: Mapping[str, str], console: BinaryIO
             powerdown_interval_seconds=options.powerdown_interval)
         supervisor = Supervisor(plan, state, policy, console, ready_marker,
                                 launch.loaded.key, pdeathsig_wrapper=optional_binary("setpriv"),
-                                scaler=scaler)
+                                scaler=scaler, right=right)
         outcome = asyncio.run(_supervise(supervisor, early_stop))
         _write_termination_log(options.termination_log, outcome,
                                launch.acceleration_unavailable)
@@ -244,6 +257,8 @@ def run_runner(options: RunnerOptions, env: Mapping[str, str], console: BinaryIO
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+        if right is not None:
+            right.stop()
         if http is not None:
             http.stop()
         if net_filter is not None:
@@ -397,6 +412,16 @@ def runner_options(command: Callable[..., None]) -> Callable[..., None]:
                      help="The runner's kernel (vmlinuz) and initramfs (initrd.cpio), booted "
                           "when the spec names no kernel and the root disk is a bare ext4 "
                           "filesystem."),
+        click.option("--rights-url", envvar="NEONVM_RIGHTS_URL",
+                     help="Self-fencing: the leader's rights endpoint (http://host:port). "
+                          "QEMU starts only once a right to run is granted, and is killed "
+                          "(SIGKILL) when the right is not renewed in time. Needs --pod-uid "
+                          "and --scaling-token-file. Absent: no self-fencing."),
+        click.option("--right-seconds", type=click.FloatRange(0, min_open=True),
+                     default=DEFAULT_RIGHT_SECONDS, show_default=True,
+                     envvar="NEONVM_RIGHT_SECONDS",
+                     help="How long one right lasts, counted from the ask's send time; "
+                          "renewed every third of it."),
     ]
     for option in reversed(options):
         command = option(command)

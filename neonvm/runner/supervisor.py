@@ -34,6 +34,7 @@ from neonvm.api.scale_protocol import ScaleError
 from neonvm.runner.errors import HostError
 from neonvm.runner.qemu import LaunchPlan
 from neonvm.runner.qmp import QMPClient, QMPError, QMPEvent
+from neonvm.runner.right import SelfFence
 from neonvm.runner.scaling import GUEST_SIZE_PREFIX, Scaler, parse_guest_size
 from neonvm.runner.state import ExitCode, Outcome, RunnerState, decide_outcome
 
@@ -79,8 +80,12 @@ class Supervisor:
 
     def __init__(self, plan: LaunchPlan, state: RunnerState, policy: ShutdownPolicy,
                  console: BinaryIO, ready_marker: str, vm: str,
-                 pdeathsig_wrapper: str | None = None, scaler: Scaler | None = None) -> None:
+                 pdeathsig_wrapper: str | None = None, scaler: Scaler | None = None,
+                 right: SelfFence | None = None) -> None:
+        """``right``: self-fencing (docs/runner.md, "Self-fencing"): QEMU starts only
+        after the first grant, and its watchdog kills QEMU when the right runs out."""
         self._plan = plan
+        self._right = right
         self._scaler = scaler
         self._state = state
         self._policy = policy
@@ -115,6 +120,7 @@ class Supervisor:
         argv = list(self._plan.argv)
         if self._wrapper:
             argv = [self._wrapper, "--pdeathsig", "KILL", "--", *argv]
+        await self._first_right()
         if self._stop.is_set():
             outcome = Outcome(ExitCode.GUEST_POWERED_OFF, "stopped before QEMU started")
             self._state.finished(outcome)
@@ -125,6 +131,8 @@ class Supervisor:
                 stderr=asyncio.subprocess.PIPE, start_new_session=True)
         except OSError as exc:
             raise HostError(f"cannot start QEMU ({argv[0]}): {exc.strerror or exc}") from None
+        if self._right is not None:
+            self._right.arm(proc.pid)
         self._state.qemu_started(proc.pid)
         self._log.info("QEMU started (pid {})", proc.pid)
         assert proc.stdout is not None and proc.stderr is not None
@@ -162,10 +170,21 @@ class Supervisor:
             returncode, snap.shutdown_reason, killed_after_grace=killed,
             stop_requested=self._stop.is_set(), grace_seconds=self._policy.budget_seconds,
             stderr_tail=self._stderr_tail[-1] if self._stderr_tail else "")
+        if self._right is not None and self._right.fired:
+            outcome = Outcome(ExitCode.QEMU_FAILED, self._right.fired)
         self._state.finished(outcome)
         self._log.info("QEMU exited with code {}: {} (runner exits {})", returncode,
                        outcome.reason, int(outcome.exit_code))
         return outcome
+
+    async def _first_right(self) -> None:
+        """Self-fencing: wait for the first right to run (or a stop request)."""
+        if self._right is None or self._right.granted():
+            return
+        self._log.info("waiting for the first right to run before starting QEMU")
+        while not self._right.granted() and not self._stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), 0.05)
 
     async def _power_down(self, proc: asyncio.subprocess.Process,
                           exit_task: asyncio.Task[int]) -> bool:

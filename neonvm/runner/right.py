@@ -1,0 +1,390 @@
+"""Self-fencing: the runner keeps its guest only while it holds a right to run.
+
+Two loops share one deadline on the runner's monotonic clock (:class:`RightKeeper`):
+
+* the renewer asks the leader (``POST <rights-url>/v1/rights``, :mod:`neonvm.api.rights`)
+  every ``D/3``, each ask bounded by ``D/6`` overall. It reads the clock *before* sending
+  (``t0``) and, only on a 200 whose body is a valid grant, sets
+  ``deadline = max(deadline, t0 + min(granted, D))``; any other answer, or none, changes
+  nothing;
+* the watchdog (:class:`Watchdog`) SIGKILLs QEMU (never ACPI) once
+  ``monotonic() >= deadline`` and logs one line; the supervisor then ends the runner
+  non-zero and does not start QEMU again. QEMU is not started before the first grant.
+
+Clock, HTTP and the kill are passed in, so the logic runs over a fake clock in tests;
+:class:`SelfFence` wires the real ones and the two threads. docs/runner.md
+("Self-fencing") has the rules and what is not covered (a frozen node).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import ipaddress
+import json
+import math
+import os
+import signal
+import socket
+import threading
+import time
+import urllib.parse
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from loguru import logger
+
+from neonvm.api.rights import (
+    RIGHTS_PATH,
+    RightGrant,
+    RightRequest,
+    RightsContractError,
+    authorization_header,
+    renew_interval,
+    request_deadline,
+)
+from neonvm.runner.errors import SpecError
+
+MAX_ANSWER = 64 * 1024
+"""The longest answer body read; a longer one is not a grant."""
+FIRST_RETRY = 0.5
+"""Before the first grant, asks are retried after 0.5 s, doubling up to ``D/3``."""
+WATCHDOG_MAX_SLEEP = 1.0
+"""The watchdog re-reads the clock at least this often."""
+
+
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+
+class Clock(Protocol):
+    def __call__(self) -> float:
+        """Seconds on a monotonic clock."""
+        ...
+
+
+Post = Callable[[str, bytes, Mapping[str, str], float], tuple[int, bytes]]
+"""``post(url, body, headers, overall_timeout) -> (status, body)``; raises ``OSError`` (or
+``http.client.HTTPException``) when no answer came."""
+
+
+@dataclass(frozen=True)
+class RightConfig:
+    """What the runner asks for, and how long a right lasts here (``seconds`` = D)."""
+
+    url: str
+    """The leader's base URL (``http://host:port``); the path is :data:`RIGHTS_PATH`."""
+    seconds: float
+    namespace: str
+    vm: str
+    pod_uid: str
+    token_file: Path
+
+    @property
+    def endpoint(self) -> str:
+        return self.url.rstrip("/") + RIGHTS_PATH
+
+
+def rights_endpoint(url: str) -> tuple[str, int]:
+    """``(host, port)`` of a rights URL (:class:`SpecError` if it is not http(s)://host)."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise SpecError(f"--rights-url {url!r}: expected http(s)://host[:port]")
+    try:
+        port = parts.port
+    except ValueError:
+        raise SpecError(f"--rights-url {url!r}: bad port") from None
+    return parts.hostname, port or (443 if parts.scheme == "https" else 80)
+
+
+def right_config(url: str, seconds: float, namespace: str, vm: str, pod_uid: str | None,
+                 token_file: Path | None) -> RightConfig:
+    """The runner's flags as a :class:`RightConfig` (:class:`SpecError` naming what is
+    missing: the bearer needs the pod's uid and the VM's token file)."""
+    rights_endpoint(url)
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise SpecError(f"--right-seconds {seconds!r}: must be a positive number")
+    if not pod_uid:
+        raise SpecError("--rights-url needs --pod-uid (the pod's uid, from the downward API)")
+    if token_file is None:
+        raise SpecError("--rights-url needs --scaling-token-file (the VM's token signs the "
+                        "request for a right)")
+    try:
+        RightRequest(namespace=namespace, vm=vm, pod_uid=pod_uid)
+    except RightsContractError as exc:
+        raise SpecError(f"--rights-url: {exc}") from None
+    return RightConfig(url=url, seconds=seconds, namespace=namespace, vm=vm,
+                       pod_uid=pod_uid, token_file=token_file)
+
+
+def rights_addresses(url: str) -> frozenset[tuple[IPAddress, int]]:
+    """The addresses and port the rights URL names (its host resolved now), which the
+    guest's network filter closes; empty, with a warning, if the host does not resolve."""
+    host, port = rights_endpoint(url)
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        logger.warning("cannot resolve the rights URL's host {} ({}): the guest's network "
+                       "filter does not close it", host, exc)
+        return frozenset()
+    found: set[tuple[IPAddress, int]] = set()
+    for _family, _type, _proto, _name, sockaddr in infos:
+        with contextlib.suppress(ValueError):
+            found.add((ipaddress.ip_address(str(sockaddr[0]).split("%", 1)[0]), port))
+    return frozenset(found)
+
+
+def grant_of(status: int, body: bytes) -> RightGrant | None:
+    """The grant in an answer: only a 200 whose body is exactly a :class:`RightGrant`."""
+    if status != 200 or len(body) > MAX_ANSWER:
+        return None
+    try:
+        return RightGrant.from_dict(json.loads(body))
+    except (ValueError, UnicodeDecodeError, RightsContractError):
+        return None
+
+
+def extended(deadline: float | None, t0: float, grant: RightGrant | None,
+             seconds: float) -> float | None:
+    """The deadline after an answer to an ask sent at ``t0``: never earlier, and never more
+    than ``seconds`` (this runner's D) past ``t0``, whatever the grant says."""
+    if grant is None:
+        return deadline
+    candidate = t0 + min(grant.seconds, seconds)
+    return candidate if deadline is None else max(deadline, candidate)
+
+
+class RightKeeper:
+    """The deadline and the renewer's steps (thread-safe; no thread of its own)."""
+
+    def __init__(self, config: RightConfig, clock: Clock, post: Post) -> None:
+        self.config = config
+        self._clock = clock
+        self._post = post
+        self._lock = threading.Lock()
+        self._deadline: float | None = None
+        self._last_grant: float | None = None
+        self._failures = 0
+        self.changed = threading.Event()
+        """Set on every extension (wakes the watchdog and whoever waits for the first)."""
+        self._log = logger.bind(vm=f"{config.namespace}/{config.vm}")
+
+    @property
+    def deadline(self) -> float | None:
+        with self._lock:
+            return self._deadline
+
+    @property
+    def last_grant(self) -> float | None:
+        """The ``t0`` of the last ask that was granted."""
+        with self._lock:
+            return self._last_grant
+
+    def granted(self) -> bool:
+        """Whether a right was ever granted (QEMU may start)."""
+        return self.deadline is not None
+
+    def ask_once(self) -> float:
+        """Ask once; returns the ``t0`` it was sent at. Extends the deadline on a grant."""
+        t0 = self._clock()
+        grant, why = self._ask()
+        with self._lock:
+            before = self._deadline
+            self._deadline = extended(before, t0, grant, self.config.seconds)
+            if grant is not None:
+                self._last_grant = t0
+                self._failures = 0
+            else:
+                self._failures += 1
+            failures = self._failures
+        if grant is not None:
+            self.changed.set()
+            if before is None:
+                self._log.info("right to run granted: {:g}s from each ask, renewed every "
+                               "{:g}s", self.config.seconds, renew_interval(self.config.seconds))
+        elif failures == 1 or failures % 10 == 0:
+            self._log.warning("right to run not renewed ({}; {} asks in a row)", why, failures)
+        return t0
+
+    def next_ask(self, t0: float) -> float:
+        """When to ask next after an ask sent at ``t0``: ``t0 + D/3`` once granted; before
+        that, sooner, backing off from :data:`FIRST_RETRY`."""
+        interval = renew_interval(self.config.seconds)
+        with self._lock:
+            if self._deadline is not None:
+                return t0 + interval
+            return t0 + min(interval, FIRST_RETRY * (1 << max(0, min(self._failures - 1, 16))))
+
+    def _ask(self) -> tuple[RightGrant | None, str]:
+        try:
+            token = self.config.token_file.read_bytes().strip()
+        except OSError as exc:
+            return None, f"token file {self.config.token_file}: {exc.strerror or exc}"
+        if not token:
+            return None, f"token file {self.config.token_file} is empty"
+        body = json.dumps(RightRequest(namespace=self.config.namespace, vm=self.config.vm,
+                                       pod_uid=self.config.pod_uid).to_dict()).encode()
+        headers = {"Content-Type": "application/json",
+                   "Authorization": authorization_header(token, self.config.pod_uid)}
+        try:
+            status, answer = self._post(self.config.endpoint, body, headers,
+                                        request_deadline(self.config.seconds))
+        except (OSError, http.client.HTTPException) as exc:
+            return None, f"no answer from {self.config.endpoint}: {exc or type(exc).__name__}"
+        grant = grant_of(status, answer)
+        if grant is None:
+            return None, f"{self.config.endpoint} answered {status} " \
+                         f"{answer[:200].decode('utf-8', 'replace')!r}"
+        return grant, ""
+
+
+class Watchdog:
+    """Kills QEMU once the right's deadline has passed (one step: :meth:`check`)."""
+
+    def __init__(self, keeper: RightKeeper, clock: Clock, kill: Callable[[], None]) -> None:
+        self._keeper = keeper
+        self._clock = clock
+        self._kill = kill
+        self._lock = threading.Lock()
+        self._armed = False
+        self.fired: str | None = None
+        """Why QEMU was killed (the log line's text), once it was."""
+
+    def arm(self) -> None:
+        """QEMU runs now: from here the deadline is enforced (checked at once)."""
+        with self._lock:
+            self._armed = True
+        self.check()
+
+    def check(self) -> float | None:
+        """Kill if armed and past the deadline; returns seconds until the deadline (None:
+        fired, or nothing to enforce yet)."""
+        deadline = self._keeper.deadline
+        now = self._clock()
+        with self._lock:
+            if not self._armed or self.fired is not None:
+                return None
+            if deadline is not None and now < deadline:
+                return deadline - now
+            overdue = now - (now if deadline is None else deadline)
+            last = self._keeper.last_grant
+            self.fired = (f"self-fenced: no right to run for {overdue:.3f}s (last grant "
+                          f"asked {now - (now if last is None else last):.3f}s ago, right "
+                          f"{self._keeper.config.seconds:g}s); QEMU killed with SIGKILL")
+        logger.bind(vm=f"{self._keeper.config.namespace}/{self._keeper.config.vm}",
+                    event="SelfFenced", podUID=self._keeper.config.pod_uid,
+                    overdueSeconds=round(overdue, 3),
+                    rightSeconds=self._keeper.config.seconds).error("{}", self.fired)
+        self._kill()
+        return None
+
+
+def http_post(url: str, body: bytes, headers: Mapping[str, str],
+              timeout: float) -> tuple[int, bytes]:
+    """POST with an overall deadline: the connection is shut down when it passes."""
+    parts = urllib.parse.urlsplit(url)
+    host, port = rights_endpoint(url)
+    conn: http.client.HTTPConnection = (
+        http.client.HTTPSConnection(host, port, timeout=timeout) if parts.scheme == "https"
+        else http.client.HTTPConnection(host, port, timeout=timeout))
+
+    opened: list[socket.socket] = []
+    expired = threading.Event()
+
+    def abort() -> None:
+        expired.set()
+        for sock in opened:  # http.client drops conn.sock once an answer will close
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    timer = threading.Timer(timeout, abort)
+    timer.daemon = True
+    timer.start()
+    try:
+        conn.connect()  # bounded by ``timeout``
+        if conn.sock is not None:
+            opened.append(conn.sock)
+        if expired.is_set():
+            raise TimeoutError(f"no answer within {timeout:g}s")
+        conn.request("POST", parts.path or "/", body=body, headers=dict(headers))
+        answer = conn.getresponse()
+        data = answer.read(MAX_ANSWER + 1)
+        if expired.is_set():
+            raise TimeoutError(f"no whole answer within {timeout:g}s")
+        return answer.status, data
+    finally:
+        timer.cancel()
+        conn.close()
+
+
+class SelfFence:
+    """The real wiring: the renewer and watchdog threads, the kill of one QEMU process."""
+
+    def __init__(self, config: RightConfig, clock: Clock = time.monotonic,
+                 post: Post = http_post) -> None:
+        self.keeper = RightKeeper(config, clock, post)
+        self.watchdog = Watchdog(self.keeper, clock, self._kill)
+        self._clock = clock
+        self._stop = threading.Event()
+        self._pidfd: int | None = None
+        self._pid: int | None = None
+        self._threads: list[threading.Thread] = []
+
+    def start(self) -> None:
+        for target, name in ((self._renew, "right-renewer"), (self._watch, "right-watchdog")):
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.keeper.changed.set()
+        for thread in self._threads:
+            thread.join(timeout=5)
+        if self._pidfd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._pidfd)
+            self._pidfd = None
+
+    def granted(self) -> bool:
+        return self.keeper.granted()
+
+    def arm(self, pid: int) -> None:
+        """QEMU was started as ``pid``: hold it by a pidfd (a reused pid is never hit)
+        and enforce the deadline from now on."""
+        self._pid = pid
+        with contextlib.suppress(OSError):
+            self._pidfd = os.pidfd_open(pid)
+        self.watchdog.arm()
+        self.keeper.changed.set()
+
+    @property
+    def fired(self) -> str | None:
+        return self.watchdog.fired
+
+    def _kill(self) -> None:
+        try:
+            if self._pidfd is not None:
+                signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+            elif self._pid is not None:
+                os.kill(self._pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass  # QEMU is gone already
+
+    def _renew(self) -> None:
+        while not self._stop.is_set():
+            t0 = self.keeper.ask_once()
+            self._stop.wait(max(0.0, self.keeper.next_ask(t0) - self._clock()))
+
+    def _watch(self) -> None:
+        while not self._stop.is_set():
+            left = self.watchdog.check()
+            if self.watchdog.fired is not None:
+                return
+            self.keeper.changed.clear()
+            left = self.watchdog.check()  # a change between the check and the clear
+            if self.watchdog.fired is not None:
+                return
+            self.keeper.changed.wait(WATCHDOG_MAX_SLEEP if left is None
+                                     else min(left, WATCHDOG_MAX_SLEEP))

@@ -1,0 +1,568 @@
+"""Self-fencing, the runner's side (neonvm/runner/right.py; docs/runner.md, "Self-fencing").
+
+* The renewer (fake clock, fake HTTP): the deadline moves only on a 200 with a valid
+  grant, counted from the clock read *before* the ask was sent, never backwards, never
+  past this runner's own D; it asks every D/3, sooner before the first grant.
+* The watchdog (fake clock): kills exactly once, only once armed (QEMU runs) and the
+  deadline has passed.
+* The real wiring: the kill holds the QEMU process by a pidfd; an ask has an overall
+  deadline against a server that drips its answer.
+* A real runner under real QEMU against a rights server in the test: no QEMU before the
+  first grant; when grants stop, QEMU is SIGKILLed and the runner exits non-zero.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from neonvm.api.rights import (
+    NOT_LEADER,
+    RIGHTS_PATH,
+    RightGrant,
+    RightRequest,
+    bearer_matches,
+    right_bearer,
+)
+from neonvm.runner.errors import SpecError
+from neonvm.runner.right import (
+    RightConfig,
+    RightKeeper,
+    SelfFence,
+    Watchdog,
+    extended,
+    grant_of,
+    http_post,
+    right_config,
+    rights_addresses,
+)
+from neonvm.runner.state import ExitCode
+from tests.support import wait_for
+
+REPO = Path(__file__).resolve().parent.parent
+UID = "5d0c1f7e-2b1a-4c3d-8e9f-0a1b2c3d4e5f"
+TOKEN = b"the-vms-scaling-token"
+D = 30.0
+
+
+# ---- fakes -----------------------------------------------------------------------------------
+
+
+class FakeClock:
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+Answer = tuple[int, bytes] | Exception
+
+
+@dataclass
+class FakeLeader:
+    """Answers asks from a script; each answer takes ``latency`` seconds of the clock."""
+
+    clock: FakeClock
+    answers: list[Answer] = field(default_factory=list)
+    latency: float = 0.0
+    asks: list[tuple[str, dict[str, Any], dict[str, str], float]] = field(default_factory=list)
+
+    def __call__(self, url: str, body: bytes, headers: Mapping[str, str],
+                 timeout: float) -> tuple[int, bytes]:
+        self.asks.append((url, json.loads(body), dict(headers), timeout))
+        self.clock.now += self.latency
+        answer = self.answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+
+def grant(seconds: float = D) -> tuple[int, bytes]:
+    return 200, json.dumps({"seconds": seconds}).encode()
+
+
+def config(tmp_path: Path, seconds: float = D) -> RightConfig:
+    token_file = tmp_path / "token"
+    if not token_file.exists():
+        token_file.write_bytes(TOKEN + b"\n")
+    return RightConfig(url="http://rights.example:8080", seconds=seconds, namespace="ns",
+                       vm="vm", pod_uid=UID, token_file=token_file)
+
+
+def keeper(tmp_path: Path, answers: Sequence[Answer], latency: float = 0.0,
+           seconds: float = D) -> tuple[RightKeeper, FakeLeader, FakeClock]:
+    clock = FakeClock()
+    leader = FakeLeader(clock, list(answers), latency)
+    return RightKeeper(config(tmp_path, seconds), clock, leader), leader, clock
+
+
+# ---- what counts as a grant (pure) -----------------------------------------------------------
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("status", "body", "seconds"), [
+    (200, b'{"seconds": 30}', 30.0),
+    (200, b'{"seconds": 7.5}', 7.5),
+    (503, json.dumps({"reason": NOT_LEADER}).encode(), None),
+    (503, b'{"seconds": 30}', None),          # a grant's body under another status
+    (403, b'{"reason": "Condemned"}', None),
+    (200, b"", None),
+    (200, b"<html>proxy error</html>", None),
+    (200, b'{"seconds": 0}', None),
+    (200, b'{"seconds": -30}', None),
+    (200, b'{"seconds": "30"}', None),
+    (200, b'{"seconds": 1e400}', None),       # inf
+    (200, b'{"seconds": 30, "more": 1}', None),
+    (200, b'[30]', None),
+    (200, b'\xff\xfe', None),
+    (200, b'{"seconds": 30}' + b" " * (64 * 1024), None),  # over the answer cap
+])
+def test_only_a_200_with_a_valid_grant_counts(status: int, body: bytes,
+                                              seconds: float | None) -> None:
+    got = grant_of(status, body)
+    assert (None if got is None else got.seconds) == seconds
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("deadline", "t0", "granted", "expected"), [
+    (None, 100.0, None, None),            # no grant yet, none now
+    (None, 100.0, 30.0, 130.0),           # first grant: from the send time
+    (130.0, 110.0, 30.0, 140.0),          # renewed
+    (130.0, 110.0, None, 130.0),          # refused: unchanged
+    (140.0, 105.0, 30.0, 140.0),          # an older ask answered late never shortens it
+    (130.0, 110.0, 5.0, 130.0),           # a shorter grant never shortens it
+    (None, 100.0, 3600.0, 130.0),         # never more than this runner's D past t0
+])
+def test_the_deadline_only_moves_forward_from_the_send_time(
+        deadline: float | None, t0: float, granted: float | None,
+        expected: float | None) -> None:
+    answer = None if granted is None else RightGrant(granted)
+    assert extended(deadline, t0, answer, D) == expected
+
+
+# ---- the renewer over a fake clock -------------------------------------------------------------
+
+
+@pytest.mark.unit
+def test_an_ask_carries_the_request_the_bearer_and_a_sixth_of_d(tmp_path: Path) -> None:
+    right, leader, _clock = keeper(tmp_path, [grant()])
+    right.ask_once()
+    url, body, headers, timeout = leader.asks[0]
+    assert url == "http://rights.example:8080" + RIGHTS_PATH
+    assert RightRequest.from_dict(body) == RightRequest(namespace="ns", vm="vm", pod_uid=UID)
+    assert headers["Authorization"] == f"Bearer {right_bearer(TOKEN, UID)}"
+    assert bearer_matches(headers["Authorization"], TOKEN, UID)
+    assert timeout == D / 6
+
+
+@pytest.mark.unit
+def test_the_deadline_counts_from_before_the_ask_was_sent(tmp_path: Path) -> None:
+    right, _leader, clock = keeper(tmp_path, [grant()], latency=4.0)
+    t0 = clock.now
+    assert right.ask_once() == t0
+    assert clock.now == t0 + 4.0  # the answer came 4 s later
+    assert right.deadline == t0 + D
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("refusal", [
+    (503, json.dumps({"reason": NOT_LEADER}).encode()),
+    (500, b"oops"),
+    (200, b"garbage"),
+    (200, b'{"seconds": 0}'),
+    ConnectionRefusedError(111, "Connection refused"),
+    TimeoutError("timed out"),
+    http.client.RemoteDisconnected("closed"),
+], ids=["503-NotLeader", "500", "200-garbage", "200-zero", "refused", "timeout",
+        "disconnected"])
+def test_a_refusal_or_no_answer_does_not_extend_the_deadline(tmp_path: Path,
+                                                             refusal: Answer) -> None:
+    right, _leader, clock = keeper(tmp_path, [grant(), refusal])
+    first = clock.now
+    right.ask_once()
+    assert right.deadline == first + D
+    clock.now += 10
+    right.ask_once()
+    assert right.deadline == first + D
+
+
+@pytest.mark.unit
+def test_before_any_grant_nothing_may_start(tmp_path: Path) -> None:
+    right, _leader, _clock = keeper(tmp_path, [(503, b'{"reason": "NotLeader"}')])
+    right.ask_once()
+    assert not right.granted() and right.deadline is None
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("token", [None, b"", b"\n"], ids=["missing", "empty", "blank"])
+def test_without_a_token_nothing_is_asked_and_nothing_extends(tmp_path: Path,
+                                                              token: bytes | None) -> None:
+    right, leader, clock = keeper(tmp_path, [grant(), grant()])
+    right.ask_once()
+    first = right.deadline
+    if token is None:
+        right.config.token_file.unlink()
+    else:
+        right.config.token_file.write_bytes(token)
+    clock.now += 10
+    right.ask_once()
+    assert len(leader.asks) == 1 and right.deadline == first
+
+
+@pytest.mark.unit
+def test_asks_every_third_of_d_once_granted_and_back_off_from_half_a_second_before(
+        tmp_path: Path) -> None:
+    right, _leader, clock = keeper(tmp_path, [(503, b"{}")] * 8 + [grant()])
+    waits = []
+    for _ in range(9):
+        t0 = right.ask_once()
+        waits.append(right.next_ask(t0) - t0)
+        clock.now = right.next_ask(t0)
+    assert waits == [0.5, 1.0, 2.0, 4.0, 8.0, 10.0, 10.0, 10.0, 10.0]
+
+
+# ---- the watchdog over a fake clock --------------------------------------------------------
+
+
+@dataclass
+class Timeline:
+    """One run of renewer and watchdog over a fake clock: ``answers`` of the asks sent
+    every D/3 from t=0, the watchdog checked every ``step`` seconds."""
+
+    answers: list[Answer]
+    killed_at: float | None = None
+    kills: int = 0
+
+    def run(self, tmp_path: Path, until: float, step: float = 0.5) -> Timeline:
+        right, leader, clock = keeper(tmp_path, list(self.answers))
+        start = clock.now
+
+        def kill() -> None:
+            self.kills += 1
+            if self.killed_at is None:
+                self.killed_at = clock.now - start
+
+        dog = Watchdog(right, clock, kill)
+        next_ask = clock.now
+        while clock.now - start <= until:
+            dog.check()  # at a tie the watchdog wins: an ask sent at the deadline is late
+            if clock.now >= next_ask:
+                next_ask = right.next_ask(right.ask_once()) if leader.answers else math.inf
+            if right.granted():
+                dog.arm()  # QEMU starts on the first grant
+            clock.now += step
+        return self
+
+
+OK, NO = grant(), (503, b'{"reason": "NotLeader"}')
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("answers", "killed_at"), [
+    ([OK] * 10, None),                       # renewed every 10 s: lives
+    ([OK, NO, OK] + [OK] * 7, None),         # one refusal in between: lives
+    ([OK, NO, NO, OK] + [OK] * 6, 30.0),     # two in a row: dead at the first grant + D
+    ([OK, OK, NO, NO, NO], 40.0),            # dead D after the last granted ask's send
+    ([OK, ConnectionRefusedError(), TimeoutError(), OK], 30.0),
+    ([OK, (200, b"garbage"), (200, b'{"seconds": 0}'), OK], 30.0),
+])
+def test_the_watchdog_kills_once_exactly_when_the_right_runs_out(
+        tmp_path: Path, answers: list[Answer], killed_at: float | None) -> None:
+    line = Timeline(answers).run(tmp_path, until=100.0)
+    assert line.killed_at == killed_at
+    assert line.kills == (0 if killed_at is None else 1)
+
+
+@pytest.mark.unit
+def test_the_watchdog_does_nothing_before_it_is_armed(tmp_path: Path) -> None:
+    right, _leader, clock = keeper(tmp_path, [grant()])
+    right.ask_once()
+    kills: list[float] = []
+    dog = Watchdog(right, clock, lambda: kills.append(clock.now))
+    clock.now += 2 * D
+    assert dog.check() is None and kills == []
+    dog.arm()  # QEMU started after its right ran out: killed at once
+    assert len(kills) == 1 and dog.fired is not None and dog.fired.startswith("self-fenced")
+
+
+@pytest.mark.unit
+def test_the_watchdog_says_how_long_until_the_deadline(tmp_path: Path) -> None:
+    right, _leader, clock = keeper(tmp_path, [grant()])
+    right.ask_once()
+    dog = Watchdog(right, clock, lambda: None)
+    dog.arm()
+    clock.now += D - 0.25
+    assert dog.check() == pytest.approx(0.25)
+    clock.now += 0.25
+    assert dog.check() is None and dog.fired is not None
+
+
+# ---- flags ------------------------------------------------------------------------------------
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"url": "ftp://x"}, "expected http"),
+    ({"url": "http://"}, "expected http"),
+    ({"pod_uid": None}, "needs --pod-uid"),
+    ({"token_file": None}, "needs --scaling-token-file"),
+    ({"seconds": 0.0}, "positive"),
+    ({"namespace": ""}, "namespace"),
+])
+def test_self_fencing_flags_name_what_is_missing(tmp_path: Path, kwargs: dict[str, Any],
+                                                 message: str) -> None:
+    args: dict[str, Any] = {"url": "http://leader:8080", "seconds": D, "namespace": "ns",
+                            "vm": "vm", "pod_uid": UID, "token_file": tmp_path / "t"}
+    args.update(kwargs)
+    with pytest.raises(SpecError, match=message):
+        right_config(**args)
+
+
+@pytest.mark.unit
+def test_the_guest_filter_closes_the_rights_urls_resolved_address_and_port() -> None:
+    import ipaddress
+    assert rights_addresses("http://127.0.0.1:8443") == frozenset(
+        {(ipaddress.ip_address("127.0.0.1"), 8443)})
+    assert rights_addresses("http://192.0.2.7") == frozenset(
+        {(ipaddress.ip_address("192.0.2.7"), 80)})
+    assert rights_addresses("http://no-such-host.invalid:1") == frozenset()
+
+
+# ---- the real kill and the real ask ----------------------------------------------------------
+
+
+def test_the_kill_is_a_sigkill_to_the_armed_process(tmp_path: Path) -> None:
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    clock = FakeClock()
+    fence = SelfFence(config(tmp_path, seconds=5.0), clock=clock,
+                      post=FakeLeader(clock, [grant(5.0)]))
+    try:
+        fence.keeper.ask_once()
+        fence.arm(victim.pid)
+        assert victim.poll() is None  # within its right
+        clock.now += 5.0
+        fence.watchdog.check()
+        assert victim.wait(timeout=30) == -signal.SIGKILL
+        assert fence.fired is not None
+    finally:
+        fence.stop()
+        if victim.poll() is None:
+            victim.kill()
+            victim.wait()
+
+
+class _Drip(BaseHTTPRequestHandler):
+    """Answers a grant one byte at a time, slowly: each read is quick, the whole is not."""
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length", "0")))
+        body = b'{"seconds": 30}' + b" " * 600
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        with contextlib.suppress(OSError):
+            for byte in body:
+                self.wfile.write(bytes([byte]))
+                self.wfile.flush()
+                time.sleep(0.05)
+
+    def log_message(self, *_: Any) -> None:
+        pass
+
+
+def test_an_ask_has_an_overall_deadline_not_one_per_read() -> None:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Drip)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises((OSError, http.client.HTTPException)):
+            # the whole answer takes 30 s; each byte comes within 0.05 s
+            http_post(f"http://127.0.0.1:{server.server_port}{RIGHTS_PATH}", b"{}", {}, 1.0)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+# ---- a real runner under real QEMU -----------------------------------------------------------
+
+
+class RightsServer:
+    """The leader's rights endpoint, as the test wants it: grants only while ``granting``
+    and only for the expected bearer; counts asks."""
+
+    def __init__(self, seconds: float) -> None:
+        self.granting = False
+        self.asks = 0
+        self.refused_bearers = 0
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
+                outer.asks += 1
+                request = RightRequest.from_dict(json.loads(body))
+                if not bearer_matches(self.headers.get("Authorization"), TOKEN,
+                                      request.pod_uid) or request.pod_uid != UID:
+                    outer.refused_bearers += 1
+                    self._answer(401, {"reason": "Unauthorized"})
+                elif outer.granting:
+                    self._answer(200, {"seconds": seconds})
+                else:
+                    self._answer(503, {"reason": NOT_LEADER})
+
+            def _answer(self, status: int, doc: dict[str, Any]) -> None:
+                data = json.dumps(doc).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *_: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_port}"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture(scope="module")
+def tiny_guest(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    from neonvm.runner.host import optional_binary
+    from tests.guest.build import build_guest, missing
+
+    absent = missing()
+    if optional_binary("qemu-system-x86_64") is None:
+        absent.append("qemu-system-x86_64 (scripts/setup-qemu.sh)")
+    if absent:
+        pytest.skip("cannot boot a guest here, missing: " + ", ".join(absent))
+    return build_guest(tmp_path_factory.mktemp("guest"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def qemu_of(work_dir: Path) -> list[int]:
+    """The pids of QEMU processes started for this work dir."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            cmdline = (entry / "cmdline").read_bytes()
+            if b"qemu-system" in cmdline and str(work_dir).encode() in cmdline:
+                found.append(int(entry.name))
+    return found
+
+
+@pytest.fixture
+def rights() -> Iterator[Callable[[float], RightsServer]]:
+    made: list[RightsServer] = []
+
+    def make(seconds: float) -> RightsServer:
+        made.append(RightsServer(seconds))
+        return made[-1]
+
+    yield make
+    for server in made:
+        server.close()
+
+
+def test_a_runner_starts_qemu_only_with_a_right_and_kills_it_when_the_right_runs_out(
+        tmp_path: Path, tiny_guest: Any, rights: Callable[[float], RightsServer]) -> None:
+    seconds = 3.0  # asks every 1 s, each within 0.5 s
+    leader = rights(seconds)
+    token_file = tmp_path / "token"
+    token_file.write_bytes(TOKEN + b"\n")
+    spec = {"terminationGracePeriodSeconds": 30, "guest": {
+        "cpus": {"min": 1, "max": 1}, "memorySlotSize": "128Mi",
+        "memorySlots": {"min": 1, "max": 1}, "rootDisk": {"image": ""},
+        "kernelImage": str(tiny_guest.kernel), "initrdImage": str(tiny_guest.initrd),
+        "appendKernelCmdline": "quiet neonvm.test=powerdown"}}
+    spec_file = tmp_path / "spec.json"
+    spec_file.write_text(json.dumps(spec))
+    termination_log = tmp_path / "termination-log"
+    termination_log.write_text("")
+    work_dir = tmp_path / "work"
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NEONVM_")}
+    env.update({"NEONVM_VM_NAME": "fenced", "NEONVM_VM_NAMESPACE": "tests"})
+    args = [sys.executable, "-m", "neonvm.runner.main", "--spec-file", str(spec_file),
+            "--port", str(port), "--listen-address", "127.0.0.1",
+            "--work-dir", str(work_dir), "--disks-dir", str(tmp_path / "disks"),
+            "--termination-log", str(termination_log),
+            "--scaling-token-file", str(token_file), "--pod-uid", UID,
+            "--rights-url", leader.url, "--right-seconds", str(seconds)]
+    log_path = tmp_path / "runner.log"
+    with (tmp_path / "console.log").open("wb") as out, log_path.open("wb") as err:
+        proc = subprocess.Popen(args, env=env, stdout=out, stderr=err, cwd=REPO)
+    started: list[int] = []
+    try:
+        # (a) no grant yet: the runner asks, again and again, and starts no QEMU.
+        wait_for(lambda: leader.asks >= 4 or proc.poll() is not None, timeout=60,
+                 what="four asks for a right")
+        assert proc.poll() is None, log_path.read_text()
+        assert qemu_of(work_dir) == []
+        assert "waiting for the first right to run" in log_path.read_text()
+        assert leader.refused_bearers == 0
+
+        # The first grant starts QEMU; renewals keep it.
+        leader.granting = True
+        started = wait_for(lambda: qemu_of(work_dir), timeout=60, what="QEMU to start")
+        wait_for(lambda: "ready marker seen" in log_path.read_text() or proc.poll() is not None,
+                 timeout=240, interval=0.2, what="the guest to boot")
+        assert proc.poll() is None, log_path.read_text()
+        asks_while_running = leader.asks
+        wait_for(lambda: leader.asks >= asks_while_running + 3, timeout=60,
+                 what="three renewals")
+        assert proc.poll() is None and qemu_of(work_dir) == started
+
+        # (b) grants stop: the watchdog SIGKILLs QEMU, and the runner exits non-zero.
+        leader.granting = False
+        code = proc.wait(timeout=120)
+        log = log_path.read_text()
+        assert code == ExitCode.QEMU_FAILED, log
+        assert "self-fenced: no right to run" in log
+        assert "SelfFenced" in log  # the structured line's event field
+        assert "QEMU exited with code -9" in log
+        assert "ACPI power-down requested" not in log  # killed, never asked
+        assert termination_log.read_text().startswith("self-fenced: no right to run")
+        assert qemu_of(work_dir) == []
+        assert log.count("QEMU started") == 1  # and never restarted
+        assert leader.refused_bearers == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+        for pid in started:
+            with contextlib.suppress(ProcessLookupError):
+                if pid in qemu_of(work_dir):
+                    os.kill(pid, signal.SIGKILL)
