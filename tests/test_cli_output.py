@@ -344,7 +344,7 @@ def test_request_timeout_gives_up_on_a_server_that_never_answers(
         "users": [{"name": "u", "user": {"token": "t"}}],
         "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}]}))
     for command in (["vm", "list"], ["vm", "get", "x"], ["leader", "show"], ["status"]):
-        result = cli(*command, "--kubeconfig", str(kc), "--request-timeout", "1s")
+        result = cli(*command, "--kubeconfig", str(kc), "--request-timeout", "250ms")
         assert result.exit_code == 3, (command, result.output)
         assert "timed out" in result.output, (command, result.output)
 
