@@ -41,12 +41,13 @@ KERNEL_NAME = "vmlinuz"
 INITRD_NAME = "initrd.cpio"
 MTIME = 1735689600
 """2025-01-01T00:00:00Z, the images' SOURCE_DATE_EPOCH."""
-MODULES = ("virtio_pci", "virtio_blk", "virtio_net", "virtio_console", "qemu_fw_cfg",
-           "button", "evdev", "isofs")
+MODULES = ("virtio_pci", "virtio_blk", "virtio_net", "virtio_console", "virtio_mem",
+           "qemu_fw_cfg", "button", "evdev", "isofs")
 """What the init loads (with their dependencies): disks, network, the scaling agent's
-port, the config in fw_cfg, the ACPI power button read through evdev, and ISO 9660 (a
-vm-builder guest mounts its runtime disk with it). ext4, tmpfs, swap and devtmpfs are
-built into Debian's cloud kernel."""
+port, virtio-mem (live memory scaling; loaded before a vm-builder init takes over, whose
+disk has no modules for this kernel), the config in fw_cfg, the ACPI power button read
+through evdev, and ISO 9660 (a vm-builder guest mounts its runtime disk with it). ext4,
+tmpfs, swap and devtmpfs are built into Debian's cloud kernel."""
 RESIZE2FS = ("/usr/sbin/resize2fs", "/sbin/resize2fs")
 LOAD_ORDER = "lib/modules/load-order"
 

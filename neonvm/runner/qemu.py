@@ -20,11 +20,16 @@ The mapping (docs/runner.md has the full table):
 
 * CPUs: ``-smp cpus=ceil(use),maxcpus=ceil(max)``; fractions of a core are the pod's
   cgroup limit, not QEMU's.
-* Memory: ``min`` slots are boot memory; ``max > min`` adds ``slots=max-min`` DIMM slots
-  and ``maxmem=max * slotSize``; ``use > min`` plugs ``use - min`` DIMMs at start (ids
-  ``dimm-slot<i>``/``mem-slot<i>``, the names :mod:`neonvm.runner.scaling` plugs and
-  unplugs live), and the kernel is told ``memhp_default_state=online_movable`` (``online``
-  with less than 512 MiB of boot memory, see :func:`memory_online_state`).
+* Memory: ``min`` slots are boot memory and ``maxmem=max * slotSize``. With ``max > min``
+  (``memoryProvider`` unset or ``VirtioMem``, NeonVM's only mechanism) one virtio-mem device
+  (``vm0``, backend ``vmem0``, NeonVM's ids) of ``(max - min) * slotSize`` with
+  ``requested-size=(use - min) * slotSize``; :mod:`neonvm.runner.scaling` moves
+  ``requested-size`` live. The kernel is told NeonVM's ``memhp_default_state=online
+  memory_hotplug.online_policy=auto-movable memory_hotplug.auto_movable_ratio=<ratio>``.
+  ``memoryProvider: DIMMSlots``: ``slots=max-min`` ACPI DIMM slots, ``use - min`` DIMMs
+  plugged at start (ids ``dimm-slot<i>``/``mem-slot<i>``), for a guest kernel without
+  virtio_mem; ``memhp_default_state=online_movable`` (``online`` with less than 512 MiB
+  of boot memory, see :func:`memory_online_state`). docs/runner.md, "Mechanism".
 * Root disk: a qcow2 overlay in the work dir backed by the image (the image stays
   untouched; ``rootDisk.size`` grows the overlay).
 * Extra disks: ``emptyDisk`` → a fresh ext4 raw image; ``configMap``/``secret`` → a
@@ -71,6 +76,17 @@ AGENT_SOCKET_NAME = "agent.sock"
 AGENT_PORT_NAME = "vm.neon.tech.agent"
 """The virtio-serial port the guest agent reads commands from (SysfsScaling)."""
 CpuScalingMode = Literal["QmpScaling", "SysfsScaling"]
+MemoryProvider = Literal["VirtioMem", "DIMMSlots"]
+VIRTIO_MEM_ID = "vm0"
+"""The virtio-mem device's id (NeonVM's, so a tool on ``spec.qmp`` finds it as there)."""
+VIRTIO_MEM_BACKEND_ID = "vmem0"
+VIRTIO_MEM_BLOCK_BYTES = 8 * (1 << 20)
+"""virtio-mem's block size, NeonVM's: the slot size must be a multiple of it."""
+DEFAULT_AUTO_MOVABLE_RATIO = "301"
+"""``memory_hotplug.auto_movable_ratio`` when ``memhpAutoMovableRatio`` is unset: NeonVM's
+controller default (``--memhp-auto-movable-ratio``)."""
+ACPI_MAX_DIMM_SLOTS = 256
+"""QEMU refuses more DIMM slots than this (``unsupported amount of memory slots``)."""
 GUEST_CONFIG_NAME = "guest-config.json"
 FW_CFG_NAME = "opt/vm.neon.tech/config"
 ROOT_OVERLAY_NAME = "rootdisk.qcow2"
@@ -150,6 +166,16 @@ class MemoryLayout:
     def hotplug_slots(self) -> int:
         return self.max_slots - self.min_slots
 
+    @property
+    def hotplug_bytes(self) -> int:
+        """The virtio-mem device's size: everything above boot memory."""
+        return self.slot_bytes * self.hotplug_slots
+
+    @property
+    def requested_bytes(self) -> int:
+        """The virtio-mem device's ``requested-size`` at boot (``use`` above ``min``)."""
+        return self.slot_bytes * (self.use_slots - self.min_slots)
+
 
 DiskKind = Literal["root-overlay", "empty", "content", "blank", "file"]
 """blank: a sparse raw file holding only a swap signature (the swap disk; label
@@ -210,6 +236,8 @@ class LaunchPlan:
     guest_init: str | None = None
     """Runner kernel only: the root disk's own init the guest hands over to
     (vm-builder's ``/neonvm/bin/init``); None: the runner's init runs the command."""
+    memory_provider: MemoryProvider = "VirtioMem"
+    """How memory above ``min`` is plugged (``spec.guest.memoryProvider``)."""
 
 
 def cpu_layout(cpus: CPURange) -> CpuLayout:
@@ -289,6 +317,39 @@ MOVABLE_MIN_BOOT_BYTES = 512 * MIB
 """Boot memory from which plugged DIMMs go to ZONE_MOVABLE (see memory_online_state)."""
 
 
+def memory_provider(provider: object) -> MemoryProvider:
+    """``spec.guest.memoryProvider``: unset is ``VirtioMem`` (NeonVM's only mechanism)."""
+    if provider is None or provider == "VirtioMem":
+        return "VirtioMem"
+    if provider == "DIMMSlots":
+        return "DIMMSlots"
+    raise SpecError(f"guest.memoryProvider: {provider!r} is neither VirtioMem nor DIMMSlots")
+
+
+def check_memory_provider(memory: MemoryLayout, provider: MemoryProvider) -> None:
+    """``SpecError`` for a layout the provider cannot plug: a slot size that is no whole
+    number of virtio-mem blocks (NeonVM's rule), or more DIMM slots than QEMU takes."""
+    if not memory.hotplug_slots:
+        return
+    if provider == "VirtioMem" and memory.slot_bytes % VIRTIO_MEM_BLOCK_BYTES:
+        raise SpecError(f"guest.memorySlotSize: {format_bytes(memory.slot_bytes)} is no "
+                        f"multiple of virtio-mem's block size "
+                        f"({format_bytes(VIRTIO_MEM_BLOCK_BYTES)})")
+    if provider == "DIMMSlots" and memory.hotplug_slots > ACPI_MAX_DIMM_SLOTS:
+        raise SpecError(f"guest.memorySlots: max - min = {memory.hotplug_slots} DIMM slots; "
+                        f"QEMU takes at most {ACPI_MAX_DIMM_SLOTS} (memoryProvider: "
+                        "VirtioMem has no such limit)")
+
+
+def movable_ratio(ratio: str | None) -> str:
+    """``memhpAutoMovableRatio`` (a whole number of percent), else NeonVM's default."""
+    if ratio is None or ratio == "":
+        return DEFAULT_AUTO_MOVABLE_RATIO
+    if not ratio.isascii() or not ratio.isdigit():
+        raise SpecError(f"guest.memhpAutoMovableRatio: {ratio!r} is not a whole number")
+    return ratio
+
+
 def memory_online_state(memory: MemoryLayout) -> str:
     """How the guest kernel onlines plugged DIMMs: ``online_movable`` or ``online``.
 
@@ -303,7 +364,9 @@ def memory_online_state(memory: MemoryLayout) -> str:
 
 
 def kernel_cmdline(has_root_disk: bool, memory: MemoryLayout, append: str | None,
-                   online_cpus: int | None = None, guest_init: str | None = None) -> str:
+                   online_cpus: int | None = None, guest_init: str | None = None,
+                   provider: MemoryProvider = "VirtioMem",
+                   auto_movable_ratio: str = DEFAULT_AUTO_MOVABLE_RATIO) -> str:
     """The kernel command line: console on the serial port, then the user's additions.
 
     ``panic=-1`` turns a guest panic into a reboot, which ``-no-reboot`` turns into QEMU
@@ -317,7 +380,12 @@ def kernel_cmdline(has_root_disk: bool, memory: MemoryLayout, append: str | None
         parts = ["console=ttyS1", "panic=-1", f"init={guest_init}", "loglevel=6"]
     if has_root_disk or guest_init is not None:
         parts += ["root=/dev/vda", "rw"]
-    if memory.max_slots > memory.min_slots:
+    if memory.max_slots > memory.min_slots and provider == "VirtioMem":
+        # NeonVM's line: the kernel onlines what virtio-mem plugs, each block in
+        # ZONE_MOVABLE while movable memory stays within the ratio of the kernel zones.
+        parts += ["memhp_default_state=online", "memory_hotplug.online_policy=auto-movable",
+                  f"memory_hotplug.auto_movable_ratio={auto_movable_ratio}"]
+    elif memory.max_slots > memory.min_slots:
         parts.append(f"memhp_default_state={memory_online_state(memory)}")
     if online_cpus is not None:
         # SysfsScaling: every vCPU is present, only ``use`` are brought up at boot; the
@@ -333,6 +401,9 @@ def build_launch_plan(spec: VirtualMachineSpec, ctx: LaunchContext) -> LaunchPla
     guest = spec.guest
     cpus = cpu_layout(guest.cpus)
     memory = memory_layout(guest.memory_slots, guest.memory_slot_size)
+    provider = memory_provider(guest.memory_provider)
+    check_memory_provider(memory, provider)
+    ratio = movable_ratio(guest.memhp_auto_movable_ratio)
 
     root_image: Path | None = ctx.root_disk_override
     if root_image is None and guest.root_disk.image:
@@ -367,14 +438,26 @@ def build_launch_plan(spec: VirtualMachineSpec, ctx: LaunchContext) -> LaunchPla
     sysfs = ctx.cpu_scaling_mode == "SysfsScaling"
     booted = cpus.max_vcpus if sysfs else cpus.vcpus
     argv += ["-smp", f"cpus={booted},maxcpus={cpus.max_vcpus}"]
-    if memory.hotplug_slots:
+    if not memory.hotplug_slots:
+        argv += ["-m", f"size={_mib(memory.boot_bytes)}"]
+    elif provider == "VirtioMem":
+        # No DIMM slots: virtio-mem needs only maxmem. reserve=off: the backend of
+        # max - min is mapped without reserving it (MAP_NORESERVE); only what the guest
+        # has plugged is ever touched, and a backend larger than the host's memory plus
+        # swap is refused by Linux's overcommit heuristic otherwise.
+        argv += ["-m", f"size={_mib(memory.boot_bytes)},maxmem={_mib(memory.max_bytes)}",
+                 "-object", f"memory-backend-ram,id={VIRTIO_MEM_BACKEND_ID},"
+                            f"size={_mib(memory.hotplug_bytes)},reserve=off",
+                 "-device", f"virtio-mem-pci,id={VIRTIO_MEM_ID},memdev={VIRTIO_MEM_BACKEND_ID},"
+                            f"block-size={_mib(VIRTIO_MEM_BLOCK_BYTES)},"
+                            f"requested-size={_mib(memory.requested_bytes)}"]
+    else:
         argv += ["-m", f"size={_mib(memory.boot_bytes)},slots={memory.hotplug_slots},"
                        f"maxmem={_mib(memory.max_bytes)}"]
-    else:
-        argv += ["-m", f"size={_mib(memory.boot_bytes)}"]
-    for slot in range(memory.min_slots, memory.use_slots):
-        argv += ["-object", f"memory-backend-ram,id=mem-slot{slot},size={_mib(memory.slot_bytes)}",
-                 "-device", f"pc-dimm,id=dimm-slot{slot},memdev=mem-slot{slot}"]
+        for slot in range(memory.min_slots, memory.use_slots):
+            argv += ["-object", f"memory-backend-ram,id=mem-slot{slot},"
+                                f"size={_mib(memory.slot_bytes)}",
+                     "-device", f"pc-dimm,id=dimm-slot{slot},memdev=mem-slot{slot}"]
 
     # Serial console → QEMU's stdout, which the runner forwards to its own stdout. A
     # vm-builder guest gets NeonVM's layout: ttyS0 (its agetty's) goes nowhere, ttyS1 is
@@ -435,7 +518,8 @@ def build_launch_plan(spec: VirtualMachineSpec, ctx: LaunchContext) -> LaunchPla
     if kernel is not None:
         required_files.append(("kernel", kernel))
         cmdline = kernel_cmdline(root_image is not None, memory, guest.append_kernel_cmdline,
-                                 online_cpus=cpus.vcpus if sysfs else None)
+                                 online_cpus=cpus.vcpus if sysfs else None,
+                                 provider=provider, auto_movable_ratio=ratio)
         argv += ["-kernel", str(kernel), "-append", cmdline]
         if guest.initrd_image:
             initrd = Path(guest.initrd_image)
@@ -447,7 +531,8 @@ def build_launch_plan(spec: VirtualMachineSpec, ctx: LaunchContext) -> LaunchPla
                            ("runner initramfs", runner_kernel.initrd)]
         cmdline = kernel_cmdline(False, memory, guest.append_kernel_cmdline,
                                  online_cpus=cpus.vcpus if sysfs else None,
-                                 guest_init=guest_init)
+                                 guest_init=guest_init, provider=provider,
+                                 auto_movable_ratio=ratio)
         argv += ["-kernel", str(runner_kernel.kernel), "-initrd", str(runner_kernel.initrd),
                  "-append", cmdline]
 
@@ -546,7 +631,7 @@ def build_launch_plan(spec: VirtualMachineSpec, ctx: LaunchContext) -> LaunchPla
         "cpus": {"use": cpus.vcpus, "max": cpus.max_vcpus,
                  "scalingMode": ctx.cpu_scaling_mode},
         "memory": {"slotSize": format_bytes(memory.slot_bytes), "use": memory.use_slots,
-                   "min": memory.min_slots, "max": memory.max_slots},
+                   "min": memory.min_slots, "max": memory.max_slots, "provider": provider},
         "readyMarker": ctx.ready_marker,
     }
     argv += ["-fw_cfg", f"name={FW_CFG_NAME},file={qemu_value(config_path)}"]
@@ -590,6 +675,7 @@ def build_launch_plan(spec: VirtualMachineSpec, ctx: LaunchContext) -> LaunchPla
         boot_script=script,
         boot_script_path=script_path,
         guest_init=guest_init,
+        memory_provider=provider,
     )
 
 

@@ -2,10 +2,13 @@
 
 The wire contract (token, fence, request and answer shapes, bounds) is
 :mod:`neonvm.api.scale_protocol`. Here: the fence recorded in the work dir before QEMU is
-touched (:class:`FenceStore`), vCPUs and DIMMs plugged and unplugged one request at a
+touched (:class:`FenceStore`), vCPUs and memory plugged and unplugged one request at a
 time (:class:`Scaler`), and removals that the guest may finish or refuse long after
-their request answered (:class:`Removals`, re-sent after :data:`RESEND_SECONDS`). See
-docs/runner.md, "Live scaling" (the endpoint, the fence rule, pending removals).
+their request answered (:class:`Removals`, re-sent after :data:`RESEND_SECONDS`). Memory
+is a virtio-mem device's ``requested-size`` (:func:`converge_virtio_mem`), or DIMMs for a
+QEMU started with them (``memoryProvider: DIMMSlots``): the runner reads which from
+``query-memory-devices``. See docs/runner.md, "Live scaling" (the mechanism, the
+endpoint, the fence rule, pending removals).
 """
 
 from __future__ import annotations
@@ -83,7 +86,8 @@ class GuestSize:
 
 @dataclass(frozen=True)
 class QemuSize:
-    """What QEMU has plugged: vCPUs (``query-cpus-fast``) and memory (boot + DIMMs)."""
+    """What QEMU has plugged: vCPUs (``query-cpus-fast``) and memory (boot + DIMMs, or
+    boot + what the guest has plugged of the virtio-mem device)."""
 
     vcpus: int
     memory_slots: int
@@ -93,10 +97,31 @@ class QemuSize:
     """qom-paths of the plugged vCPUs (``query-cpus-fast``)."""
     cpu_indexes: tuple[int, ...] = ()
     """Their ``cpu-index`` (in the same order): the ACPI slot of each."""
+    virtio_mem: VirtioMem | None = None
+    """The virtio-mem device, if QEMU has one (then ``dimms`` is empty)."""
 
     def has(self, device: str) -> bool:
         """Whether QEMU still lists ``device`` (a DIMM id or a vCPU qom-path)."""
         return device in self.dimms or device in self.cpu_paths
+
+
+@dataclass(frozen=True)
+class VirtioMem:
+    """A virtio-mem device as ``query-memory-devices`` lists it."""
+
+    id: str
+    size: int
+    """What the guest has plugged (bytes)."""
+    requested_size: int
+    """What the runner asked for (bytes)."""
+
+
+def virtio_mem_slots(device: VirtioMem, slot_bytes: int) -> int:
+    """Slots plugged above boot memory. A size between two slot counts (the guest is
+    still plugging or unplugging) is rounded away from ``requested-size``: a change under
+    way is never reported as its target reached."""
+    whole, part = divmod(device.size, slot_bytes)
+    return whole + 1 if part and device.size > device.requested_size else whole
 
 
 def ost_refuses_eject(info: dict[str, Any]) -> bool:
@@ -178,9 +203,14 @@ async def query_size(qmp: QMPClient, limits: ScaleLimits) -> QemuSize:
                   if d.get("type") == "dimm" and "data" in d)
     plugged = sum(int(d["data"].get("size", 0)) for d in devices if "data" in d)
     boot = limits.min_slots * limits.slot_bytes
-    return QemuSize(vcpus=len(cpus), memory_slots=limits.min_slots + len(dimms),
+    virtio = next((VirtioMem(id=str(d["data"].get("id") or ""), size=int(d["data"]["size"]),
+                             requested_size=int(d["data"].get("requested-size", 0)))
+                   for d in devices if d.get("type") == "virtio-mem" and "data" in d), None)
+    slots = (virtio_mem_slots(virtio, limits.slot_bytes) if virtio is not None
+             else len(dimms))
+    return QemuSize(vcpus=len(cpus), memory_slots=limits.min_slots + slots,
                     memory_bytes=boot + plugged, dimms=dimms,
-                    cpu_paths=cpu_paths, cpu_indexes=cpu_indexes)
+                    cpu_paths=cpu_paths, cpu_indexes=cpu_indexes, virtio_mem=virtio)
 
 
 class Removals:
@@ -417,14 +447,52 @@ async def converge_cpus(qmp: QMPClient, target: int, deadline: float,
                                  f"the guest ejecting {len(leaving)} vCPU(s)")
 
 
+VIRTIO_MEM_GUEST_HINT = (
+    "the guest has plugged nothing of its virtio-mem device: does its kernel have the "
+    "virtio_mem driver loaded (the runner's and vm-builder guests load it; a kernelImage "
+    "without it needs memoryProvider: DIMMSlots)?")
+
+
+async def converge_virtio_mem(qmp: QMPClient, device: VirtioMem, target_slots: int,
+                              limits: ScaleLimits, deadline: float) -> None:
+    """Set the virtio-mem device's ``requested-size`` to ``target_slots`` above boot
+    memory and wait until the guest's driver has plugged or unplugged it (``size``).
+
+    Nothing to record or settle: a newer request simply sets another size (QEMU takes a
+    new ``requested-size`` at any time), and the guest keeps working towards the last
+    one. A guest that cannot give memory back (unmovable pages) retries by itself; the
+    request then ends in 504 at its deadline, the fence stays recorded."""
+    want = (target_slots - limits.min_slots) * limits.slot_bytes
+    path = f"/machine/peripheral/{device.id}"
+    if device.requested_size != want:
+        await qmp.execute("qom-set", {"path": path, "property": "requested-size",
+                                      "value": want})
+    loop = asyncio.get_running_loop()
+    while True:
+        size = int(await qmp.execute("qom-get", {"path": path, "property": "size"}))
+        if size == want:
+            return
+        if loop.time() > deadline:
+            hint = f"; {VIRTIO_MEM_GUEST_HINT}" if size == 0 and want > 0 else ""
+            raise ScaleError(504, f"the guest's virtio-mem driver has {size} bytes plugged, "
+                                  f"{want} requested: not done before the request's timeout "
+                                  f"(the fence stays recorded; retry with it to continue)"
+                                  f"{hint}")
+        await asyncio.sleep(REMOVAL_POLL_SECONDS)
+
+
 async def converge_memory(qmp: QMPClient, target_slots: int, limits: ScaleLimits,
                           deadline: float, removals: Removals | None = None) -> None:
-    """Reach ``target_slots`` by count: plug DIMMs into the lowest free slots, or unplug
-    the highest plugged ones. By count, not by slot identity: after the guest refused
-    one eject and finished another, the plugged slots may have a gap, and plugging the
-    gap before removing the slot above it would take the guest through a size larger
-    than both the old plan's and the new one's."""
+    """Reach ``target_slots``: through the virtio-mem device if QEMU has one
+    (:func:`converge_virtio_mem`), else by DIMM count: plug DIMMs into the lowest free
+    slots, or unplug the highest plugged ones. By count, not by slot identity: after the
+    guest refused one eject and finished another, the plugged slots may have a gap, and
+    plugging the gap before removing the slot above it would take the guest through a
+    size larger than both the old plan's and the new one's."""
     size = await query_size(qmp, limits)
+    if size.virtio_mem is not None:
+        await converge_virtio_mem(qmp, size.virtio_mem, target_slots, limits, deadline)
+        return
     present = set(size.dimms)
     slots = range(limits.min_slots, limits.max_slots)
     have = [s for s in slots if DIMM_ID.format(s) in present]
@@ -741,5 +809,9 @@ class Scaler:
 
 
 def _size_json(size: QemuSize) -> dict[str, Any]:
-    return {"vcpus": size.vcpus, "memorySlots": size.memory_slots,
-            "memoryBytes": size.memory_bytes}
+    out: dict[str, Any] = {"vcpus": size.vcpus, "memorySlots": size.memory_slots,
+                           "memoryBytes": size.memory_bytes}
+    if size.virtio_mem is not None:
+        out["virtioMem"] = {"size": size.virtio_mem.size,
+                            "requestedSize": size.virtio_mem.requested_size}
+    return out

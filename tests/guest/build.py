@@ -5,7 +5,7 @@ initrd paths. The initramfs holds a static busybox, ``init.sh`` (beside this fil
 ``/init``, the runner's guest side of live scaling (``neonvm/runner/guest_scaling.sh``,
 as ``/lib/neonvm/guest-scaling.sh``, which ``init.sh`` starts), and the few kernel
 modules the guest needs (virtio disks, the virtio-serial port of the scaling agent,
-fw_cfg, the ACPI power button and evdev to read it) copied from
+virtio-mem, fw_cfg, the ACPI power button and evdev to read it) copied from
 ``/lib/modules/<kernel version>``.
 
 Needs: ``linux-image-cloud-amd64``, ``busybox-static``, ``cpio`` (scripts/setup-qemu.sh).
@@ -26,7 +26,8 @@ from neonvm.runner.initramfs import find_kernel
 INIT_SCRIPT = Path(__file__).with_name("init.sh")
 BUSYBOX = Path("/bin/busybox")
 MODULES = ("virtio", "virtio_ring", "virtio_pci_legacy_dev", "virtio_pci_modern_dev",
-           "virtio_pci", "virtio_blk", "virtio_console", "qemu_fw_cfg", "evdev", "button")
+           "virtio_pci", "virtio_blk", "virtio_console", "virtio_mem", "qemu_fw_cfg", "evdev",
+           "button")
 
 
 @dataclass(frozen=True)

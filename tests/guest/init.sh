@@ -24,7 +24,7 @@
 export PATH=/bin
 
 for m in virtio_ring virtio virtio_pci_legacy_dev virtio_pci_modern_dev virtio_pci \
-         virtio_blk virtio_console qemu_fw_cfg evdev button; do
+         virtio_blk virtio_console virtio_mem qemu_fw_cfg evdev button; do
     [ -f /lib/modules/$m.ko ] && insmod /lib/modules/$m.ko 2>/dev/null
 done
 
