@@ -196,7 +196,8 @@ class FakeCluster:
         return copy.deepcopy(pod)
 
     def delete_pod(self, namespace: str, name: str, *, uid: str,
-                   resource_version: str | None = None) -> None:
+                   resource_version: str | None = None,
+                   grace_period_seconds: int | None = None) -> None:
         self._enter("delete_pod", name)
         pod = self.pods.get((namespace, name))
         if pod is None:

@@ -206,6 +206,9 @@ def test_a_standby_answers_not_leader_and_records_nothing(served: Any) -> None:
     port, ledger, clock, _ = served
     status, doc = ask(port, REQUEST, authorization_header(TOKEN, POD_UID))
     assert (status, doc["reason"]) == (503, NOT_LEADER)
+    ledger.begin_term(lambda: True)
+    clock.now += BOUND
+    assert ledger.condemn(POD_UID, 10.0) == 0.0  # nothing was issued
 
 
 @pytest.mark.parametrize(("change", "status", "reason"), [
@@ -249,7 +252,7 @@ def test_a_body_over_the_cap_is_refused_without_being_read(served: Any) -> None:
     port, ledger, _, _ = served
     ledger.begin_term(lambda: True)
     status, doc = ask(port, None, raw=b"x" * (MAX_BODY + 1))
-    assert status == 413
+    assert (status, doc["reason"]) == (413, "BadRequest")
 
 
 def test_the_bind_address_parses() -> None:

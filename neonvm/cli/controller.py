@@ -19,12 +19,14 @@ from types import FrameType
 import click
 from loguru import logger
 
+from neonvm.api.rights import DEFAULT_RIGHT_SECONDS
 from neonvm.controller.fault_wiring import wiring_for
 from neonvm.controller.faults import FaultConfig, FaultConfigError
 from neonvm.controller.manager import ControllerConfig, ControllerProcess, http_pool_size
 from neonvm.controller.metrics import ControllerMetrics
 from neonvm.controller.podspec import DEFAULT_RUNNER_IMAGE, PodDefaults
 from neonvm.controller.reconciler import ReconcilerConfig
+from neonvm.controller.rights import RightsServer, RightsService, TokenCache, parse_bind
 from neonvm.leader.election import (
     DEFAULT_LEASE_NAME,
     DEFAULT_NAMESPACE,
@@ -99,6 +101,16 @@ def controller() -> None:
 @click.option("--health-port", type=click.IntRange(min=0, max=65535), default=8081,
               show_default=True, help="/healthz, /readyz, /metrics (0: a free port).")
 @click.option("--health-host", default="0.0.0.0", show_default=True)
+@click.option("--right-seconds", type=click.FloatRange(min=0), default=DEFAULT_RIGHT_SECONDS,
+              show_default=True,
+              help="Self-fencing: the right to run granted to each runner, in seconds (0: "
+                   "off). Needs --rights-url; docs/protocol.md, \"Self-fencing\".")
+@click.option("--rights-url", default="",
+              help="Self-fencing: the URL runners ask for rights (the Service in front of "
+                   "the replicas' --rights-bind). Empty: pods do not self-fence.")
+@click.option("--rights-bind", default="",
+              help="host:port where this replica serves POST /v1/rights (answered while "
+                   "it leads). Empty: not served.")
 @click.option("--fault", "faults", multiple=True, metavar="K=V[,K=V]",
               help="Fault injection (testing only; also $NEONVM_FAULTS): crash_after=STEP[@N],"
                    " stale_reads=P, drop_watch_events=P, conflict=P, seed=N, crash_record=PATH.")
@@ -111,6 +123,7 @@ def run(kubeconfig: Path | None, lease_namespace: str, lease_name: str, identity
         heap_trim: float,
         runner_image: str, kvm_resource: str,
         health_port: int, health_host: str,
+        right_seconds: float, rights_url: str, rights_bind: str,
         faults: tuple[str, ...]) -> None:
     """Run one replica: campaign, and while leading keep exactly one runner pod per VM."""
     from neonvm import kube
@@ -138,7 +151,9 @@ def run(kubeconfig: Path | None, lease_namespace: str, lease_name: str, identity
         reconciler=ReconcilerConfig(resync_seconds=resync,
                                     pod_defaults=PodDefaults(
                                         runner_image=runner_image,
-                                        kvm_resource=kvm_resource or None)),
+                                        kvm_resource=kvm_resource or None,
+                                        right_seconds=right_seconds,
+                                        rights_url=rights_url or None)),
     )
     log = logger.bind(identity=election.identity)
     if fault_config.enabled:
@@ -149,6 +164,14 @@ def run(kubeconfig: Path | None, lease_namespace: str, lease_name: str, identity
                                 wiring=wiring_for(fault_config), metrics=metrics)
     health = HealthServer(health_port, metrics.registry, host=health_host)
     process.register_health(health)
+    rights: RightsServer | None = None
+    if rights_bind:
+        try:
+            host, port = parse_bind(rights_bind)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--rights-bind") from None
+        rights = RightsServer(RightsService(process.rights, process.rights_caches,
+                                            TokenCache(api)), host, port)
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
@@ -158,6 +181,8 @@ def run(kubeconfig: Path | None, lease_namespace: str, lease_name: str, identity
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     health.start()
+    if rights is not None:
+        rights.start()
     log.info("controller replica starting: lease {ns}/{name}, etcd {etcd}, {w} workers",
              ns=lease_namespace, name=lease_name, etcd=",".join(etcd_config.endpoints),
              w=workers)
@@ -169,6 +194,8 @@ def run(kubeconfig: Path | None, lease_namespace: str, lease_name: str, identity
         log.error("cannot campaign: {err}", err=str(exc))
         sys.exit(1)
     finally:
+        if rights is not None:
+            rights.stop()
         health.stop()
         api.close()
     log.info("controller replica stopped")

@@ -118,8 +118,10 @@ class Cluster(ClusterReads, Protocol):
         ...
 
     def delete_pod(self, namespace: str, name: str, *, uid: str,
-                   resource_version: str | None = None) -> None:
-        """Delete the pod if it still has ``uid`` (and ``resource_version``, if given)."""
+                   resource_version: str | None = None,
+                   grace_period_seconds: int | None = None) -> None:
+        """Delete the pod if it still has ``uid`` (and ``resource_version``, if given);
+        ``grace_period_seconds`` 0 removes it at once (a self-fenced pod)."""
         ...
 
     def username(self) -> str:
@@ -213,13 +215,17 @@ class KubeCluster(VMWriter):
                             content_type=JSON_PATCH, timeout=TIMEOUT)
 
     def delete_pod(self, namespace: str, name: str, *, uid: str,
-                   resource_version: str | None = None) -> None:
+                   resource_version: str | None = None,
+                   grace_period_seconds: int | None = None) -> None:
         preconditions = {"uid": uid}
         if resource_version is not None:
             preconditions["resourceVersion"] = resource_version
+        body: dict[str, Any] = {"preconditions": preconditions}
+        if grace_period_seconds is not None:
+            body["gracePeriodSeconds"] = grace_period_seconds
         kube.request(self._api, "DELETE",
                      f"/api/v1/namespaces/{namespace}/pods/{kube.path_segment(name)}",
-                     body={"preconditions": preconditions}, timeout=TIMEOUT)
+                     body=body, timeout=TIMEOUT)
 
     def username(self) -> str:
         review = kube.request(

@@ -168,6 +168,13 @@ class Observation:
     """The VM's namespace is being deleted (the driver learned it from a create refused
     for that reason): no new pod can be made there, and the VM goes with its namespace.
     Never looked up; False: not known to be."""
+    dead_pods: frozenset[str] = frozenset()
+    """Uids of self-fencing pods on unreachable nodes whose right to run is surely over
+    (condemned by the leader's ledger: never granted again); see
+    :mod:`neonvm.controller.fencing`. Empty: none, or not looked at."""
+    fence_recheck: float | None = None
+    """Seconds until a self-fencing pod on an unreachable node will be surely dead (a
+    Done becomes a Wait that long); None: no such pod."""
 
     def pod(self, name: str | None) -> PodView | None:
         if not name:
@@ -291,6 +298,19 @@ class DeletePod(Action):
     """Delete a pod with a uid precondition."""
 
     step: ClassVar[str] = "cleanup"
+
+    name: str = ""
+    uid: str = ""
+
+
+@dataclass(frozen=True)
+class ForceDeleteDeadPod(Action):
+    """Delete a self-fenced pod at once (``gracePeriodSeconds: 0``, uid precondition):
+    its node is unreachable and its right to run is surely over, so its guest is dead
+    (docs/protocol.md, "Self-fencing"). Only for a uid in ``Observation.dead_pods``, from
+    a direct observation."""
+
+    step: ClassVar[str] = "force_delete"
 
     name: str = ""
     uid: str = ""
@@ -565,8 +585,23 @@ def _decide(obs: Observation) -> Action:
         )
     if isinstance(action, Done | Wait):
         # Nothing to do for the plan itself: clean up pods nobody references.
-        return _cleanup(obs, vm) or action
+        action = _cleanup(obs, vm) or action
+    if isinstance(action, Done) and obs.fence_recheck is not None:
+        action = Wait(seconds=max(0.5, obs.fence_recheck),
+                      reason=f"{action.reason}; a self-fencing pod's node is unreachable")
     return action
+
+
+def _self_fenced(obs: Observation, pods: list[PodView]) -> Action | None:
+    """A pod of ``pods`` that self-fenced for sure: force-delete it (from a direct read)."""
+    dead = next((p for p in pods if p.uid in obs.dead_pods), None)
+    if dead is None:
+        return None
+    if not obs.direct:
+        return ObserveDirect(reason=f"pod {dead.name} self-fenced: confirm")
+    return ForceDeleteDeadPod(name=dead.name, uid=dead.uid,
+                              reason=f"pod {dead.name}'s node is unreachable and its right "
+                                     f"to run is surely over")
 
 
 def _decide_deletion(obs: Observation, vm: VirtualMachine) -> Action:
@@ -594,6 +629,8 @@ def _decide_committed(obs: Observation, vm: VirtualMachine) -> Action:
         return DropPlan(name=vm.status.pending_pod.name,
                         reason="a committed pod and a plan at once: drop the plan")
     gone = pod is None or (bool(vm.status.pod_uid) and pod.uid != vm.status.pod_uid)
+    if not gone and pod is not None and (fenced := _self_fenced(obs, [pod])) is not None:
+        return fenced
     if gone or (pod is not None and (pod.finished or pod.terminating)):
         if not obs.direct:
             return ObserveDirect(reason=f"pod {name} looks gone or finished: confirm")
@@ -618,6 +655,8 @@ def _decide_committed(obs: Observation, vm: VirtualMachine) -> Action:
                 stray = live[0]
                 return DeletePod(name=stray.name, uid=stray.uid,
                                  reason=f"pod {stray.name} is not the committed pod")
+            if (fenced := _self_fenced(obs, others)) is not None:
+                return fenced
             return Wait(seconds=1.0, condition=WAITING_FOR_OLD_POD,
                         reason=f"waiting for {', '.join(p.name for p in others)} to go "
                                f"before starting {pod.name}")

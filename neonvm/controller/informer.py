@@ -41,6 +41,7 @@ from kubernetes.watch.watch import iter_resp_lines
 from loguru import logger
 
 from neonvm.api import types
+from neonvm.api.rights import RIGHT_SECONDS_ANNOTATION
 from neonvm.controller.podspec import ANNOTATION_BUILT_SIZE
 from neonvm.kube import PRUNE_DEPTH, decode_json, pruned, release_stream, short_error
 
@@ -229,7 +230,7 @@ def strip_managed_fields(obj: Obj) -> Obj:
 
 
 POD_ANNOTATIONS = (types.ANNOTATION_EPOCH, types.ANNOTATION_TOKEN, types.ANNOTATION_PLAN_SEQ,
-                   ANNOTATION_BUILT_SIZE)
+                   ANNOTATION_BUILT_SIZE, RIGHT_SECONDS_ANNOTATION)
 """The pod annotations the controller reads from its cache (the fence and plan, and the
 size the pod was built with, which a pod's commit records)."""
 RUNNER_PORT_NAME = "runner"
@@ -278,7 +279,12 @@ def project_pod(pod: Obj) -> Obj:
         slim_spec["containers"] = containers
     if slim_spec:
         slim["spec"] = slim_spec
-    slim_status = {k: status[k] for k in ("phase", "podIP") if status.get(k)}
+    slim_status: Obj = {k: status[k] for k in ("phase", "podIP") if status.get(k)}
+    # Self-fencing looks at the node of a pod that is not ready (controller/fencing.py).
+    ready = [{"type": "Ready", "status": c.get("status")}
+             for c in status.get("conditions") or [] if c.get("type") == "Ready"]
+    if ready:
+        slim_status["conditions"] = ready
     if slim_status:
         slim["status"] = slim_status
     return slim

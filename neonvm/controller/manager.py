@@ -67,6 +67,7 @@ from neonvm.api import types
 from neonvm.controller import decide as d
 from neonvm.controller.authority import AuthorityLost
 from neonvm.controller.events import EventRecorder
+from neonvm.controller.fencing import SelfFencing
 from neonvm.controller.handler import Handler, Outcome
 from neonvm.controller.heap import HeapTrimmer
 from neonvm.controller.informer import Informer, Lister, Obj, Undecodable, project_pod
@@ -74,6 +75,7 @@ from neonvm.controller.metrics import ControllerMetrics
 from neonvm.controller.midplan import MidPlanSet
 from neonvm.controller.observe import pod_index, split_key
 from neonvm.controller.reconciler import Reconciler, ReconcilerConfig
+from neonvm.controller.rights import RightsLedger
 from neonvm.controller.sweeps import Sweeps, iter_items
 from neonvm.controller.timers import Jitter, VMTimers
 from neonvm.controller.wiring import Wiring
@@ -248,6 +250,7 @@ class LeaderTerm:
             metrics=self.metrics, events=process.events,
             config=self.config.reconciler, on_finalized=self._release_lock,
             timers=self.timers, old_crd_warned=process.old_crd_warned,
+            fencing=process.fencing,
         )
         # Late-bound (lambdas): tests swap the term's listers and locks.
         self.handler = Handler(
@@ -333,6 +336,8 @@ class LeaderTerm:
     def run(self) -> None:
         """Until the term is lost or the process stops; returns after cleaning up."""
         self.metrics.leading.set(1)
+        # Self-fencing: every earlier term's grants were issued before now.
+        self.process.rights.begin_term(self.active)
         self.log.info("leading: starting informers and {n} workers", n=self.config.workers)
         workers: list[threading.Thread] = []
         try:
@@ -426,8 +431,25 @@ class LeaderTerm:
         self.metrics.resync_differing.set(len(keys))
         return keys
 
+    def active(self) -> bool:
+        """The term still holds (not stopping, leadership valid): what a grant checks."""
+        if self.stopping.is_set():
+            return False
+        try:
+            self.leadership.check()
+        except LeadershipLost:
+            return False
+        return True
+
+    def synced_caches(self) -> tuple[Any, Any] | None:
+        """The VM and pod caches, once both synced (the rights endpoint reads them)."""
+        if not all(i.synced.is_set() for i in self.informers):
+            return None
+        return self.vm_store, self.pod_store
+
     def _shutdown(self, workers: list[threading.Thread]) -> None:
         self.stopping.set()
+        self.process.rights.end_term()
         self.queue.shut_down()
         deadline = time.monotonic() + 8.0
         for t in workers:
@@ -546,6 +568,10 @@ class ControllerProcess:
             api, election.identity, background=True, dropped=self.metrics.events_dropped,
             aggregated=self.metrics.events_aggregated)
         self._term: LeaderTerm | None = None
+        self.rights = RightsLedger()
+        """Self-fencing: the rights granted by this process (docs/protocol.md,
+        "Self-fencing"); its terms begin and end it."""
+        self.fencing = SelfFencing.from_api(self.rights, api)
         self.old_crd_warned = threading.Event()
         """Set once a term's reconciler has warned that the CRD prunes a status field
         (it warns once per process)."""
@@ -576,6 +602,11 @@ class ControllerProcess:
             # start one before this returns, but this must not depend on it).
             if self._term is term:
                 self._term = None
+
+    def rights_caches(self) -> tuple[Any, Any] | None:
+        """The leading term's synced (VM, pod) caches; None when not leading."""
+        term = self._term
+        return term.synced_caches() if term is not None and term.active() else None
 
     def _stopped(self) -> None:
         term = self._term

@@ -49,6 +49,7 @@ from kubernetes.utils import parse_quantity
 
 from neonvm.api import types
 from neonvm.api.quantity import format_bytes
+from neonvm.api.rights import RIGHT_SECONDS_ANNOTATION, annotation_value
 from neonvm.api.schema import encode
 from neonvm.api.types import PendingPod, VirtualMachine
 
@@ -127,6 +128,18 @@ class PodDefaults:
     NeonVM's is :data:`NEONVM_KVM_RESOURCE`, KubeVirt's ``devices.kubevirt.io/kvm``),
     requested by VMs with acceleration on. None: nothing is requested (the cluster has no
     such plugin)."""
+    right_seconds: float = 0.0
+    """Self-fencing: the right to run each runner is granted (0: off). docs/protocol.md,
+    "Self-fencing"."""
+    rights_url: str | None = None
+    """Self-fencing: the leader's rights endpoint runners ask (None: off)."""
+
+
+def self_fencing(vm: VirtualMachine, defaults: PodDefaults) -> bool:
+    """Whether the VM's next pod self-fences: on in the controller, and the VM has a
+    scaling token recorded (the runner's bearer is derived from it)."""
+    return bool(defaults.right_seconds > 0 and defaults.rights_url and scalable(vm)
+                and vm.status.scaling_token_secret)
 
 
 def runner_pod(vm: VirtualMachine, plan: PendingPod,
@@ -227,6 +240,14 @@ def runner_pod(vm: VirtualMachine, plan: PendingPod,
                 {"name": "NEONVM_POD_UID", "valueFrom": {"fieldRef": {
                     "fieldPath": "metadata.uid"}}},
             ]
+    fencing = self_fencing(vm, defaults)
+    if fencing:
+        # Self-fencing (docs/runner.md, "Self-fencing"): QEMU runs only while the leader
+        # keeps granting this pod a right; the annotation tells the controller so.
+        container["env"] += [
+            {"name": "NEONVM_RIGHTS_URL", "value": str(defaults.rights_url)},
+            {"name": "NEONVM_RIGHT_SECONDS", "value": annotation_value(defaults.right_seconds)},
+        ]
     container["volumeMounts"] = mounts
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
@@ -282,6 +303,8 @@ def runner_pod(vm: VirtualMachine, plan: PendingPod,
         "spec": pod_spec,
     }
     annotations = pod["metadata"]["annotations"]
+    if fencing:
+        annotations[RIGHT_SECONDS_ANNOTATION] = annotation_value(defaults.right_seconds)
     annotations[ANNOTATION_SPEC] = _spec_annotation(vm, annotations)
     return pod
 

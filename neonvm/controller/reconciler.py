@@ -117,6 +117,7 @@ from neonvm.controller.create_policy import (
     namespace_terminating,
 )
 from neonvm.controller.events import EventRecorder
+from neonvm.controller.fencing import SelfFencing, force_delete_dead_pod
 from neonvm.controller.metrics import ControllerMetrics
 from neonvm.controller.mutations import (
     FencedOut,
@@ -400,6 +401,7 @@ class Reconciler:
         timers: VMTimers | None = None,
         runner_reports: RunnerReports | None = None,
         old_crd_warned: threading.Event | None = None,
+        fencing: SelfFencing | None = None,
     ) -> None:
         self.cluster: Cluster = cluster or KubeCluster(api)
         """Every API server call a step makes (reads through :attr:`reader`; the VM
@@ -414,6 +416,8 @@ class Reconciler:
         self._update = update
         self._on_finalized = on_finalized
         self._scaling = scaling or RunnerScaling(api)
+        self.fencing = fencing
+        """Self-fencing (``dead_pods`` in each decision's observation); None: off."""
         self._identity: str | None = None
         self._mutex = threading.Lock()
         self._old_crd_warned = old_crd_warned or threading.Event()
@@ -513,7 +517,7 @@ class Reconciler:
         authority.check()
         while steps < self._config.max_steps:
             self._check_uid(snap, authority)
-            action = d.decide(self._with_namespace(snap.obs))
+            action = d.decide(self._fenced(self._with_namespace(snap.obs), snap))
             if snap.from_write and not isinstance(action, SEEN_BY_WRITE):
                 log.debug("{action} needs a fresh direct read", action=type(action).__name__)
                 snap = self.observe(key, authority, direct=True)
@@ -632,6 +636,16 @@ class Reconciler:
         if obs.vm is None or not self.terminating.knows(obs.vm.namespace):
             return obs
         return replace(obs, namespace_terminating=True)
+
+    def _fenced(self, obs: d.Observation, snap: Snapshot) -> d.Observation:
+        """``obs`` with its self-fenced pods (:mod:`neonvm.controller.fencing`)."""
+        return self.fencing.observe(obs, dict(snap.pods)) if self.fencing else obs
+
+    def _force_delete(self, key: str, action: d.ForceDeleteDeadPod, snap: Snapshot,
+                      authority: Authority, log: Any) -> str:
+        assert snap.record is not None
+        return force_delete_dead_pod(self.fencing, self.cluster, self._events, action,
+                                     snap.record.vm, log)
 
     def _after_put(self, key: str, snap: Snapshot, authority: Authority, log: Any,
                    steps: int, action: d.ApplyScale, seq: int, outcome: str,
@@ -1300,6 +1314,8 @@ ACTIONS: dict[type[d.Action], ActionRow] = {
                              event=_look_given_up, seen_by_write=False),
     d.DropScale: ActionRow(Reconciler._status_write, "status", status_mutation,
                            event=None, seen_by_write=False),
+    d.ForceDeleteDeadPod: ActionRow(Reconciler._force_delete, "pod", None, event=None,
+                                    seen_by_write=False),
 }
 """Every action the driver performs: the one table (its ``step`` is on the class).
 

@@ -1,0 +1,162 @@
+"""Self-fencing, the driver's side: which pods are surely dead, and their force-delete.
+
+A pod built with :data:`~neonvm.api.rights.RIGHT_SECONDS_ANNOTATION` has a runner that
+kills its guest once its right to run lapses (docs/protocol.md, "Self-fencing"). Such a
+pod is *dead for sure* when (1) its node is unreachable: the Node's ``Ready`` condition is
+not ``True``, the Node is gone, or it carries the ``node.kubernetes.io/unreachable``
+taint; and (2) the leader's ledger condemns it
+(:meth:`~neonvm.controller.rights.RightsLedger.condemn`: its right is surely over, and it
+is never granted again). :meth:`SelfFencing.observe` puts those pods' uids into
+``Observation.dead_pods`` (``decide`` then answers ``ForceDeleteDeadPod``, from a direct
+read), and the seconds until the next one will be into ``Observation.fence_recheck``.
+
+Which pods are looked at (each costs one GET of its Node, kept :data:`NODE_TTL` seconds:
+nodes are not watched): self-fencing pods on a node that are terminating, or whose
+``Ready`` condition is not ``True`` while the pod is ``Running`` or ``Unknown``. A pod on a
+node that stops heartbeating is marked not ready by the node lifecycle controller, which
+is the watch event that brings its VM up. Pods without the annotation are never looked
+at: they keep waiting for ``node.kubernetes.io/out-of-service``.
+
+The node's state plays no part in safety (the right's expiry does); it only keeps the
+controller from replacing a VM whose node is fine.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from kubernetes.client.exceptions import ApiException
+from loguru import logger
+
+from neonvm import kube
+from neonvm.api.rights import RIGHT_SECONDS_ANNOTATION, parse_annotation
+from neonvm.controller import decide as d
+from neonvm.controller.rights import RightsLedger
+
+UNREACHABLE_TAINT = "node.kubernetes.io/unreachable"
+NODE_TTL = 2.0
+"""Seconds a Node read is reused (a VM waiting for its old pod looks every second)."""
+SELF_FENCED = "SelfFenced"
+"""Warning event reason: a self-fenced pod was force-deleted."""
+
+NodeReader = Callable[[str], dict[str, Any] | None]
+
+
+def candidate(pod: dict[str, Any]) -> float | None:
+    """The pod's right (seconds) if it is worth a look at its node (module doc)."""
+    meta = pod.get("metadata") or {}
+    seconds = parse_annotation((meta.get("annotations") or {}).get(RIGHT_SECONDS_ANNOTATION))
+    if seconds is None or not (pod.get("spec") or {}).get("nodeName"):
+        return None
+    status = pod.get("status") or {}
+    if meta.get("deletionTimestamp") is not None:
+        return seconds
+    if status.get("phase") not in ("Running", "Unknown"):
+        return None
+    ready = next((c.get("status") for c in status.get("conditions") or []
+                  if c.get("type") == "Ready"), None)
+    return seconds if ready != "True" else None
+
+
+def node_unreachable(node: dict[str, Any] | None) -> bool:
+    """The Node is gone, not ``Ready=True``, or tainted unreachable."""
+    if node is None:
+        return True
+    if any(t.get("key") == UNREACHABLE_TAINT for t in (node.get("spec") or {}).get("taints")
+           or []):
+        return True
+    ready = next((c.get("status") for c in (node.get("status") or {}).get("conditions") or []
+                  if c.get("type") == "Ready"), None)
+    return ready != "True"
+
+
+class SelfFencing:
+    """Adds ``dead_pods`` and ``fence_recheck`` to observations (module doc)."""
+
+    def __init__(self, ledger: RightsLedger, read_node: NodeReader,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.ledger = ledger
+        self._read_node = read_node
+        self._clock = clock
+        self._nodes: dict[str, tuple[dict[str, Any] | None, float]] = {}
+        self._lock = threading.Lock()
+        self._warned = False
+
+    @classmethod
+    def from_api(cls, ledger: RightsLedger, api: Any) -> SelfFencing:
+        return cls(ledger, lambda name: kube.get_or_none(
+            api, f"/api/v1/nodes/{kube.path_segment(name)}", timeout=10))
+
+    def _node(self, name: str) -> dict[str, Any] | bool | None:
+        """The Node (None: gone), or False when it cannot be read now."""
+        now = self._clock()
+        with self._lock:
+            cached = self._nodes.get(name)
+            if cached is not None and now - cached[1] < NODE_TTL:
+                return cached[0]
+        try:
+            node = self._read_node(name)
+        except ApiException as exc:
+            if exc.status == 403 and not self._warned:
+                self._warned = True
+                logger.warning("not allowed to get nodes: self-fencing pods on a dead node "
+                               "wait for node.kubernetes.io/out-of-service (grant `get` on "
+                               "nodes)")
+            return False
+        except OSError:
+            return False
+        with self._lock:
+            if len(self._nodes) > 10_000:
+                self._nodes.clear()
+            self._nodes[name] = (node, now)
+        return node
+
+    def observe(self, obs: d.Observation, pods: dict[str, dict[str, Any]]) -> d.Observation:
+        """``obs`` with the dead pods and the recheck time of its VM's pods (raw ``pods``)."""
+        dead: set[str] = set()
+        recheck = math.inf
+        for pod in pods.values():
+            seconds = candidate(pod)
+            if seconds is None:
+                continue
+            node = self._node(str(pod["spec"]["nodeName"]))
+            if isinstance(node, bool) or not node_unreachable(node):
+                continue
+            uid = str((pod.get("metadata") or {}).get("uid") or "")
+            left = self.ledger.condemn(uid, seconds)
+            if left == 0.0:
+                dead.add(uid)
+            else:
+                recheck = min(recheck, left)
+        if not dead and math.isinf(recheck):
+            return obs
+        return replace(obs, dead_pods=frozenset(dead),
+                       fence_recheck=None if math.isinf(recheck) else recheck)
+
+
+def force_delete_dead_pod(fencing: SelfFencing | None, cluster: Any, events: Any,
+                          action: d.ForceDeleteDeadPod, vm: Any, log: Any) -> str:
+    """Perform :class:`~neonvm.controller.decide.ForceDeleteDeadPod` (the reconciler's
+    row calls this): only a pod the ledger has condemned; DELETE with
+    ``gracePeriodSeconds: 0`` and the uid precondition; a Warning event ``SelfFenced``."""
+    if fencing is None or not fencing.ledger.is_condemned(action.uid):
+        return "not_condemned"
+    try:
+        cluster.delete_pod(vm.namespace, action.name, uid=action.uid,
+                           grace_period_seconds=0)
+    except ApiException as exc:
+        if exc.status in (404, 409):
+            log.info("pod {pod} ({uid}) already gone or replaced", pod=action.name,
+                     uid=action.uid)
+            return "gone"
+        raise
+    log.warning("force-deleted self-fenced pod {pod}: {reason}", pod=action.name,
+                reason=action.reason)
+    events.record(vm, SELF_FENCED, f"runner pod {action.name} force-deleted: "
+                                   f"{action.reason}", warning=True)
+    return "done"
