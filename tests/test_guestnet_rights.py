@@ -6,13 +6,32 @@ blocked. The loopback rule and the real-guest attack are in tests/test_guest_iso
 from __future__ import annotations
 
 import ipaddress
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
+import yaml
 
 from neonvm.runner.guestnet import DEFAULT_GUEST_NETWORK, frame_verdict
-from tests.test_guest_isolation import ACK, ECHO, SYN, ipv4, ipv6, tcp, udp
-
-pytestmark = pytest.mark.unit
+from tests.support import wait_for
+from tests.test_guest_isolation import (
+    ACK,
+    ECHO,
+    REPO,
+    SYN,
+    free_port,
+    ipv4,
+    ipv6,
+    listen,
+    non_loopback_address,
+    tcp,
+    udp,
+)
+from tests.test_runner_right import TOKEN, UID, RightsServer
 
 RIGHTS4 = ipaddress.ip_address("10.96.12.34")  # a Service's cluster IP
 RIGHTS6 = ipaddress.ip_address("fd00:10:96::1234")
@@ -23,6 +42,7 @@ def verdict(frame: bytes) -> str | None:
     return frame_verdict(frame, DEFAULT_GUEST_NETWORK, False, BLOCKED)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(("frame", "dropped"), [
     (ipv4("10.96.12.34", 6, tcp(8443, SYN)),
      "TCP connection to 10.96.12.34:8443 (a blocked endpoint)"),
@@ -42,6 +62,7 @@ def test_new_flows_to_the_rights_endpoint_are_dropped(frame: bytes, dropped: str
     assert verdict(frame) == dropped
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("frame", [
     ipv4("10.96.12.34", 6, tcp(443, SYN)),        # another port of the same address
     ipv4("10.96.12.34", 1, ECHO),
@@ -54,7 +75,89 @@ def test_the_rest_of_the_guests_egress_passes(frame: bytes) -> None:
     assert verdict(frame) is None
 
 
+@pytest.mark.unit
 def test_without_a_rights_url_the_rule_is_unchanged() -> None:
     assert frame_verdict(ipv4("10.96.12.34", 6, tcp(8443, SYN))) is None
     # and the loopback stays closed whatever is blocked besides
     assert verdict(ipv4("127.0.0.1", 6, tcp(8443, SYN))) == "TCP connection to 127.0.0.1:8443"
+
+
+# ---- a real guest tries the rights endpoint -------------------------------------------------
+
+
+def test_a_guest_cannot_reach_the_rights_endpoint_its_runner_renews_through(
+        tmp_path: Path) -> None:
+    from neonvm.dev import guestdisk
+    from neonvm.runner import initramfs
+
+    absent = initramfs.missing() + guestdisk.missing()
+    if shutil.which("qemu-system-x86_64") is None:
+        absent.append("qemu-system-x86_64 (scripts/setup-qemu.sh)")
+    if absent:
+        pytest.skip("cannot boot a guest here, missing: " + ", ".join(absent))
+    address = non_loopback_address()
+    if address is None:
+        pytest.skip("no non-loopback address here: the rights endpoint would be loopback, "
+                    "closed to the guest anyway")
+    kernel = initramfs.build_initramfs(tmp_path / "runner-kernel")
+    _raw, root_disk = guestdisk.build_rootfs(tmp_path / "root-disk")
+
+    leader = RightsServer(30.0, address)  # a right of the default length: never lost here
+    leader.granting = True
+    egress = listen(address, "secret-egress")  # the same address, another port
+    port = leader.server.server_port
+    script = "\n".join([
+        'try() { name=$1; shift; out=$(timeout 8 "$@" 2>&1 | head -c 300 | tr "\\n" " ");',
+        '  case "$out" in *HTTP/*|*secret-*) echo "attack $name: REACHED $out";;',
+        '  *) echo "attack $name: unreachable ($out)";; esac; }',
+        "try rights sh -c \"printf 'GET /guest-probe HTTP/1.0\\r\\n\\r\\n' | "
+        f"nc -w 4 {address} {port}\"",
+        f"try egress nc -w 4 {address} {egress.port}",
+        "echo 'attack: done'"])
+    token_file = tmp_path / "token"
+    token_file.write_bytes(TOKEN)
+    spec = {"terminationGracePeriodSeconds": 30, "guest": {
+        "cpus": {"min": 1, "max": 1}, "memorySlotSize": "256Mi",
+        "memorySlots": {"min": 1, "max": 1}, "rootDisk": {"image": str(root_disk)},
+        "command": ["/bin/sh", "-c", script]}}
+    spec_file = tmp_path / "vm.yaml"
+    spec_file.write_text(yaml.safe_dump(spec))
+    console_path, log_path = tmp_path / "console.log", tmp_path / "runner.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NEONVM_")}
+    env.update({"NEONVM_VM_NAME": "fenced", "NEONVM_VM_NAMESPACE": "tests"})
+    with console_path.open("wb") as out, log_path.open("wb") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "neonvm.runner.main", "--spec-file", str(spec_file),
+             "--kernel-dir", str(kernel.kernel.parent), "--accel", "tcg",
+             "--work-dir", str(tmp_path / "work"), "--port", str(free_port()),
+             "--scaling-token-file", str(token_file), "--pod-uid", UID,
+             "--rights-url", leader.url],
+            stdout=out, stderr=err, env=env, cwd=REPO)
+    try:
+        def console() -> str:
+            return console_path.read_text(errors="replace")
+
+        wait_for(lambda: "attack: done" in console() or proc.poll() is not None,
+                 timeout=600, interval=0.5, what="the guest's attempts to finish")
+        text = console()
+        report = [line for line in text.splitlines() if line.startswith("attack")]
+        assert "attack: done" in text, text[-3000:] + log_path.read_text()
+        # Dropped by the filter: the guest's connection attempt times out...
+        assert "attack rights: unreachable (nc: timed out" in text, "\n".join(report)
+        # ...while the runner, beside it, renews through the same address and port.
+        assert leader.asks >= 1 and leader.refused_bearers == 0
+        assert not [r for r in leader.requests if "guest-probe" in r], leader.requests
+        assert "(a blocked endpoint)" in log_path.read_text()  # the filter says why
+        # The guest keeps the rest of its network, that address included.
+        assert f"attack egress: REACHED {egress.secret}" in text, "\n".join(report)
+        assert proc.wait(timeout=120) == 0  # the command ended: the guest powered off
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        leader.close()
+        egress.sock.close()

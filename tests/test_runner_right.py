@@ -407,14 +407,21 @@ class RightsServer:
     """The leader's rights endpoint, as the test wants it: grants only while ``granting``
     and only for the expected bearer; counts asks."""
 
-    def __init__(self, seconds: float) -> None:
+    def __init__(self, seconds: float, host: str = "127.0.0.1") -> None:
         self.granting = False
         self.asks = 0
         self.refused_bearers = 0
+        self.requests: list[str] = []
+        """Every request line received, whatever its method or path."""
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                outer.requests.append(self.requestline)
+                self._answer(404, {"reason": "NotFound"})
+
             def do_POST(self) -> None:
+                outer.requests.append(self.requestline)
                 body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
                 outer.asks += 1
                 request = RightRequest.from_dict(json.loads(body))
@@ -438,13 +445,13 @@ class RightsServer:
             def log_message(self, *_: Any) -> None:
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = ThreadingHTTPServer((host, 0), Handler)
         self.server.daemon_threads = True
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.server.server_port}"
+        return f"http://{self.server.server_address[0]}:{self.server.server_port}"
 
     def close(self) -> None:
         self.server.shutdown()
@@ -484,11 +491,11 @@ def qemu_of(work_dir: Path) -> list[int]:
 
 
 @pytest.fixture
-def rights() -> Iterator[Callable[[float], RightsServer]]:
+def rights() -> Iterator[Callable[..., RightsServer]]:
     made: list[RightsServer] = []
 
-    def make(seconds: float) -> RightsServer:
-        made.append(RightsServer(seconds))
+    def make(seconds: float, host: str = "127.0.0.1") -> RightsServer:
+        made.append(RightsServer(seconds, host))
         return made[-1]
 
     yield make
@@ -497,7 +504,7 @@ def rights() -> Iterator[Callable[[float], RightsServer]]:
 
 
 def test_a_runner_starts_qemu_only_with_a_right_and_kills_it_when_the_right_runs_out(
-        tmp_path: Path, tiny_guest: Any, rights: Callable[[float], RightsServer]) -> None:
+        tmp_path: Path, tiny_guest: Any, rights: Callable[..., RightsServer]) -> None:
     seconds = 3.0  # asks every 1 s, each within 0.5 s
     leader = rights(seconds)
     token_file = tmp_path / "token"
@@ -566,3 +573,16 @@ def test_a_runner_starts_qemu_only_with_a_right_and_kills_it_when_the_right_runs
             with contextlib.suppress(ProcessLookupError):
                 if pid in qemu_of(work_dir):
                     os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.unit
+def test_qemu_may_start_only_while_a_right_is_held(tmp_path: Path) -> None:
+    clock = FakeClock()
+    fence = SelfFence(config(tmp_path), clock=clock,
+                      post=FakeLeader(clock, [(503, b"{}"), grant()]))
+    fence.keeper.ask_once()
+    assert not fence.granted()
+    fence.keeper.ask_once()
+    assert fence.granted()
+    clock.now += D  # granted once, but run out before QEMU was started
+    assert not fence.granted()

@@ -332,6 +332,11 @@ class SelfFence:
         self._threads: list[threading.Thread] = []
 
     def start(self) -> None:
+        config = self.keeper.config
+        logger.bind(vm=f"{config.namespace}/{config.vm}").info(
+            "self-fencing: asking {} for a right to run of {:g}s every {:g}s; QEMU starts "
+            "after the first grant and is killed when the right runs out", config.endpoint,
+            config.seconds, renew_interval(config.seconds))
         for target, name in ((self._renew, "right-renewer"), (self._watch, "right-watchdog")):
             thread = threading.Thread(target=target, name=name, daemon=True)
             thread.start()
@@ -348,7 +353,9 @@ class SelfFence:
             self._pidfd = None
 
     def granted(self) -> bool:
-        return self.keeper.granted()
+        """Whether QEMU may start now: a right is held and has not run out."""
+        deadline = self.keeper.deadline
+        return deadline is not None and self._clock() < deadline
 
     def arm(self, pid: int) -> None:
         """QEMU was started as ``pid``: hold it by a pidfd (a reused pid is never hit)
