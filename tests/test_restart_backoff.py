@@ -43,7 +43,7 @@ from tests.test_reconcile_failover import (  # noqa: F401  (fixtures, used by na
 
 pytestmark = [pytest.mark.cluster, pytest.mark.nodes]
 
-CYCLES = 6
+CYCLES = 5
 """Pods that exit at once; the next one (plan CYCLES + 1) is left to run."""
 VM = "crashy"
 
