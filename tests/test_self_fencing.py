@@ -1,0 +1,227 @@
+"""Self-fencing on the controller's side: which pods are surely dead, and what decide does
+with them (neonvm/controller/fencing.py, decide.ForceDeleteDeadPod; docs/protocol.md,
+"Self-fencing").
+
+Pure logic over hand-built observations, raw pods and a fake clock: no servers. The
+real-server run (a simulated node powered off) is in tests/test_local_cluster.py."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+
+from neonvm.api.rights import RIGHT_SECONDS_ANNOTATION
+from neonvm.api.types import FINALIZER, VirtualMachine, VirtualMachineSpec, VirtualMachineStatus
+from neonvm.controller import decide as d
+from neonvm.controller import podspec
+from neonvm.controller.fencing import SelfFencing, candidate, node_unreachable
+from neonvm.controller.informer import project_pod
+from neonvm.controller.rights import RightsLedger
+from neonvm.controller.scaling import scalable
+
+pytestmark = pytest.mark.unit
+
+UID = "0123456789abcdef"
+LEASE = d.Fence(epoch=3, token=40)
+D, RHO, EPS = 3.0, 0.05, 2.0
+BOUND = D * (1 + RHO) + EPS
+
+
+def vm(**status: Any) -> VirtualMachine:
+    return VirtualMachine(name="vm", namespace="ns", uid=UID, resource_version="1",
+                          generation=1, spec=VirtualMachineSpec(restart_policy="Always"),
+                          status=VirtualMachineStatus(**status), finalizers=[FINALIZER])
+
+
+def view(name: str, *, gated: bool = False, terminating: bool = False,
+         phase: str = "Running") -> d.PodView:
+    return d.PodView(name=name, uid=f"uid-{name}", owner_uid=UID, gated=gated,
+                     terminating=terminating, phase=phase, node="n1", fence=(3, 40))
+
+
+def observation(*pods: d.PodView, direct: bool = True, dead: tuple[str, ...] = (),
+                recheck: float | None = None, **status: Any) -> d.Observation:
+    return d.Observation(vm=vm(**status), pods=pods, lease=LEASE, direct=direct,
+                         dead_pods=frozenset(dead), fence_recheck=recheck)
+
+
+RUNNING = {"pod_name": "old", "pod_uid": "uid-old", "phase": "Running", "node": "n1"}
+
+
+# ---- decide ------------------------------------------------------------------------------
+
+
+def test_a_committed_pod_that_self_fenced_is_force_deleted_from_a_direct_read_only() -> None:
+    old = view("old")
+    fenced = d.decide(observation(old, dead=("uid-old",), **RUNNING))
+    assert isinstance(fenced, d.ForceDeleteDeadPod)
+    assert (fenced.name, fenced.uid) == ("old", "uid-old")
+    assert isinstance(d.decide(observation(old, direct=False, dead=("uid-old",), **RUNNING)),
+                      d.ObserveDirect)
+
+
+def test_the_old_pod_a_gated_replacement_waits_for_is_force_deleted_once_dead() -> None:
+    old, new = view("old", terminating=True), view("new", gated=True, phase="Pending")
+    status = {"pod_name": "new", "pod_uid": "uid-new"}
+    waiting = d.decide(observation(old, new, **status))
+    assert isinstance(waiting, d.Wait) and waiting.condition == d.WAITING_FOR_OLD_POD
+    fenced = d.decide(observation(old, new, dead=("uid-old",), **status))
+    assert isinstance(fenced, d.ForceDeleteDeadPod) and fenced.uid == "uid-old"
+
+
+def test_without_a_dead_pod_nothing_changes_but_an_unreachable_pods_recheck() -> None:
+    old = view("old")
+    assert isinstance(d.decide(observation(old, **RUNNING)), d.Done)
+    waiting = d.decide(observation(old, recheck=4.0, **RUNNING))
+    assert isinstance(waiting, d.Wait) and waiting.seconds == 4.0
+    assert waiting.condition is None
+
+
+def test_a_dead_uid_that_is_not_the_vms_pod_is_ignored() -> None:
+    """Only the committed pod and the old pods its gated replacement waits for."""
+    assert isinstance(d.decide(observation(view("old"), dead=("uid-else",), **RUNNING)),
+                      d.Done)
+
+
+# ---- which pods are looked at, and when a node is unreachable ---------------------------
+
+
+def raw_pod(name: str = "old", *, annotated: bool = True, ready: str | None = "False",
+            phase: str = "Running", terminating: bool = False,
+            node: str | None = "n1") -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": name, "namespace": "ns", "uid": f"uid-{name}",
+                            "labels": {"vm.neon.tech/name": "vm"}}
+    if annotated:
+        meta["annotations"] = {RIGHT_SECONDS_ANNOTATION: str(D)}
+    if terminating:
+        meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    status: dict[str, Any] = {"phase": phase, "conditions": [
+        {"type": "PodScheduled", "status": "True"}]}
+    if ready is not None:
+        status["conditions"].append({"type": "Ready", "status": ready, "reason": "x"})
+    return {"metadata": meta, "spec": {"nodeName": node} if node else {}, "status": status}
+
+
+@pytest.mark.parametrize(("pod", "looked_at"), [
+    (raw_pod(), True),
+    (raw_pod(ready="True"), False),
+    (raw_pod(ready="True", terminating=True), True),
+    (raw_pod(phase="Unknown", ready=None), True),
+    (raw_pod(phase="Pending"), False),
+    (raw_pod(annotated=False), False),
+    (raw_pod(node=None), False),
+])
+def test_only_self_fencing_pods_that_are_not_ready_or_terminating_are_looked_at(
+        pod: dict[str, Any], looked_at: bool) -> None:
+    assert (candidate(pod) is not None) == looked_at
+    assert (candidate(project_pod(pod)) is not None) == looked_at, "the cache keeps it"
+
+
+@pytest.mark.parametrize(("node", "unreachable"), [
+    (None, True),
+    ({"status": {"conditions": [{"type": "Ready", "status": "True"}]}}, False),
+    ({"status": {"conditions": [{"type": "Ready", "status": "Unknown"}]}}, True),
+    ({"status": {"conditions": [{"type": "Ready", "status": "False"}]}}, True),
+    ({"spec": {"taints": [{"key": "node.kubernetes.io/unreachable"}]},
+      "status": {"conditions": [{"type": "Ready", "status": "True"}]}}, True),
+])
+def test_a_node_is_unreachable_when_gone_not_ready_or_tainted(
+        node: dict[str, Any] | None, unreachable: bool) -> None:
+    assert node_unreachable(node) == unreachable
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def fencing(nodes: dict[str, dict[str, Any] | None]) -> tuple[SelfFencing, Clock, list[str]]:
+    clock = Clock()
+    ledger = RightsLedger(clock, rho=RHO, epsilon=EPS)
+    ledger.begin_term(lambda: True)
+    reads: list[str] = []
+
+    def read(name: str) -> dict[str, Any] | None:
+        reads.append(name)
+        return nodes.get(name)
+
+    return SelfFencing(ledger, read, clock=clock), clock, reads
+
+
+NOT_READY = {"status": {"conditions": [{"type": "Ready", "status": "Unknown"}]}}
+READY = {"status": {"conditions": [{"type": "Ready", "status": "True"}]}}
+
+
+def test_a_pod_on_an_unreachable_node_is_dead_only_after_the_bound_and_then_condemned() -> None:
+    fence, clock, _ = fencing({"n1": NOT_READY})
+    pods = {"old": raw_pod()}
+    before = fence.observe(observation(**RUNNING), pods)
+    assert before.dead_pods == frozenset()
+    assert before.fence_recheck == pytest.approx(BOUND)
+    clock.now += BOUND
+    after = fence.observe(observation(**RUNNING), pods)
+    assert after.dead_pods == {"uid-old"} and fence.ledger.is_condemned("uid-old")
+    assert fence.ledger.grant("uid-old", D) == "Condemned"
+
+
+def test_a_pod_on_a_ready_node_or_without_the_annotation_is_never_condemned() -> None:
+    fence, clock, reads = fencing({"n1": READY, "n2": NOT_READY})
+    clock.now += 10 * BOUND
+    pods = {"a": raw_pod("a"), "b": raw_pod("b", annotated=False, node="n2"),
+            "c": raw_pod("c", ready="True", node="n2")}
+    seen = fence.observe(observation(**RUNNING), pods)
+    assert seen.dead_pods == frozenset() and seen.fence_recheck is None
+    assert reads == ["n1"]  # b and c are not looked at: no Node read for them
+    assert not fence.ledger.is_condemned("uid-a")
+
+
+def test_a_node_read_is_reused_for_a_moment() -> None:
+    fence, clock, reads = fencing({"n1": NOT_READY})
+    fence.observe(observation(**RUNNING), {"old": raw_pod()})
+    fence.observe(observation(**RUNNING), {"old": raw_pod()})
+    assert reads == ["n1"]
+    clock.now += 5
+    fence.observe(observation(**RUNNING), {"old": raw_pod()})
+    assert reads == ["n1", "n1"]
+
+
+# ---- the pod it builds -------------------------------------------------------------------
+
+
+def scalable_vm(token: str | None = "neonvm-scaling-x") -> VirtualMachine:
+    v = vm(scaling_token_secret=token, scaling_token_secret_uid="s-uid" if token else None)
+    guest = dataclasses.replace(v.spec.guest, cpus=dataclasses.replace(
+        v.spec.guest.cpus, max=type(v.spec.guest.cpus.max).parse("2")))
+    return dataclasses.replace(v, spec=dataclasses.replace(v.spec, guest=guest))
+
+
+def env(pod: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
+
+
+@pytest.mark.parametrize(("seconds", "url", "token", "fences"), [
+    (30.0, "http://rights:8082", "neonvm-scaling-x", True),
+    (0.0, "http://rights:8082", "neonvm-scaling-x", False),
+    (30.0, None, "neonvm-scaling-x", False),
+    (30.0, "http://rights:8082", None, False),
+])
+def test_a_pod_self_fences_only_when_the_controller_says_so_and_it_has_a_token(
+        seconds: float, url: str | None, token: str | None, fences: bool) -> None:
+    v = scalable_vm(token)
+    assert scalable(v)
+    plan = d.PendingPod(name="vm-01234567-1", plan_seq=1, token=40, epoch=3, generation=1)
+    pod = podspec.runner_pod(v, plan, podspec.PodDefaults(right_seconds=seconds,
+                                                          rights_url=url))
+    annotations = pod["metadata"]["annotations"]
+    assert (RIGHT_SECONDS_ANNOTATION in annotations) == fences
+    if fences:
+        assert annotations[RIGHT_SECONDS_ANNOTATION] == "30"
+        assert env(pod)["NEONVM_RIGHTS_URL"] == url
+        assert env(pod)["NEONVM_RIGHT_SECONDS"] == "30"
+    else:
+        assert "NEONVM_RIGHTS_URL" not in env(pod)
