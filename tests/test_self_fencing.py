@@ -13,11 +13,18 @@ from typing import Any
 import pytest
 
 from neonvm.api.rights import RIGHT_SECONDS_ANNOTATION
-from neonvm.api.types import FINALIZER, VirtualMachine, VirtualMachineSpec, VirtualMachineStatus
+from neonvm.api.types import (
+    FINALIZER,
+    PendingPod,
+    VirtualMachine,
+    VirtualMachineSpec,
+    VirtualMachineStatus,
+)
 from neonvm.controller import decide as d
 from neonvm.controller import podspec
 from neonvm.controller.fencing import SelfFencing, candidate, node_unreachable
 from neonvm.controller.informer import project_pod
+from neonvm.controller.reasons import WAITING_FOR_OLD_POD
 from neonvm.controller.rights import RightsLedger
 from neonvm.controller.scaling import scalable
 
@@ -42,12 +49,14 @@ def view(name: str, *, gated: bool = False, terminating: bool = False,
 
 
 def observation(*pods: d.PodView, direct: bool = True, dead: tuple[str, ...] = (),
-                recheck: float | None = None, **status: Any) -> d.Observation:
-    return d.Observation(vm=vm(**status), pods=pods, lease=LEASE, direct=direct,
+                recheck: float | None = None,
+                status: dict[str, Any] | None = None) -> d.Observation:
+    return d.Observation(vm=vm(**(status or {})), pods=pods, lease=LEASE, direct=direct,
                          dead_pods=frozenset(dead), fence_recheck=recheck)
 
 
-RUNNING = {"pod_name": "old", "pod_uid": "uid-old", "phase": "Running", "node": "n1"}
+RUNNING: dict[str, Any] = {"pod_name": "old", "pod_uid": "uid-old", "phase": "Running",
+                           "node": "n1"}
 
 
 # ---- decide ------------------------------------------------------------------------------
@@ -55,33 +64,33 @@ RUNNING = {"pod_name": "old", "pod_uid": "uid-old", "phase": "Running", "node": 
 
 def test_a_committed_pod_that_self_fenced_is_force_deleted_from_a_direct_read_only() -> None:
     old = view("old")
-    fenced = d.decide(observation(old, dead=("uid-old",), **RUNNING))
+    fenced = d.decide(observation(old, dead=("uid-old",), status=RUNNING))
     assert isinstance(fenced, d.ForceDeleteDeadPod)
     assert (fenced.name, fenced.uid) == ("old", "uid-old")
-    assert isinstance(d.decide(observation(old, direct=False, dead=("uid-old",), **RUNNING)),
+    assert isinstance(d.decide(observation(old, direct=False, dead=("uid-old",), status=RUNNING)),
                       d.ObserveDirect)
 
 
 def test_the_old_pod_a_gated_replacement_waits_for_is_force_deleted_once_dead() -> None:
     old, new = view("old", terminating=True), view("new", gated=True, phase="Pending")
-    status = {"pod_name": "new", "pod_uid": "uid-new"}
-    waiting = d.decide(observation(old, new, **status))
-    assert isinstance(waiting, d.Wait) and waiting.condition == d.WAITING_FOR_OLD_POD
-    fenced = d.decide(observation(old, new, dead=("uid-old",), **status))
+    status: dict[str, Any] = {"pod_name": "new", "pod_uid": "uid-new"}
+    waiting = d.decide(observation(old, new, status=status))
+    assert isinstance(waiting, d.Wait) and waiting.condition == WAITING_FOR_OLD_POD
+    fenced = d.decide(observation(old, new, dead=("uid-old",), status=status))
     assert isinstance(fenced, d.ForceDeleteDeadPod) and fenced.uid == "uid-old"
 
 
 def test_without_a_dead_pod_nothing_changes_but_an_unreachable_pods_recheck() -> None:
     old = view("old")
-    assert isinstance(d.decide(observation(old, **RUNNING)), d.Done)
-    waiting = d.decide(observation(old, recheck=4.0, **RUNNING))
+    assert isinstance(d.decide(observation(old, status=RUNNING)), d.Done)
+    waiting = d.decide(observation(old, recheck=4.0, status=RUNNING))
     assert isinstance(waiting, d.Wait) and waiting.seconds == 4.0
     assert waiting.condition is None
 
 
 def test_a_dead_uid_that_is_not_the_vms_pod_is_ignored() -> None:
     """Only the committed pod and the old pods its gated replacement waits for."""
-    assert isinstance(d.decide(observation(view("old"), dead=("uid-else",), **RUNNING)),
+    assert isinstance(d.decide(observation(view("old"), dead=("uid-else",), status=RUNNING)),
                       d.Done)
 
 
@@ -160,11 +169,11 @@ READY = {"status": {"conditions": [{"type": "Ready", "status": "True"}]}}
 def test_a_pod_on_an_unreachable_node_is_dead_only_after_the_bound_and_then_condemned() -> None:
     fence, clock, _ = fencing({"n1": NOT_READY})
     pods = {"old": raw_pod()}
-    before = fence.observe(observation(**RUNNING), pods)
+    before = fence.observe(observation(status=RUNNING), pods)
     assert before.dead_pods == frozenset()
     assert before.fence_recheck == pytest.approx(BOUND)
     clock.now += BOUND
-    after = fence.observe(observation(**RUNNING), pods)
+    after = fence.observe(observation(status=RUNNING), pods)
     assert after.dead_pods == {"uid-old"} and fence.ledger.is_condemned("uid-old")
     assert fence.ledger.grant("uid-old", D) == "Condemned"
 
@@ -174,7 +183,7 @@ def test_a_pod_on_a_ready_node_or_without_the_annotation_is_never_condemned() ->
     clock.now += 10 * BOUND
     pods = {"a": raw_pod("a"), "b": raw_pod("b", annotated=False, node="n2"),
             "c": raw_pod("c", ready="True", node="n2")}
-    seen = fence.observe(observation(**RUNNING), pods)
+    seen = fence.observe(observation(status=RUNNING), pods)
     assert seen.dead_pods == frozenset() and seen.fence_recheck is None
     assert reads == ["n1"]  # b and c are not looked at: no Node read for them
     assert not fence.ledger.is_condemned("uid-a")
@@ -182,11 +191,11 @@ def test_a_pod_on_a_ready_node_or_without_the_annotation_is_never_condemned() ->
 
 def test_a_node_read_is_reused_for_a_moment() -> None:
     fence, clock, reads = fencing({"n1": NOT_READY})
-    fence.observe(observation(**RUNNING), {"old": raw_pod()})
-    fence.observe(observation(**RUNNING), {"old": raw_pod()})
+    fence.observe(observation(status=RUNNING), {"old": raw_pod()})
+    fence.observe(observation(status=RUNNING), {"old": raw_pod()})
     assert reads == ["n1"]
     clock.now += 5
-    fence.observe(observation(**RUNNING), {"old": raw_pod()})
+    fence.observe(observation(status=RUNNING), {"old": raw_pod()})
     assert reads == ["n1", "n1"]
 
 
@@ -214,7 +223,7 @@ def test_a_pod_self_fences_only_when_the_controller_says_so_and_it_has_a_token(
         seconds: float, url: str | None, token: str | None, fences: bool) -> None:
     v = scalable_vm(token)
     assert scalable(v)
-    plan = d.PendingPod(name="vm-01234567-1", plan_seq=1, token=40, epoch=3, generation=1)
+    plan = PendingPod(name="vm-01234567-1", plan_seq=1, token=40, epoch=3, generation=1)
     pod = podspec.runner_pod(v, plan, podspec.PodDefaults(right_seconds=seconds,
                                                           rights_url=url))
     annotations = pod["metadata"]["annotations"]
