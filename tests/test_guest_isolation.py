@@ -258,8 +258,11 @@ def attack_script(targets: list[tuple[str, str]], egress: tuple[str, str] | None
         " ! ip -6 addr show dev eth0 | grep -q tentative && break; sleep 0.5; done",
         "echo \"attack: IPv6 $(ip -6 addr show dev eth0 | grep -o 'inet6 fec0[^ ]*')\"",
     ]
+    # The attempts that must time out run side by side (each waits out its own nc -w 4);
+    # tty writes are atomic, so each report stays one line.
     for name, how in targets:
-        lines.append(f"try {name} {how}")
+        lines.append(f"try {name} {how} &")
+    lines.append("wait")
     if egress is not None:
         lines.append(f"try {egress[0]} {egress[1]}")
     if api_by_pod_ip is not None:
