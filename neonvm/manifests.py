@@ -111,6 +111,14 @@ def pull_secret_rules() -> list[dict[str, Any]]:
     return [{"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]}]
 
 
+def self_fencing_rules() -> list[dict[str, Any]]:
+    """``get`` on nodes: self-fencing replaces a pod only when its node is unreachable
+    (``neonvm/controller/fencing.py``). Nodes are cluster-scoped, so the chart grants this
+    through a ClusterRole of its own, also when the controller watches one namespace.
+    Without it, self-fencing pods on a dead node wait for out-of-service, as others do."""
+    return [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get"]}]
+
+
 def leader_election_rules() -> list[dict[str, Any]]:
     """What the election needs on its Lease (read, create, replace by resourceVersion,
     patch: the leader's renewals are JSON patches conditional on its holder and epoch, so
@@ -174,7 +182,7 @@ def cluster_role() -> dict[str, Any]:
         "kind": "ClusterRole",
         "metadata": {"name": CLUSTER_ROLE},
         "rules": controller_rules() + pull_secret_rules() + live_scaling_rules()
-        + leader_election_rules(),
+        + leader_election_rules() + self_fencing_rules(),
     }
 
 
@@ -446,6 +454,8 @@ def chart_files() -> dict[str, str]:
         + yaml.safe_dump(live_scaling_rules(), sort_keys=False),
         "files/leader-election-rules.yaml": header
         + yaml.safe_dump(leader_election_rules(), sort_keys=False),
+        "files/self-fencing-rules.yaml": header
+        + yaml.safe_dump(self_fencing_rules(), sort_keys=False),
         "files/admission-policy.yaml": header
         + yaml.safe_dump(admission_policy([CHART_SA_PLACEHOLDER]), sort_keys=False),
         "files/user-edit-rules.yaml": header
