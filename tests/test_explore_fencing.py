@@ -1,0 +1,159 @@
+"""The self-fencing explorer (``neonvm/verify/fencing.py``): the right to run and the
+force-delete keep at most one running guest over every interleaving of a partition, a
+heal, a failover and drifting clocks; each deliberate breakage of the margin, the
+runner's kill, the ledger or the runner's clock yields two running guests; the two gaps
+docs/protocol.md names ("Self-fencing", "What is not covered") are found."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from neonvm.verify.fencing import (
+    SCENARIOS,
+    SHIPPED_SAFE,
+    FencingConfig,
+    Mutants,
+    Timing,
+    explore_fencing,
+)
+
+SHIPPED = FencingConfig()
+
+
+def caught(mutant: str, scenario: str) -> list[str]:
+    """The trace of the first violation of ``mutant`` in ``scenario`` (asserted found)."""
+    cfg = FencingConfig(mutants=Mutants(**{mutant: True}))
+    report = explore_fencing(scenario, cfg, liveness=False)
+    assert report.violation is not None, f"{mutant} not caught in {report.states} states"
+    assert report.violation.property == "at-most-one-running-guest", report.violation
+    return report.trace
+
+
+# ---- the design as shipped --------------------------------------------------------------
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("scenario", SHIPPED_SAFE)
+def test_the_shipped_rules_never_run_two_guests_and_always_recover(scenario: str) -> None:
+    report = explore_fencing(scenario, SHIPPED)
+    print(f"{scenario}: {report.states} states, {report.transitions} transitions")
+    assert report.violation is None, (report.violation, report.trace)
+    assert report.complete and report.states > 500
+
+
+@pytest.mark.unit
+def test_the_runner_drifts_within_the_bound_and_rho_is_what_the_leader_adds() -> None:
+    t = Timing()
+    assert t.runner_rates == (2, 3) and t.leader_rate == 3
+    assert t.rho == 0.5  # the leader's clock runs up to 1.5 times as fast as the runner's
+    assert t.epsilon > t.leader_rate  # the watchdog may fire a tick late
+
+
+# ---- mutants ---------------------------------------------------------------------------
+
+
+@pytest.mark.unit
+def test_replacing_at_the_deadline_without_the_margin_runs_two_guests() -> None:
+    # (a) max(issued, term_start) + D: the runner's clock runs slow, the guest lives on.
+    trace = caught("no_margin", "fence-partition")
+    assert any("condemn P" in s for s in trace) and trace[-1].startswith("leader grants Q")
+
+
+@pytest.mark.unit
+def test_the_clock_rate_term_is_needed_only_because_clocks_drift() -> None:
+    trace = caught("no_rho", "fence-partition")
+    assert any("P's clock +2" in s for s in trace), "caught through a slow runner clock"
+    steady = Timing(runner_rates=(3,))  # no drift: the runner's clock runs as the leader's
+    report = explore_fencing("fence-partition", FencingConfig(
+        timing=steady, mutants=Mutants(no_rho=True)), liveness=False)
+    assert report.complete and report.violation is None
+
+
+@pytest.mark.unit
+def test_the_margin_without_slack_for_the_kill_runs_two_guests() -> None:
+    trace = caught("no_epsilon", "fence-partition")
+    assert not any("watchdog" in s for s in trace), "the guest outlived its deadline"
+
+
+@pytest.mark.unit
+def test_a_runner_that_forgets_to_kill_runs_beside_its_replacement() -> None:
+    # (b)
+    trace = caught("forget_kill", "fence-partition")
+    assert any("cut off" in s for s in trace)
+
+
+@pytest.mark.unit
+def test_a_grant_between_condemns_test_and_its_mark_starts_a_guest_beside_the_replacement(
+        ) -> None:
+    # (c) Only a runner that has not started its guest yet can use it: a running guest
+    # is dead by the time the test passes, and a killed guest never starts again.
+    trace = caught("test_then_mark", "fence-fresh")
+    test = next(i for i, s in enumerate(trace) if "test passes" in s)
+    grant = next(i for i, s in enumerate(trace) if "grants P" in s)
+    assert test < grant and any("QEMU starts" in s for s in trace[grant:])
+    for scenario in ("fence-partition", "fence-failover"):
+        report = explore_fencing(scenario, FencingConfig(mutants=Mutants(test_then_mark=True)),
+                                 liveness=False)
+        assert report.complete and report.violation is None, scenario
+
+
+@pytest.mark.unit
+def test_ignoring_term_start_after_a_leader_change_runs_two_guests() -> None:
+    # (d) The new term never granted P, so it takes P for dead at once.
+    trace = caught("ignore_term_start", "fence-failover")
+    begins = next(i for i, s in enumerate(trace) if "term 2 begins" in s)
+    assert any("condemn P" in s for s in trace[begins:])
+    assert not any("term 2): records" in s for s in trace)
+
+
+@pytest.mark.unit
+def test_a_runner_that_counts_from_the_answer_outlives_the_margin() -> None:
+    # (e)
+    trace = caught("deadline_from_answer", "fence-partition")
+    ask = next(i for i, s in enumerate(trace) if "asks" in s)
+    take = next(i for i, s in enumerate(trace) if "takes the grant" in s)
+    assert any(s.startswith("tick") for s in trace[ask:take]), "the answer came late"
+
+
+@pytest.mark.unit
+def test_a_ledger_that_answers_before_it_records_lets_the_test_miss_a_grant() -> None:
+    # (f)
+    trace = caught("answer_before_record", "fence-partition")
+    assert any("not yet recorded" in s for s in trace)
+
+
+# ---- the gaps docs/protocol.md names ---------------------------------------------------
+
+
+@pytest.mark.unit
+def test_a_deposed_terms_delete_in_flight_meets_a_fresh_runner_granted_by_the_next_term(
+        ) -> None:
+    report = explore_fencing("fence-fresh-failover", SHIPPED, liveness=False)
+    assert report.violation is not None, report.states
+    trace = report.trace
+    sent = next(i for i, s in enumerate(trace) if "term 1): condemn P" in s)
+    begins = next(i for i, s in enumerate(trace) if "term 2 begins" in s)
+    started = next(i for i, s in enumerate(trace) if "QEMU starts" in s)
+    lands = next(i for i, s in enumerate(trace) if "DELETE of P (term 1) lands" in s)
+    assert sent < begins < started < lands, trace
+    # Writing the pod before a term's first grant, and deleting with its
+    # resourceVersion, closes it (a fix, not shipped).
+    fixed = explore_fencing("fence-fresh-failover", dataclasses.replace(
+        SHIPPED, stamp_first_grant=True))
+    print(f"fence-fresh-failover, stamped: {fixed.states} states")
+    assert fixed.complete and fixed.violation is None, (fixed.violation, fixed.trace)
+
+
+@pytest.mark.unit
+def test_a_deposed_leader_that_grants_after_its_term_defeats_term_start() -> None:
+    report = explore_fencing("fence-frozen-leader", SHIPPED, liveness=False)
+    assert report.violation is not None
+    assert any("wakes from a freeze" in s for s in report.trace)
+
+
+@pytest.mark.unit
+def test_every_scenario_is_described() -> None:
+    assert set(SHIPPED_SAFE) < set(SCENARIOS)
+    assert all(text for text, _fresh, _budget in SCENARIOS.values())
