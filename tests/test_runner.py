@@ -101,7 +101,8 @@ def test_impossible_cpu_bounds_are_spec_errors(cpus: dict[str, Any], message: st
 
 @pytest.mark.unit
 def test_memory_is_slots_times_slot_size_with_hotplug_room_up_to_max(tmp_path: Path) -> None:
-    spec = spec_of(kernel_spec(memorySlotSize="256Mi",
+    # DIMMs (memoryProvider: DIMMSlots); virtio-mem, the default: tests/test_virtio_mem.py.
+    spec = spec_of(kernel_spec(memorySlotSize="256Mi", memoryProvider="DIMMSlots",
                                memorySlots={"min": 2, "max": 8, "use": 4}))
     plan = build_launch_plan(spec, context(tmp_path))
     assert option_values(plan.argv, "-m") == ["size=512M,slots=6,maxmem=2048M"]

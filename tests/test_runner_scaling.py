@@ -861,7 +861,8 @@ def test_dimms_are_movable_when_boot_memory_can_carry_the_kernel(
     from neonvm.runner.qemu import build_launch_plan
     from tests.test_runner import context, kernel_spec, spec_of
 
-    plan = build_launch_plan(spec_of(kernel_spec(memorySlotSize=slot, memorySlots=slots)),
+    plan = build_launch_plan(spec_of(kernel_spec(memorySlotSize=slot, memorySlots=slots,
+                                                 memoryProvider="DIMMSlots")),
                              context(tmp_path))
     assert state in (plan.kernel_cmdline or "") + " "
 

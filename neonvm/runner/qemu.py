@@ -380,6 +380,12 @@ def kernel_cmdline(has_root_disk: bool, memory: MemoryLayout, append: str | None
         parts = ["console=ttyS1", "panic=-1", f"init={guest_init}", "loglevel=6"]
     if has_root_disk or guest_init is not None:
         parts += ["root=/dev/vda", "rw"]
+    if memory.max_slots > memory.min_slots:
+        # The hotplug region lies above 4 GiB, so the kernel reserves swiotlb's 64 MiB
+        # bounce buffer at boot, for devices that cannot reach that high. Every device
+        # here is virtio (no DMA limit): with 128 MiB of boot memory that buffer left the
+        # test guest's kernel out of memory during boot ("System is deadlocked on memory").
+        parts.append("swiotlb=noforce")
     if memory.max_slots > memory.min_slots and provider == "VirtioMem":
         # NeonVM's line: the kernel onlines what virtio-mem plugs, each block in
         # ZONE_MOVABLE while movable memory stays within the ratio of the kernel zones.
