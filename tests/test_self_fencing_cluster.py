@@ -111,7 +111,8 @@ def lease_acquired(api: client.ApiClient, namespace: str, identity: str) -> date
             return None
         at = lease.spec.acquire_time
         return at if isinstance(at, datetime) else None
-    result: datetime = wait_for(check, timeout=60, what=f"{identity} to lead")
+    result = wait_for(check, timeout=60, what=f"{identity} to lead")
+    assert result is not None
     return result
 
 
