@@ -11,6 +11,7 @@ by the controller's own :class:`Reconciler`, as the controller's identity.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -56,9 +57,13 @@ def test_the_exported_vm_decodes_with_millicpu_strings_and_names_its_unimplement
     cpus = vm.spec.guest.cpus
     assert (cpus.min, cpus.max, cpus.use) == (250, 2000, 500)
     assert vm.status.cpus == MilliCPU(500) and vm.status.memory_size == "2Gi"
+    # memhpAutoMovableRatio reaches the guest kernel with virtio-mem (the default).
     assert compat.unimplemented_fields(vm.spec) == [
         "spec.qmpManual", "spec.enableSSH", "spec.targetArchitecture", "spec.overcommit",
-        "spec.guest.memhpAutoMovableRatio", "spec.disks[].emptyDisk.discard"]
+        "spec.disks[].emptyDisk.discard"]
+    dimms = dataclasses.replace(vm.spec.guest, memory_provider="DIMMSlots")
+    assert "spec.guest.memhpAutoMovableRatio" in compat.unimplemented_fields(
+        dataclasses.replace(vm.spec, guest=dimms))
 
 
 @pytest.mark.unit
