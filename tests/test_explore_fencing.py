@@ -43,14 +43,6 @@ def test_the_shipped_rules_never_run_two_guests_and_always_recover(scenario: str
     assert report.complete and report.states > 500
 
 
-@pytest.mark.unit
-def test_the_runner_drifts_within_the_bound_and_rho_is_what_the_leader_adds() -> None:
-    t = Timing()
-    assert t.runner_rates == (2, 3) and t.leader_rate == 3
-    assert t.rho == 0.5  # the leader's clock runs up to 1.5 times as fast as the runner's
-    assert t.epsilon > t.leader_rate  # the watchdog may fire a tick late
-
-
 # ---- mutants ---------------------------------------------------------------------------
 
 
@@ -65,9 +57,11 @@ def test_replacing_at_the_deadline_without_the_margin_runs_two_guests() -> None:
 def test_the_clock_rate_term_is_needed_only_because_clocks_drift() -> None:
     trace = caught("no_rho", "fence-partition")
     assert any("P's clock +2" in s for s in trace), "caught through a slow runner clock"
-    steady = Timing(runner_rates=(3,))  # no drift: the runner's clock runs as the leader's
+    # No runner clock slower than the leader's (a faster one only kills early): the same
+    # mutant is safe.
+    never_slow = Timing(runner_rates=(3, 4))
     report = explore_fencing("fence-partition", FencingConfig(
-        timing=steady, mutants=Mutants(no_rho=True)), liveness=False)
+        timing=never_slow, mutants=Mutants(no_rho=True)), liveness=False)
     assert report.complete and report.violation is None
 
 

@@ -75,7 +75,7 @@ class Timing:
     seconds: int = 6
     """D."""
     leader_rate: int = 3
-    runner_rates: tuple[int, ...] = (2, 3)
+    runner_rates: tuple[int, ...] = (2, 3, 4)
     epsilon: int = 4
     """More than one tick of the leader's clock: the watchdog may fire up to one tick
     after the first moment its deadline is seen passed."""
