@@ -333,3 +333,21 @@ def test_a_vm_with_512_memory_slots_boots_and_scales(start_runner: Any,  # noqa:
     assert code == 200, answer
     assert guest_sees(runner, mem_kb=(boot_kb, boot_kb))
     assert runner.qemu_pids == {pid}
+
+
+def test_a_change_within_one_memory_block_is_reported_by_the_guest(
+        start_runner: Any, tmp_path: Path) -> None:  # noqa: F811
+    # 64 MiB slots: half of x86's 128 MiB memory block. virtio-mem plugs and unplugs
+    # inside a block that is already online, which raises no memory uevent: the guest
+    # side watches MemTotal itself (guest_scaling.sh).
+    slot_kb = 64 * MIB // 1024
+    runner = start_scalable(start_runner, tmp_path, {"min": 2, "max": 6, "use": 2}, "64Mi")
+    runner.wait_ready()
+    boot_kb = guest_sees(runner, cpus=1)["guestMemTotalKb"]
+    for seq, slots in enumerate((3, 4, 3), start=1):
+        code, answer = put_scale(runner, {"memorySlots": slots,
+                                          "fence": {"epoch": 1, "token": 1, "seq": seq}},
+                                 token=TOKEN)
+        assert code == 200, answer
+        want = boot_kb + (slots - 2) * slot_kb
+        assert guest_sees(runner, mem_kb=(want, want), timeout=60)["guestMemTotalKb"] == want

@@ -10,19 +10,24 @@
 # Run it with /proc, /sys and /dev mounted and virtio_console loaded:
 #   guest-scaling.sh start    QmpScaling: online the vCPUs that are present but offline;
 #                             SysfsScaling: start the agent. Then start the hotplug
-#                             listener (busybox uevent) and print one size report.
-#                             Returns at once; the listeners stay in the background.
+#                             listener (busybox uevent), the MemTotal watcher, and print
+#                             one size report. Returns at once; the listeners stay in the
+#                             background.
 #   guest-scaling.sh hotplug  what uevent runs for each kernel uevent (SUBSYSTEM, ACTION
 #                             and DEVPATH in the environment): a hot-added vCPU is onlined
 #                             (QmpScaling; x86 kernels leave it offline), a hot-added
 #                             memory block still offline is onlined movable (the runner
 #                             also passes memhp_default_state=...), and after every cpu
 #                             or memory event the guest reports its size.
+# The MemTotal watcher reports the size whenever MemTotal changed (checked every 0.2 s):
+# virtio-mem plugs and unplugs 8 MiB blocks inside a memory block (128 MiB on x86) that
+# is already online, which raises no uevent.
 #   guest-scaling.sh report   print the size report once.
 # The report, on the console, is the line the runner parses:
 #   neonvm-guest-size: cpus=N online=LIST memtotal-kb=K
 # Removal needs nothing from here: on ACPI eject the kernel offlines the CPU or memory
-# block itself, then QEMU drops the device.
+# block itself, then QEMU drops the device; virtio-mem's driver (virtio_mem, loaded by
+# the init) offlines and gives back what the runner asks for by itself.
 #
 # SysfsScaling (neonvm.cpu_scaling=sysfs and maxcpus=USE on the kernel command line): all
 # vCPUs are present, USE of them online. The agent reads "cpus N" lines from the
@@ -45,6 +50,22 @@ report_size() {
         [ "$key" = MemTotal: ] && mem=$value && break
     done < /proc/meminfo
     echo "neonvm-guest-size: cpus=$n online=$online memtotal-kb=$mem" > /dev/console
+}
+
+mem_total() {
+    while read key value unit; do
+        [ "$key" = MemTotal: ] && echo $value && return
+    done < /proc/meminfo
+}
+
+watch_mem_total() {
+    last=$(mem_total)
+    while sleep 0.2; do
+        now=$(mem_total)
+        [ "$now" = "$last" ] && continue
+        last=$now
+        report_size
+    done
 }
 
 set_online_cpus() {
@@ -105,6 +126,7 @@ case "$1" in
             sysfs_agent &
         fi
         uevent /bin/busybox sh "$0" hotplug &
+        watch_mem_total &
         echo "neonvm-scaling: listening for cpu and memory hotplug ($cpu_scaling)"
         report_size
         ;;
