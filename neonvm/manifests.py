@@ -119,6 +119,14 @@ def self_fencing_rules() -> list[dict[str, Any]]:
     return [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get"]}]
 
 
+def rights_endpoint_rules() -> list[dict[str, Any]]:
+    """What a leader needs to point the rights Service at itself (an EndpointSlice of a
+    Service without selector; ``LeaderEndpoint`` in ``neonvm/controller/rights.py``).
+    Granted in the release namespace alone."""
+    return [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+             "verbs": ["get", "create", "update"]}]
+
+
 def leader_election_rules() -> list[dict[str, Any]]:
     """What the election needs on its Lease (read, create, replace by resourceVersion,
     patch: the leader's renewals are JSON patches conditional on its holder and epoch, so
@@ -182,7 +190,7 @@ def cluster_role() -> dict[str, Any]:
         "kind": "ClusterRole",
         "metadata": {"name": CLUSTER_ROLE},
         "rules": controller_rules() + pull_secret_rules() + live_scaling_rules()
-        + leader_election_rules() + self_fencing_rules(),
+        + leader_election_rules() + self_fencing_rules() + rights_endpoint_rules(),
     }
 
 
@@ -456,6 +464,8 @@ def chart_files() -> dict[str, str]:
         + yaml.safe_dump(leader_election_rules(), sort_keys=False),
         "files/self-fencing-rules.yaml": header
         + yaml.safe_dump(self_fencing_rules(), sort_keys=False),
+        "files/rights-endpoint-rules.yaml": header
+        + yaml.safe_dump(rights_endpoint_rules(), sort_keys=False),
         "files/admission-policy.yaml": header
         + yaml.safe_dump(admission_policy([CHART_SA_PLACEHOLDER]), sort_keys=False),
         "files/user-edit-rules.yaml": header

@@ -234,3 +234,17 @@ def test_a_pod_self_fences_only_when_the_controller_says_so_and_it_has_a_token(
         assert env(pod)["NEONVM_RIGHT_SECONDS"] == "30"
     else:
         assert "NEONVM_RIGHTS_URL" not in env(pod)
+
+
+def test_a_vm_with_a_runner_image_of_its_own_does_not_self_fence() -> None:
+    """Its runner may not kill its guest; only the controller's own image is trusted to."""
+    v = scalable_vm()
+    plan = PendingPod(name="vm-01234567-1", plan_seq=1, token=40, epoch=3, generation=1)
+    on = podspec.PodDefaults(right_seconds=30.0, rights_url="http://rights:8082")
+    own = dataclasses.replace(v, spec=dataclasses.replace(v.spec, runner_image="mine:1"))
+    assert RIGHT_SECONDS_ANNOTATION not in podspec.runner_pod(own, plan, on)["metadata"][
+        "annotations"]
+    same = dataclasses.replace(v, spec=dataclasses.replace(v.spec,
+                                                           runner_image=on.runner_image))
+    assert RIGHT_SECONDS_ANNOTATION in podspec.runner_pod(same, plan, on)["metadata"][
+        "annotations"]

@@ -16,6 +16,10 @@ test_after_a_node_failure_the_replacement_starts_only_once_the_node_is_out_of_se
 
 from __future__ import annotations
 
+import base64
+import http.client
+import json
+import socket
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -26,7 +30,14 @@ import pytest
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from neonvm.api.rights import DEFAULT_EPSILON, DEFAULT_RHO, RIGHT_SECONDS_ANNOTATION
+from neonvm.api.rights import (
+    DEFAULT_EPSILON,
+    DEFAULT_RHO,
+    NOT_LEADER,
+    RIGHT_SECONDS_ANNOTATION,
+    RIGHTS_PATH,
+    authorization_header,
+)
 from neonvm.controller.fencing import SELF_FENCED
 from neonvm.dev import nodes
 from neonvm.dev.cluster import LocalCluster
@@ -173,3 +184,79 @@ def test_a_self_fencing_pod_on_a_lost_node_is_replaced_once_its_right_is_surely_
     assert fenced_at + TRUNCATION >= term_start.astimezone(UTC) + timedelta(seconds=BOUND), (
         f"force-deleted at {fenced_at}, term began {term_start}, bound {BOUND:g}s")
     assert old.metadata.name in events[0].message
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def serving(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+    except OSError:
+        return False
+    return True
+
+
+def ask(port: int, namespace: str, vm: str, pod_uid: str, token: bytes) -> tuple[int, Any]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        conn.request("POST", RIGHTS_PATH, body=json.dumps(
+            {"namespace": namespace, "vm": vm, "podUID": pod_uid}),
+            headers={"Authorization": authorization_header(token, pod_uid)})
+        answer = conn.getresponse()
+        return answer.status, json.loads(answer.read())
+    finally:
+        conn.close()
+
+
+def test_the_leader_grants_the_current_pod_and_points_the_rights_service_at_itself(
+        api: client.ApiClient, namespace: str, replicas: Replicas) -> None:
+    """The endpoint, served by real replicas: the leader answers with the pod's right
+    (bearer from the VM's own token Secret), a standby answers NotLeader, and the
+    EndpointSlice of the rights Service names the leader's port; a new leader takes it."""
+    ports = {"a": free_port(), "b": free_port()}
+
+    def start(name: str) -> Any:
+        return replicas.start(name, args=[
+            "--rights-bind", f"127.0.0.1:{ports[name]}",
+            # The slice is read, not routed (an EndpointSlice refuses loopback).
+            "--rights-service", f"{namespace}/rights", "--pod-ip", "10.255.0.1"])
+
+    first = start("a")
+    lease_acquired(api, namespace, first.identity)
+    start("b")
+    create_vm(api, namespace, "vm", restart_policy="Always")
+    pod = running_pod(api, namespace, "vm")
+    status = (get_vm(api, namespace, "vm") or {})["status"]
+    secret = client.CoreV1Api(api).read_namespaced_secret(status["scalingTokenSecret"],
+                                                         namespace)
+    token = base64.b64decode(secret.data["token"]).strip()
+
+    for port in ports.values():
+        wait_for(lambda port=port: serving(port), timeout=60, what=f"port {port} to serve")
+    assert ask(ports["a"], namespace, "vm", pod.metadata.uid, token) == (200, {"seconds": D})
+    code, doc = ask(ports["b"], namespace, "vm", pod.metadata.uid, token)
+    assert (code, doc["reason"]) == (503, NOT_LEADER)
+    code, doc = ask(ports["a"], namespace, "vm", pod.metadata.uid, b"not the token")
+    assert code == 401
+
+    def slice_port() -> int | None:
+        try:
+            found = client.DiscoveryV1Api(api).read_namespaced_endpoint_slice(
+                "rights-leader", namespace)
+        except ApiException:
+            return None
+        port: int = found.ports[0].port
+        return port
+    assert wait_for(lambda: slice_port() == ports["a"], timeout=30, what="slice -> a")
+
+    first.terminate()
+    second = next(r for r in replicas if r.name == "b")
+    lease_acquired(api, namespace, second.identity)
+    assert wait_for(lambda: slice_port() == ports["b"], timeout=60, what="slice -> b")
+    assert wait_for(lambda: ask(ports["b"], namespace, "vm", pod.metadata.uid, token)
+                    == (200, {"seconds": D}), timeout=60, what="b to grant")

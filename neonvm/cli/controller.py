@@ -26,7 +26,14 @@ from neonvm.controller.manager import ControllerConfig, ControllerProcess, http_
 from neonvm.controller.metrics import ControllerMetrics
 from neonvm.controller.podspec import DEFAULT_RUNNER_IMAGE, PodDefaults
 from neonvm.controller.reconciler import ReconcilerConfig
-from neonvm.controller.rights import RightsServer, RightsService, TokenCache, parse_bind
+from neonvm.controller.rights import (
+    LeaderEndpoint,
+    RightsServer,
+    RightsService,
+    TokenCache,
+    parse_bind,
+    parse_service,
+)
 from neonvm.leader.election import (
     DEFAULT_LEASE_NAME,
     DEFAULT_NAMESPACE,
@@ -111,6 +118,11 @@ def controller() -> None:
 @click.option("--rights-bind", default="",
               help="host:port where this replica serves POST /v1/rights (answered while "
                    "it leads). Empty: not served.")
+@click.option("--rights-service", default="", metavar="NAMESPACE/NAME",
+              help="Self-fencing: a Service without selector that each leader points at "
+                   "itself (an EndpointSlice with --pod-ip and the --rights-bind port).")
+@click.option("--pod-ip", default="", envvar="POD_IP",
+              help="This replica's IP, for --rights-service [env: POD_IP].")
 @click.option("--fault", "faults", multiple=True, metavar="K=V[,K=V]",
               help="Fault injection (testing only; also $NEONVM_FAULTS): crash_after=STEP[@N],"
                    " stale_reads=P, drop_watch_events=P, conflict=P, seed=N, crash_record=PATH.")
@@ -123,8 +135,8 @@ def run(kubeconfig: Path | None, lease_namespace: str, lease_name: str, identity
         heap_trim: float,
         runner_image: str, kvm_resource: str,
         health_port: int, health_host: str,
-        right_seconds: float, rights_url: str, rights_bind: str,
-        faults: tuple[str, ...]) -> None:
+        right_seconds: float, rights_url: str, rights_bind: str, rights_service: str,
+        pod_ip: str, faults: tuple[str, ...]) -> None:
     """Run one replica: campaign, and while leading keep exactly one runner pod per VM."""
     from neonvm import kube
 
@@ -172,6 +184,15 @@ def run(kubeconfig: Path | None, lease_namespace: str, lease_name: str, identity
             raise click.BadParameter(str(exc), param_hint="--rights-bind") from None
         rights = RightsServer(RightsService(process.rights, process.rights_caches,
                                             TokenCache(api)), host, port)
+        if rights_service:
+            try:
+                service_namespace, service = parse_service(rights_service)
+            except ValueError as exc:
+                raise click.BadParameter(str(exc), param_hint="--rights-service") from None
+            if not pod_ip:
+                raise click.UsageError("--rights-service needs --pod-ip (or $POD_IP)")
+            process.rights_endpoint = LeaderEndpoint(api, service_namespace, service,
+                                                     pod_ip, port)
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:

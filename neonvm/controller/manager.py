@@ -75,7 +75,7 @@ from neonvm.controller.metrics import ControllerMetrics
 from neonvm.controller.midplan import MidPlanSet
 from neonvm.controller.observe import pod_index, split_key
 from neonvm.controller.reconciler import Reconciler, ReconcilerConfig
-from neonvm.controller.rights import RightsLedger
+from neonvm.controller.rights import LeaderEndpoint, RightsLedger
 from neonvm.controller.sweeps import Sweeps, iter_items
 from neonvm.controller.timers import Jitter, VMTimers
 from neonvm.controller.wiring import Wiring
@@ -146,6 +146,9 @@ def http_pool_size(workers: int) -> int:
     and close it after)."""
     return workers + HTTP_POOL_BEYOND_WORKERS
 
+
+RIGHTS_PUBLISH_SECONDS = 10.0
+"""How often the leader checks that the rights Service still points at it."""
 
 SESSION_REVOKE_TIMEOUT = 2.0
 """Seconds a stopping term gives etcd to revoke its session (and so its locks)."""
@@ -356,6 +359,7 @@ class LeaderTerm:
                     self.metrics.sync_deadline_step_downs.inc()
                     self.leadership.step_down()
                     return
+            self._publish_rights()
             self.log.info("caches synced: {vms} VMs, {pods} runner pods",
                           vms=len(self.vm_store.all_keys()), pods=len(self.pod_store.all_keys()))
             for key in self.vm_store.all_keys():
@@ -375,6 +379,7 @@ class LeaderTerm:
         next_resync = now + self.config.resync_seconds
         next_sweep = now + min(5.0, self.config.sweep_seconds)
         sweep_period = Jitter(self.config.sweep_seconds, 0.25)
+        next_rights = now + RIGHTS_PUBLISH_SECONDS
         while not self.leadership.lost.wait(0.5) and not self.stopping.is_set():
             try:
                 self.leadership.check()
@@ -401,6 +406,23 @@ class LeaderTerm:
             if now >= next_sweep:
                 next_sweep = now + sweep_period()
                 self.sweeps.run()
+            if now >= next_rights:
+                next_rights = now + RIGHTS_PUBLISH_SECONDS
+                self._publish_rights()
+
+    def _publish_rights(self) -> None:
+        """Point the rights Service at this replica (self-fencing; best effort, looked
+        at again every :data:`RIGHTS_PUBLISH_SECONDS`)."""
+        endpoint = self.process.rights_endpoint
+        if endpoint is None:
+            return
+        try:
+            if endpoint.publish():
+                self.log.info("rights Service {ns}/{svc} points at this replica ({ip})",
+                              ns=endpoint.namespace, svc=endpoint.service, ip=endpoint.ip)
+        except Exception as exc:
+            self.log.warning("could not point the rights Service at this replica: {err}",
+                             err=short_error(exc))
 
     def _requeue(self, keys: Iterable[str]) -> None:
         """A periodic scan's requeue: read directly, behind event-driven work, skipping
@@ -572,6 +594,8 @@ class ControllerProcess:
         """Self-fencing: the rights granted by this process (docs/protocol.md,
         "Self-fencing"); its terms begin and end it."""
         self.fencing = SelfFencing.from_api(self.rights, api)
+        self.rights_endpoint: LeaderEndpoint | None = None
+        """Set by the command line: the Service runners ask, pointed at each leader."""
         self.old_crd_warned = threading.Event()
         """Set once a term's reconciler has warned that the CRD prunes a status field
         (it warns once per process)."""

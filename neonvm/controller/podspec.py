@@ -136,10 +136,15 @@ class PodDefaults:
 
 
 def self_fencing(vm: VirtualMachine, defaults: PodDefaults) -> bool:
-    """Whether the VM's next pod self-fences: on in the controller, and the VM has a
-    scaling token recorded (the runner's bearer is derived from it)."""
-    return bool(defaults.right_seconds > 0 and defaults.rights_url and scalable(vm)
-                and vm.status.scaling_token_secret)
+    """Whether the VM's next pod self-fences: on in the controller, the VM runs the
+    controller's runner image (a runner of the owner's choice may not kill its guest
+    when its right runs out, and the controller would then force-delete a pod whose
+    guest still runs), and the VM has a scaling token recorded (the runner's bearer is
+    derived from it)."""
+    image = vm.spec.runner_image
+    return bool(defaults.right_seconds > 0 and defaults.rights_url
+                and (not image or image == defaults.runner_image)
+                and scalable(vm) and vm.status.scaling_token_secret)
 
 
 def runner_pod(vm: VirtualMachine, plan: PendingPod,

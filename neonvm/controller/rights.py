@@ -447,6 +447,71 @@ class RightsServer:
         self.stop()
 
 
+RIGHTS_PORT_NAME = "rights"
+ENDPOINT_MANAGER = "neonvm-controller"
+
+
+class LeaderEndpoint:
+    """Points a selector-less Service at the leader: an EndpointSlice
+    (``kubernetes.io/service-name: <service>``) naming this replica's IP and port alone.
+
+    Written by each term when it starts and looked at again periodically
+    (:meth:`publish`: a GET, and a write only when it names someone else), so runners
+    ask the leader and not a standby (each standby would answer 503 ``NotLeader``, and a
+    runner that meets standbys until its right runs out kills its guest). A slice left
+    by a deposed leader is overwritten by the next term; meanwhile runners' asks fail
+    and are retried at their next renewal."""
+
+    def __init__(self, api: client.ApiClient, namespace: str, service: str, ip: str,
+                 port: int) -> None:
+        self._api = api
+        self.namespace = namespace
+        self.service = service
+        self.ip = ip
+        self.port = port
+
+    @property
+    def _path(self) -> str:
+        return f"/apis/discovery.k8s.io/v1/namespaces/{self.namespace}/endpointslices"
+
+    def wanted(self) -> dict[str, Any]:
+        family = "IPv6" if ":" in self.ip else "IPv4"
+        return {
+            "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+            "metadata": {"name": f"{self.service}-leader", "namespace": self.namespace,
+                         "labels": {"kubernetes.io/service-name": self.service,
+                                    "endpointslice.kubernetes.io/managed-by":
+                                        ENDPOINT_MANAGER}},
+            "addressType": family,
+            "endpoints": [{"addresses": [self.ip], "conditions": {"ready": True}}],
+            "ports": [{"name": RIGHTS_PORT_NAME, "port": self.port, "protocol": "TCP"}],
+        }
+
+    def publish(self) -> bool:
+        """Make the slice name this replica; True when it was written."""
+        wanted = self.wanted()
+        name = wanted["metadata"]["name"]
+        current = kube.get_or_none(self._api, f"{self._path}/{name}", timeout=10)
+        if current is None:
+            kube.request(self._api, "POST", self._path, body=wanted, timeout=10)
+            return True
+        if ([e.get("addresses") for e in current.get("endpoints") or []]
+                == [[self.ip]] and current.get("ports") == wanted["ports"]):
+            return False
+        wanted["metadata"]["resourceVersion"] = (current.get("metadata") or {}).get(
+            "resourceVersion")
+        kube.request(self._api, "PUT", f"{self._path}/{name}", body=wanted, timeout=10)
+        return True
+
+
+def parse_service(text: str) -> tuple[str, str]:
+    """``namespace/name`` of ``--rights-service``."""
+    namespace, sep, name = text.partition("/")
+    if not sep or not namespace or not name:
+        raise ValueError(f"{text!r}: expected namespace/name")
+    return namespace, name
+
+
 def parse_bind(text: str) -> tuple[str, int]:
     """``host:port`` (``[v6]:port`` too) of ``--rights-bind``."""
     host, sep, port = text.rpartition(":")
