@@ -98,6 +98,9 @@ def grant(seconds: float = D) -> tuple[int, bytes]:
     return 200, json.dumps({"seconds": seconds}).encode()
 
 
+OK, NO = grant(), (503, b'{"reason": "NotLeader"}')
+
+
 def config(tmp_path: Path, seconds: float = D) -> RightConfig:
     token_file = tmp_path / "token"
     if not token_file.exists():
@@ -238,6 +241,20 @@ def test_asks_every_third_of_d_once_granted_and_back_off_from_half_a_second_befo
     assert waits == [0.5, 1.0, 2.0, 4.0, 8.0, 10.0, 10.0, 10.0, 10.0]
 
 
+@pytest.mark.unit
+def test_after_two_failed_asks_one_last_chance_comes_a_sixth_of_d_before_the_deadline(
+        tmp_path: Path) -> None:
+    right, leader, clock = keeper(tmp_path, [grant(), NO, NO, NO])
+    sent = []
+    for _ in range(4):
+        sent.append(clock.now - 1000.0)
+        clock.now = right.next_ask(right.ask_once())
+    # asks at 0 (granted: deadline 30), 10 and 20 refused, the last chance at 25 refused
+    assert sent == [0.0, 10.0, 20.0, 25.0]
+    assert right.deadline == 1000.0 + D and not leader.answers
+    assert clock.now - 1000.0 == D  # the next ask would be sent at the deadline: too late
+
+
 # ---- the watchdog over a fake clock --------------------------------------------------------
 
 
@@ -271,17 +288,15 @@ class Timeline:
         return self
 
 
-OK, NO = grant(), (503, b'{"reason": "NotLeader"}')
-
-
 @pytest.mark.unit
 @pytest.mark.parametrize(("answers", "killed_at"), [
-    ([OK] * 10, None),                       # renewed every 10 s: lives
-    ([OK, NO, OK] + [OK] * 7, None),         # one refusal in between: lives
-    ([OK, NO, NO, OK] + [OK] * 6, 30.0),     # two in a row: dead at the first grant + D
-    ([OK, OK, NO, NO, NO], 40.0),            # dead D after the last granted ask's send
-    ([OK, ConnectionRefusedError(), TimeoutError(), OK], 30.0),
-    ([OK, (200, b"garbage"), (200, b'{"seconds": 0}'), OK], 30.0),
+    ([OK] * 12, None),                       # renewed every 10 s: lives
+    ([OK, NO, OK] + [OK] * 9, None),         # one refusal in between: lives
+    ([OK, NO, NO, OK] + [OK] * 9, None),     # two in a row: the last-chance ask at 25 s
+    ([OK, NO, NO, NO, OK] + [OK] * 9, 30.0),  # three: dead at the first grant + D
+    ([OK, OK, NO, NO, NO, NO], 40.0),        # dead D after the last granted ask's send
+    ([OK, ConnectionRefusedError(), TimeoutError(), TimeoutError(), OK], 30.0),
+    ([OK, (200, b"garbage"), (200, b'{"seconds": 0}'), NO, OK], 30.0),
 ])
 def test_the_watchdog_kills_once_exactly_when_the_right_runs_out(
         tmp_path: Path, answers: list[Answer], killed_at: float | None) -> None:

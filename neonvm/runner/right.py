@@ -3,7 +3,8 @@
 Two loops share one deadline on the runner's monotonic clock (:class:`RightKeeper`):
 
 * the renewer asks the leader (``POST <rights-url>/v1/rights``, :mod:`neonvm.api.rights`)
-  every ``D/3``, each ask bounded by ``D/6`` overall. It reads the clock *before* sending
+  every ``D/3`` (after two failures in a row, once more ``D/6`` before the deadline), each
+  ask bounded by ``D/6`` overall. It reads the clock *before* sending
   (``t0``) and, only on a 200 whose body is a valid grant, sets
   ``deadline = max(deadline, t0 + min(granted, D))``; any other answer, or none, changes
   nothing;
@@ -208,12 +209,17 @@ class RightKeeper:
         return t0
 
     def next_ask(self, t0: float) -> float:
-        """When to ask next after an ask sent at ``t0``: ``t0 + D/3`` once granted; before
-        that, sooner, backing off from :data:`FIRST_RETRY`."""
+        """When to ask next after an ask sent at ``t0``.
+
+        Once granted: ``t0 + D/3``, or sooner if that would leave no full ask (``D/6``)
+        before the deadline, a last chance after two failed asks in a row (it never
+        comes sooner than ``D/6`` after ``t0``, so there is at most one per outage).
+        Before the first grant: sooner, backing off from :data:`FIRST_RETRY`."""
         interval = renew_interval(self.config.seconds)
+        bound = request_deadline(self.config.seconds)
         with self._lock:
             if self._deadline is not None:
-                return t0 + interval
+                return min(t0 + interval, max(self._deadline - bound, t0 + bound))
             return t0 + min(interval, FIRST_RETRY * (1 << max(0, min(self._failures - 1, 16))))
 
     def _ask(self) -> tuple[RightGrant | None, str]:
