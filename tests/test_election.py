@@ -938,7 +938,9 @@ def test_a_leader_that_cannot_renew_stops_its_work_before_the_lease_can_expire(
     run = run_elector(namespace, on_started=work)
     term = run.wait_leading()
     wait_for(lambda: last_passed_check, 30, what="leader work running")
-    cluster.stop_component("kube-apiserver")
+    # SIGTERM, and the kill 3 s later: the server stops answering at once, and its
+    # process would take some 20 s more to exit, which this test need not wait for.
+    cluster.stop_component("kube-apiserver", timeout=3.0)
     try:
         down_at = time.monotonic()
         wait_for(lambda: term.lost.is_set(), 60, what="leadership to be given up")

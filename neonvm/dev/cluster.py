@@ -270,9 +270,11 @@ class LocalCluster:
         pid = self._pid(name)
         return pid is not None and _pid_alive(pid, binary_name)
 
-    def stop_component(self, name: str, sig: int = signal.SIGTERM) -> None:
-        """Stop one component (used by failure tests: etcd restart, API server restart)."""
-        self._stop(name, sig=sig)
+    def stop_component(self, name: str, sig: int = signal.SIGTERM,
+                       timeout: float = 20.0) -> None:
+        """Stop one component (used by failure tests: etcd restart, API server restart);
+        after ``timeout`` seconds without exiting it is killed."""
+        self._stop(name, timeout, sig=sig)
 
     def start_component(self, name: str, timeout: float = 60.0) -> None:
         """Start one stopped component; waits (up to 30 s) for its ports to be released
