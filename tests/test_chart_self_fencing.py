@@ -1,0 +1,60 @@
+"""The chart's self-fencing values (``controller.rightSeconds``, ``controller.rightsPort``),
+rendered by the real helm binary: off by default, and when on, the controller's flags,
+the selector-less rights Service the leader points at itself, and the generated RBAC
+(docs/protocol.md, "Self-fencing"; docs/chart.md)."""
+
+from __future__ import annotations
+
+import pytest
+
+from neonvm import manifests
+from tests.test_chart import Helm, helm  # noqa: F401  (the fixture)
+
+ON = ("controller.rightSeconds=30", "controller.rightsPort=8090")
+
+
+def test_self_fencing_is_off_by_default_and_adds_nothing(helm: Helm) -> None:  # noqa: F811
+    rendered = helm.template("nvm", "ops")
+    assert "--right-seconds=0" in rendered.container["args"]
+    assert not any(a.startswith("--rights-") for a in rendered.container["args"])
+    assert not [o for o in rendered.objects if o["metadata"]["name"].endswith("-rights")]
+    assert "rights" not in {p["name"] for p in rendered.container["ports"]}
+
+
+@pytest.mark.parametrize("watch", ["", "vms"])
+def test_with_a_right_the_leader_serves_it_behind_a_service_it_points_at_itself(
+        helm: Helm, watch: str) -> None:  # noqa: F811
+    sets = (*ON, f"controller.watchNamespace={watch}") if watch else ON
+    helm.run("lint", "--strict", str(manifests.CHART_DIR), "--set", ",".join(sets))
+    rendered = helm.template("nvm", "ops", sets=sets)
+    args = rendered.container["args"]
+    fullname = rendered.one("Deployment")["metadata"]["name"]
+    assert "--right-seconds=30" in args
+    assert "--rights-bind=0.0.0.0:8090" in args
+    assert f"--rights-url=http://{fullname}-rights.ops.svc:8090" in args
+    assert f"--rights-service=ops/{fullname}-rights" in args
+    assert rendered.env()["POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert {"name": "rights", "containerPort": 8090, "protocol": "TCP"} in \
+        rendered.container["ports"]
+
+    service = next(o for o in rendered.all("Service")
+                   if o["metadata"]["name"] == f"{fullname}-rights")
+    assert "selector" not in service["spec"], "the leader writes its endpoints"
+    assert service["spec"]["ports"] == [{"name": "rights", "port": 8090,
+                                         "targetPort": 8090, "protocol": "TCP"}]
+
+    nodes = next(o for o in rendered.all("ClusterRole")
+                 if o["metadata"]["name"] == f"{fullname}-self-fencing")
+    assert nodes["rules"] == manifests.self_fencing_rules()
+    endpoint = next(o for o in rendered.all("Role")
+                    if o["metadata"]["name"] == f"{fullname}-rights-endpoint")
+    assert endpoint["metadata"]["namespace"] == "ops"
+    assert endpoint["rules"] == manifests.rights_endpoint_rules()
+    for kind, role in (("ClusterRoleBinding", nodes), ("RoleBinding", endpoint)):
+        binding = next(o for o in rendered.all(kind)
+                       if o["roleRef"]["name"] == role["metadata"]["name"])
+        assert binding["subjects"][0]["name"] == rendered.pod_spec["serviceAccountName"]
+
+
+def test_a_negative_right_is_refused_by_the_schema(helm: Helm) -> None:  # noqa: F811
+    assert "rightSeconds" in helm.template_fails("--set", "controller.rightSeconds=-1")
