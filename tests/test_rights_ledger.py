@@ -23,6 +23,7 @@ from neonvm.api.rights import (
     RIGHTS_PATH,
     authorization_header,
 )
+from neonvm.controller.observe import pod_index
 from neonvm.controller.rights import (
     MAX_BODY,
     RightsLedger,
@@ -151,15 +152,28 @@ TOKEN = b"s3cret-token"
 VM_UID, POD_UID = "vm-uid-1", "pod-uid-1"
 
 
-def caches(annotated: bool = True) -> tuple[dict[str, Any], dict[str, Any]]:
+class Cache(dict[str, Any]):
+    """A cache by ``namespace/name``, pods also by their VM's key."""
+
+    def by_index(self, value: str) -> list[dict[str, Any]]:
+        return [p for p in self.values() if pod_index(p) == value]
+
+
+def caches(annotated: bool = True, moved_on: bool = False,
+           terminating: bool = False) -> tuple[Cache, Cache]:
     vm = {"metadata": {"name": "vm", "namespace": "ns", "uid": VM_UID},
           "status": {"podName": "vm-p", "podUID": POD_UID,
                      "scalingTokenSecret": "tok", "scalingTokenSecretUID": "sec-uid"}}
     annotations = {RIGHT_SECONDS_ANNOTATION: "10"} if annotated else {}
-    pod = {"metadata": {"name": "vm-p", "namespace": "ns", "uid": POD_UID,
-                        "annotations": annotations,
-                        "ownerReferences": [{"uid": VM_UID, "controller": True}]}}
-    return {"ns/vm": vm}, {"ns/vm-p": pod}
+    pod: dict[str, Any] = {"metadata": {
+        "name": "vm-p", "namespace": "ns", "uid": POD_UID, "annotations": annotations,
+        "labels": {"vm.neon.tech/name": "vm"},
+        "ownerReferences": [{"uid": VM_UID, "controller": True}]}}
+    if moved_on:  # restarted: another pod committed since
+        vm["status"].update(podName="vm-q", podUID="pod-uid-q")
+    if terminating:
+        pod["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    return Cache({"ns/vm": vm}), Cache({"ns/vm-p": pod})
 
 
 def secret(uid: str = "sec-uid") -> dict[str, Any]:
@@ -218,6 +232,7 @@ def test_a_standby_answers_not_leader_and_records_nothing(served: Any) -> None:
     ("other_pod", 403, "NotCurrentPod"),
     ("not_annotated", 403, "NotCurrentPod"),
     ("condemned", 403, CONDEMNED),
+    ("moved_on", 403, "NotCurrentPod"),
     ("bad_body", 400, "BadRequest"),
 ])
 def test_the_leader_refuses_what_it_must(served: Any, change: str, status: int,
@@ -239,6 +254,8 @@ def test_the_leader_refuses_what_it_must(served: Any, change: str, status: int,
         auth = authorization_header(TOKEN, "pod-uid-2")
     elif change == "not_annotated":
         state["caches"] = caches(annotated=False)
+    elif change == "moved_on":
+        state["caches"] = caches(moved_on=True)
     elif change == "condemned":
         clock.now += BOUND
         assert ledger.condemn(POD_UID, 10.0) == 0.0
@@ -261,3 +278,11 @@ def test_the_bind_address_parses() -> None:
     assert parse_bind(":9") == ("0.0.0.0", 9)
     with pytest.raises(ValueError):
         parse_bind("nope")
+
+
+def test_an_old_pod_shutting_down_keeps_its_right_while_it_goes(served: Any) -> None:
+    """Its guest may be shutting down gracefully: a lapsing right would kill it."""
+    port, ledger, _, state = served
+    ledger.begin_term(lambda: True)
+    state["caches"] = caches(moved_on=True, terminating=True)
+    assert ask(port, REQUEST, authorization_header(TOKEN, POD_UID)) == (200, {"seconds": 10.0})

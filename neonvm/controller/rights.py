@@ -179,15 +179,24 @@ class CurrentPod:
 
 
 class Caches(Protocol):
-    """The term's VM and pod caches (``namespace/name`` keys)."""
+    """The term's VM and pod caches (``namespace/name`` keys; pods also by VM key)."""
 
     def get(self, key: str) -> dict[str, Any] | None: ...
+
+    def by_index(self, value: str) -> list[dict[str, Any]]: ...
 
 
 def current_pod(vms: Caches, pods: Caches, namespace: str, vm_name: str,
                 pod_uid: str) -> CurrentPod | str:
     """``pod_uid`` if the cache shows it as the VM's current pod (committed, or the
-    pending plan's pod once created), self-fencing and owned by the VM; else why not."""
+    pending plan's pod once created) or as one of the VM's pods shutting down,
+    self-fencing and owned by the VM; else why not.
+
+    A pod shutting down (``deletionTimestamp`` set) keeps its right although the VM has
+    moved on: its guest may be in the middle of a graceful shutdown, and a right lapsing
+    then would kill it. That costs no safety (the replacement waits, gated, for the pod
+    to be gone; a grant only moves the pod's condemnation later) and no liveness on a
+    lost node (its runner cannot ask)."""
     vm = vms.get(f"{namespace}/{vm_name}")
     if vm is None:
         return "no such VM in the leader's cache"
@@ -197,9 +206,12 @@ def current_pod(vms: Caches, pods: Caches, namespace: str, vm_name: str,
     if status.get("podUID") and status.get("podUID") != pod_uid:
         names = []
     names.append((status.get("pendingPod") or {}).get("name"))
-    for name in [n for n in names if n]:
-        pod = pods.get(f"{namespace}/{name}")
+    candidates = [pods.get(f"{namespace}/{name}") for name in names if name]
+    candidates += [p for p in pods.by_index(f"{namespace}/{vm_name}")
+                   if ((p.get("metadata") or {}).get("deletionTimestamp") is not None)]
+    for pod in candidates:
         pod_meta = (pod or {}).get("metadata") or {}
+        name = pod_meta.get("name")
         if pod is None or pod_meta.get("uid") != pod_uid:
             continue
         owner = next((r.get("uid") for r in pod_meta.get("ownerReferences") or []
@@ -321,7 +333,8 @@ def _refuse(status: int, reason: str, message: str) -> Answer:
 
 _REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 403: "Forbidden",
             404: "Not Found", 405: "Method Not Allowed", 413: "Content Too Large",
-            431: "Request Header Fields Too Large", 503: "Service Unavailable"}
+            431: "Request Header Fields Too Large", 500: "Internal Server Error",
+            503: "Service Unavailable"}
 
 
 def _headers(head: bytes) -> tuple[list[str], dict[str, str]]:
@@ -398,7 +411,7 @@ class _Listener(health._Listener):
                                                        request[end + 4:])
                 except Exception:
                     logger.exception("rights: request failed")
-                    status, doc = _refuse(503, NOT_LEADER, "internal error")
+                    status, doc = _refuse(500, "InternalError", "internal error")
         body = json.dumps(doc, separators=(",", ":")).encode()
         sock.setblocking(True)
         sock.settimeout(self._read_timeout)
