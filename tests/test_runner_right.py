@@ -518,86 +518,156 @@ def rights() -> Iterator[Callable[..., RightsServer]]:
         server.close()
 
 
-def test_a_runner_starts_qemu_only_with_a_right_and_kills_it_when_the_right_runs_out(
-        tmp_path: Path, tiny_guest: Any, rights: Callable[..., RightsServer]) -> None:
-    seconds = 3.0  # asks every 1 s, each within 0.5 s
-    leader = rights(seconds)
-    token_file = tmp_path / "token"
-    token_file.write_bytes(TOKEN + b"\n")
-    spec = {"terminationGracePeriodSeconds": 30, "guest": {
-        "cpus": {"min": 1, "max": 1}, "memorySlotSize": "128Mi",
-        "memorySlots": {"min": 1, "max": 1}, "rootDisk": {"image": ""},
-        "kernelImage": str(tiny_guest.kernel), "initrdImage": str(tiny_guest.initrd),
-        "appendKernelCmdline": "quiet neonvm.test=powerdown"}}
-    spec_file = tmp_path / "spec.json"
-    spec_file.write_text(json.dumps(spec))
-    termination_log = tmp_path / "termination-log"
-    termination_log.write_text("")
-    work_dir = tmp_path / "work"
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("NEONVM_")}
-    env.update({"NEONVM_VM_NAME": "fenced", "NEONVM_VM_NAMESPACE": "tests"})
-    args = [sys.executable, "-m", "neonvm.runner.main", "--spec-file", str(spec_file),
-            "--port", str(port), "--listen-address", "127.0.0.1",
-            "--work-dir", str(work_dir), "--disks-dir", str(tmp_path / "disks"),
-            "--termination-log", str(termination_log),
-            "--scaling-token-file", str(token_file), "--pod-uid", UID,
-            "--rights-url", leader.url, "--right-seconds", str(seconds)]
-    log_path = tmp_path / "runner.log"
-    with (tmp_path / "console.log").open("wb") as out, log_path.open("wb") as err:
-        proc = subprocess.Popen(args, env=env, stdout=out, stderr=err, cwd=REPO)
-    started: list[int] = []
-    try:
-        # (a) no grant yet: the runner asks, again and again, and starts no QEMU.
-        wait_for(lambda: leader.asks >= 4 or proc.poll() is not None, timeout=60,
-                 what="four asks for a right")
-        assert proc.poll() is None, log_path.read_text()
-        assert qemu_of(work_dir) == []
-        assert "waiting for the first right to run" in log_path.read_text()
-        assert leader.refused_bearers == 0
+@dataclass
+class FencedRunner:
+    """A real runner under test, self-fencing against a :class:`RightsServer`."""
 
-        # The first grant starts QEMU; renewals keep it.
-        leader.granting = True
-        started = wait_for(lambda: qemu_of(work_dir), timeout=60, what="QEMU to start")
-        wait_for(lambda: "ready marker seen" in log_path.read_text() or proc.poll() is not None,
-                 timeout=240, interval=0.2, what="the guest to boot")
-        assert proc.poll() is None, log_path.read_text()
-        asks_while_running = leader.asks
-        wait_for(lambda: leader.asks >= asks_while_running + 3, timeout=60,
-                 what="three renewals")
-        assert proc.poll() is None and qemu_of(work_dir) == started
+    proc: subprocess.Popen[bytes]
+    leader: RightsServer
+    work_dir: Path
+    log_path: Path
+    termination_log: Path
 
-        # (b) grants stop: the watchdog SIGKILLs QEMU, and the runner exits non-zero.
-        leader.granting = False
-        code = proc.wait(timeout=120)
-        log = log_path.read_text()
-        assert code == ExitCode.QEMU_FAILED, log
-        assert "self-fenced: no right to run" in log
-        assert "SelfFenced" in log  # the structured line's event field
-        assert "QEMU exited with code -9" in log
-        assert "ACPI power-down requested" not in log  # killed, never asked
-        assert termination_log.read_text().startswith("self-fenced: no right to run")
-        assert qemu_of(work_dir) == []
-        assert log.count("QEMU started") == 1  # and never restarted
-        assert leader.refused_bearers == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=30)
-        for pid in started:
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def qemu(self) -> list[int]:
+        return qemu_of(self.work_dir)
+
+
+@pytest.fixture
+def fenced_runner(tmp_path: Path, tiny_guest: Any,
+                  rights: Callable[..., RightsServer]) -> Iterator[Callable[[float],
+                                                                            FencedRunner]]:
+    """Start a runner with ``--rights-url`` (the tiny guest; the right of ``seconds``)."""
+    started: list[FencedRunner] = []
+
+    def start(seconds: float) -> FencedRunner:
+        leader = rights(seconds)
+        token_file = tmp_path / "token"
+        token_file.write_bytes(TOKEN + b"\n")
+        spec = {"terminationGracePeriodSeconds": 30, "guest": {
+            "cpus": {"min": 1, "max": 1}, "memorySlotSize": "128Mi",
+            "memorySlots": {"min": 1, "max": 1}, "rootDisk": {"image": ""},
+            "kernelImage": str(tiny_guest.kernel), "initrdImage": str(tiny_guest.initrd),
+            "appendKernelCmdline": "quiet neonvm.test=powerdown"}}
+        spec_file = tmp_path / "spec.json"
+        spec_file.write_text(json.dumps(spec))
+        termination_log = tmp_path / "termination-log"
+        termination_log.write_text("")
+        work_dir = tmp_path / "work"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("NEONVM_")}
+        env.update({"NEONVM_VM_NAME": "fenced", "NEONVM_VM_NAMESPACE": "tests"})
+        args = [sys.executable, "-m", "neonvm.runner.main", "--spec-file", str(spec_file),
+                "--port", str(free_port()), "--listen-address", "127.0.0.1",
+                "--work-dir", str(work_dir), "--disks-dir", str(tmp_path / "disks"),
+                "--termination-log", str(termination_log),
+                "--scaling-token-file", str(token_file), "--pod-uid", UID,
+                "--rights-url", leader.url, "--right-seconds", str(seconds)]
+        log_path = tmp_path / "runner.log"
+        with (tmp_path / "console.log").open("wb") as out, log_path.open("wb") as err:
+            proc = subprocess.Popen(args, env=env, stdout=out, stderr=err, cwd=REPO)
+        started.append(FencedRunner(proc, leader, work_dir, log_path, termination_log))
+        return started[-1]
+
+    yield start
+    for runner in started:
+        for pid in [runner.proc.pid, *runner.qemu()]:
             with contextlib.suppress(ProcessLookupError):
-                if pid in qemu_of(work_dir):
-                    os.kill(pid, signal.SIGKILL)
+                os.kill(pid, signal.SIGCONT)
+        if runner.proc.poll() is None:
+            runner.proc.kill()
+            runner.proc.wait(timeout=30)
+        for pid in runner.qemu():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
-@pytest.mark.unit
-def test_qemu_may_start_only_while_a_right_is_held(tmp_path: Path) -> None:
-    clock = FakeClock()
-    fence = SelfFence(config(tmp_path), clock=clock,
-                      post=FakeLeader(clock, [(503, b"{}"), grant()]))
-    fence.keeper.ask_once()
-    assert not fence.granted()
-    fence.keeper.ask_once()
-    assert fence.granted()
-    clock.now += D  # granted once, but run out before QEMU was started
-    assert not fence.granted()
+def test_a_runner_starts_qemu_only_with_a_right_and_kills_it_when_the_right_runs_out(
+        fenced_runner: Callable[[float], FencedRunner]) -> None:
+    runner = fenced_runner(3.0)  # asks every 1 s, each within 0.5 s
+    leader, proc = runner.leader, runner.proc
+
+    # (a) no grant yet: the runner asks, again and again, and starts no QEMU.
+    wait_for(lambda: leader.asks >= 4 or proc.poll() is not None, timeout=60,
+             what="four asks for a right")
+    assert proc.poll() is None, runner.log()
+    assert runner.qemu() == []
+    assert "waiting for the first right to run" in runner.log()
+    assert leader.refused_bearers == 0
+
+    # The first grant starts QEMU; renewals keep it.
+    leader.granting = True
+    started = wait_for(runner.qemu, timeout=60, what="QEMU to start")
+    wait_for(lambda: "ready marker seen" in runner.log() or proc.poll() is not None,
+             timeout=240, interval=0.2, what="the guest to boot")
+    assert proc.poll() is None, runner.log()
+    asks_while_running = leader.asks
+    wait_for(lambda: leader.asks >= asks_while_running + 3, timeout=60,
+             what="three renewals")
+    assert proc.poll() is None and runner.qemu() == started
+
+    # (b) grants stop: the watchdog SIGKILLs QEMU, and the runner exits non-zero.
+    leader.granting = False
+    code = proc.wait(timeout=120)
+    log = runner.log()
+    assert code == ExitCode.QEMU_FAILED, log
+    assert "self-fenced: no right to run" in log
+    assert "SelfFenced" in log  # the structured line's event field
+    assert "QEMU exited with code -9" in log
+    assert "ACPI power-down requested" not in log  # killed, never asked
+    assert runner.termination_log.read_text().startswith("self-fenced: no right to run")
+    assert runner.qemu() == []
+    assert log.count("QEMU started") == 1  # and never restarted
+    assert leader.refused_bearers == 0
+
+
+def cpu_ticks(pid: int) -> int | None:
+    """utime + stime of a live process, in clock ticks (None once it is gone or a zombie)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    if fields[0] == "Z":
+        return None
+    return int(fields[11]) + int(fields[12])
+
+
+def test_a_runner_frozen_past_its_deadline_kills_qemu_on_the_thaw(
+        fenced_runner: Callable[[float], FencedRunner]) -> None:
+    """The node frozen and thawed (docs/runner.md, "Self-fencing", not covered): the
+    watchdog cannot act while frozen, so this shows only that it acts on the thaw, and
+    prints how long, and how much CPU, QEMU had after it (a measurement, not a bound)."""
+    seconds = 3.0
+    runner = fenced_runner(seconds)
+    runner.leader.granting = True
+    wait_for(lambda: "ready marker seen" in runner.log() or runner.proc.poll() is not None,
+             timeout=240, interval=0.2, what="the guest to boot")
+    [qemu] = runner.qemu()
+
+    # Freeze the runner, then QEMU (a node stopped process by process), past the deadline.
+    os.kill(runner.proc.pid, signal.SIGSTOP)
+    os.kill(qemu, signal.SIGSTOP)
+    frozen_at = time.monotonic()
+    runner.leader.granting = False  # and nobody grants meanwhile
+    wait_for(lambda: time.monotonic() > frozen_at + 2 * seconds, timeout=60,
+             what="the right to run out while frozen")
+    before = cpu_ticks(qemu)
+    assert before is not None
+
+    # Thaw QEMU first, the worst order: its vCPUs may run before the watchdog does.
+    os.kill(qemu, signal.SIGCONT)
+    thawed = time.monotonic()
+    os.kill(runner.proc.pid, signal.SIGCONT)
+    last = before
+    while (ticks := cpu_ticks(qemu)) is not None:
+        last = ticks
+        time.sleep(0.0005)  # poll, but leave the two cores to QEMU and the runner
+    ran = time.monotonic() - thawed
+    code = runner.proc.wait(timeout=60)
+    log = runner.log()
+    assert code == ExitCode.QEMU_FAILED, log
+    assert "self-fenced: no right to run" in log and "QEMU exited with code -9" in log
+    assert runner.qemu() == []
+    print(f"\nfreeze-thaw: QEMU lived {ran * 1000:.1f} ms after its SIGCONT and used "
+          f"{(last - before) * 1000 // os.sysconf('SC_CLK_TCK')} ms of CPU")
