@@ -10,6 +10,8 @@ import dataclasses
 
 import pytest
 
+from neonvm.api import rights as contract
+from neonvm.controller import rights
 from neonvm.verify.fencing import (
     SCENARIOS,
     SHIPPED_SAFE,
@@ -116,6 +118,22 @@ def test_a_ledger_that_answers_before_it_records_lets_the_test_miss_a_grant() ->
     # (f)
     trace = caught("answer_before_record", "fence-partition")
     assert any("not yet recorded" in s for s in trace)
+
+
+@pytest.mark.unit
+def test_the_explorer_runs_the_shipped_ledger_and_catches_a_margin_taken_out_of_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The leader in the model is the shipped RightsLedger: a ledger whose margin forgets
+    rho and epsilon (as the contract's function would compute it with both at 0) is
+    caught without any model switch."""
+    def no_margin(issued: float, term_start: float, seconds: float, rho: float = 0.0,
+                  epsilon: float = 0.0) -> float:
+        return contract.dead_for_sure_after(issued, term_start, seconds, 0.0, 0.0)
+
+    monkeypatch.setattr(rights, "dead_for_sure_after", no_margin)
+    report = explore_fencing("fence-partition", SHIPPED, liveness=False)
+    assert report.violation is not None
+    assert report.violation.property == "at-most-one-running-guest"
 
 
 # ---- the gaps docs/protocol.md names ---------------------------------------------------
