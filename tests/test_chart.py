@@ -1067,8 +1067,12 @@ def test_the_controller_runs_a_vm_lifecycle_with_the_charts_command_line_and_ide
                 wait_for(lambda path=path: _http_status(health_port, path) == 200,
                          timeout=60, what=f"{kind} {path} passing")
 
+            # A short grace period: the simulated node ends the runner pod's graceful
+            # deletion only when it is over (30 s by default), and the VM goes after it.
+            sample = _sample_vm("chart")
+            sample["spec"]["terminationGracePeriodSeconds"] = 2
             vm = custom.create_namespaced_custom_object(
-                types.GROUP, types.VERSION, namespace, types.PLURAL, _sample_vm("chart"))
+                types.GROUP, types.VERSION, namespace, types.PLURAL, sample)
             name = vm["metadata"]["name"]
 
             def committed() -> str | None:
