@@ -203,7 +203,14 @@ def served() -> Any:
     ledger = RightsLedger(clock, rho=RHO, epsilon=EPS)
     state: dict[str, Any] = {"caches": caches(), "secret": secret()}
     tokens = TokenCache(None, read=lambda _ns, _name: state["secret"])
-    service = RightsService(ledger, lambda: state["caches"], tokens)
+    state["marks"] = []
+    state["pod_gone"] = False
+
+    def mark(namespace: str, name: str, uid: str) -> bool:
+        state["marks"].append((namespace, name, uid))
+        return not state["pod_gone"]
+
+    service = RightsService(ledger, lambda: state["caches"], tokens, mark)
     with RightsServer(service, "127.0.0.1", 0) as server:
         yield server.port, ledger, clock, state
 
@@ -286,3 +293,21 @@ def test_an_old_pod_shutting_down_keeps_its_right_while_it_goes(served: Any) -> 
     ledger.begin_term(lambda: True)
     state["caches"] = caches(moved_on=True, terminating=True)
     assert ask(port, REQUEST, authorization_header(TOKEN, POD_UID)) == (200, {"seconds": 10.0})
+
+
+def test_a_terms_first_grant_to_a_pod_writes_the_pod_first(served: Any) -> None:
+    """So that an earlier term's DELETE in flight and this grant cannot both land."""
+    port, ledger, clock, state = served
+    ledger.begin_term(lambda: True)
+    auth = authorization_header(TOKEN, POD_UID)
+    assert ask(port, REQUEST, auth)[0] == 200
+    assert ask(port, REQUEST, auth)[0] == 200
+    assert state["marks"] == [("ns", "vm-p", POD_UID)]  # once per term
+    clock.now += 1
+    ledger.begin_term(lambda: True)
+    state["pod_gone"] = True
+    status, doc = ask(port, REQUEST, auth)
+    assert (status, doc["reason"]) == (403, "NotCurrentPod")
+    assert len(state["marks"]) == 2
+    clock.now += BOUND
+    assert ledger.condemn(POD_UID, 10.0) == 0.0, "the refused ask recorded nothing"

@@ -248,3 +248,72 @@ def test_a_vm_with_a_runner_image_of_its_own_does_not_self_fence() -> None:
                                                            runner_image=on.runner_image))
     assert RIGHT_SECONDS_ANNOTATION in podspec.runner_pod(same, plan, on)["metadata"][
         "annotations"]
+
+
+# ---- the force-delete --------------------------------------------------------------------
+
+
+class Calls:
+    """A cluster and an authority that record the order of what the performer does."""
+
+    def __init__(self, pod: dict[str, Any] | None, delete_status: int | None = None) -> None:
+        self.pod = pod
+        self.delete_status = delete_status
+        self.log: list[tuple[Any, ...]] = []
+        self.events: list[tuple[str, str]] = []
+
+    def get_pod(self, namespace: str, name: str) -> dict[str, Any] | None:
+        self.log.append(("get", name))
+        return self.pod
+
+    def delete_pod(self, namespace: str, name: str, **kw: Any) -> None:
+        self.log.append(("delete", name, kw))
+        if self.delete_status is not None:
+            from kubernetes.client.exceptions import ApiException
+            raise ApiException(status=self.delete_status)
+
+    def check(self) -> None:
+        self.log.append(("check",))
+
+    def record(self, vm: Any, reason: str, message: str, warning: bool = False) -> None:
+        self.events.append((reason, message))
+
+
+def perform(calls: Calls, condemned: bool = True) -> str:
+    from loguru import logger
+
+    from neonvm.controller.fencing import force_delete_dead_pod
+
+    fence, clock, _ = fencing({})
+    if condemned:
+        clock.now += BOUND
+        assert fence.ledger.condemn("uid-old", D) == 0.0
+    action = d.ForceDeleteDeadPod(name="old", uid="uid-old", reason="dead")
+    return force_delete_dead_pod(fence, calls, calls, action, vm(), calls.check, logger)
+
+
+def test_the_force_delete_reads_then_checks_then_deletes_with_uid_and_version() -> None:
+    calls = Calls(raw_pod() | {"metadata": {"uid": "uid-old", "resourceVersion": "42"}})
+    assert perform(calls) == "done"
+    assert calls.log == [("get", "old"), ("check",), ("delete", "old", {
+        "uid": "uid-old", "resource_version": "42", "grace_period_seconds": 0})]
+    assert [reason for reason, _ in calls.events] == ["SelfFenced"]
+
+
+@pytest.mark.parametrize(("pod", "status", "outcome"), [
+    (None, None, "gone"),
+    ({"metadata": {"uid": "another"}}, None, "gone"),
+    ({"metadata": {"uid": "uid-old", "resourceVersion": "42"}}, 409, "conflict"),
+    ({"metadata": {"uid": "uid-old", "resourceVersion": "42"}}, 404, "gone"),
+])
+def test_a_force_delete_that_cannot_land_says_why_and_records_no_event(
+        pod: dict[str, Any] | None, status: int | None, outcome: str) -> None:
+    calls = Calls(pod, status)
+    assert perform(calls) == outcome
+    assert calls.events == []
+
+
+def test_a_pod_the_ledger_did_not_condemn_is_never_force_deleted() -> None:
+    calls = Calls({"metadata": {"uid": "uid-old", "resourceVersion": "42"}})
+    assert perform(calls, condemned=False) == "not_condemned"
+    assert calls.log == []

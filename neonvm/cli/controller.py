@@ -31,6 +31,7 @@ from neonvm.controller.rights import (
     RightsServer,
     RightsService,
     TokenCache,
+    api_mark_pod,
     parse_bind,
     parse_service,
 )
@@ -183,7 +184,9 @@ def run(kubeconfig: Path | None, lease_namespace: str, lease_name: str, identity
         except ValueError as exc:
             raise click.BadParameter(str(exc), param_hint="--rights-bind") from None
         rights = RightsServer(RightsService(process.rights, process.rights_caches,
-                                            TokenCache(api)), host, port)
+                                            TokenCache(api),
+                                            api_mark_pod(api, process.term_epoch)),
+                              host, port)
         if rights_service:
             try:
                 service_namespace, service = parse_service(rights_service)

@@ -140,20 +140,32 @@ class SelfFencing:
 
 
 def force_delete_dead_pod(fencing: SelfFencing | None, cluster: Any, events: Any,
-                          action: d.ForceDeleteDeadPod, vm: Any, log: Any) -> str:
+                          action: d.ForceDeleteDeadPod, vm: Any, check: Callable[[], None],
+                          log: Any) -> str:
     """Perform :class:`~neonvm.controller.decide.ForceDeleteDeadPod` (the reconciler's
-    row calls this): only a pod the ledger has condemned; DELETE with
-    ``gracePeriodSeconds: 0`` and the uid precondition; a Warning event ``SelfFenced``."""
+    row calls this): only a pod the ledger has condemned. The pod is read (after the
+    condemn), then the authority checked (``check``), then it is deleted with
+    ``gracePeriodSeconds: 0`` and the uid and that ``resourceVersion`` as preconditions,
+    so that a next term's first grant, which writes the pod first, and this DELETE
+    cannot both land (:class:`~neonvm.controller.rights.RightsService`). A Warning event
+    ``SelfFenced``."""
     if fencing is None or not fencing.ledger.is_condemned(action.uid):
         return "not_condemned"
+    pod = cluster.get_pod(vm.namespace, action.name)
+    meta = (pod or {}).get("metadata") or {}
+    if pod is None or meta.get("uid") != action.uid:
+        return "gone"
+    check()
     try:
         cluster.delete_pod(vm.namespace, action.name, uid=action.uid,
+                           resource_version=str(meta.get("resourceVersion") or ""),
                            grace_period_seconds=0)
     except ApiException as exc:
-        if exc.status in (404, 409):
-            log.info("pod {pod} ({uid}) already gone or replaced", pod=action.name,
-                     uid=action.uid)
+        if exc.status == 404:
             return "gone"
+        if exc.status == 409:
+            log.info("pod {pod} changed since it was read: deciding again", pod=action.name)
+            return "conflict"
         raise
     log.warning("force-deleted self-fenced pod {pod}: {reason}", pod=action.name,
                 reason=action.reason)

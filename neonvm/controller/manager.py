@@ -627,6 +627,11 @@ class ControllerProcess:
             if self._term is term:
                 self._term = None
 
+    def term_epoch(self) -> str:
+        """The leading term's epoch ("" when not leading), as a pod's right-term mark."""
+        term = self._term
+        return str(term.leadership.epoch) if term is not None else ""
+
     def rights_caches(self) -> tuple[Any, Any] | None:
         """The leading term's synced (VM, pod) caches; None when not leading."""
         term = self._term

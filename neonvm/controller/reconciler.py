@@ -645,7 +645,7 @@ class Reconciler:
                       authority: Authority, log: Any) -> str:
         assert snap.record is not None
         return force_delete_dead_pod(self.fencing, self.cluster, self._events, action,
-                                     snap.record.vm, log)
+                                     snap.record.vm, authority.check, log)
 
     def _after_put(self, key: str, snap: Snapshot, authority: Authority, log: Any,
                    steps: int, action: d.ApplyScale, seq: int, outcome: str,

@@ -150,6 +150,14 @@ class RightsLedger:
                 return 0.0
             return after - now
 
+    def granted_this_term(self, pod_uid: str) -> bool:
+        """This term has granted ``pod_uid`` before (its pod was marked then: see
+        :class:`RightsService`)."""
+        with self._lock:
+            at = self._issued.get(pod_uid)
+            return (at is not None and self._term_start is not None
+                    and at[0] >= self._term_start)
+
     def is_condemned(self, pod_uid: str) -> bool:
         with self._lock:
             return pod_uid in self._condemned
@@ -172,6 +180,7 @@ class CurrentPod:
     """The VM's current pod as the cache shows it, and what a grant needs of it."""
 
     uid: str
+    name: str
     seconds: float
     """The pod's right (its :data:`RIGHT_SECONDS_ANNOTATION`)."""
     secret_name: str
@@ -222,7 +231,7 @@ def current_pod(vms: Caches, pods: Caches, namespace: str, vm_name: str,
             RIGHT_SECONDS_ANNOTATION))
         if seconds is None:
             return f"pod {name} does not self-fence"
-        return CurrentPod(uid=pod_uid, seconds=seconds,
+        return CurrentPod(uid=pod_uid, name=str(name), seconds=seconds,
                           secret_name=str(status.get("scalingTokenSecret") or ""),
                           secret_uid=str(status.get("scalingTokenSecretUID") or ""))
     return "not the VM's current pod"
@@ -282,17 +291,39 @@ class TokenCache:
 Answer = tuple[int, dict[str, Any]]
 
 
+TERM_ANNOTATION = "vm.neon.tech/right-term"
+"""Pod annotation written before a term's first grant to the pod (module doc of
+:class:`RightsService`): the term's start, as this process counts it."""
+
+MarkPod = Callable[[str, str, str], bool]
+"""(namespace, name, uid) -> whether the pod was written (False: gone, or another uid)."""
+
+
 class RightsService:
     """Answers one ``POST /v1/rights`` (transport-free; :class:`RightsServer` serves it).
 
     ``caches()`` returns the term's (VM, pod) caches, or None while no term is active or
-    its caches have not synced."""
+    its caches have not synced.
+
+    **A term's first grant to a pod writes the pod first** (``mark_pod``: a patch of
+    :data:`TERM_ANNOTATION` with a uid precondition; no grant if the pod is gone). The
+    force-delete of a condemned pod reads the pod after the condemn, checks its
+    authority, then deletes with the uid and that ``resourceVersion`` as preconditions
+    (:func:`~neonvm.controller.fencing.force_delete_dead_pod`). So a deposed leader's
+    DELETE still in flight and the next term's first grant cannot both land: the read
+    precedes the old term's end, which precedes the new term's write; either the write
+    comes first (the DELETE fails on the resourceVersion) or the DELETE does (the write
+    fails: no grant). Without it, a runner still waiting for its first grant could be
+    granted by the new leader and start its guest just before the old leader's DELETE
+    lands (docs/protocol.md, "Self-fencing": "A deposed leader's delete still in
+    flight"). Cost: one pod write per pod per term, on its first ask."""
 
     def __init__(self, ledger: RightsLedger, caches: Callable[[], tuple[Caches, Caches] | None],
-                 tokens: TokenCache) -> None:
+                 tokens: TokenCache, mark_pod: MarkPod) -> None:
         self.ledger = ledger
         self._caches = caches
         self._tokens = tokens
+        self._mark_pod = mark_pod
 
     def answer(self, method: str, path: str, authorization: str | None,
                body: bytes) -> Answer:
@@ -319,6 +350,13 @@ class RightsService:
             return _refuse(503, NOT_LEADER, f"cannot read the VM's token now: {exc}"[:200])
         if token is None or not bearer_matches(authorization, token, request.pod_uid):
             return _refuse(401, UNAUTHORIZED, "the bearer does not match the VM's token")
+        if not self.ledger.granted_this_term(request.pod_uid):
+            try:
+                marked = self._mark_pod(request.namespace, found.name, request.pod_uid)
+            except (ApiException, OSError) as exc:
+                return _refuse(503, NOT_LEADER, f"cannot mark the pod now: {exc}"[:200])
+            if not marked:
+                return _refuse(403, NOT_CURRENT_POD, "the pod is gone")
         refused = self.ledger.grant(request.pod_uid, found.seconds)
         if refused == CONDEMNED:
             return _refuse(403, CONDEMNED, "this pod was condemned; it is never granted again")
@@ -458,6 +496,24 @@ class RightsServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def api_mark_pod(api: client.ApiClient, term: Callable[[], str]) -> MarkPod:
+    """:data:`MarkPod` through the API server: a merge patch of :data:`TERM_ANNOTATION`
+    carrying the pod's uid (the API server refuses it, 409, for another uid)."""
+    def mark(namespace: str, name: str, uid: str) -> bool:
+        try:
+            kube.request(api, "PATCH",
+                         f"/api/v1/namespaces/{namespace}/pods/{kube.path_segment(name)}",
+                         body={"metadata": {"uid": uid,
+                                            "annotations": {TERM_ANNOTATION: term()}}},
+                         content_type="application/merge-patch+json", timeout=5)
+        except ApiException as exc:
+            if exc.status in (404, 409):
+                return False
+            raise
+        return True
+    return mark
 
 
 RIGHTS_PORT_NAME = "rights"
