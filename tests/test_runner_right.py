@@ -671,3 +671,14 @@ def test_a_runner_frozen_past_its_deadline_kills_qemu_on_the_thaw(
     assert runner.qemu() == []
     print(f"\nfreeze-thaw: QEMU lived {ran * 1000:.1f} ms after its SIGCONT and used "
           f"{(last - before) * 1000 // os.sysconf('SC_CLK_TCK')} ms of CPU")
+
+
+def test_a_runner_stopped_before_its_first_grant_never_starts_qemu(
+        fenced_runner: Callable[[float], FencedRunner]) -> None:
+    runner = fenced_runner(3.0)
+    wait_for(lambda: runner.leader.asks >= 2 or runner.proc.poll() is not None, timeout=60,
+             what="two asks for a right")
+    runner.proc.send_signal(signal.SIGTERM)
+    assert runner.proc.wait(timeout=60) == ExitCode.GUEST_POWERED_OFF, runner.log()
+    assert "QEMU started" not in runner.log()
+    assert runner.termination_log.read_text().startswith("stopped before QEMU started")
