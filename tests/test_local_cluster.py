@@ -359,7 +359,10 @@ def test_the_controllers_replacement_stays_gated_until_the_old_pod_is_gone(
     api: client.ApiClient, namespace: str
 ) -> None:
     core = client.CoreV1Api(api)
-    create_vm(api, namespace, "vm", restart_policy="Always")
+    # A 2 s grace period: the old pod stays past it only because its guest is slow, and
+    # once released it goes at once (with the default 30 s it would wait those out).
+    create_vm(api, namespace, "vm", restart_policy="Always",
+              spec={"terminationGracePeriodSeconds": 2})
     old = running_runner(api, namespace, "vm")
 
     nodes.delay_termination(api, namespace, old, 3600)  # a guest slow to power down
