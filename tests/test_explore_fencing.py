@@ -13,6 +13,7 @@ import pytest
 from neonvm.api import rights as contract
 from neonvm.controller import rights
 from neonvm.verify.fencing import (
+    FREEZES,
     SCENARIOS,
     SHIPPED_SAFE,
     FencingConfig,
@@ -166,6 +167,29 @@ def test_a_deposed_leader_that_grants_after_its_term_defeats_term_start() -> Non
 
 
 @pytest.mark.unit
+def test_a_node_stopped_and_thawed_runs_the_old_guest_only_until_the_watchdog_wakes() -> None:
+    # SIGSTOP of the whole node: the runner's clock runs on, so on the thaw its watchdog
+    # finds the deadline passed and kills before time moves on. The two guests overlap
+    # for that moment only (the strict count sees it).
+    report = explore_fencing("fence-freeze")
+    print(f"fence-freeze: {report.states} states, {report.transitions} transitions")
+    assert report.complete and report.violation is None, (report.violation, report.trace)
+    strict = explore_fencing("fence-freeze", moment=False, liveness=False)
+    assert strict.violation is not None
+    assert any("thaws: the watchdog finds the deadline passed" in s for s in strict.trace)
+
+
+@pytest.mark.unit
+def test_a_node_whose_clock_stopped_runs_the_old_guest_on_after_it_resumes() -> None:
+    # A suspend the monotonic clock does not count breaks the rate bound: after the
+    # resume the watchdog sees the deadline still ahead.
+    report = explore_fencing("fence-suspend", liveness=False)
+    assert report.violation is not None
+    assert report.violation.property == "two-guests-past-a-moment"
+    assert any("P's clock +0" in s for s in report.trace)
+
+
+@pytest.mark.unit
 def test_every_scenario_is_described() -> None:
-    assert set(SHIPPED_SAFE) < set(SCENARIOS)
+    assert set(SHIPPED_SAFE) | set(FREEZES) < set(SCENARIOS)
     assert all(text for text, _fresh, _budget in SCENARIOS.values())

@@ -29,7 +29,10 @@ replacement Q, and two leader terms.
   reports are lost, the guest and its runner keep running) and reachable again. P stays
   in the API until it is deleted. Once P's runner has exited and the node is reachable,
   the kubelet reports P failed and the ordinary restart removes it. A reachable node's
-  kubelet also stops a runner whose pod was deleted, at some later step.
+  kubelet also stops a runner whose pod was deleted, at some later step. The whole node
+  may also stop and thaw (``freeze``: its processes stopped, the runner's clock runs on;
+  ``suspend``: its clock stops too): nothing of P moves meanwhile and its guest does not
+  run; on the thaw a watchdog whose deadline has passed kills before time moves on.
 * **The leader** drives the shipped :class:`neonvm.controller.rights.RightsLedger`
   (rebuilt for each step on a clock that reads the model's leader clock): ``grant``
   while its term leads, if P is in the API (the VM's current pod); ``condemn`` while
@@ -45,8 +48,9 @@ replacement Q, and two leader terms.
   grant its guest runs (for ever, here: the worst case for the invariant).
 
 Checked: **at most one running guest** in every state (P's and Q's guests, whatever the
-API says), and, from every state, once faults stop, a calm run ends with exactly one
-guest running (Q's, unless P is reachable, uncondemned and renewed).
+API says; in the freeze scenarios, the weaker :meth:`FencingModel.check_moment`), and,
+from every state, once faults stop, a calm run ends with exactly one guest running
+(Q's, unless P is reachable, uncondemned and renewed).
 
 Coarser than the real thing: one VM; P's node only (Q's is reachable); a request the
 runner gave up on is not processed later (that would only record a later ``issued``,
@@ -137,6 +141,12 @@ class Budget(NamedTuple):
     frozen_grant: int = 0
     """The election's guarantee broken (docs/protocol.md, "A leader whose clock stops"):
     a deposed term's leader, woken from a freeze, grants once more."""
+    freeze: int = 0
+    """P's whole node stops (SIGSTOP of its processes) and later thaws; the runner's
+    monotonic clock counts the time stopped."""
+    suspend: int = 0
+    """P's whole node stops and later thaws, and the runner's clock does not count the
+    time stopped (a suspended machine; ``CLOCK_MONOTONIC``): it breaks the rate bound."""
 
 
 class World(NamedTuple):
@@ -173,6 +183,9 @@ class World(NamedTuple):
     q: int
     """0: no replacement; 1: Q created and ungated, its runner asking; 2: Q's guest runs."""
     budget: Budget
+    frozen: int = 0
+    """P's node is stopped: 0 no; 1 with its clock running (``freeze``); 2 with its clock
+    stopped (``suspend``). Nothing of P moves, its guest does not run."""
 
 
 class Violation(NamedTuple):
@@ -208,9 +221,15 @@ SCENARIOS: dict[str, tuple[str, bool, Budget]] = {
     "fence-frozen-leader": ("P runs; its node is cut off and may come back; a failover, and "
                             "the deposed leader grants once after it (a stopped clock)",
                             False, Budget(partition=1, heal=1, failover=1, frozen_grant=1)),
+    "fence-freeze": ("P runs; its node is stopped (SIGSTOP: the runner's clock runs on) "
+                     "and thawed at any moment", False, Budget(freeze=1)),
+    "fence-suspend": ("P runs; its node is suspended (the runner's clock stops) and "
+                      "resumed at any moment", False, Budget(suspend=1)),
 }
 """name: (what happens, P's runner fresh, budget). The first four hold for the design as
-shipped; the last two are gaps that docs/protocol.md names ("What is not covered")."""
+shipped; the others are gaps that docs/protocol.md names ("What is not covered"). The
+freeze scenarios are checked against :meth:`FencingModel.check_moment`."""
+FREEZES = ("fence-freeze", "fence-suspend")
 SHIPPED_SAFE = ("fence-partition", "fence-flaky", "fence-failover", "fence-fresh")
 
 
@@ -284,8 +303,8 @@ class FencingModel:
     def successors(self, w: World) -> Iterator[tuple[str, World]]:
         t, m, b = self.t, self.m, w.budget
         req = w.p_req
-        # P's runner.
-        if w.p_runner:
+        # P's runner (nothing of it moves while its node is stopped).
+        if w.p_runner and not w.frozen:
             if req is None:
                 yield "P's runner asks for a right (t0 read)", w._replace(p_req=("sent", 0))
             else:
@@ -298,7 +317,7 @@ class FencingModel:
                        w._replace(p_runner=False, p_guest=False, p_left=None,
                                   overdue=False, p_req=None))
         # The leader's side of P's request (only over a reachable node's network).
-        if req is not None and req[0] == "sent" and w.node_up:
+        if req is not None and req[0] == "sent" and w.node_up and not w.frozen:
             yield self._grant(w)
             if b.frozen_grant and w.leader != 1 and w.p_in_api:
                 yield ("the deposed leader of term 1 wakes from a freeze and grants P "
@@ -339,6 +358,18 @@ class FencingModel:
             yield ("kubelet: P was deleted from the API: it stops P",
                    w._replace(p_runner=False, p_guest=False, p_left=None, overdue=False,
                               p_req=None))
+        if w.node_up and not w.frozen and (b.freeze or b.suspend):
+            for kind, allowed in ((1, b.freeze), (2, b.suspend)):
+                if allowed:
+                    what = "SIGSTOP" if kind == 1 else "suspend: its clocks stop too"
+                    yield (f"fault: P's whole node stops ({what})", _spend(
+                        w, freeze=int(kind == 1), suspend=int(kind == 2))._replace(
+                            frozen=kind, node_up=False))
+        if w.frozen:
+            due = w.p_guest and w.p_left is not None and w.p_left <= 0
+            yield ("P's node thaws" + (": the watchdog finds the deadline passed" if due
+                                       else ""),
+                   w._replace(frozen=0, node_up=True, overdue=due))
         if w.node_up and b.partition:
             yield "fault: P's node is cut off", _spend(w, partition=1)._replace(node_up=False)
         if not w.node_up and b.heal:
@@ -361,7 +392,7 @@ class FencingModel:
             yield "leader grants Q; Q's guest starts", w._replace(q=2)
         # Time.
         if not (w.p_guest and w.overdue and not m.forget_kill):
-            for rate in t.runner_rates:
+            for rate in (0,) if w.frozen == 2 else t.runner_rates:
                 yield (f"tick (P's clock +{rate}, the leader's +{t.leader_rate})",
                        self._tick(w, rate))
 
@@ -412,7 +443,7 @@ class FencingModel:
         left = w.p_left
         return w._replace(
             p_left=max(left - rate, -1) if left is not None else None,
-            overdue=w.p_guest and left is not None and left <= 0,
+            overdue=not w.frozen and w.p_guest and left is not None and left <= 0,
             p_req=(req[0], min(req[1] + rate, t.seconds)) if req is not None else None,
             term_since=_cap(w.term_since + t.leader_rate, cap),
             issued_since=(_cap(w.issued_since + t.leader_rate, cap)
@@ -422,11 +453,23 @@ class FencingModel:
 
     @staticmethod
     def check(w: World) -> Violation | None:
-        if w.p_guest and w.q == 2:
+        if w.p_guest and not w.frozen and w.q == 2:
             return Violation("at-most-one-running-guest",
                              f"P's guest (deadline {w.p_left} ahead, pod "
                              f"{'in the API' if w.p_in_api else 'gone from the API'}) and "
                              f"Q's guest both run")
+        return None
+
+    @staticmethod
+    def check_moment(w: World) -> Violation | None:
+        """The weaker property of the freeze scenarios: two guests may run together only
+        for the moment between a thaw and the watchdog's kill of a guest past its
+        deadline (time cannot pass then); any other overlap is a violation."""
+        if w.p_guest and not w.frozen and w.q == 2 and not (
+                w.overdue and w.p_left is not None and w.p_left <= 0):
+            return Violation("two-guests-past-a-moment",
+                             f"P's guest (deadline {w.p_left} ahead) and Q's guest run on "
+                             f"together")
         return None
 
     @staticmethod
@@ -482,11 +525,17 @@ class FencingReport:
 
 
 def explore_fencing(scenario: str, cfg: FencingConfig = FencingConfig(), *,
-                    liveness: bool = True, max_states: int = 500_000) -> FencingReport:
+                    liveness: bool = True, max_states: int = 500_000,
+                    moment: bool | None = None) -> FencingReport:
     """Breadth-first over every interleaving of ``scenario``; stops at the first
-    violation (its trace is a shortest one)."""
+    violation (its trace is a shortest one). ``moment``: check
+    :meth:`FencingModel.check_moment` instead of :meth:`FencingModel.check` (default:
+    for the freeze scenarios only)."""
     _, fresh, budget = SCENARIOS[scenario]
     model = FencingModel(cfg)
+    if moment is None:
+        moment = scenario in FREEZES
+    check = model.check_moment if moment else model.check
     start = initial_world(budget, cfg.timing, fresh)
     parents: dict[World, tuple[World, str] | None] = {start: None}
     queue: deque[World] = deque([start])
@@ -514,7 +563,7 @@ def explore_fencing(scenario: str, cfg: FencingConfig = FencingConfig(), *,
             if nxt in parents:
                 continue
             parents[nxt] = (s, step)
-            v = model.check(nxt)
+            v = check(nxt)
             if v is not None:
                 report.violation, report.trace = v, trace(nxt, None)
                 return report
