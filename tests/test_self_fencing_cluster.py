@@ -39,6 +39,7 @@ from neonvm.api.rights import (
     authorization_header,
 )
 from neonvm.controller.fencing import SELF_FENCED
+from neonvm.controller.rights import TERM_ANNOTATION, api_mark_pod
 from neonvm.dev import nodes
 from neonvm.dev.cluster import LocalCluster
 from neonvm.invariant import InvariantChecker
@@ -236,8 +237,8 @@ def test_the_leader_grants_the_current_pod_and_points_the_rights_service_at_itse
                                                          namespace)
     token = base64.b64decode(secret.data["token"]).strip()
 
-    for port in ports.values():
-        wait_for(lambda port=port: serving(port), timeout=60, what=f"port {port} to serve")
+    wait_for(lambda: all(serving(port) for port in ports.values()), timeout=60,
+             what="both replicas to serve rights")
     assert ask(ports["a"], namespace, "vm", pod.metadata.uid, token) == (200, {"seconds": D})
     code, doc = ask(ports["b"], namespace, "vm", pod.metadata.uid, token)
     assert (code, doc["reason"]) == (503, NOT_LEADER)
@@ -260,3 +261,23 @@ def test_the_leader_grants_the_current_pod_and_points_the_rights_service_at_itse
     assert wait_for(lambda: slice_port() == ports["b"], timeout=60, what="slice -> b")
     assert wait_for(lambda: ask(ports["b"], namespace, "vm", pod.metadata.uid, token)
                     == (200, {"seconds": D}), timeout=60, what="b to grant")
+
+
+def test_marking_a_pod_before_a_terms_first_grant_needs_that_very_pod(
+        api: client.ApiClient, namespace: str) -> None:
+    """The write that orders a grant against a DELETE in flight: it lands only on the pod
+    of that uid (another uid, or a deleted pod, is no grant)."""
+    core = client.CoreV1Api(api)
+    pod = core.create_namespaced_pod(namespace, {
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p"},
+        "spec": {"containers": [{"name": "c", "image": "x"}],
+                 "schedulingGates": [{"name": "hold"}]}})
+    mark = api_mark_pod(api, lambda: "7")
+    assert mark(namespace, "p", pod.metadata.uid)
+    assert core.read_namespaced_pod("p", namespace).metadata.annotations[TERM_ANNOTATION] == "7"
+    assert not mark(namespace, "p", "00000000-0000-0000-0000-000000000000")
+    core.delete_namespaced_pod("p", namespace, grace_period_seconds=0)
+    wait_for(lambda: not any(p.metadata.name == "p"
+                             for p in core.list_namespaced_pod(namespace).items),
+             timeout=30, what="the pod to go")
+    assert not mark(namespace, "p", pod.metadata.uid)

@@ -500,7 +500,8 @@ class RightsServer:
 
 def api_mark_pod(api: client.ApiClient, term: Callable[[], str]) -> MarkPod:
     """:data:`MarkPod` through the API server: a merge patch of :data:`TERM_ANNOTATION`
-    carrying the pod's uid (the API server refuses it, 409, for another uid)."""
+    carrying the pod's uid (the API server refuses it for another uid: 422, the uid
+    being immutable; 404 for a pod that is gone)."""
     def mark(namespace: str, name: str, uid: str) -> bool:
         try:
             kube.request(api, "PATCH",
@@ -509,7 +510,7 @@ def api_mark_pod(api: client.ApiClient, term: Callable[[], str]) -> MarkPod:
                                             "annotations": {TERM_ANNOTATION: term()}}},
                          content_type="application/merge-patch+json", timeout=5)
         except ApiException as exc:
-            if exc.status in (404, 409):
+            if exc.status in (404, 409, 422):
                 return False
             raise
         return True
