@@ -383,6 +383,52 @@ def test_the_kill_is_a_sigkill_to_the_armed_process(tmp_path: Path) -> None:
             victim.wait()
 
 
+@pytest.fixture
+def victim() -> Iterator[subprocess.Popen[bytes]]:
+    """A process standing in for QEMU."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    yield proc
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def test_without_a_usable_pidfd_the_kill_goes_by_pid(
+        tmp_path: Path, victim: subprocess.Popen[bytes]) -> None:
+    clock = FakeClock()
+    fence = SelfFence(config(tmp_path), clock=clock, post=FakeLeader(clock, [grant()]))
+    fence.keeper.ask_once()
+    fence.arm(victim.pid)
+    assert fence._pidfd is not None
+    os.close(fence._pidfd)  # the pidfd is unusable (EBADF)
+    try:
+        clock.now += D
+        fence.watchdog.check()
+        assert victim.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        fence._pidfd = None
+        fence.stop()
+
+
+def test_a_watchdog_that_fails_kills_qemu_rather_than_leave_it_unwatched(
+        tmp_path: Path, victim: subprocess.Popen[bytes]) -> None:
+    clock = FakeClock()
+    fence = SelfFence(config(tmp_path), clock=clock,
+                      post=FakeLeader(clock, [grant()] * 100))
+    fence.keeper.ask_once()
+    fence.arm(victim.pid)
+
+    def broken() -> float | None:
+        raise RuntimeError("a bug in the watchdog")
+
+    fence.watchdog.check = broken  # type: ignore[method-assign]
+    fence.start()
+    try:
+        assert victim.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        fence.stop()
+
+
 class _Drip(BaseHTTPRequestHandler):
     """Answers a grant one byte at a time, slowly: each read is quick, the whole is not."""
 
@@ -682,3 +728,39 @@ def test_a_runner_stopped_before_its_first_grant_never_starts_qemu(
     assert runner.proc.wait(timeout=60) == ExitCode.GUEST_POWERED_OFF, runner.log()
     assert "QEMU started" not in runner.log()
     assert runner.termination_log.read_text().startswith("stopped before QEMU started")
+
+
+@pytest.mark.parametrize(("drop", "path", "message"), [
+    ("--pod-uid", None, "--rights-url needs --pod-uid"),
+    ("--scaling-token-file", None, "--rights-url needs --scaling-token-file"),
+    (None, "/nonexistent", "--rights-url needs setpriv"),
+])
+def test_a_self_fencing_runner_that_cannot_fence_refuses_to_start(
+        tmp_path: Path, tiny_guest: Any, drop: str | None, path: str | None,
+        message: str) -> None:
+    from neonvm.runner.host import optional_binary
+
+    qemu = optional_binary("qemu-system-x86_64")
+    assert qemu is not None
+    token_file = tmp_path / "token"
+    token_file.write_bytes(TOKEN)
+    spec = {"guest": {"kernelImage": str(tiny_guest.kernel),
+                      "initrdImage": str(tiny_guest.initrd), "rootDisk": {"image": ""}}}
+    spec_file = tmp_path / "spec.json"
+    spec_file.write_text(json.dumps(spec))
+    flags = {"--pod-uid": UID, "--scaling-token-file": str(token_file)}
+    args = [sys.executable, "-m", "neonvm.runner.main", "--spec-file", str(spec_file),
+            "--qemu", qemu, "--accel", "tcg", "--port", str(free_port()),
+            "--listen-address", "127.0.0.1", "--work-dir", str(tmp_path / "work"),
+            "--rights-url", "http://127.0.0.1:9",
+            "--termination-log", str(tmp_path / "termination-log"),
+            *[x for k, v in flags.items() if k != drop for x in (k, v)]]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NEONVM_")}
+    env["NEONVM_VM_NAMESPACE"] = "tests"
+    if path is not None:
+        env["PATH"] = path
+    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=120,
+                          cwd=REPO, check=False)
+    assert done.returncode == ExitCode.RUNNER_ERROR, done.stderr
+    assert f"error: {message}" in done.stderr
+    assert "QEMU started" not in done.stderr

@@ -221,6 +221,9 @@ def run_runner(options: RunnerOptions, env: Mapping[str, str], console: BinaryIO
                           max_memory_bytes=plan.memory.max_bytes))
         scaler = make_scaler(launch, state, work_dir, options)
         if options.rights_url:  # self-fencing (docs/runner.md, "Self-fencing")
+            if optional_binary("setpriv") is None:
+                raise HostError("--rights-url needs setpriv (util-linux): without "
+                                "--pdeathsig a runner that dies leaves QEMU unwatched")
             right = SelfFence(right_config(
                 options.rights_url, options.right_seconds, launch.loaded.namespace,
                 launch.loaded.name, options.pod_uid, options.scaling_token_file))

@@ -168,7 +168,7 @@ class RightKeeper:
         self._last_grant: float | None = None
         self._failures = 0
         self.changed = threading.Event()
-        """Set on every extension (wakes the watchdog and whoever waits for the first)."""
+        """Set on every extension (wakes the watchdog)."""
         self._log = logger.bind(vm=f"{config.namespace}/{config.vm}")
 
     @property
@@ -236,7 +236,7 @@ class RightKeeper:
         try:
             status, answer = self._post(self.config.endpoint, body, headers,
                                         request_deadline(self.config.seconds))
-        except (OSError, http.client.HTTPException) as exc:
+        except (OSError, http.client.HTTPException, ValueError) as exc:
             return None, f"no answer from {self.config.endpoint}: {exc or type(exc).__name__}"
         grant = grant_of(status, answer)
         if grant is None:
@@ -377,27 +377,43 @@ class SelfFence:
         return self.watchdog.fired
 
     def _kill(self) -> None:
-        try:
-            if self._pidfd is not None:
-                signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
-            elif self._pid is not None:
-                os.kill(self._pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass  # QEMU is gone already
+        """SIGKILL through the pidfd; by pid only if there is none or it fails."""
+        pidfd, pid = self._pidfd, self._pid
+        if pidfd is not None:
+            try:
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+                return
+            except ProcessLookupError:
+                return  # QEMU is gone already
+            except OSError as exc:
+                logger.error("SIGKILL through QEMU's pidfd failed ({}); by pid {}", exc, pid)
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
     def _renew(self) -> None:
         while not self._stop.is_set():
-            t0 = self.keeper.ask_once()
+            t0 = self._clock()
+            try:
+                t0 = self.keeper.ask_once()
+            except Exception:  # a bug must not end the renewals quietly
+                logger.exception("asking for a right to run failed")
             self._stop.wait(max(0.0, self.keeper.next_ask(t0) - self._clock()))
 
     def _watch(self) -> None:
-        while not self._stop.is_set():
-            left = self.watchdog.check()
-            if self.watchdog.fired is not None:
-                return
-            self.keeper.changed.clear()
-            left = self.watchdog.check()  # a change between the check and the clear
-            if self.watchdog.fired is not None:
-                return
-            self.keeper.changed.wait(WATCHDOG_MAX_SLEEP if left is None
-                                     else min(left, WATCHDOG_MAX_SLEEP))
+        try:
+            while not self._stop.is_set():
+                self.watchdog.check()
+                if self.watchdog.fired is not None:
+                    return
+                self.keeper.changed.clear()
+                left = self.watchdog.check()  # a change between the check and the clear
+                if self.watchdog.fired is not None:
+                    return
+                self.keeper.changed.wait(WATCHDOG_MAX_SLEEP if left is None
+                                         else min(left, WATCHDOG_MAX_SLEEP))
+        except Exception:
+            # A watchdog that cannot watch must not leave the guest running unwatched.
+            logger.exception("the self-fencing watchdog failed: killing QEMU")
+            self.watchdog.fired = "self-fenced: the watchdog failed; QEMU killed with SIGKILL"
+            self._kill()
