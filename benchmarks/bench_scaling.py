@@ -18,7 +18,7 @@ each figure is: HTTP request, fence check and fsync, QMP or agent command, guest
 * CPU hot-add (QmpScaling): one guest with ``1 + runs`` vCPU slots, one more vCPU per
   run (QMP removal of a vCPU is not measured: it crashes QEMU 7.2 under TCG).
 * CPU online / offline (SysfsScaling): 1 -> 2 -> 1 online vCPUs, ``runs`` times.
-* Memory plug / unplug (QmpScaling): 1 -> 2 -> 1 GiB (a 1 GiB DIMM), ``runs`` times.
+* Memory plug / unplug (QmpScaling): 1 -> 2 -> 1 GiB (1 GiB of virtio-mem), ``runs`` times.
 
 ``--controller`` starts a private control plane (etcd, kube-apiserver), one controller
 replica and one VM whose runner the benchmark starts as a kubelet would (the pod's spec
@@ -263,7 +263,7 @@ def pod_runner(pod: Any, token: str, port: int, work: Path) -> subprocess.Popen[
 def through_controller(image: GuestImage, work: Path, runs: int, accels: set[str]
                        ) -> dict[str, list[float]]:
     """One controller replica, one VM, its runner: ``cpus.use`` 1 -> 2 -> 1 (SysfsScaling)
-    and ``memorySlots.use`` 1 -> 2 -> 1 (1 GiB DIMM), ``runs`` times each, from the VM
+    and ``memorySlots.use`` 1 -> 2 -> 1 (1 GiB of virtio-mem), ``runs`` times each, from the VM
     patch to the guest's report; then the same changes on the same guest by ``PUT /scale``
     straight to its runner (fences above the controller's)."""
     import base64
@@ -404,8 +404,8 @@ def main(argv: list[str] | None = None) -> None:
         if args.controller:
             results = through_controller(image, Path(tmp) / "controller", args.runs, accels)
         else:
-            results["memory plug 1 -> 2 GiB (DIMM, QMP)"], results[
-                "memory unplug 2 -> 1 GiB (DIMM, QMP)"] = memory(image, Path(tmp) / "mem",
+            results["memory plug 1 -> 2 GiB (virtio-mem, QMP)"], results[
+                "memory unplug 2 -> 1 GiB (virtio-mem, QMP)"] = memory(image, Path(tmp) / "mem",
                                                                  args.runs, accels)
             results["vCPU hot-add n -> n+1 (QMP)"] = cpu_hot_add(image, Path(tmp) / "add",
                                                                   args.runs, accels)
