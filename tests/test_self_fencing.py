@@ -317,3 +317,28 @@ def test_a_pod_the_ledger_did_not_condemn_is_never_force_deleted() -> None:
     calls = Calls({"metadata": {"uid": "uid-old", "resourceVersion": "42"}})
     assert perform(calls, condemned=False) == "not_condemned"
     assert calls.log == []
+
+
+def test_a_cached_observation_reports_a_dead_pod_but_only_a_direct_one_condemns_it() -> None:
+    fence, clock, _ = fencing({"n1": NOT_READY})
+    clock.now += BOUND
+    cached = fence.observe(observation(direct=False, status=RUNNING), {"old": raw_pod()})
+    assert cached.dead_pods == {"uid-old"} and not fence.ledger.is_condemned("uid-old")
+    assert isinstance(d.decide(dataclasses.replace(cached, pods=(view("old"),))),
+                      d.ObserveDirect)
+    fence.observe(observation(status=RUNNING), {"old": raw_pod()})
+    assert fence.ledger.is_condemned("uid-old")
+
+
+def test_the_runners_own_right_counts_when_the_annotation_says_less() -> None:
+    """The annotation can be patched; the runner's flag is in the pod's immutable spec."""
+    fence, clock, _ = fencing({"n1": NOT_READY})
+    pod = raw_pod()
+    pod["spec"]["containers"] = [{"name": "neonvm-runner", "env": [
+        {"name": "NEONVM_RIGHT_SECONDS", "value": str(2 * D)}]}]
+    clock.now += BOUND
+    seen = fence.observe(observation(status=RUNNING), {"old": pod})
+    assert seen.dead_pods == frozenset()
+    assert seen.fence_recheck == pytest.approx(D * (1 + RHO))
+    clock.now += D * (1 + RHO)
+    assert fence.observe(observation(status=RUNNING), {"old": pod}).dead_pods == {"uid-old"}

@@ -6,7 +6,8 @@ pod is *dead for sure* when (1) its node is unreachable: the Node's ``Ready`` co
 not ``True``, the Node is gone, or it carries the ``node.kubernetes.io/unreachable``
 taint; and (2) the leader's ledger condemns it
 (:meth:`~neonvm.controller.rights.RightsLedger.condemn`: its right is surely over, and it
-is never granted again). :meth:`SelfFencing.observe` puts those pods' uids into
+is never granted again; the longer of the pod's annotation and its runner's own
+``NEONVM_RIGHT_SECONDS`` counts). :meth:`SelfFencing.observe` puts those pods' uids into
 ``Observation.dead_pods`` (``decide`` then answers ``ForceDeleteDeadPod``, from a direct
 read), and the seconds until the next one will be into ``Observation.fence_recheck``.
 
@@ -63,6 +64,20 @@ def candidate(pod: dict[str, Any]) -> float | None:
     return seconds if ready != "True" else None
 
 
+RUNNER_RIGHT_ENV = "NEONVM_RIGHT_SECONDS"
+
+
+def runner_seconds(pod: dict[str, Any]) -> float | None:
+    """The right the pod's runner was started with (its ``NEONVM_RIGHT_SECONDS``, in the
+    pod's immutable spec; the runner never keeps a right longer); None when the pod's
+    spec is not at hand (a cached pod keeps no environment)."""
+    for container in (pod.get("spec") or {}).get("containers") or []:
+        for env in container.get("env") or []:
+            if env.get("name") == RUNNER_RIGHT_ENV:
+                return parse_annotation(str(env.get("value")))
+    return None
+
+
 def node_unreachable(node: dict[str, Any] | None) -> bool:
     """The Node is gone, not ``Ready=True``, or tainted unreachable."""
     if node is None:
@@ -117,7 +132,11 @@ class SelfFencing:
         return node
 
     def observe(self, obs: d.Observation, pods: dict[str, dict[str, Any]]) -> d.Observation:
-        """``obs`` with the dead pods and the recheck time of its VM's pods (raw ``pods``)."""
+        """``obs`` with the dead pods and the recheck time of its VM's pods (raw ``pods``).
+
+        Only a direct observation condemns (marks in the ledger); from a cached one a pod
+        that would be condemned is reported all the same, and ``decide`` then asks for a
+        direct read before anything is done."""
         dead: set[str] = set()
         recheck = math.inf
         for pod in pods.values():
@@ -128,7 +147,12 @@ class SelfFencing:
             if isinstance(node, bool) or not node_unreachable(node):
                 continue
             uid = str((pod.get("metadata") or {}).get("uid") or "")
-            left = self.ledger.condemn(uid, seconds)
+            # The annotation may be changed by whoever may patch pods; the runner's own
+            # flag may not, and it bounds every right the runner keeps. A pod is marked
+            # only from a direct read, which carries it; a cached one is only looked at.
+            seconds = max(seconds, runner_seconds(pod) or 0.0)
+            left = (self.ledger.condemn(uid, seconds) if obs.direct
+                    else self.ledger.remaining(uid, seconds))
             if left == 0.0:
                 dead.add(uid)
             else:

@@ -128,6 +128,21 @@ class RightsLedger:
                 self._prune(now)
             return None
 
+    def remaining(self, pod_uid: str, seconds: float) -> float:
+        """What :meth:`condemn` would answer now, without marking anything."""
+        with self._lock:
+            if pod_uid in self._condemned:
+                return 0.0
+            return self._left(pod_uid, seconds)
+
+    def _left(self, pod_uid: str, seconds: float) -> float:
+        if self._term_start is None:
+            return math.inf
+        issued, granted = self._issued.get(pod_uid, (-math.inf, 0.0))
+        after = dead_for_sure_after(issued, self._term_start, max(seconds, granted),
+                                    self.rho, self.epsilon)
+        return max(0.0, after - self._clock())
+
     def condemn(self, pod_uid: str, seconds: float) -> float:
         """Condemn ``pod_uid`` if its right is surely over; 0.0 when it is (or already
         was) condemned, else the seconds until it will be (``inf`` outside a term).
@@ -138,17 +153,11 @@ class RightsLedger:
         with self._lock:
             if pod_uid in self._condemned:
                 return 0.0
-            if self._term_start is None:
-                return math.inf
-            issued, granted = self._issued.get(pod_uid, (-math.inf, 0.0))
-            after = dead_for_sure_after(issued, self._term_start, max(seconds, granted),
-                                        self.rho, self.epsilon)
-            now = self._clock()
-            if now >= after:
+            left = self._left(pod_uid, seconds)
+            if left == 0.0:
                 self._condemned.add(pod_uid)
                 self._issued.pop(pod_uid, None)
-                return 0.0
-            return after - now
+            return left
 
     def granted_this_term(self, pod_uid: str) -> bool:
         """This term has granted ``pod_uid`` before (its pod was marked then: see
