@@ -134,6 +134,9 @@ def test_a_terminating_namespace_is_remembered_for_a_while_only() -> None:
 
 VMS = 30
 WORKERS = 4
+GRACE = {"terminationGracePeriodSeconds": 2}
+"""The simulated nodes end a pod's graceful deletion when its grace period is over; the
+default 30 s would only stretch the namespace's deletion."""
 
 
 def _create_attempts(log: str) -> int:
@@ -194,7 +197,7 @@ def test_a_namespace_of_converged_vms_deleted_under_a_running_replica_goes_with_
             replica = group.start("r0")
             names = [f"vm-{i}" for i in range(VMS)]
             for name in names:
-                create_vm(api, doomed, name)
+                create_vm(api, doomed, name, spec=GRACE)
             wait_for(lambda: converged(api, doomed, names), timeout=240,
                      what=f"{VMS} VMs converged")
             before = _create_attempts(replica.log())
