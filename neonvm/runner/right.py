@@ -1,6 +1,7 @@
 """Self-fencing: the runner keeps its guest only while it holds a right to run.
 
-Two loops share one deadline on the runner's monotonic clock (:class:`RightKeeper`):
+Two loops share one deadline on the runner's boot-time clock (:func:`boottime`, which
+also counts a suspend) (:class:`RightKeeper`):
 
 * the renewer asks the leader (``POST <rights-url>/v1/rights``, :mod:`neonvm.api.rights`)
   every ``D/3`` (after two failures in a row, once more ``D/6`` before the deadline), each
@@ -324,10 +325,18 @@ def http_post(url: str, body: bytes, headers: Mapping[str, str],
         conn.close()
 
 
+def boottime() -> float:
+    """The runner's deadline clock: monotonic, and unlike ``time.monotonic`` it also
+    counts time the machine spent suspended, so a node resumed after a suspend longer
+    than its right finds the deadline passed at the watchdog's next look (at most
+    :data:`WATCHDOG_MAX_SLEEP` later) instead of letting the guest run for up to D more."""
+    return time.clock_gettime(time.CLOCK_BOOTTIME)
+
+
 class SelfFence:
     """The real wiring: the renewer and watchdog threads, the kill of one QEMU process."""
 
-    def __init__(self, config: RightConfig, clock: Clock = time.monotonic,
+    def __init__(self, config: RightConfig, clock: Clock = boottime,
                  post: Post = http_post) -> None:
         self.keeper = RightKeeper(config, clock, post)
         self.watchdog = Watchdog(self.keeper, clock, self._kill)
