@@ -65,9 +65,10 @@ def _attack(config: EtcdConfig, key: str) -> list[str]:
 
     Each attempt must end in a refusal: etcd answering no (permission denied, no such
     user), or the connection itself failing (a refused TLS handshake, a plain client
-    on a TLS port). An attempt that merely runs out of time proves nothing and is
-    reported as not refused. A refused connection is retried until the deadline, so
-    the deadline is short: a second holds many attempts on loopback.
+    on a TLS port). An attempt that merely runs out of time proves nothing: it is made
+    again (the deadline can fall on a reconnection in flight), and after three such
+    ends reported as not refused. A refused connection is retried until the deadline,
+    so the deadline is short: a second holds many attempts on loopback.
     """
     reached = []
     attacks: list[tuple[str, Callable[[Etcd], object]]] = [
@@ -78,16 +79,20 @@ def _attack(config: EtcdConfig, key: str) -> list[str]:
     ]
     with Etcd(dataclasses.replace(config, timeout=1.0)) as etcd:
         for name, action in attacks:
-            try:
-                action(etcd)
-            except EtcdRequestFailed:
-                continue
-            except EtcdUnavailable as exc:
-                if "failed to connect" in str(exc):
+            for _attempt in range(3):
+                try:
+                    action(etcd)
+                except EtcdRequestFailed:
+                    break
+                except EtcdUnavailable as exc:
+                    if "failed to connect" in str(exc):
+                        break
+                    timed_out = f"{name}: no verdict, only a timeout ({exc})"
                     continue
-                reached.append(f"{name}: no verdict, only a timeout ({exc})")
-                continue
-            reached.append(name)
+                reached.append(name)
+                break
+            else:
+                reached.append(timed_out)
     return reached
 
 
