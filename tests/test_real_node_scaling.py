@@ -6,11 +6,12 @@ VirtualMachine whose runner pod (created by that controller, from the built runn
 runs on the real kubelet node and boots under QEMU (TCG) a NeonVM-style root disk whose
 ``/sbin/init`` is the test guest's init (``tests/guest/init.sh``, which runs the runner's
 own ``neonvm/runner/guest_scaling.sh``: it onlines and offlines vCPUs on the SysfsScaling
-agent port, onlines hot-plugged DIMMs and prints its size on the console after each
-change).
+agent port, and prints its size on the console after each change; the runner's initramfs
+has loaded ``virtio_mem``, whose driver plugs and unplugs the memory).
 
 ``spec.guest.cpus.use`` goes 1 -> 2 -> 1 and ``spec.guest.memorySlots.use`` 1 -> 2 -> 1
-(1 GiB slots, DIMMs plugged and unplugged over QMP) with ``cpuScalingMode:
+(1 GiB slots, a virtio-mem device's ``requested-size`` moved over QMP; the QEMU on the
+node is checked to have that device and no DIMM) with ``cpuScalingMode:
 SysfsScaling``, as the controller-level scaling tests do; with ``QmpScaling`` (vCPUs
 hot-added over QMP) the vCPU is only added (see :data:`STEPS`). Each change is a JSON
 merge patch, as NeonVM's autoscaler-agent sends one. After each patch the guest itself
@@ -64,7 +65,7 @@ SPEC: dict[str, Any] = {
 
 Step = tuple[str, dict[str, Any], int, int, str]
 """What changes, the merge patch of ``spec.guest``, then what follows: the guest's online
-CPUs, its DIMMs (GiB above boot memory), ``status.memorySize``."""
+CPUs, its plugged virtio-mem memory (GiB above boot memory), ``status.memorySize``."""
 
 STEPS: dict[str, list[Step]] = {
     "SysfsScaling": [
@@ -113,6 +114,19 @@ class RunnerPod:
             seen, timeout=300, interval=0.2,
             what=f"the guest to report {cpus} CPUs online, MemTotal {mem_kb} kB")
         return found
+
+
+def qemu_devices_on_the_node(vm: str) -> list[str]:
+    """The ``-device`` values of the QEMU of VM ``vm`` (``-name guest=<vm>``) running on
+    this host (the real node's pods are host processes), empty if none is found."""
+    for proc in Path("/proc").iterdir():
+        try:
+            argv = (proc / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if argv[0].endswith("qemu-system-x86_64") and f"guest={vm}" in argv:
+            return [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "-device"]
+    return []
 
 
 def ready_runner_pod(api: client.ApiClient, namespace: str) -> RunnerPod | None:
@@ -203,7 +217,11 @@ def test_the_controller_scales_a_runner_pod_on_the_real_node_live(
                 boot = pod.guest_reports(cpus=1)
                 boot_kb, qemu_pid = boot["guestMemTotalKb"], boot["qemuPid"]
                 assert boot_kb < GIB_KB
+                figures.append(f"the guest's MemTotal at boot: {boot_kb} kB")
                 wait_status(api, namespace, 1, "1Gi")
+                devices = qemu_devices_on_the_node(VM)
+                assert any(d.startswith("virtio-mem-pci,id=vm0,") for d in devices), devices
+                assert not any(d.startswith("pc-dimm") for d in devices), devices
 
                 for what, patch, cpus, dimms, memory in STEPS[mode]:
                     patched = time.monotonic()
@@ -219,8 +237,11 @@ def test_the_controller_scales_a_runner_pod_on_the_real_node_live(
                     request = core.read_namespaced_pod(pod.name, namespace).spec.containers[
                         0].resources.requests.get("cpu")
                     figures.append(f"{what}: the guest reports it {seen_after:.2f} s after "
-                                   f"the patch, status {status_after:.2f} s (scaleSeq "
-                                   f"{status['scaleSeq']}; the pod's CPU request {request})")
+                                   f"the patch (MemTotal {seen['guestMemTotalKb']} kB, "
+                                   f"{seen['guestCpusOnline']} CPUs online), status "
+                                   f"{status_after:.2f} s (scaleSeq {status['scaleSeq']}, "
+                                   f"memorySize {status['memorySize']}; the pod's CPU "
+                                   f"request {request})")
 
                 # The guest's own lines, in the pod's log as `kubectl logs` shows it.
                 log = core.read_namespaced_pod_log(pod.name, namespace,
@@ -236,7 +257,7 @@ def test_the_controller_scales_a_runner_pod_on_the_real_node_live(
                     namespace, field_selector=f"involvedObject.name={pod.name}").items
                     if e.reason.startswith("Resize")]
                 figures.append(f"the kubelet's resize events: {', '.join(resizes) or 'none'}")
-                print(f"\nlive scaling on the real node ({mode} vCPUs, 1Gi DIMMs):\n  "
+                print(f"\nlive scaling on the real node ({mode} vCPUs, virtio-mem, 1Gi slots):\n  "
                       + "\n  ".join(figures))
             finally:
                 # Deleted while the controller runs: it powers the guest down, the pod goes.
