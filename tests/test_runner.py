@@ -827,7 +827,7 @@ def test_runner_reports_ready_once_the_guest_has_booted(start_runner: Any, tmp_p
     assert "guest: cpus online=0 possible=0-1" in console
     mem_kb = int(next(line.split()[2] for line in console.splitlines()
                       if line.startswith("guest: MemTotal:")))
-    assert mem_kb * 1024 > 128 * MIB, "the second memory slot (a DIMM) is online"
+    assert mem_kb * 1024 > 128 * MIB, "the second memory slot (virtio-mem) is online"
     assert "guest: rootdisk says: hello from the root disk" in console
     assert "guest: wrote to rootdisk" in console
     assert "guest: settings says: hello from the configMap" in console
