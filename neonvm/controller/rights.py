@@ -28,6 +28,7 @@ condemned.
 from __future__ import annotations
 
 import base64
+import itertools
 import json
 import math
 import threading
@@ -224,10 +225,10 @@ def current_pod(vms: Caches, pods: Caches, namespace: str, vm_name: str,
     if status.get("podUID") and status.get("podUID") != pod_uid:
         names = []
     names.append((status.get("pendingPod") or {}).get("name"))
-    candidates = [pods.get(f"{namespace}/{name}") for name in names if name]
-    candidates += [p for p in pods.by_index(f"{namespace}/{vm_name}")
-                   if ((p.get("metadata") or {}).get("deletionTimestamp") is not None)]
-    for pod in candidates:
+    named = [pods.get(f"{namespace}/{name}") for name in names if name]
+    shutting_down = (p for p in pods.by_index(f"{namespace}/{vm_name}")
+                     if (p.get("metadata") or {}).get("deletionTimestamp") is not None)
+    for pod in itertools.chain(named, shutting_down):
         pod_meta = (pod or {}).get("metadata") or {}
         name = pod_meta.get("name")
         if pod is None or pod_meta.get("uid") != pod_uid:
