@@ -33,7 +33,7 @@ import json
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -226,9 +226,13 @@ def current_pod(vms: Caches, pods: Caches, namespace: str, vm_name: str,
         names = []
     names.append((status.get("pendingPod") or {}).get("name"))
     named = [pods.get(f"{namespace}/{name}") for name in names if name]
-    shutting_down = (p for p in pods.by_index(f"{namespace}/{vm_name}")
-                     if (p.get("metadata") or {}).get("deletionTimestamp") is not None)
-    for pod in itertools.chain(named, shutting_down):
+
+    def shutting_down() -> Iterator[dict[str, Any]]:  # looked up only if none is named
+        for p in pods.by_index(f"{namespace}/{vm_name}"):
+            if (p.get("metadata") or {}).get("deletionTimestamp") is not None:
+                yield p
+
+    for pod in itertools.chain(named, shutting_down()):
         pod_meta = (pod or {}).get("metadata") or {}
         name = pod_meta.get("name")
         if pod is None or pod_meta.get("uid") != pod_uid:
