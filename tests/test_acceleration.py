@@ -37,6 +37,7 @@ from neonvm.controller.decide import PodView
 from neonvm.controller.events import EventRecorder
 from neonvm.controller.podspec import PodDefaults, runner_pod
 from neonvm.controller.reconciler import Reconciler, ReconcilerConfig
+from neonvm.controller.scaling import ScalingError
 from neonvm.runner.host import acceleration_unavailable, probe_kvm
 from neonvm.runner.metrics import runner_registry
 from neonvm.runner.server import RunnerHTTPServer
@@ -290,7 +291,7 @@ def test_the_http_source_reads_a_real_runners_status_and_fails_fast_elsewhere(
     assert report.unavailable.startswith("AccelerationUnavailable: KVM is not usable")
     closed = runner_server.port
     runner_server.stop()
-    with pytest.raises(OSError):
+    with pytest.raises(ScalingError):  # connection refused, at once
         source.get_status("127.0.0.1", closed, 5.0)
 
 

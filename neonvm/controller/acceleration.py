@@ -22,7 +22,8 @@ GET is the one channel that shows a running guest's accelerator.
 
 The GET never runs on a reconcile's path: :meth:`RunnerReports.lookup` answers from what
 it already has and at most starts a background fetch (one thread per fetch, a bounded
-number at once, each bounded by a timeout); the next reconcile of the VM (its resync)
+number at once, each bounded by one deadline for the whole exchange, with the bounds
+of the controller's runner client); the next reconcile of the VM (its resync)
 writes what the fetch found. A fetch that fails is retried at later lookups, after a
 pause and a bounded number of times; then the pod is left alone. Until a report comes
 the condition says what the controller knows by itself (or nothing).
@@ -34,7 +35,6 @@ condition to a VM that does not have it.
 
 from __future__ import annotations
 
-import http.client
 import json
 import threading
 import time
@@ -50,6 +50,7 @@ from neonvm.controller.conditions import ConditionUpdate
 from neonvm.controller.decide import PodView
 from neonvm.controller.events import EventRecorder
 from neonvm.controller.observe import Snapshot
+from neonvm.controller.scaling import runner_exchange
 
 CONDITION = "AccelerationUnavailable"
 NO_KVM_RESOURCE = "NoKvmResource"
@@ -60,7 +61,8 @@ ACCELERATED = "Accelerated"
 NOT_REQUESTED = "NotRequested"
 
 STATUS_TIMEOUT = 2.0
-"""Seconds one GET of a runner's ``/status`` may take (connect and read)."""
+"""Seconds one GET of a runner's ``/status`` may take, all of it (connect, send, every
+read)."""
 RETRY_SECONDS = 10.0
 """Pause before a failed fetch is tried again (at a later lookup)."""
 MAX_ATTEMPTS = 6
@@ -139,18 +141,19 @@ class RunnerStatusSource(Protocol):
 
 class HTTPRunnerStatus:
     """``GET http://<pod IP>:<runner port>/status``, straight to the pod (no proxy from
-    the environment), bounded by ``timeout`` seconds per socket operation."""
+    the environment), with the bounds of the controller's runner client (the runner is
+    the VM owner's to choose): the whole exchange ends by ``timeout`` seconds however
+    the answer trickles in, at most :data:`~neonvm.controller.scaling.RUNNER_BODY_LIMIT`
+    bytes are read, and a redirect is an error, never followed
+    (:func:`~neonvm.controller.scaling.runner_exchange`; docs/security.md, "The runner
+    as seen by the controller")."""
 
     def get_status(self, host: str, port: int, timeout: float) -> Mapping[str, Any]:
-        conn = http.client.HTTPConnection(host, port, timeout=timeout)
-        try:
-            conn.request("GET", "/status", headers={"Accept": "application/json"})
-            response = conn.getresponse()
-            body = response.read(1 << 20)
-        finally:
-            conn.close()
-        if response.status != 200:
-            raise ValueError(f"/status answered {response.status}")
+        netloc = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        status, body = runner_exchange("GET", f"http://{netloc}/status", None,
+                                       {"Accept": "application/json"}, timeout)
+        if status != 200:
+            raise ValueError(f"/status answered {status}")
         doc = json.loads(body)
         if not isinstance(doc, dict):
             raise ValueError(f"/status is not a JSON object: {type(doc).__name__}")
