@@ -15,11 +15,13 @@ import sys
 import threading
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 import click
 from loguru import logger
 
 from neonvm.api.rights import DEFAULT_RIGHT_SECONDS
+from neonvm.cli.exits import ExitCode
 from neonvm.controller.fault_wiring import wiring_for
 from neonvm.controller.faults import FaultConfig, FaultConfigError
 from neonvm.controller.manager import ControllerConfig, ControllerProcess, http_pool_size
@@ -42,8 +44,16 @@ from neonvm.leader.election import (
     LeaseNamespaceMissing,
     new_identity,
 )
-from neonvm.leader.etcd import DEFAULT_TIMEOUT, EtcdConfig
+from neonvm.leader.epoch import legacy_floor_key
+from neonvm.leader.etcd import (
+    DEFAULT_TIMEOUT,
+    Etcd,
+    EtcdConfig,
+    EtcdRequestFailed,
+    EtcdUnavailable,
+)
 from neonvm.leader.health import HealthServer
+from neonvm.leader.lock import Installation
 
 
 @click.group("controller", context_settings={"auto_envvar_prefix": "NEONVM_CONTROLLER"})
@@ -211,6 +221,8 @@ def run(kubeconfig: Path | None, lease_namespace: str, lease_name: str, identity
              ns=lease_namespace, name=lease_name, etcd=",".join(etcd_config.endpoints),
              w=workers)
     try:
+        if not _etcd_admits(process.etcd, etcd_config.prefix, process.installation, log):
+            sys.exit(ExitCode.UNREACHABLE)
         process.run(stop)
     except LeaseNamespaceMissing as exc:
         # A configuration error: one line, exit 1 (under Kubernetes the pod restarts
@@ -223,3 +235,25 @@ def run(kubeconfig: Path | None, lease_namespace: str, lease_name: str, identity
         health.stop()
         api.close()
     log.info("controller replica stopped")
+
+
+def _etcd_admits(etcd: Etcd, prefix: str, installation: Installation, log: Any) -> bool:
+    """Before campaigning: may this replica's etcd identity read and write its keys?
+
+    A refusal is a configuration error (the role of its certificate's user is for
+    another prefix, say): logged once, in one line, and the replica exits 3 rather than
+    take the Lease and retry a refusal forever. An etcd that does not answer is an
+    outage, not a configuration: the replica campaigns as usual (docs/locks.md,
+    "Failure behaviour")."""
+    root = installation.root(prefix) + "/"
+    try:
+        etcd.check_access(root, read=[legacy_floor_key(prefix)])
+    except EtcdUnavailable as exc:
+        log.warning("could not check this replica's access to the locks' etcd ({err}); "
+                    "campaigning anyway", err=str(exc))
+    except EtcdRequestFailed as exc:
+        log.error("cannot campaign: {err}; give this replica's etcd user (its client "
+                  "certificate's CN, or NEONVM_ETCD_USER) a role that reads and writes "
+                  "{prefix}/ (docs/locks.md, 'Configuration')", err=str(exc), prefix=prefix)
+        return False
+    return True

@@ -312,9 +312,28 @@ def prefix_end(prefix: str) -> bytes:
 
 # ---- the client -------------------------------------------------------------------------
 
-_RETRYABLE = {grpc.StatusCode.UNAVAILABLE}
 _NO_ANSWER = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
               grpc.StatusCode.CANCELLED}
+_RESET_DETAILS = ("RST_STREAM", "Stream removed")
+
+
+def went_away(exc: grpc.RpcError) -> bool:
+    """The one mapping from a gRPC failure to ours, for every call (unary and watch):
+    True when etcd gave no answer (EtcdUnavailable: down, unreachable, too slow, or the
+    connection or stream was cut), False when it answered and refused (EtcdRequestFailed).
+
+    A stream reset counts as no answer whatever its code: etcd over TLS ends the streams
+    still open when it stops with RST_STREAM, which gRPC reports as INTERNAL "Stream
+    removed ... RST_STREAM" (docs/locks.md, "When etcd stops")."""
+    code = _code(exc)
+    return code in _NO_ANSWER or (code == grpc.StatusCode.INTERNAL and _reset(exc))
+
+
+def _retryable(exc: grpc.RpcError) -> bool:
+    """An idempotent call that failed so may be sent again (to the next endpoint)."""
+    return _code(exc) == grpc.StatusCode.UNAVAILABLE or _reset(exc)
+
+
 _CHANNEL_OPTIONS = [
     # After etcd restarts, reconnect within a second rather than grpc's 120 s backoff cap.
     ("grpc.initial_reconnect_backoff_ms", 100),
@@ -415,6 +434,34 @@ class Etcd:
             request, timeout=t, metadata=md), timeout=timeout, idempotent=False)
         return TxnResult(bool(response.succeeded), response.header.revision,
                          tuple(_op_result(r) for r in response.responses))
+
+    def check_access(self, prefix: str, *, read: Sequence[str] = (),
+                     timeout: float | None = None) -> None:
+        """Raise :class:`EtcdRequestFailed` unless this client may read and write every
+        key that starts with ``prefix`` and read each key of ``read``
+        (:class:`EtcdUnavailable` when etcd does not answer).
+
+        One transaction that writes nothing: its condition never holds (no key has a
+        negative version), so only its failure branch runs, reads of at most one key
+        each; but etcd checks the permissions of both branches before it runs either.
+        """
+        end = prefix_end(prefix)
+
+        def scan(key: bytes, range_end: bytes = b"") -> Any:
+            return etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(
+                key=key, range_end=range_end, limit=1, keys_only=True))
+
+        request = etcdrpc.TxnRequest(
+            compare=[_compare(Compare(prefix, "version", "<", 0))],
+            success=[etcdrpc.RequestOp(request_delete_range=etcdrpc.DeleteRangeRequest(
+                key=prefix.encode(), range_end=end))],
+            failure=[scan(prefix.encode(), end), *(scan(k.encode()) for k in read)],
+        )
+        response = self._call(f"read and write the keys under {prefix}",
+                              lambda ep, t, md: ep.kv.Txn(request, timeout=t, metadata=md),
+                              timeout=timeout, idempotent=True)
+        if response.succeeded:  # pragma: no cover - etcd broke its own compare
+            raise EtcdError(f"etcd applied an access check that cannot apply ({prefix})")
 
     # ---- leases ----
 
@@ -662,11 +709,11 @@ class Etcd:
                     with self._state.lock:
                         self._state.token = None
                     continue
-                if code not in _NO_ANSWER:
+                if not went_away(exc):
                     raise EtcdRequestFailed(
                         f"etcd at {ep.url} refused to {what}: {_detail(exc)}") from None
                 self._advance(index)
-                if code not in _RETRYABLE or not (idempotent or _never_sent(exc)):
+                if not _retryable(exc) or not (idempotent or _never_sent(exc)):
                     break
             # Every endpoint refused the connection: back off a little, then go again.
             time.sleep(min(backoff, max(0.0, deadline - time.monotonic())))
@@ -691,11 +738,18 @@ class WatchStream:
     Iteration ends quietly when the stream is closed or its timeout passes, and raises
     :class:`EtcdUnavailable` when the server goes away, or :class:`EtcdRequestFailed`
     when etcd cancels the watch (for example because ``start_revision`` was compacted).
+
+    "Goes away" includes a stop in progress: a stopping etcd sends GOAWAY at once but
+    keeps open streams until its hard stop (its request timeout, 7 s by default), so the
+    watch ends as soon as its connection leaves READY rather than then (docs/locks.md,
+    "When etcd stops").
     """
 
     def __init__(self, endpoint: _Endpoint, create: Any, metadata: Any, timeout: float | None,
                  on_unavailable: Callable[[], None]) -> None:
         self._stop = threading.Event()
+        self._draining = threading.Event()
+        self._ready_seen = False
         self._endpoint = endpoint
         self._on_unavailable = on_unavailable
 
@@ -704,6 +758,7 @@ class WatchStream:
             self._stop.wait()
 
         self._call = self._endpoint.watch.Watch(requests(), timeout=timeout, metadata=metadata)
+        self._endpoint.channel.subscribe(self._on_channel_state, try_to_connect=False)
 
     def __iter__(self) -> Iterator[WatchEvent]:
         try:
@@ -721,15 +776,20 @@ class WatchStream:
                         revision=response.header.revision,
                     )
         except grpc.RpcError as exc:
-            code = exc.code()
-            if self._stop.is_set() or code in (grpc.StatusCode.CANCELLED,
-                                               grpc.StatusCode.DEADLINE_EXCEEDED):
+            if self._stop.is_set():
                 return
-            if code in _NO_ANSWER:
+            if self._draining.is_set() or (
+                    _code(exc) not in (grpc.StatusCode.CANCELLED,
+                                       grpc.StatusCode.DEADLINE_EXCEEDED)
+                    and went_away(exc)):
                 self._on_unavailable()
+                detail = ("its connection is closing or closed (a stopping etcd sends GOAWAY)"
+                          if self._draining.is_set() else _detail(exc))
                 raise EtcdUnavailable(
-                    f"etcd at {self._endpoint.url} went away during a watch: {_detail(exc)}"
+                    f"etcd at {self._endpoint.url} went away during a watch: {detail}"
                 ) from None
+            if _code(exc) in (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED):
+                return  # the watch's own timeout
             raise EtcdRequestFailed(
                 f"etcd at {self._endpoint.url} refused a watch: {_detail(exc)}") from None
         finally:
@@ -737,10 +797,37 @@ class WatchStream:
 
     def close(self) -> None:
         self._stop.set()
+        self._endpoint.channel.unsubscribe(self._on_channel_state)
         self._call.cancel()
+
+    def _on_channel_state(self, state: grpc.ChannelConnectivity) -> None:
+        """Once the channel was READY under this watch, any other state means the
+        connection that carries it is closing (GOAWAY) or gone: end the watch now."""
+        if state == grpc.ChannelConnectivity.READY:
+            self._ready_seen = True
+        elif self._ready_seen and not self._stop.is_set():
+            self._draining.set()
+            self._call.cancel()
 
 
 # ---- conversions --------------------------------------------------------------------------
+
+
+def _code(exc: grpc.RpcError) -> grpc.StatusCode | None:
+    try:
+        code: grpc.StatusCode = exc.code()
+    except Exception:  # pragma: no cover - an RpcError that is not a Call
+        return None
+    return code
+
+
+def _reset(exc: grpc.RpcError) -> bool:
+    """The server reset the stream (HTTP/2 RST_STREAM, or the stream cut with its socket)."""
+    try:
+        details = exc.details() or ""
+    except Exception:  # pragma: no cover - an RpcError that is not a Call
+        return False
+    return any(marker in details for marker in _RESET_DETAILS)
 
 
 def _never_sent(exc: grpc.RpcError) -> bool:
