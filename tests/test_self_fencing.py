@@ -342,3 +342,19 @@ def test_the_runners_own_right_counts_when_the_annotation_says_less() -> None:
     assert seen.fence_recheck == pytest.approx(D * (1 + RHO))
     clock.now += D * (1 + RHO)
     assert fence.observe(observation(status=RUNNING), {"old": pod}).dead_pods == {"uid-old"}
+
+
+def test_a_vm_that_cannot_scale_self_fences_with_a_token_of_its_own() -> None:
+    """The token is the runner's bearer: a self-fencing VM gets one, scalable or not."""
+    v = vm(scaling_token_secret="neonvm-scaling-x", scaling_token_secret_uid="s-uid")
+    assert not scalable(v)
+    plan = PendingPod(name="vm-01234567-1", plan_seq=1, token=40, epoch=3, generation=1)
+    on = podspec.PodDefaults(right_seconds=30.0, rights_url="http://rights:8082")
+    assert podspec.fencing_eligible(v, on)
+    pod = podspec.runner_pod(v, plan, on)
+    assert pod["metadata"]["annotations"][RIGHT_SECONDS_ANNOTATION] == "30"
+    assert env(pod)["NEONVM_SCALING_TOKEN_FILE"] == f"{podspec.SCALING_DIR}/token"
+    assert "NEONVM_SCALING_FENCE_FLOOR" not in env(pod), "it still cannot scale"
+    off = podspec.runner_pod(v, plan, podspec.PodDefaults())
+    assert "NEONVM_SCALING_TOKEN_FILE" not in env(off)
+    assert RIGHT_SECONDS_ANNOTATION not in off["metadata"]["annotations"]

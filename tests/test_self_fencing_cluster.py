@@ -148,9 +148,14 @@ def test_a_self_fencing_pod_on_a_lost_node_is_replaced_once_its_right_is_surely_
         restore_nodes: list[str]) -> None:
     core = client.CoreV1Api(api)
     first = replicas.start("a")
-    create_vm(api, namespace, "vm", restart_policy="Always")
+    # A VM that cannot scale: it gets a token all the same (its runner's bearer).
+    create_vm(api, namespace, "vm", restart_policy="Always", spec={"guest": {
+        "cpus": {"min": 1, "max": 1, "use": 1},
+        "memorySlots": {"min": 1, "max": 1, "use": 1}, "memorySlotSize": "256Mi",
+        "rootDisk": {"image": "vm-postgres:15-bullseye", "size": "1Gi"}}})
     old = running_pod(api, namespace, "vm")
     assert old.metadata.annotations[RIGHT_SECONDS_ANNOTATION] == f"{D:g}"
+    assert ((get_vm(api, namespace, "vm") or {}).get("status") or {}).get("scalingTokenSecret")
     lost = old.spec.node_name
     restore_nodes.append(lost)
 

@@ -135,16 +135,21 @@ class PodDefaults:
     """Self-fencing: the leader's rights endpoint runners ask (None: off)."""
 
 
-def self_fencing(vm: VirtualMachine, defaults: PodDefaults) -> bool:
-    """Whether the VM's next pod self-fences: on in the controller, the VM runs the
-    controller's runner image (a runner of the owner's choice may not kill its guest
-    when its right runs out, and the controller would then force-delete a pod whose
-    guest still runs), and the VM has a scaling token recorded (the runner's bearer is
-    derived from it)."""
+def fencing_eligible(vm: VirtualMachine, defaults: PodDefaults) -> bool:
+    """Whether the VM's pods self-fence once it has a token: on in the controller, and the
+    VM runs the controller's runner image (a runner of the owner's choice may not kill
+    its guest when its right runs out, and the controller would then force-delete a pod
+    whose guest still runs). Such a VM gets a scaling token Secret even when it cannot
+    scale: the runner's bearer is derived from it."""
     image = vm.spec.runner_image
     return bool(defaults.right_seconds > 0 and defaults.rights_url
-                and (not image or image == defaults.runner_image)
-                and scalable(vm) and vm.status.scaling_token_secret)
+                and (not image or image == defaults.runner_image))
+
+
+def self_fencing(vm: VirtualMachine, defaults: PodDefaults) -> bool:
+    """Whether the VM's next pod self-fences: :func:`fencing_eligible`, and the VM has a
+    scaling token recorded (mounted into the pod)."""
+    return bool(fencing_eligible(vm, defaults) and vm.status.scaling_token_secret)
 
 
 def runner_pod(vm: VirtualMachine, plan: PendingPod,
@@ -233,19 +238,20 @@ def runner_pod(vm: VirtualMachine, plan: PendingPod,
             {"name": "NEONVM_CPU_SCALING_MODE",
              "value": spec.cpu_scaling_mode or "QmpScaling"},
         ]
-        if vm.status.scaling_token_secret:
-            volumes.append({"name": SCALING_VOLUME, "secret": {
-                "secretName": vm.status.scaling_token_secret, "optional": True,
-                "items": [{"key": "token", "path": "token"}]}})
-            mounts.append({"name": SCALING_VOLUME, "mountPath": SCALING_DIR,
-                           "readOnly": True})
-            container["env"] += [
-                {"name": "NEONVM_SCALING_TOKEN_FILE", "value": f"{SCALING_DIR}/token"},
-                # The runner expects HMAC(token, its pod uid): a token is good for one pod.
-                {"name": "NEONVM_POD_UID", "valueFrom": {"fieldRef": {
-                    "fieldPath": "metadata.uid"}}},
-            ]
     fencing = self_fencing(vm, defaults)
+    if (scalable(vm) or fencing) and vm.status.scaling_token_secret:
+        # The token (a self-fencing runner's bearer too, scalable or not).
+        volumes.append({"name": SCALING_VOLUME, "secret": {
+            "secretName": vm.status.scaling_token_secret, "optional": True,
+            "items": [{"key": "token", "path": "token"}]}})
+        mounts.append({"name": SCALING_VOLUME, "mountPath": SCALING_DIR,
+                       "readOnly": True})
+        container["env"] += [
+            {"name": "NEONVM_SCALING_TOKEN_FILE", "value": f"{SCALING_DIR}/token"},
+            # The runner expects HMAC(token, its pod uid): a token is good for one pod.
+            {"name": "NEONVM_POD_UID", "valueFrom": {"fieldRef": {
+                "fieldPath": "metadata.uid"}}},
+        ]
     if fencing:
         # Self-fencing (docs/runner.md, "Self-fencing"): QEMU runs only while the leader
         # keeps granting this pod a right; the annotation tells the controller so.

@@ -903,7 +903,9 @@ class Reconciler:
                     authority: Authority, log: Any) -> str:
         assert snap.record is not None
         vm = snap.record.vm
-        secret = self._scaling.create_token(vm)  # the pod mounts the VM's scaling token
+        # The pod mounts the VM's scaling token (also a self-fencing runner's bearer).
+        secret = self._scaling.create_token(
+            vm, wanted=podspec.fencing_eligible(vm, self._config.pod_defaults))
         recorded: VMRecord | None = None
         if secret is not None:
             replacing = vm.status.scaling_token_secret_uid or ""

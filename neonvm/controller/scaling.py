@@ -265,15 +265,17 @@ class RunnerScaling:
 
     # ---- the token ---------------------------------------------------------------------
 
-    def create_token(self, vm: VirtualMachine) -> tuple[str, str] | None:
+    def create_token(self, vm: VirtualMachine, *, wanted: bool = False) -> tuple[str, str] | None:
         """Create a token Secret for ``vm`` (before its pod is created) under a generated
-        name; (name, uid) to record in status, or None (not scalable, the recorded one is
-        still there, or the create was refused: the pod then starts without live scaling).
+        name; (name, uid) to record in status, or None (not scalable and not ``wanted``,
+        the recorded one is still there, or the create was refused: the pod then starts
+        without live scaling). ``wanted``: a self-fencing VM, whose runner's bearer comes
+        from the token whether or not it can scale.
 
         A recorded Secret that is gone, or was replaced under its name (another uid), is
         replaced by a new one: otherwise every later pod of the VM would mount nothing
         usable and never scale."""
-        if not scalable(vm):
+        if not scalable(vm) and not wanted:
             return None
         if vm.status.scaling_token_secret_uid and self._recorded_token_present(vm):
             return None
