@@ -80,6 +80,16 @@ def test_the_old_pod_a_gated_replacement_waits_for_is_force_deleted_once_dead() 
     assert isinstance(fenced, d.ForceDeleteDeadPod) and fenced.uid == "uid-old"
 
 
+def test_a_deleted_vms_pod_on_a_lost_node_is_force_deleted_once_dead() -> None:
+    """Else it would hold the VM's finalizer until the node is marked out of service."""
+    old = view("old", terminating=True)
+    deleting = dataclasses.replace(observation(old, status=RUNNING), vm=dataclasses.replace(
+        vm(**RUNNING), deletion_timestamp="2026-01-01T00:00:00Z"))
+    assert isinstance(d.decide(deleting), d.Wait)
+    fenced = d.decide(dataclasses.replace(deleting, dead_pods=frozenset({"uid-old"})))
+    assert isinstance(fenced, d.ForceDeleteDeadPod) and fenced.uid == "uid-old"
+
+
 def test_without_a_dead_pod_nothing_changes_but_an_unreachable_pods_recheck() -> None:
     old = view("old")
     assert isinstance(d.decide(observation(old, status=RUNNING)), d.Done)

@@ -305,10 +305,11 @@ class DeletePod(Action):
 
 @dataclass(frozen=True)
 class ForceDeleteDeadPod(Action):
-    """Delete a self-fenced pod at once (``gracePeriodSeconds: 0``, uid precondition):
-    its node is unreachable and its right to run is surely over, so its guest is dead
-    (docs/protocol.md, "Self-fencing"). Only for a uid in ``Observation.dead_pods``, from
-    a direct observation."""
+    """Delete a self-fenced pod at once (``gracePeriodSeconds: 0``; uid and
+    resourceVersion preconditions): its node is unreachable and its right to run is
+    surely over, so its guest is dead (docs/protocol.md, "Self-fencing"). Only for a uid
+    in ``Observation.dead_pods``, from a direct observation: the committed pod, an old
+    pod its gated replacement waits for, or a pod of a VM being deleted."""
 
     step: ClassVar[str] = "force_delete"
 
@@ -612,6 +613,8 @@ def _decide_deletion(obs: Observation, vm: VirtualMachine) -> Action:
     for pod in obs.pods:
         if not pod.terminating:
             return DeletePod(name=pod.name, uid=pod.uid, reason="VM is being deleted")
+    if (fenced := _self_fenced(obs, list(obs.pods))) is not None:
+        return fenced  # a pod on a lost node would hold the finalizer until out-of-service
     if obs.pods:
         return Wait(seconds=1.0, reason=f"VM is being deleted: {len(obs.pods)} pod(s) terminating")
     return RemoveFinalizer(reason="VM is being deleted and all its pods are gone")
