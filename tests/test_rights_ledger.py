@@ -15,6 +15,7 @@ import math
 from typing import Any
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from neonvm.api.rights import (
     CONDEMNED,
@@ -210,7 +211,9 @@ def served() -> Any:
         state["marks"].append((namespace, name, uid))
         return not state["pod_gone"]
 
-    service = RightsService(ledger, lambda: state["caches"], tokens, mark)
+    state["registry"] = CollectorRegistry()
+    service = RightsService(ledger, lambda: state["caches"], tokens, mark,
+                            registry=state["registry"])
     with RightsServer(service, "127.0.0.1", 0) as server:
         yield server.port, ledger, clock, state
 
@@ -221,6 +224,18 @@ def test_the_leader_grants_the_current_pod_its_annotated_right(served: Any) -> N
     assert ask(port, REQUEST, authorization_header(TOKEN, POD_UID)) == (200, {"seconds": 10.0})
     clock.now += BOUND - 1
     assert ledger.condemn(POD_UID, 10.0) > 0  # counted from the grant, not term start
+
+
+def test_answers_are_counted_by_code_and_reason(served: Any) -> None:
+    port, ledger, _, state = served
+    ledger.begin_term(lambda: True)
+    ask(port, REQUEST, authorization_header(TOKEN, POD_UID))
+    ask(port, REQUEST, authorization_header(b"other", POD_UID))
+    ask(port, REQUEST, authorization_header(TOKEN, POD_UID))
+    registry = state["registry"]
+    name = "neonvm_controller_rights_answers_total"
+    assert registry.get_sample_value(name, {"code": "200", "reason": ""}) == 2
+    assert registry.get_sample_value(name, {"code": "401", "reason": "Unauthorized"}) == 1
 
 
 def test_a_standby_answers_not_leader_and_records_nothing(served: Any) -> None:

@@ -195,7 +195,8 @@ def run(kubeconfig: Path | None, lease_namespace: str, lease_name: str, identity
             raise click.BadParameter(str(exc), param_hint="--rights-bind") from None
         rights = RightsServer(RightsService(process.rights, process.rights_caches,
                                             TokenCache(api),
-                                            api_mark_pod(api, process.term_epoch)),
+                                            api_mark_pod(api, process.term_epoch),
+                                            registry=metrics.registry),
                               host, port)
         if rights_service:
             try:

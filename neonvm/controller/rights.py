@@ -40,6 +40,7 @@ from typing import Any, Protocol
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from loguru import logger
+from prometheus_client import CollectorRegistry, Counter
 
 from neonvm import kube
 from neonvm.api.rights import (
@@ -333,14 +334,26 @@ class RightsService:
     flight"). Cost: one pod write per pod per term, on its first ask."""
 
     def __init__(self, ledger: RightsLedger, caches: Callable[[], tuple[Caches, Caches] | None],
-                 tokens: TokenCache, mark_pod: MarkPod) -> None:
+                 tokens: TokenCache, mark_pod: MarkPod,
+                 registry: CollectorRegistry | None = None) -> None:
         self.ledger = ledger
         self._caches = caches
         self._tokens = tokens
         self._mark_pod = mark_pod
+        self.answers = Counter(
+            "neonvm_controller_rights_answers_total",
+            "POST /v1/rights answers, by status code and reason (\"\" for a grant).",
+            ["code", "reason"], registry=registry or CollectorRegistry())
 
     def answer(self, method: str, path: str, authorization: str | None,
                body: bytes) -> Answer:
+        """The answer to one request (counted in ``answers``)."""
+        status, doc = self._answer(method, path, authorization, body)
+        self.answers.labels(code=str(status), reason=str(doc.get("reason", ""))).inc()
+        return status, doc
+
+    def _answer(self, method: str, path: str, authorization: str | None,
+                body: bytes) -> Answer:
         if path.split("?", 1)[0] != RIGHTS_PATH:
             return _refuse(404, BAD_REQUEST, f"only {RIGHTS_PATH}")
         if method != "POST":
