@@ -1,4 +1,4 @@
-"""VM conditions (Ready, Degraded, WaitingForOldPod): what they should say, and the write.
+"""VM conditions (Ready, Available, Degraded, WaitingForOldPod): what they should say, and the write.
 
 Degraded is True while a create was refused for the current generation (reason
 ``CreateRefused``, written by the driver when the API server refuses) or while a pull
@@ -43,10 +43,12 @@ from dataclasses import dataclass
 
 from neonvm.api import compat
 from neonvm.api.types import Condition, Fence, VirtualMachine, VirtualMachineStatus
+from neonvm.controller import autoscaler_view
 from neonvm.controller import decide as d
 from neonvm.controller.mutations import FencedOut, StatusMutation
 from neonvm.controller.observe import Snapshot
 from neonvm.controller.reasons import (
+    AVAILABLE,
     CREATE_FAILING,
     CREATE_FORBIDDEN,
     CREATE_REFUSED,
@@ -169,6 +171,8 @@ def desired_conditions(snap: Snapshot, final: d.Action) -> list[ConditionUpdate]
         updates.append(ConditionUpdate(READY, "False", "NoRunner",
                                        "no runner pod is committed yet"))
 
+    updates.append(available(updates[-1]))
+
     if isinstance(final, d.Wait) and final.condition == WAITING_FOR_OLD_POD:
         updates.append(ConditionUpdate(WAITING_FOR_OLD_POD, "True", "OldPodNotGone",
                                        f"{final.reason}. {NODE_FAILURE_HINT}"))
@@ -204,6 +208,12 @@ def desired_conditions(snap: Snapshot, final: d.Action) -> list[ConditionUpdate]
     return updates
 
 
+def available(ready: ConditionUpdate) -> ConditionUpdate:
+    """NeonVM's ``Available`` condition from what Ready says: True while the VM runs on
+    its runner pod (phase Running or Scaling, the pod running), with Ready's reason."""
+    return dataclasses.replace(ready, type=AVAILABLE)
+
+
 def with_ready(mutation: StatusMutation, snap: Snapshot) -> StatusMutation:
     """``mutation``, with the Ready condition the status it writes implies written in the
     same PUT (as :func:`desired_conditions` would say it once the reconcile is done, from
@@ -219,7 +229,8 @@ def with_ready(mutation: StatusMutation, snap: Snapshot) -> StatusMutation:
         after = dataclasses.replace(vm, status=new)
         view = Snapshot(obs=dataclasses.replace(snap.obs, vm=after), record=snap.record,
                         pods=snap.pods)
-        ready = [u for u in desired_conditions(view, d.Done()) if u.type == READY]
+        ready = [u for u in desired_conditions(view, d.Done())
+                 if u.type in (READY, AVAILABLE)]
         new.conditions, _ = _apply(after, ready, now_rfc3339())
         return new
 
@@ -413,13 +424,16 @@ def conditions_mutation(updates: list[ConditionUpdate], lease: d.Fence,
     def mutate(vm: VirtualMachine) -> VirtualMachineStatus | None:
         conditions, changed = _apply(vm, updates, now or now_rfc3339())
         changed = changed or vm.status.observed_generation != vm.generation
+        status = copy.deepcopy(vm.status)
+        # A targetRevision the VM runs at (the spec changed nothing else, or a write
+        # that set Running could not stamp it): stamped here, from the fresh copy.
+        changed = autoscaler_view.propagate_revision(status, vm) or changed
         if not changed:
             return None
         fence = vm.status.fence
         if fence is not None and (fence.epoch, fence.token) > (lease.epoch, lease.token):
             raise FencedOut(f"{vm.key}: status fenced at epoch {fence.epoch} token "
                             f"{fence.token}, we are epoch {lease.epoch} token {lease.token}")
-        status = copy.deepcopy(vm.status)
         status.conditions = conditions
         status.observed_generation = vm.generation
         status.fence = Fence(epoch=lease.epoch, token=lease.token)

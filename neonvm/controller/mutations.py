@@ -20,8 +20,8 @@ from collections.abc import Callable
 from neonvm.api import compat, times
 from neonvm.api.millicpu import MilliCPU
 from neonvm.api.types import FINALIZER, Condition, Fence, VirtualMachine, VirtualMachineStatus
+from neonvm.controller import autoscaler_view, reasons, restarts
 from neonvm.controller import decide as d
-from neonvm.controller import reasons, restarts
 
 StatusMutation = Callable[[VirtualMachine], VirtualMachineStatus | None]
 
@@ -46,9 +46,10 @@ def _fresh_status(vm: VirtualMachine, lease: d.Fence) -> VirtualMachineStatus:
 def _record_boot_size(new: VirtualMachineStatus, vm: VirtualMachine,
                       built: tuple[int, int] | None = None,
                       slot_bytes: int | None = None) -> None:
-    """status.cpus/memorySize/currentRevision: the size the committed pod was built with
-    (``built``: millicores, memory slots, in slots of ``slot_bytes`` when the pod
-    records it, from the pod), else the spec's."""
+    """status.cpus/memorySize: the size the committed pod was built with (``built``:
+    millicores, memory slots, in slots of ``slot_bytes`` when the pod records it, from
+    the pod), else the spec's. ``currentRevision`` follows once the VM runs at the
+    spec's size (:func:`autoscaler_view.propagate_revision`)."""
     new.cpus, new.memory_size = compat.configured_size(vm.spec)
     if built is not None:
         from neonvm.api.quantity import QuantityError, format_bytes, parse_bytes
@@ -59,8 +60,7 @@ def _record_boot_size(new: VirtualMachineStatus, vm: VirtualMachine,
                 (slot_bytes or parse_bytes(vm.spec.guest.memory_slot_size)) * built[1])
         except QuantityError:
             new.memory_size = None
-    if vm.spec.target_revision is not None:
-        new.current_revision = copy.deepcopy(vm.spec.target_revision)
+    autoscaler_view.propagate_revision(new, vm)
 
 
 def _set_scaling_condition(new: VirtualMachineStatus, vm: VirtualMachine, status: str,
@@ -202,6 +202,7 @@ def status_mutation(action: d.Action, lease: d.Fence) -> StatusMutation:
         new.node, new.pod_ip = action.node, action.ip
         if new.cpus is None:  # committed before status.cpus existed
             _record_boot_size(new, vm)
+        autoscaler_view.propagate_revision(new, vm)  # Running at the spec's size
         return new
 
     def plan_scale(vm: VirtualMachine) -> VirtualMachineStatus | None:
@@ -271,11 +272,12 @@ def status_mutation(action: d.Action, lease: d.Fence) -> StatusMutation:
         if s.pending_scale is None or s.pending_scale.seq != action.seq:
             return None
         new = _fresh_status(vm, lease)
-        new.cpus = MilliCPU(action.vcpus * 1000)
+        new.cpus = autoscaler_view.landed_cpus(vm, action.vcpus)
         new.memory_size = format_bytes(action.memory_bytes)
         _scale_done(new, vm, "ScalingDone",
                     f"scaling plan #{action.seq} applied: the runner reports {action.vcpus} "
                     f"vCPUs, {new.memory_size} of memory")
+        autoscaler_view.propagate_revision(new, vm)
         return new
 
     def drop_scale(vm: VirtualMachine) -> VirtualMachineStatus | None:

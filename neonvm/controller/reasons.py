@@ -1,6 +1,6 @@
 """Condition types and reasons the controller writes: the one place that spells them.
 
-Types: Ready, Degraded, Scaling, RestartBackoff. Reasons say why (``CreateRefused``,
+Types: Ready, Available, Degraded, Scaling, RestartBackoff. Reasons say why (``CreateRefused``,
 ``FenceAhead``, ``<Step>NotTakingEffect``, ...); docs/reconciler.md ("Conditions")
 says when each is written and cleared.
 """
@@ -10,6 +10,9 @@ from __future__ import annotations
 # ---- condition types -----------------------------------------------------------------------
 
 READY = "Ready"
+AVAILABLE = "Available"
+"""NeonVM's condition (what ``kubectl wait --for=condition=Available`` checks): True while
+Ready is, the VM running on its runner pod."""
 DEGRADED = "Degraded"
 """Condition type the controller reports trouble in (its reason says which)."""
 SCALING_CONDITION = "Scaling"

@@ -54,8 +54,8 @@ from neonvm import kube
 from neonvm.api import types
 from neonvm.api.scale_protocol import NO_TOKEN, ScaleFence, pod_token, request_body
 from neonvm.api.types import VirtualMachine
+from neonvm.controller import autoscaler_view, looks, podspec
 from neonvm.controller import decide as d
-from neonvm.controller import looks, podspec
 from neonvm.controller.observe import Snapshot
 from neonvm.controller.reasons import RUNNER_MISBEHAVING_REASON, RUNNER_UNREACHABLE_REASON
 
@@ -575,7 +575,6 @@ class RunnerScaling:
                    plan: types.PendingScale, fence: tuple[int, int, int], log: Any) -> str:
         """One read-check-patch of :meth:`_tell_kubernetes`: "done" (or nothing to do,
         or failed for good), or "conflict" (a 409: read again and redo)."""
-        from neonvm.api.quantity import format_bytes
 
         try:
             current = kube.request(self._api, "GET", _pod_path(vm.namespace, pod.name),
@@ -593,11 +592,16 @@ class RunnerScaling:
             return "done"
         version = meta.get("resourceVersion")
         if recorded != fence:
-            usage = json.dumps({"cpu": str(plan.cpus), "memory": format_bytes(memory_bytes)})
+            cpus = autoscaler_view.landed_cpus(vm, plan.cpus)  # "250m" where use is fractional
             patch = {"metadata": {"uid": pod.uid, "resourceVersion": version,
-                                  "annotations": {USAGE_ANNOTATION: usage,
-                                                  SCALE_FENCE_ANNOTATION: ",".join(
-                                                      str(v) for v in fence)}}}
+                                  "annotations": {
+                                      USAGE_ANNOTATION: autoscaler_view.usage_json(
+                                          cpus, memory_bytes),
+                                      podspec.ANNOTATION_RESOURCES:
+                                          autoscaler_view.resources_json(
+                                              vm, cpus, plan.memory_slots),
+                                      SCALE_FENCE_ANNOTATION: ",".join(
+                                          str(v) for v in fence)}}}
             try:
                 # The generated patch_namespaced_pod sent a dict as a strategic merge.
                 written = kube.request(self._api, "PATCH", _pod_path(vm.namespace, pod.name),

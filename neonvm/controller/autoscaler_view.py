@@ -1,0 +1,123 @@
+"""What NeonVM's autoscaler stack reads after a live scale: pure derivations.
+
+The autoscaler-agent (``pkg/agent``) and the scheduler plugin (``pkg/plugin``) of NeonVM's
+stack read the VM and its runner pod, not the runner. After a scale has landed they
+expect:
+
+* the pod's ``vm.neon.tech/resources`` annotation (:func:`resources_json`) and
+  ``vm.neon.tech/usage`` (:func:`usage_json`) to say the new size (written by
+  :mod:`neonvm.controller.scaling` in the same fenced patch as before);
+* ``status.cpus`` to carry the fractional amount asked for (``250m``), not the whole
+  vCPUs the runner plugged (:func:`landed_cpus`);
+* ``status.currentRevision`` to be ``spec.targetRevision`` stamped with the time it
+  landed (:func:`propagate_revision`), once status reports the spec's size;
+* the VM's ``autoscaling.neon.tech/`` labels and annotations on the pod
+  (:func:`metadata_drift`).
+
+Nothing here does I/O. Why none of these writes can put an older size back:
+docs/neonvm-compat.md, "The autoscaler's view".
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from typing import Any
+
+from neonvm.api import times
+from neonvm.api.millicpu import MilliCPU
+from neonvm.api.quantity import QuantityError, format_bytes, parse_bytes
+from neonvm.api.types import Revision, RevisionWithTime, VirtualMachine, VirtualMachineStatus
+
+AUTOSCALING_PREFIX = "autoscaling.neon.tech/"
+"""Labels and annotations of the VM kept in sync onto its runner pod."""
+
+
+def landed_cpus(vm: VirtualMachine, vcpus: int) -> MilliCPU:
+    """``status.cpus`` for a guest with ``vcpus`` whole vCPUs: the spec's ``cpus.use`` when
+    it rounds up to them (a fractional ``250m`` is one vCPU, as NeonVM reports it), else
+    the whole vCPUs."""
+    use = vm.spec.guest.cpus.current
+    return use if use.rounded_up() == vcpus else MilliCPU(vcpus * 1000)
+
+
+def resources_json(vm: VirtualMachine, cpus: MilliCPU, memory_slots: int) -> str:
+    """NeonVM's ``vm.neon.tech/resources`` annotation: the spec's bounds with ``use`` at
+    the size the guest has (``cpus``, ``memory_slots``); the same JSON as at build."""
+    guest = vm.spec.guest
+    size = _slot_bytes(vm)
+    return json.dumps({
+        "cpus": {"min": guest.cpus.min.to_json(), "max": guest.cpus.max.to_json(),
+                 "use": cpus.to_json()},
+        "memorySlots": {"min": guest.memory_slots.min, "max": guest.memory_slots.max,
+                        "use": memory_slots},
+        "memorySlotSize": format_bytes(size) if size else str(guest.memory_slot_size),
+    }, separators=(",", ":"))
+
+
+def usage_json(cpus: MilliCPU, memory_bytes: int) -> str:
+    """NeonVM's ``vm.neon.tech/usage`` annotation: ``{"cpu", "memory"}``."""
+    return json.dumps({"cpu": str(cpus), "memory": format_bytes(memory_bytes)},
+                      separators=(",", ":"))
+
+
+def at_spec_size(vm: VirtualMachine, status: VirtualMachineStatus) -> bool:
+    """Whether ``status`` reports the size the spec asks for: whole vCPUs as planned
+    (``ceil(cpus.use)``) and ``memorySlots.use`` slots."""
+    guest = vm.spec.guest
+    size = _slot_bytes(vm)
+    if status.cpus is None or status.memory_size is None or not size:
+        return False
+    try:
+        memory = parse_bytes(status.memory_size)
+    except QuantityError:
+        return False
+    return (status.cpus.rounded_up() == guest.cpus.current.rounded_up()
+            and memory == size * guest.memory_slots.current)
+
+
+def propagate_revision(new: VirtualMachineStatus, vm: VirtualMachine,
+                       now: dt.datetime | None = None) -> bool:
+    """Set ``new.currentRevision`` to ``spec.targetRevision`` stamped ``now`` (NeonVM's
+    ``propagateRevision``: the agent measures its request's latency from this stamp)
+    when ``new`` says the VM runs at the spec's size with no plan recorded and the
+    revision differs from the current one. True when it changed ``new``.
+
+    Derived from the status being written only (the fresh copy's spec, and the size that
+    status reports): a revision is never recorded for a size the guest does not have."""
+    target = vm.spec.target_revision
+    if target is None or new.phase != "Running" or new.pending_scale is not None:
+        return False
+    current = new.current_revision
+    if current is not None and current.revision == target.revision:
+        return False
+    if not at_spec_size(vm, new):
+        return False
+    stamp = times.format_time(now or dt.datetime.now(dt.UTC))
+    new.current_revision = RevisionWithTime(
+        revision=Revision(value=target.revision.value, flags=target.revision.flags),
+        updated_at=stamp)
+    return True
+
+
+def metadata_drift(vm: VirtualMachine, pod_meta: dict[str, Any]) -> dict[str, Any] | None:
+    """A JSON merge patch of the pod's ``metadata`` that makes its ``autoscaling.neon.tech/``
+    labels and annotations the VM's (added, changed, removed: None values), or None when
+    they are the same already."""
+    patch: dict[str, Any] = {}
+    for field, wanted in (("labels", vm.labels), ("annotations", vm.annotations)):
+        have = {k: v for k, v in (pod_meta.get(field) or {}).items()
+                if k.startswith(AUTOSCALING_PREFIX)}
+        want = {k: v for k, v in (wanted or {}).items() if k.startswith(AUTOSCALING_PREFIX)}
+        change: dict[str, str | None] = {k: v for k, v in want.items() if have.get(k) != v}
+        change.update({k: None for k in have if k not in want})
+        if change:
+            patch[field] = change
+    return patch or None
+
+
+def _slot_bytes(vm: VirtualMachine) -> int | None:
+    try:
+        return parse_bytes(vm.spec.guest.memory_slot_size)
+    except QuantityError:
+        return None
