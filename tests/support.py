@@ -46,6 +46,23 @@ def wait_for(
     )
 
 
+def restart_api_server(cluster: LocalCluster, api: client.ApiClient) -> None:
+    """Start the session's stopped kube-apiserver and wait until it serves
+    VirtualMachines again: ready (``/readyz``) comes a moment before a CRD's own handler,
+    which answers 503 meanwhile, and the next test must not meet that."""
+    cluster.start_component("kube-apiserver")
+    custom = client.CustomObjectsApi(api)
+
+    def served() -> bool:
+        try:
+            custom.list_cluster_custom_object("vm.neon.tech", "v1", "virtualmachines", limit=1)
+        except client.ApiException:
+            return False
+        return True
+
+    wait_for(served, 60, interval=0.2, what="VirtualMachines served after the restart")
+
+
 def create_pull_secret(api: client.ApiClient, namespace: str, name: str) -> None:
     """An (empty) registry credential, as a VM's ``imagePullSecrets`` would name."""
     client.CoreV1Api(api).create_namespaced_secret(namespace, {

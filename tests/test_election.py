@@ -54,7 +54,7 @@ from neonvm.leader.election import (
 )
 from neonvm.leader.health import HealthServer
 from neonvm.leader.lease_store import KubernetesLeaseStore, LeaseConflict, LeaseNamespaceNotFound
-from tests.support import wait_for
+from tests.support import restart_api_server, wait_for
 
 CANDIDATE = Path(__file__).parent / "programs" / "candidate.py"
 LEASE = "neonvm-controller"
@@ -923,7 +923,8 @@ def test_step_down_hands_over_and_a_request_for_an_old_term_is_ignored(
 @pytest.mark.cluster
 @pytest.mark.slow
 def test_a_leader_that_cannot_renew_stops_its_work_before_the_lease_can_expire(
-        cluster: LocalCluster, namespace: str, run_elector: Callable[..., InProcess]) -> None:
+        cluster: LocalCluster, api: client.ApiClient, namespace: str,
+        run_elector: Callable[..., InProcess]) -> None:
     last_passed_check: list[float] = []
 
     def work(leadership: Leadership) -> None:
@@ -956,7 +957,7 @@ def test_a_leader_that_cannot_renew_stops_its_work_before_the_lease_can_expire(
         assert last_passed_check[-1] < term.valid_until
         assert run.elector.registry.get_sample_value("neonvm_leader_renew_failures_total")
     finally:
-        cluster.start_component("kube-apiserver")
+        restart_api_server(cluster, api)
     again = run.wait_leading(above=term.epoch, timeout=120)
     assert again.epoch > term.epoch
     run.shutdown()

@@ -13,7 +13,7 @@ from neonvm.api import types
 from neonvm.controller.informer import Informer, Obj, Store
 from neonvm.dev.cluster import LocalCluster
 from neonvm.testing.harness import create_vm, delete_vm
-from tests.support import wait_for
+from tests.support import restart_api_server, wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -107,7 +107,7 @@ def test_the_cache_reconnects_after_an_api_server_restart(
     # then takes some 20 s to exit (the other components' long requests), which this
     # test need not wait for before the kill.
     cluster.stop_component("kube-apiserver", timeout=3.0)
-    cluster.start_component("kube-apiserver")
+    restart_api_server(cluster, api)
     wait_for(lambda: _try_create(api, namespace, "after-restart"), 60)
     wait_for(lambda: recorder.saw(f"{namespace}/after-restart"), 60)
 
