@@ -23,6 +23,7 @@ from neonvm.controller import manager as manager_module
 from neonvm.controller.events import EventRecorder
 from neonvm.controller.manager import ControllerConfig, ControllerProcess, LeaderTerm
 from neonvm.controller.metrics import ControllerMetrics
+from neonvm.controller.rights import RightsLedger
 from neonvm.controller.wiring import Wiring
 from neonvm.controller.workqueue import Backoff
 from neonvm.leader.election import (
@@ -68,7 +69,8 @@ def test_f6_an_exception_after_the_reconcile_is_counted_requeued_and_the_worker_
         config=ControllerConfig(workers=1, backoff=Backoff(base=0.01, cap=0.1)),
         metrics=ControllerMetrics(), api=client.ApiClient(), wiring=Wiring(),
         events=EventRecorder(None), etcd=None, etcd_config=SimpleNamespace(prefix="/t"),
-        old_crd_warned=threading.Event())
+        old_crd_warned=threading.Event(), rights=RightsLedger(), fencing=None,
+            rights_endpoint=None)
     leadership = Leadership(epoch=1, identity="me", valid_until=time.monotonic() + 3600)
     term = LeaderTerm(process, leadership)  # type: ignore[arg-type]
     handler = _RaisingOnce("ns/bad")
@@ -374,7 +376,8 @@ def test_f1_a_stopping_term_gives_its_locks_up_with_one_revoke_not_a_txn_per_loc
             config=ControllerConfig(workers=0), metrics=ControllerMetrics(),
             api=client.ApiClient(), wiring=Wiring(), events=EventRecorder(None), etcd=etcd,
             etcd_config=config, installation=Installation("ns", "f1"),
-            old_crd_warned=threading.Event())
+            old_crd_warned=threading.Event(), rights=RightsLedger(), fencing=None,
+            rights_endpoint=None)
         leadership = Leadership(epoch=3, identity="me_f1",
                                 valid_until=time.monotonic() + 3600)
         term = LeaderTerm(process, leadership)  # type: ignore[arg-type]

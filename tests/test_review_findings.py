@@ -54,6 +54,7 @@ from neonvm.controller.manager import ControllerConfig, LeaderTerm
 from neonvm.controller.metrics import ControllerMetrics
 from neonvm.controller.observe import DirectReader
 from neonvm.controller.reconciler import Reconciler, ReconcilerConfig
+from neonvm.controller.rights import RightsLedger
 from neonvm.controller.workqueue import WorkQueue
 from neonvm.leader.election import Leadership
 
@@ -353,7 +354,8 @@ def test_f2_a_vm_whose_added_event_was_lost_is_still_reconciled(
                                 sweep_seconds=0.3),
         metrics=ControllerMetrics(), api=client.ApiClient(), wiring=FaultWiring(faults),
         events=EventRecorder(None), etcd=None, etcd_config=SimpleNamespace(prefix="/t"),
-        old_crd_warned=threading.Event(),
+        old_crd_warned=threading.Event(), rights=RightsLedger(), fencing=None,
+        rights_endpoint=None,
     )
     leadership = Leadership(epoch=1, identity="me", valid_until=time.monotonic() + 3600)
     term = LeaderTerm(process, leadership)  # type: ignore[arg-type]
