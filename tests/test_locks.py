@@ -643,8 +643,8 @@ def test_etcd_restart_holders_notice_and_recover_and_nothing_is_held_twice(
     try:
         assert _read_event(watcher)["event"] == "EXISTING"  # the watch is up
 
-        # Killed, as a crash: stopped gracefully over TLS, etcd waits for open streams
-        # (the watch) before it closes, so the watch would end only at its hard stop.
+        # Killed, as a crash (a graceful stop, which ends the watch at its GOAWAY, is
+        # tests/test_etcd_faults.py's).
         cluster.stop_component("locks-etcd", sig=signal.SIGKILL)
         try:
             wait_for(lambda: a_guard.lost.is_set() and b_guard.lost.is_set(), 60,
