@@ -1,0 +1,293 @@
+"""The autoscaler's view after a live scale: what NeonVM's autoscaler-agent and scheduler
+plugin read (the pod's resources and usage annotations, status.cpus, currentRevision, the
+Available condition) follows every scale that lands. docs/neonvm-compat.md, "The
+autoscaler's view"."""
+
+from __future__ import annotations
+
+import datetime as dt
+import http.server
+import json
+import threading
+from typing import Any
+
+import pytest
+from kubernetes import client
+
+from neonvm import kube
+from neonvm.api import times, types
+from neonvm.api.millicpu import MilliCPU
+from neonvm.controller import autoscaler_view as av
+from neonvm.controller import decide as d
+from neonvm.controller.authority import StaticAuthority
+from neonvm.controller.podspec import ANNOTATION_RESOURCES, ANNOTATION_USAGE
+from neonvm.controller.reconciler import Reconciler, ReconcileResult
+from neonvm.testing.harness import create_vm, get_vm, runner_pods
+
+GIB = 1 << 30
+NOWHERE = {"neonvm.test/unschedulable": "true"}
+OLD = StaticAuthority(epoch=1, token=10)
+AGENT_STAMP = "2020-01-01T00:00:00Z"
+"""The updatedAt an autoscaler-agent sends in spec.targetRevision (its own clock)."""
+
+
+def vm_of(cpus: dict[str, Any], slots: int = 1, revision: int | None = None,
+          status: dict[str, Any] | None = None) -> types.VirtualMachine:
+    spec: dict[str, Any] = {"guest": {
+        "cpus": cpus, "memorySlots": {"min": 1, "max": 2, "use": slots},
+        "memorySlotSize": "1Gi", "rootDisk": {"image": "/x.raw"}}}
+    if revision is not None:
+        spec["targetRevision"] = {"revision": {"value": revision, "flags": 0},
+                                  "updatedAt": AGENT_STAMP}
+    return types.VirtualMachine.from_object({
+        "apiVersion": types.API_VERSION, "kind": types.KIND,
+        "metadata": {"name": "v", "namespace": "ns", "uid": "u", "generation": 1,
+                     "resourceVersion": "1"},
+        "spec": spec, "status": status or {}})
+
+
+# ---- pure derivations -------------------------------------------------------------------------
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("use", "vcpus", "expected"), [
+    ("250m", 1, MilliCPU(250)),    # fractional: what was asked for, not the vCPU plugged
+    ("1500m", 2, MilliCPU(1500)),
+    (2, 2, MilliCPU(2000)),
+    ("250m", 2, MilliCPU(2000)),   # the spec moved on: the whole vCPUs the guest has
+    (1, 2, MilliCPU(2000)),
+])
+def test_status_cpus_is_the_fractional_use_the_whole_vcpus_round_up_to(
+        use: object, vcpus: int, expected: MilliCPU) -> None:
+    vm = vm_of({"min": "250m", "max": 2, "use": use})
+    assert av.landed_cpus(vm, vcpus) == expected
+
+
+@pytest.mark.unit
+def test_the_resources_annotation_is_neonvms_json_with_use_at_the_landed_size() -> None:
+    vm = vm_of({"min": "250m", "max": 2, "use": "1500m"}, slots=2)
+    assert json.loads(av.resources_json(vm, MilliCPU(1500), 2)) == {
+        "cpus": {"min": "250m", "max": 2, "use": "1500m"},
+        "memorySlots": {"min": 1, "max": 2, "use": 2}, "memorySlotSize": "1Gi"}
+    assert json.loads(av.usage_json(MilliCPU(250), GIB)) == {"cpu": "250m", "memory": "1Gi"}
+
+
+NOW = dt.datetime(2026, 12, 5, 5, 30, 0, tzinfo=dt.UTC)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("status", "stamped"), [
+    # Running at the spec's size (1 vCPU for 250m, 1 slot): stamped now.
+    ({"phase": "Running", "cpus": "250m", "memorySize": "1Gi"}, True),
+    # Not yet at the spec's size: a plan is still to come.
+    ({"phase": "Running", "cpus": 2, "memorySize": "1Gi"}, False),
+    ({"phase": "Running", "cpus": "250m", "memorySize": "2Gi"}, False),
+    # A plan recorded, or not running: not landed.
+    ({"phase": "Scaling", "cpus": "250m", "memorySize": "1Gi",
+      "pendingScale": {"cpus": 1, "memorySlots": 1, "seq": 1, "epoch": 1, "token": 1,
+                       "podName": "p", "podUID": "pu", "generation": 1}}, False),
+    ({"phase": "Pending", "cpus": "250m", "memorySize": "1Gi"}, False),
+    # Already the current revision: its stamp stays.
+    ({"phase": "Running", "cpus": "250m", "memorySize": "1Gi",
+      "currentRevision": {"revision": {"value": 7, "flags": 0},
+                          "updatedAt": "2021-01-01T00:00:00Z"}}, False),
+])
+def test_current_revision_is_stamped_when_the_vm_runs_at_the_spec_size(
+        status: dict[str, Any], stamped: bool) -> None:
+    vm = vm_of({"min": "250m", "max": 2, "use": "250m"}, revision=7, status=status)
+    new = vm.status
+    before = new.current_revision
+    assert av.propagate_revision(new, vm, NOW) is stamped
+    if stamped:
+        assert new.current_revision is not None
+        assert new.current_revision.revision == types.Revision(value=7, flags=0)
+        assert new.current_revision.updated_at == "2026-12-05T05:30:00Z"  # not AGENT_STAMP
+    else:
+        assert new.current_revision == before
+
+
+@pytest.mark.unit
+def test_no_target_revision_leaves_current_revision_alone() -> None:
+    vm = vm_of({"min": 1, "max": 2, "use": 1},
+               status={"phase": "Running", "cpus": 1, "memorySize": "1Gi"})
+    assert not av.propagate_revision(vm.status, vm, NOW)
+    assert vm.status.current_revision is None
+
+
+@pytest.mark.unit
+def test_the_autoscaling_metadata_drift_is_a_merge_patch_of_the_vms_keys_only() -> None:
+    vm = vm_of({"min": 1, "max": 2, "use": 1})
+    vm.labels = {"autoscaling.neon.tech/enabled": "true", "team": "a"}
+    vm.annotations = {"autoscaling.neon.tech/bounds": '{"min":1}'}
+    pod = {"labels": {"autoscaling.neon.tech/enabled": "false",
+                      "autoscaling.neon.tech/gone": "x", "team": "b"},
+           "annotations": {"other": "1"}}
+    assert av.metadata_drift(vm, pod) == {
+        "labels": {"autoscaling.neon.tech/enabled": "true", "autoscaling.neon.tech/gone": None},
+        "annotations": {"autoscaling.neon.tech/bounds": '{"min":1}'}}
+    synced = {"labels": {"autoscaling.neon.tech/enabled": "true", "team": "b"},
+              "annotations": {"autoscaling.neon.tech/bounds": '{"min":1}'}}
+    assert av.metadata_drift(vm, synced) is None
+
+
+@pytest.mark.unit
+def test_available_says_what_ready_says() -> None:
+    from neonvm.controller.conditions import desired_conditions
+    from neonvm.controller.observe import Snapshot
+
+    vm = vm_of({"min": 1, "max": 2, "use": 1},
+               status={"phase": "Running", "podName": "p", "podUID": "pu",
+                       "cpus": 1, "memorySize": "1Gi"})
+    running = d.PodView(name="p", uid="pu", owner_uid="u", gated=False, terminating=False,
+                        phase="Running", node="n1", ip="10.0.0.1")
+    for pods, status in (((running,), "True"), ((), "False")):
+        obs = d.Observation(vm=vm, pods=pods, lease=d.Fence(epoch=1, token=1), direct=True)
+        updates = {u.type: u for u in desired_conditions(Snapshot(obs=obs, record=None),
+                                                         d.Done())}
+        assert updates["Available"].status == updates["Ready"].status == status
+
+
+# ---- real server --------------------------------------------------------------------------
+
+
+class ApplyingRunner:
+    """Stands in for a runner that takes every size it is asked for (a real runner does so
+    in tests/test_runner_scaling.py; booting a guest here would add nothing the
+    controller reads): ``PUT /scale`` records the size and fence and answers 200, ``GET
+    /scale`` reports them."""
+
+    def __init__(self) -> None:
+        self.size: dict[str, Any] = {"vcpus": 1, "memorySlots": 1, "memoryBytes": GIB}
+        self.fence: dict[str, int] = {"epoch": 0, "token": 0, "seq": 0}
+        self.pod_uid: str | None = None
+        self.puts: list[dict[str, Any]] = []
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def _answer(self, doc: dict[str, Any]) -> None:
+                body = json.dumps(doc).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def _report(self) -> dict[str, Any]:
+                return {"mode": "QmpScaling", "lastApplied": {"fence": outer.fence},
+                        "qemu": outer.size, "podUid": outer.pod_uid, "pendingRemovals": []}
+
+            def do_GET(self) -> None:
+                self._answer(self._report())
+
+            def do_PUT(self) -> None:
+                asked = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                outer.puts.append(asked)
+                outer.fence = asked["fence"]
+                outer.size = {"vcpus": asked["cpus"], "memorySlots": asked["memorySlots"],
+                              "memoryBytes": asked["memorySlots"] * GIB}
+                self._answer(self._report())
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def settle(reconciler: Reconciler, key: str, rounds: int = 10) -> ReconcileResult:
+    result = reconciler.reconcile(key, OLD, direct_first=True)
+    for _ in range(rounds):
+        if isinstance(result.action, d.Done):
+            return result
+        result = reconciler.reconcile(key, OLD, direct_first=True)
+    return result
+
+
+def agent_patch(api: client.ApiClient, namespace: str, name: str, cpu: str, slots: int,
+                revision: int) -> None:
+    """What NeonVM's autoscaler-agent sends (pkg/agent, doNeonVMRequest): a JSON patch
+    replacing cpus.use (a quantity), memorySlots.use and targetRevision (stamped by the
+    agent's clock)."""
+    kube.request(api, "PATCH", f"/apis/{types.GROUP}/{types.VERSION}/namespaces/{namespace}/"
+                 f"{types.PLURAL}/{name}", [
+                     {"op": "replace", "path": "/spec/guest/cpus/use", "value": cpu},
+                     {"op": "replace", "path": "/spec/guest/memorySlots/use", "value": slots},
+                     {"op": "replace", "path": "/spec/targetRevision", "value": {
+                         "revision": {"value": revision, "flags": 0},
+                         "updatedAt": AGENT_STAMP}}],
+                 content_type="application/json-patch+json")
+
+
+def condition(status: dict[str, Any], type_: str) -> dict[str, Any]:
+    return next(c for c in status.get("conditions") or [] if c["type"] == type_)
+
+
+@pytest.mark.cluster
+def test_a_scale_the_autoscaler_agent_asks_for_shows_in_the_pod_and_status_it_reads(
+        api: client.ApiClient, controller_api: client.ApiClient, namespace: str) -> None:
+    from neonvm.controller.scaling import RunnerScaling
+
+    runner = ApplyingRunner()
+    try:
+        create_vm(api, namespace, "agent", spec={
+            "nodeSelector": NOWHERE,
+            "guest": {"cpus": {"min": "250m", "max": 2, "use": "250m"},
+                      "memorySlots": {"min": 1, "max": 2, "use": 1},
+                      "memorySlotSize": "1Gi", "rootDisk": {"image": "/nonexistent.raw"}}})
+        key = f"{namespace}/agent"
+        reconciler = Reconciler(controller_api, scaling=RunnerScaling(
+            controller_api, address=lambda vm, pod: f"http://127.0.0.1:{runner.port}"))
+        settle(reconciler, key)
+        (pod,) = runner_pods(api, namespace, "agent")
+        runner.pod_uid = pod.metadata.uid
+        client.CoreV1Api(api).patch_namespaced_pod_status(pod.metadata.name, namespace, {
+            "status": {"phase": "Running", "podIP": "127.0.0.1",
+                       "podIPs": [{"ip": "127.0.0.1"}]}})
+        settle(reconciler, key)
+        raw = get_vm(api, namespace, "agent")
+        assert raw is not None
+        assert (raw["status"]["phase"], raw["status"]["cpus"]) == ("Running", "250m")
+        assert condition(raw["status"], "Available")["status"] == "True"
+
+        before = dt.datetime.now(dt.UTC).replace(microsecond=0)
+        agent_patch(api, namespace, "agent", "1500m", 2, revision=7)
+        assert isinstance(settle(reconciler, key).action, d.Done)
+
+        assert [(p["cpus"], p["memorySlots"]) for p in runner.puts] == [(2, 2)]
+        (after,) = runner_pods(api, namespace, "agent")
+        assert after.metadata.uid == pod.metadata.uid  # the same pod, scaled live
+        annotations = after.metadata.annotations
+        assert json.loads(annotations[ANNOTATION_RESOURCES]) == {
+            "cpus": {"min": "250m", "max": 2, "use": "1500m"},
+            "memorySlots": {"min": 1, "max": 2, "use": 2}, "memorySlotSize": "1Gi"}
+        assert json.loads(annotations[ANNOTATION_USAGE]) == {"cpu": "1500m", "memory": "2Gi"}
+        raw = get_vm(api, namespace, "agent")
+        assert raw is not None
+        status = raw["status"]
+        assert (status["phase"], status["cpus"], status["memorySize"]) == (
+            "Running", "1500m", "2Gi")
+        current = status["currentRevision"]
+        assert current["revision"] == {"value": 7, "flags": 0}
+        assert current["updatedAt"] != AGENT_STAMP
+        stamp = times.parse(current["updatedAt"])
+        assert stamp is not None and stamp >= before  # stamped when it landed
+        assert condition(status, "Available")["status"] == "True"
+
+        # And back down to a fractional size: 250m, one slot.
+        agent_patch(api, namespace, "agent", "250m", 1, revision=8)
+        assert isinstance(settle(reconciler, key).action, d.Done)
+        (after,) = runner_pods(api, namespace, "agent")
+        assert after.metadata.uid == pod.metadata.uid
+        assert json.loads(after.metadata.annotations[ANNOTATION_RESOURCES])["cpus"][
+            "use"] == "250m"
+        raw = get_vm(api, namespace, "agent")
+        assert raw is not None
+        assert (raw["status"]["cpus"], raw["status"]["memorySize"]) == ("250m", "1Gi")
+        assert raw["status"]["currentRevision"]["revision"] == {"value": 8, "flags": 0}
+    finally:
+        runner.close()
