@@ -107,6 +107,21 @@ def test_current_revision_is_stamped_when_the_vm_runs_at_the_spec_size(
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize(("status", "use", "expected"), [
+    ({"phase": "Running", "cpus": "250m"}, "500m", MilliCPU(500)),  # within one vCPU
+    ({"phase": "Running", "cpus": 1}, "750m", MilliCPU(750)),
+    ({"phase": "Running", "cpus": "250m"}, "1500m", MilliCPU(250)),  # a plan's to make
+    ({"phase": "Pending", "cpus": "250m"}, "500m", MilliCPU(250)),
+    ({"phase": "Running", "cpus": "500m"}, "500m", MilliCPU(500)),
+])
+def test_a_fractional_use_changed_within_the_guests_vcpus_shows_in_status_cpus(
+        status: dict[str, Any], use: str, expected: MilliCPU) -> None:
+    vm = vm_of({"min": "250m", "max": 2, "use": use}, status=status)
+    assert av.follow_fraction(vm.status, vm) is (expected != MilliCPU.parse(status["cpus"]))
+    assert vm.status.cpus == expected
+
+
+@pytest.mark.unit
 def test_no_target_revision_leaves_current_revision_alone() -> None:
     vm = vm_of({"min": 1, "max": 2, "use": 1},
                status={"phase": "Running", "cpus": 1, "memorySize": "1Gi"})
@@ -277,6 +292,16 @@ def test_a_scale_the_autoscaler_agent_asks_for_shows_in_the_pod_and_status_it_re
         stamp = times.parse(current["updatedAt"])
         assert stamp is not None and stamp >= before  # stamped when it landed
         assert condition(status, "Available")["status"] == "True"
+
+        # Within the guest's whole vCPUs (1500m -> 1750m: still 2): no plan, no PUT;
+        # status.cpus, the revision and Available follow at the end of the reconcile.
+        agent_patch(api, namespace, "agent", "1750m", 2, revision=9)
+        assert isinstance(settle(reconciler, key).action, d.Done)
+        assert len(runner.puts) == 1
+        raw = get_vm(api, namespace, "agent")
+        assert raw is not None
+        assert (raw["status"]["cpus"], raw["status"]["memorySize"]) == ("1750m", "2Gi")
+        assert raw["status"]["currentRevision"]["revision"] == {"value": 9, "flags": 0}
 
         # And back down to a fractional size: 250m, one slot.
         agent_patch(api, namespace, "agent", "250m", 1, revision=8)

@@ -76,6 +76,29 @@ def at_spec_size(vm: VirtualMachine, status: VirtualMachineStatus) -> bool:
             and memory == size * guest.memory_slots.current)
 
 
+def follow_fraction(new: VirtualMachineStatus, vm: VirtualMachine) -> bool:
+    """Set ``new.cpus`` to the spec's fractional ``cpus.use`` when it changed within the
+    whole vCPUs the guest has (``250m`` to ``500m``: no plan, the runner has nothing to
+    change), the VM running with no plan recorded. True when it changed ``new``.
+
+    Derived from the fresh copy only: the whole vCPUs status reports stay as they are,
+    so no size the guest does not have is ever written."""
+    use = vm.spec.guest.cpus.current
+    if (new.phase != "Running" or new.pending_scale is not None or new.cpus is None
+            or new.cpus == use or new.cpus.rounded_up() != use.rounded_up()):
+        return False
+    new.cpus = use
+    return True
+
+
+def settle(new: VirtualMachineStatus, vm: VirtualMachine,
+           now: dt.datetime | None = None) -> bool:
+    """:func:`follow_fraction`, then :func:`propagate_revision`; True when either changed
+    ``new``."""
+    fraction = follow_fraction(new, vm)
+    return propagate_revision(new, vm, now) or fraction
+
+
 def propagate_revision(new: VirtualMachineStatus, vm: VirtualMachine,
                        now: dt.datetime | None = None) -> bool:
     """Set ``new.currentRevision`` to ``spec.targetRevision`` stamped ``now`` (NeonVM's

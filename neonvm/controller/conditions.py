@@ -1,4 +1,4 @@
-"""VM conditions (Ready, Available, Degraded, WaitingForOldPod): what they should say, and the write.
+"""VM conditions (Ready, Available, Degraded, WaitingForOldPod): what they say, and the write.
 
 Degraded is True while a create was refused for the current generation (reason
 ``CreateRefused``, written by the driver when the API server refuses) or while a pull
@@ -425,9 +425,10 @@ def conditions_mutation(updates: list[ConditionUpdate], lease: d.Fence,
         conditions, changed = _apply(vm, updates, now or now_rfc3339())
         changed = changed or vm.status.observed_generation != vm.generation
         status = copy.deepcopy(vm.status)
-        # A targetRevision the VM runs at (the spec changed nothing else, or a write
-        # that set Running could not stamp it): stamped here, from the fresh copy.
-        changed = autoscaler_view.propagate_revision(status, vm) or changed
+        # A fractional cpus.use changed within the guest's whole vCPUs, and a
+        # targetRevision the VM runs at (the spec changed nothing else, or the write
+        # that set Running could not stamp it): here, from the fresh copy.
+        changed = autoscaler_view.settle(status, vm) or changed
         if not changed:
             return None
         fence = vm.status.fence

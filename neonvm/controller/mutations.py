@@ -202,7 +202,7 @@ def status_mutation(action: d.Action, lease: d.Fence) -> StatusMutation:
         new.node, new.pod_ip = action.node, action.ip
         if new.cpus is None:  # committed before status.cpus existed
             _record_boot_size(new, vm)
-        autoscaler_view.propagate_revision(new, vm)  # Running at the spec's size
+        autoscaler_view.settle(new, vm)  # Running at the spec's size
         return new
 
     def plan_scale(vm: VirtualMachine) -> VirtualMachineStatus | None:
