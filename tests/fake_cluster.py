@@ -195,6 +195,25 @@ class FakeCluster:
         pod["metadata"]["resourceVersion"] = self.next_rv()
         return copy.deepcopy(pod)
 
+    def patch_pod_metadata(self, namespace: str, name: str, *, uid: str,
+                           resource_version: str, metadata: dict[str, Any]) -> dict[str, Any]:
+        self._enter("patch_pod_metadata", name)
+        pod = self.pods.get((namespace, name))
+        if pod is None:
+            raise api_error(404, "NotFound")
+        meta = pod["metadata"]
+        if meta["uid"] != uid or meta["resourceVersion"] != resource_version:
+            raise api_error(409, "Conflict")
+        for field, change in metadata.items():
+            values = meta.setdefault(field, {})
+            for k, v in change.items():
+                if v is None:
+                    values.pop(k, None)
+                else:
+                    values[k] = v
+        meta["resourceVersion"] = self.next_rv()
+        return copy.deepcopy(pod)
+
     def delete_pod(self, namespace: str, name: str, *, uid: str,
                    resource_version: str | None = None,
                    grace_period_seconds: int | None = None) -> None:

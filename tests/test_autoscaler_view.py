@@ -42,7 +42,7 @@ def vm_of(cpus: dict[str, Any], slots: int = 1, revision: int | None = None,
     return types.VirtualMachine.from_object({
         "apiVersion": types.API_VERSION, "kind": types.KIND,
         "metadata": {"name": "v", "namespace": "ns", "uid": "u", "generation": 1,
-                     "resourceVersion": "1"},
+                     "resourceVersion": "1", "finalizers": [types.FINALIZER]},
         "spec": spec, "status": status or {}})
 
 
@@ -316,3 +316,61 @@ def test_a_scale_the_autoscaler_agent_asks_for_shows_in_the_pod_and_status_it_re
         assert raw["status"]["currentRevision"]["revision"] == {"value": 8, "flags": 0}
     finally:
         runner.close()
+
+
+@pytest.mark.unit
+def test_a_running_pod_whose_autoscaling_metadata_is_not_the_vms_is_synced() -> None:
+    vm = vm_of({"min": 1, "max": 2, "use": 1},
+               status={"phase": "Running", "podName": "p", "podUID": "pu", "node": "n1",
+                       "podIP": "10.0.0.1", "cpus": 1, "memorySize": "1Gi"})
+    vm.labels = {"autoscaling.neon.tech/enabled": "true"}
+    lease = d.Fence(epoch=1, token=1)
+
+    def decide_with(pod_labels: dict[str, str]) -> d.Action:
+        pod = d.PodView(name="p", uid="pu", owner_uid="u", gated=False, terminating=False,
+                        phase="Running", node="n1", ip="10.0.0.1",
+                        autoscaling=av.autoscaling_meta(pod_labels, {}))
+        return d.decide(d.Observation(vm=vm, pods=(pod,), lease=lease, direct=True))
+
+    action = decide_with({"autoscaling.neon.tech/enabled": "false", "team": "a"})
+    assert isinstance(action, d.SyncPodMetadata) and (action.name, action.uid) == ("p", "pu")
+    assert isinstance(decide_with({"autoscaling.neon.tech/enabled": "true"}), d.Done)
+
+
+@pytest.mark.cluster
+def test_the_vms_autoscaling_labels_and_annotations_are_kept_on_its_running_pod(
+        api: client.ApiClient, controller_api: client.ApiClient, namespace: str) -> None:
+    create_vm(api, namespace, "meta", spec={
+        "nodeSelector": NOWHERE,
+        "guest": {"cpus": {"min": 1, "max": 1, "use": 1},
+                  "memorySlots": {"min": 1, "max": 1, "use": 1},
+                  "memorySlotSize": "1Gi", "rootDisk": {"image": "/nonexistent.raw"}}})
+    path = (f"/apis/{types.GROUP}/{types.VERSION}/namespaces/{namespace}/{types.PLURAL}/"
+            "meta")
+    kube.request(api, "PATCH", path, {"metadata": {
+        "labels": {"autoscaling.neon.tech/enabled": "true", "autoscaling.neon.tech/gone": "1"}}},
+        content_type="application/merge-patch+json")
+    key = f"{namespace}/meta"
+    reconciler = Reconciler(controller_api)
+    settle(reconciler, key)
+    (pod,) = runner_pods(api, namespace, "meta")
+    assert pod.metadata.labels["autoscaling.neon.tech/enabled"] == "true"  # copied at build
+    client.CoreV1Api(api).patch_namespaced_pod_status(pod.metadata.name, namespace, {
+        "status": {"phase": "Running", "podIP": "127.0.0.1", "podIPs": [{"ip": "127.0.0.1"}]}})
+    settle(reconciler, key)
+
+    # The autoscaler (or the user) changes the VM's labels and annotations afterwards.
+    kube.request(api, "PATCH", path, {"metadata": {
+        "labels": {"autoscaling.neon.tech/enabled": "false", "autoscaling.neon.tech/gone": None,
+                   "team": "b"},
+        "annotations": {"autoscaling.neon.tech/bounds": '{"min":{"cpu":1}}'}}},
+        content_type="application/merge-patch+json")
+    assert isinstance(settle(reconciler, key).action, d.Done)
+    (after,) = runner_pods(api, namespace, "meta")
+    assert after.metadata.uid == pod.metadata.uid
+    labels, annotations = after.metadata.labels, after.metadata.annotations
+    assert labels["autoscaling.neon.tech/enabled"] == "false"
+    assert "autoscaling.neon.tech/gone" not in labels
+    assert "team" not in labels  # only autoscaling.neon.tech/ is kept in sync
+    assert annotations["autoscaling.neon.tech/bounds"] == '{"min":{"cpu":1}}'
+

@@ -22,12 +22,17 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from kubernetes.client.exceptions import ApiException
 
 from neonvm.api import times
 from neonvm.api.millicpu import MilliCPU
 from neonvm.api.quantity import QuantityError, format_bytes, parse_bytes
 from neonvm.api.types import Revision, RevisionWithTime, VirtualMachine, VirtualMachineStatus
+
+if TYPE_CHECKING:
+    from neonvm.controller.cluster import Cluster
 
 AUTOSCALING_PREFIX = "autoscaling.neon.tech/"
 """Labels and annotations of the VM kept in sync onto its runner pod."""
@@ -137,6 +142,51 @@ def metadata_drift(vm: VirtualMachine, pod_meta: dict[str, Any]) -> dict[str, An
         if change:
             patch[field] = change
     return patch or None
+
+
+AutoscalingMeta = tuple[tuple[str, str, str], ...]
+"""``(field, key, value)`` of the ``autoscaling.neon.tech/`` labels and annotations, sorted."""
+
+
+def autoscaling_meta(labels: dict[str, str] | None,
+                     annotations: dict[str, str] | None) -> AutoscalingMeta:
+    """The ``autoscaling.neon.tech/`` labels and annotations as one comparable value."""
+    return tuple(sorted((field, k, str(v)) for field, values in (
+        ("labels", labels), ("annotations", annotations))
+        for k, v in (values or {}).items() if k.startswith(AUTOSCALING_PREFIX)))
+
+
+def vm_autoscaling_meta(vm: VirtualMachine) -> AutoscalingMeta:
+    """What the VM's runner pod should carry under ``autoscaling.neon.tech/``."""
+    return autoscaling_meta(vm.labels, vm.annotations)
+
+
+def sync_pod_metadata(cluster: Cluster, vm: VirtualMachine, pod: dict[str, Any] | None,
+                      uid: str, log: Any) -> str:
+    """Perform ``SyncPodMetadata``: a merge patch of the pod's ``autoscaling.neon.tech/``
+    labels and annotations to the VM's (:func:`metadata_drift`), with the uid and
+    resourceVersion of the pod as observed. "done"; "gone" (the pod observed is not
+    ``uid``, or is gone); "conflict" (a 409: the pod changed since; observed again)."""
+    meta = (pod or {}).get("metadata") or {}
+    if meta.get("uid") != uid or not meta.get("resourceVersion"):
+        return "gone"
+    patch = metadata_drift(vm, meta)
+    if patch is None:
+        return "done"
+    try:
+        cluster.patch_pod_metadata(vm.namespace, str(meta.get("name")), uid=uid,
+                                   resource_version=str(meta["resourceVersion"]),
+                                   metadata=patch)
+    except ApiException as exc:
+        if exc.status in (404, 409, 422):
+            log.info("{pod}: autoscaling labels and annotations not synced ({s}): "
+                     "observing again", pod=meta.get("name"), s=exc.status)
+            return "gone" if exc.status == 404 else "conflict"
+        raise
+    log.info("{pod}: autoscaling labels and annotations synced from the VM ({keys})",
+             pod=meta.get("name"), keys=", ".join(sorted(
+                 k for change in patch.values() for k in change)))
+    return "done"
 
 
 def _slot_bytes(vm: VirtualMachine) -> int | None:

@@ -117,6 +117,12 @@ class Cluster(ClusterReads, Protocol):
         ``resource_version`` and our gate at that index; the pod as patched."""
         ...
 
+    def patch_pod_metadata(self, namespace: str, name: str, *, uid: str,
+                           resource_version: str, metadata: dict[str, Any]) -> dict[str, Any]:
+        """Merge ``metadata`` (labels, annotations; None removes a key) into the pod if it
+        still has ``uid`` and ``resource_version``; the pod as patched."""
+        ...
+
     def delete_pod(self, namespace: str, name: str, *, uid: str,
                    resource_version: str | None = None,
                    grace_period_seconds: int | None = None) -> None:
@@ -213,6 +219,14 @@ class KubeCluster(VMWriter):
                             f"/api/v1/namespaces/{namespace}/pods/{kube.path_segment(name)}",
                             body=ungate_patch(uid, resource_version, gate_index),
                             content_type=JSON_PATCH, timeout=TIMEOUT)
+
+    def patch_pod_metadata(self, namespace: str, name: str, *, uid: str,
+                           resource_version: str, metadata: dict[str, Any]) -> dict[str, Any]:
+        body = {"metadata": {**metadata, "uid": uid, "resourceVersion": resource_version}}
+        return kube.request(self._api, "PATCH",
+                            f"/api/v1/namespaces/{namespace}/pods/{kube.path_segment(name)}",
+                            body=body, content_type="application/merge-patch+json",
+                            timeout=TIMEOUT)
 
     def delete_pod(self, namespace: str, name: str, *, uid: str,
                    resource_version: str | None = None,

@@ -58,6 +58,7 @@ from typing import ClassVar
 from neonvm.api import times
 from neonvm.api.types import FINALIZER, PendingPod, PendingScale, VirtualMachine
 from neonvm.api.types import Fence as Fence  # re-exported: the authority decide sees
+from neonvm.controller import autoscaler_view
 from neonvm.controller.looks import (
     LATE_PUT_SECONDS,
     LOOK_GIVE_UP_SECONDS,
@@ -108,6 +109,8 @@ class PodView:
     slots in it. None: neither says."""
     runner_port: int | None = None
     """The port its runner listens on, from the pod's own spec; None: not found."""
+    autoscaling: autoscaler_view.AutoscalingMeta = ()
+    """Its ``autoscaling.neon.tech/`` labels and annotations (kept as the VM's)."""
 
     @property
     def finished(self) -> bool:
@@ -446,6 +449,19 @@ class DropScale(Action):
     look could learn nothing and never end."""
 
 
+@dataclass(frozen=True)
+class SyncPodMetadata(Action):
+    """Make the committed pod ``name`` (``uid``) carry the VM's ``autoscaling.neon.tech/``
+    labels and annotations (added, changed, removed), as NeonVM keeps them for its
+    autoscaler stack: a merge patch with the pod's uid and resourceVersion
+    (:mod:`neonvm.controller.autoscaler_view`)."""
+
+    step: ClassVar[str] = "sync_pod_metadata"
+
+    name: str = ""
+    uid: str = ""
+
+
 RUNNER_RECHECK_SECONDS = 2.0
 """How soon a scaling change whose runner could not be asked is looked at again."""
 
@@ -682,7 +698,12 @@ def _decide_committed(obs: Observation, vm: VirtualMachine) -> Action:
     if stale:
         return SyncStatus(phase=phase, node=pod.node, ip=pod.ip, name=pod.name, uid=pod.uid,
                           reason=f"runner pod {pod.name} is {pod.phase}")
-    return _decide_scaling(obs, vm, pod) or Done(reason=f"runner pod {pod.name} is {pod.phase}")
+    if (scaling := _decide_scaling(obs, vm, pod)) is not None:
+        return scaling
+    if pod.autoscaling != autoscaler_view.vm_autoscaling_meta(vm):
+        return SyncPodMetadata(name=pod.name, uid=pod.uid, reason=f"{pod.name}'s "
+                               "autoscaling.neon.tech/ labels or annotations are not the VM's")
+    return Done(reason=f"runner pod {pod.name} is {pod.phase}")
 
 
 def _decide_scaling(obs: Observation, vm: VirtualMachine, pod: PodView) -> Action | None:

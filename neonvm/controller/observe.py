@@ -45,7 +45,7 @@ from loguru import logger
 
 from neonvm.api import types
 from neonvm.api.types import VirtualMachine
-from neonvm.controller import podspec
+from neonvm.controller import autoscaler_view, podspec
 from neonvm.controller.cluster import ClusterReads, KubeCluster
 from neonvm.controller.cluster import VMRecord as VMRecord  # re-exported: its old home
 from neonvm.controller.decide import Fence, Observation, PodView
@@ -104,6 +104,8 @@ def pod_view(pod: dict[str, Any]) -> PodView:
         built=podspec.built_size(meta),
         slot_bytes=podspec.built_slot_bytes(meta),
         runner_port=podspec.runner_port_of(spec),
+        autoscaling=autoscaler_view.autoscaling_meta(meta.get("labels"),
+                                                     meta.get("annotations")),
     )
 
 

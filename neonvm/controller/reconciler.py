@@ -79,8 +79,8 @@ from urllib3.exceptions import HTTPError
 
 from neonvm.api import types
 from neonvm.api.types import VirtualMachineStatus
+from neonvm.controller import autoscaler_view, podspec, reasons
 from neonvm.controller import decide as d
-from neonvm.controller import podspec, reasons
 from neonvm.controller.acceleration import (
     Acceleration,
     RunnerReports,
@@ -646,6 +646,12 @@ class Reconciler:
         assert snap.record is not None
         return force_delete_dead_pod(self.fencing, self.cluster, self._events, action,
                                      snap.record.vm, authority.check, log)
+
+    def _sync_pod_metadata(self, key: str, action: d.SyncPodMetadata, snap: Snapshot,
+                           authority: Authority, log: Any) -> str:
+        assert snap.record is not None
+        return autoscaler_view.sync_pod_metadata(self.cluster, snap.record.vm,
+                                                 snap.pods.get(action.name), action.uid, log)
 
     def _after_put(self, key: str, snap: Snapshot, authority: Authority, log: Any,
                    steps: int, action: d.ApplyScale, seq: int, outcome: str,
@@ -1318,6 +1324,8 @@ ACTIONS: dict[type[d.Action], ActionRow] = {
                            event=None, seen_by_write=False),
     d.ForceDeleteDeadPod: ActionRow(Reconciler._force_delete, "pod", None, event=None,
                                     seen_by_write=False),
+    d.SyncPodMetadata: ActionRow(Reconciler._sync_pod_metadata, "pod", None, event=None,
+                                 seen_by_write=False),
 }
 """Every action the driver performs: the one table (its ``step`` is on the class).
 

@@ -26,6 +26,12 @@ per step so that anything may happen between two calls:
 * ungate: first a direct LIST that must show exactly this pod (same uid, not
   terminating); then a patch with uid + resourceVersion preconditions;
 * delete: with a uid precondition;
+* force-delete (``ForceDeleteDeadPod``): a direct GET of the pod, then (next step) a
+  DELETE with ``gracePeriodSeconds: 0`` and the uid and that read's version as
+  preconditions; the pod is gone at once. Never decided here: these observations have
+  no rights ledger, so ``dead_pods`` is empty. When it is decided (and that the guest is
+  dead by then) is the timed explorer's (:mod:`neonvm.verify.fencing`,
+  ``tests/test_explore_fencing.py``);
 * the lock: before observing, a worker that does not hold the VM's lock takes it (or
   takes it over from a lower epoch) and stops if a higher epoch holds it; a worker that
   sees the VM gone (directly) deletes the lock and halts; the leader sweeps a lock left
@@ -113,9 +119,11 @@ RUNNER_ACTIONS = frozenset(kind.__name__ for kind, row in ACTIONS.items()
 """Calls to the committed pod's runner (live scaling's ApplyScale): modelled by the
 scaling explorer (:mod:`neonvm.verify.scaling`), not here (this world's VMs never change
 size)."""
-POD_ACTIONS = frozenset({"CreatePod", "Ungate", "DeletePod"})
-"""Pod actions, each modelled by hand below (create, prelist + patch, delete): a new pod
-action needs its model here (``test_explore`` checks that every row has one)."""
+POD_ACTIONS = frozenset({"CreatePod", "Ungate", "DeletePod", "SyncPodMetadata",
+                         "ForceDeleteDeadPod"})
+"""Pod actions, each modelled by hand below (create, prelist + patch, delete, GET + force
+delete): a new pod action needs its model here (``test_explore`` checks that every row
+has one)."""
 
 
 @dataclass(frozen=True)
@@ -264,6 +272,8 @@ class Actors:
             yield self._vmread(w, i, me)
         elif pc == "patch":
             yield self._patch(w, i, me)
+        elif pc == "forcedelete":
+            yield self._force_delete(w, i, me)
         elif pc == "sweep":
             yield (Step(me, "sweep", (), f"{me}: VM gone: delete its lock"),
                    _set(w._replace(lock=None), i, _parked(x, "halt")))
@@ -421,10 +431,17 @@ class Actors:
         desc = describe_action(x.action)
         if name in STATUS_WRITES or name in FINALIZER_WRITES:
             return self._vm_write(w, i, me, desc)
+        if name == "ForceDeleteDeadPod":
+            return self._force_read(w, i, me, desc)
         if name == "CreatePod":
             return self._create(w, i, me, x.action[1], desc, then=_idle(x))
         if name == "DeletePod":
             return self._delete(w, i, me, x.action[1], x.action[2], desc)
+        if name == "SyncPodMetadata":
+            # Only labels and annotations under autoscaling.neon.tech/: nothing this world
+            # models (pods, gates, phases, the VM) changes.
+            return (Step(me, "write", (x.action, "ok"), f"{me}: PATCH pod metadata {desc}"),
+                    _set(w, i, _idle(x)))
         raise AssertionError(f"no write for {name}")  # pragma: no cover
 
     def _vm_write(self, w: World, i: int, me: str, desc: str) -> tuple[Step, World]:
@@ -568,6 +585,46 @@ class Actors:
                         self.cfg.history, i)
         return (Step(me, "delete", (name, pod.uid, "ok"),
                      f"{me}: DELETE pod {name} uid {pod.uid} → ok [{desc}]"), w2)
+
+    def _force_read(self, w: World, i: int, me: str, desc: str) -> tuple[Step, World]:
+        """``ForceDeleteDeadPod``, first call (``fencing.force_delete_dead_pod``): GET the
+        pod directly; another uid or none is "gone" (observe again, directly). The
+        performer's ledger check passes (only a condemned uid is decided), and its
+        authority check between the GET and the DELETE is, as everywhere here, the lock
+        check before the worker's next action (a deposed worker sends it anyway)."""
+        x = w.workers[i]
+        assert x.action is not None
+        _, name, uid = x.action
+        pod = pod_by_name(w.pods, name)
+        if pod is None or pod.uid != uid:
+            return (Step(me, "forceget", (name, uid, "gone"),
+                         f"{me}: GET pod {name} → " + (f"uid {pod.uid}" if pod else "404")
+                         + ": not force-deleted"),
+                    _set(w, i, _idle(x, need_direct=True)))
+        return (Step(me, "forceget", (name, uid, "ok"), f"{me}: GET pod {name} → uid "
+                     f"{uid} [{desc}]"),
+                _set(w, i, x._replace(pc="forcedelete", target=pod)))
+
+    def _force_delete(self, w: World, i: int, me: str) -> tuple[Step, World]:
+        """``ForceDeleteDeadPod``, second call: DELETE with ``gracePeriodSeconds: 0``, the
+        uid and the GET's version as preconditions (the whole pod as read: any change is
+        a new version); it lands by removing the pod at once, terminating or not. 404
+        "gone", 409 "conflict": observe again, directly."""
+        x = w.workers[i]
+        assert x.action is not None and x.target is not None
+        _, name, uid = x.action
+        pod = pod_by_name(w.pods, name)
+        if pod is None or pod != x.target:
+            code = "404" if pod is None else "409"
+            return (Step(me, "forcedelete", (name, uid, code),
+                         f"{me}: DELETE pod {name} grace 0 (uid {uid}, version as read) "
+                         f"→ {code}"),
+                    _set(w, i, _idle(x, need_direct=True)))
+        w2 = write_pods(_set(w, i, _idle(x)), replace_pod(w.pods, pod, None),
+                        self.cfg.history, i)
+        return (Step(me, "forcedelete", (name, uid, "ok"),
+                     f"{me}: DELETE pod {name} grace 0 (uid {uid}, version as read) → ok: "
+                     f"gone"), w2)
 
     def _prelist(self, w: World, i: int, me: str) -> tuple[Step, World]:
         x = w.workers[i]
