@@ -37,11 +37,14 @@ from kubernetes import client
 from loguru import logger
 
 from neonvm.api import types
+from neonvm.api.rights import RIGHT_SECONDS_ANNOTATION
 from neonvm.controller import decide as d
 from neonvm.controller.authority import StaticAuthority
+from neonvm.controller.fencing import SelfFencing
 from neonvm.controller.handler import Handler, Outcome
 from neonvm.controller.metrics import ControllerMetrics
 from neonvm.controller.reconciler import ACTIONS, Reconciler, ReconcilerConfig
+from neonvm.controller.rights import RightsLedger
 from neonvm.controller.timers import VMTimers
 from neonvm.controller.update import RetryPolicy
 from neonvm.controller.workqueue import WorkQueue
@@ -76,7 +79,20 @@ def reconciler_over(fake: FakeCluster, steps: list[tuple[str, str]] | None = Non
 
     return Reconciler(client.ApiClient(), cluster=fake, after_step=after_step,
                       config=ReconcilerConfig(retry=RetryPolicy(initial_backoff=0.0,
-                                                                max_backoff=0.0)))
+                                                                max_backoff=0.0)),
+                      fencing=rights_long_over())
+
+
+def rights_long_over() -> SelfFencing:
+    """Self-fencing on, in a term that began an hour ago (every right any term granted is
+    surely over) on a cluster whose Nodes are all gone: a self-fencing pod that is not
+    ready is condemned at its first direct read. Pods without
+    :data:`RIGHT_SECONDS_ANNOTATION` (every other scenario's) are never looked at."""
+    now = [0.0]
+    ledger = RightsLedger(lambda: now[0])
+    ledger.begin_term(lambda: True)
+    now[0] = 3600.0
+    return SelfFencing(ledger, lambda node: None, clock=lambda: now[0])
 
 
 def advance(fake: FakeCluster, until: type[d.Action]) -> d.Action:
@@ -196,6 +212,23 @@ def _remove_finalizer(fake: FakeCluster) -> None:
     fake.add_vm(raw)
 
 
+def _force_delete_dead_pod(fake: FakeCluster) -> None:
+    _sync_status(fake)
+    advance(fake, d.Done)
+    pod = committed(fake)
+    assert pod is not None
+    # Its runner self-fences; its node stopped answering (the node lifecycle controller
+    # marks the pod not ready). The Node is gone and the right long over (above).
+    pod["metadata"].setdefault("annotations", {})[RIGHT_SECONDS_ANNOTATION] = "30"
+    pod["status"]["conditions"] = [{"type": "Ready", "status": "Unknown"}]
+    pod["metadata"]["resourceVersion"] = fake.next_rv()
+
+
+def _self_fencing_pod_gone(fake: FakeCluster) -> bool:
+    return not any(RIGHT_SECONDS_ANNOTATION in (p["metadata"].get("annotations") or {})
+                   for p in fake.pods.values())
+
+
 def _plan_seq(fake: FakeCluster) -> int:
     return int(status(fake).get("planSeq") or 0)
 
@@ -217,6 +250,8 @@ SCENARIOS: dict[type[d.Action], Scenario] = {
     d.DropPlan: Scenario(_drop_plan, "put_status", lambda f: _plan_seq(f) > 1),
     d.RemoveFinalizer: Scenario(_remove_finalizer, "put_main",
                                 lambda f: f.vm(NS, NAME) is None),
+    d.ForceDeleteDeadPod: Scenario(_force_delete_dead_pod, "delete_pod",
+                                   _self_fencing_pod_gone),
 }
 
 ANSWERS = ("ok", "conflict", "gone", "invalid", "unavailable", "fence_lost", "fenced_out")
@@ -307,6 +342,20 @@ EXPECTED: dict[type[d.Action], dict[str, Expect]] = {
         "fence_lost": RAISED,
         "fenced_out": LAST_POD_WRITE_FENCED,
     },
+    d.ForceDeleteDeadPod: {
+        "ok": Expect("done", "requeue", True),
+        # Changed since its read (409) or gone (404): observe again; the pod is still
+        # listed and condemned, so read it and delete again.
+        "conflict": Expect("conflict", "requeue", True),
+        "gone": Expect("gone", "requeue", True),
+        "invalid": RAISED,
+        "unavailable": RAISED,
+        # Lost at the check before any pod write: the pod is neither read nor deleted
+        # (the performer checks once more between its read and its DELETE).
+        "fence_lost": RAISED,
+        # Lands; the restart that follows (the committed pod is gone) is fenced out.
+        "fenced_out": POD_WRITE_FENCED,
+    },
 }
 
 
@@ -355,7 +404,8 @@ def test_each_answer_to_each_action_ends_the_turn_as_the_contract_says(
     assert not scenario.effect(fake), "the effect is there before the action"
     reconciler = reconciler_over(fake)
     snap = reconciler.observe(KEY, StaticAuthority(epoch=1, token=5), direct=True)
-    assert isinstance(d.decide(snap.obs), kind), d.decide(snap.obs)
+    obs = reconciler._fenced(snap.obs, snap)  # as the driver's loop decides
+    assert isinstance(d.decide(obs), kind), d.decide(obs)
 
     before = fake.count(scenario.call)
     authority = CountingAuthority(token=5)
