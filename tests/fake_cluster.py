@@ -36,7 +36,7 @@ from neonvm.api.types import VirtualMachineStatus
 from neonvm.controller.cluster import VMRecord
 
 CALLS = ("list_pods", "get_vm_raw", "get_pod", "secret_metadata", "put_status", "put_main",
-         "create_pod", "ungate_pod", "delete_pod", "username")
+         "create_pod", "ungate_pod", "delete_pod", "patch_pod_metadata", "username")
 """Every call of the interface, by name (what :meth:`FakeCluster.fail` takes)."""
 
 

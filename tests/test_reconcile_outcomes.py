@@ -229,6 +229,17 @@ def _self_fencing_pod_gone(fake: FakeCluster) -> bool:
                    for p in fake.pods.values())
 
 
+AUTOSCALING_LABEL = "autoscaling.neon.tech/enabled"
+
+
+def _sync_pod_metadata(fake: FakeCluster) -> None:
+    _sync_status(fake)
+    advance(fake, d.Done)
+    vm = fake.vms[(NS, NAME)]
+    vm["metadata"].setdefault("labels", {})[AUTOSCALING_LABEL] = "true"  # set afterwards
+    vm["metadata"]["resourceVersion"] = fake.next_rv()
+
+
 def _plan_seq(fake: FakeCluster) -> int:
     return int(status(fake).get("planSeq") or 0)
 
@@ -252,6 +263,9 @@ SCENARIOS: dict[type[d.Action], Scenario] = {
                                 lambda f: f.vm(NS, NAME) is None),
     d.ForceDeleteDeadPod: Scenario(_force_delete_dead_pod, "delete_pod",
                                    _self_fencing_pod_gone),
+    d.SyncPodMetadata: Scenario(_sync_pod_metadata, "patch_pod_metadata", lambda f: (
+        ((committed(f) or {}).get("metadata") or {}).get("labels") or {}).get(
+            AUTOSCALING_LABEL) == "true"),
 }
 
 ANSWERS = ("ok", "conflict", "gone", "invalid", "unavailable", "fence_lost", "fenced_out")
@@ -355,6 +369,17 @@ EXPECTED: dict[type[d.Action], dict[str, Expect]] = {
         "fence_lost": RAISED,
         # Lands; the restart that follows (the committed pod is gone) is fenced out.
         "fenced_out": POD_WRITE_FENCED,
+    },
+    d.SyncPodMetadata: {
+        "ok": Expect("done", "requeue", True),
+        # The pod changed since it was observed (409), or the patch was refused: observe
+        # again, directly; the labels still differ, so patch again.
+        "conflict": Expect("conflict", "requeue", True),
+        "invalid": Expect("conflict", "requeue", True),
+        "gone": Expect("gone", "requeue", True),
+        "unavailable": RAISED,
+        "fence_lost": RAISED,
+        "fenced_out": LAST_POD_WRITE_FENCED,
     },
 }
 
