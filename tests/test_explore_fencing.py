@@ -1,12 +1,14 @@
 """The self-fencing explorer (``neonvm/verify/fencing.py``): the right to run and the
 force-delete keep at most one running guest over every interleaving of a partition, a
 heal, a failover and drifting clocks; each deliberate breakage of the margin, the
-runner's kill, the ledger or the runner's clock yields two running guests; the two gaps
+runner's kill, the ledger (a condemn mark kept past its term among them) or the runner's
+clock yields two running guests; the two gaps
 docs/protocol.md names ("Self-fencing", "What is not covered") are found."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import pytest
 
@@ -135,6 +137,58 @@ def test_the_explorer_runs_the_shipped_ledger_and_catches_a_margin_taken_out_of_
     report = explore_fencing("fence-partition", SHIPPED, liveness=False)
     assert report.violation is not None
     assert report.violation.property == "at-most-one-running-guest"
+
+
+# ---- a mark must not outlive its term (each process keeps one ledger for life) ----------
+
+
+STAMPED = dataclasses.replace(SHIPPED, stamp_first_grant=True)
+
+
+@pytest.mark.unit
+def test_terms_of_two_processes_that_keep_their_ledgers_never_run_two_guests() -> None:
+    report = explore_fencing("fence-fresh-flap", STAMPED)
+    print(f"fence-fresh-flap: {report.states} states, {report.transitions} transitions")
+    assert report.violation is None, (report.violation, report.trace)
+    assert report.complete and report.states > 500
+
+
+def _mark_kept_then_delete(trace: list[str]) -> None:
+    condemned = next(i for i, s in enumerate(trace) if "term 1): condemn P" in s)
+    started = next(i for i, s in enumerate(trace) if "QEMU starts" in s)
+    kept = next(i for i, s in enumerate(trace) if "term 3 begins" in s and "kept" in s)
+    resent = next(i for i, s in enumerate(trace) if "term 3): P condemned" in s)
+    assert condemned < started < kept < resent, trace
+
+
+@pytest.mark.unit
+def test_a_mark_kept_into_the_processs_next_term_kills_a_pod_another_leader_granted() -> None:
+    # (g) A condemns fresh P in term 1, its DELETE misses (409: B wrote P before granting
+    # it in term 2), and A, leading again in term 3, deletes P on its old mark while P's
+    # guest runs on B's right.
+    cfg = dataclasses.replace(STAMPED, mutants=Mutants(marks_outlive_term=True))
+    report = explore_fencing("fence-fresh-flap", cfg, liveness=False)
+    assert report.violation is not None
+    assert report.violation.property == "at-most-one-running-guest"
+    _mark_kept_then_delete(report.trace)
+
+
+@pytest.mark.unit
+def test_the_explorer_catches_a_shipped_ledger_that_keeps_its_marks_across_terms(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """No model switch: the ledger's own ``begin_term`` is asked whether marks survive."""
+    begin_term = rights.RightsLedger.begin_term
+
+    def keeping(self: rights.RightsLedger, active: Callable[[], bool]) -> float:
+        kept = {uid for uid in ("p-uid",) if self.is_condemned(uid)}
+        start = begin_term(self, active)
+        self._condemned |= kept
+        return start
+
+    monkeypatch.setattr(rights.RightsLedger, "begin_term", keeping)
+    report = explore_fencing("fence-fresh-flap", STAMPED, liveness=False)
+    assert report.violation is not None
+    _mark_kept_then_delete(report.trace)
 
 
 # ---- the gaps docs/protocol.md names ---------------------------------------------------

@@ -79,7 +79,7 @@ def test_a_pod_is_condemned_only_once_its_last_right_is_surely_over(
     assert ledger.is_condemned("p")
 
 
-def test_a_condemned_pod_is_never_granted_again() -> None:
+def test_a_condemned_pod_is_never_granted_again_in_its_term() -> None:
     clock = Clock()
     ledger = ledger_at(clock)
     clock.now += BOUND
@@ -88,6 +88,35 @@ def test_a_condemned_pod_is_never_granted_again() -> None:
     clock.now += 1000
     assert ledger.grant("p", D) == CONDEMNED
     assert ledger.condemn("p", D) == 0.0
+
+
+def test_a_condemn_mark_does_not_outlive_its_term() -> None:
+    """Process A condemns a fresh pod in term 1, but its DELETE does not land; process B,
+    leading in term 2, grants the pod (its guest starts). When A leads again (term 3),
+    the old mark must not condemn the pod at once: B's grant keeps its guest alive until
+    B's grant + D(1+rho) + epsilon, and A's term 3 is counted from its own start."""
+    clock = Clock()
+    a = RightsLedger(clock, rho=RHO, epsilon=EPS)  # one ledger per process, for life
+    b = RightsLedger(clock, rho=RHO, epsilon=EPS)
+    a.begin_term(lambda: True)
+    clock.now += BOUND
+    assert a.condemn("p", D) == 0.0
+    a.end_term()
+    clock.now += 5
+    b.begin_term(lambda: True)
+    clock.now += 1
+    assert b.grant("p", D) is None
+    granted_at = clock.now
+    b.end_term()
+    clock.now += 1
+    term3 = a.begin_term(lambda: True)
+    clock.now += 2
+    assert not a.is_condemned("p")
+    assert a.remaining("p", D) > 0
+    assert a.condemn("p", D) == pytest.approx(term3 + BOUND - clock.now)
+    assert a.grant("p", D) is None  # and A may grant it again in term 3
+    clock.now = max(granted_at, term3) + BOUND - 0.001
+    assert a.condemn("p", D) > 0
 
 
 def test_a_pod_that_keeps_renewing_is_never_condemned() -> None:

@@ -9,7 +9,12 @@ leader (the wire contract: :mod:`neonvm.api.rights`; the argument: docs/protocol
 * ``term_start``: when the current term began; every grant by an earlier leader (or an
   earlier term of this process) was issued before it, because a term stops all work,
   grants included, before it can end, and it ends before the next begins;
-* ``condemned``: pods whose right is surely over; never granted again.
+* ``condemned``: pods whose right is surely over; never granted again *in this term*.
+  :meth:`RightsLedger.begin_term` forgets them: a leader of another process may have
+  granted such a pod since (its first grant writes the pod first, so this term's DELETE,
+  whose ``resourceVersion`` was read after the condemn, could not land after it), and a
+  mark kept across terms would condemn that pod again at once, killing a guest that
+  holds a right (docs/protocol.md, "Self-fencing").
 
 :meth:`RightsLedger.grant` and :meth:`RightsLedger.condemn` each run as one step under one
 lock: a grant cannot slip in between condemn's test and its mark. The test and the mark
@@ -92,9 +97,11 @@ class RightsLedger:
 
     def begin_term(self, active: Callable[[], bool]) -> float:
         """A term starts now (after its Lease was acquired); ``active()`` says whether it
-        still is (checked inside every grant). Returns ``term_start``."""
+        still is (checked inside every grant). Returns ``term_start``. Earlier terms'
+        condemn marks are dropped (module doc): each term condemns afresh."""
         with self._lock:
             self._term_start = self._clock()
+            self._condemned.clear()
             self._active = active
             return self._term_start
 

@@ -40,9 +40,15 @@ replacement Q, and two leader terms.
   ``max(issued, term_start) + D*(1+rho) + epsilon`` and marks P in one step when the
   test passes; the force-delete is sent then (again, from a fresh read, after a 409) and
   lands at any later step, even after its term ended (one call in flight may overlap
-  the next term). A failover ends the term (its leader stops all work: no grant, no new
-  delete) and, at any later moment, the next term starts with an empty ledger and
-  ``term_start`` = then.
+  the next term). While P stays condemned the DELETE is sent again whatever its node
+  says (the shipped observation reports this term's condemned pods dead). A failover
+  ends the term (its leader stops all work: no grant, no new delete) and, at any later
+  moment, the next term starts with ``term_start`` = then. Terms alternate between two
+  controller processes, A (odd terms) and B (even ones), each with **one ledger for
+  life**, as the controller keeps it: what a process marked in its earlier term is
+  carried into its next one as the shipped ledger carries it (its ``begin_term`` is
+  asked), so a mark that outlives its term is found (a process's earlier grants are
+  not carried: they precede the new ``term_start`` and so move nothing).
 * **The replacement Q**: once P is gone from the API and a leader leads, Q is created,
   ungated (the quorum list shows it alone) and its runner asks for a right; with a
   grant its guest runs (for ever, here: the worst case for the invariant).
@@ -56,7 +62,7 @@ Coarser than the real thing: one VM; P's node only (Q's is reachable); a request
 runner gave up on is not processed later (that would only record a later ``issued``,
 which delays the delete); the leader's cache is exact (a stale cache can grant a pod
 already deleted: harmless for a runner whose guest was killed, not for a fresh one, see
-docs/verification.md); every term's ledger is empty at its start. Time is discrete:
+docs/verification.md). Time is discrete:
 the margins are compared in whole ticks, so a mutant that changes a margin by less
 than a tick is invisible here.
 """
@@ -118,6 +124,9 @@ class Mutants:
     """(e) The runner counts the right from the answer's arrival, not its send time."""
     answer_before_record: bool = False
     """(f) The ledger answers a grant first and records ``issued`` at a later step."""
+    marks_outlive_term: bool = False
+    """(g) A process's condemn marks survive into its next term (its ledger is not
+    cleared by ``begin_term``): another process may have granted the pod in between."""
 
 
 @dataclass(frozen=True)
@@ -186,6 +195,9 @@ class World(NamedTuple):
     frozen: int = 0
     """P's node is stopped: 0 no; 1 with its clock running (``freeze``); 2 with its clock
     stopped (``suspend``). Nothing of P moves, its guest does not run."""
+    other_condemned: bool = False
+    """The ledger of the process not leading (or whose term is next) shows P condemned
+    (from its last term)."""
 
 
 class Violation(NamedTuple):
@@ -218,6 +230,10 @@ SCENARIOS: dict[str, tuple[str, bool, Budget]] = {
     "fence-fresh-failover": ("P's runner has no right yet; its node is cut off and may "
                              "come back; a failover (a deposed term's DELETE may land "
                              "late)", True, Budget(partition=1, heal=1, failover=1)),
+    "fence-fresh-flap": ("P's runner has no right yet; its node is cut off, comes back, "
+                         "is cut off again; two failovers (terms of processes A, B, A, "
+                         "each process keeping its ledger)", True,
+                         Budget(partition=2, heal=1, failover=2)),
     "fence-frozen-leader": ("P runs; its node is cut off and may come back; a failover, and "
                             "the deposed leader grants once after it (a stopped clock)",
                             False, Budget(partition=1, heal=1, failover=1, frozen_grant=1)),
@@ -261,6 +277,26 @@ class FencingModel:
         self.m = cfg.mutants
         self._calm: dict[World, Violation | None] = {}
         self._ledger: dict[tuple[object, ...], object] = {}
+        self._keeps: bool | None = None
+
+    def _ledger_keeps_marks(self) -> bool:
+        """Whether the shipped ledger still shows a pod condemned in a process's earlier
+        term once its next term has begun (or the mutant says so)."""
+        if self.m.marks_outlive_term:
+            return True
+        if self._keeps is None:
+            from neonvm.controller.rights import RightsLedger
+
+            clock = _Clock()
+            ledger = RightsLedger(clock)
+            ledger.begin_term(lambda: True)
+            clock.now = 1e9
+            assert ledger.condemn(POD, float(self.t.seconds)) == 0.0
+            ledger.end_term()
+            clock.now = 2e9
+            ledger.begin_term(lambda: True)
+            self._keeps = ledger.is_condemned(POD)
+        return self._keeps
 
     # ---- the shipped ledger -----------------------------------------------------------
 
@@ -381,9 +417,13 @@ class FencingModel:
                    _spend(w, failover=1)._replace(leader=0, unrecorded=False))
         if w.leader == 0:
             term = w.last_term + 1
-            yield (f"term {term} begins: empty ledger, term_start = now",
+            carried = w.other_condemned and self._ledger_keeps_marks()
+            yield (f"term {term} begins (process {'AB'[(term - 1) % 2]}"
+                   f"{': its mark on P from its last term kept' if carried else ''}), "
+                   f"term_start = now",
                    w._replace(leader=term, last_term=term, term_since=0, issued_since=None,
-                              condemned=False, stamped=False))
+                              condemned=carried, other_condemned=w.condemned,
+                              stamped=False))
         # The replacement.
         if not w.p_in_api and w.q == 0 and w.leader:
             yield ("leader: restart, plan, create Q gated; the quorum list shows Q alone: "
