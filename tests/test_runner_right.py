@@ -33,6 +33,7 @@ from typing import Any
 import pytest
 
 from neonvm.api.rights import (
+    CONDEMNED,
     NOT_LEADER,
     RIGHTS_PATH,
     RightGrant,
@@ -211,6 +212,31 @@ def test_before_any_grant_nothing_may_start(tmp_path: Path) -> None:
     right, _leader, _clock = keeper(tmp_path, [(503, b'{"reason": "NotLeader"}')])
     right.ask_once()
     assert not right.granted() and right.deadline is None
+
+
+CONDEMNED_ANSWER = (403, json.dumps({"reason": CONDEMNED, "message": "dead"}).encode())
+
+
+@pytest.mark.unit
+def test_a_condemned_refusal_before_any_grant_means_give_up(tmp_path: Path) -> None:
+    """The leader took the pod for dead and never grants it in its term: the runner must
+    not start QEMU, and must not wait for ever either (its supervisor exits non-zero)."""
+    right, _leader, _clock = keeper(tmp_path, [NO, CONDEMNED_ANSWER])
+    right.ask_once()
+    assert not right.condemned()
+    right.ask_once()
+    assert right.condemned() and not right.granted()
+
+
+@pytest.mark.unit
+def test_a_condemned_refusal_after_a_grant_changes_nothing_but_the_renewal(
+        tmp_path: Path) -> None:
+    # A running guest is killed by its watchdog when the right it holds runs out.
+    right, _leader, clock = keeper(tmp_path, [grant(), CONDEMNED_ANSWER])
+    right.ask_once()
+    clock.now += 10
+    right.ask_once()
+    assert not right.condemned() and right.deadline == 1000.0 + D
 
 
 @pytest.mark.unit
@@ -470,6 +496,7 @@ class RightsServer:
 
     def __init__(self, seconds: float, host: str = "127.0.0.1") -> None:
         self.granting = False
+        self.condemning = False
         self.asks = 0
         self.refused_bearers = 0
         self.requests: list[str] = []
@@ -490,6 +517,8 @@ class RightsServer:
                                       request.pod_uid) or request.pod_uid != UID:
                     outer.refused_bearers += 1
                     self._answer(401, {"reason": "Unauthorized"})
+                elif outer.condemning:
+                    self._answer(403, {"reason": CONDEMNED, "message": "condemned"})
                 elif outer.granting:
                     self._answer(200, {"seconds": seconds})
                 else:
@@ -728,6 +757,19 @@ def test_a_runner_stopped_before_its_first_grant_never_starts_qemu(
     assert runner.proc.wait(timeout=60) == ExitCode.GUEST_POWERED_OFF, runner.log()
     assert "QEMU started" not in runner.log()
     assert runner.termination_log.read_text().startswith("stopped before QEMU started")
+
+
+def test_a_runner_condemned_before_its_first_grant_exits_without_starting_qemu(
+        fenced_runner: Callable[[float], FencedRunner]) -> None:
+    runner = fenced_runner(3.0)
+    wait_for(lambda: runner.leader.asks >= 2 or runner.proc.poll() is not None, timeout=60,
+             what="two asks for a right")
+    assert runner.proc.poll() is None, runner.log()
+    runner.leader.condemning = True
+    assert runner.proc.wait(timeout=60) == ExitCode.RUNNER_ERROR, runner.log()
+    assert "QEMU started" not in runner.log()
+    assert runner.termination_log.read_text().startswith("condemned by the leader")
+    assert runner.qemu() == []
 
 
 @pytest.mark.parametrize(("drop", "path", "message"), [

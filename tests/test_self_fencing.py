@@ -199,6 +199,28 @@ def test_a_pod_on_a_ready_node_or_without_the_annotation_is_never_condemned() ->
     assert not fence.ledger.is_condemned("uid-a")
 
 
+def test_a_pod_condemned_in_this_term_stays_dead_when_its_node_comes_back() -> None:
+    """Its DELETE missed (409) and the node is Ready again: the pod is still reported
+    dead, so the DELETE is sent again; else a fresh runner, refused for ever, would wait
+    for ever and its VM would never be replaced."""
+    nodes: dict[str, dict[str, Any] | None] = {"n1": NOT_READY}
+    fence, clock, _ = fencing(nodes)
+    pods = {"old": raw_pod()}
+    clock.now += BOUND
+    assert fence.observe(observation(status=RUNNING), pods).dead_pods == {"uid-old"}
+    nodes["n1"] = READY
+    clock.now += 5  # past the Node read's reuse
+    ready_pod = {"old": raw_pod(ready="True")}
+    for seen in (pods, ready_pod):
+        again = fence.observe(observation(view("old"), status=RUNNING), seen)
+        assert again.dead_pods == {"uid-old"}
+        assert isinstance(d.decide(again), d.ForceDeleteDeadPod)
+    # A new term forgets the mark: the node is reachable, so the pod is not dead.
+    fence.ledger.begin_term(lambda: True)
+    assert fence.observe(observation(view("old"), status=RUNNING), pods).dead_pods \
+        == frozenset()
+
+
 def test_a_node_read_is_reused_for_a_moment() -> None:
     fence, clock, reads = fencing({"n1": NOT_READY})
     fence.observe(observation(status=RUNNING), {"old": raw_pod()})

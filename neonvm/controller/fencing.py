@@ -10,6 +10,8 @@ is never granted again; the longer of the pod's annotation and its runner's own
 ``NEONVM_RIGHT_SECONDS`` counts). :meth:`SelfFencing.observe` puts those pods' uids into
 ``Observation.dead_pods`` (``decide`` then answers ``ForceDeleteDeadPod``, from a direct
 read), and the seconds until the next one will be into ``Observation.fence_recheck``.
+A pod this term has condemned stays dead whatever its node says later (its DELETE
+may have missed: a 409, or the node came back), so the DELETE is sent again.
 
 Which pods are looked at (each costs one GET of its Node, kept :data:`NODE_TTL` seconds:
 nodes are not watched): self-fencing pods on a node that are terminating, or whose
@@ -140,13 +142,20 @@ class SelfFencing:
         dead: set[str] = set()
         recheck = math.inf
         for pod in pods.values():
+            uid = str((pod.get("metadata") or {}).get("uid") or "")
+            if uid and self.ledger.is_condemned(uid):
+                # Condemned in this term: its right is over and this term never grants
+                # it again, whatever its node says now (a DELETE that missed, then the
+                # node came back): report it dead so the DELETE is sent again, or a
+                # fresh runner waits for ever.
+                dead.add(uid)
+                continue
             seconds = candidate(pod)
             if seconds is None:
                 continue
             node = self._node(str(pod["spec"]["nodeName"]))
             if isinstance(node, bool) or not node_unreachable(node):
                 continue
-            uid = str((pod.get("metadata") or {}).get("uid") or "")
             # The annotation may be changed by whoever may patch pods; the runner's own
             # flag may not, and it bounds every right the runner keeps. A pod is marked
             # only from a direct read, which carries it; a cached one is only looked at.

@@ -11,7 +11,8 @@ also counts a suspend) (:class:`RightKeeper`):
   nothing;
 * the watchdog (:class:`Watchdog`) SIGKILLs QEMU (never ACPI) once
   ``monotonic() >= deadline`` and logs one line; the supervisor then ends the runner
-  non-zero and does not start QEMU again. QEMU is not started before the first grant.
+  non-zero and does not start QEMU again. QEMU is not started before the first grant;
+  a runner refused as ``Condemned`` before it exits non-zero without starting QEMU.
 
 Clock, HTTP and the kill are passed in, so the logic runs over a fake clock in tests;
 :class:`SelfFence` wires the real ones and the two threads. docs/runner.md
@@ -39,8 +40,10 @@ from typing import Protocol
 from loguru import logger
 
 from neonvm.api.rights import (
+    CONDEMNED,
     RIGHTS_PATH,
     RightGrant,
+    RightRefusal,
     RightRequest,
     RightsContractError,
     authorization_header,
@@ -147,6 +150,17 @@ def grant_of(status: int, body: bytes) -> RightGrant | None:
         return None
 
 
+def refusal_reason(status: int, body: bytes) -> str | None:
+    """The ``reason`` of a refusal answer (any status but 200 whose body is a
+    :class:`RightRefusal`); None otherwise."""
+    if status == 200 or len(body) > MAX_ANSWER:
+        return None
+    try:
+        return RightRefusal.from_dict(json.loads(body)).reason
+    except (ValueError, UnicodeDecodeError, RightsContractError):
+        return None
+
+
 def extended(deadline: float | None, t0: float, grant: RightGrant | None,
              seconds: float) -> float | None:
     """The deadline after an answer to an ask sent at ``t0``: never earlier, and never more
@@ -168,6 +182,7 @@ class RightKeeper:
         self._deadline: float | None = None
         self._last_grant: float | None = None
         self._failures = 0
+        self._condemned = False
         self.changed = threading.Event()
         """Set on every extension (wakes the watchdog)."""
         self._log = logger.bind(vm=f"{config.namespace}/{config.vm}")
@@ -187,10 +202,18 @@ class RightKeeper:
         """Whether a right was ever granted (QEMU may start)."""
         return self.deadline is not None
 
+    def condemned(self) -> bool:
+        """The leader answered :data:`~neonvm.api.rights.CONDEMNED` before any grant: it
+        took this pod for dead and will not grant it in its term, so QEMU must never
+        start; the runner gives up (exits non-zero) and the VM's restart replaces the
+        pod (docs/runner.md, "Self-fencing")."""
+        with self._lock:
+            return self._condemned
+
     def ask_once(self) -> float:
         """Ask once; returns the ``t0`` it was sent at. Extends the deadline on a grant."""
         t0 = self._clock()
-        grant, why = self._ask()
+        grant, why, reason = self._ask()
         with self._lock:
             before = self._deadline
             self._deadline = extended(before, t0, grant, self.config.seconds)
@@ -199,6 +222,8 @@ class RightKeeper:
                 self._failures = 0
             else:
                 self._failures += 1
+                if before is None and reason == CONDEMNED:
+                    self._condemned = True
             failures = self._failures
         if grant is not None:
             self.changed.set()
@@ -223,13 +248,14 @@ class RightKeeper:
                 return min(t0 + interval, max(self._deadline - bound, t0 + bound))
             return t0 + min(interval, FIRST_RETRY * (1 << max(0, min(self._failures - 1, 16))))
 
-    def _ask(self) -> tuple[RightGrant | None, str]:
+    def _ask(self) -> tuple[RightGrant | None, str, str | None]:
+        """(the grant, why not, the refusal's reason)."""
         try:
             token = self.config.token_file.read_bytes().strip()
         except OSError as exc:
-            return None, f"token file {self.config.token_file}: {exc.strerror or exc}"
+            return None, f"token file {self.config.token_file}: {exc.strerror or exc}", None
         if not token:
-            return None, f"token file {self.config.token_file} is empty"
+            return None, f"token file {self.config.token_file} is empty", None
         body = json.dumps(RightRequest(namespace=self.config.namespace, vm=self.config.vm,
                                        pod_uid=self.config.pod_uid).to_dict()).encode()
         headers = {"Content-Type": "application/json",
@@ -238,12 +264,14 @@ class RightKeeper:
             status, answer = self._post(self.config.endpoint, body, headers,
                                         request_deadline(self.config.seconds))
         except (OSError, http.client.HTTPException, ValueError) as exc:
-            return None, f"no answer from {self.config.endpoint}: {exc or type(exc).__name__}"
+            return (None, f"no answer from {self.config.endpoint}: "
+                          f"{exc or type(exc).__name__}", None)
         grant = grant_of(status, answer)
         if grant is None:
-            return None, f"{self.config.endpoint} answered {status} " \
-                         f"{answer[:200].decode('utf-8', 'replace')!r}"
-        return grant, ""
+            return (None, f"{self.config.endpoint} answered {status} "
+                          f"{answer[:200].decode('utf-8', 'replace')!r}",
+                    refusal_reason(status, answer))
+        return grant, "", None
 
 
 class Watchdog:
@@ -366,6 +394,10 @@ class SelfFence:
             with contextlib.suppress(OSError):
                 os.close(self._pidfd)
             self._pidfd = None
+
+    def condemned(self) -> bool:
+        """Refused as condemned before any grant (:meth:`RightKeeper.condemned`)."""
+        return self.keeper.condemned()
 
     def granted(self) -> bool:
         """Whether QEMU may start now: a right is held and has not run out."""

@@ -121,6 +121,11 @@ class Supervisor:
         if self._wrapper:
             argv = [self._wrapper, "--pdeathsig", "KILL", "--", *argv]
         await self._first_right()
+        if self._right is not None and self._right.condemned() and not self._right.granted():
+            outcome = Outcome(ExitCode.RUNNER_ERROR, "condemned by the leader before QEMU "
+                                                     "started: it took this pod for dead")
+            self._state.finished(outcome)
+            return outcome
         if self._stop.is_set():
             outcome = Outcome(ExitCode.GUEST_POWERED_OFF, "stopped before QEMU started")
             self._state.finished(outcome)
@@ -178,11 +183,13 @@ class Supervisor:
         return outcome
 
     async def _first_right(self) -> None:
-        """Self-fencing: wait for the first right to run (or a stop request)."""
+        """Self-fencing: wait for the first right to run (or a stop request, or a
+        ``Condemned`` refusal)."""
         if self._right is None or self._right.granted():
             return
         self._log.info("waiting for the first right to run before starting QEMU")
-        while not self._right.granted() and not self._stop.is_set():
+        while (not self._right.granted() and not self._right.condemned()
+               and not self._stop.is_set()):
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), 0.05)
 
