@@ -376,6 +376,38 @@ def test_the_runners_own_right_counts_when_the_annotation_says_less() -> None:
     assert fence.observe(observation(status=RUNNING), {"old": pod}).dead_pods == {"uid-old"}
 
 
+NO_EVICTION = [{"key": "node.kubernetes.io/unreachable", "operator": "Exists",
+                "effect": "NoExecute"},
+               {"key": "node.kubernetes.io/not-ready", "operator": "Exists",
+                "effect": "NoExecute"}]
+
+
+@pytest.mark.parametrize(("seconds", "own", "expected"), [
+    # Self-fencing: no eviction 300 s after a node stops reporting (a crashed kubelet's
+    # runner still renews: its VM must not restart); the leader replaces a dead one.
+    (30.0, None, NO_EVICTION),
+    (30.0, [{"key": "dedicated", "operator": "Equal", "value": "vm", "effect": "NoSchedule"}],
+     [{"key": "dedicated", "operator": "Equal", "value": "vm", "effect": "NoSchedule"},
+      *NO_EVICTION]),
+    # The VM's own toleration of a key wins (here: evicted after 60 s).
+    (30.0, [{"key": "node.kubernetes.io/unreachable", "operator": "Exists",
+             "effect": "NoExecute", "tolerationSeconds": 60}],
+     [{"key": "node.kubernetes.io/unreachable", "operator": "Exists",
+       "effect": "NoExecute", "tolerationSeconds": 60}, NO_EVICTION[1]]),
+    # Not self-fencing: the VM's tolerations alone (Kubernetes adds its 300 s ones).
+    (0.0, None, None),
+])
+def test_a_self_fencing_pod_is_not_evicted_from_a_node_that_stops_reporting(
+        seconds: float, own: list[dict[str, Any]] | None,
+        expected: list[dict[str, Any]] | None) -> None:
+    v = scalable_vm()
+    v = dataclasses.replace(v, spec=dataclasses.replace(v.spec, tolerations=own))
+    plan = PendingPod(name="vm-01234567-1", plan_seq=1, token=40, epoch=3, generation=1)
+    pod = podspec.runner_pod(v, plan, podspec.PodDefaults(right_seconds=seconds,
+                                                          rights_url="http://rights:8082"))
+    assert pod["spec"].get("tolerations") == expected
+
+
 def test_a_vm_that_cannot_scale_self_fences_with_a_token_of_its_own() -> None:
     """The token is the runner's bearer: a self-fencing VM gets one, scalable or not."""
     v = vm(scaling_token_secret="neonvm-scaling-x", scaling_token_secret_uid="s-uid")

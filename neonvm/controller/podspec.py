@@ -152,6 +152,26 @@ def self_fencing(vm: VirtualMachine, defaults: PodDefaults) -> bool:
     return bool(fencing_eligible(vm, defaults) and vm.status.scaling_token_secret)
 
 
+NODE_FAILURE_TAINTS = ("node.kubernetes.io/unreachable", "node.kubernetes.io/not-ready")
+"""The taints the node lifecycle controller puts on a node that stops reporting."""
+
+
+def fencing_tolerations(tolerations: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """A self-fencing pod's tolerations: the VM's, plus :data:`NODE_FAILURE_TAINTS`
+    ``NoExecute`` with no ``tolerationSeconds`` for each the VM does not tolerate itself.
+
+    Without them Kubernetes gives the pod 300 s and then evicts it (a graceful delete),
+    which restarts a VM whose runner still renews (a crashed kubelet); a self-fencing pod
+    on a node that is really gone is force-deleted by the leader once its right is surely
+    over (docs/protocol.md, "Self-fencing")."""
+    result = list(tolerations or [])
+    for key in NODE_FAILURE_TAINTS:
+        if not any(t.get("key") in (key, None, "") and t.get("effect") in ("NoExecute", None, "")
+                   for t in result):
+            result.append({"key": key, "operator": "Exists", "effect": "NoExecute"})
+    return result
+
+
 def runner_pod(vm: VirtualMachine, plan: PendingPod,
                defaults: PodDefaults | None = None) -> dict[str, Any]:
     """The pod manifest for ``plan`` (raises :class:`PodSpecError` for unbuildable specs)."""
@@ -272,7 +292,7 @@ def runner_pod(vm: VirtualMachine, plan: PendingPod,
     optional = {
         "volumes": volumes or None,
         "nodeSelector": spec.node_selector,
-        "tolerations": spec.tolerations,
+        "tolerations": fencing_tolerations(spec.tolerations) if fencing else spec.tolerations,
         "affinity": spec.affinity,
         "schedulerName": spec.scheduler_name,
         "serviceAccountName": spec.service_account_name,
