@@ -99,7 +99,9 @@ def grant(seconds: float = D) -> tuple[int, bytes]:
     return 200, json.dumps({"seconds": seconds}).encode()
 
 
-OK, NO = grant(), (503, b'{"reason": "NotLeader"}')
+NOT_LEADER_ANSWER = (503, json.dumps({"reason": NOT_LEADER}).encode())
+OK, NO = grant(), (401, b'{"reason": "Unauthorized"}')
+"""NO: a failed ask (a 503 NotLeader is retried at once within the ask: see its tests)."""
 
 
 def config(tmp_path: Path, seconds: float = D) -> RightConfig:
@@ -198,7 +200,7 @@ def test_the_deadline_counts_from_before_the_ask_was_sent(tmp_path: Path) -> Non
         "disconnected"])
 def test_a_refusal_or_no_answer_does_not_extend_the_deadline(tmp_path: Path,
                                                              refusal: Answer) -> None:
-    right, _leader, clock = keeper(tmp_path, [grant(), refusal])
+    right, _leader, clock = keeper(tmp_path, [grant(), refusal, refusal, refusal])
     first = clock.now
     right.ask_once()
     assert right.deadline == first + D
@@ -209,9 +211,34 @@ def test_a_refusal_or_no_answer_does_not_extend_the_deadline(tmp_path: Path,
 
 @pytest.mark.unit
 def test_before_any_grant_nothing_may_start(tmp_path: Path) -> None:
-    right, _leader, _clock = keeper(tmp_path, [(503, b'{"reason": "NotLeader"}')])
+    right, _leader, _clock = keeper(tmp_path, [NOT_LEADER_ANSWER] * 3)
     right.ask_once()
     assert not right.granted() and right.deadline is None
+
+
+@pytest.mark.unit
+def test_a_not_leader_answer_is_asked_again_at_once_within_the_asks_deadline(
+        tmp_path: Path) -> None:
+    """The Service may point at a deposed leader for a moment: a 503 NotLeader is sent
+    again at once (three sends at most), each with what is left of the ask's D/6, and
+    the deadline still counts from before the first send."""
+    right, leader, clock = keeper(tmp_path, [NOT_LEADER_ANSWER, NOT_LEADER_ANSWER, OK],
+                                  latency=1.0)
+    first = clock.now
+    right.ask_once()
+    assert right.deadline == first + D and not leader.answers
+    assert [ask[3] for ask in leader.asks] == [D / 6, D / 6 - 1, D / 6 - 2]
+    # Three NotLeader answers end the ask (a failure); so does the ask's deadline.
+    right, leader, _ = keeper(tmp_path, [NOT_LEADER_ANSWER] * 3 + [OK])
+    right.ask_once()
+    assert not right.granted() and leader.answers == [OK]
+    right, leader, _ = keeper(tmp_path, [NOT_LEADER_ANSWER, OK], latency=D / 6)
+    right.ask_once()
+    assert not right.granted() and leader.answers == [OK]
+    # Other refusals are not retried within the ask.
+    right, leader, _ = keeper(tmp_path, [NO, OK])
+    right.ask_once()
+    assert not right.granted() and leader.answers == [OK]
 
 
 CONDEMNED_ANSWER = (403, json.dumps({"reason": CONDEMNED, "message": "dead"}).encode())

@@ -5,7 +5,8 @@ also counts a suspend) (:class:`RightKeeper`):
 
 * the renewer asks the leader (``POST <rights-url>/v1/rights``, :mod:`neonvm.api.rights`)
   every ``D/3`` (after two failures in a row, once more ``D/6`` before the deadline), each
-  ask bounded by ``D/6`` overall. It reads the clock *before* sending
+  ask bounded by ``D/6`` overall (a ``503 NotLeader`` is sent again at once, a few times,
+  within it). It reads the clock *before* sending
   (``t0``) and, only on a 200 whose body is a valid grant, sets
   ``deadline = max(deadline, t0 + min(granted, D))``; any other answer, or none, changes
   nothing;
@@ -41,6 +42,7 @@ from loguru import logger
 
 from neonvm.api.rights import (
     CONDEMNED,
+    NOT_LEADER,
     RIGHTS_PATH,
     RightGrant,
     RightRefusal,
@@ -56,6 +58,10 @@ MAX_ANSWER = 64 * 1024
 """The longest answer body read; a longer one is not a grant."""
 FIRST_RETRY = 0.5
 """Before the first grant, asks are retried after 0.5 s, doubling up to ``D/3``."""
+NOT_LEADER_TRIES = 3
+"""An ask answered ``503 NotLeader`` (the Service may point at a deposed leader for a
+moment) is sent again at once, on a new connection, up to this many sends in all, while
+the ask's overall deadline (``D/6``) lasts."""
 WATCHDOG_MAX_SLEEP = 1.0
 """The watchdog re-reads the clock at least this often."""
 
@@ -260,12 +266,17 @@ class RightKeeper:
                                        pod_uid=self.config.pod_uid).to_dict()).encode()
         headers = {"Content-Type": "application/json",
                    "Authorization": authorization_header(token, self.config.pod_uid)}
-        try:
-            status, answer = self._post(self.config.endpoint, body, headers,
-                                        request_deadline(self.config.seconds))
-        except (OSError, http.client.HTTPException, ValueError) as exc:
-            return (None, f"no answer from {self.config.endpoint}: "
-                          f"{exc or type(exc).__name__}", None)
+        end = self._clock() + request_deadline(self.config.seconds)
+        for _ in range(NOT_LEADER_TRIES):
+            try:
+                status, answer = self._post(self.config.endpoint, body, headers,
+                                            end - self._clock())
+            except (OSError, http.client.HTTPException, ValueError) as exc:
+                return (None, f"no answer from {self.config.endpoint}: "
+                              f"{exc or type(exc).__name__}", None)
+            if (status != 503 or refusal_reason(status, answer) != NOT_LEADER
+                    or self._clock() >= end):
+                break
         grant = grant_of(status, answer)
         if grant is None:
             return (None, f"{self.config.endpoint} answered {status} "
