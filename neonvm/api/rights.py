@@ -4,7 +4,8 @@ A runner asks ``POST <rights-url>/v1/rights`` with :class:`RightRequest` as JSON
 ``Authorization: Bearer`` :func:`right_bearer` (the VM's scaling token, domain-separated
 from the ``/scale`` bearer of :mod:`neonvm.api.scale_protocol`). The leader answers 200
 :class:`RightGrant` or an error status with :class:`RightRefusal`. The runner reads its
-monotonic clock before sending and, on a valid grant, keeps its guest until that time plus
+boot-time clock (``CLOCK_BOOTTIME``: monotonic, and it counts a suspend) before sending
+and, on a valid grant, keeps its guest until that time plus
 the granted seconds; the leader treats the pod as dead only after
 :func:`dead_for_sure_after`. Both sides import this module. The argument in full:
 docs/protocol.md ("Self-fencing") and docs/runner.md ("Self-fencing").
@@ -29,7 +30,9 @@ DEFAULT_RIGHT_SECONDS = 30.0
 """D: how long one grant keeps a guest alive, counted from the runner's send time."""
 
 DEFAULT_RHO = 0.05
-"""rho: the bound on how much slower than real time a runner's monotonic clock may run."""
+"""rho: the bound on how much faster the leader's clock runs than any runner's: over any
+interval the leader's clock advances at most ``1 + rho`` times what the runner's does
+(docs/protocol.md, "Why the margin is enough"), which makes ``D * (1 + rho)`` exact."""
 
 DEFAULT_EPSILON = 2.0
 """epsilon: seconds of slack for scheduling (the watchdog's wake-up, the kill itself)."""

@@ -11,7 +11,7 @@ also counts a suspend) (:class:`RightKeeper`):
   ``deadline = max(deadline, t0 + min(granted, D))``; any other answer, or none, changes
   nothing;
 * the watchdog (:class:`Watchdog`) SIGKILLs QEMU (never ACPI) once
-  ``monotonic() >= deadline`` and logs one line; the supervisor then ends the runner
+  ``boottime() >= deadline`` and logs one line; the supervisor then ends the runner
   non-zero and does not start QEMU again. QEMU is not started before the first grant;
   a runner refused as ``Condemned`` before it exits non-zero without starting QEMU.
 
@@ -71,7 +71,8 @@ IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 class Clock(Protocol):
     def __call__(self) -> float:
-        """Seconds on a monotonic clock."""
+        """Seconds on a monotonic clock (in production :func:`boottime`, which also
+        counts a suspend)."""
         ...
 
 

@@ -134,10 +134,11 @@ class FencingConfig:
     timing: Timing = Timing()
     mutants: Mutants = Mutants()
     stamp_first_grant: bool = False
-    """A fix for a deposed term's DELETE still in flight (docs/protocol.md, "What is not
-    covered"), not shipped: a term's first grant to a pod is preceded by a write to the
+    """The fix for a deposed term's DELETE still in flight (docs/protocol.md,
+    "Self-fencing"), shipped: a term's first grant to a pod is preceded by a write to the
     pod (a new resourceVersion), and the force-delete carries the resourceVersion of the
-    pod as read when it was decided, so one of the two fails."""
+    pod as read when it was decided, so one of the two fails. Off by default so that
+    ``fence-fresh-failover`` shows the gap it closes."""
 
 
 class Budget(NamedTuple):
