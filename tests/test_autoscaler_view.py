@@ -374,3 +374,16 @@ def test_the_vms_autoscaling_labels_and_annotations_are_kept_on_its_running_pod(
     assert "team" not in labels  # only autoscaling.neon.tech/ is kept in sync
     assert annotations["autoscaling.neon.tech/bounds"] == '{"min":{"cpu":1}}'
 
+
+@pytest.mark.unit
+def test_a_size_adopted_after_a_drop_is_fractional_too() -> None:
+    from neonvm.controller.mutations import status_mutation
+
+    vm = vm_of({"min": "250m", "max": 2, "use": "1500m"}, slots=2,
+               status={"phase": "Running", "podName": "p", "podUID": "pu", "scaleSeq": 1,
+                       "cpus": 1, "memorySize": "1Gi"})
+    adopted = status_mutation(d.CommitScale(seq=1, vcpus=2, memory_bytes=2 * GIB, adopt=True,
+                                            pod_uid="pu"), d.Fence(epoch=1, token=1))(vm)
+    assert adopted is not None
+    assert (adopted.cpus, adopted.memory_size) == (MilliCPU(1500), "2Gi")
+

@@ -260,7 +260,7 @@ def status_mutation(action: d.Action, lease: d.Fence) -> StatusMutation:
                 # Only what differs from the fresh copy is written: a fractional cpus
                 # (500m, rounded up to the 1 vCPU the runner reports) is kept.
                 if s.cpus is None or s.cpus.rounded_up() != action.vcpus:
-                    new.cpus = MilliCPU(action.vcpus * 1000)
+                    new.cpus = autoscaler_view.landed_cpus(vm, action.vcpus)
                 if _bytes(s.memory_size) != action.memory_bytes:
                     new.memory_size = format_bytes(action.memory_bytes)
             if action.ends_look:
