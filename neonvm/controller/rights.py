@@ -262,7 +262,14 @@ def current_pod(vms: Caches, pods: Caches, namespace: str, vm_name: str,
 class TokenCache:
     """The VMs' scaling tokens, read from the Secret recorded in status and used only if
     its uid is the recorded one (as live scaling reads them). Kept ``ttl`` seconds; a
-    bearer that does not match re-reads a token older than ``refresh_after``."""
+    bearer that does not match re-reads a token older than ``refresh_after``.
+
+    A read that finds no token (Secret gone, not the recorded uid, no ``token`` key) is
+    kept too, for ``refresh_after``; and reads are single-flight per key (one lock
+    stripe per key). So asks, however many and whatever their bearer, cost at most one
+    Secret GET per key per ``refresh_after`` (docs/security.md, "Rights endpoint")."""
+
+    _STRIPES = 64
 
     def __init__(self, api: client.ApiClient | None, *, ttl: float = 600.0,
                  refresh_after: float = 10.0, clock: Clock = time.monotonic,
@@ -273,34 +280,48 @@ class TokenCache:
         self._clock = clock
         self._read = read or self._get_secret
         self._lock = threading.Lock()
-        self._tokens: dict[tuple[str, str, str], tuple[bytes, float]] = {}
+        self._reads = [threading.Lock() for _ in range(self._STRIPES)]
+        self._tokens: dict[tuple[str, str, str], tuple[bytes | None, float]] = {}
 
     def _get_secret(self, namespace: str, name: str) -> dict[str, Any] | None:
         return kube.get_or_none(self._api, f"/api/v1/namespaces/{namespace}/secrets/"
                                 f"{kube.path_segment(name)}", timeout=5)
+
+    def _cached(self, key: tuple[str, str, str], fresh: bool) -> tuple[bool, bytes | None]:
+        with self._lock:
+            cached = self._tokens.get(key)
+        if cached is None:
+            return False, None
+        value, at = cached
+        age = self._clock() - at
+        if age < self._refresh_after:
+            return True, value
+        if value is not None and age < self._ttl and not fresh:
+            return True, value
+        return False, None
 
     def token(self, namespace: str, name: str, uid: str, *, fresh: bool = False) -> bytes | None:
         """The token, or None (no Secret recorded, gone, not the recorded one)."""
         if not name or not uid:
             return None
         key = (namespace, name, uid)
-        now = self._clock()
-        with self._lock:
-            cached = self._tokens.get(key)
-        if cached is not None:
-            age = now - cached[1]
-            if age < self._ttl and not (fresh and age >= self._refresh_after):
-                return cached[0]
-        secret = self._read(namespace, name)
-        value: bytes | None = None
-        if secret is not None and (secret.get("metadata") or {}).get("uid") == uid:
-            raw = (secret.get("data") or {}).get("token")
-            if raw:
-                value = base64.b64decode(raw).strip()
-        with self._lock:
-            if value is None:
-                self._tokens.pop(key, None)
-            else:
+        hit, value = self._cached(key, fresh)
+        if hit:
+            return value
+        with self._reads[hash(key) % self._STRIPES]:
+            hit, value = self._cached(key, fresh)  # another ask read it meanwhile
+            if hit:
+                return value
+            now = self._clock()
+            secret = self._read(namespace, name)
+            value = None
+            if secret is not None and (secret.get("metadata") or {}).get("uid") == uid:
+                raw = (secret.get("data") or {}).get("token")
+                try:
+                    value = base64.b64decode(raw).strip() or None if raw else None
+                except ValueError:  # not base64: as good as no token
+                    value = None
+            with self._lock:
                 self._tokens[key] = (value, now)
                 if len(self._tokens) > 100_000:
                     self._tokens.clear()
@@ -367,7 +388,10 @@ class RightsService:
             return _refuse(405, BAD_REQUEST, "only POST")
         try:
             request = RightRequest.from_dict(json.loads(body or b"null"))
-        except (ValueError, RightsContractError) as exc:
+        except (ValueError, RecursionError, RightsContractError) as exc:
+            # ValueError covers UnicodeError; RecursionError: nested JSON. One short line,
+            # no traceback: a client's bad body must not cost the leader its log.
+            logger.info("rights: bad body: {err}", err=f"{type(exc).__name__}: {exc}"[:200])
             return _refuse(400, BAD_REQUEST, str(exc)[:200])
         caches = self._caches() if self.ledger.active() else None
         if caches is None:
