@@ -57,6 +57,16 @@ def verdict(frame: bytes) -> str | None:
     (ipv6("fd00:10:96::1234", 44, b"\x00" * 8),
      "IP fragment to [fd00:10:96::1234] (a blocked endpoint's address)"),
     (ipv4("10.96.12.34", 6, b"\x00" * 6), "short TCP header to 10.96.12.34"),
+    # The port on any address: the leader's pod IP serves it too (docs/security.md).
+    (ipv4("10.244.1.7", 6, tcp(8443, SYN)),
+     "TCP connection to 10.244.1.7:8443 (a blocked endpoint)"),
+    (ipv4("10.244.1.7", 17, udp(8443)), "UDP datagram to 10.244.1.7:8443 (a blocked endpoint)"),
+    (ipv6("fd00:10:244::7", 6, tcp(8443, SYN)),
+     "TCP connection to [fd00:10:244::7]:8443 (a blocked endpoint)"),
+    (ipv4("10.244.1.7", 6, tcp(8443, SYN), frag=0x2000),  # a first fragment: has the port
+     "IP fragment to 10.244.1.7:8443 (a blocked port)"),
+    (ipv6("fd00:10:244::7", 44, bytes([6, 0, 0, 1]) + b"\x00" * 4 + tcp(8443, SYN)),
+     "IP fragment to [fd00:10:244::7]:8443 (a blocked port)"),
 ])
 def test_new_flows_to_the_rights_endpoint_are_dropped(frame: bytes, dropped: str) -> None:
     assert verdict(frame) == dropped
@@ -66,7 +76,9 @@ def test_new_flows_to_the_rights_endpoint_are_dropped(frame: bytes, dropped: str
 @pytest.mark.parametrize("frame", [
     ipv4("10.96.12.34", 6, tcp(443, SYN)),        # another port of the same address
     ipv4("10.96.12.34", 1, ECHO),
-    ipv4("10.96.12.35", 6, tcp(8443, SYN)),       # another address, same port
+    ipv4("10.96.12.35", 6, tcp(443, SYN)),        # another address, another port
+    ipv4("10.244.1.7", 6, tcp(443, SYN), frag=0x2000),  # a first fragment, another port
+    ipv4("10.244.1.7", 6, b"\x00" * 8, frag=0x0001),   # a later one (no port in it)
     ipv4("10.96.12.34", 6, tcp(8443, ACK)),       # opens nothing
     ipv4("10.96.12.34", 6, tcp(8443, SYN | ACK)),
     ipv6("fd00:10:96::1234", 6, tcp(443, SYN)),

@@ -20,9 +20,10 @@ function:
   one only when the container has an IPv6 nameserver, see :func:`ipv6_nameserver`), DHCP
   (to the host alias or broadcast), and ICMP to the host or DNS alias (slirp answers those
   itself);
-* a new TCP connection or a UDP datagram to a *blocked endpoint* (address and port: the
-  self-fencing runner's rights URL, :mod:`neonvm.runner.right`), and any IP fragment to
-  such an address, is dropped too;
+* a new TCP connection or a UDP datagram to a *blocked endpoint*'s port (the
+  self-fencing runner's rights URL, :mod:`neonvm.runner.right`) on *any* address (the
+  leader's pod IP is as reachable as the Service's), any IP fragment to the endpoint's
+  address, and a first fragment to its port elsewhere, are dropped too;
 * everything else passes: the guest keeps its egress, and TCP segments that open nothing
   (replies on connections forwarded *into* the guest) pass too.
 
@@ -139,17 +140,24 @@ Endpoint = tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]
 
 
 def _blocked_verdict(proto: int, segment: bytes, where: str, ports: set[int],
-                     fragment: bool) -> str | None:
-    """The verdict for a packet to an open address that has blocked ports."""
-    if fragment:
+                     fragment: bool, at_address: bool, first: bool) -> str | None:
+    """The verdict for a packet to an open address while ``ports`` are blocked: on every
+    address (the guest reaches the leader's pod IP as well as the rights Service,
+    docs/security.md, "Rights endpoint"); any fragment to a blocked endpoint's own
+    address, and a first fragment to a blocked port elsewhere, are dropped too."""
+    if fragment and at_address:
         return f"IP fragment to {where} (a blocked endpoint's address)"
+    if fragment and not first:
+        return None  # carries no port; without its first fragment it is never whole
     if proto not in (TCP, UDP):
         return None
-    if len(segment) < (14 if proto == TCP else 4):
+    if len(segment) < (4 if fragment else 14 if proto == TCP else 4):
         return f"short {'TCP' if proto == TCP else 'UDP'} header to {where}"
     dport = struct.unpack_from("!H", segment, 2)[0]
     if dport not in ports:
         return None
+    if fragment:
+        return f"IP fragment to {where}:{dport} (a blocked port)"
     if proto == UDP:
         return f"UDP datagram to {where}:{dport} (a blocked endpoint)"
     flags = segment[13]
@@ -196,9 +204,10 @@ def frame_verdict(frame: bytes, net: GuestNetwork = DEFAULT_GUEST_NETWORK,
         dst = ipaddress.IPv4Address(packet[16:20])
         frag = struct.unpack_from("!H", packet, 6)[0]
         if not _closed4(dst, net):
-            ports = {port for address, port in blocked if address == dst}
+            ports = {port for _address, port in blocked}
             return _blocked_verdict(packet[9], packet[ihl:], str(dst), ports,
-                                    bool(frag & 0x3FFF)) if ports else None
+                                    bool(frag & 0x3FFF), any(a == dst for a, _ in blocked),
+                                    not frag & 0x1FFF) if ports else None
         if frag & 0x3FFF:  # more fragments, or an offset: judged whole nowhere, so dropped
             return f"IPv4 fragment to {dst}"
         return _transport_verdict(packet[9], packet[ihl:], str(dst), dst == net.dns,
@@ -208,9 +217,14 @@ def frame_verdict(frame: bytes, net: GuestNetwork = DEFAULT_GUEST_NETWORK,
             return "malformed IPv6 header"
         dst6 = ipaddress.IPv6Address(packet[24:40])
         if not _closed6(dst6, net):
-            ports = {port for address, port in blocked if address == dst6}
-            return _blocked_verdict(packet[6], packet[40:], f"[{dst6}]", ports,
-                                    packet[6] == IPV6_FRAGMENT) if ports else None
+            ports = {port for _address, port in blocked}
+            proto, segment, first = packet[6], packet[40:], True
+            if proto == IPV6_FRAGMENT and len(packet) >= 48:  # the next header, its offset
+                proto, segment = packet[40], packet[48:]
+                first = not struct.unpack_from("!H", packet, 42)[0] & 0xFFF8
+            return _blocked_verdict(proto, segment, f"[{dst6}]", ports,
+                                    packet[6] == IPV6_FRAGMENT,
+                                    any(a == dst6 for a, _ in blocked), first) if ports else None
         is_dns6 = dst6 == net.dns6
         if is_dns6 and not dns6 and packet[6] in (TCP, UDP):
             why = _transport_verdict(packet[6], packet[40:], f"[{dst6}]", False, False,
