@@ -220,6 +220,9 @@ def _force_delete_dead_pod(fake: FakeCluster) -> None:
     # Its runner self-fences; its node stopped answering (the node lifecycle controller
     # marks the pod not ready). The Node is gone and the right long over (above).
     pod["metadata"].setdefault("annotations", {})[RIGHT_SECONDS_ANNOTATION] = "30"
+    pod["spec"]["containers"][0].setdefault("env", []).extend([  # as the controller builds it
+        {"name": "NEONVM_RIGHTS_URL", "value": "http://rights.neonvm-system.svc:8082"},
+        {"name": "NEONVM_RIGHT_SECONDS", "value": "30"}])
     pod["status"]["conditions"] = [{"type": "Ready", "status": "Unknown"}]
     pod["metadata"]["resourceVersion"] = fake.next_rv()
 

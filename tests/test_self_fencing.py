@@ -109,7 +109,9 @@ def test_a_dead_uid_that_is_not_the_vms_pod_is_ignored() -> None:
 
 def raw_pod(name: str = "old", *, annotated: bool = True, ready: str | None = "False",
             phase: str = "Running", terminating: bool = False,
-            node: str | None = "n1") -> dict[str, Any]:
+            node: str | None = "n1", runner_env: bool = True) -> dict[str, Any]:
+    """A pod as read directly; ``runner_env``: its runner container has the self-fencing
+    environment (the rights URL and the right), as a pod the controller built does."""
     meta: dict[str, Any] = {"name": name, "namespace": "ns", "uid": f"uid-{name}",
                             "labels": {"vm.neon.tech/name": "vm"}}
     if annotated:
@@ -120,7 +122,12 @@ def raw_pod(name: str = "old", *, annotated: bool = True, ready: str | None = "F
         {"type": "PodScheduled", "status": "True"}]}
     if ready is not None:
         status["conditions"].append({"type": "Ready", "status": ready, "reason": "x"})
-    return {"metadata": meta, "spec": {"nodeName": node} if node else {}, "status": status}
+    spec: dict[str, Any] = {"nodeName": node} if node else {}
+    if runner_env:
+        spec["containers"] = [{"name": "neonvm-runner", "env": [
+            {"name": "NEONVM_RIGHTS_URL", "value": "http://rights.neonvm-system.svc:8082"},
+            {"name": "NEONVM_RIGHT_SECONDS", "value": str(D)}]}]
+    return {"metadata": meta, "spec": spec, "status": status}
 
 
 @pytest.mark.parametrize(("pod", "looked_at"), [
@@ -366,14 +373,32 @@ def test_the_runners_own_right_counts_when_the_annotation_says_less() -> None:
     """The annotation can be patched; the runner's flag is in the pod's immutable spec."""
     fence, clock, _ = fencing({"n1": NOT_READY})
     pod = raw_pod()
-    pod["spec"]["containers"] = [{"name": "neonvm-runner", "env": [
-        {"name": "NEONVM_RIGHT_SECONDS", "value": str(2 * D)}]}]
+    pod["spec"]["containers"][0]["env"][1]["value"] = str(2 * D)
     clock.now += BOUND
     seen = fence.observe(observation(status=RUNNING), {"old": pod})
     assert seen.dead_pods == frozenset()
     assert seen.fence_recheck == pytest.approx(D * (1 + RHO))
     clock.now += D * (1 + RHO)
     assert fence.observe(observation(status=RUNNING), {"old": pod}).dead_pods == {"uid-old"}
+
+
+@pytest.mark.parametrize("env", [[], [{"name": "NEONVM_RIGHT_SECONDS", "value": "1"}], [
+    {"name": "NEONVM_RIGHTS_URL", "value": ""}, {"name": "NEONVM_RIGHT_SECONDS", "value": "1"}]],
+    ids=["no-env", "no-url", "empty-url"])
+def test_an_annotated_pod_whose_runner_does_not_self_fence_is_never_condemned(
+        env: list[dict[str, str]]) -> None:
+    """Whoever may patch pods may add the annotation to a pod whose runner keeps its guest
+    without a right (a runner image of the owner's choice, self-fencing off): only the
+    pod's immutable spec says a runner self-fences, so such a pod is never force-deleted
+    (docs/security.md, "Rights endpoint")."""
+    fence, clock, _ = fencing({"n1": NOT_READY})
+    pod = raw_pod()
+    pod["spec"]["containers"] = [{"name": "neonvm-runner", "env": env}]
+    for _ in range(3):
+        clock.now += 10 * BOUND
+        seen = fence.observe(observation(status=RUNNING), {"old": pod})
+        assert seen.dead_pods == frozenset() and not fence.ledger.is_condemned("uid-old")
+    assert not isinstance(d.decide(seen), d.ForceDeleteDeadPod)
 
 
 NO_EVICTION = [{"key": "node.kubernetes.io/unreachable", "operator": "Exists",
@@ -422,3 +447,27 @@ def test_a_vm_that_cannot_scale_self_fences_with_a_token_of_its_own() -> None:
     off = podspec.runner_pod(v, plan, podspec.PodDefaults())
     assert "NEONVM_SCALING_TOKEN_FILE" not in env(off)
     assert RIGHT_SECONDS_ANNOTATION not in off["metadata"]["annotations"]
+
+
+@pytest.mark.parametrize(("right_seconds", "rights_url", "on"), [
+    (0.0, None, False), (30.0, None, False), (0.0, "http://rights.ns.svc:8082", False),
+    (30.0, "http://rights.ns.svc:8082", True)])
+def test_a_replica_looks_for_dead_pods_only_with_self_fencing_on(
+        right_seconds: float, rights_url: str | None, on: bool) -> None:
+    """Off (no right or no rights URL), a replica condemns nothing: an annotation a
+    tenant adds cannot make it force-delete a pod (docs/security.md, "Rights endpoint")."""
+    from kubernetes import client
+
+    from neonvm.controller.events import EventRecorder
+    from neonvm.controller.manager import ControllerConfig, ControllerProcess
+    from neonvm.controller.reconciler import ReconcilerConfig
+    from neonvm.leader.election import ElectionConfig
+    from neonvm.leader.etcd import EtcdConfig
+
+    defaults = podspec.PodDefaults(right_seconds=right_seconds, rights_url=rights_url)
+    process = ControllerProcess(
+        client.ApiClient(), EtcdConfig(endpoints=("http://127.0.0.1:1",)),
+        ElectionConfig(namespace="ns", name="fencing"),
+        ControllerConfig(reconciler=ReconcilerConfig(pod_defaults=defaults)),
+        events=EventRecorder(None))
+    assert (process.fencing is not None) == on

@@ -80,6 +80,23 @@ def runner_seconds(pod: dict[str, Any]) -> float | None:
     return None
 
 
+RUNNER_RIGHTS_URL_ENV = "NEONVM_RIGHTS_URL"
+
+
+def runner_self_fences(pod: dict[str, Any]) -> float | None:
+    """The right the pod's runner renews, if its immutable spec says it self-fences (a
+    runner container with ``NEONVM_RIGHTS_URL`` set and a valid ``NEONVM_RIGHT_SECONDS``);
+    else None. The annotation alone never says so: whoever may patch pods may add it
+    (docs/security.md, "Rights endpoint")."""
+    for container in (pod.get("spec") or {}).get("containers") or []:
+        env = {e.get("name"): e.get("value") for e in container.get("env") or []}
+        if env.get(RUNNER_RIGHTS_URL_ENV) and env.get(RUNNER_RIGHT_ENV) is not None:
+            seconds = parse_annotation(str(env[RUNNER_RIGHT_ENV]))
+            if seconds is not None:
+                return seconds
+    return None
+
+
 def node_unreachable(node: dict[str, Any] | None) -> bool:
     """The Node is gone, not ``Ready=True``, or tainted unreachable."""
     if node is None:
@@ -159,7 +176,11 @@ class SelfFencing:
             # The annotation may be changed by whoever may patch pods; the runner's own
             # flag may not, and it bounds every right the runner keeps. A pod is marked
             # only from a direct read, which carries it; a cached one is only looked at.
-            seconds = max(seconds, runner_seconds(pod) or 0.0)
+            if obs.direct:  # condemned only if its spec says it self-fences
+                spec_seconds = runner_self_fences(pod)
+                if spec_seconds is None:
+                    continue
+                seconds = max(seconds, spec_seconds)
             left = (self.ledger.condemn(uid, seconds) if obs.direct
                     else self.ledger.remaining(uid, seconds))
             if left == 0.0:

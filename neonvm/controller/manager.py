@@ -593,7 +593,11 @@ class ControllerProcess:
         self.rights = RightsLedger()
         """Self-fencing: the rights granted by this process (docs/protocol.md,
         "Self-fencing"); its terms begin and end it."""
-        self.fencing = SelfFencing.from_api(self.rights, api)
+        defaults = config.reconciler.pod_defaults
+        self.fencing = (SelfFencing.from_api(self.rights, api)
+                        if defaults.right_seconds > 0 and defaults.rights_url else None)
+        """Built only when self-fencing is on: otherwise no pod is ever condemned, whatever
+        its annotations say (docs/security.md, "Rights endpoint")."""
         self.rights_endpoint: LeaderEndpoint | None = None
         """Set by the command line: the Service runners ask, pointed at each leader."""
         self.old_crd_warned = threading.Event()
