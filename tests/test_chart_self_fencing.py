@@ -31,7 +31,9 @@ def test_with_a_right_the_leader_serves_it_behind_a_service_it_points_at_itself(
     fullname = rendered.one("Deployment")["metadata"]["name"]
     assert "--right-seconds=30" in args
     assert "--rights-bind=0.0.0.0:8090" in args
-    assert f"--rights-url=http://{fullname}-rights.ops.svc:8090" in args
+    # Fully qualified, trailing dot: never resolved through the search list, where
+    # `<svc>.<ns>.svc.svc.cluster.local` is a tenant's namespace `svc` (docs/security.md).
+    assert f"--rights-url=http://{fullname}-rights.ops.svc.cluster.local.:8090" in args
     assert f"--rights-service=ops/{fullname}-rights" in args
     assert rendered.env()["POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
     assert {"name": "rights", "containerPort": 8090, "protocol": "TCP"} in \
@@ -58,3 +60,16 @@ def test_with_a_right_the_leader_serves_it_behind_a_service_it_points_at_itself(
 
 def test_a_negative_right_is_refused_by_the_schema(helm: Helm) -> None:  # noqa: F811
     assert "rightSeconds" in helm.template_fails("--set", "controller.rightSeconds=-1")
+
+
+def test_the_rights_url_names_the_clusters_dns_domain(helm: Helm) -> None:  # noqa: F811
+    sets = (*ON, "controller.clusterDomain=corp.example")
+    args = helm.template("nvm", "ops", sets=sets).container["args"]
+    url = next(a for a in args if a.startswith("--rights-url="))
+    assert url.endswith("-rights.ops.svc.corp.example.:8090")
+    from neonvm.runner.right import rights_endpoint  # the runner takes it as given
+
+    host, port = rights_endpoint(url.split("=", 1)[1])
+    assert host.endswith(".svc.corp.example.") and port == 8090
+    assert "clusterDomain" in helm.template_fails(
+        "--set", ",".join((*ON, "controller.clusterDomain=bad/domain")))
