@@ -499,9 +499,24 @@ class LeaderTerm:
             self.log.info("released {n} VM lock(s){how}", n=held,
                           how="" if revoked else " one by one (the revoke failed; "
                           "any left expire with the session TTL)")
+        self._withdraw_rights()
         self.metrics.leading.set(0)
         self.metrics.locks_held.set(0)
         self.log.info("stopped leading work")
+
+    def _withdraw_rights(self) -> None:
+        """Empty the rights Service's slice if it still names this replica (best effort:
+        the next term overwrites it anyway)."""
+        endpoint = self.process.rights_endpoint
+        if endpoint is None:
+            return
+        try:
+            if endpoint.withdraw():
+                self.log.info("rights Service {ns}/{svc} no longer points at this replica",
+                              ns=endpoint.namespace, svc=endpoint.service)
+        except Exception as exc:
+            self.log.warning("could not withdraw the rights Service's endpoint: {err}",
+                             err=short_error(exc))
 
     # ---- workers -----------------------------------------------------------------------
 

@@ -631,6 +631,21 @@ class LeaderEndpoint:
         kube.request(self._api, "PUT", f"{self._path}/{name}", body=wanted, timeout=10)
         return True
 
+    def withdraw(self, timeout: float = 3.0) -> bool:
+        """At a term's end: empty the slice if it still names this replica (a PUT with
+        the resourceVersion read, so a next leader's slice is never undone); True when it
+        was written. A slice left naming a replica that is gone could name whatever pod
+        gets its IP next (docs/security.md, "Rights endpoint")."""
+        name = self.wanted()["metadata"]["name"]
+        current = kube.get_or_none(self._api, f"{self._path}/{name}", timeout=timeout)
+        if current is None or not any(
+                self.ip in (e.get("addresses") or []) for e in current.get("endpoints") or []) \
+                or [p.get("port") for p in current.get("ports") or []] != [self.port]:
+            return False
+        current["endpoints"] = []
+        kube.request(self._api, "PUT", f"{self._path}/{name}", body=current, timeout=timeout)
+        return True
+
 
 def parse_service(text: str) -> tuple[str, str]:
     """``namespace/name`` of ``--rights-service``."""
