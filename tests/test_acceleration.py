@@ -100,6 +100,20 @@ def test_the_condition_names_why_a_vm_that_asks_for_kvm_runs_under_tcg(
         assert "--kvm-resource" in update.message
 
 
+@pytest.mark.unit
+def test_a_runners_text_is_cut_to_200_characters_before_the_condition() -> None:
+    """A runner of the owner's choice may send up to the exchange's 64 KiB; the VM's
+    condition and the leader's memory keep 200 characters of it (docs/security.md)."""
+    report = RunnerReport.from_status("v-1", {"accel": "x" * 70_000,
+                                              "accelerationUnavailable": "why " * 16_000})
+    assert report.unavailable is not None and len(report.unavailable) == 200
+    assert report.accel is not None and len(report.accel) == 200
+    update = acceleration_condition(a_vm({"enableAcceleration": True}), KVM, report)
+    assert update is not None and len(update.message) <= len("runner pod v-1: ") + 200
+    assert RunnerReport.from_status("v-1", {"accelerationUnavailable": " \n "}).unavailable \
+        is None
+
+
 class Recorded:
     def __init__(self) -> None:
         self.seen: list[tuple[str, str, bool]] = []

@@ -72,6 +72,9 @@ MAX_IN_FLIGHT = 8
 REMEMBERED_PODS = 4096
 """Pods whose outcome is kept (least recently looked up forgotten first)."""
 RUNNER_PORT_NAME = "runner"
+MAX_QUOTED = 200
+"""Characters of a runner's text kept (docs/security.md, "The runner as seen by the
+controller")."""
 
 
 @dataclass(frozen=True)
@@ -88,9 +91,11 @@ class RunnerReport:
     def from_status(cls, pod: str, doc: Mapping[str, Any]) -> RunnerReport:
         accel = doc.get("accel")
         unavailable = doc.get("accelerationUnavailable")
-        return cls(pod=pod, accel=accel if isinstance(accel, str) else None,
-                   unavailable=unavailable if isinstance(unavailable, str) and unavailable
-                   else None)
+        # Texts quoted from a runner (of the owner's choice) are cut to 200 characters
+        # before they reach the VM's condition and the leader's memory (docs/security.md).
+        return cls(pod=pod, accel=accel[:MAX_QUOTED] if isinstance(accel, str) else None,
+                   unavailable=_one_line(unavailable)[:MAX_QUOTED] or None
+                   if isinstance(unavailable, str) else None)
 
 
 def asked(vm: VirtualMachine) -> bool:
