@@ -375,10 +375,12 @@ EXPECTED: dict[type[d.Action], dict[str, Expect]] = {
     },
     d.SyncPodMetadata: {
         "ok": Expect("done", "requeue", True),
-        # The pod changed since it was observed (409), or the patch was refused: observe
-        # again, directly; the labels still differ, so patch again.
+        # The pod changed since it was observed (409): observe again, directly; the
+        # labels still differ, so patch again.
         "conflict": Expect("conflict", "requeue", True),
-        "invalid": Expect("conflict", "requeue", True),
+        # Refused (422, such as over the size limit): patching again cannot help. The
+        # turn ends stuck (Degraded, the stuck backoff), not 30 patches in a row.
+        "invalid": Expect("invalid", "requeue", False),
         "gone": Expect("gone", "requeue", True),
         "unavailable": RAISED,
         "fence_lost": RAISED,
@@ -542,3 +544,22 @@ def test_a_look_given_up_is_a_warning_event_and_an_ordinary_end_is_none() -> Non
     assert event.message == "no answer for an hour"
     ended = dataclasses.replace(given_up, gives_up=False, vcpus=1, memory_bytes=1 << 30)
     assert row.event(ended, vm) is None
+
+
+def test_a_lasting_422_on_the_pods_autoscaling_metadata_ends_the_turn_stuck_and_says_so() -> None:
+    """A VM whose autoscaling annotations no longer fit its pod (the API server's total
+    size limit) gets a 422 on every patch: one patch per turn, then Degraded naming the
+    refusal, not the step budget spent on 30 patches and 30 reads (docs/security.md)."""
+    fake = FakeCluster()
+    _sync_pod_metadata(fake)
+    too_large = api_error(422)
+    fake.fail("patch_pod_metadata", *[too_large] * 40)
+    before = fake.count("patch_pod_metadata")
+    steps: list[tuple[str, str]] = []
+    _turn(fake, CountingAuthority(token=5), steps)
+    assert steps == [(d.SyncPodMetadata.step, "invalid")]
+    assert fake.count("patch_pod_metadata") == before + 1
+    degraded = next(c for c in status(fake).get("conditions") or []
+                    if c["type"] == "Degraded")
+    assert degraded["status"] == "True"
+    assert "SyncPodMetadata" in degraded["reason"] and "422" in degraded["message"]

@@ -30,6 +30,7 @@ from neonvm.api import times
 from neonvm.api.millicpu import MilliCPU
 from neonvm.api.quantity import QuantityError, format_bytes, parse_bytes
 from neonvm.api.types import Revision, RevisionWithTime, VirtualMachine, VirtualMachineStatus
+from neonvm.kube import api_error_message
 
 if TYPE_CHECKING:
     from neonvm.controller.cluster import Cluster
@@ -161,12 +162,26 @@ def vm_autoscaling_meta(vm: VirtualMachine) -> AutoscalingMeta:
     return autoscaling_meta(vm.labels, vm.annotations)
 
 
+class Invalid(str):
+    """The outcome "invalid" (a 422), with the API server's message as ``detail``."""
+
+    detail: str
+
+    def __new__(cls, detail: str) -> Invalid:
+        obj = super().__new__(cls, "invalid")
+        obj.detail = detail
+        return obj
+
+
 def sync_pod_metadata(cluster: Cluster, vm: VirtualMachine, pod: dict[str, Any] | None,
                       uid: str, log: Any) -> str:
     """Perform ``SyncPodMetadata``: a merge patch of the pod's ``autoscaling.neon.tech/``
     labels and annotations to the VM's (:func:`metadata_drift`), with the uid and
     resourceVersion of the pod as observed. "done"; "gone" (the pod observed is not
-    ``uid``, or is gone); "conflict" (a 409: the pod changed since; observed again)."""
+    ``uid``, or is gone); "conflict" (a 409: the pod changed since; observed again);
+    :class:`Invalid` (a 422, such as metadata over the API server's size limit: patching
+    again cannot help, so the reconcile ends stuck, Degraded, with the stuck backoff;
+    docs/security.md)."""
     meta = (pod or {}).get("metadata") or {}
     if meta.get("uid") != uid or not meta.get("resourceVersion"):
         return "gone"
@@ -178,7 +193,13 @@ def sync_pod_metadata(cluster: Cluster, vm: VirtualMachine, pod: dict[str, Any] 
                                    resource_version=str(meta["resourceVersion"]),
                                    metadata=patch)
     except ApiException as exc:
-        if exc.status in (404, 409, 422):
+        if exc.status == 422:
+            message = api_error_message(exc)
+            log.warning("{pod}: autoscaling labels and annotations refused (422): {msg}",
+                        pod=meta.get("name"), msg=message[:300])
+            return Invalid(f"the API server refuses the runner pod's autoscaling labels and "
+                           f"annotations (422: {message})")
+        if exc.status in (404, 409):
             log.info("{pod}: autoscaling labels and annotations not synced ({s}): "
                      "observing again", pod=meta.get("name"), s=exc.status)
             return "gone" if exc.status == 404 else "conflict"

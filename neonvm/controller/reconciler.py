@@ -206,7 +206,7 @@ NAMESPACE_TERMINATING_OUTCOME = "namespace_terminating"
 waits (:class:`TerminatingNamespaces`)."""
 EFFECTIVE = frozenset({"done", "replaced"})
 """Outcomes of a step that changed something."""
-BLOCKED = frozenset({"forbidden"})
+BLOCKED = frozenset({"forbidden", "invalid"})
 """Outcomes that end the reconcile at once as stuck: asking again cannot help."""
 PAUSED = frozenset({GUEST_REFUSED})
 """Outcomes that end the reconcile at once as stuck, though asking again later may help:
