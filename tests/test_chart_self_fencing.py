@@ -73,3 +73,40 @@ def test_the_rights_url_names_the_clusters_dns_domain(helm: Helm) -> None:  # no
     assert host.endswith(".svc.corp.example.") and port == 8090
     assert "clusterDomain" in helm.template_fails(
         "--set", ",".join((*ON, "controller.clusterDomain=bad/domain")))
+
+
+@pytest.mark.parametrize("port", [8090, 1, 65535])
+def test_the_rights_port_admits_runner_pods_only_and_every_other_port_stays_open(
+        helm: Helm, port: int) -> None:  # noqa: F811
+    """Any pod could otherwise flood the leader's rights endpoint (docs/security.md,
+    "Rights endpoint"); health and metrics must stay reachable."""
+    sets = ("controller.rightSeconds=30", f"controller.rightsPort={port}")
+    helm.run("lint", "--strict", str(manifests.CHART_DIR), "--set", ",".join(sets))
+    rendered = helm.template("nvm", "ops", sets=sets)
+    fullname = rendered.one("Deployment")["metadata"]["name"]
+    (policy,) = [o for o in rendered.all("NetworkPolicy")
+                 if o["metadata"]["name"] == f"{fullname}-rights-from-runners"]
+    pod_labels = rendered.one("Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert policy["metadata"]["namespace"] == "ops"
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= pod_labels.items()
+    runners, others = policy["spec"]["ingress"]
+    assert runners["ports"] == [{"protocol": "TCP", "port": port}]
+    assert runners["from"] == [{"namespaceSelector": {}, "podSelector": {"matchExpressions": [
+        {"key": "vm.neon.tech/name", "operator": "Exists"}]}}]
+    assert "from" not in others
+
+    def open_to_all(p: int) -> bool:
+        return any(r["protocol"] == "TCP" and r["port"] <= p <= r.get("endPort", r["port"])
+                   for r in others["ports"])
+    assert not open_to_all(port)
+    assert all(open_to_all(p) for p in {1, port - 1, port + 1, 8080, 8081, 65535} - {port}
+               if 1 <= p <= 65535)
+
+
+def test_the_rights_policy_is_off_with_self_fencing_or_when_turned_off(
+        helm: Helm) -> None:  # noqa: F811
+    for sets in ((), (*ON, "controller.rightsNetworkPolicy=false")):
+        rendered = helm.template("nvm", "ops", sets=sets)
+        assert not [o for o in rendered.all("NetworkPolicy")
+                    if o["metadata"]["name"].endswith("-rights-from-runners")]
