@@ -119,3 +119,46 @@ def test_a_malformed_body_is_a_400_and_one_short_log_line(body: bytes) -> None:
     finally:
         logger.remove(sink)
         server.stop()
+
+
+def test_one_source_holds_at_most_its_share_of_connections() -> None:
+    """One pod's connections (or a guest's, through its runner pod's address) beyond the
+    per-source cap are closed at once; another source is answered, and a source is
+    answered again once its connections are closed."""
+    import http.client
+    import socket
+
+    from neonvm.api.rights import RIGHTS_PATH
+
+    reads, clock = Reads(secret()), Clock()
+    ledger = RightsLedger(clock)
+    ledger.begin_term(lambda: True)
+    service = RightsService(ledger, caches, TokenCache(None, read=reads, clock=clock),
+                            lambda _ns, _name, _uid: True)
+    server = RightsServer(service, "127.0.0.1", 0, per_source=4).start()
+
+    def ask_from(source: str) -> int | None:
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10,
+                                          source_address=(source, 0))
+        try:
+            conn.request("POST", RIGHTS_PATH, body=b"{}")
+            return conn.getresponse().status
+        except (ConnectionError, http.client.RemoteDisconnected):
+            return None  # closed unanswered
+        finally:
+            conn.close()
+
+    held = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(4)]
+    try:
+        assert ask_from("127.0.0.1") is None  # the fifth from that address
+        assert ask_from("127.0.0.2") == 400  # another source: answered
+    finally:
+        for sock in held:
+            sock.close()
+    try:
+        from tests.support import wait_for
+
+        wait_for(lambda: ask_from("127.0.0.1") == 400, timeout=10,
+                 what="the source's share to be free again")
+    finally:
+        server.stop()

@@ -36,6 +36,7 @@ import base64
 import itertools
 import json
 import math
+import selectors
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -453,10 +454,60 @@ class _Listener(health._Listener):
     head, within the same ``read_timeout``."""
 
     def __init__(self, address: tuple[str, int], service: RightsService, read_timeout: float,
-                 workers: int, max_connections: int) -> None:
+                 workers: int, max_connections: int, per_source: int) -> None:
         super().__init__(address, lambda _m, _t: (500, b"", "text/plain"), read_timeout,
                          workers, max_connections)
         self._service = service
+        self._per_source = per_source
+        self._source_of: dict[Any, str] = {}
+        self._sources: dict[str, int] = {}
+
+    def _accept(self) -> None:
+        """The health listener's accept, and at most ``per_source`` connections open per
+        source address: a newcomer over it is closed at once (one pod's flood, or a
+        guest's through its runner pod, takes its own share only)."""
+        while True:
+            try:
+                sock, peer = self._server.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                logger.debug("rights: accept failed: {err}", err=exc)
+                return
+            source = str(peer[0])
+            with self._count_lock:
+                over = self._sources.get(source, 0) >= self._per_source
+                if not over:
+                    self._sources[source] = self._sources.get(source, 0) + 1
+                    self._source_of[sock] = source
+            if over:
+                sock.close()
+                continue
+            sock.setblocking(False)
+            with self._count_lock:
+                answering = self._answering
+            if answering + len(self._reading) >= self._max_connections:
+                if not self._reading:
+                    self._release(sock)
+                    sock.close()
+                    continue
+                self._drop(next(iter(self._reading)))
+            self._reading[sock] = health._Reading(sock, time.monotonic() + self._read_timeout)
+            self._selector.register(sock, selectors.EVENT_READ)
+
+    def _release(self, sock: Any) -> None:
+        with self._count_lock:
+            source = self._source_of.pop(sock, None)
+            if source is not None:
+                left = self._sources.get(source, 1) - 1
+                if left > 0:
+                    self._sources[source] = left
+                else:
+                    self._sources.pop(source, None)
+
+    def _drop(self, sock: Any) -> None:
+        self._release(sock)
+        super()._drop(sock)
 
     def _read(self, sock: Any) -> None:
         reading = self._reading.get(sock)
@@ -490,6 +541,12 @@ class _Listener(health._Listener):
         self._requests.put((sock, request))
 
     def _answer(self, sock: Any, request: bytes) -> None:
+        try:
+            self._answer_request(sock, request)
+        finally:
+            self._release(sock)
+
+    def _answer_request(self, sock: Any, request: bytes) -> None:
         end = request.find(b"\r\n\r\n")
         if not request or end < 0:
             status, doc = _refuse(431, BAD_REQUEST, "request head too large")
@@ -522,8 +579,9 @@ class RightsServer:
 
     def __init__(self, service: RightsService, host: str, port: int, *,
                  read_timeout: float = 5.0, workers: int = 8,
-                 max_connections: int = 1024) -> None:
+                 max_connections: int = 1024, per_source: int = 32) -> None:
         self.service = service
+        self._per_source = per_source
         self._address = (host, port)
         self._read_timeout = read_timeout
         self._workers = workers
@@ -538,7 +596,7 @@ class RightsServer:
 
     def start(self) -> RightsServer:
         self._listener = _Listener(self._address, self.service, self._read_timeout,
-                                   self._workers, self._max_connections)
+                                   self._workers, self._max_connections, self._per_source)
         self._listener.start()
         logger.info("serving POST {path} on {host}:{port}", path=RIGHTS_PATH,
                     host=self._address[0], port=self.port)
