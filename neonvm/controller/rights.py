@@ -36,7 +36,6 @@ import base64
 import itertools
 import json
 import math
-import selectors
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -450,103 +449,29 @@ def _content_length(headers: dict[str, str]) -> int | None:
 
 
 class _Listener(health._Listener):
-    """The health server's listener, reading a body (up to :data:`MAX_BODY`) after the
-    head, within the same ``read_timeout``."""
+    """The health server's listener, with at most ``per_source`` connections open per
+    source address (one pod's flood, or a guest's through its runner pod, takes its own
+    share only), reading a body (up to :data:`MAX_BODY`) after the head, within the same
+    ``read_timeout``."""
 
     def __init__(self, address: tuple[str, int], service: RightsService, read_timeout: float,
                  workers: int, max_connections: int, per_source: int) -> None:
         super().__init__(address, lambda _m, _t: (500, b"", "text/plain"), read_timeout,
-                         workers, max_connections)
+                         workers, max_connections, per_source)
         self._service = service
-        self._per_source = per_source
-        self._source_of: dict[Any, str] = {}
-        self._sources: dict[str, int] = {}
 
-    def _accept(self) -> None:
-        """The health listener's accept, and at most ``per_source`` connections open per
-        source address: a newcomer over it is closed at once (one pod's flood, or a
-        guest's through its runner pod, takes its own share only)."""
-        while True:
-            try:
-                sock, peer = self._server.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as exc:
-                logger.debug("rights: accept failed: {err}", err=exc)
-                return
-            source = str(peer[0])
-            with self._count_lock:
-                over = self._sources.get(source, 0) >= self._per_source
-                if not over:
-                    self._sources[source] = self._sources.get(source, 0) + 1
-                    self._source_of[sock] = source
-            if over:
-                sock.close()
-                continue
-            sock.setblocking(False)
-            with self._count_lock:
-                answering = self._answering
-            if answering + len(self._reading) >= self._max_connections:
-                if not self._reading:
-                    self._release(sock)
-                    sock.close()
-                    continue
-                self._drop(next(iter(self._reading)))
-            self._reading[sock] = health._Reading(sock, time.monotonic() + self._read_timeout)
-            self._selector.register(sock, selectors.EVENT_READ)
-
-    def _release(self, sock: Any) -> None:
-        with self._count_lock:
-            source = self._source_of.pop(sock, None)
-            if source is not None:
-                left = self._sources.get(source, 1) - 1
-                if left > 0:
-                    self._sources[source] = left
-                else:
-                    self._sources.pop(source, None)
-
-    def _drop(self, sock: Any) -> None:
-        self._release(sock)
-        super()._drop(sock)
-
-    def _read(self, sock: Any) -> None:
-        reading = self._reading.get(sock)
-        if reading is None:
-            return
-        try:
-            data = sock.recv(4096)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            data = b""
-        if not data:
-            self._drop(sock)
-            return
-        reading.head += data
-        end = reading.head.find(b"\r\n\r\n")
-        if end < 0:
-            if len(reading.head) <= health.MAX_HEAD:
-                return
-            request = b""
-        else:
-            _, headers = _headers(bytes(reading.head[:end]))
-            length = _content_length(headers)
-            if length is not None and length <= MAX_BODY and len(reading.head) < end + 4 + length:
-                return  # the body is still arriving
-            request = bytes(reading.head[:end + 4 + (length or 0)])
-        self._selector.unregister(sock)
-        del self._reading[sock]
-        with self._count_lock:
-            self._answering += 1
-        self._requests.put((sock, request))
+    def _request_of(self, data: bytearray) -> bytes | None:
+        """The head, its blank line and the body its Content-Length announces."""
+        head = super()._request_of(data)
+        end = data.find(b"\r\n\r\n")
+        if head is None or end < 0:
+            return head  # still arriving, or a head over the cap (b"")
+        length = _content_length(_headers(head)[1])
+        if length is not None and length <= MAX_BODY and len(data) < end + 4 + length:
+            return None  # the body is still arriving
+        return bytes(data[:end + 4 + (length or 0)])
 
     def _answer(self, sock: Any, request: bytes) -> None:
-        try:
-            self._answer_request(sock, request)
-        finally:
-            self._release(sock)
-
-    def _answer_request(self, sock: Any, request: bytes) -> None:
         end = request.find(b"\r\n\r\n")
         if not request or end < 0:
             status, doc = _refuse(431, BAD_REQUEST, "request head too large")

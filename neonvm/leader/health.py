@@ -196,10 +196,13 @@ class _Listener:
     request heads, and a fixed pool of worker threads that answer them."""
 
     def __init__(self, address: tuple[str, int], respond: Responder, read_timeout: float,
-                 workers: int, max_connections: int) -> None:
+                 workers: int, max_connections: int, per_source: int | None = None) -> None:
         self._respond = respond
         self._read_timeout = read_timeout
         self._max_connections = max_connections
+        self._per_source = per_source  # None: no cap per source address
+        self._source_of: dict[socket.socket, str] = {}
+        self._sources: dict[str, int] = {}
         self._server = socket.create_server(address, backlog=128)
         self._server.setblocking(False)
         self.port = int(self._server.getsockname()[1])
@@ -257,17 +260,21 @@ class _Listener:
     def _accept(self) -> None:
         while True:
             try:
-                sock, _ = self._server.accept()
+                sock, peer = self._server.accept()
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:  # out of file descriptors, say: retried next turn
                 logger.debug("health: accept failed: {err}", err=exc)
                 return
+            if not self._admit(sock, str(peer[0])):
+                sock.close()  # its source holds its share already
+                continue
             sock.setblocking(False)
             with self._count_lock:
                 answering = self._answering
             if answering + len(self._reading) >= self._max_connections:
                 if not self._reading:
+                    self._release(sock)
                     sock.close()  # every slot is answering: refuse the newcomer
                     continue
                 self._drop(next(iter(self._reading)))  # the oldest still being read
@@ -288,16 +295,46 @@ class _Listener:
             self._drop(sock)
             return
         reading.head += data
-        end = reading.head.find(b"\r\n\r\n")
-        if end < 0 and len(reading.head) <= MAX_HEAD:
+        request = self._request_of(reading.head)
+        if request is None:
             return
         self._selector.unregister(sock)
         del self._reading[sock]
         with self._count_lock:
             self._answering += 1
-        self._requests.put((sock, bytes(reading.head[:end]) if end >= 0 else b""))
+        self._requests.put((sock, request))
+
+    def _request_of(self, data: bytearray) -> bytes | None:
+        """The request in ``data`` once complete (here: the head without its blank line),
+        ``b""`` for a head over :data:`MAX_HEAD`, None while it is still arriving."""
+        end = data.find(b"\r\n\r\n")
+        if end < 0:
+            return None if len(data) <= MAX_HEAD else b""
+        return bytes(data[:end])
+
+    def _admit(self, sock: socket.socket, source: str) -> bool:
+        """Count ``sock`` against its source address, or refuse it over ``per_source``."""
+        if self._per_source is None:
+            return True
+        with self._count_lock:
+            if self._sources.get(source, 0) >= self._per_source:
+                return False
+            self._sources[source] = self._sources.get(source, 0) + 1
+            self._source_of[sock] = source
+        return True
+
+    def _release(self, sock: socket.socket) -> None:
+        with self._count_lock:
+            source = self._source_of.pop(sock, None)
+            if source is not None:
+                left = self._sources[source] - 1
+                if left > 0:
+                    self._sources[source] = left
+                else:
+                    del self._sources[source]
 
     def _drop(self, sock: socket.socket) -> None:
+        self._release(sock)
         self._reading.pop(sock, None)
         self._selector.unregister(sock)
         sock.close()
@@ -317,6 +354,7 @@ class _Listener:
             except Exception:
                 logger.exception("health: request failed")
             finally:
+                self._release(sock)
                 sock.close()
                 with self._count_lock:
                     self._answering -= 1
