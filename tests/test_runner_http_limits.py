@@ -111,7 +111,6 @@ def test_idle_trickling_and_kept_alive_connections_are_closed_at_their_deadline(
 
         wait_for(trickled_and_closed, timeout=60, interval=0.2,
                  what="the trickling connection to be closed")
-        assert sent < len(request) - 1 or closed_by_server(trickle)
         wait_for(lambda: closed_by_server(idle), timeout=60, interval=0.1,
                  what="the idle connection to be closed")
         wait_for(lambda: closed_by_server(kept), timeout=60, interval=0.1,
