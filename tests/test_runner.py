@@ -814,7 +814,16 @@ def test_runner_reports_ready_once_the_guest_has_booted(start_runner: Any, tmp_p
     assert status["markerSeen"] and status["qmpStatus"] == "running"
     assert status["bootSeconds"] > 0 and status["qemuAlive"]
     assert (status["vcpus"], status["maxVcpus"]) == (1, 2)
-    assert (status["memoryBytes"], status["maxMemoryBytes"]) == (256 * MIB, 384 * MIB)
+    assert status["maxMemoryBytes"] == 384 * MIB
+    # The slot above min is virtio-mem: the guest's driver plugs it after it binds, which
+    # may be after the ready marker. QEMU's plugged size reaches `use`, and the guest's own
+    # MemTotal report (from the scaling script's watcher) then includes it.
+    def slot_plugged() -> dict[str, Any] | None:
+        now = runner.status()
+        if now is None or now["memoryBytes"] != 256 * MIB:
+            return None
+        return now if (now["guestMemTotalKb"] or 0) * 1024 > 128 * MIB else None
+    wait_for(slot_plugged, timeout=120, interval=0.2, what="the virtio-mem slot to be plugged")
     assert runner.get("/healthz")[0] == 200
     code, metrics = runner.get("/metrics")
     assert code == 200
@@ -825,9 +834,6 @@ def test_runner_reports_ready_once_the_guest_has_booted(start_runner: Any, tmp_p
     # What the guest itself saw, from its serial console (the runner's stdout).
     console = runner.console()
     assert "guest: cpus online=0 possible=0-1" in console
-    mem_kb = int(next(line.split()[2] for line in console.splitlines()
-                      if line.startswith("guest: MemTotal:")))
-    assert mem_kb * 1024 > 128 * MIB, "the second memory slot (virtio-mem) is online"
     assert "guest: rootdisk says: hello from the root disk" in console
     assert "guest: wrote to rootdisk" in console
     assert "guest: settings says: hello from the configMap" in console
