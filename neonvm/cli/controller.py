@@ -40,6 +40,7 @@ from neonvm.controller.rights import (
 from neonvm.leader.election import (
     DEFAULT_LEASE_NAME,
     DEFAULT_NAMESPACE,
+    AccessRefused,
     ElectionConfig,
     LeaseNamespaceMissing,
     new_identity,
@@ -225,6 +226,10 @@ def run(kubeconfig: Path | None, lease_namespace: str, lease_name: str, identity
         if not _etcd_admits(process.etcd, etcd_config.prefix, process.installation, log):
             sys.exit(ExitCode.UNREACHABLE)
         process.run(stop)
+    except AccessRefused as exc:
+        # Revoked while running: the term (if any) ended and the Lease was released.
+        log.error("stopping: {err}; {fix}", err=str(exc), fix=_etcd_fix(etcd_config.prefix))
+        sys.exit(ExitCode.UNREACHABLE)
     except LeaseNamespaceMissing as exc:
         # A configuration error: one line, exit 1 (under Kubernetes the pod restarts
         # with backoff and `kubectl logs --previous` shows this line).
@@ -253,8 +258,12 @@ def _etcd_admits(etcd: Etcd, prefix: str, installation: Installation, log: Any) 
         log.warning("could not check this replica's access to the locks' etcd ({err}); "
                     "campaigning anyway", err=str(exc))
     except EtcdRequestFailed as exc:
-        log.error("cannot campaign: {err}; give this replica's etcd user (its client "
-                  "certificate's CN, or NEONVM_ETCD_USER) a role that reads and writes "
-                  "{prefix}/ (docs/locks.md, 'Configuration')", err=str(exc), prefix=prefix)
+        log.error("cannot campaign: {err}; {fix}", err=str(exc), fix=_etcd_fix(prefix))
         return False
     return True
+
+
+def _etcd_fix(prefix: str) -> str:
+    return (f"give this replica's etcd user (its client certificate's CN, or "
+            f"NEONVM_ETCD_USER) a role that reads and writes {prefix}/ (docs/locks.md, "
+            "'Configuration')")

@@ -157,6 +157,10 @@ CLAIM_STALL_LIMIT = 30.0
 """Seconds one epoch-floor claim may run before ``health_check`` calls the elector wedged
 (each etcd call is bounded by its own timeout; a claim is a few of them)."""
 
+ACCESS_CHECK_PERIOD = 5.0
+"""Seconds between two checks that the epoch floor's store still admits this replica
+(only with a floor that has ``check_access``; see :class:`AccessRefused`)."""
+
 RESULT_POLL = 0.05
 """Longest the leader goes without looking at the answers of its calls in flight."""
 
@@ -185,6 +189,15 @@ def parse_microtime(value: str | None) -> datetime | None:
 
 class LeadershipLost(RuntimeError):
     """Raised by :meth:`Leadership.check` once this term is over or in doubt."""
+
+
+class AccessRefused(RuntimeError):
+    """The epoch floor's store refused this replica its keys: a permission, not an
+    outage (say, its etcd user lost the role on its prefix while it runs). Raised by an
+    :class:`EpochFloor`'s ``claim`` or ``check_access``. The elector ends the term as
+    ``access-refused``, releases the Lease once the work returned, stops campaigning and
+    raises it out of :meth:`LeaderElector.run` (docs/leader-election.md, "A replica its
+    etcd refuses")."""
 
 
 class LeaseNamespaceMissing(RuntimeError):
@@ -269,7 +282,10 @@ class EpochFloor(Protocol):
     Deleting the Lease resets ``leaseTransitions`` to 0; the floor keeps epochs increasing
     anyway. ``claim`` must be atomic: record ``epoch`` as the new minimum and return True
     iff ``epoch`` is greater than the stored one (any epoch when nothing is stored).
-    Raising is treated like a refusal that may be retried with the same epoch.
+    Raising is treated like a refusal that may be retried with the same epoch, except
+    :class:`AccessRefused`, which ends the elector. A floor may also have
+    ``check_access()`` (raising :class:`AccessRefused`); the elector then calls it every
+    :data:`ACCESS_CHECK_PERIOD` seconds, leading or not.
     """
 
     def claim(self, epoch: int, identity: str) -> bool: ...
@@ -382,6 +398,8 @@ class EndReason(Enum):
     DEADLINE = "renew-deadline"    # renewals failed until the renew deadline
     WORK_LOST = "work-lost"        # lost was set from outside (check() saw the deadline,
     #                                or the leader work ended)
+    REFUSED = "access-refused"     # the epoch floor's store refused this replica its keys
+    #                                (AccessRefused): release, stop campaigning, raise
 
 
 @dataclass
@@ -417,6 +435,8 @@ class LeaderElector:
         store: LeaseStore | None = None,
         watch: bool = True,
         spawn: Callable[[Callable[[], None]], None] | None = None,
+        access_check: Callable[[], None] | None = None,
+        access_period: float = ACCESS_CHECK_PERIOD,
     ) -> None:
         self.config = config
         self._spawn = spawn if spawn is not None else _spawn_thread
@@ -433,6 +453,12 @@ class LeaderElector:
         self._on_started = on_started
         self._on_stopped = on_stopped
         self._epoch_floor = epoch_floor
+        self._access_check = access_check if access_check is not None else getattr(
+            epoch_floor, "check_access", None)
+        """Raises AccessRefused when the floor's store refuses us (None: never checked)."""
+        self._access_period = access_period
+        self._refused: AccessRefused | None = None
+        """Set once the floor's store refused this replica: the elector ends."""
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = ElectionMetrics.register(self.registry)
         self._clock = clock
@@ -503,6 +529,9 @@ class LeaderElector:
         if self._watch_enabled:
             threading.Thread(target=self._watch_loop, args=(watch_stop,), daemon=True,
                              name=f"lease-watch-{self.config.name}").start()
+        if self._access_check is not None:
+            threading.Thread(target=self._access_loop, args=(watch_stop,), daemon=True,
+                             name=f"access-check-{self.config.name}").start()
         try:
             while not stop.is_set():
                 # Never two terms' work at once in one process: a term whose work is
@@ -513,10 +542,14 @@ class LeaderElector:
                 if term is None:
                     break
                 reason = self._lead(term, stop)
+                if reason is EndReason.REFUSED:
+                    break
                 if reason is EndReason.STEP_DOWN:
                     # Sit out so that a standby (which takes a released Lease at once)
                     # wins; with no standby we campaign again after a lease duration.
                     self._tick_wait(stop, self.config.lease_duration)
+            if self._refused is not None:
+                raise self._refused
         finally:
             watch_stop.set()
             self._finished = True
@@ -548,6 +581,28 @@ class LeaderElector:
                 failing = True
                 if stop.wait(max(self.config.retry_period, 5.0)):
                     return
+
+    def _access_loop(self, stop: threading.Event) -> None:
+        """Check every access period that the floor's store still admits this replica;
+        a refusal ends the elector (see :class:`AccessRefused`). An outage is not a
+        refusal: the claim retries it as before."""
+        assert self._access_check is not None
+        while not stop.is_set():
+            try:
+                self._access_check()
+            except AccessRefused as exc:
+                self._refuse(exc)
+                return
+            except Exception as exc:  # etcd away: not ours to decide here
+                self._log.debug("checking access to the epoch floor failed: {err}",
+                                err=short_error(exc))
+            if stop.wait(self._access_period):
+                return
+
+    def _refuse(self, exc: AccessRefused) -> None:
+        if self._refused is None:
+            self._refused = exc
+            self._wake.set()  # a waiting campaign ends now
 
     def _tick_wait(self, stop: threading.Event, seconds: float) -> bool:
         """Wait up to ``seconds`` (returns True if stopped), keeping the health tick fresh."""
@@ -609,7 +664,7 @@ class LeaderElector:
     def _campaign(self, stop: threading.Event) -> _Term | None:
         """Try to acquire every retry period (jittered); return the acquired term."""
         self._log.info("campaigning")
-        while not stop.is_set():
+        while not stop.is_set() and self._refused is None:
             self._last_tick = self._clock()
             self._wake.clear()  # a change after this point wakes the next wait
             acquired = self._try_acquire()
@@ -710,7 +765,7 @@ class LeaderElector:
             reason = EndReason.DEADLINE
         if reason is not None:
             self._log.info("gave up the Lease before starting work: {r}", r=reason.value)
-            if reason in (EndReason.STOP, EndReason.STEP_DOWN):
+            if reason in (EndReason.STOP, EndReason.STEP_DOWN, EndReason.REFUSED):
                 self._release(term)
             return reason
         leadership = Leadership(term.epoch, self.config.identity,
@@ -725,7 +780,7 @@ class LeaderElector:
         worker.start()
         reason = self._renew_loop(term, stop)
         self._end_term(leadership, reason, worker)
-        if reason in (EndReason.STOP, EndReason.STEP_DOWN):
+        if reason in (EndReason.STOP, EndReason.STEP_DOWN, EndReason.REFUSED):
             if worker.is_alive():
                 self._log.error("leader work of epoch {epoch} is still running {grace:g}s "
                                 "after its term ended; not releasing the Lease (it will "
@@ -764,6 +819,9 @@ class LeaderElector:
                 return answer if answer is not None else EndReason.STOP
             if answer.error is None and answer.value:
                 return None
+            if isinstance(answer.error, AccessRefused):
+                self._refuse(answer.error)
+                return EndReason.REFUSED
             if answer.error is not None:
                 self._log.warning("claiming epoch {epoch} failed: {err}", epoch=epoch,
                                   err=short_error(answer.error))
@@ -865,6 +923,8 @@ class LeaderElector:
             self._call(term, *send)
         while True:
             self._last_tick = self._clock()
+            if self._refused is not None:
+                return EndReason.REFUSED
             while True:
                 try:
                     answer = term.answers.get_nowait()

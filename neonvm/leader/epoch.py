@@ -55,7 +55,17 @@ from datetime import UTC, datetime
 from loguru import logger
 from prometheus_client import CollectorRegistry, Counter
 
-from neonvm.leader.etcd import DEFAULT_PREFIX, Compare, Etcd, EtcdError, Get, KeyValue, Put
+from neonvm.leader.election import AccessRefused
+from neonvm.leader.etcd import (
+    DEFAULT_PREFIX,
+    Compare,
+    Etcd,
+    EtcdAccessDenied,
+    EtcdError,
+    Get,
+    KeyValue,
+    Put,
+)
 from neonvm.leader.lock import DEFAULT_INSTALLATION, Installation
 
 MAX_EPOCH = 2**31 - 1
@@ -100,6 +110,7 @@ class EpochFloor:
                  installation: Installation = DEFAULT_INSTALLATION, *,
                  registry: CollectorRegistry | None = None) -> None:
         self.etcd = etcd
+        self.root = installation.root(prefix) + "/"
         self.key = floor_key(prefix, installation)
         self.legacy_key = legacy_floor_key(prefix)
         self.repairs = Counter(
@@ -112,13 +123,31 @@ class EpochFloor:
         :class:`EpochFloorCorrupt` for a value this code cannot have written."""
         return self._parse(self.etcd.get(self.key))
 
+    def check_access(self) -> None:
+        """Raise :class:`~neonvm.leader.election.AccessRefused` unless etcd lets this
+        client read and write every key of its installation and read the floor of
+        earlier versions: what a replica touches. One transaction that writes nothing
+        (:meth:`Etcd.check_access`). Any other failure (an outage) is raised as is."""
+        try:
+            self.etcd.check_access(self.root, read=[self.legacy_key])
+        except EtcdAccessDenied as exc:
+            raise AccessRefused(str(exc)) from None
+
     def claim(self, epoch: int, identity: str) -> bool:
         """Record ``epoch`` as the floor iff it is above the stored one (see module doc).
 
         ``epoch`` is the caller's Lease's ``leaseTransitions``, above every epoch used
         while that Lease existed; so a malformed stored floor counts as none and is
-        replaced (by a transaction on the revision read), loudly.
+        replaced (by a transaction on the revision read), loudly. Raises
+        :class:`~neonvm.leader.election.AccessRefused` when etcd refuses this client the
+        floor's keys (a configuration the elector ends on).
         """
+        try:
+            return self._claim(epoch, identity)
+        except EtcdAccessDenied as exc:
+            raise AccessRefused(str(exc)) from None
+
+    def _claim(self, epoch: int, identity: str) -> bool:
         if not 0 <= epoch <= MAX_EPOCH:
             raise ValueError(f"epoch must be in 0..{MAX_EPOCH}, got {epoch}")
         value = FloorRecord(epoch, identity, datetime.now(UTC).isoformat()).encode()

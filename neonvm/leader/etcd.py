@@ -69,6 +69,12 @@ class EtcdRequestFailed(EtcdError):
     """etcd answered and refused the request (bad credentials, permission, compaction)."""
 
 
+class EtcdAccessDenied(EtcdRequestFailed):
+    """etcd refused this client's identity the keys it asked for (PERMISSION_DENIED: its
+    user has no role for them, or no such user): a configuration, never an outage, and
+    it does not pass by retrying (docs/locks.md, "Failure behaviour")."""
+
+
 class EtcdConfigError(EtcdError):
     """The endpoints or TLS/auth settings are unusable as given."""
 
@@ -604,6 +610,14 @@ class Etcd:
              etcdrpc.AuthUserGrantRoleRequest(user=user, role=user)),
         ], tolerate_existing=True)
 
+    def revoke_prefix(self, user: str) -> None:
+        """Undo :meth:`grant_prefix`'s grant: user ``user`` no longer holds role ``user``
+        (the user and the role stay). What an operator does with ``etcdctl user
+        revoke-role``; here for tests. Needs root."""
+        self._admin([(f"revoke role {user} from user {user}", "UserRevokeRole",
+                      etcdrpc.AuthUserRevokeRoleRequest(name=user, role=user))],
+                    tolerate_existing=False)
+
     def _admin(self, steps: Sequence[tuple[str, str, Any]], *, tolerate_existing: bool
                ) -> None:
         """Run auth administration calls in order; with ``tolerate_existing``, a role or
@@ -710,7 +724,9 @@ class Etcd:
                         self._state.token = None
                     continue
                 if not went_away(exc):
-                    raise EtcdRequestFailed(
+                    refused = (EtcdAccessDenied if code == grpc.StatusCode.PERMISSION_DENIED
+                               else EtcdRequestFailed)
+                    raise refused(
                         f"etcd at {ep.url} refused to {what}: {_detail(exc)}") from None
                 self._advance(index)
                 if not _retryable(exc) or not (idempotent or _never_sent(exc)):
