@@ -20,7 +20,7 @@ from kubernetes import client
 
 from neonvm import kube
 from neonvm.api import types
-from neonvm.dev import binaries, chartnode, realnode
+from neonvm.dev import binaries, chartnode, nodeservices, realnode
 from neonvm.dev.cluster import ClusterSpec, LocalCluster
 from neonvm.drills.drills import DrillOptions, run_drill
 from neonvm.drills.target import KubeTarget
@@ -46,11 +46,12 @@ def _skip_reason() -> str | None:
 @pytest.fixture(scope="module")
 def chart_cluster(tmp_path_factory: pytest.TempPathFactory
                   ) -> Iterator[tuple[LocalCluster, realnode.RealNode]]:
-    """A cluster with two kwok nodes, ServiceAccount tokens on, and one real node."""
+    """A cluster with two kwok nodes, ServiceAccount tokens on, and one real node with
+    cluster DNS and Service routing (neonvm.dev.nodeservices)."""
     spec = ClusterSpec.with_free_ports(nodes=2)
     spec.service_account_tokens = True
     cluster = LocalCluster(Path(tmp_path_factory.mktemp("chart-cluster")), spec)
-    node = realnode.RealNode(cluster, 0)
+    node = realnode.RealNode(cluster, 0, cluster_dns=True)
     try:
         cluster.up()
         realnode.build()
@@ -305,3 +306,210 @@ def test_drill_pods_targets_the_state_dirs_chart_pods_only(tmp_path: Path) -> No
     local_only = runner.invoke(main, ["drill", "etcd-restart", "--state-dir", state, "--pods"])
     assert local_only.exit_code == 2
     assert "nor stale-read, etcd-restart" in local_only.output, local_only.output
+
+
+# ---- the chart with its default values, its own etcd included ---------------------------
+
+
+@pytest.mark.cluster
+@pytest.mark.realnode
+@pytest.mark.slow
+@pytest.mark.timeout(2400)
+@pytest.mark.parametrize("helm", ["helm", "helm3"], ids=["helm4", "helm3"])
+@pytest.mark.skipif(_skip_reason() is not None, reason=_skip_reason() or "")
+def test_chart_with_default_values_runs_its_etcd_three_controllers_and_a_vm_on_the_real_node(
+    chart_cluster: tuple[LocalCluster, realnode.RealNode], helm: str,
+) -> None:
+    """`helm install` with no values at all (Helm 4, then Helm 3): three etcd members
+    and three controller replicas Ready on the real node, the members' claims bound, a VM
+    whose guest boots there, and `helm test` passing. The node serves the cluster's DNS
+    and routes ClusterIPs (the members find each other by the headless Service's names,
+    the controller reaches https://neonvm-etcd:2379)."""
+    from neonvm.dev import chartdefaults
+    from neonvm.testing.harness import converged
+
+    if binaries.find(helm) is None:
+        pytest.skip(f"{helm} is not built (neonvm dev install --with-helm)")
+    cluster, node = chart_cluster
+    api = kube.api_client(cluster.kubeconfig)
+    core = client.CoreV1Api(api)
+    try:
+        result = chartdefaults.install_and_test(cluster, node, helm, progress=print)
+        print(f"{result.version}: installed in {result.install_seconds:.1f}s; 3 members Ready "
+              f"{result.etcd_ready_seconds:.1f}s, 3 controllers Ready "
+              f"{result.controllers_ready_seconds:.1f}s after it began; guest booted "
+              f"{result.vm_ready_seconds:.1f}s after the VM was created; helm test "
+              f"{result.test_seconds:.1f}s")
+        assert "null" in chartdefaults.helm(cluster, helm).run(
+            "get", "values", chartdefaults.RELEASE, "--namespace", chartdefaults.NAMESPACE)
+
+        members = chartdefaults.pods(api, chartdefaults.ETCD)
+        replicas = chartdefaults.pods(api, chartdefaults.CONTROLLER)
+        for group in (members, replicas):
+            assert len(group) == 3
+            assert all(chartdefaults._ready(p) and p.spec.node_name == node.name
+                       for p in group), chartdefaults.pod_states(api)
+        assert {c.image for p in members for c in p.spec.containers} == {
+            chartdefaults.chart_etcd_image()}
+        claims = core.list_namespaced_persistent_volume_claim(
+            chartdefaults.NAMESPACE, label_selector="app.kubernetes.io/name=neonvm-etcd").items
+        assert sorted(c.status.phase for c in claims) == ["Bound"] * 3
+        assert {c.spec.storage_class_name for c in claims} == {chartdefaults.STORAGE_CLASS}
+        # The members' names resolve to their pods, and back (etcd checks a peer's
+        # wildcard certificate name by the reverse lookup).
+        for member in members:
+            fqdn = (f"{member.metadata.name}.neonvm-etcd-headless.{chartdefaults.NAMESPACE}"
+                    f".svc.cluster.local")
+            assert nodeservices.resolve(node, fqdn) == [member.status.pod_ip]
+            reverse = ".".join(reversed(member.status.pod_ip.split("."))) + ".in-addr.arpa"
+            assert nodeservices.resolve(node, reverse, nodeservices.PTR) == [fqdn]
+
+        lease = LeaseClient(api, chartdefaults.NAMESPACE, chartdefaults.RELEASE).get(10.0)
+        assert lease is not None and lease.holder
+        assert lease.holder.rsplit("_", 1)[0] in {p.metadata.name for p in replicas}
+
+        status = result.vm["status"]
+        assert status["phase"] == "Running"
+        assert converged(api, chartdefaults.VM_NAMESPACE, [result.vm["metadata"]["name"]])
+        assert core.read_namespaced_pod(result.vm_pod, chartdefaults.VM_NAMESPACE
+                                        ).spec.node_name == node.name
+        assert "NEONVM_GUEST_READY" in result.guest_log, result.guest_log[-3000:]
+        assert f"app: argv hello from the chart {helm}" in result.guest_log, \
+            result.guest_log[-3000:]
+
+        out = result.test_output
+        assert "Phase:          Succeeded" in out or "Phase: Succeeded" in out, out
+        assert "/healthz?verbose: 200" in out, out
+        assert "answered over TLS" in out, out
+        assert "refused without a client certificate" in out, out
+    finally:
+        chartdefaults.uninstall(cluster, node, helm)
+        api.close()
+
+
+# ---- the node's DNS and Service routing, as pure functions ------------------------------
+
+
+def _service(ns: str, name: str, cluster_ip: str | None, ports: list[dict[str, object]]
+             ) -> dict[str, object]:
+    return {"metadata": {"namespace": ns, "name": name},
+            "spec": {"clusterIP": cluster_ip, "ports": ports}}
+
+
+def _slice(ns: str, svc: str, endpoints: list[dict[str, object]],
+           ports: list[dict[str, object]]) -> dict[str, object]:
+    return {"metadata": {"namespace": ns, "name": f"{svc}-x",
+                         "labels": {"kubernetes.io/service-name": svc}},
+            "addressType": "IPv4", "endpoints": endpoints, "ports": ports}
+
+
+SERVICES = [
+    _service("default", "kubernetes", "10.96.0.1", [{"name": "https", "port": 443}]),
+    _service("ns", "etcd", "10.96.0.20", [{"name": "client", "port": 2379}]),
+    _service("ns", "etcd-headless", "None", [{"name": "peer", "port": 2380}]),
+]
+SLICES = [
+    _slice("ns", "etcd", [{"addresses": ["10.251.1.5"], "conditions": {"ready": True}},
+                          {"addresses": ["10.251.1.6"], "conditions": {"ready": False}},
+                          {"addresses": ["10.251.1.7"], "conditions": {}}],
+           [{"name": "client", "port": 2379}]),
+    _slice("ns", "etcd-headless",
+           [{"addresses": ["10.251.1.5"], "hostname": "etcd-0", "conditions": {"ready": True}},
+            {"addresses": ["10.251.1.6"], "hostname": "etcd-1",
+             "conditions": {"ready": False}}],
+           [{"name": "peer", "port": 2380}]),
+]
+
+
+def _query(name: str, qtype: int) -> bytes:
+    import struct
+
+    return (struct.pack("!HHHHHH", 7, 0x0100, 1, 0, 0, 0) + nodeservices._encode(name)
+            + struct.pack("!HH", qtype, 1))
+
+
+@pytest.mark.unit
+def test_node_dns_tables_follow_the_kubernetes_dns_specification() -> None:
+    t = nodeservices.build_tables(SERVICES, SLICES)
+    # A ClusterIP Service: its ClusterIP; a headless one: its ready endpoints, and a
+    # name per endpoint with a hostname (a StatefulSet member), with its reverse.
+    assert t.a["etcd.ns.svc.cluster.local"] == ["10.96.0.20"]
+    assert t.a["etcd-headless.ns.svc.cluster.local"] == ["10.251.1.5"]
+    assert t.a["etcd-0.etcd-headless.ns.svc.cluster.local"] == ["10.251.1.5"]
+    assert "etcd-1.etcd-headless.ns.svc.cluster.local" not in t.a
+    assert t.ptr["10.251.1.5"] == "etcd-0.etcd-headless.ns.svc.cluster.local"
+    # Routes: ready endpoints (no condition counts as ready), never the `kubernetes`
+    # Service (the node forwards it to the API server itself).
+    assert t.routes == [nodeservices.Route("10.96.0.20", 2379, "tcp",
+                                           (("10.251.1.5", 2379), ("10.251.1.7", 2379)))]
+    rules = nodeservices.restore_text("NVS-t", t.routes).splitlines()
+    assert rules[:2] == ["*nat", ":NVS-t - [0:0]"] and rules[-1] == "COMMIT"
+    assert "--probability 0.50000 -j DNAT --to-destination 10.251.1.5:2379" in rules[2]
+    assert rules[3].endswith("--dport 2379 -j DNAT --to-destination 10.251.1.7:2379")
+
+
+@pytest.mark.unit
+def test_node_dns_answers_a_ptr_nodata_and_nxdomain_and_leaves_other_names() -> None:
+    import struct
+
+    t = nodeservices.build_tables(SERVICES, SLICES)
+
+    def reply(name: str, qtype: int) -> tuple[int, int, bytes]:
+        out = nodeservices.answer(_query(name, qtype), t)
+        assert out is not None
+        ident, flags, _qd, count = struct.unpack("!HHHH", out[:8])
+        assert ident == 7 and flags & 0x8000
+        return flags & 0xF, count, out
+
+    rcode, count, out = reply("etcd-0.etcd-headless.ns.svc.cluster.local", nodeservices.A)
+    assert (rcode, count) == (nodeservices.NOERROR, 1) and out.endswith(
+        bytes([10, 251, 1, 5]))
+    assert reply("etcd.ns.svc.cluster.local.", nodeservices.AAAA)[:2] == (0, 0)  # NODATA
+    assert reply("ns.svc.cluster.local", nodeservices.A)[:2] == (0, 0)  # empty non-terminal
+    assert reply("nope.ns.svc.cluster.local", nodeservices.A)[0] == nodeservices.NXDOMAIN
+    rcode, count, out = reply("5.1.251.10.in-addr.arpa", nodeservices.PTR)
+    assert (rcode, count) == (0, 1)
+    assert out.endswith(nodeservices._encode("etcd-0.etcd-headless.ns.svc.cluster.local"))
+    # Names outside the cluster domain, and addresses it does not know, are forwarded.
+    assert nodeservices.answer(_query("example.com", nodeservices.A), t) is None
+    assert nodeservices.answer(_query("9.9.9.9.in-addr.arpa", nodeservices.PTR), t) is None
+
+
+@pytest.mark.unit
+def test_etcd_image_is_the_built_binary_under_the_charts_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The chart's etcd image for the real node: the etcd binary built here at
+    ``/usr/local/bin/etcd`` (on PATH: the chart runs ``etcd``), named as the chart's
+    ``etcd.bundled.image``, the same bytes each time; refused when the versions differ."""
+    import io
+    import json
+    import tarfile
+
+    from neonvm.dev import chartdefaults
+
+    fake = tmp_path / "etcd"
+    fake.write_bytes(b"#!/bin/sh\n")
+    monkeypatch.setenv("NEONVM_BIN_ETCD", str(fake))
+    monkeypatch.setenv("NEONVM_CACHE_DIR", str(tmp_path / "cache"))
+    name = chartdefaults.chart_etcd_image()
+    assert name.endswith(":" + binaries.ETCD_VERSION)
+    first = chartdefaults.etcd_image_archive().read_bytes()
+    chartdefaults.etcd_image_archive().unlink()
+    assert chartdefaults.etcd_image_archive().read_bytes() == first
+    with tarfile.open(fileobj=io.BytesIO(first)) as tar:
+        index = json.load(tar.extractfile("index.json"))  # type: ignore[arg-type]
+        [manifest_ref] = index["manifests"]
+        assert manifest_ref["annotations"]["io.containerd.image.name"] == name
+        blob = tar.extractfile(f"blobs/sha256/{manifest_ref['digest'][7:]}")
+        manifest = json.load(blob)  # type: ignore[arg-type]
+        config = json.load(tar.extractfile(  # type: ignore[arg-type]
+            f"blobs/sha256/{manifest['config']['digest'][7:]}"))
+        assert any(e.startswith("PATH=/usr/local/bin:") for e in config["config"]["Env"])
+        layer = tar.extractfile(f"blobs/sha256/{manifest['layers'][0]['digest'][7:]}")
+        with tarfile.open(fileobj=layer, mode="r:gz") as files:  # type: ignore[arg-type]
+            etcd = files.getmember("usr/local/bin/etcd")
+            assert etcd.mode == 0o755
+            assert files.extractfile(etcd).read() == fake.read_bytes()  # type: ignore[union-attr]
+    with pytest.raises(realnode.RealNodeError, match="another version"):
+        chartdefaults.etcd_image_archive("gcr.io/etcd-development/etcd:v3.5.0")

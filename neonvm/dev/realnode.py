@@ -236,9 +236,12 @@ class NodePorts:
 class RealNode:
     """Real node ``index`` of ``cluster``: paths, configs, start and stop."""
 
-    def __init__(self, cluster: LocalCluster, index: int = 0) -> None:
+    def __init__(self, cluster: LocalCluster, index: int = 0, cluster_dns: bool = False
+                 ) -> None:
         self.cluster = cluster
         self.index = index
+        # Cluster DNS and ClusterIP routing for this node's pods (neonvm.dev.nodeservices).
+        self.cluster_dns = cluster_dns
         self.name = node_name(index)
         self.dir = cluster.state_dir / f"rn{index}"
         # One tag per (state dir, node): cgroup root and bridge must not collide with
@@ -417,6 +420,8 @@ disabled_plugins = ["io.containerd.nri.v1.nri"]
             "imageGCLowThresholdPercent": 99,
             "nodeStatusReportFrequency": "10s",
             "serializeImagePulls": False,
+            **({"clusterDNS": [self.node_ip], "clusterDomain": "cluster.local"}
+               if self.cluster_dns else {}),
         }
 
     def _serving_cert(self, pki: LocalPKI) -> CertPair:
@@ -457,6 +462,11 @@ disabled_plugins = ["io.containerd.nri.v1.nri"]
         self._make_cgroup_root()
         self._make_bridge()
         self._forward_control_plane()
+        if self.cluster_dns:
+            from neonvm.dev import nodeservices
+
+            nodeservices.start(self)
+            progress(f"{self.name}: cluster DNS and Service routing on {self.node_ip}")
         ctrd_name, kubelet_name = self.process_names()
         ctrd_bin = binaries.require("containerd")
         env = {**os.environ, "PATH": f"{ctrd_bin.parent}:{os.environ.get('PATH', '')}"}
@@ -616,7 +626,9 @@ disabled_plugins = ["io.containerd.nri.v1.nri"]
 
     def stop(self, timeout: float = 60.0) -> list[str]:
         """Stop the node and remove what it left on the host; return what was cleaned."""
-        done: list[str] = []
+        from neonvm.dev import nodeservices
+
+        done: list[str] = nodeservices.stop(self)
         ctrd_name, kubelet_name = self.process_names()
         if self.cluster.process_alive(kubelet_name, "kubelet"):
             pid = self.cluster.process_pid(kubelet_name)
