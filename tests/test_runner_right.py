@@ -7,8 +7,9 @@
   deadline has passed.
 * The real wiring: the kill holds the QEMU process by a pidfd; an ask has an overall
   deadline against a server that drips its answer.
-* A real runner under real QEMU against a rights server in the test: no QEMU before the
-  first grant; when grants stop, QEMU is SIGKILLed and the runner exits non-zero.
+* A real runner under real QEMU against the shipped rights endpoint (its listener,
+  service, ledger and token cache: tests/rights_support.py): no QEMU before the first
+  grant; when grants stop, QEMU is SIGKILLed and the runner exits non-zero.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import json
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -41,6 +41,7 @@ from neonvm.api.rights import (
     bearer_matches,
     right_bearer,
 )
+from neonvm.dev.cluster import free_port
 from neonvm.runner.errors import SpecError
 from neonvm.runner.right import (
     RightConfig,
@@ -54,11 +55,15 @@ from neonvm.runner.right import (
     rights_addresses,
 )
 from neonvm.runner.state import ExitCode
+from tests.guest.build import GuestImage
+from tests.rights_support import ShippedLeader
 from tests.support import wait_for
+from tests.test_runner import test_guest  # noqa: F401 (a fixture: the tiny guest)
 
 REPO = Path(__file__).resolve().parent.parent
 UID = "5d0c1f7e-2b1a-4c3d-8e9f-0a1b2c3d4e5f"
 TOKEN = b"the-vms-scaling-token"
+NAMESPACE, VM = "tests", "fenced"
 D = 30.0
 
 
@@ -517,81 +522,19 @@ def test_an_ask_has_an_overall_deadline_not_one_per_read() -> None:
 # ---- a real runner under real QEMU -----------------------------------------------------------
 
 
-class RightsServer:
-    """The leader's rights endpoint, as the test wants it: grants only while ``granting``
-    and only for the expected bearer; counts asks."""
+@pytest.fixture
+def leader() -> Iterator[Callable[..., ShippedLeader]]:
+    """The shipped rights endpoint (tests/rights_support.py) for the runner's VM and pod."""
+    made: list[ShippedLeader] = []
 
-    def __init__(self, seconds: float, host: str = "127.0.0.1") -> None:
-        self.granting = False
-        self.condemning = False
-        self.asks = 0
-        self.refused_bearers = 0
-        self.requests: list[str] = []
-        """Every request line received, whatever its method or path."""
-        outer = self
+    def make(seconds: float, host: str = "127.0.0.1") -> ShippedLeader:
+        made.append(ShippedLeader(seconds, token=TOKEN, pod_uid=UID, namespace=NAMESPACE,
+                                  vm=VM, host=host))
+        return made[-1]
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                outer.requests.append(self.requestline)
-                self._answer(404, {"reason": "NotFound"})
-
-            def do_POST(self) -> None:
-                outer.requests.append(self.requestline)
-                body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
-                outer.asks += 1
-                request = RightRequest.from_dict(json.loads(body))
-                if not bearer_matches(self.headers.get("Authorization"), TOKEN,
-                                      request.pod_uid) or request.pod_uid != UID:
-                    outer.refused_bearers += 1
-                    self._answer(401, {"reason": "Unauthorized"})
-                elif outer.condemning:
-                    self._answer(403, {"reason": CONDEMNED, "message": "condemned"})
-                elif outer.granting:
-                    self._answer(200, {"seconds": seconds})
-                else:
-                    self._answer(503, {"reason": NOT_LEADER})
-
-            def _answer(self, status: int, doc: dict[str, Any]) -> None:
-                data = json.dumps(doc).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *_: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer((host, 0), Handler)
-        self.server.daemon_threads = True
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.server.server_address[0]}:{self.server.server_port}"
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
-@pytest.fixture(scope="module")
-def tiny_guest(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    from neonvm.runner.host import optional_binary
-    from tests.guest.build import build_guest, missing
-
-    absent = missing()
-    if optional_binary("qemu-system-x86_64") is None:
-        absent.append("qemu-system-x86_64 (scripts/setup-qemu.sh)")
-    if absent:
-        pytest.skip("cannot boot a guest here, missing: " + ", ".join(absent))
-    return build_guest(tmp_path_factory.mktemp("guest"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    yield make
+    for server in made:
+        server.close()
 
 
 def qemu_of(work_dir: Path) -> list[int]:
@@ -607,25 +550,12 @@ def qemu_of(work_dir: Path) -> list[int]:
     return found
 
 
-@pytest.fixture
-def rights() -> Iterator[Callable[..., RightsServer]]:
-    made: list[RightsServer] = []
-
-    def make(seconds: float, host: str = "127.0.0.1") -> RightsServer:
-        made.append(RightsServer(seconds, host))
-        return made[-1]
-
-    yield make
-    for server in made:
-        server.close()
-
-
 @dataclass
 class FencedRunner:
-    """A real runner under test, self-fencing against a :class:`RightsServer`."""
+    """A real runner under test, self-fencing against the shipped rights endpoint."""
 
     proc: subprocess.Popen[bytes]
-    leader: RightsServer
+    leader: ShippedLeader
     work_dir: Path
     log_path: Path
     termination_log: Path
@@ -638,20 +568,21 @@ class FencedRunner:
 
 
 @pytest.fixture
-def fenced_runner(tmp_path: Path, tiny_guest: Any,
-                  rights: Callable[..., RightsServer]) -> Iterator[Callable[[float],
-                                                                            FencedRunner]]:
-    """Start a runner with ``--rights-url`` (the tiny guest; the right of ``seconds``)."""
+def fenced_runner(tmp_path: Path, test_guest: GuestImage,  # noqa: F811 (the fixture)
+                  leader: Callable[..., ShippedLeader]) -> Iterator[Callable[[float],
+                                                                             FencedRunner]]:
+    """Start a runner with ``--rights-url`` (the tiny guest; the right of ``seconds``)
+    against a standby :func:`leader` of its own."""
     started: list[FencedRunner] = []
 
     def start(seconds: float) -> FencedRunner:
-        leader = rights(seconds)
+        rights = leader(seconds)
         token_file = tmp_path / "token"
         token_file.write_bytes(TOKEN + b"\n")
         spec = {"terminationGracePeriodSeconds": 30, "guest": {
             "cpus": {"min": 1, "max": 1}, "memorySlotSize": "128Mi",
             "memorySlots": {"min": 1, "max": 1}, "rootDisk": {"image": ""},
-            "kernelImage": str(tiny_guest.kernel), "initrdImage": str(tiny_guest.initrd),
+            "kernelImage": str(test_guest.kernel), "initrdImage": str(test_guest.initrd),
             "appendKernelCmdline": "quiet neonvm.test=powerdown"}}
         spec_file = tmp_path / "spec.json"
         spec_file.write_text(json.dumps(spec))
@@ -659,17 +590,17 @@ def fenced_runner(tmp_path: Path, tiny_guest: Any,
         termination_log.write_text("")
         work_dir = tmp_path / "work"
         env = {k: v for k, v in os.environ.items() if not k.startswith("NEONVM_")}
-        env.update({"NEONVM_VM_NAME": "fenced", "NEONVM_VM_NAMESPACE": "tests"})
+        env.update({"NEONVM_VM_NAME": VM, "NEONVM_VM_NAMESPACE": NAMESPACE})
         args = [sys.executable, "-m", "neonvm.runner.main", "--spec-file", str(spec_file),
                 "--port", str(free_port()), "--listen-address", "127.0.0.1",
                 "--work-dir", str(work_dir), "--disks-dir", str(tmp_path / "disks"),
                 "--termination-log", str(termination_log),
                 "--scaling-token-file", str(token_file), "--pod-uid", UID,
-                "--rights-url", leader.url, "--right-seconds", str(seconds)]
+                "--rights-url", rights.url, "--right-seconds", str(seconds)]
         log_path = tmp_path / "runner.log"
         with (tmp_path / "console.log").open("wb") as out, log_path.open("wb") as err:
             proc = subprocess.Popen(args, env=env, stdout=out, stderr=err, cwd=REPO)
-        started.append(FencedRunner(proc, leader, work_dir, log_path, termination_log))
+        started.append(FencedRunner(proc, rights, work_dir, log_path, termination_log))
         return started[-1]
 
     yield start
@@ -690,27 +621,28 @@ def test_a_runner_starts_qemu_only_with_a_right_and_kills_it_when_the_right_runs
     runner = fenced_runner(3.0)  # asks every 1 s, each within 0.5 s
     leader, proc = runner.leader, runner.proc
 
-    # (a) no grant yet: the runner asks, again and again, and starts no QEMU.
-    wait_for(lambda: leader.asks >= 4 or proc.poll() is not None, timeout=60,
-             what="four asks for a right")
+    # (a) no term yet: the runner asks, again and again, and starts no QEMU.
+    wait_for(lambda: leader.answered(503, NOT_LEADER) >= 4 or proc.poll() is not None,
+             timeout=60, what="four asks answered NotLeader")
     assert proc.poll() is None, runner.log()
     assert runner.qemu() == []
     assert "waiting for the first right to run" in runner.log()
-    assert leader.refused_bearers == 0
 
-    # The first grant starts QEMU; renewals keep it.
-    leader.granting = True
+    # A term begins: the first grant starts QEMU; renewals keep it.
+    leader.lead()
     started = wait_for(runner.qemu, timeout=60, what="QEMU to start")
     wait_for(lambda: "ready marker seen" in runner.log() or proc.poll() is not None,
              timeout=240, interval=0.2, what="the guest to boot")
     assert proc.poll() is None, runner.log()
-    asks_while_running = leader.asks
-    wait_for(lambda: leader.asks >= asks_while_running + 3, timeout=60,
+    grants_while_running = leader.answered(200)
+    wait_for(lambda: leader.answered(200) >= grants_while_running + 3, timeout=60,
              what="three renewals")
     assert proc.poll() is None and runner.qemu() == started
+    assert leader.marks == [(NAMESPACE, f"{VM}-p", UID)]  # the term's first grant wrote it
 
-    # (b) grants stop: the watchdog SIGKILLs QEMU, and the runner exits non-zero.
-    leader.granting = False
+    # (b) the term ends and no other begins: the watchdog SIGKILLs QEMU, the runner
+    # exits non-zero.
+    leader.depose()
     code = proc.wait(timeout=120)
     log = runner.log()
     assert code == ExitCode.QEMU_FAILED, log
@@ -721,7 +653,8 @@ def test_a_runner_starts_qemu_only_with_a_right_and_kills_it_when_the_right_runs
     assert runner.termination_log.read_text().startswith("self-fenced: no right to run")
     assert runner.qemu() == []
     assert log.count("QEMU started") == 1  # and never restarted
-    assert leader.refused_bearers == 0
+    # Every ask was well formed and its bearer right: only grants and NotLeader.
+    assert leader.answered() == leader.answered(200) + leader.answered(503, NOT_LEADER)
 
 
 def cpu_ticks(pid: int) -> int | None:
@@ -742,7 +675,7 @@ def test_a_runner_frozen_past_its_deadline_kills_qemu_on_the_thaw(
     prints how long, and how much CPU, QEMU had after it (a measurement, not a bound)."""
     seconds = 3.0
     runner = fenced_runner(seconds)
-    runner.leader.granting = True
+    runner.leader.lead()
     wait_for(lambda: "ready marker seen" in runner.log() or runner.proc.poll() is not None,
              timeout=240, interval=0.2, what="the guest to boot")
     [qemu] = runner.qemu()
@@ -751,7 +684,7 @@ def test_a_runner_frozen_past_its_deadline_kills_qemu_on_the_thaw(
     os.kill(runner.proc.pid, signal.SIGSTOP)
     os.kill(qemu, signal.SIGSTOP)
     frozen_at = time.monotonic()
-    runner.leader.granting = False  # and nobody grants meanwhile
+    runner.leader.depose()  # and nobody grants meanwhile
     wait_for(lambda: time.monotonic() > frozen_at + 2 * seconds, timeout=60,
              what="the right to run out while frozen")
     before = cpu_ticks(qemu)
@@ -778,8 +711,8 @@ def test_a_runner_frozen_past_its_deadline_kills_qemu_on_the_thaw(
 def test_a_runner_stopped_before_its_first_grant_never_starts_qemu(
         fenced_runner: Callable[[float], FencedRunner]) -> None:
     runner = fenced_runner(3.0)
-    wait_for(lambda: runner.leader.asks >= 2 or runner.proc.poll() is not None, timeout=60,
-             what="two asks for a right")
+    wait_for(lambda: runner.leader.answered(503, NOT_LEADER) >= 2
+             or runner.proc.poll() is not None, timeout=60, what="two asks answered NotLeader")
     runner.proc.send_signal(signal.SIGTERM)
     assert runner.proc.wait(timeout=60) == ExitCode.GUEST_POWERED_OFF, runner.log()
     assert "QEMU started" not in runner.log()
@@ -789,14 +722,15 @@ def test_a_runner_stopped_before_its_first_grant_never_starts_qemu(
 def test_a_runner_condemned_before_its_first_grant_exits_without_starting_qemu(
         fenced_runner: Callable[[float], FencedRunner]) -> None:
     runner = fenced_runner(3.0)
-    wait_for(lambda: runner.leader.asks >= 2 or runner.proc.poll() is not None, timeout=60,
-             what="two asks for a right")
+    wait_for(lambda: runner.leader.answered(503, NOT_LEADER) >= 2
+             or runner.proc.poll() is not None, timeout=60, what="two asks answered NotLeader")
     assert runner.proc.poll() is None, runner.log()
-    runner.leader.condemning = True
+    runner.leader.condemn()
     assert runner.proc.wait(timeout=60) == ExitCode.RUNNER_ERROR, runner.log()
     assert "QEMU started" not in runner.log()
     assert runner.termination_log.read_text().startswith("condemned by the leader")
     assert runner.qemu() == []
+    assert runner.leader.answered(403, CONDEMNED) >= 1 and runner.leader.answered(200) == 0
 
 
 @pytest.mark.parametrize(("drop", "path", "message"), [
@@ -805,7 +739,8 @@ def test_a_runner_condemned_before_its_first_grant_exits_without_starting_qemu(
     (None, "/nonexistent", "--rights-url needs setpriv"),
 ])
 def test_a_self_fencing_runner_that_cannot_fence_refuses_to_start(
-        tmp_path: Path, tiny_guest: Any, drop: str | None, path: str | None,
+        tmp_path: Path, test_guest: GuestImage,  # noqa: F811 (the fixture)
+        drop: str | None, path: str | None,
         message: str) -> None:
     from neonvm.runner.host import optional_binary
 
@@ -813,8 +748,8 @@ def test_a_self_fencing_runner_that_cannot_fence_refuses_to_start(
     assert qemu is not None
     token_file = tmp_path / "token"
     token_file.write_bytes(TOKEN)
-    spec = {"guest": {"kernelImage": str(tiny_guest.kernel),
-                      "initrdImage": str(tiny_guest.initrd), "rootDisk": {"image": ""}}}
+    spec = {"guest": {"kernelImage": str(test_guest.kernel),
+                      "initrdImage": str(test_guest.initrd), "rootDisk": {"image": ""}}}
     spec_file = tmp_path / "spec.json"
     spec_file.write_text(json.dumps(spec))
     flags = {"--pod-uid": UID, "--scaling-token-file": str(token_file)}
