@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from neonvm.runner.guestnet import DEFAULT_GUEST_NETWORK, frame_verdict
+from neonvm.runner.guestnet import DEFAULT_GUEST_NETWORK, Blocked, frame_verdict
+from tests.rights_support import ShippedLeader
 from tests.support import wait_for
 from tests.test_guest_isolation import (
     ACK,
@@ -31,11 +32,11 @@ from tests.test_guest_isolation import (
     tcp,
     udp,
 )
-from tests.test_runner_right import TOKEN, UID, RightsServer
+from tests.test_runner_right import NAMESPACE, TOKEN, UID, VM
 
 RIGHTS4 = ipaddress.ip_address("10.96.12.34")  # a Service's cluster IP
 RIGHTS6 = ipaddress.ip_address("fd00:10:96::1234")
-BLOCKED = frozenset({(RIGHTS4, 8443), (RIGHTS6, 8443)})
+BLOCKED = Blocked.of(frozenset({(RIGHTS4, 8443), (RIGHTS6, 8443)}))
 
 
 def verdict(frame: bytes) -> str | None:
@@ -114,10 +115,12 @@ def test_a_guest_cannot_reach_the_rights_endpoint_its_runner_renews_through(
     kernel = initramfs.build_initramfs(tmp_path / "runner-kernel")
     _raw, root_disk = guestdisk.build_rootfs(tmp_path / "root-disk")
 
-    leader = RightsServer(30.0, address)  # a right of the default length: never lost here
-    leader.granting = True
+    # The shipped rights endpoint, leading; a right of the default length: never lost here.
+    leader = ShippedLeader(30.0, token=TOKEN, pod_uid=UID, namespace=NAMESPACE, vm=VM,
+                           host=address)
+    leader.lead()
     egress = listen(address, "secret-egress")  # the same address, another port
-    port = leader.server.server_port
+    port = leader.server.port
     script = "\n".join([
         'try() { name=$1; shift; out=$(timeout 8 "$@" 2>&1 | head -c 300 | tr "\\n" " ");',
         '  case "$out" in *HTTP/*|*secret-*) echo "attack $name: REACHED $out";;',
@@ -136,7 +139,7 @@ def test_a_guest_cannot_reach_the_rights_endpoint_its_runner_renews_through(
     spec_file.write_text(yaml.safe_dump(spec))
     console_path, log_path = tmp_path / "console.log", tmp_path / "runner.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith("NEONVM_")}
-    env.update({"NEONVM_VM_NAME": "fenced", "NEONVM_VM_NAMESPACE": "tests"})
+    env.update({"NEONVM_VM_NAME": VM, "NEONVM_VM_NAMESPACE": NAMESPACE})
     with console_path.open("wb") as out, log_path.open("wb") as err:
         proc = subprocess.Popen(
             [sys.executable, "-m", "neonvm.runner.main", "--spec-file", str(spec_file),
@@ -156,9 +159,10 @@ def test_a_guest_cannot_reach_the_rights_endpoint_its_runner_renews_through(
         assert "attack: done" in text, text[-3000:] + log_path.read_text()
         # Dropped by the filter: the guest's connection attempt times out...
         assert "attack rights: unreachable (nc: timed out" in text, "\n".join(report)
-        # ...while the runner, beside it, renews through the same address and port.
-        assert leader.asks >= 1 and leader.refused_bearers == 0
-        assert not [r for r in leader.requests if "guest-probe" in r], leader.requests
+        # ...while the runner, beside it, renews through the same address and port; the
+        # guest's probe never got there (it would be answered 404).
+        assert leader.answered(200) >= 1
+        assert leader.answered(404) == 0 and leader.answered() == leader.answered(200)
         assert "(a blocked endpoint)" in log_path.read_text()  # the filter says why
         # The guest keeps the rest of its network, that address included.
         assert f"attack egress: REACHED {egress.secret}" in text, "\n".join(report)

@@ -135,11 +135,30 @@ def _transport_verdict(proto: int, segment: bytes, dst: str, is_dns: bool,
     return f"protocol {proto} to {where}"
 
 
-Endpoint = tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+Endpoint = tuple[IPAddress, int]
 """An address and port the guest may not open flows to (:func:`frame_verdict`)."""
 
 
-def _blocked_verdict(proto: int, segment: bytes, where: str, ports: set[int],
+@dataclass(frozen=True)
+class Blocked:
+    """The endpoints the guest may not open flows to (the rights URL, resolved at start),
+    as the two sets :func:`frame_verdict` tests, built once rather than per frame: their
+    ports (closed on every address) and their addresses (any fragment to them dropped)."""
+
+    ports: frozenset[int] = frozenset()
+    addresses: frozenset[IPAddress] = frozenset()
+
+    @classmethod
+    def of(cls, endpoints: frozenset[Endpoint]) -> Blocked:
+        return cls(frozenset(port for _, port in endpoints),
+                   frozenset(address for address, _ in endpoints))
+
+
+NOTHING_BLOCKED = Blocked()
+
+
+def _blocked_verdict(proto: int, segment: bytes, where: str, ports: frozenset[int],
                      fragment: bool, at_address: bool, first: bool) -> str | None:
     """The verdict for a packet to an open address while ``ports`` are blocked: on every
     address (the guest reaches the leader's pod IP as well as the rights Service,
@@ -181,8 +200,7 @@ def ipv6_nameserver(resolv_conf: str) -> bool:
 
 
 def frame_verdict(frame: bytes, net: GuestNetwork = DEFAULT_GUEST_NETWORK,
-                  dns6: bool = False, blocked: frozenset[Endpoint] = frozenset()
-                  ) -> str | None:
+                  dns6: bool = False, blocked: Blocked = NOTHING_BLOCKED) -> str | None:
     """None if the guest's ``frame`` may go to slirp; otherwise why it is dropped.
     ``dns6``: DNS to the IPv6 alias passes (the container has an IPv6 nameserver, see
     :func:`ipv6_nameserver`); without it, that is a connection to the loopback.
@@ -204,10 +222,9 @@ def frame_verdict(frame: bytes, net: GuestNetwork = DEFAULT_GUEST_NETWORK,
         dst = ipaddress.IPv4Address(packet[16:20])
         frag = struct.unpack_from("!H", packet, 6)[0]
         if not _closed4(dst, net):
-            ports = {port for _address, port in blocked}
-            return _blocked_verdict(packet[9], packet[ihl:], str(dst), ports,
-                                    bool(frag & 0x3FFF), any(a == dst for a, _ in blocked),
-                                    not frag & 0x1FFF) if ports else None
+            return _blocked_verdict(packet[9], packet[ihl:], str(dst), blocked.ports,
+                                    bool(frag & 0x3FFF), dst in blocked.addresses,
+                                    not frag & 0x1FFF) if blocked.ports else None
         if frag & 0x3FFF:  # more fragments, or an offset: judged whole nowhere, so dropped
             return f"IPv4 fragment to {dst}"
         return _transport_verdict(packet[9], packet[ihl:], str(dst), dst == net.dns,
@@ -217,14 +234,15 @@ def frame_verdict(frame: bytes, net: GuestNetwork = DEFAULT_GUEST_NETWORK,
             return "malformed IPv6 header"
         dst6 = ipaddress.IPv6Address(packet[24:40])
         if not _closed6(dst6, net):
-            ports = {port for _address, port in blocked}
+            if not blocked.ports:
+                return None
             proto, segment, first = packet[6], packet[40:], True
             if proto == IPV6_FRAGMENT and len(packet) >= 48:  # the next header, its offset
                 proto, segment = packet[40], packet[48:]
                 first = not struct.unpack_from("!H", packet, 42)[0] & 0xFFF8
-            return _blocked_verdict(proto, segment, f"[{dst6}]", ports,
-                                    packet[6] == IPV6_FRAGMENT,
-                                    any(a == dst6 for a, _ in blocked), first) if ports else None
+            return _blocked_verdict(proto, segment, f"[{dst6}]", blocked.ports,
+                                    packet[6] == IPV6_FRAGMENT, dst6 in blocked.addresses,
+                                    first)
         is_dns6 = dst6 == net.dns6
         if is_dns6 and not dns6 and packet[6] in (TCP, UDP):
             why = _transport_verdict(packet[6], packet[40:], f"[{dst6}]", False, False,
@@ -251,7 +269,7 @@ class GuestNetFilter:
                  blocked: frozenset[Endpoint] = frozenset()) -> None:
         """``dns6``, ``blocked``: see :func:`frame_verdict` (the runner reads
         ``/etc/resolv.conf`` at start; ``blocked`` is the rights URL, resolved at start)."""
-        self.blocked = blocked
+        self.blocked = Blocked.of(blocked)
         self.from_qemu = from_qemu
         self.to_qemu = to_qemu
         self.net = net
