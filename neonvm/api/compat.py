@@ -80,8 +80,6 @@ UNIMPLEMENTED: tuple[Unimplemented, ...] = (
                   "no Multus interface is attached"),
     Unimplemented("spec.tls", lambda s: s.tls is not None,
                   "no certificate is provisioned"),
-    Unimplemented("spec.overcommit", lambda s: s.overcommit is not None,
-                  "the runner pod's resources are not discounted"),
     Unimplemented("spec.enableNetworkMonitoring", lambda s: bool(s.enable_network_monitoring),
                   "no network monitoring runs"),
     Unimplemented("spec.guest.memhpAutoMovableRatio",

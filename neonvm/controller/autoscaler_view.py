@@ -11,7 +11,9 @@ expect:
   vCPUs the runner plugged (:func:`landed_cpus`);
 * ``status.currentRevision`` to be ``spec.targetRevision`` stamped with the time it
   landed (:func:`propagate_revision`), once status reports the spec's size;
-* the VM's ``autoscaling.neon.tech/`` labels and annotations on the pod
+* the VM's ``autoscaling.neon.tech/`` labels and annotations on the pod, and NeonVM's
+  ``vm.neon.tech/overcommit`` annotation for ``spec.overcommit`` (:func:`overcommit_json`;
+  the scheduler plugin discounts the pod's usage by it), kept in step
   (:func:`metadata_drift`).
 
 Nothing here does I/O. Why none of these writes can put an older size back:
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+from decimal import Decimal, InvalidOperation
 from typing import TYPE_CHECKING, Any
 
 from kubernetes.client.exceptions import ApiException
@@ -37,6 +40,43 @@ if TYPE_CHECKING:
 
 AUTOSCALING_PREFIX = "autoscaling.neon.tech/"
 """Labels and annotations of the VM kept in sync onto its runner pod."""
+ANNOTATION_OVERCOMMIT = "vm.neon.tech/overcommit"
+"""NeonVM's runner pod annotation: ``spec.overcommit`` as JSON (``{"cpu":"2"}``), present
+only when the spec has it; NeonVM's scheduler plugin (``pkg/plugin``) reads it."""
+
+
+def overcommit_json(vm: VirtualMachine) -> str | None:
+    """:data:`ANNOTATION_OVERCOMMIT` for ``vm`` (None without ``spec.overcommit``): the
+    factors set, as NeonVM's controller marshals them (each a canonical quantity:
+    ``1.5`` is ``"1500m"``)."""
+    overcommit = vm.spec.overcommit
+    if overcommit is None:
+        return None
+    factors = {k: _canonical_quantity(v) for k, v in (("cpu", overcommit.cpu),
+                                                      ("memory", overcommit.memory))
+               if v is not None}
+    return json.dumps(factors, separators=(",", ":"))
+
+
+def _canonical_quantity(text: str) -> str:
+    """A plain decimal quantity as Kubernetes prints it (``1.5`` and ``1500m`` are
+    ``"1500m"``, ``2.0`` is ``"2"``); anything else (a suffix, an exponent, finer than a
+    milli) as written."""
+    written = str(text).strip()
+    milli = written.endswith("m")
+    try:
+        value = Decimal(written[:-1] if milli else written)
+    except InvalidOperation:
+        return written
+    if not value.is_finite() or "e" in written.lower():
+        return written
+    value = value / 1000 if milli else value
+    if value == value.to_integral_value():
+        return str(int(value))
+    thousandths = value * 1000
+    if thousandths == thousandths.to_integral_value():
+        return f"{int(thousandths)}m"
+    return written
 
 
 def landed_cpus(vm: VirtualMachine, vcpus: int) -> MilliCPU:
@@ -129,15 +169,33 @@ def propagate_revision(new: VirtualMachineStatus, vm: VirtualMachine,
     return True
 
 
+def _synced(field: str, key: str) -> bool:
+    """Whether the pod's ``field`` entry ``key`` is kept as the VM says."""
+    return key.startswith(AUTOSCALING_PREFIX) or (
+        field == "annotations" and key == ANNOTATION_OVERCOMMIT)
+
+
+def wanted_metadata(vm: VirtualMachine) -> dict[str, dict[str, str]]:
+    """The synced labels and annotations the VM's runner pod should carry: the VM's
+    ``autoscaling.neon.tech/`` ones and :data:`ANNOTATION_OVERCOMMIT` from the spec (never
+    from a VM annotation of that name)."""
+    labels = {k: str(v) for k, v in (vm.labels or {}).items()
+              if k.startswith(AUTOSCALING_PREFIX)}
+    annotations = {k: str(v) for k, v in (vm.annotations or {}).items()
+                   if k.startswith(AUTOSCALING_PREFIX)}
+    overcommit = overcommit_json(vm)
+    if overcommit is not None:
+        annotations[ANNOTATION_OVERCOMMIT] = overcommit
+    return {"labels": labels, "annotations": annotations}
+
+
 def metadata_drift(vm: VirtualMachine, pod_meta: dict[str, Any]) -> dict[str, Any] | None:
-    """A JSON merge patch of the pod's ``metadata`` that makes its ``autoscaling.neon.tech/``
-    labels and annotations the VM's (added, changed, removed: None values), or None when
-    they are the same already."""
+    """A JSON merge patch of the pod's ``metadata`` that makes its synced labels and
+    annotations (:func:`wanted_metadata`) the VM's (added, changed, removed: None values),
+    or None when they are the same already."""
     patch: dict[str, Any] = {}
-    for field, wanted in (("labels", vm.labels), ("annotations", vm.annotations)):
-        have = {k: v for k, v in (pod_meta.get(field) or {}).items()
-                if k.startswith(AUTOSCALING_PREFIX)}
-        want = {k: v for k, v in (wanted or {}).items() if k.startswith(AUTOSCALING_PREFIX)}
+    for field, want in wanted_metadata(vm).items():
+        have = {k: v for k, v in (pod_meta.get(field) or {}).items() if _synced(field, k)}
         change: dict[str, str | None] = {k: v for k, v in want.items() if have.get(k) != v}
         change.update({k: None for k in have if k not in want})
         if change:
@@ -146,20 +204,22 @@ def metadata_drift(vm: VirtualMachine, pod_meta: dict[str, Any]) -> dict[str, An
 
 
 AutoscalingMeta = tuple[tuple[str, str, str], ...]
-"""``(field, key, value)`` of the ``autoscaling.neon.tech/`` labels and annotations, sorted."""
+"""``(field, key, value)`` of the synced labels and annotations, sorted."""
 
 
 def autoscaling_meta(labels: dict[str, str] | None,
                      annotations: dict[str, str] | None) -> AutoscalingMeta:
-    """The ``autoscaling.neon.tech/`` labels and annotations as one comparable value."""
+    """A pod's synced labels and annotations (``autoscaling.neon.tech/``, and
+    :data:`ANNOTATION_OVERCOMMIT`) as one comparable value."""
     return tuple(sorted((field, k, str(v)) for field, values in (
         ("labels", labels), ("annotations", annotations))
-        for k, v in (values or {}).items() if k.startswith(AUTOSCALING_PREFIX)))
+        for k, v in (values or {}).items() if _synced(field, k)))
 
 
 def vm_autoscaling_meta(vm: VirtualMachine) -> AutoscalingMeta:
-    """What the VM's runner pod should carry under ``autoscaling.neon.tech/``."""
-    return autoscaling_meta(vm.labels, vm.annotations)
+    """What the VM's runner pod should carry (:func:`wanted_metadata`)."""
+    wanted = wanted_metadata(vm)
+    return autoscaling_meta(wanted["labels"], wanted["annotations"])
 
 
 class Invalid(str):

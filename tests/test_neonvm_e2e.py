@@ -1,0 +1,116 @@
+"""NeonVM's own e2e suite, run as kuttl runs it, against this controller on simulated nodes.
+
+``tests/neonvm_manifests/autoscaling/`` holds verbatim copies of NeonVM's ``tests/e2e``
+(its 13 kuttl tests) and the two samples its ``vm-migration`` test applies, laid out as in
+NeonVM's repository so the tests' relative paths resolve. ``tests/kuttl.py`` runs them
+with kuttl's semantics (kuttl itself cannot be built here). Each test gets a fresh
+namespace, a controller replica watching it, and the module's kube-scheduler named
+``autoscale-scheduler``, as NeonVM's suite expects.
+
+:data:`REACH` is the specification: for every test, the step it stops at here and why
+(what it needs that the simulated nodes or this package do not have). The whole suite,
+with kuttl's own timeouts (a failing step waits its full timeout), runs with
+``NEONVM_TEST_LONG=1``; by default only the steps that pass run.
+docs/neonvm-compat.md, "NeonVM's e2e suite", has the table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from kubernetes import client
+
+from neonvm.dev.cluster import LocalCluster
+from tests.kuttl import Runner, StepResult, is_subset, load_test
+from tests.support import replica_group
+from tests.test_neonvm_manifests import autoscale_scheduler  # noqa: F401  (a fixture)
+
+SUITE = Path(__file__).resolve().parent / "neonvm_manifests" / "autoscaling" / "tests" / "e2e"
+TESTS = sorted(p.name for p in SUITE.iterdir() if p.is_dir())
+
+NEEDS_AGENT = "NeonVM's autoscaler-agent (scales cpus.use to 250m idle, up under load)"
+NEEDS_EXEC = "kubectl exec into the runner pod and SSH into a vm-builder guest"
+
+REACH: dict[str, tuple[int | None, str]] = {
+    # test: (the first step that fails here, None if all pass; what it needs)
+}
+"""Where each of NeonVM's tests stops on the simulated nodes, and why."""
+
+
+def run(api: client.ApiClient, cluster: LocalCluster, namespace: str, tmp: Path, test: str,
+        last_step: int | None = None) -> list[StepResult]:
+    runner = Runner(api, cluster.kubeconfig)
+    with replica_group(cluster, api, namespace, tmp / "replicas") as group:
+        group.start("c1")
+        return list(runner.run_test(SUITE / test, namespace, last_step=last_step))
+
+
+@pytest.fixture
+def e2e(cluster: LocalCluster, api: client.ApiClient, namespace: str, tmp_path: Path,
+        autoscale_scheduler: str) -> Iterator[tuple[LocalCluster, client.ApiClient, str, Path]]:  # noqa: F811
+    yield cluster, api, namespace, tmp_path
+
+
+@pytest.mark.cluster
+@pytest.mark.slow
+@pytest.mark.long
+@pytest.mark.parametrize("test", TESTS)
+def test_neonvms_e2e_test_reaches_the_step_it_is_specified_to(
+        e2e: tuple[LocalCluster, client.ApiClient, str, Path], test: str) -> None:
+    cluster, api, namespace, tmp = e2e
+    results = run(api, cluster, namespace, tmp, test)
+    for r in results:
+        print(f"{test} {r.label}: {'passed' if r.passed else 'FAILED: ' + r.reason}")
+    stops_at, why = REACH[test]
+    failed = [r for r in results if not r.passed]
+    steps = [s.index for s in load_test(SUITE / test)]
+    if stops_at is None:
+        assert not failed and [r.index for r in results] == steps
+    else:
+        assert [r.index for r in results if r.passed] == [i for i in steps if i < stops_at]
+        assert failed[0].index == stops_at, (why, failed[0].reason)
+
+
+# ---- the runner's own semantics (kuttl's) ------------------------------------------------------
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("expected", "actual", "ok"), [
+    ({"a": 1}, {"a": 1, "b": 2}, True),
+    ({"a": {"b": "x"}}, {"a": {"b": "x", "c": 1}}, True),
+    ({"a": [{"t": "A"}]}, {"a": [{"t": "A", "s": "True"}]}, True),
+    # lists must have the same length: a status with more conditions than listed fails
+    ({"a": [{"t": "A"}]}, {"a": [{"t": "A"}, {"t": "B"}]}, False),
+    ({"a": 1}, {"a": "1"}, False),
+    ({"a": 1}, {"a": 2}, False),
+    ({"a": 1}, {}, False),
+    ({"a": True}, {"a": 1}, False),
+])
+def test_an_assert_matches_as_kuttls_is_subset(expected: object, actual: object,
+                                               ok: bool) -> None:
+    assert (is_subset(expected, actual) is None) is ok
+
+
+@pytest.mark.unit
+def test_the_suites_files_load_as_kuttl_groups_them() -> None:
+    assert len(TESTS) == 14
+    steps = load_test(SUITE / "autoscaling.revisions")
+    assert [(s.index, s.name) for s in steps] == [
+        (0, "create-vm"), (1, "change-target-revision"), (2, "upscale")]
+    assert [o["kind"] for o in steps[0].apply] == ["Service", "VirtualMachine", "ConfigMap"]
+    assert steps[0].test_assert["timeout"] == 90
+    assert steps[1].asserts[0]["status"]["currentRevision"]["revision"] == {
+        "value": 1, "flags": 123}
+    # a timestamp stays a string, as kubectl and kuttl read it
+    assert steps[0].apply[1]["spec"]["targetRevision"]["updatedAt"] == "2006-01-02T15:04:05Z"
+    (delete,) = load_test(SUITE / "autoscaling")[2].test_step["delete"]
+    assert delete == {"apiVersion": "v1", "kind": "Pod", "name": "workload"}
+    # vm-migration applies NeonVM's sample by a path relative to the test, after the
+    # objects of the step's own file
+    migration = load_test(SUITE / "vm-migration")
+    assert [o["kind"] for o in migration[0].apply][:3] == ["Pod", "Service", "VirtualMachine"]
+    assert migration[1].apply[0]["kind"] == "VirtualMachineMigration"
+    # vm-ssh's assert file has two TestAsserts: kuttl keeps the last
+    assert "scp" in load_test(SUITE / "vm-ssh")[0].test_assert["commands"][0]["script"]
