@@ -38,7 +38,7 @@ from neonvm.runner.host import KvmProbe, choose_accel, probe_kvm
 from neonvm.runner.qemu import LaunchContext, build_launch_plan, cpu_layout, memory_layout
 from neonvm.runner.spec import load_spec, parse_spec_document
 from neonvm.runner.state import ExitCode, RunnerState, Sizing, decide_outcome
-from neonvm.runner.supervisor import is_marker_line, shutdown_budget
+from neonvm.runner.supervisor import is_marker_line, shutdown_budget, split_console_lines
 from tests.guest.build import GuestImage, build_guest, missing
 from tests.support import wait_for
 
@@ -416,6 +416,23 @@ def test_the_marker_counts_only_as_a_whole_line() -> None:
     assert not is_marker_line('  "readyMarker": "NEONVM_GUEST_READY",', "NEONVM_GUEST_READY")
     assert not is_marker_line("[0.0] Command line: x=NEONVM_GUEST_READY", "NEONVM_GUEST_READY")
     assert not is_marker_line("NEONVM_GUEST_READY", "")
+
+
+@pytest.mark.unit
+def test_a_kernel_record_inside_a_line_does_not_split_it() -> None:
+    # Seen on the real node: the kernel's record landed between the marker and its newline.
+    record = b"[    4.311707] IPv6: ADDRCONF(NETDEV_CHANGE): eth0: link becomes ready\r\n"
+    assert split_console_lines(b"NEONVM_GUEST_READY" + record + b"\r\n") == (
+        [b"NEONVM_GUEST_READY\r"], b"")
+    # Inside the marker itself, and arriving in two chunks.
+    lines, rest = split_console_lines(b"NEONVM_GU" + record[:20])
+    assert (lines, rest) == ([], b"NEONVM_GU" + record[:20])
+    lines, rest = split_console_lines(rest + record[20:] + b"EST_READY")
+    assert (lines, rest) == ([], b"NEONVM_GUEST_READY")
+    assert split_console_lines(rest + b"\r\nnext") == ([b"NEONVM_GUEST_READY\r"], b"next")
+    # A record that starts its own line stays a line of its own.
+    assert split_console_lines(record + b"app: running\n") == (
+        [record[:-1], b"app: running"], b"")
 
 
 @dataclass

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import re
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
@@ -73,6 +74,25 @@ def is_marker_line(line: str, marker: str) -> bool:
     may print its config, and either may contain the marker text without meaning it.
     """
     return bool(marker) and line.strip() == marker
+
+
+# A kernel log record that began after other text on its line: the kernel writes its
+# console records straight to the UART, so one can land inside a line a guest program had
+# queued (seen: "NEONVM_GUEST_READY[    4.311707] IPv6: ... ready" and then the newline).
+_INTERLEAVED_KERNEL_RECORD = re.compile(rb"(?<=[^\n])\[ *\d+\.\d+\][^\n]*\n")
+
+
+def split_console_lines(pending: bytes) -> tuple[list[bytes], bytes]:
+    """The complete lines of ``pending`` as the guest's programs wrote them, and the rest.
+
+    Kernel records that interrupted a line are taken out first (the console file keeps
+    them), so a marker or a size report split by one is still one line. A record at the
+    start of a line is a line of its own and stays."""
+    cut = pending.rfind(b"\n") + 1
+    if cut == 0:
+        return [], pending
+    *lines, unfinished = _INTERLEAVED_KERNEL_RECORD.sub(b"", pending[:cut]).split(b"\n")
+    return lines, unfinished + pending[cut:]
 
 
 class Supervisor:
@@ -240,7 +260,7 @@ class Supervisor:
                 self._console.write(chunk)
                 self._console.flush()
             pending += chunk
-            *lines, pending = pending.split(b"\n")
+            lines, pending = split_console_lines(pending)
             for line in lines:
                 self._console_line(line)
             if len(pending) > 65536:
