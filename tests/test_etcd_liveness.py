@@ -6,6 +6,12 @@
   correctly configured standby then leads (docs/leader-election.md, "A replica its etcd
   refuses"). Before, it retried its epoch claim, refused, every retry period while
   holding the Lease, so no standby could lead.
+* **A leader cut off the locks' etcd but not the API server** cannot act (no lock, no
+  epoch claim), yet its renewals keep the Lease. A standby that reaches etcd sees no
+  presence of the leader's term there and asks it to step down (the step-down request
+  of ``neonvm leader step-down``); the leader hands over and the standby leads
+  (docs/leader-election.md, "A leader cut off the locks' etcd"). Before, the leader kept
+  the Lease for as long as the partition lasted.
 
 Real servers: the session's API server and its locks etcd (TLS, client certificates,
 auth on, a role per user), replicas as their own processes.
@@ -13,6 +19,7 @@ auth on, a role per user), replicas as their own processes.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import secrets
 import subprocess
@@ -28,6 +35,7 @@ from kubernetes import client
 
 from neonvm.dev.cluster import LOCKS_ETCD_ROOT, LocalCluster
 from neonvm.dev.replica import controller_argv
+from neonvm.drills.proxy import FaultProxy
 from neonvm.leader.etcd import Etcd, EtcdConfig
 from tests.support import FAST, wait_for
 
@@ -86,11 +94,11 @@ def replicas(cluster: LocalCluster, namespace: str, tmp_path: Path
     their logs printed (pytest shows them when the test failed)."""
     started: list[Replica] = []
 
-    def start(name: str, etcd: EtcdConfig) -> Replica:
+    def start(name: str, etcd: EtcdConfig, *extra: str) -> Replica:
         argv = controller_argv(kubeconfig=str(cluster.kubeconfig_for("controller")),
                                etcd_endpoints=etcd, identity=name,
                                lease_namespace=namespace, watch_namespace=namespace,
-                               extra=FAST)
+                               extra=(*FAST, *extra))
         log_path = tmp_path / f"{name}.log"
         with log_path.open("wb") as log:
             proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
@@ -173,3 +181,52 @@ def test_a_role_revoked_while_running_ends_the_term_releases_and_exits_3_a_stand
     assert leader.said("stopped leading") and leader.said("released the Lease"), \
         leader.messages()
     assert good.errors() == [], good.messages()
+
+
+TEST_TIMINGS = ("--lease-duration", "3", "--renew-deadline", "2", "--retry-period", "0.5")
+"""The test column of docs/leader-election.md's timings: the presence lease is then 6 s
+and a standby asks after 6 s without presence, so the handover comes about 12 s after
+the cut."""
+
+
+@pytest.mark.cluster
+@pytest.mark.slow
+@pytest.mark.long  # about 35 s (two replicas, a 12 s handover): opt-in, NEONVM_TEST_LONG=1
+def test_a_leader_cut_off_the_locks_etcd_only_is_asked_to_step_down_and_a_standby_leads(
+        cluster: LocalCluster, api: client.ApiClient, namespace: str, prefix: str,
+        tmp_path: Path) -> None:
+    """Two replicas, each reaching the locks' etcd through a proxy of its own; the
+    leader's is cut (a black hole, as a partition is). The standby, which still reads
+    etcd, finds no presence of the leader's term there and asks it to step down; the
+    leader (its renewals still reach the API server) ends its term and stands by, and
+    the standby leads under a higher epoch."""
+    etcd = cluster.locks_etcd_config(prefix)
+    host, port = etcd.endpoints[0].removeprefix("https://").rsplit(":", 1)
+    with FaultProxy((host, int(port))) as a, FaultProxy((host, int(port))) as b, \
+            replicas(cluster, namespace, tmp_path) as group:
+        proxies = {"replica-a": a, "replica-b": b}
+        started = {name: group["start"](name, dataclasses.replace(
+            etcd, endpoints=(f"https://127.0.0.1:{proxy.port}",)), *TEST_TIMINGS)
+            for name, proxy in proxies.items()}
+        wait_for(lambda: [r for r in started.values() if r.said("started leading")], 60,
+                 what="one replica leading")
+        first = _holder(api, namespace)
+        assert first is not None and first[0] in started, first
+        cut = started[first[0]]
+        other = next(r for r in started.values() if r is not cut)
+        wait_for(lambda: other.said("campaigning"), 60, what="the other replica campaigning")
+        with Etcd(etcd) as reader:  # the leader shows its term where the standby looks
+            key = f"{prefix}/{namespace}/{LEASE}/leader/presence"
+            shown = wait_for(lambda: reader.get(key), 30, what="the leader's presence key")
+            assert json.loads(shown.value) == {"identity": cut.name, "epoch": first[1]}
+
+        proxies[cut.name].cut()
+        wait_for(lambda: other.said("started leading"), 90, what="the standby leading")
+        after = _holder(api, namespace)
+        assert cut.proc.poll() is None, cut.messages()  # it stands by, it did not die
+        proxies[cut.name].heal()  # a quick stop at the end
+
+    assert after is not None and after[0] == other.name and after[1] > first[1], after
+    assert other.said(f"asked {cut.name} (epoch {first[1]}) to step down"), other.messages()
+    assert cut.said(f"step-down requested for epoch {first[1]}"), cut.messages()
+    assert cut.said(f"stopped leading, epoch {first[1]}: step-down"), cut.messages()

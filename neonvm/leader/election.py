@@ -123,7 +123,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from enum import Enum
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from kubernetes import client
 from loguru import logger
@@ -160,6 +160,15 @@ CLAIM_STALL_LIMIT = 30.0
 ACCESS_CHECK_PERIOD = 5.0
 """Seconds between two checks that the epoch floor's store still admits this replica
 (only with a floor that has ``check_access``; see :class:`AccessRefused`)."""
+
+PRESENCE_TTL_LEASES = 2
+"""The leader's presence key lives on an etcd lease of this many lease durations
+(rounded up to whole seconds; docs/leader-election.md, "A leader cut off the locks'
+etcd")."""
+
+PRESENCE_GRACE_LEASES = 2
+"""A standby asks a holder to step down once etcd has shown no presence of its term
+for this many lease durations in a row."""
 
 RESULT_POLL = 0.05
 """Longest the leader goes without looking at the answers of its calls in flight."""
@@ -289,6 +298,28 @@ class EpochFloor(Protocol):
     """
 
     def claim(self, epoch: int, identity: str) -> bool: ...
+
+
+@runtime_checkable
+class PresenceStore(Protocol):
+    """Where the leading term shows that it reaches the store of its locks (the locks'
+    etcd); an :class:`EpochFloor` may be one. ``keep_presence`` blocks until ``stop``,
+    keeping a record of (identity, epoch) that disappears by itself ``ttl`` seconds after
+    the leader stops reaching the store; ``shows_presence`` reads it (raising when the
+    store does not answer)."""
+
+    def keep_presence(self, identity: str, epoch: int, ttl: int,
+                      stop: threading.Event) -> None: ...
+
+    def shows_presence(self, identity: str, epoch: int) -> bool: ...
+
+
+@runtime_checkable
+class StepDownWriter(Protocol):
+    """A Lease store that can write a step-down request (the one the CLI writes)."""
+
+    def request_step_down(self, base: LeaseRecord, request: StepDownRequest,
+                          timeout: float) -> LeaseRecord: ...
 
 
 class Leadership:
@@ -459,6 +490,9 @@ class LeaderElector:
         self._access_period = access_period
         self._refused: AccessRefused | None = None
         """Set once the floor's store refused this replica: the elector ends."""
+        self._presence = epoch_floor if isinstance(epoch_floor, PresenceStore) else None
+        """The leader keeps its presence there; standbys read it (None: no presence)."""
+        self._presence_ttl = max(2, math.ceil(PRESENCE_TTL_LEASES * config.lease_duration))
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = ElectionMetrics.register(self.registry)
         self._clock = clock
@@ -532,6 +566,9 @@ class LeaderElector:
         if self._access_check is not None:
             threading.Thread(target=self._access_loop, args=(watch_stop,), daemon=True,
                              name=f"access-check-{self.config.name}").start()
+        if self._presence is not None and isinstance(self._lease, StepDownWriter):
+            threading.Thread(target=self._presence_loop, args=(watch_stop,), daemon=True,
+                             name=f"presence-check-{self.config.name}").start()
         try:
             while not stop.is_set():
                 # Never two terms' work at once in one process: a term whose work is
@@ -598,6 +635,56 @@ class LeaderElector:
                                 err=short_error(exc))
             if stop.wait(self._access_period):
                 return
+
+    def _presence_loop(self, stop: threading.Event) -> None:
+        """While not leading: ask the holder to step down once the locks' etcd has
+        shown no presence of its term for ``PRESENCE_GRACE_LEASES`` lease durations in
+        a row, read every second by this replica (so it reaches etcd itself). A holder
+        cut off from etcd can do nothing, yet keeps the Lease while it reaches the API
+        server; an etcd this replica cannot read proves nothing, and restarts the count.
+        """
+        assert self._presence is not None and isinstance(self._lease, StepDownWriter)
+        grace = PRESENCE_GRACE_LEASES * self.config.lease_duration
+        subject: tuple[str, int] | None = None
+        absent_since: float | None = None
+        while not stop.wait(min(1.0, self.config.lease_duration / 2)):
+            record = self._observed.record
+            if (self._leadership is not None or record is None or not record.holder
+                    or record.holder == self.config.identity):
+                subject = absent_since = None
+                continue
+            if subject != (record.holder, record.transitions):
+                subject, absent_since = (record.holder, record.transitions), None
+            try:
+                shown = self._presence.shows_presence(record.holder, record.transitions)
+            except Exception:  # etcd away from us too: no evidence either way
+                absent_since = None
+                continue
+            now = self._clock()
+            if shown:
+                absent_since = None
+            elif absent_since is None:
+                absent_since = now
+            elif now - absent_since >= grace:
+                absent_since = None  # ask again after another grace if it stays away
+                self._ask_to_step_down(record, grace)
+
+    def _ask_to_step_down(self, record: LeaseRecord, grace: float) -> None:
+        """Write a step-down request naming ``record``'s term (conditional on the
+        Lease's uid, holder and epoch still being that term's)."""
+        assert isinstance(self._lease, StepDownWriter)
+        request = StepDownRequest(record.holder, record.transitions,
+                                  format_microtime(datetime.now(UTC)))
+        try:
+            self._lease.request_step_down(record, request, self.config.renew_deadline)
+        except Exception as exc:  # its term ended meanwhile, or the API server is away
+            self._log.info("could not ask {holder} to step down: {err}",
+                           holder=record.holder, err=short_error(exc))
+            return
+        self._log.warning(
+            "asked {holder} (epoch {epoch}) to step down: the locks' etcd has shown no "
+            "presence of its term for {grace:g}s while this replica reaches it",
+            holder=record.holder, epoch=record.transitions, grace=grace)
 
     def _refuse(self, exc: AccessRefused) -> None:
         if self._refused is None:
@@ -777,8 +864,15 @@ class LeaderElector:
         self._log.info("started leading, epoch {epoch}", epoch=leadership.epoch)
         worker = threading.Thread(target=self._run_started, args=(leadership,),
                                   name=f"leader-work-{leadership.epoch}", daemon=True)
+        presence_stop = threading.Event()
+        if self._presence is not None:
+            threading.Thread(target=self._keep_presence, args=(term.epoch, presence_stop),
+                             name=f"presence-{term.epoch}", daemon=True).start()
         worker.start()
-        reason = self._renew_loop(term, stop)
+        try:
+            reason = self._renew_loop(term, stop)
+        finally:
+            presence_stop.set()
         self._end_term(leadership, reason, worker)
         if reason in (EndReason.STOP, EndReason.STEP_DOWN, EndReason.REFUSED):
             if worker.is_alive():
@@ -789,6 +883,14 @@ class LeaderElector:
             else:
                 self._release(term)
         return reason
+
+    def _keep_presence(self, epoch: int, stop: threading.Event) -> None:
+        assert self._presence is not None
+        try:
+            self._presence.keep_presence(self.config.identity, epoch, self._presence_ttl, stop)
+        except Exception as exc:
+            self._log.warning("keeping the presence key failed: {err}",
+                              err=short_error(exc))
 
     def _run_started(self, leadership: Leadership) -> None:
         """``on_started`` may block until ``lost`` or start workers and return; if it

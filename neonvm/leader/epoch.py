@@ -49,6 +49,7 @@ What is not guaranteed:
 from __future__ import annotations
 
 import json
+import threading
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -67,6 +68,7 @@ from neonvm.leader.etcd import (
     Put,
 )
 from neonvm.leader.lock import DEFAULT_INSTALLATION, Installation
+from neonvm.leader.session import Session
 
 MAX_EPOCH = 2**31 - 1
 """``leaseTransitions`` is an int32: no Lease, hence no term, can carry a higher epoch."""
@@ -93,6 +95,13 @@ def floor_key(prefix: str, installation: Installation) -> str:
     return f"{installation.root(prefix)}/leader/epoch-floor"
 
 
+def presence_key(prefix: str, installation: Installation) -> str:
+    """``<prefix>/<lease namespace>/<lease name>/leader/presence``: the leading term's
+    sign that it reaches the locks' etcd (docs/leader-election.md, "A leader cut off
+    the locks' etcd")."""
+    return f"{installation.root(prefix)}/leader/presence"
+
+
 def legacy_floor_key(prefix: str) -> str:
     """The floor of earlier versions, shared by every installation under the prefix."""
     return f"{prefix}/leader/epoch-floor"
@@ -112,6 +121,7 @@ class EpochFloor:
         self.etcd = etcd
         self.root = installation.root(prefix) + "/"
         self.key = floor_key(prefix, installation)
+        self.presence_key = presence_key(prefix, installation)
         self.legacy_key = legacy_floor_key(prefix)
         self.repairs = Counter(
             "neonvm_epoch_floor_repairs",
@@ -122,6 +132,65 @@ class EpochFloor:
         """The recorded floor, or None when no leader has claimed one yet; raises
         :class:`EpochFloorCorrupt` for a value this code cannot have written."""
         return self._parse(self.etcd.get(self.key))
+
+    def keep_presence(self, identity: str, epoch: int, ttl: int,
+                      stop: threading.Event) -> None:
+        """Until ``stop``: keep the presence key naming (``identity``, ``epoch``) on an
+        etcd lease of ``ttl`` seconds, kept alive (a :class:`Session`). Cut off from
+        etcd, the lease expires and the key goes with it, which standbys that reach etcd
+        read as "this term cannot use the locks". A new lease and a new write follow
+        once etcd answers again. Never writes over a higher epoch's record. Revokes
+        its lease on the way out (the key goes at once)."""
+        session: Session | None = None
+        try:
+            while not stop.is_set():
+                if session is None or session.lost.is_set():
+                    if session is not None:
+                        session.close(timeout=1.0)
+                        session = None
+                    try:
+                        session = Session(self.etcd, ttl, name=f"presence-{epoch}")
+                        if not self._write_presence(identity, epoch, session.lease_id):
+                            return  # a later term's record: ours is over
+                    except EtcdError as exc:
+                        logger.bind(epoch=epoch).debug("could not write the presence "
+                                                       "key: {err}", err=str(exc))
+                stop.wait(max(0.5, ttl / 3))
+        finally:
+            if session is not None:
+                session.close(timeout=1.0)
+
+    def _write_presence(self, identity: str, epoch: int, lease: int) -> bool:
+        """Put our record unless the key names a higher epoch (False then)."""
+        value = json.dumps({"identity": identity, "epoch": epoch},
+                           separators=(",", ":")).encode()
+        kv = self.etcd.get(self.presence_key)
+        while True:
+            shown = self._presence_of(kv)
+            if shown is not None and shown[1] > epoch:
+                return False
+            result = self.etcd.txn(
+                [Compare(self.presence_key, "mod", "==", kv.mod_revision if kv else 0)],
+                [Put(self.presence_key, value, lease)], [Get(self.presence_key)])
+            if result.succeeded:
+                return True
+            kvs = result.results[0].kvs
+            kv = kvs[0] if kvs else None
+
+    def shows_presence(self, identity: str, epoch: int) -> bool:
+        """Whether the presence key names (``identity``, ``epoch``); raises
+        :class:`~neonvm.leader.etcd.EtcdError` when etcd does not answer."""
+        return self._presence_of(self.etcd.get(self.presence_key)) == (identity, epoch)
+
+    @staticmethod
+    def _presence_of(kv: KeyValue | None) -> tuple[str, int] | None:
+        if kv is None:
+            return None
+        try:
+            data = json.loads(kv.value)
+            return str(data["identity"]), int(data["epoch"])
+        except (ValueError, KeyError, TypeError):
+            return None
 
     def check_access(self) -> None:
         """Raise :class:`~neonvm.leader.election.AccessRefused` unless etcd lets this

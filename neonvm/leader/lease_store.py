@@ -328,6 +328,29 @@ class KubernetesLeaseStore:
                 raise LeaseNotFound("the Lease is gone") from exc
             raise
 
+    def request_step_down(self, base: LeaseRecord, request: StepDownRequest,
+                          timeout: float) -> LeaseRecord:
+        """Write ``request`` if the Lease still has ``base``'s uid, holder and epoch (a
+        JSON patch with tests, like a renewal: the holder's renewals in between do not
+        make it fail); :class:`LeaseConflict` once that term is over."""
+        ops = held_patch(base, {})
+        annotations = (base.raw.get("metadata") or {}).get("annotations")
+        if annotations:
+            ops.append({"op": "add", "value": request.to_annotation(),
+                        "path": _pointer("metadata", "annotations", STEP_DOWN_ANNOTATION)})
+        else:
+            ops.append({"op": "add", "path": "/metadata/annotations",
+                        "value": {STEP_DOWN_ANNOTATION: request.to_annotation()}})
+        try:
+            return self._leases._call("PATCH", f"{self._leases.collection}/{self.name}",
+                                      split(timeout), ops,
+                                      content_type="application/json-patch+json")
+        except ApiException as exc:
+            if exc.status in (404, 409, 422):
+                raise LeaseConflict(f"the term of {base.holder!r} at epoch "
+                                    f"{base.transitions} is over ({exc.status})") from exc
+            raise
+
     def watch(self, timeout: float) -> Iterator[LeaseRecord | None]:
         """Watch this one Lease (from "now") for up to ``timeout`` seconds.
 
