@@ -29,6 +29,13 @@ RIGHT_SECONDS_ANNOTATION = "vm.neon.tech/right-seconds"
 DEFAULT_RIGHT_SECONDS = 30.0
 """D: how long one grant keeps a guest alive, counted from the runner's send time."""
 
+RIGHTS_URL_ENV = "NEONVM_RIGHTS_URL"
+"""The runner's environment variable for ``--rights-url``: set in a pod's (immutable)
+spec, it says the runner self-fences (the controller writes it, and reads it back
+before it condemns a pod)."""
+RIGHT_SECONDS_ENV = "NEONVM_RIGHT_SECONDS"
+"""The runner's environment variable for ``--right-seconds`` (D)."""
+
 DEFAULT_RHO = 0.05
 """rho: the bound on how much faster the leader's clock runs than any runner's: over any
 interval the leader's clock advances at most ``1 + rho`` times what the runner's does

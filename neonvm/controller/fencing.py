@@ -37,7 +37,12 @@ from kubernetes.client.exceptions import ApiException
 from loguru import logger
 
 from neonvm import kube
-from neonvm.api.rights import RIGHT_SECONDS_ANNOTATION, parse_annotation
+from neonvm.api.rights import (
+    RIGHT_SECONDS_ANNOTATION,
+    RIGHT_SECONDS_ENV,
+    RIGHTS_URL_ENV,
+    parse_annotation,
+)
 from neonvm.controller import decide as d
 from neonvm.controller.rights import RightsLedger
 
@@ -66,32 +71,16 @@ def candidate(pod: dict[str, Any]) -> float | None:
     return seconds if ready != "True" else None
 
 
-RUNNER_RIGHT_ENV = "NEONVM_RIGHT_SECONDS"
-
-
-def runner_seconds(pod: dict[str, Any]) -> float | None:
-    """The right the pod's runner was started with (its ``NEONVM_RIGHT_SECONDS``, in the
-    pod's immutable spec; the runner never keeps a right longer); None when the pod's
-    spec is not at hand (a cached pod keeps no environment)."""
-    for container in (pod.get("spec") or {}).get("containers") or []:
-        for env in container.get("env") or []:
-            if env.get("name") == RUNNER_RIGHT_ENV:
-                return parse_annotation(str(env.get("value")))
-    return None
-
-
-RUNNER_RIGHTS_URL_ENV = "NEONVM_RIGHTS_URL"
-
-
 def runner_self_fences(pod: dict[str, Any]) -> float | None:
     """The right the pod's runner renews, if its immutable spec says it self-fences (a
-    runner container with ``NEONVM_RIGHTS_URL`` set and a valid ``NEONVM_RIGHT_SECONDS``);
-    else None. The annotation alone never says so: whoever may patch pods may add it
-    (docs/security.md, "Rights endpoint")."""
+    runner container with :data:`~neonvm.api.rights.RIGHTS_URL_ENV` set and a valid
+    :data:`~neonvm.api.rights.RIGHT_SECONDS_ENV`); else None (a cached pod keeps no
+    environment: None too). The annotation alone never says so: whoever may patch pods
+    may add it (docs/security.md, "Rights endpoint")."""
     for container in (pod.get("spec") or {}).get("containers") or []:
         env = {e.get("name"): e.get("value") for e in container.get("env") or []}
-        if env.get(RUNNER_RIGHTS_URL_ENV) and env.get(RUNNER_RIGHT_ENV) is not None:
-            seconds = parse_annotation(str(env[RUNNER_RIGHT_ENV]))
+        if env.get(RIGHTS_URL_ENV) and env.get(RIGHT_SECONDS_ENV) is not None:
+            seconds = parse_annotation(str(env[RIGHT_SECONDS_ENV]))
             if seconds is not None:
                 return seconds
     return None

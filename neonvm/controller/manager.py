@@ -652,9 +652,10 @@ class ControllerProcess:
         return str(term.leadership.epoch) if term is not None else ""
 
     def rights_caches(self) -> tuple[Any, Any] | None:
-        """The leading term's synced (VM, pod) caches; None when not leading."""
+        """The leading term's synced (VM, pod) caches; None when not leading (whether the
+        term is still active the rights endpoint asks its ledger: RightsService)."""
         term = self._term
-        return term.synced_caches() if term is not None and term.active() else None
+        return term.synced_caches() if term is not None else None
 
     def _stopped(self) -> None:
         term = self._term

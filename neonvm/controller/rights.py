@@ -32,7 +32,6 @@ condemned.
 
 from __future__ import annotations
 
-import base64
 import itertools
 import json
 import math
@@ -66,6 +65,7 @@ from neonvm.api.rights import (
     dead_for_sure_after,
     parse_annotation,
 )
+from neonvm.controller.scaling_token import recorded_token, secret_path
 from neonvm.leader import health
 
 Clock = Callable[[], float]
@@ -260,9 +260,10 @@ def current_pod(vms: Caches, pods: Caches, namespace: str, vm_name: str,
 
 
 class TokenCache:
-    """The VMs' scaling tokens, read from the Secret recorded in status and used only if
-    its uid is the recorded one (as live scaling reads them). Kept ``ttl`` seconds; a
-    bearer that does not match re-reads a token older than ``refresh_after``.
+    """The VMs' scaling tokens, read as live scaling reads them
+    (:func:`~neonvm.controller.scaling_token.recorded_token`: the Secret recorded in
+    status, only with the recorded uid). Kept ``ttl`` seconds; a bearer that does not
+    match re-reads a token older than ``refresh_after``.
 
     A read that finds no token (Secret gone, not the recorded uid, no ``token`` key) is
     kept too, for ``refresh_after``; and reads are single-flight per key (one lock
@@ -284,8 +285,7 @@ class TokenCache:
         self._tokens: dict[tuple[str, str, str], tuple[bytes | None, float]] = {}
 
     def _get_secret(self, namespace: str, name: str) -> dict[str, Any] | None:
-        return kube.get_or_none(self._api, f"/api/v1/namespaces/{namespace}/secrets/"
-                                f"{kube.path_segment(name)}", timeout=5)
+        return kube.get_or_none(self._api, secret_path(namespace, name), timeout=5)
 
     def _cached(self, key: tuple[str, str, str], fresh: bool) -> tuple[bool, bytes | None]:
         with self._lock:
@@ -313,14 +313,8 @@ class TokenCache:
             if hit:
                 return value
             now = self._clock()
-            secret = self._read(namespace, name)
-            value = None
-            if secret is not None and (secret.get("metadata") or {}).get("uid") == uid:
-                raw = (secret.get("data") or {}).get("token")
-                try:
-                    value = base64.b64decode(raw).strip() or None if raw else None
-                except ValueError:  # not base64: as good as no token
-                    value = None
+            token = recorded_token(self._read(namespace, name), name, uid)
+            value = None if isinstance(token, str) else token
             with self._lock:
                 self._tokens[key] = (value, now)
                 if len(self._tokens) > 100_000:
@@ -345,8 +339,15 @@ MarkPod = Callable[[str, str, str], bool]
 class RightsService:
     """Answers one ``POST /v1/rights`` (transport-free; :class:`RightsServer` serves it).
 
-    ``caches()`` returns the term's (VM, pod) caches, or None while no term is active or
+    ``caches()`` returns the term's (VM, pod) caches, or None while there is no term or
     its caches have not synced.
+
+    **Leadership is checked twice per ask.** Once inside :meth:`RightsLedger.grant`,
+    under the ledger's lock with the record: the check safety needs (a grant is recorded,
+    and answered, only while the term holds, so it precedes the term's end and the next
+    term's ``term_start``). And once before anything else (:meth:`RightsLedger.active`,
+    cheap): not for safety, but so that a standby or a deposed term answers 503 without
+    reading a token Secret or writing the pod.
 
     **A term's first grant to a pod writes the pod first** (``mark_pod``: a patch of
     :data:`TERM_ANNOTATION` with a uid precondition; no grant if the pod is gone). The

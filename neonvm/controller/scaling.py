@@ -33,7 +33,6 @@ crosses the pod network in clear (plain HTTP); see docs/runner.md, "Live scaling
 
 from __future__ import annotations
 
-import base64
 import dataclasses
 import datetime as dt
 import json
@@ -58,8 +57,10 @@ from neonvm.controller import autoscaler_view, looks, podspec
 from neonvm.controller import decide as d
 from neonvm.controller.observe import Snapshot
 from neonvm.controller.reasons import RUNNER_MISBEHAVING_REASON, RUNNER_UNREACHABLE_REASON
+from neonvm.controller.scaling_token import TOKEN_KEY, recorded_token
+from neonvm.controller.scaling_token import secret_path as _secret_path
+from neonvm.controller.scaling_token import secrets_path as _secrets_path
 
-TOKEN_KEY = "token"
 STRATEGIC_MERGE_PATCH = "application/strategic-merge-patch+json"
 USAGE_ANNOTATION = "vm.neon.tech/usage"
 """NeonVM's runner-pod annotation with the guest's current size (JSON cpu, memory)."""
@@ -348,15 +349,10 @@ class RunnerScaling:
         except ApiException as exc:
             raise ScalingError(f"scaling token Secret {name}: {exc.status} {exc.reason}",
                                permanent=exc.status in (403, 404)) from None
-        secret_uid = (secret.get("metadata") or {}).get("uid")
-        if secret_uid != uid:
-            raise ScalingError(f"Secret {name} is not the one the controller created (uid "
-                               f"{secret_uid}, recorded {uid}): not used",
-                               permanent=True)
-        raw = (secret.get("data") or {}).get(TOKEN_KEY)
-        if not raw:
-            raise ScalingError(f"Secret {name} has no {TOKEN_KEY!r}", permanent=True)
-        return base64.b64decode(raw).decode().strip()
+        token = recorded_token(secret, name, uid)
+        if isinstance(token, str):
+            raise ScalingError(token, permanent=True)
+        return token.decode()
 
     # ---- the runner --------------------------------------------------------------------
 
@@ -827,16 +823,6 @@ def _parse_head(head: bytes, body_limit: int) -> tuple[int, int | None]:
         raise ScalingError(f"the runner announced an answer of {length} bytes, over "
                            f"{body_limit}: not read", misbehaving=True)
     return status, length
-
-
-def _secrets_path(namespace: str) -> str:
-    return f"/api/v1/namespaces/{kube.path_segment(namespace)}/secrets"
-
-
-def _secret_path(namespace: str, name: str) -> str:
-    """A Secret's path; ``name`` (read from a VM's status) percent-quoted
-    (docs/security.md, "Names stay in their namespace")."""
-    return f"{_secrets_path(namespace)}/{kube.path_segment(name)}"
 
 
 def _pod_path(namespace: str, name: str) -> str:

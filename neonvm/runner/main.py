@@ -29,7 +29,7 @@ import click
 from loguru import logger
 
 from neonvm import logs
-from neonvm.api.rights import DEFAULT_RIGHT_SECONDS
+from neonvm.api.rights import DEFAULT_RIGHT_SECONDS, RIGHT_SECONDS_ENV, RIGHTS_URL_ENV
 from neonvm.api.scale_protocol import ScaleLimits, ScaleTarget, parse_fence_floor
 from neonvm.runner.diskimage import ImageError, root_has_path
 from neonvm.runner.disks import DiskTools, check_prerequisites, prepare
@@ -415,14 +415,14 @@ def runner_options(command: Callable[..., None]) -> Callable[..., None]:
                      help="The runner's kernel (vmlinuz) and initramfs (initrd.cpio), booted "
                           "when the spec names no kernel and the root disk is a bare ext4 "
                           "filesystem."),
-        click.option("--rights-url", envvar="NEONVM_RIGHTS_URL",
+        click.option("--rights-url", envvar=RIGHTS_URL_ENV,
                      help="Self-fencing: the leader's rights endpoint (http://host:port). "
                           "QEMU starts only once a right to run is granted, and is killed "
                           "(SIGKILL) when the right is not renewed in time. Needs --pod-uid "
                           "and --scaling-token-file. Absent: no self-fencing."),
         click.option("--right-seconds", type=click.FloatRange(0, min_open=True),
                      default=DEFAULT_RIGHT_SECONDS, show_default=True,
-                     envvar="NEONVM_RIGHT_SECONDS",
+                     envvar=RIGHT_SECONDS_ENV,
                      help="How long one right lasts, counted from the ask's send time; "
                           "renewed every third of it."),
     ]
