@@ -15,8 +15,8 @@ step is also a command, see docs/real-node.md, "The chart with its defaults"):
 3. cluster DNS and ClusterIP routing on the node (``RealNode(cluster_dns=True)``,
    :mod:`neonvm.dev.nodeservices`): the members find each other by the headless
    Service's names, the controller reaches ``https://neonvm-etcd:2379``;
-4. every other node cordoned, so that the release's pods, without a node selector, all
-   land on the real node;
+4. every other Node object deleted while the release is installed (:func:`set_aside_others`),
+   so that its pods, without a node selector, all land on the real node;
 5. the local cluster's own runner-pod fence binding removed while the chart's is in
    force (as :mod:`neonvm.dev.chartnode` does).
 """
@@ -196,14 +196,27 @@ def ensure_volumes(api: client.ApiClient, node: RealNode, count: int, size: str 
     return made
 
 
-def cordon_others(api: client.ApiClient, node: RealNode, unschedulable: bool = True
-                  ) -> list[str]:
-    """Cordon (or uncordon) every node but ``node``; their names."""
+def set_aside_others(api: client.ApiClient, node: RealNode) -> list[str]:
+    """Delete every Node object but ``node``'s (the kwok nodes; :func:`bring_back`
+    makes them again); their names.
+
+    Not a cordon: the chart's default topology spread over ``kubernetes.io/hostname``
+    (``DoNotSchedule``, skew 1) counts a cordoned node as a domain with no replica, so a
+    second replica on the real node would exceed the skew and stay Pending."""
     core = client.CoreV1Api(api)
     names = [n.metadata.name for n in core.list_node().items if n.metadata.name != node.name]
     for name in names:
-        core.patch_node(name, {"spec": {"unschedulable": unschedulable or None}})
+        core.delete_node(name)
     return names
+
+
+def bring_back(cluster: LocalCluster) -> None:
+    """The simulated nodes :func:`set_aside_others` deleted, made again and Ready."""
+    from neonvm.dev import nodes
+
+    if cluster.spec.nodes > 0:
+        nodes.ensure_nodes(cluster)
+        nodes.wait_nodes_schedulable(cluster, 120)
 
 
 def helm(cluster: LocalCluster, binary: str) -> Helm:
@@ -292,8 +305,9 @@ def install_and_test(cluster: LocalCluster, node: RealNode, helm_binary: str = "
     api = kube.api_client(cluster.kubeconfig)
     try:
         ensure_volumes(api, node, 3)
-        cordoned = cordon_others(api, node)
-        progress(f"cordoned {cordoned}: every pod lands on {node.name}")
+        aside = set_aside_others(api, node)
+        progress(f"deleted the Nodes {aside} (made again by uninstall): every pod lands on "
+                 f"{node.name}")
         with contextlib.suppress(ApiException):
             client.AdmissionregistrationV1Api(api).delete_validating_admission_policy_binding(
                 manifests.POLICY_NAME)
@@ -352,7 +366,7 @@ def uninstall(cluster: LocalCluster, node: RealNode, helm_binary: str = "helm",
               timeout: float = 300) -> None:
     """Delete the test VMs, ``helm uninstall``, delete the members' claims (the
     StatefulSet leaves them), the test pod and the Lease, restore the local fence and
-    uncordon the other nodes."""
+    the simulated nodes."""
     from neonvm.testing.harness import delete_vm, get_vm
 
     api = kube.api_client(cluster.kubeconfig)
@@ -381,6 +395,6 @@ def uninstall(cluster: LocalCluster, node: RealNode, helm_binary: str = "helm",
                 or core.list_namespaced_persistent_volume_claim(NAMESPACE).items):
             time.sleep(1.0)
         kube.apply(api, manifests.admission_policy_binding())
-        cordon_others(api, node, unschedulable=False)
+        bring_back(cluster)
     finally:
         api.close()

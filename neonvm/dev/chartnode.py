@@ -71,8 +71,8 @@ def values(node: RealNode, image: str, replicas: int = 3) -> dict[str, Any]:
         # TLS with the controller's client certificate (the chart's default Secret,
         # written by etcd_client_secret). No NetworkPolicy: the locks' etcd is a process
         # on this host, not a pod a policy could select.
-        # Not the chart's bundled etcd: the node has no cluster DNS or kube-proxy, so
-        # its members could not find each other (docs/chart.md, "The bundled etcd").
+        # Not the chart's bundled etcd: the drill reads the locks from the local
+        # cluster's locks etcd. The bundled etcd on the real node: chartdefaults.
         "etcd": {"endpoints": [node.locks_etcd_url_for_pods],
                  "networkPolicy": {"enabled": False}, "bundled": {"enabled": False}},
         "nodeSelector": {REAL_LABEL: "true"},
