@@ -139,22 +139,27 @@ class EpochFloor:
         etcd lease of ``ttl`` seconds, kept alive (a :class:`Session`). Cut off from
         etcd, the lease expires and the key goes with it, which standbys that reach etcd
         read as "this term cannot use the locks". A new lease and a new write follow
-        once etcd answers again. Never writes over a higher epoch's record. Revokes
-        its lease on the way out (the key goes at once)."""
+        once etcd answers again, and the key is read every ``ttl / 3`` seconds and
+        written again if it went under a live lease. Never writes over a higher epoch's
+        record. Revokes its lease on the way out (the key goes at once)."""
         session: Session | None = None
         try:
             while not stop.is_set():
-                if session is None or session.lost.is_set():
-                    if session is not None:
-                        session.close(timeout=1.0)
-                        session = None
-                    try:
+                try:
+                    if session is None or session.lost.is_set():
+                        if session is not None:
+                            session.close(timeout=1.0)
+                            session = None
                         session = Session(self.etcd, ttl, name=f"presence-{epoch}")
                         if not self._write_presence(identity, epoch, session.lease_id):
                             return  # a later term's record: ours is over
-                    except EtcdError as exc:
-                        logger.bind(epoch=epoch).debug("could not write the presence "
-                                                       "key: {err}", err=str(exc))
+                    elif (not self.shows_presence(identity, epoch)  # deleted under a
+                          and not self._write_presence(identity, epoch,  # live lease
+                                                       session.lease_id)):
+                        return
+                except EtcdError as exc:
+                    logger.bind(epoch=epoch).debug("could not keep the presence key: "
+                                                   "{err}", err=str(exc))
                 stop.wait(max(0.5, ttl / 3))
         finally:
             if session is not None:
