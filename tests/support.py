@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import signal
 import socket
+import subprocess
 import time
 import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -17,6 +20,8 @@ from kubernetes import client
 if TYPE_CHECKING:
     from neonvm.api.types import Fence
     from neonvm.dev.cluster import LocalCluster
+    from neonvm.dev.pki import LocalPKI
+    from neonvm.leader.etcd import EtcdConfig
     from neonvm.testing.harness import Replicas
 
 T = TypeVar("T")
@@ -148,3 +153,101 @@ def closed_by_server(sock: socket.socket) -> bool:
         return False
     except OSError:
         return True
+
+
+class Clock:
+    """A fake monotonic clock: returns ``now``, which the test moves."""
+
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+# ---- an etcd of a test's own ---------------------------------------------------------------
+
+
+@dataclass
+class PrivateEtcd:
+    """One etcd process of a test's own: over TLS with client certificates, or plain
+    http. The test may stop it (:meth:`terminate`, :meth:`wait`) and start it again."""
+
+    state: Path
+    url: str
+    pki: LocalPKI
+    argv: list[str]
+    tls: bool
+    proc: subprocess.Popen[bytes] | None = None
+
+    def config(self, prefix: str) -> EtcdConfig:
+        """A client's config under ``prefix`` (with a client certificate over TLS)."""
+        from neonvm.leader.etcd import EtcdConfig
+
+        if not self.tls:
+            return EtcdConfig(endpoints=(self.url,), prefix=prefix)
+        holder = self.pki.issue("etcd-client", "neonvm")
+        return EtcdConfig(endpoints=(self.url,), prefix=prefix, ca=self.pki.ca.cert,
+                          cert=holder.cert, key=holder.key)
+
+    def start(self) -> None:
+        with (self.state / "etcd.log").open("ab") as log:
+            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT)
+
+    def terminate(self) -> None:
+        """Begin its graceful stop (SIGTERM, which etcd handles: it sends GOAWAY at once,
+        keeps the open streams until its request timeout, 7 s here, then resets them)."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+
+    def wait(self, timeout: float = 60) -> None:
+        assert self.proc is not None
+        self.proc.wait(timeout)
+
+    def kill(self) -> None:
+        """At the end: SIGKILL (its data dir is the test's, thrown away)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def etcd_answers(config: EtcdConfig) -> bool:
+    """Whether etcd answers a read under ``config``'s prefix now."""
+    from neonvm.leader.etcd import Etcd, EtcdError
+
+    try:
+        with Etcd(config) as client_:
+            client_.get(f"{config.prefix}/probe", timeout=2)
+    except EtcdError:
+        return False
+    return True
+
+
+@contextmanager
+def private_etcd(state: Path, tls: bool = True) -> Iterator[PrivateEtcd]:
+    """A :class:`PrivateEtcd` under ``state``, yielded once it answers, stopped after."""
+    from neonvm.dev import binaries
+    from neonvm.dev.cluster import free_port
+    from neonvm.dev.pki import LocalPKI
+
+    pki = LocalPKI(state / "pki")
+    client_port, peer = free_port(), free_port()
+    url = f"{'https' if tls else 'http'}://127.0.0.1:{client_port}"
+    argv = [str(binaries.require("etcd")), "--name=private", f"--data-dir={state / 'data'}",
+            f"--listen-client-urls={url}", f"--advertise-client-urls={url}",
+            f"--listen-peer-urls=http://127.0.0.1:{peer}",
+            f"--initial-advertise-peer-urls=http://127.0.0.1:{peer}",
+            f"--initial-cluster=private=http://127.0.0.1:{peer}",
+            "--unsafe-no-fsync", "--log-level=warn"]
+    if tls:
+        server = pki.issue("etcd-server", "etcd", server=True)
+        argv += [f"--cert-file={server.cert}", f"--key-file={server.key}",
+                 "--client-cert-auth", f"--trusted-ca-file={pki.ca.cert}"]
+    etcd = PrivateEtcd(state, url, pki, argv, tls)
+    etcd.start()
+    try:
+        probe = etcd.config("/probe")
+        wait_for(lambda: etcd_answers(probe), 60, what="the private etcd answering")
+        yield etcd
+    finally:
+        etcd.kill()

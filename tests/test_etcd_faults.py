@@ -28,8 +28,6 @@ import time
 import urllib.request
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -38,14 +36,11 @@ import grpc
 import pytest
 from kubernetes import client
 
-from neonvm.dev import binaries
-from neonvm.dev.cluster import LocalCluster, free_port
-from neonvm.dev.pki import LocalPKI
+from neonvm.dev.cluster import LocalCluster
 from neonvm.dev.replica import controller_argv
 from neonvm.leader.etcd import (
     Etcd,
     EtcdConfig,
-    EtcdError,
     EtcdUnavailable,
     WatchStream,
     went_away,
@@ -58,7 +53,7 @@ from neonvm.leader.lock import (
     lock_key,
 )
 from neonvm.leader.session import Session
-from tests.support import wait_for
+from tests.support import etcd_answers, private_etcd, wait_for
 
 NEONVM = [sys.executable, "-m", "neonvm"]
 RESET = "Stream removed (Data frame with END_STREAM flag received) " \
@@ -157,73 +152,6 @@ def test_a_watch_whose_stream_was_reset_went_away() -> None:
 # ---- a private etcd, stopped gracefully -----------------------------------------------------
 
 
-@dataclass
-class PrivateEtcd:
-    """One etcd process of this test's own, over TLS with client certificates."""
-
-    state: Path
-    url: str
-    pki: LocalPKI
-    argv: list[str]
-    proc: subprocess.Popen[bytes] | None = None
-
-    def config(self, prefix: str) -> EtcdConfig:
-        holder = self.pki.issue("etcd-client", "neonvm")
-        return EtcdConfig(endpoints=(self.url,), prefix=prefix, ca=self.pki.ca.cert,
-                          cert=holder.cert, key=holder.key)
-
-    def start(self) -> None:
-        with (self.state / "etcd.log").open("ab") as log:
-            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT)
-
-    def terminate(self) -> None:
-        """Begin its graceful stop (SIGTERM, which etcd handles: it sends GOAWAY at once,
-        keeps the open streams until its request timeout, 7 s here, then resets them)."""
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGTERM)
-
-    def wait(self) -> None:
-        assert self.proc is not None
-        self.proc.wait(60)
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-
-@contextmanager
-def private_tls_etcd(state: Path) -> Iterator[PrivateEtcd]:
-    pki = LocalPKI(state / "pki")
-    server = pki.issue("etcd-server", "etcd", server=True)
-    client_port, peer = free_port(), free_port()
-    url = f"https://127.0.0.1:{client_port}"
-    argv = [str(binaries.require("etcd")), "--name=private", f"--data-dir={state / 'data'}",
-            f"--listen-client-urls={url}", f"--advertise-client-urls={url}",
-            f"--listen-peer-urls=http://127.0.0.1:{peer}",
-            f"--initial-advertise-peer-urls=http://127.0.0.1:{peer}",
-            f"--initial-cluster=private=http://127.0.0.1:{peer}",
-            f"--cert-file={server.cert}", f"--key-file={server.key}",
-            "--client-cert-auth", f"--trusted-ca-file={pki.ca.cert}",
-            "--unsafe-no-fsync", "--log-level=warn"]
-    etcd = PrivateEtcd(state, url, pki, argv)
-    etcd.start()
-    try:
-        wait_for(lambda: _answers(etcd.config("/probe")), 60, what="the private etcd answering")
-        yield etcd
-    finally:
-        etcd.kill()
-
-
-def _answers(config: EtcdConfig) -> bool:
-    try:
-        with Etcd(config) as client_:
-            client_.get(f"{config.prefix}/probe", timeout=2)
-    except EtcdError:
-        return False
-    return True
-
-
 @pytest.fixture
 def prefix() -> str:
     return f"/t-{uuid.uuid4().hex[:10]}"
@@ -232,7 +160,7 @@ def prefix() -> str:
 @pytest.mark.cluster
 def test_a_lock_watch_exits_3_etcd_went_away_when_etcd_over_tls_stops_gracefully(
         tmp_path: Path, prefix: str) -> None:
-    with private_tls_etcd(tmp_path) as etcd:
+    with private_etcd(tmp_path) as etcd:
         config = etcd.config(prefix)
         watcher = subprocess.Popen(
             [*NEONVM, "locks", "watch", "--no-existing", "-o", "json"],
@@ -276,7 +204,7 @@ def test_a_lock_waiter_is_told_unavailable_and_the_holders_fencing_survives_the_
     waiter gets EtcdUnavailable, not a refusal; the holder keeps its lock through the
     stop (its session's 60 s TTL outlasts the restart), its fenced write succeeds after
     etcd is back, and the waiter is still refused."""
-    with private_tls_etcd(tmp_path) as etcd:
+    with private_etcd(tmp_path) as etcd:
         config = etcd.config(prefix)
         with Etcd(config) as holder_etcd, Etcd(config) as waiter_etcd:
             holder_session = Session(holder_etcd, ttl=60, name="holder")
@@ -305,7 +233,7 @@ def test_a_lock_waiter_is_told_unavailable_and_the_holders_fencing_survives_the_
                 assert "went away" in str(outcome[0]), outcome
 
                 etcd.start()
-                wait_for(lambda: _answers(config), 60, what="etcd back")
+                wait_for(lambda: etcd_answers(config), 60, what="etcd back")
                 assert guard.held, guard.lost_reason
                 assert guard.fenced_put(f"{prefix}/data", b"after the stop") > guard.token
                 with pytest.raises(LockHeld):

@@ -16,7 +16,6 @@ import sys
 import threading
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +24,7 @@ from click.testing import CliRunner
 from prometheus_client import CollectorRegistry
 
 from neonvm.cli import main as cli_main
-from neonvm.dev import binaries
-from neonvm.dev.cluster import LocalCluster, free_port
-from neonvm.dev.pki import LocalPKI
+from neonvm.dev.cluster import LocalCluster
 from neonvm.leader.epoch import EpochFloor, EpochFloorCorrupt, floor_key, legacy_floor_key
 from neonvm.leader.etcd import (
     Compare,
@@ -59,7 +56,7 @@ from neonvm.leader.lock import (
     parse_lock_key,
 )
 from neonvm.leader.session import Session
-from tests.support import wait_for
+from tests.support import private_etcd, wait_for
 
 PROGRAMS = Path(__file__).parent / "programs"
 NEONVM = [sys.executable, "-m", "neonvm"]
@@ -709,54 +706,13 @@ def test_an_unreachable_etcd_gives_a_clear_error_naming_it() -> None:
 # ---- TLS and authentication (private etcd processes) ---------------------------------
 
 
-@contextmanager
-def private_etcd(state: Path, tls: bool) -> Iterator[tuple[str, LocalPKI]]:
-    """An etcd of this test's own: TLS with client certificates, or plain http."""
-    pki = LocalPKI(state / "pki")
-    server = pki.issue("etcd-server", "etcd", server=True)
-    client, peer = free_port(), free_port()
-    scheme = "https" if tls else "http"
-    url = f"{scheme}://127.0.0.1:{client}"
-    argv = [str(binaries.require("etcd")), "--name=private", f"--data-dir={state / 'data'}",
-            f"--listen-client-urls={url}", f"--advertise-client-urls={url}",
-            f"--listen-peer-urls=http://127.0.0.1:{peer}",
-            f"--initial-advertise-peer-urls=http://127.0.0.1:{peer}",
-            f"--initial-cluster=private=http://127.0.0.1:{peer}",
-            "--unsafe-no-fsync", "--log-level=warn"]
-    if tls:
-        argv += [f"--cert-file={server.cert}", f"--key-file={server.key}",
-                 "--client-cert-auth", f"--trusted-ca-file={pki.ca.cert}"]
-    with (state / "etcd.log").open("wb") as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        yield url, pki
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def _answers(config: EtcdConfig) -> bool:
-    try:
-        with Etcd(config) as client:
-            client.get(f"{config.prefix}/probe", timeout=2)
-    except EtcdError:
-        return False
-    return True
-
-
 @pytest.mark.cluster
 def test_locks_work_over_tls_with_a_client_certificate_and_not_without(
     tmp_path: Path, prefix: str
 ) -> None:
-    with private_etcd(tmp_path, tls=True) as (url, pki):
-        holder = pki.issue("etcd-client", "neonvm")
-        config = EtcdConfig(endpoints=(url,), prefix=prefix, ca=pki.ca.cert,
-                            cert=holder.cert, key=holder.key)
-        wait_for(lambda: _answers(config), 60, what="TLS etcd answering")
+    with private_etcd(tmp_path, tls=True) as private:
+        url, pki = private.url, private.pki
+        config = private.config(prefix)
         with Etcd(config) as client, Session(client, ttl=5) as session:
             guard = LockManager(client, session, "replica-a", prefix).acquire(
                 "default", "vm-1", "uid-1", epoch=1)
@@ -771,9 +727,8 @@ def test_locks_work_over_tls_with_a_client_certificate_and_not_without(
 def test_locks_work_with_etcd_authentication_confined_to_the_prefix(
     tmp_path: Path, prefix: str
 ) -> None:
-    with private_etcd(tmp_path, tls=False) as (url, _pki):
-        admin = EtcdConfig(endpoints=(url,), prefix=prefix)
-        wait_for(lambda: _answers(admin), 60, what="etcd answering")
+    with private_etcd(tmp_path, tls=False) as private:
+        url, admin = private.url, private.config(prefix)
         with Etcd(admin) as client:
             client.enable_auth("root-secret", "neonvm", "s3cret", prefix)
         with Etcd(admin) as anonymous, pytest.raises(EtcdRequestFailed):
