@@ -5,11 +5,13 @@ reconcile step, stale reads, dropped watch events, injected conflicts, leader ki
 broken locks and etcd / API server crashes, on a few VMs, with real controller replicas
 on the session's control plane; an independent checker watches every pod revision.
 
-Sizing (the CI default fits about four minutes on two cores):
+Sizing (the CI default fits about two minutes on two cores; docs/drills.md, "Sizing"):
 
 * ``NEONVM_CAMPAIGN_SCHEDULES`` schedules (default 100), ``NEONVM_CAMPAIGN_WORKERS`` at a
   time (default 3), no new schedule after ``NEONVM_CAMPAIGN_BUDGET`` seconds (default
-  180; 0: no limit). Long mode: ``NEONVM_CAMPAIGN_SCHEDULES=300 NEONVM_CAMPAIGN_BUDGET=0``.
+  90; 0: no limit), but never fewer than the first ``len(CRASH_STEPS)`` schedules, so a
+  CI run crashes the leader after every reconcile step at least once. Long mode:
+  ``NEONVM_CAMPAIGN_SCHEDULES=300 NEONVM_CAMPAIGN_BUDGET=0``.
 * ``NEONVM_CAMPAIGN_SEED``: the campaign seed (default: a fresh one, printed).
 * ``NEONVM_CAMPAIGN_ONLY=3,17``: only these schedule indexes (replaying a failure; the
   failure report prints this command, and ``neonvm drill campaign --seed S --schedule N``).
@@ -94,7 +96,27 @@ def test_a_failure_names_the_command_that_replays_it() -> None:
     assert "NEONVM_CAMPAIGN_ONLY=42" in s.replay_pytest()
 
 
-BUDGET = _int_env("NEONVM_CAMPAIGN_BUDGET", 180)
+@pytest.mark.unit
+def test_the_budget_stops_new_schedules_only_after_the_minimum_has_started(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import neonvm.drills.campaign as campaign
+
+    ran: list[int] = []
+
+    def fake_run(_cluster: object, schedule: campaign.Schedule, *_: object
+                 ) -> campaign.ScheduleResult:
+        ran.append(schedule.index)
+        return campaign.ScheduleResult(schedule, ok=True)
+
+    monkeypatch.setattr(campaign, "run_schedule", fake_run)
+    schedules = [generate(3, i) for i in range(6)]
+    result = run_campaign(None, schedules, progress=lambda _m: None, budget=0.0, minimum=4)
+    assert ran == [0, 1, 2, 3] and result.skipped == 2  # the budget was over at once
+    ran.clear()
+    assert run_campaign(None, schedules, progress=lambda _m: None, budget=0.0).skipped == 6
+
+
+BUDGET = _int_env("NEONVM_CAMPAIGN_BUDGET", 90)
 
 
 @pytest.mark.cluster
@@ -111,7 +133,8 @@ def test_no_schedule_of_the_campaign_breaks_the_invariant(cluster: LocalCluster)
           f"budget {budget or 'none'}s (replay: NEONVM_CAMPAIGN_SEED={seed})")
     started = time.monotonic()
     result = run_campaign(cluster, [generate(seed, i) for i in indexes],
-                          progress=print, budget=budget or None, workers=workers)
+                          progress=print, budget=budget or None, workers=workers,
+                          minimum=0 if only else len(CRASH_STEPS))
     summary = result.summary(time.monotonic() - started)
     print(summary)
     assert result.results, "no schedule ran"

@@ -588,13 +588,14 @@ def run_schedule(cluster: Any, schedule: Schedule, progress: Progress,
 
 def run_campaign(cluster: Any, schedules: Sequence[Schedule], progress: Progress,
                  budget: float | None = None, stop_at_first_failure: bool = False,
-                 workers: int = 1) -> CampaignResult:
+                 workers: int = 1, minimum: int = 0) -> CampaignResult:
     """Run ``schedules`` on one control plane, ``workers`` at a time (module docstring).
 
     Schedules are isolated by namespace, Lease and lock prefix, so several can share the
     control plane; only the restarts of etcd, the locks' etcd and the API server are
     serialised, and a concurrent schedule lives through them as an extra fault. No new
-    schedule starts once ``budget`` seconds have passed.
+    schedule starts once ``budget`` seconds have passed, except while fewer than
+    ``minimum`` have started (the first ``len(CRASH_STEPS)`` crash after every step).
     """
     result = CampaignResult()
     started = time.monotonic()
@@ -608,7 +609,9 @@ def run_campaign(cluster: Any, schedules: Sequence[Schedule], progress: Progress
             with lock:
                 if not pending:
                     return
-                if budget is not None and time.monotonic() - started > budget:
+                begun = len(schedules) - len(pending)
+                if (budget is not None and time.monotonic() - started > budget
+                        and begun >= minimum):
                     return
                 schedule = pending.pop(0)
             try:
