@@ -64,7 +64,7 @@ def secret(token: bytes, uid: str = SECRET_UID) -> dict[str, Any]:
 def ask(port: int, body: Any, authorization: str | None = None, raw: bytes | None = None,
         host: str = "127.0.0.1") -> tuple[int, dict[str, Any]]:
     """One ``POST /v1/rights`` over a real socket: (status, body)."""
-    conn = http.client.HTTPConnection(host, port, timeout=5)
+    conn = http.client.HTTPConnection(host, port, timeout=10)
     headers = {"Content-Type": "application/json"}
     if authorization is not None:
         headers["Authorization"] = authorization

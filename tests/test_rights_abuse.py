@@ -13,7 +13,9 @@ from loguru import logger
 
 from neonvm.api.rights import authorization_header
 from neonvm.controller.rights import RightsLedger, RightsServer, RightsService, TokenCache
-from tests.test_rights_ledger import POD_UID, REQUEST, TOKEN, Clock, ask, caches, secret
+from tests.rights_support import ask, caches
+from tests.support import Clock
+from tests.test_rights_ledger import POD_UID, REQUEST, TOKEN, secret
 
 pytestmark = pytest.mark.unit
 
@@ -35,12 +37,12 @@ class Reads:
         return self.doc
 
 
-def serve(reads: Reads, clock: Clock) -> tuple[RightsServer, RightsLedger]:
+def serve(reads: Reads, clock: Clock, per_source: int = 32) -> tuple[RightsServer, RightsLedger]:
     ledger = RightsLedger(clock)
     ledger.begin_term(lambda: True)
     service = RightsService(ledger, caches, TokenCache(None, read=reads, clock=clock),
                             lambda _ns, _name, _uid: True)
-    return RightsServer(service, "127.0.0.1", 0).start(), ledger
+    return RightsServer(service, "127.0.0.1", 0, per_source=per_source).start(), ledger
 
 
 @pytest.mark.parametrize("doc", [None, secret(uid="another-uid"), {"metadata": {
@@ -130,12 +132,7 @@ def test_one_source_holds_at_most_its_share_of_connections() -> None:
 
     from neonvm.api.rights import RIGHTS_PATH
 
-    reads, clock = Reads(secret()), Clock()
-    ledger = RightsLedger(clock)
-    ledger.begin_term(lambda: True)
-    service = RightsService(ledger, caches, TokenCache(None, read=reads, clock=clock),
-                            lambda _ns, _name, _uid: True)
-    server = RightsServer(service, "127.0.0.1", 0, per_source=4).start()
+    server, _ = serve(Reads(secret()), Clock(), per_source=4)
 
     def ask_from(source: str) -> int | None:
         conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10,

@@ -8,9 +8,6 @@ loopback and asked over real sockets."""
 
 from __future__ import annotations
 
-import base64
-import http.client
-import json
 import math
 from typing import Any
 
@@ -20,11 +17,8 @@ from prometheus_client import CollectorRegistry
 from neonvm.api.rights import (
     CONDEMNED,
     NOT_LEADER,
-    RIGHT_SECONDS_ANNOTATION,
-    RIGHTS_PATH,
     authorization_header,
 )
-from neonvm.controller.observe import pod_index
 from neonvm.controller.rights import (
     MAX_BODY,
     RightsLedger,
@@ -33,19 +27,14 @@ from neonvm.controller.rights import (
     TokenCache,
     parse_bind,
 )
+from tests.rights_support import SECRET_UID, ask, caches
+from tests.rights_support import secret as token_secret
+from tests.support import Clock
 
 pytestmark = pytest.mark.unit
 
 D, RHO, EPS = 10.0, 0.05, 2.0
 BOUND = D * (1 + RHO) + EPS
-
-
-class Clock:
-    def __init__(self, now: float = 1000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def ledger_at(clock: Clock, active: bool = True) -> RightsLedger:
@@ -179,49 +168,11 @@ def test_pruning_forgets_only_grants_that_no_longer_move_a_deadline() -> None:
 # ---- the endpoint over loopback ----------------------------------------------------------
 
 TOKEN = b"s3cret-token"
-VM_UID, POD_UID = "vm-uid-1", "pod-uid-1"
+POD_UID = "pod-uid-1"
 
 
-class Cache(dict[str, Any]):
-    """A cache by ``namespace/name``, pods also by their VM's key."""
-
-    def by_index(self, value: str) -> list[dict[str, Any]]:
-        return [p for p in self.values() if pod_index(p) == value]
-
-
-def caches(annotated: bool = True, moved_on: bool = False,
-           terminating: bool = False) -> tuple[Cache, Cache]:
-    vm = {"metadata": {"name": "vm", "namespace": "ns", "uid": VM_UID},
-          "status": {"podName": "vm-p", "podUID": POD_UID,
-                     "scalingTokenSecret": "tok", "scalingTokenSecretUID": "sec-uid"}}
-    annotations = {RIGHT_SECONDS_ANNOTATION: "10"} if annotated else {}
-    pod: dict[str, Any] = {"metadata": {
-        "name": "vm-p", "namespace": "ns", "uid": POD_UID, "annotations": annotations,
-        "labels": {"vm.neon.tech/name": "vm"},
-        "ownerReferences": [{"uid": VM_UID, "controller": True}]}}
-    if moved_on:  # restarted: another pod committed since
-        vm["status"].update(podName="vm-q", podUID="pod-uid-q")
-    if terminating:
-        pod["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
-    return Cache({"ns/vm": vm}), Cache({"ns/vm-p": pod})
-
-
-def secret(uid: str = "sec-uid") -> dict[str, Any]:
-    return {"metadata": {"uid": uid}, "data": {"token": base64.b64encode(TOKEN).decode()}}
-
-
-def ask(port: int, body: Any, authorization: str | None = None,
-        raw: bytes | None = None) -> tuple[int, dict[str, Any]]:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-    headers = {"Content-Type": "application/json"}
-    if authorization is not None:
-        headers["Authorization"] = authorization
-    conn.request("POST", RIGHTS_PATH, body=raw if raw is not None else json.dumps(body),
-                 headers=headers)
-    answer = conn.getresponse()
-    doc = json.loads(answer.read())
-    conn.close()
-    return answer.status, doc
+def secret(uid: str = SECRET_UID) -> dict[str, Any]:
+    return token_secret(TOKEN, uid)
 
 
 REQUEST = {"namespace": "ns", "vm": "vm", "podUID": POD_UID}

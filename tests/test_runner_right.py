@@ -57,7 +57,7 @@ from neonvm.runner.right import (
 from neonvm.runner.state import ExitCode
 from tests.guest.build import GuestImage
 from tests.rights_support import ShippedLeader
-from tests.support import wait_for
+from tests.support import Clock, wait_for
 from tests.test_runner import test_guest  # noqa: F401 (a fixture: the tiny guest)
 
 REPO = Path(__file__).resolve().parent.parent
@@ -70,14 +70,6 @@ D = 30.0
 # ---- fakes -----------------------------------------------------------------------------------
 
 
-class FakeClock:
-    def __init__(self, now: float = 1000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-
 Answer = tuple[int, bytes] | Exception
 
 
@@ -85,7 +77,7 @@ Answer = tuple[int, bytes] | Exception
 class FakeLeader:
     """Answers asks from a script; each answer takes ``latency`` seconds of the clock."""
 
-    clock: FakeClock
+    clock: Clock
     answers: list[Answer] = field(default_factory=list)
     latency: float = 0.0
     asks: list[tuple[str, dict[str, Any], dict[str, str], float]] = field(default_factory=list)
@@ -118,8 +110,8 @@ def config(tmp_path: Path, seconds: float = D) -> RightConfig:
 
 
 def keeper(tmp_path: Path, answers: Sequence[Answer], latency: float = 0.0,
-           seconds: float = D) -> tuple[RightKeeper, FakeLeader, FakeClock]:
-    clock = FakeClock()
+           seconds: float = D) -> tuple[RightKeeper, FakeLeader, Clock]:
+    clock = Clock()
     leader = FakeLeader(clock, list(answers), latency)
     return RightKeeper(config(tmp_path, seconds), clock, leader), leader, clock
 
@@ -423,7 +415,7 @@ def test_the_guest_filter_closes_the_rights_urls_resolved_address_and_port() -> 
 
 def test_the_kill_is_a_sigkill_to_the_armed_process(tmp_path: Path) -> None:
     victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-    clock = FakeClock()
+    clock = Clock()
     fence = SelfFence(config(tmp_path, seconds=5.0), clock=clock,
                       post=FakeLeader(clock, [grant(5.0)]))
     try:
@@ -453,7 +445,7 @@ def victim() -> Iterator[subprocess.Popen[bytes]]:
 
 def test_without_a_usable_pidfd_the_kill_goes_by_pid(
         tmp_path: Path, victim: subprocess.Popen[bytes]) -> None:
-    clock = FakeClock()
+    clock = Clock()
     fence = SelfFence(config(tmp_path), clock=clock, post=FakeLeader(clock, [grant()]))
     fence.keeper.ask_once()
     fence.arm(victim.pid)
@@ -470,7 +462,7 @@ def test_without_a_usable_pidfd_the_kill_goes_by_pid(
 
 def test_a_watchdog_that_fails_kills_qemu_rather_than_leave_it_unwatched(
         tmp_path: Path, victim: subprocess.Popen[bytes]) -> None:
-    clock = FakeClock()
+    clock = Clock()
     fence = SelfFence(config(tmp_path), clock=clock,
                       post=FakeLeader(clock, [grant()] * 100))
     fence.keeper.ask_once()

@@ -27,6 +27,7 @@ from neonvm.controller.informer import project_pod
 from neonvm.controller.reasons import WAITING_FOR_OLD_POD
 from neonvm.controller.rights import RightsLedger
 from neonvm.controller.scaling import scalable
+from tests.support import Clock
 
 pytestmark = pytest.mark.unit
 
@@ -158,16 +159,8 @@ def test_a_node_is_unreachable_when_gone_not_ready_or_tainted(
     assert node_unreachable(node) == unreachable
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def fencing(nodes: dict[str, dict[str, Any] | None]) -> tuple[SelfFencing, Clock, list[str]]:
-    clock = Clock()
+    clock = Clock(100.0)
     ledger = RightsLedger(clock, rho=RHO, epsilon=EPS)
     ledger.begin_term(lambda: True)
     reads: list[str] = []

@@ -17,8 +17,6 @@ test_after_a_node_failure_the_replacement_starts_only_once_the_node_is_out_of_se
 from __future__ import annotations
 
 import base64
-import http.client
-import json
 import socket
 import uuid
 from collections.abc import Iterator
@@ -35,15 +33,15 @@ from neonvm.api.rights import (
     DEFAULT_RHO,
     NOT_LEADER,
     RIGHT_SECONDS_ANNOTATION,
-    RIGHTS_PATH,
     authorization_header,
 )
 from neonvm.controller.fencing import SELF_FENCED
 from neonvm.controller.rights import TERM_ANNOTATION, api_mark_pod
 from neonvm.dev import nodes
-from neonvm.dev.cluster import LocalCluster
+from neonvm.dev.cluster import LocalCluster, free_port
 from neonvm.invariant import InvariantChecker
 from neonvm.testing.harness import Replicas, converged, create_vm, get_vm, runner_pods
+from tests.rights_support import ask as rights_ask
 from tests.support import FAST, wait_for
 
 pytestmark = pytest.mark.nodes
@@ -192,13 +190,6 @@ def test_a_self_fencing_pod_on_a_lost_node_is_replaced_once_its_right_is_surely_
     assert old.metadata.name in events[0].message
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def serving(port: int) -> bool:
     try:
         socket.create_connection(("127.0.0.1", port), timeout=2).close()
@@ -208,15 +199,8 @@ def serving(port: int) -> bool:
 
 
 def ask(port: int, namespace: str, vm: str, pod_uid: str, token: bytes) -> tuple[int, Any]:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-    try:
-        conn.request("POST", RIGHTS_PATH, body=json.dumps(
-            {"namespace": namespace, "vm": vm, "podUID": pod_uid}),
-            headers={"Authorization": authorization_header(token, pod_uid)})
-        answer = conn.getresponse()
-        return answer.status, json.loads(answer.read())
-    finally:
-        conn.close()
+    return rights_ask(port, {"namespace": namespace, "vm": vm, "podUID": pod_uid},
+                      authorization_header(token, pod_uid))
 
 
 def test_the_leader_grants_the_current_pod_and_points_the_rights_service_at_itself(
