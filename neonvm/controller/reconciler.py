@@ -110,6 +110,7 @@ from neonvm.controller.conditions import (
     stuck_condition,
     with_ready,
 )
+from neonvm.controller.crd_warning import OldCrdWarning
 from neonvm.controller.create_policy import (
     CREATE_FAILURES_BEFORE_CONDITION,
     FENCE_CREATOR_RULE,
@@ -118,6 +119,7 @@ from neonvm.controller.create_policy import (
 )
 from neonvm.controller.events import EventRecorder
 from neonvm.controller.fencing import SelfFencing, force_delete_dead_pod
+from neonvm.controller.identity import Identity
 from neonvm.controller.metrics import ControllerMetrics
 from neonvm.controller.mutations import (
     FencedOut,
@@ -136,6 +138,7 @@ from neonvm.controller.observe import (
     make_snapshot,
     split_key,
 )
+from neonvm.controller.progress import ProgressEvents
 from neonvm.controller.reasons import (
     CREATE_FAILING,
     CREATE_FORBIDDEN,
@@ -196,10 +199,6 @@ REFUSED_SCALING = {"runner_400": reasons.SCALING_NEEDS_RESTART,
                    POD_WITHOUT_TOKEN: reasons.SCALING_NEEDS_RESTART,
                    "no_token": reasons.SCALING_DISABLED}
 """ApplyScale outcomes that asking again cannot change, and the Scaling reason they end in."""
-
-PROGRESS_EVENTS = frozenset({"Planned", "Created", "Committed", "Started"})
-"""Normal events of a VM's way to a running pod: those of one reconcile are written as
-one Event when it ends (:meth:`Reconciler._flush_progress`)."""
 
 NAMESPACE_TERMINATING_OUTCOME = "namespace_terminating"
 """A create refused because the namespace is being deleted: observed again, the VM
@@ -418,17 +417,16 @@ class Reconciler:
         self._scaling = scaling or RunnerScaling(api)
         self.fencing = fencing
         """Self-fencing (``dead_pods`` in each decision's observation); None: off."""
-        self._identity: str | None = None
-        self._mutex = threading.Lock()
-        self._old_crd_warned = old_crd_warned or threading.Event()
-        """Set once :meth:`_warn_old_crd` has warned: the process's (shared by its
-        terms' reconcilers), so that it warns once per process."""
+        self.identity = Identity(self.cluster)
+        """Who this controller is to the API server (for a 403's message)."""
+        self._old_crd = OldCrdWarning(old_crd_warned)
+        """Warns once per ``old_crd_warned``: the process's."""
         self.timers = timers or VMTimers()
         self.terminating = TerminatingNamespaces()
         """Namespaces being deleted, learned from refused creates: their VMs plan no pod."""
-        self._progress = threading.local()
-        """Per worker thread: the progress events of the reconcile it runs
-        (:meth:`_record`), written as one Event when the reconcile ends."""
+        self._progress = ProgressEvents(self._events)
+        """Per worker thread: the progress events of the reconcile it runs, written as
+        one Event when the reconcile ends."""
         self.acceleration = Acceleration(self._config.pod_defaults.kvm_resource,
                                          runner_reports or RunnerReports(),
                                          podspec.RUNNER_PORT)
@@ -451,7 +449,7 @@ class Reconciler:
         log = logger.bind(vm=key, epoch=authority.lease.epoch, token=authority.lease.token)
         started = time.monotonic()
         result = "error"
-        self._progress.batch = []
+        self._progress.begin()
         try:
             try:
                 out = self._loop(key, authority, direct_first, log)
@@ -468,35 +466,10 @@ class Reconciler:
             result = "authority_lost"
             raise
         finally:
-            self._flush_progress()
+            self._progress.flush()
             if self._metrics:
                 self._metrics.reconciles.labels(result=result).inc()
                 self._metrics.reconcile_seconds.observe(time.monotonic() - started)
-
-    def _record(self, vm: types.VirtualMachine, reason: str, message: str,
-                warning: bool = False) -> None:
-        """Record an event. A progress event (:data:`PROGRESS_EVENTS`) inside a reconcile
-        waits for the reconcile's end, where the progress of the whole reconcile becomes
-        one Event (:meth:`_flush_progress`)."""
-        batch: list[tuple[types.VirtualMachine, str, str]] | None = getattr(
-            self._progress, "batch", None)
-        if batch is not None and reason in PROGRESS_EVENTS and not warning:
-            batch.append((vm, reason, message))
-            return
-        self._events.record(vm, reason, message, warning=warning)
-
-    def _flush_progress(self) -> None:
-        """One Event for the progress of the reconcile that ends (however it ends): the
-        last step's reason, every step's message in order. A new VM's plan, create,
-        commit and ungate, usually one reconcile, are one ``Started`` Event, not four
-        (each would be a POST: the Events were most of the API calls of a VM start)."""
-        batch: list[tuple[types.VirtualMachine, str, str]] | None = getattr(
-            self._progress, "batch", None)
-        self._progress.batch = None
-        if not batch:
-            return
-        vm, reason, _ = batch[-1]
-        self._events.record(vm, reason, "; ".join(message for _, _, message in batch))
 
     def _loop(self, key: str, authority: Authority, direct_first: bool,
               log: Any) -> ReconcileResult:
@@ -808,21 +781,6 @@ class Reconciler:
             return Outcome("done", vm=written)
         return "declined"
 
-    def _warn_old_crd(self, log: Any) -> None:
-        """Once (per ``old_crd_warned``: the process's): the API server pruned a status
-        field this controller wrote (its CRD is older than the controller). Nothing else
-        changes: without ``scaleLookPodUID`` a drop is looked at within the late-PUT
-        window only."""
-        with self._mutex:
-            if self._old_crd_warned.is_set():
-                return
-            self._old_crd_warned.set()
-        log.warning("the API server dropped status.scaleLookPodUID from a status write: "
-                    "the VirtualMachine CRD is older than this controller (Helm does not "
-                    "upgrade crds/): apply the new one with `neonvm manifests crd | "
-                    "kubectl apply -f -`. Until then a dropped scaling plan's runner is "
-                    "looked at within the late-PUT window only")
-
     def _update_vm(self, key: str, snap: Snapshot,
                    mutate: Callable[[VMRecord], Any],
                    write: Callable[[VMRecord, Any], VMRecord],
@@ -867,7 +825,7 @@ class Reconciler:
         written = outcome.obj if outcome.written else None
         if (written is not None and sent and sent[0].scale_look_pod_uid
                 and not written.vm.status.scale_look_pod_uid):
-            self._warn_old_crd(log)  # sent, and not in the answer: pruned
+            self._old_crd.warn(log)  # sent, and not in the answer: pruned
         return written
 
     def _finalizer_write(self, key: str, action: d.Action, snap: Snapshot,
@@ -892,7 +850,7 @@ class Reconciler:
         row = ACTIONS.get(type(action))
         event = row.event(action, vm) if row is not None and row.event is not None else None
         if event is not None:
-            self._record(vm, event.reason, event.message, warning=event.warning)
+            self._progress.record(vm, event.reason, event.message, warning=event.warning)
 
     def _event_for_wait(self, action: d.Action, before: types.VirtualMachine,
                         after: types.VirtualMachine, log: Any) -> None:
@@ -949,7 +907,7 @@ class Reconciler:
             if kind == "exists":
                 return self._name_taken(key, action, snap, authority, log)
             if exc.status == 403 and FENCE_CREATOR_RULE in message:
-                return Outcome("forbidden", self._forbidden_detail(
+                return Outcome("forbidden", self.identity.forbidden_detail(
                     f"create runner pod {name}", message))
             self._refuse(key, snap, f"creating runner pod {name} was refused "
                                     f"({exc.status}): {api_error_text(message)}",
@@ -964,7 +922,7 @@ class Reconciler:
         if not podspec.has_our_gate(created):
             self._gate_stripped(key, snap, meta, authority, log)
             return "gate_stripped"
-        self._record(vm, "Created", f"runner pod {action.plan.name} created (gated)")
+        self._progress.record(vm, "Created", f"runner pod {action.plan.name} created (gated)")
         if self._metrics:
             self._metrics.lifecycle.runner_created(snap.record.raw, created)
         # The token's status write (if any) is the newest VM we know: the next step's CAS
@@ -1075,28 +1033,6 @@ class Reconciler:
         self._write_status(key, snap, conditions_mutation([update], authority.lease),
                            authority, log)
 
-    def _forbidden_detail(self, what: str, message: str) -> str:
-        """A 403 from the admission fence: who we are to the API server, and the remedy."""
-        who = self.identity()
-        return (f"the API server refused to let {who} {what} (403: {api_error_text(message)}"
-                f"). Only the controller's own identity may create and start runner pods: "
-                f"run the controller with its own credentials (the chart's ServiceAccount; "
-                f"on a `neonvm dev` cluster, its controller.kubeconfig), or, if {who} is the "
-                f"controller, name it in the admission policy")
-
-    def identity(self) -> str:
-        """Who this controller is to the API server (SelfSubjectReview), for messages."""
-        with self._mutex:
-            if self._identity is not None:
-                return self._identity
-        try:
-            user = self.cluster.username()
-        except Exception as exc:  # messages only: never fail a reconcile over it
-            return f"this controller's identity (unknown: {type(exc).__name__})"
-        with self._mutex:
-            self._identity = f'"{user}"'
-            return self._identity
-
     def _ungate(self, key: str, action: d.Ungate, snap: Snapshot, authority: Authority,
                 log: Any) -> str:
         """Remove our gate, guarded by a fresh direct list and a test-and-remove patch."""
@@ -1140,11 +1076,11 @@ class Reconciler:
                          pod=action.name, status=exc.status, msg=api_error_message(exc))
                 return Outcome("precondition", f"{exc.status}: {api_error_message(exc)}")
             if exc.status == 403:
-                return Outcome("forbidden", self._forbidden_detail(
+                return Outcome("forbidden", self.identity.forbidden_detail(
                     f"remove the scheduling gate of runner pod {action.name}",
                     api_error_message(exc)))
             raise
-        self._record(vm, "Started", f"runner pod {action.name} ungated: it is the "
+        self._progress.record(vm, "Started", f"runner pod {action.name} ungated: it is the "
                                            f"VM's only pod")
         return Outcome("done", pod=patched if isinstance(patched, dict) else None)
 
