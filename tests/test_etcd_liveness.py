@@ -187,6 +187,23 @@ def test_a_refusal_while_leading_stops_the_work_then_releases_and_ends_the_elect
 
 
 @pytest.mark.unit
+def test_a_standby_refused_stops_campaigning_and_ends_the_elector() -> None:
+    store, floor = AskableStore(), Floor()
+    store.put(held_by("other", transitions=3, duration=600))
+    elector = LeaderElector(None, ElectionConfig(identity="me", **QUICK), lambda _: None,
+                            lambda: None, epoch_floor=floor, store=store, watch=False,
+                            access_period=0.05)
+    stop, thread, raised = _run(elector)
+    wait_for(lambda: "get" in store.calls, 30, what="campaigning")
+    floor.refuse.set()
+    thread.join(30)
+    stop.set()
+    assert not thread.is_alive()
+    assert len(raised) == 1 and isinstance(raised[0], AccessRefused), raised
+    assert store.spec["holderIdentity"] == "other"
+
+
+@pytest.mark.unit
 def test_a_standby_asks_a_holder_whose_term_etcd_does_not_show_to_step_down() -> None:
     store, floor = AskableStore(), Floor(shows=False)
     store.put(held_by("other", transitions=3, duration=600))  # renewed, for all it knows
