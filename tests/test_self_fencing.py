@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from typing import Any
+from unittest import mock
 
 import pytest
 
@@ -27,7 +28,8 @@ from neonvm.controller.informer import project_pod
 from neonvm.controller.reasons import WAITING_FOR_OLD_POD
 from neonvm.controller.rights import RightsLedger
 from neonvm.controller.scaling import scalable
-from tests.support import Clock
+from tests.fake_cluster import FakeCluster
+from tests.support import Clock, CountingAuthority
 
 pytestmark = pytest.mark.unit
 
@@ -285,33 +287,25 @@ def test_a_vm_with_a_runner_image_of_its_own_does_not_self_fence() -> None:
 # ---- the force-delete --------------------------------------------------------------------
 
 
-class Calls:
-    """A cluster and an authority that record the order of what the performer does."""
-
-    def __init__(self, pod: dict[str, Any] | None, delete_status: int | None = None) -> None:
-        self.pod = pod
-        self.delete_status = delete_status
-        self.log: list[tuple[Any, ...]] = []
-        self.events: list[tuple[str, str]] = []
-
-    def get_pod(self, namespace: str, name: str) -> dict[str, Any] | None:
-        self.log.append(("get", name))
-        return self.pod
-
-    def delete_pod(self, namespace: str, name: str, **kw: Any) -> None:
-        self.log.append(("delete", name, kw))
-        if self.delete_status is not None:
-            from kubernetes.client.exceptions import ApiException
-            raise ApiException(status=self.delete_status)
-
-    def check(self) -> None:
-        self.log.append(("check",))
+class Events:
+    def __init__(self) -> None:
+        self.recorded: list[tuple[str, str]] = []
 
     def record(self, vm: Any, reason: str, message: str, warning: bool = False) -> None:
-        self.events.append((reason, message))
+        self.recorded.append((reason, message))
 
 
-def perform(calls: Calls, condemned: bool = True) -> str:
+def with_old_pod(uid: str = "uid-old") -> FakeCluster:
+    """A cluster holding the VM's pod ``old`` (of ``uid``)."""
+    fake = FakeCluster()
+    pod = raw_pod()
+    pod["metadata"]["uid"] = uid
+    fake.add_pod(pod)
+    return fake
+
+
+def perform(fake: FakeCluster, authority: CountingAuthority | None = None,
+            events: Events | None = None, condemned: bool = True) -> str:
     from loguru import logger
 
     from neonvm.controller.fencing import force_delete_dead_pod
@@ -321,34 +315,59 @@ def perform(calls: Calls, condemned: bool = True) -> str:
         clock.now += BOUND
         assert fence.ledger.condemn("uid-old", D) == 0.0
     action = d.ForceDeleteDeadPod(name="old", uid="uid-old", reason="dead")
-    return force_delete_dead_pod(fence, calls, calls, action, vm(), calls.check, logger)
+    check = (authority or CountingAuthority()).check
+    return force_delete_dead_pod(fence, fake, events or Events(), action, vm(), check, logger)
 
 
 def test_the_force_delete_reads_then_checks_then_deletes_with_uid_and_version() -> None:
-    calls = Calls(raw_pod() | {"metadata": {"uid": "uid-old", "resourceVersion": "42"}})
-    assert perform(calls) == "done"
-    assert calls.log == [("get", "old"), ("check",), ("delete", "old", {
-        "uid": "uid-old", "resource_version": "42", "grace_period_seconds": 0})]
-    assert [reason for reason, _ in calls.events] == ["SelfFenced"]
+    fake, authority, events = with_old_pod(), CountingAuthority(), Events()
+    read = fake.pod("ns", "old")
+    assert read is not None
+    checks_by_the_delete: list[int] = []
+    fake.race("delete_pod", lambda _: checks_by_the_delete.append(authority.checks))
+    with mock.patch.object(fake, "delete_pod", wraps=fake.delete_pod) as delete:
+        assert perform(fake, authority, events) == "done"
+    assert fake.calls == [("get_pod", "old"), ("delete_pod", "old")]
+    assert checks_by_the_delete == [1]  # the authority was checked after the read
+    assert delete.call_args.kwargs == {
+        "uid": "uid-old", "resource_version": read["metadata"]["resourceVersion"],
+        "grace_period_seconds": 0}
+    assert fake.pod("ns", "old") is None
+    assert [reason for reason, _ in events.recorded] == ["SelfFenced"]
 
 
-@pytest.mark.parametrize(("pod", "status", "outcome"), [
-    (None, None, "gone"),
-    ({"metadata": {"uid": "another"}}, None, "gone"),
-    ({"metadata": {"uid": "uid-old", "resourceVersion": "42"}}, 409, "conflict"),
-    ({"metadata": {"uid": "uid-old", "resourceVersion": "42"}}, 404, "gone"),
-])
+def _bump(fake: FakeCluster) -> None:
+    """Another writer's change to the pod (a next term's first grant marks it)."""
+    fake.pods[("ns", "old")]["metadata"]["resourceVersion"] = fake.next_rv()
+
+
+def _remove(fake: FakeCluster) -> None:
+    del fake.pods[("ns", "old")]
+
+
+@pytest.mark.parametrize(("uid", "present", "race", "outcome"), [
+    ("uid-old", False, None, "gone"),
+    ("another", True, None, "gone"),             # the name holds another pod now
+    ("uid-old", True, _bump, "conflict"),        # written between the read and the DELETE
+    ("uid-old", True, _remove, "gone"),          # gone between them
+], ids=["absent", "another-uid", "written-since-read", "deleted-since-read"])
 def test_a_force_delete_that_cannot_land_says_why_and_records_no_event(
-        pod: dict[str, Any] | None, status: int | None, outcome: str) -> None:
-    calls = Calls(pod, status)
-    assert perform(calls) == outcome
-    assert calls.events == []
+        uid: str, present: bool, race: Any, outcome: str) -> None:
+    fake, events = with_old_pod(uid), Events()
+    if not present:
+        fake.pods.clear()
+    if race is not None:
+        fake.race("delete_pod", race)
+    assert perform(fake, events=events) == outcome
+    assert events.recorded == []
+    if race is _bump:
+        assert fake.pod("ns", "old") is not None  # the DELETE did not land
 
 
 def test_a_pod_the_ledger_did_not_condemn_is_never_force_deleted() -> None:
-    calls = Calls({"metadata": {"uid": "uid-old", "resourceVersion": "42"}})
-    assert perform(calls, condemned=False) == "not_condemned"
-    assert calls.log == []
+    fake = with_old_pod()
+    assert perform(fake, condemned=False) == "not_condemned"
+    assert fake.calls == []
 
 
 def test_a_cached_observation_reports_a_dead_pod_but_only_a_direct_one_condemns_it() -> None:
