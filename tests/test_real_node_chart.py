@@ -507,7 +507,7 @@ def test_etcd_image_is_the_built_binary_under_the_charts_name(
             f"blobs/sha256/{manifest['config']['digest'][7:]}"))
         assert any(e.startswith("PATH=/usr/local/bin:") for e in config["config"]["Env"])
         layer = tar.extractfile(f"blobs/sha256/{manifest['layers'][0]['digest'][7:]}")
-        with tarfile.open(fileobj=layer, mode="r:gz") as files:  # type: ignore[arg-type]
+        with tarfile.open(fileobj=layer, mode="r:gz") as files:
             etcd = files.getmember("usr/local/bin/etcd")
             assert etcd.mode == 0o755
             assert files.extractfile(etcd).read() == fake.read_bytes()  # type: ignore[union-attr]
