@@ -456,11 +456,9 @@ class SelfFence:
     def _watch(self) -> None:
         try:
             while not self._stop.is_set():
-                self.watchdog.check()
-                if self.watchdog.fired is not None:
-                    return
+                # Clear, then check: a change after the clear still wakes the wait.
                 self.keeper.changed.clear()
-                left = self.watchdog.check()  # a change between the check and the clear
+                left = self.watchdog.check()
                 if self.watchdog.fired is not None:
                     return
                 self.keeper.changed.wait(WATCHDOG_MAX_SLEEP if left is None
