@@ -75,7 +75,10 @@ Answer = tuple[int, bytes] | Exception
 
 @dataclass
 class FakeLeader:
-    """Answers asks from a script; each answer takes ``latency`` seconds of the clock."""
+    """Answers asks from a script; each answer takes ``latency`` seconds of the clock.
+
+    For the renewer's rule over a fake clock, answers the shipped server never gives
+    included (garbage, proxies' pages); a real runner asks the shipped one (at the end)."""
 
     clock: Clock
     answers: list[Answer] = field(default_factory=list)
@@ -480,7 +483,10 @@ def test_a_watchdog_that_fails_kills_qemu_rather_than_leave_it_unwatched(
 
 
 class _Drip(BaseHTTPRequestHandler):
-    """Answers a grant one byte at a time, slowly: each read is quick, the whole is not."""
+    """Answers a grant one byte at a time, slowly: each read is quick, the whole is not.
+
+    A stub, not the shipped server: this is behaviour the leader's endpoint must never
+    have (what the runner must survive is a man in the middle or a wedged proxy)."""
 
     def do_POST(self) -> None:
         self.rfile.read(int(self.headers.get("Content-Length", "0")))
