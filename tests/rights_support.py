@@ -119,10 +119,12 @@ class ShippedLeader:
         self.ledger.end_term()
 
     def condemn(self) -> None:
-        """A term begins and, before its caches have synced (asks are answered 503
-        meanwhile, as shipped), its ledger finds the pod's right surely over and
-        condemns it; the ledger's clock is moved on to that moment rather than waited
-        out. Every ask is refused as ``Condemned`` from then on."""
+        """A term begins and its ledger condemns the pod before it was ever granted (as
+        :class:`~neonvm.controller.fencing.SelfFencing` does for a pod on a lost node):
+        the ledger's clock is moved on to when the pod's right is surely over rather
+        than waited out. Meanwhile asks are answered 503, as a term's are until its
+        caches have synced, so that no grant slips in first. Every ask is refused as
+        ``Condemned`` from then on."""
         self.synced = False
         self.ledger.begin_term(lambda: True)
         self.skipped += self.ledger.remaining(self.pod_uid, self.seconds)
