@@ -373,6 +373,7 @@ class Runner:
             return failed(f"applying: {text[:300]}")
         timeout = self.timeout_of(step)
         first: list[str] = []
+        last: list[str] = []
         while True:
             elapsed = time.monotonic() - start
             try:
@@ -383,6 +384,10 @@ class Runner:
                 self.log(f"    {step.index:02d}-{step.name}: passed "
                          f"({time.monotonic() - start:.1f} s)")
                 return StepResult(step.index, step.name, True)
+            if whys != last:
+                self.log(f"    {step.index:02d}-{step.name}: at {elapsed:.1f} s: "
+                         + "; ".join(whys)[:400])
+                last = whys
             first = first or whys
             if time.monotonic() - start >= timeout:
                 # The last attempt may have been cut short by the step's end: say the first too.

@@ -8,7 +8,8 @@ What every runner pod carries, whatever the spec says (the fence depends on it):
 * a controlling owner reference to the VM (``controller: true``,
   ``blockOwnerDeletion: true``), so the garbage collector removes it with the VM;
 * labels ``vm.neon.tech/name`` and ``vm.neon.tech/uid`` (how the controller lists a VM's
-  pods), annotations with the fencing token, leader epoch and plan sequence number;
+  pods) and NeonVM's ``app.kubernetes.io/name: NeonVM`` (over a VM label of that key, as
+  NeonVM sets it), annotations with the fencing token, leader epoch and plan sequence number;
 * ``restartPolicy: Never``: the controller applies the VM's restart policy itself, by a
   new plan, so a pod never comes back to life under the same name.
 
@@ -49,13 +50,22 @@ from kubernetes.utils import parse_quantity
 
 from neonvm.api import types
 from neonvm.api.quantity import format_bytes
-from neonvm.api.rights import RIGHT_SECONDS_ANNOTATION, annotation_value
+from neonvm.api.rights import (
+    RIGHT_SECONDS_ANNOTATION,
+    RIGHT_SECONDS_ENV,
+    RIGHTS_URL_ENV,
+    annotation_value,
+)
 from neonvm.api.schema import encode
 from neonvm.api.types import PendingPod, VirtualMachine
+from neonvm.controller.autoscaler_view import ANNOTATION_OVERCOMMIT, overcommit_json
 
 RUNNER_PORT = 25183
 RUNNER_COMMAND = "neonvm-runner"
 RUNNER_CONTAINER = "neonvm-runner"
+LABEL_APP_NAME = "app.kubernetes.io/name"
+APP_NAME = "NeonVM"
+"""The label NeonVM puts on every runner pod (its e2e suite selects runner pods by it)."""
 DEFAULT_RUNNER_IMAGE = "ghcr.io/neonvm/neonvm-runner:0.1.0"
 DISKS_DIR = "/vm/disks"
 ROOT_DISK_DIR = "/vm/images"
@@ -179,7 +189,8 @@ def runner_pod(vm: VirtualMachine, plan: PendingPod,
     spec = vm.spec
     port = spec.runner_port or RUNNER_PORT
     labels = {k: v for k, v in vm.labels.items() if not k.startswith(f"{types.GROUP}/")}
-    labels.update({types.LABEL_VM_NAME: vm.name, types.LABEL_VM_UID: vm.uid})
+    labels.update({LABEL_APP_NAME: APP_NAME, types.LABEL_VM_NAME: vm.name,
+                   types.LABEL_VM_UID: vm.uid})
     container: dict[str, Any] = {
         "name": RUNNER_CONTAINER,
         "image": spec.runner_image or defaults.runner_image,
@@ -276,8 +287,8 @@ def runner_pod(vm: VirtualMachine, plan: PendingPod,
         # Self-fencing (docs/runner.md, "Self-fencing"): QEMU runs only while the leader
         # keeps granting this pod a right; the annotation tells the controller so.
         container["env"] += [
-            {"name": "NEONVM_RIGHTS_URL", "value": str(defaults.rights_url)},
-            {"name": "NEONVM_RIGHT_SECONDS", "value": annotation_value(defaults.right_seconds)},
+            {"name": RIGHTS_URL_ENV, "value": str(defaults.rights_url)},
+            {"name": RIGHT_SECONDS_ENV, "value": annotation_value(defaults.right_seconds)},
         ]
     container["volumeMounts"] = mounts
     pod_spec: dict[str, Any] = {
@@ -334,6 +345,9 @@ def runner_pod(vm: VirtualMachine, plan: PendingPod,
         "spec": pod_spec,
     }
     annotations = pod["metadata"]["annotations"]
+    overcommit = overcommit_json(vm)
+    if overcommit is not None:
+        annotations[ANNOTATION_OVERCOMMIT] = overcommit
     if fencing:
         annotations[RIGHT_SECONDS_ANNOTATION] = annotation_value(defaults.right_seconds)
     annotations[ANNOTATION_SPEC] = _spec_annotation(vm, annotations)
