@@ -279,8 +279,9 @@ def attack_script(targets: list[tuple[str, str]], egress: tuple[str, str] | None
     return "\n".join(lines)
 
 
-def test_a_hostile_guest_reaches_neither_qmp_nor_the_runner_nor_loopback_but_keeps_egress(
-        tmp_path: Path, listeners: list[Listener]) -> None:
+def runner_kernel_and_root_disk(tmp_path: Path) -> tuple[Path, Path]:
+    """The runner's own kernel directory and a busybox root disk, built under
+    ``tmp_path`` (the test is skipped where they cannot be built or QEMU is missing)."""
     from neonvm.dev import guestdisk
     from neonvm.runner import initramfs
 
@@ -291,6 +292,12 @@ def test_a_hostile_guest_reaches_neither_qmp_nor_the_runner_nor_loopback_but_kee
         pytest.skip("cannot boot a guest here, missing: " + ", ".join(absent))
     kernel = initramfs.build_initramfs(tmp_path / "runner-kernel")
     _raw, root_disk = guestdisk.build_rootfs(tmp_path / "root-disk")
+    return kernel.kernel.parent, root_disk
+
+
+def test_a_hostile_guest_reaches_neither_qmp_nor_the_runner_nor_loopback_but_keeps_egress(
+        tmp_path: Path, listeners: list[Listener]) -> None:
+    kernel_dir, root_disk = runner_kernel_and_root_disk(tmp_path)
 
     qmp, api = free_port(), free_port()
     etcd = listen("127.0.0.1", "secret-loopback")  # stands in for etcd, the API server...
@@ -328,7 +335,7 @@ def test_a_hostile_guest_reaches_neither_qmp_nor_the_runner_nor_loopback_but_kee
     with console_path.open("wb") as out, (tmp_path / "runner.log").open("wb") as err:
         proc = subprocess.Popen(
             [sys.executable, "-m", "neonvm.runner.main", "--spec-file", str(spec_file),
-             "--kernel-dir", str(kernel.kernel.parent), "--accel", "tcg",
+             "--kernel-dir", str(kernel_dir), "--accel", "tcg",
              "--work-dir", str(tmp_path / "work"),
              "--listen-address", "0.0.0.0", "--port", str(api)],  # as in a pod
             stdout=out, stderr=err, env=env, cwd=REPO)

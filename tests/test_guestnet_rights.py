@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import ipaddress
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -29,6 +28,7 @@ from tests.test_guest_isolation import (
     ipv6,
     listen,
     non_loopback_address,
+    runner_kernel_and_root_disk,
     tcp,
     udp,
 )
@@ -100,20 +100,11 @@ def test_without_a_rights_url_the_rule_is_unchanged() -> None:
 
 def test_a_guest_cannot_reach_the_rights_endpoint_its_runner_renews_through(
         tmp_path: Path) -> None:
-    from neonvm.dev import guestdisk
-    from neonvm.runner import initramfs
-
-    absent = initramfs.missing() + guestdisk.missing()
-    if shutil.which("qemu-system-x86_64") is None:
-        absent.append("qemu-system-x86_64 (scripts/setup-qemu.sh)")
-    if absent:
-        pytest.skip("cannot boot a guest here, missing: " + ", ".join(absent))
     address = non_loopback_address()
     if address is None:
         pytest.skip("no non-loopback address here: the rights endpoint would be loopback, "
                     "closed to the guest anyway")
-    kernel = initramfs.build_initramfs(tmp_path / "runner-kernel")
-    _raw, root_disk = guestdisk.build_rootfs(tmp_path / "root-disk")
+    kernel_dir, root_disk = runner_kernel_and_root_disk(tmp_path)
 
     # The shipped rights endpoint, leading; a right of the default length: never lost here.
     leader = ShippedLeader(30.0, token=TOKEN, pod_uid=UID, namespace=NAMESPACE, vm=VM,
@@ -143,7 +134,7 @@ def test_a_guest_cannot_reach_the_rights_endpoint_its_runner_renews_through(
     with console_path.open("wb") as out, log_path.open("wb") as err:
         proc = subprocess.Popen(
             [sys.executable, "-m", "neonvm.runner.main", "--spec-file", str(spec_file),
-             "--kernel-dir", str(kernel.kernel.parent), "--accel", "tcg",
+             "--kernel-dir", str(kernel_dir), "--accel", "tcg",
              "--work-dir", str(tmp_path / "work"), "--port", str(free_port()),
              "--scaling-token-file", str(token_file), "--pod-uid", UID,
              "--rights-url", leader.url],
