@@ -66,6 +66,15 @@ What is guaranteed
   safe (it ends at ``valid_until`` like any other).
 * **A deleted Lease deposes its holder** at its next renewal (404, or 422 when a test of
   the patch fails), and the next campaign re-creates it.
+* **A replica its epoch store refuses stops.** :class:`AccessRefused` from the floor
+  (checked every :data:`ACCESS_CHECK_PERIOD` and at each claim) ends the term like a
+  step-down, releases the Lease once the work returned, and is raised out of
+  :meth:`LeaderElector.run` (docs/leader-election.md, "A replica its etcd refuses").
+* **A leader cut off the locks' etcd is asked to hand over.** The leading term keeps a
+  presence record in the floor's store (:class:`PresenceStore`); a standby that reads
+  that store and finds no presence of the holder's term for ``PRESENCE_GRACE_LEASES``
+  lease durations writes a step-down request naming it (docs/leader-election.md, "A
+  leader cut off the locks' etcd").
 * **Step-down is addressed.** ``neonvm leader step-down`` writes the annotation
   :data:`STEP_DOWN_ANNOTATION` = ``{"holder": H, "epoch": E}`` by CAS on the version whose
   holder it read. The holder acts only on a request naming its own identity *and* epoch;
