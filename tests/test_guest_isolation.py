@@ -30,8 +30,10 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -295,10 +297,67 @@ def runner_kernel_and_root_disk(tmp_path: Path) -> tuple[Path, Path]:
     return kernel.kernel.parent, root_disk
 
 
+@dataclass
+class CommandGuest:
+    """A real runner whose guest runs a shell script, then powers off."""
+
+    proc: subprocess.Popen[bytes]
+    console_path: Path
+    log_path: Path
+
+    def console(self) -> str:
+        return self.console_path.read_text(errors="replace")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def finished(self, what: str) -> str:
+        """The console once the script echoed ``attack: done`` (or the runner ended)."""
+        wait_for(lambda: "attack: done" in self.console() or self.proc.poll() is not None,
+                 timeout=600, interval=0.5, what=what)
+        text = self.console()
+        assert "attack: done" in text, text[-3000:] + self.log()
+        return text
+
+
+@contextmanager
+def command_guest(tmp_path: Path, script: str, args: list[str],
+                  spec: dict[str, Any] | None = None,
+                  env: dict[str, str] | None = None) -> Iterator[CommandGuest]:
+    """Start the runner (TCG, its own kernel, a busybox root disk: skipped where they
+    cannot be built) with ``args``, its guest running ``script``; ``spec`` is merged into
+    the VM spec, ``env`` into the runner's environment (none of the caller's
+    ``NEONVM_*``). Stopped (SIGTERM, then SIGKILL) at the end if still running."""
+    kernel_dir, root_disk = runner_kernel_and_root_disk(tmp_path)
+    vm = {"terminationGracePeriodSeconds": 30, **(spec or {}), "guest": {
+        "cpus": {"min": 1, "max": 1}, "memorySlotSize": "256Mi",
+        "memorySlots": {"min": 1, "max": 1}, "rootDisk": {"image": str(root_disk)},
+        "command": ["/bin/sh", "-c", script]}}
+    spec_file = tmp_path / "vm.yaml"
+    spec_file.write_text(yaml.safe_dump(vm))
+    console_path, log_path = tmp_path / "console.log", tmp_path / "runner.log"
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("NEONVM_")}
+    with console_path.open("wb") as out, log_path.open("wb") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "neonvm.runner.main", "--spec-file", str(spec_file),
+             "--kernel-dir", str(kernel_dir), "--accel", "tcg",
+             "--work-dir", str(tmp_path / "work"), *args],
+            stdout=out, stderr=err, env=environ | (env or {}), cwd=REPO)
+    guest = CommandGuest(proc, console_path, log_path)
+    try:
+        yield guest
+    finally:
+        if guest.proc.poll() is None:
+            guest.proc.send_signal(signal.SIGTERM)
+            try:
+                guest.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                guest.proc.kill()
+                guest.proc.wait()
+
+
 def test_a_hostile_guest_reaches_neither_qmp_nor_the_runner_nor_loopback_but_keeps_egress(
         tmp_path: Path, listeners: list[Listener]) -> None:
-    kernel_dir, root_disk = runner_kernel_and_root_disk(tmp_path)
-
     qmp, api = free_port(), free_port()
     etcd = listen("127.0.0.1", "secret-loopback")  # stands in for etcd, the API server...
     listeners.append(etcd)
@@ -324,31 +383,11 @@ def test_a_hostile_guest_reaches_neither_qmp_nor_the_runner_nor_loopback_but_kee
         f"{address} {api}" if address else None)
     script += f"\ntry loopback-direct {NC_TO} 127.0.0.1 {etcd.port}\necho 'attack: done'\n"
 
-    spec = {"terminationGracePeriodSeconds": 30, "qmp": qmp, "guest": {
-        "cpus": {"min": 1, "max": 1}, "memorySlotSize": "256Mi",
-        "memorySlots": {"min": 1, "max": 1}, "rootDisk": {"image": str(root_disk)},
-        "command": ["/bin/sh", "-c", script]}}
-    spec_file = tmp_path / "vm.yaml"
-    spec_file.write_text(yaml.safe_dump(spec))
-    console_path = tmp_path / "console.log"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("NEONVM_")}
-    with console_path.open("wb") as out, (tmp_path / "runner.log").open("wb") as err:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "neonvm.runner.main", "--spec-file", str(spec_file),
-             "--kernel-dir", str(kernel_dir), "--accel", "tcg",
-             "--work-dir", str(tmp_path / "work"),
-             "--listen-address", "0.0.0.0", "--port", str(api)],  # as in a pod
-            stdout=out, stderr=err, env=env, cwd=REPO)
-    try:
-        def console() -> str:
-            return console_path.read_text(errors="replace")
-
-        wait_for(lambda: "attack: done" in console() or proc.poll() is not None,
-                 timeout=600, interval=0.5, what="the guest's attacks to finish")
-        text = console()
+    with command_guest(tmp_path, script, spec={"qmp": qmp}, args=[
+            "--listen-address", "0.0.0.0", "--port", str(api)]) as guest:  # as in a pod
+        text = guest.finished("the guest's attacks to finish")
         report = [line for line in text.splitlines() if line.startswith("attack")]
         print("\n" + "\n".join(report))
-        assert "attack: done" in text, text[-3000:] + (tmp_path / "runner.log").read_text()
         for name, _how in [*targets, ("loopback-direct", "")]:
             # Dropped: the guest's connection attempt times out.
             assert f"attack {name}: unreachable (nc: timed out" in text, "\n".join(report)
@@ -367,12 +406,4 @@ def test_a_hostile_guest_reaches_neither_qmp_nor_the_runner_nor_loopback_but_kee
             assert "attack api-by-pod-ip: REACHED HTTP/1.1 401" in text, "\n".join(report)
         else:
             print("no non-loopback address on this host: egress not checked")
-        assert proc.wait(timeout=120) == 0  # the command ended: the guest powered off
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        assert guest.proc.wait(timeout=120) == 0  # the command ended: the guest powered off

@@ -6,29 +6,22 @@ blocked. The loopback rule and the real-guest attack are in tests/test_guest_iso
 from __future__ import annotations
 
 import ipaddress
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
 from neonvm.runner.guestnet import DEFAULT_GUEST_NETWORK, Blocked, frame_verdict
 from tests.rights_support import ShippedLeader
-from tests.support import wait_for
 from tests.test_guest_isolation import (
     ACK,
     ECHO,
-    REPO,
     SYN,
+    command_guest,
     free_port,
     ipv4,
     ipv6,
     listen,
     non_loopback_address,
-    runner_kernel_and_root_disk,
     tcp,
     udp,
 )
@@ -104,7 +97,6 @@ def test_a_guest_cannot_reach_the_rights_endpoint_its_runner_renews_through(
     if address is None:
         pytest.skip("no non-loopback address here: the rights endpoint would be loopback, "
                     "closed to the guest anyway")
-    kernel_dir, root_disk = runner_kernel_and_root_disk(tmp_path)
 
     # The shipped rights endpoint, leading; a right of the default length: never lost here.
     leader = ShippedLeader(30.0, token=TOKEN, pod_uid=UID, namespace=NAMESPACE, vm=VM,
@@ -122,49 +114,23 @@ def test_a_guest_cannot_reach_the_rights_endpoint_its_runner_renews_through(
         "echo 'attack: done'"])
     token_file = tmp_path / "token"
     token_file.write_bytes(TOKEN)
-    spec = {"terminationGracePeriodSeconds": 30, "guest": {
-        "cpus": {"min": 1, "max": 1}, "memorySlotSize": "256Mi",
-        "memorySlots": {"min": 1, "max": 1}, "rootDisk": {"image": str(root_disk)},
-        "command": ["/bin/sh", "-c", script]}}
-    spec_file = tmp_path / "vm.yaml"
-    spec_file.write_text(yaml.safe_dump(spec))
-    console_path, log_path = tmp_path / "console.log", tmp_path / "runner.log"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("NEONVM_")}
-    env.update({"NEONVM_VM_NAME": VM, "NEONVM_VM_NAMESPACE": NAMESPACE})
-    with console_path.open("wb") as out, log_path.open("wb") as err:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "neonvm.runner.main", "--spec-file", str(spec_file),
-             "--kernel-dir", str(kernel_dir), "--accel", "tcg",
-             "--work-dir", str(tmp_path / "work"), "--port", str(free_port()),
-             "--scaling-token-file", str(token_file), "--pod-uid", UID,
-             "--rights-url", leader.url],
-            stdout=out, stderr=err, env=env, cwd=REPO)
     try:
-        def console() -> str:
-            return console_path.read_text(errors="replace")
-
-        wait_for(lambda: "attack: done" in console() or proc.poll() is not None,
-                 timeout=600, interval=0.5, what="the guest's attempts to finish")
-        text = console()
-        report = [line for line in text.splitlines() if line.startswith("attack")]
-        assert "attack: done" in text, text[-3000:] + log_path.read_text()
-        # Dropped by the filter: the guest's connection attempt times out...
-        assert "attack rights: unreachable (nc: timed out" in text, "\n".join(report)
-        # ...while the runner, beside it, renews through the same address and port; the
-        # guest's probe never got there (it would be answered 404).
-        assert leader.answered(200) >= 1
-        assert leader.answered(404) == 0 and leader.answered() == leader.answered(200)
-        assert "(a blocked endpoint)" in log_path.read_text()  # the filter says why
-        # The guest keeps the rest of its network, that address included.
-        assert f"attack egress: REACHED {egress.secret}" in text, "\n".join(report)
-        assert proc.wait(timeout=120) == 0  # the command ended: the guest powered off
+        with command_guest(tmp_path, script, args=[
+                "--port", str(free_port()), "--scaling-token-file", str(token_file),
+                "--pod-uid", UID, "--rights-url", leader.url],
+                env={"NEONVM_VM_NAME": VM, "NEONVM_VM_NAMESPACE": NAMESPACE}) as guest:
+            text = guest.finished("the guest's attempts to finish")
+            report = [line for line in text.splitlines() if line.startswith("attack")]
+            # Dropped by the filter: the guest's connection attempt times out...
+            assert "attack rights: unreachable (nc: timed out" in text, "\n".join(report)
+            # ...while the runner, beside it, renews through the same address and port;
+            # the guest's probe never got there (it would be answered 404).
+            assert leader.answered(200) >= 1
+            assert leader.answered(404) == 0 and leader.answered() == leader.answered(200)
+            assert "(a blocked endpoint)" in guest.log()  # the filter says why
+            # The guest keeps the rest of its network, that address included.
+            assert f"attack egress: REACHED {egress.secret}" in text, "\n".join(report)
+            assert guest.proc.wait(timeout=120) == 0  # the command ended: powered off
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
         leader.close()
         egress.sock.close()
