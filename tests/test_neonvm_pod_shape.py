@@ -129,3 +129,19 @@ def test_a_changed_overcommit_reaches_the_running_pod_without_a_restart(
         assert after.metadata.uid == pod.metadata.uid
         assert (after.metadata.annotations or {}).get(av.ANNOTATION_OVERCOMMIT) == expected
         assert json.loads(after.metadata.annotations["vm.neon.tech/resources"])["cpus"]
+
+
+@pytest.mark.unit
+def test_the_informers_slim_pod_keeps_the_overcommit_annotation_so_a_cached_look_sees_no_drift(
+) -> None:
+    from neonvm.controller.informer import project_pod
+    from neonvm.controller.observe import pod_view
+
+    pod = built(overcommit={"cpu": "2"})
+    pod["metadata"].update(uid="pu", resourceVersion="5")
+    slim = project_pod(pod)
+    assert slim["metadata"]["annotations"][av.ANNOTATION_OVERCOMMIT] == '{"cpu":"2"}'
+    vm = types.VirtualMachine.from_object({**vm_manifest("p", spec={"overcommit": {"cpu": "2"}}),
+                                           "metadata": {"name": "p", "uid": "u-1"}})
+    assert pod_view(slim).autoscaling == av.vm_autoscaling_meta(vm)
+

@@ -175,6 +175,12 @@ def _synced(field: str, key: str) -> bool:
         field == "annotations" and key == ANNOTATION_OVERCOMMIT)
 
 
+def synced_annotation(key: str) -> bool:
+    """Whether a pod annotation is one :func:`metadata_drift` keeps as the VM says (the
+    informer's slim pod must keep these, or a cached look sees drift that is not there)."""
+    return _synced("annotations", key)
+
+
 def wanted_metadata(vm: VirtualMachine) -> dict[str, dict[str, str]]:
     """The synced labels and annotations the VM's runner pod should carry: the VM's
     ``autoscaling.neon.tech/`` ones and :data:`ANNOTATION_OVERCOMMIT` from the spec (never

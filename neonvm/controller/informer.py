@@ -42,7 +42,7 @@ from loguru import logger
 
 from neonvm.api import types
 from neonvm.api.rights import RIGHT_SECONDS_ANNOTATION
-from neonvm.controller.autoscaler_view import AUTOSCALING_PREFIX
+from neonvm.controller.autoscaler_view import synced_annotation
 from neonvm.controller.podspec import ANNOTATION_BUILT_SIZE
 from neonvm.kube import PRUNE_DEPTH, decode_json, pruned, release_stream, short_error
 
@@ -234,7 +234,8 @@ POD_ANNOTATIONS = (types.ANNOTATION_EPOCH, types.ANNOTATION_TOKEN, types.ANNOTAT
                    ANNOTATION_BUILT_SIZE, RIGHT_SECONDS_ANNOTATION)
 """The pod annotations the controller reads from its cache (the fence and plan, and the
 size the pod was built with, which a pod's commit records); those under
-``autoscaling.neon.tech/`` are kept too (kept as the VM's: ``SyncPodMetadata``)."""
+``autoscaling.neon.tech/`` and ``vm.neon.tech/overcommit`` are kept too (kept as the VM's:
+``SyncPodMetadata``)."""
 RUNNER_PORT_NAME = "runner"
 """The runner's container port name (``acceleration.RUNNER_PORT_NAME``; a test keeps the
 two equal)."""
@@ -264,7 +265,7 @@ def project_pod(pod: Obj) -> Obj:
                        "deletionTimestamp") if meta.get(k) is not None}
     annotations = meta.get("annotations") or {}
     kept = {k: v for k, v in annotations.items()
-            if k in POD_ANNOTATIONS or k.startswith(AUTOSCALING_PREFIX)}
+            if k in POD_ANNOTATIONS or synced_annotation(k)}
     if kept:
         slim_meta["annotations"] = kept
     owners = [{k: ref[k] for k in ("apiVersion", "kind", "name", "uid", "controller")
