@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +29,7 @@ from neonvm.runner.qemu import (
 )
 from neonvm.runner.scaling import Scaler, VirtioMem, virtio_mem_slots
 from tests.test_runner import RunningRunner, spec_of, start_runner, test_guest  # noqa: F401
-from tests.test_runner_scaling import guest_sees, put_scale
+from tests.test_runner_scaling import guest_sees, put_scale, qmp_loop  # noqa: F401
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -205,17 +203,6 @@ class VirtioMemQMP:
 LIMITS = ScaleLimits(min_vcpus=1, max_vcpus=1, min_slots=1, max_slots=4, slot_bytes=GIB)
 
 
-@pytest.fixture
-def qmp_loop() -> Iterator[asyncio.AbstractEventLoop]:
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    yield loop
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(10)
-    loop.close()
-
-
 def scaler_over(tmp_path: Path, loop: asyncio.AbstractEventLoop, qmp: VirtioMemQMP) -> Scaler:
     token = tmp_path / "token"
     token.write_text(TOKEN + "\n")
@@ -231,7 +218,7 @@ def put(scaler: Scaler, seq: int, slots: int) -> dict[str, Any]:
 
 @pytest.mark.unit
 def test_a_put_moves_requested_size_and_answers_what_the_guest_plugged(
-        tmp_path: Path, qmp_loop: asyncio.AbstractEventLoop) -> None:
+        tmp_path: Path, qmp_loop: asyncio.AbstractEventLoop) -> None:  # noqa: F811
     qmp = VirtioMemQMP(size=0, requested=0)
     scaler = scaler_over(tmp_path, qmp_loop, qmp)
     grown = put(scaler, 1, 3)
@@ -247,7 +234,7 @@ def test_a_put_moves_requested_size_and_answers_what_the_guest_plugged(
 
 @pytest.mark.unit
 def test_a_guest_that_plugs_nothing_is_answered_504_naming_the_driver(
-        tmp_path: Path, qmp_loop: asyncio.AbstractEventLoop) -> None:
+        tmp_path: Path, qmp_loop: asyncio.AbstractEventLoop) -> None:  # noqa: F811
     qmp = VirtioMemQMP(size=0, requested=0, prompt=False)  # no virtio_mem in the guest
     scaler = scaler_over(tmp_path, qmp_loop, qmp)
     with pytest.raises(ScaleError) as err:
@@ -264,7 +251,7 @@ def test_a_guest_that_plugs_nothing_is_answered_504_naming_the_driver(
 
 @pytest.mark.unit
 def test_a_shrink_the_guest_cannot_finish_is_not_reported_done_and_a_newer_size_replaces_it(
-        tmp_path: Path, qmp_loop: asyncio.AbstractEventLoop) -> None:
+        tmp_path: Path, qmp_loop: asyncio.AbstractEventLoop) -> None:  # noqa: F811
     qmp = VirtioMemQMP(size=3 * GIB, requested=3 * GIB, prompt=False)
     scaler = scaler_over(tmp_path, qmp_loop, qmp)
     qmp.stuck_at = 2 * GIB + 512 * MIB  # unmovable pages in the last GiB
