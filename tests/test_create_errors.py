@@ -29,9 +29,11 @@ from neonvm.controller import conditions as c
 from neonvm.controller import decide as d
 from neonvm.controller import reasons
 from neonvm.controller.authority import StaticAuthority
+from neonvm.controller.conditions import stuck_mutation
 from neonvm.controller.create_policy import classify_create_error
 from neonvm.controller.observe import Snapshot, VMRecord, make_snapshot
-from neonvm.controller.reconciler import Reconciler, miss_message, stuck_mutation
+from neonvm.controller.performers import replace_unlabelled
+from neonvm.controller.reconciler import Reconciler, miss_message
 
 pytestmark = pytest.mark.unit
 
@@ -188,8 +190,8 @@ def test_an_unlabelled_committed_pod_is_deleted_only_if_this_vm_controls_it(
     reconciler = Reconciler(client.ApiClient(), events=_Events())  # type: ignore[arg-type]
     core = _Deletes()
     monkeypatch.setattr(kube, "request", core)
-    outcome = reconciler._replace_unlabelled(vm, pod, d.Ungate(name="b-1", uid="pod-uid"),
-                                             logger)
+    outcome = replace_unlabelled(reconciler.ctx, vm, pod, d.Ungate(name="b-1", uid="pod-uid"),
+                                 logger)
     assert (core.deleted == ["b-1"]) is deleted, core.deleted
     assert (outcome == "replaced") is deleted, outcome
 
@@ -247,8 +249,8 @@ class _PlantedNames:
 def test_a_vm_stuck_again_on_other_pod_names_does_not_rewrite_its_degraded_condition() -> None:
     fake = _PlantedNames()
     reconciler = Reconciler(client.ApiClient(), events=_Events())  # type: ignore[arg-type]
-    reconciler.reader = fake  # type: ignore[assignment]
-    reconciler.writer = fake  # type: ignore[assignment]
+    reconciler.ctx.reader = fake  # type: ignore[assignment]
+    reconciler.ctx.writer = fake  # type: ignore[assignment]
     reconciler.cluster.create_pod = fake.create_pod  # type: ignore[assignment,method-assign]
     authority = StaticAuthority(epoch=1, token=5)
     first = reconciler.reconcile("ns/vm", authority, direct_first=True)

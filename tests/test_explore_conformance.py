@@ -22,8 +22,9 @@ import pytest
 from kubernetes import client
 
 from neonvm.api import types
+from neonvm.controller.action_table import ACTIONS
 from neonvm.controller.authority import StaticAuthority
-from neonvm.controller.reconciler import ACTIONS, Reconciler, ReconcilerConfig
+from neonvm.controller.reconciler import Reconciler, ReconcilerConfig
 from neonvm.verify.actors import Actors, Config, Step
 from neonvm.verify.model import World, deleted, replace_pod, write_pods, write_vm
 from neonvm.verify.scenarios import fresh_world

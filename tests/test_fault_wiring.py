@@ -18,6 +18,7 @@ from kubernetes import client
 
 from neonvm.api import types
 from neonvm.controller import decide as d
+from neonvm.controller.cluster import VMWriter
 from neonvm.controller.fault_wiring import (
     FaultWiring,
     FaultyCacheReader,
@@ -28,7 +29,6 @@ from neonvm.controller.fault_wiring import (
 from neonvm.controller.faults import FaultConfig, FaultConfigError, Faults, read_crash_record
 from neonvm.controller.informer import Store
 from neonvm.controller.observe import CacheReader, pod_index
-from neonvm.controller.reconciler import VMWriter
 from neonvm.controller.wiring import Wiring
 
 pytestmark = pytest.mark.unit

@@ -34,7 +34,7 @@ from neonvm.api.types import (
 from neonvm.controller import decide as d
 from neonvm.controller import reasons
 from neonvm.controller.create_policy import namespace_terminating
-from neonvm.controller.reconciler import TerminatingNamespaces
+from neonvm.controller.step import TerminatingNamespaces
 from neonvm.dev.cluster import LocalCluster
 from neonvm.testing.harness import Replicas, converged, create_vm
 from tests.support import FAST, wait_for

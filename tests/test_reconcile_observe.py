@@ -65,7 +65,7 @@ class Recording(Reconciler):
     def __init__(self, api: client.ApiClient) -> None:
         super().__init__(api)
         self.counting = CountingReader(api)
-        self.reader = self.counting
+        self.ctx.reader = self.counting
         self.vm_writes = 0
         put_status, put_main = self.writer.put_status, self.writer.put_main
 

@@ -39,12 +39,14 @@ from loguru import logger
 from neonvm.api import types
 from neonvm.api.rights import RIGHT_SECONDS_ANNOTATION
 from neonvm.controller import decide as d
+from neonvm.controller.action_table import ACTIONS
 from neonvm.controller.authority import StaticAuthority
 from neonvm.controller.fencing import SelfFencing
 from neonvm.controller.handler import Handler, Outcome
 from neonvm.controller.metrics import ControllerMetrics
-from neonvm.controller.reconciler import ACTIONS, Reconciler, ReconcilerConfig
+from neonvm.controller.reconciler import Reconciler, ReconcilerConfig
 from neonvm.controller.rights import RightsLedger
+from neonvm.controller.step import write_status
 from neonvm.controller.timers import VMTimers
 from neonvm.controller.update import RetryPolicy
 from neonvm.controller.workqueue import WorkQueue
@@ -510,7 +512,7 @@ def test_a_look_field_pruned_by_an_older_crd_is_warned_about_once() -> None:
     try:
         for rec in (*terms, *terms):
             snap = rec.observe(KEY, authority, direct=True)
-            assert rec._write_status(KEY, snap, asks_for_a_look, authority, logger)
+            assert write_status(rec.ctx, KEY, snap, asks_for_a_look, authority, logger)
     finally:
         logger.remove(sink)
     assert status(fake)["restartCount"] == 4 and "scaleLookPodUID" not in status(fake)
@@ -523,7 +525,7 @@ def test_a_look_field_pruned_by_an_older_crd_is_warned_about_once() -> None:
                       filter=lambda r: "CRD is older" in r["message"])
     try:
         snap = rec.observe(KEY, authority, direct=True)
-        assert rec._write_status(KEY, snap, asks_for_a_look, authority, logger)
+        assert write_status(rec.ctx, KEY, snap, asks_for_a_look, authority, logger)
     finally:
         logger.remove(sink)
     assert status(kept)["scaleLookPodUID"] == "uid-1" and len(warnings) == 1
@@ -532,7 +534,7 @@ def test_a_look_field_pruned_by_an_older_crd_is_warned_about_once() -> None:
 def test_a_look_given_up_is_a_warning_event_and_an_ordinary_end_is_none() -> None:
     # Review lookfix L3: the write that gives the look up says so (Warning event
     # ScaleLookGivenUp with the decision's reason); the other adopts record no event.
-    from neonvm.controller.reconciler import LOOK_GIVEN_UP
+    from neonvm.controller.performers import LOOK_GIVEN_UP
 
     row = ACTIONS[d.CommitScale]
     assert row.event is not None

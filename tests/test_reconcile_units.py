@@ -19,7 +19,8 @@ from neonvm.api.types import (
     VirtualMachineStatus,
 )
 from neonvm.controller import decide as d
-from neonvm.controller import reasons
+from neonvm.controller import performers, reasons
+from neonvm.controller.action_table import ACTIONS, SEEN_BY_WRITE
 from neonvm.controller.conditions import ConditionUpdate, conditions_mutation, desired_conditions
 from neonvm.controller.fault_wiring import VersionedStore
 from neonvm.controller.faults import STEPS, FaultConfig, FaultConfigError, Faults
@@ -28,7 +29,7 @@ from neonvm.controller.mutations import FencedOut, finalizers_mutation, status_m
 from neonvm.controller.observe import Snapshot, pod_index, pod_view
 from neonvm.controller.podspec import PodDefaults, PodSpecError, has_our_gate, runner_pod
 from neonvm.controller.reasons import DEGRADED, READY, WAITING_FOR_OLD_POD
-from neonvm.controller.reconciler import ACTIONS, SEEN_BY_WRITE, ActionRow, Reconciler
+from neonvm.controller.step import ActionRow
 from neonvm.controller.workqueue import Backoff, WorkQueue
 from neonvm.drills.schedule import CRASH_STEPS
 from neonvm.verify.actors import FINALIZER_WRITES, POD_ACTIONS, RUNNER_ACTIONS, STATUS_WRITES
@@ -187,7 +188,7 @@ def test_the_runner_pod_is_gated_owned_labelled_and_never_restarts_itself() -> N
     assert meta["name"] == PLAN.name
     assert has_our_gate(pod) and pod["spec"]["restartPolicy"] == "Never"
     assert meta["labels"] == {"team": "x", types.LABEL_VM_NAME: "db",
-                              types.LABEL_VM_UID: "abcdef0123"}
+                              types.LABEL_VM_UID: "abcdef0123", "app.kubernetes.io/name": "NeonVM"}
     assert meta["ownerReferences"][0]["controller"] is True
     assert meta["annotations"][types.ANNOTATION_TOKEN] == "77"
     assert meta["annotations"][types.ANNOTATION_EPOCH] == "5"
@@ -386,7 +387,7 @@ def test_a_row_that_leaves_out_its_performer_mutation_event_or_seen_flag_does_no
         left_out: str) -> None:
     """To add an action: its class, its row, its performer. A row must say each of these;
     one that leaves any out fails when the table is built."""
-    fields = {"perform": Reconciler._status_write, "writes": "status",
+    fields = {"perform": performers.status_write, "writes": "status",
               "mutation": status_mutation, "event": None, "seen_by_write": False}
     ActionRow(**fields)  # type: ignore[arg-type]
     del fields[left_out]
@@ -396,9 +397,9 @@ def test_a_row_that_leaves_out_its_performer_mutation_event_or_seen_flag_does_no
 
 def test_a_row_has_a_mutation_exactly_when_it_writes_the_vm() -> None:
     with pytest.raises(ValueError):
-        ActionRow(Reconciler._status_write, "status", None, event=None, seen_by_write=False)
+        ActionRow(performers.status_write, "status", None, event=None, seen_by_write=False)
     with pytest.raises(ValueError):
-        ActionRow(Reconciler._ungate, "pod", status_mutation, event=None, seen_by_write=True)
+        ActionRow(performers.ungate, "pod", status_mutation, event=None, seen_by_write=True)
     for kind, row in ACTIONS.items():
         assert row.mutation is {"status": status_mutation, "main": finalizers_mutation}.get(
             row.writes), kind

@@ -367,7 +367,7 @@ def test_an_answer_that_may_change_keeps_the_plan(
     # review F1: the runner chooses how long any answer takes): the plan stays, no
     # ScalingNeedsRestart for the generation. A guest's refusal also ends the reconcile
     # at once (review scalefix2 F3: each ask makes the guest offline the memory again).
-    from neonvm.controller.reconciler import NOT_TAKING_EFFECT
+    from neonvm.controller.reasons import NOT_TAKING_EFFECT
 
     runner = RefusingRunner(code, answer=answer)
     try:
@@ -702,8 +702,8 @@ def _past_the_window(reconciler: Reconciler) -> None:
     from neonvm.controller.observe import DirectReader
 
     skew = dt.timedelta(seconds=looks.LATE_PUT_SECONDS + 60)
-    reconciler.reader = DirectReader(reconciler.cluster,
-                                     clock=lambda: dt.datetime.now(dt.UTC) + skew)
+    reconciler.ctx.reader = DirectReader(reconciler.cluster,
+                                         clock=lambda: dt.datetime.now(dt.UTC) + skew)
 
 
 def _dropped_with_an_unplug_pending(api: client.ApiClient, controller_api: client.ApiClient,
@@ -758,7 +758,7 @@ def test_an_adopting_write_that_fails_past_the_window_is_retried_at_the_next_obs
         runner.size = {"vcpus": 1, "memorySlots": 1, "memoryBytes": GIB}  # ejected
         runner.removals = []
         failing = FailingStatusWrites(reconciler.cluster)
-        reconciler.writer = failing
+        reconciler.ctx.writer = failing
         failing.armed = True
         with pytest.raises(client.ApiException):
             reconciler.reconcile(key, OLD, direct_first=True)

@@ -25,6 +25,7 @@ from neonvm.api.types import (
     VirtualMachineStatus,
 )
 from neonvm.controller import decide as d
+from neonvm.controller import performers
 from neonvm.controller.authority import StaticAuthority
 from neonvm.controller.mutations import token_secret_mutation
 from neonvm.controller.observe import VMRecord, make_snapshot
@@ -102,12 +103,12 @@ def test_a_token_that_loses_the_race_to_be_recorded_is_deleted_and_no_pod_is_bui
     monkeypatch.setattr(kube, "request", core)  # the scaling's and the cluster's calls
     reconciler = Reconciler(client.ApiClient())
     scaling = RunnerScaling(client.ApiClient())
-    reconciler._scaling = scaling
-    monkeypatch.setattr(reconciler, "_write_status", lambda *a, **k: None)
+    reconciler.ctx.scaling = scaling
+    monkeypatch.setattr(performers, "write_status", lambda *a, **k: None)
     vm = scalable_vm()
     snap = make_snapshot(VMRecord(vm=vm, raw={}), [], LEASE, direct=True)
-    outcome = reconciler._create_pod("ns/vm", d.CreatePod(plan=PLAN), snap,
-                                     StaticAuthority(epoch=3, token=40), logger)
+    outcome = reconciler._perform("ns/vm", d.CreatePod(plan=PLAN), snap,
+                                  StaticAuthority(epoch=3, token=40), logger)
     assert outcome == "precondition"
     assert core.pods == []
     assert core.deleted == core.created == ["vm-scaling-abcde"]

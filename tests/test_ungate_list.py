@@ -25,8 +25,11 @@ from neonvm.api.types import (
     VirtualMachineStatus,
 )
 from neonvm.controller import decide as d
-from neonvm.controller.observe import VMRecord, make_snapshot
+from neonvm.controller import performers
+from neonvm.controller.action_table import ACTIONS
+from neonvm.controller.observe import Snapshot, VMRecord, make_snapshot
 from neonvm.controller.reconciler import Reconciler
+from neonvm.controller.step import Step
 
 pytestmark = pytest.mark.unit
 
@@ -92,6 +95,14 @@ def _committed_vm() -> VirtualMachine:
                                                            generation=1)))
 
 
+
+def ungate(reconciler: Reconciler, snap: Snapshot) -> str:
+    """The shipped Ungate performer on the committed pod ``a-y`` (it checks no authority:
+    the driver does, before it)."""
+    step = Step("ns/a", d.Ungate(name="a-y", uid="y-uid"), snap, None,  # type: ignore[arg-type]
+                logger, ACTIONS[d.Ungate])
+    return performers.ungate(reconciler.ctx, step)
+
 @pytest.mark.parametrize(("listed", "patched"), [
     # Only the committed pod exists: the gate comes off.
     ([_pod("a-y", "y-uid", gated=True)], True),
@@ -110,10 +121,9 @@ def test_the_ungate_trusts_only_its_own_list_never_the_observation_it_was_decide
     reconciler = Reconciler(client.ApiClient(), events=_Events())  # type: ignore[arg-type]
     reader = _Reader(listed)
     core = _Patches()
-    reconciler.reader = reader  # type: ignore[assignment]
+    reconciler.ctx.reader = reader  # type: ignore[assignment]
     reconciler.cluster.ungate_pod = core.ungate_pod  # type: ignore[method-assign]
-    outcome = reconciler._ungate("ns/a", d.Ungate(name="a-y", uid="y-uid"), snap,
-                                 None, logger)  # type: ignore[arg-type]
+    outcome = ungate(reconciler, snap)
     assert reader.lists == 1, "the ungate must list the pods itself, after the commit"
     assert (core.patched == ["a-y"]) is patched, (core.patched, outcome)
     assert (outcome == "done") is patched, outcome
@@ -146,10 +156,9 @@ def test_an_ungate_decided_from_the_cache_reads_the_vm_after_its_list(
     reconciler = Reconciler(client.ApiClient(), events=_Events())  # type: ignore[arg-type]
     reader = _Reader([_pod("a-y", "y-uid", gated=True)], server_vm(vm))
     core = _Patches()
-    reconciler.reader = reader  # type: ignore[assignment]
+    reconciler.ctx.reader = reader  # type: ignore[assignment]
     reconciler.cluster.ungate_pod = core.ungate_pod  # type: ignore[method-assign]
-    outcome = reconciler._ungate("ns/a", d.Ungate(name="a-y", uid="y-uid"), snap,
-                                 None, logger)  # type: ignore[arg-type]
+    outcome = ungate(reconciler, snap)
     assert (reader.lists, reader.vm_reads) == (1, 1)
     assert (core.patched == ["a-y"]) is patched, (core.patched, outcome)
 
@@ -164,8 +173,7 @@ def test_an_ungate_decided_from_a_fresh_vm_does_not_read_it_again(source: str) -
     reconciler = Reconciler(client.ApiClient(), events=_Events())  # type: ignore[arg-type]
     reader = _Reader([_pod("a-y", "y-uid", gated=True)], None)
     core = _Patches()
-    reconciler.reader = reader  # type: ignore[assignment]
+    reconciler.ctx.reader = reader  # type: ignore[assignment]
     reconciler.cluster.ungate_pod = core.ungate_pod  # type: ignore[method-assign]
-    reconciler._ungate("ns/a", d.Ungate(name="a-y", uid="y-uid"), snap,
-                       None, logger)  # type: ignore[arg-type]
+    ungate(reconciler, snap)
     assert (reader.lists, reader.vm_reads, core.patched) == (1, 0, ["a-y"])

@@ -19,9 +19,9 @@ from kubernetes.client.exceptions import ApiException
 from neonvm import kube
 from neonvm.api.types import Fence, PendingPod, VirtualMachineStatus
 from neonvm.controller import decide as d
+from neonvm.controller.cluster import VMWriter
 from neonvm.controller.mutations import FencedOut, status_mutation
 from neonvm.controller.observe import DirectReader, VMRecord
-from neonvm.controller.reconciler import VMWriter
 from neonvm.controller.update import (
     ConflictRetriesExhausted,
     RetryPolicy,

@@ -441,3 +441,22 @@ def conditions_mutation(updates: list[ConditionUpdate], lease: d.Fence,
         return status
 
     return mutate
+
+
+def stuck_mutation(update: ConditionUpdate, lease: d.Fence) -> StatusMutation:
+    """Write a stuck Degraded condition only on the transition into its reason.
+
+    A VM that stays stuck for the same reason keeps the condition as first written: its
+    message names what changes from one attempt to the next (a pod name, an error text,
+    counts) and rewriting it on every attempt would produce a watch event that requeues
+    the VM at once, bypassing the stuck backoff. Logs and events carry the details."""
+    write = conditions_mutation([update], lease)
+
+    def mutate(vm: VirtualMachine) -> VirtualMachineStatus | None:
+        for cond in vm.status.conditions:
+            if (cond.type == update.type and cond.status == update.status
+                    and cond.reason == update.reason):
+                return None
+        return write(vm)
+
+    return mutate

@@ -194,7 +194,7 @@ class Action:
 
     An action the driver performs declares its ``step``: the name it goes by in metrics,
     the ``crash_after`` fault and the crash campaign. How it is performed, and the event
-    it records, is its row in ``neonvm.controller.reconciler.ACTIONS`` (the one table);
+    it records, is its row in ``neonvm.controller.action_table.ACTIONS`` (the one table);
     the fault steps and the explorer derive from those two. The others (Done, Wait,
     ObserveDirect, Fenced) end or redirect the loop and have no step.
     """

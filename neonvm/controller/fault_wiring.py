@@ -32,7 +32,7 @@ from neonvm.controller.cluster import vm_path
 from neonvm.controller.faults import FaultConfig, Faults
 from neonvm.controller.informer import UNREAD, EventFilter, Obj, Store, Unread, object_key
 from neonvm.controller.observe import CacheReader, Observer, VMRecord
-from neonvm.controller.reconciler import StepHook, Writer
+from neonvm.controller.step import StepHook, Writer
 from neonvm.controller.wiring import Wiring
 
 HISTORY = 5
@@ -112,7 +112,7 @@ def bump_resource_version(api: client.ApiClient, record: VMRecord) -> None:
 
 
 class FaultyWriter:
-    """A :class:`~neonvm.controller.reconciler.Writer` in front of the real one: with
+    """A :class:`~neonvm.controller.step.Writer` in front of the real one: with
     probability ``conflict`` it bumps the VM just before a write, so the write gets 409."""
 
     def __init__(self, inner: Writer, api: client.ApiClient, faults: Faults) -> None:

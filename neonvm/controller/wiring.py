@@ -17,9 +17,10 @@ from collections.abc import Callable
 import urllib3
 from kubernetes import client
 
+from neonvm.controller.cluster import VMWriter
 from neonvm.controller.informer import EventFilter, Obj, Store
 from neonvm.controller.observe import CacheReader, Observer
-from neonvm.controller.reconciler import StepHook, VMWriter, Writer
+from neonvm.controller.step import StepHook, Writer
 
 
 class Wiring:

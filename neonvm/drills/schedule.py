@@ -18,15 +18,15 @@ import os
 import random
 from dataclasses import dataclass
 
+from neonvm.controller.action_table import ACTIONS
 from neonvm.controller.faults import FaultConfig
-from neonvm.controller.reconciler import ACTIONS
 
 SEED_ENV = "NEONVM_CAMPAIGN_SEED"
 SCHEDULES_ENV = "NEONVM_CAMPAIGN_SCHEDULES"
 
 CRASH_STEPS: tuple[str, ...] = tuple(kind.step for kind in ACTIONS)
 """Every step the driver performs, each a crash point: the ``step`` each action declares,
-in the order of the driver's actions table (:data:`neonvm.controller.reconciler.ACTIONS`).
+in the order of the driver's actions table (:data:`neonvm.controller.action_table.ACTIONS`).
 Schedule ``i`` crashes after ``CRASH_STEPS[i % len(CRASH_STEPS)]``."""
 
 FREQUENT_STEPS = frozenset({"plan", "create", "commit", "ungate", "add_finalizer", "sync"})

@@ -53,8 +53,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from neonvm.controller.action_table import ACTIONS, SEEN_BY_WRITE
 from neonvm.controller.decide import plan_name
-from neonvm.controller.reconciler import ACTIONS, SEEN_BY_WRITE
 from neonvm.verify.model import (
     FENCED_OUT,
     LEADER,
@@ -415,7 +415,7 @@ class Actors:
                                            f"list"),
                         _set(w, i, x._replace(pc="patch", target=target)))
             # Decided from the cache, the driver also reads the VM after its list
-            # (reconciler._ungate): "prelist_cache" goes through "vmread".
+            # (performers.ungate): "prelist_cache" goes through "vmread".
             fresh_vm = direct or vm_written
             return step, _set(w, i, x._replace(pc="prelist" if fresh_vm else "prelist_cache"))
         if name == "RecordPlan" and self.cfg.broken("create_before_record"):

@@ -3,7 +3,7 @@
 Guarantees. For every step of the trace, the replayer performs the same request against
 the real kube-apiserver (same preconditions: the ``resourceVersion`` of the VM version
 the model's worker decided from, the pod's uid and resourceVersion for the ungate, the
-uid for a delete), using the shipped writer (:class:`~neonvm.controller.reconciler.VMWriter`)
+uid for a delete), using the shipped writer (:class:`~neonvm.controller.cluster.VMWriter`)
 and pod manifest (:func:`~neonvm.controller.podspec.runner_pod`); then it checks that
 
 * the server answered as the model said (success, 409 Conflict, AlreadyExists, 404), and
@@ -33,9 +33,9 @@ from neonvm.api import types
 from neonvm.api.schema import encode
 from neonvm.api.types import VirtualMachine
 from neonvm.controller import podspec
+from neonvm.controller.cluster import VMWriter
 from neonvm.controller.fault_wiring import bump_resource_version
 from neonvm.controller.observe import VMRecord
-from neonvm.controller.reconciler import VMWriter
 from neonvm.verify.actors import Config, Step
 from neonvm.verify.model import (
     NODE,
