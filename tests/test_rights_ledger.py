@@ -183,7 +183,13 @@ def served() -> Any:
     clock = Clock()
     ledger = RightsLedger(clock, rho=RHO, epsilon=EPS)
     state: dict[str, Any] = {"caches": caches(), "secret": secret()}
-    tokens = TokenCache(None, read=lambda _ns, _name: state["secret"])
+    state["secret_reads"] = 0
+
+    def read(_namespace: str, _name: str) -> dict[str, Any] | None:
+        state["secret_reads"] += 1
+        return state["secret"]
+
+    tokens = TokenCache(None, read=read)
     state["marks"] = []
     state["pod_gone"] = False
 
@@ -218,10 +224,19 @@ def test_answers_are_counted_by_code_and_reason(served: Any) -> None:
     assert registry.get_sample_value(name, {"code": "401", "reason": "Unauthorized"}) == 1
 
 
-def test_a_standby_answers_not_leader_and_records_nothing(served: Any) -> None:
-    port, ledger, clock, _ = served
+@pytest.mark.parametrize("term", ["none", "ended", "no-longer-active"])
+def test_a_standby_answers_not_leader_and_records_nothing(served: Any, term: str) -> None:
+    """Nor does it read the VM's token or write its pod: leadership is looked at first
+    (the check inside the grant is the one safety needs; this one saves the work)."""
+    port, ledger, clock, state = served
+    if term == "ended":
+        ledger.begin_term(lambda: True)
+        ledger.end_term()
+    elif term == "no-longer-active":  # its Lease lost, the term not yet ended
+        ledger.begin_term(lambda: False)
     status, doc = ask(port, REQUEST, authorization_header(TOKEN, POD_UID))
     assert (status, doc["reason"]) == (503, NOT_LEADER)
+    assert state["secret_reads"] == 0 and state["marks"] == []
     ledger.begin_term(lambda: True)
     clock.now += BOUND
     assert ledger.condemn(POD_UID, 10.0) == 0.0  # nothing was issued
