@@ -187,7 +187,8 @@ def served() -> Any:
 
     def read(_namespace: str, _name: str) -> dict[str, Any] | None:
         state["secret_reads"] += 1
-        return state["secret"]
+        doc: dict[str, Any] | None = state["secret"]
+        return doc
 
     tokens = TokenCache(None, read=read)
     state["marks"] = []
