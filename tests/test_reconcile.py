@@ -149,7 +149,7 @@ def test_the_runner_pod_is_fenced_owned_labelled_and_built_from_the_spec(
     (owner,) = meta.owner_references
     assert (owner.kind, owner.name, owner.uid, owner.controller, owner.block_owner_deletion) \
         == ("VirtualMachine", "spec", created["metadata"]["uid"], True, True)
-    assert meta.labels == {types.LABEL_VM_NAME: "spec",
+    assert meta.labels == {types.LABEL_VM_NAME: "spec", "app.kubernetes.io/name": "NeonVM",
                            types.LABEL_VM_UID: created["metadata"]["uid"], "team": "db"}
     assert meta.annotations[types.ANNOTATION_TOKEN] == "10"
     assert meta.annotations[types.ANNOTATION_EPOCH] == "1"
