@@ -55,6 +55,8 @@ class Timeline:
     leaders: list[tuple[float, str | None, int | None]] = field(default_factory=list)
     events: list[tuple[float, str, str]] = field(default_factory=list)
     samples: list[Sample] = field(default_factory=list)
+    lanes: tuple[str, ...] = LANES
+    """Event lanes drawn, top to bottom (a drill may name its own)."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def fault_begins(self, label: str) -> None:
@@ -229,8 +231,8 @@ def render_svg(tl: Timeline) -> str:
 
     top = 62
     leader_y = top
-    lane_y = {lane: top + ROW * (i + 1) for i, lane in enumerate(LANES)}
-    chart_top = top + ROW * (len(LANES) + 1) + 14
+    lane_y = {lane: top + ROW * (i + 1) for i, lane in enumerate(tl.lanes)}
+    chart_top = top + ROW * (len(tl.lanes) + 1) + 14
     chart_h = 140
     axis_y = chart_top + chart_h
     height = axis_y + 70
@@ -273,7 +275,7 @@ def render_svg(tl: Timeline) -> str:
                    f'stroke="#eeeeee"/>')
         for at, _lane, detail in mine:
             out.append(f'<line x1="{x(at):.1f}" y1="{ly - 7}" x2="{x(at):.1f}" y2="{ly + 7}" '
-                       f'stroke="{LANE_COLOURS[lane]}" stroke-width="1.5">'
+                       f'stroke="{LANE_COLOURS.get(lane, "#555555")}" stroke-width="1.5">'
                        f'<title>{escape(detail)}</title></line>')
     # Counts: VMs converged, guests running, plans pending.
     top_count = max([tl.vms, 1, *(max(s.guests, s.plans) for s in tl.samples)])
