@@ -33,6 +33,7 @@ from typing import Any
 
 import pytest
 from kubernetes import client
+from prometheus_client import CollectorRegistry
 
 from neonvm.dev import binaries
 from neonvm.dev.cluster import LOCKS_ETCD_ROOT, LocalCluster, free_port
@@ -47,8 +48,10 @@ from neonvm.leader.election import (
     LeaseRecord,
     StepDownRequest,
 )
+from neonvm.leader.epoch import EpochFloor
 from neonvm.leader.etcd import Etcd, EtcdConfig, EtcdError, EtcdUnavailable
 from neonvm.leader.lease_store import LeaseConflict
+from neonvm.leader.lock import Installation
 from neonvm.testing.harness import converged, create_vm, runner_pods
 from tests.support import FAST, wait_for
 from tests.test_election_store import FakeLeaseStore, held_by
@@ -315,6 +318,64 @@ def _exited(replica: Replica) -> int | None:
 
 
 @pytest.mark.cluster
+def test_a_leader_whose_etcd_role_is_revoked_releases_and_a_standby_that_keeps_its_leads(
+        cluster: LocalCluster, api: client.ApiClient, namespace: str, prefix: str,
+        root: Etcd) -> None:
+    """Electors in this process, on the real API server and the real locks etcd with
+    auth on: the leader's etcd user loses its role; its term ends, the Lease is released
+    after its work returned, and its ``run`` raises AccessRefused; the standby, whose
+    user keeps its role, leads under a higher epoch. (The whole replica, exit code and
+    log line included, is the opt-in test below.)"""
+    revoked_user = f"revoked-{prefix[3:]}"
+    configs = {"revoked": _user(cluster, root, revoked_user, prefix),
+               "kept": _user(cluster, root, f"kept-{prefix[3:]}", prefix)}
+    started: dict[str, list[int]] = {"revoked": [], "kept": []}
+    terms: dict[str, list[tuple[int, str]]] = {"revoked": [], "kept": []}
+    runs: dict[str, tuple[threading.Event, threading.Thread, list[BaseException]]] = {}
+    clients = {name: Etcd(config) for name, config in configs.items()}
+    try:
+        for name in ("revoked", "kept"):
+            def work(leadership: Leadership, name: str = name) -> None:
+                started[name].append(leadership.epoch)
+                leadership.lost.wait()
+                holder = _holder(api, namespace)  # the Lease as the work ends
+                terms[name].append((leadership.epoch, holder[0] if holder else "?"))
+
+            floor = EpochFloor(clients[name], prefix, Installation(namespace, LEASE),
+                               registry=CollectorRegistry())
+            elector = LeaderElector(
+                api, ElectionConfig(namespace=namespace, name=LEASE, identity=name,
+                                    lease_duration=3.0, renew_deadline=2.0,
+                                    retry_period=0.5),
+                work, lambda: None, epoch_floor=floor, registry=CollectorRegistry(),
+                access_period=0.2)
+            runs[name] = _run(elector)
+            if name == "revoked":
+                wait_for(lambda: started["revoked"], 60, what="the first elector leading")
+
+        root.revoke_prefix(revoked_user)
+        runs["revoked"][1].join(60)
+        # Its run returned after the release: the Lease is free, or the standby's already.
+        released = _holder(api, namespace)
+        wait_for(lambda: started["kept"], 60, what="the kept elector leading")
+    finally:
+        for stop, thread, _raised in runs.values():
+            stop.set()
+            thread.join(30)
+        for etcd in clients.values():
+            etcd.close()
+    raised = runs["revoked"][2]
+    assert len(raised) == 1 and isinstance(raised[0], AccessRefused), raised
+    assert "permission denied" in str(raised[0]), raised
+    assert started["revoked"] == [0] and terms["revoked"] == [(0, "revoked")], \
+        "its work ended while the Lease was still its own, before the release"
+    assert released is not None and released[0] in ("", "kept"), released
+    assert started["kept"] and started["kept"][0] > 0, started
+
+
+@pytest.mark.cluster
+@pytest.mark.slow
+@pytest.mark.long  # about 20 s (three replicas as processes): opt-in, NEONVM_TEST_LONG=1
 def test_a_role_revoked_while_running_ends_the_term_releases_and_exits_3_a_standby_leads(
         cluster: LocalCluster, api: client.ApiClient, namespace: str, prefix: str,
         root: Etcd, tmp_path: Path) -> None:
@@ -360,6 +421,45 @@ def test_a_role_revoked_while_running_ends_the_term_releases_and_exits_3_a_stand
     assert leader.said("stopped leading") and leader.said("released the Lease"), \
         leader.messages()
     assert good.errors() == [], good.messages()
+
+
+@pytest.mark.cluster
+def test_the_presence_key_lives_while_its_writer_reaches_etcd_and_goes_when_it_is_cut(
+        cluster: LocalCluster, namespace: str, prefix: str) -> None:
+    """``EpochFloor.keep_presence`` on the real locks etcd, through a proxy: the key
+    names the term while the keeper reaches etcd, goes by itself once the proxy is cut
+    (its lease expires, 2 s), comes back after the heal, and is never written over a
+    higher epoch's record; the end of the term removes it at once."""
+    etcd = cluster.locks_etcd_config(prefix)
+    host, port = etcd.endpoints[0].removeprefix("https://").rsplit(":", 1)
+    installation = Installation(namespace, LEASE)
+    with FaultProxy((host, int(port))) as proxy, \
+            Etcd(dataclasses.replace(etcd, endpoints=(f"https://127.0.0.1:{proxy.port}",),
+                                     timeout=1)) as through, Etcd(etcd) as direct:
+        keeper = EpochFloor(through, prefix, installation, registry=CollectorRegistry())
+        reader = EpochFloor(direct, prefix, installation, registry=CollectorRegistry())
+        stop = threading.Event()
+        thread = threading.Thread(target=keeper.keep_presence, args=("leader", 4, 2, stop),
+                                  daemon=True)
+        thread.start()
+        try:
+            wait_for(lambda: reader.shows_presence("leader", 4), 30, what="the presence key")
+            proxy.cut()
+            wait_for(lambda: not reader.shows_presence("leader", 4), 30,
+                     what="the key gone with its lease")
+            proxy.heal()
+            wait_for(lambda: reader.shows_presence("leader", 4), 30, what="the key back")
+        finally:
+            stop.set()
+            thread.join(30)
+        assert not thread.is_alive()
+        assert direct.get(reader.presence_key) is None, "revoked at the end of the term"
+
+        # A later term's record is never overwritten by an earlier term's keeper.
+        direct.put(reader.presence_key, b'{"identity":"next","epoch":5}')
+        stale = threading.Event()
+        keeper.keep_presence("leader", 4, 2, stale)  # returns at once: a later term's
+        assert reader.shows_presence("next", 5)
 
 
 @pytest.mark.cluster
