@@ -154,8 +154,8 @@ class EpochFloor:
                         if not self._write_presence(identity, epoch, session.lease_id):
                             return  # a later term's record: ours is over
                     elif (not self.shows_presence(identity, epoch)  # deleted under a
-                          and not self._write_presence(identity, epoch,  # live lease
-                                                       session.lease_id)):
+                          and not stop.is_set()  # live lease, and the term goes on
+                          and not self._write_presence(identity, epoch, session.lease_id)):
                         return
                 except EtcdError as exc:
                     logger.bind(epoch=epoch).debug("could not keep the presence key: "
