@@ -191,8 +191,8 @@ def test_every_templated_object_carries_the_standard_labels(helm: Helm, values: 
     else:  # the bundled etcd (tests/test_chart_etcd.py)
         expected += ["StatefulSet", "Service", "Service", "PodDisruptionBudget",
                      "Secret", "Secret", "Secret", "Secret"]
-    expected += ["Pod", "NetworkPolicy"]  # `helm test`: its pod, its way to etcd
-    expected.append("NetworkPolicy")  # only the controller reaches the locks' etcd
+    expected.append("Pod")  # `helm test`
+    expected.append("NetworkPolicy")  # only the controller (and `helm test`) reach etcd
     assert kinds == sorted(expected)
     pod_labels = rendered.one("Deployment")["spec"]["template"]["metadata"]["labels"]
     for obj in [*rendered.objects, {"kind": "pod template", "metadata": {"labels": pod_labels}}]:
@@ -342,14 +342,28 @@ def test_default_values_let_only_the_controller_pods_reach_etcd(helm: Helm) -> N
     assert spec["policyTypes"] == ["Ingress"]
     clients, peers = spec["ingress"]
     pod_labels = rendered.one("Deployment")["spec"]["template"]["metadata"]["labels"]
-    (controller,) = clients["from"]
-    assert controller["namespaceSelector"] == {
-        "matchLabels": {"kubernetes.io/metadata.name": "ops"}}
+    controller, tester = clients["from"]
+    for peer in (controller, tester):
+        assert peer["namespaceSelector"] == {
+            "matchLabels": {"kubernetes.io/metadata.name": "ops"}}
     assert controller["podSelector"]["matchLabels"].items() <= pod_labels.items()
+    # The `helm test` pod, and not the controller's pods by those labels.
+    (test_pod,) = [o for o in rendered.objects if o["kind"] == "Pod"]
+    assert tester["podSelector"]["matchLabels"].items() <= test_pod["metadata"]["labels"].items()
+    assert not tester["podSelector"]["matchLabels"].items() <= pod_labels.items()
     assert clients["ports"] == [{"protocol": "TCP", "port": 2379}]
     # Members of the etcd cluster reach each other; nobody else is named.
     assert peers["from"] == [{"podSelector": spec["podSelector"]}]
     assert {p["port"] for p in peers["ports"]} == {2379, 2380}
+
+
+def test_every_helm_test_hook_is_a_pod(helm: Helm) -> None:
+    """Helm 3's `helm test --logs` asks for the logs of every test hook as a pod, and
+    fails ("unable to get pod logs for ...") on a hook of any other kind."""
+    rendered = helm.template("nvm", "ops")
+    hooks = [o for o in rendered.objects
+             if "test" in o["metadata"].get("annotations", {}).get("helm.sh/hook", "")]
+    assert hooks and {o["kind"] for o in hooks} == {"Pod"}
 
 
 def test_runner_pods_of_the_watched_namespace_may_not_reach_the_etcd_ports(helm: Helm) -> None:

@@ -32,6 +32,13 @@ app.kubernetes.io/name: {{ include "neonvm-controller.name" . }}
 app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end }}
 
+{{/* The `helm test` pod's labels: not the controller's selector (the Deployment, its PDB
+and the metrics Service must not select it); the etcd NetworkPolicy admits them. */}}
+{{- define "neonvm-controller.testSelectorLabels" -}}
+app.kubernetes.io/name: {{ include "neonvm-controller.name" . }}-test
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
 {{- define "neonvm-controller.labels" -}}
 helm.sh/chart: {{ include "neonvm-controller.chart" . }}
 {{ include "neonvm-controller.selectorLabels" . }}
