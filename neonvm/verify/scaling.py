@@ -79,7 +79,6 @@ state: decide reads nothing else of it.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import datetime as dt
 from collections import deque
@@ -109,6 +108,7 @@ from neonvm.api.types import (
     VirtualMachineSpec,
     VirtualMachineStatus,
 )
+from neonvm.controller import actions as act
 from neonvm.controller import conditions, looks, mutations, podspec, reasons, reconciler
 from neonvm.controller import decide as d
 from neonvm.controller.observe import Snapshot
@@ -359,7 +359,7 @@ def from_vm(vm: VirtualMachine, use: Size) -> VMRep:
         dropped=dropped, look=s.scale_look_pod_uid or "")
 
 
-def _freeze(action: d.Action) -> tuple[Any, ...]:
+def _freeze(action: act.Action) -> tuple[Any, ...]:
     values: list[Any] = []
     for f in dataclasses.fields(action):
         if f.name == "reason":
@@ -371,7 +371,7 @@ def _freeze(action: d.Action) -> tuple[Any, ...]:
     return (type(action).__name__, *values)
 
 
-def _thaw(key: tuple[Any, ...]) -> d.Action:
+def _thaw(key: tuple[Any, ...]) -> act.Action:
     cls = getattr(d, key[0])
     names = [f.name for f in dataclasses.fields(cls) if f.name != "reason"]
     kwargs = {}
@@ -379,7 +379,7 @@ def _thaw(key: tuple[Any, ...]) -> d.Action:
         if isinstance(v, tuple) and v and v[0] == "PendingScale":
             v = PendingScale(*v[1])
         kwargs[n] = v
-    action: d.Action = cls(**kwargs)
+    action: act.Action = cls(**kwargs)
     return action
 
 
@@ -421,7 +421,7 @@ class ScalingModel:
         if not seen.pod:
             return None  # a pod being replaced: the pod explorer's business
         vm = to_vm(seen)
-        pod = d.PodView(name=seen.pod, uid=seen.pod_uid, owner_uid=UID, gated=False,
+        pod = act.PodView(name=seen.pod, uid=seen.pod_uid, owner_uid=UID, gated=False,
                         terminating=False, phase="Running", node="n1", ip=IP,
                         fence=(1, 10))
         runner = None
@@ -433,10 +433,10 @@ class ScalingModel:
             if seen.pending is None:
                 return None
             error = RunnerTrouble("unreachable", misbehaving=misbehaving)
-            obs = d.Observation(vm=vm, pods=(pod,), lease=d.Fence(x.epoch, x.token),
+            obs = act.Observation(vm=vm, pods=(pod,), lease=act.Fence(x.epoch, x.token),
                                 direct=seen == w.vm, runner_error=error, now=now)
             action = d.decide(obs)
-            if not (isinstance(action, d.Wait) and action.condition == reasons.SCALING_CONDITION):
+            if not (isinstance(action, act.Wait) and action.condition == reasons.SCALING_CONDITION):
                 return None
             trouble = runner_trouble(error)
             if misbehaving:
@@ -448,7 +448,7 @@ class ScalingModel:
         if looks.looks_at_runner(vm, now):
             r = w.runner
             last = self._last(r)
-            runner = d.RunnerView(
+            runner = act.RunnerView(
                 pod_uid=seen.pod_uid,  # what answered on the observed pod's IP
                 fence=(last.fence.epoch, last.fence.token, last.fence.seq) if last else None,
                 vcpus=r.guest[0], memory_slots=r.guest[1], memory_bytes=r.guest[1] << 30,
@@ -457,16 +457,16 @@ class ScalingModel:
                 and not (self.mutants.end_with_removal_pending and seen.pending is None)
                 else (),
                 answered_uid=r.pod_uid)  # the runner that answers names its own pod
-        obs = d.Observation(vm=vm, pods=(pod,), lease=d.Fence(x.epoch, x.token),
+        obs = act.Observation(vm=vm, pods=(pod,), lease=act.Fence(x.epoch, x.token),
                             direct=seen == w.vm, runner=runner, now=now)
         action = d.decide(obs)
-        if isinstance(action, d.Done | d.Wait | d.ObserveDirect | d.Fenced):
+        if isinstance(action, act.Done | act.Wait | act.ObserveDirect | act.Fenced):
             return None
-        if self.mutants.no_adoption and isinstance(action, d.CommitScale) and action.adopt \
+        if self.mutants.no_adoption and isinstance(action, act.CommitScale) and action.adopt \
                 and (action.vcpus, action.memory_bytes >> 30) != seen.size:
             return None  # (a write that only ends the look, at status's size, is kept)
-        if self.mutants.no_supersede and isinstance(action, d.PlanScale) and seen.pending:
-            return _freeze(d.ApplyScale(plan=to_vm(seen).status.pending_scale or PendingScale()))
+        if self.mutants.no_supersede and isinstance(action, act.PlanScale) and seen.pending:
+            return _freeze(act.ApplyScale(plan=to_vm(seen).status.pending_scale or PendingScale()))
         return _freeze(action)
 
     def _last(self, r: Runner) -> AppliedFence | None:
@@ -485,19 +485,19 @@ class ScalingModel:
             return self._conditions_write(done, i, x.held[1]), None
         action = _thaw(x.held)
         if type(action).__name__ in RUNNER_CALLS:
-            assert isinstance(action, d.ApplyScale)
+            assert isinstance(action, act.ApplyScale)
             return self._put(done, action.plan)
-        if self.mutants.stale_adopt_after_end and isinstance(action, d.CommitScale):
+        if self.mutants.stale_adopt_after_end and isinstance(action, act.CommitScale):
             action = dataclasses.replace(action, look_recorded=False)
         return self._status_write(done, i, action), None
 
-    def _status_write(self, w: World, i: int, action: d.Action) -> World:
+    def _status_write(self, w: World, i: int, action: act.Action) -> World:
         """The worker ``i``'s status write for ``action`` (the conflict helper's: the
         shipped mutation on the current VM); a fence ahead stops the worker."""
         x = w.workers[i]
-        mutate = mutations.status_mutation(action, d.Fence(x.epoch, x.token))
+        mutate = mutations.status_mutation(action, act.Fence(x.epoch, x.token))
         try:
-            new = mutate(copy.deepcopy(to_vm(w.vm)))
+            new = mutate(to_vm(w.vm))  # a fresh object: nothing to copy
         except mutations.FencedOut:
             return w._replace(workers=_set(w.workers, i, x._replace(held=None, stopped=True)))
         if new is None:
@@ -513,10 +513,10 @@ class ScalingModel:
         """The worker ``i``'s conditions write (the shipped
         :func:`~neonvm.controller.conditions.conditions_mutation`) on the current VM."""
         x = w.workers[i]
-        mutate = conditions.conditions_mutation(list(updates), d.Fence(x.epoch, x.token),
+        mutate = conditions.conditions_mutation(list(updates), act.Fence(x.epoch, x.token),
                                                 now=times.format_microtime(DROPPED_AT))
         vm = to_vm(w.vm)
-        target = copy.deepcopy(vm)
+        target = to_vm(w.vm)  # an equal, distinct object (cheaper than a deep copy)
         if self.mutants.window_from_condition and target.status.pending_scale is None:
             # No precondition: the update lands as if its plan were still recorded.
             target.status.pending_scale = PendingScale(seq=updates[0].plan_seq or 0)
@@ -536,10 +536,10 @@ class ScalingModel:
         x = w.workers[i]
         assert x.held is not None
         action = _thaw(x.held)
-        assert isinstance(action, d.ApplyScale)
+        assert isinstance(action, act.ApplyScale)
         done = w._replace(workers=_set(w.workers, i, x._replace(held=None)),
                           refusals_left=w.refusals_left - 1)
-        return self._status_write(done, i, d.DropScale(seq=action.plan.seq,
+        return self._status_write(done, i, act.DropScale(seq=action.plan.seq,
                                                        refused=reasons.SCALING_DISABLED))
 
     def timed_out(self, w: World, i: int) -> World:
@@ -553,7 +553,7 @@ class ScalingModel:
     def land(self, w: World, k: int) -> tuple[World, Violation | None]:
         """The late request ``k`` reaches the runner."""
         action = _thaw(w.late[k])
-        assert isinstance(action, d.ApplyScale)
+        assert isinstance(action, act.ApplyScale)
         return self._put(w._replace(late=(*w.late[:k], *w.late[k + 1:])), action.plan)
 
     def _put(self, w: World, plan: PendingScale) -> tuple[World, Violation | None]:
@@ -652,15 +652,16 @@ class ScalingModel:
         that size; the commit is a later step (:meth:`commit_pod`)."""
         leader = max((x for x in w.workers if x.active and not x.stopped),
                      key=lambda x: x.epoch)
-        lease = d.Fence(leader.epoch, leader.token)
+        lease = act.Fence(leader.epoch, leader.token)
         vm = to_vm(w.vm)
-        for action in (d.Restart(name=vm.status.pod_name or "", uid=vm.status.pod_uid or ""),
-                       d.RecordPlan(plan=PendingPod(
+        for action in (act.Restart(name=vm.status.pod_name or "", uid=vm.status.pod_uid or ""),
+                       act.RecordPlan(plan=PendingPod(
                            name=d.plan_name(vm, vm.status.plan_seq + 1),
                            plan_seq=vm.status.plan_seq + 1, token=lease.token,
                            epoch=lease.epoch, generation=vm.generation),
                            observed_seq=vm.status.plan_seq)):
-            new = mutations.status_mutation(action, lease)(copy.deepcopy(vm))
+            # A status mutation reads the VM and returns a new status (a copy it made).
+            new = mutations.status_mutation(action, lease)(vm)
             assert new is not None, action
             vm.status = new
         created = podspec.runner_pod(vm, vm.status.pending_pod)  # type: ignore[arg-type]
@@ -686,21 +687,22 @@ class ScalingModel:
         assert w.created is not None
         leader = max((x for x in w.workers if x.active and not x.stopped),
                      key=lambda x: x.epoch)
-        lease = d.Fence(leader.epoch, leader.token)
+        lease = act.Fence(leader.epoch, leader.token)
         name, uid, boot = w.created
         vm = to_vm(w.vm)
         pending = vm.status.pending_pod
         assert pending is not None
-        pod = d.PodView(name=name, uid=uid, owner_uid=UID, gated=True, terminating=False,
+        pod = act.PodView(name=name, uid=uid, owner_uid=UID, gated=True, terminating=False,
                         fence=(pending.epoch, pending.token),
                         built=(boot[0] * 1000, boot[1]))
-        commit = d.decide(d.Observation(vm=vm, pods=(pod,), lease=lease, direct=True))
-        assert isinstance(commit, d.Commit), commit
+        commit = d.decide(act.Observation(vm=vm, pods=(pod,), lease=lease, direct=True))
+        assert isinstance(commit, act.Commit), commit
         if self.mutants.commit_spec_size:
             commit = dataclasses.replace(commit, built=None)
-        for action in (commit, d.SyncStatus(phase="Running", node="n1", ip=IP, name=name,
+        for action in (commit, act.SyncStatus(phase="Running", node="n1", ip=IP, name=name,
                                             uid=uid)):
-            new = mutations.status_mutation(action, lease)(copy.deepcopy(vm))
+            # A status mutation reads the VM and returns a new status (a copy it made).
+            new = mutations.status_mutation(action, lease)(vm)
             assert new is not None, action
             vm.status = new
         return _write(w._replace(created=None), from_vm(vm, w.vm.use), self.lag)
@@ -744,7 +746,7 @@ class ScalingModel:
                     assert reconciler.paused(STUCK_OUTCOME)
                     held = (CONDITIONS_WRITE, (conditions.stuck_condition(
                         f"ApplyScale{reasons.NOT_TAKING_EFFECT}",
-                        reconciler.miss_message(d.ApplyScale, STUCK_OUTCOME, "")),))
+                        reconciler.miss_message(act.ApplyScale, STUCK_OUTCOME, "")),))
                     new = new._replace(workers=_set(new.workers, i, new.workers[i]._replace(
                         held=held)), stuck_left=w.stuck_left - 1)
                     yield (f"w{i} performs {x.held[0]}: answered {STUCK_OUTCOME}, the "
@@ -892,7 +894,7 @@ def _ends_look(held: tuple[Any, ...]) -> bool:
     if held[0] != "CommitScale":
         return False
     action = _thaw(held)
-    return isinstance(action, d.CommitScale) and action.adopt and action.ends_look
+    return isinstance(action, act.CommitScale) and action.adopt and action.ends_look
 
 
 def initial_world(spec_changes: tuple[Size, ...] = ((2, 2), (1, 1)), restarts: int = 1,
