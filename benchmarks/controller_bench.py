@@ -41,6 +41,7 @@ from kubernetes.client.exceptions import ApiException
 from neonvm import kube
 from neonvm.api import types
 from neonvm.api.types import Fence, PendingPod
+from neonvm.controller import actions as act
 from neonvm.controller import decide as d
 from neonvm.controller import mutations, podspec
 from neonvm.controller.cluster import KubeCluster, VMRecord
@@ -357,13 +358,13 @@ def floor_rate(cluster: Any, api: client.ApiClient, namespace: str, vms: int,
         plan = PendingPod(name=d.plan_name(record.vm, 1), plan_seq=1,
                           token=FLOOR_FENCE.token, epoch=FLOOR_FENCE.epoch,
                           generation=record.vm.generation)
-        planned = mutations.status_mutation(d.RecordPlan(plan=plan, observed_seq=0),
+        planned = mutations.status_mutation(act.RecordPlan(plan=plan, observed_seq=0),
                                             FLOOR_FENCE)(record.vm)
         assert planned is not None
         record = kube_cluster.put_status(record, planned)
         pod = kube_cluster.create_pod(namespace, podspec.runner_pod(record.vm, plan, defaults))
         meta = pod["metadata"]
-        commit = d.Commit(name=plan.name, uid=meta["uid"], built=podspec.built_size(meta),
+        commit = act.Commit(name=plan.name, uid=meta["uid"], built=podspec.built_size(meta),
                           slot_bytes=podspec.built_slot_bytes(meta))
         committed = mutations.status_mutation(commit, FLOOR_FENCE)(record.vm)
         assert committed is not None

@@ -19,7 +19,7 @@ import pytest
 from kubernetes import client
 
 from neonvm.api import compat, types
-from neonvm.controller import decide as d
+from neonvm.controller import actions as act
 from neonvm.controller.acceleration import (
     ACCELERATED,
     CONDITION,
@@ -32,8 +32,8 @@ from neonvm.controller.acceleration import (
     acceleration_condition,
     warn_acceleration_unavailable,
 )
+from neonvm.controller.actions import PodView
 from neonvm.controller.authority import StaticAuthority
-from neonvm.controller.decide import PodView
 from neonvm.controller.events import EventRecorder
 from neonvm.controller.podspec import PodDefaults, runner_pod
 from neonvm.controller.reconciler import Reconciler, ReconcilerConfig
@@ -266,11 +266,11 @@ def runner_server(tmp_path: Path) -> Iterator[RunnerHTTPServer]:
         server.stop()
 
 
-def settle(reconciler: Reconciler, key: str, rounds: int = 10) -> d.Action:
-    action: d.Action = d.Wait(seconds=0)
+def settle(reconciler: Reconciler, key: str, rounds: int = 10) -> act.Action:
+    action: act.Action = act.Wait(seconds=0)
     for _ in range(rounds):
         action = reconciler.reconcile(key, AUTHORITY, direct_first=True).action
-        if isinstance(action, d.Done):
+        if isinstance(action, act.Done):
             break
     return action
 

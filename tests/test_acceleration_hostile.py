@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from neonvm.controller.acceleration import HTTPRunnerStatus, RunnerReports
-from neonvm.controller.decide import PodView
+from neonvm.controller.actions import PodView
 from neonvm.controller.scaling import RUNNER_BODY_LIMIT, ScalingError
 from tests.hostile_runners import GIB, HostileRunner, RecordingServer
 from tests.support import wait_for

@@ -17,6 +17,7 @@ from kubernetes import client
 from neonvm import kube
 from neonvm.api import times, types
 from neonvm.api.millicpu import MilliCPU
+from neonvm.controller import actions as act
 from neonvm.controller import autoscaler_view as av
 from neonvm.controller import decide as d
 from neonvm.controller.authority import StaticAuthority
@@ -153,12 +154,12 @@ def test_available_says_what_ready_says() -> None:
     vm = vm_of({"min": 1, "max": 2, "use": 1},
                status={"phase": "Running", "podName": "p", "podUID": "pu",
                        "cpus": 1, "memorySize": "1Gi"})
-    running = d.PodView(name="p", uid="pu", owner_uid="u", gated=False, terminating=False,
+    running = act.PodView(name="p", uid="pu", owner_uid="u", gated=False, terminating=False,
                         phase="Running", node="n1", ip="10.0.0.1")
     for pods, status in (((running,), "True"), ((), "False")):
-        obs = d.Observation(vm=vm, pods=pods, lease=d.Fence(epoch=1, token=1), direct=True)
+        obs = act.Observation(vm=vm, pods=pods, lease=act.Fence(epoch=1, token=1), direct=True)
         updates = {u.type: u for u in desired_conditions(Snapshot(obs=obs, record=None),
-                                                         d.Done())}
+                                                         act.Done())}
         assert updates["Available"].status == updates["Ready"].status == status
 
 
@@ -217,7 +218,7 @@ class ApplyingRunner:
 def settle(reconciler: Reconciler, key: str, rounds: int = 10) -> ReconcileResult:
     result = reconciler.reconcile(key, OLD, direct_first=True)
     for _ in range(rounds):
-        if isinstance(result.action, d.Done):
+        if isinstance(result.action, act.Done):
             return result
         result = reconciler.reconcile(key, OLD, direct_first=True)
     return result
@@ -271,7 +272,7 @@ def test_a_scale_the_autoscaler_agent_asks_for_shows_in_the_pod_and_status_it_re
 
         before = dt.datetime.now(dt.UTC).replace(microsecond=0)
         agent_patch(api, namespace, "agent", "1500m", 2, revision=7)
-        assert isinstance(settle(reconciler, key).action, d.Done)
+        assert isinstance(settle(reconciler, key).action, act.Done)
 
         assert [(p["cpus"], p["memorySlots"]) for p in runner.puts] == [(2, 2)]
         (after,) = runner_pods(api, namespace, "agent")
@@ -296,7 +297,7 @@ def test_a_scale_the_autoscaler_agent_asks_for_shows_in_the_pod_and_status_it_re
         # Within the guest's whole vCPUs (1500m -> 1750m: still 2): no plan, no PUT;
         # status.cpus, the revision and Available follow at the end of the reconcile.
         agent_patch(api, namespace, "agent", "1750m", 2, revision=9)
-        assert isinstance(settle(reconciler, key).action, d.Done)
+        assert isinstance(settle(reconciler, key).action, act.Done)
         assert len(runner.puts) == 1
         raw = get_vm(api, namespace, "agent")
         assert raw is not None
@@ -305,7 +306,7 @@ def test_a_scale_the_autoscaler_agent_asks_for_shows_in_the_pod_and_status_it_re
 
         # And back down to a fractional size: 250m, one slot.
         agent_patch(api, namespace, "agent", "250m", 1, revision=8)
-        assert isinstance(settle(reconciler, key).action, d.Done)
+        assert isinstance(settle(reconciler, key).action, act.Done)
         (after,) = runner_pods(api, namespace, "agent")
         assert after.metadata.uid == pod.metadata.uid
         assert json.loads(after.metadata.annotations[ANNOTATION_RESOURCES])["cpus"][
@@ -324,17 +325,17 @@ def test_a_running_pod_whose_autoscaling_metadata_is_not_the_vms_is_synced() -> 
                status={"phase": "Running", "podName": "p", "podUID": "pu", "node": "n1",
                        "podIP": "10.0.0.1", "cpus": 1, "memorySize": "1Gi"})
     vm.labels = {"autoscaling.neon.tech/enabled": "true"}
-    lease = d.Fence(epoch=1, token=1)
+    lease = act.Fence(epoch=1, token=1)
 
-    def decide_with(pod_labels: dict[str, str]) -> d.Action:
-        pod = d.PodView(name="p", uid="pu", owner_uid="u", gated=False, terminating=False,
+    def decide_with(pod_labels: dict[str, str]) -> act.Action:
+        pod = act.PodView(name="p", uid="pu", owner_uid="u", gated=False, terminating=False,
                         phase="Running", node="n1", ip="10.0.0.1",
                         autoscaling=av.autoscaling_meta(pod_labels, {}))
-        return d.decide(d.Observation(vm=vm, pods=(pod,), lease=lease, direct=True))
+        return d.decide(act.Observation(vm=vm, pods=(pod,), lease=lease, direct=True))
 
     action = decide_with({"autoscaling.neon.tech/enabled": "false", "team": "a"})
-    assert isinstance(action, d.SyncPodMetadata) and (action.name, action.uid) == ("p", "pu")
-    assert isinstance(decide_with({"autoscaling.neon.tech/enabled": "true"}), d.Done)
+    assert isinstance(action, act.SyncPodMetadata) and (action.name, action.uid) == ("p", "pu")
+    assert isinstance(decide_with({"autoscaling.neon.tech/enabled": "true"}), act.Done)
 
 
 @pytest.mark.cluster
@@ -365,7 +366,7 @@ def test_the_vms_autoscaling_labels_and_annotations_are_kept_on_its_running_pod(
                    "team": "b"},
         "annotations": {"autoscaling.neon.tech/bounds": '{"min":{"cpu":1}}'}}},
         content_type="application/merge-patch+json")
-    assert isinstance(settle(reconciler, key).action, d.Done)
+    assert isinstance(settle(reconciler, key).action, act.Done)
     (after,) = runner_pods(api, namespace, "meta")
     assert after.metadata.uid == pod.metadata.uid
     labels, annotations = after.metadata.labels, after.metadata.annotations
@@ -382,8 +383,8 @@ def test_a_size_adopted_after_a_drop_is_fractional_too() -> None:
     vm = vm_of({"min": "250m", "max": 2, "use": "1500m"}, slots=2,
                status={"phase": "Running", "podName": "p", "podUID": "pu", "scaleSeq": 1,
                        "cpus": 1, "memorySize": "1Gi"})
-    adopted = status_mutation(d.CommitScale(seq=1, vcpus=2, memory_bytes=2 * GIB, adopt=True,
-                                            pod_uid="pu"), d.Fence(epoch=1, token=1))(vm)
+    adopted = status_mutation(act.CommitScale(seq=1, vcpus=2, memory_bytes=2 * GIB, adopt=True,
+                                            pod_uid="pu"), act.Fence(epoch=1, token=1))(vm)
     assert adopted is not None
     assert (adopted.cpus, adopted.memory_size) == (MilliCPU(1500), "2Gi")
 

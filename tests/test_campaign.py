@@ -24,7 +24,7 @@ import time
 
 import pytest
 
-from neonvm.controller.decide import performed_actions
+from neonvm.controller.actions import performed_actions
 from neonvm.controller.faults import FaultConfig
 from neonvm.dev.cluster import LocalCluster
 from neonvm.drills.campaign import (

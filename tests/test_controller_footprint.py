@@ -31,7 +31,7 @@ REPLICA = textwrap.dedent(r'''
 
     from neonvm import kube
     from neonvm.api.types import PendingScale, VirtualMachine
-    from neonvm.controller import decide as d
+    from neonvm.controller import actions as act
     from neonvm.controller.cluster import KubeCluster, VMRecord
     from neonvm.controller.events import EventRecorder, PendingEvent
     from neonvm.controller.manager import ControllerConfig, ControllerProcess, LeaderTerm
@@ -149,7 +149,7 @@ REPLICA = textwrap.dedent(r'''
     call("create_token", scaling.create_token, vm)
     call("token", scaling.token, vm)
     call("discard_token", scaling.discard_token, "ns", "tok")
-    pod = d.PodView(name="p", uid="uid-1", owner_uid="uid-1", gated=False,
+    pod = act.PodView(name="p", uid="uid-1", owner_uid="uid-1", gated=False,
                     terminating=False, phase="Running", node="n", ip="10.0.0.1")
     plan = PendingScale(cpus=1, memory_slots=1, seq=1, epoch=1, token=1, pod_name="p",
                         pod_uid="uid-1", generation=1)

@@ -25,8 +25,8 @@ from neonvm.api.types import (
     VirtualMachineSpec,
     VirtualMachineStatus,
 )
+from neonvm.controller import actions as act
 from neonvm.controller import conditions as c
-from neonvm.controller import decide as d
 from neonvm.controller import reasons
 from neonvm.controller.authority import StaticAuthority
 from neonvm.controller.conditions import stuck_mutation
@@ -91,7 +91,7 @@ def test_condition_messages_and_api_error_text_are_bounded_with_an_ellipsis() ->
     vm = VirtualMachine(name="vm", namespace="ns", uid="u", resource_version="1", generation=1,
                         spec=VirtualMachineSpec(), status=VirtualMachineStatus())
     mutate = c.conditions_mutation([c.stuck_condition(reasons.CREATE_FAILING, long)],
-                                   d.Fence(epoch=1, token=1), now="2026-01-01T00:00:00Z")
+                                   act.Fence(epoch=1, token=1), now="2026-01-01T00:00:00Z")
     status = mutate(vm)
     assert status is not None
     (written,) = status.conditions
@@ -116,9 +116,9 @@ def test_a_stuck_reason_clears_when_a_reconcile_ends_normally(reason: str,
                                    generation=1),
             conditions=[Condition(type="Degraded", status="True", reason=reason,
                                   message="m", observed_generation=0)]))
-    snap = Snapshot(obs=d.Observation(vm=vm, pods=(), lease=d.Fence(epoch=1, token=1),
+    snap = Snapshot(obs=act.Observation(vm=vm, pods=(), lease=act.Fence(epoch=1, token=1),
                                       direct=True), record=None)
-    updates = {u.type: u for u in c.desired_conditions(snap, d.Wait(seconds=1.0))}
+    updates = {u.type: u for u in c.desired_conditions(snap, act.Wait(seconds=1.0))}
     degraded = updates.get("Degraded")
     if clears:
         assert degraded is not None and (degraded.status, degraded.reason) == (
@@ -133,16 +133,16 @@ def test_a_stuck_condition_is_written_once_however_its_message_changes() -> None
     cannot requeue the VM past the stuck backoff."""
     vm = VirtualMachine(name="vm", namespace="ns", uid="u", resource_version="1", generation=1,
                         spec=VirtualMachineSpec(), status=VirtualMachineStatus())
-    lease = d.Fence(epoch=1, token=1)
+    lease = act.Fence(epoch=1, token=1)
     reason = f"Ungate{reasons.NOT_TAKING_EFFECT}"
-    first = miss_message(d.Ungate, "declined", "")
+    first = miss_message(act.Ungate, "declined", "")
     status = stuck_mutation(c.stuck_condition(reason, first), lease)(vm)
     assert status is not None
     vm.status = status
     (written,) = status.conditions
     assert "vm-u-" not in written.message, written.message
     # Another attempt: another error text (naming another pod) and counts.
-    second = miss_message(d.Ungate, "declined", 'pods "vm-u-2" is forbidden: x')
+    second = miss_message(act.Ungate, "declined", 'pods "vm-u-2" is forbidden: x')
     assert stuck_mutation(c.stuck_condition(reason, second), lease)(vm) is None
     assert stuck_mutation(c.stuck_condition(reasons.CREATE_FAILING, "creating runner pod vm-u-3 "
                                             "keeps failing"), lease)(vm) is not None, \
@@ -190,7 +190,7 @@ def test_an_unlabelled_committed_pod_is_deleted_only_if_this_vm_controls_it(
     reconciler = Reconciler(client.ApiClient(), events=_Events())  # type: ignore[arg-type]
     core = _Deletes()
     monkeypatch.setattr(kube, "request", core)
-    outcome = replace_unlabelled(reconciler.ctx, vm, pod, d.Ungate(name="b-1", uid="pod-uid"),
+    outcome = replace_unlabelled(reconciler.ctx, vm, pod, act.Ungate(name="b-1", uid="pod-uid"),
                                  logger)
     assert (core.deleted == ["b-1"]) is deleted, core.deleted
     assert (outcome == "replaced") is deleted, outcome
@@ -214,7 +214,7 @@ class _PlantedNames:
     def _record(self) -> VMRecord:
         return VMRecord.from_raw(copy.deepcopy(self.raw))
 
-    def observe(self, key: str, lease: d.Fence) -> Snapshot:
+    def observe(self, key: str, lease: act.Fence) -> Snapshot:
         return make_snapshot(self._record(), [], lease, direct=True)
 
     def get_vm(self, namespace: str, name: str) -> VMRecord:

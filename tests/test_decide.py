@@ -23,6 +23,7 @@ from neonvm.api.types import (
     VirtualMachineSpec,
     VirtualMachineStatus,
 )
+from neonvm.controller import actions as act
 from neonvm.controller import decide as d
 from neonvm.controller import reasons, restarts, scan
 from neonvm.controller.mutations import status_mutation
@@ -30,7 +31,7 @@ from neonvm.controller.mutations import status_mutation
 pytestmark = pytest.mark.unit
 
 UID = "0123456789abcdef"
-LEASE = d.Fence(epoch=3, token=40)
+LEASE = act.Fence(epoch=3, token=40)
 
 
 def vm(*, finalizers: tuple[str, ...] = (FINALIZER,), deleting: bool = False,
@@ -46,15 +47,15 @@ def vm(*, finalizers: tuple[str, ...] = (FINALIZER,), deleting: bool = False,
 
 def pod(name: str, *, uid: str | None = None, owner: str | None = UID, gated: bool = True,
         terminating: bool = False, phase: str = "Pending", node: str | None = None,
-        ip: str | None = None, fence: tuple[int, int] | None = (3, 40)) -> d.PodView:
+        ip: str | None = None, fence: tuple[int, int] | None = (3, 40)) -> act.PodView:
     """A pod; its fence defaults to that of :func:`plan` (epoch 3, token 40)."""
-    return d.PodView(name=name, uid=uid or f"uid-{name}", owner_uid=owner, gated=gated,
+    return act.PodView(name=name, uid=uid or f"uid-{name}", owner_uid=owner, gated=gated,
                      terminating=terminating, phase=phase, node=node, ip=ip, fence=fence)
 
 
-def obs(v: VirtualMachine | None, *pods: d.PodView, direct: bool = True,
-        create_failed_generation: int | None = None) -> d.Observation:
-    return d.Observation(vm=v, pods=tuple(pods), lease=LEASE, direct=direct,
+def obs(v: VirtualMachine | None, *pods: act.PodView, direct: bool = True,
+        create_failed_generation: int | None = None) -> act.Observation:
+    return act.Observation(vm=v, pods=tuple(pods), lease=LEASE, direct=direct,
                          create_failed_generation=create_failed_generation)
 
 
@@ -71,38 +72,38 @@ POD2 = f"vm-{UID[:8]}-2"
 
 
 def test_a_vm_without_our_finalizer_gets_it_first() -> None:
-    assert isinstance(d.decide(obs(vm(finalizers=()))), d.AddFinalizer)
+    assert isinstance(d.decide(obs(vm(finalizers=()))), act.AddFinalizer)
 
 
 def test_a_fresh_vm_is_planned_with_a_name_unique_forever_and_the_callers_fence() -> None:
     action = d.decide(obs(vm(plan_seq=4), direct=False))
-    assert action == d.RecordPlan(
+    assert action == act.RecordPlan(
         plan=PendingPod(name=f"vm-{UID[:8]}-5", plan_seq=5, token=40, epoch=3, generation=1),
         observed_seq=4, reason=action.reason)
 
 
 def test_a_recorded_plan_is_created_with_exactly_its_name() -> None:
     action = d.decide(obs(vm(pending_pod=plan(), plan_seq=1)))
-    assert isinstance(action, d.CreatePod) and action.plan.name == POD1
+    assert isinstance(action, act.CreatePod) and action.plan.name == POD1
 
 
 def test_our_created_pod_is_committed_with_its_uid() -> None:
     action = d.decide(obs(vm(pending_pod=plan(), plan_seq=1), pod(POD1), direct=False))
-    assert action == d.Commit(name=POD1, uid=f"uid-{POD1}", reason=action.reason)
+    assert action == act.Commit(name=POD1, uid=f"uid-{POD1}", reason=action.reason)
 
 
 @pytest.mark.parametrize("the_pod", [pod(POD1, owner="someone-else"),
                                      pod(POD1, terminating=True)],
                          ids=["not ours", "terminating"])
-def test_a_planned_name_that_is_taken_or_dying_drops_the_plan(the_pod: d.PodView) -> None:
+def test_a_planned_name_that_is_taken_or_dying_drops_the_plan(the_pod: act.PodView) -> None:
     action = d.decide(obs(vm(pending_pod=plan(), plan_seq=1), the_pod))
-    assert action == d.DropPlan(name=POD1, reason=action.reason)
+    assert action == act.DropPlan(name=POD1, reason=action.reason)
 
 
 def test_an_uncommitted_pod_without_the_gate_is_deleted_but_only_after_a_quorum_read() -> None:
     v = vm(pending_pod=plan(), plan_seq=1)
-    assert isinstance(d.decide(obs(v, pod(POD1, gated=False), direct=False)), d.ObserveDirect)
-    assert d.decide(obs(v, pod(POD1, gated=False))) == d.DeletePod(
+    assert isinstance(d.decide(obs(v, pod(POD1, gated=False), direct=False)), act.ObserveDirect)
+    assert d.decide(obs(v, pod(POD1, gated=False))) == act.DeletePod(
         name=POD1, uid=f"uid-{POD1}", reason=d.decide(obs(v, pod(POD1, gated=False))).reason)
 
 
@@ -112,37 +113,37 @@ def test_the_committed_pod_is_ungated_when_it_is_the_only_pod_observed() -> None
     v = vm(pod_name=POD1, pod_uid=f"uid-{POD1}", plan_seq=1)
     for direct in (True, False):
         action = d.decide(obs(v, pod(POD1), direct=direct))
-        assert action == d.Ungate(name=POD1, uid=f"uid-{POD1}", reason=action.reason)
+        assert action == act.Ungate(name=POD1, uid=f"uid-{POD1}", reason=action.reason)
 
 
 def test_a_committed_pod_beside_others_is_not_ungated_and_needs_a_quorum_read() -> None:
     v = vm(pod_name=POD2, pod_uid=f"uid-{POD2}", plan_seq=2)
     old = pod(POD1, gated=False, terminating=True)
-    assert isinstance(d.decide(obs(v, old, pod(POD2), direct=False)), d.ObserveDirect)
-    assert isinstance(d.decide(obs(v, old, pod(POD2))), d.Wait)
+    assert isinstance(d.decide(obs(v, old, pod(POD2), direct=False)), act.ObserveDirect)
+    assert isinstance(d.decide(obs(v, old, pod(POD2))), act.Wait)
 
 
 def test_the_replacement_waits_gated_while_the_old_pod_terminates() -> None:
     v = vm(pod_name=POD2, pod_uid=f"uid-{POD2}", plan_seq=2)
     action = d.decide(obs(v, pod(POD1, gated=False, terminating=True), pod(POD2)))
-    assert isinstance(action, d.Wait) and action.condition == "WaitingForOldPod"
+    assert isinstance(action, act.Wait) and action.condition == "WaitingForOldPod"
 
 
 def test_a_live_stray_beside_a_gated_committed_pod_is_deleted_first() -> None:
     v = vm(pod_name=POD2, pod_uid=f"uid-{POD2}", plan_seq=2)
     action = d.decide(obs(v, pod(POD1, gated=False, phase="Running"), pod(POD2)))
-    assert action == d.DeletePod(name=POD1, uid=f"uid-{POD1}", reason=action.reason)
+    assert action == act.DeletePod(name=POD1, uid=f"uid-{POD1}", reason=action.reason)
 
 
 def test_a_running_pod_is_mirrored_into_status_then_nothing_is_left_to_do() -> None:
     running = pod(POD1, gated=False, phase="Running", node="n1", ip="10.0.0.1")
     v = vm(pod_name=POD1, pod_uid=f"uid-{POD1}", plan_seq=1, phase="Pending")
-    assert d.decide(obs(v, running, direct=False)) == d.SyncStatus(
+    assert d.decide(obs(v, running, direct=False)) == act.SyncStatus(
         phase="Running", node="n1", ip="10.0.0.1", name=POD1, uid=f"uid-{POD1}",
         reason=d.decide(obs(v, running, direct=False)).reason)
     synced = dataclasses.replace(v, status=dataclasses.replace(
         v.status, phase="Running", node="n1", pod_ip="10.0.0.1"))
-    assert isinstance(d.decide(obs(synced, running, direct=False)), d.Done)
+    assert isinstance(d.decide(obs(synced, running, direct=False)), act.Done)
 
 
 def test_a_pod_bound_but_not_running_is_not_synced_until_it_runs() -> None:
@@ -151,9 +152,9 @@ def test_a_pod_bound_but_not_running_is_not_synced_until_it_runs() -> None:
     makes the VM Running carries them."""
     bound = pod(POD1, gated=False, phase="Pending", node="n1")
     v = vm(pod_name=POD1, pod_uid=f"uid-{POD1}", plan_seq=1, phase="Pending")
-    assert isinstance(d.decide(obs(v, bound, direct=False)), d.Done)
+    assert isinstance(d.decide(obs(v, bound, direct=False)), act.Done)
     running = dataclasses.replace(bound, phase="Running", ip="10.0.0.1")
-    assert d.decide(obs(v, running, direct=False)) == d.SyncStatus(
+    assert d.decide(obs(v, running, direct=False)) == act.SyncStatus(
         phase="Running", node="n1", ip="10.0.0.1", name=POD1, uid=f"uid-{POD1}",
         reason=d.decide(obs(v, running, direct=False)).reason)
 
@@ -164,7 +165,7 @@ def test_a_vm_phase_behind_its_pending_pod_is_still_synced() -> None:
     bound = pod(POD1, gated=False, phase="Pending", node="n1")
     v = vm(pod_name=POD1, pod_uid=f"uid-{POD1}", plan_seq=1, phase=None)
     action = d.decide(obs(v, bound, direct=False))
-    assert isinstance(action, d.SyncStatus) and (action.phase, action.node) == ("Pending", "n1")
+    assert isinstance(action, act.SyncStatus) and (action.phase, action.node) == ("Pending", "n1")
 
 
 # ---- the committed pod goes away ----------------------------------------------------------
@@ -172,20 +173,20 @@ def test_a_vm_phase_behind_its_pending_pod_is_still_synced() -> None:
 
 def test_a_cache_miss_does_not_prove_the_pod_gone() -> None:
     v = vm(pod_name=POD1, pod_uid=f"uid-{POD1}", plan_seq=1, phase="Running")
-    assert isinstance(d.decide(obs(v, direct=False)), d.ObserveDirect)
+    assert isinstance(d.decide(obs(v, direct=False)), act.ObserveDirect)
 
 
 def test_a_pod_gone_in_a_direct_read_is_restarted_naming_what_was_observed() -> None:
     v = vm(pod_name=POD1, pod_uid=f"uid-{POD1}", plan_seq=1, phase="Running")
     action = d.decide(obs(v))
-    assert action == d.Restart(name=POD1, uid=f"uid-{POD1}", terminal_phase=None,
+    assert action == act.Restart(name=POD1, uid=f"uid-{POD1}", terminal_phase=None,
                                reason=action.reason)
 
 
 def test_a_pod_with_the_committed_name_but_another_uid_counts_as_gone() -> None:
     v = vm(pod_name=POD1, pod_uid="the-old-uid", plan_seq=1, phase="Running")
     action = d.decide(obs(v, pod(POD1, uid="a-new-uid", gated=False)))
-    assert isinstance(action, d.Restart) and action.uid == "the-old-uid"
+    assert isinstance(action, act.Restart) and action.uid == "the-old-uid"
 
 
 @pytest.mark.parametrize(("policy", "pod_phase", "terminal"), [
@@ -201,20 +202,20 @@ def test_the_restart_policy_decides_between_a_new_plan_and_a_terminal_phase(
     v = vm(pod_name=POD1, pod_uid=f"uid-{POD1}", plan_seq=1, phase="Running",
            restart_policy=policy)
     action = d.decide(obs(v, pod(POD1, gated=False, phase=pod_phase)))
-    assert isinstance(action, d.Restart) and action.terminal_phase == terminal
+    assert isinstance(action, act.Restart) and action.terminal_phase == terminal
 
 
 def test_a_deleted_pod_counts_as_a_failure_for_restart_policy_never() -> None:
     v = vm(pod_name=POD1, pod_uid=f"uid-{POD1}", plan_seq=1, phase="Running",
            restart_policy="Never")
     action = d.decide(obs(v))
-    assert isinstance(action, d.Restart) and action.terminal_phase == "Failed"
+    assert isinstance(action, act.Restart) and action.terminal_phase == "Failed"
 
 
 @pytest.mark.parametrize("phase", ["Succeeded", "Failed"])
 def test_a_terminal_vm_is_never_planned_again(phase: str) -> None:
-    assert isinstance(d.decide(obs(vm(phase=phase, plan_seq=1))), d.Done)
-    assert isinstance(d.decide(obs(vm(phase=phase, plan_seq=1, pod_name=POD1))), d.Done)
+    assert isinstance(d.decide(obs(vm(phase=phase, plan_seq=1))), act.Done)
+    assert isinstance(d.decide(obs(vm(phase=phase, plan_seq=1, pod_name=POD1))), act.Done)
 
 
 # ---- refusals, fencing, clean-up, deletion --------------------------------------------------
@@ -223,31 +224,31 @@ def test_a_terminal_vm_is_never_planned_again(phase: str) -> None:
 def test_a_refused_create_waits_for_a_spec_change_then_is_tried_again() -> None:
     refused = vm(pending_pod=plan(), plan_seq=1, generation=2)
     waiting = d.decide(obs(refused, create_failed_generation=2))
-    assert isinstance(waiting, d.Wait) and waiting.condition == "Degraded"
-    assert isinstance(d.decide(obs(refused, create_failed_generation=1)), d.CreatePod)
+    assert isinstance(waiting, act.Wait) and waiting.condition == "Degraded"
+    assert isinstance(d.decide(obs(refused, create_failed_generation=1)), act.CreatePod)
 
 
 def test_a_missing_pull_secret_holds_the_recorded_plan_back_and_a_present_one_does_not(
 ) -> None:
     planned = vm(pending_pod=plan(), plan_seq=1)
     waiting = d.decide(dataclasses.replace(obs(planned), missing_pull_secrets=("regcred",)))
-    assert isinstance(waiting, d.Wait) and waiting.condition == reasons.PULL_SECRET_NOT_FOUND
+    assert isinstance(waiting, act.Wait) and waiting.condition == reasons.PULL_SECRET_NOT_FOUND
     assert "regcred" in waiting.reason and plan().name in waiting.reason
-    assert isinstance(d.decide(obs(planned)), d.CreatePod)
+    assert isinstance(d.decide(obs(planned)), act.CreatePod)
     # Once the pod exists, a missing secret no longer matters: the plan is committed.
     created = d.decide(dataclasses.replace(obs(planned, pod(plan().name)),
                                            missing_pull_secrets=("regcred",)))
-    assert isinstance(created, d.Commit)
+    assert isinstance(created, act.Commit)
 
 
 def test_a_vm_written_by_a_newer_epoch_fences_us_out() -> None:
     action = d.decide(obs(vm(fence=Fence(epoch=4, token=1))))
-    assert action == d.Fenced(seen_epoch=4, reason=action.reason)
-    assert isinstance(d.decide(obs(vm(pending_pod=plan(epoch=9), plan_seq=1))), d.Fenced)
+    assert action == act.Fenced(seen_epoch=4, reason=action.reason)
+    assert isinstance(d.decide(obs(vm(pending_pod=plan(epoch=9), plan_seq=1))), act.Fenced)
 
 
 def test_an_older_fence_does_not_stop_us() -> None:
-    assert isinstance(d.decide(obs(vm(fence=Fence(epoch=2, token=99)))), d.RecordPlan)
+    assert isinstance(d.decide(obs(vm(fence=Fence(epoch=2, token=99)))), act.RecordPlan)
 
 
 def test_unreferenced_pods_are_cleaned_up_only_from_a_direct_observation() -> None:
@@ -255,22 +256,22 @@ def test_unreferenced_pods_are_cleaned_up_only_from_a_direct_observation() -> No
     v = vm(pod_name=POD2, pod_uid=f"uid-{POD2}", plan_seq=2, phase="Running", node="n",
            pod_ip="1.2.3.4")
     stray = pod(POD1, gated=False)
-    assert isinstance(d.decide(obs(v, stray, running, direct=False)), d.ObserveDirect)
+    assert isinstance(d.decide(obs(v, stray, running, direct=False)), act.ObserveDirect)
     action = d.decide(obs(v, stray, running))
-    assert action == d.DeletePod(name=POD1, uid=f"uid-{POD1}", reason=action.reason)
+    assert action == act.DeletePod(name=POD1, uid=f"uid-{POD1}", reason=action.reason)
 
 
 def test_a_deleted_vm_deletes_its_pods_waits_for_them_then_drops_the_finalizer() -> None:
     deleting = vm(deleting=True, pod_name=POD1, pod_uid=f"uid-{POD1}", plan_seq=1)
-    assert isinstance(d.decide(obs(deleting, pod(POD1), direct=False)), d.ObserveDirect)
-    assert isinstance(d.decide(obs(deleting, pod(POD1))), d.DeletePod)
-    assert isinstance(d.decide(obs(deleting, pod(POD1, terminating=True))), d.Wait)
-    assert isinstance(d.decide(obs(deleting)), d.RemoveFinalizer)
-    assert isinstance(d.decide(obs(vm(deleting=True, finalizers=()))), d.Done)
+    assert isinstance(d.decide(obs(deleting, pod(POD1), direct=False)), act.ObserveDirect)
+    assert isinstance(d.decide(obs(deleting, pod(POD1))), act.DeletePod)
+    assert isinstance(d.decide(obs(deleting, pod(POD1, terminating=True))), act.Wait)
+    assert isinstance(d.decide(obs(deleting)), act.RemoveFinalizer)
+    assert isinstance(d.decide(obs(vm(deleting=True, finalizers=()))), act.Done)
 
 
 def test_a_vm_that_does_not_exist_needs_nothing() -> None:
-    assert isinstance(d.decide(obs(None, pod(POD1))), d.Done)
+    assert isinstance(d.decide(obs(None, pod(POD1))), act.Done)
 
 
 # ---- properties over every observation ------------------------------------------------------
@@ -293,7 +294,7 @@ pods_strategy = st.lists(
 
 
 @st.composite
-def observations(draw: st.DrawFn) -> d.Observation:
+def observations(draw: st.DrawFn) -> act.Observation:
     seq = draw(st.integers(min_value=0, max_value=3))
     pending = draw(st.sampled_from([None, *NAMES]))
     committed = draw(st.sampled_from([None, "", *NAMES]))
@@ -316,22 +317,22 @@ def observations(draw: st.DrawFn) -> d.Observation:
 
 @settings(max_examples=800, deadline=None)
 @given(observations())
-def test_every_decision_keeps_the_three_promises(o: d.Observation) -> None:
+def test_every_decision_keeps_the_three_promises(o: act.Observation) -> None:
     action = d.decide(o)
     v = o.vm
     assert v is not None
-    if isinstance(action, d.Ungate):
+    if isinstance(action, act.Ungate):
         # Only the committed pod, only from an observation in which it is the only pod
         # (the performer's own quorum list must then show the same).
         assert action.name == v.status.pod_name
         assert [p.name for p in o.pods] == [action.name]
         assert not o.pods[0].terminating
-    if isinstance(action, d.CreatePod):
+    if isinstance(action, act.CreatePod):
         assert v.status.pending_pod is not None
         assert action.plan.name == v.status.pending_pod.name
-    if isinstance(action, d.DeletePod | d.Restart | d.RemoveFinalizer):
+    if isinstance(action, act.DeletePod | act.Restart | act.RemoveFinalizer):
         assert o.direct, f"{action} from a cached observation"
-    if isinstance(action, d.DeletePod) and v.deletion_timestamp is None:
+    if isinstance(action, act.DeletePod) and v.deletion_timestamp is None:
         assert action.name != v.status.pod_name or (
             # The committed name held by a different uid is not the committed pod.
             bool(v.status.pod_uid) and action.uid != v.status.pod_uid)
@@ -344,14 +345,14 @@ def test_every_decision_keeps_the_three_promises(o: d.Observation) -> None:
 
 @settings(max_examples=300, deadline=None)
 @given(observations())
-def test_a_fenced_or_terminal_vm_is_never_planned(o: d.Observation) -> None:
+def test_a_fenced_or_terminal_vm_is_never_planned(o: act.Observation) -> None:
     action = d.decide(o)
     v = o.vm
     assert v is not None
     if v.status.fence is not None and v.status.fence.epoch > LEASE.epoch:
-        assert isinstance(action, d.Fenced)
+        assert isinstance(action, act.Fenced)
     if v.status.phase in d.TERMINAL_PHASES:
-        assert not isinstance(action, d.RecordPlan)
+        assert not isinstance(action, act.RecordPlan)
 
 
 # ---- restart backoff ------------------------------------------------------------------------
@@ -377,7 +378,7 @@ def test_the_backoff_is_zero_for_the_first_restart_then_doubles_up_to_a_minute()
 def test_a_restart_decided_with_a_clock_records_when_it_happened() -> None:
     v = vm(pod_name=POD1, pod_uid=f"uid-{POD1}", plan_seq=1, phase="Running", restart_count=4)
     action = d.decide(dataclasses.replace(obs(v), now=at(7.5)))
-    assert isinstance(action, d.Restart) and action.at == "2026-03-01T12:00:07.500000Z"
+    assert isinstance(action, act.Restart) and action.at == "2026-03-01T12:00:07.500000Z"
     new = status_mutation(action, LEASE)(v)
     assert new is not None
     assert (new.restart_count, new.last_restart_time) == (5, action.at)
@@ -396,7 +397,7 @@ def test_a_restart_long_after_the_previous_one_starts_a_new_streak_without_backo
     assert after_later.restart_count == 9
     replan = dataclasses.replace(quick, status=after_later)
     plan = d.decide(dataclasses.replace(obs(replan), now=at(restarts.RESTART_STREAK_WINDOW + 1)))
-    assert isinstance(plan, d.RecordPlan)
+    assert isinstance(plan, act.RecordPlan)
 
 
 def test_a_restart_to_a_terminal_phase_records_no_restart_time() -> None:
@@ -410,37 +411,37 @@ def test_a_restart_to_a_terminal_phase_records_no_restart_time() -> None:
 
 def test_the_first_replacement_of_a_deleted_pod_is_planned_at_once() -> None:
     action = d.decide(dataclasses.replace(obs(restarted(1)), now=T0))
-    assert isinstance(action, d.RecordPlan)
+    assert isinstance(action, act.RecordPlan)
 
 
 def test_a_runner_that_keeps_exiting_waits_out_the_backoff_before_the_next_plan() -> None:
     v = restarted(4)  # backoff 4 s
     waiting = d.decide(dataclasses.replace(obs(v), now=at(1.5)))
-    assert waiting == d.Wait(seconds=2.5, condition="RestartBackoff", reason=waiting.reason)
-    assert isinstance(d.decide(dataclasses.replace(obs(v), now=at(4))), d.RecordPlan)
-    assert isinstance(d.decide(dataclasses.replace(obs(v), now=at(3600))), d.RecordPlan)
+    assert waiting == act.Wait(seconds=2.5, condition="RestartBackoff", reason=waiting.reason)
+    assert isinstance(d.decide(dataclasses.replace(obs(v), now=at(4))), act.RecordPlan)
+    assert isinstance(d.decide(dataclasses.replace(obs(v), now=at(3600))), act.RecordPlan)
 
 
 def test_without_a_clock_there_is_no_backoff() -> None:
     """The explorer and other callers that build observations without ``now``."""
-    assert isinstance(d.decide(obs(restarted(9))), d.RecordPlan)
+    assert isinstance(d.decide(obs(restarted(9))), act.RecordPlan)
 
 
 def test_a_clock_behind_the_recorders_waits_at_most_the_backoff_per_decision() -> None:
     action = d.decide(dataclasses.replace(obs(restarted(3)), now=at(-600)))
-    assert isinstance(action, d.Wait) and action.seconds == restarts.restart_backoff(3)
+    assert isinstance(action, act.Wait) and action.seconds == restarts.restart_backoff(3)
 
 
 def test_a_malformed_restart_time_never_holds_a_vm_back() -> None:
     v = dataclasses.replace(restarted(5), status=dataclasses.replace(
         restarted(5).status, last_restart_time="yesterday"))
-    assert isinstance(d.decide(dataclasses.replace(obs(v), now=T0)), d.RecordPlan)
+    assert isinstance(d.decide(dataclasses.replace(obs(v), now=T0)), act.RecordPlan)
 
 
 def test_unreferenced_pods_are_still_cleaned_up_during_the_backoff() -> None:
     stray = pod(POD1, gated=False, phase="Failed")
     action = d.decide(dataclasses.replace(obs(restarted(5), stray), now=at(1)))
-    assert action == d.DeletePod(name=POD1, uid=f"uid-{POD1}", reason=action.reason)
+    assert action == act.DeletePod(name=POD1, uid=f"uid-{POD1}", reason=action.reason)
 
 
 @settings(max_examples=300, deadline=None)
@@ -452,9 +453,9 @@ def test_a_plan_is_recorded_only_once_the_backoff_since_the_last_restart_has_pas
     action = d.decide(dataclasses.replace(obs(restarted(count)), now=at(elapsed)))
     backoff = restarts.restart_backoff(count)
     if backoff == 0 or elapsed >= backoff:
-        assert isinstance(action, d.RecordPlan)
+        assert isinstance(action, act.RecordPlan)
     else:
-        assert isinstance(action, d.Wait) and action.condition == "RestartBackoff"
+        assert isinstance(action, act.Wait) and action.condition == "RestartBackoff"
         assert 0 < action.seconds <= backoff
 
 
@@ -472,7 +473,7 @@ def test_a_pod_without_the_plans_fence_is_not_adopted(fence: tuple[int, int] | N
     v = vm(pending_pod=plan(), plan_seq=1)
     for direct in (False, True):
         action = d.decide(obs(v, pod(POD1, gated=gated, fence=fence), direct=direct))
-        assert action == d.DropPlan(name=POD1, reason=action.reason), action
+        assert action == act.DropPlan(name=POD1, reason=action.reason), action
         assert "does not carry the fence" in action.reason
 
 
@@ -483,9 +484,9 @@ def test_a_planted_pod_left_after_its_plan_is_dropped_is_deleted() -> None:
     v = vm(plan_seq=2, pod_name=POD2, pod_uid=f"uid-{POD2}")
     planted = pod(POD1, fence=None)
     ours = pod(POD2)
-    assert isinstance(d.decide(obs(v, planted, ours, direct=False)), d.ObserveDirect)
+    assert isinstance(d.decide(obs(v, planted, ours, direct=False)), act.ObserveDirect)
     action = d.decide(obs(v, planted, ours))
-    assert action == d.DeletePod(name=POD1, uid=planted.uid, reason=action.reason)
+    assert action == act.DeletePod(name=POD1, uid=planted.uid, reason=action.reason)
 
 
 # ---- the mid-plan scan: which cached VMs are requeued every couple of seconds -------------

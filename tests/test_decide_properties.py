@@ -30,6 +30,7 @@ from neonvm.api.types import (
     VirtualMachineSpec,
     VirtualMachineStatus,
 )
+from neonvm.controller import actions as act
 from neonvm.controller import decide as d
 from neonvm.controller import reasons
 from neonvm.controller.mutations import FencedOut, finalizers_mutation, status_mutation
@@ -38,7 +39,7 @@ from neonvm.controller.update import RetryPolicy, conditional_update
 pytestmark = pytest.mark.unit
 
 UID = "a1b2c3d4-0000-4000-8000-00000000000a"
-LEASE = d.Fence(epoch=3, token=7)
+LEASE = act.Fence(epoch=3, token=7)
 POD1 = f"vm-{UID[:8]}-1"
 POD2 = f"vm-{UID[:8]}-2"
 
@@ -60,12 +61,12 @@ def test_a_status_sync_decided_for_the_old_pod_is_refused_on_the_replacements_st
     lands, the old pod is deleted, the VM restarted and the replacement committed. The
     conflict retry re-applies the sync on the fresh copy, which names the replacement: it
     must not write the old pod's node and IP into the replacement's status."""
-    old = d.PodView(name=POD1, uid="u1", owner_uid=UID, gated=False, terminating=False,
+    old = act.PodView(name=POD1, uid="u1", owner_uid=UID, gated=False, terminating=False,
                     phase="Running", node="node-1", ip="10.0.0.1")
     seen = vm(pod_name=POD1, pod_uid="u1", plan_seq=1, phase="Pending",
               fence=Fence(epoch=2, token=1))
-    action = d.decide(d.Observation(vm=seen, pods=(old,), lease=LEASE, direct=False))
-    assert isinstance(action, d.SyncStatus)
+    action = d.decide(act.Observation(vm=seen, pods=(old,), lease=LEASE, direct=False))
+    assert isinstance(action, act.SyncStatus)
 
     fresh = vm(pod_name=POD2, pod_uid="u2", plan_seq=2, phase="Pending", restart_count=1,
                fence=Fence(epoch=2, token=1))
@@ -75,11 +76,11 @@ def test_a_status_sync_decided_for_the_old_pod_is_refused_on_the_replacements_st
 
 
 def test_sync_is_still_written_for_the_pod_it_was_decided_for() -> None:
-    pod = d.PodView(name=POD2, uid="u2", owner_uid=UID, gated=False, terminating=False,
+    pod = act.PodView(name=POD2, uid="u2", owner_uid=UID, gated=False, terminating=False,
                     phase="Running", node="node-1", ip="10.0.0.2")
     seen = vm(pod_name=POD2, pod_uid="u2", plan_seq=2, phase="Pending")
-    action = d.decide(d.Observation(vm=seen, pods=(pod,), lease=LEASE, direct=True))
-    assert isinstance(action, d.SyncStatus)
+    action = d.decide(act.Observation(vm=seen, pods=(pod,), lease=LEASE, direct=True))
+    assert isinstance(action, act.SyncStatus)
     raced = dataclasses.replace(seen, status=dataclasses.replace(seen.status,
                                                                  restart_count=5))
     new = status_mutation(action, LEASE)(raced)
@@ -94,7 +95,7 @@ def test_sync_is_still_written_for_the_pod_it_was_decided_for() -> None:
 NAMES = [f"vm-{UID[:8]}-{k}" for k in (1, 2, 3)]
 UIDS = ["u1", "u2", "u3"]
 FENCES = [None, Fence(2, 1), Fence(3, 7), Fence(3, 9), Fence(4, 1)]
-LEASES = [d.Fence(2, 5), d.Fence(3, 7), d.Fence(4, 2)]
+LEASES = [act.Fence(2, 5), act.Fence(3, 7), act.Fence(4, 2)]
 
 
 @st.composite
@@ -128,7 +129,7 @@ def vms(draw: st.DrawFn) -> VirtualMachine:
 
 pod_lists = st.lists(
     st.builds(
-        d.PodView,
+        act.PodView,
         name=st.sampled_from(NAMES),
         uid=st.sampled_from(UIDS),
         owner_uid=st.sampled_from([UID, UID, "another-vm"]),
@@ -144,13 +145,13 @@ pod_lists = st.lists(
 
 
 @st.composite
-def observations(draw: st.DrawFn) -> d.Observation:
-    return d.Observation(vm=draw(vms()), pods=tuple(draw(pod_lists)),
+def observations(draw: st.DrawFn) -> act.Observation:
+    return act.Observation(vm=draw(vms()), pods=tuple(draw(pod_lists)),
                          lease=draw(st.sampled_from(LEASES)), direct=draw(st.booleans()),
                          missing_pull_secrets=draw(st.sampled_from([(), ("regcred",)])))
 
 
-def higher(fence: Fence | None, lease: d.Fence) -> bool:
+def higher(fence: Fence | None, lease: act.Fence) -> bool:
     return fence is not None and (fence.epoch, fence.token) > (lease.epoch, lease.token)
 
 
@@ -160,29 +161,29 @@ def higher(fence: Fence | None, lease: d.Fence) -> bool:
 @settings(max_examples=400, deadline=None)
 @given(observations())
 def test_a_missing_pull_secret_only_ever_turns_a_create_into_a_wait_or_a_clean_up(
-        o: d.Observation) -> None:
+        o: act.Observation) -> None:
     missing = d.decide(dataclasses.replace(o, missing_pull_secrets=("regcred",)))
     present = d.decide(dataclasses.replace(o, missing_pull_secrets=()))
-    if not isinstance(present, d.CreatePod):
+    if not isinstance(present, act.CreatePod):
         assert missing == present
         return
     assert o.vm is not None and o.vm.status.pending_pod is not None
-    if isinstance(missing, d.DeletePod):  # the wait lets the clean-up of a stray run
+    if isinstance(missing, act.DeletePod):  # the wait lets the clean-up of a stray run
         assert missing.name != o.vm.status.pending_pod.name
-    elif isinstance(missing, d.ObserveDirect):  # ... which starts with a quorum read
+    elif isinstance(missing, act.ObserveDirect):  # ... which starts with a quorum read
         assert not o.direct and any(p.name != o.vm.status.pending_pod.name for p in o.pods)
     else:
-        assert isinstance(missing, d.Wait)
+        assert isinstance(missing, act.Wait)
         assert missing.condition == reasons.PULL_SECRET_NOT_FOUND
 
 
 @settings(max_examples=400, deadline=None)
 @given(observations())
-def test_ungate_targets_the_committed_uid_observed_alone(o: d.Observation) -> None:
+def test_ungate_targets_the_committed_uid_observed_alone(o: act.Observation) -> None:
     """From any observation (the performer's own quorum list, taken after the commit was
     seen, is the check the proof rests on; it must show the same)."""
     action = d.decide(o)
-    if not isinstance(action, d.Ungate):
+    if not isinstance(action, act.Ungate):
         return
     v = o.vm
     assert v is not None and v.deletion_timestamp is None
@@ -195,9 +196,9 @@ def test_ungate_targets_the_committed_uid_observed_alone(o: d.Observation) -> No
 @settings(max_examples=400, deadline=None)
 @given(observations())
 def test_create_is_the_recorded_plan_exactly_and_only_when_its_name_is_free(
-        o: d.Observation) -> None:
+        o: act.Observation) -> None:
     action = d.decide(o)
-    if not isinstance(action, d.CreatePod):
+    if not isinstance(action, act.CreatePod):
         return
     v = o.vm
     assert v is not None and v.status.pending_pod == action.plan
@@ -207,9 +208,9 @@ def test_create_is_the_recorded_plan_exactly_and_only_when_its_name_is_free(
 
 @settings(max_examples=400, deadline=None)
 @given(observations())
-def test_delete_spares_the_committed_and_the_planned_pod_of_a_live_vm(o: d.Observation) -> None:
+def test_delete_spares_the_committed_and_the_planned_pod_of_a_live_vm(o: act.Observation) -> None:
     action = d.decide(o)
-    if not isinstance(action, d.DeletePod):
+    if not isinstance(action, act.DeletePod):
         return
     v = o.vm
     assert v is not None and o.direct
@@ -227,9 +228,9 @@ def test_delete_spares_the_committed_and_the_planned_pod_of_a_live_vm(o: d.Obser
 
 @settings(max_examples=400, deadline=None)
 @given(observations())
-def test_restart_names_the_committed_pod_and_needs_a_quorum_read(o: d.Observation) -> None:
+def test_restart_names_the_committed_pod_and_needs_a_quorum_read(o: act.Observation) -> None:
     action = d.decide(o)
-    if not isinstance(action, d.Restart):
+    if not isinstance(action, act.Restart):
         return
     v = o.vm
     assert v is not None and o.direct
@@ -240,9 +241,9 @@ def test_restart_names_the_committed_pod_and_needs_a_quorum_read(o: d.Observatio
 @settings(max_examples=400, deadline=None)
 @given(observations())
 def test_a_plan_is_recorded_only_on_a_clean_slate_with_the_next_sequence_number(
-        o: d.Observation) -> None:
+        o: act.Observation) -> None:
     action = d.decide(o)
-    if not isinstance(action, d.RecordPlan):
+    if not isinstance(action, act.RecordPlan):
         return
     v = o.vm
     assert v is not None
@@ -257,17 +258,17 @@ def test_a_plan_is_recorded_only_on_a_clean_slate_with_the_next_sequence_number(
 
 @settings(max_examples=300, deadline=None)
 @given(observations())
-def test_a_newer_epoch_in_the_vm_always_stops_the_decision(o: d.Observation) -> None:
+def test_a_newer_epoch_in_the_vm_always_stops_the_decision(o: act.Observation) -> None:
     v = o.vm
     assert v is not None
     newer = (v.status.fence is not None and v.status.fence.epoch > o.lease.epoch) or (
         v.status.pending_pod is not None and v.status.pending_pod.epoch > o.lease.epoch)
-    assert isinstance(d.decide(o), d.Fenced) == newer
+    assert isinstance(d.decide(o), act.Fenced) == newer
 
 
 # ---- status mutations re-applied on any later copy ------------------------------------------
 
-STATUS_ACTIONS = (d.RecordPlan, d.Commit, d.DropPlan, d.Restart, d.SyncStatus)
+STATUS_ACTIONS = (act.RecordPlan, act.Commit, act.DropPlan, act.Restart, act.SyncStatus)
 
 
 def apply(mutate: Callable[[VirtualMachine], VirtualMachineStatus | None],
@@ -281,7 +282,7 @@ def apply(mutate: Callable[[VirtualMachine], VirtualMachineStatus | None],
 @settings(max_examples=600, deadline=None)
 @given(observations(), vms())
 def test_a_status_write_re_applied_on_any_later_copy_keeps_the_plan_invariants(
-        o: d.Observation, fresh: VirtualMachine) -> None:
+        o: act.Observation, fresh: VirtualMachine) -> None:
     action = d.decide(o)
     if not isinstance(action, STATUS_ACTIONS):
         return
@@ -307,12 +308,12 @@ def test_a_status_write_re_applied_on_any_later_copy_keeps_the_plan_invariants(
         assert new.pending_pod.plan_seq == f.plan_seq + 1 == new.plan_seq
     # The committed pod is forgotten only by a restart of exactly that pod.
     if f.pod_name and new.pod_name != f.pod_name:
-        assert isinstance(action, d.Restart) and action.name == f.pod_name
+        assert isinstance(action, act.Restart) and action.name == f.pod_name
         assert not f.pod_uid or not action.uid or action.uid == f.pod_uid
     # Node and IP only ever describe the pod the fresh copy names.
     if (new.node, new.pod_ip) != (f.node, f.pod_ip) and new.pod_name == f.pod_name:
-        assert isinstance(action, d.SyncStatus | d.Restart)
-        if isinstance(action, d.SyncStatus):
+        assert isinstance(action, act.SyncStatus | act.Restart)
+        if isinstance(action, act.SyncStatus):
             assert (action.name, action.uid) == (f.pod_name, f.pod_uid or action.uid)
 
 
@@ -320,14 +321,14 @@ def test_a_status_write_re_applied_on_any_later_copy_keeps_the_plan_invariants(
 @given(st.sampled_from(NAMES), st.sampled_from(UIDS), st.sampled_from(["10.0.0.1", "10.0.0.2"]),
        st.sampled_from(LEASES), statuses())
 def test_a_status_sync_only_ever_describes_the_pod_the_fresh_copy_names(
-        name: str, uid: str, ip: str, lease: d.Fence, later: VirtualMachineStatus) -> None:
+        name: str, uid: str, ip: str, lease: act.Fence, later: VirtualMachineStatus) -> None:
     """The generalisation of the explorer's counterexample above: whatever the VM looks
     like when a sync's write finally lands, it never gets another pod's node and IP."""
-    running = d.PodView(name=name, uid=uid, owner_uid=UID, gated=False, terminating=False,
+    running = act.PodView(name=name, uid=uid, owner_uid=UID, gated=False, terminating=False,
                         phase="Running", node="node-1", ip=ip)
     seen = vm(pod_name=name, pod_uid=uid, plan_seq=NAMES.index(name) + 1, phase="Pending")
-    action = d.decide(d.Observation(vm=seen, pods=(running,), lease=lease, direct=False))
-    assert isinstance(action, d.SyncStatus)
+    action = d.decide(act.Observation(vm=seen, pods=(running,), lease=lease, direct=False))
+    assert isinstance(action, act.SyncStatus)
     new = apply(status_mutation(action, lease), dataclasses.replace(seen, status=later))
     if isinstance(new, VirtualMachineStatus) and (new.node, new.pod_ip) != (
             later.node, later.pod_ip):
@@ -337,7 +338,7 @@ def test_a_status_sync_only_ever_describes_the_pod_the_fresh_copy_names(
 @settings(max_examples=400, deadline=None)
 @given(observations(), vms())
 def test_a_status_write_that_went_through_has_nothing_left_to_do(
-        o: d.Observation, fresh: VirtualMachine) -> None:
+        o: act.Observation, fresh: VirtualMachine) -> None:
     """Idempotence: a retry of an intent already fulfilled writes nothing."""
     action = d.decide(o)
     if not isinstance(action, STATUS_ACTIONS):
@@ -351,13 +352,13 @@ def test_a_status_write_that_went_through_has_nothing_left_to_do(
 
 
 @settings(max_examples=200, deadline=None)
-@given(vms(), st.sampled_from([d.AddFinalizer(), d.RemoveFinalizer()]))
+@given(vms(), st.sampled_from([act.AddFinalizer(), act.RemoveFinalizer()]))
 def test_finalizers_are_added_to_live_vms_and_removed_from_deleted_ones_only(
-        fresh: VirtualMachine, action: d.Action) -> None:
+        fresh: VirtualMachine, action: act.Action) -> None:
     new = finalizers_mutation(action)(fresh)
     if new is None:
         return
-    if isinstance(action, d.AddFinalizer):
+    if isinstance(action, act.AddFinalizer):
         assert fresh.deletion_timestamp is None and new.count(FINALIZER) == 1
     else:
         assert fresh.deletion_timestamp is not None and FINALIZER not in new
@@ -393,7 +394,7 @@ class Store:
                        min_size=2, max_size=3))
 def test_decisions_racing_through_the_update_helper_never_take_the_plan_back(
         start: VirtualMachine,
-        racers: list[tuple[list[d.PodView], d.Fence, int]]) -> None:
+        racers: list[tuple[list[act.PodView], act.Fence, int]]) -> None:
     """Each racer decides from some version it saw (maybe stale) and writes through
     conditional_update; the next racer's whole update lands between its read and its
     write. Whatever wins, the stored history keeps the plan's invariants."""
@@ -405,7 +406,7 @@ def test_decisions_racing_through_the_update_helper_never_take_the_plan_back(
             return
         pods, lease, back = racers[k]
         seen = store.versions[max(0, len(store.versions) - 1 - back)]
-        action = d.decide(d.Observation(vm=copy.deepcopy(seen), pods=tuple(pods),
+        action = d.decide(act.Observation(vm=copy.deepcopy(seen), pods=tuple(pods),
                                         lease=lease, direct=True))
         if not isinstance(action, STATUS_ACTIONS):
             run(k + 1)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 from kubernetes import client
 
-from neonvm.controller import decide as d
+from neonvm.controller import actions as act
 from neonvm.invariant import InvariantChecker
 from neonvm.testing.harness import get_vm, runner_pods
 from tests.test_reconcile import FrozenCache, checker, condition, create_vm, finish, settle
@@ -47,7 +47,7 @@ def test_conditions_after_a_write_from_the_cache_are_written_without_a_direct_re
     result = reconciler.reconcile(key, CountingAuthority())
 
     assert [name for name, _, _ in reconciler.performed] == ["SyncStatus"]
-    assert isinstance(result.action, d.Done), result
+    assert isinstance(result.action, act.Done), result
     vm = get_vm(api, namespace, "ready")
     assert vm is not None and vm["status"]["phase"] == "Running"
     ready = condition(vm["status"], "Ready")

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from neonvm.controller import decide as d
+from neonvm.controller import actions as act
 from neonvm.controller.handler import cache_behind
 from neonvm.controller.reconciler import ReconcileResult, Seen
 from neonvm.controller.workqueue import WorkQueue
@@ -46,12 +46,12 @@ SEEN = Seen(uid="u1", vm="120", pods=(("ns/vm-1", "118"),))
 
 
 def waited(seen: Seen | None = SEEN) -> ReconcileResult:
-    return ReconcileResult(action=d.Wait(seconds=5.0, reason="pod pending"),
+    return ReconcileResult(action=act.Wait(seconds=5.0, reason="pod pending"),
                            requeue_after=5.0, steps=3, seen=seen)
 
 
 def done() -> ReconcileResult:
-    return ReconcileResult(action=d.Done(reason="converged"), requeue_after=300.0, steps=0)
+    return ReconcileResult(action=act.Done(reason="converged"), requeue_after=300.0, steps=0)
 
 
 def test_an_echo_after_a_wait_starts_from_the_cache_and_the_timer_turn_reads_directly(

@@ -22,6 +22,7 @@ from kubernetes import client
 
 from neonvm import kube
 from neonvm.cli.verify import verify
+from neonvm.controller import actions as act
 from neonvm.controller import decide as d
 from neonvm.controller import mutations
 from neonvm.dev.cluster import LocalCluster
@@ -220,9 +221,9 @@ def test_a_planted_pod_is_dropped_and_deleted_and_the_vm_gets_its_own() -> None:
                                                       for t in seen), seen
 
 
-def _sync_before_d9c1dc9(action: d.Action, lease: d.Fence) -> Callable[[Any], Any]:
+def _sync_before_d9c1dc9(action: act.Action, lease: act.Fence) -> Callable[[Any], Any]:
     """The sync mutation as it was before the explorer's first finding was fixed."""
-    if not isinstance(action, d.SyncStatus):
+    if not isinstance(action, act.SyncStatus):
         return mutations_before(action, lease)
 
     def sync(vm: Any) -> Any:

@@ -17,7 +17,7 @@ import pytest
 from kubernetes import client
 
 from neonvm.api import types
-from neonvm.controller import decide as d
+from neonvm.controller import actions as act
 from neonvm.controller.cluster import VMWriter
 from neonvm.controller.fault_wiring import (
     FaultWiring,
@@ -33,7 +33,7 @@ from neonvm.controller.wiring import Wiring
 
 pytestmark = pytest.mark.unit
 
-LEASE = d.Fence(epoch=1, token=1)
+LEASE = act.Fence(epoch=1, token=1)
 
 
 def vm_raw(rv: str, restart_count: int) -> dict[str, object]:

@@ -32,6 +32,7 @@ from neonvm.api.types import (
     VirtualMachineSpec,
     VirtualMachineStatus,
 )
+from neonvm.controller import actions as act
 from neonvm.controller import decide as d
 from neonvm.controller.authority import StaticAuthority
 from neonvm.controller.conditions import (
@@ -65,7 +66,7 @@ from tests.support import replica_group, wait_for
 
 AUTHORITY = StaticAuthority(epoch=1, token=10)
 NOWHERE = {"neonvm.test/unschedulable": "true"}
-LEASE = d.Fence(epoch=3, token=7)
+LEASE = act.Fence(epoch=3, token=7)
 BAD_EPOCH = 2**31 + 5
 
 
@@ -110,7 +111,7 @@ def test_the_fence_ahead_write_rechecks_the_fresh_copy(epoch: int, token: int,
 
 # The reviewer's scenario: leader epoch 7, whose lock token went back from 5000 to 12 (the
 # locks' etcd restored from a snapshot, or replaced); the VM's committed pod is gone.
-TOKEN_BACK = d.Fence(epoch=7, token=12)
+TOKEN_BACK = act.Fence(epoch=7, token=12)
 
 
 def token_ahead_vm() -> VirtualMachine:
@@ -128,8 +129,8 @@ def test_a_fence_ahead_by_its_token_only_is_not_marked_degraded() -> None:
     status write is refused, and "epoch at most 7" would not fix it: the VM must not be
     marked and left; the term ends instead (the real-server test below)."""
     vm = token_ahead_vm()
-    action = d.decide(d.Observation(vm=vm, pods=(), lease=TOKEN_BACK, direct=True))
-    assert not isinstance(action, d.Fenced)
+    action = d.decide(act.Observation(vm=vm, pods=(), lease=TOKEN_BACK, direct=True))
+    assert not isinstance(action, act.Fenced)
     with pytest.raises(FencedOut):
         status_mutation(action, TOKEN_BACK)(copy.deepcopy(vm))
     seen = fence_ahead(vm, TOKEN_BACK)
@@ -139,7 +140,7 @@ def test_a_fence_ahead_by_its_token_only_is_not_marked_degraded() -> None:
 
 @pytest.mark.unit
 def test_the_fence_ahead_message_names_a_remedy_that_clears_the_fence() -> None:
-    lease = d.Fence(epoch=7, token=12)
+    lease = act.Fence(epoch=7, token=12)
     message = fence_ahead_message((9, 3), lease)
     assert "remove status.fence" in message
     assert "(epoch 7, token 12)" in message
@@ -162,25 +163,25 @@ def test_two_believed_authorities_write_degraded_a_bounded_number_of_times(step:
     A's reconciles clear FenceAhead, B's set it again, each woken by the other's write.
     The writes are bounded by the elapsed time over the recheck period, not by the
     number of reconciles."""
-    a_lease, b_lease = d.Fence(5, 100), d.Fence(3, 7)
+    a_lease, b_lease = act.Fence(5, 100), act.Fence(3, 7)
     vm = VirtualMachine(
         name="vm", namespace="ns", uid="0123456789", resource_version="5", generation=1,
         spec=VirtualMachineSpec(), finalizers=[FINALIZER],
         status=VirtualMachineStatus(fence=Fence(5, 100), plan_seq=1, pod_name="vm-01234567-1",
                                     pod_uid="u1", phase="Running", node="n", pod_ip="10.0.0.1",
                                     observed_generation=1))
-    pod = d.PodView(name="vm-01234567-1", uid="u1", owner_uid=vm.uid, gated=False,
+    pod = act.PodView(name="vm-01234567-1", uid="u1", owner_uid=vm.uid, gated=False,
                     terminating=False, phase="Running", node="n", ip="10.0.0.1",
                     fence=(5, 100))
     rounds, writes = 600, 0
     for n in range(rounds):
         now = ts(n * step)
-        b_obs = d.Observation(vm=vm, pods=(pod,), lease=b_lease, direct=True)
-        assert isinstance(d.decide(b_obs), d.Fenced)
+        b_obs = act.Observation(vm=vm, pods=(pod,), lease=b_lease, direct=True)
+        assert isinstance(d.decide(b_obs), act.Fenced)
         new = fence_ahead_mutation(b_lease, now=now, quiet_seconds=RECHECK)(copy.deepcopy(vm))
         if new is not None:
             vm.status, writes = new, writes + 1
-        a_obs = d.Observation(vm=vm, pods=(pod,), lease=a_lease, direct=True)
+        a_obs = act.Observation(vm=vm, pods=(pod,), lease=a_lease, direct=True)
         action = d.decide(a_obs)
         updates = desired_conditions(Snapshot(obs=a_obs, record=None), action)
         new = conditions_mutation(updates, a_lease, now=now)(copy.deepcopy(vm))
@@ -210,8 +211,8 @@ def test_a_vm_already_degraded_is_marked_fence_ahead_at_once() -> None:
 def test_a_plan_of_a_higher_epoch_is_ahead_too() -> None:
     plan = PendingPod(name="vm-01234567-5", plan_seq=5, token=1, epoch=9, generation=1)
     vm = fenced_vm(epoch=3, token=7, pending_pod=plan)
-    assert isinstance(d.decide(d.Observation(vm=vm, pods=(), lease=LEASE, direct=True)),
-                      d.Fenced)
+    assert isinstance(d.decide(act.Observation(vm=vm, pods=(), lease=LEASE, direct=True)),
+                      act.Fenced)
     assert fence_ahead_mutation(LEASE)(vm) is not None
 
 
@@ -220,8 +221,8 @@ def test_the_condition_turns_false_once_a_reconcile_gets_past_the_fence() -> Non
     vm = fenced_vm(epoch=3, token=7)
     vm.status.conditions = [Condition(type=DEGRADED, status="True", reason=FENCE_AHEAD,
                                       message="m", observed_generation=2)]
-    snap = Snapshot(obs=d.Observation(vm=vm, pods=(), lease=LEASE, direct=True), record=None)
-    updates = {u.type: u for u in desired_conditions(snap, d.Done())}
+    snap = Snapshot(obs=act.Observation(vm=vm, pods=(), lease=LEASE, direct=True), record=None)
+    updates = {u.type: u for u in desired_conditions(snap, act.Done())}
     assert (updates[DEGRADED].status, updates[DEGRADED].reason) == ("False", FENCE_RESOLVED)
 
 
@@ -296,7 +297,7 @@ def test_a_pod_planted_under_the_next_name_is_not_adopted_and_the_vm_gets_its_ow
     reconciler = Reconciler(controller_api, events=EventRecorder(controller_api, "test"))
     for _ in range(10):
         result = reconciler.reconcile(key, AUTHORITY, direct_first=True)
-        if isinstance(result.action, d.Done):
+        if isinstance(result.action, act.Done):
             break
     status = (get_vm(api, namespace, "victim") or {}).get("status") or {}
     assert status.get("podUID") != planted_uid, "the planted pod was adopted"
@@ -439,7 +440,7 @@ def test_a_vm_fenced_ahead_by_epoch_is_marked_from_one_direct_read_and_not_re_ma
     observed: list[str] = []
     real_observe = reconciler.reader.observe
 
-    def counting(k: str, lease: d.Fence) -> Snapshot:
+    def counting(k: str, lease: act.Fence) -> Snapshot:
         observed.append(k)
         return real_observe(k, lease)
 

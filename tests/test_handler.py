@@ -13,7 +13,7 @@ import pytest
 from kubernetes.client.exceptions import ApiException
 from loguru import logger
 
-from neonvm.controller import decide as d
+from neonvm.controller import actions as act
 from neonvm.controller.authority import AuthorityLost, RetryableError, StaticAuthority, WrongVM
 from neonvm.controller.handler import Handler, Outcome, outcome_of_error
 from neonvm.controller.metrics import ControllerMetrics
@@ -126,7 +126,7 @@ def lock_held() -> LockHeld:
                              lease=1, record=None, malformed="x", raw=b"x"))
 
 
-def ended(action: d.Action, after: float, stuck: str | None = None) -> ReconcileResult:
+def ended(action: act.Action, after: float, stuck: str | None = None) -> ReconcileResult:
     return ReconcileResult(action=action, requeue_after=after, steps=1, stuck=stuck)
 
 
@@ -169,7 +169,7 @@ def test_an_unexpected_error_is_a_bug_retried_with_backoff() -> None:
 
 
 def test_a_reconcile_that_ended_comes_back_after_its_wait_read_directly() -> None:
-    w = World(ended(d.Wait(seconds=2.0), 2.0))
+    w = World(ended(act.Wait(seconds=2.0), 2.0))
     assert w.turn() == Outcome("requeue", after=2.0)
     assert w.next_turn_at() == (2.0, True)
     assert w.reconciler.direct_first == [False]
@@ -177,7 +177,7 @@ def test_a_reconcile_that_ended_comes_back_after_its_wait_read_directly() -> Non
 
 def test_a_temporary_error_backs_off_per_key_until_a_reconcile_ends() -> None:
     w = World(ApiException(status=503), ApiException(status=503),
-              ended(d.Done(), 30.0), ApiException(status=503))
+              ended(act.Done(), 30.0), ApiException(status=503))
     w.turn()
     assert w.next_turn_at() == (1.0, True)
     w.turn()
@@ -216,10 +216,10 @@ def test_a_turn_dropped_by_an_ending_term_requeues_nothing() -> None:
 
 
 def test_stuck_reconciles_back_off_longer_each_time_and_one_normal_end_resets() -> None:
-    w = World(ended(d.Wait(seconds=0.0), 0.0, stuck="CreatePodNotTakingEffect"),
-              ended(d.Wait(seconds=0.0), 0.0, stuck="CreatePodNotTakingEffect"),
-              ended(d.Done(), 30.0),
-              ended(d.Wait(seconds=0.0), 0.0, stuck="CreatePodNotTakingEffect"))
+    w = World(ended(act.Wait(seconds=0.0), 0.0, stuck="CreatePodNotTakingEffect"),
+              ended(act.Wait(seconds=0.0), 0.0, stuck="CreatePodNotTakingEffect"),
+              ended(act.Done(), 30.0),
+              ended(act.Wait(seconds=0.0), 0.0, stuck="CreatePodNotTakingEffect"))
     assert w.turn().after == 10.0
     assert w.timers.backing_off(KEY), "the scans leave it alone meanwhile"
     assert w.turn().after == 20.0

@@ -15,7 +15,7 @@ import pytest
 from loguru import logger
 
 from neonvm import logs
-from neonvm.controller import decide as d
+from neonvm.controller import actions as act
 from neonvm.controller.reconciler import ReconcileResult
 from tests.test_handler import World
 
@@ -91,7 +91,7 @@ class LoggingReconciler:
                   direct_first: bool = False) -> ReconcileResult:
         logger.bind(vm=key).info("observed")
         logger.bind(vm=key).debug("acting")
-        return ReconcileResult(action=d.Done(), requeue_after=1.0, steps=1,
+        return ReconcileResult(action=act.Done(), requeue_after=1.0, steps=1,
                                stuck="the API keeps refusing")
 
 

@@ -31,6 +31,7 @@ from neonvm.api.types import (
     VirtualMachineSpec,
     VirtualMachineStatus,
 )
+from neonvm.controller import actions as act
 from neonvm.controller import decide as d
 from neonvm.controller import reasons
 from neonvm.controller.create_policy import namespace_terminating
@@ -41,7 +42,7 @@ from tests.support import FAST, wait_for
 
 # ---- pure logic -----------------------------------------------------------------------
 
-FENCE = d.Fence(epoch=1, token=1)
+FENCE = act.Fence(epoch=1, token=1)
 
 
 UID = "0123456789abcdef"
@@ -60,14 +61,14 @@ def _vm(*, pod: str = "", deleting: bool = False, pending: PendingPod | None = N
         deletion_timestamp="2026-01-01T00:00:00Z" if deleting else None)
 
 
-def _pod(name: str, *, terminating: bool = False, phase: str = "Running") -> d.PodView:
-    return d.PodView(name=name, uid="uid-1", owner_uid=UID, gated=False,
+def _pod(name: str, *, terminating: bool = False, phase: str = "Running") -> act.PodView:
+    return act.PodView(name=name, uid="uid-1", owner_uid=UID, gated=False,
                      terminating=terminating, phase=phase, fence=(1, 1))
 
 
-def _obs(vm: VirtualMachine, pods: tuple[d.PodView, ...] = (), *,
-         terminating: bool) -> d.Observation:
-    return d.Observation(vm=vm, pods=pods, lease=FENCE, direct=True,
+def _obs(vm: VirtualMachine, pods: tuple[act.PodView, ...] = (), *,
+         terminating: bool) -> act.Observation:
+    return act.Observation(vm=vm, pods=pods, lease=FENCE, direct=True,
                          namespace_terminating=terminating)
 
 
@@ -75,29 +76,29 @@ def _obs(vm: VirtualMachine, pods: tuple[d.PodView, ...] = (), *,
 def test_a_runner_pod_going_in_a_terminating_namespace_is_not_restarted() -> None:
     vm = _vm(pod="vm-1-01234567-1")
     pods = (_pod("vm-1-01234567-1", terminating=True),)
-    assert isinstance(d.decide(_obs(vm, pods, terminating=False)), d.Restart)
+    assert isinstance(d.decide(_obs(vm, pods, terminating=False)), act.Restart)
     action = d.decide(_obs(vm, pods, terminating=True))
-    assert isinstance(action, d.Wait)
+    assert isinstance(action, act.Wait)
     assert action.condition == reasons.NAMESPACE_TERMINATING
 
 
 @pytest.mark.unit
 def test_no_plan_and_no_create_in_a_terminating_namespace() -> None:
-    assert isinstance(d.decide(_obs(_vm(), terminating=False)), d.RecordPlan)
+    assert isinstance(d.decide(_obs(_vm(), terminating=False)), act.RecordPlan)
     waiting = d.decide(_obs(_vm(), terminating=True))
-    assert isinstance(waiting, d.Wait) and waiting.condition == reasons.NAMESPACE_TERMINATING
+    assert isinstance(waiting, act.Wait) and waiting.condition == reasons.NAMESPACE_TERMINATING
     plan = PendingPod(name="vm-1-01234567-1", plan_seq=1, token=1, epoch=1, generation=1)
-    assert isinstance(d.decide(_obs(_vm(pending=plan), terminating=False)), d.CreatePod)
+    assert isinstance(d.decide(_obs(_vm(pending=plan), terminating=False)), act.CreatePod)
     waiting = d.decide(_obs(_vm(pending=plan), terminating=True))
-    assert isinstance(waiting, d.Wait) and waiting.condition == reasons.NAMESPACE_TERMINATING
+    assert isinstance(waiting, act.Wait) and waiting.condition == reasons.NAMESPACE_TERMINATING
 
 
 @pytest.mark.unit
 def test_a_vm_being_deleted_in_a_terminating_namespace_still_loses_its_finalizer() -> None:
     vm = _vm(pod="vm-1-01234567-1", deleting=True)
-    assert isinstance(d.decide(_obs(vm, terminating=True)), d.RemoveFinalizer)
+    assert isinstance(d.decide(_obs(vm, terminating=True)), act.RemoveFinalizer)
     gone = (_pod("vm-1-01234567-1", terminating=True),)
-    assert isinstance(d.decide(_obs(vm, gone, terminating=True)), d.Wait)
+    assert isinstance(d.decide(_obs(vm, gone, terminating=True)), act.Wait)
 
 
 @pytest.mark.unit
@@ -105,7 +106,7 @@ def test_a_restart_into_a_terminal_phase_is_still_recorded() -> None:
     vm = _vm(pod="vm-1-01234567-1", restart_policy="Never")
     pods = (_pod("vm-1-01234567-1", phase="Failed"),)
     action = d.decide(_obs(vm, pods, terminating=True))
-    assert isinstance(action, d.Restart) and action.terminal_phase == "Failed"
+    assert isinstance(action, act.Restart) and action.terminal_phase == "Failed"
 
 
 @pytest.mark.unit

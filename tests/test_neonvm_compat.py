@@ -23,7 +23,7 @@ from kubernetes import client
 from neonvm import kube
 from neonvm.api import compat, types
 from neonvm.api.millicpu import MilliCPU
-from neonvm.controller import decide as d
+from neonvm.controller import actions as act
 from neonvm.controller.authority import StaticAuthority
 from neonvm.controller.compat_events import warn_unimplemented
 from neonvm.controller.events import EventRecorder
@@ -109,14 +109,14 @@ def test_the_commit_records_the_boot_size_and_a_restart_clears_the_size() -> Non
     raw["metadata"].update(uid="u1", resourceVersion="1", generation=1, namespace="ns")
     raw["status"] = {"pendingPod": {"name": "p-1", "planSeq": 1}, "planSeq": 1}
     vm = types.VirtualMachine.from_object(raw)
-    lease = d.Fence(epoch=1, token=1)
-    committed = status_mutation(d.Commit(name="p-1", uid="pu", reason="r"), lease)(vm)
+    lease = act.Fence(epoch=1, token=1)
+    committed = status_mutation(act.Commit(name="p-1", uid="pu", reason="r"), lease)(vm)
     assert committed is not None
     assert (committed.cpus, committed.memory_size) == (MilliCPU(500), "2Gi")
     # currentRevision is stamped once the VM runs at the spec's size (tests/test_autoscaler_view.py)
     assert committed.current_revision is None
     vm.status = committed
-    restarted = status_mutation(d.Restart(name="p-1", uid="pu", reason="r"), lease)(vm)
+    restarted = status_mutation(act.Restart(name="p-1", uid="pu", reason="r"), lease)(vm)
     assert restarted is not None and (restarted.cpus, restarted.memory_size) == (None, None)
 
 
@@ -141,7 +141,7 @@ def create_strict(api: client.ApiClient, namespace: str, obj: dict[str, Any]) ->
 def settle(reconciler: Reconciler, key: str, rounds: int = 10) -> ReconcileResult:
     result = reconciler.reconcile(key, AUTHORITY, direct_first=True)
     for _ in range(rounds):
-        if isinstance(result.action, d.Done):
+        if isinstance(result.action, act.Done):
             return result
         result = reconciler.reconcile(key, AUTHORITY, direct_first=True)
     return result
@@ -187,7 +187,7 @@ def test_a_neonvm_shaped_manifest_applies_strictly_and_converges_to_one_pod(
     name = vm["metadata"]["name"]
     reconciler = Reconciler(controller_api, events=EventRecorder(controller_api, "test"))
     result = settle(reconciler, f"{namespace}/{name}")
-    assert isinstance(result.action, d.Done), result
+    assert isinstance(result.action, act.Done), result
 
     pod = only_pod(api, namespace, name)
     status = status_of(api, namespace, name)

@@ -14,6 +14,7 @@ from kubernetes import client
 
 from neonvm import kube
 from neonvm.api import compat, types
+from neonvm.controller import actions as act
 from neonvm.controller import autoscaler_view as av
 from neonvm.controller import decide as d
 from neonvm.controller.podspec import runner_pod
@@ -93,12 +94,12 @@ def test_the_overcommit_annotation_drifts_with_the_spec_and_a_forged_one_is_remo
         "phase": "Running", "podName": "p", "podUID": "pu", "node": "n1",
         "podIP": "10.0.0.1", "cpus": 1, "memorySize": "1Gi"})
     running.spec.overcommit = types.OvercommitSettings(cpu="2")
-    pod = d.PodView(name="p", uid="pu", owner_uid="u", gated=False, terminating=False,
+    pod = act.PodView(name="p", uid="pu", owner_uid="u", gated=False, terminating=False,
                     phase="Running", node="n1", ip="10.0.0.1",
                     autoscaling=av.autoscaling_meta({}, {}))
-    action = d.decide(d.Observation(vm=running, pods=(pod,), lease=d.Fence(epoch=1, token=1),
+    action = d.decide(act.Observation(vm=running, pods=(pod,), lease=act.Fence(epoch=1, token=1),
                                     direct=True))
-    assert isinstance(action, d.SyncPodMetadata)
+    assert isinstance(action, act.SyncPodMetadata)
 
 
 @pytest.mark.cluster
@@ -124,7 +125,7 @@ def test_a_changed_overcommit_reaches_the_running_pod_without_a_restart(
                                  (None, None)):
         kube.request(api, "PATCH", path, {"spec": {"overcommit": overcommit}},
                      content_type="application/merge-patch+json")
-        assert isinstance(settle(reconciler, key).action, d.Done)
+        assert isinstance(settle(reconciler, key).action, act.Done)
         (after,) = runner_pods(api, namespace, "oc")
         assert after.metadata.uid == pod.metadata.uid
         assert (after.metadata.annotations or {}).get(av.ANNOTATION_OVERCOMMIT) == expected

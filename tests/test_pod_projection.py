@@ -18,6 +18,7 @@ from neonvm.api.types import (
     VirtualMachineSpec,
     VirtualMachineStatus,
 )
+from neonvm.controller import actions as act
 from neonvm.controller import decide as d
 from neonvm.controller import informer, podspec, scan
 from neonvm.controller.acceleration import RUNNER_PORT_NAME, runner_port
@@ -27,7 +28,7 @@ from neonvm.controller.observe import VMRecord, make_snapshot, pod_index, pod_vi
 pytestmark = pytest.mark.unit
 
 UID = "0123456789abcdef"
-LEASE = d.Fence(epoch=3, token=40)
+LEASE = act.Fence(epoch=3, token=40)
 
 
 def vm(**status: Any) -> VirtualMachine:

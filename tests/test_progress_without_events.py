@@ -22,7 +22,7 @@ import pytest
 from kubernetes import client
 
 from neonvm.api import types
-from neonvm.controller import decide as d
+from neonvm.controller import actions as act
 from neonvm.controller.authority import StaticAuthority
 from neonvm.controller.fault_wiring import VersionedStore
 from neonvm.controller.informer import project_pod
@@ -76,14 +76,14 @@ def converged(fake: FakeCluster) -> dict[str, Any]:
                           "guest": {"rootDisk": {"image": "img"}}},
                  "status": {}})
     assert isinstance(reconciler(fake).reconcile(KEY, AUTHORITY, direct_first=True).action,
-                      d.Done)
+                      act.Done)
     pod = fake.pod(NS, (fake.vm(NS, NAME) or {})["status"]["podName"])
     assert pod is not None and not pod["spec"].get("schedulingGates")
     pod["spec"]["nodeName"] = "node-1"
     pod["status"] = {"phase": "Running", "podIP": "10.0.0.7"}
     pod["metadata"]["resourceVersion"] = fake.next_rv()
     assert isinstance(reconciler(fake).reconcile(KEY, AUTHORITY, direct_first=True).action,
-                      d.Done)
+                      act.Done)
     assert (fake.vm(NS, NAME) or {})["status"]["phase"] == "Running"
     return pod
 
@@ -108,7 +108,7 @@ def test_a_vm_left_done_by_a_stale_turn_after_its_pod_was_deleted_is_found_by_th
     # The turn that event brings up reads the pod list from before it (the pod still
     # running), or the VM from before it existed: either way, Done.
     result = reconciler(fake, StaleRead(vms, pods, stale)).reconcile(KEY, AUTHORITY)
-    assert isinstance(result.action, d.Done) and result.stuck is None
+    assert isinstance(result.action, act.Done) and result.stuck is None
     # The cache (VM and pods) now agrees with the server, so the resync's diff finds
     # nothing; the VM's cached status names a pod the cache does not hold.
     assert pods.by_index(KEY) == []

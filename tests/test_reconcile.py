@@ -19,7 +19,7 @@ from kubernetes import client
 
 from neonvm import kube
 from neonvm.api import types
-from neonvm.controller import decide as d
+from neonvm.controller import actions as act
 from neonvm.controller.authority import StaticAuthority, WrongVM
 from neonvm.controller.events import EventRecorder
 from neonvm.controller.fault_wiring import FaultWiring, VersionedStore
@@ -69,7 +69,7 @@ def settle(reconciler: Reconciler, key: str, rounds: int = 10) -> ReconcileResul
     """Reconcile (direct reads) until the answer is Done."""
     result = reconciler.reconcile(key, AUTHORITY, direct_first=True)
     for _ in range(rounds):
-        if isinstance(result.action, d.Done):
+        if isinstance(result.action, act.Done):
             return result
         result = reconciler.reconcile(key, AUTHORITY, direct_first=True)
     return result
@@ -115,7 +115,7 @@ def test_a_vm_converges_to_exactly_one_ungated_runner_pod_named_in_status(
     events = EventRecorder(controller_api, "test")
     result = settle(Reconciler(controller_api, events=events), f"{namespace}/one")
 
-    assert isinstance(result.action, d.Done)
+    assert isinstance(result.action, act.Done)
     pod = converged_one(api, namespace, "one")
     assert pod == f"one-{created['metadata']['uid'][:8]}-1"
     status = status_of(api, namespace, "one")
@@ -184,7 +184,7 @@ def test_a_deleted_pod_gets_exactly_one_replacement_that_waits_gated_for_the_old
     client.CoreV1Api(api).delete_namespaced_pod(old, namespace)
 
     result = settle(reconciler, key, rounds=2)
-    assert isinstance(result.action, d.Wait) and result.action.condition == "WaitingForOldPod"
+    assert isinstance(result.action, act.Wait) and result.action.condition == "WaitingForOldPod"
     pods = {p.metadata.name: p for p in runner_pods(api, namespace, "seed")}
     status = status_of(api, namespace, "seed")
     new = status["podName"]
@@ -203,7 +203,7 @@ def test_a_deleted_pod_gets_exactly_one_replacement_that_waits_gated_for_the_old
 
     release(api, namespace, old)
     wait_for(lambda: len(runner_pods(api, namespace, "seed")) == 1, 30, what="old pod gone")
-    assert isinstance(settle(reconciler, key).action, d.Done)
+    assert isinstance(settle(reconciler, key).action, act.Done)
     assert converged_one(api, namespace, "seed") == new
     waiting = condition(status_of(api, namespace, "seed"), "WaitingForOldPod")
     assert waiting is not None and waiting["status"] == "False"
@@ -218,7 +218,7 @@ class FrozenCache:
     def __init__(self, vm_raw: dict[str, Any], pods: list[dict[str, Any]]) -> None:
         self._vm, self._pods = vm_raw, pods
 
-    def observe(self, key: str, lease: d.Fence) -> Snapshot:
+    def observe(self, key: str, lease: act.Fence) -> Snapshot:
         return make_snapshot(VMRecord.from_raw(self._vm), self._pods, lease, direct=False)
 
 
@@ -247,7 +247,7 @@ def history_through_two_restarts(api: client.ApiClient, controller_api: client.A
             client.CoreV1Api(api).delete_namespaced_pod(converged_one(api, namespace, name),
                                                         namespace)
             # Restart #2 waits out its restart backoff (1 s) before the next plan.
-            wait_for(lambda: isinstance(settle(reconciler, key).action, d.Done), 30,
+            wait_for(lambda: isinstance(settle(reconciler, key).action, act.Done), 30,
                      what="the replacement converged")
         final = get_vm(api, namespace, name)
         assert final is not None
@@ -313,7 +313,7 @@ def test_the_seed_bug_reproduced_with_the_broken_retry_gives_the_vm_two_pods(
 
     # The pod fence still holds: the running pod is deleted before the new one starts.
     result = settle(Reconciler(controller_api), f"{namespace}/broken")
-    assert isinstance(result.action, d.Done)
+    assert isinstance(result.action, act.Done)
     assert converged_one(api, namespace, "broken") == second
 
 
@@ -350,7 +350,7 @@ def test_stale_reads_and_injected_conflicts_never_produce_a_second_pod(
             for name in names:
                 key = f"{namespace}/{name}"
                 wait_for(lambda key=key: isinstance(  # type: ignore[misc]
-                    reconciler.reconcile(key, AUTHORITY).action, d.Done)
+                    reconciler.reconcile(key, AUTHORITY).action, act.Done)
                     and _converged(api, namespace, key.split("/")[1]), 60,
                     what=f"{key} converges (round {round_})")
             for name in names:
@@ -426,7 +426,7 @@ def test_a_deleted_vm_waits_for_its_pods_to_be_gone_then_lets_go(
         types.GROUP, types.VERSION, namespace, types.PLURAL, "bye")
 
     result = settle(reconciler, key, rounds=2)
-    assert isinstance(result.action, d.Wait)
+    assert isinstance(result.action, act.Wait)
     vm = get_vm(api, namespace, "bye")
     assert vm is not None and types.FINALIZER in vm["metadata"]["finalizers"]
     (terminating,) = runner_pods(api, namespace, "bye")
@@ -455,7 +455,7 @@ def degraded_without_pod(api: client.ApiClient, reconciler: Reconciler, namespac
                          name: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """One reconcile ends waiting as Degraded=True with no pod; (status, condition)."""
     result = reconciler.reconcile(f"{namespace}/{name}", AUTHORITY, direct_first=True)
-    assert isinstance(result.action, d.Wait), result.action
+    assert isinstance(result.action, act.Wait), result.action
     status = status_of(api, namespace, name)
     degraded = condition(status, "Degraded")
     assert degraded is not None and degraded["status"] == "True"
@@ -510,7 +510,7 @@ def test_a_missing_image_pull_secret_holds_the_pod_back_as_degraded_until_it_exi
     version = vm_version(api, namespace, "private")
     for _ in range(3):
         again = reconciler.reconcile(key, AUTHORITY, direct_first=True)
-        assert isinstance(again.action, d.Wait)
+        assert isinstance(again.action, act.Wait)
     assert vm_version(api, namespace, "private") == version
     assert not runner_pods(api, namespace, "private")
     warned = [e for e in client.CoreV1Api(api).list_namespaced_event(

@@ -30,7 +30,7 @@ from kubernetes.client.exceptions import ApiException
 
 from neonvm import kube, manifests
 from neonvm.api import types
-from neonvm.controller import decide as d
+from neonvm.controller import actions as act
 from neonvm.controller.authority import RetryableError, StaticAuthority
 from neonvm.controller.conditions import API_ERROR_LIMIT, ELLIPSIS, MESSAGE_LIMIT
 from neonvm.controller.create_policy import classify_create_error
@@ -81,7 +81,7 @@ def degraded(api: client.ApiClient, namespace: str, name: str) -> dict[str, Any]
 def settle(reconciler: Reconciler, key: str, rounds: int = 3) -> ReconcileResult:
     result = reconciler.reconcile(key, AUTHORITY, direct_first=True)
     for _ in range(rounds):
-        if isinstance(result.action, d.Done):
+        if isinstance(result.action, act.Done):
             return result
         result = reconciler.reconcile(key, AUTHORITY, direct_first=True)
     return result
@@ -191,14 +191,14 @@ def test_a_committed_gated_pod_that_lost_its_label_is_replaced_and_the_vm_conver
     reconciler = Reconciler(controller_api, events=EventRecorder(controller_api, "test"),
                             metrics=metrics)
     key = f"{namespace}/vm"
-    assert isinstance(settle(reconciler, key).action, d.Done)
+    assert isinstance(settle(reconciler, key).action, act.Done)
     first = vm_status(api, namespace, "vm")["podName"]
 
     # The first pod lingers while it shuts down; its replacement is committed and waits.
     core.patch_namespaced_pod(first, namespace, {"metadata": {"finalizers": [HOLD]}})
     core.delete_namespaced_pod(first, namespace)
     result = reconciler.reconcile(key, AUTHORITY, direct_first=True)
-    assert isinstance(result.action, d.Wait) and result.action.condition == "WaitingForOldPod"
+    assert isinstance(result.action, act.Wait) and result.action.condition == "WaitingForOldPod"
     second = vm_status(api, namespace, "vm")["podName"]
     assert second != first and is_gated(core.read_namespaced_pod(second, namespace))
 
@@ -215,7 +215,7 @@ def test_a_committed_gated_pod_that_lost_its_label_is_replaced_and_the_vm_conver
 
     def done() -> bool:
         results.append(reconciler.reconcile(key, AUTHORITY, direct_first=True))
-        return isinstance(results[-1].action, d.Done)
+        return isinstance(results[-1].action, act.Done)
 
     wait_for(done, 60, interval=0.5, what="the VM to converge")
     assert all(r.stuck is None for r in results), results
@@ -339,7 +339,7 @@ def test_a_runner_pod_too_large_to_store_is_create_refused_not_retried(
     big = Reconciler(controller_api, metrics=metrics, config=ReconcilerConfig(
         pod_defaults=PodDefaults(runner_image="r" * int(mib * (1 << 20)))))
     result = settle(big, f"{namespace}/big")
-    assert isinstance(result.action, d.Wait), result
+    assert isinstance(result.action, act.Wait), result
     cond = degraded(api, namespace, "big")
     assert cond is not None and cond["reason"] == "CreateRefused", cond
     assert f"({status}): " in cond["message"] and text in cond["message"], cond
@@ -356,7 +356,7 @@ def test_an_invalid_runner_pod_is_create_refused_with_bounded_text(
     bad = Reconciler(controller_api, config=ReconcilerConfig(
         pod_defaults=PodDefaults(image_pull_policy="Sometimes" * 400)))
     result = settle(bad, key_bad)
-    assert isinstance(result.action, d.Wait), result
+    assert isinstance(result.action, act.Wait), result
     cond = degraded(api, namespace, "bad")
     assert cond is not None and cond["reason"] == "CreateRefused", cond
     assert "(422)" in cond["message"] and ELLIPSIS in cond["message"], cond
@@ -396,15 +396,15 @@ def test_creates_failing_for_a_while_say_so_and_recover_when_they_pass(
     assert "exceeded quota" in cond["message"]
 
     core.delete_namespaced_resource_quota("no-pods", namespace)
-    wait_for(lambda: isinstance(_settled(reconciler, key), d.Done), 60, interval=0.5,
+    wait_for(lambda: isinstance(_settled(reconciler, key), act.Done), 60, interval=0.5,
              what="the VM to converge once the quota is gone")
     assert converged(api, namespace, ["vm"])
     cond = degraded(api, namespace, "vm")
     assert cond is not None and (cond["status"], cond["reason"]) == ("False", "Recovered")
 
 
-def _settled(reconciler: Reconciler, key: str) -> d.Action:
+def _settled(reconciler: Reconciler, key: str) -> act.Action:
     try:
         return reconciler.reconcile(key, AUTHORITY, direct_first=True).action
     except RetryableError:  # the quota controller has not caught up yet
-        return d.Wait()
+        return act.Wait()

@@ -16,7 +16,7 @@ import pytest
 from kubernetes import client
 
 from neonvm.api import types
-from neonvm.controller import decide as d
+from neonvm.controller import actions as act
 from neonvm.controller.authority import StaticAuthority
 from neonvm.controller.observe import DirectReader, Snapshot, VMRecord
 from neonvm.controller.reconciler import Reconciler
@@ -82,7 +82,7 @@ class Recording(Reconciler):
         self.performed: list[tuple[str, bool, bool]] = []
         """(action, observation built from a write's answer, observation direct)."""
 
-    def _perform(self, key: str, action: d.Action, snap: Snapshot, authority: Any,
+    def _perform(self, key: str, action: act.Action, snap: Snapshot, authority: Any,
                  log: Any) -> str:
         self.performed.append((type(action).__name__, getattr(snap, "from_write", False),
                                snap.obs.direct))
@@ -103,7 +103,7 @@ def test_a_new_vm_is_started_with_one_direct_observation_and_the_ungate_list(
     assert len(pods) == 1 and not is_gated(pods[0])
     vm = get_vm(api, namespace, "quick")
     assert vm is not None and vm["status"]["podName"] == pods[0].metadata.name
-    assert isinstance(result.action, d.Done | d.Wait), result
+    assert isinstance(result.action, act.Done | act.Wait), result
     # The first observation (no cache here: direct), then every step from the previous
     # write's answer; the ungate lists the pods once more, after the commit was seen.
     assert reconciler.counting.reads == {"list_pods": 2, "get_vm": 1}, (
@@ -132,7 +132,7 @@ def test_a_new_vm_seen_in_the_cache_is_started_with_the_ungate_list_as_its_only_
 
     steps = [name for name, _, _ in reconciler.performed]
     assert steps == ["AddFinalizer", "RecordPlan", "CreatePod", "Commit", "Ungate"], steps
-    assert isinstance(result.action, d.Done), result
+    assert isinstance(result.action, act.Done), result
     pods = runner_pods(api, namespace, "cached")
     assert len(pods) == 1 and not is_gated(pods[0])
     # The create from RecordPlan's answer: not direct, built from a write.
@@ -197,5 +197,5 @@ def test_a_plan_seen_only_in_a_stale_cache_is_not_created_but_read_directly(
     steps = [name for name, _, _ in reconciler.performed]
     assert "CreatePod" not in steps, reconciler.performed
     assert reconciler.counting.reads["get_vm"] >= 1, reconciler.counting.reads
-    assert isinstance(result.action, d.Done), result
+    assert isinstance(result.action, act.Done), result
     assert [p.metadata.name for p in runner_pods(api, namespace, "guard")] == [running]

@@ -38,6 +38,7 @@ from loguru import logger
 
 from neonvm.api import types
 from neonvm.api.rights import RIGHT_SECONDS_ANNOTATION
+from neonvm.controller import actions as act
 from neonvm.controller import decide as d
 from neonvm.controller.action_table import ACTIONS
 from neonvm.controller.authority import StaticAuthority
@@ -97,7 +98,7 @@ def rights_long_over() -> SelfFencing:
     return SelfFencing(ledger, lambda node: None, clock=lambda: now[0])
 
 
-def advance(fake: FakeCluster, until: type[d.Action]) -> d.Action:
+def advance(fake: FakeCluster, until: type[act.Action]) -> act.Action:
     """Perform ``decide``'s answers (from direct reads, by the shipped performers) until
     the next one is an ``until``; that one, unperformed."""
     rec = reconciler_over(fake)
@@ -125,12 +126,12 @@ def committed(fake: FakeCluster) -> dict[str, Any] | None:
 
 def running(fake: FakeCluster) -> None:
     """The committed pod is ungated, scheduled and running."""
-    advance(fake, d.Ungate)
+    advance(fake, act.Ungate)
     rec = reconciler_over(fake)
     authority = StaticAuthority(epoch=1, token=5)
     snap = rec.observe(KEY, authority, direct=True)
     action = d.decide(snap.obs)
-    assert isinstance(action, d.Ungate), action
+    assert isinstance(action, act.Ungate), action
     assert rec._perform(KEY, action, snap, authority, logger) == "done"
     pod = committed(fake)
     assert pod is not None
@@ -162,17 +163,17 @@ def _record_plan(fake: FakeCluster) -> None:
 
 def _create_pod(fake: FakeCluster) -> None:
     _record_plan(fake)
-    advance(fake, d.CreatePod)
+    advance(fake, act.CreatePod)
 
 
 def _commit(fake: FakeCluster) -> None:
     _record_plan(fake)
-    advance(fake, d.Commit)
+    advance(fake, act.Commit)
 
 
 def _ungate(fake: FakeCluster) -> None:
     _record_plan(fake)
-    advance(fake, d.Ungate)
+    advance(fake, act.Ungate)
 
 
 def _sync_status(fake: FakeCluster) -> None:
@@ -182,7 +183,7 @@ def _sync_status(fake: FakeCluster) -> None:
 
 def _delete_pod(fake: FakeCluster) -> None:
     _sync_status(fake)
-    advance(fake, d.Done)
+    advance(fake, act.Done)
     owner = {"apiVersion": types.API_VERSION, "kind": types.KIND, "name": NAME,
              "uid": fake.vms[(NS, NAME)]["metadata"]["uid"], "controller": True}
     fake.add_pod({"metadata": {"name": EXTRA, "namespace": NS,
@@ -193,13 +194,13 @@ def _delete_pod(fake: FakeCluster) -> None:
 
 def _restart(fake: FakeCluster) -> None:
     _sync_status(fake)
-    advance(fake, d.Done)
+    advance(fake, act.Done)
     del fake.pods[(NS, status(fake)["podName"])]  # deleted by a user
 
 
 def _drop_plan(fake: FakeCluster) -> None:
     _record_plan(fake)
-    advance(fake, d.CreatePod)
+    advance(fake, act.CreatePod)
     planned = status(fake)["pendingPod"]["name"]
     # A pod planted under the planned name, labelled for the VM but not made by our
     # create (no fence annotations): it is never adopted.
@@ -216,7 +217,7 @@ def _remove_finalizer(fake: FakeCluster) -> None:
 
 def _force_delete_dead_pod(fake: FakeCluster) -> None:
     _sync_status(fake)
-    advance(fake, d.Done)
+    advance(fake, act.Done)
     pod = committed(fake)
     assert pod is not None
     # Its runner self-fences; its node stopped answering (the node lifecycle controller
@@ -239,7 +240,7 @@ AUTOSCALING_LABEL = "autoscaling.neon.tech/enabled"
 
 def _sync_pod_metadata(fake: FakeCluster) -> None:
     _sync_status(fake)
-    advance(fake, d.Done)
+    advance(fake, act.Done)
     vm = fake.vms[(NS, NAME)]
     vm["metadata"].setdefault("labels", {})[AUTOSCALING_LABEL] = "true"  # set afterwards
     vm["metadata"]["resourceVersion"] = fake.next_rv()
@@ -249,26 +250,26 @@ def _plan_seq(fake: FakeCluster) -> int:
     return int(status(fake).get("planSeq") or 0)
 
 
-SCENARIOS: dict[type[d.Action], Scenario] = {
-    d.AddFinalizer: Scenario(
+SCENARIOS: dict[type[act.Action], Scenario] = {
+    act.AddFinalizer: Scenario(
         _add_finalizer, "put_main",
         lambda f: types.FINALIZER in (f.vms[(NS, NAME)]["metadata"].get("finalizers") or [])),
-    d.RecordPlan: Scenario(_record_plan, "put_status", lambda f: _plan_seq(f) == 1),
-    d.CreatePod: Scenario(_create_pod, "create_pod", lambda f: bool(f.pods)),
-    d.Commit: Scenario(_commit, "put_status", lambda f: bool(status(f).get("podName"))),
-    d.Ungate: Scenario(_ungate, "ungate_pod", lambda f: not (
+    act.RecordPlan: Scenario(_record_plan, "put_status", lambda f: _plan_seq(f) == 1),
+    act.CreatePod: Scenario(_create_pod, "create_pod", lambda f: bool(f.pods)),
+    act.Commit: Scenario(_commit, "put_status", lambda f: bool(status(f).get("podName"))),
+    act.Ungate: Scenario(_ungate, "ungate_pod", lambda f: not (
         (committed(f) or {}).get("spec", {}).get("schedulingGates"))),
-    d.SyncStatus: Scenario(_sync_status, "put_status",
+    act.SyncStatus: Scenario(_sync_status, "put_status",
                            lambda f: status(f).get("phase") == "Running"),
-    d.DeletePod: Scenario(_delete_pod, "delete_pod", lambda f: f.pod(NS, EXTRA) is None),
-    d.Restart: Scenario(_restart, "put_status",
+    act.DeletePod: Scenario(_delete_pod, "delete_pod", lambda f: f.pod(NS, EXTRA) is None),
+    act.Restart: Scenario(_restart, "put_status",
                         lambda f: int(status(f).get("restartCount") or 0) == 1),
-    d.DropPlan: Scenario(_drop_plan, "put_status", lambda f: _plan_seq(f) > 1),
-    d.RemoveFinalizer: Scenario(_remove_finalizer, "put_main",
+    act.DropPlan: Scenario(_drop_plan, "put_status", lambda f: _plan_seq(f) > 1),
+    act.RemoveFinalizer: Scenario(_remove_finalizer, "put_main",
                                 lambda f: f.vm(NS, NAME) is None),
-    d.ForceDeleteDeadPod: Scenario(_force_delete_dead_pod, "delete_pod",
+    act.ForceDeleteDeadPod: Scenario(_force_delete_dead_pod, "delete_pod",
                                    _self_fencing_pod_gone),
-    d.SyncPodMetadata: Scenario(_sync_pod_metadata, "patch_pod_metadata", lambda f: (
+    act.SyncPodMetadata: Scenario(_sync_pod_metadata, "patch_pod_metadata", lambda f: (
         ((committed(f) or {}).get("metadata") or {}).get("labels") or {}).get(
             AUTOSCALING_LABEL) == "true"),
 }
@@ -317,19 +318,19 @@ its pod with nothing to write; after a clean-up it has converged): nothing meets
 fence, so the turn ends as after a success, and the fence is found by the VM's next
 status write (``decide`` fences on the epoch alone)."""
 
-EXPECTED: dict[type[d.Action], dict[str, Expect]] = {
-    d.AddFinalizer: FINALIZER_WRITE,
-    d.RecordPlan: VM_WRITE,
-    d.Commit: VM_WRITE,
-    d.SyncStatus: VM_WRITE,
-    d.Restart: VM_WRITE,
-    d.DropPlan: VM_WRITE,
-    d.RemoveFinalizer: {
+EXPECTED: dict[type[act.Action], dict[str, Expect]] = {
+    act.AddFinalizer: FINALIZER_WRITE,
+    act.RecordPlan: VM_WRITE,
+    act.Commit: VM_WRITE,
+    act.SyncStatus: VM_WRITE,
+    act.Restart: VM_WRITE,
+    act.DropPlan: VM_WRITE,
+    act.RemoveFinalizer: {
         **VM_WRITE,
         # Unfenced, as AddFinalizer; the VM is gone with it, so nothing is fenced out.
         "fenced_out": Expect("done", "requeue", True),
     },
-    d.CreatePod: {
+    act.CreatePod: {
         "ok": Expect("done", "requeue", True),
         # The name is taken, by no pod labelled for the VM: observe again, create again.
         "conflict": Expect("exists", "requeue", True),
@@ -341,7 +342,7 @@ EXPECTED: dict[type[d.Action], dict[str, Expect]] = {
         "fence_lost": RAISED,
         "fenced_out": POD_WRITE_FENCED,
     },
-    d.Ungate: {
+    act.Ungate: {
         "ok": Expect("done", "requeue", True),
         # Any refusal of the precondition: observe again (a new list), ungate again.
         "conflict": Expect("precondition", "requeue", True),
@@ -351,7 +352,7 @@ EXPECTED: dict[type[d.Action], dict[str, Expect]] = {
         "fence_lost": RAISED,
         "fenced_out": LAST_POD_WRITE_FENCED,
     },
-    d.DeletePod: {
+    act.DeletePod: {
         "ok": Expect("done", "requeue", True),
         # Gone or replaced: observe again; the pod is still listed, so delete again.
         "conflict": Expect("gone", "requeue", True),
@@ -361,7 +362,7 @@ EXPECTED: dict[type[d.Action], dict[str, Expect]] = {
         "fence_lost": RAISED,
         "fenced_out": LAST_POD_WRITE_FENCED,
     },
-    d.ForceDeleteDeadPod: {
+    act.ForceDeleteDeadPod: {
         "ok": Expect("done", "requeue", True),
         # Changed since its read (409) or gone (404): observe again; the pod is still
         # listed and condemned, so read it and delete again.
@@ -375,7 +376,7 @@ EXPECTED: dict[type[d.Action], dict[str, Expect]] = {
         # Lands; the restart that follows (the committed pod is gone) is fenced out.
         "fenced_out": POD_WRITE_FENCED,
     },
-    d.SyncPodMetadata: {
+    act.SyncPodMetadata: {
         "ok": Expect("done", "requeue", True),
         # The pod changed since it was observed (409): observe again, directly; the
         # labels still differ, so patch again.
@@ -420,7 +421,7 @@ class _NoCache:
 
 def test_the_table_covers_every_action_the_driver_performs_against_the_api_server() -> None:
     performed = {kind for kind, row in ACTIONS.items() if row.writes != "runner"}
-    scaling = {d.PlanScale, d.CommitScale, d.DropScale}
+    scaling = {act.PlanScale, act.CommitScale, act.DropScale}
     assert set(SCENARIOS) == set(EXPECTED) == performed - scaling, (
         "an action performed against the API server needs its scenario and its row here")
     assert all(set(row) == set(ANSWERS) for row in EXPECTED.values())
@@ -429,7 +430,7 @@ def test_the_table_covers_every_action_the_driver_performs_against_the_api_serve
 @pytest.mark.parametrize("answer", ANSWERS)
 @pytest.mark.parametrize("kind", list(SCENARIOS), ids=lambda k: k.__name__)
 def test_each_answer_to_each_action_ends_the_turn_as_the_contract_says(
-        kind: type[d.Action], answer: str) -> None:
+        kind: type[act.Action], answer: str) -> None:
     scenario, expect = SCENARIOS[kind], EXPECTED[kind][answer]
     fake = FakeCluster()
     scenario.prepare(fake)
@@ -466,7 +467,7 @@ def test_each_answer_to_each_action_ends_the_turn_as_the_contract_says(
 
 
 @pytest.mark.parametrize("kind", list(SCENARIOS), ids=lambda k: k.__name__)
-def test_an_authority_lost_while_the_term_ends_drops_the_key(kind: type[d.Action]) -> None:
+def test_an_authority_lost_while_the_term_ends_drops_the_key(kind: type[act.Action]) -> None:
     """The same loss as ``fence_lost`` above, while the term is ending: nothing is
     requeued (the next leader lists every VM) and nothing is written."""
     scenario = SCENARIOS[kind]
@@ -536,10 +537,10 @@ def test_a_look_given_up_is_a_warning_event_and_an_ordinary_end_is_none() -> Non
     # ScaleLookGivenUp with the decision's reason); the other adopts record no event.
     from neonvm.controller.performers import LOOK_GIVEN_UP
 
-    row = ACTIONS[d.CommitScale]
+    row = ACTIONS[act.CommitScale]
     assert row.event is not None
     vm = types.VirtualMachine.from_object(vm_object([types.FINALIZER]))
-    given_up = d.CommitScale(seq=1, adopt=True, pod_uid="uid-1", ends_look=True,
+    given_up = act.CommitScale(seq=1, adopt=True, pod_uid="uid-1", ends_look=True,
                              look_recorded=True, gives_up=True, reason="no answer for an hour")
     event = row.event(given_up, vm)
     assert event is not None and (event.reason, event.warning) == (LOOK_GIVEN_UP, True)
@@ -559,7 +560,7 @@ def test_a_lasting_422_on_the_pods_autoscaling_metadata_ends_the_turn_stuck_and_
     before = fake.count("patch_pod_metadata")
     steps: list[tuple[str, str]] = []
     _turn(fake, CountingAuthority(token=5), steps)
-    assert steps == [(d.SyncPodMetadata.step, "invalid")]
+    assert steps == [(act.SyncPodMetadata.step, "invalid")]
     assert fake.count("patch_pod_metadata") == before + 1
     degraded = next(c for c in status(fake).get("conditions") or []
                     if c["type"] == "Degraded")

@@ -18,7 +18,7 @@ from neonvm.api.types import (
     VirtualMachineSpec,
     VirtualMachineStatus,
 )
-from neonvm.controller import decide as d
+from neonvm.controller import actions as act
 from neonvm.controller import performers, reasons
 from neonvm.controller.action_table import ACTIONS, SEEN_BY_WRITE
 from neonvm.controller.conditions import ConditionUpdate, conditions_mutation, desired_conditions
@@ -289,9 +289,9 @@ def test_a_pod_view_reads_gate_owner_and_termination() -> None:
 
 def test_waiting_for_the_old_pod_keeps_its_since_and_is_written_only_on_change() -> None:
     vm = a_vm()
-    lease = d.Fence(epoch=5, token=1)
-    wait = d.Wait(condition=WAITING_FOR_OLD_POD, reason="waiting for old to go")
-    snap = Snapshot(obs=d.Observation(vm=vm, pods=(), lease=lease, direct=True), record=None)
+    lease = act.Fence(epoch=5, token=1)
+    wait = act.Wait(condition=WAITING_FOR_OLD_POD, reason="waiting for old to go")
+    snap = Snapshot(obs=act.Observation(vm=vm, pods=(), lease=lease, direct=True), record=None)
     updates = desired_conditions(snap, wait)
     first = conditions_mutation(updates, lease, now="2026-01-01T00:00:00Z")(vm)
     assert first is not None
@@ -305,13 +305,13 @@ def test_waiting_for_the_old_pod_keeps_its_since_and_is_written_only_on_change()
 def test_waiting_for_a_pull_secret_is_degraded_and_not_ready_until_a_pod_is_committed(
 ) -> None:
     vm = a_vm()
-    lease = d.Fence(epoch=5, token=1)
+    lease = act.Fence(epoch=5, token=1)
     # The VM ran (Ready=True), its pod went, and the replacement's plan is recorded.
     vm.status.conditions = [Condition(type=READY, status="True", reason="RunnerRunning",
                                       message="running", observed_generation=3)]
     vm.status.pending_pod = PLAN
-    wait = d.Wait(condition=reasons.PULL_SECRET_NOT_FOUND, reason="image pull secret regcred ...")
-    snap = Snapshot(obs=d.Observation(vm=vm, pods=(), lease=lease, direct=True), record=None)
+    wait = act.Wait(condition=reasons.PULL_SECRET_NOT_FOUND, reason="image pull secret regcred ...")
+    snap = Snapshot(obs=act.Observation(vm=vm, pods=(), lease=lease, direct=True), record=None)
     vm.status = conditions_mutation(desired_conditions(snap, wait), lease)(vm) or vm.status
     by_type = {c.type: c for c in vm.status.conditions}
     assert (by_type[DEGRADED].status, by_type[DEGRADED].reason) == (
@@ -320,12 +320,12 @@ def test_waiting_for_a_pull_secret_is_degraded_and_not_ready_until_a_pod_is_comm
     assert (by_type[READY].status, by_type[READY].reason) == ("False", "NoRunner")
 
     vm.status.pending_pod, vm.status.pod_name = None, PLAN.name
-    gated = d.PodView(name=PLAN.name, uid="u", owner_uid=vm.uid, gated=True,
+    gated = act.PodView(name=PLAN.name, uid="u", owner_uid=vm.uid, gated=True,
                       terminating=False, phase="Pending")
-    snap = Snapshot(obs=d.Observation(vm=vm, pods=(gated,), lease=lease, direct=True),
+    snap = Snapshot(obs=act.Observation(vm=vm, pods=(gated,), lease=lease, direct=True),
                     record=None)
     vm.status = conditions_mutation(
-        desired_conditions(snap, d.Done()), lease)(vm) or vm.status
+        desired_conditions(snap, act.Done()), lease)(vm) or vm.status
     assert {c.type: c.status for c in vm.status.conditions}[DEGRADED] == "False"
 
 
@@ -334,7 +334,7 @@ def test_a_condition_write_is_fenced_out_by_a_newer_epoch() -> None:
     vm.status.fence = Fence(epoch=9, token=1)
     update = ConditionUpdate("Ready", "False", "x", "y")
     with pytest.raises(FencedOut):
-        conditions_mutation([update], d.Fence(epoch=5, token=1))(vm)
+        conditions_mutation([update], act.Fence(epoch=5, token=1))(vm)
 
 
 def test_a_false_condition_is_not_added_just_to_say_false() -> None:
@@ -344,7 +344,7 @@ def test_a_false_condition_is_not_added_just_to_say_false() -> None:
                                       observed_generation=vm.generation)]
     update = ConditionUpdate(WAITING_FOR_OLD_POD, "False", "NoOldPod", "-",
                              only_if_present=True)
-    assert conditions_mutation([update], d.Fence(epoch=5, token=1))(vm) is None
+    assert conditions_mutation([update], act.Fence(epoch=5, token=1))(vm) is None
 
 
 def test_the_store_keeps_no_older_versions_unless_asked_and_no_empty_index_entries() -> None:
@@ -372,13 +372,13 @@ def test_a_deletion_found_by_a_direct_read_drops_only_that_uid_from_the_store() 
 def test_every_performed_action_has_one_row_and_its_own_step() -> None:
     """Adding an action is its class (with a ``step``) and its row: nothing else lists
     the actions by hand."""
-    performed = d.performed_actions()
+    performed = act.performed_actions()
     assert set(ACTIONS) == set(performed), "a performed action without a row, or a row " \
                                            "for an action that is not performed"
     steps = [kind.step for kind in performed]
     assert len(set(steps)) == len(steps), f"two actions share a step: {steps}"
     assert set(STEPS) == set(steps) and set(CRASH_STEPS) == set(steps)
-    assert not any(kind.step for kind in (d.Done, d.Wait, d.ObserveDirect, d.Fenced))
+    assert not any(kind.step for kind in (act.Done, act.Wait, act.ObserveDirect, act.Fenced))
 
 
 @pytest.mark.parametrize("left_out", ["perform", "writes", "mutation", "event",
@@ -409,12 +409,12 @@ def test_the_decisions_taken_from_a_write_answer_are_the_rows_marked_so() -> Non
     """docs/protocol.md, "Observing from write responses": the dangerous steps (Restart,
     DeletePod, RemoveFinalizer) and live scaling's are decided from a direct read only."""
     assert set(SEEN_BY_WRITE) == {
-        d.Done, d.Wait, d.ObserveDirect, d.Fenced, d.AddFinalizer, d.RecordPlan,
-        d.CreatePod, d.Commit, d.DropPlan, d.SyncStatus, d.Ungate}
+        act.Done, act.Wait, act.ObserveDirect, act.Fenced, act.AddFinalizer, act.RecordPlan,
+        act.CreatePod, act.Commit, act.DropPlan, act.SyncStatus, act.Ungate}
 
 
 def test_every_write_row_has_its_shipped_mutation_and_the_explorer_models_every_row() -> None:
-    lease = d.Fence(epoch=1, token=1)
+    lease = act.Fence(epoch=1, token=1)
     for kind, row in ACTIONS.items():
         if row.writes == "status":
             assert callable(status_mutation(kind(), lease)), kind

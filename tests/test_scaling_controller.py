@@ -31,6 +31,7 @@ from kubernetes import client
 from neonvm import kube
 from neonvm.api import times, types
 from neonvm.api.scale_protocol import pod_token
+from neonvm.controller import actions as act
 from neonvm.controller import decide as d
 from neonvm.controller import looks, reasons
 from neonvm.controller.authority import StaticAuthority
@@ -54,7 +55,7 @@ def settle(reconciler: Reconciler, key: str, authority: StaticAuthority,
            rounds: int = 10) -> ReconcileResult:
     result = reconciler.reconcile(key, authority, direct_first=True)
     for _ in range(rounds):
-        if isinstance(result.action, d.Done):
+        if isinstance(result.action, act.Done):
             return result
         result = reconciler.reconcile(key, authority, direct_first=True)
     return result
@@ -189,7 +190,7 @@ def test_the_controller_scales_a_running_guest_live_under_its_fence(
         # 1 -> 2 vCPUs, 1 -> 2 GiB: planned, applied by the runner, committed.
         set_use(api, namespace, "live", 2, 2)
         result = settle(reconciler, key, OLD)
-        assert isinstance(result.action, d.Done), result
+        assert isinstance(result.action, act.Done), result
         status = status_of(api, namespace, "live")
         assert (status["phase"], status["cpus"], status["memorySize"]) == ("Running", 2, "2Gi")
         assert status["scaleSeq"] == 1 and "pendingScale" not in status
@@ -205,7 +206,7 @@ def test_the_controller_scales_a_running_guest_live_under_its_fence(
         # A new leader scales back: 2 -> 1 vCPUs (the guest offlines one), 2 -> 1 GiB.
         set_use(api, namespace, "live", 1, 1)
         result = settle(reconciler, key, NEW)
-        assert isinstance(result.action, d.Done), result
+        assert isinstance(result.action, act.Done), result
         status = status_of(api, namespace, "live")
         assert (status["cpus"], status["memorySize"], status["scaleSeq"]) == (1, "1Gi", 2)
         guest_sees(runner, cpus=1, mem_kb=(boot_kb, boot_kb))
@@ -331,7 +332,7 @@ def test_a_scaling_refused_for_good_ends_in_a_condition_not_a_retry_loop(
                     "stringData": {"token": "planted"}})
         set_use(api, namespace, "stuck", 2, 2)
         result = settle(reconciler, key, OLD)
-        assert isinstance(result.action, d.Done) and result.stuck is None, result
+        assert isinstance(result.action, act.Done) and result.stuck is None, result
         status = status_of(api, namespace, "stuck")
         assert status["phase"] == "Running" and "pendingScale" not in status, status
         assert (status["cpus"], status["memorySize"]) == (1, "1Gi")
@@ -342,7 +343,7 @@ def test_a_scaling_refused_for_good_ends_in_a_condition_not_a_retry_loop(
         puts = runner.puts
         assert puts <= (0 if secret in ("delete", "plant") else 1)
         # Nothing more is tried for this spec ...
-        assert isinstance(settle(reconciler, key, OLD).action, d.Done)
+        assert isinstance(settle(reconciler, key, OLD).action, act.Done)
         assert runner.puts == puts and status_of(api, namespace, "stuck")["scaleSeq"] == 1
         # ... and a new spec tries again.
         set_use(api, namespace, "stuck", 1, 2)
@@ -448,7 +449,7 @@ def test_a_put_that_lands_after_its_plan_was_dropped_is_adopted_into_status(
                                                        namespace)
         gets = runner.gets
         set_use(api, namespace, "late", 2, 2)
-        assert isinstance(settle(reconciler, key, OLD).action, d.Done)
+        assert isinstance(settle(reconciler, key, OLD).action, act.Done)
         status = status_of(api, namespace, "late")
         scaling = next(c for c in status["conditions"] if c["type"] == "Scaling")
         assert (scaling["status"], scaling["reason"]) == ("False", reasons.SCALING_DISABLED)
@@ -457,7 +458,7 @@ def test_a_put_that_lands_after_its_plan_was_dropped_is_adopted_into_status(
         # The late PUT of plan #1 lands.
         runner.fence = {"epoch": OLD.epoch, "token": OLD.token, "seq": 1}
         runner.size = {"vcpus": 2, "memorySlots": 2, "memoryBytes": 2 * GIB}
-        assert isinstance(settle(reconciler, key, OLD).action, d.Done)
+        assert isinstance(settle(reconciler, key, OLD).action, act.Done)
         status = status_of(api, namespace, "late")
         assert (status["cpus"], status["memorySize"]) == (2, "2Gi"), status
         assert "pendingScale" not in status and status["scaleSeq"] == 1, status
@@ -599,7 +600,7 @@ def test_a_pod_built_without_live_scaling_needs_a_restart_not_rbac(
             wait_for(lambda: _patched(api, f"{vm_path(namespace)}/fixed", widen), 30,
                      what="the widened bounds are stored")
         set_use(api, namespace, "fixed", 2, 2)
-        assert isinstance(settle(reconciler, key, OLD).action, d.Done)
+        assert isinstance(settle(reconciler, key, OLD).action, act.Done)
         status = status_of(api, namespace, "fixed")
         scaling = next(c for c in status["conditions"] if c["type"] == "Scaling")
         assert (scaling["status"], scaling["reason"]) == ("False", reasons.SCALING_NEEDS_RESTART), \
@@ -645,23 +646,23 @@ def test_a_removal_pending_after_a_drop_is_looked_at_past_the_window_until_it_se
         runner.pod_uid = "uid-1"
         runner.size = {"vcpus": 1, "memorySlots": 2, "memoryBytes": 2 * GIB}
 
-        def look(seconds: float, removals: list[str]) -> d.Observation:
+        def look(seconds: float, removals: list[str]) -> act.Observation:
             runner.removals = removals
-            obs = d.Observation(vm=v, pods=(running(),), lease=LEASE, direct=True,
+            obs = act.Observation(vm=v, pods=(running(),), lease=LEASE, direct=True,
                                 now=dropped_at + dt.timedelta(seconds=seconds))
             return scaling.observe(Snapshot(obs=obs, record=None)).obs
 
         gets = runner.gets
         seen = look(10, ["dimm-slot1"])  # in the window: asked, the unplug pending
         assert runner.gets == gets + 1 and seen.runner is not None
-        assert isinstance(d.decide(seen), d.Done)  # nothing settled to adopt
+        assert isinstance(d.decide(seen), act.Done)  # nothing settled to adopt
         seen = look(looks.LATE_PUT_SECONDS + 60, ["dimm-slot1"])  # past it: still asked
         assert runner.gets == gets + 2 and seen.runner is not None
         runner.size = {"vcpus": 1, "memorySlots": 1, "memoryBytes": GIB}  # ejected
         seen = look(looks.LATE_PUT_SECONDS + 120, [])
         assert runner.gets == gets + 3
         action = d.decide(seen)
-        assert isinstance(action, d.CommitScale) and action.adopt, action
+        assert isinstance(action, act.CommitScale) and action.adopt, action
         assert (action.vcpus, action.memory_bytes) == (1, GIB)
         look(looks.LATE_PUT_SECONDS + 180, [])  # the write has not landed: asked again
         assert runner.gets == gets + 4
@@ -722,12 +723,12 @@ def _dropped_with_an_unplug_pending(api: client.ApiClient, controller_api: clien
     runner.fence = {"epoch": OLD.epoch, "token": OLD.token, "seq": 1}  # plan #1's PUT
     runner.size = {"vcpus": 2, "memorySlots": 2, "memoryBytes": 2 * GIB}
     set_use(api, namespace, name, 2, 2)
-    assert isinstance(settle(reconciler, key, OLD).action, d.Done)
+    assert isinstance(settle(reconciler, key, OLD).action, act.Done)
     status = status_of(api, namespace, name)
     assert (status["cpus"], status["memorySize"], status["scaleSeq"]) == (2, "2Gi", 1)
     client.CoreV1Api(api).delete_namespaced_secret(status["scalingTokenSecret"], namespace)
     set_use(api, namespace, name, 1, 1)
-    assert isinstance(settle(reconciler, key, OLD).action, d.Done)
+    assert isinstance(settle(reconciler, key, OLD).action, act.Done)
     status = status_of(api, namespace, name)
     scaling = next(c for c in status["conditions"] if c["type"] == "Scaling")
     assert (scaling["reason"], status["scaleSeq"]) == (reasons.SCALING_DISABLED, 2), status
@@ -736,7 +737,7 @@ def _dropped_with_an_unplug_pending(api: client.ApiClient, controller_api: clien
     runner.size = {"vcpus": 1, "memorySlots": 2, "memoryBytes": 2 * GIB}
     runner.removals = ["dimm-slot1"]
     gets = runner.gets
-    assert isinstance(settle(reconciler, key, OLD).action, d.Done)
+    assert isinstance(settle(reconciler, key, OLD).action, act.Done)
     assert runner.gets > gets  # looked at within the window: not settled, nothing adopted
     status = status_of(api, namespace, name)
     assert (status["cpus"], status["memorySize"]) == (2, "2Gi"), status
@@ -766,7 +767,7 @@ def test_an_adopting_write_that_fails_past_the_window_is_retried_at_the_next_obs
         status = status_of(api, namespace, "retry")
         assert (status["cpus"], status["memorySize"]) == (2, "2Gi"), status
         gets = runner.gets
-        assert isinstance(settle(reconciler, key, OLD).action, d.Done)
+        assert isinstance(settle(reconciler, key, OLD).action, act.Done)
         assert runner.gets > gets  # asked again, past the window
         status = status_of(api, namespace, "retry")
         assert (status["cpus"], status["memorySize"]) == (1, "1Gi"), status
@@ -796,12 +797,12 @@ def test_a_new_leader_past_the_window_still_looks_at_a_removal_pending_after_a_d
             token_sync_seconds=3600.0))
         _past_the_window(new_leader)
         gets = runner.gets
-        assert isinstance(settle(new_leader, key, NEW).action, d.Done)
+        assert isinstance(settle(new_leader, key, NEW).action, act.Done)
         assert runner.gets > gets  # looked at: the removal still pending, nothing adopted
         assert (status_of(api, namespace, "failover")["memorySize"]) == "2Gi"
         runner.size = {"vcpus": 1, "memorySlots": 1, "memoryBytes": GIB}  # ejected
         runner.removals = []
-        assert isinstance(settle(new_leader, key, NEW).action, d.Done)
+        assert isinstance(settle(new_leader, key, NEW).action, act.Done)
         status = status_of(api, namespace, "failover")
         assert (status["cpus"], status["memorySize"]) == (1, "1Gi"), status
         assert "scaleLookPodUID" not in status, status

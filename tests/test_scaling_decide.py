@@ -36,6 +36,7 @@ from neonvm.api.types import (
     VirtualMachineSpec,
     VirtualMachineStatus,
 )
+from neonvm.controller import actions as act
 from neonvm.controller import decide as d
 from neonvm.controller import looks, podspec, reasons
 from neonvm.controller.mutations import FencedOut, status_mutation
@@ -45,7 +46,7 @@ pytestmark = pytest.mark.unit
 
 UID = "0123456789abcdef"
 POD = f"vm-{UID[:8]}-1"
-LEASE = d.Fence(epoch=3, token=40)
+LEASE = act.Fence(epoch=3, token=40)
 GIB = 1 << 30
 
 
@@ -63,14 +64,14 @@ def vm(cpus_use: float = 1, slots_use: int = 1, *, status_cpus: float = 1,
                           generation=2, spec=spec, status=status, finalizers=[FINALIZER])
 
 
-def running(uid: str = "uid-1") -> d.PodView:
-    return d.PodView(name=POD, uid=uid, owner_uid=UID, gated=False, terminating=False,
+def running(uid: str = "uid-1") -> act.PodView:
+    return act.PodView(name=POD, uid=uid, owner_uid=UID, gated=False, terminating=False,
                      phase="Running", node="n1", ip="10.0.0.1", fence=(3, 40))
 
 
-def obs(v: VirtualMachine, *, runner: d.RunnerView | None = None, error: str | None = None,
-        lease: d.Fence = LEASE, pod: d.PodView | None = None) -> d.Observation:
-    return d.Observation(vm=v, pods=(pod or running(),), lease=lease, direct=False,
+def obs(v: VirtualMachine, *, runner: act.RunnerView | None = None, error: str | None = None,
+        lease: act.Fence = LEASE, pod: act.PodView | None = None) -> act.Observation:
+    return act.Observation(vm=v, pods=(pod or running(),), lease=lease, direct=False,
                          runner=runner, runner_error=error)
 
 
@@ -80,18 +81,18 @@ def scale_plan(cpus: int = 2, slots: int = 1, seq: int = 1, epoch: int = 3,
                         pod_name=POD, pod_uid="uid-1", generation=2)
 
 
-def view(fence: tuple[int, int, int] | None, cpus: int, slots: int) -> d.RunnerView:
-    return d.RunnerView(pod_uid="uid-1", fence=fence, vcpus=cpus, memory_slots=slots,
+def view(fence: tuple[int, int, int] | None, cpus: int, slots: int) -> act.RunnerView:
+    return act.RunnerView(pod_uid="uid-1", fence=fence, vcpus=cpus, memory_slots=slots,
                         memory_bytes=slots * GIB)
 
 
 def test_a_running_vm_at_its_spec_size_needs_nothing() -> None:
-    assert isinstance(d.decide(obs(vm())), d.Done)
+    assert isinstance(d.decide(obs(vm())), act.Done)
 
 
 def test_a_changed_use_is_planned_with_the_next_seq_and_the_callers_fence() -> None:
     action = d.decide(obs(vm(cpus_use=1.5, slots_use=2, scale_seq=4)))
-    assert isinstance(action, d.PlanScale)
+    assert isinstance(action, act.PlanScale)
     assert action.plan == PendingScale(cpus=2, memory_slots=2, seq=5, epoch=3, token=40,
                                        pod_name=POD, pod_uid="uid-1", generation=2)
     assert action.observed_seq == 4
@@ -99,12 +100,12 @@ def test_a_changed_use_is_planned_with_the_next_seq_and_the_callers_fence() -> N
 
 def test_a_recorded_plan_is_applied_then_committed_from_what_the_runner_reports() -> None:
     v = vm(cpus_use=2, pending=scale_plan(), phase="Scaling")
-    assert isinstance(d.decide(obs(v)), d.ApplyScale)
+    assert isinstance(d.decide(obs(v)), act.ApplyScale)
     # The runner has not got there yet (older fence, or the same fence mid-change): ask again.
-    assert isinstance(d.decide(obs(v, runner=view((3, 40, 0), 1, 1))), d.ApplyScale)
-    assert isinstance(d.decide(obs(v, runner=view((3, 40, 1), 1, 1))), d.ApplyScale)
+    assert isinstance(d.decide(obs(v, runner=view((3, 40, 0), 1, 1))), act.ApplyScale)
+    assert isinstance(d.decide(obs(v, runner=view((3, 40, 1), 1, 1))), act.ApplyScale)
     action = d.decide(obs(v, runner=view((3, 40, 1), 2, 1)))
-    assert action == d.CommitScale(seq=1, vcpus=2, memory_bytes=GIB, reason=action.reason)
+    assert action == act.CommitScale(seq=1, vcpus=2, memory_bytes=GIB, reason=action.reason)
 
 
 def test_no_commit_while_the_runner_still_has_a_removal_pending() -> None:
@@ -112,34 +113,34 @@ def test_no_commit_while_the_runner_still_has_a_removal_pending() -> None:
     # plan's unplug): the count matches the plan, but the guest may drop the DIMM later.
     v = vm(cpus_use=2, slots_use=2, pending=scale_plan(slots=2), phase="Scaling")
     pending = dataclasses.replace(view((3, 40, 1), 2, 2), pending_removals=("dimm-slot1",))
-    assert isinstance(d.decide(obs(v, runner=pending)), d.ApplyScale)
-    assert isinstance(d.decide(obs(v, runner=view((3, 40, 1), 2, 2))), d.CommitScale)
+    assert isinstance(d.decide(obs(v, runner=pending)), act.ApplyScale)
+    assert isinstance(d.decide(obs(v, runner=view((3, 40, 1), 2, 2))), act.CommitScale)
 
 
 def test_a_runner_ahead_of_the_plan_drops_it_and_one_that_cannot_be_asked_waits() -> None:
     v = vm(cpus_use=2, pending=scale_plan(), phase="Scaling")
-    assert isinstance(d.decide(obs(v, runner=view((4, 1, 0), 1, 1))), d.DropScale)
+    assert isinstance(d.decide(obs(v, runner=view((4, 1, 0), 1, 1))), act.DropScale)
     action = d.decide(obs(v, error="connection refused"))
-    assert isinstance(action, d.Wait) and action.condition == reasons.SCALING_CONDITION
+    assert isinstance(action, act.Wait) and action.condition == reasons.SCALING_CONDITION
 
 
 def test_a_plan_for_another_pod_is_dropped_and_a_newer_leaders_plan_fences_us() -> None:
     old = dataclasses.replace(scale_plan(), pod_uid="uid-of-an-earlier-pod")
     v = vm(cpus_use=2, pending=old, phase="Scaling")
-    assert isinstance(d.decide(obs(v)), d.DropScale)
+    assert isinstance(d.decide(obs(v)), act.DropScale)
     newer = vm(cpus_use=2, pending=scale_plan(epoch=9), phase="Scaling")
-    assert isinstance(d.decide(obs(newer)), d.Fenced)
+    assert isinstance(d.decide(obs(newer)), act.Fenced)
 
 
 def test_the_scaling_phase_is_kept_while_a_plan_is_recorded() -> None:
     v = vm(cpus_use=2, pending=scale_plan(), phase="Running")
     action = d.decide(obs(v))
-    assert isinstance(action, d.SyncStatus) and action.phase == "Scaling"
+    assert isinstance(action, act.SyncStatus) and action.phase == "Scaling"
 
 
 def test_the_plan_mutation_refuses_a_fresh_spec_that_asks_for_another_size() -> None:
     action = d.decide(obs(vm(cpus_use=2)))
-    assert isinstance(action, d.PlanScale)
+    assert isinstance(action, act.PlanScale)
     mutate = status_mutation(action, LEASE)
     new = mutate(vm(cpus_use=2))
     assert new is not None and new.pending_scale == action.plan and new.scale_seq == 1
@@ -153,7 +154,7 @@ def test_the_plan_mutation_refuses_a_fresh_spec_that_asks_for_another_size() -> 
 
 def test_commit_records_what_the_runner_reported_and_ends_the_scaling_phase() -> None:
     v = vm(cpus_use=2, slots_use=2, pending=scale_plan(slots=2), phase="Scaling")
-    action = d.CommitScale(seq=1, vcpus=2, memory_bytes=2 * GIB)
+    action = act.CommitScale(seq=1, vcpus=2, memory_bytes=2 * GIB)
     new = status_mutation(action, LEASE)(v)
     assert new is not None
     assert (new.cpus, new.memory_size, new.pending_scale, new.phase) == (
@@ -166,7 +167,7 @@ def test_commit_records_what_the_runner_reported_and_ends_the_scaling_phase() ->
 
 def test_a_restart_drops_the_plan_of_the_pod_that_is_gone() -> None:
     v = vm(cpus_use=2, pending=scale_plan(), phase="Scaling")
-    new = status_mutation(d.Restart(name=POD, uid="uid-1"), LEASE)(v)
+    new = status_mutation(act.Restart(name=POD, uid="uid-1"), LEASE)(v)
     assert new is not None and new.pending_scale is None and new.cpus is None
 
 
@@ -182,14 +183,14 @@ def test_the_scaling_condition_ends_with_the_pod_it_was_about(reason: str) -> No
     v.status.conditions.append(Condition(
         type=reasons.SCALING_CONDITION, reason=reason, message="about the old pod",
         status="False" if reason == reasons.SCALING_NEEDS_RESTART else "True"))  # type: ignore[arg-type]
-    restarted = status_mutation(d.Restart(name=POD, uid="uid-1"), LEASE)(v)
+    restarted = status_mutation(act.Restart(name=POD, uid="uid-1"), LEASE)(v)
     assert restarted is not None and restarted.pending_scale is None
     (cond,) = [c for c in restarted.conditions if c.type == reasons.SCALING_CONDITION]
     assert (cond.status, cond.reason) == ("False", POD_REPLACED), cond
     # The next pod's commit, from a status that still carries the old condition.
     v.status.pod_name, v.status.pod_uid = "", ""
     v.status.pending_pod = PendingPod(name="vm-01234567-2", plan_seq=2, token=40, epoch=3)
-    committed = status_mutation(d.Commit(name="vm-01234567-2", uid="uid-2"), LEASE)(v)
+    committed = status_mutation(act.Commit(name="vm-01234567-2", uid="uid-2"), LEASE)(v)
     assert committed is not None and committed.pending_scale is None
     (cond,) = [c for c in committed.conditions if c.type == reasons.SCALING_CONDITION]
     assert (cond.status, cond.reason) == ("False", POD_REPLACED), cond
@@ -197,7 +198,7 @@ def test_the_scaling_condition_ends_with_the_pod_it_was_about(reason: str) -> No
     plain = vm()
     plain.status.pod_name = ""
     plain.status.pending_pod = v.status.pending_pod
-    fresh = status_mutation(d.Commit(name="vm-01234567-2", uid="uid-2"), LEASE)(plain)
+    fresh = status_mutation(act.Commit(name="vm-01234567-2", uid="uid-2"), LEASE)(plain)
     assert fresh is not None and not any(c.type == reasons.SCALING_CONDITION
                                          for c in fresh.conditions)
 
@@ -348,7 +349,7 @@ def test_the_pod_commit_records_the_size_the_pod_was_built_with_not_the_spec_at_
                                           plan_seq=2, token=40, epoch=3, generation=2)
     later.status.plan_seq = 2
     commit = d.decide(obs(later, pod=pod_view(raw)))  # type: ignore[arg-type]
-    assert isinstance(commit, d.Commit)
+    assert isinstance(commit, act.Commit)
     new = status_mutation(commit, LEASE)(later)
     assert new is not None and (new.cpus, new.memory_size) == (MilliCPU(1000), "1Gi")
     # ... so once the pod runs, the spec's 2 / 2 is planned: the guest gets there.
@@ -358,7 +359,7 @@ def test_the_pod_commit_records_the_size_the_pod_was_built_with_not_the_spec_at_
                                       phase="Running", node="n1", ip="10.0.0.1")
     running_vm.status.node, running_vm.status.pod_ip = "n1", "10.0.0.1"
     plan = d.decide(obs(running_vm, pod=running_pod))
-    assert isinstance(plan, d.PlanScale), plan
+    assert isinstance(plan, act.PlanScale), plan
     assert (plan.plan.cpus, plan.plan.memory_slots) == (2, 2)
 
 
@@ -371,9 +372,9 @@ def test_a_plan_that_cannot_finish_is_superseded_with_the_next_seq_when_the_spec
     runner = view((3, 40, 3), 1, 2)
     assert isinstance(d.decide(obs(vm(cpus_use=1, slots_use=1, status_slots=2, scale_seq=3,
                                       pending=stuck, phase="Scaling"), runner=runner)),
-                      d.ApplyScale), "the spec still asks for the plan's size: retry it"
+                      act.ApplyScale), "the spec still asks for the plan's size: retry it"
     action = d.decide(obs(v, runner=runner))
-    assert isinstance(action, d.PlanScale), action
+    assert isinstance(action, act.PlanScale), action
     assert (action.plan.seq, action.plan.cpus, action.plan.memory_slots) == (4, 1, 2)
     assert action.observed_seq == 3
     new = status_mutation(action, LEASE)(v)
@@ -435,7 +436,7 @@ def test_a_changed_memory_slot_size_is_not_scaled_live_but_needs_a_restart() -> 
     v = vm(slots_use=2, status_slots=2)
     v.spec.guest.memory_slot_size = "2Gi"
     action = d.decide(obs(v, pod=pod))
-    assert isinstance(action, d.DropScale), action
+    assert isinstance(action, act.DropScale), action
     assert action.refused == reasons.SCALING_NEEDS_RESTART, action
     assert "memorySlotSize" in action.reason
     new = status_mutation(action, LEASE)(v)
@@ -444,16 +445,16 @@ def test_a_changed_memory_slot_size_is_not_scaled_live_but_needs_a_restart() -> 
     assert (cond.status, cond.reason, cond.observed_generation) == (
         "False", reasons.SCALING_NEEDS_RESTART, v.generation)
     said = dataclasses.replace(v, status=new)
-    assert d.decide(obs(said, pod=pod)) == d.Done(reason=d.decide(obs(said, pod=pod)).reason)
+    assert d.decide(obs(said, pod=pod)) == act.Done(reason=d.decide(obs(said, pod=pod)).reason)
     # A plan recorded before the change is dropped the same way.
     v.status.pending_scale, v.status.scale_seq = scale_plan(cpus=1, slots=2), 1
     v.status.phase = "Scaling"
     action = d.decide(obs(v, pod=pod))
-    assert isinstance(action, d.DropScale) and action.seq == 1, action
+    assert isinstance(action, act.DropScale) and action.seq == 1, action
     assert action.refused == reasons.SCALING_NEEDS_RESTART
     # The slot size back to the pod's: planning resumes.
     v.spec.guest.memory_slot_size = "1Gi"
-    assert not isinstance(d.decide(obs(v, pod=pod)), d.DropScale)
+    assert not isinstance(d.decide(obs(v, pod=pod)), act.DropScale)
 
 
 def test_a_put_that_lands_after_its_plan_was_dropped_is_adopted_into_status() -> None:
@@ -473,14 +474,14 @@ def test_a_put_that_lands_after_its_plan_was_dropped_is_adopted_into_status() ->
         last_transition_time=times.format_microtime(dropped_at)))
     landed = dataclasses.replace(view((3, 40, 1), 2, 2), answered_uid="uid-1")
 
-    def at(seconds: float, runner: d.RunnerView | None) -> d.Action:
+    def at(seconds: float, runner: act.RunnerView | None) -> act.Action:
         return d.decide(dataclasses.replace(
             obs(v, runner=runner), now=dropped_at + dt.timedelta(seconds=seconds)))
 
     assert looks.looks_after_drop(v, dropped_at + dt.timedelta(seconds=10))
     assert not looks.looks_after_drop(v, dropped_at + dt.timedelta(seconds=looks.LATE_PUT_SECONDS))
     action = at(10, landed)
-    assert action == d.CommitScale(seq=1, vcpus=2, memory_bytes=2 * GIB, adopt=True,
+    assert action == act.CommitScale(seq=1, vcpus=2, memory_bytes=2 * GIB, adopt=True,
                                    pod_uid="uid-1", reason=action.reason)
     # Not from a runner that does not name the committed pod (a reused IP), nor one
     # with a removal pending or no vCPU count yet; refused for this generation: no plan.
@@ -488,9 +489,9 @@ def test_a_put_that_lands_after_its_plan_was_dropped_is_adopted_into_status() ->
                    dataclasses.replace(landed, answered_uid="uid-9"),
                    dataclasses.replace(landed, pending_removals=("dimm-slot1",)),
                    dataclasses.replace(landed, vcpus=0)):  # SysfsScaling, no report yet
-        assert isinstance(at(10, runner), d.Done), runner
+        assert isinstance(at(10, runner), act.Done), runner
     # Outside the window the controller does not ask the runner (no view, nothing).
-    assert isinstance(at(looks.LATE_PUT_SECONDS + 1, None), d.Done)
+    assert isinstance(at(looks.LATE_PUT_SECONDS + 1, None), act.Done)
     # The write: what the runner reported, the condition (the refusal) kept; refused
     # when a plan was made since the observation, or the pod was replaced.
     new = status_mutation(action, LEASE)(v)
@@ -528,7 +529,7 @@ def test_a_pod_built_before_the_slot_size_field_is_judged_by_the_spec_it_carries
     v = vm(slots_use=2, status_slots=2)
     v.spec.guest.memory_slot_size = "2Gi"
     action = d.decide(obs(v, pod=pod))
-    assert isinstance(action, d.DropScale), action
+    assert isinstance(action, act.DropScale), action
     assert action.refused == reasons.SCALING_NEEDS_RESTART, action
     # Neither the field nor a readable spec: unknown, as before.
     del annotations[podspec.ANNOTATION_SPEC]
@@ -558,13 +559,13 @@ def dropped_vm(*, status_cpus: int = 1, status_slots: int = 1,
     return v, dropped_at
 
 
-def answer(cpus: int, slots: int, *removals: str) -> d.RunnerView:
+def answer(cpus: int, slots: int, *removals: str) -> act.RunnerView:
     """The committed pod's runner, naming its pod, at ``cpus`` / ``slots``."""
     return dataclasses.replace(view((3, 40, 1), cpus, slots), answered_uid="uid-1",
                                pending_removals=removals)
 
 
-def decide_at(v: VirtualMachine, at: dt.datetime, runner: d.RunnerView | None) -> d.Action:
+def decide_at(v: VirtualMachine, at: dt.datetime, runner: act.RunnerView | None) -> act.Action:
     return d.decide(dataclasses.replace(obs(v, runner=runner), now=at))
 
 
@@ -576,17 +577,17 @@ def test_a_drop_records_in_status_which_runner_is_still_to_be_looked_at() -> Non
     # The drop and the record of the look are one write: no controller (this one after a
     # failed write, a new leader) can see the drop without it.
     v = vm(cpus_use=2, slots_use=2, scale_seq=1, pending=scale_plan(cpus=2, slots=2))
-    dropped = status_mutation(d.DropScale(seq=1, refused=reasons.SCALING_DISABLED), LEASE)(v)
+    dropped = status_mutation(act.DropScale(seq=1, refused=reasons.SCALING_DISABLED), LEASE)(v)
     assert dropped is not None and dropped.pending_scale is None
     assert dropped.scale_look_pod_uid == "uid-1"
     # A plan for a pod that is not the committed one asks for no look at this one.
     other = vm(scale_seq=1, pending=dataclasses.replace(scale_plan(), pod_uid="uid-0"))
-    moved = status_mutation(d.DropScale(seq=1), LEASE)(other)
+    moved = status_mutation(act.DropScale(seq=1), LEASE)(other)
     assert moved is not None and moved.scale_look_pod_uid is None
     # A refusal without a plan (a new spec generation) leaves the record as it is.
     v, _ = dropped_vm()
     v.generation = 3
-    again = status_mutation(d.DropScale(seq=1, refused=reasons.SCALING_NEEDS_RESTART,
+    again = status_mutation(act.DropScale(seq=1, refused=reasons.SCALING_NEEDS_RESTART,
                                         generation=3), LEASE)(v)
     assert again is not None and again.scale_look_pod_uid == "uid-1"
 
@@ -596,17 +597,17 @@ def test_a_new_plan_or_a_new_pod_ends_the_look() -> None:
     # once it applied this one, and this plan commits what the runner then reports.
     v, _ = dropped_vm()
     v.status.conditions.clear()
-    planned = status_mutation(d.PlanScale(plan=scale_plan(seq=2, slots=2), observed_seq=1),
+    planned = status_mutation(act.PlanScale(plan=scale_plan(seq=2, slots=2), observed_seq=1),
                               LEASE)(v)
     assert planned is not None and planned.scale_look_pod_uid is None
     # The pod gone (Restart) or a new one committed: the old pod's runner is gone.
     v, _ = dropped_vm()
-    restarted = status_mutation(d.Restart(name=POD, uid="uid-1"), LEASE)(v)
+    restarted = status_mutation(act.Restart(name=POD, uid="uid-1"), LEASE)(v)
     assert restarted is not None and restarted.scale_look_pod_uid is None
     v, _ = dropped_vm()
     v.status.pod_name, v.status.pod_uid = "", ""
     v.status.pending_pod = PendingPod(name="vm-2")
-    committed = status_mutation(d.Commit(name="vm-2", uid="uid-2"), LEASE)(v)
+    committed = status_mutation(act.Commit(name="vm-2", uid="uid-2"), LEASE)(v)
     assert committed is not None and committed.scale_look_pod_uid is None
 
 
@@ -614,12 +615,12 @@ def test_past_the_window_a_runner_settled_at_status_size_ends_the_look_by_a_writ
     v, dropped_at = dropped_vm()
     # Within the window: nothing to write, the look goes on (a late PUT may still land).
     assert isinstance(decide_at(v, dropped_at + dt.timedelta(seconds=10), answer(1, 1)),
-                      d.Done)
+                      act.Done)
     # Past it: still looked at (status asks), and a settled answer equal to status is
     # written, only to end the look; the look ends when that write lands.
     assert looks.looks_at_runner(v, dropped_at + PAST)
     action = decide_at(v, dropped_at + PAST, answer(1, 1))
-    assert action == d.CommitScale(seq=1, vcpus=1, memory_bytes=GIB, adopt=True,
+    assert action == act.CommitScale(seq=1, vcpus=1, memory_bytes=GIB, adopt=True,
                                    pod_uid="uid-1", ends_look=True, look_recorded=True,
                                    reason=action.reason)
     new = status_mutation(action, LEASE)(v)
@@ -633,7 +634,7 @@ def test_past_the_window_a_runner_settled_at_status_size_ends_the_look_by_a_writ
 def test_past_the_window_a_runner_at_another_size_is_adopted_and_the_look_ends() -> None:
     v, dropped_at = dropped_vm()
     action = decide_at(v, dropped_at + PAST, answer(2, 2))
-    assert action == d.CommitScale(seq=1, vcpus=2, memory_bytes=2 * GIB, adopt=True,
+    assert action == act.CommitScale(seq=1, vcpus=2, memory_bytes=2 * GIB, adopt=True,
                                    pod_uid="uid-1", ends_look=True, look_recorded=True,
                                    reason=action.reason)
     new = status_mutation(action, LEASE)(v)
@@ -650,7 +651,7 @@ def test_past_the_window_a_runner_at_another_size_is_adopted_and_the_look_ends()
     # Within the window the size is adopted but the look goes on: an answer asked
     # before a late PUT landed would otherwise be the last word.
     early = decide_at(v, dropped_at + dt.timedelta(seconds=10), answer(2, 2))
-    assert isinstance(early, d.CommitScale) and early.adopt and not early.ends_look
+    assert isinstance(early, act.CommitScale) and early.adopt and not early.ends_look
     kept = status_mutation(early, LEASE)(v)
     assert kept is not None and kept.scale_look_pod_uid == "uid-1"
     # Once a write decided past the window has ended the look, an adopt decided from an
@@ -668,13 +669,13 @@ def test_past_the_window_a_removal_still_pending_keeps_the_look() -> None:
     v, dropped_at = dropped_vm(status_slots=2)
     later = dropped_at + PAST + dt.timedelta(minutes=30)
     assert looks.looks_at_runner(v, later)
-    assert isinstance(decide_at(v, later, answer(1, 2, "dimm-slot1")), d.Done)
+    assert isinstance(decide_at(v, later, answer(1, 2, "dimm-slot1")), act.Done)
     # An answer that cannot be adopted (another pod's, at a reused IP) ends nothing.
     other = dataclasses.replace(answer(1, 1), answered_uid="uid-9")
-    assert isinstance(decide_at(v, later, other), d.Done)
+    assert isinstance(decide_at(v, later, other), act.Done)
     # Once ejected: adopted, and the look ends with that write.
     action = decide_at(v, later, answer(1, 1))
-    assert isinstance(action, d.CommitScale) and action.adopt and action.ends_look
+    assert isinstance(action, act.CommitScale) and action.adopt and action.ends_look
     assert (action.vcpus, action.memory_bytes) == (1, GIB)
 
 
@@ -684,7 +685,7 @@ def test_a_vm_dropped_before_the_record_existed_is_looked_at_within_the_window_o
     assert looks.looks_at_runner(v, dropped_at + dt.timedelta(seconds=10))
     assert not looks.looks_at_runner(v, dropped_at + PAST)
     early = decide_at(v, dropped_at + dt.timedelta(seconds=10), answer(2, 2))
-    assert isinstance(early, d.CommitScale) and not early.ends_look
+    assert isinstance(early, act.CommitScale) and not early.ends_look
     # A record naming another pod than the committed one asks for nothing.
     stale, _ = dropped_vm(look="uid-0")
     assert not looks.looks_at_runner(stale, dropped_at + PAST)
@@ -704,14 +705,15 @@ def test_the_window_counts_from_the_drop_recorded_with_the_look_not_from_the_con
     soon = dropped_at + dt.timedelta(seconds=20)
     assert looks.looks_at_runner(v, soon)
     assert not looks.look_may_end(v, soon)
-    assert isinstance(decide_at(v, soon, answer(1, 1)), d.Done)
+    assert isinstance(decide_at(v, soon, answer(1, 1)), act.Done)
     # Past the window counted from scaleLookSince, the same answer ends the look.
     action = decide_at(v, dropped_at + PAST, answer(1, 1))
-    assert isinstance(action, d.CommitScale) and action.ends_look
+    assert isinstance(action, act.CommitScale) and action.ends_look
     # The drop writes the time with the look, and every write that ends the look
     # clears both.
     planned = vm(cpus_use=2, slots_use=2, scale_seq=1, pending=scale_plan(cpus=2, slots=2))
-    dropped = status_mutation(d.DropScale(seq=1, refused=reasons.SCALING_DISABLED), LEASE)(planned)
+    drop = act.DropScale(seq=1, refused=reasons.SCALING_DISABLED)
+    dropped = status_mutation(drop, LEASE)(planned)
     assert dropped is not None and dropped.scale_look_pod_uid == "uid-1"
     since = times.parse(dropped.scale_look_since)
     assert since is not None and abs((since - dt.datetime.now(dt.UTC)).total_seconds()) < 60
@@ -735,7 +737,7 @@ def test_a_scaling_true_condition_lands_only_while_its_plan_is_still_recorded() 
     waiting = vm(cpus_use=2, slots_use=2, scale_seq=1, pending=scale_plan(cpus=2, slots=2),
                  phase="Scaling")
     wait = d.decide(obs(waiting, error="connection refused"))
-    assert isinstance(wait, d.Wait) and wait.condition == reasons.SCALING_CONDITION
+    assert isinstance(wait, act.Wait) and wait.condition == reasons.SCALING_CONDITION
     snap = Snapshot(obs=obs(waiting, error="connection refused"), record=None)
     mutate = conditions_mutation(desired_conditions(snap, wait), LEASE)
     # Decided for the copy it saw, it lands there.
@@ -763,9 +765,9 @@ def test_a_look_that_nothing_ends_is_given_up_after_its_bound_by_a_write_adoptin
     before = dropped_at + dt.timedelta(seconds=looks.LOOK_GIVE_UP_SECONDS - 1)
     after = dropped_at + dt.timedelta(seconds=looks.LOOK_GIVE_UP_SECONDS)
     unreachable = dataclasses.replace(obs(v, error="connection refused"), now=before)
-    assert isinstance(d.decide(unreachable), d.Done)
+    assert isinstance(d.decide(unreachable), act.Done)
     action = d.decide(dataclasses.replace(unreachable, now=after))
-    assert action == d.CommitScale(seq=1, adopt=True, pod_uid="uid-1", ends_look=True,
+    assert action == act.CommitScale(seq=1, adopt=True, pod_uid="uid-1", ends_look=True,
                                    look_recorded=True, gives_up=True, reason=action.reason)
     assert "connection refused" in action.reason
     new = status_mutation(action, LEASE)(v)
@@ -776,10 +778,10 @@ def test_a_look_that_nothing_ends_is_given_up_after_its_bound_by_a_write_adoptin
     # A removal that stays pending, or an answer that does not name the pod: the same.
     pending, _ = dropped_vm(status_slots=2)
     given_up = decide_at(pending, after, answer(1, 2, "dimm-slot1"))
-    assert isinstance(given_up, d.CommitScale) and given_up.gives_up
+    assert isinstance(given_up, act.CommitScale) and given_up.gives_up
     # A settled answer at another size at that time is still adopted (not given up).
     adopted = decide_at(dropped_vm()[0], after, answer(2, 2))
-    assert isinstance(adopted, d.CommitScale) and not adopted.gives_up
+    assert isinstance(adopted, act.CommitScale) and not adopted.gives_up
     assert (adopted.vcpus, adopted.memory_bytes) == (2, 2 * GIB)
     # The give-up lands only while the look is still recorded.
     ended, _ = dropped_vm()
@@ -791,7 +793,7 @@ def test_a_drop_for_a_pod_without_a_token_asks_for_no_look() -> None:
     # Review L3: the pod mounts no token, so every PUT to its runner is refused: nothing
     # of the plan can land, and a look could never learn anything.
     v = vm(cpus_use=2, slots_use=2, scale_seq=1, pending=scale_plan(cpus=2, slots=2))
-    drop = d.DropScale(seq=1, refused=reasons.SCALING_NEEDS_RESTART, starts_look=False)
+    drop = act.DropScale(seq=1, refused=reasons.SCALING_NEEDS_RESTART, starts_look=False)
     dropped = status_mutation(drop, LEASE)(v)
     assert dropped is not None and dropped.pending_scale is None
     assert (dropped.scale_look_pod_uid, dropped.scale_look_since) == (None, None)
@@ -803,7 +805,7 @@ def test_the_write_that_only_ends_the_look_keeps_a_fractional_cpus() -> None:
     v, dropped_at = dropped_vm()
     v.status.cpus = MilliCPU(500)
     action = decide_at(v, dropped_at + PAST, answer(1, 1))
-    assert isinstance(action, d.CommitScale) and action.ends_look
+    assert isinstance(action, act.CommitScale) and action.ends_look
     new = status_mutation(action, LEASE)(v)
     assert new is not None and new.scale_look_pod_uid is None
     assert (new.cpus, new.memory_size) == (MilliCPU(500), "1Gi")

@@ -25,6 +25,7 @@ import pytest
 from kubernetes import client
 
 from neonvm.api import types
+from neonvm.controller import actions as act
 from neonvm.controller import decide as d
 from neonvm.controller.authority import AuthorityLost, StaticAuthority
 from neonvm.controller.observe import Snapshot
@@ -53,7 +54,7 @@ def test_a_silent_runner_is_asked_at_decides_pace_for_a_grace_period_then_with_b
     first = scaling.observe(planned).obs
     assert first.runner_error is not None and not first.runner_error.misbehaving
     assert runner_trouble(first.runner_error) is None
-    assert isinstance(d.decide(first), d.Wait)  # decide's own short wait (2 s)
+    assert isinstance(d.decide(first), act.Wait)  # decide's own short wait (2 s)
     now[0] += RUNNER_GRACE_SECONDS
     later = scaling.observe(planned).obs
     trouble = runner_trouble(later.runner_error)
@@ -332,7 +333,7 @@ def test_a_scaling_plan_of_a_higher_epoch_is_degraded_and_its_vm_still_deletes(
     # Before: "fenced out, but the fresh copy is not", a LIST and a GET once a second,
     # forever, and nothing on the VM said so.
     result = reconciler.reconcile(key, OLD, direct_first=True)
-    assert result.requeue_after == 300.0 and isinstance(result.action, d.Wait), result
+    assert result.requeue_after == 300.0 and isinstance(result.action, act.Wait), result
     degraded = next(c for c in status_of(api, namespace, "ahead")["conditions"]
                     if c["type"] == "Degraded")
     assert (degraded["status"], degraded["reason"]) == ("True", "FenceAhead"), degraded

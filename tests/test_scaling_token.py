@@ -24,7 +24,7 @@ from neonvm.api.types import (
     VirtualMachineSpec,
     VirtualMachineStatus,
 )
-from neonvm.controller import decide as d
+from neonvm.controller import actions as act
 from neonvm.controller import performers
 from neonvm.controller.authority import StaticAuthority
 from neonvm.controller.mutations import token_secret_mutation
@@ -34,7 +34,7 @@ from neonvm.controller.scaling import RunnerScaling
 
 pytestmark = pytest.mark.unit
 
-LEASE = d.Fence(epoch=3, token=40)
+LEASE = act.Fence(epoch=3, token=40)
 PLAN = PendingPod(name="vm-1", plan_seq=1, token=40, epoch=3, generation=1)
 
 
@@ -107,7 +107,7 @@ def test_a_token_that_loses_the_race_to_be_recorded_is_deleted_and_no_pod_is_bui
     monkeypatch.setattr(performers, "write_status", lambda *a, **k: None)
     vm = scalable_vm()
     snap = make_snapshot(VMRecord(vm=vm, raw={}), [], LEASE, direct=True)
-    outcome = reconciler._perform("ns/vm", d.CreatePod(plan=PLAN), snap,
+    outcome = reconciler._perform("ns/vm", act.CreatePod(plan=PLAN), snap,
                                   StaticAuthority(epoch=3, token=40), logger)
     assert outcome == "precondition"
     assert core.pods == []

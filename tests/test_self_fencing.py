@@ -21,6 +21,7 @@ from neonvm.api.types import (
     VirtualMachineSpec,
     VirtualMachineStatus,
 )
+from neonvm.controller import actions as act
 from neonvm.controller import decide as d
 from neonvm.controller import podspec
 from neonvm.controller.fencing import SelfFencing, candidate, node_unreachable
@@ -34,7 +35,7 @@ from tests.support import Clock, CountingAuthority
 pytestmark = pytest.mark.unit
 
 UID = "0123456789abcdef"
-LEASE = d.Fence(epoch=3, token=40)
+LEASE = act.Fence(epoch=3, token=40)
 D, RHO, EPS = 3.0, 0.05, 2.0
 BOUND = D * (1 + RHO) + EPS
 
@@ -46,15 +47,15 @@ def vm(**status: Any) -> VirtualMachine:
 
 
 def view(name: str, *, gated: bool = False, terminating: bool = False,
-         phase: str = "Running") -> d.PodView:
-    return d.PodView(name=name, uid=f"uid-{name}", owner_uid=UID, gated=gated,
+         phase: str = "Running") -> act.PodView:
+    return act.PodView(name=name, uid=f"uid-{name}", owner_uid=UID, gated=gated,
                      terminating=terminating, phase=phase, node="n1", fence=(3, 40))
 
 
-def observation(*pods: d.PodView, direct: bool = True, dead: tuple[str, ...] = (),
+def observation(*pods: act.PodView, direct: bool = True, dead: tuple[str, ...] = (),
                 recheck: float | None = None,
-                status: dict[str, Any] | None = None) -> d.Observation:
-    return d.Observation(vm=vm(**(status or {})), pods=pods, lease=LEASE, direct=direct,
+                status: dict[str, Any] | None = None) -> act.Observation:
+    return act.Observation(vm=vm(**(status or {})), pods=pods, lease=LEASE, direct=direct,
                          dead_pods=frozenset(dead), fence_recheck=recheck)
 
 
@@ -68,19 +69,19 @@ RUNNING: dict[str, Any] = {"pod_name": "old", "pod_uid": "uid-old", "phase": "Ru
 def test_a_committed_pod_that_self_fenced_is_force_deleted_from_a_direct_read_only() -> None:
     old = view("old")
     fenced = d.decide(observation(old, dead=("uid-old",), status=RUNNING))
-    assert isinstance(fenced, d.ForceDeleteDeadPod)
+    assert isinstance(fenced, act.ForceDeleteDeadPod)
     assert (fenced.name, fenced.uid) == ("old", "uid-old")
     assert isinstance(d.decide(observation(old, direct=False, dead=("uid-old",), status=RUNNING)),
-                      d.ObserveDirect)
+                      act.ObserveDirect)
 
 
 def test_the_old_pod_a_gated_replacement_waits_for_is_force_deleted_once_dead() -> None:
     old, new = view("old", terminating=True), view("new", gated=True, phase="Pending")
     status: dict[str, Any] = {"pod_name": "new", "pod_uid": "uid-new"}
     waiting = d.decide(observation(old, new, status=status))
-    assert isinstance(waiting, d.Wait) and waiting.condition == WAITING_FOR_OLD_POD
+    assert isinstance(waiting, act.Wait) and waiting.condition == WAITING_FOR_OLD_POD
     fenced = d.decide(observation(old, new, dead=("uid-old",), status=status))
-    assert isinstance(fenced, d.ForceDeleteDeadPod) and fenced.uid == "uid-old"
+    assert isinstance(fenced, act.ForceDeleteDeadPod) and fenced.uid == "uid-old"
 
 
 def test_a_deleted_vms_pod_on_a_lost_node_is_force_deleted_once_dead() -> None:
@@ -88,23 +89,23 @@ def test_a_deleted_vms_pod_on_a_lost_node_is_force_deleted_once_dead() -> None:
     old = view("old", terminating=True)
     deleting = dataclasses.replace(observation(old, status=RUNNING), vm=dataclasses.replace(
         vm(**RUNNING), deletion_timestamp="2026-01-01T00:00:00Z"))
-    assert isinstance(d.decide(deleting), d.Wait)
+    assert isinstance(d.decide(deleting), act.Wait)
     fenced = d.decide(dataclasses.replace(deleting, dead_pods=frozenset({"uid-old"})))
-    assert isinstance(fenced, d.ForceDeleteDeadPod) and fenced.uid == "uid-old"
+    assert isinstance(fenced, act.ForceDeleteDeadPod) and fenced.uid == "uid-old"
 
 
 def test_without_a_dead_pod_nothing_changes_but_an_unreachable_pods_recheck() -> None:
     old = view("old")
-    assert isinstance(d.decide(observation(old, status=RUNNING)), d.Done)
+    assert isinstance(d.decide(observation(old, status=RUNNING)), act.Done)
     waiting = d.decide(observation(old, recheck=4.0, status=RUNNING))
-    assert isinstance(waiting, d.Wait) and waiting.seconds == 4.0
+    assert isinstance(waiting, act.Wait) and waiting.seconds == 4.0
     assert waiting.condition is None
 
 
 def test_a_dead_uid_that_is_not_the_vms_pod_is_ignored() -> None:
     """Only the committed pod and the old pods its gated replacement waits for."""
     assert isinstance(d.decide(observation(view("old"), dead=("uid-else",), status=RUNNING)),
-                      d.Done)
+                      act.Done)
 
 
 # ---- which pods are looked at, and when a node is unreachable ---------------------------
@@ -216,7 +217,7 @@ def test_a_pod_condemned_in_this_term_stays_dead_when_its_node_comes_back() -> N
     for seen in (pods, ready_pod):
         again = fence.observe(observation(view("old"), status=RUNNING), seen)
         assert again.dead_pods == {"uid-old"}
-        assert isinstance(d.decide(again), d.ForceDeleteDeadPod)
+        assert isinstance(d.decide(again), act.ForceDeleteDeadPod)
     # A new term forgets the mark: the node is reachable, so the pod is not dead.
     fence.ledger.begin_term(lambda: True)
     assert fence.observe(observation(view("old"), status=RUNNING), pods).dead_pods \
@@ -314,7 +315,7 @@ def perform(fake: FakeCluster, authority: CountingAuthority | None = None,
     if condemned:
         clock.now += BOUND
         assert fence.ledger.condemn("uid-old", D) == 0.0
-    action = d.ForceDeleteDeadPod(name="old", uid="uid-old", reason="dead")
+    action = act.ForceDeleteDeadPod(name="old", uid="uid-old", reason="dead")
     check = (authority or CountingAuthority()).check
     return force_delete_dead_pod(fence, fake, events or Events(), action, vm(), check, logger)
 
@@ -376,7 +377,7 @@ def test_a_cached_observation_reports_a_dead_pod_but_only_a_direct_one_condemns_
     cached = fence.observe(observation(direct=False, status=RUNNING), {"old": raw_pod()})
     assert cached.dead_pods == {"uid-old"} and not fence.ledger.is_condemned("uid-old")
     assert isinstance(d.decide(dataclasses.replace(cached, pods=(view("old"),))),
-                      d.ObserveDirect)
+                      act.ObserveDirect)
     fence.observe(observation(status=RUNNING), {"old": raw_pod()})
     assert fence.ledger.is_condemned("uid-old")
 
@@ -410,7 +411,7 @@ def test_an_annotated_pod_whose_runner_does_not_self_fence_is_never_condemned(
         clock.now += 10 * BOUND
         seen = fence.observe(observation(status=RUNNING), {"old": pod})
         assert seen.dead_pods == frozenset() and not fence.ledger.is_condemned("uid-old")
-    assert not isinstance(d.decide(seen), d.ForceDeleteDeadPod)
+    assert not isinstance(d.decide(seen), act.ForceDeleteDeadPod)
 
 
 NO_EVICTION = [{"key": "node.kubernetes.io/unreachable", "operator": "Exists",

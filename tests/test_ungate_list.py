@@ -24,7 +24,7 @@ from neonvm.api.types import (
     VirtualMachineSpec,
     VirtualMachineStatus,
 )
-from neonvm.controller import decide as d
+from neonvm.controller import actions as act
 from neonvm.controller import performers
 from neonvm.controller.action_table import ACTIONS
 from neonvm.controller.observe import Snapshot, VMRecord, make_snapshot
@@ -33,7 +33,7 @@ from neonvm.controller.step import Step
 
 pytestmark = pytest.mark.unit
 
-LEASE = d.Fence(epoch=3, token=40)
+LEASE = act.Fence(epoch=3, token=40)
 
 
 class _Events:
@@ -99,8 +99,8 @@ def _committed_vm() -> VirtualMachine:
 def ungate(reconciler: Reconciler, snap: Snapshot) -> str:
     """The shipped Ungate performer on the committed pod ``a-y`` (it checks no authority:
     the driver does, before it)."""
-    step = Step("ns/a", d.Ungate(name="a-y", uid="y-uid"), snap, None,  # type: ignore[arg-type]
-                logger, ACTIONS[d.Ungate])
+    step = Step("ns/a", act.Ungate(name="a-y", uid="y-uid"), snap, None,  # type: ignore[arg-type]
+                logger, ACTIONS[act.Ungate])
     return performers.ungate(reconciler.ctx, step)
 
 @pytest.mark.parametrize(("listed", "patched"), [

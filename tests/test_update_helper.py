@@ -18,6 +18,7 @@ from kubernetes.client.exceptions import ApiException
 
 from neonvm import kube
 from neonvm.api.types import Fence, PendingPod, VirtualMachineStatus
+from neonvm.controller import actions as act
 from neonvm.controller import decide as d
 from neonvm.controller.cluster import VMWriter
 from neonvm.controller.mutations import FencedOut, status_mutation
@@ -212,12 +213,12 @@ def _another_writer_sets_restart_count(writer: VMWriter, record: VMRecord,
     return writer.put_status(record, status)
 
 
-LEASE = d.Fence(epoch=1, token=7)
+LEASE = act.Fence(epoch=1, token=7)
 
 
-def _plan_action(record: VMRecord) -> d.RecordPlan:
+def _plan_action(record: VMRecord) -> act.RecordPlan:
     seq = record.vm.status.plan_seq + 1
-    return d.RecordPlan(plan=PendingPod(name=d.plan_name(record.vm, seq), plan_seq=seq,
+    return act.RecordPlan(plan=PendingPod(name=d.plan_name(record.vm, seq), plan_seq=seq,
                                         token=LEASE.token, epoch=LEASE.epoch,
                                         generation=record.vm.generation),
                         observed_seq=record.vm.status.plan_seq)

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from loguru import logger
 
-from neonvm.controller import decide as d
+from neonvm.controller import actions as act
 from neonvm.controller.handler import Handler, Outcome
 from neonvm.controller.metrics import ControllerMetrics
 from neonvm.controller.reconciler import ReconcileResult
@@ -103,7 +103,7 @@ class _Cache:
 
 
 class _Reconciler:
-    def __init__(self, action: d.Action, after: float) -> None:
+    def __init__(self, action: act.Action, after: float) -> None:
         self.result = ReconcileResult(action=action, requeue_after=after, steps=0)
 
     def reconcile(self, key: str, authority: Any, *,
@@ -111,7 +111,7 @@ class _Reconciler:
         return self.result
 
 
-def handler_for(action: d.Action, after: float, clock: FakeClock,
+def handler_for(action: act.Action, after: float, clock: FakeClock,
                 recheck: float | None) -> Handler:
     return Handler(
         queue=WorkQueue(clock=clock), vms=_Cache(), reconciler=_Reconciler(action, after),
@@ -125,7 +125,7 @@ def handler_for(action: d.Action, after: float, clock: FakeClock,
 def test_a_converged_vm_is_rechecked_from_the_cache_in_the_second_line_after_the_recheck(
         ) -> None:
     clock = FakeClock()
-    h = handler_for(d.Done(), 30.0, clock, recheck=300.0)
+    h = handler_for(act.Done(), 30.0, clock, recheck=300.0)
     assert h.process("ns/vm", direct=False) == Outcome("requeue", after=30.0, converged=True)
     clock.now = 299
     assert h.queue.take(0) is None, "not at the reconcile's 30 s: at the recheck"
@@ -137,7 +137,7 @@ def test_a_converged_vm_is_rechecked_from_the_cache_in_the_second_line_after_the
 
 def test_a_wait_still_comes_back_after_its_wait_read_directly_first_line() -> None:
     clock = FakeClock()
-    h = handler_for(d.Wait(seconds=2.0), 2.0, clock, recheck=300.0)
+    h = handler_for(act.Wait(seconds=2.0), 2.0, clock, recheck=300.0)
     assert h.process("ns/vm", direct=False) == Outcome("requeue", after=2.0)
     clock.now = 2.5
     assert h.queue.take(0) == ("ns/vm", True), "read directly"

@@ -52,6 +52,7 @@ from neonvm.cli.output import (
     table_lines,
     without_managed_fields,
 )
+from neonvm.controller import actions as act
 from neonvm.controller import decide as d
 from neonvm.controller.observe import DirectReader, Snapshot, pod_view
 
@@ -345,10 +346,10 @@ def list_(namespace: str | None, all_namespaces: bool, selector: str | None, wat
         api.close()
 
 
-def _observe(api: client.ApiClient, namespace: str, name: str, lease: d.Fence | None
+def _observe(api: client.ApiClient, namespace: str, name: str, lease: act.Fence | None
              ) -> Snapshot:
     reader = DirectReader(api)
-    snap = reader.observe(f"{namespace}/{name}", lease or d.Fence(0, 0))
+    snap = reader.observe(f"{namespace}/{name}", lease or act.Fence(0, 0))
     if snap.record is None:
         raise click.ClickException(f"VirtualMachine {namespace}/{name} not found")
     return snap
@@ -478,9 +479,9 @@ def describe(name: str, namespace: str | None, kubeconfig: Path | None, context:
     emit(pods, output, ["name", "phase", "gated", "terminating", "node", "planSeq", "fence"])
 
 
-def describe_action(action: d.Action) -> dict[str, Any]:
+def describe_action(action: act.Action) -> dict[str, Any]:
     fields = {k: v for k, v in action.__dict__.items() if k != "reason"}
-    if isinstance(action, d.RecordPlan | d.CreatePod):
+    if isinstance(action, act.RecordPlan | act.CreatePod):
         fields["plan"] = action.plan.__dict__
     return {"action": type(action).__name__, "reason": action.reason, **fields}
 
@@ -504,9 +505,9 @@ def plan(name: str, namespace: str | None, epoch: int | None, token: int | None,
         snap = _observe(api, namespace, name, None)
         assert snap.record is not None
         fence = snap.record.vm.status.fence
-        lease = d.Fence(epoch=epoch if epoch is not None else (fence.epoch if fence else 0),
+        lease = act.Fence(epoch=epoch if epoch is not None else (fence.epoch if fence else 0),
                         token=token if token is not None else (fence.token if fence else 0))
-        snap = Snapshot(obs=d.Observation(
+        snap = Snapshot(obs=act.Observation(
             vm=snap.obs.vm, pods=snap.obs.pods, lease=lease, direct=True,
             create_failed_generation=snap.obs.create_failed_generation),
             record=snap.record, pods=snap.pods)

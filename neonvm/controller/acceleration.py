@@ -46,8 +46,8 @@ from typing import Any, Protocol
 from loguru import logger
 
 from neonvm.api.types import Condition, VirtualMachine
+from neonvm.controller.actions import PodView
 from neonvm.controller.conditions import ConditionUpdate
-from neonvm.controller.decide import PodView
 from neonvm.controller.events import EventRecorder
 from neonvm.controller.observe import Snapshot
 from neonvm.controller.scaling import runner_exchange

@@ -9,46 +9,46 @@ docs/architecture.md, "Places to add an action".
 
 from __future__ import annotations
 
-from neonvm.controller import decide as d
+from neonvm.controller import actions as act
 from neonvm.controller import performers as p
 from neonvm.controller.mutations import finalizers_mutation, status_mutation
 from neonvm.controller.reasons import CREATE_FORBIDDEN, UNGATE_FORBIDDEN
 from neonvm.controller.step import ActionRow
 
-ACTIONS: dict[type[d.Action], ActionRow] = {
-    d.RecordPlan: ActionRow(p.status_write, "status", status_mutation,
+ACTIONS: dict[type[act.Action], ActionRow] = {
+    act.RecordPlan: ActionRow(p.status_write, "status", status_mutation,
                             event=p.planned, seen_by_write=True),
-    d.CreatePod: ActionRow(p.create_pod, "pod", None, event=None,
+    act.CreatePod: ActionRow(p.create_pod, "pod", None, event=None,
                            seen_by_write=True, forbidden=CREATE_FORBIDDEN,
                            resumes_plan=True),
-    d.Commit: ActionRow(p.status_write, "status", status_mutation,
+    act.Commit: ActionRow(p.status_write, "status", status_mutation,
                         event=p.committed, seen_by_write=True, resumes_plan=True),
-    d.Ungate: ActionRow(p.ungate, "pod", None, event=None,
+    act.Ungate: ActionRow(p.ungate, "pod", None, event=None,
                         # its performer takes its own direct pod list before the patch
                         seen_by_write=True, forbidden=UNGATE_FORBIDDEN),
-    d.DeletePod: ActionRow(p.delete_pod, "pod", None, event=None,
+    act.DeletePod: ActionRow(p.delete_pod, "pod", None, event=None,
                            seen_by_write=False),
-    d.Restart: ActionRow(p.status_write, "status", status_mutation,
+    act.Restart: ActionRow(p.status_write, "status", status_mutation,
                          event=p.restarted, seen_by_write=False),
-    d.AddFinalizer: ActionRow(p.finalizer_write, "main", finalizers_mutation,
+    act.AddFinalizer: ActionRow(p.finalizer_write, "main", finalizers_mutation,
                               event=None, seen_by_write=True),
-    d.SyncStatus: ActionRow(p.status_write, "status", status_mutation,
+    act.SyncStatus: ActionRow(p.status_write, "status", status_mutation,
                             event=None, seen_by_write=True),
-    d.RemoveFinalizer: ActionRow(p.finalizer_write, "main", finalizers_mutation,
+    act.RemoveFinalizer: ActionRow(p.finalizer_write, "main", finalizers_mutation,
                                  event=None, seen_by_write=False),
-    d.DropPlan: ActionRow(p.status_write, "status", status_mutation,
+    act.DropPlan: ActionRow(p.status_write, "status", status_mutation,
                           event=p.plan_dropped, seen_by_write=True, resumes_plan=True),
-    d.PlanScale: ActionRow(p.status_write, "status", status_mutation,
+    act.PlanScale: ActionRow(p.status_write, "status", status_mutation,
                            event=None, seen_by_write=False),
-    d.ApplyScale: ActionRow(p.apply_scale, "runner", None, event=None,
+    act.ApplyScale: ActionRow(p.apply_scale, "runner", None, event=None,
                             seen_by_write=False),
-    d.CommitScale: ActionRow(p.status_write, "status", status_mutation,
+    act.CommitScale: ActionRow(p.status_write, "status", status_mutation,
                              event=p.look_given_up, seen_by_write=False),
-    d.DropScale: ActionRow(p.status_write, "status", status_mutation,
+    act.DropScale: ActionRow(p.status_write, "status", status_mutation,
                            event=None, seen_by_write=False),
-    d.ForceDeleteDeadPod: ActionRow(p.force_delete, "pod", None, event=None,
+    act.ForceDeleteDeadPod: ActionRow(p.force_delete, "pod", None, event=None,
                                     seen_by_write=False),
-    d.SyncPodMetadata: ActionRow(p.sync_pod_metadata, "pod", None, event=None,
+    act.SyncPodMetadata: ActionRow(p.sync_pod_metadata, "pod", None, event=None,
                                  seen_by_write=False),
 }
 """Every action the driver performs: the one table (its ``step`` is on the class).
@@ -56,13 +56,13 @@ ACTIONS: dict[type[d.Action], ActionRow] = {
 A new row goes last: the rows' order is the order the campaign's schedules cycle
 through (:data:`neonvm.drills.schedule.CRASH_STEPS`)."""
 
-SEEN_BY_WRITE: tuple[type[d.Action], ...] = (
-    d.Done, d.Wait, d.ObserveDirect, d.Fenced,
+SEEN_BY_WRITE: tuple[type[act.Action], ...] = (
+    act.Done, act.Wait, act.ObserveDirect, act.Fenced,
     *(kind for kind, row in ACTIONS.items() if row.seen_by_write),
 )
 """The decisions the loop acts on when they come from an observation built from a write
 response: the ones that perform nothing, and the rows marked ``seen_by_write``. Every
 other one is taken only from a fresh direct read (docs/protocol.md)."""
 
-STEP_NAMES: dict[type[d.Action], str] = {kind: kind.step for kind in ACTIONS}
+STEP_NAMES: dict[type[act.Action], str] = {kind: kind.step for kind in ACTIONS}
 """Step name per performed action type (derived: each class's ``step``)."""

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 
 from neonvm.api import compat
 from neonvm.api.types import Condition, Fence, VirtualMachine, VirtualMachineStatus
+from neonvm.controller import actions as act
 from neonvm.controller import autoscaler_view
 from neonvm.controller import decide as d
 from neonvm.controller.mutations import FencedOut, StatusMutation
@@ -136,12 +137,12 @@ def now_rfc3339() -> str:
     return dt.datetime.now(dt.UTC).replace(microsecond=0).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def desired_conditions(snap: Snapshot, final: d.Action) -> list[ConditionUpdate]:
+def desired_conditions(snap: Snapshot, final: act.Action) -> list[ConditionUpdate]:
     """Conditions implied by an observation and the decision that ended the reconcile."""
     vm = snap.obs.vm
     if vm is None or vm.deletion_timestamp is not None:
         return []
-    if isinstance(final, d.Wait) and final.condition == NAMESPACE_TERMINATING:
+    if isinstance(final, act.Wait) and final.condition == NAMESPACE_TERMINATING:
         # The VM goes with its namespace: a write would only slow the deletion down.
         return []
     status = vm.status
@@ -164,7 +165,7 @@ def desired_conditions(snap: Snapshot, final: d.Action) -> list[ConditionUpdate]
     elif pod is not None:
         updates.append(ConditionUpdate(READY, "False", "RunnerStarting",
                                        f"runner pod {pod.name} is {pod.phase}"))
-    elif isinstance(final, d.Wait) and final.condition == RESTART_BACKOFF_CONDITION:
+    elif isinstance(final, act.Wait) and final.condition == RESTART_BACKOFF_CONDITION:
         updates.append(ConditionUpdate(READY, "False", RESTART_BACKOFF_CONDITION,
                                        final.reason))
     else:
@@ -173,7 +174,7 @@ def desired_conditions(snap: Snapshot, final: d.Action) -> list[ConditionUpdate]
 
     updates.append(available(updates[-1]))
 
-    if isinstance(final, d.Wait) and final.condition == WAITING_FOR_OLD_POD:
+    if isinstance(final, act.Wait) and final.condition == WAITING_FOR_OLD_POD:
         updates.append(ConditionUpdate(WAITING_FOR_OLD_POD, "True", "OldPodNotGone",
                                        f"{final.reason}. {NODE_FAILURE_HINT}"))
     else:
@@ -182,7 +183,7 @@ def desired_conditions(snap: Snapshot, final: d.Action) -> list[ConditionUpdate]
                                        only_if_present=True))
 
     refused = snap.obs.create_failed_generation
-    if isinstance(final, d.Wait) and final.condition == PULL_SECRET_NOT_FOUND:
+    if isinstance(final, act.Wait) and final.condition == PULL_SECRET_NOT_FOUND:
         updates.append(ConditionUpdate(DEGRADED, "True", PULL_SECRET_NOT_FOUND, final.reason,
                                        generation=vm.generation))
     elif refused is None or refused < vm.generation:
@@ -201,7 +202,7 @@ def desired_conditions(snap: Snapshot, final: d.Action) -> list[ConditionUpdate]
             updates.append(ConditionUpdate(DEGRADED, "False", FENCE_RESOLVED,
                                            "status.fence is no longer ahead of the leader"))
     plan = status.pending_scale
-    if isinstance(final, d.Wait) and final.condition == SCALING_CONDITION and plan:
+    if isinstance(final, act.Wait) and final.condition == SCALING_CONDITION and plan:
         updates.append(ConditionUpdate(SCALING_CONDITION, "True", RUNNER_NOT_ANSWERING,
                                        final.reason, plan_seq=plan.seq))
     updates.append(unimplemented_fields_condition(vm))
@@ -229,7 +230,7 @@ def with_ready(mutation: StatusMutation, snap: Snapshot) -> StatusMutation:
         after = dataclasses.replace(vm, status=new)
         view = Snapshot(obs=dataclasses.replace(snap.obs, vm=after), record=snap.record,
                         pods=snap.pods)
-        ready = [u for u in desired_conditions(view, d.Done())
+        ready = [u for u in desired_conditions(view, act.Done())
                  if u.type in (READY, AVAILABLE)]
         new.conditions, _ = _apply(after, ready, now_rfc3339())
         return new
@@ -237,7 +238,7 @@ def with_ready(mutation: StatusMutation, snap: Snapshot) -> StatusMutation:
     return mutate
 
 
-def fence_ahead(vm: VirtualMachine, lease: d.Fence) -> tuple[int, int] | None:
+def fence_ahead(vm: VirtualMachine, lease: act.Fence) -> tuple[int, int] | None:
     """The (epoch, token) in ``vm``'s status that is ahead of ``lease``, or None.
 
     Ahead means what the mutations refuse: ``status.fence`` above (epoch, token), or a
@@ -255,7 +256,7 @@ def fence_ahead(vm: VirtualMachine, lease: d.Fence) -> tuple[int, int] | None:
     return (source.epoch, source.token)
 
 
-def fence_ahead_field(vm: VirtualMachine, lease: d.Fence) -> str | None:
+def fence_ahead_field(vm: VirtualMachine, lease: act.Fence) -> str | None:
     """Which field of ``vm``'s status is ahead of ``lease`` (see :func:`fence_ahead`):
     ``status.fence``, ``status.pendingPod`` or ``status.pendingScale``; None: none."""
     s = vm.status
@@ -269,7 +270,7 @@ def fence_ahead_field(vm: VirtualMachine, lease: d.Fence) -> str | None:
     return None
 
 
-def fence_ahead_message(seen: tuple[int, int], lease: d.Fence,
+def fence_ahead_message(seen: tuple[int, int], lease: act.Fence,
                         where: str = "status.fence") -> str:
     """The Degraded(FenceAhead) message: only for an *epoch* ahead, where ``decide`` says
     Fenced and this leader does nothing for the VM (a token-only lead ends the term).
@@ -283,7 +284,7 @@ def fence_ahead_message(seen: tuple[int, int], lease: d.Fence,
             f"epoch is above {lease.epoch}")
 
 
-def epoch_ahead(seen: tuple[int, int] | None, lease: d.Fence) -> bool:
+def epoch_ahead(seen: tuple[int, int] | None, lease: act.Fence) -> bool:
     """``seen`` (from :func:`fence_ahead`) is ahead of ``lease`` by its epoch, not only by
     its token. Only then is the VM marked Degraded while the term goes on: a fence of our
     own epoch with a higher token means the locks' tokens went back (their etcd restored
@@ -308,7 +309,7 @@ def _parse_rfc3339(value: str) -> dt.datetime:
     return dt.datetime.fromisoformat(value.replace("Z", "+00:00"))
 
 
-def fence_ahead_mutation(lease: d.Fence, now: str | None = None,
+def fence_ahead_mutation(lease: act.Fence, now: str | None = None,
                          quiet_seconds: float = FENCE_AHEAD_QUIET_SECONDS) -> StatusMutation:
     """Degraded/FenceAhead on a VM fenced ahead of ``lease`` by epoch; conditions only.
 
@@ -417,7 +418,7 @@ def _apply(vm: VirtualMachine, updates: list[ConditionUpdate],
     return conditions, changed
 
 
-def conditions_mutation(updates: list[ConditionUpdate], lease: d.Fence,
+def conditions_mutation(updates: list[ConditionUpdate], lease: act.Fence,
                         now: str | None = None) -> StatusMutation:
     """The status write that makes the conditions say ``updates`` (None: already so)."""
 
@@ -443,7 +444,7 @@ def conditions_mutation(updates: list[ConditionUpdate], lease: d.Fence,
     return mutate
 
 
-def stuck_mutation(update: ConditionUpdate, lease: d.Fence) -> StatusMutation:
+def stuck_mutation(update: ConditionUpdate, lease: act.Fence) -> StatusMutation:
     """Write a stuck Degraded condition only on the transition into its reason.
 
     A VM that stays stuck for the same reason keeps the condition as first written: its

@@ -46,7 +46,7 @@ from typing import Any
 
 from loguru import logger
 
-from neonvm.controller.decide import performed_actions
+from neonvm.controller.actions import performed_actions
 
 STEPS = tuple(action.step for action in performed_actions())
 """Every step ``crash_after`` may name: each performed action's own ``step``."""

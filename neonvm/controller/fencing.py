@@ -43,7 +43,7 @@ from neonvm.api.rights import (
     RIGHTS_URL_ENV,
     parse_annotation,
 )
-from neonvm.controller import decide as d
+from neonvm.controller import actions as d
 from neonvm.controller.rights import RightsLedger
 
 UNREACHABLE_TAINT = "node.kubernetes.io/unreachable"

@@ -69,8 +69,8 @@ from kubernetes.client.exceptions import ApiException
 from urllib3.exceptions import HTTPError
 
 from neonvm import logs
+from neonvm.controller.actions import Done
 from neonvm.controller.authority import Authority, AuthorityLost, RetryableError, WrongVM
-from neonvm.controller.decide import Done
 from neonvm.controller.informer import object_uid
 from neonvm.controller.metrics import ControllerMetrics
 from neonvm.controller.mutations import FencedOut

@@ -64,7 +64,7 @@ from loguru import logger
 
 from neonvm import kube
 from neonvm.api import types
-from neonvm.controller import decide as d
+from neonvm.controller import actions as act
 from neonvm.controller.authority import AuthorityLost
 from neonvm.controller.events import EventRecorder
 from neonvm.controller.fencing import SelfFencing
@@ -169,10 +169,10 @@ class WorkerAuthority:
         self._term = term
         self._guard = guard
         self._epoch = term.leadership.epoch
-        self._lease = d.Fence(epoch=self._epoch, token=guard.token)
+        self._lease = act.Fence(epoch=self._epoch, token=guard.token)
 
     @property
-    def lease(self) -> d.Fence:
+    def lease(self) -> act.Fence:
         return self._lease
 
     @property

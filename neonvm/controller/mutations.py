@@ -20,6 +20,7 @@ from collections.abc import Callable
 from neonvm.api import compat, times
 from neonvm.api.millicpu import MilliCPU
 from neonvm.api.types import FINALIZER, Condition, Fence, VirtualMachine, VirtualMachineStatus
+from neonvm.controller import actions as act
 from neonvm.controller import autoscaler_view, reasons, restarts
 from neonvm.controller import decide as d
 
@@ -30,7 +31,7 @@ class FencedOut(Exception):
     """A writer with a higher (epoch, token) has written this VM: we are stale."""
 
 
-def _fresh_status(vm: VirtualMachine, lease: d.Fence) -> VirtualMachineStatus:
+def _fresh_status(vm: VirtualMachine, lease: act.Fence) -> VirtualMachineStatus:
     fence = vm.status.fence
     if fence is not None and (fence.epoch, fence.token) > (lease.epoch, lease.token):
         raise FencedOut(
@@ -117,12 +118,12 @@ def _scale_done(new: VirtualMachineStatus, vm: VirtualMachine, reason: str,
     _set_scaling_condition(new, vm, "False", reason, message)
 
 
-def status_mutation(action: d.Action, lease: d.Fence) -> StatusMutation:
+def status_mutation(action: act.Action, lease: act.Fence) -> StatusMutation:
     """The status write for ``action`` (RecordPlan, Commit, DropPlan, Restart, SyncStatus,
     PlanScale, CommitScale, DropScale)."""
 
     def record_plan(vm: VirtualMachine) -> VirtualMachineStatus | None:
-        assert isinstance(action, d.RecordPlan)
+        assert isinstance(action, act.RecordPlan)
         s = vm.status
         if s.pod_name or s.pending_pod is not None or s.plan_seq != action.observed_seq:
             return None
@@ -135,7 +136,7 @@ def status_mutation(action: d.Action, lease: d.Fence) -> StatusMutation:
         return new
 
     def commit(vm: VirtualMachine) -> VirtualMachineStatus | None:
-        assert isinstance(action, d.Commit)
+        assert isinstance(action, act.Commit)
         s = vm.status
         if s.pod_name or s.pending_pod is None or s.pending_pod.name != action.name:
             return None
@@ -150,7 +151,7 @@ def status_mutation(action: d.Action, lease: d.Fence) -> StatusMutation:
         return new
 
     def drop_plan(vm: VirtualMachine) -> VirtualMachineStatus | None:
-        assert isinstance(action, d.DropPlan)
+        assert isinstance(action, act.DropPlan)
         s = vm.status
         if s.pending_pod is None or s.pending_pod.name != action.name:
             return None
@@ -159,7 +160,7 @@ def status_mutation(action: d.Action, lease: d.Fence) -> StatusMutation:
         return new
 
     def restart(vm: VirtualMachine) -> VirtualMachineStatus | None:
-        assert isinstance(action, d.Restart)
+        assert isinstance(action, act.Restart)
         s = vm.status
         if s.pod_name != action.name or (s.pod_uid and action.uid and s.pod_uid != action.uid):
             return None
@@ -185,7 +186,7 @@ def status_mutation(action: d.Action, lease: d.Fence) -> StatusMutation:
         return new
 
     def sync(vm: VirtualMachine) -> VirtualMachineStatus | None:
-        assert isinstance(action, d.SyncStatus)
+        assert isinstance(action, act.SyncStatus)
         s = vm.status
         if not s.pod_name or s.phase in d.TERMINAL_PHASES:
             return None
@@ -206,7 +207,7 @@ def status_mutation(action: d.Action, lease: d.Fence) -> StatusMutation:
         return new
 
     def plan_scale(vm: VirtualMachine) -> VirtualMachineStatus | None:
-        assert isinstance(action, d.PlanScale)
+        assert isinstance(action, act.PlanScale)
         s, plan = vm.status, action.plan
         if s.scale_seq != action.observed_seq:
             return None
@@ -237,7 +238,7 @@ def status_mutation(action: d.Action, lease: d.Fence) -> StatusMutation:
         return new
 
     def commit_scale(vm: VirtualMachine) -> VirtualMachineStatus | None:
-        assert isinstance(action, d.CommitScale)
+        assert isinstance(action, act.CommitScale)
         s = vm.status
         from neonvm.api.quantity import format_bytes
 
@@ -281,7 +282,7 @@ def status_mutation(action: d.Action, lease: d.Fence) -> StatusMutation:
         return new
 
     def drop_scale(vm: VirtualMachine) -> VirtualMachineStatus | None:
-        assert isinstance(action, d.DropScale)
+        assert isinstance(action, act.DropScale)
         s = vm.status
         if s.pending_scale is None and action.refused and s.scale_seq == action.seq and (
                 action.generation == vm.generation):
@@ -316,15 +317,15 @@ def status_mutation(action: d.Action, lease: d.Fence) -> StatusMutation:
             cond.observed_generation = dropped.generation
         return new
 
-    table: dict[type[d.Action], StatusMutation] = {
-        d.RecordPlan: record_plan,
-        d.Commit: commit,
-        d.DropPlan: drop_plan,
-        d.Restart: restart,
-        d.SyncStatus: sync,
-        d.PlanScale: plan_scale,
-        d.CommitScale: commit_scale,
-        d.DropScale: drop_scale,
+    table: dict[type[act.Action], StatusMutation] = {
+        act.RecordPlan: record_plan,
+        act.Commit: commit,
+        act.DropPlan: drop_plan,
+        act.Restart: restart,
+        act.SyncStatus: sync,
+        act.PlanScale: plan_scale,
+        act.CommitScale: commit_scale,
+        act.DropScale: drop_scale,
     }
     try:
         return table[type(action)]
@@ -332,7 +333,7 @@ def status_mutation(action: d.Action, lease: d.Fence) -> StatusMutation:
         raise ValueError(f"{type(action).__name__} is not a status write") from None
 
 
-def token_secret_mutation(name: str, uid: str, lease: d.Fence,
+def token_secret_mutation(name: str, uid: str, lease: act.Fence,
                           replacing: str = "") -> StatusMutation:
     """Record the live scaling token Secret the controller just created (name and UID)
     in place of ``replacing`` (the uid of a recorded Secret found gone; "" for none):
@@ -349,7 +350,7 @@ def token_secret_mutation(name: str, uid: str, lease: d.Fence,
     return record
 
 
-def finalizers_mutation(action: d.Action) -> Callable[[VirtualMachine], list[str] | None]:
+def finalizers_mutation(action: act.Action) -> Callable[[VirtualMachine], list[str] | None]:
     """Main-resource write for AddFinalizer / RemoveFinalizer (``/status`` cannot do it)."""
 
     def add(vm: VirtualMachine) -> list[str] | None:
@@ -362,8 +363,8 @@ def finalizers_mutation(action: d.Action) -> Callable[[VirtualMachine], list[str
             return None
         return [f for f in vm.finalizers if f != FINALIZER]
 
-    if isinstance(action, d.AddFinalizer):
+    if isinstance(action, act.AddFinalizer):
         return add
-    if isinstance(action, d.RemoveFinalizer):
+    if isinstance(action, act.RemoveFinalizer):
         return remove
     raise ValueError(f"{type(action).__name__} is not a finalizer write")

@@ -1,4 +1,4 @@
-"""Building an :class:`~neonvm.controller.decide.Observation`, from the cache or directly.
+"""Building an :class:`~neonvm.controller.actions.Observation`, from the cache or directly.
 
 Two sources:
 
@@ -46,9 +46,9 @@ from loguru import logger
 from neonvm.api import types
 from neonvm.api.types import VirtualMachine
 from neonvm.controller import autoscaler_view, podspec
+from neonvm.controller.actions import Fence, Observation, PodView
 from neonvm.controller.cluster import ClusterReads, KubeCluster
 from neonvm.controller.cluster import VMRecord as VMRecord  # re-exported: its old home
-from neonvm.controller.decide import Fence, Observation, PodView
 from neonvm.controller.informer import Store
 from neonvm.controller.reasons import CREATE_REFUSED, DEGRADED
 

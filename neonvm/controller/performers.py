@@ -28,8 +28,8 @@ from loguru import logger
 from urllib3.exceptions import HTTPError
 
 from neonvm.api import types
+from neonvm.controller import actions as act
 from neonvm.controller import autoscaler_view, podspec, reasons
-from neonvm.controller import decide as d
 from neonvm.controller.authority import Authority, RetryableError
 from neonvm.controller.conditions import (
     ConditionUpdate,
@@ -72,21 +72,21 @@ LOOK_GIVEN_UP = "ScaleLookGivenUp"
 # ---- the events of status writes ----------------------------------------------------------
 
 
-def planned(action: d.RecordPlan, vm: types.VirtualMachine) -> Event:
+def planned(action: act.RecordPlan, vm: types.VirtualMachine) -> Event:
     p = action.plan
     return Event("Planned", f"plan #{p.plan_seq}: runner pod {p.name} "
                             f"(epoch {p.epoch}, token {p.token})")
 
 
-def committed(action: d.Commit, vm: types.VirtualMachine) -> Event:
+def committed(action: act.Commit, vm: types.VirtualMachine) -> Event:
     return Event("Committed", f"runner pod {action.name} committed")
 
 
-def plan_dropped(action: d.DropPlan, vm: types.VirtualMachine) -> Event:
+def plan_dropped(action: act.DropPlan, vm: types.VirtualMachine) -> Event:
     return Event("PlanDropped", action.reason, warning=True)
 
 
-def restarted(action: d.Restart, vm: types.VirtualMachine) -> Event:
+def restarted(action: act.Restart, vm: types.VirtualMachine) -> Event:
     if action.terminal_phase is None:
         return Event("Restarting", f"{action.reason}; restart #{vm.status.restart_count} "
                                    f"(restartPolicy {vm.spec.restart_policy})")
@@ -94,7 +94,7 @@ def restarted(action: d.Restart, vm: types.VirtualMachine) -> Event:
                                                f"(restartPolicy {vm.spec.restart_policy})")
 
 
-def look_given_up(action: d.CommitScale, vm: types.VirtualMachine) -> Event | None:
+def look_given_up(action: act.CommitScale, vm: types.VirtualMachine) -> Event | None:
     if not action.gives_up:
         return None
     logger.bind(vm=vm.key).warning("{reason}", reason=action.reason)
@@ -132,7 +132,7 @@ def finalizer_write(ctx: StepContext, step: Step) -> str:
                         ctx.writer.put_main, step.authority)
     if not outcome.written:
         return "declined"
-    if isinstance(step.action, d.RemoveFinalizer):
+    if isinstance(step.action, act.RemoveFinalizer):
         assert step.snap.record is not None
         ctx.events.record(step.snap.record.vm, "Finalized",
                           "all runner pods are gone; finalizer removed")
@@ -249,7 +249,7 @@ def _name_taken(ctx: StepContext, step: Step) -> str:
     if pod is None or labels.get(types.LABEL_VM_NAME) == vm.name:
         log.info("pod {pod} already exists: observing again", pod=name)
         return "exists"
-    drop = d.DropPlan(name=name, reason=f"the name {name} is taken by a pod that is not "
+    drop = act.DropPlan(name=name, reason=f"the name {name} is taken by a pod that is not "
                                         f"labelled for this VM")
     log.warning("{reason}: dropping plan #{seq}", reason=drop.reason,
                 seq=step.action.plan.plan_seq)
@@ -302,7 +302,7 @@ def controlling_owner_uid(pod: dict[str, Any]) -> str | None:
     return next((str(ref.get("uid")) for ref in refs if ref.get("controller")), None)
 
 
-def _not_ungatable(fresh: VMRecord | None, uid: str, action: d.Ungate) -> str:
+def _not_ungatable(fresh: VMRecord | None, uid: str, action: act.Ungate) -> str:
     """Why the VM as read now forbids starting ``action``'s pod ('' if it does not)."""
     if fresh is None or fresh.vm.uid != uid:
         return "the VM is gone (or re-created under its name) since the cache saw it"
@@ -367,7 +367,7 @@ def ungate(ctx: StepContext, step: Step) -> str:
 
 
 def replace_unlabelled(ctx: StepContext, vm: types.VirtualMachine, pod: dict[str, Any],
-                       action: d.Ungate, log: Any) -> str:
+                       action: act.Ungate, log: Any) -> str:
     """The committed pod lost its runner label (possible only with the admission policy
     off). It is still the VM's pod, yet no label-selected list would show it, so a later
     ungate of another pod could not see it: it must never run. Still gated it never ran,
@@ -466,7 +466,7 @@ def apply_scale(ctx: StepContext, step: Step) -> str:
         return outcome
     # A pod built without a token refuses every PUT: nothing of the plan can land,
     # so its drop asks for no look (one that could never end).
-    drop = d.DropScale(seq=action.plan.seq, refused=refused,
+    drop = act.DropScale(seq=action.plan.seq, refused=refused,
                        reason=getattr(outcome, "detail", "") or str(outcome),
                        starts_look=str(outcome) != POD_WITHOUT_TOKEN)
     written = write_status(ctx, step.key, step.snap, status_mutation(drop, authority.lease),

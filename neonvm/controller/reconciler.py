@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 from kubernetes import client
 from loguru import logger
 
+from neonvm.controller import actions as act
 from neonvm.controller import decide as d
 from neonvm.controller import podspec, reasons
 from neonvm.controller.acceleration import (
@@ -115,7 +116,7 @@ def paused(outcome: str) -> bool:
     return outcome in PAUSED or asks_again_later(outcome)
 
 
-def miss_message(kind: type[d.Action], outcome: str, detail: str) -> str:
+def miss_message(kind: type[act.Action], outcome: str, detail: str) -> str:
     """The Degraded message of a step that keeps not taking effect: what and why, no pod
     names or counts (they change between attempts; see
     :func:`~neonvm.controller.conditions.stuck_mutation`)."""
@@ -124,15 +125,15 @@ def miss_message(kind: type[d.Action], outcome: str, detail: str) -> str:
             f"retries with backoff")
 
 
-def _forbidden_reason(kind: type[d.Action]) -> str:
+def _forbidden_reason(kind: type[act.Action]) -> str:
     """The Degraded reason of an action refused for good (its row's, else generic)."""
     row = ACTIONS.get(kind)
     return (row.forbidden if row is not None else None) or f"{kind.__name__}{NOT_TAKING_EFFECT}"
 
 
-def _target(action: d.Action) -> str:
+def _target(action: act.Action) -> str:
     """What an action acts on, for log lines."""
-    if isinstance(action, d.RecordPlan | d.CreatePod):
+    if isinstance(action, act.RecordPlan | act.CreatePod):
         return f"runner pod {action.plan.name}"
     name = getattr(action, "name", "")
     return f"runner pod {name}" if name else "the VM"
@@ -156,7 +157,7 @@ class ReconcilerConfig:
 class ReconcileResult:
     """How a reconcile ended: its last decision and when to look again."""
 
-    action: d.Action
+    action: act.Action
     requeue_after: float
     steps: int
     """Actions performed."""
@@ -197,20 +198,20 @@ class _Tally:
 
     steps: int = 0
     resumed_counted: bool = False
-    misses: Counter[tuple[type[d.Action], str]] = field(default_factory=Counter)
+    misses: Counter[tuple[type[act.Action], str]] = field(default_factory=Counter)
     """Steps that did not take effect: (action, outcome). Not by target: a pod name
     changes from one attempt to the next, and the condition must not."""
-    details: dict[tuple[type[d.Action], str], str] = field(default_factory=dict)
-    targets: dict[tuple[type[d.Action], str], str] = field(default_factory=dict)
-    performed: Counter[type[d.Action]] = field(default_factory=Counter)
+    details: dict[tuple[type[act.Action], str], str] = field(default_factory=dict)
+    targets: dict[tuple[type[act.Action], str], str] = field(default_factory=dict)
+    performed: Counter[type[act.Action]] = field(default_factory=Counter)
     put: tuple[int, str, str] | None = None
     """The reconcile's ``PUT /scale``, once sent: (plan seq, outcome, detail). One per
     reconcile, whatever its answer (:meth:`Reconciler._after_put`)."""
 
-    def add(self, action: d.Action, outcome: str) -> None:
+    def add(self, action: act.Action, outcome: str) -> None:
         self.steps += 1
         self.performed[type(action)] += 1
-        if isinstance(action, d.ApplyScale):
+        if isinstance(action, act.ApplyScale):
             self.put = (action.plan.seq, str(outcome), getattr(outcome, "detail", ""))
         if outcome not in EFFECTIVE:
             miss = (type(action), str(outcome))
@@ -327,10 +328,10 @@ class Reconciler:
             if self._wants_direct_read(snap, action, log):
                 snap = self.observe(key, authority, direct=True)
                 continue
-            if isinstance(action, d.Fenced):
+            if isinstance(action, act.Fenced):
                 raise FencedSnapshot(f"{key}: {action.reason} (epoch {action.seen_epoch} > "
                                      f"{authority.lease.epoch})", snap)
-            trouble = (runner_trouble(snap.obs.runner_error) if isinstance(action, d.Wait)
+            trouble = (runner_trouble(snap.obs.runner_error) if isinstance(action, act.Wait)
                        and action.condition == reasons.SCALING_CONDITION else None)
             if trouble is not None:
                 # The plan's runner misbehaves, or has not answered for a while: not
@@ -338,15 +339,15 @@ class Reconciler:
                 if not snap.obs.direct:
                     snap = self.observe(key, authority, direct=True)
                     continue
-                return self._stuck(key, snap, authority, log, tally.steps, d.ApplyScale,
+                return self._stuck(key, snap, authority, log, tally.steps, act.ApplyScale,
                                    *trouble)
-            if isinstance(action, d.Done | d.Wait):
+            if isinstance(action, act.Done | act.Wait):
                 done = self._finish(key, snap, action, authority, log, tally.steps)
                 if done is None:  # conditions to write, decided from the cache
                     snap = self.observe(key, authority, direct=True)
                     continue
                 return done
-            if isinstance(action, d.ApplyScale) and tally.put is not None:
+            if isinstance(action, act.ApplyScale) and tally.put is not None:
                 return self._after_put(key, snap, authority, log, tally.steps, action,
                                        *tally.put)
             outcome = self._act(key, action, snap, authority, log, tally)
@@ -357,15 +358,15 @@ class Reconciler:
                 return self._refused(key, snap, authority, log, tally.steps, action, outcome)
         return self._budget_used(key, snap, authority, log, tally)
 
-    def _wants_direct_read(self, snap: Snapshot, action: d.Action, log: Any) -> bool:
+    def _wants_direct_read(self, snap: Snapshot, action: act.Action, log: Any) -> bool:
         """Whether ``action`` may be taken only from a direct read that ``snap`` is not:
         a decision outside :data:`SEEN_BY_WRITE` on a write's answer, ObserveDirect, and
         a create from the cache."""
         if snap.from_write and not isinstance(action, SEEN_BY_WRITE):
             log.debug("{action} needs a fresh direct read", action=type(action).__name__)
             return True
-        if isinstance(action, d.ObserveDirect) or (
-                isinstance(action, d.CreatePod)
+        if isinstance(action, act.ObserveDirect) or (
+                isinstance(action, act.CreatePod)
                 and not (snap.obs.direct or snap.vm_written)):
             if snap.obs.direct:
                 raise RuntimeError(f"decide asked for a direct read of a direct "
@@ -374,7 +375,7 @@ class Reconciler:
             return True
         return False
 
-    def _act(self, key: str, action: d.Action, snap: Snapshot, authority: Authority,
+    def _act(self, key: str, action: act.Action, snap: Snapshot, authority: Authority,
              log: Any, tally: _Tally) -> str:
         """Perform one action, count it and tell the step hook."""
         if not tally.resumed_counted:
@@ -392,7 +393,7 @@ class Reconciler:
         tally.add(action, outcome)
         return outcome
 
-    def _perform(self, key: str, action: d.Action, snap: Snapshot, authority: Authority,
+    def _perform(self, key: str, action: act.Action, snap: Snapshot, authority: Authority,
                  log: Any) -> str:
         """Perform one action by its row in :data:`ACTIONS`; "done" when it took effect,
         else why not. A pod write checks the authority first (a VM write checks inside its
@@ -404,7 +405,7 @@ class Reconciler:
             authority.check()
         return row.perform(self.ctx, Step(key, action, snap, authority, log, row))
 
-    def _finish(self, key: str, snap: Snapshot, action: d.Done | d.Wait,
+    def _finish(self, key: str, snap: Snapshot, action: act.Done | act.Wait,
                 authority: Authority, log: Any, steps: int) -> ReconcileResult | None:
         """Done or Wait: bring the conditions up to date, and say when to look again;
         None when they must be written from a direct read first."""
@@ -431,16 +432,16 @@ class Reconciler:
                 events = self.ctx.events
                 warn_unimplemented(events, record.vm, written.vm)
                 warn_acceleration_unavailable(events, record.vm, written.vm)
-        requeue = (action.seconds if isinstance(action, d.Wait)
+        requeue = (action.seconds if isinstance(action, act.Wait)
                    else self._config.resync_seconds)
         log.debug("reconciled: {action} ({reason})", action=type(action).__name__,
                   reason=action.reason)
         return ReconcileResult(action=action, requeue_after=requeue, steps=steps,
                                seen=seen_of(final, snap.pods))
 
-    def _event_for_wait(self, action: d.Action, before: Any, after: Any, log: Any) -> None:
+    def _event_for_wait(self, action: act.Action, before: Any, after: Any, log: Any) -> None:
         """A Warning event when a VM starts waiting for a missing image pull secret."""
-        if not (isinstance(action, d.Wait) and action.condition == reasons.PULL_SECRET_NOT_FOUND):
+        if not (isinstance(action, act.Wait) and action.condition == reasons.PULL_SECRET_NOT_FOUND):
             return
         was = next((c for c in before.status.conditions if c.type == DEGRADED), None)
         if was is not None and was.status == "True" and was.reason == reasons.PULL_SECRET_NOT_FOUND:
@@ -450,7 +451,7 @@ class Reconciler:
                                warning=True)
 
     def _refused(self, key: str, snap: Snapshot, authority: Authority, log: Any, steps: int,
-                 action: d.Action, outcome: str) -> ReconcileResult:
+                 action: act.Action, outcome: str) -> ReconcileResult:
         """A step refused in a way that asking again at once cannot change: stuck."""
         kind = type(action)
         detail = getattr(outcome, "detail", "")
@@ -481,25 +482,25 @@ class Reconciler:
                         target=tally.targets.get((kind, outcome), "?"))
             return self._stuck(key, snap, authority, log, steps, kind,
                                f"{kind.__name__}{NOT_TAKING_EFFECT}", message)
-        kind, times = (tally.performed.most_common(1) or [(d.Wait, 0)])[0]
+        kind, times = (tally.performed.most_common(1) or [(act.Wait, 0)])[0]
         message = (f"{steps} steps took effect without the VM converging (most often "
                    f"{kind.__name__}, {times} times); the controller retries with backoff")
         return self._stuck(key, snap, authority, log, steps, kind, STEP_BUDGET_EXHAUSTED,
                            message)
 
-    def _with_namespace(self, obs: d.Observation) -> d.Observation:
+    def _with_namespace(self, obs: act.Observation) -> act.Observation:
         """``obs``, saying whether the VM's namespace is known to be being deleted."""
         if obs.vm is None or not self.ctx.terminating.knows(obs.vm.namespace):
             return obs
         return replace(obs, namespace_terminating=True)
 
-    def _fenced(self, obs: d.Observation, snap: Snapshot) -> d.Observation:
+    def _fenced(self, obs: act.Observation, snap: Snapshot) -> act.Observation:
         """``obs`` with its self-fenced pods (:mod:`neonvm.controller.fencing`)."""
         fencing = self.ctx.fencing
         return fencing.observe(obs, dict(snap.pods)) if fencing else obs
 
     def _after_put(self, key: str, snap: Snapshot, authority: Authority, log: Any,
-                   steps: int, action: d.ApplyScale, seq: int, outcome: str,
+                   steps: int, action: act.ApplyScale, seq: int, outcome: str,
                    detail: str) -> ReconcileResult:
         """``decide`` asks for a second ``PUT /scale`` in one reconcile: not sent. The
         runner chooses how long each answer takes (up to the deadline, whatever the
@@ -511,15 +512,15 @@ class Reconciler:
         if action.plan.seq != seq:
             log.debug("plan #{seq} made after this reconcile's PUT: looking again at once",
                       seq=action.plan.seq)
-            return ReconcileResult(action=d.Wait(seconds=0.0, reason="one PUT /scale per "
+            return ReconcileResult(action=act.Wait(seconds=0.0, reason="one PUT /scale per "
                                                  "reconcile"),
                                    requeue_after=0.0, steps=steps)
-        return self._stuck(key, snap, authority, log, steps, d.ApplyScale,
+        return self._stuck(key, snap, authority, log, steps, act.ApplyScale,
                            f"ApplyScale{NOT_TAKING_EFFECT}",
-                           miss_message(d.ApplyScale, outcome, detail))
+                           miss_message(act.ApplyScale, outcome, detail))
 
     def _stuck(self, key: str, snap: Snapshot, authority: Authority, log: Any, steps: int,
-               kind: type[d.Action], reason: str, message: str) -> ReconcileResult:
+               kind: type[act.Action], reason: str, message: str) -> ReconcileResult:
         """End a reconcile that cannot converge: count it, say so in Degraded."""
         step = kind.step or kind.__name__.lower()
         if self._metrics:
@@ -529,7 +530,7 @@ class Reconciler:
             mutation = stuck_mutation(stuck_condition(reason, message), authority.lease)
             if mutation(snap.record.vm) is not None:
                 write_status(self.ctx, key, snap, mutation, authority, log)
-        return ReconcileResult(action=d.Wait(seconds=0.0, reason=message), requeue_after=0.0,
+        return ReconcileResult(action=act.Wait(seconds=0.0, reason=message), requeue_after=0.0,
                                steps=steps, stuck=reason)
 
     def _fenced_ahead(self, key: str, authority: Authority, why: str, log: Any,
@@ -563,7 +564,7 @@ class Reconciler:
         seen = fence_ahead(record.vm, lease) if record is not None else None
         if record is None or seen is None:
             log.info("fenced out ({why}), but the fresh copy is not: looking again", why=why)
-            return ReconcileResult(action=d.Wait(seconds=1.0, reason="fence no longer ahead"),
+            return ReconcileResult(action=act.Wait(seconds=1.0, reason="fence no longer ahead"),
                                    requeue_after=1.0, steps=0)
         if not epoch_ahead(seen, lease):
             raise FencedOut(f"{key}: status.fence (epoch {seen[0]}, token {seen[1]}) is ahead "
@@ -579,7 +580,7 @@ class Reconciler:
             self.writer.put_status, authority)
         if outcome.written:
             self.ctx.events.record(record.vm, FENCE_AHEAD, message, warning=True)
-        action = d.Wait(seconds=FENCE_AHEAD_RECHECK_SECONDS, condition=FENCE_AHEAD,
+        action = act.Wait(seconds=FENCE_AHEAD_RECHECK_SECONDS, condition=FENCE_AHEAD,
                         reason=message)
         return ReconcileResult(action=action, requeue_after=FENCE_AHEAD_RECHECK_SECONDS,
                                steps=0)

@@ -53,6 +53,7 @@ from neonvm import kube
 from neonvm.api import types
 from neonvm.api.scale_protocol import NO_TOKEN, ScaleFence, pod_token, request_body
 from neonvm.api.types import VirtualMachine
+from neonvm.controller import actions as act
 from neonvm.controller import autoscaler_view, looks, podspec
 from neonvm.controller import decide as d
 from neonvm.controller.observe import Snapshot
@@ -131,7 +132,7 @@ asked again at decide's own pace (``RUNNER_RECHECK_SECONDS``) before its VM is D
 by this process from the first failure in a row. A runner that misbehaves is Degraded at
 once."""
 
-RunnerAddress = Callable[[VirtualMachine, d.PodView], str]
+RunnerAddress = Callable[[VirtualMachine, act.PodView], str]
 """``http://host:port`` of a pod's runner."""
 
 
@@ -145,7 +146,7 @@ def scalable(vm: VirtualMachine) -> bool:
     return podspec.scalable(vm)
 
 
-def default_address(vm: VirtualMachine, pod: d.PodView) -> str:
+def default_address(vm: VirtualMachine, pod: act.PodView) -> str:
     """The pod's runner: its IP and the port in the pod's own spec (the VM's
     ``runnerPort`` may have changed since the pod was built)."""
     port = pod.runner_port or vm.spec.runner_port or podspec.RUNNER_PORT
@@ -388,7 +389,7 @@ class RunnerScaling:
         self._answered(pod.uid)
         return dataclasses.replace(snap, obs=dataclasses.replace(obs, runner=view))
 
-    def _view(self, vm: VirtualMachine, pod: d.PodView) -> d.RunnerView:
+    def _view(self, vm: VirtualMachine, pod: act.PodView) -> act.RunnerView:
         code, doc = self._call("GET", f"{self._address(vm, pod)}/scale", None, None,
                                self._look_timeout)
         if code != 200:
@@ -400,7 +401,7 @@ class RunnerScaling:
                                f"({type(exc).__name__}: {_short(str(exc))})",
                                misbehaving=True) from None
 
-    def apply(self, action: d.ApplyScale, snap: Snapshot, log: Any) -> str:
+    def apply(self, action: act.ApplyScale, snap: Snapshot, log: Any) -> str:
         """``PUT /scale`` for the recorded plan; "done" when the runner reached it."""
         vm = snap.obs.vm
         assert vm is not None
@@ -548,7 +549,7 @@ class RunnerScaling:
 
     # ---- Kubernetes --------------------------------------------------------------------
 
-    def _tell_kubernetes(self, vm: VirtualMachine, pod: d.PodView, memory_bytes: int,
+    def _tell_kubernetes(self, vm: VirtualMachine, pod: act.PodView, memory_bytes: int,
                          plan: types.PendingScale, log: Any) -> None:
         """The usage annotation, and the CPU request by in-place resize (best effort: the
         guest already has the size; a failure here is logged, not retried later).
@@ -567,7 +568,7 @@ class RunnerScaling:
         log.warning("{pod}: the usage annotation or the CPU request of plan {f} met a "
                     "conflict {n} times: left", pod=pod.name, f=fence, n=TELL_ATTEMPTS)
 
-    def _tell_once(self, vm: VirtualMachine, pod: d.PodView, memory_bytes: int,
+    def _tell_once(self, vm: VirtualMachine, pod: act.PodView, memory_bytes: int,
                    plan: types.PendingScale, fence: tuple[int, int, int], log: Any) -> str:
         """One read-check-patch of :meth:`_tell_kubernetes`: "done" (or nothing to do,
         or failed for good), or "conflict" (a 409: read again and redo)."""
@@ -640,8 +641,8 @@ def _count(value: object, limit: int) -> int:
     return value
 
 
-def _runner_view(doc: dict[str, Any], pod_uid: str) -> d.RunnerView:
-    """A ``GET /scale`` report as :class:`~neonvm.controller.decide.RunnerView`; raises
+def _runner_view(doc: dict[str, Any], pod_uid: str) -> act.RunnerView:
+    """A ``GET /scale`` report as :class:`~neonvm.controller.actions.RunnerView`; raises
     KeyError, TypeError or ValueError on anything malformed (the fields, their types,
     their ranges)."""
     last = doc.get("lastApplied") or None
@@ -661,7 +662,7 @@ def _runner_view(doc: dict[str, Any], pod_uid: str) -> d.RunnerView:
     answered = doc.get("podUid")
     if answered is not None and not isinstance(answered, str):
         raise TypeError("podUid is not a string")
-    return d.RunnerView(pod_uid=pod_uid, fence=fence, vcpus=vcpus,
+    return act.RunnerView(pod_uid=pod_uid, fence=fence, vcpus=vcpus,
                         memory_slots=_count(qemu["memorySlots"], MAX_RUNNER_COUNT),
                         memory_bytes=_count(qemu["memoryBytes"], MAX_RUNNER_BYTES),
                         pending_removals=tuple(removals),

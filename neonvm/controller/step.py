@@ -143,7 +143,7 @@ class Step(NamedTuple):
 
     key: str
     action: Any
-    """The :class:`~neonvm.controller.decide.Action`."""
+    """The :class:`~neonvm.controller.actions.Action`."""
     snap: Snapshot
     authority: Authority
     log: Any

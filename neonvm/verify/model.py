@@ -81,6 +81,7 @@ from neonvm.api.types import (
     VirtualMachineSpec,
     VirtualMachineStatus,
 )
+from neonvm.controller import actions as act
 from neonvm.controller import decide as d
 
 VM_NAME = "vm"
@@ -364,8 +365,8 @@ def from_api_status(s: VirtualMachineStatus) -> Status:
     )
 
 
-def to_view(p: Pod) -> d.PodView:
-    return d.PodView(name=p.name, uid=p.uid, owner_uid=p.owner, gated=p.gated,
+def to_view(p: Pod) -> act.PodView:
+    return act.PodView(name=p.name, uid=p.uid, owner_uid=p.owner, gated=p.gated,
                      terminating=p.terminating, phase=p.phase, node=p.node, ip=p.ip,
                      fence=p.fence)
 
@@ -376,20 +377,20 @@ def _freeze(value: Any) -> Any:
     return value
 
 
-def action_key(action: d.Action) -> ActKey:
+def action_key(action: act.Action) -> ActKey:
     """A hashable copy of ``action`` (field values in declaration order, no reason)."""
     values = (_freeze(getattr(action, f.name)) for f in dataclasses.fields(action)
               if f.name != "reason")
     return (type(action).__name__, *values)
 
 
-def action_of(key: ActKey) -> d.Action:
+def action_of(key: ActKey) -> act.Action:
     """The :mod:`decide` action a key stands for."""
     cls = getattr(d, key[0])
     names = [f.name for f in dataclasses.fields(cls) if f.name != "reason"]
     kwargs = {n: PendingPod(**v._asdict()) if isinstance(v, Plan) else v
               for n, v in zip(names, key[1:], strict=True)}
-    action: d.Action = cls(**kwargs)
+    action: act.Action = cls(**kwargs)
     return action
 
 
@@ -426,10 +427,10 @@ class ShippedCode:
         key = (vm, pods, lease, direct)
         hit = self.decisions.get(key)
         if hit is None:
-            obs = d.Observation(
+            obs = act.Observation(
                 vm=to_api_vm(vm) if vm is not None else None,
                 pods=tuple(to_view(p) for p in pods),
-                lease=d.Fence(epoch=lease[0], token=lease[1]),
+                lease=act.Fence(epoch=lease[0], token=lease[1]),
                 direct=direct,
             )
             hit = self.decisions[key] = action_key(d.decide(obs))
@@ -442,7 +443,7 @@ class ShippedCode:
             return self.status_results[key]
         from neonvm.controller import mutations
 
-        mutate = mutations.status_mutation(action_of(action), d.Fence(*lease))
+        mutate = mutations.status_mutation(action_of(action), act.Fence(*lease))
         result: Status | str | None
         try:
             new = mutate(copy.deepcopy(to_api_vm(vm)))
