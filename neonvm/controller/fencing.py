@@ -44,9 +44,9 @@ from neonvm.api.rights import (
     parse_annotation,
 )
 from neonvm.controller import actions as d
+from neonvm.controller.podspec import UNREACHABLE_TAINT
 from neonvm.controller.rights import RightsLedger
 
-UNREACHABLE_TAINT = "node.kubernetes.io/unreachable"
 NODE_TTL = 2.0
 """Seconds a Node read is reused (a VM waiting for its old pod looks every second)."""
 SELF_FENCED = "SelfFenced"

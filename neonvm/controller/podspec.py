@@ -162,7 +162,8 @@ def self_fencing(vm: VirtualMachine, defaults: PodDefaults) -> bool:
     return bool(fencing_eligible(vm, defaults) and vm.status.scaling_token_secret)
 
 
-NODE_FAILURE_TAINTS = ("node.kubernetes.io/unreachable", "node.kubernetes.io/not-ready")
+UNREACHABLE_TAINT = "node.kubernetes.io/unreachable"
+NODE_FAILURE_TAINTS = (UNREACHABLE_TAINT, "node.kubernetes.io/not-ready")
 """The taints the node lifecycle controller puts on a node that stops reporting."""
 
 
