@@ -101,6 +101,28 @@ def test_a_guest_without_a_rights_url_has_no_deadline(tmp_path: Path) -> None:
     assert g is not None and g.right_seconds is None
 
 
+def test_a_qemu_that_is_dying_is_gone_not_running(tmp_path: Path) -> None:
+    """A stopped QEMU that is SIGKILLed shows R (or D) for a moment on its way out: with
+    SIGKILL pending, or in exit() (PF_EXITING), it runs no guest code and counts as gone."""
+    write_proc(tmp_path, 8, state="R")
+    (tmp_path / "8" / "status").write_text("Name:\tqemu\nSigPnd:\t0000000000000000\n"
+                                           "ShdPnd:\t0000000000000100\n")
+    proc = guests.read_stat(tmp_path, 8)
+    assert proc is not None and proc.state == "X"
+    (tmp_path / "8" / "status").write_text("SigPnd:\t0000000000000000\n"
+                                           "ShdPnd:\t0000000000004000\n")  # SIGTERM only
+    proc = guests.read_stat(tmp_path, 8)
+    assert proc is not None and proc.state == "R"
+    exiting = guests.parse_stat(9, "9 (qemu-system-x86) R 1 9 9 0 -1 4194564 "
+                                + " ".join(["0"] * 12) + " 500 0 0\n")
+    assert exiting is not None and exiting.state == "X"
+    h = History(guest(9))
+    h.observe(1.0, "T")
+    h.observe(2.0, "X")
+    assert guests.classify(h, now=3.0) == [Interval(0.0, 1.0, True),
+                                          Interval(1.0, 2.0, False)]
+
+
 def test_a_command_name_with_spaces_and_parentheses_is_parsed() -> None:
     proc = guests.parse_stat(7, "7 (a) b (c) R " + " ".join(["0"] * 18) + " 500 0 0\n")
     assert proc is not None and proc.comm == "a) b (c" and proc.state == "R"

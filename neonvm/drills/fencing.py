@@ -492,6 +492,8 @@ class Result:
     may_run_overlaps: int = 0
     leader_killed: str | None = None
     leader_kill_at: float | None = None
+    overlaps: list[tuple[float, float, bool]] = field(default_factory=list)
+    """Each moment with two guests: (start after the fault, seconds, all running)."""
     runner_log: list[str] = field(default_factory=list)
     """Partition: the runner's log lines that say it fenced itself."""
     notes: list[str] = field(default_factory=list)
@@ -506,8 +508,8 @@ class Result:
                 f"replacements {self.replacements}; moments with two guests: "
                 f"{self.running_overlaps} running, {self.may_run_overlaps} may-run; "
                 f"leader {self.leader_killed or '-'} killed at "
-                f"{f(self.leader_kill_at)}" + (f"; {'; '.join(self.notes)}" if self.notes
-                                               else ""))
+                f"{f(self.leader_kill_at)}; overlaps (start, s, running) {self.overlaps}"
+                + (f"; {'; '.join(self.notes)}" if self.notes else ""))
 
 
 def runner_log(node: RealNode, pod_uid: str, needle: str) -> list[str]:
@@ -590,8 +592,9 @@ def run_drill(rig: Rig, drill: str, vm: str, *, rng: random.Random,
                     timeline.samples.append(Sample(time.monotonic(), 0, 0, running))
                     samples_every = time.monotonic() + 0.5
                 new = [g for g in counter.running(full) if g.pod_uid != old_guest.pod_uid]
-                if new and replacement is None:
-                    replacement = new[0]
+                if new:
+                    # The latest: a replacement that died (e.g. fenced) was replaced too.
+                    replacement = max(new, key=lambda g: g.start)
                     result.freeze_to_qemu = replacement.start - fault_at
                 if replacement is not None and replacement.pod_uid in watch.seen and \
                         "ready" in watch.seen[replacement.pod_uid]:
@@ -647,6 +650,8 @@ def run_drill(rig: Rig, drill: str, vm: str, *, rng: random.Random,
             if "ungated" in marks:
                 timeline.event("ungated", uid[:8], marks["ungated"] - offset)
     result.replacements = len([u for u in watch.seen if u != pod.metadata.uid])
+    result.overlaps = [(round(o.start - fault_at, 3), round(o.seconds, 3), o.running)
+                       for o in report.overlaps]
     result.running_overlaps = len(report.running_overlaps)
     result.may_run_overlaps = len(report.overlaps) - len(report.running_overlaps)
     [old_h] = [h for h in report.guests if h.guest.key == old_guest.key]

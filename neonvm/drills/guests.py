@@ -9,7 +9,8 @@ looks only at the host's processes, never at the controller or the API server:
   checked against QEMU's own ``-name guest=<name>``), its pod (``NEONVM_POD_UID``) and
   its right's length D (``NEONVM_RIGHT_SECONDS``); its node is read from its cgroup path;
 * it **runs** while its state is neither stopped (``T``, ``t``) nor dead (``Z``, ``X``,
-  gone);
+  gone, or dying: in exit(), or with SIGKILL pending, as a stopped process killed shows
+  ``R`` for a moment);
 * a **frozen** guest (SIGSTOPped) **may run** until its right's deadline has surely
   passed: every grant it holds was asked before the freeze, so its deadline is before
   ``freeze + D`` on the host's boot-time clock, and the freeze happened before the first
@@ -31,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -40,6 +42,7 @@ from pathlib import Path
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 STOPPED = frozenset("Tt")
 DEAD = frozenset("ZX")
+PF_EXITING = 0x4
 
 
 def boottime() -> float:
@@ -80,12 +83,34 @@ class Guest:
 
 
 def read_stat(proc_root: Path, pid: int) -> Proc | None:
-    """``/proc/<pid>/stat`` parsed, or None when the process is gone."""
+    """``/proc/<pid>/stat`` parsed, or None when the process is gone. A process with
+    SIGKILL pending (``/proc/<pid>/status``) is dying: state ``X``."""
     try:
         raw = (proc_root / str(pid) / "stat").read_text()
     except (FileNotFoundError, ProcessLookupError, PermissionError):
         return None
-    return parse_stat(pid, raw)
+    proc = parse_stat(pid, raw)
+    if proc is not None and proc.state not in DEAD and proc.comm.startswith("qemu-system") \
+            and _sigkill_pending(proc_root, pid):
+        return Proc(proc.pid, proc.comm, "X", proc.start, proc.cpu)
+    return proc
+
+
+def _sigkill_pending(proc_root: Path, pid: int) -> bool:
+    """Whether SIGKILL is pending (thread or process): such a process never returns to
+    user mode, so no guest instruction runs again (KVM also leaves guest mode on a
+    pending signal)."""
+    try:
+        lines = (proc_root / str(pid) / "status").read_text().splitlines()
+    except OSError:
+        return False
+    for line in lines:
+        key, _, value = line.partition(":")
+        if key in ("SigPnd", "ShdPnd"):
+            with contextlib.suppress(ValueError):
+                if int(value.strip(), 16) & (1 << (signal.SIGKILL - 1)):
+                    return True
+    return False
 
 
 def parse_stat(pid: int, raw: str) -> Proc | None:
@@ -94,7 +119,10 @@ def parse_stat(pid: int, raw: str) -> Proc | None:
         comm = raw[raw.index("(") + 1:raw.rindex(")")]
         rest = raw[raw.rindex(")") + 2:].split()
         # rest[0] is field 3 (state); utime, stime are 14, 15; starttime is 22.
-        return Proc(pid=pid, comm=comm, state=rest[0],
+        # Field 9 holds the kernel's task flags: PF_EXITING once it is in exit(), where
+        # it may show R or D for a moment after a SIGKILL; it runs no guest code then.
+        state = "X" if int(rest[6]) & PF_EXITING and rest[0] not in DEAD else rest[0]
+        return Proc(pid=pid, comm=comm, state=state,
                     start=int(rest[19]) / CLK_TCK,
                     cpu=(int(rest[11]) + int(rest[12])) / CLK_TCK)
     except (ValueError, IndexError):
