@@ -19,6 +19,7 @@ from kubernetes import client
 
 if TYPE_CHECKING:
     from neonvm.api.types import Fence
+    from neonvm.controller.reconciler import Reconciler
     from neonvm.dev.cluster import LocalCluster
     from neonvm.dev.pki import LocalPKI
     from neonvm.leader.etcd import EtcdConfig
@@ -50,6 +51,19 @@ def wait_for(
         f"timed out after {timeout}s waiting for {what or condition!r}; last={last!r}"
     )
 
+
+
+def shipped_reconciler(api: client.ApiClient, **kw: Any) -> Reconciler:
+    """The shipped reconciler with its clients built over ``api``, as the controller's
+    composition root builds them (``cluster=`` or ``scaling=`` given in ``kw`` replace
+    them); every other keyword is the reconciler's."""
+    from neonvm.controller.cluster import KubeCluster
+    from neonvm.controller.reconciler import Reconciler
+    from neonvm.controller.scaling import RunnerScaling
+
+    cluster = kw.pop("cluster", None) or KubeCluster(api)
+    scaling = kw.pop("scaling", None) or RunnerScaling(api)
+    return Reconciler(cluster, scaling, **kw)
 
 def restart_api_server(cluster: LocalCluster, api: client.ApiClient) -> None:
     """Start the session's stopped kube-apiserver and wait until it serves

@@ -43,7 +43,7 @@ from neonvm.runner.metrics import runner_registry
 from neonvm.runner.server import RunnerHTTPServer
 from neonvm.runner.state import RunnerState, Sizing
 from neonvm.testing.harness import get_vm, runner_pods, vm_manifest
-from tests.support import wait_for
+from tests.support import shipped_reconciler, wait_for
 
 AUTHORITY = StaticAuthority(epoch=1, token=10)
 KVM = "devices.kubevirt.io/kvm"
@@ -312,7 +312,7 @@ def test_the_http_source_reads_a_real_runners_status_and_fails_fast_elsewhere(
 @pytest.mark.cluster
 def test_without_a_kvm_resource_a_vm_asking_for_kvm_is_told_and_one_with_it_off_is_not(
         api: client.ApiClient, controller_api: client.ApiClient, namespace: str) -> None:
-    reconciler = Reconciler(controller_api, events=EventRecorder(controller_api, "test"))
+    reconciler = shipped_reconciler(controller_api, events=EventRecorder(controller_api, "test"))
     for name, spec in (("asks", {}), ("off", {"enableAcceleration": False})):
         client.CustomObjectsApi(api).create_namespaced_custom_object(
             types.GROUP, types.VERSION, namespace, types.PLURAL,
@@ -337,8 +337,8 @@ def test_the_runners_report_becomes_the_condition_and_one_warning(
     """The controller has a --kvm-resource, so only the runner can say KVM is missing:
     the controller GETs its /status once the pod runs and writes the runner's reason."""
     config = ReconcilerConfig(pod_defaults=PodDefaults(kvm_resource=KVM))
-    reconciler = Reconciler(controller_api, events=EventRecorder(controller_api, "test"),
-                            config=config)
+    reconciler = shipped_reconciler(controller_api, events=EventRecorder(controller_api, "test"),
+                                    config=config)
     port = runner_server.port
     for name, spec in (("asks", {}), ("off", {"enableAcceleration": False})):
         client.CustomObjectsApi(api).create_namespaced_custom_object(

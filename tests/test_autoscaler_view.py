@@ -24,6 +24,7 @@ from neonvm.controller.authority import StaticAuthority
 from neonvm.controller.podspec import ANNOTATION_RESOURCES, ANNOTATION_USAGE
 from neonvm.controller.reconciler import Reconciler, ReconcileResult
 from neonvm.testing.harness import create_vm, get_vm, runner_pods
+from tests.support import shipped_reconciler
 
 GIB = 1 << 30
 NOWHERE = {"neonvm.test/unschedulable": "true"}
@@ -256,7 +257,7 @@ def test_a_scale_the_autoscaler_agent_asks_for_shows_in_the_pod_and_status_it_re
                       "memorySlots": {"min": 1, "max": 2, "use": 1},
                       "memorySlotSize": "1Gi", "rootDisk": {"image": "/nonexistent.raw"}}})
         key = f"{namespace}/agent"
-        reconciler = Reconciler(controller_api, scaling=RunnerScaling(
+        reconciler = shipped_reconciler(controller_api, scaling=RunnerScaling(
             controller_api, address=lambda vm, pod: f"http://127.0.0.1:{runner.port}"))
         settle(reconciler, key)
         (pod,) = runner_pods(api, namespace, "agent")
@@ -352,7 +353,7 @@ def test_the_vms_autoscaling_labels_and_annotations_are_kept_on_its_running_pod(
         "labels": {"autoscaling.neon.tech/enabled": "true", "autoscaling.neon.tech/gone": "1"}}},
         content_type="application/merge-patch+json")
     key = f"{namespace}/meta"
-    reconciler = Reconciler(controller_api)
+    reconciler = shipped_reconciler(controller_api)
     settle(reconciler, key)
     (pod,) = runner_pods(api, namespace, "meta")
     assert pod.metadata.labels["autoscaling.neon.tech/enabled"] == "true"  # copied at build

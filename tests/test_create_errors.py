@@ -33,7 +33,8 @@ from neonvm.controller.conditions import stuck_mutation
 from neonvm.controller.create_policy import classify_create_error
 from neonvm.controller.observe import Snapshot, VMRecord, make_snapshot
 from neonvm.controller.performers import replace_unlabelled
-from neonvm.controller.reconciler import Reconciler, miss_message
+from neonvm.controller.reconciler import miss_message
+from tests.support import shipped_reconciler
 
 pytestmark = pytest.mark.unit
 
@@ -187,7 +188,7 @@ def test_an_unlabelled_committed_pod_is_deleted_only_if_this_vm_controls_it(
     pod = {"metadata": {"name": "b-1", "uid": "pod-uid", "resourceVersion": "7",
                         "labels": {"vm.neon.tech/name": "b"}, "ownerReferences": refs},
            "spec": {"schedulingGates": [{"name": SCHEDULING_GATE}]}}
-    reconciler = Reconciler(client.ApiClient(), events=_Events())  # type: ignore[arg-type]
+    reconciler = shipped_reconciler(client.ApiClient(), events=_Events())  # type: ignore[arg-type]
     core = _Deletes()
     monkeypatch.setattr(kube, "request", core)
     outcome = replace_unlabelled(reconciler.ctx, vm, pod, act.Ungate(name="b-1", uid="pod-uid"),
@@ -248,7 +249,7 @@ class _PlantedNames:
 
 def test_a_vm_stuck_again_on_other_pod_names_does_not_rewrite_its_degraded_condition() -> None:
     fake = _PlantedNames()
-    reconciler = Reconciler(client.ApiClient(), events=_Events())  # type: ignore[arg-type]
+    reconciler = shipped_reconciler(client.ApiClient(), events=_Events())  # type: ignore[arg-type]
     reconciler.ctx.reader = fake  # type: ignore[assignment]
     reconciler.ctx.writer = fake  # type: ignore[assignment]
     reconciler.cluster.create_pod = fake.create_pod  # type: ignore[assignment,method-assign]

@@ -24,11 +24,12 @@ from kubernetes import client
 from neonvm.api import types
 from neonvm.controller.action_table import ACTIONS
 from neonvm.controller.authority import StaticAuthority
-from neonvm.controller.reconciler import Reconciler, ReconcilerConfig
+from neonvm.controller.reconciler import ReconcilerConfig
 from neonvm.verify.actors import Actors, Config, Step
 from neonvm.verify.model import World, deleted, replace_pod, write_pods, write_vm
 from neonvm.verify.scenarios import fresh_world
 from tests.fake_cluster import FakeCluster
+from tests.support import shipped_reconciler
 
 pytestmark = pytest.mark.unit
 
@@ -125,8 +126,8 @@ class ShippedRun:
             if outcome in ("done", "replaced"):
                 self.performed.append(ACTION_OF_STEP[step])
 
-        self.reconciler = Reconciler(client.ApiClient(), cluster=self.fake,
-                                     after_step=after_step, config=ReconcilerConfig())
+        self.reconciler = shipped_reconciler(client.ApiClient(), cluster=self.fake,
+                                             after_step=after_step, config=ReconcilerConfig())
 
     def _kubelet(self) -> bool:
         """Run every ungated pod not yet running (the model's scheduler + kubelet step)."""

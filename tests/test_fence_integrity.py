@@ -51,7 +51,7 @@ from neonvm.controller.reasons import DEGRADED, FENCE_AHEAD, FENCE_RESOLVED
 from neonvm.controller.reconciler import (
     FENCE_AHEAD_RECHECK_SECONDS as RECHECK,
 )
-from neonvm.controller.reconciler import Reconciler, ReconcilerConfig
+from neonvm.controller.reconciler import ReconcilerConfig
 from neonvm.dev.cluster import LocalCluster
 from neonvm.invariant import InvariantChecker
 from neonvm.testing.harness import (
@@ -62,7 +62,7 @@ from neonvm.testing.harness import (
     is_gated,
     runner_pods,
 )
-from tests.support import replica_group, wait_for
+from tests.support import replica_group, shipped_reconciler, wait_for
 
 AUTHORITY = StaticAuthority(epoch=1, token=10)
 NOWHERE = {"neonvm.test/unschedulable": "true"}
@@ -279,8 +279,8 @@ def test_a_pod_planted_under_the_next_name_is_not_adopted_and_the_vm_gets_its_ow
     vm = create_vm(api, namespace, "victim", spec={"nodeSelector": NOWHERE})
     key = f"{namespace}/victim"
     name = f"victim-{vm['metadata']['uid'][:8]}-1"
-    step = Reconciler(controller_api, config=ReconcilerConfig(max_steps=1),
-                      events=EventRecorder(controller_api, "test"))
+    step = shipped_reconciler(controller_api, config=ReconcilerConfig(max_steps=1),
+                              events=EventRecorder(controller_api, "test"))
     planted_uid = ""
     if when == "before-the-plan":
         planted_uid = plant(controller_api, namespace, vm, name)
@@ -294,7 +294,7 @@ def test_a_pod_planted_under_the_next_name_is_not_adopted_and_the_vm_gets_its_ow
     if when == "after-the-plan":
         planted_uid = plant(controller_api, namespace, vm, name)
 
-    reconciler = Reconciler(controller_api, events=EventRecorder(controller_api, "test"))
+    reconciler = shipped_reconciler(controller_api, events=EventRecorder(controller_api, "test"))
     for _ in range(10):
         result = reconciler.reconcile(key, AUTHORITY, direct_first=True)
         if isinstance(result.action, act.Done):
@@ -412,7 +412,7 @@ def test_a_fence_ahead_by_its_token_only_ends_the_term_and_marks_nothing(
     (the next epoch clears the fence of every such VM at once)."""
     create_vm(api, namespace, "tok", spec={"nodeSelector": NOWHERE})
     write_fence(api, namespace, "tok", 7, token=5000)
-    reconciler = Reconciler(controller_api, events=EventRecorder(controller_api, "test"))
+    reconciler = shipped_reconciler(controller_api, events=EventRecorder(controller_api, "test"))
     with pytest.raises(FencedOut, match="token only"):
         reconciler.reconcile(f"{namespace}/tok", StaticAuthority(epoch=7, token=12),
                              direct_first=True)
@@ -436,7 +436,7 @@ def test_a_vm_fenced_ahead_by_epoch_is_marked_from_one_direct_read_and_not_re_ma
     create_vm(api, namespace, "epo", spec={"nodeSelector": NOWHERE})
     write_fence(api, namespace, "epo", BAD_EPOCH)
     key = f"{namespace}/epo"
-    reconciler = Reconciler(controller_api, events=EventRecorder(controller_api, "test"))
+    reconciler = shipped_reconciler(controller_api, events=EventRecorder(controller_api, "test"))
     observed: list[str] = []
     real_observe = reconciler.reader.observe
 

@@ -30,7 +30,7 @@ from neonvm.controller.events import EventRecorder
 from neonvm.controller.mutations import status_mutation
 from neonvm.controller.reconciler import Reconciler, ReconcileResult
 from neonvm.testing.harness import get_vm, is_gated, runner_pods, vm_manifest
-from tests.support import wait_for
+from tests.support import shipped_reconciler, wait_for
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "neonvm"
 MANIFESTS = sorted(p.name for p in EXAMPLES.glob("*.yaml"))
@@ -185,7 +185,7 @@ def test_a_neonvm_shaped_manifest_applies_strictly_and_converges_to_one_pod(
         create_strict(api, namespace, copy.deepcopy(obj))
     vm = the_vm(manifest)
     name = vm["metadata"]["name"]
-    reconciler = Reconciler(controller_api, events=EventRecorder(controller_api, "test"))
+    reconciler = shipped_reconciler(controller_api, events=EventRecorder(controller_api, "test"))
     result = settle(reconciler, f"{namespace}/{name}")
     assert isinstance(result.action, act.Done), result
 
@@ -243,7 +243,7 @@ def test_the_autoscalers_millicpu_patch_is_accepted_and_the_next_runner_boots_wi
                   "memorySlots": {"min": 1, "max": 4, "use": 1}, "memorySlotSize": "256Mi",
                   "rootDisk": {"image": "img", "size": "1Gi"}}}))
     key = f"{namespace}/scaled"
-    reconciler = Reconciler(controller_api)
+    reconciler = shipped_reconciler(controller_api)
     settle(reconciler, key)
     first = only_pod(api, namespace, "scaled")
     assert first.spec.containers[0].resources.requests["cpu"] == "500m"
@@ -308,7 +308,7 @@ def test_the_api_server_prints_neonvm_columns_for_kubectl_get_neonvm(
         api: client.ApiClient, controller_api: client.ApiClient, namespace: str) -> None:
     for obj in documents("vm-exported.yaml"):
         create_strict(api, namespace, copy.deepcopy(obj))
-    settle(Reconciler(controller_api), f"{namespace}/compute-exported")
+    settle(shipped_reconciler(controller_api), f"{namespace}/compute-exported")
     # What kubectl asks for: the server-side Table, with every column (wide).
     method, url, headers, _, _ = api.param_serialize(
         "GET", vm_path(namespace), header_params={

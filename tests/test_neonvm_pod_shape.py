@@ -18,8 +18,8 @@ from neonvm.controller import actions as act
 from neonvm.controller import autoscaler_view as av
 from neonvm.controller import decide as d
 from neonvm.controller.podspec import runner_pod
-from neonvm.controller.reconciler import Reconciler
 from neonvm.testing.harness import create_vm, runner_pods, vm_manifest
+from tests.support import shipped_reconciler
 from tests.test_autoscaler_view import NOWHERE, settle, vm_of
 
 
@@ -111,7 +111,7 @@ def test_a_changed_overcommit_reaches_the_running_pod_without_a_restart(
                   "memorySlots": {"min": 1, "max": 1, "use": 1},
                   "memorySlotSize": "1Gi", "rootDisk": {"image": "/nonexistent.raw"}}})
     key = f"{namespace}/oc"
-    reconciler = Reconciler(controller_api)
+    reconciler = shipped_reconciler(controller_api)
     settle(reconciler, key)
     (pod,) = runner_pods(api, namespace, "oc")
     assert pod.metadata.annotations[av.ANNOTATION_OVERCOMMIT] == '{"cpu":"1500m"}'

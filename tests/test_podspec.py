@@ -21,9 +21,10 @@ from neonvm.api.schema import decode, encode
 from neonvm.api.types import PendingPod, VirtualMachine, VirtualMachineSpec, VirtualMachineStatus
 from neonvm.controller.authority import StaticAuthority
 from neonvm.controller.podspec import PodSpecError, runner_pod
-from neonvm.controller.reconciler import Reconciler, ReconcilerConfig
+from neonvm.controller.reconciler import ReconcilerConfig
 from neonvm.runner.spec import load_spec
 from neonvm.testing.harness import create_vm, get_vm, runner_pods
+from tests.support import shipped_reconciler
 
 AUTHORITY = StaticAuthority(epoch=1, token=10)
 PLAN = PendingPod(name="db-abcdef01-1", plan_seq=1, token=10, epoch=1, generation=1)
@@ -150,7 +151,7 @@ def test_a_spec_too_big_for_the_pods_annotations_is_a_pod_spec_error() -> None:
 def reconcile_to_a_pod(api: client.ApiClient, controller_api: client.ApiClient,
                        namespace: str, name: str) -> Any:
     """Plan and create the VM's runner pod; fail with the VM's conditions if none came."""
-    reconciler = Reconciler(controller_api, config=ReconcilerConfig(max_steps=3))
+    reconciler = shipped_reconciler(controller_api, config=ReconcilerConfig(max_steps=3))
     result = reconciler.reconcile(f"{namespace}/{name}", AUTHORITY, direct_first=True)
     pods = runner_pods(api, namespace, name)
     if len(pods) != 1:

@@ -32,6 +32,7 @@ from neonvm.controller.reconciler import Reconciler, ReconcilerConfig
 from neonvm.controller.scan import looks_mid_plan
 from neonvm.controller.update import RetryPolicy
 from tests.fake_cluster import FakeCluster
+from tests.support import shipped_reconciler
 
 pytestmark = pytest.mark.unit
 
@@ -62,8 +63,8 @@ class StaleRead(CacheReader):
 
 
 def reconciler(fake: FakeCluster, cache: CacheReader | None = None) -> Reconciler:
-    return Reconciler(client.ApiClient(), cluster=fake, cache=cache,
-                      config=ReconcilerConfig(retry=RetryPolicy(initial_backoff=0.0,
+    return shipped_reconciler(client.ApiClient(), cluster=fake, cache=cache,
+                              config=ReconcilerConfig(retry=RetryPolicy(initial_backoff=0.0,
                                                                 max_backoff=0.0)))
 
 

@@ -39,7 +39,7 @@ from neonvm.invariant import InvariantChecker
 from neonvm.testing.harness import create_vm as harness_create_vm
 from neonvm.testing.harness import get_vm, is_gated, runner_pods
 from tests.seed_bug import stale_writeback_update
-from tests.support import create_pull_secret, wait_for
+from tests.support import create_pull_secret, shipped_reconciler, wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -113,7 +113,7 @@ def test_a_vm_converges_to_exactly_one_ungated_runner_pod_named_in_status(
         checker: InvariantChecker) -> None:
     created = create_vm(api, namespace, "one")
     events = EventRecorder(controller_api, "test")
-    result = settle(Reconciler(controller_api, events=events), f"{namespace}/one")
+    result = settle(shipped_reconciler(controller_api, events=events), f"{namespace}/one")
 
     assert isinstance(result.action, act.Done)
     pod = converged_one(api, namespace, "one")
@@ -140,7 +140,7 @@ def test_the_runner_pod_is_fenced_owned_labelled_and_built_from_the_spec(
         "tolerations": [{"key": "vm", "operator": "Exists", "effect": "NoSchedule"}],
         "terminationGracePeriodSeconds": 7, "schedulerName": "default-scheduler",
     }, labels={"team": "db"})
-    reconciler = Reconciler(controller_api, config=ReconcilerConfig(max_steps=3))
+    reconciler = shipped_reconciler(controller_api, config=ReconcilerConfig(max_steps=3))
     reconciler.reconcile(f"{namespace}/spec", AUTHORITY, direct_first=True)  # plan, create
 
     (pod,) = runner_pods(api, namespace, "spec")
@@ -177,7 +177,7 @@ def test_a_deleted_pod_gets_exactly_one_replacement_that_waits_gated_for_the_old
         checker: InvariantChecker) -> None:
     create_vm(api, namespace, "seed")
     key = f"{namespace}/seed"
-    reconciler = Reconciler(controller_api)
+    reconciler = shipped_reconciler(controller_api)
     settle(reconciler, key)
     old = converged_one(api, namespace, "seed")
     hold(api, namespace, old)
@@ -241,7 +241,7 @@ def history_through_two_restarts(api: client.ApiClient, controller_api: client.A
     try:
         wait_for(informer.synced.is_set, 30)
         key = f"{namespace}/{name}"
-        reconciler = Reconciler(controller_api)
+        reconciler = shipped_reconciler(controller_api)
         settle(reconciler, key)
         for _ in range(2):
             client.CoreV1Api(api).delete_namespaced_pod(converged_one(api, namespace, name),
@@ -278,7 +278,7 @@ def test_a_stale_cache_does_not_start_a_second_plan(
     running = converged_one(api, namespace, "stale")
     before = status_of(api, namespace, "stale")
 
-    reconciler = Reconciler(controller_api, cache=FrozenCache(stale, []))
+    reconciler = shipped_reconciler(controller_api, cache=FrozenCache(stale, []))
     reconciler.reconcile(f"{namespace}/stale", AUTHORITY)
 
     assert [p.metadata.name for p in runner_pods(api, namespace, "stale")] == [running]
@@ -300,8 +300,8 @@ def test_the_seed_bug_reproduced_with_the_broken_retry_gives_the_vm_two_pods(
     stale = _stale_after_first_restart(api, controller_api, namespace, "broken")
     running = converged_one(api, namespace, "broken")
 
-    broken = Reconciler(controller_api, cache=FrozenCache(stale, []),
-                        update=stale_writeback_update, config=ReconcilerConfig(max_steps=3))
+    broken = shipped_reconciler(controller_api, cache=FrozenCache(stale, []),
+                                update=stale_writeback_update, config=ReconcilerConfig(max_steps=3))
     broken.reconcile(f"{namespace}/broken", AUTHORITY)  # plan, create, commit
 
     pods = {p.metadata.name: p for p in runner_pods(api, namespace, "broken")}
@@ -312,7 +312,7 @@ def test_the_seed_bug_reproduced_with_the_broken_retry_gives_the_vm_two_pods(
     assert status_of(api, namespace, "broken")["podName"] == second
 
     # The pod fence still holds: the running pod is deleted before the new one starts.
-    result = settle(Reconciler(controller_api), f"{namespace}/broken")
+    result = settle(shipped_reconciler(controller_api), f"{namespace}/broken")
     assert isinstance(result.action, act.Done)
     assert converged_one(api, namespace, "broken") == second
 
@@ -341,9 +341,9 @@ def test_stale_reads_and_injected_conflicts_never_produce_a_second_pod(
     for name in names:
         create_vm(api, namespace, name)
     metrics = ControllerMetrics()
-    reconciler = Reconciler(controller_api, metrics=metrics,
-                            cache=wiring.observer(vm_store, pod_store),
-                            writer=wiring.writer(controller_api))
+    reconciler = shipped_reconciler(controller_api, metrics=metrics,
+                                    cache=wiring.observer(vm_store, pod_store),
+                                    writer=wiring.writer(controller_api))
     try:
         wait_for(lambda: all(i.synced.is_set() for i in informers), 30)
         for round_ in range(4):
@@ -394,7 +394,7 @@ def test_the_restart_policy_is_applied_when_the_runner_ends(
         restarts: int) -> None:
     create_vm(api, namespace, "rp", restart_policy=policy)
     key = f"{namespace}/rp"
-    reconciler = Reconciler(controller_api)
+    reconciler = shipped_reconciler(controller_api)
     settle(reconciler, key)
     first = converged_one(api, namespace, "rp")
     finish(api, namespace, first, pod_phase)
@@ -418,7 +418,7 @@ def test_a_deleted_vm_waits_for_its_pods_to_be_gone_then_lets_go(
     create_vm(api, namespace, "bye")
     key = f"{namespace}/bye"
     finalized: list[str] = []
-    reconciler = Reconciler(controller_api, on_finalized=finalized.append)
+    reconciler = shipped_reconciler(controller_api, on_finalized=finalized.append)
     settle(reconciler, key)
     pod = converged_one(api, namespace, "bye")
     hold(api, namespace, pod)
@@ -470,7 +470,7 @@ def test_an_unrealisable_spec_is_degraded_without_churn_until_the_spec_changes(
     impossible = [{"key": "k", "operator": "Exists", "value": "v"}]
     create_vm(api, namespace, "nope", spec={"tolerations": impossible})
     key = f"{namespace}/nope"
-    reconciler = Reconciler(controller_api)
+    reconciler = shipped_reconciler(controller_api)
 
     _, degraded = degraded_without_pod(api, reconciler, namespace, "nope")
     assert degraded["reason"] == "CreateRefused" and degraded["observedGeneration"] == 1
@@ -497,7 +497,7 @@ def test_a_missing_image_pull_secret_holds_the_pod_back_as_degraded_until_it_exi
         api: client.ApiClient, controller_api: client.ApiClient, namespace: str) -> None:
     create_vm(api, namespace, "private", spec={"imagePullSecrets": [{"name": "regcred"}]})
     key = f"{namespace}/private"
-    reconciler = Reconciler(controller_api, events=EventRecorder(controller_api, "test"))
+    reconciler = shipped_reconciler(controller_api, events=EventRecorder(controller_api, "test"))
 
     status, degraded = degraded_without_pod(api, reconciler, namespace, "private")
     assert degraded["reason"] == "ImagePullSecretNotFound"
@@ -549,7 +549,7 @@ def test_the_pull_secret_check_receives_no_secret_data_and_cannot_tell_without_r
     try:
         assert DirectReader(nobody).secret_exists(namespace, "regcred") is None
         create_vm(api, namespace, "unchecked", spec={"imagePullSecrets": [{"name": "absent"}]})
-        reconciler = Reconciler(controller_api)
+        reconciler = shipped_reconciler(controller_api)
         reconciler.reader.secret_exists = DirectReader(nobody).secret_exists  # type: ignore[method-assign]
         settle(reconciler, f"{namespace}/unchecked")
         converged_one(api, namespace, "unchecked")
@@ -576,7 +576,7 @@ def test_a_change_decided_for_a_vm_never_lands_on_its_re_created_namesake(
     # The cache still shows the old VM: the finalizer write conflicts, and the re-read
     # finds the new one, whose lock this worker does not hold.
     authority = StaticAuthority(epoch=1, token=10, vm_uid=old["metadata"]["uid"])
-    reconciler = Reconciler(controller_api, cache=FrozenCache(old, []))
+    reconciler = shipped_reconciler(controller_api, cache=FrozenCache(old, []))
     with pytest.raises(WrongVM):
         reconciler.reconcile(f"{namespace}/reborn", authority)
 

@@ -17,9 +17,9 @@ from kubernetes import client
 from neonvm import kube
 from neonvm.cli import main
 from neonvm.controller.authority import StaticAuthority
-from neonvm.controller.reconciler import Reconciler
 from neonvm.dev.cluster import LocalCluster
 from neonvm.testing.harness import create_vm
+from tests.support import shipped_reconciler
 
 
 def run(*args: str) -> tuple[int, str]:
@@ -37,8 +37,8 @@ def test_vm_plan_list_and_get_show_the_plan_the_pod_and_the_fence(
 
     controller = kube.api_client(cluster.kubeconfig_for("controller"))
     try:
-        Reconciler(controller).reconcile(f"{namespace}/shown", StaticAuthority(epoch=2, token=9),
-                                         direct_first=True)
+        shipped_reconciler(controller).reconcile(
+            f"{namespace}/shown", StaticAuthority(epoch=2, token=9), direct_first=True)
     finally:
         controller.close()
     pod = f"shown-{created['metadata']['uid'][:8]}-1"

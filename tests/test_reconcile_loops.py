@@ -50,7 +50,7 @@ from neonvm.testing.harness import (
     is_gated,
     runner_pods,
 )
-from tests.support import FAST, health_port, metrics_of, replica_group, wait_for
+from tests.support import FAST, health_port, metrics_of, replica_group, shipped_reconciler, wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -188,8 +188,8 @@ def test_a_committed_gated_pod_that_lost_its_label_is_replaced_and_the_vm_conver
     core = client.CoreV1Api(api)
     create_vm(api, namespace, "vm", spec={"nodeSelector": NOWHERE})
     metrics = ControllerMetrics()
-    reconciler = Reconciler(controller_api, events=EventRecorder(controller_api, "test"),
-                            metrics=metrics)
+    reconciler = shipped_reconciler(controller_api, events=EventRecorder(controller_api, "test"),
+                                    metrics=metrics)
     key = f"{namespace}/vm"
     assert isinstance(settle(reconciler, key).action, act.Done)
     first = vm_status(api, namespace, "vm")["podName"]
@@ -336,7 +336,7 @@ def test_a_runner_pod_too_large_to_store_is_create_refused_not_retried(
         mib: float, status: int, text: str) -> None:
     create_vm(api, namespace, "big", spec={"nodeSelector": NOWHERE})
     metrics = ControllerMetrics()
-    big = Reconciler(controller_api, metrics=metrics, config=ReconcilerConfig(
+    big = shipped_reconciler(controller_api, metrics=metrics, config=ReconcilerConfig(
         pod_defaults=PodDefaults(runner_image="r" * int(mib * (1 << 20)))))
     result = settle(big, f"{namespace}/big")
     assert isinstance(result.action, act.Wait), result
@@ -353,7 +353,7 @@ def test_an_invalid_runner_pod_is_create_refused_with_bounded_text(
     create_vm(api, namespace, "bad", spec={"nodeSelector": NOWHERE})
 
     # An invalid value the API server echoes back in full (422): the text is bounded.
-    bad = Reconciler(controller_api, config=ReconcilerConfig(
+    bad = shipped_reconciler(controller_api, config=ReconcilerConfig(
         pod_defaults=PodDefaults(image_pull_policy="Sometimes" * 400)))
     result = settle(bad, key_bad)
     assert isinstance(result.action, act.Wait), result
@@ -384,7 +384,8 @@ def test_creates_failing_for_a_while_say_so_and_recover_when_they_pass(
     wait_for(lambda: (core.read_namespaced_resource_quota("no-pods", namespace).status.hard
                       or {}).get("pods") == "0", 30, what="the quota in force")
     create_vm(api, namespace, "vm", spec={"nodeSelector": NOWHERE})
-    reconciler = Reconciler(controller_api, config=ReconcilerConfig(create_failing_after=0.0))
+    reconciler = shipped_reconciler(controller_api,
+                                    config=ReconcilerConfig(create_failing_after=0.0))
     key = f"{namespace}/vm"
     for attempt in range(3):
         with pytest.raises(RetryableError, match="exceeded quota"):

@@ -18,8 +18,10 @@ from kubernetes import client
 from neonvm.api import types
 from neonvm.controller import actions as act
 from neonvm.controller.authority import StaticAuthority
+from neonvm.controller.cluster import KubeCluster
 from neonvm.controller.observe import DirectReader, Snapshot, VMRecord
 from neonvm.controller.reconciler import Reconciler
+from neonvm.controller.scaling import RunnerScaling
 from neonvm.invariant import InvariantChecker
 from neonvm.testing.harness import get_vm, is_gated, runner_pods
 from tests.support import CountingAuthority, wait_for
@@ -63,7 +65,7 @@ class Recording(Reconciler):
     """Records, for every performed action, what the observation behind it was."""
 
     def __init__(self, api: client.ApiClient) -> None:
-        super().__init__(api)
+        super().__init__(KubeCluster(api), RunnerScaling(api))
         self.counting = CountingReader(api)
         self.ctx.reader = self.counting
         self.vm_writes = 0

@@ -52,7 +52,7 @@ from neonvm.controller.timers import VMTimers
 from neonvm.controller.update import RetryPolicy
 from neonvm.controller.workqueue import WorkQueue
 from tests.fake_cluster import FakeCluster, api_error
-from tests.support import CountingAuthority
+from tests.support import CountingAuthority, shipped_reconciler
 
 pytestmark = pytest.mark.unit
 
@@ -80,10 +80,10 @@ def reconciler_over(fake: FakeCluster, steps: list[tuple[str, str]] | None = Non
         if steps is not None:
             steps.append((step, outcome))
 
-    return Reconciler(client.ApiClient(), cluster=fake, after_step=after_step,
-                      config=ReconcilerConfig(retry=RetryPolicy(initial_backoff=0.0,
+    return shipped_reconciler(client.ApiClient(), cluster=fake, after_step=after_step,
+                              config=ReconcilerConfig(retry=RetryPolicy(initial_backoff=0.0,
                                                                 max_backoff=0.0)),
-                      fencing=rights_long_over())
+                              fencing=rights_long_over())
 
 
 def rights_long_over() -> SelfFencing:
@@ -497,7 +497,7 @@ def test_a_look_field_pruned_by_an_older_crd_is_warned_about_once() -> None:
     fake = _PrunedLookCluster()
     fake.add_vm(vm_object([types.FINALIZER]))
     process_warned = threading.Event()  # the process's: shared by its terms' reconcilers
-    terms = [Reconciler(client.ApiClient(), cluster=fake, old_crd_warned=process_warned)
+    terms = [shipped_reconciler(client.ApiClient(), cluster=fake, old_crd_warned=process_warned)
              for _ in range(2)]
     authority = StaticAuthority(epoch=1, token=5)
 

@@ -57,6 +57,7 @@ from neonvm.controller.reconciler import Reconciler, ReconcilerConfig
 from neonvm.controller.rights import RightsLedger
 from neonvm.controller.workqueue import WorkQueue
 from neonvm.leader.election import Leadership
+from tests.support import shipped_reconciler
 
 pytestmark = pytest.mark.unit
 
@@ -229,7 +230,7 @@ def vm_object(status: dict[str, Any], name: str = "vm") -> dict[str, Any]:
 def reconciler_on(fake: FakeAPI, monkeypatch: pytest.MonkeyPatch) -> Reconciler:
     """A reconciler whose every API call (reads, VM writes, pod writes) ``fake`` answers."""
     monkeypatch.setattr(kube, "request", fake.request)
-    return Reconciler(client.ApiClient(), config=ReconcilerConfig(max_steps=30))
+    return shipped_reconciler(client.ApiClient(), config=ReconcilerConfig(max_steps=30))
 
 
 def runner_pod_object(vm: dict[str, Any], name: str) -> dict[str, Any]:

@@ -39,7 +39,7 @@ from neonvm.controller.podspec import ANNOTATION_SPEC
 from neonvm.controller.reconciler import Reconciler, ReconcileResult
 from neonvm.controller.scaling import USAGE_ANNOTATION
 from neonvm.testing.harness import create_vm, get_vm, runner_pods
-from tests.support import wait_for
+from tests.support import shipped_reconciler, wait_for
 from tests.test_runner import REPO, RunningRunner, free_port, test_guest  # noqa: F401
 from tests.test_runner_scaling import guest_sees
 
@@ -73,7 +73,7 @@ def _running_on(runner: Any, api: client.ApiClient, controller_api: client.ApiCl
                   "memorySlots": {"min": 1, "max": 2, "use": 1},
                   "memorySlotSize": "1Gi", "rootDisk": {"image": "/nonexistent.raw"}}})
     key = f"{namespace}/{name}"
-    reconciler = Reconciler(controller_api, scaling=RunnerScaling(
+    reconciler = shipped_reconciler(controller_api, scaling=RunnerScaling(
         controller_api, address=lambda vm, pod: f"http://127.0.0.1:{runner.port}",
         token_sync_seconds=token_sync_seconds))
     settle(reconciler, key, OLD)
@@ -158,7 +158,7 @@ def test_the_controller_scales_a_running_guest_live_under_its_fence(
                   "initrdImage": str(test_guest.initrd),
                   "appendKernelCmdline": "quiet neonvm.test=powerdown"}})
     key = f"{namespace}/live"
-    reconciler = Reconciler(controller_api)
+    reconciler = shipped_reconciler(controller_api)
     settle(reconciler, key, OLD)
     (pod,) = runner_pods(api, namespace, "live")
     uid = pod.metadata.uid
@@ -403,7 +403,7 @@ def test_a_late_older_plan_never_puts_its_size_back_on_the_pod(
         "guest": {"cpus": {"min": 1, "max": 2, "use": 1},
                   "memorySlots": {"min": 1, "max": 2, "use": 1}, "memorySlotSize": "1Gi",
                   "rootDisk": {"image": "/nonexistent.raw"}}})
-    settle(Reconciler(controller_api), f"{namespace}/late", OLD)
+    settle(shipped_reconciler(controller_api), f"{namespace}/late", OLD)
     (pod,) = runner_pods(api, namespace, "late")
     raw = get_vm(api, namespace, "late")
     assert raw is not None
@@ -492,7 +492,7 @@ def test_a_conflict_on_the_pods_size_annotation_or_resize_is_redone(
         "guest": {"cpus": {"min": 1, "max": 3, "use": 1},
                   "memorySlots": {"min": 1, "max": 2, "use": 1}, "memorySlotSize": "1Gi",
                   "rootDisk": {"image": "/nonexistent.raw"}}})
-    settle(Reconciler(controller_api), f"{namespace}/busy", OLD)
+    settle(shipped_reconciler(controller_api), f"{namespace}/busy", OLD)
     (pod,) = runner_pods(api, namespace, "busy")
     core = client.CoreV1Api(api)
     core.patch_namespaced_pod_status(pod.metadata.name, namespace, {
@@ -583,7 +583,7 @@ def test_a_pod_built_without_live_scaling_needs_a_restart_not_rbac(
                       "memorySlots": {"min": 1, "max": 1, "use": 1},
                       "memorySlotSize": "1Gi", "rootDisk": {"image": "/nonexistent.raw"}}})
         key = f"{namespace}/fixed"
-        reconciler = Reconciler(controller_api, scaling=RunnerScaling(
+        reconciler = shipped_reconciler(controller_api, scaling=RunnerScaling(
             controller_api, address=lambda vm, pod: f"http://127.0.0.1:{runner.port}"))
         settle(reconciler, key, OLD)
         (pod,) = runner_pods(api, namespace, "fixed")
@@ -792,7 +792,7 @@ def test_a_new_leader_past_the_window_still_looks_at_a_removal_pending_after_a_d
         _, key, pod_uid = _dropped_with_an_unplug_pending(
             api, controller_api, namespace, "failover", runner)
         assert status_of(api, namespace, "failover").get("scaleLookPodUID") == pod_uid
-        new_leader = Reconciler(controller_api, scaling=RunnerScaling(
+        new_leader = shipped_reconciler(controller_api, scaling=RunnerScaling(
             controller_api, address=lambda vm, pod: f"http://127.0.0.1:{runner.port}",
             token_sync_seconds=3600.0))
         _past_the_window(new_leader)

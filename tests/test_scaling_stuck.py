@@ -29,10 +29,9 @@ from neonvm.controller import actions as act
 from neonvm.controller import decide as d
 from neonvm.controller.authority import AuthorityLost, StaticAuthority
 from neonvm.controller.observe import Snapshot
-from neonvm.controller.reconciler import Reconciler
 from neonvm.controller.scaling import RunnerScaling
 from tests.hostile_runners import HonestRunner
-from tests.support import wait_for
+from tests.support import shipped_reconciler, wait_for
 from tests.test_scaling_decide import obs, scale_plan, vm
 
 OLD = StaticAuthority(epoch=1, token=10)
@@ -326,7 +325,7 @@ def test_a_scaling_plan_of_a_higher_epoch_is_degraded_and_its_vm_still_deletes(
                   "memorySlots": {"min": 1, "max": 2, "use": 1}, "memorySlotSize": "1Gi",
                   "rootDisk": {"image": "/nonexistent.raw"}}})
     key = f"{namespace}/ahead"
-    reconciler = Reconciler(controller_api)
+    reconciler = shipped_reconciler(controller_api)
     settle(reconciler, key, OLD)
     _plant_plan_ahead(api, namespace, "ahead", epoch=7)
 

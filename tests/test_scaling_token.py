@@ -29,8 +29,8 @@ from neonvm.controller import performers
 from neonvm.controller.authority import StaticAuthority
 from neonvm.controller.mutations import token_secret_mutation
 from neonvm.controller.observe import VMRecord, make_snapshot
-from neonvm.controller.reconciler import Reconciler
 from neonvm.controller.scaling import RunnerScaling
+from tests.support import shipped_reconciler
 
 pytestmark = pytest.mark.unit
 
@@ -101,7 +101,7 @@ def test_a_token_that_loses_the_race_to_be_recorded_is_deleted_and_no_pod_is_bui
     ends without effect, and the next read sees the recorded Secret."""
     core = _Secrets()
     monkeypatch.setattr(kube, "request", core)  # the scaling's and the cluster's calls
-    reconciler = Reconciler(client.ApiClient())
+    reconciler = shipped_reconciler(client.ApiClient())
     scaling = RunnerScaling(client.ApiClient())
     reconciler.ctx.scaling = scaling
     monkeypatch.setattr(performers, "write_status", lambda *a, **k: None)

@@ -30,6 +30,7 @@ from neonvm.controller.action_table import ACTIONS
 from neonvm.controller.observe import Snapshot, VMRecord, make_snapshot
 from neonvm.controller.reconciler import Reconciler
 from neonvm.controller.step import Step
+from tests.support import shipped_reconciler
 
 pytestmark = pytest.mark.unit
 
@@ -118,7 +119,7 @@ def test_the_ungate_trusts_only_its_own_list_never_the_observation_it_was_decide
     # The observation built from the commit's answer: it knows the committed pod alone.
     snap = make_snapshot(VMRecord(vm=vm, raw={}), [_pod("a-y", "y-uid", gated=True)],
                          LEASE, direct=True, from_write=True)
-    reconciler = Reconciler(client.ApiClient(), events=_Events())  # type: ignore[arg-type]
+    reconciler = shipped_reconciler(client.ApiClient(), events=_Events())  # type: ignore[arg-type]
     reader = _Reader(listed)
     core = _Patches()
     reconciler.ctx.reader = reader  # type: ignore[assignment]
@@ -153,7 +154,7 @@ def test_an_ungate_decided_from_the_cache_reads_the_vm_after_its_list(
     vm = _committed_vm()
     snap = make_snapshot(VMRecord(vm=vm, raw={}), [_pod("a-y", "y-uid", gated=True)],
                          LEASE, direct=False)
-    reconciler = Reconciler(client.ApiClient(), events=_Events())  # type: ignore[arg-type]
+    reconciler = shipped_reconciler(client.ApiClient(), events=_Events())  # type: ignore[arg-type]
     reader = _Reader([_pod("a-y", "y-uid", gated=True)], server_vm(vm))
     core = _Patches()
     reconciler.ctx.reader = reader  # type: ignore[assignment]
@@ -170,7 +171,7 @@ def test_an_ungate_decided_from_a_fresh_vm_does_not_read_it_again(source: str) -
     snap = make_snapshot(VMRecord(vm=vm, raw={}), [_pod("a-y", "y-uid", gated=True)],
                          LEASE, direct=source == "direct", from_write=source != "direct",
                          vm_written=source != "direct")
-    reconciler = Reconciler(client.ApiClient(), events=_Events())  # type: ignore[arg-type]
+    reconciler = shipped_reconciler(client.ApiClient(), events=_Events())  # type: ignore[arg-type]
     reader = _Reader([_pod("a-y", "y-uid", gated=True)], None)
     core = _Patches()
     reconciler.ctx.reader = reader  # type: ignore[assignment]

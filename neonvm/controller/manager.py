@@ -66,6 +66,7 @@ from neonvm import kube
 from neonvm.api import types
 from neonvm.controller import actions as act
 from neonvm.controller.authority import AuthorityLost
+from neonvm.controller.cluster import KubeCluster
 from neonvm.controller.events import EventRecorder
 from neonvm.controller.fencing import SelfFencing
 from neonvm.controller.handler import Handler, Outcome
@@ -76,6 +77,7 @@ from neonvm.controller.midplan import MidPlanSet
 from neonvm.controller.observe import pod_index, split_key
 from neonvm.controller.reconciler import Reconciler, ReconcilerConfig
 from neonvm.controller.rights import LeaderEndpoint, RightsLedger
+from neonvm.controller.scaling import RunnerScaling
 from neonvm.controller.sweeps import Sweeps, iter_items
 from neonvm.controller.timers import Jitter, VMTimers
 from neonvm.controller.wiring import Wiring
@@ -248,7 +250,8 @@ class LeaderTerm:
                      relist_seconds=self.config.relist_seconds, transform=project_pod),
         ]
         self.reconciler = Reconciler(
-            api, cache=wiring.observer(self.vm_store, self.pod_store),
+            KubeCluster(api), RunnerScaling(api),
+            cache=wiring.observer(self.vm_store, self.pod_store),
             writer=wiring.writer(api), after_step=wiring.after_step(),
             metrics=self.metrics, events=process.events,
             config=self.config.reconciler, on_finalized=self._release_lock,

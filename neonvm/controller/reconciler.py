@@ -26,7 +26,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
-from kubernetes import client
 from loguru import logger
 
 from neonvm.controller import actions as act
@@ -39,7 +38,7 @@ from neonvm.controller.acceleration import (
 )
 from neonvm.controller.action_table import ACTIONS, SEEN_BY_WRITE, STEP_NAMES
 from neonvm.controller.authority import Authority, AuthorityLost, FencedSnapshot, WrongVM
-from neonvm.controller.cluster import Cluster, KubeCluster
+from neonvm.controller.cluster import Cluster
 from neonvm.controller.compat_events import warn_unimplemented
 from neonvm.controller.conditions import (
     api_error_text,
@@ -222,13 +221,17 @@ class _Tally:
 
 
 class Reconciler:
-    """Performs :func:`decide`'s actions against the API server, one VM at a time."""
+    """Performs :func:`decide`'s actions against the API server, one VM at a time.
+
+    Its clients come in built: ``cluster`` (every API server call of a step; the shipped
+    one is :class:`~neonvm.controller.cluster.KubeCluster`) and ``scaling`` (the runners'
+    ``/scale``); the composition root is :class:`~neonvm.controller.manager.LeaderTerm`."""
 
     def __init__(
         self,
-        api: client.ApiClient,
+        cluster: Cluster,
+        scaling: RunnerScaling,
         *,
-        cluster: Cluster | None = None,
         cache: Observer | None = None,
         writer: Writer | None = None,
         after_step: StepHook | None = None,
@@ -237,19 +240,17 @@ class Reconciler:
         config: ReconcilerConfig | None = None,
         update: UpdateFunction[VMRecord] = conditional_update,
         on_finalized: Callable[[str], None] | None = None,
-        scaling: RunnerScaling | None = None,
         timers: VMTimers | None = None,
         runner_reports: RunnerReports | None = None,
         old_crd_warned: threading.Event | None = None,
         fencing: SelfFencing | None = None,
     ) -> None:
-        cluster = cluster or KubeCluster(api)
-        events = events or EventRecorder(None)
+        events = events or EventRecorder(None)  # none: the events are dropped
         self._config = config or ReconcilerConfig()
         self.ctx = StepContext(
             cluster=cluster, reader=DirectReader(cluster), writer=writer or cluster,
             events=events, progress=ProgressEvents(events), config=self._config,
-            update=update, scaling=scaling or RunnerScaling(api), timers=timers or VMTimers(),
+            update=update, scaling=scaling, timers=timers or VMTimers(),
             terminating=TerminatingNamespaces(), identity=Identity(cluster),
             old_crd=OldCrdWarning(old_crd_warned), metrics=metrics, fencing=fencing,
             on_finalized=on_finalized)
