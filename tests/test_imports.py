@@ -13,6 +13,9 @@ import-linter contracts would state them (docs/architecture.md, "Layers"):
   need lives in ``neonvm.api``;
 * no import cycle among ``neonvm`` modules;
 * no module of ``neonvm`` imports from the test tree or loads a file under it;
+* inside the controller: the decision (``actions``, ``decide``, ``reasons``, ``looks``,
+  ``restarts``, ``scan``) imports no other controller module but two pure helpers, and
+  the performers, their context and the action table never import the loop;
 * no module of ``neonvm.controller`` but ``fault_wiring`` imports fault injection
   (faults are composed around the production classes at the CLI).
 """
@@ -254,6 +257,63 @@ def test_the_layer_rules_let_downward_and_type_checking_imports_pass(tmp_path: P
         "kube.py": "",
     })
     assert layer_violations(graph) == []
+
+
+DECISION = frozenset({f"neonvm.controller.{m}" for m in (
+    "actions", "decide", "reasons", "looks", "restarts", "scan")})
+"""The pure decision and its vocabulary: they import, of the controller, only each other
+and the two pure helpers of :data:`DECISION_HELPERS`."""
+DECISION_HELPERS = frozenset({"neonvm.controller.autoscaler_view", "neonvm.controller.podspec"})
+"""What an observation carries of NeonVM's autoscaler metadata; the memory slot size."""
+DRIVER_LOOP = frozenset({f"neonvm.controller.{m}" for m in (
+    "reconciler", "handler", "manager", "wiring", "fault_wiring")})
+"""The loop and what runs it: the performers, their context and the action table
+(:data:`PERFORMING`) never import these."""
+PERFORMING = frozenset({f"neonvm.controller.{m}" for m in (
+    "step", "performers", "action_table")})
+
+
+def controller_violations(graph: dict[str, set[str]]) -> list[str]:
+    """The controller's own layers: decision < performing < loop (docs/architecture.md,
+    "Layers")."""
+    found = [f"{m} -> {t}: the decision imports beyond itself"
+             for m in sorted(DECISION & graph.keys()) for t in sorted(graph[m])
+             if _in(t, "neonvm.controller") and t not in DECISION | DECISION_HELPERS]
+    found += [f"{m} -> {t}: a performer imports the loop"
+              for m in sorted(PERFORMING & graph.keys()) for t in sorted(graph[m])
+              if t in DRIVER_LOOP]
+    return found
+
+
+def test_the_decision_and_the_performers_import_no_layer_above_them() -> None:
+    assert controller_violations(import_graph()) == []
+
+
+@pytest.mark.parametrize(("files", "expected"), [
+    ({"controller/actions.py": "from neonvm.controller.reconciler import Reconciler\n",
+      "controller/reconciler.py": ""},
+     "neonvm.controller.actions -> neonvm.controller.reconciler: the decision imports "
+     "beyond itself"),
+    ({"controller/decide.py": "def f():\n    from . import cluster\n",
+      "controller/cluster.py": ""},
+     "neonvm.controller.decide -> neonvm.controller.cluster: the decision imports "
+     "beyond itself"),
+    ({"controller/performers.py": "def f():\n    import neonvm.controller.reconciler\n",
+      "controller/reconciler.py": ""},
+     "neonvm.controller.performers -> neonvm.controller.reconciler: a performer imports "
+     "the loop"),
+])
+def test_the_controller_rules_catch_a_planted_import(tmp_path: Path, files: dict[str, str],
+                                                     expected: str) -> None:
+    """A module-level and a function-local import upward inside the controller fail; the
+    driver importing the decision is the direction that is meant."""
+    assert controller_violations(_planted(tmp_path, files)) == [expected]
+    (tmp_path / "down").mkdir()
+    downward = _planted(tmp_path / "down", {
+        "controller/reconciler.py": "from neonvm.controller import decide, performers\n",
+        "controller/performers.py": "from neonvm.controller import actions\n",
+        "controller/decide.py": "", "controller/actions.py": ""})
+    assert controller_violations(downward) == []
 
 
 FAULT_MODULES = {"neonvm.controller.faults", "neonvm.controller.fault_wiring"}
