@@ -260,6 +260,62 @@ def test_observing_a_renewal_restarts_the_expiry_clock(store: FakeLeaseStore,
     assert elector._try_acquire() is not None
 
 
+def _ask(store: FakeLeaseStore, holder: str, epoch: int, at: str) -> None:
+    """What a standby's (or the CLI's) step-down request writes: the annotation only."""
+    store.put(store.spec, {STEP_DOWN_ANNOTATION: StepDownRequest(holder, epoch, at)
+                           .to_annotation()})
+
+
+def test_step_down_requests_do_not_postpone_the_expiry_of_a_holder_that_stopped_renewing(
+        store: FakeLeaseStore, clock: FakeClock) -> None:
+    """A request is no renewal: standbys asking a dead holder again and again (each a
+    new resourceVersion) must not keep its Lease from expiring."""
+    store.put(held_by("dead_1"))  # its last renewal; then it died without releasing
+    elector = make(store, clock)
+    assert elector._try_acquire() is None
+    for at in (1.5, 3.0):
+        clock.advance(1.5)
+        _ask(store, "dead_1", 3, str(at))
+        assert elector._try_acquire() is None
+    clock.advance(LEASE - 3.0)
+    _ask(store, "dead_1", 3, "4.0")  # one more, just before the attempt
+    term = elector._try_acquire()
+    assert term is not None and term.record.transitions == 4
+    assert STEP_DOWN_ANNOTATION not in store.annotations
+
+
+def test_a_renewal_after_a_step_down_request_still_restarts_the_expiry_clock(
+        store: FakeLeaseStore, clock: FakeClock) -> None:
+    store.put(held_by("other_1", renewed=datetime.now(UTC) - timedelta(seconds=1)))
+    elector = make(store, clock)
+    assert elector._try_acquire() is None
+    clock.advance(1.0)
+    _ask(store, "other_1", 3, "1.0")
+    assert elector._try_acquire() is None
+    clock.advance(1.0)
+    store.put(held_by("other_1"), store.annotations)  # it renews: a new renewTime
+    assert elector._try_acquire() is None
+    clock.advance(LEASE - 0.01)  # 6 s after first seen, not yet a lease after the renewal
+    assert elector._try_acquire() is None
+    clock.advance(0.01)
+    assert elector._try_acquire() is not None
+
+
+def test_a_lease_recreated_with_the_same_spec_restarts_the_expiry_clock(
+        store: FakeLeaseStore, clock: FakeClock) -> None:
+    spec = held_by("other_1")
+    store._store({"metadata": {"name": "l", "uid": "u1"}, "spec": dict(spec)})
+    elector = make(store, clock)
+    assert elector._try_acquire() is None
+    clock.advance(3.0)
+    store._store({"metadata": {"name": "l", "uid": "u2"}, "spec": dict(spec)})
+    assert elector._try_acquire() is None
+    clock.advance(3.0)
+    assert elector._try_acquire() is None
+    clock.advance(1.0)
+    assert elector._try_acquire() is not None
+
+
 @pytest.mark.parametrize("renew_time_offset", [
     timedelta(hours=-1),   # the holder's wall clock is an hour behind (or it is long dead)
     timedelta(hours=1),    # an hour ahead

@@ -25,7 +25,7 @@ import secrets
 import subprocess
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,7 +54,7 @@ from neonvm.leader.lease_store import LeaseConflict
 from neonvm.leader.lock import Installation
 from neonvm.testing.harness import converged, create_vm, runner_pods
 from tests.support import FAST, wait_for
-from tests.test_election_store import FakeLeaseStore, held_by
+from tests.test_election_store import FakeClock, FakeLeaseStore, held_by
 
 LEASE = "neonvm-controller"
 
@@ -99,6 +99,7 @@ class AskableStore(FakeLeaseStore):
         if (spec.get("holderIdentity"), spec.get("leaseTransitions")) != (
                 base.holder, base.transitions):
             raise LeaseConflict("that term is over")
+        self.calls.append("request_step_down")
         annotations = {**(self.obj["metadata"].get("annotations") or {}),
                        STEP_DOWN_ANNOTATION: request.to_annotation()}
         return self.put(spec, annotations)
@@ -241,6 +242,81 @@ def test_a_standby_never_asks_a_holder_etcd_shows_or_when_etcd_does_not_answer_i
         stop.set()
         thread.join(30)
     assert STEP_DOWN_ANNOTATION not in store.annotations
+
+
+class ScriptedStop(threading.Event):
+    """The presence loop's stop event, scripted: each wait moves the fake clock by its
+    timeout plus the next pause of ``pauses`` (the process did not run meanwhile), then
+    runs ``between`` (what the rest of the replica did meanwhile); once the script is
+    over, the loop stops."""
+
+    def __init__(self, clock: FakeClock, pauses: list[float],
+                 between: Callable[[], None]) -> None:
+        super().__init__()
+        self.clock, self.pauses, self.between = clock, list(pauses), between
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if not self.pauses:
+            self.set()
+            return True
+        self.clock.advance((timeout or 0.0) + self.pauses.pop(0))
+        self.between()
+        return False
+
+
+def _standby_reading_presence(pauses: list[float], *, renewing: bool
+                              ) -> tuple[AskableStore, LeaderElector]:
+    """A standby (4 s lease: presence read every 1 s, asked after 8 s of absence) whose
+    campaign reads the Lease between two presence reads; the holder "other" (epoch 3)
+    is absent from etcd and renews its Lease every second or not at all. Runs the
+    presence loop over ``pauses`` and returns the store."""
+    store, clock = AskableStore(), FakeClock()
+    store.put(held_by("other", transitions=3, duration=4))
+    elector = LeaderElector(None, ElectionConfig(identity="me", namespace="ns", name="l"),
+                            lambda _: None, lambda: None, epoch_floor=Floor(shows=False),
+                            store=store, clock=clock, watch=False)
+    elector._observe(store.get(1.0))
+
+    def between() -> None:
+        if renewing:
+            store.put(held_by("other", transitions=3, duration=4), store.annotations)
+        elector._observe(store.get(1.0))  # the campaign's read (it does not acquire here)
+
+    elector._presence_loop(ScriptedStop(clock, pauses, between))
+    return store, elector
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("pauses", "asked"), [
+    ([0.0] * 9, True),
+    ([0.0, 9.0], False),
+    ([0.0, 9.0] + [0.0] * 8, True),
+], ids=["8s-of-answers-a-second-apart", "two-answers-9s-apart", "a-gap-then-8s-of-answers"])
+def test_absence_counts_only_over_answers_without_gaps(pauses: list[float],
+                                                       asked: bool) -> None:
+    """Two absent answers around a pause of the standby are no evidence for the pause:
+    the count restarts when two answers are more than two read periods apart."""
+    store, _ = _standby_reading_presence(pauses, renewing=True)
+    assert ("request_step_down" in store.calls) is asked, store.calls
+
+
+@pytest.mark.unit
+def test_a_standby_does_not_ask_again_while_its_request_is_on_the_lease() -> None:
+    """The request stays on the Lease until the term ends; asking again only rewrites
+    it (every write a new resourceVersion for every replica to read)."""
+    store, _ = _standby_reading_presence([0.0] * 30, renewing=True)
+    assert store.calls.count("request_step_down") == 1, store.calls
+    request = StepDownRequest.parse(store.annotations[STEP_DOWN_ANNOTATION])
+    assert request is not None and request.names("other", 3)
+
+
+@pytest.mark.unit
+def test_a_standby_does_not_ask_a_holder_that_stopped_renewing() -> None:
+    """A holder whose record has not changed for a lease duration is not renewing: the
+    Lease's expiry hands it over, no request is needed."""
+    store, elector = _standby_reading_presence([0.0] * 12, renewing=False)
+    assert "request_step_down" not in store.calls, store.calls
+    assert elector._expired()
 
 
 # ---- real servers ----------------------------------------------------------------------------

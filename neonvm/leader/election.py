@@ -442,6 +442,26 @@ class EndReason(Enum):
     #                                (AccessRefused): release, stop campaigning, raise
 
 
+def _same_term_record(old: LeaseRecord, new: LeaseRecord) -> bool:
+    """Whether ``new`` differs from ``old`` in its metadata only (same object, same
+    spec): nothing its holder wrote, so no renewal."""
+    return old.uid == new.uid and old.raw.get("spec") == new.raw.get("spec")
+
+
+@dataclass
+class _PresenceCount:
+    """A standby's count of the holder's absence from the locks' etcd: whose term
+    (holder, epoch), since when etcd has answered "absent" without a gap, and when it
+    last answered."""
+
+    subject: tuple[str, int] | None = None
+    absent_since: float | None = None
+    last_answer: float | None = None
+
+    def reset(self) -> None:
+        self.subject = self.absent_since = self.last_answer = None
+
+
 @dataclass
 class _Observation:
     """The last Lease version seen, and when (local monotonic clock) it was first seen."""
@@ -648,35 +668,64 @@ class LeaderElector:
     def _presence_loop(self, stop: threading.Event) -> None:
         """While not leading: ask the holder to step down once the locks' etcd has
         shown no presence of its term for ``PRESENCE_GRACE_LEASES`` lease durations in
-        a row, read every second by this replica (so it reaches etcd itself). A holder
-        cut off from etcd can do nothing, yet keeps the Lease while it reaches the API
-        server; an etcd this replica cannot read proves nothing, and restarts the count.
+        a row, read every :meth:`_presence_period` by this replica (so it reaches etcd
+        itself). A holder cut off from etcd can do nothing, yet keeps the Lease while it
+        reaches the API server; an etcd this replica cannot read proves nothing, and
+        restarts the count (:meth:`_presence_sample`)."""
+        count = _PresenceCount()
+        while not stop.wait(self._presence_period()):
+            self._presence_sample(count)
+
+    def _presence_period(self) -> float:
+        return min(1.0, self.config.lease_duration / 2)
+
+    def _presence_sample(self, count: _PresenceCount) -> None:
+        """One read of the presence key and what follows from it.
+
+        The count is of consecutive answers: it restarts when the holder or epoch
+        changes, when etcd shows the term, when etcd does not answer, and when two
+        answers are more than two read periods apart (this process did not run in
+        between, or a read was slow: no evidence for the gap). No request is written
+        while the Lease already carries one naming the term (a live holder acts on it at
+        its next renewal), nor once the holder's record has gone unchanged for a lease
+        duration (it is not renewing: the expiry hands the Lease over).
         """
         assert self._presence is not None and isinstance(self._lease, StepDownWriter)
         grace = PRESENCE_GRACE_LEASES * self.config.lease_duration
-        subject: tuple[str, int] | None = None
-        absent_since: float | None = None
-        while not stop.wait(min(1.0, self.config.lease_duration / 2)):
-            record = self._observed.record
-            if (self._leadership is not None or record is None or not record.holder
-                    or record.holder == self.config.identity):
-                subject = absent_since = None
-                continue
-            if subject != (record.holder, record.transitions):
-                subject, absent_since = (record.holder, record.transitions), None
-            try:
-                shown = self._presence.shows_presence(record.holder, record.transitions)
-            except Exception:  # etcd away from us too: no evidence either way
-                absent_since = None
-                continue
-            now = self._clock()
-            if shown:
-                absent_since = None
-            elif absent_since is None:
-                absent_since = now
-            elif now - absent_since >= grace:
-                absent_since = None  # ask again after another grace if it stays away
-                self._ask_to_step_down(record, grace)
+        record = self._observed.record
+        if (self._leadership is not None or record is None or not record.holder
+                or record.holder == self.config.identity):
+            count.reset()
+            return
+        if count.subject != (record.holder, record.transitions):
+            count.reset()
+            count.subject = (record.holder, record.transitions)
+        try:
+            shown = self._presence.shows_presence(record.holder, record.transitions)
+        except Exception:  # etcd away from us too: no evidence either way
+            count.absent_since = count.last_answer = None
+            return
+        now = self._clock()
+        gap = None if count.last_answer is None else now - count.last_answer
+        count.last_answer = now
+        if shown:
+            count.absent_since = None
+            return
+        if count.absent_since is None or gap is None or gap > 2 * self._presence_period():
+            count.absent_since = now
+            return
+        if now - count.absent_since < grace:
+            return
+        observed = self._observed  # the campaign thread's newest read
+        current = observed.record
+        if current is None or (current.holder, current.transitions) != count.subject:
+            return  # another term now: the next sample starts its count
+        if current.step_down is not None and current.step_down.names(*count.subject):
+            return  # asked already (by us or another standby)
+        if self._clock() >= self._expires_at_of(observed):
+            return  # not renewing: the campaign takes it at expiry
+        count.absent_since = None  # ask again after another grace if it stays away
+        self._ask_to_step_down(current, grace)
 
     def _ask_to_step_down(self, record: LeaseRecord, grace: float) -> None:
         """Write a step-down request naming ``record``'s term (conditional on the
@@ -712,22 +761,37 @@ class LeaderElector:
                 return True
 
     def _observe(self, record: LeaseRecord | None) -> None:
-        """Remember a Lease version; restart the expiry clock only when it changed."""
+        """Remember a Lease version; restart the expiry clock only when the term's
+        record changed: another object (uid) or another ``spec``. Every holder write
+        changes the spec (a renewal its ``renewTime``, a raise ``leaseTransitions``, the
+        release ``holderIdentity``); a change of the metadata alone (a standby's or the
+        CLI's step-down request) is not a renewal and must not postpone the expiry
+        (docs/leader-election.md, "A leader cut off the locks' etcd")."""
         old = self._observed.record
-        if old is None or record is None or old.resource_version != record.resource_version:
-            if old is not None and record is not None and old.holder != record.holder:
-                self.metrics.leader_changes.inc()
-                self._log.info("leader is now {holder} (epoch {epoch})",
-                               holder=record.holder or "<none>", epoch=record.transitions)
-            self._observed = _Observation(record, self._clock())
+        if old is not None and record is not None \
+                and old.resource_version == record.resource_version:
+            return
+        if old is not None and record is not None and _same_term_record(old, record):
+            self._observed = _Observation(record, self._observed.seen_at)
+            return
+        if old is not None and record is not None and old.holder != record.holder:
+            self.metrics.leader_changes.inc()
+            self._log.info("leader is now {holder} (epoch {epoch})",
+                           holder=record.holder or "<none>", epoch=record.transitions)
+        self._observed = _Observation(record, self._clock())
 
     def _expires_at(self) -> float | None:
         """Monotonic instant at which the observed Lease may be taken (None: now)."""
-        record = self._observed.record
-        if record is None or not record.holder:
+        observed = self._observed
+        if observed.record is None or not observed.record.holder:
             return None
-        duration = record.lease_duration_seconds or self.config.lease_duration
-        return self._observed.seen_at + duration
+        return self._expires_at_of(observed)
+
+    def _expires_at_of(self, observed: _Observation) -> float:
+        record = observed.record
+        duration = (record.lease_duration_seconds if record is not None else None) \
+            or self.config.lease_duration
+        return observed.seen_at + duration
 
     def _expired(self) -> bool:
         expires_at = self._expires_at()
