@@ -56,7 +56,7 @@ if TYPE_CHECKING:
 
 Say = Callable[[str], None]
 DRILLS = ("power-off", "partition", "kubelet-crash", "freeze-thaw")
-LANES = ("freeze", "deadline bound", "guest killed", "replacement created", "ungated",
+LANES = ("freeze", "deadline bound", "old guest gone", "pod created", "pod ungated",
          "guest running", "leader killed")
 SERVICE_NAMESPACE = "neonvm-system"
 SERVICE = "neonvm-rights"
@@ -305,13 +305,16 @@ class Rig:
         return pid
 
     def leader(self) -> str | None:
+        return self.lease()[0]
+
+    def lease(self) -> tuple[str | None, int | None]:
+        """The Lease's holder and its leaseTransitions (the epoch)."""
         try:
             lease = client.CoordinationV1Api(self.api).read_namespaced_lease(
                 "neonvm-controller", self.namespace)
         except ApiException:
-            return None
-        holder: str | None = lease.spec.holder_identity
-        return holder
+            return None, None
+        return lease.spec.holder_identity, lease.spec.lease_transitions
 
     def kill_leader(self) -> str | None:
         """SIGKILL the leader's process; it is started again (as a standby) 2 s later."""
@@ -544,11 +547,12 @@ def run_drill(rig: Rig, drill: str, vm: str, *, rng: random.Random,
         old_guest = old[0]
         if timeline is not None:
             timeline.origin = time.monotonic() - 2.0
+            timeline.leaders.append((timeline.origin, *rig.lease()))
 
             def on_change(at: float, h: guests.History, state: str | None) -> None:
                 mono = at - offset
                 if state is None and h.guest.key == old_guest.key:
-                    timeline.event("guest killed", f"pid {h.guest.pid}", mono)
+                    timeline.event("old guest gone", f"pid {h.guest.pid}", mono)
                 elif h.guest.key != old_guest.key and state and state not in "Tt" \
                         and len(h.seen) == 1:
                     timeline.event("guest running", f"pid {h.guest.pid} on {h.guest.node}",
@@ -591,6 +595,9 @@ def run_drill(rig: Rig, drill: str, vm: str, *, rng: random.Random,
                     running = len(counter.running(full))
                     timeline.samples.append(Sample(time.monotonic(), 0, 0, running))
                     samples_every = time.monotonic() + 0.5
+                    holder, epoch = rig.lease()
+                    if not timeline.leaders or timeline.leaders[-1][1] != holder:
+                        timeline.leaders.append((time.monotonic(), holder, epoch))
                 new = [g for g in counter.running(full) if g.pod_uid != old_guest.pod_uid]
                 if new:
                     # The latest: a replacement that died (e.g. fenced) was replaced too.
@@ -646,9 +653,9 @@ def run_drill(rig: Rig, drill: str, vm: str, *, rng: random.Random,
         report = counter.report()
     for uid, marks in watch.seen.items():
         if uid != pod.metadata.uid and "created" in marks and timeline is not None:
-            timeline.event("replacement created", uid[:8], marks["created"] - offset)
+            timeline.event("pod created", uid[:8], marks["created"] - offset)
             if "ungated" in marks:
-                timeline.event("ungated", uid[:8], marks["ungated"] - offset)
+                timeline.event("pod ungated", uid[:8], marks["ungated"] - offset)
     result.replacements = len([u for u in watch.seen if u != pod.metadata.uid])
     result.overlaps = [(round(o.start - fault_at, 3), round(o.seconds, 3), o.running)
                        for o in report.overlaps]
