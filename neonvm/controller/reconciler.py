@@ -503,13 +503,10 @@ class Reconciler:
     def _after_put(self, key: str, snap: Snapshot, authority: Authority, log: Any,
                    steps: int, action: act.ApplyScale, seq: int, outcome: str,
                    detail: str) -> ReconcileResult:
-        """``decide`` asks for a second ``PUT /scale`` in one reconcile: not sent. The
-        runner chooses how long each answer takes (up to the deadline, whatever the
-        status), so one reconcile sends at most one, and a worker is held for at most one
-        deadline per turn. A new plan since that PUT (the runner had a newer fence: the
-        plan was dropped and made again) is progress: looked at again at once. The same
-        plan asked again (a 200 the next ``GET /scale`` does not bear out, a 409 or
-        another 4xx) ends stuck, with the VM's backoff. docs/reconciler.md, "Fencing"."""
+        """``decide`` asks for a second ``PUT /scale`` in one reconcile: not sent (one per
+        reconcile, whatever its answer). A plan made since that PUT is looked at again at
+        once; the same plan asked again ends stuck, with the VM's backoff
+        (docs/reconciler.md, "Reconciles that cannot converge")."""
         if action.plan.seq != seq:
             log.debug("plan #{seq} made after this reconcile's PUT: looking again at once",
                       seq=action.plan.seq)
@@ -536,25 +533,12 @@ class Reconciler:
 
     def _fenced_ahead(self, key: str, authority: Authority, why: str, log: Any,
                       snap: Snapshot | None = None) -> ReconcileResult:
-        """The VM's status carries a fence ahead of ours: leave this VM alone.
-
-        A leader with a higher epoch exists only once our Lease is gone, and then
-        ``authority.check()`` fails here (:class:`AuthorityLost`: the term ends through
-        the lost-leadership path). If our authority still holds, no newer leader wrote
-        that fence: it came from a restore, a user or a bug. Ending the term for it would
-        stall every VM, so instead this VM alone gets no action but a Degraded condition
-        that leaves fence and plan untouched
-        (:func:`~neonvm.controller.conditions.fence_ahead_mutation`, written at most once
-        per :data:`FENCE_AHEAD_RECHECK_SECONDS`), a Warning event when written, and a look
-        again after :data:`FENCE_AHEAD_RECHECK_SECONDS`.
-
-        That holds for a fence ahead by its *epoch* only. A fence of our own epoch with a
-        higher token means the locks' tokens went back: then
-        :class:`~neonvm.controller.mutations.FencedOut` goes on to the manager, which
-        ends the term; the next term's higher epoch is ahead of every such fence
-        (docs/reconciler.md, "Fencing").
-
-        ``snap``: the observation that was fenced, reused when it was direct.
+        """The VM's status carries a fence ahead of ours. Authority lost: the term ends
+        (:class:`AuthorityLost`). Still held and ahead by its epoch: no newer leader wrote
+        it, so this VM alone is marked Degraded (``FenceAhead``) and left alone for
+        :data:`FENCE_AHEAD_RECHECK_SECONDS`. Ahead by its token only (the locks' tokens
+        went back): :class:`~neonvm.controller.mutations.FencedOut` ends the term.
+        docs/reconciler.md, "Fencing"; ``snap``: the fenced observation, reused if direct.
         """
         authority.check()
         if snap is None or not snap.obs.direct or snap.from_write:
@@ -592,18 +576,11 @@ class Reconciler:
             raise WrongVM(f"{vm.key}: lock taken for uid {authority.vm_uid}, VM is {vm.uid}")
 
     def _seen_by_write(self, snap: Snapshot, outcome: str, log: Any) -> Snapshot | None:
-        """The next observation, from the API server's answer to the write that just took
-        effect, or None: read directly (docs/protocol.md, "Observing from write
-        responses").
-
-        The VM is the written one when the write was the VM's (a conditional PUT answers
-        with the object as stored, at a revision after everything the decision read), else
-        the one already observed; the pods are the ones already observed, with a written
-        pod (created, or ungated) replaced by the API server's answer. The observation
-        stays direct only if the one it extends was. None (read again) when there is no
-        answer to build from, when the written pod is not labelled for the VM (a list
-        would not show it), or when the VM commits a pod not among those pods (only a
-        read by name can tell whether it is gone)."""
+        """The next observation, built from the API server's answer to the write that just
+        took effect (the written VM or pod replaces its copy in ``snap``; direct only if
+        ``snap`` was), or None: read directly, when there is no answer, the written pod is
+        not labelled for the VM, or the VM commits a pod not among those known
+        (docs/protocol.md, "Observing from write responses")."""
         written_vm: VMRecord | None = getattr(outcome, "vm", None)
         written_pod: dict[str, Any] | None = getattr(outcome, "pod", None)
         if written_vm is None and written_pod is None:
