@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from neonvm.runner.guestnet import DEFAULT_GUEST_NETWORK, Blocked, frame_verdict
+from neonvm.runner.right import rights_blocked
 from tests.rights_support import ShippedLeader
 from tests.test_guest_isolation import (
     ACK,
@@ -86,6 +87,25 @@ def test_without_a_rights_url_the_rule_is_unchanged() -> None:
     assert frame_verdict(ipv4("10.96.12.34", 6, tcp(8443, SYN))) is None
     # and the loopback stays closed whatever is blocked besides
     assert verdict(ipv4("127.0.0.1", 6, tcp(8443, SYN))) == "TCP connection to 127.0.0.1:8443"
+
+
+@pytest.mark.unit
+def test_a_rights_host_that_does_not_resolve_at_start_still_has_its_port_closed() -> None:
+    """A cluster DNS blip at the runner's start must not open the rights port to the
+    guest for the pod's life: the port is closed on every address without DNS."""
+    blocked = rights_blocked("http://no-such-host.invalid:8443")
+    for frame, dropped in (
+            (ipv4("10.96.12.34", 6, tcp(8443, SYN)),  # the Service's address
+             "TCP connection to 10.96.12.34:8443 (a blocked endpoint)"),
+            (ipv4("10.244.1.7", 6, tcp(8443, SYN)),   # the leader's pod IP
+             "TCP connection to 10.244.1.7:8443 (a blocked endpoint)"),
+            (ipv4("10.244.1.7", 17, udp(8443)),
+             "UDP datagram to 10.244.1.7:8443 (a blocked endpoint)"),
+            (ipv4("10.244.1.7", 6, tcp(8443, SYN), frag=0x2000),
+             "IP fragment to 10.244.1.7:8443 (a blocked port)")):
+        assert frame_verdict(frame, DEFAULT_GUEST_NETWORK, False, blocked) == dropped
+    assert frame_verdict(ipv4("10.244.1.7", 6, tcp(443, SYN)), DEFAULT_GUEST_NETWORK,
+                         False, blocked) is None
 
 
 # ---- a real guest tries the rights endpoint -------------------------------------------------

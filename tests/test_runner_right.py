@@ -52,7 +52,7 @@ from neonvm.runner.right import (
     grant_of,
     http_post,
     right_config,
-    rights_addresses,
+    rights_blocked,
 )
 from neonvm.runner.state import ExitCode
 from tests.guest.build import GuestImage
@@ -404,13 +404,20 @@ def test_self_fencing_flags_name_what_is_missing(tmp_path: Path, kwargs: dict[st
 
 
 @pytest.mark.unit
-def test_the_guest_filter_closes_the_rights_urls_resolved_address_and_port() -> None:
+def test_the_guest_filter_closes_the_rights_urls_port_everywhere_and_its_resolved_address(
+        ) -> None:
+    """The port needs no DNS: a host that does not resolve at the runner's start (a
+    cluster DNS blip) still has its port closed, for the pod's life (docs/runner.md,
+    "The guest's network"); tests/test_guestnet_rights.py has the frames."""
     import ipaddress
-    assert rights_addresses("http://127.0.0.1:8443") == frozenset(
-        {(ipaddress.ip_address("127.0.0.1"), 8443)})
-    assert rights_addresses("http://192.0.2.7") == frozenset(
-        {(ipaddress.ip_address("192.0.2.7"), 80)})
-    assert rights_addresses("http://no-such-host.invalid:1") == frozenset()
+
+    from neonvm.runner.guestnet import Blocked
+    assert rights_blocked("http://127.0.0.1:8443") == Blocked(
+        ports=frozenset({8443}), addresses=frozenset({ipaddress.ip_address("127.0.0.1")}))
+    assert rights_blocked("http://192.0.2.7") == Blocked(
+        ports=frozenset({80}), addresses=frozenset({ipaddress.ip_address("192.0.2.7")}))
+    assert rights_blocked("http://no-such-host.invalid:8082") == Blocked(
+        ports=frozenset({8082}), addresses=frozenset())
 
 
 # ---- the real kill and the real ask ----------------------------------------------------------

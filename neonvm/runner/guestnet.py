@@ -142,9 +142,10 @@ Endpoint = tuple[IPAddress, int]
 
 @dataclass(frozen=True)
 class Blocked:
-    """The endpoints the guest may not open flows to (the rights URL, resolved at start),
-    as the two sets :func:`frame_verdict` tests, built once rather than per frame: their
-    ports (closed on every address) and their addresses (any fragment to them dropped)."""
+    """The endpoints the guest may not open flows to (the rights URL), as the two sets
+    :func:`frame_verdict` tests, built once rather than per frame: their ports (closed
+    on every address, known without DNS) and their addresses (resolved at start, maybe
+    none; any fragment to them dropped)."""
 
     ports: frozenset[int] = frozenset()
     addresses: frozenset[IPAddress] = frozenset()
@@ -266,10 +267,11 @@ class GuestNetFilter:
 
     def __init__(self, from_qemu: Path, to_qemu: Path,
                  net: GuestNetwork = DEFAULT_GUEST_NETWORK, dns6: bool = False,
-                 blocked: frozenset[Endpoint] = frozenset()) -> None:
+                 blocked: Blocked = NOTHING_BLOCKED) -> None:
         """``dns6``, ``blocked``: see :func:`frame_verdict` (the runner reads
-        ``/etc/resolv.conf`` at start; ``blocked`` is the rights URL, resolved at start)."""
-        self.blocked = Blocked.of(blocked)
+        ``/etc/resolv.conf`` at start; ``blocked`` is the rights URL's port, and its
+        addresses as resolved at start, :func:`neonvm.runner.right.rights_blocked`)."""
+        self.blocked = blocked
         self.from_qemu = from_qemu
         self.to_qemu = to_qemu
         self.net = net

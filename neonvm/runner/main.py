@@ -35,7 +35,7 @@ from neonvm.runner.diskimage import ImageError, root_has_path
 from neonvm.runner.disks import DiskTools, check_prerequisites, prepare
 from neonvm.runner.errors import HostError, RunnerError, SpecError
 from neonvm.runner.guestboot import EXT_MAGIC_OFFSET, is_bare_ext_filesystem, read_first_bytes
-from neonvm.runner.guestnet import GuestNetFilter, ipv6_nameserver
+from neonvm.runner.guestnet import NOTHING_BLOCKED, GuestNetFilter, ipv6_nameserver
 from neonvm.runner.host import (
     Accel,
     AccelChoice,
@@ -48,7 +48,7 @@ from neonvm.runner.host import (
 from neonvm.runner.initramfs import RunnerKernel, find_runner_kernel
 from neonvm.runner.metrics import runner_registry
 from neonvm.runner.qemu import CpuScalingMode, LaunchContext, LaunchPlan, build_launch_plan
-from neonvm.runner.right import SelfFence, right_config, rights_addresses
+from neonvm.runner.right import SelfFence, right_config, rights_blocked
 from neonvm.runner.runtimedisk import GUEST_INIT
 from neonvm.runner.scaling import Scaler
 from neonvm.runner.server import RunnerHTTPServer
@@ -241,8 +241,8 @@ def run_runner(options: RunnerOptions, env: Mapping[str, str], console: BinaryIO
             net_filter = GuestNetFilter(
                 plan.guest_frames_socket, plan.passed_frames_socket,
                 dns6=ipv6_nameserver(_resolv_conf()),
-                blocked=rights_addresses(options.rights_url) if options.rights_url
-                else frozenset())
+                blocked=rights_blocked(options.rights_url) if options.rights_url
+                else NOTHING_BLOCKED)
             net_filter.listen()
             net_filter.start()
         policy = ShutdownPolicy(

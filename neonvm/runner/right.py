@@ -53,6 +53,7 @@ from neonvm.api.rights import (
     request_deadline,
 )
 from neonvm.runner.errors import SpecError
+from neonvm.runner.guestnet import Blocked
 
 MAX_ANSWER = 64 * 1024
 """The longest answer body read; a longer one is not a grant."""
@@ -130,21 +131,25 @@ def right_config(url: str, seconds: float, namespace: str, vm: str, pod_uid: str
                        pod_uid=pod_uid, token_file=token_file)
 
 
-def rights_addresses(url: str) -> frozenset[tuple[IPAddress, int]]:
-    """The addresses and port the rights URL names (its host resolved now), which the
-    guest's network filter closes; empty, with a warning, if the host does not resolve."""
+def rights_blocked(url: str) -> Blocked:
+    """What the guest's network filter closes for the rights URL: its port on *every*
+    address, always (the port needs no DNS, and the leader's pod IP serves it as well as
+    the Service's), plus the addresses its host resolves to now, to which any fragment is
+    dropped. A host that does not resolve only leaves the addresses out, with a warning
+    (docs/runner.md, "The guest's network")."""
     host, port = rights_endpoint(url)
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except OSError as exc:
         logger.warning("cannot resolve the rights URL's host {} ({}): the guest's network "
-                       "filter does not close it", host, exc)
-        return frozenset()
-    found: set[tuple[IPAddress, int]] = set()
+                       "filter still closes port {} on every address, but judges "
+                       "fragments to the host's addresses like any others", host, exc, port)
+        infos = []
+    found: set[IPAddress] = set()
     for _family, _type, _proto, _name, sockaddr in infos:
         with contextlib.suppress(ValueError):
-            found.add((ipaddress.ip_address(str(sockaddr[0]).split("%", 1)[0]), port))
-    return frozenset(found)
+            found.add(ipaddress.ip_address(str(sockaddr[0]).split("%", 1)[0]))
+    return Blocked(ports=frozenset({port}), addresses=frozenset(found))
 
 
 def grant_of(status: int, body: bytes) -> RightGrant | None:
