@@ -127,6 +127,10 @@ class EpochFloor:
             "neonvm_epoch_floor_repairs",
             "Malformed epoch floors this replica replaced by its claim (docs/locks.md)",
             registry=registry)
+        self.presence_repairs = Counter(
+            "neonvm_presence_repairs",
+            "Presence records of an impossible term (above the epoch floor) this replica "
+            "wrote over (docs/security.md)", registry=registry)
 
     def current(self) -> FloorRecord | None:
         """The recorded floor, or None when no leader has claimed one yet; raises
@@ -140,9 +144,13 @@ class EpochFloor:
         etcd, the lease expires and the key goes with it, which standbys that reach etcd
         read as "this term cannot use the locks". A new lease and a new write follow
         once etcd answers again, and the key is read every ``ttl / 3`` seconds and
-        written again if it went under a live lease. Never writes over a higher epoch's
-        record. Revokes its lease on the way out (the key goes at once)."""
+        written again if it went under a live lease. Never writes over a later term's
+        record (a higher epoch, at most the floor: every term claims its epoch before
+        keeping presence); a higher epoch *above* the floor no term can have written, so
+        it is written over, with an ERROR. Revokes its lease on the way out (the key
+        goes at once)."""
         session: Session | None = None
+        failing = False
         try:
             while not stop.is_set():
                 try:
@@ -157,9 +165,12 @@ class EpochFloor:
                           and not stop.is_set()  # live lease, and the term goes on
                           and not self._write_presence(identity, epoch, session.lease_id)):
                         return
-                except EtcdError as exc:
-                    logger.bind(epoch=epoch).debug("could not keep the presence key: "
-                                                   "{err}", err=str(exc))
+                    failing = False
+                except EtcdError as exc:  # standbys ask a term they do not see to go
+                    logger.bind(epoch=epoch).log(
+                        "DEBUG" if failing else "WARNING",
+                        "could not keep the presence key: {err}", err=str(exc))
+                    failing = True
                 stop.wait(max(0.5, ttl / 3))
         finally:
             if session is not None:
@@ -172,12 +183,27 @@ class EpochFloor:
         kv = self.etcd.get(self.presence_key)
         while True:
             shown = self._presence_of(kv)
+            impossible: int | None = None
             if shown is not None and shown[1] > epoch:
-                return False
+                # The floor, read after the record: a real later term claimed it first.
+                floor = self._parse_or_none(self.etcd.get(self.key), self.key)
+                if floor is None or shown[1] <= floor.epoch:
+                    logger.bind(epoch=epoch, later=shown[1]).warning(
+                        "the presence key names a later term ({who}, epoch {later}): "
+                        "this term stops keeping it", who=shown[0], later=shown[1])
+                    return False
+                impossible = floor.epoch
             result = self.etcd.txn(
                 [Compare(self.presence_key, "mod", "==", kv.mod_revision if kv else 0)],
                 [Put(self.presence_key, value, lease)], [Get(self.presence_key)])
             if result.succeeded:
+                if impossible is not None and shown is not None:
+                    self.presence_repairs.inc()
+                    logger.bind(epoch=epoch, key=self.presence_key).error(
+                        "wrote over a presence record of epoch {bad} ({who}), above the "
+                        "epoch floor {floor}: no term can have written it; whoever did "
+                        "should not be able to reach the locks' etcd (docs/security.md)",
+                        bad=shown[1], who=shown[0], floor=impossible)
                 return True
             kvs = result.results[0].kvs
             kv = kvs[0] if kvs else None
