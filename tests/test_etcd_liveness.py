@@ -24,6 +24,7 @@ import json
 import secrets
 import subprocess
 import threading
+import types
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 from kubernetes import client
 from prometheus_client import CollectorRegistry
@@ -49,12 +51,19 @@ from neonvm.leader.election import (
     StepDownRequest,
 )
 from neonvm.leader.epoch import EpochFloor
-from neonvm.leader.etcd import Etcd, EtcdConfig, EtcdError, EtcdUnavailable
+from neonvm.leader.etcd import (
+    Etcd,
+    EtcdAccessDenied,
+    EtcdConfig,
+    EtcdError,
+    EtcdUnavailable,
+)
 from neonvm.leader.lease_store import LeaseConflict
 from neonvm.leader.lock import Installation
 from neonvm.testing.harness import converged, create_vm, runner_pods
 from tests.support import FAST, wait_for
 from tests.test_election_store import FakeClock, FakeLeaseStore, held_by
+from tests.test_etcd_faults import _Failure
 
 LEASE = "neonvm-controller"
 
@@ -83,6 +92,9 @@ class Replica:
 
 # ---- the elector's rules, over the in-memory Lease store -------------------------------------
 
+CONFIRM = 0.3
+"""Seconds a refusal must last before it ends an elector, in the unit tests."""
+
 QUICK = {"lease_duration": 0.6, "renew_deadline": 0.3, "retry_period": 0.1,
          "namespace": "ns", "name": "l"}
 """Short timings for the unit tests: the presence count is then 1.2 s, read every 0.3 s."""
@@ -107,22 +119,30 @@ class AskableStore(FakeLeaseStore):
 
 class Floor:
     """An epoch floor that grants every claim and passes every access check unless told
-    to refuse (``refuse``; ``refuse_claims`` refuses claims only), and a presence store
-    whose reads answer ``shows`` (or raise it, if an exception)."""
+    to refuse (``refuse``; ``refuse_claims`` refuses claims only; ``claims_to_refuse``
+    and ``checks_to_refuse`` the next so many), and a presence store whose reads answer
+    ``shows`` (or raise it, if an exception)."""
 
     def __init__(self, shows: bool | Exception = True) -> None:
         self.refuse = threading.Event()
         self.refuse_claims = False
+        self.claims_to_refuse = 0
+        self.checks_to_refuse = 0
+        self.claims = self.checks = 0
         self.shows = shows
         self.reads = 0
 
     def claim(self, epoch: int, identity: str) -> bool:
-        if self.refuse.is_set() or self.refuse_claims:
+        self.claims += 1
+        if self.refuse.is_set() or self.refuse_claims or self.claims_to_refuse:
+            self.claims_to_refuse = max(0, self.claims_to_refuse - 1)
             raise AccessRefused("etcd at x refused: PERMISSION_DENIED")
         return True
 
     def check_access(self) -> None:
-        if self.refuse.is_set():
+        self.checks += 1
+        if self.refuse.is_set() or self.checks_to_refuse:
+            self.checks_to_refuse = max(0, self.checks_to_refuse - 1)
             raise AccessRefused("etcd at x refused: PERMISSION_DENIED")
 
     def keep_presence(self, identity: str, epoch: int, ttl: int,
@@ -157,7 +177,7 @@ def test_a_refused_epoch_claim_releases_the_lease_and_ends_the_elector() -> None
     floor.refuse_claims = True  # the access check passed a moment before
     elector = LeaderElector(None, ElectionConfig(identity="me", **QUICK), started.append,
                             lambda: None, epoch_floor=floor, store=store, watch=False,
-                            access_period=3600)
+                            access_period=3600, access_confirm=CONFIRM)
     stop, thread, raised = _run(elector)
     thread.join(30)
     stop.set()
@@ -178,7 +198,7 @@ def test_a_refusal_while_leading_stops_the_work_then_releases_and_ends_the_elect
 
     elector = LeaderElector(None, ElectionConfig(identity="me", **QUICK), work,
                             lambda: None, epoch_floor=floor, store=store, watch=False,
-                            access_period=0.05)
+                            access_period=0.05, access_confirm=CONFIRM)
     stop, thread, raised = _run(elector)
     wait_for(lambda: elector.is_leader(), 30, what="leading")
     floor.refuse.set()
@@ -196,7 +216,7 @@ def test_a_standby_refused_stops_campaigning_and_ends_the_elector() -> None:
     store.put(held_by("other", transitions=3, duration=600))
     elector = LeaderElector(None, ElectionConfig(identity="me", **QUICK), lambda _: None,
                             lambda: None, epoch_floor=floor, store=store, watch=False,
-                            access_period=0.05)
+                            access_period=0.05, access_confirm=CONFIRM)
     stop, thread, raised = _run(elector)
     wait_for(lambda: "get" in store.calls, 30, what="campaigning")
     floor.refuse.set()
@@ -205,6 +225,38 @@ def test_a_standby_refused_stops_campaigning_and_ends_the_elector() -> None:
     assert not thread.is_alive()
     assert len(raised) == 1 and isinstance(raised[0], AccessRefused), raised
     assert store.spec["holderIdentity"] == "other"
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("source", ["check", "claim"])
+def test_a_refusal_that_passes_does_not_end_the_elector(source: str) -> None:
+    """One refused access check (or epoch claim), then admitted again: a refusal that
+    passes (a role rewritten, one etcd member refusing a moment) is not confirmed, and
+    the replica goes on leading."""
+    store, floor = AskableStore(), Floor()
+    if source == "claim":
+        floor.claims_to_refuse = 1
+    elector = LeaderElector(None, ElectionConfig(identity="me", **QUICK), lambda _: None,
+                            lambda: None, epoch_floor=floor, store=store, watch=False,
+                            access_period=0.05, access_confirm=CONFIRM)
+    stop, thread, raised = _run(elector)
+    try:
+        if source == "check":
+            wait_for(lambda: elector.is_leader(), 30, what="leading")
+            checks = floor.checks
+            floor.checks_to_refuse = 1
+            # the refused check, then checks well past the confirmation time (0.3 s)
+            wait_for(lambda: floor.checks >= checks + 12, 30, what="checks after it")
+        else:
+            wait_for(lambda: floor.claims >= 2, 30, what="the claim retried")
+            wait_for(lambda: elector.is_leader(), 30, what="leading")
+            checks = floor.checks
+            wait_for(lambda: floor.checks >= checks + 8, 30, what="checks after it")
+        assert raised == [] and thread.is_alive()
+        assert elector.is_leader() and store.spec["holderIdentity"] == "me"
+    finally:
+        stop.set()
+        thread.join(30)
 
 
 @pytest.mark.unit
@@ -319,6 +371,51 @@ def test_a_standby_does_not_ask_a_holder_that_stopped_renewing() -> None:
     assert elector._expired()
 
 
+class _Member:
+    """One etcd member's KV service as the client calls it: answers an access check,
+    or refuses it (PERMISSION_DENIED), counting the calls."""
+
+    def __init__(self, refuses: bool) -> None:
+        self.refuses, self.calls = refuses, 0
+
+    def Txn(self, request: Any, timeout: float, metadata: Any) -> Any:
+        self.calls += 1
+        if self.refuses:
+            raise _Failure(grpc.StatusCode.PERMISSION_DENIED, "etcdserver: permission denied")
+        return types.SimpleNamespace(succeeded=False)
+
+
+def _members(*refuses: bool) -> tuple[Etcd, list[_Member]]:
+    """A client of one member per entry of ``refuses`` (never dialled: the members'
+    KV services are the stand-ins)."""
+    etcd = Etcd(EtcdConfig(endpoints=tuple(f"http://127.0.0.1:{1 + i}"
+                                           for i in range(len(refuses))), timeout=5.0))
+    members = [_Member(r) for r in refuses]
+    for endpoint, member in zip(etcd._endpoints, members, strict=True):
+        endpoint.kv = member
+    return etcd, members
+
+
+@pytest.mark.unit
+def test_an_access_check_one_member_refuses_moves_to_a_member_that_admits() -> None:
+    """One member refusing a valid user by itself (etcd bugs after a member restart or
+    join) is not a refusal of the replica: the check asks the next member, and the
+    client stays there for its next calls."""
+    etcd, members = _members(True, False, False)
+    with etcd:
+        etcd.check_access("/p/ns/l/")
+        etcd.check_access("/p/ns/l/")
+    assert [m.calls for m in members] == [1, 2, 0]
+
+
+@pytest.mark.unit
+def test_an_access_check_every_member_refuses_is_access_denied_after_one_ask_each() -> None:
+    etcd, members = _members(True, True, True)
+    with etcd, pytest.raises(EtcdAccessDenied, match="permission denied"):
+        etcd.check_access("/p/ns/l/")
+    assert [m.calls for m in members] == [1, 1, 1]
+
+
 # ---- real servers ----------------------------------------------------------------------------
 
 
@@ -424,7 +521,7 @@ def test_a_leader_whose_etcd_role_is_revoked_releases_and_a_standby_that_keeps_i
                                     lease_duration=3.0, renew_deadline=2.0,
                                     retry_period=0.5),
                 work, lambda: None, epoch_floor=floor, registry=CollectorRegistry(),
-                access_period=0.2)
+                access_period=0.2, access_confirm=0.5)
             runs[name] = _run(elector)
             if name == "revoked":
                 wait_for(lambda: started["revoked"], 60, what="the first elector leading")

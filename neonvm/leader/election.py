@@ -170,6 +170,11 @@ ACCESS_CHECK_PERIOD = 5.0
 """Seconds between two checks that the epoch floor's store still admits this replica
 (only with a floor that has ``check_access``; see :class:`AccessRefused`)."""
 
+ACCESS_CONFIRM_SECONDS = 3.0
+"""A refusal ends the elector only once confirmed: refused again at least this many
+seconds after the first refusal, with nothing admitted in between (see
+:class:`AccessRefused`)."""
+
 PRESENCE_TTL_LEASES = 2
 """The leader's presence key lives on an etcd lease of this many lease durations
 (rounded up to whole seconds; docs/leader-election.md, "A leader cut off the locks'
@@ -449,6 +454,15 @@ def _same_term_record(old: LeaseRecord, new: LeaseRecord) -> bool:
 
 
 @dataclass
+class _Refusals:
+    """Refusals by the epoch floor's store not yet confirmed: since when, how many."""
+
+    since: float | None = None
+    count: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+@dataclass
 class _PresenceCount:
     """A standby's count of the holder's absence from the locks' etcd: whose term
     (holder, epoch), since when etcd has answered "absent" without a gap, and when it
@@ -497,6 +511,7 @@ class LeaderElector:
         spawn: Callable[[Callable[[], None]], None] | None = None,
         access_check: Callable[[], None] | None = None,
         access_period: float = ACCESS_CHECK_PERIOD,
+        access_confirm: float = ACCESS_CONFIRM_SECONDS,
     ) -> None:
         self.config = config
         self._spawn = spawn if spawn is not None else _spawn_thread
@@ -517,8 +532,11 @@ class LeaderElector:
             epoch_floor, "check_access", None)
         """Raises AccessRefused when the floor's store refuses us (None: never checked)."""
         self._access_period = access_period
+        self._access_confirm = access_confirm
         self._refused: AccessRefused | None = None
-        """Set once the floor's store refused this replica: the elector ends."""
+        """Set once the floor's store refused this replica, confirmed: the elector ends."""
+        self._refusals = _Refusals()
+        """Refusals not yet confirmed (see :meth:`_note_refusal`)."""
         self._presence = epoch_floor if isinstance(epoch_floor, PresenceStore) else None
         """The leader keeps its presence there; standbys read it (None: no presence)."""
         self._presence_ttl = max(2, math.ceil(PRESENCE_TTL_LEASES * config.lease_duration))
@@ -650,20 +668,56 @@ class LeaderElector:
 
     def _access_loop(self, stop: threading.Event) -> None:
         """Check every access period that the floor's store still admits this replica;
-        a refusal ends the elector (see :class:`AccessRefused`). An outage is not a
-        refusal: the claim retries it as before."""
+        a confirmed refusal ends the elector (see :meth:`_note_refusal`): after a first
+        refusal the next check comes ``access_confirm`` seconds later. An outage is not
+        a refusal (and confirms nothing): the claim retries it as before."""
         assert self._access_check is not None
         while not stop.is_set():
+            wait = self._access_period
             try:
                 self._access_check()
             except AccessRefused as exc:
-                self._refuse(exc)
-                return
+                if self._note_refusal(exc):
+                    return
+                wait = min(wait, self._access_confirm)
             except Exception as exc:  # etcd away: not ours to decide here
                 self._log.debug("checking access to the epoch floor failed: {err}",
                                 err=short_error(exc))
-            if stop.wait(self._access_period):
+            else:
+                self._note_admitted()
+            if stop.wait(wait):
                 return
+
+    def _note_refusal(self, exc: AccessRefused) -> bool:
+        """Count one refusal (by an access check or an epoch claim); True once it is
+        confirmed and the elector ends: refused again ``access_confirm`` seconds or more
+        after the first refusal, with nothing admitted in between. A refusal that passes
+        (a role rewritten by a revoke and a grant; one etcd member refusing by itself
+        for a moment) must not end every replica at once."""
+        now = self._clock()
+        with self._refusals.lock:
+            first = self._refusals.since is None
+            if first:
+                self._refusals.since = now
+            since = self._refusals.since
+            assert since is not None
+            self._refusals.count += 1
+            confirmed = self._refusals.count >= 2 and now - since >= self._access_confirm
+        if confirmed:
+            self._refuse(exc)
+        elif first:
+            self._log.warning("the epoch floor's store refused this replica ({err}); "
+                              "stopping if it still does in {confirm:g}s",
+                              err=short_error(exc), confirm=self._access_confirm)
+        return confirmed
+
+    def _note_admitted(self) -> None:
+        """The floor's store answered a check or a claim: no refusal to confirm."""
+        with self._refusals.lock:
+            if self._refusals.since is not None:
+                self._log.info("the epoch floor's store admits this replica again")
+            self._refusals.since = None
+            self._refusals.count = 0
 
     def _presence_loop(self, stop: threading.Event) -> None:
         """While not leading: ask the holder to step down once the locks' etcd has
@@ -992,10 +1046,11 @@ class LeaderElector:
                 self._claiming_since = None
             if not isinstance(answer, _Answer):
                 return answer if answer is not None else EndReason.STOP
+            if answer.error is None:
+                self._note_admitted()
             if answer.error is None and answer.value:
                 return None
-            if isinstance(answer.error, AccessRefused):
-                self._refuse(answer.error)
+            if isinstance(answer.error, AccessRefused) and self._note_refusal(answer.error):
                 return EndReason.REFUSED
             if answer.error is not None:
                 self._log.warning("claiming epoch {epoch} failed: {err}", epoch=epoch,

@@ -450,6 +450,11 @@ class Etcd:
         One transaction that writes nothing: its condition never holds (no key has a
         negative version), so only its failure branch runs, reads of at most one key
         each; but etcd checks the permissions of both branches before it runs either.
+
+        A ``PERMISSION_DENIED`` is :class:`EtcdAccessDenied` only once every endpoint
+        has answered it: one member can refuse a valid user by itself (etcd bugs after a
+        member restart or join), and the client then moves to a member that admits it,
+        for this call and the next ones.
         """
         end = prefix_end(prefix)
 
@@ -465,7 +470,7 @@ class Etcd:
         )
         response = self._call(f"read and write the keys under {prefix}",
                               lambda ep, t, md: ep.kv.Txn(request, timeout=t, metadata=md),
-                              timeout=timeout, idempotent=True)
+                              timeout=timeout, idempotent=True, ask_every_endpoint=True)
         if response.succeeded:  # pragma: no cover - etcd broke its own compare
             raise EtcdError(f"etcd applied an access check that cannot apply ({prefix})")
 
@@ -690,19 +695,23 @@ class Etcd:
         return (("token", token),)
 
     def _call(self, what: str, fn: Callable[[_Endpoint, float, Any], T], *,
-              timeout: float | None, idempotent: bool) -> T:
+              timeout: float | None, idempotent: bool,
+              ask_every_endpoint: bool = False) -> T:
         """Run ``fn`` against an endpoint within the deadline, mapping errors.
 
         Idempotent calls move on to the next endpoint when one does not answer and keep
         trying until the deadline. Others do so only while the request provably never
         left this process (no connection); otherwise they fail at once, since the
-        outcome is unknown, and the next call goes to the next endpoint.
+        outcome is unknown, and the next call goes to the next endpoint. With
+        ``ask_every_endpoint`` (a call that writes nothing), ``PERMISSION_DENIED`` moves
+        on to the next endpoint too, and is raised only once each endpoint refused.
         """
         if self._closed:
             raise EtcdError("etcd client used after close")
         budget = self.config.timeout if timeout is None else timeout
         deadline = time.monotonic() + budget
         reauthenticated = False
+        denied = 0
         last: grpc.RpcError | None = None
         backoff = 0.05
         while True:
@@ -723,6 +732,11 @@ class Etcd:
                     with self._state.lock:
                         self._state.token = None
                     continue
+                if (code == grpc.StatusCode.PERMISSION_DENIED and ask_every_endpoint
+                        and denied + 1 < len(self._endpoints)):
+                    denied += 1
+                    self._advance(index, "refused this client (PERMISSION_DENIED)")
+                    continue
                 if not went_away(exc):
                     refused = (EtcdAccessDenied if code == grpc.StatusCode.PERMISSION_DENIED
                                else EtcdRequestFailed)
@@ -740,12 +754,12 @@ class Etcd:
             f"{budget:.1f}s ({detail})"
         )
 
-    def _advance(self, failed_index: int) -> None:
+    def _advance(self, failed_index: int, why: str = "did not answer") -> None:
         with self._state.lock:
             if self._state.current == failed_index and len(self._endpoints) > 1:
                 self._state.current = (failed_index + 1) % len(self._endpoints)
                 logger.bind(endpoint=self._endpoints[failed_index].url).debug(
-                    "etcd endpoint did not answer; moving to the next one")
+                    "etcd endpoint {why}; moving to the next one", why=why)
 
 
 class WatchStream:
