@@ -1,8 +1,8 @@
 """``helm install`` of the chart with its default values on the real node, its own etcd
 included, then a VM and ``helm test``.
 
-What the local cluster provides for it, since it has no registry and no cloud (each
-step is also a command, see docs/real-node.md, "The chart with its defaults"):
+What the local cluster provides for it, since it has no registry and no cloud
+(docs/real-node.md, "The chart with its default values, its own etcd included"):
 
 1. the images the defaults name, present in the node's containerd so that
    ``IfNotPresent`` never pulls: the controller and runner images built here
