@@ -394,8 +394,10 @@ def stop(node: RealNode) -> list[str]:
     done = []
     name = process_name(node)
     if node.cluster.process_alive(name, "neonvm.dev.nodeservices"):
+        node.cluster.stop_component(name)
         done.append(name)
-    node.cluster.stop_component(name)
+    else:  # never signal a pid the process left behind: another may have it now
+        node.cluster._pid_file(name).unlink(missing_ok=True)
     dnat, masq = _chains(node)
     removed = False
     while _ipt("-t", "nat", "-D", "PREROUTING", "-i", node.bridge, "-j", dnat):
