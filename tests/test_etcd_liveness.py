@@ -228,6 +228,40 @@ def test_a_standby_refused_stops_campaigning_and_ends_the_elector() -> None:
 
 
 @pytest.mark.unit
+def test_a_refusal_while_the_acquisition_is_in_flight_releases_what_it_took() -> None:
+    """The replica is refused (confirmed) while its acquisition is on its way, and the
+    acquisition then lands: the elector takes its answer and releases the Lease before
+    it ends, rather than leave it held until it expires. (Long renew deadline: the
+    acquisition's window outlasts the confirmation.)"""
+    store, floor, gate, started = AskableStore(), Floor(), threading.Event(), []
+
+    def refused_then_lands() -> None:
+        floor.refuse.set()
+        gate.wait(60)
+
+    store.before_write = refused_then_lands
+    elector = LeaderElector(
+        None, ElectionConfig(identity="me", namespace="ns", name="l", lease_duration=20.0,
+                             renew_deadline=10.0, retry_period=0.5),
+        started.append, lambda: None, epoch_floor=floor, store=store, watch=False,
+        access_period=0.05, access_confirm=CONFIRM)
+    stop, thread, raised = _run(elector)
+    try:
+        wait_for(lambda: elector._refused is not None, 30, what="the refusal confirmed")
+        gate.set()
+        thread.join(30)
+    finally:
+        gate.set()
+        stop.set()
+        thread.join(30)
+    assert len(raised) == 1 and isinstance(raised[0], AccessRefused), raised
+    assert started == []
+    assert store.calls.count("create") == 1
+    wait_for(lambda: store.obj is not None, 30, what="the acquisition landed")
+    assert store.spec["holderIdentity"] == "", "released"
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize("source", ["check", "claim"])
 def test_a_refusal_that_passes_does_not_end_the_elector(source: str) -> None:
     """One refused access check (or epoch claim), then admitted again: a refusal that

@@ -933,6 +933,18 @@ class LeaderElector:
 
         term.renewed_at = self._call(term, "acquire", write)
         answer = self._pump(term, stop, want="acquire")
+        if answer is EndReason.REFUSED and term.pending.get("acquire"):
+            # Refused while the acquisition is in flight: it may land all the same.
+            # Take its answer (within the term's belief) and release what it took.
+            answer = self._pump(term, stop, want="acquire", refusal_ends=False)
+            term.acquiring = False
+            if isinstance(answer, _Answer) and answer.error is None and not term.proven:
+                term.record = answer.value
+            if term.proven or (isinstance(answer, _Answer) and answer.error is None):
+                self._log.info("acquired the Lease as this replica was refused; "
+                               "releasing it")
+                self._release(term)
+            return None
         term.acquiring = False
         if not isinstance(answer, _Answer):  # stopped, or no answer within the window
             return None
@@ -1140,20 +1152,21 @@ class LeaderElector:
 
     def _pump(self, term: _Term, stop: threading.Event, *, want: str | None = None,
               until: float | None = None,
-              send: tuple[str, Callable[[], Any]] | None = None
-              ) -> EndReason | _Answer | None:
+              send: tuple[str, Callable[[], Any]] | None = None,
+              refusal_ends: bool = True) -> EndReason | _Answer | None:
         """The term's loop: send renewals when due, take their answers, end the term.
 
         Returns the first answer of kind ``want`` (after ``send`` sent it), None once the
         clock reaches ``until``, or why the term ended: the renew deadline passed (no
         renewal succeeded within ``retry_period + renew_deadline`` of the send of the last
-        one that did), deposed, step-down, ``stop``, or ``lost`` set from outside.
+        one that did), deposed, step-down, ``stop``, or ``lost`` set from outside, or
+        (unless not ``refusal_ends``) a confirmed refusal of this replica.
         """
         if send is not None:
             self._call(term, *send)
         while True:
             self._last_tick = self._clock()
-            if self._refused is not None:
+            if self._refused is not None and refusal_ends:
                 return EndReason.REFUSED
             while True:
                 try:
