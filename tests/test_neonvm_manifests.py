@@ -40,7 +40,9 @@ from tests.test_runner import context, kernel_spec, option_values, spec_of
 
 HERE = Path(__file__).resolve().parent / "neonvm_manifests"
 RUNNABLE = sorted(str(p.relative_to(HERE)) for p in HERE.rglob("*.yaml")
-                  if "VirtualMachineMigration" not in p.read_text())
+                  if "VirtualMachineMigration" not in p.read_text()
+                  and p.relative_to(HERE).parts[0] != "autoscaling")
+"""Not ``autoscaling/``: NeonVM's whole e2e suite, verbatim, run by test_neonvm_e2e.py."""
 SCHEDULER = "autoscale-scheduler"
 
 
