@@ -55,14 +55,16 @@ def wait_for(
 
 def shipped_reconciler(api: client.ApiClient, **kw: Any) -> Reconciler:
     """The shipped reconciler with its clients built over ``api``, as the controller's
-    composition root builds them (``cluster=`` or ``scaling=`` given in ``kw`` replace
-    them); every other keyword is the reconciler's."""
+    composition root builds them (``cluster=``, ``scaling=`` or ``runner_reports=`` given
+    in ``kw`` replace them); every other keyword is the reconciler's."""
+    from neonvm.controller.acceleration import HTTPRunnerStatus, RunnerReports
     from neonvm.controller.cluster import KubeCluster
     from neonvm.controller.reconciler import Reconciler
     from neonvm.controller.scaling import RunnerScaling
 
     cluster = kw.pop("cluster", None) or KubeCluster(api)
     scaling = kw.pop("scaling", None) or RunnerScaling(api)
+    kw.setdefault("runner_reports", RunnerReports(HTTPRunnerStatus()))
     return Reconciler(cluster, scaling, **kw)
 
 def restart_api_server(cluster: LocalCluster, api: client.ApiClient) -> None:

@@ -49,7 +49,7 @@ def test_a_status_that_trickles_in_ends_at_the_deadline_and_frees_the_fetch() ->
     # before (the runner sees its writes fail), and the fetch's slot is free again.
     runner = hostile("trickle", trickle_interval=0.1, trickle_bytes=300)
     try:
-        reports = RunnerReports(timeout=1.0, max_in_flight=1)
+        reports = RunnerReports(HTTPRunnerStatus(), timeout=1.0, max_in_flight=1)
         assert reports.lookup(_running_pod(), runner.port) is None  # the fetch starts
         assert reports.wait_idle(60)
         wait_for(lambda: runner.hung_up, 40, what="the trickle to notice the hang-up")

@@ -21,6 +21,7 @@ from neonvm import kube
 from neonvm.api import types
 from neonvm.controller import actions as act
 from neonvm.controller.authority import StaticAuthority, WrongVM
+from neonvm.controller.cluster import KubeCluster
 from neonvm.controller.events import EventRecorder
 from neonvm.controller.fault_wiring import FaultWiring, VersionedStore
 from neonvm.controller.faults import FaultConfig, Faults
@@ -532,7 +533,7 @@ def test_the_pull_secret_check_receives_no_secret_data_and_cannot_tell_without_r
     core = client.CoreV1Api(api)
     core.create_namespaced_secret(namespace, {
         "metadata": {"name": "regcred"}, "stringData": {"token": "hunter2"}})
-    reader = DirectReader(controller_api)
+    reader = DirectReader(KubeCluster(controller_api))
     assert reader.secret_exists(namespace, "regcred") is True
     assert reader.secret_exists(namespace, "absent") is False
 
@@ -547,10 +548,10 @@ def test_the_pull_secret_check_receives_no_secret_data_and_cannot_tell_without_r
     nobody = kube.api_client(cluster.kubeconfig)
     nobody.set_default_header("Impersonate-User", "neonvm-test-nobody")
     try:
-        assert DirectReader(nobody).secret_exists(namespace, "regcred") is None
+        assert DirectReader(KubeCluster(nobody)).secret_exists(namespace, "regcred") is None
         create_vm(api, namespace, "unchecked", spec={"imagePullSecrets": [{"name": "absent"}]})
         reconciler = shipped_reconciler(controller_api)
-        reconciler.reader.secret_exists = DirectReader(nobody).secret_exists  # type: ignore[method-assign]
+        reconciler.reader.secret_exists = DirectReader(KubeCluster(nobody)).secret_exists  # type: ignore[method-assign]
         settle(reconciler, f"{namespace}/unchecked")
         converged_one(api, namespace, "unchecked")
     finally:

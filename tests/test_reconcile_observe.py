@@ -17,6 +17,7 @@ from kubernetes import client
 
 from neonvm.api import types
 from neonvm.controller import actions as act
+from neonvm.controller.acceleration import HTTPRunnerStatus, RunnerReports
 from neonvm.controller.authority import StaticAuthority
 from neonvm.controller.cluster import KubeCluster
 from neonvm.controller.observe import DirectReader, Snapshot, VMRecord
@@ -45,7 +46,7 @@ class CountingReader(DirectReader):
     """The driver's direct reader, counting its quorum reads by kind."""
 
     def __init__(self, api: client.ApiClient) -> None:
-        super().__init__(api)
+        super().__init__(KubeCluster(api))
         self.reads: Counter[str] = Counter()
 
     def list_pods(self, namespace: str, vm_name: str) -> list[dict[str, Any]]:
@@ -65,7 +66,8 @@ class Recording(Reconciler):
     """Records, for every performed action, what the observation behind it was."""
 
     def __init__(self, api: client.ApiClient) -> None:
-        super().__init__(KubeCluster(api), RunnerScaling(api))
+        super().__init__(KubeCluster(api), RunnerScaling(api),
+                         runner_reports=RunnerReports(HTTPRunnerStatus()))
         self.counting = CountingReader(api)
         self.ctx.reader = self.counting
         self.vm_writes = 0

@@ -47,6 +47,7 @@ from neonvm.controller import decide as d
 from neonvm.controller import informer as informer_module
 from neonvm.controller import podspec
 from neonvm.controller.authority import StaticAuthority
+from neonvm.controller.cluster import KubeCluster
 from neonvm.controller.events import EventRecorder
 from neonvm.controller.fault_wiring import FaultWiring
 from neonvm.controller.faults import FaultConfig, Faults
@@ -283,7 +284,7 @@ def test_f1_every_vm_name_the_crd_admits_yields_valid_pod_labels_and_selectors(
         selectors.append(dict(query or []).get("labelSelector", ""))
         return {"items": []}
 
-    reader = DirectReader(client.ApiClient())
+    reader = DirectReader(KubeCluster(client.ApiClient()))
     monkeypatch.setattr(kube, "request", list_pods)
     reader.list_pods(NS, name)
     for req in selectors[0].split(","):

@@ -20,7 +20,7 @@ from neonvm import kube
 from neonvm.api.types import Fence, PendingPod, VirtualMachineStatus
 from neonvm.controller import actions as act
 from neonvm.controller import decide as d
-from neonvm.controller.cluster import VMWriter
+from neonvm.controller.cluster import KubeCluster, VMWriter
 from neonvm.controller.mutations import FencedOut, status_mutation
 from neonvm.controller.observe import DirectReader, VMRecord
 from neonvm.controller.update import (
@@ -202,7 +202,7 @@ def test_backoff_grows_and_is_capped() -> None:
 
 
 def _record(api: client.ApiClient, namespace: str, name: str) -> VMRecord:
-    record = DirectReader(api).get_vm(namespace, name)
+    record = DirectReader(KubeCluster(api)).get_vm(namespace, name)
     assert record is not None
     return record
 
@@ -229,7 +229,7 @@ def test_a_write_raced_by_another_writer_is_reapplied_to_the_fresh_copy(
         cluster: LocalCluster, api: client.ApiClient, namespace: str) -> None:
     create_vm(api, namespace, "raced")
     controller = kube.api_client(cluster.kubeconfig_for("controller"))
-    writer, reader = VMWriter(controller), DirectReader(controller)
+    writer, reader = VMWriter(controller), DirectReader(KubeCluster(controller))
     stale = _record(api, namespace, "raced")
     bumped = _another_writer_sets_restart_count(writer, stale, 7)
     assert bumped.resource_version != stale.resource_version
@@ -249,7 +249,7 @@ def test_the_seed_retry_against_the_api_server_overwrites_the_racing_write(
         cluster: LocalCluster, api: client.ApiClient, namespace: str) -> None:
     create_vm(api, namespace, "raced")
     controller = kube.api_client(cluster.kubeconfig_for("controller"))
-    writer, reader = VMWriter(controller), DirectReader(controller)
+    writer, reader = VMWriter(controller), DirectReader(KubeCluster(controller))
     stale = _record(api, namespace, "raced")
     _another_writer_sets_restart_count(writer, stale, 7)
 
@@ -268,7 +268,7 @@ def test_a_plan_raced_by_a_commit_is_not_recorded_at_all(
     """The seed's step 3: a stale read without podName must not start a second plan."""
     create_vm(api, namespace, "seed")
     controller = kube.api_client(cluster.kubeconfig_for("controller"))
-    writer, reader = VMWriter(controller), DirectReader(controller)
+    writer, reader = VMWriter(controller), DirectReader(KubeCluster(controller))
     stale = _record(api, namespace, "seed")
     committed = VirtualMachineStatus(pod_name="seed-pod-from-job-2", pod_uid="u2",
                                      plan_seq=1, phase="Running")
@@ -289,7 +289,7 @@ def test_a_write_from_an_older_epoch_is_fenced_out_on_the_fresh_copy(
         cluster: LocalCluster, api: client.ApiClient, namespace: str) -> None:
     create_vm(api, namespace, "fenced")
     controller = kube.api_client(cluster.kubeconfig_for("controller"))
-    writer, reader = VMWriter(controller), DirectReader(controller)
+    writer, reader = VMWriter(controller), DirectReader(KubeCluster(controller))
     stale = _record(api, namespace, "fenced")
     # A leader of epoch 5 touched the VM (its fence) without changing anything we rely on.
     writer.put_status(stale, VirtualMachineStatus(fence=Fence(epoch=5, token=1)))

@@ -54,6 +54,7 @@ from neonvm.cli.output import (
 )
 from neonvm.controller import actions as act
 from neonvm.controller import decide as d
+from neonvm.controller.cluster import KubeCluster
 from neonvm.controller.observe import DirectReader, Snapshot, pod_view
 
 WATCH_SECONDS = 300
@@ -348,7 +349,7 @@ def list_(namespace: str | None, all_namespaces: bool, selector: str | None, wat
 
 def _observe(api: client.ApiClient, namespace: str, name: str, lease: act.Fence | None
              ) -> Snapshot:
-    reader = DirectReader(api)
+    reader = DirectReader(KubeCluster(api))
     snap = reader.observe(f"{namespace}/{name}", lease or act.Fence(0, 0))
     if snap.record is None:
         raise click.ClickException(f"VirtualMachine {namespace}/{name} not found")

@@ -176,12 +176,12 @@ class _Fetch:
 class RunnerReports:
     """Per pod uid, what its runner said; fetched in the background, never waited for."""
 
-    def __init__(self, source: RunnerStatusSource | None = None, *,
+    def __init__(self, source: RunnerStatusSource, *,
                  timeout: float = STATUS_TIMEOUT, retry_seconds: float = RETRY_SECONDS,
                  max_attempts: int = MAX_ATTEMPTS, max_in_flight: int = MAX_IN_FLIGHT,
                  remembered: int = REMEMBERED_PODS,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self._source = source or HTTPRunnerStatus()
+        self._source = source
         self._timeout = timeout
         self._retry = retry_seconds
         self._max_attempts = max_attempts

@@ -65,6 +65,7 @@ from loguru import logger
 from neonvm import kube
 from neonvm.api import types
 from neonvm.controller import actions as act
+from neonvm.controller.acceleration import HTTPRunnerStatus, RunnerReports
 from neonvm.controller.authority import AuthorityLost
 from neonvm.controller.cluster import KubeCluster
 from neonvm.controller.events import EventRecorder
@@ -250,7 +251,7 @@ class LeaderTerm:
                      relist_seconds=self.config.relist_seconds, transform=project_pod),
         ]
         self.reconciler = Reconciler(
-            KubeCluster(api), RunnerScaling(api),
+            KubeCluster(api), RunnerScaling(api), runner_reports=RunnerReports(HTTPRunnerStatus()),
             cache=wiring.observer(self.vm_store, self.pod_store),
             writer=wiring.writer(api), after_step=wiring.after_step(),
             metrics=self.metrics, events=process.events,

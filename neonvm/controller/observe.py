@@ -39,7 +39,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from loguru import logger
 
@@ -47,7 +46,7 @@ from neonvm.api import types
 from neonvm.api.types import VirtualMachine
 from neonvm.controller import autoscaler_view, podspec
 from neonvm.controller.actions import Fence, Observation, PodView
-from neonvm.controller.cluster import ClusterReads, KubeCluster
+from neonvm.controller.cluster import ClusterReads
 from neonvm.controller.cluster import VMRecord as VMRecord  # re-exported: its old home
 from neonvm.controller.informer import Store
 from neonvm.controller.reasons import CREATE_REFUSED, DEGRADED
@@ -160,13 +159,11 @@ def split_key(key: str) -> tuple[str, str]:
 
 class DirectReader:
     """Quorum reads (``resourceVersion`` unset) of VMs and their pods, through the
-    cluster interface (:class:`~neonvm.controller.cluster.ClusterReads`; given an API
-    client, the shipped :class:`~neonvm.controller.cluster.KubeCluster`)."""
+    cluster interface (:class:`~neonvm.controller.cluster.ClusterReads`; the shipped one
+    is :class:`~neonvm.controller.cluster.KubeCluster`, built by the caller)."""
 
-    def __init__(self, cluster: ClusterReads | client.ApiClient,
-                 clock: Clock = utc_now) -> None:
-        self.cluster: ClusterReads = (KubeCluster(cluster)
-                                      if isinstance(cluster, client.ApiClient) else cluster)
+    def __init__(self, cluster: ClusterReads, clock: Clock = utc_now) -> None:
+        self.cluster = cluster
         self._clock = clock
         self._warned_secrets_forbidden = False
 

@@ -241,7 +241,7 @@ class Reconciler:
         update: UpdateFunction[VMRecord] = conditional_update,
         on_finalized: Callable[[str], None] | None = None,
         timers: VMTimers | None = None,
-        runner_reports: RunnerReports | None = None,
+        runner_reports: RunnerReports,
         old_crd_warned: threading.Event | None = None,
         fencing: SelfFencing | None = None,
     ) -> None:
@@ -259,7 +259,7 @@ class Reconciler:
         self._after_step = after_step
         self._metrics = metrics
         self.acceleration = Acceleration(self._config.pod_defaults.kvm_resource,
-                                         runner_reports or RunnerReports(),
+                                         runner_reports,
                                          podspec.RUNNER_PORT)
         """The AccelerationUnavailable condition (its runner GETs never block a step)."""
 
