@@ -45,6 +45,12 @@ PullPolicy = Literal["Always", "IfNotPresent", "Never"]
 MAX_MEMORY_SLOTS = 512
 MAX_VCPUS = 512
 """Upper bound of ``guest.cpus.max`` (whole vCPUs); QEMU/KVM's own limits are near here."""
+MIN_OVERCOMMIT = "0.001"
+"""The smallest overcommit factor (1m): NeonVM's scheduler plugin divides a VM's usage
+by the factor's thousandths, so zero (or a negative factor) would break its sums."""
+MAX_OVERCOMMIT = "10"
+"""The largest overcommit factor: a VM counts at least a tenth of its usage, whoever
+writes its spec (NeonVM itself sets no bound; docs/security.md)."""
 MAX_MILLICPU_LENGTH = 12
 DNS_LABEL = 63
 NAME_LENGTH = 253
@@ -434,9 +440,22 @@ class TLSProvisioning:
                                        max_length=PATH_LENGTH, schema_default="/var/tls")
 
 
+def _factor_rule(field: str) -> tuple[str, str, str]:
+    """``field`` (an overcommit factor) is a number in
+    [:data:`MIN_OVERCOMMIT`, :data:`MAX_OVERCOMMIT`]."""
+    q = f"quantity(string(self.{field}))"
+    return (f"!has(self.{field}) || (!{q}.isLessThan(quantity('{MIN_OVERCOMMIT}')) && "
+            f"!{q}.isGreaterThan(quantity('{MAX_OVERCOMMIT}')))",
+            f"{field} must be a factor from {MIN_OVERCOMMIT} to {MAX_OVERCOMMIT}",
+            f".{field}")
+
+
 @dataclass
 class OvercommitSettings:
-    """Factors by which to discount the VM's resource usage (NeonVM)."""
+    """Factors by which to discount the VM's resource usage (NeonVM), each from 0.001 to
+    10: NeonVM's scheduler plugin divides the VM's usage by it (docs/security.md)."""
+
+    __validations__ = (_factor_rule("cpu"), _factor_rule("memory"))
 
     cpu: str | None = api_field("CPU overcommit factor.", quantity=True)
     memory: str | None = api_field("Memory overcommit factor.", quantity=True)
