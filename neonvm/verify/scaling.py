@@ -126,6 +126,8 @@ SLOT = "1Gi"
 IP = "10.0.0.1"
 Size = tuple[int, int]
 FenceTriple = tuple[int, int, int]
+Created = tuple[str, str, Size]
+"""A created pod: its name, uid and built size."""
 
 
 CONDITIONS_WRITE = "ConditionsWrite"
@@ -209,7 +211,7 @@ class World(NamedTuple):
     spec_changes: tuple[Size, ...]
     restarts_left: int
     crashes_left: int
-    created: tuple[str, str, Size] | None = None
+    created: Created | None = None
     """A replacement pod created (its runner up, its guest booted at the size it was built
     with) and not yet committed: (name, uid, built size)."""
     refusals_left: int = 0
@@ -408,6 +410,10 @@ class ScalingModel:
         plugged again), or do neither."""
         self._calm: dict[World, Violation | None] = {}
         """Calm runs already done, by their starting state."""
+        self._restarts: dict[tuple[Any, ...], tuple[VMRep, Runner, Created]] = {}
+        self._commits: dict[tuple[Any, ...], VMRep] = {}
+        """Pod replacements and commits already computed, by what they read (a pure
+        function of it; many states share the VM and the leader)."""
 
     # observation and decision (the shipped decide)
     def observe(self, w: World, i: int, seen: VMRep, unanswered: bool = False,
@@ -652,8 +658,17 @@ class ScalingModel:
         that size; the commit is a later step (:meth:`commit_pod`)."""
         leader = max((x for x in w.workers if x.active and not x.stopped),
                      key=lambda x: x.epoch)
-        lease = act.Fence(leader.epoch, leader.token)
-        vm = to_vm(w.vm)
+        key = (w.vm, leader.epoch, leader.token)
+        if key not in self._restarts:
+            self._restarts[key] = self._replaced(w.vm, act.Fence(leader.epoch, leader.token))
+        rep, runner, created = self._restarts[key]
+        return _write(w._replace(runner=runner, restarts_left=w.restarts_left - 1,
+                                 created=created), rep, self.lag)
+
+    def _replaced(self, r: VMRep, lease: act.Fence) -> tuple[VMRep, Runner, Created]:
+        """:meth:`restart_runner`'s VM, new runner and created pod, from the VM and the
+        leader's fence alone."""
+        vm = to_vm(r)
         for action in (act.Restart(name=vm.status.pod_name or "", uid=vm.status.pod_uid or ""),
                        act.RecordPlan(plan=PendingPod(
                            name=d.plan_name(vm, vm.status.plan_seq + 1),
@@ -677,9 +692,7 @@ class ScalingModel:
         boot = ((milli + 999) // 1000, slots)
         runner = Runner(pod_uid=uid, stored=None, floor=floor, boot=boot, guest=boot,
                         received=(vm.status.scale_seq, boot), boot_seq=vm.status.scale_seq)
-        return _write(w._replace(runner=runner, restarts_left=w.restarts_left - 1,
-                                 created=(name, uid, boot)),
-                      from_vm(vm, w.vm.use), self.lag)
+        return from_vm(vm, r.use), runner, (name, uid, boot)
 
     def commit_pod(self, w: World) -> World:
         """The created pod is committed and seen running (shipped decide's Commit, its
@@ -687,9 +700,17 @@ class ScalingModel:
         assert w.created is not None
         leader = max((x for x in w.workers if x.active and not x.stopped),
                      key=lambda x: x.epoch)
-        lease = act.Fence(leader.epoch, leader.token)
-        name, uid, boot = w.created
-        vm = to_vm(w.vm)
+        key = (w.vm, w.created, leader.epoch, leader.token)
+        if key not in self._commits:
+            self._commits[key] = self._committed(w.vm, w.created,
+                                                 act.Fence(leader.epoch, leader.token))
+        return _write(w._replace(created=None), self._commits[key], self.lag)
+
+    def _committed(self, r: VMRep, created: Created, lease: act.Fence) -> VMRep:
+        """:meth:`commit_pod`'s VM, from the VM, the created pod and the leader's fence
+        alone."""
+        name, uid, boot = created
+        vm = to_vm(r)
         pending = vm.status.pending_pod
         assert pending is not None
         pod = act.PodView(name=name, uid=uid, owner_uid=UID, gated=True, terminating=False,
@@ -705,7 +726,7 @@ class ScalingModel:
             new = mutations.status_mutation(action, lease)(vm)
             assert new is not None, action
             vm.status = new
-        return _write(w._replace(created=None), from_vm(vm, w.vm.use), self.lag)
+        return from_vm(vm, r.use)
 
     def successors(self, w: World) -> Iterator[tuple[str, World, Violation | None]]:
         for i, x in enumerate(w.workers):
