@@ -34,11 +34,14 @@ from typing import Any
 
 import grpc
 import pytest
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import rsa
 from kubernetes import client
 from prometheus_client import CollectorRegistry
 
 from neonvm.dev import binaries
 from neonvm.dev.cluster import LOCKS_ETCD_ROOT, LocalCluster, free_port
+from neonvm.dev.pki import LocalPKI
 from neonvm.dev.replica import controller_argv
 from neonvm.drills.proxy import FaultProxy
 from neonvm.leader.election import (
@@ -61,7 +64,7 @@ from neonvm.leader.etcd import (
 from neonvm.leader.lease_store import LeaseConflict
 from neonvm.leader.lock import Installation
 from neonvm.testing.harness import converged, create_vm, runner_pods
-from tests.support import FAST, wait_for
+from tests.support import FAST, PrivateEtcd, etcd_answers, wait_for
 from tests.test_election_store import FakeClock, FakeLeaseStore, held_by
 from tests.test_etcd_faults import _Failure
 
@@ -578,6 +581,59 @@ def test_a_leader_whose_etcd_role_is_revoked_releases_and_a_standby_that_keeps_i
         "its work ended while the Lease was still its own, before the release"
     assert released is not None and released[0] in ("", "kept"), released
     assert started["kept"] and started["kept"][0] > 0, started
+
+
+@contextmanager
+def jwt_etcd(state: Path) -> Iterator[PrivateEtcd]:
+    """A private etcd (plain http) whose auth tokens are JWTs (``--auth-token jwt``, an
+    RSA key made here): a JWT carries the auth store's revision at its issue."""
+    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    state.mkdir(parents=True, exist_ok=True)
+    (state / "jwt.key").write_bytes(key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption()))
+    (state / "jwt.pub").write_bytes(key.public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
+    port, peer = free_port(), free_port()
+    url = f"http://127.0.0.1:{port}"
+    argv = [str(binaries.require("etcd")), "--name=jwt", f"--data-dir={state / 'data'}",
+            f"--listen-client-urls={url}", f"--advertise-client-urls={url}",
+            f"--listen-peer-urls=http://127.0.0.1:{peer}",
+            f"--initial-advertise-peer-urls=http://127.0.0.1:{peer}",
+            f"--initial-cluster=jwt=http://127.0.0.1:{peer}", "--unsafe-no-fsync",
+            "--log-level=warn",
+            f"--auth-token=jwt,pub-key={state / 'jwt.pub'},priv-key={state / 'jwt.key'},"
+            "sign-method=RS256,ttl=10m"]
+    etcd = PrivateEtcd(state, url, LocalPKI(state / "pki"), argv, tls=False)
+    etcd.start()
+    try:
+        wait_for(lambda: etcd_answers(etcd.config("/probe")), 60, what="etcd answering")
+        yield etcd
+    finally:
+        etcd.kill()
+
+
+@pytest.mark.cluster
+def test_a_password_client_refreshes_a_jwt_that_an_auth_change_made_old(
+        tmp_path: Path) -> None:
+    """With JWT tokens, any auth change (here: another release's user added) makes
+    every token issued before it "old" (etcd: "revision of auth store is old",
+    INVALID_ARGUMENT). A password client gets a fresh token and goes on, as etcd's Go
+    client does; before, every call failed until the token expired (minutes)."""
+    with jwt_etcd(tmp_path / "etcd") as server:
+        with Etcd(EtcdConfig(endpoints=(server.url,), timeout=5.0)) as admin:
+            admin.enable_auth("root-pw", "alice", "alice-pw", "/p/")
+        alice_config = EtcdConfig(endpoints=(server.url,), prefix="/p", user="alice",
+                                  password="alice-pw", timeout=5.0)
+        root_config = EtcdConfig(endpoints=(server.url,), user="root", password="root-pw",
+                                 timeout=5.0)
+        with Etcd(alice_config) as alice, Etcd(root_config) as root:
+            assert alice.get("/p/x") is None  # alice's token, at this auth revision
+            root.grant_prefix("bob", "bob-pw", "/q")  # an auth change
+            assert alice.get("/p/x") is None
+            alice.put("/p/x", b"1")
+            written = alice.get("/p/x")
+            assert written is not None and written.value == b"1"
 
 
 @pytest.mark.cluster

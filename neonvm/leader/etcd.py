@@ -726,8 +726,10 @@ class Etcd:
             except grpc.RpcError as exc:
                 last = exc
                 code = exc.code()
-                if code == grpc.StatusCode.UNAUTHENTICATED and not reauthenticated:
-                    # Simple tokens expire after idling; get a fresh one and retry once.
+                if not reauthenticated and _stale_token(exc):
+                    # Simple tokens expire after idling, and a JWT carries the auth
+                    # store's revision at its issue, which any auth change makes "old":
+                    # get a fresh token and retry once (as etcd's Go client does).
                     reauthenticated = True
                     with self._state.lock:
                         self._state.token = None
@@ -858,6 +860,23 @@ def _reset(exc: grpc.RpcError) -> bool:
     except Exception:  # pragma: no cover - an RpcError that is not a Call
         return False
     return any(marker in details for marker in _RESET_DETAILS)
+
+
+_STALE_TOKEN_DETAILS = ("revision of auth store is old", "invalid auth token")
+"""etcd's ErrAuthOldRevision (INVALID_ARGUMENT) and ErrInvalidAuthToken: the token, not
+the request, is what etcd refused."""
+
+
+def _stale_token(exc: grpc.RpcError) -> bool:
+    """etcd refused the call's auth token as expired, unknown or issued before the last
+    auth change (clientv3's ``shouldRefreshToken``): a fresh token may be admitted."""
+    if _code(exc) == grpc.StatusCode.UNAUTHENTICATED:
+        return True
+    try:
+        details = exc.details() or ""
+    except Exception:  # pragma: no cover - an RpcError that is not a Call
+        return False
+    return any(marker in details for marker in _STALE_TOKEN_DETAILS)
 
 
 def _never_sent(exc: grpc.RpcError) -> bool:
