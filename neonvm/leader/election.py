@@ -26,9 +26,11 @@ What is guaranteed
   (galloping: +1, +2, +4, ...) and claims again. Work only starts under an epoch the floor
   accepted, so epochs increase across the Lease's whole history, not just its life.
 * **Expiry uses local monotonic time only.** A follower considers the Lease expired
-  ``leaseDurationSeconds`` after *it* last saw the object change (its ``resourceVersion``),
-  measured on ``time.monotonic()``. Remote ``renewTime`` values are written for other tools
-  and never read for decisions, so wall-clock skew or jumps cannot shorten a term.
+  ``leaseDurationSeconds`` after *it* last saw the holder's record change (the object's
+  uid or its ``spec``: a metadata-only change such as a step-down request is no
+  renewal), measured on ``time.monotonic()``. Remote ``renewTime`` values are written
+  for other tools and never read as times (only compared, as part of the spec, to see
+  that it changed), so wall-clock skew or jumps cannot shorten a term.
 * **A follower acts on a fresh read, never on a watch event.** Followers watch the Lease,
   but an event only wakes the campaign early; what it then decides from is a direct
   (quorum) read, and what it writes is a CAS on that read's ``resourceVersion``. A
@@ -67,9 +69,11 @@ What is guaranteed
 * **A deleted Lease deposes its holder** at its next renewal (404, or 422 when a test of
   the patch fails), and the next campaign re-creates it.
 * **A replica its epoch store refuses stops.** :class:`AccessRefused` from the floor
-  (checked every :data:`ACCESS_CHECK_PERIOD` and at each claim) ends the term like a
-  step-down, releases the Lease once the work returned, and is raised out of
-  :meth:`LeaderElector.run` (docs/leader-election.md, "A replica its etcd refuses").
+  (checked every :data:`ACCESS_CHECK_PERIOD` and at each claim), once confirmed
+  :data:`ACCESS_CONFIRM_SECONDS` later, ends the term like a step-down, releases the
+  Lease once the work returned (or once an acquisition in flight answered), and is
+  raised out of :meth:`LeaderElector.run` (docs/leader-election.md, "A replica its etcd
+  refuses").
 * **A leader cut off the locks' etcd is asked to hand over.** The leading term keeps a
   presence record in the floor's store (:class:`PresenceStore`); a standby that reads
   that store and finds no presence of the holder's term for ``PRESENCE_GRACE_LEASES``
