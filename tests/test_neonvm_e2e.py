@@ -20,6 +20,7 @@ docs/neonvm-compat.md, "NeonVM's e2e suite", has the table.
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -110,12 +111,21 @@ def e2e(cluster: LocalCluster, api: client.ApiClient, namespace: str, tmp_path: 
     yield cluster, api, namespace, tmp_path
 
 
+@pytest.fixture
+def kubectl() -> str:
+    """NeonVM's step and assert commands call kubectl (the long runs only)."""
+    found = shutil.which("kubectl")
+    if found is None:
+        pytest.skip("NeonVM's steps run kubectl, which is not on PATH")
+    return found
+
+
 @pytest.mark.cluster
 @pytest.mark.slow
 @pytest.mark.long
 @pytest.mark.parametrize("test", TESTS)
 def test_neonvms_e2e_test_stops_where_specified_under_kuttls_semantics(
-        e2e: tuple[LocalCluster, client.ApiClient, str, Path], test: str) -> None:
+        e2e: tuple[LocalCluster, client.ApiClient, str, Path], kubectl: str, test: str) -> None:
     cluster, api, namespace, tmp = e2e
     check_reach(test, run(api, cluster, namespace, tmp, test, by_type=False), REACH_KUTTL[test])
 
@@ -125,7 +135,7 @@ def test_neonvms_e2e_test_stops_where_specified_under_kuttls_semantics(
 @pytest.mark.long
 @pytest.mark.parametrize("test", TESTS)
 def test_neonvms_e2e_test_stops_where_specified_with_conditions_by_type(
-        e2e: tuple[LocalCluster, client.ApiClient, str, Path], test: str) -> None:
+        e2e: tuple[LocalCluster, client.ApiClient, str, Path], kubectl: str, test: str) -> None:
     cluster, api, namespace, tmp = e2e
     check_reach(test, run(api, cluster, namespace, tmp, test, by_type=True),
                 REACH_BY_TYPE[test])
