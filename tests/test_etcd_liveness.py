@@ -265,6 +265,37 @@ def test_a_refusal_while_the_acquisition_is_in_flight_releases_what_it_took() ->
 
 
 @pytest.mark.unit
+def test_a_standby_refused_once_does_not_take_the_lease_until_the_refusal_is_settled(
+        ) -> None:
+    """While a refusal waits for its confirmation, the replica does not take even a
+    released Lease: a revoked standby must not grab the Lease a revoked leader just
+    released, ahead of a standby that etcd admits."""
+    store, floor = AskableStore(), Floor()
+    store.put(held_by("other", transitions=3, duration=600))
+    floor.checks_to_refuse = 1
+    elector = LeaderElector(None, ElectionConfig(identity="me", **QUICK), lambda _: None,
+                            lambda: None, epoch_floor=floor, store=store, watch=False,
+                            access_period=3600, access_confirm=3600)
+    stop, thread, raised = _run(elector)
+    try:
+        wait_for(lambda: floor.checks >= 1 and elector._refusal_pending(), 30,
+                 what="a refusal pending")
+        store.put({**held_by(""), "leaseDurationSeconds": 1})  # released by its holder
+        ticks: set[float] = set()
+
+        def turned(n: int) -> bool:
+            ticks.add(elector._last_tick)
+            return len(ticks) >= n
+
+        wait_for(lambda: turned(10), 30, what="the campaign turning")
+        assert store.spec["holderIdentity"] == "" and "update" not in store.calls
+        assert raised == [] and thread.is_alive()
+    finally:
+        stop.set()
+        thread.join(30)
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize("source", ["check", "claim"])
 def test_a_refusal_that_passes_does_not_end_the_elector(source: str) -> None:
     """One refused access check (or epoch claim), then admitted again: a refusal that

@@ -715,6 +715,12 @@ class LeaderElector:
                               err=short_error(exc), confirm=self._access_confirm)
         return confirmed
 
+    def _refusal_pending(self) -> bool:
+        """Refused and not yet confirmed nor admitted since (only with an access check,
+        which settles it within an access period)."""
+        with self._refusals.lock:
+            return self._access_check is not None and self._refusals.since is not None
+
     def _note_admitted(self) -> None:
         """The floor's store answered a check or a claim: no refusal to confirm."""
         with self._refusals.lock:
@@ -885,6 +891,12 @@ class LeaderElector:
         while not stop.is_set() and self._refused is None:
             self._last_tick = self._clock()
             self._wake.clear()  # a change after this point wakes the next wait
+            if self._refusal_pending():
+                # Refused, not yet confirmed: do not take the Lease meanwhile (a
+                # confirmed refusal sets the wake; an admission lets the next turn try).
+                if self._wait_for_wake(stop, self.config.retry_period):
+                    break
+                continue
             acquired = self._try_acquire()
             if acquired is not None:
                 return acquired
