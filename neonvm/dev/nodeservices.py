@@ -1,7 +1,7 @@
 """Cluster DNS and ClusterIP routing for one real node: what CoreDNS and kube-proxy do,
 for that node's pods only.
 
-A process of the dev tooling (``python -m neonvm.dev.nodeservices serve``), started with
+A process of the dev tooling (``python -m neonvm.dev.nodeservices_main serve``), started with
 the node when it is made with ``cluster_dns=True``:
 
 * **DNS** on the node's address, port 53 (UDP and TCP), which the kubelet puts into every
@@ -353,7 +353,7 @@ def start(node: RealNode, timeout: float = 60.0) -> None:
     _ipt("-t", "nat", "-I", "POSTROUTING", "-o", node.bridge, "-j", masq)
     name = process_name(node)
     node.cluster.start_process(
-        name, [sys.executable, "-m", "neonvm.dev.nodeservices", "serve",
+        name, [sys.executable, "-m", "neonvm.dev.nodeservices_main", "serve",
                "--state-dir", str(node.cluster.state_dir), "--node", str(node.index)],
         dict(os.environ))
     deadline = time.monotonic() + timeout
@@ -410,23 +410,3 @@ def stop(node: RealNode) -> list[str]:
     if removed:
         done.append(f"iptables chains {dnat}, {masq}")
     return done
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m neonvm.dev.nodeservices serve --state-dir DIR --node N``."""
-    import argparse
-
-    from neonvm.dev.cluster import LocalCluster
-    from neonvm.dev.realnode import RealNode
-
-    parser = argparse.ArgumentParser(prog="python -m neonvm.dev.nodeservices")
-    parser.add_argument("action", choices=("serve",))
-    parser.add_argument("--state-dir", type=Path, required=True)
-    parser.add_argument("--node", type=int, default=0)
-    args = parser.parse_args(argv)
-    serve(RealNode(LocalCluster(args.state_dir), args.node))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
