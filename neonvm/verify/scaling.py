@@ -82,7 +82,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -128,6 +128,8 @@ Size = tuple[int, int]
 FenceTriple = tuple[int, int, int]
 Created = tuple[str, str, Size]
 """A created pod: its name, uid and built size."""
+FENCED_OUT = "fenced-out"
+"""A write's outcome: a fence ahead of the writer's (the worker stops)."""
 
 
 CONDITIONS_WRITE = "ConditionsWrite"
@@ -412,6 +414,8 @@ class ScalingModel:
         """Calm runs already done, by their starting state."""
         self._restarts: dict[tuple[Any, ...], tuple[VMRep, Runner, Created]] = {}
         self._commits: dict[tuple[Any, ...], VMRep] = {}
+        self._writes: dict[tuple[Any, ...], VMRep | str | None] = {}
+        self._observed: dict[tuple[Any, ...], tuple[Any, ...] | None] = {}
         """Pod replacements and commits already computed, by what they read (a pure
         function of it; many states share the VM and the leader)."""
 
@@ -422,7 +426,17 @@ class ScalingModel:
         ``unanswered``: the runner does not answer ``GET /scale`` (only a ``Wait`` on a
         recorded plan is held then: its Scaling condition write); with ``misbehaving``
         it answers as no runner does, and the reconcile ends stuck (its Degraded
-        write is held instead)."""
+        write is held instead). Computed once per what it reads (the key)."""
+        x = w.workers[i]
+        key = (seen, x.epoch, x.token, w.window_closed, seen == w.vm, w.runner, unanswered,
+               misbehaving)
+        if key not in self._observed:
+            self._observed[key] = self._observe(w, i, seen, unanswered, misbehaving)
+        return self._observed[key]
+
+    def _observe(self, w: World, i: int, seen: VMRep, unanswered: bool,
+                 misbehaving: bool) -> tuple[Any, ...] | None:
+        """:meth:`observe`, computed; it reads of ``w`` only what ``observe``'s key holds."""
         x = w.workers[i]
         if not seen.pod:
             return None  # a pod being replaced: the pod explorer's business
@@ -488,53 +502,84 @@ class ScalingModel:
         assert x.held is not None
         done = w._replace(workers=_set(w.workers, i, x._replace(held=None)))
         if x.held[0] == CONDITIONS_WRITE:
-            return self._conditions_write(done, i, x.held[1]), None
+            return self._conditions_write(done, i, x.held[1],
+                                          key=(w.vm, x.held, x.epoch, x.token)), None
         action = _thaw(x.held)
         if type(action).__name__ in RUNNER_CALLS:
             assert isinstance(action, act.ApplyScale)
             return self._put(done, action.plan)
         if self.mutants.stale_adopt_after_end and isinstance(action, act.CommitScale):
             action = dataclasses.replace(action, look_recorded=False)
-        return self._status_write(done, i, action), None
+        return self._status_write(done, i, action, key=(w.vm, x.held, x.epoch, x.token)), None
 
-    def _status_write(self, w: World, i: int, action: act.Action) -> World:
+    def _written(self, w: World, i: int, key: tuple[Any, ...] | None,
+                 compute: Callable[[], VMRep | str | None]) -> World:
+        """The world after worker ``i``'s write, whose outcome ``compute`` gives (the VM
+        written, nothing to do, or fenced out); by ``key`` (what it reads: the VM, the
+        held write, the worker's fence), computed once."""
+        if key is None:
+            out = compute()
+        elif key in self._writes:
+            out = self._writes[key]
+        else:
+            out = self._writes[key] = compute()
+        if out == FENCED_OUT:
+            x = w.workers[i]
+            return w._replace(workers=_set(w.workers, i, x._replace(held=None, stopped=True)))
+        if out is None:
+            return w
+        assert isinstance(out, VMRep)
+        return _write(w, out, self.lag)
+
+    def _status_write(self, w: World, i: int, action: act.Action,
+                      key: tuple[Any, ...] | None = None) -> World:
         """The worker ``i``'s status write for ``action`` (the conflict helper's: the
         shipped mutation on the current VM); a fence ahead stops the worker."""
         x = w.workers[i]
-        mutate = mutations.status_mutation(action, act.Fence(x.epoch, x.token))
-        try:
-            new = mutate(to_vm(w.vm))  # a fresh object: nothing to copy
-        except mutations.FencedOut:
-            return w._replace(workers=_set(w.workers, i, x._replace(held=None, stopped=True)))
-        if new is None:
-            return w
-        if self.mutants.no_look_record:
-            new.scale_look_pod_uid = None
-        vm = to_vm(w.vm)
-        vm.status = new
-        return _write(w, from_vm(vm, w.vm.use), self.lag)
+
+        def compute() -> VMRep | str | None:
+            mutate = mutations.status_mutation(action, act.Fence(x.epoch, x.token))
+            try:
+                new = mutate(to_vm(w.vm))  # a fresh object: nothing to copy
+            except mutations.FencedOut:
+                return FENCED_OUT
+            if new is None:
+                return None
+            if self.mutants.no_look_record:
+                new.scale_look_pod_uid = None
+            vm = to_vm(w.vm)
+            vm.status = new
+            return from_vm(vm, w.vm.use)
+
+        return self._written(w, i, key, compute)
 
     def _conditions_write(self, w: World, i: int,
-                          updates: tuple[conditions.ConditionUpdate, ...]) -> World:
+                          updates: tuple[conditions.ConditionUpdate, ...],
+                          key: tuple[Any, ...] | None = None) -> World:
         """The worker ``i``'s conditions write (the shipped
         :func:`~neonvm.controller.conditions.conditions_mutation`) on the current VM."""
         x = w.workers[i]
-        mutate = conditions.conditions_mutation(list(updates), act.Fence(x.epoch, x.token),
-                                                now=times.format_microtime(DROPPED_AT))
-        vm = to_vm(w.vm)
-        target = to_vm(w.vm)  # an equal, distinct object (cheaper than a deep copy)
-        if self.mutants.window_from_condition and target.status.pending_scale is None:
-            # No precondition: the update lands as if its plan were still recorded.
-            target.status.pending_scale = PendingScale(seq=updates[0].plan_seq or 0)
-        try:
-            new = mutate(target)
-        except mutations.FencedOut:
-            return w._replace(workers=_set(w.workers, i, x._replace(held=None, stopped=True)))
-        if new is None:
-            return w
-        new.pending_scale = vm.status.pending_scale
-        vm.status = new
-        return _write(w, from_vm(vm, w.vm.use), self.lag)
+
+        def compute() -> VMRep | str | None:
+            mutate = conditions.conditions_mutation(
+                list(updates), act.Fence(x.epoch, x.token),
+                now=times.format_microtime(DROPPED_AT))
+            vm = to_vm(w.vm)
+            target = to_vm(w.vm)  # an equal, distinct object (cheaper than a deep copy)
+            if self.mutants.window_from_condition and target.status.pending_scale is None:
+                # No precondition: the update lands as if its plan were still recorded.
+                target.status.pending_scale = PendingScale(seq=updates[0].plan_seq or 0)
+            try:
+                new = mutate(target)
+            except mutations.FencedOut:
+                return FENCED_OUT
+            if new is None:
+                return None
+            new.pending_scale = vm.status.pending_scale
+            vm.status = new
+            return from_vm(vm, w.vm.use)
+
+        return self._written(w, i, key, compute)
 
     def refused(self, w: World, i: int) -> World:
         """The worker's ``ApplyScale`` is refused for good before any PUT (it cannot get
