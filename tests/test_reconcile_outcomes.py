@@ -535,7 +535,7 @@ def test_a_look_field_pruned_by_an_older_crd_is_warned_about_once() -> None:
 def test_a_look_given_up_is_a_warning_event_and_an_ordinary_end_is_none() -> None:
     # Review lookfix L3: the write that gives the look up says so (Warning event
     # ScaleLookGivenUp with the decision's reason); the other adopts record no event.
-    from neonvm.controller.performers import LOOK_GIVEN_UP
+    from neonvm.controller.reasons import LOOK_GIVEN_UP
 
     row = ACTIONS[act.CommitScale]
     assert row.event is not None

@@ -64,9 +64,6 @@ REFUSED_SCALING = {"runner_400": reasons.SCALING_NEEDS_RESTART,
                    "no_token": reasons.SCALING_DISABLED}
 """ApplyScale outcomes that asking again cannot change, and the Scaling reason they end in."""
 
-LOOK_GIVEN_UP = "ScaleLookGivenUp"
-"""Warning event reason: the look after a dropped scaling plan ended unsettled
-(:data:`~neonvm.controller.looks.LOOK_GIVE_UP_SECONDS`)."""
 
 
 # ---- the events of status writes ----------------------------------------------------------
@@ -74,21 +71,21 @@ LOOK_GIVEN_UP = "ScaleLookGivenUp"
 
 def planned(action: act.RecordPlan, vm: types.VirtualMachine) -> Event:
     p = action.plan
-    return Event("Planned", f"plan #{p.plan_seq}: runner pod {p.name} "
+    return Event(reasons.PLANNED, f"plan #{p.plan_seq}: runner pod {p.name} "
                             f"(epoch {p.epoch}, token {p.token})")
 
 
 def committed(action: act.Commit, vm: types.VirtualMachine) -> Event:
-    return Event("Committed", f"runner pod {action.name} committed")
+    return Event(reasons.COMMITTED, f"runner pod {action.name} committed")
 
 
 def plan_dropped(action: act.DropPlan, vm: types.VirtualMachine) -> Event:
-    return Event("PlanDropped", action.reason, warning=True)
+    return Event(reasons.PLAN_DROPPED, action.reason, warning=True)
 
 
 def restarted(action: act.Restart, vm: types.VirtualMachine) -> Event:
     if action.terminal_phase is None:
-        return Event("Restarting", f"{action.reason}; restart #{vm.status.restart_count} "
+        return Event(reasons.RESTARTING, f"{action.reason}; restart #{vm.status.restart_count} "
                                    f"(restartPolicy {vm.spec.restart_policy})")
     return Event(vm.status.phase or "Stopped", f"{action.reason}; not restarted "
                                                f"(restartPolicy {vm.spec.restart_policy})")
@@ -98,7 +95,7 @@ def look_given_up(action: act.CommitScale, vm: types.VirtualMachine) -> Event | 
     if not action.gives_up:
         return None
     logger.bind(vm=vm.key).warning("{reason}", reason=action.reason)
-    return Event(LOOK_GIVEN_UP, action.reason, warning=True)
+    return Event(reasons.LOOK_GIVEN_UP, action.reason, warning=True)
 
 
 def record_event(ctx: StepContext, vm: types.VirtualMachine, event: Event | None) -> None:
@@ -134,7 +131,7 @@ def finalizer_write(ctx: StepContext, step: Step) -> str:
         return "declined"
     if isinstance(step.action, act.RemoveFinalizer):
         assert step.snap.record is not None
-        ctx.events.record(step.snap.record.vm, "Finalized",
+        ctx.events.record(step.snap.record.vm, reasons.FINALIZED,
                           "all runner pods are gone; finalizer removed")
         if ctx.on_finalized is not None:
             ctx.on_finalized(step.key)
@@ -207,7 +204,7 @@ def create_pod(ctx: StepContext, step: Step) -> str:
     if not podspec.has_our_gate(created):
         _gate_stripped(ctx, key, snap, meta, authority, log)
         return "gate_stripped"
-    ctx.progress.record(vm, "Created", f"runner pod {action.plan.name} created (gated)")
+    ctx.progress.record(vm, reasons.CREATED, f"runner pod {action.plan.name} created (gated)")
     if ctx.metrics:
         ctx.metrics.lifecycle.runner_created(snap.record.raw, created)
     # The token's status write (if any) is the newest VM we know: the next step's CAS
@@ -269,7 +266,7 @@ def _gate_stripped(ctx: StepContext, key: str, snap: Snapshot, meta: dict[str, A
         ctx.metrics.gate_stripped.inc()
     log.error("ALARM: runner pod {pod} was created without the scheduling gate "
               "{gate}; deleting it", pod=name, gate=types.SCHEDULING_GATE)
-    ctx.events.record(snap.record.vm, "GateStripped",
+    ctx.events.record(snap.record.vm, reasons.GATE_STRIPPED,
                       f"runner pod {name} came back without the scheduling gate "
                       f"{types.SCHEDULING_GATE} (a webhook or feature gate removed "
                       f"it); deleted", warning=True)
@@ -287,7 +284,7 @@ def _refuse(ctx: StepContext, key: str, snap: Snapshot, message: str,
     if ctx.metrics:
         ctx.metrics.create_refused.inc()
     if event:
-        ctx.events.record(vm, "CreateRefused", message, warning=True)
+        ctx.events.record(vm, reasons.CREATE_REFUSED, message, warning=True)
     update: ConditionUpdate = refused_condition(message, vm.generation)
     write_status(ctx, key, snap, conditions_mutation([update], authority.lease),
                  authority, log)
@@ -361,7 +358,7 @@ def ungate(ctx: StepContext, step: Step) -> str:
                 f"remove the scheduling gate of runner pod {action.name}",
                 api_error_message(exc)))
         raise
-    ctx.progress.record(vm, "Started", f"runner pod {action.name} ungated: it is the "
+    ctx.progress.record(vm, reasons.STARTED, f"runner pod {action.name} ungated: it is the "
                                        f"VM's only pod")
     return Outcome("done", pod=patched if isinstance(patched, dict) else None)
 
@@ -403,7 +400,7 @@ def replace_unlabelled(ctx: StepContext, vm: types.VirtualMachine, pod: dict[str
         if exc.status in (404, 409):
             return Outcome("precondition", f"{exc.status}: {api_error_message(exc)}")
         raise
-    ctx.events.record(vm, "RunnerUnlabelled", message, warning=True)
+    ctx.events.record(vm, reasons.RUNNER_UNLABELLED, message, warning=True)
     return Outcome("replaced")
 
 
@@ -425,7 +422,7 @@ def delete_pod(ctx: StepContext, step: Step) -> str:
     vm = step.snap.record.vm
     if not _delete(ctx, vm.namespace, action.name, action.uid, step.log):
         return "gone"
-    ctx.events.record(vm, "Deleted", f"runner pod {action.name}: {action.reason}")
+    ctx.events.record(vm, reasons.DELETED, f"runner pod {action.name}: {action.reason}")
     return "done"
 
 

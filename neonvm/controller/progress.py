@@ -11,9 +11,11 @@ from __future__ import annotations
 import threading
 
 from neonvm.api import types
+from neonvm.controller import reasons
 from neonvm.controller.events import EventRecorder
 
-PROGRESS_EVENTS = frozenset({"Planned", "Created", "Committed", "Started"})
+PROGRESS_EVENTS = frozenset({reasons.PLANNED, reasons.CREATED, reasons.COMMITTED,
+                             reasons.STARTED})
 """Normal events of a VM's way to a running pod: those of one reconcile are written as
 one Event when it ends (:meth:`ProgressEvents.flush`)."""
 

@@ -1,4 +1,5 @@
-"""Condition types and reasons the controller writes: the one place that spells them.
+"""Condition types and reasons, and the reasons of the events the driver records: the
+one place that spells them.
 
 Types: Ready, Available, Degraded, Scaling, RestartBackoff. Reasons say why (``CreateRefused``,
 ``FenceAhead``, ``<Step>NotTakingEffect``, ...); docs/reconciler.md ("Conditions")
@@ -71,3 +72,24 @@ RUNNER_NOT_ANSWERING = "RunnerNotAnswering"
 NAMESPACE_TERMINATING = "NamespaceTerminating"
 """Wait condition: the VM's namespace is being deleted, so no pod is planned or created
 (the VM's own deletion, with its finalizer, comes through the watch)."""
+
+
+# ---- event reasons ----------------------------------------------------------------------------
+
+PLANNED = "Planned"
+CREATED = "Created"
+COMMITTED = "Committed"
+STARTED = "Started"
+"""The progress of a VM's way to a running pod (one Event per reconcile:
+:mod:`neonvm.controller.progress`)."""
+PLAN_DROPPED = "PlanDropped"
+RESTARTING = "Restarting"
+FINALIZED = "Finalized"
+DELETED = "Deleted"
+GATE_STRIPPED = "GateStripped"
+"""Warning: a runner pod came back from its create without our scheduling gate."""
+RUNNER_UNLABELLED = "RunnerUnlabelled"
+"""Warning: the committed, still gated pod lost its runner label and is replaced."""
+LOOK_GIVEN_UP = "ScaleLookGivenUp"
+"""Warning: the look after a dropped scaling plan ended unsettled
+(:data:`~neonvm.controller.looks.LOOK_GIVE_UP_SECONDS`)."""
