@@ -748,6 +748,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--no-leader-kill", action="store_true")
+    parser.add_argument("--fresh-vm", action="store_true",
+                        help="a new VM for each drill (no restart backoff carried over)")
     parser.add_argument("--reuse-images", action="store_true",
                         help="keep the runner image the nodes have (re-runs)")
     parser.add_argument("--timeline", type=Path, default=None,
@@ -776,6 +778,15 @@ def main(argv: list[str] | None = None) -> int:
         say(f"VM {vm} Ready; rights URL {rig.rights_url}")
         for i in range(args.repeat):
             for drill in args.drill:
+                if args.fresh_vm and results:
+                    # A new VM per drill: no restart streak (and its backoff) carried
+                    # over from the drills before.
+                    fleet.delete_vms(rig.api, rig.namespace, [vm])
+                    vm = f"fence-{len(results)}"
+                    create_vm(rig, vm)
+                    fresh = vm
+                    wait_for(lambda: ready_pod(rig, fresh), 300, f"VM {vm} Ready",
+                             interval=1.0)
                 tl = None
                 if args.timeline is not None and not results:
                     tl = Timeline(f"self-fencing drill: {drill}, D = {args.right_seconds:g} s",
