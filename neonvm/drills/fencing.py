@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import random
@@ -784,8 +785,7 @@ def main(argv: list[str] | None = None) -> int:
                     fleet.delete_vms(rig.api, rig.namespace, [vm])
                     vm = f"fence-{len(results)}"
                     create_vm(rig, vm)
-                    fresh = vm
-                    wait_for(lambda: ready_pod(rig, fresh), 300, f"VM {vm} Ready",
+                    wait_for(functools.partial(ready_pod, rig, vm), 300, f"VM {vm} Ready",
                              interval=1.0)
                 tl = None
                 if args.timeline is not None and not results:
