@@ -17,6 +17,7 @@ from kubernetes import client
 from neonvm import kube
 from neonvm.cli import main
 from neonvm.controller.authority import StaticAuthority
+from neonvm.controller.rights import endpoint_ip_problem
 from neonvm.dev.cluster import LocalCluster
 from neonvm.testing.harness import create_vm
 from tests.support import shipped_reconciler
@@ -98,3 +99,24 @@ def test_controller_run_refuses_bad_fault_specs_and_election_timings() -> None:
     assert code == 2 and "step must be one of" in out
     code, out = run("controller", "run", "--lease-duration", "2", "--renew-deadline", "3")
     assert code == 2 and "must be greater than renew_deadline" in out
+
+
+@pytest.mark.unit
+def test_controller_run_refuses_a_rights_endpoint_ip_an_endpointslice_may_not_name(
+        tmp_path: Path) -> None:
+    # The API server refuses such an EndpointSlice (422): the replica would run, and its
+    # runners, never reaching a leader, would kill their guests. It fails at start instead.
+    kubeconfig = tmp_path / "kc"
+    kubeconfig.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "c",
+        "clusters": [{"name": "c", "cluster": {"server": "http://127.0.0.1:9"}}],
+        "users": [{"name": "u", "user": {}}],
+        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}]}))
+    for ip, why in (("127.0.0.1", "loopback"), ("0.0.0.0", "unspecified"),
+                    ("169.254.0.7", "link-local"), ("::1", "loopback"), ("pod", "not an IP")):
+        code, out = run("controller", "run", "--kubeconfig", str(kubeconfig),
+                        "--rights-bind", "127.0.0.1:0", "--rights-service", "ops/rights",
+                        "--pod-ip", ip)
+        assert code == 2 and why in out and "--pod-ip" in out, (ip, out)
+    assert endpoint_ip_problem("10.244.1.7") is None
+    assert endpoint_ip_problem("fd00::7") is None

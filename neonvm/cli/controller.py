@@ -34,6 +34,7 @@ from neonvm.controller.rights import (
     RightsService,
     TokenCache,
     api_mark_pod,
+    endpoint_ip_problem,
     parse_bind,
     parse_service,
 )
@@ -206,6 +207,9 @@ def run(kubeconfig: Path | None, lease_namespace: str, lease_name: str, identity
                 raise click.BadParameter(str(exc), param_hint="--rights-service") from None
             if not pod_ip:
                 raise click.UsageError("--rights-service needs --pod-ip (or $POD_IP)")
+            problem = endpoint_ip_problem(pod_ip)
+            if problem is not None:
+                raise click.BadParameter(problem, param_hint="--pod-ip")
             process.rights_endpoint = LeaderEndpoint(api, service_namespace, service,
                                                      pod_ip, port)
     stop = threading.Event()

@@ -32,6 +32,7 @@ condemned.
 
 from __future__ import annotations
 
+import ipaddress
 import itertools
 import json
 import math
@@ -561,6 +562,25 @@ def api_mark_pod(api: client.ApiClient, term: Callable[[], str]) -> MarkPod:
 
 RIGHTS_PORT_NAME = "rights"
 ENDPOINT_MANAGER = "neonvm-controller"
+
+
+def endpoint_ip_problem(ip: str) -> str | None:
+    """Why the API server would refuse ``ip`` as the rights Service's endpoint (an
+    EndpointSlice may not name an unspecified, loopback, link-local or multicast
+    address), or None. Checked at start, so such a replica fails at once instead of
+    leaving its runners without a right (docs/reconciler.md, the self-fencing flags)."""
+    try:
+        address = ipaddress.ip_address(ip)
+    except ValueError:
+        return f"{ip!r} is not an IP address"
+    for kind, bad in (("unspecified", address.is_unspecified),
+                      ("loopback", address.is_loopback),
+                      ("link-local", address.is_link_local),
+                      ("multicast", address.is_multicast)):
+        if bad:
+            return (f"{ip} is a {kind} address, which an EndpointSlice may not name: "
+                    "give the replica's pod IP")
+    return None
 
 
 class LeaderEndpoint:
