@@ -80,14 +80,20 @@ def test_vm_get_of_a_missing_vm_is_a_one_line_error(
                                                       f"not found"]
 
 
-@pytest.mark.unit
-def test_an_unreachable_api_server_is_a_one_line_error(tmp_path: Path) -> None:
+def unreachable_kubeconfig(tmp_path: Path) -> Path:
+    """A kubeconfig whose API server is a closed port (127.0.0.1:9)."""
     kubeconfig = tmp_path / "kc"
     kubeconfig.write_text(yaml.safe_dump({
         "apiVersion": "v1", "kind": "Config", "current-context": "c",
         "clusters": [{"name": "c", "cluster": {"server": "http://127.0.0.1:9"}}],
         "users": [{"name": "u", "user": {}}],
         "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}]}))
+    return kubeconfig
+
+
+@pytest.mark.unit
+def test_an_unreachable_api_server_is_a_one_line_error(tmp_path: Path) -> None:
+    kubeconfig = unreachable_kubeconfig(tmp_path)
     code, out = run("vm", "list", "--kubeconfig", str(kubeconfig))
     assert code == 3  # cannot reach the cluster
     assert len(out.strip().splitlines()) == 1 and "unreachable" in out
@@ -106,12 +112,7 @@ def test_controller_run_refuses_a_rights_endpoint_ip_an_endpointslice_may_not_na
         tmp_path: Path) -> None:
     # The API server refuses such an EndpointSlice (422): the replica would run, and its
     # runners, never reaching a leader, would kill their guests. It fails at start instead.
-    kubeconfig = tmp_path / "kc"
-    kubeconfig.write_text(yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Config", "current-context": "c",
-        "clusters": [{"name": "c", "cluster": {"server": "http://127.0.0.1:9"}}],
-        "users": [{"name": "u", "user": {}}],
-        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}]}))
+    kubeconfig = unreachable_kubeconfig(tmp_path)
     for ip, why in (("127.0.0.1", "loopback"), ("0.0.0.0", "unspecified"),
                     ("169.254.0.7", "link-local"), ("::1", "loopback"), ("pod", "not an IP")):
         code, out = run("controller", "run", "--kubeconfig", str(kubeconfig),
