@@ -9,7 +9,7 @@ import subprocess
 import time
 import urllib.request
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -240,8 +240,10 @@ def etcd_answers(config: EtcdConfig) -> bool:
 
 
 @contextmanager
-def private_etcd(state: Path, tls: bool = True) -> Iterator[PrivateEtcd]:
-    """A :class:`PrivateEtcd` under ``state``, yielded once it answers, stopped after."""
+def private_etcd(state: Path, tls: bool = True,
+                 extra_args: Sequence[str] = ()) -> Iterator[PrivateEtcd]:
+    """A :class:`PrivateEtcd` under ``state`` (with ``extra_args`` on its command line),
+    yielded once it answers, stopped after."""
     from neonvm.dev import binaries
     from neonvm.dev.cluster import free_port
     from neonvm.dev.pki import LocalPKI
@@ -259,6 +261,7 @@ def private_etcd(state: Path, tls: bool = True) -> Iterator[PrivateEtcd]:
         server = pki.issue("etcd-server", "etcd", server=True)
         argv += [f"--cert-file={server.cert}", f"--key-file={server.key}",
                  "--client-cert-auth", f"--trusted-ca-file={pki.ca.cert}"]
+    argv += extra_args
     etcd = PrivateEtcd(state, url, pki, argv, tls)
     etcd.start()
     try:

@@ -41,7 +41,6 @@ from prometheus_client import CollectorRegistry
 
 from neonvm.dev import binaries
 from neonvm.dev.cluster import LOCKS_ETCD_ROOT, LocalCluster, free_port
-from neonvm.dev.pki import LocalPKI
 from neonvm.dev.replica import controller_argv
 from neonvm.drills.proxy import FaultProxy
 from neonvm.leader.election import (
@@ -64,7 +63,7 @@ from neonvm.leader.etcd import (
 from neonvm.leader.lease_store import LeaseConflict
 from neonvm.leader.lock import Installation
 from neonvm.testing.harness import converged, create_vm, runner_pods
-from tests.support import FAST, PrivateEtcd, etcd_answers, wait_for
+from tests.support import FAST, PrivateEtcd, private_etcd, wait_for
 from tests.test_election_store import FakeClock, FakeLeaseStore, held_by
 from tests.test_etcd_faults import _Failure
 
@@ -629,23 +628,10 @@ def jwt_etcd(state: Path) -> Iterator[PrivateEtcd]:
         serialization.NoEncryption()))
     (state / "jwt.pub").write_bytes(key.public_key().public_bytes(
         serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
-    port, peer = free_port(), free_port()
-    url = f"http://127.0.0.1:{port}"
-    argv = [str(binaries.require("etcd")), "--name=jwt", f"--data-dir={state / 'data'}",
-            f"--listen-client-urls={url}", f"--advertise-client-urls={url}",
-            f"--listen-peer-urls=http://127.0.0.1:{peer}",
-            f"--initial-advertise-peer-urls=http://127.0.0.1:{peer}",
-            f"--initial-cluster=jwt=http://127.0.0.1:{peer}", "--unsafe-no-fsync",
-            "--log-level=warn",
+    with private_etcd(state, tls=False, extra_args=[
             f"--auth-token=jwt,pub-key={state / 'jwt.pub'},priv-key={state / 'jwt.key'},"
-            "sign-method=RS256,ttl=10m"]
-    etcd = PrivateEtcd(state, url, LocalPKI(state / "pki"), argv, tls=False)
-    etcd.start()
-    try:
-        wait_for(lambda: etcd_answers(etcd.config("/probe")), 60, what="etcd answering")
+            "sign-method=RS256,ttl=10m"]) as etcd:
         yield etcd
-    finally:
-        etcd.kill()
 
 
 @pytest.mark.cluster
