@@ -34,7 +34,10 @@ def recorded_token(secret: dict[str, Any] | None, name: str, uid: str) -> bytes 
     recorded one (its uid is ``uid``) and holds a token; otherwise why not, one sentence.
 
     The token is :data:`TOKEN_KEY` base64-decoded, surrounding whitespace stripped (as the
-    runner strips its token file); an empty one is no token."""
+    runner strips its token file); an empty one is no token, and so is one that is not
+    UTF-8 text (the controller writes URL-safe base64 text; other bytes can only be a
+    tenant's edit, refused here for both users rather than raising in live scaling:
+    docs/security.md, "Names stay in their namespace")."""
     if secret is None:
         return f"Secret {name} not found"
     secret_uid = (secret.get("metadata") or {}).get("uid")
@@ -46,4 +49,10 @@ def recorded_token(secret: dict[str, Any] | None, name: str, uid: str) -> bytes 
         token = base64.b64decode(raw).strip() if raw else b""
     except ValueError:  # binascii.Error: not base64
         return f"Secret {name}: {TOKEN_KEY!r} is not base64"
-    return token or f"Secret {name} has no {TOKEN_KEY!r}"
+    if not token:
+        return f"Secret {name} has no {TOKEN_KEY!r}"
+    try:
+        token.decode()
+    except UnicodeDecodeError:
+        return f"Secret {name}: {TOKEN_KEY!r} is not UTF-8 text: not used"
+    return token
