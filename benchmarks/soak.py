@@ -1,0 +1,656 @@
+"""The soak: a large fleet under continuous churn for a long while, ``python -m benchmarks.soak``.
+
+    python -m benchmarks.soak --minutes 60 --vms 2000 --write-docs
+    python -m benchmarks.soak --minutes 5 --vms 200          # a trial
+
+Opt-in (not part of ``python -m benchmarks``). It starts a private local control plane
+with simulated (kwok) nodes in ``--work`` (free ports; never the default dev state
+directory), three controller replicas as the drills run them (``neonvm.drills.target``:
+the demo's lease timings), creates ``--vms`` VMs and waits until they converged. Then,
+for ``--minutes``, it keeps the fleet under **churn**: every ``--churn-interval`` seconds
+the runner pods of ``--churn-pods`` random VMs are deleted, one short-lived VM is created
+and the oldest of the last ``--churn-live`` such VMs deleted. Meanwhile it records, every
+``--sample-seconds``: the Lease holder and epoch, the leader's RSS (and every replica's),
+the API server's request count (``apiserver_request_total``, every client) and the
+replicas' own (``rest_client_requests_total``), the load average; and once a minute which
+VMs of the fleet have not converged (a VM not converged at every look for
+``--stuck-minutes`` is *stuck*).
+
+The independent checker (:class:`neonvm.drills.observer.Watchdog`: every pod revision
+watched, the pods polled) runs for the whole soak; at the end the churn stops, every VM
+must converge and :func:`neonvm.drills.check.check` judges the namespace with its locks.
+The verdict fails on a duplicate, a live runner pod deleted by anyone but the soak (lost
+work), a VM stuck or not converged at the end, or a finding of the final check. Leader
+changes are listed with the replicas' own log lines about them (the soak never stops a
+replica, so none is intended by it).
+
+``--svg`` draws the leader's RSS and the API calls per minute over time, with the leader
+changes marked; ``--write-docs`` puts the summary (first and last 10 minutes compared)
+between the ``soak`` markers of docs/benchmarks.md. See docs/benchmarks.md, "Soak".
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import json
+import os
+import random
+import re
+import shutil
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC = ROOT / "docs" / "benchmarks.md"
+BEGIN, END = "<!-- soak: begin -->", "<!-- soak: end -->"
+NAMESPACE = "neonvm-soak"
+
+
+def say(msg: str) -> None:
+    print(f"  [{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class Sample:
+    """One look, ``t`` seconds after the soak's clock started (fleet converged)."""
+
+    t: float
+    leader: str | None
+    epoch: int | None
+    leader_rss_mib: float | None
+    rss_mib: dict[str, float]
+    apiserver_requests: float | None
+    controller_requests: float
+    load1: float
+    not_converged: int | None = None
+    stuck: int | None = None
+
+
+@dataclass
+class Record:
+    """Everything the soak saw (written as JSON next to its cluster)."""
+
+    vms: int
+    minutes: float
+    samples: list[Sample] = field(default_factory=list)
+    leader_changes: list[dict[str, Any]] = field(default_factory=list)
+    churn: dict[str, Any] = field(default_factory=dict)
+    watch: dict[str, Any] = field(default_factory=dict)
+    check: dict[str, Any] = field(default_factory=dict)
+    duplicates: int = 0
+    duplicates_loose: int = 0
+    lost: list[str] = field(default_factory=list)
+    stuck_max: int = 0
+    stuck_vms: list[str] = field(default_factory=list)
+    not_converged_end: list[str] = field(default_factory=list)
+    final_convergence_s: float | None = None
+    namespace_gone_s: float | None = None
+    """``--delete-namespace``: from the namespace's delete to its 404."""
+    namespace_vms: int = 0
+    refused_creates: int | None = None
+    """Pod creates the API server refused in the terminating namespace (the replicas' log
+    lines saying so, one per refusal)."""
+    setup_s: float | None = None
+    failures: list[str] = field(default_factory=list)
+    started: str = ""
+
+
+# ---- measures -----------------------------------------------------------------------------
+
+
+def rss_mib(pid: int) -> float | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+def metric_sum(text: str, name: str) -> float:
+    """The sum of every series of counter ``name`` in a Prometheus text page."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            with contextlib.suppress(ValueError, IndexError):
+                total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def apiserver_requests(api: client.ApiClient) -> float | None:
+    try:
+        resp = api.rest_client.request("GET", api.configuration.host + "/metrics",
+                                       _request_timeout=20)
+        resp.read()
+        return metric_sum(resp.data.decode() if isinstance(resp.data, bytes) else resp.data,
+                          "apiserver_request_total")
+    except Exception:  # a slow scrape is a missing sample, not a failure
+        return None
+
+
+def metrics_port(log: Path) -> int | None:
+    try:
+        ports = re.findall(r"/metrics on [0-9.]+:(\d+)", log.read_text(errors="replace"))
+    except OSError:
+        return None
+    return int(ports[-1]) if ports else None
+
+
+def replica_requests(port: int) -> float | None:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+            return metric_sum(resp.read().decode(), "rest_client_requests_total")
+    except OSError:
+        return None
+
+
+class Counters:
+    """Per-source monotonically growing counters -> the total growth (a restart resets)."""
+
+    def __init__(self) -> None:
+        self.last: dict[str, float] = {}
+        self.total = 0.0
+
+    def add(self, source: str, value: float | None) -> None:
+        if value is None:
+            return
+        before = self.last.get(source)
+        if before is not None:
+            self.total += value - before if value >= before else value
+        self.last[source] = value
+
+
+# ---- churn --------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def churn(api: client.ApiClient, names: list[str], dog: Any, interval: float, pods: int,
+          live: int, rng: random.Random) -> Iterator[dict[str, Any]]:
+    """Pod deletions and VM creates/deletes every ``interval`` s (module docstring)."""
+    from neonvm.api import types
+    from neonvm.drills import fleet
+
+    counts: dict[str, Any] = {"pod deletions": 0, "VMs created": 0, "VMs deleted": 0,
+                              "errors": 0, "live": []}
+    custom = client.CustomObjectsApi(api)
+    core = client.CoreV1Api(api)
+    stop = threading.Event()
+    alive: list[dict[str, Any]] = []
+
+    def tick(n: int) -> None:
+        for name in rng.sample(names, min(pods, len(names))):
+            vm = custom.get_namespaced_custom_object(types.GROUP, types.VERSION, NAMESPACE,
+                                                     types.PLURAL, name, _request_timeout=30)
+            pod = (vm.get("status") or {}).get("podName")
+            if not pod:
+                continue
+            dog.watcher.expect_pod_deletion(pod)
+            with contextlib.suppress(ApiException):
+                core.delete_namespaced_pod(pod, NAMESPACE, _request_timeout=30)
+                counts["pod deletions"] += 1
+        alive.append(custom.create_namespaced_custom_object(
+            types.GROUP, types.VERSION, NAMESPACE, types.PLURAL,
+            fleet.vm_body(f"churn-{n:05d}", 1), _request_timeout=30))
+        counts["VMs created"] += 1
+        while len(alive) > live:
+            old = alive.pop(0)
+            dog.watcher.expect_vm_deletion(old["metadata"]["uid"])
+            with contextlib.suppress(ApiException):
+                custom.delete_namespaced_custom_object(
+                    types.GROUP, types.VERSION, NAMESPACE, types.PLURAL,
+                    old["metadata"]["name"], _request_timeout=30)
+                counts["VMs deleted"] += 1
+
+    def run() -> None:
+        n = 0
+        while not stop.wait(interval):
+            try:
+                tick(n)
+            except Exception as exc:
+                counts["errors"] += 1
+                say(f"churn error: {exc!s:.200}")
+            n += 1
+
+    thread = threading.Thread(target=run, name="churn", daemon=True)
+    thread.start()
+    try:
+        yield counts
+    finally:
+        stop.set()
+        thread.join(timeout=120)
+        counts["live"] = [v["metadata"]["name"] for v in alive]
+
+
+# ---- the run ------------------------------------------------------------------------------
+
+
+def leader_lines(state_dir: Path, replicas: int) -> list[str]:
+    """The replicas' log lines about leading (started/stopped, step-down, lost)."""
+    keys = ("started leading", "stopped leading", "step-down", "lost the Lease",
+            "renew", "acquired the Lease", "released the Lease")
+    out = []
+    for i in range(replicas):
+        path = state_dir / "logs" / f"controller-{i}.log"
+        with contextlib.suppress(OSError):
+            for line in path.read_text(errors="replace").splitlines():
+                if any(k in line for k in keys):
+                    out.append(f"controller-{i}: {line[:400]}")
+    return out
+
+
+REFUSED = "is being deleted: no runner pod is created there"
+"""The replica's log line for a create refused in a terminating namespace."""
+
+
+def refusals(state_dir: Path, replicas: int) -> int:
+    count = 0
+    for i in range(replicas):
+        with contextlib.suppress(OSError):
+            count += (state_dir / "logs" / f"controller-{i}.log").read_text(
+                errors="replace").count(REFUSED)
+    return count
+
+
+def delete_namespace(api: client.ApiClient, record: Record, state: Path,
+                     args: argparse.Namespace) -> None:
+    """Delete the soak's namespace with the replicas running; time it until it is gone
+    and count the creates refused there (docs/reconciler.md, "A namespace being
+    deleted")."""
+    from neonvm.drills import fleet
+
+    core = client.CoreV1Api(api)
+    record.namespace_vms = len(fleet.list_vms(api, NAMESPACE))
+    before = refusals(state, args.replicas)
+    say(f"deleting namespace {NAMESPACE} ({record.namespace_vms} VMs), replicas running")
+    t0 = time.monotonic()
+    core.delete_namespace(NAMESPACE, _request_timeout=30)
+    deadline = t0 + args.namespace_timeout
+    while time.monotonic() < deadline:
+        try:
+            core.read_namespace(NAMESPACE, _request_timeout=30)
+        except ApiException as exc:
+            if exc.status == 404:
+                record.namespace_gone_s = round(time.monotonic() - t0, 1)
+                break
+        time.sleep(1.0)
+    record.refused_creates = refusals(state, args.replicas) - before
+    if record.namespace_gone_s is None:
+        record.failures.append(f"namespace {NAMESPACE} not gone {args.namespace_timeout:.0f}s "
+                               f"after "
+                               f"its delete")
+    say(f"namespace gone after {record.namespace_gone_s} s; {record.refused_creates} "
+        f"creates refused there")
+
+
+def soak(args: argparse.Namespace) -> Record:
+    from neonvm.dev.binaries import install_binaries
+    from neonvm.dev.cluster import LocalCluster
+    from neonvm.dev.common import ClusterSpec
+    from neonvm.drills import fleet
+    from neonvm.drills.check import check
+    from neonvm.drills.observer import Watchdog
+    from neonvm.drills.target import LocalTarget, leader_tracker
+
+    record = Record(vms=args.vms, minutes=args.minutes,
+                    started=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+    state = args.work / "state"
+    install_binaries(with_nodes=True)
+    spec = ClusterSpec.with_free_ports(nodes=args.nodes)
+    spec.pods_per_node = -(-(args.vms + 2 * args.churn_live + 100) // args.nodes)
+    cluster = LocalCluster(state, spec)
+    say(f"starting a private control plane in {state} ({args.nodes} kwok nodes, "
+        f"{spec.pods_per_node} pods each)")
+    cluster.up(progress=say)
+    target = LocalTarget.prepare(state, args.replicas, say)
+    api = target.api
+    rng = random.Random(args.seed)
+    names = [f"vm-{i:05d}" for i in range(args.vms)]
+    try:
+        fleet.ensure_namespace(api, NAMESPACE)
+        t0 = time.monotonic()
+        say(f"creating {args.vms} VMs")
+        fleet.create_vms(api, NAMESPACE, names, 1)
+        ok, seconds, st = fleet.wait_converged(api, NAMESPACE, names, args.timeout, say)
+        record.setup_s = round(time.monotonic() - t0, 1)
+        if not ok:
+            record.failures.append(f"the fleet did not converge: {len(st.converged)}/{st.total}"
+                                   f" after {seconds:.0f}s")
+            return record
+        say(f"{args.vms} VMs converged in {record.setup_s:.0f}s; soaking for "
+            f"{args.minutes:g} min")
+        _soak(args, record, cluster, target, names, rng, Watchdog, leader_tracker)
+        say("churn stopped; waiting for every VM to converge")
+        every = names + record.churn.get("live", [])
+        t1 = time.monotonic()
+        ok, seconds, st = fleet.wait_converged(api, NAMESPACE, every, args.timeout, say)
+        if ok:
+            record.final_convergence_s = round(time.monotonic() - t1, 1)
+        else:
+            record.not_converged_end = sorted(st.waiting)[:50]
+            record.failures.append(f"{len(st.waiting)} VM(s) not converged {args.timeout:.0f}s "
+                                   f"after the churn stopped: "
+                                   f"{dict(list(st.waiting.items())[:5])}")
+        result = fleet.retrying(lambda: check(api, namespace=NAMESPACE,
+                                              locks=target.lock_reader(), settle=5.0,
+                                              max_pending_seconds=args.timeout))
+        record.check = result.as_dict()
+        for f in result.findings:
+            record.failures.append(f"check: {f.kind} {f.vm}: {f.detail}")
+        if args.delete_namespace:
+            delete_namespace(api, record, state, args)
+    finally:
+        (args.work / "leader-lines.txt").write_text(
+            "\n".join(leader_lines(state, args.replicas)) + "\n")
+        if not args.keep_cluster:
+            say("stopping the replicas and the control plane")
+            for i in range(args.replicas):
+                with contextlib.suppress(Exception):
+                    cluster.stop_component(LocalTarget.replica_name(i))
+            with contextlib.suppress(Exception):
+                target.close()
+            cluster.down()
+    return record
+
+
+def _soak(args: argparse.Namespace, record: Record, cluster: Any, target: Any,
+          names: list[str], rng: random.Random, watchdog: Any, tracker: Any) -> None:
+    from neonvm.drills import fleet
+
+    api = target.api
+    apiserver = Counters()
+    started = time.monotonic()
+    end = started + args.minutes * 60
+    not_since: dict[str, float] = {}
+    with tracker(target, interval=0.5) as log, \
+            watchdog(api, NAMESPACE, poll_interval=args.poll_seconds) as dog, \
+            churn(api, names, dog, args.churn_interval, args.churn_pods, args.churn_live,
+                  rng) as counts:
+        controller = Counters()
+        next_look = started
+        while (now := time.monotonic()) < end:
+            who, epoch = log.current
+            rss: dict[str, float] = {}
+            leader_rss = None
+            for i in range(args.replicas):
+                pid = cluster.process_pid(f"controller-{i}")
+                value = rss_mib(pid) if pid else None
+                if value is not None:
+                    rss[f"controller-{i}"] = round(value, 1)
+                    port = metrics_port(cluster.log_file(f"controller-{i}"))
+                    if port is not None:
+                        controller.add(f"{i}:{pid}", replica_requests(port))
+            if who is not None:
+                index = target.index_of(who)
+                if index is not None:
+                    leader_rss = rss.get(f"controller-{index}")
+            apiserver.add("apiserver", apiserver_requests(api))
+            sample = Sample(round(now - started, 1), who, epoch, leader_rss, rss,
+                            apiserver.total if apiserver.last else None, controller.total,
+                            os.getloadavg()[0])
+            if now >= next_look:
+                next_look = now + args.look_seconds
+                with contextlib.suppress(Exception):
+                    st = fleet.convergence(api, NAMESPACE, names)
+                    waiting = set(st.waiting)
+                    for name in list(not_since):
+                        if name not in waiting:
+                            del not_since[name]
+                    for name in waiting:
+                        not_since.setdefault(name, now)
+                    stuck = [n for n, t in not_since.items()
+                             if now - t >= args.stuck_minutes * 60]
+                    sample.not_converged, sample.stuck = len(waiting), len(stuck)
+                    if len(stuck) > record.stuck_max:
+                        record.stuck_max, record.stuck_vms = len(stuck), sorted(stuck)[:20]
+            record.samples.append(sample)
+            say(f"{(now - started) / 60:5.1f} min: leader {who} (epoch {epoch}) RSS "
+                f"{leader_rss} MiB; requests {sample.apiserver_requests} (API server), "
+                f"{controller.total:.0f} (replicas); not converged {sample.not_converged}, "
+                f"stuck {sample.stuck}; load {sample.load1:.1f}; duplicates so far "
+                f"{dog.duplicates_so_far()}; churn {dict(counts, live=len(counts['live']))}")
+            time.sleep(max(0.0, min(args.sample_seconds, end - time.monotonic())))
+        report = dog.stop()
+    record.churn = counts
+    held = [(at, w, e) for at, w, e in log.changes if w]
+    for (_, w0, e0), (at, w1, e1) in itertools.pairwise(held):
+        record.leader_changes.append({"at_min": round((at - started) / 60, 2), "from": w0,
+                                      "from_epoch": e0, "to": w1, "to_epoch": e1})
+    record.watch = report.as_dict()
+    record.duplicates = len(report.strict)
+    record.duplicates_loose = len(report.loose)
+    record.lost = [f"{u.pod} of {u.vm}" for u in report.watch.unexpected_deletions]
+    for v in report.strict + report.loose:
+        record.failures.append(f"duplicate: {v.vm} had {', '.join(v.pods)}")
+    if record.lost:
+        record.failures.append(f"lost work: {record.lost[:5]}")
+    if record.stuck_max:
+        record.failures.append(f"{record.stuck_max} VM(s) stuck for {args.stuck_minutes:g} min "
+                               f"or more: {record.stuck_vms[:5]}")
+
+
+# ---- the record as a table and a picture -----------------------------------------------------
+
+
+def per_minute(samples: list[Sample], attr: str) -> list[tuple[float, float]]:
+    """(minute, rate per minute) between consecutive samples with a value."""
+    out = []
+    pts = [(s.t, getattr(s, attr)) for s in samples if getattr(s, attr) is not None]
+    for (t0, v0), (t1, v1) in itertools.pairwise(pts):
+        if t1 > t0:
+            out.append((t1 / 60, (v1 - v0) * 60 / (t1 - t0)))
+    return out
+
+
+def window(record: Record, first: bool, minutes: float = 10.0) -> dict[str, float | None]:
+    span = record.samples[-1].t if record.samples else 0.0
+    lo, hi = (0.0, minutes * 60) if first else (span - minutes * 60, span + 1)
+    inside = [s for s in record.samples if lo <= s.t <= hi]
+    rss = [s.leader_rss_mib for s in inside if s.leader_rss_mib is not None]
+    api = [v for m, v in per_minute(record.samples, "apiserver_requests") if lo <= m * 60 <= hi]
+    ctl = [v for m, v in per_minute(record.samples, "controller_requests") if lo <= m * 60 <= hi]
+    nc = [s.not_converged for s in inside if s.not_converged is not None]
+
+    def mean(xs: list[float] | list[int]) -> float | None:
+        return sum(xs) / len(xs) if xs else None
+
+    return {"rss_mean": mean(rss), "rss_max": max(rss) if rss else None,
+            "api_per_min": mean(api), "ctl_per_min": mean(ctl), "not_converged": mean(nc),
+            "load": mean([s.load1 for s in inside])}
+
+
+def markdown(record: Record, args: argparse.Namespace, svg: str | None) -> str:
+    a, b = window(record, True), window(record, False)
+
+    def f(v: float | None, unit: str = "", digits: int = 0) -> str:
+        return "-" if v is None else f"{v:,.{digits}f}{unit}"
+
+    span = (record.samples[-1].t / 60) if record.samples else 0.0
+    rows = [
+        ("leader RSS, mean (max)", f"{f(a['rss_mean'], ' MiB')} ({f(a['rss_max'], ' MiB')})",
+         f"{f(b['rss_mean'], ' MiB')} ({f(b['rss_max'], ' MiB')})"),
+        ("API server requests per minute (every client)", f(a["api_per_min"]),
+         f(b["api_per_min"])),
+        ("controller replicas' requests per minute", f(a["ctl_per_min"]), f(b["ctl_per_min"])),
+        ("fleet VMs not converged at a look, mean", f(a["not_converged"], digits=1),
+         f(b["not_converged"], digits=1)),
+        ("load average (1 min), mean", f(a["load"], digits=1), f(b["load"], digits=1)),
+    ]
+    changes = record.leader_changes
+    verdict = "PASS" if not record.failures else "FAIL"
+    lines = [
+        f"`python -m benchmarks.soak --minutes {args.minutes:g} --vms {args.vms} "
+        f"--churn-interval {args.churn_interval:g} --churn-pods {args.churn_pods}"
+        f"{' --svg ' + svg if svg else ''}{' --delete-namespace' if args.delete_namespace else ''}"
+        f"{' --write-docs' if args.write_docs else ''}`, started {record.started}: "
+        f"**{verdict}**, {span:.1f} min of churn.",
+        "",
+        "| measure | first 10 min | last 10 min |", "|---|---|---|",
+        *[f"| {m} | {x} | {y} |" for m, x, y in rows],
+        "",
+        f"* fleet: {record.vms} VMs converged in {f(record.setup_s, ' s')} before the clock "
+        f"started; 3 replicas (the drills' lease timings: 6 s lease, 4 s renew deadline), "
+        f"{args.nodes} kwok nodes.",
+        f"* churn: {record.churn.get('pod deletions', 0)} runner pods deleted, "
+        f"{record.churn.get('VMs created', 0)} VMs created and "
+        f"{record.churn.get('VMs deleted', 0)} deleted, {record.churn.get('errors', 0)} "
+        f"churn errors.",
+        f"* leader changes: **{len(changes)}**"
+        + ("" if not changes else " (" + "; ".join(
+            f"{c['at_min']:.1f} min: {c['from']} (epoch {c['from_epoch']}) -> {c['to']} "
+            f"(epoch {c['to_epoch']})" for c in changes) + "); the soak stops no replica, "
+           "so none was intended by it"),
+        f"* VMs lost (a live runner pod deleted by someone else): **{len(record.lost)}**; "
+        f"stuck (not converged at every look for {args.stuck_minutes:g} min): "
+        f"**{record.stuck_max}**; not converged after the churn stopped: "
+        f"**{len(record.not_converged_end)}** (all converged "
+        f"{f(record.final_convergence_s, ' s', 1)} after it stopped).",
+        f"* checker: duplicates strict/loose **{record.duplicates}/"
+        f"{record.duplicates_loose}**; {record.watch.get('pod_events', 0)} pod events "
+        f"watched, {record.watch.get('pod_lists', 0)} pod lists polled, "
+        f"{record.watch.get('watch_gaps', 0)} watch gap(s); final check "
+        f"{'ok' if record.check.get('ok') else 'NOT ok'}.",
+    ]
+    if args.delete_namespace:
+        lines.append(f"* then the namespace ({record.namespace_vms} VMs) was deleted with the "
+                     f"replicas running: gone after **{f(record.namespace_gone_s, ' s', 1)}**, "
+                     f"**{record.refused_creates}** pod creates refused there (403 'being "
+                     f"terminated', counted from the replicas' log lines).")
+    lines += [f"* FAILURE: {x}" for x in record.failures]
+    if svg:
+        lines += ["", f"![leader RSS and API calls per minute over the soak]({Path(svg).name})"]
+    return "\n".join(lines)
+
+
+def render_svg(record: Record, title: str) -> str:
+    """Two panels over the soak's minutes: the leader's RSS, and requests per minute (API
+    server, every client; the replicas' own); leader changes as red lines."""
+    width, height, left, right = 900, 460, 70, 20
+    panels = [(40, 190), (260, 410)]
+    span = max(1.0, (record.samples[-1].t if record.samples else 60.0) / 60)
+    rss = [(s.t / 60, s.leader_rss_mib) for s in record.samples
+           if s.leader_rss_mib is not None]
+    api = per_minute(record.samples, "apiserver_requests")
+    ctl = per_minute(record.samples, "controller_requests")
+
+    def x(m: float) -> float:
+        return left + (width - left - right) * m / span
+
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+           f'font-family="sans-serif" font-size="11">',
+           f'<rect width="{width}" height="{height}" fill="white"/>',
+           f'<text x="{left}" y="18" font-size="13">{title}</text>']
+
+    def panel(top: float, bottom: float, series: list[tuple[str, str, list[tuple[float, float]]]],
+              label: str) -> None:
+        top_v = max([v for _, _, pts in series for _, v in pts] + [1.0]) * 1.1
+
+        def y(v: float) -> float:
+            return bottom - (bottom - top) * v / top_v
+
+        out.append(f'<rect x="{left}" y="{top}" width="{width - left - right}" '
+                   f'height="{bottom - top}" fill="none" stroke="#999"/>')
+        for i in range(5):
+            v = top_v * i / 4
+            out.append(f'<text x="{left - 4}" y="{y(v) + 4:.1f}" text-anchor="end">'
+                       f'{v:,.0f}</text>')
+        out.append(f'<text x="12" y="{(top + bottom) / 2:.0f}" transform="rotate(-90 12 '
+                   f'{(top + bottom) / 2:.0f})" text-anchor="middle">{label}</text>')
+        for n, (name, colour, pts) in enumerate(series):
+            if pts:
+                path = " ".join(f"{x(m):.1f},{y(v):.1f}" for m, v in pts)
+                out.append(f'<polyline fill="none" stroke="{colour}" stroke-width="1.5" '
+                           f'points="{path}"/>')
+            out.append(f'<text x="{left + 8 + 260 * n}" y="{top + 14}" fill="{colour}">'
+                       f'{name}</text>')
+        for c in record.leader_changes:
+            out.append(f'<line x1="{x(c["at_min"]):.1f}" x2="{x(c["at_min"]):.1f}" '
+                       f'y1="{top}" y2="{bottom}" stroke="red" stroke-dasharray="3,2"/>')
+
+    panel(*panels[0], [("leader RSS (MiB)", "#1f77b4", rss)], "MiB")
+    panel(*panels[1], [("API server requests/min (every client)", "#2ca02c", api),
+                       ("controller replicas' requests/min", "#ff7f0e", ctl)], "per minute")
+    for m in range(0, int(span) + 1, max(1, int(span) // 12)):
+        out.append(f'<text x="{x(m):.1f}" y="{panels[1][1] + 16}" text-anchor="middle">'
+                   f'{m}</text>')
+    out.append(f'<text x="{(width + left) / 2}" y="{height - 12}" text-anchor="middle">'
+               f'minutes of churn (red: leader changes)</text>')
+    out.append("</svg>")
+    return "\n".join(out) + "\n"
+
+
+def write_docs(text: str) -> None:
+    doc = DOC.read_text()
+    block = f"{BEGIN}\n{text}\n{END}"
+    if BEGIN in doc and END in doc:
+        doc = doc[:doc.index(BEGIN)] + block + doc[doc.index(END) + len(END):]
+    else:
+        doc = doc.rstrip("\n") + "\n\n## Soak\n\n" + block + "\n"
+    DOC.write_text(doc)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--minutes", type=float, default=60.0, help="Minutes of churn.")
+    p.add_argument("--vms", type=int, default=2000, help="VMs of the fleet.")
+    p.add_argument("--replicas", type=int, default=3)
+    p.add_argument("--nodes", type=int, default=4, help="Simulated (kwok) nodes.")
+    p.add_argument("--churn-interval", type=float, default=5.0)
+    p.add_argument("--churn-pods", type=int, default=5,
+                   help="Runner pods deleted per churn round.")
+    p.add_argument("--churn-live", type=int, default=10,
+                   help="Short-lived VMs alive at once (the oldest is deleted).")
+    p.add_argument("--sample-seconds", type=float, default=15.0)
+    p.add_argument("--look-seconds", type=float, default=60.0,
+                   help="Seconds between convergence looks at the fleet.")
+    p.add_argument("--poll-seconds", type=float, default=5.0,
+                   help="The polling checker's period (the watching one sees every event).")
+    p.add_argument("--stuck-minutes", type=float, default=5.0)
+    p.add_argument("--timeout", type=float, default=900.0,
+                   help="Seconds allowed for the fleet to converge (before and after).")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--work", type=Path, default=Path("/tmp/neonvm-soak"),
+                   help="The private cluster's state, logs and the record (JSON).")
+    p.add_argument("--svg", default=None, help="Write the picture here (e.g. docs/soak.svg).")
+    p.add_argument("--write-docs", action="store_true")
+    p.add_argument("--keep-cluster", action="store_true")
+    p.add_argument("--delete-namespace", action="store_true",
+                   help="At the end, delete the fleet's namespace with the replicas "
+                        "running: time until it is gone, creates refused there.")
+    p.add_argument("--namespace-timeout", type=float, default=420.0)
+    args = p.parse_args(argv)
+    from loguru import logger
+
+    logger.remove()
+    logger.add(sys.stderr, level="WARNING")
+    if (args.work / "state").exists():
+        shutil.rmtree(args.work / "state")
+    args.work.mkdir(parents=True, exist_ok=True)
+    record = soak(args)
+    (args.work / "soak.json").write_text(json.dumps(asdict(record), indent=1))
+    if args.svg:
+        Path(args.svg).write_text(render_svg(
+            record, f"neonvm soak: {args.vms} VMs under churn, 3 replicas, "
+                    f"{args.minutes:g} min ({record.started}; shared 2-core machine)"))
+    text = markdown(record, args, args.svg)
+    print(text)
+    if args.write_docs:
+        write_docs(text)
+        say(f"wrote {DOC.relative_to(ROOT)}")
+    return 0 if not record.failures else 1
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    sys.exit(main())
