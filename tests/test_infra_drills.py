@@ -256,3 +256,17 @@ def test_the_api_server_restarted_under_churn_then_every_vm_converges(
     out = run_drill_cli(drill_replicas, tmp_path, "apiserver-restart", churned=False)
     assert out["fault"]["kube-apiserver down_s"] > 0
     assert out["fault"]["pods deleted to disturb"] > 0
+
+
+@pytest.mark.cluster
+@pytest.mark.slow
+@pytest.mark.long
+def test_one_member_of_a_3_member_locks_etcd_killed_keeps_the_term_and_all_converge(
+        drill_replicas: LocalCluster, tmp_path: Path) -> None:
+    """Two members keep quorum: the same term goes on through the kill (no leader
+    change), and the locks the checker reads are the 3-member etcd's."""
+    out = run_drill_cli(drill_replicas, tmp_path, "etcd-member-kill", "--outage-seconds", "10")
+    assert out["fault"]["member killed"].startswith("m0")
+    assert out["fault"]["member down_s"] >= 10
+    assert out["fault"]["member answering again"] is True
+    assert out["leader_changes_in_fault"] == 0

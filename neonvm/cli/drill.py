@@ -215,6 +215,11 @@ _command("partition-etcd", "Local: cut one replica off the locks' etcd (not the 
                            "server) under churn.", _PARTITION)
 _command("partition-api", "Local: cut one replica off the API server (not the locks' "
                           "etcd) under churn.", _PARTITION)
+_command("etcd-member-kill", "Local: the locks on a 3-member etcd; kill the member every "
+                             "replica names first, under churn, then start it again.",
+         [click.option("--outage-seconds", type=click.FloatRange(1), default=60.0,
+                       show_default=True, help="How long the killed member stays down."),
+          *_CHURN])
 
 
 @drill.command("all")

@@ -12,7 +12,12 @@ VMs are deleted, and one short-lived VM is created and the previous one deleted.
   naming it); for ``slow_seconds`` every request is delayed by ``latency``;
 * ``partition-etcd`` / ``partition-api``: every replica reaches both servers through
   proxies of its own; the ``victim``'s (the leader's, by default) path to the locks'
-  etcd, or to the API server, is cut (a black hole) for ``partition_seconds``.
+  etcd, or to the API server, is cut (a black hole) for ``partition_seconds``;
+* ``etcd-member-kill``: the replicas' locks live on a private **3-member** etcd (plain
+  HTTP on loopback, every member named to every replica; the checker reads the locks
+  there too); the member every replica names first is killed (SIGKILL) for
+  ``outage_seconds`` and then started again on its data. Two members keep quorum, so the
+  term should go on (docs/locks.md, "A 3-member etcd").
 
 The fault window is recorded on the drill (``fault_started``, ``fault_ended``); the
 verdict's recovery time runs from its end to every VM converged. See docs/drills.md,
@@ -23,10 +28,12 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import yaml
@@ -35,17 +42,21 @@ from kubernetes.client.exceptions import ApiException
 
 from neonvm.api import types
 from neonvm.drills import fleet
+from neonvm.drills.check import etcd_lock_reader
 from neonvm.drills.proxy import FaultProxy
 from neonvm.drills.target import DrillError, LeaderLog, LocalTarget, Route
+from neonvm.leader.etcd import Etcd, EtcdConfig, EtcdError
 
 if TYPE_CHECKING:
     from neonvm.drills.drills import Drill
 
-INFRA = ("etcd-outage", "slow-api", "partition-etcd", "partition-api")
-RECORDED = ("etcd-outage", "apiserver-restart", "slow-api", "partition-etcd", "partition-api")
+INFRA = ("etcd-outage", "slow-api", "partition-etcd", "partition-api", "etcd-member-kill")
+RECORDED = ("etcd-outage", "apiserver-restart", "slow-api", "partition-etcd", "partition-api",
+            "etcd-member-kill")
 """Drills whose verdicts ``--write-docs`` records in docs/drills.md, in the table's order."""
-ROUTED = ("slow-api", "partition-etcd", "partition-api")
-"""Drills whose replicas reach the servers through the drill's proxies."""
+ROUTED = ("slow-api", "partition-etcd", "partition-api", "etcd-member-kill")
+"""Drills whose replicas reach the servers through the drill's proxies (etcd-member-kill:
+the locks' etcd is the drill's own 3-member cluster)."""
 
 
 # ---- proxies in front of every replica --------------------------------------------------------
@@ -53,10 +64,81 @@ ROUTED = ("slow-api", "partition-etcd", "partition-api")
 
 @dataclass
 class Proxies:
-    """Replica index -> its proxy to the API server and to the locks' etcd."""
+    """Replica index -> its proxy to the API server and to the locks' etcd; and the
+    members of the drill's own 3-member etcd, if it has one."""
 
     api: dict[int, FaultProxy] = field(default_factory=dict)
     etcd: dict[int, FaultProxy] = field(default_factory=dict)
+    members: list[EtcdMember] = field(default_factory=list)
+
+
+@dataclass
+class EtcdMember:
+    """One member of the drill's private 3-member etcd (plain HTTP on loopback)."""
+
+    name: str
+    url: str
+    argv: list[str]
+    log: Path
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL)
+
+    def kill(self) -> None:
+        """A crash (SIGKILL): no goodbye to its peers or its clients."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def three_members(folder: Path) -> list[EtcdMember]:
+    """Start a 3-member etcd under ``folder`` (free loopback ports) and wait for quorum."""
+    from neonvm.dev import binaries
+    from neonvm.dev.common import free_port
+
+    folder.mkdir(parents=True, exist_ok=True)
+    taken: set[int] = set()
+    for _ in range(6):
+        taken.add(free_port(taken=taken))
+    ports = sorted(taken)
+    clients, peers = ports[:3], ports[3:]
+    initial = ",".join(f"m{i}=http://127.0.0.1:{p}" for i, p in enumerate(peers))
+    members = []
+    for i in range(3):
+        url = f"http://127.0.0.1:{clients[i]}"
+        argv = [str(binaries.require("etcd")), f"--name=m{i}",
+                f"--data-dir={folder / f'm{i}'}", f"--listen-client-urls={url}",
+                f"--advertise-client-urls={url}",
+                f"--listen-peer-urls=http://127.0.0.1:{peers[i]}",
+                f"--initial-advertise-peer-urls=http://127.0.0.1:{peers[i]}",
+                f"--initial-cluster={initial}", "--initial-cluster-state=new",
+                "--initial-cluster-token=drill", "--unsafe-no-fsync", "--log-level=warn"]
+        members.append(EtcdMember(f"m{i}", url, argv, folder / f"m{i}.log"))
+    for m in members:
+        m.start()
+    config = EtcdConfig(endpoints=tuple(m.url for m in members), timeout=2)
+    deadline = time.monotonic() + 60
+    while not quorum(config):
+        if time.monotonic() > deadline:
+            for m in members:
+                m.kill()
+            raise DrillError(f"the drill's 3-member etcd did not answer within 60s "
+                             f"(logs in {folder})")
+        time.sleep(0.3)
+    return members
+
+
+def quorum(config: EtcdConfig) -> bool:
+    """A linearizable read answered: a majority of the members is up."""
+    try:
+        with Etcd(config) as etcd:
+            etcd.get("/probe", timeout=2)
+    except EtcdError:
+        return False
+    return True
 
 
 def _local(d: Drill) -> LocalTarget:
@@ -78,18 +160,31 @@ def routed(d: Drill) -> Iterator[Proxies]:
     base = yaml.safe_load(cluster.kubeconfig_for("controller").read_text())
     etcd = cluster.locks_etcd_config()
     try:
+        members: EtcdConfig | None = None
+        if d.name == "etcd-member-kill":
+            proxies.members = three_members(folder / f"{d.namespace}-etcd")
+            members = EtcdConfig(endpoints=tuple(m.url for m in proxies.members),
+                                 prefix=etcd.prefix)
+            # The checker reads the locks where the replicas keep them (this target
+            # only, for this drill: removed again below).
+            target.__dict__["lock_reader"] = lambda: etcd_lock_reader(members)
+            d.say(f"a 3-member etcd for the locks: {', '.join(members.endpoints)}")
         for i in range(target.replicas):
             proxies.api[i] = FaultProxy(("127.0.0.1", ports["kube-apiserver"])).__enter__()
-            proxies.etcd[i] = FaultProxy(("127.0.0.1", ports["locks-etcd"])).__enter__()
             config = yaml.safe_load(yaml.safe_dump(base))
             config["clusters"][0]["cluster"]["server"] = (
                 f"https://127.0.0.1:{proxies.api[i].port}")
             path = folder / f"{d.namespace}-replica-{i}.kubeconfig"
             path.write_text(yaml.safe_dump(config))
+            if members is not None:
+                target.routes[i] = Route(path, members)
+                continue
+            proxies.etcd[i] = FaultProxy(("127.0.0.1", ports["locks-etcd"])).__enter__()
             target.routes[i] = Route(path, etcd.with_overrides(
                 endpoints=(f"https://127.0.0.1:{proxies.etcd[i].port}",)))
         d.say(f"restarting the {target.replicas} replicas through proxies of their own "
-              f"(API server and locks' etcd)")
+              f"(API server; locks' etcd: "
+              f"{'the 3 members' if members is not None else 'a proxy'})")
         for i in range(target.replicas):
             target.restart_replica(i)
         d.wait_leader()
@@ -102,6 +197,9 @@ def routed(d: Drill) -> Iterator[Proxies]:
                 target.restart_replica(i)
         for p in [*proxies.api.values(), *proxies.etcd.values()]:
             p.close()
+        for m in proxies.members:
+            m.kill()
+        target.__dict__.pop("lock_reader", None)
         for path in folder.glob(f"{d.namespace}-replica-*.kubeconfig"):
             path.unlink(missing_ok=True)
 
@@ -243,9 +341,38 @@ def partition_api(d: Drill, log: LeaderLog) -> float:
     return _partition(d, "api")
 
 
+def etcd_member_kill(d: Drill, log: LeaderLog) -> float:
+    proxies = d.proxies
+    assert proxies is not None and proxies.members
+    d.wait_leader()
+    d.disturb()
+    victim = proxies.members[0]  # every replica names it first
+    seconds = d.options.outage_seconds
+    d.say(f"killing etcd member {victim.name} ({victim.url}, the endpoint every replica "
+          f"names first) for {seconds:.0f}s; two members keep quorum")
+    t0 = d.begin_fault(f"etcd member {victim.name} of 3 killed {seconds:g}s")
+    victim.kill()
+    try:
+        with churn(d):
+            _hold(d, seconds - (time.monotonic() - t0), "one etcd member down")
+    finally:
+        d.say(f"starting {victim.name} again on its data")
+        victim.start()
+        d.end_fault()
+    config = EtcdConfig(endpoints=(victim.url,), timeout=2)
+    deadline = time.monotonic() + 60
+    while not quorum(config) and time.monotonic() < deadline:
+        time.sleep(0.3)
+    d.fault["member killed"] = f"{victim.name} (first endpoint)"
+    d.fault["member down_s"] = round(d.fault_seconds(), 1)
+    d.fault["member answering again"] = quorum(config)
+    return t0
+
+
 FAULTS = {
     "etcd-outage": etcd_outage,
     "slow-api": slow_api,
     "partition-etcd": partition_etcd,
     "partition-api": partition_api,
+    "etcd-member-kill": etcd_member_kill,
 }
