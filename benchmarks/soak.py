@@ -372,6 +372,13 @@ def _soak(args: argparse.Namespace, record: Record, cluster: Any, target: Any,
     apiserver = Counters()
     started = time.monotonic()
     end = started + args.minutes * 60
+    if args.until is not None:  # a wall-clock end (UTC, HH:MM) that comes first
+        hh, mm = (int(x) for x in args.until.split(":"))
+        now_utc = time.gmtime()
+        left = (hh * 60 + mm) * 60 - (now_utc.tm_hour * 3600 + now_utc.tm_min * 60
+                                      + now_utc.tm_sec)
+        end = min(end, started + max(60.0, left))
+        say(f"churn until {args.until} UTC: {(end - started) / 60:.1f} min")
     not_since: dict[str, float] = {}
     with tracker(target, interval=0.5) as log, \
             watchdog(api, NAMESPACE, poll_interval=args.poll_seconds) as dog, \
@@ -415,6 +422,8 @@ def _soak(args: argparse.Namespace, record: Record, cluster: Any, target: Any,
                     if len(stuck) > record.stuck_max:
                         record.stuck_max, record.stuck_vms = len(stuck), sorted(stuck)[:20]
             record.samples.append(sample)
+            # Written as it goes: a soak stopped early still leaves its record.
+            (args.work / "soak.json").write_text(json.dumps(asdict(record), indent=1))
             say(f"{(now - started) / 60:5.1f} min: leader {who} (epoch {epoch}) RSS "
                 f"{leader_rss} MiB; requests {sample.apiserver_requests} (API server), "
                 f"{controller.total:.0f} (replicas); not converged {sample.not_converged}, "
@@ -629,16 +638,27 @@ def main(argv: list[str] | None = None) -> int:
                    help="At the end, delete the fleet's namespace with the replicas "
                         "running: time until it is gone, creates refused there.")
     p.add_argument("--namespace-timeout", type=float, default=420.0)
+    p.add_argument("--until", default=None,
+                   help="Stop the churn at this UTC time (HH:MM) if it comes before "
+                        "--minutes are up.")
+    p.add_argument("--report", type=Path, default=None,
+                   help="Render a recorded soak.json (picture, table, docs) without a run; "
+                        "give the run's other options too.")
     args = p.parse_args(argv)
     from loguru import logger
 
     logger.remove()
     logger.add(sys.stderr, level="WARNING")
-    if (args.work / "state").exists():
-        shutil.rmtree(args.work / "state")
-    args.work.mkdir(parents=True, exist_ok=True)
-    record = soak(args)
-    (args.work / "soak.json").write_text(json.dumps(asdict(record), indent=1))
+    if args.report is not None:
+        data = json.loads(args.report.read_text())
+        data["samples"] = [Sample(**s) for s in data["samples"]]
+        record = Record(**data)
+    else:
+        if (args.work / "state").exists():
+            shutil.rmtree(args.work / "state")
+        args.work.mkdir(parents=True, exist_ok=True)
+        record = soak(args)
+        (args.work / "soak.json").write_text(json.dumps(asdict(record), indent=1))
     if args.svg:
         Path(args.svg).write_text(render_svg(
             record, f"neonvm soak: {args.vms} VMs under churn, 3 replicas, "
