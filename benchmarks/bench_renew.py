@@ -311,7 +311,7 @@ def main() -> int:
             f"{text}\n\nRun {stamp} on {platform.node()}: Python "
             f"{platform.python_version()}, {os.cpu_count()} CPUs shared with other work "
             f"(load average {load_before} before, {loadavg()} after); "
-            f"{time.monotonic() - began:.0f} s in all.\n")
+            f"{time.monotonic() - began:.0f} s in all.\n\n")  # a blank line before the next
         replace_section(DOC, HEADING, section)
         print(f"wrote {DOC}")
     return 0
