@@ -14,7 +14,7 @@ The admission fence (a ValidatingAdmissionPolicy, evaluated inside the API serve
   collector, which strips owner references when orphaning, is exempt).
 
 The same policy keeps a VM's status the controller's (docs/security.md, "Tenants"): a
-change to any status field but ``conditions`` (the fence, the plans, the names the
+change to any status field but the conditions (the fence, the plans, the names the
 controller puts into REST paths) is refused to everyone but the controller's identity and
 the ``system:masters`` group (the break-glass of a cluster administrator, who may also
 remove the binding). With ``limit_controller`` (the chart's copy) it also limits what the
@@ -51,9 +51,10 @@ OVERRIDE_GROUPS = ("system:masters",)
 """Who besides the controller may change the controller's status fields: cluster
 administrators (they may remove the policy anyway), for the remedies reconciler.md
 gives (e.g. removing a stuck plan)."""
-STATUS_FIELDS_OPEN = ("conditions",)
+STATUS_FIELDS_OPEN = ("conditions", "extraConditions")
 """Status fields anyone with ``virtualmachines/status`` write may change (other actors
-may add their own condition types, as Kubernetes conventions allow). The controller reads
+may add their own condition types, as Kubernetes conventions allow; ``extraConditions``
+holds the controller's condition types that NeonVM does not write). The controller reads
 a few of its own (a create refused for this generation, FenceAhead, a scaling refusal):
 writing them parks only that VM (docs/security.md, "VM status is the controller's")."""
 GC_USER = "system:kube-controller-manager"

@@ -137,43 +137,30 @@ def load_test(directory: Path) -> list[Step]:
     return [steps[i] for i in sorted(steps)]
 
 
-def is_subset(expected: Any, actual: Any, by_type: frozenset[str] = frozenset()) -> str | None:
+def is_subset(expected: Any, actual: Any) -> str | None:
     """None when ``expected`` is a subset of ``actual`` (kuttl's IsSubset), else the first
-    difference. ``by_type``: paths (``.status.conditions``) whose lists are matched as
-    ``kubectl wait`` reads conditions instead, each expected item against the actual item
-    of the same ``type``, other items ignored (not kuttl's semantics: see :class:`Runner`)."""
-    found = differences(expected, actual, by_type=by_type)
+    difference."""
+    found = differences(expected, actual)
     return found[0] if found else None
 
 
-def differences(expected: Any, actual: Any, path: str = "",
-                by_type: frozenset[str] = frozenset()) -> list[str]:
+def differences(expected: Any, actual: Any, path: str = "") -> list[str]:
     """Every place where ``expected`` is not a subset of ``actual`` (kuttl's IsSubset
     stops at the first)."""
     where = path or "."
     if _json_type(expected) != _json_type(actual):
         return [f"{where}: type mismatch: {expected!r} != {actual!r}"]
-    if isinstance(expected, list) and path in by_type:
-        found: list[str] = []
-        for i, item in enumerate(expected):
-            same = [a for a in actual if isinstance(a, dict) and isinstance(item, dict)
-                    and a.get("type") == item.get("type")]
-            if not same:
-                found.append(f"{path}[{i}]: no item of type {item.get('type')!r}")
-            else:
-                found += differences(item, same[0], f"{path}[{i}]", by_type)
-        return found
     if isinstance(expected, list):
         if len(expected) != len(actual):
             types = [a.get("type") for a in actual if isinstance(a, dict) and "type" in a]
             extra = f" (actual types {types})" if types else ""
             return [f"{where}: slice length mismatch: {len(expected)} != {len(actual)}{extra}"]
         return [d for i, (e, a) in enumerate(zip(expected, actual, strict=True))
-                for d in differences(e, a, f"{path}[{i}]", by_type)]
+                for d in differences(e, a, f"{path}[{i}]")]
     if isinstance(expected, dict):
         return [d for key, value in expected.items()
                 for d in ([f"{path}.{key}: key is missing from map"] if key not in actual
-                          else differences(value, actual[key], f"{path}.{key}", by_type))]
+                          else differences(value, actual[key], f"{path}.{key}"))]
     if expected == actual:
         return []
     return [f"{where}: value mismatch, expected: {expected!r} != actual: {actual!r}"]
@@ -206,15 +193,11 @@ class Runner:
     """Runs kuttl tests against the cluster ``api`` talks to (``kubeconfig`` for commands).
 
     ``suite_timeout`` is the TestSuite's ``timeout`` (NeonVM's: 600 s), every step's
-    timeout unless its TestAssert names one. ``conditions_by_type`` departs from kuttl on
-    one point: an expected ``status.conditions`` list is matched by type, the way
-    ``kubectl wait --for=condition=...`` reads it, so a status with more conditions than
-    the assert lists still matches (kuttl wants the same length).
+    timeout unless its TestAssert names one.
     """
 
     def __init__(self, api: client.ApiClient, kubeconfig: Path, suite_timeout: int = 600,
-                 log: Callable[[str], None] = print, conditions_by_type: bool = False) -> None:
-        self.by_type = frozenset({".status.conditions"} if conditions_by_type else ())
+                 log: Callable[[str], None] = print) -> None:
         self.api = api
         self.kubeconfig = kubeconfig
         self.suite_timeout = suite_timeout
@@ -326,7 +309,7 @@ class Runner:
         for actual in actuals:
             actual.setdefault("apiVersion", expected["apiVersion"])
             actual.setdefault("kind", expected["kind"])
-            found = differences(_for_compare(expected, actual), actual, by_type=self.by_type)
+            found = differences(_for_compare(expected, actual), actual)
             if not found:
                 return None
             whys.append("; ".join(found))

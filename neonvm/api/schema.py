@@ -296,6 +296,12 @@ def _decode_value(tp: Any, meta: typing.Mapping[str, Any], value: Any, path: str
     return value
 
 
+WIRE_HOOK = "wire_form"
+"""A dataclass may define ``wire_form(self, out) -> dict``: :func:`encode` hands it the
+JSON built from the fields and writes what it returns (see
+:meth:`neonvm.api.types.VirtualMachineStatus.wire_form`)."""
+
+
 def encode(obj: Any) -> Any:
     """Dataclass to Kubernetes JSON; None fields are omitted."""
     if isinstance(obj, MilliCPU):
@@ -307,7 +313,8 @@ def encode(obj: Any) -> Any:
             if value is None:
                 continue
             out[json_name(f)] = encode(value)
-        return out
+        hook = getattr(obj, WIRE_HOOK, None)
+        return hook(out) if hook is not None else out
     if isinstance(obj, list):
         return [encode(v) for v in obj]
     if isinstance(obj, dict):

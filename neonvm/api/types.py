@@ -605,6 +605,14 @@ class Condition:
     observed_generation: int | None = api_field("Generation the condition was set for.")
 
 
+def neonvm_condition(condition: dict[str, Any]) -> bool:
+    """A condition (as JSON) that goes in ``status.conditions``: ``Available``, or
+    ``Degraded`` while it is True. NeonVM writes Degraded only when something failed, so a
+    healthy VM's list holds Available alone there too."""
+    kind = condition.get("type")
+    return kind == "Available" or (kind == "Degraded" and condition.get("status") == "True")
+
+
 @dataclass
 class VirtualMachineStatus:
     """Observed state, and the controller's resumable plan."""
@@ -627,8 +635,15 @@ class VirtualMachineStatus:
     restart_streak: int = api_field(
         "Restarts in a row, each within 10 minutes of the previous one; the restart "
         "backoff grows with it and resets once a runner pod has lasted longer.", default=0)
-    conditions: list[Condition] = api_field("Conditions (Ready, Degraded, ...).",
-                                            default_factory=list)
+    conditions: list[Condition] = api_field(
+        "NeonVM's conditions, as NeonVM writes them: Available, and Degraded while it is "
+        "True. This controller's other conditions are in extraConditions.",
+        default_factory=list)
+    extra_conditions: list[Condition] = api_field(
+        "This controller's (NeonVM has no such field): its conditions that NeonVM does not "
+        "write (WaitingForOldPod, Scaling, RestartBackoff, FieldsNotImplemented, "
+        "AccelerationUnavailable, and Degraded once it is False), in the same shape.",
+        default_factory=list)
     observed_generation: int | None = api_field("Generation last acted on.")
     fence: Fence | None = api_field("Highest writer (epoch, token) seen.")
     cpus: MilliCPU | None = api_field(
@@ -673,6 +688,29 @@ class VirtualMachineStatus:
                                             "set here).", json="sshSecretName")
     tls_secret_name: str | None = api_field("Secret holding the VM's certificate (NeonVM; "
                                             "not set here).", json="tlsSecretName")
+
+    def __post_init__(self) -> None:
+        # In memory one list holds every condition, whichever list of the object it
+        # came from: code finds a condition by its type alone (wire_form splits them).
+        if self.extra_conditions:
+            self.conditions = [*self.conditions, *self.extra_conditions]
+            self.extra_conditions = []
+
+    def wire_form(self, out: dict[str, Any]) -> dict[str, Any]:
+        """The status's JSON (:func:`~neonvm.api.schema.encode`) with its conditions split:
+        NeonVM's (:func:`neonvm_condition`) in ``conditions``, the rest in
+        ``extraConditions``, so that a check of the whole ``conditions`` list written for
+        NeonVM (kuttl's asserts) sees what NeonVM writes. docs/neonvm-compat.md,
+        "Conditions"."""
+        every = out.pop("conditions", [])
+        out.pop("extraConditions", None)
+        ours = [c for c in every if neonvm_condition(c)]
+        extra = [c for c in every if not neonvm_condition(c)]
+        if ours:
+            out["conditions"] = ours
+        if extra:
+            out["extraConditions"] = extra
+        return out
 
 
 @dataclass

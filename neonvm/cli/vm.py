@@ -62,7 +62,7 @@ WATCH_SECONDS = 300
 WATCH_CONNECT_SECONDS = 30.0
 
 LIST_COLUMNS = ["name", "phase", "podName", "pendingPod", "restarts", "planSeq",
-                "fence", "ready", "age"]
+                "fence", "available", "age"]
 WIDE_COLUMNS = [*LIST_COLUMNS, "node", "podIP", "image"]
 
 _NAMESPACE = namespace_option()
@@ -96,7 +96,8 @@ def summary(raw: dict[str, Any], now: dt.datetime | None = None) -> dict[str, An
     meta = raw.get("metadata") or {}
     status = raw.get("status") or {}
     fence = status.get("fence")
-    ready = next((c for c in status.get("conditions") or [] if c.get("type") == "Ready"), None)
+    available = next((c for c in status.get("conditions") or []
+                      if c.get("type") == "Available"), None)
     pending = status.get("pendingPod")
     return {
         "namespace": meta.get("namespace"),
@@ -107,7 +108,7 @@ def summary(raw: dict[str, Any], now: dt.datetime | None = None) -> dict[str, An
         "restarts": status.get("restartCount", 0),
         "planSeq": status.get("planSeq", 0),
         "fence": f"{fence.get('epoch', 0)}/{fence.get('token', 0)}" if fence else None,
-        "ready": ready.get("status") if ready else None,
+        "available": available.get("status") if available else None,
         "age": _age(meta.get("creationTimestamp"), now),
     }
 
@@ -373,7 +374,7 @@ def detail(snap: Snapshot) -> dict[str, Any]:
         "conditions": [
             {k: c.get(k) for k in ("type", "status", "reason", "message",
                                    "lastTransitionTime")}
-            for c in status.get("conditions") or []
+            for c in [*(status.get("conditions") or []), *(status.get("extraConditions") or [])]
         ],
         "pods": [_pod_row(p) for p in snap.pods.values()],
     })

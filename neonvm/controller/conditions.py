@@ -1,4 +1,12 @@
-"""VM conditions (Ready, Available, Degraded, WaitingForOldPod): what they say, and the write.
+"""VM conditions (Available, Degraded, WaitingForOldPod, ...): what they say, and the write.
+
+``Available`` is True while the VM runs on its runner pod (phase Running or Scaling, the
+pod running); otherwise False, its reason saying why (``NoRunner``, ``RunnerStarting``,
+``RestartBackoff``, ``VMFailed``, ...). It is NeonVM's condition and the only one a healthy
+VM shows in ``status.conditions``: the others go to ``status.extraConditions`` when the
+status is written (:meth:`~neonvm.api.types.VirtualMachineStatus.wire_form`; in memory one
+list holds them all). Earlier versions wrote the same as ``Ready`` too; a ``Ready`` left by
+one is removed at the next conditions write. docs/neonvm-compat.md, "Conditions".
 
 Degraded is True while a create was refused for the current generation (reason
 ``CreateRefused``, written by the driver when the API server refuses) or while a pull
@@ -149,30 +157,29 @@ def desired_conditions(snap: Snapshot, final: act.Action) -> list[ConditionUpdat
     pod = snap.obs.pod(status.pod_name)
     updates: list[ConditionUpdate] = []
     if status.phase in d.TERMINAL_PHASES:
-        updates.append(ConditionUpdate(READY, "False", f"VM{status.phase}",
+        updates.append(ConditionUpdate(AVAILABLE, "False", f"VM{status.phase}",
                                        f"the VM is {status.phase} and is not restarted "
                                        f"(restartPolicy {vm.spec.restart_policy})"))
     elif (pod is not None and status.phase in ("Running", "Scaling") and pod.phase == "Running"
           and not pod.gated and not pod.terminating):
-        updates.append(ConditionUpdate(READY, "True", "RunnerRunning",
+        updates.append(ConditionUpdate(AVAILABLE, "True", "RunnerRunning",
                                        f"runner pod {pod.name} is running on {pod.node}"))
     elif pod is not None and (pod.gated or pod.phase == "Pending"):
         # One message from the commit until the pod runs, gated or not: the commit's
         # write carries it (:func:`with_ready`), and the ungate needs no write of its own.
         # Why a gated pod waits is WaitingForOldPod's to say.
-        updates.append(ConditionUpdate(READY, "False", "RunnerStarting",
+        updates.append(ConditionUpdate(AVAILABLE, "False", "RunnerStarting",
                                        f"runner pod {pod.name} is committed and starting"))
     elif pod is not None:
-        updates.append(ConditionUpdate(READY, "False", "RunnerStarting",
+        updates.append(ConditionUpdate(AVAILABLE, "False", "RunnerStarting",
                                        f"runner pod {pod.name} is {pod.phase}"))
     elif isinstance(final, act.Wait) and final.condition == RESTART_BACKOFF_CONDITION:
-        updates.append(ConditionUpdate(READY, "False", RESTART_BACKOFF_CONDITION,
+        updates.append(ConditionUpdate(AVAILABLE, "False", RESTART_BACKOFF_CONDITION,
                                        final.reason))
     else:
-        updates.append(ConditionUpdate(READY, "False", "NoRunner",
+        updates.append(ConditionUpdate(AVAILABLE, "False", "NoRunner",
                                        "no runner pod is committed yet"))
 
-    updates.append(available(updates[-1]))
 
     if isinstance(final, act.Wait) and final.condition == WAITING_FOR_OLD_POD:
         updates.append(ConditionUpdate(WAITING_FOR_OLD_POD, "True", "OldPodNotGone",
@@ -209,14 +216,8 @@ def desired_conditions(snap: Snapshot, final: act.Action) -> list[ConditionUpdat
     return updates
 
 
-def available(ready: ConditionUpdate) -> ConditionUpdate:
-    """NeonVM's ``Available`` condition from what Ready says: True while the VM runs on
-    its runner pod (phase Running or Scaling, the pod running), with Ready's reason."""
-    return dataclasses.replace(ready, type=AVAILABLE)
-
-
 def with_ready(mutation: StatusMutation, snap: Snapshot) -> StatusMutation:
-    """``mutation``, with the Ready condition the status it writes implies written in the
+    """``mutation``, with the Available condition the status it writes implies written in the
     same PUT (as :func:`desired_conditions` would say it once the reconcile is done, from
     ``snap``'s pods), so that a reconcile that ends right after a plan, a commit or a
     sync has no condition left to write. On a conflict retry it is derived again from
@@ -230,8 +231,7 @@ def with_ready(mutation: StatusMutation, snap: Snapshot) -> StatusMutation:
         after = dataclasses.replace(vm, status=new)
         view = Snapshot(obs=dataclasses.replace(snap.obs, vm=after), record=snap.record,
                         pods=snap.pods)
-        ready = [u for u in desired_conditions(view, act.Done())
-                 if u.type in (READY, AVAILABLE)]
+        ready = [u for u in desired_conditions(view, act.Done()) if u.type == AVAILABLE]
         new.conditions, _ = _apply(after, ready, now_rfc3339())
         return new
 
@@ -387,8 +387,8 @@ def _apply(vm: VirtualMachine, updates: list[ConditionUpdate],
            stamp: str) -> tuple[list[Condition], bool]:
     """``vm``'s conditions with ``updates`` applied (those that :func:`_applies` to
     it), and whether anything changed."""
-    conditions = copy.deepcopy(vm.status.conditions)
-    changed = False
+    conditions = [c for c in copy.deepcopy(vm.status.conditions) if c.type != READY]
+    changed = len(conditions) != len(vm.status.conditions)  # a Ready of an earlier version
     for update in updates:
         if not _applies(vm, update):
             continue

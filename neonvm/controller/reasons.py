@@ -1,9 +1,9 @@
 """Condition types and reasons, and the reasons of the events the driver records: the
 one place that spells them.
 
-Types: Ready, Available, Degraded, Scaling, RestartBackoff. Reasons say why (``CreateRefused``,
-``FenceAhead``, ``<Step>NotTakingEffect``, ...); docs/reconciler.md ("Conditions")
-says when each is written and cleared.
+Types: Available, Degraded, Scaling, RestartBackoff, WaitingForOldPod. Reasons say why
+(``CreateRefused``, ``FenceAhead``, ``<Step>NotTakingEffect``, ...); docs/reconciler.md
+("Conditions") says when each is written and cleared.
 """
 
 from __future__ import annotations
@@ -11,9 +11,10 @@ from __future__ import annotations
 # ---- condition types -----------------------------------------------------------------------
 
 READY = "Ready"
+"""Written by earlier versions (what Available says); removed at the next conditions write."""
 AVAILABLE = "Available"
 """NeonVM's condition (what ``kubectl wait --for=condition=Available`` checks): True while
-Ready is, the VM running on its runner pod."""
+the VM runs on its runner pod."""
 DEGRADED = "Degraded"
 """Condition type the controller reports trouble in (its reason says which)."""
 SCALING_CONDITION = "Scaling"
