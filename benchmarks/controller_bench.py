@@ -41,9 +41,9 @@ from kubernetes.client.exceptions import ApiException
 from neonvm import kube
 from neonvm.api import types
 from neonvm.api.types import Fence, PendingPod
+from neonvm.controller import action_table, podspec
 from neonvm.controller import actions as act
 from neonvm.controller import decide as d
-from neonvm.controller import mutations, podspec
 from neonvm.controller.cluster import KubeCluster, VMRecord
 from neonvm.controller.informer import Informer, Obj, Store
 from neonvm.controller.manager import ControllerConfig, http_pool_size
@@ -358,7 +358,7 @@ def floor_rate(cluster: Any, api: client.ApiClient, namespace: str, vms: int,
         plan = PendingPod(name=d.plan_name(record.vm, 1), plan_seq=1,
                           token=FLOOR_FENCE.token, epoch=FLOOR_FENCE.epoch,
                           generation=record.vm.generation)
-        planned = mutations.status_mutation(act.RecordPlan(plan=plan, observed_seq=0),
+        planned = action_table.status_mutation(act.RecordPlan(plan=plan, observed_seq=0),
                                             FLOOR_FENCE)(record.vm)
         assert planned is not None
         record = kube_cluster.put_status(record, planned)
@@ -366,7 +366,7 @@ def floor_rate(cluster: Any, api: client.ApiClient, namespace: str, vms: int,
         meta = pod["metadata"]
         commit = act.Commit(name=plan.name, uid=meta["uid"], built=podspec.built_size(meta),
                           slot_bytes=podspec.built_slot_bytes(meta))
-        committed = mutations.status_mutation(commit, FLOOR_FENCE)(record.vm)
+        committed = action_table.status_mutation(commit, FLOOR_FENCE)(record.vm)
         assert committed is not None
         kube_cluster.put_status(record, committed)
         gates = [g.get("name") for g in pod["spec"].get("schedulingGates") or []]

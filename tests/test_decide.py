@@ -26,7 +26,7 @@ from neonvm.api.types import (
 from neonvm.controller import actions as act
 from neonvm.controller import decide as d
 from neonvm.controller import reasons, restarts, scan
-from neonvm.controller.mutations import status_mutation
+from neonvm.controller.action_table import status_mutation
 
 pytestmark = pytest.mark.unit
 

@@ -33,7 +33,8 @@ from neonvm.api.types import (
 from neonvm.controller import actions as act
 from neonvm.controller import decide as d
 from neonvm.controller import reasons
-from neonvm.controller.mutations import FencedOut, finalizers_mutation, status_mutation
+from neonvm.controller.action_table import finalizers_mutation, status_mutation
+from neonvm.controller.mutations import FencedOut
 from neonvm.controller.update import RetryPolicy, conditional_update
 
 pytestmark = pytest.mark.unit

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import typing
 
 import pytest
 
@@ -19,16 +20,21 @@ from neonvm.api.types import (
     VirtualMachineStatus,
 )
 from neonvm.controller import actions as act
-from neonvm.controller import performers, reasons
-from neonvm.controller.action_table import ACTIONS, SEEN_BY_WRITE
+from neonvm.controller import mutations, performers, reasons
+from neonvm.controller.action_table import (
+    ACTIONS,
+    SEEN_BY_WRITE,
+    finalizers_mutation,
+    status_mutation,
+)
 from neonvm.controller.conditions import ConditionUpdate, conditions_mutation, desired_conditions
 from neonvm.controller.fault_wiring import VersionedStore
 from neonvm.controller.faults import STEPS, FaultConfig, FaultConfigError, Faults
 from neonvm.controller.informer import Store
-from neonvm.controller.mutations import FencedOut, finalizers_mutation, status_mutation
+from neonvm.controller.mutations import FencedOut
 from neonvm.controller.observe import Snapshot, pod_index, pod_view
 from neonvm.controller.podspec import PodDefaults, PodSpecError, has_our_gate, runner_pod
-from neonvm.controller.reasons import DEGRADED, READY, WAITING_FOR_OLD_POD
+from neonvm.controller.reasons import AVAILABLE, DEGRADED, WAITING_FOR_OLD_POD
 from neonvm.controller.step import ActionRow
 from neonvm.controller.workqueue import Backoff, WorkQueue
 from neonvm.drills.schedule import CRASH_STEPS
@@ -302,12 +308,12 @@ def test_waiting_for_the_old_pod_keeps_its_since_and_is_written_only_on_change()
     assert conditions_mutation(updates, lease, now="2026-01-01T00:05:00Z")(vm) is None
 
 
-def test_waiting_for_a_pull_secret_is_degraded_and_not_ready_until_a_pod_is_committed(
+def test_waiting_for_a_pull_secret_is_degraded_and_not_available_until_a_pod_is_committed(
 ) -> None:
     vm = a_vm()
     lease = act.Fence(epoch=5, token=1)
-    # The VM ran (Ready=True), its pod went, and the replacement's plan is recorded.
-    vm.status.conditions = [Condition(type=READY, status="True", reason="RunnerRunning",
+    # The VM ran (Available=True), its pod went, and the replacement's plan is recorded.
+    vm.status.conditions = [Condition(type=AVAILABLE, status="True", reason="RunnerRunning",
                                       message="running", observed_generation=3)]
     vm.status.pending_pod = PLAN
     wait = act.Wait(condition=reasons.PULL_SECRET_NOT_FOUND, reason="image pull secret regcred ...")
@@ -317,7 +323,7 @@ def test_waiting_for_a_pull_secret_is_degraded_and_not_ready_until_a_pod_is_comm
     assert (by_type[DEGRADED].status, by_type[DEGRADED].reason) == (
         "True", reasons.PULL_SECRET_NOT_FOUND)
     assert by_type[DEGRADED].message == wait.reason
-    assert (by_type[READY].status, by_type[READY].reason) == ("False", "NoRunner")
+    assert (by_type[AVAILABLE].status, by_type[AVAILABLE].reason) == ("False", "NoRunner")
 
     vm.status.pending_pod, vm.status.pod_name = None, PLAN.name
     gated = act.PodView(name=PLAN.name, uid="u", owner_uid=vm.uid, gated=True,
@@ -332,7 +338,7 @@ def test_waiting_for_a_pull_secret_is_degraded_and_not_ready_until_a_pod_is_comm
 def test_a_condition_write_is_fenced_out_by_a_newer_epoch() -> None:
     vm = a_vm()
     vm.status.fence = Fence(epoch=9, token=1)
-    update = ConditionUpdate("Ready", "False", "x", "y")
+    update = ConditionUpdate("Available", "False", "x", "y")
     with pytest.raises(FencedOut):
         conditions_mutation([update], act.Fence(epoch=5, token=1))(vm)
 
@@ -340,7 +346,7 @@ def test_a_condition_write_is_fenced_out_by_a_newer_epoch() -> None:
 def test_a_false_condition_is_not_added_just_to_say_false() -> None:
     vm = a_vm()
     vm.status.observed_generation = vm.generation
-    vm.status.conditions = [Condition(type="Ready", status="False", reason="x", message="y",
+    vm.status.conditions = [Condition(type="Available", status="False", reason="x", message="y",
                                       observed_generation=vm.generation)]
     update = ConditionUpdate(WAITING_FOR_OLD_POD, "False", "NoOldPod", "-",
                              only_if_present=True)
@@ -388,7 +394,7 @@ def test_a_row_that_leaves_out_its_performer_mutation_event_or_seen_flag_does_no
     """To add an action: its class, its row, its performer. A row must say each of these;
     one that leaves any out fails when the table is built."""
     fields = {"perform": performers.status_write, "writes": "status",
-              "mutation": status_mutation, "event": None, "seen_by_write": False}
+              "mutation": mutations.record_plan, "event": None, "seen_by_write": False}
     ActionRow(**fields)  # type: ignore[arg-type]
     del fields[left_out]
     with pytest.raises(TypeError, match=left_out):
@@ -399,10 +405,29 @@ def test_a_row_has_a_mutation_exactly_when_it_writes_the_vm() -> None:
     with pytest.raises(ValueError):
         ActionRow(performers.status_write, "status", None, event=None, seen_by_write=False)
     with pytest.raises(ValueError):
-        ActionRow(performers.ungate, "pod", status_mutation, event=None, seen_by_write=True)
+        ActionRow(performers.ungate, "pod", mutations.record_plan, event=None,
+                  seen_by_write=True)
+
+
+def test_every_row_carries_its_own_actions_mutation_and_a_performer() -> None:
+    """To add an action: its class, its row, its performer. A VM write's row names the
+    action's own mutation (the function of ``mutations`` that takes that class: no other
+    table maps actions to mutations); a status or finalizer write is performed by the shared
+    ``status_write`` or ``finalizer_write``, every other row by a performer of its own."""
+    shared = {"status": performers.status_write, "main": performers.finalizer_write}
+    own: list[object] = []
     for kind, row in ACTIONS.items():
-        assert row.mutation is {"status": status_mutation, "main": finalizers_mutation}.get(
-            row.writes), kind
+        assert row.perform.__module__ == performers.__name__, kind
+        if row.writes in shared:
+            assert row.perform is shared[row.writes], kind
+            assert row.mutation is not None and row.mutation.__module__ == mutations.__name__
+            takes = typing.get_type_hints(row.mutation)["action"]
+            assert takes is kind, f"{kind.__name__}'s row carries the mutation of {takes}"
+            own.append(row.mutation)
+        else:
+            assert row.perform not in shared.values(), kind
+            own.append(row.perform)
+    assert len(set(own)) == len(own), "two rows share a mutation or a performer"
 
 
 def test_the_decisions_taken_from_a_write_answer_are_the_rows_marked_so() -> None:

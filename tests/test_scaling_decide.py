@@ -39,7 +39,8 @@ from neonvm.api.types import (
 from neonvm.controller import actions as act
 from neonvm.controller import decide as d
 from neonvm.controller import looks, podspec, reasons
-from neonvm.controller.mutations import FencedOut, status_mutation
+from neonvm.controller.action_table import status_mutation
+from neonvm.controller.mutations import FencedOut
 from neonvm.runner.scaling import FenceStore, Scaler
 
 pytestmark = pytest.mark.unit

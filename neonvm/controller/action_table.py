@@ -9,42 +9,46 @@ docs/architecture.md, "Places to add an action".
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+from neonvm.api.types import VirtualMachine
 from neonvm.controller import actions as act
+from neonvm.controller import mutations as m
 from neonvm.controller import performers as p
-from neonvm.controller.mutations import finalizers_mutation, status_mutation
+from neonvm.controller.mutations import StatusMutation
 from neonvm.controller.reasons import CREATE_FORBIDDEN, UNGATE_FORBIDDEN
 from neonvm.controller.step import ActionRow
 
 ACTIONS: dict[type[act.Action], ActionRow] = {
-    act.RecordPlan: ActionRow(p.status_write, "status", status_mutation,
+    act.RecordPlan: ActionRow(p.status_write, "status", m.record_plan,
                             event=p.planned, seen_by_write=True),
     act.CreatePod: ActionRow(p.create_pod, "pod", None, event=None,
                            seen_by_write=True, forbidden=CREATE_FORBIDDEN,
                            resumes_plan=True),
-    act.Commit: ActionRow(p.status_write, "status", status_mutation,
+    act.Commit: ActionRow(p.status_write, "status", m.commit,
                         event=p.committed, seen_by_write=True, resumes_plan=True),
     act.Ungate: ActionRow(p.ungate, "pod", None, event=None,
                         # its performer takes its own direct pod list before the patch
                         seen_by_write=True, forbidden=UNGATE_FORBIDDEN),
     act.DeletePod: ActionRow(p.delete_pod, "pod", None, event=None,
                            seen_by_write=False),
-    act.Restart: ActionRow(p.status_write, "status", status_mutation,
+    act.Restart: ActionRow(p.status_write, "status", m.restart,
                          event=p.restarted, seen_by_write=False),
-    act.AddFinalizer: ActionRow(p.finalizer_write, "main", finalizers_mutation,
+    act.AddFinalizer: ActionRow(p.finalizer_write, "main", m.add_finalizer,
                               event=None, seen_by_write=True),
-    act.SyncStatus: ActionRow(p.status_write, "status", status_mutation,
+    act.SyncStatus: ActionRow(p.status_write, "status", m.sync_status,
                             event=None, seen_by_write=True),
-    act.RemoveFinalizer: ActionRow(p.finalizer_write, "main", finalizers_mutation,
+    act.RemoveFinalizer: ActionRow(p.finalizer_write, "main", m.remove_finalizer,
                                  event=None, seen_by_write=False),
-    act.DropPlan: ActionRow(p.status_write, "status", status_mutation,
+    act.DropPlan: ActionRow(p.status_write, "status", m.drop_plan,
                           event=p.plan_dropped, seen_by_write=True, resumes_plan=True),
-    act.PlanScale: ActionRow(p.status_write, "status", status_mutation,
+    act.PlanScale: ActionRow(p.status_write, "status", m.plan_scale,
                            event=None, seen_by_write=False),
     act.ApplyScale: ActionRow(p.apply_scale, "runner", None, event=None,
                             seen_by_write=False),
-    act.CommitScale: ActionRow(p.status_write, "status", status_mutation,
+    act.CommitScale: ActionRow(p.status_write, "status", m.commit_scale,
                              event=p.look_given_up, seen_by_write=False),
-    act.DropScale: ActionRow(p.status_write, "status", status_mutation,
+    act.DropScale: ActionRow(p.status_write, "status", m.drop_scale,
                            event=None, seen_by_write=False),
     act.ForceDeleteDeadPod: ActionRow(p.force_delete, "pod", None, event=None,
                                     seen_by_write=False),
@@ -66,3 +70,22 @@ other one is taken only from a fresh direct read (docs/protocol.md)."""
 
 STEP_NAMES: dict[type[act.Action], str] = {kind: kind.step for kind in ACTIONS}
 """Step name per performed action type (derived: each class's ``step``)."""
+
+
+def status_mutation(action: act.Action, lease: act.Fence) -> StatusMutation:
+    """The status write of ``action``: its row's mutation. ValueError: not a status write."""
+    row = ACTIONS.get(type(action))
+    if row is None or row.writes != "status":
+        raise ValueError(f"{type(action).__name__} is not a status write")
+    mutation: StatusMutation = row.mutation(action, lease)  # type: ignore[misc]
+    return mutation
+
+
+def finalizers_mutation(action: act.Action) -> Callable[[VirtualMachine], list[str] | None]:
+    """The main-resource write of ``action`` (AddFinalizer, RemoveFinalizer): its row's
+    mutation. ValueError: not a finalizer write."""
+    row = ACTIONS.get(type(action))
+    if row is None or row.writes != "main":
+        raise ValueError(f"{type(action).__name__} is not a finalizer write")
+    mutation: Callable[[VirtualMachine], list[str] | None] = row.mutation(action)  # type: ignore[misc]
+    return mutation

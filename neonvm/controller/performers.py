@@ -29,7 +29,7 @@ from urllib3.exceptions import HTTPError
 
 from neonvm.api import types
 from neonvm.controller import actions as act
-from neonvm.controller import autoscaler_view, podspec, reasons
+from neonvm.controller import autoscaler_view, mutations, podspec, reasons
 from neonvm.controller.authority import Authority, RetryableError
 from neonvm.controller.conditions import (
     ConditionUpdate,
@@ -47,7 +47,7 @@ from neonvm.controller.create_policy import (
     namespace_terminating,
 )
 from neonvm.controller.fencing import force_delete_dead_pod
-from neonvm.controller.mutations import status_mutation, token_secret_mutation
+from neonvm.controller.mutations import token_secret_mutation
 from neonvm.controller.observe import Snapshot, VMRecord, labelled_for
 from neonvm.controller.reasons import CREATE_FAILING
 from neonvm.controller.scaling import POD_WITHOUT_TOKEN
@@ -108,8 +108,8 @@ def record_event(ctx: StepContext, vm: types.VirtualMachine, event: Event | None
 
 
 def status_write(ctx: StepContext, step: Step) -> str:
-    """The performer of a status write: its row's mutation
-    (:func:`~neonvm.controller.mutations.status_mutation`), PUT conditionally."""
+    """The performer of a status write: its row's mutation (one of
+    :mod:`~neonvm.controller.mutations`), PUT conditionally."""
     mutation = step.row.mutation
     assert mutation is not None, f"{type(step.action).__name__} writes no VM"
     change = with_ready(mutation(step.action, step.authority.lease), step.snap)
@@ -250,7 +250,7 @@ def _name_taken(ctx: StepContext, step: Step) -> str:
                                         f"labelled for this VM")
     log.warning("{reason}: dropping plan #{seq}", reason=drop.reason,
                 seq=step.action.plan.plan_seq)
-    written = write_status(ctx, step.key, snap, status_mutation(drop, step.authority.lease),
+    written = write_status(ctx, step.key, snap, mutations.drop_plan(drop, step.authority.lease),
                            step.authority, log)
     if written is not None:
         record_event(ctx, written.vm, plan_dropped(drop, written.vm))
@@ -466,7 +466,7 @@ def apply_scale(ctx: StepContext, step: Step) -> str:
     drop = act.DropScale(seq=action.plan.seq, refused=refused,
                        reason=getattr(outcome, "detail", "") or str(outcome),
                        starts_look=str(outcome) != POD_WITHOUT_TOKEN)
-    written = write_status(ctx, step.key, step.snap, status_mutation(drop, authority.lease),
+    written = write_status(ctx, step.key, step.snap, mutations.drop_scale(drop, authority.lease),
                            authority, step.log)
     if written is not None:
         ctx.events.record(written.vm, refused, drop.reason, warning=True)

@@ -168,9 +168,9 @@ class ActionRow:
     annotation and in-place resize)."""
     mutation: Callable[..., Any] | None
     """What a VM write changes, re-run on the fresh copy on every conflict:
-    :func:`~neonvm.controller.mutations.status_mutation` for a status write,
-    :func:`~neonvm.controller.mutations.finalizers_mutation` for the main resource;
-    None for a pod or a runner call."""
+    the action's own function in :mod:`~neonvm.controller.mutations`, ``(action, lease)``
+    for a status write, ``(action)`` for the main resource; None for a pod or a runner
+    call."""
     event: Callable[[Any, types.VirtualMachine], Event | None] | None
     """The event recorded once a status write took effect, from the VM as written (None:
     none, or a pod action that records its own where it happens)."""

@@ -2,7 +2,7 @@
 
 The pod explorer (``model``/``actors``/``explore``) checks "at most one runner pod". This
 one checks live scaling with the shipped code: :func:`neonvm.controller.decide.decide`
-and :func:`neonvm.controller.mutations.status_mutation` decide and write status, and the
+and :func:`neonvm.controller.action_table.status_mutation` decide and write status, and the
 runner's :func:`neonvm.api.scale_protocol.fence_decision` decides what a runner applies.
 
 The world: one VM, one committed runner pod at a time (always running), its runner
@@ -108,8 +108,16 @@ from neonvm.api.types import (
     VirtualMachineSpec,
     VirtualMachineStatus,
 )
+from neonvm.controller import (
+    action_table,
+    conditions,
+    looks,
+    mutations,
+    podspec,
+    reasons,
+    reconciler,
+)
 from neonvm.controller import actions as act
-from neonvm.controller import conditions, looks, mutations, podspec, reasons, reconciler
 from neonvm.controller import decide as d
 from neonvm.controller.observe import Snapshot
 from neonvm.controller.scaling import RunnerTrouble, runner_trouble
@@ -538,7 +546,7 @@ class ScalingModel:
         x = w.workers[i]
 
         def compute() -> VMRep | str | None:
-            mutate = mutations.status_mutation(action, act.Fence(x.epoch, x.token))
+            mutate = action_table.status_mutation(action, act.Fence(x.epoch, x.token))
             try:
                 new = mutate(to_vm(w.vm))  # a fresh object: nothing to copy
             except mutations.FencedOut:
@@ -721,7 +729,7 @@ class ScalingModel:
                            epoch=lease.epoch, generation=vm.generation),
                            observed_seq=vm.status.plan_seq)):
             # A status mutation reads the VM and returns a new status (a copy it made).
-            new = mutations.status_mutation(action, lease)(vm)
+            new = action_table.status_mutation(action, lease)(vm)
             assert new is not None, action
             vm.status = new
         created = podspec.runner_pod(vm, vm.status.pending_pod)  # type: ignore[arg-type]
@@ -768,7 +776,7 @@ class ScalingModel:
         for action in (commit, act.SyncStatus(phase="Running", node="n1", ip=IP, name=name,
                                             uid=uid)):
             # A status mutation reads the VM and returns a new status (a copy it made).
-            new = mutations.status_mutation(action, lease)(vm)
+            new = action_table.status_mutation(action, lease)(vm)
             assert new is not None, action
             vm.status = new
         return from_vm(vm, r.use)
