@@ -179,8 +179,8 @@ def child(latency: float, period: float, timings: dict[str, float]) -> dict[str,
             lease_duration=timings["lease"], renew_deadline=timings["renew"],
             retry_period=timings["retry"])
         electors.append(election.LeaderElector(
-            None, config, lambda _lead: started.append(time.monotonic()),
-            lambda: ended.append(time.monotonic()), store=store, watch=True))
+            store, config, lambda _lead: started.append(time.monotonic()),
+            lambda: ended.append(time.monotonic()), watch=True))
     threads = [threading.Thread(target=e.run, args=(stop,), daemon=True) for e in electors]
     for t in threads:
         t.start()

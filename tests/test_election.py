@@ -379,7 +379,8 @@ def run_elector(api: client.ApiClient) -> Iterator[Callable[..., InProcess]]:
                 extra_stopped()
 
         config = fast_config(namespace=namespace, name=name)
-        elector = LeaderElector(api, config, started, stopped, epoch_floor=floor)
+        store = KubernetesLeaseStore(api, config.namespace, config.name)
+        elector = LeaderElector(store, config, started, stopped, epoch_floor=floor)
         stop = threading.Event()
         thread = threading.Thread(target=elector.run, args=(stop,), daemon=True)
         thread.start()
@@ -499,8 +500,8 @@ def test_healthz_fails_when_the_elector_loop_is_wedged_and_metrics_are_per_regis
     now = [1000.0]
     registry = CollectorRegistry()
     unused = client.ApiClient()  # never called: the loop is not run
-    elector = LeaderElector(unused, fast_config(), lambda _t: None,
-                            lambda: None, registry=registry, clock=lambda: now[0])
+    elector = LeaderElector(KubernetesLeaseStore(unused, "ns", "l"), fast_config(),
+                            lambda _t: None, lambda: None, registry=registry, clock=lambda: now[0])
     server = HealthServer(0, registry, host="127.0.0.1")
     server.add_check("leader-election", elector.health_check)
     server.add_check("cache-synced", lambda: None, liveness=False)

@@ -105,8 +105,7 @@ def test_f5_a_lease_deleted_under_its_holder_deposes_it_at_once_and_is_recreated
     store = KubernetesLeaseStore(controller_api, namespace, "f5")
     config = ElectionConfig(namespace=namespace, name="f5", identity="me_f5",
                             lease_duration=4.0, renew_deadline=2.5, retry_period=0.5)
-    elector = LeaderElector(None, config, lambda _: None, lambda: None, store=store,
-                            watch=False)
+    elector = LeaderElector(store, config, lambda _: None, lambda: None, watch=False)
     term = elector._try_acquire()
     assert term is not None
     assert elector._renew(term, threading.Event()) is None
@@ -178,8 +177,8 @@ def test_f5_a_404_on_update_is_lease_not_found_and_deposes_without_retrying(
         store.renew(base, {}, 1.0)
     config = ElectionConfig(namespace="ns", name="l", identity="me_1")
     calls: list[str] = []
-    elector = LeaderElector(None, config, lambda _: None, lambda: None,
-                            store=_CountingStore(store, calls), watch=False)
+    elector = LeaderElector(_CountingStore(store, calls), config, lambda _: None, lambda: None,
+                            watch=False)
     term = _Term(record=base, renewed_at=time.monotonic())
     assert elector._renew(term, threading.Event()) is EndReason.DEPOSED
     assert calls == ["renew"], calls
@@ -216,8 +215,8 @@ class SlowStoppingWork:
 def _elector(store: FakeLeaseStore, work: SlowStoppingWork, **config: Any) -> LeaderElector:
     settings: dict[str, Any] = {**SHORT, "identity": "me_1", "namespace": "ns", "name": "l",
                                 **config}
-    return LeaderElector(None, ElectionConfig(**settings), work, lambda: None,
-                         store=store, watch=False)
+    return LeaderElector(store, ElectionConfig(**settings), work, lambda: None,
+                         watch=False)
 
 
 @pytest.mark.unit
@@ -282,9 +281,9 @@ def test_f1_health_stays_live_while_a_term_stops_within_the_grace_and_reports_st
         leadership.lost.wait()
         release.wait()
 
-    elector = LeaderElector(None, ElectionConfig(**SHORT, identity="me_1", namespace="ns",
+    elector = LeaderElector(store, ElectionConfig(**SHORT, identity="me_1", namespace="ns",
                                                  name="l", shutdown_grace=1.0),
-                            stuck_work, lambda: None, store=store, watch=False)
+                            stuck_work, lambda: None, watch=False)
     stop = threading.Event()
     runner = threading.Thread(target=elector.run, args=(stop,), daemon=True)
     runner.start()
@@ -421,9 +420,8 @@ def _lead_once(store: FakeLeaseStore, clock: FakeClock, floor: SlowFloor
                           list[EndReason]]:
     started: list[float] = []
     config = ElectionConfig(namespace="ns", name="l", identity="me_1")  # 4 / 2.5 / 0.5 s
-    elector = LeaderElector(None, config, lambda lead: started.append(lead.remaining()),
-                            lambda: None, epoch_floor=floor, clock=clock, store=store,
-                            watch=False)
+    elector = LeaderElector(store, config, lambda lead: started.append(lead.remaining()),
+                            lambda: None, epoch_floor=floor, clock=clock, watch=False)
     term = elector._try_acquire()
     assert term is not None
     stop = threading.Event()

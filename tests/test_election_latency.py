@@ -132,8 +132,8 @@ def lead_under(latency: Callable[[float], float], run_for: float = RUN_FOR,
     settings: dict[str, Any] = {"lease_duration": LEASE, "renew_deadline": RENEW,
                                 "retry_period": RETRY, **config}
     elector = LeaderElector(
-        None, ElectionConfig(namespace="ns", name="l", identity="me_1", **settings),
-        started.append, lambda: None, clock=time.clock, store=store, watch=False,
+        store, ElectionConfig(namespace="ns", name="l", identity="me_1", **settings),
+        started.append, lambda: None, clock=time.clock, watch=False,
         spawn=time.spawn)
     stop = SimulatedStop(time)
     term = elector._try_acquire(stop)

@@ -28,6 +28,7 @@ from kubernetes import client
 
 from neonvm.drills.proxy import LatencyProxy
 from neonvm.leader.election import ElectionConfig, LeaderElector, Leadership
+from neonvm.leader.lease_store import KubernetesLeaseStore
 from tests.support import wait_for
 
 LATENCY = 1.5
@@ -54,7 +55,8 @@ def test_three_replicas_behind_a_slow_api_server_elect_one_leader_that_keeps_lea
             api = client.ApiClient(cfg)
             clients.append(api)
             config = ElectionConfig(namespace=namespace, name="slow", identity=f"replica-{i}")
-            elector = LeaderElector(api, config, started.append,
+            store = KubernetesLeaseStore(api, config.namespace, config.name)
+            elector = LeaderElector(store, config, started.append,
                                     functools.partial(stopped.append, f"replica-{i}"))
             threads.append(threading.Thread(target=elector.run, args=(stop,), daemon=True))
         for t in threads:

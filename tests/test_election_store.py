@@ -184,8 +184,8 @@ def make(store: FakeLeaseStore, clock: FakeClock, identity: str = "me_1",
     settings: dict[str, Any] = {"lease_duration": LEASE, "renew_deadline": RENEW,
                                 "retry_period": RETRY, "identity": identity,
                                 "namespace": "ns", "name": "l", **config}
-    return LeaderElector(None, ElectionConfig(**settings), lambda _: None, lambda: None,
-                         clock=clock, store=store, watch=False)
+    return LeaderElector(store, ElectionConfig(**settings), lambda _: None, lambda: None,
+                         clock=clock, watch=False)
 
 
 @pytest.fixture
@@ -515,8 +515,8 @@ def test_a_watch_event_wakes_a_waiting_follower(store: FakeLeaseStore,
     store.put(held_by("other_1"))
     config: dict[str, Any] = {"lease_duration": 60.0, "renew_deadline": 30.0, "retry_period": 20.0,
               "identity": "me_1", "namespace": "ns", "name": "l"}
-    elector = LeaderElector(None, ElectionConfig(**config), lambda _: None, lambda: None,
-                            clock=clock, store=store, watch=True)
+    elector = LeaderElector(store, ElectionConfig(**config), lambda _: None, lambda: None,
+                            clock=clock, watch=True)
     stop = threading.Event()
     runner = threading.Thread(target=elector.run, args=(stop,), daemon=True)
     runner.start()

@@ -37,6 +37,7 @@ from neonvm.leader.etcd import (
     EtcdRequestFailed,
     EtcdUnavailable,
 )
+from neonvm.leader.lease_store import KubernetesLeaseStore
 from neonvm.leader.lock import Installation
 from tests.support import wait_for
 
@@ -186,7 +187,8 @@ def elect(api: client.ApiClient, namespace: str) -> Iterator[Callable[[EpochFloo
         terms: list[Leadership] = []
         config = ElectionConfig(namespace=namespace, name=LEASE, lease_duration=3.0,
                                 renew_deadline=2.0, retry_period=0.5)
-        elector = LeaderElector(api, config, terms.append, lambda: None, epoch_floor=floor,
+        store = KubernetesLeaseStore(api, config.namespace, config.name)
+        elector = LeaderElector(store, config, terms.append, lambda: None, epoch_floor=floor,
                                 registry=CollectorRegistry())
         stop = threading.Event()
         thread = threading.Thread(target=elector.run, args=(stop,), daemon=True)

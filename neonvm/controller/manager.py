@@ -88,6 +88,7 @@ from neonvm.leader.election import ElectionConfig, LeaderElector, Leadership, Le
 from neonvm.leader.epoch import EpochFloor
 from neonvm.leader.etcd import Etcd, EtcdConfig, EtcdError
 from neonvm.leader.health import HealthServer
+from neonvm.leader.lease_store import KubernetesLeaseStore
 from neonvm.leader.lock import Installation, LockGuard, LockLost, LockManager
 from neonvm.leader.session import Session
 
@@ -627,7 +628,8 @@ class ControllerProcess:
         # Its own client and pool: renewals must not queue behind the workers' requests.
         self.elector_api = self.wiring.elector_api(api)
         self.elector = LeaderElector(
-            self.elector_api, election, on_started=self._lead, on_stopped=self._stopped,
+            KubernetesLeaseStore(self.elector_api, election.namespace, election.name),
+            election, on_started=self._lead, on_stopped=self._stopped,
             epoch_floor=EpochFloor(self.etcd, etcd_config.prefix, self.installation,
                                    registry=self.metrics.registry),
             registry=self.metrics.registry,

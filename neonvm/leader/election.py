@@ -138,20 +138,18 @@ from datetime import UTC, datetime
 from enum import Enum
 from typing import Any, Protocol, runtime_checkable
 
-from kubernetes import client
 from loguru import logger
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from neonvm.api.times import format_microtime as format_microtime  # re-exported
 from neonvm.kube import short_error
 from neonvm.leader.lease_store import STEP_DOWN_ANNOTATION as STEP_DOWN_ANNOTATION
+from neonvm.leader.lease_store import LeaseClient as LeaseClient  # re-exported
 from neonvm.leader.lease_store import (
-    KubernetesLeaseStore,
     LeaseConflict,
     LeaseNamespaceNotFound,
     LeaseNotFound,
 )
-from neonvm.leader.lease_store import LeaseClient as LeaseClient  # re-exported
 from neonvm.leader.lease_store import LeaseRecord as LeaseRecord  # re-exported
 from neonvm.leader.lease_store import LeaseStore as LeaseStore  # re-exported
 from neonvm.leader.lease_store import StepDownRequest as StepDownRequest  # re-exported
@@ -502,7 +500,7 @@ class LeaderElector:
 
     def __init__(
         self,
-        api: client.ApiClient | None,
+        store: LeaseStore,
         config: ElectionConfig,
         on_started: Callable[[Leadership], None],
         on_stopped: Callable[[], None],
@@ -510,7 +508,6 @@ class LeaderElector:
         registry: CollectorRegistry | None = None,
         clock: Callable[[], float] = time.monotonic,
         *,
-        store: LeaseStore | None = None,
         watch: bool = True,
         spawn: Callable[[Callable[[], None]], None] | None = None,
         access_check: Callable[[], None] | None = None,
@@ -521,11 +518,9 @@ class LeaderElector:
         self._spawn = spawn if spawn is not None else _spawn_thread
         """Runs one request off the elector's thread (tests pass a simulated one)."""
         self._max_in_flight = 2 * math.ceil(config.belief / config.retry_period) + 1
-        if store is None:
-            if api is None:
-                raise ValueError("LeaderElector needs an ApiClient or a LeaseStore")
-            store = KubernetesLeaseStore(api, config.namespace, config.name)
         self._lease: LeaseStore = store
+        """The Lease's storage, built by the caller (the composition root: the real one is
+        :class:`~neonvm.leader.lease_store.KubernetesLeaseStore`)."""
         self._watch_enabled = watch
         self._wake = threading.Event()
         """Set by the watch thread when the Lease may have changed: read it now."""

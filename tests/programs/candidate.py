@@ -47,6 +47,7 @@ from neonvm.leader.election import (
     new_identity,
 )
 from neonvm.leader.health import HealthServer
+from neonvm.leader.lease_store import KubernetesLeaseStore
 
 _print_lock = threading.Lock()
 
@@ -180,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
             emit("late_write", identity=identity, epoch=leadership.epoch, result=result,
                  stored=stored)
 
-    elector = LeaderElector(api, config, on_started, on_stopped, epoch_floor=floor)
+    store = KubernetesLeaseStore(api, config.namespace, config.name)
+    elector = LeaderElector(store, config, on_started, on_stopped, epoch_floor=floor)
     health = HealthServer(0, elector.registry, host="127.0.0.1")
     health.add_check("leader-election", elector.health_check)
     health.start()
