@@ -760,7 +760,8 @@ def start_runner(tmp_path: Path, test_guest: GuestImage) -> Iterator[Any]:
     started: list[RunningRunner] = []
 
     def start(mode: str = "powerdown", grace: int = 60, extra_args: list[str] | None = None,
-              spec_overrides: dict[str, Any] | None = None) -> RunningRunner:
+              spec_overrides: dict[str, Any] | None = None,
+              extra_env: dict[str, str] | None = None) -> RunningRunner:
         spec: dict[str, Any] = {
             "terminationGracePeriodSeconds": grace,
             "guest": {
@@ -787,7 +788,7 @@ def start_runner(tmp_path: Path, test_guest: GuestImage) -> Iterator[Any]:
         spec_file.write_text(json.dumps(spec))
         env = {k: v for k, v in os.environ.items() if not k.startswith("NEONVM_")}
         env.update({"NEONVM_SPEC_FILE": str(spec_file), "NEONVM_VM_NAME": f"guest{n}",
-                    "NEONVM_VM_NAMESPACE": "tests"})
+                    "NEONVM_VM_NAMESPACE": "tests", **(extra_env or {})})
         work_dir = tmp_path / f"work{n}"
         args = [sys.executable, "-m", "neonvm.runner.main", "--port", str(port),
                 "--listen-address", "127.0.0.1", "--work-dir", str(work_dir),

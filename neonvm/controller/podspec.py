@@ -96,6 +96,10 @@ COPIED_ANNOTATIONS_SKIPPED = ("kubectl.kubernetes.io/last-applied-configuration"
 ``vm.neon.tech/``, which belong to this controller."""
 SPEC_DIR = "/vm/spec"
 SPEC_FILE = f"{SPEC_DIR}/spec.json"
+RESOURCES_FILE = f"{SPEC_DIR}/resources.json"
+"""The pod's ``vm.neon.tech/resources`` annotation as the kubelet projects it (refreshed
+when the controller rewrites it after a live scale): the runner caps QEMU's CPU time at
+its ``cpus.use`` (:mod:`neonvm.runner.cpulimit`)."""
 SPEC_VOLUME = "vm-spec"
 WORK_DIR = "/vm/run"
 """The runner's work dir (QMP socket, root overlay, disk images): an emptyDir."""
@@ -199,6 +203,7 @@ def runner_pod(vm: VirtualMachine, plan: PendingPod,
         "command": [RUNNER_COMMAND],
         "env": [
             {"name": "NEONVM_SPEC_FILE", "value": SPEC_FILE},
+            {"name": "NEONVM_RESOURCES_FILE", "value": RESOURCES_FILE},
             {"name": "NEONVM_WORK_DIR", "value": WORK_DIR},
             {"name": "NEONVM_VM_NAME", "value": vm.name},
             {"name": "NEONVM_VM_NAMESPACE", "value": vm.namespace},
@@ -232,7 +237,9 @@ def runner_pod(vm: VirtualMachine, plan: PendingPod,
     volumes += [
         {"name": SPEC_VOLUME, "downwardAPI": {"items": [{
             "path": SPEC_FILE.rsplit("/", 1)[1],
-            "fieldRef": {"fieldPath": f"metadata.annotations['{ANNOTATION_SPEC}']"}}]}},
+            "fieldRef": {"fieldPath": f"metadata.annotations['{ANNOTATION_SPEC}']"}}, {
+            "path": RESOURCES_FILE.rsplit("/", 1)[1],
+            "fieldRef": {"fieldPath": f"metadata.annotations['{ANNOTATION_RESOURCES}']"}}]}},
         {"name": WORK_VOLUME, "emptyDir": {}},
     ]
     mounts += [{"name": SPEC_VOLUME, "mountPath": SPEC_DIR, "readOnly": True},

@@ -31,6 +31,7 @@ from loguru import logger
 from neonvm import logs
 from neonvm.api.rights import DEFAULT_RIGHT_SECONDS, RIGHT_SECONDS_ENV, RIGHTS_URL_ENV
 from neonvm.api.scale_protocol import ScaleLimits, ScaleTarget, parse_fence_floor
+from neonvm.runner.cpulimit import CpuLimiter, limiter_for
 from neonvm.runner.diskimage import ImageError, root_has_path
 from neonvm.runner.disks import DiskTools, check_prerequisites, prepare
 from neonvm.runner.errors import HostError, RunnerError, SpecError
@@ -193,6 +194,7 @@ def run_runner(options: RunnerOptions, env: Mapping[str, str], console: BinaryIO
     http: RunnerHTTPServer | None = None
     net_filter: GuestNetFilter | None = None
     right: SelfFence | None = None
+    limiter: CpuLimiter | None = None
     try:
         try:
             work_dir.mkdir(parents=True, exist_ok=True)
@@ -253,6 +255,10 @@ def run_runner(options: RunnerOptions, env: Mapping[str, str], console: BinaryIO
         supervisor = Supervisor(plan, state, policy, console, ready_marker,
                                 launch.loaded.key, pdeathsig_wrapper=optional_binary("setpriv"),
                                 scaler=scaler, right=right)
+        limiter = limiter_for(env, int(launch.loaded.spec.guest.cpus.current), state.qemu_pid,
+                              state.cpu_limit_applied)
+        if limiter is not None:
+            limiter.start()
         outcome = asyncio.run(_supervise(supervisor, early_stop))
         _write_termination_log(options.termination_log, outcome,
                                launch.acceleration_unavailable)
@@ -262,6 +268,8 @@ def run_runner(options: RunnerOptions, env: Mapping[str, str], console: BinaryIO
             signal.signal(signum, handler)
         if right is not None:
             right.stop()
+        if limiter is not None:
+            limiter.stop()
         if http is not None:
             http.stop()
         if net_filter is not None:

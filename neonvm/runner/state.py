@@ -124,6 +124,9 @@ class Snapshot:
     acceleration_unavailable: str | None = None
     """Set when the VM asked for acceleration (``enableAcceleration``) and KVM is not
     usable: why. The guest then runs under TCG; the condition is reported, not hidden."""
+    cpu_limit: dict[str, Any] | None = None
+    """QEMU's CPU time cap as last applied, or why there is none
+    (:mod:`neonvm.runner.cpulimit`)."""
 
     def as_json(self) -> dict[str, Any]:
         """camelCase keys, as the rest of the API."""
@@ -157,6 +160,7 @@ class _Facts:
     guest_cpus_online: int | None = None
     guest_mem_total_kb: int | None = None
     guest_reported_at: float | None = None
+    cpu_limit: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -236,6 +240,15 @@ class RunnerState:
             f.guest_cpus_online, f.guest_mem_total_kb = cpus_online, mem_total_kb
             f.guest_reported_at = self._wall()
 
+    def qemu_pid(self) -> int | None:
+        """QEMU's pid while it runs."""
+        with self._lock:
+            return self._facts.qemu_pid if self._facts.qemu_alive else None
+
+    def cpu_limit_applied(self, report: dict[str, Any]) -> None:
+        with self._lock:
+            self._facts.cpu_limit = dict(report)
+
     def powerdown_requested(self) -> None:
         with self._lock:
             self._facts.powerdown_requests += 1
@@ -299,7 +312,7 @@ class RunnerState:
             max_vcpus=sizing.max_vcpus, memory_bytes=sizing.memory_bytes,
             max_memory_bytes=sizing.max_memory_bytes, not_ready_because=because,
             guest_cpus_online=f.guest_cpus_online, guest_mem_total_kb=f.guest_mem_total_kb,
-            guest_reported_at=f.guest_reported_at,
+            guest_reported_at=f.guest_reported_at, cpu_limit=f.cpu_limit,
             acceleration_unavailable=self._acceleration_unavailable,
         )
 
