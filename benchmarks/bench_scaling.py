@@ -275,7 +275,7 @@ def through_controller(image: GuestImage, work: Path, runs: int, accels: set[str
     from neonvm import kube
     from neonvm.api import types
     from neonvm.api.scale_protocol import pod_token
-    from neonvm.testing.harness import Replicas, create_vm, get_vm, runner_pods
+    from tests.support.harness import Replicas, create_vm, get_vm, runner_pods
 
     def vm_url(namespace: str) -> str:
         return (f"/apis/{types.GROUP}/{types.VERSION}/namespaces/{namespace}/"

@@ -8,7 +8,7 @@ Each installation watches its own namespace (``--watch-namespace``) and campaign
 own Lease there; both use the same ``--etcd-prefix``. Prints, per installation, the locks
 the other installation removed (must be 0), the locks of live VMs deleted by anyone (must
 be 0), how many of its VMs converged, and its epoch. Exits 1 unless all of that holds.
-See ``neonvm/drills/installations.py`` for what is measured and how. Opt-in: no test
+See ``tests/support/installations.py`` for what is measured and how. Opt-in: no test
 command runs it (the real-server test ``tests/test_locks.py`` runs a short version).
 """
 
@@ -37,7 +37,7 @@ def main() -> int:
     args = parser.parse_args()
 
     from neonvm import kube
-    from neonvm.drills.installations import run_side_by_side
+    from tests.support.installations import run_side_by_side
 
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="neonvm-side-by-side-"))
     with local_cluster(args.state_dir, nodes=2) as cluster:

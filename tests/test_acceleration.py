@@ -33,7 +33,6 @@ from neonvm.controller.acceleration import (
     warn_acceleration_unavailable,
 )
 from neonvm.controller.actions import PodView
-from neonvm.controller.authority import StaticAuthority
 from neonvm.controller.events import EventRecorder
 from neonvm.controller.podspec import PodDefaults, runner_pod
 from neonvm.controller.reconciler import Reconciler, ReconcilerConfig
@@ -42,8 +41,9 @@ from neonvm.runner.host import acceleration_unavailable, probe_kvm
 from neonvm.runner.metrics import runner_registry
 from neonvm.runner.server import RunnerHTTPServer
 from neonvm.runner.state import RunnerState, Sizing
-from neonvm.testing.harness import get_vm, runner_pods, vm_manifest
 from tests.support import shipped_reconciler, wait_for
+from tests.support.authority import StaticAuthority
+from tests.support.harness import get_vm, runner_pods, vm_manifest
 
 AUTHORITY = StaticAuthority(epoch=1, token=10)
 KVM = "devices.kubevirt.io/kvm"

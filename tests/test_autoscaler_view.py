@@ -20,11 +20,11 @@ from neonvm.api.millicpu import MilliCPU
 from neonvm.controller import actions as act
 from neonvm.controller import autoscaler_view as av
 from neonvm.controller import decide as d
-from neonvm.controller.authority import StaticAuthority
 from neonvm.controller.podspec import ANNOTATION_RESOURCES, ANNOTATION_USAGE
 from neonvm.controller.reconciler import Reconciler, ReconcileResult
-from neonvm.testing.harness import create_vm, get_vm, runner_pods
 from tests.support import shipped_reconciler
+from tests.support.authority import StaticAuthority
+from tests.support.harness import create_vm, get_vm, runner_pods
 
 GIB = 1 << 30
 NOWHERE = {"neonvm.test/unschedulable": "true"}

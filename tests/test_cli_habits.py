@@ -35,8 +35,8 @@ from neonvm.cli import main
 from neonvm.dev import nodes
 from neonvm.dev.cluster import CONTROLLER_USER, LocalCluster
 from neonvm.leader.election import DEFAULT_NAMESPACE as LEASE_NAMESPACE
-from neonvm.testing.harness import create_vm, get_vm, is_gated, runner_pods
 from tests.support import wait_for
+from tests.support.harness import create_vm, get_vm, is_gated, runner_pods
 
 UNREACHABLE = "https://127.0.0.1:1"
 

@@ -37,8 +37,8 @@ from neonvm.cli import jsonpath, main
 from neonvm.cli.kubeflags import Duration
 from neonvm.cli.output import as_list, emit, kube_json, kube_yaml, without_managed_fields
 from neonvm.dev.cluster import LocalCluster
-from neonvm.testing.harness import create_vm, get_vm
 from tests.support import wait_for
+from tests.support.harness import create_vm, get_vm
 
 ROOT = Path(__file__).resolve().parents[1]
 NO_NODE = {"nodeSelector": {"none": "x"}}

@@ -26,7 +26,7 @@ from neonvm.controller import podspec
 from neonvm.controller.cluster import KubeCluster
 from neonvm.controller.manager import HTTP_POOL_BEYOND_WORKERS, http_pool_size
 from neonvm.dev.cluster import LocalCluster
-from neonvm.testing.harness import create_vm
+from tests.support.harness import create_vm
 
 
 def _runner_manifest(api: client.ApiClient, namespace: str, name: str) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from kubernetes import client
 
 from neonvm.controller import actions as act
 from neonvm.invariant import InvariantChecker
-from neonvm.testing.harness import get_vm, runner_pods
+from tests.support.harness import get_vm, runner_pods
 from tests.test_reconcile import FrozenCache, checker, condition, create_vm, finish, settle
 from tests.test_reconcile_observe import CountingAuthority, Recording
 

@@ -40,7 +40,6 @@ from neonvm.verify.model import (
     Worker,
     World,
 )
-from neonvm.verify.replay import Replayer
 from neonvm.verify.scenarios import (
     ci_scenarios,
     fresh_world,
@@ -49,6 +48,7 @@ from neonvm.verify.scenarios import (
     settle,
 )
 from neonvm.verify.trace import format_counterexample
+from tests.support.replay import Replayer
 
 SHIPPED = Config()
 """The driver as shipped: the committed pod is read by name after the VM read."""

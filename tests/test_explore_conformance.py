@@ -23,13 +23,13 @@ from kubernetes import client
 
 from neonvm.api import types
 from neonvm.controller.action_table import ACTIONS
-from neonvm.controller.authority import StaticAuthority
 from neonvm.controller.reconciler import ReconcilerConfig
 from neonvm.verify.actors import Actors, Config, Step
 from neonvm.verify.model import World, deleted, replace_pod, write_pods, write_vm
 from neonvm.verify.scenarios import fresh_world
 from tests.fake_cluster import FakeCluster
 from tests.support import shipped_reconciler
+from tests.support.authority import StaticAuthority
 
 pytestmark = pytest.mark.unit
 

@@ -34,7 +34,6 @@ from neonvm.api.types import (
 )
 from neonvm.controller import actions as act
 from neonvm.controller import decide as d
-from neonvm.controller.authority import StaticAuthority
 from neonvm.controller.conditions import (
     conditions_mutation,
     desired_conditions,
@@ -54,7 +53,9 @@ from neonvm.controller.reconciler import (
 from neonvm.controller.reconciler import ReconcilerConfig
 from neonvm.dev.cluster import LocalCluster
 from neonvm.invariant import InvariantChecker
-from neonvm.testing.harness import (
+from tests.support import replica_group, shipped_reconciler, wait_for
+from tests.support.authority import StaticAuthority
+from tests.support.harness import (
     Replicas,
     converged,
     create_vm,
@@ -62,7 +63,6 @@ from neonvm.testing.harness import (
     is_gated,
     runner_pods,
 )
-from tests.support import replica_group, shipped_reconciler, wait_for
 
 AUTHORITY = StaticAuthority(epoch=1, token=10)
 NOWHERE = {"neonvm.test/unschedulable": "true"}

@@ -14,7 +14,7 @@ from kubernetes.client.exceptions import ApiException
 from loguru import logger
 
 from neonvm.controller import actions as act
-from neonvm.controller.authority import AuthorityLost, RetryableError, StaticAuthority, WrongVM
+from neonvm.controller.authority import AuthorityLost, RetryableError, WrongVM
 from neonvm.controller.handler import Handler, Outcome, outcome_of_error
 from neonvm.controller.metrics import ControllerMetrics
 from neonvm.controller.mutations import FencedOut
@@ -25,6 +25,7 @@ from neonvm.controller.workqueue import Backoff, WorkQueue
 from neonvm.leader.election import LeadershipLost
 from neonvm.leader.etcd import EtcdError
 from neonvm.leader.lock import LockHeld, LockInfo, LockLost, SessionLost
+from tests.support.authority import StaticAuthority
 
 pytestmark = pytest.mark.unit
 

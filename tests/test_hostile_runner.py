@@ -216,7 +216,7 @@ def test_a_put_answered_with_a_redirect_ends_the_reconcile_degraded_after_one_pu
         api: client.ApiClient, controller_api: client.ApiClient, namespace: str,
         recorder: RecordingServer) -> None:
     # GET /scale answers as a runner does; PUT /scale answers 307 elsewhere.
-    from neonvm.controller.authority import StaticAuthority
+    from tests.support.authority import StaticAuthority
     from tests.test_scaling_controller import _running_on, set_use, status_of
 
     runner = HonestRunner(put_redirect=recorder.url)
@@ -240,7 +240,7 @@ def test_a_put_answered_with_a_redirect_ends_the_reconcile_degraded_after_one_pu
 def _pod_running(api: client.ApiClient, namespace: str, name: str) -> bool:
     """Plays the kubelet once the VM's pod is started: Running on 127.0.0.1 (the VM's
     ``runnerPort`` is its runner's port on loopback). True once done."""
-    from neonvm.testing.harness import get_vm, is_gated, runner_pods
+    from tests.support.harness import get_vm, is_gated, runner_pods
 
     raw = get_vm(api, namespace, name) or {}
     status = raw.get("status") or {}
@@ -256,7 +256,7 @@ def _pod_running(api: client.ApiClient, namespace: str, name: str) -> bool:
 
 
 def scalable_vm(api: client.ApiClient, namespace: str, name: str, port: int) -> None:
-    from neonvm.testing.harness import create_vm
+    from tests.support.harness import create_vm
     from tests.test_scaling_controller import NOWHERE
 
     create_vm(api, namespace, name, spec={

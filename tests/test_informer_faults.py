@@ -24,8 +24,8 @@ from neonvm.api import types
 from neonvm.controller.informer import Informer, Obj, Store, Undecodable
 from neonvm.controller.sweeps import iter_items
 from neonvm.dev.cluster import LocalCluster
-from neonvm.testing.harness import converged, create_vm, get_vm, runner_pods, vm_manifest
 from tests.support import health_port, metrics_of, replica_group, wait_for
+from tests.support.harness import converged, create_vm, get_vm, runner_pods, vm_manifest
 
 pytestmark = pytest.mark.cluster
 

@@ -33,8 +33,8 @@ from neonvm.controller.reasons import WAITING_FOR_OLD_POD
 from neonvm.dev import nodes
 from neonvm.dev.cluster import LocalCluster
 from neonvm.invariant import InvariantChecker
-from neonvm.testing.harness import Replicas, converged, create_vm, get_vm, is_gated
 from tests.support import FAST, wait_for
+from tests.support.harness import Replicas, converged, create_vm, get_vm, is_gated
 
 pytestmark = pytest.mark.nodes
 

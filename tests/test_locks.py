@@ -509,7 +509,7 @@ def test_two_installations_on_one_etcd_and_prefix_run_side_by_side(
     # The short version of `python -m benchmarks.side_by_side` (5 minutes): real replicas,
     # each installation with --watch-namespace, its own Lease, the SAME --etcd-prefix,
     # sweeping every 3 s while VMs come and go on both sides.
-    from neonvm.drills.installations import run_side_by_side
+    from tests.support.installations import run_side_by_side
 
     report = run_side_by_side(api, cluster.kubeconfig_for("controller"),
                               cluster.locks_etcd_config, tmp_path, duration=30, vms=3,

@@ -39,8 +39,8 @@ from neonvm.controller.metrics import CONTROLLER, ControllerMetrics, reconcile_r
 from neonvm.controller.workqueue import WorkQueue
 from neonvm.dev import binaries
 from neonvm.dev.cluster import LocalCluster
-from neonvm.testing.harness import converged, create_vm, get_vm, runner_pods
 from tests.support import health_port, replica_group, wait_for
+from tests.support.harness import converged, create_vm, get_vm, runner_pods
 from tests.test_chart import Helm
 
 CHART = Path(__file__).resolve().parents[1] / "charts" / "neonvm-controller"

@@ -37,8 +37,8 @@ from neonvm.controller import reasons
 from neonvm.controller.create_policy import namespace_terminating
 from neonvm.controller.step import TerminatingNamespaces
 from neonvm.dev.cluster import LocalCluster
-from neonvm.testing.harness import Replicas, converged, create_vm
 from tests.support import FAST, wait_for
+from tests.support.harness import Replicas, converged, create_vm
 
 # ---- pure logic -----------------------------------------------------------------------
 

@@ -24,13 +24,13 @@ from neonvm import kube
 from neonvm.api import compat, types
 from neonvm.api.millicpu import MilliCPU
 from neonvm.controller import actions as act
-from neonvm.controller.authority import StaticAuthority
 from neonvm.controller.compat_events import warn_unimplemented
 from neonvm.controller.events import EventRecorder
 from neonvm.controller.mutations import status_mutation
 from neonvm.controller.reconciler import Reconciler, ReconcileResult
-from neonvm.testing.harness import get_vm, is_gated, runner_pods, vm_manifest
 from tests.support import shipped_reconciler, wait_for
+from tests.support.authority import StaticAuthority
+from tests.support.harness import get_vm, is_gated, runner_pods, vm_manifest
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "neonvm"
 MANIFESTS = sorted(p.name for p in EXAMPLES.glob("*.yaml"))

@@ -34,8 +34,8 @@ from neonvm.api.millicpu import MilliCPU
 from neonvm.controller.podspec import NEONVM_KVM_RESOURCE, PodDefaults, runner_pod
 from neonvm.dev.cluster import LocalCluster, free_port
 from neonvm.runner.qemu import build_launch_plan
-from neonvm.testing.harness import get_vm, runner_pods, vm_manifest
 from tests.support import replica_group, wait_for
+from tests.support.harness import get_vm, runner_pods, vm_manifest
 from tests.test_runner import context, kernel_spec, option_values, spec_of
 
 HERE = Path(__file__).resolve().parent / "neonvm_manifests"

@@ -18,8 +18,8 @@ from neonvm.controller import actions as act
 from neonvm.controller import autoscaler_view as av
 from neonvm.controller import decide as d
 from neonvm.controller.podspec import runner_pod
-from neonvm.testing.harness import create_vm, runner_pods, vm_manifest
 from tests.support import shipped_reconciler
+from tests.support.harness import create_vm, runner_pods, vm_manifest
 from tests.test_autoscaler_view import NOWHERE, settle, vm_of
 
 

@@ -19,12 +19,12 @@ from kubernetes import client
 from neonvm.api import types
 from neonvm.api.schema import decode, encode
 from neonvm.api.types import PendingPod, VirtualMachine, VirtualMachineSpec, VirtualMachineStatus
-from neonvm.controller.authority import StaticAuthority
 from neonvm.controller.podspec import PodSpecError, runner_pod
 from neonvm.controller.reconciler import ReconcilerConfig
 from neonvm.runner.spec import load_spec
-from neonvm.testing.harness import create_vm, get_vm, runner_pods
 from tests.support import shipped_reconciler
+from tests.support.authority import StaticAuthority
+from tests.support.harness import create_vm, get_vm, runner_pods
 
 AUTHORITY = StaticAuthority(epoch=1, token=10)
 PLAN = PendingPod(name="db-abcdef01-1", plan_seq=1, token=10, epoch=1, generation=1)

@@ -23,7 +23,6 @@ from kubernetes import client
 
 from neonvm.api import types
 from neonvm.controller import actions as act
-from neonvm.controller.authority import StaticAuthority
 from neonvm.controller.fault_wiring import VersionedStore
 from neonvm.controller.informer import project_pod
 from neonvm.controller.midplan import MidPlanSet
@@ -33,6 +32,7 @@ from neonvm.controller.scan import looks_mid_plan
 from neonvm.controller.update import RetryPolicy
 from tests.fake_cluster import FakeCluster
 from tests.support import shipped_reconciler
+from tests.support.authority import StaticAuthority
 
 pytestmark = pytest.mark.unit
 

@@ -404,8 +404,8 @@ def test_controller_runner_pod_boots_a_bare_ext4_guest_on_the_real_node(
     console. Deleting the pod: SIGTERM, ACPI power-down, the command stops, QEMU exits
     0, the pod goes away, and only then is the replacement ungated."""
     from neonvm.dev import guestdisk
-    from neonvm.testing.harness import Replicas, converged, create_vm, delete_vm, get_vm
     from tests.support import FAST
+    from tests.support.harness import Replicas, converged, create_vm, delete_vm, get_vm
 
     absent = guestdisk.missing()
     if absent:

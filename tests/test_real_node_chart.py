@@ -325,8 +325,8 @@ def test_chart_with_default_values_runs_its_etcd_three_controllers_and_a_vm_on_t
     whose guest boots there, and `helm test` passing. The node serves the cluster's DNS
     and routes ClusterIPs (the members find each other by the headless Service's names,
     the controller reaches https://neonvm-etcd:2379)."""
-    from neonvm.dev import chartdefaults
-    from neonvm.testing.harness import converged
+    from tests.support import chartdefaults
+    from tests.support.harness import converged
 
     if binaries.find(helm) is None:
         pytest.skip(f"{helm} is not built (neonvm dev install --with-helm)")
@@ -486,7 +486,7 @@ def test_etcd_image_is_the_built_binary_under_the_charts_name(
     import json
     import tarfile
 
-    from neonvm.dev import chartdefaults
+    from tests.support import chartdefaults
 
     fake = tmp_path / "etcd"
     fake.write_bytes(b"#!/bin/sh\n")

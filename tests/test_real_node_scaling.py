@@ -42,8 +42,8 @@ from neonvm.api import types
 from neonvm.api.millicpu import MilliCPU
 from neonvm.dev import realnode
 from neonvm.dev.cluster import LocalCluster
-from neonvm.testing.harness import create_vm, delete_vm, get_vm, runner_pods
 from tests.support import replica_group, wait_for
+from tests.support.harness import create_vm, delete_vm, get_vm, runner_pods
 from tests.test_real_node import _images_skip_reason, _PodEvents, _print_pods_and_events
 
 GIB_KB = (1 << 30) // 1024

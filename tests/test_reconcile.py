@@ -20,7 +20,7 @@ from kubernetes import client
 from neonvm import kube
 from neonvm.api import types
 from neonvm.controller import actions as act
-from neonvm.controller.authority import StaticAuthority, WrongVM
+from neonvm.controller.authority import WrongVM
 from neonvm.controller.cluster import KubeCluster
 from neonvm.controller.events import EventRecorder
 from neonvm.controller.fault_wiring import FaultWiring, VersionedStore
@@ -37,10 +37,11 @@ from neonvm.controller.observe import (
 from neonvm.controller.reconciler import Reconciler, ReconcilerConfig, ReconcileResult
 from neonvm.dev.cluster import LocalCluster
 from neonvm.invariant import InvariantChecker
-from neonvm.testing.harness import create_vm as harness_create_vm
-from neonvm.testing.harness import get_vm, is_gated, runner_pods
 from tests.seed_bug import stale_writeback_update
 from tests.support import create_pull_secret, shipped_reconciler, wait_for
+from tests.support.authority import StaticAuthority
+from tests.support.harness import create_vm as harness_create_vm
+from tests.support.harness import get_vm, is_gated, runner_pods
 
 pytestmark = pytest.mark.cluster
 

@@ -16,11 +16,11 @@ from kubernetes import client
 
 from neonvm import kube
 from neonvm.cli import main
-from neonvm.controller.authority import StaticAuthority
 from neonvm.controller.rights import endpoint_ip_problem
 from neonvm.dev.cluster import LocalCluster
-from neonvm.testing.harness import create_vm
 from tests.support import shipped_reconciler
+from tests.support.authority import StaticAuthority
+from tests.support.harness import create_vm
 
 
 def run(*args: str) -> tuple[int, str]:

@@ -26,7 +26,14 @@ from neonvm.dev.cluster import LocalCluster
 from neonvm.invariant import InvariantChecker
 from neonvm.leader.etcd import Etcd
 from neonvm.leader.lock import Installation, LockTable, lock_key
-from neonvm.testing.harness import (
+from tests.support import (
+    create_pull_secret,
+    health_port,
+    metrics_of,
+    replica_group,
+    wait_for,
+)
+from tests.support.harness import (
     Replica,
     Replicas,
     converged,
@@ -36,13 +43,6 @@ from neonvm.testing.harness import (
     is_gated,
     list_vms,
     runner_pods,
-)
-from tests.support import (
-    create_pull_secret,
-    health_port,
-    metrics_of,
-    replica_group,
-    wait_for,
 )
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]

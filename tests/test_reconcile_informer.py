@@ -12,8 +12,8 @@ from kubernetes import client
 from neonvm.api import types
 from neonvm.controller.informer import Informer, Obj, Store
 from neonvm.dev.cluster import LocalCluster
-from neonvm.testing.harness import create_vm, delete_vm
 from tests.support import restart_api_server, wait_for
+from tests.support.harness import create_vm, delete_vm
 
 pytestmark = pytest.mark.cluster
 

@@ -31,7 +31,7 @@ from kubernetes.client.exceptions import ApiException
 from neonvm import kube, manifests
 from neonvm.api import types
 from neonvm.controller import actions as act
-from neonvm.controller.authority import RetryableError, StaticAuthority
+from neonvm.controller.authority import RetryableError
 from neonvm.controller.conditions import API_ERROR_LIMIT, ELLIPSIS, MESSAGE_LIMIT
 from neonvm.controller.create_policy import classify_create_error
 from neonvm.controller.events import EventRecorder
@@ -41,7 +41,9 @@ from neonvm.controller.reconciler import Reconciler, ReconcilerConfig, Reconcile
 from neonvm.dev.cluster import LocalCluster
 from neonvm.invariant import InvariantChecker
 from neonvm.kube import api_error_message
-from neonvm.testing.harness import (
+from tests.support import FAST, health_port, metrics_of, replica_group, shipped_reconciler, wait_for
+from tests.support.authority import StaticAuthority
+from tests.support.harness import (
     Replica,
     Replicas,
     converged,
@@ -50,7 +52,6 @@ from neonvm.testing.harness import (
     is_gated,
     runner_pods,
 )
-from tests.support import FAST, health_port, metrics_of, replica_group, shipped_reconciler, wait_for
 
 pytestmark = pytest.mark.cluster
 

@@ -18,14 +18,14 @@ from kubernetes import client
 from neonvm.api import types
 from neonvm.controller import actions as act
 from neonvm.controller.acceleration import HTTPRunnerStatus, RunnerReports
-from neonvm.controller.authority import StaticAuthority
 from neonvm.controller.cluster import KubeCluster
 from neonvm.controller.observe import DirectReader, Snapshot, VMRecord
 from neonvm.controller.reconciler import Reconciler
 from neonvm.controller.scaling import RunnerScaling
 from neonvm.invariant import InvariantChecker
-from neonvm.testing.harness import get_vm, is_gated, runner_pods
 from tests.support import CountingAuthority, wait_for
+from tests.support.authority import StaticAuthority
+from tests.support.harness import get_vm, is_gated, runner_pods
 from tests.test_reconcile import (
     FrozenCache,
     checker,

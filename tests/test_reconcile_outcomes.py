@@ -41,7 +41,6 @@ from neonvm.api.rights import RIGHT_SECONDS_ANNOTATION
 from neonvm.controller import actions as act
 from neonvm.controller import decide as d
 from neonvm.controller.action_table import ACTIONS
-from neonvm.controller.authority import StaticAuthority
 from neonvm.controller.fencing import SelfFencing
 from neonvm.controller.handler import Handler, Outcome
 from neonvm.controller.metrics import ControllerMetrics
@@ -53,6 +52,7 @@ from neonvm.controller.update import RetryPolicy
 from neonvm.controller.workqueue import WorkQueue
 from tests.fake_cluster import FakeCluster, api_error
 from tests.support import CountingAuthority, shipped_reconciler
+from tests.support.authority import StaticAuthority
 
 pytestmark = pytest.mark.unit
 

@@ -32,8 +32,8 @@ from neonvm.dev import nodes
 from neonvm.dev.cluster import LocalCluster
 from neonvm.drills.observer import PodWatchChecker
 from neonvm.invariant import InvariantChecker
-from neonvm.testing.harness import Replicas, converged, create_vm, get_vm
 from tests.support import wait_for
+from tests.support.harness import Replicas, converged, create_vm, get_vm
 from tests.test_reconcile_failover import (  # noqa: F401  (fixtures, used by name)
     checker,
     prefix,

@@ -20,8 +20,8 @@ from neonvm.controller.observe import DirectReader
 from neonvm.controller.reconciler import ReconcilerConfig
 from neonvm.dev.cluster import LocalCluster
 from neonvm.leader.election import ElectionConfig
-from neonvm.testing.harness import converged, create_vm, get_vm, runner_pods
 from tests.support import wait_for
+from tests.support.harness import converged, create_vm, get_vm, runner_pods
 
 pytestmark = pytest.mark.cluster
 

@@ -46,7 +46,6 @@ from neonvm.api.types import (
 from neonvm.controller import decide as d
 from neonvm.controller import informer as informer_module
 from neonvm.controller import podspec
-from neonvm.controller.authority import StaticAuthority
 from neonvm.controller.cluster import KubeCluster
 from neonvm.controller.events import EventRecorder
 from neonvm.controller.fault_wiring import FaultWiring
@@ -59,6 +58,7 @@ from neonvm.controller.rights import RightsLedger
 from neonvm.controller.workqueue import WorkQueue
 from neonvm.leader.election import Leadership
 from tests.support import shipped_reconciler
+from tests.support.authority import StaticAuthority
 
 pytestmark = pytest.mark.unit
 

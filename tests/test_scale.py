@@ -32,8 +32,8 @@ from kubernetes import client
 
 from neonvm.api import types
 from neonvm.drills.observer import PodWatchChecker
-from neonvm.testing.harness import Replicas, is_gated, list_vms, runner_pods, vm_manifest
 from tests.support import wait_for
+from tests.support.harness import Replicas, is_gated, list_vms, runner_pods, vm_manifest
 from tests.test_reconcile_failover import leader_of, prefix, replicas  # noqa: F401 (fixtures)
 
 pytestmark = [pytest.mark.cluster]

@@ -34,12 +34,12 @@ from neonvm.api.scale_protocol import pod_token
 from neonvm.controller import actions as act
 from neonvm.controller import decide as d
 from neonvm.controller import looks, reasons
-from neonvm.controller.authority import StaticAuthority
 from neonvm.controller.podspec import ANNOTATION_SPEC
 from neonvm.controller.reconciler import Reconciler, ReconcileResult
 from neonvm.controller.scaling import USAGE_ANNOTATION
-from neonvm.testing.harness import create_vm, get_vm, runner_pods
 from tests.support import shipped_reconciler, wait_for
+from tests.support.authority import StaticAuthority
+from tests.support.harness import create_vm, get_vm, runner_pods
 from tests.test_runner import REPO, RunningRunner, free_port, test_guest  # noqa: F401
 from tests.test_runner_scaling import guest_sees
 

@@ -38,8 +38,8 @@ import pytest
 from kubernetes import client
 
 from neonvm.dev.cluster import LocalCluster
-from neonvm.testing.harness import Replica, Replicas, create_vm, get_vm, runner_pods
 from tests.support import replica_group, wait_for
+from tests.support.harness import Replica, Replicas, create_vm, get_vm, runner_pods
 from tests.test_runner import free_port, test_guest  # noqa: F401
 from tests.test_runner_scaling import guest_sees
 from tests.test_scaling_controller import NOWHERE, set_use, start_runner_for, status_of

@@ -27,11 +27,12 @@ from kubernetes import client
 from neonvm.api import types
 from neonvm.controller import actions as act
 from neonvm.controller import decide as d
-from neonvm.controller.authority import AuthorityLost, StaticAuthority
+from neonvm.controller.authority import AuthorityLost
 from neonvm.controller.observe import Snapshot
 from neonvm.controller.scaling import RunnerScaling
 from tests.hostile_runners import HonestRunner
 from tests.support import shipped_reconciler, wait_for
+from tests.support.authority import StaticAuthority
 from tests.test_scaling_decide import obs, scale_plan, vm
 
 OLD = StaticAuthority(epoch=1, token=10)
@@ -301,7 +302,7 @@ def test_two_runners_answering_200_slowly_and_two_workers_leave_an_honest_vm_con
 def _plant_plan_ahead(api: client.ApiClient, namespace: str, name: str,
                       epoch: int) -> None:
     """Write a ``status.pendingScale`` of a higher epoch (a restore, a user, a bug)."""
-    from neonvm.testing.harness import get_vm
+    from tests.support.harness import get_vm
 
     raw = get_vm(api, namespace, name)
     assert raw is not None
@@ -316,7 +317,7 @@ def _plant_plan_ahead(api: client.ApiClient, namespace: str, name: str,
 @pytest.mark.cluster
 def test_a_scaling_plan_of_a_higher_epoch_is_degraded_and_its_vm_still_deletes(
         api: client.ApiClient, controller_api: client.ApiClient, namespace: str) -> None:
-    from neonvm.testing.harness import create_vm, delete_vm, get_vm
+    from tests.support.harness import create_vm, delete_vm, get_vm
     from tests.test_scaling_controller import NOWHERE, settle, status_of
 
     create_vm(api, namespace, "ahead", spec={

@@ -26,11 +26,11 @@ from neonvm.api.types import (
 )
 from neonvm.controller import actions as act
 from neonvm.controller import performers
-from neonvm.controller.authority import StaticAuthority
 from neonvm.controller.mutations import token_secret_mutation
 from neonvm.controller.observe import VMRecord, make_snapshot
 from neonvm.controller.scaling import RunnerScaling
 from tests.support import shipped_reconciler
+from tests.support.authority import StaticAuthority
 
 pytestmark = pytest.mark.unit
 

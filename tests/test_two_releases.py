@@ -31,8 +31,8 @@ from neonvm.dev import binaries
 from neonvm.dev.cluster import LocalCluster, free_port
 from neonvm.leader.etcd import Etcd, EtcdConfig
 from neonvm.leader.lock import parse_lock_key
-from neonvm.testing.harness import converged, create_vm
 from tests.support import wait_for
+from tests.support.harness import converged, create_vm
 from tests.test_chart import (
     Helm,
     Rendered,

@@ -30,8 +30,8 @@ from neonvm.controller.update import (
     conditional_update,
 )
 from neonvm.dev.cluster import LocalCluster
-from neonvm.testing.harness import create_vm
 from tests.seed_bug import stale_writeback_update
+from tests.support.harness import create_vm
 
 # ---- an in-memory CAS store ---------------------------------------------------------------
 

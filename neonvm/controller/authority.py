@@ -5,7 +5,6 @@ outcomes (docs/architecture.md, "The handler's contract").
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Protocol
 
 from neonvm.api.types import Fence
@@ -51,20 +50,3 @@ class Authority(Protocol):
     def check(self) -> None:
         """Raise :class:`AuthorityLost` if the reconcile must stop."""
         ...
-
-
-
-@dataclass(frozen=True)
-class StaticAuthority:
-    """A fixed (epoch, token), never lost: for tests and ``neonvm vm plan``."""
-
-    epoch: int = 1
-    token: int = 1
-    vm_uid: str | None = None
-
-    @property
-    def lease(self) -> Fence:
-        return Fence(epoch=self.epoch, token=self.token)
-
-    def check(self) -> None:
-        return None

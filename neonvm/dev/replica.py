@@ -1,9 +1,9 @@
 """How a controller replica is started as its own process: the one place that writes the
 ``neonvm controller run`` command line.
 
-Used by ``neonvm demo``, the drills' local target, the fault campaign and the test
-harness (:mod:`neonvm.testing.harness`). It lives under :mod:`neonvm.dev` so that the
-CLI may import it; it imports nothing from :mod:`neonvm.testing`.
+Used by ``neonvm demo``, the drills' local target, the fault campaign and the tests'
+harness (``tests/support/harness.py``). It lives under :mod:`neonvm.dev` so that the
+CLI may import it; like all of ``neonvm/``, it imports nothing from ``tests/``.
 """
 
 from __future__ import annotations

@@ -294,7 +294,7 @@ def install_and_test(cluster: LocalCluster, node: RealNode, helm_binary: str = "
     members and three controllers Ready, a VM whose guest boots on the node, and
     ``helm test``. Leaves the release installed (:func:`uninstall`)."""
     from neonvm.dev import realguest
-    from neonvm.testing.harness import converged, create_vm, get_vm
+    from tests.support.harness import converged, create_vm, get_vm
 
     if not node.cluster_dns:
         raise RealNodeError(f"{node.name} was started without cluster DNS "
@@ -368,7 +368,7 @@ def uninstall(cluster: LocalCluster, node: RealNode, helm_binary: str = "helm",
     """Delete the test VMs, ``helm uninstall``, delete the members' claims (the
     StatefulSet leaves them), the test pod and the Lease, restore the local fence and
     the simulated nodes."""
-    from neonvm.testing.harness import delete_vm, get_vm
+    from tests.support.harness import delete_vm, get_vm
 
     api = kube.api_client(cluster.kubeconfig)
     core = client.CoreV1Api(api)

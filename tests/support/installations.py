@@ -37,7 +37,7 @@ from neonvm.drills import fleet
 from neonvm.leader.epoch import EpochFloor
 from neonvm.leader.etcd import Etcd, EtcdConfig, EtcdError
 from neonvm.leader.lock import Installation, LockRecord, parse_lock_key
-from neonvm.testing.harness import Replicas, get_vm
+from tests.support.harness import Replicas, get_vm
 
 Progress = Callable[[str], None]
 

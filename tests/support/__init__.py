@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from neonvm.dev.cluster import LocalCluster
     from neonvm.dev.pki import LocalPKI
     from neonvm.leader.etcd import EtcdConfig
-    from neonvm.testing.harness import Replicas
+    from tests.support.harness import Replicas
 
 T = TypeVar("T")
 
@@ -41,7 +41,7 @@ def wait_for(
     Tests wait on conditions with generous bounds, never on sleeps.
     """
     deadline = time.monotonic() + timeout
-    last: Any = None
+    last: T | None = None
     while time.monotonic() < deadline:
         last = condition()
         if last:
@@ -92,7 +92,7 @@ def create_pull_secret(api: client.ApiClient, namespace: str, name: str) -> None
 
 
 def health_port(replica: Any) -> int | None:
-    """The port a replica (``neonvm.testing.harness.Replica``) serves /healthz and
+    """The port a replica (``tests.support.harness.Replica``) serves /healthz and
     /metrics on, from its JSON log; None until it says."""
     for line in replica.log().splitlines():
         if "serving /healthz" in line:
@@ -118,7 +118,7 @@ def replica_group(cluster: LocalCluster, api: client.ApiClient, namespace: str,
     """Controller replicas with the test flags (FAST), watching ``namespace`` under their
     own etcd prefix; stopped at the end, their logs printed (pytest shows them only when
     the test failed)."""
-    from neonvm.testing.harness import Replicas
+    from tests.support.harness import Replicas
 
     prefix = prefix or f"/t-{uuid.uuid4().hex[:8]}"
     args = [*FAST, "--watch-namespace", namespace, "--etcd-prefix", prefix]
@@ -138,7 +138,7 @@ class CountingAuthority:
     lost from the ``lose_at``-th check on (None: never)."""
 
     def __init__(self, epoch: int = 1, token: int = 10, lose_at: int | None = None) -> None:
-        from neonvm.controller.authority import StaticAuthority
+        from tests.support.authority import StaticAuthority
 
         self._fixed = StaticAuthority(epoch=epoch, token=token)
         self.lose_at = lose_at

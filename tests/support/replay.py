@@ -187,7 +187,7 @@ class Replayer:
     def _setup(self, w: World) -> None:
         """Create the VM and pods of the initial state, passing through its history."""
         assert w.vm is not None, "a replay starts from an existing VM"
-        from neonvm.testing.harness import create_vm
+        from tests.support.harness import create_vm
 
         # A scheduler nobody runs: the replay binds and runs pods itself, so a real
         # kube-scheduler and kwok nodes (when the cluster has them) must leave them alone.
