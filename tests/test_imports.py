@@ -4,7 +4,7 @@ Every import that runs counts: module level and inside functions and methods (an
 in an ``if TYPE_CHECKING:`` block is not run, so it does not count). The rules, as
 import-linter contracts would state them (docs/architecture.md, "Layers"):
 
-* **layers**, top to bottom: the CLI; tooling (dev, drills, testing, verify); the
+* **layers**, top to bottom: the CLI; tooling (dev, drills, verify); the
   controller and the runner; leader election; the Kubernetes client and logging; the
   API types and the contracts the controller and the runner share (``neonvm.api``:
   quantities, the ``/scale`` protocol). A module imports only from its own layer or
@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1] / "neonvm"
 
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("neonvm.__main__", "neonvm.cli", "neonvm.errors"),
-    ("neonvm.dev", "neonvm.drills", "neonvm.testing", "neonvm.verify",
+    ("neonvm.dev", "neonvm.drills", "neonvm.verify",
      "neonvm.manifests", "neonvm.overview", "neonvm.invariant"),
     ("neonvm.controller", "neonvm.runner"),
     ("neonvm.leader",),
@@ -236,8 +236,8 @@ def _planted(tmp_path: Path, files: dict[str, str]) -> dict[str, set[str]]:
       "controller/podspec.py": ""},
      "neonvm.runner.main -> neonvm.controller.podspec: "
      "neonvm.controller and neonvm.runner are independent"),
-    ({"controller/decide.py": "import neonvm.testing.harness\n", "testing/harness.py": ""},
-     "neonvm.controller.decide -> neonvm.testing.harness: imports upward"),
+    ({"controller/decide.py": "import neonvm.drills.campaign\n", "drills/campaign.py": ""},
+     "neonvm.controller.decide -> neonvm.drills.campaign: imports upward"),
     ({"sidecar.py": ""}, "neonvm.sidecar: in no layer"),
 ])
 def test_the_layer_rules_catch_a_planted_import(tmp_path: Path, files: dict[str, str],
