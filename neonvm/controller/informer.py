@@ -29,6 +29,7 @@ event never stalls one.
 from __future__ import annotations
 
 import contextlib
+import json
 import marshal
 import threading
 import time
@@ -47,6 +48,18 @@ from neonvm.controller.podspec import ANNOTATION_BUILT_SIZE
 from neonvm.kube import PRUNE_DEPTH, decode_json, pruned, release_stream, short_error
 
 Obj = dict[str, Any]
+
+MAX_CACHED_VM_BYTES = 256 * 1024
+"""The largest VM (its JSON) the VM informer caches. The CRD admits a spec of about
+1.5 MiB (etcd's request limit; ``spec.affinity`` and ``spec.extraInitContainers`` keep
+unknown fields), and every replica caches every VM: a larger one is left out and reported
+(docs/security.md, "Exhaustion"). NeonVM's VMs take a few KiB."""
+RELIST_PAGE_BYTES = 8 * 1024 * 1024
+"""About how many bytes of JSON one list page should carry: each page's ``limit`` is
+set from the previous page's bytes per object (at most the informer's ``relist_page``),
+so a page of large objects is never decoded whole at 500 objects."""
+FIRST_PAGE = 16
+"""The first page's ``limit``, before any object's size is known."""
 Handler = Callable[[str, Obj | None, Obj | None], None]
 """Called with (key, old, new) for each change; new is None for a deletion."""
 Lister = Callable[..., Any]
@@ -308,12 +321,20 @@ class Informer:
                  relist_seconds: float | None = None,
                  transform: Callable[[Obj], Obj] | None = strip_managed_fields,
                  relist_page: int = 500,
-                 on_undecodable: UndecodableHandler | None = None) -> None:
+                 on_undecodable: UndecodableHandler | None = None,
+                 max_object_bytes: int | None = None) -> None:
+        """``max_object_bytes``: an object whose JSON is larger is left out of the store
+        and reported like an undecodable one (None: no bound; the VM informer's is
+        :data:`MAX_CACHED_VM_BYTES`)."""
         self.name = name
         self._on_undecodable = on_undecodable
         self._undecodable: dict[str, str] = {}
-        """Undecodable objects already reported: key to resourceVersion."""
+        """Undecodable or oversized objects already reported: key to resourceVersion."""
         self._relist_page = relist_page
+        self._page_limit = min(relist_page, FIRST_PAGE)
+        """The next list page's ``limit``: it starts small and follows the objects'
+        size (:data:`RELIST_PAGE_BYTES`)."""
+        self._max_object_bytes = max_object_bytes
         self._transform = transform
         self.store = store
         self._lister = lister
@@ -390,7 +411,7 @@ class Informer:
         seen: set[str] = set()
         changes = 0
         while True:
-            kwargs: dict[str, Any] = {"limit": self._relist_page}
+            kwargs: dict[str, Any] = {"limit": self._page_limit}
             if token:
                 kwargs["_continue"] = token
             try:
@@ -400,6 +421,7 @@ class Informer:
                     raise Gone() from exc
                 raise
             try:
+                page_bytes = len(resp.data)
                 body, lossy = decode_json(resp.data)
             finally:
                 release_stream(resp)
@@ -409,10 +431,15 @@ class Informer:
             token = meta.get("continue") or None
             items: list[Obj] = body.get("items") or []
             del body
+            self._page_limit = max(1, min(self._relist_page, int(
+                RELIST_PAGE_BYTES * len(items) / max(1, page_bytes)) or 1))
             for item in items:
                 item.setdefault("metadata", {})
                 if lossy and pruned(item):
                     self._skip(item)  # not in ``seen``: a cached older version goes
+                    continue
+                if size := self._oversized(item):
+                    self._skip(item, self._too_large(size))  # as above
                     continue
                 self._undecodable.pop(object_key(item), None)
                 if self._transform is not None:
@@ -434,9 +461,21 @@ class Informer:
             self._on_relist(self.name)
         return rv
 
-    def _skip(self, obj: Obj) -> None:
-        """Leave an undecodable object out of the store (a cached older version is
-        removed, and the handler told so); report it once per version."""
+    def _oversized(self, obj: Obj) -> int:
+        """The size of ``obj``'s JSON if it is above ``max_object_bytes``, else 0."""
+        if self._max_object_bytes is None:
+            return 0
+        size = len(json.dumps(obj, separators=(",", ":")))
+        return size if size > self._max_object_bytes else 0
+
+    def _too_large(self, size: int) -> str:
+        return (f"its JSON is {size:,} bytes, more than the {self._max_object_bytes:,} "
+                "a cached object may take (docs/security.md, \"Exhaustion\"): not cached")
+
+    def _skip(self, obj: Obj, why: str | None = None) -> None:
+        """Leave an undecodable (or, with ``why``, oversized) object out of the store (a
+        cached older version is removed, and the handler told so); report it once per
+        version."""
         key = object_key(obj)
         meta = obj.get("metadata") or {}
         old = self.store.get(key)
@@ -448,8 +487,9 @@ class Informer:
         self._undecodable[key] = rv
         reason = (f"{key} (uid {meta.get('uid')}, resourceVersion {rv}) is nested more "
                   f"than {PRUNE_DEPTH} levels deep and cannot be decoded: not cached, "
-                  "not reconciled until it changes")
-        self._log.error("skipping undecodable object: {reason}", reason=reason)
+                  "not reconciled until it changes") if why is None else \
+            f"{key} (uid {meta.get('uid')}, resourceVersion {rv}): {why}"
+        self._log.error("skipping an object: {reason}", reason=reason)
         if self._on_undecodable is not None:
             self._on_undecodable(Undecodable(key, meta, reason))
 
@@ -485,6 +525,9 @@ class Informer:
                     continue
                 if lossy and kind != "DELETED" and pruned(obj):
                     self._skip(obj)
+                    continue
+                if kind != "DELETED" and (size := self._oversized(obj)):
+                    self._skip(obj, self._too_large(size))
                     continue
                 if kind == "DELETED" or not lossy:
                     self._undecodable.pop(object_key(obj), None)

@@ -72,7 +72,14 @@ from neonvm.controller.events import EventRecorder
 from neonvm.controller.fencing import SelfFencing
 from neonvm.controller.handler import Handler, Outcome
 from neonvm.controller.heap import HeapTrimmer
-from neonvm.controller.informer import Informer, Lister, Obj, Undecodable, project_pod
+from neonvm.controller.informer import (
+    MAX_CACHED_VM_BYTES,
+    Informer,
+    Lister,
+    Obj,
+    Undecodable,
+    project_pod,
+)
 from neonvm.controller.metrics import ControllerMetrics
 from neonvm.controller.midplan import MidPlanSet
 from neonvm.controller.observe import pod_index, split_key
@@ -244,7 +251,8 @@ class LeaderTerm:
             Informer("virtualmachines", list_vms, self.vm_store, self._on_vm,
                      accept=wiring.event_filter("virtualmachines"),
                      relist_seconds=self.config.relist_seconds,
-                     on_undecodable=self._on_undecodable_vm),
+                     on_undecodable=self._on_undecodable_vm,
+                     max_object_bytes=MAX_CACHED_VM_BYTES),
             # Pods are cached as projections (what cached decisions read); VMs in full
             # (they are written back).
             Informer("pods", list_pods, self.pod_store, self._on_pod,
