@@ -34,7 +34,7 @@ from neonvm.runner.initramfs import RunnerKernel
 from neonvm.runner.main import RunnerOptions, plan_launch, ready_marker_for
 from neonvm.runner.qemu import build_launch_plan
 from tests.support import wait_for
-from tests.test_runner import context
+from tests.support.runner import context
 
 REPO = Path(__file__).resolve().parent.parent
 TOOLS = "/usr/sbin:/sbin:/usr/bin:/bin"
@@ -369,9 +369,8 @@ def _wait_for_entrypoint(proc: subprocess.Popen[bytes], console: Path, tmp: Path
              what="the image's ENTRYPOINT to run")
     text = console.read_text(errors="replace")
     assert proc.poll() is None, text[-3000:] + (tmp / "runner.log").read_text()[-3000:]
-    wait_for(lambda: "VMBUILDER_ENTRYPOINT mount" in console.read_text(errors="replace")
-             or "VMBUILDER_ENTRYPOINT SwapTotal" in console.read_text(errors="replace"),
-             timeout=60, interval=0.5, what="the ENTRYPOINT's report")
+    wait_for(lambda: "VMBUILDER_ENTRYPOINT report done" in console.read_text(errors="replace"),
+             timeout=60, interval=0.5, what="the end of the ENTRYPOINT's report")
     return console.read_text(errors="replace")
 
 

@@ -23,8 +23,9 @@ The stand-ins are not NeonVM's programs: "vector" is busybox ``httpd`` serving a
 reader of the "Power Button" input device that runs ``poweroff``; ``blkid -L`` is
 busybox ``findfs``. The image's own
 ENTRYPOINT is ``/app/entrypoint.sh``, which prints ``VMBUILDER_ENTRYPOINT argv: ...``,
-``GREETING``, the root filesystem's size, ``vm.swappiness``, the swap and the mounts of
-``/data`` and ``/scratch``, then waits for SIGTERM.
+``GREETING``, the root filesystem's size, ``vm.swappiness``, the swap, the mounts of
+``/data``, ``/scratch`` and ``/config`` and the files in ``/config``, then ``report
+done``, and waits for SIGTERM.
 
 ``python -m neonvm.dev.vmbuilderdisk DEST`` writes ``DEST/vmbuilder.ext4`` and
 ``DEST/vmbuilder.qcow2`` (2 MiB clusters, lazy refcounts: vm-builder's ``qemu-img``
@@ -160,9 +161,13 @@ echo "VMBUILDER_ENTRYPOINT GREETING=$GREETING BAKED=$BAKED"
 echo "VMBUILDER_ENTRYPOINT root-kb $(df -k / | awk 'NR == 2 {print $2}')"
 echo "VMBUILDER_ENTRYPOINT swappiness $(cat /proc/sys/vm/swappiness)"
 echo "VMBUILDER_ENTRYPOINT $(grep SwapTotal /proc/meminfo | tr -s ' ')"
-grep -E ' (/data|/scratch) ' /proc/mounts | while read -r _dev dir fs opts _rest; do
+grep -E ' (/data|/scratch|/config) ' /proc/mounts | while read -r _dev dir fs opts _rest; do
     echo "VMBUILDER_ENTRYPOINT mount $dir $fs ${opts%%,*}"
 done
+for f in /config/*; do
+    [ -f "$f" ] && echo "VMBUILDER_ENTRYPOINT file $f: $(head -c 200 "$f")"
+done
+echo "VMBUILDER_ENTRYPOINT report done"
 trap 'echo "VMBUILDER_ENTRYPOINT SIGTERM"; exit 0' TERM
 while true; do sleep 1; done
 """
