@@ -18,7 +18,7 @@ import pytest
 
 from neonvm.controller.acceleration import HTTPRunnerStatus, RunnerReports
 from neonvm.controller.actions import PodView
-from neonvm.controller.scaling import RUNNER_BODY_LIMIT, ScalingError
+from neonvm.controller.runner_client import RUNNER_BODY_LIMIT, ScalingError
 from tests.hostile_runners import GIB, HostileRunner, RecordingServer
 from tests.support import wait_for
 

@@ -50,7 +50,7 @@ from neonvm.controller.actions import PodView
 from neonvm.controller.conditions import ConditionUpdate
 from neonvm.controller.events import EventRecorder
 from neonvm.controller.observe import Snapshot
-from neonvm.controller.scaling import runner_exchange
+from neonvm.controller.runner_client import runner_exchange
 
 CONDITION = "AccelerationUnavailable"
 NO_KVM_RESOURCE = "NoKvmResource"
@@ -148,9 +148,9 @@ class HTTPRunnerStatus:
     """``GET http://<pod IP>:<runner port>/status``, straight to the pod (no proxy from
     the environment), with the bounds of the controller's runner client (the runner is
     the VM owner's to choose): the whole exchange ends by ``timeout`` seconds however
-    the answer trickles in, at most :data:`~neonvm.controller.scaling.RUNNER_BODY_LIMIT`
+    the answer trickles in, at most :data:`~neonvm.controller.runner_client.RUNNER_BODY_LIMIT`
     bytes are read, and a redirect is an error, never followed
-    (:func:`~neonvm.controller.scaling.runner_exchange`; docs/security.md, "The runner
+    (:func:`~neonvm.controller.runner_client.runner_exchange`; docs/security.md, "The runner
     as seen by the controller")."""
 
     def get_status(self, host: str, port: int, timeout: float) -> Mapping[str, Any]:

@@ -18,7 +18,7 @@
   has; ``PUT
   /scale`` with the plan's size and fence ``{epoch, token, seq}`` and the bearer token.
   The runner is the VM owner's choice (``spec.runnerImage``), so it is asked through a
-  client written for a hostile peer (:func:`runner_exchange`: one deadline per
+  client written for a hostile peer (:mod:`~neonvm.controller.runner_client`: one deadline per
   exchange, 64 KiB answers, no redirects, strict parsing; docs/security.md, "The runner
   as seen by the controller").
 * **Kubernetes.** After the runner applied a size, the pod's ``vm.neon.tech/usage``
@@ -36,12 +36,9 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import json
-import re
 import secrets
-import socket
 import threading
 import time
-import urllib.parse
 from collections.abc import Callable
 from typing import Any
 
@@ -58,6 +55,15 @@ from neonvm.controller import autoscaler_view, looks, podspec
 from neonvm.controller import decide as d
 from neonvm.controller.observe import Snapshot
 from neonvm.controller.reasons import RUNNER_MISBEHAVING_REASON, RUNNER_UNREACHABLE_REASON
+from neonvm.controller.runner_client import (
+    MAX_RUNNER_BYTES,
+    ScalingError,
+    bounded_count,
+    error_text,
+    runner_exchange,
+    runner_view,
+    short,
+)
 from neonvm.controller.scaling_token import TOKEN_KEY, recorded_token
 from neonvm.controller.scaling_token import secret_path as _secret_path
 from neonvm.controller.scaling_token import secrets_path as _secrets_path
@@ -109,14 +115,9 @@ reset, nothing back within the deadline)."""
 
 RUNNER_MISBEHAVING = "runner_misbehaving"
 """The outcome of an ``ApplyScale`` whose runner answered what no runner answers: a
-redirect, an answer over :data:`RUNNER_BODY_LIMIT`, one still arriving at the deadline,
-or one that is not the JSON the protocol says (docs/security.md, "The runner as seen by
-the controller")."""
-
-RUNNER_BODY_LIMIT = 64 * 1024
-"""Largest answer body (bytes) taken from a runner; a longer one is not read further."""
-RUNNER_HEAD_LIMIT = 16 * 1024
-"""Largest status line and headers (bytes) taken from a runner."""
+redirect, an answer over :data:`~neonvm.controller.runner_client.RUNNER_BODY_LIMIT`, one
+still arriving at the deadline, or one that is not the JSON the protocol says
+(docs/security.md, "The runner as seen by the controller")."""
 
 RUNNER_FAILURES_QUIET_SECONDS = 600.0
 """A runner's failed ``GET /scale`` run that stopped for this long (no failure from it
@@ -171,19 +172,6 @@ class Result(str):
         obj = super().__new__(cls, value)
         obj.detail = detail
         return obj
-
-
-class ScalingError(Exception):
-    """The runner could not be asked (no token, unreachable, refused)."""
-
-    def __init__(self, message: str, permanent: bool = False,
-                 misbehaving: bool = False) -> None:
-        super().__init__(message)
-        self.permanent = permanent
-        """Asking again cannot help (the token Secret is forbidden, missing or not ours)."""
-        self.misbehaving = misbehaving
-        """The runner answered, but not as a runner answers (see
-        :data:`RUNNER_MISBEHAVING`)."""
 
 
 class RunnerTrouble(str):
@@ -393,12 +381,12 @@ class RunnerScaling:
         code, doc = self._call("GET", f"{self._address(vm, pod)}/scale", None, None,
                                self._look_timeout)
         if code != 200:
-            raise ScalingError(f"GET /scale answered {code}: {_error_text(doc)}")
+            raise ScalingError(f"GET /scale answered {code}: {error_text(doc)}")
         try:
-            return _runner_view(doc, pod.uid)
+            return runner_view(doc, pod.uid)
         except (KeyError, TypeError, ValueError) as exc:
             raise ScalingError(f"GET /scale answered 200 with a malformed report "
-                               f"({type(exc).__name__}: {_short(str(exc))})",
+                               f"({type(exc).__name__}: {short(str(exc))})",
                                misbehaving=True) from None
 
     def apply(self, action: act.ApplyScale, snap: Snapshot, log: Any) -> str:
@@ -433,14 +421,14 @@ class RunnerScaling:
             log.warning("scaling plan #{seq}: {err}", seq=plan.seq, err=str(exc))
             return Result(RUNNER_MISBEHAVING if exc.misbehaving else RUNNER_UNREACHABLE,
                           f"the runner of {pod.name}: {exc}")
-        detail = f"the runner of {pod.name} answered {code}: {_error_text(doc)}"
+        detail = f"the runner of {pod.name} answered {code}: {error_text(doc)}"
         if code == 401:
             log.warning("scaling plan #{seq}: {detail}", seq=plan.seq, detail=detail)
             return self.unauthorized(plan.pod_uid, doc, detail, vm_uid=vm.uid)
         self._authorized(plan.pod_uid)
         if code != 200:
             log.warning("scaling plan #{seq}: the runner answered {code}: {err}", seq=plan.seq,
-                        code=code, err=_error_text(doc))
+                        code=code, err=error_text(doc))
             if code == 504 and doc.get("refused"):
                 # The guest refused to give a device back: asking again at once gets the
                 # same answer (and makes the guest try again); the reconcile ends and the
@@ -449,11 +437,11 @@ class RunnerScaling:
             return Result("stale" if code == 409 else f"runner_{code}", detail)
         qemu = doc.get("qemu")
         try:
-            memory_bytes = _count((qemu if isinstance(qemu, dict) else {}).get(
+            memory_bytes = bounded_count((qemu if isinstance(qemu, dict) else {}).get(
                 "memoryBytes") or 0, MAX_RUNNER_BYTES)
         except ValueError as exc:
             detail = (f"the runner of {pod.name} answered 200 with a malformed "
-                      f"report ({_short(str(exc))})")
+                      f"report ({short(str(exc))})")
             log.warning("scaling plan #{seq}: {detail}", seq=plan.seq, detail=detail)
             return Result(RUNNER_MISBEHAVING, detail)
         self._tell_kubernetes(vm, pod, memory_bytes, plan, log)
@@ -624,206 +612,6 @@ class RunnerScaling:
                      s=exc.status, m=kube.api_error_message(exc))
             return "conflict" if exc.status == 409 else "done"
         return "done"
-
-
-MAX_RUNNER_COUNT = 1 << 20
-"""Largest vCPU or memory slot count taken from a runner's report (far above any VM)."""
-MAX_RUNNER_BYTES = 1 << 60
-"""Largest memory size (bytes) taken from a runner's report."""
-MAX_FENCE_VALUE = (1 << 63) - 1
-
-
-def _count(value: object, limit: int) -> int:
-    """A non-negative integer of the runner's report, at most ``limit`` (a bool, a float,
-    a string or anything else is malformed)."""
-    if type(value) is not int or not 0 <= value <= limit:
-        raise ValueError(f"{value!r:.40} is not an integer in 0..{limit}")
-    return value
-
-
-def _runner_view(doc: dict[str, Any], pod_uid: str) -> act.RunnerView:
-    """A ``GET /scale`` report as :class:`~neonvm.controller.actions.RunnerView`; raises
-    KeyError, TypeError or ValueError on anything malformed (the fields, their types,
-    their ranges)."""
-    last = doc.get("lastApplied") or None
-    fence = None
-    if last is not None:
-        f = last["fence"]
-        fence = (_count(f["epoch"], MAX_FENCE_VALUE), _count(f["token"], MAX_FENCE_VALUE),
-                 _count(f.get("seq", 0), MAX_FENCE_VALUE))
-    qemu = doc["qemu"]
-    vcpus = _count(qemu["vcpus"], MAX_RUNNER_COUNT)
-    if doc.get("mode") == "SysfsScaling":
-        online = (doc.get("guest") or {}).get("cpusOnline")
-        vcpus = _count(online, MAX_RUNNER_COUNT) if online is not None else 0
-    removals = doc.get("pendingRemovals") or []
-    if not isinstance(removals, list) or not all(isinstance(r, str) for r in removals):
-        raise TypeError("pendingRemovals is not a list of names")
-    answered = doc.get("podUid")
-    if answered is not None and not isinstance(answered, str):
-        raise TypeError("podUid is not a string")
-    return act.RunnerView(pod_uid=pod_uid, fence=fence, vcpus=vcpus,
-                        memory_slots=_count(qemu["memorySlots"], MAX_RUNNER_COUNT),
-                        memory_bytes=_count(qemu["memoryBytes"], MAX_RUNNER_BYTES),
-                        pending_removals=tuple(removals),
-                        answered_uid=answered or None)
-
-
-def _short(text: str, limit: int = 200) -> str:
-    """A runner's text as quoted in logs and conditions: one line, at most ``limit``."""
-    text = " ".join(text.split())
-    return text if len(text) <= limit else text[:limit] + "\u2026"
-
-
-def _error_text(doc: dict[str, Any]) -> str:
-    """The ``error`` of a runner's answer, as quoted (a runner's text is not trusted)."""
-    return _short(str(doc.get("error", "")))
-
-
-_STATUS_LINE = re.compile(rb"HTTP/1\.[01] ([0-9]{3})(?: [^\r\n]*)?")
-
-
-class _Deadline(Exception):
-    """The exchange's overall deadline passed."""
-
-
-def runner_exchange(method: str, url: str, body: bytes | None, headers: dict[str, str],
-                    deadline: float, *, clock: Callable[[], float] = time.monotonic,
-                    body_limit: int = RUNNER_BODY_LIMIT,
-                    head_limit: int = RUNNER_HEAD_LIMIT) -> tuple[int, bytes]:
-    """One HTTP/1.1 request to a runner, and its answer: (status, body).
-
-    Written for a peer that may be hostile (docs/security.md, "The runner as seen by
-    the controller"): the whole exchange (connect, send, every read) ends by
-    ``deadline`` seconds, however the answer trickles in; at most ``head_limit`` bytes
-    of status line and headers and ``body_limit`` of body are read (nothing is read
-    past them); a redirect (3xx) is an error and is never followed (``Location`` is not
-    read); the answer must be framed by ``Content-Length`` or by the connection's end
-    (no ``Transfer-Encoding``). Raises :class:`ScalingError`: ``misbehaving`` when the
-    runner answered in a way no runner does, else (no connection, nothing back by the
-    deadline) plain."""
-    parts = urllib.parse.urlsplit(url)
-    if parts.scheme != "http" or not parts.hostname:
-        raise ScalingError(f"{method} {url}: not an http:// address")
-    try:
-        port = parts.port or 80
-    except ValueError:
-        raise ScalingError(f"{method} {url}: not a valid port") from None
-    end = clock() + deadline
-
-    def left() -> float:
-        remaining = end - clock()
-        if remaining <= 0:
-            raise _Deadline
-        return remaining
-
-    payload = body or b""
-    request = "".join([
-        f"{method} {parts.path or '/'}{'?' + parts.query if parts.query else ''} HTTP/1.1\r\n",
-        f"Host: {parts.netloc}\r\n", "Connection: close\r\n",
-        f"Content-Length: {len(payload)}\r\n",
-        *(f"{k}: {v}\r\n" for k, v in headers.items()), "\r\n"]).encode() + payload
-    received = bytearray()
-    try:
-        with socket.create_connection((parts.hostname, port), timeout=left()) as sock:
-            sock.settimeout(left())
-            sock.sendall(request)
-            return _read_answer(sock, received, left, body_limit, head_limit)
-    except _Deadline:
-        if received:
-            raise ScalingError(f"{method} {url}: the answer was not complete after "
-                               f"{deadline:g} s ({len(received)} bytes so far)",
-                               misbehaving=True) from None
-        raise ScalingError(f"{method} {url}: no answer within {deadline:g} s") from None
-    except TimeoutError:
-        if received:
-            raise ScalingError(f"{method} {url}: the answer was not complete after "
-                               f"{deadline:g} s ({len(received)} bytes so far)",
-                               misbehaving=True) from None
-        raise ScalingError(f"{method} {url}: no answer within {deadline:g} s") from None
-    except OSError as exc:
-        raise ScalingError(f"{method} {url}: {exc}") from None
-
-
-def _read_answer(sock: socket.socket, received: bytearray, left: Callable[[], float],
-                 body_limit: int, head_limit: int) -> tuple[int, bytes]:
-    """Read one answer from ``sock`` into ``received`` (see :func:`runner_exchange`)."""
-    head_end = -1
-    status = 0
-    length: int | None = None
-    while True:
-        sock.settimeout(left())
-        chunk = sock.recv(65536)
-        if not chunk:
-            break
-        received += chunk
-        if head_end < 0:
-            head_end = received.find(b"\r\n\r\n")
-            if head_end < 0:
-                if len(received) > head_limit:
-                    raise ScalingError(f"the runner's headers are over {head_limit} bytes",
-                                       misbehaving=True)
-                continue
-            if head_end > head_limit:
-                raise ScalingError(f"the runner's headers are over {head_limit} bytes",
-                                   misbehaving=True)
-            status, length = _parse_head(bytes(received[:head_end]), body_limit)
-        if len(received) - head_end - 4 > body_limit:
-            raise ScalingError(f"the runner's answer is over {body_limit} bytes: not read "
-                               f"further", misbehaving=True)
-        if length is not None and len(received) - head_end - 4 >= length:
-            break
-    if head_end < 0:
-        raise ScalingError("the runner closed the connection before a whole answer "
-                           f"({len(received)} bytes)", misbehaving=bool(received))
-    content = bytes(received[head_end + 4:])
-    if length is not None:
-        if len(content) < length:
-            raise ScalingError(f"the runner's answer ended after {len(content)} of the "
-                               f"{length} bytes it announced", misbehaving=True)
-        content = content[:length]
-    return status, content
-
-
-def _parse_head(head: bytes, body_limit: int) -> tuple[int, int | None]:
-    """(status, Content-Length or None) from an answer's head; a redirect, an
-    interim (1xx) or unframed answer, or a length over ``body_limit`` is misbehaving."""
-    lines = head.split(b"\r\n")
-    match = _STATUS_LINE.fullmatch(lines[0])
-    if match is None:
-        raise ScalingError("the runner's answer does not start with an HTTP/1.x status "
-                           "line", misbehaving=True)
-    status = int(match.group(1))
-    if 300 <= status < 400:
-        raise ScalingError(f"the runner answered a redirect ({status}): not followed",
-                           misbehaving=True)
-    if status < 200:
-        raise ScalingError(f"the runner answered an interim status ({status})",
-                           misbehaving=True)
-    lengths = set()
-    for line in lines[1:]:
-        name, sep, value = line.partition(b":")
-        if not sep:
-            raise ScalingError("the runner's answer has a malformed header line",
-                               misbehaving=True)
-        name = name.strip().lower()
-        if name == b"transfer-encoding":
-            raise ScalingError("the runner's answer uses Transfer-Encoding (only a "
-                               "Content-Length or the connection's end is taken)",
-                               misbehaving=True)
-        if name == b"content-length":
-            lengths.add(value.strip())
-    if not lengths:
-        return status, None
-    text = lengths.pop()
-    if lengths or not text.isdigit():
-        raise ScalingError("the runner's answer has a malformed Content-Length",
-                           misbehaving=True)
-    length = int(text)
-    if length > body_limit:
-        raise ScalingError(f"the runner announced an answer of {length} bytes, over "
-                           f"{body_limit}: not read", misbehaving=True)
-    return status, length
 
 
 def _pod_path(namespace: str, name: str) -> str:
