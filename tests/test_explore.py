@@ -22,9 +22,9 @@ from kubernetes import client
 
 from neonvm import kube
 from neonvm.cli.verify import verify
+from neonvm.controller import action_table, mutations
 from neonvm.controller import actions as act
 from neonvm.controller import decide as d
-from neonvm.controller import mutations
 from neonvm.dev.cluster import LocalCluster
 from neonvm.verify.actors import Actors, Config, calm
 from neonvm.verify.explore import Bounds, Counterexample, Liveness, Scenario, explore
@@ -239,13 +239,13 @@ def _sync_before_d9c1dc9(action: act.Action, lease: act.Fence) -> Callable[[Any]
     return sync
 
 
-mutations_before = mutations.status_mutation
+mutations_before = action_table.status_mutation
 
 
 @pytest.mark.unit
 def test_the_explorer_finds_the_stale_sync_when_the_old_mutation_is_put_back(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(mutations, "status_mutation", _sync_before_d9c1dc9)
+    monkeypatch.setattr(action_table, "status_mutation", _sync_before_d9c1dc9)
     scenario = next(s for s in ci_scenarios() if s.name == "seed-pod-deleted")
     cx = first(scenario)
     assert cx.invariant == "status-describes-its-pod"

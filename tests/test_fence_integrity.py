@@ -34,6 +34,7 @@ from neonvm.api.types import (
 )
 from neonvm.controller import actions as act
 from neonvm.controller import decide as d
+from neonvm.controller.action_table import status_mutation
 from neonvm.controller.conditions import (
     conditions_mutation,
     desired_conditions,
@@ -44,7 +45,7 @@ from neonvm.controller.conditions import (
 )
 from neonvm.controller.conditions import now_rfc3339 as conditions_now
 from neonvm.controller.events import EventRecorder
-from neonvm.controller.mutations import FencedOut, status_mutation
+from neonvm.controller.mutations import FencedOut
 from neonvm.controller.observe import Snapshot
 from neonvm.controller.reasons import DEGRADED, FENCE_AHEAD, FENCE_RESOLVED
 from neonvm.controller.reconciler import (

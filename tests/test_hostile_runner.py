@@ -112,7 +112,7 @@ def test_a_1_gib_answer_is_not_read_past_the_limit_and_the_process_does_not_grow
 
 @pytest.mark.unit
 def test_an_answer_of_exactly_the_limit_is_read_and_one_byte_more_is_not() -> None:
-    from neonvm.controller.scaling import RUNNER_BODY_LIMIT, runner_exchange
+    from neonvm.controller.runner_client import RUNNER_BODY_LIMIT, runner_exchange
 
     for size, fits in ((RUNNER_BODY_LIMIT, True), (RUNNER_BODY_LIMIT + 1, False)):
         runner = hostile("big_body", body_bytes=size)
