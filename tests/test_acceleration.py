@@ -277,7 +277,9 @@ def settle(reconciler: Reconciler, key: str, rounds: int = 10) -> act.Action:
 
 def condition_of(api: client.ApiClient, namespace: str, name: str) -> dict[str, Any] | None:
     vm = get_vm(api, namespace, name) or {}
-    return next((c for c in (vm.get("status") or {}).get("conditions") or []
+    status = vm.get("status") or {}
+    return next((c for c in [*(status.get("conditions") or []),
+                             *(status.get("extraConditions") or [])]
                  if c["type"] == CONDITION), None)
 
 

@@ -346,7 +346,8 @@ def waiting_replacement(api: client.ApiClient, namespace: str, vm: str, old: str
     def check() -> str | None:
         status = (get_vm(api, namespace, vm) or {}).get("status") or {}
         waiting = any(c.get("type") == WAITING_FOR_OLD_POD and c.get("status") == "True"
-                      for c in status.get("conditions") or [])
+                      for c in [*(status.get("conditions") or []),
+                                *(status.get("extraConditions") or [])])
         name = status.get("podName")
         return str(name) if waiting and name and name != old else None
 

@@ -126,7 +126,10 @@ def test_the_spec_reaches_the_runner_as_a_file_projected_from_an_annotation(
     volumes = {v["name"]: v for v in spec["volumes"]}
     assert volumes["vm-spec"] == {"name": "vm-spec", "downwardAPI": {"items": [{
         "path": "spec.json",
-        "fieldRef": {"fieldPath": "metadata.annotations['vm.neon.tech/spec']"}}]}}
+        "fieldRef": {"fieldPath": "metadata.annotations['vm.neon.tech/spec']"}}, {
+        "path": "resources.json",
+        "fieldRef": {"fieldPath": "metadata.annotations['vm.neon.tech/resources']"}}]}}
+    assert env["NEONVM_RESOURCES_FILE"] == "/vm/spec/resources.json"
     assert {"name": "vm-spec", "mountPath": "/vm/spec", "readOnly": True} in \
         runner["volumeMounts"]
 

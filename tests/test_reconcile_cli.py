@@ -57,12 +57,12 @@ def test_vm_plan_list_and_get_show_the_plan_the_pod_and_the_fence(
     info = yaml.safe_load(out)
     assert code == 0 and [p["name"] for p in info["pods"]] == [pod]
     assert info["pods"][0]["gated"] is False and info["pods"][0]["fence"] == "2/9"
-    assert {c["type"] for c in info["conditions"]} >= {"Ready"}
+    assert {c["type"] for c in info["conditions"]} >= {"Available"}
 
     code, out = run("vm", "list", "-n", namespace, "--kubeconfig", kc)
     assert code == 0 and "PODNAME" in out and pod in out and "2/9" in out
     code, out = run("vm", "describe", "shown", "-n", namespace, "--kubeconfig", kc)
-    assert code == 0 and pod in out and "Ready" in out
+    assert code == 0 and pod in out and "Available" in out
 
     code, out = run("vm", "plan", "shown", "-n", namespace, "--kubeconfig", kc, "-o", "json")
     assert code == 0 and json.loads(out)["action"] == "Done"

@@ -75,7 +75,9 @@ def vm_status(api: client.ApiClient, namespace: str, name: str) -> dict[str, Any
 
 
 def degraded(api: client.ApiClient, namespace: str, name: str) -> dict[str, Any] | None:
-    return next((c for c in vm_status(api, namespace, name).get("conditions") or []
+    status = vm_status(api, namespace, name)
+    return next((c for c in [*(status.get("conditions") or []),
+                             *(status.get("extraConditions") or [])]
                  if c["type"] == "Degraded"), None)
 
 
