@@ -238,6 +238,9 @@ def _planted(tmp_path: Path, files: dict[str, str]) -> dict[str, set[str]]:
      "neonvm.controller and neonvm.runner are independent"),
     ({"controller/decide.py": "import neonvm.drills.campaign\n", "drills/campaign.py": ""},
      "neonvm.controller.decide -> neonvm.drills.campaign: imports upward"),
+    ({"api/quantity.py": "def parse():\n    from neonvm.runner import qmp\n",
+      "runner/qmp.py": ""},
+     "neonvm.api.quantity -> neonvm.runner.qmp: imports upward"),
     ({"sidecar.py": ""}, "neonvm.sidecar: in no layer"),
 ])
 def test_the_layer_rules_catch_a_planted_import(tmp_path: Path, files: dict[str, str],
@@ -245,6 +248,24 @@ def test_the_layer_rules_catch_a_planted_import(tmp_path: Path, files: dict[str,
     """A module-level and a function-local upward import, a relative one, a cross import
     between the controller and the runner, and a module outside every layer all fail."""
     assert layer_violations(_planted(tmp_path, files)) == [expected]
+
+
+SHARED_CONTRACTS = ("neonvm.api.quantity", "neonvm.api.scale_protocol")
+"""What the API types, the controller and the runner share: quantities, and the ``/scale``
+protocol (token, fence, JSON shapes). They sit in the bottom layer, so none of the three
+climbs to reach them."""
+
+
+def test_the_controller_and_the_runner_take_the_shared_contracts_from_the_bottom_layer() -> None:
+    """Both sides import each shared contract from ``neonvm.api`` (with the independence
+    rule, neither can take it from the other; with the layers, ``api`` takes it from no
+    one above)."""
+    graph = import_graph()
+    for contract in SHARED_CONTRACTS:
+        assert contract in graph and layer_of(contract) == len(LAYERS) - 1, contract
+        for side in ("neonvm.controller", "neonvm.runner"):
+            users = [m for m, targets in graph.items() if _in(m, side) and contract in targets]
+            assert users, f"no module of {side} imports {contract}"
 
 
 def test_the_layer_rules_let_downward_and_type_checking_imports_pass(tmp_path: Path) -> None:

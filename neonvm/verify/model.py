@@ -441,9 +441,9 @@ class ShippedCode:
         key = (action, lease, vm)
         if key in self.status_results:
             return self.status_results[key]
-        from neonvm.controller import mutations
+        from neonvm.controller import action_table, mutations
 
-        mutate = mutations.status_mutation(action_of(action), act.Fence(*lease))
+        mutate = action_table.status_mutation(action_of(action), act.Fence(*lease))
         result: Status | str | None
         try:
             new = mutate(copy.deepcopy(to_api_vm(vm)))
@@ -459,9 +459,9 @@ class ShippedCode:
         key = (action, vm)
         if key in self.finalizer_results:
             return self.finalizer_results[key]
-        from neonvm.controller import mutations
+        from neonvm.controller import action_table
 
-        new = mutations.finalizers_mutation(action_of(action))(to_api_vm(vm))
+        new = action_table.finalizers_mutation(action_of(action))(to_api_vm(vm))
         result = None if new is None else FINALIZER in new
         self.finalizer_results[key] = result
         return result
