@@ -213,9 +213,9 @@ def test_a_vms_runner_pod_reads_the_spec_from_a_file_projected_from_its_annotati
     assert stored == encode(decode(VirtualMachineSpec, created["spec"], ".spec"))
     assert len(stored["guest"]["env"]) == 40
     (volume,) = [v for v in pod.spec.volumes if v.name == "vm-spec"]
-    (item,) = volume.downward_api.items
-    assert (item.path, item.field_ref.field_path) == (
-        "spec.json", "metadata.annotations['vm.neon.tech/spec']")
+    assert [(item.path, item.field_ref.field_path) for item in volume.downward_api.items] == [
+        ("spec.json", "metadata.annotations['vm.neon.tech/spec']"),
+        ("resources.json", "metadata.annotations['vm.neon.tech/resources']")]
     (runner,) = pod.spec.containers
     (mount,) = [m for m in runner.volume_mounts if m.name == "vm-spec"]
     assert (mount.mount_path, mount.read_only) == ("/vm/spec", True)
