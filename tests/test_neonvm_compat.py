@@ -24,9 +24,9 @@ from neonvm import kube
 from neonvm.api import compat, types
 from neonvm.api.millicpu import MilliCPU
 from neonvm.controller import actions as act
+from neonvm.controller.action_table import status_mutation
 from neonvm.controller.compat_events import warn_unimplemented
 from neonvm.controller.events import EventRecorder
-from neonvm.controller.mutations import status_mutation
 from neonvm.controller.reconciler import Reconciler, ReconcileResult
 from tests.support import shipped_reconciler, wait_for
 from tests.support.authority import StaticAuthority
@@ -159,7 +159,9 @@ def status_of(api: client.ApiClient, namespace: str, name: str) -> dict[str, Any
 
 
 def condition(status: dict[str, Any], type_: str) -> dict[str, Any] | None:
-    return next((c for c in status.get("conditions") or [] if c["type"] == type_), None)
+    return next((c for c in [*(status.get("conditions") or []),
+                             *(status.get("extraConditions") or [])]
+                 if c["type"] == type_), None)
 
 
 def only_pod(api: client.ApiClient, namespace: str, name: str) -> Any:
