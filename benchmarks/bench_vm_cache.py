@@ -6,7 +6,7 @@ about 1.5 MiB there, etcd's request limit). A child process lists them through t
 controller's own lister and informer into the controller's compact store, as a replica
 does when its term starts, and prints its resident memory after the list (VmRSS) and at
 its peak (VmHWM). Run from a checkout: ``python -m benchmarks.bench_vm_cache --vms 350``;
-figures in docs/benchmarks.md.
+figures in docs/benchmarks.md ("The VM cache with large VMs").
 """
 
 from __future__ import annotations
