@@ -222,6 +222,78 @@ _command("etcd-member-kill", "Local: the locks on a 3-member etcd; kill the memb
           *_CHURN])
 
 
+# ---- self-fencing drills on two real nodes (docs/drills.md) --------------------------------
+
+FENCING_DRILLS = {
+    "power-off": ("power-off", "Two real nodes: freeze the VM's node (kubelet, containerd, "
+                  "runners, QEMU: SIGSTOP) and cut its pods' network; the VM must come back "
+                  "on the other node, never with two guests running."),
+    "partition-node": ("partition", "Two real nodes: the VM's node cannot reach the API "
+                       "server nor the leader; its runner must kill its guest before its "
+                       "deadline, then the VM comes back on the other node."),
+    "kubelet-crash": ("kubelet-crash", "Two real nodes: SIGKILL the kubelet of the VM's "
+                      "node and keep it down; its runner still renews: nothing may be "
+                      "replaced."),
+    "freeze-thaw": ("freeze-thaw", "Two real nodes: freeze the VM's node past the deadline, "
+                    "let the VM be replaced, then thaw the node (QEMU first): measures how "
+                    "long the old guest runs after the thaw."),
+}
+"""``neonvm drill NAME`` -> the drill of :mod:`neonvm.drills.fencing` and its help."""
+
+
+def _fencing_command(name: str, drill_name: str, help_text: str) -> None:
+    from neonvm.api.rights import DEFAULT_RIGHT_SECONDS
+
+    @drill.command(name, help=help_text + " Each under a SIGKILL of the leader at a random "
+                   "moment. Needs `neonvm dev up --real-nodes 2` on --state-dir "
+                   "(docs/real-node.md); exits 1 on any failed run.")
+    @STATE_DIR_OPTION
+    @click.option("--real-nodes", type=click.IntRange(2, 2), default=2, show_default=True,
+                  help="Real kubelet nodes of the --state-dir cluster the drill uses.")
+    @click.option("--repeat", type=click.IntRange(1, 1000), default=1, show_default=True)
+    @click.option("--right-seconds", type=click.FloatRange(1), default=DEFAULT_RIGHT_SECONDS,
+                  show_default=True, help="D: each right to run lasts this long.")
+    @click.option("--replicas", type=click.IntRange(1, 9), default=3, show_default=True,
+                  help="Self-fencing controller replicas the drill starts.")
+    @click.option("--seed", type=int, default=None, help="Seed of the leader-kill moments.")
+    @click.option("--no-leader-kill", is_flag=True, help="Do not kill the leader.")
+    @click.option("--fresh-vm", is_flag=True,
+                  help="A new VM for each run (no restart streak carried over).")
+    @click.option("--reuse-images", is_flag=True,
+                  help="Keep the runner image the nodes have (only if neonvm/ is unchanged).")
+    @click.option("--timeline", type=click.Path(dir_okay=False, path_type=Path), default=None,
+                  help="Write the first run's timeline as an SVG picture to this path.")
+    @OUTPUT_OPTION
+    def body(state_dir: Path | None, real_nodes: int, repeat: int, right_seconds: float,
+             replicas: int, seed: int | None, no_leader_kill: bool, fresh_vm: bool,
+             reuse_images: bool, timeline: Path | None, output: str) -> None:
+        from neonvm.dev.common import default_state_dir
+        from neonvm.drills import fencing
+
+        fencing.install_sigterm()
+        results, out = fencing.run_drills(
+            state_dir or default_state_dir(),
+            fencing.Options(drills=[drill_name], repeat=repeat, right_seconds=right_seconds,
+                            replicas=replicas, seed=seed, leader_kill=not no_leader_kill,
+                            fresh_vm=fresh_vm, reuse_images=reuse_images, timeline=timeline),
+            _progress)
+        doc = {"drill": name, "summary": out.get(drill_name, {}),
+               "runs": [r.__dict__ for r in results]}
+        if output != "table":
+            emit(doc, output)
+        else:
+            for r in results:
+                click.echo(r.line())
+            for k, v in doc["summary"].items():
+                click.echo(f"{k}: {v}")
+        if not all(r.ok for r in results):
+            sys.exit(1)
+
+
+for _name, (_drill, _help) in FENCING_DRILLS.items():
+    _fencing_command(_name, _drill, _help)
+
+
 @drill.command("all")
 @STATE_DIR_OPTION
 @click.option("--vms", type=click.IntRange(1, 5000), default=10, show_default=True)
@@ -275,6 +347,8 @@ def list_() -> None:
     """The drills, and which run only locally."""
     for name in DRILLS:
         click.echo(f"{name}{'  (local only)' if name in LOCAL_ONLY else ''}")
+    for name in FENCING_DRILLS:
+        click.echo(f"{name}  (two real nodes)")
 
 
 @drill.command("campaign")

@@ -737,7 +737,71 @@ def rig_for(state_dir: Path, right_seconds: float, replicas: int, say: Say,
         api.close()
 
 
+@dataclass
+class Options:
+    """What :func:`run_drills` runs (the command-line flags of ``neonvm drill power-off``
+    and its siblings, and of ``python -m neonvm.drills.fencing``)."""
+
+    drills: list[str]
+    repeat: int = 1
+    right_seconds: float = 30.0
+    replicas: int = 3
+    seed: int | None = None
+    leader_kill: bool = True
+    fresh_vm: bool = False
+    reuse_images: bool = False
+    timeline: Path | None = None
+    json_path: Path | None = None
+
+
+def run_drills(state_dir: Path, opts: Options, say: Say) -> tuple[list[Result], dict[str, Any]]:
+    """Run ``opts.drills`` ``opts.repeat`` times on the two real nodes of ``state_dir``'s
+    cluster; the results and their :func:`summary` (also written to ``opts.json_path``)."""
+    seed = opts.seed if opts.seed is not None else random.randrange(1 << 30)
+    rng = random.Random(seed)
+    say(f"seed {seed}")
+    results: list[Result] = []
+    with rig_for(state_dir, opts.right_seconds, opts.replicas, say,
+                 opts.reuse_images) as rig:
+        wait_for(rig.leader, 120, "a leader")
+        vm = "fence-0"
+        create_vm(rig, vm)
+        wait_for(lambda: ready_pod(rig, vm), 300, f"VM {vm} Ready", interval=1.0)
+        say(f"VM {vm} Ready; rights URL {rig.rights_url}")
+        for i in range(opts.repeat):
+            for drill in opts.drills:
+                if opts.fresh_vm and results:
+                    # A new VM per drill: no restart streak (and its backoff) carried
+                    # over from the drills before.
+                    fleet.delete_vms(rig.api, rig.namespace, [vm])
+                    vm = f"fence-{len(results)}"
+                    create_vm(rig, vm)
+                    wait_for(functools.partial(ready_pod, rig, vm), 300, f"VM {vm} Ready",
+                             interval=1.0)
+                tl = None
+                if opts.timeline is not None and not results:
+                    tl = Timeline(f"self-fencing drill: {drill}, D = {opts.right_seconds:g} s",
+                                  1, lanes=LANES)
+                r = run_drill(rig, drill, vm, rng=rng, timeline=tl,
+                              kill_leader=opts.leader_kill)
+                results.append(r)
+                say(f"[{i + 1}/{opts.repeat}] {r.line()}")
+                if tl is not None and opts.timeline is not None:
+                    opts.timeline.write_text(render_svg(tl))
+                    say(f"timeline written to {opts.timeline}")
+        say(f"rights proxy: {rig.proxy.forwarded} connections forwarded, "
+            f"{rig.proxy.refused} refused")
+    out = summary(results)
+    if opts.json_path is not None:
+        opts.json_path.write_text(json.dumps({"seed": seed, "summary": out,
+                                              "runs": [r.__dict__ for r in results]},
+                                             indent=2))
+    return results, out
+
+
 def main(argv: list[str] | None = None) -> int:
+    """``python -m neonvm.drills.fencing``: the same drills as ``neonvm drill power-off``
+    and its siblings (neonvm/cli/drill.py), several in one run."""
     parser = argparse.ArgumentParser(
         prog="python -m neonvm.drills.fencing",
         description="Self-fencing drills on two real nodes (docs/drills.md).")
@@ -745,8 +809,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="a local cluster started with --real-nodes 2")
     parser.add_argument("--drill", action="append", choices=DRILLS, required=True)
     parser.add_argument("--repeat", type=int, default=1)
-    parser.add_argument("--right-seconds", type=float, default=10.0)
-    parser.add_argument("--replicas", type=int, default=2)
+    parser.add_argument("--right-seconds", type=float, default=30.0)
+    parser.add_argument("--replicas", type=int, default=3)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--no-leader-kill", action="store_true")
     parser.add_argument("--fresh-vm", action="store_true",
@@ -757,55 +821,25 @@ def main(argv: list[str] | None = None) -> int:
                         help="write the first drill's timeline SVG here")
     parser.add_argument("--json", type=Path, default=None, help="write results here")
     args = parser.parse_args(argv)
-
-    def interrupted(_signum: int, _frame: object) -> None:
-        raise KeyboardInterrupt
-    # Started in the background, SIGINT is ignored: SIGTERM cleans up as Ctrl-C does.
-    signal.signal(signal.SIGTERM, interrupted)
-    seed = args.seed if args.seed is not None else random.randrange(1 << 30)
-    rng = random.Random(seed)
+    install_sigterm()
 
     def say(msg: str) -> None:
         print(f"{time.strftime('%H:%M:%S')} {msg}", flush=True)
 
-    say(f"seed {seed}")
-    results: list[Result] = []
-    with rig_for(args.state_dir, args.right_seconds, args.replicas, say,
-                 args.reuse_images) as rig:
-        wait_for(rig.leader, 120, "a leader")
-        vm = "fence-0"
-        create_vm(rig, vm)
-        wait_for(lambda: ready_pod(rig, vm), 300, f"VM {vm} Ready", interval=1.0)
-        say(f"VM {vm} Ready; rights URL {rig.rights_url}")
-        for i in range(args.repeat):
-            for drill in args.drill:
-                if args.fresh_vm and results:
-                    # A new VM per drill: no restart streak (and its backoff) carried
-                    # over from the drills before.
-                    fleet.delete_vms(rig.api, rig.namespace, [vm])
-                    vm = f"fence-{len(results)}"
-                    create_vm(rig, vm)
-                    wait_for(functools.partial(ready_pod, rig, vm), 300, f"VM {vm} Ready",
-                             interval=1.0)
-                tl = None
-                if args.timeline is not None and not results:
-                    tl = Timeline(f"self-fencing drill: {drill}, D = {args.right_seconds:g} s",
-                                  1, lanes=LANES)
-                r = run_drill(rig, drill, vm, rng=rng, timeline=tl,
-                              kill_leader=not args.no_leader_kill)
-                results.append(r)
-                say(f"[{i + 1}/{args.repeat}] {r.line()}")
-                if tl is not None and args.timeline is not None:
-                    args.timeline.write_text(render_svg(tl))
-                    say(f"timeline written to {args.timeline}")
-        say(f"rights proxy: {rig.proxy.forwarded} connections forwarded, "
-            f"{rig.proxy.refused} refused")
-    out = summary(results)
+    results, out = run_drills(args.state_dir, Options(
+        drills=args.drill, repeat=args.repeat, right_seconds=args.right_seconds,
+        replicas=args.replicas, seed=args.seed, leader_kill=not args.no_leader_kill,
+        fresh_vm=args.fresh_vm, reuse_images=args.reuse_images, timeline=args.timeline,
+        json_path=args.json), say)
     print(json.dumps(out, indent=2))
-    if args.json is not None:
-        args.json.write_text(json.dumps({"seed": seed, "summary": out,
-                                         "runs": [r.__dict__ for r in results]}, indent=2))
     return 0 if all(r.ok for r in results) else 1
+
+
+def install_sigterm() -> None:
+    """Started in the background, SIGINT is ignored: SIGTERM cleans up as Ctrl-C does."""
+    def interrupted(_signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, interrupted)
 
 
 if __name__ == "__main__":
