@@ -1,124 +1,13 @@
 """Leader election on a ``coordination.k8s.io/v1`` Lease, with epochs and release on stop.
 
-Replicas of the controller campaign for one Lease (default ``neonvm-system/neonvm-controller``).
-The record is the one client-go keeps, so ``kubectl get lease -o yaml`` and other tools read
-it as usual: ``holderIdentity``, ``leaseDurationSeconds``, ``acquireTime``, ``renewTime``
-(MicroTime, ``2006-01-02T15:04:05.000000Z``) and ``leaseTransitions``. An acquisition is
-a ``replace`` carrying the ``resourceVersion`` that the decision was made from, so two
-candidates can never both succeed in writing themselves as holder over the same version.
-A holder's own writes (renewals, epoch raises, the release) are JSON patches whose
-``test`` operations require the Lease's uid, holder and epoch to be the term's
-(:func:`~neonvm.leader.lease_store.held_patch`).
-Storage sits behind :class:`~neonvm.leader.lease_store.LeaseStore` (get, create, CAS
-update, watch); :class:`~neonvm.leader.lease_store.KubernetesLeaseStore` is the real one.
-
-What is guaranteed
-------------------
-* **One holder per epoch.** A term starts with a compare-and-swap that sets
-  ``leaseTransitions`` to one more than the value it replaced, so every term has its own
-  epoch and a later term has a higher one. The epoch handed to ``on_started`` is that
-  ``leaseTransitions``. Identities are ``<hostname>_<random hex>``, unique per process
-  start, and a candidate that lost its term and wins again also bumps the counter, so an
-  epoch never names two terms.
-* **Epochs survive deletion of the Lease** when an :class:`EpochFloor` is given: before
-  ``on_started`` the elector claims its epoch in the floor (an atomic "store if greater")
-  and, while the floor refuses, raises ``leaseTransitions`` on its own Lease by CAS
-  (galloping: +1, +2, +4, ...) and claims again. Work only starts under an epoch the floor
-  accepted, so epochs increase across the Lease's whole history, not just its life.
-* **Expiry uses local monotonic time only.** A follower considers the Lease expired
-  ``leaseDurationSeconds`` after *it* last saw the holder's record change (the object's
-  uid or its ``spec``: a metadata-only change such as a step-down request is no
-  renewal), measured on ``time.monotonic()``. Remote ``renewTime`` values are written
-  for other tools and never read as times (only compared, as part of the spec, to see
-  that it changed), so wall-clock skew or jumps cannot shorten a term.
-* **A follower acts on a fresh read, never on a watch event.** Followers watch the Lease,
-  but an event only wakes the campaign early; what it then decides from is a direct
-  (quorum) read, and what it writes is a CAS on that read's ``resourceVersion``. A
-  follower also wakes at the instant its observed Lease expires (a timer at first-seen
-  plus lease duration, never earlier), not at its next poll. Losing the watch costs
-  speed, not safety: the poll every retry period remains.
-* **Renewals in flight.** The leader sends a renewal every ``retry_period`` by send time,
-  without waiting for the previous answer: each is a write conditional on the Lease's
-  uid, holder and epoch (``LeaseStore.renew``), not on the last ``resourceVersion``. The
-  first goes out a retry period after the acquisition was *sent*. So every renewal has
-  the whole ``renew_deadline`` to answer, and a term lasts while they do
-  (docs/leader-election.md, "Renewals in flight").
-* **The leader stops before its Lease can expire.** ``retry_period + renew_deadline``
-  after the *send time* of its last successful renewal (which is before the server wrote
-  it, so before any follower saw it), the leader gives up; the configuration requires
-  ``lease_duration > renew_deadline + retry_period``. :meth:`Leadership.check` enforces
-  this deadline by itself, from any thread, without waiting for the elector thread to notice: a
-  process that was paused while its clock ran (SIGSTOP, a long GC, an overloaded node)
-  fails ``check()`` the instant it resumes. Because ``retry_period + renew_deadline <
-  lease_duration`` and monotonic clocks advance at (nearly) the same rate everywhere, the
-  leader's belief ends before any follower may take over; the gap is the margin for
-  clock-rate drift and for time the leader's clock stood still. A clock frozen for longer
-  than that margin (machine suspend, a paused VM) is *not* covered: see "What is not
-  guaranteed".
-* **Graceful handover.** When ``stop`` is set (SIGTERM) or a step-down request names the
-  current term, the elector sets ``lost``, calls ``on_stopped``, waits (up to
-  ``shutdown_grace``) for the leader work to return, and only *then* releases the Lease
-  like client-go's ``ReleaseOnCancel``:
-  empty ``holderIdentity``, ``leaseDurationSeconds: 1``. Standbys take an empty Lease at
-  once, so handover takes about one retry period instead of a lease duration.
-* **One term's work at a time.** The elector does not campaign again before the last
-  term's work has returned, so two terms never run in one process. Renewals go on
-  while the epoch is claimed, and a term whose belief (``valid_until``) ran out before
-  its claim finished is not started; work may start with little belief left, which is
-  safe (it ends at ``valid_until`` like any other).
-* **A deleted Lease deposes its holder** at its next renewal (404, or 422 when a test of
-  the patch fails), and the next campaign re-creates it.
-* **A replica its epoch store refuses stops.** :class:`AccessRefused` from the floor
-  (checked every :data:`ACCESS_CHECK_PERIOD` and at each claim), once confirmed
-  :data:`ACCESS_CONFIRM_SECONDS` later, ends the term like a step-down, releases the
-  Lease once the work returned (or once an acquisition in flight answered), and is
-  raised out of :meth:`LeaderElector.run` (docs/leader-election.md, "A replica its etcd
-  refuses").
-* **A leader cut off the locks' etcd is asked to hand over.** The leading term keeps a
-  presence record in the floor's store (:class:`PresenceStore`); a standby that reads
-  that store and finds no presence of the holder's term for ``PRESENCE_GRACE_LEASES``
-  lease durations writes a step-down request naming it (docs/leader-election.md, "A
-  leader cut off the locks' etcd").
-* **Step-down is addressed.** ``neonvm leader step-down`` writes the annotation
-  :data:`STEP_DOWN_ANNOTATION` = ``{"holder": H, "epoch": E}`` by CAS on the version whose
-  holder it read. The holder acts only on a request naming its own identity *and* epoch;
-  a request for an earlier holder or term is ignored and removed by the next acquisition.
-
-What is not guaranteed
-----------------------
-* The election does **not** stop a paused or partitioned process from *acting*: a thread
-  that passed ``check()`` and is then paused can still send a request afterwards.
-  Safety comes from fencing downstream: the per-VM lock's token and every conditional
-  write that carries the epoch and is refused when a higher epoch was recorded. The
-  election gives progress and keeps two live leaders from fighting; fencing gives safety.
-* A leader whose monotonic clock stood still while real time passed (the machine
-  suspended, its VM paused) for longer than ``lease_duration - renew_deadline -
-  retry_period`` still passes ``check()`` after a follower took over, for up to
-  ``retry_period + renew_deadline`` of its own clock: two leaders act at once, and only
-  the fencing keeps that safe.
-* Work that ignores ``lost`` and never calls ``check()`` is not stopped: Python threads
-  cannot be killed. ``on_stopped`` is where the owner stops its workers; the elector waits
-  for the ``on_started`` thread before it releases, and does not release while it runs.
-* A SIGKILLed leader cannot release: the standbys wait for the lease to expire,
-  ``lease_duration`` after they first saw its last renewal (with the watch, a few
-  milliseconds after it was written).
-* Liveness needs the API server: with it down nobody leads, by design.
-* A Lease namespace that does not exist is a configuration error: the first campaign
-  raises :class:`LeaseNamespaceMissing` out of :meth:`LeaderElector.run` (the controller
-  logs it once and exits 1) instead of retrying every period. If the namespace is
-  deleted after this process has held the Lease, it says so once and keeps campaigning.
-
-Why not ``kubernetes.leaderelection``
--------------------------------------
-The official Python client has a port of client-go's elector, and we keep its shape
-(observed record + local observation time, try-acquire-or-renew, validation rule
-``renew_deadline > retry_period * 1.2``). We do not use it because it measures the renew
-deadline and lease expiry with ``time.time()`` (the wall clock: an NTP step can extend or
-cut a term), never increments ``leaseTransitions`` (so there is no epoch), has no release
-on shutdown, keeps running ``onstarted_leading`` after renewal failed (it only calls
-``onstopped_leading`` afterwards, with nothing telling the work to stop), reads and
-writes through the global default client, rejects retry periods under one second (our
-tests use 0.5 s), and calls ``sys.exit`` on bad configuration.
+Replicas campaign for one Lease whose record is client-go's, so other tools read it as
+usual; ``leaseTransitions`` is the term's epoch, kept increasing across the Lease's deletion
+by an :class:`EpochFloor`. Expiry is measured on this process's monotonic clock only; a
+follower decides from a fresh read and writes by CAS; the leader stops believing before
+its Lease can expire, stops its work, then releases. Storage is the
+:class:`~neonvm.leader.lease_store.LeaseStore` the caller passes in. What is guaranteed and
+what is not, the algorithm, the timing rules and why not ``kubernetes.leaderelection``:
+docs/leader-election.md.
 """
 
 from __future__ import annotations
@@ -487,7 +376,7 @@ class _Observation:
 
 
 class LeaderElector:
-    """Campaign for the Lease, lead while it is held, hand over on stop. See module doc.
+    """Campaign for the Lease, lead while it is held, hand over on stop (docs/leader-election.md).
 
     Callbacks: ``on_started(leadership)`` runs in its own thread at the start of each
     term. It may block until ``leadership.lost`` is set, or start workers and return;
