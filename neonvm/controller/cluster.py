@@ -184,7 +184,7 @@ class VMWriter:
 class KubeCluster(VMWriter):
     """:class:`Cluster` through raw REST calls (:func:`neonvm.kube.request`; what the
     controller ships): plain JSON in and out, none of the client's generated API classes
-    (importing one costs a replica about 20 MiB)."""
+    (importing one costs a replica memory: docs/benchmarks.md, "At scale")."""
 
     def list_pods(self, namespace: str, vm_name: str) -> list[dict[str, Any]]:
         body = kube.request(self._api, "GET", f"/api/v1/namespaces/{namespace}/pods",
@@ -207,8 +207,8 @@ class KubeCluster(VMWriter):
 
     def create_pod(self, namespace: str, manifest: dict[str, Any]) -> dict[str, Any]:
         # A raw request: the generated method validates the manifest into a typed model
-        # and the answer into another, then the caller wanted a dict again (about 2 ms
-        # of CPU per pod, under the GIL every worker shares). The API server validates
+        # and the answer into another, then the caller wanted a dict again (CPU under
+        # the GIL every worker shares). The API server validates
         # the pod; its answer is the JSON decoded as it came.
         return kube.request(self._api, "POST", f"/api/v1/namespaces/{namespace}/pods",
                             body=manifest, timeout=TIMEOUT)

@@ -1,34 +1,12 @@
-"""Hand the C heap's free pages back to the kernel, periodically.
+"""Hand the C heap's free pages back to the kernel, periodically (``malloc_trim``).
 
-A leader's memory is mostly what a burst of work left behind, not what it still uses:
-tracing the leader over a 2,000-VM burst found the live Python objects grew by about
-12 MiB while its resident memory grew by 146 MiB (docs/benchmarks.md, "At scale"). glibc
-keeps freed chunks for later allocations and returns the top of its heap only; pages
-freed in the middle stay resident until ``malloc_trim`` hands them back
-(``MADV_DONTNEED``). Python's own allocator (pymalloc) serves objects of up to 512 bytes
-from 256 KiB arenas that go back only when wholly empty, which a trim does not reach;
-larger objects (the caches' serialized copies, response bodies, strings) are glibc's.
-
-Measured at 5,000 VMs (docs/benchmarks.md), with two malloc arenas:
-
-- pymalloc, no trim: 289 MiB after the burst, peak 289 MiB;
-- pymalloc and this trimmer: 265 MiB, peak 277 MiB, the leader's CPU unchanged;
-- ``PYTHONMALLOC=malloc`` (every object glibc's, so a trim reaches all of it) and this
-  trimmer: 186 MiB after the burst, but the same peak (296 MiB) and 55% more CPU in the
-  leader. The chart keeps pymalloc: its memory limit has to hold the peak either way.
-
-Guarantees:
-
-- One trim per ``period`` seconds while :meth:`HeapTrimmer.run` runs, in its own thread;
-  a trim holds each malloc arena's lock only while it walks that arena.
-- On a C library without ``malloc_trim`` (musl, macOS) nothing is done, once logged.
-
-Not guaranteed:
-
-- That memory goes down: a trim returns only whole free pages; live objects, and pages
-  shared by a live chunk, stay.
-- That the peak goes down as much: memory that one burst needs at once is resident at
-  that moment whatever is trimmed after it.
+A leader's memory is mostly what a burst of work left behind: glibc keeps freed chunks and
+returns only the top of its heap, so pages freed in the middle stay resident until a trim
+hands them back; pymalloc's arenas (objects up to 512 bytes) are out of a trim's reach.
+One trim per ``period`` seconds in its own thread; on a C library without ``malloc_trim``
+nothing is done, once logged. A trim returns only whole free pages, and does not lower a
+burst's peak. What it was measured to save, and why the chart keeps pymalloc:
+docs/benchmarks.md ("At scale", the heap trimmer).
 """
 
 from __future__ import annotations

@@ -121,8 +121,8 @@ class ControllerConfig:
     plan_requeue_seconds: float = 2.0
     sweep_seconds: float = 300.0
     """Sweep the locks and runner pods of deleted VMs this often, stretched by up to a
-    quarter at random. Each sweep lists every pod and VM (metadata only): at 5,000 VMs,
-    sweeping every 30 s cost the leader more CPU than its workers. Leftovers are rare
+    quarter at random. Each sweep lists every pod and VM (metadata only), which at scale
+    costs the leader more than its workers do (docs/benchmarks.md, "At scale"). Leftovers are rare
     (the handler releases a deleted VM's lock; the garbage collector removes its pods),
     and they block nothing meanwhile."""
     orphan_grace_seconds: float = 30.0
@@ -137,8 +137,7 @@ class ControllerConfig:
     instead of this replica holding the Lease while reconciling nothing."""
     heap_trim_seconds: float = 10.0
     """Hand the C heap's free pages back to the kernel this often (0: never); see
-    :mod:`neonvm.controller.heap`. A trim of a 5,000-VM leader's heap takes a few
-    milliseconds."""
+    :mod:`neonvm.controller.heap`."""
     reconciler: ReconcilerConfig = field(default_factory=ReconcilerConfig)
     backoff: Backoff = field(default_factory=Backoff)
     stuck_backoff: Backoff = field(default_factory=lambda: Backoff(base=1.0, cap=300.0))
@@ -238,7 +237,7 @@ class LeaderTerm:
         self.vm_store = wiring.store()
         self.pod_store = wiring.store(index=pod_index)
         self.mid_plan = MidPlanSet(self.vm_store, self.pod_store.by_index)
-        # Raw listers (no generated API classes: about 20 MiB a replica; kube.Lister).
+        # Raw listers (no generated API classes, docs/benchmarks.md; kube.Lister).
         vms_path = f"/apis/{types.GROUP}/{types.VERSION}/{types.PLURAL}"
         pods_path = "/api/v1/pods"
         if ns:

@@ -3,9 +3,9 @@
 Every ``--plan-requeue`` seconds the leader requeues each cached VM that
 :func:`~neonvm.controller.scan.looks_mid_plan` (docs/reconciler.md, "Progress without
 events"). Deciding that for the whole cache at every scan decoded every cached VM and its
-pods every two seconds: at 5,000 VMs, about a sixth of the leader's CPU, under the GIL
-its workers share. :class:`MidPlanSet` decides it again only for the VMs whose cached
-copy, or one of whose cached pods, changed since the last scan.
+pods every two seconds, a large share of the leader's CPU at scale, under the GIL its
+workers share (docs/benchmarks.md, "At scale"). :class:`MidPlanSet` decides it again only
+for the VMs whose cached copy, or one of whose cached pods, changed since the last scan.
 
 Guarantees:
 

@@ -136,7 +136,7 @@ class Sweeps:
 
     def _pod_candidates(self) -> list[tuple[str, str, str, str]]:
         # Each page is cut down to the few fields the sweep reads as it arrives: a
-        # metadata-only pod still carries its managedFields (about 16 KiB as dicts), so
+        # metadata-only pod still carries its managedFields (docs/benchmarks.md), so
         # holding the whole list would be the largest allocation the leader makes.
         return [candidate for item in iter_items(self._list_pods, metadata_only=True)
                 if (candidate := _orphan_candidate(item)) is not None]

@@ -141,7 +141,7 @@ class LeaseClient:
 
     Plain dicts (raw REST calls through :mod:`neonvm.kube`) keep the times exactly as
     the server wrote them, let us send MicroTime strings in the canonical format, and
-    load none of the generated API classes (about 20 MiB in every replica).
+    load none of the generated API classes (their memory: docs/benchmarks.md).
     """
 
     def __init__(self, api: client.ApiClient, namespace: str, name: str) -> None:
