@@ -24,6 +24,14 @@ from kubernetes import client
 
 from neonvm import kube
 from neonvm.dev.cluster import ClusterSpec, LocalCluster
+from neonvm.invariant import InvariantChecker
+
+# Fixtures several test files share, defined next to their helpers in tests/support/.
+from tests.support.chart import helm  # noqa: F401  (fixtures)
+from tests.support.failover import prefix, replicas  # noqa: F401  (fixtures)
+from tests.support.neonvm_manifests import autoscale_scheduler  # noqa: F401  (fixtures)
+from tests.support.runner import start_runner, test_guest  # noqa: F401  (fixtures)
+from tests.support.runner_scaling import qmp_loop  # noqa: F401  (fixtures)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -96,3 +104,12 @@ def held() -> Iterator[list[socket.socket]]:
     yield sockets
     for sock in sockets:
         sock.close()
+
+
+@pytest.fixture
+def checker(api: client.ApiClient, namespace: str) -> Iterator[InvariantChecker]:
+    """Fails the test if any pod list ever showed two live runner pods for one VM."""
+    with InvariantChecker(api, namespace, interval=0.02) as c:
+        yield c
+    assert c.report.samples > 0
+    assert c.report.strict == [], f"two live runner pods at once: {c.report.strict}"

@@ -3,25 +3,16 @@
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 from kubernetes import client
 
 from neonvm import manifests
 from neonvm.api import crd, schema, types
 from neonvm.api.millicpu import MilliCPU, MilliCPUError
 from neonvm.api.schema import DecodeError, decode, encode
-
-SAMPLE = Path(__file__).resolve().parent.parent / "examples" / "vm-deploy.yaml"
-
-
-def sample_vm(name: str = "postgres14-disk-test") -> dict[str, Any]:
-    obj: dict[str, Any] = yaml.safe_load(SAMPLE.read_text())
-    obj["metadata"] = {"name": name}
-    return obj
+from tests.support.api import sample_vm
 
 
 @pytest.mark.unit

@@ -52,7 +52,7 @@ from neonvm.dev import binaries
 from neonvm.dev.cluster import LocalCluster, free_port
 from neonvm.leader.etcd import Etcd, EtcdConfig, EtcdError
 from tests.support import wait_for
-from tests.test_chart import CHART, HA_TLS_VALUES, Helm, Rendered, _restricted_namespace
+from tests.support.chart import CHART, HA_TLS_VALUES, Helm, Rendered, _restricted_namespace
 
 HELMS = ("helm", "helm3")
 

@@ -27,8 +27,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from neonvm.controller.informer import RUNNER_PORT_NAME
 from neonvm.controller.metrics import ControllerMetrics
 from neonvm.leader.election import ElectionMetrics
-from tests.test_chart import STANDARD_LABELS, Helm, helm  # noqa: F401  (the fixture)
-from tests.test_metrics import dashboard_queries, selectors
+from tests.support.chart import STANDARD_LABELS, Helm
+from tests.support.metrics import dashboard_queries, selectors
 
 pytestmark = pytest.mark.unit
 
@@ -37,7 +37,7 @@ OPT_INS = ("metrics.podMonitor.enabled=true", "metrics.prometheusRule.enabled=tr
 
 
 def test_the_controller_port_is_named_metrics_and_everything_uses_that_name(
-        helm: Helm) -> None:  # noqa: F811
+        helm: Helm) -> None:
     rendered = helm.template("nvm", "ops")
     container = rendered.one("Deployment")["spec"]["template"]["spec"]["containers"][0]
     assert [p["name"] for p in container["ports"]] == ["metrics"]
@@ -48,7 +48,7 @@ def test_the_controller_port_is_named_metrics_and_everything_uses_that_name(
 
 
 def test_the_monitoring_objects_are_opt_in_and_carry_the_standard_labels(
-        helm: Helm) -> None:  # noqa: F811
+        helm: Helm) -> None:
     kinds = {o["kind"] for o in helm.template("nvm", "ops").objects}
     assert not kinds & {"PodMonitor", "PrometheusRule", "ConfigMap"}
     rendered = helm.template("nvm", "ops", sets=OPT_INS)
@@ -57,7 +57,7 @@ def test_the_monitoring_objects_are_opt_in_and_carry_the_standard_labels(
         assert [k for k in STANDARD_LABELS if k not in labels] == [], kind
 
 
-def test_the_pod_monitor_scrapes_the_runner_port_of_runner_pods(helm: Helm) -> None:  # noqa: F811
+def test_the_pod_monitor_scrapes_the_runner_port_of_runner_pods(helm: Helm) -> None:
     rendered = helm.template("nvm", "ops", sets=(
         "metrics.podMonitor.enabled=true", "metrics.podMonitor.labels.release=prom"))
     monitor = rendered.one("PodMonitor")
@@ -96,7 +96,7 @@ def served_families() -> dict[str, set[str]]:
     return names
 
 
-def test_the_alert_rules_select_series_the_controller_serves(helm: Helm) -> None:  # noqa: F811
+def test_the_alert_rules_select_series_the_controller_serves(helm: Helm) -> None:
     rule = helm.template("nvm", "ops", sets=("metrics.prometheusRule.enabled=true",)
                          ).one("PrometheusRule")
     served = served_families()
@@ -114,7 +114,7 @@ def test_the_alert_rules_select_series_the_controller_serves(helm: Helm) -> None
                for g in custom.one("PrometheusRule")["spec"]["groups"] for r in g["rules"])
 
 
-def test_the_alert_rules_pass_promtool(helm: Helm, tmp_path: Path) -> None:  # noqa: F811
+def test_the_alert_rules_pass_promtool(helm: Helm, tmp_path: Path) -> None:
     promtool = shutil.which("promtool")
     if promtool is None:
         pytest.skip("no promtool on the PATH (apt-get install prometheus)")
@@ -129,7 +129,7 @@ def test_the_alert_rules_pass_promtool(helm: Helm, tmp_path: Path) -> None:  # n
 
 
 def test_the_dashboard_configmap_holds_the_shipped_dashboard_for_the_sidecar(
-        helm: Helm) -> None:  # noqa: F811
+        helm: Helm) -> None:
     rendered = helm.template("nvm", "ops", sets=("metrics.dashboard.enabled=true",
                                                  "metrics.dashboard.namespace=grafana"))
     config = rendered.one("ConfigMap")

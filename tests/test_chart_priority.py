@@ -14,13 +14,13 @@ import pytest
 from kubernetes import client
 
 from neonvm import kube
-from tests.test_chart import Helm, helm  # noqa: F401  (the fixture)
+from tests.support.chart import Helm
 
 APF = "/apis/flowcontrol.apiserver.k8s.io/v1"
 DRY_RUN = [("dryRun", "All"), ("fieldValidation", "Strict")]
 
 
-def test_the_objects_are_rendered_by_default_and_can_be_turned_off(helm: Helm) -> None:  # noqa: F811
+def test_the_objects_are_rendered_by_default_and_can_be_turned_off(helm: Helm) -> None:
     rendered = helm.template("neonvm-controller", "neonvm-system")
     level = rendered.one("PriorityLevelConfiguration")
     schema = rendered.one("FlowSchema")
@@ -42,7 +42,7 @@ def _create(api: client.ApiClient, path: str, obj: dict[str, Any]) -> dict[str, 
 
 @pytest.mark.cluster
 def test_the_api_server_accepts_the_objects_as_rendered(
-        helm: Helm, api: client.ApiClient, namespace: str) -> None:  # noqa: F811
+        helm: Helm, api: client.ApiClient, namespace: str) -> None:
     """Server-side validation (a dry-run create) of both objects, as the chart renders
     them for a release in ``namespace``.
 

@@ -8,12 +8,12 @@ from __future__ import annotations
 import pytest
 
 from neonvm import manifests
-from tests.test_chart import Helm, helm  # noqa: F401  (the fixture)
+from tests.support.chart import Helm
 
 ON = ("controller.rightSeconds=30", "controller.rightsPort=8090")
 
 
-def test_self_fencing_is_off_by_default_and_adds_nothing(helm: Helm) -> None:  # noqa: F811
+def test_self_fencing_is_off_by_default_and_adds_nothing(helm: Helm) -> None:
     rendered = helm.template("nvm", "ops")
     assert "--right-seconds=0" in rendered.container["args"]
     assert not any(a.startswith("--rights-") for a in rendered.container["args"])
@@ -23,7 +23,7 @@ def test_self_fencing_is_off_by_default_and_adds_nothing(helm: Helm) -> None:  #
 
 @pytest.mark.parametrize("watch", ["", "vms"])
 def test_with_a_right_the_leader_serves_it_behind_a_service_it_points_at_itself(
-        helm: Helm, watch: str) -> None:  # noqa: F811
+        helm: Helm, watch: str) -> None:
     sets = (*ON, f"controller.watchNamespace={watch}") if watch else ON
     helm.run("lint", "--strict", str(manifests.CHART_DIR), "--set", ",".join(sets))
     rendered = helm.template("nvm", "ops", sets=sets)
@@ -58,11 +58,11 @@ def test_with_a_right_the_leader_serves_it_behind_a_service_it_points_at_itself(
         assert binding["subjects"][0]["name"] == rendered.pod_spec["serviceAccountName"]
 
 
-def test_a_negative_right_is_refused_by_the_schema(helm: Helm) -> None:  # noqa: F811
+def test_a_negative_right_is_refused_by_the_schema(helm: Helm) -> None:
     assert "rightSeconds" in helm.template_fails("--set", "controller.rightSeconds=-1")
 
 
-def test_the_rights_url_names_the_clusters_dns_domain(helm: Helm) -> None:  # noqa: F811
+def test_the_rights_url_names_the_clusters_dns_domain(helm: Helm) -> None:
     sets = (*ON, "controller.clusterDomain=corp.example")
     args = helm.template("nvm", "ops", sets=sets).container["args"]
     url = next(a for a in args if a.startswith("--rights-url="))
@@ -77,7 +77,7 @@ def test_the_rights_url_names_the_clusters_dns_domain(helm: Helm) -> None:  # no
 
 @pytest.mark.parametrize("port", [8090, 1, 65535])
 def test_the_rights_port_admits_runner_pods_only_and_every_other_port_stays_open(
-        helm: Helm, port: int) -> None:  # noqa: F811
+        helm: Helm, port: int) -> None:
     """Any pod could otherwise flood the leader's rights endpoint (docs/security.md,
     "Rights endpoint"); health and metrics must stay reachable."""
     sets = ("controller.rightSeconds=30", f"controller.rightsPort={port}")
@@ -105,7 +105,7 @@ def test_the_rights_port_admits_runner_pods_only_and_every_other_port_stays_open
 
 
 def test_the_rights_policy_is_off_with_self_fencing_or_when_turned_off(
-        helm: Helm) -> None:  # noqa: F811
+        helm: Helm) -> None:
     for sets in ((), (*ON, "controller.rightsNetworkPolicy=false")):
         rendered = helm.template("nvm", "ops", sets=sets)
         assert not [o for o in rendered.all("NetworkPolicy")

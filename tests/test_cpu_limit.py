@@ -33,8 +33,7 @@ from neonvm.runner.cpulimit import (
     wanted_millicpu,
 )
 from tests.support import wait_for
-from tests.test_runner import start_runner, test_guest  # noqa: F401 (fixtures)
-from tests.test_runner_scaling import TOKEN, put_scale
+from tests.support.runner_scaling import TOKEN, put_scale
 
 HYBRID = """9:name=systemd:/kubepods/pod1/c1
 4:memory:/kubepods/pod1/c1
@@ -147,7 +146,7 @@ def test_a_process_is_capped_at_use_and_the_cap_follows_the_annotation(
 
 @pytest.mark.long
 def test_qemu_is_capped_at_use_and_follows_a_live_scale_with_the_same_qemu(
-        start_runner: Any, tmp_path: Path) -> None:  # noqa: F811
+        start_runner: Any, tmp_path: Path) -> None:
     why = writable_cgroup()
     if why is not None:
         pytest.skip(why)

@@ -15,13 +15,12 @@ from kubernetes import client
 
 from neonvm.controller import actions as act
 from neonvm.invariant import InvariantChecker
+from tests.support import CountingAuthority
 from tests.support.harness import get_vm, runner_pods
-from tests.test_reconcile import FrozenCache, checker, condition, create_vm, finish, settle
-from tests.test_reconcile_observe import CountingAuthority, Recording
+from tests.support.reconcile import FrozenCache, condition, create_vm, finish, settle
+from tests.support.reconcile_observe import Recording
 
 pytestmark = pytest.mark.cluster
-
-__all__ = ["checker"]
 
 
 def test_conditions_after_a_write_from_the_cache_are_written_without_a_direct_read(

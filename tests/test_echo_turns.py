@@ -21,7 +21,7 @@ from neonvm.controller import actions as act
 from neonvm.controller.handler import cache_behind
 from neonvm.controller.reconciler import ReconcileResult, Seen
 from neonvm.controller.workqueue import WorkQueue
-from tests.test_handler import KEY, World
+from tests.support.handler import KEY, World
 
 pytestmark = pytest.mark.unit
 

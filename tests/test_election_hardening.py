@@ -39,7 +39,7 @@ from neonvm.leader.etcd import Etcd, EtcdConfig
 from neonvm.leader.lease_store import KubernetesLeaseStore, LeaseConflict, LeaseNotFound
 from neonvm.leader.lock import Installation, LockTable
 from tests.support import wait_for
-from tests.test_election_store import FakeClock, FakeLeaseStore
+from tests.support.election import FakeClock, FakeLeaseStore
 
 # ---- F6: an exception after the reconcile does not kill the worker ------------------------
 

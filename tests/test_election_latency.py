@@ -29,7 +29,7 @@ import pytest
 
 from neonvm.leader.election import ElectionConfig, EndReason, LeaderElector, Leadership
 from neonvm.leader.lease_store import LeaseRecord
-from tests.test_election_store import FakeLeaseStore
+from tests.support.election import FakeLeaseStore
 
 pytestmark = pytest.mark.unit
 

@@ -54,6 +54,7 @@ from neonvm.leader.lock import (
 )
 from neonvm.leader.session import Session
 from tests.support import etcd_answers, private_etcd, wait_for
+from tests.support.etcd_faults import _Failure
 
 NEONVM = [sys.executable, "-m", "neonvm"]
 RESET = "Stream removed (Data frame with END_STREAM flag received) " \
@@ -62,20 +63,6 @@ RESET = "Stream removed (Data frame with END_STREAM flag received) " \
 
 
 # ---- the mapping (pure logic) -------------------------------------------------------------
-
-
-class _Failure(grpc.RpcError):
-    """A gRPC call's failure as the client library raises it (code and details)."""
-
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(details)
-        self._code, self._details = code, details
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return self._details
 
 
 @pytest.mark.unit

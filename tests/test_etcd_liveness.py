@@ -63,9 +63,9 @@ from neonvm.leader.etcd import (
 from neonvm.leader.lease_store import LeaseConflict
 from neonvm.leader.lock import Installation
 from tests.support import FAST, PrivateEtcd, private_etcd, wait_for
+from tests.support.election import FakeClock, FakeLeaseStore, held_by
+from tests.support.etcd_faults import _Failure
 from tests.support.harness import converged, create_vm, runner_pods
-from tests.test_election_store import FakeClock, FakeLeaseStore, held_by
-from tests.test_etcd_faults import _Failure
 
 LEASE = "neonvm-controller"
 

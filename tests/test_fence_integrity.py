@@ -230,14 +230,6 @@ def test_the_condition_turns_false_once_a_reconcile_gets_past_the_fence() -> Non
 # ---- real server: a planted pod is not adopted -------------------------------------------
 
 
-@pytest.fixture
-def checker(api: client.ApiClient, namespace: str) -> Iterator[InvariantChecker]:
-    with InvariantChecker(api, namespace, interval=0.02) as c:
-        yield c
-    assert c.report.samples > 0
-    assert c.report.strict == [], f"two live runner pods at once: {c.report.strict}"
-
-
 def plant(controller_api: client.ApiClient, namespace: str, vm: dict[str, Any],
           name: str) -> str:
     """A runner pod under ``name``: gated, labelled and owned by the VM, as a user would

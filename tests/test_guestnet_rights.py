@@ -13,6 +13,7 @@ import pytest
 from neonvm.runner.guestnet import DEFAULT_GUEST_NETWORK, Blocked, frame_verdict
 from neonvm.runner.right import rights_blocked
 from tests.rights_support import ShippedLeader
+from tests.support.runner_right import NAMESPACE, TOKEN, UID, VM
 from tests.test_guest_isolation import (
     ACK,
     ECHO,
@@ -26,7 +27,6 @@ from tests.test_guest_isolation import (
     tcp,
     udp,
 )
-from tests.test_runner_right import NAMESPACE, TOKEN, UID, VM
 
 RIGHTS4 = ipaddress.ip_address("10.96.12.34")  # a Service's cluster IP
 RIGHTS6 = ipaddress.ip_address("fd00:10:96::1234")

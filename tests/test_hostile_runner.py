@@ -28,7 +28,8 @@ from neonvm.controller.observe import Snapshot
 from neonvm.controller.scaling import RunnerScaling, ScalingError
 from tests.hostile_runners import GIB, HonestRunner, HostileRunner, RecordingServer
 from tests.support import wait_for
-from tests.test_scaling_decide import obs, scale_plan, vm
+from tests.support.hostile_runner import _pod_running, condition, scalable_vm
+from tests.support.scaling_decide import obs, scale_plan, vm
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -63,7 +64,7 @@ sys.path.insert(0, {repo!r})
 from kubernetes import client
 from neonvm.controller.observe import Snapshot
 from neonvm.controller.scaling import RunnerScaling
-from tests.test_scaling_decide import obs, scale_plan, vm
+from tests.support.scaling_decide import obs, scale_plan, vm
 
 def hwm_kib():
     for line in open("/proc/self/status"):
@@ -217,7 +218,7 @@ def test_a_put_answered_with_a_redirect_ends_the_reconcile_degraded_after_one_pu
         recorder: RecordingServer) -> None:
     # GET /scale answers as a runner does; PUT /scale answers 307 elsewhere.
     from tests.support.authority import StaticAuthority
-    from tests.test_scaling_controller import _running_on, set_use, status_of
+    from tests.support.scaling_controller import _running_on, set_use, status_of
 
     runner = HonestRunner(put_redirect=recorder.url)
     try:
@@ -237,43 +238,6 @@ def test_a_put_answered_with_a_redirect_ends_the_reconcile_degraded_after_one_pu
         runner.close()
 
 
-def _pod_running(api: client.ApiClient, namespace: str, name: str) -> bool:
-    """Plays the kubelet once the VM's pod is started: Running on 127.0.0.1 (the VM's
-    ``runnerPort`` is its runner's port on loopback). True once done."""
-    from tests.support.harness import get_vm, is_gated, runner_pods
-
-    raw = get_vm(api, namespace, name) or {}
-    status = raw.get("status") or {}
-    pods = runner_pods(api, namespace, name)
-    if (len(pods) != 1 or pods[0].metadata.name != status.get("podName") or is_gated(pods[0])
-            or not status.get("scalingTokenSecret")):
-        return False
-    if pods[0].status.phase != "Running":
-        client.CoreV1Api(api).patch_namespaced_pod_status(pods[0].metadata.name, namespace, {
-            "status": {"phase": "Running", "podIP": "127.0.0.1",
-                       "podIPs": [{"ip": "127.0.0.1"}]}})
-    return True
-
-
-def scalable_vm(api: client.ApiClient, namespace: str, name: str, port: int) -> None:
-    from tests.support.harness import create_vm
-    from tests.test_scaling_controller import NOWHERE
-
-    create_vm(api, namespace, name, spec={
-        "nodeSelector": NOWHERE, "runnerPort": port,
-        "guest": {"cpus": {"min": 1, "max": 2, "use": 1},
-                  "memorySlots": {"min": 1, "max": 2, "use": 1}, "memorySlotSize": "1Gi",
-                  "rootDisk": {"image": "/nonexistent.raw"}}})
-
-
-def condition(api: client.ApiClient, namespace: str, name: str,
-              type_: str) -> dict[str, Any] | None:
-    from tests.test_scaling_controller import status_of
-
-    return next((c for c in status_of(api, namespace, name).get("conditions") or []
-                 if c["type"] == type_), None)
-
-
 def peak_rss_mib(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
@@ -286,7 +250,7 @@ def test_hostile_runners_fail_while_an_honest_vm_keeps_converging(
         cluster: Any, api: client.ApiClient, namespace: str, tmp_path: Path,
         recorder: RecordingServer) -> None:
     from tests.support import replica_group
-    from tests.test_scaling_controller import set_use, status_of
+    from tests.support.scaling_controller import set_use, status_of
 
     attacks = {
         "big": hostile("big_body", body_bytes=GIB),

@@ -32,7 +32,6 @@ from neonvm.cli import main
 from neonvm.controller.reasons import WAITING_FOR_OLD_POD
 from neonvm.dev import nodes
 from neonvm.dev.cluster import LocalCluster
-from neonvm.invariant import InvariantChecker
 from tests.support import FAST, wait_for
 from tests.support.harness import Replicas, converged, create_vm, get_vm, is_gated
 
@@ -314,15 +313,6 @@ def controller(
         yield group
         for r in group:  # shown by pytest only when the test failed
             print(f"---- {r.name} (exit {r.exit_code()}) ----\n{r.log()[-20000:]}")
-
-
-@pytest.fixture
-def checker(api: client.ApiClient, namespace: str) -> Iterator[InvariantChecker]:
-    """Fails the test if any pod list ever showed two live runner pods for one VM."""
-    with InvariantChecker(api, namespace, interval=0.02) as c:
-        yield c
-    assert c.report.samples > 0
-    assert c.report.strict == [], f"two live runner pods at once: {c.report.strict}"
 
 
 def running_runner(api: client.ApiClient, namespace: str, vm: str) -> str:

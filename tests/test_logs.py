@@ -17,7 +17,7 @@ from loguru import logger
 from neonvm import logs
 from neonvm.controller import actions as act
 from neonvm.controller.reconciler import ReconcileResult
-from tests.test_handler import World
+from tests.support.handler import World
 
 pytestmark = pytest.mark.unit
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import re
 import shutil
 import socket
 import subprocess
@@ -40,11 +39,9 @@ from neonvm.controller.workqueue import WorkQueue
 from neonvm.dev import binaries
 from neonvm.dev.cluster import LocalCluster
 from tests.support import health_port, replica_group, wait_for
+from tests.support.chart import Helm
 from tests.support.harness import converged, create_vm, get_vm, runner_pods
-from tests.test_chart import Helm
-
-CHART = Path(__file__).resolve().parents[1] / "charts" / "neonvm-controller"
-DASHBOARD = CHART / "files" / "dashboard.json"
+from tests.support.metrics import dashboard_queries, selectors
 
 NEONVM_DASHBOARD_QUERIES = [
     # neonvm/grafana/controller-runtime-metrics.json (neondatabase/autoscaling), panels
@@ -335,36 +332,6 @@ def scraped(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory
 def scrape(port: int) -> str:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
         return str(resp.read().decode())
-
-
-KEYWORDS = {"by", "without", "on", "ignoring", "and", "or", "unless", "bool", "offset",
-            "group_left", "group_right"}
-
-
-def selectors(query: str) -> list[tuple[str, set[str]]]:
-    """The metric names a query selects, each with the label names it matches on or
-    groups by (Prometheus's target labels job, namespace, pod, instance left out)."""
-    text = re.sub(r'"[^"]*"', '""', query)
-    text = re.sub(r"\[[^\]]*\]", "", text)  # range selectors: [5m]
-    grouped = {label.strip() for by in re.findall(r"by \(([^)]*)\)", text)
-               for label in by.split(",")}
-    text = re.sub(r"by \([^)]*\)", "", text)
-    found = []
-    for match in re.finditer(r"([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?", text):
-        if text[match.end():].lstrip().startswith("(") or match.group(1) in KEYWORDS:
-            continue  # a function or an aggregation
-        labels = set(re.findall(r"([a-z_]+)\s*=~?", match.group(2) or "")) | grouped
-        found.append((match.group(1), labels - {"job", "namespace", "pod", "instance", "le"}))
-    return found
-
-
-def dashboard_queries() -> list[str]:
-    board = json.loads(DASHBOARD.read_text())
-    found = []
-    for row in board["panels"]:
-        for panel in [row, *row.get("panels", [])]:
-            found += [t["expr"] for t in panel.get("targets", [])]
-    return found
 
 
 @pytest.mark.cluster

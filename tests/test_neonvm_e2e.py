@@ -29,7 +29,6 @@ from kubernetes import client
 from neonvm.dev.cluster import LocalCluster
 from tests.kuttl import Runner, StepResult, is_subset, load_test
 from tests.support import replica_group, wait_for
-from tests.test_neonvm_manifests import autoscale_scheduler  # noqa: F401  (a fixture)
 
 SUITE = Path(__file__).resolve().parent / "neonvm_manifests" / "autoscaling" / "tests" / "e2e"
 TESTS = sorted(p.name for p in SUITE.iterdir() if p.is_dir())
@@ -86,7 +85,7 @@ def check_reach(test: str, results: list[StepResult], reach: tuple[int | None, s
 
 @pytest.fixture
 def e2e(cluster: LocalCluster, api: client.ApiClient, namespace: str, tmp_path: Path,
-        autoscale_scheduler: str) -> Iterator[tuple[LocalCluster, client.ApiClient, str, Path]]:  # noqa: F811
+        autoscale_scheduler: str) -> Iterator[tuple[LocalCluster, client.ApiClient, str, Path]]:
     yield cluster, api, namespace, tmp_path
 
 

@@ -17,10 +17,6 @@ fields that never change after creation, reserved disk and port names
 from __future__ import annotations
 
 import json
-import os
-import signal
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,18 +28,17 @@ from neonvm import kube
 from neonvm.api import compat, types
 from neonvm.api.millicpu import MilliCPU
 from neonvm.controller.podspec import NEONVM_KVM_RESOURCE, PodDefaults, runner_pod
-from neonvm.dev.cluster import LocalCluster, free_port
+from neonvm.dev.cluster import LocalCluster
 from neonvm.runner.qemu import build_launch_plan
 from tests.support import replica_group, wait_for
 from tests.support.harness import get_vm, runner_pods, vm_manifest
-from tests.test_runner import context, kernel_spec, option_values, spec_of
+from tests.support.runner import context, kernel_spec, option_values, spec_of
 
 HERE = Path(__file__).resolve().parent / "neonvm_manifests"
 RUNNABLE = sorted(str(p.relative_to(HERE)) for p in HERE.rglob("*.yaml")
                   if "VirtualMachineMigration" not in p.read_text()
                   and p.relative_to(HERE).parts[0] != "autoscaling")
 """Not ``autoscaling/``: NeonVM's whole e2e suite, verbatim, run by test_neonvm_e2e.py."""
-SCHEDULER = "autoscale-scheduler"
 
 
 class _KubectlLoader(yaml.SafeLoader):
@@ -85,33 +80,6 @@ def refusal(api: client.ApiClient, method: str, path: str, body: Any,
 def vm_path(namespace: str, name: str = "") -> str:
     base = f"/apis/{types.GROUP}/{types.VERSION}/namespaces/{namespace}/{types.PLURAL}"
     return f"{base}/{name}" if name else base
-
-
-@pytest.fixture(scope="module")
-def autoscale_scheduler(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory
-                        ) -> Iterator[str]:
-    """A kube-scheduler whose one profile is named ``autoscale-scheduler``."""
-    if cluster.spec.nodes == 0:
-        pytest.skip("needs simulated nodes (NEONVM_TEST_NODES > 0)")
-    work = tmp_path_factory.mktemp("autoscale-scheduler")
-    kubeconfig = cluster.kubeconfig_for("scheduler")
-    config = work / "config.yaml"
-    config.write_text(yaml.safe_dump({
-        "apiVersion": "kubescheduler.config.k8s.io/v1", "kind": "KubeSchedulerConfiguration",
-        "clientConnection": {"kubeconfig": str(kubeconfig)},
-        "leaderElection": {"leaderElect": False},
-        "profiles": [{"schedulerName": SCHEDULER}]}))
-    binary = next(Path(os.path.expanduser("~/.cache/neonvm/bin")).glob(
-        "kubernetes-*/kube-scheduler"))
-    name = f"autoscale-scheduler-{uuid.uuid4().hex[:6]}"
-    pid = cluster.start_process(name, [
-        str(binary), f"--config={config}", f"--authentication-kubeconfig={kubeconfig}",
-        f"--authorization-kubeconfig={kubeconfig}", "--bind-address=127.0.0.1",
-        f"--secure-port={free_port()}", f"--cert-dir={work / 'serving'}", "--v=1"], {})
-    try:
-        yield SCHEDULER
-    finally:
-        os.kill(pid, signal.SIGTERM)
 
 
 # ---- NeonVM's manifests, as they are ---------------------------------------------------------

@@ -15,7 +15,7 @@ import pytest
 from kubernetes import client
 
 from neonvm.api import types
-from tests.test_api import sample_vm
+from tests.support.api import sample_vm
 
 BAD = ["0", "-1", "0m", "0.0001", "10001m", "11", "1e3", "1E", 1000000000, -2]
 GOOD = ["0.001", "1m", "0.5", 1, "1.5", "1250m", "10", "1e1"]

@@ -14,14 +14,12 @@ import gzip
 import hashlib
 import io
 import json
-import os
 import subprocess
 import tarfile
 import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any
 
 import pytest
 from kubernetes import client
@@ -29,24 +27,13 @@ from kubernetes import client
 from neonvm.dev import binaries, realnode
 from neonvm.dev.cluster import LocalCluster
 from tests.support import wait_for
-
-
-def _skip_reason(default: bool = False) -> str | None:
-    """Why a real-node test does not run here, or None. ``default`` tests run unless
-    ``NEONVM_TEST_REAL_NODE=0``, but only on binaries already built (a cold build takes
-    many minutes; the test command builds them first); the others need ``=1``."""
-    wanted = os.environ.get("NEONVM_TEST_REAL_NODE")
-    if wanted == "0":
-        return "real node turned off (NEONVM_TEST_REAL_NODE=0)"
-    if wanted != "1" and not default:
-        return "real node not requested (set NEONVM_TEST_REAL_NODE=1; see docs/real-node.md)"
-    problem = realnode.unavailable_reason()
-    if problem:
-        return f"a real node cannot start on this host: {problem}"
-    if wanted != "1" and not realnode.built():
-        return ("the real node's binaries are not built (bash scripts/test.sh or "
-                "neonvm dev install --real-nodes builds them)")
-    return None
+from tests.support.real_node import (
+    _images_skip_reason,
+    _PodEvents,
+    _print_pods_and_events,
+    _skip_reason,
+    _started_node_with_images,
+)
 
 
 @pytest.mark.cluster
@@ -153,36 +140,6 @@ def test_oci_archive_is_reproducible_and_names_both_images(tmp_path: Path) -> No
 
 
 # ---- the images of `neonvm dev images` on the real node ----------------------------------
-
-
-def _images_skip_reason(default: bool = False) -> str | None:
-    from neonvm.dev import images
-
-    reason = _skip_reason(default)
-    if reason:
-        return reason
-    problem = images.unavailable_reason()
-    return f"images cannot be built here: {problem}" if problem else None
-
-
-def _started_node_with_images(cluster: LocalCluster,
-                              names: tuple[str, ...]) -> tuple[realnode.RealNode, list[str]]:
-    """Build the images (cached after the first time), start a real node and import
-    their OCI archives into its containerd, as `ctr images import` does."""
-    from neonvm.controller import podspec
-    from neonvm.dev import images
-
-    realnode.build()
-    built = images.build(names)
-    if "runner" in names:
-        assert podspec.DEFAULT_RUNNER_IMAGE in [b.reference for b in built]
-    node = realnode.RealNode(cluster, 0)
-    node.start()
-    for image in built:
-        node.ctr("images", "import", "--platform", "linux/amd64", str(image.archive),
-                 timeout=600)
-        assert image.reference in node.ctr("images", "ls", "-q").split()
-    return node, [b.reference for b in built]
 
 
 def _wait_finished(core: client.CoreV1Api, namespace: str, name: str) -> str:
@@ -341,51 +298,6 @@ def test_runner_pod_boots_the_test_guest_on_the_real_node(
 
 
 # ---- a VM through the controller, on the real node ----------------------------------------
-
-
-def _print_pods_and_events(cluster: LocalCluster, namespace: str) -> None:
-    """What kubectl shows (printed; pytest shows it when the test failed)."""
-    for args in (["get", "pods", "-o", "wide"], ["get", "events", "--sort-by=.lastTimestamp"],
-                 ["get", "neonvm", "-o", "yaml"]):
-        out = subprocess.run(["kubectl", "--kubeconfig", str(cluster.kubeconfig), "-n",
-                              namespace, *args], capture_output=True, text=True, timeout=60)
-        print(f"---- kubectl {' '.join(args)} ----\n{out.stdout[-6000:]}{out.stderr[-2000:]}")
-
-
-class _PodEvents:
-    """Every watch event of a VM's pods, in the API server's order (resourceVersion):
-    enough to tell whether a replacement was ungated before the old pod was gone."""
-
-    def __init__(self, api: client.ApiClient, namespace: str, vm: str) -> None:
-        from kubernetes import watch
-
-        from neonvm.api import types
-
-        self.events: list[tuple[str, str, bool, float]] = []
-        self._watch = watch.Watch()
-        self._core = client.CoreV1Api(api)
-        self._args = (namespace, f"{types.LABEL_VM_NAME}={vm}")
-        self._gate = types.SCHEDULING_GATE
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        namespace, selector = self._args
-        try:
-            for event in self._watch.stream(self._core.list_namespaced_pod, namespace,
-                                            label_selector=selector, timeout_seconds=1800):
-                pod = event["object"]
-                gated = any(g.name == self._gate for g in pod.spec.scheduling_gates or [])
-                self.events.append((event["type"], pod.metadata.name, gated,
-                                    time.monotonic()))
-        except Exception as exc:  # the stream ends when the test stops it or the cluster goes
-            self.events.append(("ERROR", repr(exc), True, time.monotonic()))
-
-    def stop(self) -> None:
-        self._watch.stop()
-
-    def first(self, predicate: Any) -> int | None:
-        return next((i for i, e in enumerate(list(self.events)) if predicate(e)), None)
 
 
 @pytest.mark.cluster

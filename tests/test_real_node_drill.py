@@ -19,7 +19,7 @@ from kubernetes import client
 from neonvm.dev import realnode
 from neonvm.dev.cluster import LocalCluster
 from tests.support import wait_for
-from tests.test_real_node import _images_skip_reason
+from tests.support.real_node import _images_skip_reason
 
 VMS = 5
 

@@ -29,7 +29,7 @@ from neonvm.controller.rights import LeaderEndpoint
 from neonvm.dev.cluster import LocalCluster
 from neonvm.drills import fencing, fleet
 from tests.support import wait_for
-from tests.test_real_node import _skip_reason
+from tests.support.real_node import _skip_reason
 
 RIGHT_SECONDS = 20.0
 """D: with 10 s, a leader killed at a random moment (failover after the 6 s lease, the

@@ -44,7 +44,7 @@ from neonvm.dev import realnode
 from neonvm.dev.cluster import LocalCluster
 from tests.support import replica_group, wait_for
 from tests.support.harness import create_vm, delete_vm, get_vm, runner_pods
-from tests.test_real_node import _images_skip_reason, _PodEvents, _print_pods_and_events
+from tests.support.real_node import _images_skip_reason, _PodEvents, _print_pods_and_events
 
 GIB_KB = (1 << 30) // 1024
 VM = "live"

@@ -31,7 +31,7 @@ from neonvm.dev import realnode, vmbuilderdisk
 from neonvm.dev.cluster import LocalCluster
 from tests.support import replica_group, wait_for
 from tests.support.harness import create_vm, delete_vm, get_vm, runner_pods
-from tests.test_real_node import _images_skip_reason, _print_pods_and_events
+from tests.support.real_node import _images_skip_reason, _print_pods_and_events
 
 VM = "vmb"
 MARK = vmbuilderdisk.ENTRYPOINT_MARKER

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import time
 import urllib.request
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,11 +28,10 @@ from tests.support import (
     create_pull_secret,
     health_port,
     metrics_of,
-    replica_group,
     wait_for,
 )
+from tests.support.failover import leader_of, only_pod, vm_status
 from tests.support.harness import (
-    Replica,
     Replicas,
     converged,
     create_vm,
@@ -50,50 +47,10 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 HOLD = "test.neon.tech/hold"
 
 
-@pytest.fixture
-def checker(api: client.ApiClient, namespace: str) -> Iterator[InvariantChecker]:
-    with InvariantChecker(api, namespace, interval=0.02) as c:
-        yield c
-    assert c.report.samples > 0
-    assert c.report.strict == [], f"two live runner pods at once: {c.report.strict}"
-
-
-@pytest.fixture
-def prefix() -> str:
-    """A fresh key prefix in the locks' etcd per test (its own locks and epoch floor)."""
-    return f"/t-{uuid.uuid4().hex[:8]}"
-
-
-@pytest.fixture
-def replicas(cluster: LocalCluster, api: client.ApiClient, namespace: str, prefix: str,
-             tmp_path: Path) -> Iterator[Replicas]:
-    with replica_group(cluster, api, namespace, tmp_path / "replicas", prefix=prefix,
-                       workers=4) as group:
-        yield group
-
-
-def leader_of(replicas: Replicas) -> Replica:
-    found = wait_for(replicas.leader, 60, what="a leader")
-    assert found is not None
-    return found
-
-
 def vm_version(api: client.ApiClient, namespace: str, name: str) -> str:
     vm = get_vm(api, namespace, name)
     assert vm is not None
     return str(vm["metadata"]["resourceVersion"])
-
-
-def vm_status(api: client.ApiClient, namespace: str, name: str) -> dict[str, Any]:
-    vm = get_vm(api, namespace, name)
-    assert vm is not None
-    status: dict[str, Any] = vm.get("status") or {}
-    return status
-
-
-def only_pod(api: client.ApiClient, namespace: str, name: str) -> str:
-    (pod,) = runner_pods(api, namespace, name)
-    return str(pod.metadata.name)
 
 
 def locks_of(cluster: LocalCluster, prefix: str, namespace: str) -> list[Any]:
@@ -438,7 +395,6 @@ def test_a_deleted_vm_whose_deletion_the_cache_missed_is_never_locked_again(
 
 
 # ---- health and metrics ------------------------------------------------------------------
-
 
 
 def test_the_leader_serves_health_and_reconcile_metrics(

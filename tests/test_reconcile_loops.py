@@ -61,14 +61,6 @@ NOWHERE = {"neonvm.test/unschedulable": "true"}
 """Runner pods here are never bound to a node: the test plays their lifecycle."""
 
 
-@pytest.fixture
-def checker(api: client.ApiClient, namespace: str) -> Iterator[InvariantChecker]:
-    with InvariantChecker(api, namespace, interval=0.02) as c:
-        yield c
-    assert c.report.samples > 0
-    assert c.report.strict == [], f"two live runner pods at once: {c.report.strict}"
-
-
 def vm_status(api: client.ApiClient, namespace: str, name: str) -> dict[str, Any]:
     status: dict[str, Any] = (get_vm(api, namespace, name) or {}).get("status") or {}
     return status

@@ -9,26 +9,17 @@ the lock is checked once per write rather than before every decision.
 
 from __future__ import annotations
 
-from collections import Counter
-from typing import Any
-
 import pytest
 from kubernetes import client
 
 from neonvm.api import types
 from neonvm.controller import actions as act
-from neonvm.controller.acceleration import HTTPRunnerStatus, RunnerReports
-from neonvm.controller.cluster import KubeCluster
-from neonvm.controller.observe import DirectReader, Snapshot, VMRecord
-from neonvm.controller.reconciler import Reconciler
-from neonvm.controller.scaling import RunnerScaling
 from neonvm.invariant import InvariantChecker
 from tests.support import CountingAuthority, wait_for
 from tests.support.authority import StaticAuthority
 from tests.support.harness import get_vm, is_gated, runner_pods
-from tests.test_reconcile import (
+from tests.support.reconcile import (
     FrozenCache,
-    checker,
     converged_one,
     create_vm,
     history_through_two_restarts,
@@ -36,61 +27,9 @@ from tests.test_reconcile import (
     release,
     settle,
 )
+from tests.support.reconcile_observe import Recording
 
 pytestmark = pytest.mark.cluster
-
-__all__ = ["checker"]  # the fixture, shared with test_reconcile
-
-
-class CountingReader(DirectReader):
-    """The driver's direct reader, counting its quorum reads by kind."""
-
-    def __init__(self, api: client.ApiClient) -> None:
-        super().__init__(KubeCluster(api))
-        self.reads: Counter[str] = Counter()
-
-    def list_pods(self, namespace: str, vm_name: str) -> list[dict[str, Any]]:
-        self.reads["list_pods"] += 1
-        return super().list_pods(namespace, vm_name)
-
-    def get_vm_raw(self, namespace: str, name: str) -> dict[str, Any] | None:
-        self.reads["get_vm"] += 1
-        return super().get_vm_raw(namespace, name)
-
-    def get_pod(self, namespace: str, name: str) -> dict[str, Any] | None:
-        self.reads["get_pod"] += 1
-        return super().get_pod(namespace, name)
-
-
-class Recording(Reconciler):
-    """Records, for every performed action, what the observation behind it was."""
-
-    def __init__(self, api: client.ApiClient) -> None:
-        super().__init__(KubeCluster(api), RunnerScaling(api),
-                         runner_reports=RunnerReports(HTTPRunnerStatus()))
-        self.counting = CountingReader(api)
-        self.ctx.reader = self.counting
-        self.vm_writes = 0
-        put_status, put_main = self.writer.put_status, self.writer.put_main
-
-        def counted_status(record: VMRecord, status: Any) -> VMRecord:
-            self.vm_writes += 1
-            return put_status(record, status)
-
-        def counted_main(record: VMRecord, finalizers: list[str]) -> VMRecord:
-            self.vm_writes += 1
-            return put_main(record, finalizers)
-
-        self.writer.put_status = counted_status  # type: ignore[method-assign]
-        self.writer.put_main = counted_main  # type: ignore[method-assign]
-        self.performed: list[tuple[str, bool, bool]] = []
-        """(action, observation built from a write's answer, observation direct)."""
-
-    def _perform(self, key: str, action: act.Action, snap: Snapshot, authority: Any,
-                 log: Any) -> str:
-        self.performed.append((type(action).__name__, getattr(snap, "from_write", False),
-                               snap.obs.direct))
-        return super()._perform(key, action, snap, authority, log)
 
 
 def test_a_new_vm_is_started_with_one_direct_observation_and_the_ungate_list(

@@ -33,13 +33,8 @@ from neonvm.dev.cluster import LocalCluster
 from neonvm.drills.observer import PodWatchChecker
 from neonvm.invariant import InvariantChecker
 from tests.support import wait_for
+from tests.support.failover import vm_status
 from tests.support.harness import Replicas, converged, create_vm, get_vm
-from tests.test_reconcile_failover import (  # noqa: F401  (fixtures, used by name)
-    checker,
-    prefix,
-    replicas,
-    vm_status,
-)
 
 pytestmark = [pytest.mark.cluster, pytest.mark.nodes]
 
@@ -107,7 +102,7 @@ def crashing(api: client.ApiClient, namespace: str) -> Iterator[CrashingRunner]:
 
 def test_a_runner_that_exits_at_once_is_restarted_at_growing_intervals_without_churn(
         cluster: LocalCluster, api: client.ApiClient, namespace: str,
-        replicas: Replicas, checker: InvariantChecker,  # noqa: F811
+        replicas: Replicas, checker: InvariantChecker,
         crashing: CrashingRunner) -> None:
     if not cluster.spec.nodes:
         pytest.skip("needs simulated nodes: pods must run and exit")

@@ -27,9 +27,9 @@ from neonvm.controller.rights import (
     TokenCache,
     parse_bind,
 )
-from tests.rights_support import SECRET_UID, ask, caches
-from tests.rights_support import secret as token_secret
+from tests.rights_support import ask, caches
 from tests.support import Clock
+from tests.support.rights_ledger import POD_UID, REQUEST, TOKEN, secret
 
 pytestmark = pytest.mark.unit
 
@@ -166,16 +166,6 @@ def test_pruning_forgets_only_grants_that_no_longer_move_a_deadline() -> None:
 
 
 # ---- the endpoint over loopback ----------------------------------------------------------
-
-TOKEN = b"s3cret-token"
-POD_UID = "pod-uid-1"
-
-
-def secret(uid: str = SECRET_UID) -> dict[str, Any]:
-    return token_secret(TOKEN, uid)
-
-
-REQUEST = {"namespace": "ns", "vm": "vm", "podUID": POD_UID}
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ from kubernetes import client
 from neonvm.controller.rights import TokenCache
 from neonvm.controller.scaling import RunnerScaling, ScalingError
 from neonvm.controller.scaling_token import recorded_token
-from tests.test_scaling_decide import vm
+from tests.support.scaling_decide import vm
 
 
 @pytest.mark.parametrize(("variant", "stored", "token"), [

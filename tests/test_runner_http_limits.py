@@ -220,7 +220,7 @@ def test_get_scale_waits_for_qmp_only_briefly(tmp_path: Path) -> None:
 
     from neonvm.api.scale_protocol import ScaleLimits, ScaleTarget
     from neonvm.runner.scaling import QUERY_TIMEOUT, Scaler
-    from tests.test_runner_scaling import GIB, TOKEN, SlowEjectQMP
+    from tests.support.runner_scaling import GIB, TOKEN, SlowEjectQMP
 
     class StalledQMP(SlowEjectQMP):
         stall = 0.0

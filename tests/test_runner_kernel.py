@@ -31,7 +31,7 @@ from neonvm.runner.errors import SpecError
 from neonvm.runner.initramfs import RunnerKernel
 from neonvm.runner.qemu import build_launch_plan
 from tests.support import wait_for
-from tests.test_runner import context
+from tests.support.runner import context
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -58,12 +58,9 @@ from neonvm.runner.state import ExitCode
 from tests.guest.build import GuestImage
 from tests.rights_support import ShippedLeader
 from tests.support import Clock, wait_for
-from tests.test_runner import test_guest  # noqa: F401 (a fixture: the tiny guest)
+from tests.support.runner_right import NAMESPACE, TOKEN, UID, VM
 
 REPO = Path(__file__).resolve().parent.parent
-UID = "5d0c1f7e-2b1a-4c3d-8e9f-0a1b2c3d4e5f"
-TOKEN = b"the-vms-scaling-token"
-NAMESPACE, VM = "tests", "fenced"
 D = 30.0
 
 
@@ -573,7 +570,7 @@ class FencedRunner:
 
 
 @pytest.fixture
-def fenced_runner(tmp_path: Path, test_guest: GuestImage,  # noqa: F811 (the fixture)
+def fenced_runner(tmp_path: Path, test_guest: GuestImage,
                   leader: Callable[..., ShippedLeader]) -> Iterator[Callable[[float],
                                                                              FencedRunner]]:
     """Start a runner with ``--rights-url`` (the tiny guest; the right of ``seconds``)
@@ -744,7 +741,7 @@ def test_a_runner_condemned_before_its_first_grant_exits_without_starting_qemu(
     (None, "/nonexistent", "--rights-url needs setpriv"),
 ])
 def test_a_self_fencing_runner_that_cannot_fence_refuses_to_start(
-        tmp_path: Path, test_guest: GuestImage,  # noqa: F811 (the fixture)
+        tmp_path: Path, test_guest: GuestImage,
         drop: str | None, path: str | None,
         message: str) -> None:
     from neonvm.runner.host import optional_binary

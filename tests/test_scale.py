@@ -33,8 +33,8 @@ from kubernetes import client
 from neonvm.api import types
 from neonvm.drills.observer import PodWatchChecker
 from tests.support import wait_for
+from tests.support.failover import leader_of
 from tests.support.harness import Replicas, is_gated, list_vms, runner_pods, vm_manifest
-from tests.test_reconcile_failover import leader_of, prefix, replicas  # noqa: F401 (fixtures)
 
 pytestmark = [pytest.mark.cluster]
 
@@ -125,7 +125,7 @@ def create_all(api: client.ApiClient, namespace: str, names: list[str]) -> None:
 ])
 def test_vms_created_at_once_all_converge_each_with_exactly_one_pod(
         count: int, api: client.ApiClient, namespace: str,
-        replicas: Replicas, pod_watch: PodWatchChecker) -> None:  # noqa: F811
+        replicas: Replicas, pod_watch: PodWatchChecker) -> None:
     leader = replicas.start("leader", args=SCALE_ARGS)
     assert leader_of(replicas) is leader
     replicas.start("standby", args=SCALE_ARGS)

@@ -17,9 +17,7 @@ import base64
 import contextlib
 import copy
 import json
-import os
 import subprocess
-import sys
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,98 +32,28 @@ from neonvm.api.scale_protocol import pod_token
 from neonvm.controller import actions as act
 from neonvm.controller import decide as d
 from neonvm.controller import looks, reasons
-from neonvm.controller.podspec import ANNOTATION_SPEC
-from neonvm.controller.reconciler import Reconciler, ReconcileResult
+from neonvm.controller.reconciler import Reconciler
 from neonvm.controller.scaling import USAGE_ANNOTATION
 from tests.support import shipped_reconciler, wait_for
 from tests.support.authority import StaticAuthority
 from tests.support.harness import create_vm, get_vm, runner_pods
-from tests.test_runner import REPO, RunningRunner, free_port, test_guest  # noqa: F401
-from tests.test_runner_scaling import guest_sees
+from tests.support.runner import free_port
+from tests.support.runner_scaling import guest_sees
+from tests.support.scaling_controller import (
+    NOWHERE,
+    OLD,
+    _running_on,
+    set_use,
+    settle,
+    start_runner_for,
+    status_of,
+    vm_path,
+)
 
 pytestmark = pytest.mark.cluster
 
 GIB = 1 << 30
-NOWHERE = {"neonvm.test/unschedulable": "true"}
-OLD = StaticAuthority(epoch=1, token=10)
 NEW = StaticAuthority(epoch=2, token=11)
-
-
-def settle(reconciler: Reconciler, key: str, authority: StaticAuthority,
-           rounds: int = 10) -> ReconcileResult:
-    result = reconciler.reconcile(key, authority, direct_first=True)
-    for _ in range(rounds):
-        if isinstance(result.action, act.Done):
-            return result
-        result = reconciler.reconcile(key, authority, direct_first=True)
-    return result
-
-
-def _running_on(runner: Any, api: client.ApiClient, controller_api: client.ApiClient,
-                namespace: str, name: str, token_sync_seconds: float) -> Reconciler:
-    """A scalable VM (1..2 vCPUs, 1..2 slots) whose pod is marked Running at the fake
-    runner's address, settled by a reconciler that scales through that runner."""
-    from neonvm.controller.scaling import RunnerScaling
-
-    create_vm(api, namespace, name, spec={
-        "nodeSelector": NOWHERE,
-        "guest": {"cpus": {"min": 1, "max": 2, "use": 1},
-                  "memorySlots": {"min": 1, "max": 2, "use": 1},
-                  "memorySlotSize": "1Gi", "rootDisk": {"image": "/nonexistent.raw"}}})
-    key = f"{namespace}/{name}"
-    reconciler = shipped_reconciler(controller_api, scaling=RunnerScaling(
-        controller_api, address=lambda vm, pod: f"http://127.0.0.1:{runner.port}",
-        token_sync_seconds=token_sync_seconds))
-    settle(reconciler, key, OLD)
-    (pod,) = runner_pods(api, namespace, name)
-    client.CoreV1Api(api).patch_namespaced_pod_status(pod.metadata.name, namespace, {
-        "status": {"phase": "Running", "podIP": "127.0.0.1",
-                   "podIPs": [{"ip": "127.0.0.1"}]}})
-    settle(reconciler, key, OLD)
-    return reconciler
-
-
-def vm_path(namespace: str) -> str:
-    return f"/apis/{types.GROUP}/{types.VERSION}/namespaces/{namespace}/{types.PLURAL}"
-
-
-def set_use(api: client.ApiClient, namespace: str, name: str, cpus: int, slots: int) -> None:
-    kube.request(api, "PATCH", f"{vm_path(namespace)}/{name}", [
-        {"op": "replace", "path": "/spec/guest/cpus/use", "value": cpus},
-        {"op": "replace", "path": "/spec/guest/memorySlots/use", "value": slots}],
-        content_type="application/json-patch+json")
-
-
-def status_of(api: client.ApiClient, namespace: str, name: str) -> dict[str, Any]:
-    raw = get_vm(api, namespace, name)
-    assert raw is not None
-    status: dict[str, Any] = raw.get("status") or {}
-    return status
-
-
-def start_runner_for(pod: Any, token: str, port: int, tmp_path: Path) -> RunningRunner:
-    """Start the runner as the kubelet would for ``pod`` (its spec and env), on loopback."""
-    spec_file = tmp_path / "spec.json"
-    spec_file.write_text(pod.metadata.annotations[ANNOTATION_SPEC])
-    token_file = tmp_path / "token"
-    token_file.write_text(token)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("NEONVM_")}
-    for e in pod.spec.containers[0].env or []:
-        ref = e.value_from.field_ref if e.value_from is not None else None
-        if ref is not None and ref.field_path == "metadata.uid":
-            env[e.name] = pod.metadata.uid  # the downward API, as the kubelet fills it in
-        elif e.value is not None:
-            env[e.name] = e.value
-    env.update({"NEONVM_SPEC_FILE": str(spec_file), "NEONVM_SCALING_TOKEN_FILE": str(token_file)})
-    work_dir, termination_log = tmp_path / "work", tmp_path / "termination-log"
-    termination_log.write_text("")
-    console_path, log_path = tmp_path / "console.log", tmp_path / "runner.log"
-    args = [sys.executable, "-m", "neonvm.runner.main", "--port", str(port),
-            "--listen-address", "127.0.0.1", "--work-dir", str(work_dir),
-            "--disks-dir", str(tmp_path / "disks"), "--termination-log", str(termination_log)]
-    with console_path.open("wb") as out, log_path.open("wb") as err:
-        proc = subprocess.Popen(args, env=env, stdout=out, stderr=err, cwd=REPO)
-    return RunningRunner(proc, port, console_path, log_path, termination_log, work_dir)
 
 
 def put_scale(port: int, token: str, body: dict[str, Any]) -> int:
@@ -141,7 +69,7 @@ def put_scale(port: int, token: str, body: dict[str, Any]) -> int:
 
 def test_the_controller_scales_a_running_guest_live_under_its_fence(
         api: client.ApiClient, controller_api: client.ApiClient, namespace: str,
-        test_guest: Any, tmp_path: Path) -> None:  # noqa: F811
+        test_guest: Any, tmp_path: Path) -> None:
     port = free_port()
     root = tmp_path / "root.raw"  # a file on the "node": the runner boots from it as it is
     with root.open("wb") as f:
@@ -628,8 +556,8 @@ def test_a_removal_pending_after_a_drop_is_looked_at_past_the_window_until_it_se
     from neonvm.controller.mutations import status_mutation
     from neonvm.controller.observe import Snapshot
     from neonvm.controller.scaling import RunnerScaling
-    from tests.test_scaling_decide import LEASE, running
-    from tests.test_scaling_decide import vm as make_vm
+    from tests.support.scaling_decide import LEASE, running
+    from tests.support.scaling_decide import vm as make_vm
 
     runner = RefusingRunner(200)
     try:

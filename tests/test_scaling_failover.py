@@ -40,9 +40,9 @@ from kubernetes import client
 from neonvm.dev.cluster import LocalCluster
 from tests.support import replica_group, wait_for
 from tests.support.harness import Replica, Replicas, create_vm, get_vm, runner_pods
-from tests.test_runner import free_port, test_guest  # noqa: F401
-from tests.test_runner_scaling import guest_sees
-from tests.test_scaling_controller import NOWHERE, set_use, start_runner_for, status_of
+from tests.support.runner import free_port
+from tests.support.runner_scaling import guest_sees
+from tests.support.scaling_controller import NOWHERE, set_use, start_runner_for, status_of
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -192,7 +192,7 @@ def committed(api: client.ApiClient, namespace: str, name: str, cpus: int,
 
 def test_a_leader_killed_mid_change_never_lets_an_older_size_back(
         api: client.ApiClient, namespace: str, replicas: Replicas,
-        test_guest: Any, tmp_path: Path) -> None:  # noqa: F811
+        test_guest: Any, tmp_path: Path) -> None:
     port, runner_port = free_port(), free_port()
     relay = Relay(port=port, upstream=runner_port).start()
     root = tmp_path / "root.raw"

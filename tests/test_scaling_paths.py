@@ -14,7 +14,7 @@ from kubernetes import client
 
 from neonvm.controller.scaling import RunnerScaling, ScalingError
 from tests.hostile_runners import RecordingServer
-from tests.test_scaling_decide import vm
+from tests.support.scaling_decide import vm
 
 HOSTILE_NAME = "x?dryRun=All#frag%2e%2e"
 QUOTED = "x%3FdryRun%3DAll%23frag%252e%252e"

@@ -33,7 +33,7 @@ from neonvm.controller.scaling import RunnerScaling
 from tests.hostile_runners import HonestRunner
 from tests.support import shipped_reconciler, wait_for
 from tests.support.authority import StaticAuthority
-from tests.test_scaling_decide import obs, scale_plan, vm
+from tests.support.scaling_decide import obs, scale_plan, vm
 
 OLD = StaticAuthority(epoch=1, token=10)
 
@@ -122,7 +122,7 @@ def stuck_runner() -> Any:
 def test_an_unplug_the_guest_never_settles_is_asked_once_per_reconcile(
         api: client.ApiClient, controller_api: client.ApiClient, namespace: str,
         stuck_runner: HonestRunner) -> None:
-    from tests.test_scaling_controller import _running_on, set_use, status_of
+    from tests.support.scaling_controller import _running_on, set_use, status_of
 
     reconciler = _running_on(stuck_runner, api, controller_api, namespace, "unplug",
                              token_sync_seconds=3600.0)
@@ -149,7 +149,7 @@ def test_a_runner_answering_200_slowly_without_applying_is_asked_once_per_reconc
     # A hostile runner: every PUT waits, then answers 200; GET /scale goes on reporting
     # the older fence. Before, each such answer counted as progress and the same PUT was
     # sent again up to the step budget (30): 30 deadlines (45 minutes) per reconcile.
-    from tests.test_scaling_controller import _running_on, set_use, status_of
+    from tests.support.scaling_controller import _running_on, set_use, status_of
 
     runner = HonestRunner(lying_put=0.3)
     try:
@@ -189,7 +189,7 @@ class LostAfterAPut:
 def test_the_authority_is_checked_again_after_each_put(
         api: client.ApiClient, controller_api: client.ApiClient, namespace: str,
         stuck_runner: HonestRunner) -> None:
-    from tests.test_scaling_controller import _running_on, set_use, status_of
+    from tests.support.scaling_controller import _running_on, set_use, status_of
 
     reconciler = _running_on(stuck_runner, api, controller_api, namespace, "deposed",
                              token_sync_seconds=3600.0)
@@ -210,8 +210,8 @@ def test_three_stuck_vms_and_two_workers_leave_an_honest_vm_converging(
     # and answers 504 (a real runner: 60 s). Before, one reconcile of each asked up to
     # 30 times in a row: both workers were held for minutes at a time.
     from tests.support import replica_group
-    from tests.test_hostile_runner import _pod_running, condition, scalable_vm
-    from tests.test_scaling_controller import set_use, status_of
+    from tests.support.hostile_runner import _pod_running, condition, scalable_vm
+    from tests.support.scaling_controller import set_use, status_of
 
     stuck = {f"stuck{i}": HonestRunner(stuck_put=8.0) for i in range(3)}
     honest = HonestRunner()
@@ -257,8 +257,8 @@ def test_two_runners_answering_200_slowly_and_two_workers_leave_an_honest_vm_con
     # reconcile of each liar sent up to 30 PUTs in a row: both workers held for 4 minutes
     # at a time, and the honest VM waited.
     from tests.support import replica_group
-    from tests.test_hostile_runner import _pod_running, condition, scalable_vm
-    from tests.test_scaling_controller import set_use, status_of
+    from tests.support.hostile_runner import _pod_running, condition, scalable_vm
+    from tests.support.scaling_controller import set_use, status_of
 
     liars = {f"liar{i}": HonestRunner(lying_put=8.0) for i in range(2)}
     honest = HonestRunner()
@@ -318,7 +318,7 @@ def _plant_plan_ahead(api: client.ApiClient, namespace: str, name: str,
 def test_a_scaling_plan_of_a_higher_epoch_is_degraded_and_its_vm_still_deletes(
         api: client.ApiClient, controller_api: client.ApiClient, namespace: str) -> None:
     from tests.support.harness import create_vm, delete_vm, get_vm
-    from tests.test_scaling_controller import NOWHERE, settle, status_of
+    from tests.support.scaling_controller import NOWHERE, settle, status_of
 
     create_vm(api, namespace, "ahead", spec={
         "nodeSelector": NOWHERE,

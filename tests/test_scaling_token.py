@@ -13,17 +13,6 @@ from kubernetes.client.exceptions import ApiException
 from loguru import logger
 
 from neonvm import kube
-from neonvm.api.millicpu import MilliCPU
-from neonvm.api.types import (
-    FINALIZER,
-    CPURange,
-    Guest,
-    IntRange,
-    PendingPod,
-    VirtualMachine,
-    VirtualMachineSpec,
-    VirtualMachineStatus,
-)
 from neonvm.controller import actions as act
 from neonvm.controller import performers
 from neonvm.controller.mutations import token_secret_mutation
@@ -31,20 +20,11 @@ from neonvm.controller.observe import VMRecord, make_snapshot
 from neonvm.controller.scaling import RunnerScaling
 from tests.support import shipped_reconciler
 from tests.support.authority import StaticAuthority
+from tests.support.scaling_token import PLAN, recorded_vm, scalable_vm
 
 pytestmark = pytest.mark.unit
 
 LEASE = act.Fence(epoch=3, token=40)
-PLAN = PendingPod(name="vm-1", plan_seq=1, token=40, epoch=3, generation=1)
-
-
-def scalable_vm() -> VirtualMachine:
-    spec = VirtualMachineSpec(guest=Guest(
-        cpus=CPURange(min=1, max=2, use=MilliCPU.parse(1)),
-        memory_slots=IntRange(min=1, max=2, use=1), memory_slot_size="1Gi"))
-    return VirtualMachine(name="vm", namespace="ns", uid="vm-uid", resource_version="5",
-                          generation=1, spec=spec, finalizers=[FINALIZER],
-                          status=VirtualMachineStatus(pending_pod=PLAN, plan_seq=1))
 
 
 class _Secrets:
@@ -125,13 +105,6 @@ class _Recorded(_Secrets):
         if self.uid is None:
             raise ApiException(status=404, reason="Not Found")
         return {"metadata": {"name": name, "uid": self.uid}}
-
-
-def recorded_vm() -> VirtualMachine:
-    vm = scalable_vm()
-    vm.status.scaling_token_secret = "vm-scaling-old"
-    vm.status.scaling_token_secret_uid = "old-uid"
-    return vm
 
 
 @pytest.mark.parametrize(("there", "replaced"), [

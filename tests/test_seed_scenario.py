@@ -42,15 +42,8 @@ from neonvm.dev.cluster import LocalCluster
 from neonvm.drills.observer import PodWatchChecker
 from neonvm.invariant import InvariantChecker
 from tests.support import wait_for
+from tests.support.failover import leader_of, only_pod, vm_status
 from tests.support.harness import Replicas, converged, create_vm
-from tests.test_reconcile_failover import (  # noqa: F401  (fixtures, used by name)
-    checker,
-    leader_of,
-    only_pod,
-    prefix,
-    replicas,
-    vm_status,
-)
 
 pytestmark = [pytest.mark.cluster, pytest.mark.nodes]
 
@@ -132,7 +125,7 @@ def play(schedule: Round, delete: Any, kill: Any) -> None:
 
 def test_every_deleted_runner_pod_gets_exactly_one_replacement_while_leaders_die(
         cluster: LocalCluster, api: client.ApiClient, namespace: str, seed: int,
-        replicas: Replicas, checker: InvariantChecker,  # noqa: F811
+        replicas: Replicas, checker: InvariantChecker,
         pod_names: tuple[PodNames, PodWatchChecker]) -> None:
     if not cluster.spec.nodes:
         pytest.skip("needs simulated nodes: pods must run and shut down gracefully")

@@ -39,7 +39,6 @@ from neonvm.controller.fencing import SELF_FENCED
 from neonvm.controller.rights import TERM_ANNOTATION, api_mark_pod
 from neonvm.dev import nodes
 from neonvm.dev.cluster import LocalCluster, free_port
-from neonvm.invariant import InvariantChecker
 from tests.rights_support import ask as rights_ask
 from tests.support import FAST, wait_for
 from tests.support.harness import Replicas, converged, create_vm, get_vm, runner_pods
@@ -84,15 +83,6 @@ def restore_nodes(api: client.ApiClient) -> Iterator[list[str]]:
     for name in broken:
         nodes.power_on(api, name)
         nodes.wait_for_node(api, name, lambda n: n.schedulable, 120, "schedulable again")
-
-
-@pytest.fixture
-def checker(api: client.ApiClient, namespace: str) -> Iterator[InvariantChecker]:
-    """Fails the test if any pod list ever showed two live runner pods for one VM."""
-    with InvariantChecker(api, namespace, interval=0.02) as c:
-        yield c
-    assert c.report.samples > 0
-    assert c.report.strict == [], f"two live runner pods at once: {c.report.strict}"
 
 
 def running_pod(api: client.ApiClient, namespace: str, vm: str,

@@ -34,7 +34,7 @@ from typing import Any
 
 import pytest
 import yaml
-from kubernetes import client, dynamic
+from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from neonvm import kube, manifests
@@ -44,7 +44,8 @@ from neonvm.controller.cluster import KubeCluster
 from neonvm.dev import binaries
 from neonvm.dev.cluster import LocalCluster
 from tests.support import wait_for
-from tests.test_chart import Helm, Rendered
+from tests.support.chart import Helm, Rendered
+from tests.support.tenant import installed
 
 SAMPLE_VM = Path(__file__).resolve().parent.parent / "examples" / "vm-deploy.yaml"
 OUTSIDE = "../../kube-system/secrets/target"
@@ -352,42 +353,6 @@ def helm(tmp_path_factory: pytest.TempPathFactory) -> Helm:
     except binaries.BinaryError as exc:
         pytest.skip(str(exc))
     return Helm(binary, tmp_path_factory.mktemp("helm-home"))
-
-
-def _identity(rendered: Rendered) -> list[dict[str, Any]]:
-    kinds = ("ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding",
-             "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding")
-    return [o for o in rendered.objects if o["kind"] in kinds]
-
-
-@contextlib.contextmanager
-def installed(api: client.ApiClient, *releases: Rendered) -> Iterator[None]:
-    """Create the releases' identities, RBAC and fences; suspend the local cluster's own
-    fence meanwhile (in a cluster installed by the chart, the chart's fences are the only
-    ones)."""
-    dyn = dynamic.DynamicClient(api)
-    admission = client.AdmissionregistrationV1Api(api)
-    created: list[dict[str, Any]] = []
-
-    def resource(obj: dict[str, Any]) -> tuple[Any, str | None]:
-        r = dyn.resources.get(api_version=obj["apiVersion"], kind=obj["kind"])
-        return r, (obj["metadata"].get("namespace") if r.namespaced else None)
-
-    try:
-        for rendered in releases:
-            for obj in _identity(rendered):
-                r, ns = resource(obj)
-                r.create(body=obj, namespace=ns)
-                created.append(obj)
-        with contextlib.suppress(ApiException):
-            admission.delete_validating_admission_policy_binding(manifests.POLICY_NAME)
-        yield
-    finally:
-        for obj in reversed(created):
-            r, ns = resource(obj)
-            with contextlib.suppress(ApiException):
-                r.delete(name=obj["metadata"]["name"], namespace=ns)
-        kube.apply(api, manifests.admission_policy_binding())
 
 
 def service_account(cluster: LocalCluster, rendered: Rendered) -> client.ApiClient:

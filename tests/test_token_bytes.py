@@ -14,7 +14,7 @@ from kubernetes import client
 from neonvm import kube
 from neonvm.controller.scaling import RunnerScaling, ScalingError
 from neonvm.controller.scaling_token import recorded_token
-from tests.test_scaling_token import recorded_vm
+from tests.support.scaling_token import recorded_vm
 
 pytestmark = pytest.mark.unit
 

@@ -32,15 +32,9 @@ from neonvm.dev.cluster import LocalCluster, free_port
 from neonvm.leader.etcd import Etcd, EtcdConfig
 from neonvm.leader.lock import parse_lock_key
 from tests.support import wait_for
+from tests.support.chart import Helm, Rendered, _lease_held, _running, _service_account_kubeconfig
 from tests.support.harness import converged, create_vm
-from tests.test_chart import (
-    Helm,
-    Rendered,
-    _lease_held,
-    _running,
-    _service_account_kubeconfig,
-)
-from tests.test_tenant_boundaries import installed
+from tests.support.tenant import installed
 
 VMS = 3
 

@@ -28,8 +28,8 @@ from neonvm.runner.qemu import (
     build_launch_plan,
 )
 from neonvm.runner.scaling import Scaler, VirtioMem, virtio_mem_slots
-from tests.test_runner import RunningRunner, spec_of, start_runner, test_guest  # noqa: F401
-from tests.test_runner_scaling import guest_sees, put_scale, qmp_loop  # noqa: F401
+from tests.support.runner import RunningRunner, spec_of
+from tests.support.runner_scaling import guest_sees, put_scale
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -218,7 +218,7 @@ def put(scaler: Scaler, seq: int, slots: int) -> dict[str, Any]:
 
 @pytest.mark.unit
 def test_a_put_moves_requested_size_and_answers_what_the_guest_plugged(
-        tmp_path: Path, qmp_loop: asyncio.AbstractEventLoop) -> None:  # noqa: F811
+        tmp_path: Path, qmp_loop: asyncio.AbstractEventLoop) -> None:
     qmp = VirtioMemQMP(size=0, requested=0)
     scaler = scaler_over(tmp_path, qmp_loop, qmp)
     grown = put(scaler, 1, 3)
@@ -234,7 +234,7 @@ def test_a_put_moves_requested_size_and_answers_what_the_guest_plugged(
 
 @pytest.mark.unit
 def test_a_guest_that_plugs_nothing_is_answered_504_naming_the_driver(
-        tmp_path: Path, qmp_loop: asyncio.AbstractEventLoop) -> None:  # noqa: F811
+        tmp_path: Path, qmp_loop: asyncio.AbstractEventLoop) -> None:
     qmp = VirtioMemQMP(size=0, requested=0, prompt=False)  # no virtio_mem in the guest
     scaler = scaler_over(tmp_path, qmp_loop, qmp)
     with pytest.raises(ScaleError) as err:
@@ -251,7 +251,7 @@ def test_a_guest_that_plugs_nothing_is_answered_504_naming_the_driver(
 
 @pytest.mark.unit
 def test_a_shrink_the_guest_cannot_finish_is_not_reported_done_and_a_newer_size_replaces_it(
-        tmp_path: Path, qmp_loop: asyncio.AbstractEventLoop) -> None:  # noqa: F811
+        tmp_path: Path, qmp_loop: asyncio.AbstractEventLoop) -> None:
     qmp = VirtioMemQMP(size=3 * GIB, requested=3 * GIB, prompt=False)
     scaler = scaler_over(tmp_path, qmp_loop, qmp)
     qmp.stuck_at = 2 * GIB + 512 * MIB  # unmovable pages in the last GiB
@@ -274,7 +274,7 @@ def qemu_argv(runner: RunningRunner, pid: int) -> list[str]:
     return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
 
 
-def start_scalable(start_runner: Any, tmp_path: Path, slots: dict[str, int],  # noqa: F811
+def start_scalable(start_runner: Any, tmp_path: Path, slots: dict[str, int],
                    slot_size: str) -> RunningRunner:
     token_file = tmp_path / "scaling-token"
     token_file.write_text(TOKEN + "\n")
@@ -286,7 +286,7 @@ def start_scalable(start_runner: Any, tmp_path: Path, slots: dict[str, int],  # 
 
 
 def test_virtio_mem_grows_and_shrinks_a_running_guest_in_slot_steps(
-        start_runner: Any, tmp_path: Path) -> None:  # noqa: F811
+        start_runner: Any, tmp_path: Path) -> None:
     slot_kb = 128 * MIB // 1024
     runner = start_scalable(start_runner, tmp_path, {"min": 2, "max": 6, "use": 3}, "128Mi")
     pid = runner.wait_ready()["qemuPid"]
@@ -313,7 +313,7 @@ def test_virtio_mem_grows_and_shrinks_a_running_guest_in_slot_steps(
     assert runner.status() is not None and runner.qemu_pids == {pid}
 
 
-def test_a_vm_with_512_memory_slots_boots_and_scales(start_runner: Any,  # noqa: F811
+def test_a_vm_with_512_memory_slots_boots_and_scales(start_runner: Any,
                                                      tmp_path: Path) -> None:
     # With DIMMs QEMU refused this VM at start ("unsupported amount of memory slots").
     slot_kb = 128 * MIB // 1024
@@ -333,7 +333,7 @@ def test_a_vm_with_512_memory_slots_boots_and_scales(start_runner: Any,  # noqa:
 
 
 def test_a_change_within_one_memory_block_is_reported_by_the_guest(
-        start_runner: Any, tmp_path: Path) -> None:  # noqa: F811
+        start_runner: Any, tmp_path: Path) -> None:
     # 64 MiB slots: half of x86's 128 MiB memory block. virtio-mem plugs and unplugs
     # inside a block that is already online, which raises no memory uevent: the guest
     # side watches MemTotal itself (guest_scaling.sh).

@@ -1,4 +1,4 @@
-"""Helpers to drive the controller from tests, drills and demos.
+"""Helpers to drive the controller from tests and benchmarks.
 
 * VM manifests (:func:`vm_manifest`) and small read helpers over the admin client;
 * :class:`Replica`: one ``neonvm controller run`` as a separate process (its own
