@@ -29,8 +29,8 @@ from neonvm.controller.informer import project_pod
 from neonvm.controller.reasons import WAITING_FOR_OLD_POD
 from neonvm.controller.rights import RightsLedger
 from neonvm.controller.scaling import scalable
-from tests.fake_cluster import FakeCluster
 from tests.support import Clock, CountingAuthority
+from tests.support.fake_cluster import FakeCluster
 
 pytestmark = pytest.mark.unit
 
@@ -222,6 +222,41 @@ def test_a_pod_condemned_in_this_term_stays_dead_when_its_node_comes_back() -> N
     fence.ledger.begin_term(lambda: True)
     assert fence.observe(observation(view("old"), status=RUNNING), pods).dead_pods \
         == frozenset()
+
+
+def test_the_replacement_of_a_self_fenced_pod_grows_no_restart_streak() -> None:
+    """The node was lost, not the guest: the restart after the force-delete keeps
+    ``restartStreak`` (so no backoff grows), while a pod that is simply gone grows it
+    (neonvm/controller/restarts.py)."""
+    from neonvm.controller import mutations, restarts
+
+    fence, clock, _ = fencing({"n1": NOT_READY})
+    clock.now += BOUND
+    status = {**RUNNING, "restart_streak": 3, "restart_count": 5,
+              "last_restart_time": "2026-01-01T00:00:00.000000Z"}
+    assert fence.observe(observation(status=status), {"old": raw_pod()}).dead_pods \
+        == {"uid-old"}
+    # Force-deleted: the next direct read has no pod.
+    seen = fence.observe(dataclasses.replace(
+        observation(status=status), now=clock_time(60)), {})
+    restart = d.decide(seen)
+    assert isinstance(restart, act.Restart) and restart.self_fenced
+    after = mutations.restart(restart, LEASE)(vm(**status))
+    assert after is not None
+    assert (after.restart_count, after.restart_streak) == (6, 3)
+
+    crashed = d.decide(dataclasses.replace(observation(status=status), now=clock_time(60)))
+    assert isinstance(crashed, act.Restart) and not crashed.self_fenced
+    after = mutations.restart(crashed, LEASE)(vm(**status))
+    assert after is not None and after.restart_streak == 4
+    assert restarts.restart_backoff(after.restart_streak) > restarts.restart_backoff(3)
+
+
+def clock_time(seconds: float) -> Any:
+    """``seconds`` after ``status.lastRestartTime`` of the test above."""
+    import datetime as dt
+
+    return dt.datetime(2026, 1, 1, tzinfo=dt.UTC) + dt.timedelta(seconds=seconds)
 
 
 def test_a_node_read_is_reused_for_a_moment() -> None:

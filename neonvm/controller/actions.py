@@ -276,6 +276,9 @@ class Restart(Action):
     at: str | None = None
     """``status.lastRestartTime`` to record (RFC 3339; the observation's ``now``). None:
     leave it as it is (a caller without a clock)."""
+    self_fenced: bool = False
+    """The pod was condemned by this term's ledger (its node was lost, not its guest):
+    the restart does not grow ``status.restartStreak`` (restarts.py)."""
 
 
 @dataclass(frozen=True)

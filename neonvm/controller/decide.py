@@ -284,6 +284,7 @@ def _decide_committed(obs: Observation, vm: VirtualMachine) -> Action:
             what = "terminating" if pod.terminating else pod.phase
         return Restart(name=name, uid=uid, terminal_phase=terminal,
                        at=times.format_microtime(obs.now) if obs.now is not None else None,
+                       self_fenced=bool(uid) and uid in obs.dead_pods,
                        reason=f"runner pod {name} is {what}")
     assert pod is not None
     if pod.gated:

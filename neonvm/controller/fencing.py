@@ -176,6 +176,11 @@ class SelfFencing:
                 dead.add(uid)
             else:
                 recheck = min(recheck, left)
+        gone = obs.vm.status.pod_uid if obs.vm is not None else ""
+        if gone and self.ledger.is_condemned(gone):
+            # The VM's pod, condemned in this term and (once deleted) gone: its restart
+            # is a self-fenced replacement, which grows no restart streak (restarts.py).
+            dead.add(gone)
         if not dead and math.isinf(recheck):
             return obs
         return replace(obs, dead_pods=frozenset(dead),

@@ -194,7 +194,7 @@ def restart(action: act.Restart, lease: act.Fence) -> StatusMutation:
         new.cpus, new.memory_size = None, None
         new.restart_count = s.restart_count + 1
         new.restart_streak = restarts.next_restart_streak(s.restart_streak, s.last_restart_time,
-                                                   action.at)
+                                                   action.at, self_fenced=action.self_fenced)
         if action.at is not None:
             new.last_restart_time = action.at  # the next plan's backoff counts from here
         new.phase = "Pending"

@@ -20,8 +20,16 @@ RESTART_STREAK_WINDOW = 600.0
 """A restart more than this many seconds after the previous one starts a new streak, so
 a VM whose pod ran for a while is replaced at once (as the kubelet resets its crash-loop
 backoff after ten minutes of running)."""
-def next_restart_streak(streak: int, last_restart: str | None, now: str | None) -> int:
-    """The streak after one more restart at ``now`` (RFC 3339; None: no clock)."""
+def next_restart_streak(streak: int, last_restart: str | None, now: str | None, *,
+                        self_fenced: bool = False) -> int:
+    """The streak after one more restart at ``now`` (RFC 3339; None: no clock).
+
+    A self-fenced replacement (the pod's node was lost and the leader force-deleted the
+    pod once its right was surely over) leaves the streak as it is: the node failed, not
+    the guest, and a VM whose node is lost twice in ten minutes is replaced at once both
+    times (docs/protocol.md, "Self-fencing")."""
+    if self_fenced:
+        return streak
     last, at = times.parse(last_restart), times.parse(now)
     if last is not None and at is not None and (at - last).total_seconds() > (
         RESTART_STREAK_WINDOW
