@@ -45,8 +45,8 @@ from neonvm.controller import action_table, podspec
 from neonvm.controller import actions as act
 from neonvm.controller import decide as d
 from neonvm.controller.cluster import KubeCluster, VMRecord
+from neonvm.controller.config import ControllerConfig, http_pool_size
 from neonvm.controller.informer import Informer, Obj, Store
-from neonvm.controller.manager import ControllerConfig, http_pool_size
 from neonvm.controller.podspec import PodDefaults
 from neonvm.drills import fleet
 from neonvm.drills.observer import PodWatchChecker, percentile

@@ -71,7 +71,7 @@ from benchmarks.common import replace_section  # noqa: E402
 from benchmarks.controller_bench import STAGES, Timeline  # noqa: E402
 from neonvm import kube  # noqa: E402
 from neonvm.api import types  # noqa: E402
-from neonvm.controller.manager import http_pool_size  # noqa: E402
+from neonvm.controller.config import http_pool_size  # noqa: E402
 from neonvm.drills import fleet  # noqa: E402
 from neonvm.drills.observer import percentile  # noqa: E402
 

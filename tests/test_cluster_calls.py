@@ -24,7 +24,7 @@ from neonvm.api import types
 from neonvm.api.types import PendingPod, VirtualMachine
 from neonvm.controller import podspec
 from neonvm.controller.cluster import KubeCluster
-from neonvm.controller.manager import HTTP_POOL_BEYOND_WORKERS, http_pool_size
+from neonvm.controller.config import HTTP_POOL_BEYOND_WORKERS, http_pool_size
 from neonvm.dev.cluster import LocalCluster
 from tests.support.harness import create_vm
 

@@ -22,9 +22,10 @@ from loguru import logger
 
 from neonvm.api.rights import DEFAULT_RIGHT_SECONDS
 from neonvm.cli.exits import ExitCode
+from neonvm.controller.config import ControllerConfig, http_pool_size
 from neonvm.controller.fault_wiring import wiring_for
 from neonvm.controller.faults import FaultConfig, FaultConfigError
-from neonvm.controller.manager import ControllerConfig, ControllerProcess, http_pool_size
+from neonvm.controller.manager import ControllerProcess
 from neonvm.controller.metrics import ControllerMetrics
 from neonvm.controller.podspec import DEFAULT_RUNNER_IMAGE, PodDefaults
 from neonvm.controller.reconciler import ReconcilerConfig
