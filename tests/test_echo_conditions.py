@@ -1,7 +1,7 @@
 """Conditions written from the answer to our own write, against the real API server.
 
 A reconcile that starts from the cache and writes (SyncStatus, say) ends with the VM as
-stored by that write; the conditions that follow from it (Ready, once the phase is
+stored by that write; the conditions that follow from it (Available, once the phase is
 Running) are written with it, in the same PUT, and nothing is read directly first
 (docs/protocol.md, "Observing from write responses": conditions may be written from an
 answer). A reconcile that would write conditions from the cache alone still reads
@@ -49,9 +49,9 @@ def test_conditions_after_a_write_from_the_cache_are_written_without_a_direct_re
     assert isinstance(result.action, act.Done), result
     vm = get_vm(api, namespace, "ready")
     assert vm is not None and vm["status"]["phase"] == "Running"
-    ready = condition(vm["status"], "Ready")
+    ready = condition(vm["status"], "Available")
     assert ready is not None and ready["status"] == "True", vm["status"]
-    # The phase and the Ready it implies in one write (conditions.with_ready); the
+    # The phase and the Available it implies in one write (conditions.with_ready); the
     # reconcile's end finds no condition left to write.
     assert reconciler.vm_writes - writes_before == 1
     assert sum(reconciler.counting.reads.values()) == 0, (

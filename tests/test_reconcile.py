@@ -70,7 +70,7 @@ def test_a_vm_converges_to_exactly_one_ungated_runner_pod_named_in_status(
     status = status_of(api, namespace, "one")
     assert status["planSeq"] == 1 and status["fence"] == {"epoch": 1, "token": 10}
     assert status["observedGeneration"] == 1
-    assert condition(status, "Ready") is not None
+    assert condition(status, "Available") is not None
     recorded = client.CoreV1Api(api).list_namespaced_event(
         namespace, field_selector="involvedObject.name=one").items
     # The progress of one reconcile is one Event: plan, create, commit and ungate.
@@ -307,7 +307,7 @@ def test_the_restart_policy_is_applied_when_the_runner_ends(
         assert status["planSeq"] == 1, "a terminal VM is never planned again"
         settle(reconciler, key)
         assert [p.metadata.name for p in runner_pods(api, namespace, "rp")] == [first]
-        ready = condition(status_of(api, namespace, "rp"), "Ready")
+        ready = condition(status_of(api, namespace, "rp"), "Available")
         assert ready is not None and ready["status"] == "False"
 
 
@@ -400,7 +400,7 @@ def test_a_missing_image_pull_secret_holds_the_pod_back_as_degraded_until_it_exi
     status, degraded = degraded_without_pod(api, reconciler, namespace, "private")
     assert degraded["reason"] == "ImagePullSecretNotFound"
     assert "regcred" in degraded["message"] and namespace in degraded["message"]
-    ready = condition(status, "Ready")
+    ready = condition(status, "Available")
     assert ready is not None and (ready["status"], ready["reason"]) == ("False", "NoRunner")
     planned = status["pendingPod"]["name"]
 

@@ -305,7 +305,9 @@ def test_a_replacement_refused_for_quota_while_the_old_pod_terminates_is_retried
              and only_pod(api, namespace, "vm") != old, 90)
     status = vm_status(api, namespace, "vm")
     assert (status["restartCount"], status["planSeq"]) == (1, 2)
-    degraded = next((c for c in status.get("conditions") or [] if c["type"] == "Degraded"), None)
+    degraded = next((c for c in [*(status.get("conditions") or []),
+                                 *(status.get("extraConditions") or [])]
+                     if c["type"] == "Degraded"), None)
     assert degraded is None, "quota is transient: retried, not Degraded"
 
 
