@@ -28,9 +28,10 @@ from neonvm.api.types import (
 from neonvm.controller import actions as act
 from neonvm.controller import conditions as c
 from neonvm.controller import reasons
+from neonvm.controller.cluster import VMRecord
 from neonvm.controller.conditions import stuck_mutation
 from neonvm.controller.create_policy import classify_create_error
-from neonvm.controller.observe import Snapshot, VMRecord, make_snapshot
+from neonvm.controller.observe import Snapshot, make_snapshot
 from neonvm.controller.performers import replace_unlabelled
 from neonvm.controller.reconciler import miss_message
 from tests.support import shipped_reconciler

@@ -22,8 +22,9 @@ from neonvm.controller import actions as act
 from neonvm.controller import decide as d
 from neonvm.controller import informer, podspec, scan
 from neonvm.controller.acceleration import RUNNER_PORT_NAME, runner_port
+from neonvm.controller.cluster import VMRecord
 from neonvm.controller.informer import Informer, Store, project_pod
-from neonvm.controller.observe import VMRecord, make_snapshot, pod_index, pod_view
+from neonvm.controller.observe import make_snapshot, pod_index, pod_view
 
 pytestmark = pytest.mark.unit
 

@@ -15,8 +15,9 @@ from loguru import logger
 from neonvm import kube
 from neonvm.controller import actions as act
 from neonvm.controller import performers
+from neonvm.controller.cluster import VMRecord
 from neonvm.controller.mutations import token_secret_mutation
-from neonvm.controller.observe import VMRecord, make_snapshot
+from neonvm.controller.observe import make_snapshot
 from neonvm.controller.scaling import RunnerScaling
 from tests.support import shipped_reconciler
 from tests.support.authority import StaticAuthority

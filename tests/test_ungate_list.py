@@ -27,7 +27,8 @@ from neonvm.api.types import (
 from neonvm.controller import actions as act
 from neonvm.controller import performers
 from neonvm.controller.action_table import ACTIONS
-from neonvm.controller.observe import Snapshot, VMRecord, make_snapshot
+from neonvm.controller.cluster import VMRecord
+from neonvm.controller.observe import Snapshot, make_snapshot
 from neonvm.controller.reconciler import Reconciler
 from neonvm.controller.step import Step
 from tests.support import shipped_reconciler

@@ -21,9 +21,9 @@ from neonvm.api.types import Fence, PendingPod, VirtualMachineStatus
 from neonvm.controller import actions as act
 from neonvm.controller import decide as d
 from neonvm.controller.action_table import status_mutation
-from neonvm.controller.cluster import KubeCluster, VMWriter
+from neonvm.controller.cluster import KubeCluster, VMRecord, VMWriter
 from neonvm.controller.mutations import FencedOut
-from neonvm.controller.observe import DirectReader, VMRecord
+from neonvm.controller.observe import DirectReader
 from neonvm.controller.update import (
     ConflictRetriesExhausted,
     RetryPolicy,

@@ -28,10 +28,10 @@ from loguru import logger
 
 from neonvm import kube
 from neonvm.api.types import VirtualMachineStatus
-from neonvm.controller.cluster import vm_path
+from neonvm.controller.cluster import VMRecord, vm_path
 from neonvm.controller.faults import FaultConfig, Faults
 from neonvm.controller.informer import UNREAD, EventFilter, Obj, Store, Unread, object_key
-from neonvm.controller.observe import CacheReader, Observer, VMRecord
+from neonvm.controller.observe import CacheReader, Observer
 from neonvm.controller.step import StepHook, Writer
 from neonvm.controller.wiring import Wiring
 

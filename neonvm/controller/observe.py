@@ -46,8 +46,7 @@ from neonvm.api import types
 from neonvm.api.types import VirtualMachine
 from neonvm.controller import autoscaler_view, podspec
 from neonvm.controller.actions import Fence, Observation, PodView
-from neonvm.controller.cluster import ClusterReads
-from neonvm.controller.cluster import VMRecord as VMRecord  # re-exported: its old home
+from neonvm.controller.cluster import ClusterReads, VMRecord
 from neonvm.controller.informer import Store
 from neonvm.controller.reasons import CREATE_REFUSED, DEGRADED
 

@@ -31,6 +31,7 @@ from neonvm.api import types
 from neonvm.controller import actions as act
 from neonvm.controller import autoscaler_view, mutations, podspec, reasons
 from neonvm.controller.authority import Authority, RetryableError
+from neonvm.controller.cluster import VMRecord
 from neonvm.controller.conditions import (
     ConditionUpdate,
     api_error_text,
@@ -48,7 +49,7 @@ from neonvm.controller.create_policy import (
 )
 from neonvm.controller.fencing import force_delete_dead_pod
 from neonvm.controller.mutations import token_secret_mutation
-from neonvm.controller.observe import Snapshot, VMRecord, labelled_for
+from neonvm.controller.observe import Snapshot, labelled_for
 from neonvm.controller.reasons import CREATE_FAILING
 from neonvm.controller.scaling import POD_WITHOUT_TOKEN
 from neonvm.controller.step import Event, Outcome, Step, StepContext, update_vm, write_status

@@ -38,7 +38,7 @@ from neonvm.controller.acceleration import (
 )
 from neonvm.controller.action_table import ACTIONS, SEEN_BY_WRITE, STEP_NAMES
 from neonvm.controller.authority import Authority, AuthorityLost, FencedSnapshot, WrongVM
-from neonvm.controller.cluster import Cluster
+from neonvm.controller.cluster import Cluster, VMRecord
 from neonvm.controller.compat_events import warn_unimplemented
 from neonvm.controller.conditions import (
     api_error_text,
@@ -62,7 +62,6 @@ from neonvm.controller.observe import (
     DirectReader,
     Observer,
     Snapshot,
-    VMRecord,
     create_due,
     labelled_for,
     make_snapshot,

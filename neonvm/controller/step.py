@@ -21,13 +21,13 @@ from neonvm.api import types
 from neonvm.api.types import VirtualMachineStatus
 from neonvm.controller import decide as d
 from neonvm.controller.authority import Authority
-from neonvm.controller.cluster import Cluster
+from neonvm.controller.cluster import Cluster, VMRecord
 from neonvm.controller.crd_warning import OldCrdWarning
 from neonvm.controller.events import EventRecorder
 from neonvm.controller.fencing import SelfFencing
 from neonvm.controller.identity import Identity
 from neonvm.controller.metrics import ControllerMetrics
-from neonvm.controller.observe import DirectReader, Snapshot, VMRecord, split_key
+from neonvm.controller.observe import DirectReader, Snapshot, split_key
 from neonvm.controller.progress import ProgressEvents
 from neonvm.controller.scaling import RunnerScaling
 from neonvm.controller.timers import VMTimers

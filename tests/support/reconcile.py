@@ -9,13 +9,10 @@ from kubernetes import client
 
 from neonvm.api import types
 from neonvm.controller import actions as act
+from neonvm.controller.cluster import VMRecord
 from neonvm.controller.fault_wiring import VersionedStore
 from neonvm.controller.informer import Informer
-from neonvm.controller.observe import (
-    Snapshot,
-    VMRecord,
-    make_snapshot,
-)
+from neonvm.controller.observe import Snapshot, make_snapshot
 from neonvm.controller.reconciler import Reconciler, ReconcileResult
 from tests.support import shipped_reconciler, wait_for
 from tests.support.authority import StaticAuthority

@@ -9,8 +9,8 @@ from kubernetes import client
 
 from neonvm.controller import actions as act
 from neonvm.controller.acceleration import HTTPRunnerStatus, RunnerReports
-from neonvm.controller.cluster import KubeCluster
-from neonvm.controller.observe import DirectReader, Snapshot, VMRecord
+from neonvm.controller.cluster import KubeCluster, VMRecord
+from neonvm.controller.observe import DirectReader, Snapshot
 from neonvm.controller.reconciler import Reconciler
 from neonvm.controller.scaling import RunnerScaling
 

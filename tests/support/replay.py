@@ -33,9 +33,8 @@ from neonvm.api import types
 from neonvm.api.schema import encode
 from neonvm.api.types import VirtualMachine
 from neonvm.controller import podspec
-from neonvm.controller.cluster import VMWriter
+from neonvm.controller.cluster import VMRecord, VMWriter
 from neonvm.controller.fault_wiring import bump_resource_version
-from neonvm.controller.observe import VMRecord
 from neonvm.verify.actors import Config, Step
 from neonvm.verify.model import (
     NODE,
