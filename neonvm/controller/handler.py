@@ -1,61 +1,12 @@
 """One VM key's turn on a worker: :meth:`Handler.handle` answers an :class:`Outcome`, and
 :meth:`Handler.apply` is the one switch that turns it into work-queue calls.
 
-The contract (controller-runtime's ``Reconcile`` result/error contract is the model):
-
-``handle(key)`` never raises. It finds the VM's uid (from the cache, or a quorum read when
-the key was queued ``direct``), takes the VM's etcd lock, runs one reconcile under the
-term's authority, and answers exactly one outcome:
-
-============  ==========================================================================
-``requeue``   The reconcile ended (Done or Wait, or *stuck*). The key's error backoff is
-              forgotten. After a Wait (or a stuck end) the key comes back after
-              ``after`` seconds, read directly (after a Wait the flag applies when the
-              time is up: a watch event that brings the key back earlier starts from
-              the cache): for a Wait ``after`` is the reconcile's
-              own requeue time and the VM's stuck streak is reset; for a stuck end it is
-              the VM's stuck backoff (:class:`~neonvm.controller.timers.VMTimers`),
-              which grows with each stuck end in a row. After a Done (``converged``:
-              nothing to do) the key comes back for a *re-check from the cache*, as
-              periodic work (the queue's second line), after the handler's
-              ``recheck`` delay (long and jittered, so that thousands of converged VMs
-              do not come back together), never before the reconcile's own requeue
-              time. A converged VM costs no API read until something changes: a watch
-              event brings it up at once, and the term's resync finds the VMs whose
-              cached copy differs from the server's (see the manager).
-``gone``      The VM does not exist (a quorum read says so). Its lock is released, what
-              is remembered about it is dropped, its backoff is forgotten; no requeue
-              (a new VM under that name comes back through the watch).
-``again``     The VM was re-created under the same name (``WrongVM``): at once, read
-              directly, backoff kept; the next turn takes the lock for the new uid.
-``temporary`` Worth retrying: after the key's per-key exponential backoff
-              (``add_rate_limited``, growing until a reconcile ends), read directly,
-              except after ``LockHeld`` (someone else holds the lock; the cache is fine).
-``behind``    A turn from the cache found the cache behind what this term's last
-              reconcile of the VM already saw (older resourceVersions of the VM or of
-              its pods, the VM's uid unchanged): the watch events still on their way,
-              mostly the echoes of our own writes, bring the key back once the cache
-              holds them, so nothing is read or written now. As a fallback the key
-              comes back from the cache after ``behind_fallback`` seconds anyway
-              (periodic work). Direct turns are never skipped.
-``dropped``   The term is ending: nothing (the next leader lists every VM).
-``permanent`` This term cannot go on: the VM's fence is ahead of ours by its token only
-              (``FencedOut``: the locks' tokens went back). The term ends, and the next
-              epoch is ahead of every such fence. No requeue.
-============  ==========================================================================
-
-Errors map to outcomes in one place, :func:`outcome_of_error`:
-
-* lost authority (``AuthorityLost``, ``LeadershipLost``, ``LockLost``, ``SessionLost``):
-  ``dropped`` while the term ends, else ``temporary``;
-* ``WrongVM``: ``again``; ``LockHeld``: ``temporary`` without a direct read;
-* ``FencedOut``: ``permanent``;
-* API, etcd, network, ``RetryableError``, ``ConflictRetriesExhausted``: ``temporary``;
-* anything else is a bug: ``temporary`` too (so one bad VM cannot stop the others), and
-  logged with its traceback.
-
-What the handler does not do: decide anything about the VM (``decide``), perform actions
-(the reconciler), or choose when keys are looked at without an event (the term's scans).
+``handle(key)`` never raises: it finds the VM's uid, takes its lock, runs one reconcile
+and answers one outcome; errors map to outcomes in one place, :func:`outcome_of_error`.
+The contract (each outcome, when, and what the queue does; controller-runtime's
+``Reconcile`` result/error contract is the model): docs/architecture.md, "The handler's
+contract"; the ``behind`` outcome: docs/reconciler.md, "Echoes of our own writes".
+The handler decides nothing about the VM and performs no action.
 """
 
 from __future__ import annotations
