@@ -5,7 +5,7 @@ around the shipped ``decide`` and mutations; docs/verification.md ("Why the expl
 a model driver, not the shipped one") says what stands between it and the shipped
 :class:`~neonvm.controller.reconciler.Reconciler`. Until then, this checks that the two
 do not drift apart where both are easy to run: the shipped reconciler over an in-memory
-cluster (:class:`tests.fake_cluster.FakeCluster`, through the driver's cluster
+cluster (:class:`tests.support.fake_cluster.FakeCluster`, through the driver's cluster
 interface), the model driver on the model's world along the explorer's calm schedule
 (the cluster first, then the leader, no faults), from a VM just created through three
 user events. Both must perform the same actions in the same order. A driver change the
@@ -27,9 +27,9 @@ from neonvm.controller.reconciler import ReconcilerConfig
 from neonvm.verify.actors import Actors, Config, Step
 from neonvm.verify.model import World, deleted, replace_pod, write_pods, write_vm
 from neonvm.verify.scenarios import fresh_world
-from tests.fake_cluster import FakeCluster
 from tests.support import shipped_reconciler
 from tests.support.authority import StaticAuthority
+from tests.support.fake_cluster import FakeCluster
 
 pytestmark = pytest.mark.unit
 

@@ -9,7 +9,7 @@ ends Done: the VM comes back only for its re-check,
 300 s later. Nothing else brought it up: the resync's diff compares the caches with the
 server, and they agree (the pod is gone from both); the mid-plan scan did not count a
 committed pod missing from the cache as work. Pure logic, over
-:class:`tests.fake_cluster.FakeCluster` and the stores the fault wiring keeps; the same
+:class:`tests.support.fake_cluster.FakeCluster` and the stores the fault wiring keeps; the same
 against the real servers is
 ``tests/test_reconcile_failover.py::test_stale_reads_dropped_events_and_conflicts_never_produce_a_second_pod``.
 """
@@ -30,9 +30,9 @@ from neonvm.controller.observe import CacheReader, pod_index
 from neonvm.controller.reconciler import Reconciler, ReconcilerConfig
 from neonvm.controller.scan import looks_mid_plan
 from neonvm.controller.update import RetryPolicy
-from tests.fake_cluster import FakeCluster
 from tests.support import shipped_reconciler
 from tests.support.authority import StaticAuthority
+from tests.support.fake_cluster import FakeCluster
 
 pytestmark = pytest.mark.unit
 

@@ -1,7 +1,7 @@
 """Every action's outcomes, end to end through the shipped driver and handler, over fakes.
 
 For each action the driver performs against the API server, a VM is brought (by the
-shipped performers, over :class:`tests.fake_cluster.FakeCluster`) to the state in which
+shipped performers, over :class:`tests.support.fake_cluster.FakeCluster`) to the state in which
 ``decide``'s next answer is that action. Then one key's turn runs through the shipped
 :class:`~neonvm.controller.handler.Handler` and :class:`~neonvm.controller.reconciler.
 Reconciler`, with the action's call to the API server answering once:
@@ -50,9 +50,9 @@ from neonvm.controller.step import write_status
 from neonvm.controller.timers import VMTimers
 from neonvm.controller.update import RetryPolicy
 from neonvm.controller.workqueue import WorkQueue
-from tests.fake_cluster import FakeCluster, api_error
 from tests.support import CountingAuthority, shipped_reconciler
 from tests.support.authority import StaticAuthority
+from tests.support.fake_cluster import FakeCluster, api_error
 
 pytestmark = pytest.mark.unit
 

@@ -38,7 +38,7 @@ does not handle itself goes up to the handler, which sorts it
 
 :class:`KubeCluster` is the shipped implementation (the ``kubernetes`` client, every
 request with a 30 s timeout). Tests run the shipped driver over an in-memory one
-(``tests/fake_cluster.py``). Live scaling's calls to the runner and its token Secrets go
+(``tests/support/fake_cluster.py``). Live scaling's calls to the runner and its token Secrets go
 through :class:`~neonvm.controller.scaling.RunnerScaling`, not through this interface.
 """
 

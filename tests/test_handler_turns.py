@@ -1,4 +1,4 @@
-"""Turns brought up by the echoes of our own writes (issue 15, fewer API calls per VM).
+"""The handler's turns brought up by the echoes of our own writes: direct read or cache.
 
 Specifications over fakes (pure: no servers), beside the real-server figure of
 ``python -m benchmarks.api_calls`` (docs/benchmarks.md, "API calls per VM by verb"):
