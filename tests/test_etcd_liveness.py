@@ -60,7 +60,7 @@ from neonvm.leader.etcd import (
     EtcdError,
     EtcdUnavailable,
 )
-from neonvm.leader.lease_store import LeaseConflict
+from neonvm.leader.lease_store import KubernetesLeaseStore, LeaseConflict
 from neonvm.leader.lock import Installation
 from tests.support import FAST, PrivateEtcd, private_etcd, wait_for
 from tests.support.election import FakeClock, FakeLeaseStore, held_by
@@ -181,8 +181,8 @@ def _run(elector: LeaderElector) -> tuple[threading.Event, threading.Thread,
 def test_a_refused_epoch_claim_releases_the_lease_and_ends_the_elector() -> None:
     store, floor, started = AskableStore(), Floor(), []
     floor.refuse_claims = True  # the access check passed a moment before
-    elector = LeaderElector(None, ElectionConfig(identity="me", **STEADY), started.append,
-                            lambda: None, epoch_floor=floor, store=store, watch=False,
+    elector = LeaderElector(store, ElectionConfig(identity="me", **STEADY), started.append,
+                            lambda: None, epoch_floor=floor, watch=False,
                             access_period=3600, access_confirm=CONFIRM)
     stop, thread, raised = _run(elector)
     thread.join(30)
@@ -202,8 +202,8 @@ def test_a_refusal_while_leading_stops_the_work_then_releases_and_ends_the_elect
         leadership.lost.wait()
         stopped_at.append(store.spec["holderIdentity"])  # the Lease when the work ended
 
-    elector = LeaderElector(None, ElectionConfig(identity="me", **STEADY), work,
-                            lambda: None, epoch_floor=floor, store=store, watch=False,
+    elector = LeaderElector(store, ElectionConfig(identity="me", **STEADY), work,
+                            lambda: None, epoch_floor=floor, watch=False,
                             access_period=0.05, access_confirm=CONFIRM)
     stop, thread, raised = _run(elector)
     wait_for(lambda: elector.is_leader(), 30, what="leading")
@@ -220,8 +220,8 @@ def test_a_refusal_while_leading_stops_the_work_then_releases_and_ends_the_elect
 def test_a_standby_refused_stops_campaigning_and_ends_the_elector() -> None:
     store, floor = AskableStore(), Floor()
     store.put(held_by("other", transitions=3, duration=600))
-    elector = LeaderElector(None, ElectionConfig(identity="me", **STEADY), lambda _: None,
-                            lambda: None, epoch_floor=floor, store=store, watch=False,
+    elector = LeaderElector(store, ElectionConfig(identity="me", **STEADY), lambda _: None,
+                            lambda: None, epoch_floor=floor, watch=False,
                             access_period=0.05, access_confirm=CONFIRM)
     stop, thread, raised = _run(elector)
     wait_for(lambda: "get" in store.calls, 30, what="campaigning")
@@ -247,9 +247,9 @@ def test_a_refusal_while_the_acquisition_is_in_flight_releases_what_it_took() ->
 
     store.before_write = refused_then_lands
     elector = LeaderElector(
-        None, ElectionConfig(identity="me", namespace="ns", name="l", lease_duration=20.0,
+        store, ElectionConfig(identity="me", namespace="ns", name="l", lease_duration=20.0,
                              renew_deadline=10.0, retry_period=0.5),
-        started.append, lambda: None, epoch_floor=floor, store=store, watch=False,
+        started.append, lambda: None, epoch_floor=floor, watch=False,
         access_period=0.05, access_confirm=CONFIRM)
     stop, thread, raised = _run(elector)
     try:
@@ -276,8 +276,8 @@ def test_a_standby_refused_once_does_not_take_the_lease_until_the_refusal_is_set
     store, floor = AskableStore(), Floor()
     store.put(held_by("other", transitions=3, duration=600))
     floor.checks_to_refuse = 1
-    elector = LeaderElector(None, ElectionConfig(identity="me", **STEADY), lambda _: None,
-                            lambda: None, epoch_floor=floor, store=store, watch=False,
+    elector = LeaderElector(store, ElectionConfig(identity="me", **STEADY), lambda _: None,
+                            lambda: None, epoch_floor=floor, watch=False,
                             access_period=3600, access_confirm=3600)
     stop, thread, raised = _run(elector)
     try:
@@ -307,8 +307,8 @@ def test_a_refusal_that_passes_does_not_end_the_elector(source: str) -> None:
     store, floor = AskableStore(), Floor()
     if source == "claim":
         floor.claims_to_refuse = 1
-    elector = LeaderElector(None, ElectionConfig(identity="me", **STEADY), lambda _: None,
-                            lambda: None, epoch_floor=floor, store=store, watch=False,
+    elector = LeaderElector(store, ElectionConfig(identity="me", **STEADY), lambda _: None,
+                            lambda: None, epoch_floor=floor, watch=False,
                             access_period=0.05, access_confirm=CONFIRM)
     stop, thread, raised = _run(elector)
     try:
@@ -334,8 +334,8 @@ def test_a_refusal_that_passes_does_not_end_the_elector(source: str) -> None:
 def test_a_standby_asks_a_holder_whose_term_etcd_does_not_show_to_step_down() -> None:
     store, floor = AskableStore(), Floor(shows=False)
     store.put(held_by("other", transitions=3, duration=600))  # renewed, for all it knows
-    elector = LeaderElector(None, ElectionConfig(identity="me", **QUICK), lambda _: None,
-                            lambda: None, epoch_floor=floor, store=store, watch=False)
+    elector = LeaderElector(store, ElectionConfig(identity="me", **QUICK), lambda _: None,
+                            lambda: None, epoch_floor=floor, watch=False)
     stop, thread, _raised = _run(elector)
     try:
         wait_for(lambda: STEP_DOWN_ANNOTATION in store.annotations, 30,
@@ -355,8 +355,8 @@ def test_a_standby_never_asks_a_holder_etcd_shows_or_when_etcd_does_not_answer_i
         shows: bool | Exception) -> None:
     store, floor = AskableStore(), Floor(shows=shows)
     store.put(held_by("other", transitions=3, duration=600))
-    elector = LeaderElector(None, ElectionConfig(identity="me", **QUICK), lambda _: None,
-                            lambda: None, epoch_floor=floor, store=store, watch=False)
+    elector = LeaderElector(store, ElectionConfig(identity="me", **QUICK), lambda _: None,
+                            lambda: None, epoch_floor=floor, watch=False)
     stop, thread, _raised = _run(elector)
     try:
         # Twice the reads a missing presence takes to be asked about (1.2 s, 0.3 s apart).
@@ -395,9 +395,9 @@ def _standby_reading_presence(pauses: list[float], *, renewing: bool
     presence loop over ``pauses`` and returns the store."""
     store, clock = AskableStore(), FakeClock()
     store.put(held_by("other", transitions=3, duration=4))
-    elector = LeaderElector(None, ElectionConfig(identity="me", namespace="ns", name="l"),
+    elector = LeaderElector(store, ElectionConfig(identity="me", namespace="ns", name="l"),
                             lambda _: None, lambda: None, epoch_floor=Floor(shows=False),
-                            store=store, clock=clock, watch=False)
+                            clock=clock, watch=False)
     elector._observe(store.get(1.0))
 
     def between() -> None:
@@ -588,9 +588,10 @@ def test_a_leader_whose_etcd_role_is_revoked_releases_and_a_standby_that_keeps_i
             floor = EpochFloor(clients[name], prefix, Installation(namespace, LEASE),
                                registry=CollectorRegistry())
             elector = LeaderElector(
-                api, ElectionConfig(namespace=namespace, name=LEASE, identity=name,
-                                    lease_duration=3.0, renew_deadline=2.0,
-                                    retry_period=0.5),
+                KubernetesLeaseStore(api, namespace, LEASE),
+                ElectionConfig(namespace=namespace, name=LEASE, identity=name,
+                               lease_duration=3.0, renew_deadline=2.0,
+                               retry_period=0.5),
                 work, lambda: None, epoch_floor=floor, registry=CollectorRegistry(),
                 access_period=0.2, access_confirm=0.5)
             runs[name] = _run(elector)

@@ -553,7 +553,7 @@ def test_a_removal_pending_after_a_drop_is_looked_at_past_the_window_until_it_se
     import datetime as dt
 
     from neonvm.api.types import Condition
-    from neonvm.controller.mutations import status_mutation
+    from neonvm.controller.action_table import status_mutation
     from neonvm.controller.observe import Snapshot
     from neonvm.controller.scaling import RunnerScaling
     from tests.support.scaling_decide import LEASE, running

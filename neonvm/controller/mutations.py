@@ -17,7 +17,6 @@ from __future__ import annotations
 import copy
 import datetime as dt
 from collections.abc import Callable
-from typing import Any
 
 from neonvm.api import compat, times
 from neonvm.api.millicpu import MilliCPU
@@ -392,16 +391,3 @@ def remove_finalizer(action: act.RemoveFinalizer) -> Callable[[VirtualMachine], 
         return [f for f in vm.finalizers if f != FINALIZER]
 
     return remove
-
-
-def status_mutation(action: act.Action, lease: act.Fence) -> StatusMutation:
-    """Transitional, for three test files not yet moved to
-    :func:`neonvm.controller.action_table.status_mutation` (the one to use): removed with
-    them. It cannot call the table (the table imports this module)."""
-    by_type: dict[type[act.Action], Callable[[Any, act.Fence], StatusMutation]] = {
-        act.RecordPlan: record_plan, act.Commit: commit, act.DropPlan: drop_plan,
-        act.Restart: restart, act.SyncStatus: sync_status, act.PlanScale: plan_scale,
-        act.CommitScale: commit_scale, act.DropScale: drop_scale}
-    if type(action) not in by_type:
-        raise ValueError(f"{type(action).__name__} is not a status write")
-    return by_type[type(action)](action, lease)
