@@ -1,53 +1,11 @@
 """One controller replica: campaign, and while leading, reconcile every VM under its lock.
 
-Structure (each piece small and replaceable):
-
-* :class:`ControllerProcess` owns what lives as long as the process: the API client, the
-  metrics, the :class:`~neonvm.controller.wiring.Wiring` its terms are built by, and the
-  :class:`~neonvm.leader.election.LeaderElector`.
-* Each time the elector hands over a term, a :class:`LeaderTerm` runs in the elector's
-  ``on_started`` thread until that term is lost. It owns everything that must not
-  outlive the term: the VM and pod informers, the work queue, the workers, the etcd
-  session with its :class:`~neonvm.leader.lock.LockManager`, the per-VM timers, and the
-  periodic scans. It is wiring: what a worker does with a key, and how each end of a
-  turn is retried, is :class:`~neonvm.controller.handler.Handler`'s (one documented
-  outcome contract); the lock and orphan-pod sweeps are
-  :class:`~neonvm.controller.sweeps.Sweeps`; which cached VMs look mid-plan is
-  :func:`~neonvm.controller.scan.looks_mid_plan`.
-
-What a term guarantees:
-
-* every reconcile runs under the VM's etcd lock (fencing token T) and the term's epoch E,
-  and stops at its next check once either is lost; a worker never outlives its term's
-  epoch (:class:`WorkerAuthority`);
-* keys are deduplicated and a key is processed by one worker at a time
-  (:class:`~neonvm.controller.workqueue.WorkQueue`); failures are retried with per-key
-  exponential backoff, and so is a VM whose reconcile ended *stuck* (its step budget used
-  up, or a step refused for good): ``stuck_backoff``, during which the periodic scans
-  leave it alone (its own delayed requeue, or a watch event, brings it back);
-* progress does not depend on watch events: a VM whose reconcile ended in Wait is
-  requeued after the wait, and every cached VM that looks mid-plan is requeued every
-  ``plan_requeue_seconds``, both starting with a direct (quorum) read; a converged VM
-  (Done) is re-checked *from the cache* every ``recheck_seconds`` (jittered); every
-  ``resync_seconds`` a direct, paginated, metadata-only list of the VMs and of their
-  pods is compared with the caches, and only the VMs that differ (missing from the
-  cache, gone from the server, another uid or resourceVersion, or a pod that differs)
-  are requeued, read directly; the caches themselves re-list every ``relist_seconds``.
-  Periodic requeues wait in the work queue's second line, behind event-driven work;
-* a VM whose status fence is ahead of this leader's by its epoch is marked Degraded
-  (``FenceAhead``) and left alone while the term goes on; one ahead by its token only
-  (the locks' tokens went back) ends the term, so that the next epoch clears it;
-* on the way out (SIGTERM, lost leadership, a fence ahead by token) the queue is shut,
-  workers are joined for up to 8 s, the etcd session is revoked (one call, which deletes
-  every lock key bound to it), and only then does ``on_started`` return, after which the
-  elector releases the Lease. A worker still inside an API call after the join is left to
-  finish that one call under the old fence; it can take no new lock and pass no check;
-* a worker survives an exception that escapes a turn (outside the reconcile's own
-  error handling): it is logged, counted, and the key requeued with backoff.
-
-What it does not guarantee: that a paused process stops acting before anyone else
-starts. That is what the pod fence and the conditional writes are for (see
-``docs/reconciler.md``).
+:class:`ControllerProcess` owns what lives as long as the process (the API client, the
+metrics, the elector and its Lease store: the composition root); each term the elector
+hands over runs a :class:`LeaderTerm` until it is lost, owning what must not outlive it
+(informers, work queue, workers, etcd session and locks, timers, periodic scans). What a
+worker does with a key is the :class:`~neonvm.controller.handler.Handler`'s. What a term
+guarantees, and what not: docs/reconciler.md, "What a leader term guarantees".
 """
 
 from __future__ import annotations
