@@ -67,6 +67,13 @@ VALUE_SETS = {"default": None, "ha-tls": HA_TLS_VALUES}
 # ---- helm ---------------------------------------------------------------------------------
 
 
+def _without_rights(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``objects`` but self-fencing's rights Service and NetworkPolicy (on by default;
+    tests/test_chart_self_fencing.py checks them)."""
+    return [o for o in objects if not o["metadata"]["name"].endswith(
+        ("-rights", "-rights-from-runners"))]
+
+
 def _release() -> str:
     return f"r{uuid.uuid4().hex[:8]}"
 
@@ -99,6 +106,11 @@ def test_every_templated_object_carries_the_standard_labels(helm: Helm, values: 
                      "Secret", "Secret", "Secret", "Secret"]
     expected.append("Pod")  # `helm test`
     expected.append("NetworkPolicy")  # only the controller (and `helm test`) reach etcd
+    # Self-fencing, on by default (tests/test_chart_self_fencing.py): the rights Service,
+    # its ClusterRole (nodes) and Role (its EndpointSlice), their bindings, and the
+    # NetworkPolicy that admits only runner pods to the rights port.
+    expected += ["ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding", "Service",
+                 "NetworkPolicy"]
     assert kinds == sorted(expected)
     pod_labels = rendered.one("Deployment")["spec"]["template"]["metadata"]["labels"]
     for obj in [*rendered.objects, {"kind": "pod template", "metadata": {"labels": pod_labels}}]:
@@ -152,12 +164,12 @@ def test_the_controller_gets_the_lease_settings_and_probes_on_its_health_port(
     assert "--session-ttl=15" in args
     assert "--runner-image=registry.example.com/neonvm/neonvm-runner:0.1.0" in args
     assert "--log-format=json" in args
-    (port,) = c["ports"]
+    (port,) = [p for p in c["ports"] if p["name"] != "rights"]  # rights: self-fencing
     assert port == {"name": "metrics", "containerPort": 8081, "protocol": "TCP"}
     assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
     assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
 
-    service = rendered.one("Service")
+    (service,) = _without_rights(rendered.all("Service"))
     assert service["spec"]["ports"][0]["targetPort"] == "metrics"
     assert service["spec"]["selector"].items() <= (
         rendered.one("Deployment")["spec"]["template"]["metadata"]["labels"].items())
@@ -241,7 +253,7 @@ def test_default_values_speak_tls_to_etcd_with_a_client_certificate(helm: Helm) 
 
 def test_default_values_let_only_the_controller_pods_reach_etcd(helm: Helm) -> None:
     rendered = helm.template("nvm", "ops")
-    (policy,) = rendered.all("NetworkPolicy")
+    (policy,) = _without_rights(rendered.all("NetworkPolicy"))
     spec = policy["spec"]
     assert policy["metadata"]["namespace"] == "ops"
     assert spec["podSelector"] == {"matchLabels": {"app.kubernetes.io/name": "neonvm-etcd"}}
@@ -296,8 +308,8 @@ def test_runner_pods_of_the_watched_namespace_may_not_reach_the_etcd_ports(helm:
            if p["protocol"] == "TCP"]
     assert tcp == [(1, 12378), (12381, 65535)]
 
-    assert not helm.template("nvm", "ops", sets=(
-        "etcd.networkPolicy.enabled=false",)).all("NetworkPolicy")
+    assert not _without_rights(helm.template("nvm", "ops", sets=(
+        "etcd.networkPolicy.enabled=false",)).all("NetworkPolicy"))
 
 
 @pytest.mark.parametrize(("sets", "message"), [
@@ -333,9 +345,11 @@ def test_a_ca_only_tls_setup_passes_no_client_certificate(helm: Helm) -> None:
 
 
 def test_the_rbac_rules_are_the_generated_ones_and_the_lease_is_namespaced(helm: Helm) -> None:
-    # The user roles are ClusterRoles too: test_tenant_boundaries.py checks them.
+    # The user roles are ClusterRoles too: test_tenant_boundaries.py checks them; the
+    # self-fencing roles, test_chart_self_fencing.py.
     rendered = helm.template("nvm", "ops", sets=("leaderElection.namespace=leases",
-                                                 "rbac.userRoles=false"))
+                                                 "rbac.userRoles=false",
+                                                 "controller.rightSeconds=0"))
     sa = rendered.one("ServiceAccount")["metadata"]
     subject = {"kind": "ServiceAccount", "name": sa["name"], "namespace": "ops"}
 
@@ -348,7 +362,8 @@ def test_the_rbac_rules_are_the_generated_ones_and_the_lease_is_namespaced(helm:
 
     assert not any("secrets" in r["resources"] for r in cluster_role["rules"])
     checking = helm.template("nvm", "ops", sets=("rbac.checkImagePullSecrets=true",
-                                                 "rbac.userRoles=false"))
+                                                 "rbac.userRoles=false",
+                                                 "controller.rightSeconds=0"))
     assert checking.one("ClusterRole")["rules"] == (
         manifests.controller_rules() + manifests.pull_secret_rules())
 
@@ -385,7 +400,7 @@ def test_the_service_monitor_is_opt_in_and_scrapes_the_metrics_service(helm: Hel
     rendered = helm.template("nvm", "ops", sets=("metrics.serviceMonitor.enabled=true",
                                                  "metrics.serviceMonitor.labels.release=prom"))
     monitor = rendered.one("ServiceMonitor")
-    service = rendered.one("Service")
+    (service,) = _without_rights(rendered.all("Service"))
     assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
     assert monitor["metadata"]["labels"]["release"] == "prom"
     assert monitor["spec"]["selector"]["matchLabels"].items() <= (
@@ -910,6 +925,9 @@ def test_the_controller_runs_a_vm_lifecycle_with_the_charts_command_line_and_ide
         "controller.logFormat=text",
         "leaderElection.leaseDurationSeconds=6", "leaderElection.renewDeadlineSeconds=4",
         "leaderElection.retryPeriodSeconds=1",
+        # Self-fencing needs a pod IP its EndpointSlice may name; its own tests run it
+        # (tests/test_self_fencing_cluster.py, tests/test_real_node_fencing.py).
+        "controller.rightSeconds=0",
     ))
     custom = client.CustomObjectsApi(api)
     core = client.CoreV1Api(api)

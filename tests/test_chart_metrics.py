@@ -40,10 +40,13 @@ def test_the_controller_port_is_named_metrics_and_everything_uses_that_name(
         helm: Helm) -> None:
     rendered = helm.template("nvm", "ops")
     container = rendered.one("Deployment")["spec"]["template"]["spec"]["containers"][0]
-    assert [p["name"] for p in container["ports"]] == ["metrics"]
+    # rights: self-fencing's port (tests/test_chart_self_fencing.py), not scraped.
+    assert [p["name"] for p in container["ports"]] == ["metrics", "rights"]
     assert container["livenessProbe"]["httpGet"]["port"] == "metrics"
     assert container["readinessProbe"]["httpGet"]["port"] == "metrics"
-    (port,) = rendered.one("Service")["spec"]["ports"]
+    (service,) = [s for s in rendered.all("Service")
+                  if not s["metadata"]["name"].endswith("-rights")]
+    (port,) = service["spec"]["ports"]
     assert (port["name"], port["targetPort"]) == ("metrics", "metrics")
 
 

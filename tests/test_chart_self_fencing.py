@@ -1,7 +1,7 @@
 """The chart's self-fencing values (``controller.rightSeconds``, ``controller.rightsPort``),
-rendered by the real helm binary: off by default, and when on, the controller's flags,
-the selector-less rights Service the leader points at itself, and the generated RBAC
-(docs/protocol.md, "Self-fencing"; docs/chart.md)."""
+rendered by the real helm binary: on by default (30 s), nothing added at 0, and when on,
+the controller's flags, the selector-less rights Service the leader points at itself, and
+the generated RBAC (docs/protocol.md, "Self-fencing"; docs/chart.md)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,15 @@ from tests.support.chart import Helm
 ON = ("controller.rightSeconds=30", "controller.rightsPort=8090")
 
 
-def test_self_fencing_is_off_by_default_and_adds_nothing(helm: Helm) -> None:
-    rendered = helm.template("nvm", "ops")
+def test_self_fencing_is_on_by_default_with_a_30_second_right(helm: Helm) -> None:
+    """The default deadline D = 30 s: the drills' figures at it are in docs/drills.md."""
+    args = helm.template("nvm", "ops").container["args"]
+    assert "--right-seconds=30" in args
+    assert any(a.startswith("--rights-url=") for a in args)
+
+
+def test_self_fencing_off_adds_nothing(helm: Helm) -> None:
+    rendered = helm.template("nvm", "ops", sets=("controller.rightSeconds=0",))
     assert "--right-seconds=0" in rendered.container["args"]
     assert not any(a.startswith("--rights-") for a in rendered.container["args"])
     assert not [o for o in rendered.objects if o["metadata"]["name"].endswith("-rights")]
@@ -106,7 +113,8 @@ def test_the_rights_port_admits_runner_pods_only_and_every_other_port_stays_open
 
 def test_the_rights_policy_is_off_with_self_fencing_or_when_turned_off(
         helm: Helm) -> None:
-    for sets in ((), (*ON, "controller.rightsNetworkPolicy=false")):
+    for sets in (("controller.rightSeconds=0",),
+                 (*ON, "controller.rightsNetworkPolicy=false")):
         rendered = helm.template("nvm", "ops", sets=sets)
         assert not [o for o in rendered.all("NetworkPolicy")
                     if o["metadata"]["name"].endswith("-rights-from-runners")]

@@ -77,6 +77,9 @@ def _release(helm: Helm, cluster: LocalCluster, namespace: str, etcd: EtcdConfig
         f"etcd.prefix={etcd.prefix}",
         "leaderElection.leaseDurationSeconds=6", "leaderElection.renewDeadlineSeconds=4",
         "leaderElection.retryPeriodSeconds=1",
+        # Self-fencing (on by default) needs a pod IP its EndpointSlice may name: not
+        # this test's subject (tests/test_chart_self_fencing.py).
+        "controller.rightSeconds=0",
     ))
 
 
