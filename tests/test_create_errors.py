@@ -12,7 +12,6 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from loguru import logger
 
-from neonvm import kube
 from neonvm.api.schema import encode
 from neonvm.api.types import (
     API_VERSION,
@@ -36,6 +35,7 @@ from neonvm.controller.performers import replace_unlabelled
 from neonvm.controller.reconciler import miss_message
 from tests.support import shipped_reconciler
 from tests.support.authority import StaticAuthority
+from tests.support.fake_cluster import FakeCluster
 
 pytestmark = pytest.mark.unit
 
@@ -154,20 +154,6 @@ def test_a_stuck_condition_is_written_once_however_its_message_changes() -> None
         "stuck again after a recovery: written"
 
 
-class _Deletes:
-    """Records pod deletes (a pure-logic stand-in beside the real-server test of the
-    unlabelled-pod replacement in ``tests/test_reconcile_loops.py``)."""
-
-    def __init__(self) -> None:
-        self.deleted: list[str] = []
-
-    def __call__(self, api: object, method: str, path: str, **kw: object) -> dict[str, object]:
-        """Stands in for :func:`neonvm.kube.request`: only pod deletes are expected."""
-        assert method == "DELETE" and "/pods/" in path, (method, path)
-        self.deleted.append(path.rsplit("/", 1)[-1])
-        return {}
-
-
 class _Events:
     def record(self, vm: VirtualMachine, reason: str, message: str,
                warning: bool = False) -> None:
@@ -180,7 +166,7 @@ class _Events:
     (None, False),         # a pod controlled by nothing
 ])
 def test_an_unlabelled_committed_pod_is_deleted_only_if_this_vm_controls_it(
-        owner: str | None, deleted: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+        owner: str | None, deleted: bool) -> None:
     vm = VirtualMachine(name="a", namespace="ns", uid="vm-a-uid", resource_version="1",
                         generation=1, spec=VirtualMachineSpec(),
                         status=VirtualMachineStatus())
@@ -189,12 +175,15 @@ def test_an_unlabelled_committed_pod_is_deleted_only_if_this_vm_controls_it(
     pod = {"metadata": {"name": "b-1", "uid": "pod-uid", "resourceVersion": "7",
                         "labels": {"vm.neon.tech/name": "b"}, "ownerReferences": refs},
            "spec": {"schedulingGates": [{"name": SCHEDULING_GATE}]}}
-    reconciler = shipped_reconciler(client.ApiClient(), events=_Events())  # type: ignore[arg-type]
-    core = _Deletes()
-    monkeypatch.setattr(kube, "request", core)
+    fake = FakeCluster()
+    pod = fake.add_pod({**pod, "metadata": {**pod["metadata"], "namespace": "ns"}})
+    reconciler = shipped_reconciler(client.ApiClient(), cluster=fake,
+                                    events=_Events())  # type: ignore[arg-type]
     outcome = replace_unlabelled(reconciler.ctx, vm, pod, act.Ungate(name="b-1", uid="pod-uid"),
                                  logger)
-    assert (core.deleted == ["b-1"]) is deleted, core.deleted
+    deletes = [name for call, name in fake.calls if call == "delete_pod"]
+    assert (deletes == ["b-1"]) is deleted, fake.calls
+    assert (fake.pod("ns", "b-1") is None) is deleted
     assert (outcome == "replaced") is deleted, outcome
 
 
