@@ -1,4 +1,14 @@
-"""Helpers shared by tests (no fixtures here: see conftest.py)."""
+"""Helpers the tests share, by subject; never imported by ``neonvm/``.
+
+This module: waits, ports, private etcds, replica groups, the shipped reconciler built
+over a client. Beside it: the controller harness (``harness``: VM helpers, replicas as
+processes), the one in-memory API server (``fake_cluster``), a fixed authority
+(``authority``), the model trace replayer (``replay``), the chart (``chart``,
+``chartdefaults``), the runner (``runner``, ``runner_scaling``, ``runner_right``), the
+reconciler (``reconcile``, ``reconcile_observe``, ``failover``), scaling
+(``scaling_controller``, ``scaling_decide``, ``scaling_token``) and others. Fixtures two or
+more test files use are defined in these modules and registered in ``tests/conftest.py``.
+"""
 
 from __future__ import annotations
 
