@@ -5,7 +5,8 @@ Opt-in (``NEONVM_TEST_REAL_NODE=1 pytest tests/test_real_node_vmbuilder.py -s``)
 the other real-node tests beyond the default one. One ``neonvm controller run`` replica
 and one VirtualMachine written the way NeonVM's e2e VMs are (no ``kernelImage``; a
 ``rootDisk`` container image holding ``/disk.qcow2``; ``args`` without ``command``;
-``ports`` naming ``host-metrics`` 9100 and ``monitor`` 10301; an emptyDisk and a tmpfs).
+``ports`` naming ``host-metrics`` 9100 and ``monitor`` 10301; an emptyDisk, a tmpfs and
+a ConfigMap disk).
 The root disk is :mod:`neonvm.dev.vmbuilderdisk`'s, in vm-builder's layout, so the
 runner boots its ``/neonvm/bin/init`` with the runtime disk (docs/runner.md, "The
 vm-builder boot contract"). The host then does what NeonVM's autoscaler-agent does:
@@ -53,8 +54,12 @@ SPEC: dict[str, Any] = {
                   {"name": "monitor", "port": vmbuilderdisk.MONITOR_PORT}],
     },
     "disks": [{"name": "data", "mountPath": "/data", "emptyDisk": {"size": "16Mi"}},
-              {"name": "scratch", "mountPath": "/scratch", "tmpfs": {"size": "8Mi"}}],
+              {"name": "scratch", "mountPath": "/scratch", "tmpfs": {"size": "8Mi"}},
+              {"name": "vmconfig", "mountPath": "/config",
+               "configMap": {"name": "vmb-config",
+                             "items": [{"key": "app.conf", "path": "app.conf"}]}}],
 }
+CONFIG = "listen_addresses = '*'"
 
 
 def http_get(url: str) -> tuple[int, str] | None:
@@ -104,6 +109,8 @@ def test_a_vmbuilder_guest_on_the_real_node_runs_its_entrypoint_and_serves_9100_
         with replica_group(cluster, api, namespace, tmp_path / "replicas") as group:
             group.start("c0")
             created = time.monotonic()
+            core.create_namespaced_config_map(namespace, {
+                "metadata": {"name": "vmb-config"}, "data": {"app.conf": CONFIG}})
             create_vm(api, namespace, VM, restart_policy="Always", spec=SPEC)
             try:
                 pod: Any = wait_for(lambda: ready_pod(api, namespace), timeout=600, interval=0.5,
@@ -111,6 +118,11 @@ def test_a_vmbuilder_guest_on_the_real_node_runs_its_entrypoint_and_serves_9100_
                 figures = [f"runner pod Ready {time.monotonic() - created:.1f} s after the VM "
                            "was created"]
                 assert pod.spec.node_name == node.name
+                # The named ports a Service's targetPort finds (NeonVM's sample Service).
+                [runner] = [c for c in pod.spec.containers if c.name == "neonvm-runner"]
+                declared = {(p.name, p.container_port) for p in runner.ports}
+                assert {("host-metrics", vmbuilderdisk.VECTOR_PORT),
+                        ("monitor", vmbuilderdisk.MONITOR_PORT)} <= declared, declared
                 name, ip = pod.metadata.name, pod.status.pod_ip
 
                 def log() -> str:
@@ -118,7 +130,7 @@ def test_a_vmbuilder_guest_on_the_real_node_runs_its_entrypoint_and_serves_9100_
                                                             container="neonvm-runner"))
 
                 # The image's ENTRYPOINT ran, with the spec's args in place of its CMD.
-                wait_for(lambda: f"{MARK} mount /data" in log(), timeout=300, interval=1,
+                wait_for(lambda: f"{MARK} report done" in log(), timeout=300, interval=1,
                          what="the ENTRYPOINT's report on the console")
                 figures.append(f"ENTRYPOINT's report in the pod's log "
                                f"{time.monotonic() - created:.1f} s after create")
@@ -129,7 +141,9 @@ def test_a_vmbuilder_guest_on_the_real_node_runs_its_entrypoint_and_serves_9100_
                              f"{MARK} GREETING=hello from the spec BAKED=from-the-image",
                              f"{MARK} swappiness 17",
                              f"{MARK} mount /scratch tmpfs rw",
-                             f"{MARK} mount /data ext4 rw"):
+                             f"{MARK} mount /data ext4 rw",
+                             f"{MARK} mount /config ext4 ro",
+                             f"{MARK} file /config/app.conf: {CONFIG}"):
                     assert line in text, text[-5000:]
                 assert "baked-cmd" not in text
                 root_kb = int(text.split(f"{MARK} root-kb ")[1].split()[0])
