@@ -25,7 +25,7 @@ from collections.abc import Iterator
 import pytest
 from kubernetes import client
 
-from neonvm.controller.rights import LeaderEndpoint
+from neonvm.controller.leader_endpoint import LeaderEndpoint
 from neonvm.dev.cluster import LocalCluster
 from neonvm.drills import fencing, fleet
 from tests.support import wait_for

@@ -16,7 +16,7 @@ from kubernetes import client
 
 from neonvm import kube
 from neonvm.cli import main
-from neonvm.controller.rights import endpoint_ip_problem
+from neonvm.controller.leader_endpoint import endpoint_ip_problem
 from neonvm.dev.cluster import LocalCluster
 from tests.support import shipped_reconciler
 from tests.support.authority import StaticAuthority

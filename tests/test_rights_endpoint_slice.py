@@ -9,7 +9,7 @@ from typing import Any
 
 from kubernetes import client
 
-from neonvm.controller.rights import LeaderEndpoint
+from neonvm.controller.leader_endpoint import LeaderEndpoint
 
 
 def addresses(api: client.ApiClient, namespace: str) -> list[tuple[str, int]]:

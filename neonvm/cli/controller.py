@@ -25,17 +25,16 @@ from neonvm.cli.exits import ExitCode
 from neonvm.controller.config import ControllerConfig, http_pool_size
 from neonvm.controller.fault_wiring import wiring_for
 from neonvm.controller.faults import FaultConfig, FaultConfigError
+from neonvm.controller.leader_endpoint import LeaderEndpoint, endpoint_ip_problem
 from neonvm.controller.manager import ControllerProcess
 from neonvm.controller.metrics import ControllerMetrics
 from neonvm.controller.podspec import DEFAULT_RUNNER_IMAGE, PodDefaults
 from neonvm.controller.reconciler import ReconcilerConfig
 from neonvm.controller.rights import (
-    LeaderEndpoint,
     RightsServer,
     RightsService,
     TokenCache,
     api_mark_pod,
-    endpoint_ip_problem,
     parse_bind,
     parse_service,
 )

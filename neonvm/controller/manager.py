@@ -38,11 +38,12 @@ from neonvm.controller.informer import (
     Undecodable,
     project_pod,
 )
+from neonvm.controller.leader_endpoint import LeaderEndpoint
 from neonvm.controller.metrics import ControllerMetrics
 from neonvm.controller.midplan import MidPlanSet
 from neonvm.controller.observe import pod_index, split_key
 from neonvm.controller.reconciler import Reconciler
-from neonvm.controller.rights import LeaderEndpoint, RightsLedger
+from neonvm.controller.rights import RightsLedger
 from neonvm.controller.scaling import RunnerScaling
 from neonvm.controller.sweeps import Sweeps, iter_items
 from neonvm.controller.timers import Jitter, VMTimers
