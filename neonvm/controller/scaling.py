@@ -1,34 +1,12 @@
 """Live scaling, the controller's side: the token Secret, asking the runner, telling Kubernetes.
 
-:func:`neonvm.controller.decide.decide` plans a change (``PlanScale``, a CAS of
-``status.pendingScale``), asks for it (``ApplyScale``) and commits what the runner reports
-(``CommitScale``). This module performs the part that is not a status write:
-
-* **The token.** Each scalable VM has a Secret in its namespace under a generated name
-  (``neonvm-scaling-<vm uid prefix>-…``), owned by the VM (garbage-collected with it),
-  holding a random secret under ``token``; status records its name and UID. The
-  controller creates it before it creates a runner pod, the pod mounts it by name
-  (``podspec``) and the runner reads it per request (``NEONVM_SCALING_TOKEN_FILE``),
-  expecting HMAC(secret, its pod uid) as the bearer. The controller reads it again
-  whenever it calls the runner, and uses it only if its UID is the recorded one (a
-  Secret planted under the name is not read; the pod still mounts it by name).
-* **The runner.** ``http://<pod IP>:<runnerPort>``: ``GET /scale`` (no token: read-only)
-  while a plan is recorded, and after one was dropped (for a while, and then as long as
-  status asks for it: ``scaleLookPodUID``), to see the fence it applied and the size it
-  has; ``PUT
-  /scale`` with the plan's size and fence ``{epoch, token, seq}`` and the bearer token.
-  The runner is the VM owner's choice (``spec.runnerImage``), so it is asked through a
-  client written for a hostile peer (:mod:`~neonvm.controller.runner_client`: one deadline per
-  exchange, 64 KiB answers, no redirects, strict parsing; docs/security.md, "The runner
-  as seen by the controller").
-* **Kubernetes.** After the runner applied a size, the pod's ``vm.neon.tech/usage``
-  annotation (NeonVM's name and JSON shape: ``{"cpu", "memory"}``) carries it, and the
-  runner container's CPU request follows ``cpus.use`` through the ``pods/resize``
-  subresource (in-place resize) when the pod's resources are derived from the guest.
-
-Who may call the runner: anyone who can read the VM's Secret (the controller, and
-whoever may ``get`` Secrets in the VM's namespace) and reach the pod's IP. The token
-crosses the pod network in clear (plain HTTP); see docs/runner.md, "Live scaling".
+``decide`` plans a change (``PlanScale``), asks for it (``ApplyScale``) and commits what
+the runner reports (``CommitScale``); :class:`RunnerScaling` performs the part that is not
+a status write: the VM's token Secret, ``GET``/``PUT /scale`` on the runner (through the
+hostile-peer client of :mod:`~neonvm.controller.runner_client`), then the pod's usage
+annotation and CPU request. The protocol: docs/protocol.md, "Live scaling"; the token
+and who may call the runner: docs/runner.md, "Live scaling"; the runner as a hostile
+peer: docs/security.md.
 """
 
 from __future__ import annotations
