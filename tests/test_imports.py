@@ -432,3 +432,54 @@ def test_the_test_tree_rule_catches_a_planted_reference(tmp_path: Path, planted:
     (pkg / "planted.py").write_text(planted)
     found = references_to_test_tree(pkg)
     assert found and all(f.startswith("neonvm/planted.py:") for f in found), found
+
+
+TESTS = ROOT.parent / "tests"
+
+CROSS_TEST_IMPORTS_LEFT: frozenset[tuple[str, str]] = frozenset({
+    ("tests/test_guestnet_rights.py", "tests.test_guest_isolation"),
+    ("tests/test_hostile_guest_node.py", "tests.test_guest_isolation"),
+    ("tests/test_neonvm_pod_shape.py", "tests.test_autoscaler_view"),
+    ("tests/test_real_node.py", "tests.test_hostile_guest_node"),
+    ("tests/test_real_node_drill.py", "tests.test_real_node"),
+})
+"""Test modules that still import another test module; their helpers belong in
+``tests/support/``. The set only shrinks."""
+
+
+def cross_test_imports(tests: Path = TESTS) -> set[tuple[str, str]]:
+    """(file, module) for every import of a test module (``tests.test_*``) by a file under
+    ``tests``, module level or inside a function."""
+    found: set[tuple[str, str]] = set()
+    for path in sorted(tests.rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = ([f"tests.{a.name}" for a in node.names] if node.module == "tests"
+                         else [node.module or ""])
+            else:
+                continue
+            found |= {(path.relative_to(tests.parent).as_posix(), n) for n in names
+                      if n.startswith("tests.test_")}
+    return found
+
+
+def test_a_test_module_imports_no_other_test_module() -> None:
+    """Helpers two test files share live in ``tests/support/`` (shared fixtures are
+    registered in ``tests/conftest.py``), never in a test module another one imports."""
+    assert cross_test_imports() <= CROSS_TEST_IMPORTS_LEFT, sorted(
+        cross_test_imports() - CROSS_TEST_IMPORTS_LEFT)
+
+
+@pytest.mark.parametrize("planted", [
+    "from tests.test_b import helper\n",
+    "def f():\n    import tests.test_b\n",
+    "from tests import test_b\n",
+])
+def test_the_test_import_rule_catches_a_planted_import(tmp_path: Path, planted: str) -> None:
+    (tmp_path / "tests" / "support").mkdir(parents=True)
+    (tmp_path / "tests" / "support" / "ok.py").write_text("from tests.support import x\n")
+    (tmp_path / "tests" / "test_a.py").write_text(planted)
+    assert cross_test_imports(tmp_path / "tests") == {("tests/test_a.py", "tests.test_b")}
