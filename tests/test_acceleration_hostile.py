@@ -6,7 +6,7 @@ as seen by the controller"): one deadline for the whole exchange however the byt
 trickle in, a body cap, and no redirects. A fetch runs in the background
 (:class:`~neonvm.controller.acceleration.RunnerReports`), one of a few at once: a
 trickling runner must free its slot at the deadline, not hold it for as long as it
-likes. Real servers on loopback (:mod:`tests.hostile_runners`).
+likes. Real servers on loopback (:mod:`tests.support.hostile_runners`).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import pytest
 from neonvm.controller.acceleration import HTTPRunnerStatus, RunnerReports
 from neonvm.controller.actions import PodView
 from neonvm.controller.runner_client import RUNNER_BODY_LIMIT, ScalingError
-from tests.hostile_runners import GIB, HostileRunner, RecordingServer
 from tests.support import wait_for
+from tests.support.hostile_runners import GIB, HostileRunner, RecordingServer
 
 SOCKET_BUFFERS = 16 * 1024 * 1024
 """An upper bound on what loopback send and receive buffers hold between the two ends."""

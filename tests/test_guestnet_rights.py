@@ -12,7 +12,7 @@ import pytest
 
 from neonvm.runner.guestnet import DEFAULT_GUEST_NETWORK, Blocked, frame_verdict
 from neonvm.runner.right import rights_blocked
-from tests.rights_support import ShippedLeader
+from tests.support.rights import ShippedLeader
 from tests.support.runner_right import NAMESPACE, TOKEN, UID, VM
 from tests.test_guest_isolation import (
     ACK,

@@ -2,7 +2,7 @@
 
 A VM's owner chooses its runner image, so the "runner" the controller calls for live
 scaling may answer anything. Each attack here is a real server on loopback
-(:mod:`tests.hostile_runners`): a body of 1 GiB, an answer that trickles in a byte at a
+(:mod:`tests.support.hostile_runners`): a body of 1 GiB, an answer that trickles in a byte at a
 time, a redirect to another server, answers that are not what a runner says. Each must
 fail without costing the controller more than one bounded exchange: the body is not read
 past 64 KiB (the process does not grow), the exchange ends at its deadline however the
@@ -26,9 +26,9 @@ from kubernetes import client
 
 from neonvm.controller.observe import Snapshot
 from neonvm.controller.scaling import RunnerScaling, ScalingError
-from tests.hostile_runners import GIB, HonestRunner, HostileRunner, RecordingServer
 from tests.support import wait_for
 from tests.support.hostile_runner import _pod_running, condition, scalable_vm
+from tests.support.hostile_runners import GIB, HonestRunner, HostileRunner, RecordingServer
 from tests.support.scaling_decide import obs, scale_plan, vm
 
 REPO = Path(__file__).resolve().parent.parent

@@ -33,7 +33,6 @@ from neonvm.controller.observe import (
 from neonvm.controller.reconciler import Reconciler, ReconcilerConfig
 from neonvm.dev.cluster import LocalCluster
 from neonvm.invariant import InvariantChecker
-from tests.seed_bug import stale_writeback_update
 from tests.support import create_pull_secret, shipped_reconciler, wait_for
 from tests.support.authority import StaticAuthority
 from tests.support.harness import get_vm, is_gated, runner_pods
@@ -50,6 +49,7 @@ from tests.support.reconcile import (
     settle,
     status_of,
 )
+from tests.support.seed_bug import stale_writeback_update
 
 pytestmark = pytest.mark.cluster
 

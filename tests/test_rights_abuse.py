@@ -13,8 +13,8 @@ from loguru import logger
 
 from neonvm.api.rights import authorization_header
 from neonvm.controller.rights import RightsLedger, RightsServer, RightsService, TokenCache
-from tests.rights_support import ask, caches
 from tests.support import Clock
+from tests.support.rights import ask, caches
 from tests.support.rights_ledger import POD_UID, REQUEST, TOKEN, secret
 
 pytestmark = pytest.mark.unit

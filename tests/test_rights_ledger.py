@@ -27,8 +27,8 @@ from neonvm.controller.rights import (
     TokenCache,
     parse_bind,
 )
-from tests.rights_support import ask, caches
 from tests.support import Clock
+from tests.support.rights import ask, caches
 from tests.support.rights_ledger import POD_UID, REQUEST, TOKEN, secret
 
 pytestmark = pytest.mark.unit

@@ -8,7 +8,7 @@
 * The real wiring: the kill holds the QEMU process by a pidfd; an ask has an overall
   deadline against a server that drips its answer.
 * A real runner under real QEMU against the shipped rights endpoint (its listener,
-  service, ledger and token cache: tests/rights_support.py): no QEMU before the first
+  service, ledger and token cache: tests/support/rights.py): no QEMU before the first
   grant; when grants stop, QEMU is SIGKILLed and the runner exits non-zero.
 """
 
@@ -56,8 +56,8 @@ from neonvm.runner.right import (
 )
 from neonvm.runner.state import ExitCode
 from tests.guest.build import GuestImage
-from tests.rights_support import ShippedLeader
 from tests.support import Clock, wait_for
+from tests.support.rights import ShippedLeader
 from tests.support.runner_right import NAMESPACE, TOKEN, UID, VM
 
 REPO = Path(__file__).resolve().parent.parent
@@ -526,7 +526,7 @@ def test_an_ask_has_an_overall_deadline_not_one_per_read() -> None:
 
 @pytest.fixture
 def leader() -> Iterator[Callable[..., ShippedLeader]]:
-    """The shipped rights endpoint (tests/rights_support.py) for the runner's VM and pod."""
+    """The shipped rights endpoint (tests/support/rights.py) for the runner's VM and pod."""
     made: list[ShippedLeader] = []
 
     def make(seconds: float, host: str = "127.0.0.1") -> ShippedLeader:

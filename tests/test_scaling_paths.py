@@ -13,7 +13,7 @@ import pytest
 from kubernetes import client
 
 from neonvm.controller.scaling import RunnerScaling, ScalingError
-from tests.hostile_runners import RecordingServer
+from tests.support.hostile_runners import RecordingServer
 from tests.support.scaling_decide import vm
 
 HOSTILE_NAME = "x?dryRun=All#frag%2e%2e"

@@ -30,9 +30,9 @@ from neonvm.controller import decide as d
 from neonvm.controller.authority import AuthorityLost
 from neonvm.controller.observe import Snapshot
 from neonvm.controller.scaling import RunnerScaling
-from tests.hostile_runners import HonestRunner
 from tests.support import shipped_reconciler, wait_for
 from tests.support.authority import StaticAuthority
+from tests.support.hostile_runners import HonestRunner
 from tests.support.scaling_decide import obs, scale_plan, vm
 
 OLD = StaticAuthority(epoch=1, token=10)

@@ -39,9 +39,9 @@ from neonvm.controller.fencing import SELF_FENCED
 from neonvm.controller.rights import TERM_ANNOTATION, api_mark_pod
 from neonvm.dev import nodes
 from neonvm.dev.cluster import LocalCluster, free_port
-from tests.rights_support import ask as rights_ask
 from tests.support import FAST, wait_for
 from tests.support.harness import Replicas, converged, create_vm, get_vm, runner_pods
+from tests.support.rights import ask as rights_ask
 
 pytestmark = pytest.mark.nodes
 

@@ -31,8 +31,8 @@ from neonvm.controller.update import (
     conditional_update,
 )
 from neonvm.dev.cluster import LocalCluster
-from tests.seed_bug import stale_writeback_update
 from tests.support.harness import create_vm
+from tests.support.seed_bug import stale_writeback_update
 
 # ---- an in-memory CAS store ---------------------------------------------------------------
 

@@ -130,4 +130,4 @@ def conditional_update(
 
 UpdateFunction = Callable[..., UpdateOutcome[Obj]]
 """Signature of :func:`conditional_update`; a test may inject another update helper
-(tests/seed_bug.py holds the seed's broken one)."""
+(tests/support/seed_bug.py holds the seed's broken one)."""

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from tests.rights_support import SECRET_UID
-from tests.rights_support import secret as token_secret
+from tests.support.rights import SECRET_UID
+from tests.support.rights import secret as token_secret
 
 TOKEN = b"s3cret-token"
 
