@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import inspect
 import json
 import os
 import platform
@@ -173,14 +174,20 @@ def child(latency: float, period: float, timings: dict[str, float]) -> dict[str,
     started: list[float] = []
     electors = []
     stop = threading.Event()
+    # The baseline's elector takes (api, config, ..., store=); today's takes the store first.
+    store_first = next(iter(inspect.signature(election.LeaderElector).parameters)) == "store"
     for i in range(3):
         config = election.ElectionConfig(
             namespace="ns", name="l", identity=f"replica-{i}_{uuid.uuid4().hex[:6]}",
             lease_duration=timings["lease"], renew_deadline=timings["renew"],
             retry_period=timings["retry"])
-        electors.append(election.LeaderElector(
-            store, config, lambda _lead: started.append(time.monotonic()),
-            lambda: ended.append(time.monotonic()), watch=True))
+        make: Any = election.LeaderElector  # either signature, checked above
+        electors.append(
+            make(store, config, lambda _lead: started.append(time.monotonic()),
+                 lambda: ended.append(time.monotonic()), watch=True)
+            if store_first else
+            make(None, config, lambda _lead: started.append(time.monotonic()),
+                 lambda: ended.append(time.monotonic()), store=store, watch=True))
     threads = [threading.Thread(target=e.run, args=(stop,), daemon=True) for e in electors]
     for t in threads:
         t.start()
