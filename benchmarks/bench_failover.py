@@ -151,10 +151,15 @@ def run_scenario(cluster: Any, scenario: Scenario, kills: int, terms: int,
         env["PYTHONPATH"] = scenario.pythonpath
     t = scenario.timings
     floor = workdir / f"{namespace}-floor.json"
+    # A baseline runs the candidate program of its own tree (extract() put it there).
+    candidate = CANDIDATE
+    if scenario.pythonpath:
+        old = Path(scenario.pythonpath) / "tests" / "programs" / "candidate.py"
+        candidate = old if old.exists() else CANDIDATE
 
     def start() -> Candidate:
         return Candidate([
-            sys.executable, str(CANDIDATE),
+            sys.executable, str(candidate),
             "--kubeconfig", str(cluster.kubeconfig_for("controller")),
             "--namespace", namespace, "--floor-file", str(floor),
             "--lease-duration", str(t["lease"]), "--renew-deadline", str(t["renew"]),
@@ -207,8 +212,9 @@ def baseline_ref() -> str:
 def extract(ref: str, into: Path) -> str:
     """``neonvm/`` at ``ref`` into ``into``; returns the directory for PYTHONPATH."""
     archive = into / "old.tar"
-    subprocess.run(["git", "archive", "--format=tar", "-o", str(archive), ref, "neonvm"],
-                   cwd=ROOT, check=True)
+    # Its own candidate program too: today's builds today's elector (store first).
+    subprocess.run(["git", "archive", "--format=tar", "-o", str(archive), ref, "neonvm",
+                    "tests/programs/candidate.py"], cwd=ROOT, check=True)
     with tarfile.open(archive) as tar:
         tar.extractall(into / "old", filter="data")
     commit = subprocess.run(["git", "rev-parse", "--short", ref], cwd=ROOT, check=True,
