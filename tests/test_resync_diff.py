@@ -9,7 +9,8 @@ import pytest
 
 from neonvm.api import types
 from neonvm.controller.informer import Store
-from neonvm.controller.manager import _differing, _pod_vm_key
+from neonvm.controller.resync import differing as _differing
+from neonvm.controller.resync import pod_vm_key as _pod_vm_key
 
 pytestmark = pytest.mark.unit
 

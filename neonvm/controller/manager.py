@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 from kubernetes import client
@@ -43,6 +43,7 @@ from neonvm.controller.metrics import ControllerMetrics
 from neonvm.controller.midplan import MidPlanSet
 from neonvm.controller.observe import pod_index, split_key
 from neonvm.controller.reconciler import Reconciler
+from neonvm.controller.resync import differing, pod_vm_key
 from neonvm.controller.rights import RightsLedger
 from neonvm.controller.scaling import RunnerScaling
 from neonvm.controller.sweeps import Sweeps, iter_items
@@ -357,10 +358,10 @@ class LeaderTerm:
         """
         keys: set[str] = set()
         try:
-            keys |= _differing(iter_items(self._list_vms, metadata_only=True),
+            keys |= differing(iter_items(self._list_vms, metadata_only=True),
                                self.vm_store, lambda meta, key: key)
-            keys |= _differing(iter_items(self._list_pods, metadata_only=True),
-                               self.pod_store, _pod_vm_key)
+            keys |= differing(iter_items(self._list_pods, metadata_only=True),
+                               self.pod_store, pod_vm_key)
         except Exception as exc:
             self.log.warning("resync list failed: {err}", err=short_error(exc))
         self.metrics.resync_differing.set(len(keys))
@@ -458,42 +459,6 @@ class LeaderTerm:
             finally:
                 self.queue.done(taken.key)
                 self.metrics.turn_ended(taken.key, outcome, time.monotonic() - started)
-
-
-def _pod_vm_key(meta: dict[str, Any], key: str) -> str | None:
-    vm_name = (meta.get("labels") or {}).get(types.LABEL_VM_NAME)
-    return f"{meta.get('namespace', '')}/{vm_name}" if vm_name else None
-
-
-def _differing(listed: Iterable[Obj], store: Any,
-               owner: Callable[[dict[str, Any], str], str | None]) -> set[str]:
-    """VM keys (``owner(metadata, key)``) of the listed objects whose uid or
-    resourceVersion differ from the store's, of the listed objects the store lacks, and
-    of the stored objects the list lacks."""
-    unseen = set(store.all_keys())
-    keys: set[str] = set()
-    for item in listed:
-        meta = item.get("metadata") or {}
-        key = f"{meta.get('namespace', '')}/{meta.get('name', '')}"
-        unseen.discard(key)
-        cached = store.get(key)
-        cached_meta = (cached or {}).get("metadata") or {}
-        if (cached is None or cached_meta.get("uid") != meta.get("uid")
-                or cached_meta.get("resourceVersion") != meta.get("resourceVersion")):
-            vm_key = owner(meta, key)
-            if vm_key:
-                keys.add(vm_key)
-            if cached is not None:
-                old_key = owner(cached_meta, key)
-                if old_key:
-                    keys.add(old_key)
-    for key in unseen:
-        cached = store.get(key)
-        if cached is not None:
-            vm_key = owner(cached.get("metadata") or {}, key)
-            if vm_key:
-                keys.add(vm_key)
-    return keys
 
 
 # ---- the process ------------------------------------------------------------------------
