@@ -1,0 +1,61 @@
+"""The soak's record as figures (benchmarks/soak.py; docs/benchmarks.md, "Soak"): pure
+logic over a made-up record, no cluster."""
+
+from __future__ import annotations
+
+import argparse
+import xml.etree.ElementTree as ET
+
+import pytest
+
+from benchmarks.soak import Counters, Record, Sample, markdown, per_minute, render_svg, window
+
+
+def _record() -> Record:
+    """30 minutes, a sample every minute: RSS 100 MiB rising to 129, the API server's
+    counter growing by 600 a minute, one leader change at minute 12."""
+    samples = [Sample(t=60.0 * m, leader="a" if m < 12 else "b", epoch=0 if m < 12 else 1,
+                      leader_rss_mib=100.0 + m, rss_mib={}, apiserver_requests=600.0 * m,
+                      controller_requests=300.0 * m, load1=2.0,
+                      not_converged=m % 3, stuck=0)
+               for m in range(30)]
+    return Record(vms=10, minutes=30, samples=samples,
+                  leader_changes=[{"at_min": 12.0, "from": "a", "from_epoch": 0, "to": "b",
+                                   "to_epoch": 1}])
+
+
+@pytest.mark.unit
+def test_a_replica_restart_resets_its_counter_without_a_negative_rate() -> None:
+    c = Counters()
+    for source, value in [("r0", 10.0), ("r0", 25.0), ("r1", 5.0), ("r0", 3.0), ("r1", 9.0)]:
+        c.add(source, value)
+    # r0: +15, then restarted (3 counted from zero); r1: +4. A first look counts nothing.
+    assert c.total == 15 + 3 + 4
+    c.add("r0", None)  # a scrape that failed changes nothing
+    assert c.total == 22
+
+
+@pytest.mark.unit
+def test_rates_are_per_minute_between_samples_and_the_windows_compare_first_and_last() -> None:
+    record = _record()
+    assert {round(v) for _, v in per_minute(record.samples, "apiserver_requests")} == {600}
+    first, last = window(record, first=True), window(record, first=False)
+    assert first["rss_mean"] == pytest.approx(105.0)  # minutes 0..10
+    assert last["rss_mean"] == pytest.approx(124.0)  # minutes 19..29
+    assert first["api_per_min"] == pytest.approx(600.0)
+    assert last["ctl_per_min"] == pytest.approx(300.0)
+
+
+@pytest.mark.unit
+def test_the_table_names_the_leader_change_and_the_picture_marks_it() -> None:
+    record = _record()
+    args = argparse.Namespace(minutes=30, vms=10, churn_interval=5.0, churn_pods=5,
+                              nodes=4, stuck_minutes=5.0, delete_namespace=False,
+                              write_docs=False)
+    text = markdown(record, args, "docs/soak.svg")
+    assert "leader changes: **1** (12.0 min: a (epoch 0) -> b (epoch 1))" in text
+    assert "| leader RSS, mean (max) | 105 MiB (110 MiB) | 124 MiB (129 MiB) |" in text
+    root = ET.fromstring(render_svg(record, "t"))
+    ns = "{http://www.w3.org/2000/svg}"
+    assert len([e for e in root.iter(f"{ns}line") if e.get("stroke") == "red"]) == 2
+    assert len(list(root.iter(f"{ns}polyline"))) == 3  # RSS, API server, replicas
