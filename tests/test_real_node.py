@@ -318,6 +318,7 @@ def test_controller_runner_pod_boots_a_bare_ext4_guest_on_the_real_node(
     from neonvm.dev import guestdisk
     from tests.support import FAST
     from tests.support.harness import Replicas, converged, create_vm, delete_vm, get_vm
+    from tests.test_hostile_guest_node import HostileGuest
 
     absent = guestdisk.missing()
     if absent:
@@ -327,6 +328,7 @@ def test_controller_runner_pod_boots_a_bare_ext4_guest_on_the_real_node(
     host_before = _host_sysctls()
     node, [image] = _started_node_with_images(cluster, ("runner",))
     events: _PodEvents | None = None
+    hostile: HostileGuest | None = None
     group = Replicas(api=api, kubeconfig=cluster.kubeconfig_for("controller"),
                      etcd_endpoints=cluster.locks_etcd_config(f"/t-{uuid.uuid4().hex[:8]}"),
                      lease_namespace=namespace, log_dir=tmp_path / "replicas",
@@ -350,6 +352,10 @@ def test_controller_runner_pod_boots_a_bare_ext4_guest_on_the_real_node(
                 "settings": {"sysctl": ["vm.swappiness=17"], "swap": "32Mi"},
             },
         })
+        # Beside it, a hostile guest tries QMP, the runner's ports, etcd and the API
+        # server from inside (issue 28; tests/test_hostile_guest_node.py).
+        hostile = HostileGuest(api, namespace, node)
+        hostile.create(cluster)
 
         def first_pod_ready() -> str | None:
             vm = get_vm(api, namespace, "guest") or {}
@@ -382,6 +388,7 @@ def test_controller_runner_pod_boots_a_bare_ext4_guest_on_the_real_node(
                      "app: argv from the controller", "app: GREETING=hello from the spec",
                      "app: sysctl vm.swappiness=17", "app: SwapTotal: 32764 kB"):
             assert line in kubectl.stdout, kubectl.stdout[-4000:] + kubectl.stderr
+        hostile.check()
 
         stream = core.read_namespaced_pod_log(pod_name, namespace, container="neonvm-runner",
                                               follow=True, _preload_content=False)
@@ -422,6 +429,8 @@ def test_controller_runner_pod_boots_a_bare_ext4_guest_on_the_real_node(
         _print_pods_and_events(cluster, namespace)
         with contextlib.suppress(Exception):
             delete_vm(api, namespace, "guest")
+        if hostile is not None:
+            hostile.close()
         group.stop_all()
         for r in group:
             print(f"---- {r.name} (exit {r.exit_code()}) ----\n{r.log()[-5000:]}")
