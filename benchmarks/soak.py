@@ -499,7 +499,8 @@ def markdown(record: Record, args: argparse.Namespace, svg: str | None) -> str:
     changes = record.leader_changes
     verdict = "PASS" if not record.failures else "FAIL"
     lines = [
-        f"`python -m benchmarks.soak --minutes {args.minutes:g} --vms {args.vms} "
+        f"`python -m benchmarks.soak --minutes {args.minutes:g}"
+        f"{' --until ' + args.until if getattr(args, 'until', None) else ''} --vms {args.vms} "
         f"--churn-interval {args.churn_interval:g} --churn-pods {args.churn_pods}"
         f"{' --svg ' + svg if svg else ''}{' --delete-namespace' if args.delete_namespace else ''}"
         f"{' --write-docs' if args.write_docs else ''}`, started {record.started}: "
@@ -662,7 +663,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.svg:
         Path(args.svg).write_text(render_svg(
             record, f"neonvm soak: {args.vms} VMs under churn, 3 replicas, "
-                    f"{args.minutes:g} min ({record.started}; shared 2-core machine)"))
+                    f"{(record.samples[-1].t / 60) if record.samples else 0:.0f} min "
+                    f"({record.started}; shared 2-core machine)"))
     text = markdown(record, args, args.svg)
     print(text)
     if args.write_docs:
