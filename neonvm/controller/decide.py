@@ -1,26 +1,13 @@
 """The reconcile decision: what was observed in, the next single action out.
 
-This is the whole state machine of docs/protocol.md in one pure function, :func:`decide`. The
-controller's driver (``neonvm.controller.reconciler``) performs the action it returns
-against the real servers, observes again and asks again, until the answer is
-:class:`Done` or :class:`Wait`. The interleaving explorer calls the very same function;
-the code that is checked is the code that ships.
+The whole state machine of docs/protocol.md in one pure function, :func:`decide`; the
+driver performs what it returns and asks again until :class:`Done` or :class:`Wait`, and
+the interleaving explorer calls the very same function. The dangerous actions (restart,
+delete a pod, drop the finalizer) are returned only from a direct observation, else
+:class:`ObserveDirect`. How observations are read and the restart backoff:
+docs/reconciler.md ("The loop", "Restart backoff").
 
-Every action is idempotent and every write it implies is conditional, so a crash between
-any two actions, a stale read before any of them, or a conflict on any write leads to a
-retry that *resumes the recorded plan* (``status.pendingPod``) instead of starting a new
-one.
-
-Reads. ``Observation.direct`` says whether the observation was a quorum read, taken in
-the order "list the VM's pods, then read the VM" (so the VM read is newer than the pod
-list). Decisions may start from a cached observation, but the dangerous actions
-(restart after a pod is gone, delete a pod) and dropping the finalizer are only
-returned for a direct observation; from a cached one the answer is :class:`ObserveDirect`.
-Ungate is returned from any observation that shows the committed pod gated and alone:
-its performer takes its own quorum list, after the commit was seen, and ungates only if
-that list shows the same (the check the safety argument rests on).
-
-What this function guarantees, given observations that are truthful snapshots:
+What it guarantees, given observations that are truthful snapshots:
 
 * it never asks to ungate a pod unless that pod is ``status.podName`` and the
   observation shows it as the VM's only pod, gated, not terminating (the driver then
@@ -30,23 +17,8 @@ What this function guarantees, given observations that are truthful snapshots:
   (epoch, token) of the recorded plan, which only that plan's create writes;
 * it never asks to delete the committed or the planned pod of a live VM.
 
-What it does not do: it does not perform writes or check preconditions; the driver's
-conditional writes (resourceVersion, uid preconditions, fence) do. Safety of the whole
-rests on those writes plus the ungate rule above, not on leadership.
-
-Restart backoff. A runner that exits at once under ``restartPolicy: Always`` would churn
-pods without limit (each attempt is a new pod, under a new name). So the Restart write
-records ``status.lastRestartTime``, and a new plan after restart number *n* is made only
-once :func:`restart_backoff` (*n*) has passed since then, *n* counting restarts in a row
-(``status.restartStreak``: each within 10 minutes of the previous): 0 s for the first (a
-deleted pod is replaced at once), then 1, 2, 4 ... seconds, capped at 60. Until then the
-answer is ``Wait(condition="RestartBackoff")`` for the time left. The clock comes in as
-``Observation.now``; without it (None: the explorer, hand-built observations) there is
-no backoff and the function stays a function of the snapshot alone. The backoff is a
-bound on churn, not a safety property: nothing about "at most one live pod" depends on
-it. Not guaranteed: the elapsed time is this replica's clock minus the recording
-replica's, so a replica whose clock is behind by S waits up to S longer (never shorter
-than the backoff because of skew, never longer than the backoff per decision).
+It performs no write and checks no precondition: the driver's conditional writes do, and
+safety rests on them plus the ungate rule, not on leadership.
 """
 
 from __future__ import annotations
