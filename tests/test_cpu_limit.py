@@ -6,12 +6,14 @@ pin the arithmetic and how the cgroup is found; the real test runs a runner proc
 a real guest on this host's cgroup file system (it needs a writable one: root on the
 host), scales it live and changes the projected ``vm.neon.tech/resources`` annotation as
 the kubelet would after the controller's patch, and reads the quota the kernel holds,
-with the same QEMU throughout (opt-in, ``NEONVM_TEST_LONG=1``: about 40 s); by default the
-same limiter caps a plain process. docs/neonvm-compat.md, "The autoscaler's view".
+with the same QEMU throughout; and, over the real API server, the autoscaler-agent's merge
+patch taking a VM from 500m to 1500m (both opt-in, ``NEONVM_TEST_LONG=1``: about 30 s
+each); by default the same limiter caps a plain process. docs/neonvm-compat.md, "The autoscaler's view".
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import signal
@@ -20,7 +22,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kubernetes import client
 
+from neonvm import kube
+from neonvm.controller.podspec import ANNOTATION_RESOURCES
 from neonvm.runner.cpulimit import (
     PERIOD_US,
     CpuLimiter,
@@ -32,8 +37,18 @@ from neonvm.runner.cpulimit import (
     quota_us,
     wanted_millicpu,
 )
-from tests.support import wait_for
+from tests.support import shipped_reconciler, wait_for
+from tests.support.harness import create_vm, get_vm, runner_pods
+from tests.support.runner import free_port
 from tests.support.runner_scaling import TOKEN, put_scale
+from tests.support.scaling_controller import (
+    NOWHERE,
+    OLD,
+    settle,
+    start_runner_for,
+    status_of,
+    vm_path,
+)
 
 HYBRID = """9:name=systemd:/kubepods/pod1/c1
 4:memory:/kubepods/pod1/c1
@@ -189,3 +204,78 @@ def test_qemu_is_capped_at_use_and_follows_a_live_scale_with_the_same_qemu(
     runner.proc.send_signal(signal.SIGTERM)
     assert runner.wait_exit(timeout=120) == 0, runner.log()[-2000:]
     assert not find_qemu_cgroup(pod).path.exists(), "the runner removes QEMU's cgroup"
+
+
+@pytest.mark.long
+def test_the_agents_merge_patch_moves_status_the_annotation_and_qemus_quota_same_pod(
+        api: client.ApiClient, controller_api: client.ApiClient, namespace: str,
+        test_guest: Any, tmp_path: Path) -> None:
+    """The autoscaler-agent's JSON merge patch (``cpus.use`` and ``targetRevision``) on a
+    VM whose runner runs a real guest: ``status.cpus`` (fractional), ``currentRevision``
+    with a fresh ``updatedAt``, the pod's ``vm.neon.tech/resources`` and QEMU's quota all
+    follow, with the same pod and QEMU. The kubelet's part, projecting the annotation into
+    the runner's file, is done here by hand."""
+    why = writable_cgroup()
+    if why is not None:
+        pytest.skip(why)
+    port = free_port()
+    root = tmp_path / "root.raw"
+    with root.open("wb") as f:
+        f.truncate(16 << 20)
+    subprocess.run(["mkfs.ext4", "-q", "-F", str(root)], check=True)
+    name = f"agent{os.getpid()}"
+    create_vm(api, namespace, name, spec={
+        "nodeSelector": NOWHERE, "runnerPort": port, "terminationGracePeriodSeconds": 10,
+        "cpuScalingMode": "SysfsScaling",
+        "guest": {"cpus": {"min": "250m", "max": 3, "use": "500m"},
+                  "memorySlots": {"min": 1, "max": 1, "use": 1}, "memorySlotSize": "256Mi",
+                  "rootDisk": {"image": str(root)}, "kernelImage": str(test_guest.kernel),
+                  "initrdImage": str(test_guest.initrd),
+                  "appendKernelCmdline": "quiet neonvm.test=powerdown"}})
+    key = f"{namespace}/{name}"
+    reconciler = shipped_reconciler(controller_api)
+    settle(reconciler, key, OLD)
+    (pod,) = runner_pods(api, namespace, name)
+    raw = get_vm(api, namespace, name) or {}
+    secret = client.CoreV1Api(api).read_namespaced_secret(
+        raw["status"]["scalingTokenSecret"], namespace)
+    token = base64.b64decode(secret.data["token"]).decode()
+    resources = tmp_path / "resources.json"  # where the kubelet would project the annotation
+    for e in pod.spec.containers[0].env:
+        if e.name == "NEONVM_RESOURCES_FILE":
+            e.value = str(resources)
+    runner = start_runner_for(pod, token, port, tmp_path)
+    try:
+        qemu_pid = runner.wait_ready()["qemuPid"]
+        client.CoreV1Api(api).patch_namespaced_pod_status(pod.metadata.name, namespace, {
+            "status": {"phase": "Running", "podIP": "127.0.0.1",
+                       "podIPs": [{"ip": "127.0.0.1"}]}})
+        settle(reconciler, key, OLD)
+        assert status_of(api, namespace, name)["cpus"] == "500m"
+        wait_for(lambda: ((runner.status() or {}).get("cpuLimit") or {}).get("quotaUs")
+                 == 200_000, timeout=30, what="the boot quota (500m)")
+
+        # The agent's patch, as pkg/agent sends it (a JSON merge patch of the spec).
+        kube.request(api, "PATCH", f"{vm_path(namespace)}/{name}", {"spec": {
+            "guest": {"cpus": {"use": "1500m"}},
+            "targetRevision": {"revision": {"value": 7, "flags": 1},
+                               "updatedAt": "2020-01-02T15:04:05Z"}}},
+            content_type="application/merge-patch+json")
+        settle(reconciler, key, OLD)
+        status = status_of(api, namespace, name)
+        assert (status["phase"], status["cpus"]) == ("Running", "1500m"), status
+        current = status["currentRevision"]
+        assert current["revision"] == {"value": 7, "flags": 1}
+        assert current["updatedAt"] != "2020-01-02T15:04:05Z", current  # stamped on landing
+        (same,) = runner_pods(api, namespace, name)
+        assert same.metadata.uid == pod.metadata.uid
+        annotation = same.metadata.annotations[ANNOTATION_RESOURCES]
+        assert json.loads(annotation)["cpus"]["use"] == "1500m"
+
+        resources.write_text(annotation)  # the kubelet's projection
+        wait_for(lambda: ((runner.status() or {}).get("cpuLimit") or {}).get("quotaUs")
+                 == 600_000, timeout=30, what="the quota after the scale (1500m)")
+        assert kernel_quota(pod.metadata.name) == (600_000, PERIOD_US)
+        assert runner.qemu_pids == {qemu_pid}
+    finally:
+        runner.cleanup()
