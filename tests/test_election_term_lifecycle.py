@@ -1,6 +1,6 @@
-"""Hardening of the election and of a term's start and stop (review findings F1-F6).
+"""The election and a leader term's start and stop, at their edges.
 
-Table tests over the in-memory Lease store and fake clock of ``tests/test_election_store.py``
+Table tests over the in-memory Lease store and fake clock of ``tests/support/election.py``
 where a real server cannot force the timing (a slow epoch claim, a term that takes longer
 to stop than the renew deadline, a 404 on renewal), next to checks on the real API server
 where it can (a deleted Lease, the elector's own HTTP client).
@@ -41,7 +41,7 @@ from neonvm.leader.lock import Installation, LockTable
 from tests.support import wait_for
 from tests.support.election import FakeClock, FakeLeaseStore
 
-# ---- F6: an exception after the reconcile does not kill the worker ------------------------
+# ---- an exception after the reconcile does not kill the worker ------------------------
 
 
 class _RaisingOnce:
@@ -63,7 +63,7 @@ class _RaisingOnce:
 
 
 @pytest.mark.unit
-def test_f6_an_exception_after_the_reconcile_is_counted_requeued_and_the_worker_lives_on(
+def test_an_exception_after_the_reconcile_is_counted_requeued_and_the_worker_lives_on(
 ) -> None:
     process = SimpleNamespace(
         config=ControllerConfig(workers=1, backoff=Backoff(base=0.01, cap=0.1)),
@@ -96,11 +96,11 @@ def test_f6_an_exception_after_the_reconcile_is_counted_requeued_and_the_worker_
         worker.join(5)
 
 
-# ---- F5: a Lease deleted under its holder ends the term at once ---------------------------
+# ---- a Lease deleted under its holder ends the term at once ---------------------------
 
 
 @pytest.mark.cluster
-def test_f5_a_lease_deleted_under_its_holder_deposes_it_at_once_and_is_recreated(
+def test_a_lease_deleted_under_its_holder_deposes_it_at_once_and_is_recreated(
         api: client.ApiClient, controller_api: client.ApiClient, namespace: str) -> None:
     store = KubernetesLeaseStore(controller_api, namespace, "f5")
     config = ElectionConfig(namespace=namespace, name="f5", identity="me_f5",
@@ -153,7 +153,7 @@ class _CountingStore:
 
 
 @pytest.mark.unit
-def test_f5_a_404_on_update_is_lease_not_found_and_deposes_without_retrying(
+def test_a_404_on_update_is_lease_not_found_and_deposes_without_retrying(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A 404 on replace or on the renewal's patch (a server that checks existence before
     the uid precondition) maps to LeaseNotFound, and a holder renewing gets DEPOSED at
@@ -184,7 +184,7 @@ def test_f5_a_404_on_update_is_lease_not_found_and_deposes_without_retrying(
     assert calls == ["renew"], calls
 
 
-# ---- F1: a term that takes longer than the renew deadline to stop ----------------------------
+# ---- a term that takes longer than the renew deadline to stop ----------------------------
 
 SHORT = {"lease_duration": 1.0, "renew_deadline": 0.6, "retry_period": 0.2}
 STOP_TAKES = 1.5  # the work's own shutdown, well past the 0.6 s renew deadline
@@ -220,7 +220,7 @@ def _elector(store: FakeLeaseStore, work: SlowStoppingWork, **config: Any) -> Le
 
 
 @pytest.mark.unit
-def test_f1_a_term_slower_to_stop_than_the_renew_deadline_still_releases_the_lease() -> None:
+def test_a_term_slower_to_stop_than_the_renew_deadline_still_releases_the_lease() -> None:
     store = FakeLeaseStore()
     work = SlowStoppingWork()
     elector = _elector(store, work)
@@ -237,7 +237,7 @@ def test_f1_a_term_slower_to_stop_than_the_renew_deadline_still_releases_the_lea
 
 
 @pytest.mark.unit
-def test_f1_a_new_term_never_starts_while_the_last_one_is_still_stopping() -> None:
+def test_a_new_term_never_starts_while_the_last_one_is_still_stopping() -> None:
     store = FakeLeaseStore()
     work = SlowStoppingWork()
     elector = _elector(store, work)
@@ -270,7 +270,7 @@ def test_f1_a_new_term_never_starts_while_the_last_one_is_still_stopping() -> No
 
 
 @pytest.mark.unit
-def test_f1_health_stays_live_while_a_term_stops_within_the_grace_and_reports_stuck_work(
+def test_health_stays_live_while_a_term_stops_within_the_grace_and_reports_stuck_work(
 ) -> None:
     store = FakeLeaseStore()
     release = threading.Event()
@@ -321,7 +321,7 @@ def test_f1_health_stays_live_while_a_term_stops_within_the_grace_and_reports_st
 
 
 @pytest.mark.unit
-def test_f1_an_old_terms_end_does_not_clear_a_newer_term(monkeypatch: pytest.MonkeyPatch
+def test_an_old_terms_end_does_not_clear_a_newer_term(monkeypatch: pytest.MonkeyPatch
                                                          ) -> None:
     """``ControllerProcess._lead``'s cleanup forgets only its own term."""
     finish = threading.Event()
@@ -365,7 +365,7 @@ class CountingEtcd(Etcd):
 
 
 @pytest.mark.cluster
-def test_f1_a_stopping_term_gives_its_locks_up_with_one_revoke_not_a_txn_per_lock(
+def test_a_stopping_term_gives_its_locks_up_with_one_revoke_not_a_txn_per_lock(
         cluster: Any) -> None:
     prefix = f"/t-{uuid.uuid4().hex[:8]}"
     config = cluster.locks_etcd_config(prefix)
@@ -393,7 +393,7 @@ def test_f1_a_stopping_term_gives_its_locks_up_with_one_revoke_not_a_txn_per_loc
         etcd.close()
 
 
-# ---- F4: a slow epoch claim ---------------------------------------------------------------
+# ---- a slow epoch claim ---------------------------------------------------------------
 
 
 class SlowFloor:
@@ -438,7 +438,7 @@ def _lead_once(store: FakeLeaseStore, clock: FakeClock, floor: SlowFloor
     (1.5, True),    # slow, within the term's window (retry 0.5 + renew deadline 2.5 s)
     (3.0, False),   # as long as the window: the term does not start
 ])
-def test_f4_a_slow_epoch_claim_never_starts_a_term_with_its_deadline_spent(
+def test_a_slow_epoch_claim_never_starts_a_term_with_its_deadline_spent(
         claim_takes: float, starts: bool) -> None:
     store, clock = FakeLeaseStore(), FakeClock()
     floor = SlowFloor(clock, claim_takes)
@@ -459,7 +459,7 @@ def test_f4_a_slow_epoch_claim_never_starts_a_term_with_its_deadline_spent(
 
 
 @pytest.mark.unit
-def test_f4_health_does_not_call_a_term_that_is_still_claiming_its_epoch_wedged() -> None:
+def test_health_does_not_call_a_term_that_is_still_claiming_its_epoch_wedged() -> None:
     store, clock = FakeLeaseStore(), FakeClock()
     floor = SlowFloor(clock, 0.0)
     floor.hold.set()
@@ -477,11 +477,11 @@ def test_f4_health_does_not_call_a_term_that_is_still_claiming_its_epoch_wedged(
         runner.join(10)
 
 
-# ---- F3: the elector's own client ----------------------------------------------------------
+# ---- the elector's own client ----------------------------------------------------------
 
 
 @pytest.mark.unit
-def test_f3_the_elector_renews_through_its_own_client_and_pool_with_the_same_identity(
+def test_the_elector_renews_through_its_own_client_and_pool_with_the_same_identity(
 ) -> None:
     api = client.ApiClient(client.Configuration())
     api.set_default_header("Impersonate-User", "someone")
