@@ -560,7 +560,7 @@ def test_the_lease_reads_normally_for_other_tools_and_is_released_after_work_sto
 @pytest.mark.cluster
 def test_the_kubernetes_store_keeps_the_store_contract_and_its_watch_hears_changes(
         controller_api: client.ApiClient, namespace: str) -> None:
-    """The contract the table tests' in-memory store (tests/test_election_store.py) keeps,
+    """The contract the table tests' in-memory store (tests/support/election.py) keeps,
     checked on the real API server as the controller's identity (whose RBAC must allow
     the watch)."""
     store = KubernetesLeaseStore(controller_api, namespace, LEASE)

@@ -1,7 +1,7 @@
 """The election under a slow API server: what latency a term survives, and that a term
 it does not survive still ends before anyone may take the Lease.
 
-Over the in-memory Lease store of ``tests/test_election_store.py`` and a simulated
+Over the in-memory Lease store of ``tests/support/election.py`` and a simulated
 clock: every call the elector makes off its own thread (the acquisition, renewals,
 re-reads, the epoch claim) completes ``latency`` simulated seconds after it was sent, and
 the elector's waits (``stop.wait``) are what moves the clock. Nothing here depends on
