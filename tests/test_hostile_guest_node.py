@@ -166,9 +166,15 @@ class HostileGuest:
         # The guest keeps its network, and its pod stays Ready, never restarted.
         assert said.get("egress", "").startswith(self.egress.secret), shown
         assert self.egress.accepted
-        pod = client.CoreV1Api(self.api).read_namespaced_pod(name, self.namespace)
+        core = client.CoreV1Api(self.api)
+
+        def ready() -> bool:  # the kubelet's probe may see the marker after the report
+            pod = core.read_namespaced_pod(name, self.namespace)
+            return {c.type: c.status for c in pod.status.conditions or []}.get("Ready") == "True"
+
+        wait_for(ready, timeout=120, interval=0.5, what=f"{name} Ready")
+        pod = core.read_namespaced_pod(name, self.namespace)
         assert pod.spec.node_name == self.node.name
-        assert {c.type: c.status for c in pod.status.conditions or []}.get("Ready") == "True"
         assert [s.restart_count for s in pod.status.container_statuses or []] == [0]
         assert self.pod_name() == name
         assert "self-fenced" not in self.console()

@@ -380,14 +380,25 @@ def test_controller_runner_pod_boots_a_bare_ext4_guest_on_the_real_node(
         assert pod.spec.node_name == node.name
         assert converged(api, namespace, ["guest"])
         assert (get_vm(api, namespace, "guest") or {})["status"].get("phase") == "Running"
-        kubectl = subprocess.run(
-            ["kubectl", "--kubeconfig", str(cluster.kubeconfig), "-n", namespace, "logs",
-             pod_name, "-c", "neonvm-runner"],
-            capture_output=True, text=True, timeout=60)
-        for line in ("neonvm-init: root filesystem /dev/vda mounted", "NEONVM_GUEST_READY",
-                     "app: argv from the controller", "app: GREETING=hello from the spec",
-                     "app: sysctl vm.swappiness=17", "app: SwapTotal: 32764 kB"):
-            assert line in kubectl.stdout, kubectl.stdout[-4000:] + kubectl.stderr
+        wanted = ("neonvm-init: root filesystem /dev/vda mounted", "NEONVM_GUEST_READY",
+                  "app: argv from the controller", "app: GREETING=hello from the spec",
+                  "app: sysctl vm.swappiness=17", "app: SwapTotal: 32764 kB")
+        shown = [""]
+
+        def kubectl_logs_show_the_guest() -> bool:
+            # The command prints after the ready marker (the pod may be Ready first).
+            out = subprocess.run(
+                ["kubectl", "--kubeconfig", str(cluster.kubeconfig), "-n", namespace, "logs",
+                 pod_name, "-c", "neonvm-runner"],
+                capture_output=True, text=True, timeout=60)
+            shown[0] = out.stdout[-4000:] + out.stderr
+            return all(line in out.stdout for line in wanted)
+
+        try:
+            wait_for(kubectl_logs_show_the_guest, timeout=120, interval=1,
+                     what="the guest's lines in kubectl logs")
+        except AssertionError:
+            raise AssertionError(shown[0]) from None
         hostile.check()
 
         stream = core.read_namespaced_pod_log(pod_name, namespace, container="neonvm-runner",
