@@ -1,14 +1,13 @@
 """Fractional CPU: the runner caps QEMU's CPU time at NeonVM's quota for ``cpus.use``.
 
-NeonVM's rule (``neonvm-runner/cmd/cgroup.go``): QEMU runs in ``<the runner's
-cgroup>/neonvm-qemu-<pod>`` with a quota of ``use x 4`` per 100 ms period. The unit tests
-pin the arithmetic and how the cgroup is found; the real test runs a runner process with
-a real guest on this host's cgroup file system (it needs a writable one: root on the
-host), scales it live and changes the projected ``vm.neon.tech/resources`` annotation as
-the kubelet would after the controller's patch, and reads the quota the kernel holds,
-with the same QEMU throughout; and, over the real API server, the autoscaler-agent's merge
-patch taking a VM from 500m to 1500m (both opt-in, ``NEONVM_TEST_LONG=1``: about 30 s
-each); by default the same limiter caps a plain process. docs/neonvm-compat.md, "The autoscaler's view".
+NeonVM's rule: QEMU runs in ``<the runner's cgroup>/neonvm-qemu-<pod>`` with a quota of
+``use x 4`` per 100 ms period. The unit tests pin the arithmetic and how the cgroup is
+found; by default the same limiter caps a plain process. Opt-in (``NEONVM_TEST_LONG=1``,
+about 30 s each): a runner with a real guest on this host's cgroup file system (it needs
+a writable one) scaled live, its projected ``vm.neon.tech/resources`` changed as the
+kubelet would, and the kernel's quota read with the same QEMU throughout; and, over the
+real API server, the autoscaler-agent's merge patch taking a VM from 500m to 1500m.
+docs/neonvm-compat.md, "The autoscaler's view", is the specification.
 """
 
 from __future__ import annotations

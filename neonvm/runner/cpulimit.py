@@ -1,7 +1,7 @@
 """Fractional CPU: QEMU's CPU time capped by a cgroup of its own, NeonVM's rule.
 
-The guest gets whole vCPUs (``ceil(cpus.use)``); the fraction is a CPU time quota. As in
-NeonVM's runner (``neonvm-runner/cmd/cgroup.go``), QEMU runs in the cgroup
+The guest gets whole vCPUs (``ceil(cpus.use)``); the fraction is a CPU time quota. As NeonVM's
+runner does, QEMU runs in the cgroup
 ``<the runner's cgroup>/neonvm-qemu-<pod name>`` whose quota is ``cpus.use`` times
 :data:`OVERCOMMIT_FACTOR` (4) over a period of :data:`PERIOD_US` (100 ms): a VM at 250m
 may use one whole CPU, not more. The cgroup is found as NeonVM finds it: the entry of
