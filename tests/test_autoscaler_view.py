@@ -109,18 +109,52 @@ def test_current_revision_is_stamped_when_the_vm_runs_at_the_spec_size(
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize(("status", "use", "expected"), [
-    ({"phase": "Running", "cpus": "250m"}, "500m", MilliCPU(500)),  # within one vCPU
-    ({"phase": "Running", "cpus": 1}, "750m", MilliCPU(750)),
-    ({"phase": "Running", "cpus": "250m"}, "1500m", MilliCPU(250)),  # a plan's to make
-    ({"phase": "Pending", "cpus": "250m"}, "500m", MilliCPU(250)),
-    ({"phase": "Running", "cpus": "500m"}, "500m", MilliCPU(500)),
+@pytest.mark.parametrize(("status_cpus", "use", "plans"), [
+    ("500m", "750m", True),    # within the guest's one vCPU: a plan all the same
+    (1, "750m", True),         # status recorded whole vCPUs (an older plan): the same
+    ("1500m", "1750m", True),
+    ("750m", "750m", False),   # status says the spec's fraction already
+    (2, 2, False),
 ])
-def test_a_fractional_use_changed_within_the_guests_vcpus_shows_in_status_cpus(
-        status: dict[str, Any], use: str, expected: MilliCPU) -> None:
-    vm = vm_of({"min": "250m", "max": 2, "use": use}, status=status)
-    assert av.follow_fraction(vm.status, vm) is (expected != MilliCPU.parse(status["cpus"]))
-    assert vm.status.cpus == expected
+def test_a_cpus_use_changed_within_the_guests_vcpus_starts_a_plan_of_the_same_vcpus(
+        status_cpus: object, use: str, plans: bool) -> None:
+    """The pod's resources and usage annotations are written by a plan's fenced write only:
+    a fraction that moved within the same whole vCPUs gets a plan (the runner keeps its
+    vCPUs), so the scheduler plugin and the runner's quota see it."""
+    vm = vm_of({"min": "250m", "max": 2, "use": use}, status={
+        "phase": "Running", "podName": "p", "podUID": "pu", "node": "n1",
+        "podIP": "10.0.0.1", "cpus": status_cpus, "memorySize": "1Gi", "scaleSeq": 3})
+    pod = act.PodView(name="p", uid="pu", owner_uid="u", gated=False, terminating=False,
+                      phase="Running", node="n1", ip="10.0.0.1")
+    action = d.decide(act.Observation(vm=vm, pods=(pod,), lease=act.Fence(epoch=1, token=1),
+                                      direct=True))
+    if plans:
+        assert isinstance(action, act.PlanScale), action
+        vcpus = MilliCPU.parse(use).rounded_up()
+        assert (action.plan.cpus, action.plan.memory_slots, action.plan.seq) == (vcpus, 1, 4)
+    else:
+        assert isinstance(action, act.Done), action
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("generation", "expected"), [
+    (1, MilliCPU(750)),    # the spec the plan was made for: its fraction
+    (2, MilliCPU(1000)),   # the spec moved since: whole vCPUs, and the next plan follows
+])
+def test_a_committed_plan_writes_the_fraction_of_the_spec_it_was_made_for(
+        generation: int, expected: MilliCPU) -> None:
+    from neonvm.controller.action_table import status_mutation
+
+    vm = vm_of({"min": "250m", "max": 2, "use": "750m"}, status={
+        "phase": "Scaling", "podName": "p", "podUID": "pu", "scaleSeq": 4, "cpus": "500m",
+        "memorySize": "1Gi", "pendingScale": {
+            "cpus": 1, "memorySlots": 1, "seq": 4, "epoch": 1, "token": 1, "podName": "p",
+            "podUID": "pu", "generation": 1}})
+    vm.generation = generation
+    new = status_mutation(act.CommitScale(seq=4, vcpus=1, memory_bytes=GIB),
+                          act.Fence(epoch=1, token=1))(vm)
+    assert new is not None and new.cpus == expected
+    assert not av.at_spec_size(vm, new) or expected == MilliCPU(750)
 
 
 @pytest.mark.unit
@@ -297,11 +331,17 @@ def test_a_scale_the_autoscaler_agent_asks_for_shows_in_the_pod_and_status_it_re
         assert stamp is not None and stamp >= before  # stamped when it landed
         assert condition(status, "Available")["status"] == "True"
 
-        # Within the guest's whole vCPUs (1500m -> 1750m: still 2): no plan, no PUT;
-        # status.cpus, the revision and Available follow at the end of the reconcile.
+        # Within the guest's whole vCPUs (1500m -> 1750m: still 2): a plan of the same
+        # size (the runner keeps its vCPUs), whose fenced write moves the annotations the
+        # scheduler plugin and the runner's CPU quota read; then status and the revision.
         agent_patch(api, namespace, "agent", "1750m", 2, revision=9)
         assert isinstance(settle(reconciler, key).action, act.Done)
-        assert len(runner.puts) == 1
+        (after,) = runner_pods(api, namespace, "agent")
+        assert after.metadata.uid == pod.metadata.uid
+        annotations = after.metadata.annotations
+        assert json.loads(annotations[ANNOTATION_RESOURCES])["cpus"]["use"] == "1750m"
+        assert json.loads(annotations[ANNOTATION_USAGE]) == {"cpu": "1750m", "memory": "2Gi"}
+        assert [(p["cpus"], p["memorySlots"]) for p in runner.puts] == [(2, 2), (2, 2)]
         raw = get_vm(api, namespace, "agent")
         assert raw is not None
         assert (raw["status"]["cpus"], raw["status"]["memorySize"]) == ("1750m", "2Gi")
@@ -380,14 +420,24 @@ def test_the_vms_autoscaling_labels_and_annotations_are_kept_on_its_running_pod(
 
 
 @pytest.mark.unit
-def test_a_size_adopted_after_a_drop_is_fractional_too() -> None:
+def test_a_size_adopted_after_a_drop_is_whole_vcpus_and_the_next_plan_writes_the_fraction(
+        ) -> None:
+    """No plan annotated the pod with the spec's fraction when a size is adopted (a PUT
+    that landed after its plan was dropped): status says the whole vCPUs, so it differs
+    from the spec and the plan that follows writes the fraction to the pod and status."""
     from neonvm.controller.action_table import status_mutation
 
     vm = vm_of({"min": "250m", "max": 2, "use": "1500m"}, slots=2,
                status={"phase": "Running", "podName": "p", "podUID": "pu", "scaleSeq": 1,
-                       "cpus": 1, "memorySize": "1Gi"})
+                       "cpus": 1, "memorySize": "1Gi", "node": "n1", "podIP": "10.0.0.1"})
     adopted = status_mutation(act.CommitScale(seq=1, vcpus=2, memory_bytes=2 * GIB, adopt=True,
                                             pod_uid="pu"), act.Fence(epoch=1, token=1))(vm)
     assert adopted is not None
-    assert (adopted.cpus, adopted.memory_size) == (MilliCPU(1500), "2Gi")
-
+    assert (adopted.cpus, adopted.memory_size) == (MilliCPU(2000), "2Gi")
+    vm.status = adopted
+    pod = act.PodView(name="p", uid="pu", owner_uid="u", gated=False, terminating=False,
+                      phase="Running", node="n1", ip="10.0.0.1")
+    action = d.decide(act.Observation(vm=vm, pods=(pod,), lease=act.Fence(epoch=1, token=1),
+                                      direct=True))
+    assert isinstance(action, act.PlanScale), action
+    assert (action.plan.cpus, action.plan.memory_slots, action.plan.seq) == (2, 2, 2)

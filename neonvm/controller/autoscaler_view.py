@@ -8,7 +8,8 @@ expect:
   ``vm.neon.tech/usage`` (:func:`usage_json`) to say the new size (written by
   :mod:`neonvm.controller.scaling` in the same fenced patch as before);
 * ``status.cpus`` to carry the fractional amount asked for (``250m``), not the whole
-  vCPUs the runner plugged (:func:`landed_cpus`);
+  vCPUs the runner plugged (:func:`landed_cpus`), set by the plan whose annotation
+  write carries that fraction (a change within the same whole vCPUs is a plan too);
 * ``status.currentRevision`` to be ``spec.targetRevision`` stamped with the time it
   landed (:func:`propagate_revision`), once status reports the spec's size;
 * the VM's ``autoscaling.neon.tech/`` labels and annotations on the pod, and NeonVM's
@@ -79,11 +80,17 @@ def _canonical_quantity(text: str) -> str:
     return written
 
 
-def landed_cpus(vm: VirtualMachine, vcpus: int) -> MilliCPU:
+def landed_cpus(vm: VirtualMachine, vcpus: int,
+                plan_generation: int | None = None) -> MilliCPU:
     """``status.cpus`` for a guest with ``vcpus`` whole vCPUs: the spec's ``cpus.use`` when
     it rounds up to them (a fractional ``250m`` is one vCPU, as NeonVM reports it), else
-    the whole vCPUs."""
+    the whole vCPUs. Committing a plan made for ``plan_generation``, a spec that moved
+    since gives the whole vCPUs too: its ``use`` may not be the fraction the plan's pod
+    annotations carry, and status then differing from the spec starts the plan that
+    writes them (docs/protocol.md, "Live scaling")."""
     use = vm.spec.guest.cpus.current
+    if plan_generation is not None and plan_generation != vm.generation:
+        return MilliCPU(vcpus * 1000)
     return use if use.rounded_up() == vcpus else MilliCPU(vcpus * 1000)
 
 
@@ -108,8 +115,9 @@ def usage_json(cpus: MilliCPU, memory_bytes: int) -> str:
 
 
 def at_spec_size(vm: VirtualMachine, status: VirtualMachineStatus) -> bool:
-    """Whether ``status`` reports the size the spec asks for: whole vCPUs as planned
-    (``ceil(cpus.use)``) and ``memorySlots.use`` slots."""
+    """Whether ``status`` reports the size the spec asks for: ``cpus.use`` exactly (the
+    fraction too: a fraction reaches status only with the plan that annotates the pod
+    with it) and ``memorySlots.use`` slots."""
     guest = vm.spec.guest
     size = _slot_bytes(vm)
     if status.cpus is None or status.memory_size is None or not size:
@@ -118,31 +126,16 @@ def at_spec_size(vm: VirtualMachine, status: VirtualMachineStatus) -> bool:
         memory = parse_bytes(status.memory_size)
     except QuantityError:
         return False
-    return (status.cpus.rounded_up() == guest.cpus.current.rounded_up()
+    return (status.cpus == guest.cpus.current
             and memory == size * guest.memory_slots.current)
-
-
-def follow_fraction(new: VirtualMachineStatus, vm: VirtualMachine) -> bool:
-    """Set ``new.cpus`` to the spec's fractional ``cpus.use`` when it changed within the
-    whole vCPUs the guest has (``250m`` to ``500m``: no plan, the runner has nothing to
-    change), the VM running with no plan recorded. True when it changed ``new``.
-
-    Derived from the fresh copy only: the whole vCPUs status reports stay as they are,
-    so no size the guest does not have is ever written."""
-    use = vm.spec.guest.cpus.current
-    if (new.phase != "Running" or new.pending_scale is not None or new.cpus is None
-            or new.cpus == use or new.cpus.rounded_up() != use.rounded_up()):
-        return False
-    new.cpus = use
-    return True
 
 
 def settle(new: VirtualMachineStatus, vm: VirtualMachine,
            now: dt.datetime | None = None) -> bool:
-    """:func:`follow_fraction`, then :func:`propagate_revision`; True when either changed
-    ``new``."""
-    fraction = follow_fraction(new, vm)
-    return propagate_revision(new, vm, now) or fraction
+    """:func:`propagate_revision`; True when it changed ``new``. (A ``cpus.use`` changed
+    within the guest's whole vCPUs is not copied into status here: it is a plan's, so
+    that the pod's annotations follow it; docs/protocol.md, "Live scaling".)"""
+    return propagate_revision(new, vm, now)
 
 
 def propagate_revision(new: VirtualMachineStatus, vm: VirtualMachine,

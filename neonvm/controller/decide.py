@@ -367,12 +367,21 @@ def _decide_scaling(obs: Observation, vm: VirtualMachine, pod: PodView) -> Actio
                                   f"{s.memory_size} (a PUT of the dropped plan that landed "
                                   "meanwhile would not be seen)")
     have, want = status_size(vm), desired_size(vm)
-    if have is None or have == want:
+    # A cpus.use changed within the whole vCPUs the guest has (500m -> 750m) is a plan
+    # too: the runner keeps its vCPUs, and the plan's fenced annotation write is what
+    # tells the scheduler plugin and the runner's quota (docs/protocol.md, "Live scaling").
+    fraction = have == want and vm.status.cpus != vm.spec.guest.cpus.current
+    if have is None or (have == want and not fraction):
         return None
     refused = next((c for c in vm.status.conditions if c.type == SCALING_CONDITION
                     and c.status == "False" and c.reason in SCALING_REFUSED), None)
     if refused is not None and refused.observed_generation == vm.generation:
         return None  # refused for this spec: the condition says why; a new spec tries again
+    if fraction:
+        return _plan_scale(obs, vm, pod, want, f"spec asks for cpus.use "
+                                               f"{vm.spec.guest.cpus.current} within the "
+                                               f"{want[0]} vCPUs {pod.name} has (status says "
+                                               f"{vm.status.cpus})")
     return _plan_scale(obs, vm, pod, want, f"spec asks for {want[0]} vCPUs, {want[1]} "
                                            f"memory slots; {pod.name} has {have[0]}, {have[1]}")
 

@@ -288,9 +288,11 @@ def commit_scale(action: act.CommitScale, lease: act.Fence) -> StatusMutation:
             new = _fresh_status(vm, lease)
             if not action.gives_up:
                 # Only what differs from the fresh copy is written: a fractional cpus
-                # (500m, rounded up to the 1 vCPU the runner reports) is kept.
+                # (500m, rounded up to the 1 vCPU the runner reports) is kept. A size
+                # adopted is whole vCPUs: no plan annotated the pod with the spec's
+                # fraction, so the next plan does (docs/protocol.md, "Live scaling").
                 if s.cpus is None or s.cpus.rounded_up() != action.vcpus:
-                    new.cpus = autoscaler_view.landed_cpus(vm, action.vcpus)
+                    new.cpus = MilliCPU(action.vcpus * 1000)
                 if _bytes(s.memory_size) != action.memory_bytes:
                     new.memory_size = format_bytes(action.memory_bytes)
             if action.ends_look:
@@ -302,7 +304,8 @@ def commit_scale(action: act.CommitScale, lease: act.Fence) -> StatusMutation:
         if s.pending_scale is None or s.pending_scale.seq != action.seq:
             return None
         new = _fresh_status(vm, lease)
-        new.cpus = autoscaler_view.landed_cpus(vm, action.vcpus)
+        new.cpus = autoscaler_view.landed_cpus(vm, action.vcpus,
+                                               plan_generation=s.pending_scale.generation)
         new.memory_size = format_bytes(action.memory_bytes)
         _scale_done(new, vm, "ScalingDone",
                     f"scaling plan #{action.seq} applied: the runner reports {action.vcpus} "
