@@ -736,3 +736,49 @@ def test_a_new_leader_past_the_window_still_looks_at_a_removal_pending_after_a_d
         assert "scaleLookPodUID" not in status, status
     finally:
         runner.close()
+
+
+def test_the_runner_containers_cpu_limit_is_neonvms_quota_at_build_and_after_each_resize(
+        api: client.ApiClient, controller_api: client.ApiClient, namespace: str) -> None:
+    # Issue 31: an unprivileged runner cannot write its cgroup, so the fractional CPU
+    # (NeonVM's quota: 4 x cpus.use) is the container's CPU limit, which the kubelet
+    # enforces; the in-place resize that moves the request moves the limit with it.
+    # The API server (1.36) takes a limit in pods/resize.
+    from loguru import logger
+
+    from neonvm.controller.observe import pod_view
+    from neonvm.controller.scaling import RunnerScaling
+
+    create_vm(api, namespace, "quota", spec={
+        "nodeSelector": NOWHERE,
+        "guest": {"cpus": {"min": "250m", "max": 3, "use": "250m"},
+                  "memorySlots": {"min": 1, "max": 2, "use": 1}, "memorySlotSize": "1Gi",
+                  "rootDisk": {"image": "/nonexistent.raw"}}})
+    settle(shipped_reconciler(controller_api), f"{namespace}/quota", OLD)
+    (pod,) = runner_pods(api, namespace, "quota")
+    core = client.CoreV1Api(api)
+
+    def cpu() -> tuple[str, str]:
+        resources = core.read_namespaced_pod(pod.metadata.name, namespace).spec.containers[
+            0].resources
+        return resources.requests["cpu"], resources.limits["cpu"]
+
+    assert cpu() == ("250m", "1")  # 4 x 250m, not max (3)
+    core.patch_namespaced_pod_status(pod.metadata.name, namespace, {
+        "status": {"phase": "Running", "podIP": "127.0.0.1", "podIPs": [{"ip": "127.0.0.1"}]}})
+    scaling = RunnerScaling(controller_api)
+    for seq, use, expected in ((1, "500m", ("500m", "2")), (2, "1500m", ("1500m", "3"))):
+        kube.request(api, "PATCH", f"/apis/{types.GROUP}/{types.VERSION}/namespaces/"
+                     f"{namespace}/{types.PLURAL}/quota", [
+                         {"op": "replace", "path": "/spec/guest/cpus/use", "value": use}],
+                     content_type="application/json-patch+json")
+        raw = get_vm(api, namespace, "quota")
+        assert raw is not None
+        vm = types.VirtualMachine.from_object(raw)
+        plan = types.PendingScale(cpus=vm.spec.guest.cpus.current.rounded_up(),
+                                  memory_slots=1, seq=seq, epoch=1, token=10,
+                                  pod_name=pod.metadata.name, pod_uid=pod.metadata.uid,
+                                  generation=vm.generation)
+        scaling._tell_kubernetes(vm, pod_view(api.sanitize_for_serialization(pod)), GIB,
+                                 plan, logger)
+        assert cpu() == expected  # 4 x use, at most max

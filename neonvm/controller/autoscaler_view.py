@@ -94,6 +94,22 @@ def landed_cpus(vm: VirtualMachine, vcpus: int,
     return use if use.rounded_up() == vcpus else MilliCPU(vcpus * 1000)
 
 
+CPU_LIMIT_FACTOR = 4
+"""NeonVM's ``cpuLimitOvercommitFactor``: QEMU may use this many times ``cpus.use`` of CPU
+time (its runner's cgroup quota; here also the runner container's CPU limit)."""
+
+
+def cpu_limit(vm: VirtualMachine) -> MilliCPU:
+    """The runner container's CPU limit derived from the guest: NeonVM's quota rule,
+    :data:`CPU_LIMIT_FACTOR` x ``cpus.use``, never above ``cpus.max`` (the limit a pod
+    had before) nor below ``use`` (the request). Set at build and moved by the same
+    in-place resize as the request, so the kubelet's cgroup enforces the fraction where
+    the runner cannot write its own (docs/neonvm-compat.md, "The autoscaler's view")."""
+    cpus = vm.spec.guest.cpus
+    use = cpus.current
+    return MilliCPU(max(int(use), min(int(use) * CPU_LIMIT_FACTOR, int(cpus.max))))
+
+
 def resources_json(vm: VirtualMachine, cpus: MilliCPU, memory_slots: int) -> str:
     """NeonVM's ``vm.neon.tech/resources`` annotation: the spec's bounds with ``use`` at
     the size the guest has (``cpus``, ``memory_slots``); the same JSON as at build."""

@@ -58,6 +58,7 @@ from neonvm.api.rights import (
 )
 from neonvm.api.schema import encode
 from neonvm.api.types import PendingPod, VirtualMachine
+from neonvm.controller import autoscaler_view
 from neonvm.controller.autoscaler_view import ANNOTATION_OVERCOMMIT, overcommit_json
 
 RUNNER_PORT = 25183
@@ -475,7 +476,7 @@ def _resources(vm: VirtualMachine) -> dict[str, Any]:
         raise PodSpecError("guest.memorySlotSize must be positive")
     memory = int(slot * guest.memory_slots.max) + MEMORY_OVERHEAD
     cpu_request = millicores(guest.cpus.current.cores)
-    cpu_limit = millicores(guest.cpus.max.cores)
+    cpu_limit = millicores(autoscaler_view.cpu_limit(vm).cores)  # NeonVM's quota rule
     return {
         "requests": {"cpu": cpu_request, "memory": _bytes(memory)},
         "limits": {"cpu": cpu_limit, "memory": _bytes(memory)},

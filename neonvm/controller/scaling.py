@@ -579,9 +579,13 @@ class RunnerScaling:
         use = vm.spec.guest.cpus.current
         if vm.spec.pod_resources is not None or use.rounded_up() != plan.cpus:
             return "done"  # the user's resources (not ours to change), or the spec moved on
+        # The request follows use, the limit NeonVM's quota rule (use x 4, within [use,
+        # max]): the kubelet's cgroup caps the fraction (docs/neonvm-compat.md).
+        limit = autoscaler_view.cpu_limit(vm)
         resize = {"metadata": {"uid": pod.uid, "resourceVersion": version},
                   "spec": {"containers": [{"name": podspec.RUNNER_CONTAINER, "resources": {
-                      "requests": {"cpu": podspec.millicores(use.cores)}}}]}}
+                      "requests": {"cpu": podspec.millicores(use.cores)},
+                      "limits": {"cpu": podspec.millicores(limit.cores)}}}]}}
         try:
             kube.request(self._api, "PATCH", f"{_pod_path(vm.namespace, pod.name)}/resize",
                          resize, content_type=STRATEGIC_MERGE_PATCH)
