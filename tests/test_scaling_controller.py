@@ -358,6 +358,56 @@ def test_a_late_older_plan_never_puts_its_size_back_on_the_pod(
     assert annotations()[SCALE_FENCE_ANNOTATION] == "1,10,3"
 
 
+def test_a_late_plan_carrying_an_older_fraction_never_puts_it_back_on_the_pod(
+        api: client.ApiClient, controller_api: client.ApiClient, namespace: str) -> None:
+    # Issue 31: a cpus.use changed within the same whole vCPUs is a plan of its own, so
+    # the fraction the pod's annotations carry (the scheduler plugin's, the runner's
+    # quota) is fenced like any size: plan #1's late write, from a VM read at 500m,
+    # cannot undo plan #2's 750m.
+    from loguru import logger
+
+    from neonvm.controller.observe import pod_view
+    from neonvm.controller.podspec import ANNOTATION_RESOURCES
+    from neonvm.controller.scaling import RunnerScaling
+
+    create_vm(api, namespace, "frac", spec={
+        "nodeSelector": NOWHERE,
+        "guest": {"cpus": {"min": "250m", "max": 2, "use": "250m"},
+                  "memorySlots": {"min": 1, "max": 2, "use": 1}, "memorySlotSize": "1Gi",
+                  "rootDisk": {"image": "/nonexistent.raw"}}})
+    settle(shipped_reconciler(controller_api), f"{namespace}/frac", OLD)
+    (pod,) = runner_pods(api, namespace, "frac")
+    view = pod_view(api.sanitize_for_serialization(pod))
+    scaling = RunnerScaling(controller_api)
+
+    def at(use: str) -> types.VirtualMachine:
+        kube.request(api, "PATCH", f"/apis/{types.GROUP}/{types.VERSION}/namespaces/"
+                     f"{namespace}/{types.PLURAL}/frac", [
+                         {"op": "replace", "path": "/spec/guest/cpus/use", "value": use}],
+                     content_type="application/json-patch+json")
+        raw = get_vm(api, namespace, "frac")
+        assert raw is not None
+        return types.VirtualMachine.from_object(raw)
+
+    def plan(seq: int, vm: types.VirtualMachine) -> types.PendingScale:
+        return types.PendingScale(cpus=1, memory_slots=1, seq=seq, epoch=1, token=10,
+                                  pod_name=pod.metadata.name, pod_uid=pod.metadata.uid,
+                                  generation=vm.generation)
+
+    def carried() -> tuple[str, str]:
+        read = client.CoreV1Api(api).read_namespaced_pod(pod.metadata.name, namespace)
+        annotations = read.metadata.annotations or {}
+        return (json.loads(annotations[ANNOTATION_RESOURCES])["cpus"]["use"],
+                json.loads(annotations[USAGE_ANNOTATION])["cpu"])
+
+    old = at("500m")
+    new = at("750m")
+    scaling._tell_kubernetes(new, view, GIB, plan(2, new), logger)
+    assert carried() == ("750m", "750m")
+    scaling._tell_kubernetes(old, view, GIB, plan(1, old), logger)  # late: a deposed leader
+    assert carried() == ("750m", "750m")
+
+
 def test_a_put_that_lands_after_its_plan_was_dropped_is_adopted_into_status(
         api: client.ApiClient, controller_api: client.ApiClient, namespace: str) -> None:
     # Review S5: plan #1 (2 vCPUs, 2 slots) is dropped because the controller cannot get
