@@ -68,8 +68,8 @@ VALUE_SETS = {"default": None, "ha-tls": HA_TLS_VALUES}
 
 
 def _without_rights(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``objects`` but self-fencing's rights Service and NetworkPolicy (on by default;
-    tests/test_chart_self_fencing.py checks them)."""
+    """``objects`` but self-fencing's rights Service and NetworkPolicy (rendered with
+    rbac.liveScaling; tests/test_chart_self_fencing.py checks them)."""
     return [o for o in objects if not o["metadata"]["name"].endswith(
         ("-rights", "-rights-from-runners"))]
 
@@ -92,7 +92,9 @@ def test_helm_lint_passes_strictly(helm: Helm, values: str) -> None:
 
 @pytest.mark.parametrize("values", list(VALUE_SETS), ids=list(VALUE_SETS))
 def test_every_templated_object_carries_the_standard_labels(helm: Helm, values: str) -> None:
-    rendered = helm.template("neonvm-controller", "neonvm-system", VALUE_SETS[values])
+    # With live scaling, so that self-fencing's objects are rendered and checked too.
+    rendered = helm.template("neonvm-controller", "neonvm-system", VALUE_SETS[values],
+                             sets=("rbac.liveScaling=true",))
     kinds = sorted(o["kind"] for o in rendered.objects)
     expected = ["ClusterRole"] * 3 + [  # the controller's, and the user roles edit, view
                 "ClusterRoleBinding", "Deployment", "PodDisruptionBudget",
@@ -106,7 +108,7 @@ def test_every_templated_object_carries_the_standard_labels(helm: Helm, values: 
                      "Secret", "Secret", "Secret", "Secret"]
     expected.append("Pod")  # `helm test`
     expected.append("NetworkPolicy")  # only the controller (and `helm test`) reach etcd
-    # Self-fencing, on by default (tests/test_chart_self_fencing.py): the rights Service,
+    # Self-fencing, served with live scaling (tests/test_chart_self_fencing.py): the rights Service,
     # its ClusterRole (nodes) and Role (its EndpointSlice), their bindings, and the
     # NetworkPolicy that admits only runner pods to the rights port.
     expected += ["ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding", "Service",

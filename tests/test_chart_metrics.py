@@ -38,9 +38,10 @@ OPT_INS = ("metrics.podMonitor.enabled=true", "metrics.prometheusRule.enabled=tr
 
 def test_the_controller_port_is_named_metrics_and_everything_uses_that_name(
         helm: Helm) -> None:
-    rendered = helm.template("nvm", "ops")
+    rendered = helm.template("nvm", "ops", sets=("rbac.liveScaling=true",))
     container = rendered.one("Deployment")["spec"]["template"]["spec"]["containers"][0]
-    # rights: self-fencing's port (tests/test_chart_self_fencing.py), not scraped.
+    # rights: self-fencing's port, served with live scaling
+    # (tests/test_chart_self_fencing.py), not scraped.
     assert [p["name"] for p in container["ports"]] == ["metrics", "rights"]
     assert container["livenessProbe"]["httpGet"]["port"] == "metrics"
     assert container["readinessProbe"]["httpGet"]["port"] == "metrics"

@@ -1,31 +1,52 @@
 """The chart's self-fencing values (``controller.rightSeconds``, ``controller.rightsPort``),
-rendered by the real helm binary: on by default (30 s), nothing added at 0, and when on,
-the controller's flags, the selector-less rights Service the leader points at itself, and
-the generated RBAC (docs/protocol.md, "Self-fencing"; docs/chart.md)."""
+rendered by the real helm binary: a 30 s right by default, served only with
+``rbac.liveScaling`` (only a pod with a scaling token self-fences), nothing added otherwise,
+and when served, the controller's flags, the selector-less rights Service the leader points
+at itself, and the generated RBAC (docs/protocol.md, "Self-fencing"; docs/chart.md)."""
 
 from __future__ import annotations
 
 import pytest
 
 from neonvm import manifests
-from tests.support.chart import Helm
+from tests.support.chart import Helm, Rendered
 
-ON = ("controller.rightSeconds=30", "controller.rightsPort=8090")
+ON = ("controller.rightSeconds=30", "controller.rightsPort=8090", "rbac.liveScaling=true")
 
 
-def test_self_fencing_is_on_by_default_with_a_30_second_right(helm: Helm) -> None:
-    """The default deadline D = 30 s: the drills' figures at it are in docs/drills.md."""
-    args = helm.template("nvm", "ops").container["args"]
+def _serves_rights(rendered: Rendered) -> bool:
+    """Anything of the rights endpoint in the render: flags, port, Service, policy, roles."""
+    return (any(a.startswith("--rights-") for a in rendered.container["args"])
+            or "rights" in {p["name"] for p in rendered.container["ports"]}
+            or any(o["metadata"]["name"].endswith(("-rights", "-rights-from-runners",
+                                                   "-self-fencing", "-rights-endpoint"))
+                   for o in rendered.objects))
+
+
+def test_the_default_right_is_30_seconds_and_served_only_with_live_scaling(helm: Helm) -> None:
+    """The default deadline D = 30 s (its drills' figures: docs/drills.md) takes effect with
+    rbac.liveScaling: only a pod with a scaling token self-fences."""
+    args = helm.template("nvm", "ops", sets=("rbac.liveScaling=true",)).container["args"]
     assert "--right-seconds=30" in args
     assert any(a.startswith("--rights-url=") for a in args)
 
 
-def test_self_fencing_off_adds_nothing(helm: Helm) -> None:
-    rendered = helm.template("nvm", "ops", sets=("controller.rightSeconds=0",))
+def test_with_default_values_no_rights_listener_is_open_to_guests(helm: Helm) -> None:
+    """Default values (rbac.liveScaling off): no pod is built to ask for rights, so no guest
+    filter would close the port; the leader must not listen (docs/security.md, "Rights
+    endpoint")."""
+    rendered = helm.template("nvm", "ops")
     assert "--right-seconds=0" in rendered.container["args"]
-    assert not any(a.startswith("--rights-") for a in rendered.container["args"])
-    assert not [o for o in rendered.objects if o["metadata"]["name"].endswith("-rights")]
-    assert "rights" not in {p["name"] for p in rendered.container["ports"]}
+    assert not _serves_rights(rendered)
+    assert not _serves_rights(helm.template("nvm", "ops", sets=(
+        "controller.rightSeconds=30", "rbac.liveScaling=false")))
+
+
+def test_self_fencing_off_adds_nothing(helm: Helm) -> None:
+    rendered = helm.template("nvm", "ops", sets=("controller.rightSeconds=0",
+                                                  "rbac.liveScaling=true"))
+    assert "--right-seconds=0" in rendered.container["args"]
+    assert not _serves_rights(rendered)
 
 
 @pytest.mark.parametrize("watch", ["", "vms"])
@@ -87,7 +108,7 @@ def test_the_rights_port_admits_runner_pods_only_and_every_other_port_stays_open
         helm: Helm, port: int) -> None:
     """Any pod could otherwise flood the leader's rights endpoint (docs/security.md,
     "Rights endpoint"); health and metrics must stay reachable."""
-    sets = ("controller.rightSeconds=30", f"controller.rightsPort={port}")
+    sets = ("controller.rightSeconds=30", f"controller.rightsPort={port}", "rbac.liveScaling=true")
     helm.run("lint", "--strict", str(manifests.CHART_DIR), "--set", ",".join(sets))
     rendered = helm.template("nvm", "ops", sets=sets)
     fullname = rendered.one("Deployment")["metadata"]["name"]
@@ -113,7 +134,7 @@ def test_the_rights_port_admits_runner_pods_only_and_every_other_port_stays_open
 
 def test_the_rights_policy_is_off_with_self_fencing_or_when_turned_off(
         helm: Helm) -> None:
-    for sets in (("controller.rightSeconds=0",),
+    for sets in (("controller.rightSeconds=0", "rbac.liveScaling=true"),
                  (*ON, "controller.rightsNetworkPolicy=false")):
         rendered = helm.template("nvm", "ops", sets=sets)
         assert not [o for o in rendered.all("NetworkPolicy")

@@ -123,6 +123,27 @@ def test_a_malformed_body_is_a_400_and_one_short_log_line(body: bytes) -> None:
         server.stop()
 
 
+def test_a_refusal_does_not_tell_whether_the_vm_exists_but_the_log_does() -> None:
+    """Another namespace's VM names are not learnt by asking: an unknown VM, a VM whose
+    current pod is another, and a pod that does not self-fence get the same answer; the
+    server's log keeps why."""
+    reads, clock = Reads(secret()), Clock()
+    server, _ = serve(reads, clock)
+    lines: list[str] = []
+    sink = logger.add(lines.append, level="DEBUG", format="{message}")
+    bearer = authorization_header(TOKEN, POD_UID)
+    try:
+        unknown = ask(server.port, {**REQUEST, "vm": "no-such-vm"}, bearer)
+        other_pod = ask(server.port, {**REQUEST, "podUID": "another-pod"}, bearer)
+        assert unknown == other_pod
+        assert unknown[0] == 403 and unknown[1]["reason"] == "NotCurrentPod"
+        assert "no such VM" in "".join(lines) and "current pod" in "".join(lines)
+        assert ask(server.port, REQUEST, bearer)[0] == 200  # the real pod still is granted
+    finally:
+        logger.remove(sink)
+        server.stop()
+
+
 def test_one_source_holds_at_most_its_share_of_connections() -> None:
     """One pod's connections (or a guest's, through its runner pod's address) beyond the
     per-source cap are closed at once; another source is answered, and a source is

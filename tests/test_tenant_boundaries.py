@@ -469,8 +469,8 @@ def test_a_release_watching_one_namespace_is_granted_that_namespace_alone(helm: 
     assert fence["matchResources"] == {"namespaceSelector": {"matchLabels": {
         "kubernetes.io/metadata.name": "tenant-a"}}}
 
-    everywhere = helm.template("nvm", "ops")
-    # and self-fencing's (on by default; `get` on nodes: tests/test_chart_self_fencing.py)
+    everywhere = helm.template("nvm", "ops", sets=("rbac.liveScaling=true",))
+    # and self-fencing's (with liveScaling; `get` on nodes: tests/test_chart_self_fencing.py)
     assert sorted(o["metadata"]["name"] for o in everywhere.all("ClusterRoleBinding")) == [
         "nvm-neonvm-controller", "nvm-neonvm-controller-self-fencing"]
     assert "matchResources" not in everywhere.one("ValidatingAdmissionPolicyBinding")["spec"]

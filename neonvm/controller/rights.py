@@ -399,7 +399,7 @@ class RightsService:
             return _refuse(503, NOT_LEADER, "this replica holds no active term")
         found = current_pod(*caches, request.namespace, request.vm, request.pod_uid)
         if isinstance(found, str):
-            return _refuse(403, NOT_CURRENT_POD, found)
+            return _not_current(request, found)
         try:
             token = self._tokens.token(request.namespace, found.secret_name, found.secret_uid)
             if token is not None and not bearer_matches(authorization, token, request.pod_uid):
@@ -415,7 +415,7 @@ class RightsService:
             except (ApiException, OSError) as exc:
                 return _refuse(503, NOT_LEADER, f"cannot mark the pod now: {exc}"[:200])
             if not marked:
-                return _refuse(403, NOT_CURRENT_POD, "the pod is gone")
+                return _not_current(request, "the pod is gone")
         refused = self.ledger.grant(request.pod_uid, found.seconds)
         if refused == CONDEMNED:
             return _refuse(403, CONDEMNED, "this pod was condemned; it is never granted again")
@@ -426,6 +426,18 @@ class RightsService:
 
 def _refuse(status: int, reason: str, message: str) -> Answer:
     return status, RightRefusal(reason=reason, message=message).to_dict()
+
+
+NOT_CURRENT_MESSAGE = "not a current self-fencing pod of that VM"
+"""The one text of every 403 ``NotCurrentPod``: whether the VM exists, or which of its
+pods is current, is not told to the caller (a name oracle across namespaces,
+docs/security.md, "Rights endpoint"); the detail goes to the server's log."""
+
+
+def _not_current(request: RightRequest, why: str) -> Answer:
+    logger.info("rights: refused {ns}/{vm} pod {uid}: {why}", ns=request.namespace[:253],
+                vm=request.vm[:253], uid=request.pod_uid[:64], why=why[:200])
+    return _refuse(403, NOT_CURRENT_POD, NOT_CURRENT_MESSAGE)
 
 
 _REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 403: "Forbidden",

@@ -23,6 +23,16 @@ admission policy and its binding) carry it, so two releases never share one.
 {{- end }}
 {{- end }}
 
+{{/*
+"true" when the leader serves rights (self-fencing): controller.rightSeconds > 0 and
+rbac.liveScaling, since only a pod with a scaling token self-fences (docs/chart.md). Without
+it no pod would ask, and a listener no guest filter closes is open to every guest
+(docs/security.md, "Rights endpoint"). "" otherwise.
+*/}}
+{{- define "neonvm-controller.servesRights" -}}
+{{- if and (gt (float64 .Values.controller.rightSeconds) 0.0) .Values.rbac.liveScaling }}true{{- end }}
+{{- end }}
+
 {{- define "neonvm-controller.chart" -}}
 {{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
 {{- end }}
