@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from neonvm.api import times
+from neonvm.api.schema import decode
 from neonvm.api.types import (
     FINALIZER,
     Fence,
@@ -523,6 +524,18 @@ def test_a_fence_ahead_mark_counts_for_its_generation_only() -> None:
     assert scan.fence_ahead_marked(raw_vm(reasons.FENCE_AHEAD, deleting=True))
     assert not scan.fence_ahead_marked(raw_vm(reasons.FENCE_AHEAD, generation=4))
     assert not scan.fence_ahead_marked(raw_vm(reasons.CREATE_REFUSED))
+
+
+@pytest.mark.parametrize("reason", [reasons.FENCE_AHEAD, reasons.CREATE_REFUSED])
+def test_the_scan_reads_a_mark_in_extra_conditions_as_decide_does(reason: str) -> None:
+    """Decide reads status.conditions and status.extraConditions as one list, so the scan
+    does too: a mark in either holds the VM back in both (no requeue every scan)."""
+    moved = raw_vm(reason, pendingPod={"name": "vm-1"})
+    status = moved["status"]
+    assert isinstance(status, dict)
+    status["extraConditions"], status["conditions"] = status["conditions"], []
+    assert decode(VirtualMachineStatus, status).conditions[0].reason == reason
+    assert not scan.looks_mid_plan(moved, [])
 
 
 def test_a_vm_in_the_middle_of_something_looks_mid_plan() -> None:

@@ -17,14 +17,17 @@ RawObject = Mapping[str, Any]
 
 
 def _degraded_for_generation(raw: RawObject, reasons: Iterable[str]) -> bool:
-    """Degraded is True, with one of ``reasons``, for the VM's current generation."""
+    """Degraded is True, with one of ``reasons``, for the VM's current generation: in
+    ``status.conditions`` or ``status.extraConditions``, both read as one list as the
+    decision reads them (:class:`~neonvm.api.types.VirtualMachineStatus`)."""
     meta = raw.get("metadata") or {}
+    status = raw.get("status") or {}
     wanted = set(reasons)
     return any(
         cond.get("type") == DEGRADED and cond.get("status") == "True"
         and cond.get("reason") in wanted
         and cond.get("observedGeneration") == meta.get("generation")
-        for cond in (raw.get("status") or {}).get("conditions") or [])
+        for cond in [*(status.get("conditions") or []), *(status.get("extraConditions") or [])])
 
 
 def create_held_back(raw: RawObject) -> bool:
