@@ -102,6 +102,34 @@ def test_use_is_read_from_the_projected_annotation_else_the_spec(tmp_path: Path)
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("text", [
+    '{"cpus": {"use": ' + "[" * 100_000 + "]" * 100_000 + "}}",  # deeper than recursion
+    '{"cpus": {"use": 1e308}}',  # a float of more vCPUs than any int of them
+    '{"cpus": {"use": ' + "9" * 5000 + "}}",  # an int too long for json.dumps
+    '{"cpus": {"use": "3"}}',  # above the spec's cpus.max (2)
+], ids=["nested", "overflow", "5000-digits", "over-max"])
+def test_a_hostile_annotation_gives_the_boot_use_and_a_status_that_encodes(
+        tmp_path: Path, text: str) -> None:
+    """Whoever may patch the pod may write its annotation: it must neither end the
+    limiter's thread nor put a value in /status that json.dumps refuses."""
+    resources = tmp_path / "resources.json"
+    resources.write_text(text)
+    assert wanted_millicpu(resources, 500, 2000) == 500
+    reports: list[dict[str, Any]] = []
+
+    def nowhere(pod: str) -> QemuCgroup:
+        raise OSError(30, "Read-only file system", "/sys/fs/cgroup/cpu")
+
+    limiter = CpuLimiter("p", 500, resources, lambda: 123, reports.append, find=nowhere,
+                         max_millicpu=2000)
+    limiter.start()
+    wait_for(lambda: reports, timeout=10, what="the limiter's report")
+    limiter.stop()
+    assert reports[0]["milliCPU"] == 500
+    json.dumps(reports)
+
+
+@pytest.mark.unit
 def test_a_cgroup_that_cannot_be_written_is_reported_not_fatal(tmp_path: Path) -> None:
     reports: list[dict[str, Any]] = []
 

@@ -103,17 +103,29 @@ def cgroup_dir(own: OwnCgroup, mountinfo: str) -> Path:
     raise ValueError(f"no mount of the cgroup v{own.version} hierarchy holds {own.path}")
 
 
-def wanted_millicpu(resources_file: Path | None, boot: int) -> int:
+CEILING_MILLICPU = 1_000_000
+"""The largest ``cpus.use`` taken from the annotation when the spec's ``cpus.max`` is not
+given (1,000 vCPUs)."""
+
+
+def wanted_millicpu(resources_file: Path | None, boot: int,
+                    ceiling: int = CEILING_MILLICPU) -> int:
     """``cpus.use`` from the projected ``vm.neon.tech/resources`` annotation
-    (``{"cpus": {"use": ...}}``, NeonVM's shape), else ``boot`` (the spec's)."""
+    (``{"cpus": {"use": ...}}``, NeonVM's shape), else ``boot`` (the spec's).
+
+    Anyone who may patch the pod may write that annotation: whatever it holds (nesting
+    deeper than the recursion limit, ``1e308``, a 5,000-digit number) gives ``boot``
+    unless it is a ``use`` in ``1..ceiling`` (the spec's ``cpus.max``), so the limiter
+    never dies of it and ``/status`` stays encodable (docs/security.md)."""
     if resources_file is None:
         return boot
     try:
         use = json.loads(resources_file.read_text())["cpus"]["use"]
         value = int(MilliCPU.parse(use))
-    except (OSError, ValueError, KeyError, TypeError, MilliCPUError):
+    except (OSError, ValueError, KeyError, TypeError, MilliCPUError,
+            RecursionError, OverflowError):  # deep nesting; 1e308 vCPUs
         return boot
-    return value if value > 0 else boot
+    return value if 0 < value <= ceiling else boot
 
 
 class QemuCgroup:
@@ -165,15 +177,16 @@ ENV_CPU_LIMIT = "NEONVM_CPU_LIMIT"
 
 def limiter_for(env: Mapping[str, str], boot_millicpu: int,
                 qemu_pid: Callable[[], int | None],
-                report: Callable[[dict[str, Any]], None]) -> CpuLimiter | None:
+                report: Callable[[dict[str, Any]], None],
+                max_millicpu: int = CEILING_MILLICPU) -> CpuLimiter | None:
     """The limiter of a runner started in a pod (its env names the pod), unless
-    ``NEONVM_CPU_LIMIT=off``; None otherwise."""
+    ``NEONVM_CPU_LIMIT=off``; None otherwise. ``max_millicpu``: the spec's ``cpus.max``."""
     pod = env.get(ENV_POD_NAME)
     if not pod or env.get(ENV_CPU_LIMIT, "").lower() == "off":
         return None
     resources = env.get(ENV_RESOURCES_FILE)
     return CpuLimiter(pod, boot_millicpu, Path(resources) if resources else None,
-                      qemu_pid, report)
+                      qemu_pid, report, max_millicpu=max_millicpu)
 
 
 class CpuLimiter:
@@ -186,9 +199,11 @@ class CpuLimiter:
 
     def __init__(self, pod_name: str, boot_millicpu: int, resources_file: Path | None,
                  qemu_pid: Callable[[], int | None], report: Callable[[dict[str, Any]], None],
-                 find: Callable[[str], QemuCgroup] = find_qemu_cgroup) -> None:
+                 find: Callable[[str], QemuCgroup] = find_qemu_cgroup,
+                 max_millicpu: int = CEILING_MILLICPU) -> None:
         self._pod_name = pod_name
         self._boot = boot_millicpu
+        self._ceiling = max(boot_millicpu, max_millicpu)
         self._resources_file = resources_file
         self._qemu_pid = qemu_pid
         self._report = report
@@ -212,7 +227,7 @@ class CpuLimiter:
         applied: int | None = None
         while not self._stop.is_set():
             pid = pid or self._qemu_pid()
-            want = wanted_millicpu(self._resources_file, self._boot)
+            want = wanted_millicpu(self._resources_file, self._boot, self._ceiling)
             if pid is not None and want != applied:
                 if not self._apply(pid, want):
                     return

@@ -256,7 +256,7 @@ def run_runner(options: RunnerOptions, env: Mapping[str, str], console: BinaryIO
                                 launch.loaded.key, pdeathsig_wrapper=optional_binary("setpriv"),
                                 scaler=scaler, right=right)
         limiter = limiter_for(env, int(launch.loaded.spec.guest.cpus.current), state.qemu_pid,
-                              state.cpu_limit_applied)
+                              state.cpu_limit_applied, int(launch.loaded.spec.guest.cpus.max))
         if limiter is not None:
             limiter.start()
         outcome = asyncio.run(_supervise(supervisor, early_stop))
