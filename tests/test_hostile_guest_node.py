@@ -14,8 +14,10 @@ guest tries QMP and the runner's API (10.0.2.2 and ``fec0::2``), the leader's ri
 port, the locks' etcd where pods reach it (the node's address), and the API server at
 its ClusterIP and at the host's address, and reports each on its console. QMP, the
 runner's and the rights ports must time out (the guest filter drops them); etcd must
-answer nothing to a client without TLS and a certificate; the API server's ClusterIP
-answers only TLS, and its host address refuses connections. The runner pod stays Ready,
+accept the connection and close it with nothing said to a client without TLS and a
+certificate; the API server's ClusterIP answers only TLS (Go's "Client sent an HTTP
+request to an HTTPS server"), and its host address refuses connections. Each reason is
+asserted, so a wrong address or port fails the test. The runner pod stays Ready,
 and the guest's egress to the node's address still works. docs/security.md, "The guest".
 """
 
@@ -58,7 +60,6 @@ def attack_script(node_ip: str, rights_port: int | None, etcd_port: int, api_por
         ("runner-api-v6", f"{HTTP_TO} fec0::2 {RUNNER_PORT}"),
         *([("rights", f"{HTTP_TO} {node_ip} {rights_port}")] if rights_port else []),
         ("etcd", f"{HTTP_TO} {node_ip} {etcd_port}"),
-        ("etcd-via-runner-loopback", f"{NC_TO} 10.0.2.2 {etcd_port}"),
         ("apiserver-clusterip", f"{HTTP_TO} {KUBERNETES_SERVICE_IP} 443"),
         ("apiserver-host-address", f"{HTTP_TO} {node_ip} {api_port}"),
     ]
@@ -74,6 +75,35 @@ def attack_script(node_ip: str, rights_port: int | None, etcd_port: int, api_por
         "exec sleep 100000",
     ]
     return "\n".join(lines)
+
+
+def parse_report(report: list[str]) -> dict[str, str]:
+    """The guest's console lines ``attack <name>: <what nc said> [exit N]`` by name."""
+    return {line.split(":", 1)[0][len("attack "):]: line.split(":", 1)[1].strip()
+            for line in report if line.startswith("attack ")}
+
+
+def check_report(report: list[str], rights: bool) -> None:
+    """Every attempt failed for its intended reason (``rights``: the rights port was
+    tried too)."""
+    said = parse_report(report)
+    shown = "\n".join(report)
+    # Dropped by the runner's guest filter: the connection attempt times out.
+    for target in ("qmp", "qmp-v6", "runner-api", "runner-api-v6",
+                   *(["rights"] if rights else [])):
+        assert said.get(target, "").startswith("nc: timed out"), shown
+    # Each of the others for its own reason, so that a wrong address or port (refused,
+    # timed out) fails rather than passes. The locks' etcd is reachable on the node's
+    # address (no NetworkPolicy is enforced on the real node), but speaks only TLS
+    # with client certificates: nc connects, and etcd closes it with nothing said.
+    assert said.get("etcd") == "[exit 0]", shown
+    # The API server's ClusterIP answers only TLS (Go's own reply to plain HTTP; the
+    # guest has no credentials either, runner pods mount no ServiceAccount token).
+    assert "Client sent an HTTP request to an HTTPS server" in said.get(
+        "apiserver-clusterip", ""), shown
+    assert "200 OK" not in said["apiserver-clusterip"], shown
+    # Nothing listens at the host's address (the API server binds loopback there).
+    assert "Connection refused" in said.get("apiserver-host-address", ""), shown
 
 
 def _free_port(host: str) -> int:
@@ -146,25 +176,10 @@ class HostileGuest:
         print(f"\nhostile guest in runner pod {name} on {self.node.name} (report read "
               f"{time.monotonic() - self.created:.0f}s after the VM was created):\n"
               + "\n".join(report))
-        said = {line.split(":", 1)[0][len("attack "):]: line.split(":", 1)[1].strip()
-                for line in report if line.startswith("attack ")}
-        shown = "\n".join(report)
-        # Dropped by the runner's guest filter: the connection attempt times out.
-        for target in ("qmp", "qmp-v6", "runner-api", "runner-api-v6",
-                       "etcd-via-runner-loopback", *(["rights"] if self.rights_port else [])):
-            assert said.get(target, "").startswith("nc: timed out"), shown
-        # The locks' etcd is reachable on the node's address (no NetworkPolicy is enforced
-        # on the real node), but speaks only TLS with client certificates: a request
-        # without them gets no answer (seen: the connection closed, nothing said).
-        assert "HTTP/" not in said["etcd"] and "etcdserver" not in said["etcd"], shown
-        # The API server: its ClusterIP answers only TLS (seen: Go's "Client sent an HTTP
-        # request to an HTTPS server"; the guest has no credentials either, runner pods
-        # mount no ServiceAccount token), and nothing listens at the host's address.
-        for target in ("apiserver-clusterip", "apiserver-host-address"):
-            assert "200 OK" not in said[target] and '"apiVersion"' not in said[target], shown
-        assert "HTTP/" not in said["apiserver-host-address"], shown
+        check_report(report, bool(self.rights_port))
         # The guest keeps its network, and its pod stays Ready, never restarted.
-        assert said.get("egress", "").startswith(self.egress.secret), shown
+        said = parse_report(report)
+        assert said.get("egress", "").startswith(self.egress.secret), "\n".join(report)
         assert self.egress.accepted
         core = client.CoreV1Api(self.api)
 
@@ -186,6 +201,36 @@ class HostileGuest:
             self.egress.sock.close()
         with contextlib.suppress(Exception):
             delete_vm(self.api, self.namespace, self.name)
+
+
+SEEN = [  # a real node run's console (the opt-in test's, with the rights port)
+    "attack qmp: nc: timed out [exit 1]", "attack qmp-v6: nc: timed out [exit 1]",
+    "attack runner-api: nc: timed out [exit 1]", "attack runner-api-v6: nc: timed out [exit 1]",
+    "attack rights: nc: timed out [exit 1]", "attack etcd: [exit 0]",
+    "attack apiserver-clusterip: HTTP/1.0 400 Bad Request    Client sent an HTTP request "
+    "to an HTTPS server. [exit 0]",
+    "attack apiserver-host-address: nc: can't connect to remote host (10.251.29.1): "
+    "Connection refused [exit 1]",
+]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("target", "wrong"), [
+    ("etcd", "nc: can't connect to remote host (10.0.0.9): Connection refused [exit 1]"),
+    ("etcd", "nc: timed out [exit 1]"),
+    ("apiserver-clusterip", "nc: timed out [exit 1]"),
+    ("apiserver-host-address", "nc: timed out [exit 1]"),
+    ("apiserver-host-address", "nc: bad address '10.0.0.999' [exit 1]"),
+])
+def test_an_attempt_that_failed_for_another_reason_fails_the_check(
+        target: str, wrong: str) -> None:
+    """A wrong address or port (refused, timed out) must not pass for the intended
+    reason: each attempt's reason is what the console shows."""
+    check_report(SEEN, rights=True)
+    report = [f"attack {target}: {wrong}" if line.startswith(f"attack {target}:") else line
+              for line in SEEN]
+    with pytest.raises(AssertionError):
+        check_report(report, rights=True)
 
 
 @pytest.mark.cluster
