@@ -19,7 +19,7 @@ import os
 import re
 import time
 import urllib.parse
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -442,6 +442,237 @@ def _prune(text: str, depth: int) -> str:
 def pruned(obj: Any) -> bool:
     """Whether ``obj`` (a part of what :func:`decode_json` answered) lost a part."""
     return json.dumps(TOO_DEEP) in json.dumps(obj)
+
+
+LIST_PAGE_BYTES = 8 * 1024 * 1024
+"""The most raw bytes one list page may carry (:func:`read_page`): a page above it is
+dropped unread and asked for again with a smaller ``limit``. Each item is then decoded
+on its own (:func:`list_items`), so what a page costs is its raw text plus one decoded
+item, whatever the JSON's shape (docs/security.md, "Exhaustion")."""
+ITEM_WINDOW = 4096
+"""The first slice :func:`list_items` decodes an item from (it grows 4 times a try, up to
+the bound): an item is never decoded from more than its bound's worth of text."""
+_DECODER = json.JSONDecoder()
+
+
+def _ws(text: str, pos: int) -> int:
+    """``pos`` moved past JSON whitespace (the API server writes none but a last newline)."""
+    while pos < len(text) and text[pos] in " \t\n\r":
+        pos += 1
+    return pos
+
+
+class PageTooLarge(Exception):
+    """A list page of a single object was above :data:`LIST_PAGE_BYTES`."""
+
+
+def read_page(resp: Any, cap: int) -> bytes | None:
+    """The body of an unpreloaded response, or None (its connection closed) once more
+    than ``cap`` bytes arrive: the caller asks again with a smaller ``limit``. (A
+    response without ``read``, a test's stand-in, answers its ``data``.)"""
+    read = getattr(resp, "read", None)
+    if read is None:
+        data: bytes = resp.data
+        return data if len(data) <= cap else None
+    chunks: list[bytes] = []
+    total = 0
+    while chunk := read(1024 * 1024):
+        total += len(chunk)
+        if total > cap:
+            del chunks
+            resp.close()
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+@dataclass
+class ListItem:
+    """One item of a list page (:func:`list_items`)."""
+
+    obj: Any
+    """The item decoded; for one above the bound only ``{"metadata": {...}}`` with its
+    name, namespace, uid and resourceVersion (:func:`object_head`)."""
+    size: int
+    """Its raw JSON's length."""
+    oversized: bool
+    lossy: bool
+    """Parts nested too deep were dropped (:func:`decode_json`)."""
+
+
+def list_items(text: str, bound: int | None, list_meta: dict[str, Any]
+               ) -> Iterator[ListItem]:
+    """The items of a list page's JSON ``text``, decoded one at a time; the page's own
+    ``metadata`` (continue, resourceVersion) is put into ``list_meta`` as it is passed.
+
+    The page is walked with the decoder's scanner and :func:`value_end`, never decoded
+    whole. An item longer than ``bound`` characters is not decoded: only its head is
+    read (:func:`object_head`); with no bound every item is decoded, one at a time.
+    """
+    pos = _expect(text, 0, "{")
+    while True:
+        pos = _ws(text, pos)
+        if text[pos] == "}":
+            return
+        key, pos = _DECODER.raw_decode(text, pos)
+        pos = _expect(text, pos, ":")
+        pos = _ws(text, pos)
+        if key == "items" and text[pos] == "[":
+            pos = _ws(text, pos + 1)
+            hint = ITEM_WINDOW
+            while text[pos] != "]":
+                item, pos = _item(text, pos, bound, hint)
+                hint = max(ITEM_WINDOW, 2 * item.size)
+                yield item
+                pos = _ws(text, pos)
+                if text[pos] == ",":
+                    pos = _ws(text, pos + 1)
+            pos += 1
+        elif key == "metadata":
+            value, pos = _DECODER.raw_decode(text, pos)
+            list_meta.update(value or {})
+        else:
+            pos = value_end(text, pos)
+        pos = _ws(text, pos)
+        if text[pos] == ",":
+            pos += 1
+
+
+def _expect(text: str, pos: int, char: str) -> int:
+    pos = _ws(text, pos)
+    if text[pos:pos + 1] != char:
+        raise ValueError(f"malformed list: {char!r} expected at {pos}")
+    return pos + 1
+
+
+def _item(text: str, pos: int, bound: int | None, hint: int) -> tuple[ListItem, int]:
+    if bound is None:
+        try:
+            obj, end = _DECODER.raw_decode(text, pos)
+            return ListItem(obj, end - pos, False, False), end
+        except RecursionError:
+            end = value_end(text, pos)
+            obj, lossy = decode_json(text[pos:end])
+            return ListItem(obj, end - pos, False, lossy), end
+    window = min(hint, bound + 1)
+    while True:
+        stop = min(len(text), pos + window)
+        try:
+            obj, n = _DECODER.raw_decode(text[pos:stop])
+            return ListItem(obj, n, False, False), pos + n
+        except json.JSONDecodeError:
+            if stop == len(text):
+                raise
+            if window <= bound:
+                window = min(4 * window, bound + 1)
+                continue
+        except RecursionError:
+            pass
+        end = value_end(text, pos)
+        if end - pos > bound:
+            return ListItem(object_head(text, pos), end - pos, True, False), end
+        obj, lossy = decode_json(text[pos:end])
+        return ListItem(obj, end - pos, False, lossy), end
+
+
+HEAD_FIELDS = ("name", "namespace", "uid", "resourceVersion")
+
+
+def object_head(text: str, pos: int) -> dict[str, Any]:
+    """``{"metadata": {...}}`` with the :data:`HEAD_FIELDS` of the object whose JSON
+    starts at ``pos``, read without decoding anything else (the API server writes
+    ``metadata`` first and those fields first in it, so this stops early)."""
+    meta: dict[str, Any] = {}
+    for key, at in _members(text, pos):
+        if key == "metadata" and text[at] == "{":
+            for field, value_at in _members(text, at):
+                if field in HEAD_FIELDS:
+                    meta[field] = _DECODER.raw_decode(text, value_at)[0]
+                    if len(meta) == len(HEAD_FIELDS):
+                        break
+            break
+    return {"metadata": meta}
+
+
+def oversized_event(line: str, bound: int) -> tuple[dict[str, Any], int] | None:
+    """For a watch event's JSON ``line`` whose object is longer than ``bound``: the event
+    with only the object's head (:func:`object_head`) and the object's length, read
+    without decoding the object; None when the object is within the bound (or the line
+    is not an event), for the caller to decode it whole. The object's length is measured
+    as what follows its start in the line (the API server writes it last)."""
+    if len(line) <= bound:
+        return None
+    event: dict[str, Any] = {}
+    size = 0
+    for key, at in _members(line, 0):
+        if key == "type":
+            event["type"] = _DECODER.raw_decode(line, at)[0]
+        elif key == "object" and line[at] == "{":
+            size = len(line.rstrip()) - at - 1
+            if size <= bound:
+                return None
+            event["object"] = object_head(line, at)
+        if len(event) == 2:
+            return event, size
+    return None
+
+
+def _members(text: str, pos: int) -> Iterator[tuple[str, int]]:
+    """The keys of the JSON object at ``pos``, each with where its value starts; the
+    values the caller did not read are skipped (:func:`value_end`)."""
+    pos = _expect(text, pos, "{")
+    while True:
+        pos = _ws(text, pos)
+        if text[pos] == "}":
+            return
+        key, pos = _DECODER.raw_decode(text, pos)
+        pos = _ws(text, _expect(text, pos, ":"))
+        yield key, pos
+        pos = _ws(text, value_end(text, pos))
+        if text[pos] == ",":
+            pos += 1
+
+
+def _nested(levels: int) -> str:
+    """A pattern of one JSON element holding at most ``levels`` levels of containers: a
+    run of scalar characters, a string, or a container of such elements."""
+    string = r'"[^"\\]*+(?:\\.[^"\\]*+)*+"'
+    element = f'(?:[^\\[\\]{{}}"]++|{string})'
+    for _ in range(levels):
+        element = f'(?:[^\\[\\]{{}}"]++|{string}|[\\[{{]{element}*+[\\]}}])'
+    return element
+
+
+_SKIP_LEVELS = 12
+_CONTAINER = re.compile(f"[\\[{{]{_nested(_SKIP_LEVELS)}*+[\\]}}]")
+"""A whole container up to :data:`_SKIP_LEVELS` deep, matched by the regex engine."""
+_OPEN_OR_CLOSE = re.compile(f"{_nested(_SKIP_LEVELS)}*+([\\[\\]{{}}])")
+"""The next bracket of a deeper container, what the regex engine cannot match whole
+skipped (strings, scalars and containers up to :data:`_SKIP_LEVELS` deep)."""
+
+
+def value_end(text: str, pos: int) -> int:
+    """Where the JSON value starting at ``pos`` ends, found without decoding it: a
+    container is scanned for its brackets (strings skipped whole, :data:`_TOKENS`), its
+    shallower parts by the regex engine (:data:`_CONTAINER`), so a value built of tiny
+    JSON objects costs about 30 ms a MiB."""
+    pos = _ws(text, pos)
+    char = text[pos]
+    if char == '"':
+        match = _TOKENS.match(text, pos)
+        if match is None:
+            raise ValueError(f"malformed JSON: unterminated string at {pos}")
+        return match.end()
+    if char not in "[{":
+        return int(_DECODER.raw_decode(text, pos)[1])
+    if (whole := _CONTAINER.match(text, pos)) is not None:
+        return whole.end()
+    level = 0
+    for token in _OPEN_OR_CLOSE.finditer(text, pos):
+        level += 1 if text[token.start(1)] in "[{" else -1
+        if level == 0:
+            return token.end()
+    raise ValueError(f"malformed JSON: unterminated container at {pos}")
 
 
 def apply(api: client.ApiClient, obj: dict[str, Any], force: bool = True) -> dict[str, Any]:

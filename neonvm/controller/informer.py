@@ -29,7 +29,6 @@ event never stalls one.
 from __future__ import annotations
 
 import contextlib
-import json
 import marshal
 import threading
 import time
@@ -45,7 +44,18 @@ from neonvm.api import types
 from neonvm.api.rights import RIGHT_SECONDS_ANNOTATION
 from neonvm.controller.autoscaler_view import synced_annotation
 from neonvm.controller.podspec import ANNOTATION_BUILT_SIZE
-from neonvm.kube import PRUNE_DEPTH, decode_json, pruned, release_stream, short_error
+from neonvm.kube import (
+    LIST_PAGE_BYTES,
+    PRUNE_DEPTH,
+    PageTooLarge,
+    decode_json,
+    list_items,
+    oversized_event,
+    pruned,
+    read_page,
+    release_stream,
+    short_error,
+)
 
 Obj = dict[str, Any]
 
@@ -54,12 +64,18 @@ MAX_CACHED_VM_BYTES = 256 * 1024
 1.5 MiB (etcd's request limit; ``spec.affinity`` and ``spec.extraInitContainers`` keep
 unknown fields), and every replica caches every VM: a larger one is left out and reported
 (docs/security.md, "Exhaustion"). NeonVM's VMs take a few KiB."""
-RELIST_PAGE_BYTES = 8 * 1024 * 1024
-"""About how many bytes of JSON one list page should carry: each page's ``limit`` is
-set from the previous page's bytes per object (at most the informer's ``relist_page``),
-so a page of large objects is never decoded whole at 500 objects."""
+RELIST_PAGE_BYTES = LIST_PAGE_BYTES
+"""The most raw bytes of JSON one list page may carry: a page above it is dropped unread
+and asked for again with a quarter of the ``limit`` (down to one object). Each page's
+``limit`` is also set from the previous page's bytes per object (at most the informer's
+``relist_page``), so that few pages are dropped. The items are decoded one at a time
+(:func:`neonvm.kube.list_items`) and one above ``max_object_bytes`` is not decoded at
+all, so a page costs its raw text plus one decoded object whatever the JSON's shape."""
 FIRST_PAGE = 16
 """The first page's ``limit``, before any object's size is known."""
+OVERSIZED_REPORT_SECONDS = 60.0
+"""An oversized object is reported (log line, Event) at most this often, however often
+it is rewritten."""
 Handler = Callable[[str, Obj | None, Obj | None], None]
 """Called with (key, old, new) for each change; new is None for a deletion."""
 Lister = Callable[..., Any]
@@ -322,7 +338,8 @@ class Informer:
                  transform: Callable[[Obj], Obj] | None = strip_managed_fields,
                  relist_page: int = 500,
                  on_undecodable: UndecodableHandler | None = None,
-                 max_object_bytes: int | None = None) -> None:
+                 max_object_bytes: int | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         """``max_object_bytes``: an object whose JSON is larger is left out of the store
         and reported like an undecodable one (None: no bound; the VM informer's is
         :data:`MAX_CACHED_VM_BYTES`)."""
@@ -330,6 +347,9 @@ class Informer:
         self._on_undecodable = on_undecodable
         self._undecodable: dict[str, str] = {}
         """Undecodable or oversized objects already reported: key to resourceVersion."""
+        self._oversized_at: dict[str, float] = {}
+        """Oversized objects: key to when (``clock``) it was last reported."""
+        self._clock = clock
         self._relist_page = relist_page
         self._page_limit = min(relist_page, FIRST_PAGE)
         """The next list page's ``limit``: it starts small and follows the objects'
@@ -400,9 +420,12 @@ class Informer:
         """List everything (paginated), replacing the store key by key; the list's
         resourceVersion.
 
-        One page (``relist_page`` items) is decoded at a time and each item goes into the
-        store as soon as it is transformed, so a re-list never holds the whole list, nor
-        a second copy of the store: at the end, what the list did not show is removed.
+        One page (at most ``relist_page`` items and :data:`RELIST_PAGE_BYTES` of raw
+        JSON) is read at a time, and its items decoded one by one (one above
+        ``max_object_bytes`` is not decoded: it is reported by its name, namespace and
+        uid); each goes into the store as soon as it is transformed, so a re-list never
+        holds the whole list, nor a second copy of the store, nor a whole page decoded:
+        at the end, what the list did not show is removed.
         Readers meanwhile see each object either in its old or its new version. The
         handler hears of every change as it is applied.
         """
@@ -411,7 +434,8 @@ class Informer:
         seen: set[str] = set()
         changes = 0
         while True:
-            kwargs: dict[str, Any] = {"limit": self._page_limit}
+            limit = self._page_limit
+            kwargs: dict[str, Any] = {"limit": limit}
             if token:
                 kwargs["_continue"] = token
             try:
@@ -421,25 +445,28 @@ class Informer:
                     raise Gone() from exc
                 raise
             try:
-                page_bytes = len(resp.data)
-                body, lossy = decode_json(resp.data)
+                data = read_page(resp, RELIST_PAGE_BYTES)
             finally:
                 release_stream(resp)
-            meta = body.get("metadata") or {}
-            if not rv:
-                rv = str(meta.get("resourceVersion", ""))
-            token = meta.get("continue") or None
-            items: list[Obj] = body.get("items") or []
-            del body
-            self._page_limit = max(1, min(self._relist_page, int(
-                RELIST_PAGE_BYTES * len(items) / max(1, page_bytes)) or 1))
-            for item in items:
+            if data is None:  # above the byte budget: the same page, fewer objects
+                if limit == 1:
+                    raise PageTooLarge(f"one object's JSON is above {RELIST_PAGE_BYTES:,} bytes")
+                self._page_limit = max(1, limit // 4)
+                continue
+            text = data.decode("utf-8")
+            page_bytes = len(data)
+            del data
+            meta: Obj = {}
+            count = 0
+            for entry in list_items(text, self._max_object_bytes, meta):
+                count += 1
+                item = entry.obj
                 item.setdefault("metadata", {})
-                if lossy and pruned(item):
-                    self._skip(item)  # not in ``seen``: a cached older version goes
-                    continue
-                if size := self._oversized(item):
-                    self._skip(item, self._too_large(size))  # as above
+                if entry.oversized:
+                    self._skip(item, self._too_large(entry.size))  # not in ``seen``:
+                    continue  # a cached older version goes
+                if entry.lossy and pruned(item):
+                    self._skip(item)  # as above
                     continue
                 self._undecodable.pop(object_key(item), None)
                 if self._transform is not None:
@@ -449,7 +476,12 @@ class Informer:
                 if change is not None:
                     changes += 1
                     self._handler(*change)
-            del items
+            del text
+            if not rv:
+                rv = str(meta.get("resourceVersion", ""))
+            token = meta.get("continue") or None
+            self._page_limit = max(1, min(self._relist_page, int(
+                RELIST_PAGE_BYTES * count / max(1, page_bytes)) or 1))
             if not token:
                 break
         for change in self.store.drop_except(seen):
@@ -461,13 +493,6 @@ class Informer:
             self._on_relist(self.name)
         return rv
 
-    def _oversized(self, obj: Obj) -> int:
-        """The size of ``obj``'s JSON if it is above ``max_object_bytes``, else 0."""
-        if self._max_object_bytes is None:
-            return 0
-        size = len(json.dumps(obj, separators=(",", ":")))
-        return size if size > self._max_object_bytes else 0
-
     def _too_large(self, size: int) -> str:
         return (f"its JSON is {size:,} bytes, more than the {self._max_object_bytes:,} "
                 "a cached object may take (docs/security.md, \"Exhaustion\"): not cached")
@@ -475,20 +500,31 @@ class Informer:
     def _skip(self, obj: Obj, why: str | None = None) -> None:
         """Leave an undecodable (or, with ``why``, oversized) object out of the store (a
         cached older version is removed, and the handler told so); report it once per
-        version."""
+        version, an oversized one at most once per :data:`OVERSIZED_REPORT_SECONDS`
+        (its report names no resourceVersion, so that repeated Events aggregate)."""
         key = object_key(obj)
         meta = obj.get("metadata") or {}
         old = self.store.get(key)
         if old is not None:
             self._handler(*self.store.apply("DELETED", obj))
         rv = str(meta.get("resourceVersion") or "")
-        if self._undecodable.get(key) == rv:
-            return
-        self._undecodable[key] = rv
-        reason = (f"{key} (uid {meta.get('uid')}, resourceVersion {rv}) is nested more "
-                  f"than {PRUNE_DEPTH} levels deep and cannot be decoded: not cached, "
-                  "not reconciled until it changes") if why is None else \
-            f"{key} (uid {meta.get('uid')}, resourceVersion {rv}): {why}"
+        if why is None:
+            if self._undecodable.get(key) == rv:
+                return
+            self._undecodable[key] = rv
+            reason = (f"{key} (uid {meta.get('uid')}, resourceVersion {rv}) is nested more "
+                      f"than {PRUNE_DEPTH} levels deep and cannot be decoded: not cached, "
+                      "not reconciled until it changes")
+        else:
+            now = self._clock()
+            last = self._oversized_at.get(key)
+            self._undecodable[key] = rv
+            if last is not None and now - last < OVERSIZED_REPORT_SECONDS:
+                return
+            self._oversized_at = {k: at for k, at in self._oversized_at.items()
+                                  if now - at < OVERSIZED_REPORT_SECONDS}
+            self._oversized_at[key] = now
+            reason = f"{key} (uid {meta.get('uid')}): {why}"
         self._log.error("skipping an object: {reason}", reason=reason)
         if self._on_undecodable is not None:
             self._on_undecodable(Undecodable(key, meta, reason))
@@ -506,7 +542,7 @@ class Informer:
             raise
         self._response = resp
         try:
-            for event, lossy in _events(resp):
+            for event, lossy, size in _events(resp, self._max_object_bytes):
                 if self._stop.is_set():
                     break
                 kind = event.get("type")
@@ -526,7 +562,7 @@ class Informer:
                 if lossy and kind != "DELETED" and pruned(obj):
                     self._skip(obj)
                     continue
-                if kind != "DELETED" and (size := self._oversized(obj)):
+                if kind != "DELETED" and size:
                     self._skip(obj, self._too_large(size))
                     continue
                 if kind == "DELETED" or not lossy:
@@ -544,9 +580,16 @@ class Informer:
         return rv
 
 
-def _events(resp: Any) -> Iterator[tuple[dict[str, Any], bool]]:
+def _events(resp: Any, bound: int | None) -> Iterator[tuple[dict[str, Any], bool, int]]:
     """The watch's events, each with whether parts of it were dropped
-    (:func:`neonvm.kube.decode_json`)."""
+    (:func:`neonvm.kube.decode_json`) and, for an object longer than ``bound``, its
+    length (the event then carries only the object's head: it is not decoded,
+    :func:`neonvm.kube.oversized_event`); 0 otherwise."""
     for line in iter_resp_lines(resp):
-        if line:
-            yield decode_json(line)
+        if not line:
+            continue
+        if bound is not None and (head := oversized_event(line, bound)) is not None:
+            yield head[0], False, head[1]
+            continue
+        event, lossy = decode_json(line)
+        yield event, lossy, 0

@@ -28,7 +28,15 @@ from kubernetes.client.exceptions import ApiException
 
 from neonvm.api import types
 from neonvm.controller.metrics import ControllerMetrics
-from neonvm.kube import TooDeep, decode_json, short_error
+from neonvm.kube import (
+    LIST_PAGE_BYTES,
+    PageTooLarge,
+    TooDeep,
+    list_items,
+    read_page,
+    release_stream,
+    short_error,
+)
 from neonvm.leader.lock import LockManager
 
 Lister = Callable[..., Any]
@@ -39,8 +47,9 @@ given; raises ApiException (404 gone, 409 another pod by that name now)."""
 
 
 PAGE = 500
-"""Items per page of the sweeps' and the resync's lists (``limit``/``continue``): one page
-is decoded at a time, so a large fleet never sits in memory as one response."""
+"""Items per page of the sweeps' and the resync's lists (``limit``/``continue``), at
+most: a page above :data:`~neonvm.kube.LIST_PAGE_BYTES` of raw JSON is asked for again
+with fewer (:func:`iter_items`)."""
 METADATA_LIST = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1"
 """Accept header asking the API server for a list of the objects' metadata alone."""
 
@@ -53,11 +62,20 @@ def iter_items(lister: Lister, *, metadata_only: bool = False,
     ``apiVersion``, ``kind`` and ``metadata`` (names, uids, labels, owners,
     resourceVersion), a fraction of a pod or a VM. The pages are one consistent snapshot
     (the API server's ``continue`` contract); a token that expired (410) ends the
-    iteration with the error, and the caller's next period starts a new list. A page
-    nested too deep for ``json.loads`` (a VM with thousands of levels in a free-form
-    field: its ``managedFields`` mirror them) is read with those levels dropped
-    (:func:`neonvm.kube.decode_json`) when only metadata was asked for, since nothing
-    but ``managedFields`` can nest there; a full list raises :class:`~neonvm.kube.TooDeep`.
+    iteration with the error, and the caller's next period starts a new list.
+
+    Memory is bounded by bytes, not by the item count: a page whose raw JSON is above
+    :data:`~neonvm.kube.LIST_PAGE_BYTES` is dropped unread and the same page (same
+    ``continue`` token) asked for with a quarter of the ``limit``, down to one item; a
+    single item above it fails the list (:class:`~neonvm.kube.PageTooLarge`). Items are
+    decoded one at a time (:func:`neonvm.kube.list_items`), and EVERY item is decoded and
+    yielded, however large: the sweeps must see every live VM's uid (a missed one would
+    make its pods look orphaned), so nothing is ever skipped here
+    (docs/security.md, "Exhaustion"). An item nested too deep for ``json.loads`` (a VM
+    with thousands of levels in a free-form field: its ``managedFields`` mirror them) is
+    read with those levels dropped (:func:`neonvm.kube.decode_json`) when only metadata
+    was asked for, since nothing but ``managedFields`` can nest there; a full list
+    raises :class:`~neonvm.kube.TooDeep`.
     """
     token: str | None = None
     headers = {"Accept": METADATA_LIST} if metadata_only else None
@@ -69,15 +87,23 @@ def iter_items(lister: Lister, *, metadata_only: bool = False,
             kwargs["_headers"] = headers
         resp = lister(_preload_content=False, _request_timeout=30, **kwargs)
         try:
-            body, lossy = decode_json(resp.data)
+            data = read_page(resp, LIST_PAGE_BYTES)
         finally:
-            resp.release_conn()
-        if lossy and not metadata_only:
-            raise TooDeep("a list page is nested too deep to decode")
-        items: list[dict[str, Any]] = body.get("items") or []
-        token = (body.get("metadata") or {}).get("continue") or None
-        del body
-        yield from items
+            release_stream(resp)
+        if data is None:  # above the byte budget: the same page, fewer items
+            if limit == 1:
+                raise PageTooLarge(f"one object's JSON is above {LIST_PAGE_BYTES:,} bytes")
+            limit = max(1, limit // 4)
+            continue
+        text = data.decode("utf-8")
+        del data
+        meta: dict[str, Any] = {}
+        for entry in list_items(text, None, meta):
+            if entry.lossy and not metadata_only:
+                raise TooDeep("a list item is nested too deep to decode")
+            yield entry.obj
+        del text
+        token = meta.get("continue") or None
         if not token:
             return
 
