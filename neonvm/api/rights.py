@@ -35,6 +35,11 @@ spec, it says the runner self-fences (the controller writes it, and reads it bac
 before it condemns a pod)."""
 RIGHT_SECONDS_ENV = "NEONVM_RIGHT_SECONDS"
 """The runner's environment variable for ``--right-seconds`` (D)."""
+RIGHTS_CLOSED_ENV = "NEONVM_RIGHTS_CLOSED_URL"
+"""The runner's environment variable for ``--rights-closed-url``: the rights URL whose
+port the guest filter closes although the runner does not self-fence (the controller
+sets it on every pod it builds while it has a rights URL: the leader's listener is
+reachable from any pod, docs/security.md, "Rights endpoint")."""
 
 DEFAULT_RHO = 0.05
 """rho: the bound on how much faster the leader's clock runs than any runner's: over any

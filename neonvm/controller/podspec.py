@@ -53,6 +53,7 @@ from neonvm.api.quantity import format_bytes
 from neonvm.api.rights import (
     RIGHT_SECONDS_ANNOTATION,
     RIGHT_SECONDS_ENV,
+    RIGHTS_CLOSED_ENV,
     RIGHTS_URL_ENV,
     annotation_value,
 )
@@ -299,6 +300,10 @@ def runner_pod(vm: VirtualMachine, plan: PendingPod,
             {"name": RIGHTS_URL_ENV, "value": str(defaults.rights_url)},
             {"name": RIGHT_SECONDS_ENV, "value": annotation_value(defaults.right_seconds)},
         ]
+    elif defaults.rights_url:
+        # Not self-fencing, but the leader's rights listener is reachable from this pod:
+        # its guest filter closes the port all the same (docs/security.md).
+        container["env"].append({"name": RIGHTS_CLOSED_ENV, "value": str(defaults.rights_url)})
     container["volumeMounts"] = mounts
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",

@@ -29,14 +29,19 @@ import click
 from loguru import logger
 
 from neonvm import logs
-from neonvm.api.rights import DEFAULT_RIGHT_SECONDS, RIGHT_SECONDS_ENV, RIGHTS_URL_ENV
+from neonvm.api.rights import (
+    DEFAULT_RIGHT_SECONDS,
+    RIGHT_SECONDS_ENV,
+    RIGHTS_CLOSED_ENV,
+    RIGHTS_URL_ENV,
+)
 from neonvm.api.scale_protocol import ScaleLimits, ScaleTarget, parse_fence_floor
 from neonvm.runner.cpulimit import CpuLimiter, limiter_for
 from neonvm.runner.diskimage import ImageError, root_has_path
 from neonvm.runner.disks import DiskTools, check_prerequisites, prepare
 from neonvm.runner.errors import HostError, RunnerError, SpecError
 from neonvm.runner.guestboot import EXT_MAGIC_OFFSET, is_bare_ext_filesystem, read_first_bytes
-from neonvm.runner.guestnet import NOTHING_BLOCKED, GuestNetFilter, ipv6_nameserver
+from neonvm.runner.guestnet import NOTHING_BLOCKED, Blocked, GuestNetFilter, ipv6_nameserver
 from neonvm.runner.host import (
     Accel,
     AccelChoice,
@@ -89,6 +94,7 @@ class RunnerOptions:
     kvm_device: Path = Path("/dev/kvm")
     rights_url: str | None = None
     right_seconds: float = DEFAULT_RIGHT_SECONDS
+    rights_closed_url: str | None = None
 
 
 @dataclass(frozen=True)
@@ -185,6 +191,15 @@ def ready_marker_for(plan: LaunchPlan, marker: str) -> str:
     return "" if plan.guest_init is not None else marker
 
 
+def guest_blocked(rights_url: str | None, closed_url: str | None) -> Blocked:
+    """What the guest's network filter closes besides the loopback: the rights URL's port
+    when the runner self-fences, else the port of the rights URL it is told to close
+    (``--rights-closed-url``: the leader's listener is reachable from any pod,
+    docs/security.md, "Rights endpoint"), else nothing."""
+    url = rights_url or closed_url
+    return rights_blocked(url) if url else NOTHING_BLOCKED
+
+
 def run_runner(options: RunnerOptions, env: Mapping[str, str], console: BinaryIO) -> int:
     """Run the VM to its end; returns the exit code. Raises RunnerError before QEMU starts."""
     early_stop: list[str] = []
@@ -243,8 +258,7 @@ def run_runner(options: RunnerOptions, env: Mapping[str, str], console: BinaryIO
             net_filter = GuestNetFilter(
                 plan.guest_frames_socket, plan.passed_frames_socket,
                 dns6=ipv6_nameserver(_resolv_conf()),
-                blocked=rights_blocked(options.rights_url) if options.rights_url
-                else NOTHING_BLOCKED)
+                blocked=guest_blocked(options.rights_url, options.rights_closed_url))
             net_filter.listen()
             net_filter.start()
         policy = ShutdownPolicy(
@@ -428,6 +442,10 @@ def runner_options(command: Callable[..., None]) -> Callable[..., None]:
                           "QEMU starts only once a right to run is granted, and is killed "
                           "(SIGKILL) when the right is not renewed in time. Needs --pod-uid "
                           "and --scaling-token-file. Absent: no self-fencing."),
+        click.option("--rights-closed-url", envvar=RIGHTS_CLOSED_ENV,
+                     help="Without self-fencing: a rights endpoint (http://host:port) whose "
+                          "port the guest's network filter closes all the same (the "
+                          "controller sets it while it serves rights)."),
         click.option("--right-seconds", type=click.FloatRange(0, min_open=True),
                      default=DEFAULT_RIGHT_SECONDS, show_default=True,
                      envvar=RIGHT_SECONDS_ENV,

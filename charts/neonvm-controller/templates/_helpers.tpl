@@ -26,7 +26,7 @@ admission policy and its binding) carry it, so two releases never share one.
 {{/*
 "true" when the leader serves rights (self-fencing): controller.rightSeconds > 0 and
 rbac.liveScaling, since only a pod with a scaling token self-fences (docs/chart.md). Without
-it no pod would ask, and a listener no guest filter closes is open to every guest
+it no pod would ask, and the guests of pods built before the listener reach its port
 (docs/security.md, "Rights endpoint"). "" otherwise.
 */}}
 {{- define "neonvm-controller.servesRights" -}}
