@@ -5,8 +5,15 @@ spec is about ``--spec-kib`` KiB (``spec.affinity`` keeps unknown fields: the CR
 about 1.5 MiB there, etcd's request limit). A child process lists them through the
 controller's own lister and informer into the controller's compact store, as a replica
 does when its term starts, and prints its resident memory after the list (VmRSS) and at
-its peak (VmHWM). Run from a checkout: ``python -m benchmarks.bench_vm_cache --vms 350``;
-figures in docs/benchmarks.md ("The VM cache with large VMs").
+its peak (VmHWM), and the list's wall time. Run from a checkout:
+``python -m benchmarks.bench_vm_cache --vms 350``; figures in docs/benchmarks.md ("The
+VM cache with large VMs").
+
+``--shape dicts`` builds the affinity of empty JSON objects (3 bytes each, about 24
+times more once decoded); ``--small N`` puts N VMs of 1 KiB before the large ones (their
+size would grow the next page's limit); ``--list sweeps`` lists through the sweeps'
+metadata-only :func:`~neonvm.controller.sweeps.live_vm_uids` instead of the informer.
+The child runs the code of the checkout this file is in.
 """
 
 from __future__ import annotations
@@ -18,7 +25,19 @@ import subprocess
 import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from urllib.parse import parse_qs, urlparse
+
+
+def dicts_vm_json(i: int, spec_kib: int) -> str:
+    """A VM whose ``spec.affinity.nodeAffinity`` is ``{"x": [{}, {}, ...]}``."""
+    body = '{"x":[' + ",".join(["{}"] * (spec_kib * 1024 // 3)) + "]}"
+    return json.dumps({
+        "apiVersion": "vm.neon.tech/v1", "kind": "VirtualMachine",
+        "metadata": {"name": f"vm-{i}", "namespace": "ns", "uid": f"uid-{i}",
+                     "resourceVersion": str(100 + i)},
+        "spec": {"guest": {"rootDisk": {"image": "img"}}, "affinity": {"nodeAffinity": "@"}},
+    }, separators=(",", ":")).replace('"@"', body)
 
 
 def vm_json(i: int, spec_kib: int) -> str:
@@ -38,7 +57,7 @@ def vm_json(i: int, spec_kib: int) -> str:
 
 
 CHILD = r'''
-import inspect, re, sys, threading
+import inspect, re, sys, threading, time
 from kubernetes import client
 from loguru import logger
 from neonvm import kube
@@ -58,13 +77,20 @@ kwargs = {}
 if "max_object_bytes" in inspect.signature(informer.Informer).parameters:
     kwargs["max_object_bytes"] = informer.MAX_CACHED_VM_BYTES
 skipped = []
-inf = informer.Informer("virtualmachines",
-                        kube.Lister(api, "/apis/vm.neon.tech/v1/virtualmachines"),
+lister = kube.Lister(api, "/apis/vm.neon.tech/v1/virtualmachines")
+inf = informer.Informer("virtualmachines", lister,
                         store, lambda *a: None, on_undecodable=skipped.append, **kwargs)
 before = status("VmRSS")
-inf._relist()
-print(f"cached={len(store.all_keys())} left_out={len(skipped)} rss_before={before} "
-      f"rss_after={status('VmRSS')} peak={status('VmHWM')}")
+start = time.perf_counter()
+if sys.argv[2] == "sweeps":
+    from neonvm.controller.sweeps import live_vm_uids
+    listed = f"uids={len(live_vm_uids(lister))}"
+else:
+    inf._relist()
+    listed = f"cached={len(store.all_keys())} left_out={len(skipped)}"
+took = time.perf_counter() - start
+print(f"{listed} rss_before={before} rss_after={status('VmRSS')} peak={status('VmHWM')} "
+      f"list_seconds={took:.2f}")
 '''
 
 
@@ -72,14 +98,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vms", type=int, default=350)
     parser.add_argument("--spec-kib", type=int, default=1400)
+    parser.add_argument("--shape", choices=("terms", "dicts"), default="terms")
+    parser.add_argument("--small", type=int, default=0)
+    parser.add_argument("--list", choices=("informer", "sweeps"), default="informer")
     args = parser.parse_args()
-    vms = [vm_json(i, args.spec_kib) for i in range(args.vms)]
-    print(f"{args.vms} VMs of {len(vms[0]) / 1024:,.0f} KiB each "
-          f"({sum(map(len, vms)) / 2**20:,.0f} MiB)", flush=True)
+    make = dicts_vm_json if args.shape == "dicts" else vm_json
+    vms = [vm_json(-1 - i, 1) for i in range(args.small)] + \
+        [make(i, args.spec_kib) for i in range(args.vms)]
+    print(f"{args.small} small VMs, then {args.vms} VMs ({args.shape}) of "
+          f"{len(vms[-1]) / 1024:,.0f} KiB each ({sum(map(len, vms)) / 2**20:,.0f} MiB)",
+          flush=True)
     server = ThreadingHTTPServer(("127.0.0.1", 0), _stub(vms))
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    out = subprocess.run([sys.executable, "-c", CHILD, str(server.server_address[1])],
-                         capture_output=True, text=True, check=False)
+    out = subprocess.run([sys.executable, "-c", CHILD, str(server.server_address[1]),
+                          args.list], capture_output=True, text=True, check=False,
+                         cwd=Path(__file__).resolve().parents[1])
     server.shutdown()
     print(out.stdout.strip() or out.stderr[-3000:])
     if out.returncode:
@@ -105,8 +138,11 @@ def _stub(vms: list[str]) -> type[BaseHTTPRequestHandler]:
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(sum(map(len, pieces))))
             self.end_headers()
-            for piece in pieces:
-                self.wfile.write(piece.encode())
+            try:
+                for piece in pieces:
+                    self.wfile.write(piece.encode())
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # the client dropped a page above its byte budget
 
         def log_message(self, *_: object) -> None:
             pass
