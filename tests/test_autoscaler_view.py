@@ -21,31 +21,12 @@ from neonvm.controller import actions as act
 from neonvm.controller import autoscaler_view as av
 from neonvm.controller import decide as d
 from neonvm.controller.podspec import ANNOTATION_RESOURCES, ANNOTATION_USAGE
-from neonvm.controller.reconciler import Reconciler, ReconcileResult
 from tests.support import shipped_reconciler
-from tests.support.authority import StaticAuthority
+from tests.support.autoscaler_view import AGENT_STAMP, vm_of
 from tests.support.harness import create_vm, get_vm, runner_pods
+from tests.support.reconcile import NOWHERE, settle
 
 GIB = 1 << 30
-NOWHERE = {"neonvm.test/unschedulable": "true"}
-OLD = StaticAuthority(epoch=1, token=10)
-AGENT_STAMP = "2020-01-01T00:00:00Z"
-"""The updatedAt an autoscaler-agent sends in spec.targetRevision (its own clock)."""
-
-
-def vm_of(cpus: dict[str, Any], slots: int = 1, revision: int | None = None,
-          status: dict[str, Any] | None = None) -> types.VirtualMachine:
-    spec: dict[str, Any] = {"guest": {
-        "cpus": cpus, "memorySlots": {"min": 1, "max": 2, "use": slots},
-        "memorySlotSize": "1Gi", "rootDisk": {"image": "/x.raw"}}}
-    if revision is not None:
-        spec["targetRevision"] = {"revision": {"value": revision, "flags": 0},
-                                  "updatedAt": AGENT_STAMP}
-    return types.VirtualMachine.from_object({
-        "apiVersion": types.API_VERSION, "kind": types.KIND,
-        "metadata": {"name": "v", "namespace": "ns", "uid": "u", "generation": 1,
-                     "resourceVersion": "1", "finalizers": [types.FINALIZER]},
-        "spec": spec, "status": status or {}})
 
 
 # ---- pure derivations -------------------------------------------------------------------------
@@ -248,15 +229,6 @@ class ApplyingRunner:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
-
-
-def settle(reconciler: Reconciler, key: str, rounds: int = 10) -> ReconcileResult:
-    result = reconciler.reconcile(key, OLD, direct_first=True)
-    for _ in range(rounds):
-        if isinstance(result.action, act.Done):
-            return result
-        result = reconciler.reconcile(key, OLD, direct_first=True)
-    return result
 
 
 def agent_patch(api: client.ApiClient, namespace: str, name: str, cpu: str, slots: int,

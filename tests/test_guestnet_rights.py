@@ -1,6 +1,7 @@
 """The guest cannot reach the rights endpoint (neonvm/runner/guestnet.py; docs/runner.md,
 "Self-fencing"): the rule, on crafted frames, with the rights URL's address and port
-blocked. The loopback rule and the real-guest attack are in tests/test_guest_isolation.py.
+blocked. The loopback rule and the real-guest attack are in tests/test_guest_isolation.py
+(its tools in tests/support/guest_attack.py).
 """
 
 from __future__ import annotations
@@ -12,9 +13,7 @@ import pytest
 
 from neonvm.runner.guestnet import DEFAULT_GUEST_NETWORK, Blocked, frame_verdict
 from neonvm.runner.right import rights_blocked
-from tests.support.rights import ShippedLeader
-from tests.support.runner_right import NAMESPACE, TOKEN, UID, VM
-from tests.test_guest_isolation import (
+from tests.support.guest_attack import (
     ACK,
     ECHO,
     SYN,
@@ -27,6 +26,8 @@ from tests.test_guest_isolation import (
     tcp,
     udp,
 )
+from tests.support.rights import ShippedLeader
+from tests.support.runner_right import NAMESPACE, TOKEN, UID, VM
 
 RIGHTS4 = ipaddress.ip_address("10.96.12.34")  # a Service's cluster IP
 RIGHTS6 = ipaddress.ip_address("fd00:10:96::1234")

@@ -436,16 +436,6 @@ def test_the_test_tree_rule_catches_a_planted_reference(tmp_path: Path, planted:
 
 TESTS = ROOT.parent / "tests"
 
-CROSS_TEST_IMPORTS_LEFT: frozenset[tuple[str, str]] = frozenset({
-    ("tests/test_guestnet_rights.py", "tests.test_guest_isolation"),
-    ("tests/test_hostile_guest_node.py", "tests.test_guest_isolation"),
-    ("tests/test_neonvm_pod_shape.py", "tests.test_autoscaler_view"),
-    ("tests/test_real_node.py", "tests.test_hostile_guest_node"),
-    ("tests/test_real_node_drill.py", "tests.test_real_node"),
-})
-"""Test modules that still import another test module; their helpers belong in
-``tests/support/``. The set only shrinks."""
-
 
 def cross_test_imports(tests: Path = TESTS) -> set[tuple[str, str]]:
     """(file, module) for every import of a test module (``tests.test_*``) by a file under
@@ -469,8 +459,7 @@ def cross_test_imports(tests: Path = TESTS) -> set[tuple[str, str]]:
 def test_a_test_module_imports_no_other_test_module() -> None:
     """Helpers two test files share live in ``tests/support/`` (shared fixtures are
     registered in ``tests/conftest.py``), never in a test module another one imports."""
-    assert cross_test_imports() <= CROSS_TEST_IMPORTS_LEFT, sorted(
-        cross_test_imports() - CROSS_TEST_IMPORTS_LEFT)
+    assert cross_test_imports() == set()
 
 
 @pytest.mark.parametrize("planted", [

@@ -19,8 +19,9 @@ from neonvm.controller import autoscaler_view as av
 from neonvm.controller import decide as d
 from neonvm.controller.podspec import runner_pod
 from tests.support import shipped_reconciler
+from tests.support.autoscaler_view import vm_of
 from tests.support.harness import create_vm, runner_pods, vm_manifest
-from tests.test_autoscaler_view import NOWHERE, settle, vm_of
+from tests.support.reconcile import NOWHERE, settle
 
 
 def built(labels: dict[str, str] | None = None, annotations: dict[str, str] | None = None,

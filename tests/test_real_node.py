@@ -318,7 +318,7 @@ def test_controller_runner_pod_boots_a_bare_ext4_guest_on_the_real_node(
     from neonvm.dev import guestdisk
     from tests.support import FAST
     from tests.support.harness import Replicas, converged, create_vm, delete_vm, get_vm
-    from tests.test_hostile_guest_node import HostileGuest
+    from tests.support.hostile_guest import HostileGuest
 
     absent = guestdisk.missing()
     if absent:

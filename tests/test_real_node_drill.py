@@ -127,7 +127,7 @@ def test_vm_spec_steers_drill_vms_to_the_real_node_keeping_the_other_guest_field
 def test_which_real_node_tests_run(monkeypatch: pytest.MonkeyPatch) -> None:
     """Default tests run unless NEONVM_TEST_REAL_NODE=0 (on built binaries); the others
     only with =1; a host that cannot start a node skips both, saying why."""
-    from tests import test_real_node as t
+    from tests.support import real_node as t
 
     monkeypatch.setattr(realnode, "unavailable_reason", lambda: None)
     monkeypatch.setattr(realnode, "built", lambda: True)
