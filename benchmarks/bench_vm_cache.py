@@ -19,6 +19,7 @@ The child runs the code of the checkout this file is in.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -143,6 +144,10 @@ def _stub(vms: list[str]) -> type[BaseHTTPRequestHandler]:
                     self.wfile.write(piece.encode())
             except (BrokenPipeError, ConnectionResetError):
                 pass  # the client dropped a page above its byte budget
+
+        def handle(self) -> None:
+            with contextlib.suppress(ConnectionResetError, BrokenPipeError):
+                super().handle()  # the client dropped a page above its budget
 
         def log_message(self, *_: object) -> None:
             pass
