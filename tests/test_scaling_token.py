@@ -1,10 +1,15 @@
-"""The live-scaling token Secret around a pod's creation (no servers): a transient
-failure to create it holds the pod back instead of building a pod that can never scale,
-and a token that loses the race to be recorded is never mounted. The real-server tests
-are in ``tests/test_scaling_controller.py``."""
+"""The live-scaling token Secret around a pod's creation: a transient failure to create it
+holds the pod back instead of building a pod that can never scale, a token that loses the
+race to be recorded is never mounted, and a recorded token that is gone or was replaced
+is replaced before the next pod (real Secrets on the session's API server). The first two
+answer the Secret calls with a stand-in for :func:`neonvm.kube.request` (the API server
+does not fail on demand, and ``RunnerScaling`` calls it directly, not through the
+``Cluster`` seam that ``tests/support/fake_cluster.py`` stands in for). More real-server
+tests are in ``tests/test_scaling_controller.py``."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -18,12 +23,10 @@ from neonvm.controller import performers
 from neonvm.controller.cluster import VMRecord
 from neonvm.controller.mutations import token_secret_mutation
 from neonvm.controller.observe import make_snapshot
-from neonvm.controller.scaling import RunnerScaling
+from neonvm.controller.scaling import RunnerScaling, token_secret_prefix
 from tests.support import shipped_reconciler
 from tests.support.authority import StaticAuthority
 from tests.support.scaling_token import PLAN, recorded_vm, scalable_vm
-
-pytestmark = pytest.mark.unit
 
 LEASE = act.Fence(epoch=3, token=40)
 
@@ -60,6 +63,7 @@ class _Secrets:
         raise ApiException(status=404, reason="Not Found")
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(("status", "held_back"), [
     (500, True), (503, True), (429, True),  # transient: the pod waits for its token
     (403, False), (422, False),             # refused for good: the pod starts unscalable
@@ -75,6 +79,7 @@ def test_a_transient_failure_to_create_the_token_holds_the_pod_back(
         assert scaling.create_token(scalable_vm()) is None
 
 
+@pytest.mark.unit
 def test_a_token_that_loses_the_race_to_be_recorded_is_deleted_and_no_pod_is_built(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Another leader recorded its Secret first: our write is declined. The pod must not
@@ -95,32 +100,32 @@ def test_a_token_that_loses_the_race_to_be_recorded_is_deleted_and_no_pod_is_bui
     assert core.deleted == core.created == ["vm-scaling-abcde"]
 
 
-class _Recorded(_Secrets):
-    """A namespace where the VM's recorded Secret is gone (None) or has ``uid``."""
-
-    def __init__(self, uid: str | None) -> None:
-        super().__init__()
-        self.uid = uid
-
-    def read_secret(self, name: str) -> dict[str, Any]:
-        if self.uid is None:
-            raise ApiException(status=404, reason="Not Found")
-        return {"metadata": {"name": name, "uid": self.uid}}
-
-
-@pytest.mark.parametrize(("there", "replaced"), [
-    ("old-uid", False),     # still there: the next pod mounts it
-    (None, True),           # deleted: a new one, or no pod of this VM could scale again
-    ("planted-uid", True),  # replaced under its name by someone else: never used
+@pytest.mark.parametrize(("variant", "replaced"), [
+    ("still there", False),  # the next pod mounts it
+    ("gone", True),          # a new one, or no pod of this VM could scale again
+    ("planted", True),       # replaced under its name by someone else: never used
 ])
 def test_a_recorded_token_that_is_gone_is_replaced_before_the_next_pod(
-        there: str | None, replaced: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    scaling = RunnerScaling(client.ApiClient())
-    monkeypatch.setattr(kube, "request", _Recorded(there))
-    made = scaling.create_token(recorded_vm())
-    assert (made == ("vm-scaling-abcde", "secret-uid")) is replaced, made
+        api: client.ApiClient, namespace: str, variant: str, replaced: bool) -> None:
+    core = client.CoreV1Api(api)
+    body = {"metadata": {"name": "vm-scaling-old"}, "stringData": {"token": "tok-123"}}
+    recorded = core.create_namespaced_secret(namespace, body).metadata.uid
+    if variant in ("gone", "planted"):
+        core.delete_namespaced_secret("vm-scaling-old", namespace)
+    if variant == "planted":
+        core.create_namespaced_secret(namespace, body)
+    vm = dataclasses.replace(recorded_vm(), namespace=namespace)
+    vm.status.scaling_token_secret_uid = recorded
+    made = RunnerScaling(api).create_token(vm)
+    if not replaced:
+        assert made is None
+        return
+    assert made is not None
+    name, uid = made
+    assert name.startswith(token_secret_prefix(vm)) and uid and uid != recorded, made
 
 
+@pytest.mark.unit
 def test_a_replacement_is_recorded_only_over_the_record_it_found_gone() -> None:
     vm = recorded_vm()
     replace = token_secret_mutation("vm-scaling-new", "new-uid", LEASE, replacing="old-uid")

@@ -1,22 +1,21 @@
 """A tenant's edit of its VM's token Secret to bytes that are not text (S5 of the last
 security review): the token is refused as "no token" by both of its users, and live
 scaling of that VM fails closed with a permanent error instead of raising out of its
-reconcile (docs/security.md, "Names stay in their namespace")."""
+reconcile (docs/security.md, "Names stay in their namespace"). The Secret is a real one on
+the session's API server."""
 
 from __future__ import annotations
 
 import base64
+import dataclasses
 from typing import Any
 
 import pytest
 from kubernetes import client
 
-from neonvm import kube
 from neonvm.controller.scaling import RunnerScaling, ScalingError
 from neonvm.controller.scaling_token import recorded_token
 from tests.support.scaling_token import recorded_vm
-
-pytestmark = pytest.mark.unit
 
 NOT_TEXT = b"\xff\xfe\x80token"
 
@@ -26,6 +25,7 @@ def secret(token: bytes, uid: str = "old-uid") -> dict[str, Any]:
             "data": {"token": base64.b64encode(token).decode()}}
 
 
+@pytest.mark.unit
 def test_a_token_that_is_not_utf8_text_is_no_token() -> None:
     assert recorded_token(secret(NOT_TEXT), "tok", "old-uid") == (
         "Secret tok: 'token' is not UTF-8 text: not used")
@@ -35,13 +35,13 @@ def test_a_token_that_is_not_utf8_text_is_no_token() -> None:
 
 
 def test_live_scaling_of_a_vm_whose_token_is_not_text_fails_closed_without_raising(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    def read(api: Any, method: str, path: str, body: Any = None, **_: Any) -> dict[str, Any]:
-        assert (method, path) == ("GET", "/api/v1/namespaces/ns/secrets/vm-scaling-old")
-        return secret(NOT_TEXT)
-
-    monkeypatch.setattr(kube, "request", read)
+        api: client.ApiClient, namespace: str) -> None:
+    made = client.CoreV1Api(api).create_namespaced_secret(namespace, {
+        "metadata": {"name": "vm-scaling-old"},
+        "data": {"token": base64.b64encode(NOT_TEXT).decode()}})
+    vm = dataclasses.replace(recorded_vm(), namespace=namespace)
+    vm.status.scaling_token_secret_uid = made.metadata.uid
     with pytest.raises(ScalingError) as refused:
-        RunnerScaling(client.ApiClient()).token(recorded_vm())
+        RunnerScaling(api).token(vm)
     assert refused.value.permanent
     assert "not UTF-8 text" in str(refused.value)
