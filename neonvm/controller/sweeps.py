@@ -66,19 +66,22 @@ def iter_items(lister: Lister, *, metadata_only: bool = False,
 
     Memory is bounded by bytes, not by the item count: a page whose raw JSON is above
     :data:`~neonvm.kube.LIST_PAGE_BYTES` is dropped unread and the same page (same
-    ``continue`` token) asked for with a quarter of the ``limit``, down to one item; a
-    single item above it fails the list (:class:`~neonvm.kube.PageTooLarge`). Items are
-    decoded one at a time (:func:`neonvm.kube.list_items`), and EVERY item is decoded and
-    yielded, however large: the sweeps must see every live VM's uid (a missed one would
-    make its pods look orphaned), so nothing is ever skipped here
-    (docs/security.md, "Exhaustion"). An item nested too deep for ``json.loads`` (a VM
-    with thousands of levels in a free-form field: its ``managedFields`` mirror them) is
-    read with those levels dropped (:func:`neonvm.kube.decode_json`) when only metadata
-    was asked for, since nothing but ``managedFields`` can nest there; a full list
-    raises :class:`~neonvm.kube.TooDeep`.
+    ``continue`` token) asked for with a quarter of the ``limit``, down to one item (each
+    next page asks for what the budget holds at the last page's sizes, at most
+    ``limit``); a single item above it fails the list
+    (:class:`~neonvm.kube.PageTooLarge`). Items are decoded one at a time
+    (:func:`neonvm.kube.list_items`), and EVERY item is decoded and yielded, however
+    large: the sweeps must see every live VM's uid (a missed one would make its pods look
+    orphaned), so nothing is ever skipped here (docs/security.md, "Exhaustion").
+
+    An item nested too deep for ``json.loads`` (a VM with thousands of levels in a
+    free-form field: its ``managedFields`` mirror them) is read with those levels dropped
+    (:func:`neonvm.kube.decode_json`) when only metadata was asked for, since nothing but
+    ``managedFields`` can nest there; a full list raises :class:`~neonvm.kube.TooDeep`.
     """
     token: str | None = None
     headers = {"Accept": METADATA_LIST} if metadata_only else None
+    most = limit
     while True:
         kwargs: dict[str, Any] = {"limit": limit}
         if token:
@@ -96,13 +99,18 @@ def iter_items(lister: Lister, *, metadata_only: bool = False,
             limit = max(1, limit // 4)
             continue
         text = data.decode("utf-8")
+        page_bytes = len(data)
         del data
         meta: dict[str, Any] = {}
+        count = 0
         for entry in list_items(text, None, meta):
+            count += 1
             if entry.lossy and not metadata_only:
                 raise TooDeep("a list item is nested too deep to decode")
             yield entry.obj
         del text
+        # The next page: as many items as the budget holds at this page's sizes.
+        limit = max(1, min(most, int(LIST_PAGE_BYTES * count / max(1, page_bytes)) or 1))
         token = meta.get("continue") or None
         if not token:
             return
