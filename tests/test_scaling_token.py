@@ -1,66 +1,52 @@
 """The live-scaling token Secret around a pod's creation: a transient failure to create it
 holds the pod back instead of building a pod that can never scale, a token that loses the
-race to be recorded is never mounted, and a recorded token that is gone or was replaced
-is replaced before the next pod (real Secrets on the session's API server). The first two
-answer the Secret calls with a stand-in for :func:`neonvm.kube.request` (the API server
-does not fail on demand, and ``RunnerScaling`` calls it directly, not through the
-``Cluster`` seam that ``tests/support/fake_cluster.py`` stands in for). More real-server
-tests are in ``tests/test_scaling_controller.py``."""
+race to be recorded is never mounted (both over the in-memory cluster,
+``tests/support/fake_cluster.py``: the API server does not fail or race on demand), and a
+recorded token that is gone or was replaced is replaced before the next pod (real Secrets
+on the session's API server). More real-server tests are in
+``tests/test_scaling_controller.py``."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
-from typing import Any
 
 import pytest
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from loguru import logger
 
-from neonvm import kube
+from neonvm.api import types
+from neonvm.api.schema import encode
+from neonvm.api.types import VirtualMachine
 from neonvm.controller import actions as act
-from neonvm.controller import performers
 from neonvm.controller.cluster import VMRecord
 from neonvm.controller.mutations import token_secret_mutation
 from neonvm.controller.observe import make_snapshot
+from neonvm.controller.reconciler import Reconciler
 from neonvm.controller.scaling import RunnerScaling, token_secret_prefix
 from tests.support import shipped_reconciler
 from tests.support.authority import StaticAuthority
+from tests.support.fake_cluster import FakeCluster, api_error
 from tests.support.scaling_token import PLAN, recorded_vm, scalable_vm
 
 LEASE = act.Fence(epoch=3, token=40)
 
 
-class _Secrets:
-    """The API server's Secrets (and pods) of one namespace, as raw REST requests: stands
-    in for :func:`neonvm.kube.request`."""
+def _stored(fake: FakeCluster, vm: VirtualMachine) -> VMRecord:
+    """``vm`` stored in ``fake`` (with its new resourceVersion), as the driver reads it."""
+    raw = fake.add_vm({
+        "apiVersion": types.API_VERSION, "kind": types.KIND,
+        "metadata": {"name": vm.name, "namespace": vm.namespace, "uid": vm.uid,
+                     "generation": vm.generation, "finalizers": list(vm.finalizers)},
+        "spec": encode(vm.spec), "status": encode(vm.status)})
+    return VMRecord.from_raw(copy.deepcopy(raw))
 
-    def __init__(self, status: int | None = None) -> None:
-        self.status = status
-        self.deleted: list[str] = []
-        self.created: list[str] = []
-        self.pods: list[str] = []
 
-    def __call__(self, api: Any, method: str, path: str, body: Any = None,
-                 **_: Any) -> dict[str, Any]:
-        name = path.rsplit("/", 1)[-1]
-        if (method, name) == ("POST", "secrets"):
-            if self.status is not None:
-                raise ApiException(status=self.status, reason="test")
-            self.created.append("vm-scaling-abcde")
-            return {"metadata": {"name": "vm-scaling-abcde", "uid": "secret-uid"}}
-        if method == "DELETE" and "/secrets/" in path:
-            self.deleted.append(name)
-            return {}
-        if method == "GET" and "/secrets/" in path:
-            return self.read_secret(name)
-        if (method, name) == ("POST", "pods"):
-            self.pods.append(body["metadata"]["name"])
-            raise AssertionError("no pod may be created here")
-        raise AssertionError(f"unexpected request {method} {path}")
-
-    def read_secret(self, name: str) -> dict[str, Any]:
-        raise ApiException(status=404, reason="Not Found")
+def _shipped_over(fake: FakeCluster) -> Reconciler:
+    """The shipped reconciler whose API calls, the token Secret's included, go to ``fake``."""
+    api = client.ApiClient()
+    return shipped_reconciler(api, cluster=fake, scaling=RunnerScaling(api, secrets=fake))
 
 
 @pytest.mark.unit
@@ -69,35 +55,48 @@ class _Secrets:
     (403, False), (422, False),             # refused for good: the pod starts unscalable
 ])
 def test_a_transient_failure_to_create_the_token_holds_the_pod_back(
-        status: int, held_back: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    scaling = RunnerScaling(client.ApiClient())
-    monkeypatch.setattr(kube, "request", _Secrets(status))
+        status: int, held_back: bool) -> None:
+    fake = FakeCluster()
+    fake.fail("create_secret", api_error(status))
+    scaling = RunnerScaling(client.ApiClient(), secrets=fake)
+    vm = scalable_vm()
     if held_back:
         with pytest.raises(ApiException):
-            scaling.create_token(scalable_vm())
+            scaling.create_token(vm)
     else:
-        assert scaling.create_token(scalable_vm()) is None
+        assert scaling.create_token(vm) is None
+    assert fake.secrets == {}
+    # Once the API server answers again, the token is created (the step's retry).
+    made = scaling.create_token(vm)
+    assert made is not None and made[0].startswith(token_secret_prefix(vm))
+    assert fake.secrets[(vm.namespace, made[0])]["metadata"]["uid"] == made[1]
 
 
 @pytest.mark.unit
-def test_a_token_that_loses_the_race_to_be_recorded_is_deleted_and_no_pod_is_built(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_token_that_loses_the_race_to_be_recorded_is_deleted_and_no_pod_is_built() -> None:
     """Another leader recorded its Secret first: our write is declined. The pod must not
     be built from the VM we read (it names no Secret, so it would mount none); the step
     ends without effect, and the next read sees the recorded Secret."""
-    core = _Secrets()
-    monkeypatch.setattr(kube, "request", core)  # the scaling's and the cluster's calls
-    reconciler = shipped_reconciler(client.ApiClient())
-    scaling = RunnerScaling(client.ApiClient())
-    reconciler.ctx.scaling = scaling
-    monkeypatch.setattr(performers, "write_status", lambda *a, **k: None)
-    vm = scalable_vm()
-    snap = make_snapshot(VMRecord(vm=vm, raw={}), [], LEASE, direct=True)
-    outcome = reconciler._perform("ns/vm", act.CreatePod(plan=PLAN), snap,
-                                  StaticAuthority(epoch=3, token=40), logger)
+    fake = FakeCluster()
+    record = _stored(fake, scalable_vm())
+    vm = record.vm
+
+    def other_leader_records_first(cluster: FakeCluster) -> None:
+        stored = cluster.vms[(vm.namespace, vm.name)]
+        stored["status"].update(scalingTokenSecret="vm-scaling-theirs",
+                                scalingTokenSecretUID="their-uid")
+        stored["metadata"]["resourceVersion"] = cluster.next_rv()
+
+    fake.race("put_status", other_leader_records_first)
+    snap = make_snapshot(record, [], LEASE, direct=True)
+    outcome = _shipped_over(fake)._perform("ns/vm", act.CreatePod(plan=PLAN), snap,
+                                           StaticAuthority(epoch=3, token=40), logger)
     assert outcome == "precondition"
-    assert core.pods == []
-    assert core.deleted == core.created == ["vm-scaling-abcde"]
+    assert fake.count("create_secret") == fake.count("delete_secret") == 1
+    assert fake.secrets == {}  # ours is deleted
+    assert fake.count("create_pod") == 0 and fake.pods == {}
+    status = fake.vms[(vm.namespace, vm.name)]["status"]
+    assert status["scalingTokenSecretUID"] == "their-uid"
 
 
 @pytest.mark.parametrize(("variant", "replaced"), [

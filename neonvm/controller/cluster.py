@@ -25,6 +25,12 @@ call                 what it is (statuses its callers handle themselves)
                      (404: gone; 409: replaced)
 ``username``         who this client is to the API server (for messages; any error
                      is only named)
+``create_secret``    create a VM's scaling-token Secret (live scaling; 429 and 5xx
+                     hold the pod back, other refusals start it unscalable)
+``get_secret``       quorum GET of a Secret, data included (404 raises: its two
+                     callers in live scaling sort it themselves)
+``delete_secret``    delete a token Secret that was not recorded (any error is
+                     only logged)
 ===================  ============================================================
 
 The error contract is the Kubernetes client's, so that the performers' handling is the
@@ -38,8 +44,10 @@ does not handle itself goes up to the handler, which sorts it
 
 :class:`KubeCluster` is the shipped implementation (the ``kubernetes`` client, every
 request with a 30 s timeout). Tests run the shipped driver over an in-memory one
-(``tests/support/fake_cluster.py``). Live scaling's calls to the runner and its token Secrets go
-through :class:`~neonvm.controller.scaling.RunnerScaling`, not through this interface.
+(``tests/support/fake_cluster.py``). The Secret calls are
+:class:`~neonvm.controller.scaling.RunnerScaling`'s (the VM's token Secret,
+:class:`TokenSecrets`); its calls to the runner and its pod annotations do not go
+through this interface.
 """
 
 from __future__ import annotations
@@ -54,6 +62,7 @@ from neonvm import kube
 from neonvm.api import types
 from neonvm.api.schema import encode
 from neonvm.api.types import VirtualMachine, VirtualMachineStatus
+from neonvm.controller.scaling_token import secret_path, secrets_path
 
 PARTIAL_METADATA = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1"
 """Accept header asking the API server for an object's metadata alone."""
@@ -96,7 +105,24 @@ class ClusterReads(Protocol):
         ...
 
 
-class Cluster(ClusterReads, Protocol):
+class TokenSecrets(Protocol):
+    """The Secret calls of live scaling's token (:class:`~neonvm.controller.scaling.
+    RunnerScaling`): errors raise as the rest of :class:`Cluster`'s, 404 included."""
+
+    def create_secret(self, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
+        """Create the Secret ``body`` (``generateName`` allowed); the Secret as created."""
+        ...
+
+    def get_secret(self, namespace: str, name: str) -> dict[str, Any]:
+        """The Secret ``name`` with its data (a quorum read; 404 raises)."""
+        ...
+
+    def delete_secret(self, namespace: str, name: str) -> None:
+        """Delete the Secret ``name``."""
+        ...
+
+
+class Cluster(ClusterReads, TokenSecrets, Protocol):
     """Every call the driver makes of the API server (the module doc has the table)."""
 
     def put_status(self, record: VMRecord, status: VirtualMachineStatus) -> VMRecord:
@@ -240,6 +266,16 @@ class KubeCluster(VMWriter):
         kube.request(self._api, "DELETE",
                      f"/api/v1/namespaces/{namespace}/pods/{kube.path_segment(name)}",
                      body=body, timeout=TIMEOUT)
+
+    def create_secret(self, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
+        return kube.request(self._api, "POST", secrets_path(namespace), body=body,
+                            timeout=TIMEOUT)
+
+    def get_secret(self, namespace: str, name: str) -> dict[str, Any]:
+        return kube.request(self._api, "GET", secret_path(namespace, name), timeout=TIMEOUT)
+
+    def delete_secret(self, namespace: str, name: str) -> None:
+        kube.request(self._api, "DELETE", secret_path(namespace, name), timeout=TIMEOUT)
 
     def username(self) -> str:
         review = kube.request(

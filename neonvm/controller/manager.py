@@ -160,8 +160,10 @@ class LeaderTerm:
                      accept=wiring.event_filter("pods"),
                      relist_seconds=self.config.relist_seconds, transform=project_pod),
         ]
+        cluster = KubeCluster(api)  # the reconcile's calls and the token Secret's
         self.reconciler = Reconciler(
-            KubeCluster(api), RunnerScaling(api), runner_reports=RunnerReports(HTTPRunnerStatus()),
+            cluster, RunnerScaling(api, secrets=cluster),
+            runner_reports=RunnerReports(HTTPRunnerStatus()),
             cache=wiring.observer(self.vm_store, self.pod_store),
             writer=wiring.writer(api), after_step=wiring.after_step(),
             metrics=self.metrics, events=process.events,

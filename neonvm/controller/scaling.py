@@ -31,6 +31,7 @@ from neonvm.api.types import VirtualMachine
 from neonvm.controller import actions as act
 from neonvm.controller import autoscaler_view, looks, podspec
 from neonvm.controller import decide as d
+from neonvm.controller.cluster import KubeCluster, TokenSecrets
 from neonvm.controller.observe import Snapshot
 from neonvm.controller.reasons import RUNNER_MISBEHAVING_REASON, RUNNER_UNREACHABLE_REASON
 from neonvm.controller.runner_client import (
@@ -43,8 +44,6 @@ from neonvm.controller.runner_client import (
     short,
 )
 from neonvm.controller.scaling_token import TOKEN_KEY, recorded_token
-from neonvm.controller.scaling_token import secret_path as _secret_path
-from neonvm.controller.scaling_token import secrets_path as _secrets_path
 
 STRATEGIC_MERGE_PATCH = "application/strategic-merge-patch+json"
 USAGE_ANNOTATION = "vm.neon.tech/usage"
@@ -201,18 +200,23 @@ def asks_again_later(outcome: str) -> bool:
 class RunnerScaling:
     """Performs ``ApplyScale`` and adds the runner's view to observations."""
 
-    def __init__(self, api: client.ApiClient, *, timeout: float = 90.0,
+    def __init__(self, api: client.ApiClient, *, secrets: TokenSecrets | None = None,
+                 timeout: float = 90.0,
                  look_timeout: float = 3.0, address: RunnerAddress = default_address,
                  token_sync_seconds: float = TOKEN_SYNC_SECONDS,
                  token_quiet_seconds: float = TOKEN_QUIET_SECONDS,
                  failures_quiet_seconds: float = RUNNER_FAILURES_QUIET_SECONDS,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        """``timeout``: a ``PUT /scale`` (the runner waits up to its own 60 s for an
+        """``api``: the pod reads and patches that tell Kubernetes a new size;
+        ``secrets``: the token Secret's calls (the composition root passes its
+        :class:`~neonvm.controller.cluster.KubeCluster`; None: one over ``api``);
+        ``timeout``: a ``PUT /scale`` (the runner waits up to its own 60 s for an
         unplug); ``look_timeout``: a ``GET /scale``, asked during observations;
         ``token_sync_seconds``, ``token_quiet_seconds``: see :data:`TOKEN_SYNC_SECONDS`
         and :data:`TOKEN_QUIET_SECONDS`; ``failures_quiet_seconds``: see
         :data:`RUNNER_FAILURES_QUIET_SECONDS` (longer than the stuck backoff's cap)."""
         self._api = api
+        self._secrets: TokenSecrets = secrets if secrets is not None else KubeCluster(api)
         self._timeout = timeout
         self._look_timeout = look_timeout
         self._address = address
@@ -259,8 +263,7 @@ class RunnerScaling:
             "stringData": {TOKEN_KEY: secrets.token_urlsafe(32)},
         }
         try:
-            created = kube.request(self._api, "POST", _secrets_path(vm.namespace),
-                                   body=body, timeout=30)
+            created = self._secrets.create_secret(vm.namespace, body)
         except ApiException as exc:
             if exc.status is None or exc.status == 429 or exc.status >= 500:
                 # Transient: the pod waits for its token (the step is retried with
@@ -282,8 +285,7 @@ class RunnerScaling:
         if not name:
             return False
         try:
-            secret = kube.request(self._api, "GET", _secret_path(vm.namespace, name),
-                                  timeout=30)
+            secret = self._secrets.get_secret(vm.namespace, name)
         except ApiException as exc:
             if exc.status == 404:
                 return False
@@ -298,7 +300,7 @@ class RunnerScaling:
         record (another one was recorded first). Left behind, the VM's owner reference
         still removes it with the VM."""
         try:
-            kube.request(self._api, "DELETE", _secret_path(namespace, name), timeout=30)
+            self._secrets.delete_secret(namespace, name)
         except ApiException as exc:
             logger.debug("could not delete the unrecorded token Secret {}: {}", name,
                          exc.status)
@@ -311,8 +313,7 @@ class RunnerScaling:
             raise ScalingError("no scaling token Secret recorded for this VM (the controller "
                                "could not create one: is rbac.liveScaling on?)", permanent=True)
         try:
-            secret = kube.request(self._api, "GET", _secret_path(vm.namespace, name),
-                                  timeout=30)
+            secret = self._secrets.get_secret(vm.namespace, name)
         except ApiException as exc:
             raise ScalingError(f"scaling token Secret {name}: {exc.status} {exc.reason}",
                                permanent=exc.status in (403, 404)) from None

@@ -13,7 +13,9 @@ errors of :mod:`neonvm.controller.cluster`'s table:
 * ``ungate_pod``: 404 for a missing pod, 422 when a ``test`` fails (uid,
   resourceVersion, our gate at the index), as a JSON patch does;
 * ``delete_pod``: 404 for a missing pod, 409 when the uid (or resourceVersion) differs;
-  the pod is gone at once (no graceful termination).
+  the pod is gone at once (no graceful termination);
+* ``create_secret``: ``generateName`` gets a suffix, the Secret a uid (409 when the name
+  is taken); ``get_secret`` / ``delete_secret``: 404 for a missing Secret.
 
 :meth:`FakeCluster.fail` queues an error for the next call(s) of one kind, raised
 *instead of* the call (nothing changes); :meth:`FakeCluster.race` queues a change by
@@ -23,6 +25,7 @@ logged in :attr:`FakeCluster.calls`.
 
 from __future__ import annotations
 
+import base64
 import copy
 from collections import defaultdict
 from collections.abc import Callable
@@ -36,7 +39,8 @@ from neonvm.api.types import VirtualMachineStatus
 from neonvm.controller.cluster import VMRecord
 
 CALLS = ("list_pods", "get_vm_raw", "get_pod", "secret_metadata", "put_status", "put_main",
-         "create_pod", "ungate_pod", "delete_pod", "patch_pod_metadata", "username")
+         "create_pod", "ungate_pod", "delete_pod", "patch_pod_metadata", "username",
+         "create_secret", "get_secret", "delete_secret")
 """Every call of the interface, by name (what :meth:`FakeCluster.fail` takes)."""
 
 
@@ -226,6 +230,37 @@ class FakeCluster:
                 and pod["metadata"]["resourceVersion"] != resource_version):
             raise api_error(409, "Conflict")
         del self.pods[(namespace, name)]
+
+    # ---- the token Secret (live scaling) -----------------------------------------------
+
+    def create_secret(self, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
+        meta = body["metadata"]
+        name = meta.get("name") or f"{meta['generateName']}{self._uids + 1:05d}"
+        self._enter("create_secret", name)
+        if (namespace, name) in self.secrets:
+            raise api_error(409, "AlreadyExists")
+        raw = copy.deepcopy(body)
+        raw.pop("stringData", None)
+        raw["data"] = {**(body.get("data") or {}), **{
+            k: base64.b64encode(v.encode()).decode()
+            for k, v in (body.get("stringData") or {}).items()}}
+        raw["metadata"].pop("generateName", None)
+        raw["metadata"].update(name=name, namespace=namespace, uid=self._uid(name),
+                               resourceVersion=self.next_rv())
+        self.secrets[(namespace, name)] = raw
+        return copy.deepcopy(raw)
+
+    def get_secret(self, namespace: str, name: str) -> dict[str, Any]:
+        self._enter("get_secret", name)
+        raw = self.secrets.get((namespace, name))
+        if raw is None:
+            raise api_error(404, "NotFound")
+        return copy.deepcopy(raw)
+
+    def delete_secret(self, namespace: str, name: str) -> None:
+        self._enter("delete_secret", name)
+        if self.secrets.pop((namespace, name), None) is None:
+            raise api_error(404, "NotFound")
 
     def username(self) -> str:
         self._enter("username", "")
