@@ -252,6 +252,33 @@ def test_the_replacement_of_a_self_fenced_pod_grows_no_restart_streak() -> None:
     assert restarts.restart_backoff(after.restart_streak) > restarts.restart_backoff(3)
 
 
+def test_a_self_fenced_restart_after_a_quiet_hour_starts_a_new_streak() -> None:
+    """The ten-minute quiet window applies before a self-fenced restart keeps the streak:
+    a VM that crash-looped long ago (streak 8) and then ran for an hour is replaced at once
+    when its node is lost, as when its pod is simply gone (neonvm/controller/restarts.py).
+    The old code kept streak 8 with ``lastRestartTime`` now: 60 s of backoff."""
+    from neonvm.controller import mutations, restarts
+
+    fence, clock, _ = fencing({"n1": NOT_READY})
+    clock.now += BOUND
+    status = {**RUNNING, "restart_streak": 8, "restart_count": 9,
+              "last_restart_time": "2026-01-01T00:00:00.000000Z"}
+    assert fence.observe(observation(status=status), {"old": raw_pod()}).dead_pods \
+        == {"uid-old"}
+    waits = []
+    for seen in (fence.observe(dataclasses.replace(observation(status=status),
+                                                   now=clock_time(3600)), {}),
+                 dataclasses.replace(observation(status=status), now=clock_time(3600))):
+        restart = d.decide(seen)
+        assert isinstance(restart, act.Restart)
+        after = mutations.restart(restart, LEASE)(vm(**status))
+        assert after is not None
+        waits.append((restart.self_fenced, after.restart_streak, restarts.backoff_remaining(
+            vm(**{**status, "restart_streak": after.restart_streak,
+                  "last_restart_time": after.last_restart_time}), clock_time(3600))))
+    assert waits == [(True, 1, 0.0), (False, 1, 0.0)]
+
+
 def clock_time(seconds: float) -> Any:
     """``seconds`` after ``status.lastRestartTime`` of the test above."""
     import datetime as dt

@@ -27,14 +27,16 @@ def next_restart_streak(streak: int, last_restart: str | None, now: str | None, 
     A self-fenced replacement (the pod's node was lost and the leader force-deleted the
     pod once its right was surely over) leaves the streak as it is: the node failed, not
     the guest, and a VM whose node is lost twice in ten minutes is replaced at once both
-    times (docs/protocol.md, "Self-fencing")."""
-    if self_fenced:
-        return streak
+    times (docs/protocol.md, "Self-fencing"). The quiet window applies first, to both: a
+    restart more than :data:`RESTART_STREAK_WINDOW` after the previous one starts a new
+    streak, so a self-fenced VM that ran quietly waits no old streak's backoff."""
     last, at = times.parse(last_restart), times.parse(now)
     if last is not None and at is not None and (at - last).total_seconds() > (
         RESTART_STREAK_WINDOW
     ):
         return 1
+    if self_fenced:
+        return streak
     return streak + 1
 def restart_backoff(restart_count: int) -> float:
     """Seconds a new plan waits after restart number ``restart_count`` was recorded.
