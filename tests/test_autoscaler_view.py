@@ -146,20 +146,105 @@ def test_no_target_revision_leaves_current_revision_alone() -> None:
     assert vm.status.current_revision is None
 
 
+# ---- the VM's labels and annotations on its pod ------------------------------------------------
+
+COPIED = "vm.neon.tech/copied-metadata"
+NEVER_TOUCHED = ("vm.neon.tech/name", "vm.neon.tech/uid", "app.kubernetes.io/name")
+"""The pod labels a tenant's VM label can never change: the pod informer's selector
+(``vm.neon.tech/name``), the fence's (``vm.neon.tech/uid``) and NeonVM's
+``app.kubernetes.io/name: NeonVM``, on which every selector of the chart differs."""
+
+
+def record(labels: list[str], annotations: list[str]) -> str:
+    return json.dumps({"labels": labels, "annotations": annotations}, separators=(",", ":"))
+
+
+def _pod(labels: dict[str, str], annotations: dict[str, str]) -> dict[str, Any]:
+    """A runner pod's metadata: the controller's own keys, then ``labels``/``annotations``."""
+    return {"labels": {"vm.neon.tech/name": "v", "vm.neon.tech/uid": "u",
+                       "app.kubernetes.io/name": "NeonVM", **labels},
+            "annotations": {"kubectl.kubernetes.io/default-container": "neonvm-runner",
+                            "vm.neon.tech/fence-token": "1", **annotations}}
+
+
+# (VM labels, VM annotations, pod labels, pod annotations) -> the patch's labels, annotations
+METADATA_SYNC = {
+    "in step: nothing to patch": (
+        {"team": "a"}, {"note": "x"},
+        {"team": "a"}, {"note": "x", COPIED: record(["team"], ["note"])},
+        None, None),
+    "a label added to the VM is added, with the record": (
+        {"team": "a", "tier": "gold"}, {},
+        {"team": "a"}, {COPIED: record(["team"], [])},
+        {"tier": "gold"}, {COPIED: record(["team", "tier"], [])}),
+    "a label changed on the VM is changed": (
+        {"team": "b"}, {}, {"team": "a"}, {COPIED: record(["team"], [])},
+        {"team": "b"}, None),
+    "a label and an annotation the VM dropped are removed, and the record with them": (
+        {}, {}, {"team": "a"}, {"note": "x", COPIED: record(["team"], ["note"])},
+        {"team": None}, {"note": None, COPIED: None}),
+    "a label someone else set on the pod, not the VM's, is left alone": (
+        {"team": "a"}, {}, {"team": "a", "istio": "on"},
+        {"cni.example/status": "up", COPIED: record(["team"], [])},
+        None, None),
+    "a VM label someone else changed on the pod is the VM's again (as NeonVM)": (
+        {"team": "a"}, {}, {"team": "z"}, {COPIED: record(["team"], [])},
+        {"team": "a"}, None),
+    "the controller's labels win over VM labels of their keys": (
+        {"app.kubernetes.io/name": "neonvm-controller", "vm.neon.tech/name": "other",
+         "vm.neon.tech/uid": "x", "app.kubernetes.io/instance": "neonvm"}, {},
+        {}, {},
+        {"app.kubernetes.io/instance": "neonvm"},
+        {COPIED: record(["app.kubernetes.io/instance"], [])}),
+    "a forged record cannot remove the controller's labels": (
+        {}, {}, {}, {COPIED: record(list(NEVER_TOUCHED), ["vm.neon.tech/fence-token"])},
+        None, {COPIED: None}),
+    "kubectl's and the controller's annotations are never copied": (
+        {}, {"kubectl.kubernetes.io/last-applied-configuration": "{}",
+             "kubectl.kubernetes.io/default-container": "sidecar",
+             "vm.neon.tech/fence-token": "99", av.ANNOTATION_OVERCOMMIT: '{"cpu":"9"}'},
+        {}, {}, None, None),
+    "a pod built before the record: its autoscaling.neon.tech/ keys were the copied ones": (
+        {"autoscaling.neon.tech/enabled": "true"}, {},
+        {"autoscaling.neon.tech/enabled": "false", "autoscaling.neon.tech/gone": "x",
+         "team": "b"}, {},
+        {"autoscaling.neon.tech/enabled": "true", "autoscaling.neon.tech/gone": None},
+        {COPIED: record(["autoscaling.neon.tech/enabled"], [])}),
+}
+
+
 @pytest.mark.unit
-def test_the_autoscaling_metadata_drift_is_a_merge_patch_of_the_vms_keys_only() -> None:
+@pytest.mark.parametrize(("vm_labels", "vm_annotations", "pod_labels", "pod_annotations",
+                          "labels_patch", "annotations_patch"),
+                         list(METADATA_SYNC.values()), ids=list(METADATA_SYNC))
+def test_the_pod_carries_the_vms_labels_and_annotations_and_nothing_it_did_not_copy(
+        vm_labels: dict[str, str], vm_annotations: dict[str, str],
+        pod_labels: dict[str, str], pod_annotations: dict[str, str],
+        labels_patch: dict[str, Any] | None, annotations_patch: dict[str, Any] | None) -> None:
     vm = vm_of({"min": 1, "max": 2, "use": 1})
-    vm.labels = {"autoscaling.neon.tech/enabled": "true", "team": "a"}
-    vm.annotations = {"autoscaling.neon.tech/bounds": '{"min":1}'}
-    pod = {"labels": {"autoscaling.neon.tech/enabled": "false",
-                      "autoscaling.neon.tech/gone": "x", "team": "b"},
-           "annotations": {"other": "1"}}
-    assert av.metadata_drift(vm, pod) == {
-        "labels": {"autoscaling.neon.tech/enabled": "true", "autoscaling.neon.tech/gone": None},
-        "annotations": {"autoscaling.neon.tech/bounds": '{"min":1}'}}
-    synced = {"labels": {"autoscaling.neon.tech/enabled": "true", "team": "b"},
-              "annotations": {"autoscaling.neon.tech/bounds": '{"min":1}'}}
-    assert av.metadata_drift(vm, synced) is None
+    vm.labels, vm.annotations = dict(vm_labels), dict(vm_annotations)
+    pod = _pod(pod_labels, pod_annotations)
+    expected = {k: v for k, v in (("labels", labels_patch),
+                                  ("annotations", annotations_patch)) if v is not None}
+    patch = av.metadata_drift(vm, pod)
+    assert patch == (expected or None)
+    # decide sees drift exactly when the performer has something to patch.
+    in_step = av.autoscaling_meta(pod["labels"], pod["annotations"]) == \
+        av.vm_autoscaling_meta(vm)
+    assert in_step == (patch is None)
+    for key in NEVER_TOUCHED:
+        assert key not in (patch or {}).get("labels", {})
+    # One patch is enough: applied, it leaves nothing to do, and the keys not the VM's.
+    for field, change in (patch or {}).items():
+        for k, v in change.items():
+            if v is None:
+                pod[field].pop(k, None)
+            else:
+                pod[field][k] = v
+    assert av.metadata_drift(vm, pod) is None
+    assert av.autoscaling_meta(pod["labels"], pod["annotations"]) == av.vm_autoscaling_meta(vm)
+    others = {k: v for k, v in pod_labels.items() if k not in (patch or {}).get("labels", {})}
+    assert others.items() <= pod["labels"].items()
 
 
 @pytest.mark.unit
@@ -335,26 +420,67 @@ def test_a_scale_the_autoscaler_agent_asks_for_shows_in_the_pod_and_status_it_re
 
 
 @pytest.mark.unit
-def test_a_running_pod_whose_autoscaling_metadata_is_not_the_vms_is_synced() -> None:
+@pytest.mark.parametrize(("pod_labels", "pod_annotations", "synced"), [
+    ({"autoscaling.neon.tech/enabled": "true", "team": "a"},
+     {COPIED: record(["autoscaling.neon.tech/enabled", "team"], [])}, True),
+    # Someone else's label: not the VM's, nothing to do.
+    ({"autoscaling.neon.tech/enabled": "true", "team": "a", "istio": "on"},
+     {COPIED: record(["autoscaling.neon.tech/enabled", "team"], [])}, True),
+    ({"autoscaling.neon.tech/enabled": "false", "team": "a"},
+     {COPIED: record(["autoscaling.neon.tech/enabled", "team"], [])}, False),
+    # A label the VM has that is not on the pod (any label, not only autoscaling's).
+    ({"autoscaling.neon.tech/enabled": "true"},
+     {COPIED: record(["autoscaling.neon.tech/enabled"], [])}, False),
+    # A label the VM dropped, still on the pod.
+    ({"autoscaling.neon.tech/enabled": "true", "team": "a", "old": "1"},
+     {COPIED: record(["autoscaling.neon.tech/enabled", "old", "team"], [])}, False),
+    # Built before the record: written once.
+    ({"autoscaling.neon.tech/enabled": "true", "team": "a"}, {}, False),
+])
+def test_a_running_pod_that_does_not_carry_the_vms_labels_is_synced(
+        pod_labels: dict[str, str], pod_annotations: dict[str, str], synced: bool) -> None:
     vm = vm_of({"min": 1, "max": 2, "use": 1},
                status={"phase": "Running", "podName": "p", "podUID": "pu", "node": "n1",
                        "podIP": "10.0.0.1", "cpus": 1, "memorySize": "1Gi"})
-    vm.labels = {"autoscaling.neon.tech/enabled": "true"}
-    lease = act.Fence(epoch=1, token=1)
+    vm.labels = {"autoscaling.neon.tech/enabled": "true", "team": "a"}
+    meta = _pod(pod_labels, pod_annotations)
+    pod = act.PodView(name="p", uid="pu", owner_uid="u", gated=False, terminating=False,
+                      phase="Running", node="n1", ip="10.0.0.1",
+                      autoscaling=av.autoscaling_meta(meta["labels"], meta["annotations"]))
+    action = d.decide(act.Observation(vm=vm, pods=(pod,), lease=act.Fence(epoch=1, token=1),
+                                      direct=True))
+    if synced:
+        assert isinstance(action, act.Done), action
+    else:
+        assert isinstance(action, act.SyncPodMetadata) and (action.name, action.uid) == \
+            ("p", "pu")
 
-    def decide_with(pod_labels: dict[str, str]) -> act.Action:
-        pod = act.PodView(name="p", uid="pu", owner_uid="u", gated=False, terminating=False,
-                        phase="Running", node="n1", ip="10.0.0.1",
-                        autoscaling=av.autoscaling_meta(pod_labels, {}))
-        return d.decide(act.Observation(vm=vm, pods=(pod,), lease=lease, direct=True))
 
-    action = decide_with({"autoscaling.neon.tech/enabled": "false", "team": "a"})
-    assert isinstance(action, act.SyncPodMetadata) and (action.name, action.uid) == ("p", "pu")
-    assert isinstance(decide_with({"autoscaling.neon.tech/enabled": "true"}), act.Done)
+@pytest.mark.unit
+def test_the_slim_cached_pod_sees_the_same_labels_and_annotations_as_the_full_one() -> None:
+    from neonvm.controller.informer import project_pod
+    from neonvm.controller.observe import pod_view
+    from neonvm.controller.podspec import runner_pod
+
+    vm = vm_of({"min": 1, "max": 2, "use": 1})
+    vm.labels = {"team": "a", "autoscaling.neon.tech/enabled": "true"}
+    vm.annotations = {"note": "x" * 300}
+    pod = runner_pod(vm, types.PendingPod(name="p", plan_seq=1, token=1, epoch=1,
+                                          generation=1))
+    pod["metadata"].update(uid="pu", resourceVersion="5")
+    assert pod["metadata"]["annotations"][COPIED] == record(
+        ["autoscaling.neon.tech/enabled", "team"], ["note"])
+    assert pod_view(pod).autoscaling == av.vm_autoscaling_meta(vm)
+    pod["metadata"]["annotations"]["note"] = "changed by someone"
+    slim = project_pod(json.loads(json.dumps(pod)))
+    assert pod_view(slim).autoscaling == pod_view(pod).autoscaling != av.vm_autoscaling_meta(vm)
+    assert av.ANNOTATION_OVERCOMMIT not in slim["metadata"]["annotations"]
+    assert "vm.neon.tech/spec" not in slim["metadata"]["annotations"]
+    assert av.CONTROLLER_PREFIX == f"{types.GROUP}/"
 
 
 @pytest.mark.cluster
-def test_the_vms_autoscaling_labels_and_annotations_are_kept_on_its_running_pod(
+def test_the_vms_labels_and_annotations_are_kept_on_its_running_pod(
         api: client.ApiClient, controller_api: client.ApiClient, namespace: str) -> None:
     create_vm(api, namespace, "meta", spec={
         "nodeSelector": NOWHERE,
@@ -364,31 +490,47 @@ def test_the_vms_autoscaling_labels_and_annotations_are_kept_on_its_running_pod(
     path = (f"/apis/{types.GROUP}/{types.VERSION}/namespaces/{namespace}/{types.PLURAL}/"
             "meta")
     kube.request(api, "PATCH", path, {"metadata": {
-        "labels": {"autoscaling.neon.tech/enabled": "true", "autoscaling.neon.tech/gone": "1"}}},
+        "labels": {"autoscaling.neon.tech/enabled": "true", "autoscaling.neon.tech/gone": "1",
+                   "team": "a", "app.kubernetes.io/name": "neonvm-controller"},
+        "annotations": {"note": "x"}}},
         content_type="application/merge-patch+json")
     key = f"{namespace}/meta"
     reconciler = shipped_reconciler(controller_api)
     settle(reconciler, key)
     (pod,) = runner_pods(api, namespace, "meta")
     assert pod.metadata.labels["autoscaling.neon.tech/enabled"] == "true"  # copied at build
-    client.CoreV1Api(api).patch_namespaced_pod_status(pod.metadata.name, namespace, {
+    assert pod.metadata.labels["team"] == "a"
+    core = client.CoreV1Api(api)
+    core.patch_namespaced_pod_status(pod.metadata.name, namespace, {
         "status": {"phase": "Running", "podIP": "127.0.0.1", "podIPs": [{"ip": "127.0.0.1"}]}})
+    # Another writer's label and annotation on the pod, which the VM does not have.
+    core.patch_namespaced_pod(pod.metadata.name, namespace, {"metadata": {
+        "labels": {"other-writer": "1"}, "annotations": {"cni.example/status": "up"}}})
     settle(reconciler, key)
 
     # The autoscaler (or the user) changes the VM's labels and annotations afterwards.
     kube.request(api, "PATCH", path, {"metadata": {
         "labels": {"autoscaling.neon.tech/enabled": "false", "autoscaling.neon.tech/gone": None,
-                   "team": "b"},
-        "annotations": {"autoscaling.neon.tech/bounds": '{"min":{"cpu":1}}'}}},
+                   "team": "b", "tier": "gold", "vm.neon.tech/name": "other"},
+        "annotations": {"autoscaling.neon.tech/bounds": '{"min":{"cpu":1}}', "note": None}}},
         content_type="application/merge-patch+json")
     assert isinstance(settle(reconciler, key).action, act.Done)
     (after,) = runner_pods(api, namespace, "meta")
     assert after.metadata.uid == pod.metadata.uid
     labels, annotations = after.metadata.labels, after.metadata.annotations
     assert labels["autoscaling.neon.tech/enabled"] == "false"
+    assert (labels["team"], labels["tier"]) == ("b", "gold")
     assert "autoscaling.neon.tech/gone" not in labels
-    assert "team" not in labels  # only autoscaling.neon.tech/ is kept in sync
     assert annotations["autoscaling.neon.tech/bounds"] == '{"min":{"cpu":1}}'
+    assert "note" not in annotations
+    # The controller's own labels are not the VM's to change; another writer's stay.
+    assert (labels["vm.neon.tech/name"], labels["app.kubernetes.io/name"]) == ("meta", "NeonVM")
+    assert labels["other-writer"] == "1"
+    assert annotations["cni.example/status"] == "up"
+    # And nothing is left to fight over: the next turn writes nothing.
+    assert isinstance(settle(reconciler, key).action, act.Done)
+    (again,) = runner_pods(api, namespace, "meta")
+    assert again.metadata.resource_version == after.metadata.resource_version
 
 
 @pytest.mark.unit

@@ -12,10 +12,13 @@ expect:
   write carries that fraction (a change within the same whole vCPUs is a plan too);
 * ``status.currentRevision`` to be ``spec.targetRevision`` stamped with the time it
   landed (:func:`propagate_revision`), once status reports the spec's size;
-* the VM's ``autoscaling.neon.tech/`` labels and annotations on the pod, and NeonVM's
+* the VM's labels and annotations on the pod (its ``autoscaling.neon.tech/`` ones among
+  them; not this controller's ``vm.neon.tech/`` keys), and NeonVM's
   ``vm.neon.tech/overcommit`` annotation for ``spec.overcommit`` (:func:`overcommit_json`;
   the scheduler plugin discounts the pod's usage by it), kept in step
-  (:func:`metadata_drift`).
+  (:func:`metadata_drift`): added, changed, and removed when the VM drops them, by the
+  pod's record of what was copied (:data:`ANNOTATION_COPIED`); keys the VM never had are
+  left to whoever wrote them.
 
 Nothing here does I/O. Why none of these writes can put an older size back:
 docs/neonvm-compat.md, "The autoscaler's view".
@@ -40,7 +43,21 @@ if TYPE_CHECKING:
     from neonvm.controller.cluster import Cluster
 
 AUTOSCALING_PREFIX = "autoscaling.neon.tech/"
-"""Labels and annotations of the VM kept in sync onto its runner pod."""
+"""NeonVM's autoscaler stack's labels and annotations (the only ones kept in step before
+:data:`ANNOTATION_COPIED` existed)."""
+CONTROLLER_PREFIX = "vm.neon.tech/"
+"""This controller's own labels and annotations: never copied from a VM, never synced."""
+LABEL_APP_NAME = "app.kubernetes.io/name"
+"""NeonVM's runner-pod label (always ``NeonVM``; a VM label of this key is not copied)."""
+ANNOTATION_DEFAULT_CONTAINER = "kubectl.kubernetes.io/default-container"
+NOT_COPIED_ANNOTATIONS = ("kubectl.kubernetes.io/last-applied-configuration",
+                          ANNOTATION_DEFAULT_CONTAINER)
+"""VM annotations never copied to the runner pod: kubectl's record of the VM (as NeonVM),
+and the one the controller sets itself (the runner container's name wins, as in NeonVM)."""
+ANNOTATION_COPIED = "vm.neon.tech/copied-metadata"
+"""The runner pod's record of the keys copied from the VM, ``{"labels": [..],
+"annotations": [..]}``: what the sync may remove when the VM drops them. A key the pod
+has that is not in it is someone else's and is never touched."""
 ANNOTATION_OVERCOMMIT = "vm.neon.tech/overcommit"
 """NeonVM's runner pod annotation: ``spec.overcommit`` as JSON (``{"cpu":"2"}``), present
 only when the spec has it; NeonVM's scheduler plugin (``pkg/plugin``) reads it."""
@@ -178,63 +195,130 @@ def propagate_revision(new: VirtualMachineStatus, vm: VirtualMachine,
     return True
 
 
-def _synced(field: str, key: str) -> bool:
-    """Whether the pod's ``field`` entry ``key`` is kept as the VM says."""
-    return key.startswith(AUTOSCALING_PREFIX) or (
-        field == "annotations" and key == ANNOTATION_OVERCOMMIT)
+def copied_label(key: str) -> bool:
+    """Whether a VM label of this key is copied to (and kept on) its runner pod: all but
+    this controller's own (``vm.neon.tech/``: the pod informer's selector and the fence
+    key on them) and :data:`LABEL_APP_NAME`, which is always ``NeonVM`` on a runner pod."""
+    return not key.startswith(CONTROLLER_PREFIX) and key != LABEL_APP_NAME
+
+
+def copied_annotation(key: str) -> bool:
+    """Whether a VM annotation of this key is copied to (and kept on) its runner pod: all
+    but this controller's own (``vm.neon.tech/``) and :data:`NOT_COPIED_ANNOTATIONS`."""
+    return not key.startswith(CONTROLLER_PREFIX) and key not in NOT_COPIED_ANNOTATIONS
+
+
+_COPIED = {"labels": copied_label, "annotations": copied_annotation}
 
 
 def synced_annotation(key: str) -> bool:
-    """Whether a pod annotation is one :func:`metadata_drift` keeps as the VM says (the
-    informer's slim pod must keep these, or a cached look sees drift that is not there)."""
-    return _synced("annotations", key)
+    """Whether a pod annotation is one :func:`metadata_drift` reads (the informer's slim
+    pod must keep these, or a cached look sees drift that is not there): any the VM may
+    have copied, :data:`ANNOTATION_COPIED` and :data:`ANNOTATION_OVERCOMMIT`."""
+    return key in (ANNOTATION_COPIED, ANNOTATION_OVERCOMMIT) or copied_annotation(key)
+
+
+def copied_metadata(vm: VirtualMachine) -> dict[str, dict[str, str]]:
+    """The VM's labels and annotations its runner pod carries (:func:`copied_label`,
+    :func:`copied_annotation`), at build and kept in step after."""
+    return {"labels": {k: str(v) for k, v in (vm.labels or {}).items() if copied_label(k)},
+            "annotations": {k: str(v) for k, v in (vm.annotations or {}).items()
+                            if copied_annotation(k)}}
+
+
+def copied_record(copied: dict[str, dict[str, str]]) -> str | None:
+    """:data:`ANNOTATION_COPIED` for these copied labels and annotations: their keys,
+    sorted, as JSON (None when there are none: the pod then needs no record)."""
+    if not any(copied.values()):
+        return None
+    return json.dumps({field: sorted(copied[field]) for field in ("labels", "annotations")},
+                      separators=(",", ":"))
+
+
+def recorded_keys(labels: dict[str, str] | None,
+                  annotations: dict[str, str] | None) -> dict[str, frozenset[str]]:
+    """The keys a pod's :data:`ANNOTATION_COPIED` says were copied from the VM, the
+    controller's own left out whatever it says. A pod without a readable record (built
+    before it existed) is taken to have copied its ``autoscaling.neon.tech/`` keys, the
+    only ones kept in step then."""
+    raw = (annotations or {}).get(ANNOTATION_COPIED)
+    record: Any = None
+    if raw is not None:
+        try:
+            record = json.loads(str(raw))
+        except ValueError:
+            record = None
+    if not isinstance(record, dict):
+        return {field: frozenset(k for k in (values or {})
+                                 if k.startswith(AUTOSCALING_PREFIX) and _COPIED[field](k))
+                for field, values in (("labels", labels), ("annotations", annotations))}
+    return {field: frozenset(k for k in record.get(field) or () if isinstance(k, str)
+                             and _COPIED[field](k))
+            for field in ("labels", "annotations")}
 
 
 def wanted_metadata(vm: VirtualMachine) -> dict[str, dict[str, str]]:
-    """The synced labels and annotations the VM's runner pod should carry: the VM's
-    ``autoscaling.neon.tech/`` ones and :data:`ANNOTATION_OVERCOMMIT` from the spec (never
-    from a VM annotation of that name)."""
-    labels = {k: str(v) for k, v in (vm.labels or {}).items()
-              if k.startswith(AUTOSCALING_PREFIX)}
-    annotations = {k: str(v) for k, v in (vm.annotations or {}).items()
-                   if k.startswith(AUTOSCALING_PREFIX)}
+    """The synced labels and annotations the VM's runner pod should carry: the VM's copied
+    ones (:func:`copied_metadata`), their record (:data:`ANNOTATION_COPIED`) and
+    :data:`ANNOTATION_OVERCOMMIT` from the spec (never from a VM annotation of that name)."""
+    wanted = copied_metadata(vm)
+    record = copied_record(wanted)
+    annotations = wanted["annotations"]
+    if record is not None:
+        annotations[ANNOTATION_COPIED] = record
     overcommit = overcommit_json(vm)
     if overcommit is not None:
         annotations[ANNOTATION_OVERCOMMIT] = overcommit
-    return {"labels": labels, "annotations": annotations}
+    return wanted
 
 
 def metadata_drift(vm: VirtualMachine, pod_meta: dict[str, Any]) -> dict[str, Any] | None:
-    """A JSON merge patch of the pod's ``metadata`` that makes its synced labels and
-    annotations (:func:`wanted_metadata`) the VM's (added, changed, removed: None values),
-    or None when they are the same already."""
+    """A JSON merge patch of the pod's ``metadata`` that makes what it carries of the VM
+    (:func:`wanted_metadata`) the VM's: keys added or changed, and keys its record says
+    were copied that the VM no longer has removed (None values). Labels and annotations
+    the VM never had are left alone, whoever wrote them; None when nothing differs."""
+    labels, annotations = pod_meta.get("labels") or {}, pod_meta.get("annotations") or {}
+    recorded = recorded_keys(labels, annotations)
     patch: dict[str, Any] = {}
     for field, want in wanted_metadata(vm).items():
-        have = {k: v for k, v in (pod_meta.get(field) or {}).items() if _synced(field, k)}
+        have = labels if field == "labels" else annotations
         change: dict[str, str | None] = {k: v for k, v in want.items() if have.get(k) != v}
-        change.update({k: None for k in have if k not in want})
+        gone = set(recorded[field])
+        if field == "annotations":
+            gone |= {ANNOTATION_COPIED, ANNOTATION_OVERCOMMIT}
+        change.update({k: None for k in gone if k in have and k not in want})
         if change:
             patch[field] = change
     return patch or None
 
 
-AutoscalingMeta = tuple[tuple[str, str, str], ...]
-"""``(field, key, value)`` of the synced labels and annotations, sorted."""
+AutoscalingMeta = tuple[tuple[str, str, str | None], ...]
+"""``(field, key, value)`` of the synced labels and annotations, sorted (None: absent)."""
 
 
 def autoscaling_meta(labels: dict[str, str] | None,
                      annotations: dict[str, str] | None) -> AutoscalingMeta:
-    """A pod's synced labels and annotations (``autoscaling.neon.tech/``, and
-    :data:`ANNOTATION_OVERCOMMIT`) as one comparable value."""
-    return tuple(sorted((field, k, str(v)) for field, values in (
-        ("labels", labels), ("annotations", annotations))
-        for k, v in (values or {}).items() if _synced(field, k)))
+    """What a pod carries of its VM as one comparable value: the keys its record names
+    (:func:`recorded_keys`) with their values (None: absent), :data:`ANNOTATION_COPIED`
+    and :data:`ANNOTATION_OVERCOMMIT`. Equal to :func:`vm_autoscaling_meta` exactly when
+    :func:`metadata_drift` finds nothing to patch."""
+    labels, annotations = labels or {}, annotations or {}
+    recorded = recorded_keys(labels, annotations)
+    entries: list[tuple[str, str, str | None]] = []
+    for field, values in (("labels", labels), ("annotations", annotations)):
+        keys = set(recorded[field])
+        if field == "annotations":
+            keys |= {k for k in (ANNOTATION_COPIED, ANNOTATION_OVERCOMMIT) if k in values}
+        entries += [(field, k, None if values.get(k) is None else str(values[k]))
+                    for k in keys]
+    return tuple(sorted(entries, key=lambda e: (e[0], e[1])))
 
 
 def vm_autoscaling_meta(vm: VirtualMachine) -> AutoscalingMeta:
     """What the VM's runner pod should carry (:func:`wanted_metadata`)."""
     wanted = wanted_metadata(vm)
-    return autoscaling_meta(wanted["labels"], wanted["annotations"])
+    return tuple(sorted(((field, k, v) for field, values in wanted.items()
+                         for k, v in values.items()), key=lambda e: (e[0], e[1])))
 
 
 class Invalid(str):
@@ -250,8 +334,8 @@ class Invalid(str):
 
 def sync_pod_metadata(cluster: Cluster, vm: VirtualMachine, pod: dict[str, Any] | None,
                       uid: str, log: Any) -> str:
-    """Perform ``SyncPodMetadata``: a merge patch of the pod's ``autoscaling.neon.tech/``
-    labels and annotations to the VM's (:func:`metadata_drift`), with the uid and
+    """Perform ``SyncPodMetadata``: a merge patch of the labels and annotations the pod
+    carries of the VM to the VM's (:func:`metadata_drift`), with the uid and
     resourceVersion of the pod as observed. "done"; "gone" (the pod observed is not
     ``uid``, or is gone); "conflict" (a 409: the pod changed since; observed again);
     :class:`Invalid` (a 422, such as metadata over the API server's size limit: patching
@@ -270,16 +354,16 @@ def sync_pod_metadata(cluster: Cluster, vm: VirtualMachine, pod: dict[str, Any] 
     except ApiException as exc:
         if exc.status == 422:
             message = api_error_message(exc)
-            log.warning("{pod}: autoscaling labels and annotations refused (422): {msg}",
+            log.warning("{pod}: the VM's labels and annotations refused (422): {msg}",
                         pod=meta.get("name"), msg=message[:300])
-            return Invalid(f"the API server refuses the runner pod's autoscaling labels and "
-                           f"annotations (422: {message})")
+            return Invalid(f"the API server refuses the VM's labels and annotations on the "
+                           f"runner pod (422: {message})")
         if exc.status in (404, 409):
-            log.info("{pod}: autoscaling labels and annotations not synced ({s}): "
+            log.info("{pod}: the VM's labels and annotations not synced ({s}): "
                      "observing again", pod=meta.get("name"), s=exc.status)
             return "gone" if exc.status == 404 else "conflict"
         raise
-    log.info("{pod}: autoscaling labels and annotations synced from the VM ({keys})",
+    log.info("{pod}: labels and annotations synced from the VM ({keys})",
              pod=meta.get("name"), keys=", ".join(sorted(
                  k for change in patch.values() for k in change)))
     return "done"

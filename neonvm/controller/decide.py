@@ -296,8 +296,8 @@ def _decide_committed(obs: Observation, vm: VirtualMachine) -> Action:
     if (scaling := _decide_scaling(obs, vm, pod)) is not None:
         return scaling
     if pod.autoscaling != autoscaler_view.vm_autoscaling_meta(vm):
-        return SyncPodMetadata(name=pod.name, uid=pod.uid, reason=f"{pod.name}'s "
-                               "autoscaling.neon.tech/ labels or annotations are not the VM's")
+        return SyncPodMetadata(name=pod.name, uid=pod.uid, reason=f"{pod.name}'s labels or "
+                               "annotations copied from the VM are not the VM's")
     return Done(reason=f"runner pod {pod.name} is {pod.phase}")
 
 

@@ -10,6 +10,9 @@ What every runner pod carries, whatever the spec says (the fence depends on it):
 * labels ``vm.neon.tech/name`` and ``vm.neon.tech/uid`` (how the controller lists a VM's
   pods) and NeonVM's ``app.kubernetes.io/name: NeonVM`` (over a VM label of that key, as
   NeonVM sets it), annotations with the fencing token, leader epoch and plan sequence number;
+* the VM's other labels and annotations, and the record of which keys were copied
+  (``vm.neon.tech/copied-metadata``), by which the running pod is kept in step with the
+  VM (:mod:`neonvm.controller.autoscaler_view`);
 * ``restartPolicy: Never``: the controller applies the VM's restart policy itself, by a
   new plan, so a pod never comes back to life under the same name.
 
@@ -65,7 +68,7 @@ from neonvm.controller.autoscaler_view import ANNOTATION_OVERCOMMIT, overcommit_
 RUNNER_PORT = 25183
 RUNNER_COMMAND = "neonvm-runner"
 RUNNER_CONTAINER = "neonvm-runner"
-LABEL_APP_NAME = "app.kubernetes.io/name"
+LABEL_APP_NAME = autoscaler_view.LABEL_APP_NAME
 APP_NAME = "NeonVM"
 """The label NeonVM puts on every runner pod (its e2e suite selects runner pods by it)."""
 DEFAULT_RUNNER_IMAGE = "ghcr.io/neonvm/neonvm-runner:0.1.0"
@@ -91,11 +94,12 @@ ANNOTATION_RESOURCES = "vm.neon.tech/resources"
 """NeonVM's resources annotation: JSON of the guest's CPU and memory-slot bounds
 (``cpus``/``memorySlots`` with ``min``/``max``/``use``, ``memorySlotSize``) as the spec
 had them when the pod was built."""
-ANNOTATION_DEFAULT_CONTAINER = "kubectl.kubernetes.io/default-container"
+ANNOTATION_DEFAULT_CONTAINER = autoscaler_view.ANNOTATION_DEFAULT_CONTAINER
 """So that ``kubectl logs``/``exec`` on a runner pod pick the runner container."""
-COPIED_ANNOTATIONS_SKIPPED = ("kubectl.kubernetes.io/last-applied-configuration",)
+COPIED_ANNOTATIONS_SKIPPED = autoscaler_view.NOT_COPIED_ANNOTATIONS
 """VM annotations not copied to the runner pod (as in NeonVM); neither is any under
-``vm.neon.tech/``, which belong to this controller."""
+``vm.neon.tech/``, which belong to this controller
+(:func:`~neonvm.controller.autoscaler_view.copied_annotation`)."""
 SPEC_DIR = "/vm/spec"
 SPEC_FILE = f"{SPEC_DIR}/spec.json"
 RESOURCES_FILE = f"{SPEC_DIR}/resources.json"
@@ -195,7 +199,8 @@ def runner_pod(vm: VirtualMachine, plan: PendingPod,
     defaults = defaults or PodDefaults()
     spec = vm.spec
     port = spec.runner_port or RUNNER_PORT
-    labels = {k: v for k, v in vm.labels.items() if not k.startswith(f"{types.GROUP}/")}
+    copied = autoscaler_view.copied_metadata(vm)
+    labels = dict(copied["labels"])
     labels.update({LABEL_APP_NAME: APP_NAME, types.LABEL_VM_NAME: vm.name,
                    types.LABEL_VM_UID: vm.uid})
     container: dict[str, Any] = {
@@ -335,7 +340,7 @@ def runner_pod(vm: VirtualMachine, plan: PendingPod,
             "namespace": vm.namespace,
             "labels": labels,
             "annotations": {
-                **_copied_annotations(vm),
+                **copied["annotations"],
                 ANNOTATION_DEFAULT_CONTAINER: RUNNER_CONTAINER,
                 ANNOTATION_USAGE: _usage_json(vm),
                 ANNOTATION_RESOURCES: _resources_json(vm),
@@ -362,16 +367,13 @@ def runner_pod(vm: VirtualMachine, plan: PendingPod,
     overcommit = overcommit_json(vm)
     if overcommit is not None:
         annotations[ANNOTATION_OVERCOMMIT] = overcommit
+    record = autoscaler_view.copied_record(copied)
+    if record is not None:
+        annotations[autoscaler_view.ANNOTATION_COPIED] = record
     if fencing:
         annotations[RIGHT_SECONDS_ANNOTATION] = annotation_value(defaults.right_seconds)
     annotations[ANNOTATION_SPEC] = _spec_annotation(vm, annotations)
     return pod
-
-
-def _copied_annotations(vm: VirtualMachine) -> dict[str, str]:
-    """The VM's own annotations, as NeonVM copies them to its runner pods."""
-    return {k: v for k, v in vm.annotations.items()
-            if k not in COPIED_ANNOTATIONS_SKIPPED and not k.startswith(f"{types.GROUP}/")}
 
 
 def _memory_slot_quantity(vm: VirtualMachine) -> str:
