@@ -817,7 +817,11 @@ def test_the_runner_containers_cpu_limit_is_neonvms_quota_at_build_and_after_eac
     core.patch_namespaced_pod_status(pod.metadata.name, namespace, {
         "status": {"phase": "Running", "podIP": "127.0.0.1", "podIPs": [{"ip": "127.0.0.1"}]}})
     scaling = RunnerScaling(controller_api)
-    for seq, use, expected in ((1, "500m", ("500m", "2")), (2, "1500m", ("1500m", "3"))):
+    # Review-protocol F8: at use == max the limit stays above the request (max + 1m), or
+    # the pod would turn Guaranteed, the API server would refuse the resize (422) and the
+    # old limit would cap a 3-vCPU guest.
+    for seq, use, expected in ((1, "500m", ("500m", "2")), (2, "1500m", ("1500m", "3")),
+                               (3, 3, ("3", "3001m")), (4, "250m", ("250m", "1"))):
         kube.request(api, "PATCH", f"/apis/{types.GROUP}/{types.VERSION}/namespaces/"
                      f"{namespace}/{types.PLURAL}/quota", [
                          {"op": "replace", "path": "/spec/guest/cpus/use", "value": use}],
@@ -831,4 +835,6 @@ def test_the_runner_containers_cpu_limit_is_neonvms_quota_at_build_and_after_eac
                                   generation=vm.generation)
         scaling._tell_kubernetes(vm, pod_view(api.sanitize_for_serialization(pod)), GIB,
                                  plan, logger)
-        assert cpu() == expected  # 4 x use, at most max
+        assert cpu() == expected  # 4 x use, at most max (above use: Burstable kept)
+    (same,) = runner_pods(api, namespace, "quota")
+    assert same.metadata.uid == pod.metadata.uid

@@ -67,7 +67,9 @@ def test_a_recorded_plan_is_applied_then_committed_from_what_the_runner_reports(
     assert isinstance(d.decide(obs(v, runner=view((3, 40, 0), 1, 1))), act.ApplyScale)
     assert isinstance(d.decide(obs(v, runner=view((3, 40, 1), 1, 1))), act.ApplyScale)
     action = d.decide(obs(v, runner=view((3, 40, 1), 2, 1)))
-    assert action == act.CommitScale(seq=1, vcpus=2, memory_bytes=GIB, reason=action.reason)
+    # POD carries no scale-fence annotation of the plan: whole vCPUs (they are, here).
+    assert action == act.CommitScale(seq=1, vcpus=2, memory_bytes=GIB, pod_behind=True,
+                                     reason=action.reason)
 
 
 def test_no_commit_while_the_runner_still_has_a_removal_pending() -> None:

@@ -29,6 +29,9 @@ LABEL_VM_UID = "vm.neon.tech/uid"
 ANNOTATION_TOKEN = "vm.neon.tech/fence-token"
 ANNOTATION_EPOCH = "vm.neon.tech/fence-epoch"
 ANNOTATION_PLAN_SEQ = "vm.neon.tech/plan-seq"
+ANNOTATION_SCALE_FENCE = "vm.neon.tech/scale-fence"
+"""``epoch,token,seq`` of the scaling plan whose size a runner pod's usage and resources
+annotations carry (written by the plan's fenced tell, docs/protocol.md, "Live scaling")."""
 SCHEDULING_GATE = "vm.neon.tech/runner-fence"
 """Scheduling gate every runner pod is created with; removed only after commit."""
 

@@ -50,6 +50,9 @@ class PodView:
     """The port its runner listens on, from the pod's own spec; None: not found."""
     autoscaling: autoscaler_view.AutoscalingMeta = ()
     """Its ``autoscaling.neon.tech/`` labels and annotations (kept as the VM's)."""
+    scale_fence: tuple[int, int, int] | None = None
+    """(epoch, token, seq) of the scaling plan whose size its usage and resources
+    annotations carry (``vm.neon.tech/scale-fence``); None: absent or malformed."""
 
     @property
     def finished(self) -> bool:
@@ -344,6 +347,11 @@ class CommitScale(Action):
     memory_bytes: int = 0
     adopt: bool = False
     pod_uid: str = ""
+    pod_behind: bool = False
+    """Without ``adopt``: the pod's ``vm.neon.tech/scale-fence`` annotation does not carry
+    this plan (its tell was lost: a leader's death, an error, conflicts), so status
+    records whole vCPUs, not the spec's fraction: status then differs from the spec and
+    the next plan writes the annotations (docs/protocol.md, "Live scaling")."""
     ends_look: bool = False
     """With ``adopt``: the answer was asked after the late-PUT window had passed
     (:func:`look_may_end`), so it is the runner's last word on the dropped plan: the

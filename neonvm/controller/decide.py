@@ -85,6 +85,31 @@ def desired_size(vm: VirtualMachine) -> tuple[int, int]:
     return guest.cpus.current.rounded_up(), guest.memory_slots.current
 
 
+def fraction_only(vm: VirtualMachine, plan: PendingScale, pod: PodView) -> bool:
+    """Whether ``plan`` asks for the whole vCPUs and memory slots ``pod`` was built with
+    (status's size when the pod does not record it): for a pod without a scaling token,
+    whose runner no ``PUT /scale`` ever reaches, a change of ``cpus.use`` within them,
+    which only the pod's annotations carry (docs/protocol.md, "Live scaling")."""
+    if pod.built is not None:
+        millicores, slots = pod.built
+        built: tuple[int, int] | None = (-(-millicores // 1000), slots)
+    else:
+        built = status_size(vm)
+    return built == (plan.cpus, plan.memory_slots)
+
+
+def status_memory_bytes(vm: VirtualMachine) -> int | None:
+    """``status.memorySize`` in bytes; None: not recorded or not a quantity."""
+    from neonvm.api.quantity import QuantityError, parse_bytes
+
+    if vm.status.memory_size is None:
+        return None
+    try:
+        return parse_bytes(vm.status.memory_size)
+    except QuantityError:
+        return None
+
+
 def status_size(vm: VirtualMachine) -> tuple[int, int] | None:
     """(vCPUs, memory slots) status says the committed pod has; None: not recorded, or
     not in whole slots of the spec's slot size."""
@@ -329,10 +354,27 @@ def _decide_scaling(obs: Observation, vm: VirtualMachine, pod: PodView) -> Actio
                                         f"{fence}: plan again")
             if runner.fence == fence and not runner.pending_removals and (
                     runner.vcpus, runner.memory_slots) == (plan.cpus, plan.memory_slots):
+                # The fraction is recorded only if the pod's annotations carry this plan
+                # (its tell may have been lost); else whole vCPUs, and the next plan
+                # writes them.
+                behind = pod.scale_fence is None or pod.scale_fence < fence
                 return CommitScale(seq=plan.seq, vcpus=runner.vcpus,
-                                   memory_bytes=runner.memory_bytes,
+                                   memory_bytes=runner.memory_bytes, pod_behind=behind,
                                    reason=f"runner of {pod.name} reached {plan.cpus} vCPUs, "
-                                          f"{plan.memory_slots} memory slots")
+                                          f"{plan.memory_slots} memory slots"
+                                          + (f"; {pod.name}'s annotations do not carry plan "
+                                             f"#{plan.seq}: whole vCPUs recorded"
+                                             if behind else ""))
+        memory = status_memory_bytes(vm)
+        if (not vm.status.scaling_token_secret and memory is not None
+                and pod.scale_fence is not None and pod.scale_fence >= scale_fence(plan)
+                and fraction_only(vm, plan, pod)):
+            # No token, so no runner call: a cpus.use change within the pod's vCPUs is
+            # done once its fenced annotation write has landed.
+            return CommitScale(seq=plan.seq, vcpus=plan.cpus, memory_bytes=memory,
+                               reason=f"{pod.name}'s annotations carry plan #{plan.seq} "
+                                      f"(cpus.use within its {plan.cpus} vCPUs; no scaling "
+                                      "token, so no runner call)")
         want = desired_size(vm)
         if want != (plan.cpus, plan.memory_slots):
             # The spec moved on: a plan that cannot finish (an unplug the guest refuses)

@@ -304,8 +304,9 @@ def commit_scale(action: act.CommitScale, lease: act.Fence) -> StatusMutation:
         if s.pending_scale is None or s.pending_scale.seq != action.seq:
             return None
         new = _fresh_status(vm, lease)
-        new.cpus = autoscaler_view.landed_cpus(vm, action.vcpus,
-                                               plan_generation=s.pending_scale.generation)
+        new.cpus = (MilliCPU(action.vcpus * 1000) if action.pod_behind
+                    else autoscaler_view.landed_cpus(
+                        vm, action.vcpus, plan_generation=s.pending_scale.generation))
         new.memory_size = format_bytes(action.memory_bytes)
         _scale_done(new, vm, "ScalingDone",
                     f"scaling plan #{action.seq} applied: the runner reports {action.vcpus} "

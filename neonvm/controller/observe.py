@@ -104,7 +104,19 @@ def pod_view(pod: dict[str, Any]) -> PodView:
         runner_port=podspec.runner_port_of(spec),
         autoscaling=autoscaler_view.autoscaling_meta(meta.get("labels"),
                                                      meta.get("annotations")),
+        scale_fence=pod_scale_fence(meta),
     )
+
+
+def pod_scale_fence(meta: dict[str, Any]) -> tuple[int, int, int] | None:
+    """(epoch, token, seq) from a pod's ``vm.neon.tech/scale-fence`` annotation; None when
+    absent or malformed."""
+    text = (meta.get("annotations") or {}).get(types.ANNOTATION_SCALE_FENCE)
+    try:
+        e, t, s = (int(v) for v in str(text).split(","))
+    except (TypeError, ValueError):
+        return None
+    return (e, t, s)
 
 
 def pod_fence(meta: dict[str, Any]) -> tuple[int, int] | None:

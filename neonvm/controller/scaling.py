@@ -48,7 +48,7 @@ from neonvm.controller.scaling_token import TOKEN_KEY, recorded_token
 STRATEGIC_MERGE_PATCH = "application/strategic-merge-patch+json"
 USAGE_ANNOTATION = "vm.neon.tech/usage"
 """NeonVM's runner-pod annotation with the guest's current size (JSON cpu, memory)."""
-SCALE_FENCE_ANNOTATION = "vm.neon.tech/scale-fence"
+SCALE_FENCE_ANNOTATION = types.ANNOTATION_SCALE_FENCE
 """``epoch,token,seq`` of the plan whose size the pod's usage annotation and CPU request
 carry: a plan writes them only over an older one (and by resourceVersion)."""
 
@@ -376,6 +376,12 @@ class RunnerScaling:
         pod = snap.obs.pod(plan.pod_name)
         if pod is None or pod.uid != plan.pod_uid or not pod.ip:
             return "no_pod"
+        if not vm.status.scaling_token_secret and d.fraction_only(vm, plan, pod):
+            # A cpus.use change within the vCPUs the pod was built with (and keeps, with
+            # no token): nothing for the runner, only the fenced annotation write, after
+            # which decide commits (docs/protocol.md, "Live scaling").
+            self._tell_kubernetes(vm, pod, d.status_memory_bytes(vm) or 0, plan, log)
+            return "done"
         if not vm.status.scaling_token_secret:
             # Pods mount the recorded Secret: with none recorded, the committed pod was
             # built without a token (its bounds were equal then, or the controller could
@@ -582,11 +588,19 @@ class RunnerScaling:
             return "done"  # the user's resources (not ours to change), or the spec moved on
         # The request follows use, the limit NeonVM's quota rule (use x 4, within [use,
         # max]): the kubelet's cgroup caps the fraction (docs/neonvm-compat.md).
-        limit = autoscaler_view.cpu_limit(vm)
+        # Kubernetes refuses a resize that changes the pod's QoS class (422), so it is
+        # kept: a Guaranteed pod (built at use == max: request == limit) is not resized;
+        # a Burstable one keeps its limit above the request (use == max: max + 1m), or
+        # the refused resize would leave the old, lower limit capping the new vCPUs.
+        if _qos_class(current) == "Guaranteed":
+            log.info("{pod} is Guaranteed (built at cpus.use == max): its CPU request and "
+                     "limit are left as built", pod=pod.name)
+            return "done"
+        limit = max(int(autoscaler_view.cpu_limit(vm)), int(use) + 1)
         resize = {"metadata": {"uid": pod.uid, "resourceVersion": version},
                   "spec": {"containers": [{"name": podspec.RUNNER_CONTAINER, "resources": {
                       "requests": {"cpu": podspec.millicores(use.cores)},
-                      "limits": {"cpu": podspec.millicores(limit.cores)}}}]}}
+                      "limits": {"cpu": podspec.millicores(limit / 1000)}}}]}}
         try:
             kube.request(self._api, "PATCH", f"{_pod_path(vm.namespace, pod.name)}/resize",
                          resize, content_type=STRATEGIC_MERGE_PATCH)
@@ -595,6 +609,23 @@ class RunnerScaling:
                      s=exc.status, m=kube.api_error_message(exc))
             return "conflict" if exc.status == 409 else "done"
         return "done"
+
+
+def _qos_class(pod: dict[str, Any]) -> str:
+    """The pod's QoS class: as the API server recorded it at creation, else (a pod read
+    without it) "Guaranteed" when every container's CPU and memory requests equal its
+    limits, else "Burstable"."""
+    recorded = (pod.get("status") or {}).get("qosClass")
+    if recorded:
+        return str(recorded)
+    containers = (pod.get("spec") or {}).get("containers") or []
+    for c in containers:
+        resources = c.get("resources") or {}
+        requests, limits = resources.get("requests") or {}, resources.get("limits") or {}
+        if any(not limits.get(k) or str(requests.get(k, limits.get(k))) != str(limits[k])
+               for k in ("cpu", "memory")):
+            return "Burstable"
+    return "Guaranteed" if containers else "Burstable"
 
 
 def _pod_path(namespace: str, name: str) -> str:
