@@ -476,7 +476,7 @@ def test_the_slim_cached_pod_sees_the_same_labels_and_annotations_as_the_full_on
     assert pod_view(slim).autoscaling == pod_view(pod).autoscaling != av.vm_autoscaling_meta(vm)
     assert av.ANNOTATION_OVERCOMMIT not in slim["metadata"]["annotations"]
     assert "vm.neon.tech/spec" not in slim["metadata"]["annotations"]
-    assert av.CONTROLLER_PREFIX == f"{types.GROUP}/"
+    assert f"{types.GROUP}/" == av.CONTROLLER_PREFIX
 
 
 @pytest.mark.cluster

@@ -252,3 +252,24 @@ def test_the_vms_annotations_are_copied_but_kubectls_record_and_the_controllers_
     assert annotations["team/owner"] == "storage"
     assert "kubectl.kubernetes.io/last-applied-configuration" not in annotations
     assert annotations[types.ANNOTATION_TOKEN] == "7"
+
+
+def test_the_pod_records_the_vms_labels_and_annotations_it_copied_and_no_others() -> None:
+    """The record (``vm.neon.tech/copied-metadata``) is what later lets a label the VM
+    drops be removed from the pod without touching labels others put there."""
+    vm = VirtualMachine.from_object({
+        "metadata": {"name": "db", "namespace": "ns", "uid": "u1",
+                     "labels": {"team": "a", "app.kubernetes.io/name": "mine",
+                                "vm.neon.tech/name": "other", "vm.neon.tech/uid": "x"},
+                     "annotations": {"team/owner": "storage",
+                                     "kubectl.kubernetes.io/default-container": "sidecar",
+                                     "kubectl.kubernetes.io/last-applied-configuration": "{}"}},
+        "spec": {"guest": {"rootDisk": {"image": "img"}}}})
+    meta = runner_pod(vm, PendingPod(name="db-1", token=7, epoch=1))["metadata"]
+    assert meta["labels"] == {"team": "a", "app.kubernetes.io/name": "NeonVM",
+                              "vm.neon.tech/name": "db", "vm.neon.tech/uid": "u1"}
+    assert meta["annotations"]["kubectl.kubernetes.io/default-container"] == "neonvm-runner"
+    assert json.loads(meta["annotations"]["vm.neon.tech/copied-metadata"]) == {
+        "labels": ["team"], "annotations": ["team/owner"]}
+    bare = runner_pod(a_vm(), PendingPod(name="db-1", token=7, epoch=1))["metadata"]
+    assert "vm.neon.tech/copied-metadata" not in bare["annotations"]
