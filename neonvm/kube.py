@@ -491,8 +491,9 @@ class ListItem:
     """One item of a list page (:func:`list_items`)."""
 
     obj: Any
-    """The item decoded; for one above the bound only ``{"metadata": {...}}`` with its
-    name, namespace, uid and resourceVersion (:func:`object_head`)."""
+    """The item decoded; for one above the bound only its head: ``{"metadata": {...}}``
+    with its name, namespace, uid, resourceVersion, ..., and its status if that is
+    small (:func:`object_head`)."""
     size: int
     """Its raw JSON's length."""
     oversized: bool
@@ -570,28 +571,40 @@ def _item(text: str, pos: int, bound: int | None, hint: int) -> tuple[ListItem, 
             pass
         end = value_end(text, pos)
         if end - pos > bound:
-            return ListItem(object_head(text, pos), end - pos, True, False), end
+            return ListItem(object_head(text, pos, bound // 4), end - pos, True,
+                            False), end
         obj, lossy = decode_json(text[pos:end])
         return ListItem(obj, end - pos, False, lossy), end
 
 
-HEAD_FIELDS = ("name", "namespace", "uid", "resourceVersion")
+HEAD_FIELDS = ("name", "namespace", "uid", "resourceVersion", "generation",
+               "creationTimestamp", "deletionTimestamp", "finalizers")
+"""The ``metadata`` fields an object's head keeps (what a cached stub of a VM too large
+to cache needs: its identity, version, deletion and finalizers)."""
+HEAD_FIELD_BYTES = 4096
+"""A head field whose JSON is longer than this is left out of the head."""
 
 
-def object_head(text: str, pos: int) -> dict[str, Any]:
+def object_head(text: str, pos: int, status_bytes: int = 0) -> dict[str, Any]:
     """``{"metadata": {...}}`` with the :data:`HEAD_FIELDS` of the object whose JSON
-    starts at ``pos``, read without decoding anything else (the API server writes
-    ``metadata`` first and those fields first in it, so this stops early)."""
+    starts at ``pos``, and (``status_bytes`` > 0) its ``status`` when that is at most
+    ``status_bytes`` long; nothing else is decoded (spec, annotations, labels and
+    managedFields are skipped by :func:`value_end`)."""
     meta: dict[str, Any] = {}
+    head: dict[str, Any] = {"metadata": meta}
     for key, at in _members(text, pos):
         if key == "metadata" and text[at] == "{":
             for field, value_at in _members(text, at):
-                if field in HEAD_FIELDS:
+                if (field in HEAD_FIELDS
+                        and value_end(text, value_at) - value_at <= HEAD_FIELD_BYTES):
                     meta[field] = _DECODER.raw_decode(text, value_at)[0]
-                    if len(meta) == len(HEAD_FIELDS):
-                        break
-            break
-    return {"metadata": meta}
+        elif key == "status" and status_bytes > 0 and text[at] == "{":
+            end = value_end(text, at)
+            if end - at <= status_bytes:
+                status, lossy = decode_json(text[at:end])
+                if not lossy:
+                    head["status"] = status
+    return head
 
 
 def oversized_event(line: str, bound: int) -> tuple[dict[str, Any], int] | None:
@@ -611,7 +624,7 @@ def oversized_event(line: str, bound: int) -> tuple[dict[str, Any], int] | None:
             size = len(line.rstrip()) - at - 1
             if size <= bound:
                 return None
-            event["object"] = object_head(line, at)
+            event["object"] = object_head(line, at, bound // 4)
         if len(event) == 2:
             return event, size
     return None

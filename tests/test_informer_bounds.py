@@ -21,7 +21,9 @@ from neonvm.controller.informer import (
     Informer,
     Store,
     Undecodable,
+    too_large,
 )
+from neonvm.controller.reasons import TOO_LARGE_KEY
 
 pytestmark = pytest.mark.unit
 
@@ -58,8 +60,12 @@ def informer(lister: Any, found: list[Undecodable], store: Store) -> Informer:
                     on_undecodable=found.append, max_object_bytes=MAX_CACHED_VM_BYTES)
 
 
-def test_a_vm_above_the_bound_is_left_out_of_a_list_and_reported_once() -> None:
+def test_a_vm_above_the_bound_is_cached_as_a_stub_in_a_list_and_reported_once() -> None:
+    """Its head only (identity, version, deletion, finalizers, a small status), never its
+    spec; the stub says how large the VM is (``too_large``)."""
     big = vm("big", "2", MAX_CACHED_VM_BYTES)
+    big["metadata"]["finalizers"] = ["vm.neon.tech/finalizer"]
+    big["status"] = {"podName": "big-pod", "phase": "Running"}
     items = [vm("small", "1", 1000), big, vm("edge", "3", MAX_CACHED_VM_BYTES - 200)]
 
     def lister(**kw: Any) -> _Resp:
@@ -70,33 +76,47 @@ def test_a_vm_above_the_bound_is_left_out_of_a_list_and_reported_once() -> None:
     inf = informer(lister, found, store)
     inf._relist()
     inf._relist()  # the same version again: not reported twice
-    assert sorted(store.all_keys()) == ["ns/edge", "ns/small"]
-    assert [f.key for f in found] == ["ns/big"]
+    assert sorted(store.all_keys()) == ["ns/big", "ns/edge", "ns/small"]
     size = len(json.dumps(big, separators=(",", ":")))
+    assert store.get("ns/big") == {
+        "metadata": {"name": "big", "namespace": "ns", "uid": "u-big", "resourceVersion": "2",
+                     "finalizers": ["vm.neon.tech/finalizer"]},
+        "status": {"podName": "big-pod", "phase": "Running"}, TOO_LARGE_KEY: size}
+    assert too_large(store.get("ns/big")) == size
+    assert too_large(store.get("ns/edge")) is None
+    assert [f.key for f in found] == ["ns/big"]
     assert f"its JSON is {size:,} bytes, more than the {MAX_CACHED_VM_BYTES:,}" in \
         found[0].reason
     assert found[0].metadata["uid"] == "u-big"
 
 
-def test_a_cached_vm_that_grows_above_the_bound_in_a_watch_is_dropped() -> None:
+def test_a_cached_vm_that_grows_above_the_bound_in_a_watch_becomes_a_stub() -> None:
+    """... and becomes whole again once it is smaller."""
     store = Store(compact=True)
     store.put(vm("grows", "1", 10))
-    grown = vm("grows", "5", MAX_CACHED_VM_BYTES)
+    grown = {**vm("grows", "5", MAX_CACHED_VM_BYTES), "status": {"phase": "Running"}}
     changes: list[tuple[str, bool]] = []
     found: list[Undecodable] = []
+    lines = [compact({"type": "MODIFIED", "object": grown}),
+             compact({"type": "ADDED", "object": vm("fine", "6", 10)})]
 
     def lister(**kw: Any) -> _Resp:
         assert kw.get("watch")
-        return _Resp(lines=[compact({"type": "MODIFIED", "object": grown}),
-                            compact({"type": "ADDED", "object": vm("fine", "6", 10)})])
+        return _Resp(lines=lines)
 
     inf = Informer("virtualmachines", lister, store,
                    lambda k, o, n: changes.append((k, n is None)),
                    on_undecodable=found.append, max_object_bytes=MAX_CACHED_VM_BYTES)
     assert inf._watch("1") == "6"
-    assert store.all_keys() == ["ns/fine"]
-    assert changes == [("ns/grows", True), ("ns/fine", False)]
+    assert store.all_keys() == ["ns/grows", "ns/fine"]
+    stub = store.get("ns/grows")
+    assert stub is not None and "spec" not in stub and stub["status"] == {"phase": "Running"}
+    assert too_large(stub) == len(compact(grown))
+    assert changes == [("ns/grows", False), ("ns/fine", False)]
     assert [f.key for f in found] == ["ns/grows"]
+    lines[:] = [compact({"type": "MODIFIED", "object": vm("grows", "7", 10)})]
+    inf._watch("6")
+    assert store.get("ns/grows") == vm("grows", "7", 10)
 
 
 def test_list_pages_follow_the_size_of_the_objects() -> None:
@@ -187,7 +207,7 @@ def dicts_vm(name: str, rv: str, dicts: int) -> dict[str, Any]:
 def test_no_object_above_the_bound_is_decoded_in_a_list_or_a_watch(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The items of a page are decoded one at a time, and one above the bound not at all
-    (only its name, namespace and uid are read, for the report); in a watch, an event
+    (only its head is read: the stub's metadata fields, its status if small); in a watch, an event
     whose object is above the bound is measured on its raw line and not decoded."""
     big = dicts_vm("big", "2", MAX_CACHED_VM_BYTES // 3)
     page = {"items": [vm("small", "1", 1000), big, vm("edge", "3", 1000)],
@@ -204,10 +224,12 @@ def test_no_object_above_the_bound_is_decoded_in_a_list_or_a_watch(
     inf = informer(lister, found, store)
     spy = _DecodeSpy(monkeypatch)
     inf._relist()
-    assert sorted(store.all_keys()) == ["ns/edge", "ns/small"]
+    assert sorted(store.all_keys()) == ["ns/big", "ns/edge", "ns/small"]
+    assert too_large(store.get("ns/big")) == len(compact(big))
     assert max(spy.spans) <= MAX_CACHED_VM_BYTES, sorted(spy.spans)[-3:]
     assert inf._watch("9") == "6"
-    assert sorted(store.all_keys()) == ["ns/edge", "ns/fine", "ns/small"]
+    assert sorted(store.all_keys()) == ["ns/big", "ns/edge", "ns/fine", "ns/small"]
+    assert too_large(store.get("ns/big")) == len(compact(grown))
     assert [f.key for f in found] == ["ns/big"]
     assert found[0].metadata == {"name": "big", "namespace": "ns", "uid": "u-big",
                                  "resourceVersion": "2"}

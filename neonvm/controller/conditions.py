@@ -66,6 +66,7 @@ from neonvm.controller.reasons import (
     FENCE_RESOLVED,
     NAMESPACE_TERMINATING,
     NOT_TAKING_EFFECT,
+    OBJECT_TOO_LARGE,
     PULL_SECRET_NOT_FOUND,
     READY,
     RECOVERED,
@@ -132,7 +133,8 @@ def recoverable(reason: str | None) -> bool:
     return bool(reason) and (
         str(reason).endswith(NOT_TAKING_EFFECT)
         or reason in (STEP_BUDGET_EXHAUSTED, UNGATE_FORBIDDEN, CREATE_FORBIDDEN,
-                      CREATE_FAILING, RUNNER_MISBEHAVING_REASON, RUNNER_UNREACHABLE_REASON))
+                      CREATE_FAILING, RUNNER_MISBEHAVING_REASON, RUNNER_UNREACHABLE_REASON,
+                      OBJECT_TOO_LARGE))
 
 
 def stuck_condition(reason: str, message: str) -> ConditionUpdate:
@@ -346,6 +348,34 @@ def fence_ahead_mutation(lease: act.Fence, now: str | None = None,
             return None
         status = copy.deepcopy(vm.status)
         status.conditions = conditions
+        return status
+
+    return mutate
+
+
+def too_large_mutation(message: str, lease: act.Fence) -> StatusMutation:
+    """Degraded True, reason ``ObjectTooLarge``, written only on the transition into it,
+    and nothing else: not ``observedGeneration`` nor anything :func:`conditions_mutation`
+    derives from the spec, which the controller does not act on while the VM is too
+    large to cache (neonvm/controller/too_large.py). The fence is checked and stamped
+    as by :func:`conditions_mutation`."""
+    update = ConditionUpdate(DEGRADED, "True", OBJECT_TOO_LARGE, message)
+
+    def mutate(vm: VirtualMachine) -> VirtualMachineStatus | None:
+        degraded = _find(vm.status.conditions, DEGRADED)
+        if (degraded is not None and degraded.status == "True"
+                and degraded.reason == OBJECT_TOO_LARGE):
+            return None
+        conditions, changed = _apply(vm, [update], now_rfc3339())
+        if not changed:
+            return None
+        fence = vm.status.fence
+        if fence is not None and (fence.epoch, fence.token) > (lease.epoch, lease.token):
+            raise FencedOut(f"{vm.key}: status fenced at epoch {fence.epoch} token "
+                            f"{fence.token}, we are epoch {lease.epoch} token {lease.token}")
+        status = copy.deepcopy(vm.status)
+        status.conditions = conditions
+        status.fence = Fence(epoch=lease.epoch, token=lease.token)
         return status
 
     return mutate

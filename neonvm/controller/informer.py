@@ -44,6 +44,7 @@ from neonvm.api import types
 from neonvm.api.rights import RIGHT_SECONDS_ANNOTATION
 from neonvm.controller.autoscaler_view import synced_annotation
 from neonvm.controller.podspec import ANNOTATION_BUILT_SIZE
+from neonvm.controller.reasons import TOO_LARGE_KEY
 from neonvm.kube import (
     LIST_PAGE_BYTES,
     PRUNE_DEPTH,
@@ -60,10 +61,20 @@ from neonvm.kube import (
 Obj = dict[str, Any]
 
 MAX_CACHED_VM_BYTES = 256 * 1024
-"""The largest VM (its JSON) the VM informer caches. The CRD admits a spec of about
+"""The largest VM (its JSON) the VM informer caches whole. The CRD admits a spec of about
 1.5 MiB (etcd's request limit; ``spec.affinity`` and ``spec.extraInitContainers`` keep
-unknown fields), and every replica caches every VM: a larger one is left out and reported
-(docs/security.md, "Exhaustion"). NeonVM's VMs take a few KiB."""
+unknown fields), and every replica caches every VM: a larger one is cached as a *stub*
+(:func:`too_large`) and reported (docs/security.md, "Exhaustion"). NeonVM's VMs take a
+few KiB."""
+
+
+def too_large(obj: Obj | None) -> int | None:
+    """The JSON length of the object ``obj`` is a stub of (:data:`TOO_LARGE_KEY`); None
+    for a whole object. A stub's spec is not there: nothing may be decided from it
+    but what its metadata and status say (the reconciler reads such a VM directly and
+    leaves it alone, docs/reconciler.md, "A VM too large to cache")."""
+    size = (obj or {}).get(TOO_LARGE_KEY)
+    return int(size) if isinstance(size, int) else None
 RELIST_PAGE_BYTES = LIST_PAGE_BYTES
 """The most raw bytes of JSON one list page may carry: a page above it is dropped unread
 and asked for again with a quarter of the ``limit`` (down to one object). Each page's
@@ -463,8 +474,13 @@ class Informer:
                 item = entry.obj
                 item.setdefault("metadata", {})
                 if entry.oversized:
-                    self._skip(item, self._too_large(entry.size))  # not in ``seen``:
-                    continue  # a cached older version goes
+                    item = self._stub(item, entry.size)
+                    seen.add(object_key(item))
+                    change = self.store.put(item)
+                    if change is not None:
+                        changes += 1
+                        self._handler(*change)
+                    continue
                 if entry.lossy and pruned(item):
                     self._skip(item)  # as above
                     continue
@@ -495,17 +511,24 @@ class Informer:
 
     def _too_large(self, size: int) -> str:
         return (f"its JSON is {size:,} bytes, more than the {self._max_object_bytes:,} "
-                "a cached object may take (docs/security.md, \"Exhaustion\"): not cached")
+                "a cached object may take (docs/security.md, \"Exhaustion\"): cached "
+                "without its spec, and left alone until it is smaller")
 
-    def _skip(self, obj: Obj, why: str | None = None) -> None:
-        """Leave an undecodable (or, with ``why``, oversized) object out of the store (a
-        cached older version is removed, and the handler told so); report it once per
-        version, an oversized one at most once per :data:`OVERSIZED_REPORT_SECONDS`
-        (its report names no resourceVersion, so that repeated Events aggregate)."""
+    def _stub(self, head: Obj, size: int) -> Obj:
+        """The stub cached for an oversized object (``head``: what
+        :func:`neonvm.kube.object_head` read of it), reported as :meth:`_skip` does."""
+        self._skip(head, self._too_large(size), drop=False)
+        return {**head, TOO_LARGE_KEY: size}
+
+    def _skip(self, obj: Obj, why: str | None = None, drop: bool = True) -> None:
+        """Leave an undecodable object out of the store (a cached older version is
+        removed, and the handler told so; ``drop`` False: the caller stores a stub);
+        report it once per version, an oversized one (``why``) at most once per
+        :data:`OVERSIZED_REPORT_SECONDS` (its report names no resourceVersion, so that
+        repeated Events aggregate)."""
         key = object_key(obj)
         meta = obj.get("metadata") or {}
-        old = self.store.get(key)
-        if old is not None:
+        if drop and self.store.get(key) is not None:
             self._handler(*self.store.apply("DELETED", obj))
         rv = str(meta.get("resourceVersion") or "")
         if why is None:
@@ -525,7 +548,8 @@ class Informer:
                                   if now - at < OVERSIZED_REPORT_SECONDS}
             self._oversized_at[key] = now
             reason = f"{key} (uid {meta.get('uid')}): {why}"
-        self._log.error("skipping an object: {reason}", reason=reason)
+        self._log.error("{what}: {reason}", reason=reason,
+                        what="skipping an object" if drop else "caching an object's head only")
         if self._on_undecodable is not None:
             self._on_undecodable(Undecodable(key, meta, reason))
 
@@ -563,7 +587,7 @@ class Informer:
                     self._skip(obj)
                     continue
                 if kind != "DELETED" and size:
-                    self._skip(obj, self._too_large(size))
+                    self._handler(*self.store.apply(str(kind), self._stub(obj, size)))
                     continue
                 if kind == "DELETED" or not lossy:
                     self._undecodable.pop(object_key(obj), None)

@@ -48,6 +48,16 @@ redirect, an oversized or endless answer, malformed JSON); see docs/security.md.
 RUNNER_UNREACHABLE_REASON = "RunnerUnreachable"
 """Degraded reason: the VM's runner has given no answer to ``GET /scale`` for a while
 while a scaling plan waits for it."""
+OBJECT_TOO_LARGE = "ObjectTooLarge"
+"""Degraded reason: the VM's JSON is above the cache's bound, so the controller leaves it
+alone (its running pod keeps its right to run) until it is smaller
+(neonvm/controller/too_large.py)."""
+TOO_LARGE_KEY = "neonvm.tooLarge"
+"""The key of a cached *stub* (:func:`neonvm.controller.informer.too_large`): an object
+above the cache's bound, kept as its head only (its ``metadata``'s identity, version,
+deletion and finalizers, and its status when that is small; never its spec,
+:func:`neonvm.kube.object_head`); the value is the object's JSON length. No API object
+has such a top-level field (the CRD's schema prunes unknown ones)."""
 RECOVERED = "Recovered"
 """Reason of Degraded=False after one of the recoverable reasons above."""
 

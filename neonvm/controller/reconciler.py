@@ -30,7 +30,7 @@ from loguru import logger
 
 from neonvm.controller import actions as act
 from neonvm.controller import decide as d
-from neonvm.controller import podspec, reasons
+from neonvm.controller import podspec, reasons, too_large
 from neonvm.controller.acceleration import (
     Acceleration,
     RunnerReports,
@@ -51,6 +51,7 @@ from neonvm.controller.conditions import (
     fence_ahead_mutation,
     stuck_condition,
     stuck_mutation,
+    too_large_mutation,
 )
 from neonvm.controller.crd_warning import OldCrdWarning
 from neonvm.controller.events import EventRecorder
@@ -324,6 +325,11 @@ class Reconciler:
         authority.check()
         while tally.steps < self._config.max_steps:
             self._check_uid(snap, authority)
+            if (oversized := too_large.verdict(snap)) == too_large.READ_DIRECTLY:
+                snap = self.observe(key, authority, direct=True)
+                continue
+            if isinstance(oversized, int):
+                return self._too_large(key, snap, authority, log, tally.steps, oversized)
             action = d.decide(self._fenced(self._with_namespace(snap.obs), snap))
             if self._wants_direct_read(snap, action, log):
                 snap = self.observe(key, authority, direct=True)
@@ -529,6 +535,20 @@ class Reconciler:
                 write_status(self.ctx, key, snap, mutation, authority, log)
         return ReconcileResult(action=act.Wait(seconds=0.0, reason=message), requeue_after=0.0,
                                steps=steps, stuck=reason)
+
+    def _too_large(self, key: str, snap: Snapshot, authority: Authority, log: Any,
+                   steps: int, size: int) -> ReconcileResult:
+        """Leave a VM too large to cache alone: Degraded ``ObjectTooLarge`` (written from
+        a direct read, on the transition), and Done, so that its next look starts from
+        the cache, where its stub carries the mark (neonvm/controller/too_large.py)."""
+        message = too_large.message(size)
+        if snap.obs.direct and snap.record is not None:
+            mutation = too_large_mutation(message, authority.lease)
+            if mutation(snap.record.vm) is not None:
+                log.warning("left alone: {message}", message=message)
+                write_status(self.ctx, key, snap, mutation, authority, log)
+        return ReconcileResult(action=act.Done(reason=message),
+                               requeue_after=self._config.resync_seconds, steps=steps)
 
     def _fenced_ahead(self, key: str, authority: Authority, why: str, log: Any,
                       snap: Snapshot | None = None) -> ReconcileResult:

@@ -11,7 +11,14 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from neonvm.controller.decide import TERMINAL_PHASES
-from neonvm.controller.reasons import CREATE_REFUSED, DEGRADED, FENCE_AHEAD, PULL_SECRET_NOT_FOUND
+from neonvm.controller.reasons import (
+    CREATE_REFUSED,
+    DEGRADED,
+    FENCE_AHEAD,
+    OBJECT_TOO_LARGE,
+    PULL_SECRET_NOT_FOUND,
+    TOO_LARGE_KEY,
+)
 
 RawObject = Mapping[str, Any]
 
@@ -48,17 +55,33 @@ def fence_ahead_marked(raw: RawObject) -> bool:
     return _degraded_for_generation(raw, (FENCE_AHEAD,))
 
 
+def too_large_left_alone(raw: RawObject) -> bool:
+    """A stub of a VM too large to cache (:data:`~neonvm.controller.reasons.
+    TOO_LARGE_KEY`), not being deleted, already marked Degraded ``ObjectTooLarge``: the
+    reconciler leaves it alone (neonvm/controller/too_large.py), so the scan does not
+    requeue it for a direct read of up to 1.5 MiB every few seconds."""
+    if TOO_LARGE_KEY not in raw or (raw.get("metadata") or {}).get("deletionTimestamp"):
+        return False
+    status = raw.get("status") or {}
+    return any(cond.get("type") == DEGRADED and cond.get("status") == "True"
+               and cond.get("reason") == OBJECT_TOO_LARGE
+               for cond in [*(status.get("conditions") or []),
+                            *(status.get("extraConditions") or [])])
+
+
 def looks_mid_plan(raw: RawObject, pods: Iterable[RawObject]) -> bool:
     """The mid-plan scan's test of one cached VM and its cached pods: in the middle of
     something (plan, deletion, gated pod, more than one pod, no committed pod, or a
     committed pod that is not there as committed: gone, of another uid, terminating or
     finished), and not held back by a Wait of its own (:func:`create_held_back`,
-    :func:`fence_ahead_marked`)."""
+    :func:`fence_ahead_marked`, :func:`too_large_left_alone`)."""
     pods = list(pods)
     meta = raw.get("metadata") or {}
     status = raw.get("status") or {}
     if (not pods and create_held_back(raw)) or fence_ahead_marked(raw):
         return False  # requeued by its own Wait, not every scan
+    if too_large_left_alone(raw):
+        return False  # a new version of it (smaller, or deleted) comes through the watch
     terminal = status.get("phase") in TERMINAL_PHASES
     gated = any((p.get("spec") or {}).get("schedulingGates") for p in pods)
     return bool(status.get("pendingPod") or meta.get("deletionTimestamp") or gated
