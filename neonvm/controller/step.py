@@ -22,7 +22,7 @@ from neonvm.api.types import VirtualMachineStatus
 from neonvm.controller import decide as d
 from neonvm.controller.authority import Authority
 from neonvm.controller.cluster import Cluster, VMRecord
-from neonvm.controller.crd_warning import OldCrdWarning
+from neonvm.controller.crd_warning import OldCrdWarning, pruned_fields
 from neonvm.controller.events import EventRecorder
 from neonvm.controller.fencing import SelfFencing
 from neonvm.controller.identity import Identity
@@ -239,7 +239,6 @@ def write_status(ctx: StepContext, key: str, snap: Snapshot,
         log.info("status write absorbed {n} conflict(s); written={w}",
                  n=outcome.conflicts, w=outcome.written)
     written = outcome.obj if outcome.written else None
-    if (written is not None and sent and sent[0].scale_look_pod_uid
-            and not written.vm.status.scale_look_pod_uid):
-        ctx.old_crd.warn(log)  # sent, and not in the answer: pruned
+    if written is not None and sent and (pruned := pruned_fields(sent[0], written.raw)):
+        ctx.old_crd.warn(log, pruned)  # sent, and not in the answer: an older CRD
     return written
