@@ -166,3 +166,16 @@ def test_a_fraction_change_on_a_pod_without_a_token_does_not_wait_for_its_runner
     tokened = fraction_vm(scalingTokenSecret="s", scalingTokenSecretUID="su")
     planned(tokened)
     assert isinstance(d.decide(dataclasses.replace(unreachable, vm=tokened)), act.Wait)
+
+
+def test_the_cache_keeps_the_pods_scale_fence_that_a_commit_reads() -> None:
+    # A commit decided from the cache (a new leader's first look) reads the same record
+    # as one decided from a direct read: otherwise it would record whole vCPUs each time.
+    from neonvm.controller.informer import project_pod
+    from neonvm.controller.observe import pod_view
+
+    pod = {"metadata": {"name": "p", "namespace": "ns", "uid": "pu", "annotations": {
+        "vm.neon.tech/scale-fence": "1,1,4", "vm.neon.tech/spec": "{}"}},
+        "spec": {"nodeName": "n1"}, "status": {"phase": "Running", "podIP": "10.0.0.1"}}
+    assert pod_view(pod).scale_fence == (1, 1, 4)
+    assert pod_view(project_pod(pod)) == pod_view(pod)

@@ -271,9 +271,11 @@ def strip_managed_fields(obj: Obj) -> Obj:
 
 
 POD_ANNOTATIONS = (types.ANNOTATION_EPOCH, types.ANNOTATION_TOKEN, types.ANNOTATION_PLAN_SEQ,
-                   ANNOTATION_BUILT_SIZE, RIGHT_SECONDS_ANNOTATION)
-"""The pod annotations the controller reads from its cache (the fence and plan, and the
-size the pod was built with, which a pod's commit records); those under
+                   ANNOTATION_BUILT_SIZE, RIGHT_SECONDS_ANNOTATION,
+                   types.ANNOTATION_SCALE_FENCE)
+"""The pod annotations the controller reads from its cache (the fence and plan, the
+size the pod was built with, which a pod's commit records, and the scaling plan its size
+annotations carry, which a scaling plan's commit checks); those under
 ``autoscaling.neon.tech/`` and ``vm.neon.tech/overcommit`` are kept too (kept as the VM's:
 ``SyncPodMetadata``)."""
 RUNNER_PORT_NAME = "runner"
