@@ -157,17 +157,6 @@ def test_the_fraction_rule_reads_the_pods_built_size_else_status() -> None:
     assert d.fraction_only(vm, plan, dataclasses.replace(running_pod(), built=None))
 
 
-def test_a_fraction_change_on_a_pod_without_a_token_does_not_wait_for_its_runner() -> None:
-    vm = fraction_vm()
-    planned(vm)
-    unreachable = act.Observation(vm=vm, pods=(running_pod(),), lease=LEASE, direct=True,
-                                  runner_error="connection refused")
-    assert isinstance(d.decide(unreachable), act.ApplyScale)
-    tokened = fraction_vm(scalingTokenSecret="s", scalingTokenSecretUID="su")
-    planned(tokened)
-    assert isinstance(d.decide(dataclasses.replace(unreachable, vm=tokened)), act.Wait)
-
-
 def test_the_cache_keeps_the_pods_scale_fence_that_a_commit_reads() -> None:
     # A commit decided from the cache (a new leader's first look) reads the same record
     # as one decided from a direct read: otherwise it would record whole vCPUs each time.

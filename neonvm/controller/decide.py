@@ -383,8 +383,7 @@ def _decide_scaling(obs: Observation, vm: VirtualMachine, pod: PodView) -> Actio
             return _plan_scale(obs, vm, pod, want,
                                f"spec asks for {want[0]} vCPUs, {want[1]} memory slots; "
                                f"supersedes scaling plan #{plan.seq}")
-        told_only = not vm.status.scaling_token_secret and fraction_only(vm, plan, pod)
-        if obs.runner_error is not None and not told_only:  # told_only: no runner call
+        if obs.runner_error is not None:
             return Wait(seconds=RUNNER_RECHECK_SECONDS, condition=SCALING_CONDITION,
                         reason=f"scaling plan #{plan.seq}: cannot ask the runner of "
                                f"{pod.name}: {obs.runner_error}")
