@@ -204,6 +204,12 @@ METADATA_SYNC = {
              "kubectl.kubernetes.io/default-container": "sidecar",
              "vm.neon.tech/fence-token": "99", av.ANNOTATION_OVERCOMMIT: '{"cpu":"9"}'},
         {}, {}, None, None),
+    "a record of the wrong shape names no key, and is written again": (
+        {"team": "a"}, {}, {"team": "a"}, {COPIED: '{"labels": 1, "annotations": {"x": 1}}'},
+        None, {COPIED: record(["team"], [])}),
+    "a record nested too deep to read is written again": (
+        {"team": "a"}, {}, {"team": "a"}, {COPIED: "[" * 100_000 + "]" * 100_000},
+        None, {COPIED: record(["team"], [])}),
     "a pod built before the record: its autoscaling.neon.tech/ keys were the copied ones": (
         {"autoscaling.neon.tech/enabled": "true"}, {},
         {"autoscaling.neon.tech/enabled": "false", "autoscaling.neon.tech/gone": "x",

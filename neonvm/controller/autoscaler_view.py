@@ -246,15 +246,19 @@ def recorded_keys(labels: dict[str, str] | None,
     if raw is not None:
         try:
             record = json.loads(str(raw))
-        except ValueError:
+        except (ValueError, RecursionError):  # anyone who may patch the pod may write it
             record = None
     if not isinstance(record, dict):
         return {field: frozenset(k for k in (values or {})
                                  if k.startswith(AUTOSCALING_PREFIX) and _COPIED[field](k))
                 for field, values in (("labels", labels), ("annotations", annotations))}
-    return {field: frozenset(k for k in record.get(field) or () if isinstance(k, str)
-                             and _COPIED[field](k))
+    return {field: frozenset(k for k in _key_list(record.get(field)) if _COPIED[field](k))
             for field in ("labels", "annotations")}
+
+
+def _key_list(value: Any) -> list[str]:
+    """The strings of a record's list of keys; anything else in the record names none."""
+    return [k for k in value if isinstance(k, str)] if isinstance(value, list) else []
 
 
 def wanted_metadata(vm: VirtualMachine) -> dict[str, dict[str, str]]:
