@@ -19,7 +19,8 @@ from neonvm.controller import actions as act
 from neonvm.controller import decide as d
 from neonvm.controller.action_table import status_mutation
 from neonvm.controller.observe import Snapshot
-from neonvm.controller.scaling import RunnerScaling
+from neonvm.controller.reconciler import paused
+from neonvm.controller.scaling import POD_NOT_ANNOTATED, RunnerScaling
 from tests.support.autoscaler_view import vm_of
 
 pytestmark = pytest.mark.unit
@@ -100,9 +101,13 @@ class _Told(RunnerScaling):
         self.told: list[tuple[int, PendingScale]] = []
         self.called: list[str] = []
 
+    refused: str | None = None
+    """What the annotation write answers: None (written), or why the API server refused it."""
+
     def _tell_kubernetes(self, vm: VirtualMachine, pod: act.PodView, memory_bytes: int,
-                         plan: PendingScale, log: Any) -> None:
+                         plan: PendingScale, log: Any) -> str | None:
         self.told.append((memory_bytes, plan))
+        return self.refused
 
     def _call(self, method: str, url: str, body: dict[str, Any] | None,
               token: str | None, timeout: float) -> tuple[int, dict[str, Any]]:
@@ -129,6 +134,25 @@ def test_a_fraction_change_on_a_pod_without_a_token_is_told_to_the_pod_and_commi
     vm.status = status_mutation(commit, LEASE)(vm)
     assert (vm.status.cpus, vm.status.memory_size) == (MilliCPU(750), "1Gi")
     assert vm.status.pending_scale is None
+
+
+def test_a_refused_annotation_write_ends_the_reconcile_stuck_instead_of_planning_again(
+) -> None:
+    # The API server refuses the pod's annotation write for good (a 422: the tenant filled
+    # its pod's annotations). The plan must not commit and be planned again at once (the
+    # commit records a fraction only once the pod carries the plan: a hot loop of status
+    # writes and runner calls); it is asked again after the VM's stuck backoff.
+    vm = fraction_vm()
+    planned(vm)
+    apply = decide(vm, running_pod())
+    assert isinstance(apply, act.ApplyScale), apply
+    scaling = _Told()
+    scaling.refused = "annotating p with its size was refused: 422 too long"
+    snap = Snapshot(obs=act.Observation(vm=vm, pods=(running_pod(),), lease=LEASE,
+                                        direct=True), record=None, pods={})
+    outcome = scaling.apply(apply, snap, logger)
+    assert outcome == POD_NOT_ANNOTATED and "422" in getattr(outcome, "detail", "")
+    assert paused(outcome)
 
 
 def test_a_whole_vcpu_change_on_a_pod_without_a_token_still_needs_a_restart() -> None:

@@ -86,6 +86,11 @@ GUEST_REFUSED = "guest_refused"
 """The outcome of an ``ApplyScale`` the runner answered 504 ``refused``: the guest keeps a
 device it was asked to give back. It may agree later; see ``reconciler.PAUSED``."""
 
+POD_NOT_ANNOTATED = "pod_not_annotated"
+"""The outcome of an ``ApplyScale`` whose pod annotation write the API server refused
+(say 422: the tenant filled the pod's annotations): asked again after the stuck backoff,
+not at once (see :meth:`RunnerScaling._tell_kubernetes`)."""
+
 RUNNER_UNREACHABLE = "unreachable"
 """The outcome of an ``ApplyScale`` whose runner gave no answer (connection refused or
 reset, nothing back within the deadline)."""
@@ -193,7 +198,8 @@ def asks_again_later(outcome: str) -> bool:
     answer or misbehaved, or it answered 5xx (a 504: an unplug the guest neither finished
     nor refused within the runner's own wait). Asked again at once, each such PUT may
     hold a worker for the whole deadline (docs/protocol.md, "Live scaling")."""
-    return outcome in (GUEST_REFUSED, RUNNER_UNREACHABLE, RUNNER_MISBEHAVING) or (
+    return outcome in (GUEST_REFUSED, RUNNER_UNREACHABLE, RUNNER_MISBEHAVING,
+                       POD_NOT_ANNOTATED) or (
         outcome.startswith("runner_5"))
 
 
@@ -380,8 +386,8 @@ class RunnerScaling:
             # A cpus.use change within the vCPUs the pod was built with (and keeps, with
             # no token): nothing for the runner, only the fenced annotation write, after
             # which decide commits (docs/protocol.md, "Live scaling").
-            self._tell_kubernetes(vm, pod, d.status_memory_bytes(vm) or 0, plan, log)
-            return "done"
+            refused = self._tell_kubernetes(vm, pod, d.status_memory_bytes(vm) or 0, plan, log)
+            return "done" if refused is None else Result(POD_NOT_ANNOTATED, refused)
         if not vm.status.scaling_token_secret:
             # Pods mount the recorded Secret: with none recorded, the committed pod was
             # built without a token (its bounds were equal then, or the controller could
@@ -429,8 +435,8 @@ class RunnerScaling:
                       f"report ({short(str(exc))})")
             log.warning("scaling plan #{seq}: {detail}", seq=plan.seq, detail=detail)
             return Result(RUNNER_MISBEHAVING, detail)
-        self._tell_kubernetes(vm, pod, memory_bytes, plan, log)
-        return "done"
+        refused = self._tell_kubernetes(vm, pod, memory_bytes, plan, log)
+        return "done" if refused is None else Result(POD_NOT_ANNOTATED, refused)
 
     def unauthorized(self, pod_uid: str, doc: dict[str, Any], detail: str,
                      vm_uid: str = "") -> Result:
@@ -523,9 +529,12 @@ class RunnerScaling:
     # ---- Kubernetes --------------------------------------------------------------------
 
     def _tell_kubernetes(self, vm: VirtualMachine, pod: act.PodView, memory_bytes: int,
-                         plan: types.PendingScale, log: Any) -> None:
+                         plan: types.PendingScale, log: Any) -> str | None:
         """The usage annotation, and the CPU request by in-place resize (best effort: the
-        guest already has the size; a failure here is logged, not retried later).
+        guest already has the size; a failure here is logged, not retried later). Returns
+        why, when the API server refused the annotation write itself: the plan then does
+        not commit and is asked again after the VM's stuck backoff (a commit records a
+        fraction only once the pod carries the plan, so asking again at once would loop).
 
         Fenced like the runner: both are written only over the record of an older plan
         (:data:`SCALE_FENCE_ANNOTATION`), each with the resourceVersion just read, so a
@@ -536,15 +545,18 @@ class RunnerScaling:
         writing over a newer plan's."""
         fence = d.scale_fence(plan)
         for _ in range(TELL_ATTEMPTS):
-            if self._tell_once(vm, pod, memory_bytes, plan, fence, log) != "conflict":
-                return
+            told = self._tell_once(vm, pod, memory_bytes, plan, fence, log)
+            if told != "conflict":
+                return None if told == "done" else told
         log.warning("{pod}: the usage annotation or the CPU request of plan {f} met a "
                     "conflict {n} times: left", pod=pod.name, f=fence, n=TELL_ATTEMPTS)
+        return None
 
     def _tell_once(self, vm: VirtualMachine, pod: act.PodView, memory_bytes: int,
                    plan: types.PendingScale, fence: tuple[int, int, int], log: Any) -> str:
         """One read-check-patch of :meth:`_tell_kubernetes`: "done" (or nothing to do,
-        or failed for good), or "conflict" (a 409: read again and redo)."""
+        or the resize failed), "conflict" (a 409: read again and redo), or else why the
+        annotation write was refused."""
 
         try:
             current = kube.request(self._api, "GET", _pod_path(vm.namespace, pod.name),
@@ -580,7 +592,10 @@ class RunnerScaling:
             except ApiException as exc:
                 log.warning("annotating {pod} with its size: {s} {m}", pod=pod.name,
                             s=exc.status, m=kube.api_error_message(exc))
-                return "conflict" if exc.status == 409 else "done"
+                if exc.status == 409:
+                    return "conflict"
+                return (f"annotating {pod.name} with its size was refused: {exc.status} "
+                        f"{kube.api_error_message(exc)}")
             version = (written.get("metadata") or {}).get("resourceVersion")
         # The annotation carries this plan (written now, or by an earlier attempt).
         use = vm.spec.guest.cpus.current
