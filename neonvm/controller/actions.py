@@ -49,7 +49,8 @@ class PodView:
     runner_port: int | None = None
     """The port its runner listens on, from the pod's own spec; None: not found."""
     autoscaling: autoscaler_view.AutoscalingMeta = ()
-    """Its ``autoscaling.neon.tech/`` labels and annotations (kept as the VM's)."""
+    """The labels and annotations kept as the VM's, with the record of which were copied
+    (:func:`neonvm.controller.autoscaler_view.autoscaling_meta`)."""
     scale_fence: tuple[int, int, int] | None = None
     """(epoch, token, seq) of the scaling plan whose size its usage and resources
     annotations carry (``vm.neon.tech/scale-fence``); None: absent or malformed."""
@@ -401,8 +402,9 @@ class DropScale(Action):
 
 @dataclass(frozen=True)
 class SyncPodMetadata(Action):
-    """Make the committed pod ``name`` (``uid``) carry the VM's ``autoscaling.neon.tech/``
-    labels and annotations (added, changed, removed), as NeonVM keeps them for its
+    """Make the committed pod ``name`` (``uid``) carry the VM's labels and annotations
+    (added, changed, and removed where the pod's record says they were copied), as
+    NeonVM keeps them for its
     autoscaler stack: a merge patch with the pod's uid and resourceVersion
     (:mod:`neonvm.controller.autoscaler_view`)."""
 

@@ -275,9 +275,9 @@ POD_ANNOTATIONS = (types.ANNOTATION_EPOCH, types.ANNOTATION_TOKEN, types.ANNOTAT
                    types.ANNOTATION_SCALE_FENCE)
 """The pod annotations the controller reads from its cache (the fence and plan, the
 size the pod was built with, which a pod's commit records, and the scaling plan its size
-annotations carry, which a scaling plan's commit checks); those under
-``autoscaling.neon.tech/`` and ``vm.neon.tech/overcommit`` are kept too (kept as the VM's:
-``SyncPodMetadata``)."""
+annotations carry, which a scaling plan's commit checks); the ones kept as the VM's
+(``SyncPodMetadata``: the VM's copied keys, their record and ``vm.neon.tech/overcommit``)
+are kept too."""
 RUNNER_PORT_NAME = "runner"
 """The runner's container port name (``acceleration.RUNNER_PORT_NAME``; a test keeps the
 two equal)."""

@@ -438,8 +438,9 @@ class Actors:
         if name == "DeletePod":
             return self._delete(w, i, me, x.action[1], x.action[2], desc)
         if name == "SyncPodMetadata":
-            # Only labels and annotations under autoscaling.neon.tech/: nothing this world
-            # models (pods, gates, phases, the VM) changes.
+            # Only the VM's copied labels and annotations (never the controller's own
+            # vm.neon.tech/ keys): nothing this world models (pods, gates, phases, the
+            # VM) changes.
             return (Step(me, "write", (x.action, "ok"), f"{me}: PATCH pod metadata {desc}"),
                     _set(w, i, _idle(x)))
         raise AssertionError(f"no write for {name}")  # pragma: no cover
