@@ -54,7 +54,7 @@ from neonvm.api.types import Condition, Fence, VirtualMachine, VirtualMachineSta
 from neonvm.controller import actions as act
 from neonvm.controller import autoscaler_view
 from neonvm.controller import decide as d
-from neonvm.controller.mutations import FencedOut, StatusMutation
+from neonvm.controller.mutations import StatusMutation, check_fence
 from neonvm.controller.observe import Snapshot
 from neonvm.controller.reasons import (
     AVAILABLE,
@@ -369,10 +369,7 @@ def too_large_mutation(message: str, lease: act.Fence) -> StatusMutation:
         conditions, changed = _apply(vm, [update], now_rfc3339())
         if not changed:
             return None
-        fence = vm.status.fence
-        if fence is not None and (fence.epoch, fence.token) > (lease.epoch, lease.token):
-            raise FencedOut(f"{vm.key}: status fenced at epoch {fence.epoch} token "
-                            f"{fence.token}, we are epoch {lease.epoch} token {lease.token}")
+        check_fence(vm, lease)
         status = copy.deepcopy(vm.status)
         status.conditions = conditions
         status.fence = Fence(epoch=lease.epoch, token=lease.token)
@@ -462,10 +459,7 @@ def conditions_mutation(updates: list[ConditionUpdate], lease: act.Fence,
         changed = autoscaler_view.settle(status, vm) or changed
         if not changed:
             return None
-        fence = vm.status.fence
-        if fence is not None and (fence.epoch, fence.token) > (lease.epoch, lease.token):
-            raise FencedOut(f"{vm.key}: status fenced at epoch {fence.epoch} token "
-                            f"{fence.token}, we are epoch {lease.epoch} token {lease.token}")
+        check_fence(vm, lease)
         status.conditions = conditions
         status.observed_generation = vm.generation
         status.fence = Fence(epoch=lease.epoch, token=lease.token)

@@ -32,13 +32,18 @@ class FencedOut(Exception):
     """A writer with a higher (epoch, token) has written this VM: we are stale."""
 
 
-def _fresh_status(vm: VirtualMachine, lease: act.Fence) -> VirtualMachineStatus:
+def check_fence(vm: VirtualMachine, lease: act.Fence) -> None:
+    """Raise :class:`FencedOut` when a writer with a higher (epoch, token) wrote ``vm``."""
     fence = vm.status.fence
     if fence is not None and (fence.epoch, fence.token) > (lease.epoch, lease.token):
         raise FencedOut(
             f"{vm.key}: status fenced at epoch {fence.epoch} token {fence.token}, "
             f"we are epoch {lease.epoch} token {lease.token}"
         )
+
+
+def _fresh_status(vm: VirtualMachine, lease: act.Fence) -> VirtualMachineStatus:
+    check_fence(vm, lease)
     status = copy.deepcopy(vm.status)
     status.fence = Fence(epoch=lease.epoch, token=lease.token)
     status.observed_generation = vm.generation

@@ -141,13 +141,7 @@ def runner_exchange(method: str, url: str, body: bytes | None, headers: dict[str
             sock.settimeout(left())
             sock.sendall(request)
             return _read_answer(sock, received, left, body_limit, head_limit)
-    except _Deadline:
-        if received:
-            raise ScalingError(f"{method} {url}: the answer was not complete after "
-                               f"{deadline:g} s ({len(received)} bytes so far)",
-                               misbehaving=True) from None
-        raise ScalingError(f"{method} {url}: no answer within {deadline:g} s") from None
-    except TimeoutError:
+    except (_Deadline, TimeoutError):
         if received:
             raise ScalingError(f"{method} {url}: the answer was not complete after "
                                f"{deadline:g} s ({len(received)} bytes so far)",
