@@ -39,9 +39,9 @@ from cryptography.hazmat.primitives.asymmetric import rsa
 from kubernetes import client
 from prometheus_client import CollectorRegistry
 
-from neonvm.dev import binaries
-from neonvm.dev.cluster import LOCKS_ETCD_ROOT, LocalCluster, free_port
+from neonvm.dev.cluster import LOCKS_ETCD_ROOT, LocalCluster
 from neonvm.dev.replica import controller_argv
+from neonvm.drills.infra import EtcdMember, three_members
 from neonvm.drills.proxy import FaultProxy
 from neonvm.leader.election import (
     STEP_DOWN_ANNOTATION,
@@ -57,7 +57,6 @@ from neonvm.leader.etcd import (
     Etcd,
     EtcdAccessDenied,
     EtcdConfig,
-    EtcdError,
     EtcdUnavailable,
 )
 from neonvm.leader.lease_store import KubernetesLeaseStore, LeaseConflict
@@ -793,63 +792,15 @@ def test_a_leader_cut_off_the_locks_etcd_only_is_asked_to_step_down_and_a_standb
 # ---- a 3-member etcd losing members -------------------------------------------------------
 
 
-@dataclass
-class Member:
-    """One member of a private 3-member etcd (plain HTTP on loopback)."""
-
-    name: str
-    url: str
-    argv: list[str]
-    log: Path
-    proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        with self.log.open("ab") as out:
-            self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL)
-
-    def kill(self) -> None:
-        """A crash (SIGKILL): no goodbye to its peers or clients."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-
 @contextmanager
-def three_member_etcd(state: Path) -> Iterator[list[Member]]:
-    state.mkdir(parents=True, exist_ok=True)
-    clients = [free_port() for _ in range(3)]
-    peers = [free_port() for _ in range(3)]
-    cluster = ",".join(f"m{i}=http://127.0.0.1:{p}" for i, p in enumerate(peers))
-    members = []
-    for i in range(3):
-        url = f"http://127.0.0.1:{clients[i]}"
-        argv = [str(binaries.require("etcd")), f"--name=m{i}", f"--data-dir={state / f'm{i}'}",
-                f"--listen-client-urls={url}", f"--advertise-client-urls={url}",
-                f"--listen-peer-urls=http://127.0.0.1:{peers[i]}",
-                f"--initial-advertise-peer-urls=http://127.0.0.1:{peers[i]}",
-                f"--initial-cluster={cluster}", "--initial-cluster-state=new",
-                "--initial-cluster-token=liveness", "--unsafe-no-fsync", "--log-level=warn"]
-        members.append(Member(f"m{i}", url, argv, state / f"m{i}.log"))
-    for m in members:
-        m.start()
+def three_member_etcd(state: Path) -> Iterator[list[EtcdMember]]:
+    """The drill's 3-member etcd (``neonvm.drills.infra.three_members``), killed after."""
+    members = three_members(state)
     try:
-        config = EtcdConfig(endpoints=tuple(m.url for m in members), timeout=2)
-        wait_for(lambda: _quorum(config), 60, what="the 3-member etcd answering")
         yield members
     finally:
         for m in members:
             m.kill()
-
-
-def _quorum(config: EtcdConfig) -> bool:
-    """A linearizable read answered: a majority of the members is up."""
-    try:
-        with Etcd(config) as etcd:
-            etcd.get("/probe", timeout=2)
-    except EtcdError:
-        return False
-    return True
 
 
 @pytest.mark.cluster
