@@ -33,6 +33,9 @@ RIGHTS_URL_ENV = "NEONVM_RIGHTS_URL"
 """The runner's environment variable for ``--rights-url``: set in a pod's (immutable)
 spec, it says the runner self-fences (the controller writes it, and reads it back
 before it condemns a pod)."""
+RIGHTS_TOKEN_FILE_ENV = "NEONVM_RIGHTS_TOKEN_FILE"
+"""The runner's environment variable for ``--rights-token-file``: the projected
+ServiceAccount token it presents as its bearer (docs/security.md, "Rights endpoint")."""
 RIGHT_SECONDS_ENV = "NEONVM_RIGHT_SECONDS"
 """The runner's environment variable for ``--right-seconds`` (D)."""
 RIGHTS_CLOSED_ENV = "NEONVM_RIGHTS_CLOSED_URL"

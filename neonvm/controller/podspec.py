@@ -57,6 +57,7 @@ from neonvm.api.rights import (
     RIGHT_SECONDS_ANNOTATION,
     RIGHT_SECONDS_ENV,
     RIGHTS_CLOSED_ENV,
+    RIGHTS_TOKEN_FILE_ENV,
     RIGHTS_URL_ENV,
     annotation_value,
 )
@@ -118,6 +119,12 @@ UNPRIVILEGED_PORT_SYSCTL = "net.ipv4.ip_unprivileged_port_start"
 SCALING_DIR = "/vm/scaling"
 """Where the VM's scaling-token Secret is mounted (live scaling)."""
 SCALING_VOLUME = "vm-scaling-token"
+POD_UID_ENV = "NEONVM_POD_UID"
+
+
+def pod_uid_var() -> dict[str, Any]:
+    """The pod's uid, from the downward API (a scaling bearer's HMAC input, a right's ask)."""
+    return {"name": POD_UID_ENV, "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}}
 
 
 def scalable(vm: VirtualMachine) -> bool:
@@ -153,6 +160,10 @@ class PodDefaults:
     "Self-fencing"."""
     rights_url: str | None = None
     """Self-fencing: the leader's rights endpoint runners ask (None: off)."""
+    rights_audience: str | None = None
+    """Self-fencing: the audience of the projected ServiceAccount token a runner presents
+    for its right (:func:`rights_token_volume`); None: runners present the HMAC of the
+    VM's scaling token instead, and only a VM with one self-fences."""
 
 
 def fencing_eligible(vm: VirtualMachine, defaults: PodDefaults) -> bool:
@@ -167,9 +178,35 @@ def fencing_eligible(vm: VirtualMachine, defaults: PodDefaults) -> bool:
 
 
 def self_fencing(vm: VirtualMachine, defaults: PodDefaults) -> bool:
-    """Whether the VM's next pod self-fences: :func:`fencing_eligible`, and the VM has a
-    scaling token recorded (mounted into the pod)."""
-    return bool(fencing_eligible(vm, defaults) and vm.status.scaling_token_secret)
+    """Whether the VM's next pod self-fences: :func:`fencing_eligible`, and its runner has
+    a credential to ask with: the projected token of ``rights_audience``, or else the
+    VM's recorded scaling token (mounted into the pod)."""
+    return bool(fencing_eligible(vm, defaults)
+                and (defaults.rights_audience or vm.status.scaling_token_secret))
+
+
+RIGHTS_TOKEN_DIR = "/vm/rights"
+"""Where the runner's rights token is projected (outside ``/vm/disks``: nothing under it
+becomes a guest disk)."""
+RIGHTS_TOKEN_VOLUME = "vm-rights-token"
+RIGHTS_TOKEN_SECONDS = 600
+"""The projected token's ``expirationSeconds``: the API's minimum; the kubelet rotates it
+at 80 % of that."""
+
+
+def rights_token_volume(audience: str) -> tuple[dict[str, Any], dict[str, Any],
+                                                 list[dict[str, Any]]]:
+    """(volume, runner mount, runner env) of a self-fencing runner's credential: a
+    ServiceAccount token bound to the pod, of ``audience`` only, projected into the runner
+    container alone (never an init container, never a disk). The leader verifies it by a
+    TokenReview (docs/security.md, "Rights endpoint")."""
+    volume = {"name": RIGHTS_TOKEN_VOLUME, "projected": {"sources": [{
+        "serviceAccountToken": {"audience": audience,
+                                "expirationSeconds": RIGHTS_TOKEN_SECONDS,
+                                "path": "token"}}]}}
+    mount = {"name": RIGHTS_TOKEN_VOLUME, "mountPath": RIGHTS_TOKEN_DIR, "readOnly": True}
+    env = [{"name": RIGHTS_TOKEN_FILE_ENV, "value": f"{RIGHTS_TOKEN_DIR}/token"}]
+    return volume, mount, env
 
 
 UNREACHABLE_TAINT = "node.kubernetes.io/unreachable"
@@ -295,8 +332,7 @@ def runner_pod(vm: VirtualMachine, plan: PendingPod,
         container["env"] += [
             {"name": "NEONVM_SCALING_TOKEN_FILE", "value": f"{SCALING_DIR}/token"},
             # The runner expects HMAC(token, its pod uid): a token is good for one pod.
-            {"name": "NEONVM_POD_UID", "valueFrom": {"fieldRef": {
-                "fieldPath": "metadata.uid"}}},
+            pod_uid_var(),
         ]
     if fencing:
         # Self-fencing (docs/runner.md, "Self-fencing"): QEMU runs only while the leader
@@ -305,6 +341,13 @@ def runner_pod(vm: VirtualMachine, plan: PendingPod,
             {"name": RIGHTS_URL_ENV, "value": str(defaults.rights_url)},
             {"name": RIGHT_SECONDS_ENV, "value": annotation_value(defaults.right_seconds)},
         ]
+        if defaults.rights_audience:
+            volume, mount, env = rights_token_volume(defaults.rights_audience)
+            volumes.append(volume)
+            mounts.append(mount)
+            container["env"] += env
+            if not any(e["name"] == POD_UID_ENV for e in container["env"]):
+                container["env"].append(pod_uid_var())
     elif defaults.rights_url:
         # Not self-fencing, but the leader's rights listener is reachable from this pod:
         # its guest filter closes the port all the same (docs/security.md).
