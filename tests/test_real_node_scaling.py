@@ -21,6 +21,12 @@ guest's console lines, read at the pod's IP; the same lines in the pod's log), a
 runner pod, the same uid, and one QEMU throughout. The times from the patch to the
 guest's report are printed (docs/real-node.md, "Live scaling on the real node"), not
 asserted.
+
+Fractional CPU (the second test): the autoscaler-agent's merge patch (``cpus.use`` and
+``targetRevision``) takes a VM 500m -> 1500m -> 250m; the CFS quota the kernel holds for
+the runner container's cgroup (the kubelet's, from the in-place resized CPU limit) follows,
+with ``status.cpus``, ``currentRevision`` and the pod's ``vm.neon.tech/resources``
+(docs/neonvm-compat.md, "Enforced by the kubelet in this controller's runner pods").
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import json
 import time
 import urllib.request
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +47,7 @@ from kubernetes import client
 from neonvm import kube
 from neonvm.api import types
 from neonvm.api.millicpu import MilliCPU
+from neonvm.controller.podspec import ANNOTATION_RESOURCES
 from neonvm.dev import realnode
 from neonvm.dev.cluster import LocalCluster
 from tests.support import replica_group, wait_for
@@ -129,9 +137,9 @@ def qemu_devices_on_the_node(vm: str) -> list[str]:
     return []
 
 
-def ready_runner_pod(api: client.ApiClient, namespace: str) -> RunnerPod | None:
+def ready_runner_pod(api: client.ApiClient, namespace: str, vm: str = VM) -> RunnerPod | None:
     """The VM's one runner pod once it is Ready (the guest booted), else None."""
-    pods = runner_pods(api, namespace, VM)
+    pods = runner_pods(api, namespace, vm)
     if len(pods) != 1:
         return None
     pod = pods[0]
@@ -271,5 +279,213 @@ def test_the_controller_scales_a_runner_pod_on_the_real_node_live(
         _print_pods_and_events(cluster, namespace)
         node.stop()
         # The session's other tests must not get pods bound to the stopped node.
+        with contextlib.suppress(client.ApiException):
+            core.delete_node(node.name)
+
+
+# ---- fractional CPU: the kubelet's cgroup quota follows the agent's patch ------------------
+
+CPU_VM = "frac"
+"""A VM of its own name: its QEMU is told apart from another test's on the host."""
+
+CPU_SPEC: dict[str, Any] = {
+    "nodeSelector": {realnode.REAL_LABEL: "true"},
+    "terminationGracePeriodSeconds": 10,
+    "cpuScalingMode": "SysfsScaling",
+    "guest": {
+        "cpus": {"min": "250m", "max": 3, "use": "500m"},
+        "memorySlots": {"min": 1, "max": 1, "use": 1}, "memorySlotSize": "1Gi",
+        "appendKernelCmdline": "quiet neonvm.test=powerdown",
+    },
+}
+
+CpuStep = tuple[str, int, int, int]
+"""``cpus.use`` as the agent sends it, the revision it stamps, then what follows: the
+guest's online vCPUs and the runner container's CFS quota (us per 100 ms period) that
+the kubelet writes for the limit NeonVM's rule gives (4 x use within [use, max])."""
+
+CPU_STEPS: list[CpuStep] = [
+    ("1500m", 7, 2, 300_000),  # limit min(6, max 3) = 3
+    ("250m", 8, 1, 100_000),   # limit 4 x 250m = 1
+]
+BOOT_QUOTA = 200_000  # 500m: limit 2
+PERIOD_US = 100_000
+
+
+def qemu_host_pid(vm: str) -> int | None:
+    """The host pid of the QEMU of VM ``vm`` (``-name guest=<vm>``), None if none runs."""
+    for proc in Path("/proc").iterdir():
+        try:
+            argv = (proc / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if argv[0].endswith("qemu-system-x86_64") and f"guest={vm}" in argv:
+            return int(proc.name)
+    return None
+
+
+def cpu_cgroup_of(pid: int) -> str:
+    """The v1 ``cpu`` cgroup of host process ``pid`` (``/proc/<pid>/cgroup``)."""
+    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+        _n, controllers, path = line.split(":", 2)
+        if "cpu" in controllers.split(","):
+            return path
+    raise AssertionError(f"no cpu cgroup for pid {pid}")
+
+
+def container_cgroup(api: client.ApiClient, namespace: str, pod_name: str,
+                     root: str) -> str:
+    """The runner container's cgroup as the kubelet (cgroupfs driver, cgroup root
+    ``root``) and containerd name it: ``<root>/kubepods/<qos>/pod<uid>/<container id>``."""
+    pod = client.CoreV1Api(api).read_namespaced_pod(pod_name, namespace)
+    (status,) = [s for s in pod.status.container_statuses or [] if s.name == "neonvm-runner"]
+    container = status.container_id.split("://", 1)[1]
+    qos = {"Guaranteed": "", "Burstable": "burstable/", "BestEffort": "besteffort/"}[
+        pod.status.qos_class]
+    return f"{root}/kubepods/{qos}pod{pod.metadata.uid}/{container}"
+
+
+def cfs_quota(cgroup: str) -> tuple[int, int]:
+    """(``cpu.cfs_quota_us``, ``cpu.cfs_period_us``) of a v1 cgroup, as the kernel holds them."""
+    base = Path("/sys/fs/cgroup/cpu") / cgroup.lstrip("/")
+    return (int((base / "cpu.cfs_quota_us").read_text()),
+            int((base / "cpu.cfs_period_us").read_text()))
+
+
+def wait_quota(cgroup: str, quota: int) -> tuple[int, int]:
+    """Wait until the kernel holds ``quota`` per 100 ms for ``cgroup``."""
+    def held() -> tuple[int, int] | None:
+        found = cfs_quota(cgroup)
+        return found if found == (quota, PERIOD_US) else None
+    return wait_for(held, timeout=180, interval=0.5,
+                    what=f"{cgroup}: cfs quota {quota}/{PERIOD_US}") or (0, 0)
+
+
+def wait_landed(api: client.ApiClient, namespace: str, use: str, revision: int,
+                not_before: datetime) -> dict[str, Any]:
+    """Wait until ``status`` says ``cpus: use`` with no scale pending and
+    ``currentRevision`` is the agent's ``revision``, stamped no earlier than
+    ``not_before`` (NeonVM's ``propagateRevision`` stamps the landing, not the agent's
+    ``updatedAt``)."""
+    def says() -> dict[str, Any] | None:
+        status: dict[str, Any] = (get_vm(api, namespace, CPU_VM) or {}).get("status") or {}
+        current = status.get("currentRevision") or {}
+        if "pendingScale" in status or status.get("cpus") != use or \
+                current.get("revision") != {"value": revision, "flags": 1}:
+            return None
+        stamped = datetime.fromisoformat(current["updatedAt"].replace("Z", "+00:00"))
+        return status if stamped >= not_before else None
+    found: dict[str, Any] = wait_for(
+        says, timeout=300, interval=0.2,
+        what=f"status: cpus {use}, currentRevision {revision} stamped after the patch")
+    return found
+
+
+def resources_use(api: client.ApiClient, namespace: str, pod_name: str) -> str | None:
+    """``cpus.use`` of the pod's ``vm.neon.tech/resources`` annotation."""
+    pod = client.CoreV1Api(api).read_namespaced_pod(pod_name, namespace)
+    raw = (pod.metadata.annotations or {}).get(ANNOTATION_RESOURCES)
+    return None if raw is None else str(json.loads(raw)["cpus"]["use"])
+
+
+@pytest.mark.cluster
+@pytest.mark.realnode
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+@pytest.mark.skipif(_images_skip_reason() is not None, reason=_images_skip_reason() or "")
+def test_the_agents_fractional_scale_moves_the_kubelets_cgroup_quota_on_the_real_node(
+    cluster: LocalCluster, api: client.ApiClient, namespace: str, tmp_path: Path
+) -> None:
+    """The autoscaler-agent's JSON merge patch (``cpus.use`` and ``targetRevision``) on a
+    VM running on the real kubelet node, 500m -> 1500m -> 250m (``max`` 3): the guest's
+    vCPUs, the pod's ``vm.neon.tech/resources``, ``status.cpus`` (fractional) and
+    ``currentRevision`` (stamped on landing) follow, and so does the CFS quota the kernel
+    holds for the runner container's cgroup (the kubelet's, from the in-place resized
+    limit: docs/neonvm-compat.md, "Enforced by the kubelet"), the one QEMU in it, with
+    the same pod throughout."""
+    from neonvm.dev import guestdisk, realguest
+    from tests.guest.build import INIT_SCRIPT
+
+    problem = realguest.unavailable_reason()
+    if problem:
+        pytest.skip(f"no real guest here: {problem}")
+    node = realguest.prepare(cluster, print).node
+    core = client.CoreV1Api(api)
+    try:
+        _raw, qcow2 = guestdisk.build_rootfs(tmp_path / "disk", init=INIT_SCRIPT)
+        archive = guestdisk.disk_image_archive(qcow2, tmp_path / "disk.oci.tar",
+                                            guestdisk.SCALING_DISK_IMAGE)
+        node.ctr("images", "import", "--platform", "linux/amd64", str(archive), timeout=300)
+        spec = copy.deepcopy(CPU_SPEC)
+        spec["guest"]["rootDisk"] = {"image": guestdisk.SCALING_DISK_IMAGE,
+                                     "imagePullPolicy": "Never"}
+        with replica_group(cluster, api, namespace, tmp_path / "replicas") as group:
+            group.start("c0")
+            create_vm(api, namespace, CPU_VM, restart_policy="Always", spec=spec)
+            try:
+                pod = wait_for(lambda: ready_runner_pod(api, namespace, CPU_VM),
+                               timeout=600, interval=0.5,
+                               what="the runner pod Ready on the real node")
+                qemu_pid = pod.guest_reports(cpus=1)["qemuPid"]
+                wait_for(lambda: (get_vm(api, namespace, CPU_VM) or {}).get(
+                    "status", {}).get("cpus") == "500m", timeout=300, interval=0.2,
+                    what="status.cpus 500m at boot")
+                cgroup = container_cgroup(api, namespace, pod.name, node.cgroup_root)
+                host_pid = wait_for(lambda: qemu_host_pid(CPU_VM), timeout=60,
+                                    what="the guest's QEMU on the host")
+                # QEMU runs in the runner container's cgroup (or a child of it, had the
+                # runner been able to write it).
+                assert cpu_cgroup_of(host_pid).startswith(cgroup), cpu_cgroup_of(host_pid)
+                figures = [f"container cgroup {cgroup}",
+                           f"boot (500m): quota/period {wait_quota(cgroup, BOOT_QUOTA)}, "
+                           f"runner /status cpuLimit {(pod.status() or {}).get('cpuLimit')}"]
+
+                for use, revision, vcpus, quota in CPU_STEPS:
+                    not_before = datetime.now(UTC).replace(microsecond=0)
+                    kube.request(api, "PATCH",
+                                 f"/apis/{types.GROUP}/{types.VERSION}/namespaces/"
+                                 f"{namespace}/{types.PLURAL}/{CPU_VM}",
+                                 {"spec": {"guest": {"cpus": {"use": use}},
+                                           "targetRevision": {
+                                               "revision": {"value": revision, "flags": 1},
+                                               "updatedAt": "2020-01-02T15:04:05Z"}}},
+                                 content_type="application/merge-patch+json")
+                    seen = pod.guest_reports(vcpus)
+                    status = wait_landed(api, namespace, use, revision, not_before)
+                    wait_for(lambda u=use: resources_use(api, namespace, pod.name) == u,
+                             timeout=120, interval=0.2,
+                             what=f"the pod's {ANNOTATION_RESOURCES} at cpus.use {use}")
+                    held = wait_quota(cgroup, quota)
+                    # The same pod, the same QEMU, still in that cgroup.
+                    assert [p.metadata.uid for p in runner_pods(api, namespace, CPU_VM)] \
+                        == [pod.uid]
+                    assert container_cgroup(api, namespace, pod.name,
+                                            node.cgroup_root) == cgroup
+                    assert seen["qemuPid"] == qemu_pid
+                    assert qemu_host_pid(CPU_VM) == host_pid
+                    assert cpu_cgroup_of(host_pid).startswith(cgroup)
+                    resources = core.read_namespaced_pod(pod.name, namespace).spec.containers[
+                        0].resources
+                    figures.append(
+                        f"cpus.use {use}: guest {seen['guestCpusOnline']} vCPUs online, "
+                        f"status.cpus {status['cpus']}, currentRevision "
+                        f"{status['currentRevision']}, pod cpu request "
+                        f"{resources.requests.get('cpu')} limit {resources.limits.get('cpu')}, "
+                        f"quota/period {held}, runner /status cpuLimit "
+                        f"{(pod.status() or {}).get('cpuLimit')}")
+                resizes = [e.reason for e in core.list_namespaced_event(
+                    namespace, field_selector=f"involvedObject.name={pod.name}").items
+                    if e.reason.startswith("Resize")]
+                figures.append(f"the kubelet's resize events: {', '.join(resizes) or 'none'}")
+                print("\nfractional CPU on the real node (the kubelet's cgroup, v1):\n  "
+                      + "\n  ".join(figures))
+            finally:
+                with contextlib.suppress(Exception):
+                    delete_vm(api, namespace, CPU_VM)
+                    wait_for(lambda: not runner_pods(api, namespace, CPU_VM), timeout=180,
+                             interval=0.5, what="the runner pod gone")
+    finally:
+        _print_pods_and_events(cluster, namespace)
+        node.stop()
         with contextlib.suppress(client.ApiException):
             core.delete_node(node.name)
