@@ -117,15 +117,16 @@ def test_a_hostile_annotation_gives_the_boot_use_and_a_status_that_encodes(
     assert wanted_millicpu(resources, 500, 2000) == 500
     reports: list[dict[str, Any]] = []
 
-    def nowhere(pod: str) -> QemuCgroup:
-        raise OSError(30, "Read-only file system", "/sys/fs/cgroup/cpu")
+    def directory(pod: str) -> QemuCgroup:  # a plain directory stands in for the cgroup
+        return QemuCgroup(tmp_path, 1, pod)
 
-    limiter = CpuLimiter("p", 500, resources, lambda: 123, reports.append, find=nowhere,
+    limiter = CpuLimiter("p", 500, resources, lambda: 123, reports.append, find=directory,
                          max_millicpu=2000)
     limiter.start()
     wait_for(lambda: reports, timeout=10, what="the limiter's report")
     limiter.stop()
     assert reports[0]["milliCPU"] == 500
+    assert reports[0]["quotaUs"] == 200_000
     json.dumps(reports)
 
 
@@ -140,9 +141,10 @@ def test_a_cgroup_that_cannot_be_written_is_reported_not_fatal(tmp_path: Path) -
     limiter.start()
     wait_for(lambda: reports, timeout=10, what="the limiter's report")
     limiter.stop()
-    assert reports == [{"milliCPU": 250, "unavailable": "QEMU's CPU time is not capped: "
-                                                        "[Errno 30] Read-only file system: "
-                                                        "'/sys/fs/cgroup/cpu'"}]
+    # No size: the limiter stops here, and a size would go stale at the next scale.
+    assert reports == [{"unavailable": "QEMU's CPU time is not capped: "
+                                       "[Errno 30] Read-only file system: "
+                                       "'/sys/fs/cgroup/cpu'"}]
 
 
 def writable_cgroup() -> str | None:

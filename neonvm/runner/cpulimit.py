@@ -195,7 +195,8 @@ class CpuLimiter:
     A thread that, every :data:`POLL_SECONDS`: once ``qemu_pid()`` names a process, sets
     the quota and moves it in; then re-applies the quota when the wanted ``cpus.use``
     changes. ``report`` receives what ``/status`` shows under ``cpuLimit``. A failure to
-    write (no cgroup, read-only, not allowed) is reported once and the thread ends."""
+    write (no cgroup, read-only, not allowed) is reported once, without a size, and the
+    thread ends."""
 
     def __init__(self, pod_name: str, boot_millicpu: int, resources_file: Path | None,
                  qemu_pid: Callable[[], int | None], report: Callable[[dict[str, Any]], None],
@@ -246,7 +247,9 @@ class CpuLimiter:
         except (OSError, ValueError) as exc:
             why = f"QEMU's CPU time is not capped: {exc}"
             logger.warning("{}", why)
-            self._report({"milliCPU": want, "unavailable": why})
+            # No milliCPU here: the thread ends, so a figure would go stale at the next
+            # scale while the kubelet's limit (docs/neonvm-compat.md) keeps moving.
+            self._report({"unavailable": why})
             return False
         logger.info("cpu limit: {}m x {} -> quota {} us per {} us ({})", want,
                     OVERCOMMIT_FACTOR, quota, period, self.cgroup.path)
