@@ -55,7 +55,7 @@ def running_vm() -> types.VirtualMachine:
         "spec": {"guest": {"cpus": {"min": 1, "max": 1, "use": 1},
                            "memorySlots": {"min": 1, "max": 1, "use": 1},
                            "memorySlotSize": "1Gi", "rootDisk": {"image": "i"}},
-                 "enableSSH": True},
+                 "enableSSH": True, "qmpManual": 20184},
         "status": {"phase": "Running", "podName": "p", "podUID": "pu",
                    "conditions": [{"type": READY, "status": "True", "reason": "RunnerRunning"}]},
     })
@@ -76,6 +76,6 @@ def test_a_healthy_vm_writes_available_alone_where_neonvm_does_and_drops_an_old_
     wire = encode(new)
     assert [(c["type"], c["status"], c["reason"]) for c in wire["conditions"]] == [
         (AVAILABLE, "True", "RunnerRunning")]
-    # enableSSH (NeonVM's default) is not built: said beside, not in NeonVM's list
+    # qmpManual is not built: said beside, not in NeonVM's list
     assert [(c["type"], c["status"]) for c in wire["extraConditions"]] == [
         ("FieldsNotImplemented", "True")]

@@ -59,7 +59,7 @@ def test_the_exported_vm_decodes_with_millicpu_strings_and_names_its_unimplement
     assert vm.status.cpus == MilliCPU(500) and vm.status.memory_size == "2Gi"
     # memhpAutoMovableRatio reaches the guest kernel with virtio-mem (the default).
     assert compat.unimplemented_fields(vm.spec) == [
-        "spec.qmpManual", "spec.enableSSH", "spec.targetArchitecture",
+        "spec.qmpManual", "spec.targetArchitecture",
         "spec.disks[].emptyDisk.discard"]
     dimms = dataclasses.replace(vm.spec.guest, memory_provider="DIMMSlots")
     assert "spec.guest.memhpAutoMovableRatio" in compat.unimplemented_fields(

@@ -204,9 +204,9 @@ def test_the_api_server_stores_neonvms_defaults(api: client.ApiClient, namespace
     assert spec["tls"] == {"mountPath": "/var/tls"}
     # Not adopted: NeonVM's 5 s grace period (30 s here) and its second QMP port.
     assert "terminationGracePeriodSeconds" not in spec and "qmpManual" not in spec
-    # enableSSH true (NeonVM's default) is something this controller does not do: reported.
+    # enableSSH true (NeonVM's default) is built here (the SSH key Secret): not reported.
     decoded = types.VirtualMachine.from_object({"spec": spec}).spec
-    assert "spec.enableSSH" in compat.unimplemented_fields(decoded)
+    assert "spec.enableSSH" not in compat.unimplemented_fields(decoded)
 
 
 # ---- what never changes after creation -----------------------------------------------------------

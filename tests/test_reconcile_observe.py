@@ -65,8 +65,8 @@ def test_a_new_vm_seen_in_the_cache_is_started_with_the_ungate_list_as_its_only_
     """The create is decided from the answer to RecordPlan (the VM as stored), not from a
     direct read: a VM that the watch brought in reaches a started pod with one quorum
     read, the ungate's own list; and no condition is left to write at its end."""
-    # enableSSH defaults to true (NeonVM's default) and is not implemented here, which
-    # adds one condition write; this test counts a plain VM's calls.
+    # enableSSH defaults to true (NeonVM's default), which adds the SSH key Secret's
+    # create (tests/test_ssh_keys.py counts it); this test counts a plain VM's calls.
     created = create_vm(api, namespace, "cached",
                         spec={"enableAcceleration": False, "enableSSH": False})
     reconciler = Recording(controller_api)

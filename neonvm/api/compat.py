@@ -6,8 +6,8 @@ accepted, but never silently: :func:`unimplemented_fields` names every one a VM 
 (set to a value that asks for behaviour NeonVM has and this controller lacks), and the
 controller reports them in the ``FieldsNotImplemented`` condition and a Warning event.
 
-A field counts as used only when its value asks for something: ``enableSSH: false`` or
-``extraNetwork: {enable: false}`` asks for nothing NeonVM would do, and is not reported.
+A field counts as used only when its value asks for something: ``extraNetwork: {enable:
+false}`` asks for nothing NeonVM would do, and is not reported.
 docs/neonvm-compat.md has the full table (implemented, accepted and reported).
 
 :func:`configured_size` is what ``status.cpus`` and ``status.memorySize`` report: the
@@ -67,8 +67,6 @@ def _swap(spec: VirtualMachineSpec) -> bool:
 UNIMPLEMENTED: tuple[Unimplemented, ...] = (
     Unimplemented("spec.qmpManual", lambda s: s.qmp_manual is not None,
                   "the runner opens no second QMP port"),
-    Unimplemented("spec.enableSSH", lambda s: bool(s.enable_ssh),
-                  "no SSH key Secret is made and the guest gets no key"),
     Unimplemented("spec.targetArchitecture", lambda s: s.target_architecture is not None,
                   "the runner pod gets no kubernetes.io/arch node affinity"),
     Unimplemented("spec.extraInitContainers", lambda s: bool(s.extra_init_containers),

@@ -528,8 +528,10 @@ class VirtualMachineSpec:
     qmp_manual: int | None = api_field("NeonVM's second QMP port, for manual use "
                                        "(default 20184).", minimum=1, maximum=65535,
                                        int32=True)
-    enable_ssh: bool | None = api_field("Enable SSH into the guest (NeonVM; not done here).",
-                                        json="enableSSH", schema_default=True)
+    enable_ssh: bool | None = api_field(
+        "Give the guest an SSH key: the controller creates the Secret ssh-neonvm-<name> "
+        "(an ed25519 key pair) and the runner gives the public key to a vm-builder guest.",
+        json="enableSSH", schema_default=True)
     target_architecture: CPUArchitecture | None = api_field(
         "CPU architecture of the node the VM runs on: amd64 or arm64.")
     extra_init_containers: list[dict[str, Any]] | None = api_field(
@@ -687,8 +689,8 @@ class VirtualMachineStatus:
                                          json="extraNetIP")
     extra_net_mask: str | None = api_field("Mask on the extra network (NeonVM; not set "
                                            "here).", json="extraNetMask")
-    ssh_secret_name: str | None = api_field("Secret holding the VM's SSH keys (NeonVM; not "
-                                            "set here).", json="sshSecretName")
+    ssh_secret_name: str | None = api_field("Secret holding the VM's SSH key pair (with "
+                                            "enableSSH).", json="sshSecretName")
     tls_secret_name: str | None = api_field("Secret holding the VM's certificate (NeonVM; "
                                             "not set here).", json="tlsSecretName")
 

@@ -22,7 +22,7 @@ from neonvm.api import compat, times
 from neonvm.api.millicpu import MilliCPU
 from neonvm.api.types import FINALIZER, Condition, Fence, VirtualMachine, VirtualMachineStatus
 from neonvm.controller import actions as act
-from neonvm.controller import autoscaler_view, reasons, restarts
+from neonvm.controller import autoscaler_view, reasons, restarts, ssh_keys
 from neonvm.controller import decide as d
 
 StatusMutation = Callable[[VirtualMachine], VirtualMachineStatus | None]
@@ -137,6 +137,10 @@ def record_plan(action: act.RecordPlan, lease: act.Fence) -> StatusMutation:
         new.pending_pod = copy.deepcopy(action.plan)
         new.plan_seq = action.plan.plan_seq
         new.phase = "Pending"
+        if ssh_keys.wants_ssh(vm) and not new.ssh_secret_name:
+            # NeonVM's status.sshSecretName, with the plan's write (no write of its own);
+            # the pod's create makes the Secret (neonvm.controller.ssh_keys).
+            new.ssh_secret_name = ssh_keys.secret_name(vm)
         return new
 
     return mutate

@@ -29,7 +29,7 @@ from urllib3.exceptions import HTTPError
 
 from neonvm.api import types
 from neonvm.controller import actions as act
-from neonvm.controller import autoscaler_view, mutations, podspec, reasons
+from neonvm.controller import autoscaler_view, mutations, podspec, reasons, ssh_keys
 from neonvm.controller.authority import Authority, RetryableError
 from neonvm.controller.cluster import VMRecord
 from neonvm.controller.conditions import (
@@ -164,6 +164,7 @@ def create_pod(ctx: StepContext, step: Step) -> str:
             ctx.scaling.discard_token(vm.namespace, secret[0])
             return "precondition"
         vm = recorded.vm
+    _ensure_ssh_secret(ctx, vm, log)
     try:
         manifest = podspec.runner_pod(vm, action.plan, ctx.config.pod_defaults)
     except podspec.PodSpecError as exc:
@@ -211,6 +212,20 @@ def create_pod(ctx: StepContext, step: Step) -> str:
     # The token's status write (if any) is the newest VM we know: the next step's CAS
     # must start from it, not from the record it replaced.
     return Outcome("done", pod=created, vm=recorded)
+
+
+def _ensure_ssh_secret(ctx: StepContext, vm: types.VirtualMachine, log: Any) -> None:
+    """Before each runner pod of a VM with ``enableSSH``: its SSH key Secret, one create
+    (:func:`neonvm.controller.ssh_keys.ensure_secret`). A refusal is a Warning event and
+    the pod starts without a key; a transient error holds the pod back (retried)."""
+    if not ssh_keys.wants_ssh(vm) or not vm.status.ssh_secret_name:
+        return
+    try:
+        if ssh_keys.ensure_secret(ctx.cluster, vm) == "created":
+            log.info("created the SSH key Secret {name}", name=ssh_keys.secret_name(vm))
+    except ssh_keys.Refused as exc:
+        ctx.events.record(vm, reasons.SSH_KEY_UNAVAILABLE,
+                          f"{exc}: the runner pod starts without an SSH key", warning=True)
 
 
 def _create_failed(ctx: StepContext, key: str, snap: Snapshot, name: str, error: str,

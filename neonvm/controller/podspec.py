@@ -352,6 +352,11 @@ def runner_pod(vm: VirtualMachine, plan: PendingPod,
         # Not self-fencing, but the leader's rights listener is reachable from this pod:
         # its guest filter closes the port all the same (docs/security.md).
         container["env"].append({"name": RIGHTS_CLOSED_ENV, "value": str(defaults.rights_url)})
+    ssh = ssh_public_key_volume(vm)
+    if ssh is not None:
+        volumes.append(ssh[0])
+        mounts.append(ssh[1])
+        container["env"].append(ssh[2])
     container["volumeMounts"] = mounts
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
@@ -641,3 +646,30 @@ def runner_port_of(spec: dict[str, Any]) -> int | None:
             if port.get("name") == "runner" and isinstance(port.get("containerPort"), int):
                 return int(port["containerPort"])
     return None
+
+
+SSH_DIR = "/vm/ssh"
+"""Where the runner container finds the VM's SSH public key (NeonVM's path; outside
+``/vm/disks``, so it never becomes a guest disk of its own)."""
+SSH_VOLUME = "vm-ssh-publickey"
+SSH_KEYS_ENV = "NEONVM_SSH_AUTHORIZED_KEYS_FILE"
+
+
+def ssh_public_key_volume(vm: VirtualMachine) -> tuple[dict[str, Any], dict[str, Any],
+                                                       dict[str, Any]] | None:
+    """(volume, runner mount, runner env) giving the runner the VM's SSH public key, or
+    None (``enableSSH`` not true, or no Secret recorded in status). Only the Secret's
+    ``ssh-publickey`` item is projected, as ``authorized_keys``: the private key never
+    reaches the pod, let alone the guest. Optional: a Secret that could not be created
+    (or was deleted) leaves the file absent, and the guest boots without a key
+    (docs/neonvm-compat.md, "SSH")."""
+    from neonvm.controller import ssh_keys
+
+    name = vm.status.ssh_secret_name
+    if not ssh_keys.wants_ssh(vm) or not name:
+        return None
+    volume = {"name": SSH_VOLUME, "secret": {
+        "secretName": name, "optional": True,
+        "items": [{"key": ssh_keys.PUBLIC_KEY, "path": "authorized_keys", "mode": 0o644}]}}
+    mount = {"name": SSH_VOLUME, "mountPath": SSH_DIR, "readOnly": True}
+    return volume, mount, {"name": SSH_KEYS_ENV, "value": f"{SSH_DIR}/authorized_keys"}

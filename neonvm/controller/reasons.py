@@ -104,3 +104,6 @@ RUNNER_UNLABELLED = "RunnerUnlabelled"
 LOOK_GIVEN_UP = "ScaleLookGivenUp"
 """Warning: the look after a dropped scaling plan ended unsettled
 (:data:`~neonvm.controller.looks.LOOK_GIVE_UP_SECONDS`)."""
+SSH_KEY_UNAVAILABLE = "SSHKeyUnavailable"
+"""Warning: the API server refused the VM's SSH key Secret (no RBAC rule, the admission
+fence, a quota); its runner pod starts without a key (neonvm/controller/ssh_keys.py)."""

@@ -97,6 +97,7 @@ class RunnerOptions:
     rights_closed_url: str | None = None
 
 
+    ssh_authorized_keys_file: Path | None = None
 @dataclass(frozen=True)
 class Launch:
     """Everything decided before anything is started."""
@@ -141,7 +142,8 @@ def plan_launch(options: RunnerOptions, env: Mapping[str, str], work_dir: Path,
         cpu_scaling_mode=options.cpu_scaling_mode,
         runner_kernel=runner_kernel,
         guest_init=runner_kernel is not None and _carries_guest_init(
-            options.root_disk or Path(spec.guest.root_disk.image or ""), tools))
+            options.root_disk or Path(spec.guest.root_disk.image or ""), tools),
+        ssh_authorized_keys=_authorized_keys(options.ssh_authorized_keys_file))
     plan = build_launch_plan(spec, ctx)
     return Launch(loaded=loaded, plan=plan, accel=accel, accel_reason=reason, port=port,
                   tools=tools, acceleration_unavailable=unavailable)
@@ -149,6 +151,25 @@ def plan_launch(options: RunnerOptions, env: Mapping[str, str], work_dir: Path,
 
 def _runner_kernel_for(options: RunnerOptions, kernel_image: str | None,
                        root_image: str | None, tools: DiskTools) -> RunnerKernel | None:
+SSH_KEYS_LIMIT = 64 * 1024
+"""The most of an authorized_keys file the runner reads (one ed25519 line is ~100 bytes)."""
+
+
+def _authorized_keys(path: Path | None) -> bytes | None:
+    """The SSH public key file's contents; None when not given, absent (the Secret's
+    volume is optional), empty, or unreadable (the guest then boots without a key)."""
+    if path is None:
+        return None
+    try:
+        with path.open("rb") as f:
+            data = f.read(SSH_KEYS_LIMIT + 1)
+    except OSError:
+        return None
+    if len(data) > SSH_KEYS_LIMIT:
+        raise SpecError(f"{path}: more than {SSH_KEYS_LIMIT} bytes of SSH keys")
+    return data if data.strip() else None
+
+
     """The runner's kernel, when the spec names none and the root disk is a bare filesystem.
 
     A root disk with a partition table (or anything else) is left to the firmware, as
@@ -461,6 +482,12 @@ def _check_floor(_ctx: click.Context, _param: click.Parameter, value: str | None
     if value:
         try:
             parse_fence_floor(value)
+        click.option("--ssh-authorized-keys-file",
+                     type=click.Path(dir_okay=False, path_type=Path),
+                     envvar="NEONVM_SSH_AUTHORIZED_KEYS_FILE",
+                     help="The VM's SSH public key (spec.enableSSH; the controller mounts it "
+                          "from the VM's Secret). A vm-builder guest gets it on a disk "
+                          "labelled ssh-authorized-keys; absent or empty: no such disk."),
         except ValueError as exc:
             raise click.BadParameter(str(exc)) from None
     return value or None

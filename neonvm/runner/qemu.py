@@ -66,6 +66,8 @@ from neonvm.runner.runtimedisk import (
     GUEST_INIT,
     RUNTIME_DISK_NAME,
     RUNTIME_SERIAL,
+    SSH_DISK_NAME,
+    SSH_LABEL,
     iso9660_image,
     runtime_files,
 )
@@ -135,6 +137,9 @@ class LaunchContext:
     """With the runner's kernel: the root disk carries vm-builder's ``/neonvm/bin/init``.
     The guest then boots that init (``init=/neonvm/bin/init``) with a runtime disk
     (:mod:`neonvm.runner.runtimedisk`), and the console is ``ttyS1`` as in NeonVM."""
+    ssh_authorized_keys: bytes | None = None
+    """The VM's SSH public key (``enableSSH``), given to a vm-builder guest on a disk of
+    its own (:data:`~neonvm.runner.runtimedisk.SSH_LABEL`); None: no key."""
 
 
 @dataclass(frozen=True)
@@ -519,6 +524,12 @@ def build_launch_plan(spec: VirtualMachineSpec, ctx: LaunchContext) -> LaunchPla
         argv += ["-drive", f"if=none,id=runtime,file={qemu_value(runtime_path)},format=raw,"
                            "readonly=on",
                  "-device", f"virtio-blk-pci,drive=runtime,serial={RUNTIME_SERIAL}"]
+    ssh_disk = _ssh_disk(spec, ctx) if runtime_path is not None else None
+    if ssh_disk is not None:
+        disk_images.append(ssh_disk)
+        argv += ["-drive", f"if=none,id={SSH_LABEL},file={qemu_value(ssh_disk.path)},"
+                           "format=raw,readonly=on",
+                 "-device", f"virtio-blk-pci,drive={SSH_LABEL},serial=ssh"]
 
     cmdline: str | None = None
     if kernel is not None:
@@ -655,7 +666,7 @@ def build_launch_plan(spec: VirtualMachineSpec, ctx: LaunchContext) -> LaunchPla
             command=guest.command, args=guest.args,
             env=[(e.name, e.value or "") for e in guest.env or []], settings=guest.settings,
             disks=[d for d in guest_disks if d["source"] != "swap"], swap_bytes=swap,
-            boot_memory_bytes=memory.boot_bytes)
+            boot_memory_bytes=memory.boot_bytes, ssh=ssh_disk is not None)
         disk_images.append(DiskImage(name=RUNTIME_SERIAL, kind="file", path=runtime_path,
                                      contents=iso9660_image(files)))
 
@@ -683,6 +694,17 @@ def build_launch_plan(spec: VirtualMachineSpec, ctx: LaunchContext) -> LaunchPla
         guest_init=guest_init,
         memory_provider=provider,
     )
+
+
+def _ssh_disk(spec: VirtualMachineSpec, ctx: LaunchContext) -> DiskImage | None:
+    """The SSH public key disk of a vm-builder guest (NeonVM's ``ssh-authorized-keys``
+    ISO, which its ``mounts.sh`` mounts on ``/mnt/ssh``, where vm-builder's sshd reads
+    ``authorized_keys``): only with ``enableSSH`` and a key mounted into the pod."""
+    if spec.enable_ssh is not True or not ctx.ssh_authorized_keys:
+        return None
+    return DiskImage(name=SSH_LABEL, kind="file", path=ctx.work_dir / SSH_DISK_NAME,
+                     contents=iso9660_image({"authorized_keys": ctx.ssh_authorized_keys},
+                                            label=SSH_LABEL))
 
 
 def guest_config_json(plan: LaunchPlan) -> str:

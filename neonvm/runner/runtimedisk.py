@@ -12,7 +12,8 @@ vm-builder boot contract", has the table):
   only when set. vm-builder's ``vmstart`` runs ``command.sh`` or else the image's
   ENTRYPOINT, followed by ``args.sh`` or else the image's CMD;
 * ``env.sh``: ``export NAME='value'`` per ``guest.env`` entry;
-* ``mounts.sh``: always; ``set -euo pipefail``, then the swap, the extra disks (by ext4
+* ``mounts.sh``: always; ``set -euo pipefail``, then (with ``enableSSH`` and a key) the
+  ``ssh-authorized-keys`` disk on ``/mnt/ssh``, the swap, the extra disks (by ext4
   label, ``blkid -L``) and tmpfs mounts, and a larger ``/dev/shm`` when swap exceeds half
   the boot memory;
 * ``resize-swap-internal.sh``: with ``settings.swap``, re-makes and enables the swap disk
@@ -36,6 +37,11 @@ from neonvm.runner.guestboot import SWAP_SERIAL, shell_quote, sysctl_lines, vali
 RUNTIME_LABEL = "vmruntime"
 RUNTIME_SERIAL = "runtime"
 RUNTIME_DISK_NAME = "runtime.iso"
+SSH_LABEL = "ssh-authorized-keys"
+"""NeonVM's volume label of the disk holding the guest's ``authorized_keys``."""
+SSH_DISK_NAME = "ssh-authorized-keys.iso"
+SSH_MOUNT = "/mnt/ssh"
+"""Where vm-builder's sshd reads ``authorized_keys`` (its ``AuthorizedKeysFile``)."""
 GUEST_INIT = "/neonvm/bin/init"
 """What makes a root disk a vm-builder image: the runner then boots it with
 ``init=/neonvm/bin/init`` and the runtime disk."""
@@ -54,10 +60,11 @@ def shell_words(words: Sequence[str]) -> str:
 def runtime_files(*, command: Sequence[str] | None, args: Sequence[str] | None,
                   env: Sequence[tuple[str, str]], settings: Mapping[str, Any] | None,
                   disks: Sequence[Mapping[str, Any]], swap_bytes: int | None,
-                  boot_memory_bytes: int) -> dict[str, bytes]:
+                  boot_memory_bytes: int, ssh: bool = False) -> dict[str, bytes]:
     """The runtime disk's files (name → contents) for a vm-builder guest; see the module
     docstring. ``disks`` are the guest config's entries (``source``, ``mountPath``,
-    ``label``, ``readOnly``, ``size``); the swap entry is left out."""
+    ``label``, ``readOnly``, ``size``); the swap entry is left out. ``ssh``: the guest
+    has the :data:`SSH_LABEL` disk, which ``mounts.sh`` mounts first."""
     files: dict[str, bytes] = {}
     sysctls = [*BASE_SYSCTLS, *(f"{k}={v}" for k, v in sysctl_lines(settings))]
     files["sysctl.conf"] = "\n".join(sysctls).encode() + b"\n"
@@ -73,6 +80,10 @@ def runtime_files(*, command: Sequence[str] | None, args: Sequence[str] | None,
                                   for name, value in env).encode()
     q = shell_quote
     mounts = ["set -euo pipefail"]
+    if ssh:
+        mounts += [f"/neonvm/bin/mkdir -p {SSH_MOUNT}",
+                   f"/neonvm/bin/mount -t iso9660 -o ro,mode=0644 "
+                   f"\"$(/neonvm/bin/blkid -L {SSH_LABEL})\" {SSH_MOUNT}"]
     if swap_bytes is not None:
         mounts.append(f"/neonvm/bin/sh /neonvm/runtime/resize-swap-internal.sh {swap_bytes}")
     for disk in disks:
