@@ -95,9 +95,9 @@ class RunnerOptions:
     rights_url: str | None = None
     right_seconds: float = DEFAULT_RIGHT_SECONDS
     rights_closed_url: str | None = None
-
-
     ssh_authorized_keys_file: Path | None = None
+
+
 @dataclass(frozen=True)
 class Launch:
     """Everything decided before anything is started."""
@@ -149,8 +149,6 @@ def plan_launch(options: RunnerOptions, env: Mapping[str, str], work_dir: Path,
                   tools=tools, acceleration_unavailable=unavailable)
 
 
-def _runner_kernel_for(options: RunnerOptions, kernel_image: str | None,
-                       root_image: str | None, tools: DiskTools) -> RunnerKernel | None:
 SSH_KEYS_LIMIT = 64 * 1024
 """The most of an authorized_keys file the runner reads (one ed25519 line is ~100 bytes)."""
 
@@ -170,6 +168,8 @@ def _authorized_keys(path: Path | None) -> bytes | None:
     return data if data.strip() else None
 
 
+def _runner_kernel_for(options: RunnerOptions, kernel_image: str | None,
+                       root_image: str | None, tools: DiskTools) -> RunnerKernel | None:
     """The runner's kernel, when the spec names none and the root disk is a bare filesystem.
 
     A root disk with a partition table (or anything else) is left to the firmware, as
@@ -472,6 +472,12 @@ def runner_options(command: Callable[..., None]) -> Callable[..., None]:
                      envvar=RIGHT_SECONDS_ENV,
                      help="How long one right lasts, counted from the ask's send time; "
                           "renewed every third of it."),
+        click.option("--ssh-authorized-keys-file",
+                     type=click.Path(dir_okay=False, path_type=Path),
+                     envvar="NEONVM_SSH_AUTHORIZED_KEYS_FILE",
+                     help="The VM's SSH public key (spec.enableSSH; the controller mounts it "
+                          "from the VM's Secret). A vm-builder guest gets it on a disk "
+                          "labelled ssh-authorized-keys; absent or empty: no such disk."),
     ]
     for option in reversed(options):
         command = option(command)
@@ -482,12 +488,6 @@ def _check_floor(_ctx: click.Context, _param: click.Parameter, value: str | None
     if value:
         try:
             parse_fence_floor(value)
-        click.option("--ssh-authorized-keys-file",
-                     type=click.Path(dir_okay=False, path_type=Path),
-                     envvar="NEONVM_SSH_AUTHORIZED_KEYS_FILE",
-                     help="The VM's SSH public key (spec.enableSSH; the controller mounts it "
-                          "from the VM's Secret). A vm-builder guest gets it on a disk "
-                          "labelled ssh-authorized-keys; absent or empty: no such disk."),
         except ValueError as exc:
             raise click.BadParameter(str(exc)) from None
     return value or None
