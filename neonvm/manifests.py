@@ -114,10 +114,15 @@ def pull_secret_rules() -> list[dict[str, Any]]:
 
 def self_fencing_rules() -> list[dict[str, Any]]:
     """``get`` on nodes: self-fencing replaces a pod only when its node is unreachable
-    (``neonvm/controller/fencing.py``). Nodes are cluster-scoped, so the chart grants this
-    through a ClusterRole of its own, also when the controller watches one namespace.
-    Without it, self-fencing pods on a dead node wait for out-of-service, as others do."""
-    return [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get"]}]
+    (``neonvm/controller/fencing.py``); ``create`` on tokenreviews: the rights endpoint
+    verifies a runner's projected ServiceAccount token (``TokenReviewer`` in
+    ``neonvm/controller/rights.py``; no Secret rights). Both are cluster-scoped, so the
+    chart grants them through a ClusterRole of its own, also when the controller watches
+    one namespace. Without nodes, self-fencing pods on a dead node wait for
+    out-of-service, as others do; without tokenreviews, no ask with a token is granted."""
+    return [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get"]},
+            {"apiGroups": ["authentication.k8s.io"], "resources": ["tokenreviews"],
+             "verbs": ["create"]}]
 
 
 def rights_endpoint_rules() -> list[dict[str, Any]]:

@@ -1,17 +1,20 @@
 """The chart's self-fencing values (``controller.rightSeconds``, ``controller.rightsPort``),
-rendered by the real helm binary: a 30 s right by default, served only with
-``rbac.liveScaling`` (only a pod with a scaling token self-fences), nothing added otherwise,
-and when served, the controller's flags, the selector-less rights Service the leader points
-at itself, and the generated RBAC (docs/protocol.md, "Self-fencing"; docs/chart.md)."""
+rendered by the real helm binary: a 30 s right served by default (runners ask with a
+projected ServiceAccount token the leader reviews: no Secret rights, so no
+``rbac.liveScaling``), nothing added with 0, and when served, the controller's flags
+(its rights audience), the selector-less rights Service the leader points at itself, and
+the generated RBAC (docs/protocol.md, "Self-fencing"; docs/chart.md)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 
 from neonvm import manifests
 from tests.support.chart import Helm, Rendered
 
-ON = ("controller.rightSeconds=30", "controller.rightsPort=8090", "rbac.liveScaling=true")
+ON = ("controller.rightSeconds=30", "controller.rightsPort=8090")
 
 
 def _serves_rights(rendered: Rendered) -> bool:
@@ -23,28 +26,43 @@ def _serves_rights(rendered: Rendered) -> bool:
                    for o in rendered.objects))
 
 
-def test_the_default_right_is_30_seconds_and_served_only_with_live_scaling(helm: Helm) -> None:
-    """The default deadline D = 30 s (its drills' figures: docs/drills.md) takes effect with
-    rbac.liveScaling: only a pod with a scaling token self-fences."""
-    args = helm.template("nvm", "ops", sets=("rbac.liveScaling=true",)).container["args"]
+def _rules(rendered: Rendered) -> list[dict[str, Any]]:
+    return [r for kind in ("ClusterRole", "Role") for o in rendered.all(kind)
+            for r in o.get("rules") or []]
+
+
+def test_with_default_values_every_vm_on_the_runner_image_self_fences(helm: Helm) -> None:
+    """Default values: a 30 s right (its drills' figures: docs/drills.md), served, with
+    the release's rights audience; the controller may create TokenReviews and is granted
+    nothing on Secrets (issue 32: a dead node must cost seconds by default)."""
+    rendered = helm.template("nvm", "ops")
+    args = rendered.container["args"]
+    fullname = rendered.one("Deployment")["metadata"]["name"]
     assert "--right-seconds=30" in args
     assert any(a.startswith("--rights-url=") for a in args)
+    assert f"--rights-audience=vm.neon.tech/rights/ops/{fullname}" in args
+    rules = _rules(rendered)
+    assert {"apiGroups": ["authentication.k8s.io"], "resources": ["tokenreviews"],
+            "verbs": ["create"]} in rules
+    assert not [r for r in rules if "secrets" in r["resources"]]
+    with_scaling = helm.template("nvm", "ops", sets=("rbac.liveScaling=true",))
+    assert with_scaling.container["args"] == args
 
 
-def test_with_default_values_no_rights_listener_is_open_to_guests(helm: Helm) -> None:
-    """Default values (rbac.liveScaling off): no pod is built to ask for rights, so no guest
-    filter would close the port; the leader must not listen (docs/security.md, "Rights
+def test_the_rights_audience_is_the_releases_own(helm: Helm) -> None:
+    """Another release's (or namespace's) controller reviews with another audience, so a
+    runner's token for one is refused by the other (docs/security.md, "Rights
     endpoint")."""
-    rendered = helm.template("nvm", "ops")
-    assert "--right-seconds=0" in rendered.container["args"]
-    assert not _serves_rights(rendered)
-    assert not _serves_rights(helm.template("nvm", "ops", sets=(
-        "controller.rightSeconds=30", "rbac.liveScaling=false")))
+    audiences = set()
+    for release, namespace in (("nvm", "ops"), ("nvm", "ops2"), ("other", "ops")):
+        args = helm.template(release, namespace).container["args"]
+        (audience,) = [a for a in args if a.startswith("--rights-audience=")]
+        audiences.add(audience)
+    assert len(audiences) == 3
 
 
 def test_self_fencing_off_adds_nothing(helm: Helm) -> None:
-    rendered = helm.template("nvm", "ops", sets=("controller.rightSeconds=0",
-                                                  "rbac.liveScaling=true"))
+    rendered = helm.template("nvm", "ops", sets=("controller.rightSeconds=0",))
     assert "--right-seconds=0" in rendered.container["args"]
     assert not _serves_rights(rendered)
 
@@ -108,7 +126,7 @@ def test_the_rights_port_admits_runner_pods_only_and_every_other_port_stays_open
         helm: Helm, port: int) -> None:
     """Any pod could otherwise flood the leader's rights endpoint (docs/security.md,
     "Rights endpoint"); health and metrics must stay reachable."""
-    sets = ("controller.rightSeconds=30", f"controller.rightsPort={port}", "rbac.liveScaling=true")
+    sets = ("controller.rightSeconds=30", f"controller.rightsPort={port}")
     helm.run("lint", "--strict", str(manifests.CHART_DIR), "--set", ",".join(sets))
     rendered = helm.template("nvm", "ops", sets=sets)
     fullname = rendered.one("Deployment")["metadata"]["name"]
@@ -134,7 +152,7 @@ def test_the_rights_port_admits_runner_pods_only_and_every_other_port_stays_open
 
 def test_the_rights_policy_is_off_with_self_fencing_or_when_turned_off(
         helm: Helm) -> None:
-    for sets in (("controller.rightSeconds=0", "rbac.liveScaling=true"),
+    for sets in (("controller.rightSeconds=0",),
                  (*ON, "controller.rightsNetworkPolicy=false")):
         rendered = helm.template("nvm", "ops", sets=sets)
         assert not [o for o in rendered.all("NetworkPolicy")

@@ -34,6 +34,7 @@ from neonvm.controller.rights import (
     RightsServer,
     RightsService,
     TokenCache,
+    TokenReviewer,
     api_mark_pod,
     parse_bind,
     parse_service,
@@ -128,6 +129,12 @@ def controller() -> None:
 @click.option("--rights-url", default="",
               help="Self-fencing: the URL runners ask for rights (the Service in front of "
                    "the replicas' --rights-bind). Empty: pods do not self-fence.")
+@click.option("--rights-audience", default="",
+              help="Self-fencing: runner pods get a projected ServiceAccount token of this "
+                   "audience and ask with it; the leader verifies it by a TokenReview "
+                   "(needs tokenreviews create, no Secret rights). Empty: runners ask with "
+                   "the VM's scaling token (needs Secret rights). docs/security.md, "
+                   "\"Rights endpoint\".")
 @click.option("--rights-bind", default="",
               help="host:port where this replica serves POST /v1/rights (answered while "
                    "it leads). Empty: not served.")
@@ -148,7 +155,8 @@ def run(kubeconfig: Path | None, lease_namespace: str, lease_name: str, identity
         heap_trim: float,
         runner_image: str, kvm_resource: str,
         health_port: int, health_host: str,
-        right_seconds: float, rights_url: str, rights_bind: str, rights_service: str,
+        right_seconds: float, rights_url: str, rights_audience: str, rights_bind: str,
+        rights_service: str,
         pod_ip: str, faults: tuple[str, ...]) -> None:
     """Run one replica: campaign, and while leading keep exactly one runner pod per VM."""
     from neonvm import kube
@@ -178,7 +186,8 @@ def run(kubeconfig: Path | None, lease_namespace: str, lease_name: str, identity
                                         runner_image=runner_image,
                                         kvm_resource=kvm_resource or None,
                                         right_seconds=right_seconds,
-                                        rights_url=rights_url or None)),
+                                        rights_url=rights_url or None,
+                                        rights_audience=rights_audience or None)),
     )
     log = logger.bind(identity=election.identity)
     if fault_config.enabled:
@@ -198,7 +207,9 @@ def run(kubeconfig: Path | None, lease_namespace: str, lease_name: str, identity
         rights = RightsServer(RightsService(process.rights, process.rights_caches,
                                             TokenCache(api),
                                             api_mark_pod(api, process.term_epoch),
-                                            registry=metrics.registry),
+                                            registry=metrics.registry,
+                                            reviewer=(TokenReviewer(api, rights_audience)
+                                                      if rights_audience else None)),
                               host, port)
         if rights_service:
             try:

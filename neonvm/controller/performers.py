@@ -150,9 +150,11 @@ def create_pod(ctx: StepContext, step: Step) -> str:
         step.log
     assert snap.record is not None
     vm = snap.record.vm
-    # The pod mounts the VM's scaling token (also a self-fencing runner's bearer).
+    # The pod mounts the VM's scaling token (also a self-fencing runner's bearer, unless
+    # the runner asks with a projected token of the controller's rights audience).
+    defaults = ctx.config.pod_defaults
     secret = ctx.scaling.create_token(
-        vm, wanted=podspec.fencing_eligible(vm, ctx.config.pod_defaults))
+        vm, wanted=podspec.fencing_eligible(vm, defaults) and not defaults.rights_audience)
     recorded: VMRecord | None = None
     if secret is not None:
         replacing = vm.status.scaling_token_secret_uid or ""

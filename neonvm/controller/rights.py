@@ -24,19 +24,24 @@ crashed kubelet, a runner that still reaches the leader) is never condemned.
 The server (:class:`RightsServer`) is bounded like the health server (one selector
 thread reads requests within ``read_timeout``, heads up to 8 KiB and bodies up to
 :data:`MAX_BODY`, a fixed pool of workers answers). It answers 503 ``NotLeader`` unless
-this replica's term is active, 401 unless the bearer is the HMAC of the VM's scaling
-token (read as live scaling reads it: the Secret recorded in status, only with the
-recorded uid), and 403 unless the cache shows the pod as the VM's current pod and not
-condemned.
+this replica's term is active, 403 unless the cache shows the pod as the VM's current pod
+and not condemned, and 401 unless the bearer vouches for that pod: a projected
+ServiceAccount token that a TokenReview with this controller's rights audience binds to
+exactly that pod (:class:`TokenReviewer`; no Secret rights needed), or else the HMAC of
+the VM's scaling token (read as live scaling reads it: the Secret recorded in status, only
+with the recorded uid; pods built without an audience ask so).
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import itertools
 import json
 import math
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -322,6 +327,169 @@ class TokenCache:
         return value
 
 
+POD_NAME_EXTRA = "authentication.kubernetes.io/pod-name"
+POD_UID_EXTRA = "authentication.kubernetes.io/pod-uid"
+"""The keys of a TokenReview's ``user.extra`` naming the pod a token is bound to."""
+TOKEN_REVIEWS = "/apis/authentication.k8s.io/v1/tokenreviews"
+
+
+@dataclass(frozen=True)
+class ReviewedPod:
+    """The pod a reviewed token is bound to, as the API server vouches for it."""
+
+    namespace: str
+    name: str
+    uid: str
+
+
+def is_jwt(bearer: str) -> bool:
+    """Whether a bearer has a JWT's shape (three dot-separated parts): a ServiceAccount
+    token, not the hex HMAC of a scaling token (which has no dot)."""
+    return bearer.count(".") == 2
+
+
+def unverified_claims(token: str) -> dict[str, Any] | None:
+    """A JWT's payload as JSON, NOT verified: only a filter before the review (a token
+    whose claims cannot match costs no API call). None if it is not one."""
+    parts = token.split(".")
+    if len(parts) != 3 or not parts[1] or len(token) > 8192:
+        return None
+    try:
+        payload = base64.urlsafe_b64decode(parts[1] + "=" * (-len(parts[1]) % 4))
+        claims = json.loads(payload)
+    except (ValueError, RecursionError):
+        return None
+    return claims if isinstance(claims, dict) else None
+
+
+def claims_may_match(claims: dict[str, Any], audience: str, pod_uid: str, now: float) -> bool:
+    """The unverified claims say what a good token for ``pod_uid`` would: ``audience``
+    among ``aud``, bound to a pod of that uid, not expired at wall time ``now``."""
+    aud = claims.get("aud")
+    auds = [aud] if isinstance(aud, str) else aud if isinstance(aud, list) else []
+    k8s = claims.get("kubernetes.io")
+    pod = k8s.get("pod") if isinstance(k8s, dict) else None
+    exp = claims.get("exp")
+    return bool(audience in auds and isinstance(pod, dict) and pod.get("uid") == pod_uid
+                and isinstance(exp, int | float) and not isinstance(exp, bool) and exp > now)
+
+
+def reviewed_pod(review: dict[str, Any], audience: str) -> ReviewedPod | None:
+    """The pod a TokenReview's answer binds the token to, or None: not authenticated,
+    ``audience`` not among the audiences it was valid for (an API server that ignores
+    audiences answers none: refused), not a ServiceAccount, or not bound to exactly one
+    pod."""
+    status = review.get("status") or {}
+    if status.get("authenticated") is not True or status.get("error"):
+        return None
+    if audience not in (status.get("audiences") or []):
+        return None
+    user = status.get("user") or {}
+    prefix, _, rest = str(user.get("username") or "").partition("system:serviceaccount:")
+    namespace, sep, account = rest.partition(":")
+    if prefix or not namespace or not sep or not account:
+        return None
+    extra = user.get("extra") or {}
+    names, uids = extra.get(POD_NAME_EXTRA), extra.get(POD_UID_EXTRA)
+    if not (isinstance(names, list) and isinstance(uids, list)
+            and len(names) == 1 and len(uids) == 1 and names[0] and uids[0]):
+        return None
+    return ReviewedPod(namespace=namespace, name=str(names[0]), uid=str(uids[0]))
+
+
+Review = Callable[[str, str], dict[str, Any]]
+"""(token, audience) -> the TokenReview's answer; raises on a failed call."""
+
+
+class TokenReviewer:
+    """Who a runner's projected ServiceAccount token is bound to, by a TokenReview with
+    the controller's rights ``audience`` (docs/security.md, "Rights endpoint").
+
+    A token whose unverified claims cannot match (:func:`claims_may_match`) is refused
+    with no API call. Reviews are cached per token (its SHA-256): an answer binding it to
+    a pod for ``ttl`` seconds (and never past half the token's remaining life), a refusal
+    for ``refused_ttl``; each cache keeps at most ``max_entries`` (the oldest go first),
+    and reviews are single-flight per token. A runner renewing every D/3 with the token
+    the kubelet rotates every 480 s thus costs about one review per ``ttl``. A failed
+    call raises (the ask is refused, nothing is cached)."""
+
+    _STRIPES = 64
+
+    def __init__(self, api: client.ApiClient | None, audience: str, *, ttl: float = 60.0,
+                 refused_ttl: float = 10.0, max_entries: int = 50_000,
+                 clock: Clock = time.monotonic, wall: Clock = time.time,
+                 review: Review | None = None) -> None:
+        if not audience:
+            raise ValueError("a rights audience is needed")
+        self.audience = audience
+        self._api = api
+        self._ttl = ttl
+        self._refused_ttl = refused_ttl
+        self._max = max_entries
+        self._clock = clock
+        self._wall = wall
+        self._review = review or self._api_review
+        self._lock = threading.Lock()
+        self._reads = [threading.Lock() for _ in range(self._STRIPES)]
+        self._bound: OrderedDict[bytes, tuple[ReviewedPod, float]] = OrderedDict()
+        self._refused: OrderedDict[bytes, float] = OrderedDict()
+        self.reviews = 0
+        """TokenReviews sent (for tests and the benchmark)."""
+
+    def _api_review(self, token: str, audience: str) -> dict[str, Any]:
+        return kube.request(self._api, "POST", TOKEN_REVIEWS, body={
+            "apiVersion": "authentication.k8s.io/v1", "kind": "TokenReview",
+            "spec": {"token": token, "audiences": [audience]}}, timeout=5)
+
+    def _cached(self, key: bytes) -> tuple[bool, ReviewedPod | None]:
+        now = self._clock()
+        with self._lock:
+            bound = self._bound.get(key)
+            if bound is not None:
+                if now < bound[1]:
+                    return True, bound[0]
+                del self._bound[key]
+            refused = self._refused.get(key)
+            if refused is not None:
+                if now < refused:
+                    return True, None
+                del self._refused[key]
+        return False, None
+
+    def pod_of(self, token: str, pod_uid: str) -> ReviewedPod | None:
+        """The pod ``token`` is bound to, if it may be ``pod_uid``'s (else None)."""
+        claims = unverified_claims(token)
+        if claims is None or not claims_may_match(claims, self.audience, pod_uid,
+                                                  self._wall()):
+            return None
+        key = hashlib.sha256(token.encode()).digest()
+        hit, pod = self._cached(key)
+        if hit:
+            return pod
+        with self._reads[key[0] % self._STRIPES]:
+            hit, pod = self._cached(key)  # another ask reviewed it meanwhile
+            if hit:
+                return pod
+            with self._lock:
+                self.reviews += 1
+            pod = reviewed_pod(self._review(token, self.audience), self.audience)
+            now = self._clock()
+            with self._lock:
+                if pod is None:
+                    self._put(self._refused, key, now + self._refused_ttl)
+                else:
+                    life = float(claims["exp"]) - self._wall()
+                    if life > 0:
+                        self._put(self._bound, key, (pod, now + min(self._ttl, life / 2)))
+        return pod
+
+    def _put(self, cache: OrderedDict[bytes, Any], key: bytes, value: Any) -> None:
+        cache[key] = value
+        cache.move_to_end(key)
+        while len(cache) > self._max:
+            cache.popitem(last=False)
+
+
 # ---- the endpoint -----------------------------------------------------------------------
 
 
@@ -364,10 +532,12 @@ class RightsService:
 
     def __init__(self, ledger: RightsLedger, caches: Callable[[], tuple[Caches, Caches] | None],
                  tokens: TokenCache, mark_pod: MarkPod,
-                 registry: CollectorRegistry | None = None) -> None:
+                 registry: CollectorRegistry | None = None, *,
+                 reviewer: TokenReviewer | None = None) -> None:
         self.ledger = ledger
         self._caches = caches
         self._tokens = tokens
+        self._reviewer = reviewer
         self._mark_pod = mark_pod
         self.answers = Counter(
             "neonvm_controller_rights_answers_total",
@@ -400,6 +570,45 @@ class RightsService:
         found = current_pod(*caches, request.namespace, request.vm, request.pod_uid)
         if isinstance(found, str):
             return _not_current(request, found)
+        refused = self._authenticate(request, found, authorization)
+        if refused is not None:
+            return refused
+        if not self.ledger.granted_this_term(request.pod_uid):
+            try:
+                marked = self._mark_pod(request.namespace, found.name, request.pod_uid)
+            except (ApiException, OSError) as exc:
+                return _refuse(503, NOT_LEADER, f"cannot mark the pod now: {exc}"[:200])
+            if not marked:
+                return _not_current(request, "the pod is gone")
+        refused_as = self.ledger.grant(request.pod_uid, found.seconds)
+        if refused_as == CONDEMNED:
+            return _refuse(403, CONDEMNED, "this pod was condemned; it is never granted again")
+        if refused_as is not None:
+            return _refuse(503, refused_as, "this replica holds no active term")
+        return 200, RightGrant(seconds=found.seconds).to_dict()
+
+    def _authenticate(self, request: RightRequest, found: CurrentPod,
+                      authorization: str | None) -> Answer | None:
+        """None if the bearer vouches for ``found`` (the VM's current pod), else the
+        refusal. Two credentials (docs/security.md, "Rights endpoint"): a JWT is a
+        projected ServiceAccount token, good only if a TokenReview with this
+        controller's audience binds it to exactly that pod (namespace, name, uid); any
+        other bearer must be the HMAC of the VM's scaling token and the pod uid (pods
+        built before the audience was set, or without one, ask so)."""
+        scheme, _, bearer = (authorization or "").partition(" ")
+        bearer = bearer.strip()
+        if self._reviewer is not None and scheme.lower() == "bearer" and is_jwt(bearer):
+            try:
+                pod = self._reviewer.pod_of(bearer, request.pod_uid)
+            except (ApiException, OSError) as exc:
+                return _refuse(503, NOT_LEADER, f"cannot review the token now: {exc}"[:200])
+            if pod != ReviewedPod(request.namespace, found.name, request.pod_uid):
+                logger.info("rights: refused {ns}/{vm} pod {uid}: the token is bound to {pod}",
+                            ns=request.namespace[:253], vm=request.vm[:253],
+                            uid=request.pod_uid[:64], pod=pod)
+                return _refuse(401, UNAUTHORIZED,
+                               "the token is not bound to this pod for this audience")
+            return None
         try:
             token = self._tokens.token(request.namespace, found.secret_name, found.secret_uid)
             if token is not None and not bearer_matches(authorization, token, request.pod_uid):
@@ -409,19 +618,7 @@ class RightsService:
             return _refuse(503, NOT_LEADER, f"cannot read the VM's token now: {exc}"[:200])
         if token is None or not bearer_matches(authorization, token, request.pod_uid):
             return _refuse(401, UNAUTHORIZED, "the bearer does not match the VM's token")
-        if not self.ledger.granted_this_term(request.pod_uid):
-            try:
-                marked = self._mark_pod(request.namespace, found.name, request.pod_uid)
-            except (ApiException, OSError) as exc:
-                return _refuse(503, NOT_LEADER, f"cannot mark the pod now: {exc}"[:200])
-            if not marked:
-                return _not_current(request, "the pod is gone")
-        refused = self.ledger.grant(request.pod_uid, found.seconds)
-        if refused == CONDEMNED:
-            return _refuse(403, CONDEMNED, "this pod was condemned; it is never granted again")
-        if refused is not None:
-            return _refuse(503, refused, "this replica holds no active term")
-        return 200, RightGrant(seconds=found.seconds).to_dict()
+        return None
 
 
 def _refuse(status: int, reason: str, message: str) -> Answer:

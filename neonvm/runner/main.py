@@ -33,6 +33,7 @@ from neonvm.api.rights import (
     DEFAULT_RIGHT_SECONDS,
     RIGHT_SECONDS_ENV,
     RIGHTS_CLOSED_ENV,
+    RIGHTS_TOKEN_FILE_ENV,
     RIGHTS_URL_ENV,
 )
 from neonvm.api.scale_protocol import ScaleLimits, ScaleTarget, parse_fence_floor
@@ -93,6 +94,7 @@ class RunnerOptions:
     enable_acceleration: bool = False
     kvm_device: Path = Path("/dev/kvm")
     rights_url: str | None = None
+    rights_token_file: Path | None = None
     right_seconds: float = DEFAULT_RIGHT_SECONDS
     rights_closed_url: str | None = None
     ssh_authorized_keys_file: Path | None = None
@@ -264,7 +266,8 @@ def run_runner(options: RunnerOptions, env: Mapping[str, str], console: BinaryIO
                                 "--pdeathsig a runner that dies leaves QEMU unwatched")
             right = SelfFence(right_config(
                 options.rights_url, options.right_seconds, launch.loaded.namespace,
-                launch.loaded.name, options.pod_uid, options.scaling_token_file))
+                launch.loaded.name, options.pod_uid, options.scaling_token_file,
+                options.rights_token_file))
             right.start()
         http = RunnerHTTPServer(state, runner_registry(state), options.listen_address,
                                 launch.port, scaler)
@@ -462,7 +465,14 @@ def runner_options(command: Callable[..., None]) -> Callable[..., None]:
                      help="Self-fencing: the leader's rights endpoint (http://host:port). "
                           "QEMU starts only once a right to run is granted, and is killed "
                           "(SIGKILL) when the right is not renewed in time. Needs --pod-uid "
-                          "and --scaling-token-file. Absent: no self-fencing."),
+                          "and --rights-token-file or --scaling-token-file. Absent: no "
+                          "self-fencing."),
+        click.option("--rights-token-file", type=click.Path(dir_okay=False, path_type=Path),
+                     envvar=RIGHTS_TOKEN_FILE_ENV,
+                     help="Self-fencing: the pod's projected ServiceAccount token of the "
+                          "controller's rights audience, sent as the ask's bearer (re-read "
+                          "per ask); without it the bearer is derived from "
+                          "--scaling-token-file."),
         click.option("--rights-closed-url", envvar=RIGHTS_CLOSED_ENV,
                      help="Without self-fencing: a rights endpoint (http://host:port) whose "
                           "port the guest's network filter closes all the same (the "

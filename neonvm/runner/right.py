@@ -92,7 +92,12 @@ class RightConfig:
     namespace: str
     vm: str
     pod_uid: str
-    token_file: Path
+    token_file: Path | None
+    """The VM's scaling token: the bearer is its HMAC with the pod uid (pods built
+    without a rights audience)."""
+    rights_token_file: Path | None = None
+    """The projected ServiceAccount token of the controller's rights audience: sent as it
+    is, re-read at every ask (the kubelet rotates it); preferred over ``token_file``."""
 
     @property
     def endpoint(self) -> str:
@@ -112,23 +117,27 @@ def rights_endpoint(url: str) -> tuple[str, int]:
 
 
 def right_config(url: str, seconds: float, namespace: str, vm: str, pod_uid: str | None,
-                 token_file: Path | None) -> RightConfig:
+                 token_file: Path | None,
+                 rights_token_file: Path | None = None) -> RightConfig:
     """The runner's flags as a :class:`RightConfig` (:class:`SpecError` naming what is
-    missing: the bearer needs the pod's uid and the VM's token file)."""
+    missing: the pod's uid, and a credential: the rights token file or the VM's scaling
+    token file)."""
     rights_endpoint(url)
     if not math.isfinite(seconds) or seconds <= 0:
         raise SpecError(f"--right-seconds {seconds!r}: must be a positive number")
     if not pod_uid:
         raise SpecError("--rights-url needs --pod-uid (the pod's uid, from the downward API)")
-    if token_file is None:
+    if token_file is None and rights_token_file is None:
         raise SpecError("--rights-url needs --scaling-token-file (the VM's token signs the "
-                        "request for a right)")
+                        "request for a right) or --rights-token-file (the pod's projected "
+                        "ServiceAccount token)")
     try:
         RightRequest(namespace=namespace, vm=vm, pod_uid=pod_uid)
     except RightsContractError as exc:
         raise SpecError(f"--rights-url: {exc}") from None
     return RightConfig(url=url, seconds=seconds, namespace=namespace, vm=vm,
-                       pod_uid=pod_uid, token_file=token_file)
+                       pod_uid=pod_uid, token_file=token_file,
+                       rights_token_file=rights_token_file)
 
 
 def rights_blocked(url: str) -> Blocked:
@@ -262,16 +271,12 @@ class RightKeeper:
 
     def _ask(self) -> tuple[RightGrant | None, str, str | None]:
         """(the grant, why not, the refusal's reason)."""
-        try:
-            token = self.config.token_file.read_bytes().strip()
-        except OSError as exc:
-            return None, f"token file {self.config.token_file}: {exc.strerror or exc}", None
-        if not token:
-            return None, f"token file {self.config.token_file} is empty", None
+        authorization = self._authorization()
+        if isinstance(authorization, tuple):
+            return authorization
         body = json.dumps(RightRequest(namespace=self.config.namespace, vm=self.config.vm,
                                        pod_uid=self.config.pod_uid).to_dict()).encode()
-        headers = {"Content-Type": "application/json",
-                   "Authorization": authorization_header(token, self.config.pod_uid)}
+        headers = {"Content-Type": "application/json", "Authorization": authorization}
         end = self._clock() + request_deadline(self.config.seconds)
         for _ in range(NOT_LEADER_TRIES):
             try:
@@ -289,6 +294,25 @@ class RightKeeper:
                           f"{answer[:200].decode('utf-8', 'replace')!r}",
                     refusal_reason(status, answer))
         return grant, "", None
+
+
+    def _authorization(self) -> str | tuple[None, str, None]:
+        """The ``Authorization`` header, read afresh: the projected token as it is, else
+        the HMAC of the scaling token; or (None, why not, None)."""
+        path = self.config.rights_token_file or self.config.token_file
+        assert path is not None  # right_config needs one
+        try:
+            token = path.read_bytes().strip()
+        except OSError as exc:
+            return None, f"token file {path}: {exc.strerror or exc}", None
+        if not token:
+            return None, f"token file {path} is empty", None
+        if self.config.rights_token_file is not None:
+            try:
+                return f"Bearer {token.decode('ascii')}"
+            except UnicodeDecodeError:
+                return None, f"token file {path} is not ASCII", None
+        return authorization_header(token, self.config.pod_uid)
 
 
 class Watchdog:

@@ -24,13 +24,22 @@ admission policy and its binding) carry it, so two releases never share one.
 {{- end }}
 
 {{/*
-"true" when the leader serves rights (self-fencing): controller.rightSeconds > 0 and
-rbac.liveScaling, since only a pod with a scaling token self-fences (docs/chart.md). Without
-it no pod would ask, and the guests of pods built before the listener reach its port
-(docs/security.md, "Rights endpoint"). "" otherwise.
+The audience of the projected ServiceAccount token a runner presents for its right
+(--rights-audience): one per release, so a token minted for another release's rights (or
+for the API server) is refused, and one of this audience is no credential to the API
+server (docs/security.md, "Rights endpoint").
+*/}}
+{{- define "neonvm-controller.rightsAudience" -}}
+vm.neon.tech/rights/{{ .Release.Namespace }}/{{ include "neonvm-controller.fullname" . }}
+{{- end }}
+
+{{/*
+"true" when the leader serves rights (self-fencing): controller.rightSeconds > 0. Runners
+ask with a projected ServiceAccount token the leader verifies by a TokenReview, so no
+Secret rights are needed (docs/chart.md). "" otherwise.
 */}}
 {{- define "neonvm-controller.servesRights" -}}
-{{- if and (gt (float64 .Values.controller.rightSeconds) 0.0) .Values.rbac.liveScaling }}true{{- end }}
+{{- if gt (float64 .Values.controller.rightSeconds) 0.0 }}true{{- end }}
 {{- end }}
 
 {{- define "neonvm-controller.chart" -}}
