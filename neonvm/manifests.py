@@ -19,8 +19,9 @@ controller puts into REST paths) is refused to everyone but the controller's ide
 the ``system:masters`` group (the break-glass of a cluster administrator, who may also
 remove the binding). With ``limit_controller`` (the chart's copy) it also limits what the
 controller's own identity may create: only runner pods (gated, labelled, owned by their
-VM, no host namespaces, no hostPath, nothing privileged) and only scaling-token Secrets
-(named by the token prefix, labelled and owned by their VM, type Opaque).
+VM, no host namespaces, no hostPath, nothing privileged), scaling-token Secrets (named by
+the token prefix, labelled and owned by their VM, type Opaque) and SSH key Secrets
+(``ssh-neonvm-<vm>``, labelled and owned by that VM, type ``kubernetes.io/ssh-auth``).
 
 What it does not cover: deletes (anyone allowed to delete pods may delete a runner pod;
 deleting is always safe for the invariant), and identities it names (whoever holds the
@@ -41,6 +42,7 @@ import yaml
 from neonvm.api import admission, types
 from neonvm.api import crd as crd_module
 from neonvm.api.schema import json_name
+from neonvm.controller import ssh_keys
 
 POLICY_NAME = "neonvm-runner-pod-fence"
 CLUSTER_ROLE = "neonvm-controller"
@@ -97,6 +99,17 @@ def live_scaling_rules() -> list[dict[str, Any]]:
     scaling (401); the VM shows why. The local cluster's identity has it.
     """
     return [{"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "create"]}]
+
+
+def ssh_key_rules() -> list[dict[str, Any]]:
+    """``create`` on secrets, nothing else: each VM's SSH key Secret (``enableSSH``,
+    NeonVM's default; :mod:`neonvm.controller.ssh_keys`). Create only: the controller
+    never reads it back (an existing one answers 409 and is used as it is), so this rule
+    lets the identity read no Secret. The chart renders it unless ``rbac.sshKeys`` is
+    off, and its admission fence allows only ``ssh-neonvm-<vm>`` Secrets of type
+    ``kubernetes.io/ssh-auth``, labelled for and owned by that VM. Without it a VM's pod
+    starts without a key (a ``SSHKeyUnavailable`` warning event)."""
+    return [{"apiGroups": [""], "resources": ["secrets"], "verbs": ["create"]}]
 
 
 def pull_secret_rules() -> list[dict[str, Any]]:
@@ -378,6 +391,8 @@ def _limit_controller(spec: dict[str, Any], is_controller: str, uid_label: str,
     owner = _cel_string(types.KIND)
     api_version = _cel_string(types.API_VERSION)
     prefix = _cel_string(types.SCALING_TOKEN_SECRET_PREFIX)
+    ssh_prefix = _cel_string(ssh_keys.SECRET_PREFIX)
+    ssh_type = _cel_string(ssh_keys.SECRET_TYPE)
     spec["variables"] += [
         {"name": "ownedByItsVM",
          "expression": f"has(object.metadata.labels) && {label} in object.metadata.labels "
@@ -418,10 +433,14 @@ def _limit_controller(spec: dict[str, Any], is_controller: str, uid_label: str,
             "expression": "request.resource.resource != 'secrets' || "
                           f"(variables.secretName.startsWith({prefix}) && "
                           "variables.ownedByItsVM && "
-                          "(!has(object.type) || object.type == 'Opaque'))",
+                          "(!has(object.type) || object.type == 'Opaque')) || "
+                          "(variables.ownedByItsVM && has(object.type) && "
+                          f"object.type == {ssh_type} && variables.secretName == "
+                          f"{ssh_prefix} + object.metadata.labels[{label}])",
             "message": "the neonvm controller may create only scaling-token Secrets "
                        f"({types.SCALING_TOKEN_SECRET_PREFIX}..., Opaque, labelled for and "
-                       "owned by their VM)",
+                       f"owned by their VM) and SSH key Secrets ({ssh_keys.SECRET_PREFIX}"
+                       f"<vm>, {ssh_keys.SECRET_TYPE}, labelled for and owned by that VM)",
             "reason": "Forbidden",
         },
     ]
@@ -466,6 +485,7 @@ def chart_files() -> dict[str, str]:
         + yaml.safe_dump(pull_secret_rules(), sort_keys=False),
         "files/live-scaling-rules.yaml": header
         + yaml.safe_dump(live_scaling_rules(), sort_keys=False),
+        "files/ssh-key-rules.yaml": header + yaml.safe_dump(ssh_key_rules(), sort_keys=False),
         "files/leader-election-rules.yaml": header
         + yaml.safe_dump(leader_election_rules(), sort_keys=False),
         "files/self-fencing-rules.yaml": header

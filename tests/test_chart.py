@@ -356,18 +356,24 @@ def test_the_rbac_rules_are_the_generated_ones_and_the_lease_is_namespaced(helm:
     subject = {"kind": "ServiceAccount", "name": sa["name"], "namespace": "ops"}
 
     cluster_role = rendered.one("ClusterRole")
-    assert cluster_role["rules"] == manifests.controller_rules()
+    # Secrets: `create` alone, for the VMs' SSH key Secrets (rbac.sshKeys, on by default).
+    assert cluster_role["rules"] == manifests.controller_rules() + manifests.ssh_key_rules()
     assert not any("leases" in r["resources"] for r in cluster_role["rules"])
     crb = rendered.one("ClusterRoleBinding")
     assert crb["roleRef"]["name"] == cluster_role["metadata"]["name"]
     assert crb["subjects"] == [subject]
 
-    assert not any("secrets" in r["resources"] for r in cluster_role["rules"])
+    assert not any("secrets" in r["resources"] and set(r["verbs"]) != {"create"}
+                   for r in cluster_role["rules"])
+    no_ssh = helm.template("nvm", "ops", sets=("rbac.sshKeys=false", "rbac.userRoles=false",
+                                               "controller.rightSeconds=0"))
+    assert not any("secrets" in r["resources"] for r in no_ssh.one("ClusterRole")["rules"])
     checking = helm.template("nvm", "ops", sets=("rbac.checkImagePullSecrets=true",
                                                  "rbac.userRoles=false",
                                                  "controller.rightSeconds=0"))
     assert checking.one("ClusterRole")["rules"] == (
-        manifests.controller_rules() + manifests.pull_secret_rules())
+        manifests.controller_rules() + manifests.pull_secret_rules()
+        + manifests.ssh_key_rules())
 
     role = rendered.one("Role")
     assert role["metadata"]["namespace"] == "leases"

@@ -39,7 +39,7 @@ from kubernetes.client.exceptions import ApiException
 
 from neonvm import kube, manifests
 from neonvm.api import types
-from neonvm.controller import scaling
+from neonvm.controller import scaling, ssh_keys
 from neonvm.controller.cluster import KubeCluster
 from neonvm.dev import binaries
 from neonvm.dev.cluster import LocalCluster
@@ -460,7 +460,8 @@ def test_a_release_watching_one_namespace_is_granted_that_namespace_alone(helm: 
     assert ("ClusterRole", "nvm-neonvm-controller") not in roles
     role = roles[("Role", "nvm-neonvm-controller")]
     assert role["metadata"]["namespace"] == "tenant-a"
-    assert role["rules"] == manifests.controller_rules() + manifests.live_scaling_rules()
+    assert role["rules"] == (manifests.controller_rules() + manifests.live_scaling_rules()
+                             + manifests.ssh_key_rules())
     binding = next(o for o in rendered.all("RoleBinding")
                if o["metadata"]["name"] == "nvm-neonvm-controller")
     assert binding["metadata"]["namespace"] == "tenant-a"
@@ -535,7 +536,19 @@ def test_the_charts_service_account_may_create_only_runner_pods_and_token_secret
         sa_token["metadata"]["annotations"] = {"kubernetes.io/service-account.name": "default"}
         unowned = token_secret(vm)
         del unowned["metadata"]["ownerReferences"]
-        for secret in (named, sa_token, unowned):
+        # The VM's SSH key Secret (enableSSH) as the controller creates it is admitted;
+        # under another name, of another type, or owned by nothing it is not.
+        decoded = types.VirtualMachine.from_object(vm)
+        ssh = ssh_keys.secret_manifest(decoded, b"pub", b"priv")
+        assert core.create_namespaced_secret(namespace, copy.deepcopy(ssh)).metadata.name \
+            == f"ssh-neonvm-{decoded.name}"
+        ssh_misnamed = copy.deepcopy(ssh)
+        ssh_misnamed["metadata"]["name"] = "ssh-neonvm-other"
+        ssh_opaque = copy.deepcopy(ssh)
+        ssh_opaque["type"] = "Opaque"
+        ssh_unowned = copy.deepcopy(ssh)
+        del ssh_unowned["metadata"]["ownerReferences"]
+        for secret in (named, sa_token, unowned, ssh_misnamed, ssh_opaque, ssh_unowned):
             err = refused(functools.partial(core.create_namespaced_secret, namespace, secret))
             assert fenced_by(err, policy, LIMITS), kube.api_error_message(err)
         # Anyone else's Secrets are none of this policy's business.
