@@ -665,11 +665,11 @@ def ssh_public_key_volume(vm: VirtualMachine) -> tuple[dict[str, Any], dict[str,
     (docs/neonvm-compat.md, "SSH")."""
     from neonvm.controller import ssh_keys
 
-    name = vm.status.ssh_secret_name
-    if not ssh_keys.wants_ssh(vm) or not name:
+    if not ssh_keys.wants_ssh(vm) or not vm.status.ssh_secret_name:
         return None
+    # The name derived from the VM's (the one status records), never read from status.
     volume = {"name": SSH_VOLUME, "secret": {
-        "secretName": name, "optional": True,
+        "secretName": ssh_keys.secret_name(vm), "optional": True,
         "items": [{"key": ssh_keys.PUBLIC_KEY, "path": "authorized_keys", "mode": 0o644}]}}
     mount = {"name": SSH_VOLUME, "mountPath": SSH_DIR, "readOnly": True}
     return volume, mount, {"name": SSH_KEYS_ENV, "value": f"{SSH_DIR}/authorized_keys"}

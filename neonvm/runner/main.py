@@ -145,7 +145,7 @@ def plan_launch(options: RunnerOptions, env: Mapping[str, str], work_dir: Path,
         runner_kernel=runner_kernel,
         guest_init=runner_kernel is not None and _carries_guest_init(
             options.root_disk or Path(spec.guest.root_disk.image or ""), tools),
-        ssh_authorized_keys=_authorized_keys(options.ssh_authorized_keys_file))
+        ssh_authorized_keys=read_authorized_keys(options.ssh_authorized_keys_file))
     plan = build_launch_plan(spec, ctx)
     return Launch(loaded=loaded, plan=plan, accel=accel, accel_reason=reason, port=port,
                   tools=tools, acceleration_unavailable=unavailable)
@@ -155,7 +155,7 @@ SSH_KEYS_LIMIT = 64 * 1024
 """The most of an authorized_keys file the runner reads (one ed25519 line is ~100 bytes)."""
 
 
-def _authorized_keys(path: Path | None) -> bytes | None:
+def read_authorized_keys(path: Path | None) -> bytes | None:
     """The SSH public key file's contents; None when not given, absent (the Secret's
     volume is optional), empty, or unreadable (the guest then boots without a key)."""
     if path is None:
