@@ -81,6 +81,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import json
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -110,6 +111,7 @@ from neonvm.api.types import (
 )
 from neonvm.controller import (
     action_table,
+    autoscaler_view,
     conditions,
     looks,
     mutations,
@@ -120,7 +122,12 @@ from neonvm.controller import (
 from neonvm.controller import actions as act
 from neonvm.controller import decide as d
 from neonvm.controller.observe import Snapshot
-from neonvm.controller.scaling import RunnerTrouble, runner_trouble
+from neonvm.controller.scaling import (
+    TELL_ATTEMPTS,
+    RunnerTrouble,
+    _qos_class,
+    runner_trouble,
+)
 from neonvm.runner.scaling import OST_EJECT_IN_PROGRESS, ost_refuses_eject
 
 UID = "0123456789abcdef"
@@ -134,8 +141,11 @@ SLOT = "1Gi"
 IP = "10.0.0.1"
 Size = tuple[int, int]
 FenceTriple = tuple[int, int, int]
-Created = tuple[str, str, Size]
-"""A created pod: its name, uid and built size."""
+Created = tuple[str, str, Size, int]
+"""A created pod: its name, uid, built size (whole vCPUs, slots) and built millicores."""
+SpecChange = tuple[int, ...]
+"""A spec ``use``: (vCPUs, slots), or (vCPUs, slots, millicores) for a fractional
+``cpus.use`` (:func:`frac`)."""
 FENCED_OUT = "fenced-out"
 """A write's outcome: a fence ahead of the writer's (the worker stops)."""
 
@@ -147,6 +157,15 @@ STUCK_OUTCOME = "runner_504"
 """The ``ApplyScale`` outcome of a modelled stuck end: the runner's answer to an unplug
 the guest neither finished nor refused (any outcome the driver pauses on is written the
 same way)."""
+TELL = "TellKubernetes"
+"""The held kind of the pod's fenced annotation and resize write after an ``ApplyScale``
+(:meth:`ScalingModel._tell`): ``RunnerScaling._tell_kubernetes``, one step per request."""
+READ = "read"
+"""The marker of what an ``ApplyScale`` read of the VM (appended to the held action)."""
+FOLLOW = "FollowFraction"
+"""The held kind of :attr:`Mutants.fraction_outside_plan`'s status write."""
+CPU_MAX = 2000
+"""The spec's ``cpus.max`` (millicores); ``min`` is 1000."""
 RUNNER_CALLS = frozenset({"ApplyScale"})
 """The runner calls this model performs (:meth:`ScalingModel._put`); every other scaling
 action is a status write through the shipped mutation."""
@@ -179,6 +198,15 @@ class VMRep(NamedTuple):
     """``status.scaleLookPodUID``: the pod whose runner is still to be looked at after a
     drop ("": none). Its ``scaleLookSince`` is :data:`DROPPED_AT` (time is binary here:
     :attr:`World.window_closed`)."""
+    use_milli: int = 0
+    """The spec's ``cpus.use`` in millicores when it is not ``use[0]`` whole vCPUs (a
+    fraction: ``use[0]`` is then its rounding up); 0: whole."""
+    cpus_milli: int = 0
+    """``status.cpus`` in millicores when it is not ``size[0]`` whole vCPUs; 0: whole."""
+    token: bool = False
+    """Status records a scaling token Secret. The worlds without pod writes keep the
+    original model's VM, which records none (and whose ``ApplyScale`` always calls the
+    runner)."""
 
 
 class Runner(NamedTuple):
@@ -202,6 +230,16 @@ class Runner(NamedTuple):
     recorded: bool = True
     """The runner's record still lists ``removing`` (it holds every plan until the
     removal settles). Only a misread refusal clears it while the eject is in flight."""
+    scale_fence: FenceTriple | None = None
+    """The runner pod's ``vm.neon.tech/scale-fence`` annotation (None: absent, as built)."""
+    ann: tuple[int, int, int] = (0, 0, 0)
+    """The pod's ``usage``/``resources`` annotations: (cpu millicores, memory slots, the
+    VM generation whose spec they were computed from)."""
+    req: tuple[int, int] = (0, 0)
+    """The runner container's CPU request (millicores; its limit is a function of it and
+    ``max``), and the VM generation it was computed from."""
+    guaranteed: bool = False
+    """The pod's QoS class is Guaranteed (never resized)."""
 
 
 class WorkerRep(NamedTuple):
@@ -210,7 +248,9 @@ class WorkerRep(NamedTuple):
     active: bool
     stopped: bool
     held: tuple[Any, ...] | None
-    """A decided action not yet performed: (kind, args...)."""
+    """A decided action not yet performed: (kind, args...). A held ``ApplyScale`` of a
+    model with pod writes ends with what its read of the VM gives the pod writes
+    (:meth:`ScalingModel._read_for_tell`)."""
 
 
 class World(NamedTuple):
@@ -218,7 +258,7 @@ class World(NamedTuple):
     history: tuple[VMRep, ...]
     runner: Runner
     workers: tuple[WorkerRep, ...]
-    spec_changes: tuple[Size, ...]
+    spec_changes: tuple[SpecChange, ...]
     restarts_left: int
     crashes_left: int
     created: Created | None = None
@@ -245,6 +285,9 @@ class World(NamedTuple):
     stuck_left: int = 0
     """A reconcile may end stuck over the runner this many more times (the module doc,
     "A reconcile that ends stuck over the runner"): its Degraded write held."""
+    bumps_left: int = 0
+    """The pod may change this many more times under a pending pod write (the kubelet's
+    status updates): every read of it held becomes stale (a 409 for its patch)."""
 
 
 @dataclass(frozen=True)
@@ -305,6 +348,22 @@ class Mutants:
     progress", anything else a refusal: review R1's rule), so the "eject in progress"
     (0x84) that Linux sends before every eject settles a removal still in flight as
     refused, and counts the DIMMs as plugged."""
+    unfenced_annotation: bool = False
+    """The pod's annotation write ignores ``vm.neon.tech/scale-fence``: every tell
+    writes the usage and resources annotations (by resourceVersion still)."""
+    no_resource_version: bool = False
+    """The pod's annotation write and resize carry no resourceVersion: a patch decided
+    from a read lands whatever was written since."""
+    commit_any_generation: bool = False
+    """A plan's commit records the spec's fraction whatever the VM's generation (the
+    commit without ``pendingScale.generation``'s check)."""
+    commit_pod_behind: bool = False
+    """A plan's commit records the spec's fraction whether or not the pod's
+    ``scale-fence`` carries the plan (``pod_behind`` ignored)."""
+    fraction_outside_plan: bool = False
+    """The code before 67ae728: a ``cpus.use`` changed within the whole vCPUs status
+    says is no plan; status copies the fraction (``follow_fraction``) and nothing
+    writes the pod."""
 
 
 def _misread_ost_refuses_eject(info: dict[str, Any]) -> bool:
@@ -323,7 +382,8 @@ OST_DEVICE_BUSY = 0x82
 
 def to_vm(r: VMRep) -> VirtualMachine:
     spec = VirtualMachineSpec(guest=Guest(
-        cpus=CPURange(min=MilliCPU(1000), max=MilliCPU(2000), use=MilliCPU(r.use[0] * 1000)),
+        cpus=CPURange(min=MilliCPU(1000), max=MilliCPU(CPU_MAX),
+                      use=MilliCPU(r.use_milli or r.use[0] * 1000)),
         memory_slots=IntRange(min=1, max=2, use=r.use[1]), memory_slot_size=SLOT))
     pending = None
     if r.pending is not None:
@@ -334,7 +394,7 @@ def to_vm(r: VMRep) -> VirtualMachine:
         phase=r.phase, pod_name=r.pod, pod_uid=r.pod_uid,  # type: ignore[arg-type]
         pod_ip=IP, node="n1", plan_seq=r.plan_seq, restart_count=r.restarts,
         fence=Fence(epoch=r.fence[0], token=r.fence[1]) if r.fence else None,
-        cpus=MilliCPU(r.size[0] * 1000) if r.size else None,
+        cpus=MilliCPU(r.cpus_milli or r.size[0] * 1000) if r.size else None,
         memory_size=f"{r.size[1]}Gi" if r.size else None,
         pending_scale=pending, scale_seq=r.scale_seq,
         pending_pod=PendingPod(name=r.pending_pod[0], plan_seq=r.pending_pod[1],
@@ -345,6 +405,8 @@ def to_vm(r: VMRep) -> VirtualMachine:
             type=reasons.SCALING_CONDITION, status="False",
             reason=r.dropped[0], message="", observed_generation=r.dropped[1],
             last_transition_time=times.format_microtime(DROPPED_AT)))
+    if r.token:
+        status.scaling_token_secret, status.scaling_token_secret_uid = "token", "token-uid"
     status.scale_look_pod_uid = r.look or None
     status.scale_look_since = times.format_microtime(DROPPED_AT) if r.look else None
     return VirtualMachine(name="vm", namespace="ns", uid=UID, resource_version="1",
@@ -352,23 +414,38 @@ def to_vm(r: VMRep) -> VirtualMachine:
                           finalizers=[FINALIZER])
 
 
-def from_vm(vm: VirtualMachine, use: Size) -> VMRep:
+def from_vm(vm: VirtualMachine, use: Size | None = None) -> VMRep:
+    """The model's VM from a shipped one (``use``: ignored, the spec's is read)."""
     s = vm.status
     p = s.pending_scale
     pp = s.pending_pod
     size = d.status_size(vm)
+    spec_use = vm.spec.guest.cpus.current
+    whole = spec_use.rounded_up()
+    cpus_milli = int(s.cpus) if s.cpus is not None and size is not None else 0
     cond = next((c for c in s.conditions if c.type == reasons.SCALING_CONDITION), None)
     dropped = ((cond.reason, cond.observed_generation or 0) if cond is not None
                and cond.status == "False" and cond.reason in reasons.DROP_REASONS else None)
     return VMRep(
-        use=use, generation=vm.generation, phase=s.phase or "Pending", pod=s.pod_name or "",
+        use=(whole, vm.spec.guest.memory_slots.current), generation=vm.generation,
+        phase=s.phase or "Pending", pod=s.pod_name or "",
         pod_uid=s.pod_uid or "", plan_seq=s.plan_seq,
         fence=(s.fence.epoch, s.fence.token) if s.fence else None, size=size,
         pending=(p.cpus, p.memory_slots, p.seq, p.epoch, p.token, p.pod_name, p.pod_uid,
                  p.generation) if p else None,
         scale_seq=s.scale_seq, restarts=s.restart_count,
         pending_pod=(pp.name, pp.plan_seq, pp.token, pp.epoch, pp.generation) if pp else None,
-        dropped=dropped, look=s.scale_look_pod_uid or "")
+        dropped=dropped, look=s.scale_look_pod_uid or "",
+        use_milli=0 if int(spec_use) == whole * 1000 else int(spec_use),
+        cpus_milli=0 if size is None or cpus_milli == size[0] * 1000 else cpus_milli,
+        token=bool(s.scaling_token_secret))
+
+
+def frac(millicores: int, slots: int) -> SpecChange:
+    """A spec change to ``cpus.use`` = ``millicores`` (a fraction, or whole vCPUs) and
+    ``slots`` memory slots."""
+    whole = -(-millicores // 1000)
+    return (whole, slots) if millicores == whole * 1000 else (whole, slots, millicores)
 
 
 def _freeze(action: act.Action) -> tuple[Any, ...]:
@@ -386,6 +463,8 @@ def _freeze(action: act.Action) -> tuple[Any, ...]:
 def _thaw(key: tuple[Any, ...]) -> act.Action:
     cls = getattr(d, key[0])
     names = [f.name for f in dataclasses.fields(cls) if f.name != "reason"]
+    if key and isinstance(key[-1], tuple) and key[-1][:1] == (READ,):
+        key = key[:-1]  # what the ApplyScale's read gives the pod writes
     kwargs = {}
     for n, v in zip(names, key[1:], strict=True):
         if isinstance(v, tuple) and v and v[0] == "PendingScale":
@@ -405,9 +484,18 @@ class Violation(NamedTuple):
 
 class ScalingModel:
     def __init__(self, lag: int = 2, mutants: Mutants = Mutants(),
-                 refuse_unplug: bool = False, refuse_cpu_unplug: bool = False) -> None:
+                 refuse_unplug: bool = False, refuse_cpu_unplug: bool = False,
+                 pod_writes: bool = False, pod_convergence: bool = True) -> None:
         self.lag = lag
         self.mutants = mutants
+        self.pod_writes = pod_writes
+        """Model the runner pod's fenced writes (the module doc, "The pod's writes"):
+        the pod's ``scale-fence`` is in the observation, and an ``ApplyScale`` the
+        runner answered 200 (or, with no token recorded, a fraction-only plan's)
+        continues with the tell's steps. Off: the original model (no pod writes)."""
+        self.pod_convergence = pod_convergence
+        """With ``pod_writes``, the calm run must also bring the pod's annotations and
+        CPU request to the spec's ``use`` (:meth:`_pod_converged`)."""
         self.refuse_cpu_unplug = refuse_cpu_unplug
         """As ``refuse_unplug``, for vCPUs: a PUT that lowers the vCPUs starts their
         unplug and answers 504 with them still plugged (after the rest of the change,
@@ -449,9 +537,15 @@ class ScalingModel:
         if not seen.pod:
             return None  # a pod being replaced: the pod explorer's business
         vm = to_vm(seen)
+        r = w.runner
         pod = act.PodView(name=seen.pod, uid=seen.pod_uid, owner_uid=UID, gated=False,
                         terminating=False, phase="Running", node="n1", ip=IP,
                         fence=(1, 10))
+        if self.pod_writes and r.pod_uid == seen.pod_uid:
+            # The pod as the cache has it: its scale-fence (and the size it was built
+            # with, read by a fraction-only plan on a pod without a token).
+            pod = dataclasses.replace(pod, scale_fence=r.scale_fence,
+                                      built=(r.boot[0] * 1000, r.boot[1]))
         runner = None
         now = (PAST_THE_WINDOW if w.window_closed or self.mutants.end_in_window
                or (self.mutants.window_from_condition and seen.look
@@ -474,7 +568,6 @@ class ScalingModel:
                 Snapshot(obs=obs, record=None), action) if u.type == reasons.SCALING_CONDITION)
             return (CONDITIONS_WRITE, updates) if updates else None
         if looks.looks_at_runner(vm, now):
-            r = w.runner
             last = self._last(r)
             runner = act.RunnerView(
                 pod_uid=seen.pod_uid,  # what answered on the observed pod's IP
@@ -495,7 +588,27 @@ class ScalingModel:
             return None  # (a write that only ends the look, at status's size, is kept)
         if self.mutants.no_supersede and isinstance(action, act.PlanScale) and seen.pending:
             return _freeze(act.ApplyScale(plan=to_vm(seen).status.pending_scale or PendingScale()))
+        if (self.mutants.fraction_outside_plan and isinstance(action, act.PlanScale)
+                and seen.pending is None
+                and (action.plan.cpus, action.plan.memory_slots) == seen.size):
+            return (FOLLOW,)  # no plan: status copies the fraction (before 67ae728)
+        if self.pod_writes and isinstance(action, act.ApplyScale):
+            return (*_freeze(action), self._read_for_tell(vm, action.plan, pod))
         return _freeze(action)
+
+    def _read_for_tell(self, vm: VirtualMachine, plan: PendingScale,
+                       pod: act.PodView) -> tuple[Any, ...]:
+        """What the VM read an ``ApplyScale`` was decided from gives its pod writes
+        (``RunnerScaling.apply`` and ``_tell_once``, which take the spec from it):
+        (READ, generation, the annotations' cpu millicores, the resize's request or
+        None when it is not resized, whether status records a token, whether the plan
+        is fraction-only)."""
+        cpus = autoscaler_view.landed_cpus(vm, plan.cpus)
+        use = vm.spec.guest.cpus.current
+        resize = (int(use) if vm.spec.pod_resources is None and use.rounded_up() == plan.cpus
+                  else None)
+        return (READ, vm.generation, int(cpus), resize, bool(vm.status.scaling_token_secret),
+                d.fraction_only(vm, plan, pod))
 
     def _last(self, r: Runner) -> AppliedFence | None:
         if r.stored is not None:
@@ -512,12 +625,27 @@ class ScalingModel:
         if x.held[0] == CONDITIONS_WRITE:
             return self._conditions_write(done, i, x.held[1],
                                           key=(w.vm, x.held, x.epoch, x.token)), None
+        if x.held[0] == TELL:
+            return self._tell(w, i)
+        if x.held[0] == FOLLOW:
+            return self._follow_fraction(done, i), None
         action = _thaw(x.held)
         if type(action).__name__ in RUNNER_CALLS:
             assert isinstance(action, act.ApplyScale)
-            return self._put(done, action.plan)
+            read = x.held[-1] if x.held[-1][:1] == (READ,) else None
+            if read is not None and not read[4]:
+                return self._without_token(done, i, action.plan, read), None
+            new, violation, answered = self._put(done, action.plan)
+            if read is not None and answered:
+                # Answered 200: the fenced annotation and resize writes follow
+                # (RunnerScaling._tell_kubernetes), each a step of its own.
+                new = new._replace(workers=_set(new.workers, i, new.workers[i]._replace(
+                    held=_tell_held(action.plan, read))))
+            return new, violation
         if self.mutants.stale_adopt_after_end and isinstance(action, act.CommitScale):
             action = dataclasses.replace(action, look_recorded=False)
+        if self.mutants.commit_pod_behind and isinstance(action, act.CommitScale):
+            action = dataclasses.replace(action, pod_behind=False)
         return self._status_write(done, i, action, key=(w.vm, x.held, x.epoch, x.token)), None
 
     def _written(self, w: World, i: int, key: tuple[Any, ...] | None,
@@ -547,8 +675,12 @@ class ScalingModel:
 
         def compute() -> VMRep | str | None:
             mutate = action_table.status_mutation(action, act.Fence(x.epoch, x.token))
+            fresh = to_vm(w.vm)  # a fresh object: nothing to copy
+            if (self.mutants.commit_any_generation and isinstance(action, act.CommitScale)
+                    and fresh.status.pending_scale is not None):
+                fresh.status.pending_scale.generation = fresh.generation  # no check
             try:
-                new = mutate(to_vm(w.vm))  # a fresh object: nothing to copy
+                new = mutate(fresh)
             except mutations.FencedOut:
                 return FENCED_OUT
             if new is None:
@@ -557,7 +689,7 @@ class ScalingModel:
                 new.scale_look_pod_uid = None
             vm = to_vm(w.vm)
             vm.status = new
-            return from_vm(vm, w.vm.use)
+            return from_vm(vm)
 
         return self._written(w, i, key, compute)
 
@@ -585,7 +717,7 @@ class ScalingModel:
                 return None
             new.pending_scale = vm.status.pending_scale
             vm.status = new
-            return from_vm(vm, w.vm.use)
+            return from_vm(vm)
 
         return self._written(w, i, key, compute)
 
@@ -610,12 +742,17 @@ class ScalingModel:
                           timeouts_left=w.timeouts_left - 1, late=(*w.late, x.held))
 
     def land(self, w: World, k: int) -> tuple[World, Violation | None]:
-        """The late request ``k`` reaches the runner."""
+        """The late request ``k`` reaches the runner (its sender gave up on it: no pod
+        write follows)."""
         action = _thaw(w.late[k])
         assert isinstance(action, act.ApplyScale)
-        return self._put(w._replace(late=(*w.late[:k], *w.late[k + 1:])), action.plan)
+        new, violation, _ = self._put(w._replace(late=(*w.late[:k], *w.late[k + 1:])),
+                                      action.plan)
+        return new, violation
 
-    def _put(self, w: World, plan: PendingScale) -> tuple[World, Violation | None]:
+    def _put(self, w: World, plan: PendingScale) -> tuple[World, Violation | None, bool]:
+        """``PUT /scale`` of ``plan`` at the current runner: the world after it, an order
+        or growth violation, and whether the runner answered 200."""
         r = w.runner
         fence = ScaleFence(plan.epoch, plan.token, plan.seq)
         target = ScaleTarget(plan.cpus, plan.memory_slots)
@@ -625,14 +762,14 @@ class ScalingModel:
             try:
                 decision = fence_decision(self._last(r), fence, target)
             except ScaleError:
-                return w, None  # 409: nothing applied
+                return w, None, False  # 409: nothing applied
         size = (plan.cpus, plan.memory_slots)
         stored = ((plan.epoch, plan.token, plan.seq), size) if decision == "newer" else r.stored
         if (r.removing is not None and r.recorded
                 and not self.mutants.removal_counts_as_present):
             # The shipped runner settles the removals it started first: 504, the fence
             # recorded, nothing plugged or unplugged until the guest has ejected.
-            return w._replace(runner=r._replace(stored=stored)), None
+            return w._replace(runner=r._replace(stored=stored)), None, False
         guest = size
         removing, ejecting, recorded = r.removing, r.ejecting, r.recorded
         leaving = (max(0, r.guest[0] - size[0]) if self.refuse_cpu_unplug else 0,
@@ -661,7 +798,106 @@ class ScalingModel:
                                            f"{' (its boot size)' if seq0 == r.boot_seq else ''}")
         runner = r._replace(stored=stored, guest=guest, received=(plan.seq, size),
                             removing=removing, ejecting=ejecting, recorded=recorded)
-        return w._replace(runner=runner), violation
+        return w._replace(runner=runner), violation, not any(leaving)
+
+    # the pod's writes (RunnerScaling._tell_kubernetes)
+    def _without_token(self, w: World, i: int, plan: PendingScale,
+                       read: tuple[Any, ...]) -> World:
+        """``RunnerScaling.apply`` for a VM whose status records no token: a
+        fraction-only plan is the tell alone (no runner call); any other is dropped
+        (``pod_without_token``: ``ScalingNeedsRestart``, no look)."""
+        if read[5]:
+            return w._replace(workers=_set(w.workers, i, w.workers[i]._replace(
+                held=_tell_held(plan, read))))
+        return self._status_write(w, i, act.DropScale(
+            seq=plan.seq, refused=reasons.SCALING_NEEDS_RESTART, starts_look=False))
+
+    def _tell(self, w: World, i: int) -> tuple[World, Violation | None]:
+        """One request of worker ``i``'s tell: the pod's GET, its annotation PATCH, or its
+        resize PATCH (``_tell_once``), the patches with the resourceVersion of the read
+        (or of the worker's own write): a 409 when the pod was written since, and the
+        tell reads again, up to :data:`TELL_ATTEMPTS` in all."""
+        x = w.workers[i]
+        assert x.held is not None
+        _, phase, fence, uid, cpus, slots, gen, resize, fresh, attempts = x.held
+        r = w.runner
+
+        def hold(held: tuple[Any, ...] | None) -> World:
+            return w._replace(workers=_set(w.workers, i, x._replace(held=held)))
+
+        def then_resize(at: World) -> World:
+            # The annotations carry this plan: the resize, unless the pod is Guaranteed
+            # or the read's spec does not resize (its use is of other whole vCPUs).
+            held = None if resize is None or at.runner.guaranteed else (
+                TELL, "resize", fence, uid, cpus, slots, gen, resize, True, attempts)
+            return at._replace(workers=_set(at.workers, i, at.workers[i]._replace(
+                held=held)))
+
+        if phase == "read":
+            if r.pod_uid != uid:
+                return hold(None), None  # no such pod: nothing to annotate
+            recorded = r.scale_fence
+            if self.mutants.unfenced_annotation:
+                return hold((TELL, "patch", fence, uid, cpus, slots, gen, resize, True,
+                             attempts)), None
+            if recorded is not None and recorded > fence:
+                return hold(None), None  # a newer plan's size is on the pod
+            if recorded != fence:
+                return hold((TELL, "patch", fence, uid, cpus, slots, gen, resize, True,
+                             attempts)), None
+            return then_resize(w), None
+        if r.pod_uid != uid:
+            return hold(None), None  # the pod is gone (its name and uid preconditions)
+        if not fresh and not self.mutants.no_resource_version:
+            # 409: read again, up to TELL_ATTEMPTS in all; then the tell is left.
+            attempts += 1
+            return hold(None if attempts >= TELL_ATTEMPTS else (
+                TELL, "read", fence, uid, cpus, slots, gen, resize, True, attempts)), None
+        violation = None
+        if phase == "patch":
+            value = (cpus, slots)
+            if gen < r.ann[2] and value != r.ann[:2]:
+                violation = Violation("order", f"pod {uid}'s annotations got {value} (plan "
+                                               f"#{fence[2]}, spec of generation {gen}) "
+                                               f"after {r.ann[:2]} (generation {r.ann[2]})")
+            ann = (cpus, slots, max(gen, r.ann[2]) if value == r.ann[:2] else gen)
+            written = _pod_written(w._replace(runner=r._replace(scale_fence=fence, ann=ann)), i)
+            return then_resize(written), violation
+        assert phase == "resize" and resize is not None
+        if gen < r.req[1] and resize != r.req[0]:
+            violation = Violation("order", f"pod {uid}'s CPU request got {resize}m (plan "
+                                           f"#{fence[2]}, spec of generation {gen}) after "
+                                           f"{r.req[0]}m (generation {r.req[1]})")
+        req = (resize, max(gen, r.req[1]) if resize == r.req[0] else gen)
+        written = _pod_written(w._replace(runner=r._replace(req=req)), i)
+        return written._replace(workers=_set(written.workers, i, x._replace(held=None))), \
+            violation
+
+    def bump(self, w: World) -> World:
+        """The pod changes under every pending pod write (the kubelet's status update)."""
+        return _pod_written(w._replace(bumps_left=w.bumps_left - 1), None)
+
+    def _follow_fraction(self, w: World, i: int) -> World:
+        """:attr:`Mutants.fraction_outside_plan`'s write, the code before 67ae728
+        (``autoscaler_view.follow_fraction``): on the fresh copy, a running VM with no
+        plan whose ``cpus.use`` rounds up to the whole vCPUs status says gets it as
+        ``status.cpus``."""
+        x = w.workers[i]
+
+        def compute() -> VMRep | str | None:
+            vm = to_vm(w.vm)
+            try:
+                mutations.check_fence(vm, act.Fence(x.epoch, x.token))
+            except mutations.FencedOut:
+                return FENCED_OUT
+            s, use = vm.status, vm.spec.guest.cpus.current
+            if (s.phase != "Running" or s.pending_scale is not None or s.cpus is None
+                    or s.cpus == use or s.cpus.rounded_up() != use.rounded_up()):
+                return None
+            s.cpus = use
+            return from_vm(vm)
+
+        return self._written(w, i, None, compute)
 
     def ost(self, w: World, status: int) -> World | None:
         """The guest answers the pending eject request with ``_OST(3, status)``, and the
@@ -715,8 +951,8 @@ class ScalingModel:
         if key not in self._restarts:
             self._restarts[key] = self._replaced(w.vm, act.Fence(leader.epoch, leader.token))
         rep, runner, created = self._restarts[key]
-        return _write(w._replace(runner=runner, restarts_left=w.restarts_left - 1,
-                                 created=created), rep, self.lag)
+        return _write(_pod_written(w._replace(runner=runner, restarts_left=w.restarts_left - 1,
+                                              created=created), None), rep, self.lag)
 
     def _replaced(self, r: VMRep, lease: act.Fence) -> tuple[VMRep, Runner, Created]:
         """:meth:`restart_runner`'s VM, new runner and created pod, from the VM and the
@@ -743,9 +979,10 @@ class ScalingModel:
         uid = f"uid-{vm.status.plan_seq}"
         milli, slots = podspec.built_size(created["metadata"]) or (0, 0)
         boot = ((milli + 999) // 1000, slots)
-        runner = Runner(pod_uid=uid, stored=None, floor=floor, boot=boot, guest=boot,
-                        received=(vm.status.scale_seq, boot), boot_seq=vm.status.scale_seq)
-        return from_vm(vm, r.use), runner, (name, uid, boot)
+        runner = _built_pod(created, vm.generation)._replace(
+            pod_uid=uid, floor=floor, received=(vm.status.scale_seq, boot),
+            boot_seq=vm.status.scale_seq)
+        return from_vm(vm), runner, (name, uid, boot, milli)
 
     def commit_pod(self, w: World) -> World:
         """The created pod is committed and seen running (shipped decide's Commit, its
@@ -762,13 +999,12 @@ class ScalingModel:
     def _committed(self, r: VMRep, created: Created, lease: act.Fence) -> VMRep:
         """:meth:`commit_pod`'s VM, from the VM, the created pod and the leader's fence
         alone."""
-        name, uid, boot = created
+        name, uid, boot, milli = created
         vm = to_vm(r)
         pending = vm.status.pending_pod
         assert pending is not None
         pod = act.PodView(name=name, uid=uid, owner_uid=UID, gated=True, terminating=False,
-                        fence=(pending.epoch, pending.token),
-                        built=(boot[0] * 1000, boot[1]))
+                        fence=(pending.epoch, pending.token), built=(milli, boot[1]))
         commit = d.decide(act.Observation(vm=vm, pods=(pod,), lease=lease, direct=True))
         assert isinstance(commit, act.Commit), commit
         if self.mutants.commit_spec_size:
@@ -779,9 +1015,28 @@ class ScalingModel:
             new = action_table.status_mutation(action, lease)(vm)
             assert new is not None, action
             vm.status = new
-        return from_vm(vm, r.use)
+        return from_vm(vm)
 
     def successors(self, w: World) -> Iterator[tuple[str, World, Violation | None]]:
+        """Every step from ``w``: its name, the world after it, and a violation of a
+        step property (order, growth, or status claiming a fraction not applied)."""
+        for step, new, violation in self._steps(w):
+            yield step, new, violation or self.claims(w, new)
+
+    def claims(self, before: World, after: World) -> Violation | None:
+        """``status.cpus`` newly says a fraction (a commit, a pod commit, any write) that
+        the committed pod's annotations do not carry: a fraction never applied."""
+        vm = after.vm
+        if not self.pod_writes or not vm.cpus_milli or (
+                (vm.cpus_milli, vm.pod_uid) == (before.vm.cpus_milli, before.vm.pod_uid)):
+            return None
+        r = after.runner
+        if r.pod_uid == vm.pod_uid and r.ann[0] == vm.cpus_milli:
+            return None
+        return Violation("claims", f"status.cpus says {vm.cpus_milli}m for pod {vm.pod_uid}, "
+                                   f"whose annotations carry {r.ann[0]}m (pod {r.pod_uid})")
+
+    def _steps(self, w: World) -> Iterator[tuple[str, World, Violation | None]]:
         for i, x in enumerate(w.workers):
             if not x.active or x.stopped:
                 continue
@@ -812,7 +1067,9 @@ class ScalingModel:
                                    unanswered_left=w.unanswered_left - 1), None)
             else:
                 new, violation = self.perform(w, i)
-                yield f"w{i} performs {x.held[0]}", new, violation
+                what = x.held[0] if x.held[0] != TELL else (
+                    f"{TELL} ({x.held[1]} of plan #{x.held[2][2]})")
+                yield f"w{i} performs {what}", new, violation
                 if x.held[0] in RUNNER_CALLS and w.refusals_left:
                     yield (f"w{i} performs {x.held[0]}: refused for good (no token)",
                            self.refused(w, i), None)
@@ -845,10 +1102,16 @@ class ScalingModel:
                 for x in w.workers if x.active and not x.stopped):
             yield "the late-PUT window closes", self.close_window(w), None
         if w.spec_changes:
-            use, rest = w.spec_changes[0], w.spec_changes[1:]
-            vm = w.vm._replace(use=use, generation=w.vm.generation + 1)
-            yield f"user sets use {use}", _write(w._replace(spec_changes=rest), vm,
-                                                 self.lag), None
+            change, rest = w.spec_changes[0], w.spec_changes[1:]
+            vm = w.vm._replace(use=(change[0], change[1]), generation=w.vm.generation + 1,
+                               use_milli=change[2] if len(change) > 2 else 0)
+            said = change if len(change) < 3 else f"({change[2]}m, {change[1]})"
+            yield f"user sets use {said}", _write(w._replace(spec_changes=rest), vm,
+                                                  self.lag), None
+        if w.bumps_left and any(x.held is not None and x.held[0] == TELL and x.held[8]
+                                for x in w.workers):
+            yield "the kubelet updates the pod (a pending pod write's read is stale)", \
+                self.bump(w), None
         if w.runner.removing is not None and w.runner.ejecting:
             new, violation = self.eject(w)
             yield "the guest finishes the pending unplug", new, violation
@@ -869,7 +1132,11 @@ class ScalingModel:
         if not live:
             return None  # every leader stopped; a new term would start: not modelled
         i = max(live, key=lambda j: w.workers[j].epoch)
-        workers = tuple(x._replace(held=None) if j == i else x._replace(held=None, stopped=True)
+        # The newest leader finishes the pod writes it has begun (a tell is the rest of
+        # its ApplyScale, not a decision from a read it may drop; a crash loses it).
+        workers = tuple((x if x.held is not None and x.held[0] == TELL
+                         else x._replace(held=None)) if j == i
+                        else x._replace(held=None, stopped=True)
                         for j, x in enumerate(w.workers))
         # The calm run reads only the current VM, so states that differ in what the
         # stopped workers held, the read history or the faults left share one calm run.
@@ -878,7 +1145,8 @@ class ScalingModel:
         # Time passes in a calm run: with no PUT on its way, the window closes.
         s = w._replace(workers=workers, history=(), spec_changes=(), restarts_left=0,
                        crashes_left=0, refusals_left=0, timeouts_left=0, late=(),
-                       unanswered_left=0, stuck_left=0, window_closed=_after_drop(w.vm))
+                       unanswered_left=0, stuck_left=0, bumps_left=0,
+                       window_closed=_after_drop(w.vm))
         if s in self._calm:
             return self._calm[s]
         self._calm[s] = verdict = self._calm_run(s, i, max_steps)
@@ -888,11 +1156,14 @@ class ScalingModel:
         if s.created is not None:
             s = self.commit_pod(s)
         for _ in range(max_steps):
-            held = self.observe(s, i, s.vm)
-            if held is None:
-                break
-            s = s._replace(workers=_set(s.workers, i, s.workers[i]._replace(held=held)))
+            if s.workers[i].held is None:  # else: the tell of its last ApplyScale goes on
+                held = self.observe(s, i, s.vm)
+                if held is None:
+                    break
+                s = s._replace(workers=_set(s.workers, i, s.workers[i]._replace(held=held)))
+            before = s
             s, violation = self.perform(s, i)
+            violation = violation or self.claims(before, s)
             if violation is not None:
                 return violation
             # Nothing is on its way in a calm run: a drop's window passes as well.
@@ -939,11 +1210,68 @@ class ScalingModel:
             return Violation("convergence", f"calm run ends with guest {s.runner.guest}, "
                                             f"status {s.vm.size}, plan {s.vm.pending}; "
                                             f"spec asks {want}")
+        return self._pod_converged(s) if self.pod_writes and self.pod_convergence else None
+
+    def _pod_converged(self, s: World) -> Violation | None:
+        """At the spec's size: ``status.cpus`` is the spec's ``cpus.use`` exactly, the
+        pod's annotations carry it and the spec's slots, and its CPU request is it
+        (unless the pod is Guaranteed, never resized)."""
+        use = s.vm.use_milli or s.vm.use[0] * 1000
+        cpus = s.vm.cpus_milli or s.vm.use[0] * 1000
+        r = s.runner
+        if cpus != use:
+            return Violation("pod-convergence", f"calm run ends with status.cpus {cpus}m; "
+                                                f"spec asks {use}m")
+        if r.ann[:2] != (use, s.vm.use[1]):
+            return Violation("pod-convergence", f"calm run ends with the pod's annotations "
+                                                f"at {r.ann[:2]} (generation {r.ann[2]}); "
+                                                f"spec and status say {(use, s.vm.use[1])}")
+        if not r.guaranteed and r.req[0] != use:
+            return Violation("pod-convergence", f"calm run ends with the pod's CPU request "
+                                                f"at {r.req[0]}m (generation {r.req[1]}); "
+                                                f"spec and status say {use}m")
         return None
 
 
 def _set(xs: tuple[WorkerRep, ...], i: int, x: WorkerRep) -> tuple[WorkerRep, ...]:
     return (*xs[:i], x, *xs[i + 1:])
+
+
+def _built_pod(created: dict[str, Any], generation: int) -> Runner:
+    """The runner of a pod built by :func:`neonvm.controller.podspec.runner_pod` from the
+    VM of ``generation``: booted at its built size, its annotations and CPU request as
+    built, its QoS class (the uid, floor and received plan are the caller's)."""
+    meta = created["metadata"]
+    milli, slots = podspec.built_size(meta) or (0, 0)
+    boot = ((milli + 999) // 1000, slots)
+    resources = json.loads(meta["annotations"][podspec.ANNOTATION_RESOURCES])
+    requests = created["spec"]["containers"][0]["resources"]["requests"]
+    return Runner(pod_uid="", stored=None, floor=None, boot=boot, guest=boot,
+                  received=(0, boot), boot_seq=0,
+                  ann=(int(MilliCPU.parse(resources["cpus"]["use"])),
+                       int(resources["memorySlots"]["use"]), generation),
+                  req=(int(MilliCPU.parse(requests["cpu"])), generation),
+                  guaranteed=_qos_class(created) == "Guaranteed")
+
+
+def _tell_held(plan: PendingScale, read: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The held tell of ``plan``, from what its ``ApplyScale``'s read gives it, at its
+    first request (the pod's GET): (TELL, request, fence, pod uid, annotations' cpu
+    millicores, slots, generation, resize request or None, the read still current,
+    attempts used)."""
+    _, generation, cpus, resize, _token, _fraction = read
+    return (TELL, "read", d.scale_fence(plan), plan.pod_uid, cpus, plan.memory_slots,
+            generation, resize, True, 0)
+
+
+def _pod_written(w: World, writer: int | None) -> World:
+    """The pod was written (by worker ``writer``, or None: not by a worker): every other
+    worker's held read of it is stale now (its patch would get a 409)."""
+    workers = tuple(
+        x._replace(held=(*x.held[:8], False, x.held[9]))
+        if j != writer and x.held is not None and x.held[0] == TELL and x.held[8] else x
+        for j, x in enumerate(w.workers))
+    return w._replace(workers=workers)
 
 
 def _after_drop(vm: VMRep) -> bool:
@@ -971,20 +1299,28 @@ def _ends_look(held: tuple[Any, ...]) -> bool:
     return isinstance(action, act.CommitScale) and action.adopt and action.ends_look
 
 
-def initial_world(spec_changes: tuple[Size, ...] = ((2, 2), (1, 1)), restarts: int = 1,
+def initial_world(spec_changes: tuple[SpecChange, ...] = ((2, 2), (1, 1)), restarts: int = 1,
                   crashes: int = 1, refusals: int = 0, timeouts: int = 0,
-                  unanswered: int = 0, stuck: int = 0) -> World:
-    """A VM running at 1 vCPU, 1 slot, committed by leader 1; leader 2 not started."""
+                  unanswered: int = 0, stuck: int = 0, cpus: int = 1000,
+                  token: bool = False, bumps: int = 0) -> World:
+    """A VM running at ``cpus`` millicores (1 vCPU), 1 slot, committed by leader 1 (its
+    pod as :func:`neonvm.controller.podspec.runner_pod` builds it); leader 2 not
+    started. ``token``: status records a scaling token Secret (a world with pod writes;
+    without one a fraction-only plan is the tell alone); ``bumps``: the kubelet may
+    change the pod under a pending pod write this many times."""
+    assert 0 < cpus <= 1000
     vm = VMRep(use=(1, 1), generation=1, phase="Running", pod="vm-01234567-1",
                pod_uid="uid-1", plan_seq=1, fence=(1, 10), size=(1, 1), pending=None,
-               scale_seq=0, restarts=0)
-    runner = Runner(pod_uid="uid-1", stored=None, floor=(1, 10, 0), boot=(1, 1),
-                    guest=(1, 1), received=(0, (1, 1)), boot_seq=0)
+               scale_seq=0, restarts=0, use_milli=cpus % 1000, cpus_milli=cpus % 1000,
+               token=token)
+    building = to_vm(vm._replace(pending_pod=(vm.pod, 1, 10, 1, 1)))
+    built = podspec.runner_pod(building, building.status.pending_pod)  # type: ignore[arg-type]
+    runner = _built_pod(built, vm.generation)._replace(pod_uid="uid-1", floor=(1, 10, 0))
     workers = (WorkerRep(1, 10, True, False, None), WorkerRep(2, 11, False, False, None))
     return World(vm=vm, history=(), runner=runner, workers=workers,
                  spec_changes=spec_changes, restarts_left=restarts, crashes_left=crashes,
                  refusals_left=refusals, timeouts_left=timeouts, unanswered_left=unanswered,
-                 stuck_left=stuck)
+                 stuck_left=stuck, bumps_left=bumps)
 
 
 @dataclass
@@ -999,10 +1335,12 @@ class ScalingReport:
 def explore_scaling(world: World | None = None, *, lag: int = 2, mutants: Mutants = Mutants(),
                     max_states: int = 200_000, liveness: bool = True,
                     refuse_unplug: bool = False,
-                    refuse_cpu_unplug: bool = False) -> ScalingReport:
+                    refuse_cpu_unplug: bool = False,
+                    pod_writes: bool = False, pod_convergence: bool = True) -> ScalingReport:
     """Breadth-first over every interleaving; stops at the first violation."""
     model = ScalingModel(lag=lag, mutants=mutants, refuse_unplug=refuse_unplug,
-                         refuse_cpu_unplug=refuse_cpu_unplug)
+                         refuse_cpu_unplug=refuse_cpu_unplug, pod_writes=pod_writes,
+                         pod_convergence=pod_convergence)
     start = world or initial_world()
     parents: dict[World, tuple[World, str] | None] = {start: None}
     queue: deque[World] = deque([start])
