@@ -373,7 +373,9 @@ def runner_pod(vm: VirtualMachine, plan: PendingPod,
         "tolerations": fencing_tolerations(spec.tolerations) if fencing else spec.tolerations,
         "affinity": spec.affinity,
         "schedulerName": spec.scheduler_name,
-        "serviceAccountName": spec.service_account_name,
+        # A projected token needs it named (admission names "default" anyway, if on).
+        "serviceAccountName": spec.service_account_name
+        or ("default" if fencing and defaults.rights_audience else None),
         "imagePullSecrets": spec.image_pull_secrets,
         "terminationGracePeriodSeconds": spec.termination_grace_period_seconds,
         # As NeonVM: unset leaves Kubernetes' default (true).

@@ -1,0 +1,288 @@
+"""A runner asks for its right with the pod's projected ServiceAccount token: the leader
+grants it only if a TokenReview with the controller's rights audience binds the token to
+exactly the VM's current runner pod (namespace, name, uid), and never reads a Secret for
+it (docs/security.md, "Rights endpoint"; docs/protocol.md, "Self-fencing").
+
+Real tokens from the session's API server (the TokenRequest API, bound to real pods, as
+the kubelet mints a projected token), reviewed by the shipped endpoint as the controller's
+identity (whose RBAC comes from neonvm/manifests.py)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from kubernetes import client
+
+from neonvm import kube
+from neonvm.api.rights import NOT_LEADER, UNAUTHORIZED
+from neonvm.controller.rights import (
+    POD_NAME_EXTRA,
+    POD_UID_EXTRA,
+    ReviewedPod,
+    TokenReviewer,
+    reviewed_pod,
+    unverified_claims,
+)
+from neonvm.dev.cluster import LocalCluster
+from tests.support.rights_sa_token import (
+    AUDIENCE,
+    ISSUER,
+    ReviewingLeader,
+    delete_pod,
+    forged,
+    mint,
+    pod,
+    service_account,
+)
+
+
+@pytest.fixture
+def leader(controller_api: client.ApiClient) -> Iterator[ReviewingLeader]:
+    served = ReviewingLeader(controller_api)
+    yield served
+    served.close()
+
+
+@pytest.fixture
+def other_namespace(api: client.ApiClient) -> Iterator[str]:
+    name = f"t-{uuid.uuid4().hex[:10]}"
+    kube.request(api, "POST", "/api/v1/namespaces", body={"metadata": {"name": name}})
+    yield name
+    kube.request(api, "DELETE", f"/api/v1/namespaces/{name}")
+
+
+# ---- granted ------------------------------------------------------------------------------
+
+
+def test_a_token_bound_to_the_current_runner_pod_is_granted_and_reviewed_once(
+        api: client.ApiClient, namespace: str, leader: ReviewingLeader) -> None:
+    """Steady state: the runner asks every D/3 with the same token; one TokenReview."""
+    service_account(api, namespace)
+    uid = pod(api, namespace, "vm-p")
+    leader.show(namespace, "vm", "vm-p", uid)
+    token = mint(api, namespace, "vm-p", uid)
+    for _ in range(3):
+        status, body = leader.ask(namespace, "vm", uid, token)
+        assert status == 200, body
+        assert body == {"seconds": 30.0} or body.get("seconds") == 30
+    assert leader.reviewer.reviews == 1
+
+
+# ---- refused ------------------------------------------------------------------------------
+
+
+def test_a_token_bound_to_another_pod_is_refused(
+        api: client.ApiClient, namespace: str, leader: ReviewingLeader) -> None:
+    """A tenant who may mint tokens in its namespace mints one for its own pod: it is no
+    credential for the VM's runner pod."""
+    service_account(api, namespace)
+    uid = pod(api, namespace, "vm-p")
+    other = pod(api, namespace, "other")
+    leader.show(namespace, "vm", "vm-p", uid)
+    status, body = leader.ask(namespace, "vm", uid, mint(api, namespace, "other", other))
+    assert (status, body["reason"]) == (401, UNAUTHORIZED)
+    assert leader.ask(namespace, "vm", uid, mint(api, namespace, "vm-p", uid))[0] == 200
+
+
+@pytest.mark.parametrize("audience", ["other-controller", ISSUER])
+def test_a_token_of_another_audience_is_refused(
+        api: client.ApiClient, namespace: str, leader: ReviewingLeader, audience: str) -> None:
+    """Bound to the right pod, but for another release's rights or for the API server."""
+    service_account(api, namespace)
+    uid = pod(api, namespace, "vm-p")
+    leader.show(namespace, "vm", "vm-p", uid)
+    token = mint(api, namespace, "vm-p", uid, audience=audience)
+    status, body = leader.ask(namespace, "vm", uid, token)
+    assert (status, body["reason"]) == (401, UNAUTHORIZED)
+    # And the API server agrees: reviewed for our audience, it is not authenticated.
+    assert TokenReviewer(api, AUDIENCE, wall=lambda: 0.0).pod_of(token, uid) is None
+
+
+def test_a_token_bound_to_a_pod_of_another_namespace_is_refused(
+        api: client.ApiClient, namespace: str, other_namespace: str,
+        leader: ReviewingLeader) -> None:
+    """The leader's cache names a pod of that uid and name in the VM's namespace; the token
+    is bound to a pod of the same name and uid in another namespace (the cache is made to
+    say so: uids do not repeat). The review is made, and its namespace refuses it."""
+    service_account(api, other_namespace)
+    uid = pod(api, other_namespace, "vm-p")
+    leader.show(namespace, "vm", "vm-p", uid)
+    status, body = leader.ask(namespace, "vm", uid, mint(api, other_namespace, "vm-p", uid))
+    assert (status, body["reason"]) == (401, UNAUTHORIZED)
+    assert leader.reviewer.reviews == 1
+    leader.show(other_namespace, "vm", "vm-p", uid)
+    assert leader.ask(other_namespace, "vm", uid, mint(api, other_namespace, "vm-p", uid))[0] \
+        == 200
+
+
+def test_an_expired_or_garbage_token_is_refused(
+        api: client.ApiClient, cluster: LocalCluster, namespace: str,
+        leader: ReviewingLeader) -> None:
+    """Signed with the cluster's own key, the same claims pass while unexpired and are
+    refused once expired: by the leader's filter, and by the API server's review."""
+    account = service_account(api, namespace)
+    uid = pod(api, namespace, "vm-p")
+    leader.show(namespace, "vm", "vm-p", uid)
+    key = cluster.state_dir / "pki" / "sa.key"
+    live = forged(key, namespace, "vm-p", uid, account, expires=time.time() + 600)
+    assert leader.ask(namespace, "vm", uid, live)[0] == 200
+    expired = forged(key, namespace, "vm-p", uid, account, expires=time.time() - 60)
+    reviews = leader.reviewer.reviews
+    assert leader.ask(namespace, "vm", uid, expired)[1]["reason"] == UNAUTHORIZED
+    assert leader.reviewer.reviews == reviews, "an expired token costs no review"
+    # A leader whose wall clock lags an hour sends it for review: the API server refuses.
+    lagging = TokenReviewer(api, AUDIENCE, wall=lambda: time.time() - 3600)
+    assert lagging.pod_of(expired, uid) is None and lagging.reviews == 1
+    for garbage in ("a.b.c", f"{live[:-8]}AAAAAAAA", "x" * 100, ".."):
+        status, body = leader.ask(namespace, "vm", uid, garbage)
+        assert (status, body["reason"]) == (401, UNAUTHORIZED), garbage
+
+
+def test_the_token_of_a_replaced_pod_is_refused(
+        api: client.ApiClient, namespace: str, leader: ReviewingLeader) -> None:
+    """The pod is deleted and a new one made under its name (another uid). The old pod's
+    token is no credential for the new pod; and even while the leader's cache still shows
+    the old uid, the API server no longer vouches for a token whose pod is gone."""
+    service_account(api, namespace)
+    old = pod(api, namespace, "vm-p")
+    leader.show(namespace, "vm", "vm-p", old)
+    old_token = mint(api, namespace, "vm-p", old)
+    lagging_token = mint(api, namespace, "vm-p", old)  # never asked with: not cached
+    assert leader.ask(namespace, "vm", old, old_token)[0] == 200
+    delete_pod(api, namespace, "vm-p")
+    new = pod(api, namespace, "vm-p")
+    assert new != old
+
+    status, body = leader.ask(namespace, "vm", old, lagging_token)  # cache not caught up
+    assert (status, body["reason"]) == (401, UNAUTHORIZED)
+    leader.show(namespace, "vm", "vm-p", new)
+    assert leader.ask(namespace, "vm", new, old_token)[1]["reason"] == UNAUTHORIZED
+    assert leader.ask(namespace, "vm", old, old_token)[0] == 403  # not the current pod
+    assert leader.ask(namespace, "vm", new, mint(api, namespace, "vm-p", new))[0] == 200
+
+
+def test_a_review_that_fails_grants_nothing_and_is_not_cached() -> None:
+    calls: list[str] = []
+
+    def failing(token: str, audience: str) -> dict[str, Any]:
+        calls.append(token)
+        raise OSError("connection refused")
+
+    reviewer = TokenReviewer(None, AUDIENCE, review=failing)
+    token = _unsigned({"aud": [AUDIENCE], "exp": time.time() + 600,
+                       "kubernetes.io": {"pod": {"uid": "u1"}}})
+    for _ in range(2):
+        with pytest.raises(OSError):
+            reviewer.pod_of(token, "u1")
+    assert len(calls) == 2
+
+
+# ---- the review's answer, and the cache (pure logic) ------------------------------------
+
+
+def _unsigned(claims: dict[str, Any]) -> str:
+    import base64
+    import json
+
+    def part(doc: dict[str, Any]) -> str:
+        return base64.urlsafe_b64encode(json.dumps(doc).encode()).rstrip(b"=").decode()
+    return f"{part({'alg': 'RS256'})}.{part(claims)}.c2ln"
+
+
+def _answer(**status: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {
+        "authenticated": True, "audiences": [AUDIENCE],
+        "user": {"username": "system:serviceaccount:ns:runner",
+                 "extra": {POD_NAME_EXTRA: ["vm-p"], POD_UID_EXTRA: ["u1"]}}}
+    base.update(status)
+    return {"status": base}
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("answer", "pod_bound"), [
+    (_answer(), ReviewedPod("ns", "vm-p", "u1")),
+    (_answer(authenticated=False), None),
+    (_answer(audiences=[]), None),  # an API server that ignores audiences
+    (_answer(audiences=["other"]), None),
+    (_answer(error="token expired"), None),
+    (_answer(user={"username": "alice", "extra": {POD_NAME_EXTRA: ["vm-p"],
+                                                  POD_UID_EXTRA: ["u1"]}}), None),
+    (_answer(user={"username": "system:serviceaccount:ns:runner", "extra": {}}), None),
+    (_answer(user={"username": "system:serviceaccount:ns:runner",
+                   "extra": {POD_NAME_EXTRA: ["a", "b"], POD_UID_EXTRA: ["u1"]}}), None),
+    ({}, None),
+])
+def test_only_an_authenticated_review_for_the_audience_binding_one_pod_names_it(
+        answer: dict[str, Any], pod_bound: ReviewedPod | None) -> None:
+    assert reviewed_pod(answer, AUDIENCE) == pod_bound
+
+
+@pytest.mark.unit
+def test_reviews_are_cached_per_token_for_a_bounded_time_and_number() -> None:
+    now = [0.0]
+    reviewed: list[str] = []
+
+    def review(token: str, audience: str) -> dict[str, Any]:
+        reviewed.append(token)
+        good = str((unverified_claims(token) or {}).get("tag", "")).startswith("good")
+        return _answer() if good else _answer(authenticated=False)
+
+    reviewer = TokenReviewer(None, AUDIENCE, ttl=60.0, refused_ttl=10.0, max_entries=2,
+                             clock=lambda: now[0], wall=lambda: 1000.0 + now[0],
+                             review=review)
+
+    def token(tag: str, exp: float = 1000.0 + 600) -> str:
+        return _unsigned({"aud": [AUDIENCE], "exp": exp, "tag": tag,
+                          "kubernetes.io": {"pod": {"uid": "u1"}}})
+
+    good = token("good")
+    assert reviewer.pod_of(good, "u1") == ReviewedPod("ns", "vm-p", "u1")
+    assert reviewer.pod_of(good, "u2") is None  # its claims name another pod: no review
+    now[0] = 59.0
+    assert reviewer.pod_of(good, "u1") is not None and len(reviewed) == 1
+    now[0] = 60.0
+    assert reviewer.pod_of(good, "u1") is not None and len(reviewed) == 2  # ttl over
+    bad = token("bad")
+    assert reviewer.pod_of(bad, "u1") is None and reviewer.pod_of(bad, "u1") is None
+    assert len(reviewed) == 3
+    now[0] = 70.0
+    assert reviewer.pod_of(bad, "u1") is None and len(reviewed) == 4  # refused_ttl over
+    # Never cached past half the token's remaining life.
+    short = token("good-short", exp=1000.0 + now[0] + 20)
+    reviewer.pod_of(short, "u1")
+    now[0] = 79.0
+    reviewer.pod_of(short, "u1")
+    assert reviewed.count(short) == 1
+    now[0] = 80.0
+    reviewer.pod_of(short, "u1")
+    assert reviewed.count(short) == 2
+    # At most max_entries kept: the oldest goes first.
+    for i in range(3):
+        reviewer.pod_of(token(f"good-{i}"), "u1")
+    reviewer.pod_of(token("good-0"), "u1")
+    assert reviewed.count(token("good-0")) == 2
+
+
+@pytest.mark.unit
+def test_a_review_error_answers_503_not_a_grant() -> None:
+    from neonvm.controller.rights import RightsLedger, RightsService, TokenCache
+    from tests.support.rights_sa_token import vm_caches
+
+    def failing(token: str, audience: str) -> dict[str, Any]:
+        raise OSError("connection refused")
+
+    ledger = RightsLedger()
+    ledger.begin_term(lambda: True)
+    service = RightsService(ledger, lambda: vm_caches("ns", "vm", "vm-p", "u1"),
+                            TokenCache(None, read=lambda *_: None), lambda *_: True,
+                            reviewer=TokenReviewer(None, AUDIENCE, review=failing))
+    token = _unsigned({"aud": [AUDIENCE], "exp": time.time() + 600,
+                       "kubernetes.io": {"pod": {"uid": "u1"}}})
+    status, body = service.answer("POST", "/v1/rights", f"Bearer {token}",
+                                  b'{"namespace":"ns","vm":"vm","podUID":"u1"}')
+    assert (status, body["reason"]) == (503, NOT_LEADER)
+    assert not ledger.granted_this_term("u1")
