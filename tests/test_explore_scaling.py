@@ -6,7 +6,15 @@ from __future__ import annotations
 
 import pytest
 
-from neonvm.verify.scaling import Mutants, ScalingModel, explore_scaling, initial_world
+from neonvm.verify.scaling import (
+    Mutants,
+    ScalingModel,
+    ScalingReport,
+    World,
+    explore_scaling,
+    frac,
+    initial_world,
+)
 
 
 @pytest.mark.unit
@@ -270,3 +278,179 @@ def test_a_look_ended_with_a_removal_pending_leaves_status_behind_the_eject() ->
     assert broken.violation is not None, broken
     assert broken.violation.property == "convergence", broken.violation
     assert "unplug still pending" in broken.violation.message, broken.violation
+
+
+# ---- the pod's fenced writes (issue 31: a fraction of cpus.use is a plan too) ------------
+#
+# With pod_writes the explorer also models what RunnerScaling._tell_kubernetes does after
+# an ApplyScale the runner answered 200 (or, with no token recorded, in place of the PUT
+# of a fraction-only plan): the pod's GET, the PATCH of its usage/resources annotations
+# and scale-fence, and the in-place resize of its CPU request, each a step of its own
+# that any other step may interleave with (a failover, a deposed leader, a crash, a
+# retry, the kubelet changing the pod). The spec and status carry cpus.use in millicores.
+
+
+def _one_leader(world: World) -> World:
+    return world._replace(workers=world.workers[:1])
+
+
+FRACTIONS = (frac(500, 1), frac(750, 1))
+"""The user changes cpus.use within the one vCPU the guest has: 1000m -> 500m -> 750m."""
+FRACTION_WORLD = _one_leader(initial_world(FRACTIONS, token=True))
+"""One leader, stale reads, a crash, a runner restart; cpus.use 1000m -> 500m -> 750m."""
+
+
+@pytest.mark.unit
+def test_a_fraction_reaches_status_only_with_the_plan_that_wrote_it_on_the_pod() -> None:
+    # Order (no annotation or CPU request from an older spec after a newer one) and
+    # claims (status.cpus never newly says a fraction the pod's annotations do not
+    # carry), with a crash anywhere in the tell, a replaced pod, with and without a
+    # scaling token (without: the fenced annotation write alone, no PUT), and with the
+    # kubelet changing the pod under the writes (409s, read again).
+    for world in (FRACTION_WORLD, FRACTION_WORLD._replace(vm=FRACTION_WORLD.vm._replace(
+            token=False)), FRACTION_WORLD._replace(bumps_left=1)):
+        report = explore_scaling(world, pod_writes=True, pod_convergence=False)
+        print(f"fractions, token={world.vm.token}, bumps={world.bumps_left}: "
+              f"{report.states} states, {report.transitions} transitions")
+        assert report.violation is None, (report.violation, report.trace)
+        assert report.complete and report.states > 1000
+
+
+@pytest.mark.unit
+def test_with_no_fault_the_pod_and_status_follow_every_fraction() -> None:
+    # One leader, no crash, no replaced pod, the kubelet changing the pod twice: the
+    # calm run also brings the pod's annotations and CPU request to the spec's use.
+    world = _one_leader(initial_world(FRACTIONS, token=True, restarts=0, crashes=0, bumps=2))
+    report = explore_scaling(world, pod_writes=True)
+    print(f"fractions, no fault: {report.states} states, {report.transitions} transitions")
+    assert report.violation is None, (report.violation, report.trace)
+    assert report.complete
+
+
+@pytest.mark.unit
+def test_two_leaders_and_whole_sizes_write_the_pod_in_plan_order() -> None:
+    # The first world's failover, deposed leader and crash (no restart), with the pod's
+    # writes: a deposed leader's tell of plan #1 never lands over plan #2's.
+    report = explore_scaling(initial_world(restarts=0, token=True), pod_writes=True,
+                             pod_convergence=False)
+    print(f"two leaders, pod writes: {report.states} states, {report.transitions} "
+          f"transitions")
+    assert report.violation is None, (report.violation, report.trace)
+    assert report.complete and report.states > 1000
+
+
+POD_WORLD = initial_world(restarts=0, token=True)
+
+
+@pytest.mark.unit
+def test_an_annotation_write_without_the_scale_fence_puts_an_older_plan_back() -> None:
+    report = explore_scaling(POD_WORLD, pod_writes=True, liveness=False,
+                             mutants=Mutants(unfenced_annotation=True))
+    print(f"unfenced_annotation: {report.states} states, {len(report.trace)} steps: "
+          f"{report.trace}")
+    assert report.violation is not None and report.violation.property == "order", report
+    assert "annotations got (2000, 2)" in report.violation.message, report.violation
+    patched = report.trace.index("w1 performs TellKubernetes (patch of plan #2)")
+    assert report.trace[patched + 1:] == ["w0 performs TellKubernetes (read of plan #1)",
+                                          "w0 performs TellKubernetes (patch of plan #1)"]
+
+
+@pytest.mark.unit
+def test_an_annotation_write_without_the_resource_version_lands_over_a_newer_one() -> None:
+    report = explore_scaling(POD_WORLD, pod_writes=True, liveness=False,
+                             mutants=Mutants(no_resource_version=True))
+    print(f"no_resource_version: {report.states} states, {len(report.trace)} steps: "
+          f"{report.trace}")
+    assert report.violation is not None and report.violation.property == "order", report
+    read = report.trace.index("w0 performs TellKubernetes (read of plan #1)")
+    patched = report.trace.index("w1 performs TellKubernetes (patch of plan #2)")
+    assert read < patched, report.trace  # read before plan #2's write, patched after
+    assert report.trace[-1] == "w0 performs TellKubernetes (patch of plan #1)"
+
+
+@pytest.mark.unit
+def test_a_commit_without_the_generation_check_claims_a_fraction_never_written() -> None:
+    report = explore_scaling(FRACTION_WORLD, pod_writes=True, liveness=False,
+                             mutants=Mutants(commit_any_generation=True))
+    print(f"commit_any_generation: {report.states} states, {len(report.trace)} steps: "
+          f"{report.trace}")
+    assert report.violation is not None and report.violation.property == "claims", report
+    assert "says 750m" in report.violation.message, report.violation
+    assert report.trace[-2:] == ["user sets use (750m, 1)", "w0 performs CommitScale"]
+
+
+@pytest.mark.unit
+def test_a_commit_that_ignores_the_pods_scale_fence_claims_a_lost_write() -> None:
+    report = explore_scaling(FRACTION_WORLD, pod_writes=True, liveness=False,
+                             mutants=Mutants(commit_pod_behind=True))
+    print(f"commit_pod_behind: {report.states} states, {len(report.trace)} steps: "
+          f"{report.trace}")
+    assert report.violation is not None and report.violation.property == "claims", report
+    assert "w0 crashes" in report.trace, report.trace
+
+
+@pytest.mark.unit
+def test_a_fraction_copied_into_status_outside_a_plan_is_never_on_the_pod() -> None:
+    # The code before 67ae728: status followed a cpus.use changed within its vCPUs.
+    report = explore_scaling(FRACTION_WORLD, pod_writes=True, liveness=False,
+                             mutants=Mutants(fraction_outside_plan=True))
+    print(f"fraction_outside_plan: {report.states} states, {report.trace}")
+    assert report.violation is not None and report.violation.property == "claims", report
+    assert report.trace == ["user sets use (500m, 1)", "w0 decides FollowFraction",
+                            "w0 performs FollowFraction"]
+
+
+# The shipped code's counterexamples (docs/verification.md, "Live scaling"): each test
+# states the property; strict, so a fix makes it fail until the marker is removed.
+
+
+def _holds(report: ScalingReport, prop: str) -> None:
+    """Assert no violation; a violation of another property than ``prop`` (the one the
+    known counterexample breaks) is an error, not the expected failure."""
+    print(f"{report.states} states: {report.violation}: {report.trace}")
+    if report.violation is not None and report.violation.property != prop:
+        raise RuntimeError(f"not the known counterexample: {report.violation}")
+    assert report.violation is None, (report.violation, report.trace)
+
+
+@pytest.mark.unit
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="the tell of a plan decided at 500m lands after "
+                   "cpus.use went back to 1000m; the commit records whole vCPUs, which "
+                   "equal the spec: no plan writes the pod again")
+def test_a_fraction_that_returns_to_whole_vcpus_leaves_no_older_fraction_on_the_pod() -> None:
+    world = _one_leader(initial_world((frac(500, 1), frac(1000, 1)), token=True, restarts=0,
+                                      crashes=0))
+    _holds(explore_scaling(world, pod_writes=True), "pod-convergence")
+
+
+@pytest.mark.unit
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="a leader that dies between the PUT and the "
+                   "annotation write leaves whole-vCPU annotations behind: the commit "
+                   "records whole vCPUs, which equal the spec, and no plan follows")
+def test_a_lost_tell_of_whole_vcpus_is_written_again() -> None:
+    _holds(explore_scaling(initial_world(restarts=0, crashes=0, token=True), pod_writes=True),
+           "pod-convergence")
+
+
+@pytest.mark.unit
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="a crash between the annotation write and the "
+                   "resize: the pod carries the plan's scale-fence, so the commit records "
+                   "the fraction and no plan resizes the pod")
+def test_a_lost_resize_is_done_again() -> None:
+    world = _one_leader(initial_world((frac(500, 1),), token=True, restarts=0))
+    _holds(explore_scaling(world, pod_writes=True), "pod-convergence")
+
+
+@pytest.mark.unit
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="two ApplyScales of one plan decided from reads "
+                   "of two specs (500m, then 750m): the older read's resize lands after "
+                   "the newer one's, since a pod carrying the plan's scale-fence is "
+                   "resized without a check of what its annotations say")
+def test_two_leaders_never_resize_the_pod_to_an_older_fraction() -> None:
+    world = initial_world(FRACTIONS, token=True, restarts=0, crashes=0)
+    _holds(explore_scaling(world, pod_writes=True, pod_convergence=False, max_states=20_000),
+           "order")
