@@ -165,6 +165,28 @@ def test_the_token_of_a_replaced_pod_is_refused(
     assert leader.ask(namespace, "vm", new, mint(api, namespace, "vm-p", new))[0] == 200
 
 
+def test_the_rights_token_is_no_credential_to_the_api_server(
+        api: client.ApiClient, namespace: str) -> None:
+    """Its audience is not the API server's: a runner (or a guest that escaped QEMU)
+    holding it cannot act as the pod's ServiceAccount (401), where a token of the API
+    server's audience for the same pod authenticates (403: RBAC grants it nothing)."""
+    service_account(api, namespace)
+    uid = pod(api, namespace, "vm-p")
+
+    def status_as(token: str) -> int:
+        configuration = client.Configuration()
+        configuration.host = api.configuration.host
+        configuration.ssl_ca_cert = api.configuration.ssl_ca_cert
+        configuration.api_key = {"authorization": f"Bearer {token}"}
+        with client.ApiClient(configuration) as as_runner, \
+                pytest.raises(client.ApiException) as refused:
+            kube.request(as_runner, "GET", f"/api/v1/namespaces/{namespace}/pods")
+        return int(refused.value.status)
+
+    assert status_as(mint(api, namespace, "vm-p", uid)) == 401
+    assert status_as(mint(api, namespace, "vm-p", uid, audience=ISSUER)) == 403
+
+
 def test_a_review_that_fails_grants_nothing_and_is_not_cached() -> None:
     calls: list[str] = []
 

@@ -409,13 +409,15 @@ class TokenReviewer:
     with no API call. Reviews are cached per token (its SHA-256): an answer binding it to
     a pod for ``ttl`` seconds (and never past half the token's remaining life), a refusal
     for ``refused_ttl``; each cache keeps at most ``max_entries`` (the oldest go first),
-    and reviews are single-flight per token. A runner renewing every D/3 with the token
-    the kubelet rotates every 480 s thus costs about one review per ``ttl``. A failed
-    call raises (the ask is refused, nothing is cached)."""
+    and reviews are single-flight per token. A runner renewing every D/3 with the 600 s
+    token the kubelet rotates after 480 s thus costs one review per 240 s. What a cached
+    answer can miss is the pod's deletion (the leader's pod cache, checked at every ask,
+    does not), or its ServiceAccount's. A failed call raises (the ask is refused,
+    nothing is cached)."""
 
     _STRIPES = 64
 
-    def __init__(self, api: client.ApiClient | None, audience: str, *, ttl: float = 60.0,
+    def __init__(self, api: client.ApiClient | None, audience: str, *, ttl: float = 240.0,
                  refused_ttl: float = 10.0, max_entries: int = 50_000,
                  clock: Clock = time.monotonic, wall: Clock = time.time,
                  review: Review | None = None) -> None:
