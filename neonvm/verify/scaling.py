@@ -57,6 +57,14 @@ The world: one VM, one committed runner pod at a time (always running), its runn
   ``PUT`` and checks its authority after it: both only remove interleavings (a worker
   here may act at any step, on any read, with no authority check at all).
 
+* **The pod's writes** (optional, ``pod_writes``; docs/verification.md, "The pod's fenced
+  writes"): the spec's ``cpus.use`` and ``status.cpus`` carry a fraction (millicores),
+  the pod its ``scale-fence``, ``usage``/``resources`` annotations and CPU request; an
+  ``ApplyScale`` answered 200 (with no token recorded, a fraction-only plan, instead of
+  any ``PUT``) goes on with ``RunnerScaling._tell_kubernetes``'s requests as held steps
+  (:meth:`ScalingModel._tell`): the pod's GET, the annotation PATCH, the resize PATCH,
+  each by the resourceVersion of its read (a 409 reads again, up to ``TELL_ATTEMPTS``).
+
 Properties:
 
 * **Order** (safety, every step): the sizes a guest receives come from plans in the order
@@ -69,6 +77,11 @@ Properties:
   generation, to status saying what the guest has (no plan).
 * **Growth** (every runner apply, with unplugs refused): what the applied plan grows
   reaches the plan's size, whatever unplug of the other resource is refused.
+* With the pod's writes: **order** for the pod too (no annotation or CPU request computed
+  from an older spec replaces another value), **claims** (``status.cpus`` never newly
+  says a fraction the committed pod's annotations do not carry) and, unless
+  ``pod_convergence`` is off, **pod-convergence** (the calm run also brings
+  ``status.cpus``, the annotations and the CPU request to ``cpus.use``).
 
 Coarser than the real thing: the pod's own lifecycle (plan, create, ungate) is one step
 here (it has its own explorer); a runner's apply is atomic (a crash inside it is a
