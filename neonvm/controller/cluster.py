@@ -26,7 +26,8 @@ call                 what it is (statuses its callers handle themselves)
 ``username``         who this client is to the API server (for messages; any error
                      is only named)
 ``create_secret``    create a VM's scaling-token Secret (live scaling; 429 and 5xx
-                     hold the pod back, other refusals start it unscalable)
+                     hold the pod back, other refusals start it unscalable) or its
+                     SSH key Secret (:mod:`~neonvm.controller.ssh_keys`; 409: there)
 ``get_secret``       quorum GET of a Secret, data included (404 raises: its two
                      callers in live scaling sort it themselves)
 ``delete_secret``    delete a token Secret that was not recorded (any error is
