@@ -5,11 +5,17 @@
 
 Opt-in (not part of ``python -m benchmarks``). It starts a private local control plane
 with simulated (kwok) nodes in ``--work`` (free ports; never the default dev state
-directory), three controller replicas as the drills run them (``neonvm.drills.target``:
-the demo's lease timings), creates ``--vms`` VMs and waits until they converged. Then,
-for ``--minutes``, it keeps the fleet under **churn**: every ``--churn-interval`` seconds
-the runner pods of ``--churn-pods`` random VMs are deleted, one short-lived VM is created
-and the oldest of the last ``--churn-live`` such VMs deleted. Meanwhile it records, every
+directory), with API Priority and Fairness on and the chart's FlowSchema for the
+replicas' Lease requests (``--no-apf``: off, as the tests' clusters run), three
+controller replicas as the drills run them (``neonvm.drills.target``: the demo's lease
+timings), creates ``--vms`` VMs (the first ``--scale-vms`` of them scalable) and waits
+until they converged (a cached LIST every ``--converge-poll`` s, the quorum judgement
+once that says every VM has its pod). Then, for ``--minutes``, it keeps the fleet under
+**churn**: every ``--churn-interval`` seconds the runner pods of ``--churn-pods`` random
+VMs are deleted, ``--churn-scale`` scalable VMs change size (1 <-> 2 vCPUs and memory
+slots; kwok's pods have no runner to resize live, so each one's pod is deleted a round
+later and the replacement is built at the new size), one short-lived VM is created and
+the oldest of the last ``--churn-live`` such VMs deleted. Meanwhile it records, every
 ``--sample-seconds``: the Lease holder and epoch, the leader's RSS (and every replica's),
 the API server's request count (``apiserver_request_total``, every client) and the
 replicas' own (``rest_client_requests_total``), the load average; and once a minute which
@@ -20,7 +26,8 @@ The independent checker (:class:`neonvm.drills.observer.Watchdog`: every pod rev
 watched, the pods polled) runs for the whole soak; at the end the churn stops, every VM
 must converge and :func:`neonvm.drills.check.check` judges the namespace with its locks.
 The verdict fails on a duplicate, a live runner pod deleted by anyone but the soak (lost
-work), a VM stuck or not converged at the end, or a finding of the final check. Leader
+work), a VM stuck or not converged at the end, a scaled VM whose status size is not its
+spec's at the end, or a finding of the final check. Leader
 changes are listed with the replicas' own log lines about them (the soak never stops a
 replica, so none is intended by it).
 
@@ -39,7 +46,9 @@ import os
 import random
 import re
 import shutil
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -48,6 +57,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
@@ -102,6 +112,13 @@ class Record:
     """Pod creates the API server refused in the terminating namespace (the replicas' log
     lines saying so, one per refusal)."""
     setup_s: float | None = None
+    scaled_vms: int = 0
+    """Fleet VMs made scalable (bounds 1 to 2 vCPUs and memory slots): the scale churn's."""
+    scale_not_done: list[str] = field(default_factory=list)
+    """Scaled VMs whose status size is not their spec's at the end."""
+    apf: dict[str, Any] = field(default_factory=dict)
+    """API Priority and Fairness: the Lease level, whether the replicas' Lease requests
+    landed there, requests dispatched there and rejected anywhere (at the churn's end)."""
     failures: list[str] = field(default_factory=list)
     started: str = ""
 
@@ -119,25 +136,150 @@ def rss_mib(pid: int) -> float | None:
     return None
 
 
-def metric_sum(text: str, name: str) -> float:
-    """The sum of every series of counter ``name`` in a Prometheus text page."""
+def metric_sum(text: str, name: str, having: str = "") -> float:
+    """The sum of every series of counter ``name`` in a Prometheus text page (only the
+    series whose line contains ``having``)."""
     total = 0.0
     for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
+        if (line.startswith(name + "{") or line.startswith(name + " ")) and having in line:
             with contextlib.suppress(ValueError, IndexError):
                 total += float(line.rsplit(" ", 1)[1])
     return total
 
 
-def apiserver_requests(api: client.ApiClient) -> float | None:
+def apiserver_metrics(api: client.ApiClient) -> str | None:
     try:
         resp = api.rest_client.request("GET", api.configuration.host + "/metrics",
                                        _request_timeout=20)
         resp.read()
-        return metric_sum(resp.data.decode() if isinstance(resp.data, bytes) else resp.data,
-                          "apiserver_request_total")
+        return resp.data.decode() if isinstance(resp.data, bytes) else str(resp.data)
     except Exception:  # a slow scrape is a missing sample, not a failure
         return None
+
+
+def apiserver_requests(api: client.ApiClient) -> float | None:
+    text = apiserver_metrics(api)
+    return None if text is None else metric_sum(text, "apiserver_request_total")
+
+
+# ---- API Priority and Fairness ----------------------------------------------------------------
+
+APF = "/apis/flowcontrol.apiserver.k8s.io/v1"
+
+
+def chart_apf_objects() -> list[dict[str, Any]]:
+    """The chart's PriorityLevelConfiguration and FlowSchema for the Lease requests,
+    rendered by helm (``charts/neonvm-controller``, release ``soak`` in the Lease's
+    namespace), the schema's subject made the local replicas' identity: the user of their
+    client certificate (:data:`~neonvm.dev.common.CONTROLLER_USER`), where the chart names
+    its ServiceAccount. Nothing else is changed (docs/leader-election.md)."""
+    from neonvm import manifests
+    from neonvm.dev import binaries
+    from neonvm.dev.common import CONTROLLER_USER
+    from neonvm.dev.replica import LEASE_NAMESPACE
+
+    with tempfile.TemporaryDirectory() as home:
+        env = {**os.environ, "HELM_CACHE_HOME": home, "HELM_CONFIG_HOME": home,
+               "HELM_DATA_HOME": home}
+        out = subprocess.run(
+            [str(binaries.require("helm")), "template", "soak", str(manifests.CHART_DIR),
+             "--namespace", LEASE_NAMESPACE,
+             "--show-only", "templates/priority-and-fairness.yaml"],
+            env=env, capture_output=True, text=True, check=True, timeout=120).stdout
+    objects = [d for d in yaml.safe_load_all(out) if d]
+    for obj in objects:
+        if obj["kind"] == "FlowSchema":
+            for rule in obj["spec"]["rules"]:
+                assert all(r["namespaces"] == [LEASE_NAMESPACE] for r in rule["resourceRules"])
+                rule["subjects"] = [{"kind": "User", "user": {"name": CONTROLLER_USER}}]
+    # The level first: a schema naming a missing level classifies into catch-all.
+    return sorted(objects, key=lambda o: o["kind"] != "PriorityLevelConfiguration")
+
+
+def install_apf(api: client.ApiClient, controller_api: client.ApiClient) -> dict[str, Any]:
+    """Create :func:`chart_apf_objects` and show, from the API server's answer to a Lease
+    read as the replicas' user, that their Lease requests land in that level (its
+    ``X-Kubernetes-PF-PriorityLevel-UID``). Returns what the record keeps."""
+    from neonvm import kube
+    from neonvm.dev.replica import LEASE_NAMESPACE
+
+    made = {}
+    for obj in chart_apf_objects():
+        plural = ("prioritylevelconfigurations" if obj["kind"] == "PriorityLevelConfiguration"
+                  else "flowschemas")
+        made[obj["kind"]] = kube.request(api, "POST", f"{APF}/{plural}", body=obj)
+    level = made["PriorityLevelConfiguration"]["metadata"]
+    seen = None
+    url = (controller_api.configuration.host
+           + f"/apis/coordination.k8s.io/v1/namespaces/{LEASE_NAMESPACE}/leases/apf-probe")
+    for _ in range(30):  # the API server's APF controller takes the new objects in a moment
+        try:  # a Lease nobody holds: the 404 is classified like any read
+            resp = controller_api.rest_client.request("GET", url, _request_timeout=10)
+            headers = resp.getheaders()
+        except ApiException as exc:
+            headers = exc.headers or {}
+        seen = headers.get("X-Kubernetes-PF-PriorityLevel-UID")
+        if seen == level["uid"]:
+            break
+        time.sleep(1.0)
+    return {"level": level["name"], "lease_requests_in_level": seen == level["uid"],
+            "flowschema": made["FlowSchema"]["metadata"]["name"]}
+
+
+def apf_counts(text: str | None, level: str) -> dict[str, float]:
+    """Requests the API server dispatched in ``level`` and rejected (any level), from
+    its metrics page."""
+    if text is None:
+        return {}
+    return {"lease_level_dispatched": metric_sum(
+                text, "apiserver_flowcontrol_dispatched_requests_total",
+                f'priority_level="{level}"'),
+            "rejected_any_level": metric_sum(text, "apiserver_flowcontrol_rejected_requests_total")}
+
+
+# ---- waiting for the fleet --------------------------------------------------------------------
+
+
+def cached_ready(api: client.ApiClient, names: list[str]) -> int:
+    """How many of ``names`` have a committed pod and no pod plan, from one LIST of the
+    VMs served from the API server's watch cache (``resourceVersion=0``, raw JSON): a
+    cheap hint, never the judgement (:func:`wait_fleet`)."""
+    from neonvm import kube
+    from neonvm.api import types
+
+    wanted = set(names)
+    doc = kube.request(api, "GET", f"/apis/{types.GROUP}/{types.VERSION}/namespaces/"
+                                   f"{NAMESPACE}/{types.PLURAL}",
+                       query=[("resourceVersion", "0")], timeout=60)
+    return sum(1 for vm in doc.get("items") or []
+               if vm["metadata"]["name"] in wanted
+               and (vm.get("status") or {}).get("podName")
+               and not (vm.get("status") or {}).get("pendingPod"))
+
+
+def wait_fleet(api: client.ApiClient, names: list[str], timeout: float,
+               poll: float) -> tuple[bool, float, Any]:
+    """:func:`neonvm.drills.fleet.wait_converged`, lighter on the API server at
+    thousands of VMs: every ``poll`` s (not 0.5 s) one cached LIST of the VMs
+    (:func:`cached_ready`), and the quorum judgement (:func:`fleet.convergence`, pods
+    then VMs) only once that hint says every VM has its pod, and at the end."""
+    from neonvm.drills import fleet
+
+    started = time.monotonic()
+    last_said = -1e9
+    while True:
+        elapsed = time.monotonic() - started
+        ready = None
+        with contextlib.suppress(Exception):
+            ready = cached_ready(api, names)
+        if ready == len(names) or elapsed > timeout:
+            st = fleet.convergence(api, NAMESPACE, names)
+            if st.done or elapsed > timeout:
+                return st.done, elapsed, st
+        if elapsed - last_said >= 30.0:
+            last_said = elapsed
+            say(f"converging: {ready}/{len(names)} with a committed pod ({elapsed:.0f}s)")
+        time.sleep(poll)
 
 
 def metrics_port(log: Path) -> int | None:
@@ -175,31 +317,67 @@ class Counters:
 # ---- churn --------------------------------------------------------------------------------
 
 
+SCALABLE = {"cpus": {"min": 1, "max": 2, "use": 1},
+            "memorySlots": {"min": 1, "max": 2, "use": 1}}
+"""The guest of the scale churn's VMs: room for one more vCPU and memory slot (so their
+pods get a scaling token, as an autoscaled VM's do)."""
+
+
 @contextlib.contextmanager
 def churn(api: client.ApiClient, names: list[str], dog: Any, interval: float, pods: int,
-          live: int, rng: random.Random) -> Iterator[dict[str, Any]]:
-    """Pod deletions and VM creates/deletes every ``interval`` s (module docstring)."""
+          live: int, rng: random.Random, scalable: list[str] | None = None,
+          scale: int = 0) -> Iterator[dict[str, Any]]:
+    """Pod deletions, scale changes and VM creates/deletes every ``interval`` s (module
+    docstring). A scale change flips ``scalable`` VM's size between 1 and 2 (vCPUs and
+    memory slots); its runner pod is deleted one round later, so that the controller
+    builds the replacement at the new size: kwok's pods have no runner to resize live
+    (docs/benchmarks.md, "Soak")."""
+    from neonvm import kube
     from neonvm.api import types
     from neonvm.drills import fleet
 
-    counts: dict[str, Any] = {"pod deletions": 0, "VMs created": 0, "VMs deleted": 0,
-                              "errors": 0, "live": []}
+    counts: dict[str, Any] = {"pod deletions": 0, "scale changes": 0, "scale restarts": 0,
+                              "VMs created": 0, "VMs deleted": 0, "errors": 0, "live": [],
+                              "scaled": []}
     custom = client.CustomObjectsApi(api)
     core = client.CoreV1Api(api)
     stop = threading.Event()
     alive: list[dict[str, Any]] = []
+    size: dict[str, int] = {}
+    restart: list[str] = []
+    path = f"/apis/{types.GROUP}/{types.VERSION}/namespaces/{NAMESPACE}/{types.PLURAL}"
+
+    def delete_pod(name: str) -> bool:
+        vm = custom.get_namespaced_custom_object(types.GROUP, types.VERSION, NAMESPACE,
+                                                 types.PLURAL, name, _request_timeout=30)
+        pod = (vm.get("status") or {}).get("podName")
+        if not pod:
+            return False
+        dog.watcher.expect_pod_deletion(pod)
+        try:
+            core.delete_namespaced_pod(pod, NAMESPACE, _request_timeout=30)
+        except ApiException:
+            return False
+        return True
+
+    def restart_scaled() -> None:
+        while restart:
+            if delete_pod(restart.pop(0)):
+                counts["scale restarts"] += 1
 
     def tick(n: int) -> None:
+        restart_scaled()
         for name in rng.sample(names, min(pods, len(names))):
-            vm = custom.get_namespaced_custom_object(types.GROUP, types.VERSION, NAMESPACE,
-                                                     types.PLURAL, name, _request_timeout=30)
-            pod = (vm.get("status") or {}).get("podName")
-            if not pod:
-                continue
-            dog.watcher.expect_pod_deletion(pod)
-            with contextlib.suppress(ApiException):
-                core.delete_namespaced_pod(pod, NAMESPACE, _request_timeout=30)
+            if delete_pod(name):
                 counts["pod deletions"] += 1
+        for name in rng.sample(scalable or [], min(scale, len(scalable or []))):
+            size[name] = 3 - size.get(name, 1)
+            kube.request(api, "PATCH", f"{path}/{name}",
+                         body={"spec": {"guest": {"cpus": {"use": size[name]},
+                                                  "memorySlots": {"use": size[name]}}}},
+                         content_type="application/merge-patch+json")
+            counts["scale changes"] += 1
+            restart.append(name)
         alive.append(custom.create_namespaced_custom_object(
             types.GROUP, types.VERSION, NAMESPACE, types.PLURAL,
             fleet.vm_body(f"churn-{n:05d}", 1), _request_timeout=30))
@@ -230,7 +408,26 @@ def churn(api: client.ApiClient, names: list[str], dog: Any, interval: float, po
     finally:
         stop.set()
         thread.join(timeout=120)
+        with contextlib.suppress(Exception):  # the last round's scale changes restart too
+            restart_scaled()
         counts["live"] = [v["metadata"]["name"] for v in alive]
+        counts["scaled"] = sorted(size)
+
+
+def scale_not_done(api: client.ApiClient, scaled: list[str]) -> list[str]:
+    """Scaled VMs whose status size (what the committed pod has) is not the spec's."""
+    from neonvm.api.types import VirtualMachine
+    from neonvm.controller.decide import desired_size, status_size
+    from neonvm.drills import fleet
+
+    wanted = set(scaled)
+    out = []
+    for obj in fleet.list_vms(api, NAMESPACE):
+        if obj["metadata"]["name"] in wanted:
+            vm = VirtualMachine.from_object(obj)
+            if status_size(vm) != desired_size(vm):
+                out.append(f"{vm.name}: status {status_size(vm)}, spec {desired_size(vm)}")
+    return sorted(out)
 
 
 # ---- the run ------------------------------------------------------------------------------
@@ -306,23 +503,37 @@ def soak(args: argparse.Namespace) -> Record:
     record = Record(vms=args.vms, minutes=args.minutes,
                     started=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
     state = args.work / "state"
-    install_binaries(with_nodes=True)
+    install_binaries(with_nodes=True, with_helm=args.apf)
     spec = ClusterSpec.with_free_ports(nodes=args.nodes)
     spec.pods_per_node = -(-(args.vms + 2 * args.churn_live + 100) // args.nodes)
+    spec.priority_and_fairness = args.apf
     cluster = LocalCluster(state, spec)
     say(f"starting a private control plane in {state} ({args.nodes} kwok nodes, "
-        f"{spec.pods_per_node} pods each)")
+        f"{spec.pods_per_node} pods each, API Priority and Fairness "
+        f"{'on' if args.apf else 'off'})")
     cluster.up(progress=say)
+    if args.apf:
+        from neonvm import kube
+
+        record.apf = install_apf(kube.api_client(cluster.kubeconfig),
+                                 kube.api_client(cluster.kubeconfig_for("controller")))
+        say(f"API Priority and Fairness: {record.apf}")
+        if not record.apf["lease_requests_in_level"]:
+            record.failures.append("the replicas' Lease requests are not classified into "
+                                   f"the chart's level {record.apf['level']}")
     target = LocalTarget.prepare(state, args.replicas, say)
     api = target.api
     rng = random.Random(args.seed)
     names = [f"vm-{i:05d}" for i in range(args.vms)]
+    scalable = names[:min(args.scale_vms, len(names))] if args.churn_scale else []
+    record.scaled_vms = len(scalable)
     try:
         fleet.ensure_namespace(api, NAMESPACE)
         t0 = time.monotonic()
-        say(f"creating {args.vms} VMs")
-        fleet.create_vms(api, NAMESPACE, names, 1)
-        ok, seconds, st = fleet.wait_converged(api, NAMESPACE, names, args.timeout, say)
+        say(f"creating {args.vms} VMs ({len(scalable)} of them scalable)")
+        fleet.create_vms(api, NAMESPACE, scalable, 1, spec_extra={"guest": SCALABLE})
+        fleet.create_vms(api, NAMESPACE, names[len(scalable):], 1)
+        ok, seconds, st = wait_fleet(api, names, args.timeout, args.converge_poll)
         record.setup_s = round(time.monotonic() - t0, 1)
         if not ok:
             record.failures.append(f"the fleet did not converge: {len(st.converged)}/{st.total}"
@@ -330,13 +541,23 @@ def soak(args: argparse.Namespace) -> Record:
             return record
         say(f"{args.vms} VMs converged in {record.setup_s:.0f}s; soaking for "
             f"{args.minutes:g} min")
-        _soak(args, record, cluster, target, names, rng, Watchdog, leader_tracker)
+        _soak(args, record, cluster, target, names, scalable, rng, Watchdog, leader_tracker)
         say("churn stopped; waiting for every VM to converge")
         every = names + record.churn.get("live", [])
         t1 = time.monotonic()
-        ok, seconds, st = fleet.wait_converged(api, NAMESPACE, every, args.timeout, say)
+        ok, seconds, st = wait_fleet(api, every, args.timeout, args.converge_poll)
         if ok:
             record.final_convergence_s = round(time.monotonic() - t1, 1)
+        scaled = record.churn.get("scaled", [])
+        if scaled:
+            deadline = time.monotonic() + 180
+            while (not_done := fleet.retrying(lambda: scale_not_done(api, scaled))) \
+                    and time.monotonic() < deadline:
+                time.sleep(10)
+            record.scale_not_done = not_done
+            if not_done:
+                record.failures.append(f"{len(not_done)} scaled VM(s) not at their spec's "
+                                       f"size at the end: {not_done[:5]}")
         else:
             record.not_converged_end = sorted(st.waiting)[:50]
             record.failures.append(f"{len(st.waiting)} VM(s) not converged {args.timeout:.0f}s "
@@ -365,7 +586,8 @@ def soak(args: argparse.Namespace) -> Record:
 
 
 def _soak(args: argparse.Namespace, record: Record, cluster: Any, target: Any,
-          names: list[str], rng: random.Random, watchdog: Any, tracker: Any) -> None:
+          names: list[str], scalable: list[str], rng: random.Random, watchdog: Any,
+          tracker: Any) -> None:
     from neonvm.drills import fleet
 
     api = target.api
@@ -383,7 +605,7 @@ def _soak(args: argparse.Namespace, record: Record, cluster: Any, target: Any,
     with tracker(target, interval=0.5) as log, \
             watchdog(api, NAMESPACE, poll_interval=args.poll_seconds) as dog, \
             churn(api, names, dog, args.churn_interval, args.churn_pods, args.churn_live,
-                  rng) as counts:
+                  rng, scalable, args.churn_scale) as counts:
         controller = Counters()
         next_look = started
         while (now := time.monotonic()) < end:
@@ -431,6 +653,8 @@ def _soak(args: argparse.Namespace, record: Record, cluster: Any, target: Any,
                 f"{dog.duplicates_so_far()}; churn {dict(counts, live=len(counts['live']))}")
             time.sleep(max(0.0, min(args.sample_seconds, end - time.monotonic())))
         report = dog.stop()
+        if record.apf:
+            record.apf.update(apf_counts(apiserver_metrics(api), record.apf["level"]))
     record.churn = counts
     held = [(at, w, e) for at, w, e in log.changes if w]
     for (_, w0, e0), (at, w1, e1) in itertools.pairwise(held):
@@ -513,9 +737,20 @@ def markdown(record: Record, args: argparse.Namespace, svg: str | None) -> str:
         f"started; 3 replicas (the drills' lease timings: 6 s lease, 4 s renew deadline), "
         f"{args.nodes} kwok nodes.",
         f"* churn: {record.churn.get('pod deletions', 0)} runner pods deleted, "
+        f"{record.churn.get('scale changes', 0)} scale changes (on {record.scaled_vms} "
+        f"scalable VMs, each followed by its pod's restart: "
+        f"{record.churn.get('scale restarts', 0)}; at the end "
+        f"{len(record.churn.get('scaled', [])) - len(record.scale_not_done)} of the "
+        f"{len(record.churn.get('scaled', []))} VMs scaled had their spec's size in status), "
         f"{record.churn.get('VMs created', 0)} VMs created and "
         f"{record.churn.get('VMs deleted', 0)} deleted, {record.churn.get('errors', 0)} "
         f"churn errors.",
+        (f"* API Priority and Fairness on; the replicas' Lease requests "
+         f"{'in' if record.apf.get('lease_requests_in_level') else 'NOT in'} the chart's "
+         f"level ({record.apf.get('level')}): "
+         f"{record.apf.get('lease_level_dispatched', 0):,.0f} requests dispatched there, "
+         f"{record.apf.get('rejected_any_level', 0):,.0f} rejected in any level."
+         if record.apf else "* API Priority and Fairness off."),
         f"* leader changes: **{len(changes)}**"
         + ("" if not changes else " (" + "; ".join(
             f"{c['at_min']:.1f} min: {c['from']} (epoch {c['from_epoch']}) -> {c['to']} "
@@ -621,10 +856,19 @@ def main(argv: list[str] | None = None) -> int:
                    help="Runner pods deleted per churn round.")
     p.add_argument("--churn-live", type=int, default=10,
                    help="Short-lived VMs alive at once (the oldest is deleted).")
-    p.add_argument("--sample-seconds", type=float, default=15.0)
+    p.add_argument("--churn-scale", type=int, default=1,
+                   help="Scale changes per churn round (each followed by its pod's restart).")
+    p.add_argument("--scale-vms", type=int, default=100,
+                   help="Fleet VMs made scalable (1 to 2 vCPUs and memory slots).")
+    p.add_argument("--apf", action=argparse.BooleanOptionalAction, default=True,
+                   help="Run the API server with API Priority and Fairness and the chart's "
+                        "Lease FlowSchema.")
+    p.add_argument("--converge-poll", type=float, default=10.0,
+                   help="Seconds between the convergence waits' looks (cached VM list).")
+    p.add_argument("--sample-seconds", type=float, default=30.0)
     p.add_argument("--look-seconds", type=float, default=60.0,
                    help="Seconds between convergence looks at the fleet.")
-    p.add_argument("--poll-seconds", type=float, default=5.0,
+    p.add_argument("--poll-seconds", type=float, default=15.0,
                    help="The polling checker's period (the watching one sees every event).")
     p.add_argument("--stuck-minutes", type=float, default=5.0)
     p.add_argument("--timeout", type=float, default=900.0,

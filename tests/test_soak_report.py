@@ -1,5 +1,6 @@
 """The soak's record as figures (benchmarks/soak.py; docs/benchmarks.md, "Soak"): pure
-logic over a made-up record, no cluster."""
+logic over a made-up record, no cluster; and the API Priority and Fairness objects its
+private cluster gets (rendered by the real helm binary)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,18 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from benchmarks.soak import Counters, Record, Sample, markdown, per_minute, render_svg, window
+from benchmarks.soak import (
+    Counters,
+    Record,
+    Sample,
+    chart_apf_objects,
+    markdown,
+    per_minute,
+    render_svg,
+    window,
+)
+from neonvm.dev.common import CONTROLLER_USER
+from neonvm.dev.replica import LEASE_NAMESPACE
 
 
 def _record() -> Record:
@@ -59,3 +71,17 @@ def test_the_table_names_the_leader_change_and_the_picture_marks_it() -> None:
     ns = "{http://www.w3.org/2000/svg}"
     assert len([e for e in root.iter(f"{ns}line") if e.get("stroke") == "red"]) == 2
     assert len(list(root.iter(f"{ns}polyline"))) == 3  # RSS, API server, replicas
+
+
+def test_the_soak_gives_its_replicas_lease_requests_the_charts_level() -> None:
+    """The chart's objects as helm renders them, the subject made the local replicas'
+    identity (a client certificate's user, not the chart's ServiceAccount); the level is
+    created first, so the schema never names a missing one."""
+    level, schema = chart_apf_objects()
+    assert level["kind"] == "PriorityLevelConfiguration" and schema["kind"] == "FlowSchema"
+    assert schema["spec"]["priorityLevelConfiguration"]["name"] == level["metadata"]["name"]
+    assert level["spec"]["limited"]["lendablePercent"] == 0
+    (rule,) = schema["spec"]["rules"]
+    assert rule["subjects"] == [{"kind": "User", "user": {"name": CONTROLLER_USER}}]
+    assert rule["resourceRules"][0]["resources"] == ["leases"]
+    assert rule["resourceRules"][0]["namespaces"] == [LEASE_NAMESPACE]

@@ -104,7 +104,8 @@ class LocalCluster:
             data = json.loads(saved.read_text())
             spec = ClusterSpec(nodes=data["nodes"], ports={**DEFAULT_PORTS, **data["ports"]},
                                service_account_tokens=data.get("service_account_tokens", False),
-                               pods_per_node=data.get("pods_per_node", 110))
+                               pods_per_node=data.get("pods_per_node", 110),
+                               priority_and_fairness=data.get("priority_and_fairness", False))
         self.spec = spec or ClusterSpec()
 
     # ---- paths -------------------------------------------------------------------------
@@ -413,7 +414,7 @@ class LocalCluster:
                 f"--kubelet-client-certificate={kubelet_client.cert}",
                 f"--kubelet-client-key={kubelet_client.key}",
                 "--kubelet-preferred-address-types=InternalIP,Hostname",
-                "--enable-priority-and-fairness=false",
+                f"--enable-priority-and-fairness={str(self.spec.priority_and_fairness).lower()}",
                 "--profiling=false",
                 "--v=1",
             ]

@@ -65,6 +65,10 @@ class ClusterSpec:
     a GiB for each beyond 64 CPUs and 256 GiB. The benchmarks raise it, so that
     thousands of runner pods are scheduled and run on a few nodes instead of waiting
     unschedulable (which makes the scheduler retry them)."""
+    priority_and_fairness: bool = False
+    """Run kube-apiserver with API Priority and Fairness on (its default). Off by default
+    here, so that the tests' servers answer in arrival order; the soak turns it on and
+    installs the chart's Lease FlowSchema (docs/benchmarks.md, "Soak")."""
 
     @classmethod
     def with_free_ports(cls, nodes: int = 0) -> ClusterSpec:
