@@ -66,9 +66,10 @@ class ClusterSpec:
     thousands of runner pods are scheduled and run on a few nodes instead of waiting
     unschedulable (which makes the scheduler retry them)."""
     priority_and_fairness: bool = False
-    """Run kube-apiserver with API Priority and Fairness on (its default). Off by default
-    here, so that the tests' servers answer in arrival order; the soak turns it on and
-    installs the chart's Lease FlowSchema (docs/benchmarks.md, "Soak")."""
+    """Run kube-apiserver with API Priority and Fairness on (kube-apiserver's own default).
+    Off by default here, as the local control plane has always run (every test and
+    benchmark figure so far was taken so); the soak turns it on and installs the chart's
+    Lease FlowSchema (docs/benchmarks.md, "Soak")."""
 
     @classmethod
     def with_free_ports(cls, nodes: int = 0) -> ClusterSpec:
