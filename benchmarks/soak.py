@@ -570,6 +570,10 @@ def soak(args: argparse.Namespace) -> Record:
         for f in result.findings:
             record.failures.append(f"check: {f.kind} {f.vm}: {f.detail}")
         if args.delete_namespace:
+            if args.delete_at is not None:
+                left = seconds_until(args.delete_at)
+                say(f"waiting {left:.0f} s, until {args.delete_at} UTC, to delete the namespace")
+                time.sleep(left)
             delete_namespace(api, record, state, args)
     finally:
         (args.work / "leader-lines.txt").write_text(
@@ -585,6 +589,13 @@ def soak(args: argparse.Namespace) -> Record:
     return record
 
 
+def seconds_until(hh_mm: str) -> float:
+    """Seconds from now to the UTC time ``HH:MM`` today (0 if it has passed)."""
+    hh, mm = (int(x) for x in hh_mm.split(":"))
+    now = time.gmtime()
+    return max(0.0, (hh * 60 + mm) * 60.0 - (now.tm_hour * 3600 + now.tm_min * 60 + now.tm_sec))
+
+
 def _soak(args: argparse.Namespace, record: Record, cluster: Any, target: Any,
           names: list[str], scalable: list[str], rng: random.Random, watchdog: Any,
           tracker: Any) -> None:
@@ -595,11 +606,7 @@ def _soak(args: argparse.Namespace, record: Record, cluster: Any, target: Any,
     started = time.monotonic()
     end = started + args.minutes * 60
     if args.until is not None:  # a wall-clock end (UTC, HH:MM) that comes first
-        hh, mm = (int(x) for x in args.until.split(":"))
-        now_utc = time.gmtime()
-        left = (hh * 60 + mm) * 60 - (now_utc.tm_hour * 3600 + now_utc.tm_min * 60
-                                      + now_utc.tm_sec)
-        end = min(end, started + max(60.0, left))
+        end = min(end, started + max(60.0, seconds_until(args.until)))
         say(f"churn until {args.until} UTC: {(end - started) / 60:.1f} min")
     not_since: dict[str, float] = {}
     with tracker(target, interval=0.5) as log, \
@@ -883,6 +890,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="At the end, delete the fleet's namespace with the replicas "
                         "running: time until it is gone, creates refused there.")
     p.add_argument("--namespace-timeout", type=float, default=420.0)
+    p.add_argument("--delete-at", default=None,
+                   help="With --delete-namespace: wait until this UTC time (HH:MM) after the "
+                        "final check before deleting the namespace.")
     p.add_argument("--until", default=None,
                    help="Stop the churn at this UTC time (HH:MM) if it comes before "
                         "--minutes are up.")
