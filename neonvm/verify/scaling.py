@@ -427,8 +427,8 @@ def to_vm(r: VMRep) -> VirtualMachine:
                           finalizers=[FINALIZER])
 
 
-def from_vm(vm: VirtualMachine, use: Size | None = None) -> VMRep:
-    """The model's VM from a shipped one (``use``: ignored, the spec's is read)."""
+def from_vm(vm: VirtualMachine) -> VMRep:
+    """The model's VM from a shipped one (its spec's ``use`` and the status fields)."""
     s = vm.status
     p = s.pending_scale
     pp = s.pending_pod
@@ -645,7 +645,8 @@ class ScalingModel:
         action = _thaw(x.held)
         if type(action).__name__ in RUNNER_CALLS:
             assert isinstance(action, act.ApplyScale)
-            read = x.held[-1] if x.held[-1][:1] == (READ,) else None
+            last = x.held[-1]
+            read = last if isinstance(last, tuple) and last[:1] == (READ,) else None
             if read is not None and not read[4]:
                 return self._without_token(done, i, action.plan, read), None
             new, violation, answered = self._put(done, action.plan)
