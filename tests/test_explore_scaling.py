@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from neonvm.controller.actions import Fence
 from neonvm.verify.scaling import (
     Mutants,
     ScalingModel,
@@ -292,6 +293,21 @@ def test_a_look_ended_with_a_removal_pending_leaves_status_behind_the_eject() ->
 
 def _one_leader(world: World) -> World:
     return world._replace(workers=world.workers[:1])
+
+
+@pytest.mark.unit
+def test_the_explorers_pods_are_the_shipped_pod_specs() -> None:
+    # Annotations, CPU request and QoS class come from podspec.runner_pod: a pod built at
+    # 500m says 500m and is Burstable; one built at cpus.max (2 vCPUs) is Guaranteed (its
+    # request equals its limit), which the tell never resizes.
+    world = initial_world(cpus=500, token=True)
+    assert (world.runner.ann, world.runner.req, world.runner.guaranteed) == (
+        (500, 1, 1), (500, 1), False)
+    model = ScalingModel(pod_writes=True)
+    _, runner, created = model._replaced(world.vm._replace(use=(2, 2), use_milli=0),
+                                         Fence(1, 10))
+    assert (runner.ann[:2], runner.req[0], runner.guaranteed) == ((2000, 2), 2000, True)
+    assert created[2:] == ((2, 2), 2000)
 
 
 FRACTIONS = (frac(500, 1), frac(750, 1))
