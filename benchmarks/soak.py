@@ -548,6 +548,11 @@ def soak(args: argparse.Namespace) -> Record:
         ok, seconds, st = wait_fleet(api, every, args.timeout, args.converge_poll)
         if ok:
             record.final_convergence_s = round(time.monotonic() - t1, 1)
+        else:
+            record.not_converged_end = sorted(st.waiting)[:50]
+            record.failures.append(f"{len(st.waiting)} VM(s) not converged {args.timeout:.0f}s "
+                                   f"after the churn stopped: "
+                                   f"{dict(list(st.waiting.items())[:5])}")
         scaled = record.churn.get("scaled", [])
         if scaled:
             deadline = time.monotonic() + 180
@@ -558,11 +563,6 @@ def soak(args: argparse.Namespace) -> Record:
             if not_done:
                 record.failures.append(f"{len(not_done)} scaled VM(s) not at their spec's "
                                        f"size at the end: {not_done[:5]}")
-        else:
-            record.not_converged_end = sorted(st.waiting)[:50]
-            record.failures.append(f"{len(st.waiting)} VM(s) not converged {args.timeout:.0f}s "
-                                   f"after the churn stopped: "
-                                   f"{dict(list(st.waiting.items())[:5])}")
         result = fleet.retrying(lambda: check(api, namespace=NAMESPACE,
                                               locks=target.lock_reader(), settle=5.0,
                                               max_pending_seconds=args.timeout))
