@@ -362,16 +362,24 @@ def unverified_claims(token: str) -> dict[str, Any] | None:
     return claims if isinstance(claims, dict) else None
 
 
+CLOCK_LEEWAY = 120.0
+"""Seconds past its ``exp`` (by the leader's wall clock) a token is still sent for review:
+the API server judges expiry by its own clock, and a leader's clock ahead of it must not
+refuse tokens the kubelet has not rotated yet (it rotates at 80 % of 600 s)."""
+
+
 def claims_may_match(claims: dict[str, Any], audience: str, pod_uid: str, now: float) -> bool:
     """The unverified claims say what a good token for ``pod_uid`` would: ``audience``
-    among ``aud``, bound to a pod of that uid, not expired at wall time ``now``."""
+    among ``aud``, bound to a pod of that uid, not expired :data:`CLOCK_LEEWAY` before
+    wall time ``now``."""
     aud = claims.get("aud")
     auds = [aud] if isinstance(aud, str) else aud if isinstance(aud, list) else []
     k8s = claims.get("kubernetes.io")
     pod = k8s.get("pod") if isinstance(k8s, dict) else None
     exp = claims.get("exp")
     return bool(audience in auds and isinstance(pod, dict) and pod.get("uid") == pod_uid
-                and isinstance(exp, int | float) and not isinstance(exp, bool) and exp > now)
+                and isinstance(exp, int | float) and not isinstance(exp, bool)
+                and exp > now - CLOCK_LEEWAY)
 
 
 def reviewed_pod(review: dict[str, Any], audience: str) -> ReviewedPod | None:
