@@ -11,11 +11,14 @@ run in tests/test_neonvm_e2e.py.
 from __future__ import annotations
 
 import base64
+import os
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from kubernetes import client
@@ -32,11 +35,17 @@ from neonvm.runner.errors import SpecError
 from neonvm.runner.initramfs import RunnerKernel
 from neonvm.runner.main import read_authorized_keys
 from neonvm.runner.qemu import build_launch_plan
-from tests.support import CountingAuthority
+from tests.support import CountingAuthority, wait_for
 from tests.support.harness import get_vm, runner_pods
 from tests.support.reconcile import create_vm, settle
 from tests.support.reconcile_observe import Recording
 from tests.support.runner import context
+from tests.test_vmbuilder_boot import (  # boot_kit: the fixture
+    REPO,
+    _boot_skip_reason,
+    _free_port,
+    boot_kit,  # noqa: F401
+)
 
 UID = "8d6c3f52-0000-4000-8000-000000000001"
 
@@ -294,3 +303,57 @@ def test_one_secret_create_per_runner_pod_and_a_deleted_secret_is_made_again(
     assert replacement.metadata.name != pod.metadata.name
     assert creates == ["ssh-neonvm-db", "ssh-neonvm-db"]
     assert public_key(api, namespace, "ssh-neonvm-db") != first
+
+
+# ---- a vm-builder guest under TCG (opt-in: NEONVM_TEST_BOOT=1) ------------------------------
+
+
+BOOT_SKIP = _boot_skip_reason()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(BOOT_SKIP is not None, reason=BOOT_SKIP or "")
+def test_a_vmbuilder_guest_finds_the_public_key_where_its_sshd_reads_it(
+        tmp_path: Path, boot_kit: tuple[Path, Path]) -> None:  # noqa: F811
+    """The real runner, given the key file as the pod gives it, boots the vm-builder test
+    disk; the guest's mounts.sh mounts the key disk, and /mnt/ssh/authorized_keys holds
+    the key, read-only (vm-builder's sshd reads it there; the test disk has no sshd)."""
+    qcow2, kernel_dir = boot_kit
+    public, _private = ssh_keys.key_pair()
+    keys = tmp_path / "ssh" / "authorized_keys"
+    keys.parent.mkdir()
+    keys.write_bytes(public)
+    script = ("/neonvm/bin/echo VMBUILDER_ENTRYPOINT key: $(/neonvm/bin/cat "
+              "/mnt/ssh/authorized_keys); /neonvm/bin/grep ' /mnt/ssh ' /proc/mounts | "
+              "/neonvm/bin/sed 's/^/VMBUILDER_ENTRYPOINT mount: /'; "
+              "/neonvm/bin/touch /mnt/ssh/x 2>/dev/null || "
+              "/neonvm/bin/echo VMBUILDER_ENTRYPOINT read-only; "
+              "/neonvm/bin/echo VMBUILDER_ENTRYPOINT report done; exec /neonvm/bin/sleep 600")
+    spec = {"enableSSH": True, "guest": {
+        "cpus": {"min": 1, "max": 1}, "memorySlotSize": "256Mi",
+        "memorySlots": {"min": 1, "max": 1}, "rootDisk": {"image": str(qcow2)},
+        "command": ["/neonvm/bin/sh", "-c", script]}}
+    spec_file = tmp_path / "vm.yaml"
+    spec_file.write_text(yaml.safe_dump(spec))
+    console = tmp_path / "console.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NEONVM_")}
+    with console.open("wb") as out, (tmp_path / "runner.log").open("wb") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "neonvm.runner.main", "--spec-file", str(spec_file),
+             "--kernel-dir", str(kernel_dir), "--accel", "tcg", "--work-dir",
+             str(tmp_path / "work"), "--listen-address", "127.0.0.1", "--port", str(_free_port()),
+             "--ssh-authorized-keys-file", str(keys)],
+            stdout=out, stderr=err, env=env, cwd=REPO)
+    try:
+        wait_for(lambda: b"VMBUILDER_ENTRYPOINT report done" in console.read_bytes()
+                 or proc.poll() is not None, timeout=300, interval=0.5,
+                 what="the guest's report")
+        text = console.read_text(errors="replace")
+        assert proc.poll() is None, text[-3000:] + (tmp_path / "runner.log").read_text()[-3000:]
+        assert f"VMBUILDER_ENTRYPOINT key: {public.decode().strip()}" in text, text[-3000:]
+        assert "VMBUILDER_ENTRYPOINT mount: " in text and " iso9660 ro," in text, text[-3000:]
+        assert "VMBUILDER_ENTRYPOINT read-only" in text, text[-3000:]
+        assert "PRIVATE KEY" not in text
+    finally:
+        proc.kill()
+        proc.wait()

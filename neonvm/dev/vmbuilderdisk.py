@@ -146,6 +146,12 @@ BLKID = """\
 #!/neonvm/bin/sh
 # Stands in for util-linux blkid -L LABEL (what the runtime disk's mounts.sh calls).
 [ "$1" = -L ] && [ -n "$2" ] || { echo "usage: blkid -L LABEL" >&2; exit 2; }
+# busybox findfs does not read ISO 9660 labels (the ssh-authorized-keys disk's): compare
+# the volume identifier (32 bytes at 32808, space-padded) of each virtio disk first.
+for d in /dev/vd?; do
+  label="$(dd if="$d" bs=1 skip=32808 count=32 2>/dev/null | tr -d ' ')"
+  [ "$label" = "$2" ] && { echo "$d"; exit 0; }
+done
 exec /neonvm/bin/findfs "LABEL=$2"
 """
 

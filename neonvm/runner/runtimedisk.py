@@ -12,10 +12,10 @@ vm-builder boot contract", has the table):
   only when set. vm-builder's ``vmstart`` runs ``command.sh`` or else the image's
   ENTRYPOINT, followed by ``args.sh`` or else the image's CMD;
 * ``env.sh``: ``export NAME='value'`` per ``guest.env`` entry;
-* ``mounts.sh``: always; ``set -euo pipefail``, then (with ``enableSSH`` and a key) the
-  ``ssh-authorized-keys`` disk on ``/mnt/ssh``, the swap, the extra disks (by ext4
-  label, ``blkid -L``) and tmpfs mounts, and a larger ``/dev/shm`` when swap exceeds half
-  the boot memory;
+* ``mounts.sh``: always; ``set -euo pipefail``, then the swap, the extra disks (by ext4
+  label, ``blkid -L``) and tmpfs mounts, a larger ``/dev/shm`` when swap exceeds half
+  the boot memory, and last (with ``enableSSH`` and a key) the ``ssh-authorized-keys``
+  disk on ``/mnt/ssh``;
 * ``resize-swap-internal.sh``: with ``settings.swap``, re-makes and enables the swap disk
   (label ``swapdisk``) at a given size.
 
@@ -80,10 +80,6 @@ def runtime_files(*, command: Sequence[str] | None, args: Sequence[str] | None,
                                   for name, value in env).encode()
     q = shell_quote
     mounts = ["set -euo pipefail"]
-    if ssh:
-        mounts += [f"/neonvm/bin/mkdir -p {SSH_MOUNT}",
-                   f"/neonvm/bin/mount -t iso9660 -o ro,mode=0644 "
-                   f"\"$(/neonvm/bin/blkid -L {SSH_LABEL})\" {SSH_MOUNT}"]
     if swap_bytes is not None:
         mounts.append(f"/neonvm/bin/sh /neonvm/runtime/resize-swap-internal.sh {swap_bytes}")
     for disk in disks:
@@ -106,6 +102,12 @@ def runtime_files(*, command: Sequence[str] | None, args: Sequence[str] | None,
     if swap_bytes is not None and swap_bytes > boot_memory_bytes // 2:
         # Linux sizes /dev/shm at half the memory; with swap the guest may grow (NeonVM #800).
         mounts.append(f"/neonvm/bin/mount -o remount,size={swap_bytes} /dev/shm")
+    if ssh:
+        # Last (NeonVM has it first): under set -e a key disk the guest cannot find stops
+        # only its own mount, not the workload's disks and swap.
+        mounts += [f"/neonvm/bin/mkdir -p {SSH_MOUNT}",
+                   f"/neonvm/bin/mount -t iso9660 -o ro,mode=0644 "
+                   f"\"$(/neonvm/bin/blkid -L {SSH_LABEL})\" {SSH_MOUNT}"]
     files["mounts.sh"] = ("\n".join(mounts) + "\n").encode()
     if swap_bytes is not None:
         files["resize-swap-internal.sh"] = "\n".join([
