@@ -13,7 +13,8 @@ Every status assert compares ``status.conditions`` as a whole list (kuttl wants 
 length); a healthy VM's list holds NeonVM's one condition, ``Available``, here as there
 (this controller's others are in ``status.extraConditions``). The run of the whole suite,
 with kuttl's timeouts (a failing step waits its full timeout), is opt-in
-(``NEONVM_TEST_LONG=1``); by default :data:`CHEAP` runs, two steps that pass in seconds.
+(``NEONVM_TEST_LONG=1``); by default :data:`CHEAP` runs, two steps that pass in seconds,
+and the objects of :data:`OBJECTS_ONLY`'s first steps.
 docs/neonvm-compat.md, "NeonVM's e2e suite", has the table.
 """
 
