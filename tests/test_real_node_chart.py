@@ -371,8 +371,15 @@ def test_chart_with_default_values_runs_its_etcd_three_controllers_and_a_vm_on_t
         status = result.vm["status"]
         assert status["phase"] == "Running"
         assert converged(api, chartdefaults.VM_NAMESPACE, [result.vm["metadata"]["name"]])
-        assert core.read_namespaced_pod(result.vm_pod, chartdefaults.VM_NAMESPACE
-                                        ).spec.node_name == node.name
+        vm_pod = core.read_namespaced_pod(result.vm_pod, chartdefaults.VM_NAMESPACE)
+        assert vm_pod.spec.node_name == node.name
+        # Self-fencing by default (issue 32): the pod carries its right and the projected
+        # rights token (no scaling token Secret: rbac.liveScaling is off), and its runner
+        # was granted with that token before QEMU started.
+        assert (vm_pod.metadata.annotations or {}).get("vm.neon.tech/right-seconds") == "30"
+        assert [v.name for v in vm_pod.spec.volumes or [] if v.projected is not None] == [
+            "vm-rights-token"]
+        assert "right to run granted" in result.guest_log, result.guest_log[-3000:]
         assert "NEONVM_GUEST_READY" in result.guest_log, result.guest_log[-3000:]
         assert f"app: argv hello from the chart {helm}" in result.guest_log, \
             result.guest_log[-3000:]
