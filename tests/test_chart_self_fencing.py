@@ -33,8 +33,8 @@ def _rules(rendered: Rendered) -> list[dict[str, Any]]:
 
 def test_with_default_values_every_vm_on_the_runner_image_self_fences(helm: Helm) -> None:
     """Default values: a 30 s right (its drills' figures: docs/drills.md), served, with
-    the release's rights audience; the controller may create TokenReviews and is granted
-    nothing on Secrets (issue 32: a dead node must cost seconds by default)."""
+    the release's rights audience; the controller may create TokenReviews and read no
+    Secret (issue 32: a dead node must cost seconds by default)."""
     rendered = helm.template("nvm", "ops")
     args = rendered.container["args"]
     fullname = rendered.one("Deployment")["metadata"]["name"]
@@ -44,7 +44,11 @@ def test_with_default_values_every_vm_on_the_runner_image_self_fences(helm: Helm
     rules = _rules(rendered)
     assert {"apiGroups": ["authentication.k8s.io"], "resources": ["tokenreviews"],
             "verbs": ["create"]} in rules
-    assert not [r for r in rules if "secrets" in r["resources"]]
+    # No Secret may be read (rbac.sshKeys' `create` alone is another feature's).
+    assert not [r for r in rules if "secrets" in r["resources"]
+                and {"get", "list", "watch"} & set(r["verbs"])]
+    assert not [r for r in _rules(helm.template("nvm", "ops", sets=("rbac.sshKeys=false",)))
+                if "secrets" in r["resources"]]
     with_scaling = helm.template("nvm", "ops", sets=("rbac.liveScaling=true",))
     assert with_scaling.container["args"] == args
 
