@@ -311,3 +311,27 @@ def test_a_review_error_answers_503_not_a_grant() -> None:
                                   b'{"namespace":"ns","vm":"vm","podUID":"u1"}')
     assert (status, body["reason"]) == (503, NOT_LEADER)
     assert not ledger.granted_this_term("u1")
+
+
+@pytest.mark.unit
+def test_a_pod_built_before_the_audience_is_still_granted_by_its_scaling_tokens_hmac() -> None:
+    """Accepting both credentials is what lets an upgrade keep its guests: a pod built by an
+    earlier release asks with the HMAC, which is checked as before and never reviewed."""
+    from neonvm.api.rights import authorization_header
+    from neonvm.controller.rights import RightsLedger, RightsService, TokenCache
+    from tests.support.rights import caches, secret
+
+    def no_review(token: str, audience: str) -> dict[str, Any]:
+        raise AssertionError("an HMAC bearer was sent for review")
+
+    ledger = RightsLedger()
+    ledger.begin_term(lambda: True)
+    service = RightsService(ledger, lambda: caches(pod_uid="u1"),
+                            TokenCache(None, read=lambda *_: secret(b"tok")), lambda *_: True,
+                            reviewer=TokenReviewer(None, AUDIENCE, review=no_review))
+    body = b'{"namespace":"ns","vm":"vm","podUID":"u1"}'
+    assert service.answer("POST", "/v1/rights", authorization_header(b"tok", "u1"),
+                          body)[0] == 200
+    status, refused = service.answer("POST", "/v1/rights",
+                                     authorization_header(b"other", "u1"), body)
+    assert (status, refused["reason"]) == (401, UNAUTHORIZED)
