@@ -299,6 +299,9 @@ class Rig:
                    "--rights-url", self.rights_url,
                    "--rights-bind", f"0.0.0.0:{self.rights_ports[i]}",
                    "--rights-service", f"{SERVICE_NAMESPACE}/{SERVICE}",
+                   # As the chart's default: runners ask with a projected token of
+                   # this audience, reviewed by the leader (docs/protocol.md).
+                   "--rights-audience", f"vm.neon.tech/rights/{self.namespace}/drill",
                    # An EndpointSlice refuses loopback addresses: the host address
                    # on node 0's bridge (the forwarder connects to it).
                    "--pod-ip", self.nodes[0].node_ip))
