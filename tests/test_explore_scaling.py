@@ -416,57 +416,78 @@ def test_a_fraction_copied_into_status_outside_a_plan_is_never_on_the_pod() -> N
                             "w0 performs FollowFraction"]
 
 
-# The shipped code's counterexamples (docs/verification.md, "Live scaling"): each test
-# states the property; strict, so a fix makes it fail until the marker is removed.
+# The explorer's four findings (docs/verification.md, "The pod's fenced writes"): each
+# test states the property the shipped code now keeps, and the code before its fix as a
+# mutant breaks it.
 
 
 def _holds(report: ScalingReport, prop: str) -> None:
-    """Assert no violation; a violation of another property than ``prop`` (the one the
-    known counterexample breaks) is an error, not the expected failure."""
+    """Assert no violation (``prop``: the property the code before the fix broke)."""
     print(f"{report.states} states: {report.violation}: {report.trace}")
-    if report.violation is not None and report.violation.property != prop:
-        raise RuntimeError(f"not the known counterexample: {report.violation}")
-    assert report.violation is None, (report.violation, report.trace)
+    assert report.violation is None, (prop, report.violation, report.trace)
+    assert report.complete, report
+
+
+def _breaks(report: ScalingReport, prop: str) -> list[str]:
+    """Assert that ``report`` found a violation of ``prop``; its trace."""
+    print(f"{report.states} states, {len(report.trace)} steps: {report.trace}")
+    assert report.violation is not None and report.violation.property == prop, report
+    return report.trace
+
+
+BACK_TO_WHOLE = _one_leader(initial_world((frac(500, 1), frac(1000, 1)), token=True,
+                                          restarts=0, crashes=0))
+"""One leader, no fault: cpus.use 1000m -> 500m -> 1000m (bug 1)."""
 
 
 @pytest.mark.unit
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="the tell of a plan decided at 500m lands after "
-                   "cpus.use went back to 1000m; the commit records whole vCPUs, which "
-                   "equal the spec: no plan writes the pod again")
 def test_a_fraction_that_returns_to_whole_vcpus_leaves_no_older_fraction_on_the_pod() -> None:
-    world = _one_leader(initial_world((frac(500, 1), frac(1000, 1)), token=True, restarts=0,
-                                      crashes=0))
-    _holds(explore_scaling(world, pod_writes=True), "pod-convergence")
+    # Bug 1: the tell of a plan decided at 500m lands after cpus.use went back to 1000m;
+    # the commit records whole vCPUs, which equal the spec. The pod's annotations (500m)
+    # are not the spec's: decide plans again (decide.pod_behind).
+    _holds(explore_scaling(BACK_TO_WHOLE, pod_writes=True), "pod-convergence")
+    trace = _breaks(explore_scaling(BACK_TO_WHOLE, pod_writes=True,
+                                    mutants=Mutants(pod_record_ignored=True)),
+                    "pod-convergence")
+    assert trace[-2] == "user sets use (1, 1)", trace  # 1000m, after the PUT of 500m
 
 
 @pytest.mark.unit
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="a leader that dies between the PUT and the "
-                   "annotation write leaves whole-vCPU annotations behind: the commit "
-                   "records whole vCPUs, which equal the spec, and no plan follows")
 def test_a_lost_tell_of_whole_vcpus_is_written_again() -> None:
-    _holds(explore_scaling(initial_world(restarts=0, crashes=0, token=True), pod_writes=True),
-           "pod-convergence")
+    # Bug 2: a leader that dies between the PUT and the annotation write of a
+    # whole-vCPU plan: the commit records whole vCPUs, which equal the spec; the pod's
+    # annotations still say the old size, so decide plans again.
+    world = initial_world(restarts=0, crashes=0, token=True)
+    _holds(explore_scaling(world, pod_writes=True), "pod-convergence")
+    _breaks(explore_scaling(world, pod_writes=True,
+                            mutants=Mutants(pod_record_ignored=True)), "pod-convergence")
 
 
 @pytest.mark.unit
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="a crash between the annotation write and the "
-                   "resize: the pod carries the plan's scale-fence, so the commit records "
-                   "the fraction and no plan resizes the pod")
 def test_a_lost_resize_is_done_again() -> None:
+    # Bug 3: a crash between the annotation write and the resize: the pod carries the
+    # plan's scale-fence, so the commit records the fraction; its CPU request is not
+    # cpus.use, so decide plans again and that plan's tell resizes.
     world = _one_leader(initial_world((frac(500, 1),), token=True, restarts=0))
     _holds(explore_scaling(world, pod_writes=True), "pod-convergence")
+    trace = _breaks(explore_scaling(world, pod_writes=True,
+                                    mutants=Mutants(pod_record_ignored=True)),
+                    "pod-convergence")
+    assert "w0 crashes" in trace, trace
 
 
 @pytest.mark.unit
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="two ApplyScales of one plan decided from reads "
-                   "of two specs (500m, then 750m): the older read's resize lands after "
-                   "the newer one's, since a pod carrying the plan's scale-fence is "
-                   "resized without a check of what its annotations say")
 def test_two_leaders_never_resize_the_pod_to_an_older_fraction() -> None:
+    # Bug 4: two ApplyScales of one plan decided from reads of two specs (500m, then
+    # 750m): a pod that already carries the plan's scale-fence is resized only when its
+    # annotations carry this read's size, so the older read's resize never lands after
+    # the newer one's.
     world = initial_world(FRACTIONS, token=True, restarts=0, crashes=0)
-    _holds(explore_scaling(world, pod_writes=True, pod_convergence=False, max_states=20_000),
-           "order")
+    report = explore_scaling(world, pod_writes=True, pod_convergence=False,
+                             max_states=20_000)
+    print(f"{report.states} states: {report.violation}: {report.trace}")
+    assert report.violation is None, (report.violation, report.trace)  # within the cap
+    trace = _breaks(explore_scaling(world, pod_writes=True, pod_convergence=False,
+                                    liveness=False, mutants=Mutants(resize_any_read=True)),
+                    "order")
+    assert trace[-1].endswith("performs TellKubernetes (resize of plan #1)"), trace

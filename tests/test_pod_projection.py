@@ -46,7 +46,7 @@ def plan(seq: int) -> PendingPod:
 
 def full_pod(seq: int, *, gated: bool = True, phase: str | None = None,
              node: str | None = None, ip: str | None = None, terminating: bool = False,
-             owner: str = UID) -> dict[str, Any]:
+             owner: str = UID, qos: str | None = None) -> dict[str, Any]:
     """A runner pod as the API server returns it: the real manifest, plus server fields."""
     pod = podspec.runner_pod(vm(), plan(seq))
     meta = pod["metadata"]
@@ -68,6 +68,8 @@ def full_pod(seq: int, *, gated: bool = True, phase: str | None = None,
         pod["status"]["phase"] = phase
     if ip:
         pod["status"]["podIP"] = ip
+    if qos:
+        pod["status"]["qosClass"] = qos
     return pod
 
 
@@ -79,6 +81,7 @@ POD_VARIANTS = [
     full_pod(1, gated=False, phase="Running", node="n1", ip="10.0.0.1", terminating=True),
     full_pod(1, owner="someone-else"),
     full_pod(2, gated=False, phase="Pending", node="n2"),
+    full_pod(1, gated=False, phase="Running", node="n1", ip="10.0.0.1", qos="Burstable"),
 ]
 
 VM_STATES = [
@@ -95,6 +98,10 @@ def test_projection_keeps_every_field_a_cached_decision_reads() -> None:
     for pod in POD_VARIANTS:
         slim = project_pod(copy.deepcopy(pod))
         assert pod_view(slim) == pod_view(pod)
+        # What says whether the pod is behind the spec (decide.pod_behind) is kept.
+        assert pod_view(slim).annotated == (1000, 1)
+        assert pod_view(slim).cpu_request == (
+            1000 if pod["status"].get("qosClass") == "Burstable" else None)
         # The slot size the pod was built with (the built-size annotation's third field)
         # is what stops live scaling after a memorySlotSize change: the cache keeps it.
         assert pod_view(slim).slot_bytes == podspec.slot_bytes(
@@ -124,10 +131,17 @@ def test_a_projected_pod_is_a_small_share_of_the_full_one() -> None:
     pod = POD_VARIANTS[1]
     slim = project_pod(copy.deepcopy(pod))
     assert types.ANNOTATION_TOKEN in slim["metadata"]["annotations"]
-    assert all(set(c) == {"name", "ports"} for c in slim["spec"]["containers"])
+    # The runner container: its named port and CPU request (decide.pod_behind), nothing
+    # else of it (no env, mounts, probes, limits).
+    assert [set(c) for c in slim["spec"]["containers"]] == [{"name", "ports", "resources"}]
+    assert slim["spec"]["containers"][0]["resources"] == {"requests": {"cpu": "1"}}
     assert all(p["name"] == RUNNER_PORT_NAME for c in slim["spec"]["containers"]
                for p in c["ports"])
-    assert len(json.dumps(slim)) * 4 < len(json.dumps(pod))
+    # Of the resources annotation, only the two uses read (observe.annotated_size).
+    assert json.loads(slim["metadata"]["annotations"][podspec.ANNOTATION_RESOURCES]) == {
+        "cpus": {"use": 1}, "memorySlots": {"use": 1}}
+    # A tiny VM's pod (its spec annotation is short; a real one's is kilobytes).
+    assert len(json.dumps(slim)) * 3.5 < len(json.dumps(pod))
 
 
 # ---- re-list: streamed, key by key ---------------------------------------------------------

@@ -169,8 +169,9 @@ def test_the_controller_scales_a_running_guest_live_under_its_fence(
 class RefusingRunner:
     """Stands in for a runner whose pod cannot take a size (its bounds differ, or it was
     built without live scaling): GET /scale answers its fence floor and boot size, every
-    PUT /scale answers ``code``. (A real runner gives these answers in
-    ``tests/test_runner_scaling.py``; booting one here would only add a guest.)"""
+    PUT /scale answers ``code`` (200: taken, its fence and size reported from then on).
+    (A real runner gives these answers in ``tests/test_runner_scaling.py``; booting one
+    here would only add a guest.)"""
 
     def __init__(self, code: int, reason: str = "",
                  answer: dict[str, Any] | None = None) -> None:
@@ -211,8 +212,19 @@ class RefusingRunner:
 
             def do_PUT(self) -> None:
                 outer.puts += 1
-                self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                self._answer(code, answer)
+                asked = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                if code != 200:
+                    self._answer(code, answer)
+                    return
+                # Taken: a runner that answers 200 has applied it, and reports so.
+                asked_doc = json.loads(asked)
+                outer.fence = asked_doc["fence"]
+                outer.size = {"vcpus": asked_doc["cpus"],
+                              "memorySlots": asked_doc["memorySlots"],
+                              "memoryBytes": asked_doc["memorySlots"] * GIB}
+                self._answer(200, {"mode": "QmpScaling", "lastApplied": {
+                    "fence": outer.fence}, "qemu": outer.size, "podUid": outer.pod_uid,
+                    "pendingRemovals": outer.removals})
 
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.port = self.server.server_address[1]
@@ -698,9 +710,7 @@ def _dropped_with_an_unplug_pending(api: client.ApiClient, controller_api: clien
     key = f"{namespace}/{name}"
     (pod,) = runner_pods(api, namespace, name)
     runner.pod_uid = pod.metadata.uid
-    runner.fence = {"epoch": OLD.epoch, "token": OLD.token, "seq": 1}  # plan #1's PUT
-    runner.size = {"vcpus": 2, "memorySlots": 2, "memoryBytes": 2 * GIB}
-    set_use(api, namespace, name, 2, 2)
+    set_use(api, namespace, name, 2, 2)  # plan #1's PUT: taken
     assert isinstance(settle(reconciler, key, OLD).action, act.Done)
     status = status_of(api, namespace, name)
     assert (status["cpus"], status["memorySize"], status["scaleSeq"]) == (2, "2Gi", 1)

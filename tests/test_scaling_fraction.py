@@ -20,7 +20,7 @@ from neonvm.controller import decide as d
 from neonvm.controller.action_table import status_mutation
 from neonvm.controller.observe import Snapshot
 from neonvm.controller.reconciler import paused
-from neonvm.controller.scaling import POD_NOT_ANNOTATED, RunnerScaling
+from neonvm.controller.scaling import POD_NOT_ANNOTATED, Result, RunnerScaling
 from tests.support.autoscaler_view import vm_of
 
 pytestmark = pytest.mark.unit
@@ -105,9 +105,9 @@ class _Told(RunnerScaling):
     """What the annotation write answers: None (written), or why the API server refused it."""
 
     def _tell_kubernetes(self, vm: VirtualMachine, pod: act.PodView, memory_bytes: int,
-                         plan: PendingScale, log: Any) -> str | None:
+                         plan: PendingScale, log: Any) -> Result | None:
         self.told.append((memory_bytes, plan))
-        return self.refused
+        return None if self.refused is None else Result(POD_NOT_ANNOTATED, self.refused)
 
     def _call(self, method: str, url: str, body: dict[str, Any] | None,
               token: str | None, timeout: float) -> tuple[int, dict[str, Any]]:

@@ -32,6 +32,10 @@ ANNOTATION_PLAN_SEQ = "vm.neon.tech/plan-seq"
 ANNOTATION_SCALE_FENCE = "vm.neon.tech/scale-fence"
 """``epoch,token,seq`` of the scaling plan whose size a runner pod's usage and resources
 annotations carry (written by the plan's fenced tell, docs/protocol.md, "Live scaling")."""
+ANNOTATION_RESIZE_REFUSED = "vm.neon.tech/resize-refused"
+"""``epoch,token,seq`` of the scaling plan whose in-place resize of the runner pod the API
+server refused for good (or took at another CPU request): no plan is made to redo it
+(docs/protocol.md, "Live scaling", "The pod's record")."""
 SCHEDULING_GATE = "vm.neon.tech/runner-fence"
 """Scheduling gate every runner pod is created with; removed only after commit."""
 

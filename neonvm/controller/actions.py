@@ -54,6 +54,16 @@ class PodView:
     scale_fence: tuple[int, int, int] | None = None
     """(epoch, token, seq) of the scaling plan whose size its usage and resources
     annotations carry (``vm.neon.tech/scale-fence``); None: absent or malformed."""
+    annotated: tuple[int, int] | None = None
+    """(``cpus.use`` in millicores, ``memorySlots.use``) of its ``vm.neon.tech/resources``
+    annotation: the size it tells NeonVM's scheduler plugin and the runner's quota; None:
+    absent or malformed (a pod built before it existed)."""
+    cpu_request: int | None = None
+    """The runner container's CPU request (millicores), only for a pod whose recorded QoS
+    class is Burstable (the only pods a plan resizes); None otherwise or unreadable."""
+    resize_refused: tuple[int, int, int] | None = None
+    """The scale fence of the plan whose in-place resize of this pod was refused for good
+    (``vm.neon.tech/resize-refused``); None: none."""
 
     @property
     def finished(self) -> bool:

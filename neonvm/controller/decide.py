@@ -24,6 +24,7 @@ safety rests on them plus the ungate rule, not on leadership.
 from __future__ import annotations
 
 from neonvm.api import times
+from neonvm.api.millicpu import MilliCPU
 from neonvm.api.types import FINALIZER, PendingPod, PendingScale, VirtualMachine
 from neonvm.controller import autoscaler_view
 from neonvm.controller.actions import (
@@ -96,6 +97,33 @@ def fraction_only(vm: VirtualMachine, plan: PendingScale, pod: PodView) -> bool:
     else:
         built = status_size(vm)
     return built == (plan.cpus, plan.memory_slots)
+
+
+def resize_request(vm: VirtualMachine) -> int:
+    """The runner container's CPU request (millicores) a plan's in-place resize sets for
+    ``vm``'s spec: ``cpus.use`` (at least 1m, as a pod's quantity)."""
+    return max(1, int(vm.spec.guest.cpus.current))
+
+
+def pod_behind(vm: VirtualMachine, pod: PodView) -> str | None:
+    """Why the committed pod's own record of its size is not the spec's while status is
+    (docs/protocol.md, "Live scaling", "The pod's record"), or None: its
+    ``vm.neon.tech/resources`` annotation says another ``cpus.use`` or
+    ``memorySlots.use`` (a tell lost, or written from an older read of the VM), or a
+    pod a plan has resized (Burstable, carrying a ``scale-fence``, no ``podResources``)
+    has a CPU request other than ``cpus.use`` and no record that this plan's resize was
+    refused (a resize lost). A pod without the annotation, or not resized by plans, is
+    never behind."""
+    guest = vm.spec.guest
+    use = guest.cpus.current
+    if pod.annotated is not None and pod.annotated != (int(use), guest.memory_slots.current):
+        return (f"resources annotation says cpus.use {MilliCPU(pod.annotated[0])}, "
+                f"memorySlots.use {pod.annotated[1]}")
+    if (pod.scale_fence is not None and vm.spec.pod_resources is None
+            and pod.cpu_request is not None and pod.cpu_request != resize_request(vm)
+            and pod.resize_refused != pod.scale_fence):
+        return f"CPU request is {MilliCPU(pod.cpu_request)}, not its plan's resize to {use}"
+    return None
 
 
 def status_memory_bytes(vm: VirtualMachine) -> int | None:
@@ -413,12 +441,23 @@ def _decide_scaling(obs: Observation, vm: VirtualMachine, pod: PodView) -> Actio
     # too: the runner keeps its vCPUs, and the plan's fenced annotation write is what
     # tells the scheduler plugin and the runner's quota (docs/protocol.md, "Live scaling").
     fraction = have == want and vm.status.cpus != vm.spec.guest.cpus.current
-    if have is None or (have == want and not fraction):
+    # Status at the spec's size, the pod's own record not (a tell or resize lost, or
+    # written from an older read): a plan too, whose fenced write rewrites it.
+    stale = pod_behind(vm, pod) if have == want and not fraction else None
+    if have is None or (have == want and not fraction and stale is None):
         return None
     refused = next((c for c in vm.status.conditions if c.type == SCALING_CONDITION
                     and c.status == "False" and c.reason in SCALING_REFUSED), None)
     if refused is not None and refused.observed_generation == vm.generation:
         return None  # refused for this spec: the condition says why; a new spec tries again
+    if stale is not None:
+        if not obs.direct:
+            # The cached pod and the cached VM come from two watches: the pod's may
+            # not show yet the tell whose plan the VM shows committed.
+            return ObserveDirect(reason=f"{pod.name} looks behind the spec ({stale}): "
+                                        "confirm")
+        return _plan_scale(obs, vm, pod, want, f"{pod.name}'s {stale} (status says "
+                                               f"{vm.status.cpus}, as the spec)")
     if fraction:
         return _plan_scale(obs, vm, pod, want, f"spec asks for cpus.use "
                                                f"{vm.spec.guest.cpus.current} within the "

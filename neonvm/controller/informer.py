@@ -29,6 +29,7 @@ event never stalls one.
 from __future__ import annotations
 
 import contextlib
+import json
 import marshal
 import threading
 import time
@@ -43,7 +44,7 @@ from loguru import logger
 from neonvm.api import types
 from neonvm.api.rights import RIGHT_SECONDS_ANNOTATION
 from neonvm.controller.autoscaler_view import synced_annotation
-from neonvm.controller.podspec import ANNOTATION_BUILT_SIZE
+from neonvm.controller.podspec import ANNOTATION_BUILT_SIZE, ANNOTATION_RESOURCES, RUNNER_CONTAINER
 from neonvm.controller.reasons import TOO_LARGE_KEY
 from neonvm.kube import (
     LIST_PAGE_BYTES,
@@ -272,10 +273,13 @@ def strip_managed_fields(obj: Obj) -> Obj:
 
 POD_ANNOTATIONS = (types.ANNOTATION_EPOCH, types.ANNOTATION_TOKEN, types.ANNOTATION_PLAN_SEQ,
                    ANNOTATION_BUILT_SIZE, RIGHT_SECONDS_ANNOTATION,
-                   types.ANNOTATION_SCALE_FENCE)
+                   types.ANNOTATION_SCALE_FENCE, ANNOTATION_RESOURCES,
+                   types.ANNOTATION_RESIZE_REFUSED)
 """The pod annotations the controller reads from its cache (the fence and plan, the
-size the pod was built with, which a pod's commit records, and the scaling plan its size
-annotations carry, which a scaling plan's commit checks); the ones kept as the VM's
+size the pod was built with, which a pod's commit records, the scaling plan its size
+annotations carry, which a scaling plan's commit checks, the size they carry and the
+plan whose resize was refused, which say whether the pod is behind the spec); the ones
+kept as the VM's
 (``SyncPodMetadata``: the VM's copied keys, their record and ``vm.neon.tech/overcommit``)
 are kept too."""
 RUNNER_PORT_NAME = "runner"
@@ -288,16 +292,16 @@ def project_pod(pod: Obj) -> Obj:
 
     What reads cached pods: :func:`~neonvm.controller.observe.pod_view` (name, uid,
     controller owner reference, scheduling gates, deletionTimestamp, phase, node, pod
-    IP, fence annotations), ``acceleration.runner_port`` (the container port named
-    ``runner``), :func:`~neonvm.controller.observe.pod_index` (namespace and
-    the VM-name label), :func:`~neonvm.controller.scan.looks_mid_plan` (scheduling
-    gates) and this module (namespace, name, uid, resourceVersion). Everything that
-    acts on a pod reads it directly, in full. Dropped: the containers (all but the
-    runner's named port), volumes, probes, environment and the large
-    ``vm.neon.tech/spec`` annotation, conditions, container statuses and
-    managedFields: a cached pod shrinks from kilobytes to a few hundred bytes. A field
-    that a cached decision starts to read must be added here (the tests compare
-    decisions on projected and full pods).
+    IP, fence and size annotations, the runner container's CPU request, the QoS class),
+    ``acceleration.runner_port`` (the container port named ``runner``),
+    :func:`~neonvm.controller.observe.pod_index` (namespace and the VM-name label),
+    :func:`~neonvm.controller.scan.looks_mid_plan` (scheduling gates) and this module
+    (namespace, name, uid, resourceVersion). Everything that acts on a pod reads it
+    directly, in full. Dropped: the containers (all but the runner's named port and
+    CPU request), volumes, probes, environment and the large ``vm.neon.tech/spec``
+    annotation, conditions, container statuses and managedFields: a cached pod shrinks
+    from kilobytes to a few hundred bytes. A field that a cached decision starts to read
+    must be added here (the tests compare decisions on projected and full pods).
     """
     meta = pod.get("metadata") or {}
     spec = pod.get("spec") or {}
@@ -308,6 +312,10 @@ def project_pod(pod: Obj) -> Obj:
     annotations = meta.get("annotations") or {}
     kept = {k: v for k, v in annotations.items()
             if k in POD_ANNOTATIONS or synced_annotation(k)}
+    if ANNOTATION_RESOURCES in kept:
+        kept[ANNOTATION_RESOURCES] = _uses_only(kept[ANNOTATION_RESOURCES])
+        if kept[ANNOTATION_RESOURCES] is None:
+            del kept[ANNOTATION_RESOURCES]
     if kept:
         slim_meta["annotations"] = kept
     owners = [{k: ref[k] for k in ("apiVersion", "kind", "name", "uid", "controller")
@@ -316,16 +324,23 @@ def project_pod(pod: Obj) -> Obj:
         slim_meta["ownerReferences"] = owners
     slim: Obj = {"metadata": slim_meta}
     slim_spec: Obj = {k: spec[k] for k in ("schedulingGates", "nodeName") if spec.get(k)}
-    # The runner's named container port (acceleration.runner_port reads it).
-    containers = [{"name": c.get("name"), "ports": ports}
-                  for c in spec.get("containers") or []
-                  if (ports := [p for p in c.get("ports") or []
-                                if p.get("name") == RUNNER_PORT_NAME])]
+    # The runner's named container port (acceleration.runner_port reads it) and the
+    # runner container's CPU request (observe.runner_cpu_request).
+    containers = []
+    for c in spec.get("containers") or []:
+        kept_c: Obj = {"name": c.get("name")}
+        if ports := [p for p in c.get("ports") or [] if p.get("name") == RUNNER_PORT_NAME]:
+            kept_c["ports"] = ports
+        cpu = ((c.get("resources") or {}).get("requests") or {}).get("cpu")
+        if c.get("name") == RUNNER_CONTAINER and cpu is not None:
+            kept_c["resources"] = {"requests": {"cpu": cpu}}
+        if len(kept_c) > 1:
+            containers.append(kept_c)
     if containers:
         slim_spec["containers"] = containers
     if slim_spec:
         slim["spec"] = slim_spec
-    slim_status: Obj = {k: status[k] for k in ("phase", "podIP") if status.get(k)}
+    slim_status: Obj = {k: status[k] for k in ("phase", "podIP", "qosClass") if status.get(k)}
     # Self-fencing looks at the node of a pod that is not ready (controller/fencing.py).
     ready = [{"type": "Ready", "status": c.get("status")}
              for c in status.get("conditions") or [] if c.get("type") == "Ready"]
@@ -334,6 +349,18 @@ def project_pod(pod: Obj) -> Obj:
     if slim_status:
         slim["status"] = slim_status
     return slim
+
+
+def _uses_only(text: object) -> str | None:
+    """The resources annotation with only what is read of it (``cpus.use``,
+    ``memorySlots.use``: ``observe.annotated_size``); None when it is not that JSON."""
+    try:
+        doc = json.loads(str(text))
+        uses = {"cpus": {"use": doc["cpus"]["use"]},
+                "memorySlots": {"use": doc["memorySlots"]["use"]}}
+    except (ValueError, TypeError, KeyError, RecursionError):
+        return None
+    return json.dumps(uses, separators=(",", ":"))
 
 
 def _rv(obj: Obj) -> str:

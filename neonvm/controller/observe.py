@@ -35,6 +35,7 @@ without one carries ``now=None`` and has no backoff.
 from __future__ import annotations
 
 import datetime as dt
+import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -43,6 +44,7 @@ from kubernetes.client.exceptions import ApiException
 from loguru import logger
 
 from neonvm.api import types
+from neonvm.api.millicpu import MilliCPU, MilliCPUError
 from neonvm.api.types import VirtualMachine
 from neonvm.controller import autoscaler_view, podspec
 from neonvm.controller.actions import Fence, Observation, PodView
@@ -105,13 +107,61 @@ def pod_view(pod: dict[str, Any]) -> PodView:
         autoscaling=autoscaler_view.autoscaling_meta(meta.get("labels"),
                                                      meta.get("annotations")),
         scale_fence=pod_scale_fence(meta),
+        annotated=annotated_size(meta),
+        cpu_request=burstable_cpu_request(pod),
+        resize_refused=parse_fence_triple(
+            (meta.get("annotations") or {}).get(types.ANNOTATION_RESIZE_REFUSED)),
     )
+
+
+def annotated_size(meta: dict[str, Any]) -> tuple[int, int] | None:
+    """(``cpus.use`` in millicores, ``memorySlots.use``) of a pod's
+    ``vm.neon.tech/resources`` annotation; None when absent or malformed."""
+    text = (meta.get("annotations") or {}).get(podspec.ANNOTATION_RESOURCES)
+    if not isinstance(text, str):
+        return None
+    try:
+        doc = json.loads(text)
+        cpus = MilliCPU.parse(doc["cpus"]["use"])
+        slots = doc["memorySlots"]["use"]
+    except (ValueError, TypeError, KeyError, RecursionError, MilliCPUError):
+        return None
+    if not isinstance(slots, int) or isinstance(slots, bool):
+        return None
+    return int(cpus), slots
+
+
+def runner_cpu_request(pod: dict[str, Any]) -> int | None:
+    """The runner container's CPU request (millicores) in a pod's spec; None: none there,
+    or not a quantity read here."""
+    for c in (pod.get("spec") or {}).get("containers") or []:
+        if c.get("name") != podspec.RUNNER_CONTAINER:
+            continue
+        cpu = ((c.get("resources") or {}).get("requests") or {}).get("cpu")
+        try:
+            return int(MilliCPU.parse(str(cpu))) if cpu is not None else None
+        except (MilliCPUError, ValueError):
+            return None
+    return None
+
+
+def burstable_cpu_request(pod: dict[str, Any]) -> int | None:
+    """:func:`runner_cpu_request` of a pod whose recorded QoS class is Burstable (a plan
+    resizes no other: ``RunnerScaling._tell_once``); None for any other pod."""
+    if (pod.get("status") or {}).get("qosClass") != "Burstable":
+        return None
+    return runner_cpu_request(pod)
 
 
 def pod_scale_fence(meta: dict[str, Any]) -> tuple[int, int, int] | None:
     """(epoch, token, seq) from a pod's ``vm.neon.tech/scale-fence`` annotation; None when
     absent or malformed."""
-    text = (meta.get("annotations") or {}).get(types.ANNOTATION_SCALE_FENCE)
+    return parse_fence_triple((meta.get("annotations") or {}).get(
+        types.ANNOTATION_SCALE_FENCE))
+
+
+def parse_fence_triple(text: object) -> tuple[int, int, int] | None:
+    """(epoch, token, seq) from ``epoch,token,seq``; None when absent or malformed."""
     try:
         e, t, s = (int(v) for v in str(text).split(","))
     except (TypeError, ValueError):

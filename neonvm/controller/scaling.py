@@ -32,7 +32,7 @@ from neonvm.controller import actions as act
 from neonvm.controller import autoscaler_view, looks, podspec
 from neonvm.controller import decide as d
 from neonvm.controller.cluster import KubeCluster, TokenSecrets
-from neonvm.controller.observe import Snapshot
+from neonvm.controller.observe import Snapshot, annotated_size, runner_cpu_request
 from neonvm.controller.reasons import RUNNER_MISBEHAVING_REASON, RUNNER_UNREACHABLE_REASON
 from neonvm.controller.runner_client import (
     MAX_RUNNER_BYTES,
@@ -90,6 +90,13 @@ POD_NOT_ANNOTATED = "pod_not_annotated"
 """The outcome of an ``ApplyScale`` whose pod annotation write the API server refused
 (say 422: the tenant filled the pod's annotations): asked again after the stuck backoff,
 not at once (see :meth:`RunnerScaling._tell_kubernetes`)."""
+
+POD_NOT_RESIZED = "pod_not_resized"
+"""The outcome of an ``ApplyScale`` whose pod carries the plan's annotations but whose
+in-place resize failed in a way that may pass (no answer, 429, 5xx), or whose record of
+a refused resize could not be written: asked again after the stuck backoff (a commit
+then leaves the pod behind the spec, and the next plan resizes it: docs/protocol.md,
+"Live scaling", "The pod's record")."""
 
 RUNNER_UNREACHABLE = "unreachable"
 """The outcome of an ``ApplyScale`` whose runner gave no answer (connection refused or
@@ -199,7 +206,7 @@ def asks_again_later(outcome: str) -> bool:
     nor refused within the runner's own wait). Asked again at once, each such PUT may
     hold a worker for the whole deadline (docs/protocol.md, "Live scaling")."""
     return outcome in (GUEST_REFUSED, RUNNER_UNREACHABLE, RUNNER_MISBEHAVING,
-                       POD_NOT_ANNOTATED) or (
+                       POD_NOT_ANNOTATED, POD_NOT_RESIZED) or (
         outcome.startswith("runner_5"))
 
 
@@ -386,8 +393,8 @@ class RunnerScaling:
             # A cpus.use change within the vCPUs the pod was built with (and keeps, with
             # no token): nothing for the runner, only the fenced annotation write, after
             # which decide commits (docs/protocol.md, "Live scaling").
-            refused = self._tell_kubernetes(vm, pod, d.status_memory_bytes(vm) or 0, plan, log)
-            return "done" if refused is None else Result(POD_NOT_ANNOTATED, refused)
+            left = self._tell_kubernetes(vm, pod, d.status_memory_bytes(vm) or 0, plan, log)
+            return "done" if left is None else left
         if not vm.status.scaling_token_secret:
             # Pods mount the recorded Secret: with none recorded, the committed pod was
             # built without a token (its bounds were equal then, or the controller could
@@ -435,8 +442,8 @@ class RunnerScaling:
                       f"report ({short(str(exc))})")
             log.warning("scaling plan #{seq}: {detail}", seq=plan.seq, detail=detail)
             return Result(RUNNER_MISBEHAVING, detail)
-        refused = self._tell_kubernetes(vm, pod, memory_bytes, plan, log)
-        return "done" if refused is None else Result(POD_NOT_ANNOTATED, refused)
+        left = self._tell_kubernetes(vm, pod, memory_bytes, plan, log)
+        return "done" if left is None else left
 
     def unauthorized(self, pod_uid: str, doc: dict[str, Any], detail: str,
                      vm_uid: str = "") -> Result:
@@ -529,34 +536,41 @@ class RunnerScaling:
     # ---- Kubernetes --------------------------------------------------------------------
 
     def _tell_kubernetes(self, vm: VirtualMachine, pod: act.PodView, memory_bytes: int,
-                         plan: types.PendingScale, log: Any) -> str | None:
-        """The usage annotation, and the CPU request by in-place resize (best effort: the
-        guest already has the size; a failure here is logged, not retried later). Returns
-        why, when the API server refused the annotation write itself: the plan then does
-        not commit and is asked again after the VM's stuck backoff (a commit records a
-        fraction only once the pod carries the plan, so asking again at once would loop).
+                         plan: types.PendingScale, log: Any) -> Result | None:
+        """The usage and resources annotations, then the CPU request and limit by in-place
+        resize. None: done (or nothing to do); else the outcome that ends the reconcile
+        stuck, the plan kept and asked again after the VM's stuck backoff: the pod
+        could not be read or annotated (:data:`POD_NOT_ANNOTATED`: refused, say a 422
+        because the tenant filled the pod's annotations, or a conflict on every attempt),
+        or its resize failed in a way that may pass (:data:`POD_NOT_RESIZED`). A
+        commit records a fraction only once the pod carries the plan, and a pod behind
+        the spec is planned again (``decide.pod_behind``), so asking again at once
+        would loop.
 
-        Fenced like the runner: both are written only over the record of an older plan
-        (:data:`SCALE_FENCE_ANNOTATION`), each with the resourceVersion just read, so a
-        late apply of an older plan (a deposed leader, a slow request) never puts an
-        older size back. A conflict (409: the pod changed since the read; the kubelet's
-        status updates change it too) is redone from a fresh read, up to
-        :data:`TELL_ATTEMPTS` times: the fence check on the fresh pod keeps a redo from
-        writing over a newer plan's."""
+        Fenced like the runner: the annotations are written only over the record of an
+        older plan (:data:`SCALE_FENCE_ANNOTATION`), each write with the resourceVersion
+        just read, so a late apply of an older plan never puts an older size back; the
+        resize only on a pod whose annotations carry this read's size. A conflict (409:
+        the pod changed since the read; the kubelet's status updates change it too) is
+        redone from a fresh read, up to :data:`TELL_ATTEMPTS` times. docs/protocol.md,
+        "Live scaling", "Status and Kubernetes" and "The pod's record"."""
         fence = d.scale_fence(plan)
         for _ in range(TELL_ATTEMPTS):
             told = self._tell_once(vm, pod, memory_bytes, plan, fence, log)
+            if told == "done":
+                return None
             if told != "conflict":
-                return None if told == "done" else told
-        log.warning("{pod}: the usage annotation or the CPU request of plan {f} met a "
-                    "conflict {n} times: left", pod=pod.name, f=fence, n=TELL_ATTEMPTS)
-        return None
+                return told if isinstance(told, Result) else Result(POD_NOT_ANNOTATED, told)
+        detail = (f"the usage annotation or the CPU request of {pod.name} for plan {fence} "
+                  f"met a conflict {TELL_ATTEMPTS} times")
+        log.warning("{detail}: asked again later", detail=detail)
+        return Result(POD_NOT_ANNOTATED, detail)
 
     def _tell_once(self, vm: VirtualMachine, pod: act.PodView, memory_bytes: int,
                    plan: types.PendingScale, fence: tuple[int, int, int], log: Any) -> str:
-        """One read-check-patch of :meth:`_tell_kubernetes`: "done" (or nothing to do,
-        or the resize failed), "conflict" (a 409: read again and redo), or else why the
-        annotation write was refused."""
+        """One read-check-patch of :meth:`_tell_kubernetes`: "done" (or nothing to do),
+        "conflict" (a 409: read again and redo), or else the :class:`Result` that ends
+        the apply stuck."""
 
         try:
             current = kube.request(self._api, "GET", _pod_path(vm.namespace, pod.name),
@@ -564,7 +578,11 @@ class RunnerScaling:
         except ApiException as exc:
             log.warning("reading {pod} before annotating its size: {s}", pod=pod.name,
                         s=exc.status)
-            return "done"
+            if exc.status == 404:
+                return "done"  # the pod is gone: its VM restarts
+            return Result(POD_NOT_ANNOTATED, f"reading {pod.name} before annotating its "
+                                             f"size failed: {exc.status} "
+                                             f"{kube.api_error_message(exc)}")
         meta = current.get("metadata") or {}
         recorded = parse_scale_fence((meta.get("annotations") or {}).get(
             SCALE_FENCE_ANNOTATION))
@@ -573,8 +591,8 @@ class RunnerScaling:
                      "{f}'s", pod=pod.name, r=recorded, f=fence)
             return "done"
         version = meta.get("resourceVersion")
+        cpus = autoscaler_view.landed_cpus(vm, plan.cpus)  # "250m" where use is fractional
         if recorded != fence:
-            cpus = autoscaler_view.landed_cpus(vm, plan.cpus)  # "250m" where use is fractional
             patch = {"metadata": {"uid": pod.uid, "resourceVersion": version,
                                   "annotations": {
                                       USAGE_ANNOTATION: autoscaler_view.usage_json(
@@ -597,7 +615,16 @@ class RunnerScaling:
                 return (f"annotating {pod.name} with its size was refused: {exc.status} "
                         f"{kube.api_error_message(exc)}")
             version = (written.get("metadata") or {}).get("resourceVersion")
-        # The annotation carries this plan (written now, or by an earlier attempt).
+        elif annotated_size(meta) != (int(cpus), plan.memory_slots):
+            # The pod carries this plan, written from another read of the VM (another
+            # leader's apply of the same plan, the spec changed between): that read's
+            # tell resizes to what the annotations say; this one's size would not be
+            # theirs. If that tell is lost, the pod is behind the spec and planned again.
+            log.info("{pod} carries plan {f} from another read of the VM: not resized to "
+                     "this read's cpus.use", pod=pod.name, f=fence)
+            return "done"
+        # The annotations carry this plan and this read's size (written now, or by an
+        # earlier attempt).
         use = vm.spec.guest.cpus.current
         if vm.spec.pod_resources is not None or use.rounded_up() != plan.cpus:
             return "done"  # the user's resources (not ours to change), or the spec moved on
@@ -611,18 +638,57 @@ class RunnerScaling:
             log.info("{pod} is Guaranteed (built at cpus.use == max): its CPU request and "
                      "limit are left as built", pod=pod.name)
             return "done"
+        request = d.resize_request(vm)
         limit = max(int(autoscaler_view.cpu_limit(vm)), int(use) + 1)
         resize = {"metadata": {"uid": pod.uid, "resourceVersion": version},
                   "spec": {"containers": [{"name": podspec.RUNNER_CONTAINER, "resources": {
-                      "requests": {"cpu": podspec.millicores(use.cores)},
+                      "requests": {"cpu": podspec.millicores(request / 1000)},
                       "limits": {"cpu": podspec.millicores(limit / 1000)}}}]}}
         try:
-            kube.request(self._api, "PATCH", f"{_pod_path(vm.namespace, pod.name)}/resize",
-                         resize, content_type=STRATEGIC_MERGE_PATCH)
+            resized = kube.request(self._api, "PATCH",
+                                   f"{_pod_path(vm.namespace, pod.name)}/resize",
+                                   resize, content_type=STRATEGIC_MERGE_PATCH)
         except ApiException as exc:
             log.info("in-place resize of {pod} not taken: {s} {m}", pod=pod.name,
                      s=exc.status, m=kube.api_error_message(exc))
-            return "conflict" if exc.status == 409 else "done"
+            if exc.status == 409:
+                return "conflict"
+            why = f"{exc.status} {kube.api_error_message(exc)}"
+            if exc.status is None or exc.status == 429 or exc.status >= 500:
+                return Result(POD_NOT_RESIZED, f"the in-place resize of {pod.name} "
+                                               f"failed: {why}")
+            # Refused for good (no in-place resize before Kubernetes 1.33, a QoS class
+            # change, RBAC): recorded, so that the pod is not planned again for it.
+            return self._resize_refused(vm, pod, fence, version, why, log)
+        taken = runner_cpu_request(resized if isinstance(resized, dict) else {})
+        if taken != request:
+            # Taken at another request (an admission plugin's change): asking again
+            # would get the same, so it is recorded like a refusal.
+            return self._resize_refused(
+                vm, pod, fence, (resized.get("metadata") or {}).get("resourceVersion"),
+                f"taken with CPU request {taken}m, not {request}m", log)
+        return "done"
+
+    def _resize_refused(self, vm: VirtualMachine, pod: act.PodView,
+                        fence: tuple[int, int, int], version: object, why: str,
+                        log: Any) -> str:
+        """Record on the pod that plan ``fence``'s resize was refused for good
+        (:data:`~neonvm.api.types.ANNOTATION_RESIZE_REFUSED`, by the resourceVersion of
+        the read or write whose pod carries that plan): "done", "conflict", or the
+        :data:`POD_NOT_RESIZED` result when the record cannot be written."""
+        log.warning("{pod}: the in-place resize of plan {f} was refused ({why}): its CPU "
+                    "request and limit stay as they are", pod=pod.name, f=fence, why=why)
+        patch = {"metadata": {"uid": pod.uid, "resourceVersion": version, "annotations": {
+            types.ANNOTATION_RESIZE_REFUSED: ",".join(str(v) for v in fence)}}}
+        try:
+            kube.request(self._api, "PATCH", _pod_path(vm.namespace, pod.name), body=patch,
+                         content_type=STRATEGIC_MERGE_PATCH, timeout=30)
+        except ApiException as exc:
+            if exc.status == 409:
+                return "conflict"
+            return Result(POD_NOT_RESIZED, f"the in-place resize of {pod.name} was refused "
+                                           f"({why}) and recording so failed: {exc.status} "
+                                           f"{kube.api_error_message(exc)}")
         return "done"
 
 

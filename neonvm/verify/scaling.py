@@ -377,6 +377,15 @@ class Mutants:
     """The code before 67ae728: a ``cpus.use`` changed within the whole vCPUs status
     says is no plan; status copies the fraction (``follow_fraction``) and nothing
     writes the pod."""
+    pod_record_ignored: bool = False
+    """The code before ``decide.pod_behind``: a pod whose annotations or CPU request are
+    not the spec's while status is is no plan (the explorer's bugs 1 to 3: a tell lost,
+    or written from an older read, or a resize lost, stays for good)."""
+    resize_any_read: bool = False
+    """The code before the tell's check of the pod's annotations: a pod that already
+    carries the plan's ``scale-fence`` is resized to this read's ``cpus.use`` whatever
+    its annotations say (bug 4: two leaders, a resize from an older spec after a
+    newer one)."""
 
 
 def _misread_ost_refuses_eject(info: dict[str, Any]) -> bool:
@@ -555,10 +564,15 @@ class ScalingModel:
                         terminating=False, phase="Running", node="n1", ip=IP,
                         fence=(1, 10))
         if self.pod_writes and r.pod_uid == seen.pod_uid:
-            # The pod as the cache has it: its scale-fence (and the size it was built
-            # with, read by a fraction-only plan on a pod without a token).
+            # The pod as the cache has it (observe.pod_view): its scale-fence, the size
+            # it was built with (read by a fraction-only plan on a pod without a token),
+            # the size its resources annotation carries and, Burstable, its CPU request
+            # (decide.pod_behind). No resize is refused here (not modelled).
             pod = dataclasses.replace(pod, scale_fence=r.scale_fence,
                                       built=(r.boot[0] * 1000, r.boot[1]))
+            if not self.mutants.pod_record_ignored:
+                pod = dataclasses.replace(pod, annotated=r.ann[:2], cpu_request=None
+                                          if r.guaranteed else r.req[0])
         runner = None
         now = (PAST_THE_WINDOW if w.window_closed or self.mutants.end_in_window
                or (self.mutants.window_from_condition and seen.look
@@ -859,6 +873,10 @@ class ScalingModel:
             if recorded != fence:
                 return hold((TELL, "patch", fence, uid, cpus, slots, gen, resize, True,
                              attempts)), None
+            if r.ann[:2] != (cpus, slots) and not self.mutants.resize_any_read:
+                # The pod carries this plan from another read of the VM: that read's
+                # tell resizes (``_tell_once``: not resized to this read's use).
+                return hold(None), None
             return then_resize(w), None
         if r.pod_uid != uid:
             return hold(None), None  # the pod is gone (its name and uid preconditions)
