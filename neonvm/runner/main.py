@@ -157,16 +157,23 @@ SSH_KEYS_LIMIT = 64 * 1024
 
 def read_authorized_keys(path: Path | None) -> bytes | None:
     """The SSH public key file's contents; None when not given, absent (the Secret's
-    volume is optional), empty, or unreadable (the guest then boots without a key)."""
+    volume is optional), empty, unreadable, or over :data:`SSH_KEYS_LIMIT` (a Secret
+    planted under the VM's SSH name: the guest then boots without a key, and the log says
+    why; docs/security.md, "Secrets of the namespace")."""
     if path is None:
         return None
     try:
         with path.open("rb") as f:
             data = f.read(SSH_KEYS_LIMIT + 1)
-    except OSError:
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        logger.warning("no SSH key for the guest: {path} unreadable: {err}", path=path, err=exc)
         return None
     if len(data) > SSH_KEYS_LIMIT:
-        raise SpecError(f"{path}: more than {SSH_KEYS_LIMIT} bytes of SSH keys")
+        logger.warning("no SSH key for the guest: {path} holds more than {limit} bytes",
+                       path=path, limit=SSH_KEYS_LIMIT)
+        return None
     return data if data.strip() else None
 
 
