@@ -189,9 +189,13 @@ RIGHTS_TOKEN_DIR = "/vm/rights"
 """Where the runner's rights token is projected (outside ``/vm/disks``: nothing under it
 becomes a guest disk)."""
 RIGHTS_TOKEN_VOLUME = "vm-rights-token"
-RIGHTS_TOKEN_SECONDS = 600
-"""The projected token's ``expirationSeconds``: the API's minimum; the kubelet rotates it
-at 80 % of that."""
+RIGHTS_TOKEN_SECONDS = 7200
+"""The projected token's ``expirationSeconds``. The kubelet rotates it at 80 % of that, so
+a kubelet that stops (a crash loop, an upgrade, a node cut off from the API server) leaves
+a token the API server accepts for 20 % of it plus its 60 s of skew: about 25 min, not
+the 3 min of the API's minimum (600 s), before the leader's review refuses it and the
+guest self-fences. A bound token is void once its pod is gone, whatever its expiry
+(docs/security.md, "Rights endpoint"; docs/protocol.md, "Self-fencing")."""
 
 
 def rights_token_volume(audience: str) -> tuple[dict[str, Any], dict[str, Any],

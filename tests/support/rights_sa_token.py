@@ -78,13 +78,14 @@ def _b64(data: bytes) -> str:
 
 
 def forged(key_file: Path, namespace: str, pod_name: str, pod_uid: str, account_uid: str,
-           *, expires: float, audience: str = AUDIENCE) -> str:
+           *, expires: float, audience: str = AUDIENCE, issued: float | None = None) -> str:
     """A pod-bound token signed (RS256) with the cluster's service-account key, expiring at
-    wall time ``expires``: the claims the API server itself writes."""
+    wall time ``expires`` (issued at ``issued``, else 700 s ago): the claims the API server
+    itself writes."""
     key = serialization.load_pem_private_key(key_file.read_bytes(), password=None)
     assert isinstance(key, rsa.RSAPrivateKey)
-    now = int(time.time())
-    claims = {"aud": [audience], "exp": int(expires), "iat": now - 700, "nbf": now - 700,
+    now = int(time.time() - 700 if issued is None else issued)
+    claims = {"aud": [audience], "exp": int(expires), "iat": now, "nbf": now,
               "iss": ISSUER, "sub": f"system:serviceaccount:{namespace}:{ACCOUNT}",
               "kubernetes.io": {"namespace": namespace,
                                 "pod": {"name": pod_name, "uid": pod_uid},
