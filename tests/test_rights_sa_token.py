@@ -9,6 +9,8 @@ identity (whose RBAC comes from neonvm/manifests.py)."""
 
 from __future__ import annotations
 
+import json
+import socket
 import time
 import uuid
 from collections.abc import Iterator
@@ -22,6 +24,8 @@ from neonvm.api.rights import NOT_LEADER, UNAUTHORIZED
 from neonvm.controller.rights import (
     POD_NAME_EXTRA,
     POD_UID_EXTRA,
+    REVIEW_BUDGET_SPENT,
+    ReviewBudgetSpent,
     ReviewedPod,
     TokenReviewer,
     reviewed_pod,
@@ -145,6 +149,80 @@ def test_an_expired_or_garbage_token_is_refused(
         assert (status, body["reason"]) == (401, UNAUTHORIZED), garbage
 
 
+_BASE64URL = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_"
+
+
+def respelled(token: str) -> list[str]:
+    """Other spellings of one signed token that the API server accepts as that token: the
+    signature's last character with other unused low bits, and ``\\r`` or ``\\n``
+    inserted (Go's base64 skips them)."""
+    header, payload, signature = token.split(".")
+    unused = {2: 4, 3: 2}[len(signature) % 4]
+    last = _BASE64URL.index(signature[-1])
+    spellings = [f"{header}.{payload}.{signature[:-1]}{_BASE64URL[last ^ bit]}"
+                 for bit in (1, 1 << (unused - 1))]
+    spellings += [f"{header}.{payload[:10]}\n{payload[10:]}.{signature}",
+                  f"{header}.{payload}.{signature[:10]}\r{signature[10:]}"]
+    return spellings
+
+
+def raw_ask(port: int, namespace: str, vm: str, pod_uid: str, token: str) -> int:
+    """One ``POST /v1/rights`` whose Authorization header carries ``token`` byte for byte
+    (http.client refuses a header with a line break in it); the answer's status."""
+    body = json.dumps({"namespace": namespace, "vm": vm, "podUID": pod_uid}).encode()
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
+        conn.sendall(b"POST /v1/rights HTTP/1.1\r\nHost: rights\r\nAuthorization: Bearer "
+                     + token.encode("latin-1") + b"\r\nContent-Type: application/json\r\n"
+                     + b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        answer = b""
+        while chunk := conn.recv(65536):
+            answer += chunk
+    return int(answer.split(b" ", 2)[1])
+
+
+def test_another_spelling_of_a_granted_token_is_refused_without_a_review(
+        api: client.ApiClient, controller_api: client.ApiClient, namespace: str,
+        leader: ReviewingLeader) -> None:
+    """The API server authenticates each of these spellings as the token itself; the
+    leader refuses them before its cache and before any review, so one signed token
+    costs one review and one cache entry however it is spelled."""
+    service_account(api, namespace)
+    uid = pod(api, namespace, "vm-p")
+    leader.show(namespace, "vm", "vm-p", uid)
+    token = mint(api, namespace, "vm-p", uid)
+    assert leader.ask(namespace, "vm", uid, token)[0] == 200
+    assert leader.reviewer.reviews == 1
+    for spelling in respelled(token):
+        accepted = kube.request(controller_api, "POST", "/apis/authentication.k8s.io/v1/"
+                                "tokenreviews", body={"spec": {"token": spelling,
+                                                               "audiences": [AUDIENCE]}})
+        assert accepted["status"].get("authenticated") is True, repr(spelling[-4:])
+        assert raw_ask(leader.server.port, namespace, "vm", uid, spelling) in (400, 401)
+        assert leader.reviewer.pod_of(spelling, uid, namespace) is None
+    assert leader.reviewer.reviews == 1
+    assert raw_ask(leader.server.port, namespace, "vm", uid, token) == 200
+
+
+def test_a_pods_reviews_are_bounded_per_window_whatever_the_tokens(
+        api: client.ApiClient, namespace: str, leader: ReviewingLeader) -> None:
+    """Whoever may mint tokens for its own pod mints many distinct good ones: each costs
+    a review only within the pod's budget (4 per 60 s), then 429 with no review; another
+    pod's budget is its own, and the tokens already reviewed are still granted."""
+    service_account(api, namespace)
+    uid = pod(api, namespace, "vm-p")
+    other = pod(api, namespace, "vm-q")
+    leader.show(namespace, "vm", "vm-p", uid)
+    tokens = [mint(api, namespace, "vm-p", uid) for _ in range(5)]
+    assert [leader.ask(namespace, "vm", uid, t)[0] for t in tokens[:4]] == [200] * 4
+    status, body = leader.ask(namespace, "vm", uid, tokens[4])
+    assert (status, body["reason"]) == (429, REVIEW_BUDGET_SPENT)
+    assert leader.reviewer.reviews == 4
+    assert leader.ask(namespace, "vm", uid, tokens[0])[0] == 200  # cached: no review
+    leader.show(namespace, "vm", "vm-q", other)
+    assert leader.ask(namespace, "vm", other, mint(api, namespace, "vm-q", other))[0] == 200
+    assert leader.reviewer.reviews == 5
+
+
 def test_the_token_of_a_replaced_pod_is_refused(
         api: client.ApiClient, namespace: str, leader: ReviewingLeader) -> None:
     """The pod is deleted and a new one made under its name (another uid). The old pod's
@@ -257,7 +335,7 @@ def test_reviews_are_cached_per_token_for_a_bounded_time_and_number() -> None:
         return _answer() if good else _answer(authenticated=False)
 
     reviewer = TokenReviewer(None, AUDIENCE, ttl=60.0, refused_ttl=10.0, max_entries=2,
-                             clock=lambda: now[0], wall=lambda: 1000.0 + now[0],
+                             budget=100, clock=lambda: now[0], wall=lambda: 1000.0 + now[0],
                              review=review)
 
     def token(tag: str, exp: float = 1000.0 + 600) -> str:
@@ -290,6 +368,93 @@ def test_reviews_are_cached_per_token_for_a_bounded_time_and_number() -> None:
         reviewer.pod_of(token(f"good-{i}"), "u1")
     reviewer.pod_of(token("good-0"), "u1")
     assert reviewed.count(token("good-0")) == 2
+
+
+def _reviewer(now: list[float], answers: list[dict[str, Any] | Exception],
+              **kwargs: Any) -> TokenReviewer:
+    """A reviewer on a fake clock (wall = 1000 + monotonic) answering ``answers`` in turn."""
+    def review(token: str, audience: str) -> dict[str, Any]:
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+    return TokenReviewer(None, AUDIENCE, clock=lambda: now[0], wall=lambda: 1000.0 + now[0],
+                         review=review, **kwargs)
+
+
+def _token(tag: str = "", exp: float = 1600.0, uid: str = "u1") -> str:
+    return _unsigned({"aud": [AUDIENCE], "exp": exp, "tag": tag,
+                      "kubernetes.io": {"pod": {"uid": uid}}})
+
+
+@pytest.mark.unit
+def test_a_failed_review_falls_back_on_the_tokens_earlier_good_review_until_it_expires() -> None:
+    """An API server outage longer than the cache's freshness does not end the rights of
+    pods whose tokens were reviewed: the answer is kept, for the token it vouched for,
+    until that token's verified expiry (docs/protocol.md, "Which credential")."""
+    now = [0.0]
+    token = _token()  # expires at wall 1600, 600 s from now
+    outage = OSError("connection refused")
+    reviewer = _reviewer(now, [_answer(), outage, outage, outage, outage])
+    assert reviewer.pod_of(token, "u1") == ReviewedPod("ns", "vm-p", "u1")
+    now[0] = 250.0  # past the 240 s freshness: reviewed again, which fails
+    assert reviewer.pod_of(token, "u1") == ReviewedPod("ns", "vm-p", "u1")
+    now[0] = 599.0
+    assert reviewer.pod_of(token, "u1") == ReviewedPod("ns", "vm-p", "u1")
+    now[0] = 600.0  # the token's exp: nothing to fall back on
+    with pytest.raises(OSError):
+        reviewer.pod_of(token, "u1")
+    with pytest.raises(OSError):
+        reviewer.pod_of(_token(exp=1800.0), "u1")  # a token never reviewed has none
+    assert reviewer.reviews == 5
+
+
+@pytest.mark.unit
+def test_a_refusal_ends_the_fallback_and_a_spent_budget_uses_it() -> None:
+    now = [0.0]
+    token = _token()
+    reviewer = _reviewer(now, [_answer(), _answer(authenticated=False), OSError("down")],
+                         budget=2, window=60.0)
+    assert reviewer.pod_of(token, "u1", "ns") is not None
+    now[0] = 250.0
+    assert reviewer.pod_of(token, "u1", "ns") is None  # the API server no longer vouches
+    now[0] = 261.0  # the refusal's 10 s are over; the outage finds no good review to use
+    with pytest.raises(OSError):
+        reviewer.pod_of(token, "u1", "ns")
+
+
+
+@pytest.mark.unit
+def test_each_pod_has_a_review_budget_per_window_and_a_spent_one_uses_earlier_reviews() -> None:
+    now = [0.0]
+    reviewer = _reviewer(now, [_answer() for _ in range(5)], budget=2, window=60.0)
+    kept = _token("kept")
+    assert reviewer.pod_of(kept, "u1", "ns") is not None
+    assert reviewer.pod_of(_token("second"), "u1", "ns") is not None
+    with pytest.raises(ReviewBudgetSpent):
+        reviewer.pod_of(_token("third"), "u1", "ns")
+    assert reviewer.pod_of(_token("other pod", uid="u2"), "u2", "ns") is not None
+    now[0] = 250.0  # a new window, spent on two new tokens
+    assert reviewer.pod_of(_token("fourth"), "u1", "ns") is not None
+    assert reviewer.pod_of(_token("fifth"), "u1", "ns") is not None
+    # kept's answer is no longer fresh, and no review is left: its earlier review holds.
+    assert reviewer.pod_of(kept, "u1", "ns") == ReviewedPod("ns", "vm-p", "u1")
+    with pytest.raises(ReviewBudgetSpent):
+        reviewer.pod_of(_token("sixth"), "u1", "ns")
+    assert reviewer.reviews == 5
+
+
+@pytest.mark.unit
+def test_non_canonical_base64url_is_no_token() -> None:
+    good = _token()
+    header, payload, signature = good.split(".")
+    assert unverified_claims(good) is not None
+    for bad in (f"{header}.{payload}.{signature}=", f"{header}.{payload}=.{signature}",
+                f"{header}.{payload}.c2m",  # its last character's unused low bits set
+                f"{header}.{payload[:4]}\n{payload[4:]}.{signature}",
+                f"{header}.{payload} .{signature}", f"{header}.{payload}.",
+                f"{header}+.{payload}.{signature}", f"{header}.{payload}.c2ln/"):
+        assert unverified_claims(bad) is None, bad
 
 
 @pytest.mark.unit

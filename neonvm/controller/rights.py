@@ -348,15 +348,36 @@ def is_jwt(bearer: str) -> bool:
     return bearer.count(".") == 2
 
 
-def unverified_claims(token: str) -> dict[str, Any] | None:
-    """A JWT's payload as JSON, NOT verified: only a filter before the review (a token
-    whose claims cannot match costs no API call). None if it is not one."""
-    parts = token.split(".")
-    if len(parts) != 3 or not parts[1] or len(token) > 8192:
+_BASE64URL = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_")
+
+
+def _canonical_part(part: str) -> bytes | None:
+    """The bytes of one JWT part if it is canonical unpadded base64url (only the
+    alphabet, no padding, the unused low bits of its last character zero), else None."""
+    if not part or not set(part) <= _BASE64URL or len(part) % 4 == 1:
         return None
     try:
-        payload = base64.urlsafe_b64decode(parts[1] + "=" * (-len(parts[1]) % 4))
-        claims = json.loads(payload)
+        raw = base64.urlsafe_b64decode(part + "=" * (-len(part) % 4))
+    except ValueError:
+        return None
+    return raw if base64.urlsafe_b64encode(raw).rstrip(b"=").decode() == part else None
+
+
+def unverified_claims(token: str) -> dict[str, Any] | None:
+    """A JWT's payload as JSON, NOT verified: only a filter before the review (a token
+    whose claims cannot match costs no API call). None if it is not one, or if any of
+    its three parts is not canonical base64url: the API server accepts one signed token
+    in many spellings (the signature's last character has unused bits, and ``\\r`` or
+    ``\\n`` anywhere are skipped), and each spelling would cost a review and a cache
+    entry of its own (docs/security.md, "Rights endpoint")."""
+    parts = token.split(".")
+    if len(parts) != 3 or len(token) > 8192:
+        return None
+    decoded = [_canonical_part(part) for part in parts]
+    if decoded[0] is None or decoded[1] is None or decoded[2] is None:
+        return None
+    try:
+        claims = json.loads(decoded[1])
     except (ValueError, RecursionError):
         return None
     return claims if isinstance(claims, dict) else None
@@ -409,24 +430,44 @@ Review = Callable[[str, str], dict[str, Any]]
 """(token, audience) -> the TokenReview's answer; raises on a failed call."""
 
 
+class ReviewBudgetSpent(Exception):
+    """The pod has had its reviews for this window (:class:`TokenReviewer`); ask again
+    later. Not a refusal of the token."""
+
+
+REVIEW_BUDGET_SPENT = "ReviewBudgetSpent"
+"""Refusal reason (429): the pod's token reviews for this window are spent
+(:class:`TokenReviewer`); the runner asks again at its next retry."""
+
+
 class TokenReviewer:
     """Who a runner's projected ServiceAccount token is bound to, by a TokenReview with
     the controller's rights ``audience`` (docs/security.md, "Rights endpoint").
 
-    A token whose unverified claims cannot match (:func:`claims_may_match`) is refused
-    with no API call. Reviews are cached per token (its SHA-256): an answer binding it to
-    a pod for ``ttl`` seconds (and never past half the token's remaining life), a refusal
-    for ``refused_ttl``; each cache keeps at most ``max_entries`` (the oldest go first),
-    and reviews are single-flight per token. A runner renewing every D/3 with the 600 s
-    token the kubelet rotates after 480 s thus costs one review per 240 s. What a cached
-    answer can miss is the pod's deletion (the leader's pod cache, checked at every ask,
-    does not), or its ServiceAccount's. A failed call raises (the ask is refused,
-    nothing is cached)."""
+    A token that is not canonical base64url, or whose unverified claims cannot match
+    (:func:`unverified_claims`, :func:`claims_may_match`), is refused with no API call.
+    Reviews are cached per token (its SHA-256; one signed token has one canonical
+    spelling): an answer binding it to a pod is fresh for ``ttl`` seconds (and never past
+    half the token's remaining life), a refusal for ``refused_ttl``; each cache keeps at
+    most ``max_entries`` (the least recently used go first), and reviews are
+    single-flight per token. A runner renewing every D/3 with the 600 s token the kubelet
+    rotates after 480 s thus costs one review per 240 s. Each pod (namespace, uid) gets at
+    most ``budget`` reviews per ``window`` seconds, whatever the tokens: the caller asks
+    only for current pods, so reviews are bounded by live pods; over it,
+    :class:`ReviewBudgetSpent`. What a cached answer can miss is the pod's deletion (the
+    leader's pod cache, checked at every ask, does not), or its ServiceAccount's.
+
+    A review that fails (the call raises, or the budget is spent) falls back on an
+    earlier good review of the same token until the token's expiry (its ``exp``, which
+    that review verified, by this process's wall clock): an API server outage does not
+    end the rights of pods whose tokens were reviewed. Else it raises (the ask is
+    refused, nothing is cached)."""
 
     _STRIPES = 64
 
     def __init__(self, api: client.ApiClient | None, audience: str, *, ttl: float = 240.0,
                  refused_ttl: float = 10.0, max_entries: int = 50_000,
+                 budget: int = 4, window: float = 60.0,
                  clock: Clock = time.monotonic, wall: Clock = time.time,
                  review: Review | None = None) -> None:
         if not audience:
@@ -436,13 +477,18 @@ class TokenReviewer:
         self._ttl = ttl
         self._refused_ttl = refused_ttl
         self._max = max_entries
+        self._budget = budget
+        self._window = window
         self._clock = clock
         self._wall = wall
         self._review = review or self._api_review
         self._lock = threading.Lock()
         self._reads = [threading.Lock() for _ in range(self._STRIPES)]
-        self._bound: OrderedDict[bytes, tuple[ReviewedPod, float]] = OrderedDict()
+        self._bound: OrderedDict[bytes, tuple[ReviewedPod, float, float]] = OrderedDict()
+        """token key -> (its pod, fresh until, its expiry), on the monotonic clock."""
         self._refused: OrderedDict[bytes, float] = OrderedDict()
+        self._spent: dict[tuple[str, str], tuple[float, int]] = {}
+        """(namespace, pod uid) -> (its window's start, reviews in it)."""
         self.reviews = 0
         """TokenReviews sent (for tests and the benchmark)."""
 
@@ -457,8 +503,10 @@ class TokenReviewer:
             bound = self._bound.get(key)
             if bound is not None:
                 if now < bound[1]:
+                    self._bound.move_to_end(key)
                     return True, bound[0]
-                del self._bound[key]
+                if now >= bound[2]:
+                    del self._bound[key]
             refused = self._refused.get(key)
             if refused is not None:
                 if now < refused:
@@ -466,8 +514,34 @@ class TokenReviewer:
                 del self._refused[key]
         return False, None
 
-    def pod_of(self, token: str, pod_uid: str) -> ReviewedPod | None:
-        """The pod ``token`` is bound to, if it may be ``pod_uid``'s (else None)."""
+    def _stale(self, key: bytes) -> ReviewedPod | None:
+        """The pod of an earlier good review of this token, while the token lives."""
+        now = self._clock()
+        with self._lock:
+            bound = self._bound.get(key)
+            return bound[0] if bound is not None and now < bound[2] else None
+
+    def _charge(self, namespace: str, pod_uid: str) -> bool:
+        """Count one review against the pod's budget; False if it is spent."""
+        now = self._clock()
+        with self._lock:
+            start, spent = self._spent.get((namespace, pod_uid), (now, 0))
+            if now - start >= self._window:
+                start, spent = now, 0
+            if spent >= self._budget:
+                return False
+            self._spent[(namespace, pod_uid)] = (start, spent + 1)
+            if len(self._spent) > self._max:
+                self._spent = {k: v for k, v in self._spent.items()
+                               if now - v[0] < self._window}
+            self.reviews += 1
+            return True
+
+    def pod_of(self, token: str, pod_uid: str, namespace: str = "") -> ReviewedPod | None:
+        """The pod ``token`` is bound to, if it may be ``pod_uid``'s (else None), asked
+        for a pod of ``namespace`` (whose review budget it spends). Raises
+        :class:`ReviewBudgetSpent`, or the review's error, when there is no answer and no
+        earlier good review of this token to fall back on."""
         claims = unverified_claims(token)
         if claims is None or not claims_may_match(claims, self.audience, pod_uid,
                                                   self._wall()):
@@ -480,17 +554,32 @@ class TokenReviewer:
             hit, pod = self._cached(key)  # another ask reviewed it meanwhile
             if hit:
                 return pod
-            with self._lock:
-                self.reviews += 1
-            pod = reviewed_pod(self._review(token, self.audience), self.audience)
+            if not self._charge(namespace, pod_uid):
+                stale = self._stale(key)
+                if stale is None:
+                    raise ReviewBudgetSpent(
+                        f"{self._budget} reviews per {self._window:g} s for this pod")
+                return stale
+            try:
+                pod = reviewed_pod(self._review(token, self.audience), self.audience)
+            except (ApiException, OSError) as exc:
+                stale = self._stale(key)
+                if stale is None:
+                    raise
+                logger.warning("rights: cannot review a token of pod {uid} now ({err}); its "
+                               "earlier review holds until the token expires",
+                               uid=pod_uid[:64], err=str(exc)[:200])
+                return stale
             now = self._clock()
             with self._lock:
                 if pod is None:
+                    self._bound.pop(key, None)
                     self._put(self._refused, key, now + self._refused_ttl)
                 else:
                     life = float(claims["exp"]) - self._wall()
                     if life > 0:
-                        self._put(self._bound, key, (pod, now + min(self._ttl, life / 2)))
+                        self._put(self._bound, key,
+                                  (pod, now + min(self._ttl, life / 2), now + life))
         return pod
 
     def _put(self, cache: OrderedDict[bytes, Any], key: bytes, value: Any) -> None:
@@ -609,7 +698,10 @@ class RightsService:
         bearer = bearer.strip()
         if self._reviewer is not None and scheme.lower() == "bearer" and is_jwt(bearer):
             try:
-                pod = self._reviewer.pod_of(bearer, request.pod_uid)
+                pod = self._reviewer.pod_of(bearer, request.pod_uid, request.namespace)
+            except ReviewBudgetSpent as exc:
+                return _refuse(429, REVIEW_BUDGET_SPENT,
+                               f"too many token reviews for this pod now: {exc}"[:200])
             except (ApiException, OSError) as exc:
                 return _refuse(503, NOT_LEADER, f"cannot review the token now: {exc}"[:200])
             if pod != ReviewedPod(request.namespace, found.name, request.pod_uid):
@@ -649,8 +741,15 @@ def _not_current(request: RightRequest, why: str) -> Answer:
 
 _REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 403: "Forbidden",
             404: "Not Found", 405: "Method Not Allowed", 413: "Content Too Large",
-            431: "Request Header Fields Too Large", 500: "Internal Server Error",
-            503: "Service Unavailable"}
+            429: "Too Many Requests", 431: "Request Header Fields Too Large",
+            500: "Internal Server Error", 503: "Service Unavailable"}
+
+
+def _bare_line_break(head: bytes) -> bool:
+    """A ``\\r`` or ``\\n`` in the head that is not part of a ``\\r\\n`` line end: refused
+    (RFC 9112 section 2.2), not kept inside a header value."""
+    rest = head.replace(b"\r\n", b"")
+    return b"\r" in rest or b"\n" in rest
 
 
 def _headers(head: bytes) -> tuple[list[str], dict[str, str]]:
@@ -698,7 +797,8 @@ class _Listener(health._Listener):
         else:
             line, headers = _headers(request[:end])
             length = _content_length(headers)
-            if len(line) != 3 or not line[2].startswith("HTTP/") or length is None:
+            if (len(line) != 3 or not line[2].startswith("HTTP/") or length is None
+                    or _bare_line_break(request[:end])):
                 status, doc = _refuse(400, BAD_REQUEST, "bad request")
             elif length > MAX_BODY:
                 status, doc = _refuse(413, BAD_REQUEST, f"body over {MAX_BODY} bytes")
