@@ -44,6 +44,7 @@ from neonvm.api.rights import (
 from neonvm.dev.cluster import free_port
 from neonvm.runner.errors import SpecError
 from neonvm.runner.right import (
+    FIRST_GRANT_RIGHTS,
     RightConfig,
     RightKeeper,
     SelfFence,
@@ -250,6 +251,40 @@ def test_a_condemned_refusal_before_any_grant_means_give_up(tmp_path: Path) -> N
     assert not right.condemned()
     right.ask_once()
     assert right.condemned() and not right.granted()
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("answer", [NO, NOT_LEADER_ANSWER, ConnectionRefusedError("refused")],
+                         ids=["refused", "not-leader", "no-answer"])
+def test_a_runner_never_granted_gives_up_some_rights_after_its_first_ask(
+        tmp_path: Path, answer: Answer) -> None:
+    """Its credential refused for good (a leader of a release that knows another one), or
+    no leader answering: QEMU must not start, and the runner must not wait for ever either
+    (its supervisor exits non-zero, the pod fails, the VM's restart replaces it)."""
+    clock = Clock()
+    fence = SelfFence(config(tmp_path), clock, FakeLeader(clock, [answer] * 1000))
+    while fence.gave_up() is None:
+        clock.now = fence.keeper.next_ask(fence.keeper.ask_once())
+        assert not fence.granted()
+    waited = clock.now - 1000.0
+    assert FIRST_GRANT_RIGHTS * D <= waited <= FIRST_GRANT_RIGHTS * D + D / 3
+    reason = fence.gave_up()
+    assert reason is not None and reason.startswith("no right to run")
+
+
+@pytest.mark.unit
+def test_a_runner_granted_before_that_bound_never_gives_up_while_its_right_lasts(
+        tmp_path: Path) -> None:
+    clock = Clock()
+    leader = FakeLeader(clock, [NO] * 1000)
+    fence = SelfFence(config(tmp_path), clock, leader)
+    while clock.now < 1000.0 + FIRST_GRANT_RIGHTS * D - 1:
+        clock.now = fence.keeper.next_ask(fence.keeper.ask_once())
+    leader.answers[:] = [grant()]
+    clock.now = 1000.0 + FIRST_GRANT_RIGHTS * D - 0.5
+    fence.keeper.ask_once()
+    clock.now += D - 1
+    assert fence.granted() and fence.gave_up() is None
 
 
 @pytest.mark.unit
@@ -577,10 +612,10 @@ def fenced_runner(tmp_path: Path, test_guest: GuestImage,
     against a standby :func:`leader` of its own."""
     started: list[FencedRunner] = []
 
-    def start(seconds: float) -> FencedRunner:
+    def start(seconds: float, token: bytes = TOKEN) -> FencedRunner:
         rights = leader(seconds)
         token_file = tmp_path / "token"
-        token_file.write_bytes(TOKEN + b"\n")
+        token_file.write_bytes(token + b"\n")
         spec = {"terminationGracePeriodSeconds": 30, "guest": {
             "cpus": {"min": 1, "max": 1}, "memorySlotSize": "128Mi",
             "memorySlots": {"min": 1, "max": 1}, "rootDisk": {"image": ""},
@@ -657,6 +692,23 @@ def test_a_runner_starts_qemu_only_with_a_right_and_kills_it_when_the_right_runs
     assert log.count("QEMU started") == 1  # and never restarted
     # Every ask was well formed and its bearer right: only grants and NotLeader.
     assert leader.answered() == leader.answered(200) + leader.answered(503, NOT_LEADER)
+
+
+def test_a_runner_refused_before_its_first_grant_exits_without_ever_starting_qemu(
+        fenced_runner: Callable[..., FencedRunner]) -> None:
+    """The leader refuses its credential for good (401), as a leader of a release that
+    knows another credential does: the runner gives up 4 D after its first ask (here
+    2 s) with one clear line, and exits 1, so its pod fails and the VM's restart
+    replaces it, instead of a VM shown Running with no guest for ever."""
+    runner = fenced_runner(0.5, token=b"not-the-vms-token")
+    runner.leader.lead()
+    code = runner.proc.wait(timeout=90)
+    log = runner.log()
+    assert code == ExitCode.RUNNER_ERROR, log
+    assert "no right to run" in log and "QEMU never started" in log
+    assert "QEMU started" not in log and runner.qemu() == []
+    assert runner.termination_log.read_text().startswith("no right to run")
+    assert runner.leader.answered(401) >= 2 and runner.leader.answered(200) == 0
 
 
 def cpu_ticks(pid: int) -> int | None:

@@ -13,7 +13,9 @@ also counts a suspend) (:class:`RightKeeper`):
 * the watchdog (:class:`Watchdog`) SIGKILLs QEMU (never ACPI) once
   ``boottime() >= deadline`` and logs one line; the supervisor then ends the runner
   non-zero and does not start QEMU again. QEMU is not started before the first grant;
-  a runner refused as ``Condemned`` before it exits non-zero without starting QEMU.
+  a runner refused as ``Condemned`` before it, or not granted within
+  :data:`FIRST_GRANT_RIGHTS` D of its first ask (:meth:`SelfFence.gave_up`), exits
+  non-zero without starting QEMU.
 
 Clock, HTTP and the kill are passed in, so the logic runs over a fake clock in tests;
 :class:`SelfFence` wires the real ones and the two threads. docs/runner.md
@@ -59,6 +61,11 @@ MAX_ANSWER = 64 * 1024
 """The longest answer body read; a longer one is not a grant."""
 FIRST_RETRY = 0.5
 """Before the first grant, asks are retried after 0.5 s, doubling up to ``D/3``."""
+FIRST_GRANT_RIGHTS = 4
+"""A runner with no right this many D after its first ask gives up without starting QEMU
+(a leader that refuses its credential for good, or none that answers): it exits
+non-zero, so its pod fails and the VM's restart replaces it, instead of a VM shown
+Running with no guest for ever (docs/runner.md, "Self-fencing")."""
 NOT_LEADER_TRIES = 3
 """An ask answered ``503 NotLeader`` (the Service may point at a deposed leader for a
 moment) is sent again at once, on a new connection, up to this many sends in all, while
@@ -204,6 +211,9 @@ class RightKeeper:
         self._last_grant: float | None = None
         self._failures = 0
         self._condemned = False
+        self._first_ask: float | None = None
+        self._asks = 0
+        self._last_why = ""
         self.changed = threading.Event()
         """Set on every extension (wakes the watchdog)."""
         self._log = logger.bind(vm=f"{config.namespace}/{config.vm}")
@@ -231,11 +241,22 @@ class RightKeeper:
         with self._lock:
             return self._condemned
 
+    def asking(self) -> tuple[float | None, int, str]:
+        """(the ``t0`` of the first ask, None before it; asks sent; why the last one was
+        not granted, "" if it was)."""
+        with self._lock:
+            return self._first_ask, self._asks, self._last_why
+
     def ask_once(self) -> float:
         """Ask once; returns the ``t0`` it was sent at. Extends the deadline on a grant."""
         t0 = self._clock()
+        with self._lock:
+            if self._first_ask is None:
+                self._first_ask = t0
         grant, why, reason = self._ask()
         with self._lock:
+            self._asks += 1
+            self._last_why = why
             before = self._deadline
             self._deadline = extended(before, t0, grant, self.config.seconds)
             if grant is not None:
@@ -439,6 +460,22 @@ class SelfFence:
     def condemned(self) -> bool:
         """Refused as condemned before any grant (:meth:`RightKeeper.condemned`)."""
         return self.keeper.condemned()
+
+    def gave_up(self) -> str | None:
+        """Why the runner gives up before QEMU started, or None: no right held now,
+        :data:`FIRST_GRANT_RIGHTS` D after its first ask (refused, or no answer, all
+        along). QEMU has not started (and must not: the supervisor exits instead)."""
+        first, asks, why = self.keeper.asking()
+        bound = FIRST_GRANT_RIGHTS * self.keeper.config.seconds
+        if self._pid is not None or first is None or self.granted():
+            return None
+        waited = self._clock() - first
+        if waited < bound:
+            return None
+        return (f"no right to run {waited:.0f}s after the first ask ({asks} asks; the "
+                f"last: {why or 'granted, since run out'}): QEMU never started; the runner "
+                f"gives up after {bound:g}s ({FIRST_GRANT_RIGHTS} D) so that the VM's "
+                "restart replaces its pod")
 
     def granted(self) -> bool:
         """Whether QEMU may start now: a right is held and has not run out."""

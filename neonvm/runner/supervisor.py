@@ -146,6 +146,12 @@ class Supervisor:
                                                      "started: it took this pod for dead")
             self._state.finished(outcome)
             return outcome
+        gave_up = self._right.gave_up() if self._right is not None else None
+        if gave_up is not None:
+            self._log.error("{}", gave_up)
+            outcome = Outcome(ExitCode.RUNNER_ERROR, gave_up)
+            self._state.finished(outcome)
+            return outcome
         if self._stop.is_set():
             outcome = Outcome(ExitCode.GUEST_POWERED_OFF, "stopped before QEMU started")
             self._state.finished(outcome)
@@ -203,13 +209,13 @@ class Supervisor:
         return outcome
 
     async def _first_right(self) -> None:
-        """Self-fencing: wait for the first right to run (or a stop request, or a
-        ``Condemned`` refusal)."""
+        """Self-fencing: wait for the first right to run (or a stop request, a
+        ``Condemned`` refusal, or giving up: :meth:`SelfFence.gave_up`)."""
         if self._right is None or self._right.granted():
             return
         self._log.info("waiting for the first right to run before starting QEMU")
         while (not self._right.granted() and not self._right.condemned()
-               and not self._stop.is_set()):
+               and self._right.gave_up() is None and not self._stop.is_set()):
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), 0.05)
 
