@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 from kubernetes import client
+from kubernetes.client.exceptions import ApiException
 
 from neonvm import kube
 from neonvm.api.rights import NOT_LEADER, UNAUTHORIZED
@@ -275,7 +276,7 @@ def test_a_review_that_fails_grants_nothing_and_is_not_cached() -> None:
         calls.append(token)
         raise OSError("connection refused")
 
-    reviewer = TokenReviewer(None, AUDIENCE, review=failing)
+    reviewer = TokenReviewer(None, AUDIENCE, review=failing, retry_after=0.0)
     token = _unsigned({"aud": [AUDIENCE], "exp": time.time() + 600,
                        "kubernetes.io": {"pod": {"uid": "u1"}}})
     for _ in range(2):
@@ -395,7 +396,7 @@ def test_a_failed_review_falls_back_on_the_tokens_earlier_good_review_until_it_e
     now = [0.0]
     token = _token()  # expires at wall 1600, 600 s from now
     outage = OSError("connection refused")
-    reviewer = _reviewer(now, [_answer(), outage, outage, outage, outage])
+    reviewer = _reviewer(now, [_answer(), outage, outage, outage, outage], retry_after=0.0)
     assert reviewer.pod_of(token, "u1") == ReviewedPod("ns", "vm-p", "u1")
     now[0] = 250.0  # past the 240 s freshness: reviewed again, which fails
     assert reviewer.pod_of(token, "u1") == ReviewedPod("ns", "vm-p", "u1")
@@ -407,6 +408,57 @@ def test_a_failed_review_falls_back_on_the_tokens_earlier_good_review_until_it_e
     with pytest.raises(OSError):
         reviewer.pod_of(_token(exp=1800.0), "u1")  # a token never reviewed has none
     assert reviewer.reviews == 5
+
+
+@pytest.mark.unit
+def test_after_a_review_gets_no_answer_none_is_sent_for_a_while() -> None:
+    """An outage whose reviews time out must not hold every rights worker: for
+    ``retry_after`` seconds no review is sent, a reviewed token is still granted, any
+    other is refused at once. An answer that refuses the request (a 4xx) is no outage."""
+    now = [0.0]
+    reviewer = _reviewer(now, [_answer(), OSError("timed out"), _answer(),
+                               ApiException(status=400), _answer()], retry_after=5.0)
+    reviewed = _token("reviewed")
+    assert reviewer.pod_of(reviewed, "u1", "ns") is not None
+    now[0] = 241.0
+    assert reviewer.pod_of(reviewed, "u1", "ns") is not None  # the timeout: its old review
+    with pytest.raises(OSError):
+        reviewer.pod_of(_token("new"), "u1", "ns")  # sent for no review
+    assert reviewer.reviews == 2
+    now[0] = 246.0
+    assert reviewer.pod_of(_token("new"), "u1", "ns") is not None
+    with pytest.raises(ApiException):
+        reviewer.pod_of(_token("odd"), "u1", "ns")
+    assert reviewer.pod_of(_token("next", uid="u2"), "u2", "ns") is not None
+    assert reviewer.reviews == 5
+
+
+@pytest.mark.cluster
+def test_a_review_outage_keeps_reviewed_tokens_granted_and_refuses_others_503(
+        api: client.ApiClient, cluster: LocalCluster, namespace: str) -> None:
+    """The leader keeps its term, its reviews get no answer (here: its client pointed at a
+    closed port). A token it reviewed before is still granted; one it never reviewed
+    gets 503, not a grant and not a 500 (docs/security.md, "A review outage")."""
+    service_account(api, namespace)
+    uid = pod(api, namespace, "vm-p")
+    with kube.api_client(cluster.kubeconfig_for("controller")) as reviewing:
+        # ttl 0: every ask is reviewed afresh; no pause after a failure.
+        leader = ReviewingLeader(reviewing, reviewer=TokenReviewer(
+            reviewing, AUDIENCE, ttl=0.0, retry_after=0.0))
+        try:
+            leader.show(namespace, "vm", "vm-p", uid)
+            token = mint(api, namespace, "vm-p", uid)
+            assert leader.ask(namespace, "vm", uid, token)[0] == 200
+            with socket.socket() as closed:
+                closed.bind(("127.0.0.1", 0))
+                reviewing.configuration.host = f"https://127.0.0.1:{closed.getsockname()[1]}"
+                assert leader.ask(namespace, "vm", uid, token)[0] == 200
+                status, body = leader.ask(namespace, "vm", uid,
+                                          mint(api, namespace, "vm-p", uid))
+            assert (status, body["reason"]) == (503, NOT_LEADER)
+            assert leader.reviewer.reviews == 3
+        finally:
+            leader.close()
 
 
 @pytest.mark.unit

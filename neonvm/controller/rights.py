@@ -50,6 +50,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from loguru import logger
 from prometheus_client import CollectorRegistry, Counter
+from urllib3.exceptions import HTTPError
 
 from neonvm import kube
 from neonvm.api.rights import (
@@ -429,6 +430,10 @@ def reviewed_pod(review: dict[str, Any], audience: str) -> ReviewedPod | None:
 Review = Callable[[str, str], dict[str, Any]]
 """(token, audience) -> the TokenReview's answer; raises on a failed call."""
 
+REVIEW_ERRORS = (ApiException, OSError, HTTPError)
+"""What a failed review raises: an error answer, or none (urllib3's connection and
+timeout errors are not OSErrors)."""
+
 
 class ReviewBudgetSpent(Exception):
     """The pod has had its reviews for this window (:class:`TokenReviewer`); ask again
@@ -461,13 +466,15 @@ class TokenReviewer:
     earlier good review of the same token until the token's expiry (its ``exp``, which
     that review verified, by this process's wall clock): an API server outage does not
     end the rights of pods whose tokens were reviewed. Else it raises (the ask is
-    refused, nothing is cached)."""
+    refused, nothing is cached). After a review that got no answer (or a 429 or 5xx),
+    none is sent for ``retry_after`` seconds: an outage must not hold every rights
+    worker in a review's timeout while asks that need none wait."""
 
     _STRIPES = 64
 
     def __init__(self, api: client.ApiClient | None, audience: str, *, ttl: float = 240.0,
                  refused_ttl: float = 10.0, max_entries: int = 50_000,
-                 budget: int = 4, window: float = 60.0,
+                 budget: int = 4, window: float = 60.0, retry_after: float = 5.0,
                  clock: Clock = time.monotonic, wall: Clock = time.time,
                  review: Review | None = None) -> None:
         if not audience:
@@ -479,6 +486,8 @@ class TokenReviewer:
         self._max = max_entries
         self._budget = budget
         self._window = window
+        self._retry_after = retry_after
+        self._failing_until = -math.inf
         self._clock = clock
         self._wall = wall
         self._review = review or self._api_review
@@ -554,15 +563,22 @@ class TokenReviewer:
             hit, pod = self._cached(key)  # another ask reviewed it meanwhile
             if hit:
                 return pod
-            if not self._charge(namespace, pod_uid):
+            failing = self._clock() < self._failing_until
+            if failing or not self._charge(namespace, pod_uid):
                 stale = self._stale(key)
-                if stale is None:
-                    raise ReviewBudgetSpent(
-                        f"{self._budget} reviews per {self._window:g} s for this pod")
-                return stale
+                if stale is not None:
+                    return stale
+                if failing:
+                    raise OSError(f"TokenReviews failed in the last {self._retry_after:g} s")
+                raise ReviewBudgetSpent(
+                    f"{self._budget} reviews per {self._window:g} s for this pod")
             try:
                 pod = reviewed_pod(self._review(token, self.audience), self.audience)
-            except (ApiException, OSError) as exc:
+            except REVIEW_ERRORS as exc:
+                if not isinstance(exc, ApiException) or exc.status in (0, None, 429) \
+                        or exc.status >= 500:
+                    with self._lock:
+                        self._failing_until = self._clock() + self._retry_after
                 stale = self._stale(key)
                 if stale is None:
                     raise
@@ -702,7 +718,7 @@ class RightsService:
             except ReviewBudgetSpent as exc:
                 return _refuse(429, REVIEW_BUDGET_SPENT,
                                f"too many token reviews for this pod now: {exc}"[:200])
-            except (ApiException, OSError) as exc:
+            except REVIEW_ERRORS as exc:
                 return _refuse(503, NOT_LEADER, f"cannot review the token now: {exc}"[:200])
             if pod != ReviewedPod(request.namespace, found.name, request.pod_uid):
                 logger.info("rights: refused {ns}/{vm} pod {uid}: the token is bound to {pod}",

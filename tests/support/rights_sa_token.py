@@ -117,11 +117,11 @@ class ReviewingLeader:
     identity) with :data:`AUDIENCE`; no Secret is ever read (a read would fail the test).
     :meth:`show` sets what its caches say is the VM's current pod."""
 
-    def __init__(self, api: client.ApiClient) -> None:
+    def __init__(self, api: client.ApiClient, reviewer: TokenReviewer | None = None) -> None:
         self.ledger = RightsLedger()
         self.ledger.begin_term(lambda: True)
         self.caches: tuple[Cache, Cache] | None = None
-        self.reviewer = TokenReviewer(api, AUDIENCE)
+        self.reviewer = reviewer or TokenReviewer(api, AUDIENCE)
         self.registry = CollectorRegistry()
 
         def no_secret(namespace: str, name: str) -> dict[str, Any] | None:
