@@ -198,7 +198,9 @@ def test_another_spelling_of_a_granted_token_is_refused_without_a_review(
                                 "tokenreviews", body={"spec": {"token": spelling,
                                                                "audiences": [AUDIENCE]}})
         assert accepted["status"].get("authenticated") is True, repr(spelling[-4:])
-        assert raw_ask(leader.server.port, namespace, "vm", uid, spelling) in (400, 401)
+        # A bare CR or LF in the head is a 400 from the listener; the rest, a 401.
+        expected = 400 if "\r" in spelling or "\n" in spelling else 401
+        assert raw_ask(leader.server.port, namespace, "vm", uid, spelling) == expected
         assert leader.reviewer.pod_of(spelling, uid, namespace) is None
     assert leader.reviewer.reviews == 1
     assert raw_ask(leader.server.port, namespace, "vm", uid, token) == 200
