@@ -45,6 +45,8 @@ from neonvm.dev.cluster import free_port
 from neonvm.runner.errors import SpecError
 from neonvm.runner.right import (
     FIRST_GRANT_RIGHTS,
+    RETRY_SOON,
+    RETRY_TIMEOUT,
     RightConfig,
     RightKeeper,
     SelfFence,
@@ -340,6 +342,68 @@ def test_after_two_failed_asks_one_last_chance_comes_a_sixth_of_d_before_the_dea
     assert clock.now - 1000.0 == D  # the next ask would be sent at the deadline: too late
 
 
+def leader_dead_between(clock: Clock, died: float, back: float,
+                        hang: bool) -> Callable[..., tuple[int, bytes]]:
+    """A leader that grants, dies silently at ``died`` (its connections refused, or, with
+    ``hang``, never answered: each ask takes its whole timeout), and whose successor
+    grants from ``back`` on; records each ask's (send time, timeout)."""
+    asks: list[tuple[float, float]] = []
+
+    def post(_url: str, _body: bytes, _headers: Mapping[str, str],
+             timeout: float) -> tuple[int, bytes]:
+        asks.append((clock.now, timeout))
+        if not died <= clock.now < back:
+            return grant()
+        if hang:
+            clock.now += timeout
+            raise TimeoutError("no answer")
+        raise ConnectionRefusedError("refused")
+
+    post.asks = asks  # type: ignore[attr-defined]
+    return post
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("hang", [False, True], ids=["refused", "no-answer"])
+def test_a_new_leader_granting_up_to_two_thirds_of_d_less_2s_after_a_silent_death_keeps_the_guest(
+        tmp_path: Path, hang: bool) -> None:
+    """The worst case: the leader dies just before the runner's scheduled ask, D/3 after
+    its last grant, so D - D/3 = 20 s of right are left. After that failed ask the runner
+    asks again every 0.5-1 s, each within 2 s, so a successor granting from 18 s after the
+    death (2D/3 - RETRY_TIMEOUT) is still reached in time; the old schedule (asks at
+    D/3, 2D/3 and a last chance at 5D/6) needed it by 15 s. Back to one ask per D/3 after."""
+    clock = Clock()
+    died = 1000.0 + D / 3
+    post = leader_dead_between(clock, died, died + 2 * D / 3 - RETRY_TIMEOUT, hang)
+    right = RightKeeper(config(tmp_path), clock, post, jitter=lambda _low, high: high)
+    sent = [right.ask_once()]  # granted: deadline 1000 + D
+    while right.deadline == 1000.0 + D and clock.now < right.deadline:
+        clock.now = max(clock.now, right.next_ask(sent[-1]))
+        sent.append(right.ask_once())
+    assert right.deadline is not None and right.deadline > 1000.0 + D, post.asks  # type: ignore[attr-defined]
+    assert sent[-1] < 1000.0 + D
+    retries = post.asks[2:]  # type: ignore[attr-defined]
+    assert retries and all(timeout <= RETRY_TIMEOUT for _, timeout in retries)
+    assert right.next_ask(sent[-1]) == sent[-1] + D / 3
+
+
+@pytest.mark.unit
+def test_quick_asks_follow_only_an_ask_with_no_answer_or_a_5xx(tmp_path: Path) -> None:
+    """A 4xx refusal keeps the schedule (the last-chance test above); without a grant yet,
+    the first-ask backoff applies."""
+    right, _leader, clock = keeper(tmp_path, [
+        grant(), (503, b"{}"), (500, b"oops"), OSError("reset"), NO])
+    t0 = right.ask_once()
+    assert right.next_ask(t0) == t0 + D / 3
+    for _ in range(3):
+        clock.now += 3
+        t0 = right.ask_once()
+        assert RETRY_SOON[0] <= right.next_ask(t0) - t0 <= RETRY_SOON[1]
+    clock.now += 3
+    t0 = right.ask_once()
+    assert right.next_ask(t0) - t0 == D / 3
+
+
 # ---- the watchdog over a fake clock --------------------------------------------------------
 
 
@@ -380,7 +444,9 @@ class Timeline:
     ([OK, NO, NO, OK] + [OK] * 9, None),     # two in a row: the last-chance ask at 25 s
     ([OK, NO, NO, NO, OK] + [OK] * 9, 30.0),  # three: dead at the first grant + D
     ([OK, OK, NO, NO, NO, NO], 40.0),        # dead D after the last granted ask's send
-    ([OK, ConnectionRefusedError(), TimeoutError(), TimeoutError(), OK], 30.0),
+    # No answer: asked again within a second (RETRY_SOON), so the fourth ask is granted.
+    ([OK, ConnectionRefusedError(), TimeoutError(), TimeoutError(), OK] + [OK] * 9, None),
+    ([OK] + [TimeoutError()] * 60, 30.0),    # no answer for good: dead at the grant + D
     ([OK, (200, b"garbage"), (200, b'{"seconds": 0}'), NO, OK], 30.0),
 ])
 def test_the_watchdog_kills_once_exactly_when_the_right_runs_out(

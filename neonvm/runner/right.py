@@ -4,9 +4,11 @@ Two loops share one deadline on the runner's boot-time clock (:func:`boottime`, 
 also counts a suspend) (:class:`RightKeeper`):
 
 * the renewer asks the leader (``POST <rights-url>/v1/rights``, :mod:`neonvm.api.rights`)
-  every ``D/3`` (after two failures in a row, once more ``D/6`` before the deadline), each
+  every ``D/3`` (after two refusals in a row, once more ``D/6`` before the deadline), each
   ask bounded by ``D/6`` overall (a ``503 NotLeader`` is sent again at once, a few times,
-  within it). It reads the clock *before* sending
+  within it). Once granted, an ask that got no answer or a 5xx (a leader dead or not yet
+  serving) is followed by quick ones (:data:`RETRY_SOON`, each bounded by
+  :data:`RETRY_TIMEOUT`) until one is granted. It reads the clock *before* sending
   (``t0``) and, only on a 200 whose body is a valid grant, sets
   ``deadline = max(deadline, t0 + min(granted, D))``; any other answer, or none, changes
   nothing;
@@ -30,6 +32,7 @@ import ipaddress
 import json
 import math
 import os
+import random
 import signal
 import socket
 import threading
@@ -70,6 +73,14 @@ NOT_LEADER_TRIES = 3
 """An ask answered ``503 NotLeader`` (the Service may point at a deposed leader for a
 moment) is sent again at once, on a new connection, up to this many sends in all, while
 the ask's overall deadline (``D/6``) lasts."""
+RETRY_SOON = (0.5, 1.0)
+"""Once granted, after an ask that got no answer or a 5xx, the next one goes a random
+0.5-1 s after it was sent (or when it ended, if later) instead of at the next ``D/3``,
+until one is granted: a new leader that starts granting late in the right still reaches
+the runner (docs/protocol.md, "Defaults and the trade-off"). A 4xx refusal keeps the
+schedule."""
+RETRY_TIMEOUT = 2.0
+"""Each of those quick asks is bounded by this (or ``D/6`` if shorter) overall."""
 WATCHDOG_MAX_SLEEP = 1.0
 """The watchdog re-reads the clock at least this often."""
 
@@ -202,10 +213,14 @@ def extended(deadline: float | None, t0: float, grant: RightGrant | None,
 class RightKeeper:
     """The deadline and the renewer's steps (thread-safe; no thread of its own)."""
 
-    def __init__(self, config: RightConfig, clock: Clock, post: Post) -> None:
+    def __init__(self, config: RightConfig, clock: Clock, post: Post,
+                 jitter: Callable[[float, float], float] | None = None) -> None:
         self.config = config
         self._clock = clock
         self._post = post
+        self._jitter = jitter or random.Random().uniform
+        """``jitter(low, high)``: the pause before a quick ask (:data:`RETRY_SOON`)."""
+        self._retry_soon = False
         self._lock = threading.Lock()
         self._deadline: float | None = None
         self._last_grant: float | None = None
@@ -250,13 +265,17 @@ class RightKeeper:
     def ask_once(self) -> float:
         """Ask once; returns the ``t0`` it was sent at. Extends the deadline on a grant."""
         t0 = self._clock()
+        timeout = request_deadline(self.config.seconds)
         with self._lock:
             if self._first_ask is None:
                 self._first_ask = t0
-        grant, why, reason = self._ask()
+            if self._retry_soon and self._deadline is not None:
+                timeout = min(timeout, RETRY_TIMEOUT)
+        grant, why, reason, soon = self._ask(timeout)
         with self._lock:
             self._asks += 1
             self._last_why = why
+            self._retry_soon = grant is None and soon
             before = self._deadline
             self._deadline = extended(before, t0, grant, self.config.seconds)
             if grant is not None:
@@ -280,32 +299,38 @@ class RightKeeper:
         """When to ask next after an ask sent at ``t0``.
 
         Once granted: ``t0 + D/3``, or sooner if that would leave no full ask (``D/6``)
-        before the deadline, a last chance after two failed asks in a row (it never
-        comes sooner than ``D/6`` after ``t0``, so there is at most one per outage).
-        Before the first grant: sooner, backing off from :data:`FIRST_RETRY`."""
+        before the deadline, a last chance after two refused asks in a row (it never
+        comes sooner than ``D/6`` after ``t0``, so there is at most one per outage); after
+        an ask that got no answer or a 5xx, a random :data:`RETRY_SOON` after ``t0``
+        (while the deadline lasts). Before the first grant: sooner, backing off from
+        :data:`FIRST_RETRY`."""
         interval = renew_interval(self.config.seconds)
         bound = request_deadline(self.config.seconds)
         with self._lock:
             if self._deadline is not None:
-                return min(t0 + interval, max(self._deadline - bound, t0 + bound))
+                scheduled = min(t0 + interval, max(self._deadline - bound, t0 + bound))
+                if self._retry_soon and t0 < self._deadline:
+                    return min(scheduled, t0 + self._jitter(*RETRY_SOON))
+                return scheduled
             return t0 + min(interval, FIRST_RETRY * (1 << max(0, min(self._failures - 1, 16))))
 
-    def _ask(self) -> tuple[RightGrant | None, str, str | None]:
-        """(the grant, why not, the refusal's reason)."""
+    def _ask(self, timeout: float) -> tuple[RightGrant | None, str, str | None, bool]:
+        """(the grant, why not, the refusal's reason, whether to ask again soon: no
+        answer, or a 5xx), the ask bounded by ``timeout`` overall."""
         authorization = self._authorization()
         if isinstance(authorization, tuple):
-            return authorization
+            return (*authorization, False)
         body = json.dumps(RightRequest(namespace=self.config.namespace, vm=self.config.vm,
                                        pod_uid=self.config.pod_uid).to_dict()).encode()
         headers = {"Content-Type": "application/json", "Authorization": authorization}
-        end = self._clock() + request_deadline(self.config.seconds)
+        end = self._clock() + timeout
         for _ in range(NOT_LEADER_TRIES):
             try:
                 status, answer = self._post(self.config.endpoint, body, headers,
                                             end - self._clock())
             except (OSError, http.client.HTTPException, ValueError) as exc:
                 return (None, f"no answer from {self.config.endpoint}: "
-                              f"{exc or type(exc).__name__}", None)
+                              f"{exc or type(exc).__name__}", None, True)
             if (status != 503 or refusal_reason(status, answer) != NOT_LEADER
                     or self._clock() >= end):
                 break
@@ -313,8 +338,8 @@ class RightKeeper:
         if grant is None:
             return (None, f"{self.config.endpoint} answered {status} "
                           f"{answer[:200].decode('utf-8', 'replace')!r}",
-                    refusal_reason(status, answer))
-        return grant, "", None
+                    refusal_reason(status, answer), status >= 500)
+        return grant, "", None, False
 
 
     def _authorization(self) -> str | tuple[None, str, None]:
