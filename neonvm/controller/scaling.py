@@ -661,7 +661,7 @@ class RunnerScaling:
             # change, RBAC): recorded, so that the pod is not planned again for it.
             return self._resize_refused(vm, pod, fence, version, why, log)
         taken = runner_cpu_request(resized if isinstance(resized, dict) else {})
-        if taken != request:
+        if taken is not None and taken != request:
             # Taken at another request (an admission plugin's change): asking again
             # would get the same, so it is recorded like a refusal.
             return self._resize_refused(
