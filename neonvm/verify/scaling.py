@@ -62,8 +62,12 @@ The world: one VM, one committed runner pod at a time (always running), its runn
   the pod its ``scale-fence``, ``usage``/``resources`` annotations and CPU request; an
   ``ApplyScale`` answered 200 (with no token recorded, a fraction-only plan, instead of
   any ``PUT``) goes on with ``RunnerScaling._tell_kubernetes``'s requests as held steps
-  (:meth:`ScalingModel._tell`): the pod's GET, the annotation PATCH, the resize PATCH,
-  each by the resourceVersion of its read (a 409 reads again, up to ``TELL_ATTEMPTS``).
+  (:meth:`ScalingModel._tell`): the pod's GET, the annotation PATCH, the resize PATCH
+  (on a pod already carrying the plan, only when its annotations carry the read's
+  size), each by the resourceVersion of its read (a 409 reads again, up to
+  ``TELL_ATTEMPTS``). The observation's pod carries what ``observe.pod_view`` reads of
+  it (``scale-fence``, built size, the annotations' size, a Burstable pod's request),
+  so ``decide`` plans again when the pod's record is behind the spec (``pod_behind``).
 
 Properties:
 
