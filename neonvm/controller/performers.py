@@ -166,7 +166,7 @@ def create_pod(ctx: StepContext, step: Step) -> str:
             ctx.scaling.discard_token(vm.namespace, secret[0])
             return "precondition"
         vm = recorded.vm
-    _ensure_ssh_secret(ctx, vm, log)
+    _ensure_ssh_secret(ctx, step, vm)
     try:
         manifest = podspec.runner_pod(vm, action.plan, ctx.config.pod_defaults)
     except podspec.PodSpecError as exc:
@@ -216,18 +216,52 @@ def create_pod(ctx: StepContext, step: Step) -> str:
     return Outcome("done", pod=created, vm=recorded)
 
 
-def _ensure_ssh_secret(ctx: StepContext, vm: types.VirtualMachine, log: Any) -> None:
+SSH_KEY_HOLD_FACTOR = 2
+"""A runner pod waits for its SSH key Secret while the create fails transiently for up to
+this many times ``create_failing_after`` (and more than
+:data:`CREATE_FAILURES_BEFORE_CONDITION` failures), then starts without the key."""
+
+
+def _ensure_ssh_secret(ctx: StepContext, step: Step, vm: types.VirtualMachine) -> None:
     """Before each runner pod of a VM with ``enableSSH``: its SSH key Secret, one create
     (:func:`neonvm.controller.ssh_keys.ensure_secret`). A refusal is a Warning event and
-    the pod starts without a key; a transient error holds the pod back (retried)."""
+    the pod starts without a key. A transient error (429, 5xx, no answer) counts as a
+    failure of the pod's create (:func:`_create_failed`: ``Degraded``, ``CreateFailing``
+    after a while) and holds the pod back, retried, but only for
+    :data:`SSH_KEY_HOLD_FACTOR` times ``create_failing_after``: the key is optional, so
+    then the pod starts without it, with a Warning event; the VM's next pod tries again
+    (docs/protocol.md, "The SSH key Secret")."""
     if not ssh_keys.wants_ssh(vm) or not vm.status.ssh_secret_name:
         return
+    name = ssh_keys.secret_name(vm)
     try:
         if ssh_keys.ensure_secret(ctx.cluster, vm) == "created":
-            log.info("created the SSH key Secret {name}", name=ssh_keys.secret_name(vm))
+            step.log.info("created the SSH key Secret {name}", name=name)
+        return
     except ssh_keys.Refused as exc:
         ctx.events.record(vm, reasons.SSH_KEY_UNAVAILABLE,
                           f"{exc}: the runner pod starts without an SSH key", warning=True)
+        return
+    except ApiException as exc:
+        error = f"creating its SSH key Secret {name}: {exc.status}: {api_error_message(exc)}"
+        cause: Exception = exc
+    except (HTTPError, OSError) as exc:  # no answer: connection refused, timeout
+        error = f"creating its SSH key Secret {name}: {type(exc).__name__}: {exc}"
+        cause = exc
+    pod = step.action.plan.name
+    failures, lasted = ctx.timers.create_failed(step.key)
+    if (failures <= CREATE_FAILURES_BEFORE_CONDITION
+            or lasted < SSH_KEY_HOLD_FACTOR * ctx.config.create_failing_after):
+        _say_create_failing(ctx, step.key, step.snap, pod, error, step.authority, step.log,
+                            failures, lasted)
+        raise RetryableError(f"create {pod}: {error}") from cause
+    # No status write here: the pod's create follows from this snapshot.
+    ctx.events.record(vm, reasons.SSH_KEY_UNAVAILABLE,
+                      f"{api_error_text(error)} (failing for {lasted:.0f}s, {failures} "
+                      f"tries): the runner pod starts without an SSH key; the VM's next "
+                      f"pod tries again", warning=True)
+    step.log.warning("{err}: failing for {lasted:.0f}s; runner pod {pod} starts without "
+                     "an SSH key", err=error, lasted=lasted, pod=pod)
 
 
 def _create_failed(ctx: StepContext, key: str, snap: Snapshot, name: str, error: str,
@@ -235,6 +269,13 @@ def _create_failed(ctx: StepContext, key: str, snap: Snapshot, name: str, error:
     """A transient create failure: after a few in a row, say so in Degraded (the create
     is still retried with backoff; the condition clears once a reconcile ends normally)."""
     failures, lasted = ctx.timers.create_failed(key)
+    _say_create_failing(ctx, key, snap, name, error, authority, log, failures, lasted)
+
+
+def _say_create_failing(ctx: StepContext, key: str, snap: Snapshot, name: str, error: str,
+                        authority: Authority, log: Any, failures: int, lasted: float) -> None:
+    """``Degraded``, reason ``CreateFailing``, once ``failures`` transient failures in a
+    row have lasted ``create_failing_after``."""
     if (failures < CREATE_FAILURES_BEFORE_CONDITION or snap.record is None
             or lasted < ctx.config.create_failing_after):
         return

@@ -93,7 +93,8 @@ def ensure_secret(secrets: SecretCreator, vm: VirtualMachine) -> Outcome:
 
     A fresh key pair is made for each attempt and thrown away on 409 (microseconds).
     Raises :class:`Refused` for a refusal; a transient error (429, 5xx, no answer)
-    propagates, so the pod waits for its key as it waits for its scaling token."""
+    propagates: the pod waits for its key, for a bounded time (the performer's
+    ``_ensure_ssh_secret``), then starts without it."""
     public, private = key_pair()
     try:
         secrets.create_secret(vm.namespace, secret_manifest(vm, public, private))
