@@ -1,4 +1,5 @@
-"""The chart's API Priority and Fairness objects for the controller's Lease requests.
+"""The chart's API Priority and Fairness objects for the controller's Lease requests and
+its TokenReviews (docs/security.md, "A review outage").
 
 Rendered by the real helm binary, and validated by the real local API server (a dry-run
 create with strict field validation). See docs/leader-election.md, "What the shorter
@@ -14,6 +15,7 @@ import pytest
 from kubernetes import client
 
 from neonvm import kube
+from neonvm.controller.rights import TOKEN_REVIEWS
 from tests.support.chart import Helm
 
 APF = "/apis/flowcontrol.apiserver.k8s.io/v1"
@@ -34,6 +36,26 @@ def test_the_objects_are_rendered_by_default_and_can_be_turned_off(helm: Helm) -
     off = helm.template("neonvm-controller", "neonvm-system",
                         sets=("leaderElection.priorityAndFairness.enabled=false",))
     assert off.all("FlowSchema") == [] and off.all("PriorityLevelConfiguration") == []
+
+
+def test_the_leaders_token_reviews_share_the_lease_requests_level(helm: Helm) -> None:
+    """The request the rights endpoint's reviewer sends (a POST of a cluster-scoped
+    TokenReview) is matched by the schema: a review outage of the service accounts'
+    level must not end every guest's right while the leader keeps its Lease."""
+    rule = helm.template("neonvm-controller", "neonvm-system").one("FlowSchema")[
+        "spec"]["rules"][0]
+    _, apis, group, version, resource = TOKEN_REVIEWS.split("/")
+    assert (apis, version) == ("apis", "v1")
+    assert {"verbs": ["create"], "apiGroups": [group], "resources": [resource],
+            "clusterScope": True} in rule["resourceRules"]
+
+
+def _without_nulls(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_nulls(v) for v in value]
+    return value
 
 
 def _create(api: client.ApiClient, path: str, obj: dict[str, Any]) -> dict[str, Any]:
@@ -59,5 +81,6 @@ def test_the_api_server_accepts_the_objects_as_rendered(
     assert created_level["spec"]["limited"]["lendablePercent"] == 0
     created_schema = kube.request(api, "POST", f"{APF}/flowschemas", body=schema,
                                   query=DRY_RUN)
-    assert created_schema["spec"]["rules"] == schema["spec"]["rules"]
+    # The API server writes an absent list (the cluster-scoped rule's namespaces) as null.
+    assert _without_nulls(created_schema["spec"]["rules"]) == schema["spec"]["rules"]
     assert created_schema["spec"]["matchingPrecedence"] == 500
