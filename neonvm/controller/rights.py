@@ -466,9 +466,10 @@ class TokenReviewer:
     earlier good review of the same token until the token's expiry (its ``exp``, which
     that review verified, by this process's wall clock): an API server outage does not
     end the rights of pods whose tokens were reviewed. Else it raises (the ask is
-    refused, nothing is cached). After a review that got no answer (or a 429 or 5xx),
-    none is sent for ``retry_after`` seconds: an outage must not hold every rights
-    worker in a review's timeout while asks that need none wait."""
+    refused, nothing is cached). After a review that got no answer (a timeout, a refused
+    connection), none is sent for ``retry_after`` seconds: an outage must not hold every
+    rights worker in a review's timeout while asks that need none wait. An error answer
+    (a 429, a 5xx) comes back at once and pauses nothing."""
 
     _STRIPES = 64
 
@@ -575,8 +576,7 @@ class TokenReviewer:
             try:
                 pod = reviewed_pod(self._review(token, self.audience), self.audience)
             except REVIEW_ERRORS as exc:
-                if not isinstance(exc, ApiException) or exc.status in (0, None, 429) \
-                        or exc.status >= 500:
+                if not isinstance(exc, ApiException) or not exc.status:  # no answer
                     with self._lock:
                         self._failing_until = self._clock() + self._retry_after
                 stale = self._stale(key)
