@@ -6,9 +6,7 @@ autoscaler's view"."""
 from __future__ import annotations
 
 import datetime as dt
-import http.server
 import json
-import threading
 from typing import Any
 
 import pytest
@@ -22,7 +20,7 @@ from neonvm.controller import autoscaler_view as av
 from neonvm.controller import decide as d
 from neonvm.controller.podspec import ANNOTATION_RESOURCES, ANNOTATION_USAGE
 from tests.support import shipped_reconciler
-from tests.support.autoscaler_view import AGENT_STAMP, vm_of
+from tests.support.autoscaler_view import AGENT_STAMP, ApplyingRunner, agent_patch, vm_of
 from tests.support.harness import create_vm, get_vm, runner_pods
 from tests.support.reconcile import NOWHERE, settle
 
@@ -271,70 +269,6 @@ def test_available_is_true_while_the_vm_runs_on_its_pod() -> None:
 
 
 # ---- real server --------------------------------------------------------------------------
-
-
-class ApplyingRunner:
-    """Stands in for a runner that takes every size it is asked for (a real runner does so
-    in tests/test_runner_scaling.py; booting a guest here would add nothing the
-    controller reads): ``PUT /scale`` records the size and fence and answers 200, ``GET
-    /scale`` reports them."""
-
-    def __init__(self) -> None:
-        self.size: dict[str, Any] = {"vcpus": 1, "memorySlots": 1, "memoryBytes": GIB}
-        self.fence: dict[str, int] = {"epoch": 0, "token": 0, "seq": 0}
-        self.pod_uid: str | None = None
-        self.puts: list[dict[str, Any]] = []
-        outer = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def log_message(self, *args: object) -> None:
-                pass
-
-            def _answer(self, doc: dict[str, Any]) -> None:
-                body = json.dumps(doc).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def _report(self) -> dict[str, Any]:
-                return {"mode": "QmpScaling", "lastApplied": {"fence": outer.fence},
-                        "qemu": outer.size, "podUid": outer.pod_uid, "pendingRemovals": []}
-
-            def do_GET(self) -> None:
-                self._answer(self._report())
-
-            def do_PUT(self) -> None:
-                asked = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                outer.puts.append(asked)
-                outer.fence = asked["fence"]
-                outer.size = {"vcpus": asked["cpus"], "memorySlots": asked["memorySlots"],
-                              "memoryBytes": asked["memorySlots"] * GIB}
-                self._answer(self._report())
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.port = self.server.server_address[1]
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
-def agent_patch(api: client.ApiClient, namespace: str, name: str, cpu: str, slots: int,
-                revision: int) -> None:
-    """What NeonVM's autoscaler-agent sends (pkg/agent, doNeonVMRequest): a JSON patch
-    replacing cpus.use (a quantity), memorySlots.use and targetRevision (stamped by the
-    agent's clock)."""
-    kube.request(api, "PATCH", f"/apis/{types.GROUP}/{types.VERSION}/namespaces/{namespace}/"
-                 f"{types.PLURAL}/{name}", [
-                     {"op": "replace", "path": "/spec/guest/cpus/use", "value": cpu},
-                     {"op": "replace", "path": "/spec/guest/memorySlots/use", "value": slots},
-                     {"op": "replace", "path": "/spec/targetRevision", "value": {
-                         "revision": {"value": revision, "flags": 0},
-                         "updatedAt": AGENT_STAMP}}],
-                 content_type="application/json-patch+json")
 
 
 def condition(status: dict[str, Any], type_: str) -> dict[str, Any]:

@@ -28,10 +28,9 @@ from neonvm.controller import podspec
 from neonvm.controller.informer import project_pod
 from neonvm.controller.observe import pod_view
 from tests.support import shipped_reconciler
-from tests.support.autoscaler_view import vm_of
+from tests.support.autoscaler_view import ApplyingRunner, agent_patch, vm_of
 from tests.support.harness import create_vm, get_vm, runner_pods
 from tests.support.reconcile import NOWHERE, settle
-from tests.test_autoscaler_view import ApplyingRunner, agent_patch
 
 GIB = 1 << 30
 LEASE = act.Fence(epoch=1, token=1)
