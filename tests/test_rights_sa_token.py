@@ -167,11 +167,14 @@ def respelled(token: str) -> list[str]:
     return spellings
 
 
-def raw_ask(port: int, namespace: str, vm: str, pod_uid: str, token: str) -> int:
-    """One ``POST /v1/rights`` whose Authorization header carries ``token`` byte for byte
-    (http.client refuses a header with a line break in it); the answer's status."""
+def raw_ask(port: int, namespace: str, vm: str, pod_uid: str, token: str,
+            source: str = "127.0.0.1") -> int:
+    """One ``POST /v1/rights`` from address ``source`` whose Authorization header carries
+    ``token`` byte for byte (http.client refuses a header with a line break in it); the
+    answer's status."""
     body = json.dumps({"namespace": namespace, "vm": vm, "podUID": pod_uid}).encode()
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
+    with socket.create_connection(("127.0.0.1", port), timeout=10,
+                                  source_address=(source, 0)) as conn:
         conn.sendall(b"POST /v1/rights HTTP/1.1\r\nHost: rights\r\nAuthorization: Bearer "
                      + token.encode("latin-1") + b"\r\nContent-Type: application/json\r\n"
                      + b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
@@ -223,6 +226,24 @@ def test_a_pods_reviews_are_bounded_per_window_whatever_the_tokens(
     assert leader.ask(namespace, "vm", uid, tokens[0])[0] == 200  # cached: no review
     leader.show(namespace, "vm", "vm-q", other)
     assert leader.ask(namespace, "vm", other, mint(api, namespace, "vm-q", other))[0] == 200
+    assert leader.reviewer.reviews == 5
+
+
+def test_asks_from_elsewhere_cannot_spend_the_review_budget_of_the_pods_own_runner(
+        api: client.ApiClient, namespace: str, leader: ReviewingLeader) -> None:
+    """Whoever knows a current pod's uid can send forged tokens naming it, each a review
+    the API server refuses: they spend the budget of asks from other addresses, not that
+    of the pod's own IP (the cache's ``status.podIP``), whose runner's token is still
+    reviewed and granted."""
+    service_account(api, namespace)
+    uid = pod(api, namespace, "vm-p")
+    leader.show(namespace, "vm", "vm-p", uid, ip="127.0.0.2")
+    port = leader.server.port
+    forgeries = [_token(f"forged-{i}", exp=time.time() + 600, uid=uid) for i in range(5)]
+    assert [raw_ask(port, namespace, "vm", uid, t) for t in forgeries] == [401] * 4 + [429]
+    assert leader.reviewer.reviews == 4
+    token = mint(api, namespace, "vm-p", uid)
+    assert raw_ask(port, namespace, "vm", uid, token, source="127.0.0.2") == 200
     assert leader.reviewer.reviews == 5
 
 

@@ -209,6 +209,8 @@ class CurrentPod:
     """The pod's right (its :data:`RIGHT_SECONDS_ANNOTATION`)."""
     secret_name: str
     secret_uid: str
+    ip: str = ""
+    """The pod's IP (``status.podIP``) as the cache shows it; "" if none."""
 
 
 class Caches(Protocol):
@@ -261,7 +263,8 @@ def current_pod(vms: Caches, pods: Caches, namespace: str, vm_name: str,
             return f"pod {name} does not self-fence"
         return CurrentPod(uid=pod_uid, name=str(name), seconds=seconds,
                           secret_name=str(status.get("scalingTokenSecret") or ""),
-                          secret_uid=str(status.get("scalingTokenSecretUID") or ""))
+                          secret_uid=str(status.get("scalingTokenSecretUID") or ""),
+                          ip=str((pod.get("status") or {}).get("podIP") or ""))
     return "not the VM's current pod"
 
 
@@ -457,9 +460,11 @@ class TokenReviewer:
     most ``max_entries`` (the least recently used go first), and reviews are
     single-flight per token. A runner renewing every D/3 with the 600 s token the kubelet
     rotates after 480 s thus costs one review per 240 s. Each pod (namespace, uid) gets at
-    most ``budget`` reviews per ``window`` seconds, whatever the tokens: the caller asks
-    only for current pods, so reviews are bounded by live pods; over it,
-    :class:`ReviewBudgetSpent`. What a cached answer can miss is the pod's deletion (the
+    most ``budget`` reviews per ``window`` seconds for asks from its own IP, and as many
+    for asks from anywhere else, whatever the tokens: the caller asks only for current
+    pods, so reviews are bounded by live pods; over it, :class:`ReviewBudgetSpent`. Asks
+    from elsewhere (a forger who knows the pod's uid) cannot spend the budget of the
+    pod's own runner. What a cached answer can miss is the pod's deletion (the
     leader's pod cache, checked at every ask, does not), or its ServiceAccount's.
 
     A review that fails (the call raises, or the budget is spent) falls back on an
@@ -497,8 +502,8 @@ class TokenReviewer:
         self._bound: OrderedDict[bytes, tuple[ReviewedPod, float, float]] = OrderedDict()
         """token key -> (its pod, fresh until, its expiry), on the monotonic clock."""
         self._refused: OrderedDict[bytes, float] = OrderedDict()
-        self._spent: dict[tuple[str, str], tuple[float, int]] = {}
-        """(namespace, pod uid) -> (its window's start, reviews in it)."""
+        self._spent: dict[tuple[str, str, bool], tuple[float, int]] = {}
+        """(namespace, pod uid, from its own IP) -> (its window's start, reviews in it)."""
         self.reviews = 0
         """TokenReviews sent (for tests and the benchmark)."""
 
@@ -531,25 +536,27 @@ class TokenReviewer:
             bound = self._bound.get(key)
             return bound[0] if bound is not None and now < bound[2] else None
 
-    def _charge(self, namespace: str, pod_uid: str) -> bool:
-        """Count one review against the pod's budget; False if it is spent."""
+    def _charge(self, budget: tuple[str, str, bool]) -> bool:
+        """Count one review against ``budget``; False if it is spent."""
         now = self._clock()
         with self._lock:
-            start, spent = self._spent.get((namespace, pod_uid), (now, 0))
+            start, spent = self._spent.get(budget, (now, 0))
             if now - start >= self._window:
                 start, spent = now, 0
             if spent >= self._budget:
                 return False
-            self._spent[(namespace, pod_uid)] = (start, spent + 1)
+            self._spent[budget] = (start, spent + 1)
             if len(self._spent) > self._max:
                 self._spent = {k: v for k, v in self._spent.items()
                                if now - v[0] < self._window}
             self.reviews += 1
             return True
 
-    def pod_of(self, token: str, pod_uid: str, namespace: str = "") -> ReviewedPod | None:
+    def pod_of(self, token: str, pod_uid: str, namespace: str = "", *,
+               from_pod: bool = False) -> ReviewedPod | None:
         """The pod ``token`` is bound to, if it may be ``pod_uid``'s (else None), asked
-        for a pod of ``namespace`` (whose review budget it spends). Raises
+        for a pod of ``namespace`` (whose review budget it spends: that of asks from the
+        pod's own IP if ``from_pod``, else the other one). Raises
         :class:`ReviewBudgetSpent`, or the review's error, when there is no answer and no
         earlier good review of this token to fall back on."""
         claims = unverified_claims(token)
@@ -565,7 +572,7 @@ class TokenReviewer:
             if hit:
                 return pod
             failing = self._clock() < self._failing_until
-            if failing or not self._charge(namespace, pod_uid):
+            if failing or not self._charge((namespace, pod_uid, from_pod)):
                 stale = self._stale(key)
                 if stale is not None:
                     return stale
@@ -660,14 +667,14 @@ class RightsService:
             ["code", "reason"], registry=registry or CollectorRegistry())
 
     def answer(self, method: str, path: str, authorization: str | None,
-               body: bytes) -> Answer:
-        """The answer to one request (counted in ``answers``)."""
-        status, doc = self._answer(method, path, authorization, body)
+               body: bytes, source: str | None = None) -> Answer:
+        """The answer to one request (counted in ``answers``) from address ``source``."""
+        status, doc = self._answer(method, path, authorization, body, source)
         self.answers.labels(code=str(status), reason=str(doc.get("reason", ""))).inc()
         return status, doc
 
     def _answer(self, method: str, path: str, authorization: str | None,
-                body: bytes) -> Answer:
+                body: bytes, source: str | None) -> Answer:
         if path.split("?", 1)[0] != RIGHTS_PATH:
             return _refuse(404, BAD_REQUEST, f"only {RIGHTS_PATH}")
         if method != "POST":
@@ -685,7 +692,8 @@ class RightsService:
         found = current_pod(*caches, request.namespace, request.vm, request.pod_uid)
         if isinstance(found, str):
             return _not_current(request, found)
-        refused = self._authenticate(request, found, authorization)
+        refused = self._authenticate(request, found, authorization,
+                                     from_pod=bool(found.ip) and source == found.ip)
         if refused is not None:
             return refused
         if not self.ledger.granted_this_term(request.pod_uid):
@@ -703,7 +711,7 @@ class RightsService:
         return 200, RightGrant(seconds=found.seconds).to_dict()
 
     def _authenticate(self, request: RightRequest, found: CurrentPod,
-                      authorization: str | None) -> Answer | None:
+                      authorization: str | None, *, from_pod: bool = False) -> Answer | None:
         """None if the bearer vouches for ``found`` (the VM's current pod), else the
         refusal. Two credentials (docs/security.md, "Rights endpoint"): a JWT is a
         projected ServiceAccount token, good only if a TokenReview with this
@@ -714,7 +722,8 @@ class RightsService:
         bearer = bearer.strip()
         if self._reviewer is not None and scheme.lower() == "bearer" and is_jwt(bearer):
             try:
-                pod = self._reviewer.pod_of(bearer, request.pod_uid, request.namespace)
+                pod = self._reviewer.pod_of(bearer, request.pod_uid, request.namespace,
+                                            from_pod=from_pod)
             except ReviewBudgetSpent as exc:
                 return _refuse(429, REVIEW_BUDGET_SPENT,
                                f"too many token reviews for this pod now: {exc}"[:200])
@@ -778,6 +787,15 @@ def _headers(head: bytes) -> tuple[list[str], dict[str, str]]:
     return lines[0].split(), headers
 
 
+def _peer(sock: Any) -> str | None:
+    """The client's IP address (an IPv4-mapped IPv6 address as IPv4), or None."""
+    try:
+        address = str(sock.getpeername()[0])
+    except (OSError, IndexError, TypeError):
+        return None
+    return address.removeprefix("::ffff:")
+
+
 def _content_length(headers: dict[str, str]) -> int | None:
     raw = headers.get("content-length", "0")
     return int(raw) if raw.isdigit() else None
@@ -822,7 +840,7 @@ class _Listener(health._Listener):
                 try:
                     status, doc = self._service.answer(line[0], line[1],
                                                        headers.get("authorization"),
-                                                       request[end + 4:])
+                                                       request[end + 4:], _peer(sock))
                 except Exception:
                     logger.exception("rights: request failed")
                     status, doc = _refuse(500, "InternalError", "internal error")

@@ -97,9 +97,10 @@ def forged(key_file: Path, namespace: str, pod_name: str, pod_uid: str, account_
 
 
 def vm_caches(namespace: str, vm_name: str, pod_name: str, pod_uid: str,
-              seconds: float = 30.0) -> tuple[Cache, Cache]:
+              seconds: float = 30.0, ip: str = "") -> tuple[Cache, Cache]:
     """The leader's caches: VM ``namespace/vm_name`` whose current pod is ``pod_name`` of
-    ``pod_uid``, self-fencing, with no scaling token (the chart's default install)."""
+    ``pod_uid`` (IP ``ip``, if any), self-fencing, with no scaling token (the chart's
+    default install)."""
     vm_uid = f"{vm_name}-uid"
     vm = {"metadata": {"name": vm_name, "namespace": namespace, "uid": vm_uid},
           "status": {"podName": pod_name, "podUID": pod_uid}}
@@ -107,7 +108,8 @@ def vm_caches(namespace: str, vm_name: str, pod_name: str, pod_uid: str,
         "name": pod_name, "namespace": namespace, "uid": pod_uid,
         "annotations": {RIGHT_SECONDS_ANNOTATION: annotation_value(seconds)},
         "labels": {"vm.neon.tech/name": vm_name},
-        "ownerReferences": [{"uid": vm_uid, "controller": True}]}}
+        "ownerReferences": [{"uid": vm_uid, "controller": True}]},
+        "status": {"podIP": ip} if ip else {}}
     return (Cache({f"{namespace}/{vm_name}": vm}),
             Cache({f"{namespace}/{pod_name}": current}))
 
@@ -132,8 +134,9 @@ class ReviewingLeader:
                                 registry=self.registry, reviewer=self.reviewer)
         self.server = RightsServer(service, "127.0.0.1", 0).start()
 
-    def show(self, namespace: str, vm: str, pod_name: str, pod_uid: str) -> None:
-        self.caches = vm_caches(namespace, vm, pod_name, pod_uid)
+    def show(self, namespace: str, vm: str, pod_name: str, pod_uid: str,
+             ip: str = "") -> None:
+        self.caches = vm_caches(namespace, vm, pod_name, pod_uid, ip=ip)
 
     def ask(self, namespace: str, vm: str, pod_uid: str,
             token: str) -> tuple[int, dict[str, Any]]:
