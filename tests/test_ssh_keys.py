@@ -40,11 +40,11 @@ from tests.support.harness import get_vm, runner_pods
 from tests.support.reconcile import create_vm, settle
 from tests.support.reconcile_observe import Recording
 from tests.support.runner import context
-from tests.test_vmbuilder_boot import (  # boot_kit: the fixture
+from tests.support.vmbuilder_boot import (  # boot_kit: the fixture
     REPO,
-    _boot_skip_reason,
-    _free_port,
     boot_kit,  # noqa: F401
+    boot_skip_reason,
+    free_port,
 )
 
 UID = "8d6c3f52-0000-4000-8000-000000000001"
@@ -321,7 +321,7 @@ def test_one_secret_create_per_runner_pod_and_a_deleted_secret_is_made_again(
 # ---- a vm-builder guest under TCG (opt-in: NEONVM_TEST_BOOT=1) ------------------------------
 
 
-BOOT_SKIP = _boot_skip_reason()
+BOOT_SKIP = boot_skip_reason()
 
 
 @pytest.mark.slow
@@ -354,7 +354,7 @@ def test_a_vmbuilder_guest_finds_the_public_key_where_its_sshd_reads_it(
         proc = subprocess.Popen(
             [sys.executable, "-m", "neonvm.runner.main", "--spec-file", str(spec_file),
              "--kernel-dir", str(kernel_dir), "--accel", "tcg", "--work-dir",
-             str(tmp_path / "work"), "--listen-address", "127.0.0.1", "--port", str(_free_port()),
+             str(tmp_path / "work"), "--listen-address", "127.0.0.1", "--port", str(free_port()),
              "--ssh-authorized-keys-file", str(keys)],
             stdout=out, stderr=err, env=env, cwd=REPO)
     try:

@@ -12,11 +12,8 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -28,15 +25,22 @@ import yaml
 from neonvm.api.schema import decode
 from neonvm.api.types import VirtualMachineSpec
 from neonvm.dev import guestdisk, vmbuilderdisk
-from neonvm.runner import diskimage, initramfs, runtimedisk
+from neonvm.runner import diskimage, runtimedisk
 from neonvm.runner.errors import SpecError
 from neonvm.runner.initramfs import RunnerKernel
 from neonvm.runner.main import RunnerOptions, plan_launch, ready_marker_for
 from neonvm.runner.qemu import build_launch_plan
 from tests.support import wait_for
 from tests.support.runner import context
+from tests.support.vmbuilder_boot import (  # boot_kit: the fixture
+    REPO,
+    boot_kit,  # noqa: F401
+    boot_skip_reason,
+    free_port,
+    http_get,
+    port_in_use,
+)
 
-REPO = Path(__file__).resolve().parent.parent
 TOOLS = "/usr/sbin:/sbin:/usr/bin:/bin"
 RUNNER_KERNEL = RunnerKernel(kernel=Path("/vm/kernel/vmlinuz"),
                              initrd=Path("/vm/kernel/initrd.cpio"))
@@ -298,43 +302,6 @@ def test_the_runner_recognises_a_vmbuilder_disk_and_then_waits_for_no_marker(
 # ---- real boots under TCG (opt-in) ----------------------------------------------------------
 
 
-def _boot_skip_reason() -> str | None:
-    if "1" not in (os.environ.get("NEONVM_TEST_BOOT"), os.environ.get("NEONVM_TEST_REAL_NODE")):
-        return "real guest boots are opt-in (NEONVM_TEST_BOOT=1; about a minute under TCG)"
-    absent = initramfs.missing() + guestdisk.missing()
-    if shutil.which("qemu-system-x86_64") is None:
-        absent.append("qemu-system-x86_64 (qemu-system-x86)")
-    return "missing: " + ", ".join(absent) if absent else None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _port_in_use(port: int) -> bool:
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0
-
-
-def _get(url: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
-
-
-@pytest.fixture(scope="module")
-def boot_kit(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """(the vm-builder test disk as qcow2, the runner's kernel dir)."""
-    root = tmp_path_factory.mktemp("vmbuilder-boot")
-    _raw, qcow2 = vmbuilderdisk.build_disk(root / "disk")
-    kernel = initramfs.build_initramfs(root / "kernel")
-    return qcow2, kernel.kernel.parent
-
-
 @contextmanager
 def runner(tmp: Path, kit: tuple[Path, Path], guest: dict[str, Any],
            disks: list[dict[str, Any]] | None = None) -> Iterator[tuple[subprocess.Popen[bytes],
@@ -347,7 +314,7 @@ def runner(tmp: Path, kit: tuple[Path, Path], guest: dict[str, Any],
     spec_file = tmp / "vm.yaml"
     spec_file.write_text(yaml.safe_dump(spec))
     console = tmp / "console.log"
-    port = _free_port()
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("NEONVM_")}
     with console.open("wb") as out, (tmp / "runner.log").open("wb") as err:
         proc = subprocess.Popen(
@@ -375,16 +342,16 @@ def _wait_for_entrypoint(proc: subprocess.Popen[bytes], console: Path, tmp: Path
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(_boot_skip_reason() is not None, reason=_boot_skip_reason() or "")
+@pytest.mark.skipif(boot_skip_reason() is not None, reason=boot_skip_reason() or "")
 def test_a_vmbuilder_guest_runs_its_entrypoint_with_spec_args_serves_9100_and_10301_and_is_ready(
-        tmp_path: Path, boot_kit: tuple[Path, Path]) -> None:
+        tmp_path: Path, boot_kit: tuple[Path, Path]) -> None:  # noqa: F811
     """``args`` without ``command``: the image's ENTRYPOINT runs with the spec's args in
     place of its CMD, with the image's ENV and the spec's env; the runtime disk's sysctls,
     swap and mounts apply; the root filesystem is grown to ``rootDisk.size``; vector's
     :9100 and vm-monitor's :10301 answer through the runner's port forwards; ``/ready``
     turns 200 without any console marker; SIGTERM powers the guest off (exit 0)."""
     busy = [p for p in (vmbuilderdisk.VECTOR_PORT, vmbuilderdisk.MONITOR_PORT)
-            if _port_in_use(p)]
+            if port_in_use(p)]
     if busy:
         pytest.skip(f"port(s) {busy} already in use on this host")
     guest = {"rootDisk": {"image": str(boot_kit[0]), "size": "64Mi"},
@@ -412,13 +379,13 @@ def test_a_vmbuilder_guest_runs_its_entrypoint_with_spec_args_serves_9100_and_10
         assert "NEONVM_GUEST_READY" not in text
         root_kb = int(text.split("VMBUILDER_ENTRYPOINT root-kb ")[1].split()[0])
         assert root_kb > 40 * 1024, root_kb  # the 32 MiB image grown to 64 MiB
-        status, body = _get(f"http://127.0.0.1:{port}/ready")
+        status, body = http_get(f"http://127.0.0.1:{port}/ready")
         assert status == 200, body
-        wait_for(lambda: _get(f"http://127.0.0.1:{vmbuilderdisk.VECTOR_PORT}/metrics")[0]
+        wait_for(lambda: http_get(f"http://127.0.0.1:{vmbuilderdisk.VECTOR_PORT}/metrics")[0]
                  == 200, timeout=60, interval=1, what="the guest's :9100")
-        metrics = _get(f"http://127.0.0.1:{vmbuilderdisk.VECTOR_PORT}/metrics")[1]
+        metrics = http_get(f"http://127.0.0.1:{vmbuilderdisk.VECTOR_PORT}/metrics")[1]
         assert "host_load1{" in metrics and "host_memory_available_bytes{" in metrics
-        assert _get(f"http://127.0.0.1:{vmbuilderdisk.MONITOR_PORT}/monitor") == (
+        assert http_get(f"http://127.0.0.1:{vmbuilderdisk.MONITOR_PORT}/monitor") == (
             200, "vm-monitor stand-in\n")
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=120) == 0
@@ -426,18 +393,18 @@ def test_a_vmbuilder_guest_runs_its_entrypoint_with_spec_args_serves_9100_and_10
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(_boot_skip_reason() is not None, reason=_boot_skip_reason() or "")
+@pytest.mark.skipif(boot_skip_reason() is not None, reason=boot_skip_reason() or "")
 @pytest.mark.parametrize(("guest", "argv"), [
     ({}, "/app/entrypoint.sh baked-cmd"),  # neither: ENTRYPOINT and CMD as baked
     ({"command": ["/app/entrypoint.sh", "from-command"], "args": ["and-args"]},
      "/app/entrypoint.sh from-command and-args"),  # command replaces the ENTRYPOINT
 ], ids=["as-baked", "command"])
 def test_without_args_the_image_cmd_runs_and_command_replaces_the_entrypoint(
-        tmp_path: Path, boot_kit: tuple[Path, Path], guest: dict[str, Any], argv: str) -> None:
+        tmp_path: Path, boot_kit: tuple[Path, Path], guest: dict[str, Any], argv: str) -> None:  # noqa: F811
     with runner(tmp_path, boot_kit, guest) as (proc, console, port):
         text = _wait_for_entrypoint(proc, console, tmp_path)
         started = text.split("VMBUILDER_ENTRYPOINT argv: ")[1].splitlines()[0]
         assert f"/app/entrypoint.sh {started}".strip() == argv
-        assert _get(f"http://127.0.0.1:{port}/ready")[0] == 200
+        assert http_get(f"http://127.0.0.1:{port}/ready")[0] == 200
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=120) == 0
