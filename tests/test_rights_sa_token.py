@@ -554,6 +554,38 @@ def test_a_review_error_answers_503_not_a_grant() -> None:
 
 
 @pytest.mark.unit
+def test_no_answer_to_the_term_mark_or_the_token_read_is_a_503_not_a_500() -> None:
+    """urllib3's errors for a request that got no answer are not OSErrors: the pod PATCH
+    of the term mark and the HMAC path's Secret read answer 503 (ask again) for them, as
+    for an error answer, instead of a 500 and a traceback per ask."""
+    from urllib3.exceptions import MaxRetryError
+
+    from neonvm.api.rights import authorization_header
+    from neonvm.controller.rights import RightsLedger, RightsService, TokenCache
+    from tests.support.rights import caches
+    from tests.support.rights_sa_token import vm_caches
+
+    def unreachable(*_: Any) -> Any:
+        raise MaxRetryError(None, "/", "connection refused")  # type: ignore[arg-type]
+
+    ledger = RightsLedger()
+    ledger.begin_term(lambda: True)
+    body = b'{"namespace":"ns","vm":"vm","podUID":"u1"}'
+    hmac = authorization_header(b"tok", "u1")
+    no_read = RightsService(ledger, lambda: caches(pod_uid="u1"),
+                            TokenCache(None, read=unreachable), lambda *_: True)
+    assert no_read.answer("POST", "/v1/rights", hmac, body)[0] == 503
+    token = _unsigned({"aud": [AUDIENCE], "exp": time.time() + 600,
+                       "kubernetes.io": {"pod": {"uid": "u1"}}})
+    reviewer = TokenReviewer(None, AUDIENCE, review=lambda *_: _answer())
+    no_mark = RightsService(ledger, lambda: vm_caches("ns", "vm", "vm-p", "u1"),
+                            TokenCache(None, read=unreachable), unreachable,
+                            reviewer=reviewer)
+    assert no_mark.answer("POST", "/v1/rights", f"Bearer {token}", body)[0] == 503
+    assert not ledger.granted_this_term("u1")
+
+
+@pytest.mark.unit
 def test_a_pod_built_before_the_audience_is_still_granted_by_its_scaling_tokens_hmac() -> None:
     """Accepting both credentials is what lets an upgrade keep its guests: a pod built by an
     earlier release asks with the HMAC, which is checked as before and never reviewed."""

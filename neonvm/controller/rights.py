@@ -433,9 +433,9 @@ def reviewed_pod(review: dict[str, Any], audience: str) -> ReviewedPod | None:
 Review = Callable[[str, str], dict[str, Any]]
 """(token, audience) -> the TokenReview's answer; raises on a failed call."""
 
-REVIEW_ERRORS = (ApiException, OSError, HTTPError)
-"""What a failed review raises: an error answer, or none (urllib3's connection and
-timeout errors are not OSErrors)."""
+API_ERRORS = (ApiException, OSError, HTTPError)
+"""What a failed API call raises (a review, the term mark, a token Secret read): an error
+answer, or none (urllib3's connection and timeout errors are not OSErrors)."""
 
 
 class ReviewBudgetSpent(Exception):
@@ -582,7 +582,7 @@ class TokenReviewer:
                     f"{self._budget} reviews per {self._window:g} s for this pod")
             try:
                 pod = reviewed_pod(self._review(token, self.audience), self.audience)
-            except REVIEW_ERRORS as exc:
+            except API_ERRORS as exc:
                 if not isinstance(exc, ApiException) or not exc.status:  # no answer
                     with self._lock:
                         self._failing_until = self._clock() + self._retry_after
@@ -699,7 +699,7 @@ class RightsService:
         if not self.ledger.granted_this_term(request.pod_uid):
             try:
                 marked = self._mark_pod(request.namespace, found.name, request.pod_uid)
-            except (ApiException, OSError) as exc:
+            except API_ERRORS as exc:
                 return _refuse(503, NOT_LEADER, f"cannot mark the pod now: {exc}"[:200])
             if not marked:
                 return _not_current(request, "the pod is gone")
@@ -727,7 +727,7 @@ class RightsService:
             except ReviewBudgetSpent as exc:
                 return _refuse(429, REVIEW_BUDGET_SPENT,
                                f"too many token reviews for this pod now: {exc}"[:200])
-            except REVIEW_ERRORS as exc:
+            except API_ERRORS as exc:
                 return _refuse(503, NOT_LEADER, f"cannot review the token now: {exc}"[:200])
             if pod != ReviewedPod(request.namespace, found.name, request.pod_uid):
                 logger.info("rights: refused {ns}/{vm} pod {uid}: the token is bound to {pod}",
@@ -741,7 +741,7 @@ class RightsService:
             if token is not None and not bearer_matches(authorization, token, request.pod_uid):
                 token = self._tokens.token(request.namespace, found.secret_name,
                                            found.secret_uid, fresh=True)
-        except (ApiException, OSError) as exc:
+        except API_ERRORS as exc:
             return _refuse(503, NOT_LEADER, f"cannot read the VM's token now: {exc}"[:200])
         if token is None or not bearer_matches(authorization, token, request.pod_uid):
             return _refuse(401, UNAUTHORIZED, "the bearer does not match the VM's token")
