@@ -24,13 +24,13 @@ from neonvm import kube
 from neonvm.api import types
 from neonvm.controller import actions as act
 from neonvm.controller import decide as d
-from neonvm.controller import podspec
+from neonvm.controller import podspec, reasons
 from neonvm.controller.informer import project_pod
 from neonvm.controller.observe import pod_view
 from tests.support import shipped_reconciler
 from tests.support.autoscaler_view import ApplyingRunner, agent_patch, vm_of
 from tests.support.harness import create_vm, get_vm, runner_pods
-from tests.support.reconcile import NOWHERE, settle
+from tests.support.reconcile import AUTHORITY, NOWHERE, condition, settle, status_of
 
 GIB = 1 << 30
 LEASE = act.Fence(epoch=1, token=1)
@@ -41,10 +41,11 @@ FENCE = (1, 1, 3)
 
 
 def committed_vm(use: object = "500m", **spec: Any) -> types.VirtualMachine:
-    """A VM running at ``use`` (status says it), plan #3 committed."""
+    """A VM running at ``use`` (status says it), plan #3 (fence 1,1,3) committed."""
     vm = vm_of({"min": "250m", "max": 2, "use": use}, status={
         "phase": "Running", "podName": "p", "podUID": "pu", "node": "n1",
-        "podIP": "10.0.0.1", "cpus": use, "memorySize": "1Gi", "scaleSeq": 3})
+        "podIP": "10.0.0.1", "cpus": use, "memorySize": "1Gi", "scaleSeq": 3,
+        "fence": {"epoch": 1, "token": 1}})
     for k, v in spec.items():
         setattr(vm.spec, k, v)
     return vm
@@ -121,6 +122,27 @@ def test_a_pod_whose_record_cannot_follow_is_not_planned_again(
     # Each would be a plan after every plan, for good: a loop of status writes and
     # runner calls.
     assert isinstance(decided(vm, pod), act.Done), what
+
+
+@pytest.mark.unit
+def test_a_pod_whose_scale_fence_no_plan_wrote_is_not_planned_again_but_said() -> None:
+    # A tenant who may patch the runner pod sets its scale-fence above every plan: no
+    # plan's tell writes over it, so each plan would leave the record behind and be made
+    # again at once, for good (a plan loop). Read directly (the VM no older than the
+    # pod), such a fence is no plan's: the decision waits and says so (Degraded).
+    vm = committed_vm()
+    planted = raw_pod(cpus="1000m", annotations={types.ANNOTATION_SCALE_FENCE: "9,9,9"})
+    wait = decided(vm, planted)
+    assert isinstance(wait, act.Wait) and wait.condition == reasons.POD_SCALE_FENCE_AHEAD
+    assert "remove the vm.neon.tech/scale-fence annotation" in wait.reason
+    assert isinstance(decided(vm, planted, direct=False), act.ObserveDirect)
+    # The newest plan's own fence (status.fence, scaleSeq) is not above it: planned.
+    for newest in ("1,1,3", "1,1,2", "0,7,9"):
+        pod = raw_pod(cpus="1000m", annotations={types.ANNOTATION_SCALE_FENCE: newest})
+        assert isinstance(decided(vm, pod), act.PlanScale), newest
+    # A pod at the spec costs nothing, whatever its fence says.
+    assert isinstance(decided(vm, raw_pod(annotations={
+        types.ANNOTATION_SCALE_FENCE: "9,9,9"})), act.Done)
 
 
 @pytest.mark.unit
@@ -289,5 +311,40 @@ def test_a_resize_refused_for_good_is_recorded_on_the_pod_and_not_asked_again(
         assert isinstance(settle(reconciler_for(controller_api, runner), key).action,
                           act.Done)
         assert len(resizes) == 1 and len(runner.puts) == 1
+    finally:
+        runner.close()
+
+
+@pytest.mark.cluster
+def test_a_scale_fence_planted_on_the_pod_costs_one_plan_per_spec_change_and_is_said(
+        api: client.ApiClient, controller_api: client.ApiClient, namespace: str) -> None:
+    # A tenant with pod patch rights sets the pod's scale-fence above every plan. The
+    # next cpus.use change is planned, its PUT sent, its tell writes nothing (the pod
+    # carries a "newer" fence) and the commit records the fraction; the pod's record is
+    # then behind the spec. Before the fix that was a plan per reconcile, requeued at
+    # once, for good (~5 plans and 60 API requests a second for one VM).
+    runner = ApplyingRunner()
+    try:
+        pod, key = running_vm(api, controller_api, namespace, "plant", runner)
+        core = client.CoreV1Api(api)
+        core.patch_namespaced_pod(pod.metadata.name, namespace, {"metadata": {
+            "annotations": {types.ANNOTATION_SCALE_FENCE: "999,999,999"}}})
+        agent_patch(api, namespace, "plant", "500m", 1, revision=2)
+        rec = reconciler_for(controller_api, runner)
+        ends = [rec.reconcile(key, AUTHORITY, direct_first=True) for _ in range(4)]
+        assert [type(r.action) for r in ends] == [act.Wait] * 4, ends
+        assert ends[-1].action.condition == reasons.POD_SCALE_FENCE_AHEAD
+        assert ends[-1].requeue_after == d.POD_FENCE_RECHECK_SECONDS
+        assert len(runner.puts) == 1  # the spec change's own plan, and no other
+        degraded = condition(status_of(api, namespace, "plant"), "Degraded")
+        assert degraded is not None and (degraded["status"], degraded["reason"]) == (
+            "True", reasons.POD_SCALE_FENCE_AHEAD)
+        # The annotation removed: the next plan rewrites the record, Degraded clears.
+        core.patch_namespaced_pod(pod.metadata.name, namespace, {"metadata": {
+            "annotations": {types.ANNOTATION_SCALE_FENCE: None}}})
+        assert isinstance(settle(rec, key).action, act.Done)
+        assert pod_record(api, namespace, pod)[:3] == ("500m", "500m", "500m")
+        degraded = condition(status_of(api, namespace, "plant"), "Degraded")
+        assert degraded is not None and degraded["status"] == "False"
     finally:
         runner.close()

@@ -67,6 +67,7 @@ from neonvm.controller.reasons import (
     NAMESPACE_TERMINATING,
     NOT_TAKING_EFFECT,
     OBJECT_TOO_LARGE,
+    POD_SCALE_FENCE_AHEAD,
     PULL_SECRET_NOT_FOUND,
     READY,
     RECOVERED,
@@ -134,7 +135,7 @@ def recoverable(reason: str | None) -> bool:
         str(reason).endswith(NOT_TAKING_EFFECT)
         or reason in (STEP_BUDGET_EXHAUSTED, UNGATE_FORBIDDEN, CREATE_FORBIDDEN,
                       CREATE_FAILING, RUNNER_MISBEHAVING_REASON, RUNNER_UNREACHABLE_REASON,
-                      OBJECT_TOO_LARGE))
+                      OBJECT_TOO_LARGE, POD_SCALE_FENCE_AHEAD))
 
 
 def stuck_condition(reason: str, message: str) -> ConditionUpdate:
@@ -192,8 +193,9 @@ def desired_conditions(snap: Snapshot, final: act.Action) -> list[ConditionUpdat
                                        only_if_present=True))
 
     refused = snap.obs.create_failed_generation
-    if isinstance(final, act.Wait) and final.condition == PULL_SECRET_NOT_FOUND:
-        updates.append(ConditionUpdate(DEGRADED, "True", PULL_SECRET_NOT_FOUND, final.reason,
+    if isinstance(final, act.Wait) and final.condition in (PULL_SECRET_NOT_FOUND,
+                                                           POD_SCALE_FENCE_AHEAD):
+        updates.append(ConditionUpdate(DEGRADED, "True", final.condition, final.reason,
                                        generation=vm.generation))
     elif refused is None or refused < vm.generation:
         # Not (or no longer) refused for this generation: once a pod is committed, say so.

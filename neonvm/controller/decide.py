@@ -25,7 +25,13 @@ from __future__ import annotations
 
 from neonvm.api import times
 from neonvm.api.millicpu import MilliCPU
-from neonvm.api.types import FINALIZER, PendingPod, PendingScale, VirtualMachine
+from neonvm.api.types import (
+    ANNOTATION_SCALE_FENCE,
+    FINALIZER,
+    PendingPod,
+    PendingScale,
+    VirtualMachine,
+)
 from neonvm.controller import autoscaler_view
 from neonvm.controller.actions import (
     Action,
@@ -62,6 +68,7 @@ from neonvm.controller.looks import (
 from neonvm.controller.reasons import (
     DEGRADED,
     NAMESPACE_TERMINATING,
+    POD_SCALE_FENCE_AHEAD,
     PULL_SECRET_NOT_FOUND,
     RESTART_BACKOFF_CONDITION,
     SCALING_CONDITION,
@@ -73,6 +80,9 @@ from neonvm.controller.restarts import backoff_remaining, restart_backoff
 
 RUNNER_RECHECK_SECONDS = 2.0
 """How soon a scaling change whose runner could not be asked is looked at again."""
+POD_FENCE_RECHECK_SECONDS = 60.0
+"""How soon a pod whose scale-fence no plan of the VM wrote is looked at again (the
+pod's watch brings its repair sooner)."""
 
 
 def scale_fence(plan: PendingScale) -> tuple[int, int, int]:
@@ -124,6 +134,20 @@ def pod_behind(vm: VirtualMachine, pod: PodView) -> str | None:
             and pod.resize_refused != pod.scale_fence):
         return f"CPU request is {MilliCPU(pod.cpu_request)}, not its plan's resize to {use}"
     return None
+
+
+def pod_fence_ahead(vm: VirtualMachine, pod: PodView) -> bool:
+    """Whether ``pod``'s ``scale-fence`` is above every plan ``vm`` records: (epoch,
+    token) of ``status.fence``, ``status.scaleSeq``. Each plan is recorded in the VM
+    (its CAS stamps both) before its tell writes the pod, so read from a VM no older
+    than the pod, such a fence was written by no plan: a tenant's patch of the pod
+    (docs/protocol.md, "The pod's record")."""
+    if pod.scale_fence is None:
+        return False
+    fence = vm.status.fence
+    newest = ((fence.epoch, fence.token) if fence is not None else (0, 0)) + (
+        vm.status.scale_seq,)
+    return pod.scale_fence > newest
 
 
 def status_memory_bytes(vm: VirtualMachine) -> int | None:
@@ -456,6 +480,16 @@ def _decide_scaling(obs: Observation, vm: VirtualMachine, pod: PodView) -> Actio
             # not show yet the tell whose plan the VM shows committed.
             return ObserveDirect(reason=f"{pod.name} looks behind the spec ({stale}): "
                                         "confirm")
+        if pod_fence_ahead(vm, pod):
+            # No plan's tell writes over that fence (it is above theirs), so a plan
+            # would change nothing and be made again at once, for good: said instead.
+            return Wait(seconds=POD_FENCE_RECHECK_SECONDS, condition=POD_SCALE_FENCE_AHEAD,
+                        reason=f"{pod.name}'s {stale}, and its scale-fence "
+                               f"{pod.scale_fence} is above every scaling plan of the VM "
+                               f"(status.fence, scaleSeq {vm.status.scale_seq}): not "
+                               "written by this controller, so no plan can rewrite its "
+                               f"record; remove the {ANNOTATION_SCALE_FENCE} annotation from "
+                               f"{pod.name} (or restart the VM)")
         return _plan_scale(obs, vm, pod, want, f"{pod.name}'s {stale} (status says "
                                                f"{vm.status.cpus}, as the spec)")
     if fraction:

@@ -48,6 +48,11 @@ redirect, an oversized or endless answer, malformed JSON); see docs/security.md.
 RUNNER_UNREACHABLE_REASON = "RunnerUnreachable"
 """Degraded reason: the VM's runner has given no answer to ``GET /scale`` for a while
 while a scaling plan waits for it."""
+POD_SCALE_FENCE_AHEAD = "PodScaleFenceAhead"
+"""Wait condition and Degraded reason: the committed pod's record of its size is behind
+the spec, and its ``vm.neon.tech/scale-fence`` is above every scaling plan of the VM (no
+plan wrote it: a tenant's patch of the pod), so no plan can rewrite that record
+(docs/protocol.md, "The pod's record")."""
 OBJECT_TOO_LARGE = "ObjectTooLarge"
 """Degraded reason: the VM's JSON is above the cache's bound, so the controller leaves it
 alone (its running pod keeps its right to run) until it is smaller
