@@ -22,6 +22,7 @@ from kubernetes.client.exceptions import ApiException
 
 from neonvm import kube
 from neonvm.api import types
+from neonvm.api.millicpu import MilliCPU
 from neonvm.controller import actions as act
 from neonvm.controller import decide as d
 from neonvm.controller import podspec, reasons
@@ -136,6 +137,12 @@ def test_a_pod_whose_scale_fence_no_plan_wrote_is_not_planned_again_but_said() -
     assert isinstance(wait, act.Wait) and wait.condition == reasons.POD_SCALE_FENCE_AHEAD
     assert "remove the vm.neon.tech/scale-fence annotation" in wait.reason
     assert isinstance(decided(vm, planted, direct=False), act.ObserveDirect)
+    # Nor is a fraction of cpus.use planned for such a pod (its tell would write nothing).
+    fraction = committed_vm("500m")
+    fraction.status.cpus = MilliCPU(1000)
+    wait = decided(fraction, raw_pod(cpus="1000m", request="1", annotations={
+        types.ANNOTATION_SCALE_FENCE: "9,9,9"}))
+    assert isinstance(wait, act.Wait) and wait.condition == reasons.POD_SCALE_FENCE_AHEAD
     # The newest plan's own fence (status.fence, scaleSeq) is not above it: planned.
     for newest in ("1,1,3", "1,1,2", "0,7,9"):
         pod = raw_pod(cpus="1000m", annotations={types.ANNOTATION_SCALE_FENCE: newest})
@@ -316,13 +323,14 @@ def test_a_resize_refused_for_good_is_recorded_on_the_pod_and_not_asked_again(
 
 
 @pytest.mark.cluster
-def test_a_scale_fence_planted_on_the_pod_costs_one_plan_per_spec_change_and_is_said(
+def test_a_scale_fence_planted_on_the_pod_costs_no_plan_loop_and_is_said(
         api: client.ApiClient, controller_api: client.ApiClient, namespace: str) -> None:
-    # A tenant with pod patch rights sets the pod's scale-fence above every plan. The
-    # next cpus.use change is planned, its PUT sent, its tell writes nothing (the pod
-    # carries a "newer" fence) and the commit records the fraction; the pod's record is
-    # then behind the spec. Before the fix that was a plan per reconcile, requeued at
-    # once, for good (~5 plans and 60 API requests a second for one VM).
+    # A tenant with pod patch rights sets the pod's scale-fence above every plan; then
+    # cpus.use changes. No plan's tell writes over that fence, so a plan would leave the
+    # pod's record behind the spec. Before the fix: a plan per reconcile (its PUT sent,
+    # its tell writing nothing, the fraction committed), requeued at once, for good
+    # (~5 plans and 60 API requests a second for one VM). Now: no plan (a fraction
+    # changes nothing of the guest's vCPUs), a Wait, and Degraded says why.
     runner = ApplyingRunner()
     try:
         pod, key = running_vm(api, controller_api, namespace, "plant", runner)
@@ -335,7 +343,7 @@ def test_a_scale_fence_planted_on_the_pod_costs_one_plan_per_spec_change_and_is_
         assert [type(r.action) for r in ends] == [act.Wait] * 4, ends
         assert ends[-1].action.condition == reasons.POD_SCALE_FENCE_AHEAD
         assert ends[-1].requeue_after == d.POD_FENCE_RECHECK_SECONDS
-        assert len(runner.puts) == 1  # the spec change's own plan, and no other
+        assert not runner.puts
         degraded = condition(status_of(api, namespace, "plant"), "Degraded")
         assert degraded is not None and (degraded["status"], degraded["reason"]) == (
             "True", reasons.POD_SCALE_FENCE_AHEAD)

@@ -409,7 +409,10 @@ def _decide_scaling(obs: Observation, vm: VirtualMachine, pod: PodView) -> Actio
                 # The fraction is recorded only if the pod's annotations carry this plan
                 # (its tell may have been lost); else whole vCPUs, and the next plan
                 # writes them.
-                behind = pod.scale_fence is None or pod.scale_fence < fence
+                # A fence above the plan's was written by no plan the VM records (a
+                # tenant's, :func:`pod_fence_ahead`; a newer plan's would be recorded,
+                # and this commit's CAS refused): behind too.
+                behind = pod.scale_fence != fence
                 return CommitScale(seq=plan.seq, vcpus=runner.vcpus,
                                    memory_bytes=runner.memory_bytes, pod_behind=behind,
                                    reason=f"runner of {pod.name} reached {plan.cpus} vCPUs, "
@@ -424,6 +427,7 @@ def _decide_scaling(obs: Observation, vm: VirtualMachine, pod: PodView) -> Actio
             # No token, so no runner call: a cpus.use change within the pod's vCPUs is
             # done once its fenced annotation write has landed.
             return CommitScale(seq=plan.seq, vcpus=plan.cpus, memory_bytes=memory,
+                               pod_behind=pod.scale_fence != scale_fence(plan),
                                reason=f"{pod.name}'s annotations carry plan #{plan.seq} "
                                       f"(cpus.use within its {plan.cpus} vCPUs; no scaling "
                                       "token, so no runner call)")
@@ -474,22 +478,29 @@ def _decide_scaling(obs: Observation, vm: VirtualMachine, pod: PodView) -> Actio
                     and c.status == "False" and c.reason in SCALING_REFUSED), None)
     if refused is not None and refused.observed_generation == vm.generation:
         return None  # refused for this spec: the condition says why; a new spec tries again
+    gap = stale or (f"status says cpus {vm.status.cpus}, the spec "
+                    f"{vm.spec.guest.cpus.current}")
+    if (stale is not None or fraction) and pod_fence_ahead(vm, pod):
+        # No plan's tell writes over that fence (it is above theirs), so a plan would
+        # change nothing of the pod, its commit would record whole vCPUs, and it would
+        # be made again at once, for good: said instead (docs/protocol.md, "The pod's
+        # record"). Only the VM read no older than the pod tells a planted fence from a
+        # newer plan's.
+        if not obs.direct:
+            return ObserveDirect(reason=f"{pod.name}'s scale-fence {pod.scale_fence} is "
+                                        "above every scaling plan of the VM: confirm")
+        return Wait(seconds=POD_FENCE_RECHECK_SECONDS, condition=POD_SCALE_FENCE_AHEAD,
+                    reason=f"{pod.name}: {gap}, and its scale-fence {pod.scale_fence} "
+                           f"is above every scaling plan of the VM (status.fence, scaleSeq "
+                           f"{vm.status.scale_seq}): not written by this controller, so no "
+                           f"plan can rewrite its record; remove the {ANNOTATION_SCALE_FENCE} "
+                           f"annotation from {pod.name} (or restart the VM)")
     if stale is not None:
         if not obs.direct:
             # The cached pod and the cached VM come from two watches: the pod's may
             # not show yet the tell whose plan the VM shows committed.
             return ObserveDirect(reason=f"{pod.name} looks behind the spec ({stale}): "
                                         "confirm")
-        if pod_fence_ahead(vm, pod):
-            # No plan's tell writes over that fence (it is above theirs), so a plan
-            # would change nothing and be made again at once, for good: said instead.
-            return Wait(seconds=POD_FENCE_RECHECK_SECONDS, condition=POD_SCALE_FENCE_AHEAD,
-                        reason=f"{pod.name}'s {stale}, and its scale-fence "
-                               f"{pod.scale_fence} is above every scaling plan of the VM "
-                               f"(status.fence, scaleSeq {vm.status.scale_seq}): not "
-                               "written by this controller, so no plan can rewrite its "
-                               f"record; remove the {ANNOTATION_SCALE_FENCE} annotation from "
-                               f"{pod.name} (or restart the VM)")
         return _plan_scale(obs, vm, pod, want, f"{pod.name}'s {stale} (status says "
                                                f"{vm.status.cpus}, as the spec)")
     if fraction:
