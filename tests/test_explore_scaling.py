@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from neonvm.controller import decide
 from neonvm.controller.actions import Fence
 from neonvm.verify.scaling import (
     Mutants,
@@ -318,14 +319,16 @@ FRACTION_WORLD = _one_leader(initial_world(FRACTIONS, token=True))
 
 @pytest.mark.unit
 def test_a_fraction_reaches_status_only_with_the_plan_that_wrote_it_on_the_pod() -> None:
-    # Order (no annotation or CPU request from an older spec after a newer one) and
+    # Order (no annotation or CPU request from an older spec after a newer one),
     # claims (status.cpus never newly says a fraction the pod's annotations do not
-    # carry), with a crash anywhere in the tell, a replaced pod, with and without a
-    # scaling token (without: the fenced annotation write alone, no PUT), and with the
-    # kubelet changing the pod under the writes (409s, read again).
+    # carry) and pod convergence (the calm run brings status.cpus, the annotations and
+    # the CPU request to cpus.use, and goes quiet), with a crash anywhere in the tell,
+    # a replaced pod, with and without a scaling token (without: the fenced annotation
+    # write alone, no PUT), and with the kubelet changing the pod under the writes
+    # (409s, read again).
     for world in (FRACTION_WORLD, FRACTION_WORLD._replace(vm=FRACTION_WORLD.vm._replace(
             token=False)), FRACTION_WORLD._replace(bumps_left=1)):
-        report = explore_scaling(world, pod_writes=True, pod_convergence=False)
+        report = explore_scaling(world, pod_writes=True)
         print(f"fractions, token={world.vm.token}, bumps={world.bumps_left}: "
               f"{report.states} states, {report.transitions} transitions")
         assert report.violation is None, (report.violation, report.trace)
@@ -346,9 +349,9 @@ def test_with_no_fault_the_pod_and_status_follow_every_fraction() -> None:
 @pytest.mark.unit
 def test_two_leaders_and_whole_sizes_write_the_pod_in_plan_order() -> None:
     # The first world's failover, deposed leader and crash (no restart), with the pod's
-    # writes: a deposed leader's tell of plan #1 never lands over plan #2's.
-    report = explore_scaling(initial_world(restarts=0, token=True), pod_writes=True,
-                             pod_convergence=False)
+    # writes: a deposed leader's tell of plan #1 never lands over plan #2's, and the
+    # pod's record ends at the spec.
+    report = explore_scaling(initial_world(restarts=0, token=True), pod_writes=True)
     print(f"two leaders, pod writes: {report.states} states, {report.transitions} "
           f"transitions")
     assert report.violation is None, (report.violation, report.trace)
@@ -483,11 +486,56 @@ def test_two_leaders_never_resize_the_pod_to_an_older_fraction() -> None:
     # annotations carry this read's size, so the older read's resize never lands after
     # the newer one's.
     world = initial_world(FRACTIONS, token=True, restarts=0, crashes=0)
-    report = explore_scaling(world, pod_writes=True, pod_convergence=False,
-                             max_states=20_000)
+    report = explore_scaling(world, pod_writes=True, max_states=20_000)
     print(f"{report.states} states: {report.violation}: {report.trace}")
     assert report.violation is None, (report.violation, report.trace)  # within the cap
     trace = _breaks(explore_scaling(world, pod_writes=True, pod_convergence=False,
                                     liveness=False, mutants=Mutants(resize_any_read=True)),
                     "order")
     assert trace[-1].endswith("performs TellKubernetes (resize of plan #1)"), trace
+
+
+# A tenant's write: the pod's scale-fence planted above every plan (docs/protocol.md,
+# "The pod's record"). The calm run must go quiet (no plan after the faults stop).
+
+
+def _planted(token: bool, **faults: int) -> World:
+    """One leader; cpus.use 1000m -> 1500m (2 slots) -> 500m; the pod's scale-fence at
+    (99, 99, 99) from the start: no plan's tell writes over it."""
+    world = _one_leader(initial_world((frac(1500, 2), frac(500, 1)), token=token, **faults))
+    return world._replace(runner=world.runner._replace(scale_fence=(99, 99, 99)))
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("token", [True, False])
+def test_a_scale_fence_no_plan_wrote_costs_no_plan_loop(token: bool) -> None:
+    # Order, claims and a quiet calm run, with the faults (stale reads, a crash, a
+    # replaced pod: its new pod carries no planted fence). The pod's record cannot
+    # follow while the fence is there (pod convergence is not asked): decide waits and
+    # says so (PodScaleFenceAhead), and the commits record whole vCPUs.
+    _holds(explore_scaling(_planted(token), pod_writes=True, pod_convergence=False),
+           "quiescence")
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("token", [True, False])
+def test_a_plan_for_a_pod_whose_record_no_plan_can_write_loops(
+        token: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The decision before decide.pod_fence_ahead (review-podwrites F1): the pod behind
+    # the spec is planned again after every plan. The calm run's states look converged
+    # (guest and status at the spec), only its not going quiet shows the loop.
+    monkeypatch.setattr(decide, "pod_fence_ahead", lambda vm, pod: False)
+    world = _planted(token, restarts=0, crashes=0)
+    trace = _breaks(explore_scaling(world, pod_writes=True, pod_convergence=False),
+                    "quiescence")
+    assert trace[-1] == "(calm run)", trace
+    if not token:
+        return  # without a token, 1500m (2 vCPUs) is refused: the loop starts at 500m
+    # Wherever the calm run is cut, the loop shows: mid-plan, as no convergence; else
+    # as no quiet (before the quiet check, such a cut passed: at 40 steps, the default).
+    changed = next(w for step, w, _ in ScalingModel(pod_writes=True).successors(world)
+                   if "user sets use" in step)
+    cuts = {steps: ScalingModel(pod_writes=True, pod_convergence=False).converges(
+        changed, max_steps=steps) for steps in range(38, 42)}
+    assert all(v is not None for v in cuts.values()), cuts
+    assert cuts[40] is not None and cuts[40].property == "quiescence", cuts

@@ -68,6 +68,8 @@ The world: one VM, one committed runner pod at a time (always running), its runn
   ``TELL_ATTEMPTS``). The observation's pod carries what ``observe.pod_view`` reads of
   it (``scale-fence``, built size, the annotations' size, a Burstable pod's request),
   so ``decide`` plans again when the pod's record is behind the spec (``pod_behind``).
+  A tenant's write is modelled as a world that starts with the pod's ``scale-fence``
+  planted above every plan (tests/test_explore_scaling.py), not as a fault at any step.
 
 Properties:
 
@@ -78,7 +80,10 @@ Properties:
 * **Convergence** (from every reachable state): once the deposed leader and the faults
   stop, the newest leader, observing directly, brings the guest, the runner and status to
   the spec's size within a bounded number of steps; when the spec was refused for its
-  generation, to status saying what the guest has (no plan).
+  generation, to status saying what the guest has (no plan). **Quiescence**: it then
+  decides nothing more within those steps (a plan loop can pass through states that
+  look converged); not asked where retrying is by design (a guest refusing an unplug,
+  a removal still pending).
 * **Growth** (every runner apply, with unplugs refused): what the applied plan grows
   reaches the plan's size, whatever unplug of the other resource is refused.
 * With the pod's writes: **order** for the pod too (no annotation or CPU request computed
@@ -1191,10 +1196,12 @@ class ScalingModel:
     def _calm_run(self, s: World, i: int, max_steps: int) -> Violation | None:
         if s.created is not None:
             s = self.commit_pod(s)
+        quiet = False  # the run ended with nothing left to decide (observe gave None)
         for _ in range(max_steps):
             if s.workers[i].held is None:  # else: the tell of its last ApplyScale goes on
                 held = self.observe(s, i, s.vm)
                 if held is None:
+                    quiet = True
                     break
                 s = s._replace(workers=_set(s.workers, i, s.workers[i]._replace(held=held)))
             before = s
@@ -1225,6 +1232,12 @@ class ScalingModel:
                                                 f"{s.vm.look or 'nothing'} (status "
                                                 f"{s.vm.size}, guest {s.runner.guest})")
             return None
+        # Converged, the run must also have gone quiet: a plan loop (each plan leaving a
+        # reason for the next) can pass through states that look converged.
+        loud = None if quiet else Violation(
+            "quiescence", f"the calm run still decides after {max_steps} steps (plan "
+                          f"{s.vm.pending}, scaleSeq {s.vm.scale_seq}, status {s.vm.size}, guest "
+                          f"{s.runner.guest}): a plan loop")
         if refused:
             # Refused for this spec: no plan until it changes; status must say what the
             # guest has (whatever a late PUT left it at).
@@ -1232,7 +1245,7 @@ class ScalingModel:
                 return Violation("convergence", f"refused for this spec; calm run ends "
                                                 f"with guest {s.runner.guest}, status "
                                                 f"{s.vm.size}, plan {s.vm.pending}")
-            return None
+            return loud
         if (self.refuse_cpu_unplug and want[0] < s.runner.guest[0]) or (
                 self.refuse_unplug and want[1] < s.runner.guest[1]) or s.runner.removing:
             # Cannot be reached (or not until the guest finishes an unplug it may never
@@ -1246,7 +1259,9 @@ class ScalingModel:
             return Violation("convergence", f"calm run ends with guest {s.runner.guest}, "
                                             f"status {s.vm.size}, plan {s.vm.pending}; "
                                             f"spec asks {want}")
-        return self._pod_converged(s) if self.pod_writes and self.pod_convergence else None
+        if self.pod_writes and self.pod_convergence:
+            return self._pod_converged(s) or loud
+        return loud
 
     def _pod_converged(self, s: World) -> Violation | None:
         """At the spec's size: ``status.cpus`` is the spec's ``cpus.use`` exactly, the
