@@ -26,6 +26,7 @@ from neonvm.api.millicpu import MilliCPU
 from neonvm.controller import actions as act
 from neonvm.controller import decide as d
 from neonvm.controller import podspec, reasons
+from neonvm.controller.events import EventRecorder
 from neonvm.controller.informer import project_pod
 from neonvm.controller.observe import pod_view
 from tests.support import shipped_reconciler
@@ -206,11 +207,12 @@ def running_vm(api: client.ApiClient, controller_api: client.ApiClient, namespac
     return pod, key
 
 
-def reconciler_for(controller_api: client.ApiClient, runner: ApplyingRunner) -> Any:
+def reconciler_for(controller_api: client.ApiClient, runner: ApplyingRunner,
+                   **kw: Any) -> Any:
     from neonvm.controller.scaling import RunnerScaling
 
     return shipped_reconciler(controller_api, scaling=RunnerScaling(
-        controller_api, address=lambda vm, pod: f"http://127.0.0.1:{runner.port}"))
+        controller_api, address=lambda vm, pod: f"http://127.0.0.1:{runner.port}"), **kw)
 
 
 def pod_record(api: client.ApiClient, namespace: str, pod: Any) -> tuple[Any, ...]:
@@ -356,3 +358,42 @@ def test_a_scale_fence_planted_on_the_pod_costs_no_plan_loop_and_is_said(
         assert degraded is not None and degraded["status"] == "False"
     finally:
         runner.close()
+
+
+@pytest.mark.cluster
+def test_a_resize_refused_by_a_quota_is_recorded_and_said_by_a_warning_event(
+        api: client.ApiClient, controller_api: client.ApiClient, namespace: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # A namespace ResourceQuota refuses the resize (403, exceeded quota); it may take it
+    # later, but asking again at once would be a plan per reconcile: recorded like any
+    # refusal, and said to people by a Warning event on the VM (review-podwrites F2:
+    # before, a log line only).
+    runner = ApplyingRunner()
+    try:
+        pod, key = running_vm(api, controller_api, namespace, "quota", runner)
+        real = kube.request
+
+        def request(api_: Any, method: str, path: str, *args: Any, **kw: Any) -> Any:
+            if path.endswith("/resize"):
+                refused = ApiException(status=403, reason="Forbidden")
+                refused.body = json.dumps({
+                    "kind": "Status", "status": "Failure", "code": 403,
+                    "reason": "Forbidden", "message": 'pods "x" is forbidden: exceeded '
+                    "quota: cpu, requested: requests.cpu=500m, used: requests.cpu=2, "
+                    "limited: requests.cpu=2"})
+                raise refused
+            return real(api_, method, path, *args, **kw)
+
+        monkeypatch.setattr(kube, "request", request)
+        agent_patch(api, namespace, "quota", "500m", 1, revision=2)
+        rec = reconciler_for(controller_api, runner,
+                             events=EventRecorder(controller_api, "test"))
+        assert isinstance(settle(rec, key).action, act.Done)
+        assert pod_record(api, namespace, pod) == ("500m", "500m", "1", "1,10,1")
+        events = [e for e in client.CoreV1Api(api).list_namespaced_event(namespace).items
+                  if e.reason == reasons.RESIZE_REFUSED]
+        assert [(e.type, e.involved_object.name) for e in events] == [("Warning", "quota")]
+        assert "exceeded quota" in events[0].message, events[0].message
+    finally:
+        runner.close()
+

@@ -514,6 +514,9 @@ def apply_scale(ctx: StepContext, step: Step) -> str:
     reconcile stuck (:func:`~neonvm.controller.reconciler.paused`)."""
     action, authority = step.action, step.authority
     outcome = ctx.scaling.apply(action, step.snap, step.log)
+    warning = getattr(outcome, "warning", "")
+    if warning and step.snap.record is not None:  # the pod's resize refused
+        ctx.events.record(step.snap.record.vm, reasons.RESIZE_REFUSED, warning, warning=True)
     # A PUT may have taken the whole deadline: whatever follows (a drop, a Degraded
     # write, another step) is decided under an authority checked after it.
     authority.check()

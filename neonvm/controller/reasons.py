@@ -109,6 +109,11 @@ RUNNER_UNLABELLED = "RunnerUnlabelled"
 LOOK_GIVEN_UP = "ScaleLookGivenUp"
 """Warning: the look after a dropped scaling plan ended unsettled
 (:data:`~neonvm.controller.looks.LOOK_GIVE_UP_SECONDS`)."""
+RESIZE_REFUSED = "ResizeRefused"
+"""Warning: the API server refused a scaling plan's in-place resize of the runner pod
+(a ResourceQuota, an admission webhook, a QoS class change; on a cluster without
+in-place resize only at the pod's first refusal): its CPU request and limit stay until a
+later plan's resize is taken (neonvm/controller/scaling.py, ``_resize_refused``)."""
 SSH_KEY_UNAVAILABLE = "SSHKeyUnavailable"
 """Warning: the API server refused the VM's SSH key Secret (no RBAC rule, the admission
 fence, a quota); its runner pod starts without a key (neonvm/controller/ssh_keys.py)."""

@@ -153,13 +153,16 @@ def parse_scale_fence(text: object) -> tuple[int, int, int] | None:
 
 
 class Result(str):
-    """What an apply came to ("done", or why not), with a detail for people."""
+    """What an apply came to ("done", or why not), with a detail for people, and the
+    message of a Warning event the performer records ("" none: a resize refused)."""
 
     detail: str
+    warning: str
 
-    def __new__(cls, value: str, detail: str = "") -> Result:
+    def __new__(cls, value: str, detail: str = "", warning: str = "") -> Result:
         obj = super().__new__(cls, value)
         obj.detail = detail
+        obj.warning = warning
         return obj
 
 
@@ -557,8 +560,8 @@ class RunnerScaling:
         fence = d.scale_fence(plan)
         for _ in range(TELL_ATTEMPTS):
             told = self._tell_once(vm, pod, memory_bytes, plan, fence, log)
-            if told == "done":
-                return None
+            if told == "done":  # with the warning of a refused resize, if any
+                return told if isinstance(told, Result) and told.warning else None
             if told != "conflict":
                 return told if isinstance(told, Result) else Result(POD_NOT_ANNOTATED, told)
         detail = (f"the usage annotation or the CPU request of {pod.name} for plan {fence} "
@@ -658,24 +661,30 @@ class RunnerScaling:
                 return Result(POD_NOT_RESIZED, f"the in-place resize of {pod.name} "
                                                f"failed: {why}")
             # Refused for good (no in-place resize before Kubernetes 1.33, a QoS class
-            # change, RBAC): recorded, so that the pod is not planned again for it.
-            return self._resize_refused(vm, pod, fence, version, why, log)
+            # change, RBAC), or until something else changes (a ResourceQuota's 403, an
+            # admission webhook's denial): recorded, so that the pod is not planned
+            # again for it, and said by a Warning event (on a cluster without in-place
+            # resize, the 404, only at the pod's first refusal).
+            first = types.ANNOTATION_RESIZE_REFUSED not in (meta.get("annotations") or {})
+            return self._resize_refused(vm, pod, fence, version, why, log,
+                                        warn=first or exc.status != 404)
         taken = runner_cpu_request(resized if isinstance(resized, dict) else {})
         if taken is not None and taken != request:
             # Taken at another request (an admission plugin's change): asking again
             # would get the same, so it is recorded like a refusal.
             return self._resize_refused(
                 vm, pod, fence, (resized.get("metadata") or {}).get("resourceVersion"),
-                f"taken with CPU request {taken}m, not {request}m", log)
+                f"taken with CPU request {taken}m, not {request}m", log, warn=True)
         return "done"
 
     def _resize_refused(self, vm: VirtualMachine, pod: act.PodView,
                         fence: tuple[int, int, int], version: object, why: str,
-                        log: Any) -> str:
+                        log: Any, warn: bool) -> str:
         """Record on the pod that plan ``fence``'s resize was refused for good
         (:data:`~neonvm.api.types.ANNOTATION_RESIZE_REFUSED`, by the resourceVersion of
-        the read or write whose pod carries that plan): "done", "conflict", or the
-        :data:`POD_NOT_RESIZED` result when the record cannot be written."""
+        the read or write whose pod carries that plan): "done" (with the Warning event's
+        message when ``warn``), "conflict", or the :data:`POD_NOT_RESIZED` result when
+        the record cannot be written."""
         log.warning("{pod}: the in-place resize of plan {f} was refused ({why}): its CPU "
                     "request and limit stay as they are", pod=pod.name, f=fence, why=why)
         patch = {"metadata": {"uid": pod.uid, "resourceVersion": version, "annotations": {
@@ -689,7 +698,13 @@ class RunnerScaling:
             return Result(POD_NOT_RESIZED, f"the in-place resize of {pod.name} was refused "
                                            f"({why}) and recording so failed: {exc.status} "
                                            f"{kube.api_error_message(exc)}")
-        return "done"
+        if not warn:
+            return "done"
+        return Result("done", warning=(
+            f"the in-place resize of runner pod {pod.name} was refused ({why}): its CPU "
+            "request and limit stay as they are until a later scaling plan's resize is "
+            "taken (this plan's is not asked again, even if what refused it, a "
+            "ResourceQuota or an admission webhook, would take it now)"))
 
 
 def _qos_class(pod: dict[str, Any]) -> str:
