@@ -21,11 +21,12 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from neonvm import kube
-from neonvm.api.rights import NOT_LEADER, UNAUTHORIZED
+from neonvm.api.rights import UNAUTHORIZED
 from neonvm.controller.rights import (
     POD_NAME_EXTRA,
     POD_UID_EXTRA,
     REVIEW_BUDGET_SPENT,
+    REVIEW_UNAVAILABLE,
     ReviewBudgetSpent,
     ReviewedPod,
     TokenReviewer,
@@ -478,7 +479,7 @@ def test_a_review_outage_keeps_reviewed_tokens_granted_and_refuses_others_503(
                 assert leader.ask(namespace, "vm", uid, token)[0] == 200
                 status, body = leader.ask(namespace, "vm", uid,
                                           mint(api, namespace, "vm-p", uid))
-            assert (status, body["reason"]) == (503, NOT_LEADER)
+            assert (status, body["reason"]) == (503, REVIEW_UNAVAILABLE)
             assert leader.reviewer.reviews == 3
         finally:
             leader.close()
@@ -549,8 +550,42 @@ def test_a_review_error_answers_503_not_a_grant() -> None:
                        "kubernetes.io": {"pod": {"uid": "u1"}}})
     status, body = service.answer("POST", "/v1/rights", f"Bearer {token}",
                                   b'{"namespace":"ns","vm":"vm","podUID":"u1"}')
-    assert (status, body["reason"]) == (503, NOT_LEADER)
+    assert (status, body["reason"]) == (503, REVIEW_UNAVAILABLE)
     assert not ledger.granted_this_term("u1")
+
+
+@pytest.mark.unit
+def test_reviews_that_fail_do_not_spend_the_pods_budget() -> None:
+    """A burst of review errors (a new leader's first second under a struggling API
+    server, the runner asking again within it) leaves the pod's budget whole: once the
+    API server answers, the next ask is reviewed and granted, not refused 429 for the
+    rest of the window, which outlasts the right (review-fixes M1)."""
+    from neonvm.controller.rights import RightsLedger, RightsService, TokenCache
+    from tests.support.rights_sa_token import vm_caches
+
+    failing = [True]
+
+    def review(token: str, audience: str) -> dict[str, Any]:
+        if failing[0]:
+            raise ApiException(status=500, reason="etcdserver: request timed out")
+        return _answer()
+
+    ledger = RightsLedger()
+    ledger.begin_term(lambda: True)
+    service = RightsService(ledger, lambda: vm_caches("ns", "vm", "vm-p", "u1"),
+                            TokenCache(None, read=lambda *_: None), lambda *_: True,
+                            reviewer=TokenReviewer(None, AUDIENCE, review=review, budget=4))
+    token = _unsigned({"aud": [AUDIENCE], "exp": time.time() + 600,
+                       "kubernetes.io": {"pod": {"uid": "u1"}}})
+
+    def ask() -> tuple[int, str]:
+        status, body = service.answer("POST", "/v1/rights", f"Bearer {token}",
+                                      b'{"namespace":"ns","vm":"vm","podUID":"u1"}')
+        return status, str(body.get("reason", ""))
+
+    assert [ask() for _ in range(10)] == [(503, REVIEW_UNAVAILABLE)] * 10
+    failing[0] = False
+    assert ask()[0] == 200
 
 
 @pytest.mark.unit

@@ -446,6 +446,8 @@ class ReviewBudgetSpent(Exception):
 REVIEW_BUDGET_SPENT = "ReviewBudgetSpent"
 """Refusal reason (429): the pod's token reviews for this window are spent
 (:class:`TokenReviewer`); the runner asks again at its next retry."""
+REVIEW_UNAVAILABLE = "ReviewUnavailable"
+"""Refusal reason (503): the token could not be reviewed now (no answer, 429, 5xx)."""
 
 
 class TokenReviewer:
@@ -552,6 +554,13 @@ class TokenReviewer:
             self.reviews += 1
             return True
 
+    def _refund(self, budget: tuple[str, str, bool]) -> None:
+        """Give back one charge of ``budget`` (a review that got no answer or an error)."""
+        with self._lock:
+            start, spent = self._spent.get(budget, (self._clock(), 0))
+            if spent > 0:
+                self._spent[budget] = (start, spent - 1)
+
     def pod_of(self, token: str, pod_uid: str, namespace: str = "", *,
                from_pod: bool = False) -> ReviewedPod | None:
         """The pod ``token`` is bound to, if it may be ``pod_uid``'s (else None), asked
@@ -583,6 +592,10 @@ class TokenReviewer:
             try:
                 pod = reviewed_pod(self._review(token, self.audience), self.audience)
             except API_ERRORS as exc:
+                # No review took place: the charge goes back, or a second of errors at
+                # a new leader (the runner asks again within one) would spend the
+                # pod's budget for a whole window, longer than its right.
+                self._refund((namespace, pod_uid, from_pod))
                 if not isinstance(exc, ApiException) or not exc.status:  # no answer
                     with self._lock:
                         self._failing_until = self._clock() + self._retry_after
@@ -728,7 +741,10 @@ class RightsService:
                 return _refuse(429, REVIEW_BUDGET_SPENT,
                                f"too many token reviews for this pod now: {exc}"[:200])
             except API_ERRORS as exc:
-                return _refuse(503, NOT_LEADER, f"cannot review the token now: {exc}"[:200])
+                # Not NotLeader: the runner sends that again at once; another 503 it
+                # asks again within a second (neonvm/runner/right.py).
+                return _refuse(503, REVIEW_UNAVAILABLE,
+                               f"cannot review the token now: {exc}"[:200])
             if pod != ReviewedPod(request.namespace, found.name, request.pod_uid):
                 logger.info("rights: refused {ns}/{vm} pod {uid}: the token is bound to {pod}",
                             ns=request.namespace[:253], vm=request.vm[:253],
