@@ -372,6 +372,23 @@ def test_release_deletes_the_lock_and_a_new_holder_gets_a_higher_token(
 
 
 @pytest.mark.cluster
+def test_a_manager_keeps_nothing_per_vm_once_no_acquire_of_its_lock_is_under_way(
+    etcd: Etcd, new_session: SessionFactory, prefix: str
+) -> None:
+    # VMs come and go under churn: the per-key state that serializes acquires must go
+    # with them, whether the acquire got the lock (then released) or was refused.
+    a = manager(etcd, new_session(name="a"), "replica-a", prefix)
+    b = manager(etcd, new_session(name="b"), "replica-b", prefix)
+    for i in range(20):
+        guard = a.acquire("default", f"vm-{i}", f"uid-{i}", epoch=1)
+        with pytest.raises(LockHeld):
+            b.acquire("default", f"vm-{i}", f"uid-{i}", epoch=1)
+        assert guard.release() is True
+    assert a._key_mutexes == {} and b._key_mutexes == {}
+    assert a.held() == [] and b.held() == []
+
+
+@pytest.mark.cluster
 def test_a_waiting_acquire_gets_the_lock_when_the_holders_lease_ends(
     etcd: Etcd, new_session: SessionFactory, prefix: str
 ) -> None:

@@ -553,7 +553,9 @@ class LockManager:
         self.table = LockTable(etcd, prefix, installation)
         self._guards: dict[str, LockGuard] = {}
         self._mutex = threading.Lock()
-        self._key_mutexes: dict[str, threading.Lock] = {}
+        self._key_mutexes: dict[str, tuple[threading.Lock, int]] = {}
+        """Per lock key being acquired now: the mutex that serializes its acquires, and
+        how many callers are using it (dropped at zero: a deleted VM's key is not kept)."""
         self._unregister = session.on_lost(self._session_lost)
 
     def acquire(self, namespace: str, name: str, vm_uid: str, epoch: int, *,
@@ -567,21 +569,35 @@ class LockManager:
         """
         key = lock_key(self.prefix, self.installation, namespace, name)
         with self._mutex:
-            key_mutex = self._key_mutexes.setdefault(key, threading.Lock())
-        with key_mutex:
-            existing = self._guards.get(key)
-            if (existing is not None and existing.held and existing.vm_uid == vm_uid
-                    and existing.epoch == epoch):
-                return existing
-            guard = self._acquire(namespace, name, key, vm_uid, epoch, wait)
+            key_mutex, users = self._key_mutexes.get(key, (threading.Lock(), 0))
+            self._key_mutexes[key] = (key_mutex, users + 1)
+        try:
+            with key_mutex:
+                return self._acquire_serialized(namespace, name, key, vm_uid, epoch, wait)
+        finally:
             with self._mutex:
-                previous = self._guards.get(key)
-                self._guards[key] = guard
-            if previous is not None and previous is not guard:
-                previous._lose(f"replaced by a new acquisition (token {guard.token})")
-            if self.session.is_lost():
-                guard._lose(f"session lost: {self.session.lost_reason}")
-            return guard
+                key_mutex, users = self._key_mutexes[key]
+                if users > 1:
+                    self._key_mutexes[key] = (key_mutex, users - 1)
+                else:
+                    del self._key_mutexes[key]
+
+    def _acquire_serialized(self, namespace: str, name: str, key: str, vm_uid: str,
+                            epoch: int, wait: float) -> LockGuard:
+        """:meth:`acquire` under ``key``'s mutex."""
+        existing = self._guards.get(key)
+        if (existing is not None and existing.held and existing.vm_uid == vm_uid
+                and existing.epoch == epoch):
+            return existing
+        guard = self._acquire(namespace, name, key, vm_uid, epoch, wait)
+        with self._mutex:
+            previous = self._guards.get(key)
+            self._guards[key] = guard
+        if previous is not None and previous is not guard:
+            previous._lose(f"replaced by a new acquisition (token {guard.token})")
+        if self.session.is_lost():
+            guard._lose(f"session lost: {self.session.lost_reason}")
+        return guard
 
     def held(self) -> list[LockGuard]:
         with self._mutex:
