@@ -542,7 +542,9 @@ def soak(args: argparse.Namespace) -> Record:
             return record
         say(f"{args.vms} VMs converged in {record.setup_s:.0f}s; soaking for "
             f"{args.minutes:g} min")
-        _soak(args, record, cluster, target, names, scalable, rng, Watchdog, leader_tracker)
+        if args.minutes > 0:  # --minutes 0: no churn round at all (a fleet to delete)
+            _soak(args, record, cluster, target, names, scalable, rng, Watchdog,
+                  leader_tracker)
         say("churn stopped; waiting for every VM to converge")
         every = names + record.churn.get("live", [])
         t1 = time.monotonic()
