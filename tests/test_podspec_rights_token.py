@@ -13,39 +13,22 @@ import pytest
 from kubernetes import client
 
 from neonvm import kube
-from neonvm.api.millicpu import MilliCPU
 from neonvm.api.rights import RIGHT_SECONDS_ANNOTATION, RIGHTS_TOKEN_FILE_ENV
 from neonvm.api.types import (
-    FINALIZER,
     Disk,
     PendingPod,
     RootDisk,
     VirtualMachine,
     VirtualMachineSpec,
-    VirtualMachineStatus,
 )
 from neonvm.controller import podspec
 from neonvm.runner.main import runner_options
+from tests.support.rights import fencing_vm
 
 AUDIENCE = "vm.neon.tech/rights/ops/nvm-neonvm-controller"
 PLAN = PendingPod(name="vm-01234567-1", plan_seq=1, token=40, epoch=3, generation=1)
 ON = podspec.PodDefaults(right_seconds=30.0, rights_url="http://rights:8082",
                          rights_audience=AUDIENCE)
-
-
-def vm(token: str | None = None, *, scalable: bool = False, **spec: Any) -> VirtualMachine:
-    v = VirtualMachine(name="vm", namespace="ns", uid="0123456789abcdef",
-                       resource_version="1", generation=1,
-                       spec=VirtualMachineSpec(restart_policy="Always", **spec),
-                       status=VirtualMachineStatus(scaling_token_secret=token,
-                                                   scaling_token_secret_uid="s-uid"
-                                                   if token else None),
-                       finalizers=[FINALIZER])
-    if not scalable:
-        return v
-    guest = dataclasses.replace(v.spec.guest, cpus=dataclasses.replace(
-        v.spec.guest.cpus, max=MilliCPU.parse("2")))
-    return dataclasses.replace(v, spec=dataclasses.replace(v.spec, guest=guest))
 
 
 def token_volumes(pod: dict[str, Any]) -> list[dict[str, Any]]:
@@ -57,7 +40,8 @@ def env(container: dict[str, Any]) -> dict[str, Any]:
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("v", [vm(), vm(scalable=True), vm("neonvm-scaling-x", scalable=True)],
+@pytest.mark.parametrize("v", [fencing_vm(), fencing_vm(scalable=True),
+                               fencing_vm("neonvm-scaling-x", scalable=True)],
                          ids=["no-secret", "scalable-no-secret", "scalable-with-secret"])
 def test_with_an_audience_a_vm_self_fences_with_a_projected_token_of_it(
         v: VirtualMachine) -> None:
@@ -81,12 +65,12 @@ def test_with_an_audience_a_vm_self_fences_with_a_projected_token_of_it(
 @pytest.mark.unit
 def test_without_an_audience_nothing_is_projected_and_a_token_secret_is_still_needed() -> None:
     before = podspec.PodDefaults(right_seconds=30.0, rights_url="http://rights:8082")
-    assert token_volumes(podspec.runner_pod(vm("neonvm-scaling-x"), PLAN, before)) == []
-    assert RIGHT_SECONDS_ANNOTATION not in podspec.runner_pod(vm(), PLAN, before)[
+    assert token_volumes(podspec.runner_pod(fencing_vm("neonvm-scaling-x"), PLAN, before)) == []
+    assert RIGHT_SECONDS_ANNOTATION not in podspec.runner_pod(fencing_vm(), PLAN, before)[
         "metadata"]["annotations"]
     off = dataclasses.replace(ON, right_seconds=0.0)
-    assert token_volumes(podspec.runner_pod(vm(), PLAN, off)) == []
-    own = vm(runner_image="mine:1")  # its runner may not kill its guest: no right, no token
+    assert token_volumes(podspec.runner_pod(fencing_vm(), PLAN, off)) == []
+    own = fencing_vm(runner_image="mine:1")  # its runner may not kill its guest: no right, no token
     assert token_volumes(podspec.runner_pod(own, PLAN, ON)) == []
 
 
@@ -98,7 +82,7 @@ def test_the_token_reaches_neither_a_guest_disk_nor_the_root_disk_image() -> Non
     disks = [Disk(name="rights", config_map={"name": "cm"}),
              Disk(name="vm-rights-token", secret={"secretName": "s"}),
              Disk(name="token", empty_disk={"size": "1Gi"})]
-    pod = podspec.runner_pod(vm(disks=disks, guest=dataclasses.replace(
+    pod = podspec.runner_pod(fencing_vm(disks=disks, guest=dataclasses.replace(
         VirtualMachineSpec().guest, root_disk=RootDisk(image="tenant/disk:1"))), PLAN, ON)
     (runner,) = pod["spec"]["containers"]
     (init,) = pod["spec"]["initContainers"]
@@ -123,7 +107,7 @@ def test_the_api_server_accepts_the_pod_with_its_projected_token(
     """expirationSeconds is within what the API allows (600 s and up), and a projected
     token needs the pod's service account named (the controller names "default" when the
     VM names none); the stored pod keeps the volume."""
-    pod = podspec.runner_pod(dataclasses.replace(vm(), namespace=namespace), PLAN, ON)
+    pod = podspec.runner_pod(dataclasses.replace(fencing_vm(), namespace=namespace), PLAN, ON)
     assert pod["spec"]["serviceAccountName"] == "default"
     created = kube.request(controller_api, "POST", f"/api/v1/namespaces/{namespace}/pods",
                            body=pod)

@@ -15,41 +15,21 @@ from typing import Any
 import click
 import pytest
 
-from neonvm.api.millicpu import MilliCPU
 from neonvm.api.rights import RIGHTS_CLOSED_ENV, RIGHTS_URL_ENV
 from neonvm.api.types import (
-    FINALIZER,
     PendingPod,
     VirtualMachine,
-    VirtualMachineSpec,
-    VirtualMachineStatus,
 )
 from neonvm.controller import podspec
 from neonvm.runner.guestnet import DEFAULT_GUEST_NETWORK, frame_verdict
 from neonvm.runner.main import guest_blocked, runner_options
+from tests.support.rights import fencing_vm
 
 pytestmark = pytest.mark.unit
 
 
-def vm(token: str | None = None, *, scalable: bool = False) -> VirtualMachine:
-    """A VM (``scalable``: cpus.max 2, so it may scale live), with a scaling token Secret
-    recorded when ``token``."""
-    v = VirtualMachine(name="vm", namespace="ns", uid="0123456789abcdef",
-                       resource_version="1", generation=1,
-                       spec=VirtualMachineSpec(restart_policy="Always"),
-                       status=VirtualMachineStatus(scaling_token_secret=token,
-                                                   scaling_token_secret_uid="s-uid"
-                                                   if token else None),
-                       finalizers=[FINALIZER])
-    if not scalable:
-        return v
-    guest = dataclasses.replace(v.spec.guest, cpus=dataclasses.replace(
-        v.spec.guest.cpus, max=MilliCPU.parse("2")))
-    return dataclasses.replace(v, spec=dataclasses.replace(v.spec, guest=guest))
-
-
 def scalable_vm(token: str | None = "neonvm-scaling-x") -> VirtualMachine:
-    return vm(token, scalable=True)
+    return fencing_vm(token, scalable=True)
 
 
 def syn(dst: str, dport: int) -> bytes:
@@ -82,7 +62,7 @@ def own_image(v: VirtualMachine) -> VirtualMachine:
     return dataclasses.replace(v, spec=dataclasses.replace(v.spec, runner_image="mine:1"))
 
 
-@pytest.mark.parametrize("v", [vm(), scalable_vm(None), own_image(scalable_vm())],
+@pytest.mark.parametrize("v", [fencing_vm(), scalable_vm(None), own_image(scalable_vm())],
                          ids=["no-token", "scalable-no-token", "own-runner-image"])
 def test_a_pod_that_does_not_self_fence_still_has_the_rights_port_closed(
         v: VirtualMachine) -> None:
@@ -101,7 +81,7 @@ def test_a_self_fencing_pod_closes_the_port_by_its_own_url() -> None:
 
 
 def test_without_a_rights_url_nothing_more_is_closed() -> None:
-    pod_env = env(podspec.runner_pod(vm(), PLAN, podspec.PodDefaults()))
+    pod_env = env(podspec.runner_pod(fencing_vm(), PLAN, podspec.PodDefaults()))
     assert RIGHTS_CLOSED_ENV not in pod_env and RIGHTS_URL_ENV not in pod_env
     assert leader_reached(pod_env) == [None, None]
 

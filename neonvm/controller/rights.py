@@ -390,7 +390,7 @@ def unverified_claims(token: str) -> dict[str, Any] | None:
 CLOCK_LEEWAY = 120.0
 """Seconds past its ``exp`` (by the leader's wall clock) a token is still sent for review:
 the API server judges expiry by its own clock, and a leader's clock ahead of it must not
-refuse tokens the kubelet has not rotated yet (it rotates at 80 % of 600 s)."""
+refuse tokens the kubelet has not rotated yet (it rotates at 80 % of their life)."""
 
 
 def claims_may_match(claims: dict[str, Any], audience: str, pod_uid: str, now: float) -> bool:
@@ -460,8 +460,8 @@ class TokenReviewer:
     spelling): an answer binding it to a pod is fresh for ``ttl`` seconds (and never past
     half the token's remaining life), a refusal for ``refused_ttl``; each cache keeps at
     most ``max_entries`` (the least recently used go first), and reviews are
-    single-flight per token. A runner renewing every D/3 with the 600 s token the kubelet
-    rotates after 480 s thus costs one review per 240 s. Each pod (namespace, uid) gets at
+    single-flight per token. A runner renewing every D/3 with the 7,200 s token the kubelet
+    rotates after 5,760 s thus costs one review per 240 s. Each pod (namespace, uid) gets at
     most ``budget`` reviews per ``window`` seconds for asks from its own IP, and as many
     for asks from anywhere else, whatever the tokens: the caller asks only for current
     pods, so reviews are bounded by live pods; over it, :class:`ReviewBudgetSpent`. Asks

@@ -11,6 +11,7 @@ fails the test. Also the caches, Secret and ask helpers the rights tests share."
 from __future__ import annotations
 
 import base64
+import dataclasses
 import http.client
 import json
 import time
@@ -18,7 +19,9 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from neonvm.api.millicpu import MilliCPU
 from neonvm.api.rights import RIGHT_SECONDS_ANNOTATION, RIGHTS_PATH, annotation_value
+from neonvm.api.types import FINALIZER, VirtualMachine, VirtualMachineSpec, VirtualMachineStatus
 from neonvm.controller.observe import pod_index
 from neonvm.controller.rights import RightsLedger, RightsServer, RightsService, TokenCache
 
@@ -144,3 +147,21 @@ class ShippedLeader:
 
     def close(self) -> None:
         self.server.stop()
+
+
+def fencing_vm(token: str | None = None, *, scalable: bool = False,
+               **spec: Any) -> VirtualMachine:
+    """A VM ``ns/vm`` for pod-spec tests of self-fencing (``scalable``: cpus.max 2, so it
+    may scale live), with a scaling token Secret recorded when ``token``."""
+    v = VirtualMachine(name="vm", namespace="ns", uid="0123456789abcdef",
+                       resource_version="1", generation=1,
+                       spec=VirtualMachineSpec(restart_policy="Always", **spec),
+                       status=VirtualMachineStatus(scaling_token_secret=token,
+                                                   scaling_token_secret_uid="s-uid"
+                                                   if token else None),
+                       finalizers=[FINALIZER])
+    if not scalable:
+        return v
+    guest = dataclasses.replace(v.spec.guest, cpus=dataclasses.replace(
+        v.spec.guest.cpus, max=MilliCPU.parse("2")))
+    return dataclasses.replace(v, spec=dataclasses.replace(v.spec, guest=guest))
