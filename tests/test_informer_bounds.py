@@ -24,29 +24,9 @@ from neonvm.controller.informer import (
     too_large,
 )
 from neonvm.controller.reasons import TOO_LARGE_KEY
+from tests.support.watch_answer import Answer, compact
 
 pytestmark = pytest.mark.unit
-
-
-class _Resp:
-    def __init__(self, body: dict[str, Any] | None = None,
-                 lines: tuple[str, ...] | list[str] = ()) -> None:
-        self.data = compact(body).encode() if body is not None else b""
-        self.lines = lines
-
-    def stream(self, *_: Any, **__: Any) -> Any:
-        yield "\n".join(self.lines).encode() + b"\n"
-
-    def release_conn(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def compact(obj: Any) -> str:
-    """JSON as the API server writes it (no spaces)."""
-    return json.dumps(obj, separators=(",", ":"))
 
 
 def vm(name: str, rv: str, spec_bytes: int = 0) -> dict[str, Any]:
@@ -68,8 +48,8 @@ def test_a_vm_above_the_bound_is_cached_as_a_stub_in_a_list_and_reported_once() 
     big["status"] = {"podName": "big-pod", "phase": "Running"}
     items = [vm("small", "1", 1000), big, vm("edge", "3", MAX_CACHED_VM_BYTES - 200)]
 
-    def lister(**kw: Any) -> _Resp:
-        return _Resp({"items": items, "metadata": {"resourceVersion": "9"}})
+    def lister(**kw: Any) -> Answer:
+        return Answer({"items": items, "metadata": {"resourceVersion": "9"}})
 
     found: list[Undecodable] = []
     store = Store(compact=True)
@@ -100,9 +80,9 @@ def test_a_cached_vm_that_grows_above_the_bound_in_a_watch_becomes_a_stub() -> N
     lines = [compact({"type": "MODIFIED", "object": grown}),
              compact({"type": "ADDED", "object": vm("fine", "6", 10)})]
 
-    def lister(**kw: Any) -> _Resp:
+    def lister(**kw: Any) -> Answer:
         assert kw.get("watch")
-        return _Resp(lines=lines)
+        return Answer(lines=lines)
 
     inf = Informer("virtualmachines", lister, store,
                    lambda k, o, n: changes.append((k, n is None)),
@@ -126,11 +106,11 @@ def test_list_pages_follow_the_size_of_the_objects() -> None:
     n = 40
     calls: list[int] = []
 
-    def lister(**kw: Any) -> _Resp:
+    def lister(**kw: Any) -> Answer:
         start = int(kw.get("_continue") or 0)
         end = min(n, start + kw["limit"])
         calls.append(kw["limit"])
-        return _Resp({"items": [vm(f"v-{i:03}", "1", 200_000) for i in range(start, end)],
+        return Answer({"items": [vm(f"v-{i:03}", "1", 200_000) for i in range(start, end)],
                       "metadata": {"resourceVersion": "9",
                                    **({"continue": str(end)} if end < n else {})}})
 
@@ -157,11 +137,11 @@ def test_a_page_above_the_byte_budget_is_asked_again_with_fewer_objects(
         [vm(f"b-{i:02}", "1", 30_000) for i in range(6)]
     calls: list[tuple[str | None, int]] = []
 
-    def lister(**kw: Any) -> _Resp:
+    def lister(**kw: Any) -> Answer:
         start = int(kw.get("_continue") or 0)
         end = min(len(items), start + kw["limit"])
         calls.append((kw.get("_continue"), kw["limit"]))
-        return _Resp({"items": items[start:end], "metadata": {
+        return Answer({"items": items[start:end], "metadata": {
             "resourceVersion": "9", **({"continue": str(end)} if end < len(items) else {})}})
 
     store = Store(compact=True)
@@ -216,8 +196,8 @@ def test_no_object_above_the_bound_is_decoded_in_a_list_or_a_watch(
     lines = [compact({"type": "MODIFIED", "object": grown}),
              compact({"type": "ADDED", "object": vm("fine", "6", 10)})]
 
-    def lister(**kw: Any) -> _Resp:
-        return _Resp(lines=lines) if kw.get("watch") else _Resp(page)
+    def lister(**kw: Any) -> Answer:
+        return Answer(lines=lines) if kw.get("watch") else Answer(page)
 
     found: list[Undecodable] = []
     store = Store(compact=True)
@@ -244,8 +224,8 @@ def test_an_oversized_vm_rewritten_is_reported_once_a_minute_with_no_resource_ve
     events = [compact({"type": "MODIFIED", "object": vm("big", str(rv), MAX_CACHED_VM_BYTES)})
               for rv in range(5, 9)]
 
-    def lister(**kw: Any) -> _Resp:
-        return _Resp(lines=events)
+    def lister(**kw: Any) -> Answer:
+        return Answer(lines=events)
 
     found: list[Undecodable] = []
     inf = Informer("virtualmachines", lister, Store(compact=True), lambda *a: None,

@@ -6,7 +6,6 @@ rights check and reconciler, with the API server faked (``-m unit``)."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import pytest
@@ -23,6 +22,7 @@ from neonvm.controller.scan import looks_mid_plan
 from tests.support import shipped_reconciler
 from tests.support.authority import StaticAuthority
 from tests.support.fake_cluster import FakeCluster
+from tests.support.watch_answer import modified
 
 pytestmark = pytest.mark.unit
 
@@ -31,26 +31,9 @@ KEY = f"{NS}/{NAME}"
 BLOB = "tenant.example/notes"
 
 
-class _Watch:
-    """A watch answer: the given events, one JSON line each."""
-
-    def __init__(self, *objects: dict[str, Any]) -> None:
-        self.lines = [json.dumps({"type": "MODIFIED", "object": o}, separators=(",", ":"))
-                      for o in objects]
-
-    def stream(self, *_: Any, **__: Any) -> Any:
-        yield "\n".join(self.lines).encode() + b"\n"
-
-    def release_conn(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
 def watch_into(store: Store, *objects: dict[str, Any]) -> None:
     """The shipped VM informer's watch delivers ``objects`` into ``store``."""
-    Informer("virtualmachines", lambda **kw: _Watch(*objects), store, lambda *a: None,
+    Informer("virtualmachines", lambda **kw: modified(*objects), store, lambda *a: None,
              on_undecodable=lambda found: None,
              max_object_bytes=MAX_CACHED_VM_BYTES)._watch("1")
 
