@@ -61,7 +61,7 @@ from neonvm.runner.state import ExitCode
 from tests.guest.build import GuestImage
 from tests.support import Clock, wait_for
 from tests.support.rights import ShippedLeader
-from tests.support.runner_right import NAMESPACE, TOKEN, UID, VM
+from tests.support.runner_right import NAMESPACE, TOKEN, UID, VM, qemu_of, tiny_guest_spec
 
 REPO = Path(__file__).resolve().parent.parent
 D = 30.0
@@ -640,19 +640,6 @@ def leader() -> Iterator[Callable[..., ShippedLeader]]:
         server.close()
 
 
-def qemu_of(work_dir: Path) -> list[int]:
-    """The pids of QEMU processes started for this work dir."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        with contextlib.suppress(OSError):
-            cmdline = (entry / "cmdline").read_bytes()
-            if b"qemu-system" in cmdline and str(work_dir).encode() in cmdline:
-                found.append(int(entry.name))
-    return found
-
-
 @dataclass
 class FencedRunner:
     """A real runner under test, self-fencing against the shipped rights endpoint."""
@@ -682,13 +669,8 @@ def fenced_runner(tmp_path: Path, test_guest: GuestImage,
         rights = leader(seconds)
         token_file = tmp_path / "token"
         token_file.write_bytes(token + b"\n")
-        spec = {"terminationGracePeriodSeconds": 30, "guest": {
-            "cpus": {"min": 1, "max": 1}, "memorySlotSize": "128Mi",
-            "memorySlots": {"min": 1, "max": 1}, "rootDisk": {"image": ""},
-            "kernelImage": str(test_guest.kernel), "initrdImage": str(test_guest.initrd),
-            "appendKernelCmdline": "quiet neonvm.test=powerdown"}}
         spec_file = tmp_path / "spec.json"
-        spec_file.write_text(json.dumps(spec))
+        spec_file.write_text(json.dumps(tiny_guest_spec(test_guest)))
         termination_log = tmp_path / "termination-log"
         termination_log.write_text("")
         work_dir = tmp_path / "work"

@@ -24,6 +24,7 @@ from neonvm.runner.right import RightKeeper, boottime, http_post, right_config
 from tests.guest.build import GuestImage
 from tests.support import wait_for
 from tests.support.rights_sa_token import ReviewingLeader, mint, pod, service_account
+from tests.support.runner_right import qemu_of, tiny_guest_spec
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -70,13 +71,8 @@ def test_a_runner_with_only_a_projected_token_starts_qemu_on_its_grant(
     leader.show(namespace, "vm", "vm-p", uid)
     token_file = tmp_path / "token"
     token_file.write_text(mint(api, namespace, "vm-p", uid))
-    spec = {"terminationGracePeriodSeconds": 30, "guest": {
-        "cpus": {"min": 1, "max": 1}, "memorySlotSize": "128Mi",
-        "memorySlots": {"min": 1, "max": 1}, "rootDisk": {"image": ""},
-        "kernelImage": str(test_guest.kernel), "initrdImage": str(test_guest.initrd),
-        "appendKernelCmdline": "quiet neonvm.test=powerdown"}}
     spec_file = tmp_path / "spec.json"
-    spec_file.write_text(json.dumps(spec))
+    spec_file.write_text(json.dumps(tiny_guest_spec(test_guest)))
     work_dir = tmp_path / "work"
     env = {k: v for k, v in os.environ.items() if not k.startswith("NEONVM_")}
     env.update({"NEONVM_VM_NAME": "vm", "NEONVM_VM_NAMESPACE": namespace,
@@ -98,15 +94,6 @@ def test_a_runner_with_only_a_projected_token_starts_qemu_on_its_grant(
         with contextlib.suppress(ProcessLookupError):
             os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
-        qemu = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()
-                and str(work_dir).encode() in _cmdline(p)]
-        for pid in qemu:
+        for pid in qemu_of(work_dir):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-
-
-def _cmdline(proc_dir: Path) -> bytes:
-    try:
-        return (proc_dir / "cmdline").read_bytes()
-    except OSError:
-        return b""
