@@ -168,11 +168,11 @@ def status_size(vm: VirtualMachine) -> tuple[int, int] | None:
     from neonvm.api.quantity import QuantityError, parse_bytes
 
     s = vm.status
-    if s.cpus is None or s.memory_size is None:
+    memory = status_memory_bytes(vm)
+    if s.cpus is None or memory is None:
         return None
     try:
         slot = parse_bytes(vm.spec.guest.memory_slot_size)
-        memory = parse_bytes(s.memory_size)
     except QuantityError:
         return None
     if slot <= 0 or memory % slot:
@@ -524,8 +524,6 @@ def _adopt_runner_size(obs: Observation, vm: VirtualMachine,
     ended by a write that lands, never by an answer alone. None: nothing to write (a
     removal still pending, an answer from another pod: the look goes on if status
     asks for it)."""
-    from neonvm.api.quantity import QuantityError, parse_bytes
-
     runner = obs.runner
     if (runner is None or runner.pod_uid != pod.uid or runner.answered_uid != pod.uid
             or runner.pending_removals):
@@ -533,10 +531,7 @@ def _adopt_runner_size(obs: Observation, vm: VirtualMachine,
     if runner.vcpus < 1 or runner.memory_bytes < 1:
         return None  # SysfsScaling before the guest agent's first report: 0 vCPUs known
     s = vm.status
-    try:
-        memory = parse_bytes(s.memory_size) if s.memory_size is not None else None
-    except QuantityError:
-        memory = None
+    memory = status_memory_bytes(vm)
     cpus = s.cpus.rounded_up() if s.cpus is not None else None
     ends, recorded = look_may_end(vm, obs.now), look_pending(vm)
     at_status_size = (cpus, memory) == (runner.vcpus, runner.memory_bytes)
