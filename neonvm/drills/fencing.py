@@ -30,6 +30,7 @@ import functools
 import json
 import os
 import random
+import re
 import selectors
 import signal
 import socket
@@ -81,6 +82,11 @@ class RightsProxy:
         self._stop = threading.Event()
         self.forwarded = 0
         self.refused = 0
+        self.bearers: dict[str, int] = {}
+        """Asks seen, by their credential (:func:`bearer_kind`)."""
+        self.answers: dict[str, int] = {}
+        """Answers seen, by status code."""
+        self._counts = threading.Lock()
 
     def __enter__(self) -> RightsProxy:
         for fn in (self._follow, self._accept):
@@ -92,6 +98,19 @@ class RightsProxy:
         self._stop.set()
         with contextlib.suppress(OSError):
             self.sock.close()
+
+    def _note(self, data: bytes, *, asked: bool) -> None:
+        kind = bearer_kind(data) if asked else answer_code(data)
+        if kind is not None:
+            with self._counts:
+                counts = self.bearers if asked else self.answers
+                counts[kind] = counts.get(kind, 0) + 1
+
+    def tally(self) -> dict[str, Any]:
+        """What went through: connections, asks by credential, answers by code."""
+        with self._counts:
+            return {"forwarded": self.forwarded, "refused": self.refused,
+                    "asks_by_bearer": dict(self.bearers), "answers_by_code": dict(self.answers)}
 
     def _follow(self) -> None:
         path = (f"/apis/discovery.k8s.io/v1/namespaces/{self.namespace}/endpointslices/"
@@ -143,6 +162,7 @@ class RightsProxy:
                     data = src.recv(65536)
                     if not data:
                         return
+                    self._note(data, asked=src is conn)
                     key.data.sendall(data)
         except OSError:
             pass
@@ -150,6 +170,32 @@ class RightsProxy:
             sel.close()
             conn.close()
             up.close()
+
+
+_BEARER = re.compile(rb"^authorization:[ \t]*bearer[ \t]+([^\s]+)[ \t]*\r?$",
+                     re.IGNORECASE | re.MULTILINE)
+_ANSWER = re.compile(rb"^HTTP/1\.[01] (\d{3}) ")
+
+
+def bearer_kind(chunk: bytes) -> str | None:
+    """The credential of the HTTP request whose head starts ``chunk``: ``"jwt"`` (a
+    projected ServiceAccount token: three dot-separated parts, reviewed by the leader),
+    ``"other"`` (any other bearer: the scaling token's HMAC), ``"none"``; None if the
+    chunk does not start a request (a body, a later segment)."""
+    line = chunk.split(b"\r\n", 1)[0]
+    if not (line.startswith(b"POST ") or line.startswith(b"GET ")) or b" HTTP/1." not in line:
+        return None
+    head = chunk.split(b"\r\n\r\n", 1)[0]
+    found = _BEARER.search(head)
+    if found is None:
+        return "none"
+    return "jwt" if found.group(1).count(b".") == 2 else "other"
+
+
+def answer_code(chunk: bytes) -> str | None:
+    """The status code of the HTTP answer whose head starts ``chunk``, else None."""
+    found = _ANSWER.match(chunk)
+    return found.group(1).decode() if found else None
 
 
 # ---- a node's processes and network ------------------------------------------------------
@@ -305,7 +351,7 @@ class Rig:
                    # An EndpointSlice refuses loopback addresses: the host address
                    # on node 0's bridge (the forwarder connects to it).
                    "--pod-ip", self.nodes[0].node_ip))
-        pid: int = self.cluster.start_process(self.replica_name(i), argv, {})
+        pid: int = self.cluster.start_process(self.replica_name(i), argv, replica_env())
         return pid
 
     def leader(self) -> str | None:
@@ -342,6 +388,15 @@ class Rig:
         for i in range(self.replicas):
             self.cluster.stop_component(self.replica_name(i))
         self.proxy.__exit__()
+
+
+def replica_env() -> dict[str, str]:
+    """A replica's environment: only ``PYTHONPATH``, naming the directory of the
+    ``neonvm`` package this drill runs, so the replicas run the same code as the drill
+    (a worktree's, not the editable install's checkout that others may be editing)."""
+    import neonvm
+
+    return {"PYTHONPATH": str(Path(neonvm.__file__).resolve().parent.parent)}
 
 
 def prepare(cluster: LocalCluster, api: client.ApiClient, *, right_seconds: float,
@@ -792,11 +847,14 @@ def run_drills(state_dir: Path, opts: Options, say: Say) -> tuple[list[Result], 
                 if tl is not None and opts.timeline is not None:
                     opts.timeline.write_text(render_svg(tl))
                     say(f"timeline written to {opts.timeline}")
-        say(f"rights proxy: {rig.proxy.forwarded} connections forwarded, "
-            f"{rig.proxy.refused} refused")
+        proxy = rig.proxy.tally()
+        say(f"rights proxy: {proxy['forwarded']} connections forwarded, "
+            f"{proxy['refused']} refused; asks by bearer {proxy['asks_by_bearer']}, "
+            f"answers by code {proxy['answers_by_code']}")
     out = summary(results)
     if opts.json_path is not None:
         opts.json_path.write_text(json.dumps({"seed": seed, "summary": out,
+                                              "rights_proxy": proxy,
                                               "runs": [r.__dict__ for r in results]},
                                              indent=2))
     return results, out
