@@ -11,7 +11,7 @@ import pytest
 from kubernetes import client
 
 from neonvm.api.types import VirtualMachine, VirtualMachineSpec, VirtualMachineStatus
-from neonvm.controller.events import EventRecorder, PendingEvent
+from neonvm.controller.events import AGGREGATE_SECONDS, EventRecorder, PendingEvent
 from neonvm.controller.metrics import ControllerMetrics
 
 pytestmark = pytest.mark.cluster
@@ -63,6 +63,25 @@ def test_an_aggregated_event_deleted_meanwhile_is_created_again(
     recorder.record(vm, "Deleted", "runner pod y: gone")
     (second,) = events_of(api, namespace, "again")
     assert second.metadata.name != first.metadata.name and second.count == 1
+
+
+def test_events_that_can_no_longer_aggregate_are_forgotten_at_the_next_write(
+        api: client.ApiClient, namespace: str) -> None:
+    """Churn names a new pod in every message: what can no longer be bumped is dropped,
+    not kept until the count bound (the soak's leader memory, docs/benchmarks.md)."""
+    now = [0.0]
+    recorder = EventRecorder(api, "test", clock=lambda: now[0])
+    for i in range(3):
+        recorder.record(a_vm(namespace, f"old-{i}"), "Created", f"runner pod old-{i} created")
+    now[0] = AGGREGATE_SECONDS / 2
+    fresh = a_vm(namespace, "fresh")
+    recorder.record(fresh, "Created", "runner pod fresh-a created")
+    assert recorder.remembered() == 4
+    now[0] = AGGREGATE_SECONDS + 1  # the three old ones are past the window, fresh is not
+    recorder.record(fresh, "Created", "runner pod fresh-a created")
+    assert recorder.remembered() == 1
+    (bumped,) = events_of(api, namespace, "fresh")
+    assert bumped.count == 2
 
 
 def test_a_full_queue_drops_and_counts_instead_of_blocking_the_worker(

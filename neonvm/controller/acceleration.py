@@ -26,7 +26,9 @@ number at once, each bounded by one deadline for the whole exchange, with the bo
 of the controller's runner client); the next reconcile of the VM (its resync)
 writes what the fetch found. A fetch that fails is retried at later lookups, after a
 pause and a bounded number of times; then the pod is left alone. Until a report comes
-the condition says what the controller knows by itself (or nothing).
+the condition says what the controller knows by itself (or nothing). What was learnt of
+a pod is forgotten when the pod informer reports it deleted (:meth:`RunnerReports.forget`),
+so churn does not fill the memory up to its bound with pods that are gone.
 
 A runner that says it uses KVM turns the condition False (``Accelerated``); a VM with
 ``enableAcceleration: false`` turns it False (``NotRequested``). Neither adds the
@@ -70,7 +72,8 @@ MAX_ATTEMPTS = 6
 MAX_IN_FLIGHT = 8
 """Fetches running at once; a lookup beyond that starts none (a later one will)."""
 REMEMBERED_PODS = 4096
-"""Pods whose outcome is kept (least recently looked up forgotten first)."""
+"""Pods whose outcome is kept at most (least recently looked up forgotten first); a
+deleted pod is forgotten before that."""
 RUNNER_PORT_NAME = "runner"
 MAX_QUOTED = 200
 """Characters of a runner's text kept (docs/security.md, "The runner as seen by the
@@ -218,6 +221,17 @@ class RunnerReports:
         threading.Thread(target=self._fetch, args=(pod.uid, pod.name, pod.ip, port, entry),
                          name=f"runner-status-{pod.name}", daemon=True).start()
         return None
+
+    def forget(self, uid: str) -> None:
+        """The pod ``uid`` is deleted: nothing of it can be looked up again. A fetch of it
+        still running ends into the forgotten entry."""
+        with self._lock:
+            self._pods.pop(uid, None)
+
+    def remembered(self) -> int:
+        """Pods remembered (``neonvm_controller_remembered``)."""
+        with self._lock:
+            return len(self._pods)
 
     def _fetch(self, uid: str, name: str, ip: str, port: int, entry: _Fetch) -> None:
         report: RunnerReport | None = None

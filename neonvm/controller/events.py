@@ -16,8 +16,11 @@ the model):
 * **Repeats aggregated.** An event with the same involved object (uid), type, reason and
   message as one written in the last :data:`AGGREGATE_SECONDS` does not create a new
   Event: the existing one is patched, its ``count`` bumped and ``lastTimestamp`` moved.
-  The memory of recent Events is a bounded LRU (:data:`AGGREGATE_ENTRIES`); an Event that
-  disappeared meanwhile (404) is created afresh.
+  The memory of recent Events holds only what can still aggregate: an entry last
+  written more than :data:`AGGREGATE_SECONDS` ago is dropped at the next write (messages
+  name runner pods, so most keys never come back once their pod is replaced), and
+  :data:`AGGREGATE_ENTRIES` bounds it beside (least recently written first). An Event
+  that disappeared meanwhile (404) is created afresh.
 
 Which events are emitted, and their reasons, types and messages, are the callers' (the
 reconciler's) and do not change here.
@@ -50,7 +53,8 @@ QUEUE_SIZE = 1000
 AGGREGATE_SECONDS = 600.0
 """A repeat within this long of the last write bumps that Event (client-go: 10 min)."""
 AGGREGATE_ENTRIES = 4096
-"""Recent Events remembered for aggregation (least recently used forgotten first)."""
+"""Recent Events remembered for aggregation at most (least recently written forgotten
+first); those older than :data:`AGGREGATE_SECONDS` are forgotten before that."""
 MERGE_PATCH = "application/merge-patch+json"
 
 
@@ -130,6 +134,10 @@ class EventRecorder:
                 self._dropped.inc()
             log.debug("event queue full: event dropped")
 
+    def remembered(self) -> int:
+        """Recent Events remembered for aggregation (``neonvm_controller_remembered``)."""
+        return len(self._recent)
+
     def pending(self) -> int:
         """Events queued for the background writer."""
         return self._queue.qsize() if self._queue is not None else 0
@@ -170,6 +178,7 @@ class EventRecorder:
     def _write_locked(self, event: PendingEvent) -> None:
         assert self._api is not None
         now = self._clock()
+        self._forget_older_than(now - AGGREGATE_SECONDS)
         recent = self._recent.get(event.key)
         if recent is not None and now - recent.written <= AGGREGATE_SECONDS:
             try:
@@ -194,6 +203,15 @@ class EventRecorder:
         self._recent[event.key] = _Recent(name=name, count=1, written=now)
         self._recent.move_to_end(event.key)
         while len(self._recent) > AGGREGATE_ENTRIES:
+            self._recent.popitem(last=False)
+
+    def _forget_older_than(self, cutoff: float) -> None:
+        """Drop the entries last written before ``cutoff``: no repeat can bump them any
+        more. Every write moves its entry to the end, so the oldest are first."""
+        while self._recent:
+            oldest = next(iter(self._recent.values()))
+            if oldest.written >= cutoff:
+                return
             self._recent.popitem(last=False)
 
     def _body(self, event: PendingEvent, name: str) -> dict[str, Any]:

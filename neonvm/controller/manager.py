@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from kubernetes import client
@@ -213,6 +213,10 @@ class LeaderTerm:
             if vm_key:
                 self.mid_plan.touch(vm_key)
                 self.queue.add(vm_key)
+        uid = (old.get("metadata") or {}).get("uid") if new is None and old else None
+        if uid:  # deleted: what was learnt of it is no use any more
+            self.reconciler.acceleration.reports.forget(uid)
+            self.metrics.lifecycle.pod_deleted(uid)
 
     # ---- locks -------------------------------------------------------------------------
 
@@ -510,11 +514,23 @@ class ControllerProcess:
             registry=self.metrics.registry,
         )
         self.metrics.describe(election.name, config.workers)  # docs/metrics.md
+        self.metrics.remembered("events_recent", self.events.remembered)
+        self.metrics.remembered("runner_reports", lambda: self._term_size(
+            lambda t: t.reconciler.acceleration.reports.remembered()))
+        self.metrics.remembered("vm_cache", lambda: self._term_size(
+            lambda t: len(t.vm_store.all_keys())))
+        self.metrics.remembered("pod_cache", lambda: self._term_size(
+            lambda t: len(t.pod_store.all_keys())))
         self.metrics.observe_requests(api, self.elector_api)
 
     @property
     def term(self) -> LeaderTerm | None:
         return self._term
+
+    def _term_size(self, size: Callable[[LeaderTerm], int]) -> int:
+        """``size`` of the leading term's memory (0 when not leading)."""
+        term = self._term
+        return size(term) if term is not None else 0
 
     def _lead(self, leadership: Leadership) -> None:
         term = LeaderTerm(self, leadership)

@@ -50,7 +50,8 @@ LOW_PRIORITY = "-100"
 """The ``priority`` label of the periodic line's depth: controller-runtime's LowPriority,
 which its priority queue gives to the same kind of work (initial lists, resyncs)."""
 REMEMBERED_PODS = 10_000
-"""Runner pods whose creation time is kept until their VM is Running (oldest dropped)."""
+"""Runner pods whose creation time is kept until their VM is Running or the pod is
+deleted, at most (oldest dropped)."""
 
 
 class TurnOutcome(Protocol):
@@ -260,6 +261,17 @@ class Lifecycle:
         if vm_created is not None and not _status(vm).get("restartCount"):
             self.to_runner.observe(max(0.0, (created - vm_created).total_seconds()))
 
+    def pod_deleted(self, uid: str) -> None:
+        """The pod informer saw runner pod ``uid`` deleted: its VM can no longer become
+        Running with it."""
+        with self._lock:
+            self._pods.pop(uid, None)
+
+    def remembered(self) -> int:
+        """Runner pods whose creation time is kept."""
+        with self._lock:
+            return len(self._pods)
+
     def vm_changed(self, old: Mapping[str, Any] | None,
                    new: Mapping[str, Any] | None) -> None:
         """The VM informer's change: a restart counted, a first Running observed."""
@@ -430,7 +442,15 @@ class ControllerMetrics:
             "reconcile_duration_seconds", "Time duration of reconciles", ["outcome"],
             buckets=RECONCILE_BUCKETS, registry=r)
         self.lifecycle = Lifecycle(r)
+        self._remembered: dict[str, Callable[[], int]] = {
+            "lifecycle_pods": self.lifecycle.remembered}
         r.register(_Derived(self))
+
+    def remembered(self, structure: str, size: Callable[[], int]) -> None:
+        """Serve ``size()`` as ``neonvm_controller_remembered_entries{structure=...}``:
+        how many entries one of the controller's memories holds (read at scrape time;
+        ``size`` must be cheap)."""
+        self._remembered[structure] = size
 
     def describe(self, lease: str, workers: int) -> None:
         """The Lease this replica campaigns for (``leader_election_master_status``'s
@@ -496,6 +516,13 @@ class _Derived(Collector):
         failing.add_metric([CONTROLLER, "failure", "false"], not_retried)
         yield failing
         yield from m.lifecycle.collect()
+        remembered = GaugeMetricFamily(
+            "neonvm_controller_remembered_entries", "Entries held by one of the "
+            "controller's memories of VMs, pods and events, by structure (what should "
+            "not grow with churn; docs/metrics.md).", labels=["structure"])
+        for structure, size in sorted(m._remembered.items()):
+            remembered.add_metric([structure], size())
+        yield remembered
 
 
 def _gauge(name: str, documentation: str, labels: list[str], values: list[str],
