@@ -5,8 +5,10 @@ tally of what the runners asked with, and the replicas' environment.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import http.server
+import json
 import os
 import subprocess
 import sys
@@ -20,7 +22,7 @@ import pytest
 
 import neonvm
 from neonvm.api.rights import authorization_header
-from neonvm.drills import fencing
+from neonvm.drills import fencing, fleet
 
 pytestmark = pytest.mark.unit
 
@@ -154,3 +156,65 @@ def test_a_replica_starts_with_that_environment_and_the_rights_audience() -> Non
     assert name == "fence-controller-0"
     assert env == fencing.replica_env()
     assert argv[argv.index("--rights-audience") + 1] == "vm.neon.tech/rights/fence-x/drill"
+
+
+class StubRig:
+    """What :func:`fencing.run_drills` uses of a rig, without a cluster."""
+
+    api = None
+    namespace = "fence-x"
+    rights_url = "http://10.251.1.1:1"
+
+    def __init__(self) -> None:
+        self.proxy = fencing.RightsProxy(None, "127.0.0.1")
+
+    def leader(self) -> str:
+        return "fence-0-1"
+
+
+@pytest.fixture
+def no_cluster(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """run_drills with every cluster step replaced; returns the drills run, in order."""
+    ran: list[str] = []
+
+    @contextlib.contextmanager
+    def rig_for(*_args: Any) -> Iterator[StubRig]:
+        rig = StubRig()
+        yield rig
+        rig.proxy.sock.close()
+
+    def run_drill(_rig: Any, drill: str, _vm: str, **_kw: Any) -> fencing.Result:
+        ran.append(drill)
+        if len(ran) == 2:
+            raise KeyboardInterrupt  # the series stopped by hand during its second drill
+        return fencing.Result(drill, ok=True, node="neonvm-real-0", freeze_to_qemu=40.0)
+
+    monkeypatch.setattr(fencing, "rig_for", rig_for)
+    monkeypatch.setattr(fencing, "run_drill", run_drill)
+    monkeypatch.setattr(fencing, "create_vm", lambda *_a: None)
+    monkeypatch.setattr(fencing, "ready_pod", lambda *_a: object())
+    monkeypatch.setattr(fleet, "delete_vms", lambda *_a: None)
+    return ran
+
+
+def test_a_series_stopped_midway_keeps_the_drills_it_finished(
+        no_cluster: list[str], tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    with pytest.raises(KeyboardInterrupt):
+        fencing.run_drills(tmp_path, fencing.Options(["power-off"], repeat=5, seed=1,
+                                                     json_path=out), lambda _m: None)
+    doc = json.loads(out.read_text())
+    assert (doc["complete"], len(doc["runs"])) == (False, 1)
+    assert doc["summary"]["power-off"]["runs"] == 1
+
+
+def test_max_minutes_starts_no_drill_once_spent(no_cluster: list[str], tmp_path: Path
+                                                ) -> None:
+    out = tmp_path / "r.json"
+    results, summary = fencing.run_drills(
+        tmp_path, fencing.Options(["power-off", "freeze-thaw"], repeat=5, seed=1,
+                                  json_path=out, max_minutes=0), lambda _m: None)
+    assert no_cluster == ["power-off"]
+    assert [r.drill for r in results] == ["power-off"]
+    assert json.loads(out.read_text())["complete"] is True
+    assert summary["power-off"]["runs"] == 1

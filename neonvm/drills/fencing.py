@@ -810,6 +810,16 @@ class Options:
     reuse_images: bool = False
     timeline: Path | None = None
     json_path: Path | None = None
+    max_minutes: float | None = None
+    """Start no drill once this many minutes have passed since the first (the runs so
+    far are the result; a shorter series with honest numbers, not one cut mid-drill)."""
+
+
+def _write_json(path: Path, seed: int, results: list[Result], proxy: dict[str, Any],
+                *, complete: bool) -> None:
+    path.write_text(json.dumps({"seed": seed, "complete": complete,
+                                "summary": summary(results), "rights_proxy": proxy,
+                                "runs": [r.__dict__ for r in results]}, indent=2))
 
 
 def run_drills(state_dir: Path, opts: Options, say: Say) -> tuple[list[Result], dict[str, Any]]:
@@ -826,38 +836,42 @@ def run_drills(state_dir: Path, opts: Options, say: Say) -> tuple[list[Result], 
         create_vm(rig, vm)
         wait_for(lambda: ready_pod(rig, vm), 300, f"VM {vm} Ready", interval=1.0)
         say(f"VM {vm} Ready; rights URL {rig.rights_url}")
-        for i in range(opts.repeat):
-            for drill in opts.drills:
-                if opts.fresh_vm and results:
-                    # A new VM per drill: no restart streak (and its backoff) carried
-                    # over from the drills before.
-                    fleet.delete_vms(rig.api, rig.namespace, [vm])
-                    vm = f"fence-{len(results)}"
-                    create_vm(rig, vm)
-                    wait_for(functools.partial(ready_pod, rig, vm), 300, f"VM {vm} Ready",
-                             interval=1.0)
-                tl = None
-                if opts.timeline is not None and not results:
-                    tl = Timeline(f"self-fencing drill: {drill}, D = {opts.right_seconds:g} s",
-                                  1, lanes=LANES)
-                r = run_drill(rig, drill, vm, rng=rng, timeline=tl,
-                              kill_leader=opts.leader_kill)
-                results.append(r)
-                say(f"[{i + 1}/{opts.repeat}] {r.line()}")
-                if tl is not None and opts.timeline is not None:
-                    opts.timeline.write_text(render_svg(tl))
-                    say(f"timeline written to {opts.timeline}")
+        started = time.monotonic()
+        for i, drill in ((i, d) for i in range(opts.repeat) for d in opts.drills):
+            if opts.max_minutes is not None and results and \
+                    time.monotonic() - started >= opts.max_minutes * 60:
+                say(f"stopping after {len(results)} drills: --max-minutes "
+                    f"{opts.max_minutes:g} reached")
+                break
+            if opts.fresh_vm and results:
+                # A new VM per drill: no restart streak (and its backoff) carried
+                # over from the drills before.
+                fleet.delete_vms(rig.api, rig.namespace, [vm])
+                vm = f"fence-{len(results)}"
+                create_vm(rig, vm)
+                wait_for(functools.partial(ready_pod, rig, vm), 300, f"VM {vm} Ready",
+                         interval=1.0)
+            tl = None
+            if opts.timeline is not None and not results:
+                tl = Timeline(f"self-fencing drill: {drill}, D = {opts.right_seconds:g} s",
+                              1, lanes=LANES)
+            r = run_drill(rig, drill, vm, rng=rng, timeline=tl,
+                          kill_leader=opts.leader_kill)
+            results.append(r)
+            say(f"[{i + 1}/{opts.repeat}] {r.line()}")
+            if opts.json_path is not None:  # kept if the series is stopped
+                _write_json(opts.json_path, seed, results, rig.proxy.tally(),
+                            complete=False)
+            if tl is not None and opts.timeline is not None:
+                opts.timeline.write_text(render_svg(tl))
+                say(f"timeline written to {opts.timeline}")
         proxy = rig.proxy.tally()
         say(f"rights proxy: {proxy['forwarded']} connections forwarded, "
             f"{proxy['refused']} refused; asks by bearer {proxy['asks_by_bearer']}, "
             f"answers by code {proxy['answers_by_code']}")
-    out = summary(results)
     if opts.json_path is not None:
-        opts.json_path.write_text(json.dumps({"seed": seed, "summary": out,
-                                              "rights_proxy": proxy,
-                                              "runs": [r.__dict__ for r in results]},
-                                             indent=2))
-    return results, out
+        _write_json(opts.json_path, seed, results, proxy, complete=True)
+    return results, summary(results)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -880,7 +894,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="keep the runner image the nodes have (re-runs)")
     parser.add_argument("--timeline", type=Path, default=None,
                         help="write the first drill's timeline SVG here")
-    parser.add_argument("--json", type=Path, default=None, help="write results here")
+    parser.add_argument("--json", type=Path, default=None,
+                        help="write results here (after each drill, and at the end)")
+    parser.add_argument("--max-minutes", type=float, default=None,
+                        help="start no drill after this many minutes (a shorter series)")
     args = parser.parse_args(argv)
     install_sigterm()
 
@@ -891,7 +908,7 @@ def main(argv: list[str] | None = None) -> int:
         drills=args.drill, repeat=args.repeat, right_seconds=args.right_seconds,
         replicas=args.replicas, seed=args.seed, leader_kill=not args.no_leader_kill,
         fresh_vm=args.fresh_vm, reuse_images=args.reuse_images, timeline=args.timeline,
-        json_path=args.json), say)
+        json_path=args.json, max_minutes=args.max_minutes), say)
     print(json.dumps(out, indent=2))
     return 0 if all(r.ok for r in results) else 1
 
