@@ -17,6 +17,8 @@ slots; kwok's pods have no runner to resize live, so each one's pod is deleted a
 later and the replacement is built at the new size), one short-lived VM is created and
 the oldest of the last ``--churn-live`` such VMs deleted. Meanwhile it records, every
 ``--sample-seconds``: the Lease holder and epoch, the leader's RSS (and every replica's),
+the leader's anonymous and file-backed RSS and threads (``/proc``) and the sizes of its
+memories that churn could grow (``neonvm_controller_remembered_entries``, docs/metrics.md),
 the API server's request count (``apiserver_request_total``, every client) and the
 replicas' own (``rest_client_requests_total``), the load average; and once a minute which
 VMs of the fleet have not converged (a VM not converged at every look for
@@ -85,6 +87,9 @@ class Sample:
     load1: float
     not_converged: int | None = None
     stuck: int | None = None
+    leader_memory: dict[str, float] = field(default_factory=dict)
+    """The leader's ``/proc`` memory (``rss_anon_mib``, ``rss_file_mib``, ``threads``) and
+    its ``neonvm_controller_remembered_entries`` by structure: what grows, if RSS does."""
 
 
 @dataclass
@@ -134,6 +139,34 @@ def rss_mib(pid: int) -> float | None:
     except OSError:
         return None
     return None
+
+
+def proc_memory(pid: int) -> dict[str, float]:
+    """A process's anonymous and file-backed RSS (MiB) and threads, from /proc."""
+    fields = {"RssAnon:": "rss_anon_mib", "RssFile:": "rss_file_mib", "Threads:": "threads"}
+    out: dict[str, float] = {}
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            key, _, rest = line.partition(" ")
+            if key in fields and rest.split():
+                value = float(rest.split()[0])
+                out[fields[key]] = round(value / 1024, 1) if key != "Threads:" else value
+    except (OSError, ValueError):
+        return {}
+    return out
+
+
+def gauge_by_label(text: str, name: str, label: str) -> dict[str, float]:
+    """The series of gauge ``name`` in a Prometheus text page, by the value of ``label``."""
+    out: dict[str, float] = {}
+    for m in re.finditer(rf'^{re.escape(name)}\{{[^}}]*{re.escape(label)}="([^"]*)"[^}}]*\}} '
+                         r"(\S+)$", text, re.MULTILINE):
+        with contextlib.suppress(ValueError):
+            out[m.group(1)] = float(m.group(2))
+    return out
+
+
+REMEMBERED = "neonvm_controller_remembered_entries"
 
 
 def metric_sum(text: str, name: str, having: str = "") -> float:
@@ -291,10 +324,11 @@ def metrics_port(log: Path) -> int | None:
     return int(ports[-1]) if ports else None
 
 
-def replica_requests(port: int) -> float | None:
+def replica_metrics(port: int) -> str | None:
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
-            return metric_sum(resp.read().decode(), "rest_client_requests_total")
+            text: str = resp.read().decode()
+            return text
     except OSError:
         return None
 
@@ -621,23 +655,30 @@ def _soak(args: argparse.Namespace, record: Record, cluster: Any, target: Any,
         while (now := time.monotonic()) < end:
             who, epoch = log.current
             rss: dict[str, float] = {}
+            memory: dict[int, dict[str, float]] = {}
             leader_rss = None
             for i in range(args.replicas):
                 pid = cluster.process_pid(f"controller-{i}")
                 value = rss_mib(pid) if pid else None
                 if value is not None:
                     rss[f"controller-{i}"] = round(value, 1)
+                    memory[i] = proc_memory(pid)
                     port = metrics_port(cluster.log_file(f"controller-{i}"))
-                    if port is not None:
-                        controller.add(f"{i}:{pid}", replica_requests(port))
+                    text = replica_metrics(port) if port is not None else None
+                    if text is not None:
+                        controller.add(f"{i}:{pid}", metric_sum(text,
+                                                                "rest_client_requests_total"))
+                        memory[i].update(gauge_by_label(text, REMEMBERED, "structure"))
+            leader_memory: dict[str, float] = {}
             if who is not None:
                 index = target.index_of(who)
                 if index is not None:
                     leader_rss = rss.get(f"controller-{index}")
+                    leader_memory = memory.get(index, {})
             apiserver.add("apiserver", apiserver_requests(api))
             sample = Sample(round(now - started, 1), who, epoch, leader_rss, rss,
                             apiserver.total if apiserver.last else None, controller.total,
-                            os.getloadavg()[0])
+                            os.getloadavg()[0], leader_memory=leader_memory)
             if now >= next_look:
                 next_look = now + args.look_seconds
                 with contextlib.suppress(Exception):
@@ -713,6 +754,37 @@ def window(record: Record, first: bool, minutes: float = 10.0) -> dict[str, floa
             "load": mean([s.load1 for s in inside])}
 
 
+def memory_at(record: Record, minutes: list[float]) -> list[dict[str, float]]:
+    """The leader's memory at the samples nearest to each of ``minutes`` (of those that
+    have it)."""
+    having = [s for s in record.samples if s.leader_memory]
+    return [_nearest(having, m * 60).leader_memory for m in minutes] if having else []
+
+
+def _nearest(samples: list[Sample], t: float) -> Sample:
+    return min(samples, key=lambda s: abs(s.t - t))
+
+
+def memory_line(record: Record) -> str | None:
+    """What the leader held at the start, the middle and the end of the churn: its RSS
+    split (anonymous, file), threads, and each memory's entries (docs/metrics.md)."""
+    span = (record.samples[-1].t / 60) if record.samples else 0.0
+    marks = [0.0, span / 2, span]
+    at = memory_at(record, marks)
+    if not at:
+        return None
+    keys = ["rss_anon_mib", "rss_file_mib", "threads"]
+    keys += sorted({k for m in at for k in m} - set(keys))
+
+    def v(m: dict[str, float], k: str) -> str:
+        return "-" if k not in m else (f"{m[k]:,.1f}" if k.endswith("_mib") else f"{m[k]:,.0f}")
+
+    parts = [f"{k} {' / '.join(v(m, k) for m in at)}" for k in keys]
+    return (f"* the leader's memory at minutes {' / '.join(f'{m:.0f}' for m in marks)}: "
+            + "; ".join(parts) + " (RSS in MiB from /proc; the rest: entries of "
+            "`neonvm_controller_remembered_entries` by structure).")
+
+
 def markdown(record: Record, args: argparse.Namespace, svg: str | None) -> str:
     a, b = window(record, True), window(record, False)
 
@@ -777,6 +849,8 @@ def markdown(record: Record, args: argparse.Namespace, svg: str | None) -> str:
         f"{record.watch.get('watch_gaps', 0)} watch gap(s); final check "
         f"{'ok' if record.check.get('ok') else 'NOT ok'}.",
     ]
+    if (held := memory_line(record)) is not None:
+        lines.append(held)
     if args.delete_namespace:
         lines.append(f"* then the namespace ({record.namespace_vms} VMs) was deleted with the "
                      f"replicas running: gone after **{f(record.namespace_gone_s, ' s', 1)}**, "
