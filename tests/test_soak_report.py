@@ -8,17 +8,20 @@ import argparse
 import xml.etree.ElementTree as ET
 
 import pytest
+from prometheus_client import generate_latest
 
 from benchmarks.soak import (
     Counters,
     Record,
     Sample,
     chart_apf_objects,
+    gauge_by_label,
     markdown,
     per_minute,
     render_svg,
     window,
 )
+from neonvm.controller.metrics import ControllerMetrics
 from neonvm.dev.common import CONTROLLER_USER
 from neonvm.dev.replica import LEASE_NAMESPACE
 
@@ -71,6 +74,28 @@ def test_the_table_names_the_leader_change_and_the_picture_marks_it() -> None:
     ns = "{http://www.w3.org/2000/svg}"
     assert len([e for e in root.iter(f"{ns}line") if e.get("stroke") == "red"]) == 2
     assert len(list(root.iter(f"{ns}polyline"))) == 3  # RSS, API server, replicas
+
+
+@pytest.mark.unit
+def test_the_report_says_what_the_leader_held_at_the_start_middle_and_end() -> None:
+    """Which memory grew, if RSS does: read from the controller's own gauge, as served."""
+    metrics = ControllerMetrics()
+    metrics.remembered("events_recent", lambda: 4096)
+    served = generate_latest(metrics.registry).decode()
+    held = gauge_by_label(served, "neonvm_controller_remembered_entries", "structure")
+    assert held == {"events_recent": 4096.0, "lifecycle_pods": 0.0}
+    record = _record()
+    for s in record.samples:
+        m = s.t / 60
+        s.leader_memory = {"rss_anon_mib": 90.0 + m, "threads": 40.0,
+                           "events_recent": 4096.0 - 100 * m}
+    args = argparse.Namespace(minutes=30, vms=10, churn_interval=5.0, churn_pods=5,
+                              nodes=4, stuck_minutes=5.0, delete_namespace=False,
+                              write_docs=False)
+    text = markdown(record, args, None)
+    assert ("* the leader's memory at minutes 0 / 14 / 29: rss_anon_mib 90.0 / 104.0 / "
+            "119.0; rss_file_mib - / - / -; threads 40 / 40 / 40; events_recent "
+            "4,096 / 2,696 / 1,196") in text
 
 
 def test_the_soak_gives_its_replicas_lease_requests_the_charts_level() -> None:
