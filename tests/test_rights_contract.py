@@ -147,3 +147,40 @@ class TestTiming:
         assert r.parse_annotation(r.annotation_value(7.5)) == 7.5
         assert r.RIGHT_SECONDS_ANNOTATION == "vm.neon.tech/right-seconds"
         assert r.RIGHTS_PATH == "/v1/rights"
+
+
+class TestGuestStarted:
+    """An ask says its runner has started its guest in the request target's query, never
+    in the body (a leader of the previous release refuses unknown body keys)."""
+
+    def test_the_target_is_the_path_with_the_query_only_once_started(self) -> None:
+        assert r.ask_target(False) == r.RIGHTS_PATH
+        assert r.ask_target(True) == f"{r.RIGHTS_PATH}?{r.GUEST_STARTED_QUERY}"
+        assert r.says_guest_started(r.ask_target(True))
+        assert not r.says_guest_started(r.ask_target(False))
+
+    @pytest.mark.parametrize(("target", "started"), [
+        ("/v1/rights?guest=started", True),
+        ("/v1/rights?x=1&guest=started", True),
+        ("/v1/rights?guest=started#frag", True),
+        ("/v1/rights", False),
+        ("/v1/rights?", False),
+        ("/v1/rights?guest=", False),
+        ("/v1/rights?guest", False),
+        ("/v1/rights?guest=Started", False),
+        ("/v1/rights?guest=yes", False),
+        ("/v1/rights?guest=started&guest=started", False),
+        ("/v1/rights?guest=started&guest=no", False),
+        ("/v1/rights?started", False),
+        ("/v1/rights#guest=started", False),
+    ])
+    def test_anything_but_exactly_one_guest_started_says_not_started(
+            self, target: str, started: bool) -> None:
+        assert r.says_guest_started(target) is started
+
+    def test_the_body_is_the_previous_releases_three_keys(self) -> None:
+        # The query carries the news; the body a leader of any release parses is unchanged.
+        doc = r.RightRequest(namespace="ns", vm="vm", pod_uid=UID).to_dict()
+        assert set(doc) == {"namespace", "vm", "podUID"}
+        with pytest.raises(r.RightsContractError, match="unknown fields"):
+            r.RightRequest.from_dict({**doc, "guestStarted": True})

@@ -8,6 +8,8 @@ loopback and asked over real sockets."""
 
 from __future__ import annotations
 
+import http.client
+import json
 import math
 from typing import Any
 
@@ -17,6 +19,7 @@ from prometheus_client import CollectorRegistry
 from neonvm.api.rights import (
     CONDEMNED,
     NOT_LEADER,
+    ask_target,
     authorization_header,
 )
 from neonvm.controller.rights import (
@@ -184,7 +187,12 @@ def served() -> Any:
     state["marks"] = []
     state["pod_gone"] = False
 
+    state["mark"] = None
+    """A test's own mark (its answer), in place of the one below."""
+
     def mark(namespace: str, name: str, uid: str) -> bool:
+        if state["mark"] is not None:
+            return bool(state["mark"](namespace, name, uid))
         state["marks"].append((namespace, name, uid))
         return not state["pod_gone"]
 
@@ -312,3 +320,78 @@ def test_a_terms_first_grant_to_a_pod_writes_the_pod_first(served: Any) -> None:
     assert len(state["marks"]) == 2
     clock.now += BOUND
     assert ledger.condemn(POD_UID, 10.0) == 0.0, "the refused ask recorded nothing"
+
+
+# ---- a term's write to the pod: only for a runner that has not started its guest --------
+
+
+def ask_saying(port: int, started: bool | None) -> tuple[int, dict[str, Any]]:
+    """One ask of the pod's runner over a real socket, its target saying the guest has
+    started (True), not (False: the same target as a runner of the previous release,
+    None)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    conn.request("POST", ask_target(bool(started)), body=json.dumps(REQUEST),
+                 headers={"Content-Type": "application/json",
+                          "Authorization": authorization_header(TOKEN, POD_UID)})
+    answer = conn.getresponse()
+    doc = json.loads(answer.read())
+    conn.close()
+    return answer.status, doc
+
+
+def test_a_runner_whose_guest_has_started_is_granted_without_a_write_to_its_pod(
+        served: Any) -> None:
+    """Its only QEMU started before it asked, so no grant to it can start a guest; a
+    leader change then writes no pod of a running fleet (docs/protocol.md, "A term's
+    first grants")."""
+    port, ledger, _, state = served
+    ledger.begin_term(lambda: True)
+    assert ask_saying(port, True) == (200, {"seconds": 10.0})
+    assert ask_saying(port, True) == (200, {"seconds": 10.0})
+    assert state["marks"] == []
+    assert ledger.granted_this_term(POD_UID)
+
+
+def test_a_grant_without_a_write_is_not_the_terms_write(served: Any) -> None:
+    """Whoever holds the pod's credential and says started (a lie, or a runner that did
+    start) gets no write; the runner that has not started still gets its write first."""
+    port, ledger, _, state = served
+    ledger.begin_term(lambda: True)
+    assert ask_saying(port, True)[0] == 200
+    assert ask_saying(port, False)[0] == 200
+    assert ask_saying(port, False)[0] == 200
+    assert state["marks"] == [("ns", "vm-p", POD_UID)]  # once, for the not-started ask
+
+
+def test_each_term_writes_the_pod_again_before_granting_a_runner_not_started(
+        served: Any) -> None:
+    port, ledger, clock, state = served
+    for term in (1, 2):
+        ledger.begin_term(lambda: True)
+        assert ask_saying(port, None)[0] == 200
+        assert ask_saying(port, True)[0] == 200
+        assert len(state["marks"]) == term
+        clock.now += 1
+
+
+def test_a_write_made_in_one_term_is_not_the_mark_of_the_next(served: Any) -> None:
+    """An ask whose write lands in term 1 and whose grant would be recorded in term 2 of
+    the same process is refused 503 (the runner asks again at once): term 1 may have
+    condemned the pod after that write and sent a DELETE whose resourceVersion the write
+    does not change, so term 2's grant needs a write of its own."""
+    port, ledger, clock, state = served
+    ledger.begin_term(lambda: True)
+
+    def mark_then_new_term(namespace: str, name: str, uid: str) -> bool:
+        state["marks"].append((namespace, name, uid))
+        clock.now += 1
+        ledger.begin_term(lambda: True)  # term 1 ended while the write was under way
+        return True
+
+    state["mark"] = mark_then_new_term
+    status, doc = ask_saying(port, False)
+    assert (status, doc["reason"]) == (503, NOT_LEADER)
+    assert not ledger.granted_this_term(POD_UID)
+    state["mark"] = None
+    assert ask_saying(port, False)[0] == 200
+    assert len(state["marks"]) == 2  # term 2 wrote the pod itself

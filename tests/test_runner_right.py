@@ -24,6 +24,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -34,6 +35,7 @@ import pytest
 
 from neonvm.api.rights import (
     CONDEMNED,
+    GUEST_STARTED_QUERY,
     NOT_LEADER,
     RIGHTS_PATH,
     RightGrant,
@@ -307,10 +309,12 @@ def test_without_a_token_nothing_is_asked_and_nothing_extends(tmp_path: Path,
     right, leader, clock = keeper(tmp_path, [grant(), grant()])
     right.ask_once()
     first = right.deadline
+    token_file = right.config.token_file
+    assert token_file is not None
     if token is None:
-        right.config.token_file.unlink()
+        token_file.unlink()
     else:
-        right.config.token_file.write_bytes(token)
+        token_file.write_bytes(token)
     clock.now += 10
     right.ask_once()
     assert len(leader.asks) == 1 and right.deadline == first
@@ -551,6 +555,33 @@ def victim() -> Iterator[subprocess.Popen[bytes]]:
         proc.wait()
 
 
+def test_asks_say_the_guest_started_only_once_qemu_was_started(
+        tmp_path: Path, victim: subprocess.Popen[bytes]) -> None:
+    """In the target's query, never in the body (docs/runner.md, "Self-fencing"): asks
+    before the first grant, and after it until QEMU runs, say nothing; every ask after
+    QEMU was started says so."""
+    clock = Clock()
+    leader = FakeLeader(clock, [NO, OK, OK, NOT_LEADER_ANSWER, OK, OK])
+    fence = SelfFence(config(tmp_path), clock=clock, post=leader)
+    try:
+        fence.keeper.ask_once()  # refused: waiting for its first grant
+        fence.keeper.ask_once()  # granted
+        fence.keeper.ask_once()  # granted; QEMU not started yet
+        fence.arm(victim.pid)  # QEMU started
+        fence.keeper.ask_once()  # NotLeader, sent again at once: both say it
+        fence.keeper.ask_once()
+        assert victim.poll() is None
+    finally:
+        fence.stop()
+    targets = [urllib.parse.urlsplit(url) for url, _body, _headers, _timeout in leader.asks]
+    assert {(t.scheme, t.netloc, t.path) for t in targets} == {
+        ("http", "rights.example:8080", RIGHTS_PATH)}
+    assert [t.query for t in targets] == ["", "", "", GUEST_STARTED_QUERY,
+                                          GUEST_STARTED_QUERY, GUEST_STARTED_QUERY]
+    for _url, body, _headers, _timeout in leader.asks:
+        assert body == {"namespace": "ns", "vm": "vm", "podUID": UID}
+
+
 def test_without_a_usable_pidfd_the_kill_goes_by_pid(
         tmp_path: Path, victim: subprocess.Popen[bytes]) -> None:
     clock = Clock()
@@ -724,6 +755,16 @@ def test_a_runner_starts_qemu_only_with_a_right_and_kills_it_when_the_right_runs
              what="three renewals")
     assert proc.poll() is None and runner.qemu() == started
     assert leader.marks == [(NAMESPACE, f"{VM}-p", UID)]  # the term's first grant wrote it
+
+    # A leader change: the runner's asks now say its guest has started, so the next
+    # term grants it without writing the pod (docs/protocol.md, "A term's first grants").
+    leader.depose()
+    leader.lead()
+    grants_before = leader.answered(200)
+    wait_for(lambda: leader.answered(200) >= grants_before + 2 or proc.poll() is not None,
+             timeout=60, what="two grants in the new term")
+    assert proc.poll() is None and runner.qemu() == started, runner.log()
+    assert leader.marks == [(NAMESPACE, f"{VM}-p", UID)]
 
     # (b) the term ends and no other begins: the watchdog SIGKILLs QEMU, the runner
     # exits non-zero.

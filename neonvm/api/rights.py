@@ -16,11 +16,19 @@ from __future__ import annotations
 import hashlib
 import hmac
 import math
+import urllib.parse
 from dataclasses import dataclass
 from typing import Any
 
 RIGHTS_PATH = "/v1/rights"
 """The path a runner POSTs to, under its ``--rights-url``."""
+
+GUEST_STARTED_QUERY = "guest=started"
+"""The query a runner adds to :data:`RIGHTS_PATH` in every ask sent after it started its
+guest (QEMU), and never before: the leader then grants without the term's write to the
+pod (docs/protocol.md, "A term's first grants"). Not in the body, whose unknown keys a
+leader of an earlier release refuses; such a leader ignores the query (it compares the
+path without it) and writes the pod as before. Absent, or anything else: not started."""
 
 RIGHT_SECONDS_ANNOTATION = "vm.neon.tech/right-seconds"
 """Pod annotation: the runner of this pod self-fences with a right of this many seconds
@@ -110,6 +118,24 @@ def dead_for_sure_after(issued: float, term_start: float, seconds: float,
         if not math.isfinite(value) or value < 0:
             raise RightsContractError(f"{name}: {value!r} must be finite and >= 0")
     return max(issued, term_start) + seconds * (1.0 + rho) + epsilon
+
+
+def ask_target(guest_started: bool) -> str:
+    """The request target of an ask: :data:`RIGHTS_PATH`, with :data:`GUEST_STARTED_QUERY`
+    once the asking runner has started its guest."""
+    return RIGHTS_PATH + ("?" + GUEST_STARTED_QUERY if guest_started else "")
+
+
+def says_guest_started(target: str) -> bool:
+    """Whether a request target says the asking runner has started its guest: its query
+    holds ``guest=started`` and no other ``guest`` value. Anything else (no query, another
+    value, a malformed one) says not started: the leader then writes the pod first, the
+    safe side (docs/protocol.md, "A term's first grants")."""
+    _, sep, query = target.partition("?")
+    if not sep:
+        return False
+    values = urllib.parse.parse_qs(query.partition("#")[0], keep_blank_values=True)
+    return values.get("guest") == ["started"]
 
 
 def renew_interval(seconds: float) -> float:

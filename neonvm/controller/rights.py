@@ -11,10 +11,14 @@ leader (the wire contract: :mod:`neonvm.api.rights`; the argument: docs/protocol
   grants included, before it can end, and it ends before the next begins;
 * ``condemned``: pods whose right is surely over; never granted again *in this term*.
   :meth:`RightsLedger.begin_term` forgets them: a leader of another process may have
-  granted such a pod since (its first grant writes the pod first, so this term's DELETE,
-  whose ``resourceVersion`` was read after the condemn, could not land after it), and a
-  mark kept across terms would condemn that pod again at once, killing a guest that
-  holds a right (docs/protocol.md, "Self-fencing").
+  granted such a pod since (its grant to a runner that has not started its guest writes
+  the pod first, so this term's DELETE, whose ``resourceVersion`` was read after the
+  condemn, could not land after it; a runner that has started its guest was dead at the
+  condemn and never starts another), and a mark kept across terms would condemn that pod
+  again at once, killing a guest that holds a right (docs/protocol.md, "Self-fencing");
+* ``marked``: pods this term has written (the term mark, :class:`RightsService`), so
+  that their next asks in the term need no write. Only a write counts, never a grant: a
+  grant to an ask that said its guest had started wrote nothing.
 
 :meth:`RightsLedger.grant` and :meth:`RightsLedger.condemn` each run as one step under one
 lock: a grant cannot slip in between condemn's test and its mark. The test and the mark
@@ -70,6 +74,7 @@ from neonvm.api.rights import (
     bearer_matches,
     dead_for_sure_after,
     parse_annotation,
+    says_guest_started,
 )
 from neonvm.controller.scaling_token import recorded_token, secret_path
 from neonvm.leader import health
@@ -97,6 +102,10 @@ class RightsLedger:
         self._issued: dict[str, tuple[float, float]] = {}
         """pod uid -> (issue time, seconds granted then)."""
         self._condemned: set[str] = set()
+        self._marked: set[str] = set()
+        """Pods written (the term mark) in the current term."""
+        self._term = 0
+        """The current term's serial number in this process (0: none has begun)."""
         self._term_start: float | None = None
         self._active: Callable[[], bool] | None = None
         self._pruned = clock()
@@ -104,10 +113,13 @@ class RightsLedger:
     def begin_term(self, active: Callable[[], bool]) -> float:
         """A term starts now (after its Lease was acquired); ``active()`` says whether it
         still is (checked inside every grant). Returns ``term_start``. Earlier terms'
-        condemn marks are dropped (module doc): each term condemns afresh."""
+        condemn marks are dropped (module doc): each term condemns afresh, and writes
+        each pod afresh."""
         with self._lock:
+            self._term += 1
             self._term_start = self._clock()
             self._condemned.clear()
+            self._marked.clear()
             self._active = active
             return self._term_start
 
@@ -127,15 +139,30 @@ class RightsLedger:
         except Exception:
             return False
 
-    def grant(self, pod_uid: str, seconds: float) -> str | None:
+    def term(self) -> int:
+        """The current term's serial number in this process (0 before the first): read
+        before an ask's work, passed to :meth:`grant`, which refuses if it changed."""
+        with self._lock:
+            return self._term
+
+    def grant(self, pod_uid: str, seconds: float, *, term: int | None = None,
+              marked: bool = False) -> str | None:
         """Record a grant of ``seconds`` to ``pod_uid`` now; None when granted, else the
         refusal reason (:data:`NOT_LEADER`, :data:`CONDEMNED`). The caller answers only
-        after this returned, so the runner's send time precedes the recorded issue."""
+        after this returned, so the runner's send time precedes the recorded issue.
+
+        ``term``: the :meth:`term` the caller read before its work (its term mark among
+        it); another term now is :data:`NOT_LEADER`, so a write made in one term never
+        counts as the mark of the next (which may follow a condemn and a DELETE in
+        between). ``marked``: the caller wrote the pod for this grant
+        (:meth:`marked_this_term` then holds)."""
         with self._lock:
-            if not self._is_active():
+            if not self._is_active() or (term is not None and term != self._term):
                 return NOT_LEADER
             if pod_uid in self._condemned:
                 return CONDEMNED
+            if marked:
+                self._marked.add(pod_uid)
             now = self._clock()
             _, before = self._issued.get(pod_uid, (now, 0.0))
             self._issued[pod_uid] = (now, max(seconds, before))
@@ -172,11 +199,17 @@ class RightsLedger:
             if left == 0.0:
                 self._condemned.add(pod_uid)
                 self._issued.pop(pod_uid, None)
+                self._marked.discard(pod_uid)
             return left
 
+    def marked_this_term(self, pod_uid: str, term: int) -> bool:
+        """Term ``term`` is the current one and has written ``pod_uid`` (its term mark)
+        before a grant it recorded (:class:`RightsService`)."""
+        with self._lock:
+            return term == self._term and pod_uid in self._marked
+
     def granted_this_term(self, pod_uid: str) -> bool:
-        """This term has granted ``pod_uid`` before (its pod was marked then: see
-        :class:`RightsService`)."""
+        """This term has granted ``pod_uid`` before (with or without writing it)."""
         with self._lock:
             at = self._issued.get(pod_uid)
             return (at is not None and self._term_start is not None
@@ -194,6 +227,7 @@ class RightsLedger:
         for uid, (at, seconds) in list(self._issued.items()):
             if now >= dead_for_sure_after(at, at, seconds, self.rho, self.epsilon):
                 del self._issued[uid]
+                self._marked.discard(uid)  # its next ask writes it again: safe, rare
 
 
 # ---- who may ask ------------------------------------------------------------------------
@@ -652,18 +686,24 @@ class RightsService:
     cheap): not for safety, but so that a standby or a deposed term answers 503 without
     reading a token Secret or writing the pod.
 
-    **A term's first grant to a pod writes the pod first** (``mark_pod``: a patch of
-    :data:`TERM_ANNOTATION` with a uid precondition; no grant if the pod is gone). The
-    force-delete of a condemned pod reads the pod after the condemn, checks its
-    authority, then deletes with the uid and that ``resourceVersion`` as preconditions
+    **A term's first grant to a runner that has not started its guest writes the pod
+    first** (``mark_pod``: a patch of :data:`TERM_ANNOTATION` with a uid precondition;
+    no grant if the pod is gone). The force-delete of a condemned pod reads the pod after
+    the condemn, checks its authority, then deletes with the uid and that
+    ``resourceVersion`` as preconditions
     (:func:`~neonvm.controller.fencing.force_delete_dead_pod`). So a deposed leader's
-    DELETE still in flight and the next term's first grant cannot both land: the read
-    precedes the old term's end, which precedes the new term's write; either the write
-    comes first (the DELETE fails on the resourceVersion) or the DELETE does (the write
-    fails: no grant). Without it, a runner still waiting for its first grant could be
-    granted by the new leader and start its guest just before the old leader's DELETE
-    lands (docs/protocol.md, "Self-fencing": "A deposed leader's delete still in
-    flight"). Cost: one pod write per pod per term, on its first ask."""
+    DELETE still in flight and the next term's grant that lets a runner start its guest
+    cannot both land: the read precedes the old term's end, which precedes the new
+    term's write; either the write comes first (the DELETE fails on the
+    resourceVersion) or the DELETE does (the write fails: no grant). An ask whose target
+    says the guest has started (:func:`~neonvm.api.rights.says_guest_started`) is
+    granted without the write: that runner started its only QEMU before it asked, so no
+    grant to it starts a guest, and if a term condemned it, its guest was dead then
+    (docs/protocol.md, "A deposed leader's delete still in flight"). Cost: one pod write
+    per pod per term, on the first ask of a runner still waiting for its first grant;
+    none for running guests, so a leader change writes no pod of a running fleet. The
+    write counts for the term that made it only (:meth:`RightsLedger.grant`'s
+    ``term``)."""
 
     def __init__(self, ledger: RightsLedger, caches: Callable[[], tuple[Caches, Caches] | None],
                  tokens: TokenCache, mark_pod: MarkPod,
@@ -699,6 +739,7 @@ class RightsService:
             # no traceback: a client's bad body must not cost the leader its log.
             logger.info("rights: bad body: {err}", err=f"{type(exc).__name__}: {exc}"[:200])
             return _refuse(400, BAD_REQUEST, str(exc)[:200])
+        term = self.ledger.term()
         caches = self._caches() if self.ledger.active() else None
         if caches is None:
             return _refuse(503, NOT_LEADER, "this replica holds no active term")
@@ -709,14 +750,17 @@ class RightsService:
                                      from_pod=bool(found.ip) and source == found.ip)
         if refused is not None:
             return refused
-        if not self.ledger.granted_this_term(request.pod_uid):
+        write = (not says_guest_started(path)
+                 and not self.ledger.marked_this_term(request.pod_uid, term))
+        if write:
             try:
-                marked = self._mark_pod(request.namespace, found.name, request.pod_uid)
+                written = self._mark_pod(request.namespace, found.name, request.pod_uid)
             except API_ERRORS as exc:
                 return _refuse(503, NOT_LEADER, f"cannot mark the pod now: {exc}"[:200])
-            if not marked:
+            if not written:
                 return _not_current(request, "the pod is gone")
-        refused_as = self.ledger.grant(request.pod_uid, found.seconds)
+        refused_as = self.ledger.grant(request.pod_uid, found.seconds, term=term,
+                                       marked=write)
         if refused_as == CONDEMNED:
             return _refuse(403, CONDEMNED, "this pod was condemned; it is never granted again")
         if refused_as is not None:

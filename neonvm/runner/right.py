@@ -11,7 +11,10 @@ also counts a suspend) (:class:`RightKeeper`):
   :data:`RETRY_TIMEOUT`) until one is granted. It reads the clock *before* sending
   (``t0``) and, only on a 200 whose body is a valid grant, sets
   ``deadline = max(deadline, t0 + min(granted, D))``; any other answer, or none, changes
-  nothing;
+  nothing. Every ask sent after QEMU was started (:meth:`SelfFence.arm`), and none
+  before, says so in its target (:data:`~neonvm.api.rights.GUEST_STARTED_QUERY`): the
+  leader then grants without writing the pod (docs/protocol.md, "A deposed leader's
+  delete still in flight");
 * the watchdog (:class:`Watchdog`) SIGKILLs QEMU (never ACPI) once
   ``boottime() >= deadline`` and logs one line; the supervisor then ends the runner
   non-zero and does not start QEMU again. QEMU is not started before the first grant;
@@ -53,6 +56,7 @@ from neonvm.api.rights import (
     RightRefusal,
     RightRequest,
     RightsContractError,
+    ask_target,
     authorization_header,
     renew_interval,
     request_deadline,
@@ -229,6 +233,7 @@ class RightKeeper:
         self._first_ask: float | None = None
         self._asks = 0
         self._last_why = ""
+        self._guest_started = False
         self.changed = threading.Event()
         """Set on every extension (wakes the watchdog)."""
         self._log = logger.bind(vm=f"{config.namespace}/{config.vm}")
@@ -255,6 +260,20 @@ class RightKeeper:
         pod (docs/runner.md, "Self-fencing")."""
         with self._lock:
             return self._condemned
+
+    def guest_started(self) -> None:
+        """QEMU has been started (it is called once its process exists, never before):
+        every ask sent from now on says so. The runner starts QEMU once in its life, so
+        no grant to such an ask can start a guest (docs/protocol.md, "A deposed leader's
+        delete still in flight"); an ask already on its way keeps saying not started,
+        the safe side."""
+        with self._lock:
+            self._guest_started = True
+
+    def says_started(self) -> bool:
+        """Whether asks now say the guest has started."""
+        with self._lock:
+            return self._guest_started
 
     def asking(self) -> tuple[float | None, int, str]:
         """(the ``t0`` of the first ask, None before it; asks sent; why the last one was
@@ -323,11 +342,11 @@ class RightKeeper:
         body = json.dumps(RightRequest(namespace=self.config.namespace, vm=self.config.vm,
                                        pod_uid=self.config.pod_uid).to_dict()).encode()
         headers = {"Content-Type": "application/json", "Authorization": authorization}
+        url = self.config.url.rstrip("/") + ask_target(self.says_started())
         end = self._clock() + timeout
         for _ in range(NOT_LEADER_TRIES):
             try:
-                status, answer = self._post(self.config.endpoint, body, headers,
-                                            end - self._clock())
+                status, answer = self._post(url, body, headers, end - self._clock())
             except (OSError, http.client.HTTPException, ValueError) as exc:
                 return (None, f"no answer from {self.config.endpoint}: "
                               f"{exc or type(exc).__name__}", None, True)
@@ -429,7 +448,8 @@ def http_post(url: str, body: bytes, headers: Mapping[str, str],
             opened.append(conn.sock)
         if expired.is_set():
             raise TimeoutError(f"no answer within {timeout:g}s")
-        conn.request("POST", parts.path or "/", body=body, headers=dict(headers))
+        target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        conn.request("POST", target, body=body, headers=dict(headers))
         answer = conn.getresponse()
         data = answer.read(MAX_ANSWER + 1)
         if expired.is_set():
@@ -508,8 +528,11 @@ class SelfFence:
         return deadline is not None and self._clock() < deadline
 
     def arm(self, pid: int) -> None:
-        """QEMU was started as ``pid``: hold it by a pidfd (a reused pid is never hit)
-        and enforce the deadline from now on."""
+        """QEMU was started as ``pid``: hold it by a pidfd (a reused pid is never hit),
+        enforce the deadline from now on, and say in every later ask that the guest has
+        started (:meth:`RightKeeper.guest_started`). Called once, right after the only
+        start of QEMU (the supervisor's)."""
+        self.keeper.guest_started()
         self._pid = pid
         with contextlib.suppress(OSError):
             self._pidfd = os.pidfd_open(pid)
