@@ -332,7 +332,7 @@ class TokenVerifier:
         if header is None:
             return None
         alg, kid = header.get("alg"), header.get("kid")
-        if not isinstance(alg, str) or alg == "none" or alg.upper().startswith("HS"):
+        if not isinstance(alg, str) or alg.lower() == "none" or alg.upper().startswith("HS"):
             return None
         if alg not in ALGORITHMS or not set(header) <= _HEADER_FIELDS \
                 or header.get("typ", "JWT") != "JWT":
