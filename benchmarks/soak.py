@@ -147,10 +147,11 @@ def proc_memory(pid: int) -> dict[str, float]:
     out: dict[str, float] = {}
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            key, _, rest = line.partition(" ")
-            if key in fields and rest.split():
-                value = float(rest.split()[0])
-                out[fields[key]] = round(value / 1024, 1) if key != "Threads:" else value
+            parts = line.split()  # "RssAnon:\t  1234 kB"
+            if len(parts) >= 2 and parts[0] in fields:
+                value = float(parts[1])
+                out[fields[parts[0]]] = (value if parts[0] == "Threads:"
+                                         else round(value / 1024, 1))
     except (OSError, ValueError):
         return {}
     return out

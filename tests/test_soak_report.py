@@ -5,6 +5,7 @@ private cluster gets (rendered by the real helm binary)."""
 from __future__ import annotations
 
 import argparse
+import os
 import xml.etree.ElementTree as ET
 
 import pytest
@@ -18,6 +19,7 @@ from benchmarks.soak import (
     gauge_by_label,
     markdown,
     per_minute,
+    proc_memory,
     render_svg,
     window,
 )
@@ -96,6 +98,13 @@ def test_the_report_says_what_the_leader_held_at_the_start_middle_and_end() -> N
     assert ("* the leader's memory at minutes 0 / 14 / 29: rss_anon_mib 90.0 / 104.0 / "
             "119.0; rss_file_mib - / - / -; threads 40 / 40 / 40; events_recent "
             "4,096 / 2,696 / 1,196") in text
+
+
+@pytest.mark.unit
+def test_the_leaders_memory_split_is_read_from_proc() -> None:
+    mine = proc_memory(os.getpid())
+    assert set(mine) == {"rss_anon_mib", "rss_file_mib", "threads"}
+    assert mine["rss_anon_mib"] > 0 and mine["threads"] >= 1
 
 
 def test_the_soak_gives_its_replicas_lease_requests_the_charts_level() -> None:
