@@ -68,7 +68,8 @@ def crd() -> dict[str, Any]:
 
 
 def controller_rules() -> list[dict[str, Any]]:
-    """Exactly the verbs the controller uses on VMs, pods and events, in every namespace.
+    """Exactly the verbs the controller uses on VMs, pods, events and the VMs' own
+    Namespaces, in every namespace.
 
     The Lease is not here: see :func:`leader_election_rules`.
     """
@@ -85,6 +86,9 @@ def controller_rules() -> list[dict[str, Any]]:
          "verbs": ["create", "patch"]},
         # Live scaling: in-place resize of the runner pod's CPU request.
         {"apiGroups": [""], "resources": ["pods/resize"], "verbs": ["patch"]},
+        # Is a VM's namespace being deleted (before its pod is replaced)? Granted by a
+        # Role too: GET /api/v1/namespaces/X is a request in namespace X.
+        {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["get"]},
     ]
 
 

@@ -5,12 +5,14 @@ being deleted").
   Restart into a new plan, RecordPlan, CreatePod) is asked for; the answer is Wait
   (NamespaceTerminating). A VM being deleted still loses its finalizer, and a restart
   into a terminal phase is still recorded.
-* the driver learns a namespace is terminating from a create refused for that reason
-  (403, "is being terminated") and does not retry it; it forgets after a while (the
-  namespace may be re-created under its name).
+* the driver reads the Namespace before it replaces a VM's runner pod (a Restart into a
+  new plan, a plan after the VM's first) and replaces none in a namespace being deleted;
+  it also learns that from a create refused for that reason (403, "is being
+  terminated") and does not retry it. What it learned is read again after a while, not
+  learned again from another refused create (the namespace may be re-created under its
+  name).
 * on the local cluster: a namespace of converged VMs deleted with a replica running goes
-  away, and the replica tries at most a bounded number of creates there (at most one per
-  worker in each remembered window), not one per VM and retry.
+  away, and the replica tries no create there.
 """
 
 from __future__ import annotations
@@ -19,11 +21,14 @@ import json
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
+from loguru import logger
 
+from neonvm import kube, manifests
 from neonvm.api.types import (
     FINALIZER,
     PendingPod,
@@ -34,10 +39,13 @@ from neonvm.api.types import (
 from neonvm.controller import actions as act
 from neonvm.controller import decide as d
 from neonvm.controller import reasons
+from neonvm.controller.cluster import KubeCluster
 from neonvm.controller.create_policy import namespace_terminating
 from neonvm.controller.step import TerminatingNamespaces
 from neonvm.dev.cluster import LocalCluster
-from tests.support import FAST, wait_for
+from tests.support import FAST, shipped_reconciler, wait_for
+from tests.support.authority import StaticAuthority
+from tests.support.fake_cluster import FakeCluster, api_error
 from tests.support.harness import Replicas, converged, create_vm
 
 # ---- pure logic -----------------------------------------------------------------------
@@ -131,6 +139,126 @@ def test_a_terminating_namespace_is_remembered_for_a_while_only() -> None:
     assert not known.knows("t")  # it may have been re-created under its name
 
 
+class _Reads:
+    """A Namespace read that counts its calls: ``answer`` is what it returns or raises."""
+
+    def __init__(self, answer: dict[str, Any] | Exception | None) -> None:
+        self.answer = answer
+        self.calls = 0
+
+    def __call__(self, name: str) -> dict[str, Any] | None:
+        self.calls += 1
+        if isinstance(self.answer, Exception):
+            raise self.answer
+        return self.answer
+
+
+DELETING = {"metadata": {"name": "t", "deletionTimestamp": "2026-01-01T00:00:00Z"}}
+LIVE = {"metadata": {"name": "t"}}
+
+
+@pytest.mark.unit
+def test_a_namespace_read_as_being_deleted_is_known_without_another_read() -> None:
+    now = [100.0]
+    known = TerminatingNamespaces(remember_seconds=30.0, clock=lambda: now[0])
+    read = _Reads(DELETING)
+    assert known.look("t", read, logger) and read.calls == 1
+    assert known.knows("t") and known.look("t", read, logger) and read.calls == 1
+    gone = _Reads(None)  # a namespace gone is one whose VMs are going too
+    assert known.look("u", gone, logger) and not known.knows("u")
+
+
+@pytest.mark.unit
+def test_what_was_learned_is_read_again_after_a_while_not_learned_from_a_create() -> None:
+    now = [100.0]
+    known = TerminatingNamespaces(remember_seconds=30.0, clock=lambda: now[0])
+    known.learn("t")  # a refused create
+    now[0] += 30.0
+    assert not known.knows("t") and known.stale("t")
+    read = _Reads(DELETING)
+    assert known.look("t", read, logger) and read.calls == 1 and known.knows("t")
+    now[0] += 30.0
+    read.answer = LIVE  # re-created under its name
+    assert not known.look("t", read, logger) and read.calls == 2
+    assert not known.knows("t") and not known.stale("t")
+
+
+@pytest.mark.unit
+def test_a_namespace_seen_live_is_trusted_for_a_moment_only() -> None:
+    now = [100.0]
+    known = TerminatingNamespaces(clock=lambda: now[0], live_seconds=2.0)
+    read = _Reads(LIVE)
+    assert not known.look("t", read, logger) and not known.look("t", read, logger)
+    assert read.calls == 1
+    now[0] += 2.0
+    read.answer = DELETING
+    assert known.look("t", read, logger) and read.calls == 2
+
+
+@pytest.mark.unit
+def test_a_namespace_read_that_fails_tells_nothing_and_a_403_is_not_asked_again() -> None:
+    known = TerminatingNamespaces(live_seconds=0.0)
+    failing = _Reads(api_error(503))
+    assert not known.look("t", failing, logger) and not known.look("t", failing, logger)
+    assert failing.calls == 2
+    forbidden = _Reads(api_error(403))
+    assert not known.look("t", forbidden, logger)
+    assert not known.look("t", forbidden, logger) and not known.look("u", forbidden, logger)
+    assert forbidden.calls == 1
+
+
+# ---- the shipped driver over an in-memory cluster ------------------------------------------
+
+_NS = "ns"
+
+
+def _converged(fake: FakeCluster, name: str) -> None:
+    """A VM of namespace ``ns`` whose runner pod the shipped driver created and started."""
+    fake.add_vm({"apiVersion": "vm.neon.tech/v1", "kind": "VirtualMachine",
+                 "metadata": {"name": name, "namespace": _NS, "generation": 1},
+                 "spec": {"restartPolicy": "Always", "enableAcceleration": False,
+                          "guest": {"rootDisk": {"image": "img"}}},
+                 "status": {}})
+    reconciler = shipped_reconciler(client.ApiClient(), cluster=fake)
+    reconciler.reconcile(f"{_NS}/{name}", StaticAuthority(epoch=1, token=5),
+                         direct_first=True)
+    pod = fake.vm(_NS, name)["status"]["podName"]  # type: ignore[index]
+    assert pod and not (fake.pod(_NS, pod) or {}).get("spec", {}).get("schedulingGates")
+
+
+def test_a_runner_pod_deleted_with_its_namespace_is_not_replaced() -> None:
+    """The namespace controller deletes a namespace's pods before its VMs. The driver
+    reads the Namespace before the Restart: no Restart written, no plan, no create; the
+    other VMs of that namespace need no read of their own."""
+    fake = FakeCluster()
+    for name in ("a", "b"):
+        _converged(fake, name)
+    fake.deleting_namespaces.add(_NS)
+    for name in ("a", "b"):
+        del fake.pods[(_NS, fake.vm(_NS, name)["status"]["podName"])]  # type: ignore[index]
+    writes, creates = fake.count("put_status"), fake.count("create_pod")
+    reconciler = shipped_reconciler(client.ApiClient(), cluster=fake)
+    for name in ("a", "b"):
+        result = reconciler.reconcile(f"{_NS}/{name}", StaticAuthority(epoch=1, token=5),
+                                      direct_first=True)
+        assert isinstance(result.action, act.Wait), result
+        assert result.action.condition == reasons.NAMESPACE_TERMINATING, result
+    assert fake.count("create_pod") == creates and fake.count("put_status") == writes
+    assert fake.count("namespace_meta") == 1
+
+
+def test_a_runner_pod_gone_in_a_live_namespace_is_replaced_after_one_read() -> None:
+    fake = FakeCluster()
+    _converged(fake, "a")
+    first = fake.vm(_NS, "a")["status"]["podName"]  # type: ignore[index]
+    del fake.pods[(_NS, first)]
+    reads = fake.count("namespace_meta")
+    reconciler = shipped_reconciler(client.ApiClient(), cluster=fake)
+    reconciler.reconcile(f"{_NS}/a", StaticAuthority(epoch=1, token=5), direct_first=True)
+    assert fake.vm(_NS, "a")["status"]["podName"] not in (None, first)  # type: ignore[index]
+    assert fake.count("namespace_meta") == reads + 1
+
+
 # ---- on the local cluster -----------------------------------------------------------------
 
 VMS = 30
@@ -179,7 +307,7 @@ def _release(api: client.ApiClient, name: str) -> None:
         pass
 
 
-def test_a_namespace_of_converged_vms_deleted_under_a_running_replica_goes_with_few_creates(
+def test_a_namespace_of_converged_vms_deleted_under_a_running_replica_goes_with_no_create(
         cluster: LocalCluster, api: client.ApiClient, namespace: str, tmp_path: Path) -> None:
     if not cluster.spec.nodes:
         pytest.skip("needs simulated nodes")
@@ -211,11 +339,36 @@ def test_a_namespace_of_converged_vms_deleted_under_a_running_replica_goes_with_
             assert replica.running()
             print(f"namespace of {VMS} VMs gone after {took:.1f}s; "
                   f"{after} pod creates tried during its deletion")
-            # The driver remembers a terminating namespace for a while and then learns it
-            # again from one more refused create per worker (a namespace may be
-            # re-created under its name), so the bound is per remembered window.
-            windows = 1 + int(took // d.NAMESPACE_TERMINATING_RECHECK_SECONDS)
-            assert after <= WORKERS * windows, replica.log()[-20000:]
+            # The pods go first (the namespace controller deletes them before the VMs):
+            # each restart reads the Namespace first and finds it being deleted.
+            assert after == 0, replica.log()[-20000:]
     finally:
         if not _namespace_gone(core, doomed):
             _release(api, doomed)
+
+
+def test_a_role_in_a_namespace_lets_the_controller_read_that_namespace_alone(
+        cluster: LocalCluster, api: client.ApiClient, namespace: str) -> None:
+    """The chart's ``controller.watchNamespace`` grants the controller's rules by a Role
+    in that namespace: enough to read that Namespace (GET /api/v1/namespaces/X is a
+    request in namespace X), and no other."""
+    user = f"ns-reader-{uuid.uuid4().hex[:6]}"
+    rbac = client.RbacAuthorizationV1Api(api)
+    rbac.create_namespaced_role(namespace, {"metadata": {"name": user},
+                                            "rules": manifests.controller_rules()})
+    rbac.create_namespaced_role_binding(namespace, {
+        "metadata": {"name": user},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": user},
+        "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": user}]})
+    as_user = kube.api_client(cluster.kubeconfig)
+    as_user.set_default_header("Impersonate-User", user)
+    reader = KubeCluster(as_user)
+
+    def read_own() -> bool:
+        meta = reader.namespace_meta(namespace)
+        return meta is not None and meta["metadata"]["name"] == namespace
+
+    wait_for(read_own, timeout=30, what="the Role's grant in effect")
+    with pytest.raises(ApiException) as refused:
+        reader.namespace_meta("default")
+    assert refused.value.status == 403

@@ -12,6 +12,8 @@ call                 what it is (statuses its callers handle themselves)
 ``get_pod``          quorum GET of a pod (404: None)
 ``secret_metadata``  quorum GET of a Secret's metadata only (404: None; 403 is
                      "may not look", in ``DirectReader.secret_exists``)
+``namespace_meta``   quorum GET of a VM's Namespace's metadata only (404: None;
+                     any error is "cannot tell", in ``TerminatingNamespaces.look``)
 ``put_status``       PUT ``/status`` carrying the record's resourceVersion (409:
                      the conflict helper re-reads and re-applies the intent)
 ``put_main``         PUT of the main resource with new finalizers, the same way
@@ -70,6 +72,9 @@ PARTIAL_METADATA = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1
 
 TIMEOUT = 30
 """Seconds each request may take."""
+NAMESPACE_TIMEOUT = 5
+"""Seconds a Namespace read may take: it only spares a create the API server would
+refuse, so a worker does not wait on it long."""
 
 JSON_PATCH = "application/json-patch+json"
 
@@ -125,6 +130,10 @@ class TokenSecrets(Protocol):
 
 class Cluster(ClusterReads, TokenSecrets, Protocol):
     """Every call the driver makes of the API server (the module doc has the table)."""
+
+    def namespace_meta(self, name: str) -> dict[str, Any] | None:
+        """The Namespace ``name`` as ``PartialObjectMetadata`` (is it being deleted?)."""
+        ...
 
     def put_status(self, record: VMRecord, status: VirtualMachineStatus) -> VMRecord:
         """PUT ``/status`` with ``record``'s resourceVersion; the VM as stored."""
@@ -231,6 +240,13 @@ class KubeCluster(VMWriter):
         return kube.get_or_none(self._api, f"/api/v1/namespaces/{namespace}/secrets/"
                                 f"{kube.path_segment(name)}", accept=PARTIAL_METADATA,
                                 timeout=TIMEOUT)
+
+    def namespace_meta(self, name: str) -> dict[str, Any] | None:
+        # The path names the namespace itself, so a Role in that namespace may grant it
+        # (controller.watchNamespace): the API server authorizes GET /api/v1/namespaces/X
+        # as a request in namespace X.
+        return kube.get_or_none(self._api, f"/api/v1/namespaces/{kube.path_segment(name)}",
+                                accept=PARTIAL_METADATA, timeout=NAMESPACE_TIMEOUT)
 
     def create_pod(self, namespace: str, manifest: dict[str, Any]) -> dict[str, Any]:
         # A raw request: the generated method validates the manifest into a typed model

@@ -223,6 +223,18 @@ def _makes_a_pod(action: Action) -> bool:
     return isinstance(action, RecordPlan | CreatePod)
 
 
+def replaces_a_pod(action: Action) -> bool:
+    """``action`` begins a VM's next runner pod after an earlier one: a Restart into a new
+    plan, or the plan of any pod but the VM's first. Before one, unless the VM's
+    namespace is known to be being deleted, the driver reads the Namespace; a pod of a
+    namespace being deleted goes because the namespace goes, and is not replaced
+    (docs/reconciler.md, "A namespace being deleted"). A VM's first plan is not read
+    for: the VM was created, so the namespace was not being deleted moments ago."""
+    if isinstance(action, Restart):
+        return action.terminal_phase is None
+    return isinstance(action, RecordPlan) and action.plan.plan_seq > 1
+
+
 def _decide(obs: Observation) -> Action:
     vm = obs.vm
     if vm is None:

@@ -330,13 +330,18 @@ class Reconciler:
                 continue
             if isinstance(oversized, int):
                 return self._too_large(key, snap, authority, log, tally.steps, oversized)
-            action = d.decide(self._fenced(self._with_namespace(snap.obs), snap))
+            obs = self._fenced(self._with_namespace(snap.obs, log), snap)
+            action = d.decide(obs)
             if self._wants_direct_read(snap, action, log):
                 snap = self.observe(key, authority, direct=True)
                 continue
             if isinstance(action, act.Fenced):
                 raise FencedSnapshot(f"{key}: {action.reason} (epoch {action.seen_epoch} > "
                                      f"{authority.lease.epoch})", snap)
+            if (d.replaces_a_pod(action) and obs.vm is not None
+                    and self.ctx.terminating.look(obs.vm.namespace,
+                                                  self.cluster.namespace_meta, log)):
+                action = d.decide(replace(obs, namespace_terminating=True))
             trouble = (runner_trouble(snap.obs.runner_error) if isinstance(action, act.Wait)
                        and action.condition == reasons.SCALING_CONDITION else None)
             if trouble is not None:
@@ -494,11 +499,17 @@ class Reconciler:
         return self._stuck(key, snap, authority, log, steps, kind, STEP_BUDGET_EXHAUSTED,
                            message)
 
-    def _with_namespace(self, obs: act.Observation) -> act.Observation:
-        """``obs``, saying whether the VM's namespace is known to be being deleted."""
-        if obs.vm is None or not self.ctx.terminating.knows(obs.vm.namespace):
+    def _with_namespace(self, obs: act.Observation, log: Any) -> act.Observation:
+        """``obs``, saying whether the VM's namespace is known to be being deleted (what
+        was learned longer ago than it is trusted is read again first)."""
+        if obs.vm is None:
             return obs
-        return replace(obs, namespace_terminating=True)
+        namespace, known = obs.vm.namespace, self.ctx.terminating
+        if known.knows(namespace) or (
+                known.stale(namespace)
+                and known.look(namespace, self.cluster.namespace_meta, log)):
+            return replace(obs, namespace_terminating=True)
+        return obs
 
     def _fenced(self, obs: act.Observation, snap: Snapshot) -> act.Observation:
         """``obs`` with its self-fenced pods (:mod:`neonvm.controller.fencing`)."""

@@ -17,6 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol
 
+from kubernetes.client.exceptions import ApiException
+from urllib3.exceptions import HTTPError
+
 from neonvm.api import types
 from neonvm.api.types import VirtualMachineStatus
 from neonvm.controller import decide as d
@@ -80,33 +83,117 @@ class Event(NamedTuple):
     warning: bool = False
 
 
+NAMESPACE_SEEN_LIVE_SECONDS = 2.0
+"""How long a read showing a namespace not being deleted is trusted. Shorter than the 5 s
+kube-controller-manager's namespace controller waits after a namespace is marked before
+it deletes anything in it, so no pod that controller deletes is replaced on the word of a
+read taken before the namespace was marked (docs/reconciler.md, "A namespace being
+deleted")."""
+FORGET_AFTER_WINDOWS = 10
+"""A namespace learned as being deleted and not looked at again for this many
+``remember_seconds`` is dropped: it is gone by then, or its VMs are not being reconciled."""
+
+NamespaceRead = Callable[[str], dict[str, Any] | None]
+"""A quorum read of a Namespace's metadata (None: 404); its errors are the cluster's."""
+
+
 class TerminatingNamespaces:
-    """Namespaces a create was refused in because they are being deleted, remembered for
-    ``remember_seconds`` (a namespace may be re-created under its name; after that, one
-    more refused create teaches it again). Shared by a reconciler's workers. See
-    docs/reconciler.md, "A namespace being deleted"."""
+    """Which namespaces are being deleted, so that none of their VMs gets a new runner
+    pod there. Shared by a reconciler's workers; see docs/reconciler.md, "A namespace
+    being deleted".
+
+    Learned from a read of the Namespace (:meth:`look`: a ``deletionTimestamp``, or 404)
+    or from a create refused for that reason (:meth:`learn`). What is learned is trusted
+    for ``remember_seconds``; after that it is read again before it is used (a namespace
+    may be re-created under its name), never learned again from another refused create.
+    A read showing the namespace not being deleted is trusted for ``live_seconds``.
+    A read that fails (403: this identity may not read Namespaces; no answer) tells
+    nothing: the decision goes on as if the namespace were not being deleted, and a
+    create there is refused and learned from as before; after a 403 no Namespace is read
+    again by this reconciler."""
 
     def __init__(self, remember_seconds: float = d.NAMESPACE_TERMINATING_RECHECK_SECONDS,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, *,
+                 live_seconds: float = NAMESPACE_SEEN_LIVE_SECONDS) -> None:
         self._remember = remember_seconds
+        self._live_for = live_seconds
         self._clock = clock
         self._learned: dict[str, float] = {}
+        self._live: dict[str, float] = {}
+        self._forbidden = False
         self._lock = threading.Lock()
 
     def learn(self, namespace: str) -> None:
+        """``namespace`` is being deleted (a create there was refused, or a read said so)."""
         with self._lock:
-            self._learned[namespace] = self._clock()
+            now = self._clock()
+            self._learned[namespace] = now
+            self._live.pop(namespace, None)
+            old = now - FORGET_AFTER_WINDOWS * self._remember
+            for name in [n for n, at in self._learned.items() if at < old]:
+                del self._learned[name]
 
     def knows(self, namespace: str) -> bool:
-        """Whether ``namespace`` was seen being deleted within the remembered time."""
+        """Whether ``namespace`` was learned as being deleted within ``remember_seconds``."""
         with self._lock:
             at = self._learned.get(namespace)
-            if at is None:
+            return at is not None and self._clock() - at < self._remember
+
+    def stale(self, namespace: str) -> bool:
+        """Whether ``namespace`` was learned as being deleted longer ago than
+        ``remember_seconds``: to be read again before a decision trusts it."""
+        with self._lock:
+            at = self._learned.get(namespace)
+            return at is not None and self._clock() - at >= self._remember
+
+    def look(self, namespace: str, read: NamespaceRead, log: Any) -> bool:
+        """Whether ``namespace`` is being deleted: known, or seen live lately, or else
+        read with ``read`` (one GET) and remembered."""
+        with self._lock:
+            now = self._clock()
+            at = self._learned.get(namespace)
+            if at is not None and now - at < self._remember:
+                return True
+            seen = self._live.get(namespace)
+            if self._forbidden or (seen is not None and now - seen < self._live_for):
                 return False
-            if self._clock() - at >= self._remember:
-                del self._learned[namespace]
-                return False
+        try:
+            meta = read(namespace)
+        except ApiException as exc:
+            if exc.status == 403:
+                with self._lock:
+                    self._forbidden = True
+                log.warning("this identity may not read Namespaces ({status}): a namespace "
+                            "being deleted is learned only from a refused create",
+                            status=exc.status)
+            else:
+                log.debug("reading namespace {ns} failed: {status}", ns=namespace,
+                          status=exc.status)
+            return False
+        except (HTTPError, OSError) as exc:  # no answer
+            log.debug("reading namespace {ns} failed: {error}", ns=namespace, error=exc)
+            return False
+        if meta is None or (meta.get("metadata") or {}).get("deletionTimestamp"):
+            if meta is None:  # gone: so are its VMs; nothing to remember
+                self.forget(namespace)
+            else:
+                if not self.knows(namespace):
+                    log.info("namespace {ns} is being deleted: its VMs get no new runner "
+                             "pod", ns=namespace)
+                self.learn(namespace)
             return True
+        with self._lock:
+            self._learned.pop(namespace, None)
+            now = self._clock()
+            self._live[namespace] = now
+            for name in [n for n, t in self._live.items() if now - t >= self._live_for]:
+                del self._live[name]
+        return False
+
+    def forget(self, namespace: str) -> None:
+        with self._lock:
+            self._learned.pop(namespace, None)
+            self._live.pop(namespace, None)
 
 
 @dataclass
@@ -129,7 +216,8 @@ class StepContext:
     """Per VM: transient create failures in a row (shared with the term's handler, which
     drops a gone VM's entries)."""
     terminating: TerminatingNamespaces
-    """Namespaces being deleted, learned from refused creates: their VMs plan no pod."""
+    """Namespaces being deleted (read, or learned from refused creates): their VMs plan
+    no pod."""
     identity: Identity
     old_crd: OldCrdWarning
     metrics: ControllerMetrics | None = None

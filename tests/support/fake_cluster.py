@@ -38,7 +38,8 @@ from neonvm.api.schema import encode
 from neonvm.api.types import VirtualMachineStatus
 from neonvm.controller.cluster import VMRecord
 
-CALLS = ("list_pods", "get_vm_raw", "get_pod", "secret_metadata", "put_status", "put_main",
+CALLS = ("list_pods", "get_vm_raw", "get_pod", "secret_metadata", "namespace_meta",
+         "put_status", "put_main",
          "create_pod", "ungate_pod", "delete_pod", "patch_pod_metadata", "username",
          "create_secret", "get_secret", "delete_secret")
 """Every call of the interface, by name (what :meth:`FakeCluster.fail` takes)."""
@@ -59,6 +60,8 @@ class FakeCluster:
         self.vms: dict[tuple[str, str], dict[str, Any]] = {}
         self.pods: dict[tuple[str, str], dict[str, Any]] = {}
         self.secrets: dict[tuple[str, str], dict[str, Any]] = {}
+        self.deleting_namespaces: set[str] = set()
+        """Namespaces marked for deletion (every other namespace exists, live)."""
         self.calls: list[tuple[str, str]] = []
         """(call, object name) of every call, in order, failed ones too."""
         self.user = user
@@ -144,6 +147,13 @@ class FakeCluster:
         self._enter("secret_metadata", name)
         raw = self.secrets.get((namespace, name))
         return {"metadata": copy.deepcopy(raw["metadata"])} if raw is not None else None
+
+    def namespace_meta(self, name: str) -> dict[str, Any] | None:
+        self._enter("namespace_meta", name)
+        meta: dict[str, Any] = {"name": name}
+        if name in self.deleting_namespaces:
+            meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+        return {"metadata": meta}
 
     # ---- VM writes ---------------------------------------------------------------------
 
