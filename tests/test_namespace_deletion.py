@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +89,23 @@ def test_a_runner_pod_going_in_a_terminating_namespace_is_not_restarted() -> Non
     action = d.decide(_obs(vm, pods, terminating=True))
     assert isinstance(action, act.Wait)
     assert action.condition == reasons.NAMESPACE_TERMINATING
+
+
+@pytest.mark.unit
+def test_a_runner_pod_going_in_a_terminating_namespace_is_not_read_for() -> None:
+    """Every VM of a namespace being deleted is looked at when its pod goes and then
+    every 30 s: a direct read each time would be two requests per VM for nothing."""
+    pods = (_pod("vm-1-01234567-1", terminating=True),)
+    cached = act.Observation(vm=_vm(pod="vm-1-01234567-1"), pods=pods, lease=FENCE,
+                             direct=False, namespace_terminating=True)
+    action = d.decide(cached)
+    assert isinstance(action, act.Wait), action
+    assert action.condition == reasons.NAMESPACE_TERMINATING
+    assert isinstance(d.decide(replace(cached, namespace_terminating=False)),
+                      act.ObserveDirect)
+    # A restart into a terminal phase is recorded, from a direct read as anywhere.
+    never = replace(cached, vm=_vm(pod="vm-1-01234567-1", restart_policy="Never"))
+    assert isinstance(d.decide(never), act.ObserveDirect)
 
 
 @pytest.mark.unit

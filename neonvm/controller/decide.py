@@ -334,11 +334,18 @@ def _decide_committed(obs: Observation, vm: VirtualMachine) -> Action:
     if not gone and pod is not None and (fenced := _self_fenced(obs, [pod])) is not None:
         return fenced
     if gone or (pod is not None and (pod.finished or pod.terminating)):
+        terminal = _terminal_phase(vm, pod if not gone else None)
+        if obs.namespace_terminating and terminal is None:
+            # Whatever a direct read showed, no Restart into a new plan is made in a
+            # namespace being deleted: no read for it either (one per VM and look).
+            return Wait(seconds=NAMESPACE_TERMINATING_RECHECK_SECONDS,
+                        condition=NAMESPACE_TERMINATING,
+                        reason=f"namespace is being deleted: runner pod {name} is not "
+                               f"replaced; the VM goes with it")
         if not obs.direct:
             return ObserveDirect(reason=f"pod {name} looks gone or finished: confirm")
         assert name is not None
         uid = vm.status.pod_uid or (pod.uid if pod else "")
-        terminal = _terminal_phase(vm, pod if not gone else None)
         if gone or pod is None:
             what = "gone"
         else:
