@@ -116,6 +116,9 @@ class Record:
     refused_creates: int | None = None
     """Pod creates the API server refused in the terminating namespace (the replicas' log
     lines saying so, one per refusal)."""
+    namespace_restarts: int | None = None
+    """Restarts the replicas made while the namespace was being deleted (``Restart:`` log
+    lines): each a status write before the plan and create that would follow it."""
     setup_s: float | None = None
     scaled_vms: int = 0
     """Fleet VMs made scalable (bounds 1 to 2 vCPUs and memory slots): the scale churn's."""
@@ -487,12 +490,17 @@ REFUSED = "is being deleted: no runner pod is created there"
 """The replica's log line for a create refused in a terminating namespace."""
 
 
-def refusals(state_dir: Path, replicas: int) -> int:
+RESTARTED = '"msg": "Restart: '
+"""The replica's (JSON) log line for a Restart it performs."""
+
+
+def refusals(state_dir: Path, replicas: int, text: str = REFUSED) -> int:
+    """Lines of the replicas' logs holding ``text`` (default: refused creates)."""
     count = 0
     for i in range(replicas):
         with contextlib.suppress(OSError):
             count += (state_dir / "logs" / f"controller-{i}.log").read_text(
-                errors="replace").count(REFUSED)
+                errors="replace").count(text)
     return count
 
 
@@ -506,6 +514,7 @@ def delete_namespace(api: client.ApiClient, record: Record, state: Path,
     core = client.CoreV1Api(api)
     record.namespace_vms = len(fleet.list_vms(api, NAMESPACE))
     before = refusals(state, args.replicas)
+    restarts = refusals(state, args.replicas, RESTARTED)
     say(f"deleting namespace {NAMESPACE} ({record.namespace_vms} VMs), replicas running")
     t0 = time.monotonic()
     core.delete_namespace(NAMESPACE, _request_timeout=30)
@@ -519,12 +528,13 @@ def delete_namespace(api: client.ApiClient, record: Record, state: Path,
                 break
         time.sleep(1.0)
     record.refused_creates = refusals(state, args.replicas) - before
+    record.namespace_restarts = refusals(state, args.replicas, RESTARTED) - restarts
     if record.namespace_gone_s is None:
         record.failures.append(f"namespace {NAMESPACE} not gone {args.namespace_timeout:.0f}s "
                                f"after "
                                f"its delete")
     say(f"namespace gone after {record.namespace_gone_s} s; {record.refused_creates} "
-        f"creates refused there")
+        f"creates refused there, {record.namespace_restarts} restarts")
 
 
 def soak(args: argparse.Namespace) -> Record:
@@ -856,7 +866,9 @@ def markdown(record: Record, args: argparse.Namespace, svg: str | None) -> str:
         lines.append(f"* then the namespace ({record.namespace_vms} VMs) was deleted with the "
                      f"replicas running: gone after **{f(record.namespace_gone_s, ' s', 1)}**, "
                      f"**{record.refused_creates}** pod creates refused there (403 'being "
-                     f"terminated', counted from the replicas' log lines).")
+                     f"terminated', counted from the replicas' log lines)"
+                     + ("." if record.namespace_restarts is None else
+                        f", {record.namespace_restarts} restarts made meanwhile."))
     lines += [f"* FAILURE: {x}" for x in record.failures]
     if svg:
         lines += ["", f"![leader RSS and API calls per minute over the soak]({Path(svg).name})"]
