@@ -142,6 +142,7 @@ def test_an_identity_refused_the_keys_leaves_every_token_to_a_review(
     assert not refused.load()
     with pytest.raises(Unverifiable):
         refused.verify(bound.token)
+    assert refused.decide(bound.token) == (False, None)
 
 
 # ---- verified --------------------------------------------------------------------------------
@@ -153,6 +154,7 @@ def test_a_minted_token_verifies_to_the_pod_a_review_binds_it_to(
     by_review = reviewed_pod(review, AUDIENCE)
     assert by_review is not None
     assert verifier.verify(bound.token) == by_review
+    assert verifier.decide(bound.token) == (True, by_review)
     assert (by_review.namespace, by_review.name, by_review.uid) == (
         bound.namespace, bound.pod, bound.uid)
 
@@ -202,6 +204,7 @@ def test_a_tampered_signature_is_refused(verifier: TokenVerifier, bound: Bound) 
     raw = bytearray(base64.urlsafe_b64decode(sig + "=="))
     raw[len(raw) // 2] ^= 1
     assert verifier.verify(f"{head}.{body}.{b64(bytes(raw))}") is None
+    assert verifier.decide(f"{head}.{body}.{b64(bytes(raw))}") == (True, None)
 
 
 def test_alg_none_and_hs256_keyed_with_the_public_key_are_refused(

@@ -348,3 +348,12 @@ class TokenVerifier:
         if claims is None:
             return None
         return bound_pod(claims, self.audience, held.issuer, self._wall(), self._skew)
+
+    def decide(self, token: str) -> tuple[bool, ReviewedPod | None]:
+        """:meth:`verify` as (decided, pod): (True, pod) verified, (True, None) refused,
+        (False, None) only a TokenReview can tell (:class:`Unverifiable`). This shape
+        needs no import of this module by its caller (the rights endpoint)."""
+        try:
+            return True, self.verify(token)
+        except Unverifiable:
+            return False, None
