@@ -1,8 +1,9 @@
 """The self-fencing explorer (``neonvm/verify/fencing.py``): the right to run and the
 force-delete keep at most one running guest over every interleaving of a partition, a
 heal, a failover and drifting clocks; each deliberate breakage of the margin, the
-runner's kill, the ledger (a condemn mark kept past its term among them) or the runner's
-clock yields two running guests; the two gaps
+runner's kill, the ledger (a condemn mark kept past its term among them), the runner's
+clock, or the write before a term's first grant (skipped for a runner not started, or
+counted from a grant that wrote nothing) yields two running guests; the two gaps
 docs/protocol.md names ("Self-fencing", "What is not covered") are found."""
 
 from __future__ import annotations
@@ -145,6 +146,15 @@ def test_the_explorer_runs_the_shipped_ledger_and_catches_a_margin_taken_out_of_
 STAMPED = dataclasses.replace(SHIPPED, stamp_first_grant=True)
 
 
+def caught_stamped(mutant: str, scenario: str) -> list[str]:
+    """:func:`caught`, with the write before a term's first grant on (as shipped)."""
+    cfg = dataclasses.replace(STAMPED, mutants=Mutants(**{mutant: True}))
+    report = explore_fencing(scenario, cfg, liveness=False)
+    assert report.violation is not None, f"{mutant} not caught in {report.states} states"
+    assert report.violation.property == "at-most-one-running-guest", report.violation
+    return report.trace
+
+
 @pytest.mark.unit
 def test_terms_of_two_processes_that_keep_their_ledgers_never_run_two_guests() -> None:
     report = explore_fencing("fence-fresh-flap", STAMPED)
@@ -191,6 +201,64 @@ def test_the_explorer_catches_a_shipped_ledger_that_keeps_its_marks_across_terms
     _mark_kept_then_delete(report.trace)
 
 
+# ---- the write only for a runner that has not started its guest ------------------------
+
+
+@pytest.mark.unit
+def test_writing_the_pod_only_for_runners_not_started_never_runs_two_guests() -> None:
+    """The shipped rule (an ask that says its guest has started is granted without the
+    write) over a running guest's failover; ``fence-fresh-failover`` and
+    ``fence-fresh-flap`` (above and below) run it with a fresh runner."""
+    assert STAMPED.skip_mark_when_started
+    report = explore_fencing("fence-failover", STAMPED)
+    print(f"fence-failover, stamped: {report.states} states, {report.transitions} "
+          "transitions")
+    assert report.complete and report.violation is None, (report.violation, report.trace)
+
+
+@pytest.mark.long
+@pytest.mark.unit
+def test_someone_else_saying_started_for_a_fresh_runner_never_runs_two_guests() -> None:
+    """Opt-in (NEONVM_TEST_LONG=1; 40,727 states, about 2 s): whoever holds the pod's
+    credential may say started; the grant it gets writes nothing, and is not the term's
+    write, so the runner's own first ask is still written first."""
+    report = explore_fencing("fence-fresh-forged", STAMPED, liveness=False)
+    print(f"fence-fresh-forged: {report.states} states, {report.transitions} transitions")
+    assert report.complete and report.violation is None, (report.violation, report.trace)
+
+
+def _granted_unwritten_then_delete_lands(trace: list[str]) -> None:
+    sent = next(i for i, s in enumerate(trace) if "term 1): condemn P" in s)
+    unwritten = next(i for i, s in enumerate(trace) if "term 2): records" in s)
+    started = next(i for i, s in enumerate(trace) if "QEMU starts" in s)
+    lands = next(i for i, s in enumerate(trace) if "DELETE of P (term 1) lands" in s)
+    assert sent < unwritten < started < lands, trace
+    assert not any("writes P" in s for s in trace), trace
+
+
+@pytest.mark.unit
+def test_a_leader_that_skips_the_write_whatever_the_ask_says_runs_two_guests() -> None:
+    # (h) A fresh runner granted by term 2 without a write: term 1's DELETE lands after.
+    trace = caught_stamped("skip_mark_always", "fence-fresh-failover")
+    _granted_unwritten_then_delete_lands(trace)
+
+
+@pytest.mark.unit
+def test_a_runner_that_says_started_before_it_started_runs_two_guests() -> None:
+    # (i)
+    trace = caught_stamped("started_early", "fence-fresh-failover")
+    _granted_unwritten_then_delete_lands(trace)
+    assert "says its guest has started" in trace[0]
+
+
+@pytest.mark.unit
+def test_a_grant_without_a_write_taken_for_the_terms_write_runs_two_guests() -> None:
+    # (j) Someone else says started for P; the leader then counts P as written.
+    trace = caught_stamped("grant_is_mark", "fence-fresh-forged")
+    forged = next(i for i, s in enumerate(trace) if "not its runner" in s)
+    _granted_unwritten_then_delete_lands(trace[:forged] + trace[forged + 1:])
+
+
 # ---- the gaps docs/protocol.md names ---------------------------------------------------
 
 
@@ -205,8 +273,8 @@ def test_a_deposed_terms_delete_in_flight_meets_a_fresh_runner_granted_by_the_ne
     started = next(i for i, s in enumerate(trace) if "QEMU starts" in s)
     lands = next(i for i, s in enumerate(trace) if "DELETE of P (term 1) lands" in s)
     assert sent < begins < started < lands, trace
-    # Writing the pod before a term's first grant, and deleting with its
-    # resourceVersion, closes it (a fix, not shipped).
+    # Writing the pod before a term's first grant to a runner not started, and deleting
+    # with its resourceVersion, closes it (shipped: STAMPED).
     fixed = explore_fencing("fence-fresh-failover", dataclasses.replace(
         SHIPPED, stamp_first_grant=True))
     print(f"fence-fresh-failover, stamped: {fixed.states} states")

@@ -21,7 +21,9 @@ replacement Q, and two leader terms.
   the schedule is the adversary's), reading its clock first (``t0``); takes an answer
   at any later moment, however old (the real runner gives up after ``D/6``; safety must
   not depend on it); may give up on a request at any moment (a timeout, an answer lost).
-  It starts QEMU at its first grant (a *fresh* runner has none yet). Its watchdog
+  It starts QEMU at its first grant (a *fresh* runner has none yet), and each ask says
+  whether its guest has started (it has once QEMU runs; a request is never outstanding
+  across that start, since the start is the taking of an answer). Its watchdog
   SIGKILLs the guest at the latest one tick after the first tick at which the deadline
   is seen passed (time cannot pass further while the guest runs): ``epsilon`` must cover
   that tick. A killed guest never runs again; its runner exits.
@@ -40,7 +42,11 @@ replacement Q, and two leader terms.
   ``max(issued, term_start) + D*(1+rho) + epsilon`` and marks P in one step when the
   test passes; the force-delete is sent then (again, from a fresh read, after a 409) and
   lands at any later step, even after its term ended (one call in flight may overlap
-  the next term). While P stays condemned the DELETE is sent again whatever its node
+  the next term). With :attr:`FencingConfig.stamp_first_grant` (shipped), a term's
+  first grant to an ask that does not say the guest has started writes P first (a new
+  resourceVersion, which fails a DELETE decided before it); an ask that says it is
+  granted without the write (:attr:`FencingConfig.skip_mark_when_started`), and only a
+  write counts as the term's. While P stays condemned the DELETE is sent again whatever its node
   says (the shipped observation reports this term's condemned pods dead). A failover
   ends the term (its leader stops all work: no grant, no new delete) and, at any later
   moment, the next term starts with ``term_start`` = then. Terms alternate between two
@@ -49,6 +55,9 @@ replacement Q, and two leader terms.
   carried into its next one as the shipped ledger carries it (its ``begin_term`` is
   asked), so a mark that outlives its term is found (a process's earlier grants are
   not carried: they precede the new ``term_start`` and so move nothing).
+* **Someone else with P's credential** (budget ``forge``): asks once for P, saying P's
+  guest has started, while the leading term has not written P; the grant records
+  ``issued[P]`` and its answer is the asker's, not P's runner's.
 * **The replacement Q**: once P is gone from the API and a leader leads, Q is created,
   ungated (the quorum list shows it alone) and its runner asks for a right; with a
   grant its guest runs (for ever, here: the worst case for the invariant).
@@ -127,6 +136,15 @@ class Mutants:
     marks_outlive_term: bool = False
     """(g) A process's condemn marks survive into its next term (its ledger is not
     cleared by ``begin_term``): another process may have granted the pod in between."""
+    skip_mark_always: bool = False
+    """(h) The leader grants without writing the pod whatever the ask says (it ignores
+    whether the runner's guest has started)."""
+    started_early: bool = False
+    """(i) The runner says its guest has started in asks sent before QEMU started."""
+    grant_is_mark: bool = False
+    """(j) The leader takes any grant of its term for the term's write to the pod, also a
+    grant made without one (to an ask that said started): a later ask of the pod that
+    does not say it then gets no write either."""
 
 
 @dataclass(frozen=True)
@@ -139,6 +157,11 @@ class FencingConfig:
     pod (a new resourceVersion), and the force-delete carries the resourceVersion of the
     pod as read when it was decided, so one of the two fails. Off by default so that
     ``fence-fresh-failover`` shows the gap it closes."""
+    skip_mark_when_started: bool = True
+    """Shipped with the write: an ask that says its runner's guest has started (the
+    runner says so only after it started QEMU, which it does once) is granted without
+    the write (docs/protocol.md, "A deposed leader's delete still in flight"). Only
+    matters with ``stamp_first_grant``."""
 
 
 class Budget(NamedTuple):
@@ -157,6 +180,10 @@ class Budget(NamedTuple):
     suspend: int = 0
     """P's whole node stops and later thaws, and the runner's clock does not count the
     time stopped (a suspended machine; ``CLOCK_MONOTONIC``): it breaks the rate bound."""
+    forge: int = 0
+    """Someone who holds P's credential but is not P's runner asks for P, saying P's
+    guest has started (true or not): granted, the answer is the asker's, not P's
+    runner's."""
 
 
 class World(NamedTuple):
@@ -169,9 +196,9 @@ class World(NamedTuple):
     overdue: bool
     """P's guest was seen past its deadline at a tick: the watchdog fires before the
     next."""
-    p_req: tuple[str, int] | None
-    """P's outstanding request: (stage, age of its t0 in runner units); stage ``sent``,
-    ``granted``, ``refused``."""
+    p_req: tuple[str, int, bool] | None
+    """P's outstanding request: (stage, age of its t0 in runner units, whether it says
+    P's guest has started); stage ``sent``, ``granted``, ``refused``."""
     p_in_api: bool
     node_up: bool
     leader: int
@@ -235,6 +262,10 @@ SCENARIOS: dict[str, tuple[str, bool, Budget]] = {
                          "is cut off again; two failovers (terms of processes A, B, A, "
                          "each process keeping its ledger)", True,
                          Budget(partition=2, heal=1, failover=2)),
+    "fence-fresh-forged": ("P's runner has no right yet; its node is cut off and may come "
+                           "back; a failover; someone else with P's credential asks once, "
+                           "saying P's guest has started", True,
+                           Budget(partition=1, heal=1, failover=1, forge=1)),
     "fence-frozen-leader": ("P runs; its node is cut off and may come back; a failover, and "
                             "the deposed leader grants once after it (a stopped clock)",
                             False, Budget(partition=1, heal=1, failover=1, frozen_grant=1)),
@@ -343,7 +374,10 @@ class FencingModel:
         # P's runner (nothing of it moves while its node is stopped).
         if w.p_runner and not w.frozen:
             if req is None:
-                yield "P's runner asks for a right (t0 read)", w._replace(p_req=("sent", 0))
+                says = w.p_guest or m.started_early
+                yield ("P's runner asks for a right (t0 read)"
+                       + ("; the ask says its guest has started" if says else ""),
+                       w._replace(p_req=("sent", 0, says)))
             else:
                 yield (f"P's runner gives up on its request ({req[0]})",
                        w._replace(p_req=None))
@@ -359,7 +393,19 @@ class FencingModel:
             if b.frozen_grant and w.leader != 1 and w.p_in_api:
                 yield ("the deposed leader of term 1 wakes from a freeze and grants P "
                        "(belief left on its stopped clock)",
-                       _spend(w, frozen_grant=1)._replace(p_req=("granted", req[1])))
+                       _spend(w, frozen_grant=1)._replace(p_req=("granted", *req[1:])))
+        # Only while the term has not written P: after the write, the forged grant's one
+        # effect is a later issued[P], which only delays the condemn.
+        if (b.forge and w.leader and w.p_in_api and not w.stamped
+                and self._with_ledger(w, "grant") is None):
+            forged = _spend(w, forge=1)
+            if (self.cfg.stamp_first_grant and not w.stamped
+                    and not (self.cfg.skip_mark_when_started or m.skip_mark_always)):
+                forged = forged._replace(stamped=True, p_version=w.p_version + 1)
+            yield (f"someone with P's credential, not its runner, asks saying P's guest has "
+                   f"started: leader (term {w.leader}) records issued[P] = now and grants "
+                   f"(the answer is the asker's)",
+                   forged._replace(issued_since=0, stamped=forged.stamped or m.grant_is_mark))
         if w.unrecorded and w.leader:
             yield ("leader: records issued[P] = now (after its answer)",
                    w._replace(issued_since=0, unrecorded=False))
@@ -439,7 +485,7 @@ class FencingModel:
 
     def _answer(self, w: World) -> tuple[str, World]:
         assert w.p_req is not None
-        stage, age = w.p_req
+        stage, age, _ = w.p_req
         if stage == "refused":
             return "P's runner takes the refusal", w._replace(p_req=None)
         d = self.t.seconds
@@ -459,23 +505,29 @@ class FencingModel:
     def _grant(self, w: World) -> tuple[str, World]:
         """The leader's handler for P's request (the shipped ledger's ``grant``)."""
         assert w.p_req is not None
-        _, age = w.p_req
+        _, age, says = w.p_req
         if not w.leader:
-            return "no leader: 503 NotLeader", w._replace(p_req=("refused", age))
+            return "no leader: 503 NotLeader", w._replace(p_req=("refused", age, says))
         if not w.p_in_api:
-            return "leader: 403 NotCurrentPod", w._replace(p_req=("refused", age))
-        if self.cfg.stamp_first_grant and not w.stamped:
+            return "leader: 403 NotCurrentPod", w._replace(p_req=("refused", age, says))
+        skip = self.m.skip_mark_always or (says and self.cfg.skip_mark_when_started)
+        if self.cfg.stamp_first_grant and not w.stamped and not skip:
             return (f"leader (term {w.leader}): writes P before its first grant in this "
                     f"term (a new resourceVersion)",
                     w._replace(stamped=True, p_version=w.p_version + 1))
         refused = self._with_ledger(w, "grant")
         if refused is not None:
-            return f"leader: 403 {refused}", w._replace(p_req=("refused", age))
+            return f"leader: 403 {refused}", w._replace(p_req=("refused", age, says))
+        unwritten = ("" if not self.cfg.stamp_first_grant or w.stamped
+                     else " (no write: the ask says started)" if says
+                     else " (no write)")
+        stamped = w.stamped or self.m.grant_is_mark
         if self.m.answer_before_record:
-            return (f"leader (term {w.leader}): grants P (not yet recorded)",
-                    w._replace(p_req=("granted", age), unrecorded=True))
-        return (f"leader (term {w.leader}): records issued[P] = now, grants P",
-                w._replace(issued_since=0, p_req=("granted", age)))
+            return (f"leader (term {w.leader}): grants P (not yet recorded){unwritten}",
+                    w._replace(p_req=("granted", age, says), unrecorded=True,
+                               stamped=stamped))
+        return (f"leader (term {w.leader}): records issued[P] = now, grants P{unwritten}",
+                w._replace(issued_since=0, p_req=("granted", age, says), stamped=stamped))
 
     def _tick(self, w: World, rate: int) -> World:
         t = self.t
@@ -485,7 +537,7 @@ class FencingModel:
         return w._replace(
             p_left=max(left - rate, -1) if left is not None else None,
             overdue=not w.frozen and w.p_guest and left is not None and left <= 0,
-            p_req=(req[0], min(req[1] + rate, t.seconds)) if req is not None else None,
+            p_req=(req[0], min(req[1] + rate, t.seconds), req[2]) if req is not None else None,
             term_since=_cap(w.term_since + t.leader_rate, cap),
             issued_since=(_cap(w.issued_since + t.leader_rate, cap)
                           if w.issued_since is not None else None))
