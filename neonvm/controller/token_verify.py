@@ -12,9 +12,14 @@ binding); another identity needs ``get`` on those two non-resource URLs.
 :class:`~neonvm.controller.rights.ReviewedPod`, as :func:`~neonvm.controller.rights.reviewed_pod`
 gives for a TokenReview), None (refused: the API server would refuse it too), or
 :class:`Unverifiable` (this verifier cannot decide: no keys, a key it does not know, an
-issuer or algorithm it does not handle; ask the API server by a TokenReview). What it
-does not check, that a review does (the pod and ServiceAccount still existing), and why
-the leader's current-pod test covers most of it: docs/security.md, "Rights endpoint".
+issuer or algorithm it does not handle; ask the API server by a TokenReview).
+
+What a review checks and this does not: that the token's pod and ServiceAccount still
+exist with its uids and were not deleted more than 60 s ago. The rights endpoint's
+current-pod test (the pod's uid is the VM's current pod in the leader's cache) covers a
+pod gone or replaced, not a pod shutting down (it grants those), and nothing here covers
+a deleted ServiceAccount. Not wired into the rights endpoint (docs/protocol.md, "Which
+credential", says what vouches for a pod today).
 """
 
 from __future__ import annotations
