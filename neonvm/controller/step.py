@@ -177,7 +177,9 @@ class TerminatingNamespaces:
             if meta is None:  # gone: so are its VMs; nothing to remember
                 self.forget(namespace)
             else:
-                if not self.knows(namespace):
+                with self._lock:
+                    first = namespace not in self._learned
+                if first:
                     log.info("namespace {ns} is being deleted: its VMs get no new runner "
                              "pod", ns=namespace)
                 self.learn(namespace)
