@@ -195,7 +195,8 @@ class Window:
     leader_rss_mib: float
     api_requests: int
     api_marks: int
-    """PATCH pods + GET secrets seen by the API server (a term's first asks)."""
+    """PATCH pods + GET secrets + POST tokenreviews seen by the API server (a term's
+    first asks, a bearer's check)."""
     api_cpu: float
     actions: float
     """The leader's actions that took effect (its reconciles' writes)."""
@@ -208,7 +209,8 @@ class Window:
 def api_counts(api: Any) -> tuple[int, int]:
     totals = request_totals(api)
     marks = sum(v for (verb, res, sub, _), v in totals.items()
-                if (verb, res, sub) in (("PATCH", "pods", ""), ("GET", "secrets", "")))
+                if (verb, res, sub) in (("PATCH", "pods", ""), ("GET", "secrets", ""),
+                                        ("POST", "tokenreviews", "")))
     return sum(totals.values()), marks
 
 
@@ -266,7 +268,8 @@ def settle(leader: Leader, quiet: float, timeout: float, progress: Callable[[str
 def describe(w: Window) -> str:
     line = (f"{w.kind:9} {w.seconds:5.1f} s: leader CPU {100 * w.leader_cpu / w.seconds:5.1f} % "
             f"of a core, RSS {w.leader_rss_mib:.0f} MiB; API server "
-            f"{w.api_requests / w.seconds:.1f} req/s ({w.api_marks} pod PATCH + Secret GET), "
+            f"{w.api_requests / w.seconds:.1f} req/s ({w.api_marks} pod PATCH + Secret GET + "
+            f"TokenReview), "
             f"CPU {100 * w.api_cpu / w.seconds:.1f} %; leader actions {w.actions:.0f}")
     if w.asks:
         line += (f"; asks/s {w.asks / w.seconds:.0f}, not 200: {w.refused}, latency p50 "
@@ -303,17 +306,23 @@ def measure(args: Any, api: Any, namespace: str, leader: Leader, rights_port: in
         print(describe(w))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--vms", type=int, default=5000)
+def add_window_args(parser: argparse.ArgumentParser, *, windows: int,
+                    settle_timeout: float) -> None:
+    """The fleet's and the windows' options (also :mod:`benchmarks.bench_rights_failover`'s)."""
     parser.add_argument("--nodes", type=int, default=3, help="simulated nodes")
     parser.add_argument("--right-seconds", type=float, default=30.0)
     parser.add_argument("--seconds", type=float, default=30.0, help="each measured window")
-    parser.add_argument("--windows", type=int, default=3, help="pairs of windows")
+    parser.add_argument("--windows", type=int, default=windows, help="pairs of windows")
     parser.add_argument("--settle", type=float, default=15.0,
                         help="seconds without a leader action that count as settled")
-    parser.add_argument("--settle-timeout", type=float, default=900.0)
+    parser.add_argument("--settle-timeout", type=float, default=settle_timeout)
     parser.add_argument("--clients", type=int, default=2, help="client processes")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--vms", type=int, default=5000)
+    add_window_args(parser, windows=3, settle_timeout=900.0)
     args = parser.parse_args()
 
     from loguru import logger
