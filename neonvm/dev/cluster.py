@@ -58,6 +58,12 @@ LOCKS_ETCD_CONTROLLER = "neonvm-controller"
 """The etcd user of the controller's default prefix (``/neonvm``): read and write there only."""
 LOCKS_ETCD_PATIENCE = 30.0
 """How long making a user waits for a locks' etcd that is restarting (seconds)."""
+DELETE_COLLECTION_WORKERS = 8
+"""kube-apiserver's ``--delete-collection-workers`` (default 1): a namespace's deletion is
+one DELETE of each collection in it (its pods, events, VMs), which the API server works
+through one object at a time with one worker; at a few thousand objects that took longer
+than a request may (60 s) on this machine (docs/benchmarks.md, "A namespace of 5,000 VMs
+deleted with the replicas running")."""
 REAL_NODE_IPS = tuple(f"10.251.{octet}.1" for octet in range(250))
 """Every address a real node's pods may reach the locks' etcd at (see
 ``neonvm.dev.realnode``: ``10.251.<0..249>.1``); its server certificate names them all."""
@@ -415,6 +421,7 @@ class LocalCluster:
                 f"--kubelet-client-key={kubelet_client.key}",
                 "--kubelet-preferred-address-types=InternalIP,Hostname",
                 f"--enable-priority-and-fairness={str(self.spec.priority_and_fairness).lower()}",
+                f"--delete-collection-workers={DELETE_COLLECTION_WORKERS}",
                 "--profiling=false",
                 "--v=1",
             ]

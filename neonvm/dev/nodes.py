@@ -86,7 +86,8 @@ def node_name(index: int) -> str:
 
 
 def stage_files() -> list[Path]:
-    """kwok's stage configuration, shipped as package data (``neonvm/dev/kwok/*.yaml``)."""
+    """kwok's configuration, shipped as package data (``neonvm/dev/kwok/*.yaml``): its
+    stages and its own options (``kwok-config.yaml``)."""
     files = sorted(STAGES_DIR.glob("*.yaml"))
     if not files:
         raise ClusterError(f"no kwok stage files in {STAGES_DIR} (broken installation?)")
