@@ -53,7 +53,7 @@ import uuid
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -136,8 +136,9 @@ class Tally:
     asks: int = 0
     codes: Counter[int] = field(default_factory=Counter)
     latencies: list[float] = field(default_factory=list)
-    late: list[float] = field(default_factory=list)
-    """How late each ask was sent against the keeper's schedule (the client's lag)."""
+    lag: list[float] = field(default_factory=list)
+    """How late the event loop woke for a 0.1 s sleep (the client's own lag: it delays
+    asks, and answers' reading, alike)."""
 
 
 class Fleet:
@@ -176,6 +177,7 @@ class Fleet:
         spread = self.seconds / 3
         tasks = [asyncio.create_task(self.run(r, start + random.uniform(0, spread)))
                  for r in self.runners]
+        tasks.append(asyncio.create_task(self.tick()))
         await self.stopped.wait()
         for t in tasks:
             t.cancel()
@@ -193,9 +195,15 @@ class Fleet:
                 at += self.resumed_at - min(paused_at, at)  # the schedule slides, spread
                 continue
             t0 = loop.time()
-            self.tally.late.append(t0 - at)
             await self.ask(r, t0)
             at = r.keeper.next_ask(t0)
+
+    async def tick(self, period: float = 0.1) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            t = loop.time()
+            await asyncio.sleep(period)
+            self.tally.lag.append(loop.time() - t - period)
 
     async def ask(self, r: SimRunner, t0: float) -> None:
         loop = asyncio.get_running_loop()
@@ -298,7 +306,7 @@ class Fleet:
             t, self.tally = self.tally, Tally()
             cpu, self.cpu0 = time.process_time() - self.cpu0, time.process_time()
             self.conn.send((t.asks, dict(t.codes), t.latencies,
-                            percentile(t.late, 0.99) or 0.0, cpu))
+                            percentile(t.lag, 0.99) or 0.0, cpu))
         elif kind == "pause":
             self.paused_at = asyncio.get_running_loop().time()
             self.running.clear()
@@ -344,8 +352,8 @@ class Clients:
             return [pipe.recv() for pipe in self._pipes]
 
     def stats(self) -> tuple[int, Counter[int], list[float], float, float]:
-        """(asks, answers by status (0: none), latencies, the worst process's p99 send
-        lag, client CPU seconds) since the last call."""
+        """(asks, answers by status (0: none), latencies, the worst process's p99 event
+        loop lag, client CPU seconds) since the last call."""
         got = self.ask_all("stats")
         codes: Counter[int] = Counter()
         for g in got:
@@ -534,11 +542,23 @@ def term_costs(api: Any) -> tuple[int, int, int]:
                 if (verb, res) == ("POST", "tokenreviews")))
 
 
+def rights_grants(replicas: FailoverReplicas, replica: cb.Replica) -> int:
+    """The grants ``replica`` answered so far (its rights answers of code 200)."""
+    import urllib.request
+
+    port = replicas.metrics_port(replica)
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith('neonvm_controller_rights_answers_total{code="200"')))
+
+
 def fmt_g(values: list[float]) -> str:
     if not values:
         return "none"
-    return (f"p50 {percentile(values, 0.5) or 0:.1f} s, p99 {percentile(values, 0.99) or 0:.1f}"
-            f" s, max {max(values):.1f} s")
+    return (f"min {min(values):.1f} s, p10 {percentile(values, 0.1) or 0:.1f} s, p50 "
+            f"{percentile(values, 0.5) or 0:.1f} s, p90 {percentile(values, 0.9) or 0:.1f} s, "
+            f"p99 {percentile(values, 0.99) or 0:.1f} s, max {max(values):.1f} s")
 
 
 @dataclass
@@ -562,6 +582,10 @@ class Kill:
     not_200: dict[int, int]
     lag_p99: float
     ask_rate: float
+    leader_200: int
+    """Grants the new leader answered (its ``neonvm_controller_rights_answers_total``);
+    more than the runners got when answers came after the runner stopped waiting."""
+    runners_200: int
 
     def line(self, n: int) -> str:
         def s(v: float | None) -> str:
@@ -572,7 +596,8 @@ class Kill:
                 f"{self.patches} pod PATCH, {self.reviews} TokenReviews, API {self.api_rps:.0f}"
                 f" req/s; new leader {100 * self.leader_cpu:.0f} % of a core; clients "
                 f"{100 * self.client_cpu:.0f} %; {self.ask_rate:.0f} asks/s, not 200 (0: no "
-                f"answer) {self.not_200}; client send lag p99 {self.lag_p99:.2f} s")
+                f"answer) {self.not_200}; the leader answered {self.leader_200} asks 200 (the "
+                f"runners got {self.runners_200}); client loop lag p99 {self.lag_p99:.2f} s")
 
 
 def current_leader(api: Any, namespace: str, replicas: FailoverReplicas, cluster: Any
@@ -624,6 +649,8 @@ class Run:
         api0, patches0, reviews0 = term_costs(self.api)
         index = self.replicas.index_of(replica)
         port = self.replicas.rights_ports[index]
+        granted0 = {m.name: rights_grants(self.replicas, m) for m in self.replicas.members
+                    if m.name != replica.name}
         wall, mono = time.time(), time.monotonic()
         os.kill(leader.pid, signal.SIGKILL)
         self.clients.send("epoch", mono)
@@ -645,6 +672,7 @@ class Run:
         api1, patches1, reviews1 = term_costs(self.api)
         report = self.clients.ask_all("report")
         asks, codes, _, lag, client_cpu = self.clients.stats()
+        granted = rights_grants(self.replicas, new) - granted0.get(new.name, 0)
         ask_rate = asks / elapsed
         g = [x for r in report for x in r["g"] if x is not None]
         events = log_events(self.cluster.log_file(new.name), wall - 1)
@@ -656,7 +684,8 @@ class Run:
                  seen, g, self.n - got, sum(r["lapsed"] for r in report),
                  patches1 - patches0, reviews1 - reviews0, (api1 - api0) / elapsed,
                  cpu / elapsed, client_cpu / elapsed,
-                 {c: v for c, v in codes.items() if c != 200}, lag, ask_rate)
+                 {c: v for c, v in codes.items() if c != 200}, lag, ask_rate,
+                 granted, codes.get(200, 0))
         say(k.line(self.n))
         self.kills.append(k)
         # A Deployment brings the killed replica back, as a standby.
@@ -751,7 +780,7 @@ def measure(run: Run, started: float, say: Callable[[str], None],
     asks, codes, _, lag, cpu = run.clients.stats()
     lines.append(f"runners' first grants: {got}/{run.n} in {first:.1f} s after the runners "
                  f"started ({asks} asks, not 200 {dict(c for c in codes.items() if c[0] != 200)}"
-                 f", client send lag p99 {lag:.2f} s, clients {100 * cpu / first:.0f} % of a "
+                 f", client loop lag p99 {lag:.2f} s, clients {100 * cpu / first:.0f} % of a "
                  "core)")
     say(lines[-1])
     time.sleep(args.right_seconds)
@@ -799,6 +828,8 @@ def main() -> None:
                         help="UTC HH:MM by which the namespace delete stops waiting")
     parser.add_argument("--kills-until", default="",
                         help="UTC HH:MM after which no kill starts")
+    parser.add_argument("--record", type=Path, default=None,
+                        help="write each kill's figures (every G) to this JSON file")
     args = parser.parse_args()
 
     from loguru import logger
@@ -855,6 +886,8 @@ def main() -> None:
             clients.send("go")
             try:
                 lines += measure(run, time.monotonic(), say, load)
+                if args.record is not None:
+                    args.record.write_text(json.dumps([asdict(k) for k in run.kills]))
                 if args.delete_namespace:
                     until = (time.time() + seconds_until(args.until) if args.until
                              else time.time() + 1500)
