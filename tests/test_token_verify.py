@@ -159,17 +159,20 @@ def test_a_minted_token_verifies_to_the_pod_a_review_binds_it_to(
         bound.namespace, bound.pod, bound.uid)
 
 
-def test_lifetime_is_judged_with_the_api_servers_60_s_of_skew(
+def test_lifetime_is_judged_with_the_api_servers_60_s_of_skew_and_beyond_it_by_a_review(
         account_api: client.ApiClient, bound: Bound) -> None:
+    """Beyond the skew the token is left to a review, not refused: the API server judges
+    lifetimes by its own clock, and a leader whose clock is off must not refuse every
+    fresh token for it."""
     _, claims, _ = parts(bound.token)
 
     def at(wall: float) -> Any:
-        return TokenVerifier(account_api, AUDIENCE, wall=lambda: wall).verify(bound.token)
+        return TokenVerifier(account_api, AUDIENCE, wall=lambda: wall).decide(bound.token)
 
-    assert at(claims["exp"] + 59) is not None
-    assert at(claims["exp"] + 61) is None  # expired
-    assert at(claims["nbf"] - 59) is not None
-    assert at(claims["nbf"] - 61) is None  # not yet valid
+    assert at(claims["exp"] + 59)[1] is not None
+    assert at(claims["exp"] + 61) == (False, None)  # expired by this clock: a review decides
+    assert at(claims["nbf"] - 59)[1] is not None
+    assert at(claims["nbf"] - 61) == (False, None)  # not yet valid by this clock: likewise
 
 
 # ---- refused ---------------------------------------------------------------------------------
@@ -356,3 +359,30 @@ def test_no_keys_fetched_means_unverifiable_and_a_failed_refresh_keeps_the_last_
     now[0] += 300  # stale: a refresh is tried, fails, and the keys fetched before stay
     assert verifier.load() and verifier.fetches == 3
     assert verifier.keys is not None and "k" in verifier.keys.keys
+
+
+@pytest.mark.unit
+def test_a_signed_huge_exp_and_a_jwks_of_another_shape_are_left_to_a_review() -> None:
+    """Neither raises out of ``decide``: an exception there would be a 500 and a
+    traceback per ask; a review decides instead."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    numbers = key.public_key().public_numbers()
+    jwk = {"kty": "EC", "crv": "P-256", "kid": "ec", "alg": "ES256", "use": "sig",
+           "x": b64(numbers.x.to_bytes(32, "big")), "y": b64(numbers.y.to_bytes(32, "big"))}
+    answers: dict[str, Any] = {DISCOVERY_PATH: {"issuer": ISSUER,
+                               "id_token_signing_alg_values_supported": ["ES256"]},
+                               JWKS_PATH: {"keys": [jwk]}}
+    verifier = TokenVerifier(None, AUDIENCE, fetch=lambda path, _accept: answers[path])
+    claims = {"aud": [AUDIENCE], "exp": 10**400, "iss": ISSUER,
+              "sub": "system:serviceaccount:ns:runner",
+              "kubernetes.io": {"namespace": "ns", "pod": {"name": "p", "uid": "u"},
+                                "serviceaccount": {"name": "runner", "uid": "sa"}}}
+    signing = f"{b64(json.dumps({'alg': 'ES256', 'kid': 'ec'}).encode())}." \
+              f"{b64(json.dumps(claims).encode())}"
+    r, s = decode_dss_signature(key.sign(signing.encode(), ec.ECDSA(hashes.SHA256())))
+    token = f"{signing}.{b64(r.to_bytes(32, 'big') + s.to_bytes(32, 'big'))}"
+    assert verifier.decide(token) == (True, None)  # signed, but no usable exp: refused
+    shapes: dict[str, Any] = {DISCOVERY_PATH: ["not", "a", "document"],
+                              JWKS_PATH: {"keys": [{"crv": []}]}}
+    odd = TokenVerifier(None, AUDIENCE, fetch=lambda path, _accept: shapes[path])
+    assert odd.decide(token) == (False, None)

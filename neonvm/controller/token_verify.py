@@ -195,7 +195,11 @@ def _signature_ok(key: _Key, signed: bytes, signature: bytes) -> bool:
 def _number(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
-    return float(value) if math.isfinite(value) else None
+    try:  # an int beyond a float's range (10**400) overflows, in isfinite too
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
 
 
 def _ref(value: Any) -> tuple[str, str] | None:
@@ -211,9 +215,12 @@ def _ref(value: Any) -> tuple[str, str] | None:
 def bound_pod(claims: dict[str, Any], audience: str, issuer: str, now: float,
               skew: float) -> ReviewedPod | None:
     """The pod verified ``claims`` bind the token to, or None: ``audience`` not among
-    ``aud``, expired or not yet valid at wall time ``now`` (beyond ``skew``), not a
+    ``aud``, no number as ``exp`` (or ``nbf``, ``iat`` when present), not a
     ServiceAccount's, or not bound to exactly one pod. Raises :class:`Unverifiable` for
-    another issuer (an API server may accept several)."""
+    another issuer (an API server may accept several), and for a token expired or not
+    yet valid at the leader's wall time ``now`` beyond ``skew``: the API server judges
+    that by its own clock, so a leader whose clock is off must not refuse good tokens
+    for it (a review decides; only a signed token gets this far)."""
     if claims.get("iss") != issuer:
         raise Unverifiable("the token names another issuer")
     aud = claims.get("aud")
@@ -221,13 +228,17 @@ def bound_pod(claims: dict[str, Any], audience: str, issuer: str, now: float,
     if audience not in [a for a in auds if isinstance(a, str)]:
         return None
     exp = _number(claims.get("exp"))
-    if exp is None or now > exp + skew:
+    if exp is None:
         return None
+    if now > exp + skew:
+        raise Unverifiable("expired by the leader's clock")
     for field in ("nbf", "iat"):  # optional, as at the API server; checked when present
         if field in claims:
             at = _number(claims[field])
-            if at is None or at > now + skew:
+            if at is None:
                 return None
+            if at > now + skew:
+                raise Unverifiable(f"{field} is ahead of the leader's clock")
     k8s = claims.get("kubernetes.io")
     if not isinstance(k8s, dict) or "secret" in k8s:
         return None
@@ -357,8 +368,14 @@ class TokenVerifier:
     def decide(self, token: str) -> tuple[bool, ReviewedPod | None]:
         """:meth:`verify` as (decided, pod): (True, pod) verified, (True, None) refused,
         (False, None) only a TokenReview can tell (:class:`Unverifiable`). This shape
-        needs no import of this module by its caller (the rights endpoint)."""
+        needs no import of this module by its caller (the rights endpoint). Any other
+        error (a discovery document or JWKS of an unexpected shape) is (False, None) too:
+        a review decides, never an exception out of an ask."""
         try:
             return True, self.verify(token)
         except Unverifiable:
+            return False, None
+        except (TypeError, ValueError, AttributeError, KeyError, ArithmeticError) as exc:
+            logger.warning("token verify: left to a review: {err}",
+                           err=f"{type(exc).__name__}: {exc}"[:200])
             return False, None
