@@ -733,7 +733,33 @@ def renewal_windows(run: Run, say: Callable[[str], None]) -> list[tuple[brl.Wind
     return out
 
 
-def delete_namespace(run: Run, until: float, say: Callable[[str], None]) -> str:
+def converge_until(api: Any, namespace: str, names: list[str], until: str,
+                   say: Callable[[str], None]) -> tuple[float, float] | str:
+    """:func:`benchmarks.controller_bench.converge_watched`, given up at ``until`` (UTC
+    HH:MM; "" never): its result, or why there is none."""
+    from benchmarks.soak import seconds_until
+
+    result: list[tuple[float, float]] = []
+    failed: list[BaseException] = []
+
+    def converge() -> None:
+        try:
+            result.append(cb.converge_watched(api, namespace, names, say))
+        except Exception as exc:
+            failed.append(exc)
+
+    thread = threading.Thread(target=converge, name="converge", daemon=True)
+    started = time.monotonic()
+    thread.start()
+    thread.join(timeout=seconds_until(until) if until else None)
+    if result:
+        return result[0]
+    why = f"{failed[0]}" if failed else f"still converging at {until} UTC"
+    return f"{len(names)} VMs not converged after {time.monotonic() - started:.0f} s: {why}"
+
+
+def delete_namespace(api: Any, namespace: str, cluster: Any, replicas: FailoverReplicas,
+                     n: int, until: float, say: Callable[[str], None]) -> str:
     """Delete the namespace with the replicas running; time it until it is gone (or
     ``until``, wall) and count the pod creates refused there and the Restarts made
     meanwhile, as :func:`benchmarks.soak.delete_namespace` does for the soak's namespace
@@ -745,19 +771,18 @@ def delete_namespace(run: Run, until: float, say: Callable[[str], None]) -> str:
     from benchmarks.soak import REFUSED, RESTARTED
 
     def count(text: str) -> int:
-        return sum(run.cluster.log_file(m.name).read_text(errors="replace").count(text)
-                   for m in run.replicas.members)
+        return sum(cluster.log_file(m.name).read_text(errors="replace").count(text)
+                   for m in replicas.members)
 
-    run.clients.send("pause")
-    core = client.CoreV1Api(run.api)
+    core = client.CoreV1Api(api)
     before, restarts = count(REFUSED), count(RESTARTED)
-    say(f"deleting namespace {run.namespace} ({run.n} VMs), replicas running")
+    say(f"deleting namespace {namespace} ({n} VMs), replicas running")
     t0 = time.monotonic()
-    core.delete_namespace(run.namespace, _request_timeout=30)
+    core.delete_namespace(namespace, _request_timeout=30)
     gone = None
     while time.time() < until:
         try:
-            core.read_namespace(run.namespace, _request_timeout=30)
+            core.read_namespace(namespace, _request_timeout=30)
         except ApiException as exc:
             if exc.status == 404:
                 gone = time.monotonic() - t0
@@ -765,8 +790,8 @@ def delete_namespace(run: Run, until: float, say: Callable[[str], None]) -> str:
         time.sleep(2.0)
     left = "" if gone is not None else (
         f" (not gone after {time.monotonic() - t0:.0f} s; "
-        f"{len(core.list_namespaced_pod(run.namespace, _request_timeout=60).items)} pods left)")
-    line = (f"namespace of {run.n} VMs deleted with 3 replicas running: gone after "
+        f"{len(core.list_namespaced_pod(namespace, _request_timeout=60).items)} pods left)")
+    line = (f"namespace of {n} VMs deleted with 3 replicas running: gone after "
             f"{'-' if gone is None else f'{gone:.0f} s'}{left}; {count(REFUSED) - before} pod "
             f"creates refused there, {count(RESTARTED) - restarts} Restarts")
     say(line)
@@ -777,10 +802,15 @@ def measure(run: Run, started: float, say: Callable[[str], None],
             load: list[tuple[float, float, float]]) -> list[str]:
     """The runners' first grants (from ``started``, monotonic), the renewal windows, the
     kills; the lines to print."""
+    from benchmarks.soak import seconds_until
+
     args = run.args
     lines: list[str] = []
-    got = run.wait_granted(started - args.right_seconds, args.right_seconds * 4 + run.n / 10,
-                           say)
+    stop_at = time.time() + seconds_until(args.kills_until) if args.kills_until else None
+    limit = args.right_seconds * 4 + run.n / 10
+    if stop_at is not None:
+        limit = min(limit, max(60.0, stop_at - time.time()))
+    got = run.wait_granted(started - args.right_seconds, limit, say)
     first = time.monotonic() - started
     asks, codes, _, lag, cpu = run.clients.stats()
     lines.append(f"runners' first grants ({args.setup_asks} asks): {got}/{run.n} in "
@@ -791,16 +821,13 @@ def measure(run: Run, started: float, say: Callable[[str], None],
     say(lines[-1])
     time.sleep(args.right_seconds)
     run.clients.stats()
-    if args.windows:
+    if args.windows and (stop_at is None or time.time() < stop_at):
         for w, cpu in renewal_windows(run, say):
             lines.append(brl.describe(w) + f"; clients {100 * cpu / w.seconds:.1f} % of a core")
         run.clients.send("resume")
         time.sleep(args.right_seconds / 3 + 2)
     load.append(os.getloadavg())
     styles = [args.styles[i % len(args.styles)] for i in range(args.kills)]
-    from benchmarks.soak import seconds_until
-
-    stop_at = time.time() + seconds_until(args.kills_until) if args.kills_until else None
     for style in styles:
         if stop_at is not None and time.time() > stop_at:
             lines.append(f"no more kills after {args.kills_until} UTC ({len(run.kills)} made)")
@@ -820,6 +847,70 @@ def measure(run: Run, started: float, say: Callable[[str], None],
     return lines
 
 
+def on_cluster(args: Any, cluster: Any, tokens: Path,
+               load: list[tuple[float, float, float]], say: Callable[[str], None]
+               ) -> list[str]:
+    """The run on a started cluster: the lines to print."""
+    from benchmarks.soak import install_apf, seconds_until
+    from neonvm import kube
+    from neonvm.controller.config import http_pool_size
+    from neonvm.drills import fleet
+
+    lines: list[str] = []
+    api = kube.api_client(cluster.kubeconfig, pool_size=http_pool_size(cb.WORKERS))
+    controller_api = kube.api_client(cluster.kubeconfig_for("controller"))
+    apf = install_apf(api, controller_api)
+    say(f"the chart's priority level: {apf}")
+    namespace = f"bench-failover-{uuid.uuid4().hex[:5]}"
+    fleet.ensure_namespace(api, namespace)
+    audience = f"vm.neon.tech/rights/{namespace}/bench"
+    ports = [brl.free_port() for _ in range(3)]
+    replicas = FailoverReplicas(cluster, namespace, count=3,
+                                right_seconds=args.right_seconds, rights_ports=ports,
+                                audience=audience)
+    with replicas:
+        cb.wait_for_leader(api, LEASE_NAMESPACE)
+        names = [f"vm-{i:05d}" for i in range(args.vms)]
+        say(f"converging {args.vms} self-fencing VMs under 3 replicas")
+        until = (time.time() + seconds_until(args.until) if args.until
+                 else time.time() + 1500)
+        converged = converge_until(api, namespace, names, args.converge_until, say)
+        if isinstance(converged, str):
+            lines.append(converged)
+            if args.delete_namespace:
+                lines.append(delete_namespace(api, namespace, cluster, replicas,
+                                              args.vms, until, say))
+            return lines
+        lines.append(f"converged {converged[0]:.0f} s after the last create (creates "
+                     f"{converged[1]:.0f} s)")
+        say(lines[-1])
+        _, leader = current_leader(api, namespace, replicas, cluster)
+        waited = brl.settle(leader, args.settle, args.settle_timeout, say)
+        lines.append(f"settled after {waited:.0f} s")
+        load.append(os.getloadavg())
+        t0 = time.monotonic()
+        specs = mint_tokens(api, namespace, audience, tokens)
+        say(f"{len(specs)} tokens minted in {time.monotonic() - t0:.0f} s")
+        clients = Clients(specs, args.right_seconds, f"http://{SERVICE}:0",
+                          args.clients, started=args.setup_asks == "started")
+        proxy = Proxy(api, namespace, clients, args.proxy_poll, args.proxy_delay).start()
+        run = Run(args, api, namespace, cluster, replicas, clients, proxy, len(specs))
+        clients.send("go")
+        try:
+            lines += measure(run, time.monotonic(), say, load)
+            if args.record is not None:
+                args.record.write_text(json.dumps([asdict(k) for k in run.kills]))
+            if args.delete_namespace:
+                clients.send("pause")
+                lines.append(delete_namespace(api, namespace, cluster, replicas,
+                                              len(specs), until, say))
+        finally:
+            proxy.stop()
+            clients.stop()
+    api.close()
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n", 1)[0])
     parser.add_argument("--vms", type=int, default=500)
@@ -832,6 +923,8 @@ def main() -> None:
     parser.add_argument("--delete-namespace", action="store_true")
     parser.add_argument("--until", default="",
                         help="UTC HH:MM by which the namespace delete stops waiting")
+    parser.add_argument("--converge-until", default="",
+                        help="UTC HH:MM: not converged by then, go to --delete-namespace")
     parser.add_argument("--kills-until", default="",
                         help="UTC HH:MM after which no kill starts")
     parser.add_argument("--setup-asks", choices=("runner", "started"), default="runner",
@@ -845,10 +938,6 @@ def main() -> None:
     from loguru import logger
 
     from benchmarks.__main__ import local_cluster, say
-    from benchmarks.soak import install_apf, seconds_until
-    from neonvm import kube
-    from neonvm.controller.config import http_pool_size
-    from neonvm.drills import fleet
 
     logger.remove()
     logger.add(sys.stderr, level="WARNING")
@@ -860,52 +949,9 @@ def main() -> None:
     if dirty:
         commit += " + uncommitted " + ", ".join(dirty)
     began = datetime.utcnow().strftime("%Y-%m-%d %H:%M")
-    lines: list[str] = []
     with local_cluster(None, args.nodes, pods=args.vms + 50) as cluster, \
             tempfile.TemporaryDirectory(prefix="failbench-tokens-") as tokens:
-        api = kube.api_client(cluster.kubeconfig, pool_size=http_pool_size(cb.WORKERS))
-        controller_api = kube.api_client(cluster.kubeconfig_for("controller"))
-        apf = install_apf(api, controller_api)
-        say(f"the chart's priority level: {apf}")
-        namespace = f"bench-failover-{uuid.uuid4().hex[:5]}"
-        fleet.ensure_namespace(api, namespace)
-        audience = f"vm.neon.tech/rights/{namespace}/bench"
-        ports = [brl.free_port() for _ in range(3)]
-        replicas = FailoverReplicas(cluster, namespace, count=3,
-                                    right_seconds=args.right_seconds, rights_ports=ports,
-                                    audience=audience)
-        with replicas:
-            cb.wait_for_leader(api, LEASE_NAMESPACE)
-            names = [f"vm-{i:05d}" for i in range(args.vms)]
-            say(f"converging {args.vms} self-fencing VMs under 3 replicas")
-            converged, created = cb.converge_watched(api, namespace, names, say)
-            lines.append(f"converged {converged:.0f} s after the last create (creates "
-                         f"{created:.0f} s)")
-            say(lines[-1])
-            _, leader = current_leader(api, namespace, replicas, cluster)
-            waited = brl.settle(leader, args.settle, args.settle_timeout, say)
-            lines.append(f"settled after {waited:.0f} s")
-            load.append(os.getloadavg())
-            t0 = time.monotonic()
-            specs = mint_tokens(api, namespace, audience, Path(tokens))
-            say(f"{len(specs)} tokens minted in {time.monotonic() - t0:.0f} s")
-            clients = Clients(specs, args.right_seconds, f"http://{SERVICE}:0",
-                              args.clients, started=args.setup_asks == "started")
-            proxy = Proxy(api, namespace, clients, args.proxy_poll, args.proxy_delay).start()
-            run = Run(args, api, namespace, cluster, replicas, clients, proxy, len(specs))
-            clients.send("go")
-            try:
-                lines += measure(run, time.monotonic(), say, load)
-                if args.record is not None:
-                    args.record.write_text(json.dumps([asdict(k) for k in run.kills]))
-                if args.delete_namespace:
-                    until = (time.time() + seconds_until(args.until) if args.until
-                             else time.time() + 1500)
-                    lines.append(delete_namespace(run, until, say))
-            finally:
-                proxy.stop()
-                clients.stop()
-        api.close()
+        lines = on_cluster(args, cluster, Path(tokens), load, say)
     load.append(os.getloadavg())
     print(f"{args.vms} VMs, D = {args.right_seconds:g} s, 3 replicas (lease "
           f"{CHART_LEASE['duration']:g}/{CHART_LEASE['renew']:g}/{CHART_LEASE['retry']:g} s), "
