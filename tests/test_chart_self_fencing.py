@@ -40,6 +40,9 @@ def test_with_default_values_every_vm_on_the_runner_image_self_fences(helm: Helm
     fullname = rendered.one("Deployment")["metadata"]["name"]
     assert "--right-seconds=30" in args
     assert any(a.startswith("--rights-url=") for a in args)
+    # A leader change's first asks wait on the API server: 32 threads, not 8
+    # (docs/protocol.md, "A term's first grants are the tighter limit").
+    assert "--rights-workers=32" in args
     # One audience per release (namespace and name): another release's runners' tokens,
     # or the API server's, are refused (docs/security.md, "Rights endpoint").
     assert f"--rights-audience=vm.neon.tech/rights/ops/{fullname}" in args

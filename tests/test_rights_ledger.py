@@ -11,6 +11,8 @@ from __future__ import annotations
 import http.client
 import json
 import math
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -395,3 +397,22 @@ def test_a_write_made_in_one_term_is_not_the_mark_of_the_next(served: Any) -> No
     state["mark"] = None
     assert ask_saying(port, False)[0] == 200
     assert len(state["marks"]) == 2  # term 2 wrote the pod itself
+
+
+def test_the_leader_waits_on_the_api_server_for_32_asks_at_once(served: Any) -> None:
+    """A term's first asks each wait on the API server (here its write to the pod, held
+    until 32 are under way at once): 32 are answered side by side, not 8 at a time, so a
+    leader change grants a fleet as fast as the API server answers (docs/protocol.md, "A
+    term's first grants are the tighter limit")."""
+    port, ledger, _, state = served
+    ledger.begin_term(lambda: True)
+    together = threading.Barrier(32, timeout=20)
+
+    def held(namespace: str, name: str, uid: str) -> bool:
+        together.wait()  # BrokenBarrierError (a 500) unless 32 asks write at once
+        return True
+
+    state["mark"] = held
+    with ThreadPoolExecutor(max_workers=32) as pool:
+        answers = list(pool.map(lambda _: ask_saying(port, False)[0], range(32)))
+    assert answers == [200] * 32

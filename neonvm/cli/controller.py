@@ -31,6 +31,7 @@ from neonvm.controller.metrics import ControllerMetrics
 from neonvm.controller.podspec import DEFAULT_RUNNER_IMAGE, PodDefaults
 from neonvm.controller.reconciler import ReconcilerConfig
 from neonvm.controller.rights import (
+    RIGHTS_WORKERS,
     RightsServer,
     RightsService,
     TokenCache,
@@ -138,6 +139,10 @@ def controller() -> None:
 @click.option("--rights-bind", default="",
               help="host:port where this replica serves POST /v1/rights (answered while "
                    "it leads). Empty: not served.")
+@click.option("--rights-workers", type=click.IntRange(min=1), default=RIGHTS_WORKERS,
+              show_default=True,
+              help="Threads answering POST /v1/rights (each may wait on the API server: "
+                   "a token's review, a term's write to a pod).")
 @click.option("--rights-service", default="", metavar="NAMESPACE/NAME",
               help="Self-fencing: a Service without selector that each leader points at "
                    "itself (an EndpointSlice with --pod-ip and the --rights-bind port).")
@@ -156,7 +161,7 @@ def run(kubeconfig: Path | None, lease_namespace: str, lease_name: str, identity
         runner_image: str, kvm_resource: str,
         health_port: int, health_host: str,
         right_seconds: float, rights_url: str, rights_audience: str, rights_bind: str,
-        rights_service: str,
+        rights_workers: int, rights_service: str,
         pod_ip: str, faults: tuple[str, ...]) -> None:
     """Run one replica: campaign, and while leading keep exactly one runner pod per VM."""
     from neonvm import kube
@@ -192,7 +197,8 @@ def run(kubeconfig: Path | None, lease_namespace: str, lease_name: str, identity
     log = logger.bind(identity=election.identity)
     if fault_config.enabled:
         log.warning("FAULT INJECTION ENABLED: {faults}", faults=fault_config)
-    api = kube.api_client(kubeconfig, pool_size=http_pool_size(workers))
+    api = kube.api_client(kubeconfig, pool_size=http_pool_size(workers)
+                          + (rights_workers if rights_bind else 0))
     metrics = ControllerMetrics()
     process = ControllerProcess(api, etcd_config, election, config,
                                 wiring=wiring_for(fault_config), metrics=metrics)
@@ -210,7 +216,7 @@ def run(kubeconfig: Path | None, lease_namespace: str, lease_name: str, identity
                                             registry=metrics.registry,
                                             reviewer=(TokenReviewer(api, rights_audience)
                                                       if rights_audience else None)),
-                              host, port)
+                              host, port, workers=rights_workers)
         if rights_service:
             try:
                 service_namespace, service = parse_service(rights_service)
