@@ -18,6 +18,7 @@ import pytest
 from kubernetes import client
 from prometheus_client import CollectorRegistry
 
+from neonvm.controller.cluster import KubeCluster
 from neonvm.controller.rights import (
     TERM_ANNOTATION,
     RightsLedger,
@@ -94,6 +95,11 @@ def stored(api: client.ApiClient, namespace: str) -> tuple[str, str | None]:
     return str(meta.resource_version), (meta.annotations or {}).get(TERM_ANNOTATION)
 
 
+def epoch_of(mark: str | None) -> str | None:
+    """The epoch part of a term mark (``<epoch>.<nonce>``)."""
+    return mark.rpartition(".")[0] if mark is not None else None
+
+
 def test_a_runner_not_started_is_granted_after_a_write_and_a_started_one_with_none(
         api: client.ApiClient, namespace: str, pod: client.V1Pod, leader: Leader,
         tmp_path: Path) -> None:
@@ -107,9 +113,9 @@ def test_a_runner_not_started_is_granted_after_a_write_and_a_started_one_with_no
     keeper.ask_once()
     assert keeper.granted()
     first, mark = stored(api, namespace)
-    assert first != before and mark == "1"
+    assert first != before and epoch_of(mark) == "1"
     keeper.ask_once()
-    assert stored(api, namespace) == (first, "1")
+    assert stored(api, namespace) == (first, mark)
 
     # QEMU starts; term 2 begins (a leader change): its first grant writes nothing.
     keeper.guest_started()
@@ -118,7 +124,7 @@ def test_a_runner_not_started_is_granted_after_a_write_and_a_started_one_with_no
     keeper.ask_once()
     assert keeper.deadline is not None and deadline is not None and keeper.deadline > deadline
     keeper.ask_once()
-    assert stored(api, namespace) == (first, "1")
+    assert stored(api, namespace) == (first, mark)
     assert leader.ledger.granted_this_term(pod.metadata.uid)
 
 
@@ -133,6 +139,51 @@ def test_an_ask_that_does_not_say_started_is_written_first_in_every_term(
         leader.new_term()
         keeper.ask_once()
         version, mark = stored(api, namespace)
-        assert mark == term
+        assert epoch_of(mark) == term
         versions.append(version)
     assert len(set(versions)) == 3
+
+
+# ---- the write changes the pod, whatever the annotation held --------------------------------
+
+
+@pytest.mark.parametrize("preset", ["2", "1", "2.0", "2.00000000000000000000000000000000", ""])
+def test_a_mark_preset_by_whoever_may_patch_pods_still_changes_the_pod(
+        api: client.ApiClient, controller_api: client.ApiClient, namespace: str,
+        pod: client.V1Pod, preset: str) -> None:
+    """A tenant with ``edit`` may set the annotation to what it guesses the next term
+    writes (the next epoch is nearly always the current one plus 1). The next term's
+    write must still change the pod's resourceVersion, so a deposed leader's force-DELETE
+    preconditioned on the version it read before fails (409) rather than land after the
+    next term's grant (docs/protocol.md, "A deposed leader's delete still in flight")."""
+    core = client.CoreV1Api(api)
+    core.patch_namespaced_pod(f"{VM}-p", namespace,
+                              {"metadata": {"annotations": {TERM_ANNOTATION: preset}}})
+    cluster = KubeCluster(controller_api)
+    read = cluster.get_pod(namespace, f"{VM}-p")  # term 1's read after its condemn
+    assert read is not None
+    version = read["metadata"]["resourceVersion"]
+
+    assert api_mark_pod(controller_api, lambda: "2")(namespace, f"{VM}-p", pod.metadata.uid)
+    after, mark = stored(api, namespace)
+    assert after != version
+
+    with pytest.raises(client.ApiException) as refused:  # term 1's DELETE, in flight
+        cluster.delete_pod(namespace, f"{VM}-p", uid=pod.metadata.uid,
+                           resource_version=version, grace_period_seconds=0)
+    assert refused.value.status == 409
+    assert stored(api, namespace) == (after, mark)
+    assert epoch_of(mark) == "2" and mark != preset
+
+
+def test_two_marks_in_one_term_each_change_the_pod(
+        api: client.ApiClient, controller_api: client.ApiClient, namespace: str,
+        pod: client.V1Pod) -> None:
+    """A nonce per write, not per term: a term that writes a pod again (its mark dropped
+    with the pod's condemn) changes it again."""
+    mark = api_mark_pod(controller_api, lambda: "3")
+    assert mark(namespace, f"{VM}-p", pod.metadata.uid)
+    first = stored(api, namespace)
+    assert mark(namespace, f"{VM}-p", pod.metadata.uid)
+    second = stored(api, namespace)
+    assert first[0] != second[0] and first[1] != second[1]

@@ -43,6 +43,7 @@ import hashlib
 import itertools
 import json
 import math
+import secrets
 import threading
 import time
 from collections import OrderedDict
@@ -667,7 +668,16 @@ Answer = tuple[int, dict[str, Any]]
 
 TERM_ANNOTATION = "vm.neon.tech/right-term"
 """Pod annotation written before a term's first grant to the pod (module doc of
-:class:`RightsService`): the term's start, as this process counts it."""
+:class:`RightsService`): the term's epoch and a nonce (:func:`term_mark`)."""
+
+
+def term_mark(epoch: str) -> str:
+    """A value of :data:`TERM_ANNOTATION` for one write: ``<epoch>.<nonce>``, the nonce
+    128 random bits drawn for this write. Whoever may patch pods (a tenant with ``edit``)
+    may preset the annotation, to the next epoch too, but not to a value drawn after it
+    did: so the write always changes the pod, and its ``resourceVersion`` with it
+    (docs/protocol.md, "A deposed leader's delete still in flight")."""
+    return f"{epoch}.{secrets.token_hex(16)}"
 
 MarkPod = Callable[[str, str, str], bool]
 """(namespace, name, uid) -> whether the pod was written (False: gone, or another uid)."""
@@ -962,21 +972,34 @@ class RightsServer:
         self.stop()
 
 
+class MarkNotWritten(OSError):
+    """The API server answered a term mark with a pod that does not carry it: no write
+    for the term to count (:func:`api_mark_pod`; one of :data:`API_ERRORS`, so 503)."""
+
+
 def api_mark_pod(api: client.ApiClient, term: Callable[[], str]) -> MarkPod:
     """:data:`MarkPod` through the API server: a merge patch of :data:`TERM_ANNOTATION`
-    carrying the pod's uid (the API server refuses it for another uid: 422, the uid
-    being immutable; 404 for a pod that is gone)."""
+    to a fresh :func:`term_mark` of the epoch ``term()``, carrying the pod's uid (the API
+    server refuses it for another uid: 422, the uid being immutable; 404 for a pod that
+    is gone). Written only if the answer (the pod as stored after the patch) carries
+    that value: no one held it before, so the stored pod changed, and with it its
+    ``resourceVersion``. An answer without it (a mutating webhook that undid it) raises
+    :class:`MarkNotWritten`: no grant."""
     def mark(namespace: str, name: str, uid: str) -> bool:
+        value = term_mark(term())
         try:
-            kube.request(api, "PATCH",
-                         f"/api/v1/namespaces/{namespace}/pods/{kube.path_segment(name)}",
-                         body={"metadata": {"uid": uid,
-                                            "annotations": {TERM_ANNOTATION: term()}}},
-                         content_type="application/merge-patch+json", timeout=5)
+            stored = kube.request(
+                api, "PATCH", f"/api/v1/namespaces/{namespace}/pods/{kube.path_segment(name)}",
+                body={"metadata": {"uid": uid, "annotations": {TERM_ANNOTATION: value}}},
+                content_type="application/merge-patch+json", timeout=5)
         except ApiException as exc:
             if exc.status in (404, 409, 422):
                 return False
             raise
+        meta = (stored.get("metadata") or {}) if isinstance(stored, dict) else {}
+        if (meta.get("uid") != uid
+                or (meta.get("annotations") or {}).get(TERM_ANNOTATION) != value):
+            raise MarkNotWritten(f"the pod as stored does not carry the term mark {value}")
         return True
     return mark
 
