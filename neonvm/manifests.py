@@ -136,10 +136,16 @@ def self_fencing_rules() -> list[dict[str, Any]]:
     ``neonvm/controller/rights.py``; no Secret rights). Both are cluster-scoped, so the
     chart grants them through a ClusterRole of its own, also when the controller watches
     one namespace. Without nodes, self-fencing pods on a dead node wait for
-    out-of-service, as others do; without tokenreviews, no ask with a token is granted."""
+    out-of-service, as others do; without tokenreviews, no ask with a token is granted.
+    ``get`` on the API server's issuer discovery document and JWKS: the leader verifies
+    those tokens locally with its keys (``neonvm/controller/token_verify.py``); Kubernetes
+    grants them to every ServiceAccount already (``system:service-account-issuer-discovery``),
+    not to the local cluster's certificate identity. Without them, every token is reviewed."""
     return [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get"]},
             {"apiGroups": ["authentication.k8s.io"], "resources": ["tokenreviews"],
-             "verbs": ["create"]}]
+             "verbs": ["create"]},
+            {"nonResourceURLs": ["/.well-known/openid-configuration", "/openid/v1/jwks"],
+             "verbs": ["get"]}]
 
 
 def rights_endpoint_rules() -> list[dict[str, Any]]:

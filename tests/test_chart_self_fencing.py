@@ -50,10 +50,13 @@ def test_with_default_values_every_vm_on_the_runner_image_self_fences(helm: Helm
     assert {"apiGroups": ["authentication.k8s.io"], "resources": ["tokenreviews"],
             "verbs": ["create"]} in rules
     # No Secret may be read (rbac.sshKeys' `create` alone is another feature's).
-    assert not [r for r in rules if "secrets" in r["resources"]
+    assert not [r for r in rules if "secrets" in r.get("resources", [])
                 and {"get", "list", "watch"} & set(r["verbs"])]
     assert not [r for r in _rules(helm.template("nvm", "ops", sets=("rbac.sshKeys=false",)))
-                if "secrets" in r["resources"]]
+                if "secrets" in r.get("resources", [])]
+    # The issuer keys, for verifying runners' tokens locally (docs/security.md).
+    assert {"nonResourceURLs": ["/.well-known/openid-configuration", "/openid/v1/jwks"],
+            "verbs": ["get"]} in rules
     with_scaling = helm.template("nvm", "ops", sets=("rbac.liveScaling=true",))
     assert with_scaling.container["args"] == args
 

@@ -27,6 +27,7 @@ from cryptography.hazmat.primitives.asymmetric.utils import decode_dss_signature
 from kubernetes import client
 
 from neonvm import kube
+from neonvm.api.rights import UNAUTHORIZED
 from neonvm.controller.rights import TokenReviewer, reviewed_pod
 from neonvm.controller.token_verify import (
     DISCOVERY_PATH,
@@ -35,7 +36,15 @@ from neonvm.controller.token_verify import (
     Unverifiable,
 )
 from neonvm.dev.cluster import LocalCluster
-from tests.support.rights_sa_token import ACCOUNT, AUDIENCE, ISSUER, mint, pod, service_account
+from tests.support.rights_sa_token import (
+    ACCOUNT,
+    AUDIENCE,
+    ISSUER,
+    ReviewingLeader,
+    mint,
+    pod,
+    service_account,
+)
 
 
 def b64(data: bytes) -> str:
@@ -134,15 +143,25 @@ def test_a_service_account_reads_the_issuer_keys_through_the_default_binding(
                                     "name": "system:serviceaccounts"}]
 
 
-def test_an_identity_refused_the_keys_leaves_every_token_to_a_review(
+def test_the_local_controller_identity_reads_the_keys_by_its_own_rule(
         controller_api: client.ApiClient, bound: Bound) -> None:
-    """The local cluster's controller is a certificate user, outside that binding (403):
-    no keys, so a good token is Unverifiable, not refused."""
-    refused = TokenVerifier(controller_api, AUDIENCE)
-    assert not refused.load()
+    """The local cluster's controller is a certificate user, outside that binding: its
+    ClusterRole names the two URLs (neonvm/manifests.py, ``self_fencing_rules``)."""
+    assert TokenVerifier(controller_api, AUDIENCE).verify(bound.token) is not None
+
+
+def test_an_identity_refused_the_keys_leaves_every_token_to_a_review(
+        account_api: client.ApiClient, bound: Bound) -> None:
+    """No keys (every fetch fails): a good token is Unverifiable, not refused."""
+
+    def refused(_path: str, _accept: str) -> dict[str, Any]:
+        raise OSError("403")
+
+    verifier = TokenVerifier(account_api, AUDIENCE, fetch=refused)
+    assert not verifier.load()
     with pytest.raises(Unverifiable):
-        refused.verify(bound.token)
-    assert refused.decide(bound.token) == (False, None)
+        verifier.verify(bound.token)
+    assert verifier.decide(bound.token) == (False, None)
 
 
 # ---- verified --------------------------------------------------------------------------------
@@ -386,3 +405,77 @@ def test_a_signed_huge_exp_and_a_jwks_of_another_shape_are_left_to_a_review() ->
                               JWKS_PATH: {"keys": [{"crv": []}]}}
     odd = TokenVerifier(None, AUDIENCE, fetch=lambda path, _accept: shapes[path])
     assert odd.decide(token) == (False, None)
+
+
+# ---- wired into the rights endpoint ----------------------------------------------------------
+
+
+@pytest.fixture
+def wired(controller_api: client.ApiClient,
+          account_api: client.ApiClient) -> Iterator[ReviewingLeader]:
+    reviewer = TokenReviewer(controller_api, AUDIENCE,
+                             verify=TokenVerifier(account_api, AUDIENCE).decide)
+    served = ReviewingLeader(controller_api, reviewer)
+    yield served
+    served.close()
+
+
+def test_a_term_s_first_ask_with_a_good_token_is_granted_with_no_review(
+        wired: ReviewingLeader, bound: Bound) -> None:
+    """Verified locally once, then served from the cache as a good review would be."""
+    wired.show(bound.namespace, "vm", bound.pod, bound.uid)
+    for _ in range(3):
+        assert wired.ask(bound.namespace, "vm", bound.uid, bound.token)[0] == 200
+    assert (wired.reviewer.reviews, wired.reviewer.verified) == (0, 1)
+
+
+def test_a_token_refused_locally_costs_no_review(wired: ReviewingLeader, bound: Bound) -> None:
+    wired.show(bound.namespace, "vm", bound.pod, bound.uid)
+    head, body, sig = bound.token.split(".")
+    raw = bytearray(base64.urlsafe_b64decode(sig + "=="))
+    raw[0] ^= 1
+    status, answer = wired.ask(bound.namespace, "vm", bound.uid, f"{head}.{body}.{b64(bytes(raw))}")
+    assert (status, answer["reason"]) == (401, UNAUTHORIZED)
+    assert (wired.reviewer.reviews, wired.reviewer.verified) == (0, 1)
+
+
+def test_a_forged_token_with_an_exp_beyond_a_float_is_refused_not_an_error(
+        wired: ReviewingLeader, bound: Bound) -> None:
+    """Nothing is computed from a refused token's unverified claims: a forger's
+    ``exp`` of 10**400 (under the key's real kid, the signature garbage) is a 401, not a
+    500 and a traceback per ask."""
+    wired.show(bound.namespace, "vm", bound.pod, bound.uid)
+    head, _body, sig = bound.token.split(".")
+    claims = parts(bound.token)[1] | {"exp": 10**400}
+    forged = f"{head}.{b64(json.dumps(claims).encode())}.{sig}"
+    for _ in range(2):
+        status, answer = wired.ask(bound.namespace, "vm", bound.uid, forged)
+        assert (status, answer["reason"]) == (401, UNAUTHORIZED)
+    assert wired.answered(500) == 0 and wired.reviewer.reviews == 0
+
+
+def test_a_pod_shutting_down_has_its_token_reviewed(wired: ReviewingLeader, bound: Bound) -> None:
+    """The API server voids a pod's token 60 s past its deletionTimestamp; the local keys
+    cannot see that, so such a pod's asks go to a review."""
+    wired.show(bound.namespace, "vm", bound.pod, bound.uid)
+    assert wired.caches is not None
+    pod_cache = wired.caches[1][f"{bound.namespace}/{bound.pod}"]
+    pod_cache["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    assert wired.ask(bound.namespace, "vm", bound.uid, bound.token)[0] == 200
+    assert (wired.reviewer.reviews, wired.reviewer.verified) == (1, 0)
+
+
+def test_without_keys_every_token_is_reviewed(
+        controller_api: client.ApiClient, bound: Bound) -> None:
+    def refused(_path: str, _accept: str) -> dict[str, Any]:
+        raise OSError("no route")
+
+    reviewer = TokenReviewer(controller_api, AUDIENCE,
+                             verify=TokenVerifier(None, AUDIENCE, fetch=refused).decide)
+    served = ReviewingLeader(controller_api, reviewer)
+    try:
+        served.show(bound.namespace, "vm", bound.pod, bound.uid)
+        assert served.ask(bound.namespace, "vm", bound.uid, bound.token)[0] == 200
+        assert (reviewer.reviews, reviewer.verified) == (1, 0)
+    finally:
+        served.close()

@@ -40,6 +40,7 @@ from neonvm.controller.rights import (
     parse_bind,
     parse_service,
 )
+from neonvm.controller.token_verify import TokenVerifier
 from neonvm.leader.election import (
     DEFAULT_LEASE_NAME,
     DEFAULT_NAMESPACE,
@@ -210,12 +211,18 @@ def run(kubeconfig: Path | None, lease_namespace: str, lease_name: str, identity
             host, port = parse_bind(rights_bind)
         except ValueError as exc:
             raise click.BadParameter(str(exc), param_hint="--rights-bind") from None
+        reviewer: TokenReviewer | None = None
+        if rights_audience:
+            # The issuer keys are fetched now, standbys too, so a term's first asks (one
+            # per pod, all at once) are verified locally, not reviewed (docs/security.md).
+            verifier = TokenVerifier(api, rights_audience)
+            verifier.load()
+            reviewer = TokenReviewer(api, rights_audience, verify=verifier.decide)
         rights = RightsServer(RightsService(process.rights, process.rights_caches,
                                             TokenCache(api),
                                             api_mark_pod(api, process.term_epoch),
                                             registry=metrics.registry,
-                                            reviewer=(TokenReviewer(api, rights_audience)
-                                                      if rights_audience else None)),
+                                            reviewer=reviewer),
                               host, port, workers=rights_workers)
         if rights_service:
             try:

@@ -246,6 +246,9 @@ class CurrentPod:
     secret_uid: str
     ip: str = ""
     """The pod's IP (``status.podIP``) as the cache shows it; "" if none."""
+    deleting: bool = False
+    """The pod is shutting down (``deletionTimestamp`` set): its token is reviewed, never
+    verified locally (the API server voids it 60 s past that time; docs/security.md)."""
 
 
 class Caches(Protocol):
@@ -299,7 +302,8 @@ def current_pod(vms: Caches, pods: Caches, namespace: str, vm_name: str,
         return CurrentPod(uid=pod_uid, name=str(name), seconds=seconds,
                           secret_name=str(status.get("scalingTokenSecret") or ""),
                           secret_uid=str(status.get("scalingTokenSecretUID") or ""),
-                          ip=str((pod.get("status") or {}).get("podIP") or ""))
+                          ip=str((pod.get("status") or {}).get("podIP") or ""),
+                          deleting=pod_meta.get("deletionTimestamp") is not None)
     return "not the VM's current pod"
 
 
@@ -467,6 +471,23 @@ def reviewed_pod(review: dict[str, Any], audience: str) -> ReviewedPod | None:
 
 Review = Callable[[str, str], dict[str, Any]]
 """(token, audience) -> the TokenReview's answer; raises on a failed call."""
+LocalVerify = Callable[[str], tuple[bool, "ReviewedPod | None"]]
+"""token -> (decided, its pod) by the API server's issuer keys, with no API call:
+(True, pod) verified, (True, None) refused, (False, None) only a review can tell
+(:meth:`neonvm.controller.token_verify.TokenVerifier.decide`)."""
+
+
+def _expiry(claims: dict[str, Any]) -> float | None:
+    """The claims' ``exp`` as a finite number of seconds, else None (never raises: an
+    ``exp`` of 10**400 is no float)."""
+    exp = claims.get("exp")
+    if isinstance(exp, bool) or not isinstance(exp, int | float):
+        return None
+    try:
+        number = float(exp)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
 
 API_ERRORS = (ApiException, OSError, HTTPError)
 """What a failed API call raises (a review, the term mark, a token Secret read): an error
@@ -511,7 +532,14 @@ class TokenReviewer:
     refused, nothing is cached). After a review that got no answer (a timeout, a refused
     connection), none is sent for ``retry_after`` seconds: an outage must not hold every
     rights worker in a review's timeout while asks that need none wait. An error answer
-    (a 429, a 5xx) comes back at once and pauses nothing."""
+    (a 429, a 5xx) comes back at once and pauses nothing.
+
+    With ``verify`` (the API server's issuer keys, :mod:`neonvm.controller.token_verify`),
+    a token not in the cache is first verified locally: a verified one is cached as a
+    good review would be, a refused one is refused (neither costs an API call or the
+    pod's budget); only one it cannot decide (no keys, an unknown ``kid``, another
+    issuer, a lifetime the leader's clock disputes), or any token of a pod shutting
+    down (``locally=False``), goes to a review."""
 
     _STRIPES = 64
 
@@ -519,11 +547,14 @@ class TokenReviewer:
                  refused_ttl: float = 10.0, max_entries: int = 50_000,
                  budget: int = 4, window: float = 60.0, retry_after: float = 5.0,
                  clock: Clock = time.monotonic, wall: Clock = time.time,
-                 review: Review | None = None) -> None:
+                 review: Review | None = None, verify: LocalVerify | None = None) -> None:
         if not audience:
             raise ValueError("a rights audience is needed")
         self.audience = audience
         self._api = api
+        self._verify = verify
+        self.verified = 0
+        """Tokens decided locally, with no review (for tests and the benchmark)."""
         self._ttl = ttl
         self._refused_ttl = refused_ttl
         self._max = max_entries
@@ -597,10 +628,11 @@ class TokenReviewer:
                 self._spent[budget] = (start, spent - 1)
 
     def pod_of(self, token: str, pod_uid: str, namespace: str = "", *,
-               from_pod: bool = False) -> ReviewedPod | None:
+               from_pod: bool = False, locally: bool = True) -> ReviewedPod | None:
         """The pod ``token`` is bound to, if it may be ``pod_uid``'s (else None), asked
         for a pod of ``namespace`` (whose review budget it spends: that of asks from the
-        pod's own IP if ``from_pod``, else the other one). Raises
+        pod's own IP if ``from_pod``, else the other one); verified locally first if
+        ``locally`` and this reviewer has ``verify``. Raises
         :class:`ReviewBudgetSpent`, or the review's error, when there is no answer and no
         earlier good review of this token to fall back on."""
         claims = unverified_claims(token)
@@ -611,6 +643,16 @@ class TokenReviewer:
         hit, pod = self._cached(key)
         if hit:
             return pod
+        if self._verify is not None and locally:
+            decided, pod = self._verify(token)
+            if decided:
+                with self._lock:
+                    self.verified += 1
+                if pod is not None:
+                    # The claims are those just verified (the same payload), so their
+                    # exp is the API server's; never computed for a refused token.
+                    self._keep(key, pod, claims)
+                return pod
         with self._reads[key[0] % self._STRIPES]:
             hit, pod = self._cached(key)  # another ask reviewed it meanwhile
             if hit:
@@ -641,17 +683,25 @@ class TokenReviewer:
                                "earlier review holds until the token expires",
                                uid=pod_uid[:64], err=str(exc)[:200])
                 return stale
+            if pod is None:
+                with self._lock:
+                    self._bound.pop(key, None)
+                    self._put(self._refused, key, self._clock() + self._refused_ttl)
+            else:
+                self._keep(key, pod, claims)
+        return pod
+
+    def _keep(self, key: bytes, pod: ReviewedPod, claims: dict[str, Any]) -> None:
+        """Cache a good answer for ``key``: fresh for ``ttl`` and never past half the
+        token's remaining life, kept (for an outage) until its ``exp``."""
+        exp = _expiry(claims)
+        if exp is None:
+            return
+        life = exp - self._wall()
+        if life > 0:
             now = self._clock()
             with self._lock:
-                if pod is None:
-                    self._bound.pop(key, None)
-                    self._put(self._refused, key, now + self._refused_ttl)
-                else:
-                    life = float(claims["exp"]) - self._wall()
-                    if life > 0:
-                        self._put(self._bound, key,
-                                  (pod, now + min(self._ttl, life / 2), now + life))
-        return pod
+                self._put(self._bound, key, (pod, now + min(self._ttl, life / 2), now + life))
 
     def _put(self, cache: OrderedDict[bytes, Any], key: bytes, value: Any) -> None:
         cache[key] = value
@@ -790,7 +840,7 @@ class RightsService:
         if self._reviewer is not None and scheme.lower() == "bearer" and is_jwt(bearer):
             try:
                 pod = self._reviewer.pod_of(bearer, request.pod_uid, request.namespace,
-                                            from_pod=from_pod)
+                                            from_pod=from_pod, locally=not found.deleting)
             except ReviewBudgetSpent as exc:
                 return _refuse(429, REVIEW_BUDGET_SPENT,
                                f"too many token reviews for this pod now: {exc}"[:200])

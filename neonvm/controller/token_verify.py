@@ -18,8 +18,9 @@ What a review checks and this does not: that the token's pod and ServiceAccount 
 exist with its uids and were not deleted more than 60 s ago. The rights endpoint's
 current-pod test (the pod's uid is the VM's current pod in the leader's cache) covers a
 pod gone or replaced, not a pod shutting down (it grants those), and nothing here covers
-a deleted ServiceAccount. Not wired into the rights endpoint (docs/protocol.md, "Which
-credential", says what vouches for a pod today).
+a deleted ServiceAccount. The rights endpoint's :class:`~neonvm.controller.rights.TokenReviewer`
+asks :meth:`TokenVerifier.decide` before any review, and reviews a shutting-down pod's
+token always (docs/security.md, "Rights endpoint"; docs/protocol.md, "Which credential").
 """
 
 from __future__ import annotations
