@@ -512,9 +512,10 @@ class TokenReviewer:
 
     A token that is not canonical base64url, or whose unverified claims cannot match
     (:func:`unverified_claims`, :func:`claims_may_match`), is refused with no API call.
-    Reviews are cached per token (its SHA-256; one signed token has one canonical
-    spelling): an answer binding it to a pod is fresh for ``ttl`` seconds (and never past
-    half the token's remaining life), a refusal for ``refused_ttl``; each cache keeps at
+    Reviews are cached per token (its SHA-256; one RSA-signed token has one canonical
+    spelling, an ECDSA-signed one two: docs/security.md): an answer binding it to a pod
+    is fresh for ``ttl`` seconds (and never past half the token's remaining life), a
+    refusal for ``refused_ttl``; each cache keeps at
     most ``max_entries`` (the least recently used go first), and reviews are
     single-flight per token. A runner renewing every D/3 with the 7,200 s token the kubelet
     rotates after 5,760 s thus costs one review per 240 s. Each pod (namespace, uid) gets at
