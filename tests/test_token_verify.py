@@ -479,3 +479,19 @@ def test_without_keys_every_token_is_reviewed(
         assert (reviewer.reviews, reviewer.verified) == (1, 0)
     finally:
         served.close()
+
+
+def test_a_leader_clock_far_behind_sends_a_good_token_to_a_review_not_a_refusal(
+        controller_api: client.ApiClient, account_api: client.ApiClient, bound: Bound) -> None:
+    """The API server sets ``nbf`` and ``iat`` by its own clock: a leader whose wall clock
+    is behind by more than the 60 s skew (here an hour, so the token, minted within the
+    module's run, is surely ahead of it) cannot judge the token, so a review does."""
+    slow = TokenVerifier(account_api, AUDIENCE, wall=lambda: time.time() - 3600)
+    reviewer = TokenReviewer(controller_api, AUDIENCE, verify=slow.decide)
+    served = ReviewingLeader(controller_api, reviewer)
+    try:
+        served.show(bound.namespace, "vm", bound.pod, bound.uid)
+        assert served.ask(bound.namespace, "vm", bound.uid, bound.token)[0] == 200
+        assert (reviewer.reviews, reviewer.verified) == (1, 0)
+    finally:
+        served.close()
