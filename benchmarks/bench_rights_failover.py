@@ -537,6 +537,22 @@ def log_events(path: Path, since: float) -> dict[str, float]:
     return out
 
 
+def terms_started(cluster: Any, replicas: FailoverReplicas, since: float) -> int:
+    """Terms begun (``started leading``) by any replica since wall time ``since``: more
+    than one after a kill when a new leader lost its Lease before the runners were all
+    granted (each term's first grants start over)."""
+    count = 0
+    for name in {m.name for m in replicas.members}:
+        with contextlib.suppress(OSError):
+            for line in cluster.log_file(name).read_text(errors="replace").splitlines():
+                if '"started leading' not in line:
+                    continue
+                with contextlib.suppress(ValueError, KeyError):
+                    if datetime.fromisoformat(json.loads(line)["ts"]).timestamp() >= since:
+                        count += 1
+    return count
+
+
 def term_costs(api: Any) -> tuple[int, int, int]:
     """(API requests, pod PATCHes, TokenReviews) so far, every client."""
     totals = request_totals(api)
@@ -587,6 +603,9 @@ class Kill:
     not_200: dict[int, int]
     lag_p99: float
     ask_rate: float
+    terms: int
+    """Terms begun from the kill until every runner was granted (1 unless the new
+    leader lost its Lease meanwhile)."""
     leader_200: int
     """Grants the new leader answered (its ``neonvm_controller_rights_answers_total``);
     more than the runners got when answers came after the runner stopped waiting."""
@@ -595,7 +614,8 @@ class Kill:
     def line(self, n: int) -> str:
         def s(v: float | None) -> str:
             return "-" if v is None else f"{v:.1f} s"
-        return (f"kill at {self.at} ({self.style}): elected {s(self.elected)}, caches synced "
+        return (f"kill at {self.at} ({self.style}): {self.terms} terms; first elected "
+                f"{s(self.elected)}, caches synced "
                 f"{s(self.synced)}, slice written {s(self.slice)} (seen {s(self.seen)}); G "
                 f"{fmt_g(self.g)}; not granted {self.missing}/{n}; lapsed {self.lapsed}/{n}; "
                 f"{self.patches} pod PATCH, {self.reviews} TokenReviews, API {self.api_rps:.0f}"
@@ -690,7 +710,7 @@ class Run:
                  patches1 - patches0, reviews1 - reviews0, (api1 - api0) / elapsed,
                  cpu / elapsed, client_cpu / elapsed,
                  {c: v for c, v in codes.items() if c != 200}, lag, ask_rate,
-                 granted, codes.get(200, 0))
+                 terms_started(self.cluster, self.replicas, wall), granted, codes.get(200, 0))
         say(k.line(self.n))
         self.kills.append(k)
         # A Deployment brings the killed replica back, as a standby.
