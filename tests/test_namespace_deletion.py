@@ -265,6 +265,44 @@ def test_a_runner_pod_deleted_with_its_namespace_is_not_replaced() -> None:
     assert fake.count("namespace_meta") == 1
 
 
+def test_a_vm_made_after_its_namespace_was_seen_being_deleted_is_planned_at_once() -> None:
+    """The namespace went and was made again under its name within the 30 s that its
+    deletion is remembered: a VM created after that deletion began is in the new
+    namespace (nothing is created in one being deleted), so the namespace is read again
+    and the VM gets its first plan at once, not 30 s later."""
+    fake = FakeCluster()
+    _converged(fake, "a")
+    reconciler = shipped_reconciler(client.ApiClient(), cluster=fake)
+    authority = StaticAuthority(epoch=1, token=5)
+    fake.deleting_namespaces.add(_NS)  # its deletionTimestamp: 2026-01-01T00:00:00Z
+    del fake.pods[(_NS, fake.vm(_NS, "a")["status"]["podName"])]  # type: ignore[index]
+    waits = reconciler.reconcile(f"{_NS}/a", authority, direct_first=True)
+    assert isinstance(waits.action, act.Wait), waits
+    assert waits.action.condition == reasons.NAMESPACE_TERMINATING, waits
+    del fake.vms[(_NS, "a")]
+    fake.deleting_namespaces.discard(_NS)
+    fake.add_vm({"apiVersion": "vm.neon.tech/v1", "kind": "VirtualMachine",
+                 "metadata": {"name": "c", "namespace": _NS, "generation": 1,
+                              "creationTimestamp": "2026-01-01T00:00:05Z"},
+                 "spec": {"restartPolicy": "Always", "enableAcceleration": False,
+                          "guest": {"rootDisk": {"image": "img"}}},
+                 "status": {}})
+    reads = fake.count("namespace_meta")
+    reconciler.reconcile(f"{_NS}/c", authority, direct_first=True)
+    assert fake.vm(_NS, "c")["status"].get("podName")  # type: ignore[index]
+    assert fake.count("namespace_meta") == reads
+
+
+@pytest.mark.unit
+def test_a_vm_older_than_the_deletion_it_is_in_is_not_a_reason_to_read_again() -> None:
+    known = TerminatingNamespaces(clock=lambda: 0.0)
+    known.look("ns", lambda _: {"metadata": {"deletionTimestamp": "2026-01-01T00:00:00Z"}},
+               logger)
+    assert not known.predates("ns", "2025-12-31T23:59:59Z")
+    assert known.predates("ns", "2026-01-01T00:00:00Z")  # same second: read again
+    assert not known.predates("ns", None) and not known.predates("other", "2027-01-01T00:00:00Z")
+
+
 def test_a_runner_pod_gone_in_a_live_namespace_is_replaced_after_one_read() -> None:
     fake = FakeCluster()
     _converged(fake, "a")

@@ -737,6 +737,7 @@ class VirtualMachine:
     finalizers: list[str] = field(default_factory=list)
     labels: dict[str, str] = field(default_factory=dict)
     annotations: dict[str, str] = field(default_factory=dict)
+    creation_timestamp: str | None = None
 
     @classmethod
     def from_object(cls, obj: dict[str, Any]) -> VirtualMachine:
@@ -754,6 +755,7 @@ class VirtualMachine:
             finalizers=list(meta.get("finalizers") or []),
             labels=dict(meta.get("labels") or {}),
             annotations=dict(meta.get("annotations") or {}),
+            creation_timestamp=meta.get("creationTimestamp"),
         )
 
     @property

@@ -505,6 +505,8 @@ class Reconciler:
         if obs.vm is None:
             return obs
         namespace, known = obs.vm.namespace, self.ctx.terminating
+        if known.predates(namespace, obs.vm.creation_timestamp):
+            known.forget(namespace)  # made after that deletion began: the name's new namespace
         if known.knows(namespace) or (
                 known.stale(namespace)
                 and known.look(namespace, self.cluster.namespace_meta, log)):

@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol
 
 from kubernetes.client.exceptions import ApiException
@@ -119,6 +120,7 @@ class TerminatingNamespaces:
         self._live_for = live_seconds
         self._clock = clock
         self._learned: dict[str, float] = {}
+        self._began: dict[str, str] = {}  # the deletionTimestamp a read showed
         self._live: dict[str, float] = {}
         self._forbidden = False
         self._lock = threading.Lock()
@@ -132,6 +134,16 @@ class TerminatingNamespaces:
             old = now - FORGET_AFTER_WINDOWS * self._remember
             for name in [n for n, at in self._learned.items() if at < old]:
                 del self._learned[name]
+                self._began.pop(name, None)
+
+    def predates(self, namespace: str, created: str | None) -> bool:
+        """Whether an object created at ``created`` (its ``creationTimestamp``) was made
+        after ``namespace`` was seen being deleted: then that deletion is of an earlier
+        namespace of the name (the API server creates nothing in a namespace being
+        deleted), and the namespace is to be read again. Unknown either way: False."""
+        with self._lock:
+            began = self._began.get(namespace)
+        return began is not None and created is not None and _utc(created) >= _utc(began)
 
     def knows(self, namespace: str) -> bool:
         """Whether ``namespace`` was learned as being deleted within ``remember_seconds``."""
@@ -183,9 +195,12 @@ class TerminatingNamespaces:
                     log.info("namespace {ns} is being deleted: its VMs get no new runner "
                              "pod", ns=namespace)
                 self.learn(namespace)
+                with self._lock:
+                    self._began[namespace] = str(meta["metadata"]["deletionTimestamp"])
             return True
         with self._lock:
             self._learned.pop(namespace, None)
+            self._began.pop(namespace, None)
             now = self._clock()
             self._live[namespace] = now
             for name in [n for n, t in self._live.items() if now - t >= self._live_for]:
@@ -195,7 +210,17 @@ class TerminatingNamespaces:
     def forget(self, namespace: str) -> None:
         with self._lock:
             self._learned.pop(namespace, None)
+            self._began.pop(namespace, None)
             self._live.pop(namespace, None)
+
+
+def _utc(stamp: str) -> datetime:
+    """An API timestamp (RFC 3339, ``Z``) as an aware datetime; unparsable: the epoch's
+    start, so that nothing is taken to postdate a deletion it cannot be compared with."""
+    try:
+        return datetime.fromisoformat(stamp.replace("Z", "+00:00"))
+    except ValueError:
+        return datetime.min.replace(tzinfo=UTC)
 
 
 @dataclass
