@@ -501,6 +501,28 @@ def test_a_refusal_ends_the_fallback_and_a_spent_budget_uses_it() -> None:
 
 
 @pytest.mark.unit
+def test_a_token_of_a_pod_shutting_down_is_decided_by_a_review_alone() -> None:
+    """The API server voids a token 60 s past its pod's deletionTimestamp, which the
+    issuer keys cannot tell: for such a pod (``locally=False``) a verdict of the keys,
+    fresh or kept, answers nothing, not even in an outage; a review's does, cached and
+    as the outage fallback (docs/protocol.md, "Which credential")."""
+    now = [0.0]
+    pod_bound = ReviewedPod("ns", "vm-p", "u1")
+    token = _token()
+    reviewer = _reviewer(now, [OSError("down"), _answer(), OSError("down")], retry_after=0.0,
+                         verify=lambda _token: (True, pod_bound))
+    assert reviewer.pod_of(token, "u1", "ns") == pod_bound  # running: the keys decide
+    assert (reviewer.reviews, reviewer.verified) == (0, 1)
+    with pytest.raises(OSError):  # shutting down: reviewed, and the review fails
+        reviewer.pod_of(token, "u1", "ns", locally=False)
+    assert reviewer.pod_of(token, "u1", "ns", locally=False) == pod_bound  # reviewed
+    assert reviewer.pod_of(token, "u1", "ns", locally=False) == pod_bound  # cached
+    now[0] = 250.0  # past the review's freshness; the review fails: the review holds
+    assert reviewer.pod_of(token, "u1", "ns", locally=False) == pod_bound
+    assert (reviewer.reviews, reviewer.verified) == (3, 1)
+
+
+@pytest.mark.unit
 def test_each_pod_has_a_review_budget_per_window_and_a_spent_one_uses_earlier_reviews() -> None:
     now = [0.0]
     reviewer = _reviewer(now, [_answer() for _ in range(5)], budget=2, window=60.0)

@@ -527,20 +527,23 @@ class TokenReviewer:
     leader's pod cache, checked at every ask, does not), or its ServiceAccount's.
 
     A review that fails (the call raises, or the budget is spent) falls back on an
-    earlier good review of the same token until the token's expiry (its ``exp``, which
-    that review verified, by this process's wall clock): an API server outage does not
-    end the rights of pods whose tokens were reviewed. Else it raises (the ask is
-    refused, nothing is cached). After a review that got no answer (a timeout, a refused
-    connection), none is sent for ``retry_after`` seconds: an outage must not hold every
-    rights worker in a review's timeout while asks that need none wait. An error answer
-    (a 429, a 5xx) comes back at once and pauses nothing.
+    earlier good review (or local verification) of the same token until the token's
+    expiry (its ``exp``, which that review verified, by this process's wall clock): an
+    API server outage does not end the rights of pods whose tokens were reviewed. Else
+    it raises (the ask is refused, nothing is cached). After a review that got no
+    answer (a timeout, a refused connection), none is sent for ``retry_after``
+    seconds: an outage must not hold every rights worker in a review's timeout while
+    asks that need none wait. An error answer (a 429, a 5xx) comes back at once and
+    pauses nothing.
 
     With ``verify`` (the API server's issuer keys, :mod:`neonvm.controller.token_verify`),
     a token not in the cache is first verified locally: a verified one is cached as a
     good review would be, a refused one is refused (neither costs an API call or the
     pod's budget); only one it cannot decide (no keys, an unknown ``kid``, another
-    issuer, a lifetime the leader's clock disputes), or any token of a pod shutting
-    down (``locally=False``), goes to a review."""
+    issuer, a lifetime the leader's clock disputes) goes to a review. A token of a pod
+    shutting down (``locally=False``) is decided by a review alone: neither a local
+    verification nor a cached one answers for it, nor is one the outage fallback; a
+    review's cached answer does."""
 
     _STRIPES = 64
 
@@ -568,8 +571,9 @@ class TokenReviewer:
         self._review = review or self._api_review
         self._lock = threading.Lock()
         self._reads = [threading.Lock() for _ in range(self._STRIPES)]
-        self._bound: OrderedDict[bytes, tuple[ReviewedPod, float, float]] = OrderedDict()
-        """token key -> (its pod, fresh until, its expiry), on the monotonic clock."""
+        self._bound: OrderedDict[bytes, tuple[ReviewedPod, float, float, bool]] = OrderedDict()
+        """token key -> (its pod, fresh until, its expiry, on the monotonic clock; whether
+        a review gave it, not local verification)."""
         self._refused: OrderedDict[bytes, float] = OrderedDict()
         self._spent: dict[tuple[str, str, bool], tuple[float, int]] = {}
         """(namespace, pod uid, from its own IP) -> (its window's start, reviews in it)."""
@@ -581,12 +585,13 @@ class TokenReviewer:
             "apiVersion": "authentication.k8s.io/v1", "kind": "TokenReview",
             "spec": {"token": token, "audiences": [audience]}}, timeout=5)
 
-    def _cached(self, key: bytes) -> tuple[bool, ReviewedPod | None]:
+    def _cached(self, key: bytes, reviewed: bool) -> tuple[bool, ReviewedPod | None]:
+        """A fresh cached answer for ``key``; only a review's if ``reviewed``."""
         now = self._clock()
         with self._lock:
             bound = self._bound.get(key)
             if bound is not None:
-                if now < bound[1]:
+                if now < bound[1] and (bound[3] or not reviewed):
                     self._bound.move_to_end(key)
                     return True, bound[0]
                 if now >= bound[2]:
@@ -598,12 +603,14 @@ class TokenReviewer:
                 del self._refused[key]
         return False, None
 
-    def _stale(self, key: bytes) -> ReviewedPod | None:
-        """The pod of an earlier good review of this token, while the token lives."""
+    def _stale(self, key: bytes, reviewed: bool) -> ReviewedPod | None:
+        """The pod of an earlier good answer for this token (a review's only if
+        ``reviewed``), while the token lives."""
         now = self._clock()
         with self._lock:
             bound = self._bound.get(key)
-            return bound[0] if bound is not None and now < bound[2] else None
+            return bound[0] if bound is not None and now < bound[2] and (
+                bound[3] or not reviewed) else None
 
     def _charge(self, budget: tuple[str, str, bool]) -> bool:
         """Count one review against ``budget``; False if it is spent."""
@@ -633,7 +640,8 @@ class TokenReviewer:
         """The pod ``token`` is bound to, if it may be ``pod_uid``'s (else None), asked
         for a pod of ``namespace`` (whose review budget it spends: that of asks from the
         pod's own IP if ``from_pod``, else the other one); verified locally first if
-        ``locally`` and this reviewer has ``verify``. Raises
+        ``locally`` and this reviewer has ``verify`` (else only a review's answer, cached
+        or new, counts: a pod shutting down). Raises
         :class:`ReviewBudgetSpent`, or the review's error, when there is no answer and no
         earlier good review of this token to fall back on."""
         claims = unverified_claims(token)
@@ -641,7 +649,8 @@ class TokenReviewer:
                                                   self._wall()):
             return None
         key = hashlib.sha256(token.encode()).digest()
-        hit, pod = self._cached(key)
+        reviewed = not locally  # a verdict of the keys does not count for this ask
+        hit, pod = self._cached(key, reviewed)
         if hit:
             return pod
         if self._verify is not None and locally:
@@ -652,15 +661,15 @@ class TokenReviewer:
                 if pod is not None:
                     # The claims are those just verified (the same payload), so their
                     # exp is the API server's; never computed for a refused token.
-                    self._keep(key, pod, claims)
+                    self._keep(key, pod, claims, reviewed=False)
                 return pod
         with self._reads[key[0] % self._STRIPES]:
-            hit, pod = self._cached(key)  # another ask reviewed it meanwhile
+            hit, pod = self._cached(key, reviewed)  # another ask reviewed it meanwhile
             if hit:
                 return pod
             failing = self._clock() < self._failing_until
             if failing or not self._charge((namespace, pod_uid, from_pod)):
-                stale = self._stale(key)
+                stale = self._stale(key, reviewed)
                 if stale is not None:
                     return stale
                 if failing:
@@ -677,7 +686,7 @@ class TokenReviewer:
                 if not isinstance(exc, ApiException) or not exc.status:  # no answer
                     with self._lock:
                         self._failing_until = self._clock() + self._retry_after
-                stale = self._stale(key)
+                stale = self._stale(key, reviewed)
                 if stale is None:
                     raise
                 logger.warning("rights: cannot review a token of pod {uid} now ({err}); its "
@@ -689,12 +698,14 @@ class TokenReviewer:
                     self._bound.pop(key, None)
                     self._put(self._refused, key, self._clock() + self._refused_ttl)
             else:
-                self._keep(key, pod, claims)
+                self._keep(key, pod, claims, reviewed=True)
         return pod
 
-    def _keep(self, key: bytes, pod: ReviewedPod, claims: dict[str, Any]) -> None:
-        """Cache a good answer for ``key``: fresh for ``ttl`` and never past half the
-        token's remaining life, kept (for an outage) until its ``exp``."""
+    def _keep(self, key: bytes, pod: ReviewedPod, claims: dict[str, Any], *,
+              reviewed: bool) -> None:
+        """Cache a good answer for ``key`` (of a review if ``reviewed``, else of local
+        verification): fresh for ``ttl`` and never past half the token's remaining life,
+        kept (for an outage) until its ``exp``."""
         exp = _expiry(claims)
         if exp is None:
             return
@@ -702,7 +713,8 @@ class TokenReviewer:
         if life > 0:
             now = self._clock()
             with self._lock:
-                self._put(self._bound, key, (pod, now + min(self._ttl, life / 2), now + life))
+                self._put(self._bound, key,
+                          (pod, now + min(self._ttl, life / 2), now + life, reviewed))
 
     def _put(self, cache: OrderedDict[bytes, Any], key: bytes, value: Any) -> None:
         cache[key] = value

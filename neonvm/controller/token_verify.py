@@ -19,8 +19,9 @@ exist with its uids and were not deleted more than 60 s ago. The rights endpoint
 current-pod test (the pod's uid is the VM's current pod in the leader's cache) covers a
 pod gone or replaced, not a pod shutting down (it grants those), and nothing here covers
 a deleted ServiceAccount. The rights endpoint's :class:`~neonvm.controller.rights.TokenReviewer`
-asks :meth:`TokenVerifier.decide` before any review, and reviews a shutting-down pod's
-token always (docs/security.md, "Rights endpoint"; docs/protocol.md, "Which credential").
+asks :meth:`TokenVerifier.decide` before any review, and decides a shutting-down pod's
+token by a review alone (docs/security.md, "Rights endpoint"; docs/protocol.md, "Which
+credential").
 """
 
 from __future__ import annotations
