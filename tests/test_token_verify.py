@@ -407,6 +407,26 @@ def test_a_signed_huge_exp_and_a_jwks_of_another_shape_are_left_to_a_review() ->
     assert odd.decide(token) == (False, None)
 
 
+@pytest.mark.unit
+@pytest.mark.parametrize("answers", [
+    {DISCOVERY_PATH: ["not", "a", "document"], JWKS_PATH: {"keys": []}},
+    {DISCOVERY_PATH: {"issuer": ISSUER}, JWKS_PATH: "keys"},
+    {DISCOVERY_PATH: {"issuer": ISSUER},
+     JWKS_PATH: {"keys": [{"kid": "k", "kty": "EC", "crv": []}]}},
+    {DISCOVERY_PATH: {"issuer": ISSUER}},  # the fetch itself raises an unexpected KeyError
+], ids=["discovery-a-list", "jwks-a-string", "jwk-unhashable-curve", "fetch-raises"])
+def test_load_at_start_up_never_raises_an_odd_answer_leaves_no_keys(
+        answers: dict[str, Any]) -> None:
+    """The controller loads the keys at start-up outside any handler
+    (neonvm/cli/controller.py): an answer of another shape must leave the verifier
+    without keys (every token then goes to a review), not stop the process."""
+    verifier = TokenVerifier(None, AUDIENCE, fetch=lambda path, _accept: answers[path])
+    assert not verifier.load()
+    assert verifier.keys is None and verifier.fetches == 1
+    header = b64(json.dumps({"alg": "RS256", "kid": "k"}).encode())
+    assert verifier.decide(f"{header}.e30.AAAA") == (False, None)
+
+
 # ---- wired into the rights endpoint ----------------------------------------------------------
 
 

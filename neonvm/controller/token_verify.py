@@ -42,7 +42,7 @@ from kubernetes import client
 from loguru import logger
 
 from neonvm import kube
-from neonvm.controller.rights import API_ERRORS, ReviewedPod, _canonical_part
+from neonvm.controller.rights import ReviewedPod, _canonical_part
 
 DISCOVERY_PATH = "/.well-known/openid-configuration"
 JWKS_PATH = "/openid/v1/jwks"
@@ -71,8 +71,8 @@ _HEADER_FIELDS = frozenset({"alg", "kid", "typ"})
 
 Clock = Callable[[], float]
 Fetch = Callable[[str, str], dict[str, Any]]
-"""(path, Accept) -> the API server's JSON answer; raises one of ``API_ERRORS`` or
-ValueError."""
+"""(path, Accept) -> the API server's JSON answer (any JSON value); raises when there is
+none (any exception: the keys stay as they were)."""
 
 
 class Unverifiable(Exception):
@@ -156,8 +156,10 @@ def _jwk(jwk: Any, algorithms: frozenset[str]) -> tuple[str, _Key] | None:
 
 def parse_keys(discovery: dict[str, Any], jwks: dict[str, Any], fetched: float) -> KeySet:
     """The key set from the API server's discovery document and JWKS. Raises ValueError
-    if the discovery document names no issuer. A ``kid`` that two keys share is left out
-    (a token naming it is :class:`Unverifiable`)."""
+    if either is not a JSON object or the discovery document names no issuer. A ``kid``
+    that two keys share is left out (a token naming it is :class:`Unverifiable`)."""
+    if not isinstance(discovery, dict) or not isinstance(jwks, dict):
+        raise ValueError("the discovery document or the JWKS is not a JSON object")
     issuer = discovery.get("issuer")
     if not isinstance(issuer, str) or not issuer:
         raise ValueError("the discovery document names no issuer")
@@ -261,9 +263,10 @@ class TokenVerifier:
     seconds old, and again when a token names a ``kid`` not among them; never more than
     once per ``refetch_interval`` seconds, whatever the tokens (a forger's random kids
     cost at most two GETs per interval), and one fetch at a time: a verify that would
-    wait for one is :class:`Unverifiable` instead. A failed fetch keeps the keys fetched
-    before. ``skew``: seconds of clock difference allowed on ``exp``, ``nbf`` and
-    ``iat``, as the API server allows (60 s)."""
+    wait for one is :class:`Unverifiable` instead. A failed fetch, whatever the failure
+    (an error, an answer of another shape), keeps the keys fetched before (none at
+    start-up: every token goes to a review). ``skew``: seconds of clock difference
+    allowed on ``exp``, ``nbf`` and ``iat``, as the API server allows (60 s)."""
 
     def __init__(self, api: client.ApiClient | None, audience: str, *,
                  refresh_after: float = 300.0, refetch_interval: float = 10.0,
@@ -296,7 +299,9 @@ class TokenVerifier:
         return self._keys
 
     def load(self) -> bool:
-        """Fetch the keys now (within the refetch limit); whether any are held."""
+        """Fetch the keys now (within the refetch limit); whether any are held. Never
+        raises: a fetch that fails in any way leaves the keys as they were (at start-up,
+        none: every token goes to a review)."""
         self._refresh()
         return self._keys is not None
 
@@ -313,9 +318,9 @@ class TokenVerifier:
                 discovery = self._fetch(DISCOVERY_PATH, "application/json")
                 jwks = self._fetch(JWKS_PATH, JWKS_TYPE)
                 self._keys = parse_keys(discovery, jwks, self._clock())
-            except (*API_ERRORS, ValueError) as exc:
+            except Exception as exc:  # any failure: no new keys; reviews decide meanwhile
                 logger.warning("token verify: cannot fetch the service-account keys "
-                               "({err}); {what}", err=str(exc)[:200],
+                               "({err}); {what}", err=f"{type(exc).__name__}: {exc}"[:200],
                                what="keeping those fetched before" if self._keys
                                else "tokens go to TokenReviews")
         finally:
