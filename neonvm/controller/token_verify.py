@@ -262,10 +262,12 @@ class TokenVerifier:
     Keys are fetched on first use (or by :meth:`load`), again once ``refresh_after``
     seconds old, and again when a token names a ``kid`` not among them; never more than
     once per ``refetch_interval`` seconds, whatever the tokens (a forger's random kids
-    cost at most two GETs per interval), and one fetch at a time: a verify that would
-    wait for one is :class:`Unverifiable` instead. A failed fetch, whatever the failure
-    (an error, an answer of another shape), keeps the keys fetched before (none at
-    start-up: every token goes to a review). ``skew``: seconds of clock difference
+    cost at most one fetch per interval: two GETs, each of which the client's retries
+    may send up to 4 times, ``kube.client_retries``), and one fetch at a time: a verify
+    that would wait for one is :class:`Unverifiable` instead (only the one fetching
+    waits). A failed fetch, whatever the failure (an error, an answer of another
+    shape), keeps the keys fetched before (none at start-up: every token goes to a
+    review). ``skew``: seconds of clock difference
     allowed on ``exp``, ``nbf`` and ``iat``, as the API server allows (60 s)."""
 
     def __init__(self, api: client.ApiClient | None, audience: str, *,
