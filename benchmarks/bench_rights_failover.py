@@ -603,6 +603,8 @@ class Kill:
     not_200: dict[int, int]
     lag_p99: float
     ask_rate: float
+    steady: int
+    """Runners granted within D/2 before the kill (all of them in a steady state)."""
     terms: int
     """Terms begun from the kill until every runner was granted (1 unless the new
     leader lost its Lease meanwhile)."""
@@ -614,7 +616,8 @@ class Kill:
     def line(self, n: int) -> str:
         def s(v: float | None) -> str:
             return "-" if v is None else f"{v:.1f} s"
-        return (f"kill at {self.at} ({self.style}): {self.terms} terms; first elected "
+        return (f"kill at {self.at} ({self.style}): {self.steady}/{n} granted within D/2 "
+                f"before it; {self.terms} terms; first elected "
                 f"{s(self.elected)}, caches synced "
                 f"{s(self.synced)}, slice written {s(self.slice)} (seen {s(self.seen)}); G "
                 f"{fmt_g(self.g)}; not granted {self.missing}/{n}; lapsed {self.lapsed}/{n}; "
@@ -670,6 +673,7 @@ class Run:
         replica, leader = self.leader()
         # The style's asks for a whole period first, then a random moment of it.
         time.sleep(args.right_seconds / 3 + random.uniform(0, args.right_seconds / 3))
+        steady = self.clients.granted_since(time.monotonic() - args.right_seconds / 2)
         self.clients.stats()
         api0, patches0, reviews0 = term_costs(self.api)
         index = self.replicas.index_of(replica)
@@ -710,7 +714,8 @@ class Run:
                  patches1 - patches0, reviews1 - reviews0, (api1 - api0) / elapsed,
                  cpu / elapsed, client_cpu / elapsed,
                  {c: v for c, v in codes.items() if c != 200}, lag, ask_rate,
-                 terms_started(self.cluster, self.replicas, wall), granted, codes.get(200, 0))
+                 steady, terms_started(self.cluster, self.replicas, wall), granted,
+                 codes.get(200, 0))
         say(k.line(self.n))
         self.kills.append(k)
         # A Deployment brings the killed replica back, as a standby.
@@ -857,7 +862,7 @@ def measure(run: Run, started: float, say: Callable[[str], None],
         lines.append(k.line(run.n))
         load.append(os.getloadavg())
         # Steady again: every runner renewed by the new leader, then a whole D more.
-        run.wait_granted(time.monotonic() - 1, args.right_seconds * 4, say)
+        run.wait_granted(time.monotonic() - 1, args.right_seconds * 4 + run.n / 5, say)
         time.sleep(args.right_seconds)
     for style in sorted(set(styles)):
         ks = [k for k in run.kills if k.style == style]
