@@ -29,14 +29,11 @@ reconciles) runs meanwhile, as it does after a real leader change. docs/protocol
 from __future__ import annotations
 
 import argparse
-import http.client
-import json
 import os
 import signal
 import sys
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,8 +44,10 @@ sys.path.insert(0, str(ROOT))
 from benchmarks import bench_rights_leader as brl  # noqa: E402
 from benchmarks import controller_bench as cb  # noqa: E402
 from benchmarks.api_calls import request_totals  # noqa: E402
-from neonvm.api.rights import ask_target  # noqa: E402
 from neonvm.drills.observer import percentile  # noqa: E402
+
+ASK_TIMEOUT = 10.0
+"""Seconds one ask may take: a term's first asks wait on the API server."""
 
 
 @dataclass
@@ -62,22 +61,6 @@ class Replicas(brl.FencingReplicas):
         extra = ([] if self.rights_workers is None
                  else ["--rights-workers", str(self.rights_workers)])
         return [*super()._argv(identity), *extra]
-
-
-def ask(port: int, one: brl.Ask, started: bool) -> tuple[float, int]:
-    """One ask on a new connection, as a runner's: (seconds, status; 0 for none)."""
-    namespace, vm, uid, bearer, source = one
-    body = json.dumps({"namespace": namespace, "vm": vm, "podUID": uid})
-    t0 = time.monotonic()
-    try:
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10,
-                                          source_address=(source, 0))
-        conn.request("POST", ask_target(started), body=body, headers={"Authorization": bearer})
-        status = conn.getresponse().status
-        conn.close()
-    except OSError:
-        status = 0
-    return time.monotonic() - t0, status
 
 
 def api_marks(api: Any) -> tuple[int, int]:
@@ -127,29 +110,12 @@ def new_term(replicas: Replicas, api: Any, namespace: str, workers: int | None) 
     return replicas.pid(replica)
 
 
-def grant_all(port: int, asks: list[brl.Ask], started: bool, threads: int,
-              timeout: float = 600.0) -> tuple[int, int, list[float]]:
-    """Every VM asks until each is granted once: (asks, not 200, latencies)."""
-    left = list(asks)
-    sent, refused, latencies = 0, 0, []
-    deadline = time.monotonic() + timeout
-    while left and time.monotonic() < deadline:
-        with ThreadPoolExecutor(max_workers=threads) as pool:
-            answers = list(pool.map(lambda one: ask(port, one, started), left))
-        sent += len(answers)
-        refused += sum(1 for _, status in answers if status != 200)
-        latencies += [seconds for seconds, _ in answers]
-        left = [one for one, (_, status) in zip(left, answers, strict=True) if status != 200]
-    if left:
-        raise RuntimeError(f"{len(left)} VMs not granted within {timeout:.0f}s")
-    return sent, refused, latencies
-
-
 def one_run(replicas: Replicas, api: Any, namespace: str, port: int, asks: list[brl.Ask],
             workers: int | None, started: bool, threads: int) -> Run:
     t_start = time.monotonic()
     pid = new_term(replicas, api, namespace, workers)
-    while ask(port, asks[0], started)[1] != 200:  # caches synced, the term granting
+    # Until the caches synced and the term grants.
+    while brl.ask(port, asks[0], started, ASK_TIMEOUT)[1] != 200:
         if time.monotonic() - t_start > 300:
             raise RuntimeError("the new term granted nothing within 300 s")
         time.sleep(0.05)
@@ -157,7 +123,8 @@ def one_run(replicas: Replicas, api: Any, namespace: str, port: int, asks: list[
     patches0, gets0 = api_marks(api)
     cpu0 = brl.cpu_seconds(pid)
     t0 = time.monotonic()
-    sent, refused, latencies = grant_all(port, asks[1:], started, threads)
+    sent, refused, latencies = brl.first_asks(port, asks[1:], threads, started=started,
+                                                   ask_timeout=ASK_TIMEOUT)
     elapsed = time.monotonic() - t0
     cpu = brl.cpu_seconds(pid) - cpu0
     patches1, gets1 = api_marks(api)

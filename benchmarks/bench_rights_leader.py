@@ -47,7 +47,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks import controller_bench as cb  # noqa: E402
 from benchmarks.api_calls import request_totals  # noqa: E402
-from neonvm.api.rights import RIGHTS_PATH, authorization_header  # noqa: E402
+from neonvm.api.rights import ask_target, authorization_header  # noqa: E402
 from neonvm.drills.observer import percentile  # noqa: E402
 
 Ask = tuple[str, str, str, str, str]
@@ -111,15 +111,18 @@ def fleet_asks(api: Any, namespace: str) -> list[Ask]:
     return asks
 
 
-def ask(port: int, one: Ask) -> tuple[float, int]:
-    """One ask on a new connection, as a runner's: (seconds, status; 0 for none)."""
+def ask(port: int, one: Ask, started: bool = False,
+        timeout: float = 5.0) -> tuple[float, int]:
+    """One ask on a new connection, as a runner's (saying its guest has started if
+    ``started``): (seconds, status; 0 for none)."""
     namespace, vm, uid, bearer, source = one
     body = json.dumps({"namespace": namespace, "vm": vm, "podUID": uid})
     t0 = time.monotonic()
     try:
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5,
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout,
                                           source_address=(source, 0))
-        conn.request("POST", RIGHTS_PATH, body=body, headers={"Authorization": bearer})
+        conn.request("POST", ask_target(started), body=body,
+                     headers={"Authorization": bearer})
         status = conn.getresponse().status
         conn.close()
     except OSError:
@@ -150,16 +153,18 @@ def client_proc(port: int, asks: list[Ask], interval: float, until: float, out: 
              [seconds for seconds, _ in done]))
 
 
-def first_asks(port: int, asks: list[Ask], threads: int = 16,
-               timeout: float = 600.0) -> tuple[int, int, list[float]]:
+def first_asks(port: int, asks: list[Ask], threads: int = 16, timeout: float = 600.0, *,
+               started: bool = False,
+               ask_timeout: float = 5.0) -> tuple[int, int, list[float]]:
     """Ask for every VM until each has been granted once in this term (the term's first
-    ask per pod costs a pod PATCH, its token a Secret GET); (asks, not 200, latencies)."""
+    ask per pod costs a Secret GET, and a pod PATCH unless ``started``); (asks, not 200,
+    latencies)."""
     left = list(asks)
     sent, refused, latencies = 0, 0, []
     deadline = time.monotonic() + timeout
     while left and time.monotonic() < deadline:
         with ThreadPoolExecutor(max_workers=threads) as pool:
-            answers = list(pool.map(lambda one: ask(port, one), left))
+            answers = list(pool.map(lambda one: ask(port, one, started, ask_timeout), left))
         sent += len(answers)
         refused += sum(1 for _, status in answers if status != 200)
         latencies += [seconds for seconds, _ in answers]

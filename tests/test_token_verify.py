@@ -489,20 +489,27 @@ def test_a_pod_shutting_down_has_its_token_reviewed(wired: ReviewingLeader, boun
     assert (wired.reviewer.reviews, wired.reviewer.verified) == (1, 1)
 
 
+def _granted_once(api: client.ApiClient, verifier: TokenVerifier,
+                  bound: Bound) -> tuple[int, int]:
+    """Ask once for ``bound``'s pod from a leader whose reviewer verifies with
+    ``verifier`` first; granted (200), and the reviewer's (reviews, verified) after it."""
+    reviewer = TokenReviewer(api, AUDIENCE, verify=verifier.decide)
+    served = ReviewingLeader(api, reviewer)
+    try:
+        served.show(bound.namespace, "vm", bound.pod, bound.uid)
+        assert served.ask(bound.namespace, "vm", bound.uid, bound.token)[0] == 200
+        return reviewer.reviews, reviewer.verified
+    finally:
+        served.close()
+
+
 def test_without_keys_every_token_is_reviewed(
         controller_api: client.ApiClient, bound: Bound) -> None:
     def refused(_path: str, _accept: str) -> dict[str, Any]:
         raise OSError("no route")
 
-    reviewer = TokenReviewer(controller_api, AUDIENCE,
-                             verify=TokenVerifier(None, AUDIENCE, fetch=refused).decide)
-    served = ReviewingLeader(controller_api, reviewer)
-    try:
-        served.show(bound.namespace, "vm", bound.pod, bound.uid)
-        assert served.ask(bound.namespace, "vm", bound.uid, bound.token)[0] == 200
-        assert (reviewer.reviews, reviewer.verified) == (1, 0)
-    finally:
-        served.close()
+    verifier = TokenVerifier(None, AUDIENCE, fetch=refused)
+    assert _granted_once(controller_api, verifier, bound) == (1, 0)  # (reviews, verified)
 
 
 def test_a_leader_clock_far_behind_sends_a_good_token_to_a_review_not_a_refusal(
@@ -511,11 +518,4 @@ def test_a_leader_clock_far_behind_sends_a_good_token_to_a_review_not_a_refusal(
     is behind by more than the 60 s skew (here an hour, so the token, minted within the
     module's run, is surely ahead of it) cannot judge the token, so a review does."""
     slow = TokenVerifier(account_api, AUDIENCE, wall=lambda: time.time() - 3600)
-    reviewer = TokenReviewer(controller_api, AUDIENCE, verify=slow.decide)
-    served = ReviewingLeader(controller_api, reviewer)
-    try:
-        served.show(bound.namespace, "vm", bound.pod, bound.uid)
-        assert served.ask(bound.namespace, "vm", bound.uid, bound.token)[0] == 200
-        assert (reviewer.reviews, reviewer.verified) == (1, 0)
-    finally:
-        served.close()
+    assert _granted_once(controller_api, slow, bound) == (1, 0)  # (reviews, verified)

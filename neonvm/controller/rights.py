@@ -477,14 +477,13 @@ LocalVerify = Callable[[str], tuple[bool, "ReviewedPod | None"]]
 (:meth:`neonvm.controller.token_verify.TokenVerifier.decide`)."""
 
 
-def _expiry(claims: dict[str, Any]) -> float | None:
-    """The claims' ``exp`` as a finite number of seconds, else None (never raises: an
-    ``exp`` of 10**400 is no float)."""
-    exp = claims.get("exp")
-    if isinstance(exp, bool) or not isinstance(exp, int | float):
+def claim_number(value: Any) -> float | None:
+    """A JWT claim's number (``exp``, ``nbf``, ``iat``) as a finite float, else None
+    (never raises: a bool is no number, and 10**400 is no float)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
         return None
     try:
-        number = float(exp)
+        number = float(value)
     except OverflowError:
         return None
     return number if math.isfinite(number) else None
@@ -706,7 +705,7 @@ class TokenReviewer:
         """Cache a good answer for ``key`` (of a review if ``reviewed``, else of local
         verification): fresh for ``ttl`` and never past half the token's remaining life,
         kept (for an outage) until its ``exp``."""
-        exp = _expiry(claims)
+        exp = claim_number(claims.get("exp"))
         if exp is None:
             return
         life = exp - self._wall()

@@ -11,17 +11,17 @@ conditional-update helper").
 
 from __future__ import annotations
 
+import datetime as dt
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol
 
 from kubernetes.client.exceptions import ApiException
 from urllib3.exceptions import HTTPError
 
-from neonvm.api import types
+from neonvm.api import times, types
 from neonvm.api.types import VirtualMachineStatus
 from neonvm.controller import decide as d
 from neonvm.controller.authority import Authority
@@ -120,16 +120,19 @@ class TerminatingNamespaces:
         self._live_for = live_seconds
         self._clock = clock
         self._learned: dict[str, float] = {}
-        self._began: dict[str, str] = {}  # the deletionTimestamp a read showed
+        self._began: dict[str, dt.datetime] = {}  # the deletionTimestamp a read showed
         self._live: dict[str, float] = {}
         self._forbidden = False
         self._lock = threading.Lock()
 
-    def learn(self, namespace: str) -> None:
-        """``namespace`` is being deleted (a create there was refused, or a read said so)."""
+    def learn(self, namespace: str, began: dt.datetime | None = None) -> None:
+        """``namespace`` is being deleted (a create there was refused, or a read said so,
+        with its ``deletionTimestamp`` ``began``)."""
         with self._lock:
             now = self._clock()
             self._learned[namespace] = now
+            if began is not None:
+                self._began[namespace] = began
             self._live.pop(namespace, None)
             old = now - FORGET_AFTER_WINDOWS * self._remember
             for name in [n for n, at in self._learned.items() if at < old]:
@@ -143,7 +146,8 @@ class TerminatingNamespaces:
         deleted), and the namespace is to be read again. Unknown either way: False."""
         with self._lock:
             began = self._began.get(namespace)
-        return began is not None and created is not None and _utc(created) >= _utc(began)
+        made = times.parse(created)
+        return began is not None and made is not None and made >= began
 
     def knows(self, namespace: str) -> bool:
         """Whether ``namespace`` was learned as being deleted within ``remember_seconds``."""
@@ -194,9 +198,7 @@ class TerminatingNamespaces:
                 if first:
                     log.info("namespace {ns} is being deleted: its VMs get no new runner "
                              "pod", ns=namespace)
-                self.learn(namespace)
-                with self._lock:
-                    self._began[namespace] = str(meta["metadata"]["deletionTimestamp"])
+                self.learn(namespace, times.parse(meta["metadata"]["deletionTimestamp"]))
             return True
         with self._lock:
             self._learned.pop(namespace, None)
@@ -213,14 +215,6 @@ class TerminatingNamespaces:
             self._began.pop(namespace, None)
             self._live.pop(namespace, None)
 
-
-def _utc(stamp: str) -> datetime:
-    """An API timestamp (RFC 3339, ``Z``) as an aware datetime; unparsable: the epoch's
-    start, so that nothing is taken to postdate a deletion it cannot be compared with."""
-    try:
-        return datetime.fromisoformat(stamp.replace("Z", "+00:00"))
-    except ValueError:
-        return datetime.min.replace(tzinfo=UTC)
 
 
 @dataclass

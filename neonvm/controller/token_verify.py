@@ -42,7 +42,7 @@ from kubernetes import client
 from loguru import logger
 
 from neonvm import kube
-from neonvm.controller.rights import ReviewedPod, _canonical_part
+from neonvm.controller.rights import ReviewedPod, _canonical_part, claim_number
 
 DISCOVERY_PATH = "/.well-known/openid-configuration"
 JWKS_PATH = "/openid/v1/jwks"
@@ -196,16 +196,6 @@ def _signature_ok(key: _Key, signed: bytes, signature: bytes) -> bool:
     return True
 
 
-def _number(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    try:  # an int beyond a float's range (10**400) overflows, in isfinite too
-        number = float(value)
-    except OverflowError:
-        return None
-    return number if math.isfinite(number) else None
-
-
 def _ref(value: Any) -> tuple[str, str] | None:
     """A ``kubernetes.io`` object reference's (name, uid), both non-empty strings."""
     if not isinstance(value, dict):
@@ -231,14 +221,14 @@ def bound_pod(claims: dict[str, Any], audience: str, issuer: str, now: float,
     auds = [aud] if isinstance(aud, str) else aud if isinstance(aud, list) else []
     if audience not in [a for a in auds if isinstance(a, str)]:
         return None
-    exp = _number(claims.get("exp"))
+    exp = claim_number(claims.get("exp"))
     if exp is None:
         return None
     if now > exp + skew:
         raise Unverifiable("expired by the leader's clock")
     for field in ("nbf", "iat"):  # optional, as at the API server; checked when present
         if field in claims:
-            at = _number(claims[field])
+            at = claim_number(claims[field])
             if at is None:
                 return None
             if at > now + skew:
