@@ -13,7 +13,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ import pytest
 import neonvm
 from neonvm.api.rights import authorization_header
 from neonvm.drills import fencing, fleet
+from tests.support import wait_for
 
 pytestmark = pytest.mark.unit
 
@@ -86,13 +86,6 @@ def upstream() -> Iterator[tuple[str, int]]:
     server.server_close()
 
 
-def wait_for(check: Any, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
-
-
 def test_the_forwarder_tallies_each_ask_by_bearer_and_each_answer_by_code(
         upstream: tuple[str, int]) -> None:
     # No API client: the forwarder keeps the target it has (set here, as the
@@ -107,7 +100,8 @@ def test_the_forwarder_tallies_each_ask_by_bearer_and_each_answer_by_code(
                          headers={"Authorization": authorization})
             assert conn.getresponse().status == 200
             conn.close()
-        wait_for(lambda: sum(proxy.tally()["answers_by_code"].values()) == 3)
+        wait_for(lambda: sum(proxy.tally()["answers_by_code"].values()) == 3, interval=0.02,
+                 what="the forwarder tallied three answers")
         tally = proxy.tally()
     assert tally["asks_by_bearer"] == {"jwt": 2, "other": 1}
     assert tally["answers_by_code"] == {"200": 3}
