@@ -205,11 +205,13 @@ APF = "/apis/flowcontrol.apiserver.k8s.io/v1"
 
 
 def chart_apf_objects() -> list[dict[str, Any]]:
-    """The chart's PriorityLevelConfiguration and FlowSchema for the Lease requests,
-    rendered by helm (``charts/neonvm-controller``, release ``soak`` in the Lease's
-    namespace), the schema's subject made the local replicas' identity: the user of their
-    client certificate (:data:`~neonvm.dev.common.CONTROLLER_USER`), where the chart names
-    its ServiceAccount. Nothing else is changed (docs/leader-election.md)."""
+    """The chart's PriorityLevelConfigurations and FlowSchemas (the Lease requests'; the
+    TokenReviews' and issuer key fetches'), rendered by helm (``charts/neonvm-controller``,
+    release ``soak`` in the Lease's namespace, default values), each schema's subject made
+    the local replicas' identity: the user of their client certificate
+    (:data:`~neonvm.dev.common.CONTROLLER_USER`), where the chart names its ServiceAccount.
+    Nothing else is changed (docs/leader-election.md). The levels come first: a schema
+    naming a missing level classifies into catch-all."""
     from neonvm import manifests
     from neonvm.dev import binaries
     from neonvm.dev.common import CONTROLLER_USER
@@ -228,51 +230,91 @@ def chart_apf_objects() -> list[dict[str, Any]]:
         if obj["kind"] == "FlowSchema":
             for rule in obj["spec"]["rules"]:
                 assert all(r.get("clusterScope") or r["namespaces"] == [LEASE_NAMESPACE]
-                           for r in rule["resourceRules"])  # leases; tokenreviews
+                           for r in rule.get("resourceRules", []))  # leases; tokenreviews
                 rule["subjects"] = [{"kind": "User", "user": {"name": CONTROLLER_USER}}]
-    # The level first: a schema naming a missing level classifies into catch-all.
     return sorted(objects, key=lambda o: o["kind"] != "PriorityLevelConfiguration")
 
 
+def request_level(api: client.ApiClient, method: str, path: str,
+                  body: dict[str, Any] | None = None) -> str | None:
+    """The uid of the priority level the API server classified one request of ``api``'s
+    user into (its answer's ``X-Kubernetes-PF-PriorityLevel-UID``; a refusal or a 404 is
+    classified like any answer); None when it names none (APF off, or an exempt user)."""
+    try:
+        resp = api.rest_client.request(method, api.configuration.host + path, body=body,
+                                       _request_timeout=10)
+        headers = resp.getheaders()
+    except ApiException as exc:
+        headers = exc.headers or {}
+    uid = headers.get("X-Kubernetes-PF-PriorityLevel-UID")
+    return None if uid is None else str(uid)
+
+
+# The requests install_apf sends as the replicas' user, by the level that should take them:
+# a read of a Lease nobody holds, a TokenReview of a token that is none, the issuer's keys.
+PROBES: dict[str, list[tuple[str, str, dict[str, Any] | None]]] = {
+    "leader-election": [("GET", "/apis/coordination.k8s.io/v1/namespaces/{lease_ns}/leases/"
+                                "apf-probe", None)],
+    "token-reviews": [("POST", "/apis/authentication.k8s.io/v1/tokenreviews",
+                       {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenReview",
+                        "spec": {"token": "apf-probe"}}),
+                      ("GET", "/openid/v1/jwks", None)],
+}
+
+
 def install_apf(api: client.ApiClient, controller_api: client.ApiClient) -> dict[str, Any]:
-    """Create :func:`chart_apf_objects` and show, from the API server's answer to a Lease
-    read as the replicas' user, that their Lease requests land in that level (its
-    ``X-Kubernetes-PF-PriorityLevel-UID``). Returns what the record keeps."""
+    """Create :func:`chart_apf_objects` and show, from the API server's answers to requests
+    as the replicas' user (:data:`PROBES`), that their Lease requests land in the chart's
+    Lease level and their TokenReviews and issuer key fetches in its reviews level (each
+    answer's ``X-Kubernetes-PF-PriorityLevel-UID``). Returns what the record keeps."""
     from neonvm import kube
     from neonvm.dev.replica import LEASE_NAMESPACE
 
-    made = {}
+    levels: dict[str, dict[str, Any]] = {}
+    schemas: list[str] = []
     for obj in chart_apf_objects():
-        plural = ("prioritylevelconfigurations" if obj["kind"] == "PriorityLevelConfiguration"
-                  else "flowschemas")
-        made[obj["kind"]] = kube.request(api, "POST", f"{APF}/{plural}", body=obj)
-    level = made["PriorityLevelConfiguration"]["metadata"]
-    seen = None
-    url = (controller_api.configuration.host
-           + f"/apis/coordination.k8s.io/v1/namespaces/{LEASE_NAMESPACE}/leases/apf-probe")
+        level = obj["kind"] == "PriorityLevelConfiguration"
+        made = kube.request(api, "POST", f"{APF}/"
+                            f"{'prioritylevelconfigurations' if level else 'flowschemas'}",
+                            body=obj)
+        if level:
+            levels[made["metadata"]["name"]] = made["metadata"]
+        else:
+            schemas.append(made["metadata"]["name"])
+    found: dict[str, bool] = {}
     for _ in range(30):  # the API server's APF controller takes the new objects in a moment
-        try:  # a Lease nobody holds: the 404 is classified like any read
-            resp = controller_api.rest_client.request("GET", url, _request_timeout=10)
-            headers = resp.getheaders()
-        except ApiException as exc:
-            headers = exc.headers or {}
-        seen = headers.get("X-Kubernetes-PF-PriorityLevel-UID")
-        if seen == level["uid"]:
+        for suffix, probes in PROBES.items():
+            (name,) = [n for n in levels if n.endswith(f"-{suffix}")]
+            found[suffix] = all(
+                request_level(controller_api, method, path.format(lease_ns=LEASE_NAMESPACE),
+                              body) == levels[name]["uid"]
+                for method, path, body in probes)
+        if all(found.values()):
             break
         time.sleep(1.0)
-    return {"level": level["name"], "lease_requests_in_level": seen == level["uid"],
-            "flowschema": made["FlowSchema"]["metadata"]["name"]}
+    lease_level = next(n for n in levels if n.endswith("-leader-election"))
+    reviews_level = next(n for n in levels if n.endswith("-token-reviews"))
+    return {"level": lease_level, "lease_requests_in_level": found["leader-election"],
+            "reviews_level": reviews_level, "reviews_in_level": found["token-reviews"],
+            "flowschema": next(n for n in schemas if n.endswith("-leader-election")),
+            "flowschemas": schemas}
 
 
-def apf_counts(text: str | None, level: str) -> dict[str, float]:
-    """Requests the API server dispatched in ``level`` and rejected (any level), from
-    its metrics page."""
+def apf_counts(text: str | None, level: str, reviews_level: str = "") -> dict[str, float]:
+    """Requests the API server dispatched in ``level`` (and ``reviews_level``) and
+    rejected (any level), from its metrics page."""
     if text is None:
         return {}
-    return {"lease_level_dispatched": metric_sum(
-                text, "apiserver_flowcontrol_dispatched_requests_total",
-                f'priority_level="{level}"'),
-            "rejected_any_level": metric_sum(text, "apiserver_flowcontrol_rejected_requests_total")}
+    counts = {"lease_level_dispatched": metric_sum(
+                  text, "apiserver_flowcontrol_dispatched_requests_total",
+                  f'priority_level="{level}"'),
+              "rejected_any_level": metric_sum(
+                  text, "apiserver_flowcontrol_rejected_requests_total")}
+    if reviews_level:
+        counts["reviews_level_dispatched"] = metric_sum(
+            text, "apiserver_flowcontrol_dispatched_requests_total",
+            f'priority_level="{reviews_level}"')
+    return counts
 
 
 # ---- waiting for the fleet --------------------------------------------------------------------
@@ -567,6 +609,9 @@ def soak(args: argparse.Namespace) -> Record:
         if not record.apf["lease_requests_in_level"]:
             record.failures.append("the replicas' Lease requests are not classified into "
                                    f"the chart's level {record.apf['level']}")
+        if not record.apf["reviews_in_level"]:
+            record.failures.append("the replicas' TokenReviews are not classified into "
+                                   f"the chart's level {record.apf['reviews_level']}")
     target = LocalTarget.prepare(state, args.replicas, say)
     api = target.api
     rng = random.Random(args.seed)
@@ -716,7 +761,8 @@ def _soak(args: argparse.Namespace, record: Record, cluster: Any, target: Any,
             time.sleep(max(0.0, min(args.sample_seconds, end - time.monotonic())))
         report = dog.stop()
         if record.apf:
-            record.apf.update(apf_counts(apiserver_metrics(api), record.apf["level"]))
+            record.apf.update(apf_counts(apiserver_metrics(api), record.apf["level"],
+                                         record.apf.get("reviews_level", "")))
     record.churn = counts
     held = [(at, w, e) for at, w, e in log.changes if w]
     for (_, w0, e0), (at, w1, e1) in itertools.pairwise(held):
@@ -842,7 +888,12 @@ def markdown(record: Record, args: argparse.Namespace, svg: str | None) -> str:
          f"{'in' if record.apf.get('lease_requests_in_level') else 'NOT in'} the chart's "
          f"level ({record.apf.get('level')}): "
          f"{record.apf.get('lease_level_dispatched', 0):,.0f} requests dispatched there, "
-         f"{record.apf.get('rejected_any_level', 0):,.0f} rejected in any level."
+         f"{record.apf.get('rejected_any_level', 0):,.0f} rejected in any level"
+         + (f"; TokenReviews and issuer key fetches "
+            f"{'in' if record.apf.get('reviews_in_level') else 'NOT in'} the chart's level "
+            f"({record.apf['reviews_level']}): "
+            f"{record.apf.get('reviews_level_dispatched', 0):,.0f} requests dispatched there."
+            if record.apf.get("reviews_level") else ".")
          if record.apf else "* API Priority and Fairness off."),
         f"* leader changes: **{len(changes)}**"
         + ("" if not changes else " (" + "; ".join(

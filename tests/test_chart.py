@@ -109,10 +109,11 @@ def test_every_templated_object_carries_the_standard_labels(helm: Helm, values: 
     expected.append("Pod")  # `helm test`
     expected.append("NetworkPolicy")  # only the controller (and `helm test`) reach etcd
     # Self-fencing, served with live scaling (tests/test_chart_self_fencing.py): the rights Service,
-    # its ClusterRole (nodes) and Role (its EndpointSlice), their bindings, and the
-    # NetworkPolicy that admits only runner pods to the rights port.
+    # its ClusterRole (nodes) and Role (its EndpointSlice), their bindings, the
+    # NetworkPolicy that admits only runner pods to the rights port, and the TokenReviews'
+    # priority level and FlowSchema (tests/test_chart_priority.py).
     expected += ["ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding", "Service",
-                 "NetworkPolicy"]
+                 "NetworkPolicy", "FlowSchema", "PriorityLevelConfiguration"]
     assert kinds == sorted(expected)
     pod_labels = rendered.one("Deployment")["spec"]["template"]["metadata"]["labels"]
     for obj in [*rendered.objects, {"kind": "pod template", "metadata": {"labels": pod_labels}}]:

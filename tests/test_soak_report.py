@@ -79,6 +79,25 @@ def test_the_table_names_the_leader_change_and_the_picture_marks_it() -> None:
 
 
 @pytest.mark.unit
+def test_the_report_says_which_level_took_the_lease_requests_and_which_the_reviews() -> None:
+    record = _record()
+    record.apf = {"level": "soak-neonvm-controller-leader-election",
+                  "lease_requests_in_level": True,
+                  "reviews_level": "soak-neonvm-controller-token-reviews",
+                  "reviews_in_level": False, "lease_level_dispatched": 1234.0,
+                  "reviews_level_dispatched": 56.0, "rejected_any_level": 0.0}
+    args = argparse.Namespace(minutes=30, vms=10, churn_interval=5.0, churn_pods=5,
+                              nodes=4, stuck_minutes=5.0, delete_namespace=False,
+                              write_docs=False)
+    text = markdown(record, args, None)
+    assert ("the replicas' Lease requests in the chart's level "
+            "(soak-neonvm-controller-leader-election): 1,234 requests dispatched there, "
+            "0 rejected in any level; TokenReviews and issuer key fetches NOT in the "
+            "chart's level (soak-neonvm-controller-token-reviews): 56 requests dispatched "
+            "there.") in text
+
+
+@pytest.mark.unit
 def test_the_report_says_what_the_leader_held_at_the_start_middle_and_end() -> None:
     """Which memory grew, if RSS does: read from the controller's own gauge, as served."""
     metrics = ControllerMetrics()
@@ -107,15 +126,25 @@ def test_the_leaders_memory_split_is_read_from_proc() -> None:
     assert mine["rss_anon_mib"] > 0 and mine["threads"] >= 1
 
 
-def test_the_soak_gives_its_replicas_lease_requests_the_charts_level() -> None:
-    """The chart's objects as helm renders them, the subject made the local replicas'
-    identity (a client certificate's user, not the chart's ServiceAccount); the level is
-    created first, so the schema never names a missing one."""
-    level, schema = chart_apf_objects()
-    assert level["kind"] == "PriorityLevelConfiguration" and schema["kind"] == "FlowSchema"
-    assert schema["spec"]["priorityLevelConfiguration"]["name"] == level["metadata"]["name"]
-    assert level["spec"]["limited"]["lendablePercent"] == 0
-    (rule,) = schema["spec"]["rules"]
-    assert rule["subjects"] == [{"kind": "User", "user": {"name": CONTROLLER_USER}}]
-    assert rule["resourceRules"][0]["resources"] == ["leases"]
-    assert rule["resourceRules"][0]["namespaces"] == [LEASE_NAMESPACE]
+def test_the_soak_gives_its_replicas_lease_requests_and_reviews_the_charts_levels() -> None:
+    """The chart's objects as helm renders them, each schema's subject made the local
+    replicas' identity (a client certificate's user, not the chart's ServiceAccount); the
+    levels are created first, so no schema ever names a missing one."""
+    objects = chart_apf_objects()
+    assert [o["kind"] for o in objects] == ["PriorityLevelConfiguration"] * 2 + [
+        "FlowSchema"] * 2
+    levels = {o["metadata"]["name"]: o for o in objects[:2]}
+    schemas = {o["metadata"]["name"]: o for o in objects[2:]}
+    assert sorted(levels) == sorted(schemas) == ["soak-neonvm-controller-leader-election",
+                                                 "soak-neonvm-controller-token-reviews"]
+    assert levels["soak-neonvm-controller-leader-election"]["spec"]["limited"][
+        "lendablePercent"] == 0
+    for name, schema in schemas.items():
+        assert schema["spec"]["priorityLevelConfiguration"]["name"] == name
+        (rule,) = schema["spec"]["rules"]
+        assert rule["subjects"] == [{"kind": "User", "user": {"name": CONTROLLER_USER}}]
+    (lease,) = schemas["soak-neonvm-controller-leader-election"]["spec"]["rules"]
+    assert lease["resourceRules"][0]["resources"] == ["leases"]
+    assert lease["resourceRules"][0]["namespaces"] == [LEASE_NAMESPACE]
+    (reviews,) = schemas["soak-neonvm-controller-token-reviews"]["spec"]["rules"]
+    assert reviews["resourceRules"][0]["resources"] == ["tokenreviews"]
