@@ -65,6 +65,7 @@ from neonvm.api.rights import (
     DEFAULT_RHO,
     NOT_CURRENT_POD,
     NOT_LEADER,
+    RETRY_TIMEOUT,
     RIGHT_SECONDS_ANNOTATION,
     RIGHTS_PATH,
     UNAUTHORIZED,
@@ -786,10 +787,16 @@ class RightsService:
         self._tokens = tokens
         self._reviewer = reviewer
         self._mark_pod = mark_pod
+        registry = registry or CollectorRegistry()
         self.answers = Counter(
             "neonvm_controller_rights_answers_total",
             "POST /v1/rights answers, by status code and reason (\"\" for a grant).",
-            ["code", "reason"], registry=registry or CollectorRegistry())
+            ["code", "reason"], registry=registry)
+        self.dropped = Counter(
+            "neonvm_controller_rights_asks_dropped_total",
+            "POST /v1/rights asks closed unanswered, with no work done, because they "
+            "waited for a worker longer than a runner waits for an answer.",
+            registry=registry)
 
     def answer(self, method: str, path: str, authorization: str | None,
                body: bytes, source: str | None = None) -> Answer:
@@ -937,12 +944,17 @@ class _Listener(health._Listener):
     """The health server's listener, with at most ``per_source`` connections open per
     source address (one pod's flood, or a guest's through its runner pod, takes its own
     share only), reading a body (up to :data:`MAX_BODY`) after the head, within the same
-    ``read_timeout``."""
+    ``read_timeout``. Complete asks are answered newest first, and one that has waited
+    ``stale_after`` seconds since its connection was accepted is closed unanswered
+    before any work (no grant recorded), counted in ``service.dropped``
+    (:class:`RightsServer`)."""
 
     def __init__(self, address: tuple[str, int], service: RightsService, read_timeout: float,
-                 workers: int, max_connections: int, per_source: int) -> None:
+                 workers: int, max_connections: int, per_source: int, *,
+                 stale_after: float | None, clock: Clock) -> None:
         super().__init__(address, lambda _m, _t: (500, b"", "text/plain"), read_timeout,
-                         workers, max_connections, per_source)
+                         workers, max_connections, per_source, newest_first=True,
+                         stale_after=stale_after, on_stale=service.dropped.inc, clock=clock)
         self._service = service
 
     def _request_of(self, data: bytearray) -> bytes | None:
@@ -995,13 +1007,30 @@ are the tighter limit")."""
 
 
 class RightsServer:
-    """Serves :class:`RightsService` on ``host:port`` (``port=0``: a free one)."""
+    """Serves :class:`RightsService` on ``host:port`` (``port=0``: a free one).
+
+    **Newest first, and never an ask its runner stopped waiting for.** After a leader
+    change the whole fleet asks at once, each runner waiting
+    :data:`~neonvm.api.rights.RETRY_TIMEOUT` for its answer before it asks again on a new
+    connection. Answered in arrival order, such a burst keeps every worker busy with asks
+    whose runners have left, and hardly any grant arrives in time. So complete asks are
+    answered newest first, and one that has waited ``stale_after`` (default
+    :data:`~neonvm.api.rights.RETRY_TIMEOUT`) since its connection was accepted (the
+    runner's timer starts before its connect) is closed unanswered before any work:
+    no grant is recorded for it, and to its runner it is a lost answer, which it asks
+    again for (counted in ``service.dropped``). Under a steady overload the oldest asks
+    starve and are dropped; their runners' newer asks are answered. ``stale_after=None``
+    drops nothing. docs/protocol.md, "Newest asks first"."""
 
     def __init__(self, service: RightsService, host: str, port: int, *,
                  read_timeout: float = 5.0, workers: int = RIGHTS_WORKERS,
-                 max_connections: int = 1024, per_source: int = 32) -> None:
+                 max_connections: int = 1024, per_source: int = 32,
+                 stale_after: float | None = RETRY_TIMEOUT,
+                 clock: Clock = time.monotonic) -> None:
         self.service = service
         self._per_source = per_source
+        self._stale_after = stale_after
+        self._clock = clock
         self._address = (host, port)
         self._read_timeout = read_timeout
         self._workers = workers
@@ -1016,11 +1045,16 @@ class RightsServer:
 
     def start(self) -> RightsServer:
         self._listener = _Listener(self._address, self.service, self._read_timeout,
-                                   self._workers, self._max_connections, self._per_source)
+                                   self._workers, self._max_connections, self._per_source,
+                                   stale_after=self._stale_after, clock=self._clock)
         self._listener.start()
         logger.info("serving POST {path} on {host}:{port}", path=RIGHTS_PATH,
                     host=self._address[0], port=self.port)
         return self
+
+    def waiting(self) -> int:
+        """Complete asks waiting for a worker (0 when not started)."""
+        return 0 if self._listener is None else self._listener.waiting()
 
     def stop(self) -> None:
         if self._listener is not None:

@@ -13,19 +13,19 @@ the port, so no client can starve the probes: one thread reads every connection'
 request with a selector (an idle or slow connection costs a socket, not a thread) and
 closes it if the request has not arrived within ``read_timeout`` or is larger than
 :data:`MAX_HEAD`; beyond ``max_connections`` the oldest connection still being read is
-closed; a fixed pool of ``workers`` threads answers complete requests, one per
-connection (``Connection: close``), and gives up on a client that does not read the
+closed; a fixed pool of ``workers`` threads answers complete requests, oldest first, one
+per connection (``Connection: close``), and gives up on a client that does not read the
 answer within ``read_timeout``. What it does not: a check that blocks forever keeps a
 worker forever; keep checks cheap and bounded. docs/reconciler.md, "Running it".
 """
 
 from __future__ import annotations
 
-import queue
 import selectors
 import socket
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from urllib.parse import parse_qs, urlsplit
@@ -188,17 +188,42 @@ class _Reading:
 
     sock: socket.socket
     deadline: float
+    accepted: float
     head: bytearray = field(default_factory=bytearray)
+
+
+@dataclass(frozen=True)
+class _Complete:
+    """A connection whose request has arrived whole, waiting for a worker."""
+
+    sock: socket.socket
+    request: bytes
+    accepted: float
+    """When its connection was accepted, on the listener's clock."""
 
 
 class _Listener:
     """The socket side of :class:`HealthServer`: a selector thread that accepts and reads
-    request heads, and a fixed pool of worker threads that answer them."""
+    request heads, and a fixed pool of worker threads that answer them.
+
+    Complete requests wait in arrival order and are answered oldest first, unless
+    ``newest_first``; with ``stale_after``, one that has waited that long since its
+    connection was accepted is closed unanswered, before any work for it, and
+    ``on_stale()`` is called (the rights server's asks, whose runners stop waiting:
+    docs/protocol.md, "Newest asks first"). The health server keeps the
+    defaults: oldest first, nothing dropped. ``clock`` is monotonic (tests pass a fake)."""
 
     def __init__(self, address: tuple[str, int], respond: Responder, read_timeout: float,
-                 workers: int, max_connections: int, per_source: int | None = None) -> None:
+                 workers: int, max_connections: int, per_source: int | None = None, *,
+                 newest_first: bool = False, stale_after: float | None = None,
+                 on_stale: Callable[[], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._respond = respond
         self._read_timeout = read_timeout
+        self._newest_first = newest_first
+        self._stale_after = stale_after
+        self._on_stale = on_stale
+        self._clock = clock
         self._max_connections = max_connections
         self._per_source = per_source  # None: no cap per source address
         self._source_of: dict[socket.socket, str] = {}
@@ -212,8 +237,8 @@ class _Listener:
         self._reading: dict[socket.socket, _Reading] = {}  # insertion order: oldest first
         self._answering = 0
         self._count_lock = threading.Lock()
-        self._requests: queue.SimpleQueue[tuple[socket.socket, bytes] | None] = \
-            queue.SimpleQueue()
+        self._waiting: deque[_Complete] = deque()  # in arrival order: oldest on the left
+        self._ready = threading.Condition(threading.Lock())  # guards _waiting
         self._stopping = threading.Event()
         self._threads = [threading.Thread(target=self._select_loop, name="health-server",
                                           daemon=True)]
@@ -229,13 +254,17 @@ class _Listener:
     def stop(self) -> None:
         self._stopping.set()
         self._wake_w.send(b"x")
-        for _ in self._threads[1:]:
-            self._requests.put(None)
+        with self._ready:
+            self._ready.notify_all()
         for thread in self._threads:
             thread.join(timeout=5)
         for sock in list(self._reading):
             sock.close()
         self._reading.clear()
+        with self._ready:
+            left, self._waiting = list(self._waiting), deque()
+        for complete in left:
+            complete.sock.close()
         self._selector.close()
         self._server.close()
         self._wake_r.close()
@@ -253,9 +282,12 @@ class _Listener:
                 else:
                     assert isinstance(key.fileobj, socket.socket)
                     self._read(key.fileobj)
-            now = time.monotonic()
+            now = self._clock()
             for sock in [s for s, r in self._reading.items() if r.deadline <= now]:
                 self._drop(sock)  # the request did not arrive in time
+            with self._ready:
+                stale = self._pop_stale(now)
+            self._shed(stale)  # not even waiting for a worker to be free
 
     def _accept(self) -> None:
         while True:
@@ -278,7 +310,8 @@ class _Listener:
                     sock.close()  # every slot is answering: refuse the newcomer
                     continue
                 self._drop(next(iter(self._reading)))  # the oldest still being read
-            self._reading[sock] = _Reading(sock, time.monotonic() + self._read_timeout)
+            now = self._clock()
+            self._reading[sock] = _Reading(sock, now + self._read_timeout, now)
             self._selector.register(sock, selectors.EVENT_READ)
 
     def _read(self, sock: socket.socket) -> None:
@@ -302,7 +335,14 @@ class _Listener:
         del self._reading[sock]
         with self._count_lock:
             self._answering += 1
-        self._requests.put((sock, request))
+        with self._ready:
+            self._waiting.append(_Complete(sock, request, reading.accepted))
+            self._ready.notify()
+
+    def waiting(self) -> int:
+        """Complete requests waiting for a worker."""
+        with self._ready:
+            return len(self._waiting)
 
     def _request_of(self, data: bytearray) -> bytes | None:
         """The request in ``data`` once complete (here: the head without its blank line),
@@ -341,23 +381,66 @@ class _Listener:
 
     # ---- the workers -----------------------------------------------------------------
 
+    def _stale(self, complete: _Complete, now: float) -> bool:
+        return self._stale_after is not None and now - complete.accepted >= self._stale_after
+
+    def _pop_stale(self, now: float) -> list[_Complete]:
+        """Take the stale requests off the old end of the waiting line, under
+        ``self._ready`` (arrival order is near enough acceptance order: one that is not
+        there yet is caught when it is taken)."""
+        stale = []
+        while self._waiting and self._stale(self._waiting[0], now):
+            stale.append(self._waiting.popleft())
+        return stale
+
+    def _shed(self, stale: list[_Complete]) -> None:
+        """Close stale requests unanswered (no work was done for them) and count them."""
+        for complete in stale:
+            self._finish(complete.sock)
+            if self._on_stale is not None:
+                self._on_stale()
+
+    def _take(self) -> _Complete | None:
+        """The next request to answer (None: stopping), shedding stale ones first."""
+        while True:
+            with self._ready:
+                while not self._waiting and not self._stopping.is_set():
+                    self._ready.wait()
+                if self._stopping.is_set():
+                    return None
+                now = self._clock()
+                stale = self._pop_stale(now)
+                taken: _Complete | None = None
+                if self._waiting:
+                    taken = (self._waiting.pop() if self._newest_first
+                             else self._waiting.popleft())
+                    if self._stale(taken, now):
+                        stale.append(taken)
+                        taken = None
+            self._shed(stale)
+            if taken is not None:
+                return taken
+
     def _work(self) -> None:
         while True:
-            item = self._requests.get()
-            if item is None:
+            complete = self._take()
+            if complete is None:
                 return
-            sock, head = item
             try:
-                self._answer(sock, head)
+                self._answer(complete.sock, complete.request)
             except OSError as exc:  # the client went away, or did not read in time
                 logger.debug("health: answer not sent: {err}", err=exc)
             except Exception:
                 logger.exception("health: request failed")
             finally:
-                self._release(sock)
-                sock.close()
-                with self._count_lock:
-                    self._answering -= 1
+                self._finish(complete.sock)
+
+    def _finish(self, sock: socket.socket) -> None:
+        """Close a connection taken for an answer, and free its slot."""
+        self._release(sock)
+        sock.close()
+        with self._count_lock:
+            self._answering -= 1
 
     def _answer(self, sock: socket.socket, head: bytes) -> None:
         line = head.split(b"\r\n", 1)[0].decode("latin-1")

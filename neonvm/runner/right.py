@@ -51,6 +51,7 @@ from loguru import logger
 from neonvm.api.rights import (
     CONDEMNED,
     NOT_LEADER,
+    RETRY_TIMEOUT,
     RIGHTS_PATH,
     RightGrant,
     RightRefusal,
@@ -82,9 +83,8 @@ RETRY_SOON = (0.5, 1.0)
 0.5-1 s after it was sent (or when it ended, if later) instead of at the next ``D/3``,
 until one is granted: a new leader that starts granting late in the right still reaches
 the runner (docs/protocol.md, "Defaults and the trade-off"). A 4xx refusal keeps the
-schedule."""
-RETRY_TIMEOUT = 2.0
-"""Each of those quick asks is bounded by this (or ``D/6`` if shorter) overall."""
+schedule. Each is bounded by :data:`~neonvm.api.rights.RETRY_TIMEOUT` (or ``D/6`` if
+shorter) overall."""
 WATCHDOG_MAX_SLEEP = 1.0
 """The watchdog re-reads the clock at least this often."""
 

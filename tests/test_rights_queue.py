@@ -1,0 +1,162 @@
+"""Which asks the rights server answers when they come faster than its workers
+(docs/protocol.md, "Newest asks first"): the newest complete ask first, and an ask
+that has waited as long as a runner waits for its answer is closed unanswered, before any
+work (no pod written, no grant recorded), and counted. With no backlog nothing changes.
+
+The shipped server on loopback, one worker held inside a term's pod write (the first
+grant of a runner that has not started its guest) so that asks queue behind it; the
+listener's clock is a fake the test moves, so no wait depends on the machine's speed.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from collections.abc import Iterator
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from neonvm.api.rights import RETRY_TIMEOUT, RIGHTS_PATH, authorization_header
+from neonvm.controller.rights import RightsLedger, RightsServer, RightsService, TokenCache
+from tests.support import Clock, wait_for
+from tests.support.rights import Cache, caches, secret
+
+pytestmark = pytest.mark.unit
+
+TOKEN = b"queue-test-token"
+DROPPED = "neonvm_controller_rights_asks_dropped_total"
+VMS = ("held", "first", "second", "third")
+
+
+def uid(vm: str) -> str:
+    return f"pod-{vm}"
+
+
+class Leader:
+    """A leading term's rights server for the VMs :data:`VMS`, with ``workers`` threads.
+    The pod write of VM ``held`` waits for :attr:`release`; every pod write is recorded in
+    :attr:`written`, in the order the workers made them."""
+
+    def __init__(self, workers: int) -> None:
+        self.clock = Clock()
+        self.release = threading.Event()
+        self.written: list[str] = []
+        vms, pods = Cache(), Cache()
+        for vm in VMS:
+            one_vm, one_pod = caches(vm_name=vm, vm_uid=f"vm-{vm}", pod_uid=uid(vm))
+            vms.update(one_vm)
+            pods.update(one_pod)
+        self.ledger = RightsLedger(self.clock)
+        self.ledger.begin_term(lambda: True)
+        self.registry = CollectorRegistry()
+        service = RightsService(
+            self.ledger, lambda: (vms, pods),
+            TokenCache(None, read=lambda _ns, _name: secret(TOKEN), clock=self.clock),
+            self._write, registry=self.registry)
+        self.server = RightsServer(service, "127.0.0.1", 0, workers=workers,
+                                   clock=self.clock).start()
+
+    def _write(self, _namespace: str, name: str, _uid: str) -> bool:
+        vm = name.removesuffix("-p")
+        self.written.append(vm)
+        if vm == "held":
+            self.release.wait(60)
+        return True
+
+    def send(self, vm: str) -> socket.socket:
+        """Send VM ``vm``'s ask on a new connection; the answer is read later."""
+        body = json.dumps({"namespace": "ns", "vm": vm, "podUID": uid(vm)}).encode()
+        sock = socket.create_connection(("127.0.0.1", self.server.port), timeout=30)
+        sock.sendall(
+            f"POST {RIGHTS_PATH} HTTP/1.1\r\nHost: rights\r\n"
+            f"Authorization: {authorization_header(TOKEN, uid(vm))}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+            .encode() + body)
+        return sock
+
+    def queue(self, *vms: str) -> list[socket.socket]:
+        """Send these asks one after the other, each once the one before waits complete."""
+        sent = []
+        for vm in vms:
+            expected = self.server.waiting() + 1
+            sent.append(self.send(vm))
+            self._wait_waiting(expected, vm)
+        return sent
+
+    def _wait_waiting(self, expected: int, vm: str) -> None:
+        wait_for(lambda: self.server.waiting() == expected, 30,
+                 what=f"{vm}'s ask waiting for a worker")
+
+    def hold_the_worker(self) -> socket.socket:
+        """Send ``held``'s ask and wait until a worker is inside its pod write."""
+        sock = self.send("held")
+        wait_for(lambda: "held" in self.written, 30, what="a worker held in a pod write")
+        return sock
+
+    def dropped(self) -> float | None:
+        """The dropped-asks counter as the registry serves it (None: not served)."""
+        return self.registry.get_sample_value(DROPPED)
+
+    def close(self) -> None:
+        self.release.set()
+        self.server.stop()
+
+
+def answer(sock: socket.socket) -> bytes:
+    """Everything the server sent before it closed the connection."""
+    data = b""
+    with sock:
+        while chunk := sock.recv(4096):
+            data += chunk
+    return data
+
+
+def status(data: bytes) -> int | None:
+    return int(data.split()[1]) if data.startswith(b"HTTP/1.1 ") else None
+
+
+@pytest.fixture
+def one_worker() -> Iterator[Leader]:
+    leader = Leader(workers=1)
+    yield leader
+    leader.close()
+
+
+def test_the_newest_waiting_ask_is_answered_first(one_worker: Leader) -> None:
+    held = one_worker.hold_the_worker()
+    waiting = one_worker.queue("first", "second", "third")
+    one_worker.release.set()
+    assert [status(answer(sock)) for sock in [held, *waiting]] == [200, 200, 200, 200]
+    assert one_worker.written == ["held", "third", "second", "first"]
+
+
+def test_an_ask_that_waited_as_long_as_its_runner_waits_is_closed_unanswered(
+        one_worker: Leader) -> None:
+    held = one_worker.hold_the_worker()
+    [late] = one_worker.queue("first")
+    one_worker.clock.now += RETRY_TIMEOUT  # its runner has stopped waiting
+    fresh = one_worker.send("second")  # accepted now: its runner still waits
+    one_worker.release.set()
+    assert status(answer(held)) == 200
+    assert answer(late) == b""  # closed, no answer
+    assert status(answer(fresh)) == 200
+    assert one_worker.dropped() == 1
+    # Dropped before any work: its pod was not written and no grant was recorded.
+    assert "first" not in one_worker.written
+    assert not one_worker.ledger.granted_this_term(uid("first"))
+    assert one_worker.ledger.granted_this_term(uid("second"))
+
+
+def test_with_no_backlog_every_ask_is_answered_in_turn_and_none_dropped() -> None:
+    leader = Leader(workers=4)
+    leader.release.set()  # no ask is held
+    try:
+        for vm in VMS:
+            assert status(answer(leader.send(vm))) == 200
+            leader.clock.now += 3600.0  # an idle server: each ask's age is its own
+        assert leader.written == list(VMS)
+        assert leader.dropped() == 0
+    finally:
+        leader.close()
