@@ -70,7 +70,7 @@ def test_an_exception_after_the_reconcile_is_counted_requeued_and_the_worker_liv
         metrics=ControllerMetrics(), api=client.ApiClient(), wiring=Wiring(),
         events=EventRecorder(None), etcd=None, etcd_config=SimpleNamespace(prefix="/t"),
         old_crd_warned=threading.Event(), rights=RightsLedger(), fencing=None,
-            rights_endpoint=None)
+            rights_endpoint=None, rights_reviewer=None)
     leadership = Leadership(epoch=1, identity="me", valid_until=time.monotonic() + 3600)
     term = LeaderTerm(process, leadership)  # type: ignore[arg-type]
     handler = _RaisingOnce("ns/bad")
@@ -376,7 +376,7 @@ def test_a_stopping_term_gives_its_locks_up_with_one_revoke_not_a_txn_per_lock(
             api=client.ApiClient(), wiring=Wiring(), events=EventRecorder(None), etcd=etcd,
             etcd_config=config, installation=Installation("ns", "f1"),
             old_crd_warned=threading.Event(), rights=RightsLedger(), fencing=None,
-            rights_endpoint=None)
+            rights_endpoint=None, rights_reviewer=None)
         leadership = Leadership(epoch=3, identity="me_f1",
                                 valid_until=time.monotonic() + 3600)
         term = LeaderTerm(process, leadership)  # type: ignore[arg-type]

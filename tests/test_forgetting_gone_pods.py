@@ -61,7 +61,7 @@ def a_term(metrics: ControllerMetrics) -> LeaderTerm:
         config=ControllerConfig(workers=1), metrics=metrics, api=client.ApiClient(),
         wiring=Wiring(), events=EventRecorder(None), etcd=None,
         etcd_config=SimpleNamespace(prefix="/t"), old_crd_warned=threading.Event(),
-        rights=RightsLedger(), fencing=None, rights_endpoint=None)
+        rights=RightsLedger(), fencing=None, rights_endpoint=None, rights_reviewer=None)
     leadership = Leadership(epoch=1, identity="me", valid_until=time.monotonic() + 3600)
     return LeaderTerm(process, leadership)  # type: ignore[arg-type]
 

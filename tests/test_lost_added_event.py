@@ -112,7 +112,7 @@ def test_a_vm_whose_added_event_was_lost_is_still_reconciled(
         metrics=ControllerMetrics(), api=client.ApiClient(), wiring=FaultWiring(faults),
         events=EventRecorder(None), etcd=None, etcd_config=SimpleNamespace(prefix="/t"),
         old_crd_warned=threading.Event(), rights=RightsLedger(), fencing=None,
-        rights_endpoint=None,
+        rights_endpoint=None, rights_reviewer=None,
     )
     leadership = Leadership(epoch=1, identity="me", valid_until=time.monotonic() + 3600)
     term = LeaderTerm(process, leadership)  # type: ignore[arg-type]

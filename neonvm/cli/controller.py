@@ -218,8 +218,13 @@ def run(kubeconfig: Path | None, lease_namespace: str, lease_name: str, identity
             verifier = TokenVerifier(api, rights_audience)
             verifier.load()
             reviewer = TokenReviewer(api, rights_audience, verify=verifier.decide)
+            process.rights_reviewer = reviewer  # forgets deleted pods' tokens
+            metrics.remembered("token_reviews", reviewer.remembered_tokens)
+            metrics.remembered("token_review_budgets", reviewer.remembered_budgets)
+        tokens = TokenCache(api)
+        metrics.remembered("token_secrets", tokens.remembered)
         rights = RightsServer(RightsService(process.rights, process.rights_caches,
-                                            TokenCache(api),
+                                            tokens,
                                             api_mark_pod(api, process.term_epoch),
                                             registry=metrics.registry,
                                             reviewer=reviewer),

@@ -45,7 +45,7 @@ from neonvm.controller.midplan import MidPlanSet
 from neonvm.controller.observe import pod_index, split_key
 from neonvm.controller.reconciler import Reconciler
 from neonvm.controller.resync import differing, pod_vm_key
-from neonvm.controller.rights import RightsLedger
+from neonvm.controller.rights import RightsLedger, TokenReviewer
 from neonvm.controller.scaling import RunnerScaling
 from neonvm.controller.sweeps import Sweeps, iter_items
 from neonvm.controller.timers import Jitter, VMTimers
@@ -218,6 +218,9 @@ class LeaderTerm:
         if uid:  # deleted: what was learnt of it is no use any more
             self.reconciler.acceleration.reports.forget(uid)
             self.metrics.lifecycle.pod_deleted(uid)
+            if self.process.rights_reviewer is not None:
+                self.process.rights_reviewer.forget_pod(
+                    str(((old or {}).get("metadata") or {}).get("namespace") or ""), uid)
 
     # ---- locks -------------------------------------------------------------------------
 
@@ -502,6 +505,8 @@ class ControllerProcess:
         its annotations say (docs/security.md, "Rights endpoint")."""
         self.rights_endpoint: LeaderEndpoint | None = None
         """Set by the command line: the Service runners ask, pointed at each leader."""
+        self.rights_reviewer: TokenReviewer | None = None
+        """Set by the command line: the rights tokens' reviewer, told of deleted pods."""
         self.old_crd_warned = threading.Event()
         """Set once a term's reconciler has warned that the CRD prunes a status field
         (it warns once per process)."""

@@ -317,7 +317,9 @@ class TokenCache:
     A read that finds no token (Secret gone, not the recorded uid, no ``token`` key) is
     kept too, for ``refresh_after``; and reads are single-flight per key (one lock
     stripe per key). So asks, however many and whatever their bearer, cost at most one
-    Secret GET per key per ``refresh_after`` (docs/security.md, "Rights endpoint")."""
+    Secret GET per key per ``refresh_after`` (docs/security.md, "Rights endpoint").
+    A read no ask can use any more is dropped at a later insert (oldest first), so a
+    deleted VM's token is held no longer than ``ttl`` after its last read."""
 
     _STRIPES = 64
 
@@ -331,7 +333,10 @@ class TokenCache:
         self._read = read or self._get_secret
         self._lock = threading.Lock()
         self._reads = [threading.Lock() for _ in range(self._STRIPES)]
-        self._tokens: dict[tuple[str, str, str], tuple[bytes | None, float]] = {}
+        self._tokens: OrderedDict[tuple[str, str, str], tuple[bytes | None, float]] = \
+            OrderedDict()
+        """(namespace, Secret name, Secret uid) -> (its token or None, when read); in
+        the order stored, near enough the order read (:meth:`_forget_old`)."""
 
     def _get_secret(self, namespace: str, name: str) -> dict[str, Any] | None:
         return kube.get_or_none(self._api, secret_path(namespace, name), timeout=5)
@@ -365,10 +370,28 @@ class TokenCache:
             token = recorded_token(self._read(namespace, name), name, uid)
             value = None if isinstance(token, str) else token
             with self._lock:
+                self._forget_old(self._clock())
                 self._tokens[key] = (value, now)
+                self._tokens.move_to_end(key)
                 if len(self._tokens) > 100_000:
                     self._tokens.clear()
         return value
+
+    def _forget_old(self, now: float) -> None:
+        """Drop reads that no ask can use any more (older than ``ttl`` and
+        ``refresh_after``), oldest first (under the lock): a deleted VM's token goes
+        within ``ttl`` of its last read."""
+        keep = max(self._ttl, self._refresh_after)
+        while self._tokens:
+            _, at = next(iter(self._tokens.values()))
+            if now - at < keep:
+                return
+            self._tokens.popitem(last=False)
+
+    def remembered(self) -> int:
+        """Tokens (or their absence) read and kept (a gauge's size)."""
+        with self._lock:
+            return len(self._tokens)
 
 
 POD_NAME_EXTRA = "authentication.kubernetes.io/pod-name"
@@ -516,9 +539,12 @@ class TokenReviewer:
     spelling, an ECDSA-signed one two: docs/security.md): an answer binding it to a pod
     is fresh for ``ttl`` seconds (and never past half the token's remaining life), a
     refusal for ``refused_ttl``; each cache keeps at
-    most ``max_entries`` (the least recently used go first), and reviews are
-    single-flight per token. A runner renewing every D/3 with the 7,200 s token the kubelet
-    rotates after 5,760 s thus costs one review per 240 s. Each pod (namespace, uid) gets at
+    most ``max_entries`` (the least recently used go first) and drops what can no longer
+    answer: an expired refusal or token (at inserts, amortized), and a deleted pod's
+    answers and budgets (:meth:`forget_pod`, called by the leader's pod informer), so it
+    holds about what live pods use. Reviews are single-flight per token. A runner
+    renewing every D/3 with the 7,200 s token the kubelet rotates after 5,760 s thus
+    costs one review per 240 s. Each pod (namespace, uid) gets at
     most ``budget`` reviews per ``window`` seconds for asks from its own IP, and as many
     for asks from anywhere else, whatever the tokens: the caller asks only for current
     pods, so reviews are bounded by live pods; over it, :class:`ReviewBudgetSpent`. Asks
@@ -546,6 +572,9 @@ class TokenReviewer:
     review's cached answer does."""
 
     _STRIPES = 64
+    _SWEEP_FLOOR = 64
+    """``_bound`` is swept for expired entries when it reaches twice its size after the
+    last sweep, and never below this: amortized, one entry looked at per insert."""
 
     def __init__(self, api: client.ApiClient | None, audience: str, *, ttl: float = 240.0,
                  refused_ttl: float = 10.0, max_entries: int = 50_000,
@@ -573,10 +602,16 @@ class TokenReviewer:
         self._reads = [threading.Lock() for _ in range(self._STRIPES)]
         self._bound: OrderedDict[bytes, tuple[ReviewedPod, float, float, bool]] = OrderedDict()
         """token key -> (its pod, fresh until, its expiry, on the monotonic clock; whether
-        a review gave it, not local verification)."""
+        a review gave it, not local verification). Least recently used first."""
+        self._keys_of: dict[str, set[bytes]] = {}
+        """pod uid -> its keys in ``_bound`` (:meth:`forget_pod`)."""
+        self._sweep_at = self._SWEEP_FLOOR
+        """``_bound``'s size at which the next insert drops its expired entries."""
         self._refused: OrderedDict[bytes, float] = OrderedDict()
-        self._spent: dict[tuple[str, str, bool], tuple[float, int]] = {}
-        """(namespace, pod uid, from its own IP) -> (its window's start, reviews in it)."""
+        """token key -> refused until; in that order (one ``refused_ttl`` for all)."""
+        self._spent: OrderedDict[tuple[str, str, bool], tuple[float, int]] = OrderedDict()
+        """(namespace, pod uid, from its own IP) -> (its window's start, reviews in it);
+        in the order of the windows' starts."""
         self.reviews = 0
         """TokenReviews sent (for tests and the benchmark)."""
 
@@ -595,7 +630,7 @@ class TokenReviewer:
                     self._bound.move_to_end(key)
                     return True, bound[0]
                 if now >= bound[2]:
-                    del self._bound[key]
+                    self._drop_bound(key)
             refused = self._refused.get(key)
             if refused is not None:
                 if now < refused:
@@ -616,15 +651,17 @@ class TokenReviewer:
         """Count one review against ``budget``; False if it is spent."""
         now = self._clock()
         with self._lock:
+            while self._spent:  # windows over, oldest first: they count nothing any more
+                oldest, (start, _) = next(iter(self._spent.items()))
+                if now - start < self._window:
+                    break
+                del self._spent[oldest]
             start, spent = self._spent.get(budget, (now, 0))
-            if now - start >= self._window:
-                start, spent = now, 0
             if spent >= self._budget:
                 return False
             self._spent[budget] = (start, spent + 1)
-            if len(self._spent) > self._max:
-                self._spent = {k: v for k, v in self._spent.items()
-                               if now - v[0] < self._window}
+            if start == now:
+                self._spent.move_to_end(budget)  # a new window: the newest start
             self.reviews += 1
             return True
 
@@ -695,8 +732,11 @@ class TokenReviewer:
                 return stale
             if pod is None:
                 with self._lock:
-                    self._bound.pop(key, None)
-                    self._put(self._refused, key, self._clock() + self._refused_ttl)
+                    self._drop_bound(key)
+                    now = self._clock()
+                    while self._refused and next(iter(self._refused.values())) <= now:
+                        self._refused.popitem(last=False)  # no longer refused
+                    self._put(self._refused, key, now + self._refused_ttl)
             else:
                 self._keep(key, pod, claims, reviewed=True)
         return pod
@@ -713,8 +753,54 @@ class TokenReviewer:
         if life > 0:
             now = self._clock()
             with self._lock:
-                self._put(self._bound, key,
-                          (pod, now + min(self._ttl, life / 2), now + life, reviewed))
+                self._keep_bound(key, (pod, now + min(self._ttl, life / 2), now + life,
+                                       reviewed), now)
+
+    def _keep_bound(self, key: bytes,
+                    value: tuple[ReviewedPod, float, float, bool], now: float) -> None:
+        """Put ``value`` in ``_bound`` (under the lock), indexed by its pod; first, if it
+        has doubled since the last sweep, drop its entries whose token has expired
+        (neither fresh nor a fallback any more; least recently used is not expiry order)."""
+        if len(self._bound) >= self._sweep_at:
+            for old in [k for k, v in self._bound.items() if now >= v[2]]:
+                self._drop_bound(old)
+            self._sweep_at = max(self._SWEEP_FLOOR, 2 * len(self._bound))
+        self._drop_bound(key)
+        self._bound[key] = value
+        self._keys_of.setdefault(value[0].uid, set()).add(key)
+        while len(self._bound) > self._max:
+            self._drop_bound(next(iter(self._bound)))
+
+    def _drop_bound(self, key: bytes) -> None:
+        """Forget ``key``'s good answer (under the lock), and its place in the index."""
+        bound = self._bound.pop(key, None)
+        if bound is None:
+            return
+        keys = self._keys_of.get(bound[0].uid)
+        if keys is not None:
+            keys.discard(key)
+            if not keys:
+                del self._keys_of[bound[0].uid]
+
+    def forget_pod(self, namespace: str, uid: str) -> None:
+        """The pod ``namespace``/``uid`` is deleted: forget its tokens' answers and its
+        review budgets. Nothing of it can be granted any more (every ask checks the
+        leader's pod cache first), so no answer is lost that could still matter."""
+        with self._lock:
+            for key in list(self._keys_of.get(uid, ())):
+                self._drop_bound(key)
+            for from_pod in (True, False):
+                self._spent.pop((namespace, uid, from_pod), None)
+
+    def remembered_tokens(self) -> int:
+        """Tokens whose answer is cached, good or refused (a gauge's size)."""
+        with self._lock:
+            return len(self._bound) + len(self._refused)
+
+    def remembered_budgets(self) -> int:
+        """Pods' review budgets held (a gauge's size)."""
+        with self._lock:
+            return len(self._spent)
 
     def _put(self, cache: OrderedDict[bytes, Any], key: bytes, value: Any) -> None:
         cache[key] = value
