@@ -651,7 +651,10 @@ class TokenReviewer:
         """Count one review against ``budget``; False if it is spent."""
         now = self._clock()
         with self._lock:
-            while self._spent:  # windows over, oldest first: they count nothing any more
+            # Windows over, oldest first: they count nothing any more. A window starts
+            # only for a pod not held (its last one was dropped here), at the end: so
+            # the order held is that of the windows' starts.
+            while self._spent:
                 oldest, (start, _) = next(iter(self._spent.items()))
                 if now - start < self._window:
                     break
@@ -660,8 +663,6 @@ class TokenReviewer:
             if spent >= self._budget:
                 return False
             self._spent[budget] = (start, spent + 1)
-            if start == now:
-                self._spent.move_to_end(budget)  # a new window: the newest start
             self.reviews += 1
             return True
 
