@@ -394,11 +394,11 @@ class _Listener:
         return stale
 
     def _shed(self, stale: list[_Complete]) -> None:
-        """Close stale requests unanswered (no work was done for them) and count them."""
+        """Count stale requests, then close them unanswered (no work was done for them)."""
         for complete in stale:
-            self._finish(complete.sock)
             if self._on_stale is not None:
                 self._on_stale()
+            self._finish(complete.sock)
 
     def _take(self) -> _Complete | None:
         """The next request to answer (None: stopping), shedding stale ones first."""
