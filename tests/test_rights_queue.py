@@ -86,13 +86,13 @@ class Leader:
         return sent
 
     def _wait_waiting(self, expected: int, vm: str) -> None:
-        wait_for(lambda: self.server.waiting() == expected, 30,
+        wait_for(lambda: self.server.waiting() == expected, 30, 0.01,
                  what=f"{vm}'s ask waiting for a worker")
 
     def hold_the_worker(self) -> socket.socket:
         """Send ``held``'s ask and wait until a worker is inside its pod write."""
         sock = self.send("held")
-        wait_for(lambda: "held" in self.written, 30, what="a worker held in a pod write")
+        wait_for(lambda: "held" in self.written, 30, 0.01, what="a worker held in a pod write")
         return sock
 
     def dropped(self) -> float | None:
