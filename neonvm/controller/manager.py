@@ -66,6 +66,10 @@ RIGHTS_PUBLISH_SECONDS = 10.0
 SESSION_REVOKE_TIMEOUT = 2.0
 """Seconds a stopping term gives etcd to revoke its session (and so its locks)."""
 
+INFORMER_END_GRACE = 5.0
+"""Seconds a finished term's informer threads still get to end before the term's memory
+is collected (each had 0.5 s while it stopped; one still running holds the term)."""
+
 
 # ---- authority --------------------------------------------------------------------------
 
@@ -428,6 +432,12 @@ class LeaderTerm:
         self.metrics.locks_held.set(0)
         self.log.info("stopped leading work")
 
+    def await_informers(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds in all for the informers' threads to end."""
+        deadline = time.monotonic() + timeout
+        for informer in self.informers:
+            informer.stop(timeout=max(0.0, deadline - time.monotonic()))
+
     def _withdraw_rights(self) -> None:
         """Empty the rights Service's slice if it still names this replica (best effort:
         the next term overwrites it anyway)."""
@@ -548,17 +558,22 @@ class ControllerProcess:
         sweeps' callbacks), so a finished term is cyclic garbage: left to the collector's
         next full pass, its caches stayed allocated while the next term built its own
         (docs/reconciler.md, "What a leader term guarantees")."""
+        term: LeaderTerm | None = None
         try:
-            self._lead(leadership)
+            term = self._lead(leadership)
         finally:
             if not self._stop.is_set():
+                if term is not None:
+                    term.await_informers(INFORMER_END_GRACE)
+                    term = None
                 started = time.monotonic()
                 found = gc.collect()
                 logger.bind(epoch=leadership.epoch).info(
                     "freed the finished term: {n} objects collected in {s:.2f}s",
                     n=found, s=time.monotonic() - started)
 
-    def _lead(self, leadership: Leadership) -> None:
+    def _lead(self, leadership: Leadership) -> LeaderTerm:
+        """Run one term until it ends; the term, ended."""
         term = LeaderTerm(self, leadership)
         self._term = term
         try:
@@ -568,6 +583,7 @@ class ControllerProcess:
             # start one before this returns, but this must not depend on it).
             if self._term is term:
                 self._term = None
+        return term
 
     def term_epoch(self) -> str:
         """The leading term's epoch ("" when not leading), as a pod's right-term mark."""
