@@ -34,9 +34,12 @@ from neonvm.controller.rights import (
     unverified_claims,
 )
 from neonvm.dev.cluster import LocalCluster
+from tests.support import wait_for
 from tests.support.rights_sa_token import (
+    ACCOUNT,
     AUDIENCE,
     ISSUER,
+    NO_SCHEDULER,
     ReviewingLeader,
     delete_pod,
     forged,
@@ -259,6 +262,8 @@ def test_the_token_of_a_replaced_pod_is_refused(
     old_token = mint(api, namespace, "vm-p", old)
     lagging_token = mint(api, namespace, "vm-p", old)  # never asked with: not cached
     assert leader.ask(namespace, "vm", old, old_token)[0] == 200
+    # The name is reused at once: these pods are on no node, so no kubelet (kwok) has a
+    # late delete of the old pod by name to send (test below).
     delete_pod(api, namespace, "vm-p")
     new = pod(api, namespace, "vm-p")
     assert new != old
@@ -269,6 +274,29 @@ def test_the_token_of_a_replaced_pod_is_refused(
     assert leader.ask(namespace, "vm", new, old_token)[1]["reason"] == UNAUTHORIZED
     assert leader.ask(namespace, "vm", old, old_token)[0] == 403  # not the current pod
     assert leader.ask(namespace, "vm", new, mint(api, namespace, "vm-p", new))[0] == 200
+
+
+def test_the_pods_of_these_tests_are_on_no_node(
+        api: client.ApiClient, cluster: LocalCluster, namespace: str) -> None:
+    """What lets the test above make a pod under a deleted pod's name at once: nothing but
+    the test writes or deletes these pods. One bound to a simulated node would be kwok's,
+    which deletes a pod it saw terminating by name with no uid precondition; after a
+    force delete, that late delete removed the new pod of the same name (about 1 run in
+    20). A pod the scheduler serves, made after ours, is bound and started; ours is not."""
+    if cluster.spec.nodes == 0:
+        pytest.skip("no scheduler and no nodes (NEONVM_TEST_NODES=0)")
+    service_account(api, namespace)
+    pod(api, namespace, "vm-p")
+    pods = f"/api/v1/namespaces/{namespace}/pods"
+    kube.request(api, "POST", pods, body={
+        "metadata": {"name": "scheduled"},
+        "spec": {"serviceAccountName": ACCOUNT, "automountServiceAccountToken": False,
+                 "containers": [{"name": "runner", "image": "neonvm-runner:test"}]}})
+    wait_for(lambda: kube.request(api, "GET", f"{pods}/scheduled").get("status", {})
+             .get("podIP"), timeout=60, what="the scheduled pod bound and started")
+    ours = kube.request(api, "GET", f"{pods}/vm-p")
+    assert (ours["spec"].get("nodeName"), ours["status"].get("podIP")) == (None, None)
+    assert ours["spec"]["schedulerName"] == NO_SCHEDULER
 
 
 def test_the_rights_token_is_no_credential_to_the_api_server(

@@ -46,16 +46,27 @@ def service_account(api: client.ApiClient, namespace: str, name: str = ACCOUNT) 
     return str(created["metadata"]["uid"])
 
 
+NO_SCHEDULER = "neonvm-test-no-scheduler"
+"""A ``schedulerName`` that no scheduler serves: a pod naming it is never bound to a node."""
+
+
 def pod(api: client.ApiClient, namespace: str, name: str, account: str = ACCOUNT) -> str:
-    """Create a pod running as ``account`` (it never starts: no node); its uid."""
+    """Create a pod running as ``account``; its uid. It names :data:`NO_SCHEDULER`, so it
+    is never bound to a node and only the test writes or deletes it. Bound to a simulated
+    node, it would be kwok's: kwok deletes a pod it saw terminating by name, with no uid
+    precondition, so its late delete of a force-deleted pod could remove a new pod made at
+    once under the same name."""
     created = kube.request(api, "POST", f"/api/v1/namespaces/{namespace}/pods", body={
         "metadata": {"name": name},
         "spec": {"serviceAccountName": account, "automountServiceAccountToken": False,
+                 "schedulerName": NO_SCHEDULER,
                  "containers": [{"name": "runner", "image": "neonvm-runner:test"}]}})
     return str(created["metadata"]["uid"])
 
 
 def delete_pod(api: client.ApiClient, namespace: str, name: str) -> None:
+    """Delete the pod at once (grace 0); one of :func:`pod` (on no node) is gone from the
+    API server when the answer comes."""
     kube.request(api, "DELETE", f"/api/v1/namespaces/{namespace}/pods/{name}",
                  body={"gracePeriodSeconds": 0})
 
