@@ -10,7 +10,8 @@ that, or an in-process term change holds two fleets' worth of term memory at onc
 run`` composes it (its health server and rights server, the metrics registry both
 serve), leads against the real API server and etcd, has its Lease deleted under it
 (deposed, as by another holder), leads again under a new epoch, and the first term and
-its big parts are checked with weak references, with the automatic collector off.
+its big parts are checked with weak references, with the automatic collector off. No
+collection delays a Lease's release: none when the process stops or the term steps down.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import gc
 import http.client
 import json
 import threading
+import time
 import types as pytypes
 import urllib.error
 import urllib.request
@@ -26,6 +28,7 @@ import uuid
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -36,12 +39,10 @@ from neonvm.controller.manager import ControllerProcess, LeaderTerm
 from neonvm.controller.metrics import ControllerMetrics
 from neonvm.controller.rights import RightsServer, RightsService, TokenCache, api_mark_pod
 from neonvm.dev.cluster import LocalCluster
-from neonvm.leader.election import ElectionConfig
+from neonvm.leader.election import ElectionConfig, Leadership
 from neonvm.leader.health import HealthServer
 from tests.support import wait_for
 from tests.support.harness import create_vm
-
-pytestmark = pytest.mark.cluster
 
 VMS = ("a", "b", "c")
 LEASE = "term-release"
@@ -181,6 +182,7 @@ def leading(replica: Replica, not_epoch: int | None = None) -> LeaderTerm:
     return term
 
 
+@pytest.mark.cluster
 def test_a_term_lost_with_its_lease_is_freed_before_the_next_term_leads(
         api: client.ApiClient, namespace: str, replica: Replica,
         no_automatic_collection: None) -> None:
@@ -217,3 +219,33 @@ def test_a_term_lost_with_its_lease_is_freed_before_the_next_term_leads(
     assert not left_by_its_end, (
         "freed late: only a full collection freed the finished term's "
         f"{', '.join(left_by_its_end)} (cyclic garbage left to the collector)")
+
+
+# ---- when no collection runs --------------------------------------------------------------
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("process_stops", "steps_down", "collects"), [
+    (False, False, True),   # deposed, deadline, work lost: the process may lead again
+    (True, False, False),   # SIGTERM: it exits; the Lease's release must not wait
+    (False, True, False),   # a step-down: the release for a standby must not wait
+])
+def test_a_finished_term_is_collected_unless_the_process_stops_or_steps_down(
+        monkeypatch: pytest.MonkeyPatch, process_stops: bool, steps_down: bool,
+        collects: bool) -> None:
+    collections: list[int] = []
+
+    def collect(*_: int) -> int:
+        collections.append(1)
+        return 0
+
+    monkeypatch.setattr(gc, "collect", collect)
+    leadership = Leadership(epoch=1, identity="me", valid_until=time.monotonic() + 3600)
+    stop = threading.Event()
+    if process_stops:
+        stop.set()
+    if steps_down:
+        leadership.step_down()
+    process = SimpleNamespace(_stop=stop, _lead=lambda _: None)
+    ControllerProcess._lead_and_free(process, leadership)  # type: ignore[arg-type]
+    assert bool(collections) == collects

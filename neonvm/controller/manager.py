@@ -551,18 +551,20 @@ class ControllerProcess:
         return size(term) if term is not None else 0
 
     def _lead_and_free(self, leadership: Leadership) -> None:
-        """``on_started``: lead one term; once it is over, unless the process is stopping,
-        free what it held before the elector may start the next one.
+        """``on_started``: lead one term; once it is over, free what it held before the
+        elector may start the next one.
 
         A term's parts call back into it (informer handlers, the handler's and the
         sweeps' callbacks), so a finished term is cyclic garbage: left to the collector's
-        next full pass, its caches stayed allocated while the next term built its own
-        (docs/reconciler.md, "What a leader term guarantees")."""
+        next full pass, its caches stayed allocated while the next term built its own.
+        Not when the process stops (it exits), nor after a step-down (the elector
+        releases the Lease for a standby only once this returns): the automatic
+        collector frees it then (docs/reconciler.md, "What a leader term guarantees")."""
         term: LeaderTerm | None = None
         try:
             term = self._lead(leadership)
         finally:
-            if not self._stop.is_set():
+            if not self._stop.is_set() and not leadership.stepping_down.is_set():
                 if term is not None:
                     term.await_informers(INFORMER_END_GRACE)
                     term = None
