@@ -48,6 +48,7 @@ from neonvm.controller.cluster import KubeCluster, VMRecord
 from neonvm.controller.config import ControllerConfig, http_pool_size
 from neonvm.controller.informer import Informer, Obj, Store
 from neonvm.controller.podspec import PodDefaults
+from neonvm.dev.replica import ALLOCATOR_ENV
 from neonvm.drills import fleet
 from neonvm.drills.observer import PodWatchChecker, percentile
 from neonvm.leader.election import LeaseClient
@@ -66,9 +67,6 @@ class Replica:
     identity: str
 
 
-REPLICA_ENV = {"MALLOC_ARENA_MAX": "2"}
-"""The allocator settings the chart and the controller image run the controller with
-(:mod:`neonvm.controller.heap` says why Python's own allocator stays)."""
 
 
 @dataclass
@@ -83,7 +81,7 @@ class ReplicaSet:
     workers: int = WORKERS
     log_level: str | None = None
     """The replicas' log level (default: ``$BENCH_LOG_LEVEL``, else INFO)."""
-    env: dict[str, str] = field(default_factory=lambda: dict(REPLICA_ENV))
+    env: dict[str, str] = field(default_factory=lambda: dict(ALLOCATOR_ENV))
     """Set in each replica's environment, over this process's (less ``NEONVM_*``)."""
 
     def _etcd_args(self) -> list[str]:

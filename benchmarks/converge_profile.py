@@ -72,6 +72,7 @@ from benchmarks.controller_bench import STAGES, Timeline  # noqa: E402
 from neonvm import kube  # noqa: E402
 from neonvm.api import types  # noqa: E402
 from neonvm.controller.config import http_pool_size  # noqa: E402
+from neonvm.dev.replica import ALLOCATOR_ENV  # noqa: E402
 from neonvm.drills import fleet  # noqa: E402
 from neonvm.drills.observer import percentile  # noqa: E402
 
@@ -309,7 +310,7 @@ def run_once(cluster: Any, vms: int, workers: int, replicas: int, py_spy: str | 
              env: dict[str, str] | None = None) -> dict[str, Any]:
     """The floor and one convergence at ``workers`` workers; every figure of the run.
     ``tree``: the replicas import neonvm from there (a baseline revision's source).
-    ``env``: set in the replicas' environment over :data:`cb.REPLICA_ENV`.
+    ``env``: set in the replicas' environment over :data:`neonvm.dev.replica.ALLOCATOR_ENV`.
     ``clean_up=False``: the VMs are left to the cluster's teardown (a private cluster's
     last run: deleting 10,000 VMs through the controller takes long and measures
     nothing)."""
@@ -335,7 +336,7 @@ def run_once(cluster: Any, vms: int, workers: int, replicas: int, py_spy: str | 
         timeline = Timeline(api, namespace)
         timeline.start()
         rs = cb.ReplicaSet(cluster, namespace, count=replicas, workers=workers,
-                           log_level=log_level, env={**cb.REPLICA_ENV, **(env or {})})
+                           log_level=log_level, env={**ALLOCATOR_ENV, **(env or {})})
         with python_path_first(tree):
             rs.start_all()
         try:

@@ -21,6 +21,7 @@ import pytest
 
 import neonvm
 from neonvm.api.rights import authorization_header
+from neonvm.dev.replica import replica_env
 from neonvm.drills import fencing, fleet
 from tests.support import wait_for
 
@@ -108,8 +109,10 @@ def test_the_forwarder_tallies_each_ask_by_bearer_and_each_answer_by_code(
     assert (tally["forwarded"], tally["refused"]) == (3, 0)
 
 
-def test_replicas_import_the_neonvm_package_the_drill_runs(tmp_path: Path) -> None:
-    env = fencing.replica_env()
+def test_replicas_import_the_neonvm_package_the_drill_runs_with_the_charts_allocator(
+        tmp_path: Path) -> None:
+    env = replica_env()
+    assert env["MALLOC_ARENA_MAX"] == "2"  # as the chart's Deployment sets it
     # As the local cluster starts a replica: that environment only, another directory.
     found = subprocess.run(
         [sys.executable, "-c", "import neonvm; print(neonvm.__file__)"],
@@ -148,7 +151,7 @@ def test_a_replica_starts_with_that_environment_and_the_rights_audience() -> Non
         rig.proxy.sock.close()
     [(name, argv, env)] = cluster.started
     assert name == "fence-controller-0"
-    assert env == fencing.replica_env()
+    assert env == replica_env()
     assert argv[argv.index("--rights-audience") + 1] == "vm.neon.tech/rights/fence-x/drill"
 
 

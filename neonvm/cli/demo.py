@@ -31,7 +31,7 @@ from neonvm.api import types
 from neonvm.cli.dev import STATE_DIR_OPTION, print_exports
 from neonvm.dev.binaries import install_binaries
 from neonvm.dev.cluster import ClusterSpec, LocalCluster
-from neonvm.dev.replica import LEASE_NAMESPACE, local_replica_argv
+from neonvm.dev.replica import LEASE_NAMESPACE, local_replica_argv, replica_env
 from neonvm.invariant import InvariantChecker
 
 SAMPLE_VM = Path(__file__).resolve().parents[2] / "examples" / "vm-deploy.yaml"
@@ -49,7 +49,8 @@ def start_replicas(cluster: LocalCluster, count: int) -> None:
         )
     api.close()
     for i in range(count):
-        pid = cluster.start_process(f"controller-{i}", local_replica_argv(cluster, i), {})
+        pid = cluster.start_process(f"controller-{i}", local_replica_argv(cluster, i),
+                                    replica_env())
         _progress(f"controller-{i}: pid {pid}, log {cluster.log_file(f'controller-{i}')}")
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from neonvm.leader.election import DEFAULT_NAMESPACE as LEASE_NAMESPACE
@@ -20,13 +21,28 @@ if TYPE_CHECKING:
     from neonvm.dev.cluster import LocalCluster
 
 __all__ = ["DEMO_TIMINGS", "DEV_RUNNER_IMAGE", "LEASE_NAMESPACE", "controller_argv",
-           "local_replica_argv"]
+           "local_replica_argv", "replica_env"]
 
 DEV_RUNNER_IMAGE = "neonvm-runner:dev"
 
 DEMO_TIMINGS = ("--lease-duration", "6", "--renew-deadline", "4", "--retry-period", "1",
                 "--session-ttl", "6")
 """Shorter than the defaults, so a killed leader is replaced within seconds."""
+
+ALLOCATOR_ENV = {"MALLOC_ARENA_MAX": "2"}
+"""The allocator setting the chart's Deployment and the controller image run the
+controller with (docs/reconciler.md says why)."""
+
+
+def replica_env() -> dict[str, str]:
+    """A local replica's whole environment: :data:`ALLOCATOR_ENV`, as in the chart, and
+    ``PYTHONPATH`` naming the directory of the ``neonvm`` package this process runs, so the
+    replicas run the same code as their starter (a worktree's, not the checkout an editable
+    install points at)."""
+    import neonvm
+
+    return {**ALLOCATOR_ENV,
+            "PYTHONPATH": str(Path(neonvm.__file__).resolve().parent.parent)}
 
 
 def controller_argv(*, kubeconfig: str, etcd_endpoints: str | EtcdConfig, identity: str,

@@ -49,6 +49,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from neonvm import kube
+from neonvm.dev.replica import replica_env
 from neonvm.drills import fleet, guests
 from neonvm.drills.timeline import Sample, Timeline, render_svg
 
@@ -388,15 +389,6 @@ class Rig:
         for i in range(self.replicas):
             self.cluster.stop_component(self.replica_name(i))
         self.proxy.__exit__()
-
-
-def replica_env() -> dict[str, str]:
-    """A replica's environment: only ``PYTHONPATH``, naming the directory of the
-    ``neonvm`` package this drill runs, so the replicas run the same code as the drill
-    (a worktree's, not the editable install's checkout that others may be editing)."""
-    import neonvm
-
-    return {"PYTHONPATH": str(Path(neonvm.__file__).resolve().parent.parent)}
 
 
 def prepare(cluster: LocalCluster, api: client.ApiClient, *, right_seconds: float,

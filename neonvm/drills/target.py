@@ -46,6 +46,7 @@ from neonvm.dev.replica import (
     LEASE_NAMESPACE,
     controller_argv,
     local_replica_argv,
+    replica_env,
 )
 from neonvm.drills.check import LockReader, LockView, etcd_lock_reader
 from neonvm.leader.election import DEFAULT_LEASE_NAME, DEFAULT_NAMESPACE, LeaseClient
@@ -237,7 +238,8 @@ class LocalTarget:
         return None
 
     def start_replica(self, index: int) -> int:
-        pid: int = self.cluster.start_process(self.replica_name(index), self._argv(index), {})
+        pid: int = self.cluster.start_process(self.replica_name(index), self._argv(index),
+                                              replica_env())
         return pid
 
     def heal(self) -> list[str]:
