@@ -1,7 +1,8 @@
 """Which asks the rights server answers when they come faster than its workers
-(docs/protocol.md, "Newest asks first"): the newest complete ask first, and an ask
-that has waited as long as a runner waits for its answer is closed unanswered, before any
-work (no pod written, no grant recorded), and counted. With no backlog nothing changes.
+(docs/protocol.md, "Stale asks dropped, oldest first"): the oldest complete ask first, so
+no flood of later asks from another source can bury it, and an ask that has waited half
+of a runner's wait for its answer is closed unanswered, before any work (no pod written,
+no grant recorded), and counted. With no backlog nothing changes.
 
 The shipped server on loopback, one worker held inside a term's pod write (the first
 grant of a runner that has not started its guest) so that asks queue behind it; the
@@ -18,8 +19,14 @@ from collections.abc import Iterator
 import pytest
 from prometheus_client import CollectorRegistry
 
-from neonvm.api.rights import RETRY_TIMEOUT, RIGHTS_PATH, authorization_header
-from neonvm.controller.rights import RightsLedger, RightsServer, RightsService, TokenCache
+from neonvm.api.rights import RIGHTS_PATH, authorization_header
+from neonvm.controller.rights import (
+    STALE_AFTER,
+    RightsLedger,
+    RightsServer,
+    RightsService,
+    TokenCache,
+)
 from tests.support import Clock, wait_for
 from tests.support.rights import Cache, caches, secret
 
@@ -28,6 +35,12 @@ pytestmark = pytest.mark.unit
 TOKEN = b"queue-test-token"
 DROPPED = "neonvm_controller_rights_asks_dropped_total"
 VMS = ("held", "first", "second", "third")
+FLOOD = tuple(f"flood-{i}" for i in range(4))
+"""The VMs whose asks come from the flooding source :data:`FLOODER` (well-formed asks,
+only so that the pod writes show the order the worker took them in: the listener
+orders asks before it reads them)."""
+FLOODER = "127.0.0.2"
+"""Another loopback address (all of 127/8 is local on Linux): a second source."""
 
 
 def uid(vm: str) -> str:
@@ -35,7 +48,8 @@ def uid(vm: str) -> str:
 
 
 class Leader:
-    """A leading term's rights server for the VMs :data:`VMS`, with ``workers`` threads.
+    """A leading term's rights server for the VMs :data:`VMS` and :data:`FLOOD`, with
+    ``workers`` threads.
     The pod write of VM ``held`` waits for :attr:`release`; every pod write is recorded in
     :attr:`written`, in the order the workers made them."""
 
@@ -44,7 +58,7 @@ class Leader:
         self.release = threading.Event()
         self.written: list[str] = []
         vms, pods = Cache(), Cache()
-        for vm in VMS:
+        for vm in VMS + FLOOD:
             one_vm, one_pod = caches(vm_name=vm, vm_uid=f"vm-{vm}", pod_uid=uid(vm))
             vms.update(one_vm)
             pods.update(one_pod)
@@ -65,10 +79,12 @@ class Leader:
             self.release.wait(60)
         return True
 
-    def send(self, vm: str) -> socket.socket:
-        """Send VM ``vm``'s ask on a new connection; the answer is read later."""
+    def send(self, vm: str, source: str = "127.0.0.1") -> socket.socket:
+        """Send VM ``vm``'s ask from address ``source`` on a new connection; the answer
+        is read later."""
         body = json.dumps({"namespace": "ns", "vm": vm, "podUID": uid(vm)}).encode()
-        sock = socket.create_connection(("127.0.0.1", self.server.port), timeout=30)
+        sock = socket.create_connection(("127.0.0.1", self.server.port), timeout=30,
+                                        source_address=(source, 0))
         sock.sendall(
             f"POST {RIGHTS_PATH} HTTP/1.1\r\nHost: rights\r\n"
             f"Authorization: {authorization_header(TOKEN, uid(vm))}\r\n"
@@ -76,12 +92,13 @@ class Leader:
             .encode() + body)
         return sock
 
-    def queue(self, *vms: str) -> list[socket.socket]:
-        """Send these asks one after the other, each once the one before waits complete."""
+    def queue(self, *vms: str, source: str = "127.0.0.1") -> list[socket.socket]:
+        """Send these asks from ``source`` one after the other, each once the one before
+        waits complete."""
         sent = []
         for vm in vms:
             expected = self.server.waiting() + 1
-            sent.append(self.send(vm))
+            sent.append(self.send(vm, source))
             self._wait_waiting(expected, vm)
         return sent
 
@@ -124,19 +141,25 @@ def one_worker() -> Iterator[Leader]:
     leader.close()
 
 
-def test_the_newest_waiting_ask_is_answered_first(one_worker: Leader) -> None:
+def test_a_flood_of_later_asks_from_another_source_does_not_bury_an_earlier_ask(
+        one_worker: Leader) -> None:
     held = one_worker.hold_the_worker()
-    waiting = one_worker.queue("first", "second", "third")
+    [legitimate] = one_worker.queue("first")
+    flood = one_worker.queue(*FLOOD, source=FLOODER)
     one_worker.release.set()
-    assert [status(answer(sock)) for sock in [held, *waiting]] == [200, 200, 200, 200]
-    assert one_worker.written == ["held", "third", "second", "first"]
+    assert status(answer(held)) == 200
+    assert status(answer(legitimate)) == 200
+    assert one_worker.written[:2] == ["held", "first"]  # taken before any later ask
+    assert [status(answer(sock)) for sock in flood] == [200] * len(FLOOD)
+    assert one_worker.written == ["held", "first", *FLOOD]  # then in arrival order
+    assert one_worker.dropped() == 0
 
 
-def test_an_ask_that_waited_as_long_as_its_runner_waits_is_closed_unanswered(
+def test_an_ask_that_waited_half_as_long_as_its_runner_waits_is_closed_unanswered(
         one_worker: Leader) -> None:
     held = one_worker.hold_the_worker()
     [late] = one_worker.queue("first")
-    one_worker.clock.now += RETRY_TIMEOUT  # its runner has stopped waiting
+    one_worker.clock.now += STALE_AFTER  # half its runner's wait is gone
     fresh = one_worker.send("second")  # accepted now: its runner still waits
     one_worker.release.set()
     assert status(answer(held)) == 200

@@ -87,6 +87,11 @@ MAX_BODY = 4096
 """The largest request body read; a larger one is refused (413)."""
 PRUNE_EVERY = 60.0
 """Seconds between prunes of ``issued`` entries that can no longer matter."""
+STALE_AFTER = RETRY_TIMEOUT / 2
+"""Seconds an ask may wait for a worker, from its connection's accept, before it is
+closed unanswered with no work done: an ask taken later than this leaves its work less
+than half of its runner's wait (:data:`~neonvm.api.rights.RETRY_TIMEOUT`).
+docs/protocol.md, "Stale asks dropped, oldest first"."""
 
 
 class RightsLedger:
@@ -882,7 +887,7 @@ class RightsService:
         self.dropped = Counter(
             "neonvm_controller_rights_asks_dropped_total",
             "POST /v1/rights asks closed unanswered, with no work done, because they "
-            "waited for a worker longer than a runner waits for an answer.",
+            "waited for a worker for half of a runner's wait for an answer.",
             registry=registry)
 
     def answer(self, method: str, path: str, authorization: str | None,
@@ -1031,7 +1036,7 @@ class _Listener(health._Listener):
     """The health server's listener, with at most ``per_source`` connections open per
     source address (one pod's flood, or a guest's through its runner pod, takes its own
     share only), reading a body (up to :data:`MAX_BODY`) after the head, within the same
-    ``read_timeout``. Complete asks are answered newest first, and one that has waited
+    ``read_timeout``. Complete asks are answered oldest first, and one that has waited
     ``stale_after`` seconds since its connection was accepted is closed unanswered
     before any work (no grant recorded), counted in ``service.dropped``
     (:class:`RightsServer`)."""
@@ -1040,7 +1045,7 @@ class _Listener(health._Listener):
                  workers: int, max_connections: int, per_source: int, *,
                  stale_after: float | None, clock: Clock) -> None:
         super().__init__(address, lambda _m, _t: (500, b"", "text/plain"), read_timeout,
-                         workers, max_connections, per_source, newest_first=True,
+                         workers, max_connections, per_source,
                          stale_after=stale_after, on_stale=service.dropped.inc, clock=clock)
         self._service = service
 
@@ -1096,23 +1101,24 @@ are the tighter limit")."""
 class RightsServer:
     """Serves :class:`RightsService` on ``host:port`` (``port=0``: a free one).
 
-    **Newest first, and never an ask its runner stopped waiting for.** After a leader
+    **Oldest first, and no work for an ask whose runner may be gone.** After a leader
     change the whole fleet asks at once, each runner waiting
     :data:`~neonvm.api.rights.RETRY_TIMEOUT` for its answer before it asks again on a new
-    connection. Answered in arrival order, such a burst keeps every worker busy with asks
-    whose runners have left, and hardly any grant arrives in time. So complete asks are
-    answered newest first, and one that has waited ``stale_after`` (default
-    :data:`~neonvm.api.rights.RETRY_TIMEOUT`) since its connection was accepted (the
-    runner's timer starts before its connect) is closed unanswered before any work:
-    no grant is recorded for it, and to its runner it is a lost answer, which it asks
-    again for (counted in ``service.dropped``). Under a steady overload the oldest asks
-    starve and are dropped; their runners' newer asks are answered. ``stale_after=None``
-    drops nothing. docs/protocol.md, "Newest asks first"."""
+    connection. Answered in arrival order with nothing dropped, such a burst keeps every
+    worker busy with asks whose runners have left, and hardly any grant arrives in time.
+    So an ask that has waited ``stale_after`` (default :data:`STALE_AFTER`) since its
+    connection was accepted (the runner's timer starts before its connect) is closed
+    unanswered before any work: no grant is recorded for it, and to its runner it is a
+    lost answer, which it asks again for (counted in ``service.dropped``). Every worker
+    then works only on asks whose runners still wait, in arrival order, so no source's
+    asks can be put ahead of an earlier ask of another (newest first allowed that: a
+    flood of fresh asks buried everyone else's). ``stale_after=None`` drops nothing.
+    docs/protocol.md, "Stale asks dropped, oldest first"."""
 
     def __init__(self, service: RightsService, host: str, port: int, *,
                  read_timeout: float = 5.0, workers: int = RIGHTS_WORKERS,
                  max_connections: int = 1024, per_source: int = 32,
-                 stale_after: float | None = RETRY_TIMEOUT,
+                 stale_after: float | None = STALE_AFTER,
                  clock: Clock = time.monotonic) -> None:
         self.service = service
         self._per_source = per_source

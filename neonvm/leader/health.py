@@ -206,21 +206,20 @@ class _Listener:
     """The socket side of :class:`HealthServer`: a selector thread that accepts and reads
     request heads, and a fixed pool of worker threads that answer them.
 
-    Complete requests wait in arrival order and are answered oldest first, unless
-    ``newest_first``; with ``stale_after``, one that has waited that long since its
-    connection was accepted is closed unanswered, before any work for it, and
-    ``on_stale()`` is called (the rights server's asks, whose runners stop waiting:
-    docs/protocol.md, "Newest asks first"). The health server keeps the
-    defaults: oldest first, nothing dropped. ``clock`` is monotonic (tests pass a fake)."""
+    Complete requests wait in arrival order and are answered oldest first; with
+    ``stale_after``, one that has waited that long since its connection was accepted is
+    closed unanswered, before any work for it, and ``on_stale()`` is called (the rights
+    server's asks, whose runners stop waiting: docs/protocol.md, "Stale asks dropped,
+    oldest first"). The health server drops nothing. ``clock`` is monotonic (tests pass
+    a fake)."""
 
     def __init__(self, address: tuple[str, int], respond: Responder, read_timeout: float,
                  workers: int, max_connections: int, per_source: int | None = None, *,
-                 newest_first: bool = False, stale_after: float | None = None,
+                 stale_after: float | None = None,
                  on_stale: Callable[[], None] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._respond = respond
         self._read_timeout = read_timeout
-        self._newest_first = newest_first
         self._stale_after = stale_after
         self._on_stale = on_stale
         self._clock = clock
@@ -386,8 +385,9 @@ class _Listener:
 
     def _pop_stale(self, now: float) -> list[_Complete]:
         """Take the stale requests off the old end of the waiting line, under
-        ``self._ready`` (arrival order is near enough acceptance order: one that is not
-        there yet is caught when it is taken)."""
+        ``self._ready``. Arrival order is near enough acceptance order: a stale one
+        behind a fresher one is caught once it reaches the old end, always before a
+        worker takes it."""
         stale = []
         while self._waiting and self._stale(self._waiting[0], now):
             stale.append(self._waiting.popleft())
@@ -409,14 +409,8 @@ class _Listener:
                 if self._stopping.is_set():
                     return None
                 now = self._clock()
-                stale = self._pop_stale(now)
-                taken: _Complete | None = None
-                if self._waiting:
-                    taken = (self._waiting.pop() if self._newest_first
-                             else self._waiting.popleft())
-                    if self._stale(taken, now):
-                        stale.append(taken)
-                        taken = None
+                stale = self._pop_stale(now)  # so the oldest left is not stale
+                taken = self._waiting.popleft() if self._waiting else None
             self._shed(stale)
             if taken is not None:
                 return taken
