@@ -64,8 +64,9 @@ RETRY_TIMEOUT = 2.0
 """The longest a runner waits for the answer to a quick ask (after a granted runner's ask
 got no answer or a 5xx; ``D/6`` if shorter), from before it connects
 (:mod:`neonvm.runner.right`). The leader's rights server closes unanswered an ask that has
-waited this long since its connection was accepted: its runner, or most runners after a
-leader change, has stopped waiting (docs/protocol.md, "Newest asks first")."""
+waited half this long since its connection was accepted, before any work for it
+(``neonvm.controller.rights.STALE_AFTER``; docs/protocol.md, "Stale asks dropped, oldest
+first")."""
 
 NOT_LEADER = "NotLeader"
 """Refusal reason (503): this replica holds no active term; ask again (another replica)."""

@@ -68,10 +68,12 @@ from every state, once faults stop, a calm run ends with exactly one guest runni
 (Q's, unless P is reachable, uncondemned and renewed).
 
 Coarser than the real thing: one VM; P's node only (Q's is reachable); a request the
-runner gave up on is not processed later (that would only record a later ``issued``,
-which delays the delete); the leader's cache is exact (a stale cache can grant a pod
-already deleted: harmless for a runner whose guest was killed, not for a fresh one, see
-docs/verification.md). Time is discrete:
+runner gave up on is not processed later (that would record a later ``issued``, which
+delays the delete, and could write P and mark it for the term, so that the runner's
+next ask before its guest starts is granted with no write of its own: the write still
+comes before that grant in the same term, as the argument needs); the leader's cache
+is exact (a stale cache can grant a pod already deleted: harmless for a runner whose
+guest was killed, not for a fresh one, see docs/verification.md). Time is discrete:
 the margins are compared in whole ticks, so a mutant that changes a margin by less
 than a tick is invisible here.
 """
