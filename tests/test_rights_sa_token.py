@@ -251,11 +251,20 @@ def test_asks_from_elsewhere_cannot_spend_the_review_budget_of_the_pods_own_runn
     assert leader.reviewer.reviews == 5
 
 
+def vouches(api: client.ApiClient, token: str) -> bool:
+    """Whether the API server authenticates ``token`` for :data:`AUDIENCE` (a
+    TokenReview; one it authenticated is remembered 10 s, a refusal not at all)."""
+    answer = kube.request(api, "POST", "/apis/authentication.k8s.io/v1/tokenreviews",
+                          body={"spec": {"token": token, "audiences": [AUDIENCE]}})
+    return answer["status"].get("authenticated") is True
+
+
 def test_the_token_of_a_replaced_pod_is_refused(
         api: client.ApiClient, namespace: str, leader: ReviewingLeader) -> None:
     """The pod is deleted and a new one made under its name (another uid). The old pod's
     token is no credential for the new pod; and even while the leader's cache still shows
-    the old uid, the API server no longer vouches for a token whose pod is gone."""
+    the old uid, the API server, once its own view has caught up, no longer vouches for a
+    token whose pod is gone."""
     service_account(api, namespace)
     old = pod(api, namespace, "vm-p")
     leader.show(namespace, "vm", "vm-p", old)
@@ -267,6 +276,11 @@ def test_the_token_of_a_replaced_pod_is_refused(
     delete_pod(api, namespace, "vm-p")
     new = pod(api, namespace, "vm-p")
     assert new != old
+    # The API server looks a token's pod up in its informer cache first, which may hold
+    # the old pod a moment longer (and would then vouch for the old pod's tokens). Once
+    # it vouches for a token of the new pod, that cache holds the old pod no more.
+    wait_for(lambda: vouches(api, mint(api, namespace, "vm-p", new)), timeout=30,
+             what="the API server to vouch for a token of the new pod")
 
     status, body = leader.ask(namespace, "vm", old, lagging_token)  # cache not caught up
     assert (status, body["reason"]) == (401, UNAUTHORIZED)
