@@ -229,6 +229,8 @@ def run(kubeconfig: Path | None, lease_namespace: str, lease_name: str, identity
                                             registry=metrics.registry,
                                             reviewer=reviewer),
                               host, port, workers=rights_workers)
+        # A listener thread that ended would answer no ask again: restart the replica.
+        health.add_check("rights-listener", rights.health_check, readiness=False)
         if rights_service:
             try:
                 service_namespace, service = parse_service(rights_service)

@@ -85,6 +85,9 @@ Clock = Callable[[], float]
 
 MAX_BODY = 4096
 """The largest request body read; a larger one is refused (413)."""
+MAX_LENGTH_DIGITS = 9
+"""The most digits a ``Content-Length`` may have (far above :data:`MAX_BODY`); a longer
+one is refused (400) unparsed."""
 PRUNE_EVERY = 60.0
 """Seconds between prunes of ``issued`` entries that can no longer matter."""
 STALE_AFTER = RETRY_TIMEOUT / 2
@@ -889,6 +892,11 @@ class RightsService:
             "POST /v1/rights asks closed unanswered, with no work done, because they "
             "waited for a worker for half of a runner's wait for an answer.",
             registry=registry)
+        self.failed = Counter(
+            "neonvm_controller_rights_request_errors_total",
+            "POST /v1/rights requests whose handling raised (a bug): the connection was "
+            "answered 500 or closed, and the listener went on.",
+            registry=registry)
 
     def answer(self, method: str, path: str, authorization: str | None,
                body: bytes, source: str | None = None) -> Answer:
@@ -1028,8 +1036,14 @@ def _peer(sock: Any) -> str | None:
 
 
 def _content_length(headers: dict[str, str]) -> int | None:
+    """The announced body length (0 if none), or None (answered 400) unless it is 1 to
+    :data:`MAX_LENGTH_DIGITS` ASCII digits: the head is read as latin-1, where ``str.isdigit``
+    also takes ``²``, ``³`` and ``¹``, which ``int`` refuses, and ``int`` refuses more than
+    4,300 digits; either raised in the listener's selector thread."""
     raw = headers.get("content-length", "0")
-    return int(raw) if raw.isdigit() else None
+    if raw.isascii() and raw.isdigit() and len(raw) <= MAX_LENGTH_DIGITS:
+        return int(raw)
+    return None
 
 
 class _Listener(health._Listener):
@@ -1046,7 +1060,8 @@ class _Listener(health._Listener):
                  stale_after: float | None, clock: Clock) -> None:
         super().__init__(address, lambda _m, _t: (500, b"", "text/plain"), read_timeout,
                          workers, max_connections, per_source,
-                         stale_after=stale_after, on_stale=service.dropped.inc, clock=clock)
+                         stale_after=stale_after, on_stale=service.dropped.inc,
+                         on_error=service.failed.inc, clock=clock, name="rights")
         self._service = service
 
     def _request_of(self, data: bytearray) -> bytes | None:
@@ -1079,6 +1094,7 @@ class _Listener(health._Listener):
                                                        request[end + 4:], _peer(sock))
                 except Exception:
                     logger.exception("rights: request failed")
+                    self._service.failed.inc()
                     status, doc = _refuse(500, "InternalError", "internal error")
         body = json.dumps(doc, separators=(",", ":")).encode()
         sock.setblocking(True)
@@ -1148,6 +1164,16 @@ class RightsServer:
     def waiting(self) -> int:
         """Complete asks waiting for a worker (0 when not started)."""
         return 0 if self._listener is None else self._listener.waiting()
+
+    def health_check(self) -> None:
+        """Liveness (a :data:`~neonvm.leader.health.HealthCheck`): raises if a thread of
+        the started listener has ended. No request ends one (each costs its own
+        connection), but if one ever did, no ask would be answered again and every runner
+        would self-fence: the replica is restarted instead."""
+        listener = self._listener
+        dead = listener.dead_threads() if listener is not None else []
+        if dead:
+            raise RuntimeError(f"rights listener thread(s) ended: {', '.join(dead)}")
 
     def stop(self) -> None:
         if self._listener is not None:

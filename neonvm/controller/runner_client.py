@@ -22,6 +22,9 @@ RUNNER_BODY_LIMIT = 64 * 1024
 """Largest answer body (bytes) taken from a runner; a longer one is not read further."""
 RUNNER_HEAD_LIMIT = 16 * 1024
 """Largest status line and headers (bytes) taken from a runner."""
+MAX_LENGTH_DIGITS = 18
+"""The most digits a runner's ``Content-Length`` may have (any body limit is far below);
+a longer one is malformed, not parsed."""
 
 
 class ScalingError(Exception):
@@ -222,7 +225,8 @@ def _parse_head(head: bytes, body_limit: int) -> tuple[int, int | None]:
     if not lengths:
         return status, None
     text = lengths.pop()
-    if lengths or not text.isdigit():
+    # bytes.isdigit takes ASCII digits only; int() refuses more than 4,300 of them.
+    if lengths or not text.isdigit() or len(text) > MAX_LENGTH_DIGITS:
         raise ScalingError("the runner's answer has a malformed Content-Length",
                            misbehaving=True)
     length = int(text)

@@ -15,12 +15,15 @@ closes it if the request has not arrived within ``read_timeout`` or is larger th
 :data:`MAX_HEAD`; beyond ``max_connections`` the oldest connection still being read is
 closed; a fixed pool of ``workers`` threads answers complete requests, oldest first, one
 per connection (``Connection: close``), and gives up on a client that does not read the
-answer within ``read_timeout``. What it does not: a check that blocks forever keeps a
-worker forever; keep checks cheap and bounded. docs/reconciler.md, "Running it".
+answer within ``read_timeout``. A request whose handling raises costs its own
+connection only (closed, logged at warning with its peer), never a thread. What it does
+not: a check that blocks forever keeps a worker forever; keep checks cheap and bounded.
+docs/reconciler.md, "Running it".
 """
 
 from __future__ import annotations
 
+import contextlib
 import selectors
 import socket
 import threading
@@ -211,13 +214,23 @@ class _Listener:
     closed unanswered, before any work for it, and ``on_stale()`` is called (the rights
     server's asks, whose runners stop waiting: docs/protocol.md, "Stale asks dropped,
     oldest first"). The health server drops nothing. ``clock`` is monotonic (tests pass
-    a fake)."""
+    a fake).
+
+    **No request can stop a thread.** An exception while one connection is accepted, read
+    or answered closes that connection (logged at warning with its peer, and
+    ``on_error()`` called), and the thread goes on; :meth:`dead_threads` names any thread
+    that has ended anyway, for a liveness check. Threads are named ``<name>-server`` and
+    ``<name>-worker-<i>``."""
 
     def __init__(self, address: tuple[str, int], respond: Responder, read_timeout: float,
                  workers: int, max_connections: int, per_source: int | None = None, *,
                  stale_after: float | None = None,
                  on_stale: Callable[[], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 on_error: Callable[[], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic,
+                 name: str = "health") -> None:
+        self._name = name
+        self._on_error = on_error
         self._respond = respond
         self._read_timeout = read_timeout
         self._stale_after = stale_after
@@ -239,9 +252,9 @@ class _Listener:
         self._waiting: deque[_Complete] = deque()  # in arrival order: oldest on the left
         self._ready = threading.Condition(threading.Lock())  # guards _waiting
         self._stopping = threading.Event()
-        self._threads = [threading.Thread(target=self._select_loop, name="health-server",
+        self._threads = [threading.Thread(target=self._select_loop, name=f"{name}-server",
                                           daemon=True)]
-        self._threads += [threading.Thread(target=self._work, name=f"health-worker-{i}",
+        self._threads += [threading.Thread(target=self._work, name=f"{name}-worker-{i}",
                                            daemon=True) for i in range(workers)]
 
     def start(self) -> None:
@@ -249,6 +262,13 @@ class _Listener:
         self._selector.register(self._wake_r, selectors.EVENT_READ)
         for thread in self._threads:
             thread.start()
+
+    def dead_threads(self) -> list[str]:
+        """The names of the threads that have ended while the listener was not stopping
+        (empty: all serving)."""
+        if self._stopping.is_set():
+            return []
+        return [t.name for t in self._threads if t.ident is not None and not t.is_alive()]
 
     def stop(self) -> None:
         self._stopping.set()
@@ -273,7 +293,16 @@ class _Listener:
 
     def _select_loop(self) -> None:
         while not self._stopping.is_set():
-            for key, _ in self._selector.select(timeout=min(1.0, self._read_timeout)):
+            try:
+                self._select_turn()
+            except Exception:  # not one connection's: logged, and the next turn tried
+                logger.exception("{name}: the selector's turn failed", name=self._name)
+                self._count_error()
+                self._stopping.wait(0.1)  # no busy loop on a failure that repeats
+
+    def _select_turn(self) -> None:
+        for key, _ in self._selector.select(timeout=min(1.0, self._read_timeout)):
+            try:
                 if key.fileobj is self._server:
                     self._accept()
                 elif key.fileobj is self._wake_r:
@@ -281,12 +310,33 @@ class _Listener:
                 else:
                     assert isinstance(key.fileobj, socket.socket)
                     self._read(key.fileobj)
-            now = self._clock()
-            for sock in [s for s, r in self._reading.items() if r.deadline <= now]:
-                self._drop(sock)  # the request did not arrive in time
-            with self._ready:
-                stale = self._pop_stale(now)
-            self._shed(stale)  # not even waiting for a worker to be free
+            except Exception as exc:  # a bug one connection hit costs that connection
+                self._failed(key.fileobj, exc)
+        now = self._clock()
+        for sock in [s for s, r in self._reading.items() if r.deadline <= now]:
+            self._drop(sock)  # the request did not arrive in time
+        with self._ready:
+            stale = self._pop_stale(now)
+        self._shed(stale)  # not even waiting for a worker to be free
+
+    def _failed(self, fileobj: object, exc: Exception) -> None:
+        """An exception while accepting or reading ``fileobj``: a connection still being
+        read is closed (its slot freed); the listening socket is tried again next turn."""
+        peer = "-"
+        self._count_error()  # before the close: whoever sees the close sees the count
+        if isinstance(fileobj, socket.socket) and fileobj is not self._server:
+            with contextlib.suppress(OSError):
+                peer = str(fileobj.getpeername()[0])
+            if fileobj in self._reading:
+                self._drop(fileobj)
+        logger.opt(exception=exc).warning(
+            "{name}: a request from {peer} failed; its connection is closed: {err}",
+            name=self._name, peer=peer, err=f"{type(exc).__name__}: {exc}"[:200])
+
+    def _count_error(self) -> None:
+        if self._on_error is not None:
+            with contextlib.suppress(Exception):
+                self._on_error()
 
     def _accept(self) -> None:
         while True:
@@ -375,7 +425,8 @@ class _Listener:
     def _drop(self, sock: socket.socket) -> None:
         self._release(sock)
         self._reading.pop(sock, None)
-        self._selector.unregister(sock)
+        with contextlib.suppress(KeyError, ValueError):  # not registered (any more)
+            self._selector.unregister(sock)
         sock.close()
 
     # ---- the workers -----------------------------------------------------------------
@@ -417,17 +468,25 @@ class _Listener:
 
     def _work(self) -> None:
         while True:
-            complete = self._take()
+            try:
+                complete = self._take()
+            except Exception:  # a bug outside any one request's answer: the next turn
+                logger.exception("{name}: a worker's turn failed", name=self._name)
+                self._count_error()
+                self._stopping.wait(0.1)  # no busy loop on a failure that repeats
+                continue
             if complete is None:
                 return
             try:
                 self._answer(complete.sock, complete.request)
             except OSError as exc:  # the client went away, or did not read in time
-                logger.debug("health: answer not sent: {err}", err=exc)
+                logger.debug("{name}: answer not sent: {err}", name=self._name, err=exc)
             except Exception:
-                logger.exception("health: request failed")
+                logger.exception("{name}: request failed", name=self._name)
+                self._count_error()
             finally:
-                self._finish(complete.sock)
+                with contextlib.suppress(Exception):
+                    self._finish(complete.sock)
 
     def _finish(self, sock: socket.socket) -> None:
         """Close a connection taken for an answer, and free its slot."""
