@@ -2,7 +2,8 @@
 (docs/protocol.md, "Stale asks dropped, oldest first"): the oldest complete ask first, so
 no flood of later asks from another source can bury it, and an ask that has waited half
 of a runner's wait for its answer is closed unanswered, before any work (no pod written,
-no grant recorded), and counted. With no backlog nothing changes.
+no grant recorded), and counted. With no backlog nothing changes. An ask of a condemned
+pod holds no worker on the API server: it is refused before the term's pod write.
 
 The shipped server on loopback, one worker held inside a term's pod write (the first
 grant of a runner that has not started its guest) so that asks queue behind it; the
@@ -170,6 +171,20 @@ def test_an_ask_that_waited_half_as_long_as_its_runner_waits_is_closed_unanswere
     assert "first" not in one_worker.written
     assert not one_worker.ledger.granted_this_term(uid("first"))
     assert one_worker.ledger.granted_this_term(uid("second"))
+
+
+def test_a_condemned_pods_asks_are_refused_before_any_pod_write(one_worker: Leader) -> None:
+    """A condemned pod is never granted again in the term, so its asks must not hold a
+    worker on the API server either: no term mark is written for them."""
+    one_worker.release.set()  # no ask is held
+    one_worker.clock.now += 3600.0  # no right of "first" can still run
+    assert one_worker.ledger.condemn(uid("first"), 10.0) == 0.0
+    for _ in range(2):  # every ask, not only the first
+        data = answer(one_worker.send("first"))
+        assert status(data) == 403
+        assert json.loads(data.split(b"\r\n\r\n", 1)[1])["reason"] == "Condemned"
+    assert one_worker.written == []
+    assert not one_worker.ledger.granted_this_term(uid("first"))
 
 
 def test_with_no_backlog_every_ask_is_answered_in_turn_and_none_dropped() -> None:

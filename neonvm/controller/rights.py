@@ -869,7 +869,9 @@ class RightsService:
     grant to it starts a guest, and if a term condemned it, its guest was dead then
     (docs/protocol.md, "A deposed leader's delete still in flight"). Cost: one pod write
     per pod per term, on the first ask of a runner still waiting for its first grant;
-    none for running guests, so a leader change writes no pod of a running fleet. The
+    none for running guests, so a leader change writes no pod of a running fleet, and
+    none for a pod the term condemned (refused before the write: it is never granted
+    again in the term, and a write would only fail the term's own DELETE). The
     write counts for the term that made it only (:meth:`RightsLedger.grant`'s
     ``term``)."""
 
@@ -929,6 +931,10 @@ class RightsService:
                                      from_pod=bool(found.ip) and source == found.ip)
         if refused is not None:
             return refused
+        if self.ledger.is_condemned(request.pod_uid):
+            # Before the write, not only in grant (which checks again under its lock):
+            # a pod never granted again in the term must not cost a pod write per ask.
+            return _condemned()
         write = (not says_guest_started(path)
                  and not self.ledger.marked_this_term(request.pod_uid, term))
         if write:
@@ -941,7 +947,7 @@ class RightsService:
         refused_as = self.ledger.grant(request.pod_uid, found.seconds, term=term,
                                        marked=write)
         if refused_as == CONDEMNED:
-            return _refuse(403, CONDEMNED, "this pod was condemned; it is never granted again")
+            return _condemned()
         if refused_as is not None:
             return _refuse(503, refused_as, "this replica holds no active term")
         return 200, RightGrant(seconds=found.seconds).to_dict()
@@ -989,6 +995,10 @@ class RightsService:
 
 def _refuse(status: int, reason: str, message: str) -> Answer:
     return status, RightRefusal(reason=reason, message=message).to_dict()
+
+
+def _condemned() -> Answer:
+    return _refuse(403, CONDEMNED, "this pod was condemned; it is never granted again")
 
 
 NOT_CURRENT_MESSAGE = "not a current self-fencing pod of that VM"
