@@ -10,8 +10,10 @@ that, or an in-process term change holds two fleets' worth of term memory at onc
 run`` composes it (its health server and rights server, the metrics registry both
 serve), leads against the real API server and etcd, has its Lease deleted under it
 (deposed, as by another holder), leads again under a new epoch, and the first term and
-its big parts are checked with weak references, with the automatic collector off. No
-collection delays a Lease's release: none when the process stops or the term steps down.
+its big parts are checked with weak references, with the automatic collector off, at
+the moment the second term has started. The collection runs when the next term starts,
+before it builds anything; none runs after a term ends, so no Lease's release and no
+exit waits on it.
 """
 
 from __future__ import annotations
@@ -28,14 +30,14 @@ import uuid
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from kubernetes import client
 
+from neonvm.controller import manager
 from neonvm.controller.config import ControllerConfig
-from neonvm.controller.manager import ControllerProcess, LeaderTerm
+from neonvm.controller.manager import INFORMER_END_GRACE, ControllerProcess, LeaderTerm
 from neonvm.controller.metrics import ControllerMetrics
 from neonvm.controller.rights import RightsServer, RightsService, TokenCache, api_mark_pod
 from neonvm.dev.cluster import LocalCluster
@@ -182,6 +184,18 @@ def leading(replica: Replica, not_epoch: int | None = None) -> LeaderTerm:
     return term
 
 
+def started(replica: Replica, not_epoch: int) -> LeaderTerm:
+    """The process's term once one of another epoch than ``not_epoch`` has started."""
+
+    def new_term() -> LeaderTerm | None:
+        term = replica.process.term
+        return term if term is not None and term.leadership.epoch != not_epoch else None
+
+    term = wait_for(new_term, 60, 0.01, what="a term of a new epoch started")
+    assert term is not None
+    return term
+
+
 @pytest.mark.cluster
 def test_a_term_lost_with_its_lease_is_freed_before_the_next_term_leads(
         api: client.ApiClient, namespace: str, replica: Replica,
@@ -203,14 +217,15 @@ def test_a_term_lost_with_its_lease_is_freed_before_the_next_term_leads(
     del first, pod
 
     client.CoordinationV1Api(api).delete_namespaced_lease(LEASE, namespace)  # deposed
-    second = leading(replica, not_epoch=epoch)
-    assert second.leadership.epoch > epoch
-    replica.scrape()
-    del second
-
-    # The elector starts no term before the last one's work has returned: by now the
-    # first term is either freed or held.
+    second = started(replica, not_epoch=epoch)
+    # The second term has just started: the first must be freed already (the collection
+    # runs before the second is built, so not alongside its lists).
     left_by_its_end = [name for name, ref in parts.items() if ref() is not None]
+    assert second.leadership.epoch > epoch
+    del second
+    leading(replica, not_epoch=epoch)
+    replica.scrape()
+
     gc.collect()
     held = [name for name, ref in parts.items() if ref() is not None]
     term = parts["the term"]()
@@ -221,31 +236,96 @@ def test_a_term_lost_with_its_lease_is_freed_before_the_next_term_leads(
         f"{', '.join(left_by_its_end)} (cyclic garbage left to the collector)")
 
 
-# ---- when no collection runs --------------------------------------------------------------
+# ---- when the collection runs --------------------------------------------------------------
+
+
+class Recorded:
+    """A :class:`ControllerProcess` whose terms are fakes, recording in :attr:`events`
+    what runs in its ``on_started`` (collections, informer waits, terms built and run)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.events: list[str] = []
+        self.terms: list[Any] = []  # each fake term stays alive: its informers can be waited
+        self.stop = threading.Event()
+        self.ends = "deposed"
+        self.process = ControllerProcess.__new__(ControllerProcess)  # no cluster behind it
+        self.process._stop = self.stop
+        self.process._term = None
+        self.process._finished = None
+        recorded = self
+
+        class Term:
+            def __init__(self, _process: ControllerProcess, leadership: Leadership) -> None:
+                self.leadership = leadership
+                self.epoch = leadership.epoch
+                recorded.terms.append(self)
+                recorded.events.append(f"term {self.epoch} built")
+
+            def run(self) -> None:
+                recorded.events.append(f"term {self.epoch} runs")
+                recorded.end(self.leadership)
+
+            def await_informers(self, timeout: float) -> None:
+                assert 0.0 <= timeout <= INFORMER_END_GRACE
+                recorded.events.append(f"term {self.epoch}'s informers waited for")
+
+        def collect(*_: int) -> int:
+            recorded.events.append("collection")
+            return 0
+
+        monkeypatch.setattr(manager, "LeaderTerm", Term)
+        monkeypatch.setattr(gc, "collect", collect)
+
+    def lead(self, epoch: int, ends: str = "deposed") -> None:
+        """One term through ``on_started``; while it runs, it ends as ``ends`` says."""
+        self.ends = ends
+        self.process._lead_and_free(
+            Leadership(epoch=epoch, identity="me", valid_until=time.monotonic() + 3600))
+
+    def end(self, leadership: Leadership) -> None:
+        if self.ends == "steps down":
+            leadership.step_down()  # the sync deadline: Leadership.step_down
+        elif self.ends == "the process stops":
+            self.stop.set()
+        leadership.lost.set()  # deposed, refused, a step-down asked on the Lease: only this
+
+
+ENDS = ["deposed", "steps down", "the process stops"]
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize(("process_stops", "steps_down", "collects"), [
-    (False, False, True),   # deposed, deadline, work lost: the process may lead again
-    (True, False, False),   # SIGTERM: it exits; the Lease's release must not wait
-    (False, True, False),   # a step-down: the release for a standby must not wait
-])
-def test_a_finished_term_is_collected_unless_the_process_stops_or_steps_down(
-        monkeypatch: pytest.MonkeyPatch, process_stops: bool, steps_down: bool,
-        collects: bool) -> None:
-    collections: list[int] = []
+@pytest.mark.parametrize("ends", ENDS)
+def test_nothing_is_collected_when_a_term_ends(monkeypatch: pytest.MonkeyPatch,
+                                                ends: str) -> None:
+    """So the Lease's release (a step-down, a refusal, a stop) and the exit never wait."""
+    recorded = Recorded(monkeypatch)
+    recorded.lead(1)
+    recorded.lead(2, ends)
+    assert recorded.events[-2:] == ["term 2 built", "term 2 runs"]  # and nothing after
 
-    def collect(*_: int) -> int:
-        collections.append(1)
-        return 0
 
-    monkeypatch.setattr(gc, "collect", collect)
-    leadership = Leadership(epoch=1, identity="me", valid_until=time.monotonic() + 3600)
-    stop = threading.Event()
-    if process_stops:
-        stop.set()
-    if steps_down:
-        leadership.step_down()
-    process = SimpleNamespace(_stop=stop, _lead=lambda _: None)
-    ControllerProcess._lead_and_free(process, leadership)  # type: ignore[arg-type]
-    assert bool(collections) == collects
+@pytest.mark.unit
+@pytest.mark.parametrize("ends", ENDS[:2])
+def test_the_next_term_frees_the_last_one_before_it_builds_anything(
+        monkeypatch: pytest.MonkeyPatch, ends: str) -> None:
+    recorded = Recorded(monkeypatch)
+    recorded.lead(1, ends)
+    recorded.lead(2)
+    assert recorded.events == [
+        "term 1 built", "term 1 runs",
+        "term 1's informers waited for", "collection",  # at the start of term 2
+        "term 2 built", "term 2 runs"]
+
+
+@pytest.mark.unit
+def test_a_first_term_a_term_already_over_and_a_stopping_process_collect_nothing(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    recorded = Recorded(monkeypatch)
+    recorded.lead(1)
+    assert recorded.events == ["term 1 built", "term 1 runs"]  # nothing led before it
+    over = Leadership(epoch=2, identity="me", valid_until=time.monotonic() + 3600)
+    over.lost.set()  # ended before its work started (its term returns at once)
+    recorded.process._lead_and_free(over)
+    recorded.stop.set()  # SIGTERM
+    recorded.lead(3)
+    assert "collection" not in recorded.events

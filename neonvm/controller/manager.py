@@ -14,7 +14,9 @@ import contextlib
 import gc
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from kubernetes import client
@@ -67,8 +69,9 @@ SESSION_REVOKE_TIMEOUT = 2.0
 """Seconds a stopping term gives etcd to revoke its session (and so its locks)."""
 
 INFORMER_END_GRACE = 5.0
-"""Seconds a finished term's informer threads still get to end before the term's memory
-is collected (each had 0.5 s while it stopped; one still running holds the term)."""
+"""Seconds, from its end, a finished term's informer threads get to end before its memory
+is collected at the start of the process's next term (each had 0.5 s while it stopped;
+one still running holds the term)."""
 
 
 # ---- authority --------------------------------------------------------------------------
@@ -484,6 +487,15 @@ class LeaderTerm:
 # ---- the process ------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class _FinishedTerm:
+    """What a process keeps of its last term: a weak reference (nothing that holds it)
+    and when its work returned (``time.monotonic``)."""
+
+    term: weakref.ref[LeaderTerm]
+    ended: float
+
+
 class ControllerProcess:
     """A replica: campaigns for the Lease and runs a :class:`LeaderTerm` while leading."""
 
@@ -505,6 +517,8 @@ class ControllerProcess:
         self._term: LeaderTerm | None = None
         self._stop = threading.Event()
         """:meth:`run`'s: set once the process stops (no next term to free memory for)."""
+        self._finished: _FinishedTerm | None = None
+        """The last term this process led, until the next term's start frees it."""
         self.rights = RightsLedger()
         """Self-fencing: the rights granted by this process (docs/protocol.md,
         "Self-fencing"); its terms begin and end it."""
@@ -551,31 +565,40 @@ class ControllerProcess:
         return size(term) if term is not None else 0
 
     def _lead_and_free(self, leadership: Leadership) -> None:
-        """``on_started``: lead one term; once it is over, free what it held before the
-        elector may start the next one.
+        """``on_started``: free what the process's last term left, then lead this one.
 
         A term's parts call back into it (informer handlers, the handler's and the
         sweeps' callbacks), so a finished term is cyclic garbage: left to the collector's
         next full pass, its caches stayed allocated while the next term built its own.
-        Not when the process stops (it exits), nor after a step-down (the elector
-        releases the Lease for a standby only once this returns): the automatic
-        collector frees it then (docs/reconciler.md, "What a leader term guarantees")."""
-        term: LeaderTerm | None = None
-        try:
-            term = self._lead(leadership)
-        finally:
-            if not self._stop.is_set() and not leadership.stepping_down.is_set():
-                if term is not None:
-                    term.await_informers(INFORMER_END_GRACE)
-                    term = None
-                started = time.monotonic()
-                found = gc.collect()
-                logger.bind(epoch=leadership.epoch).info(
-                    "freed the finished term: {n} objects collected in {s:.2f}s",
-                    n=found, s=time.monotonic() - started)
+        So before a term of a process that led before builds anything, the last term's
+        informer threads get what is left of :data:`INFORMER_END_GRACE` since it ended,
+        and one full collection runs. Nothing runs after a term ends: its Lease's
+        release (a step-down, a refusal, a stop) and the process's exit never wait on
+        it. docs/reconciler.md, "What a leader term guarantees"."""
+        self._free_finished(leadership)
+        self._lead(leadership)
+
+    def _free_finished(self, leadership: Leadership) -> None:
+        """The last term's informers' remaining grace, then one ``gc.collect()``; not
+        if this term has already ended or the process stops (nothing will be built)."""
+        finished = self._finished
+        if finished is None or leadership.lost.is_set() or self._stop.is_set():
+            return
+        self._finished = None
+        term = finished.term()
+        if term is not None:
+            term.await_informers(max(0.0, finished.ended + INFORMER_END_GRACE
+                                     - time.monotonic()))
+            term = None  # this frame must not hold it through the collection
+        started = time.monotonic()
+        found = gc.collect()
+        logger.bind(epoch=leadership.epoch).info(
+            "freed the last term: {n} objects collected in {s:.2f}s",
+            n=found, s=time.monotonic() - started)
 
     def _lead(self, leadership: Leadership) -> LeaderTerm:
-        """Run one term until it ends; the term, ended."""
+        """Run one term until it ends; the term, ended (recorded for the next term's
+        start to free)."""
         term = LeaderTerm(self, leadership)
         self._term = term
         try:
@@ -585,6 +608,7 @@ class ControllerProcess:
             # start one before this returns, but this must not depend on it).
             if self._term is term:
                 self._term = None
+            self._finished = _FinishedTerm(weakref.ref(term), time.monotonic())
         return term
 
     def term_epoch(self) -> str:
