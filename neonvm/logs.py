@@ -88,4 +88,5 @@ def configure(level: str = "INFO", fmt: str = "text") -> None:
             format="<green>{time:HH:mm:ss.SSS}</green> <level>{level: <7}</level> "
             "<cyan>{name}</cyan> {message} <dim>{extra}</dim>",
             colorize=None,
+            diagnose=False,  # a traceback shows no local values: bearer tokens, request heads
         )

@@ -74,6 +74,28 @@ def test_a_chained_exception_shows_its_cause_and_a_library_type_its_module(
     assert "The above exception was the direct cause" in line["stacktrace"]
 
 
+def _refuses(head: bytes) -> None:
+    raise ValueError("bad request head")
+
+
+@pytest.mark.parametrize("fmt", ["text", "json"])
+def test_a_traceback_shows_no_local_values_such_as_a_bearer_token(
+        fmt: str, capsys: pytest.CaptureFixture[str]) -> None:
+    logs.configure("DEBUG", fmt)
+    token = "s3cret-" + "token-value"  # not in the source lines a traceback shows
+    try:
+        try:
+            _refuses(f"POST /v1/rights\r\nAuthorization: Bearer {token}".encode())
+        except ValueError:
+            logger.exception("answering an ask failed")
+        err = capsys.readouterr().err
+    finally:
+        logger.remove()
+        logger.add(sys.stderr)
+    assert "answering an ask failed" in err and "in _refuses" in err
+    assert token not in err
+
+
 def test_a_line_without_an_exception_has_no_error_fields(json_logs: Any) -> None:
     logger.bind(vm="ns/a").info("converged")
     (line,) = json_logs()
