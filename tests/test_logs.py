@@ -75,7 +75,7 @@ def test_a_chained_exception_shows_its_cause_and_a_library_type_its_module(
 
 
 def _refuses(head: bytes) -> None:
-    raise ValueError("bad request head")
+    raise ValueError("bad request head", len(head))
 
 
 @pytest.mark.parametrize("fmt", ["text", "json"])
