@@ -335,7 +335,7 @@ class FencingModel:
     # ---- the shipped ledger -----------------------------------------------------------
 
     def _with_ledger(self, w: World, op: str) -> object:
-        """Run ``op`` (``grant`` or ``condemn``) on the shipped
+        """Run ``op`` (``grant``, ``is_condemned`` or ``condemn``) on the shipped
         :class:`~neonvm.controller.rights.RightsLedger` rebuilt in the state ``w``
         describes (the leader's clock reads 0 now): a term begun ``term_since`` ago,
         P granted ``issued_since`` ago, or condemned."""
@@ -361,6 +361,8 @@ class FencingModel:
         result: object
         if op == "grant":
             result = ledger.grant(POD, t.seconds)
+        elif op == "is_condemned":
+            result = ledger.is_condemned(POD)
         elif m.ignore_term_start and w.issued_since is None and not w.condemned:
             result = 0.0
         else:
@@ -512,6 +514,8 @@ class FencingModel:
             return "no leader: 503 NotLeader", w._replace(p_req=("refused", age, says))
         if not w.p_in_api:
             return "leader: 403 NotCurrentPod", w._replace(p_req=("refused", age, says))
+        if self._with_ledger(w, "is_condemned"):  # as the shipped service: before any write
+            return "leader: 403 Condemned (no write)", w._replace(p_req=("refused", age, says))
         skip = self.m.skip_mark_always or (says and self.cfg.skip_mark_when_started)
         if self.cfg.stamp_first_grant and not w.stamped and not skip:
             return (f"leader (term {w.leader}): writes P before its first grant in this "
