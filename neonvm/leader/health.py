@@ -156,7 +156,10 @@ class HealthServer:
         """The answer (status, body, content type) to one request."""
         if method != "GET":
             return 405, b"only GET\n", TEXT
-        url = urlsplit(target)
+        try:
+            url = urlsplit(target)
+        except ValueError:  # "http://[", say: the client's error, not the server's
+            return 400, b"bad request target\n", TEXT
         parts = [p for p in url.path.split("/") if p]
         verbose = "verbose" in parse_qs(url.query, keep_blank_values=True)
         if parts == ["metrics"]:
@@ -231,6 +234,7 @@ class _Listener:
                  name: str = "health") -> None:
         self._name = name
         self._on_error = on_error
+        self._traced = False  # a failed answer's traceback logged already
         self._respond = respond
         self._read_timeout = read_timeout
         self._stale_after = stale_after
@@ -325,8 +329,7 @@ class _Listener:
         peer = "-"
         self._count_error()  # before the close: whoever sees the close sees the count
         if isinstance(fileobj, socket.socket) and fileobj is not self._server:
-            with contextlib.suppress(OSError):
-                peer = str(fileobj.getpeername()[0])
+            peer = _peer_of(fileobj)
             if fileobj in self._reading:
                 self._drop(fileobj)
         logger.opt(exception=exc).warning(
@@ -481,9 +484,13 @@ class _Listener:
                 self._answer(complete.sock, complete.request)
             except OSError as exc:  # the client went away, or did not read in time
                 logger.debug("{name}: answer not sent: {err}", name=self._name, err=exc)
-            except Exception:
-                logger.exception("{name}: request failed", name=self._name)
+            except Exception as exc:  # a bug one request hit: its connection, one line
                 self._count_error()
+                logger.opt(exception=exc if not self._traced else None).warning(
+                    "{name}: a request from {peer} failed; its connection is closed: {err}",
+                    name=self._name, peer=_peer_of(complete.sock),
+                    err=f"{type(exc).__name__}: {exc}"[:200])
+                self._traced = True  # a traceback for the first only: no log flood
             finally:
                 with contextlib.suppress(Exception):
                     self._finish(complete.sock)
@@ -504,10 +511,22 @@ class _Listener:
             status, body, content_type = 400, b"bad request\n", TEXT
         else:
             status, body, content_type = self._respond(parts[0], parts[1])
-        logger.debug("health: {line} {status}", line=line[:200], status=status)
+        if status == 400:  # a client's error: one line, no traceback
+            logger.warning("{name}: bad request from {peer}: {line}", name=self._name,
+                           peer=_peer_of(sock), line=line[:200])
+        else:
+            logger.debug("health: {line} {status}", line=line[:200], status=status)
         sock.setblocking(True)
         sock.settimeout(self._read_timeout)
         sock.sendall(
             f"HTTP/1.1 {status} {_REASONS.get(status, '')}\r\n"
             f"Content-Type: {content_type}\r\nContent-Length: {len(body)}\r\n"
             "Connection: close\r\n\r\n".encode("latin-1") + body)
+
+
+def _peer_of(sock: socket.socket) -> str:
+    """The client's address for a log line ("-" when unknown, as for a socketpair)."""
+    try:
+        return str(sock.getpeername()[0]) or "-"
+    except (OSError, IndexError, TypeError):
+        return "-"
