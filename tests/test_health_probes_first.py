@@ -6,6 +6,7 @@ and a flood of ``/metrics`` requests. Any pod can reach the port; the kubelet's
 from __future__ import annotations
 
 import socket
+import threading
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -13,8 +14,10 @@ from collections.abc import Iterator
 import pytest
 from loguru import logger
 from prometheus_client import CollectorRegistry
+from prometheus_client.metrics_core import Metric
 
 from neonvm.leader.health import HealthServer
+from tests.support import wait_for
 
 pytestmark = pytest.mark.unit
 
@@ -61,3 +64,72 @@ class TestAnUnparsableTarget:
         assert len(loud) == 1 and loud[0]["level"].name == "WARNING", loud  # type: ignore[attr-defined]
         assert loud[0]["exception"] is None
         assert "127.0.0.1" in str(loud[0]["message"])
+
+
+class HeldRender:
+    """A registry collector that counts renders and, while ``hold`` is clear, blocks
+    every render (so the workers answering ``/metrics`` stay busy)."""
+
+    def __init__(self) -> None:
+        self.hold = threading.Event()
+        self.renders = 0
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        self.renders += 1
+        self.hold.wait(30)
+        yield from ()
+
+
+class FrozenClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def flooded() -> Iterator[tuple[HealthServer, HeldRender, FrozenClock]]:
+    registry = CollectorRegistry()
+    render = HeldRender()
+    registry.register(render)
+    clock = FrozenClock()
+    health = HealthServer(0, registry, host="127.0.0.1", read_timeout=5.0, workers=2,
+                          max_connections=8, clock=clock)
+    health.add_check("always", lambda: None)
+    with health:
+        yield health, render, clock
+        render.hold.set()
+
+
+METRICS = b"GET /metrics HTTP/1.1\r\n\r\n"
+
+
+class TestAMetricsFlood:
+    def test_does_not_delay_the_probes_even_with_every_worker_and_slot_held(
+            self, flooded: tuple[HealthServer, HeldRender, FrozenClock],
+            held: list[socket.socket]) -> None:
+        server, render, _ = flooded
+        for _ in range(8):  # every slot: two workers rendering (held), six waiting
+            held.append(socket.create_connection(("127.0.0.1", server.port), timeout=10))
+            held[-1].sendall(METRICS)
+        wait_for(lambda: server.waiting() == 6, 30,
+                 what="six /metrics requests waiting behind the two held workers")
+        wait_for(lambda: render.renders == 1, 30, what="a worker rendering (held)")
+        assert get(server.port, "/healthz") == (200, "ok\n")
+        assert get(server.port, "/readyz/always") == (200, "ok\n")
+        assert not render.hold.is_set()  # answered while every /metrics was still held
+
+    def test_renders_the_registry_once_per_cache_window(
+            self, flooded: tuple[HealthServer, HeldRender, FrozenClock]) -> None:
+        server, render, clock = flooded
+        render.hold.set()
+        first, second = get(server.port, "/metrics"), get(server.port, "/metrics")
+        assert first[0] == second[0] == 200 and first == second
+        assert render.renders == 1
+        clock.now += server.metrics_ttl
+        assert get(server.port, "/metrics")[0] == 200
+        assert render.renders == 2

@@ -8,14 +8,18 @@ readiness checks, ``/healthz/<name>`` and ``/readyz/<name>`` one check, and ``?v
 lists every check. ``/metrics`` serves the caller's own ``CollectorRegistry`` (never the
 global one, so several servers and electors can live in one process, as in tests).
 
-What it guarantees: each request runs the checks afresh (no caching). Any pod can reach
-the port, so no client can starve the probes: one thread reads every connection's
-request with a selector (an idle or slow connection costs a socket, not a thread) and
-closes it if the request has not arrived within ``read_timeout`` or is larger than
-:data:`MAX_HEAD`; beyond ``max_connections`` the oldest connection still being read is
-closed; a fixed pool of ``workers`` threads answers complete requests, oldest first, one
-per connection (``Connection: close``), and gives up on a client that does not read the
-answer within ``read_timeout``. A request whose handling raises costs its own
+What it guarantees: each request runs the checks afresh (no caching; ``/metrics`` is
+rendered at most once per :data:`METRICS_TTL`). Any pod can reach the port, so no client
+can starve the probes: one thread reads every connection's request with a selector (an
+idle or slow connection costs a socket, not a thread) and closes it if the request has
+not arrived within ``read_timeout`` or is larger than :data:`MAX_HEAD`; beyond
+``max_connections`` the oldest connection still being read is closed, or else the
+oldest ``/metrics`` (or other non-probe) request still waiting for a worker; a fixed
+pool of ``workers`` threads answers complete requests, probes (``/healthz``, ``/readyz``
+and their checks) first, then the rest oldest first, one per connection
+(``Connection: close``), and one more thread answers probes only, so no queue of
+``/metrics`` requests is ever ahead of a probe; a worker gives up on a client that does
+not read the answer within ``read_timeout``. A request whose handling raises costs its own
 connection only (closed, logged at warning with its peer), never a thread. What it does
 not: a check that blocks forever keeps a worker forever; keep checks cheap and bounded.
 docs/reconciler.md, "Running it".
@@ -60,6 +64,9 @@ HealthCheck = Callable[[], None]
 MAX_HEAD = 8192
 """The largest request head (request line and headers) read; a larger one is refused."""
 TEXT = "text/plain; charset=utf-8"
+METRICS_TTL = 1.0
+"""How long a rendered ``/metrics`` body is served again (seconds): one render per
+second at most, whatever the number of scrapers."""
 
 
 @dataclass(frozen=True)
@@ -88,7 +95,8 @@ class HealthServer:
 
     def __init__(self, port: int, registry: CollectorRegistry, host: str = "0.0.0.0", *,
                  read_timeout: float = 10.0, workers: int = 4,
-                 max_connections: int = 256) -> None:
+                 max_connections: int = 256, metrics_ttl: float = METRICS_TTL,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if workers < 1 or max_connections < 1 or read_timeout <= 0:
             raise ValueError("workers, max_connections and read_timeout must be positive")
         self._requested = (host, port)
@@ -96,8 +104,12 @@ class HealthServer:
         self.read_timeout = read_timeout
         self.workers = workers
         self.max_connections = max_connections
+        self.metrics_ttl = metrics_ttl
+        self._clock = clock
         self._checks: list[_Registered] = []
         self._lock = threading.Lock()
+        self._metrics_lock = threading.Lock()  # one render at a time, the others reuse it
+        self._metrics: tuple[float, bytes] | None = None  # (rendered at, body)
         self._listener: _Listener | None = None
 
     def add_check(self, name: str, check: HealthCheck, *, liveness: bool = True,
@@ -135,11 +147,15 @@ class HealthServer:
 
     def start(self) -> HealthServer:
         self._listener = _Listener(self._requested, self._respond, self.read_timeout,
-                                   self.workers, self.max_connections)
+                                   self.workers, self.max_connections, probe=_is_probe)
         self._listener.start()
         logger.info("serving /healthz, /readyz, /metrics on {host}:{port}",
                     host=self._requested[0], port=self.port)
         return self
+
+    def waiting(self) -> int:
+        """Complete requests waiting for a worker (0 when not started)."""
+        return 0 if self._listener is None else self._listener.waiting()
 
     def stop(self) -> None:
         if self._listener is not None:
@@ -163,7 +179,7 @@ class HealthServer:
         parts = [p for p in url.path.split("/") if p]
         verbose = "verbose" in parse_qs(url.query, keep_blank_values=True)
         if parts == ["metrics"]:
-            return 200, generate_latest(self.registry), CONTENT_TYPE_LATEST
+            return 200, self._render_metrics(), CONTENT_TYPE_LATEST
         if parts and parts[0] in ("healthz", "readyz") and len(parts) <= 2:
             only = parts[1] if len(parts) == 2 else None
             results = self.run_checks(parts[0], only)
@@ -179,6 +195,25 @@ class HealthServer:
                 body = "\n".join(lines) + "\n"
             return (200 if healthy else 500), body.encode(), TEXT
         return 404, b"not found\n", TEXT
+
+
+    def _render_metrics(self) -> bytes:
+        """The registry's exposition, rendered at most once per ``metrics_ttl``: a flood
+        of ``/metrics`` costs copies, not renders."""
+        with self._metrics_lock:
+            now = self._clock()
+            if self._metrics is None or now - self._metrics[0] >= self.metrics_ttl:
+                self._metrics = (now, generate_latest(self.registry))
+            return self._metrics[1]
+
+
+def _is_probe(request: bytes) -> bool:
+    """A ``GET`` of ``/healthz``, ``/readyz`` or one of their checks: the probe lane."""
+    parts = request.split(b"\r\n", 1)[0].split()
+    if len(parts) != 3 or parts[0] != b"GET":
+        return False
+    path = parts[1].split(b"?", 1)[0]
+    return path.strip(b"/").split(b"/", 1)[0] in (b"healthz", b"readyz")
 
 
 Responder = Callable[[str, str], tuple[int, bytes, str]]
@@ -231,8 +266,10 @@ class _Listener:
                  on_stale: Callable[[], None] | None = None,
                  on_error: Callable[[], None] | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 name: str = "health") -> None:
+                 name: str = "health",
+                 probe: Callable[[bytes], bool] | None = None) -> None:
         self._name = name
+        self._probe = probe
         self._on_error = on_error
         self._traced = False  # a failed answer's traceback logged already
         self._respond = respond
@@ -254,12 +291,18 @@ class _Listener:
         self._answering = 0
         self._count_lock = threading.Lock()
         self._waiting: deque[_Complete] = deque()  # in arrival order: oldest on the left
-        self._ready = threading.Condition(threading.Lock())  # guards _waiting
+        self._probes: deque[_Complete] = deque()  # the probe lane (with ``probe`` only)
+        lock = threading.Lock()  # guards _waiting and _probes
+        self._ready = threading.Condition(lock)  # a request for any worker
+        self._probe_ready = threading.Condition(lock)  # a probe, for the probe worker
         self._stopping = threading.Event()
         self._threads = [threading.Thread(target=self._select_loop, name=f"{name}-server",
                                           daemon=True)]
         self._threads += [threading.Thread(target=self._work, name=f"{name}-worker-{i}",
                                            daemon=True) for i in range(workers)]
+        if probe is not None:
+            self._threads.append(threading.Thread(target=self._work, args=(True,),
+                                                  name=f"{name}-probe", daemon=True))
 
     def start(self) -> None:
         self._selector.register(self._server, selectors.EVENT_READ)
@@ -279,13 +322,15 @@ class _Listener:
         self._wake_w.send(b"x")
         with self._ready:
             self._ready.notify_all()
+            self._probe_ready.notify_all()
         for thread in self._threads:
             thread.join(timeout=5)
         for sock in list(self._reading):
             sock.close()
         self._reading.clear()
         with self._ready:
-            left, self._waiting = list(self._waiting), deque()
+            left = list(self._waiting) + list(self._probes)
+            self._waiting, self._probes = deque(), deque()
         for complete in left:
             complete.sock.close()
         self._selector.close()
@@ -357,11 +402,12 @@ class _Listener:
             with self._count_lock:
                 answering = self._answering
             if answering + len(self._reading) >= self._max_connections:
-                if not self._reading:
+                if self._reading:
+                    self._drop(next(iter(self._reading)))  # the oldest still being read
+                elif not self._evict_waiting():
                     self._release(sock)
                     sock.close()  # every slot is answering: refuse the newcomer
                     continue
-                self._drop(next(iter(self._reading)))  # the oldest still being read
             now = self._clock()
             self._reading[sock] = _Reading(sock, now + self._read_timeout, now)
             self._selector.register(sock, selectors.EVENT_READ)
@@ -387,14 +433,31 @@ class _Listener:
         del self._reading[sock]
         with self._count_lock:
             self._answering += 1
+        complete = _Complete(sock, request, reading.accepted)
         with self._ready:
-            self._waiting.append(_Complete(sock, request, reading.accepted))
+            if self._probe is not None and self._probe(request):
+                self._probes.append(complete)
+                self._probe_ready.notify()
+            else:
+                self._waiting.append(complete)
             self._ready.notify()
+
+    def _evict_waiting(self) -> bool:
+        """With a probe lane, make room for a newcomer (it may be the kubelet's probe) by
+        closing the oldest request waiting in the other lane, unanswered; False if none."""
+        if self._probe is None:
+            return False
+        with self._ready:
+            evicted = self._waiting.popleft() if self._waiting else None
+        if evicted is None:
+            return False
+        self._finish(evicted.sock)
+        return True
 
     def waiting(self) -> int:
         """Complete requests waiting for a worker."""
         with self._ready:
-            return len(self._waiting)
+            return len(self._waiting) + len(self._probes)
 
     def _request_of(self, data: bytearray) -> bytes | None:
         """The request in ``data`` once complete (here: the head without its blank line),
@@ -454,14 +517,23 @@ class _Listener:
                 self._on_stale()
             self._finish(complete.sock)
 
-    def _take(self) -> _Complete | None:
-        """The next request to answer (None: stopping), shedding stale ones first."""
+    def _take(self, probes_only: bool = False) -> _Complete | None:
+        """The next request to answer (None: stopping), probes first, shedding stale ones
+        first. The probe worker (``probes_only``) takes probes only."""
+        if probes_only:
+            with self._ready:
+                while not self._probes and not self._stopping.is_set():
+                    self._probe_ready.wait()
+                return None if self._stopping.is_set() else self._probes.popleft()
         while True:
             with self._ready:
-                while not self._waiting and not self._stopping.is_set():
+                while (not self._waiting and not self._probes
+                       and not self._stopping.is_set()):
                     self._ready.wait()
                 if self._stopping.is_set():
                     return None
+                if self._probes:
+                    return self._probes.popleft()
                 now = self._clock()
                 stale = self._pop_stale(now)  # so the oldest left is not stale
                 taken = self._waiting.popleft() if self._waiting else None
@@ -469,10 +541,10 @@ class _Listener:
             if taken is not None:
                 return taken
 
-    def _work(self) -> None:
+    def _work(self, probes_only: bool = False) -> None:
         while True:
             try:
-                complete = self._take()
+                complete = self._take(probes_only)
             except Exception:  # a bug outside any one request's answer: the next turn
                 logger.exception("{name}: a worker's turn failed", name=self._name)
                 self._count_error()
