@@ -13,6 +13,7 @@ The shipped server on loopback, with a leading term's fake caches (no API server
 from __future__ import annotations
 
 import socket
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -143,3 +144,38 @@ def test_a_listener_thread_that_ended_fails_the_liveness_check(
     failed = wait_for(lambda: [r for r in health.run_checks("healthz") if not r.ok], 10,
                       what="the liveness check to fail")
     assert failed[0].reason == "rights listener thread(s) ended: rights-server"
+
+
+# ---- a head that costs parsing --------------------------------------------------------------
+
+
+def test_a_head_of_two_thousand_header_lines_is_refused_400(server: RightsServer) -> None:
+    head = b"POST /x HTTP/1.1\r\n" + b"a:\r\n" * 2000 + b"Content-Length: 2\r\n\r\n{}"
+    assert exchange(server, head).startswith(b"HTTP/1.1 400 ")  # not the path's 404
+    still_answers(server)
+
+
+def test_a_body_trickled_in_byte_by_byte_is_parsed_once_on_the_selector_thread(
+        server: RightsServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    parse = rights_module._headers
+    on_selector: list[bytes] = []
+
+    def counted(head: bytes) -> tuple[list[str], dict[str, str]]:
+        if threading.current_thread().name == "rights-server":
+            on_selector.append(head)
+        return parse(head)
+
+    monkeypatch.setattr(rights_module, "_headers", counted)
+    body = b"x" * 20
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.sendall(b"POST /x HTTP/1.1\r\nContent-Length: %d\r\n\r\n" % len(body))
+        wait_for(lambda: on_selector, 10, what="the head parsed")  # before any body byte
+        for byte in body:  # each after the head: at least one more recv
+            sock.sendall(bytes([byte]))
+        answer = b""
+        while chunk := sock.recv(4096):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 404 ")  # the whole request was read and answered
+    assert len(on_selector) == 1
+

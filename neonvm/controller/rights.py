@@ -1056,6 +1056,16 @@ def _content_length(headers: dict[str, str]) -> int | None:
     return None
 
 
+MAX_HEADER_LINES = 100
+"""The most lines a rights request's head may have (a runner's ask has a few)."""
+MAX_READS = 64
+"""The most ``recv`` calls a rights request may take to arrive whole (a runner's ask
+arrives in one or two segments); a trickle beyond is answered 400."""
+_REFUSED = b"\r\n\r\n"
+"""What the listener hands to a worker for a request it refuses unread: an empty head,
+answered 400."""
+
+
 class _Listener(health._Listener):
     """The health server's listener, with at most ``per_source`` connections open per
     source address (one pod's flood, or a guest's through its runner pod, takes its own
@@ -1074,16 +1084,26 @@ class _Listener(health._Listener):
                          on_error=service.failed.inc, clock=clock, name="rights")
         self._service = service
 
-    def _request_of(self, data: bytearray) -> bytes | None:
-        """The head, its blank line and the body its Content-Length announces."""
-        head = super()._request_of(data)
-        end = data.find(b"\r\n\r\n")
-        if head is None or end < 0:
-            return head  # still arriving, or a head over the cap (b"")
-        length = _content_length(_headers(head)[1])
-        if length is not None and length <= MAX_BODY and len(data) < end + 4 + length:
-            return None  # the body is still arriving
-        return bytes(data[:end + 4 + (length or 0)])
+    def _request_of(self, reading: health._Reading) -> bytes | None:
+        """The head, its blank line and the body its Content-Length announces. The head
+        is parsed once, when its blank line arrives (``reading.end``), so a body trickled
+        in byte by byte costs a length comparison per ``recv``, not a parse. A head of
+        :data:`MAX_HEADER_LINES` lines or more, or a request not whole after
+        :data:`MAX_READS` reads, is answered 400 (:data:`_REFUSED`)."""
+        if reading.end is None:
+            head = super()._request_of(reading)
+            if head is None:
+                return _REFUSED if reading.reads >= MAX_READS else None
+            if not head:
+                return head  # a head over the cap: 431
+            if head.count(b"\r\n") >= MAX_HEADER_LINES:
+                return _REFUSED
+            length = _content_length(_headers(head)[1])
+            body = length if length is not None and length <= MAX_BODY else 0  # else 400/413
+            reading.end = len(head) + 4 + body
+        if len(reading.head) < reading.end:
+            return _REFUSED if reading.reads >= MAX_READS else None  # the body still arriving
+        return bytes(reading.head[:reading.end])
 
     def _answer(self, sock: Any, request: bytes) -> None:
         end = request.find(b"\r\n\r\n")

@@ -231,6 +231,10 @@ class _Reading:
     deadline: float
     accepted: float
     head: bytearray = field(default_factory=bytearray)
+    reads: int = 0
+    """The ``recv`` calls that returned data so far."""
+    end: int | None = None
+    """The whole request's length, once its head has been parsed (a subclass's)."""
 
 
 @dataclass(frozen=True)
@@ -426,7 +430,8 @@ class _Listener:
             self._drop(sock)
             return
         reading.head += data
-        request = self._request_of(reading.head)
+        reading.reads += 1
+        request = self._request_of(reading)
         if request is None:
             return
         self._selector.unregister(sock)
@@ -459,9 +464,10 @@ class _Listener:
         with self._ready:
             return len(self._waiting) + len(self._probes)
 
-    def _request_of(self, data: bytearray) -> bytes | None:
-        """The request in ``data`` once complete (here: the head without its blank line),
+    def _request_of(self, reading: _Reading) -> bytes | None:
+        """The request read so far once complete (here: the head without its blank line),
         ``b""`` for a head over :data:`MAX_HEAD`, None while it is still arriving."""
+        data = reading.head
         end = data.find(b"\r\n\r\n")
         if end < 0:
             return None if len(data) <= MAX_HEAD else b""
