@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 from prometheus_client import CollectorRegistry
 
-from neonvm.leader.health import MAX_HEAD, HealthServer
+from neonvm.leader.health import MAX_HEAD, TEXT, HealthServer, _Complete, _Listener
 from tests.support import closed_by_server, wait_for
 
 pytestmark = pytest.mark.unit
@@ -90,3 +90,38 @@ def test_the_answers_are_those_of_the_checks_and_registry(server: HealthServer) 
     with pytest.raises(urllib.error.HTTPError) as err:
         urllib.request.urlopen(request, timeout=10)
     assert err.value.code == 405
+
+
+def test_a_stale_request_whose_count_raises_is_still_closed_and_its_slot_freed() -> None:
+    """Pure logic of the listener's shedding: each stale request is finished, whatever
+    ``on_stale`` does."""
+    def raises() -> None:
+        raise RuntimeError("a counter's bug")
+
+    listener = _Listener(("127.0.0.1", 0), lambda _m, _t: (200, b"", TEXT), 1.0, 1, 8,
+                         on_stale=raises)
+    listener.start()
+    pairs = [socket.socketpair() for _ in range(2)]
+    try:
+        listener._answering = 2
+        listener._shed([_Complete(ours, b"", 0.0) for ours, _ in pairs])
+        assert listener._answering == 0
+        assert all(closed_by_server(theirs) for _, theirs in pairs)
+    finally:
+        for ours, theirs in pairs:
+            ours.close()
+            theirs.close()
+        listener.stop()
+
+
+def test_a_failure_on_a_socket_without_a_peer_address_is_logged_not_raised() -> None:
+    """The wake-up socketpair has no peer address (``getpeername()`` is ``''``)."""
+    listener = _Listener(("127.0.0.1", 0), lambda _m, _t: (200, b"", TEXT), 1.0, 1, 8)
+    ours, theirs = socket.socketpair()
+    try:
+        listener._failed(ours, RuntimeError("a spurious wake-up"))
+    finally:
+        ours.close()
+        theirs.close()
+        listener.start()
+        listener.stop()

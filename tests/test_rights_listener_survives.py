@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry
 from neonvm.controller import rights as rights_module
 from neonvm.controller.rights import RightsLedger, RightsServer, RightsService, TokenCache
 from neonvm.leader.health import HealthServer
-from tests.support import wait_for
+from tests.support import closed_by_server, wait_for
 from tests.support.rights import Cache, secret
 
 pytestmark = pytest.mark.unit
@@ -143,7 +143,50 @@ def test_a_listener_thread_that_ended_fails_the_liveness_check(
         pass  # wakes the selector, which then runs ends()
     failed = wait_for(lambda: [r for r in health.run_checks("healthz") if not r.ok], 10,
                       what="the liveness check to fail")
-    assert failed[0].reason == "rights listener thread(s) ended: rights-server"
+    assert failed[0].reason == "rights listener thread(s) ended or stuck: rights-server"
+
+
+def test_a_selector_whose_every_turn_fails_fails_the_liveness_check(
+        server: RightsServer) -> None:
+    listener = server._listener
+    assert listener is not None
+    listener._stuck_after = 0.5  # the shipped STUCK_AFTER is 30 s
+
+    def fails() -> None:
+        raise RuntimeError("a turn that fails every time")
+
+    listener._select_turn = fails  # type: ignore[method-assign]
+    reason = wait_for(lambda: _failure(server), 10, what="the liveness check to fail")
+    assert "rights-server (no whole turn for" in reason
+
+
+def _failure(server: RightsServer) -> str:
+    try:
+        server.health_check()
+    except RuntimeError as exc:
+        return str(exc)
+    return ""
+
+
+def test_a_connection_that_raises_once_accepted_is_closed_and_its_source_count_freed(
+        server: RightsServer, registry: CollectorRegistry, held: list[socket.socket],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Closed at once, not at its read timeout (long here), and not left open forever."""
+    with RightsServer(server.service, "127.0.0.1", 0, workers=1,
+                      read_timeout=600.0) as patient:
+        listener = patient._listener
+        assert listener is not None
+
+        def broken(*_args: object, **_kwargs: object) -> None:
+            raise RuntimeError("a bug while a connection is taken in")
+
+        monkeypatch.setattr(listener._selector, "register", broken)
+        held.append(socket.create_connection(("127.0.0.1", patient.port), timeout=10))
+        wait_for(lambda: closed_by_server(held[-1]), 30, what="the connection closed")
+        assert listener._sources == {} and listener._reading == {}
+        assert errors(registry) == 1
+        monkeypatch.undo()
+        still_answers(patient)
 
 
 # ---- a head that costs parsing --------------------------------------------------------------

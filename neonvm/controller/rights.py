@@ -1197,13 +1197,14 @@ class RightsServer:
 
     def health_check(self) -> None:
         """Liveness (a :data:`~neonvm.leader.health.HealthCheck`): raises if a thread of
-        the started listener has ended. No request ends one (each costs its own
-        connection), but if one ever did, no ask would be answered again and every runner
-        would self-fence: the replica is restarted instead."""
+        the started listener has ended, or its selector has made no whole turn for
+        :data:`~neonvm.leader.health.STUCK_AFTER` seconds. No request ends one (each costs
+        its own connection), but if one ever did, no ask would be answered again and every
+        runner would self-fence: the replica is restarted instead."""
         listener = self._listener
         dead = listener.dead_threads() if listener is not None else []
         if dead:
-            raise RuntimeError(f"rights listener thread(s) ended: {', '.join(dead)}")
+            raise RuntimeError(f"rights listener thread(s) ended or stuck: {', '.join(dead)}")
 
     def stop(self) -> None:
         if self._listener is not None:

@@ -64,6 +64,9 @@ HealthCheck = Callable[[], None]
 MAX_HEAD = 8192
 """The largest request head (request line and headers) read; a larger one is refused."""
 TEXT = "text/plain; charset=utf-8"
+STUCK_AFTER = 30.0
+"""How long the selector may go without a whole turn (seconds, real time) before
+:meth:`_Listener.dead_threads` names it: a healthy one turns at least once a second."""
 METRICS_TTL = 1.0
 """How long a rendered ``/metrics`` body is served again (seconds): one render per
 second at most, whatever the number of scrapers."""
@@ -276,6 +279,8 @@ class _Listener:
         self._probe = probe
         self._on_error = on_error
         self._traced = False  # a failed answer's traceback logged already
+        self._stuck_after = STUCK_AFTER
+        self._turned = time.monotonic()  # the last whole selector turn (real time)
         self._respond = respond
         self._read_timeout = read_timeout
         self._stale_after = stale_after
@@ -309,17 +314,25 @@ class _Listener:
                                                   name=f"{name}-probe", daemon=True))
 
     def start(self) -> None:
+        self._turned = time.monotonic()
         self._selector.register(self._server, selectors.EVENT_READ)
         self._selector.register(self._wake_r, selectors.EVENT_READ)
         for thread in self._threads:
             thread.start()
 
     def dead_threads(self) -> list[str]:
-        """The names of the threads that have ended while the listener was not stopping
-        (empty: all serving)."""
+        """The names of the threads that have ended while the listener was not stopping,
+        and of the selector thread if alive but without a whole turn for
+        :data:`STUCK_AFTER` seconds (a turn that fails every time, or is pinned):
+        empty while all serve."""
         if self._stopping.is_set():
             return []
-        return [t.name for t in self._threads if t.ident is not None and not t.is_alive()]
+        dead = [t.name for t in self._threads if t.ident is not None and not t.is_alive()]
+        selector = self._threads[0]
+        idle = time.monotonic() - self._turned
+        if selector.is_alive() and idle > self._stuck_after:
+            dead.append(f"{selector.name} (no whole turn for {idle:.0f} s)")
+        return dead
 
     def stop(self) -> None:
         self._stopping.set()
@@ -352,6 +365,8 @@ class _Listener:
                 logger.exception("{name}: the selector's turn failed", name=self._name)
                 self._count_error()
                 self._stopping.wait(0.1)  # no busy loop on a failure that repeats
+            else:
+                self._turned = time.monotonic()
 
     def _select_turn(self) -> None:
         for key, _ in self._selector.select(timeout=min(1.0, self._read_timeout)):
@@ -402,19 +417,27 @@ class _Listener:
             if not self._admit(sock, str(peer[0])):
                 sock.close()  # its source holds its share already
                 continue
-            sock.setblocking(False)
-            with self._count_lock:
-                answering = self._answering
-            if answering + len(self._reading) >= self._max_connections:
-                if self._reading:
-                    self._drop(next(iter(self._reading)))  # the oldest still being read
-                elif not self._evict_waiting():
-                    self._release(sock)
-                    sock.close()  # every slot is answering: refuse the newcomer
-                    continue
-            now = self._clock()
-            self._reading[sock] = _Reading(sock, now + self._read_timeout, now)
-            self._selector.register(sock, selectors.EVENT_READ)
+            try:
+                self._take_in(sock)
+            except Exception:
+                self._drop(sock)  # its socket and its source's count, not leaked
+                raise
+
+    def _take_in(self, sock: socket.socket) -> None:
+        """Start reading an accepted (and admitted) connection, making room for it."""
+        sock.setblocking(False)
+        with self._count_lock:
+            answering = self._answering
+        if answering + len(self._reading) >= self._max_connections:
+            if self._reading:
+                self._drop(next(iter(self._reading)))  # the oldest still being read
+            elif not self._evict_waiting():
+                self._release(sock)
+                sock.close()  # every slot is answering: refuse the newcomer
+                return
+        now = self._clock()
+        self._reading[sock] = _Reading(sock, now + self._read_timeout, now)
+        self._selector.register(sock, selectors.EVENT_READ)
 
     def _read(self, sock: socket.socket) -> None:
         reading = self._reading.get(sock)
@@ -519,9 +542,13 @@ class _Listener:
     def _shed(self, stale: list[_Complete]) -> None:
         """Count stale requests, then close them unanswered (no work was done for them)."""
         for complete in stale:
-            if self._on_stale is not None:
-                self._on_stale()
-            self._finish(complete.sock)
+            try:
+                if self._on_stale is not None:
+                    self._on_stale()
+            except Exception:  # a counter that raised: the connection is still closed
+                logger.exception("{name}: counting a stale request failed", name=self._name)
+            finally:
+                self._finish(complete.sock)
 
     def _take(self, probes_only: bool = False) -> _Complete | None:
         """The next request to answer (None: stopping), probes first, shedding stale ones
@@ -575,10 +602,12 @@ class _Listener:
 
     def _finish(self, sock: socket.socket) -> None:
         """Close a connection taken for an answer, and free its slot."""
-        self._release(sock)
-        sock.close()
-        with self._count_lock:
-            self._answering -= 1
+        try:
+            self._release(sock)
+            sock.close()
+        finally:
+            with self._count_lock:
+                self._answering -= 1
 
     def _answer(self, sock: socket.socket, head: bytes) -> None:
         line = head.split(b"\r\n", 1)[0].decode("latin-1")
