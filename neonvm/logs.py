@@ -80,7 +80,7 @@ def configure(level: str = "INFO", fmt: str = "text") -> None:
     """Route all neonvm logs to stderr in ``fmt`` ("text" or "json")."""
     logger.remove()
     if fmt == "json":
-        logger.add(_json_sink, level=level.upper())
+        logger.add(_json_sink, level=level.upper(), diagnose=False)
     else:
         logger.add(
             sys.stderr,
