@@ -9,8 +9,9 @@ lists every check. ``/metrics`` serves the caller's own ``CollectorRegistry`` (n
 global one, so several servers and electors can live in one process, as in tests).
 
 What it guarantees: each request runs the checks afresh (no caching; ``/metrics`` is
-rendered at most once per :data:`METRICS_TTL`). Any pod can reach the port, so no client
-can starve the probes: one thread reads every connection's request with a selector (an
+rendered at most once per :data:`METRICS_TTL`). Any pod can reach the port, so no
+``/metrics`` client can starve the probes (a ``/healthz`` flood shares their lane:
+docs/reconciler.md, "Running it"): one thread reads every connection's request with a selector (an
 idle or slow connection costs a socket, not a thread) and closes it if the request has
 not arrived within ``read_timeout`` or is larger than :data:`MAX_HEAD`; beyond
 ``max_connections`` the oldest connection still being read is closed, or else the
@@ -70,6 +71,9 @@ STUCK_AFTER = 30.0
 METRICS_TTL = 1.0
 """How long a rendered ``/metrics`` body is served again (seconds): one render per
 second at most, whatever the number of scrapers."""
+ACCEPTS_PER_TURN = 64
+"""Connections accepted per turn of the selector at most: a flood of new connections
+waits in the kernel's backlog instead of stopping every read."""
 
 
 @dataclass(frozen=True)
@@ -179,7 +183,7 @@ class HealthServer:
             url = urlsplit(target)
         except ValueError:  # "http://[", say: the client's error, not the server's
             return 400, b"bad request target\n", TEXT
-        parts = [p for p in url.path.split("/") if p]
+        parts = _path_parts(url.path)
         verbose = "verbose" in parse_qs(url.query, keep_blank_values=True)
         if parts == ["metrics"]:
             return 200, self._render_metrics(), CONTENT_TYPE_LATEST
@@ -210,13 +214,23 @@ class HealthServer:
             return self._metrics[1]
 
 
+def _path_parts(path: str) -> list[str]:
+    """A request path's non-empty segments, as the server answers them."""
+    return [p for p in path.split("/") if p]
+
+
 def _is_probe(request: bytes) -> bool:
-    """A ``GET`` of ``/healthz``, ``/readyz`` or one of their checks: the probe lane."""
+    """A ``GET`` of ``/healthz``, ``/readyz`` or one of their checks, parsed as
+    :meth:`HealthServer._respond` parses it (so nothing else, ``//healthz/metrics`` for
+    one, is answered in the probe lane)."""
     parts = request.split(b"\r\n", 1)[0].split()
     if len(parts) != 3 or parts[0] != b"GET":
         return False
-    path = parts[1].split(b"?", 1)[0]
-    return path.strip(b"/").split(b"/", 1)[0] in (b"healthz", b"readyz")
+    try:
+        path = _path_parts(urlsplit(parts[1].decode("latin-1")).path)
+    except ValueError:
+        return False
+    return bool(path) and path[0] in ("healthz", "readyz") and len(path) <= 2
 
 
 Responder = Callable[[str, str], tuple[int, bytes, str]]
@@ -406,7 +420,10 @@ class _Listener:
                 self._on_error()
 
     def _accept(self) -> None:
-        while True:
+        # At most ACCEPTS_PER_TURN, so that a flood of connections cannot keep the selector
+        # from reading (and answering) the connections it has: the listening socket is
+        # reported again at the next turn.
+        for _ in range(ACCEPTS_PER_TURN):
             try:
                 sock, peer = self._server.accept()
             except (BlockingIOError, InterruptedError):
@@ -618,9 +635,10 @@ class _Listener:
             status, body, content_type = 400, b"bad request\n", TEXT
         else:
             status, body, content_type = self._respond(parts[0], parts[1])
-        if status == 400:  # a client's error: one line, no traceback
-            logger.warning("{name}: bad request from {peer}: {line}", name=self._name,
-                           peer=_peer_of(sock), line=line[:200])
+        if status == 400:  # a client's error: one debug line, no traceback (any pod can
+            # send these, so a louder level would let it flood the log)
+            logger.debug("{name}: bad request from {peer}: {line}", name=self._name,
+                         peer=_peer_of(sock), line=line[:200])
         else:
             logger.debug("health: {line} {status}", line=line[:200], status=status)
         sock.setblocking(True)
