@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import socket
 import threading
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 
 import pytest
@@ -18,16 +16,9 @@ from prometheus_client.metrics_core import Metric
 
 from neonvm.leader.health import ACCEPTS_PER_TURN, HealthServer, _is_probe, _Listener
 from tests.support import wait_for
+from tests.support.health_client import get, running_server
 
 pytestmark = pytest.mark.unit
-
-
-def get(port: int, path: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as resp:
-            return resp.status, resp.read().decode()
-    except urllib.error.HTTPError as err:
-        return err.code, err.read().decode()
 
 
 def exchange(port: int, request: bytes) -> bytes:
@@ -42,10 +33,7 @@ def exchange(port: int, request: bytes) -> bytes:
 
 @pytest.fixture
 def server() -> Iterator[HealthServer]:
-    health = HealthServer(0, CollectorRegistry(), host="127.0.0.1", read_timeout=5.0,
-                          workers=2, max_connections=64)
-    health.add_check("always", lambda: None)
-    with health:
+    with running_server(read_timeout=5.0) as health:
         yield health
 
 

@@ -11,20 +11,12 @@ import urllib.request
 from collections.abc import Iterator
 
 import pytest
-from prometheus_client import CollectorRegistry
 
 from neonvm.leader.health import MAX_HEAD, TEXT, HealthServer, _Complete, _Listener
 from tests.support import closed_by_server, wait_for
+from tests.support.health_client import get, running_server
 
 pytestmark = pytest.mark.unit
-
-
-def get(port: int, path: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as resp:
-            return resp.status, resp.read().decode()
-    except urllib.error.HTTPError as err:
-        return err.code, err.read().decode()
 
 
 def connect(port: int, send: bytes = b"") -> socket.socket:
@@ -37,10 +29,7 @@ def connect(port: int, send: bytes = b"") -> socket.socket:
 
 @pytest.fixture
 def server() -> Iterator[HealthServer]:
-    health = HealthServer(0, CollectorRegistry(), host="127.0.0.1", read_timeout=1.0,
-                          workers=2, max_connections=64)
-    health.add_check("always", lambda: None)
-    with health:
+    with running_server(read_timeout=1.0) as health:
         yield health
 
 
