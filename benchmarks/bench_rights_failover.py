@@ -3,21 +3,34 @@
     python -m benchmarks.bench_rights_failover --vms 500 --kills 4
     python -m benchmarks.bench_rights_failover --vms 5000 --kills 3 --windows 2 \\
         --delete-namespace
+    python -m benchmarks.bench_rights_failover --vms 500 --client python  # the Python fleet
 
 Opt-in: not part of the test command. A private local control plane with simulated
 (kwok) nodes, three real ``neonvm controller run`` replicas with self-fencing on and a
 rights audience (so every runner pod gets the projected token volume, as with the chart's
 defaults, and its lease timing), and ``--vms`` VMs converged under them. The simulated
-nodes run no runner, so client processes of this benchmark run one simulated runner per
-VM: the shipped :class:`~neonvm.runner.right.RightKeeper` (its schedule, timeouts, quick
-asks and deadline, unchanged), whose HTTP is done by asyncio (:class:`Replay`: each ask's
-answers are fetched, then replayed to the keeper), with a real token of the rights
-audience bound to the VM's pod (the TokenRequest API, as the kubelet's projected volume
-carries), from a loopback address of its own. Runners reach the leader as through the
-rights Service: this process reads the EndpointSlice the leader writes every
-``--proxy-poll`` seconds and hands it to the runners ``--proxy-delay`` later (kube-proxy's
-part); an ask while the slice names the killed leader fails at once, as a refused
-connection does.
+nodes run no runner, so this benchmark runs one simulated runner per VM, each with a
+real token of the rights audience bound to the VM's pod (the TokenRequest API, as the
+kubelet's projected volume carries), from a loopback address of its own, asking on a new
+connection each time:
+
+* ``--client go`` (the default): one Go process, a goroutine per runner
+  (``benchmarks/rightsload``, :mod:`benchmarks.go_rightsload`; built with ``go build``
+  once per source version into ``~/.cache/neonvm/bin``). Each runs a line-by-line port of
+  the shipped :class:`~neonvm.runner.right.RightKeeper`'s schedule and deadline rule (ask
+  times and timeouts, quick asks, NotLeader resends, the last chance, the first-grant
+  backoff), not the keeper itself: tests/test_rightsload_parity.py checks the port
+  against the keeper over scripted answers. Why: at 5,000 VMs the Python clients below
+  lagged 6.4 s at p99 after a kill on a 2-core machine (they compete with the leader for
+  the CPU), so G measured them, not the leader;
+* ``--client python``: ``--clients`` processes running the shipped keeper itself (its
+  schedule, timeouts, quick asks and deadline, unchanged), whose HTTP is done by asyncio
+  (:class:`Replay`: each ask's answers are fetched, then replayed to the keeper).
+
+Runners reach the leader as through the rights Service: this process reads the
+EndpointSlice the leader writes every ``--proxy-poll`` seconds and hands it to the
+runners ``--proxy-delay`` later (kube-proxy's part); an ask while the slice names the
+killed leader fails at once, as a refused connection does.
 
 Then ``--kills`` times, each at a random moment of the steady state: SIGKILL the leader
 and record the new leader's election, caches-synced and slice-written times (its log),
@@ -64,6 +77,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks import bench_rights_leader as brl  # noqa: E402
 from benchmarks import controller_bench as cb  # noqa: E402
 from benchmarks.api_calls import request_totals  # noqa: E402
+from benchmarks.go_rightsload import GoClients  # noqa: E402
 from neonvm.dev.replica import LEASE_NAMESPACE  # noqa: E402
 from neonvm.drills.observer import percentile  # noqa: E402
 from neonvm.runner.right import MAX_ANSWER, RightConfig, RightKeeper  # noqa: E402
@@ -381,13 +395,17 @@ class Clients:
 # ---- the slice, as kube-proxy sees it ----------------------------------------------------
 
 
+AnyClients = Clients | GoClients
+"""The runners: the Python processes (``--client python``) or the Go one (``go``)."""
+
+
 class Proxy:
     """Reads the rights EndpointSlice every ``poll`` seconds and hands a change to the
     runners ``delay`` seconds after it was seen (kube-proxy's watch and sync). The slice
     names a replica's fake pod IP and its port (an EndpointSlice refuses loopback): the
     runners reach that port on 127.0.0.1, where the replica listens."""
 
-    def __init__(self, api: Any, namespace: str, clients: Clients, poll: float,
+    def __init__(self, api: Any, namespace: str, clients: AnyClients, poll: float,
                  delay: float) -> None:
         self._api, self._namespace, self._clients = api, namespace, clients
         self._poll, self._delay = poll, delay
@@ -649,7 +667,7 @@ class Run:
     namespace: str
     cluster: Any
     replicas: FailoverReplicas
-    clients: Clients
+    clients: AnyClients
     proxy: Proxy
     n: int
     kills: list[Kill] = field(default_factory=list)
@@ -916,8 +934,14 @@ def on_cluster(args: Any, cluster: Any, tokens: Path,
         t0 = time.monotonic()
         specs = mint_tokens(api, namespace, audience, tokens)
         say(f"{len(specs)} tokens minted in {time.monotonic() - t0:.0f} s")
-        clients = Clients(specs, args.right_seconds, f"http://{SERVICE}:0",
-                          args.clients, started=args.setup_asks == "started")
+        started = args.setup_asks == "started"
+        if args.client == "go":
+            say(f"building the Go client (benchmarks/rightsload) into {go_binary_dir()} "
+                "unless this source version is there already")
+            clients: AnyClients = GoClients(specs, args.right_seconds, started=started)
+        else:
+            clients = Clients(specs, args.right_seconds, f"http://{SERVICE}:0",
+                              args.clients, started=started)
         proxy = Proxy(api, namespace, clients, args.proxy_poll, args.proxy_delay).start()
         run = Run(args, api, namespace, cluster, replicas, clients, proxy, len(specs))
         clients.send("go")
@@ -934,6 +958,17 @@ def on_cluster(args: Any, cluster: Any, tokens: Path,
             clients.stop()
     api.close()
     return lines
+
+
+def go_binary_dir() -> Path:
+    from neonvm.dev.binaries import cache_root
+
+    return cache_root() / "bin"
+
+
+def client_text(args: Any) -> str:
+    return ("one Go client process" if args.client == "go"
+            else f"{args.clients} Python client processes")
 
 
 def main() -> None:
@@ -956,6 +991,9 @@ def main() -> None:
                         help="the runners' first asks, before any kill: as a runner before "
                              "its guest starts (a pod PATCH each), or saying the guest runs "
                              "(none: a quicker setup at 5,000 VMs, not what a runner does)")
+    parser.add_argument("--client", choices=("go", "python"), default="go",
+                        help="the simulated runners: one Go process (benchmarks/rightsload, "
+                             "built with go build) or --clients Python processes")
     parser.add_argument("--record", type=Path, default=None,
                         help="write each kill's figures (every G) to this JSON file")
     args = parser.parse_args()
@@ -980,7 +1018,7 @@ def main() -> None:
     load.append(os.getloadavg())
     print(f"{args.vms} VMs, D = {args.right_seconds:g} s, 3 replicas (lease "
           f"{CHART_LEASE['duration']:g}/{CHART_LEASE['renew']:g}/{CHART_LEASE['retry']:g} s), "
-          f"{args.clients} client processes, proxy poll {args.proxy_poll:g} s + delay "
+          f"{client_text(args)}, proxy poll {args.proxy_poll:g} s + delay "
           f"{args.proxy_delay:g} s; commit {commit}, began {began} UTC; load average "
           + ", ".join(f"{x[0]:.1f}" for x in load))
     for line in lines:

@@ -1,0 +1,3 @@
+module neonvm/rightsload
+
+go 1.26
