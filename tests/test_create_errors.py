@@ -243,6 +243,10 @@ def test_a_vm_stuck_again_on_other_pod_names_does_not_rewrite_its_degraded_condi
     reconciler.ctx.reader = fake  # type: ignore[assignment]
     reconciler.ctx.writer = fake  # type: ignore[assignment]
     reconciler.cluster.create_pod = fake.create_pod  # type: ignore[assignment,method-assign]
+    # A live namespace, read here: no GET leaves the test (it went to the default
+    # client's host, http://localhost, and failed as no answer).
+    reconciler.cluster.namespace_meta = (  # type: ignore[method-assign]
+        lambda name: {"metadata": {"name": name}})
     authority = StaticAuthority(epoch=1, token=5)
     first = reconciler.reconcile("ns/vm", authority, direct_first=True)
     assert first.stuck == f"CreatePod{reasons.NOT_TAKING_EFFECT}", first
