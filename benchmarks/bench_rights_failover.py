@@ -77,7 +77,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks import bench_rights_leader as brl  # noqa: E402
 from benchmarks import controller_bench as cb  # noqa: E402
 from benchmarks.api_calls import request_totals  # noqa: E402
-from benchmarks.go_rightsload import GoClients  # noqa: E402
+from benchmarks.go_rightsload import GoClients, binary_path  # noqa: E402
 from neonvm.dev.replica import LEASE_NAMESPACE  # noqa: E402
 from neonvm.drills.observer import percentile  # noqa: E402
 from neonvm.runner.right import MAX_ANSWER, RightConfig, RightKeeper  # noqa: E402
@@ -936,8 +936,9 @@ def on_cluster(args: Any, cluster: Any, tokens: Path,
         say(f"{len(specs)} tokens minted in {time.monotonic() - t0:.0f} s")
         started = args.setup_asks == "started"
         if args.client == "go":
-            say(f"building the Go client (benchmarks/rightsload) into {go_binary_dir()} "
-                "unless this source version is there already")
+            binary = binary_path()
+            say(f"Go client: {'reusing' if binary.exists() else 'building (go build)'} "
+                f"{binary}, one process for {len(specs)} runners")
             clients: AnyClients = GoClients(specs, args.right_seconds, started=started)
         else:
             clients = Clients(specs, args.right_seconds, f"http://{SERVICE}:0",
@@ -958,12 +959,6 @@ def on_cluster(args: Any, cluster: Any, tokens: Path,
             clients.stop()
     api.close()
     return lines
-
-
-def go_binary_dir() -> Path:
-    from neonvm.dev.binaries import cache_root
-
-    return cache_root() / "bin"
 
 
 def client_text(args: Any) -> str:

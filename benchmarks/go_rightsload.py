@@ -36,18 +36,23 @@ def source_digest(source: Path = SOURCE) -> str:
     return digest.hexdigest()[:12]
 
 
+def binary_path(source: Path = SOURCE) -> Path:
+    """Where the binary of this source version is (or will be) cached."""
+    from neonvm.dev.binaries import cache_root
+
+    return cache_root() / "bin" / f"rightsload-{source_digest(source)}"
+
+
 def build_rightsload(source: Path = SOURCE) -> Path:
     """The binary of this source version: ``<cache>/bin/rightsload-<digest>``, built with
     ``go build`` if it is not there yet (a temporary file renamed into place, so two
     builders at once both end with a whole binary). Raises :class:`RuntimeError` if
     ``go`` is missing or the build fails."""
-    from neonvm.dev.binaries import cache_root
-
     go = shutil.which("go")
     if go is None:
         raise RuntimeError("the Go client needs the go toolchain on PATH (or use "
                            "--client python)")
-    target = cache_root() / "bin" / f"rightsload-{source_digest(source)}"
+    target = binary_path(source)
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
