@@ -73,6 +73,7 @@ from neonvm.api.rights import (
     RightRefusal,
     RightRequest,
     RightsContractError,
+    ask_target,
     bearer_matches,
     dead_for_sure_after,
     parse_annotation,
@@ -154,6 +155,12 @@ class RightsLedger:
         before an ask's work, passed to :meth:`grant`, which refuses if it changed."""
         with self._lock:
             return self._term
+
+    def term_if_active(self) -> tuple[int, bool]:
+        """:meth:`term`, then :meth:`active`, read in one hold of the lock (an ask's
+        first step: one lock round-trip, not two)."""
+        with self._lock:
+            return self._term, self._is_active()
 
     def grant(self, pod_uid: str, seconds: float, *, term: int | None = None,
               marked: bool = False) -> str | None:
@@ -478,6 +485,19 @@ def claims_may_match(claims: dict[str, Any], audience: str, pod_uid: str, now: f
                 and exp > now - CLOCK_LEEWAY)
 
 
+def _matched_claims(claims: dict[str, Any]) -> dict[str, Any]:
+    """What :func:`claims_may_match` and :meth:`TokenReviewer._keep` read of a token's
+    unverified claims (its ``aud``, ``exp`` and ``kubernetes.io.pod.uid``), in the same
+    shape: either gives the same answer for these as for the whole claims. Kept with a
+    good cached answer, so that a renewal with the same token does not decode and parse
+    the token again (its key, the token's SHA-256, names one token)."""
+    k8s = claims.get("kubernetes.io")
+    pod = k8s.get("pod") if isinstance(k8s, dict) else None
+    return {"aud": claims.get("aud"), "exp": claims.get("exp"),
+            "kubernetes.io": {"pod": {"uid": pod.get("uid")}} if isinstance(pod, dict)
+            else None}
+
+
 def reviewed_pod(review: dict[str, Any], audience: str) -> ReviewedPod | None:
     """The pod a TokenReview's answer binds the token to, or None: not authenticated,
     ``audience`` not among the audiences it was valid for (an API server that ignores
@@ -608,9 +628,11 @@ class TokenReviewer:
         self._review = review or self._api_review
         self._lock = threading.Lock()
         self._reads = [threading.Lock() for _ in range(self._STRIPES)]
-        self._bound: OrderedDict[bytes, tuple[ReviewedPod, float, float, bool]] = OrderedDict()
+        self._bound: OrderedDict[bytes, tuple[ReviewedPod, float, float, bool,
+                                              dict[str, Any]]] = OrderedDict()
         """token key -> (its pod, fresh until, its expiry, on the monotonic clock; whether
-        a review gave it, not local verification). Least recently used first."""
+        a review gave it, not local verification; the token's claims as
+        :func:`_matched_claims` keeps them). Least recently used first."""
         self._keys_of: dict[str, set[bytes]] = {}
         """pod uid -> its keys in ``_bound`` (:meth:`forget_pod`)."""
         self._sweep_at = self._SWEEP_FLOOR
@@ -645,6 +667,13 @@ class TokenReviewer:
                     return True, None
                 del self._refused[key]
         return False, None
+
+    def _known_claims(self, key: bytes) -> dict[str, Any] | None:
+        """The claims (:func:`_matched_claims`) kept with a good answer for ``key``, if
+        one is cached, fresh or not."""
+        with self._lock:
+            bound = self._bound.get(key)
+            return None if bound is None else bound[4]
 
     def _stale(self, key: bytes, reviewed: bool) -> ReviewedPod | None:
         """The pod of an earlier good answer for this token (a review's only if
@@ -690,11 +719,15 @@ class TokenReviewer:
         or new, counts: a pod shutting down). Raises
         :class:`ReviewBudgetSpent`, or the review's error, when there is no answer and no
         earlier good review of this token to fall back on."""
-        claims = unverified_claims(token)
+        key = hashlib.sha256(token.encode()).digest()
+        # The claims of a token with a good cached answer are its own (the key names
+        # one token): the same test below, without decoding the token again.
+        claims = self._known_claims(key)
+        if claims is None:
+            claims = unverified_claims(token)
         if claims is None or not claims_may_match(claims, self.audience, pod_uid,
                                                   self._wall()):
             return None
-        key = hashlib.sha256(token.encode()).digest()
         reviewed = not locally  # a verdict of the keys does not count for this ask
         hit, pod = self._cached(key, reviewed)
         if hit:
@@ -763,10 +796,11 @@ class TokenReviewer:
             now = self._clock()
             with self._lock:
                 self._keep_bound(key, (pod, now + min(self._ttl, life / 2), now + life,
-                                       reviewed), now)
+                                       reviewed, _matched_claims(claims)), now)
 
     def _keep_bound(self, key: bytes,
-                    value: tuple[ReviewedPod, float, float, bool], now: float) -> None:
+                    value: tuple[ReviewedPod, float, float, bool, dict[str, Any]],
+                    now: float) -> None:
         """Put ``value`` in ``_bound`` (under the lock), indexed by its pod; first, if it
         has doubled since the last sweep, drop its entries whose token has expired
         (neither fresh nor a fallback any more; least recently used is not expiry order)."""
@@ -837,6 +871,12 @@ def term_mark(epoch: str) -> str:
     (docs/protocol.md, "A deposed leader's delete still in flight")."""
     return f"{epoch}.{secrets.token_hex(16)}"
 
+_STARTED_TARGET = ask_target(True)
+"""The target of every ask of a runner whose guest runs: says so without a parse."""
+_ANSWER_KINDS = 64
+"""The most (status, reason) children of ``answers`` a service keeps at hand (there are
+about a dozen)."""
+
 MarkPod = Callable[[str, str, str], bool]
 """(namespace, name, uid) -> whether the pod was written (False: gone, or another uid)."""
 
@@ -899,12 +939,20 @@ class RightsService:
             "POST /v1/rights requests whose handling raised (a bug): the connection was "
             "answered 500 or closed, and the listener went on.",
             registry=registry)
+        self._answered: dict[tuple[int, str], Any] = {}
+        """(status, reason) -> its child of ``answers`` (looked up once, not per ask)."""
 
     def answer(self, method: str, path: str, authorization: str | None,
                body: bytes, source: str | None = None) -> Answer:
         """The answer to one request (counted in ``answers``) from address ``source``."""
         status, doc = self._answer(method, path, authorization, body, source)
-        self.answers.labels(code=str(status), reason=str(doc.get("reason", ""))).inc()
+        reason = str(doc.get("reason", ""))
+        child = self._answered.get((status, reason))
+        if child is None:
+            child = self.answers.labels(code=str(status), reason=reason)
+            if len(self._answered) < _ANSWER_KINDS:
+                self._answered[(status, reason)] = child
+        child.inc()
         return status, doc
 
     def _answer(self, method: str, path: str, authorization: str | None,
@@ -920,8 +968,8 @@ class RightsService:
             # no traceback: a client's bad body must not cost the leader its log.
             logger.info("rights: bad body: {err}", err=f"{type(exc).__name__}: {exc}"[:200])
             return _refuse(400, BAD_REQUEST, str(exc)[:200])
-        term = self.ledger.term()
-        caches = self._caches() if self.ledger.active() else None
+        term, active = self.ledger.term_if_active()
+        caches = self._caches() if active else None
         if caches is None:
             return _refuse(503, NOT_LEADER, "this replica holds no active term")
         found = current_pod(*caches, request.namespace, request.vm, request.pod_uid)
@@ -935,7 +983,7 @@ class RightsService:
             # Before the write, not only in grant (which checks again under its lock):
             # a pod never granted again in the term must not cost a pod write per ask.
             return _condemned()
-        write = (not says_guest_started(path)
+        write = (path != _STARTED_TARGET and not says_guest_started(path)
                  and not self.ledger.marked_this_term(request.pod_uid, term))
         if write:
             try:
