@@ -184,3 +184,44 @@ def test_token_secrets_read_longer_ago_than_their_ttl_are_dropped_at_a_later_rea
     clock.now = 600.0  # a, b and c were read 600 s ago: no ask can use them
     assert secrets.token("ns", "tok-e", "sec-uid") == b"tok"
     assert secrets.remembered() == 2
+
+
+# ---- what a cached answer keeps of its token ---------------------------------------------
+
+
+def test_a_cached_answer_keeps_no_part_of_the_token_its_minter_chose_in_bulk() -> None:
+    """review7: whoever mints a runner's token (a tenant may, for its own pod) chooses its
+    ``aud`` list; a cached answer that kept it cost 60 KB per token of a thousand
+    audiences, so a few thousand such tokens, each asked once, would fill the leader's
+    memory. Kept: two scalars (exp, pod uid). Measured with tracemalloc."""
+    import gc
+    import tracemalloc
+
+    def fat(uid: str, tag: int) -> str:
+        claims = {"aud": [AUDIENCE] + [f"a{n:03d}" for n in range(700)],
+                  "exp": WALL + 600.0, "tag": str(tag),
+                  "kubernetes.io": {"pod": {"uid": uid}}}
+        def part(doc: dict[str, Any]) -> str:
+            return base64.urlsafe_b64encode(json.dumps(doc).encode()).rstrip(b"=").decode()
+        return f"{part({'alg': 'RS256'})}.{part(claims)}.c2ln"
+
+    clock, reviews = Clock(0.0), Reviews()
+    tokens = reviewer(clock, reviews, budget=1000)
+    fats = [fat("tenant", i) for i in range(50)]
+    assert all(len(t) < 8192 for t in fats)  # fits in a request head
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for t in fats:
+            assert tokens.pod_of(t, "tenant", "ns") is not None
+        gc.collect()
+        per_token = (tracemalloc.get_traced_memory()[0] - before) / len(fats)
+    finally:
+        tracemalloc.stop()
+    assert per_token < 2048, f"{per_token:,.0f} bytes kept per cached token"
+    # And the kept claims still decide a renewal as the token's own would.
+    assert tokens.pod_of(fats[0], "tenant", "ns") is not None
+    assert tokens.pod_of(fats[0], "other", "ns") is None
+    clock.now = 600.0 + 121.0  # past exp plus the leeway
+    assert tokens.pod_of(fats[0], "tenant", "ns") is None

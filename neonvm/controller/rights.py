@@ -471,31 +471,34 @@ the API server judges expiry by its own clock, and a leader's clock ahead of it 
 refuse tokens the kubelet has not rotated yet (it rotates at 80 % of their life)."""
 
 
-def claims_may_match(claims: dict[str, Any], audience: str, pod_uid: str, now: float) -> bool:
-    """The unverified claims say what a good token for ``pod_uid`` would: ``audience``
-    among ``aud``, bound to a pod of that uid, not expired :data:`CLOCK_LEEWAY` before
-    wall time ``now``."""
+BoundClaims = tuple[int | float, str]
+"""``(exp, pod uid)`` of a token whose unverified claims name the audience asked for
+(:func:`bound_claims`): all :func:`bound_claims_match` reads of them after that."""
+
+
+def bound_claims(claims: dict[str, Any], audience: str) -> BoundClaims | None:
+    """``(exp, pod uid)`` if the unverified claims hold ``audience`` among ``aud``, a pod
+    uid and a numeric ``exp``, else None. Kept with a good cached answer, so a renewal
+    with the same token (its key, the SHA-256, names one token) is not decoded again:
+    two scalars, never what the token's minter chose in bulk (review7: a kept ``aud``
+    list of a thousand audiences cost 60 KB per cached token)."""
     aud = claims.get("aud")
     auds = [aud] if isinstance(aud, str) else aud if isinstance(aud, list) else []
     k8s = claims.get("kubernetes.io")
     pod = k8s.get("pod") if isinstance(k8s, dict) else None
+    uid = pod.get("uid") if isinstance(pod, dict) else None
     exp = claims.get("exp")
-    return bool(audience in auds and isinstance(pod, dict) and pod.get("uid") == pod_uid
-                and isinstance(exp, int | float) and not isinstance(exp, bool)
-                and exp > now - CLOCK_LEEWAY)
+    if (audience in auds and isinstance(uid, str) and isinstance(exp, int | float)
+            and not isinstance(exp, bool)):
+        return exp, uid
+    return None
 
 
-def _matched_claims(claims: dict[str, Any]) -> dict[str, Any]:
-    """What :func:`claims_may_match` and :meth:`TokenReviewer._keep` read of a token's
-    unverified claims (its ``aud``, ``exp`` and ``kubernetes.io.pod.uid``), in the same
-    shape: either gives the same answer for these as for the whole claims. Kept with a
-    good cached answer, so that a renewal with the same token does not decode and parse
-    the token again (its key, the token's SHA-256, names one token)."""
-    k8s = claims.get("kubernetes.io")
-    pod = k8s.get("pod") if isinstance(k8s, dict) else None
-    return {"aud": claims.get("aud"), "exp": claims.get("exp"),
-            "kubernetes.io": {"pod": {"uid": pod.get("uid")}} if isinstance(pod, dict)
-            else None}
+def bound_claims_match(bound: BoundClaims, pod_uid: str, now: float) -> bool:
+    """The token is bound to a pod of uid ``pod_uid`` and not expired
+    :data:`CLOCK_LEEWAY` before wall time ``now``."""
+    exp, uid = bound
+    return uid == pod_uid and exp > now - CLOCK_LEEWAY
 
 
 def reviewed_pod(review: dict[str, Any], audience: str) -> ReviewedPod | None:
@@ -562,7 +565,8 @@ class TokenReviewer:
     the controller's rights ``audience`` (docs/security.md, "Rights endpoint").
 
     A token that is not canonical base64url, or whose unverified claims cannot match
-    (:func:`unverified_claims`, :func:`claims_may_match`), is refused with no API call.
+    (:func:`unverified_claims`, :func:`bound_claims`, :func:`bound_claims_match`), is
+    refused with no API call.
     Reviews are cached per token (its SHA-256; one RSA-signed token has one canonical
     spelling, an ECDSA-signed one two: docs/security.md): an answer binding it to a pod
     is fresh for ``ttl`` seconds (and never past half the token's remaining life), a
@@ -629,10 +633,10 @@ class TokenReviewer:
         self._lock = threading.Lock()
         self._reads = [threading.Lock() for _ in range(self._STRIPES)]
         self._bound: OrderedDict[bytes, tuple[ReviewedPod, float, float, bool,
-                                              dict[str, Any]]] = OrderedDict()
+                                              BoundClaims]] = OrderedDict()
         """token key -> (its pod, fresh until, its expiry, on the monotonic clock; whether
-        a review gave it, not local verification; the token's claims as
-        :func:`_matched_claims` keeps them). Least recently used first."""
+        a review gave it, not local verification; the token's :func:`bound_claims`).
+        Least recently used first."""
         self._keys_of: dict[str, set[bytes]] = {}
         """pod uid -> its keys in ``_bound`` (:meth:`forget_pod`)."""
         self._sweep_at = self._SWEEP_FLOOR
@@ -668,9 +672,9 @@ class TokenReviewer:
                 del self._refused[key]
         return False, None
 
-    def _known_claims(self, key: bytes) -> dict[str, Any] | None:
-        """The claims (:func:`_matched_claims`) kept with a good answer for ``key``, if
-        one is cached, fresh or not."""
+    def _known_claims(self, key: bytes) -> BoundClaims | None:
+        """The :func:`bound_claims` kept with a good answer for ``key``, if one is
+        cached, fresh or not."""
         with self._lock:
             bound = self._bound.get(key)
             return None if bound is None else bound[4]
@@ -724,9 +728,9 @@ class TokenReviewer:
         # one token): the same test below, without decoding the token again.
         claims = self._known_claims(key)
         if claims is None:
-            claims = unverified_claims(token)
-        if claims is None or not claims_may_match(claims, self.audience, pod_uid,
-                                                  self._wall()):
+            unverified = unverified_claims(token)
+            claims = None if unverified is None else bound_claims(unverified, self.audience)
+        if claims is None or not bound_claims_match(claims, pod_uid, self._wall()):
             return None
         reviewed = not locally  # a verdict of the keys does not count for this ask
         hit, pod = self._cached(key, reviewed)
@@ -783,12 +787,12 @@ class TokenReviewer:
                 self._keep(key, pod, claims, reviewed=True)
         return pod
 
-    def _keep(self, key: bytes, pod: ReviewedPod, claims: dict[str, Any], *,
+    def _keep(self, key: bytes, pod: ReviewedPod, claims: BoundClaims, *,
               reviewed: bool) -> None:
         """Cache a good answer for ``key`` (of a review if ``reviewed``, else of local
         verification): fresh for ``ttl`` and never past half the token's remaining life,
         kept (for an outage) until its ``exp``."""
-        exp = claim_number(claims.get("exp"))
+        exp = claim_number(claims[0])
         if exp is None:
             return
         life = exp - self._wall()
@@ -796,10 +800,10 @@ class TokenReviewer:
             now = self._clock()
             with self._lock:
                 self._keep_bound(key, (pod, now + min(self._ttl, life / 2), now + life,
-                                       reviewed, _matched_claims(claims)), now)
+                                       reviewed, claims), now)
 
     def _keep_bound(self, key: bytes,
-                    value: tuple[ReviewedPod, float, float, bool, dict[str, Any]],
+                    value: tuple[ReviewedPod, float, float, bool, BoundClaims],
                     now: float) -> None:
         """Put ``value`` in ``_bound`` (under the lock), indexed by its pod; first, if it
         has doubled since the last sweep, drop its entries whose token has expired
