@@ -134,11 +134,16 @@ def ask_target(guest_started: bool) -> str:
     return RIGHTS_PATH + ("?" + GUEST_STARTED_QUERY if guest_started else "")
 
 
+_STARTED_TARGET = ask_target(True)
+
+
 def says_guest_started(target: str) -> bool:
     """Whether a request target says the asking runner has started its guest: its query
     holds ``guest=started`` and no other ``guest`` value. Anything else (no query, another
     value, a malformed one) says not started: the leader then writes the pod first, the
     safe side (docs/protocol.md, "A term's first grants")."""
+    if target == _STARTED_TARGET:  # every ask of a runner whose guest runs: no parse
+        return True
     _, sep, query = target.partition("?")
     if not sep:
         return False

@@ -73,7 +73,6 @@ from neonvm.api.rights import (
     RightRefusal,
     RightRequest,
     RightsContractError,
-    ask_target,
     bearer_matches,
     dead_for_sure_after,
     parse_annotation,
@@ -875,8 +874,6 @@ def term_mark(epoch: str) -> str:
     (docs/protocol.md, "A deposed leader's delete still in flight")."""
     return f"{epoch}.{secrets.token_hex(16)}"
 
-_STARTED_TARGET = ask_target(True)
-"""The target of every ask of a runner whose guest runs: says so without a parse."""
 _ANSWER_KINDS = 64
 """The most (status, reason) children of ``answers`` a service keeps at hand (there are
 about a dozen)."""
@@ -987,7 +984,7 @@ class RightsService:
             # Before the write, not only in grant (which checks again under its lock):
             # a pod never granted again in the term must not cost a pod write per ask.
             return _condemned()
-        write = (path != _STARTED_TARGET and not says_guest_started(path)
+        write = (not says_guest_started(path)
                  and not self.ledger.marked_this_term(request.pod_uid, term))
         if write:
             try:
